@@ -1,0 +1,218 @@
+"""Masks as block schedules: for each query tile, the key/value tiles to visit, each full or partial.
+
+Every mask in jattn (dense, causal, sliding window, packed documents, top-K block selection, CSA
+blocks) is turned into a ``BlockSchedule``. A kernel walks the schedule and never touches a tile
+that is not in it, so cost follows the work actually done:
+
+* ``kv_indices[b, h, qi, j]`` (j < ``kv_counts[b, h, qi]``): the j-th kv tile visited by query tile
+  qi, in increasing order. Entries past the count repeat the last valid index (so a pipelined TPU
+  kernel issues no new copy for them); they must not be computed.
+* ``kv_partial[b, h, qi, j]``: 1 if the tile needs the element mask (causal diagonal, window edge,
+  segment boundary, padding), 0 if every element of the tile is visible.
+* ``q_indices``, ``q_counts``, ``q_partial``: the transposed schedule (for each kv tile, the query
+  tiles that visit it), which the dK/dV backward kernels walk.
+
+Leading axes are [Bs, Hs] with Bs in {1, batch} and Hs in {1, kv_heads}: a size-1 axis is shared
+(broadcast) by all batches or heads. Kernels index with ``b if Bs > 1 else 0``.
+
+Static masks (causal, window, padding) are classified with numpy at trace time, which also gives
+exact static maxima for the index arrays; traced inputs (segment ids, block selections) are
+classified with jnp under jit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.masks import normalize_window
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockSchedule:
+  """Per-tile visit lists for a forward pass and its transpose (see module docstring).
+
+  Attributes:
+    kv_indices, kv_counts, kv_partial: forward schedule, int32 [Bs, Hs, nq, max_kv] / [Bs, Hs, nq].
+    q_indices, q_counts, q_partial: transposed schedule, int32 [Bs, Hs, nk, max_q] / [Bs, Hs, nk].
+    block_q, block_k: tile sizes (static).
+    q_len, kv_len: unpadded sequence lengths (static).
+  """
+  kv_indices: jax.Array
+  kv_counts: jax.Array
+  kv_partial: jax.Array
+  q_indices: jax.Array
+  q_counts: jax.Array
+  q_partial: jax.Array
+  block_q: int = dataclasses.field(metadata=dict(static=True))
+  block_k: int = dataclasses.field(metadata=dict(static=True))
+  q_len: int = dataclasses.field(metadata=dict(static=True))
+  kv_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_q_blocks(self) -> int:
+    return -(-self.q_len // self.block_q)
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return -(-self.kv_len // self.block_k)
+
+  @property
+  def max_kv_blocks(self) -> int:
+    return self.kv_indices.shape[-1]
+
+  @property
+  def max_q_blocks(self) -> int:
+    return self.q_indices.shape[-1]
+
+  def visited_tiles(self):
+    """Number of (q tile, kv tile) pairs visited, per [Bs, Hs] (a jnp array)."""
+    return jnp.sum(self.kv_counts, axis=-1)
+
+  def density(self):
+    """Fraction of all tiles visited, averaged over [Bs, Hs]."""
+    return jnp.mean(self.visited_tiles()) / (self.num_q_blocks * self.num_kv_blocks)
+
+
+def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
+  """numpy (any_visible, all_visible) bool [nq, nk] for the static part of the mask."""
+  nq = -(-q_len // block_q)
+  nk = -(-kv_len // block_k)
+  off = kv_len - q_len
+  q0 = np.arange(nq)[:, None] * block_q + off            # first query position of tile
+  q1 = np.minimum(q0 - off + block_q, q_len) - 1 + off   # last (valid) query position
+  k0 = np.arange(nk)[None, :] * block_k
+  k1 = np.minimum(k0 + block_k, kv_len) - 1              # last valid key of tile
+  any_ = np.ones((nq, nk), bool)
+  all_ = np.ones((nq, nk), bool)
+  # Padding keys beyond kv_len make a tile partial.
+  all_ &= (k0 + block_k) <= kv_len
+  # Query rows past q_len are padding: their output is discarded, so they do not make a tile
+  # partial; but we still use only valid rows to decide visibility.
+  if causal:
+    any_ &= k0 <= q1
+    all_ &= k1 <= q0
+  if window is not None:
+    left, right = window
+    if left is not None:
+      any_ &= k1 >= q0 - left
+      all_ &= k0 >= q1 - left
+    if right is not None:
+      any_ &= k0 <= q1 + right
+      all_ &= k1 <= q0 + right
+  # A tile in which the last partial key block is only padding cannot happen (k1 >= k0).
+  all_ &= any_
+  return any_, all_
+
+
+def _segment_tile_classes(seg, length, block):
+  """Per-tile (min, max) of segment ids, padding (id 0) beyond ``length``. seg: [b, length]."""
+  n = -(-length // block)
+  pad = n * block - length
+  s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)))
+  s = s.reshape(seg.shape[0], n, block)  # [b, n, block]
+  return jnp.min(s, axis=-1), jnp.max(s, axis=-1)
+
+
+def _compact(visit, partial, max_count):
+  """Sorted visit lists from bool masks [..., n_rows, n_cols] -> (indices, counts, partial)."""
+  n_cols = visit.shape[-1]
+  cols = jnp.arange(n_cols, dtype=jnp.int32)
+  # Stable sort key: visited columns first, in increasing order.
+  key = jnp.where(visit, cols, n_cols + cols)
+  order = jnp.argsort(key, axis=-1)[..., :max_count].astype(jnp.int32)
+  counts = jnp.sum(visit, axis=-1).astype(jnp.int32)
+  j = jnp.arange(max_count, dtype=jnp.int32)
+  last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+  valid = j < counts[..., None]
+  indices = jnp.where(valid, order, last)
+  part = jnp.take_along_axis(partial, indices, axis=-1) & valid
+  return indices, counts, part.astype(jnp.int32)
+
+
+def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal=False,
+                  local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+                  block_mask=None, max_kv_blocks: int | None = None,
+                  max_q_blocks: int | None = None) -> BlockSchedule:
+  """Build the block schedule of a mask.
+
+  Args:
+    q_len, kv_len: sequence lengths (unpadded).
+    block_q, block_k: tile sizes of the kernel that will walk the schedule.
+    causal: bottom-right aligned causal mask.
+    local_window_size: None, int or (left, right).
+    q_segment_ids, kv_segment_ids: None or int32 [batch, len] (both or neither); 0 = padding.
+    block_mask: None or bool [Bs, Hs, nq, nk] (tile level, e.g. a top-K selection): tiles where
+      it is False are never visited. Traced values are fine.
+    max_kv_blocks, max_q_blocks: static bounds on the visit-list lengths; default: the exact
+      maximum of the static (causal/window) part.
+
+  Returns:
+    A ``BlockSchedule``.
+
+  Example:
+    >>> s = make_schedule(1000, 1000, 128, 128, causal=True)
+    >>> int(s.kv_counts[0, 0, -1]), s.max_kv_blocks
+    (8, 8)
+  """
+  window = normalize_window(local_window_size)
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  any_s, all_s = _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window)
+  nq, nk = any_s.shape
+  if max_kv_blocks is None:
+    max_kv_blocks = max(int(any_s.sum(axis=1).max()), 1)
+  if max_q_blocks is None:
+    max_q_blocks = max(int(any_s.sum(axis=0).max()), 1)
+  max_kv_blocks = min(max_kv_blocks, nk)
+  max_q_blocks = min(max_q_blocks, nq)
+  visit = jnp.asarray(any_s)[None, None]  # [1, 1, nq, nk]
+  full = jnp.asarray(all_s)[None, None]
+  if q_segment_ids is not None:
+    qmin, qmax = _segment_tile_classes(q_segment_ids, q_len, block_q)   # [b, nq]
+    kmin, kmax = _segment_tile_classes(kv_segment_ids, kv_len, block_k)  # [b, nk]
+    qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+    kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+    seg_any = (qmax >= kmin) & (kmax >= qmin) & (qmax > 0) & (kmax > 0)
+    seg_all = (qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin > 0)
+    visit = visit & seg_any[:, None]
+    full = full & seg_all[:, None]
+  if block_mask is not None:
+    bm = jnp.asarray(block_mask, bool)
+    if bm.ndim != 4 or bm.shape[-2:] != (nq, nk):
+      raise ValueError(f"block_mask must be [Bs, Hs, {nq}, {nk}], got {bm.shape}")
+    visit = visit & bm
+  full = full & visit
+  partial = visit & ~full
+  kv_idx, kv_cnt, kv_part = _compact(visit, partial, max_kv_blocks)
+  visit_t = jnp.swapaxes(visit, -1, -2)
+  partial_t = jnp.swapaxes(partial, -1, -2)
+  q_idx, q_cnt, q_part = _compact(visit_t, partial_t, max_q_blocks)
+  return BlockSchedule(kv_indices=kv_idx, kv_counts=kv_cnt, kv_partial=kv_part, q_indices=q_idx,
+                       q_counts=q_cnt, q_partial=q_part, block_q=block_q, block_k=block_k,
+                       q_len=q_len, kv_len=kv_len)
+
+
+def schedule_to_mask(schedule: BlockSchedule):
+  """Expand a schedule's forward lists to a bool tile mask [Bs, Hs, nq, nk] (for tests/plots).
+
+  Args:
+    schedule: a ``BlockSchedule``.
+
+  Returns:
+    bool [Bs, Hs, num_q_blocks, num_kv_blocks], True where a tile is visited.
+
+  Example:
+    >>> m = schedule_to_mask(make_schedule(256, 256, 64, 64, causal=True))
+    >>> int(m.sum())
+    10
+  """
+  nk = schedule.num_kv_blocks
+  j = jnp.arange(schedule.max_kv_blocks)
+  valid = j < schedule.kv_counts[..., None]
+  onehot = jax.nn.one_hot(schedule.kv_indices, nk, dtype=jnp.int32) * valid[..., None]
+  return jnp.sum(onehot, axis=-2) > 0

@@ -1,0 +1,126 @@
+"""The one place that knows about differences between supported jax versions (>= 0.10.2).
+
+Everything in ``pallas_kernels`` and ``jattn`` that touches an API whose spelling moved between
+jax 0.10.x (the CPU machines) and 0.11.x (the H200 machine) goes through this module.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def triton_compiler_params(num_warps: int | None = None, num_stages: int | None = None):
+  """Compiler params for the Pallas Triton (portable GPU) lowering.
+
+  Args:
+    num_warps: warps per program, or None for the default.
+    num_stages: software pipelining depth, or None for the default.
+
+  Returns:
+    An object to pass as ``compiler_params=`` to ``pl.pallas_call``.
+
+  Example:
+    >>> params = triton_compiler_params(num_warps=4, num_stages=2)
+  """
+  from jax.experimental.pallas import triton as plgpu_triton
+  kwargs = {}
+  if num_warps is not None:
+    kwargs["num_warps"] = num_warps
+  if num_stages is not None:
+    kwargs["num_stages"] = num_stages
+  return plgpu_triton.CompilerParams(**kwargs)
+
+
+def tpu_compiler_params(dimension_semantics=None, **kwargs):
+  """Compiler params for the Mosaic TPU lowering.
+
+  Args:
+    dimension_semantics: a tuple of "parallel"/"arbitrary" per grid axis, or None.
+    **kwargs: passed through (for example ``vmem_limit_bytes``).
+
+  Returns:
+    An object to pass as ``compiler_params=`` to ``pl.pallas_call``.
+
+  Example:
+    >>> params = tpu_compiler_params(("parallel", "arbitrary"))
+  """
+  from jax.experimental.pallas import tpu as pltpu
+  if dimension_semantics is not None:
+    kwargs["dimension_semantics"] = tuple(dimension_semantics)
+  return pltpu.CompilerParams(**kwargs)
+
+
+def tpu_interpret_params():
+  """The ``interpret=`` value that runs a Mosaic TPU kernel on the CPU.
+
+  Returns:
+    ``pltpu.InterpretParams()``.
+
+  Example:
+    >>> p = tpu_interpret_params()
+  """
+  from jax.experimental.pallas import tpu as pltpu
+  return pltpu.InterpretParams()
+
+
+@functools.lru_cache(maxsize=None)
+def default_backend() -> str:
+  """The platform of the default jax backend: "cpu", "gpu" or "tpu".
+
+  Returns:
+    The platform name.
+
+  Example:
+    >>> default_backend() in ("cpu", "gpu", "tpu")
+    True
+  """
+  return jax.default_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_compute_capability() -> tuple[int, int] | None:
+  """The (major, minor) compute capability of the first GPU, or None without one.
+
+  Returns:
+    A tuple such as (9, 0) on Hopper, or None.
+
+  Example:
+    >>> cc = gpu_compute_capability()
+  """
+  try:
+    dev = jax.devices("gpu")[0]
+  except RuntimeError:
+    return None
+  cc = getattr(dev, "compute_capability", None)
+  if cc is None:
+    return None
+  major, minor = str(cc).split(".")[:2]
+  return int(major), int(minor)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_core_count() -> int:
+  """Number of streaming multiprocessors of the first GPU (132 on an H200), 1 without a GPU.
+
+  Returns:
+    The multiprocessor count.
+
+  Example:
+    >>> gpu_core_count() >= 1
+    True
+  """
+  try:
+    dev = jax.devices("gpu")[0]
+  except RuntimeError:
+    return 1
+  return int(getattr(dev, "core_count", 0) or 132)
+
+
+__all__ = [
+    "JAX_VERSION", "pl", "triton_compiler_params", "tpu_compiler_params", "tpu_interpret_params",
+    "default_backend", "gpu_compute_capability", "gpu_core_count",
+]

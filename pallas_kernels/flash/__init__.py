@@ -1,0 +1,1 @@
+"""Flash attention kernels: fp32 reference, portable Pallas GPU (Triton), Mosaic TPU."""

@@ -1,0 +1,78 @@
+"""fp32 reference attention: defines the semantics every backend must match.
+
+It materialises the [q_len, kv_len] logits, so it is for tests and small problems (it is also
+the ``implementation="xla"`` path of ``jattn.flash_attention``). Differentiable by autodiff,
+including through the returned log-sum-exp, with zero gradients (never NaN) for empty rows.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.masks import element_mask, normalize_window
+
+
+def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segment_ids=None,
+                        kv_segment_ids=None, scale=None, logits_soft_cap=None, block_mask=None,
+                        upcast=True):
+  """Reference multi-head attention returning (out, lse).
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA).
+    v: [batch, kv_len, kv_heads, head_dim_v].
+    causal: bottom-right aligned causal mask.
+    local_window_size: None, int or (left, right) (jax.nn convention).
+    q_segment_ids: None or int32 [batch, q_len]; 0 is padding.
+    kv_segment_ids: None or int32 [batch, kv_len].
+    scale: logit scale, default 1/sqrt(head_dim).
+    logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
+    block_mask: None or bool broadcastable to [batch, kv_heads, q_len, kv_len], an extra mask
+      (for example a block-sparse selection expanded to elements).
+    upcast: compute in fp32 at HIGHEST precision (True) or in the input dtype.
+
+  Returns:
+    (out [batch, q_len, q_heads, head_dim_v] in q.dtype, lse [batch, q_heads, q_len] fp32,
+    natural log, -inf for rows that see no key).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+    >>> out, lse = attention_reference(q, q, q, causal=True)
+    >>> out.shape, lse.shape
+    ((1, 8, 2, 16), (1, 2, 8))
+  """
+  b, sq, hq, d = q.shape
+  _, sk, hk, _ = k.shape
+  g = hq // hk
+  if scale is None:
+    scale = 1.0 / (d ** 0.5)
+  window = normalize_window(local_window_size)
+  dt = jnp.float32 if upcast else q.dtype
+  prec = jax.lax.Precision.HIGHEST if upcast else None
+  qf = q.astype(dt).reshape(b, sq, hk, g, d)  # [b, sq, hk, g, d]
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(dt), precision=prec).astype(jnp.float32)
+  s = s * scale  # [b, hk, g, sq, sk]
+  if logits_soft_cap is not None:
+    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+  q_pos = jnp.arange(sq) + (sk - sq)
+  k_pos = jnp.arange(sk)
+  if q_segment_ids is not None:
+    mask = element_mask(q_pos, k_pos, causal=causal, window=window,
+                        q_seg=q_segment_ids[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
+  else:
+    mask = element_mask(q_pos, k_pos, causal=causal, window=window)[None, None, None]
+  if block_mask is not None:
+    bm = jnp.asarray(block_mask, bool)
+    bm = jnp.broadcast_to(bm, (b, hk) + bm.shape[-2:])[:, :, None]
+    mask = mask & bm
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", (p / l_safe).astype(dt), v.astype(dt), precision=prec)
+  out = o.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype)
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [b, hk, g, sq]
+  return out, lse.reshape(b, hq, sq).astype(jnp.float32)

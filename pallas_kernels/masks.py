@@ -1,0 +1,85 @@
+"""Element-level mask semantics shared by every attention path (references and kernels).
+
+Query i of a q_len-long block attending into a kv_len-long sequence sits at absolute position
+``i + (kv_len - q_len)`` (bottom-right alignment). Key j is visible to query i iff
+  * causal:  j <= qpos(i)
+  * window (left, right):  qpos(i) - left <= j <= qpos(i) + right
+  * segments: q_seg[i] == kv_seg[j] != 0
+  * j < kv_len (padding added inside kernels is never visible)
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def normalize_window(local_window_size):
+  """Turn ``local_window_size`` into ``(left, right)`` or None.
+
+  Args:
+    local_window_size: None, an int w (meaning (w, w)) or a pair (left, right) of non-negative
+      ints; ``None`` inside the pair means unbounded on that side.
+
+  Returns:
+    None or a tuple (left, right) where each side is an int or None.
+
+  Example:
+    >>> normalize_window(512)
+    (512, 512)
+    >>> normalize_window((511, 0))
+    (511, 0)
+  """
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int,)) and not isinstance(local_window_size, bool):
+    w = (int(local_window_size), int(local_window_size))
+  else:
+    try:
+      left, right = local_window_size
+    except (TypeError, ValueError):
+      raise TypeError(
+          f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}")
+    w = (None if left is None else int(left), None if right is None else int(right))
+  for side in w:
+    if side is not None and side < 0:
+      raise ValueError(f"local_window_size sides must be >= 0, got {local_window_size!r}")
+  return w
+
+
+def element_mask(q_pos, k_pos, *, causal, window, kv_len=None, q_seg=None, kv_seg=None):
+  """Boolean visibility of keys for queries, broadcasting q_pos[..., :, None] vs k_pos[..., None, :].
+
+  Args:
+    q_pos: int array [..., tq] of absolute (bottom-right aligned) query positions.
+    k_pos: int array [..., tk] of key positions.
+    causal: bool.
+    window: None or (left, right) from ``normalize_window``.
+    kv_len: if given, keys at positions >= kv_len are invisible (inside-kernel padding).
+    q_seg: None or int array [..., tq] of query segment ids.
+    kv_seg: None or int array [..., tk] of key segment ids.
+
+  Returns:
+    bool array [..., tq, tk].
+
+  Example:
+    >>> m = element_mask(jnp.arange(4), jnp.arange(4), causal=True, window=None)
+    >>> bool(m[0, 1]), bool(m[1, 0])
+    (False, True)
+  """
+  qp = q_pos[..., :, None]
+  kp = k_pos[..., None, :]
+  mask = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), dtype=bool)
+  if causal:
+    mask = mask & (kp <= qp)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      mask = mask & (kp >= qp - left)
+    if right is not None:
+      mask = mask & (kp <= qp + right)
+  if kv_len is not None:
+    mask = mask & (kp < kv_len)
+  if q_seg is not None:
+    qs = q_seg[..., :, None]
+    ks = kv_seg[..., None, :]
+    mask = mask & (qs == ks) & (ks != 0)
+  return mask
