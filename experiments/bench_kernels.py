@@ -1,0 +1,278 @@
+"""Kernel benchmark: every jattn implementation and the anchors, timed in one process.
+
+    python -m experiments.bench_kernels [--ops flash,decode,sparse] [--out FILE] [--quick]
+
+Writes ``experiments/results/h200_kernels.json`` (or --out):
+``{"meta": {date, device, jax_version, ...}, "rows": [{"op", "case", "impl", "ms", ...}]}``
+and prints a markdown table. Every timed output is checked against a reference in the same run
+(``rel_err``); a row whose check fails is recorded with ``"ok": false``. Inputs are random (never
+zeros); each timing rotates over several input sets so repeated calls do not just hit L2.
+
+Anchors: jax.nn.dot_product_attention ("cudnn", "xla"); tokamax ("mosaic", "triton", "cudnn")
+when importable; JAX's Pallas GPU decode (``jax.experimental.pallas.ops.gpu.decode_attention``)
+when importable. Compare only ratios from one run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from pallas_kernels.flash.reference import attention_reference
+
+ROWS = []
+
+
+def _sync(x):
+  jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+  return x
+
+
+def time_fn(fn, arg_sets, *, iters=None, min_time=0.4, repeats=5):
+  """Median milliseconds per call of ``fn(*args)``, rotating over ``arg_sets``.
+
+  Args:
+    fn: a jitted function.
+    arg_sets: list of argument tuples (several, to defeat the L2 cache).
+    iters: calls per measurement; default: enough for ``min_time`` seconds.
+    min_time: target seconds per measurement when ``iters`` is None.
+    repeats: measurements; the median is returned.
+
+  Returns:
+    (median_ms, spread_ms) where spread is max - min over the measurements.
+
+  Example:
+    >>> f = jax.jit(lambda x: x + 1)
+    >>> ms, _ = time_fn(f, [(jnp.ones(4),)], iters=3, repeats=2)
+  """
+  for args in arg_sets:  # compile + warm up
+    _sync(fn(*args))
+  if iters is None:
+    t0 = time.perf_counter()
+    _sync(fn(*arg_sets[0]))
+    one = max(time.perf_counter() - t0, 1e-5)
+    iters = int(min(max(min_time / one, 3), 2000))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(iters):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    _sync(out)
+    times.append((time.perf_counter() - t0) * 1e3 / iters)
+  return float(np.median(times)), float(max(times) - min(times))
+
+
+def rel_err(x, ref):
+  """||x - ref|| / ||ref|| in fp32 (NaN if x has NaN)."""
+  x = jnp.asarray(x, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm((x - ref).ravel()) / (jnp.linalg.norm(ref.ravel()) + 1e-30))
+
+
+def record(**row):
+  ROWS.append(row)
+  keys = ("op", "case", "impl", "ms", "tflops", "tbps", "speedup", "rel_err", "ok")
+  print("  " + " ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}"
+                        for k in keys if k in row), flush=True)
+
+
+def _tokamax():
+  try:
+    import tokamax  # noqa: F401
+    return tokamax
+  except Exception:  # pragma: no cover - optional anchor
+    return None
+
+
+# ----------------------------------------------------------------------------- flash attention
+def flash_impls(causal, window):
+  """name -> f(q, k, v) for every implementation that supports the mask."""
+  impls = {}
+  for impl in ("triton", "mosaic_gpu"):
+    impls[f"jattn_{impl}"] = functools.partial(jattn.flash_attention, causal=causal,
+                                               local_window_size=window, implementation=impl)
+  impls["jax_nn_cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                            local_window_size=window, implementation="cudnn")
+  impls["jax_nn_xla"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                          local_window_size=window, implementation="xla")
+  tk = _tokamax()
+  if tk is not None:
+    for name in ("mosaic", "triton", "cudnn"):
+      impls[f"tokamax_{name}"] = functools.partial(tk.dot_product_attention, is_causal=causal,
+                                                   local_window_size=window, implementation=name)
+  return impls
+
+
+def bench_flash(cases, *, with_bwd=True, check_heads=2):
+  for (b, s, h, d, causal, window) in cases:
+    case = f"B{b} S{s // 1024}K H{h} D{d}" + (" causal" if causal else "") + (
+        f" window{window[0] + 1}" if window else "")
+    print(f"[flash] {case}", flush=True)
+    keys = jax.random.split(jax.random.key(s + d + causal), 9)
+    sets = [tuple(jax.random.normal(keys[3 * i + j], (b, s, h, d), jnp.bfloat16) for j in range(3))
+            for i in range(3)]
+    flops = 4.0 * b * h * s * s * d
+    if window is not None:
+      # Exact visible pairs of a causal window (left, 0): each query sees min(i+1, left+1) keys.
+      i = np.arange(s)
+      flops = 4.0 * b * h * d * float(np.minimum(i + 1, window[0] + 1).sum())
+    elif causal:
+      flops /= 2
+    q, k, v = sets[0]
+    # Reference on a slice (batch 0, first heads) in fp32.
+    sl = lambda x: x[:1, :, :check_heads]
+    ref_out, _ = attention_reference(sl(q), sl(k), sl(v), causal=causal, local_window_size=window)
+    ct = jax.random.normal(keys[-1], (b, s, h, d), jnp.bfloat16)
+    ref_grads = None
+    if with_bwd and s <= 4096:
+      ref_grads = jax.grad(lambda q_, k_, v_: jnp.sum(attention_reference(
+          q_, k_, v_, causal=causal, local_window_size=window)[0].astype(jnp.float32)
+          * sl(ct).astype(jnp.float32)), argnums=(0, 1, 2))(sl(q), sl(k), sl(v))
+    for name, f in flash_impls(causal, window).items():
+      try:
+        fwd = jax.jit(f)
+        out = fwd(q, k, v)
+        err = rel_err(sl(out), ref_out)
+        ms, spread = time_fn(fwd, sets)
+        record(op="flash_fwd", case=case, impl=name, ms=ms, spread_ms=spread,
+               tflops=flops / ms / 1e9, rel_err=err, ok=bool(err < 2e-2))
+        if not with_bwd:
+          continue
+        def loss(q_, k_, v_, f=f):
+          return jnp.sum(f(q_, k_, v_).astype(jnp.float32) * ct.astype(jnp.float32))
+        gfn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        grads = gfn(q, k, v)
+        gerr = None
+        if ref_grads is not None:
+          gerr = max(rel_err(sl(g), r) for g, r in zip(grads, ref_grads))
+        ms, spread = time_fn(gfn, sets)
+        record(op="flash_fwd_bwd", case=case, impl=name, ms=ms, spread_ms=spread,
+               tflops=3.5 * flops / ms / 1e9, rel_err=gerr,
+               ok=bool(gerr is None or gerr < 2e-2))
+      except NotImplementedError as e:
+        print(f"  {name}: not implemented ({str(e)[:80]})")
+      except Exception as e:  # record failures instead of hiding them
+        msg = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"  {name}: FAILED {msg}")
+        record(op="flash_fwd", case=case, impl=name, ms=None, error=msg, ok=False)
+
+
+def bench_flash_packed(s=16384, docs=4, h=16, d=128, b=2):
+  """Packed documents: four 4K documents per 16K row vs one 4K causal row x4."""
+  case = f"B{b} S{s // 1024}K H{h} D{d} causal docs{docs}x{s // docs // 1024}K"
+  print(f"[flash] {case}", flush=True)
+  keys = jax.random.split(jax.random.key(7), 4)
+  q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys[:3])
+  seg = jnp.broadcast_to(jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), s // docs), (b, s))
+  for impl in ("triton",):
+    f = jax.jit(lambda q, k, v, seg=seg: jattn.flash_attention(
+        q, k, v, causal=True, segment_ids=seg, implementation=impl))
+    out = f(q, k, v)
+    n = s // docs
+    ref, _ = attention_reference(q[:1, :n, :2], k[:1, :n, :2], v[:1, :n, :2], causal=True)
+    err = rel_err(out[:1, :n, :2], ref)
+    ms, spread = time_fn(f, [(q, k, v)])
+    flops = 4.0 * b * h * n * n * d / 2 * docs
+    record(op="flash_fwd", case=case, impl=f"jattn_{impl}", ms=ms, spread_ms=spread,
+           tflops=flops / ms / 1e9, rel_err=err, ok=bool(err < 2e-2))
+
+
+# ----------------------------------------------------------------------------- decode / sparse
+def bench_decode():
+  try:
+    from jattn import decode as dec
+  except ImportError:
+    print("[decode] jattn.decode not available")
+    return
+  if not hasattr(dec, "bench_decode_cases"):
+    print("[decode] no bench_decode_cases()")
+    return
+  for row in dec.bench_decode_cases(time_fn=time_fn, rel_err=rel_err):
+    record(**row)
+
+
+def bench_sparse():
+  try:
+    from jattn import sparse as sp
+  except ImportError:
+    print("[sparse] jattn.sparse not available")
+    return
+  if not hasattr(sp, "bench_cases"):
+    print("[sparse] no bench_cases()")
+    return
+  for row in sp.bench_cases(time_fn=time_fn, rel_err=rel_err):
+    record(**row)
+
+
+def meta():
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+  except Exception:
+    commit = None
+  dev = jax.devices()[0]
+  tk = _tokamax()
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
+              jax_version=jax.__version__, jaxlib_version=jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
+              python=platform.python_version(),
+              tokamax_version=getattr(tk, "__version__", None) if tk else None,
+              git_commit=commit, timing="median of 5 host-timed loops of async calls after warm-up, "
+              "rotating 3 random bf16 input sets; flops 4*B*H*Sq*Sk*D (causal: visible pairs), "
+              "fwd+bwd = 3.5x fwd")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--ops", default="flash,decode,sparse")
+  p.add_argument("--out", default="experiments/results/h200_kernels.json")
+  p.add_argument("--quick", action="store_true", help="4K cases only")
+  args = p.parse_args(argv)
+  ops = args.ops.split(",")
+  if "flash" in ops:
+    cases = []
+    for s in ((4096,) if args.quick else (4096, 16384)):
+      for causal in (False, True):
+        cases.append((2, s, 16, 128, causal, None))
+      cases.append((2, s, 16, 128, True, (511, 0)))
+    bench_flash(cases)
+    if not args.quick:
+      bench_flash_packed()
+  if "decode" in ops:
+    bench_decode()
+  if "sparse" in ops:
+    bench_sparse()
+  result = {"meta": meta(), "rows": ROWS}
+  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  with open(args.out, "w") as fh:
+    json.dump(result, fh, indent=1)
+  print(markdown_table(ROWS))
+  return result
+
+
+def markdown_table(rows):
+  """Markdown table of benchmark rows (op, case, impl, ms, TFLOP/s or TB/s, rel_err)."""
+  lines = ["| op | case | impl | ms | TFLOP/s | TB/s | speedup | rel_err | ok |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda x: "" if x is None else (f"{x:.4g}" if isinstance(x, float) else str(x))
+  for r in rows:
+    lines.append("| " + " | ".join(fmt(r.get(k)) for k in (
+        "op", "case", "impl", "ms", "tflops", "tbps", "speedup", "rel_err", "ok")) + " |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

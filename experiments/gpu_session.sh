@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One GPU call: GPU tests, then the kernel benchmark, logs under $OUT (device tool) or ./gpu_out.
+#   bash experiments/gpu_session.sh [bench args...]
+# Expects tokamax wheels in .whl/ (../shared/scripts/tokamax_wheels.sh) when comparing with it.
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && cp -r .whl/shim/xprof /tmp/site/ && export PYTHONPATH=/tmp/site:$PWD || echo "tokamax install failed"
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia_smi.txt"
+python3 -c "import jax; print(jax.__version__, jax.devices())"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" ${GPU_TESTS:-tests} 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+fi
+python3 -m experiments.bench_kernels --out "$OUT/h200_kernels.json" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -80
