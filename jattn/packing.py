@@ -314,3 +314,417 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   return PackPlan(doc_ids=doc_ids, chunk_starts=starts, chunk_lengths=clen, bins=bins,
                   offsets=offsets, num_bins=int(num_bins), max_len=max_len,
                   num_docs=int(lengths.shape[0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Materialising rows
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenStore:
+  """Documents as one flat token array plus boundaries (CSR layout).
+
+  Document d is ``tokens[offsets[d]:offsets[d + 1]]``.
+
+  Attributes:
+    tokens: 1-D int array of all documents' tokens, back to back.
+    offsets: int64 [num_docs + 1], non-decreasing, ``offsets[0] == 0`` and
+      ``offsets[-1] == len(tokens)``.
+  """
+  tokens: np.ndarray
+  offsets: np.ndarray
+
+  def __post_init__(self):
+    tokens = np.asarray(self.tokens)
+    offsets = np.asarray(self.offsets, np.int64)
+    if tokens.ndim != 1:
+      raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if (offsets.ndim != 1 or offsets.shape[0] < 1 or offsets[0] != 0
+        or offsets[-1] != tokens.shape[0] or (np.diff(offsets) < 0).any()):
+      raise ValueError("offsets must be non-decreasing boundaries [num_docs + 1] from 0 to "
+                       "len(tokens)")
+    object.__setattr__(self, "tokens", tokens)
+    object.__setattr__(self, "offsets", offsets)
+
+  @classmethod
+  def from_documents(cls, docs: Sequence) -> "TokenStore":
+    """Build a store from a list of 1-D token arrays.
+
+    Args:
+      docs: sequence of 1-D integer arrays (or lists), one per document; empty ones allowed.
+
+    Returns:
+      A ``TokenStore`` holding their concatenation.
+
+    Example:
+      >>> s = TokenStore.from_documents([[1, 2, 3], [], [4]])
+      >>> s.lengths.tolist(), s.tokens.tolist()
+      ([3, 0, 1], [1, 2, 3, 4])
+    """
+    arrs = [np.asarray(d).reshape(-1) for d in docs]
+    lengths = np.array([a.shape[0] for a in arrs], np.int64)
+    offsets = np.zeros(len(arrs) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = np.concatenate(arrs) if arrs else np.zeros(0, np.int32)
+    if tokens.dtype.kind not in "iu":
+      tokens = tokens.astype(np.int32)
+    return cls(tokens, offsets)
+
+  @property
+  def num_docs(self) -> int:
+    """Number of documents."""
+    return int(self.offsets.shape[0] - 1)
+
+  @property
+  def lengths(self) -> np.ndarray:
+    """int64 [num_docs]: document lengths."""
+    return np.diff(self.offsets)
+
+
+def _as_store(store) -> TokenStore:
+  if isinstance(store, TokenStore):
+    return store
+  if isinstance(store, tuple) and len(store) == 2 and np.ndim(store[0]) == 1 and \
+      np.ndim(store[1]) == 1 and not isinstance(store[0], (list, tuple)):
+    return TokenStore(*store)
+  return TokenStore.from_documents(store)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedBatch:
+  """Packed rows ready for a training step (numpy arrays).
+
+  Loss-weight convention: ``loss_weights[r, t]`` weights the prediction of ``tokens[r, t + 1]``
+  from position t, i.e. the loss is ``sum(w * xent(logits[:, :-1], tokens[:, 1:])) / sum(w)``
+  with ``w = loss_weights[:, :-1]`` (the last column is always 0). It is 1 iff t and t + 1 lie in
+  the same document chunk: padding and cross-document targets get 0. A chunk of n tokens
+  contributes n - 1 targets.
+
+  Attributes:
+    tokens: [n, max_len] token ids (``pad_id`` in padding).
+    segment_ids: int32 [n, max_len]; chunks numbered 1, 2, ... from the left in each row, 0 for
+      padding. Pass as ``segment_ids=`` to ``jattn.flash_attention``.
+    positions: int32 [n, max_len]; restart at 0 at each chunk start (0 in padding).
+    loss_weights: float32 [n, max_len], see above.
+    doc_lengths: int32 [n, max_segments]; chunk lengths in row order, zero padded (the input of
+      ``segments_from_lengths``).
+    doc_ids: int64 [n, max_segments]; document of each chunk, -1 padded.
+    chunk_starts: int64 [n, max_segments]; first token of each chunk in its document, 0 padded.
+  """
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+  positions: np.ndarray
+  loss_weights: np.ndarray
+  doc_lengths: np.ndarray
+  doc_ids: np.ndarray
+  chunk_starts: np.ndarray
+
+
+def loss_weights_from_segments(segment_ids):
+  """Next-token loss weights from segment ids (numpy or jax arrays).
+
+  Args:
+    segment_ids: int [..., seq]; 0 is padding.
+
+  Returns:
+    float32 [..., seq]: w[..., t] = 1 iff segment_ids[..., t] != 0 and
+    segment_ids[..., t + 1] == segment_ids[..., t] (the target t + 1 is in the same document);
+    the last position is 0.
+
+  Example:
+    >>> loss_weights_from_segments(np.array([1, 1, 2, 2, 2, 0])).tolist()
+    [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+  """
+  xp = jnp if isinstance(segment_ids, jax.Array) else np
+  s = segment_ids
+  same = (s[..., :-1] == s[..., 1:]) & (s[..., :-1] != 0)
+  w = xp.concatenate([same, xp.zeros(s.shape[:-1] + (1,), bool)], axis=-1)
+  return w.astype(xp.float32)
+
+
+def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = None,
+                pad_id: int = 0) -> PackedBatch:
+  """Build packed rows (tokens, segment ids, positions, loss weights) from a plan.
+
+  Args:
+    plan: a ``PackPlan`` over the store's documents (``plan.num_docs == store.num_docs``).
+    store: a ``TokenStore``, a ``(flat_tokens, offsets)`` pair (offsets [num_docs + 1]) or a
+      list of 1-D token arrays.
+    rows: which rows (bins) to build, int sequence; default all ``plan.num_bins`` rows. An entry
+      of -1 gives an empty row (all padding), for fixed-size last batches.
+    max_segments: width of ``doc_lengths``/``doc_ids`` (static shapes under jit); default
+      ``plan.max_segments``. A row with more chunks raises ValueError.
+    pad_id: token id written in padding.
+
+  Returns:
+    A ``PackedBatch`` with ``len(rows)`` rows of ``plan.max_len`` tokens.
+
+  Example:
+    >>> docs = [np.arange(1, 6), np.arange(11, 14), np.arange(21, 25)]
+    >>> plan = pack_bfd([5, 3, 4], max_len=8)
+    >>> b = materialize(plan, docs)
+    >>> b.tokens.tolist()
+    [[1, 2, 3, 4, 5, 11, 12, 13], [21, 22, 23, 24, 0, 0, 0, 0]]
+    >>> b.segment_ids[1].tolist(), b.positions[0].tolist()
+    ([1, 1, 1, 1, 0, 0, 0, 0], [0, 1, 2, 3, 4, 0, 1, 2])
+  """
+  store = _as_store(store)
+  if store.num_docs != plan.num_docs:
+    raise ValueError(f"plan has {plan.num_docs} documents, store has {store.num_docs}")
+  if rows is None:
+    rows = np.arange(plan.num_bins, dtype=np.int64)
+  rows = np.asarray(rows, np.int64).reshape(-1)
+  if ((rows < -1) | (rows >= plan.num_bins)).any():
+    raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {rows}")
+  if max_segments is None:
+    max_segments = max(plan.max_segments, 1)
+  n, max_len = rows.shape[0], plan.max_len
+  order, starts = plan.row_index
+  real = rows >= 0
+  lo = np.where(real, starts[np.maximum(rows, 0)], 0)
+  cnt = np.where(real, starts[np.maximum(rows, 0) + 1] - lo, 0)  # chunks per output row
+  if n and cnt.max() > max_segments:
+    raise ValueError(f"a row has {int(cnt.max())} chunks > max_segments={max_segments}")
+  first = np.cumsum(cnt) - cnt
+  total = int(cnt.sum())
+  rank = np.arange(total, dtype=np.int64) - np.repeat(first, cnt)  # chunk rank in its row
+  ch = order[np.repeat(lo, cnt) + rank]  # chunk indices, by row then offset
+  out_row = np.repeat(np.arange(n, dtype=np.int64), cnt)
+  clen = plan.chunk_lengths[ch]
+  doc_lengths = np.zeros((n, max_segments), np.int32)
+  doc_ids = np.full((n, max_segments), -1, np.int64)
+  chunk_starts = np.zeros((n, max_segments), np.int64)
+  doc_lengths[out_row, rank] = clen
+  doc_ids[out_row, rank] = plan.doc_ids[ch]
+  chunk_starts[out_row, rank] = plan.chunk_starts[ch]
+  # Token level.
+  tok_first = np.cumsum(clen) - clen
+  ntok = int(clen.sum())
+  within = np.arange(ntok, dtype=np.int64) - np.repeat(tok_first, clen)
+  r = np.repeat(out_row, clen)
+  col = np.repeat(plan.offsets[ch], clen) + within
+  src = np.repeat(store.offsets[plan.doc_ids[ch]] + plan.chunk_starts[ch], clen) + within
+  tokens = np.full((n, max_len), pad_id, store.tokens.dtype)
+  segment_ids = np.zeros((n, max_len), np.int32)
+  positions = np.zeros((n, max_len), np.int32)
+  tokens[r, col] = store.tokens[src]
+  segment_ids[r, col] = np.repeat(rank + 1, clen)
+  positions[r, col] = within
+  return PackedBatch(tokens=tokens, segment_ids=segment_ids, positions=positions,
+                     loss_weights=loss_weights_from_segments(segment_ids),
+                     doc_lengths=doc_lengths, doc_ids=doc_ids, chunk_starts=chunk_starts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Segment ids under jit
+# ----------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("max_len",))
+def segments_from_lengths(doc_lengths, max_len: int):
+  """Segment ids and positions of packed rows from per-row document lengths (jit-compatible).
+
+  Documents are laid out back to back from column 0. Zero entries are skipped (pad the length
+  lists with zeros; a zero in the middle does not take a segment number). Columns past the sum
+  of a row's lengths are padding; a row whose lengths sum beyond ``max_len`` is cut there.
+
+  Args:
+    doc_lengths: int [batch, max_docs], non-negative.
+    max_len: row length (static).
+
+  Returns:
+    (segment_ids int32 [batch, max_len], 1-based per row, 0 for padding;
+    positions int32 [batch, max_len], restarting at 0 in each document, 0 in padding).
+
+  Example:
+    >>> seg, pos = segments_from_lengths(jnp.array([[3, 2, 0]]), max_len=6)
+    >>> seg.tolist(), pos.tolist()
+    ([[1, 1, 1, 2, 2, 0]], [[0, 1, 2, 0, 1, 0]])
+  """
+  lengths = jnp.asarray(doc_lengths).astype(jnp.int32)  # [b, d]
+  ends = jnp.cumsum(lengths, axis=-1)  # [b, d]
+  nonzero_before = jnp.cumsum(lengths > 0, axis=-1) - (lengths > 0)  # [b, d]
+  col = jnp.arange(max_len, dtype=jnp.int32)
+  # Document containing each column: the first whose end is > col (zero-length ones never are).
+  doc = jax.vmap(lambda e: jnp.searchsorted(e, col, side="right"))(ends)  # [b, max_len]
+  valid = col[None, :] < ends[:, -1:]
+  doc_c = jnp.minimum(doc, lengths.shape[-1] - 1)
+  seg = jnp.take_along_axis(nonzero_before, doc_c, axis=-1) + 1
+  start = jnp.take_along_axis(ends - lengths, doc_c, axis=-1)
+  segment_ids = jnp.where(valid, seg, 0).astype(jnp.int32)
+  positions = jnp.where(valid, col[None, :] - start, 0).astype(jnp.int32)
+  return segment_ids, positions
+
+
+# ----------------------------------------------------------------------------------------------
+# Training iterator
+# ----------------------------------------------------------------------------------------------
+
+class PackedIterator:
+  """Shuffled, epoch-aware, seeded, resumable iterator over packed batches.
+
+  Each epoch visits every chunk of every document exactly once. For epoch e, the documents are
+  permuted with a generator seeded by ``(seed, e)``, cut into windows of ``window`` documents (all
+  documents by default), each window is packed with ``pack_bfd``, and the rows of the epoch are
+  permuted again. Batches are consecutive groups of ``batch_size`` rows; the last batch of an
+  epoch is filled up with empty rows (all padding, zero loss weight) so shapes never change and no
+  document is dropped. Everything is a function of ``(seed, epoch)``, so the state is just
+  ``{"epoch", "step"}`` plus a fingerprint of the configuration: restoring it recomputes the
+  epoch's plan and continues with the next batch, without repeating or dropping a document.
+
+  Args:
+    store: a ``TokenStore``, ``(flat_tokens, offsets)`` or a list of 1-D token arrays.
+    max_len: row length.
+    batch_size: rows per batch.
+    seed: integer seed.
+    window: pack documents in shuffled windows of this many documents (None: all at once). A
+      window mixes documents across the corpus and bounds packing latency for huge corpora.
+    max_segments: static width of ``doc_lengths``/``doc_ids`` in every batch; default: the
+      largest number of chunks in a row of epoch 0, rounded up to a multiple of 8 (a later epoch
+      needing more raises ValueError; pass a value to be safe).
+    num_epochs: stop after this many epochs (None: never stop).
+    pad_id: token id for padding.
+
+  Example:
+    >>> docs = [np.full(n, i + 1) for i, n in enumerate([5, 3, 4, 9, 2])]
+    >>> it = PackedIterator(docs, max_len=8, batch_size=2, seed=0, num_epochs=1)
+    >>> b = next(it)
+    >>> b.tokens.shape, it.get_state()["step"]
+    ((2, 8), 1)
+    >>> saved = it.get_state(); rest = [x.doc_ids for x in it]
+    >>> it2 = PackedIterator(docs, max_len=8, batch_size=2, seed=0, num_epochs=1, state=saved)
+    >>> all((a == b).all() for a, b in zip(rest, [x.doc_ids for x in it2]))
+    True
+  """
+
+  def __init__(self, store, max_len: int, batch_size: int, *, seed: int = 0,
+               window: int | None = None, max_segments: int | None = None,
+               num_epochs: int | None = None, pad_id: int = 0, state: dict | None = None):
+    if batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if window is not None and window < 1:
+      raise ValueError(f"window must be >= 1 or None, got {window}")
+    self.store = _as_store(store)
+    self.max_len = int(max_len)
+    self.batch_size = int(batch_size)
+    self.seed = int(seed)
+    self.window = window
+    self.num_epochs = num_epochs
+    self.pad_id = pad_id
+    self._epoch = 0
+    self._step = 0
+    self._cache: tuple[int, PackPlan, np.ndarray] | None = None
+    if max_segments is None:
+      max_segments = -(-max(self._epoch_plan(0)[0].max_segments, 1) // 8) * 8
+    self.max_segments = int(max_segments)
+    if state is not None:
+      self.set_state(state)
+
+  # --- planning ---
+  def _epoch_plan(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
+    if self._cache is not None and self._cache[0] == epoch:
+      return self._cache[1], self._cache[2]
+    rng = np.random.default_rng([self.seed, epoch])
+    lengths = self.store.lengths
+    perm = rng.permutation(lengths.shape[0])
+    w = self.window or max(lengths.shape[0], 1)
+    parts = []
+    bin_base = 0
+    for lo in range(0, lengths.shape[0], w):
+      ids = perm[lo:lo + w]
+      p = pack_bfd(lengths[ids], self.max_len)
+      parts.append((ids[p.doc_ids], p.chunk_starts, p.chunk_lengths, p.bins + bin_base,
+                    p.offsets))
+      bin_base += p.num_bins
+    if parts:
+      cols = [np.concatenate(c) for c in zip(*parts)]
+    else:
+      cols = [np.zeros(0, np.int64)] * 5
+    key = np.lexsort((cols[1], cols[0]))  # document order, as pack_bfd returns
+    plan = PackPlan(*(c[key] for c in cols), num_bins=bin_base, max_len=self.max_len,
+                    num_docs=int(lengths.shape[0]))
+    row_order = rng.permutation(plan.num_bins)
+    self._cache = (epoch, plan, row_order)
+    return plan, row_order
+
+  def steps_in_epoch(self, epoch: int | None = None) -> int:
+    """Number of batches in an epoch.
+
+    Args:
+      epoch: the epoch (default: the current one).
+
+    Returns:
+      ``ceil(rows / batch_size)`` for that epoch's plan.
+
+    Example:
+      >>> it = PackedIterator([np.ones(5), np.ones(5)], max_len=8, batch_size=1)
+      >>> it.steps_in_epoch()
+      2
+    """
+    plan, _ = self._epoch_plan(self._epoch if epoch is None else epoch)
+    return -(-plan.num_bins // self.batch_size)
+
+  # --- state ---
+  def _fingerprint(self) -> list:
+    lengths = self.store.lengths
+    # Cheap content hash of the lengths: resuming on a different corpus must fail loudly.
+    h = int(np.bitwise_xor.reduce(lengths * 2654435761 + np.arange(lengths.shape[0]) * 40503)
+            ) if lengths.size else 0
+    return [self.seed, self.max_len, self.batch_size, self.window, int(lengths.shape[0]), h]
+
+  def get_state(self) -> dict:
+    """The iterator's position: a small JSON-serialisable dict.
+
+    Returns:
+      ``{"epoch": e, "step": s, "fingerprint": [...]}``: the next batch is batch s of epoch e.
+
+    Example:
+      >>> it = PackedIterator([np.ones(3)], max_len=4, batch_size=1)
+      >>> it.get_state()["epoch"], it.get_state()["step"]
+      (0, 0)
+    """
+    return {"epoch": self._epoch, "step": self._step, "fingerprint": self._fingerprint()}
+
+  def set_state(self, state: dict) -> None:
+    """Continue from a state returned by ``get_state``.
+
+    Args:
+      state: dict from ``get_state`` of an iterator with the same store, max_len, batch_size,
+        seed and window.
+
+    Raises:
+      ValueError: if the configuration fingerprint differs or the step is out of range.
+
+    Example:
+      >>> it = PackedIterator([np.ones(3)] * 4, max_len=4, batch_size=1)
+      >>> it.set_state({"epoch": 1, "step": 2, "fingerprint": it.get_state()["fingerprint"]})
+      >>> it.get_state()["step"]
+      2
+    """
+    if list(state["fingerprint"]) != self._fingerprint():
+      raise ValueError("state comes from an iterator with a different configuration or corpus")
+    epoch, step = int(state["epoch"]), int(state["step"])
+    if epoch < 0 or not 0 <= step <= self.steps_in_epoch(epoch):
+      raise ValueError(f"invalid state epoch={epoch} step={step}")
+    self._epoch, self._step = epoch, step
+
+  # --- iteration ---
+  def __iter__(self) -> Iterator[PackedBatch]:
+    return self
+
+  def __next__(self) -> PackedBatch:
+    while True:
+      if self.num_epochs is not None and self._epoch >= self.num_epochs:
+        raise StopIteration
+      plan, row_order = self._epoch_plan(self._epoch)
+      if self._step * self.batch_size < plan.num_bins:
+        break
+      if plan.num_bins == 0 and self.num_epochs is None:
+        raise StopIteration  # nothing to yield, ever
+      self._epoch += 1
+      self._step = 0
+    rows = row_order[self._step * self.batch_size:(self._step + 1) * self.batch_size]
+    rows = np.concatenate([rows, np.full(self.batch_size - rows.shape[0], -1, np.int64)])
+    batch = materialize(plan, self.store, rows, max_segments=self.max_segments,
+                        pad_id=self.pad_id)
+    self._step += 1
+    return batch
