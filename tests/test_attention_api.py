@@ -1,0 +1,115 @@
+"""jattn.flash_attention: validation, dispatch, and the "xla" path against the reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from pallas_kernels.flash.reference import attention_reference
+
+
+def _rand(key, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(key), shape, dtype)
+
+
+def test_bad_inputs_name_the_problem():
+  q, k = _rand(0, (2, 16, 4, 32)), _rand(1, (2, 16, 2, 32))
+  with pytest.raises(ValueError, match="multiple of kv_heads"):
+    jattn.flash_attention(q, _rand(2, (2, 16, 3, 32)), _rand(3, (2, 16, 3, 32)))
+  with pytest.raises(ValueError, match="head_dim"):
+    jattn.flash_attention(q, _rand(2, (2, 16, 2, 16)), _rand(3, (2, 16, 2, 16)))
+  with pytest.raises(ValueError, match="segment_ids must be"):
+    jattn.flash_attention(q, k, k, segment_ids=jnp.ones((2, 15), jnp.int32))
+  with pytest.raises(ValueError, match="unknown implementation"):
+    jattn.flash_attention(q, k, k, implementation="cuda")
+  with pytest.raises(ValueError, match="batch, seq, heads"):
+    jattn.flash_attention(q[0], k, k)
+  with pytest.raises(TypeError, match="floating"):
+    jattn.flash_attention(q.astype(jnp.int32), k, k)
+  with pytest.raises(TypeError, match="integer"):
+    jattn.flash_attention(q, k, k, segment_ids=jnp.ones((2, 16), jnp.float32))
+  with pytest.raises(ValueError, match="kv_segment_ids"):
+    jattn.flash_attention(q, _rand(4, (2, 20, 2, 32)), _rand(5, (2, 20, 2, 32)),
+                          segment_ids=jnp.ones((2, 16), jnp.int32))
+  with pytest.raises(ValueError, match="soft_cap"):
+    jattn.flash_attention(q, k, k, logits_soft_cap=0.0)
+  with pytest.raises(ValueError, match=">= 0"):
+    jattn.flash_attention(q, k, k, local_window_size=(-1, 0))
+
+
+def test_cudnn_rejects_what_it_cannot_do():
+  q = _rand(0, (1, 16, 2, 32))
+  with pytest.raises(ValueError, match="segment ids"):
+    jattn.flash_attention(q, q, q, segment_ids=jnp.ones((1, 16), jnp.int32), implementation="cudnn")
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    jattn.flash_attention(q, q, q, logits_soft_cap=5.0, implementation="cudnn")
+
+
+def test_mosaic_gpu_says_not_implemented():
+  q = _rand(0, (1, 16, 2, 32))
+  with pytest.raises(NotImplementedError, match="mosaic_gpu"):
+    jattn.flash_attention(q, q, q, implementation="mosaic_gpu")
+
+
+def test_resolve_implementation_is_explicit():
+  assert jattn.resolve_implementation(None, platform="gpu") == "triton"
+  assert jattn.resolve_implementation(None, platform="tpu") == "mosaic_tpu"
+  assert jattn.resolve_implementation(None, platform="cpu") == "xla"
+  assert jattn.resolve_implementation("cudnn", platform="tpu") == "cudnn"
+
+
+def _naive(q, k, v, mask, scale):
+  """Independent float64 numpy attention with an explicit [b, hq, sq, sk] mask."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  g = q.shape[2] // k.shape[2]
+  k = np.repeat(k, g, axis=2)
+  v = np.repeat(v, g, axis=2)
+  s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  s = np.where(mask, s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  m = np.where(np.isfinite(m), m, 0)
+  p = np.exp(s - m)
+  l = p.sum(-1, keepdims=True)
+  o = np.einsum("bhqk,bkhd->bqhd", p / np.where(l == 0, 1, l), v)
+  lse = np.where(l[..., 0] == 0, -np.inf, (m + np.log(np.where(l == 0, 1, l)))[..., 0])
+  return o, lse
+
+
+def test_reference_matches_naive_numpy_with_everything():
+  b, sq, sk, hq, hk, d = 2, 37, 45, 4, 2, 24
+  q, k, v = _rand(0, (b, sq, hq, d)), _rand(1, (b, sk, hk, d)), _rand(2, (b, sk, hk, d))
+  qs = np.array([[1] * 20 + [2] * 17, [0] * 37])
+  ks = np.array([[1] * 25 + [2] * 20, [1] * 45])
+  out, lse = jattn.flash_attention(q, k, v, causal=True, local_window_size=(9, 3),
+                                   segment_ids=jnp.asarray(qs), kv_segment_ids=jnp.asarray(ks),
+                                   return_lse=True, implementation="xla")
+  qpos = np.arange(sq)[:, None] + (sk - sq)
+  kpos = np.arange(sk)[None, :]
+  mask = (kpos <= qpos) & (kpos >= qpos - 9) & (kpos <= qpos + 3)
+  mask = mask[None, None] & (qs[:, None, :, None] == ks[:, None, None, :]) & (ks[:, None, None, :] != 0)
+  ref_o, ref_lse = _naive(q, k, v, mask, d ** -0.5)
+  np.testing.assert_allclose(out, ref_o, atol=1e-5)
+  np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+  assert np.all(np.asarray(out[1]) == 0) and np.all(np.isneginf(np.asarray(lse[1])))
+
+
+def test_empty_rows_have_zero_grad_not_nan():
+  q = _rand(0, (1, 8, 2, 16))
+  seg = jnp.array([[1, 1, 1, 1, 0, 0, 0, 0]], jnp.int32)
+
+  def loss(q):
+    o, lse = jattn.flash_attention(q, q, q, segment_ids=seg, return_lse=True, implementation="xla")
+    return jnp.sum(o ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+  g = jax.grad(loss)(q)
+  assert not jnp.any(jnp.isnan(g))
+  assert jnp.all(g[0, 4:] == 0)
+
+
+def test_soft_cap_matches_reference():
+  q, k = _rand(0, (1, 20, 2, 16)) * 4, _rand(1, (1, 20, 2, 16)) * 4
+  out = jattn.flash_attention(q, k, k, logits_soft_cap=3.0, implementation="xla")
+  ref, _ = attention_reference(q, k, k, logits_soft_cap=3.0)
+  plain, _ = attention_reference(q, k, k)
+  np.testing.assert_allclose(out, ref, atol=1e-6)
+  assert float(jnp.max(jnp.abs(out - plain))) > 1e-2

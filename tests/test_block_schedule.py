@@ -1,0 +1,124 @@
+"""Block schedules against brute-force element masks (hypothesis over mask layouts)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from pallas_kernels.block_schedule import make_schedule, schedule_to_mask
+from pallas_kernels.masks import element_mask
+
+
+def _tile_truth(q_len, kv_len, bq, bk, causal, window, qseg=None, kseg=None, block_mask=None):
+  """Brute force: (any_visible, all_visible) per tile [B?, nq, nk] from the element mask."""
+  qp = jnp.arange(q_len) + (kv_len - q_len)
+  kp = jnp.arange(kv_len)
+  if qseg is not None:
+    m = np.asarray(element_mask(qp, kp, causal=causal, window=window, q_seg=jnp.asarray(qseg),
+                                kv_seg=jnp.asarray(kseg)))
+  else:
+    m = np.asarray(element_mask(qp, kp, causal=causal, window=window))[None]
+  nq, nk = -(-q_len // bq), -(-kv_len // bk)
+  pad = np.zeros((m.shape[0], nq * bq, nk * bk), bool)
+  pad[:, :q_len, :kv_len] = m
+  valid = np.zeros((nq * bq, nk * bk), bool)
+  valid[:q_len, :kv_len] = True
+  t = pad.reshape(m.shape[0], nq, bq, nk, bk)
+  any_ = t.any(axis=(2, 4))
+  # "all visible" over valid query rows and over all (even padded) key columns.
+  rows_valid = np.zeros((nq * bq,), bool)
+  rows_valid[:q_len] = True
+  rv = rows_valid.reshape(nq, bq)[:, :, None, None]
+  all_ = np.where(rv[None], t, True).all(axis=(2, 4))
+  if block_mask is not None:
+    any_ = any_ & block_mask
+  return any_, all_
+
+
+windows = st.one_of(st.none(), st.integers(0, 40).map(lambda w: (w, w)),
+                    st.tuples(st.integers(0, 40), st.just(0)),
+                    st.tuples(st.none(), st.integers(0, 30)))
+
+
+@given(q_len=st.integers(1, 90), kv_len=st.integers(1, 90), bq=st.sampled_from([8, 16, 32]),
+       bk=st.sampled_from([8, 16, 32]), causal=st.booleans(), window=windows)
+def test_static_schedule_is_exact(q_len, kv_len, bq, bk, causal, window):
+  s = make_schedule(q_len, kv_len, bq, bk, causal=causal, local_window_size=window)
+  any_, all_ = _tile_truth(q_len, kv_len, bq, bk, causal, window)
+  visited = np.asarray(schedule_to_mask(s))[0]
+  np.testing.assert_array_equal(visited[0], any_[0])
+  # Entries flagged "full" must have every element visible; partial ones must not all be.
+  for qi in range(s.num_q_blocks):
+    for j in range(int(s.kv_counts[0, 0, qi])):
+      ki = int(s.kv_indices[0, 0, qi, j])
+      assert bool(s.kv_partial[0, 0, qi, j]) == (not all_[0, qi, ki])
+  # Indices are increasing and the transposed schedule lists the same tiles.
+  visited_t = np.zeros_like(visited[0])
+  for ki in range(s.num_kv_blocks):
+    idx = np.asarray(s.q_indices[0, 0, ki, :int(s.q_counts[0, 0, ki])])
+    assert np.all(np.diff(idx) > 0)
+    visited_t[idx, ki] = True
+  np.testing.assert_array_equal(visited_t, visited[0])
+
+
+@given(data=st.data(), causal=st.booleans(), window=windows)
+def test_segment_schedule_covers_every_visible_element(data, causal, window):
+  length = data.draw(st.integers(1, 80))
+  b = 2
+  # Packed layouts: sorted ids with zero padding at the end, or arbitrary (non-monotone) ids.
+  rows = []
+  for _ in range(b):
+    if data.draw(st.booleans()):
+      cuts = sorted(data.draw(st.lists(st.integers(0, length), max_size=5)))
+      row = np.zeros(length, np.int32)
+      for i, c in enumerate(cuts):
+        row[c:] = i + 1
+      pad = data.draw(st.integers(0, length))
+      row[length - pad:] = 0
+    else:
+      row = np.array(data.draw(st.lists(st.integers(0, 3), min_size=length, max_size=length)),
+                     np.int32)
+    rows.append(row)
+  seg = np.stack(rows)
+  bq = data.draw(st.sampled_from([8, 16]))
+  bk = data.draw(st.sampled_from([8, 16]))
+  s = make_schedule(length, length, bq, bk, causal=causal, local_window_size=window,
+                    q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg))
+  any_, all_ = _tile_truth(length, length, bq, bk, causal, window, seg, seg)
+  visited = np.asarray(schedule_to_mask(s))[:, 0]
+  assert np.all(visited | ~any_), "a tile with a visible element was skipped"
+  for bi in range(b):
+    for qi in range(s.num_q_blocks):
+      for j in range(int(s.kv_counts[bi, 0, qi])):
+        ki = int(s.kv_indices[bi, 0, qi, j])
+        if not s.kv_partial[bi, 0, qi, j]:
+          assert all_[bi, qi, ki], "a tile marked full has masked elements"
+
+
+def test_block_mask_restricts_and_bounds():
+  rng = np.random.default_rng(0)
+  bm = rng.random((2, 3, 4, 4)) < 0.5
+  s = make_schedule(64, 64, 16, 16, causal=True, block_mask=jnp.asarray(bm), max_kv_blocks=4)
+  visited = np.asarray(schedule_to_mask(s))
+  causal_tiles = np.tril(np.ones((4, 4), bool))
+  np.testing.assert_array_equal(visited, bm & causal_tiles)
+  assert s.kv_indices.shape == (2, 3, 4, 4)
+
+
+def test_window_schedule_is_a_small_fraction_of_causal():
+  causal = make_schedule(16384, 16384, 128, 128, causal=True)
+  window = make_schedule(16384, 16384, 128, 128, causal=True, local_window_size=(511, 0))
+  ratio = float(window.visited_tiles()[0, 0]) / float(causal.visited_tiles()[0, 0])
+  assert ratio < 0.08, ratio
+  assert window.max_kv_blocks == 5
+
+
+def test_packed_documents_cost_like_separate_rows():
+  seg = jnp.repeat(jnp.arange(1, 5, dtype=jnp.int32), 4096)[None]
+  packed = make_schedule(16384, 16384, 128, 128, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+  single = make_schedule(4096, 4096, 128, 128, causal=True)
+  assert int(packed.visited_tiles()[0, 0]) == 4 * int(single.visited_tiles()[0, 0])
+
+
+def test_mismatched_segments_raise():
+  with pytest.raises(ValueError, match="together"):
+    make_schedule(8, 8, 8, 8, q_segment_ids=jnp.ones((1, 8), jnp.int32))
