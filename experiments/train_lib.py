@@ -1,0 +1,415 @@
+"""Training harness for the experiments: AdamW + warmup/cosine, a jitted data-parallel step,
+resumable orbax checkpoints and jitted evaluation.
+
+* Data parallel: a 1-D ``jax.sharding.Mesh`` with axis ``"data"`` over every visible device (or
+  the ones given); batches are placed with ``NamedSharding(mesh, P("data"))``, parameters and
+  optimiser state are replicated (``P()``), and XLA inserts the gradient all-reduce.
+* Functional NNX: the model is split once into ``(graphdef, params, rest)`` (``rest`` = every
+  non-``nnx.Param`` variable, e.g. RNG streams); the jitted step merges, runs, and returns the
+  updated ``params`` and ``rest``.
+* Resumable: ``Trainer.fit`` saves ``{params, rest, opt_state, step, base_key}`` plus a JSON record
+  (data-iterator state, learning curves) with orbax every ``ckpt_every`` steps and at the end. On
+  start it restores the latest checkpoint, so a killed run continues where it stopped; because the
+  data stream is a pure function of (seed, step) and per-step randomness is ``fold_in(key, step)``,
+  the resumed run ends with bit-identical parameters on the same machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "weights", "answer_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with linear warmup and cosine decay.
+
+  Attributes:
+    lr: peak learning rate.
+    warmup_steps: linear warmup from 0.
+    total_steps: schedule length (cosine decays to ``lr * min_lr_ratio`` at this step).
+    weight_decay: decoupled weight decay (applied to every parameter with ndim >= 2).
+    b1, b2: Adam betas.
+    grad_clip: global-norm clipping (None: off).
+    min_lr_ratio: final learning rate as a fraction of ``lr``.
+  """
+  lr: float = 3e-3
+  warmup_steps: int = 50
+  total_steps: int = 1000
+  weight_decay: float = 0.05
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float | None = 1.0
+  min_lr_ratio: float = 0.1
+
+
+def make_optimizer(cfg: OptimConfig):
+  """The optax optimiser for ``cfg``.
+
+  Args:
+    cfg: an ``OptimConfig``.
+
+  Returns:
+    (optax.GradientTransformation, schedule function step -> learning rate).
+
+  Example:
+    >>> tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=10, total_steps=100))
+    >>> float(sched(10))
+    0.001
+  """
+  warm = max(1, min(cfg.warmup_steps, cfg.total_steps - 1))
+  sched = optax.warmup_cosine_decay_schedule(
+      0.0, cfg.lr, warm, max(cfg.total_steps, warm + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+  mask = lambda params: jax.tree.map(lambda x: x.ndim >= 2, params)
+  parts = []
+  if cfg.grad_clip is not None:
+    parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+  parts.append(optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask))
+  return optax.chain(*parts), sched
+
+
+def make_mesh(devices=None) -> Mesh:
+  """A 1-D data-parallel mesh with axis name ``"data"``.
+
+  Args:
+    devices: devices to use; default ``jax.devices()`` (every visible device).
+
+  Returns:
+    ``jax.sharding.Mesh`` of shape (num_devices,).
+
+  Example:
+    >>> make_mesh().axis_names
+    ('data',)
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  return Mesh(np.array(devices), ("data",))
+
+
+def shard_batch(batch: dict, mesh: Mesh) -> dict:
+  """Place a global numpy batch on the mesh, split along the leading (batch) axis.
+
+  Args:
+    batch: dict of arrays [global_batch, ...]; global_batch must divide by the mesh size.
+    mesh: a ``make_mesh`` mesh.
+
+  Returns:
+    dict of ``jax.Array`` with ``NamedSharding(mesh, P("data"))``.
+
+  Example:
+    >>> b = shard_batch({"inputs": np.zeros((2, 4), np.int32)}, make_mesh(jax.devices()[:1]))
+    >>> b["inputs"].shape
+    (2, 4)
+  """
+  n = mesh.devices.size
+  out = {}
+  for k, v in batch.items():
+    if v.shape[0] % n:
+      raise ValueError(f"batch dimension {v.shape[0]} of {k!r} does not divide by {n} devices")
+    out[k] = jax.device_put(np.asarray(v), NamedSharding(mesh, P("data")))
+  return out
+
+
+def weighted_xent(logits, batch):
+  """Weighted next-token cross entropy and retrieval accuracy.
+
+  Args:
+    logits: [batch, seq, vocab].
+    batch: dict with "targets" (int [batch, seq]), "weights" (float [batch, seq]) and
+      "answer_mask" (bool [batch, seq]).
+
+  Returns:
+    (loss, metrics): loss = sum(w * nll) / sum(w); metrics holds sums ("nll_sum", "w_sum",
+    "ans_correct", "ans_count", "ans_nll", "txt_nll", "txt_count") so they can be aggregated
+    exactly over eval chunks.
+
+  Example:
+    >>> lg = jnp.zeros((1, 2, 4)); b = {"targets": jnp.array([[1, 2]]),
+    ...   "weights": jnp.ones((1, 2)), "answer_mask": jnp.array([[False, True]])}
+    >>> round(float(weighted_xent(lg, b)[0]), 4)
+    1.3863
+  """
+  logits = logits.astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # [b, s]
+  w = batch["weights"].astype(jnp.float32)
+  ans = batch["answer_mask"]
+  txt = (w > 0) & ~ans
+  correct = (jnp.argmax(logits, -1) == batch["targets"]) & ans
+  metrics = {
+      "nll_sum": jnp.sum(w * nll), "w_sum": jnp.sum(w),
+      "ans_correct": jnp.sum(correct), "ans_count": jnp.sum(ans),
+      "ans_nll": jnp.sum(jnp.where(ans, nll, 0.0)),
+      "txt_nll": jnp.sum(jnp.where(txt, nll, 0.0)), "txt_count": jnp.sum(txt),
+  }
+  loss = metrics["nll_sum"] / jnp.maximum(metrics["w_sum"], 1.0)
+  return loss, metrics
+
+
+def _is_key(x):
+  return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_saveable(leaves):
+  return {f"{i:05d}": (jax.random.key_data(x) if _is_key(x) else x) for i, x in enumerate(leaves)}
+
+
+def _from_saved(saved, like):
+  out = []
+  for i, ref in enumerate(like):
+    x = saved[f"{i:05d}"]
+    if _is_key(ref):
+      x = jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref))
+    out.append(x)
+  return out
+
+
+class Trainer:
+  """Trains one NNX model with a jitted, data-parallel step and resumable checkpoints.
+
+  Args:
+    model: an ``nnx.Module`` whose ``__call__(tokens, segment_ids=..., positions=...)`` returns
+      logits [batch, seq, vocab].
+    opt: an ``OptimConfig``.
+    mesh: a ``make_mesh`` mesh (default: every device).
+    seed: seed of the per-step key (``fold_in(key(seed), step)``, available to ``loss_fn``).
+    use_segments: pass segment ids and positions to the model (packed text rows).
+    call_kwargs: extra keyword arguments for every model call.
+
+  Example:
+    >>> # trainer = Trainer(model, OptimConfig(total_steps=100))
+    >>> # curves = trainer.fit(stream, ckpt_dir="/tmp/run")
+  """
+
+  def __init__(self, model, opt: OptimConfig, *, mesh=None, seed=0, use_segments=True,
+               call_kwargs=None):
+    self.mesh = mesh or make_mesh()
+    self.opt = opt
+    self.tx, self.schedule = make_optimizer(opt)
+    self.use_segments = use_segments
+    self.call_kwargs = dict(call_kwargs or {})
+    self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    repl = NamedSharding(self.mesh, P())
+    self._repl = repl
+    self.params = jax.device_put(params, repl)
+    self.rest = jax.device_put(rest, repl)
+    self.opt_state = jax.device_put(self.tx.init(self.params), repl)
+    self.step = 0
+    self.base_key = jax.random.key(seed)
+    self.curves = {"step": [], "loss": [], "answer_acc": [], "lr": [], "span": [], "time_s": []}
+    self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1, 2),
+                               out_shardings=(repl, repl, repl, repl))
+    self._eval_fn = jax.jit(self._eval_impl, out_shardings=repl)
+
+  # -- model calls -------------------------------------------------------------------------------
+  def _forward(self, params, rest, batch):
+    model = nnx.merge(self.graphdef, params, rest)
+    kwargs = dict(self.call_kwargs)
+    if self.use_segments:
+      kwargs.update(segment_ids=batch["segment_ids"], positions=batch["positions"])
+    logits = model(batch["inputs"], **kwargs)
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
+    return logits, new_rest
+
+  def _step_fn(self, params, rest, opt_state, batch):
+    def loss_fn(p):
+      logits, new_rest = self._forward(p, rest, batch)
+      loss, m = weighted_xent(logits, batch)
+      return loss, (m, new_rest)
+    (loss, (m, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = self.tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    m = dict(m, loss=loss, grad_norm=optax.global_norm(grads))
+    return params, new_rest, opt_state, m
+
+  def _eval_impl(self, params, rest, batch):
+    logits, _ = self._forward(params, rest, batch)
+    return weighted_xent(logits, batch)[1]
+
+  def model(self):
+    """The current model as an ``nnx.Module`` (merged from the trained state)."""
+    return nnx.merge(self.graphdef, self.params, self.rest)
+
+  # -- checkpoints -------------------------------------------------------------------------------
+  def _state_leaves(self):
+    tree = (self.params, self.rest, self.opt_state, jnp.asarray(self.step, jnp.int32),
+            self.base_key)
+    return jax.tree.flatten(tree)
+
+  def save(self, manager, extra=None):
+    """Save the full training state at ``self.step`` with an orbax ``CheckpointManager``."""
+    import orbax.checkpoint as ocp
+    leaves, _ = self._state_leaves()
+    record = {"step": self.step, "curves": self.curves, **(extra or {})}
+    manager.save(self.step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_to_saveable(leaves)), record=ocp.args.JsonSave(record)),
+        force=True)
+    manager.wait_until_finished()
+
+  def restore(self, manager):
+    """Restore the latest checkpoint of ``manager`` if there is one.
+
+    Returns:
+      The saved JSON record (dict), or None if there was nothing to restore.
+    """
+    import orbax.checkpoint as ocp
+    step = manager.latest_step()
+    if step is None:
+      return None
+    leaves, treedef = self._state_leaves()
+    saveable = _to_saveable(leaves)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._repl), saveable)
+    out = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
+    restored = _from_saved(out["state"], leaves)
+    params, rest, opt_state, step_arr, key = jax.tree.unflatten(treedef, restored)
+    self.params, self.rest, self.opt_state = params, rest, opt_state
+    self.step, self.base_key = int(step_arr), key
+    record = out["record"]
+    self.curves = record["curves"]
+    return record
+
+  # -- training ----------------------------------------------------------------------------------
+  def fit(self, stream, total_steps, *, ckpt_dir=None, ckpt_every=100, stop_after=None,
+          log_every=10, desc="train", progress=True, extra_record=None):
+    """Train to ``total_steps`` (resuming from ``ckpt_dir`` when it holds a checkpoint).
+
+    Args:
+      stream: object with ``batch(step) -> dict of numpy arrays``, ``state(step) -> dict`` and
+        optionally ``span(step)`` (logged in the curves).
+      total_steps: the step to train to.
+      ckpt_dir: checkpoint directory (None: no checkpoints).
+      ckpt_every: save every this many steps (and at the end, and when stopping early).
+      stop_after: stop after this many steps *in this call* (simulates a killed run; the
+        checkpoint lets the next call continue). None: run to ``total_steps``.
+      log_every: record the learning curve every this many steps.
+      desc: progress-bar label.
+      progress: show a tqdm progress bar.
+      extra_record: JSON-able dict stored with every checkpoint.
+
+    Returns:
+      True if ``total_steps`` was reached, False if stopped early by ``stop_after``.
+    """
+    from tqdm.auto import tqdm
+    manager = None
+    if ckpt_dir is not None:
+      import orbax.checkpoint as ocp
+      manager = ocp.CheckpointManager(
+          os.path.abspath(ckpt_dir),
+          options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+      self.restore(manager)
+    start = self.step
+    end = total_steps if stop_after is None else min(total_steps, start + stop_after)
+    bar = tqdm(total=total_steps, initial=start, desc=desc, disable=not progress,
+               mininterval=1.0, leave=False, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    pending = None
+    try:
+      for step in range(start, end):
+        batch = shard_batch({k: stream.batch(step)[k] for k in BATCH_KEYS}, self.mesh) \
+            if pending is None else pending
+        pending = None
+        self.params, self.rest, self.opt_state, m = self._train_step(
+            self.params, self.rest, self.opt_state, batch)
+        if step + 1 < end:  # prepare the next batch while the device works
+          pending = shard_batch({k: stream.batch(step + 1)[k] for k in BATCH_KEYS}, self.mesh)
+        self.step = step + 1
+        if step % log_every == 0 or step + 1 == total_steps:
+          loss = float(m["loss"])
+          acc = float(m["ans_correct"]) / max(1.0, float(m["ans_count"]))
+          if not math.isfinite(loss):
+            raise FloatingPointError(f"{desc}: loss is {loss} at step {step}")
+          c = self.curves
+          c["step"].append(step)
+          c["loss"].append(loss)
+          c["answer_acc"].append(acc)
+          c["lr"].append(float(self.schedule(step)))
+          c["span"].append(int(stream.span(step)) if hasattr(stream, "span") else None)
+          c["time_s"].append(time.perf_counter() - t0)
+          bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", refresh=False)
+        bar.update(1)
+        if manager is not None and self.step % ckpt_every == 0 and self.step < end:
+          self.save(manager, dict(data=stream.state(self.step), **(extra_record or {})))
+    finally:
+      bar.close()
+    if manager is not None:
+      self.save(manager, dict(data=stream.state(self.step), **(extra_record or {})))
+      manager.close()
+    return self.step >= total_steps
+
+  # -- evaluation --------------------------------------------------------------------------------
+  def evaluate(self, batch: dict, *, chunk=8, params=None, rest=None, graphdef=None):
+    """Aggregate ``weighted_xent`` metrics over a numpy batch, ``chunk`` rows at a time.
+
+    Args:
+      batch: dict of numpy arrays (``BATCH_KEYS``).
+      chunk: rows per jitted call (rounded to a multiple of the mesh size).
+      params, rest, graphdef: evaluate another state (default: the trained one), e.g. a
+        post-hoc sparse variant of the trained parameters.
+
+    Returns:
+      dict: "score" (answer accuracy), "answer_nll", "text_nll", "bpb" (text nats / ln 2;
+      tokens are bytes), "loss" (weighted loss), and the raw counts.
+    """
+    params = self.params if params is None else params
+    rest = self.rest if rest is None else rest
+    fn = self._eval_fn
+    if graphdef is not None:
+      def impl(p, r, b, gd=graphdef):
+        model = nnx.merge(gd, p, r)
+        kwargs = dict(self.call_kwargs)
+        if self.use_segments:
+          kwargs.update(segment_ids=b["segment_ids"], positions=b["positions"])
+        return weighted_xent(model(b["inputs"], **kwargs), b)[1]
+      fn = jax.jit(impl, out_shardings=self._repl)
+    n = batch["inputs"].shape[0]
+    dev = self.mesh.devices.size
+    chunk = max(dev, chunk // dev * dev)
+    tot = None
+    for i in range(0, n, chunk):
+      part = {k: np.asarray(batch[k][i:i + chunk]) for k in BATCH_KEYS}
+      rows = part["inputs"].shape[0]
+      if rows % dev:  # pad with zero-weight rows
+        pad = dev - rows % dev
+        part = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+                for k, v in part.items()}
+        part["segment_ids"][rows:] = 1
+      m = fn(params, rest, shard_batch(part, self.mesh))
+      m = {k: float(v) for k, v in m.items()}
+      tot = m if tot is None else {k: tot[k] + m[k] for k in tot}
+    out = dict(tot)
+    out["score"] = tot["ans_correct"] / tot["ans_count"] if tot["ans_count"] else float("nan")
+    out["answer_nll"] = tot["ans_nll"] / tot["ans_count"] if tot["ans_count"] else float("nan")
+    out["text_nll"] = tot["txt_nll"] / tot["txt_count"] if tot["txt_count"] else float("nan")
+    out["bpb"] = out["text_nll"] / math.log(2.0)
+    out["loss"] = tot["nll_sum"] / max(tot["w_sum"], 1.0)
+    return out
+
+
+def save_json(path, obj):
+  """Write ``obj`` as indented JSON atomically (write to a temp file, then rename)."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1, default=_json_default)
+  os.replace(tmp, path)
+
+
+def _json_default(x):
+  if isinstance(x, (np.integer,)):
+    return int(x)
+  if isinstance(x, (np.floating,)):
+    return float(x)
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  raise TypeError(f"not JSON serialisable: {type(x)}")
