@@ -1,0 +1,700 @@
+"""Flash attention as portable Pallas GPU kernels (Triton lowering), walking a block schedule.
+
+Forward: one program per (query tile, batch, query head). It walks the tile's kv list from a
+``BlockSchedule``: first the full tiles (no element mask at all), then the partial tiles (element
+mask applied), with an online softmax in the base-2 domain (log2(e) folded into the logit scale)
+and fp32 accumulators. Tiles that the schedule leaves out are never loaded.
+
+Backward (custom_vjp, as in jax's ``pallas/ops/gpu/attention.py`` but schedule-driven):
+  * dK/dV: one program per (kv tile, batch, kv head). It keeps K, V and the fp32 dK, dV
+    accumulators on chip and walks, for every query head of its GQA group, the query tiles of the
+    transposed schedule (``q_indices``), so K/V are never repeated in memory.
+  * dQ: one program per (query tile, batch, query head), walking the forward kv list.
+  delta = rowsum(dO * O) - dLSE, so cotangents of the returned log-sum-exp are honoured.
+
+Padding happens here: sequences to multiples of the tile sizes, head dims to a power of two
+(Triton blocks need power-of-two shapes). Padded keys are always in partial tiles (the schedule
+marks them so) and are masked there; padded queries and head-dim columns are sliced away.
+
+The schedule's lists are reordered once per call (jnp, cheap) so that each row is
+``[count, n_full, full tiles..., partial tiles...]``: the kernels then run two loops with dynamic
+trip counts and no per-tile branch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import compat
+from pallas_kernels.block_schedule import BlockSchedule
+from pallas_kernels.masks import normalize_window
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# Block sizes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes and launch parameters of the Triton flash attention kernels.
+
+  ``block_q`` x ``block_k`` is the tile of the block schedule, shared by the forward and both
+  backward kernels. The backward kernels may split a tile further into chunks.
+
+  Attributes:
+    block_q: query tile (power of two, >= 16).
+    block_k: key/value tile (power of two, >= 16).
+    num_warps: forward warps per program (None: a default from the tile and head dim).
+    num_stages: forward software-pipelining depth (None: default).
+    bwd_num_warps: backward warps per program (None: default).
+    bwd_num_stages: backward pipelining depth (None: default).
+    dkv_q_chunk: rows of a query tile processed per step of the dK/dV kernel (divides block_q;
+      None: default).
+    dq_k_chunk: rows of a kv tile processed per step of the dQ kernel (divides block_k; None:
+      default).
+
+  Example:
+    >>> BlockSizes(128, 64, num_warps=8, num_stages=3).block_q
+    128
+  """
+  block_q: int
+  block_k: int
+  num_warps: int | None = None
+  num_stages: int | None = None
+  bwd_num_warps: int | None = None
+  bwd_num_stages: int | None = None
+  dkv_q_chunk: int | None = None
+  dq_k_chunk: int | None = None
+
+
+def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
+  """Default tiles for the Triton kernels on a Hopper-class GPU.
+
+  Args:
+    head_dim: the (unpadded) head dimension, 32..256.
+    dtype: the input dtype (fp32 needs twice the shared memory of bf16/fp16, so smaller tiles).
+
+  Returns:
+    A ``BlockSizes``.
+
+  Example:
+    >>> default_block_sizes(128, jnp.bfloat16)
+    BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3, bwd_num_warps=8, bwd_num_stages=2, dkv_q_chunk=64, dq_k_chunk=64)
+  """
+  d = _pow2(head_dim)
+  wide = jnp.dtype(dtype).itemsize >= 4
+  if d <= 64 and not wide:
+    return BlockSizes(128, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
+                      dkv_q_chunk=64, dq_k_chunk=64)
+  if d <= 128 and not wide:
+    return BlockSizes(128, 64, num_warps=8, num_stages=3, bwd_num_warps=8, bwd_num_stages=2,
+                      dkv_q_chunk=64, dq_k_chunk=64)
+  if d <= 128:  # fp32
+    return BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=2,
+                      dkv_q_chunk=32, dq_k_chunk=32)
+  if not wide:  # head_dim 256, 16-bit
+    return BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=1,
+                      dkv_q_chunk=32, dq_k_chunk=32)
+  return BlockSizes(32, 16, num_warps=4, num_stages=1, bwd_num_warps=4, bwd_num_stages=1,
+                    dkv_q_chunk=16, dq_k_chunk=16)
+
+
+def _bench_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> list[BlockSizes]:
+  """Candidate ``BlockSizes`` for a sweep on the GPU (the first entry is the default).
+
+  Args:
+    head_dim: the head dimension.
+    dtype: the input dtype.
+
+  Returns:
+    A list of ``BlockSizes`` (each needs its own schedule: tiles are block_q x block_k).
+
+  Example:
+    >>> len(_bench_configs()) > 1
+    True
+  """
+  out = [default_block_sizes(head_dim, dtype)]
+  if _pow2(head_dim) <= 128:
+    for bq, bk, w, s in [(128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4),
+                         (64, 64, 4, 3), (128, 64, 8, 4)]:
+      for bw, ch in [(8, 64), (4, 32), (8, 128)]:
+        if ch > bq or ch > bk:
+          continue
+        out.append(BlockSizes(bq, bk, num_warps=w, num_stages=s, bwd_num_warps=bw,
+                              bwd_num_stages=2, dkv_q_chunk=ch, dq_k_chunk=min(ch, bk)))
+  else:
+    for bq, bk, w, s in [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 2)]:
+      out.append(BlockSizes(bq, bk, num_warps=w, num_stages=s, bwd_num_warps=4,
+                            bwd_num_stages=1, dkv_q_chunk=32, dq_k_chunk=32))
+  seen, uniq = set(), []
+  for c in out:
+    if c not in seen:
+      seen.add(c)
+      uniq.append(c)
+  return uniq
+
+
+def _pow2(n: int) -> int:
+  return max(16, pl.next_power_of_2(int(n)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Static configuration shared by the kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  block_q: int
+  block_k: int
+  q_len: int            # unpadded
+  kv_len: int           # unpadded
+  causal: bool
+  window: tuple | None  # (left, right), either side None = unbounded
+  scale: float
+  soft_cap: float | None
+  num_warps: int
+  num_stages: int
+  bwd_num_warps: int
+  bwd_num_stages: int
+  dkv_q_chunk: int
+  dq_k_chunk: int
+  interpret: bool
+
+
+def _logits(q, k, st: _Static):
+  """Scaled (and soft-capped) logits in the base-2 domain, and tanh(x/cap) for the backward.
+
+  q: [m, D], k: [n, D] -> ([m, n] fp32, [m, n] fp32 or None).
+  """
+  qk = _dot_nt(q, k)  # [m, n]
+  if st.soft_cap is None:
+    return qk * (st.scale * LOG2E), None
+  th = jnp.tanh(qk * (st.scale / st.soft_cap))  # [m, n]
+  return th * (st.soft_cap * LOG2E), th
+
+
+def _tile_mask(q_pos, k_pos, q_seg, k_seg, st: _Static):
+  """masks.element_mask semantics for one tile: q_pos [m], k_pos [n] -> bool [m, n]."""
+  qp = q_pos[:, None]  # [m, 1]
+  kp = k_pos[None, :]  # [1, n]
+  mask = kp < st.kv_len  # [1, n]
+  if st.causal:
+    mask = mask & (kp <= qp)
+  if st.window is not None:
+    left, right = st.window
+    if left is not None:
+      mask = mask & (kp >= qp - left)
+    if right is not None:
+      mask = mask & (kp <= qp + right)
+  if q_seg is not None:
+    ks = k_seg[None, :]
+    mask = mask & (q_seg[:, None] == ks) & (ks != 0)
+  return mask
+
+
+def _precision(a):
+  # fp32 operands: IEEE fp32 products (DEFAULT would mean TF32 on the GPU); 16-bit: native.
+  return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+
+
+def _dot_nn(a, b):
+  """[m, k] @ [k, n] -> fp32 [m, n]."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a),
+                         preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):
+  """[k, m]^T @ [k, n] -> fp32 [m, n]."""
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a),
+                         preferred_element_type=jnp.float32)
+
+
+def _dot_nt(a, b):
+  """[m, k] @ [n, k]^T -> fp32 [m, n]."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
+                         preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
+  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], (q_seg [bq], kv_seg [Sk]), row [W]
+  -> o [bq, Dv], lse [bq] (natural log)."""
+  if has_seg:
+    q_ref, k_ref, v_ref, qseg_ref, kseg_ref, row_ref, o_ref, lse_ref = refs
+  else:
+    q_ref, k_ref, v_ref, row_ref, o_ref, lse_ref = refs
+    qseg_ref = kseg_ref = None
+  bq, bk = st.block_q, st.block_k
+  d_v = o_ref.shape[-1]
+  assert q_ref.shape[0] == bq and k_ref.shape[0] % bk == 0, (q_ref.shape, k_ref.shape)
+
+  qi = num_q_tiles - 1 - pl.program_id(0)  # heaviest causal tiles first
+  q = q_ref[...]  # [bq, D]
+  q_pos = qi * bq + lax.iota(jnp.int32, bq) + (st.kv_len - st.q_len)  # [bq]
+  q_seg = qseg_ref[...] if has_seg else None  # [bq]
+  count = row_ref[0]
+  n_full = row_ref[1]
+
+  def step(j, carry, masked):
+    acc, m_prev, l_prev = carry  # [bq, Dv], [bq], [bq]
+    start = pl.multiple_of(row_ref[2 + j] * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]  # [bk, D]
+    s, _ = _logits(q, k, st)  # [bq, bk], base-2 logits
+    if masked:
+      k_pos = start + lax.iota(jnp.int32, bk)
+      k_seg = kseg_ref[pl.ds(start, bk)] if has_seg else None
+      s = jnp.where(_tile_mask(q_pos, k_pos, q_seg, k_seg, st), s, _NEG_INF)
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [bq]
+    # A row may still have seen nothing (-inf): exponentiate against 0 so no NaN appears.
+    m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m_prev - m_use)  # [bq]
+    p = jnp.exp2(s - m_use[:, None])  # [bq, bk]
+    l_new = l_prev * alpha + jnp.sum(p, axis=1)
+    v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
+    acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)  # [bq, Dv]
+    return acc, m_new, l_new
+
+  carry = (jnp.zeros((bq, d_v), jnp.float32), jnp.full((bq,), _NEG_INF, jnp.float32),
+           jnp.zeros((bq,), jnp.float32))
+  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(n_full, count, functools.partial(step, masked=True), carry)
+  acc, m, l = carry
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = (acc * (1.0 / l_safe)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, _NEG_INF, (m + jnp.log2(l_safe)) * LN2)
+
+
+def _row_index_maps(rows, groups):
+  """Index helpers into the packed schedule rows [Bs, Hs, n, W] (size-1 axes broadcast)."""
+  bs, hs = rows.shape[:2]
+  rb = (lambda b: b) if bs > 1 else (lambda b: 0)
+  rh = (lambda hk: hk) if hs > 1 else (lambda hk: 0)
+  return rb, rh
+
+
+def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
+  """Padded inputs -> (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32)."""
+  b, sq, hq, d = q.shape
+  _, sk, hk, d_v = v.shape
+  g = hq // hk
+  bq = st.block_q
+  nq = sq // bq
+  has_seg = q_seg is not None
+  rb, rh = _row_index_maps(rows, g)
+  w = rows.shape[-1]
+
+  def qt(i):
+    return nq - 1 - i
+
+  in_specs = [
+      pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),
+      pl.BlockSpec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),
+      pl.BlockSpec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),
+  ]
+  args = [q, k, v]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, qt(i))),
+                 pl.BlockSpec((None, sk), lambda i, bi, h: (bi, 0))]
+    args += [q_seg, kv_seg]
+  in_specs.append(pl.BlockSpec((None, None, None, w),
+                               lambda i, bi, h: (rb(bi), rh(h // g), qt(i), 0)))
+  args.append(rows)
+  out_shape = [jax.ShapeDtypeStruct((b, sq, hq, d_v), q.dtype),
+               jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, bq, None, d_v), lambda i, bi, h: (bi, qt(i), h, 0)),
+               pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, qt(i)))]
+  kernel = functools.partial(_fwd_kernel, st=st, has_seg=has_seg, num_q_tiles=nq)
+  return pl.pallas_call(
+      kernel,
+      grid=(nq, b, hq),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=compat.triton_compiler_params(st.num_warps, st.num_stages),
+      interpret=st.interpret,
+      name="jattn_flash_fwd",
+  )(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
+  """Refs: q [Sq, G, D], k [bk, D], v [bk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
+  (q_seg [Sq], kv_seg [bk]), row [W] -> dk [bk, D], dv [bk, Dv].
+
+  lse2 is the log-sum-exp in base 2, +inf for rows that saw nothing (so p = 0 there).
+  """
+  if has_seg:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, row_ref,
+     dk_ref, dv_ref) = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, row_ref, dk_ref, dv_ref = refs
+    qseg_ref = kseg_ref = None
+  bq, bk = st.block_q, st.block_k
+  cq = st.dkv_q_chunk
+  nc = bq // cq
+  assert bq % cq == 0 and k_ref.shape[0] == bk, (bq, cq, k_ref.shape)
+
+  ki = pl.program_id(0)
+  k = k_ref[...]  # [bk, D]
+  v = v_ref[...]  # [bk, Dv]
+  k_pos = ki * bk + lax.iota(jnp.int32, bk)  # [bk]
+  k_seg = kseg_ref[...] if has_seg else None  # [bk]
+  count = row_ref[0]
+  n_full = row_ref[1]
+  off = st.kv_len - st.q_len
+
+  def step(j, carry, g, masked):
+    dk, dv = carry  # [bk, D], [bk, Dv] fp32
+    if nc == 1:
+      t, c = j, 0
+    else:
+      t, c = lax.div(j, jnp.int32(nc)), lax.rem(j, jnp.int32(nc))
+    start = pl.multiple_of(row_ref[2 + t] * bq + c * cq, cq)
+    q = q_ref[pl.ds(start, cq), g, :]  # [cq, D]
+    do = do_ref[pl.ds(start, cq), g, :]  # [cq, Dv]
+    lse2 = lse_ref[g, pl.ds(start, cq)]  # [cq]
+    delta = delta_ref[g, pl.ds(start, cq)]  # [cq]
+    s, th = _logits(q, k, st)  # [cq, bk]
+    if masked:
+      q_pos = start + lax.iota(jnp.int32, cq) + off
+      q_seg = qseg_ref[pl.ds(start, cq)] if has_seg else None
+      s = jnp.where(_tile_mask(q_pos, k_pos, q_seg, k_seg, st), s, _NEG_INF)
+    p = jnp.exp2(s - lse2[:, None])  # [cq, bk]
+    dv = dv + _dot_tn(p.astype(do.dtype), do)  # [bk, Dv]
+    dp = _dot_nt(do, v)  # [cq, bk]
+    ds = p * (dp - delta[:, None])  # d loss / d capped logit
+    if th is not None:
+      ds = ds * (1.0 - th * th)
+    dk = dk + _dot_tn(ds.astype(q.dtype), q)  # [bk, D]
+    return dk, dv
+
+  def head(g, carry):
+    carry = lax.fori_loop(0, n_full * nc, functools.partial(step, g=g, masked=False), carry)
+    return lax.fori_loop(n_full * nc, count * nc, functools.partial(step, g=g, masked=True),
+                         carry)
+
+  carry = (jnp.zeros(k_ref.shape, jnp.float32), jnp.zeros(v_ref.shape, jnp.float32))
+  if groups == 1:
+    carry = head(0, carry)
+  else:
+    carry = lax.fori_loop(0, groups, head, carry)
+  dk, dv = carry
+  dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, st: _Static, has_seg: bool):
+  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq],
+  (q_seg [bq], kv_seg [Sk]), row [W] -> dq [bq, D]."""
+  if has_seg:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, row_ref,
+     dq_ref) = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, row_ref, dq_ref = refs
+    qseg_ref = kseg_ref = None
+  bq, bk = st.block_q, st.block_k
+  ck = st.dq_k_chunk
+  nc = bk // ck
+  assert bk % ck == 0 and q_ref.shape[0] == bq, (bk, ck, q_ref.shape)
+
+  qi = pl.program_id(0)
+  q = q_ref[...]  # [bq, D]
+  do = do_ref[...]  # [bq, Dv]
+  lse2 = lse_ref[...]  # [bq]
+  delta = delta_ref[...]  # [bq]
+  q_pos = qi * bq + lax.iota(jnp.int32, bq) + (st.kv_len - st.q_len)
+  q_seg = qseg_ref[...] if has_seg else None
+  count = row_ref[0]
+  n_full = row_ref[1]
+
+  def step(j, dq, masked):
+    if nc == 1:
+      t, c = j, 0
+    else:
+      t, c = lax.div(j, jnp.int32(nc)), lax.rem(j, jnp.int32(nc))
+    start = pl.multiple_of(row_ref[2 + t] * bk + c * ck, ck)
+    k = k_ref[pl.ds(start, ck), :]  # [ck, D]
+    v = v_ref[pl.ds(start, ck), :]  # [ck, Dv]
+    s, th = _logits(q, k, st)  # [bq, ck]
+    if masked:
+      k_pos = start + lax.iota(jnp.int32, ck)
+      k_seg = kseg_ref[pl.ds(start, ck)] if has_seg else None
+      s = jnp.where(_tile_mask(q_pos, k_pos, q_seg, k_seg, st), s, _NEG_INF)
+    p = jnp.exp2(s - lse2[:, None])  # [bq, ck]
+    dp = _dot_nt(do, v)  # [bq, ck]
+    ds = p * (dp - delta[:, None])
+    if th is not None:
+      ds = ds * (1.0 - th * th)
+    return dq + _dot_nn(ds.astype(k.dtype), k)  # [bq, D]
+
+  dq = jnp.zeros(q_ref.shape, jnp.float32)
+  dq = lax.fori_loop(0, n_full * nc, functools.partial(step, masked=False), dq)
+  dq = lax.fori_loop(n_full * nc, count * nc, functools.partial(step, masked=True), dq)
+  dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+
+
+def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: _Static):
+  """Padded inputs -> (dq, dk, dv) in the input dtypes."""
+  b, sq, hq, d = q.shape
+  _, sk, hk, d_v = v.shape
+  g = hq // hk
+  bq, bk = st.block_q, st.block_k
+  nq, nk = sq // bq, sk // bk
+  has_seg = q_seg is not None
+  params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
+
+  # dK / dV: grid over (kv tile, batch, kv head).
+  rb, rh = _row_index_maps(bwd_rows, g)
+  in_specs = [
+      pl.BlockSpec((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
+      pl.BlockSpec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),    # k
+      pl.BlockSpec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0)),  # v
+      pl.BlockSpec((None, sq, g, d_v), lambda i, bi, h: (bi, 0, h, 0)),     # do
+      pl.BlockSpec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # lse2
+      pl.BlockSpec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # delta
+  ]
+  args = [q, k, v, do, lse2, delta]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, sq), lambda i, bi, h: (bi, 0)),
+                 pl.BlockSpec((None, bk), lambda i, bi, h: (bi, i))]
+    args += [q_seg, kv_seg]
+  in_specs.append(pl.BlockSpec((None, None, None, bwd_rows.shape[-1]),
+                               lambda i, bi, h: (rb(bi), rh(h), i, 0)))
+  args.append(bwd_rows)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g),
+      grid=(nk, b, hk),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),
+                 pl.BlockSpec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params,
+      interpret=st.interpret,
+      name="jattn_flash_bwd_dkv",
+  )(*args)
+
+  # dQ: grid over (query tile, batch, query head).
+  rb, rh = _row_index_maps(fwd_rows, g)
+  in_specs = [
+      pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),         # q
+      pl.BlockSpec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),    # k
+      pl.BlockSpec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),  # v
+      pl.BlockSpec((None, bq, None, d_v), lambda i, bi, h: (bi, i, h, 0)),       # do
+      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),               # lse2
+      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),               # delta
+  ]
+  args = [q, k, v, do, lse2, delta]
+  if has_seg:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+                 pl.BlockSpec((None, sk), lambda i, bi, h: (bi, 0))]
+    args += [q_seg, kv_seg]
+  in_specs.append(pl.BlockSpec((None, None, None, fwd_rows.shape[-1]),
+                               lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
+  args.append(fwd_rows)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, st=st, has_seg=has_seg),
+      grid=(nq, b, hq),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params,
+      interpret=st.interpret,
+      name="jattn_flash_bwd_dq",
+  )(*args)
+  return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp wiring (on padded arrays)
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash_padded(st, q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows):
+  return _fwd_call(q, k, v, q_seg, kv_seg, fwd_rows, st)
+
+
+def _flash_padded_fwd(st, q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows):
+  out, lse = _fwd_call(q, k, v, q_seg, kv_seg, fwd_rows, st)
+  return (out, lse), (q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, out, lse)
+
+
+def _flash_padded_bwd(st, res, cts):
+  q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, out, lse = res
+  d_out, d_lse = cts
+  # delta = rowsum(dO * O) - dLSE: [B, Hq, Sq] fp32 (elementwise + reduce, no TF32 matmul).
+  delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Sq, Hq]
+  delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)
+  lse2 = jnp.where(lse == _NEG_INF, _POS_INF, lse * LOG2E)  # base 2; +inf -> p = 0
+  dq, dk, dv = _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, d_out.astype(q.dtype),
+                          lse2, delta, st)
+  return dq, dk, dv, None, None, None, None
+
+
+_flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# Schedule packing and the public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _pack_rows(indices, counts, partial):
+  """[Bs, Hs, n, L] lists -> int32 [Bs, Hs, n, W] rows ``[count, n_full, full..., partial...]``.
+
+  W is a power of two >= L + 2; entries past ``count`` are never read.
+  """
+  length = indices.shape[-1]
+  j = jnp.arange(length, dtype=jnp.int32)
+  valid = j < counts[..., None]
+  part = (partial != 0) & valid
+  key = jnp.where(valid, jnp.where(part, length + j, j), 2 * length + j)
+  order = jnp.argsort(key, axis=-1)
+  idx = jnp.take_along_axis(indices.astype(jnp.int32), order, axis=-1)
+  counts = counts.astype(jnp.int32)
+  n_full = counts - jnp.sum(part, axis=-1, dtype=jnp.int32)
+  width = pl.next_power_of_2(length + 2)
+  pad = jnp.zeros(idx.shape[:-1] + (width - length - 2,), jnp.int32)
+  return jnp.concatenate([counts[..., None], n_full[..., None], idx, pad], axis=-1)
+
+
+def _pad_axis(x, axis, size):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSchedule, *,
+                    causal: bool, local_window_size, scale: float,
+                    logits_soft_cap: float | None, num_warps=None, num_stages=None,
+                    interpret: bool = False, bwd_num_warps=None, bwd_num_stages=None,
+                    dkv_q_chunk=None, dq_k_chunk=None):
+  """Flash attention on the GPU (Pallas, Triton lowering), walking a block schedule.
+
+  Differentiable (custom_vjp) with respect to q, k, v, including through the returned LSE.
+
+  Args:
+    q: [B, Sq, Hq, D]; fp32, bf16 or fp16.
+    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
+    v: [B, Sk, Hk, Dv].
+    q_segment_ids, kv_segment_ids: None (both) or int32 [B, Sq] / [B, Sk]; 0 is padding.
+    schedule: ``make_schedule(Sq, Sk, block_q, block_k, ...)`` for the same mask; its tile
+      sizes are the kernel's tiles (powers of two >= 16).
+    causal: bottom-right aligned causal mask.
+    local_window_size: None, int or (left, right) (jax.nn convention).
+    scale: logit scale.
+    logits_soft_cap: None or cap (logits = cap * tanh(logits / cap)).
+    num_warps, num_stages: forward launch parameters (None: defaults for the tile size).
+    interpret: run the kernels in the Pallas interpreter (CPU).
+    bwd_num_warps, bwd_num_stages: backward launch parameters (None: defaults).
+    dkv_q_chunk: query rows per step of the dK/dV kernel (divides block_q; None: default).
+    dq_k_chunk: key rows per step of the dQ kernel (divides block_k; None: default).
+
+  Returns:
+    (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that
+    see no key; their output is 0).
+
+  Example:
+    >>> from pallas_kernels.block_schedule import make_schedule
+    >>> q = jax.random.normal(jax.random.key(0), (1, 100, 2, 32))
+    >>> s = make_schedule(100, 100, 32, 16, causal=True)
+    >>> out, lse = flash_attention(q, q, q, None, None, s, causal=True, local_window_size=None,
+    ...                            scale=32 ** -0.5, logits_soft_cap=None, interpret=True)
+    >>> out.shape, lse.shape
+    ((1, 100, 2, 32), (1, 2, 100))
+  """
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
+  b, sq, hq, d = q.shape
+  bk_, sk, hk, dk_ = k.shape
+  if bk_ != b or v.shape[:3] != k.shape[:3] or dk_ != d:
+    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape}")
+  if hq % hk:
+    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+  d_v = v.shape[-1]
+  if not (1 <= d <= 256 and 1 <= d_v <= 256):
+    raise ValueError(f"head_dim must be <= 256, got {d} (v: {d_v})")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    raise TypeError(f"dtype must be float32, bfloat16 or float16, got {q.dtype}")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  if q_segment_ids is not None and (q_segment_ids.shape != (b, sq)
+                                    or kv_segment_ids.shape != (b, sk)):
+    raise ValueError(f"segment ids must be [batch, len]: got {q_segment_ids.shape}, "
+                     f"{kv_segment_ids.shape} for q {q.shape}, k {k.shape}")
+  if (schedule.q_len, schedule.kv_len) != (sq, sk):
+    raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
+                     f"have ({sq}, {sk})")
+  bq, bk = schedule.block_q, schedule.block_k
+  for name, n in (("block_q", bq), ("block_k", bk)):
+    if n < 16 or n & (n - 1):
+      raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
+  for arr in (schedule.kv_indices, schedule.q_indices):
+    bs, hs = arr.shape[:2]
+    if bs not in (1, b) or hs not in (1, hk):
+      raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {arr.shape[:2]}")
+
+  defaults = default_block_sizes(d, q.dtype)
+  dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, bq)
+  dq_k_chunk = min(dq_k_chunk or defaults.dq_k_chunk, bk)
+  for name, c, blk in (("dkv_q_chunk", dkv_q_chunk, bq), ("dq_k_chunk", dq_k_chunk, bk)):
+    if c < 16 or blk % c:
+      raise ValueError(f"{name}={c} must be >= 16 and divide the tile {blk}")
+  d_max = max(_pow2(d), _pow2(d_v))
+  if num_warps is None:
+    num_warps = 8 if bq >= 128 and d_max >= 128 else 4
+  if bwd_num_warps is None:
+    bwd_num_warps = 8 if max(bq, bk) >= 128 or (bk >= 64 and d_max >= 128) else 4
+  st = _Static(
+      block_q=bq, block_k=bk, q_len=sq, kv_len=sk, causal=bool(causal),
+      window=normalize_window(local_window_size), scale=float(scale),
+      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      num_warps=int(num_warps), num_stages=int(num_stages or defaults.num_stages),
+      bwd_num_warps=int(bwd_num_warps),
+      bwd_num_stages=int(bwd_num_stages or defaults.bwd_num_stages),
+      dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret))
+
+  nq, nk = -(-sq // bq), -(-sk // bk)
+  d_p, dv_p = _pow2(d), _pow2(d_v)
+  qp = _pad_axis(_pad_axis(q, 1, nq * bq), 3, d_p)
+  kp = _pad_axis(_pad_axis(k, 1, nk * bk), 3, d_p)
+  vp = _pad_axis(_pad_axis(v, 1, nk * bk), 3, dv_p)
+  if q_segment_ids is not None:
+    qs = _pad_axis(q_segment_ids.astype(jnp.int32), 1, nq * bq)
+    ks = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, nk * bk)
+  else:
+    qs = ks = None
+  fwd_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
+  bwd_rows = _pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
+  out, lse = _flash_padded(st, qp, kp, vp, qs, ks, fwd_rows, bwd_rows)
+  return out[:, :sq, :, :d_v], lse[:, :, :sq]
+
+
+__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]
