@@ -1,0 +1,498 @@
+"""``Attention``: one Flax NNX attention layer for every ``LayerSpec`` kind, with KV caches.
+
+* Heads: GQA/MQA (``num_heads % num_kv_heads == 0``), or MLA-style low-rank latent KV
+  (``kv_lora_rank``): keys/values are up-projected from a normalised latent of ``kv_lora_rank``
+  channels, plus a decoupled RoPE key part of ``rope_head_dim`` channels shared by all heads; the
+  cache holds only the latent and the rotated RoPE key.
+* Positions: RoPE (``spec.rope_base``) at explicit positions, or NoPE (``rope_base=None``).
+  ``qk_norm`` applies RMSNorm to each query and key head before RoPE.
+* Dispatch (training / full forward): "global" -> ``jattn.flash_attention(causal=True)``;
+  "local" -> ``flash_attention(causal=True, local_window_size=(window - 1, 0))``; "sparse" ->
+  ``jattn.sparse.sparse_attention``; "csa" -> ``jattn.nn.csa``. Packed inputs pass segment ids to
+  the op and positions (restarting per document) to RoPE.
+* Decode: ``init_cache(batch_size, max_len, dtype)`` creates ``nnx.Cache`` variables; ``decode(x)``
+  appends t >= 1 tokens (prefill and single steps share one path) and attends by absolute position.
+  "global"/"sparse" keep ``max_len`` tokens; "local" keeps a ring buffer of ``window`` tokens with
+  their positions; "csa" keeps compressed entries plus a raw ring (or the raw KV for two_stage).
+  All rows of a batch advance together (one shared cache index); to decode packed documents, decode
+  each document in its own row (or its own call), starting from position 0.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn.attention import flash_attention
+from jattn.decode import decode_attention
+from jattn.merge import merge
+from jattn.nn import csa as csa_ops
+from jattn.nn.rope import apply_rope
+from jattn.nn.schedule import LayerSpec
+from pallas_kernels.flash.reference import attention_reference
+
+
+def _get(var):
+  return var.get_value()
+
+
+def _set(var, value):
+  var.set_value(value)
+
+
+def masked_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
+  """Causal attention by absolute position (the decode path): key j visible to query i iff
+  ``0 <= k_pos[j] <= q_pos[i]`` and, with a window w, ``k_pos[j] > q_pos[i] - w``.
+
+  Args:
+    q: [batch, t, q_heads, d].
+    k: [batch, n, kv_heads, d].
+    v: [batch, n, kv_heads, dv].
+    q_pos: int [t] query positions (shared by the batch).
+    k_pos: int [n] key positions; negative marks an empty slot.
+    window: None or the window in tokens.
+    scale: logit scale (default 1/sqrt(d)).
+
+  Returns:
+    (out [batch, t, q_heads, dv] in q.dtype, lse [batch, q_heads, t] fp32).
+
+  Example:
+    >>> q = jnp.ones((1, 2, 2, 4)); k = jnp.ones((1, 5, 1, 4))
+    >>> out, lse = masked_attention(q, k, k, jnp.array([3, 4]), jnp.arange(5), window=2)
+    >>> out.shape
+    (1, 2, 2, 4)
+  """
+  kp, qp = k_pos[None, :], q_pos[:, None]
+  mask = (kp >= 0) & (kp <= qp)
+  if window is not None:
+    mask = mask & (kp > qp - window)
+  return attention_reference(q, k, v, causal=False, block_mask=mask, scale=scale)
+
+
+def _sparse_module():
+  try:
+    from jattn import sparse
+  except ImportError as e:  # pragma: no cover - depends on the checkout
+    raise NotImplementedError("kind='sparse' needs jattn.sparse (sparse_attention)") from e
+  return sparse
+
+
+class Attention(nnx.Module):
+  """Multi-head causal self-attention for one ``LayerSpec``, with an optional KV cache.
+
+  Args:
+    d_model: model width.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (GQA/MQA; with MLA, the heads keys/values are up-projected to).
+    head_dim: per-head width of queries/keys/values (with MLA: the non-RoPE part and the value
+      width; queries/keys then have ``head_dim + rope_head_dim`` channels).
+    spec: the layer's ``LayerSpec`` (kind, window, RoPE base, sparsity, CSA settings).
+    kv_lora_rank: None (plain GQA) or the MLA latent width.
+    rope_head_dim: MLA only: width of the decoupled RoPE part of queries/keys (even, > 0).
+    qk_norm: RMSNorm each query/key head (MLA: the non-RoPE part) before RoPE.
+    implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
+    interpret: run Pallas kernels in interpret mode (CPU tests).
+    param_dtype: parameter dtype.
+    rngs: ``nnx.Rngs`` (keyword-only).
+
+  Example:
+    >>> layer = Attention(64, 4, 2, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
+    >>> y = layer(jnp.ones((2, 20, 64)))
+    >>> layer.init_cache(2, 32, jnp.float32)
+    >>> y_step = layer.decode(jnp.ones((2, 1, 64)))
+  """
+
+  def __init__(self, d_model, num_heads, num_kv_heads, head_dim, spec=None, *, kv_lora_rank=None,
+               rope_head_dim=0, qk_norm=False, implementation=None, interpret=False,
+               param_dtype=jnp.float32, rngs):
+    spec = LayerSpec("global") if spec is None else spec
+    if not isinstance(spec, LayerSpec):
+      raise TypeError(f"spec must be a LayerSpec, got {type(spec).__name__}")
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    self.mla = kv_lora_rank is not None
+    if self.mla:
+      if spec.kind == "csa":
+        raise ValueError("MLA (kv_lora_rank) with a 'csa' layer is not supported: CSA pools raw "
+                         "keys/values, MLA caches a latent")
+      if spec.rope_base is not None and (rope_head_dim <= 0 or rope_head_dim % 2):
+        raise ValueError("MLA with RoPE needs an even rope_head_dim > 0 (the decoupled RoPE part)")
+      if spec.rope_base is None and rope_head_dim:
+        raise ValueError("rope_head_dim with a NoPE layer (rope_base=None) would be ignored; "
+                         "pass rope_head_dim=0 for NoPE MLA layers")
+    else:
+      if rope_head_dim:
+        raise ValueError("rope_head_dim is an MLA option (set kv_lora_rank)")
+      if spec.rope_base is not None and head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if spec.kind == "csa" and spec.csa_mode == "two_stage" and implementation not in (None, "xla"):
+      raise ValueError("CSA 'two_stage' runs the jnp reference path only; "
+                       f"implementation={implementation!r} cannot be honoured")
+    self.spec = spec
+    self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+    self.head_dim, self.rope_head_dim = head_dim, rope_head_dim
+    self.kv_lora_rank = kv_lora_rank
+    self.implementation, self.interpret = implementation, interpret
+    self.qk_dim = head_dim + rope_head_dim
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+    self.wq = lin(d_model, num_heads * self.qk_dim)
+    if self.mla:
+      self.w_dkv = lin(d_model, kv_lora_rank)
+      self.kv_norm = nnx.RMSNorm(kv_lora_rank, param_dtype=param_dtype, rngs=rngs)
+      self.w_uk = lin(kv_lora_rank, num_kv_heads * head_dim)
+      self.w_uv = lin(kv_lora_rank, num_kv_heads * head_dim)
+      self.w_kr = lin(d_model, rope_head_dim) if rope_head_dim else None
+    else:
+      self.wk = lin(d_model, num_kv_heads * head_dim)
+      self.wv = lin(d_model, num_kv_heads * head_dim)
+    self.wo = lin(num_heads * head_dim, d_model)
+    self.qk_norm = qk_norm
+    if qk_norm:
+      self.q_norm = nnx.RMSNorm(head_dim, param_dtype=param_dtype, rngs=rngs)
+      self.k_norm = nnx.RMSNorm(head_dim, param_dtype=param_dtype, rngs=rngs)
+    if spec.kind == "csa":
+      r = spec.compress_ratio
+      self.gate_k = lin(d_model, num_kv_heads * head_dim)
+      self.gate_v = lin(d_model, num_kv_heads * head_dim)
+      self.bias_k = nnx.Param(jnp.zeros((2 * r, num_kv_heads, head_dim), param_dtype))
+      self.bias_v = nnx.Param(jnp.zeros((2 * r, num_kv_heads, head_dim), param_dtype))
+      self.sink = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if spec.csa_sink else None
+    self.cache_names = ()
+
+  # ---------------------------------------------------------------- projections
+  def _project(self, x, positions):
+    """x [b, t, d_model] -> (q [b, t, hq, qk_dim], cache entries of the t tokens)."""
+    b, t, _ = x.shape
+    spec, hk, d = self.spec, self.num_kv_heads, self.head_dim
+    q = self.wq(x).reshape(b, t, self.num_heads, self.qk_dim)
+    if self.mla:
+      q_nope, q_rope = q[..., :d], q[..., d:]
+      if self.qk_norm:
+        q_nope = self.q_norm(q_nope)
+      q_rope = apply_rope(q_rope, positions, spec.rope_base)
+      q = jnp.concatenate([q_nope, q_rope], axis=-1)
+      ent = {"latent": self.kv_norm(self.w_dkv(x))}
+      if self.rope_head_dim:
+        ent["k_rope"] = apply_rope(self.w_kr(x), positions, spec.rope_base)  # [b, t, rope_dim]
+    else:
+      k = self.wk(x).reshape(b, t, hk, d)
+      v = self.wv(x).reshape(b, t, hk, d)
+      if self.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+      q = apply_rope(q, positions, spec.rope_base)
+      k = apply_rope(k, positions, spec.rope_base)
+      ent = {"k": k, "v": v}
+    if spec.kind == "csa":
+      ent["gk"] = self.gate_k(x).reshape(b, t, hk, d)
+      ent["gv"] = self.gate_v(x).reshape(b, t, hk, d)
+    return q, ent
+
+  def _expand(self, ent):
+    """Cache entries -> (k [b, n, hk, qk_dim], v [b, n, hk, head_dim])."""
+    if not self.mla:
+      return ent["k"], ent["v"]
+    lat = ent["latent"]
+    b, n, _ = lat.shape
+    k = self.w_uk(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
+    v = self.w_uv(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
+    if self.qk_norm:
+      k = self.k_norm(k)
+    if self.rope_head_dim:
+      kr = jnp.broadcast_to(ent["k_rope"][:, :, None, :].astype(k.dtype),
+                            (b, n, self.num_kv_heads, self.rope_head_dim))
+      k = jnp.concatenate([k, kr], axis=-1)
+    return k, v
+
+  @property
+  def scale(self):
+    return 1.0 / (self.qk_dim ** 0.5)
+
+  # ---------------------------------------------------------------- forward
+  def __call__(self, x, segment_ids=None, positions=None, *, return_qk=False):
+    """Full (training) forward pass; the cache is neither read nor written.
+
+    Args:
+      x: [batch, seq, d_model].
+      segment_ids: None or int [batch, seq] packed-document ids (0 = padding).
+      positions: None (0..seq-1) or int [batch, seq] positions for RoPE (restart per document).
+      return_qk: also return ``{"q": q, "k": k}`` as fed to attention (after norms and RoPE;
+        q [batch, seq, heads, qk_dim], k [batch, seq, kv_heads, qk_dim]).
+
+    Returns:
+      y [batch, seq, d_model] (and the q/k dict if return_qk).
+    """
+    b, s, _ = x.shape
+    spec = self.spec
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    q, ent = self._project(x, positions)
+    k, v = self._expand(ent)
+    impl = dict(implementation=self.implementation, interpret=self.interpret)
+    if spec.kind == "global":
+      o = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=self.scale, **impl)
+    elif spec.kind == "local":
+      o = flash_attention(q, k, v, causal=True, local_window_size=(spec.window - 1, 0),
+                          segment_ids=segment_ids, scale=self.scale, **impl)
+    elif spec.kind == "sparse":
+      o = self._sparse_forward(q, k, v, segment_ids)
+    else:
+      o = self._csa_forward(q, k, v, ent, segment_ids)
+    y = self.wo(o.astype(x.dtype).reshape(b, s, self.num_heads * self.head_dim))
+    return (y, {"q": q, "k": k}) if return_qk else y
+
+  def _sparse_forward(self, q, k, v, segment_ids):
+    spec = self.spec
+    sparse = _sparse_module()
+    return sparse.sparse_attention(
+        q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
+        gate_grad=spec.gate_grad, causal=True, segment_ids=segment_ids, scale=self.scale,
+        implementation=self.implementation, interpret=self.interpret)
+
+  def _csa_forward(self, q, k, v, ent, segment_ids):
+    spec = self.spec
+    if segment_ids is not None:
+      raise NotImplementedError("CSA layers do not support packed segment ids (compressed windows "
+                                "would straddle documents)")
+    b, s = q.shape[:2]
+    r = spec.compress_ratio
+    c = csa_ops.num_entries(s, r)
+    ck = csa_ops.pool_windows(k, ent["gk"], _get(self.bias_k), r, c)
+    cv = csa_ops.pool_windows(v, ent["gv"], _get(self.bias_v), r, c)
+    q_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if spec.csa_mode == "two_stage":
+      o, _ = csa_ops.two_stage_attention(q, k, v, ck, cv, q_pos, ratio=r,
+                                         block_size=spec.block_size, top_k=spec.top_k,
+                                         scale=self.scale)
+      return o
+    o_l, lse_l = flash_attention(q, k, v, causal=True, local_window_size=(spec.window - 1, 0),
+                                 scale=self.scale, return_lse=True,
+                                 implementation=self.implementation, interpret=self.interpret)
+    return self._csa_combine(q, o_l, lse_l, ck, cv, q_pos)
+
+  def _csa_combine(self, q, o_l, lse_l, ck, cv, q_pos):
+    spec = self.spec
+    o_c, lse_c = csa_ops.compressed_partial(q, ck, cv, q_pos, ratio=spec.compress_ratio,
+                                            top_k=spec.top_k, scale=self.scale)
+    o, lse = merge(o_l.astype(jnp.float32), lse_l.transpose(0, 2, 1), o_c, lse_c)
+    if self.sink is not None:
+      o, lse = merge(o, lse, *csa_ops.sink_partial(_get(self.sink), o.shape))
+    return o
+
+  # ---------------------------------------------------------------- cache
+  def cache_layout(self, max_len):
+    """Cache arrays as {name: (storage, slots, per-token shape)}; storage is "full", "ring"
+    or "compressed" (the layout ``init_cache`` allocates and ``kv_cache_bytes`` counts).
+
+    Args:
+      max_len: longest context the cache must serve.
+
+    Returns:
+      dict name -> (storage, number of token slots, per-slot shape without batch).
+
+    Example:
+      >>> layer = Attention(64, 4, 1, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
+      >>> layer.cache_layout(100)["k"]
+      ('ring', 8, (1, 16))
+    """
+    return cache_layout(self.spec, max_len, num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, kv_lora_rank=self.kv_lora_rank,
+                        rope_head_dim=self.rope_head_dim)
+
+  def init_cache(self, batch_size, max_len, dtype=jnp.float32):
+    """Allocate (or reset) the KV cache as ``nnx.Cache`` variables.
+
+    Args:
+      batch_size: rows decoded together.
+      max_len: total tokens (prompt + generated) the cache must hold; local layers keep only a
+        ring buffer of ``window`` tokens whatever max_len is.
+      dtype: cache dtype (e.g. jnp.bfloat16).
+
+    Returns:
+      None.
+    """
+    names = []
+    ring_sizes = set()
+    for name, (storage, slots, shape) in self.cache_layout(max_len).items():
+      setattr(self, f"cache_{name}", nnx.Cache(jnp.zeros((batch_size, slots) + shape, dtype)))
+      names.append(name)
+      if storage == "ring":
+        ring_sizes.add(slots)
+    for size in sorted(ring_sizes):
+      setattr(self, f"ring_pos_{size}", nnx.Cache(jnp.full((size,), -1, jnp.int32)))
+    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+    self.cache_names = tuple(names)
+    self.cache_max_len = max_len
+
+  def decode(self, x, *, return_qk=False):
+    """Append t >= 1 tokens to the cache and attend them to everything cached (by position).
+
+    Args:
+      x: [batch, t, d_model] the next t tokens' inputs (positions continue from the cache index).
+      return_qk: also return ``{"q": q}`` for the new tokens.
+
+    Returns:
+      y [batch, t, d_model]. The cache index advances by t. Writing past ``max_len`` is not
+      checked under jit (full caches would clamp): size the cache for the whole sequence.
+    """
+    if not self.cache_names:
+      raise ValueError("call init_cache(batch_size, max_len, dtype) before decode")
+    b, t, _ = x.shape
+    spec = self.spec
+    p = _get(self.cache_index)
+    pos = p + jnp.arange(t, dtype=jnp.int32)                         # [t]
+    q, ent = self._project(x, jnp.broadcast_to(pos, (b, t)))
+    layout = self.cache_layout(self.cache_max_len)
+    dt = _get(getattr(self, f"cache_{self.cache_names[0]}")).dtype
+    ent = {n: a.astype(dt) for n, a in ent.items()}
+    if spec.kind in ("global", "sparse"):
+      full = self._write_full(ent, p)
+      k, v = self._expand(full)
+      kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
+      if spec.kind == "global" and t == 1:
+        o = decode_attention(q[:, 0], k, v, jnp.full((b,), p + 1, jnp.int32), scale=self.scale,
+                             implementation=self.implementation, interpret=self.interpret)[:, None]
+      elif spec.kind == "global":
+        o, _ = masked_attention(q, k, v, pos, kpos, scale=self.scale)
+      else:
+        o = self._sparse_decode(q, k, v, pos, p)
+    elif spec.kind == "local":
+      size = spec.window
+      if t == 1:  # write first: the ring then holds exactly the visible window (order is moot)
+        self._ring_write(ent, list(ent), size, pos)
+        k, v = self._expand({n: _get(getattr(self, f"cache_{n}")) for n in ent})
+        lens = jnp.full((b,), jnp.minimum(p + 1, size), jnp.int32)
+        o = decode_attention(q[:, 0], k, v, lens, scale=self.scale,
+                             implementation=self.implementation, interpret=self.interpret)[:, None]
+      else:
+        keys, kpos = self._ring_concat(ent, list(ent), size)
+        k, v = self._expand(keys)
+        o, _ = masked_attention(q, k, v, pos, kpos, window=spec.window, scale=self.scale)
+        self._ring_write(ent, list(ent), size, pos)
+    else:
+      o = self._csa_decode(q, ent, pos, p, layout)
+    _set(self.cache_index, p + t)
+    y = self.wo(o.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim))
+    return (y, {"q": q}) if return_qk else y
+
+  def _write_full(self, ent, p, names=None):
+    out = {}
+    for n in (names or list(ent)):
+      var = getattr(self, f"cache_{n}")
+      new = jax.lax.dynamic_update_slice_in_dim(_get(var), ent[n], p, axis=1)
+      _set(var, new)
+      out[n] = new
+    return out
+
+  def _ring_concat(self, ent, names, size):
+    rpos = _get(getattr(self, f"ring_pos_{size}"))
+    t = ent[names[0]].shape[1]
+    p = _get(self.cache_index)
+    keys = {n: jnp.concatenate([_get(getattr(self, f"cache_{n}")), ent[n]], axis=1) for n in names}
+    return keys, jnp.concatenate([rpos, p + jnp.arange(t, dtype=jnp.int32)])
+
+  def _ring_write(self, ent, names, size, pos):
+    t = pos.shape[0]
+    m = min(t, size)
+    slots = pos[t - m:] % size
+    for n in names:
+      var = getattr(self, f"cache_{n}")
+      _set(var, _get(var).at[:, slots].set(ent[n][:, t - m:]))
+    rp = getattr(self, f"ring_pos_{size}")
+    _set(rp, _get(rp).at[slots].set(pos[t - m:]))
+
+  def _sparse_decode(self, q, k, v, pos, p):
+    spec = self.spec
+    sparse = _sparse_module()
+    return sparse.sparse_decode_reference(q, k, v, pos, block_size=spec.block_size,
+                                          top_k=spec.top_k, q_block_size=spec.q_block_size,
+                                          scale=self.scale)
+
+  def _csa_decode(self, q, ent, pos, p, layout):
+    spec = self.spec
+    r = spec.compress_ratio
+    b, t = q.shape[:2]
+    # raw k/v and gates of each new entry's window (positions P - 2r + 1 .. P for P = p + i)
+    P = pos
+    valid = ((P + 1) % r == 0) & (P + 1 >= 2 * r)
+    cidx = jnp.where(valid, (P + 1) // r - 2, layout["ck"][1])     # out of range -> dropped
+    X = P[:, None] - 2 * r + 1 + jnp.arange(2 * r)[None]           # [t, 2r]
+
+    def recent(n, size):
+      ring = _get(getattr(self, f"cache_{n}"))
+      idx = jnp.where(X >= p, size + (X - p), X % size)
+      idx = jnp.clip(idx, 0, size + t - 1)
+      return jnp.concatenate([ring, ent[n]], axis=1)[:, idx]       # [b, t, 2r, hk, d]
+
+    g_size = 2 * r
+    gk, gv = recent("gk", g_size), recent("gv", g_size)
+    if spec.csa_mode == "two_stage":
+      full = self._write_full(ent, p, ["k", "v"])
+      xi = jnp.clip(X, 0, full["k"].shape[1] - 1)
+      kw, vw = full["k"][:, xi], full["v"][:, xi]
+    else:
+      raw_size = layout["k"][1]
+      kw, vw = recent("k", raw_size), recent("v", raw_size)
+    new_ck = csa_ops.pool_one_window(kw, gk, _get(self.bias_k))      # [b, t, hk, d]
+    new_cv = csa_ops.pool_one_window(vw, gv, _get(self.bias_v))
+    comp = {}
+    for n, val in (("ck", new_ck), ("cv", new_cv)):
+      var = getattr(self, f"cache_{n}")
+      arr = _get(var).at[:, cidx].set(val.astype(_get(var).dtype), mode="drop")
+      _set(var, arr)
+      comp[n] = arr
+    q_pos = jnp.broadcast_to(pos, (b, t))
+    if spec.csa_mode == "two_stage":
+      o, _ = csa_ops.two_stage_attention(q, full["k"], full["v"], comp["ck"], comp["cv"], q_pos,
+                                         ratio=r, block_size=spec.block_size, top_k=spec.top_k,
+                                         scale=self.scale)
+    else:
+      keys, kpos = self._ring_concat(ent, ["k", "v"], raw_size)
+      o_l, lse_l = masked_attention(q, keys["k"], keys["v"], pos, kpos, window=spec.window,
+                                    scale=self.scale)
+      o = self._csa_combine(q, o_l, lse_l, comp["ck"], comp["cv"], q_pos)
+      self._ring_write(ent, ["k", "v"], raw_size, pos)
+    self._ring_write(ent, ["gk", "gv"], g_size, pos)
+    return o
+
+
+def cache_layout(spec, max_len, *, num_kv_heads, head_dim, kv_lora_rank=None, rope_head_dim=0):
+  """What a layer caches for a context of ``max_len`` tokens.
+
+  Args:
+    spec: the layer's LayerSpec.
+    max_len: context length.
+    num_kv_heads: kv heads.
+    head_dim: head width (MLA: the non-RoPE part).
+    kv_lora_rank: MLA latent width or None.
+    rope_head_dim: MLA decoupled RoPE width.
+
+  Returns:
+    dict name -> (storage, slots, per-slot shape): storage "full" (max_len slots), "ring"
+    (a fixed number of recent tokens) or "compressed" (one slot per compressed entry).
+
+  Example:
+    >>> cache_layout(LayerSpec("global"), 10, num_kv_heads=2, head_dim=4)["v"]
+    ('full', 10, (2, 4))
+  """
+  hk, d = num_kv_heads, head_dim
+  if kv_lora_rank is not None:
+    per = {"latent": (kv_lora_rank,)}
+    if rope_head_dim:
+      per["k_rope"] = (rope_head_dim,)
+  else:
+    per = {"k": (hk, d), "v": (hk, d)}
+  if spec.kind in ("global", "sparse"):
+    return {n: ("full", max_len, s) for n, s in per.items()}
+  if spec.kind == "local":
+    return {n: ("ring", spec.window, s) for n, s in per.items()}
+  r = spec.compress_ratio
+  c = csa_ops.num_entries(max_len, r)
+  out = {}
+  if spec.csa_mode == "compressed":
+    raw = max(spec.window, 2 * r)
+    out.update({n: ("ring", raw, s) for n, s in per.items()})
+  else:
+    out.update({n: ("full", max_len, s) for n, s in per.items()})
+  out.update({"gk": ("ring", 2 * r, (hk, d)), "gv": ("ring", 2 * r, (hk, d))})
+  out.update({"ck": ("compressed", c, (hk, d)), "cv": ("compressed", c, (hk, d))})
+  return out

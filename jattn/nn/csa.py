@@ -1,0 +1,220 @@
+"""CSA: compressed sparse attention along the token axis.
+
+Keys and values are compressed by learned weighted pooling: compressed entry c covers raw tokens
+``[c * r, c * r + 2r)`` (width 2 x ratio, stride ratio, 50% overlap) and is
+
+    ck[c] = sum_j softmax_j(gate_k[c*r + j] + bias_k[j]) * k[c*r + j]      (per channel)
+
+with gate logits from a learned projection of the layer input and a learned position bias
+``bias[2r, kv_heads, head_dim]`` (the same for values with their own gate). An entry exists only once
+its window is complete: a query at position t sees entry c iff ``c*r + 2r - 1 <= t`` (the window's
+last token is at or before the query).
+
+Two modes (``LayerSpec.csa_mode``):
+
+* "compressed": per query head, the ``top_k`` visible entries with the largest ``q . ck`` plus a raw
+  causal local window of ``window`` tokens, under one softmax (plus an optional learned sink logit).
+  The local part runs on ``jattn.flash_attention``; the parts are combined by ``jattn.merge``.
+* "two_stage": per query token and kv head, blocks of ``block_size`` raw tokens are scored by the best
+  ``q . ck`` (query heads of a GQA group averaged) over the visible entries whose window starts in the
+  block; the ``top_k`` best past blocks plus the query's own block are attended precisely on raw KV
+  (causal), and every other visible compressed entry forms a coarse partial; fine and coarse partials
+  share one normalisation through ``jattn.merge``.
+
+The functions here are pure and shared by the training forward and the cached decode path, so both
+compute the same selections. Selections are non-differentiable (gradients flow through the logits of
+the selected keys and entries). The scoring materialises [batch, heads, q_len, entries] logits, and
+"two_stage" computes its fine stage with the fp32 reference (an element mask), so CSA is a
+reference-quality path for research at moderate lengths, not a fused kernel.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn.merge import merge
+from pallas_kernels.flash.reference import attention_reference
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def num_entries(num_tokens, ratio):
+  """Compressed slots for ``num_tokens`` raw tokens (``ceil(n / r)``; the last may never complete).
+
+  Args:
+    num_tokens: raw tokens.
+    ratio: compression ratio r.
+
+  Returns:
+    int, the number of compressed slots (entry c needs tokens up to c*r + 2r - 1).
+
+  Example:
+    >>> num_entries(30, 4)
+    8
+  """
+  return -(-num_tokens // ratio)
+
+
+def entry_end(c, ratio):
+  """Position of the last raw token of compressed entry(ies) ``c`` (visible to t iff end <= t)."""
+  return c * ratio + 2 * ratio - 1
+
+
+def pool_windows(x, gate, bias, ratio, n_entries):
+  """Learned weighted pooling of raw tokens into overlapping windows (width 2r, stride r).
+
+  Args:
+    x: [batch, n, heads, dim] raw keys or values.
+    gate: [batch, n, heads, dim] gate logits of the same tokens.
+    bias: [2r, heads, dim] learned position bias.
+    ratio: r.
+    n_entries: compressed entries to produce; tokens past ``n`` are zero padding (entries that
+      touch them are never visible).
+
+  Returns:
+    [batch, n_entries, heads, dim] in fp32.
+
+  Example:
+    >>> x = jnp.ones((1, 16, 2, 4))
+    >>> pool_windows(x, x, jnp.zeros((8, 2, 4)), 4, 4).shape
+    (1, 4, 2, 4)
+  """
+  n = x.shape[1]
+  need = n_entries * ratio + ratio
+  if need > n:
+    pad = [(0, 0), (0, need - n), (0, 0), (0, 0)]
+    x, gate = jnp.pad(x, pad), jnp.pad(gate, pad)
+  idx = jnp.arange(n_entries)[:, None] * ratio + jnp.arange(2 * ratio)[None]  # [C, 2r]
+  xw = x[:, idx].astype(jnp.float32)                                           # [b, C, 2r, h, d]
+  w = jax.nn.softmax(gate[:, idx].astype(jnp.float32) + bias.astype(jnp.float32), axis=2)
+  return jnp.sum(w * xw, axis=2)
+
+
+def pool_one_window(xw, gw, bias):
+  """Pool explicit windows: xw, gw [batch, m, 2r, heads, dim] -> [batch, m, heads, dim] fp32."""
+  w = jax.nn.softmax(gw.astype(jnp.float32) + bias.astype(jnp.float32), axis=2)
+  return jnp.sum(w * xw.astype(jnp.float32), axis=2)
+
+
+def _entry_scores(q, ck, q_pos, ratio, scale):
+  """Scaled logits q . ck masked to visible entries: [b, hk, g, t, C] fp32 (-inf = invisible)."""
+  b, t, hq, d = q.shape
+  c, hk = ck.shape[1], ck.shape[2]
+  qf = q.astype(jnp.float32).reshape(b, t, hk, hq // hk, d)                     # [b, t, hk, g, d]
+  s = jnp.einsum("bthgd,bchd->bhgtc", qf, ck.astype(jnp.float32), precision=_HI) * scale
+  vis = entry_end(jnp.arange(c), ratio)[None, :] <= q_pos[:, :, None]          # [b, t, C]
+  return jnp.where(vis[:, None, None], s, -jnp.inf), vis
+
+
+def _softmax_partial(s, cv):
+  """Softmax over the last axis of masked logits s [b, hk, g, t, C] with values cv [b, C, hk, dv].
+
+  Returns (out [b, t, hq, dv] fp32, lse [b, t, hq] fp32; 0 / -inf for rows with no entry)."""
+  b, hk, g, t, _ = s.shape
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o = jnp.einsum("bhgtc,bchd->bthgd", p / l_safe, cv.astype(jnp.float32), precision=_HI)
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]              # [b, hk, g, t]
+  return o.reshape(b, t, hk * g, -1), lse.transpose(0, 3, 1, 2).reshape(b, t, hk * g)
+
+
+def _top_k_mask(s, k):
+  """Bool mask of the k largest finite entries along the last axis (ties at the k-th may add)."""
+  k = min(k, s.shape[-1])
+  kth = jax.lax.top_k(jax.lax.stop_gradient(s), k)[0][..., -1:]
+  return (s >= kth) & jnp.isfinite(s)
+
+
+def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale):
+  """Attention of each query head over its top-K visible compressed entries.
+
+  Args:
+    q: [batch, t, q_heads, d] queries (after RoPE / norms).
+    ck: [batch, C, kv_heads, d] compressed keys (entry c covers tokens c*r .. c*r + 2r - 1).
+    cv: [batch, C, kv_heads, dv] compressed values.
+    q_pos: int [batch, t] absolute query positions.
+    ratio: compression ratio r.
+    top_k: entries kept per query head and token.
+    scale: logit scale.
+
+  Returns:
+    (out [batch, t, q_heads, dv] fp32, lse [batch, t, q_heads] fp32), a partial for ``jattn.merge``.
+
+  Example:
+    >>> q = jnp.ones((1, 8, 2, 4)); ck = jnp.ones((1, 2, 1, 4))
+    >>> o, lse = compressed_partial(q, ck, ck, jnp.arange(8)[None], ratio=4, top_k=1, scale=0.5)
+    >>> o.shape, lse.shape
+    ((1, 8, 2, 4), (1, 8, 2))
+  """
+  s, _ = _entry_scores(q, ck, q_pos, ratio, scale)
+  s = jnp.where(_top_k_mask(s, top_k), s, -jnp.inf)
+  return _softmax_partial(s, cv)
+
+
+def sink_partial(sink, shape_o):
+  """A learned sink as a partial: zero output with lse = sink[h] (one extra softmax logit)."""
+  b, t, hq, dv = shape_o
+  lse = jnp.broadcast_to(sink.astype(jnp.float32)[None, None, :], (b, t, hq))
+  return jnp.zeros((b, t, hq, dv), jnp.float32), lse
+
+
+def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, scale):
+  """Coarse-to-fine attention: compressed keys pick blocks, raw KV of those blocks is attended.
+
+  Raw key j sits at position j (j < kv_len); rows of ``k`` past the filled length are never visible
+  because they lie after every query (causal).
+
+  Args:
+    q: [batch, t, q_heads, d].
+    k: [batch, kv_len, kv_heads, d] raw keys (position = index).
+    v: [batch, kv_len, kv_heads, dv].
+    ck: [batch, C, kv_heads, d] compressed keys.
+    cv: [batch, C, kv_heads, dv] compressed values.
+    q_pos: int [batch, t] query positions.
+    ratio: r; ``block_size % ratio == 0``.
+    block_size: raw tokens per block.
+    top_k: past blocks attended precisely per query token and kv head.
+    scale: logit scale.
+
+  Returns:
+    (out [batch, t, q_heads, dv] fp32, lse [batch, t, q_heads] fp32).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
+    >>> k = jax.random.normal(jax.random.key(1), (1, 16, 1, 8))
+    >>> ck = jax.random.normal(jax.random.key(2), (1, 4, 1, 8))
+    >>> o, lse = two_stage_attention(q, k, k, ck, ck, jnp.arange(16)[None], ratio=4,
+    ...                              block_size=8, top_k=1, scale=0.35)
+    >>> o.shape
+    (1, 16, 2, 8)
+  """
+  if block_size % ratio:
+    raise ValueError(f"block_size ({block_size}) must be a multiple of ratio ({ratio})")
+  b, t, hq, _ = q.shape
+  kv_len, hk = k.shape[1], k.shape[2]
+  c = ck.shape[1]
+  epb = block_size // ratio                                   # entries starting in each block
+  nb = max(-(-kv_len // block_size), -(-c // epb))
+  s, vis = _entry_scores(q, ck, q_pos, ratio, scale)          # [b, hk, g, t, C]
+  # Block scores per kv head: best group-mean entry score among the block's visible entries.
+  sg = jnp.where(vis[:, None], jnp.mean(jnp.where(vis[:, None, None], s, 0.0), axis=2), -jnp.inf)
+  sg = jnp.pad(sg, [(0, 0)] * 3 + [(0, nb * epb - c)], constant_values=-jnp.inf)
+  block_score = jnp.max(sg.reshape(b, hk, t, nb, epb), axis=-1)   # [b, hk, t, nb]
+  own = (q_pos // block_size)[:, None, :, None]                    # [b, 1, t, 1]
+  blocks = jnp.arange(nb)
+  block_score = jnp.where(blocks < own, block_score, -jnp.inf)     # candidates: past blocks
+  fine_blocks = _top_k_mask(block_score, top_k) | (blocks == own)  # [b, hk, t, nb]
+  kp = jnp.arange(kv_len)
+  fine_mask = jnp.take(fine_blocks, kp // block_size, axis=-1)      # [b, hk, t, kv_len]
+  fine_mask = fine_mask & (kp[None, None, None, :] <= q_pos[:, None, :, None])
+  o_f, lse_f = attention_reference(q, k, v, causal=False, block_mask=fine_mask, scale=scale)
+  # Coarse partial: visible entries whose block is not attended precisely.
+  owner = (jnp.arange(c) * ratio) // block_size
+  coarse = ~jnp.take(fine_blocks, owner, axis=-1)                   # [b, hk, t, C]
+  o_c, lse_c = _softmax_partial(jnp.where(coarse[:, :, None], s, -jnp.inf), cv)
+  o, lse = merge(o_f.astype(jnp.float32), lse_f.transpose(0, 2, 1), o_c, lse_c)
+  return o, lse

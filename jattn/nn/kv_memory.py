@@ -1,0 +1,44 @@
+"""KV cache accounting: bytes a ``Transformer`` config caches for a context length.
+
+Counts exactly the arrays ``Attention.init_cache`` allocates (``cache_layout``): full caches for
+global/sparse layers, ring buffers of ``window`` tokens for local layers, MLA latents, CSA compressed
+entries plus the raw ring and the gate ring the pooling needs. Ring position bookkeeping (one int32
+per ring slot, shared by the batch) and the cache index are left out.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jattn.nn.attention import cache_layout
+
+
+def kv_cache_bytes(config, context_len, dtype=jnp.bfloat16, *, batch_size=1):
+  """KV cache bytes per layer and in total.
+
+  Args:
+    config: TransformerConfig.
+    context_len: tokens the cache must serve (the ``max_len`` of ``init_cache``).
+    dtype: cache dtype.
+    batch_size: sequences.
+
+  Returns:
+    dict(per_layer=[bytes of layer i], total=sum, per_token=total / context_len).
+
+  Example:
+    >>> from jattn.nn.transformer import TransformerConfig
+    >>> cfg = TransformerConfig(100, 2, 64, 8, 8, 8)
+    >>> kv_cache_bytes(cfg, 1024)["total"]   # 2 layers x K,V x 8 heads x 8 dims x 1024 x 2 bytes
+    524288
+  """
+  item = jnp.dtype(dtype).itemsize
+  per_layer = []
+  for spec in config.layers:
+    layout = cache_layout(spec, context_len, num_kv_heads=config.num_kv_heads,
+                          head_dim=config.head_dim, kv_lora_rank=config.kv_lora_rank,
+                          rope_head_dim=config.layer_rope_head_dim(spec))
+    per_layer.append(sum(batch_size * slots * math.prod(shape) * item
+                         for _, slots, shape in layout.values()))
+  total = sum(per_layer)
+  return dict(per_layer=per_layer, total=total, per_token=total / context_len)

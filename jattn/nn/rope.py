@@ -1,0 +1,67 @@
+"""Rotary position embeddings (RoPE), half-split ("NeoX") convention.
+
+A head vector x of width ``rotary_dim`` (even) is split into halves (x1, x2) and rotated by the
+angle ``position * base ** (-2i / rotary_dim)`` for pair i. Positions are explicit integer arrays, so
+packed documents (positions restarting at 0) and decode steps (positions from the cache index) use
+the same function.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def rope_frequencies(rotary_dim, base=10000.0):
+  """Inverse frequencies of RoPE.
+
+  Args:
+    rotary_dim: even number of rotated channels.
+    base: RoPE base (theta).
+
+  Returns:
+    fp32 array [rotary_dim // 2] of ``base ** (-2i / rotary_dim)``.
+
+  Example:
+    >>> rope_frequencies(4).shape
+    (2,)
+  """
+  if rotary_dim % 2:
+    raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+  return base ** (-jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+
+
+def apply_rope(x, positions, base=10000.0, rotary_dim=None):
+  """Rotate the first ``rotary_dim`` channels of every head by its token's position.
+
+  Args:
+    x: [batch, seq, heads, head_dim] (or [batch, seq, head_dim] for a head-shared key).
+    positions: int [batch, seq] absolute positions (restart at 0 per packed document).
+    base: RoPE base; None returns x unchanged (NoPE).
+    rotary_dim: rotated channels (even, <= head_dim); default all of head_dim.
+
+  Returns:
+    Array like x (same dtype); computed in fp32.
+
+  Example:
+    >>> import jax
+    >>> x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
+    >>> apply_rope(x, jnp.arange(5)[None]).shape
+    (1, 5, 2, 8)
+  """
+  if base is None:
+    return x
+  d = x.shape[-1]
+  rotary_dim = d if rotary_dim is None else rotary_dim
+  if rotary_dim > d or rotary_dim % 2:
+    raise ValueError(f"rotary_dim must be even and <= head_dim={d}, got {rotary_dim}")
+  if positions.shape != x.shape[:2]:
+    raise ValueError(f"positions must be [batch, seq] = {x.shape[:2]}, got {positions.shape}")
+  inv = rope_frequencies(rotary_dim, base)
+  ang = positions.astype(jnp.float32)[..., None] * inv  # [b, s, rotary_dim/2]
+  if x.ndim == 4:
+    ang = ang[:, :, None, :]  # [b, s, 1, rotary_dim/2]
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  xf = x.astype(jnp.float32)
+  xr, xp = xf[..., :rotary_dim], xf[..., rotary_dim:]
+  x1, x2 = jnp.split(xr, 2, axis=-1)
+  rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return jnp.concatenate([rot, xp], axis=-1).astype(x.dtype)

@@ -1,0 +1,138 @@
+"""Per-layer attention choices (``LayerSpec``) and the seed's periodic local/global schedule."""
+from __future__ import annotations
+
+import dataclasses
+
+KINDS = ("global", "local", "sparse", "csa")
+CSA_MODES = ("compressed", "two_stage")
+GATE_GRADS = ("none", "straight_through", "softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+  """What one attention layer does. Validated on construction (bad combinations raise).
+
+  Kinds:
+    * "global": causal attention over the whole context (``flash_attention``); full KV cache.
+    * "local": causal sliding window of ``window`` tokens (query t sees t - window + 1 .. t),
+      i.e. ``flash_attention(local_window_size=(window - 1, 0))``; ring-buffer cache of ``window``.
+    * "sparse": causal top-K block-sparse attention (``jattn.sparse.sparse_attention``) with
+      ``block_size``, ``top_k`` and ``q_block_size``; full KV cache.
+    * "csa": compressed sparse attention (``jattn.nn.csa``): keys/values pooled along tokens
+      (``compress_ratio`` tokens per entry, windows of 2 x ratio with stride ratio).
+      ``csa_mode="compressed"``: top ``top_k`` compressed entries plus a raw local ``window``
+      under one softmax (optional learned sink, ``csa_sink``). ``csa_mode="two_stage"``:
+      compressed keys score blocks of ``block_size`` tokens, the ``top_k`` best past blocks plus
+      the query's own block are attended on raw KV, the remaining compressed entries give a
+      coarse partial; both merge by log-sum-exp.
+
+  Args:
+    kind: "global", "local", "sparse" or "csa".
+    window: local window in tokens ("local", and the raw window of CSA "compressed").
+    rope_base: RoPE base, or None for no positional encoding (NoPE).
+    block_size: key block size ("sparse"; CSA "two_stage").
+    top_k: selected blocks ("sparse", CSA "two_stage") or compressed entries (CSA "compressed").
+    q_block_size: query block size that shares one selection ("sparse").
+    compress_ratio: tokens per compressed entry (stride) for "csa".
+    csa_mode: "compressed" or "two_stage" ("csa" only).
+    csa_sink: learned attention sink per head ("csa" "compressed" only).
+    gate_grad: gradient through block selection, passed to ``sparse_attention`` ("sparse").
+
+  Example:
+    >>> LayerSpec("local", window=512).kind
+    'local'
+    >>> LayerSpec("sparse", top_k=4, block_size=64, rope_base=None).top_k
+    4
+  """
+  kind: str
+  window: int | None = None
+  rope_base: float | None = 10000.0
+  block_size: int = 64
+  top_k: int | None = None
+  q_block_size: int = 64
+  compress_ratio: int = 4
+  csa_mode: str = "compressed"
+  csa_sink: bool = False
+  gate_grad: str = "none"
+
+  def __post_init__(self):
+    k = self.kind
+    if k not in KINDS:
+      raise ValueError(f"LayerSpec.kind must be one of {KINDS}, got {k!r}")
+    if self.rope_base is not None and not self.rope_base > 0:
+      raise ValueError(f"rope_base must be > 0 or None (NoPE), got {self.rope_base}")
+    for name in ("block_size", "q_block_size", "compress_ratio"):
+      v = getattr(self, name)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+      raise ValueError(f"window must be a positive int or None, got {self.window!r}")
+    if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+      raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+    if k == "global":
+      if self.window is not None:
+        raise ValueError("a 'global' layer has no window; use kind='local' for a sliding window")
+      if self.top_k is not None:
+        raise ValueError("a 'global' layer has no top_k; use kind='sparse'")
+    elif k == "local":
+      if self.window is None:
+        raise ValueError("a 'local' layer needs window=<tokens>")
+      if self.top_k is not None:
+        raise ValueError("a 'local' layer has no top_k")
+    elif k == "sparse":
+      if self.top_k is None:
+        raise ValueError("a 'sparse' layer needs top_k=<blocks>")
+      if self.window is not None:
+        raise ValueError("a 'sparse' layer has no window (sparse_attention is causal top-K)")
+      if self.gate_grad not in GATE_GRADS:
+        raise ValueError(f"gate_grad must be one of {GATE_GRADS}, got {self.gate_grad!r}")
+    else:  # csa
+      if self.csa_mode not in CSA_MODES:
+        raise ValueError(f"csa_mode must be one of {CSA_MODES}, got {self.csa_mode!r}")
+      if self.top_k is None:
+        raise ValueError("a 'csa' layer needs top_k (compressed entries or blocks)")
+      if self.csa_mode == "compressed":
+        if self.window is None:
+          raise ValueError("CSA 'compressed' needs window=<raw local window tokens>")
+      else:
+        if self.window is not None:
+          raise ValueError("CSA 'two_stage' has no raw window (its own block is attended raw)")
+        if self.csa_sink:
+          raise ValueError("csa_sink is only supported by CSA 'compressed'")
+        if self.block_size % self.compress_ratio:
+          raise ValueError(f"CSA 'two_stage' needs block_size ({self.block_size}) to be a "
+                           f"multiple of compress_ratio ({self.compress_ratio})")
+    if k != "csa" and (self.csa_sink or self.csa_mode != "compressed"):
+      raise ValueError("csa_mode/csa_sink only apply to kind='csa'")
+    if k != "sparse" and self.gate_grad != "none":
+      raise ValueError("gate_grad only applies to kind='sparse'")
+
+
+def local_global_schedule(num_layers, local_per_global=5, window=512, local_rope_base=10000.0,
+                          global_rope_base=None):
+  """The seed's periodic pattern: ``local_per_global`` local layers, then one global layer.
+
+  Args:
+    num_layers: total layers.
+    local_per_global: local layers before each global layer (5 -> every sixth layer is global).
+    window: local window in tokens.
+    local_rope_base: RoPE base of local layers (10000).
+    global_rope_base: RoPE base of global layers (None = NoPE, the seed's choice).
+
+  Returns:
+    tuple of ``num_layers`` LayerSpec: layer i is global iff (i + 1) % (local_per_global + 1) == 0.
+
+  Example:
+    >>> [s.kind for s in local_global_schedule(6)]
+    ['local', 'local', 'local', 'local', 'local', 'global']
+  """
+  if num_layers < 1 or local_per_global < 0:
+    raise ValueError("num_layers must be >= 1 and local_per_global >= 0")
+  period = local_per_global + 1
+  out = []
+  for i in range(num_layers):
+    if (i + 1) % period == 0:
+      out.append(LayerSpec("global", rope_base=global_rope_base))
+    else:
+      out.append(LayerSpec("local", window=window, rope_base=local_rope_base))
+  return tuple(out)

@@ -1,0 +1,349 @@
+"""A small decoder-only language model built from ``jattn.nn.Attention`` layers.
+
+Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual), final
+RMSNorm, tied or untied output embedding. Every layer's attention is chosen by its ``LayerSpec``.
+Also here: helpers for analysis (dense attention probabilities from captured q/k) and for
+post-hoc sparsity (the same weights run with global layers switched to top-K block sparsity).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jattn.nn.attention import Attention
+from jattn.nn.schedule import LayerSpec
+from pallas_kernels.masks import element_mask
+
+
+def _module_list(items):
+  return nnx.List(items) if hasattr(nnx, "List") else nnx.data(list(items))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Configuration of ``Transformer``.
+
+  Args:
+    vocab_size: tokens in the vocabulary.
+    num_layers: decoder blocks.
+    d_model: model width.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (GQA: num_heads % num_kv_heads == 0; 1 = MQA).
+    head_dim: per-head width.
+    layers: tuple of ``num_layers`` LayerSpec; None = all "global" with RoPE 10000.
+    mlp_dim: SwiGLU hidden width (default 4 * d_model).
+    tie_embeddings: share the input embedding with the output projection.
+    kv_lora_rank: None, or the MLA latent width (all layers use MLA).
+    rope_head_dim: MLA decoupled RoPE width (used by layers with RoPE).
+    qk_norm: RMSNorm per query/key head.
+    implementation: attention implementation for every layer (None = per platform).
+    interpret: Pallas interpret mode (CPU tests).
+    norm_eps: RMSNorm epsilon.
+    param_dtype: parameter dtype.
+
+  Example:
+    >>> from jattn.nn.schedule import local_global_schedule
+    >>> cfg = TransformerConfig(256, 6, 64, 4, 2, 16, layers=local_global_schedule(6, window=8))
+    >>> cfg.layers[5].kind
+    'global'
+  """
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  layers: tuple | None = None
+  mlp_dim: int | None = None
+  tie_embeddings: bool = True
+  kv_lora_rank: int | None = None
+  rope_head_dim: int = 0
+  qk_norm: bool = False
+  implementation: str | None = None
+  interpret: bool = False
+  norm_eps: float = 1e-6
+  param_dtype: object = jnp.float32
+
+  def __post_init__(self):
+    if self.layers is None:
+      object.__setattr__(self, "layers", tuple(LayerSpec("global") for _ in range(self.num_layers)))
+    object.__setattr__(self, "layers", tuple(self.layers))
+    if len(self.layers) != self.num_layers:
+      raise ValueError(f"layers has {len(self.layers)} specs for num_layers={self.num_layers}")
+    for s in self.layers:
+      if not isinstance(s, LayerSpec):
+        raise TypeError(f"layers must hold LayerSpec, got {type(s).__name__}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                       f"({self.num_kv_heads})")
+
+  def layer_rope_head_dim(self, spec):
+    """The MLA RoPE width a layer uses (0 for NoPE layers or without MLA)."""
+    if self.kv_lora_rank is None or spec.rope_base is None:
+      return 0
+    return self.rope_head_dim
+
+
+class MLP(nnx.Module):
+  """SwiGLU MLP: down(silu(gate(x)) * up(x)).
+
+  Args:
+    d_model: model width.
+    hidden: hidden width.
+    param_dtype: parameter dtype.
+    rngs: ``nnx.Rngs`` (keyword-only).
+
+  Example:
+    >>> MLP(8, 16, rngs=nnx.Rngs(0))(jnp.ones((1, 3, 8))).shape
+    (1, 3, 8)
+  """
+
+  def __init__(self, d_model, hidden, *, param_dtype=jnp.float32, rngs):
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+    self.gate, self.up, self.down = lin(d_model, hidden), lin(d_model, hidden), lin(hidden, d_model)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+  Args:
+    config: TransformerConfig.
+    spec: this block's LayerSpec.
+    rngs: ``nnx.Rngs`` (keyword-only).
+
+  Example:
+    >>> cfg = TransformerConfig(16, 1, 8, 2, 1, 4)
+    >>> Block(cfg, cfg.layers[0], rngs=nnx.Rngs(0))(jnp.ones((1, 3, 8))).shape
+    (1, 3, 8)
+  """
+
+  def __init__(self, config, spec, *, rngs):
+    c = config
+    pd = c.param_dtype
+    self.attn_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, param_dtype=pd, rngs=rngs)
+    self.attn = Attention(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, spec,
+                          kv_lora_rank=c.kv_lora_rank, rope_head_dim=c.layer_rope_head_dim(spec),
+                          qk_norm=c.qk_norm, implementation=c.implementation,
+                          interpret=c.interpret, param_dtype=pd, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, param_dtype=pd, rngs=rngs)
+    self.mlp = MLP(c.d_model, c.mlp_dim or 4 * c.d_model, param_dtype=pd, rngs=rngs)
+
+  def __call__(self, x, segment_ids=None, positions=None, *, return_qk=False):
+    a = self.attn(self.attn_norm(x), segment_ids, positions, return_qk=return_qk)
+    a, qk = a if return_qk else (a, None)
+    x = x + a
+    x = x + self.mlp(self.mlp_norm(x))
+    return (x, qk) if return_qk else x
+
+  def decode(self, x):
+    x = x + self.attn.decode(self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM whose attention layers follow ``config.layers``.
+
+  Args:
+    config: TransformerConfig.
+    rngs: ``nnx.Rngs`` (keyword-only).
+
+  Example:
+    >>> from jattn.nn.schedule import local_global_schedule
+    >>> cfg = TransformerConfig(64, 6, 32, 4, 2, 8, layers=local_global_schedule(6, window=4))
+    >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
+    >>> tokens = jnp.zeros((2, 10), jnp.int32)
+    >>> model(tokens).shape
+    (2, 10, 64)
+    >>> model.init_cache(2, 16, jnp.float32)
+    >>> model.decode(tokens[:, :3]).shape          # prefill 3 tokens, then step 1 at a time
+    (2, 3, 64)
+  """
+
+  def __init__(self, config, *, rngs):
+    c = config
+    self.config = c
+    self.embed = nnx.Embed(c.vocab_size, c.d_model, param_dtype=c.param_dtype, rngs=rngs)
+    self.blocks = _module_list([Block(c, s, rngs=rngs) for s in c.layers])
+    self.final_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, param_dtype=c.param_dtype,
+                                  rngs=rngs)
+    self.lm_head = None if c.tie_embeddings else nnx.Linear(
+        c.d_model, c.vocab_size, use_bias=False, param_dtype=c.param_dtype, rngs=rngs)
+
+  def _logits(self, x):
+    x = self.final_norm(x)
+    return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
+
+  def __call__(self, tokens, segment_ids=None, positions=None, *, return_qk=False):
+    """Full forward pass.
+
+    Args:
+      tokens: int [batch, seq].
+      segment_ids: None or int [batch, seq] packed-document ids (0 = padding).
+      positions: None or int [batch, seq] (restart at 0 per packed document).
+      return_qk: also return a list (one per layer) of {"q": q, "k": k} as fed to attention
+        (after norms and RoPE); see ``attention_probabilities``.
+
+    Returns:
+      logits [batch, seq, vocab] fp32-or-param dtype (and the per-layer q/k list if return_qk).
+    """
+    x = self.embed(tokens)
+    qks = []
+    for blk in self.blocks:
+      if return_qk:
+        x, qk = blk(x, segment_ids, positions, return_qk=True)
+        qks.append(qk)
+      else:
+        x = blk(x, segment_ids, positions)
+    logits = self._logits(x)
+    return (logits, qks) if return_qk else logits
+
+  def init_cache(self, batch_size, max_len, dtype=jnp.float32):
+    """Allocate every layer's KV cache (see ``Attention.init_cache``).
+
+    Args:
+      batch_size: rows decoded together.
+      max_len: total tokens each row will hold.
+      dtype: cache dtype.
+
+    Returns:
+      None.
+    """
+    for blk in self.blocks:
+      blk.attn.init_cache(batch_size, max_len, dtype)
+
+  def decode(self, tokens):
+    """Append tokens to the cache and return their logits (prefill and steps share this path).
+
+    Args:
+      tokens: int [batch, t], t >= 1, continuing each row from the cache index.
+
+    Returns:
+      logits [batch, t, vocab].
+    """
+    x = self.embed(tokens)
+    for blk in self.blocks:
+      x = blk.decode(x)
+    return self._logits(x)
+
+
+def sparsify_config(config, top_k, *, block_size=64, q_block_size=64, kinds=("global",),
+                    gate_grad="none"):
+  """A copy of ``config`` whose layers of the given kinds become top-K block-sparse layers.
+
+  The new "sparse" layers keep each layer's RoPE base, so a dense model's weights run unchanged
+  with post-hoc sparsity (see ``sparsify``).
+
+  Args:
+    config: TransformerConfig.
+    top_k: blocks selected per query block.
+    block_size: key block size.
+    q_block_size: query block size sharing a selection.
+    kinds: layer kinds to convert (default only "global").
+    gate_grad: ``sparse_attention`` gate gradient mode.
+
+  Returns:
+    TransformerConfig.
+
+  Example:
+    >>> cfg = TransformerConfig(16, 2, 8, 2, 1, 4)
+    >>> [s.kind for s in sparsify_config(cfg, 2, block_size=4).layers]
+    ['sparse', 'sparse']
+  """
+  layers = tuple(
+      LayerSpec("sparse", rope_base=s.rope_base, block_size=block_size, top_k=top_k,
+                q_block_size=q_block_size, gate_grad=gate_grad) if s.kind in kinds else s
+      for s in config.layers)
+  return dataclasses.replace(config, layers=layers)
+
+
+def with_config(model, config):
+  """A new Transformer for ``config`` holding a copy of ``model``'s parameters.
+
+  Args:
+    model: Transformer.
+    config: a config with the same parameter shapes (e.g. from ``sparsify_config``).
+
+  Returns:
+    Transformer (no cache).
+
+  Example:
+    >>> cfg = TransformerConfig(16, 1, 8, 2, 1, 4)
+    >>> m = Transformer(cfg, rngs=nnx.Rngs(0))
+    >>> m2 = with_config(m, cfg)
+  """
+  params = nnx.state(model, nnx.Param)
+  new = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+  nnx.update(new, jax.tree.map(lambda a: a, params))
+  return new
+
+
+def sparsify(model, top_k, *, block_size=64, q_block_size=64, kinds=("global",)):
+  """Post-hoc sparsity: ``model``'s weights with its global layers switched to kind "sparse".
+
+  Args:
+    model: a trained (dense) Transformer.
+    top_k: blocks selected per query block.
+    block_size: key block size.
+    q_block_size: query block size.
+    kinds: layer kinds to convert.
+
+  Returns:
+    Transformer with the same parameters (copied) and a sparsified config.
+
+  Example:
+    >>> cfg = TransformerConfig(16, 1, 8, 2, 1, 4)
+    >>> sparse_model = sparsify(Transformer(cfg, rngs=nnx.Rngs(0)), top_k=2, block_size=4)
+  """
+  cfg = sparsify_config(model.config, top_k, block_size=block_size, q_block_size=q_block_size,
+                        kinds=kinds)
+  return with_config(model, cfg)
+
+
+def attention_probabilities(q, k, spec=None, *, segment_ids=None, scale=None):
+  """Dense attention probabilities of one layer from its captured q/k (heatmaps, captured mass).
+
+  The mask is the layer's dense equivalent: causal, plus the window for "local" layers, plus
+  segment ids. (For "sparse"/"csa" layers this is the dense distribution their selection
+  approximates.)
+
+  Args:
+    q: [batch, seq, q_heads, d] (from ``Transformer(..., return_qk=True)``).
+    k: [batch, seq, kv_heads, d].
+    spec: the layer's LayerSpec (None = global).
+    segment_ids: None or int [batch, seq].
+    scale: logit scale (default 1/sqrt(d), as the layer uses).
+
+  Returns:
+    fp32 [batch, q_heads, seq, seq]; rows sum to 1 (0 for rows that see nothing).
+
+  Example:
+    >>> q = jnp.ones((1, 4, 2, 8))
+    >>> attention_probabilities(q, q[:, :, :1]).shape
+    (1, 2, 4, 4)
+  """
+  b, s, hq, d = q.shape
+  hk = k.shape[2]
+  scale = 1.0 / d ** 0.5 if scale is None else scale
+  kf = jnp.repeat(k.astype(jnp.float32), hq // hk, axis=2)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf,
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  window = None
+  if spec is not None and spec.kind == "local":
+    window = (spec.window - 1, 0)
+  pos = jnp.arange(s)
+  if segment_ids is not None:
+    mask = element_mask(pos, pos, causal=True, window=window, q_seg=segment_ids[:, None, :],
+                        kv_seg=segment_ids[:, None, :])
+  else:
+    mask = element_mask(pos, pos, causal=True, window=window)[None, None]
+  logits = jnp.where(mask, logits, -jnp.inf)
+  m = jnp.max(logits, -1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = jnp.sum(p, -1, keepdims=True)
+  return p / jnp.where(l == 0, 1.0, l)
