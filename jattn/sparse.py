@@ -1,0 +1,1199 @@
+"""Training-time block-sparse attention: block scores, top-K selection, gate gradients, decode.
+
+The pieces (see docs/sparse.md for the formulas):
+
+* :func:`block_scores` / :func:`select_blocks` -> :class:`BlockSelection`: for every query block
+  and kv head, the key blocks to attend to (InfLLM v2 / MoBA / NSA style: mean-pooled scores,
+  always-kept initial and local blocks, GQA-shared top-k).
+* :func:`block_sparse_attention`: attention restricted to a selection ("xla" reference, or the
+  Pallas flash kernels walking ``make_schedule(..., block_mask=selection.tile_mask())``).
+* :func:`sparse_attention`: selection plus attention in one call for training, with the gate
+  gradient modes "none", "ste" and "gumbel".
+* :func:`captured_mass`: the fraction of full-softmax attention probability inside the kept blocks.
+* Sparse decode: :class:`BlockSummaries` (running key sums per cache block, O(1) per appended
+  token), :func:`select_decode_blocks` and :func:`sparse_decode_attention`.
+* :func:`bench_cases`: the H200 benchmark rows (``experiments/bench_kernels.py --ops sparse``).
+
+Conventions: layout [batch, seq, heads, head_dim]; GQA query head h reads kv head
+h // (q_heads // kv_heads); blocks are counted from position 0 (query block i holds queries
+i*q_block_size .. (i+1)*q_block_size-1; key block j holds keys j*block_size ..); causal masks align
+bottom-right (query i sits at kv_len - q_len + i).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _validate
+from jattn.attention import kernel_module, resolve_implementation
+from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.flash.reference import attention_reference
+from pallas_kernels.masks import element_mask
+
+__all__ = [
+    "BlockSelection", "block_scores", "select_blocks", "block_sparse_attention",
+    "sparse_attention", "captured_mass", "BlockSummaries", "init_block_summaries",
+    "update_block_summaries", "select_decode_blocks", "sparse_decode_attention",
+    "causal_top_k_for_density", "bench_cases",
+]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_GATE_MODES = ("none", "ste", "gumbel")
+_INT_MAX = np.iinfo(np.int32).max
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- BlockSelection
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockSelection:
+  """The key blocks kept for every (batch, kv head, query block): a top-K block-sparse mask.
+
+  Attributes:
+    indices: int32 [batch, kv_heads, num_q_blocks, max_selected]: kept key-block ids in increasing
+      order, then -1 (the sentinel) for unused slots.
+    counts: int32 [batch, kv_heads, num_q_blocks]: number of kept blocks (valid entries).
+    num_visible: int32 [batch, kv_heads or 1, num_q_blocks]: number of selectable blocks (causally
+      visible and, with segment ids, overlapping the query block's documents).
+    scores: None or fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]: the block scores the
+      selection ranked (``block_scores``), for inspection.
+    block_size: keys per key block (static).
+    q_block_size: queries per query block (static).
+    q_len, kv_len: the sequence lengths the selection was made for (static).
+  """
+  indices: jax.Array
+  counts: jax.Array
+  num_visible: jax.Array
+  scores: jax.Array | None
+  block_size: int = dataclasses.field(metadata=dict(static=True))
+  q_block_size: int = dataclasses.field(metadata=dict(static=True))
+  q_len: int = dataclasses.field(metadata=dict(static=True))
+  kv_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_q_blocks(self) -> int:
+    return _cdiv(self.q_len, self.q_block_size)
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return _cdiv(self.kv_len, self.block_size)
+
+  @property
+  def max_selected(self) -> int:
+    return self.indices.shape[-1]
+
+  def tile_mask(self):
+    """Tile-level mask of the selection, the ``block_mask`` of ``make_schedule``.
+
+    Returns:
+      bool [batch, kv_heads, num_q_blocks, num_kv_blocks], True for kept (query, key) blocks.
+
+    Example:
+      >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 16))
+      >>> sel = select_blocks(q, q, block_size=64, q_block_size=64, top_k=1)
+      >>> sel.tile_mask().shape
+      (1, 2, 4, 4)
+    """
+    b, h, nq, _ = self.indices.shape
+    nk = self.num_kv_blocks
+    cols = jnp.where(self.indices < 0, nk, self.indices)              # sentinel -> spare column
+    mask = jnp.zeros((b, h, nq, nk + 1), bool)
+    bi = jnp.arange(b)[:, None, None, None]
+    hi = jnp.arange(h)[None, :, None, None]
+    qi = jnp.arange(nq)[None, None, :, None]
+    return mask.at[bi, hi, qi, cols].set(True)[..., :nk]
+
+  def to_mask(self, q_len=None, kv_len=None):
+    """Element-level expansion of the block mask (no causal or segment mask applied).
+
+    Args:
+      q_len, kv_len: default to the lengths the selection was made for; if given they must be
+        equal to them.
+
+    Returns:
+      bool [batch, kv_heads, q_len, kv_len]: True where key j's block is kept for query i's block.
+      The attention op applies the element-level causal and segment masks on top.
+
+    Example:
+      >>> q = jax.random.normal(jax.random.key(0), (1, 100, 2, 16))
+      >>> sel = select_blocks(q, q, block_size=32, q_block_size=16, top_k=1)
+      >>> sel.to_mask(100, 100).shape
+      (1, 2, 100, 100)
+    """
+    q_len = self.q_len if q_len is None else int(q_len)
+    kv_len = self.kv_len if kv_len is None else int(kv_len)
+    if (q_len, kv_len) != (self.q_len, self.kv_len):
+      raise ValueError(f"selection was made for (q_len, kv_len) = {(self.q_len, self.kv_len)}, "
+                       f"got {(q_len, kv_len)}")
+    m = self.tile_mask()
+    m = jnp.repeat(m, self.q_block_size, axis=2)[:, :, :q_len]
+    return jnp.repeat(m, self.block_size, axis=3)[..., :kv_len]
+
+  def density(self, relative_to="all"):
+    """Fraction of blocks kept, averaged over batch, kv heads and query blocks.
+
+    Args:
+      relative_to: "all" (kept / num_kv_blocks per query block: the fraction of the full tile
+        grid) or "visible" (kept / selectable blocks, e.g. the fraction of causal blocks).
+
+    Returns:
+      fp32 scalar.
+
+    Example:
+      >>> q = jax.random.normal(jax.random.key(0), (1, 256, 1, 16))
+      >>> float(select_blocks(q, q, block_size=64, top_k=0, num_local_blocks=1,
+      ...                     num_init_blocks=0).density())
+      0.25
+    """
+    kept = jnp.sum(self.counts.astype(jnp.float32))
+    if relative_to == "all":
+      return kept / (self.counts.size * self.num_kv_blocks)
+    if relative_to == "visible":
+      vis = jnp.broadcast_to(self.num_visible, self.counts.shape)
+      return kept / jnp.maximum(jnp.sum(vis.astype(jnp.float32)), 1.0)
+    raise ValueError(f"relative_to must be 'all' or 'visible', got {relative_to!r}")
+
+
+# ----------------------------------------------------------------------------- scoring
+def _block_mean(x, valid, block):
+  """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions."""
+  b, n, h, d = x.shape
+  nb = _cdiv(n, block)
+  pad = nb * block - n
+  w = jnp.ones((b, n), jnp.float32) if valid is None else valid.astype(jnp.float32)
+  xf = x.astype(jnp.float32) * w[:, :, None, None]
+  xf = jnp.pad(xf, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, block, h, d)
+  cnt = jnp.pad(w, ((0, 0), (0, pad))).reshape(b, nb, block).sum(-1)   # [b, nb]
+  return xf.sum(2) / jnp.maximum(cnt, 1.0)[:, :, None, None]            # [b, nb, h, d]
+
+
+def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_segment_ids=None):
+  """Mean-pooled block scores (InfLLM v2 / MoBA): the ranking ``select_blocks`` uses.
+
+  score[b, g, i, j] = sum over the query heads h of kv group g of
+  mean(q[b, block i, h]) . mean(k[b, block j, g]), the means taken over the block's positions
+  inside the sequence (and, with segment ids, over non-padding positions only). Unscaled.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
+    block_size: keys per key block.
+    q_block_size: queries per query block (1: per token).
+    segment_ids, kv_segment_ids: None or int [batch, q_len] / [batch, kv_len] (0 = padding).
+
+  Returns:
+    fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]; differentiable in q and k.
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 100, 4, 16))
+    >>> k = jax.random.normal(jax.random.key(1), (1, 100, 2, 16))
+    >>> block_scores(q, k, block_size=32, q_block_size=16).shape
+    (1, 2, 7, 4)
+  """
+  b, _, hq, d = q.shape
+  hk = k.shape[2]
+  qv = None if segment_ids is None else segment_ids != 0
+  kv = None if kv_segment_ids is None else kv_segment_ids != 0
+  qbar = _block_mean(q, qv, q_block_size)                        # [b, nq, hq, d]
+  kbar = _block_mean(k, kv, block_size)                          # [b, nk, hk, d]
+  qsum = qbar.reshape(b, qbar.shape[1], hk, hq // hk, d).sum(3)  # [b, nq, hk, d]
+  return jnp.einsum("bihd,bjhd->bhij", qsum, kbar, precision=_HIGHEST)
+
+
+# ----------------------------------------------------------------------------- selection rules
+@functools.lru_cache(maxsize=64)
+def _static_structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
+                      top_k):
+  """numpy selection structure from shapes alone.
+
+  Returns (visible [nq, nk], forced_idx [nq, mf] (-1 padded), candidates [nq, nk], max_selected).
+  """
+  nq, nk = _cdiv(q_len, q_block_size), _cdiv(kv_len, block_size)
+  off = kv_len - q_len
+  i = np.arange(nq)
+  q_first = i * q_block_size + off                                  # absolute positions
+  q_last = np.minimum((i + 1) * q_block_size, q_len) - 1 + off
+  j = np.arange(nk)[None, :]
+  if causal:
+    visible = j * block_size <= q_last[:, None]
+  else:
+    visible = np.ones((nq, nk), bool)
+  init = j < num_init
+  if num_local > 0:
+    lo = np.maximum(q_first, 0) // block_size - (num_local - 1)
+    hi = np.where(q_last >= 0, q_last // block_size, -1)
+    local = (j >= lo[:, None]) & (j <= hi[:, None])
+  else:
+    local = np.zeros((nq, nk), bool)
+  forced = (init | local) & visible
+  cand = visible & ~forced
+  n_forced = forced.sum(1)
+  k_eff = min(top_k, nk)
+  max_sel = int(max(1, (n_forced + np.minimum(k_eff, cand.sum(1))).max()))
+  mf = int(max(1, n_forced.max()))
+  forced_idx = np.full((nq, mf), -1, np.int32)
+  for r in range(nq):
+    ids = np.nonzero(forced[r])[0]
+    forced_idx[r, :len(ids)] = ids
+  return visible, forced_idx, cand, max_sel
+
+
+def _segment_ranges(seg, block):
+  """Per-block (min nonzero id, max id) of seg [b, n] (positions past n are padding)."""
+  b, n = seg.shape
+  nb = _cdiv(n, block)
+  s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, nb * block - n))).reshape(b, nb, block)
+  return jnp.min(jnp.where(s > 0, s, _INT_MAX), -1), jnp.max(s, -1)
+
+
+def _segment_overlap(q_seg, kv_seg, q_block_size, block_size):
+  """bool [b, nq, nk]: the nonzero id ranges of query block i and key block j intersect.
+
+  Exact for packed sequences (ids non-decreasing along the sequence); for other layouts it may
+  keep a block without a common id (harmless: the element mask still applies).
+  """
+  qmn, qmx = _segment_ranges(q_seg, q_block_size)
+  kmn, kmx = _segment_ranges(kv_seg, block_size)
+  qmn, qmx = qmn[:, :, None], qmx[:, :, None]
+  kmn, kmx = kmn[:, None, :], kmx[:, None, :]
+  return (qmx > 0) & (kmx > 0) & (qmn <= kmx) & (kmn <= qmx)
+
+
+def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
+            seg_ok, scores):
+  """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first)."""
+  visible, forced_idx, cand, max_sel = _static_structure(
+      q_len, kv_len, q_block_size, block_size, bool(causal), num_init, num_local, top_k)
+  b, hk, nq, nk = rank.shape
+  rank = jax.lax.stop_gradient(rank).astype(jnp.float32)
+  cand = jnp.asarray(cand)[None, None]                                # [1, 1, nq, nk]
+  vis = jnp.asarray(visible)[None, None]
+  fidx = jnp.broadcast_to(jnp.asarray(forced_idx)[None, None], (b, hk) + forced_idx.shape)
+  if seg_ok is not None:
+    ok = seg_ok[:, None]                                              # [b, 1, nq, nk]
+    cand = cand & ok
+    vis = vis & ok
+    f_ok = jnp.take_along_axis(jnp.broadcast_to(ok, (b, hk, nq, nk)),
+                               jnp.maximum(fidx, 0), axis=-1)
+    fidx = jnp.where((fidx >= 0) & f_ok, fidx, -1)
+  parts = [fidx]
+  k_eff = min(top_k, nk)
+  if k_eff > 0:
+    cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
+    masked = jnp.where(cand_b, rank, -jnp.inf)
+    _, tidx = jax.lax.top_k(masked, k_eff)                            # [b, hk, nq, k_eff]
+    tvalid = jnp.take_along_axis(cand_b, tidx, axis=-1)
+    parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
+  allidx = jnp.concatenate(parts, axis=-1)
+  key = jnp.where(allidx < 0, nk, allidx)
+  srt = jnp.sort(key, axis=-1)[..., :max_sel]
+  indices = jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
+  counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
+  num_visible = jnp.sum(vis, axis=-1).astype(jnp.int32)
+  return BlockSelection(indices=indices, counts=counts, num_visible=num_visible, scores=scores,
+                        block_size=block_size, q_block_size=q_block_size, q_len=q_len,
+                        kv_len=kv_len)
+
+
+def _check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks):
+  for name, val, lo in (("block_size", block_size, 1), ("q_block_size", q_block_size, 1),
+                        ("top_k", top_k, 0), ("num_init_blocks", num_init_blocks, 0),
+                        ("num_local_blocks", num_local_blocks, 0)):
+    if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
+      raise ValueError(f"{name} must be an int >= {lo} (static), got {val!r}")
+
+
+def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, num_init_blocks=1,
+                  num_local_blocks=1, segment_ids=None, kv_segment_ids=None, score="mean_key"):
+  """Top-K key-block selection per query block, shared by the query heads of each GQA group.
+
+  Rules, for query block i (queries i*q_block_size ..) and kv head g:
+    * selectable blocks: causally visible ones (the block's first key <= the block's last query
+      position, bottom-right aligned) or all blocks when ``causal=False``; with segment ids only
+      blocks whose documents overlap the query block's documents (``_segment_overlap``).
+    * always kept (when selectable): the initial blocks 0 .. num_init_blocks-1 and the local
+      blocks: every key block holding one of the query block's own positions (its diagonal block)
+      and the num_local_blocks-1 blocks before those.
+    * plus the ``top_k`` selectable blocks with the highest ``block_scores`` among the others
+      (all of them when fewer are left).
+  ``q_block_size=1`` selects per token (decode parity: see :func:`select_decode_blocks`).
+  Not differentiable (the indices are integers); see :func:`sparse_attention` for gate gradients.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
+    block_size: keys per key block (static).
+    top_k: number of blocks chosen by score besides the initial and local ones (static).
+    q_block_size: queries per query block (static).
+    causal: bottom-right aligned causal visibility.
+    num_init_blocks: leading blocks always kept.
+    num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
+    segment_ids: None or int [batch, q_len] (0 = padding).
+    kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
+    score: "mean_key" (the only scorer so far).
+
+  Returns:
+    A :class:`BlockSelection` with ``scores`` filled in. jit-compatible (all sizes are static).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (2, 512, 4, 32))
+    >>> k = jax.random.normal(jax.random.key(1), (2, 512, 2, 32))
+    >>> sel = select_blocks(q, k, block_size=64, q_block_size=64, top_k=2)
+    >>> sel.indices.shape   # 1 init + 1 local + 2 chosen
+    (2, 2, 8, 4)
+  """
+  if score != "mean_key":
+    raise ValueError(f"unknown score {score!r}; supported: 'mean_key'")
+  _check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
+  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  seg_ok = None
+  if segment_ids is not None:
+    seg_ok = _segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
+  return _select(scores, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
+                 block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
+                 num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
+                 scores=jax.lax.stop_gradient(scores))
+
+
+# ----------------------------------------------------------------------------- attention
+def _check_selection(selection, batch, q_len, kv_len, kv_heads):
+  if not isinstance(selection, BlockSelection):
+    raise TypeError(f"selection must be a BlockSelection, got {type(selection).__name__}")
+  if (selection.q_len, selection.kv_len) != (q_len, kv_len):
+    raise ValueError(f"selection was made for (q_len, kv_len) = "
+                     f"{(selection.q_len, selection.kv_len)}, inputs have {(q_len, kv_len)}")
+  want = (batch, kv_heads, selection.num_q_blocks)
+  if selection.indices.shape[:3] != want:
+    raise ValueError(f"selection.indices must be [batch, kv_heads, num_q_blocks, n] = {want} + "
+                     f"(n,), got {selection.indices.shape}")
+
+
+def _kernel_block_sizes(impl, mod, selection, head_dim, dtype):
+  """The kernel's BlockSizes with the selection's tiles, or a clear ValueError."""
+  base = mod.default_block_sizes(head_dim, dtype)
+  try:
+    return dataclasses.replace(base, block_q=selection.q_block_size, block_k=selection.block_size)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"implementation={impl!r} cannot run tiles of q_block_size={selection.q_block_size}, "
+        f"block_size={selection.block_size} ({e}); select blocks with sizes the kernel supports "
+        f"(its default is block_q={base.block_q}, block_k={base.block_k}) or use "
+        f"implementation='xla'") from None
+
+
+def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
+                           kv_segment_ids=None, scale=None, return_lse=False, implementation=None,
+                           interpret=False):
+  """Attention restricted to a block selection, forward and backward.
+
+  Query i attends to key j iff j's block is kept for i's block in ``selection`` (for i's kv head)
+  and the element mask allows it (causal, segment ids). Rows that see no key return 0 and -inf
+  log-sum-exp.
+
+  Implementations:
+    * "xla": ``attention_reference`` with ``block_mask=selection.to_mask()`` (materialises the
+      logits; the semantics every kernel matches).
+    * "triton", "mosaic_tpu": ``make_schedule(q_len, kv_len, q_block_size, block_size, causal,
+      segment ids, block_mask=selection.tile_mask(), max_kv_blocks=selection.max_selected)``
+      walked by the flash kernels with tiles of the selection's block sizes, so only kept tiles
+      are visited; the backward walks the schedule's transposed lists. A ValueError is raised if
+      the kernel cannot run those tile sizes (e.g. Triton needs powers of two >= 16, Mosaic TPU
+      multiples of 128): there is no silent fallback.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
+    v: [batch, kv_len, kv_heads, head_dim_v].
+    selection: a :class:`BlockSelection` for (q_len, kv_len) with [batch, kv_heads] leading axes.
+    causal: bottom-right aligned causal mask.
+    segment_ids: None or int [batch, q_len] (0 = padding).
+    kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
+    scale: logit scale, default 1/sqrt(head_dim).
+    return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
+    implementation: None ("triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU), "xla", "triton" or
+      "mosaic_tpu".
+    interpret: run a Pallas kernel in interpret mode (CPU tests).
+
+  Returns:
+    out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
+    >>> sel = select_blocks(q, q, block_size=64, q_block_size=64, top_k=1)
+    >>> block_sparse_attention(q, q, q, sel, implementation="xla").shape
+    (1, 256, 2, 32)
+  """
+  batch, q_len, kv_len, _, hk = _validate.check_qkv(q, k, v)
+  _validate.check_implementation(implementation)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  _check_selection(selection, batch, q_len, kv_len, hk)
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  impl = resolve_implementation(implementation, interpret=interpret)
+  if impl == "xla":
+    out, lse = attention_reference(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                                   kv_segment_ids=kv_segment_ids, scale=scale,
+                                   block_mask=selection.to_mask())
+  elif impl in ("triton", "mosaic_tpu"):
+    mod = kernel_module(impl)
+    bs = _kernel_block_sizes(impl, mod, selection, q.shape[-1], q.dtype)
+    schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, causal=causal,
+                             q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                             block_mask=selection.tile_mask(),
+                             max_kv_blocks=selection.max_selected)
+    kwargs = {}
+    if impl == "triton":
+      kwargs = {name: getattr(bs, name) for name in ("num_warps", "num_stages")
+                if hasattr(bs, name)}
+    out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
+                                   local_window_size=None, scale=scale, logits_soft_cap=None,
+                                   interpret=interpret, **kwargs)
+  else:
+    raise ValueError(f"block_sparse_attention does not support implementation={impl!r}; use "
+                     f"'xla', 'triton' or 'mosaic_tpu'")
+  return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- gate gradients
+def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *, causal, scale,
+                      max_chunk_elems=1 << 24):
+  """Per kept tile, the sum of dLoss/dlogit over its elements, its query heads of the group.
+
+  G[b, g, i, s] = sum_{h in group g, q in block i, k in block indices[b, g, i, s]} dS[b, h, q, k],
+  dS = P * (dO.v - delta), delta = dO.out - dlse, P = exp(scale*q.k - lse) on visible elements.
+  This is the cotangent of a per-tile logit bias at zero. Computed in fp32 by gathering the kept
+  key blocks, chunked over query blocks (memory ~ max_chunk_elems floats per chunk).
+
+  Returns:
+    fp32 [batch, kv_heads, num_q_blocks, max_selected] (0 in sentinel slots).
+  """
+  b, sq, hq, d = q.shape
+  _, sk, hk, dv = v.shape
+  g = hq // hk
+  qbs, bs = selection.q_block_size, selection.block_size
+  nq, nk, ms = selection.num_q_blocks, selection.num_kv_blocks, selection.max_selected
+  c = int(max(1, min(nq, max_chunk_elems // max(1, b * hq * qbs * ms * bs))))
+  nc = _cdiv(nq, c)
+  sq_pad = nc * c * qbs
+  f32 = jnp.float32
+  pad_q = lambda x, val=0: jnp.pad(x, ((0, 0), (0, sq_pad - sq)) + ((0, 0),) * (x.ndim - 2),
+                                  constant_values=val)
+  qf = pad_q(q.astype(f32))
+  dof = pad_q(dout.astype(f32))
+  delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1)                  # [b, sq, hq]
+  delta = delta - jnp.swapaxes(dlse.astype(f32), 1, 2)
+  delta = pad_q(delta)
+  lse_p = pad_q(jnp.swapaxes(lse.astype(f32), 1, 2), -jnp.inf)             # [b, sq_pad, hq]
+  pad_k = nk * bs - sk
+  kb = jnp.pad(k.astype(f32), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+  vb = jnp.pad(v.astype(f32), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+  kb = jnp.transpose(kb.reshape(b, nk, bs, hk, d), (0, 3, 1, 2, 4))        # [b, hk, nk, bs, d]
+  vb = jnp.transpose(vb.reshape(b, nk, bs, hk, dv), (0, 3, 1, 2, 4))
+  idx = jnp.pad(selection.indices, ((0, 0), (0, 0), (0, nc * c - nq), (0, 0)),
+                constant_values=-1)                                        # [b, hk, nc*c, ms]
+  q_off = sk - sq
+  if q_seg is not None:
+    qsg = pad_q(q_seg.astype(jnp.int32))
+    ksg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, pad_k))).reshape(b, nk, bs)
+
+  def chunk(ci):
+    rows = slice(None)
+    start = ci * c * qbs
+    qc = jax.lax.dynamic_slice_in_dim(qf, start, c * qbs, 1).reshape(b, c, qbs, hk, g, d)
+    dc = jax.lax.dynamic_slice_in_dim(dof, start, c * qbs, 1).reshape(b, c, qbs, hk, g, dv)
+    lc = jax.lax.dynamic_slice_in_dim(lse_p, start, c * qbs, 1).reshape(b, c, qbs, hk, g)
+    tc = jax.lax.dynamic_slice_in_dim(delta, start, c * qbs, 1).reshape(b, c, qbs, hk, g)
+    ic = jax.lax.dynamic_slice_in_dim(idx, ci * c, c, 2)                    # [b, hk, c, ms]
+    del rows
+    safe = jnp.maximum(ic, 0).reshape(b, hk, c * ms)
+    kg = jnp.take_along_axis(kb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, d)
+    vg = jnp.take_along_axis(vb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, dv)
+    s = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", qc, kg, precision=_HIGHEST) * scale
+    dp = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", dc, vg, precision=_HIGHEST)
+    q_pos = start + jnp.arange(c * qbs).reshape(c, qbs) + q_off             # [c, qbs]
+    k_pos = ic[..., None] * bs + jnp.arange(bs)                             # [b, hk, c, ms, bs]
+    mask = (ic[..., None] >= 0) & (k_pos < sk)
+    mask = mask[:, :, None, :, None]                                        # [b,hk,1,c,1,ms,bs]
+    if causal:
+      mask = mask & (k_pos[:, :, None, :, None] <= q_pos[None, None, None, :, :, None, None])
+    if q_seg is not None:
+      qs = jax.lax.dynamic_slice_in_dim(qsg, start, c * qbs, 1).reshape(b, c, qbs)
+      ks = jnp.take_along_axis(jnp.broadcast_to(ksg[:, None], (b, hk, nk, bs)),
+                               safe[..., None], axis=2).reshape(b, hk, c, ms, bs)
+      same = (qs[:, None, :, :, None, None] == ks[:, :, :, None]) & (ks[:, :, :, None] != 0)
+      mask = mask & same[:, :, None]
+    lt = jnp.transpose(lc, (0, 3, 4, 1, 2))[..., None, None]                # [b,hk,g,c,qbs,1,1]
+    tt = jnp.transpose(tc, (0, 3, 4, 1, 2))[..., None, None]
+    mask = mask & jnp.isfinite(lt)
+    p = jnp.where(mask, jnp.exp(jnp.where(mask, s - lt, 0.0)), 0.0)
+    ds = p * (dp - tt)
+    return jnp.sum(ds, axis=(2, 4, 6))                                      # [b, hk, c, ms]
+
+  res = jax.lax.map(chunk, jnp.arange(nc))                                  # [nc, b, hk, c, ms]
+  res = jnp.moveaxis(res, 0, 2).reshape(b, hk, nc * c, ms)
+  return res[:, :, :nq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _gated_attention(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, impl,
+                     interpret):
+  """block_sparse_attention whose logits carry a per-kept-tile bias ``gate_logits - itself``.
+
+  gate_logits [b, hk, nq, max_selected] never changes the forward (the bias is exactly 0); its
+  cotangent is the tile-summed dLoss/dlogits (``_tile_logit_grads``).
+  """
+  del gate_logits
+  return block_sparse_attention(q, k, v, selection, causal=causal, segment_ids=q_seg,
+                                kv_segment_ids=kv_seg, scale=scale, return_lse=True,
+                                implementation=impl, interpret=interpret)
+
+
+def _gated_fwd(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, impl, interpret):
+  del gate_logits
+  attn = lambda q_, k_, v_: block_sparse_attention(
+      q_, k_, v_, selection, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg, scale=scale,
+      return_lse=True, implementation=impl, interpret=interpret)
+  (out, lse), vjp_fn = jax.vjp(attn, q, k, v)
+  return (out, lse), (q, k, v, out, lse, vjp_fn, selection, q_seg, kv_seg)
+
+
+def _gated_bwd(causal, scale, impl, interpret, res, cts):
+  del impl, interpret
+  q, k, v, out, lse, vjp_fn, selection, q_seg, kv_seg = res
+  dout, dlse = cts
+  dq, dk, dv = vjp_fn((dout, dlse))
+  dgate = _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg,
+                            causal=causal, scale=scale)
+  return dq, dk, dv, dgate, None, None, None
+
+
+_gated_attention.defvjp(_gated_fwd, _gated_bwd)
+
+
+def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="none",
+                     gate_temperature=1.0, rng=None, causal=True, num_init_blocks=1,
+                     num_local_blocks=1, segment_ids=None, kv_segment_ids=None, scale=None,
+                     implementation=None, interpret=False, return_selection=False):
+  """Top-K block selection plus block-sparse attention in one call, for training.
+
+  Let score = ``block_scores(q, k)`` [b, g, i, j], c = scale (the attention logit scale) and
+  T = gate_temperature. The kept set S(i) of query block i (kv head g) is chosen by the rules of
+  :func:`select_blocks` applied to a ranking r; the output is always the block-sparse attention
+  over S, O = block_sparse_attention(q, k, v, S). ``gate_grad`` decides r and the gradient:
+
+    * "none": r = score; no gradient reaches the selection (hard top-k, InfLLM v2 / MoBA).
+    * "ste": r = score (same selection, forward bit-for-bit equal to "none"). Gate logits
+      z[i, j] = c * score[i, j] / T. Every attention logit of a kept tile (i, j) gets the bias
+      z[i, j] - stop_gradient(z[i, j]) (exactly 0 in the forward), i.e. the gradient is the one
+      of attention in which each kept block is weighted by exp(z[i, j]) (equivalently by
+      softmax_j over S(i) of z: the shared normaliser cancels) and renormalised. So
+      dL/dz[i, j] = sum over the tile (its queries, the group's query heads, its keys) of
+      dL/dlogits, which flows to q and k through the mean-pooled score.
+    * "gumbel": r = y with y[i, j] = (c * score[i, j] + G[i, j]) / T, G iid Gumbel(0, 1) from
+      ``rng`` (one draw per batch, kv head, query block, key block): the forward keeps the hard
+      top-k of the perturbed scores (Gumbel-top-k sampling, exploring blocks "none" would skip);
+      the backward is straight-through with the same per-tile bias y - stop_gradient(y), i.e.
+      dL/dscore[i, j] = (c / T) * tile sum of dL/dlogits over kept tiles, 0 for the others.
+
+  Initial and local blocks are always kept in every mode and receive the gate gradient like any
+  kept block. The gate gradient is computed by an extra fp32 XLA pass over the kept tiles
+  (gathering their keys/values; cost ~ two matmuls per kept tile), on every implementation.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
+    v: [batch, kv_len, kv_heads, head_dim_v].
+    block_size: keys per block.
+    top_k: blocks chosen by score besides the initial and local ones.
+    q_block_size: queries per query block.
+    gate_grad: "none", "ste" or "gumbel" (see above).
+    gate_temperature: T > 0 (above).
+    rng: a jax PRNG key; required for "gumbel", ignored otherwise.
+    causal, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
+    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding); kv_segment_ids defaults
+      to segment_ids when q_len == kv_len.
+    scale: logit scale, default 1/sqrt(head_dim).
+    implementation, interpret: as in :func:`block_sparse_attention`.
+    return_selection: also return the :class:`BlockSelection`.
+
+  Returns:
+    out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, selection).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
+    >>> loss = lambda q: sparse_attention(q, q, q, block_size=64, top_k=1, gate_grad="ste",
+    ...                                   implementation="xla").sum()
+    >>> jax.grad(loss)(q).shape
+    (1, 256, 2, 32)
+  """
+  if gate_grad not in _GATE_MODES:
+    raise ValueError(f"gate_grad must be one of {_GATE_MODES}, got {gate_grad!r}")
+  if not gate_temperature > 0:
+    raise ValueError(f"gate_temperature must be > 0, got {gate_temperature}")
+  if gate_grad == "gumbel" and rng is None:
+    raise ValueError("gate_grad='gumbel' needs rng (a jax PRNG key)")
+  _check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
+  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, v)
+  _validate.check_implementation(implementation)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  impl = resolve_implementation(implementation, interpret=interpret)
+  if gate_grad == "none":
+    q_s, k_s = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+  else:
+    q_s, k_s = q, k
+  scores = block_scores(q_s, k_s, block_size=block_size, q_block_size=q_block_size,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  if gate_grad == "gumbel":
+    noise = jax.random.gumbel(rng, scores.shape, jnp.float32)
+    gate = (scale * scores + noise) / gate_temperature
+    rank = gate
+  else:
+    gate = scale * scores / gate_temperature
+    rank = scores
+  seg_ok = None
+  if segment_ids is not None:
+    seg_ok = _segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
+  sel = _select(rank, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
+                block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
+                num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
+                scores=jax.lax.stop_gradient(scores))
+  if gate_grad == "none":
+    out = block_sparse_attention(q, k, v, sel, causal=causal, segment_ids=segment_ids,
+                                 kv_segment_ids=kv_segment_ids, scale=scale,
+                                 implementation=impl, interpret=interpret)
+  else:
+    valid = sel.indices >= 0
+    gate_sel = jnp.take_along_axis(gate, jnp.maximum(sel.indices, 0), axis=-1)
+    gate_sel = jnp.where(valid, gate_sel, 0.0)                    # [b, hk, nq, max_selected]
+    bare = dataclasses.replace(sel, scores=None)
+    out, _ = _gated_attention(q, k, v, gate_sel, bare, segment_ids, kv_segment_ids, bool(causal),
+                              float(scale), impl, bool(interpret))
+  return (out, sel) if return_selection else out
+
+
+# ----------------------------------------------------------------------------- captured mass
+def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_ids=None,
+                  scale=None, reduce=True, max_chunk_elems=1 << 25):
+  """Fraction of the full-softmax attention probability that falls inside the kept blocks.
+
+  For query t of head h: mass = sum over visible keys in kept blocks of softmax(scale * q.k)
+  (normalised over all visible keys: causal and segment masks). Computed in fp32 in chunks of
+  queries (``lax.map``), so memory stays ~ max_chunk_elems floats even at 16K-64K tokens.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim].
+    selection: a :class:`BlockSelection` for (q_len, kv_len).
+    causal: bottom-right aligned causal mask for the full softmax.
+    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
+    scale: logit scale, default 1/sqrt(head_dim).
+    reduce: True: one scalar, the mean over all (batch, head, query) with at least one visible
+      key. False: fp32 [batch, q_heads], the mean over each head's queries (NaN-free: 0 where a
+      head has no valid query).
+    max_chunk_elems: bound on the logits materialised per chunk.
+
+  Returns:
+    fp32 scalar or [batch, q_heads].
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
+    >>> sel = select_blocks(q, q, block_size=64, top_k=4)
+    >>> float(captured_mass(q, q, sel))
+    1.0
+  """
+  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  _check_selection(selection, batch, q_len, kv_len, hk)
+  g = hq // hk
+  d = q.shape[-1]
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  qbs, bs = selection.q_block_size, selection.block_size
+  nk = selection.num_kv_blocks
+  cq = int(max(1, min(q_len, max_chunk_elems // max(1, batch * hq * kv_len))))
+  nc = _cdiv(q_len, cq)
+  pad = nc * cq - q_len
+  qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  kf = k.astype(jnp.float32)
+  tiles = selection.tile_mask()                                            # [b, hk, nq, nk]
+  kblock = jnp.arange(kv_len) // bs                                        # [sk]
+  if segment_ids is not None:
+    qsg = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+
+  def chunk(ci):
+    start = ci * cq
+    qc = jax.lax.dynamic_slice_in_dim(qf, start, cq, 1).reshape(batch, cq, hk, g, d)
+    t = start + jnp.arange(cq)                                             # query index
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=_HIGHEST) * scale
+    if segment_ids is not None:
+      qs = jax.lax.dynamic_slice_in_dim(qsg, start, cq, 1)
+      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
+                         q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
+    else:
+      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
+                         window=None)[None, None, None]
+    vis = vis & (t < q_len)[:, None]
+    rows = jnp.take(tiles, jnp.minimum(t // qbs, selection.num_q_blocks - 1), axis=2)
+    kept = jnp.take(rows, kblock, axis=3)[:, :, None]                      # [b, hk, 1, cq, sk]
+    s_all = jnp.where(vis, s, -jnp.inf)
+    lse_all = jax.nn.logsumexp(s_all, axis=-1)
+    lse_sel = jax.nn.logsumexp(jnp.where(kept, s_all, -jnp.inf), axis=-1)
+    ok = jnp.isfinite(lse_all)
+    mass = jnp.where(ok, jnp.exp(lse_sel - jnp.where(ok, lse_all, 0.0)), 0.0)  # [b, hk, g, cq]
+    return (mass.sum(-1).reshape(batch, hq), ok.sum(-1).reshape(batch, hq).astype(jnp.float32))
+
+  del nk
+  mass, cnt = jax.lax.map(chunk, jnp.arange(nc))
+  mass, cnt = mass.sum(0), cnt.sum(0)                                      # [b, hq]
+  if reduce:
+    return jnp.sum(mass) / jnp.maximum(jnp.sum(cnt), 1.0)
+  return jnp.where(cnt > 0, mass / jnp.maximum(cnt, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------- sparse decode
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockSummaries:
+  """Running per-block key sums of a contiguous KV cache, for decode-time block scoring.
+
+  Attributes:
+    sums: fp32 [batch, num_blocks, kv_heads, head_dim]: sum of the keys of each cache block over
+      the positions < lengths.
+    lengths: int32 [batch]: number of cache positions summarised.
+    block_size: positions per block (static).
+  """
+  sums: jax.Array
+  lengths: jax.Array
+  block_size: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_blocks(self) -> int:
+    return self.sums.shape[1]
+
+  def counts(self):
+    """int32 [batch, num_blocks]: summarised positions per block."""
+    starts = jnp.arange(self.num_blocks, dtype=jnp.int32) * self.block_size
+    return jnp.clip(self.lengths[:, None] - starts, 0, self.block_size).astype(jnp.int32)
+
+  def means(self):
+    """fp32 [batch, num_blocks, kv_heads, head_dim]: mean key per block (0 for empty blocks)."""
+    cnt = jnp.maximum(self.counts(), 1).astype(jnp.float32)
+    return self.sums / cnt[:, :, None, None]
+
+
+def init_block_summaries(k_cache, kv_lengths, *, block_size):
+  """Block key sums of a cache from scratch (after prefill; O(cache) once).
+
+  Args:
+    k_cache: [batch, max_len, kv_heads, head_dim].
+    kv_lengths: int [batch]: valid positions per sequence.
+    block_size: positions per block.
+
+  Returns:
+    A :class:`BlockSummaries` with ceil(max_len / block_size) blocks.
+
+  Example:
+    >>> k = jax.random.normal(jax.random.key(0), (2, 256, 2, 16))
+    >>> s = init_block_summaries(k, jnp.array([10, 200]), block_size=64)
+    >>> s.sums.shape
+    (2, 4, 2, 16)
+  """
+  b, n, hk, d = k_cache.shape
+  nb = _cdiv(n, block_size)
+  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
+  valid = jnp.arange(n)[None, :] < lengths[:, None]
+  kf = jnp.where(valid[:, :, None, None], k_cache.astype(jnp.float32), 0.0)
+  kf = jnp.pad(kf, ((0, 0), (0, nb * block_size - n), (0, 0), (0, 0)))
+  sums = kf.reshape(b, nb, block_size, hk, d).sum(2)
+  return BlockSummaries(sums=sums, lengths=lengths, block_size=int(block_size))
+
+
+def update_block_summaries(summaries, k_cache, kv_lengths):
+  """Add the newest cache entry of each sequence to its block sum (O(1) per appended token).
+
+  Call once after each decode step has written its key at position ``kv_lengths - 1``. A
+  sequence whose ``kv_lengths`` did not grow (``kv_lengths <= summaries.lengths``) is left
+  unchanged; a sequence that grew by more than one token must be re-summarised with
+  :func:`init_block_summaries` (only the last position is added).
+
+  Args:
+    summaries: a :class:`BlockSummaries`.
+    k_cache: [batch, max_len, kv_heads, head_dim], already holding the new keys.
+    kv_lengths: int [batch], lengths including the new token.
+
+  Returns:
+    The updated :class:`BlockSummaries`.
+
+  Example:
+    >>> k = jax.random.normal(jax.random.key(0), (1, 128, 1, 8))
+    >>> s = init_block_summaries(k, jnp.array([5]), block_size=64)
+    >>> s = update_block_summaries(s, k, jnp.array([6]))
+    >>> int(s.lengths[0])
+    6
+  """
+  b, n = k_cache.shape[:2]
+  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
+  pos = jnp.maximum(lengths - 1, 0)
+  new = lengths > summaries.lengths
+  k_new = jnp.take_along_axis(k_cache, pos[:, None, None, None], axis=1)[:, 0]   # [b, hk, d]
+  k_new = jnp.where(new[:, None, None], k_new.astype(jnp.float32), 0.0)
+  sums = summaries.sums.at[jnp.arange(b), pos // summaries.block_size].add(k_new)
+  return BlockSummaries(sums=sums, lengths=jnp.where(new, lengths, summaries.lengths),
+                        block_size=summaries.block_size)
+
+
+def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_blocks=1,
+                         num_local_blocks=1):
+  """Per-token block selection for one new query per sequence (the decode side of select_blocks).
+
+  The query of sequence b sits at position p = kv_lengths[b] - 1 in block d = p // block_size.
+  Kept: blocks 0 .. num_init_blocks-1 and d-num_local_blocks+1 .. d (when <= d), plus the top_k
+  highest-scoring other blocks j < d, score = sum over the group's query heads of q . mean key of
+  block j. Same rules as ``select_blocks(q_block_size=1)`` on the last query of the prefix.
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    block_summaries: :class:`BlockSummaries` of the cache (holding the new token).
+    kv_lengths: int [batch], lengths including the new token.
+    top_k, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
+
+  Returns:
+    int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1.
+
+  Example:
+    >>> k = jax.random.normal(jax.random.key(0), (1, 512, 2, 16))
+    >>> s = init_block_summaries(k, jnp.array([500]), block_size=64)
+    >>> q = jax.random.normal(jax.random.key(1), (1, 4, 16))
+    >>> select_decode_blocks(q, s, jnp.array([500]), top_k=2).shape
+    (1, 2, 4)
+  """
+  _check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks, num_local_blocks)
+  b, hq, d = q.shape
+  means = block_summaries.means()                                          # [b, nb, hk, d]
+  nb, hk = means.shape[1], means.shape[2]
+  bs = block_summaries.block_size
+  qsum = q.astype(jnp.float32).reshape(b, hk, hq // hk, d).sum(2)          # [b, hk, d]
+  scores = jnp.einsum("bhd,bjhd->bhj", qsum, means, precision=_HIGHEST)    # [b, hk, nb]
+  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), nb * bs)
+  diag = jnp.where(lengths > 0, (lengths - 1) // bs, -1)[:, None, None]    # [b, 1, 1]
+  j = jnp.arange(nb)[None, None, :]
+  visible = j <= diag
+  local = (j > diag - num_local_blocks) if num_local_blocks > 0 else jnp.zeros_like(visible)
+  forced = visible & ((j < num_init_blocks) | local)
+  cand = jnp.broadcast_to(visible & ~forced, (b, hk, nb))
+  parts = []
+  n_forced = min(num_init_blocks, nb) + min(num_local_blocks, nb)
+  fi = jnp.concatenate([jnp.arange(min(num_init_blocks, nb)),
+                        jnp.arange(min(num_local_blocks, nb)) - min(num_local_blocks, nb) + 1])
+  if n_forced:
+    fidx = jnp.broadcast_to(fi[None, None, :], (b, 1, n_forced))
+    fidx = jnp.where(jnp.arange(n_forced) < min(num_init_blocks, nb), fidx, fidx + diag)
+    dup = (jnp.arange(n_forced) >= min(num_init_blocks, nb)) & (fidx < num_init_blocks)
+    ok = (fidx >= 0) & (fidx <= diag) & ~dup
+    parts.append(jnp.broadcast_to(jnp.where(ok, fidx, -1), (b, hk, n_forced)))
+  k_eff = min(top_k, nb)
+  if k_eff:
+    _, tidx = jax.lax.top_k(jnp.where(cand, scores, -jnp.inf), k_eff)
+    tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
+    parts.append(jnp.where(tvalid, tidx, -1))
+  ms = max(1, min(n_forced + k_eff, nb))
+  if not parts:
+    return jnp.full((b, hk, 1), -1, jnp.int32)
+  allidx = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
+  key = jnp.sort(jnp.where(allidx < 0, nb, allidx), axis=-1)[..., :ms]
+  return jnp.where(key >= nb, -1, key).astype(jnp.int32)
+
+
+def _sparse_decode_xla(q, k_cache, v_cache, kv_lengths, indices, block_size, scale):
+  b, hq, d = q.shape
+  _, n, hk, dv = v_cache.shape
+  g = hq // hk
+  nb = _cdiv(n, block_size)
+  ms = indices.shape[-1]
+  pad = nb * block_size - n
+
+  def blocks(x):                                               # -> [b, hk, ms, bs, d]
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    x = jnp.transpose(x.reshape(b, nb, block_size, hk, x.shape[-1]), (0, 3, 1, 2, 4))
+    return jnp.take_along_axis(x, jnp.maximum(indices, 0)[..., None, None], axis=2)
+
+  kg, vg = blocks(k_cache), blocks(v_cache)
+  qf = q.reshape(b, hk, g, d)
+  s = jnp.einsum("bhgd,bhmkd->bhgmk", qf, kg, preferred_element_type=jnp.float32) * scale
+  k_pos = jnp.maximum(indices, 0)[..., None] * block_size + jnp.arange(block_size)
+  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
+  mask = (indices[..., None] >= 0) & (k_pos < lengths[:, None, None, None])  # [b, hk, ms, bs]
+  s = jnp.where(mask[:, :, None], s, -jnp.inf).reshape(b, hk, g, ms * block_size)
+  m = jnp.max(s, -1, keepdims=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, -1, keepdims=True)
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o = jnp.einsum("bhgk,bhkd->bhgd", (p / l_safe).astype(vg.dtype),
+                 vg.reshape(b, hk, ms * block_size, dv), preferred_element_type=jnp.float32)
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]
+  return o.reshape(b, hq, dv).astype(q.dtype), lse.reshape(b, hq)
+
+
+def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *, block_size,
+                            top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
+                            return_lse=False, return_indices=False, implementation=None,
+                            interpret=False):
+  """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
+
+  Selection (:func:`select_decode_blocks`, per kv head, shared by its query heads) from the
+  block summaries, then attention over the kept blocks only (positions < kv_lengths); the result
+  equals dense decode attention restricted to the kept blocks.
+
+  Implementations: "xla" (gathers the kept blocks, then one softmax; any platform). None means
+  "xla" for now; kernel implementations raise NotImplementedError.
+
+  Args:
+    q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)], holding the new token.
+    kv_lengths: int [batch]: valid positions per sequence, including the new token.
+    block_summaries: :class:`BlockSummaries` (``init_block_summaries`` /
+      ``update_block_summaries``) with the same block_size.
+    block_size: positions per block.
+    top_k, num_init_blocks, num_local_blocks: selection sizes (as in :func:`select_blocks`).
+    scale: logit scale, default 1/sqrt(head_dim).
+    return_lse: also return lse [batch, q_heads] (fp32, natural log, -inf if empty).
+    return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
+    implementation: None or "xla".
+    interpret: unused by "xla".
+
+  Returns:
+    out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
+
+  Example:
+    >>> k = jax.random.normal(jax.random.key(0), (1, 512, 2, 16))
+    >>> lens = jnp.array([300])
+    >>> s = init_block_summaries(k, lens, block_size=64)
+    >>> q = jax.random.normal(jax.random.key(1), (1, 4, 16))
+    >>> sparse_decode_attention(q, k, k, lens, s, block_size=64, top_k=1).shape
+    (1, 4, 16)
+  """
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
+  if k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+    raise ValueError(f"k_cache/v_cache must be [batch, max_len, kv_heads, d], got "
+                     f"{k_cache.shape} / {v_cache.shape}")
+  if q.shape[0] != k_cache.shape[0] or q.shape[-1] != k_cache.shape[-1] or \
+      q.shape[1] % k_cache.shape[2]:
+    raise ValueError(f"q {q.shape} does not match k_cache {k_cache.shape}")
+  if not isinstance(block_summaries, BlockSummaries):
+    raise TypeError("block_summaries must be a BlockSummaries")
+  if block_summaries.block_size != block_size:
+    raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
+                     f"block_size={block_size}")
+  if block_summaries.num_blocks != _cdiv(k_cache.shape[1], block_size):
+    raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache "
+                     f"{_cdiv(k_cache.shape[1], block_size)}")
+  _validate.check_implementation(implementation)
+  impl = "xla" if implementation is None else implementation
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  indices = select_decode_blocks(q, block_summaries, kv_lengths, top_k=top_k,
+                                 num_init_blocks=num_init_blocks,
+                                 num_local_blocks=num_local_blocks)
+  if impl == "xla":
+    out, lse = _sparse_decode_xla(q, k_cache, v_cache, kv_lengths, indices, block_size, scale)
+  else:
+    raise NotImplementedError(f"sparse_decode_attention: implementation={impl!r} is not "
+                              f"implemented; use 'xla'")
+  res = (out,)
+  if return_lse:
+    res += (lse,)
+  if return_indices:
+    res += (indices,)
+  return res[0] if len(res) == 1 else res
+
+
+# ----------------------------------------------------------------------------- benchmarks
+def causal_top_k_for_density(num_blocks, fraction, *, num_init_blocks=1, num_local_blocks=1):
+  """The top_k whose selection keeps about ``fraction`` of the causal blocks of a square grid.
+
+  Query block i (q_block_size == block_size) keeps min(i + 1, num_init + num_local + top_k)
+  blocks; the returned top_k makes the total closest to fraction * nb (nb + 1) / 2.
+
+  Args:
+    num_blocks: blocks per sequence (seq_len / block_size).
+    fraction: target fraction of causal (lower-triangle) blocks, e.g. 0.19.
+    num_init_blocks, num_local_blocks: always-kept blocks.
+
+  Returns:
+    (top_k, achieved_fraction).
+
+  Example:
+    >>> causal_top_k_for_density(512, 0.19)[0]
+    49
+  """
+  i = np.arange(num_blocks)
+  total = num_blocks * (num_blocks + 1) / 2
+  forced = num_init_blocks + num_local_blocks
+  best = None
+  for k in range(num_blocks + 1):
+    frac = np.minimum(i + 1, forced + k).sum() / total
+    if best is None or abs(frac - fraction) < abs(best[1] - fraction):
+      best = (k, float(frac))
+  return best
+
+
+def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128,
+                block_size=128, fraction=0.19, implementation="triton", decode_len=131072,
+                decode_heads=(32, 8), decode_block_size=64):
+  """H200 benchmark rows for ``experiments/bench_kernels.py --ops sparse``.
+
+  Training (B1, H16, D128, bf16, causal): dense ``flash_attention(causal=True)`` versus
+  ``sparse_attention(gate_grad="none")`` with block_size = q_block_size = 128 (the Triton
+  kernel's native 128x128 tiles: 64-token blocks halve the tile and double the per-tile
+  overhead) and top_k chosen by :func:`causal_top_k_for_density` to keep ~19% of the causal
+  blocks; forward+backward, the sparse time including scoring, top-k and schedule building.
+  Rows: op "sparse_fwdbwd" (dense/sparse/selection ms), op "sparse_speedup" (dense / sparse),
+  op "sparse_select_frac" (selection ms / sparse ms). Decode (B1, GQA 32:8, D128, bf16, 128K):
+  dense ``jattn.decode.decode_attention`` (when available) vs :func:`sparse_decode_attention`
+  with 64-token blocks and ~19% of blocks, op "sparse_decode_speedup".
+
+  Args:
+    time_fn: ``time_fn(fn, arg_sets) -> (median_ms, spread_ms)`` (bench_kernels.time_fn).
+    rel_err: ``rel_err(x, ref) -> float``.
+    seqs, heads, head_dim, block_size, fraction, implementation: training cases.
+    decode_len, decode_heads, decode_block_size: the decode case.
+
+  Returns:
+    A list of row dicts (op, case, impl, ms, speedup, rel_err, ok, ...).
+
+  Example:
+    >>> rows = bench_cases(time_fn, rel_err)   # doctest: +SKIP (needs a GPU)
+  """
+  rows = []
+  for s in seqs:
+    nb = s // block_size
+    top_k, frac = causal_top_k_for_density(nb, fraction)
+    case = f"B1 S{s // 1024}K H{heads} D{head_dim} causal top{fraction:.0%} blk{block_size}"
+    keys = jax.random.split(jax.random.key(s), 12)
+    sets = [tuple(jax.random.normal(keys[4 * i + j], (1, s, heads, head_dim), jnp.bfloat16)
+                  for j in range(4)) for i in range(3)]
+
+    def fwdbwd(attn):
+      def f(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return out, vjp(do)
+      return jax.jit(f)
+
+    dense = fwdbwd(lambda q, k, v: _dense_flash(q, k, v, implementation))
+    sparse = fwdbwd(lambda q, k, v: sparse_attention(
+        q, k, v, block_size=block_size, q_block_size=block_size, top_k=top_k,
+        implementation=implementation))
+
+    def select_only(q, k, v, do):
+      sel = select_blocks(q, k, block_size=block_size, q_block_size=block_size, top_k=top_k)
+      sched = make_schedule(s, s, block_size, block_size, causal=True,
+                            block_mask=sel.tile_mask(), max_kv_blocks=sel.max_selected)
+      return sched.kv_indices, sched.q_indices
+    select_only = jax.jit(select_only)
+
+    try:
+      # Correctness on the last 512 queries of two heads against the fp32 reference.
+      q, k, v, do = sets[0]
+      out, sel = jax.jit(lambda q, k, v: sparse_attention(
+          q, k, v, block_size=block_size, q_block_size=block_size, top_k=top_k,
+          implementation=implementation, return_selection=True))(q, k, v)
+      tail = 512
+      nqt = tail // block_size
+      sub = BlockSelection(indices=sel.indices[:, :2, -nqt:], counts=sel.counts[:, :2, -nqt:],
+                           num_visible=sel.num_visible[:, :2, -nqt:], scores=None,
+                           block_size=block_size, q_block_size=block_size, q_len=tail, kv_len=s)
+      ref = block_sparse_attention(q[:, -tail:, :2], k[:, :, :2], v[:, :, :2], sub,
+                                   implementation="xla")
+      err = rel_err(out[:, -tail:, :2], ref)
+      ms_dense, sp_dense = time_fn(dense, sets)
+      ms_sparse, sp_sparse = time_fn(sparse, sets)
+      ms_sel, _ = time_fn(select_only, sets)
+      dens = float(sel.density("visible"))
+      ok = bool(err < 2e-2)
+      rows.append(dict(op="sparse_fwdbwd", case=case, impl=f"jattn_{implementation}_dense",
+                       ms=ms_dense, spread_ms=sp_dense))
+      rows.append(dict(op="sparse_fwdbwd", case=case, impl=f"jattn_{implementation}_sparse",
+                       ms=ms_sparse, spread_ms=sp_sparse, top_k=top_k, causal_fraction=dens,
+                       rel_err=err, ok=ok))
+      rows.append(dict(op="sparse_select", case=case, impl="jattn_xla", ms=ms_sel,
+                       select_frac=ms_sel / ms_sparse))
+      rows.append(dict(op="sparse_speedup", case=case, impl=f"jattn_{implementation}",
+                       speedup=ms_dense / ms_sparse, dense_ms=ms_dense, sparse_ms=ms_sparse,
+                       select_ms=ms_sel, causal_fraction=dens, ok=ok))
+    except Exception as e:  # record the failure, keep benchmarking
+      rows.append(dict(op="sparse_speedup", case=case, impl=f"jattn_{implementation}", ok=False,
+                       error=f"{type(e).__name__}: {e}"[:500]))
+
+  # Decode at 128K.
+  hq, hk = decode_heads
+  n = decode_len
+  nb = n // decode_block_size
+  top_k = max(0, int(round(fraction * nb)) - 2)
+  case = f"B1 S{n // 1024}K GQA{hq}:{hk} D{head_dim} top{fraction:.0%} blk{decode_block_size}"
+  try:
+    keys = jax.random.split(jax.random.key(7), 9)
+    lens = jnp.array([n], jnp.int32)
+    sets = []
+    for i in range(3):
+      q = jax.random.normal(keys[3 * i], (1, hq, head_dim), jnp.bfloat16)
+      kc = jax.random.normal(keys[3 * i + 1], (1, n, hk, head_dim), jnp.bfloat16)
+      vc = jax.random.normal(keys[3 * i + 2], (1, n, hk, head_dim), jnp.bfloat16)
+      sets.append((q, kc, vc, init_block_summaries(kc, lens, block_size=decode_block_size)))
+    sparse = jax.jit(lambda q, kc, vc, summ: sparse_decode_attention(
+        q, kc, vc, lens, summ, block_size=decode_block_size, top_k=top_k))
+    q, kc, vc, summ = sets[0]
+    out, idx = jax.jit(lambda q, kc, vc, summ: sparse_decode_attention(
+        q, kc, vc, lens, summ, block_size=decode_block_size, top_k=top_k,
+        return_indices=True))(q, kc, vc, summ)
+    sel = jnp.zeros((1, hk, nb + 1), bool).at[0, jnp.arange(hk)[:, None],
+                                               jnp.where(idx[0] < 0, nb, idx[0])].set(True)
+    mask = jnp.repeat(sel[..., :nb], decode_block_size, axis=-1)[:, :, None, :]
+    ref, _ = attention_reference(q[:, None], kc, vc, block_mask=mask)
+    err = rel_err(out, ref[:, 0])
+    ms_sparse, sp_sparse = time_fn(sparse, sets)
+    rows.append(dict(op="sparse_decode", case=case, impl="jattn_sparse_xla", ms=ms_sparse,
+                     spread_ms=sp_sparse, top_k=top_k, rel_err=err, ok=bool(err < 2e-2)))
+    try:
+      from jattn import decode as dec
+      impl_d = implementation if implementation != "xla" else "xla"
+      dense = jax.jit(lambda q, kc, vc, summ: dec.decode_attention(q, kc, vc, lens,
+                                                                   implementation=impl_d))
+      ms_dense, sp_dense = time_fn(dense, sets)
+      rows.append(dict(op="sparse_decode", case=case, impl=f"jattn_{impl_d}_dense", ms=ms_dense,
+                       spread_ms=sp_dense))
+      rows.append(dict(op="sparse_decode_speedup", case=case, impl="jattn_sparse_xla",
+                       speedup=ms_dense / ms_sparse, dense_ms=ms_dense, sparse_ms=ms_sparse,
+                       ok=bool(err < 2e-2)))
+    except Exception as e:
+      rows.append(dict(op="sparse_decode_speedup", case=case, impl="jattn_sparse_xla", ok=False,
+                       error=f"dense decode: {type(e).__name__}: {e}"[:500]))
+  except Exception as e:
+    rows.append(dict(op="sparse_decode_speedup", case=case, impl="jattn_sparse_xla", ok=False,
+                     error=f"{type(e).__name__}: {e}"[:500]))
+  return rows
+
+
+def _dense_flash(q, k, v, implementation):
+  """Dense causal flash attention (the bench baseline); see ``jattn.flash_attention``."""
+  from jattn.attention import flash_attention
+  return flash_attention(q, k, v, causal=True, implementation=implementation)
