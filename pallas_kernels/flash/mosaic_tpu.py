@@ -1,0 +1,736 @@
+"""Flash attention for TPU in Pallas (Mosaic): a forward and a backward that walk a block schedule.
+
+Every mask is a ``BlockSchedule`` (see ``pallas_kernels/block_schedule.py``): for query tile ``i``
+the kernels visit only ``kv_indices[.., i, :kv_counts[.., i]]``, applying the element mask only on
+tiles marked partial. The schedule arrays are scalar-prefetch operands (SMEM), and the key/value
+``BlockSpec`` index maps read them, so skipped tiles are never copied into VMEM. Entries past a
+row's count repeat its last valid index: the pipeline issues no new copy for them and the body is
+guarded by ``pl.when(j < count)``.
+
+Layouts. Inputs ``[B, S, H, D]`` are padded (head_dim to a multiple of 128 lanes, sequences to a
+multiple of the tile) and reshaped for free to ``[B, S, H * D]``; a tile of head ``h`` is the block
+``(bq, D)`` at block index ``(b, i, h)``, so no transposes are materialised. Per-row statistics
+(lse, delta) travel as rows ``[B, H, 1, S]`` (block ``(1, bq)``); segment ids travel twice, once
+lane-broadcast ``[B, S, 128]`` (for the side of a tile that lies along sublanes) and once
+sublane-broadcast ``[B, 8, S]`` (for the side along lanes), as in splash attention.
+
+Kernels:
+  * forward: grid ``(B, Hq, nq, max_kv)``, online softmax in VMEM scratch (m, l, acc) -> out, lse.
+  * dQ: grid ``(B, Hq, nq, max_kv)`` walking the forward schedule.
+  * dK/dV: grid ``(B, Hk, nk, group * max_q)`` walking the transposed schedule; the last axis runs
+    over the query heads of the GQA group and their query tiles, so dK/dV of a kv head accumulate
+    the whole group in VMEM and repeated K/V are never materialised. It computes in the transposed
+    orientation (``[bk, bq]`` tiles) so lse/delta are used as rows and no tile transposes are needed.
+
+fp16 inputs are computed in fp32 (TPUs have no fp16 matmul); fp32 inputs use fp32-precision
+matmuls (``Precision.HIGHEST``); bf16 uses the native MXU path with fp32 accumulation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import compat
+from pallas_kernels.block_schedule import BlockSchedule
+from pallas_kernels.masks import normalize_window
+
+NUM_LANES = 128
+NUM_SUBLANES = 8
+# Finite "minus infinity" for masked logits: exp(MASK_VALUE - anything reasonable) == 0 and
+# MASK_VALUE - MASK_VALUE == 0 never produces NaN (splash attention uses the same value).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
+NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the TPU kernels (forward and backward use the same schedule tiles).
+
+  Attributes:
+    block_q: query rows per tile; a multiple of 128 (lse/delta and segment ids travel as
+      lane-dense rows of this length).
+    block_k: keys per tile; a multiple of 128 lanes.
+  """
+  block_q: int = 128
+  block_k: int = 128
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      val = getattr(self, name)
+      if not isinstance(val, int) or val <= 0 or val % NUM_LANES:
+        raise ValueError(f"BlockSizes.{name} must be a positive multiple of {NUM_LANES}, got {val!r}")
+
+
+def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
+  """Default TPU tiles for a head dimension and input dtype.
+
+  Larger tiles amortise the ~0.35 us per-grid-step overhead of a Mosaic kernel; the fp32 tile
+  intermediates ``[block_q, block_k]`` and double-buffered inputs must stay well inside the
+  default scoped VMEM (16 MiB on v5e), which limits tiles for wide heads and fp32/fp16 inputs.
+  (Not tuned on hardware: no TPU was available when this was written.)
+
+  Args:
+    head_dim: the (unpadded) head dimension.
+    dtype: the input dtype.
+
+  Returns:
+    A ``BlockSizes``.
+
+  Example:
+    >>> default_block_sizes(128, jnp.bfloat16)
+    BlockSizes(block_q=256, block_k=512)
+  """
+  d_pad = _round_up(head_dim, NUM_LANES)
+  # fp16 is computed in fp32 on TPU (see the module docstring).
+  itemsize = 4 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype).itemsize
+  if d_pad <= 128 and itemsize == 2:
+    return BlockSizes(block_q=256, block_k=512)
+  if d_pad <= 256:
+    return BlockSizes(block_q=256, block_k=256)
+  return BlockSizes(block_q=128, block_k=128)
+
+
+def _round_up(x, m):
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static description of one call (hashable: it is a custom_vjp non-differentiable argument)."""
+  batch: int
+  q_heads: int
+  kv_heads: int
+  q_len: int
+  kv_len: int
+  head_dim: int
+  head_dim_v: int
+  block_q: int
+  block_k: int
+  causal: bool
+  window: tuple | None
+  scale: float
+  soft_cap: float | None
+  segmented: bool
+  interpret: bool
+
+  @property
+  def group(self):
+    return self.q_heads // self.kv_heads
+
+  @property
+  def nq(self):
+    return -(-self.q_len // self.block_q)
+
+  @property
+  def nk(self):
+    return -(-self.kv_len // self.block_k)
+
+  @property
+  def d_pad(self):
+    return _round_up(self.head_dim, NUM_LANES)
+
+  @property
+  def dv_pad(self):
+    return _round_up(self.head_dim_v, NUM_LANES)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SchedShape:
+  """Static shape of a schedule's visit lists: [Bs, Hs, rows, cols], flattened to 1-D in SMEM."""
+  bs: int
+  hs: int
+  rows: int
+  cols: int
+
+  def row(self, b, h_kv, i):
+    """Flat index of (b, h_kv, i) in the [Bs, Hs, rows] counts array."""
+    bs = b if self.bs > 1 else 0
+    hs = h_kv if self.hs > 1 else 0
+    return (bs * self.hs + hs) * self.rows + i
+
+  def entry(self, b, h_kv, i, j):
+    """Flat index of (b, h_kv, i, j) in the [Bs, Hs, rows, cols] index/partial arrays."""
+    return self.row(b, h_kv, i) * self.cols + j
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared tile math
+# ----------------------------------------------------------------------------------------------
+
+
+def _precision(dtype):
+  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _dot(a, b, dims, precision):
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg: _Config):
+  """Element visibility (masks.element_mask semantics) of a tile; all inputs broadcast 2-D."""
+  mask = k_pos < cfg.kv_len
+  if cfg.causal:
+    mask = mask & (k_pos <= q_pos)
+  if cfg.window is not None:
+    left, right = cfg.window
+    if left is not None:
+      mask = mask & (k_pos >= q_pos - left)
+    if right is not None:
+      mask = mask & (k_pos <= q_pos + right)
+  if cfg.segmented:
+    mask = mask & (q_ids == kv_ids) & (kv_ids != 0)
+  return mask
+
+
+def _logits(s, cfg: _Config):
+  """Scale and soft-cap raw q.k products; returns (logits, tanh or None) in fp32."""
+  s = s * cfg.scale
+  if cfg.soft_cap is None:
+    return s, None
+  t = jnp.tanh(s / cfg.soft_cap)
+  return cfg.soft_cap * t, t
+
+
+def _lane_tile(x, n):
+  """[r, 128] -> [r, n] by repeating lanes (n a multiple of 128)."""
+  assert x.shape[-1] == NUM_LANES and n % NUM_LANES == 0, (x.shape, n)
+  reps = n // NUM_LANES
+  return x if reps == 1 else jnp.tile(x, (1, reps))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
+                q_ref, k_ref, v_ref, *refs, cfg: _Config, sched: _SchedShape):
+  if cfg.segmented:
+    q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+  else:
+    q_seg_ref = kv_seg_ref = None
+    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+  bq, bk = cfg.block_q, cfg.block_k
+  dv = cfg.dv_pad
+  b, h, i, j = (pl.program_id(a) for a in range(4))
+  h_kv = lax.div(h, cfg.group)
+  assert q_ref.shape == (bq, cfg.d_pad) and k_ref.shape == (bk, cfg.d_pad), (q_ref.shape, k_ref.shape)
+  assert v_ref.shape == (bk, dv) and acc_sc.shape == (bq, dv)
+  assert m_sc.shape == l_sc.shape == (bq, NUM_LANES)
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full_like(m_sc, MASK_VALUE)
+    l_sc[...] = jnp.zeros_like(l_sc)
+    acc_sc[...] = jnp.zeros_like(acc_sc)
+
+  count = kv_cnt_ref[sched.row(b, h_kv, i)]
+  kv_blk = kv_idx_ref[sched.entry(b, h_kv, i, j)]
+  partial = kv_part_ref[sched.entry(b, h_kv, i, j)]
+  prec = _precision(q_ref.dtype)
+
+  def step(masked):
+    q = q_ref[...]                                        # [bq, D]
+    k = k_ref[...]                                        # [bk, D]
+    s, _ = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
+    if masked:
+      q_pos = (i * bq + (cfg.kv_len - cfg.q_len)
+               + lax.broadcasted_iota(jnp.int32, (bq, bk), 0))
+      k_pos = kv_blk * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+      q_ids = kv_ids = None
+      if cfg.segmented:
+        q_ids = _lane_tile(q_seg_ref[...], bk)            # [bq, bk]
+        kv_ids = kv_seg_ref[0:1, :]                       # [1, bk]
+      mask = _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg)  # [bq, bk]
+      s = jnp.where(mask, s, MASK_VALUE)
+    m_prev = m_sc[...]                                    # [bq, 128]
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
+    p = jnp.exp(s - _lane_tile(m_next, bk))               # [bq, bk]
+    if masked:
+      # A row with nothing visible yet has m == MASK_VALUE, so exp(s - m) == 1 there.
+      p = jnp.where(mask, p, 0.0)
+    alpha = jnp.exp(m_prev - m_next)                      # [bq, 128]
+    l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+    m_sc[...] = m_next
+    v = v_ref[...]                                        # [bk, Dv]
+    pv = _dot(p.astype(v.dtype), v, NN_DIMS, prec)        # [bq, Dv]
+    acc_sc[...] = acc_sc[...] * _lane_tile(alpha, dv) + pv
+
+  @pl.when((j < count) & (partial != 0))
+  def _masked():
+    step(True)
+
+  @pl.when((j < count) & (partial == 0))
+  def _full():
+    step(False)
+
+  @pl.when(j == sched.cols - 1)
+  def _finish():
+    l = l_sc[...]                                         # [bq, 128]
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = (acc_sc[...] * _lane_tile(1.0 / l_safe, dv)).astype(o_ref.dtype)
+    lse = jnp.where(empty, -jnp.inf, m_sc[...] + jnp.log(l_safe))  # [bq, 128]
+    lse_ref[...] = lse.T[0:1, :]                          # [1, bq]
+
+
+def _seg_layouts(seg, length_pad):
+  """int32 [B, S] -> (lane-broadcast [B, S_pad, 128], sublane-broadcast [B, 8, S_pad])."""
+  seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, length_pad - seg.shape[1])))
+  lanes = jnp.broadcast_to(seg[:, :, None], seg.shape + (NUM_LANES,))
+  rows = jnp.broadcast_to(seg[:, None, :], (seg.shape[0], NUM_SUBLANES, seg.shape[1]))
+  return lanes, rows
+
+
+def _to_tiles(x, s_pad, d_pad):
+  """[B, S, H, D] -> [B, S_pad, H * D_pad] (zero padding; a free reshape when aligned)."""
+  b, s, h, d = x.shape
+  if s_pad != s or d_pad != d:
+    x = jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
+  return x.reshape(b, s_pad, h * d_pad)
+
+
+def _from_tiles(x, s, h, d):
+  """[B, S_pad, H * D_pad] -> [B, S, H, D]."""
+  b, s_pad, hd = x.shape
+  return x.reshape(b, s_pad, h, hd // h)[:, :s, :, :d]
+
+
+def _sched_shape(idx):
+  bs, hs, rows, cols = idx.shape
+  return _SchedShape(bs, hs, rows, cols)
+
+
+def _interpret_arg(cfg):
+  return compat.tpu_interpret_params() if cfg.interpret else False
+
+
+def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
+  """Runs the forward kernel. Returns (out [B,Sq,Hq,Dv] in q.dtype, lse [B,Hq,Sq] fp32)."""
+  bq, bk = cfg.block_q, cfg.block_k
+  sq_pad, sk_pad = cfg.nq * bq, cfg.nk * bk
+  dt = _compute_dtype(q, k, v)
+  q3 = _to_tiles(q.astype(dt), sq_pad, cfg.d_pad)          # [B, Sq_p, Hq*D]
+  k3 = _to_tiles(k.astype(dt), sk_pad, cfg.d_pad)          # [B, Sk_p, Hk*D]
+  v3 = _to_tiles(v.astype(dt), sk_pad, cfg.dv_pad)         # [B, Sk_p, Hk*Dv]
+  sched = _sched_shape(schedule.kv_indices)
+  g = cfg.group
+
+  def q_map(b, h, i, j, idx, cnt, part):
+    return (b, i, h)
+
+  def kv_map(b, h, i, j, idx, cnt, part):
+    return (b, idx[sched.entry(b, lax.div(h, g), i, j)], lax.div(h, g))
+
+  in_specs = [
+      pl.BlockSpec((None, bq, cfg.d_pad), q_map),
+      pl.BlockSpec((None, bk, cfg.d_pad), kv_map),
+      pl.BlockSpec((None, bk, cfg.dv_pad), kv_map),
+  ]
+  operands = [q3, k3, v3]
+  if cfg.segmented:
+    q_lanes, _ = _seg_layouts(q_seg, sq_pad)
+    _, kv_rows = _seg_layouts(kv_seg, sk_pad)
+
+    def kv_seg_map(b, h, i, j, idx, cnt, part):
+      return (b, 0, idx[sched.entry(b, lax.div(h, g), i, j)])
+
+    in_specs += [pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, j, *_: (b, i, 0)),
+                 pl.BlockSpec((None, NUM_SUBLANES, bk), kv_seg_map)]
+    operands += [q_lanes, kv_rows]
+  out_shape = [jax.ShapeDtypeStruct((cfg.batch, sq_pad, cfg.q_heads * cfg.dv_pad), q.dtype),
+               jax.ShapeDtypeStruct((cfg.batch, cfg.q_heads, 1, sq_pad), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, bq, cfg.dv_pad), q_map),
+               pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=3,
+      grid=(cfg.batch, cfg.q_heads, cfg.nq, sched.cols),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+                      pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+                      pltpu.VMEM((bq, cfg.dv_pad), jnp.float32)],
+  )
+  out3, lse4 = pl.pallas_call(
+      functools.partial(_fwd_kernel, cfg=cfg, sched=sched),
+      grid_spec=grid_spec,
+      out_shape=out_shape,
+      compiler_params=compat.tpu_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=_interpret_arg(cfg),
+      name="jattn_flash_fwd_tpu",
+  )(schedule.kv_indices.reshape(-1), schedule.kv_counts.reshape(-1),
+    schedule.kv_partial.reshape(-1), *operands)
+  out = _from_tiles(out3, cfg.q_len, cfg.q_heads, cfg.head_dim_v)
+  lse = lse4[:, :, 0, :cfg.q_len]
+  return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward kernels
+# ----------------------------------------------------------------------------------------------
+
+
+def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
+               q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: _Config,
+               sched: _SchedShape):
+  if cfg.segmented:
+    q_seg_ref, kv_seg_ref, dq_ref, dq_sc = refs
+  else:
+    q_seg_ref = kv_seg_ref = None
+    dq_ref, dq_sc = refs
+  bq, bk = cfg.block_q, cfg.block_k
+  b, h, i, j = (pl.program_id(a) for a in range(4))
+  h_kv = lax.div(h, cfg.group)
+  assert lse_ref.shape == di_ref.shape == (1, bq), lse_ref.shape
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros_like(dq_sc)
+
+  count = kv_cnt_ref[sched.row(b, h_kv, i)]
+  kv_blk = kv_idx_ref[sched.entry(b, h_kv, i, j)]
+  partial = kv_part_ref[sched.entry(b, h_kv, i, j)]
+  prec = _precision(q_ref.dtype)
+
+  def step(masked):
+    q = q_ref[...]                                        # [bq, D]
+    k = k_ref[...]                                        # [bk, D]
+    v = v_ref[...]                                        # [bk, Dv]
+    do = do_ref[...]                                      # [bq, Dv]
+    lse = jnp.expand_dims(lse_ref[0], -1)                 # [bq, 1]
+    di = jnp.expand_dims(di_ref[0], -1)                   # [bq, 1]
+    s, t = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
+    if masked:
+      q_pos = (i * bq + (cfg.kv_len - cfg.q_len)
+               + lax.broadcasted_iota(jnp.int32, (bq, bk), 0))
+      k_pos = kv_blk * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+      q_ids = kv_ids = None
+      if cfg.segmented:
+        q_ids = _lane_tile(q_seg_ref[...], bk)            # [bq, bk]
+        kv_ids = kv_seg_ref[0:1, :]                       # [1, bk]
+      s = jnp.where(_tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg), s, MASK_VALUE)
+    p = jnp.exp(s - lse)                                  # [bq, bk]
+    dp = _dot(do, v, NT_DIMS, prec)                       # [bq, bk]
+    ds = p * (dp - di)                                    # [bq, bk]
+    if t is not None:
+      ds = ds * (1.0 - t * t)
+    dq_sc[...] += _dot(ds.astype(k.dtype), k, NN_DIMS, prec)  # [bq, D]
+
+  @pl.when((j < count) & (partial != 0))
+  def _masked():
+    step(True)
+
+  @pl.when((j < count) & (partial == 0))
+  def _full():
+    step(False)
+
+  @pl.when(j == sched.cols - 1)
+  def _finish():
+    dq_ref[...] = (dq_sc[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
+                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: _Config,
+                sched: _SchedShape):
+  if cfg.segmented:
+    kv_seg_ref, q_seg_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
+  else:
+    kv_seg_ref = q_seg_ref = None
+    dk_ref, dv_ref, dk_sc, dv_sc = refs
+  bq, bk = cfg.block_q, cfg.block_k
+  b, h_kv, ki, t_step = (pl.program_id(a) for a in range(4))
+  jq = lax.rem(t_step, sched.cols)
+  assert lse_ref.shape == di_ref.shape == (1, bq), lse_ref.shape
+
+  @pl.when(t_step == 0)
+  def _init():
+    dk_sc[...] = jnp.zeros_like(dk_sc)
+    dv_sc[...] = jnp.zeros_like(dv_sc)
+
+  count = q_cnt_ref[sched.row(b, h_kv, ki)]
+  q_blk = q_idx_ref[sched.entry(b, h_kv, ki, jq)]
+  partial = q_part_ref[sched.entry(b, h_kv, ki, jq)]
+  prec = _precision(q_ref.dtype)
+
+  def step(masked):
+    q = q_ref[...]                                        # [bq, D]
+    k = k_ref[...]                                        # [bk, D]
+    v = v_ref[...]                                        # [bk, Dv]
+    do = do_ref[...]                                      # [bq, Dv]
+    lse = lse_ref[...]                                    # [1, bq]
+    di = di_ref[...]                                      # [1, bq]
+    s, t = _logits(_dot(k, q, NT_DIMS, prec), cfg)        # [bk, bq] (transposed tile)
+    if masked:
+      k_pos = ki * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
+      q_pos = (q_blk * bq + (cfg.kv_len - cfg.q_len)
+               + lax.broadcasted_iota(jnp.int32, (bk, bq), 1))
+      q_ids = kv_ids = None
+      if cfg.segmented:
+        kv_ids = _lane_tile(kv_seg_ref[...], bq)          # [bk, bq]
+        q_ids = q_seg_ref[0:1, :]                         # [1, bq]
+      s = jnp.where(_tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg), s, MASK_VALUE)
+    p = jnp.exp(s - lse)                                  # [bk, bq]
+    dv_sc[...] += _dot(p.astype(do.dtype), do, NN_DIMS, prec)  # [bk, Dv]
+    dp = _dot(v, do, NT_DIMS, prec)                       # [bk, bq]
+    ds = p * (dp - di)                                    # [bk, bq]
+    if t is not None:
+      ds = ds * (1.0 - t * t)
+    dk_sc[...] += _dot(ds.astype(q.dtype), q, NN_DIMS, prec)  # [bk, D]
+
+  @pl.when((jq < count) & (partial != 0))
+  def _masked():
+    step(True)
+
+  @pl.when((jq < count) & (partial == 0))
+  def _full():
+    step(False)
+
+  @pl.when(t_step == cfg.group * sched.cols - 1)
+  def _finish():
+    dk_ref[...] = (dk_sc[...] * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, cfg: _Config):
+  """Runs the dQ and dK/dV kernels. Returns (dq, dk, dv) in the input dtypes."""
+  bq, bk = cfg.block_q, cfg.block_k
+  sq_pad, sk_pad = cfg.nq * bq, cfg.nk * bk
+  g = cfg.group
+  dt = _compute_dtype(q, k, v)
+  q3 = _to_tiles(q.astype(dt), sq_pad, cfg.d_pad)          # [B, Sq_p, Hq*D]
+  k3 = _to_tiles(k.astype(dt), sk_pad, cfg.d_pad)          # [B, Sk_p, Hk*D]
+  v3 = _to_tiles(v.astype(dt), sk_pad, cfg.dv_pad)         # [B, Sk_p, Hk*Dv]
+  do3 = _to_tiles(dout.astype(dt), sq_pad, cfg.dv_pad)     # [B, Sq_p, Hq*Dv]
+  # delta_i = sum_d dO_id O_id - dlse_i: the lse cotangent enters exactly like the row term.
+  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)     # [B, Hq, Sq]
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  # Rows that see no key have lse = -inf; any finite value works there since every logit of
+  # such a row is masked (p = exp(MASK_VALUE - 0) = 0). Padded rows have dO = 0 and delta = 0.
+  lse_f = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  pad = ((0, 0), (0, 0), (0, sq_pad - cfg.q_len))
+  lse_rows = jnp.pad(lse_f, pad)[:, :, None, :]            # [B, Hq, 1, Sq_p]
+  di_rows = jnp.pad(delta, pad)[:, :, None, :]             # [B, Hq, 1, Sq_p]
+  if cfg.segmented:
+    q_lanes, q_rows = _seg_layouts(q_seg, sq_pad)
+    kv_lanes, kv_rows = _seg_layouts(kv_seg, sk_pad)
+  interpret = _interpret_arg(cfg)
+  sem = ("parallel", "parallel", "parallel", "arbitrary")
+
+  # ---- dQ: walk the forward schedule.
+  fs = _sched_shape(schedule.kv_indices)
+
+  def q_map(b, h, i, j, *_):
+    return (b, i, h)
+
+  def kv_map(b, h, i, j, idx, cnt, part):
+    return (b, idx[fs.entry(b, lax.div(h, g), i, j)], lax.div(h, g))
+
+  def row_map(b, h, i, j, *_):
+    return (b, h, 0, i)
+
+  in_specs = [pl.BlockSpec((None, bq, cfg.d_pad), q_map),
+              pl.BlockSpec((None, bk, cfg.d_pad), kv_map),
+              pl.BlockSpec((None, bk, cfg.dv_pad), kv_map),
+              pl.BlockSpec((None, bq, cfg.dv_pad), q_map),
+              pl.BlockSpec((None, None, 1, bq), row_map),
+              pl.BlockSpec((None, None, 1, bq), row_map)]
+  operands = [q3, k3, v3, do3, lse_rows, di_rows]
+  if cfg.segmented:
+    def kv_seg_map(b, h, i, j, idx, cnt, part):
+      return (b, 0, idx[fs.entry(b, lax.div(h, g), i, j)])
+    in_specs += [pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, j, *_: (b, i, 0)),
+                 pl.BlockSpec((None, NUM_SUBLANES, bk), kv_seg_map)]
+    operands += [q_lanes, kv_rows]
+  dq3 = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg, sched=fs),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3,
+          grid=(cfg.batch, cfg.q_heads, cfg.nq, fs.cols),
+          in_specs=in_specs,
+          out_specs=pl.BlockSpec((None, bq, cfg.d_pad), q_map),
+          scratch_shapes=[pltpu.VMEM((bq, cfg.d_pad), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
+      compiler_params=compat.tpu_compiler_params(sem),
+      interpret=interpret,
+      name="jattn_flash_bwd_dq_tpu",
+  )(schedule.kv_indices.reshape(-1), schedule.kv_counts.reshape(-1),
+    schedule.kv_partial.reshape(-1), *operands)
+
+  # ---- dK/dV: walk the transposed schedule; last grid axis = (group head, q step).
+  ts = _sched_shape(schedule.q_indices)
+
+  def head(h_kv, t):
+    return h_kv * g + lax.div(t, ts.cols)
+
+  def qt_map(b, hk, ki, t, idx, cnt, part):
+    return (b, idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))], head(hk, t))
+
+  def k_map(b, hk, ki, t, *_):
+    return (b, ki, hk)
+
+  def rowt_map(b, hk, ki, t, idx, cnt, part):
+    return (b, head(hk, t), 0, idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))])
+
+  in_specs = [pl.BlockSpec((None, bq, cfg.d_pad), qt_map),
+              pl.BlockSpec((None, bk, cfg.d_pad), k_map),
+              pl.BlockSpec((None, bk, cfg.dv_pad), k_map),
+              pl.BlockSpec((None, bq, cfg.dv_pad), qt_map),
+              pl.BlockSpec((None, None, 1, bq), rowt_map),
+              pl.BlockSpec((None, None, 1, bq), rowt_map)]
+  operands = [q3, k3, v3, do3, lse_rows, di_rows]
+  if cfg.segmented:
+    def q_seg_map(b, hk, ki, t, idx, cnt, part):
+      return (b, 0, idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))])
+    in_specs += [pl.BlockSpec((None, bk, NUM_LANES), lambda b, hk, ki, t, *_: (b, ki, 0)),
+                 pl.BlockSpec((None, NUM_SUBLANES, bq), q_seg_map)]
+    operands += [kv_lanes, q_rows]
+  dk3, dv3 = pl.pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg, sched=ts),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3,
+          grid=(cfg.batch, cfg.kv_heads, cfg.nk, g * ts.cols),
+          in_specs=in_specs,
+          out_specs=[pl.BlockSpec((None, bk, cfg.d_pad), k_map),
+                     pl.BlockSpec((None, bk, cfg.dv_pad), k_map)],
+          scratch_shapes=[pltpu.VMEM((bk, cfg.d_pad), jnp.float32),
+                          pltpu.VMEM((bk, cfg.dv_pad), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct(k3.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v3.shape, v.dtype)],
+      compiler_params=compat.tpu_compiler_params(sem),
+      interpret=interpret,
+      name="jattn_flash_bwd_dkv_tpu",
+  )(schedule.q_indices.reshape(-1), schedule.q_counts.reshape(-1),
+    schedule.q_partial.reshape(-1), *operands)
+  dq = _from_tiles(dq3, cfg.q_len, cfg.q_heads, cfg.head_dim)
+  dk = _from_tiles(dk3, cfg.kv_len, cfg.kv_heads, cfg.head_dim)
+  dv = _from_tiles(dv3, cfg.kv_len, cfg.kv_heads, cfg.head_dim_v)
+  return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# custom_vjp wiring and the public entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(q, k, v):
+  dt = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  return jnp.dtype(jnp.float32) if dt == jnp.float16 else jnp.dtype(dt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, schedule, cfg):
+  return _fwd(q, k, v, q_seg, kv_seg, schedule, cfg)
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, schedule, cfg):
+  out, lse = _fwd(q, k, v, q_seg, kv_seg, schedule, cfg)
+  return (out, lse), (q, k, v, q_seg, kv_seg, schedule, out, lse)
+
+
+def _flash_bwd(cfg, res, cts):
+  q, k, v, q_seg, kv_seg, schedule, out, lse = res
+  dout, dlse = cts
+  dq, dk, dv = _bwd(q, k, v, q_seg, kv_seg, schedule, out, lse, dout, dlse, cfg)
+  # Segment ids and the schedule are integer arrays: no cotangent.
+  return dq, dk, dv, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSchedule, *,
+                    causal: bool, local_window_size, scale: float | None,
+                    logits_soft_cap: float | None, interpret: bool = False):
+  """Flash attention on TPU (Pallas Mosaic), differentiable (custom VJP), walking a block schedule.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim], fp32/bf16/fp16.
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA, K/V never repeated).
+    v: [batch, kv_len, kv_heads, head_dim_v].
+    q_segment_ids, kv_segment_ids: int32 [batch, q_len] / [batch, kv_len] (0 = padding), or both
+      None.
+    schedule: ``make_schedule(q_len, kv_len, block_q, block_k, ...)`` of the same mask (causal,
+      window, segment ids, optional block mask), with block sizes that are multiples of 128
+      (see ``default_block_sizes``). Tiles not in it are never read.
+    causal: bottom-right aligned causal mask.
+    local_window_size: None, int or (left, right) (jax.nn convention).
+    scale: logit scale; None means 1/sqrt(head_dim).
+    logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
+    interpret: run the kernels on the CPU with ``pltpu.InterpretParams()``.
+
+  Returns:
+    (out [batch, q_len, q_heads, head_dim_v] in q.dtype, lse [batch, q_heads, q_len] fp32,
+    natural log, -inf for rows that see no key). Differentiable in q, k, v through both outputs.
+
+  Example:
+    >>> from pallas_kernels.block_schedule import make_schedule
+    >>> q = jax.random.normal(jax.random.key(0), (1, 200, 2, 64))
+    >>> bs = default_block_sizes(64, q.dtype)
+    >>> sched = make_schedule(200, 200, bs.block_q, bs.block_k, causal=True)
+    >>> out, lse = flash_attention(q, q, q, None, None, sched, causal=True, local_window_size=None,
+    ...                            scale=None, logits_soft_cap=None, interpret=True)
+    >>> out.shape, lse.shape
+    ((1, 200, 2, 64), (1, 2, 200))
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
+                       f"{getattr(x, 'shape', None)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating array, got {x.dtype}")
+  b, sq, hq, d = q.shape
+  _, sk, hk, dv = v.shape
+  if k.shape != (b, sk, hk, d):
+    raise ValueError(f"k must be [batch, kv_len, kv_heads, head_dim] = {(b, sk, hk, d)}, "
+                     f"got {k.shape} (q {q.shape}, v {v.shape})")
+  if hq % hk:
+    raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk})")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  if q_segment_ids is not None:
+    if q_segment_ids.shape != (b, sq):
+      raise ValueError(f"q_segment_ids must be [batch, q_len] = {(b, sq)}, "
+                       f"got {q_segment_ids.shape}")
+    if kv_segment_ids.shape != (b, sk):
+      raise ValueError(f"kv_segment_ids must be [batch, kv_len] = {(b, sk)}, "
+                       f"got {kv_segment_ids.shape}")
+    if not jnp.issubdtype(q_segment_ids.dtype, jnp.integer) or not jnp.issubdtype(
+        kv_segment_ids.dtype, jnp.integer):
+      raise TypeError("segment ids must be integer arrays")
+  if not isinstance(schedule, BlockSchedule):
+    raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
+  if (schedule.q_len, schedule.kv_len) != (sq, sk):
+    raise ValueError(f"schedule is for (q_len, kv_len) = {(schedule.q_len, schedule.kv_len)}, "
+                     f"inputs have {(sq, sk)}")
+  BlockSizes(schedule.block_q, schedule.block_k)  # validates the tile sizes
+  for arr, rows, lead in ((schedule.kv_indices, schedule.num_q_blocks, "kv"),
+                          (schedule.q_indices, schedule.num_kv_blocks, "q")):
+    bs_, hs_, r_, _ = arr.shape
+    if bs_ not in (1, b) or hs_ not in (1, hk) or r_ != rows:
+      raise ValueError(f"schedule {lead}_indices has shape {arr.shape}; expected "
+                       f"[1 or {b}, 1 or {hk}, {rows}, n]")
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  cfg = _Config(batch=b, q_heads=hq, kv_heads=hk, q_len=sq, kv_len=sk, head_dim=d, head_dim_v=dv,
+                block_q=schedule.block_q, block_k=schedule.block_k, causal=bool(causal),
+                window=normalize_window(local_window_size), scale=float(scale),
+                soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                segmented=q_segment_ids is not None, interpret=bool(interpret))
+  if cfg.segmented:
+    q_segment_ids = q_segment_ids.astype(jnp.int32)
+    kv_segment_ids = kv_segment_ids.astype(jnp.int32)
+  return _flash(q, k, v, q_segment_ids, kv_segment_ids, schedule, cfg)
+
+
+__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]

@@ -1,0 +1,245 @@
+"""Pallas Mosaic TPU flash attention (pallas_kernels/flash/mosaic_tpu.py) against the fp32 reference.
+
+The kernels run in TPU interpret mode on the CPU (tiny shapes: interpret mode simulates every
+grid step and DMA) and are checked to lower for TPU with ``jax.export``.
+"""
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.flash import mosaic_tpu
+from pallas_kernels.flash.reference import attention_reference
+
+TOL_FP32 = 2e-3
+BLOCKS = mosaic_tpu.BlockSizes(block_q=128, block_k=128)
+
+
+def _rel(x, ref):
+  x = np.asarray(x, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return float(np.linalg.norm((x - ref).ravel()) / np.linalg.norm(ref.ravel()))
+
+
+def _packed_segments(rng, batch, length, pad_tail):
+  """Random documents (including one-token ones) followed by ``pad_tail`` padding tokens (id 0)."""
+  segs = np.zeros((batch, length), np.int32)
+  for b in range(batch):
+    pos, doc = 0, 1
+    while pos < length - pad_tail:
+      n = int(rng.choice([1, 1, 7, 40, 90, 150]))
+      n = min(n, length - pad_tail - pos)
+      segs[b, pos:pos + n] = doc
+      pos, doc = pos + n, doc + 1
+  return segs
+
+
+def _run_both(q, k, v, *, causal=False, window=None, q_seg=None, kv_seg=None, soft_cap=None,
+              block_mask=None, elem_block_mask=None, seed=0):
+  """Forward + VJP (random cotangents for out and lse) of the kernel and of the reference."""
+  b, sq, hq, _ = q.shape
+  sk = k.shape[1]
+  sched = make_schedule(sq, sk, BLOCKS.block_q, BLOCKS.block_k, causal=causal,
+                        local_window_size=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                        block_mask=block_mask)
+
+  def kern(q, k, v):
+    return mosaic_tpu.flash_attention(q, k, v, q_seg, kv_seg, sched, causal=causal,
+                                      local_window_size=window, scale=None,
+                                      logits_soft_cap=soft_cap, interpret=True)
+
+  def ref(q, k, v):
+    return attention_reference(q, k, v, causal=causal, local_window_size=window,
+                               q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                               logits_soft_cap=soft_cap, block_mask=elem_block_mask)
+
+  (out, lse), vjp = jax.vjp(kern, q, k, v)
+  (rout, rlse), rvjp = jax.vjp(ref, q, k, v)
+  k1, k2 = jax.random.split(jax.random.key(seed + 1000))
+  dout = jax.random.normal(k1, out.shape, out.dtype)
+  dlse = jax.random.normal(k2, lse.shape, jnp.float32)
+  return (out, lse, vjp((dout, dlse))), (rout, rlse, rvjp((dout, dlse)))
+
+
+def _check(got, want, tol=TOL_FP32):
+  out, lse, grads = got
+  rout, rlse, rgrads = want
+  for x in (out, lse, *grads):
+    assert not np.any(np.isnan(np.asarray(x))), "NaN in kernel result"
+  assert _rel(out, rout) < tol, _rel(out, rout)
+  lse, rlse = np.asarray(lse), np.asarray(rlse)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(rlse))
+  assert np.all(np.isneginf(lse[~np.isfinite(lse)]))
+  fin = np.isfinite(rlse)
+  assert _rel(lse[fin], rlse[fin]) < tol, _rel(lse[fin], rlse[fin])
+  for name, g, rg in zip(("dq", "dk", "dv"), grads, rgrads):
+    assert g.shape == rg.shape and g.dtype == rg.dtype, (name, g.shape, rg.shape)
+    assert _rel(g, rg) < tol, (name, _rel(g, rg))
+
+
+def _qkv(seed, b, sq, sk, hq, hk, d, dv=None, dtype=jnp.float32):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (b, sq, hq, d), dtype)
+  k = jax.random.normal(kk, (b, sk, hk, d), dtype)
+  v = jax.random.normal(kv, (b, sk, hk, dv or d), dtype)
+  return q, k, v
+
+
+# (name, b, sq, sk, hq, hk, d, options)
+CASES = [
+    ("causal_gqa_d72_qlen_ne_kvlen", 1, 200, 300, 4, 2, 72, dict(causal=True)),
+    ("window_softcap_mqa", 1, 300, 300, 3, 1, 96, dict(window=(100, 30), soft_cap=5.0)),
+    ("causal_window_qlen_gt_kvlen", 1, 270, 140, 2, 2, 32, dict(causal=True, window=(60, 0))),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case):
+  name, b, sq, sk, hq, hk, d, opts = case
+  q, k, v = _qkv(zlib.crc32(name.encode()) % 1000, b, sq, sk, hq, hk, d)
+  got, want = _run_both(q, k, v, **opts)
+  _check(got, want)
+
+
+def test_packed_segments_causal_with_padding():
+  rng = np.random.default_rng(1)
+  b, s = 2, 260
+  segs = _packed_segments(rng, b, s, pad_tail=45)
+  segs[1, :] = 0                      # a fully padded batch row
+  segs[1, :100] = 1
+  q, k, v = _qkv(2, b, s, s, 2, 1, 64)
+  seg = jnp.asarray(segs)
+  got, want = _run_both(q, k, v, causal=True, q_seg=seg, kv_seg=seg)
+  _check(got, want)
+  out, lse, (dq, _, _) = got
+  pad = segs == 0
+  assert np.all(np.asarray(out)[pad] == 0.0)
+  assert np.all(np.isneginf(np.asarray(lse).transpose(0, 2, 1)[pad]))
+  assert np.all(np.asarray(dq)[pad] == 0.0)
+
+
+def test_segments_differ_between_q_and_kv():
+  """q_len != kv_len with segment ids; some query rows see no key (id absent from kv)."""
+  rng = np.random.default_rng(3)
+  b, sq, sk = 1, 140, 290
+  q_seg = rng.integers(1, 4, size=(b, sq)).astype(np.int32)
+  q_seg[:, :20] = 7                  # id 7 never occurs in kv: empty rows
+  q_seg[:, -10:] = 0                 # padding rows
+  kv_seg = rng.integers(0, 4, size=(b, sk)).astype(np.int32)
+  q, k, v = _qkv(4, b, sq, sk, 2, 2, 128)
+  got, want = _run_both(q, k, v, q_seg=jnp.asarray(q_seg), kv_seg=jnp.asarray(kv_seg),
+                        soft_cap=8.0)
+  _check(got, want)
+  out, lse, (dq, _, _) = got
+  empty = (q_seg == 7) | (q_seg == 0)
+  assert np.all(np.asarray(out)[empty] == 0.0)
+  assert np.all(np.isneginf(np.asarray(lse).transpose(0, 2, 1)[empty]))
+  assert np.all(np.asarray(dq)[empty] == 0.0)
+
+
+def _expand_block_mask(bm, sq, sk):
+  """Tile mask [Bs, Hs, nq, nk] -> element mask [Bs, Hs, sq, sk]."""
+  bm = np.repeat(np.repeat(np.asarray(bm), BLOCKS.block_q, axis=2), BLOCKS.block_k, axis=3)
+  return jnp.asarray(bm[:, :, :sq, :sk])
+
+
+def test_random_block_mask_schedule_gqa():
+  b, sq, sk, hq, hk = 2, 300, 380, 4, 2
+  nq, nk = -(-sq // 128), -(-sk // 128)
+  rng = np.random.default_rng(5)
+  bm = rng.random((b, hk, nq, nk)) < 0.5
+  bm[0, 0, 1, :] = False              # a query tile with nothing to visit
+  q, k, v = _qkv(6, b, sq, sk, hq, hk, 64)
+  got, want = _run_both(q, k, v, causal=True, block_mask=jnp.asarray(bm),
+                        elem_block_mask=_expand_block_mask(bm, sq, sk))
+  _check(got, want)
+
+
+def test_nan_in_skipped_tiles_never_reaches_results():
+  """Tiles outside the schedule hold NaN; results must equal the reference on finite data."""
+  b, s, h, d = 1, 384, 2, 64
+  bm = np.array([[[[1, 0, 1], [1, 0, 1], [0, 0, 0]]]], bool)  # kv tile 1 and q tile 2 unused
+  q, k, v = _qkv(7, b, s, s, h, h, d)
+  nan_k = k.at[:, 128:256].set(jnp.nan)
+  nan_v = v.at[:, 128:256].set(jnp.nan)
+  nan_q = q.at[:, 256:].set(jnp.nan)
+  sched = make_schedule(s, s, 128, 128, block_mask=jnp.asarray(bm))
+
+  def kern(q, k, v):
+    return mosaic_tpu.flash_attention(q, k, v, None, None, sched, causal=False,
+                                      local_window_size=None, scale=None, logits_soft_cap=None,
+                                      interpret=True)
+
+  def ref(q, k, v):
+    return attention_reference(q, k, v, block_mask=_expand_block_mask(bm, s, s))
+
+  (out, lse), vjp = jax.vjp(kern, nan_q, nan_k, nan_v)
+  (rout, rlse), rvjp = jax.vjp(ref, q, k, v)
+  k1, k2 = jax.random.split(jax.random.key(8))
+  cts = (jax.random.normal(k1, out.shape), jax.random.normal(k2, lse.shape))
+  _check((out, lse, vjp(cts)), (rout, rlse, rvjp(cts)))
+  dq, dk, dv = vjp(cts)
+  assert np.all(np.asarray(out)[:, 256:] == 0.0) and np.all(np.asarray(dq)[:, 256:] == 0.0)
+  assert np.all(np.asarray(dk)[:, 128:256] == 0.0) and np.all(np.asarray(dv)[:, 128:256] == 0.0)
+
+
+def test_bf16_inputs():
+  q, k, v = _qkv(9, 1, 150, 150, 2, 1, 128, dtype=jnp.bfloat16)
+  got, want = _run_both(q, k, v, causal=True)
+  assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+  _check(got, want, tol=2e-2)
+
+
+def test_default_block_sizes_and_validation():
+  for d in (32, 72, 96, 128, 256):
+    for dt in (jnp.float32, jnp.bfloat16, jnp.float16):
+      bs = mosaic_tpu.default_block_sizes(d, dt)
+      assert bs.block_q % 128 == 0 and bs.block_k % 128 == 0
+  with pytest.raises(ValueError, match="multiple of 128"):
+    mosaic_tpu.BlockSizes(block_q=64, block_k=128)
+  q, k, v = _qkv(10, 1, 64, 64, 3, 2, 32)
+  sched = make_schedule(64, 64, 128, 128)
+  kw = dict(causal=False, local_window_size=None, scale=None, logits_soft_cap=None)
+  with pytest.raises(ValueError, match="multiple of kv_heads"):
+    mosaic_tpu.flash_attention(q, k, v, None, None, sched, **kw)
+  q, k, v = _qkv(10, 1, 64, 64, 2, 2, 32)
+  with pytest.raises(ValueError, match="q_segment_ids must be"):
+    seg = jnp.ones((1, 63), jnp.int32)
+    mosaic_tpu.flash_attention(q, k, v, seg, jnp.ones((1, 64), jnp.int32), sched, **kw)
+  with pytest.raises(ValueError, match="schedule is for"):
+    mosaic_tpu.flash_attention(q, k, v, None, None, make_schedule(65, 64, 128, 128), **kw)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    mosaic_tpu.flash_attention(q, k, v, None, None, make_schedule(64, 64, 64, 128), **kw)
+
+
+@pytest.mark.parametrize("dtype,d,segmented", [(jnp.bfloat16, 128, True),
+                                               (jnp.float32, 72, False)])
+def test_lowers_for_tpu(dtype, d, segmented):
+  """Forward and VJP lower to Mosaic TPU custom calls (jax.export for platform "tpu")."""
+  b, s, hq, hk = 2, 1000, 4, 2
+  bs = mosaic_tpu.default_block_sizes(d, dtype)
+  q = jax.ShapeDtypeStruct((b, s, hq, d), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, hk, d), dtype)
+  seg = jax.ShapeDtypeStruct((b, s), jnp.int32)
+  lse = jax.ShapeDtypeStruct((b, hq, s), jnp.float32)
+
+  def fwd(q, k, v, qs, ks):
+    if not segmented:
+      qs = ks = None
+    sched = make_schedule(s, s, bs.block_q, bs.block_k, causal=True, q_segment_ids=qs,
+                          kv_segment_ids=ks)
+    return mosaic_tpu.flash_attention(q, k, v, qs, ks, sched, causal=True,
+                                      local_window_size=None, scale=None,
+                                      logits_soft_cap=None if segmented else 30.0)
+
+  def fwd_bwd(q, k, v, qs, ks, dout, dlse):
+    _, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, qs, ks), q, k, v)
+    return vjp((dout, dlse))
+
+  exp = jax.export.export(jax.jit(fwd), platforms=["tpu"])(q, kv, kv, seg, seg)
+  assert exp.mlir_module().count("tpu_custom_call") == 1
+  exp = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, kv, kv, seg, seg, q, lse)
+  assert exp.mlir_module().count("tpu_custom_call") == 3  # forward (residuals), dQ, dK/dV
