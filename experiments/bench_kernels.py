@@ -236,6 +236,11 @@ def meta():
 
 
 def main(argv=None):
+  try:
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.ERROR)  # tokamax's autotuning-cache warnings
+  except ImportError:
+    pass
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--ops", default="flash,decode,sparse")
   p.add_argument("--out", default="experiments/results/h200_kernels.json")
