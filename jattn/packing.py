@@ -27,8 +27,9 @@ than L tokens are left in it (its capacity only shrinks, and no bin with capacit
 so ``r // L`` chunks go to it at once, and all bins at capacity r are filled alike. One tree query
 therefore places a whole run of chunks, and the result is exactly sequential BFD (up to ties
 between bins of equal capacity, which do not change the bins' loads). The per-chunk work
-(assignments and offsets) is vectorised in numpy. 1,000,000 lognormal documents pack in about
-0.3 s on one CPU core (see docs/packing.md).
+(assignments and offsets) is vectorised in numpy. 1,000,000 lognormal documents (max_len 8192)
+pack in 0.2-0.6 s on a shared 2-core CPU, against 2-4 s for a per-chunk bisect BFD
+(docs/packing.md).
 """
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ class PackPlan:
     num_bins: number of rows.
     max_len: row length.
     num_docs: number of input documents (including empty ones, which have no chunk).
+
+  Example:
+    >>> plan = pack_bfd([3, 6, 2], max_len=8)
+    >>> plan.bins.tolist(), plan.offsets.tolist(), plan.row_loads.tolist()
+    ([1, 0, 0], [0, 0, 6], [8, 3])
   """
   doc_ids: np.ndarray
   chunk_starts: np.ndarray
@@ -108,7 +114,15 @@ class PackPlan:
     return int(np.bincount(self.bins, minlength=self.num_bins).max())
 
   def utilization(self) -> float:
-    """Fraction of the ``num_bins * max_len`` slots that hold a token (1.0 for an empty plan)."""
+    """Fraction of the row slots that hold a token.
+
+    Returns:
+      ``sum(chunk_lengths) / (num_bins * max_len)``; 1.0 for an empty plan.
+
+    Example:
+      >>> pack_bfd([3, 6, 2], max_len=8).utilization()
+      0.6875
+    """
     if self.num_bins == 0:
       return 1.0
     return float(self.chunk_lengths.sum()) / (self.num_bins * self.max_len)
@@ -475,7 +489,8 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
     rows = np.arange(plan.num_bins, dtype=np.int64)
   rows = np.asarray(rows, np.int64).reshape(-1)
   if ((rows < -1) | (rows >= plan.num_bins)).any():
-    raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {rows}")
+    bad = rows[(rows < -1) | (rows >= plan.num_bins)]
+    raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {bad[:5].tolist()}")
   if max_segments is None:
     max_segments = max(plan.max_segments, 1)
   n, max_len = rows.shape[0], plan.max_len
