@@ -1,0 +1,446 @@
+"""Tests of jattn.sparse: selection rules, block-sparse attention, gate gradients, captured mass,
+sparse decode. Brute-force numpy/jnp references are written here, independent of the module."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn import sparse as sp
+from pallas_kernels.flash.reference import attention_reference
+
+HI = jax.lax.Precision.HIGHEST
+
+
+def _rel(x, ref):
+  x = np.asarray(x, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def _qkv(seed, b, sq, sk, hq, hk, d, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (b, sq, hq, d), dtype),
+          jax.random.normal(ks[1], (b, sk, hk, d), dtype),
+          jax.random.normal(ks[2], (b, sk, hk, d), dtype))
+
+
+def _packed_segments(rng, b, n, max_docs=4, pad=True):
+  seg = np.zeros((b, n), np.int32)
+  for r in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, n), size=max_docs - 1, replace=False))
+    bounds = [0, *cuts, n]
+    for t in range(max_docs):
+      seg[r, bounds[t]:bounds[t + 1]] = t + 1
+    if pad:
+      seg[r, n - rng.integers(0, n // 5):] = 0
+  return seg
+
+
+def _expected_scores(q, k, qbs, bs, qseg=None, kseg=None):
+  q = np.asarray(q, np.float64)
+  k = np.asarray(k, np.float64)
+  b, sq, hq, d = q.shape
+  _, sk, hk, _ = k.shape
+  nq, nk = -(-sq // qbs), -(-sk // bs)
+
+  def means(x, block, n_blocks, seg):
+    out = np.zeros((x.shape[0], n_blocks) + x.shape[2:])
+    for bi in range(x.shape[0]):
+      for i in range(n_blocks):
+        rows = np.arange(i * block, min((i + 1) * block, x.shape[1]))
+        if seg is not None:
+          rows = rows[seg[bi, rows] != 0]
+        if len(rows):
+          out[bi, i] = x[bi, rows].mean(0)
+    return out
+
+  qbar = means(q, qbs, nq, qseg).reshape(b, nq, hk, hq // hk, d).sum(3)
+  kbar = means(k, bs, nk, kseg)
+  return np.einsum("bihd,bjhd->bhij", qbar, kbar)
+
+
+def _check_rules(sel, scores, *, sq, sk, qbs, bs, top_k, ni, nl, causal, qseg=None, kseg=None):
+  """Brute-force check of every selection rule; returns the number of rows checked."""
+  idx = np.asarray(sel.indices)
+  cnt = np.asarray(sel.counts)
+  b, hk, nq, ms = idx.shape
+  nk = -(-sk // bs)
+  off = sk - sq
+  rows = 0
+  for bi in range(b):
+    for g in range(hk):
+      for i in range(nq):
+        q_first = i * qbs + off
+        q_last = min((i + 1) * qbs, sq) - 1 + off
+        row = idx[bi, g, i]
+        c = cnt[bi, g, i]
+        assert (row[:c] >= 0).all() and (row[c:] == -1).all()
+        assert (np.diff(row[:c]) > 0).all(), row
+        chosen = set(row[:c].tolist())
+        vis = set(range(nk)) if not causal else {j for j in range(nk) if j * bs <= q_last}
+        if qseg is not None:
+          qs = set(qseg[bi, max(i * qbs, 0):min((i + 1) * qbs, sq)].tolist()) - {0}
+          vis = {j for j in vis if qs & (set(kseg[bi, j * bs:(j + 1) * bs].tolist()) - {0})}
+        forced = {j for j in vis if j < ni}
+        if nl > 0 and q_last >= 0:
+          forced |= {j for j in vis if max(q_first, 0) // bs - (nl - 1) <= j <= q_last // bs}
+        assert chosen <= vis, ("future/invisible block selected", bi, g, i, chosen - vis)
+        assert forced <= chosen, ("forced block missing", bi, g, i, forced - chosen)
+        others = chosen - forced
+        rest = vis - chosen
+        assert len(others) == min(top_k, len(vis - forced)), (len(others), top_k)
+        if others and rest:
+          lo = min(scores[bi, g, i, j] for j in others)
+          hi = max(scores[bi, g, i, j] for j in rest)
+          assert lo >= hi - 1e-5 * (1 + abs(hi)), (lo, hi)
+        rows += 1
+  return rows
+
+
+SELECTION_CASES = [
+    # b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal
+    (2, 300, 300, 4, 2, 16, 32, 32, 2, 1, 1, True),
+    (1, 40, 130, 4, 1, 8, 16, 1, 3, 1, 2, True),      # per-token, q_len < kv_len
+    (1, 200, 200, 2, 2, 8, 16, 64, 3, 2, 1, True),    # q block spans 4 key blocks
+    (1, 96, 96, 3, 1, 8, 16, 16, 2, 1, 1, False),     # non-causal
+    (1, 100, 100, 2, 1, 8, 16, 16, 50, 0, 0, True),   # top_k above what is available
+]
+
+
+@pytest.mark.parametrize("case", SELECTION_CASES)
+def test_selection_rules(case):
+  b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = case
+  q, k, _ = _qkv(sum(case[:8]), b, sq, sk, hq, hk, d)
+  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
+                         num_init_blocks=ni, num_local_blocks=nl)
+  scores = _expected_scores(q, k, qbs, bs)
+  np.testing.assert_allclose(np.asarray(sel.scores), scores, rtol=1e-4, atol=1e-4)
+  assert sel.indices.dtype == jnp.int32
+  assert sel.indices.shape[:3] == (b, hk, -(-sq // qbs))
+  rows = _check_rules(sel, scores, sq=sq, sk=sk, qbs=qbs, bs=bs, top_k=top_k, ni=ni, nl=nl,
+                      causal=causal)
+  assert rows == b * hk * (-(-sq // qbs))
+  # tile_mask / to_mask agree with the index lists.
+  tm = np.asarray(sel.tile_mask())
+  assert tm.sum() == int(np.asarray(sel.counts).sum())
+  em = np.asarray(sel.to_mask(sq, sk))
+  assert em.shape == (b, hk, sq, sk)
+  bi, g, i = b - 1, hk - 1, (sq - 1) // qbs
+  for j in range(-(-sk // bs)):
+    assert em[bi, g, sq - 1, j * bs] == tm[bi, g, i, j]
+
+
+def test_selection_gqa_shared_and_jit():
+  b, s, hq, hk, d = 1, 256, 6, 2, 16
+  q, k, _ = _qkv(3, b, s, s, hq, hk, d)
+  f = jax.jit(functools.partial(sp.select_blocks, block_size=32, q_block_size=32, top_k=2))
+  sel = f(q, k)
+  # The selection of kv head g depends on the sum of its query heads only: permuting the query
+  # heads inside a group leaves it unchanged; moving a head to the other group changes it.
+  perm = jnp.array([2, 0, 1, 5, 3, 4])
+  sel2 = f(q[:, :, perm], k)
+  np.testing.assert_array_equal(np.asarray(sel.indices), np.asarray(sel2.indices))
+  swap = jnp.array([3, 4, 5, 0, 1, 2])
+  sel3 = f(q[:, :, swap], k)
+  assert not np.array_equal(np.asarray(sel.indices), np.asarray(sel3.indices))
+  # density: 0 < visible fraction <= 1 and the "all" fraction is smaller under causal.
+  assert 0 < float(sel.density("all")) < float(sel.density("visible")) <= 1
+
+
+def test_selection_segments():
+  rng = np.random.default_rng(0)
+  b, s, hq, hk, d, bs, qbs = 2, 256, 2, 1, 8, 16, 16
+  q, k, _ = _qkv(4, b, s, s, hq, hk, d)
+  seg = _packed_segments(rng, b, s)
+  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=3, segment_ids=jnp.asarray(seg))
+  scores = _expected_scores(q, k, qbs, bs, seg, seg)
+  np.testing.assert_allclose(np.asarray(sel.scores), scores, rtol=1e-4, atol=1e-4)
+  _check_rules(sel, scores, sq=s, sk=s, qbs=qbs, bs=bs, top_k=3, ni=1, nl=1, causal=True,
+               qseg=seg, kseg=seg)
+  # Documents restrict the choice: fewer blocks than without segments.
+  sel0 = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=3)
+  assert int(sel.counts.sum()) < int(sel0.counts.sum())
+
+
+# ----------------------------------------------------------------------------- attention
+def _allowed_from_indices(sel, sq, sk, causal, qseg=None, kseg=None):
+  """Element mask [b, hk, sq, sk] built by loops from the index lists (independent of to_mask)."""
+  idx = np.asarray(sel.indices)
+  b, hk, nq, _ = idx.shape
+  qbs, bs = sel.q_block_size, sel.block_size
+  m = np.zeros((b, hk, sq, sk), bool)
+  for bi in range(b):
+    for g in range(hk):
+      for i in range(nq):
+        for j in idx[bi, g, i]:
+          if j >= 0:
+            m[bi, g, i * qbs:(i + 1) * qbs, j * bs:(j + 1) * bs] = True
+  qp = np.arange(sq)[:, None] + sk - sq
+  kp = np.arange(sk)[None, :]
+  if causal:
+    m &= (kp <= qp)[None, None]
+  if qseg is not None:
+    m &= ((qseg[:, :, None] == kseg[:, None, :]) & (kseg[:, None, :] != 0))[:, None]
+  return m
+
+
+def _dense(q, k, v, allowed, scale, bias=None):
+  """fp32 masked softmax attention, [b, s, h, d] layout, optional additive logit bias
+  [b, hk, sq, sk]; empty rows give 0."""
+  b, sq, hq, d = q.shape
+  hk = k.shape[2]
+  g = hq // hk
+  qf = q.astype(jnp.float32).reshape(b, sq, hk, g, d)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32), precision=HI) * scale
+  if bias is not None:
+    s = s + bias[:, :, None]
+  allowed = jnp.asarray(allowed)[:, :, None]
+  s = jnp.where(allowed, s, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(allowed, s, -1e30), -1, keepdims=True))
+  p = jnp.where(allowed, jnp.exp(s - m), 0.0)
+  l = p.sum(-1, keepdims=True)
+  p = p / jnp.where(l == 0, 1.0, l)
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=HI)
+  return o.reshape(b, sq, hq, v.shape[-1])
+
+
+def _vjp_check(f_test, f_ref, args, seed, tol):
+  out_t, vjp_t = jax.vjp(f_test, *args)
+  out_r, vjp_r = jax.vjp(f_ref, *args)
+  assert _rel(out_t, out_r) < tol, _rel(out_t, out_r)
+  ct = jax.random.normal(jax.random.key(seed), out_r.shape, jnp.float32).astype(out_t.dtype)
+  for name, gt, gr in zip("qkv", vjp_t(ct), vjp_r(ct)):
+    assert _rel(gt, gr) < tol, (name, _rel(gt, gr))
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_block_sparse_attention_xla(segments):
+  rng = np.random.default_rng(1)
+  b, sq, sk, hq, hk, d, bs, qbs = 2, 150, 200, 4, 2, 24, 32, 16
+  q, k, v = _qkv(5 + segments, b, sq, sk, hq, hk, d)
+  qseg = kseg = None
+  if segments:
+    kseg = _packed_segments(rng, b, sk, pad=False)
+    qseg = kseg[:, sk - sq:].copy()
+    qseg[0, -7:] = 0                                        # padded (empty) query rows
+  kw = dict(segment_ids=None if qseg is None else jnp.asarray(qseg),
+            kv_segment_ids=None if kseg is None else jnp.asarray(kseg))
+  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=2, **kw)
+  allowed = _allowed_from_indices(sel, sq, sk, True, qseg, kseg)
+  scale = 0.3
+  _vjp_check(
+      lambda q, k, v: sp.block_sparse_attention(q, k, v, sel, scale=scale, implementation="xla",
+                                                **kw),
+      lambda q, k, v: _dense(q, k, v, allowed, scale), (q, k, v), 11, 2e-3)
+  out, lse = sp.block_sparse_attention(q, k, v, sel, return_lse=True, implementation="xla", **kw)
+  assert lse.shape == (b, hq, sq)
+  if segments:
+    assert np.all(np.asarray(lse[0, :, -7:]) == -np.inf)
+    assert np.all(np.asarray(out[0, -7:]) == 0)
+
+
+def _kernel_module_or_skip(impl):
+  from jattn.attention import kernel_module
+  try:
+    return kernel_module(impl)
+  except ImportError as e:
+    pytest.skip(f"{impl} kernels not available yet: {e}")
+
+
+@pytest.mark.parametrize("impl,bs,segments", [("triton", 16, True), ("mosaic_tpu", 128, False)])
+def test_block_sparse_attention_kernels_interpret(impl, bs, segments):
+  _kernel_module_or_skip(impl)
+  rng = np.random.default_rng(2)
+  b, hq, hk, d = 1, 2, 1, 32
+  s = 4 * bs + bs // 2                                       # ragged last block
+  q, k, v = _qkv(7, b, s, s, hq, hk, d)
+  seg = None
+  if segments:
+    seg = _packed_segments(rng, b, s, max_docs=2, pad=False)
+  kw = dict(segment_ids=None if seg is None else jnp.asarray(seg))
+  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=bs, top_k=1, **kw)
+  # Some causally visible tile must be skipped, or the test could not catch a kernel that
+  # ignores the selection.
+  assert int(sel.counts.sum()) < int(sel.num_visible.sum())
+  allowed = _allowed_from_indices(sel, s, s, True, seg, seg)
+  _vjp_check(
+      lambda q, k, v: sp.block_sparse_attention(q, k, v, sel, implementation=impl,
+                                                interpret=True, **kw),
+      lambda q, k, v: _dense(q, k, v, allowed, 1 / np.sqrt(d)), (q, k, v), 12, 2e-3)
+
+
+def test_kernel_rejects_unsupported_block_sizes():
+  _kernel_module_or_skip("mosaic_tpu")
+  q, k, v = _qkv(8, 1, 128, 128, 2, 1, 16)
+  sel = sp.select_blocks(q, k, block_size=64, q_block_size=64, top_k=1)
+  with pytest.raises(ValueError, match="q_block_size=64"):
+    sp.block_sparse_attention(q, k, v, sel, implementation="mosaic_tpu", interpret=True)
+  with pytest.raises(ValueError, match="does not support"):
+    sp.block_sparse_attention(q, k, v, sel, implementation="cudnn")
+
+
+# ----------------------------------------------------------------------------- gates
+def _gate_reference(q, k, v, sel, gate, scale, causal=True, seg=None):
+  """Dense attention over the selection with the tile bias gate - stop_gradient(gate) expanded to
+  elements; gate: [b, hk, nq, nk] (differentiable in q, k)."""
+  sq, sk = q.shape[1], k.shape[1]
+  allowed = _allowed_from_indices(sel, sq, sk, causal, seg, seg)
+  bias = gate - jax.lax.stop_gradient(gate)
+  bias = jnp.repeat(jnp.repeat(bias, sel.q_block_size, 2)[:, :, :sq], sel.block_size, 3)[..., :sk]
+  return _dense(q, k, v, allowed, scale, bias)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_ste_forward_unchanged_and_gradient(segments):
+  rng = np.random.default_rng(3)
+  b, s, hq, hk, d, bs, qbs, top_k = 1, 160, 4, 2, 16, 32, 16, 1
+  q, k, v = _qkv(9, b, s, s, hq, hk, d)
+  seg = _packed_segments(rng, b, s, max_docs=2) if segments else None
+  kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, implementation="xla",
+            segment_ids=None if seg is None else jnp.asarray(seg))
+  scale, temp = 1 / np.sqrt(d), 0.5
+  f_none = lambda q, k, v: sp.sparse_attention(q, k, v, gate_grad="none", **kw)
+  f_ste = lambda q, k, v: sp.sparse_attention(q, k, v, gate_grad="ste", gate_temperature=temp,
+                                              **kw)
+  out_none, sel = sp.sparse_attention(q, k, v, return_selection=True, **kw)
+  np.testing.assert_array_equal(np.asarray(f_ste(q, k, v)), np.asarray(out_none))
+
+  def ref(q, k, v):
+    gate = scale * sp.block_scores(q, k, block_size=bs, q_block_size=qbs,
+                                   segment_ids=kw["segment_ids"],
+                                   kv_segment_ids=kw["segment_ids"]) / temp
+    return _gate_reference(q, k, v, sel, gate, scale, seg=seg)
+
+  _vjp_check(f_ste, ref, (q, k, v), 13, 2e-3)
+  # "none" has no gradient through the scores; ste adds one to q and k (not to v).
+  ct = jax.random.normal(jax.random.key(14), out_none.shape)
+  g_none = jax.vjp(f_none, q, k, v)[1](ct)
+  g_ste = jax.vjp(f_ste, q, k, v)[1](ct)
+  allowed = _allowed_from_indices(sel, s, s, True, seg, seg)
+  g_plain = jax.vjp(lambda q, k, v: _dense(q, k, v, allowed, scale), q, k, v)[1](ct)
+  for a, r in zip(g_none, g_plain):
+    assert _rel(a, r) < 2e-3
+  assert _rel(g_ste[0], g_none[0]) > 1e-2 and _rel(g_ste[1], g_none[1]) > 1e-2
+  assert _rel(g_ste[2], g_none[2]) < 1e-5
+
+
+def test_gumbel_deterministic_and_gradient():
+  b, s, hq, hk, d, bs, qbs, top_k = 1, 192, 2, 1, 16, 16, 32, 2
+  q, k, v = _qkv(10, b, s, s, hq, hk, d)
+  scale, temp = 1 / np.sqrt(d), 2.0
+  kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, gate_grad="gumbel",
+            gate_temperature=temp, implementation="xla", return_selection=True)
+  o1, s1 = sp.sparse_attention(q, k, v, rng=jax.random.key(0), **kw)
+  o2, s2 = sp.sparse_attention(q, k, v, rng=jax.random.key(0), **kw)
+  o3, s3 = sp.sparse_attention(q, k, v, rng=jax.random.key(1), **kw)
+  np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
+  np.testing.assert_array_equal(np.asarray(s1.indices), np.asarray(s2.indices))
+  assert not np.array_equal(np.asarray(s1.indices), np.asarray(s3.indices))
+  _, s_none = sp.sparse_attention(q, k, v, block_size=bs, q_block_size=qbs, top_k=top_k,
+                                  implementation="xla", return_selection=True)
+  assert not np.array_equal(np.asarray(s1.indices), np.asarray(s_none.indices))
+  # Selection rules hold for the perturbed ranking.
+  noise = jax.random.gumbel(jax.random.key(0), s1.scores.shape)
+  ranking = np.asarray((scale * s1.scores + noise) / temp)
+  _check_rules(s1, ranking, sq=s, sk=s, qbs=qbs, bs=bs, top_k=top_k, ni=1, nl=1, causal=True)
+
+  def ref(q, k, v):
+    sc = sp.block_scores(q, k, block_size=bs, q_block_size=qbs)
+    return _gate_reference(q, k, v, s1, (scale * sc + noise) / temp, scale)
+
+  f = lambda q, k, v: sp.sparse_attention(q, k, v, rng=jax.random.key(0), **kw)[0]
+  _vjp_check(f, ref, (q, k, v), 15, 2e-3)
+  with pytest.raises(ValueError, match="rng"):
+    sp.sparse_attention(q, k, v, block_size=bs, top_k=1, gate_grad="gumbel")
+  with pytest.raises(ValueError, match="gate_grad"):
+    sp.sparse_attention(q, k, v, block_size=bs, top_k=1, gate_grad="soft")
+
+
+# ----------------------------------------------------------------------------- captured mass
+def test_captured_mass():
+  rng = np.random.default_rng(4)
+  b, s, hq, hk, d, bs, qbs = 2, 130, 4, 2, 8, 16, 8
+  q, k, _ = _qkv(11, b, s, s, hq, hk, d)
+  q = q * 3.0                                                  # peaky softmax
+  seg = _packed_segments(rng, b, s, max_docs=3)
+  segj = jnp.asarray(seg)
+  full = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=100)
+  np.testing.assert_allclose(float(sp.captured_mass(q, k, full)), 1.0, rtol=1e-6)
+  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=2, segment_ids=segj)
+  # Brute force in float64.
+  scale = 1 / np.sqrt(d)
+  qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  kept = _allowed_from_indices(sel, s, s, False)
+  per = np.zeros((b, hq))
+  tot, cnt = 0.0, 0
+  for bi in range(b):
+    for h in range(hq):
+      g = h // (hq // hk)
+      ms, n = 0.0, 0
+      for t in range(s):
+        vis = (np.arange(s) <= t) & (seg[bi] == seg[bi, t]) & (seg[bi] != 0)
+        if not vis.any():
+          continue
+        logit = qn[bi, t, h] @ kn[bi, :, g].T * scale
+        p = np.exp(logit - logit[vis].max()) * vis
+        ms += p[kept[bi, g, t]].sum() / p.sum()
+        n += 1
+      per[bi, h] = ms / max(n, 1)
+      tot, cnt = tot + ms, cnt + n
+  got = sp.captured_mass(q, k, sel, segment_ids=segj, reduce=False, max_chunk_elems=2000)
+  np.testing.assert_allclose(np.asarray(got), per, rtol=1e-4)
+  got = sp.captured_mass(q, k, sel, segment_ids=segj)
+  np.testing.assert_allclose(float(got), tot / cnt, rtol=1e-4)
+  assert 0.2 < tot / cnt < 0.999
+
+
+# ----------------------------------------------------------------------------- decode
+def test_block_summaries_incremental():
+  b, n, hk, d, bs = 2, 100, 2, 8, 16
+  k = jax.random.normal(jax.random.key(12), (b, n, hk, d))
+  lens = jnp.array([3, 40])
+  summ = sp.init_block_summaries(k, lens, block_size=bs)
+  step = jax.jit(sp.update_block_summaries)
+  for t in range(1, 30):
+    summ = step(summ, k, lens + t)
+  ref = sp.init_block_summaries(k, lens + 29, block_size=bs)
+  np.testing.assert_allclose(np.asarray(summ.sums), np.asarray(ref.sums), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(summ.lengths), [32, 69])
+  same = step(summ, k, lens + 29)                              # no growth: unchanged
+  np.testing.assert_array_equal(np.asarray(same.sums), np.asarray(summ.sums))
+  means = np.asarray(summ.means())
+  np.testing.assert_allclose(means[1, 4], np.asarray(k[1, 64:69]).mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_decode_matches_reference_and_training_selection():
+  b, n, hq, hk, d, bs, top_k = 3, 300, 4, 2, 16, 16, 3
+  ks = jax.random.split(jax.random.key(13), 3)
+  q = jax.random.normal(ks[0], (b, hq, d))
+  kc = jax.random.normal(ks[1], (b, n, hk, d))
+  vc = jax.random.normal(ks[2], (b, n, hk, d))
+  lens = jnp.array([300, 170, 20])
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  out, lse, idx = sp.sparse_decode_attention(q, kc, vc, lens, summ, block_size=bs, top_k=top_k,
+                                             num_local_blocks=2, return_lse=True,
+                                             return_indices=True)
+  idx = np.asarray(idx)
+  nb = -(-n // bs)
+  mask = np.zeros((b, hk, 1, n), bool)
+  for bi in range(b):
+    L = int(lens[bi])
+    # Same selection as training-time per-token selection on the prefix's last query.
+    sel = sp.select_blocks(q[bi:bi + 1, None], kc[bi:bi + 1, :L], block_size=bs, q_block_size=1,
+                           top_k=top_k, num_local_blocks=2)
+    want = np.asarray(sel.indices[0, :, 0])
+    got = idx[bi]
+    for g in range(hk):
+      np.testing.assert_array_equal(got[g][got[g] >= 0], want[g][want[g] >= 0])
+      for j in got[g][got[g] >= 0]:
+        mask[bi, g, 0, j * bs:min((j + 1) * bs, L)] = True
+    assert (got[:, :] >= 0).sum(-1).min() == min(-(-L // bs), 1 + 2 + top_k)
+  assert nb > idx.shape[-1]
+  ref, ref_lse = attention_reference(q[:, None], kc, vc, block_mask=jnp.asarray(mask))
+  assert _rel(out, ref[:, 0]) < 2e-3
+  assert _rel(lse, ref_lse[:, :, 0]) < 2e-3
