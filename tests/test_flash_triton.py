@@ -1,0 +1,296 @@
+"""Pallas Triton flash attention vs the fp32 reference: forward (out, LSE) and VJP.
+
+On the CPU the kernels run in the Pallas interpreter (``interpret=True``) at small sizes, and the
+Triton lowering itself is checked by lowering for the "cuda" platform (no GPU needed). Tests
+marked ``gpu`` run the compiled kernels.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.flash import triton as ft
+from pallas_kernels.flash.reference import attention_reference
+
+TOL = {jnp.float32: 2e-3, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+# Interpret-mode programs are big and run once: cheap CPU codegen halves the test time. The
+# options change only how XLA:CPU optimises the test harness, not what is computed.
+_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _compile_and_run(fn, *args, interpret=True):
+  lowered = jax.jit(fn).lower(*args)
+  on_cpu = interpret and jax.default_backend() == "cpu"
+  compiled = lowered.compile(_FAST_CPU_COMPILE) if on_cpu else lowered.compile()
+  return compiled(*args)
+
+
+def _rel(a, b):
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _check_lse(lse, ref_lse, tol):
+  lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  assert np.isfinite(lse[~np.isneginf(ref_lse)]).all()
+  fin = np.isfinite(ref_lse)
+  assert _rel(np.where(fin, lse, 0.0), np.where(fin, ref_lse, 0.0)) < tol
+
+
+def _tile_mask_to_elements(tile_mask, block_q, block_k, q_len, kv_len):
+  m = jnp.repeat(jnp.repeat(tile_mask, block_q, axis=-2), block_k, axis=-1)
+  return m[..., :q_len, :kv_len]
+
+
+def _segments(rng, batch, length, *, pad_tail=0, one_token_docs=False):
+  """Random packed-document ids in 1..: documents of random lengths, 0 for the padded tail."""
+  out = np.zeros((batch, length), np.int32)
+  for b in range(batch):
+    pos, doc = 0, 1
+    while pos < length - pad_tail:
+      n = 1 if one_token_docs and doc % 2 else int(rng.integers(1, max(2, length // 3)))
+      out[b, pos:min(pos + n, length - pad_tail)] = doc
+      pos += n
+      doc += 1
+  return jnp.asarray(out)
+
+
+def _run(*, batch=1, q_len=64, kv_len=None, q_heads=2, kv_heads=None, head_dim=32,
+         head_dim_v=None, dtype=jnp.float32, causal=False, window=None, segments=None,
+         soft_cap=None, block_q=32, block_k=16, tile_mask=None, poison=None, seed=0,
+         interpret=True, **kernel_kwargs):
+  """Run kernel and reference (forward and VJP with random cotangents for out and LSE)."""
+  kv_len = q_len if kv_len is None else kv_len
+  kv_heads = q_heads if kv_heads is None else kv_heads
+  head_dim_v = head_dim if head_dim_v is None else head_dim_v
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32).astype(dtype)  # numpy
+  q = normal(batch, q_len, q_heads, head_dim)
+  k = normal(batch, kv_len, kv_heads, head_dim)
+  v = normal(batch, kv_len, kv_heads, head_dim_v)
+  q_seg, kv_seg = segments if segments is not None else (None, None)
+  scale = head_dim ** -0.5
+  make = functools.partial(make_schedule, q_len, kv_len, block_q, block_k, causal=causal,
+                           local_window_size=window)
+  kern = functools.partial(ft.flash_attention, causal=causal, local_window_size=window,
+                           scale=scale, logits_soft_cap=soft_cap, interpret=interpret,
+                           **kernel_kwargs)
+  ref = functools.partial(attention_reference, causal=causal, local_window_size=window,
+                          q_segment_ids=q_seg, kv_segment_ids=kv_seg, scale=scale,
+                          logits_soft_cap=soft_cap)
+  d_out = normal(batch, q_len, q_heads, head_dim_v)
+  d_lse = rng.standard_normal((batch, q_heads, q_len), np.float32)
+
+  def kernel_run(q, k, v, q_seg, kv_seg, tile_mask):
+    schedule = make(q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_mask=tile_mask)
+    f = lambda q, k, v: kern(q, k, v, q_seg, kv_seg, schedule)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+  def ref_run(q, k, v, tile_mask):
+    elem_mask = None
+    if tile_mask is not None:
+      elem_mask = _tile_mask_to_elements(tile_mask, block_q, block_k, q_len, kv_len)
+    (out, lse), vjp = jax.vjp(functools.partial(ref, block_mask=elem_mask), q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+  # ``poison`` changes K/V only where the schedule must never look (the kernel sees it, the
+  # reference does not).
+  k_in, v_in = (poison(k), poison(v)) if poison is not None else (k, v)
+  got = _compile_and_run(kernel_run, q, k_in, v_in, q_seg, kv_seg, tile_mask,
+                         interpret=interpret)
+  want = _compile_and_run(ref_run, q, k, v, tile_mask, interpret=interpret)
+  return got, want
+
+
+def _assert_close(got, want, dtype):
+  tol = TOL[dtype]
+  (out, lse, grads), (r_out, r_lse, r_grads) = got, want
+  assert out.dtype == dtype and lse.dtype == jnp.float32
+  assert out.shape == r_out.shape and lse.shape == r_lse.shape
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  assert _rel(out, r_out) < tol, ("out", _rel(out, r_out))
+  _check_lse(lse, r_lse, tol)
+  for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
+    assert g.shape == r.shape and g.dtype == r.dtype, (name, g.shape, r.shape)
+    assert np.isfinite(np.asarray(g, np.float32)).all(), name
+    assert _rel(g, r) < tol, (name, _rel(g, r))
+
+
+CASES = {
+    # all tiles full (no masking code runs), MQA, batch 2, v head dim != qk head dim
+    "dense_mqa_dv48": dict(batch=2, q_len=64, q_heads=4, kv_heads=1, head_dim_v=48),
+    # head_dim 72 (padded to 128 inside), seq 100, GQA 4:2, soft cap
+    "causal_d72_gqa_softcap": dict(q_len=100, head_dim=72, q_heads=4, kv_heads=2,
+                                   causal=True, soft_cap=2.0),
+    "causal_q_shorter": dict(q_len=40, kv_len=100, causal=True),
+    # q_len > kv_len causal: the first 60 queries see no key (0 output, -inf LSE, 0 grads)
+    "causal_q_longer_empty_rows": dict(q_len=100, kv_len=40, causal=True),
+    "window_int_seq130": dict(q_len=130, window=20),
+    # (left, 0) window with causal; tiles split into chunks in both backward kernels
+    "window_left_causal_chunked": dict(q_len=130, window=(24, 0), causal=True, block_q=32,
+                                       block_k=32, dkv_q_chunk=16, dq_k_chunk=16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference_fp32(name):
+  got, want = _run(**CASES[name])
+  _assert_close(got, want, jnp.float32)
+  if name == "causal_q_longer_empty_rows":
+    out, lse, (dq, _, _) = got
+    assert np.all(np.asarray(out[:, :60]) == 0) and np.all(np.isneginf(np.asarray(lse[..., :60])))
+    assert np.all(np.asarray(dq[:, :60]) == 0)
+
+
+def test_segment_ids_padding_and_one_token_docs():
+  rng = np.random.default_rng(1)
+  q_len, kv_len = 90, 110
+  q_seg = _segments(rng, 2, q_len, pad_tail=17, one_token_docs=True)
+  q_seg = q_seg.at[1].set(0)  # batch row 1 fully padded: every query sees no key
+  kv_seg = jnp.concatenate([jnp.full((2, kv_len - q_len), 1, jnp.int32), q_seg], axis=1)
+  got, want = _run(batch=2, q_len=q_len, kv_len=kv_len, q_heads=4, kv_heads=2, causal=True,
+                   window=(40, 0), segments=(q_seg, kv_seg))
+  _assert_close(got, want, jnp.float32)
+  out, lse, grads = got
+  assert np.all(np.asarray(out[1]) == 0) and np.all(np.isneginf(np.asarray(lse[1])))
+  assert np.all(np.asarray(grads[0][1]) == 0)
+
+
+def test_bfloat16():
+  got, want = _run(q_len=72, q_heads=4, kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
+                   causal=True)
+  _assert_close(got, want, jnp.bfloat16)
+
+
+def test_block_mask_schedule_skips_excluded_tiles():
+  """A random tile mask (as block-sparse attention uses); NaN planted in K/V of a kv tile that
+  no query tile visits must not reach any output or gradient: skipped tiles are never read."""
+  batch, q_heads, kv_heads, q_len, bq, bk = 2, 4, 2, 96, 32, 16
+  nq, nk = 3, 6
+  tile_mask = jax.random.bernoulli(jax.random.key(3), 0.5, (batch, kv_heads, nq, nk))
+  tile_mask = tile_mask.at[0, 0, 1].set(False)  # a query tile that sees nothing
+  tile_mask = tile_mask.at[..., 2].set(False)   # kv tile 2 (rows 32..47) never visited
+  excluded = slice(2 * bk, 3 * bk)
+  def poison(x):  # numpy in, numpy out
+    x = np.array(x)
+    x[:, excluded] = np.nan
+    return x
+  got, want = _run(batch=batch, q_len=q_len, q_heads=q_heads, kv_heads=kv_heads, block_q=bq,
+                   block_k=bk, tile_mask=tile_mask, causal=True, poison=poison)
+  _assert_close(got, want, jnp.float32)  # includes: no NaN anywhere
+  _, _, (_, dk, dv) = got
+  np.testing.assert_array_equal(np.asarray(dk[:, excluded]), 0.0)
+  np.testing.assert_array_equal(np.asarray(dv[:, excluded]), 0.0)
+
+
+def test_causal_schedule_skips_tiles():
+  """A causal window visits only a band of tiles; the kernel loops over exactly those."""
+  s = jax.jit(lambda: make_schedule(1024, 1024, 64, 32, causal=True,
+                                    local_window_size=(127, 0)))()
+  fwd_rows = jax.jit(ft._pack_rows)(s.kv_indices, s.kv_counts, s.kv_partial)
+  counts, n_full = np.asarray(fwd_rows[..., 0]), np.asarray(fwd_rows[..., 1])
+  # 64 queries + 127 window = 191 keys: 6 tiles of 32, 4 of them partial (diagonal, edge).
+  assert counts.max() == 6 and (counts - n_full).max() == 4
+  # Rows list full tiles first, then partial ones, covering the same set as the schedule.
+  for qi in range(16):
+    c = counts[0, 0, qi]
+    assert sorted(np.asarray(fwd_rows[0, 0, qi, 2:2 + c])) == sorted(
+        np.asarray(s.kv_indices[0, 0, qi, :c]))
+    part = np.asarray(s.kv_partial[0, 0, qi, :c])
+    assert n_full[0, 0, qi] == c - part.sum()
+
+
+def test_bad_inputs_raise():
+  q = jnp.ones((1, 32, 4, 32))
+  k = jnp.ones((1, 32, 3, 32))
+  sched = lambda *a: jax.eval_shape(lambda: make_schedule(*a))  # shapes suffice to validate
+  s = sched(32, 32, 16, 16)
+  kw = dict(causal=False, local_window_size=None, scale=1.0, logits_soft_cap=None,
+            interpret=True)
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    ft.flash_attention(q, k, k, None, None, s, **kw)
+  with pytest.raises(ValueError, match="schedule is for lengths"):
+    ft.flash_attention(q, q, q, None, None, sched(16, 32, 16, 16), **kw)
+  with pytest.raises(ValueError, match="power of two"):
+    ft.flash_attention(q, q, q, None, None, sched(32, 32, 24, 16), **kw)
+  with pytest.raises(ValueError, match="segment ids"):
+    seg = jnp.ones((1, 31), jnp.int32)
+    ft.flash_attention(q, q, q, seg, seg, s, **kw)
+
+
+def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **mask):
+  """Lower forward + VJP for the "cuda" platform (runs the Pallas -> Triton IR lowering)."""
+  bs = ft.default_block_sizes(head_dim, dtype)
+  seg = mask.pop("segments", False)
+  cap = mask.pop("soft_cap", None)
+
+  def f(q, k, v, q_seg, kv_seg):
+    q_seg, kv_seg = (q_seg, kv_seg) if seg else (None, None)
+    s = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, q_segment_ids=q_seg,
+                      kv_segment_ids=kv_seg, **mask)
+    fa = lambda q, k, v: ft.flash_attention(
+        q, k, v, q_seg, kv_seg, s, causal=mask.get("causal", False),
+        local_window_size=mask.get("local_window_size"), scale=0.1, logits_soft_cap=cap,
+        num_warps=bs.num_warps, num_stages=bs.num_stages)
+    (o, l), vjp = jax.vjp(fa, q, k, v)
+    return vjp((o, l))
+
+  sds = jax.ShapeDtypeStruct
+  args = (sds((batch, q_len, q_heads, head_dim), dtype), sds((batch, kv_len, kv_heads, head_dim),
+          dtype), sds((batch, kv_len, kv_heads, head_dim), dtype),
+          sds((batch, q_len), jnp.int32), sds((batch, kv_len), jnp.int32))
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("case", [
+    dict(batch=2, q_len=1000, kv_len=1000, q_heads=4, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, causal=True, segments=True, soft_cap=30.0),
+    dict(batch=1, q_len=300, kv_len=500, q_heads=6, kv_heads=2, head_dim=72,
+         dtype=jnp.float32, causal=True, local_window_size=(64, 0)),
+    dict(batch=1, q_len=256, kv_len=256, q_heads=2, kv_heads=1, head_dim=256,
+         dtype=jnp.float16),
+])
+def test_lowers_to_triton(case):
+  text = _lower_for_gpu(**case)
+  # forward, dK/dV and dQ kernels
+  assert text.count("__gpu$xla.gpu.triton") == 3, text.count("__gpu$xla.gpu.triton")
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the compiled kernels (run with `pytest -m gpu` on a GPU machine).
+# ------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "bf16_d128_causal_gqa": dict(batch=2, q_len=1000, q_heads=8, kv_heads=2, head_dim=128,
+                                 dtype=jnp.bfloat16, causal=True),
+    "fp32_d72_window": dict(batch=1, q_len=777, kv_len=900, q_heads=4, kv_heads=2, head_dim=72,
+                            causal=True, window=(63, 0)),
+    "fp32_d128_dense_softcap": dict(batch=1, q_len=513, head_dim=128, soft_cap=20.0),
+    "fp16_d96_mqa": dict(batch=2, q_len=640, q_heads=4, kv_heads=1, head_dim=96,
+                         dtype=jnp.float16, causal=True),
+    "bf16_d256": dict(batch=1, q_len=384, head_dim=256, dtype=jnp.bfloat16, causal=True),
+    "bf16_d64_segments": dict(batch=2, q_len=1024, head_dim=64, dtype=jnp.bfloat16,
+                              segments="packed"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_matches_reference(name):
+  case = dict(GPU_CASES[name])
+  dtype = case.get("dtype", jnp.float32)
+  bs = ft.default_block_sizes(case["head_dim"], dtype)
+  if case.get("segments") == "packed":
+    seg = _segments(np.random.default_rng(0), case["batch"], case["q_len"], pad_tail=100)
+    case["segments"] = (seg, seg)
+  got, want = _run(block_q=bs.block_q, block_k=bs.block_k, num_warps=bs.num_warps,
+                   num_stages=bs.num_stages, interpret=False, **case)
+  _assert_close(got, want, dtype)
