@@ -1,0 +1,391 @@
+"""Flash decoding: one query token per sequence over a contiguous or paged KV cache.
+
+Implementations:
+  * ``"xla"``: pure jnp (``pallas_kernels.decode.reference``; materialises the logits).
+  * ``"triton"``: portable Pallas GPU split-KV kernel; each program handles all query heads of
+    one kv head over one split of the sequence's visible keys, writes a partial (out, lse), and
+    the splits are merged with ``jattn.merge.merge_partials``.
+  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same split-KV structure (scalar-prefetched
+    lengths and page table drive the K/V index maps).
+  * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU.
+
+Semantics: sequence b holds ``kv_lengths[b]`` valid keys at cache positions
+``0 .. kv_lengths[b] - 1``; its query sits at position ``kv_lengths[b] - 1``; a window
+``(left, right)`` keeps keys ``j >= kv_lengths[b] - 1 - left`` (no key lies right of the query).
+Lengths above the cache capacity are clamped to it. A length-0 sequence returns zeros and lse
+-inf. The decode paths compute forward only (the "xla" path is differentiable by autodiff).
+
+``interpret=True`` runs a Pallas implementation on the CPU (tests); it is ignored by "xla".
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jattn.merge import merge_partials
+from pallas_kernels import compat
+from pallas_kernels.decode import reference as _ref
+from pallas_kernels.masks import normalize_window
+
+__all__ = ["decode_attention", "paged_decode_attention", "append_kv", "append_kv_paged",
+           "resolve_decode_implementation", "default_num_splits", "bench_decode_cases"]
+
+IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
+MIN_PAGE_SIZE = 16
+
+
+def resolve_decode_implementation(implementation=None, *, platform=None):
+  """The implementation the decode ops run for a request.
+
+  Args:
+    implementation: None or one of ``IMPLEMENTATIONS``.
+    platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
+
+  Returns:
+    The implementation name (a named implementation is returned unchanged; never a fallback).
+
+  Example:
+    >>> resolve_decode_implementation("xla")
+    'xla'
+  """
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
+                     f"{IMPLEMENTATIONS}")
+  if implementation is not None:
+    return implementation
+  platform = platform or compat.default_backend()
+  return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
+
+
+def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=None):
+  """The split count used when ``num_splits=None``.
+
+  GPU ("triton"): about two programs per multiprocessor (``compat.gpu_core_count()``) over the
+  batch x kv_heads pairs, at least four key blocks per split, rounded down to a power of two.
+  "xla" and "mosaic_tpu": 1 (one pass; a TPU core walks the grid sequentially).
+
+  Args:
+    implementation: a resolved implementation name.
+    batch: batch size.
+    kv_heads: number of kv heads.
+    max_len: cache capacity in tokens.
+    block_sizes: the kernel's block sizes (for block_k), or None for its defaults.
+
+  Returns:
+    An int >= 1.
+
+  Example:
+    >>> default_num_splits("xla", 1, 8, 131072)
+    1
+  """
+  if implementation != "triton":
+    return 1
+  from pallas_kernels.decode import triton as kt
+  bs = block_sizes or kt.DecodeBlockSizes()
+  return kt.default_num_splits(batch, kv_heads, max_len, core_count=compat.gpu_core_count(),
+                               block_k=bs.block_k)
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_common(q, k, v, kv_lengths, *, cache_name):
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got {x.dtype}")
+  if k.ndim != 4:
+    raise ValueError(f"k_{cache_name} must be 4-D, got shape {k.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k_{cache_name} and v_{cache_name} must have the same shape, got {k.shape} "
+                     f"and {v.shape}")
+  if k.dtype != v.dtype:
+    raise TypeError(f"k_{cache_name} and v_{cache_name} dtypes differ: {k.dtype} vs {v.dtype}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"q and k head_dim differ: q {q.shape}, k {k.shape}")
+  hq, hk = q.shape[1], k.shape[2]
+  if hq % hk:
+    raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA")
+  kv_lengths = jnp.asarray(kv_lengths)
+  if kv_lengths.shape != (q.shape[0],):
+    raise ValueError(f"kv_lengths must have shape (batch,) = ({q.shape[0]},), got "
+                     f"{kv_lengths.shape}")
+  if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+    raise TypeError(f"kv_lengths must be an integer array, got {kv_lengths.dtype}")
+  return kv_lengths.astype(jnp.int32)
+
+
+def _check_options(implementation, local_window_size, logits_soft_cap, num_splits, scale):
+  impl = resolve_decode_implementation(implementation)
+  window = normalize_window(local_window_size)
+  if logits_soft_cap is not None:
+    logits_soft_cap = float(logits_soft_cap)
+    if not logits_soft_cap > 0:
+      raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+  if num_splits is not None:
+    if isinstance(num_splits, bool) or int(num_splits) != num_splits or num_splits < 1:
+      raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    num_splits = int(num_splits)
+  scale = None if scale is None else float(scale)
+  return impl, window, logits_soft_cap, num_splits, scale
+
+
+def _merge(o_parts, lse_parts):
+  """[B, S, Hq, D], [B, S, Hq] partials -> ([B, Hq, D], [B, Hq])."""
+  if o_parts.shape[1] == 1:
+    return o_parts[:, 0], lse_parts[:, 0]
+  return merge_partials(o_parts, lse_parts, axis=1)
+
+
+# ----------------------------------------------------------------------------- public ops
+def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
+                     logits_soft_cap=None, num_splits=None, return_lse=False, implementation=None,
+                     interpret=False, block_sizes=None):
+  """Attention of one new query token per sequence over a contiguous KV cache (flash decoding).
+
+  Args:
+    q: [batch, q_heads, head_dim], fp32/bf16/fp16.
+    k_cache: [batch, max_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA: query head h
+      reads kv head h // (q_heads // kv_heads)). bf16, fp16 or fp32.
+    v_cache: same shape and dtype as ``k_cache``.
+    kv_lengths: int32 [batch]: valid entries per sequence; the query sits at position
+      ``kv_lengths - 1``. 0 gives a zero output (and lse -inf).
+    scale: logit scale, default 1/sqrt(head_dim).
+    local_window_size: None, int w (= (w, w)) or (left, right) relative to the query position
+      (jax.nn convention); only ``left`` matters for decoding. A "window of 512 tokens" is
+      (511, 0).
+    logits_soft_cap: None or cap > 0: logits = cap * tanh(logits / cap).
+    num_splits: None (heuristic from batch, kv_heads, length and the GPU's multiprocessor count)
+      or an int >= 1: how many parts each sequence's visible keys are split into. Every value
+      gives the same result up to rounding.
+    return_lse: also return the log-sum-exp [batch, q_heads] (fp32, natural log).
+    implementation: None, "xla", "triton" or "mosaic_tpu".
+    interpret: run a Pallas kernel in interpret mode (CPU).
+    block_sizes: optional kernel-specific block sizes (``pallas_kernels.decode.triton.
+      DecodeBlockSizes`` or ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes``).
+
+  Returns:
+    out [batch, q_heads, head_dim] in q.dtype, or (out, lse) if return_lse.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> q = jax.random.normal(jax.random.key(0), (2, 8, 64))
+    >>> k = jax.random.normal(jax.random.key(1), (2, 256, 2, 64))
+    >>> out = decode_attention(q, k, k, jnp.array([17, 256], jnp.int32), implementation="xla")
+    >>> out.shape
+    (2, 8, 64)
+  """
+  kv_lengths = _check_common(q, k_cache, v_cache, kv_lengths, cache_name="cache")
+  impl, window, cap, num_splits, scale = _check_options(implementation, local_window_size,
+                                                        logits_soft_cap, num_splits, scale)
+  batch, max_len, kv_heads, _ = k_cache.shape
+  if num_splits is None:
+    num_splits = default_num_splits(impl, batch, kv_heads, max_len, block_sizes)
+  out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, impl=impl, scale=scale, window=window,
+                         cap=cap, num_splits=num_splits, block_sizes=block_sizes,
+                         interpret=interpret)
+  return (out, lse) if return_lse else out
+
+
+_STATICS = ("impl", "scale", "window", "cap", "num_splits", "block_sizes", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def _decode_jit(q, k_cache, v_cache, kv_lengths, *, impl, scale, window, cap, num_splits,
+                block_sizes, interpret):
+  if impl == "xla":
+    out, lse = _ref.decode_reference(q, k_cache, v_cache, kv_lengths, scale=scale,
+                                     local_window_size=window, logits_soft_cap=cap,
+                                     num_splits=None if num_splits == 1 else num_splits,
+                                     upcast=False)
+  else:
+    kern = _kernel_module(impl)
+    o_parts, lse_parts = kern.decode_partials(
+        q, k_cache, v_cache, kv_lengths, num_splits=num_splits, scale=scale,
+        window_left=None if window is None else window[0], logits_soft_cap=cap,
+        block_sizes=block_sizes, interpret=interpret)
+    out, lse = _merge(o_parts, lse_parts)
+  return out.astype(q.dtype), lse
+
+
+def _kernel_module(impl):
+  if impl == "triton":
+    from pallas_kernels.decode import triton as kern
+  elif impl == "mosaic_tpu":
+    from pallas_kernels.decode import mosaic_tpu as kern
+  else:
+    raise ValueError(f"{impl!r} is not a Pallas implementation")
+  return kern
+
+
+def _check_paged(q, k_pages, page_table):
+  if k_pages.shape[1] < MIN_PAGE_SIZE:
+    raise ValueError(f"page_size (k_pages.shape[1]) must be >= {MIN_PAGE_SIZE}, got "
+                     f"{k_pages.shape[1]}")
+  page_table = jnp.asarray(page_table)
+  if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
+    raise ValueError(f"page_table must be [batch, max_pages] with batch = {q.shape[0]}, got "
+                     f"shape {page_table.shape}")
+  if page_table.shape[1] < 1:
+    raise ValueError("page_table needs at least one column (max_pages >= 1)")
+  if not jnp.issubdtype(page_table.dtype, jnp.integer):
+    raise TypeError(f"page_table must be an integer array, got {page_table.dtype}")
+  return page_table.astype(jnp.int32)
+
+
+def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale=None,
+                           local_window_size=None, logits_soft_cap=None, num_splits=None,
+                           return_lse=False, implementation=None, interpret=False,
+                           block_sizes=None):
+  """Decode attention over a paged KV cache (continuous batching, vLLM-style page table).
+
+  Work is split by each sequence's actual length: a short sequence in a batch with a long one
+  only reads its own pages, and splits past its end do nothing.
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_pages: [num_pages, page_size, kv_heads, head_dim], page_size >= 16.
+    v_pages: same shape and dtype as ``k_pages``.
+    page_table: int32 [batch, max_pages]: token t of sequence b is stored in page
+      ``page_table[b, t // page_size]`` at slot ``t % page_size``. Entries past a sequence's
+      length are never read (they may hold anything).
+    kv_lengths: int32 [batch]; clamped to ``max_pages * page_size``.
+    scale, local_window_size, logits_soft_cap, num_splits, return_lse, implementation,
+      interpret, block_sizes: as in :func:`decode_attention`.
+
+  Returns:
+    out [batch, q_heads, head_dim] in q.dtype, or (out, lse) if return_lse.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> q = jax.random.normal(jax.random.key(0), (2, 4, 32))
+    >>> pages = jax.random.normal(jax.random.key(1), (6, 16, 2, 32))
+    >>> table = jnp.array([[3, 1, 0], [5, 2, 4]], jnp.int32)
+    >>> out = paged_decode_attention(q, pages, pages, table, jnp.array([40, 7], jnp.int32),
+    ...                              implementation="xla")
+    >>> out.shape
+    (2, 4, 32)
+  """
+  kv_lengths = _check_common(q, k_pages, v_pages, kv_lengths, cache_name="pages")
+  page_table = _check_paged(q, k_pages, page_table)
+  impl, window, cap, num_splits, scale = _check_options(implementation, local_window_size,
+                                                        logits_soft_cap, num_splits, scale)
+  batch = q.shape[0]
+  _, page_size, kv_heads, _ = k_pages.shape
+  capacity = page_table.shape[1] * page_size
+  if num_splits is None:
+    num_splits = default_num_splits(impl, batch, kv_heads, capacity, block_sizes)
+  out, lse = _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, impl=impl,
+                               scale=scale, window=window, cap=cap, num_splits=num_splits,
+                               block_sizes=block_sizes, interpret=interpret)
+  return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS)
+def _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, *, impl, scale, window, cap,
+                      num_splits, block_sizes, interpret):
+  if impl == "xla":
+    out, lse = _ref.paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths,
+                                           scale=scale, local_window_size=window,
+                                           logits_soft_cap=cap,
+                                           num_splits=None if num_splits == 1 else num_splits,
+                                           upcast=False)
+  else:
+    kern = _kernel_module(impl)
+    o_parts, lse_parts = kern.paged_decode_partials(
+        q, k_pages, v_pages, page_table, kv_lengths, num_splits=num_splits, scale=scale,
+        window_left=None if window is None else window[0], logits_soft_cap=cap,
+        block_sizes=block_sizes, interpret=interpret)
+    out, lse = _merge(o_parts, lse_parts)
+  return out.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- cache appends
+def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
+  """Write one new token per sequence at position ``kv_lengths[b]`` (functional update).
+
+  Jit with ``donate_argnums=(0, 1)`` to update the caches in place. A sequence whose cache is
+  full (kv_lengths[b] >= max_len) has its write dropped; its returned length still grows by
+  one, and decoding clamps lengths to the capacity.
+
+  Args:
+    k_cache: [batch, max_len, kv_heads, head_dim].
+    v_cache: same shape as ``k_cache``.
+    kv_lengths: int32 [batch], current lengths.
+    k_new: [batch, kv_heads, head_dim] (cast to the cache dtype).
+    v_new: [batch, kv_heads, head_dim].
+
+  Returns:
+    (k_cache, v_cache, kv_lengths + 1).
+
+  Example:
+    >>> k = jnp.zeros((2, 8, 1, 4)); lens = jnp.array([0, 3], jnp.int32)
+    >>> k2, v2, lens2 = append_kv(k, k, lens, jnp.ones((2, 1, 4)), jnp.ones((2, 1, 4)))
+    >>> float(k2[1, 3, 0, 0]), lens2.tolist()
+    (1.0, [1, 4])
+  """
+  b, max_len, hk, d = k_cache.shape
+  if v_cache.shape != k_cache.shape:
+    raise ValueError(f"k_cache and v_cache shapes differ: {k_cache.shape} vs {v_cache.shape}")
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    if x.shape != (b, hk, d):
+      raise ValueError(f"{name} must be [batch, kv_heads, head_dim] = {(b, hk, d)}, got {x.shape}")
+  kv_lengths = jnp.asarray(kv_lengths)
+  if kv_lengths.shape != (b,):
+    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {kv_lengths.shape}")
+  lens = kv_lengths.astype(jnp.int32)
+  rows = jnp.arange(b)
+  k_cache = k_cache.at[rows, lens].set(k_new.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[rows, lens].set(v_new.astype(v_cache.dtype), mode="drop")
+  return k_cache, v_cache, lens + 1
+
+
+def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
+  """Write one new token per sequence into its page (functional update of the page pool).
+
+  Token ``t = kv_lengths[b]`` goes to page ``page_table[b, t // page_size]``, slot
+  ``t % page_size``; the caller allocates pages in the table beforehand. Writes past the table
+  (t >= max_pages * page_size) are dropped. Jit with ``donate_argnums=(0, 1)`` for in-place.
+
+  Args:
+    k_pages: [num_pages, page_size, kv_heads, head_dim].
+    v_pages: same shape as ``k_pages``.
+    page_table: int32 [batch, max_pages].
+    kv_lengths: int32 [batch].
+    k_new: [batch, kv_heads, head_dim].
+    v_new: [batch, kv_heads, head_dim].
+
+  Returns:
+    (k_pages, v_pages, kv_lengths + 1).
+
+  Example:
+    >>> pages = jnp.zeros((4, 16, 1, 2)); table = jnp.array([[2, 3]], jnp.int32)
+    >>> kp, vp, lens = append_kv_paged(pages, pages, table, jnp.array([17], jnp.int32),
+    ...                                jnp.ones((1, 1, 2)), jnp.ones((1, 1, 2)))
+    >>> float(kp[3, 1, 0, 0]), lens.tolist()
+    (1.0, [18])
+  """
+  num_pages, page_size, hk, d = k_pages.shape
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}")
+  page_table = jnp.asarray(page_table)
+  b = page_table.shape[0] if page_table.ndim == 2 else None
+  if page_table.ndim != 2:
+    raise ValueError(f"page_table must be [batch, max_pages], got shape {page_table.shape}")
+  kv_lengths = jnp.asarray(kv_lengths)
+  if kv_lengths.shape != (b,):
+    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {kv_lengths.shape}")
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    if x.shape != (b, hk, d):
+      raise ValueError(f"{name} must be [batch, kv_heads, head_dim] = {(b, hk, d)}, got {x.shape}")
+  lens = kv_lengths.astype(jnp.int32)
+  slot_page = lens // page_size
+  in_table = (lens >= 0) & (slot_page < page_table.shape[1])
+  page = jnp.take_along_axis(page_table.astype(jnp.int32),
+                             jnp.clip(slot_page, 0, page_table.shape[1] - 1)[:, None], axis=1)[:, 0]
+  page = jnp.where(in_table, page, num_pages)          # out of range -> dropped
+  slot = lens % page_size
+  k_pages = k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop")
+  v_pages = v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop")
+  return k_pages, v_pages, lens + 1

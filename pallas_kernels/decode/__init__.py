@@ -1,0 +1,1 @@
+"""Split-KV decode kernels: fp32/jnp reference, portable Pallas GPU (Triton), Mosaic TPU."""

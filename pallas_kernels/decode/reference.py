@@ -1,0 +1,162 @@
+"""Reference single-token decode attention over contiguous and paged KV caches (pure jnp).
+
+Semantics (shared by every decode backend): sequence b holds ``kv_lengths[b]`` valid keys at
+positions ``0 .. kv_lengths[b] - 1`` of its cache; its one query sits at position
+``kv_lengths[b] - 1``; with ``local_window_size=(left, right)`` it sees keys
+``j >= kv_lengths[b] - 1 - left`` (the right side never matters: no key lies after the query).
+Lengths above the cache capacity are clamped to it. A sequence of length 0 returns a zero output
+and -inf log-sum-exp.
+
+This module is the ``implementation="xla"`` path of ``jattn.decode`` (``upcast=False``) and the
+fp32 reference of the tests (``upcast=True``). It materialises [batch, q_heads, max_len] logits.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.masks import element_mask, normalize_window
+
+__all__ = ["decode_reference", "paged_decode_reference", "gather_pages"]
+
+
+def _visible(kv_lengths, num_keys, window):
+  """bool [batch, num_keys]: key j of sequence b is visible to its query."""
+  lengths = jnp.minimum(kv_lengths.astype(jnp.int32), num_keys)
+  q_pos = (lengths - 1)[:, None]                               # [b, 1]
+  k_pos = jnp.arange(num_keys, dtype=jnp.int32)[None, :]      # [1, n]
+  mask = element_mask(q_pos, k_pos, causal=True, window=window,
+                      kv_len=lengths[:, None, None])           # [b, 1, n]
+  return mask[:, 0, :]
+
+
+def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
+                     logits_soft_cap=None, num_splits=None, upcast=True):
+  """Decode attention of one query token per sequence over a contiguous KV cache.
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_cache: [batch, max_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA: query head h
+      reads kv head h // (q_heads // kv_heads)).
+    v_cache: [batch, max_len, kv_heads, head_dim].
+    kv_lengths: int32 [batch], number of valid cache entries per sequence.
+    scale: logit scale, default 1/sqrt(head_dim).
+    local_window_size: None, int or (left, right) (jax.nn convention).
+    logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
+    num_splits: None (one pass) or the number of contiguous chunks of the cache to compute
+      partial results for and merge by log-sum-exp (split-KV in plain XLA; same result).
+    upcast: compute in fp32 at HIGHEST precision (True), or in the input dtype with fp32
+      accumulation (False).
+
+  Returns:
+    (out [batch, q_heads, head_dim] in q.dtype, lse [batch, q_heads] fp32, -inf when empty).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (2, 4, 16))
+    >>> k = jax.random.normal(jax.random.key(1), (2, 32, 2, 16))
+    >>> out, lse = decode_reference(q, k, k, jnp.array([5, 32], jnp.int32))
+    >>> out.shape, lse.shape
+    ((2, 4, 16), (2, 4))
+  """
+  b, hq, d = q.shape
+  _, n, hk, _ = k_cache.shape
+  g = hq // hk
+  if scale is None:
+    scale = 1.0 / (d ** 0.5)
+  window = normalize_window(local_window_size)
+  dt = jnp.float32 if upcast else q.dtype
+  prec = jax.lax.Precision.HIGHEST if upcast else None
+  visible = _visible(kv_lengths, n, window)                       # [b, n]
+  qf = q.astype(dt).reshape(b, hk, g, d)                          # [b, hk, g, d]
+  s = jnp.einsum("bhgd,bnhd->bhgn", qf, k_cache.astype(dt), precision=prec,
+                 preferred_element_type=jnp.float32) * scale      # [b, hk, g, n]
+  if logits_soft_cap is not None:
+    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+  s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+  v = jnp.where(visible[:, :, None, None], v_cache.astype(dt), 0)  # [b, n, hk, d]
+  splits = 1 if num_splits is None else int(num_splits)
+  if splits < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  chunk = -(-n // splits)
+  pad = chunk * splits - n
+  if pad:
+    s = jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  s = s.reshape(b, hk, g, splits, chunk)                          # [b, hk, g, S, c]
+  v = v.reshape(b, splits, chunk, hk, v.shape[-1])                # [b, S, c, hk, d]
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  p = jnp.exp(s - m)
+  l = jnp.sum(p, axis=-1, keepdims=True)                          # [b, hk, g, S, 1]
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o = jnp.einsum("bhgsc,bschd->bhgsd", (p / l_safe).astype(dt), v, precision=prec,
+                 preferred_element_type=jnp.float32)              # [b, hk, g, S, d]
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]   # [b, hk, g, S]
+  if splits > 1:
+    # Exact log-sum-exp merge of the per-chunk partials (same algebra as jattn.merge).
+    mm = jnp.max(lse, axis=-1, keepdims=True)
+    mm = jax.lax.stop_gradient(jnp.where(jnp.isfinite(mm), mm, 0.0))
+    w = jnp.exp(lse - mm)
+    tot = jnp.sum(w, axis=-1, keepdims=True)
+    tot_empty = tot == 0.0
+    tot_safe = jnp.where(tot_empty, 1.0, tot)
+    o = jnp.sum((w / tot_safe)[..., None] * o, axis=-2)
+    lse = jnp.where(tot_empty, -jnp.inf, mm + jnp.log(tot_safe))[..., 0]
+  else:
+    o = o[..., 0, :]
+    lse = lse[..., 0]
+  out = o.reshape(b, hq, o.shape[-1]).astype(q.dtype)
+  return out, lse.reshape(b, hq).astype(jnp.float32)
+
+
+def gather_pages(pages, page_table):
+  """Gather a paged cache into a contiguous one.
+
+  Args:
+    pages: [num_pages, page_size, kv_heads, head_dim].
+    page_table: int32 [batch, max_pages]; entries outside [0, num_pages) are clamped (they only
+      matter past a sequence's length, where they are masked).
+
+  Returns:
+    [batch, max_pages * page_size, kv_heads, head_dim].
+
+  Example:
+    >>> pages = jnp.arange(4 * 16 * 1 * 2.0).reshape(4, 16, 1, 2)
+    >>> gather_pages(pages, jnp.array([[2, 0]], jnp.int32)).shape
+    (1, 32, 1, 2)
+  """
+  num_pages, page_size = pages.shape[:2]
+  b, max_pages = page_table.shape
+  idx = jnp.clip(page_table, 0, num_pages - 1)
+  out = jnp.take(pages, idx.reshape(-1), axis=0)          # [b * max_pages, ps, hk, d]
+  return out.reshape(b, max_pages * page_size, *pages.shape[2:])
+
+
+def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs):
+  """Decode attention over a paged KV cache (gathers the pages, then :func:`decode_reference`).
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_pages: [num_pages, page_size, kv_heads, head_dim].
+    v_pages: [num_pages, page_size, kv_heads, head_dim].
+    page_table: int32 [batch, max_pages]; token t of sequence b lives in page
+      ``page_table[b, t // page_size]`` at slot ``t % page_size``.
+    kv_lengths: int32 [batch].
+    **kwargs: scale, local_window_size, logits_soft_cap, num_splits, upcast as in
+      :func:`decode_reference`.
+
+  Returns:
+    (out [batch, q_heads, head_dim], lse [batch, q_heads] fp32).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 2, 16))
+    >>> pages = jax.random.normal(jax.random.key(1), (3, 16, 1, 16))
+    >>> out, lse = paged_decode_reference(q, pages, pages, jnp.array([[2, 0]], jnp.int32),
+    ...                                   jnp.array([20], jnp.int32))
+    >>> out.shape
+    (1, 2, 16)
+  """
+  k = gather_pages(k_pages, page_table)
+  v = gather_pages(v_pages, page_table)
+  return decode_reference(q, k, v, kv_lengths, **kwargs)

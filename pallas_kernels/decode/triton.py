@@ -1,0 +1,272 @@
+"""Split-KV decode attention in portable Pallas GPU (Triton lowering), contiguous and paged.
+
+One program per (batch, kv head, split). All q_heads // kv_heads query heads of the kv head form
+one [g_pad, d_pad] tile (rows padded to >= 16 for the tensor-core dot, head_dim padded to a power
+of two with masked loads), so each K/V byte is read from HBM exactly once. The split covers a
+contiguous range of the sequence's *visible* keys (from the window start, or 0, to its length):
+work follows each sequence's actual length, and splits past the end run a zero-trip loop. The
+inner loop walks ``block_k`` keys per step: K and V tiles are loaded once, the logits and the
+online softmax run in fp32, and there is no per-element divide inside the loop.
+
+The paged variant reads the same token range through the page table: for each key row it looks up
+``page_table[b, t // page_size]`` (a small int32 gather that stays in L1) and gathers the K/V rows
+of that page, so page boundaries never constrain the tiling and page sizes need not be powers of
+two.
+
+Each program writes one partial (out, lse) per split; the caller merges the splits by log-sum-exp
+(``jattn.merge.merge_partials``). File layout: block sizes, kernel body, pallas_call wrappers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import compat
+
+__all__ = ["DecodeBlockSizes", "default_num_splits", "decode_partials", "paged_decode_partials"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+  """Tiling of the Triton decode kernel.
+
+  Attributes:
+    block_k: keys per inner-loop step (a power of two >= 16).
+    num_warps: warps per program.
+    num_stages: software-pipelining depth of the K/V loads.
+  """
+  block_k: int = 128
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    if self.block_k < 16 or self.block_k & (self.block_k - 1):
+      raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
+
+
+def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=128):
+  """Heuristic split count: about two programs per multiprocessor, >= 4 key blocks per split.
+
+  Args:
+    batch: batch size.
+    kv_heads: number of kv heads (programs per sequence before splitting).
+    max_len: cache capacity in tokens (the longest a sequence can be).
+    core_count: multiprocessors of the device; default ``compat.gpu_core_count()``.
+    block_k: keys per inner step.
+
+  Returns:
+    An int >= 1.
+
+  Example:
+    >>> default_num_splits(1, 8, 131072, core_count=132)
+    32
+  """
+  cores = compat.gpu_core_count() if core_count is None else int(core_count)
+  pairs = max(1, batch * kv_heads)
+  want = -(-2 * cores // pairs)
+  most = max(1, -(-max_len // (4 * block_k)))
+  splits = max(1, min(want, most))
+  if splits > 1:  # a power of two divides the block count of power-of-two caches evenly
+    splits = 1 << (splits.bit_length() - 1)
+  return splits
+
+
+def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window_left, block_k,
+                   group, g_pad, head_dim, d_pad, num_splits, capacity, page_size):
+  """One (batch, kv head, split) program.
+
+  Refs: lens [B]; q [B, Hq, D]; k, v [B, N, Hk, D] (contiguous) or [P * page_size, Hk, D]
+  (paged, with a page table [B, max_pages] as the first of ``rest``); outputs o [B, S, Hq, D]
+  fp32 and lse [B, S, Hq] fp32.
+  """
+  if page_size is None:
+    pt_ref = None
+    o_ref, lse_ref = rest
+  else:
+    pt_ref, o_ref, lse_ref = rest
+  b = pl.program_id(0)
+  h = pl.program_id(1)
+  split = pl.program_id(2)
+
+  length = jnp.minimum(plgpu.load(lens_ref.at[b]), capacity)          # scalar
+  length = jnp.maximum(length, 0)
+  lo = jnp.int32(0)
+  if window_left is not None:
+    lo = jnp.maximum(length - 1 - window_left, 0)
+  n_blocks = pl.cdiv(jnp.maximum(length - lo, 0), block_k)
+  per_split = pl.cdiv(n_blocks, num_splits)
+  blk_begin = jnp.minimum(split * per_split, n_blocks)
+  blk_end = jnp.minimum(blk_begin + per_split, n_blocks)
+
+  rows = jnp.arange(g_pad, dtype=jnp.int32)                          # [g_pad]
+  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
+  row_ok = rows < group
+  col_ok = cols < head_dim if d_pad != head_dim else None
+  q_rows = h * group + rows
+  q_mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
+  q = plgpu.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=q_mask, other=0)
+  assert q.shape == (g_pad, d_pad)                                   # [g_pad, d_pad]
+  fp32_dot = q.dtype == jnp.float32
+  precision = jax.lax.Precision.HIGHEST if fp32_dot else None
+  offs = jnp.arange(block_k, dtype=jnp.int32)                        # [block_k]
+  inv_cap = None if soft_cap is None else 1.0 / soft_cap
+
+  def body(i, carry):
+    acc, m_prev, l_prev = carry
+    pos = lo + i * block_k + offs                                    # [block_k] token index
+    valid = pos < length
+    kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
+    if pt_ref is None:
+      k = plgpu.load(k_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+    else:
+      page = plgpu.load(pt_ref.at[b, pos // page_size], mask=valid, other=0)   # [block_k]
+      krow = page * page_size + pos % page_size
+      k = plgpu.load(k_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale   # [g_pad, block_k] fp32
+    if soft_cap is not None:
+      s = soft_cap * jnp.tanh(s * inv_cap)
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    # Every visited block holds >= 1 visible key, so m_new is finite from the first step on.
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))                   # [g_pad]
+    alpha = jnp.exp(m_prev - m_new)
+    p = jnp.exp(s - m_new[:, None])                                  # [g_pad, block_k]
+    l_new = l_prev * alpha + jnp.sum(p, axis=1)
+    if pt_ref is None:
+      v = plgpu.load(v_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+    else:
+      v = plgpu.load(v_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, d_pad]
+    return acc * alpha[:, None] + pv, m_new, l_new
+
+  acc0 = jnp.zeros((g_pad, d_pad), jnp.float32)
+  m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
+  l0 = jnp.zeros((g_pad,), jnp.float32)
+  acc, m, l = jax.lax.fori_loop(blk_begin, blk_end, body, (acc0, m0, l0))
+
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+  plgpu.store(o_ref.at[b, split, q_rows[:, None], cols[None, :]], out, mask=q_mask)
+  plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
+
+
+def _check_common(q, k, v, kv_lengths, num_splits):
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v caches must have the same shape, got {k.shape} and {v.shape}")
+  if kv_lengths.shape != (q.shape[0],):
+    raise ValueError(f"kv_lengths must have shape (batch,) = ({q.shape[0]},), "
+                     f"got {kv_lengths.shape}")
+  if int(num_splits) < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+
+def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num_splits, scale,
+          window_left, logits_soft_cap, block_sizes, interpret):
+  bsz, hq, d = q.shape
+  group = hq // kv_heads
+  g_pad = max(16, pl.next_power_of_2(group))
+  d_pad = max(16, pl.next_power_of_2(d))
+  bs = block_sizes or DecodeBlockSizes()
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  kernel = functools.partial(
+      _decode_kernel, scale=float(scale),
+      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      window_left=window_left, block_k=bs.block_k, group=group, g_pad=g_pad, head_dim=d,
+      d_pad=d_pad, num_splits=num_splits, capacity=capacity, page_size=page_size)
+  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, d), jnp.float32),   # partial out
+               jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]      # partial lse
+  args = [kv_lengths.astype(jnp.int32), q, k, v]
+  if page_table is not None:
+    args.append(page_table.astype(jnp.int32))
+  name = "jattn_paged_decode" if page_table is not None else "jattn_decode"
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(bsz, kv_heads, num_splits),
+      compiler_params=compat.triton_compiler_params(num_warps=bs.num_warps,
+                                                    num_stages=bs.num_stages),
+      interpret=interpret, name=name)(*args)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
+def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, window_left=None,
+                    logits_soft_cap=None, block_sizes=None, interpret=False):
+  """Per-split partial decode attention over a contiguous cache (Triton kernel).
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_cache: [batch, max_len, kv_heads, head_dim], bf16, fp16 or fp32.
+    v_cache: same shape and dtype as ``k_cache``.
+    kv_lengths: int32 [batch]; the query sits at position kv_lengths - 1.
+    num_splits: number of splits of each sequence's visible key range.
+    scale: logit scale, default 1/sqrt(head_dim).
+    window_left: None or the left window size (keys >= kv_lengths - 1 - window_left are seen).
+    logits_soft_cap: None or cap.
+    block_sizes: ``DecodeBlockSizes`` or None for the defaults.
+    interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+  Returns:
+    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32);
+    splits with no visible key hold out 0 and lse -inf.
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))
+    >>> o, lse = decode_partials(q, k, k, jnp.array([40], jnp.int32), num_splits=2,
+    ...                          interpret=True)
+    >>> o.shape, lse.shape
+    ((1, 2, 4, 16), (1, 2, 4))
+  """
+  _check_common(q, k_cache, v_cache, kv_lengths, num_splits)
+  _, max_len, kv_heads, _ = k_cache.shape
+  return _call(q, k_cache, v_cache, kv_lengths, None, kv_heads=kv_heads, capacity=max_len,
+               page_size=None, num_splits=num_splits, scale=scale, window_left=window_left,
+               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
+def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_splits, scale=None,
+                          window_left=None, logits_soft_cap=None, block_sizes=None,
+                          interpret=False):
+  """Per-split partial decode attention over a paged cache (Triton kernel).
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_pages: [num_pages, page_size, kv_heads, head_dim].
+    v_pages: same shape and dtype as ``k_pages``.
+    page_table: int32 [batch, max_pages]; token t of sequence b is in page
+      ``page_table[b, t // page_size]``, slot ``t % page_size``. Entries past a sequence's length
+      are never read.
+    kv_lengths: int32 [batch] (clamped to max_pages * page_size).
+    num_splits, scale, window_left, logits_soft_cap, block_sizes, interpret: as in
+      :func:`decode_partials`.
+
+  Returns:
+    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); pages = jnp.ones((3, 16, 2, 16))
+    >>> o, lse = paged_decode_partials(q, pages, pages, jnp.array([[2, 0]], jnp.int32),
+    ...                                jnp.array([20], jnp.int32), num_splits=2, interpret=True)
+    >>> o.shape
+    (1, 2, 4, 16)
+  """
+  _check_common(q, k_pages, v_pages, kv_lengths, num_splits)
+  num_pages, page_size, kv_heads, d = k_pages.shape
+  if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
+    raise ValueError(f"page_table must be [batch, max_pages] with batch {q.shape[0]}, "
+                     f"got {page_table.shape}")
+  flat = (num_pages * page_size, kv_heads, d)
+  return _call(q, k_pages.reshape(flat), v_pages.reshape(flat), kv_lengths, page_table,
+               kv_heads=kv_heads, capacity=page_table.shape[1] * page_size, page_size=page_size,
+               num_splits=num_splits, scale=scale, window_left=window_left,
+               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret)

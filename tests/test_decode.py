@@ -1,0 +1,249 @@
+"""jattn.decode: split-KV decode ("xla", "triton" in interpret mode) vs the fp32 reference.
+
+The reference (pallas_kernels.decode.reference, upcast=True) is itself checked against the
+flash-attention reference (bottom-right aligned causal attention of the last query). Sizes are
+tiny: the Pallas interpreter is slow on the shared 2-core CI box.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn import decode as dec
+from pallas_kernels.decode import reference as dref
+from pallas_kernels.decode import triton as dtriton
+from pallas_kernels.flash.reference import attention_reference
+
+TOL = {jnp.float32: 2e-3, jnp.bfloat16: 2e-2}
+BK16 = dtriton.DecodeBlockSizes(block_k=16)
+_REF = jax.jit(dref.decode_reference, static_argnames=(
+    "scale", "local_window_size", "logits_soft_cap", "num_splits", "upcast"))
+
+
+def _rel(x, ref):
+  x = jnp.asarray(x, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm((x - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
+
+
+def _inputs(seed, b, n, hq, hk, d, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (b, n, hk, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (b, n, hk, d), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def _paginate(seed, k, v, lengths, page_size, extra_pages=3):
+  """Scatter contiguous caches into a shuffled page pool; unused table entries are garbage."""
+  b, n, hk, d = k.shape
+  max_pages = -(-n // page_size)
+  pad = max_pages * page_size - n
+  kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b * max_pages, page_size, hk, d)
+  vp = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b * max_pages, page_size, hk, d)
+  num_pages = b * max_pages + extra_pages
+  perm = np.random.default_rng(seed).permutation(num_pages)
+  k_pages = jnp.zeros((num_pages, page_size, hk, d), k.dtype).at[perm[:b * max_pages]].set(kp)
+  v_pages = jnp.zeros((num_pages, page_size, hk, d), v.dtype).at[perm[:b * max_pages]].set(vp)
+  # Fill the spare pages with huge values: reading one by mistake breaks the result.
+  k_pages = k_pages.at[perm[b * max_pages:]].set(1e4)
+  v_pages = v_pages.at[perm[b * max_pages:]].set(jnp.nan)
+  table = perm[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+  lengths = np.asarray(lengths)
+  for i in range(b):  # entries past the length point anywhere, including out of range
+    used = -(-int(lengths[i]) // page_size)
+    table[i, used:] = np.where(np.arange(max_pages - used) % 2, -7, perm[b * max_pages])
+  return k_pages, v_pages, jnp.asarray(table)
+
+
+def test_reference_matches_flash_reference():
+  q, k, v = _inputs(0, 3, 40, 6, 2, 16)
+  lengths = jnp.array([40, 17, 1], jnp.int32)
+  out, lse = _REF(q, k, v, lengths, local_window_size=(9, 0), logits_soft_cap=3.0)
+  flash_ref = jax.jit(functools.partial(attention_reference, causal=True,
+                                        local_window_size=(9, 0), logits_soft_cap=3.0))
+  for i, n in enumerate(lengths.tolist()):
+    r_out, r_lse = flash_ref(q[i:i + 1, None], k[i:i + 1, :n], v[i:i + 1, :n])
+    assert _rel(out[i], r_out[0, 0]) < 1e-6
+    np.testing.assert_allclose(np.asarray(lse[i]), np.asarray(r_lse[0, :, 0]), rtol=1e-6)
+  # num_splits in the reference merges chunk partials: same result.
+  out4, lse4 = _REF(q, k, v, lengths, local_window_size=(9, 0), logits_soft_cap=3.0,
+                    num_splits=3)
+  assert _rel(out4, out) < 1e-6
+  np.testing.assert_allclose(np.asarray(lse4), np.asarray(lse), rtol=1e-6)
+
+
+# (seed, batch, max_len, q_heads, kv_heads, head_dim, lengths, window, cap, splits, dtype)
+CONTIGUOUS = [
+    (1, 4, 100, 6, 2, 24, [0, 1, 77, 100], None, None, (1, 3), jnp.float32),   # GQA 3, D 24
+    (2, 3, 90, 4, 4, 16, [90, 33, 2], (20, 0), 2.5, (2, 5), jnp.float32),     # MHA, window, cap
+    (3, 2, 64, 8, 1, 32, [64, 5], 7, None, (4,), jnp.bfloat16),               # MQA, bf16
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("case", CONTIGUOUS, ids=lambda c: f"seed{c[0]}")
+def test_decode_matches_reference(impl, case):
+  seed, b, n, hq, hk, d, lengths, window, cap, splits, dtype = case
+  q, k, v = _inputs(seed, b, n, hq, hk, d, dtype)
+  lengths = jnp.array(lengths, jnp.int32)
+  ref_out, ref_lse = _REF(q, k, v, lengths, local_window_size=window,
+                                           logits_soft_cap=cap)
+  for ns in splits:
+    out, lse = dec.decode_attention(q, k, v, lengths, local_window_size=window,
+                                    logits_soft_cap=cap, num_splits=ns, return_lse=True,
+                                    implementation=impl, interpret=True, block_sizes=None
+                                    if impl == "xla" else BK16)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == q.shape[:2]
+    assert _rel(out, ref_out) < TOL[dtype], (ns, _rel(out, ref_out))
+    empty = np.asarray(lengths) == 0
+    assert bool(jnp.all(out[empty] == 0)) and bool(jnp.all(jnp.isneginf(lse[empty])))
+    np.testing.assert_allclose(np.asarray(lse[~empty]), np.asarray(ref_lse[~empty]),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_triton_default_block_and_heuristic_splits():
+  q, k, v = _inputs(4, 2, 300, 4, 2, 64)
+  lengths = jnp.array([300, 129], jnp.int32)
+  ref_out, _ = _REF(q, k, v, lengths, scale=0.3)
+  out = dec.decode_attention(q, k, v, lengths, scale=0.3, implementation="triton",
+                             interpret=True)
+  assert _rel(out, ref_out) < 2e-3
+
+
+def test_splits_past_the_length_are_empty():
+  """Work follows the actual length: splits past it hold lse -inf and zero output."""
+  q, k, v = _inputs(5, 2, 128, 4, 2, 16)
+  lengths = jnp.array([20, 128], jnp.int32)
+  o, lse = dtriton.decode_partials(q, k, v, lengths, num_splits=8, block_sizes=BK16,
+                                   interpret=True)
+  # Sequence 0: 20 keys = 2 blocks of 16 -> splits 0 and 1 hold them, 2..7 are empty.
+  assert bool(jnp.all(jnp.isfinite(lse[0, :2]))) and bool(jnp.all(jnp.isneginf(lse[0, 2:])))
+  assert bool(jnp.all(o[0, 2:] == 0))
+  assert bool(jnp.all(jnp.isfinite(lse[1])))  # 8 blocks over 8 splits
+
+
+# (seed, batch, max_len, hq, hk, d, page_size, lengths, window, cap, splits, dtype)
+PAGED = [
+    (6, 4, 70, 4, 2, 32, 16, [0, 1, 33, 70], None, None, (1, 2, 5), jnp.float32),
+    (7, 3, 72, 6, 3, 16, 24, [72, 25, 9], (30, 0), 4.0, (3,), jnp.float32),   # page 24, window
+    (8, 2, 64, 8, 2, 64, 32, [64, 40], None, None, (2,), jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("case", PAGED, ids=lambda c: f"seed{c[0]}")
+def test_paged_decode_matches_reference(impl, case):
+  seed, b, n, hq, hk, d, page_size, lengths, window, cap, splits, dtype = case
+  q, k, v = _inputs(seed, b, n, hq, hk, d, dtype)
+  ref_out, ref_lse = _REF(q, k, v, jnp.array(lengths, jnp.int32),
+                                           local_window_size=window, logits_soft_cap=cap)
+  k_pages, v_pages, table = _paginate(seed, k, v, lengths, page_size)
+  lengths = jnp.array(lengths, jnp.int32)
+  for ns in splits:
+    out, lse = dec.paged_decode_attention(
+        q, k_pages, v_pages, table, lengths, local_window_size=window, logits_soft_cap=cap,
+        num_splits=ns, return_lse=True, implementation=impl, interpret=True,
+        block_sizes=None if impl == "xla" else BK16)
+    assert _rel(out, ref_out) < TOL[dtype], (ns, _rel(out, ref_out))
+    empty = np.asarray(lengths) == 0
+    assert bool(jnp.all(out[empty] == 0)) and bool(jnp.all(jnp.isneginf(lse[empty])))
+    np.testing.assert_allclose(np.asarray(lse[~empty]), np.asarray(ref_lse[~empty]),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_append_kv_then_decode():
+  q, k, v = _inputs(9, 3, 48, 4, 2, 16)
+  lengths = jnp.array([0, 20, 47], jnp.int32)
+  kn = jax.random.normal(jax.random.key(10), (3, 2, 16))
+  vn = jax.random.normal(jax.random.key(11), (3, 2, 16))
+  k2, v2, len2 = jax.jit(dec.append_kv)(k, v, lengths, kn, vn)
+  assert len2.tolist() == [1, 21, 48]
+  for i, t in enumerate(lengths.tolist()):
+    np.testing.assert_array_equal(np.asarray(k2[i, t]), np.asarray(kn[i]))
+    np.testing.assert_array_equal(np.asarray(v2[i, t]), np.asarray(vn[i]))
+  untouched = jnp.ones(k.shape[:2], bool).at[jnp.arange(3), lengths].set(False)
+  assert bool(jnp.all(jnp.where(untouched[..., None, None], k2 == k, True)))
+
+  # Paged: the same appends through a shuffled page table give the same attention.
+  k_pages, v_pages, table = _paginate(12, k, v, lengths, 16)
+  kp2, vp2, plen2 = jax.jit(dec.append_kv_paged)(k_pages, v_pages, table, lengths, kn, vn)
+  assert plen2.tolist() == [1, 21, 48]
+  ref = _REF(q, k2, v2, len2)[0]
+  out = dec.paged_decode_attention(q, kp2, vp2, table, plen2, implementation="triton",
+                                   num_splits=2, interpret=True, block_sizes=BK16)
+  assert _rel(out, ref) < 2e-3
+  # A full cache drops the write instead of corrupting another row.
+  k3, _, len3 = dec.append_kv(k2, v2, jnp.array([48, 48, 48], jnp.int32), kn, vn)
+  assert bool(jnp.all(k3 == k2)) and len3.tolist() == [49, 49, 49]
+
+
+def test_default_num_splits_heuristic():
+  assert dtriton.default_num_splits(1, 8, 131072, core_count=132) == 32
+  assert dtriton.default_num_splits(8, 8, 32768, core_count=132) == 4
+  assert dtriton.default_num_splits(64, 8, 4096, core_count=132) == 1
+  assert dtriton.default_num_splits(1, 1, 200, core_count=132) == 1   # too short to split
+  assert dec.default_num_splits("xla", 1, 8, 131072) == 1
+
+
+def test_validation_errors():
+  q, k, v = _inputs(13, 2, 32, 4, 2, 16)
+  lengths = jnp.array([3, 4], jnp.int32)
+  call = functools.partial(dec.decode_attention, implementation="xla")
+  with pytest.raises(ValueError, match="kv_lengths must have shape"):
+    call(q, k, v, jnp.array([3, 4, 5], jnp.int32))
+  with pytest.raises(ValueError, match="kv_lengths must have shape"):
+    call(q, k, v, jnp.array([[3, 4]], jnp.int32))
+  with pytest.raises(ValueError, match="multiple of kv_heads"):
+    call(q[:, :3], k, v, lengths)
+  with pytest.raises(ValueError, match="head_dim"):
+    call(q[..., :8], k, v, lengths)
+  with pytest.raises(ValueError, match="same shape"):
+    call(q, k, v[:, :16], lengths)
+  with pytest.raises(ValueError, match="unknown implementation"):
+    dec.decode_attention(q, k, v, lengths, implementation="cuda")
+  with pytest.raises(ValueError, match="num_splits"):
+    call(q, k, v, lengths, num_splits=0)
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    call(q, k, v, lengths, logits_soft_cap=-1.0)
+  with pytest.raises(TypeError, match="kv_lengths"):
+    call(q, k, v, jnp.array([3.0, 4.0]))
+  pages = k.reshape(4, 16, 2, 16)
+  table = jnp.array([[0, 1], [2, 3]], jnp.int32)
+  pcall = functools.partial(dec.paged_decode_attention, implementation="triton", interpret=True)
+  with pytest.raises(ValueError, match="page_table must be"):
+    pcall(q, pages, pages, table[0], lengths)
+  with pytest.raises(ValueError, match="page_table must be"):
+    pcall(q, pages, pages, table[:1], lengths)
+  with pytest.raises(ValueError, match="kv_lengths must have shape"):
+    pcall(q, pages, pages, table, lengths[:1])
+  with pytest.raises(ValueError, match="page_size"):
+    pcall(q, k.reshape(8, 8, 2, 16), k.reshape(8, 8, 2, 16), table, lengths)
+  with pytest.raises(ValueError, match="kv_lengths must have shape"):
+    dec.append_kv(k, v, lengths[:1], k[:, 0], v[:, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_triton_compiled_on_gpu(dtype):
+  b, n, hq, hk, d = 3, 4096, 32, 8, 128
+  q, k, v = _inputs(14, b, n, hq, hk, d, dtype)
+  lengths = jnp.array([4096, 1, 3001], jnp.int32)
+  tol = TOL[dtype]
+  for window, cap in ((None, None), ((1000, 0), 30.0)):
+    ref_out, ref_lse = _REF(q, k, v, lengths, local_window_size=window,
+                                             logits_soft_cap=cap)
+    for ns in (None, 1, 7):
+      out, lse = jax.jit(functools.partial(
+          dec.decode_attention, local_window_size=window, logits_soft_cap=cap, num_splits=ns,
+          return_lse=True, implementation="triton"))(q, k, v, lengths)
+      assert _rel(out, ref_out) < tol
+      np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=tol, atol=tol)
+    for page_size in (16, 64):
+      k_pages, v_pages, table = _paginate(15, k, v, lengths.tolist(), page_size)
+      out = jax.jit(functools.partial(
+          dec.paged_decode_attention, local_window_size=window, logits_soft_cap=cap,
+          implementation="triton"))(q, k_pages, v_pages, table, lengths)
+      assert _rel(out, ref_out) < tol
