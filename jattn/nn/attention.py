@@ -157,6 +157,7 @@ class Attention(nnx.Module):
       self.bias_k = nnx.Param(jnp.zeros((2 * r, num_kv_heads, head_dim), param_dtype))
       self.bias_v = nnx.Param(jnp.zeros((2 * r, num_kv_heads, head_dim), param_dtype))
       self.sink = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if spec.csa_sink else None
+    self.gate_rngs = rngs if spec.gate_grad == "gumbel" else None
     self.cache_names = ()
 
   # ---------------------------------------------------------------- projections
@@ -243,10 +244,11 @@ class Attention(nnx.Module):
   def _sparse_forward(self, q, k, v, segment_ids):
     spec = self.spec
     sparse = _sparse_module()
+    rng = self.gate_rngs() if spec.gate_grad == "gumbel" else None
     return sparse.sparse_attention(
         q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
-        gate_grad=spec.gate_grad, causal=True, segment_ids=segment_ids, scale=self.scale,
-        implementation=self.implementation, interpret=self.interpret)
+        gate_grad=spec.gate_grad, rng=rng, causal=True, segment_ids=segment_ids,
+        scale=self.scale, implementation=self.implementation, interpret=self.interpret)
 
   def _csa_forward(self, q, k, v, ent, segment_ids):
     spec = self.spec
@@ -349,8 +351,7 @@ class Attention(nnx.Module):
       k, v = self._expand(full)
       kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
       if spec.kind == "global" and t == 1:
-        o = decode_attention(q[:, 0], k, v, jnp.full((b,), p + 1, jnp.int32), scale=self.scale,
-                             implementation=self.implementation, interpret=self.interpret)[:, None]
+        o = self._decode_one(q, k, v, jnp.full((b,), p + 1, jnp.int32))
       elif spec.kind == "global":
         o, _ = masked_attention(q, k, v, pos, kpos, scale=self.scale)
       else:
@@ -361,8 +362,7 @@ class Attention(nnx.Module):
         self._ring_write(ent, list(ent), size, pos)
         k, v = self._expand({n: _get(getattr(self, f"cache_{n}")) for n in ent})
         lens = jnp.full((b,), jnp.minimum(p + 1, size), jnp.int32)
-        o = decode_attention(q[:, 0], k, v, lens, scale=self.scale,
-                             implementation=self.implementation, interpret=self.interpret)[:, None]
+        o = self._decode_one(q, k, v, lens)
       else:
         keys, kpos = self._ring_concat(ent, list(ent), size)
         k, v = self._expand(keys)
@@ -373,6 +373,15 @@ class Attention(nnx.Module):
     _set(self.cache_index, p + t)
     y = self.wo(o.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim))
     return (y, {"q": q}) if return_qk else y
+
+  def _decode_one(self, q, k, v, lengths):
+    """One query per row over a contiguous cache with ``jattn.decode_attention``."""
+    dv = v.shape[-1]
+    if dv != k.shape[-1]:  # MLA: values narrower than keys; zero-pad (decode wants equal shapes)
+      v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - dv)])
+    o = decode_attention(q[:, 0], k, v, lengths, scale=self.scale,
+                         implementation=self.implementation, interpret=self.interpret)
+    return o[:, None, :, :dv]
 
   def _write_full(self, ent, p, names=None):
     out = {}
@@ -401,11 +410,20 @@ class Attention(nnx.Module):
     _set(rp, _get(rp).at[slots].set(pos[t - m:]))
 
   def _sparse_decode(self, q, k, v, pos, p):
+    """Per-token top-K decode (``select_blocks(q_block_size=1)`` rules) for t new queries."""
     spec = self.spec
     sparse = _sparse_module()
-    return sparse.sparse_decode_reference(q, k, v, pos, block_size=spec.block_size,
-                                          top_k=spec.top_k, q_block_size=spec.q_block_size,
-                                          scale=self.scale)
+    b, t = q.shape[:2]
+    summaries = sparse.init_block_summaries(k, jnp.full((b,), p + t, jnp.int32),
+                                            block_size=spec.block_size)
+
+    def one(qi, length):
+      return sparse.sparse_decode_attention(qi, k, v, jnp.full((b,), length, jnp.int32), summaries,
+                                            block_size=spec.block_size, top_k=spec.top_k,
+                                            scale=self.scale)
+
+    o = jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)      # [b, t, hq, d]
+    return o
 
   def _csa_decode(self, q, ent, pos, p, layout):
     spec = self.spec

@@ -5,7 +5,7 @@ import dataclasses
 
 KINDS = ("global", "local", "sparse", "csa")
 CSA_MODES = ("compressed", "two_stage")
-GATE_GRADS = ("none", "straight_through", "softmax")
+GATE_GRADS = ("none", "ste", "gumbel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,8 @@ class LayerSpec:
     compress_ratio: tokens per compressed entry (stride) for "csa".
     csa_mode: "compressed" or "two_stage" ("csa" only).
     csa_sink: learned attention sink per head ("csa" "compressed" only).
-    gate_grad: gradient through block selection, passed to ``sparse_attention`` ("sparse").
+    gate_grad: gradient through block selection, passed to ``sparse_attention`` ("sparse"):
+      "none", "ste" or "gumbel" (gumbel draws from the layer's rngs during training).
 
   Example:
     >>> LayerSpec("local", window=512).kind
