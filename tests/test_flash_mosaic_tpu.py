@@ -38,15 +38,16 @@ def _packed_segments(rng, batch, length, pad_tail):
 
 
 def _run_both(q, k, v, *, causal=False, window=None, q_seg=None, kv_seg=None, soft_cap=None,
-              block_mask=None, elem_block_mask=None, seed=0):
+              block_mask=None, elem_block_mask=None, blocks=BLOCKS, seed=0):
   """Forward + VJP (random cotangents for out and lse) of the kernel and of the reference."""
   b, sq, hq, _ = q.shape
   sk = k.shape[1]
-  sched = make_schedule(sq, sk, BLOCKS.block_q, BLOCKS.block_k, causal=causal,
-                        local_window_size=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                        block_mask=block_mask)
 
   def kern(q, k, v):
+    # Built inside the jitted function, as jattn does (eager jnp ops would compile one by one).
+    sched = make_schedule(sq, sk, blocks.block_q, blocks.block_k, causal=causal,
+                          local_window_size=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                          block_mask=block_mask)
     return mosaic_tpu.flash_attention(q, k, v, q_seg, kv_seg, sched, causal=causal,
                                       local_window_size=window, scale=None,
                                       logits_soft_cap=soft_cap, interpret=True)
@@ -56,12 +57,19 @@ def _run_both(q, k, v, *, causal=False, window=None, q_seg=None, kv_seg=None, so
                                q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                                logits_soft_cap=soft_cap, block_mask=elem_block_mask)
 
-  (out, lse), vjp = jax.vjp(kern, q, k, v)
-  (rout, rlse), rvjp = jax.vjp(ref, q, k, v)
-  k1, k2 = jax.random.split(jax.random.key(seed + 1000))
-  dout = jax.random.normal(k1, out.shape, out.dtype)
-  dlse = jax.random.normal(k2, lse.shape, jnp.float32)
-  return (out, lse, vjp((dout, dlse))), (rout, rlse, rvjp((dout, dlse)))
+  rng = np.random.default_rng(seed + 1000)
+  dout = jnp.asarray(rng.standard_normal(q.shape[:3] + v.shape[3:]), q.dtype)
+  dlse = jnp.asarray(rng.standard_normal((b, hq, sq)), jnp.float32)
+  return _fwd_vjp(kern, q, k, v, dout, dlse), _fwd_vjp(ref, q, k, v, dout, dlse)
+
+
+def _fwd_vjp(f, q, k, v, dout, dlse):
+  """(out, lse, (dq, dk, dv)) of f under one jit (one compilation: interpret mode compiles slowly)."""
+  @jax.jit
+  def run(q, k, v, dout, dlse):
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return out, lse, vjp((dout, dlse))
+  return run(q, k, v, dout, dlse)
 
 
 def _check(got, want, tol=TOL_FP32):
@@ -81,18 +89,20 @@ def _check(got, want, tol=TOL_FP32):
 
 
 def _qkv(seed, b, sq, sk, hq, hk, d, dv=None, dtype=jnp.float32):
-  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(kq, (b, sq, hq, d), dtype)
-  k = jax.random.normal(kk, (b, sk, hk, d), dtype)
-  v = jax.random.normal(kv, (b, sk, hk, dv or d), dtype)
+  rng = np.random.default_rng(seed)  # numpy: jax.random would compile once per shape
+  q = jnp.asarray(rng.standard_normal((b, sq, hq, d)), dtype)
+  k = jnp.asarray(rng.standard_normal((b, sk, hk, d)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, sk, hk, dv or d)), dtype)
   return q, k, v
 
 
-# (name, b, sq, sk, hq, hk, d, options)
+# (name, b, sq, sk, hq, hk, d, options); non-square tiles catch block_q/block_k mix-ups.
 CASES = [
     ("causal_gqa_d72_qlen_ne_kvlen", 1, 200, 300, 4, 2, 72, dict(causal=True)),
-    ("window_softcap_mqa", 1, 300, 300, 3, 1, 96, dict(window=(100, 30), soft_cap=5.0)),
-    ("causal_window_qlen_gt_kvlen", 1, 270, 140, 2, 2, 32, dict(causal=True, window=(60, 0))),
+    ("window_softcap_mqa_tiles128x256", 1, 300, 300, 3, 1, 96,
+     dict(window=(100, 30), soft_cap=5.0, blocks=mosaic_tpu.BlockSizes(128, 256))),
+    ("causal_window_qlen_gt_kvlen_tiles256x128", 1, 270, 140, 2, 2, 32,
+     dict(causal=True, window=(60, 0), blocks=mosaic_tpu.BlockSizes(256, 128))),
 ]
 
 
@@ -166,9 +176,9 @@ def test_nan_in_skipped_tiles_never_reaches_results():
   nan_k = k.at[:, 128:256].set(jnp.nan)
   nan_v = v.at[:, 128:256].set(jnp.nan)
   nan_q = q.at[:, 256:].set(jnp.nan)
-  sched = make_schedule(s, s, 128, 128, block_mask=jnp.asarray(bm))
 
   def kern(q, k, v):
+    sched = make_schedule(s, s, 128, 128, block_mask=jnp.asarray(bm))
     return mosaic_tpu.flash_attention(q, k, v, None, None, sched, causal=False,
                                       local_window_size=None, scale=None, logits_soft_cap=None,
                                       interpret=True)
@@ -176,19 +186,20 @@ def test_nan_in_skipped_tiles_never_reaches_results():
   def ref(q, k, v):
     return attention_reference(q, k, v, block_mask=_expand_block_mask(bm, s, s))
 
-  (out, lse), vjp = jax.vjp(kern, nan_q, nan_k, nan_v)
-  (rout, rlse), rvjp = jax.vjp(ref, q, k, v)
-  k1, k2 = jax.random.split(jax.random.key(8))
-  cts = (jax.random.normal(k1, out.shape), jax.random.normal(k2, lse.shape))
-  _check((out, lse, vjp(cts)), (rout, rlse, rvjp(cts)))
-  dq, dk, dv = vjp(cts)
+  rng = np.random.default_rng(8)
+  dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  dlse = jnp.asarray(rng.standard_normal((b, h, s)), jnp.float32)
+  got = _fwd_vjp(kern, nan_q, nan_k, nan_v, dout, dlse)
+  _check(got, _fwd_vjp(ref, q, k, v, dout, dlse))
+  out, _, (dq, dk, dv) = got
   assert np.all(np.asarray(out)[:, 256:] == 0.0) and np.all(np.asarray(dq)[:, 256:] == 0.0)
   assert np.all(np.asarray(dk)[:, 128:256] == 0.0) and np.all(np.asarray(dv)[:, 128:256] == 0.0)
 
 
-def test_bf16_inputs():
+def test_bf16_inputs_default_tiles():
   q, k, v = _qkv(9, 1, 150, 150, 2, 1, 128, dtype=jnp.bfloat16)
-  got, want = _run_both(q, k, v, causal=True)
+  got, want = _run_both(q, k, v, causal=True,
+                        blocks=mosaic_tpu.default_block_sizes(128, jnp.bfloat16))
   assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
   _check(got, want, tol=2e-2)
 
@@ -216,7 +227,8 @@ def test_default_block_sizes_and_validation():
 
 
 @pytest.mark.parametrize("dtype,d,segmented", [(jnp.bfloat16, 128, True),
-                                               (jnp.float32, 72, False)])
+                                               (jnp.float32, 72, False),
+                                               (jnp.float16, 256, False)])
 def test_lowers_for_tpu(dtype, d, segmented):
   """Forward and VJP lower to Mosaic TPU custom calls (jax.export for platform "tpu")."""
   b, s, hq, hk = 2, 1000, 4, 2

@@ -346,7 +346,8 @@ def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
     in_specs += [pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, j, *_: (b, i, 0)),
                  pl.BlockSpec((None, NUM_SUBLANES, bk), kv_seg_map)]
     operands += [q_lanes, kv_rows]
-  out_shape = [jax.ShapeDtypeStruct((cfg.batch, sq_pad, cfg.q_heads * cfg.dv_pad), q.dtype),
+  # Results are stored in the compute dtype (no fp16 inside a TPU kernel) and cast outside.
+  out_shape = [jax.ShapeDtypeStruct((cfg.batch, sq_pad, cfg.q_heads * cfg.dv_pad), dt),
                jax.ShapeDtypeStruct((cfg.batch, cfg.q_heads, 1, sq_pad), jnp.float32)]
   out_specs = [pl.BlockSpec((None, bq, cfg.dv_pad), q_map),
                pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))]
@@ -369,7 +370,7 @@ def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
       name="jattn_flash_fwd_tpu",
   )(schedule.kv_indices.reshape(-1), schedule.kv_counts.reshape(-1),
     schedule.kv_partial.reshape(-1), *operands)
-  out = _from_tiles(out3, cfg.q_len, cfg.q_heads, cfg.head_dim_v)
+  out = _from_tiles(out3, cfg.q_len, cfg.q_heads, cfg.head_dim_v).astype(q.dtype)
   lse = lse4[:, :, 0, :cfg.q_len]
   return out, lse
 
@@ -560,7 +561,7 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
           in_specs=in_specs,
           out_specs=pl.BlockSpec((None, bq, cfg.d_pad), q_map),
           scratch_shapes=[pltpu.VMEM((bq, cfg.d_pad), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct(q3.shape, q.dtype),
+      out_shape=jax.ShapeDtypeStruct(q3.shape, dt),
       compiler_params=compat.tpu_compiler_params(sem),
       interpret=interpret,
       name="jattn_flash_bwd_dq_tpu",
@@ -605,16 +606,15 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
                      pl.BlockSpec((None, bk, cfg.dv_pad), k_map)],
           scratch_shapes=[pltpu.VMEM((bk, cfg.d_pad), jnp.float32),
                           pltpu.VMEM((bk, cfg.dv_pad), jnp.float32)]),
-      out_shape=[jax.ShapeDtypeStruct(k3.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v3.shape, v.dtype)],
+      out_shape=[jax.ShapeDtypeStruct(k3.shape, dt), jax.ShapeDtypeStruct(v3.shape, dt)],
       compiler_params=compat.tpu_compiler_params(sem),
       interpret=interpret,
       name="jattn_flash_bwd_dkv_tpu",
   )(schedule.q_indices.reshape(-1), schedule.q_counts.reshape(-1),
     schedule.q_partial.reshape(-1), *operands)
-  dq = _from_tiles(dq3, cfg.q_len, cfg.q_heads, cfg.head_dim)
-  dk = _from_tiles(dk3, cfg.kv_len, cfg.kv_heads, cfg.head_dim)
-  dv = _from_tiles(dv3, cfg.kv_len, cfg.kv_heads, cfg.head_dim_v)
+  dq = _from_tiles(dq3, cfg.q_len, cfg.q_heads, cfg.head_dim).astype(q.dtype)
+  dk = _from_tiles(dk3, cfg.kv_len, cfg.kv_heads, cfg.head_dim).astype(k.dtype)
+  dv = _from_tiles(dv3, cfg.kv_len, cfg.kv_heads, cfg.head_dim_v).astype(v.dtype)
   return dq, dk, dv
 
 
