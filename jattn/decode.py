@@ -20,6 +20,7 @@ Lengths above the cache capacity are clamped to it. A length-0 sequence returns 
 from __future__ import annotations
 
 import functools
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -389,3 +390,137 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
   k_pages = k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop")
   v_pages = v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop")
   return k_pages, v_pages, lens + 1
+
+
+# ----------------------------------------------------------------------------- benchmark cases
+def _bench_inputs(key, batch, max_len, q_heads, kv_heads, head_dim, dtype):
+  kq, kk, kv = jax.random.split(key, 3)
+  q = jax.random.normal(kq, (batch, q_heads, head_dim), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (batch, max_len, kv_heads, head_dim), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (batch, max_len, kv_heads, head_dim), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def _bench_paginate(key, k, v, page_size):
+  """A shuffled page pool holding the contiguous caches: (k_pages, v_pages, page_table)."""
+  b, n, hk, d = k.shape
+  max_pages = n // page_size
+  perm = jax.random.permutation(key, b * max_pages).astype(jnp.int32)
+  inv = jnp.argsort(perm)
+  k_pages = k.reshape(b * max_pages, page_size, hk, d)[inv]
+  v_pages = v.reshape(b * max_pages, page_size, hk, d)[inv]
+  return k_pages, v_pages, perm.reshape(b, max_pages)
+
+
+def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_sets=3, cases=None,
+                       interpret=False):
+  """Benchmark rows for flash decoding on the current GPU (the lead's bench_kernels calls this).
+
+  Cases (q_heads 32, kv_heads 8, head_dim 128, bf16): "B1 S128K" and "B8 S32K" at full length
+  (contiguous and paged, page size 16 and 64), and "B8 S32K mixed": a paged batch of very
+  different lengths (sum about 29% of 8 x 32K). Implementations: jattn triton (heuristic splits,
+  plus a block-size sweep at B1 S128K when ``sweep``), jattn xla, jax.nn "cudnn" and "xla",
+  and JAX's Pallas GPU decode (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``) when it
+  imports. Bandwidth counts the bytes of K and V each sequence must read (its length x kv_heads
+  x head_dim x 2 x itemsize) over the time.
+
+  Args:
+    time_fn: ``time_fn(fn, arg_sets) -> (median_ms, spread_ms)``.
+    rel_err: ``rel_err(x, ref) -> float``.
+    quick: only the B1 S128K case, no sweep.
+    sweep: include the block-size / split-count sweep at B1 S128K.
+    num_input_sets: random input sets rotated by the timer (defeats the L2 cache).
+    cases: override the case list: tuples (name, batch, max_len, lengths or None); for smoke
+      tests on small sizes.
+    interpret: run the jattn kernels in interpret mode (CPU smoke tests only).
+
+  Returns:
+    A generator of row dicts: op "decode", case, impl, ms, spread_ms, tbps, speedup (vs jax.nn
+    cudnn in the same case, when it ran), rel_err (vs the fp32 reference), ok, and error when
+    a row failed.
+
+  Example:
+    >>> rows = bench_decode_cases(time_fn, rel_err, quick=True)   # doctest: +SKIP
+    >>> next(rows)["op"]                                           # doctest: +SKIP
+    'decode'
+  """
+  from pallas_kernels.decode import triton as kt
+  hq, hk, d, dtype = 32, 8, 128, jnp.bfloat16
+  if cases is None:
+    cases = [("B1 S128K", 1, 131072, None), ("B8 S32K", 8, 32768, None)]
+    if not quick:
+      cases.append(("B8 S32K mixed", 8, 32768,
+                    [32768, 1024, 8192, 300, 16384, 4096, 2000, 12000]))
+  ref_fn = jax.jit(functools.partial(_ref.decode_reference, upcast=True))
+  try:
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_pallas_decode
+  except Exception:  # pragma: no cover - optional anchor
+    jax_pallas_decode = None
+
+  def row(case, impl, fn, arg_sets, ref, nbytes, base_ms):
+    try:
+      out = fn(*arg_sets[0])
+      err = rel_err(out, ref)
+      ms, spread = time_fn(fn, arg_sets)
+      r = dict(op="decode", case=case, impl=impl, ms=ms, spread_ms=spread,
+               tbps=nbytes / (ms * 1e-3) / 1e12, rel_err=err, ok=bool(err < 2e-2))
+      if base_ms:
+        r["speedup"] = base_ms / ms
+      return r
+    except Exception as e:  # record the failure and keep going
+      return dict(op="decode", case=case, impl=impl, ok=False, error=f"{type(e).__name__}: {e}")
+
+  for case, b, n, lengths_list in cases:
+    keys = jax.random.split(jax.random.key(zlib.crc32(case.encode())), num_input_sets)
+    sets = [_bench_inputs(kk, b, n, hq, hk, d, dtype) for kk in keys]
+    lengths = jnp.full((b,), n, jnp.int32) if lengths_list is None else jnp.array(lengths_list,
+                                                                                 jnp.int32)
+    nbytes = float(jnp.sum(lengths)) * hk * d * 2 * jnp.dtype(dtype).itemsize
+    q0, k0, v0 = sets[0]
+    ref, _ = ref_fn(q0, k0, v0, lengths)
+    contiguous = [(q, k, v, lengths) for q, k, v in sets]
+    base_ms = None
+
+    # Anchors first, so that speedups can refer to cuDNN.
+    kvl = None if lengths_list is None else lengths
+    for name in ("cudnn", "xla"):
+      f = jax.jit(lambda q, k, v, lens, name=name: jax.nn.dot_product_attention(
+          q[:, None], k, v, implementation=name,
+          key_value_seq_lengths=None if kvl is None else lens)[:, 0])
+      r = row(case, f"jax_nn_{name}", f, contiguous, ref, nbytes, None)
+      if name == "cudnn" and r.get("ok"):
+        base_ms = r["ms"]
+      yield r
+    if jax_pallas_decode is not None:
+      f = jax.jit(lambda q, k, v, lens: jax_pallas_decode.gqa(q, k, v, kv_seq_len=lens,
+                                                              k_splits=16))
+      yield row(case, "jax_pallas_gqa_decode_k16", f, contiguous, ref, nbytes, base_ms)
+
+    f = jax.jit(functools.partial(decode_attention, implementation="triton",
+                                  interpret=interpret))
+    yield row(case, "jattn_triton", f, contiguous, ref, nbytes, base_ms)
+    if lengths_list is not None or not quick:
+      f = jax.jit(functools.partial(decode_attention, implementation="xla"))
+      yield row(case, "jattn_xla", f, contiguous, ref, nbytes, base_ms)
+    for page_size in ((64,) if quick else (16, 64)):
+      paged_sets = []
+      for i, (q, k, v) in enumerate(sets):
+        kp, vp, table = _bench_paginate(jax.random.key(100 + i), k, v, page_size)
+        paged_sets.append((q, kp, vp, table, lengths))
+      f = jax.jit(functools.partial(paged_decode_attention, implementation="triton",
+                                  interpret=interpret))
+      yield row(case, f"jattn_triton_paged_ps{page_size}", f, paged_sets, ref, nbytes, base_ms)
+      del paged_sets
+    if sweep and not quick and case == cases[0][0]:
+      default_splits = default_num_splits("triton", b, hk, n)
+      configs = [(bk, st, w, default_splits) for bk, st, w in (
+          (64, 2, 4), (64, 3, 4), (64, 4, 4), (128, 3, 4), (128, 4, 4), (128, 2, 8),
+          (128, 3, 8), (256, 2, 4), (256, 2, 8), (256, 3, 8))]
+      configs += [(128, 2, 4, s) for s in (16, 64, 128) if s != default_splits]
+      for bk, st, w, s in configs:
+        bs = kt.DecodeBlockSizes(block_k=bk, num_stages=st, num_warps=w)
+        f = jax.jit(functools.partial(decode_attention, implementation="triton", num_splits=s,
+                                      block_sizes=bs, interpret=interpret))
+        yield row(case, f"jattn_triton[bk{bk},st{st},w{w},sp{s}]", f, contiguous, ref, nbytes,
+                  base_ms)
+    del sets, contiguous
