@@ -186,11 +186,14 @@ def _logits(q, k, st: _Static):
   return th * (st.soft_cap * LOG2E), th
 
 
-def _tile_mask(q_pos, k_pos, q_seg, k_seg, st: _Static):
-  """masks.element_mask semantics for one tile: q_pos [m], k_pos [n] -> bool [m, n]."""
-  qp = q_pos[:, None]  # [m, 1]
-  kp = k_pos[None, :]  # [1, n]
-  mask = kp < st.kv_len  # [1, n]
+def _tile_mask(q_pos, k_pos, q_seg, k_seg, st: _Static, *, kv_major=False):
+  """masks.element_mask semantics for one tile: q_pos [m], k_pos [n] -> bool [m, n]
+  ([n, m] when ``kv_major``)."""
+  if kv_major:
+    qp, kp = q_pos[None, :], k_pos[:, None]  # [1, m], [n, 1]
+  else:
+    qp, kp = q_pos[:, None], k_pos[None, :]  # [m, 1], [1, n]
+  mask = kp < st.kv_len
   if st.causal:
     mask = mask & (kp <= qp)
   if st.window is not None:
@@ -200,8 +203,8 @@ def _tile_mask(q_pos, k_pos, q_seg, k_seg, st: _Static):
     if right is not None:
       mask = mask & (kp <= qp + right)
   if q_seg is not None:
-    ks = k_seg[None, :]
-    mask = mask & (q_seg[:, None] == ks) & (ks != 0)
+    qs, ks = (q_seg[None, :], k_seg[:, None]) if kv_major else (q_seg[:, None], k_seg[None, :])
+    mask = mask & (qs == ks) & (ks != 0)
   return mask
 
 
@@ -213,12 +216,6 @@ def _precision(a):
 def _dot_nn(a, b):
   """[m, k] @ [k, n] -> fp32 [m, n]."""
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a),
-                         preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):
-  """[k, m]^T @ [k, n] -> fp32 [m, n]."""
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=_precision(a),
                          preferred_element_type=jnp.float32)
 
 
@@ -365,6 +362,8 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
   n_full = row_ref[1]
   off = st.kv_len - st.q_len
 
+  # Everything is computed kv-major ([bk, cq] = transposed logits), so the big P and dS tiles
+  # feed the dK/dV dots without a transpose; only the small Q / dO chunks are read transposed.
   def step(j, carry, g, masked):
     dk, dv = carry  # [bk, D], [bk, Dv] fp32
     if nc == 1:
@@ -373,21 +372,22 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
       t, c = lax.div(j, jnp.int32(nc)), lax.rem(j, jnp.int32(nc))
     start = pl.multiple_of(row_ref[2 + t] * bq + c * cq, cq)
     q = q_ref[pl.ds(start, cq), g, :]  # [cq, D]
-    do = do_ref[pl.ds(start, cq), g, :]  # [cq, Dv]
     lse2 = lse_ref[g, pl.ds(start, cq)]  # [cq]
-    delta = delta_ref[g, pl.ds(start, cq)]  # [cq]
-    s, th = _logits(q, k, st)  # [cq, bk]
+    s_t, th_t = _logits(k, q, st)  # [bk, cq]
     if masked:
       q_pos = start + lax.iota(jnp.int32, cq) + off
       q_seg = qseg_ref[pl.ds(start, cq)] if has_seg else None
-      s = jnp.where(_tile_mask(q_pos, k_pos, q_seg, k_seg, st), s, _NEG_INF)
-    p = jnp.exp2(s - lse2[:, None])  # [cq, bk]
-    dv = dv + _dot_tn(p.astype(do.dtype), do)  # [bk, Dv]
-    dp = _dot_nt(do, v)  # [cq, bk]
-    ds = p * (dp - delta[:, None])  # d loss / d capped logit
-    if th is not None:
-      ds = ds * (1.0 - th * th)
-    dk = dk + _dot_tn(ds.astype(q.dtype), q)  # [bk, D]
+      mask_t = _tile_mask(q_pos, k_pos, q_seg, k_seg, st, kv_major=True)  # [bk, cq]
+      s_t = jnp.where(mask_t, s_t, _NEG_INF)
+    p_t = jnp.exp2(s_t - lse2[None, :])  # [bk, cq]
+    do = do_ref[pl.ds(start, cq), g, :]  # [cq, Dv]
+    dv = dv + _dot_nn(p_t.astype(do.dtype), do)  # [bk, Dv]
+    delta = delta_ref[g, pl.ds(start, cq)]  # [cq]
+    dp_t = _dot_nt(v, do)  # [bk, cq]
+    ds_t = p_t * (dp_t - delta[None, :])  # d loss / d capped logit
+    if th_t is not None:
+      ds_t = ds_t * (1.0 - th_t * th_t)
+    dk = dk + _dot_nn(ds_t.astype(q.dtype), q)  # [bk, D]
     return dk, dv
 
   def head(g, carry):
