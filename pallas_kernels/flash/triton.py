@@ -112,7 +112,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
 
 
 def _bench_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> list[BlockSizes]:
-  """Candidate ``BlockSizes`` for a sweep on the GPU (the first entry is the default).
+  """Candidate ``BlockSizes`` for a GPU sweep (the first entry is the default); see ``_sweep``.
 
   Args:
     head_dim: the head dimension.
@@ -126,24 +126,115 @@ def _bench_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> list[BlockSizes]:
     True
   """
   out = [default_block_sizes(head_dim, dtype)]
-  if _pow2(head_dim) <= 128:
-    for bq, bk, w, s in [(128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4),
-                         (64, 64, 4, 3), (128, 64, 8, 4)]:
-      for bw, ch in [(8, 64), (4, 32), (8, 128)]:
-        if ch > bq or ch > bk:
-          continue
-        out.append(BlockSizes(bq, bk, num_warps=w, num_stages=s, bwd_num_warps=bw,
-                              bwd_num_stages=2, dkv_q_chunk=ch, dq_k_chunk=min(ch, bk)))
-  else:
-    for bq, bk, w, s in [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 2)]:
-      out.append(BlockSizes(bq, bk, num_warps=w, num_stages=s, bwd_num_warps=4,
-                            bwd_num_stages=1, dkv_q_chunk=32, dq_k_chunk=32))
-  seen, uniq = set(), []
-  for c in out:
-    if c not in seen:
-      seen.add(c)
-      uniq.append(c)
-  return uniq
+  if _pow2(head_dim) <= 128 and jnp.dtype(dtype).itemsize == 2:
+    # (block_q, block_k, fwd warps, fwd stages) x (bwd warps, bwd stages, dkv chunk, dq chunk)
+    bwd = {32: [(4, 2, 32, 32), (4, 3, 64, 32)],
+           64: [(8, 2, 64, 64), (4, 2, 32, 32), (8, 3, 32, 64), (4, 3, 64, 32)],
+           128: [(8, 2, 32, 32), (8, 2, 64, 64), (4, 2, 32, 32), (8, 3, 32, 64)]}
+    for bq, bk, w, st in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+                          (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 2)]:
+      for bw, bs, cq, ck in bwd[bk]:
+        out.append(BlockSizes(bq, bk, num_warps=w, num_stages=st, bwd_num_warps=bw,
+                              bwd_num_stages=bs, dkv_q_chunk=min(cq, bq),
+                              dq_k_chunk=min(ck, bk)))
+  elif _pow2(head_dim) > 128 and jnp.dtype(dtype).itemsize == 2:
+    for bq, bk, w, st in [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 8, 2), (128, 64, 8, 1)]:
+      for bw, bs, cq, ck in [(4, 1, 32, 32), (8, 2, 32, 32), (4, 2, 16, 32)]:
+        out.append(BlockSizes(bq, bk, num_warps=w, num_stages=st, bwd_num_warps=bw,
+                              bwd_num_stages=bs, dkv_q_chunk=cq, dq_k_chunk=min(ck, bk)))
+  return list(dict.fromkeys(out))
+
+
+def _visible_pairs(q_len, kv_len, causal, window):
+  """Number of visible (query, key) pairs of a static mask (numpy, for FLOP counts)."""
+  import numpy as np  # local: only the benchmark helpers need it
+  pos = np.arange(q_len, dtype=np.int64) + (kv_len - q_len)
+  lo = np.zeros_like(pos)
+  hi = np.full_like(pos, kv_len - 1)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      lo = np.maximum(lo, pos - left)
+    if right is not None:
+      hi = np.minimum(hi, pos + right)
+  if causal:
+    hi = np.minimum(hi, pos)
+  return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 16,
+           head_dim: int = 128, *, causal: bool = True, local_window_size=None,
+           dtype=jnp.bfloat16, configs=None, iters: int = 10, verbose: bool = True):
+  """Time forward and forward+backward of the compiled kernels for each candidate config (GPU).
+
+  TFLOP/s count only visible (query, key) pairs: forward 4*B*Hq*D*pairs, forward+backward
+  3.5x that (the backward counted as 2.5x the forward, as FlashAttention-2 does).
+
+  Args:
+    batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention, Sq = Sk = seq).
+    causal, local_window_size: the mask.
+    dtype: input dtype.
+    configs: list of ``BlockSizes`` (default: ``_bench_configs(head_dim, dtype)``).
+    iters: timed iterations (median reported) after one warm-up.
+    verbose: print one line per config.
+
+  Returns:
+    A list of dicts: config, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops, error (a config
+    that fails to compile, e.g. out of shared memory, gets ``error`` and no timings).
+
+  Example:
+    >>> rows = _sweep(seq=16384, local_window_size=(511, 0))  # doctest: +SKIP
+  """
+  import statistics
+  import time
+
+  from pallas_kernels.block_schedule import make_schedule
+
+  configs = _bench_configs(head_dim, dtype) if configs is None else configs
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (batch, seq, q_heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)
+  v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), dtype)
+  window = normalize_window(local_window_size)
+  pairs = _visible_pairs(seq, seq, causal, window)
+  fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
+
+  def timeit(fn, *args):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+  rows = []
+  for cfg in configs:
+    def attn(q, k, v, cfg=cfg):
+      sched = make_schedule(seq, seq, cfg.block_q, cfg.block_k, causal=causal,
+                            local_window_size=window)
+      return flash_attention(
+          q, k, v, None, None, sched, causal=causal, local_window_size=window,
+          scale=head_dim ** -0.5, logits_soft_cap=None, num_warps=cfg.num_warps,
+          num_stages=cfg.num_stages, bwd_num_warps=cfg.bwd_num_warps,
+          bwd_num_stages=cfg.bwd_num_stages, dkv_q_chunk=cfg.dkv_q_chunk,
+          dq_k_chunk=cfg.dq_k_chunk)
+
+    fwd = jax.jit(lambda q, k, v: attn(q, k, v)[0])
+    fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)[0].astype(jnp.float32)),
+                               argnums=(0, 1, 2)))
+    row = dict(config=cfg)
+    try:
+      row["fwd_ms"] = timeit(fwd, q, k, v)
+      row["fwd_bwd_ms"] = timeit(fwd_bwd, q, k, v)
+      row["fwd_tflops"] = fwd_flops / row["fwd_ms"] * 1e-9
+      row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_ms"] * 1e-9
+    except Exception as e:  # a config that does not compile (e.g. shared memory) is reported
+      row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    rows.append(row)
+    if verbose:
+      print(row, flush=True)
+  return rows
 
 
 def _pow2(n: int) -> int:
