@@ -1,0 +1,293 @@
+"""Split-KV decode attention for TPU (Pallas Mosaic), contiguous and paged caches.
+
+Grid (batch, split, step). Each step DMAs one K and one V block holding every kv head of
+``block_k`` tokens (contiguous) or of one page (paged), viewed as ``[tokens * kv_heads, head_dim]``
+rows (row ``t * kv_heads + h``): the block's last two dims are full or (8, 128)-aligned, as Mosaic
+requires, and each K/V byte is read once. Inside, a static loop over kv heads takes the head's
+rows with a strided sublane load (``ref[pl.ds(h, n, stride=kv_heads)]``) and runs the online
+softmax for the head's ``[g_pad, head_dim]`` query tile with fp32 scratch accumulators.
+
+The sequence lengths (and the page table) are scalar-prefetched into SMEM; the K/V index maps
+use them so that a split covers only its part of the sequence's visible keys. Steps past a
+split's range repeat the previous block index (Pallas skips the DMA) and skip the compute, so a
+short sequence in a long-capacity batch costs little. Each split writes a partial (out, lse);
+the caller merges the splits (``jattn.merge.merge_partials``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import compat
+
+__all__ = ["DecodeBlockSizes", "decode_partials", "paged_decode_partials"]
+
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+  """Tiling of the Mosaic TPU decode kernel.
+
+  Attributes:
+    block_k: tokens per grid step for contiguous caches (a multiple of 8; the paged kernel
+      uses one page per step).
+  """
+  block_k: int = 256
+
+  def __post_init__(self):
+    if self.block_k < 8 or self.block_k % 8:
+      raise ValueError(f"block_k must be a positive multiple of 8, got {self.block_k}")
+
+
+def _div(a, b):
+  """a // b for non-negative int32 scalars (truncating division lowers without sign ops)."""
+  return jax.lax.div(a, jnp.int32(b))
+
+
+def _split_range(length, split, *, window_left, block_k, num_splits, capacity):
+  """Scalars (lo, blk_begin, blk_end): the visible keys start at lo, and this split owns key
+  blocks [blk_begin, blk_end) (block b = tokens [b * block_k, (b + 1) * block_k))."""
+  length = jnp.clip(length, 0, capacity)
+  lo = jnp.int32(0) if window_left is None else jnp.maximum(length - 1 - window_left, 0)
+  first = _div(lo, block_k)
+  end = _div(length + block_k - 1, block_k)                   # one past the last block
+  n_blocks = jnp.maximum(end - first, 0)
+  per_split = _div(n_blocks + num_splits - 1, num_splits)
+  begin = first + split * per_split
+  stop = jnp.minimum(begin + per_split, end)
+  return length, lo, begin, stop
+
+
+def _block_index(length, split, step, **kw):
+  """The block a grid step reads: clamped to the split's last block (no new DMA past it)."""
+  _, _, begin, stop = _split_range(length, split, **kw)
+  return jnp.maximum(jnp.minimum(begin + step, stop - 1), 0)
+
+
+def _load_head(kv_ref, h, *, kv_heads, rows):
+  """Rows h, h + kv_heads, ... of a [rows * kv_heads, D] block: head h's [rows, D] tile."""
+  if kv_heads == 1:
+    return kv_ref[...]
+  return kv_ref[pl.ds(h, rows, stride=kv_heads), :]
+
+
+def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad, num_splits,
+                   capacity, num_steps, paged):
+  """refs: lens (SMEM) [, page_table (SMEM)], q [Hk, g_pad, D], k, v [block_k * Hk, D];
+  outputs o [Hk, g_pad, D], lse [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc."""
+  if paged:
+    lens_ref, _, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  else:
+    lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  length, lo, begin, stop = _split_range(lens_ref[b], split, window_left=window_left,
+                                         block_k=block_k, num_splits=num_splits,
+                                         capacity=capacity)
+
+  @pl.when(step == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  blk = begin + step
+
+  @pl.when(blk < stop)
+  def _compute():
+    pos = blk * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)   # [1, bk]
+    valid = (pos < length) & (pos >= lo)
+    valid_rows = blk * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < length
+    for h in range(kv_heads):
+      q = q_ref[h]                                                               # [g_pad, D]
+      k = _load_head(k_ref, h, kv_heads=kv_heads, rows=block_k)                  # [bk, D]
+      s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                              preferred_element_type=jnp.float32) * scale        # [g_pad, bk]
+      if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s * (1.0 / soft_cap))
+      s = jnp.where(valid, s, -jnp.inf)
+      m_prev = m_ref[h]                                                          # [g_pad, L]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))             # [g_pad, L]
+      alpha = jnp.exp(m_prev - m_new)
+      p = jnp.exp(s - m_new[:, :1])                                              # [g_pad, bk]
+      l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
+      m_ref[h] = m_new
+      v = _load_head(v_ref, h, kv_heads=kv_heads, rows=block_k)                  # [bk, D]
+      v = jnp.where(valid_rows, v, jnp.zeros_like(v))   # rows past the cache may hold garbage
+      pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                               preferred_element_type=jnp.float32)               # [g_pad, D]
+      acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
+
+  @pl.when(step == num_steps - 1)
+  def _write():
+    l = l_ref[...]
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc_ref[...] * (1.0 / l_safe[..., :1])
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
+
+
+def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, capacity,
+          num_splits, scale, window_left, logits_soft_cap, interpret):
+  bsz, hq, d = q.shape
+  group = hq // kv_heads
+  sub = 8 if jnp.dtype(q.dtype).itemsize == 4 else 16
+  g_pad = -(-group // sub) * sub
+  q4 = q.reshape(bsz, kv_heads, group, d)
+  if g_pad != group:
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
+  if scale is None:
+    scale = 1.0 / math.sqrt(head_dim)
+  num_steps = -(-(-(-capacity // block_k)) // num_splits)          # blocks per split, at most
+  kw = dict(window_left=window_left, block_k=block_k, num_splits=num_splits, capacity=capacity)
+  paged = page_table is not None
+  rows = block_k * kv_heads                                        # K/V block rows
+
+  if paged:
+    def kv_map(b, s, j, lens_ref, table_ref):
+      return (table_ref[b, _block_index(lens_ref[b], s, j, **kw)], 0, 0)
+
+    def fixed(f):
+      return lambda b, s, j, lens_ref, table_ref: f(b, s)
+    prefetch = (kv_lengths, page_table)
+  else:
+    def kv_map(b, s, j, lens_ref):
+      return (b, _block_index(lens_ref[b], s, j, **kw), 0)
+
+    def fixed(f):
+      return lambda b, s, j, lens_ref: f(b, s)
+    prefetch = (kv_lengths,)
+
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=len(prefetch),
+      grid=(bsz, num_splits, num_steps),
+      in_specs=[
+          pl.BlockSpec((None, kv_heads, g_pad, d), fixed(lambda b, s: (b, 0, 0, 0))),
+          pl.BlockSpec((None, rows, d), kv_map),
+          pl.BlockSpec((None, rows, d), kv_map),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, kv_heads, g_pad, d), fixed(lambda b, s: (b, s, 0, 0, 0))),
+          pl.BlockSpec((None, None, kv_heads, g_pad, LANES),
+                       fixed(lambda b, s: (b, s, 0, 0, 0))),
+      ],
+      scratch_shapes=[pltpu.VMEM((kv_heads, g_pad, LANES), jnp.float32),
+                      pltpu.VMEM((kv_heads, g_pad, LANES), jnp.float32),
+                      pltpu.VMEM((kv_heads, g_pad, d), jnp.float32)],
+  )
+  kernel = functools.partial(
+      _decode_kernel, scale=float(scale),
+      soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      kv_heads=kv_heads, g_pad=g_pad, num_steps=num_steps, paged=paged, **kw)
+  o, lse = pl.pallas_call(
+      kernel, grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct((bsz, num_splits, kv_heads, g_pad, d), jnp.float32),
+                 jax.ShapeDtypeStruct((bsz, num_splits, kv_heads, g_pad, LANES), jnp.float32)],
+      compiler_params=compat.tpu_compiler_params(("parallel", "parallel", "arbitrary")),
+      interpret=compat.tpu_interpret_params() if interpret else False,
+      name="jattn_paged_decode_tpu" if paged else "jattn_decode_tpu",
+  )(*prefetch, q4, k2, v2)
+  o = o[:, :, :, :group].reshape(bsz, num_splits, hq, d)
+  lse = lse[:, :, :, :group, 0].reshape(bsz, num_splits, hq)
+  return o, lse
+
+
+def _check(q, k, v, kv_lengths, num_splits):
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+  if kv_lengths.shape != (q.shape[0],):
+    raise ValueError(f"kv_lengths must have shape (batch,) = ({q.shape[0]},), "
+                     f"got {kv_lengths.shape}")
+  if int(num_splits) < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  if jnp.dtype(k.dtype).itemsize not in (2, 4):
+    raise NotImplementedError(f"mosaic_tpu decode supports 16- and 32-bit caches, got {k.dtype}")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
+def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, window_left=None,
+                    logits_soft_cap=None, block_sizes=None, interpret=False):
+  """Per-split partial decode attention over a contiguous cache (Mosaic TPU kernel).
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_cache: [batch, max_len, kv_heads, head_dim]; fp32, bf16 or fp16.
+    v_cache: same shape and dtype as ``k_cache``.
+    kv_lengths: int32 [batch].
+    num_splits: splits of each sequence's visible key range.
+    scale: logit scale, default 1/sqrt(head_dim).
+    window_left: None or the left window size.
+    logits_soft_cap: None or cap.
+    block_sizes: ``DecodeBlockSizes`` or None.
+    interpret: run in the TPU interpreter (``pltpu.InterpretParams()``) on CPU.
+
+  Returns:
+    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
+
+  Example:
+    >>> q = jnp.ones((1, 4, 128)); k = jnp.ones((1, 64, 2, 128))
+    >>> o, lse = decode_partials(q, k, k, jnp.array([40], jnp.int32), num_splits=2,
+    ...                          interpret=True)
+    >>> o.shape
+    (1, 2, 4, 128)
+  """
+  _check(q, k_cache, v_cache, kv_lengths, num_splits)
+  bsz, max_len, kv_heads, d = k_cache.shape
+  bs = block_sizes or DecodeBlockSizes()
+  block_k = min(bs.block_k, max_len)     # == max_len: the block spans the full row dim
+  shape2 = (bsz, max_len * kv_heads, d)  # row t * kv_heads + h (a free reshape)
+  return _call(q, k_cache.reshape(shape2), v_cache.reshape(shape2), kv_lengths.astype(jnp.int32),
+               None, kv_heads=kv_heads, head_dim=d, block_k=block_k, capacity=max_len,
+               num_splits=num_splits, scale=scale, window_left=window_left,
+               logits_soft_cap=logits_soft_cap, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
+def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_splits, scale=None,
+                          window_left=None, logits_soft_cap=None, block_sizes=None,
+                          interpret=False):
+  """Per-split partial decode attention over a paged cache (Mosaic TPU kernel, one page a step).
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_pages: [num_pages, page_size, kv_heads, head_dim]; page_size * kv_heads a multiple of 8
+      (16 for 16-bit dtypes).
+    v_pages: same shape and dtype as ``k_pages``.
+    page_table: int32 [batch, max_pages] (scalar-prefetched; entries past a sequence's length
+      are clamped into range and never used).
+    kv_lengths: int32 [batch].
+    num_splits, scale, window_left, logits_soft_cap, interpret: as in :func:`decode_partials`.
+    block_sizes: unused (one page per step); accepted for a uniform signature.
+
+  Returns:
+    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
+
+  Example:
+    >>> q = jnp.ones((1, 4, 128)); pages = jnp.ones((3, 16, 2, 128))
+    >>> o, lse = paged_decode_partials(q, pages, pages, jnp.array([[2, 0]], jnp.int32),
+    ...                                jnp.array([20], jnp.int32), num_splits=2, interpret=True)
+    >>> o.shape
+    (1, 2, 4, 128)
+  """
+  del block_sizes
+  _check(q, k_pages, v_pages, kv_lengths, num_splits)
+  num_pages, page_size, kv_heads, d = k_pages.shape
+  if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
+    raise ValueError(f"page_table must be [batch, max_pages] with batch {q.shape[0]}, "
+                     f"got {page_table.shape}")
+  shape2 = (num_pages, page_size * kv_heads, d)
+  table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+  return _call(q, k_pages.reshape(shape2), v_pages.reshape(shape2), kv_lengths.astype(jnp.int32),
+               table, kv_heads=kv_heads, head_dim=d, block_k=page_size,
+               capacity=page_table.shape[1] * page_size, num_splits=num_splits, scale=scale,
+               window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret)
