@@ -11,6 +11,10 @@ from jattn import sparse as sp
 from pallas_kernels.flash.reference import attention_reference
 
 HI = jax.lax.Precision.HIGHEST
+# One compiled program per call shape (much faster on CPU than op-by-op dispatch).
+select = jax.jit(sp.select_blocks, static_argnames=(
+    "block_size", "top_k", "q_block_size", "causal", "num_init_blocks", "num_local_blocks",
+    "score"))
 
 
 def _rel(x, ref):
@@ -113,7 +117,7 @@ SELECTION_CASES = [
 def test_selection_rules(case):
   b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = case
   q, k, _ = _qkv(sum(case[:8]), b, sq, sk, hq, hk, d)
-  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
                          num_init_blocks=ni, num_local_blocks=nl)
   scores = _expected_scores(q, k, qbs, bs)
   np.testing.assert_allclose(np.asarray(sel.scores), scores, rtol=1e-4, atol=1e-4)
@@ -154,13 +158,13 @@ def test_selection_segments():
   b, s, hq, hk, d, bs, qbs = 2, 256, 2, 1, 8, 16, 16
   q, k, _ = _qkv(4, b, s, s, hq, hk, d)
   seg = _packed_segments(rng, b, s)
-  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=3, segment_ids=jnp.asarray(seg))
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=3, segment_ids=jnp.asarray(seg))
   scores = _expected_scores(q, k, qbs, bs, seg, seg)
   np.testing.assert_allclose(np.asarray(sel.scores), scores, rtol=1e-4, atol=1e-4)
   _check_rules(sel, scores, sq=s, sk=s, qbs=qbs, bs=bs, top_k=3, ni=1, nl=1, causal=True,
                qseg=seg, kseg=seg)
   # Documents restrict the choice: fewer blocks than without segments.
-  sel0 = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=3)
+  sel0 = select(q, k, block_size=bs, q_block_size=qbs, top_k=3)
   assert int(sel.counts.sum()) < int(sel0.counts.sum())
 
 
@@ -207,12 +211,20 @@ def _dense(q, k, v, allowed, scale, bias=None):
 
 
 def _vjp_check(f_test, f_ref, args, seed, tol):
-  out_t, vjp_t = jax.vjp(f_test, *args)
-  out_r, vjp_r = jax.vjp(f_ref, *args)
+  """Forward and VJP (random cotangent) of f_test vs f_ref, each in one jitted program."""
+  def run(f):
+    def g(args, ct):
+      out, vjp = jax.vjp(f, *args)
+      return out, vjp(ct.astype(out.dtype))
+    return g
+  shape = jax.eval_shape(f_ref, *args).shape
+  ct = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  out_t, g_t = jax.jit(run(f_test))(args, ct)
+  out_r, g_r = jax.jit(run(f_ref))(args, ct)
   assert _rel(out_t, out_r) < tol, _rel(out_t, out_r)
-  ct = jax.random.normal(jax.random.key(seed), out_r.shape, jnp.float32).astype(out_t.dtype)
-  for name, gt, gr in zip("qkv", vjp_t(ct), vjp_r(ct)):
+  for name, gt, gr in zip("qkv", g_t, g_r):
     assert _rel(gt, gr) < tol, (name, _rel(gt, gr))
+  return g_t
 
 
 @pytest.mark.parametrize("segments", [False, True])
@@ -227,7 +239,7 @@ def test_block_sparse_attention_xla(segments):
     qseg[0, -7:] = 0                                        # padded (empty) query rows
   kw = dict(segment_ids=None if qseg is None else jnp.asarray(qseg),
             kv_segment_ids=None if kseg is None else jnp.asarray(kseg))
-  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=2, **kw)
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=2, **kw)
   allowed = _allowed_from_indices(sel, sq, sk, True, qseg, kseg)
   scale = 0.3
   _vjp_check(
@@ -260,7 +272,7 @@ def test_block_sparse_attention_kernels_interpret(impl, bs, segments):
   if segments:
     seg = _packed_segments(rng, b, s, max_docs=2, pad=False)
   kw = dict(segment_ids=None if seg is None else jnp.asarray(seg))
-  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=bs, top_k=1, **kw)
+  sel = select(q, k, block_size=bs, q_block_size=bs, top_k=1, **kw)
   # Some causally visible tile must be skipped, or the test could not catch a kernel that
   # ignores the selection.
   assert int(sel.counts.sum()) < int(sel.num_visible.sum())
@@ -274,7 +286,7 @@ def test_block_sparse_attention_kernels_interpret(impl, bs, segments):
 def test_kernel_rejects_unsupported_block_sizes():
   _kernel_module_or_skip("mosaic_tpu")
   q, k, v = _qkv(8, 1, 128, 128, 2, 1, 16)
-  sel = sp.select_blocks(q, k, block_size=64, q_block_size=64, top_k=1)
+  sel = select(q, k, block_size=64, q_block_size=64, top_k=1)
   with pytest.raises(ValueError, match="q_block_size=64"):
     sp.block_sparse_attention(q, k, v, sel, implementation="mosaic_tpu", interpret=True)
   with pytest.raises(ValueError, match="does not support"):
@@ -304,8 +316,9 @@ def test_ste_forward_unchanged_and_gradient(segments):
   f_none = lambda q, k, v: sp.sparse_attention(q, k, v, gate_grad="none", **kw)
   f_ste = lambda q, k, v: sp.sparse_attention(q, k, v, gate_grad="ste", gate_temperature=temp,
                                               **kw)
-  out_none, sel = sp.sparse_attention(q, k, v, return_selection=True, **kw)
-  np.testing.assert_array_equal(np.asarray(f_ste(q, k, v)), np.asarray(out_none))
+  out_none, sel = jax.jit(lambda q, k, v: sp.sparse_attention(q, k, v, return_selection=True,
+                                                               **kw))(q, k, v)
+  np.testing.assert_array_equal(np.asarray(jax.jit(f_ste)(q, k, v)), np.asarray(out_none))
 
   def ref(q, k, v):
     gate = scale * sp.block_scores(q, k, block_size=bs, q_block_size=qbs,
@@ -313,15 +326,12 @@ def test_ste_forward_unchanged_and_gradient(segments):
                                    kv_segment_ids=kw["segment_ids"]) / temp
     return _gate_reference(q, k, v, sel, gate, scale, seg=seg)
 
-  _vjp_check(f_ste, ref, (q, k, v), 13, 2e-3)
-  # "none" has no gradient through the scores; ste adds one to q and k (not to v).
-  ct = jax.random.normal(jax.random.key(14), out_none.shape)
-  g_none = jax.vjp(f_none, q, k, v)[1](ct)
-  g_ste = jax.vjp(f_ste, q, k, v)[1](ct)
+  g_ste = _vjp_check(f_ste, ref, (q, k, v), 13, 2e-3)
+  # "none" is plain attention over the selection (no gradient through the scores); ste adds a
+  # gradient to q and k (not to v). Same cotangent (seed 13) for both.
   allowed = _allowed_from_indices(sel, s, s, True, seg, seg)
-  g_plain = jax.vjp(lambda q, k, v: _dense(q, k, v, allowed, scale), q, k, v)[1](ct)
-  for a, r in zip(g_none, g_plain):
-    assert _rel(a, r) < 2e-3
+  g_none = _vjp_check(f_none, lambda q, k, v: _dense(q, k, v, allowed, scale), (q, k, v), 13,
+                      2e-3)
   assert _rel(g_ste[0], g_none[0]) > 1e-2 and _rel(g_ste[1], g_none[1]) > 1e-2
   assert _rel(g_ste[2], g_none[2]) < 1e-5
 
@@ -332,14 +342,14 @@ def test_gumbel_deterministic_and_gradient():
   scale, temp = 1 / np.sqrt(d), 2.0
   kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, gate_grad="gumbel",
             gate_temperature=temp, implementation="xla", return_selection=True)
-  o1, s1 = sp.sparse_attention(q, k, v, rng=jax.random.key(0), **kw)
-  o2, s2 = sp.sparse_attention(q, k, v, rng=jax.random.key(0), **kw)
-  o3, s3 = sp.sparse_attention(q, k, v, rng=jax.random.key(1), **kw)
+  run = jax.jit(lambda q, k, v, rng: sp.sparse_attention(q, k, v, rng=rng, **kw))
+  o1, s1 = run(q, k, v, jax.random.key(0))
+  o2, s2 = run(q, k, v, jax.random.key(0))
+  o3, s3 = run(q, k, v, jax.random.key(1))
   np.testing.assert_array_equal(np.asarray(o1), np.asarray(o2))
   np.testing.assert_array_equal(np.asarray(s1.indices), np.asarray(s2.indices))
   assert not np.array_equal(np.asarray(s1.indices), np.asarray(s3.indices))
-  _, s_none = sp.sparse_attention(q, k, v, block_size=bs, q_block_size=qbs, top_k=top_k,
-                                  implementation="xla", return_selection=True)
+  s_none = select(q, k, block_size=bs, q_block_size=qbs, top_k=top_k)
   assert not np.array_equal(np.asarray(s1.indices), np.asarray(s_none.indices))
   # Selection rules hold for the perturbed ranking.
   noise = jax.random.gumbel(jax.random.key(0), s1.scores.shape)
@@ -366,9 +376,10 @@ def test_captured_mass():
   q = q * 3.0                                                  # peaky softmax
   seg = _packed_segments(rng, b, s, max_docs=3)
   segj = jnp.asarray(seg)
-  full = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=100)
-  np.testing.assert_allclose(float(sp.captured_mass(q, k, full)), 1.0, rtol=1e-6)
-  sel = sp.select_blocks(q, k, block_size=bs, q_block_size=qbs, top_k=2, segment_ids=segj)
+  full = select(q, k, block_size=bs, q_block_size=qbs, top_k=100)
+  mass = jax.jit(sp.captured_mass, static_argnames=("causal", "reduce", "max_chunk_elems"))
+  np.testing.assert_allclose(float(mass(q, k, full)), 1.0, rtol=1e-6)
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=2, segment_ids=segj)
   # Brute force in float64.
   scale = 1 / np.sqrt(d)
   qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
@@ -389,9 +400,9 @@ def test_captured_mass():
         n += 1
       per[bi, h] = ms / max(n, 1)
       tot, cnt = tot + ms, cnt + n
-  got = sp.captured_mass(q, k, sel, segment_ids=segj, reduce=False, max_chunk_elems=2000)
+  got = mass(q, k, sel, segment_ids=segj, reduce=False, max_chunk_elems=2000)
   np.testing.assert_allclose(np.asarray(got), per, rtol=1e-4)
-  got = sp.captured_mass(q, k, sel, segment_ids=segj)
+  got = mass(q, k, sel, segment_ids=segj)
   np.testing.assert_allclose(float(got), tot / cnt, rtol=1e-4)
   assert 0.2 < tot / cnt < 0.999
 
@@ -422,16 +433,16 @@ def test_sparse_decode_matches_reference_and_training_selection():
   vc = jax.random.normal(ks[2], (b, n, hk, d))
   lens = jnp.array([300, 170, 20])
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
-  out, lse, idx = sp.sparse_decode_attention(q, kc, vc, lens, summ, block_size=bs, top_k=top_k,
-                                             num_local_blocks=2, return_lse=True,
-                                             return_indices=True)
+  out, lse, idx = jax.jit(functools.partial(
+      sp.sparse_decode_attention, block_size=bs, top_k=top_k, num_local_blocks=2,
+      return_lse=True, return_indices=True))(q, kc, vc, lens, summ)
   idx = np.asarray(idx)
   nb = -(-n // bs)
   mask = np.zeros((b, hk, 1, n), bool)
   for bi in range(b):
     L = int(lens[bi])
     # Same selection as training-time per-token selection on the prefix's last query.
-    sel = sp.select_blocks(q[bi:bi + 1, None], kc[bi:bi + 1, :L], block_size=bs, q_block_size=1,
+    sel = select(q[bi:bi + 1, None], kc[bi:bi + 1, :L], block_size=bs, q_block_size=1,
                            top_k=top_k, num_local_blocks=2)
     want = np.asarray(sel.indices[0, :, 0])
     got = idx[bi]
