@@ -221,6 +221,8 @@ def test_bad_inputs_raise():
     ft.flash_attention(q, q, q, None, None, sched(16, 32, 16, 16), **kw)
   with pytest.raises(ValueError, match="power of two"):
     ft.flash_attention(q, q, q, None, None, sched(32, 32, 24, 16), **kw)
+  with pytest.raises(ValueError, match="differ from the schedule"):
+    ft.flash_attention(q, q, q, None, None, s, block_sizes=ft.BlockSizes(32, 16), **kw)
   with pytest.raises(ValueError, match="segment ids"):
     seg = jnp.ones((1, 31), jnp.int32)
     ft.flash_attention(q, q, q, seg, seg, s, **kw)
@@ -292,6 +294,6 @@ def test_gpu_matches_reference(name):
   if case.get("segments") == "packed":
     seg = _segments(np.random.default_rng(0), case["batch"], case["q_len"], pad_tail=100)
     case["segments"] = (seg, seg)
-  got, want = _run(block_q=bs.block_q, block_k=bs.block_k, num_warps=bs.num_warps,
-                   num_stages=bs.num_stages, interpret=False, **case)
+  got, want = _run(block_q=bs.block_q, block_k=bs.block_k, block_sizes=bs, interpret=False,
+                   **case)
   _assert_close(got, want, dtype)

@@ -215,10 +215,7 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
                             local_window_size=window)
       return flash_attention(
           q, k, v, None, None, sched, causal=causal, local_window_size=window,
-          scale=head_dim ** -0.5, logits_soft_cap=None, num_warps=cfg.num_warps,
-          num_stages=cfg.num_stages, bwd_num_warps=cfg.bwd_num_warps,
-          bwd_num_stages=cfg.bwd_num_stages, dkv_q_chunk=cfg.dkv_q_chunk,
-          dq_k_chunk=cfg.dq_k_chunk)
+          scale=head_dim ** -0.5, logits_soft_cap=None, block_sizes=cfg)
 
     fwd = jax.jit(lambda q, k, v: attn(q, k, v)[0])
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)[0].astype(jnp.float32)),
@@ -496,7 +493,7 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, st: _Static, has_seg: bool):
+def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
   """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq],
   (q_seg [bq], kv_seg [Sk]), row [W] -> dq [bq, D]."""
   if has_seg:
@@ -510,7 +507,7 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool):
   nc = bk // ck
   assert bk % ck == 0 and q_ref.shape[0] == bq, (bk, ck, q_ref.shape)
 
-  qi = pl.program_id(0)
+  qi = num_q_tiles - 1 - pl.program_id(0)  # heaviest causal tiles first
   q = q_ref[...]  # [bq, D]
   do = do_ref[...]  # [bq, Dv]
   lse2 = lse_ref[...]  # [bq]
@@ -586,29 +583,32 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
       name="jattn_flash_bwd_dkv",
   )(*args)
 
-  # dQ: grid over (query tile, batch, query head).
+  # dQ: grid over (query tile, batch, query head), heaviest causal query tiles first.
+  def qt(i):
+    return nq - 1 - i
+
   rb, rh = _row_index_maps(fwd_rows, g)
   in_specs = [
-      pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),         # q
+      pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),     # q
       pl.BlockSpec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),    # k
       pl.BlockSpec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),  # v
-      pl.BlockSpec((None, bq, None, d_v), lambda i, bi, h: (bi, i, h, 0)),       # do
-      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),               # lse2
-      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),               # delta
+      pl.BlockSpec((None, bq, None, d_v), lambda i, bi, h: (bi, qt(i), h, 0)),   # do
+      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, qt(i))),           # lse2
+      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, qt(i))),           # delta
   ]
   args = [q, k, v, do, lse2, delta]
   if has_seg:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, qt(i))),
                  pl.BlockSpec((None, sk), lambda i, bi, h: (bi, 0))]
     args += [q_seg, kv_seg]
   in_specs.append(pl.BlockSpec((None, None, None, fwd_rows.shape[-1]),
-                               lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
+                               lambda i, bi, h: (rb(bi), rh(h // g), qt(i), 0)))
   args.append(fwd_rows)
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, st=st, has_seg=has_seg),
+      functools.partial(_dq_kernel, st=st, has_seg=has_seg, num_q_tiles=nq),
       grid=(nq, b, hq),
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+      out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=params,
       interpret=st.interpret,
@@ -683,7 +683,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                     causal: bool, local_window_size, scale: float,
                     logits_soft_cap: float | None, num_warps=None, num_stages=None,
                     interpret: bool = False, bwd_num_warps=None, bwd_num_stages=None,
-                    dkv_q_chunk=None, dq_k_chunk=None):
+                    dkv_q_chunk=None, dq_k_chunk=None, block_sizes: BlockSizes | None = None):
   """Flash attention on the GPU (Pallas, Triton lowering), walking a block schedule.
 
   Differentiable (custom_vjp) with respect to q, k, v, including through the returned LSE.
@@ -704,6 +704,8 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     bwd_num_warps, bwd_num_stages: backward launch parameters (None: defaults).
     dkv_q_chunk: query rows per step of the dK/dV kernel (divides block_q; None: default).
     dq_k_chunk: key rows per step of the dQ kernel (divides block_k; None: default).
+    block_sizes: optional ``BlockSizes`` (e.g. from ``_bench_configs``) supplying every launch
+      parameter not passed explicitly; its tiles must equal the schedule's.
 
   Returns:
     (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that
@@ -752,6 +754,16 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     if bs not in (1, b) or hs not in (1, hk):
       raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {arr.shape[:2]}")
 
+  if block_sizes is not None:
+    if (block_sizes.block_q, block_sizes.block_k) != (bq, bk):
+      raise ValueError(f"block_sizes tiles ({block_sizes.block_q}, {block_sizes.block_k}) differ "
+                       f"from the schedule's ({bq}, {bk})")
+    num_warps = num_warps or block_sizes.num_warps
+    num_stages = num_stages or block_sizes.num_stages
+    bwd_num_warps = bwd_num_warps or block_sizes.bwd_num_warps
+    bwd_num_stages = bwd_num_stages or block_sizes.bwd_num_stages
+    dkv_q_chunk = dkv_q_chunk or block_sizes.dkv_q_chunk
+    dq_k_chunk = dq_k_chunk or block_sizes.dq_k_chunk
   defaults = default_block_sizes(d, q.dtype)
   dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, bq)
   dq_k_chunk = min(dq_k_chunk or defaults.dq_k_chunk, bk)
