@@ -31,6 +31,7 @@ import numpy as np
 
 from jattn import _validate
 from jattn.attention import kernel_module, resolve_implementation
+from pallas_kernels import compat
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.masks import element_mask
@@ -39,6 +40,7 @@ __all__ = [
     "BlockSelection", "block_scores", "select_blocks", "block_sparse_attention",
     "sparse_attention", "captured_mass", "BlockSummaries", "init_block_summaries",
     "update_block_summaries", "select_decode_blocks", "sparse_decode_attention",
+    "sparse_paged_decode_attention",
     "causal_top_k_for_density", "bench_cases",
 ]
 
@@ -798,16 +800,28 @@ class BlockSummaries:
     return self.sums / cnt[:, :, None, None]
 
 
-def init_block_summaries(k_cache, kv_lengths, *, block_size):
+def _gather_positions(k, page_table, pos):
+  """Rows k[b, pos[b, t]] of a contiguous cache, or via the page table of a page pool."""
+  if page_table is None:
+    return jnp.take_along_axis(k, pos[:, :, None, None], axis=1)             # [b, t, hk, d]
+  ps = k.shape[1]
+  page = jnp.take_along_axis(page_table, pos // ps, axis=1)                  # [b, t]
+  return k[jnp.clip(page, 0, k.shape[0] - 1), pos % ps]                      # [b, t, hk, d]
+
+
+def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None):
   """Block key sums of a cache from scratch (after prefill; O(cache) once).
 
   Args:
-    k_cache: [batch, max_len, kv_heads, head_dim].
+    k_cache: [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page pool
+      [num_pages, block_size, kv_heads, head_dim].
     kv_lengths: int [batch]: valid positions per sequence.
-    block_size: positions per block.
+    block_size: positions per block (the page size for a paged cache).
+    page_table: None or int32 [batch, max_pages] (token t of sequence b lives in page
+      ``page_table[b, t // block_size]``).
 
   Returns:
-    A :class:`BlockSummaries` with ceil(max_len / block_size) blocks.
+    A :class:`BlockSummaries` with ceil(max_len / block_size) (or max_pages) blocks.
 
   Example:
     >>> k = jax.random.normal(jax.random.key(0), (2, 256, 2, 16))
@@ -815,6 +829,12 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size):
     >>> s.sums.shape
     (2, 4, 2, 16)
   """
+  if page_table is not None:
+    if k_cache.shape[1] != block_size:
+      raise ValueError(f"page size {k_cache.shape[1]} must equal block_size {block_size}")
+    n = page_table.shape[1] * block_size
+    pos = jnp.broadcast_to(jnp.arange(n)[None], (page_table.shape[0], n))
+    k_cache = _gather_positions(k_cache, page_table, pos)
   b, n, hk, d = k_cache.shape
   nb = _cdiv(n, block_size)
   lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
@@ -825,7 +845,7 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size):
   return BlockSummaries(sums=sums, lengths=lengths, block_size=int(block_size))
 
 
-def update_block_summaries(summaries, k_cache, kv_lengths):
+def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None):
   """Add the newest cache entry of each sequence to its block sum (O(1) per appended token).
 
   Call once after each decode step has written its key at position ``kv_lengths - 1``. A
@@ -835,8 +855,10 @@ def update_block_summaries(summaries, k_cache, kv_lengths):
 
   Args:
     summaries: a :class:`BlockSummaries`.
-    k_cache: [batch, max_len, kv_heads, head_dim], already holding the new keys.
+    k_cache: [batch, max_len, kv_heads, head_dim] already holding the new keys, or with
+      ``page_table`` the page pool [num_pages, block_size, kv_heads, head_dim].
     kv_lengths: int [batch], lengths including the new token.
+    page_table: None or int32 [batch, max_pages].
 
   Returns:
     The updated :class:`BlockSummaries`.
@@ -848,13 +870,16 @@ def update_block_summaries(summaries, k_cache, kv_lengths):
     >>> int(s.lengths[0])
     6
   """
-  b, n = k_cache.shape[:2]
-  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
+  bsz = summaries.sums.shape[0]
+  cap = summaries.num_blocks * summaries.block_size
+  if page_table is None:
+    cap = min(cap, k_cache.shape[1])
+  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), cap)
   pos = jnp.maximum(lengths - 1, 0)
   new = lengths > summaries.lengths
-  k_new = jnp.take_along_axis(k_cache, pos[:, None, None, None], axis=1)[:, 0]   # [b, hk, d]
+  k_new = _gather_positions(k_cache, page_table, pos[:, None])[:, 0]          # [b, hk, d]
   k_new = jnp.where(new[:, None, None], k_new.astype(jnp.float32), 0.0)
-  sums = summaries.sums.at[jnp.arange(b), pos // summaries.block_size].add(k_new)
+  sums = summaries.sums.at[jnp.arange(bsz), pos // summaries.block_size].add(k_new)
   return BlockSummaries(sums=sums, lengths=jnp.where(new, lengths, summaries.lengths),
                         block_size=summaries.block_size)
 
@@ -921,23 +946,35 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
   return jnp.where(key >= nb, -1, key).astype(jnp.int32)
 
 
-def _sparse_decode_xla(q, k_cache, v_cache, kv_lengths, indices, block_size, scale):
+def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale):
+  """Gather the selected blocks of each kv head (no copy of the whole cache), one softmax."""
   b, hq, d = q.shape
-  _, n, hk, dv = v_cache.shape
+  hk = k.shape[2]
   g = hq // hk
-  nb = _cdiv(n, block_size)
   ms = indices.shape[-1]
-  pad = nb * block_size - n
-
-  def blocks(x):                                               # -> [b, hk, ms, bs, d]
-    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    x = jnp.transpose(x.reshape(b, nb, block_size, hk, x.shape[-1]), (0, 3, 1, 2, 4))
-    return jnp.take_along_axis(x, jnp.maximum(indices, 0)[..., None, None], axis=2)
-
-  kg, vg = blocks(k_cache), blocks(v_cache)
+  safe = jnp.maximum(indices, 0)                                           # [b, hk, ms]
+  bi = jnp.arange(b)[:, None, None]
+  hi = jnp.arange(hk)[None, :, None]
+  if page_table is None:
+    n = k.shape[1]
+    nb = _cdiv(n, block_size)
+    pad = nb * block_size - n
+    if pad:
+      k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+      v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kb = k.reshape(b, nb, block_size, hk, d)
+    vb = v.reshape(b, nb, block_size, hk, v.shape[-1])
+    kg = kb[bi, safe, :, hi]                                               # [b, hk, ms, bs, d]
+    vg = vb[bi, safe, :, hi]
+  else:
+    n = page_table.shape[1] * block_size
+    page = jnp.clip(jnp.take_along_axis(page_table[:, None, :], safe, axis=2), 0,
+                    k.shape[0] - 1)                                        # [b, hk, ms]
+    kg = k[page, :, hi]                                                    # [b, hk, ms, bs, d]
+    vg = v[page, :, hi]
   qf = q.reshape(b, hk, g, d)
   s = jnp.einsum("bhgd,bhmkd->bhgmk", qf, kg, preferred_element_type=jnp.float32) * scale
-  k_pos = jnp.maximum(indices, 0)[..., None] * block_size + jnp.arange(block_size)
+  k_pos = safe[..., None] * block_size + jnp.arange(block_size)
   lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
   mask = (indices[..., None] >= 0) & (k_pos < lengths[:, None, None, None])  # [b, hk, ms, bs]
   s = jnp.where(mask[:, :, None], s, -jnp.inf).reshape(b, hk, g, ms * block_size)
@@ -948,27 +985,88 @@ def _sparse_decode_xla(q, k_cache, v_cache, kv_lengths, indices, block_size, sca
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.einsum("bhgk,bhkd->bhgd", (p / l_safe).astype(vg.dtype),
-                 vg.reshape(b, hk, ms * block_size, dv), preferred_element_type=jnp.float32)
+                 vg.reshape(b, hk, ms * block_size, vg.shape[-1]),
+                 preferred_element_type=jnp.float32)
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]
-  return o.reshape(b, hq, dv).astype(q.dtype), lse.reshape(b, hq)
+  return o.reshape(b, hq, vg.shape[-1]).astype(q.dtype), lse.reshape(b, hq)
+
+
+def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
+                   num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
+                   implementation, interpret, num_splits):
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
+  if k.ndim != 4 or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"k/v must be [batch or pages, len, kv_heads, d] and agree, got "
+                     f"{k.shape} / {v.shape}")
+  if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[2]:
+    raise ValueError(f"q {q.shape} does not match the cache {k.shape}")
+  if page_table is None and q.shape[0] != k.shape[0]:
+    raise ValueError(f"q batch {q.shape[0]} != cache batch {k.shape[0]}")
+  if not isinstance(block_summaries, BlockSummaries):
+    raise TypeError("block_summaries must be a BlockSummaries")
+  if block_summaries.block_size != block_size:
+    raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
+                     f"block_size={block_size}")
+  nb = _cdiv(k.shape[1], block_size) if page_table is None else page_table.shape[1]
+  if block_summaries.num_blocks != nb:
+    raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache {nb}")
+  if implementation not in (None, "xla", "triton"):
+    raise ValueError(f"sparse decode supports implementation None, 'xla' or 'triton', got "
+                     f"{implementation!r}")
+  impl = implementation
+  if impl is None:
+    impl = "triton" if compat.default_backend() == "gpu" else "xla"
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  indices = select_decode_blocks(q, block_summaries, kv_lengths, top_k=top_k,
+                                 num_init_blocks=num_init_blocks,
+                                 num_local_blocks=num_local_blocks)
+  if impl == "xla":
+    out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
+  else:
+    from jattn.merge import merge_partials
+    from pallas_kernels.decode.triton import default_num_splits
+    from pallas_kernels.sparse.decode import sparse_decode_partials
+    counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
+    if num_splits is None:
+      num_splits = default_num_splits(q.shape[0], k.shape[2], indices.shape[-1] * block_size,
+                                      block_k=block_size)
+    outs, lses = sparse_decode_partials(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
+                                        counts, page_table, block_size=block_size,
+                                        num_splits=int(num_splits), scale=float(scale),
+                                        interpret=interpret)
+    out, lse = merge_partials(outs, lses, axis=1)
+    out = out.astype(q.dtype)
+  res = (out,)
+  if return_lse:
+    res += (lse,)
+  if return_indices:
+    res += (indices,)
+  return res[0] if len(res) == 1 else res
 
 
 def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *, block_size,
                             top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                             return_lse=False, return_indices=False, implementation=None,
-                            interpret=False):
+                            interpret=False, num_splits=None):
   """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
 
   Selection (:func:`select_decode_blocks`, per kv head, shared by its query heads) from the
   block summaries, then attention over the kept blocks only (positions < kv_lengths); the result
   equals dense decode attention restricted to the kept blocks.
 
-  Implementations: "xla" (gathers the kept blocks, then one softmax; any platform). None means
-  "xla" for now; kernel implementations raise NotImplementedError.
+  Implementations:
+    * "xla": gathers the kept blocks of each kv head (advanced indexing, never a copy of the whole
+      cache), then one softmax.
+    * "triton": ``pallas_kernels.sparse.decode`` split-KV kernel whose per-kv-head block lists act
+      as page tables; splits merged by ``jattn.merge.merge_partials``. block_size must be a power
+      of two >= 16.
+    * None: "triton" on GPU, "xla" elsewhere.
 
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
-    k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)], holding the new token.
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim], holding the new token.
     kv_lengths: int [batch]: valid positions per sequence, including the new token.
     block_summaries: :class:`BlockSummaries` (``init_block_summaries`` /
       ``update_block_summaries``) with the same block_size.
@@ -977,8 +1075,9 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return lse [batch, q_heads] (fp32, natural log, -inf if empty).
     return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
-    implementation: None or "xla".
-    interpret: unused by "xla".
+    implementation: None, "xla" or "triton".
+    interpret: run the Triton kernel in interpret mode (CPU tests).
+    num_splits: Triton splits per (batch, kv head); default from the device's core count.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -988,43 +1087,52 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     >>> lens = jnp.array([300])
     >>> s = init_block_summaries(k, lens, block_size=64)
     >>> q = jax.random.normal(jax.random.key(1), (1, 4, 16))
-    >>> sparse_decode_attention(q, k, k, lens, s, block_size=64, top_k=1).shape
+    >>> sparse_decode_attention(q, k, k, lens, s, block_size=64, top_k=1,
+    ...                         implementation="xla").shape
     (1, 4, 16)
   """
-  if q.ndim != 3:
-    raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
-  if k_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
-    raise ValueError(f"k_cache/v_cache must be [batch, max_len, kv_heads, d], got "
-                     f"{k_cache.shape} / {v_cache.shape}")
-  if q.shape[0] != k_cache.shape[0] or q.shape[-1] != k_cache.shape[-1] or \
-      q.shape[1] % k_cache.shape[2]:
-    raise ValueError(f"q {q.shape} does not match k_cache {k_cache.shape}")
-  if not isinstance(block_summaries, BlockSummaries):
-    raise TypeError("block_summaries must be a BlockSummaries")
-  if block_summaries.block_size != block_size:
-    raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
-                     f"block_size={block_size}")
-  if block_summaries.num_blocks != _cdiv(k_cache.shape[1], block_size):
-    raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache "
-                     f"{_cdiv(k_cache.shape[1], block_size)}")
-  _validate.check_implementation(implementation)
-  impl = "xla" if implementation is None else implementation
-  if scale is None:
-    scale = 1.0 / math.sqrt(q.shape[-1])
-  indices = select_decode_blocks(q, block_summaries, kv_lengths, top_k=top_k,
-                                 num_init_blocks=num_init_blocks,
-                                 num_local_blocks=num_local_blocks)
-  if impl == "xla":
-    out, lse = _sparse_decode_xla(q, k_cache, v_cache, kv_lengths, indices, block_size, scale)
-  else:
-    raise NotImplementedError(f"sparse_decode_attention: implementation={impl!r} is not "
-                              f"implemented; use 'xla'")
-  res = (out,)
-  if return_lse:
-    res += (lse,)
-  if return_indices:
-    res += (indices,)
-  return res[0] if len(res) == 1 else res
+  return _sparse_decode(q, k_cache, v_cache, kv_lengths, block_summaries, None,
+                        block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
+                        num_local_blocks=num_local_blocks, scale=scale, return_lse=return_lse,
+                        return_indices=return_indices, implementation=implementation,
+                        interpret=interpret, num_splits=num_splits)
+
+
+def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, block_summaries, *,
+                                  top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
+                                  return_lse=False, return_indices=False, implementation=None,
+                                  interpret=False, num_splits=None):
+  """:func:`sparse_decode_attention` over a paged cache; blocks are pages (block = page size).
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim].
+    page_table: int32 [batch, max_pages]: token t of sequence b lives in page
+      ``page_table[b, t // page_size]``, slot ``t % page_size``.
+    kv_lengths: int [batch], including the new token.
+    block_summaries: :class:`BlockSummaries` with block_size == page_size and max_pages blocks
+      (``init_block_summaries(k_pages, lens, block_size=page_size, page_table=page_table)``).
+    top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
+      interpret, num_splits: as in :func:`sparse_decode_attention`.
+
+  Returns:
+    out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
+
+  Example:
+    >>> pages = jax.random.normal(jax.random.key(0), (6, 16, 1, 8))
+    >>> pt = jnp.array([[4, 0, 2]], jnp.int32); lens = jnp.array([40])
+    >>> s = init_block_summaries(pages, lens, block_size=16, page_table=pt)
+    >>> q = jax.random.normal(jax.random.key(1), (1, 2, 8))
+    >>> sparse_paged_decode_attention(q, pages, pages, pt, lens, s, top_k=1,
+    ...                               implementation="xla").shape
+    (1, 2, 8)
+  """
+  return _sparse_decode(q, k_pages, v_pages, kv_lengths, block_summaries, page_table,
+                        block_size=k_pages.shape[1], top_k=top_k,
+                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
+                        scale=scale, return_lse=return_lse, return_indices=return_indices,
+                        implementation=implementation, interpret=interpret,
+                        num_splits=num_splits)
 
 
 # ----------------------------------------------------------------------------- benchmarks

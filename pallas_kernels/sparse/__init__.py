@@ -1,0 +1,1 @@
+"""Kernels for training-time block-sparse attention: the top-K block decode kernel."""
