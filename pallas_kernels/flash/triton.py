@@ -313,6 +313,30 @@ def _dot_nt(a, b):
                          preferred_element_type=jnp.float32)
 
 
+def _walk(row_ref, lo, hi, num_chunks, body, carry):
+  """Run ``carry = body(tile, chunk, carry)`` for flat steps j in [lo, hi) of a schedule row.
+
+  Step j visits chunk ``j % num_chunks`` of tile ``row[2 + j // num_chunks]``. The tile index of
+  step j + 1 is loaded during step j (a loop-carried prefetch), so no load of the schedule sits
+  between the loop start and the tile loads that Triton pipelines. Rows are long enough
+  (``_pack_rows``) that the prefetch past the last step stays in bounds.
+  """
+  def split(j):
+    if num_chunks == 1:
+      return j, 0
+    return lax.div(j, jnp.int32(num_chunks)), lax.rem(j, jnp.int32(num_chunks))
+
+  def step(j, state):
+    tile, carry = state
+    t_next, _ = split(j + 1)
+    _, chunk = split(j)
+    return row_ref[2 + t_next], body(tile, chunk, carry)
+
+  t_lo, _ = split(lo)
+  _, carry = lax.fori_loop(lo, hi, step, (row_ref[2 + t_lo], carry))
+  return carry
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward kernel
 # ----------------------------------------------------------------------------------------------
@@ -337,9 +361,9 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
   count = row_ref[0]
   n_full = row_ref[1]
 
-  def step(j, carry, masked):
+  def step(tile, _, carry, masked):
     acc, m_prev, l_prev = carry  # [bq, Dv], [bq], [bq]
-    start = pl.multiple_of(row_ref[2 + j] * bk, bk)
+    start = pl.multiple_of(tile * bk, bk)
     k = k_ref[pl.ds(start, bk), :]  # [bk, D]
     s, _ = _logits(q, k, st)  # [bq, bk], base-2 logits
     if masked:
@@ -358,8 +382,8 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
 
   carry = (jnp.zeros((bq, d_v), jnp.float32), jnp.full((bq,), _NEG_INF, jnp.float32),
            jnp.zeros((bq,), jnp.float32))
-  carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-  carry = lax.fori_loop(n_full, count, functools.partial(step, masked=True), carry)
+  carry = _walk(row_ref, 0, n_full, 1, functools.partial(step, masked=False), carry)
+  carry = _walk(row_ref, n_full, count, 1, functools.partial(step, masked=True), carry)
   acc, m, l = carry
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
@@ -452,13 +476,9 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
 
   # Everything is computed kv-major ([bk, cq] = transposed logits), so the big P and dS tiles
   # feed the dK/dV dots without a transpose; only the small Q / dO chunks are read transposed.
-  def step(j, carry, g, masked):
+  def step(tile, c, carry, g, masked):
     dk, dv = carry  # [bk, D], [bk, Dv] fp32
-    if nc == 1:
-      t, c = j, 0
-    else:
-      t, c = lax.div(j, jnp.int32(nc)), lax.rem(j, jnp.int32(nc))
-    start = pl.multiple_of(row_ref[2 + t] * bq + c * cq, cq)
+    start = pl.multiple_of(tile * bq + c * cq, cq)
     q = q_ref[pl.ds(start, cq), g, :]  # [cq, D]
     lse2 = lse_ref[g, pl.ds(start, cq)]  # [cq]
     s_t, th_t = _logits(k, q, st)  # [bk, cq]
@@ -479,9 +499,9 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
     return dk, dv
 
   def head(g, carry):
-    carry = lax.fori_loop(0, n_full * nc, functools.partial(step, g=g, masked=False), carry)
-    return lax.fori_loop(n_full * nc, count * nc, functools.partial(step, g=g, masked=True),
-                         carry)
+    carry = _walk(row_ref, 0, n_full * nc, nc, functools.partial(step, g=g, masked=False), carry)
+    return _walk(row_ref, n_full * nc, count * nc, nc, functools.partial(step, g=g, masked=True),
+                 carry)
 
   carry = (jnp.zeros(k_ref.shape, jnp.float32), jnp.zeros(v_ref.shape, jnp.float32))
   if groups == 1:
@@ -517,12 +537,8 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
   count = row_ref[0]
   n_full = row_ref[1]
 
-  def step(j, dq, masked):
-    if nc == 1:
-      t, c = j, 0
-    else:
-      t, c = lax.div(j, jnp.int32(nc)), lax.rem(j, jnp.int32(nc))
-    start = pl.multiple_of(row_ref[2 + t] * bk + c * ck, ck)
+  def step(tile, c, dq, masked):
+    start = pl.multiple_of(tile * bk + c * ck, ck)
     k = k_ref[pl.ds(start, ck), :]  # [ck, D]
     v = v_ref[pl.ds(start, ck), :]  # [ck, Dv]
     s, th = _logits(q, k, st)  # [bq, ck]
@@ -538,8 +554,8 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
     return dq + _dot_nn(ds.astype(k.dtype), k)  # [bq, D]
 
   dq = jnp.zeros(q_ref.shape, jnp.float32)
-  dq = lax.fori_loop(0, n_full * nc, functools.partial(step, masked=False), dq)
-  dq = lax.fori_loop(n_full * nc, count * nc, functools.partial(step, masked=True), dq)
+  dq = _walk(row_ref, 0, n_full * nc, nc, functools.partial(step, masked=False), dq)
+  dq = _walk(row_ref, n_full * nc, count * nc, nc, functools.partial(step, masked=True), dq)
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
@@ -655,7 +671,8 @@ _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
 def _pack_rows(indices, counts, partial):
   """[Bs, Hs, n, L] lists -> int32 [Bs, Hs, n, W] rows ``[count, n_full, full..., partial...]``.
 
-  W is a power of two >= L + 2; entries past ``count`` are never read.
+  W is a power of two >= L + 3 (``_walk`` prefetches one entry past the last visited tile);
+  entries past ``count`` are never used.
   """
   length = indices.shape[-1]
   j = jnp.arange(length, dtype=jnp.int32)
@@ -666,7 +683,7 @@ def _pack_rows(indices, counts, partial):
   idx = jnp.take_along_axis(indices.astype(jnp.int32), order, axis=-1)
   counts = counts.astype(jnp.int32)
   n_full = counts - jnp.sum(part, axis=-1, dtype=jnp.int32)
-  width = pl.next_power_of_2(length + 2)
+  width = pl.next_power_of_2(length + 3)
   pad = jnp.zeros(idx.shape[:-1] + (width - length - 2,), jnp.int32)
   return jnp.concatenate([counts[..., None], n_full[..., None], idx, pad], axis=-1)
 
