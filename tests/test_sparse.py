@@ -284,11 +284,15 @@ def test_block_sparse_attention_kernels_interpret(impl, bs, segments):
 
 
 def test_kernel_rejects_unsupported_block_sizes():
-  _kernel_module_or_skip("mosaic_tpu")
   q, k, v = _qkv(8, 1, 128, 128, 2, 1, 16)
   sel = select(q, k, block_size=64, q_block_size=64, top_k=1)
+  _kernel_module_or_skip("mosaic_tpu")
   with pytest.raises(ValueError, match="q_block_size=64"):
     sp.block_sparse_attention(q, k, v, sel, implementation="mosaic_tpu", interpret=True)
+  _kernel_module_or_skip("triton")
+  sel8 = select(q, k, block_size=64, q_block_size=8, top_k=1)
+  with pytest.raises(ValueError, match="q_block_size=8"):
+    sp.block_sparse_attention(q, k, v, sel8, implementation="triton", interpret=True)
   with pytest.raises(ValueError, match="does not support"):
     sp.block_sparse_attention(q, k, v, sel, implementation="cudnn")
 
@@ -455,3 +459,40 @@ def test_sparse_decode_matches_reference_and_training_selection():
   ref, ref_lse = attention_reference(q[:, None], kc, vc, block_mask=jnp.asarray(mask))
   assert _rel(out, ref[:, 0]) < 2e-3
   assert _rel(lse, ref_lse[:, :, 0]) < 2e-3
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_sparse_paged_decode(impl):
+  """Paged cache (shuffled pages) == contiguous cache, for the xla path and the Triton kernel
+  (interpret mode, several splits); paged summaries == contiguous ones."""
+  b, n, hq, hk, d, bs, top_k = 2, 200, 4, 2, 16, 16, 2
+  ks = jax.random.split(jax.random.key(14), 3)
+  q = jax.random.normal(ks[0], (b, hq, d))
+  kc = jax.random.normal(ks[1], (b, n, hk, d))
+  vc = jax.random.normal(ks[2], (b, n, hk, d))
+  lens = jnp.array([200, 70])
+  nb = -(-n // bs)
+  pt = jnp.asarray(np.random.default_rng(5).permutation(b * nb + 3)[:b * nb].reshape(b, nb),
+                   jnp.int32)
+  blocks = lambda x: jnp.pad(x, ((0, 0), (0, nb * bs - n), (0, 0), (0, 0))).reshape(
+      b * nb, bs, hk, d)
+  kp = jnp.zeros((b * nb + 3, bs, hk, d)).at[pt.reshape(-1)].set(blocks(kc))
+  vp = jnp.full((b * nb + 3, bs, hk, d), 7.0).at[pt.reshape(-1)].set(blocks(vc))
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  psumm = sp.update_block_summaries(
+      sp.init_block_summaries(kp, lens - 1, block_size=bs, page_table=pt), kp, lens,
+      page_table=pt)
+  np.testing.assert_allclose(np.asarray(psumm.sums), np.asarray(summ.sums), atol=1e-5)
+  kw = dict(top_k=top_k, implementation=impl, interpret=True, return_indices=True)
+  if impl == "triton":
+    kw["num_splits"] = 3
+  ref, idx = jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, top_k=top_k,
+                                       implementation="xla", return_indices=True))(
+                                           q, kc, vc, lens, summ)
+  out_c, idx_c = jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, **kw))(
+      q, kc, vc, lens, summ)
+  out_p, idx_p = jax.jit(functools.partial(sp.sparse_paged_decode_attention, **kw))(
+      q, kp, vp, pt, lens, psumm)
+  np.testing.assert_array_equal(np.asarray(idx_c), np.asarray(idx))
+  np.testing.assert_array_equal(np.asarray(idx_p), np.asarray(idx))
+  assert _rel(out_c, ref) < 2e-3 and _rel(out_p, ref) < 2e-3
