@@ -60,7 +60,8 @@ def resolve_decode_implementation(implementation=None, *, platform=None):
   return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
 
 
-def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=None):
+def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=None, *,
+                       head_dim=128, dtype=jnp.bfloat16):
   """The split count used when ``num_splits=None``.
 
   GPU ("triton"): about two programs per multiprocessor (``compat.gpu_core_count()``) over the
@@ -73,6 +74,8 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
     kv_heads: number of kv heads.
     max_len: cache capacity in tokens.
     block_sizes: the kernel's block sizes (for block_k), or None for its defaults.
+    head_dim: head dimension (selects the default block sizes).
+    dtype: cache dtype (selects the default block sizes).
 
   Returns:
     An int >= 1.
@@ -84,7 +87,7 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
   if implementation != "triton":
     return 1
   from pallas_kernels.decode import triton as kt
-  bs = block_sizes or kt.DecodeBlockSizes()
+  bs = block_sizes or kt.default_block_sizes(head_dim, dtype)
   return kt.default_num_splits(batch, kv_heads, max_len, core_count=compat.gpu_core_count(),
                                block_k=bs.block_k)
 
@@ -182,7 +185,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
                                                         logits_soft_cap, num_splits, scale)
   batch, max_len, kv_heads, _ = k_cache.shape
   if num_splits is None:
-    num_splits = default_num_splits(impl, batch, kv_heads, max_len, block_sizes)
+    num_splits = default_num_splits(impl, batch, kv_heads, max_len, block_sizes,
+                                    head_dim=q.shape[-1], dtype=k_cache.dtype)
   out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, impl=impl, scale=scale, window=window,
                          cap=cap, num_splits=num_splits, block_sizes=block_sizes,
                          interpret=interpret)
@@ -276,7 +280,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
   _, page_size, kv_heads, _ = k_pages.shape
   capacity = page_table.shape[1] * page_size
   if num_splits is None:
-    num_splits = default_num_splits(impl, batch, kv_heads, capacity, block_sizes)
+    num_splits = default_num_splits(impl, batch, kv_heads, capacity, block_sizes,
+                                    head_dim=q.shape[-1], dtype=k_pages.dtype)
   out, lse = _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, impl=impl,
                                scale=scale, window=window, cap=cap, num_splits=num_splits,
                                block_sizes=block_sizes, interpret=interpret)
@@ -515,7 +520,7 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
       default_splits = default_num_splits("triton", b, hk, n)
       configs = [(bk, st, w, default_splits) for bk, st, w in (
           (64, 2, 4), (64, 3, 4), (64, 4, 4), (128, 3, 4), (128, 4, 4), (128, 2, 8),
-          (128, 3, 8), (256, 2, 4), (256, 2, 8), (256, 3, 8))]
+          (128, 3, 8), (256, 2, 4), (256, 2, 8))]
       configs += [(128, 2, 4, s) for s in (16, 64, 128) if s != default_splits]
       for bk, st, w, s in configs:
         bs = kt.DecodeBlockSizes(block_k=bk, num_stages=st, num_warps=w)

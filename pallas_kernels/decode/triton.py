@@ -29,7 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
 
-__all__ = ["DecodeBlockSizes", "default_num_splits", "decode_partials", "paged_decode_partials"]
+__all__ = ["DecodeBlockSizes", "default_block_sizes", "default_num_splits", "decode_partials",
+           "paged_decode_partials"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,29 @@ class DecodeBlockSizes:
   def __post_init__(self):
     if self.block_k < 16 or self.block_k & (self.block_k - 1):
       raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
+
+
+def default_block_sizes(head_dim, dtype):
+  """Block sizes used when none are given.
+
+  One pipelined K+V stage of 128 keys x 128 lanes in bf16 is 64 KiB of shared memory (about 72
+  KiB per program with num_stages=2, so three programs fit an H100/H200 SM); wider heads or
+  fp32 caches halve block_k to keep that footprint.
+
+  Args:
+    head_dim: head dimension (padded to a power of two inside the kernel).
+    dtype: cache dtype.
+
+  Returns:
+    A ``DecodeBlockSizes``.
+
+  Example:
+    >>> default_block_sizes(128, jnp.bfloat16).block_k
+    128
+  """
+  d_pad = max(16, pl.next_power_of_2(head_dim))
+  tile_bytes = 128 * d_pad * jnp.dtype(dtype).itemsize
+  return DecodeBlockSizes(block_k=128 if tile_bytes <= 32 * 1024 else 64)
 
 
 def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=128):
@@ -175,7 +199,7 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
   group = hq // kv_heads
   g_pad = max(16, pl.next_power_of_2(group))
   d_pad = max(16, pl.next_power_of_2(d))
-  bs = block_sizes or DecodeBlockSizes()
+  bs = block_sizes or default_block_sizes(d, k.dtype)
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   kernel = functools.partial(
