@@ -621,9 +621,11 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
       dL/dlogits, which flows to q and k through the mean-pooled score.
     * "gumbel": r = y with y[i, j] = (c * score[i, j] + G[i, j]) / T, G iid Gumbel(0, 1) from
       ``rng`` (one draw per batch, kv head, query block, key block): the forward keeps the hard
-      top-k of the perturbed scores (Gumbel-top-k sampling, exploring blocks "none" would skip);
-      the backward is straight-through with the same per-tile bias y - stop_gradient(y), i.e.
-      dL/dscore[i, j] = (c / T) * tile sum of dL/dlogits over kept tiles, 0 for the others.
+      top-k of the perturbed scores (Gumbel-top-k: k blocks sampled without replacement from
+      softmax_j(c * score), independent of T; it explores blocks "none" would skip); the backward
+      is straight-through with the same per-tile bias y - stop_gradient(y), i.e.
+      dL/dscore[i, j] = (c / T) * tile sum of dL/dlogits over kept tiles, 0 for the others
+      (T only scales the relaxed gradient, as in Gumbel-softmax).
 
   Initial and local blocks are always kept in every mode and receive the gate gradient like any
   kept block. The gate gradient is computed by an extra fp32 XLA pass over the kept tiles
