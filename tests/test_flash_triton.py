@@ -164,10 +164,10 @@ def test_segment_ids_padding_and_one_token_docs():
   assert np.all(np.asarray(grads[0][1]) == 0)
 
 
-def test_bfloat16():
-  got, want = _run(q_len=72, q_heads=4, kv_heads=2, head_dim=64, dtype=jnp.bfloat16,
-                   causal=True)
-  _assert_close(got, want, jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+  got, want = _run(q_len=72, q_heads=4, kv_heads=2, head_dim=64, dtype=dtype, causal=True)
+  _assert_close(got, want, dtype)
 
 
 def test_block_mask_schedule_skips_excluded_tiles():

@@ -714,7 +714,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       sizes are the kernel's tiles (powers of two >= 16).
     causal: bottom-right aligned causal mask.
     local_window_size: None, int or (left, right) (jax.nn convention).
-    scale: logit scale.
+    scale: logit scale (None: 1 / sqrt(head_dim)).
     logits_soft_cap: None or cap (logits = cap * tanh(logits / cap)).
     num_warps, num_stages: forward launch parameters (None: defaults for the tile size).
     interpret: run the kernels in the Pallas interpreter (CPU).
@@ -747,6 +747,8 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
   if hq % hk:
     raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
   d_v = v.shape[-1]
+  if scale is None:
+    scale = d ** -0.5
   if not (1 <= d <= 256 and 1 <= d_v <= 256):
     raise ValueError(f"head_dim must be <= 256, got {d} (v: {d_v})")
   if not (q.dtype == k.dtype == v.dtype):
