@@ -78,7 +78,7 @@ def test_reference_matches_flash_reference():
 # (seed, batch, max_len, q_heads, kv_heads, head_dim, lengths, window, cap, splits, dtype)
 CONTIGUOUS = [
     (1, 4, 100, 6, 2, 24, [0, 1, 77, 100], None, None, (1, 3), jnp.float32),   # GQA 3, D 24
-    (2, 3, 90, 4, 4, 16, [90, 33, 2], (20, 0), 2.5, (2, 5), jnp.float32),     # MHA, window, cap
+    (2, 3, 90, 4, 4, 16, [90, 33, 2], (20, 0), 2.5, (5,), jnp.float32),       # MHA, window, cap
     (3, 2, 64, 8, 1, 32, [64, 5], 7, None, (4,), jnp.bfloat16),               # MQA, bf16
 ]
 
@@ -91,7 +91,7 @@ def test_decode_matches_reference(impl, case):
   lengths = jnp.array(lengths, jnp.int32)
   ref_out, ref_lse = _REF(q, k, v, lengths, local_window_size=window,
                                            logits_soft_cap=cap)
-  for ns in splits:
+  for ns in (splits[-1:] if impl == "xla" else splits):  # xla: one split path is enough
     out, lse = dec.decode_attention(q, k, v, lengths, local_window_size=window,
                                     logits_soft_cap=cap, num_splits=ns, return_lse=True,
                                     implementation=impl, interpret=True, block_sizes=None
@@ -127,7 +127,7 @@ def test_splits_past_the_length_are_empty():
 
 # (seed, batch, max_len, hq, hk, d, page_size, lengths, window, cap, splits, dtype)
 PAGED = [
-    (6, 4, 70, 4, 2, 32, 16, [0, 1, 33, 70], None, None, (1, 2, 5), jnp.float32),
+    (6, 4, 70, 4, 2, 32, 16, [0, 1, 33, 70], None, None, (1, 5), jnp.float32),
     (7, 3, 72, 6, 3, 16, 24, [72, 25, 9], (30, 0), 4.0, (3,), jnp.float32),   # page 24, window
     (8, 2, 64, 8, 2, 64, 32, [64, 40], None, None, (2,), jnp.bfloat16),
 ]
@@ -142,7 +142,7 @@ def test_paged_decode_matches_reference(impl, case):
                                            local_window_size=window, logits_soft_cap=cap)
   k_pages, v_pages, table = _paginate(seed, k, v, lengths, page_size)
   lengths = jnp.array(lengths, jnp.int32)
-  for ns in splits:
+  for ns in (splits[-1:] if impl == "xla" else splits):
     out, lse = dec.paged_decode_attention(
         q, k_pages, v_pages, table, lengths, local_window_size=window, logits_soft_cap=cap,
         num_splits=ns, return_lse=True, implementation=impl, interpret=True,
@@ -226,9 +226,9 @@ def test_validation_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_triton_compiled_on_gpu(dtype):
-  b, n, hq, hk, d = 3, 4096, 32, 8, 128
+@pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 128), (jnp.float32, 128), (jnp.bfloat16, 96)])
+def test_triton_compiled_on_gpu(dtype, d):
+  b, n, hq, hk = 3, 4096, 32, 8
   q, k, v = _inputs(14, b, n, hq, hk, d, dtype)
   lengths = jnp.array([4096, 1, 3001], jnp.int32)
   tol = TOL[dtype]

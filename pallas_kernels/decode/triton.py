@@ -33,6 +33,10 @@ __all__ = ["DecodeBlockSizes", "default_block_sizes", "default_num_splits", "dec
            "paged_decode_partials"]
 
 
+def _next_pow2(n):
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
   """Tiling of the Triton decode kernel.
@@ -69,7 +73,7 @@ def default_block_sizes(head_dim, dtype):
     >>> default_block_sizes(128, jnp.bfloat16).block_k
     128
   """
-  d_pad = max(16, pl.next_power_of_2(head_dim))
+  d_pad = max(16, _next_pow2(head_dim))
   tile_bytes = 128 * d_pad * jnp.dtype(dtype).itemsize
   return DecodeBlockSizes(block_k=128 if tile_bytes <= 32 * 1024 else 64)
 
@@ -197,8 +201,8 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
           window_left, logits_soft_cap, block_sizes, interpret):
   bsz, hq, d = q.shape
   group = hq // kv_heads
-  g_pad = max(16, pl.next_power_of_2(group))
-  d_pad = max(16, pl.next_power_of_2(d))
+  g_pad = max(16, _next_pow2(group))
+  d_pad = max(16, _next_pow2(d))
   bs = block_sizes or default_block_sizes(d, k.dtype)
   if scale is None:
     scale = 1.0 / math.sqrt(d)
