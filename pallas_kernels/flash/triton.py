@@ -18,7 +18,7 @@ marks them so) and are masked there; padded queries and head-dim columns are sli
 
 The schedule's lists are reordered once per call (jnp, cheap) so that each row is
 ``[count, n_full, full tiles..., partial tiles...]``: the kernels then run two loops with dynamic
-trip counts and no per-tile branch.
+trip counts and no per-tile branch, each prefetching the next tile index one step ahead.
 """
 from __future__ import annotations
 
@@ -79,11 +79,35 @@ class BlockSizes:
   dq_k_chunk: int | None = None
 
 
+# Default launch configurations, keyed by (padded head dim, input itemsize). Chosen for Hopper
+# (H100/H200) from the Triton flash attention tutorial's configurations and shared-memory
+# budgets (227 KiB per SM); refine with ``_sweep`` on the target GPU and update here.
+_DEFAULT_BLOCK_SIZES = {
+    (32, 2): BlockSizes(128, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
+                        dkv_q_chunk=64, dq_k_chunk=64),
+    (64, 2): BlockSizes(128, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
+                        dkv_q_chunk=64, dq_k_chunk=64),
+    (128, 2): BlockSizes(128, 64, num_warps=8, num_stages=3, bwd_num_warps=8, bwd_num_stages=2,
+                         dkv_q_chunk=64, dq_k_chunk=64),
+    (256, 2): BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=1,
+                         dkv_q_chunk=32, dq_k_chunk=32),
+    # fp32 inputs (IEEE fp32 products, no tensor cores): for accuracy, not speed.
+    (32, 4): BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=2,
+                        dkv_q_chunk=32, dq_k_chunk=32),
+    (64, 4): BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=2,
+                        dkv_q_chunk=32, dq_k_chunk=32),
+    (128, 4): BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=2,
+                         dkv_q_chunk=32, dq_k_chunk=32),
+    (256, 4): BlockSizes(32, 16, num_warps=4, num_stages=1, bwd_num_warps=4, bwd_num_stages=1,
+                         dkv_q_chunk=16, dq_k_chunk=16),
+}
+
+
 def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
-  """Default tiles for the Triton kernels on a Hopper-class GPU.
+  """Default tiles and launch parameters for the Triton kernels (tuned for Hopper).
 
   Args:
-    head_dim: the (unpadded) head dimension, 32..256.
+    head_dim: the (unpadded) head dimension, up to 256.
     dtype: the input dtype (fp32 needs twice the shared memory of bf16/fp16, so smaller tiles).
 
   Returns:
@@ -93,22 +117,29 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     >>> default_block_sizes(128, jnp.bfloat16)
     BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3, bwd_num_warps=8, bwd_num_stages=2, dkv_q_chunk=64, dq_k_chunk=64)
   """
-  d = _pow2(head_dim)
-  wide = jnp.dtype(dtype).itemsize >= 4
-  if d <= 64 and not wide:
-    return BlockSizes(128, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
-                      dkv_q_chunk=64, dq_k_chunk=64)
-  if d <= 128 and not wide:
-    return BlockSizes(128, 64, num_warps=8, num_stages=3, bwd_num_warps=8, bwd_num_stages=2,
-                      dkv_q_chunk=64, dq_k_chunk=64)
-  if d <= 128:  # fp32
-    return BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=2,
-                      dkv_q_chunk=32, dq_k_chunk=32)
-  if not wide:  # head_dim 256, 16-bit
-    return BlockSizes(64, 32, num_warps=4, num_stages=2, bwd_num_warps=4, bwd_num_stages=1,
-                      dkv_q_chunk=32, dq_k_chunk=32)
-  return BlockSizes(32, 16, num_warps=4, num_stages=1, bwd_num_warps=4, bwd_num_stages=1,
-                    dkv_q_chunk=16, dq_k_chunk=16)
+  if head_dim > 256:
+    raise ValueError(f"head_dim must be <= 256, got {head_dim}")
+  itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
+  return _DEFAULT_BLOCK_SIZES[(max(32, _pow2(head_dim)), itemsize)]
+
+
+def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype) -> BlockSizes:
+  """Launch parameters for given tiles: the tuned table's when the tiles match it, otherwise a
+  heuristic from the tile sizes and a shared-memory budget of ~200 KiB."""
+  itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
+  tuned = _DEFAULT_BLOCK_SIZES[(max(32, max(d_pad, dv_pad)), itemsize)]
+  if (tuned.block_q, tuned.block_k) == (block_q, block_k):
+    return tuned
+  budget = 200 * 1024
+  big = max(block_q, block_k) >= 128 and max(d_pad, dv_pad) >= 128
+  fwd_stage = block_k * (d_pad + dv_pad) * itemsize  # one K and one V tile
+  fwd_stages = max(1, min(3, (budget - block_q * d_pad * itemsize) // fwd_stage))
+  dkv_chunk = min(block_q, 64 if itemsize == 2 else 32)
+  bwd_stage = dkv_chunk * (d_pad + dv_pad) * itemsize  # one Q and one dO chunk
+  bwd_stages = max(1, min(2, (budget - block_k * (d_pad + dv_pad) * itemsize) // bwd_stage))
+  return BlockSizes(block_q, block_k, num_warps=8 if big else 4, num_stages=int(fwd_stages),
+                    bwd_num_warps=8 if big else 4, bwd_num_stages=int(bwd_stages),
+                    dkv_q_chunk=dkv_chunk, dq_k_chunk=min(block_k, 64 if itemsize == 2 else 32))
 
 
 def _bench_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> list[BlockSizes]:
@@ -361,7 +392,7 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
   count = row_ref[0]
   n_full = row_ref[1]
 
-  def step(tile, _, carry, masked):
+  def step(tile, _chunk, carry, masked):
     acc, m_prev, l_prev = carry  # [bq, Dv], [bq], [bq]
     start = pl.multiple_of(tile * bk, bk)
     k = k_ref[pl.ds(start, bk), :]  # [bk, D]
@@ -391,7 +422,7 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
   lse_ref[...] = jnp.where(empty, _NEG_INF, (m + jnp.log2(l_safe)) * LN2)
 
 
-def _row_index_maps(rows, groups):
+def _row_index_maps(rows):
   """Index helpers into the packed schedule rows [Bs, Hs, n, W] (size-1 axes broadcast)."""
   bs, hs = rows.shape[:2]
   rb = (lambda b: b) if bs > 1 else (lambda b: 0)
@@ -407,7 +438,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
   bq = st.block_q
   nq = sq // bq
   has_seg = q_seg is not None
-  rb, rh = _row_index_maps(rows, g)
+  rb, rh = _row_index_maps(rows)
   w = rows.shape[-1]
 
   def qt(i):
@@ -570,7 +601,7 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
   params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
 
   # dK / dV: grid over (kv tile, batch, kv head).
-  rb, rh = _row_index_maps(bwd_rows, g)
+  rb, rh = _row_index_maps(bwd_rows)
   in_specs = [
       pl.BlockSpec((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
       pl.BlockSpec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),    # k
@@ -603,7 +634,7 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
   def qt(i):
     return nq - 1 - i
 
-  rb, rh = _row_index_maps(fwd_rows, g)
+  rb, rh = _row_index_maps(fwd_rows)
   in_specs = [
       pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),     # q
       pl.BlockSpec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),    # k
@@ -783,23 +814,19 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     bwd_num_stages = bwd_num_stages or block_sizes.bwd_num_stages
     dkv_q_chunk = dkv_q_chunk or block_sizes.dkv_q_chunk
     dq_k_chunk = dq_k_chunk or block_sizes.dq_k_chunk
-  defaults = default_block_sizes(d, q.dtype)
+  defaults = _launch_defaults(bq, bk, _pow2(d), _pow2(d_v), q.dtype)
   dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, bq)
   dq_k_chunk = min(dq_k_chunk or defaults.dq_k_chunk, bk)
   for name, c, blk in (("dkv_q_chunk", dkv_q_chunk, bq), ("dq_k_chunk", dq_k_chunk, bk)):
     if c < 16 or blk % c:
       raise ValueError(f"{name}={c} must be >= 16 and divide the tile {blk}")
-  d_max = max(_pow2(d), _pow2(d_v))
-  if num_warps is None:
-    num_warps = 8 if bq >= 128 and d_max >= 128 else 4
-  if bwd_num_warps is None:
-    bwd_num_warps = 8 if max(bq, bk) >= 128 or (bk >= 64 and d_max >= 128) else 4
   st = _Static(
       block_q=bq, block_k=bk, q_len=sq, kv_len=sk, causal=bool(causal),
       window=normalize_window(local_window_size), scale=float(scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      num_warps=int(num_warps), num_stages=int(num_stages or defaults.num_stages),
-      bwd_num_warps=int(bwd_num_warps),
+      num_warps=int(num_warps or defaults.num_warps),
+      num_stages=int(num_stages or defaults.num_stages),
+      bwd_num_warps=int(bwd_num_warps or defaults.bwd_num_warps),
       bwd_num_stages=int(bwd_num_stages or defaults.bwd_num_stages),
       dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret))
 
