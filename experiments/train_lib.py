@@ -16,6 +16,7 @@ resumable orbax checkpoints and jitted evaluation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -212,29 +213,29 @@ class Trainer:
     self._eval_fn = jax.jit(self._eval_impl, out_shardings=repl)
 
   # -- model calls -------------------------------------------------------------------------------
-  def _forward(self, params, rest, batch):
-    model = nnx.merge(self.graphdef, params, rest)
+  def _call(self, model, batch):
     kwargs = dict(self.call_kwargs)
     if self.use_segments:
       kwargs.update(segment_ids=batch["segment_ids"], positions=batch["positions"])
-    logits = model(batch["inputs"], **kwargs)
-    _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    return logits, new_rest
+    return model(batch["inputs"], **kwargs)
 
   def _step_fn(self, params, rest, opt_state, batch):
-    def loss_fn(p):
-      logits, new_rest = self._forward(p, rest, batch)
-      loss, m = weighted_xent(logits, batch)
-      return loss, (m, new_rest)
-    (loss, (m, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    # Merge at the jit level and differentiate with nnx.value_and_grad (w.r.t. nnx.Param), so
+    # stateful variables (e.g. the Gumbel gate's RNG stream) may be updated inside the step.
+    model = nnx.merge(self.graphdef, params, rest)
+
+    def loss_fn(model):
+      return weighted_xent(self._call(model, batch), batch)
+    (loss, m), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    _, _, new_rest = nnx.split(model, nnx.Param, ...)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     m = dict(m, loss=loss, grad_norm=optax.global_norm(grads))
     return params, new_rest, opt_state, m
 
-  def _eval_impl(self, params, rest, batch):
-    logits, _ = self._forward(params, rest, batch)
-    return weighted_xent(logits, batch)[1]
+  def _eval_impl(self, params, rest, batch, graphdef=None):
+    model = nnx.merge(graphdef or self.graphdef, params, rest)
+    return weighted_xent(self._call(model, batch), batch)[1]
 
   def model(self):
     """The current model as an ``nnx.Module`` (merged from the trained state)."""
@@ -310,6 +311,7 @@ class Trainer:
           options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
       self.restore(manager)
     start = self.step
+    self.fit_start_step = start
     end = total_steps if stop_after is None else min(total_steps, start + stop_after)
     bar = tqdm(total=total_steps, initial=start, desc=desc, disable=not progress,
                mininterval=1.0, leave=False, dynamic_ncols=True)
@@ -366,13 +368,8 @@ class Trainer:
     rest = self.rest if rest is None else rest
     fn = self._eval_fn
     if graphdef is not None:
-      def impl(p, r, b, gd=graphdef):
-        model = nnx.merge(gd, p, r)
-        kwargs = dict(self.call_kwargs)
-        if self.use_segments:
-          kwargs.update(segment_ids=b["segment_ids"], positions=b["positions"])
-        return weighted_xent(model(b["inputs"], **kwargs), b)[1]
-      fn = jax.jit(impl, out_shardings=self._repl)
+      fn = jax.jit(functools.partial(self._eval_impl, graphdef=graphdef),
+                   out_shardings=self._repl)
     n = batch["inputs"].shape[0]
     dev = self.mesh.devices.size
     chunk = max(dev, chunk // dev * dev)
