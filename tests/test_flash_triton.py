@@ -191,6 +191,27 @@ def test_block_mask_schedule_skips_excluded_tiles():
   np.testing.assert_array_equal(np.asarray(dv[:, excluded]), 0.0)
 
 
+@pytest.mark.parametrize("seed", [11, 12])
+def test_random_mask_layouts(seed):
+  """Seeded random combinations of lengths, tiles, causal, window, segments and GQA."""
+  rng = np.random.default_rng(seed)
+  q_len, kv_len = (int(x) for x in rng.integers(17, 140, size=2))
+  kv_heads = int(rng.choice([1, 2]))
+  window = [None, int(rng.integers(0, 40)),
+            (int(rng.integers(0, 60)), None if rng.random() < 0.3 else int(rng.integers(0, 20)))
+            ][int(rng.integers(0, 3))]
+  segments = None
+  if rng.random() < 0.5:
+    q_seg = _segments(rng, 1, q_len, pad_tail=int(rng.integers(0, 9)))
+    kv_seg = _segments(rng, 1, kv_len, pad_tail=int(rng.integers(0, 9)))
+    segments = (q_seg, kv_seg)
+  case = dict(q_len=q_len, kv_len=kv_len, q_heads=2 * kv_heads, kv_heads=kv_heads,
+              causal=bool(rng.random() < 0.5), window=window, segments=segments,
+              block_q=int(rng.choice([16, 32])), block_k=int(rng.choice([16, 32])), seed=seed)
+  got, want = _run(**case)
+  _assert_close(got, want, jnp.float32)
+
+
 def test_causal_schedule_skips_tiles():
   """A causal window visits only a band of tiles; the kernel loops over exactly those."""
   s = jax.jit(lambda: make_schedule(1024, 1024, 64, 32, causal=True,
