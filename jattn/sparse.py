@@ -527,14 +527,12 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
     ksg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, pad_k))).reshape(b, nk, bs)
 
   def chunk(ci):
-    rows = slice(None)
     start = ci * c * qbs
     qc = jax.lax.dynamic_slice_in_dim(qf, start, c * qbs, 1).reshape(b, c, qbs, hk, g, d)
     dc = jax.lax.dynamic_slice_in_dim(dof, start, c * qbs, 1).reshape(b, c, qbs, hk, g, dv)
     lc = jax.lax.dynamic_slice_in_dim(lse_p, start, c * qbs, 1).reshape(b, c, qbs, hk, g)
     tc = jax.lax.dynamic_slice_in_dim(delta, start, c * qbs, 1).reshape(b, c, qbs, hk, g)
     ic = jax.lax.dynamic_slice_in_dim(idx, ci * c, c, 2)                    # [b, hk, c, ms]
-    del rows
     safe = jnp.maximum(ic, 0).reshape(b, hk, c * ms)
     kg = jnp.take_along_axis(kb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, d)
     vg = jnp.take_along_axis(vb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, dv)
@@ -745,7 +743,6 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   qbs, bs = selection.q_block_size, selection.block_size
-  nk = selection.num_kv_blocks
   cq = int(max(1, min(q_len, max_chunk_elems // max(1, batch * hq * kv_len))))
   nc = _cdiv(q_len, cq)
   pad = nc * cq - q_len
@@ -778,7 +775,6 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     mass = jnp.where(ok, jnp.exp(lse_sel - jnp.where(ok, lse_all, 0.0)), 0.0)  # [b, hk, g, cq]
     return (mass.sum(-1).reshape(batch, hq), ok.sum(-1).reshape(batch, hq).astype(jnp.float32))
 
-  del nk
   mass, cnt = jax.lax.map(chunk, jnp.arange(nc))
   mass, cnt = mass.sum(0), cnt.sum(0)                                      # [b, hq]
   if reduce:
@@ -1211,7 +1207,7 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
     A list of row dicts (op, case, impl, ms, speedup, rel_err, ok, ...).
 
   Example:
-    >>> rows = bench_cases(time_fn, rel_err)   # doctest: +SKIP (needs a GPU)
+    >>> rows = bench_cases(time_fn, rel_err)   # doctest: +SKIP
   """
   rows = []
   for s in seqs:
