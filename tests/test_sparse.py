@@ -281,6 +281,12 @@ def test_block_sparse_attention_kernels_interpret(impl, bs, segments):
       lambda q, k, v: sp.block_sparse_attention(q, k, v, sel, implementation=impl,
                                                 interpret=True, **kw),
       lambda q, k, v: _dense(q, k, v, allowed, 1 / np.sqrt(d)), (q, k, v), 12, 2e-3)
+  if impl == "triton":
+    # The STE gate on top of the kernel (its VJP as residual) == the STE gate on the xla path.
+    ste = lambda impl_: lambda q, k, v: sp.sparse_attention(
+        q, k, v, block_size=bs, q_block_size=bs, top_k=1, gate_grad="ste",
+        implementation=impl_, interpret=True, **kw)
+    _vjp_check(ste("triton"), ste("xla"), (q, k, v), 16, 2e-3)
 
 
 def test_kernel_rejects_unsupported_block_sizes():
@@ -486,11 +492,14 @@ def test_sparse_paged_decode(impl):
   kw = dict(top_k=top_k, implementation=impl, interpret=True, return_indices=True)
   if impl == "triton":
     kw["num_splits"] = 3
-  ref, idx = jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, top_k=top_k,
-                                       implementation="xla", return_indices=True))(
-                                           q, kc, vc, lens, summ)
   out_c, idx_c = jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, **kw))(
       q, kc, vc, lens, summ)
+  if impl == "xla":
+    ref, idx = out_c, idx_c
+  else:
+    ref, idx = jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, top_k=top_k,
+                                         implementation="xla", return_indices=True))(
+                                             q, kc, vc, lens, summ)
   out_p, idx_p = jax.jit(functools.partial(sp.sparse_paged_decode_attention, **kw))(
       q, kp, vp, pt, lens, psumm)
   np.testing.assert_array_equal(np.asarray(idx_c), np.asarray(idx))
