@@ -371,7 +371,13 @@ def test_gumbel_deterministic_and_gradient():
     return _gate_reference(q, k, v, s1, (scale * sc + noise) / temp, scale)
 
   f = lambda q, k, v: sp.sparse_attention(q, k, v, rng=jax.random.key(0), **kw)[0]
-  _vjp_check(f, ref, (q, k, v), 15, 2e-3)
+  g_gumbel = _vjp_check(f, ref, (q, k, v), 15, 2e-3)
+  # The gate path adds gradient to q and k that plain attention over the same blocks lacks.
+  allowed = _allowed_from_indices(s1, s, s, True)
+  g_plain = _vjp_check(lambda q, k, v: _dense(q, k, v, allowed, scale),
+                       lambda q, k, v: _dense(q, k, v, allowed, scale), (q, k, v), 15, 2e-3)
+  assert _rel(g_gumbel[0], g_plain[0]) > 1e-2 and _rel(g_gumbel[1], g_plain[1]) > 1e-2
+  assert _rel(g_gumbel[2], g_plain[2]) < 1e-5
   with pytest.raises(ValueError, match="rng"):
     sp.sparse_attention(q, k, v, block_size=bs, top_k=1, gate_grad="gumbel")
   with pytest.raises(ValueError, match="gate_grad"):
