@@ -170,7 +170,8 @@ def test_half_precision(dtype):
   _assert_close(got, want, dtype)
 
 
-def test_block_mask_schedule_skips_excluded_tiles():
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_block_mask_schedule_skips_excluded_tiles(interpret):
   """A random tile mask (as block-sparse attention uses); NaN planted in K/V of a kv tile that
   no query tile visits must not reach any output or gradient: skipped tiles are never read."""
   batch, q_heads, kv_heads, q_len, bq, bk = 2, 4, 2, 96, 32, 16
@@ -184,7 +185,8 @@ def test_block_mask_schedule_skips_excluded_tiles():
     x[:, excluded] = np.nan
     return x
   got, want = _run(batch=batch, q_len=q_len, q_heads=q_heads, kv_heads=kv_heads, block_q=bq,
-                   block_k=bk, tile_mask=tile_mask, causal=True, poison=poison)
+                   block_k=bk, tile_mask=tile_mask, causal=True, poison=poison,
+                   interpret=interpret)
   _assert_close(got, want, jnp.float32)  # includes: no NaN anywhere
   _, _, (_, dk, dv) = got
   np.testing.assert_array_equal(np.asarray(dk[:, excluded]), 0.0)
@@ -262,7 +264,7 @@ def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **m
     fa = lambda q, k, v: ft.flash_attention(
         q, k, v, q_seg, kv_seg, s, causal=mask.get("causal", False),
         local_window_size=mask.get("local_window_size"), scale=0.1, logits_soft_cap=cap,
-        num_warps=bs.num_warps, num_stages=bs.num_stages)
+        block_sizes=bs)
     (o, l), vjp = jax.vjp(fa, q, k, v)
     return vjp((o, l))
 
