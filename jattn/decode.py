@@ -518,10 +518,13 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
       del paged_sets
     if sweep and not quick and case == cases[0][0]:
       default_splits = default_num_splits("triton", b, hk, n)
+      default_bs = kt.default_block_sizes(d, dtype)
       configs = [(bk, st, w, default_splits) for bk, st, w in (
-          (64, 2, 4), (64, 3, 4), (64, 4, 4), (128, 3, 4), (128, 4, 4), (128, 2, 8),
-          (128, 3, 8), (256, 2, 4), (256, 2, 8))]
-      configs += [(128, 2, 4, s) for s in (16, 64, 128) if s != default_splits]
+          (32, 3, 4), (32, 4, 4), (64, 2, 4), (64, 3, 4), (64, 4, 4), (64, 3, 8), (128, 2, 4),
+          (128, 3, 4), (128, 2, 8), (128, 3, 8), (256, 2, 4), (256, 2, 8))
+          if (bk, st, w) != (default_bs.block_k, default_bs.num_stages, default_bs.num_warps)]
+      configs += [(default_bs.block_k, default_bs.num_stages, default_bs.num_warps, s)
+                  for s in (16, 64, 128) if s != default_splits]
       for bk, st, w, s in configs:
         bs = kt.DecodeBlockSizes(block_k=bk, num_stages=st, num_warps=w)
         f = jax.jit(functools.partial(decode_attention, implementation="triton", num_splits=s,

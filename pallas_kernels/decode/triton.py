@@ -9,9 +9,11 @@ inner loop walks ``block_k`` keys per step: K and V tiles are loaded once, the l
 online softmax run in fp32, and there is no per-element divide inside the loop.
 
 The paged variant reads the same token range through the page table: for each key row it looks up
-``page_table[b, t // page_size]`` (a small int32 gather that stays in L1) and gathers the K/V rows
-of that page, so page boundaries never constrain the tiling and page sizes need not be powers of
-two.
+``page_table[b, t // page_size]`` (a small int32 gather that stays in L1, done one block ahead so
+that Triton double-buffers the K/V copies as in the contiguous kernel) and gathers the K/V rows of
+that page, so page boundaries never constrain the tiling and page sizes need not be powers of two.
+(Checked offline by compiling the lowered TTIR with Triton 3.5 for sm_90: both kernels use 16-byte
+cp.async copies into two shared-memory stages, about 70 KiB per program at the defaults.)
 
 Each program writes one partial (out, lse) per split; the caller merges the splits by log-sum-exp
 (``jattn.merge.merge_partials``). File layout: block sizes, kernel body, pallas_call wrappers.
@@ -46,39 +48,61 @@ class DecodeBlockSizes:
     num_warps: warps per program.
     num_stages: software-pipelining depth of the K/V loads.
   """
-  block_k: int = 128
+  block_k: int = 64
   num_warps: int = 4
-  num_stages: int = 2
+  num_stages: int = 3
 
   def __post_init__(self):
     if self.block_k < 16 or self.block_k & (self.block_k - 1):
       raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
 
 
-def default_block_sizes(head_dim, dtype):
+# Measured block sizes for 16-bit caches with head_dim <= 128, keyed by jax's device_kind
+# (e.g. "NVIDIA H200"); fill from the sweep rows of ``jattn.decode.bench_decode_cases``. Devices
+# not listed use the rule in ``default_block_sizes``.
+TUNED_BLOCK_SIZES: dict = {}
+
+
+def _device_kind():
+  try:
+    return jax.devices("gpu")[0].device_kind
+  except RuntimeError:
+    return None
+
+
+def default_block_sizes(head_dim, dtype, device_kind=None):
   """Block sizes used when none are given.
 
-  One pipelined K+V stage of 128 keys x 128 lanes in bf16 is 64 KiB of shared memory (about 72
-  KiB per program with num_stages=2, so three programs fit an H100/H200 SM); wider heads or
-  fp32 caches halve block_k to keep that footprint.
+  A 16-bit cache with head_dim <= 128 on a device listed in ``TUNED_BLOCK_SIZES`` uses that
+  entry. Otherwise: num_stages=3 (two shared-memory buffers per K and V tile, so the next block
+  is in flight while the current one is computed) and the largest block_k <= 128 whose K tile
+  fits 16 KiB (64 keys x 128 lanes in bf16: about 72 KiB of shared memory per program, so three
+  programs fit an H100/H200 SM).
 
   Args:
     head_dim: head dimension (padded to a power of two inside the kernel).
     dtype: cache dtype.
+    device_kind: jax device_kind string; default: the first GPU's, if any.
 
   Returns:
     A ``DecodeBlockSizes``.
 
   Example:
-    >>> default_block_sizes(128, jnp.bfloat16).block_k
-    128
+    >>> default_block_sizes(128, jnp.bfloat16, device_kind="cpu").block_k
+    64
   """
   d_pad = max(16, _next_pow2(head_dim))
-  tile_bytes = 128 * d_pad * jnp.dtype(dtype).itemsize
-  return DecodeBlockSizes(block_k=128 if tile_bytes <= 32 * 1024 else 64)
+  itemsize = jnp.dtype(dtype).itemsize
+  kind = _device_kind() if device_kind is None else device_kind
+  if itemsize == 2 and d_pad <= 128 and kind in TUNED_BLOCK_SIZES:
+    return TUNED_BLOCK_SIZES[kind]
+  block_k = 128
+  while block_k > 16 and block_k * d_pad * itemsize > 16 * 1024:
+    block_k //= 2
+  return DecodeBlockSizes(block_k=block_k, num_warps=4, num_stages=3)
 
 
-def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=128):
+def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64):
   """Heuristic split count: about two programs per multiprocessor, >= 4 key blocks per split.
 
   Args:
@@ -145,16 +169,25 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   offs = jnp.arange(block_k, dtype=jnp.int32)                        # [block_k]
   inv_cap = None if soft_cap is None else 1.0 / soft_cap
 
+  def rows_of(pos, valid):
+    """Paged: cache rows of tokens ``pos`` through the page table (a small int32 gather)."""
+    page = plgpu.load(pt_ref.at[b, pos // page_size], mask=valid, other=0)      # [block_k]
+    return page * page_size + pos % page_size
+
   def body(i, carry):
-    acc, m_prev, l_prev = carry
+    acc, m_prev, l_prev, krow = carry
     pos = lo + i * block_k + offs                                    # [block_k] token index
     valid = pos < length
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
     if pt_ref is None:
       k = plgpu.load(k_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+      krow_next = krow
     else:
-      page = plgpu.load(pt_ref.at[b, pos // page_size], mask=valid, other=0)   # [block_k]
-      krow = page * page_size + pos % page_size
+      # The rows of block i arrive through the loop carry and block i + 1's are looked up
+      # here: the K/V addresses never wait on a table load of the same iteration, and Triton
+      # double-buffers the K/V copies exactly as in the contiguous case.
+      pos_next = pos + block_k
+      krow_next = rows_of(pos_next, pos_next < length)
       k = plgpu.load(k_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale   # [g_pad, block_k] fp32
     if soft_cap is not None:
@@ -170,12 +203,17 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
     else:
       v = plgpu.load(v_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, d_pad]
-    return acc * alpha[:, None] + pv, m_new, l_new
+    return acc * alpha[:, None] + pv, m_new, l_new, krow_next
 
   acc0 = jnp.zeros((g_pad, d_pad), jnp.float32)
   m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
   l0 = jnp.zeros((g_pad,), jnp.float32)
-  acc, m, l = jax.lax.fori_loop(blk_begin, blk_end, body, (acc0, m0, l0))
+  if pt_ref is None:
+    krow0 = jnp.zeros((), jnp.int32)                                 # unused
+  else:
+    pos0 = lo + blk_begin * block_k + offs
+    krow0 = rows_of(pos0, (pos0 < length) & (blk_begin < blk_end))
+  acc, m, l, _ = jax.lax.fori_loop(blk_begin, blk_end, body, (acc0, m0, l0, krow0))
 
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
