@@ -511,3 +511,46 @@ def test_sparse_paged_decode(impl):
   np.testing.assert_array_equal(np.asarray(idx_c), np.asarray(idx))
   np.testing.assert_array_equal(np.asarray(idx_p), np.asarray(idx))
   assert _rel(out_c, ref) < 2e-3 and _rel(out_p, ref) < 2e-3
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,qbs,bs,tol", [(jnp.bfloat16, 128, 64, 2e-2),
+                                              (jnp.float32, 64, 32, 2e-3)])
+def test_gpu_block_sparse_triton(dtype, qbs, bs, tol):
+  """Triton kernels on the GPU vs the fp32 reference over the selection (fwd + VJP), with
+  packed segment ids and GQA; and the STE gate over the kernel vs the xla path."""
+  rng = np.random.default_rng(6)
+  b, s, hq, hk, d = 2, 2048, 4, 2, 128
+  q, k, v = _qkv(17, b, s, s, hq, hk, d, dtype)
+  seg = jnp.asarray(_packed_segments(rng, b, s, max_docs=3))
+  kw = dict(block_size=bs, q_block_size=qbs, top_k=4, segment_ids=seg)
+  sel = select(q, k, **kw)
+  up = lambda x: x.astype(jnp.float32)
+  ref = lambda q, k, v: sp.block_sparse_attention(up(q), up(k), up(v), sel, segment_ids=seg,
+                                                  implementation="xla").astype(q.dtype)
+  _vjp_check(lambda q, k, v: sp.block_sparse_attention(q, k, v, sel, segment_ids=seg,
+                                                       implementation="triton"),
+             ref, (q, k, v), 18, tol)
+  ste = lambda impl: lambda q, k, v: sp.sparse_attention(
+      up(q), up(k), up(v), gate_grad="ste", implementation=impl, **kw)
+  if dtype == jnp.float32:
+    _vjp_check(ste("triton"), ste("xla"), (q, k, v), 19, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_decode_triton():
+  b, n, hq, hk, d, bs, top_k = 2, 32768, 32, 8, 128, 64, 96
+  ks = jax.random.split(jax.random.key(20), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.bfloat16)
+  kc = jax.random.normal(ks[1], (b, n, hk, d), jnp.bfloat16)
+  vc = jax.random.normal(ks[2], (b, n, hk, d), jnp.bfloat16)
+  lens = jnp.array([n, 20000])
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  run = lambda impl: jax.jit(functools.partial(
+      sp.sparse_decode_attention, block_size=bs, top_k=top_k, implementation=impl,
+      return_indices=True))(q, kc, vc, lens, summ)
+  out_t, idx_t = run("triton")
+  out_x, idx_x = run("xla")
+  np.testing.assert_array_equal(np.asarray(idx_t), np.asarray(idx_x))
+  assert _rel(out_t, out_x) < 2e-2
