@@ -195,7 +195,8 @@ def _visible_pairs(q_len, kv_len, causal, window):
 
 def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 16,
            head_dim: int = 128, *, causal: bool = True, local_window_size=None,
-           dtype=jnp.bfloat16, configs=None, iters: int = 10, verbose: bool = True):
+           dtype=jnp.bfloat16, configs=None, iters: int = 10, verbose: bool = True,
+           interpret: bool = False):
   """Time forward and forward+backward of the compiled kernels for each candidate config (GPU).
 
   TFLOP/s count only visible (query, key) pairs: forward 4*B*Hq*D*pairs, forward+backward
@@ -208,6 +209,7 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
     configs: list of ``BlockSizes`` (default: ``_bench_configs(head_dim, dtype)``).
     iters: timed iterations (median reported) after one warm-up.
     verbose: print one line per config.
+    interpret: run in the Pallas interpreter (only to smoke-test this helper on a CPU).
 
   Returns:
     A list of dicts: config, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops, error (a config
@@ -246,7 +248,7 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
                             local_window_size=window)
       return flash_attention(
           q, k, v, None, None, sched, causal=causal, local_window_size=window,
-          scale=head_dim ** -0.5, logits_soft_cap=None, block_sizes=cfg)
+          scale=head_dim ** -0.5, logits_soft_cap=None, block_sizes=cfg, interpret=interpret)
 
     fwd = jax.jit(lambda q, k, v: attn(q, k, v)[0])
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)[0].astype(jnp.float32)),
