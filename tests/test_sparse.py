@@ -554,3 +554,20 @@ def test_gpu_sparse_decode_triton():
   out_x, idx_x = run("xla")
   np.testing.assert_array_equal(np.asarray(idx_t), np.asarray(idx_x))
   assert _rel(out_t, out_x) < 2e-2
+
+
+def test_sparse_attention_lowers_for_tpu():
+  """Selection + Mosaic TPU kernels (forward and VJP, STE gate) lower for TPU (jax.export)."""
+  _kernel_module_or_skip("mosaic_tpu")
+  b, s, hq, hk, d = 1, 1024, 4, 2, 128
+  q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out = sp.sparse_attention(q, k, v, block_size=128, q_block_size=128, top_k=2,
+                              gate_grad="ste", implementation="mosaic_tpu")
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["tpu"])(
+      q, kv, kv)
+  assert exp.mlir_module().count("tpu_custom_call") == 3  # forward, dQ, dK/dV
