@@ -1182,7 +1182,8 @@ def causal_top_k_for_density(seq_len, fraction, *, block_size, q_block_size, num
 
 def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128,
                 configs=((128, 64), (128, 128)), fraction=0.19, implementation="triton",
-                decode_len=131072, decode_heads=(32, 8), decode_block_size=64):
+                decode_len=131072, decode_heads=(32, 8), decode_block_size=64,
+                ste_seqs=(16384,)):
   """H200 benchmark rows for ``experiments/bench_kernels.py --ops sparse``.
 
   Training (B1, H16, D128, bf16, causal): dense ``flash_attention(causal=True)`` versus
@@ -1192,7 +1193,8 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
   the Triton kernel's default 128x64 tile and InfLLM's 64-token key blocks (the recommended
   setting), then (128, 128) (FlexAttention's block size in the anchors).
   Rows: op "sparse_fwdbwd" (dense and sparse ms), "sparse_select" (scoring + top-k + schedule ms
-  and its fraction of the sparse time), "sparse_speedup" (dense / sparse).
+  and its fraction of the sparse time), "sparse_speedup" (dense / sparse); at ``ste_seqs`` also
+  the gate_grad="ste" fwd+bwd time (its extra XLA gate-gradient pass).
   Decode (B1, GQA 32:8, D128, bf16, 128K, 64-token blocks, ~19% of blocks): dense
   ``jattn.decode.decode_attention`` vs :func:`sparse_decode_attention` ("triton" and "xla"),
   selection included; op "sparse_decode" and "sparse_decode_speedup".
@@ -1201,6 +1203,7 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
     time_fn: ``time_fn(fn, arg_sets) -> (median_ms, spread_ms)`` (bench_kernels.time_fn).
     rel_err: ``rel_err(x, ref) -> float``.
     seqs, heads, head_dim, configs, fraction, implementation: training cases.
+    ste_seqs: sequence lengths at which the STE variant is timed too (first config only).
     decode_len, decode_heads, decode_block_size: the decode case.
 
   Returns:
@@ -1268,6 +1271,12 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
         rows.append(dict(op="sparse_speedup", case=case, impl=f"jattn_{implementation}",
                          speedup=ms_dense / ms_sparse, dense_ms=ms_dense, sparse_ms=ms_sparse,
                          select_ms=ms_sel, causal_fraction=dens, ok=ok))
+        if s in ste_seqs and (qbs, bs) == tuple(configs[0]):
+          ste = fwdbwd(lambda q, k, v: sparse_attention(q, k, v, gate_grad="ste", **kw))
+          ms_ste, sp_ste = time_fn(ste, sets)
+          rows.append(dict(op="sparse_fwdbwd", case=case,
+                           impl=f"jattn_{implementation}_sparse_ste", ms=ms_ste,
+                           spread_ms=sp_ste, ste_overhead=ms_ste / ms_sparse))
       except Exception as e:  # record the failure, keep benchmarking
         rows.append(dict(op="sparse_speedup", case=case, impl=f"jattn_{implementation}",
                          ok=False, error=f"{type(e).__name__}: {e}"[:500]))
