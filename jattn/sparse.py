@@ -922,6 +922,14 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
     >>> select_decode_blocks(q, s, jnp.array([500]), top_k=2).shape
     (1, 2, 4)
   """
+  return _decode_select(q, block_summaries, kv_lengths, top_k=top_k,
+                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
+                        sort=True)
+
+
+def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks,
+                   sort):
+  """select_decode_blocks; sort=False returns the unsorted list (forced, then top-k; -1 gaps)."""
   _check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks, num_local_blocks)
   b, hq, d = q.shape
   means = block_summaries.means()                                          # [b, nb, hk, d]
@@ -951,10 +959,12 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
     _, tidx = jax.lax.top_k(jnp.where(cand, scores, -jnp.inf), k_eff)
     tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
     parts.append(jnp.where(tvalid, tidx, -1))
-  ms = max(1, min(n_forced + k_eff, nb))
   if not parts:
     return jnp.full((b, hk, 1), -1, jnp.int32)
   allidx = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
+  if not sort:
+    return allidx
+  ms = max(1, min(n_forced + k_eff, nb))
   key = jnp.sort(jnp.where(allidx < 0, nb, allidx), axis=-1)[..., :ms]
   return jnp.where(key >= nb, -1, key).astype(jnp.int32)
 
@@ -1032,25 +1042,27 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     impl = "triton" if compat.default_backend() == "gpu" else "xla"
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  indices = select_decode_blocks(q, block_summaries, kv_lengths, top_k=top_k,
-                                 num_init_blocks=num_init_blocks,
-                                 num_local_blocks=num_local_blocks)
+  sel_kw = dict(top_k=top_k, num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
   if impl == "xla":
+    indices = _decode_select(q, block_summaries, kv_lengths, sort=True, **sel_kw)
     out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
   else:
+    # The kernel takes the list in any order with -1 gaps: no sort on the decode path.
+    slots = _decode_select(q, block_summaries, kv_lengths, sort=False, **sel_kw)
     from jattn.merge import merge_partials
     from pallas_kernels.decode.triton import default_num_splits
     from pallas_kernels.sparse.decode import sparse_decode_partials
-    counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
     if num_splits is None:
-      num_splits = default_num_splits(q.shape[0], k.shape[2], indices.shape[-1] * block_size,
+      num_splits = default_num_splits(q.shape[0], k.shape[2], slots.shape[-1] * block_size,
                                       block_k=block_size)
-    outs, lses = sparse_decode_partials(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
-                                        counts, page_table, block_size=block_size,
+    outs, lses = sparse_decode_partials(q, k, v, jnp.asarray(kv_lengths, jnp.int32), slots,
+                                        page_table, block_size=block_size,
                                         num_splits=int(num_splits), scale=float(scale),
                                         interpret=interpret)
     out, lse = merge_partials(outs, lses, axis=1)
     out = out.astype(q.dtype)
+    if return_indices:
+      indices = _decode_select(q, block_summaries, kv_lengths, sort=True, **sel_kw)
   res = (out,)
   if return_lse:
     res += (lse,)

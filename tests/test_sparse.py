@@ -477,12 +477,12 @@ def test_sparse_decode_matches_reference_and_training_selection():
 def test_sparse_paged_decode(impl):
   """Paged cache (shuffled pages) == contiguous cache, for the xla path and the Triton kernel
   (interpret mode, several splits); paged summaries == contiguous ones."""
-  b, n, hq, hk, d, bs, top_k = 2, 200, 4, 2, 16, 16, 2
+  b, n, hq, hk, d, bs, top_k = 3, 200, 4, 2, 16, 16, 2
   ks = jax.random.split(jax.random.key(14), 3)
   q = jax.random.normal(ks[0], (b, hq, d))
   kc = jax.random.normal(ks[1], (b, n, hk, d))
   vc = jax.random.normal(ks[2], (b, n, hk, d))
-  lens = jnp.array([200, 70])
+  lens = jnp.array([200, 70, 20])                    # 20: only forced blocks, empty top-k slots
   nb = -(-n // bs)
   pt = jnp.asarray(np.random.default_rng(5).permutation(b * nb + 3)[:b * nb].reshape(b, nb),
                    jnp.int32)

@@ -1,11 +1,12 @@
 """Top-K block-sparse decode in portable Pallas GPU (Triton lowering), contiguous and paged.
 
 One program per (batch, kv head, split). Each (batch, kv head) carries its own list of selected
-cache blocks (``indices[b, h, :counts[b, h]]``, ascending), so the selection of a kv head is
+cache blocks (``indices[b, h, :]``, any order, -1 for unused slots), so the selection of a kv head is
 shared by its query heads but differs between kv heads: the list acts as a per-head page table
 over the cache viewed as blocks of ``block_size`` tokens (paged caches: ``page_size ==
 block_size`` and the block id goes through the page table). A split walks a contiguous share of
-the list; each step loads one block's K and V rows of head h (masked past the sequence length),
+the list; each step loads one block's K and V rows of head h (masked past the sequence length
+and for -1 slots, which read no memory),
 runs the online softmax in fp32 and accumulates; the splits' partial (out, lse) are merged by
 log-sum-exp (``jattn.merge.merge_partials``). All query heads of the group form one [g_pad, d_pad]
 tile, so each selected K/V byte is read from HBM once.
@@ -27,11 +28,11 @@ from pallas_kernels import compat
 __all__ = ["sparse_decode_partials"]
 
 
-def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
-            head_dim, d_pad, num_splits, capacity, paged):
+def _kernel(lens_ref, idx_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
+            head_dim, d_pad, num_splits, num_slots, capacity, paged):
   """One (batch, kv head, split) program.
 
-  Refs: lens [B]; idx [B, Hk, M]; cnt [B, Hk]; q [B, Hq, D]; k, v [B, N, Hk, D] (contiguous) or
+  Refs: lens [B]; idx [B, Hk, M] (-1 = unused); q [B, Hq, D]; k, v [B, N, Hk, D] (contiguous) or
   [P * block, Hk, D] (paged, page table [B, max_pages] first in ``rest``); outputs o
   [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32.
   """
@@ -44,10 +45,9 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   h = pl.program_id(1)
   split = pl.program_id(2)
   length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[b]), capacity), 0)   # scalar
-  count = plgpu.load(cnt_ref.at[b, h])
-  per_split = pl.cdiv(count, num_splits)
-  begin = jnp.minimum(split * per_split, count)
-  end = jnp.minimum(begin + per_split, count)
+  per_split = pl.cdiv(num_slots, num_splits)
+  begin = jnp.minimum(split * per_split, num_slots)
+  end = jnp.minimum(begin + per_split, num_slots)
 
   rows = jnp.arange(g_pad, dtype=jnp.int32)                          # [g_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
@@ -62,9 +62,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
 
   def body(s, carry):
     acc, m_prev, l_prev = carry
-    blk = plgpu.load(idx_ref.at[b, h, s])                            # selected block id
+    blk = plgpu.load(idx_ref.at[b, h, s])                            # selected block id or -1
+    ok = blk >= 0
+    blk = jnp.maximum(blk, 0)
     pos = blk * block + offs                                         # [block] token index
-    valid = pos < length
+    valid = (pos < length) & ok
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
     if paged:
       page = plgpu.load(pt_ref.at[b, blk])
@@ -74,10 +76,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
       k = plgpu.load(k_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
     sc = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [g_pad, block] fp32
     sc = jnp.where(valid[None, :], sc, -jnp.inf)
-    # A selected block always holds >= 1 visible key, so m_new is finite from the first step.
+    # m_new stays -inf while only unused (-1) slots have been visited: shift by 0 then.
     m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1))                  # [g_pad]
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(sc - m_new[:, None])                                 # [g_pad, block]
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m_prev - m_use)
+    p = jnp.exp(sc - m_use[:, None])                                 # [g_pad, block]
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
     if paged:
       v = plgpu.load(v_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
@@ -100,7 +103,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "num_warps",
                                              "num_stages", "interpret"))
-def sparse_decode_partials(q, k, v, kv_lengths, indices, counts, page_table=None, *, block_size,
+def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, *, block_size,
                            num_splits, scale=None, num_warps=4, num_stages=2, interpret=False):
   """Per-split partial decode attention over each kv head's selected cache blocks (Triton).
 
@@ -109,9 +112,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, counts, page_table=None
     k, v: contiguous caches [batch, max_len, kv_heads, head_dim], or with ``page_table`` page
       pools [num_pages, block_size, kv_heads, head_dim] (page size = block size).
     kv_lengths: int32 [batch]; keys at positions >= kv_lengths are masked.
-    indices: int32 [batch, kv_heads, max_selected]: selected block ids, the first
-      ``counts[b, h]`` valid (each must hold at least one position < kv_lengths[b]).
-    counts: int32 [batch, kv_heads].
+    indices: int32 [batch, kv_heads, max_selected]: selected block ids in any order, -1 for
+      unused slots (positions >= kv_lengths[b] are masked).
     page_table: None or int32 [batch, max_pages]: block j of sequence b is page
       ``page_table[b, j]``.
     block_size: tokens per block, a power of two >= 16.
@@ -126,8 +128,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, counts, page_table=None
 
   Example:
     >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))
-    >>> idx = jnp.array([[[0, 2], [1, 2]]], jnp.int32); cnt = jnp.array([[2, 2]], jnp.int32)
-    >>> o, lse = sparse_decode_partials(q, k, k, jnp.array([40], jnp.int32), idx, cnt,
+    >>> idx = jnp.array([[[2, 0], [1, -1]]], jnp.int32)
+    >>> o, lse = sparse_decode_partials(q, k, k, jnp.array([40], jnp.int32), idx,
     ...                                 block_size=16, num_splits=2, interpret=True)
     >>> o.shape
     (1, 2, 4, 16)
@@ -146,9 +148,9 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, counts, page_table=None
     v = v.reshape(num_pages * page_size, hk, v.shape[-1])
   else:
     _, capacity, hk, _ = k.shape
-  if indices.shape[:2] != (bsz, hk) or counts.shape != (bsz, hk):
-    raise ValueError(f"indices [batch, kv_heads, m] / counts [batch, kv_heads] expected for "
-                     f"batch {bsz}, kv_heads {hk}; got {indices.shape}, {counts.shape}")
+  if indices.ndim != 3 or indices.shape[:2] != (bsz, hk):
+    raise ValueError(f"indices must be [batch, kv_heads, m] = [{bsz}, {hk}, m], got "
+                     f"{indices.shape}")
   group = hq // hk
   g_pad = max(16, pl.next_power_of_2(group))
   d_pad = max(16, pl.next_power_of_2(d))
@@ -156,11 +158,10 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, counts, page_table=None
     scale = 1.0 / math.sqrt(d)
   kernel = functools.partial(_kernel, scale=float(scale), block=block_size, group=group,
                              g_pad=g_pad, head_dim=d, d_pad=d_pad, num_splits=num_splits,
-                             capacity=capacity, paged=paged)
+                             num_slots=indices.shape[-1], capacity=capacity, paged=paged)
   out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, d), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
-  args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32), counts.astype(jnp.int32), q, k,
-          v]
+  args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32), q, k, v]
   if paged:
     args.append(page_table.astype(jnp.int32))
   return pl.pallas_call(
