@@ -137,9 +137,9 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
           num_splits, scale, window_left, logits_soft_cap, interpret):
   bsz, hq, d = q.shape
   group = hq // kv_heads
-  sub = 8 if jnp.dtype(q.dtype).itemsize == 4 else 16
+  sub = 8 if jnp.dtype(k2.dtype).itemsize == 4 else 16
   g_pad = -(-group // sub) * sub
-  q4 = q.reshape(bsz, kv_heads, group, d)
+  q4 = q.astype(k2.dtype).reshape(bsz, kv_heads, group, d)  # dots in the cache dtype
   if g_pad != group:
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
   if scale is None:

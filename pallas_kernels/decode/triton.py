@@ -164,8 +164,8 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   q_mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
   q = plgpu.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=q_mask, other=0)
   assert q.shape == (g_pad, d_pad)                                   # [g_pad, d_pad]
-  fp32_dot = q.dtype == jnp.float32
-  precision = jax.lax.Precision.HIGHEST if fp32_dot else None
+  q = q.astype(k_ref.dtype)          # the dots run in the cache dtype, accumulating in fp32
+  precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
   offs = jnp.arange(block_k, dtype=jnp.int32)                        # [block_k]
   inv_cap = None if soft_cap is None else 1.0 / soft_cap
 
