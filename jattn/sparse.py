@@ -486,13 +486,15 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
 
 # ----------------------------------------------------------------------------- gate gradients
 def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *, causal, scale,
-                      max_chunk_elems=1 << 24):
+                      max_chunk_elems=1 << 25):
   """Per kept tile, the sum of dLoss/dlogit over its elements, its query heads of the group.
 
   G[b, g, i, s] = sum_{h in group g, q in block i, k in block indices[b, g, i, s]} dS[b, h, q, k],
   dS = P * (dO.v - delta), delta = dO.out - dlse, P = exp(scale*q.k - lse) on visible elements.
-  This is the cotangent of a per-tile logit bias at zero. Computed in fp32 by gathering the kept
-  key blocks, chunked over query blocks (memory ~ max_chunk_elems floats per chunk).
+  This is the cotangent of a per-tile logit bias at zero. Computed by gathering the kept key
+  blocks, chunked over query blocks (memory ~ max_chunk_elems floats per chunk); the matmuls run
+  in the input dtype with fp32 accumulation (fp32 inputs: HIGHEST precision), the softmax algebra
+  in fp32.
 
   Returns:
     fp32 [batch, kv_heads, num_q_blocks, max_selected] (0 in sentinel slots).
@@ -506,17 +508,19 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
   nc = _cdiv(nq, c)
   sq_pad = nc * c * qbs
   f32 = jnp.float32
+  dt = jnp.promote_types(q.dtype, k.dtype)
+  prec = _HIGHEST if dt == f32 else None
   pad_q = lambda x, val=0: jnp.pad(x, ((0, 0), (0, sq_pad - sq)) + ((0, 0),) * (x.ndim - 2),
                                   constant_values=val)
-  qf = pad_q(q.astype(f32))
-  dof = pad_q(dout.astype(f32))
+  qf = pad_q(q.astype(dt))
+  dof = pad_q(dout.astype(dt))
   delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1)                  # [b, sq, hq]
   delta = delta - jnp.swapaxes(dlse.astype(f32), 1, 2)
   delta = pad_q(delta)
   lse_p = pad_q(jnp.swapaxes(lse.astype(f32), 1, 2), -jnp.inf)             # [b, sq_pad, hq]
   pad_k = nk * bs - sk
-  kb = jnp.pad(k.astype(f32), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
-  vb = jnp.pad(v.astype(f32), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+  kb = jnp.pad(k.astype(dt), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+  vb = jnp.pad(v.astype(dt), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
   kb = jnp.transpose(kb.reshape(b, nk, bs, hk, d), (0, 3, 1, 2, 4))        # [b, hk, nk, bs, d]
   vb = jnp.transpose(vb.reshape(b, nk, bs, hk, dv), (0, 3, 1, 2, 4))
   idx = jnp.pad(selection.indices, ((0, 0), (0, 0), (0, nc * c - nq), (0, 0)),
@@ -536,8 +540,10 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
     safe = jnp.maximum(ic, 0).reshape(b, hk, c * ms)
     kg = jnp.take_along_axis(kb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, d)
     vg = jnp.take_along_axis(vb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, dv)
-    s = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", qc, kg, precision=_HIGHEST) * scale
-    dp = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", dc, vg, precision=_HIGHEST)
+    s = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", qc, kg, precision=prec,
+                   preferred_element_type=f32) * scale
+    dp = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", dc, vg.astype(dt), precision=prec,
+                    preferred_element_type=f32)
     q_pos = start + jnp.arange(c * qbs).reshape(c, qbs) + q_off             # [c, qbs]
     k_pos = ic[..., None] * bs + jnp.arange(bs)                             # [b, hk, c, ms, bs]
     mask = (ic[..., None] >= 0) & (k_pos < sk)
