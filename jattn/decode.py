@@ -441,8 +441,8 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
 
   Returns:
     A generator of row dicts: op "decode", case, impl, ms, spread_ms, tbps, speedup (vs jax.nn
-    cudnn in the same case, when it ran), rel_err (vs the fp32 reference), ok, and error when
-    a row failed.
+    cudnn in the same case, when it ran), rel_err (vs the fp32 reference), ok, config (jattn
+    triton rows: block_k, num_stages, num_warps, num_splits), and error when a row failed.
 
   Example:
     >>> rows = bench_decode_cases(time_fn, rel_err, quick=True)   # doctest: +SKIP
@@ -462,7 +462,7 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
   except Exception:  # pragma: no cover - optional anchor
     jax_pallas_decode = None
 
-  def row(case, impl, fn, arg_sets, ref, nbytes, base_ms):
+  def row(case, impl, fn, arg_sets, ref, nbytes, base_ms, config=None):
     try:
       out = fn(*arg_sets[0])
       err = rel_err(out, ref)
@@ -471,6 +471,8 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
                tbps=nbytes / (ms * 1e-3) / 1e12, rel_err=err, ok=bool(err < 2e-2))
       if base_ms:
         r["speedup"] = base_ms / ms
+      if config:
+        r["config"] = config
       return r
     except Exception as e:  # record the failure and keep going
       return dict(op="decode", case=case, impl=impl, ok=False, error=f"{type(e).__name__}: {e}")
@@ -501,9 +503,12 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
                                                               k_splits=16))
       yield row(case, "jax_pallas_gqa_decode_k16", f, contiguous, ref, nbytes, base_ms)
 
+    bs0 = kt.default_block_sizes(d, dtype)
+    config = (f"bk{bs0.block_k},st{bs0.num_stages},w{bs0.num_warps},"
+              f"sp{default_num_splits('triton', b, hk, n)}")
     f = jax.jit(functools.partial(decode_attention, implementation="triton",
                                   interpret=interpret))
-    yield row(case, "jattn_triton", f, contiguous, ref, nbytes, base_ms)
+    yield row(case, "jattn_triton", f, contiguous, ref, nbytes, base_ms, config)
     if lengths_list is not None or not quick:
       f = jax.jit(functools.partial(decode_attention, implementation="xla"))
       yield row(case, "jattn_xla", f, contiguous, ref, nbytes, base_ms)
@@ -514,7 +519,8 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
         paged_sets.append((q, kp, vp, table, lengths))
       f = jax.jit(functools.partial(paged_decode_attention, implementation="triton",
                                   interpret=interpret))
-      yield row(case, f"jattn_triton_paged_ps{page_size}", f, paged_sets, ref, nbytes, base_ms)
+      yield row(case, f"jattn_triton_paged_ps{page_size}", f, paged_sets, ref, nbytes, base_ms,
+                config)
       del paged_sets
     if sweep and not quick and case == cases[0][0]:
       default_splits = default_num_splits("triton", b, hk, n)
