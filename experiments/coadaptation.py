@@ -74,7 +74,8 @@ class Preset:
     seeds: default number of seeds.
     curriculum_start, curriculum_ramp: needle span starts at this fraction of the haystack and
       reaches the full haystack at this fraction of the steps.
-    param_dtype: parameter dtype of the model.
+    param_dtype: parameter dtype of the model (the master copy).
+    compute_dtype: None or "bfloat16": mixed-precision forward/backward (``Trainer``).
     cache_dtype: KV-cache dtype of the decode benchmark.
     decode_tokens: tokens timed in the decode benchmark.
     analysis_rows: eval rows used for attention maps / captured mass.
@@ -114,6 +115,7 @@ class Preset:
   curriculum_start: float = 0.125
   curriculum_ramp: float = 0.5
   param_dtype: str = "float32"
+  compute_dtype: str | None = None
   cache_dtype: str = "float32"
   decode_tokens: int = 16
   analysis_rows: int = 4
@@ -132,12 +134,14 @@ class Preset:
 
 PRESETS = {
     # CI: a 2-core CPU, ~1-2 minutes for all variants.
-    "smoke": Preset(name="smoke", seq_len=256, num_layers=6, d_model=32, num_heads=2,
-                    num_kv_heads=1, head_dim=16, batch_size=8, steps=30, lr=3e-3,
-                    warmup_steps=5, block_size=8, window=32, csa_top_k=8, csa_window=16,
-                    num_pairs=4, num_queries=2, corpus_bytes=300_000, eval_retrieval=16,
-                    eval_text=8, decode_tokens=4, analysis_rows=2, curve_points=2,
-                    ckpt_every=10, log_every=5),
+    # CI: a 2-core CPU, about 1-2 minutes for all variants. Three layers (periodic 2:1 instead of
+    # 5:1 local/global) to keep compile time down; the numbers are not meant to be meaningful.
+    "smoke": Preset(name="smoke", seq_len=256, num_layers=3, d_model=32, num_heads=2,
+                    num_kv_heads=1, head_dim=16, batch_size=8, steps=20, lr=3e-3,
+                    warmup_steps=4, block_size=8, window=32, local_per_global=2, csa_top_k=8,
+                    csa_window=16, num_pairs=4, num_queries=2, corpus_bytes=300_000,
+                    eval_retrieval=16, eval_text=8, decode_tokens=4, analysis_rows=2,
+                    curve_points=2, ckpt_every=10, log_every=4),
     # CPU: < 30 minutes for every variant and 3 seeds.
     "cpu": Preset(name="cpu", seq_len=512, num_layers=6, d_model=64, num_heads=4, num_kv_heads=2,
                   head_dim=16, batch_size=16, steps=400, lr=3e-3, warmup_steps=40, block_size=16,
@@ -148,7 +152,8 @@ PRESETS = {
                    num_kv_heads=2, head_dim=64, batch_size=16, steps=600, lr=2e-3,
                    warmup_steps=60, block_size=64, window=512, csa_top_k=64, csa_window=512,
                    num_pairs=16, num_queries=8, corpus_bytes=None, eval_retrieval=64,
-                   eval_text=32, cache_dtype="bfloat16", decode_tokens=32, ckpt_every=200,
+                   eval_text=32, cache_dtype="bfloat16",
+                   compute_dtype="bfloat16", decode_tokens=32, ckpt_every=200,
                    log_every=20),
 }
 
@@ -349,7 +354,8 @@ def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True):
   from experiments.train_lib import Trainer
   p = ctx.preset
   model = build_model(p, variant, seed)
-  trainer = Trainer(model, _opt(p), mesh=ctx.mesh, seed=seed, use_segments=uses_segments(variant))
+  trainer = Trainer(model, _opt(p), mesh=ctx.mesh, seed=seed, use_segments=uses_segments(variant),
+                    compute_dtype=p.compute_dtype)
   finished = trainer.fit(ctx.stream(seed), p.steps, ckpt_dir=os.path.join(run_dir, "ckpt"),
                          ckpt_every=p.ckpt_every, stop_after=stop_after, log_every=p.log_every,
                          desc=f"{variant} s{seed}", progress=progress,
@@ -599,6 +605,7 @@ def analyse(ctx, variant, graphdef, params, rest, *, retrieval_head=None, curve=
   pool = max(1, s // 128)
   P_full = _probs(qks[L]["q"][:1], qks[L]["k"][:1])[0, H]                      # [s, s]
   out = {"retrieval_head": list(retrieval_head), "needle_attention": scores.tolist(),
+         "needle_blocks": needle_of[0] // bs, "answer_blocks": ans_pos[0] // bs,
          "heat_full": np.asarray(pool_blocks(P_full, pool)), "selection": None,
          "mass_curve": None}
   out["heat"] = out["heat_full"]
@@ -712,7 +719,8 @@ def _final(curves, key, last=3):
 
 def _save_analysis(path, an):
   arrays = {k: np.asarray(v) for k, v in an.items()
-            if k in ("heat", "heat_full", "selection") and v is not None}
+            if k in ("heat", "heat_full", "selection", "needle_blocks", "answer_blocks")
+            and v is not None}
   np.savez_compressed(path, **arrays)
 
 
@@ -758,6 +766,7 @@ def finish_run(ctx, variant, seed, run_dir, trainer, *, graphdef=None, params=No
   t0 = time.perf_counter()
   ret = trainer.evaluate(ctx.eval_retrieval, **kw)
   txt = trainer.evaluate(ctx.eval_text, **kw)
+  pr = trainer.cast(pr)  # analysis and decode run in the compute dtype, as training did
   an = analyse(ctx, variant, gd, pr, rs, retrieval_head=retrieval_head, curve=seed == 0)
   dms = decode_ms(gd, pr, rs, ctx.eval_retrieval["inputs"][0], num_tokens=p.decode_tokens,
                   dtype=p.cache_dtype)
@@ -967,7 +976,8 @@ def make_figures(out_dir, rows, seed=0):
     attention probabilities (log scale); sparse variants as computed (restricted to the kept
     blocks), the full model's dense map, the post-hoc selection applied to it.
   * ``selection.png``: kept blocks of that head (query block x key block) for post-hoc top-K
-    and the trained sparse variants, with the needle and answer blocks of episode 0 marked.
+    and the trained sparse variants; red circles: (needle block, answer block) of the queries of
+    episode 0 (a filled circle = top-K kept the needle for that query).
   * ``captured_mass.png``: captured attention mass against kept fraction (post-hoc on the full
     model vs trained sparse models).
   * ``learning_curves.png``: training loss and answer accuracy per variant.
@@ -1006,6 +1016,8 @@ def make_figures(out_dir, rows, seed=0):
     fig, axes = plt.subplots(1, len(sel_v), figsize=(3.2 * len(sel_v), 3.4), squeeze=False)
     for ax, v in zip(axes[0], sel_v):
       ax.imshow(npz[v]["selection"], cmap="Greys", interpolation="nearest")
+      ax.scatter(npz[v]["needle_blocks"], npz[v]["answer_blocks"], s=14, facecolors="none",
+                 edgecolors="red", linewidths=1.0)
       an = by_v[v]["analysis"]
       kept = an.get("needle_block_kept")
       ax.set_title(f"{v}\nneedle block kept {kept if kept is None else round(kept, 2)}",

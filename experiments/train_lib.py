@@ -186,6 +186,9 @@ class Trainer:
     seed: seed of the per-step key (``fold_in(key(seed), step)``, available to ``loss_fn``).
     use_segments: pass segment ids and positions to the model (packed text rows).
     call_kwargs: extra keyword arguments for every model call.
+    compute_dtype: None (compute in the parameter dtype) or e.g. "bfloat16": mixed precision,
+      floating parameters are cast to this dtype for the forward/backward pass, the master copy,
+      the optimiser state and the update stay in the parameter dtype (fp32).
 
   Example:
     >>> # trainer = Trainer(model, OptimConfig(total_steps=100))
@@ -193,8 +196,9 @@ class Trainer:
   """
 
   def __init__(self, model, opt: OptimConfig, *, mesh=None, seed=0, use_segments=True,
-               call_kwargs=None):
+               call_kwargs=None, compute_dtype=None):
     self.mesh = mesh or make_mesh()
+    self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
     self.opt = opt
     self.tx, self.schedule = make_optimizer(opt)
     self.use_segments = use_segments
@@ -219,14 +223,23 @@ class Trainer:
       kwargs.update(segment_ids=batch["segment_ids"], positions=batch["positions"])
     return model(batch["inputs"], **kwargs)
 
+  def cast(self, params):
+    """``params`` with floating leaves in the compute dtype (unchanged without one)."""
+    if self.compute_dtype is None:
+      return params
+    return jax.tree.map(
+        lambda x: x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        params)
+
   def _step_fn(self, params, rest, opt_state, batch):
     # Merge at the jit level and differentiate with nnx.value_and_grad (w.r.t. nnx.Param), so
     # stateful variables (e.g. the Gumbel gate's RNG stream) may be updated inside the step.
-    model = nnx.merge(self.graphdef, params, rest)
+    model = nnx.merge(self.graphdef, self.cast(params), rest)
 
     def loss_fn(model):
       return weighted_xent(self._call(model, batch), batch)
     (loss, m), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     _, _, new_rest = nnx.split(model, nnx.Param, ...)
     updates, opt_state = self.tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -234,7 +247,7 @@ class Trainer:
     return params, new_rest, opt_state, m
 
   def _eval_impl(self, params, rest, batch, graphdef=None):
-    model = nnx.merge(graphdef or self.graphdef, params, rest)
+    model = nnx.merge(graphdef or self.graphdef, self.cast(params), rest)
     return weighted_xent(self._call(model, batch), batch)[1]
 
   def model(self):
