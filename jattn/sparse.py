@@ -211,41 +211,69 @@ def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_s
 
 
 # ----------------------------------------------------------------------------- selection rules
-@functools.lru_cache(maxsize=64)
-def _static_structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
-                      top_k):
-  """numpy selection structure from shapes alone.
-
-  Returns (visible [nq, nk], forced_idx [nq, mf] (-1 padded), candidates [nq, nk], max_selected).
-  """
-  nq, nk = _cdiv(q_len, q_block_size), _cdiv(kv_len, block_size)
+def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
+  """Per query block: last query position and the local key-block range [lo, hi] (numpy or jnp)."""
+  nq = _cdiv(q_len, q_block_size)
   off = kv_len - q_len
-  i = np.arange(nq)
+  i = xp.arange(nq)
   q_first = i * q_block_size + off                                  # absolute positions
-  q_last = np.minimum((i + 1) * q_block_size, q_len) - 1 + off
-  j = np.arange(nk)[None, :]
+  q_last = xp.minimum((i + 1) * q_block_size, q_len) - 1 + off
+  lo = xp.maximum(q_first, 0) // block_size - (num_local - 1)
+  hi = xp.where(q_last >= 0, q_last // block_size, -1)
+  return q_last, lo, hi
+
+
+@functools.lru_cache(maxsize=256)
+def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k):
+  """From shapes alone (numpy, O(num_q_blocks)): per-row counts and the static list widths.
+
+  Returns (n_visible [nq], n_forced [nq], max_selected, local_width).
+  """
+  nk = _cdiv(kv_len, block_size)
+  q_last, lo, hi = _row_geometry(np, q_len, kv_len, q_block_size, block_size, num_local)
+  n_vis = np.clip(q_last // block_size + 1, 0, nk) if causal else np.full(q_last.shape, nk)
+  n_forced = np.minimum(num_init, n_vis)
+  width = 0
+  if num_local > 0:
+    lo0 = np.maximum(lo, 0)
+    width = int(max(0, (hi - lo0 + 1).max()))
+    n_forced = n_forced + np.maximum(np.minimum(hi, n_vis - 1) - np.maximum(lo, num_init) + 1, 0)
+  k_eff = min(top_k, nk)
+  max_sel = int(max(1, (n_forced + np.minimum(k_eff, n_vis - n_forced)).max()))
+  return n_vis, n_forced, max_sel, width
+
+
+def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local):
+  """jnp masks from iota (no large constants): visible, candidates [nq, nk] and the forced
+  index lists [nq, init + local_width] (-1 where absent)."""
+  nk = _cdiv(kv_len, block_size)
+  q_last, lo, hi = _row_geometry(jnp, q_len, kv_len, q_block_size, block_size, num_local)
+  j = jnp.arange(nk, dtype=jnp.int32)[None, :]
   if causal:
     visible = j * block_size <= q_last[:, None]
   else:
-    visible = np.ones((nq, nk), bool)
-  init = j < num_init
+    visible = jnp.ones((q_last.shape[0], nk), bool)
+  forced = j < num_init
   if num_local > 0:
-    lo = np.maximum(q_first, 0) // block_size - (num_local - 1)
-    hi = np.where(q_last >= 0, q_last // block_size, -1)
-    local = (j >= lo[:, None]) & (j <= hi[:, None])
-  else:
-    local = np.zeros((nq, nk), bool)
-  forced = (init | local) & visible
+    forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
+  forced = forced & visible
   cand = visible & ~forced
-  n_forced = forced.sum(1)
-  k_eff = min(top_k, nk)
-  max_sel = int(max(1, (n_forced + np.minimum(k_eff, cand.sum(1))).max()))
-  mf = int(max(1, n_forced.max()))
-  forced_idx = np.full((nq, mf), -1, np.int32)
-  for r in range(nq):
-    ids = np.nonzero(forced[r])[0]
-    forced_idx[r, :len(ids)] = ids
-  return visible, forced_idx, cand, max_sel
+  parts = []
+  n_init = min(num_init, nk)
+  if n_init:
+    init = jnp.broadcast_to(jnp.arange(n_init, dtype=jnp.int32)[None, :],
+                            (q_last.shape[0], n_init))
+    ok = (init * block_size <= q_last[:, None]) if causal else jnp.ones_like(init, bool)
+    parts.append(jnp.where(ok, init, -1))
+  _, _, _, width = _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init,
+                                  num_local, 0)
+  if num_local > 0 and width:
+    loc = jnp.maximum(lo, 0)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    ok = (loc <= hi[:, None]) & (loc >= num_init) & (loc < nk)
+    parts.append(jnp.where(ok, loc, -1))
+  if not parts:
+    parts.append(jnp.full((q_last.shape[0], 1), -1, jnp.int32))
+  return visible, cand, jnp.concatenate(parts, axis=1).astype(jnp.int32)
 
 
 def _segment_ranges(seg, block):
@@ -272,13 +300,15 @@ def _segment_overlap(q_seg, kv_seg, q_block_size, block_size):
 def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
             seg_ok, scores):
   """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first)."""
-  visible, forced_idx, cand, max_sel = _static_structure(
-      q_len, kv_len, q_block_size, block_size, bool(causal), num_init, num_local, top_k)
+  _, _, max_sel, _ = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal),
+                                    num_init, num_local, top_k)
+  visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
+                                         num_init, num_local)
   b, hk, nq, nk = rank.shape
   rank = jax.lax.stop_gradient(rank).astype(jnp.float32)
-  cand = jnp.asarray(cand)[None, None]                                # [1, 1, nq, nk]
-  vis = jnp.asarray(visible)[None, None]
-  fidx = jnp.broadcast_to(jnp.asarray(forced_idx)[None, None], (b, hk) + forced_idx.shape)
+  cand = cand[None, None]                                             # [1, 1, nq, nk]
+  vis = visible[None, None]
+  fidx = jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape)
   if seg_ok is not None:
     ok = seg_ok[:, None]                                              # [b, 1, nq, nk]
     cand = cand & ok
@@ -1187,13 +1217,11 @@ def causal_top_k_for_density(seq_len, fraction, *, block_size, q_block_size, num
     >>> causal_top_k_for_density(65536, 0.19, block_size=128, q_block_size=128)[0]
     49
   """
-  visible, forced_idx, cand, _ = _static_structure(
-      seq_len, seq_len, q_block_size, block_size, True, num_init_blocks, num_local_blocks, 0)
-  n_forced = (forced_idx >= 0).sum(1)
-  n_cand = cand.sum(1)
-  total = visible.sum()
-  ks = np.arange(visible.shape[1] + 1)
-  kept = (n_forced[None, :] + np.minimum(ks[:, None], n_cand[None, :])).sum(1) / total
+  n_vis, n_forced, _, _ = _static_counts(seq_len, seq_len, q_block_size, block_size, True,
+                                         num_init_blocks, num_local_blocks, 0)
+  n_cand = n_vis - n_forced
+  ks = np.arange(_cdiv(seq_len, block_size) + 1)
+  kept = (n_forced[None, :] + np.minimum(ks[:, None], n_cand[None, :])).sum(1) / n_vis.sum()
   k = int(np.argmin(np.abs(kept - fraction)))
   return k, float(kept[k])
 

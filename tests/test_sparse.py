@@ -126,6 +126,7 @@ def test_selection_rules(case):
   rows = _check_rules(sel, scores, sq=sq, sk=sk, qbs=qbs, bs=bs, top_k=top_k, ni=ni, nl=nl,
                       causal=causal)
   assert rows == b * hk * (-(-sq // qbs))
+  assert sel.max_selected == int(np.asarray(sel.counts).max())   # the static width is exact
   # tile_mask / to_mask agree with the index lists.
   tm = np.asarray(sel.tile_mask())
   assert tm.sum() == int(np.asarray(sel.counts).sum())
