@@ -231,6 +231,24 @@ def test_validation_errors():
     dec.append_kv(k, v, lengths[:1], k[:, 0], v[:, 0])
 
 
+def test_triton_lowers_for_gpu_at_bench_shapes():
+  """The Pallas -> Triton lowering runs on CPU: catch lowering errors at the real shapes."""
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  f = functools.partial(dec.decode_attention, num_splits=32, local_window_size=(4095, 0),
+                        logits_soft_cap=30.0, implementation="triton")
+  exp = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=disabled)(
+      S((1, 32, 128), bf16), S((1, 131072, 8, 128), bf16), S((1, 131072, 8, 128), bf16),
+      S((1,), jnp.int32))
+  assert "xla.gpu.triton" in exp.mlir_module()
+  g = functools.partial(dec.paged_decode_attention, num_splits=4, implementation="triton")
+  exp = jax.export.export(jax.jit(g), platforms=["cuda"], disabled_checks=disabled)(
+      S((8, 32, 128), bf16), S((16384, 16, 8, 128), bf16), S((16384, 16, 8, 128), bf16),
+      S((8, 2048), jnp.int32), S((8,), jnp.int32))
+  assert "xla.gpu.triton" in exp.mlir_module()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d", [(jnp.bfloat16, 128), (jnp.float32, 128), (jnp.bfloat16, 96)])
 def test_triton_compiled_on_gpu(dtype, d):
