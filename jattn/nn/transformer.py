@@ -278,8 +278,8 @@ def with_config(model, config):
     >>> m2 = with_config(m, cfg)
   """
   params = nnx.state(model, nnx.Param)
-  new = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  nnx.update(new, jax.tree.map(lambda a: a, params))
+  new = Transformer(config, rngs=nnx.Rngs(0))
+  nnx.update(new, jax.tree.map(jnp.copy, params))
   return new
 
 

@@ -1,0 +1,255 @@
+"""jattn.nn layers: specs, RoPE, masks per kind, CSA pooling/causality, options that must raise,
+q/k capture, post-hoc sparsity and a jitted optax training step for every layer kind."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jattn.nn import (Attention, LayerSpec, Transformer, TransformerConfig, apply_rope,
+                      attention_probabilities, local_global_schedule, sparsify, sparsify_config)
+from jattn.nn import csa as csa_ops
+
+BASE = dict(vocab_size=37, d_model=24, num_heads=4, num_kv_heads=2, head_dim=6)
+
+
+def _rel(a, b):
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+# ------------------------------------------------------------------ specs
+@pytest.mark.parametrize("kwargs", [
+    dict(kind="dense"), dict(kind="local"), dict(kind="local", window=0),
+    dict(kind="global", window=8), dict(kind="global", top_k=2), dict(kind="sparse"),
+    dict(kind="sparse", top_k=2, window=4), dict(kind="sparse", top_k=2, gate_grad="soft"),
+    dict(kind="csa", window=8), dict(kind="csa", top_k=2),
+    dict(kind="csa", top_k=2, csa_mode="two_stage", window=4),
+    dict(kind="csa", top_k=2, csa_mode="two_stage", block_size=6, compress_ratio=4),
+    dict(kind="csa", top_k=2, csa_mode="fancy", window=4),
+    dict(kind="global", csa_sink=True), dict(kind="local", window=4, gate_grad="ste"),
+    dict(kind="global", rope_base=0.0), dict(kind="sparse", top_k=2, block_size=0),
+])
+def test_layer_spec_rejects_bad_combinations(kwargs):
+  with pytest.raises(ValueError):
+    LayerSpec(**kwargs)
+
+
+def test_local_global_schedule():
+  s = local_global_schedule(12, local_per_global=5, window=512)
+  assert [x.kind for x in s] == (["local"] * 5 + ["global"]) * 2
+  assert all(x.window == 512 and x.rope_base == 10000.0 for x in s if x.kind == "local")
+  assert all(x.rope_base is None and x.window is None for x in s if x.kind == "global")
+  with pytest.raises(ValueError):
+    TransformerConfig(num_layers=3, layers=s, **BASE)
+
+
+# ------------------------------------------------------------------ RoPE
+def test_rope_is_relative_and_nope_is_identity():
+  ks = jax.random.split(jax.random.key(0), 2)
+  q = jax.random.normal(ks[0], (1, 1, 2, 8))
+  k = jax.random.normal(ks[1], (1, 1, 2, 8))
+  dot = lambda a, b: jnp.sum(apply_rope(q, jnp.array([[a]]), 100.0) *
+                             apply_rope(k, jnp.array([[b]]), 100.0), -1)
+  np.testing.assert_allclose(dot(3, 1), dot(12, 10), rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(dot(3, 1) - dot(3, 2)).max()) > 1e-3
+  np.testing.assert_array_equal(apply_rope(q, jnp.array([[5]]), None), q)
+  # partial rotation leaves the tail untouched
+  part = apply_rope(q, jnp.array([[5]]), 100.0, rotary_dim=4)
+  np.testing.assert_array_equal(part[..., 4:], q[..., 4:])
+
+
+# ------------------------------------------------------------------ masks per kind
+def _layer(spec, **kw):
+  return Attention(24, 4, 2, 6, spec, rngs=nnx.Rngs(1), **kw)
+
+
+@pytest.mark.parametrize("spec", [LayerSpec("global", rope_base=None),
+                                  LayerSpec("local", window=5)], ids=["global", "local"])
+def test_attention_matches_probabilities_from_captured_qk(spec):
+  layer = _layer(spec)
+  x = jax.random.normal(jax.random.key(2), (2, 19, 24))
+  y, qk = layer(x, return_qk=True)
+  probs = attention_probabilities(qk["q"], qk["k"], spec)          # [b, h, s, s]
+  np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+  v = layer.wv(x).reshape(2, 19, 2, 6)
+  o = jnp.einsum("bhqk,bkhd->bqhd", probs, jnp.repeat(v, 2, axis=2),
+                 precision=jax.lax.Precision.HIGHEST)
+  assert _rel(layer.wo(o.reshape(2, 19, 24)), y) < 1e-5
+  if spec.kind == "local":   # probability mass only inside the window
+    i, j = np.tril_indices(19, -5)
+    assert float(jnp.abs(probs[:, :, i, j]).max()) == 0.0
+
+
+def _influence(layer, j, seq=24):
+  """|change of each output position| when input position j is perturbed."""
+  x = jax.random.normal(jax.random.key(3), (1, seq, 24))
+  x2 = x.at[:, j].add(jax.random.normal(jax.random.key(4), (24,)))
+  return jnp.abs(layer(x2) - layer(x)).max(axis=(0, 2))
+
+
+@pytest.mark.parametrize("spec", [
+    LayerSpec("local", window=4),
+    LayerSpec("sparse", block_size=4, top_k=1, q_block_size=1),
+    LayerSpec("csa", window=2, top_k=16, compress_ratio=4, csa_sink=True),
+    LayerSpec("csa", csa_mode="two_stage", block_size=4, top_k=1, compress_ratio=2),
+], ids=["local", "sparse", "csa_compressed", "csa_two_stage"])
+def test_causality_and_reach(spec):
+  """No output before the perturbed token changes (CSA: an entry appears only once its window is
+  complete, else position j would leak to earlier queries through entries that contain it)."""
+  layer = _layer(spec)
+  j = 10
+  d = _influence(layer, j)
+  assert float(d[:j].max()) == 0.0
+  assert float(d[j]) > 0.0
+  if spec.kind == "local":
+    assert float(d[j + 3]) > 0.0 and float(d[j + 4:].max()) == 0.0
+  if spec.kind == "csa" and spec.csa_mode == "compressed":
+    # window 2: j reaches j+1 raw; entries holding j (c=1: 4..11, c=2: 8..15) from t=11 on
+    assert float(d[j + 1]) > 0.0 and float(d[11:].max()) > 0.0
+
+
+def test_pool_windows_matches_loop():
+  r, n = 3, 17
+  ks = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(ks[0], (2, n, 2, 4))
+  g = jax.random.normal(ks[1], (2, n, 2, 4))
+  bias = jax.random.normal(ks[2], (2 * r, 2, 4))
+  c = csa_ops.num_entries(n, r)
+  got = csa_ops.pool_windows(x, g, bias, r, c)
+  for e in range(c):
+    if csa_ops.entry_end(e, r) >= n:
+      continue                               # never visible
+    sl = slice(e * r, e * r + 2 * r)
+    w = jax.nn.softmax(g[:, sl] + bias, axis=1)
+    np.testing.assert_allclose(got[:, e], jnp.sum(w * x[:, sl], 1), rtol=1e-5, atol=1e-6)
+
+
+def test_compressed_partial_against_dense_topk():
+  """Compressed partial == softmax over the top-K visible entries, computed one row at a time."""
+  r, k_top = 2, 3
+  ks = jax.random.split(jax.random.key(6), 3)
+  q = jax.random.normal(ks[0], (1, 13, 2, 4))
+  ck = jax.random.normal(ks[1], (1, 7, 1, 4))
+  cv = jax.random.normal(ks[2], (1, 7, 1, 4))
+  o, lse = csa_ops.compressed_partial(q, ck, cv, jnp.arange(13)[None], ratio=r, top_k=k_top,
+                                      scale=0.5)
+  o, lse, q, ck, cv = map(np.asarray, (o, lse, q, ck, cv))
+  for t in range(13):
+    vis = [c for c in range(7) if c * r + 2 * r - 1 <= t]
+    for h in range(2):
+      if not vis:
+        assert lse[0, t, h] == -np.inf and np.abs(o[0, t, h]).max() == 0.0
+        continue
+      s = np.array([q[0, t, h] @ ck[0, c, 0] * 0.5 for c in vis])
+      top = np.argsort(-s)[:k_top]
+      p = np.exp(s[top] - s[top].max())
+      ref = (p[:, None] * cv[0, [vis[i] for i in top], 0]).sum(0) / p.sum()
+      np.testing.assert_allclose(o[0, t, h], ref, rtol=1e-4, atol=1e-5)
+      np.testing.assert_allclose(lse[0, t, h], np.log(p.sum()) + s[top].max(), rtol=1e-5)
+
+
+# ------------------------------------------------------------------ options that cannot be honoured
+def test_unhonourable_options_raise():
+  with pytest.raises(ValueError):
+    _layer(LayerSpec("csa", window=4, top_k=2), kv_lora_rank=8, rope_head_dim=2)
+  with pytest.raises(ValueError):
+    _layer(LayerSpec("global"), rope_head_dim=2)
+  with pytest.raises(ValueError):
+    _layer(LayerSpec("global"), kv_lora_rank=8)                  # RoPE needs rope_head_dim
+  with pytest.raises(ValueError):
+    _layer(LayerSpec("global", rope_base=None), kv_lora_rank=8, rope_head_dim=2)
+  with pytest.raises(ValueError):
+    _layer(LayerSpec("csa", csa_mode="two_stage", top_k=1, block_size=4), implementation="triton")
+  with pytest.raises(ValueError):
+    Attention(24, 4, 2, 5, LayerSpec("global"), rngs=nnx.Rngs(0))  # odd head_dim with RoPE
+  with pytest.raises(ValueError):
+    Attention(24, 4, 3, 6, LayerSpec("global"), rngs=nnx.Rngs(0))
+  layer = _layer(LayerSpec("csa", window=4, top_k=2))
+  x = jnp.ones((1, 8, 24))
+  with pytest.raises(NotImplementedError):
+    layer(x, segment_ids=jnp.ones((1, 8), jnp.int32))
+  with pytest.raises(ValueError):
+    layer.decode(x)                                              # no cache yet
+
+
+# ------------------------------------------------------------------ post-hoc sparsity
+def test_sparsify_keeps_weights():
+  cfg = TransformerConfig(num_layers=1, layers=(LayerSpec("global", rope_base=None),), **BASE)
+  model = Transformer(cfg, rngs=nnx.Rngs(8))
+  tokens = jax.random.randint(jax.random.key(9), (1, 32), 0, 37)
+  fwd = nnx.jit(lambda m, t: m(t))
+  dense = fwd(model, tokens)
+  # every block kept -> identical to dense
+  everything = sparsify(model, top_k=8, block_size=4, q_block_size=4)
+  assert [s.kind for s in everything.config.layers] == ["sparse"]
+  assert everything.config.layers[0].rope_base is None
+  assert _rel(fwd(everything, tokens), dense) < 1e-5
+  few = sparsify(model, top_k=1, block_size=4, q_block_size=4)
+  assert _rel(fwd(few, tokens), dense) > 1e-4
+  p1 = jax.tree.leaves(nnx.state(model, nnx.Param))
+  p2 = jax.tree.leaves(nnx.state(few, nnx.Param))
+  assert all(bool(jnp.array_equal(a, b)) for a, b in zip(p1, p2))
+  local = TransformerConfig(num_layers=2, layers=local_global_schedule(2, 1, window=4), **BASE)
+  assert [s.kind for s in sparsify_config(local, 2).layers] == ["local", "sparse"]
+
+
+# ------------------------------------------------------------------ training
+ALL_KINDS = (LayerSpec("global", rope_base=None), LayerSpec("local", window=6),
+             LayerSpec("sparse", block_size=4, top_k=1, q_block_size=4, gate_grad="ste"),
+             LayerSpec("csa", window=4, top_k=2, compress_ratio=2, csa_sink=True),
+             LayerSpec("csa", csa_mode="two_stage", block_size=4, top_k=1, compress_ratio=2))
+
+
+@pytest.mark.parametrize("cfg_kw", [dict(num_layers=5, layers=ALL_KINDS, qk_norm=True)],
+                         ids=["all_kinds"])
+def test_jit_optax_train_step(cfg_kw):
+  cfg = TransformerConfig(**cfg_kw, **BASE)
+  model = Transformer(cfg, rngs=nnx.Rngs(10))
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx = optax.adamw(3e-3)
+  opt_state = tx.init(params)
+  tokens = jax.random.randint(jax.random.key(11), (2, 25), 0, 37)
+
+  def loss_fn(p, tok):
+    logits = nnx.merge(graphdef, p)(tok[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
+
+  @jax.jit
+  def step(p, s, tok):
+    loss, grads = jax.value_and_grad(loss_fn)(p, tok)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s, loss, grads
+
+  losses = []
+  for _ in range(2):
+    params, opt_state, loss, grads = step(params, opt_state, tokens)
+    losses.append(float(loss))
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+  assert losses[-1] < losses[0]
+  # every attention parameter takes part (CSA pooling gates and sink included)
+  for i, blk in enumerate(grads["blocks"].values() if hasattr(grads["blocks"], "values")
+                          else grads["blocks"]):
+    for name, g in jax.tree_util.tree_leaves_with_path(blk["attn"]):
+      assert float(jnp.abs(g).max()) > 0.0, (i, name)
+
+
+def test_mla_and_gumbel_gate_grads():
+  """MLA layers train (finite, nonzero grads); gate_grad="gumbel" draws from the layer's rngs."""
+  cfg = TransformerConfig(num_layers=2, kv_lora_rank=8, rope_head_dim=2, tie_embeddings=False,
+                          **BASE, layers=(LayerSpec("local", window=6), LayerSpec(
+                              "sparse", block_size=4, top_k=1, q_block_size=4, gate_grad="gumbel",
+                              rope_base=None)))
+  model = Transformer(cfg, rngs=nnx.Rngs(12))
+  tokens = jax.random.randint(jax.random.key(13), (1, 24), 0, 37)
+
+  @nnx.jit
+  def grads(m, tok):
+    return nnx.grad(lambda m: m(tok).sum())(m)
+
+  g = grads(model, tokens)
+  leaves = jax.tree.leaves(nnx.state(g, nnx.Param))
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
+  mla = nnx.state(g, nnx.Param)["blocks"][0]["attn"]
+  for name in ("w_dkv", "w_uk", "w_uv", "w_kr"):
+    assert float(jnp.abs(mla[name]["kernel"].get_value()).max()) > 0.0, name
