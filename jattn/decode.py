@@ -64,8 +64,9 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
                        head_dim=128, dtype=jnp.bfloat16):
   """The split count used when ``num_splits=None``.
 
-  GPU ("triton"): about two programs per multiprocessor (``compat.gpu_core_count()``) over the
-  batch x kv_heads pairs, at least four key blocks per split, rounded down to a power of two.
+  GPU ("triton"): at least two programs per multiprocessor (``compat.gpu_core_count()``) over
+  the batch x kv_heads pairs and splits of at most about 4K keys, at least four key blocks per
+  split, rounded down to a power of two (``pallas_kernels.decode.triton.default_num_splits``).
   "xla" and "mosaic_tpu": 1 (one pass; a TPU core walks the grid sequentially).
 
   Args:
@@ -512,6 +513,12 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
     if lengths_list is not None or not quick:
       f = jax.jit(functools.partial(decode_attention, implementation="xla"))
       yield row(case, "jattn_xla", f, contiguous, ref, nbytes, base_ms)
+    split_sweep = () if quick or case == cases[0][0] else tuple(
+        s for s in (4, 16, 32) if s != default_num_splits("triton", b, hk, n))
+    for s in split_sweep:
+      f = jax.jit(functools.partial(decode_attention, implementation="triton", num_splits=s,
+                                    interpret=interpret))
+      yield row(case, f"jattn_triton[sp{s}]", f, contiguous, ref, nbytes, base_ms)
     for page_size in ((64,) if quick else (16, 64)):
       paged_sets = []
       for i, (q, k, v) in enumerate(sets):
@@ -521,6 +528,10 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
                                   interpret=interpret))
       yield row(case, f"jattn_triton_paged_ps{page_size}", f, paged_sets, ref, nbytes, base_ms,
                 config)
+      for s in (split_sweep if page_size == 16 else ()):
+        f = jax.jit(functools.partial(paged_decode_attention, implementation="triton",
+                                      num_splits=s, interpret=interpret))
+        yield row(case, f"jattn_triton_paged_ps16[sp{s}]", f, paged_sets, ref, nbytes, base_ms)
       del paged_sets
     if sweep and not quick and case == cases[0][0]:
       default_splits = default_num_splits("triton", b, hk, n)

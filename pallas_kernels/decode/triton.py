@@ -102,8 +102,14 @@ def default_block_sizes(head_dim, dtype, device_kind=None):
   return DecodeBlockSizes(block_k=block_k, num_warps=4, num_stages=3)
 
 
-def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64):
-  """Heuristic split count: about two programs per multiprocessor, >= 4 key blocks per split.
+def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
+                       tokens_per_split=4096):
+  """Heuristic split count for a cache of capacity ``max_len``.
+
+  At least two programs per multiprocessor over the batch x kv_heads pairs, and splits of at
+  most about ``tokens_per_split`` keys, so that the long sequences of a mixed-length batch spread
+  over many programs instead of leaving a few to finish alone; at least four key blocks per
+  split; rounded down to a power of two.
 
   Args:
     batch: batch size.
@@ -111,6 +117,7 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64)
     max_len: cache capacity in tokens (the longest a sequence can be).
     core_count: multiprocessors of the device; default ``compat.gpu_core_count()``.
     block_k: keys per inner step.
+    tokens_per_split: the split size to stay under when the capacity is long.
 
   Returns:
     An int >= 1.
@@ -121,7 +128,7 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64)
   """
   cores = compat.gpu_core_count() if core_count is None else int(core_count)
   pairs = max(1, batch * kv_heads)
-  want = -(-2 * cores // pairs)
+  want = max(-(-2 * cores // pairs), -(-max_len // tokens_per_split))
   most = max(1, -(-max_len // (4 * block_k)))
   splits = max(1, min(want, most))
   if splits > 1:  # a power of two divides the block count of power-of-two caches evenly
