@@ -11,7 +11,9 @@ The pieces (see docs/sparse.md for the formulas):
   gradient modes "none", "ste" and "gumbel".
 * :func:`captured_mass`: the fraction of full-softmax attention probability inside the kept blocks.
 * Sparse decode: :class:`BlockSummaries` (running key sums per cache block, O(1) per appended
-  token), :func:`select_decode_blocks` and :func:`sparse_decode_attention`.
+  token), :func:`select_decode_blocks`, :func:`sparse_decode_attention` (contiguous cache) and
+  :func:`sparse_paged_decode_attention` (paged cache); "xla" or the Triton kernel in
+  ``pallas_kernels/sparse/decode.py``.
 * :func:`bench_cases`: the H200 benchmark rows (``experiments/bench_kernels.py --ops sparse``).
 
 Conventions: layout [batch, seq, heads, head_dim]; GQA query head h reads kv head
@@ -839,12 +841,30 @@ class BlockSummaries:
     return self.sums.shape[1]
 
   def counts(self):
-    """int32 [batch, num_blocks]: summarised positions per block."""
+    """Summarised positions per block.
+
+    Returns:
+      int32 [batch, num_blocks]: clip(lengths - j * block_size, 0, block_size).
+
+    Example:
+      >>> k = jnp.ones((1, 100, 1, 4))
+      >>> init_block_summaries(k, jnp.array([70]), block_size=32).counts().tolist()
+      [[32, 32, 6, 0]]
+    """
     starts = jnp.arange(self.num_blocks, dtype=jnp.int32) * self.block_size
     return jnp.clip(self.lengths[:, None] - starts, 0, self.block_size).astype(jnp.int32)
 
   def means(self):
-    """fp32 [batch, num_blocks, kv_heads, head_dim]: mean key per block (0 for empty blocks)."""
+    """Mean key per block (the decode-time block summary).
+
+    Returns:
+      fp32 [batch, num_blocks, kv_heads, head_dim] (0 for empty blocks).
+
+    Example:
+      >>> k = jnp.ones((1, 100, 1, 4))
+      >>> float(init_block_summaries(k, jnp.array([70]), block_size=32).means()[0, 2, 0, 0])
+      1.0
+    """
     cnt = jnp.maximum(self.counts(), 1).astype(jnp.float32)
     return self.sums / cnt[:, :, None, None]
 
