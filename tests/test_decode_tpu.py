@@ -46,13 +46,15 @@ def test_mosaic_tpu_decode_interpret(dtype, hk, group, lengths, window, cap, spl
 
 
 def test_mosaic_tpu_paged_decode_interpret():
+  """Two pages per step (block_k 32, page 16), shuffled table with garbage past the lengths."""
   lengths = [0, 33, 70]
   q, k, v = _inputs(21, 3, 70, 4, 2, 32)
-  ref_out, ref_lse = _REF(q, k, v, jnp.array(lengths, jnp.int32))
+  ref_out, ref_lse = _REF(q, k, v, jnp.array(lengths, jnp.int32), local_window_size=(50, 0))
   k_pages, v_pages, table = _paginate(22, k, v, lengths, 16)
   out, lse = dec.paged_decode_attention(q, k_pages, v_pages, table, jnp.array(lengths, jnp.int32),
-                                        num_splits=2, return_lse=True,
-                                        implementation="mosaic_tpu", interpret=True)
+                                        local_window_size=(50, 0), num_splits=2, return_lse=True,
+                                        implementation="mosaic_tpu", interpret=True,
+                                        block_sizes=dtpu.DecodeBlockSizes(block_k=32))
   _check(out, lse, ref_out, ref_lse, lengths, 2e-3)
 
 

@@ -1,9 +1,9 @@
 """Split-KV decode attention for TPU (Pallas Mosaic), contiguous and paged caches.
 
-Grid (batch, split, step). Each step DMAs one K and one V block holding every kv head of
-``block_k`` tokens (contiguous) or of one page (paged), viewed as ``[tokens * kv_heads, head_dim]``
-rows (row ``t * kv_heads + h``): the block's last two dims are full or (8, 128)-aligned, as Mosaic
-requires, and each K/V byte is read once. Inside, a static loop over kv heads takes the head's
+Grid (batch, split, step). Each step DMAs the K and V of ``block_k`` tokens with every kv head:
+one block (contiguous) or ``block_k // page_size`` whole pages, one BlockSpec per page (paged),
+viewed as ``[tokens * kv_heads, head_dim]`` rows (row ``t * kv_heads + h``): the blocks' last two
+dims are full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. Inside, a static loop over kv heads takes the head's
 rows with a strided sublane load (``ref[pl.ds(h, n, stride=kv_heads)]``) and runs the online
 softmax for the head's ``[g_pad, head_dim]`` query tile with fp32 scratch accumulators.
 
@@ -36,8 +36,8 @@ class DecodeBlockSizes:
   """Tiling of the Mosaic TPU decode kernel.
 
   Attributes:
-    block_k: tokens per grid step for contiguous caches (a multiple of 8; the paged kernel
-      uses one page per step).
+    block_k: tokens per grid step (a multiple of 8); the paged kernel takes
+      ``max(1, block_k // page_size)`` whole pages per step.
   """
   block_k: int = 256
 
@@ -79,17 +79,25 @@ def _load_head(kv_ref, h, *, kv_heads, rows):
 
 
 def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad, num_splits,
-                   capacity, num_steps, paged):
-  """refs: lens (SMEM) [, page_table (SMEM)], q [Hk, g_pad, D], k, v [block_k * Hk, D];
-  outputs o [Hk, g_pad, D], lse [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc."""
-  if paged:
-    lens_ref, _, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-  else:
-    lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+                   capacity, num_steps, num_prefetch, refs_per_step):
+  """refs: lens (SMEM) [, page_table (SMEM)], q [Hk, g_pad, D], then ``refs_per_step`` K refs and
+  as many V refs, each [block_k / refs_per_step * Hk, D] (contiguous: one block; paged: one page
+  each); outputs o [Hk, g_pad, D], lse [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc
+  [Hk, g_pad, D]."""
+  lens_ref = refs[0]
+  q_ref = refs[num_prefetch]
+  k_refs = refs[num_prefetch + 1:num_prefetch + 1 + refs_per_step]
+  v_refs = refs[num_prefetch + 1 + refs_per_step:num_prefetch + 1 + 2 * refs_per_step]
+  o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[num_prefetch + 1 + 2 * refs_per_step:]
+  rows = block_k // refs_per_step                                   # tokens per ref
   b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length, lo, begin, stop = _split_range(lens_ref[b], split, window_left=window_left,
                                          block_k=block_k, num_splits=num_splits,
                                          capacity=capacity)
+
+  def load_head(kv_refs, h):                                        # [block_k, D]
+    tiles = [_load_head(r, h, kv_heads=kv_heads, rows=rows) for r in kv_refs]
+    return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=0)
 
   @pl.when(step == 0)
   def _init():
@@ -106,7 +114,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
     valid_rows = blk * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < length
     for h in range(kv_heads):
       q = q_ref[h]                                                               # [g_pad, D]
-      k = _load_head(k_ref, h, kv_heads=kv_heads, rows=block_k)                  # [bk, D]
+      k = load_head(k_refs, h)                                                   # [bk, D]
       s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                               preferred_element_type=jnp.float32) * scale        # [g_pad, bk]
       if soft_cap is not None:
@@ -118,7 +126,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
       p = jnp.exp(s - m_new[:, :1])                                              # [g_pad, bk]
       l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
       m_ref[h] = m_new
-      v = _load_head(v_ref, h, kv_heads=kv_heads, rows=block_k)                  # [bk, D]
+      v = load_head(v_refs, h)                                                   # [bk, D]
       v = jnp.where(valid_rows, v, jnp.zeros_like(v))   # rows past the cache may hold garbage
       pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)               # [g_pad, D]
@@ -134,7 +142,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
 
 
 def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, capacity,
-          num_splits, scale, window_left, logits_soft_cap, interpret):
+          num_splits, scale, window_left, logits_soft_cap, interpret, pages_per_step=1):
   bsz, hq, d = q.shape
   group = hq // kv_heads
   sub = 8 if jnp.dtype(k2.dtype).itemsize == 4 else 16
@@ -147,30 +155,37 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
   num_steps = -(-(-(-capacity // block_k)) // num_splits)          # blocks per split, at most
   kw = dict(window_left=window_left, block_k=block_k, num_splits=num_splits, capacity=capacity)
   paged = page_table is not None
-  rows = block_k * kv_heads                                        # K/V block rows
+  rows = block_k // pages_per_step * kv_heads                      # rows of one K/V ref
 
   if paged:
-    def kv_map(b, s, j, lens_ref, table_ref):
-      return (table_ref[b, _block_index(lens_ref[b], s, j, **kw)], 0, 0)
+    max_pages = page_table.shape[1]
+
+    def kv_map(p):
+      def index_map(b, s, j, lens_ref, table_ref):
+        blk = _block_index(lens_ref[b], s, j, **kw)
+        return (table_ref[b, jnp.minimum(blk * pages_per_step + p, max_pages - 1)], 0, 0)
+      return index_map
 
     def fixed(f):
       return lambda b, s, j, lens_ref, table_ref: f(b, s)
     prefetch = (kv_lengths, page_table)
   else:
-    def kv_map(b, s, j, lens_ref):
-      return (b, _block_index(lens_ref[b], s, j, **kw), 0)
+    def kv_map(p):
+      del p
+      return lambda b, s, j, lens_ref: (b, _block_index(lens_ref[b], s, j, **kw), 0)
 
     def fixed(f):
       return lambda b, s, j, lens_ref: f(b, s)
     prefetch = (kv_lengths,)
+  kv_specs = [pl.BlockSpec((None, rows, d), kv_map(p)) for p in range(pages_per_step)]
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch),
       grid=(bsz, num_splits, num_steps),
       in_specs=[
           pl.BlockSpec((None, kv_heads, g_pad, d), fixed(lambda b, s: (b, 0, 0, 0))),
-          pl.BlockSpec((None, rows, d), kv_map),
-          pl.BlockSpec((None, rows, d), kv_map),
+          *kv_specs,                                                    # K
+          *kv_specs,                                                    # V
       ],
       out_specs=[
           pl.BlockSpec((None, None, kv_heads, g_pad, d), fixed(lambda b, s: (b, s, 0, 0, 0))),
@@ -184,7 +199,8 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
   kernel = functools.partial(
       _decode_kernel, scale=float(scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      kv_heads=kv_heads, g_pad=g_pad, num_steps=num_steps, paged=paged, **kw)
+      kv_heads=kv_heads, g_pad=g_pad, num_steps=num_steps, num_prefetch=len(prefetch),
+      refs_per_step=pages_per_step, **kw)
   o, lse = pl.pallas_call(
       kernel, grid_spec=grid_spec,
       out_shape=[jax.ShapeDtypeStruct((bsz, num_splits, kv_heads, g_pad, d), jnp.float32),
@@ -192,7 +208,7 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
       compiler_params=compat.tpu_compiler_params(("parallel", "parallel", "arbitrary")),
       interpret=compat.tpu_interpret_params() if interpret else False,
       name="jattn_paged_decode_tpu" if paged else "jattn_decode_tpu",
-  )(*prefetch, q4, k2, v2)
+  )(*prefetch, q4, *([k2] * pages_per_step), *([v2] * pages_per_step))
   o = o[:, :, :, :group].reshape(bsz, num_splits, hq, d)
   lse = lse[:, :, :, :group, 0].reshape(bsz, num_splits, hq)
   return o, lse
@@ -256,7 +272,10 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
 def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_splits, scale=None,
                           window_left=None, logits_soft_cap=None, block_sizes=None,
                           interpret=False):
-  """Per-split partial decode attention over a paged cache (Mosaic TPU kernel, one page a step).
+  """Per-split partial decode attention over a paged cache (Mosaic TPU kernel).
+
+  Each grid step DMAs ``block_sizes.block_k // page_size`` pages (at least one) of K and of V,
+  one BlockSpec per page, each indexed through the scalar-prefetched page table.
 
   Args:
     q: [batch, q_heads, head_dim].
@@ -267,7 +286,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
       are clamped into range and never used).
     kv_lengths: int32 [batch].
     num_splits, scale, window_left, logits_soft_cap, interpret: as in :func:`decode_partials`.
-    block_sizes: unused (one page per step); accepted for a uniform signature.
+    block_sizes: ``DecodeBlockSizes`` (block_k / page_size pages per step) or None.
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
@@ -279,15 +298,18 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     >>> o.shape
     (1, 2, 4, 128)
   """
-  del block_sizes
   _check(q, k_pages, v_pages, kv_lengths, num_splits)
   num_pages, page_size, kv_heads, d = k_pages.shape
   if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
     raise ValueError(f"page_table must be [batch, max_pages] with batch {q.shape[0]}, "
                      f"got {page_table.shape}")
-  shape2 = (num_pages, page_size * kv_heads, d)
+  max_pages = page_table.shape[1]
+  bs = block_sizes or DecodeBlockSizes()
+  pages_per_step = max(1, min(bs.block_k // page_size, max_pages))
+  shape2 = (num_pages, page_size * kv_heads, d)                  # row t * kv_heads + h per page
   table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
   return _call(q, k_pages.reshape(shape2), v_pages.reshape(shape2), kv_lengths.astype(jnp.int32),
-               table, kv_heads=kv_heads, head_dim=d, block_k=page_size,
-               capacity=page_table.shape[1] * page_size, num_splits=num_splits, scale=scale,
-               window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret)
+               table, kv_heads=kv_heads, head_dim=d, block_k=pages_per_step * page_size,
+               capacity=max_pages * page_size, num_splits=num_splits, scale=scale,
+               window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret,
+               pages_per_step=pages_per_step)
