@@ -39,8 +39,8 @@ def test_local_global_ring_buffer_wraps():
   model, tokens, full, dec = _decode_vs_full(cfg, seed=1)
   assert _rel(dec, full) < 2e-3
   # local layers hold a ring of `window` tokens, not max_len
-  assert model.blocks[0].attn.cache_k.get_value().shape[1] == 8
-  assert model.blocks[5].attn.cache_k.get_value().shape[1] == SEQ
+  assert model.blocks[0].attn.cache_k[...].shape[1] == 8
+  assert model.blocks[5].attn.cache_k[...].shape[1] == SEQ
 
 
 def test_sparse_layers_q_block_1_mqa():
@@ -69,11 +69,11 @@ def test_mla_qk_norm():
   # the cache holds the latent (and the RoPE key in RoPE layers) only
   attn = model.blocks[1].attn                                  # global NoPE layer
   assert attn.cache_names == ("latent",)
-  assert attn.cache_latent.get_value().shape == (2, SEQ, 12)
+  assert attn.cache_latent[...].shape == (2, SEQ, 12)
   local = model.blocks[0].attn                                 # local RoPE layer: ring of 8
   assert set(local.cache_names) == {"latent", "k_rope"}
-  assert local.cache_latent.get_value().shape == (2, 8, 12)
-  assert local.cache_k_rope.get_value().shape == (2, 8, 4)
+  assert local.cache_latent[...].shape == (2, 8, 12)
+  assert local.cache_k_rope[...].shape == (2, 8, 4)
 
 
 def test_packed_rows_decode_one_document_at_a_time():

@@ -44,7 +44,7 @@ def test_accounting_matches_allocated_caches():
     got = []
     for blk in model.blocks:
       a = blk.attn
-      got.append(sum(getattr(a, f"cache_{n}").get_value().nbytes for n in a.cache_names))
+      got.append(sum(getattr(a, f"cache_{n}")[...].nbytes for n in a.cache_names))
     acct = kv_cache_bytes(cfg, 50, jnp.bfloat16, batch_size=3)
     assert acct["per_layer"] == got
     assert acct["total"] == sum(got)

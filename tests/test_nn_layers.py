@@ -252,4 +252,4 @@ def test_mla_and_gumbel_gate_grads():
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
   mla = nnx.state(g, nnx.Param)["blocks"][0]["attn"]
   for name in ("w_dkv", "w_uk", "w_uv", "w_kr"):
-    assert float(jnp.abs(mla[name]["kernel"].get_value()).max()) > 0.0, name
+    assert float(jnp.abs(mla[name]["kernel"][...]).max()) > 0.0, name

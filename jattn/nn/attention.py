@@ -33,11 +33,14 @@ from pallas_kernels.flash.reference import attention_reference
 
 
 def _get(var):
-  return var.get_value()
+  return var[...]
 
 
 def _set(var, value):
-  var.set_value(value)
+  if hasattr(var, "set_value"):
+    var.set_value(value)
+  else:  # older flax
+    var.value = value
 
 
 def masked_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
@@ -93,7 +96,14 @@ class Attention(nnx.Module):
     implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
     interpret: run Pallas kernels in interpret mode (CPU tests).
     param_dtype: parameter dtype.
-    rngs: ``nnx.Rngs`` (keyword-only).
+    dtype: computation dtype of the projections (None: from the inputs/params, e.g. bf16 inputs
+      with fp32 params compute in fp32; pass jnp.bfloat16 for bf16 attention inputs).
+    rngs: ``nnx.Rngs`` (keyword-only); layers with ``gate_grad="gumbel"`` keep it and draw
+      their Gumbel noise from its default stream.
+
+  Decode of "sparse" layers always selects blocks per new token (``q_block_size=1`` rules via
+  ``jattn.sparse.sparse_decode_attention``); it equals the full forward exactly when the layer was
+  built with ``q_block_size=1``, and is the usual per-token approximation otherwise.
 
   Example:
     >>> layer = Attention(64, 4, 2, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
@@ -104,12 +114,13 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model, num_heads, num_kv_heads, head_dim, spec=None, *, kv_lora_rank=None,
                rope_head_dim=0, qk_norm=False, implementation=None, interpret=False,
-               param_dtype=jnp.float32, rngs):
+               param_dtype=jnp.float32, dtype=None, rngs):
     spec = LayerSpec("global") if spec is None else spec
     if not isinstance(spec, LayerSpec):
       raise TypeError(f"spec must be a LayerSpec, got {type(spec).__name__}")
     if num_heads % num_kv_heads:
-      raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+      raise ValueError(
+          f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     self.mla = kv_lora_rank is not None
     if self.mla:
       if spec.kind == "csa":
@@ -134,11 +145,13 @@ class Attention(nnx.Module):
     self.kv_lora_rank = kv_lora_rank
     self.implementation, self.interpret = implementation, interpret
     self.qk_dim = head_dim + rope_head_dim
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
     self.wq = lin(d_model, num_heads * self.qk_dim)
     if self.mla:
       self.w_dkv = lin(d_model, kv_lora_rank)
-      self.kv_norm = nnx.RMSNorm(kv_lora_rank, param_dtype=param_dtype, rngs=rngs)
+      self.kv_norm = nnx.RMSNorm(kv_lora_rank, dtype=dtype, param_dtype=param_dtype,
+                                 rngs=rngs)
       self.w_uk = lin(kv_lora_rank, num_kv_heads * head_dim)
       self.w_uv = lin(kv_lora_rank, num_kv_heads * head_dim)
       self.w_kr = lin(d_model, rope_head_dim) if rope_head_dim else None
@@ -148,8 +161,8 @@ class Attention(nnx.Module):
     self.wo = lin(num_heads * head_dim, d_model)
     self.qk_norm = qk_norm
     if qk_norm:
-      self.q_norm = nnx.RMSNorm(head_dim, param_dtype=param_dtype, rngs=rngs)
-      self.k_norm = nnx.RMSNorm(head_dim, param_dtype=param_dtype, rngs=rngs)
+      self.q_norm = nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.k_norm = nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     if spec.kind == "csa":
       r = spec.compress_ratio
       self.gate_k = lin(d_model, num_kv_heads * head_dim)

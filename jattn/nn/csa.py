@@ -6,20 +6,21 @@ Keys and values are compressed by learned weighted pooling: compressed entry c c
     ck[c] = sum_j softmax_j(gate_k[c*r + j] + bias_k[j]) * k[c*r + j]      (per channel)
 
 with gate logits from a learned projection of the layer input and a learned position bias
-``bias[2r, kv_heads, head_dim]`` (the same for values with their own gate). An entry exists only once
-its window is complete: a query at position t sees entry c iff ``c*r + 2r - 1 <= t`` (the window's
-last token is at or before the query).
+``bias[2r, kv_heads, head_dim]`` (the same for values with their own gate). An entry exists only
+once its window is complete: a query at position t sees entry c iff ``c*r + 2r - 1 <= t`` (the
+window's last token is at or before the query).
 
 Two modes (``LayerSpec.csa_mode``):
 
 * "compressed": per query head, the ``top_k`` visible entries with the largest ``q . ck`` plus a raw
   causal local window of ``window`` tokens, under one softmax (plus an optional learned sink logit).
   The local part runs on ``jattn.flash_attention``; the parts are combined by ``jattn.merge``.
-* "two_stage": per query token and kv head, blocks of ``block_size`` raw tokens are scored by the best
-  ``q . ck`` (query heads of a GQA group averaged) over the visible entries whose window starts in the
-  block; the ``top_k`` best past blocks plus the query's own block are attended precisely on raw KV
-  (causal), and every other visible compressed entry forms a coarse partial; fine and coarse partials
-  share one normalisation through ``jattn.merge``.
+* "two_stage": per query token and kv head, blocks of ``block_size`` raw tokens are scored by the
+  best ``q . ck`` (query heads of a GQA group averaged) over the visible entries whose window
+  starts in the block; the ``top_k`` best past blocks plus the query's own block are attended
+  precisely on raw KV (causal), and every other visible compressed entry forms a coarse partial
+  (entries whose block is attended raw are left out, so no block counts twice); fine and coarse
+  partials share one normalisation through ``jattn.merge``.
 
 The functions here are pure and shared by the training forward and the cached decode path, so both
 compute the same selections. Selections are non-differentiable (gradients flow through the logits of
@@ -56,7 +57,19 @@ def num_entries(num_tokens, ratio):
 
 
 def entry_end(c, ratio):
-  """Position of the last raw token of compressed entry(ies) ``c`` (visible to t iff end <= t)."""
+  """Position of the last raw token of compressed entry(ies) ``c`` (visible to t iff end <= t).
+
+  Args:
+    c: int or int array of entry indices.
+    ratio: compression ratio r.
+
+  Returns:
+    ``c * r + 2r - 1`` (same type as c).
+
+  Example:
+    >>> entry_end(0, 4), entry_end(1, 4)
+    (7, 11)
+  """
   return c * ratio + 2 * ratio - 1
 
 
@@ -91,7 +104,21 @@ def pool_windows(x, gate, bias, ratio, n_entries):
 
 
 def pool_one_window(xw, gw, bias):
-  """Pool explicit windows: xw, gw [batch, m, 2r, heads, dim] -> [batch, m, heads, dim] fp32."""
+  """Pool explicitly gathered windows (the decode path's new entries).
+
+  Args:
+    xw: [batch, m, 2r, heads, dim] raw keys or values of m windows.
+    gw: [batch, m, 2r, heads, dim] their gate logits.
+    bias: [2r, heads, dim] learned position bias.
+
+  Returns:
+    [batch, m, heads, dim] fp32, equal to ``pool_windows`` on the same windows.
+
+  Example:
+    >>> w = jnp.ones((1, 3, 8, 2, 4))
+    >>> pool_one_window(w, w, jnp.zeros((8, 2, 4))).shape
+    (1, 3, 2, 4)
+  """
   w = jax.nn.softmax(gw.astype(jnp.float32) + bias.astype(jnp.float32), axis=2)
   return jnp.sum(w * xw.astype(jnp.float32), axis=2)
 
@@ -156,7 +183,20 @@ def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale):
 
 
 def sink_partial(sink, shape_o):
-  """A learned sink as a partial: zero output with lse = sink[h] (one extra softmax logit)."""
+  """A learned sink as a partial: zero output with lse = sink[h] (one extra softmax logit).
+
+  Args:
+    sink: [q_heads] sink logits.
+    shape_o: (batch, t, q_heads, dv) of the partial to merge with.
+
+  Returns:
+    (zeros [batch, t, q_heads, dv] fp32, lse [batch, t, q_heads] fp32).
+
+  Example:
+    >>> o, lse = sink_partial(jnp.zeros(2), (1, 3, 2, 4))
+    >>> o.shape, lse.shape
+    ((1, 3, 2, 4), (1, 3, 2))
+  """
   b, t, hq, dv = shape_o
   lse = jnp.broadcast_to(sink.astype(jnp.float32)[None, None, :], (b, t, hq))
   return jnp.zeros((b, t, hq, dv), jnp.float32), lse

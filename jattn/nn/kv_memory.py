@@ -1,9 +1,9 @@
 """KV cache accounting: bytes a ``Transformer`` config caches for a context length.
 
 Counts exactly the arrays ``Attention.init_cache`` allocates (``cache_layout``): full caches for
-global/sparse layers, ring buffers of ``window`` tokens for local layers, MLA latents, CSA compressed
-entries plus the raw ring and the gate ring the pooling needs. Ring position bookkeeping (one int32
-per ring slot, shared by the batch) and the cache index are left out.
+global/sparse layers, ring buffers of ``window`` tokens for local layers, MLA latents, CSA
+compressed entries plus the raw ring and the gate ring the pooling needs. Ring position
+bookkeeping (one int32 per ring slot, shared by the batch) and the cache index are left out.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Rotary position embeddings (RoPE), half-split ("NeoX") convention.
 
 A head vector x of width ``rotary_dim`` (even) is split into halves (x1, x2) and rotated by the
-angle ``position * base ** (-2i / rotary_dim)`` for pair i. Positions are explicit integer arrays, so
-packed documents (positions restarting at 0) and decode steps (positions from the cache index) use
-the same function.
+angle ``position * base ** (-2i / rotary_dim)`` for pair i. Positions are explicit integer arrays,
+so packed documents (positions restarting at 0) and decode steps (positions from the cache index)
+use the same function.
 """
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ class TransformerConfig:
     interpret: Pallas interpret mode (CPU tests).
     norm_eps: RMSNorm epsilon.
     param_dtype: parameter dtype.
+    dtype: computation dtype (None: the parameter dtype; jnp.bfloat16 for bf16 activations and
+      attention inputs with fp32 parameters). Logits come out in this dtype.
 
   Example:
     >>> from jattn.nn.schedule import local_global_schedule
@@ -66,6 +68,7 @@ class TransformerConfig:
   interpret: bool = False
   norm_eps: float = 1e-6
   param_dtype: object = jnp.float32
+  dtype: object = None
 
   def __post_init__(self):
     if self.layers is None:
@@ -94,6 +97,7 @@ class MLP(nnx.Module):
     d_model: model width.
     hidden: hidden width.
     param_dtype: parameter dtype.
+    dtype: computation dtype (None: inferred).
     rngs: ``nnx.Rngs`` (keyword-only).
 
   Example:
@@ -101,8 +105,9 @@ class MLP(nnx.Module):
     (1, 3, 8)
   """
 
-  def __init__(self, d_model, hidden, *, param_dtype=jnp.float32, rngs):
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, param_dtype=param_dtype, rngs=rngs)
+  def __init__(self, d_model, hidden, *, param_dtype=jnp.float32, dtype=None, rngs):
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
     self.gate, self.up, self.down = lin(d_model, hidden), lin(d_model, hidden), lin(hidden, d_model)
 
   def __call__(self, x):
@@ -126,13 +131,14 @@ class Block(nnx.Module):
   def __init__(self, config, spec, *, rngs):
     c = config
     pd = c.param_dtype
-    self.attn_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, param_dtype=pd, rngs=rngs)
+    dt = c.dtype
+    self.attn_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
     self.attn = Attention(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, spec,
                           kv_lora_rank=c.kv_lora_rank, rope_head_dim=c.layer_rope_head_dim(spec),
                           qk_norm=c.qk_norm, implementation=c.implementation,
-                          interpret=c.interpret, param_dtype=pd, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, param_dtype=pd, rngs=rngs)
-    self.mlp = MLP(c.d_model, c.mlp_dim or 4 * c.d_model, param_dtype=pd, rngs=rngs)
+                          interpret=c.interpret, param_dtype=pd, dtype=dt, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
+    self.mlp = MLP(c.d_model, c.mlp_dim or 4 * c.d_model, param_dtype=pd, dtype=dt, rngs=rngs)
 
   def __call__(self, x, segment_ids=None, positions=None, *, return_qk=False):
     a = self.attn(self.attn_norm(x), segment_ids, positions, return_qk=return_qk)
@@ -168,12 +174,14 @@ class Transformer(nnx.Module):
   def __init__(self, config, *, rngs):
     c = config
     self.config = c
-    self.embed = nnx.Embed(c.vocab_size, c.d_model, param_dtype=c.param_dtype, rngs=rngs)
+    self.embed = nnx.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
+                           rngs=rngs)
     self.blocks = _module_list([Block(c, s, rngs=rngs) for s in c.layers])
-    self.final_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, param_dtype=c.param_dtype,
-                                  rngs=rngs)
+    self.final_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=c.dtype,
+                                  param_dtype=c.param_dtype, rngs=rngs)
     self.lm_head = None if c.tie_embeddings else nnx.Linear(
-        c.d_model, c.vocab_size, use_bias=False, param_dtype=c.param_dtype, rngs=rngs)
+        c.d_model, c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+        rngs=rngs)
 
   def _logits(self, x):
     x = self.final_norm(x)
