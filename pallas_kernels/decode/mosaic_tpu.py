@@ -3,9 +3,10 @@
 Grid (batch, split, step). Each step DMAs the K and V of ``block_k`` tokens with every kv head:
 one block (contiguous) or ``block_k // page_size`` whole pages, one BlockSpec per page (paged),
 viewed as ``[tokens * kv_heads, head_dim]`` rows (row ``t * kv_heads + h``): the blocks' last two
-dims are full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. Inside, a static loop over kv heads takes the head's
-rows with a strided sublane load (``ref[pl.ds(h, n, stride=kv_heads)]``) and runs the online
-softmax for the head's ``[g_pad, head_dim]`` query tile with fp32 scratch accumulators.
+dims are full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. Inside, a
+static loop over kv heads takes the head's rows with a strided sublane load
+(``ref[pl.ds(h, n, stride=kv_heads)]``) and runs the online softmax for the head's
+``[g_pad, head_dim]`` query tile with fp32 scratch accumulators.
 
 The sequence lengths (and the page table) are scalar-prefetched into SMEM; the K/V index maps
 use them so that a split covers only its part of the sequence's visible keys. Steps past a
@@ -52,8 +53,8 @@ def _div(a, b):
 
 
 def _split_range(length, split, *, window_left, block_k, num_splits, capacity):
-  """Scalars (lo, blk_begin, blk_end): the visible keys start at lo, and this split owns key
-  blocks [blk_begin, blk_end) (block b = tokens [b * block_k, (b + 1) * block_k))."""
+  """Scalars (length, lo, begin, stop): the clamped length, the first visible key lo, and the
+  key blocks [begin, stop) this split owns (block b = tokens [b * block_k, (b + 1) * block_k))."""
   length = jnp.clip(length, 0, capacity)
   lo = jnp.int32(0) if window_left is None else jnp.maximum(length - 1 - window_left, 0)
   first = _div(lo, block_k)
