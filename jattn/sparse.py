@@ -624,12 +624,18 @@ def _gated_fwd(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, im
 
 
 def _gated_bwd(causal, scale, impl, interpret, res, cts):
-  del impl, interpret
   q, k, v, out, lse, vjp_fn, selection, q_seg, kv_seg = res
   dout, dlse = cts
   dq, dk, dv = vjp_fn((dout, dlse))
-  dgate = _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg,
-                            causal=causal, scale=scale)
+  if impl == "triton":
+    from pallas_kernels.sparse.gate_grad import tile_logit_grads
+    dgate = tile_logit_grads(q, k, v, out, lse, dout, dlse, selection.indices, selection.counts,
+                             q_seg, kv_seg, block_q=selection.q_block_size,
+                             block_k=selection.block_size, causal=causal, scale=scale,
+                             interpret=interpret)
+  else:
+    dgate = _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg,
+                              causal=causal, scale=scale)
   return dq, dk, dv, dgate, None, None, None
 
 
@@ -664,8 +670,9 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
       (T only scales the relaxed gradient, as in Gumbel-softmax).
 
   Initial and local blocks are always kept in every mode and receive the gate gradient like any
-  kept block. The gate gradient is computed by an extra fp32 XLA pass over the kept tiles
-  (gathering their keys/values; cost ~ two matmuls per kept tile), on every implementation.
+  kept block. The gate gradient needs one extra pass over the kept tiles (two matmuls per tile):
+  the Pallas kernel ``pallas_kernels/sparse/gate_grad.py`` for "triton", a chunked XLA pass
+  (gathering the kept key/value blocks) for "xla" and "mosaic_tpu".
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
