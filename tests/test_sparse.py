@@ -575,3 +575,49 @@ def test_sparse_attention_lowers_for_tpu():
   exp = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["tpu"])(
       q, kv, kv)
   assert exp.mlir_module().count("tpu_custom_call") == 3  # forward, dQ, dK/dV
+
+
+def test_gate_grad_kernel_interpret():
+  """Triton per-tile dS sums == the XLA pass, with GQA, q_len < kv_len, ragged blocks, segment
+  ids and a random lse cotangent; and the XLA pass == autodiff of a per-tile logit bias."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.gate_grad import tile_logit_grads
+  rng = np.random.default_rng(7)
+  b, sq, sk, hq, hk, d, bs = 1, 40, 72, 4, 2, 16, 16
+  q, k, v = _qkv(21, b, sq, sk, hq, hk, d)
+  kseg = _packed_segments(rng, b, sk, max_docs=2, pad=False)
+  qseg = kseg[:, sk - sq:]
+  kw = dict(segment_ids=jnp.asarray(qseg), kv_segment_ids=jnp.asarray(kseg))
+  sel = select(q, k, block_size=bs, q_block_size=bs, top_k=1, **kw)
+  scale = 0.3
+  out, lse = jax.jit(lambda q, k, v: sp.block_sparse_attention(
+      q, k, v, sel, scale=scale, return_lse=True, implementation="xla", **kw))(q, k, v)
+  ks = jax.random.split(jax.random.key(22), 2)
+  dout = jax.random.normal(ks[0], out.shape)
+  dlse = jnp.where(jnp.isfinite(lse), jax.random.normal(ks[1], lse.shape), 0.0)
+  segs = (kw["segment_ids"], kw["kv_segment_ids"])
+  want = jax.jit(functools.partial(sp._tile_logit_grads, causal=True, scale=scale))(
+      q, k, v, out, lse, dout, dlse, sel, *segs)
+  got = tile_logit_grads(q, k, v, out, lse, dout, dlse, sel.indices, sel.counts, *segs,
+                         block_q=bs, block_k=bs, causal=True, scale=scale, interpret=True)
+  assert _rel(got, want) < 1e-4
+  # Autodiff: d/dbias of sum(out * dout) + sum(lse * dlse) with a per-tile logit bias at 0.
+  allowed = _allowed_from_indices(sel, sq, sk, True, qseg, kseg)
+  idx = np.asarray(sel.indices)
+
+  def loss(bias_tiles):
+    bias = jnp.repeat(jnp.repeat(bias_tiles, bs, 2)[:, :, :sq], bs, 3)[..., :sk]
+    qf = q.reshape(b, sq, hk, hq // hk, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k, precision=HI) * scale + bias[:, :, None]
+    s = jnp.where(allowed[:, :, None], s, -jnp.inf)
+    l = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.where(jnp.isfinite(l)[..., None], jnp.exp(s - jnp.where(jnp.isfinite(l), l, 0)[..., None]), 0)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, precision=HI).reshape(out.shape)
+    l = jnp.where(jnp.isfinite(l), l, 0.0).reshape(lse.shape)
+    return jnp.sum(o * dout) + jnp.sum(l * dlse)
+
+  nq, nk = -(-sq // bs), -(-sk // bs)
+  g = np.asarray(jax.jit(jax.grad(loss))(jnp.zeros((b, hk, nq, nk))))
+  ref = np.where(idx >= 0, np.take_along_axis(g, np.maximum(idx, 0), axis=-1), 0.0)
+  assert _rel(want, ref) < 1e-4
+  assert np.abs(ref).max() > 1e-3
