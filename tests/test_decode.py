@@ -181,9 +181,12 @@ def test_append_kv_then_decode():
   out = dec.paged_decode_attention(q, kp2, vp2, table, plen2, implementation="triton",
                                    num_splits=2, interpret=True, block_sizes=BK16)
   assert _rel(out, ref) < 2e-3
-  # A full cache drops the write instead of corrupting another row.
-  k3, _, len3 = dec.append_kv(k2, v2, jnp.array([48, 48, 48], jnp.int32), kn, vn)
+  # A full cache drops the write instead of corrupting another row (or another page).
+  full = jnp.array([48, 48, 48], jnp.int32)
+  k3, _, len3 = dec.append_kv(k2, v2, full, kn, vn)
   assert bool(jnp.all(k3 == k2)) and len3.tolist() == [49, 49, 49]
+  kp3, _, _ = dec.append_kv_paged(kp2, vp2, table, full, kn, vn)
+  assert bool(jnp.all((kp3 == kp2) | jnp.isnan(kp2)))
 
 
 def test_default_num_splits_heuristic():
