@@ -1,4 +1,6 @@
 """KV cache accounting: the seed's budgets and agreement with what init_cache allocates."""
+import math
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -36,15 +38,28 @@ def test_accounting_matches_allocated_caches():
             LayerSpec("sparse", top_k=2, block_size=4),
             LayerSpec("csa", window=5, top_k=2, compress_ratio=3),
             LayerSpec("csa", csa_mode="two_stage", top_k=1, block_size=6, compress_ratio=3))
-  for kw in (dict(layers=layers), dict(layers=layers[:3], kv_lora_rank=6, rope_head_dim=2)):
+  # by hand, batch 3, bf16, 50 tokens, 2 kv heads x 4 dims (48 bytes per token and array):
+  # local ring 7 x (K, V); global/sparse 50 x (K, V); CSA compressed: 17 entries x (K, V) + a raw
+  # ring of max(5, 2*3) + a gate ring of 6; two_stage: raw 50 + 17 entries + gate ring 6.
+  # MLA (latent 6, RoPE key 2): 48 bytes per token with RoPE, 36 without (global NoPE).
+  expected = ([48 * 14, 48 * 100, 48 * 100, 48 * (34 + 12 + 12), 48 * (100 + 34 + 12)],
+              [48 * 7, 36 * 50, 48 * 50])
+  for kw, want in zip((dict(layers=layers), dict(layers=layers[:3], kv_lora_rank=6,
+                                                  rope_head_dim=2)), expected):
     cfg = TransformerConfig(vocab_size=11, num_layers=len(kw["layers"]), d_model=16, num_heads=4,
                             num_kv_heads=2, head_dim=4, **{k: v for k, v in kw.items()})
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    model.init_cache(3, 50, jnp.bfloat16)
+
+    def build():
+      m = Transformer(cfg, rngs=nnx.Rngs(0))
+      m.init_cache(3, 50, jnp.bfloat16)
+      return m
+
+    model = nnx.eval_shape(build)            # shapes and dtypes only
     got = []
     for blk in model.blocks:
       a = blk.attn
-      got.append(sum(getattr(a, f"cache_{n}")[...].nbytes for n in a.cache_names))
+      arrs = [getattr(a, f"cache_{n}") for n in a.cache_names]
+      got.append(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrs))
     acct = kv_cache_bytes(cfg, 50, jnp.bfloat16, batch_size=3)
-    assert acct["per_layer"] == got
+    assert acct["per_layer"] == got == want
     assert acct["total"] == sum(got)

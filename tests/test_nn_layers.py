@@ -85,7 +85,7 @@ def _influence(layer, j, seq=24):
   """|change of each output position| when input position j is perturbed."""
   x = jax.random.normal(jax.random.key(3), (1, seq, 24))
   x2 = x.at[:, j].add(jax.random.normal(jax.random.key(4), (24,)))
-  return jnp.abs(layer(x2) - layer(x)).max(axis=(0, 2))
+  return nnx.jit(lambda m, a, b: jnp.abs(m(b) - m(a)).max(axis=(0, 2)))(layer, x, x2)
 
 
 @pytest.mark.parametrize("spec", [
