@@ -14,6 +14,11 @@
   appends t >= 1 tokens (prefill and single steps share one path) and attends by absolute position.
   "global"/"sparse" keep ``max_len`` tokens; "local" keeps a ring buffer of ``window`` tokens with
   their positions; "csa" keeps compressed entries plus a raw ring (or the raw KV for two_stage).
+  Single-token steps of "global"/"local" layers run ``jattn.decode_attention`` (flash decoding;
+  the ring is attended in slot order, which softmax does not care about); "sparse" layers run
+  ``jattn.sparse.sparse_decode_attention`` per new token; chunks of t > 1 tokens use a
+  position-masked fp32 reference (it materialises [t, cache] logits: fine for prompts of a few
+  thousand tokens; for long prompts run the full forward for analysis instead).
   All rows of a batch advance together (one shared cache index); to decode packed documents, decode
   each document in its own row (or its own call), starting from position 0.
 """

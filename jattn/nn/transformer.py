@@ -233,6 +233,12 @@ class Transformer(nnx.Module):
 
     Returns:
       logits [batch, t, vocab].
+
+    Rows advance together from one cache index, so packed documents are decoded one document per
+    row (equal lengths) or per call, each from a fresh ``init_cache`` with positions from 0; the
+    logits then equal the packed forward's (segment ids + restarted positions) for that document.
+    The cache must be sized for the whole sequence (``max_len``); writing past it is not checked
+    under jit.
     """
     x = self.embed(tokens)
     for blk in self.blocks:
