@@ -141,9 +141,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, causal=causal,
                              local_window_size=window, q_segment_ids=segment_ids,
                              kv_segment_ids=kv_segment_ids)
-    kwargs = {}
-    if impl == "triton":
-      kwargs = dict(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    kwargs = {"block_sizes": bs} if impl == "triton" else {}
     out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
                                    local_window_size=window, scale=scale,
                                    logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)
