@@ -15,6 +15,7 @@ Two modes (``LayerSpec.csa_mode``):
 * "compressed": per query head, the ``top_k`` visible entries with the largest ``q . ck`` plus a raw
   causal local window of ``window`` tokens, under one softmax (plus an optional learned sink logit).
   The local part runs on ``jattn.flash_attention``; the parts are combined by ``jattn.merge``.
+  Entries overlapping the raw window are not excluded (as NSA's compressed and sliding branches).
 * "two_stage": per query token and kv head, blocks of ``block_size`` raw tokens are scored by the
   best ``q . ck`` (query heads of a GQA group averaged) over the visible entries whose window
   starts in the block; the ``top_k`` best past blocks plus the query's own block are attended

@@ -19,7 +19,11 @@ from pallas_kernels.masks import element_mask
 
 
 def _module_list(items):
-  return nnx.List(items) if hasattr(nnx, "List") else nnx.data(list(items))
+  if hasattr(nnx, "List"):
+    return nnx.List(items)
+  if hasattr(nnx, "data"):
+    return nnx.data(list(items))
+  return list(items)  # older flax: plain lists of modules are graph nodes
 
 
 @dataclasses.dataclass(frozen=True)
