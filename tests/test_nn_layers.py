@@ -172,6 +172,10 @@ def test_unhonourable_options_raise():
     layer(x, segment_ids=jnp.ones((1, 8), jnp.int32))
   with pytest.raises(ValueError):
     layer.decode(x)                                              # no cache yet
+  layer.init_cache(1, 10, jnp.float32)
+  layer.decode(x)
+  with pytest.raises(ValueError):
+    layer.decode(x[:, :3])                                       # 8 + 3 > max_len
 
 
 # ------------------------------------------------------------------ post-hoc sparsity

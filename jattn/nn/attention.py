@@ -351,14 +351,22 @@ class Attention(nnx.Module):
       return_qk: also return ``{"q": q}`` for the new tokens.
 
     Returns:
-      y [batch, t, d_model]. The cache index advances by t. Writing past ``max_len`` is not
-      checked under jit (full caches would clamp): size the cache for the whole sequence.
+      y [batch, t, d_model]. The cache index advances by t. Writing past ``max_len`` raises
+      outside jit; under jit it is not checked (full caches would clamp): size the cache for the
+      whole sequence.
     """
     if not self.cache_names:
       raise ValueError("call init_cache(batch_size, max_len, dtype) before decode")
     b, t, _ = x.shape
     spec = self.spec
     p = _get(self.cache_index)
+    try:
+      p_now = int(p)
+    except jax.errors.ConcretizationTypeError:  # traced (jit): not checkable here
+      p_now = None
+    if p_now is not None and p_now + t > self.cache_max_len:
+      raise ValueError(f"decode of {t} tokens at position {p_now} overflows the cache "
+                       f"(max_len={self.cache_max_len}); call init_cache with a larger max_len")
     pos = p + jnp.arange(t, dtype=jnp.int32)                         # [t]
     q, ent = self._project(x, jnp.broadcast_to(pos, (b, t)))
     layout = self.cache_layout(self.cache_max_len)
