@@ -2,6 +2,7 @@
 from jattn.attention import flash_attention, resolve_implementation
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from jattn.decode import append_kv, append_kv_paged, decode_attention, paged_decode_attention
+from jattn.packing import PackPlan, pack_bfd, segments_from_lengths
 from jattn.merge import merge_partials  # jattn.merge stays the module (merge() lives there)
 from jattn.sparse import (BlockSelection, BlockSummaries, block_sparse_attention, captured_mass,
                           init_block_summaries, select_blocks, sparse_attention,
@@ -13,4 +14,4 @@ __all__ = ["flash_attention", "resolve_implementation", "BlockSchedule", "make_s
            "init_block_summaries", "select_blocks", "sparse_attention", "sparse_decode_attention",
            "sparse_paged_decode_attention", "update_block_summaries",
            "decode_attention", "paged_decode_attention", "append_kv", "append_kv_paged",
-           "merge_partials"]
+           "merge_partials", "PackPlan", "pack_bfd", "segments_from_lengths"]
