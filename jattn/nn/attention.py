@@ -15,10 +15,11 @@
   "global"/"sparse" keep ``max_len`` tokens; "local" keeps a ring buffer of ``window`` tokens with
   their positions; "csa" keeps compressed entries plus a raw ring (or the raw KV for two_stage).
   Single-token steps of "global"/"local" layers run ``jattn.decode_attention`` (flash decoding;
-  the ring is attended in slot order, which softmax does not care about); "sparse" layers run
-  ``jattn.sparse.sparse_decode_attention`` per new token; chunks of t > 1 tokens use a
-  position-masked fp32 reference (it materialises [t, cache] logits: fine for prompts of a few
-  thousand tokens; for long prompts run the full forward for analysis instead).
+  the ring is attended in slot order, which softmax does not care about); chunks of t > 1 tokens
+  run ``jattn.flash_attention`` over the cache rolled so that the chunk ends it (global) or over
+  the ring read back in position order plus the chunk (local, CSA's raw window), with kv segment
+  ids masking empty slots; "sparse" layers run ``jattn.sparse.sparse_decode_attention`` for each
+  new token.
   All rows of a batch advance together (one shared cache index); to decode packed documents, decode
   each document in its own row (or its own call), starting from position 0.
 """
@@ -34,7 +35,6 @@ from jattn.merge import merge
 from jattn.nn import csa as csa_ops
 from jattn.nn.rope import apply_rope
 from jattn.nn.schedule import LayerSpec
-from pallas_kernels.flash.reference import attention_reference
 
 
 def _get(var):
@@ -46,35 +46,6 @@ def _set(var, value):
     var.set_value(value)
   else:  # older flax
     var.value = value
-
-
-def masked_attention(q, k, v, q_pos, k_pos, *, window=None, scale=None):
-  """Causal attention by absolute position (the decode path): key j visible to query i iff
-  ``0 <= k_pos[j] <= q_pos[i]`` and, with a window w, ``k_pos[j] > q_pos[i] - w``.
-
-  Args:
-    q: [batch, t, q_heads, d].
-    k: [batch, n, kv_heads, d].
-    v: [batch, n, kv_heads, dv].
-    q_pos: int [t] query positions (shared by the batch).
-    k_pos: int [n] key positions; negative marks an empty slot.
-    window: None or the window in tokens.
-    scale: logit scale (default 1/sqrt(d)).
-
-  Returns:
-    (out [batch, t, q_heads, dv] in q.dtype, lse [batch, q_heads, t] fp32).
-
-  Example:
-    >>> q = jnp.ones((1, 2, 2, 4)); k = jnp.ones((1, 5, 1, 4))
-    >>> out, lse = masked_attention(q, k, k, jnp.array([3, 4]), jnp.arange(5), window=2)
-    >>> out.shape
-    (1, 2, 2, 4)
-  """
-  kp, qp = k_pos[None, :], q_pos[:, None]
-  mask = (kp >= 0) & (kp <= qp)
-  if window is not None:
-    mask = mask & (kp > qp - window)
-  return attention_reference(q, k, v, causal=False, block_mask=mask, scale=scale)
 
 
 def _sparse_module():
@@ -375,11 +346,12 @@ class Attention(nnx.Module):
     if spec.kind in ("global", "sparse"):
       full = self._write_full(ent, p)
       k, v = self._expand(full)
-      kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
       if spec.kind == "global" and t == 1:
         o = self._decode_one(q, k, v, jnp.full((b,), p + 1, jnp.int32))
-      elif spec.kind == "global":
-        o, _ = masked_attention(q, k, v, pos, kpos, scale=self.scale)
+      elif spec.kind == "global":  # roll the cache so the chunk ends it: bottom-right causal
+        shift = k.shape[1] - (p + t)
+        roll = lambda a: jnp.roll(a, shift, axis=1)
+        o = self._chunk_flash(q, roll(k), roll(v), jnp.arange(k.shape[1]) >= shift)
       else:
         o = self._sparse_decode(q, k, v, pos, p)
     elif spec.kind == "local":
@@ -390,9 +362,9 @@ class Attention(nnx.Module):
         lens = jnp.full((b,), jnp.minimum(p + 1, size), jnp.int32)
         o = self._decode_one(q, k, v, lens)
       else:
-        keys, kpos = self._ring_concat(ent, list(ent), size)
+        keys, valid = self._ring_unrolled(ent, list(ent), size)
         k, v = self._expand(keys)
-        o, _ = masked_attention(q, k, v, pos, kpos, window=spec.window, scale=self.scale)
+        o = self._chunk_flash(q, k, v, valid, window=(spec.window - 1, 0))
         self._ring_write(ent, list(ent), size, pos)
     else:
       o = self._csa_decode(q, ent, pos, p, layout)
@@ -418,12 +390,28 @@ class Attention(nnx.Module):
       out[n] = new
     return out
 
-  def _ring_concat(self, ent, names, size):
-    rpos = _get(getattr(self, f"ring_pos_{size}"))
-    t = ent[names[0]].shape[1]
+  def _ring_unrolled(self, ent, names, size):
+    """Ring contents in position order (p - size .. p - 1), then the new chunk; valid-slot mask.
+
+    Slot s of a ring holds position pos with pos % size == s, so the last ``size`` positions
+    are read back in order; negative positions (before the sequence start) are invalid."""
     p = _get(self.cache_index)
-    keys = {n: jnp.concatenate([_get(getattr(self, f"cache_{n}")), ent[n]], axis=1) for n in names}
-    return keys, jnp.concatenate([rpos, p + jnp.arange(t, dtype=jnp.int32)])
+    t = ent[names[0]].shape[1]
+    opos = p - size + jnp.arange(size, dtype=jnp.int32)              # [size]
+    slots = opos % size
+    keys = {n: jnp.concatenate([_get(getattr(self, f"cache_{n}"))[:, slots], ent[n]], axis=1)
+            for n in names}
+    return keys, jnp.concatenate([opos >= 0, jnp.ones((t,), bool)])
+
+  def _chunk_flash(self, q, k, v, kv_valid, window=None, return_lse=False):
+    """t queries at the last t positions of contiguous keys k [b, n] (bottom-right aligned);
+    ``kv_valid`` [n] masks empty slots through kv segment ids."""
+    b, t = q.shape[:2]
+    seg_q = jnp.ones((b, t), jnp.int32)
+    seg_k = jnp.broadcast_to(kv_valid.astype(jnp.int32)[None], (b, k.shape[1]))
+    return flash_attention(q, k, v, causal=True, local_window_size=window, segment_ids=seg_q,
+                           kv_segment_ids=seg_k, scale=self.scale, return_lse=return_lse,
+                           implementation=self.implementation, interpret=self.interpret)
 
   def _ring_write(self, ent, names, size, pos):
     t = pos.shape[0]
@@ -490,9 +478,9 @@ class Attention(nnx.Module):
                                          ratio=r, block_size=spec.block_size, top_k=spec.top_k,
                                          scale=self.scale)
     else:
-      keys, kpos = self._ring_concat(ent, ["k", "v"], raw_size)
-      o_l, lse_l = masked_attention(q, keys["k"], keys["v"], pos, kpos, window=spec.window,
-                                    scale=self.scale)
+      keys, valid = self._ring_unrolled(ent, ["k", "v"], raw_size)
+      o_l, lse_l = self._chunk_flash(q, keys["k"], keys["v"], valid,
+                                     window=(spec.window - 1, 0), return_lse=True)
       o = self._csa_combine(q, o_l, lse_l, comp["ck"], comp["cv"], q_pos)
       self._ring_write(ent, ["k", "v"], raw_size, pos)
     self._ring_write(ent, ["gk", "gv"], g_size, pos)
