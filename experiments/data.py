@@ -13,7 +13,12 @@ Retrieval episode (one row of ``seq_len + 1`` tokens; inputs are ``row[:-1]``, t
     [ haystack of real text (bytes) with needles written into its last `span` tokens ... ]
     [ QUERY key_a VAL(a)  QUERY key_b VAL(b) ... ]        <- num_queries queries at the end
 
-* task ``"pairs"`` (the simple needle task): a needle is one fused token ``PAIR(k, v)``; answering
+* task ``"copy"`` (the simplest needle task): one needle per episode, a value token ``VAL(v)``
+  (value tokens occur nowhere else); the query is ``QUERY KEY(k)`` (k random, uninformative) and
+  the answer is ``VAL(v)``:
+  one content-addressed lookup and a copy (tied embeddings make the copy easy). Small models learn
+  it in a few hundred steps, so sparse selection is tested on a task the dense baseline solves.
+* task ``"pairs"`` (needles with keys): a needle is one fused token ``PAIR(k, v)``; answering
   needs one content-addressed lookup (the query key matches the needle's key part, the answer is
   its value part).
 * task ``"mqar"`` (multi-query associative recall): a needle is two tokens ``KEY(k) VAL(v)``;
@@ -52,13 +57,15 @@ class TaskConfig:
 
   Attributes:
     seq_len: model input length (rows hold seq_len + 1 tokens).
-    task: "pairs" (fused needle tokens) or "mqar" (KEY VAL needles, induction).
+    task: "copy" (one value needle), "pairs" (fused key-value needle tokens) or "mqar"
+      (KEY VAL needles, induction).
     num_keys: size of the key vocabulary.
     num_values: size of the value vocabulary.
     num_pairs: needles per episode (distinct keys); the unqueried ones are distractors.
     num_queries: queries per episode, answered in the query section at the end.
     text_fraction: fraction of each training batch that is packed real text (LM rows).
-    answer_weight: loss weight of an answer position (text positions weigh 1).
+    answer_weight: value of ``weights`` at answer positions (informational: the training loss
+      normalises answers separately, see ``train_lib.weighted_xent``).
   """
   seq_len: int = 512
   task: str = "pairs"
@@ -70,8 +77,10 @@ class TaskConfig:
   answer_weight: float = 4.0
 
   def __post_init__(self):
-    if self.task not in ("pairs", "mqar"):
-      raise ValueError(f"task must be 'pairs' or 'mqar', got {self.task!r}")
+    if self.task not in ("copy", "pairs", "mqar"):
+      raise ValueError(f"task must be 'copy', 'pairs' or 'mqar', got {self.task!r}")
+    if self.task == "copy" and not self.num_pairs == self.num_queries == 1:
+      raise ValueError("task 'copy' has one needle and one query (num_pairs = num_queries = 1)")
     if not 1 <= self.num_queries <= self.num_pairs <= self.num_keys:
       raise ValueError("need 1 <= num_queries <= num_pairs <= num_keys")
     if not 0.0 <= self.text_fraction < 1.0:
@@ -357,6 +366,8 @@ def retrieval_rows(cfg: TaskConfig, rng: np.random.Generator, n: int, haystack: 
     for p, k, v in zip(pos, keys, vals):
       if cfg.task == "pairs":
         rows[r, p] = voc.pair(k, v)
+      elif cfg.task == "copy":
+        rows[r, p] = voc.value(v)
       else:
         rows[r, p], rows[r, p + 1] = voc.key(k), voc.value(v)
       if p > 0:

@@ -55,6 +55,7 @@ class OptimConfig:
   min_lr_ratio: float = 0.1
 
 
+@functools.lru_cache(maxsize=None)
 def make_optimizer(cfg: OptimConfig):
   """The optax optimiser for ``cfg``.
 
@@ -62,11 +63,12 @@ def make_optimizer(cfg: OptimConfig):
     cfg: an ``OptimConfig``.
 
   Returns:
-    (optax.GradientTransformation, schedule function step -> learning rate).
+    (optax.GradientTransformation, schedule function step -> learning rate); cached per config,
+    so trainers with equal configs share one object (and one compiled train step).
 
   Example:
     >>> tx, sched = make_optimizer(OptimConfig(lr=1e-3, warmup_steps=10, total_steps=100))
-    >>> float(sched(10))
+    >>> round(float(sched(10)), 6)
     0.001
   """
   warm = max(1, min(cfg.warmup_steps, cfg.total_steps - 1))
@@ -121,31 +123,35 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
   return out
 
 
-def weighted_xent(logits, batch):
-  """Weighted next-token cross entropy and retrieval accuracy.
+def weighted_xent(logits, batch, *, answer_loss_weight=1.0):
+  """Next-token cross entropy: text (LM) term plus a separately normalised answer term.
+
+  loss = sum(w * nll over non-answer targets) / sum(w) + answer_loss_weight * mean(nll over
+  answer targets). Normalising the answer term on its own keeps the few retrieval answers of a
+  batch from drowning in thousands of text targets.
 
   Args:
     logits: [batch, seq, vocab].
-    batch: dict with "targets" (int [batch, seq]), "weights" (float [batch, seq]) and
-      "answer_mask" (bool [batch, seq]).
+    batch: dict with "targets" (int [batch, seq]), "weights" (float [batch, seq]; used for the
+      text term) and "answer_mask" (bool [batch, seq]).
+    answer_loss_weight: weight of the answer term.
 
   Returns:
-    (loss, metrics): loss = sum(w * nll) / sum(w); metrics holds sums ("nll_sum", "w_sum",
-    "ans_correct", "ans_count", "ans_nll", "txt_nll", "txt_count") so they can be aggregated
-    exactly over eval chunks.
+    (loss, metrics): metrics holds sums ("nll_sum", "w_sum", "ans_correct", "ans_count",
+    "ans_nll", "txt_nll", "txt_count") so they can be aggregated exactly over eval chunks.
 
   Example:
     >>> lg = jnp.zeros((1, 2, 4)); b = {"targets": jnp.array([[1, 2]]),
     ...   "weights": jnp.ones((1, 2)), "answer_mask": jnp.array([[False, True]])}
     >>> round(float(weighted_xent(lg, b)[0]), 4)
-    1.3863
+    2.7726
   """
   logits = logits.astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]  # [b, s]
-  w = batch["weights"].astype(jnp.float32)
   ans = batch["answer_mask"]
-  txt = (w > 0) & ~ans
+  w = jnp.where(ans, 0.0, batch["weights"].astype(jnp.float32))
+  txt = w > 0
   correct = (jnp.argmax(logits, -1) == batch["targets"]) & ans
   metrics = {
       "nll_sum": jnp.sum(w * nll), "w_sum": jnp.sum(w),
@@ -153,7 +159,8 @@ def weighted_xent(logits, batch):
       "ans_nll": jnp.sum(jnp.where(ans, nll, 0.0)),
       "txt_nll": jnp.sum(jnp.where(txt, nll, 0.0)), "txt_count": jnp.sum(txt),
   }
-  loss = metrics["nll_sum"] / jnp.maximum(metrics["w_sum"], 1.0)
+  loss = (metrics["nll_sum"] / jnp.maximum(metrics["w_sum"], 1.0)
+          + answer_loss_weight * metrics["ans_nll"] / jnp.maximum(metrics["ans_count"], 1.0))
   return loss, metrics
 
 
@@ -173,6 +180,48 @@ def _from_saved(saved, like):
       x = jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref))
     out.append(x)
   return out
+
+
+def _cast(params, dtype):
+  if dtype is None:
+    return params
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def _call(model, batch, use_segments, call_kwargs):
+  kwargs = dict(call_kwargs)
+  if use_segments:
+    kwargs.update(segment_ids=batch["segment_ids"], positions=batch["positions"])
+  return model(batch["inputs"], **kwargs)
+
+
+# The jitted steps are module-level functions of (static) graphdef, optimiser and options, so
+# trainers of the same architecture (other seeds, a resumed run) reuse one compilation.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(6, 7, 8))
+def _train_step(graphdef, tx, use_segments, compute_dtype, call_kwargs, mesh, params, rest,
+                opt_state, batch):
+  # Merge at the jit level and differentiate with nnx.value_and_grad (w.r.t. nnx.Param), so
+  # stateful variables (e.g. the Gumbel gate's RNG stream) may be updated inside the step.
+  model = nnx.merge(graphdef, _cast(params, compute_dtype), rest)
+
+  def loss_fn(model):
+    return weighted_xent(_call(model, batch, use_segments, call_kwargs), batch)
+  (loss, m), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+  _, _, new_rest = nnx.split(model, nnx.Param, ...)
+  updates, opt_state = tx.update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  m = dict(m, loss=loss, grad_norm=optax.tree.norm(grads))
+  repl = NamedSharding(mesh, P())
+  return jax.lax.with_sharding_constraint((params, new_rest, opt_state, m), repl)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _eval_step(graphdef, use_segments, compute_dtype, call_kwargs, mesh, params, rest, batch):
+  model = nnx.merge(graphdef, _cast(params, compute_dtype), rest)
+  m = weighted_xent(_call(model, batch, use_segments, call_kwargs), batch)[1]
+  return jax.lax.with_sharding_constraint(m, NamedSharding(mesh, P()))
 
 
 class Trainer:
@@ -212,43 +261,17 @@ class Trainer:
     self.step = 0
     self.base_key = jax.random.key(seed)
     self.curves = {"step": [], "loss": [], "answer_acc": [], "lr": [], "span": [], "time_s": []}
-    self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1, 2),
-                               out_shardings=(repl, repl, repl, repl))
-    self._eval_fn = jax.jit(self._eval_impl, out_shardings=repl)
+    self._train_step = functools.partial(
+        _train_step, self.graphdef, self.tx, self.use_segments, self.compute_dtype,
+        tuple(sorted(self.call_kwargs.items())), self.mesh)
+    self._eval_fn = functools.partial(
+        _eval_step, self.graphdef, self.use_segments, self.compute_dtype,
+        tuple(sorted(self.call_kwargs.items())), self.mesh)
 
   # -- model calls -------------------------------------------------------------------------------
-  def _call(self, model, batch):
-    kwargs = dict(self.call_kwargs)
-    if self.use_segments:
-      kwargs.update(segment_ids=batch["segment_ids"], positions=batch["positions"])
-    return model(batch["inputs"], **kwargs)
-
   def cast(self, params):
     """``params`` with floating leaves in the compute dtype (unchanged without one)."""
-    if self.compute_dtype is None:
-      return params
-    return jax.tree.map(
-        lambda x: x.astype(self.compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-        params)
-
-  def _step_fn(self, params, rest, opt_state, batch):
-    # Merge at the jit level and differentiate with nnx.value_and_grad (w.r.t. nnx.Param), so
-    # stateful variables (e.g. the Gumbel gate's RNG stream) may be updated inside the step.
-    model = nnx.merge(self.graphdef, self.cast(params), rest)
-
-    def loss_fn(model):
-      return weighted_xent(self._call(model, batch), batch)
-    (loss, m), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    _, _, new_rest = nnx.split(model, nnx.Param, ...)
-    updates, opt_state = self.tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    m = dict(m, loss=loss, grad_norm=optax.global_norm(grads))
-    return params, new_rest, opt_state, m
-
-  def _eval_impl(self, params, rest, batch, graphdef=None):
-    model = nnx.merge(graphdef or self.graphdef, self.cast(params), rest)
-    return weighted_xent(self._call(model, batch), batch)[1]
+    return _cast(params, self.compute_dtype)
 
   def model(self):
     """The current model as an ``nnx.Module`` (merged from the trained state)."""
@@ -375,14 +398,14 @@ class Trainer:
 
     Returns:
       dict: "score" (answer accuracy), "answer_nll", "text_nll", "bpb" (text nats / ln 2;
-      tokens are bytes), "loss" (weighted loss), and the raw counts.
+      tokens are bytes), "loss" (the training objective), and the raw counts.
     """
     params = self.params if params is None else params
     rest = self.rest if rest is None else rest
     fn = self._eval_fn
     if graphdef is not None:
-      fn = jax.jit(functools.partial(self._eval_impl, graphdef=graphdef),
-                   out_shardings=self._repl)
+      fn = functools.partial(_eval_step, graphdef, self.use_segments, self.compute_dtype,
+                             tuple(sorted(self.call_kwargs.items())), self.mesh)
     n = batch["inputs"].shape[0]
     dev = self.mesh.devices.size
     chunk = max(dev, chunk // dev * dev)
@@ -403,7 +426,8 @@ class Trainer:
     out["answer_nll"] = tot["ans_nll"] / tot["ans_count"] if tot["ans_count"] else float("nan")
     out["text_nll"] = tot["txt_nll"] / tot["txt_count"] if tot["txt_count"] else float("nan")
     out["bpb"] = out["text_nll"] / math.log(2.0)
-    out["loss"] = tot["nll_sum"] / max(tot["w_sum"], 1.0)
+    out["loss"] = tot["nll_sum"] / max(tot["w_sum"], 1.0) + (
+        out["answer_nll"] if tot["ans_count"] else 0.0)
     return out
 
 
