@@ -995,11 +995,13 @@ def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, nu
   """select_decode_blocks; sort=False returns the unsorted list (forced, then top-k; -1 gaps)."""
   _check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks, num_local_blocks)
   b, hq, d = q.shape
-  means = block_summaries.means()                                          # [b, nb, hk, d]
-  nb, hk = means.shape[1], means.shape[2]
+  sums = block_summaries.sums                                              # [b, nb, hk, d]
+  nb, hk = sums.shape[1], sums.shape[2]
   bs = block_summaries.block_size
   qsum = q.astype(jnp.float32).reshape(b, hk, hq // hk, d).sum(2)          # [b, hk, d]
-  scores = jnp.einsum("bhd,bjhd->bhj", qsum, means, precision=_HIGHEST)    # [b, hk, nb]
+  # q . mean_key = (q . key_sum) / count: divide the [b, hk, nb] scores, not the sums.
+  scores = jnp.einsum("bhd,bjhd->bhj", qsum, sums, precision=_HIGHEST)     # [b, hk, nb]
+  scores = scores / jnp.maximum(block_summaries.counts(), 1)[:, None, :].astype(jnp.float32)
   lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), nb * bs)
   diag = jnp.where(lengths > 0, (lengths - 1) // bs, -1)[:, None, None]    # [b, 1, 1]
   j = jnp.arange(nb)[None, None, :]
