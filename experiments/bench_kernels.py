@@ -198,7 +198,7 @@ def bench_flash_packed(s=16384, docs=4, h=16, d=128, b=2):
 
 
 # ----------------------------------------------------------------------------- decode / sparse
-def bench_decode():
+def bench_decode(sweep=True):
   try:
     from jattn import decode as dec
   except ImportError:
@@ -207,7 +207,7 @@ def bench_decode():
   if not hasattr(dec, "bench_decode_cases"):
     print("[decode] no bench_decode_cases()")
     return
-  for row in dec.bench_decode_cases(time_fn=time_fn, rel_err=rel_err):
+  for row in dec.bench_decode_cases(time_fn=time_fn, rel_err=rel_err, sweep=sweep):
     record(**row)
 
 
@@ -252,13 +252,15 @@ def main(argv=None):
   p.add_argument("--ops", default="flash,decode,sparse")
   p.add_argument("--out", default="experiments/results/h200_kernels.json")
   p.add_argument("--quick", action="store_true", help="4K cases only")
+  p.add_argument("--seqs", default="4096,16384", help="flash sequence lengths")
+  p.add_argument("--no-sweep", action="store_true", help="decode: no block-size sweep")
   args = p.parse_args(argv)
   ops = args.ops.split(",")
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   _OUT["path"] = args.out
   if "flash" in ops:
     cases = []
-    for s in ((4096,) if args.quick else (4096, 16384)):
+    for s in ((4096,) if args.quick else tuple(int(x) for x in args.seqs.split(","))):
       for causal in (False, True):
         cases.append((2, s, 16, 128, causal, None))
       cases.append((2, s, 16, 128, True, (511, 0)))
@@ -266,7 +268,7 @@ def main(argv=None):
     if not args.quick:
       bench_flash_packed()
   if "decode" in ops:
-    bench_decode()
+    bench_decode(sweep=not args.no_sweep)
   if "sparse" in ops:
     bench_sparse()
   result = {"meta": meta(), "rows": ROWS}
