@@ -72,8 +72,8 @@ class Preset:
     corpus_bytes: cap on text bytes per split (None: the whole stdlib).
     eval_retrieval, eval_text: evaluation rows.
     seeds: default number of seeds.
-    curriculum_start, curriculum_ramp: needle span starts at this fraction of the haystack and
-      reaches the full haystack at this fraction of the steps.
+    curriculum_start, curriculum_ramp: the episode span starts at this many tokens and grows
+      geometrically to the full haystack at this fraction of the steps (``data.Curriculum``).
     param_dtype: parameter dtype of the model (the master copy).
     compute_dtype: None or "bfloat16": mixed-precision forward/backward (``Trainer``).
     cache_dtype: KV-cache dtype of the decode benchmark.
@@ -112,8 +112,8 @@ class Preset:
   eval_retrieval: int = 64
   eval_text: int = 32
   seeds: int = 1
-  curriculum_start: float = 0.125
-  curriculum_ramp: float = 0.5
+  curriculum_start: int = 8
+  curriculum_ramp: float = 0.7
   param_dtype: str = "float32"
   compute_dtype: str | None = None
   cache_dtype: str = "float32"
@@ -138,20 +138,23 @@ PRESETS = {
     "smoke": Preset(name="smoke", seq_len=256, num_layers=3, d_model=32, num_heads=2,
                     num_kv_heads=1, head_dim=16, batch_size=8, steps=20, lr=3e-3,
                     warmup_steps=4, block_size=8, window=32, local_per_global=2, csa_top_k=8,
-                    csa_window=16, task="copy", num_pairs=1, num_queries=1,
+                    csa_window=16, task="copy", num_pairs=1, num_queries=1, curriculum_start=4,
                     corpus_bytes=300_000, eval_retrieval=16, eval_text=8, decode_tokens=4,
                     analysis_rows=2, curve_points=2, ckpt_every=10, log_every=4),
-    # CPU: aimed at < 30 minutes on an idle 2-core CPU for every variant and 3 seeds.
-    "cpu": Preset(name="cpu", seq_len=256, num_layers=6, d_model=48, num_heads=4, num_kv_heads=2,
-                  head_dim=12, batch_size=8, steps=250, lr=3e-3, warmup_steps=25, block_size=8,
-                  window=32, csa_top_k=8, csa_window=16, task="copy", num_values=32,
-                  num_pairs=1, num_queries=1, corpus_bytes=2_000_000, eval_retrieval=128,
-                  eval_text=32, seeds=3, decode_tokens=8, analysis_rows=4, ckpt_every=50),
+    # CPU: aimed at < 30 minutes on an idle 2-core CPU for every variant and 3 seeds. Three layers
+    # (the local/global variant is 2 local : 1 global) and 128 tokens in 32 blocks of 4.
+    "cpu": Preset(name="cpu", seq_len=128, num_layers=3, d_model=64, num_heads=4, num_kv_heads=2,
+                  head_dim=16, batch_size=16, steps=200, lr=3e-3, warmup_steps=20, block_size=4,
+                  window=16, local_per_global=2, csa_top_k=4, csa_window=8, task="copy",
+                  num_values=32, num_pairs=1, num_queries=1, text_fraction=0.125,
+                  corpus_bytes=2_000_000, eval_retrieval=128, eval_text=32, seeds=3,
+                  curriculum_start=4, decode_tokens=8, analysis_rows=4, ckpt_every=50),
     # One H200, ~10 minutes for every variant (1 seed) at 8K context.
     "h200": Preset(name="h200", seq_len=8192, num_layers=6, d_model=256, num_heads=4,
                    num_kv_heads=2, head_dim=64, batch_size=8, steps=500, lr=2e-3,
                    warmup_steps=50, block_size=64, window=512, csa_top_k=64, csa_window=512,
                    task="copy", num_values=32, num_pairs=1, num_queries=1, corpus_bytes=None,
+                   text_fraction=0.125,
                    eval_retrieval=64, eval_text=32, cache_dtype="bfloat16",
                    compute_dtype="bfloat16", decode_tokens=32, analysis_rows=2,
                    ckpt_every=250, log_every=20),

@@ -27,8 +27,9 @@ Retrieval episode (one row of ``seq_len + 1`` tokens; inputs are ``row[:-1]``, t
 ``num_pairs >= num_queries`` needles are written, with distinct keys and values drawn with
 replacement, so the unqueried needles are distractors and every value occurs several times.
 The score is the accuracy of the argmax prediction at the answer positions (the token after the
-queried key). A curriculum grows ``span`` (the distance over which needles are spread) from short
-to the full haystack.
+queried key). A curriculum grows ``span`` from short to the full haystack; episodes shorter
+than a row are packed several per row, each its own document (segment ids, positions from 0), so
+a short span is a short context with more answers per step.
 
 Text rows: the ``.py`` files of the Python installation's standard library as a byte-level corpus,
 split into train and held-out files by a hash of the path, packed into rows of ``seq_len + 1``
@@ -318,76 +319,112 @@ def text_batch(packed: PackedText, rows: dict):
 # Retrieval episodes
 # --------------------------------------------------------------------------------------------------
 
+def _episode(cfg, rng, haystack, span, row, weights, answer, off):
+  """Write one episode (``span`` haystack tokens with needles, then the queries) into
+  ``row[off:off + span + query_len]``; returns (needle positions, answer positions) in the row."""
+  voc = cfg.vocab
+  nl, npairs = cfg.needle_len, cfg.num_pairs
+  total = len(haystack.tokens)
+  start = rng.integers(0, total - span + 1)
+  row[off:off + span] = haystack.tokens[start:start + span]
+  keys = rng.choice(cfg.num_keys, npairs, replace=False)
+  vals = rng.integers(0, cfg.num_values, npairs)
+  slot = span // npairs
+  offs = rng.integers(0, slot - nl + 1, npairs)   # one needle per slot, random offset inside it
+  pos = off + np.arange(npairs) * slot + offs
+  for p, k, v in zip(pos, keys, vals):
+    if cfg.task == "pairs":
+      row[p] = voc.pair(k, v)
+    elif cfg.task == "copy":
+      row[p] = voc.value(v)
+    else:
+      row[p], row[p + 1] = voc.key(k), voc.value(v)
+    if p > 0:
+      weights[p - 1] = 0.0        # the needle itself is unpredictable
+    if cfg.task == "mqar":
+      weights[p] = 0.0            # so is its value given the key
+  q = rng.choice(npairs, cfg.num_queries, replace=False)
+  ans = []
+  for i, j in enumerate(q):
+    base = off + span + 3 * i
+    row[base:base + 3] = (QUERY, voc.key(keys[j]), voc.value(vals[j]))
+    weights[base - 1] = 0.0       # predicting QUERY: fixed format, keep the loss clean
+    weights[base] = 0.0           # which key is queried is random
+    weights[base + 1] = cfg.answer_weight
+    answer[base + 1] = True
+    ans.append(base + 1)
+  return pos, np.array(ans)
+
+
 def retrieval_rows(cfg: TaskConfig, rng: np.random.Generator, n: int, haystack: TextCorpus,
                    span: int):
-  """Generate ``n`` retrieval episodes.
+  """Generate ``n`` rows of retrieval episodes.
+
+  An episode is ``span`` haystack tokens (a contiguous slice of the corpus) with the needles
+  written into them, followed by the query section. A row holds as many episodes as fit
+  (``(seq_len + 1) // (span + query_len)``), each its own packed document (segment ids 2, 3, ...
+  with positions restarting at 0), right-aligned; the tokens before them are a text filler
+  document (segment 1). At the full span (evaluation) a row is one episode. Short spans early in
+  the curriculum thus give short contexts and more answers per step.
 
   Args:
     cfg: the task.
     rng: numpy Generator (the only source of randomness).
     n: rows to generate.
-    haystack: text corpus the haystack is cut from (contiguous slices of its concatenation).
-    span: needles are spread over the last ``span`` haystack tokens (the curriculum knob);
-      clipped to [needle_len * num_pairs, haystack_len].
+    haystack: text corpus the haystacks are cut from.
+    span: haystack tokens per episode (the curriculum knob); clipped to
+      [needle_len * num_pairs, haystack_len].
 
   Returns:
-    dict like ``text_batch`` plus "needle_pos" (int32 [n, num_pairs], row positions of the first
-    token of each needle) and "answer_pos" (int32 [n, num_queries], input positions whose target
-    is an answer). Segment ids are all 1 and positions are 0..seq_len-1.
+    dict like ``text_batch`` plus "needle_pos" (int32 [n, num_pairs]: positions of the first
+    token of each needle of the *last* episode of each row) and "answer_pos" (int32
+    [n, num_queries]: input positions whose target is an answer, last episode).
 
   Example:
     >>> train, _ = load_python_corpus(max_bytes=100_000)
-    >>> cfg = TaskConfig(seq_len=128, num_pairs=4, num_queries=2)
-    >>> b = retrieval_rows(cfg, np.random.default_rng(0), 3, train, span=64)
-    >>> b["inputs"].shape, int(b["answer_mask"].sum())
-    ((3, 128), 6)
+    >>> cfg = TaskConfig(seq_len=128, num_pairs=4, num_queries=2, task="pairs")
+    >>> b = retrieval_rows(cfg, np.random.default_rng(0), 3, train, span=32)
+    >>> b["inputs"].shape, int(b["answer_mask"].sum())   # 3 episodes of 2 queries per row
+    ((3, 128), 18)
   """
-  voc = cfg.vocab
   H, L1 = cfg.haystack_len, cfg.seq_len + 1
-  nl, npairs = cfg.needle_len, cfg.num_pairs
-  span = int(np.clip(span, nl * npairs, H))
-  total = len(haystack.tokens)
-  if total < H:
-    raise ValueError(f"haystack corpus has {total} tokens, need at least {H}")
+  span = int(np.clip(span, cfg.needle_len * cfg.num_pairs, H))
+  if len(haystack.tokens) < L1:
+    raise ValueError(f"haystack corpus has {len(haystack.tokens)} tokens, need at least {L1}")
+  ep = span + cfg.query_len
+  k = max(1, L1 // ep)
+  lead = L1 - k * ep
   rows = np.zeros((n, L1), np.int32)
   weights = np.ones((n, L1 - 1), np.float32)
   answer = np.zeros((n, L1 - 1), bool)
-  needle_pos = np.zeros((n, npairs), np.int32)
+  seg = np.zeros((n, L1 - 1), np.int32)
+  pos = np.zeros((n, L1 - 1), np.int32)
+  needle_pos = np.zeros((n, cfg.num_pairs), np.int32)
   answer_pos = np.zeros((n, cfg.num_queries), np.int32)
-  slot = span // npairs
+  wpad = np.ones(L1, np.float32)      # weights with a spare slot for the row's last token
+  apad = np.zeros(L1, bool)
+  starts = [lead + i * ep for i in range(k)]
+  seg_row = np.zeros(L1, np.int32)
+  pos_row = np.zeros(L1, np.int32)
+  bounds = ([0] if lead else []) + starts + [L1]
+  for si, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+    seg_row[a:b] = si + 1
+    pos_row[a:b] = np.arange(b - a)
   for r in range(n):
-    start = rng.integers(0, total - H + 1)
-    rows[r, :H] = haystack.tokens[start:start + H]
-    keys = rng.choice(cfg.num_keys, npairs, replace=False)
-    vals = rng.integers(0, cfg.num_values, npairs)
-    # one needle per slot of the span, at a random offset inside its slot
-    offs = rng.integers(0, slot - nl + 1, npairs)
-    pos = H - span + np.arange(npairs) * slot + offs
-    for p, k, v in zip(pos, keys, vals):
-      if cfg.task == "pairs":
-        rows[r, p] = voc.pair(k, v)
-      elif cfg.task == "copy":
-        rows[r, p] = voc.value(v)
-      else:
-        rows[r, p], rows[r, p + 1] = voc.key(k), voc.value(v)
-      if p > 0:
-        weights[r, p - 1] = 0.0  # the needle itself is unpredictable
-      if cfg.task == "mqar":
-        weights[r, p] = 0.0  # so is its value given the key
-    needle_pos[r] = pos
-    q = rng.choice(npairs, cfg.num_queries, replace=False)
-    for i, j in enumerate(q):
-      base = H + 3 * i
-      rows[r, base:base + 3] = (QUERY, voc.key(keys[j]), voc.value(vals[j]))
-      weights[r, base - 1] = 0.0      # predicting QUERY: fixed format, but keep the loss clean
-      weights[r, base] = 0.0          # which key is queried is random
-      weights[r, base + 1] = cfg.answer_weight
-      answer[r, base + 1] = True
-      answer_pos[r, i] = base + 1
+    wpad[:] = 1.0
+    apad[:] = False
+    if lead:
+      start = rng.integers(0, len(haystack.tokens) - lead + 1)
+      rows[r, :lead] = haystack.tokens[start:start + lead]
+    for off in starts:
+      npos, apos = _episode(cfg, rng, haystack, span, rows[r], wpad, apad, off)
+      if off > 0:
+        wpad[off - 1] = 0.0           # no target across a document boundary
+    needle_pos[r], answer_pos[r] = npos, apos
+    weights[r], answer[r] = wpad[:-1], apad[:-1]
+    seg[r], pos[r] = seg_row[:-1], pos_row[:-1]
   return {
-      "inputs": rows[:, :-1], "targets": rows[:, 1:],
-      "segment_ids": np.ones((n, L1 - 1), np.int32),
-      "positions": np.broadcast_to(np.arange(L1 - 1, dtype=np.int32), (n, L1 - 1)).copy(),
+      "inputs": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": seg, "positions": pos,
       "weights": weights, "answer_mask": answer, "needle_pos": needle_pos,
       "answer_pos": answer_pos,
   }
@@ -399,26 +436,27 @@ def retrieval_rows(cfg: TaskConfig, rng: np.random.Generator, n: int, haystack: 
 
 @dataclasses.dataclass(frozen=True)
 class Curriculum:
-  """Needle span as a function of the training step: short to long.
+  """Episode span (haystack tokens) as a function of the training step: short to long.
 
-  The span starts at ``start_frac`` of the haystack and grows linearly to the full haystack at
-  ``ramp_frac`` of the total steps, then stays there.
+  The span grows geometrically from ``start`` tokens to the full haystack at ``ramp_frac`` of the
+  total steps, then stays there. (Small models learn the lookup within a few dozen steps on
+  5-token episodes; what takes time is extending it to long contexts, so every doubling of the
+  length gets an equal share of the ramp.)
 
   Example:
-    >>> c = Curriculum(start_frac=0.25, ramp_frac=0.5)
-    >>> c.span(0, 100, 400), c.span(50, 100, 400), c.span(99, 100, 400)
-    (100, 400, 400)
+    >>> c = Curriculum(start=8, ramp_frac=0.5)
+    >>> c.span(0, 100, 512), c.span(25, 100, 512), c.span(50, 100, 512)
+    (8, 64, 512)
   """
-  start_frac: float = 0.125
-  ramp_frac: float = 0.6
+  start: int = 8
+  ramp_frac: float = 0.7
 
   def span(self, step, total_steps, haystack_len):
-    """Needle span (tokens) at ``step`` of ``total_steps``."""
-    if self.ramp_frac <= 0:
+    """Episode span (tokens) at ``step`` of ``total_steps``."""
+    if self.ramp_frac <= 0 or self.start >= haystack_len:
       return haystack_len
     t = min(1.0, step / max(1.0, self.ramp_frac * total_steps))
-    frac = self.start_frac + (1.0 - self.start_frac) * t
-    return int(round(frac * haystack_len))
+    return int(round(self.start * (haystack_len / self.start) ** t))
 
 
 class TrainStream:
