@@ -151,7 +151,7 @@ def test_smoke_cli_writes_every_variant_and_resumes(tmp_path, capsys):
 def _tiny(**kw):
   base = dict(seq_len=64, num_layers=2, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
               batch_size=4, steps=6, lr=3e-3, warmup_steps=2, block_size=8, window=16,
-              csa_top_k=4, csa_window=8, num_pairs=2, num_queries=1, corpus_bytes=100_000,
+              csa_top_k=4, csa_window=8, num_pairs=1, num_queries=1, corpus_bytes=100_000,
               eval_retrieval=4, eval_text=4, ckpt_every=2, log_every=1)
   base.update(kw)
   return C.Preset(name="tiny", **base)
