@@ -965,8 +965,10 @@ def verdicts(summary, preset):
       continue
     diff = d["score"]["mean"] - ph["score"]["mean"]
     spread = max(d["score"]["std"], ph["score"]["std"])
-    sig = "within seed spread" if abs(diff) <= spread or d["score"]["n"] < 2 else \
-        "beyond seed spread"
+    if d["score"]["n"] < 2 or ph["score"]["n"] < 2:
+      sig = "one seed: no spread to compare against"
+    else:
+      sig = "within seed spread" if abs(diff) <= spread else "beyond seed spread"
     m1 = d.get("captured_mass", {}).get("mean")
     m0 = ph.get("captured_mass", {}).get("mean")
     mass = "" if m1 is None or m0 is None else f"; captured mass {m1:.3f} vs {m0:.3f}"
