@@ -123,6 +123,11 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
   return out
 
 
+def _device_batch(stream, step, mesh):
+  b = stream.batch(step)
+  return shard_batch({k: b[k] for k in BATCH_KEYS}, mesh)
+
+
 def weighted_xent(logits, batch, *, answer_loss_weight=1.0):
   """Next-token cross entropy: text (LM) term plus a separately normalised answer term.
 
@@ -355,13 +360,12 @@ class Trainer:
     pending = None
     try:
       for step in range(start, end):
-        batch = shard_batch({k: stream.batch(step)[k] for k in BATCH_KEYS}, self.mesh) \
-            if pending is None else pending
+        batch = _device_batch(stream, step, self.mesh) if pending is None else pending
         pending = None
         self.params, self.rest, self.opt_state, m = self._train_step(
             self.params, self.rest, self.opt_state, batch)
         if step + 1 < end:  # prepare the next batch while the device works
-          pending = shard_batch({k: stream.batch(step + 1)[k] for k in BATCH_KEYS}, self.mesh)
+          pending = _device_batch(stream, step + 1, self.mesh)
         self.step = step + 1
         if step % log_every == 0 or step + 1 == total_steps:
           loss = float(m["loss"])
