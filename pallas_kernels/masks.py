@@ -45,6 +45,40 @@ def normalize_window(local_window_size):
   return w
 
 
+def visible(q_pos, k_pos, q_seg=None, kv_seg=None, *, causal, window, kv_len=None):
+  """The visibility rule on already-broadcastable arrays (used inside kernels and by element_mask).
+
+  Args:
+    q_pos: int array of absolute (bottom-right aligned) query positions, broadcastable to k_pos.
+    k_pos: int array of key positions.
+    q_seg, kv_seg: None, or int arrays of segment ids broadcastable like q_pos / k_pos.
+    causal: bool.
+    window: None or (left, right) from ``normalize_window``.
+    kv_len: if given, keys at positions >= kv_len are invisible (inside-kernel padding).
+
+  Returns:
+    bool array of the broadcast shape.
+
+  Example:
+    >>> bool(visible(jnp.int32(3), jnp.int32(1), causal=True, window=(1, 0)))
+    False
+  """
+  mask = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(k_pos)), dtype=bool)
+  if kv_len is not None:
+    mask = mask & (k_pos < kv_len)
+  if causal:
+    mask = mask & (k_pos <= q_pos)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      mask = mask & (k_pos >= q_pos - left)
+    if right is not None:
+      mask = mask & (k_pos <= q_pos + right)
+  if q_seg is not None:
+    mask = mask & (q_seg == kv_seg) & (kv_seg != 0)
+  return mask
+
+
 def element_mask(q_pos, k_pos, *, causal, window, kv_len=None, q_seg=None, kv_seg=None):
   """Boolean visibility of keys for queries, broadcasting q_pos[..., :, None] vs k_pos[..., None, :].
 
@@ -65,21 +99,7 @@ def element_mask(q_pos, k_pos, *, causal, window, kv_len=None, q_seg=None, kv_se
     >>> bool(m[0, 1]), bool(m[1, 0])
     (False, True)
   """
-  qp = q_pos[..., :, None]
-  kp = k_pos[..., None, :]
-  mask = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), dtype=bool)
-  if causal:
-    mask = mask & (kp <= qp)
-  if window is not None:
-    left, right = window
-    if left is not None:
-      mask = mask & (kp >= qp - left)
-    if right is not None:
-      mask = mask & (kp <= qp + right)
-  if kv_len is not None:
-    mask = mask & (kp < kv_len)
-  if q_seg is not None:
-    qs = q_seg[..., :, None]
-    ks = kv_seg[..., None, :]
-    mask = mask & (qs == ks) & (ks != 0)
-  return mask
+  q_seg = None if q_seg is None else q_seg[..., :, None]
+  kv_seg = None if kv_seg is None else kv_seg[..., None, :]
+  return visible(q_pos[..., :, None], k_pos[..., None, :], q_seg, kv_seg, causal=causal,
+                 window=window, kv_len=kv_len)

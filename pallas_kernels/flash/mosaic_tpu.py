@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule
-from pallas_kernels.masks import normalize_window
+from pallas_kernels.masks import normalize_window, visible
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -175,19 +175,11 @@ def _dot(a, b, dims, precision):
 
 
 def _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg: _Config):
-  """Element visibility (masks.element_mask semantics) of a tile; all inputs broadcast 2-D."""
-  mask = k_pos < cfg.kv_len
-  if cfg.causal:
-    mask = mask & (k_pos <= q_pos)
-  if cfg.window is not None:
-    left, right = cfg.window
-    if left is not None:
-      mask = mask & (k_pos >= q_pos - left)
-    if right is not None:
-      mask = mask & (k_pos <= q_pos + right)
-  if cfg.segmented:
-    mask = mask & (q_ids == kv_ids) & (kv_ids != 0)
-  return mask
+  """masks.visible for a tile; all inputs broadcast 2-D."""
+  if not cfg.segmented:
+    q_ids = kv_ids = None
+  return visible(q_pos, k_pos, q_ids, kv_ids, causal=cfg.causal, window=cfg.window,
+                 kv_len=cfg.kv_len)
 
 
 def _logits(s, cfg: _Config):

@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule
-from pallas_kernels.masks import normalize_window
+from pallas_kernels.masks import normalize_window, visible
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -315,25 +315,15 @@ def _logits(q, k, st: _Static):
 
 
 def _tile_mask(q_pos, k_pos, q_seg, k_seg, st: _Static, *, kv_major=False):
-  """masks.element_mask semantics for one tile: q_pos [m], k_pos [n] -> bool [m, n]
-  ([n, m] when ``kv_major``)."""
+  """masks.visible for one tile: q_pos [m], k_pos [n] -> bool [m, n] ([n, m] when ``kv_major``)."""
   if kv_major:
     qp, kp = q_pos[None, :], k_pos[:, None]  # [1, m], [n, 1]
   else:
     qp, kp = q_pos[:, None], k_pos[None, :]  # [m, 1], [1, n]
-  mask = kp < st.kv_len
-  if st.causal:
-    mask = mask & (kp <= qp)
-  if st.window is not None:
-    left, right = st.window
-    if left is not None:
-      mask = mask & (kp >= qp - left)
-    if right is not None:
-      mask = mask & (kp <= qp + right)
+  qs = ks = None
   if q_seg is not None:
     qs, ks = (q_seg[None, :], k_seg[:, None]) if kv_major else (q_seg[:, None], k_seg[None, :])
-    mask = mask & (qs == ks) & (ks != 0)
-  return mask
+  return visible(qp, kp, qs, ks, causal=st.causal, window=st.window, kv_len=st.kv_len)
 
 
 def _precision(a):
