@@ -138,10 +138,16 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
   else:
     mod = kernel_module(impl)
     bs = block_sizes or mod.default_block_sizes(q.shape[-1], q.dtype)
-    schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, causal=causal,
-                             local_window_size=window, q_segment_ids=segment_ids,
-                             kv_segment_ids=kv_segment_ids)
-    kwargs = {"block_sizes": bs} if impl == "triton" else {}
+    mask = dict(causal=causal, local_window_size=window, q_segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids)
+    schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, **mask)
+    kwargs = {}
+    if impl == "triton":
+      # The Triton forward and backward may use different tiles: the backward walks its own
+      # schedule of the same mask.
+      kwargs["block_sizes"] = bs
+      if bs.bwd_tiles != (bs.block_q, bs.block_k):
+        kwargs["bwd_schedule"] = make_schedule(q_len, kv_len, *bs.bwd_tiles, **mask)
     out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
                                    local_window_size=window, scale=scale,
                                    logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)

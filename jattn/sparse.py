@@ -418,8 +418,6 @@ def _kernel_block_sizes(impl, mod, selection, head_dim, dtype):
   """The kernel's BlockSizes with the selection's tiles, or a clear ValueError."""
   base = mod.default_block_sizes(head_dim, dtype)
   qbs, bs = selection.q_block_size, selection.block_size
-  if (base.block_q, base.block_k) == (qbs, bs):
-    return base
   if impl == "triton":
     bad = [f"{n}={x}" for n, x in (("q_block_size", qbs), ("block_size", bs))
            if x < 16 or x & (x - 1)]
@@ -428,13 +426,18 @@ def _kernel_block_sizes(impl, mod, selection, head_dim, dtype):
                        f"{', '.join(bad)}; select blocks with such sizes (the kernel's default "
                        f"is q_block_size={base.block_q}, block_size={base.block_k}) or use "
                        f"implementation='xla'")
-    # Launch parameters tuned for the default tiles do not carry over: let the kernel choose,
-    # and shorten the pipeline when the key tile grows (shared memory).
+    # One tiling, the selection's blocks, for the forward and the backward (the default's
+    # per-pass tiles are dropped: the backward walks the same schedule). Launch parameters tuned
+    # for other tiles do not carry over: let the kernel choose the warps (its tuned values when
+    # a pass's tiles match the default's), and shorten the pipeline when the key tile grows
+    # (shared memory).
     extra = {}
     if bs > base.block_k:
       extra = dict(num_stages=2)
     return dataclasses.replace(base, block_q=qbs, block_k=bs, num_warps=None,
-                               bwd_num_warps=None, **extra)
+                               bwd_num_warps=None, bwd_block_q=None, bwd_block_k=None, **extra)
+  if (base.block_q, base.block_k) == (qbs, bs):
+    return base
   try:
     return dataclasses.replace(base, block_q=qbs, block_k=bs)
   except (ValueError, TypeError) as e:

@@ -64,9 +64,12 @@ def _segments(rng, batch, length, *, pad_tail=0, one_token_docs=False):
 
 def _run(*, batch=1, q_len=64, kv_len=None, q_heads=2, kv_heads=None, head_dim=32,
          head_dim_v=None, dtype=jnp.float32, causal=False, window=None, segments=None,
-         soft_cap=None, block_q=32, block_k=16, tile_mask=None, poison=None, seed=0,
-         interpret=True, **kernel_kwargs):
-  """Run kernel and reference (forward and VJP with random cotangents for out and LSE)."""
+         soft_cap=None, block_q=32, block_k=16, bwd_tiles=None, tile_mask=None, poison=None,
+         seed=0, interpret=True, **kernel_kwargs):
+  """Run kernel and reference (forward and VJP with random cotangents for out and LSE).
+
+  ``bwd_tiles=(block_q, block_k)`` gives the backward its own schedule of the same mask.
+  """
   kv_len = q_len if kv_len is None else kv_len
   kv_heads = q_heads if kv_heads is None else kv_heads
   head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -77,8 +80,7 @@ def _run(*, batch=1, q_len=64, kv_len=None, q_heads=2, kv_heads=None, head_dim=3
   v = normal(batch, kv_len, kv_heads, head_dim_v)
   q_seg, kv_seg = segments if segments is not None else (None, None)
   scale = head_dim ** -0.5
-  make = functools.partial(make_schedule, q_len, kv_len, block_q, block_k, causal=causal,
-                           local_window_size=window)
+  make = functools.partial(make_schedule, q_len, kv_len, causal=causal, local_window_size=window)
   kern = functools.partial(ft.flash_attention, causal=causal, local_window_size=window,
                            scale=scale, logits_soft_cap=soft_cap, interpret=interpret,
                            **kernel_kwargs)
@@ -89,8 +91,13 @@ def _run(*, batch=1, q_len=64, kv_len=None, q_heads=2, kv_heads=None, head_dim=3
   d_lse = rng.standard_normal((batch, q_heads, q_len), np.float32)
 
   def kernel_run(q, k, v, q_seg, kv_seg, tile_mask):
-    schedule = make(q_segment_ids=q_seg, kv_segment_ids=kv_seg, block_mask=tile_mask)
-    f = lambda q, k, v: kern(q, k, v, q_seg, kv_seg, schedule)
+    schedule = make(block_q, block_k, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                    block_mask=tile_mask)
+    bwd_schedule = None
+    if bwd_tiles is not None:
+      assert tile_mask is None  # a tile mask is defined on the forward's tiles
+      bwd_schedule = make(*bwd_tiles, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    f = lambda q, k, v: kern(q, k, v, q_seg, kv_seg, schedule, bwd_schedule=bwd_schedule)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return out, lse, vjp((d_out, d_lse))
 
@@ -162,6 +169,21 @@ def test_segment_ids_padding_and_one_token_docs():
   out, lse, grads = got
   assert np.all(np.asarray(out[1]) == 0) and np.all(np.isneginf(np.asarray(lse[1])))
   assert np.all(np.asarray(grads[0][1]) == 0)
+
+
+@pytest.mark.parametrize("fwd_tiles,bwd_tiles", [((16, 16), (32, 16)), ((32, 16), (16, 32))])
+def test_forward_and_backward_tiles_differ(fwd_tiles, bwd_tiles):
+  """The backward walks its own schedule with other tiles (out/LSE are per row): causal + window
+  + packed segments with padding + GQA, lengths that are multiples of no tile, random
+  cotangents on out and LSE."""
+  rng = np.random.default_rng(5)
+  q_len, kv_len = 75, 91
+  q_seg = _segments(rng, 2, q_len, pad_tail=6)
+  kv_seg = jnp.concatenate([jnp.full((2, kv_len - q_len), 1, jnp.int32), q_seg], axis=1)
+  got, want = _run(batch=2, q_len=q_len, kv_len=kv_len, q_heads=4, kv_heads=2, causal=True,
+                   window=(29, 0), segments=(q_seg, kv_seg), block_q=fwd_tiles[0],
+                   block_k=fwd_tiles[1], bwd_tiles=bwd_tiles, seed=7)
+  _assert_close(got, want, jnp.float32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -246,6 +268,11 @@ def test_bad_inputs_raise():
     ft.flash_attention(q, q, q, None, None, sched(32, 32, 24, 16), **kw)
   with pytest.raises(ValueError, match="differ from the schedule"):
     ft.flash_attention(q, q, q, None, None, s, block_sizes=ft.BlockSizes(32, 16), **kw)
+  with pytest.raises(ValueError, match="differ from the backward schedule"):
+    ft.flash_attention(q, q, q, None, None, s, block_sizes=ft.BlockSizes(16, 16, bwd_block_q=32),
+                       **kw)
+  with pytest.raises(ValueError, match="bwd_schedule is for lengths"):
+    ft.flash_attention(q, q, q, None, None, s, bwd_schedule=sched(16, 32, 32, 16), **kw)
   with pytest.raises(ValueError, match="segment ids"):
     seg = jnp.ones((1, 31), jnp.int32)
     ft.flash_attention(q, q, q, seg, seg, s, **kw)
@@ -261,10 +288,13 @@ def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **m
     q_seg, kv_seg = (q_seg, kv_seg) if seg else (None, None)
     s = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, q_segment_ids=q_seg,
                       kv_segment_ids=kv_seg, **mask)
+    # The default may give the backward other tiles (its own schedule of the same mask).
+    s_bwd = make_schedule(q_len, kv_len, *bs.bwd_tiles, q_segment_ids=q_seg,
+                          kv_segment_ids=kv_seg, **mask)
     fa = lambda q, k, v: ft.flash_attention(
         q, k, v, q_seg, kv_seg, s, causal=mask.get("causal", False),
         local_window_size=mask.get("local_window_size"), scale=0.1, logits_soft_cap=cap,
-        block_sizes=bs)
+        block_sizes=bs, bwd_schedule=s_bwd)
     (o, l), vjp = jax.vjp(fa, q, k, v)
     return vjp((o, l))
 
@@ -317,6 +347,6 @@ def test_gpu_matches_reference(name):
   if case.get("segments") == "packed":
     seg = _segments(np.random.default_rng(0), case["batch"], case["q_len"], pad_tail=100)
     case["segments"] = (seg, seg)
-  got, want = _run(block_q=bs.block_q, block_k=bs.block_k, block_sizes=bs, interpret=False,
-                   **case)
+  got, want = _run(block_q=bs.block_q, block_k=bs.block_k, bwd_tiles=bs.bwd_tiles, block_sizes=bs,
+                   interpret=False, **case)
   _assert_close(got, want, dtype)

@@ -5,15 +5,17 @@ Forward: one program per (query tile, batch, query head). It walks the tile's kv
 mask applied), with an online softmax in the base-2 domain (log2(e) folded into the logit scale)
 and fp32 accumulators. Tiles that the schedule leaves out are never loaded.
 
-Backward (custom_vjp, as in jax's ``pallas/ops/gpu/attention.py`` but schedule-driven):
+Backward (custom_vjp, as in jax's ``pallas/ops/gpu/attention.py`` but schedule-driven), walking
+its own schedule of the same mask (``bwd_schedule``, default: the forward's), whose tiles may
+differ from the forward's: all it takes from the forward (out, log-sum-exp) is per row.
   * dK/dV: one program per (kv tile, batch, kv head). It keeps K, V and the fp32 dK, dV
     accumulators on chip and walks, for every query head of its GQA group, the query tiles of the
     transposed schedule (``q_indices``), so K/V are never repeated in memory.
-  * dQ: one program per (query tile, batch, query head), walking the forward kv list.
+  * dQ: one program per (query tile, batch, query head), walking the schedule's kv list.
   delta = rowsum(dO * O) - dLSE, so cotangents of the returned log-sum-exp are honoured.
 
-Padding happens here: sequences to multiples of the tile sizes, head dims to a power of two
-(Triton blocks need power-of-two shapes). Padded keys are always in partial tiles (the schedule
+Padding happens here: sequences to multiples of both passes' tile sizes, head dims to a power of
+two (Triton blocks need power-of-two shapes). Padded keys are always in partial tiles (the schedule
 marks them so) and are masked there; padded queries and head-dim columns are sliced away.
 
 The schedule's lists are reordered once per call (jnp, cheap) so that each row is
@@ -50,24 +52,30 @@ _POS_INF = float("inf")
 class BlockSizes:
   """Tile sizes and launch parameters of the Triton flash attention kernels.
 
-  ``block_q`` x ``block_k`` is the tile of the block schedule, shared by the forward and both
-  backward kernels. The backward kernels may split a tile further into chunks.
+  ``block_q`` x ``block_k`` is the tile of the forward's block schedule; ``bwd_block_q`` x
+  ``bwd_block_k`` (default: the same) the tile of the schedule that both backward kernels walk.
+  The two passes may use different tiles because everything the backward takes from the forward
+  (out, log-sum-exp) is per row. The backward kernels may split a tile further into chunks.
 
   Attributes:
-    block_q: query tile (power of two, >= 16).
-    block_k: key/value tile (power of two, >= 16).
+    block_q: forward query tile (power of two, >= 16).
+    block_k: forward key/value tile (power of two, >= 16).
     num_warps: forward warps per program (None: a default from the tile and head dim).
     num_stages: forward software-pipelining depth (None: default).
     bwd_num_warps: backward warps per program (None: default).
     bwd_num_stages: backward pipelining depth (None: default).
     dkv_q_chunk: rows of a query tile processed per step of the dK/dV kernel (divides block_q;
       None: default).
-    dq_k_chunk: rows of a kv tile processed per step of the dQ kernel (divides block_k; None:
-      default).
+    dkv_q_chunk: rows of a backward query tile processed per step of the dK/dV kernel (divides
+      the backward block_q; None: default).
+    dq_k_chunk: rows of a backward kv tile processed per step of the dQ kernel (divides the
+      backward block_k; None: default).
+    bwd_block_q: backward query tile (None: ``block_q``).
+    bwd_block_k: backward key/value tile (None: ``block_k``).
 
   Example:
-    >>> BlockSizes(128, 64, num_warps=8, num_stages=3).block_q
-    128
+    >>> BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_block_q=128).bwd_tiles
+    (128, 64)
   """
   block_q: int
   block_k: int
@@ -77,6 +85,13 @@ class BlockSizes:
   bwd_num_stages: int | None = None
   dkv_q_chunk: int | None = None
   dq_k_chunk: int | None = None
+  bwd_block_q: int | None = None
+  bwd_block_k: int | None = None
+
+  @property
+  def bwd_tiles(self) -> tuple[int, int]:
+    """(block_q, block_k) of the backward schedule."""
+    return (self.bwd_block_q or self.block_q, self.bwd_block_k or self.block_k)
 
 
 # Default launch configurations, keyed by (padded head dim, input itemsize), for Hopper
@@ -89,10 +104,14 @@ _DEFAULT_BLOCK_SIZES = {
                         dkv_q_chunk=64, dq_k_chunk=64),
     (64, 2): BlockSizes(128, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
                         dkv_q_chunk=64, dq_k_chunk=64),
-    # H200 sweep, run 3 (experiments/results/h200_flash_sweep_run3_20261130.json): three backward
-    # stages took fwd+bwd at 16K from 66.3 to 56.6 ms (non-causal) and 33.9 to 29.0 ms (causal).
-    (128, 2): BlockSizes(128, 64, num_warps=8, num_stages=3, bwd_num_warps=8, bwd_num_stages=3,
-                         dkv_q_chunk=64, dq_k_chunk=64),
+    # H200 sweep, run 3 (experiments/results/h200_flash_sweep_run3_20261130.json), B2 H16 16K:
+    # three backward stages took fwd+bwd from 66.3 to 56.6 ms (non-causal) and 33.9 to 29.0 ms
+    # (causal) with 128x64 tiles; the forward alone is fastest with 64x64 tiles (10.49 vs 11.49 ms
+    # non-causal, 5.77 vs 5.85 causal, 0.69-0.73 vs 0.76 ms causal window (511, 0)) while the
+    # backward is much slower with them (fwd+bwd 80.6 ms). Hence per-pass tiles: the split
+    # config itself has not been timed yet (predicted in docs/kernels.md).
+    (128, 2): BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_num_warps=8, bwd_num_stages=3,
+                         dkv_q_chunk=64, dq_k_chunk=64, bwd_block_q=128, bwd_block_k=64),
     (256, 2): BlockSizes(64, 64, num_warps=8, num_stages=2, bwd_num_warps=8, bwd_num_stages=2,
                          dkv_q_chunk=16, dq_k_chunk=32),
     # fp32 inputs (IEEE fp32 products, no tensor cores): for accuracy, not speed.
@@ -108,8 +127,9 @@ _DEFAULT_BLOCK_SIZES = {
 
 # Candidates for a GPU sweep (``_sweep``), 16-bit inputs, by padded head dim. Each compiles for
 # sm_90a without register spills unless noted. Fields: block_q, block_k, fwd warps, fwd stages,
-# bwd warps, bwd stages, dkv_q_chunk, dq_k_chunk. Keep block_k >= 64: the dK/dV kernel's dots
-# have block_k rows, and wgmma needs 64.
+# bwd warps, bwd stages, dkv_q_chunk, dq_k_chunk (then optionally bwd_block_q, bwd_block_k; an
+# 8-field entry is a single-tile config: one tile for both passes). Keep block_k >= 64: the
+# dK/dV kernel's dots have block_k rows, and wgmma needs 64.
 _SWEEP_CANDIDATES = {
     64: [(128, 64, 8, 3, 8, 2, 64, 64), (128, 128, 8, 3, 8, 2, 32, 32), (64, 64, 4, 3, 4, 2, 32, 32),
          (128, 64, 4, 4, 4, 2, 64, 64)],
@@ -135,7 +155,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
 
   Example:
     >>> default_block_sizes(128, jnp.bfloat16)
-    BlockSizes(block_q=128, block_k=64, num_warps=8, num_stages=3, bwd_num_warps=8, bwd_num_stages=2, dkv_q_chunk=64, dq_k_chunk=64)
+    BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3, bwd_num_warps=8, bwd_num_stages=3, dkv_q_chunk=64, dq_k_chunk=64, bwd_block_q=128, bwd_block_k=64)
   """
   if head_dim > 256:
     raise ValueError(f"head_dim must be <= 256, got {head_dim}")
@@ -143,23 +163,33 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
   return _DEFAULT_BLOCK_SIZES[(max(32, _pow2(head_dim)), itemsize)]
 
 
-def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype) -> BlockSizes:
-  """Launch parameters for given tiles: the tuned table's when the tiles match it, otherwise a
-  heuristic from the tile sizes and a shared-memory budget of ~200 KiB."""
+def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None,
+                     bwd_block_k=None) -> BlockSizes:
+  """Launch parameters for given tiles, per pass: the tuned table's forward (backward) parameters
+  when the forward (backward) tiles match the table's, otherwise a heuristic from the tile sizes
+  and a shared-memory budget of ~200 KiB."""
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
   tuned = _DEFAULT_BLOCK_SIZES[(max(32, max(d_pad, dv_pad)), itemsize)]
-  if (tuned.block_q, tuned.block_k) == (block_q, block_k):
-    return tuned
+  bbq, bbk = bwd_block_q or block_q, bwd_block_k or block_k
   budget = 200 * 1024
-  big = max(block_q, block_k) >= 128 and max(d_pad, dv_pad) >= 128
-  fwd_stage = block_k * (d_pad + dv_pad) * itemsize  # one K and one V tile
-  fwd_stages = max(1, min(3, (budget - block_q * d_pad * itemsize) // fwd_stage))
-  dkv_chunk = min(block_q, 64 if itemsize == 2 else 32)
-  bwd_stage = dkv_chunk * (d_pad + dv_pad) * itemsize  # one Q and one dO chunk
-  bwd_stages = max(1, min(2, (budget - block_k * (d_pad + dv_pad) * itemsize) // bwd_stage))
-  return BlockSizes(block_q, block_k, num_warps=8 if big else 4, num_stages=int(fwd_stages),
-                    bwd_num_warps=8 if big else 4, bwd_num_stages=int(bwd_stages),
-                    dkv_q_chunk=dkv_chunk, dq_k_chunk=min(block_k, 64 if itemsize == 2 else 32))
+  if (tuned.block_q, tuned.block_k) == (block_q, block_k):
+    num_warps, num_stages = tuned.num_warps, tuned.num_stages
+  else:
+    big = max(block_q, block_k) >= 128 and max(d_pad, dv_pad) >= 128
+    fwd_stage = block_k * (d_pad + dv_pad) * itemsize  # one K and one V tile
+    num_warps = 8 if big else 4
+    num_stages = int(max(1, min(3, (budget - block_q * d_pad * itemsize) // fwd_stage)))
+  if tuned.bwd_tiles == (bbq, bbk):
+    bwd = (tuned.bwd_num_warps, tuned.bwd_num_stages, tuned.dkv_q_chunk, tuned.dq_k_chunk)
+  else:
+    big = max(bbq, bbk) >= 128 and max(d_pad, dv_pad) >= 128
+    dkv_chunk = min(bbq, 64 if itemsize == 2 else 32)
+    bwd_stage = dkv_chunk * (d_pad + dv_pad) * itemsize  # one Q and one dO chunk
+    bwd_stages = max(1, min(2, (budget - bbk * (d_pad + dv_pad) * itemsize) // bwd_stage))
+    bwd = (8 if big else 4, int(bwd_stages), dkv_chunk, min(bbk, 64 if itemsize == 2 else 32))
+  return BlockSizes(block_q, block_k, num_warps=num_warps, num_stages=num_stages,
+                    bwd_num_warps=bwd[0], bwd_num_stages=bwd[1], dkv_q_chunk=bwd[2],
+                    dq_k_chunk=bwd[3], bwd_block_q=bwd_block_q, bwd_block_k=bwd_block_k)
 
 
 def _bench_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> list[BlockSizes]:
@@ -170,7 +200,9 @@ def _bench_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> list[BlockSizes]:
     dtype: the input dtype.
 
   Returns:
-    A list of ``BlockSizes`` (each needs its own schedule: tiles are block_q x block_k).
+    A list of ``BlockSizes`` (each needs its own schedules: forward tiles block_q x block_k,
+    backward tiles ``bwd_tiles``; an entry without bwd_block_q/bwd_block_k uses one tile for
+    both passes).
 
   Example:
     >>> len(_bench_configs()) > 1
@@ -253,9 +285,14 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
     def attn(q, k, v, cfg=cfg):
       sched = make_schedule(seq, seq, cfg.block_q, cfg.block_k, causal=causal,
                             local_window_size=window)
+      bwd_sched = None
+      if cfg.bwd_tiles != (cfg.block_q, cfg.block_k):
+        bwd_sched = make_schedule(seq, seq, *cfg.bwd_tiles, causal=causal,
+                                  local_window_size=window)
       return flash_attention(
           q, k, v, None, None, sched, causal=causal, local_window_size=window,
-          scale=head_dim ** -0.5, logits_soft_cap=None, block_sizes=cfg, interpret=interpret)
+          scale=head_dim ** -0.5, logits_soft_cap=None, block_sizes=cfg, interpret=interpret,
+          bwd_schedule=bwd_sched)
 
     fwd = jax.jit(lambda q, k, v: attn(q, k, v)[0])
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)[0].astype(jnp.float32)),
@@ -430,12 +467,17 @@ def _row_index_maps(rows):
 
 
 def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
-  """Padded inputs -> (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32)."""
+  """Padded inputs -> (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32).
+
+  The grid covers the schedule's nq query tiles; when the arrays are padded further (for the
+  backward's tiles), rows past nq * block_q get out 0 and lse -inf (they are padding).
+  """
   b, sq, hq, d = q.shape
   _, sk, hk, d_v = v.shape
   g = hq // hk
   bq = st.block_q
-  nq = sq // bq
+  nq = rows.shape[2]
+  assert nq * bq <= sq and sk % st.block_k == 0, (nq, bq, sq, sk, st.block_k)
   has_seg = q_seg is not None
   rb, rh = _row_index_maps(rows)
   w = rows.shape[-1]
@@ -456,12 +498,12 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
   in_specs.append(pl.BlockSpec((None, None, None, w),
                                lambda i, bi, h: (rb(bi), rh(h // g), qt(i), 0)))
   args.append(rows)
-  out_shape = [jax.ShapeDtypeStruct((b, sq, hq, d_v), q.dtype),
-               jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct((b, nq * bq, hq, d_v), q.dtype),
+               jax.ShapeDtypeStruct((b, hq, nq * bq), jnp.float32)]
   out_specs = [pl.BlockSpec((None, bq, None, d_v), lambda i, bi, h: (bi, qt(i), h, 0)),
                pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, qt(i)))]
   kernel = functools.partial(_fwd_kernel, st=st, has_seg=has_seg, num_q_tiles=nq)
-  return pl.pallas_call(
+  out, lse = pl.pallas_call(
       kernel,
       grid=(nq, b, hq),
       in_specs=in_specs,
@@ -471,6 +513,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
       interpret=st.interpret,
       name="jattn_flash_fwd",
   )(*args)
+  return _pad_axis(out, 1, sq), _pad_axis(lse, 2, sq, _NEG_INF)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,12 +633,18 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
 
 
 def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: _Static):
-  """Padded inputs -> (dq, dk, dv) in the input dtypes."""
+  """Padded inputs -> (dq, dk, dv) in the input dtypes.
+
+  ``st`` carries the backward tiles; ``fwd_rows`` / ``bwd_rows`` are the backward schedule's kv
+  lists (dQ) and transposed q lists (dK/dV). The grids cover that schedule's tiles; gradient
+  rows of padding past them are 0.
+  """
   b, sq, hq, d = q.shape
   _, sk, hk, d_v = v.shape
   g = hq // hk
   bq, bk = st.block_q, st.block_k
-  nq, nk = sq // bq, sk // bk
+  nq, nk = fwd_rows.shape[2], bwd_rows.shape[2]
+  assert nq * bq <= sq and nk * bk <= sk and sq % bq == 0 and sk % bk == 0, (nq, nk, sq, sk)
   has_seg = q_seg is not None
   params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
 
@@ -623,7 +672,8 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),
                  pl.BlockSpec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[jax.ShapeDtypeStruct((b, nk * bk, hk, d), k.dtype),
+                 jax.ShapeDtypeStruct((b, nk * bk, hk, d_v), v.dtype)],
       compiler_params=params,
       interpret=st.interpret,
       name="jattn_flash_bwd_dkv",
@@ -655,12 +705,12 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
       grid=(nq, b, hq),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=jax.ShapeDtypeStruct((b, nq * bq, hq, d), q.dtype),
       compiler_params=params,
       interpret=st.interpret,
       name="jattn_flash_bwd_dq",
   )(*args)
-  return dq, dk, dv
+  return _pad_axis(dq, 1, sq), _pad_axis(dk, 1, sk), _pad_axis(dv, 1, sk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -668,26 +718,29 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash_padded(st, q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _flash_padded(st, bst, q, k, v, q_seg, kv_seg, fwd_rows, dq_rows, dkv_rows):
+  """st / fwd_rows: the forward's tiles and kv lists; bst / dq_rows / dkv_rows: the backward's
+  tiles, kv lists (dQ) and transposed q lists (dK/dV)."""
   return _fwd_call(q, k, v, q_seg, kv_seg, fwd_rows, st)
 
 
-def _flash_padded_fwd(st, q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows):
+def _flash_padded_fwd(st, bst, q, k, v, q_seg, kv_seg, fwd_rows, dq_rows, dkv_rows):
   out, lse = _fwd_call(q, k, v, q_seg, kv_seg, fwd_rows, st)
-  return (out, lse), (q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, out, lse)
+  return (out, lse), (q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse)
 
 
-def _flash_padded_bwd(st, res, cts):
-  q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, out, lse = res
+def _flash_padded_bwd(st, bst, res, cts):
+  del st
+  q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse = res
   d_out, d_lse = cts
   # delta = rowsum(dO * O) - dLSE: [B, Hq, Sq] fp32 (elementwise + reduce, no TF32 matmul).
   delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Sq, Hq]
   delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)
   lse2 = jnp.where(lse == _NEG_INF, _POS_INF, lse * LOG2E)  # base 2; +inf -> p = 0
-  dq, dk, dv = _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, d_out.astype(q.dtype),
-                          lse2, delta, st)
-  return dq, dk, dv, None, None, None, None
+  dq, dk, dv = _bwd_calls(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, d_out.astype(q.dtype),
+                          lse2, delta, bst)
+  return dq, dk, dv, None, None, None, None, None
 
 
 _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
@@ -718,19 +771,20 @@ def _pack_rows(indices, counts, partial):
   return jnp.concatenate([counts[..., None], n_full[..., None], idx, pad], axis=-1)
 
 
-def _pad_axis(x, axis, size):
+def _pad_axis(x, axis, size, value=0):
   if x.shape[axis] == size:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
+  return jnp.pad(x, widths, constant_values=value)
 
 
 def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSchedule, *,
                     causal: bool, local_window_size, scale: float,
                     logits_soft_cap: float | None, num_warps=None, num_stages=None,
                     interpret: bool = False, bwd_num_warps=None, bwd_num_stages=None,
-                    dkv_q_chunk=None, dq_k_chunk=None, block_sizes: BlockSizes | None = None):
+                    dkv_q_chunk=None, dq_k_chunk=None, block_sizes: BlockSizes | None = None,
+                    bwd_schedule: BlockSchedule | None = None):
   """Flash attention on the GPU (Pallas, Triton lowering), walking a block schedule.
 
   Differentiable (custom_vjp) with respect to q, k, v, including through the returned LSE.
@@ -740,8 +794,8 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
     v: [B, Sk, Hk, Dv].
     q_segment_ids, kv_segment_ids: None (both) or int32 [B, Sq] / [B, Sk]; 0 is padding.
-    schedule: ``make_schedule(Sq, Sk, block_q, block_k, ...)`` for the same mask; its tile
-      sizes are the kernel's tiles (powers of two >= 16).
+    schedule: ``make_schedule(Sq, Sk, block_q, block_k, ...)`` for the same mask; drives the
+      forward, and its tile sizes are the forward kernel's tiles (powers of two >= 16).
     causal: bottom-right aligned causal mask.
     local_window_size: None, int or (left, right) (jax.nn convention).
     scale: logit scale (None: 1 / sqrt(head_dim)).
@@ -749,10 +803,15 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     num_warps, num_stages: forward launch parameters (None: defaults for the tile size).
     interpret: run the kernels in the Pallas interpreter (CPU).
     bwd_num_warps, bwd_num_stages: backward launch parameters (None: defaults).
-    dkv_q_chunk: query rows per step of the dK/dV kernel (divides block_q; None: default).
-    dq_k_chunk: key rows per step of the dQ kernel (divides block_k; None: default).
+    dkv_q_chunk: query rows per step of the dK/dV kernel (divides the backward block_q; None:
+      default).
+    dq_k_chunk: key rows per step of the dQ kernel (divides the backward block_k; None: default).
     block_sizes: optional ``BlockSizes`` (e.g. from ``_bench_configs``) supplying every launch
-      parameter not passed explicitly; its tiles must equal the schedule's.
+      parameter not passed explicitly; its forward tiles must equal ``schedule``'s and its
+      ``bwd_tiles`` ``bwd_schedule``'s.
+    bwd_schedule: the schedule of the same mask (same lengths, causal, window, segment ids, block
+      mask) with the backward's tiles; it drives dQ (its kv lists) and dK/dV (its transposed q
+      lists). None: ``schedule`` (one tiling for both passes).
 
   Returns:
     (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that
@@ -791,34 +850,44 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                                     or kv_segment_ids.shape != (b, sk)):
     raise ValueError(f"segment ids must be [batch, len]: got {q_segment_ids.shape}, "
                      f"{kv_segment_ids.shape} for q {q.shape}, k {k.shape}")
-  if (schedule.q_len, schedule.kv_len) != (sq, sk):
-    raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
-                     f"have ({sq}, {sk})")
+  if bwd_schedule is None:
+    bwd_schedule = schedule
+  for what, sch in (("schedule", schedule), ("bwd_schedule", bwd_schedule)):
+    if (sch.q_len, sch.kv_len) != (sq, sk):
+      raise ValueError(f"{what} is for lengths ({sch.q_len}, {sch.kv_len}), inputs have "
+                       f"({sq}, {sk})")
+    for name, n in (("block_q", sch.block_q), ("block_k", sch.block_k)):
+      if n < 16 or n & (n - 1):
+        raise ValueError(f"{what} {name} must be a power of two >= 16 for the Triton kernel, "
+                         f"got {n}")
+    for arr in (sch.kv_indices, sch.q_indices):
+      bs, hs = arr.shape[:2]
+      if bs not in (1, b) or hs not in (1, hk):
+        raise ValueError(f"{what} leading dims must be [1|{b}, 1|{hk}], got {arr.shape[:2]}")
   bq, bk = schedule.block_q, schedule.block_k
-  for name, n in (("block_q", bq), ("block_k", bk)):
-    if n < 16 or n & (n - 1):
-      raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
-  for arr in (schedule.kv_indices, schedule.q_indices):
-    bs, hs = arr.shape[:2]
-    if bs not in (1, b) or hs not in (1, hk):
-      raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {arr.shape[:2]}")
+  bbq, bbk = bwd_schedule.block_q, bwd_schedule.block_k
 
   if block_sizes is not None:
     if (block_sizes.block_q, block_sizes.block_k) != (bq, bk):
       raise ValueError(f"block_sizes tiles ({block_sizes.block_q}, {block_sizes.block_k}) differ "
                        f"from the schedule's ({bq}, {bk})")
+    if block_sizes.bwd_tiles != (bbq, bbk):
+      raise ValueError(f"block_sizes backward tiles {block_sizes.bwd_tiles} differ from the "
+                       f"backward schedule's ({bbq}, {bbk}): pass bwd_schedule=make_schedule(..., "
+                       f"{block_sizes.bwd_tiles[0]}, {block_sizes.bwd_tiles[1]}, <same mask>)")
     num_warps = num_warps or block_sizes.num_warps
     num_stages = num_stages or block_sizes.num_stages
     bwd_num_warps = bwd_num_warps or block_sizes.bwd_num_warps
     bwd_num_stages = bwd_num_stages or block_sizes.bwd_num_stages
     dkv_q_chunk = dkv_q_chunk or block_sizes.dkv_q_chunk
     dq_k_chunk = dq_k_chunk or block_sizes.dq_k_chunk
-  defaults = _launch_defaults(bq, bk, _pow2(d), _pow2(d_v), q.dtype)
-  dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, bq)
-  dq_k_chunk = min(dq_k_chunk or defaults.dq_k_chunk, bk)
-  for name, c, blk in (("dkv_q_chunk", dkv_q_chunk, bq), ("dq_k_chunk", dq_k_chunk, bk)):
+  defaults = _launch_defaults(bq, bk, _pow2(d), _pow2(d_v), q.dtype, bwd_block_q=bbq,
+                              bwd_block_k=bbk)
+  dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, bbq)
+  dq_k_chunk = min(dq_k_chunk or defaults.dq_k_chunk, bbk)
+  for name, c, blk in (("dkv_q_chunk", dkv_q_chunk, bbq), ("dq_k_chunk", dq_k_chunk, bbk)):
     if c < 16 or blk % c:
-      raise ValueError(f"{name}={c} must be >= 16 and divide the tile {blk}")
+      raise ValueError(f"{name}={c} must be >= 16 and divide the backward tile {blk}")
   st = _Static(
       block_q=bq, block_k=bk, q_len=sq, kv_len=sk, causal=bool(causal),
       window=normalize_window(local_window_size), scale=float(scale),
@@ -828,20 +897,29 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       bwd_num_warps=int(bwd_num_warps or defaults.bwd_num_warps),
       bwd_num_stages=int(bwd_num_stages or defaults.bwd_num_stages),
       dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret))
+  bst = dataclasses.replace(st, block_q=bbq, block_k=bbk)
 
-  nq, nk = -(-sq // bq), -(-sk // bk)
+  # Pad the sequences to a multiple of both passes' tiles (powers of two: the larger one); each
+  # pass's grid covers its own tiles, and rows past them are padding (see _fwd_call, _bwd_calls).
+  sq_p = -(-sq // max(bq, bbq)) * max(bq, bbq)
+  sk_p = -(-sk // max(bk, bbk)) * max(bk, bbk)
   d_p, dv_p = _pow2(d), _pow2(d_v)
-  qp = _pad_axis(_pad_axis(q, 1, nq * bq), 3, d_p)
-  kp = _pad_axis(_pad_axis(k, 1, nk * bk), 3, d_p)
-  vp = _pad_axis(_pad_axis(v, 1, nk * bk), 3, dv_p)
+  qp = _pad_axis(_pad_axis(q, 1, sq_p), 3, d_p)
+  kp = _pad_axis(_pad_axis(k, 1, sk_p), 3, d_p)
+  vp = _pad_axis(_pad_axis(v, 1, sk_p), 3, dv_p)
   if q_segment_ids is not None:
-    qs = _pad_axis(q_segment_ids.astype(jnp.int32), 1, nq * bq)
-    ks = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, nk * bk)
+    qs = _pad_axis(q_segment_ids.astype(jnp.int32), 1, sq_p)
+    ks = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, sk_p)
   else:
     qs = ks = None
   fwd_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
-  bwd_rows = _pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
-  out, lse = _flash_padded(st, qp, kp, vp, qs, ks, fwd_rows, bwd_rows)
+  if bwd_schedule is schedule:
+    dq_rows = fwd_rows
+  else:
+    dq_rows = _pack_rows(bwd_schedule.kv_indices, bwd_schedule.kv_counts,
+                         bwd_schedule.kv_partial)
+  dkv_rows = _pack_rows(bwd_schedule.q_indices, bwd_schedule.q_counts, bwd_schedule.q_partial)
+  out, lse = _flash_padded(st, bst, qp, kp, vp, qs, ks, fwd_rows, dq_rows, dkv_rows)
   return out[:, :sq, :, :d_v], lse[:, :, :sq]
 
 
