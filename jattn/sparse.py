@@ -226,8 +226,15 @@ def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
 
 
 @functools.lru_cache(maxsize=256)
-def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k):
+def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
+                   per_doc_init=False):
   """From shapes alone (numpy, O(num_q_blocks)): per-row counts and the static list widths.
+
+  ``per_doc_init=True`` (segment ids: the initial blocks start at each document's first block,
+  which the shapes do not tell) makes ``n_forced`` an upper bound: min(num_init, n_visible) plus
+  every visible local block, as if none of them were initial blocks. Under ``causal`` the
+  resulting ``max_selected`` is the same as without it (a local range that overlaps the initial
+  blocks already covers every visible block).
 
   Returns (n_visible [nq], n_forced [nq], max_selected, local_width).
   """
@@ -239,7 +246,9 @@ def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, nu
   if num_local > 0:
     lo0 = np.maximum(lo, 0)
     width = int(max(0, (hi - lo0 + 1).max()))
-    n_forced = n_forced + np.maximum(np.minimum(hi, n_vis - 1) - np.maximum(lo, num_init) + 1, 0)
+    first_local = lo0 if per_doc_init else np.maximum(lo, num_init)
+    n_forced = n_forced + np.maximum(np.minimum(hi, n_vis - 1) - first_local + 1, 0)
+    n_forced = np.minimum(n_forced, n_vis)
   k_eff = min(top_k, nk)
   max_sel = int(max(1, (n_forced + np.minimum(k_eff, n_vis - n_forced)).max()))
   return n_vis, n_forced, max_sel, width
@@ -299,25 +308,65 @@ def _segment_overlap(q_seg, kv_seg, q_block_size, block_size):
   return (qmx > 0) & (kmx > 0) & (qmn <= kmx) & (kmn <= qmx)
 
 
+def _doc_start_blocks(q_seg, kv_seg, q_block_size, block_size):
+  """int32 [b, nq]: the key block holding the first key of query block i's document.
+
+  The document of query block i is its minimum nonzero id d (as in ``_segment_ranges``). Its
+  first key block is the first key block j whose running maximum id, max(kv_seg[:(j+1)*bs]),
+  reaches d: a cumulative max over the per-block maxima (padding, id 0, never raises it) and one
+  binary search per query block, O(b * (nq + kv_len)) memory. For packed rows (nonzero ids
+  non-decreasing, zeros anywhere) that is exactly the block of d's first key. For other layouts
+  it is some block holding an id >= d, or nk (no such block, or an all-padding query block);
+  the caller keeps it only if it is selectable, so the rule stays safe, only less useful.
+  """
+  qmn, _ = _segment_ranges(q_seg, q_block_size)                      # [b, nq]
+  _, kmx = _segment_ranges(kv_seg, block_size)                       # [b, nk]
+  reach = jax.lax.cummax(kmx, axis=1)                                # [b, nk], non-decreasing
+  start = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(reach, qmn)
+  return start.astype(jnp.int32)
+
+
 def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
-            seg_ok, scores):
-  """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first)."""
+            seg_ok, scores, doc_start=None):
+  """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
+
+  seg_ok: None or bool [b, nq, nk] (``_segment_overlap``). doc_start: None (initial blocks
+  0 .. num_init-1) or int32 [b, nq] (``_doc_start_blocks``: initial blocks doc_start[b, i] ..
+  doc_start[b, i] + num_init - 1). Forced blocks are never candidates and an initial block
+  that is also local is listed once, so the sorted lists hold no duplicates.
+  """
+  per_doc = doc_start is not None
+  if per_doc != (seg_ok is not None):
+    raise ValueError("segment ids need both seg_ok and doc_start")
   _, _, max_sel, _ = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal),
-                                    num_init, num_local, top_k)
+                                    num_init, num_local, top_k, per_doc_init=per_doc)
   visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
-                                         num_init, num_local)
+                                         0 if per_doc else num_init, num_local)
   b, hk, nq, nk = rank.shape
   rank = jax.lax.stop_gradient(rank).astype(jnp.float32)
-  cand = cand[None, None]                                             # [1, 1, nq, nk]
-  vis = visible[None, None]
-  fidx = jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape)
-  if seg_ok is not None:
-    ok = seg_ok[:, None]                                              # [b, 1, nq, nk]
-    cand = cand & ok
-    vis = vis & ok
-    f_ok = jnp.take_along_axis(jnp.broadcast_to(ok, (b, hk, nq, nk)),
-                               jnp.maximum(fidx, 0), axis=-1)
-    fidx = jnp.where((fidx >= 0) & f_ok, fidx, -1)
+  if per_doc:
+    # cand / forced_idx above hold the local blocks only; add each row's document-initial blocks.
+    n_init = min(num_init, nk)
+    ok = visible[None] & seg_ok                                       # [b, nq, nk] selectable
+    fidx = jnp.broadcast_to(forced_idx[None], (b,) + forced_idx.shape)  # [b, nq, width]
+    cand = cand[None] & seg_ok                                        # [b, nq, nk]
+    if n_init:
+      start = doc_start[:, :, None]                                   # [b, nq, 1]
+      init = start + jnp.arange(n_init, dtype=jnp.int32)[None, None]  # [b, nq, n_init]
+      fidx = jnp.where((fidx >= start) & (fidx < start + n_init), -1, fidx)   # listed as init
+      fidx = jnp.concatenate([init, fidx], axis=-1)
+      j = jnp.arange(nk, dtype=jnp.int32)[None, None]
+      cand = cand & ~((j >= start) & (j < start + n_init))
+    valid = (fidx >= 0) & (fidx < nk)
+    f_ok = jnp.take_along_axis(ok, jnp.clip(fidx, 0, nk - 1), axis=-1)
+    fidx = jnp.where(valid & f_ok, fidx, -1).astype(jnp.int32)
+    fidx = jnp.broadcast_to(fidx[:, None], (b, hk) + fidx.shape[1:])
+    cand = cand[:, None]                                              # [b, 1, nq, nk]
+    vis = ok[:, None]
+  else:
+    cand = cand[None, None]                                           # [1, 1, nq, nk]
+    vis = visible[None, None]
+    fidx = jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape)
   parts = [fidx]
   k_eff = min(top_k, nk)
   if k_eff > 0:
@@ -353,9 +402,14 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
     * selectable blocks: causally visible ones (the block's first key <= the block's last query
       position, bottom-right aligned) or all blocks when ``causal=False``; with segment ids only
       blocks whose documents overlap the query block's documents (``_segment_overlap``).
-    * always kept (when selectable): the initial blocks 0 .. num_init_blocks-1 and the local
-      blocks: every key block holding one of the query block's own positions (its diagonal block)
-      and the num_local_blocks-1 blocks before those.
+    * always kept (when selectable): the initial blocks and the local blocks. Initial blocks:
+      without segment ids blocks 0 .. num_init_blocks-1; with segment ids the first
+      num_init_blocks key blocks of the query block's document (its smallest nonzero id),
+      i.e. doc_start // block_size + 0 .. num_init_blocks-1 with doc_start that document's first
+      key (each packed document keeps its own attention-sink blocks; ``_doc_start_blocks``).
+      Local blocks: every key block holding one of the query block's own positions (its
+      diagonal block) and the num_local_blocks-1 blocks before those. A block that is both is
+      kept once.
     * plus the ``top_k`` selectable blocks with the highest ``block_scores`` among the others
       (all of them when fewer are left).
   ``q_block_size=1`` selects per token (decode parity: see :func:`select_decode_blocks`).
@@ -368,9 +422,12 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
     top_k: number of blocks chosen by score besides the initial and local ones (static).
     q_block_size: queries per query block (static).
     causal: bottom-right aligned causal visibility.
-    num_init_blocks: leading blocks always kept.
+    num_init_blocks: leading blocks always kept (of the row, or of each document with
+      segment ids).
     num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
-    segment_ids: None or int [batch, q_len] (0 = padding).
+    segment_ids: None or int [batch, q_len] (0 = padding). The rules are exact for packed rows
+      (nonzero ids non-decreasing, padding anywhere); other layouts never select a block outside
+      the rules' selectable set, but may force a less useful "initial" block.
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     score: "mean_key" (the only scorer so far).
 
@@ -392,13 +449,14 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
                                                          q_len, kv_len)
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-  seg_ok = None
+  seg_ok = doc_start = None
   if segment_ids is not None:
     seg_ok = _segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
+    doc_start = _doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
   return _select(scores, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                  block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
                  num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
-                 scores=jax.lax.stop_gradient(scores))
+                 scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -731,13 +789,14 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   else:
     gate = scale * scores / gate_temperature
     rank = scores
-  seg_ok = None
+  seg_ok = doc_start = None
   if segment_ids is not None:
     seg_ok = _segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
+    doc_start = _doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
   sel = _select(rank, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                 block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
                 num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
-                scores=jax.lax.stop_gradient(scores))
+                scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
   if gate_grad == "none":
     out = block_sparse_attention(q, k, v, sel, causal=causal, segment_ids=segment_ids,
                                  kv_segment_ids=kv_segment_ids, scale=scale,
@@ -971,6 +1030,9 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
   Kept: blocks 0 .. num_init_blocks-1 and d-num_local_blocks+1 .. d (when <= d), plus the top_k
   highest-scoring other blocks j < d, score = sum over the group's query heads of q . mean key of
   block j. Same rules as ``select_blocks(q_block_size=1)`` on the last query of the prefix.
+  There are no segment ids: a cache row holds one document (decode packed documents one per
+  row), so block 0 is the document's first block, as ``select_blocks`` with segment ids
+  selects for a document that starts at a block boundary.
 
   Args:
     q: [batch, q_heads, head_dim].

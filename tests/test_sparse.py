@@ -87,7 +87,15 @@ def _check_rules(sel, scores, *, sq, sk, qbs, bs, top_k, ni, nl, causal, qseg=No
         if qseg is not None:
           qs = set(qseg[bi, max(i * qbs, 0):min((i + 1) * qbs, sq)].tolist()) - {0}
           vis = {j for j in vis if qs & (set(kseg[bi, j * bs:(j + 1) * bs].tolist()) - {0})}
-        forced = {j for j in vis if j < ni}
+        init = set(range(ni))
+        if qseg is not None:
+          # Initial blocks of the query block's document (its smallest nonzero id): the blocks
+          # from the one holding that document's first key on.
+          init = set()
+          if qs and (kseg[bi] == min(qs)).any():
+            first = int(np.argmax(kseg[bi] == min(qs))) // bs
+            init = set(range(first, first + ni))
+        forced = {j for j in vis if j in init}
         if nl > 0 and q_last >= 0:
           forced |= {j for j in vis if max(q_first, 0) // bs - (nl - 1) <= j <= q_last // bs}
         assert chosen <= vis, ("future/invisible block selected", bi, g, i, chosen - vis)
@@ -168,6 +176,157 @@ def test_selection_segments():
   # Documents restrict the choice: fewer blocks than without segments.
   sel0 = select(q, k, block_size=bs, q_block_size=qbs, top_k=3)
   assert int(sel.counts.sum()) < int(sel0.counts.sum())
+
+
+def _rows_from_docs(n, layout):
+  """One row of segment ids from [(doc length or -pad length)], ids 1, 2, .. in order."""
+  row, doc = [], 0
+  for ln in layout:
+    if ln < 0:
+      row += [0] * -ln
+    else:
+      doc += 1
+      row += [doc] * ln
+  assert len(row) == n, len(row)
+  return row
+
+
+# Packed rows of awkward lengths (70, 130, 1, 55; one-token documents; documents starting
+# mid-block), padding at the end, at the front and between documents, and one single document.
+PACKED_ROWS = [[70, 130, 1, 55, -44], [-10, 40, -5, 100, 1, 100, -44], [55, 1, 130, 70, 1, -43],
+               [300]]
+PACKED_CASES = [
+    # bs, qbs, top_k, ni, nl, causal
+    (16, 16, 3, 1, 1, True),
+    (16, 16, 2, 2, 2, True),
+    (16, 32, 3, 2, 1, True),    # a query block spans two key blocks
+    (16, 16, 2, 2, 2, False),   # non-causal: the per-document bound on max_selected is used
+]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_selection_packed_documents_keep_their_initial_blocks(case):
+  """With segment ids every query block keeps the first num_init blocks of its own document."""
+  bs, qbs, top_k, ni, nl, causal = case
+  s, hq, hk, d = 300, 4, 2, 8
+  seg = np.array([_rows_from_docs(s, r) for r in PACKED_ROWS], np.int32)
+  b = seg.shape[0]
+  q, k, _ = _qkv(7 + sum(case[:5]), b, s, s, hq, hk, d)
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
+               num_init_blocks=ni, num_local_blocks=nl, segment_ids=jnp.asarray(seg))
+  scores = _expected_scores(q, k, qbs, bs, seg, seg)
+  np.testing.assert_allclose(np.asarray(sel.scores), scores, rtol=1e-4, atol=1e-4)
+  # every rule (document-initial blocks kept, nothing invisible / from another document, exactly
+  # top_k others with the highest scores), with the module's scores for the ranking
+  rows = _check_rules(sel, np.asarray(sel.scores), sq=s, sk=s, qbs=qbs, bs=bs, top_k=top_k, ni=ni,
+                      nl=nl, causal=causal, qseg=seg, kseg=seg)
+  nq = -(-s // qbs)
+  assert rows == b * hk * nq
+  # The rule is exercised: rows whose document-initial block is neither block 0..ni-1 nor local
+  # (so only the per-document rule keeps it), and they keep it.
+  idx = np.asarray(sel.indices)
+  exercised = 0
+  for bi in range(b):
+    for i in range(nq):
+      qs = set(seg[bi, i * qbs:(i + 1) * qbs].tolist()) - {0}
+      if not qs:
+        continue
+      first = int(np.argmax(seg[bi] == min(qs))) // bs
+      q_first, q_last = i * qbs, min((i + 1) * qbs, s) - 1
+      local_lo = q_first // bs - (nl - 1) if nl else s
+      if first >= ni and first < local_lo and (not causal or first * bs <= q_last):
+        assert (idx[bi, :, i] == first).any(axis=-1).all(), (bi, i, first)
+        exercised += 1
+  assert exercised >= 10, exercised
+  # The static width: exact maximum count under causal (unchanged by segment ids), a bound
+  # otherwise.
+  sel0 = select(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
+                num_init_blocks=ni, num_local_blocks=nl)
+  assert sel.max_selected >= int(np.asarray(sel.counts).max())
+  if causal:
+    assert sel.max_selected == sel0.max_selected
+  # One document without padding: the same selection as without segment ids.
+  np.testing.assert_array_equal(np.asarray(sel.indices)[-1], np.asarray(sel0.indices)[-1])
+
+
+def test_selection_packed_documents_jit_and_sparse_attention():
+  """Eager == jit, and sparse_attention (jitted) selects the same blocks as select_blocks."""
+  bs = qbs = 16
+  s, hq, hk, d = 300, 4, 2, 8
+  seg = jnp.asarray(np.array([_rows_from_docs(s, r) for r in PACKED_ROWS[:3]], np.int32))
+  q, k, v = _qkv(11, seg.shape[0], s, s, hq, hk, d)
+  kw = dict(block_size=bs, q_block_size=qbs, top_k=2, num_init_blocks=2, num_local_blocks=1)
+  eager = sp.select_blocks(q, k, segment_ids=seg, **kw)
+  jitted = jax.jit(lambda q, k, seg: sp.select_blocks(q, k, segment_ids=seg, **kw))(q, k, seg)
+  np.testing.assert_array_equal(np.asarray(eager.indices), np.asarray(jitted.indices))
+  f = jax.jit(lambda q, k, v, seg: sp.sparse_attention(q, k, v, segment_ids=seg,
+                                                       implementation="xla",
+                                                       return_selection=True, **kw))
+  _, sel = f(q, k, v, seg)
+  np.testing.assert_array_equal(np.asarray(sel.indices), np.asarray(eager.indices))
+  # the second document of row 0 (keys 70..199) starts in key block 4: its query blocks keep it
+  idx = np.asarray(eager.indices)
+  for i in range(5, 13):
+    assert (idx[0, :, i] == 4).any(-1).all() and (idx[0, :, i] == 5).any(-1).all(), i
+    assert not ((idx[0, :, i] >= 0) & (idx[0, :, i] < 4)).any(), i   # not from the 1st document
+
+
+def test_selection_non_monotone_segments_stay_selectable():
+  """Documents out of order / interleaved: the initial-block rule may pick a less useful block
+  but never one that is causally invisible or outside the query block's id range."""
+  bs = qbs = 16
+  s, hq, hk, d = 160, 2, 1, 8
+  seg = np.array([[3] * 40 + [1] * 50 + [0] * 10 + [2] * 60,
+                  ([1, 2] * 80)], np.int32)
+  q, k, _ = _qkv(13, 2, s, s, hq, hk, d)
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=1, num_init_blocks=2,
+               num_local_blocks=1, segment_ids=jnp.asarray(seg))
+  idx, cnt = np.asarray(sel.indices), np.asarray(sel.counts)
+  nk = -(-s // bs)
+  rng = lambda row, lo, hi: (min([x for x in row[lo:hi] if x] or [2**31 - 1]), max(row[lo:hi]))
+  for bi in range(2):
+    for i in range(s // qbs):
+      row = idx[bi, 0, i]
+      assert (row[:cnt[bi, 0, i]] >= 0).all() and (np.diff(row[:cnt[bi, 0, i]]) > 0).all()
+      qmn, qmx = rng(seg[bi], i * qbs, (i + 1) * qbs)
+      for j in row[:cnt[bi, 0, i]]:
+        assert j < nk and j * bs <= (i + 1) * qbs - 1, (bi, i, j)
+        kmn, kmx = rng(seg[bi], j * bs, (j + 1) * bs)
+        assert qmx > 0 and kmx > 0 and qmn <= kmx and kmn <= qmx, (bi, i, j)
+
+
+def _committed_selection(scores, *, sq, sk, qbs, bs, top_k, ni, nl, causal):
+  """Reference of the rule without segment ids: forced = blocks 0..ni-1 and the local blocks
+  (when visible), then the top_k highest scores of the rest; ascending, -1 padded."""
+  b, hk, nq, nk = scores.shape
+  off = sk - sq
+  rows = np.full((b, hk, nq, nk), -1, np.int64)
+  for bi in range(b):
+    for g in range(hk):
+      for i in range(nq):
+        q_first, q_last = i * qbs + off, min((i + 1) * qbs, sq) - 1 + off
+        vis = [j for j in range(nk) if not causal or j * bs <= q_last]
+        forced = {j for j in vis if j < ni}
+        if nl > 0 and q_last >= 0:
+          forced |= {j for j in vis if max(q_first, 0) // bs - (nl - 1) <= j <= q_last // bs}
+        rest = sorted((j for j in vis if j not in forced), key=lambda j: -scores[bi, g, i, j])
+        kept = sorted(forced | set(rest[:top_k]))
+        rows[bi, g, i, :len(kept)] = kept
+  return rows
+
+
+@pytest.mark.parametrize("case", SELECTION_CASES + [(2, 257, 257, 4, 2, 8, 16, 16, 3, 3, 2, True)])
+def test_selection_without_segments_unchanged(case):
+  """Without segment ids the initial blocks are the row's blocks 0..num_init-1, as before."""
+  b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = case
+  q, k, _ = _qkv(100 + sum(case[:8]), b, sq, sk, hq, hk, d)
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
+               num_init_blocks=ni, num_local_blocks=nl)
+  ref = _committed_selection(np.asarray(sel.scores), sq=sq, sk=sk, qbs=qbs, bs=bs, top_k=top_k,
+                             ni=ni, nl=nl, causal=causal)
+  ms = sel.max_selected
+  assert (ref[..., ms:] == -1).all()
+  np.testing.assert_array_equal(np.asarray(sel.indices), ref[..., :ms])
 
 
 # ----------------------------------------------------------------------------- attention
