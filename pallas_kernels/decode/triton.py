@@ -136,6 +136,27 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
   return splits
 
 
+def load_group_query(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
+  """Load the query rows of kv head ``h``'s GQA group as one [g_pad, d_pad] tile (zero padded).
+
+  Shared by the split-KV decode kernels (dense and block-sparse).
+
+  Returns:
+    (q [g_pad, d_pad], (q_rows [g_pad], cols [d_pad], row_ok [g_pad], col_ok [d_pad] or None when
+    d_pad == head_dim, q_mask [g_pad, d_pad or 1])): the indices and masks that also address the
+    group's output rows.
+  """
+  rows = jnp.arange(g_pad, dtype=jnp.int32)                          # [g_pad]
+  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
+  row_ok = rows < group
+  col_ok = cols < head_dim if d_pad != head_dim else None
+  q_rows = h * group + rows
+  q_mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
+  q = plgpu.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=q_mask, other=0)
+  assert q.shape == (g_pad, d_pad)                                   # [g_pad, d_pad]
+  return q, (q_rows, cols, row_ok, col_ok, q_mask)
+
+
 def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window_left, block_k,
                    group, g_pad, head_dim, d_pad, num_splits, capacity, page_size):
   """One (batch, kv head, split) program.
@@ -163,14 +184,8 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   blk_begin = jnp.minimum(split * per_split, n_blocks)
   blk_end = jnp.minimum(blk_begin + per_split, n_blocks)
 
-  rows = jnp.arange(g_pad, dtype=jnp.int32)                          # [g_pad]
-  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
-  row_ok = rows < group
-  col_ok = cols < head_dim if d_pad != head_dim else None
-  q_rows = h * group + rows
-  q_mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
-  q = plgpu.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=q_mask, other=0)
-  assert q.shape == (g_pad, d_pad)                                   # [g_pad, d_pad]
+  q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
+      q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   q = q.astype(k_ref.dtype)          # the dots run in the cache dtype, accumulating in fp32
   precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
   offs = jnp.arange(block_k, dtype=jnp.int32)                        # [block_k]

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
+from pallas_kernels.decode.triton import load_group_query
 
 __all__ = ["sparse_decode_partials"]
 
@@ -49,14 +50,8 @@ def _kernel(lens_ref, idx_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, 
   begin = jnp.minimum(split * per_split, num_slots)
   end = jnp.minimum(begin + per_split, num_slots)
 
-  rows = jnp.arange(g_pad, dtype=jnp.int32)                          # [g_pad]
-  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
-  row_ok = rows < group
-  col_ok = cols < head_dim if d_pad != head_dim else None
-  q_rows = h * group + rows
-  q_mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
-  q = plgpu.load(q_ref.at[b, q_rows[:, None], cols[None, :]], mask=q_mask, other=0)
-  assert q.shape == (g_pad, d_pad)                                   # [g_pad, d_pad]
+  q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
+      q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   offs = jnp.arange(block, dtype=jnp.int32)                          # [block]
 
