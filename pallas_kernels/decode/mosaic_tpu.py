@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
+from pallas_kernels.decode.checks import check_page_table, check_partials_args
 
 __all__ = ["DecodeBlockSizes", "decode_partials", "paged_decode_partials"]
 
@@ -216,15 +217,7 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
 
 
 def _check(q, k, v, kv_lengths, num_splits):
-  if q.ndim != 3:
-    raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-  if kv_lengths.shape != (q.shape[0],):
-    raise ValueError(f"kv_lengths must have shape (batch,) = ({q.shape[0]},), "
-                     f"got {kv_lengths.shape}")
-  if int(num_splits) < 1:
-    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  check_partials_args(q, k, v, kv_lengths, num_splits)
   if jnp.dtype(k.dtype).itemsize not in (2, 4):
     raise NotImplementedError(f"mosaic_tpu decode supports 16- and 32-bit caches, got {k.dtype}")
 
@@ -301,9 +294,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
   """
   _check(q, k_pages, v_pages, kv_lengths, num_splits)
   num_pages, page_size, kv_heads, d = k_pages.shape
-  if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
-    raise ValueError(f"page_table must be [batch, max_pages] with batch {q.shape[0]}, "
-                     f"got {page_table.shape}")
+  check_page_table(q, page_table)
   max_pages = page_table.shape[1]
   bs = block_sizes or DecodeBlockSizes()
   pages_per_step = max(1, min(bs.block_k // page_size, max_pages))

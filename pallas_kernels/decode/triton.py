@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
+from pallas_kernels.decode.checks import check_page_table, check_partials_args
 
 __all__ = ["DecodeBlockSizes", "default_block_sizes", "default_num_splits", "decode_partials",
            "paged_decode_partials"]
@@ -245,18 +246,6 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
 
 
-def _check_common(q, k, v, kv_lengths, num_splits):
-  if q.ndim != 3:
-    raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v caches must have the same shape, got {k.shape} and {v.shape}")
-  if kv_lengths.shape != (q.shape[0],):
-    raise ValueError(f"kv_lengths must have shape (batch,) = ({q.shape[0]},), "
-                     f"got {kv_lengths.shape}")
-  if int(num_splits) < 1:
-    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-
-
 def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num_splits, scale,
           window_left, logits_soft_cap, block_sizes, interpret):
   bsz, hq, d = q.shape
@@ -313,7 +302,7 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
     >>> o.shape, lse.shape
     ((1, 2, 4, 16), (1, 2, 4))
   """
-  _check_common(q, k_cache, v_cache, kv_lengths, num_splits)
+  check_partials_args(q, k_cache, v_cache, kv_lengths, num_splits)
   _, max_len, kv_heads, _ = k_cache.shape
   return _call(q, k_cache, v_cache, kv_lengths, None, kv_heads=kv_heads, capacity=max_len,
                page_size=None, num_splits=num_splits, scale=scale, window_left=window_left,
@@ -348,11 +337,9 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     >>> o.shape
     (1, 2, 4, 16)
   """
-  _check_common(q, k_pages, v_pages, kv_lengths, num_splits)
+  check_partials_args(q, k_pages, v_pages, kv_lengths, num_splits)
   num_pages, page_size, kv_heads, d = k_pages.shape
-  if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
-    raise ValueError(f"page_table must be [batch, max_pages] with batch {q.shape[0]}, "
-                     f"got {page_table.shape}")
+  check_page_table(q, page_table)
   flat = (num_pages * page_size, kv_heads, d)
   return _call(q, k_pages.reshape(flat), v_pages.reshape(flat), kv_lengths, page_table,
                kv_heads=kv_heads, capacity=page_table.shape[1] * page_size, page_size=page_size,
