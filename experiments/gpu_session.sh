@@ -14,6 +14,8 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia_smi.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" ${GPU_TESTS:-tests} 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider -o addopts="" ${GPU_TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1
+  tail -60 "$OUT/gpu_tests.txt"
 fi
-python3 -m experiments.bench_kernels --out "$OUT/h200_kernels.json" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -80
+timeout ${BENCH_TIMEOUT:-280} python3 -m experiments.bench_kernels --out "$OUT/h200_kernels.json" "$@" > "$OUT/bench.txt" 2>&1
+tail -80 "$OUT/bench.txt"
