@@ -771,10 +771,16 @@ def finish_run(ctx, variant, seed, run_dir, trainer, *, graphdef=None, params=No
   t0 = time.perf_counter()
   ret = trainer.evaluate(ctx.eval_retrieval, **kw)
   txt = trainer.evaluate(ctx.eval_text, **kw)
+  t_eval = time.perf_counter()
   pr = trainer.cast(pr)  # analysis and decode run in the compute dtype, as training did
   an = analyse(ctx, variant, gd, pr, rs, retrieval_head=retrieval_head, curve=seed == 0)
+  t_an = time.perf_counter()
   dms = decode_ms(gd, pr, rs, ctx.eval_retrieval["inputs"][0], num_tokens=p.decode_tokens,
                   dtype=p.cache_dtype)
+  phases = {"eval_s": t_eval - t0, "analysis_s": t_an - t_eval,
+            "decode_s": time.perf_counter() - t_an}
+  print(f"  {variant} s{seed}: " + " ".join(f"{k} {v:.1f}" for k, v in phases.items()),
+        flush=True)
   curves = train_curves if train_curves is not None else trainer.curves
   row = {
       "variant": variant, "seed": seed, "sparsity": an["sparsity"], "score": ret["score"],
@@ -783,7 +789,7 @@ def finish_run(ctx, variant, seed, run_dir, trainer, *, graphdef=None, params=No
       "answer_nll": ret["answer_nll"], "train_loss": _final(curves, "loss"),
       "train_answer_acc": _final(curves, "answer_acc"), "steps": p.steps,
       "train_time_s": curves["time_s"][-1] if curves.get("time_s") else None,
-      "eval_time_s": time.perf_counter() - t0,
+      "eval_time_s": time.perf_counter() - t0, "phase_s": phases,
       "analysis": _scalar_analysis(an), "curves": curves,
   }
   from experiments.train_lib import save_json

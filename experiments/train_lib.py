@@ -380,6 +380,9 @@ class Trainer:
           c["span"].append(int(stream.span(step)) if hasattr(stream, "span") else None)
           c["time_s"].append(time.perf_counter() - t0)
           bar.set_postfix(loss=f"{loss:.3f}", acc=f"{acc:.2f}", refresh=False)
+          if not progress:  # a plain log line instead of the bar (logs of unattended runs)
+            print(f"  {desc} step {step + 1}/{total_steps} loss {loss:.3f} acc {acc:.2f} "
+                  f"{c['time_s'][-1]:.1f} s", flush=True)
         bar.update(1)
         if manager is not None and self.step % ckpt_every == 0 and self.step < end:
           self.save(manager, dict(data=stream.state(self.step), **(extra_record or {})))

@@ -110,3 +110,26 @@ def test_packed_rows_decode_one_document_at_a_time():
   unpacked = fwd(model, jnp.asarray(tokens), jnp.ones((2, seq), jnp.int32),
                  jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (2, seq)))
   assert _rel(unpacked[:, 9:23], full[:, 9:23]) > 1e-2
+
+
+def test_fp32_weights_with_bf16_cache_on_pallas_kernels():
+  """fp32 parameters with a bf16 cache: decode hands the kernels one dtype (the cache's), for a
+  prefill chunk and a single token of every layer kind (the Triton kernels reject mixed q/k/v);
+  the result matches the "xla" path decoding the same weights into the same bf16 cache."""
+  import dataclasses
+  from jattn.nn.transformer import with_config
+  layers = (LayerSpec("global", rope_base=None), LayerSpec("local", window=8),
+            LayerSpec("sparse", block_size=16, top_k=1, q_block_size=16),
+            LayerSpec("csa", window=8, top_k=2, compress_ratio=4))
+  cfg = TransformerConfig(num_layers=4, layers=layers, implementation="triton", interpret=True,
+                          **BASE)
+  model = Transformer(cfg, rngs=nnx.Rngs(3))
+  ref = with_config(model, dataclasses.replace(cfg, implementation="xla", interpret=False))
+  tokens = jax.random.randint(jax.random.key(4), (1, 40), 0, cfg.vocab_size)
+  outs = []
+  for m in (model, ref):
+    m.init_cache(1, 40, jnp.bfloat16)
+    step = nnx.jit(lambda m, t: m.decode(t))
+    outs.append(jnp.concatenate([step(m, tokens[:, :39]), step(m, tokens[:, 39:])], axis=1))
+  assert outs[0].dtype == jnp.float32
+  assert _rel(outs[0], outs[1]) < 2e-2  # bf16 attention on both paths

@@ -343,6 +343,7 @@ class Attention(nnx.Module):
     layout = self.cache_layout(self.cache_max_len)
     dt = _get(getattr(self, f"cache_{self.cache_names[0]}")).dtype
     ent = {n: a.astype(dt) for n, a in ent.items()}
+    q = q.astype(dt)  # attention runs in the cache dtype (kernels want one dtype for q, k, v)
     if spec.kind in ("global", "sparse"):
       full = self._write_full(ent, p)
       k, v = self._expand(full)
