@@ -65,8 +65,8 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
   """The split count used when ``num_splits=None``.
 
   GPU ("triton"): at least two programs per multiprocessor (``compat.gpu_core_count()``) over
-  the batch x kv_heads pairs and splits of at most about 4K keys, at least four key blocks per
-  split, rounded down to a power of two (``pallas_kernels.decode.triton.default_num_splits``).
+  the batch x kv_heads pairs and splits of at most about 1K keys (at most 32 splits), at least
+  four key blocks per split, rounded down to a power of two (``pallas_kernels.decode.triton.default_num_splits``).
   "xla" and "mosaic_tpu": 1 (one pass; a TPU core walks the grid sequentially).
 
   Args:
