@@ -1051,22 +1051,41 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
     (1, 2, 4)
   """
   return _decode_select(q, block_summaries, kv_lengths, top_k=top_k,
-                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
-                        sort=True)
+                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
 
 
-def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks,
-                   sort):
-  """select_decode_blocks; sort=False returns the unsorted list (forced, then top-k; -1 gaps)."""
+def _decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
+  """Static width of the decode selection lists: max(1, min(forced + top_k, num_blocks))."""
+  n_forced = min(num_init_blocks, num_blocks) + min(num_local_blocks, num_blocks)
+  return max(1, min(n_forced + min(top_k, num_blocks), num_blocks))
+
+
+def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks):
+  """select_decode_blocks in XLA (the reference; the Triton path runs
+  ``pallas_kernels.sparse.decode_select`` instead)."""
   _check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks, num_local_blocks)
+  return _decode_select_from_scores(_decode_scores(q, block_summaries), kv_lengths,
+                                    block_size=block_summaries.block_size, top_k=top_k,
+                                    num_init_blocks=num_init_blocks,
+                                    num_local_blocks=num_local_blocks)
+
+
+def _decode_scores(q, block_summaries):
+  """fp32 [b, kv_heads, num_blocks]: sum over the group's query heads of q . mean key."""
   b, hq, d = q.shape
   sums = block_summaries.sums                                              # [b, nb, hk, d]
-  nb, hk = sums.shape[1], sums.shape[2]
-  bs = block_summaries.block_size
+  hk = sums.shape[2]
   qsum = q.astype(jnp.float32).reshape(b, hk, hq // hk, d).sum(2)          # [b, hk, d]
   # q . mean_key = (q . key_sum) / count: divide the [b, hk, nb] scores, not the sums.
   scores = jnp.einsum("bhd,bjhd->bhj", qsum, sums, precision=_HIGHEST)     # [b, hk, nb]
-  scores = scores / jnp.maximum(block_summaries.counts(), 1)[:, None, :].astype(jnp.float32)
+  return scores / jnp.maximum(block_summaries.counts(), 1)[:, None, :].astype(jnp.float32)
+
+
+def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_init_blocks,
+                               num_local_blocks):
+  """The decode selection rules applied to given scores [b, hk, nb] (XLA, lax.top_k)."""
+  b, hk, nb = scores.shape
+  bs = block_size
   lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), nb * bs)
   diag = jnp.where(lengths > 0, (lengths - 1) // bs, -1)[:, None, None]    # [b, 1, 1]
   j = jnp.arange(nb)[None, None, :]
@@ -1092,9 +1111,7 @@ def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, nu
   if not parts:
     return jnp.full((b, hk, 1), -1, jnp.int32)
   allidx = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
-  if not sort:
-    return allidx
-  ms = max(1, min(n_forced + k_eff, nb))
+  ms = _decode_width(nb, top_k, num_init_blocks, num_local_blocks)
   key = jnp.sort(jnp.where(allidx < 0, nb, allidx), axis=-1)[..., :ms]
   return jnp.where(key >= nb, -1, key).astype(jnp.int32)
 
@@ -1174,25 +1191,28 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     scale = 1.0 / math.sqrt(q.shape[-1])
   sel_kw = dict(top_k=top_k, num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
   if impl == "xla":
-    indices = _decode_select(q, block_summaries, kv_lengths, sort=True, **sel_kw)
+    indices = _decode_select(q, block_summaries, kv_lengths, **sel_kw)
     out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
   else:
-    # The kernel takes the list in any order with -1 gaps: no sort on the decode path.
-    slots = _decode_select(q, block_summaries, kv_lengths, sort=False, **sel_kw)
-    from jattn.merge import merge_partials
-    from pallas_kernels.decode.triton import default_num_splits
-    from pallas_kernels.sparse.decode import sparse_decode_partials
+    # Four launches, no XLA glue: block scores (many programs over the fp32 key sums), the
+    # selection (a threshold search, no sort; compact ascending lists and counts), the split-KV
+    # attention over the kept blocks, and the log-sum-exp merge of the splits.
+    _check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
+    from pallas_kernels.sparse.decode import (default_num_splits, merge_decode_partials,
+                                              sparse_decode_partials)
+    from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+    lengths = jnp.asarray(kv_lengths, jnp.int32)
+    width = _decode_width(nb, top_k, num_init_blocks, num_local_blocks)
+    scores = decode_block_scores(q, block_summaries.sums, block_summaries.lengths,
+                                 block_size=block_size, interpret=interpret)
+    indices, counts = select_decode_slots(scores, lengths, block_size=block_size,
+                                          max_selected=width, interpret=interpret, **sel_kw)
     if num_splits is None:
-      num_splits = default_num_splits(q.shape[0], k.shape[2], slots.shape[-1] * block_size,
-                                      block_k=block_size)
-    outs, lses = sparse_decode_partials(q, k, v, jnp.asarray(kv_lengths, jnp.int32), slots,
-                                        page_table, block_size=block_size,
-                                        num_splits=int(num_splits), scale=float(scale),
-                                        interpret=interpret)
-    out, lse = merge_partials(outs, lses, axis=1)
-    out = out.astype(q.dtype)
-    if return_indices:
-      indices = _decode_select(q, block_summaries, kv_lengths, sort=True, **sel_kw)
+      num_splits = default_num_splits(q.shape[0], k.shape[2], width)
+    outs, lses = sparse_decode_partials(q, k, v, lengths, indices, page_table, counts,
+                                        block_size=block_size, num_splits=int(num_splits),
+                                        scale=float(scale), interpret=interpret)
+    out, lse = merge_decode_partials(outs, lses, out_dtype=q.dtype, interpret=interpret)
   res = (out,)
   if return_lse:
     res += (lse,)
@@ -1214,9 +1234,10 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
   Implementations:
     * "xla": gathers the kept blocks of each kv head (advanced indexing, never a copy of the whole
       cache), then one softmax.
-    * "triton": ``pallas_kernels.sparse.decode`` split-KV kernel whose per-kv-head block lists act
-      as page tables; splits merged by ``jattn.merge.merge_partials``. block_size must be a power
-      of two >= 16.
+    * "triton": four Pallas kernels: block scores and the top-k selection
+      (``pallas_kernels.sparse.decode_select``, a threshold search instead of a sort), the
+      split-KV kernel whose per-kv-head block lists act as page tables and the log-sum-exp merge
+      of its splits (``pallas_kernels.sparse.decode``). block_size must be a power of two >= 16.
     * None: "triton" on GPU, "xla" elsewhere.
 
   Args:
@@ -1232,7 +1253,8 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
     implementation: None, "xla" or "triton".
     interpret: run the Triton kernel in interpret mode (CPU tests).
-    num_splits: Triton splits per (batch, kv head); default from the device's core count.
+    num_splits: Triton splits per (batch, kv head); default
+      ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM).
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.

@@ -786,3 +786,139 @@ def test_gate_grad_kernel_interpret():
   ref = np.where(idx >= 0, np.take_along_axis(g, np.maximum(idx, 0), axis=-1), 0.0)
   assert _rel(want, ref) < 1e-4
   assert np.abs(ref).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- decode kernels
+def _np_total_order(x):
+  bits = np.asarray(x, np.float32).view(np.int32).astype(np.int64)
+  return np.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)
+
+
+def _np_decode_select(scores, lens, bs, top_k, n_init, n_local, width):
+  """Brute force: forced blocks, then the top_k candidates by (score desc in IEEE total
+  order, block id asc), sorted, padded with -1 to ``width``."""
+  scores = np.asarray(scores, np.float32)
+  b, hk, nb = scores.shape
+  out = np.full((b, hk, width), -1, np.int32)
+  for bi in range(b):
+    L = min(int(lens[bi]), nb * bs)
+    diag = (L - 1) // bs if L > 0 else -1
+    for h in range(hk):
+      forced = {j for j in range(nb) if j <= diag and (j < n_init or j > diag - n_local)}
+      cand = [j for j in range(diag + 1) if j not in forced and j < nb]
+      keys = _np_total_order(scores[bi, h, cand])
+      order = sorted(range(len(cand)), key=lambda t: (-keys[t], cand[t]))
+      kept = sorted(forced | {cand[t] for t in order[:top_k]})
+      out[bi, h, :len(kept)] = kept
+  return out
+
+
+@pytest.mark.parametrize("nb,bs,top_k,n_init,n_local", [
+    (37, 16, 5, 1, 1), (300, 16, 40, 2, 3), (2048, 64, 387, 1, 1), (20, 32, 0, 1, 2),
+    (9, 16, 30, 0, 0), (64, 16, 7, 3, 0)])
+def test_decode_select_kernel(nb, bs, top_k, n_init, n_local):
+  """Pallas selection (interpret) == lax.top_k selection == brute force on the same scores,
+  with many exact ties (quantised scores, +0/-0), lengths 0, 1, mid-block, on a block
+  boundary, past the cache."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode_select import select_decode_slots
+  rng = np.random.default_rng(nb + top_k)
+  b, hk = 6, 3
+  scores = np.round(rng.normal(size=(b, hk, nb)) * 4) / 4              # many ties
+  scores[:, 0, ::3] = -0.0
+  scores[:, 0, 1::3] = 0.0
+  scores = jnp.asarray(scores, jnp.float32)
+  lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100])
+  width = sp._decode_width(nb, top_k, n_init, n_local)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local)
+  idx, cnt = select_decode_slots(scores, lens, max_selected=width, interpret=True, **kw)
+  want = jax.jit(functools.partial(sp._decode_select_from_scores, **kw))(scores, lens)
+  brute = _np_decode_select(scores, np.asarray(lens), bs, top_k, n_init, n_local, width)
+  np.testing.assert_array_equal(np.asarray(want), brute)
+  np.testing.assert_array_equal(np.asarray(idx), brute)
+  np.testing.assert_array_equal(np.asarray(cnt), (brute >= 0).sum(-1))
+  assert (brute >= 0).sum() > 0
+
+
+@pytest.mark.parametrize("hq,hk,d,nb,chunk", [(6, 2, 72, 37, 16), (4, 4, 16, 5, 128)])
+def test_decode_block_scores_kernel(hq, hk, d, nb, chunk):
+  """Pallas block scores (interpret) vs fp64 q-group-sum . key_sum / count, GQA group 3 and
+  1, head_dim 72, a block count that is not a multiple of the chunk, partial blocks."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode_select import decode_block_scores
+  b, bs = 3, 16
+  ks = jax.random.split(jax.random.key(31), 2)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.bfloat16)
+  kc = jax.random.normal(ks[1], (b, nb * bs, hk, d))
+  lens = jnp.array([nb * bs, 1, nb * bs // 2 + 3])
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  got = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, chunk=chunk,
+                            interpret=True)
+  qs = np.asarray(q, np.float64).reshape(b, hk, hq // hk, d).sum(2)
+  cnt = np.maximum(np.asarray(summ.counts()), 1)
+  want = np.einsum("bhd,bjhd->bhj", qs, np.asarray(summ.sums, np.float64)) / cnt[:, None, :]
+  assert _rel(got, want) < 1e-6
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_decode_partials_kernel():
+  """One-kernel merge (interpret) == jattn.merge.merge_partials, with empty partials, an
+  all-empty head, 5 splits (not a power of two), head_dim 72, a bf16 output."""
+  _kernel_module_or_skip("triton")
+  from jattn.merge import merge_partials
+  from pallas_kernels.sparse.decode import merge_decode_partials
+  ks = jax.random.split(jax.random.key(32), 2)
+  outs = jax.random.normal(ks[0], (2, 5, 3, 72))
+  lses = jax.random.normal(ks[1], (2, 5, 3)) * 3
+  lses = lses.at[0, 1:, 0].set(-jnp.inf).at[1, :, 2].set(-jnp.inf).at[1, 3, 1].set(-jnp.inf)
+  outs = outs.at[1, 3, 1].set(jnp.nan)                       # ignored: its lse is -inf
+  out, lse = merge_decode_partials(outs, lses, out_dtype=jnp.bfloat16, interpret=True)
+  ref, ref_lse = merge_partials(outs, lses, axis=1)
+  assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out, np.float32)).any()
+  assert _rel(out, ref) < 4e-3
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
+  assert np.all(np.asarray(out[1, 2], np.float32) == 0) and lse[1, 2] == -jnp.inf
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-3), (jnp.bfloat16, 2e-2)])
+def test_sparse_decode_triton_interpret(dtype, tol):
+  """The four-kernel Triton path (interpret) vs the fp32 reference restricted to its selection,
+  which equals the XLA path's; GQA group 3, head_dim 72, lengths 1, on a block boundary,
+  ragged; default and explicit split counts (more splits than kept blocks)."""
+  _kernel_module_or_skip("triton")
+  b, n, hq, hk, d, bs, top_k = 4, 250, 6, 2, 72, 16, 4
+  ks = jax.random.split(jax.random.key(33), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), dtype)
+  kc = jax.random.normal(ks[1], (b, n, hk, d), dtype)
+  vc = jax.random.normal(ks[2], (b, n, hk, d), dtype)
+  lens = jnp.array([250, 1, 160, 77])
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  idx_x = jax.jit(functools.partial(sp.select_decode_blocks, top_k=top_k, num_local_blocks=2))(
+      q, summ, lens)
+  up = lambda x: np.asarray(x, np.float32)
+  mask = np.zeros((b, hk, 1, n), bool)
+  for bi in range(b):
+    for g in range(hk):
+      for j in np.asarray(idx_x)[bi, g]:
+        if j >= 0:
+          mask[bi, g, 0, j * bs:min((j + 1) * bs, int(lens[bi]))] = True
+  ref, ref_lse = attention_reference(jnp.asarray(up(q))[:, None], jnp.asarray(up(kc)),
+                                     jnp.asarray(up(vc)), block_mask=jnp.asarray(mask))
+  for splits in (None, 2, 7):
+    out, lse, idx = jax.jit(functools.partial(
+        sp.sparse_decode_attention, block_size=bs, top_k=top_k, num_local_blocks=2,
+        return_lse=True, return_indices=True, implementation="triton", interpret=True,
+        num_splits=splits))(q, kc, vc, lens, summ)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx_x))
+    assert out.dtype == dtype
+    assert _rel(out, ref[:, 0]) < tol
+    assert _rel(lse, ref_lse[:, :, 0]) < 1e-3
+
+
+def test_sparse_decode_default_splits():
+  """B1 with 8 kv heads fills a 132-SM H200 (about two programs per SM), never splitting into
+  fewer than 4 blocks per split."""
+  from pallas_kernels.sparse.decode import default_num_splits
+  assert default_num_splits(1, 8, 389, core_count=132) == 33
+  assert default_num_splits(1, 8, 20, core_count=132) == 5
+  assert default_num_splits(64, 8, 389, core_count=132) == 1

@@ -1,1 +1,2 @@
-"""Kernels for training-time block-sparse attention: the top-K block decode kernel."""
+"""Kernels for training-time block-sparse attention: top-K block decode (scores, selection,
+split-KV attention, merge) and the gate-gradient pass."""

@@ -5,13 +5,19 @@ cache blocks (``indices[b, h, :]``, any order, -1 for unused slots), so the sele
 shared by its query heads but differs between kv heads: the list acts as a per-head page table
 over the cache viewed as blocks of ``block_size`` tokens (paged caches: ``page_size ==
 block_size`` and the block id goes through the page table). A split walks a contiguous share of
-the list; each step loads one block's K and V rows of head h (masked past the sequence length
-and for -1 slots, which read no memory),
-runs the online softmax in fp32 and accumulates; the splits' partial (out, lse) are merged by
-log-sum-exp (``jattn.merge.merge_partials``). All query heads of the group form one [g_pad, d_pad]
-tile, so each selected K/V byte is read from HBM once.
+the list (the first ``counts[b, h]`` slots when counts are given, so the work splits evenly over
+the blocks actually kept); each step loads one block's K and V rows of head h (masked past the
+sequence length and for -1 slots, which read no memory), runs the online softmax in fp32 and
+accumulates. The next slot's block id (and, paged, its page) is looked up one step ahead and
+arrives through the loop carry, so the K/V addresses never wait on an index load of the same
+iteration and Triton can double-buffer the K/V copies. All query heads of the group form one
+[g_pad, d_pad] tile, so each selected K/V byte is read from HBM once.
 
-File layout: kernel body, pallas_call wrapper, public entry points.
+The splits' partial (out, lse) are merged by log-sum-exp in :func:`merge_decode_partials`, one
+small kernel that also casts to the output dtype (the same arithmetic as
+``jattn.merge.merge_partials``, which XLA runs as several reduction kernels).
+
+File layout: attention kernel body and wrapper, merge kernel body and wrapper.
 """
 from __future__ import annotations
 
@@ -26,16 +32,16 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import compat
 from pallas_kernels.decode.triton import load_group_query
 
-__all__ = ["sparse_decode_partials"]
+__all__ = ["sparse_decode_partials", "merge_decode_partials", "default_num_splits"]
 
 
-def _kernel(lens_ref, idx_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
+def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, num_splits, num_slots, capacity, paged):
   """One (batch, kv head, split) program.
 
-  Refs: lens [B]; idx [B, Hk, M] (-1 = unused); q [B, Hq, D]; k, v [B, N, Hk, D] (contiguous) or
-  [P * block, Hk, D] (paged, page table [B, max_pages] first in ``rest``); outputs o
-  [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32.
+  Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
+  [B, Hq, D]; k, v [B, N, Hk, D] (contiguous) or [P * block, Hk, D] (paged, page table
+  [B, max_pages] first in ``rest``); outputs o [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32.
   """
   if paged:
     pt_ref, o_ref, lse_ref = rest
@@ -46,26 +52,37 @@ def _kernel(lens_ref, idx_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, 
   h = pl.program_id(1)
   split = pl.program_id(2)
   length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[b]), capacity), 0)   # scalar
-  per_split = pl.cdiv(num_slots, num_splits)
-  begin = jnp.minimum(split * per_split, num_slots)
-  end = jnp.minimum(begin + per_split, num_slots)
+  if cnt_ref is None:
+    n_slots = jnp.int32(num_slots)
+  else:
+    n_slots = jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots)
+  per_split = pl.cdiv(n_slots, num_splits)
+  begin = jnp.minimum(split * per_split, n_slots)
+  end = jnp.minimum(begin + per_split, n_slots)
 
   q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   offs = jnp.arange(block, dtype=jnp.int32)                          # [block]
 
+  def lookup(s):
+    """Block id of slot s (-1 when s >= end or the slot is unused) and its first cache row."""
+    blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
+    blk = jnp.where(s < end, blk, -1)
+    if paged:
+      page = plgpu.load(pt_ref.at[b, jnp.maximum(blk, 0)])
+      return blk, page * block
+    return blk, None
+
   def body(s, carry):
-    acc, m_prev, l_prev = carry
-    blk = plgpu.load(idx_ref.at[b, h, s])                            # selected block id or -1
+    acc, m_prev, l_prev, blk, row0 = carry if paged else (*carry, None)
+    blk_next, row0_next = lookup(s + 1)                              # one slot ahead
     ok = blk >= 0
-    blk = jnp.maximum(blk, 0)
-    pos = blk * block + offs                                         # [block] token index
+    pos = jnp.maximum(blk, 0) * block + offs                         # [block] token index
     valid = (pos < length) & ok
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
     if paged:
-      page = plgpu.load(pt_ref.at[b, blk])
-      krow = page * block + offs
+      krow = row0 + offs
       k = plgpu.load(k_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
     else:
       k = plgpu.load(k_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
@@ -82,12 +99,15 @@ def _kernel(lens_ref, idx_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, 
     else:
       v = plgpu.load(v_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, d_pad]
-    return acc * alpha[:, None] + pv, m_new, l_new
+    new = (acc * alpha[:, None] + pv, m_new, l_new, blk_next)
+    return new + (row0_next,) if paged else new
 
   acc0 = jnp.zeros((g_pad, d_pad), jnp.float32)
   m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
   l0 = jnp.zeros((g_pad,), jnp.float32)
-  acc, m, l = jax.lax.fori_loop(begin, end, body, (acc0, m0, l0))
+  blk0, row00 = lookup(begin)
+  init = (acc0, m0, l0, blk0) + ((row00,) if paged else ())
+  acc, m, l = jax.lax.fori_loop(begin, end, body, init)[:3]
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
@@ -96,10 +116,40 @@ def _kernel(lens_ref, idx_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, 
   plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
 
 
+def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, programs_per_core=2,
+                       min_blocks_per_split=4):
+  """Splits per (batch, kv head) for the sparse decode kernel.
+
+  About ``programs_per_core`` programs per multiprocessor over the batch x kv_heads pairs (B1
+  with 8 kv heads would otherwise run 8 programs on a 132-SM H200), with at least
+  ``min_blocks_per_split`` selected blocks per split. Not rounded to a power of two: the
+  selected lists have no power-of-two length.
+
+  Args:
+    batch, kv_heads: programs per split.
+    max_selected: width of the selected-block lists.
+    core_count: multiprocessors; default ``compat.gpu_core_count()``.
+    programs_per_core: target programs per multiprocessor.
+    min_blocks_per_split: lower bound on the work of one split.
+
+  Returns:
+    An int >= 1.
+
+  Example:
+    >>> default_num_splits(1, 8, 389, core_count=132)
+    33
+  """
+  cores = compat.gpu_core_count() if core_count is None else int(core_count)
+  want = -(-programs_per_core * cores // max(1, batch * kv_heads))
+  most = -(-int(max_selected) // min_blocks_per_split)
+  return int(max(1, min(want, most)))
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "num_warps",
                                              "num_stages", "interpret"))
-def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, *, block_size,
-                           num_splits, scale=None, num_warps=4, num_stages=2, interpret=False):
+def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts=None, *,
+                           block_size, num_splits, scale=None, num_warps=4, num_stages=3,
+                           interpret=False):
   """Per-split partial decode attention over each kv head's selected cache blocks (Triton).
 
   Args:
@@ -111,8 +161,12 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, *, blo
       unused slots (positions >= kv_lengths[b] are masked).
     page_table: None or int32 [batch, max_pages]: block j of sequence b is page
       ``page_table[b, j]``.
+    counts: None (walk all max_selected slots) or int32 [batch, kv_heads]: walk only the first
+      ``counts[b, h]`` slots (e.g. ``pallas_kernels.sparse.decode_select.select_decode_slots``'s
+      compact lists), split evenly over the splits.
     block_size: tokens per block, a power of two >= 16.
-    num_splits: splits of each selected list (merge the partials by log-sum-exp).
+    num_splits: splits of each selected list (merge the partials with
+      :func:`merge_decode_partials`).
     scale: logit scale, default 1/sqrt(head_dim).
     num_warps, num_stages: launch parameters.
     interpret: run in the Pallas interpreter (CPU tests).
@@ -146,6 +200,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, *, blo
   if indices.ndim != 3 or indices.shape[:2] != (bsz, hk):
     raise ValueError(f"indices must be [batch, kv_heads, m] = [{bsz}, {hk}, m], got "
                      f"{indices.shape}")
+  if counts is not None and counts.shape != (bsz, hk):
+    raise ValueError(f"counts must be [batch, kv_heads] = [{bsz}, {hk}], got {counts.shape}")
   group = hq // hk
   g_pad = max(16, pl.next_power_of_2(group))
   d_pad = max(16, pl.next_power_of_2(d))
@@ -154,12 +210,85 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, *, blo
   kernel = functools.partial(_kernel, scale=float(scale), block=block_size, group=group,
                              g_pad=g_pad, head_dim=d, d_pad=d_pad, num_splits=num_splits,
                              num_slots=indices.shape[-1], capacity=capacity, paged=paged)
+  if counts is None:
+    kernel = functools.partial(_no_counts, kernel)
   out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, d), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
-  args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32), q, k, v]
+  args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
+  if counts is not None:
+    args.append(counts.astype(jnp.int32))
+  args += [q, k, v]
   if paged:
     args.append(page_table.astype(jnp.int32))
   return pl.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz, hk, num_splits),
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jattn_sparse_decode")(*args)
+
+
+def _no_counts(kernel, lens_ref, idx_ref, *refs):
+  return kernel(lens_ref, idx_ref, None, *refs)
+
+
+# ----------------------------------------------------------------------------- merge
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits, s_pad, head_dim, d_pad):
+  """One (batch, query head) program: log-sum-exp merge of its num_splits partials.
+
+  Refs: o [B, S, Hq, D] fp32; lse [B, S, Hq] fp32; outputs out [B, Hq, D] and lse [B, Hq].
+  """
+  b = pl.program_id(0)
+  hh = pl.program_id(1)
+  srows = jnp.arange(s_pad, dtype=jnp.int32)                         # [s_pad]
+  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
+  s_ok = srows < num_splits
+  lse = plgpu.load(lse_ref.at[b, srows, hh], mask=s_ok, other=-jnp.inf)   # [s_pad]
+  mask = s_ok[:, None] if d_pad == head_dim else s_ok[:, None] & (cols < head_dim)[None, :]
+  o = plgpu.load(o_ref.at[b, srows[:, None], hh, cols[None, :]], mask=mask, other=0.0)
+  m = jnp.max(lse)
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+  w = jnp.exp(lse - m)                                               # 0 for empty partials
+  total = jnp.sum(w)
+  empty = total == 0.0
+  total_safe = jnp.where(empty, 1.0, total)
+  contrib = jnp.where((w > 0.0)[:, None], o, 0.0)                    # [s_pad, d_pad]
+  out = jnp.sum(contrib * (w / total_safe)[:, None], axis=0)         # [d_pad]
+  plgpu.store(out_ref.at[b, hh, cols], out.astype(out_ref.dtype), mask=cols < head_dim)
+  plgpu.store(lse_out_ref.at[b, hh], jnp.where(empty, -jnp.inf, m + jnp.log(total_safe)))
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "num_warps", "interpret"))
+def merge_decode_partials(outs, lses, *, out_dtype=None, num_warps=4, interpret=False):
+  """Merge split partials [batch, splits, heads, d] by log-sum-exp in one kernel.
+
+  The arithmetic of ``jattn.merge.merge_partials(outs, lses, axis=1)``: partials with lse -inf
+  are ignored; all-empty heads give 0 and -inf.
+
+  Args:
+    outs: fp32 [batch, num_splits, q_heads, head_dim].
+    lses: fp32 [batch, num_splits, q_heads].
+    out_dtype: dtype of the merged output (default outs.dtype).
+    num_warps: launch parameter.
+    interpret: run in the Pallas interpreter (CPU tests).
+
+  Returns:
+    (out [batch, q_heads, head_dim] in out_dtype, lse [batch, q_heads] fp32).
+
+  Example:
+    >>> o = jnp.ones((1, 3, 2, 16)); lse = jnp.zeros((1, 3, 2))
+    >>> out, l = merge_decode_partials(o, lse, interpret=True)
+    >>> out.shape, l.shape
+    ((1, 2, 16), (1, 2))
+  """
+  bsz, ns, hq, d = outs.shape
+  if lses.shape != (bsz, ns, hq):
+    raise ValueError(f"lses must be {(bsz, ns, hq)}, got {lses.shape}")
+  out_dtype = outs.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  kernel = functools.partial(_merge_kernel, num_splits=ns, s_pad=max(16, pl.next_power_of_2(ns)),
+                             head_dim=d, d_pad=max(16, pl.next_power_of_2(d)))
+  return pl.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
+                         jax.ShapeDtypeStruct((bsz, hq), jnp.float32)],
+      grid=(bsz, hq),
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jattn_sparse_decode_merge")(
+          outs.astype(jnp.float32), lses.astype(jnp.float32))

@@ -1,0 +1,266 @@
+"""Where the time of block-sparse decode goes: dense vs sparse decode and each sparse stage.
+
+One process, random non-zero bf16 inputs, every timed output checked against a reference.
+Default case = the issue-5 bench case "B1 S128K GQA32:8 D128 top19% blk64" (top_k 387 of 2048
+blocks, + the initial and the local block). Rows:
+
+* ``dense``: ``jattn.decode.decode_attention(implementation="triton")`` (the bench baseline).
+* ``sparse``: ``sparse_decode_attention(implementation="triton")``, selection included (the
+  bench's timed call): four kernels (scores, select, attend, merge).
+* stages of it, each alone on precomputed inputs: ``scores`` (decode_block_scores),
+  ``select`` (select_decode_slots), ``attend`` (sparse_decode_partials with counts; also at
+  several split counts), ``merge`` (merge_decode_partials).
+* the previous path's XLA stages for comparison: ``xla_scores`` (einsum), ``xla_select``
+  (lax.top_k + sort), ``xla_merge`` (jattn.merge.merge_partials), and ``sparse_prev`` (XLA
+  selection + attend over the unsorted-free list + XLA merge, as before the kernels).
+* ``sparse_xla``: the pure XLA implementation.
+
+Two timings per row: ``host_ms`` is the bench's method (median of host-timed loops of async
+calls, rotating 3 input sets: includes dispatch when dispatch is slower than the GPU) and
+``device_ms`` = (time of one jitted program running the op on ``--unroll`` different queries)
+/ unroll: the GPU time per call without per-call dispatch.
+
+Usage (GPU, < 60 s):  python experiments/probe_sparse_decode.py --out /tmp/probe.json
+CPU smoke test:       python experiments/probe_sparse_decode.py --tiny --out /tmp/probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jattn import sparse as sp  # noqa: E402
+from jattn.merge import merge_partials  # noqa: E402
+from pallas_kernels.flash.reference import attention_reference  # noqa: E402
+from pallas_kernels.sparse.decode import (default_num_splits, merge_decode_partials,  # noqa: E402
+                                          sparse_decode_partials)
+from pallas_kernels.sparse.decode_select import (decode_block_scores,  # noqa: E402
+                                                 select_decode_slots)
+
+
+def _sync(x):
+  jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready")
+                         else a, x)
+  return x
+
+
+def host_ms(fn, arg_sets, *, min_time, repeats=3):
+  """The bench's timing: median ms per call of host-timed loops of async calls."""
+  for a in arg_sets:
+    _sync(fn(*a))
+  t0 = time.perf_counter()
+  _sync(fn(*arg_sets[0]))
+  iters = int(min(max(min_time / max(time.perf_counter() - t0, 1e-5), 3), 2000))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(iters):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    _sync(out)
+    times.append((time.perf_counter() - t0) * 1e3 / iters)
+  return float(np.median(times))
+
+
+def device_ms(fn, qs, rest, *, repeats=5):
+  """GPU ms per call without dispatch: programs that call fn(q_i, *rest[i % len(rest)]) for
+  the first n and for all 2n queries; the slope (T(2n) - T(n)) / n cancels the per-program
+  dispatch and synchronisation (about 0.2 ms on the H200 machine)."""
+  def run(qq):
+    many = jax.jit(lambda qs, rest: [fn(q, *rest[i % len(rest)]) for i, q in enumerate(qs)])
+    _sync(many(qq, rest))
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      _sync(many(qq, rest))
+      times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.min(times))
+  n = len(qs) // 2
+  return (run(qs) - run(qs[:n])) / (len(qs) - n)
+
+
+def rel_err(x, ref):
+  x = jnp.asarray(x, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  return float(jnp.linalg.norm((x - ref).ravel()) / (jnp.linalg.norm(ref.ravel()) + 1e-30))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", required=True, help="JSON output path")
+  ap.add_argument("--tiny", action="store_true", help="small CPU case, kernels interpreted")
+  ap.add_argument("--unroll", type=int, default=None,
+                  help="calls per program for device_ms (also n/2; the slope is reported)")
+  ap.add_argument("--splits", default=None, help="comma-separated split counts for 'attend'")
+  args = ap.parse_args(argv)
+  t_start = time.perf_counter()
+  if args.tiny:
+    n, hq, hk, d, bs, interpret, min_time, unroll = 2048, 4, 2, 64, 16, True, 0.01, 4
+  else:
+    n, hq, hk, d, bs, interpret, min_time, unroll = 131072, 32, 8, 128, 64, False, 0.2, 16
+  unroll = args.unroll or unroll
+  nb = n // bs
+  fraction = 0.19
+  top_k = max(0, int(round(fraction * nb)) - 2)           # as jattn.sparse.bench_cases
+  dtype = jnp.bfloat16
+  lens = jnp.array([n], jnp.int32)
+  width = sp._decode_width(nb, top_k, 1, 1)
+  sel_kw = dict(top_k=top_k, num_init_blocks=1, num_local_blocks=1)
+  case = f"B1 S{n // 1024}K GQA{hq}:{hk} D{d} top{fraction:.0%} blk{bs}"
+  print(f"{case}: top_k={top_k} width={width} backend={jax.default_backend()} "
+        f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
+
+  keys = jax.random.split(jax.random.key(7), 9)
+  sets = []
+  for i in range(3):
+    kc = jax.random.normal(keys[3 * i + 1], (1, n, hk, d), dtype)
+    vc = jax.random.normal(keys[3 * i + 2], (1, n, hk, d), dtype)
+    sets.append((kc, vc, sp.init_block_summaries(kc, lens, block_size=bs)))
+  qs = [jax.random.normal(jax.random.key(100 + i), (1, hq, d), dtype) for i in range(unroll)]
+  q = qs[0]
+  kc, vc, summ = sets[0]
+  splits = default_num_splits(1, hk, width)
+  rows, checks = [], {}
+
+  def record(name, fn, per_set, what=""):
+    """fn(q, *per_set[i]) for the three input sets."""
+    r = dict(stage=name, what=what)
+    fn = jax.jit(fn)
+    try:
+      r["host_ms"] = host_ms(fn, [(qs[i % unroll],) + tuple(p) for i, p in enumerate(per_set)],
+                             min_time=min_time)
+      r["device_ms"] = device_ms(fn, qs, [tuple(p) for p in per_set])
+    except Exception as e:  # keep probing
+      r["error"] = f"{type(e).__name__}: {e}"[:400]
+    rows.append(r)
+    print(f"  {name:24s} host {r.get('host_ms', float('nan')):8.4f} ms   device "
+          f"{r.get('device_ms', float('nan')):8.4f} ms   {what}{r.get('error', '')}", flush=True)
+
+  # ---- references and checks (fp32, on set 0)
+  idx_ref = jax.jit(functools.partial(sp.select_decode_blocks, **sel_kw))(q, summ, lens)
+  sel = jnp.zeros((1, hk, nb + 1), bool).at[0, jnp.arange(hk)[:, None],
+                                             jnp.where(idx_ref[0] < 0, nb, idx_ref[0])].set(True)
+  mask = jnp.repeat(sel[..., :nb], bs, axis=-1)[:, :, None, :]
+  up = lambda x: x.astype(jnp.float32)
+  ref_sparse, _ = jax.jit(lambda q, k, v, m: attention_reference(up(q)[:, None], up(k), up(v),
+                                                                 block_mask=m))(q, kc, vc, mask)
+  ref_dense, _ = jax.jit(lambda q, k, v: attention_reference(up(q)[:, None], up(k), up(v)))(
+      q, kc, vc)
+
+  sparse = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
+                                     implementation="triton", interpret=interpret,
+                                     return_indices=True, **sel_kw))
+  out, idx = sparse(q, kc, vc, block_summaries=summ)
+  checks["sparse_rel_err"] = rel_err(out, ref_sparse[:, 0])
+  checks["sparse_indices_equal_xla"] = bool(jnp.array_equal(idx, idx_ref))
+  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=interpret)
+  checks["scores_rel_err_vs_xla"] = rel_err(scores, sp._decode_scores(q, summ))
+  sidx, cnt = select_decode_slots(scores, lens, block_size=bs, max_selected=width,
+                                  interpret=interpret, **sel_kw)
+  xidx = sp._decode_select_from_scores(scores, lens, block_size=bs, **sel_kw)
+  checks["select_equal_xla_on_same_scores"] = bool(jnp.array_equal(sidx, xidx))
+  checks["kept_blocks_per_head"] = np.asarray(cnt).tolist()
+  checks["kept_fraction"] = float(np.asarray(cnt).mean() / nb)
+  try:
+    from jattn import decode as dec
+    dense = jax.jit(lambda q, k, v, s: dec.decode_attention(q, k, v, lens, implementation="triton",
+                                                            interpret=interpret))
+    checks["dense_rel_err"] = rel_err(dense(q, kc, vc, summ), ref_dense[:, 0])
+  except Exception as e:
+    dense = None
+    checks["dense_error"] = f"{type(e).__name__}: {e}"[:400]
+  print("checks:", json.dumps(checks), flush=True)
+
+  # ---- timings
+  sc_fn = functools.partial(decode_block_scores, block_size=bs, interpret=interpret)
+  sel_fn = functools.partial(select_decode_slots, block_size=bs, max_selected=width,
+                             interpret=interpret, **sel_kw)
+  if dense is not None:
+    record("dense", dense, sets, "jattn.decode.decode_attention triton")
+  record("sparse", lambda q, k, v, s: sparse(q, k, v, block_summaries=s)[0], sets,
+         f"whole sparse decode (4 kernels), splits={splits}")
+  def xla_merge_variant(q, k, v, s):
+    sc = sc_fn(q, s.sums, s.lengths)
+    i, c = sel_fn(sc, lens)
+    o, l = sparse_decode_partials(q, k, v, lens, i, None, c, block_size=bs, num_splits=splits,
+                                  interpret=interpret)
+    return merge_partials(o, l, axis=1)[0].astype(dtype)
+  record("sparse_xla_merge", xla_merge_variant, sets, "scores + select + attend kernels, XLA merge")
+  record("scores", lambda q, s: sc_fn(q, s.sums, s.lengths), [(s,) for _, _, s in sets],
+         "decode_block_scores kernel")
+  score_sets = [(sc_fn(q, s.sums, s.lengths),) for _, _, s in sets]
+  record("select", lambda q, s: sel_fn(s, lens), score_sets, "select_decode_slots kernel")
+  lists = [sel_fn(s, lens) for (s,) in score_sets]
+  split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
+                sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
+  for ns in split_list:
+    att = functools.partial(sparse_decode_partials, block_size=bs, num_splits=ns,
+                            interpret=interpret)
+    record(f"attend_s{ns}", lambda q, k, v, i, c, att=att: att(q, k, v, lens, i, None, c),
+           [(k, v, i, c) for (k, v, _), (i, c) in zip(sets, lists)],
+           f"sparse_decode_partials, {ns} splits x {hk} kv heads" +
+           (" (default)" if ns == splits else ""))
+  att = functools.partial(sparse_decode_partials, block_size=bs, num_splits=splits,
+                          interpret=interpret)
+  parts = [att(qs[i % unroll], k, v, lens, il, None, c) for i, ((k, v, _), (il, c)) in
+           enumerate(zip(sets, lists))]
+  o, _ = merge_decode_partials(*att(q, kc, vc, lens, lists[0][0], None, lists[0][1]),
+                               out_dtype=dtype, interpret=interpret)
+  checks["attend_merge_rel_err"] = rel_err(o, ref_sparse[:, 0])
+  mg = functools.partial(merge_decode_partials, out_dtype=dtype, interpret=interpret)
+  record("merge", lambda q, o, l: mg(o, l), parts, "merge_decode_partials kernel")
+  record("xla_scores", lambda q, s: sp._decode_scores(q, s), [(s,) for _, _, s in sets],
+         "previous: einsum + divide (XLA)")
+  record("xla_select", lambda q, s: sp._decode_select_from_scores(s, lens, block_size=bs,
+                                                                  **sel_kw),
+         score_sets, "previous: lax.top_k + forced + sort (XLA)")
+  record("xla_merge", lambda q, o, l: merge_partials(o, l, axis=1)[0].astype(dtype), parts,
+         "previous: jattn.merge.merge_partials (XLA)")
+  prev_splits = 32
+
+  def prev(q, k, v, s):
+    i = sp._decode_select(q, s, lens, **sel_kw)
+    o, l = sparse_decode_partials(q, k, v, lens, i, block_size=bs, num_splits=prev_splits,
+                                  interpret=interpret)
+    return merge_partials(o, l, axis=1)[0].astype(dtype)
+  checks["sparse_prev_rel_err"] = rel_err(jax.jit(prev)(q, kc, vc, summ), ref_sparse[:, 0])
+  record("sparse_prev", prev, sets, "XLA select + kernel (32 splits) + XLA merge")
+  sx = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
+                                 implementation="xla", **sel_kw))
+  record("sparse_xla", lambda q, k, v, s: sx(q, k, v, block_summaries=s), sets, "pure XLA")
+
+  by = {r["stage"]: r for r in rows}
+  summary = {}
+  for key in ("host_ms", "device_ms"):
+    if key in by.get("dense", {}) and key in by.get("sparse", {}):
+      summary[f"speedup_{key}"] = by["dense"][key] / by["sparse"][key]
+  kv_bytes = 2 * float(np.asarray(cnt).sum()) * bs * d * 2
+  summary["kept_kv_bytes"] = kv_bytes
+  summary["kv_read_us_at_4TBps"] = kv_bytes / 4e12 * 1e6
+  ok = (checks["sparse_rel_err"] < 2e-2 and checks["sparse_indices_equal_xla"]
+        and checks["select_equal_xla_on_same_scores"] and checks["scores_rel_err_vs_xla"] < 1e-5
+        and checks["attend_merge_rel_err"] < 2e-2 and checks["sparse_prev_rel_err"] < 2e-2
+        and checks.get("dense_rel_err", 0.0) < 2e-2)
+  res = dict(case=case, top_k=top_k, width=width, default_splits=splits, ok=bool(ok),
+             checks=checks, summary=summary, rows=rows,
+             meta=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                       unroll=unroll, tiny=args.tiny,
+                       wall_s=time.perf_counter() - t_start))
+  with open(args.out, "w") as f:
+    json.dump(res, f, indent=1)
+  print("summary:", json.dumps(summary), f"ok={ok}", f"wall {res['meta']['wall_s']:.1f}s",
+        flush=True)
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

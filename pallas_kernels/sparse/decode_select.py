@@ -1,0 +1,216 @@
+"""Decode-time block scoring and top-k block selection as two Pallas kernels (Triton lowering).
+
+The selection of ``jattn.sparse.select_decode_blocks`` without XLA's sort: the block scores of
+one new query per sequence are a batched matrix-vector product, and ``lax.top_k`` over 2048
+candidates per kv head becomes a full bitonic sort on the GPU (several launches); here it is
+one threshold search inside a kernel.
+
+* :func:`decode_block_scores`: one program per (batch, kv head, chunk of ``chunk`` blocks):
+  score[b, h, j] = (sum of the GQA group's queries) . key_sum[b, j, h] / max(count_j, 1), fp32
+  products and sums (no TF32). Spread over many programs so the fp32 key sums (8 MiB at 128K
+  tokens, 8 kv heads, head_dim 128) are read at full bandwidth.
+* :func:`select_decode_slots`: one program per (batch, kv head) holding all its block scores
+  in registers: the forced blocks (initial and local) from the sequence length, then the k-th
+  largest candidate score found by a 32-step bitwise search over the scores' total-order int32
+  keys (ties broken by the lower block id, as ``lax.top_k``), then the kept blocks compacted in
+  ascending order by a prefix sum into a ``[max_selected]`` list padded with -1, and the count.
+  Exactly ``select_decode_blocks``'s output for the same scores (tested).
+
+File layout: score kernel and wrapper, selection kernel and wrapper.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import compat
+from pallas_kernels.decode.triton import load_group_query
+
+__all__ = ["decode_block_scores", "select_decode_slots", "total_order_key"]
+
+_INT_MIN = -(2 ** 31)
+_NEG_INF_KEY = -2139095041           # total_order_key(-inf): 0xff800000 ^ 0x7fffffff
+
+
+def _pow2(n):
+  return max(16, pl.next_power_of_2(int(n)))
+
+
+# ----------------------------------------------------------------------------- scores
+def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, *, block, chunk, group, g_pad, head_dim,
+                  d_pad, num_blocks):
+  """One (batch, kv head, chunk) program.
+
+  Refs: slen [B] (positions summarised); q [B, Hq, D]; sums [B, N, Hk, D] fp32; output scores
+  [B, Hk, N] fp32.
+  """
+  b = pl.program_id(0)
+  h = pl.program_id(1)
+  c = pl.program_id(2)
+  q, (_, cols, _, col_ok, _) = load_group_query(
+      q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
+  qsum = jnp.sum(q.astype(jnp.float32), axis=0)                      # [d_pad], padded rows 0
+  rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)              # [chunk] block ids
+  row_ok = rows < num_blocks
+  mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
+  s = plgpu.load(sums_ref.at[b, rows[:, None], h, cols[None, :]], mask=mask, other=0.0)
+  dots = jnp.sum(s.astype(jnp.float32) * qsum[None, :], axis=1)      # [chunk] fp32
+  length = plgpu.load(slen_ref.at[b])
+  cnt = jnp.clip(length - rows * block, 0, block)
+  scores = dots / jnp.maximum(cnt, 1).astype(jnp.float32)
+  plgpu.store(o_ref.at[b, h, rows], scores, mask=row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "chunk", "num_warps", "interpret"))
+def decode_block_scores(q, sums, summary_lengths, *, block_size, chunk=64, num_warps=4,
+                        interpret=False):
+  """Block scores of one decode query per sequence against the running key sums.
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    sums: fp32 [batch, num_blocks, kv_heads, head_dim] (``BlockSummaries.sums``).
+    summary_lengths: int32 [batch] (``BlockSummaries.lengths``): block j averages
+      clip(length - j * block_size, 0, block_size) keys.
+    block_size: positions per block.
+    chunk: blocks per program (a power of two).
+    num_warps: launch parameter.
+    interpret: run in the Pallas interpreter (CPU tests).
+
+  Returns:
+    fp32 [batch, kv_heads, num_blocks]: sum over the group's query heads of q . mean key.
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); sums = jnp.ones((1, 3, 2, 16))
+    >>> decode_block_scores(q, sums, jnp.array([40]), block_size=16, interpret=True)[0, 0]
+    Array([2., 2., 4.], dtype=float32)
+  """
+  bsz, hq, d = q.shape
+  _, nb, hk, ds = sums.shape
+  if ds != d or hq % hk or sums.shape[0] != bsz:
+    raise ValueError(f"q {q.shape} does not match the block sums {sums.shape}")
+  if chunk < 16 or chunk & (chunk - 1):
+    raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+  chunk = min(chunk, _pow2(nb))
+  group = hq // hk
+  kernel = functools.partial(_score_kernel, block=int(block_size), chunk=chunk, group=group,
+                             g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d), num_blocks=nb)
+  return pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
+      grid=(bsz, hk, pl.cdiv(nb, chunk)),
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jattn_sparse_decode_scores")(
+          summary_lengths.astype(jnp.int32), q, sums.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------- selection
+def total_order_key(x):
+  """int32 keys of fp32 values in IEEE total order (-NaN < -inf < -0 < +0 < inf < NaN).
+
+  The order ``lax.top_k`` ranks by; usable inside Triton kernels.
+
+  Example:
+    >>> total_order_key(jnp.array([-0.0, 0.0, 1.0])).tolist()
+    [-1, 0, 1065353216]
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *, block, num_blocks, nb_pad, num_init,
+                   num_local, top_k, width):
+  """One (batch, kv head) program.
+
+  Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
+  int32 and cnt [B, Hk] int32.
+  """
+  b = pl.program_id(0)
+  h = pl.program_id(1)
+  j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
+  real = j < num_blocks
+  length = jnp.minimum(plgpu.load(len_ref.at[b]), num_blocks * block)
+  diag = jnp.where(length > 0, (length - 1) // block, -1)            # the query's block
+  visible = j <= diag
+  forced = j < num_init
+  if num_local > 0:
+    forced = forced | (j > diag - num_local)
+  forced = visible & forced
+  keep = forced
+  if top_k > 0:
+    cand = visible & ~forced
+    s = plgpu.load(s_ref.at[b, h, j], mask=real, other=0.0)          # [nb_pad] fp32
+    # lax.top_k(where(cand, s, -inf), top_k) over the real blocks, then keep the candidates:
+    # the top_k largest keys, ties to the lower block id.
+    key = jnp.where(cand, total_order_key(s), _NEG_INF_KEY)
+    # Largest t with #{key >= t} >= top_k, built from the top bit down in the unsigned space
+    # u = t ^ INT_MIN (order preserving), so the answer is the top_k-th largest key.
+    t_u = jnp.int32(0)
+    for bit in range(31, -1, -1):
+      trial = t_u | jnp.int32(_INT_MIN if bit == 31 else 1 << bit)
+      n_ge = jnp.sum(((key >= (trial ^ _INT_MIN)) & real).astype(jnp.int32))
+      t_u = jnp.where(n_ge >= top_k, trial, t_u)
+    thr = t_u ^ _INT_MIN
+    above = (key > thr) & real
+    need = top_k - jnp.sum(above.astype(jnp.int32))                 # ties at thr to take
+    tie = (key == thr) & real
+    tie_i = tie.astype(jnp.int32)
+    tie_rank = jnp.cumsum(tie_i) - tie_i                               # ties before j
+    keep = keep | (cand & (above | (tie & (tie_rank < need))))
+  keep_i = keep.astype(jnp.int32)
+  incl = jnp.cumsum(keep_i)                                          # [nb_pad]
+  count = jnp.sum(keep_i)
+  # Stable partition: kept blocks in ascending order at 0..count-1, every other lane at a
+  # distinct slot >= count (holding -1), so each of the first ``width`` slots is written once.
+  slot = jnp.where(keep, incl - 1, count + j - incl)
+  plgpu.store(idx_ref.at[b, h, slot], jnp.where(keep, j, -1), mask=slot < width)
+  plgpu.store(cnt_ref.at[b, h], count)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
+                                             "num_local_blocks", "max_selected", "num_warps",
+                                             "interpret"))
+def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_blocks,
+                        num_local_blocks, max_selected, num_warps=None, interpret=False):
+  """Kept blocks of one decode query per sequence: initial, local and the top_k by score.
+
+  Args:
+    scores: fp32 [batch, kv_heads, num_blocks] (``decode_block_scores``).
+    kv_lengths: int32 [batch], including the new token (query at kv_lengths - 1); clamped to
+      num_blocks * block_size.
+    block_size: positions per block.
+    top_k, num_init_blocks, num_local_blocks: as ``jattn.sparse.select_decode_blocks``.
+    max_selected: output width; at least the most blocks a row can keep
+      (min(init + local + top_k, num_blocks)).
+    num_warps: launch parameter; default grows with the block count.
+    interpret: run in the Pallas interpreter (CPU tests).
+
+  Returns:
+    (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
+    counts int32 [batch, kv_heads]).
+
+  Example:
+    >>> s = jnp.array([[[0.0, 5.0, 1.0, 3.0, 2.0, 9.0]]])
+    >>> idx, cnt = select_decode_slots(s, jnp.array([80]), block_size=16, top_k=2,
+    ...                                num_init_blocks=1, num_local_blocks=1, max_selected=4,
+    ...                                interpret=True)
+    >>> idx.tolist(), cnt.tolist()
+    ([[[0, 1, 3, 4]]], [[4]])
+  """
+  bsz, hk, nb = scores.shape
+  nb_pad = _pow2(nb)
+  if num_warps is None:
+    num_warps = int(min(16, max(4, nb_pad // 512)))
+  kernel = functools.partial(_select_kernel, block=int(block_size), num_blocks=nb,
+                             nb_pad=nb_pad, num_init=int(num_init_blocks),
+                             num_local=int(num_local_blocks), top_k=int(min(top_k, nb)),
+                             width=int(max_selected))
+  return pl.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
+                         jax.ShapeDtypeStruct((bsz, hk), jnp.int32)],
+      grid=(bsz, hk),
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jattn_sparse_decode_select")(
+          kv_lengths.astype(jnp.int32), scores.astype(jnp.float32))
