@@ -133,3 +133,26 @@ def test_fp32_weights_with_bf16_cache_on_pallas_kernels():
     outs.append(jnp.concatenate([step(m, tokens[:, :39]), step(m, tokens[:, 39:])], axis=1))
   assert outs[0].dtype == jnp.float32
   assert _rel(outs[0], outs[1]) < 2e-2  # bf16 attention on both paths
+
+
+def test_mla_sparse_decode_on_pallas_kernels():
+  """MLA values are narrower than its keys (head_dim vs head_dim + rope_head_dim): the Triton
+  block-sparse decode returns value-width outputs and matches the q_block_size=1 forward."""
+  import dataclasses
+  from jattn.nn.transformer import with_config
+  layers = (LayerSpec("local", window=8),
+            LayerSpec("sparse", block_size=16, top_k=1, q_block_size=16))
+  cfg = TransformerConfig(num_layers=2, layers=layers, kv_lora_rank=12, rope_head_dim=8,
+                          implementation="triton", interpret=True, **BASE)
+  model = Transformer(cfg, rngs=nnx.Rngs(9))
+  per_token = (layers[0], dataclasses.replace(layers[1], q_block_size=1))
+  ref = with_config(model, dataclasses.replace(cfg, implementation="xla", interpret=False,
+                                               layers=per_token))
+  tokens = jax.random.randint(jax.random.key(10), (2, 80), 0, cfg.vocab_size)
+  with jax.default_matmul_precision("highest"):
+    full = nnx.jit(lambda m, t: m(t))(ref, tokens)
+    model.init_cache(2, 80, jnp.float32)
+    step = nnx.jit(lambda m, t: m.decode(t))
+    dec = jnp.concatenate([step(model, tokens[:, :76])] +
+                          [step(model, tokens[:, i:i + 1]) for i in range(76, 80)], axis=1)
+  assert _rel(dec, full) < 2e-3

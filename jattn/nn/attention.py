@@ -431,14 +431,18 @@ class Attention(nnx.Module):
     b, t = q.shape[:2]
     summaries = sparse.init_block_summaries(k, jnp.full((b,), p + t, jnp.int32),
                                             block_size=spec.block_size)
+    dv = v.shape[-1]
+    if dv != k.shape[-1]:  # MLA: the Triton sparse decode kernel reads V with K's columns
+      v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - dv)])
 
     def one(qi, length):
       return sparse.sparse_decode_attention(qi, k, v, jnp.full((b,), length, jnp.int32), summaries,
                                             block_size=spec.block_size, top_k=spec.top_k,
-                                            scale=self.scale)
+                                            scale=self.scale, implementation=self.implementation,
+                                            interpret=self.interpret)
 
     o = jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)      # [b, t, hq, d]
-    return o
+    return o[..., :dv]
 
   def _csa_decode(self, q, ent, pos, p, layout):
     spec = self.spec
