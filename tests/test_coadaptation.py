@@ -221,3 +221,27 @@ def test_data_parallel_on_four_cpu_devices(tmp_path):
   # the same global batch on 4 devices and on 1: same training up to float reassociation
   assert res["err"] < 1e-4, res
   np.testing.assert_allclose(res["loss4"], res["loss1"], rtol=1e-5)
+
+
+def test_compute_dtype_reaches_the_attention_kernels(monkeypatch):
+  """A preset's compute_dtype is the activations' dtype, so attention gets bf16 q/k/v (with
+  dtype=None the fp32 norms handed fp32 q/k/v to the kernels: IEEE fp32 dots on the GPU)."""
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  import jattn.nn.attention as attn_mod
+  from experiments import coadaptation as C
+  seen = []
+  real = attn_mod.flash_attention
+
+  def spy(q, k, v, *args, **kwargs):
+    seen.append((q.dtype, k.dtype, v.dtype))
+    return real(q, k, v, *args, **kwargs)
+
+  monkeypatch.setattr(attn_mod, "flash_attention", spy)
+  for compute, want in (("bfloat16", jnp.bfloat16), (None, jnp.float32)):
+    seen.clear()
+    p = dataclasses.replace(C.PRESETS["smoke"], compute_dtype=compute)
+    model = C.build_model(p, "full", 0)
+    jax.eval_shape(lambda t: model(t), jnp.zeros((1, p.seq_len), jnp.int32))
+    assert seen and all(d == (want,) * 3 for d in seen), (compute, seen)
