@@ -38,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.bench_kernels import _sync, time_fn  # noqa: E402
 from jattn import sparse as sp  # noqa: E402
 from jattn.merge import merge_partials  # noqa: E402
 from pallas_kernels.flash.reference import attention_reference  # noqa: E402
@@ -47,28 +48,9 @@ from pallas_kernels.sparse.decode_select import (decode_block_scores,  # noqa: E
                                                  select_decode_slots)
 
 
-def _sync(x):
-  jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready")
-                         else a, x)
-  return x
-
-
 def host_ms(fn, arg_sets, *, min_time, repeats=3):
-  """The bench's timing: median ms per call of host-timed loops of async calls."""
-  for a in arg_sets:
-    _sync(fn(*a))
-  t0 = time.perf_counter()
-  _sync(fn(*arg_sets[0]))
-  iters = int(min(max(min_time / max(time.perf_counter() - t0, 1e-5), 3), 2000))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for i in range(iters):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    _sync(out)
-    times.append((time.perf_counter() - t0) * 1e3 / iters)
-  return float(np.median(times))
+  """The bench's timing (``bench_kernels.time_fn``): median ms per call of host-timed loops."""
+  return time_fn(fn, arg_sets, min_time=min_time, repeats=repeats)[0]
 
 
 def device_ms(fn, qs, rest, *, repeats=5):
