@@ -15,6 +15,7 @@ when importable. Compare only ratios from one run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -108,6 +109,13 @@ def flash_impls(causal, window):
   for impl in ("triton", "mosaic_gpu"):
     impls[f"jattn_{impl}"] = functools.partial(jattn.flash_attention, causal=causal,
                                                local_window_size=window, implementation=impl)
+  if causal and window is None:  # launch-order A/B: the per-(batch, head) order of runs 1-5
+    from pallas_kernels.flash import triton as ft
+
+    def per_head(q, k, v):
+      bs = dataclasses.replace(ft.default_block_sizes(q.shape[-1], q.dtype), head_group=1)
+      return jattn.flash_attention(q, k, v, causal=True, implementation="triton", block_sizes=bs)
+    impls["jattn_triton[head_group1]"] = per_head
   impls["jax_nn_cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                             local_window_size=window, implementation="cudnn")
   impls["jax_nn_xla"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,

@@ -16,9 +16,16 @@ def main():
   rows = []
   allc = ft._bench_configs()
   # 0: the default (per-pass tiles), 3: the previous single-tile default, then other tilings.
+  # Usage on the GPU: python -m experiments.gpu_sweep OUT.json (the A/B cases come first).
   configs = [allc[i] for i in (0, 3, 6, 7, 9, 11) if i < len(allc)]
-  for seq, causal, window in ((16384, False, None), (16384, True, None), (16384, True, (511, 0))):
-    for r in ft._sweep(seq=seq, causal=causal, local_window_size=window, configs=configs, iters=5):
+  # Launch order A/B (causal only): the default groups 4 (batch, head) pairs, heaviest tiles first;
+  # head_group=1 is the per-head order that runs 1-5 measured.
+  per_head = dataclasses.replace(allc[0], head_group=1)
+  cases = [(4096, True, None, [allc[0], per_head]), (16384, True, None, [allc[0], per_head])]
+  cases += [(seq, causal, window, configs) for seq, causal, window in
+            ((16384, False, None), (16384, True, None), (16384, True, (511, 0)))]
+  for seq, causal, window, cfgs in cases:
+    for r in ft._sweep(seq=seq, causal=causal, local_window_size=window, configs=cfgs, iters=5):
       r = dict(r)
       r["config"] = dataclasses.asdict(r["config"]) if dataclasses.is_dataclass(r["config"]) else str(r["config"])
       r.update(seq=seq, causal=causal, window=window)

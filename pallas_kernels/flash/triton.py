@@ -64,14 +64,17 @@ class BlockSizes:
     num_stages: forward software-pipelining depth (None: default).
     bwd_num_warps: backward warps per program (None: default).
     bwd_num_stages: backward pipelining depth (None: default).
-    dkv_q_chunk: rows of a query tile processed per step of the dK/dV kernel (divides block_q;
-      None: default).
     dkv_q_chunk: rows of a backward query tile processed per step of the dK/dV kernel (divides
       the backward block_q; None: default).
     dq_k_chunk: rows of a backward kv tile processed per step of the dQ kernel (divides the
       backward block_k; None: default).
     bwd_block_q: backward query tile (None: ``block_q``).
     bwd_block_k: backward key/value tile (None: ``block_k``).
+    head_group: launch order of every kernel's (tile, batch, head) programs. 1: tiles fastest,
+      one (batch, head) after another. G > 1: G consecutive (batch, head) pairs fastest, then
+      tiles from the heaviest (most causal tiles) down, then the next G pairs, so the programs
+      launched last are the lightest (balances the causal triangle's tail). None: 4 for causal
+      masks without a left window (when 4 divides batch x heads, else 2 or 1), 1 otherwise.
 
   Example:
     >>> BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_block_q=128).bwd_tiles
@@ -87,6 +90,7 @@ class BlockSizes:
   dq_k_chunk: int | None = None
   bwd_block_q: int | None = None
   bwd_block_k: int | None = None
+  head_group: int | None = None
 
   @property
   def bwd_tiles(self) -> tuple[int, int]:
@@ -337,6 +341,31 @@ class _Static:
   dkv_q_chunk: int
   dq_k_chunk: int
   interpret: bool
+  head_group: int | None = None  # see BlockSizes.head_group; None: the default rule
+
+
+def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
+  """(grid, tile_axis, index) for ``num_tiles`` x ``batch`` x ``heads`` programs.
+
+  ``index(p0, p1, p2) -> (t, bi, h)``: grid indices to the program's launch-order tile number
+  t (0 = launched first; the kernels map it to the heaviest tile) and its (batch, head).
+  ``tile_axis`` is the grid axis of t, for ``pl.program_id`` inside the kernels. CUDA (and so
+  the Triton lowering) dispatches grid axis 0 fastest.
+  """
+  group = st.head_group
+  if group is None:
+    triangular = st.causal and (st.window is None or st.window[0] is None)
+    group = 4 if triangular else 1
+  group = max(1, int(group))
+  while (batch * heads) % group:
+    group //= 2
+  if group == 1:
+    return (num_tiles, batch, heads), 0, lambda p0, p1, p2: (p0, p1, p2)
+
+  def index(p0, p1, p2):
+    bh = p2 * group + p0
+    return p1, bh // heads, bh % heads
+  return (group, num_tiles, batch * heads // group), 1, index
 
 
 def _logits(q, k, st: _Static):
@@ -409,7 +438,7 @@ def _walk(row_ref, lo, hi, num_chunks, body, carry):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
+def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: int):
   """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], (q_seg [bq], kv_seg [Sk]), row [W]
   -> o [bq, Dv], lse [bq] (natural log)."""
   if has_seg:
@@ -421,7 +450,7 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
   d_v = o_ref.shape[-1]
   assert q_ref.shape[0] == bq and k_ref.shape[0] % bk == 0, (q_ref.shape, k_ref.shape)
 
-  qi = num_q_tiles - 1 - pl.program_id(0)  # heaviest causal tiles first
+  qi = num_q_tiles - 1 - pl.program_id(tile_axis)  # heaviest causal tiles first
   q = q_ref[...]  # [bq, D]
   q_pos = qi * bq + lax.iota(jnp.int32, bq) + (st.kv_len - st.q_len)  # [bq]
   q_seg = qseg_ref[...] if has_seg else None  # [bq]
@@ -482,30 +511,35 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
   rb, rh = _row_index_maps(rows)
   w = rows.shape[-1]
 
-  def qt(i):
-    return nq - 1 - i
+  grid, tile_axis, order = _launch_order(st, nq, b, hq)
+
+  def spec(shape, f):  # f(query tile, batch, head) -> block index
+    def index_map(*p):
+      t, bi, h = order(*p)
+      return f(nq - 1 - t, bi, h)
+    return pl.BlockSpec(shape, index_map)
 
   in_specs = [
-      pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),
-      pl.BlockSpec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),
-      pl.BlockSpec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),
+      spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
+      spec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),
+      spec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),
   ]
   args = [q, k, v]
   if has_seg:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, qt(i))),
-                 pl.BlockSpec((None, sk), lambda i, bi, h: (bi, 0))]
+    in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
+                 spec((None, sk), lambda i, bi, h: (bi, 0))]
     args += [q_seg, kv_seg]
-  in_specs.append(pl.BlockSpec((None, None, None, w),
-                               lambda i, bi, h: (rb(bi), rh(h // g), qt(i), 0)))
+  in_specs.append(spec((None, None, None, w), lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
   args.append(rows)
   out_shape = [jax.ShapeDtypeStruct((b, nq * bq, hq, d_v), q.dtype),
                jax.ShapeDtypeStruct((b, hq, nq * bq), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, bq, None, d_v), lambda i, bi, h: (bi, qt(i), h, 0)),
-               pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, qt(i)))]
-  kernel = functools.partial(_fwd_kernel, st=st, has_seg=has_seg, num_q_tiles=nq)
+  out_specs = [spec((None, bq, None, d_v), lambda i, bi, h: (bi, i, h, 0)),
+               spec((None, None, bq), lambda i, bi, h: (bi, h, i))]
+  kernel = functools.partial(_fwd_kernel, st=st, has_seg=has_seg, num_q_tiles=nq,
+                             tile_axis=tile_axis)
   out, lse = pl.pallas_call(
       kernel,
-      grid=(nq, b, hq),
+      grid=grid,
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
@@ -521,7 +555,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
+def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
   """Refs: q [Sq, G, D], k [bk, D], v [bk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
   (q_seg [Sq], kv_seg [bk]), row [W] -> dk [bk, D], dv [bk, Dv].
 
@@ -538,7 +572,7 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
   nc = bq // cq
   assert bq % cq == 0 and k_ref.shape[0] == bk, (bq, cq, k_ref.shape)
 
-  ki = pl.program_id(0)
+  ki = pl.program_id(tile_axis)  # causal: kv tile 0 sees every query tile (heaviest first)
   k = k_ref[...]  # [bk, D]
   v = v_ref[...]  # [bk, Dv]
   k_pos = ki * bk + lax.iota(jnp.int32, bk)  # [bk]
@@ -586,7 +620,7 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
+def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: int):
   """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq],
   (q_seg [bq], kv_seg [Sk]), row [W] -> dq [bq, D]."""
   if has_seg:
@@ -600,7 +634,7 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int):
   nc = bk // ck
   assert bk % ck == 0 and q_ref.shape[0] == bq, (bk, ck, q_ref.shape)
 
-  qi = num_q_tiles - 1 - pl.program_id(0)  # heaviest causal tiles first
+  qi = num_q_tiles - 1 - pl.program_id(tile_axis)  # heaviest causal tiles first
   q = q_ref[...]  # [bq, D]
   do = do_ref[...]  # [bq, Dv]
   lse2 = lse_ref[...]  # [bq]
@@ -648,30 +682,40 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
   has_seg = q_seg is not None
   params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
 
-  # dK / dV: grid over (kv tile, batch, kv head).
+  def specs(order, tile_of):
+    def spec(shape, f):  # f(tile, batch, head) -> block index
+      def index_map(*p):
+        t, bi, h = order(*p)
+        return f(tile_of(t), bi, h)
+      return pl.BlockSpec(shape, index_map)
+    return spec
+
+  # dK / dV: programs over (kv tile, batch, kv head); kv tile 0 is the heaviest causal one.
+  grid, tile_axis, order = _launch_order(st, nk, b, hk)
+  spec = specs(order, lambda t: t)
   rb, rh = _row_index_maps(bwd_rows)
   in_specs = [
-      pl.BlockSpec((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
-      pl.BlockSpec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),    # k
-      pl.BlockSpec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0)),  # v
-      pl.BlockSpec((None, sq, g, d_v), lambda i, bi, h: (bi, 0, h, 0)),     # do
-      pl.BlockSpec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # lse2
-      pl.BlockSpec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # delta
+      spec((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
+      spec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),    # k
+      spec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0)),  # v
+      spec((None, sq, g, d_v), lambda i, bi, h: (bi, 0, h, 0)),     # do
+      spec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # lse2
+      spec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # delta
   ]
   args = [q, k, v, do, lse2, delta]
   if has_seg:
-    in_specs += [pl.BlockSpec((None, sq), lambda i, bi, h: (bi, 0)),
-                 pl.BlockSpec((None, bk), lambda i, bi, h: (bi, i))]
+    in_specs += [spec((None, sq), lambda i, bi, h: (bi, 0)),
+                 spec((None, bk), lambda i, bi, h: (bi, i))]
     args += [q_seg, kv_seg]
-  in_specs.append(pl.BlockSpec((None, None, None, bwd_rows.shape[-1]),
-                               lambda i, bi, h: (rb(bi), rh(h), i, 0)))
+  in_specs.append(spec((None, None, None, bwd_rows.shape[-1]),
+                       lambda i, bi, h: (rb(bi), rh(h), i, 0)))
   args.append(bwd_rows)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g),
-      grid=(nk, b, hk),
+      functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g, tile_axis=tile_axis),
+      grid=grid,
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),
-                 pl.BlockSpec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0))],
+      out_specs=[spec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),
+                 spec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0))],
       out_shape=[jax.ShapeDtypeStruct((b, nk * bk, hk, d), k.dtype),
                  jax.ShapeDtypeStruct((b, nk * bk, hk, d_v), v.dtype)],
       compiler_params=params,
@@ -679,32 +723,31 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
       name="jattn_flash_bwd_dkv",
   )(*args)
 
-  # dQ: grid over (query tile, batch, query head), heaviest causal query tiles first.
-  def qt(i):
-    return nq - 1 - i
-
+  # dQ: programs over (query tile, batch, query head), heaviest causal query tiles first.
+  grid, tile_axis, order = _launch_order(st, nq, b, hq)
+  spec = specs(order, lambda t: nq - 1 - t)
   rb, rh = _row_index_maps(fwd_rows)
   in_specs = [
-      pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),     # q
-      pl.BlockSpec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),    # k
-      pl.BlockSpec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),  # v
-      pl.BlockSpec((None, bq, None, d_v), lambda i, bi, h: (bi, qt(i), h, 0)),   # do
-      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, qt(i))),           # lse2
-      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, qt(i))),           # delta
+      spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),          # q
+      spec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),     # k
+      spec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),   # v
+      spec((None, bq, None, d_v), lambda i, bi, h: (bi, i, h, 0)),        # do
+      spec((None, None, bq), lambda i, bi, h: (bi, h, i)),                # lse2
+      spec((None, None, bq), lambda i, bi, h: (bi, h, i)),                # delta
   ]
   args = [q, k, v, do, lse2, delta]
   if has_seg:
-    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, qt(i))),
-                 pl.BlockSpec((None, sk), lambda i, bi, h: (bi, 0))]
+    in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
+                 spec((None, sk), lambda i, bi, h: (bi, 0))]
     args += [q_seg, kv_seg]
-  in_specs.append(pl.BlockSpec((None, None, None, fwd_rows.shape[-1]),
-                               lambda i, bi, h: (rb(bi), rh(h // g), qt(i), 0)))
+  in_specs.append(spec((None, None, None, fwd_rows.shape[-1]),
+                       lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
   args.append(fwd_rows)
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, st=st, has_seg=has_seg, num_q_tiles=nq),
-      grid=(nq, b, hq),
+      functools.partial(_dq_kernel, st=st, has_seg=has_seg, num_q_tiles=nq, tile_axis=tile_axis),
+      grid=grid,
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, bq, None, d), lambda i, bi, h: (bi, qt(i), h, 0)),
+      out_specs=spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
       out_shape=jax.ShapeDtypeStruct((b, nq * bq, hq, d), q.dtype),
       compiler_params=params,
       interpret=st.interpret,
@@ -881,6 +924,9 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     bwd_num_stages = bwd_num_stages or block_sizes.bwd_num_stages
     dkv_q_chunk = dkv_q_chunk or block_sizes.dkv_q_chunk
     dq_k_chunk = dq_k_chunk or block_sizes.dq_k_chunk
+  head_group = None if block_sizes is None else block_sizes.head_group
+  if head_group is not None and head_group < 1:
+    raise ValueError(f"head_group must be >= 1 or None, got {head_group}")
   defaults = _launch_defaults(bq, bk, _pow2(d), _pow2(d_v), q.dtype, bwd_block_q=bbq,
                               bwd_block_k=bbk)
   dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, bbq)
@@ -896,7 +942,8 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       num_stages=int(num_stages or defaults.num_stages),
       bwd_num_warps=int(bwd_num_warps or defaults.bwd_num_warps),
       bwd_num_stages=int(bwd_num_stages or defaults.bwd_num_stages),
-      dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret))
+      dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret),
+      head_group=head_group)
   bst = dataclasses.replace(st, block_q=bbq, block_k=bbk)
 
   # Pad the sequences to a multiple of both passes' tiles (powers of two: the larger one); each
