@@ -13,7 +13,8 @@ Semantics: sequence b holds ``kv_lengths[b]`` valid keys at cache positions
 ``0 .. kv_lengths[b] - 1``; its query sits at position ``kv_lengths[b] - 1``; a window
 ``(left, right)`` keeps keys ``j >= kv_lengths[b] - 1 - left`` (no key lies right of the query).
 Lengths above the cache capacity are clamped to it. A length-0 sequence returns zeros and lse
--inf. The decode paths compute forward only (the "xla" path is differentiable by autodiff).
+-inf. Values may be narrower (or wider) than keys (MLA: keys carry extra rope dims); the output
+has the values' head dim on every implementation. The decode paths compute forward only (the "xla" path is differentiable by autodiff).
 
 ``interpret=True`` runs a Pallas implementation on the CPU (tests); it is ignored by "xla".
 """
@@ -102,9 +103,9 @@ def _check_common(q, k, v, kv_lengths, *, cache_name):
       raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got {x.dtype}")
   if k.ndim != 4:
     raise ValueError(f"k_{cache_name} must be 4-D, got shape {k.shape}")
-  if k.shape != v.shape:
-    raise ValueError(f"k_{cache_name} and v_{cache_name} must have the same shape, got {k.shape} "
-                     f"and {v.shape}")
+  if v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"k_{cache_name} and v_{cache_name} must have the same shape except the "
+                     f"last dim (v's head_dim may differ), got {k.shape} and {v.shape}")
   if k.dtype != v.dtype:
     raise TypeError(f"k_{cache_name} and v_{cache_name} dtypes differ: {k.dtype} vs {v.dtype}")
   if q.shape[-1] != k.shape[-1]:
@@ -153,7 +154,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     q: [batch, q_heads, head_dim], fp32/bf16/fp16.
     k_cache: [batch, max_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA: query head h
       reads kv head h // (q_heads // kv_heads)). bf16, fp16 or fp32.
-    v_cache: same shape and dtype as ``k_cache``.
+    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache``; head_dim_v may
+      differ from head_dim (MLA: values narrower than the rope-extended keys).
     kv_lengths: int32 [batch]: valid entries per sequence; the query sits at position
       ``kv_lengths - 1``. 0 gives a zero output (and lse -inf).
     scale: logit scale, default 1/sqrt(head_dim).
@@ -171,7 +173,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
       DecodeBlockSizes`` or ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes``).
 
   Returns:
-    out [batch, q_heads, head_dim] in q.dtype, or (out, lse) if return_lse.
+    out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -180,6 +182,9 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     >>> out = decode_attention(q, k, k, jnp.array([17, 256], jnp.int32), implementation="xla")
     >>> out.shape
     (2, 8, 64)
+    >>> decode_attention(q, k, k[..., :40], jnp.array([17, 256], jnp.int32),
+    ...                  implementation="xla").shape
+    (2, 8, 40)
   """
   kv_lengths = _check_common(q, k_cache, v_cache, kv_lengths, cache_name="cache")
   impl, window, cap, num_splits, scale = _check_options(implementation, local_window_size,
@@ -252,7 +257,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
   Args:
     q: [batch, q_heads, head_dim].
     k_pages: [num_pages, page_size, kv_heads, head_dim], page_size >= 16.
-    v_pages: same shape and dtype as ``k_pages``.
+    v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
     page_table: int32 [batch, max_pages]: token t of sequence b is stored in page
       ``page_table[b, t // page_size]`` at slot ``t % page_size``. Entries past a sequence's
       length are never read (they may hold anything).
@@ -261,7 +266,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
       interpret, block_sizes: as in :func:`decode_attention`.
 
   Returns:
-    out [batch, q_heads, head_dim] in q.dtype, or (out, lse) if return_lse.
+    out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -1148,6 +1148,9 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
   mask = (indices[..., None] >= 0) & (k_pos < lengths[:, None, None, None])  # [b, hk, ms, bs]
   s = jnp.where(mask[:, :, None], s, -jnp.inf).reshape(b, hk, g, ms * block_size)
+  # Masked rows may come from unused slots or garbage table entries (e.g. a length-0 row's
+  # pages): zero them, since p = 0 times a NaN there would still poison the output.
+  vg = jnp.where(mask[..., None], vg, jnp.zeros((), vg.dtype))             # [b, hk, ms, bs, dv]
   m = jnp.max(s, -1, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   p = jnp.exp(s - m)
@@ -1166,9 +1169,9 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                    implementation, interpret, num_splits):
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
-  if k.ndim != 4 or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"k/v must be [batch or pages, len, kv_heads, d] and agree, got "
-                     f"{k.shape} / {v.shape}")
+  if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"k/v must be [batch or pages, len, kv_heads, d] and agree in all but the "
+                     f"last dim (v's head_dim may differ), got {k.shape} / {v.shape}")
   if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[2]:
     raise ValueError(f"q {q.shape} does not match the cache {k.shape}")
   if page_table is None and q.shape[0] != k.shape[0]:
@@ -1242,7 +1245,9 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
 
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
-    k_cache, v_cache: [batch, max_len, kv_heads, head_dim], holding the new token.
+    k_cache: [batch, max_len, kv_heads, head_dim], holding the new token.
+    v_cache: [batch, max_len, kv_heads, head_dim_v]; head_dim_v may differ from head_dim (MLA:
+      values narrower than the rope-extended keys), on every implementation.
     kv_lengths: int [batch]: valid positions per sequence, including the new token.
     block_summaries: :class:`BlockSummaries` (``init_block_summaries`` /
       ``update_block_summaries``) with the same block_size.
@@ -1283,7 +1288,9 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim].
+    k_pages: [num_pages, page_size, kv_heads, head_dim].
+    v_pages: [num_pages, page_size, kv_heads, head_dim_v] (head_dim_v may differ, as in
+      :func:`sparse_decode_attention`).
     page_table: int32 [batch, max_pages]: token t of sequence b lives in page
       ``page_table[b, t // page_size]``, slot ``t % page_size``.
     kv_lengths: int [batch], including the new token.

@@ -28,25 +28,27 @@ def _rel(x, ref):
   return float(jnp.linalg.norm((x - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
 
 
-def _inputs(seed, b, n, hq, hk, d, dtype=jnp.float32):
+def _inputs(seed, b, n, hq, hk, d, dtype=jnp.float32, dv=None):
+  """q [b, hq, d], k [b, n, hk, d], v [b, n, hk, dv] (dv defaults to d)."""
   ks = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(ks[0], (b, hq, d), jnp.float32).astype(dtype)
   k = jax.random.normal(ks[1], (b, n, hk, d), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (b, n, hk, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (b, n, hk, d if dv is None else dv), jnp.float32).astype(dtype)
   return q, k, v
 
 
 def _paginate(seed, k, v, lengths, page_size, extra_pages=3):
   """Scatter contiguous caches into a shuffled page pool; unused table entries are garbage."""
   b, n, hk, d = k.shape
+  dv = v.shape[-1]
   max_pages = -(-n // page_size)
   pad = max_pages * page_size - n
   kp = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b * max_pages, page_size, hk, d)
-  vp = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b * max_pages, page_size, hk, d)
+  vp = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b * max_pages, page_size, hk, dv)
   num_pages = b * max_pages + extra_pages
   perm = np.random.default_rng(seed).permutation(num_pages)
   k_pages = jnp.zeros((num_pages, page_size, hk, d), k.dtype).at[perm[:b * max_pages]].set(kp)
-  v_pages = jnp.zeros((num_pages, page_size, hk, d), v.dtype).at[perm[:b * max_pages]].set(vp)
+  v_pages = jnp.zeros((num_pages, page_size, hk, dv), v.dtype).at[perm[:b * max_pages]].set(vp)
   # Fill the spare pages with huge values: reading one by mistake breaks the result.
   k_pages = k_pages.at[perm[b * max_pages:]].set(1e4)
   v_pages = v_pages.at[perm[b * max_pages:]].set(jnp.nan)
@@ -68,6 +70,13 @@ def test_reference_matches_flash_reference():
     r_out, r_lse = flash_ref(q[i:i + 1, None], k[i:i + 1, :n], v[i:i + 1, :n])
     assert _rel(out[i], r_out[0, 0]) < 1e-6
     np.testing.assert_allclose(np.asarray(lse[i]), np.asarray(r_lse[0, :, 0]), rtol=1e-6)
+  # Values narrower than keys (MLA): the reference keeps the value width.
+  _, _, v_narrow = _inputs(16, 3, 40, 6, 2, 16, dv=10)
+  out_n, _ = _REF(q, k, v_narrow, lengths, local_window_size=(9, 0), logits_soft_cap=3.0)
+  assert out_n.shape == (3, 6, 10)
+  for i, n in enumerate(lengths.tolist()):
+    r_out, _ = flash_ref(q[i:i + 1, None], k[i:i + 1, :n], v_narrow[i:i + 1, :n])
+    assert _rel(out_n[i], r_out[0, 0]) < 1e-6
   # num_splits in the reference merges chunk partials: same result.
   out4, lse4 = _REF(q, k, v, lengths, local_window_size=(9, 0), logits_soft_cap=3.0,
                     num_splits=3)
@@ -277,3 +286,59 @@ def test_triton_compiled_on_gpu(dtype, d):
           dec.paged_decode_attention, local_window_size=window, logits_soft_cap=cap,
           implementation="triton"))(q, k_pages, v_pages, table, lengths)
       assert _rel(out, ref_out) < tol
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_decode_values_narrower_than_keys(impl):
+  """MLA-shaped caches (keys d wide, values dv < d; non-power-of-two widths): the output has the
+  value width and equals the fp32 reference; contiguous (d 48, dv 32, GQA 3) and paged (d 72,
+  dv 40, GQA 2, shuffled pages with NaN spare pages and garbage table entries, window + soft
+  cap), zero-length and one-token sequences, several splits."""
+  bk = None if impl == "xla" else BK16
+  q, k, v = _inputs(17, 3, 60, 6, 2, 48, dv=32)
+  lengths = jnp.array([0, 1, 57], jnp.int32)
+  ref_out, ref_lse = _REF(q, k, v, lengths)
+  out, lse = dec.decode_attention(q, k, v, lengths, num_splits=2, return_lse=True,
+                                  implementation=impl, interpret=True, block_sizes=bk)
+  assert out.shape == (3, 6, 32) and out.dtype == q.dtype
+  assert _rel(out, ref_out) < 2e-3, _rel(out, ref_out)
+  assert bool(jnp.all(out[0] == 0)) and bool(jnp.all(jnp.isneginf(lse[0])))
+  np.testing.assert_allclose(np.asarray(lse[1:]), np.asarray(ref_lse[1:]), rtol=2e-3, atol=2e-3)
+
+  q, k, v = _inputs(18, 3, 50, 4, 2, 72, dv=40)
+  lengths = [1, 0, 50]
+  ref_out, ref_lse = _REF(q, k, v, jnp.array(lengths, jnp.int32), local_window_size=(30, 0),
+                          logits_soft_cap=4.0)
+  k_pages, v_pages, table = _paginate(18, k, v, lengths, 16)
+  out, lse = dec.paged_decode_attention(q, k_pages, v_pages, table, jnp.array(lengths, jnp.int32),
+                                        local_window_size=(30, 0), logits_soft_cap=4.0,
+                                        num_splits=3, return_lse=True, implementation=impl,
+                                        interpret=True, block_sizes=bk)
+  assert out.shape == (3, 4, 40)
+  assert _rel(out, ref_out) < 2e-3, _rel(out, ref_out)
+  assert bool(jnp.all(out[1] == 0)) and bool(jnp.all(jnp.isneginf(lse[1])))
+  np.testing.assert_allclose(np.asarray(lse)[[0, 2]], np.asarray(ref_lse)[[0, 2]], rtol=2e-3,
+                             atol=2e-3)
+
+
+def test_triton_lowers_for_gpu_mla_shapes():
+  """Values narrower than keys (keys 192 = 128 + 64 rope dims, values 128) lower to Triton for
+  the dense and the block-sparse decode kernels (paged)."""
+  from jattn import sparse as sp
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  g = functools.partial(dec.paged_decode_attention, num_splits=4, implementation="triton")
+  exp = jax.export.export(jax.jit(g), platforms=["cuda"], disabled_checks=disabled)(
+      S((2, 16, 192), bf16), S((512, 64, 1, 192), bf16), S((512, 64, 1, 128), bf16),
+      S((2, 256), jnp.int32), S((2,), jnp.int32))
+  assert "xla.gpu.triton" in exp.mlir_module()
+
+  def sparse(q, kp, vp, table, lens):
+    summ = sp.init_block_summaries(kp, lens, block_size=64, page_table=table)
+    return sp.sparse_paged_decode_attention(q, kp, vp, table, lens, summ, top_k=8,
+                                            implementation="triton", num_splits=4)
+  exp = jax.export.export(jax.jit(sparse), platforms=["cuda"], disabled_checks=disabled)(
+      S((2, 16, 192), bf16), S((512, 64, 1, 192), bf16), S((512, 64, 1, 128), bf16),
+      S((2, 256), jnp.int32), S((2,), jnp.int32))
+  assert "xla.gpu.triton" in exp.mlir_module()

@@ -72,3 +72,44 @@ def test_mosaic_tpu_decode_lowers_for_tpu(dtype):
       S((2, 32, 128), dtype), S((100, 64, 8, 128), dtype), S((100, 64, 8, 128), dtype),
       S((2, 40), jnp.int32), S((2,), jnp.int32))
   assert "tpu_custom_call" in exp.mlir_module()
+
+
+def test_mosaic_tpu_decode_values_narrower_than_keys_interpret():
+  """MLA-shaped caches (values narrower than keys): contiguous d 48 / dv 32 with GQA 3 and
+  zero- and one-token sequences; paged d 72 / dv 40, two pages per step through a shuffled
+  table. The output has the value width and equals the fp32 reference."""
+  q, k, v = _inputs(23, 3, 48, 6, 2, 48, dv=32)
+  lengths = jnp.array([0, 1, 45], jnp.int32)
+  ref_out, ref_lse = _REF(q, k, v, lengths)
+  out, lse = dec.decode_attention(q, k, v, lengths, num_splits=2, return_lse=True,
+                                  implementation="mosaic_tpu", interpret=True,
+                                  block_sizes=dtpu.DecodeBlockSizes(block_k=16))
+  assert out.shape == (3, 6, 32)
+  _check(out, lse, ref_out, ref_lse, lengths, 2e-3)
+
+  lengths = [1, 0, 40]
+  q, k, v = _inputs(24, 3, 40, 4, 2, 72, dv=40)
+  ref_out, ref_lse = _REF(q, k, v, jnp.array(lengths, jnp.int32))
+  k_pages, v_pages, table = _paginate(25, k, v, lengths, 16)
+  out, lse = dec.paged_decode_attention(q, k_pages, v_pages, table, jnp.array(lengths, jnp.int32),
+                                        num_splits=1, return_lse=True,
+                                        implementation="mosaic_tpu", interpret=True,
+                                        block_sizes=dtpu.DecodeBlockSizes(block_k=32))
+  assert out.shape == (3, 4, 40)
+  _check(out, lse, ref_out, ref_lse, lengths, 2e-3)
+
+
+def test_mosaic_tpu_decode_mla_shapes_lower_for_tpu():
+  """Keys 192 wide (128 + 64 rope dims), values 128: contiguous and paged kernels lower."""
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  f = functools.partial(dec.decode_attention, num_splits=2, implementation="mosaic_tpu")
+  exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
+      S((2, 16, 192), bf16), S((2, 4096, 1, 192), bf16), S((2, 4096, 1, 128), bf16),
+      S((2,), jnp.int32))
+  assert "tpu_custom_call" in exp.mlir_module()
+  g = functools.partial(dec.paged_decode_attention, num_splits=2, implementation="mosaic_tpu")
+  exp = jax.export.export(jax.jit(g), platforms=["tpu"])(
+      S((2, 16, 192), bf16), S((100, 64, 1, 192), bf16), S((100, 64, 1, 128), bf16),
+      S((2, 40), jnp.int32), S((2,), jnp.int32))
+  assert "tpu_custom_call" in exp.mlir_module()

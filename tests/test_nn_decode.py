@@ -137,7 +137,9 @@ def test_fp32_weights_with_bf16_cache_on_pallas_kernels():
 
 def test_mla_sparse_decode_on_pallas_kernels():
   """MLA values are narrower than its keys (head_dim vs head_dim + rope_head_dim): the Triton
-  block-sparse decode returns value-width outputs and matches the q_block_size=1 forward."""
+  block-sparse decode (sparse layer) and the Triton split-KV decode (the local layer's single
+  steps) take the unpadded values, return value-width outputs and match the q_block_size=1
+  forward."""
   import dataclasses
   from jattn.nn.transformer import with_config
   layers = (LayerSpec("local", window=8),

@@ -922,3 +922,85 @@ def test_sparse_decode_default_splits():
   assert default_num_splits(1, 8, 389, core_count=132) == 33
   assert default_num_splits(1, 8, 20, core_count=132) == 5
   assert default_num_splits(64, 8, 389, core_count=132) == 1
+
+
+def _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens, dtype=jnp.float32):
+  """q, contiguous k [.., d] / v [.., dv] caches, and the same caches in a shuffled page pool
+  whose spare pages hold NaN values and whose table entries past each length are garbage."""
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), dtype)
+  kc = jax.random.normal(ks[1], (b, n, hk, d), dtype)
+  vc = jax.random.normal(ks[2], (b, n, hk, dv), dtype)
+  nb = -(-n // bs)
+  rng = np.random.default_rng(seed)
+  perm = rng.permutation(b * nb + 2)
+  blocks = lambda x: jnp.pad(x, ((0, 0), (0, nb * bs - n), (0, 0), (0, 0))).reshape(
+      b * nb, bs, hk, x.shape[-1])
+  kp = jnp.full((b * nb + 2, bs, hk, d), 1e4, dtype).at[perm[:b * nb]].set(blocks(kc))
+  vp = jnp.full((b * nb + 2, bs, hk, dv), jnp.nan, dtype).at[perm[:b * nb]].set(blocks(vc))
+  table = perm[:b * nb].reshape(b, nb).astype(np.int32)
+  for i, L in enumerate(lens):
+    used = -(-L // bs)
+    table[i, used:] = np.where(np.arange(nb - used) % 2, -7, perm[-1])  # never read
+  return q, kc, vc, kp, vp, jnp.asarray(table)
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("d,dv,hq,hk", [(48, 32, 6, 2), (72, 40, 4, 1)])
+def test_sparse_decode_values_narrower_than_keys(impl, d, dv, hq, hk):
+  """MLA-shaped caches (keys d wide, values dv < d): contiguous and paged (shuffled pages, NaN
+  spare pages) sparse decode return [.., dv] outputs equal to the fp32 reference restricted to the
+  selection; GQA, a zero-length and a one-token sequence, several splits."""
+  if impl == "triton":
+    _kernel_module_or_skip("triton")
+  b, n, bs, top_k = 4, 100, 16, 2
+  lens = [100, 0, 1, 45]
+  q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(40 + d, b, n, hq, hk, d, dv, bs, lens)
+  lens = jnp.array(lens, jnp.int32)
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  psumm = sp.init_block_summaries(kp, lens, block_size=bs, page_table=table)
+  idx_x = np.asarray(jax.jit(functools.partial(sp.select_decode_blocks, top_k=top_k))(
+      q, summ, lens))
+  mask = np.zeros((b, hk, 1, n), bool)
+  for bi in range(b):
+    for g in range(hk):
+      for j in idx_x[bi, g][idx_x[bi, g] >= 0]:
+        mask[bi, g, 0, j * bs:min((j + 1) * bs, int(lens[bi]))] = True
+  assert mask[0].sum() < hk * n                                   # sparse: blocks were skipped
+  ref, ref_lse = attention_reference(q[:, None], kc, vc, block_mask=jnp.asarray(mask))
+  ref, ref_lse = ref[:, 0], ref_lse[:, :, 0]                    # [b, hq, dv], [b, hq]
+  kw = dict(top_k=top_k, return_lse=True, return_indices=True, implementation=impl,
+            interpret=True, num_splits=3 if impl == "triton" else None)
+  runs = {
+      "contiguous": jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, **kw))(
+          q, kc, vc, lens, summ),
+      "paged": jax.jit(functools.partial(sp.sparse_paged_decode_attention, **kw))(
+          q, kp, vp, table, lens, psumm),
+  }
+  for name, (out, lse, idx) in runs.items():
+    np.testing.assert_array_equal(np.asarray(idx), idx_x, err_msg=name)
+    assert out.shape == (b, hq, dv) and out.dtype == q.dtype, (name, out.shape)
+    assert not np.isnan(np.asarray(out)).any(), name
+    assert _rel(out, ref) < 2e-3, (name, _rel(out, ref))
+    assert np.all(np.asarray(out[1]) == 0) and np.all(np.isneginf(np.asarray(lse[1]))), name
+    np.testing.assert_allclose(np.asarray(lse)[[0, 2, 3]], np.asarray(ref_lse)[[0, 2, 3]],
+                               rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_sparse_decode_partials_value_width():
+  """The Triton kernel's partials carry the value width, and a k/v pair that disagrees in any
+  other dim is rejected with a clear error."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode import sparse_decode_partials
+  q = jnp.ones((1, 4, 48)); k = jnp.ones((1, 64, 2, 48))
+  idx = jnp.array([[[2, 0], [1, -1]]], jnp.int32)
+  o, lse = sparse_decode_partials(q, k, k[..., :32], jnp.array([40], jnp.int32), idx,
+                                  block_size=16, num_splits=2, interpret=True)
+  assert o.shape == (1, 2, 4, 32) and lse.shape == (1, 2, 4)
+  with pytest.raises(ValueError, match="share all but its last"):
+    sparse_decode_partials(q, k, k[:, :32, :, :32], jnp.array([40], jnp.int32), idx,
+                           block_size=16, num_splits=2, interpret=True)
+  summ = sp.init_block_summaries(k, jnp.array([40]), block_size=16)
+  with pytest.raises(ValueError, match="agree"):
+    sp.sparse_decode_attention(q, k, k[:, :, :1, :32], jnp.array([40]), summ, block_size=16,
+                               top_k=1, implementation="xla")

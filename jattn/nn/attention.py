@@ -374,13 +374,11 @@ class Attention(nnx.Module):
     return (y, {"q": q}) if return_qk else y
 
   def _decode_one(self, q, k, v, lengths):
-    """One query per row over a contiguous cache with ``jattn.decode_attention``."""
-    dv = v.shape[-1]
-    if dv != k.shape[-1]:  # MLA: values narrower than keys; zero-pad (decode wants equal shapes)
-      v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - dv)])
+    """One query per row over a contiguous cache with ``jattn.decode_attention`` (values may
+    be narrower than keys, MLA: the output has the values' head dim)."""
     o = decode_attention(q[:, 0], k, v, lengths, scale=self.scale,
                          implementation=self.implementation, interpret=self.interpret)
-    return o[:, None, :, :dv]
+    return o[:, None]
 
   def _write_full(self, ent, p, names=None):
     out = {}
@@ -431,18 +429,14 @@ class Attention(nnx.Module):
     b, t = q.shape[:2]
     summaries = sparse.init_block_summaries(k, jnp.full((b,), p + t, jnp.int32),
                                             block_size=spec.block_size)
-    dv = v.shape[-1]
-    if dv != k.shape[-1]:  # MLA: the Triton sparse decode kernel reads V with K's columns
-      v = jnp.pad(v, [(0, 0)] * 3 + [(0, k.shape[-1] - dv)])
 
-    def one(qi, length):
+    def one(qi, length):  # v may be narrower than k (MLA): the output has v's head dim
       return sparse.sparse_decode_attention(qi, k, v, jnp.full((b,), length, jnp.int32), summaries,
                                             block_size=spec.block_size, top_k=spec.top_k,
                                             scale=self.scale, implementation=self.implementation,
                                             interpret=self.interpret)
 
-    o = jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)      # [b, t, hq, d]
-    return o[..., :dv]
+    return jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)   # [b, t, hq, dv]
 
   def _csa_decode(self, q, ent, pos, p, layout):
     spec = self.spec

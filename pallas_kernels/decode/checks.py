@@ -7,7 +7,8 @@ def check_partials_args(q, k, v, kv_lengths, num_splits):
 
   Args:
     q: [batch, q_heads, head_dim].
-    k, v: caches of equal shape (contiguous [batch, max_len, kv_heads, head_dim] or pages).
+    k, v: caches (contiguous [batch, max_len, kv_heads, head_dim] or pages) that agree in all
+      but the last dim: v's head_dim_v may differ from k's head_dim (MLA).
     kv_lengths: [batch].
     num_splits: split count, >= 1.
 
@@ -21,8 +22,11 @@ def check_partials_args(q, k, v, kv_lengths, num_splits):
   """
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-  if k.shape != v.shape:
-    raise ValueError(f"k and v caches must have the same shape, got {k.shape} and {v.shape}")
+  if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"k and v caches must be 4-D and agree in all but the last dim (head_dim "
+                     f"may differ), got {k.shape} and {v.shape}")
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"q and k head_dim differ: q {q.shape}, k {k.shape}")
   if kv_lengths.shape != (q.shape[0],):
     raise ValueError(f"kv_lengths must have shape (batch,) = ({q.shape[0]},), "
                      f"got {kv_lengths.shape}")

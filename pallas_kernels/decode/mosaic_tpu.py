@@ -12,7 +12,9 @@ The sequence lengths (and the page table) are scalar-prefetched into SMEM; the K
 use them so that a split covers only its part of the sequence's visible keys. Steps past a
 split's range repeat the previous block index (Pallas skips the DMA) and skip the compute, so a
 short sequence in a long-capacity batch costs little. Each split writes a partial (out, lse);
-the caller merges the splits (``jattn.merge.merge_partials``).
+the caller merges the splits (``jattn.merge.merge_partials``). Values may be narrower than keys
+(MLA): the V blocks, the accumulator and the output carry V's own head_dim_v (a full last dim,
+which Mosaic accepts at any width).
 """
 from __future__ import annotations
 
@@ -82,10 +84,10 @@ def _load_head(kv_ref, h, *, kv_heads, rows):
 
 def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad, num_splits,
                    capacity, num_steps, num_prefetch, refs_per_step):
-  """refs: lens (SMEM) [, page_table (SMEM)], q [Hk, g_pad, D], then ``refs_per_step`` K refs and
-  as many V refs, each [block_k / refs_per_step * Hk, D] (contiguous: one block; paged: one page
-  each); outputs o [Hk, g_pad, D], lse [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc
-  [Hk, g_pad, D]."""
+  """refs: lens (SMEM) [, page_table (SMEM)], q [Hk, g_pad, D], then ``refs_per_step`` K refs
+  [block_k / refs_per_step * Hk, D] and as many V refs [block_k / refs_per_step * Hk, Dv]
+  (contiguous: one block; paged: one page each); outputs o [Hk, g_pad, Dv], lse
+  [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc [Hk, g_pad, Dv]."""
   lens_ref = refs[0]
   q_ref = refs[num_prefetch]
   k_refs = refs[num_prefetch + 1:num_prefetch + 1 + refs_per_step]
@@ -128,10 +130,10 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
       p = jnp.exp(s - m_new[:, :1])                                              # [g_pad, bk]
       l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
       m_ref[h] = m_new
-      v = load_head(v_refs, h)                                                   # [bk, D]
+      v = load_head(v_refs, h)                                                   # [bk, Dv]
       v = jnp.where(valid_rows, v, jnp.zeros_like(v))   # rows past the cache may hold garbage
       pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)               # [g_pad, D]
+                               preferred_element_type=jnp.float32)               # [g_pad, Dv]
       acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
 
   @pl.when(step == num_steps - 1)
@@ -146,6 +148,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
 def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, capacity,
           num_splits, scale, window_left, logits_soft_cap, interpret, pages_per_step=1):
   bsz, hq, d = q.shape
+  dv = v2.shape[-1]
   group = hq // kv_heads
   sub = 8 if jnp.dtype(k2.dtype).itemsize == 4 else 16
   g_pad = -(-group // sub) * sub
@@ -179,24 +182,25 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
     def fixed(f):
       return lambda b, s, j, lens_ref: f(b, s)
     prefetch = (kv_lengths,)
-  kv_specs = [pl.BlockSpec((None, rows, d), kv_map(p)) for p in range(pages_per_step)]
+  k_specs = [pl.BlockSpec((None, rows, d), kv_map(p)) for p in range(pages_per_step)]
+  v_specs = [pl.BlockSpec((None, rows, dv), kv_map(p)) for p in range(pages_per_step)]
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch),
       grid=(bsz, num_splits, num_steps),
       in_specs=[
           pl.BlockSpec((None, kv_heads, g_pad, d), fixed(lambda b, s: (b, 0, 0, 0))),
-          *kv_specs,                                                    # K
-          *kv_specs,                                                    # V
+          *k_specs,                                                     # K
+          *v_specs,                                                     # V
       ],
       out_specs=[
-          pl.BlockSpec((None, None, kv_heads, g_pad, d), fixed(lambda b, s: (b, s, 0, 0, 0))),
+          pl.BlockSpec((None, None, kv_heads, g_pad, dv), fixed(lambda b, s: (b, s, 0, 0, 0))),
           pl.BlockSpec((None, None, kv_heads, g_pad, LANES),
                        fixed(lambda b, s: (b, s, 0, 0, 0))),
       ],
       scratch_shapes=[pltpu.VMEM((kv_heads, g_pad, LANES), jnp.float32),
                       pltpu.VMEM((kv_heads, g_pad, LANES), jnp.float32),
-                      pltpu.VMEM((kv_heads, g_pad, d), jnp.float32)],
+                      pltpu.VMEM((kv_heads, g_pad, dv), jnp.float32)],
   )
   kernel = functools.partial(
       _decode_kernel, scale=float(scale),
@@ -205,13 +209,13 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
       refs_per_step=pages_per_step, **kw)
   o, lse = pl.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct((bsz, num_splits, kv_heads, g_pad, d), jnp.float32),
+      out_shape=[jax.ShapeDtypeStruct((bsz, num_splits, kv_heads, g_pad, dv), jnp.float32),
                  jax.ShapeDtypeStruct((bsz, num_splits, kv_heads, g_pad, LANES), jnp.float32)],
       compiler_params=compat.tpu_compiler_params(("parallel", "parallel", "arbitrary")),
       interpret=compat.tpu_interpret_params() if interpret else False,
       name="jattn_paged_decode_tpu" if paged else "jattn_decode_tpu",
   )(*prefetch, q4, *([k2] * pages_per_step), *([v2] * pages_per_step))
-  o = o[:, :, :, :group].reshape(bsz, num_splits, hq, d)
+  o = o[:, :, :, :group].reshape(bsz, num_splits, hq, dv)
   lse = lse[:, :, :, :group, 0].reshape(bsz, num_splits, hq)
   return o, lse
 
@@ -231,7 +235,8 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
   Args:
     q: [batch, q_heads, head_dim].
     k_cache: [batch, max_len, kv_heads, head_dim]; fp32, bf16 or fp16.
-    v_cache: same shape and dtype as ``k_cache``.
+    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache`` (head_dim_v may
+      differ from head_dim, e.g. MLA values narrower than the rope-extended keys).
     kv_lengths: int32 [batch].
     num_splits: splits of each sequence's visible key range.
     scale: logit scale, default 1/sqrt(head_dim).
@@ -241,7 +246,7 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
     interpret: run in the TPU interpreter (``pltpu.InterpretParams()``) on CPU.
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
+    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32).
 
   Example:
     >>> q = jnp.ones((1, 4, 128)); k = jnp.ones((1, 64, 2, 128))
@@ -254,9 +259,10 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
   bsz, max_len, kv_heads, d = k_cache.shape
   bs = block_sizes or DecodeBlockSizes()
   block_k = min(bs.block_k, max_len)     # == max_len: the block spans the full row dim
-  shape2 = (bsz, max_len * kv_heads, d)  # row t * kv_heads + h (a free reshape)
-  return _call(q, k_cache.reshape(shape2), v_cache.reshape(shape2), kv_lengths.astype(jnp.int32),
-               None, kv_heads=kv_heads, head_dim=d, block_k=block_k, capacity=max_len,
+  shape2 = (bsz, max_len * kv_heads)  # row t * kv_heads + h (a free reshape)
+  return _call(q, k_cache.reshape(*shape2, d), v_cache.reshape(*shape2, v_cache.shape[-1]),
+               kv_lengths.astype(jnp.int32), None, kv_heads=kv_heads, head_dim=d,
+               block_k=block_k, capacity=max_len,
                num_splits=num_splits, scale=scale, window_left=window_left,
                logits_soft_cap=logits_soft_cap, interpret=interpret)
 
@@ -275,7 +281,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     q: [batch, q_heads, head_dim].
     k_pages: [num_pages, page_size, kv_heads, head_dim]; page_size * kv_heads a multiple of 8
       (16 for 16-bit dtypes).
-    v_pages: same shape and dtype as ``k_pages``.
+    v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
     page_table: int32 [batch, max_pages] (scalar-prefetched; entries past a sequence's length
       are clamped into range and never used).
     kv_lengths: int32 [batch].
@@ -283,7 +289,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     block_sizes: ``DecodeBlockSizes`` (block_k / page_size pages per step) or None.
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
+    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32).
 
   Example:
     >>> q = jnp.ones((1, 4, 128)); pages = jnp.ones((3, 16, 2, 128))
@@ -298,10 +304,11 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
   max_pages = page_table.shape[1]
   bs = block_sizes or DecodeBlockSizes()
   pages_per_step = max(1, min(bs.block_k // page_size, max_pages))
-  shape2 = (num_pages, page_size * kv_heads, d)                  # row t * kv_heads + h per page
+  shape2 = (num_pages, page_size * kv_heads)                     # row t * kv_heads + h per page
   table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
-  return _call(q, k_pages.reshape(shape2), v_pages.reshape(shape2), kv_lengths.astype(jnp.int32),
-               table, kv_heads=kv_heads, head_dim=d, block_k=pages_per_step * page_size,
+  return _call(q, k_pages.reshape(*shape2, d), v_pages.reshape(*shape2, v_pages.shape[-1]),
+               kv_lengths.astype(jnp.int32), table, kv_heads=kv_heads, head_dim=d,
+               block_k=pages_per_step * page_size,
                capacity=max_pages * page_size, num_splits=num_splits, scale=scale,
                window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret,
                pages_per_step=pages_per_step)

@@ -12,6 +12,8 @@ The paged variant reads the same token range through the page table: for each ke
 ``page_table[b, t // page_size]`` (a small int32 gather that stays in L1, done one block ahead so
 that Triton double-buffers the K/V copies as in the contiguous kernel) and gathers the K/V rows of
 that page, so page boundaries never constrain the tiling and page sizes need not be powers of two.
+Values may be narrower than keys (MLA): V tiles, the accumulator and the partial output are
+[.., dv_pad] with V's own column mask.
 (Checked offline by compiling the lowered TTIR with Triton 3.5 for sm_90: both kernels use 16-byte
 cp.async copies into two shared-memory stages, about 70 KiB per program at the defaults.)
 
@@ -164,12 +166,13 @@ def load_group_query(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
 
 
 def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window_left, block_k,
-                   group, g_pad, head_dim, d_pad, num_splits, capacity, page_size):
+                   group, g_pad, head_dim, d_pad, head_dim_v, dv_pad, num_splits, capacity,
+                   page_size):
   """One (batch, kv head, split) program.
 
-  Refs: lens [B]; q [B, Hq, D]; k, v [B, N, Hk, D] (contiguous) or [P * page_size, Hk, D]
-  (paged, with a page table [B, max_pages] as the first of ``rest``); outputs o [B, S, Hq, D]
-  fp32 and lse [B, S, Hq] fp32.
+  Refs: lens [B]; q [B, Hq, D]; k [B, N, Hk, D] and v [B, N, Hk, Dv] (contiguous) or
+  [P * page_size, Hk, D | Dv] (paged, with a page table [B, max_pages] as the first of
+  ``rest``); outputs o [B, S, Hq, Dv] fp32 and lse [B, S, Hq] fp32.
   """
   if page_size is None:
     pt_ref = None
@@ -195,6 +198,9 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   q = q.astype(k_ref.dtype)          # the dots run in the cache dtype, accumulating in fp32
   precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
   offs = jnp.arange(block_k, dtype=jnp.int32)                        # [block_k]
+  vcols = jnp.arange(dv_pad, dtype=jnp.int32)                        # [dv_pad]
+  vcol_ok = vcols < head_dim_v if dv_pad != head_dim_v else None
+  o_mask = row_ok[:, None] if vcol_ok is None else row_ok[:, None] & vcol_ok[None, :]
   inv_cap = None if soft_cap is None else 1.0 / soft_cap
 
   def rows_of(pos, valid):
@@ -207,6 +213,7 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
     pos = lo + i * block_k + offs                                    # [block_k] token index
     valid = pos < length
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
+    v_mask = valid[:, None] if vcol_ok is None else valid[:, None] & vcol_ok[None, :]
     if pt_ref is None:
       k = plgpu.load(k_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
       krow_next = krow
@@ -227,13 +234,13 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
     p = jnp.exp(s - m_new[:, None])                                  # [g_pad, block_k]
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
     if pt_ref is None:
-      v = plgpu.load(v_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+      v = plgpu.load(v_ref.at[b, pos[:, None], h, vcols[None, :]], mask=v_mask, other=0)
     else:
-      v = plgpu.load(v_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, d_pad]
+      v = plgpu.load(v_ref.at[krow[:, None], h, vcols[None, :]], mask=v_mask, other=0)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, dv_pad]
     return acc * alpha[:, None] + pv, m_new, l_new, krow_next
 
-  acc0 = jnp.zeros((g_pad, d_pad), jnp.float32)
+  acc0 = jnp.zeros((g_pad, dv_pad), jnp.float32)
   m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
   l0 = jnp.zeros((g_pad,), jnp.float32)
   if pt_ref is None:
@@ -247,25 +254,28 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   l_safe = jnp.where(empty, 1.0, l)
   out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
-  plgpu.store(o_ref.at[b, split, q_rows[:, None], cols[None, :]], out, mask=q_mask)
+  plgpu.store(o_ref.at[b, split, q_rows[:, None], vcols[None, :]], out, mask=o_mask)
   plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
 
 
 def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num_splits, scale,
           window_left, logits_soft_cap, block_sizes, interpret):
   bsz, hq, d = q.shape
+  dv = v.shape[-1]
   group = hq // kv_heads
   g_pad = max(16, _next_pow2(group))
   d_pad = max(16, _next_pow2(d))
-  bs = block_sizes or default_block_sizes(d, k.dtype)
+  dv_pad = max(16, _next_pow2(dv))
+  bs = block_sizes or default_block_sizes(max(d, dv), k.dtype)
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   kernel = functools.partial(
       _decode_kernel, scale=float(scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       window_left=window_left, block_k=bs.block_k, group=group, g_pad=g_pad, head_dim=d,
-      d_pad=d_pad, num_splits=num_splits, capacity=capacity, page_size=page_size)
-  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, d), jnp.float32),   # partial out
+      d_pad=d_pad, head_dim_v=dv, dv_pad=dv_pad, num_splits=num_splits, capacity=capacity,
+      page_size=page_size)
+  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),  # partial out
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]      # partial lse
   args = [kv_lengths.astype(jnp.int32), q, k, v]
   if page_table is not None:
@@ -287,7 +297,8 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
   Args:
     q: [batch, q_heads, head_dim].
     k_cache: [batch, max_len, kv_heads, head_dim], bf16, fp16 or fp32.
-    v_cache: same shape and dtype as ``k_cache``.
+    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache``; head_dim_v may
+      differ from head_dim (MLA values narrower than the rope-extended keys).
     kv_lengths: int32 [batch]; the query sits at position kv_lengths - 1.
     num_splits: number of splits of each sequence's visible key range.
     scale: logit scale, default 1/sqrt(head_dim).
@@ -297,7 +308,7 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
     interpret: run the kernel in the Pallas interpreter (CPU tests).
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32);
+    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
     splits with no visible key hold out 0 and lse -inf.
 
   Example:
@@ -324,7 +335,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
   Args:
     q: [batch, q_heads, head_dim].
     k_pages: [num_pages, page_size, kv_heads, head_dim].
-    v_pages: same shape and dtype as ``k_pages``.
+    v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
     page_table: int32 [batch, max_pages]; token t of sequence b is in page
       ``page_table[b, t // page_size]``, slot ``t % page_size``. Entries past a sequence's length
       are never read.
@@ -333,7 +344,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
       :func:`decode_partials`.
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
+    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32).
 
   Example:
     >>> q = jnp.ones((1, 4, 16)); pages = jnp.ones((3, 16, 2, 16))
@@ -345,8 +356,9 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
   check_partials_args(q, k_pages, v_pages, kv_lengths, num_splits)
   num_pages, page_size, kv_heads, d = k_pages.shape
   check_page_table(q, page_table)
-  flat = (num_pages * page_size, kv_heads, d)
-  return _call(q, k_pages.reshape(flat), v_pages.reshape(flat), kv_lengths, page_table,
-               kv_heads=kv_heads, capacity=page_table.shape[1] * page_size, page_size=page_size,
+  flat = (num_pages * page_size, kv_heads)
+  return _call(q, k_pages.reshape(*flat, d), v_pages.reshape(*flat, v_pages.shape[-1]),
+               kv_lengths, page_table, kv_heads=kv_heads,
+               capacity=page_table.shape[1] * page_size, page_size=page_size,
                num_splits=num_splits, scale=scale, window_left=window_left,
                logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret)

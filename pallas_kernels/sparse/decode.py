@@ -11,7 +11,9 @@ sequence length and for -1 slots, which read no memory), runs the online softmax
 accumulates. The next slot's block id (and, paged, its page) is looked up one step ahead and
 arrives through the loop carry, so the K/V addresses never wait on an index load of the same
 iteration and Triton can double-buffer the K/V copies. All query heads of the group form one
-[g_pad, d_pad] tile, so each selected K/V byte is read from HBM once.
+[g_pad, d_pad] tile, so each selected K/V byte is read from HBM once. Values may be narrower
+than keys (MLA: keys carry extra rope dims): V tiles, the accumulator and the output are
+[.., dv_pad] with their own column mask, so V rows are read with V's own width.
 
 The splits' partial (out, lse) are merged by log-sum-exp in :func:`merge_decode_partials`, one
 small kernel that also casts to the output dtype (the same arithmetic as
@@ -36,12 +38,13 @@ __all__ = ["sparse_decode_partials", "merge_decode_partials", "default_num_split
 
 
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
-            head_dim, d_pad, num_splits, num_slots, capacity, paged):
+            head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
-  [B, Hq, D]; k, v [B, N, Hk, D] (contiguous) or [P * block, Hk, D] (paged, page table
-  [B, max_pages] first in ``rest``); outputs o [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32.
+  [B, Hq, D]; k [B, N, Hk, D] and v [B, N, Hk, Dv] (contiguous) or [P * block, Hk, D | Dv]
+  (paged, page table [B, max_pages] first in ``rest``); outputs o [B, S, Hq, Dv] fp32 and lse
+  [B, S, Hq] fp32.
   """
   if paged:
     pt_ref, o_ref, lse_ref = rest
@@ -64,6 +67,9 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   offs = jnp.arange(block, dtype=jnp.int32)                          # [block]
+  vcols = jnp.arange(dv_pad, dtype=jnp.int32)                        # [dv_pad]
+  vcol_ok = vcols < head_dim_v if dv_pad != head_dim_v else None
+  o_mask = row_ok[:, None] if vcol_ok is None else row_ok[:, None] & vcol_ok[None, :]
 
   def lookup(s):
     """Block id of slot s (-1 when s >= end or the slot is unused) and its first cache row."""
@@ -81,6 +87,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     pos = jnp.maximum(blk, 0) * block + offs                         # [block] token index
     valid = (pos < length) & ok
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
+    v_mask = valid[:, None] if vcol_ok is None else valid[:, None] & vcol_ok[None, :]
     if paged:
       krow = row0 + offs
       k = plgpu.load(k_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
@@ -95,14 +102,14 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     p = jnp.exp(sc - m_use[:, None])                                 # [g_pad, block]
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
     if paged:
-      v = plgpu.load(v_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+      v = plgpu.load(v_ref.at[krow[:, None], h, vcols[None, :]], mask=v_mask, other=0)
     else:
-      v = plgpu.load(v_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, d_pad]
+      v = plgpu.load(v_ref.at[b, pos[:, None], h, vcols[None, :]], mask=v_mask, other=0)
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, dv_pad]
     new = (acc * alpha[:, None] + pv, m_new, l_new, blk_next)
     return new + (row0_next,) if paged else new
 
-  acc0 = jnp.zeros((g_pad, d_pad), jnp.float32)
+  acc0 = jnp.zeros((g_pad, dv_pad), jnp.float32)
   m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
   l0 = jnp.zeros((g_pad,), jnp.float32)
   blk0, row00 = lookup(begin)
@@ -112,7 +119,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   l_safe = jnp.where(empty, 1.0, l)
   out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
-  plgpu.store(o_ref.at[b, split, q_rows[:, None], cols[None, :]], out, mask=q_mask)
+  plgpu.store(o_ref.at[b, split, q_rows[:, None], vcols[None, :]], out, mask=o_mask)
   plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
 
 
@@ -154,8 +161,10 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
 
   Args:
     q: [batch, q_heads, head_dim].
-    k, v: contiguous caches [batch, max_len, kv_heads, head_dim], or with ``page_table`` page
-      pools [num_pages, block_size, kv_heads, head_dim] (page size = block size).
+    k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page
+      pool [num_pages, block_size, kv_heads, head_dim] (page size = block size).
+    v: like ``k`` with its own last dim head_dim_v (may differ from head_dim, e.g. MLA values
+      narrower than the rope-extended keys).
     kv_lengths: int32 [batch]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: selected block ids in any order, -1 for
       unused slots (positions >= kv_lengths[b] are masked).
@@ -172,7 +181,7 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     interpret: run in the Pallas interpreter (CPU tests).
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32);
+    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
     empty splits hold 0 and -inf.
 
   Example:
@@ -182,11 +191,21 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     ...                                 block_size=16, num_splits=2, interpret=True)
     >>> o.shape
     (1, 2, 4, 16)
+    >>> o, _ = sparse_decode_partials(q, k, k[..., :8], jnp.array([40], jnp.int32), idx,
+    ...                               block_size=16, num_splits=2, interpret=True)
+    >>> o.shape
+    (1, 2, 4, 8)
   """
   if block_size < 16 or block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two >= 16 for the Triton sparse decode "
                      f"kernel, got {block_size}")
   bsz, hq, d = q.shape
+  dv = v.shape[-1]
+  if k.ndim != 4 or k.shape[-1] != d or v.shape[:-1] != k.shape[:-1]:
+    raise ValueError(f"k must be [.., .., kv_heads, head_dim={d}] and v share all but its last "
+                     f"dim, got k {k.shape}, v {v.shape}")
+  if hq % k.shape[2]:
+    raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({k.shape[2]})")
   paged = page_table is not None
   if paged:
     num_pages, page_size, hk, _ = k.shape
@@ -194,7 +213,7 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       raise ValueError(f"page size {page_size} must equal block_size {block_size}")
     capacity = page_table.shape[1] * page_size
     k = k.reshape(num_pages * page_size, hk, d)
-    v = v.reshape(num_pages * page_size, hk, v.shape[-1])
+    v = v.reshape(num_pages * page_size, hk, dv)
   else:
     _, capacity, hk, _ = k.shape
   if indices.ndim != 3 or indices.shape[:2] != (bsz, hk):
@@ -205,14 +224,16 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
   group = hq // hk
   g_pad = max(16, pl.next_power_of_2(group))
   d_pad = max(16, pl.next_power_of_2(d))
+  dv_pad = max(16, pl.next_power_of_2(dv))
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   kernel = functools.partial(_kernel, scale=float(scale), block=block_size, group=group,
-                             g_pad=g_pad, head_dim=d, d_pad=d_pad, num_splits=num_splits,
+                             g_pad=g_pad, head_dim=d, d_pad=d_pad, head_dim_v=dv,
+                             dv_pad=dv_pad, num_splits=num_splits,
                              num_slots=indices.shape[-1], capacity=capacity, paged=paged)
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
-  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, d), jnp.float32),
+  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
   if counts is not None:
