@@ -5,7 +5,8 @@ Implementations:
   * ``"triton"``: portable Pallas GPU kernel (Triton lowering); forward and backward walk the
     mask's block schedule, so masked tiles are skipped.
   * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same schedule.
-  * ``"mosaic_gpu"``: Hopper path, not implemented yet (raises NotImplementedError).
+  * ``"mosaic_gpu"``: Hopper path, not available yet (raises NotImplementedError): a forward-only
+    kernel exists in ``pallas_kernels.flash.mosaic_gpu`` but has not run on a GPU.
   * ``"cudnn"``: pass-through to ``jax.nn.dot_product_attention(implementation="cudnn")`` for
     the masks it supports (causal, local window); anything else raises ValueError.
   * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU (see ``resolve_implementation``).
@@ -59,8 +60,9 @@ def kernel_module(implementation):
     from pallas_kernels.flash import mosaic_tpu as mod
   elif implementation == "mosaic_gpu":
     raise NotImplementedError(
-        "implementation='mosaic_gpu' (the Hopper path) is not implemented yet; use 'triton' or "
-        "'cudnn' on GPU")
+        "implementation='mosaic_gpu' (the Hopper path) is not available yet: a forward-only "
+        "kernel (pallas_kernels.flash.mosaic_gpu, no schedules or backward) has not been "
+        "verified on a GPU; use 'triton' or 'cudnn' on GPU")
   else:
     raise ValueError(f"{implementation!r} is not a Pallas implementation")
   return mod

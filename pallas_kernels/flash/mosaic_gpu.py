@@ -1,0 +1,574 @@
+"""Flash attention forward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
+
+STATUS: a first step. Forward only, dense or causal, GQA, bf16/fp16, head_dim 64/128/256. On the
+CPU it is only lowered (``jax.export`` for "cuda": the Pallas -> Mosaic GPU lowering, layouts and
+the shared-memory budget), and its tile walk and softmax arithmetic are replayed in jnp by the
+tests; jax's GPU interpret mode cannot run it (no transposed or register operands for wgmma). It
+has NOT yet run on a GPU, so ``jattn.flash_attention(implementation="mosaic_gpu")`` still raises
+NotImplementedError (see docs/kernels.md, "Mosaic GPU (Hopper) forward: status"). Segment ids,
+windows, soft cap, block schedules and the backward raise NotImplementedError here.
+
+Structure (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``): one
+program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three warpgroups:
+
+  * warpgroups 0 and 1 (compute) each own ``block_q`` query rows. Each loads its Q tile once by
+    TMA into shared memory, then for every kv tile: S = Q K^T by wgmma into an fp32 register
+    accumulator, an online softmax in the base-2 domain (scale * log2(e) folded into one
+    multiply), and O += P V by wgmma with P (in the input dtype) from registers. Full tiles run
+    without any element mask; only the tiles that need it (the causal diagonal, the padded last
+    kv tile) build one.
+  * warpgroup 2 (memory) streams K and V tiles into a ring of ``num_stages`` shared-memory slots
+    by TMA. Each slot has a "loaded" barrier (TMA completion) and a "free" barrier that both
+    compute warpgroups arrive on once their wgmma has finished reading it.
+
+With ``pingpong`` the two compute warpgroups rendezvous twice per kv tile on a shared barrier,
+offset by one rendezvous, so that one warpgroup's softmax overlaps the other's matrix multiplies
+(FA3's inter-warpgroup ping-pong). Both warpgroups therefore walk the program's whole kv range:
+tiles beyond a warpgroup's own causal range are drained (wait loaded, arrive free, rendezvous)
+without computing.
+
+Causal masks align bottom-right (query i sits at kv position kv_len - q_len + i); kv tiles beyond
+a program's last visible key are never loaded. A query row that sees no key (causal with
+q_len > kv_len) returns output 0 and log-sum-exp -inf. Query rows are padded to a multiple of
+``2 * block_q`` and keys to a multiple of ``block_k`` in the wrapper (a copy, only when the
+lengths are not multiples); padded keys are masked in the last kv tile.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Initial running max: finite, so that a row with nothing visible yet gives exp2(m - m) = 1
+# instead of exp2(-inf + inf) = NaN; any real base-2 logit is far above it.
+_M_INIT = -1e30
+_COMPUTE_WGS = 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Block sizes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles and pipeline depth of the Mosaic GPU forward.
+
+  Attributes:
+    block_q: query rows per compute warpgroup (a multiple of 64, wgmma's M); a program covers
+      ``2 * block_q`` rows with its two compute warpgroups.
+    block_k: keys per kv tile (a multiple of 64).
+    num_stages: K/V shared-memory slots in the TMA ring (>= 2).
+    pingpong: rendezvous of the two compute warpgroups so that softmax and wgmma alternate.
+    compute_registers: registers per thread requested for the compute warpgroups (the memory
+      warpgroup gives its registers back, keeping 40).
+
+  Example:
+    >>> BlockSizes(64, 128, 2).rows_per_program
+    128
+  """
+  block_q: int = 64
+  block_k: int = 128
+  num_stages: int = 2
+  pingpong: bool = True
+  compute_registers: int = 232
+
+  def __post_init__(self):
+    if self.block_q % 64 or self.block_q <= 0:
+      raise ValueError(f"block_q must be a positive multiple of 64, got {self.block_q}")
+    if self.block_k % 64 or self.block_k <= 0:
+      raise ValueError(f"block_k must be a positive multiple of 64, got {self.block_k}")
+    if self.num_stages < 2:
+      raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+
+  @property
+  def rows_per_program(self) -> int:
+    return _COMPUTE_WGS * self.block_q
+
+  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of one program's buffers: Q/O tiles, the K/V ring, the LSE staging rows
+    (the lowering adds barriers and alignment, and rejects a kernel over 227 KiB)."""
+    qo = _COMPUTE_WGS * self.block_q * head_dim * itemsize
+    kv = 2 * self.num_stages * self.block_k * head_dim * itemsize
+    return qo + kv + _COMPUTE_WGS * self.block_q * 4
+
+
+# Untuned starting points (no GPU measurement yet): 160 KiB (D128), 96 KiB (D64) and 192 KiB
+# (D256) of shared memory.
+_DEFAULT_BLOCK_SIZES = {
+    64: BlockSizes(block_q=64, block_k=128, num_stages=3),
+    128: BlockSizes(block_q=64, block_k=128, num_stages=2),
+    256: BlockSizes(block_q=64, block_k=64, num_stages=2),
+}
+
+
+def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+  """Default ``BlockSizes`` for a head dimension (64, 128 or 256; bf16 or fp16).
+
+  Args:
+    head_dim: the head dimension of q, k and v.
+    dtype: the input dtype (only checked: bf16 and fp16 have the same tiles).
+
+  Returns:
+    A ``BlockSizes``.
+
+  Example:
+    >>> default_block_sizes(128).block_k
+    128
+  """
+  _check_dtype(dtype)
+  if head_dim not in _DEFAULT_BLOCK_SIZES:
+    raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got "
+                              f"{head_dim}")
+  return _DEFAULT_BLOCK_SIZES[head_dim]
+
+
+def _check_dtype(dtype):
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise NotImplementedError(f"the Mosaic GPU forward supports bfloat16 and float16 inputs, got "
+                              f"{jnp.dtype(dtype)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Static configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  block_q: int         # rows per compute warpgroup
+  block_k: int
+  num_stages: int
+  pingpong: bool
+  compute_registers: int
+  q_len: int           # unpadded
+  kv_len: int          # unpadded
+  num_q_programs: int  # padded q_len // (2 * block_q)
+  num_kv_tiles: int    # padded kv_len // block_k
+  head_dim: int
+  group: int           # query heads per kv head
+  causal: bool
+  scale: float
+  dtype: jnp.dtype
+
+  @property
+  def offset(self) -> int:
+    """kv position of query row 0 (bottom-right causal alignment)."""
+    return self.kv_len - self.q_len
+
+  @property
+  def num_full_tiles(self) -> int:
+    """kv tiles without padded keys."""
+    return self.kv_len // self.block_k
+
+
+def _kv_steps(row_end, st: _Static):
+  """Number of kv tiles (from tile 0) that rows [.., row_end) need: all tiles, or up to the causal
+  diagonal of row ``row_end - 1``. An int32 scalar."""
+  if not st.causal:
+    return jnp.int32(st.num_kv_tiles)
+  n = lax.div(row_end + (st.offset + st.block_k - 1), jnp.int32(st.block_k))
+  return jnp.clip(n, 0, st.num_kv_tiles)
+
+
+def _full_steps(row0, st: _Static):
+  """Number of leading kv tiles visible to every row >= row0 (no element mask needed)."""
+  if not st.causal:
+    return jnp.int32(st.num_full_tiles)
+  n = lax.div(row0 + (st.offset + 1), jnp.int32(st.block_k))
+  return jnp.clip(n, 0, st.num_full_tiles)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile arithmetic (plain jnp on values: the kernel uses these, and the CPU tests replay the
+# kernel's tile walk with them)
+# ----------------------------------------------------------------------------------------------
+
+
+def _tile_visible(rows, cols, row0, t, st: _Static):
+  """Element mask of kv tile ``t`` for the query rows from ``row0``: rows/cols are the [bq, bk]
+  iotas of the tile. Masks padded keys and, when causal, keys past each row's diagonal."""
+  k_pos = cols + t * st.block_k                               # [bq, bk]
+  visible = k_pos < st.kv_len
+  if st.causal:
+    visible = jnp.logical_and(visible, k_pos <= rows + (row0 + st.offset))
+  return visible
+
+
+def _online_softmax(s, m, l, st: _Static):
+  """One online-softmax step in the base-2 domain.
+
+  Args:
+    s: [bq, bk] fp32 raw logits q.k (masked entries -inf).
+    m: [bq] running max of the base-2 scaled logits (starts at _M_INIT).
+    l: [bq] running sum of exp2(logit - m).
+
+  Returns:
+    (p [bq, bk] fp32 = exp2(s * c - m_new), alpha [bq] = exp2(m - m_new), m_new, l_new), with
+    c = scale * log2(e) folded into one multiply-add per element.
+  """
+  c = st.scale * LOG2E
+  m_new = jnp.maximum(m, s.max(axis=1) * c)                   # [bq]
+  alpha = jnp.exp2(m - m_new)                                 # [bq]
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))   # [bq, bk]
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def _finalize(acc, m, l):
+  """acc [bq, D], m, l [bq] -> (out [bq, D] fp32, lse [bq] fp32, natural log). Rows that saw no
+  key (l == 0) give output 0 and lse -inf."""
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+  return out, jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free,
+                v_free, rendezvous, *, st: _Static):
+  """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM) -> o [B, Sq, Hq, D], lse [B, Hq, Sq] (GMEM,
+  natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D], v [S, bk, D], lse [2, bq]),
+  barriers q_loaded [2], k/v_loaded [S], k/v_free [S] (2 arrivals), rendezvous (2 arrivals)."""
+  qo_smem, k_smem, v_smem, lse_smem = smem
+  bq, bk, stages = st.block_q, st.block_k, st.num_stages
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  tile = lax.axis_index("q_tiles")
+  if st.causal:
+    tile = (st.num_q_programs - 1) - tile   # longest kv ranges first: a shorter tail
+  wg = lax.axis_index("wg")
+  kv_h = lax.div(h, jnp.int32(st.group))
+  row0_program = tile * (_COMPUTE_WGS * bq)
+  program_steps = _kv_steps(row0_program + _COMPUTE_WGS * bq, st)
+  slot_of = lambda t: lax.rem(t, jnp.int32(stages))
+
+  def meet():
+    if st.pingpong:
+      plgpu.barrier_arrive(rendezvous)
+      plgpu.barrier_wait(rendezvous)
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(st.compute_registers, action="increase")
+    row0 = row0_program + wg * bq
+    q_smem = qo_smem.at[wg]                                   # [bq, D]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_loaded.at[wg])
+    steps = _kv_steps(row0 + bq, st)
+    full = _full_steps(row0, st)
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)   # base-2 max
+    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)       # running sum
+    acc = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), wgmma_layout)
+    plgpu.barrier_wait(q_loaded.at[wg])
+    pl.when(wg == 1)(meet)
+
+    def step(t, carry, *, masked):
+      acc, m, l = carry
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_loaded.at[slot])
+
+      def qk_gemm(s_ref):                                     # [bq, bk] fp32
+        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        meet()
+        return s_ref[...]
+      s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))   # [bq, bk]
+      plgpu.barrier_arrive(k_free.at[slot])
+      if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+        s = jnp.where(_tile_visible(rows, cols, row0, t, st), s, -jnp.inf)
+      p, alpha, m_new, l = _online_softmax(s, m, l, st)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p = p.astype(st.dtype)
+      if st.pingpong:
+        plgpu.barrier_arrive(rendezvous)   # softmax done; the other warpgroup may issue wgmma
+      plgpu.barrier_wait(v_loaded.at[slot])
+      if st.pingpong:
+        plgpu.barrier_wait(rendezvous)
+
+      def pv_gemm(acc_ref):                                   # [bq, D] fp32
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+      acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))       # returns once the wgmma is done
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    def drain(t, _):
+      # Tiles the other warpgroup needs and this one does not: keep the ring and the
+      # rendezvous count in step. Waiting for the load first means this warpgroup can never
+      # arrive on a slot's "free" barrier for a later use of the slot.
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      meet()
+      meet()
+      return None
+
+    carry = (acc, m, l)
+    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+    lax.fori_loop(steps, program_steps, drain, None)
+    pl.when(wg == 0)(meet)
+    acc, m, l = carry
+
+    out, lse = _finalize(acc, m, l)
+    q_smem[...] = out.astype(st.dtype)                        # Q is dead: reuse its tile for O
+    lse_smem.at[wg][...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(row0, bq), h])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(t, slot):
+      rows = (b, pl.ds(t * bk, bk), kv_h)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+    for i in range(stages):                                   # fill the ring
+      @pl.when(i < program_steps)
+      def _():
+        load(jnp.int32(i), i)
+
+    @pl.loop(stages, jnp.maximum(program_steps, stages))
+    def _(t):
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+      load(t, slot)
+
+
+# ----------------------------------------------------------------------------------------------
+# pallas call and public function
+# ----------------------------------------------------------------------------------------------
+
+
+def _fwd_call(q, k, v, st: _Static):
+  """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] -> (o [B, Sq', Hq, D], lse [B, Hq, Sq'])."""
+  b, sq_pad, hq, d = q.shape
+  bq, bk, stages = st.block_q, st.block_k, st.num_stages
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 bytes
+  smem = (
+      plgpu.SMEM((_COMPUTE_WGS, bq, d), q.dtype, transforms=tiled),     # Q, then O
+      plgpu.SMEM((stages, bk, d), k.dtype, transforms=tiled),           # K ring
+      plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
+      plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),                      # LSE staging
+  )
+  call = plgpu.kernel(
+      functools.partial(_fwd_kernel, st=st),
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32)),
+      scratch_types=(
+          smem,
+          plgpu.Barrier(num_barriers=_COMPUTE_WGS),                        # q_loaded
+          plgpu.Barrier(num_barriers=stages),                              # k_loaded
+          plgpu.Barrier(num_barriers=stages),                              # v_loaded
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # k_free
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # v_free
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                        # rendezvous
+      ),
+      grid=(hq, st.num_q_programs, b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+  return call(q, k, v)
+
+
+def _pad_axis(x, axis, size):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _forward(q, k, v, st: _Static):
+  sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
+  sk_pad = st.num_kv_tiles * st.block_k
+  q_p = _pad_axis(q, 1, sq_pad)
+  k_p = _pad_axis(k, 1, sk_pad)
+  v_p = _pad_axis(v, 1, sk_pad)
+  out, lse = _fwd_call(q_p, k_p, v_p, st)
+  return out[:, :st.q_len], lse[:, :, :st.q_len]
+
+
+def _forward_fwd(q, k, v, st):
+  return _forward(q, k, v, st), None
+
+
+def _forward_bwd(st, res, cts):
+  raise NotImplementedError("the Mosaic GPU flash attention has no backward yet; use "
+                            "implementation='triton' for gradients")
+
+
+_forward.defvjp(_forward_fwd, _forward_bwd)
+
+
+def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> _Static:
+  """The kernel's static configuration for q [B, Sq, Hq, D] and k/v [B, Sk, Hk, D]."""
+  _, sq, hq, d = q_shape
+  _, sk, hk, _ = k_shape
+  bs = block_sizes or default_block_sizes(d, dtype)
+  if d not in _DEFAULT_BLOCK_SIZES:
+    raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got {d}")
+  if sq < 1 or sk < 1:
+    raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
+  return _Static(
+      block_q=bs.block_q, block_k=bs.block_k, num_stages=bs.num_stages, pingpong=bs.pingpong,
+      compute_registers=bs.compute_registers, q_len=sq, kv_len=sk,
+      num_q_programs=-(-sq // bs.rows_per_program), num_kv_tiles=-(-sk // bs.block_k),
+      head_dim=d, group=hq // hk, causal=bool(causal),
+      scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype))
+
+
+def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=None, *,
+                    causal: bool = False, local_window_size=None, scale: float | None = None,
+                    logits_soft_cap: float | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool = False):
+  """Flash attention forward on Hopper (Pallas Mosaic GPU). Not differentiable yet.
+
+  The argument shape follows ``pallas_kernels.flash.triton.flash_attention``; the options this
+  first version lacks must be None and raise NotImplementedError otherwise.
+
+  Args:
+    q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
+    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
+    v: [B, Sk, Hk, D] (same head dim as k).
+    q_segment_ids, kv_segment_ids: must be None (not supported yet).
+    schedule: must be None: the kernel derives its kv range from ``causal`` (block schedules are
+      not walked yet).
+    causal: bottom-right aligned causal mask; kv tiles past the diagonal are skipped.
+    local_window_size: must be None (not supported yet).
+    scale: logit scale (None: 1 / sqrt(D)).
+    logits_soft_cap: must be None (not supported yet).
+    block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
+    interpret: must be False: jax's Mosaic GPU interpret mode (0.10.2, 0.11) implements wgmma
+      only with both operands in shared memory and untransposed, and this kernel uses K^T and P
+      from registers.
+
+  Returns:
+    (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see
+    no key; their output is 0).
+
+  Example (on an H100/H200):
+    >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
+    >>> out, lse = flash_attention(q, q, q, causal=True)  # doctest: +SKIP
+  """
+  if interpret:
+    raise NotImplementedError("the Mosaic GPU flash attention cannot run in interpret mode (jax's "
+                              "GPU interpreter has no wgmma with transposed or register operands)")
+  unsupported = [name for name, val in (("q_segment_ids", q_segment_ids),
+                                        ("kv_segment_ids", kv_segment_ids),
+                                        ("schedule", schedule),
+                                        ("local_window_size", local_window_size),
+                                        ("logits_soft_cap", logits_soft_cap)) if val is not None]
+  if unsupported:
+    raise NotImplementedError("the Mosaic GPU flash attention forward does not support yet: "
+                              + ", ".join(unsupported) + "; use implementation='triton'")
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
+  b, sq, hq, d = q.shape
+  if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape:
+    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape} (k and v "
+                     f"must have the same shape and q's head dim)")
+  hk, sk = k.shape[2], k.shape[1]
+  if hq % hk:
+    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  _check_dtype(q.dtype)
+  st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
+                      block_sizes=block_sizes)
+  return _forward(q, k, v, st)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU benchmark helper (one process: this kernel's configs and jax.nn's cuDNN forward)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
+           head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16, configs=None,
+           iters: int = 10, verbose: bool = True):
+  """Time the forward for each config and jax.nn's cuDNN forward on the same inputs (GPU only).
+
+  TFLOP/s = 4 * B * Hq * D * (visible query-key pairs) / time: S^2 non-causal, S(S+1)/2 causal.
+
+  Args:
+    batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
+    causal: causal mask.
+    dtype: bf16 or fp16.
+    configs: list of ``BlockSizes`` (default: the default and a few neighbours).
+    iters: timed iterations (median) after one warm-up.
+    verbose: print one line per row.
+
+  Returns:
+    A list of dicts: name, ms, tflops, max_abs_diff_vs_cudnn (or error).
+
+  Example:
+    >>> rows = _sweep(causal=True)  # doctest: +SKIP
+  """
+  import statistics
+  import time
+
+  if configs is None:
+    base = default_block_sizes(head_dim, dtype)
+    configs = [base, dataclasses.replace(base, pingpong=False),
+               dataclasses.replace(base, num_stages=base.num_stages + 1),
+               dataclasses.replace(base, block_k=64)]
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (batch, seq, q_heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)
+  v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), dtype)
+  pairs = seq * (seq + 1) // 2 if causal else seq * seq
+  flops = 4.0 * batch * q_heads * head_dim * pairs
+
+  def timeit(fn):
+    out = jax.block_until_ready(fn(q, k, v))
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(q, k, v))
+      times.append(time.perf_counter() - t0)
+    return out, statistics.median(times) * 1e3
+
+  ref, ref_ms = timeit(jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                                 implementation="cudnn")))
+  rows = [dict(name="jax_nn_cudnn", ms=ref_ms, tflops=flops / ref_ms * 1e-9)]
+  for cfg in configs:
+    row = dict(name=f"mosaic_gpu {cfg}")
+    try:
+      fn = jax.jit(lambda q, k, v, cfg=cfg: flash_attention(q, k, v, causal=causal,
+                                                            block_sizes=cfg)[0])
+      out, ms = timeit(fn)
+      row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_diff_vs_cudnn=float(
+          jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))))
+    except Exception as e:  # a config that does not compile is reported, not fatal
+      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+  if verbose:
+    for row in rows:
+      print(row, flush=True)
+  return rows
