@@ -53,7 +53,22 @@ def resolve_implementation(implementation=None, *, platform=None, interpret=Fals
 
 
 def kernel_module(implementation):
-  """The pallas_kernels module behind a Pallas implementation name."""
+  """The pallas_kernels module behind a Pallas implementation name.
+
+  Args:
+    implementation: "triton", "mosaic_tpu" or "mosaic_gpu".
+
+  Returns:
+    The module (``flash_attention``, ``default_block_sizes``, ``BlockSizes``).
+
+  Raises:
+    NotImplementedError: for "mosaic_gpu" (its forward exists but is not yet verified on a GPU).
+    ValueError: for a name that is not a Pallas implementation.
+
+  Example:
+    >>> kernel_module("triton").__name__
+    'pallas_kernels.flash.triton'
+  """
   if implementation == "triton":
     from pallas_kernels.flash import triton as mod
   elif implementation == "mosaic_tpu":

@@ -344,6 +344,11 @@ class TokenStore:
     tokens: 1-D int array of all documents' tokens, back to back.
     offsets: int64 [num_docs + 1], non-decreasing, ``offsets[0] == 0`` and
       ``offsets[-1] == len(tokens)``.
+
+  Example:
+    >>> store = TokenStore(np.arange(5), np.array([0, 2, 5]))
+    >>> store.offsets.tolist()
+    [0, 2, 5]
   """
   tokens: np.ndarray
   offsets: np.ndarray
@@ -424,6 +429,12 @@ class PackedBatch:
       ``segments_from_lengths``).
     doc_ids: int64 [n, max_segments]; document of each chunk, -1 padded.
     chunk_starts: int64 [n, max_segments]; first token of each chunk in its document, 0 padded.
+
+  Example:
+    >>> store = TokenStore.from_documents([[1, 2, 3], [4, 5]])
+    >>> batch = materialize(pack_bfd(store.lengths, max_len=8), store)
+    >>> batch.segment_ids.tolist(), batch.positions.tolist()
+    ([[1, 1, 1, 2, 2, 0, 0, 0]], [[0, 1, 2, 0, 1, 0, 0, 0]])
   """
   tokens: np.ndarray
   segment_ids: np.ndarray

@@ -72,6 +72,12 @@ class BlockSelection:
     block_size: keys per key block (static).
     q_block_size: queries per query block (static).
     q_len, kv_len: the sequence lengths the selection was made for (static).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+    >>> sel = select_blocks(q, q, block_size=16, q_block_size=16, top_k=1)
+    >>> sel.counts.shape  # [batch, kv_heads, num_q_blocks]
+    (1, 2, 4)
   """
   indices: jax.Array
   counts: jax.Array
@@ -900,6 +906,12 @@ class BlockSummaries:
       the positions < lengths.
     lengths: int32 [batch]: number of cache positions summarised.
     block_size: positions per block (static).
+
+  Example:
+    >>> k = jax.random.normal(jax.random.key(0), (1, 128, 2, 16))
+    >>> s = init_block_summaries(k, jnp.array([100]), block_size=32)
+    >>> s.sums.shape, s.num_blocks
+    ((1, 4, 2, 16), 4)
   """
   sums: jax.Array
   lengths: jax.Array

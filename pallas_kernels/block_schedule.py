@@ -41,6 +41,11 @@ class BlockSchedule:
     q_indices, q_counts, q_partial: transposed schedule, int32 [Bs, Hs, nk, max_q] / [Bs, Hs, nk].
     block_q, block_k: tile sizes (static).
     q_len, kv_len: unpadded sequence lengths (static).
+
+  Example:
+    >>> s = make_schedule(100, 100, 32, 32, causal=True)
+    >>> s.num_q_blocks, s.kv_counts[0, 0].tolist()
+    (4, [1, 2, 3, 4])
   """
   kv_indices: jax.Array
   kv_counts: jax.Array

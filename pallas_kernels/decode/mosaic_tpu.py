@@ -42,6 +42,10 @@ class DecodeBlockSizes:
   Attributes:
     block_k: tokens per grid step (a multiple of 8); the paged kernel takes
       ``max(1, block_k // page_size)`` whole pages per step.
+
+  Example:
+    >>> DecodeBlockSizes(block_k=512).block_k
+    512
   """
   block_k: int = 256
 

@@ -50,6 +50,10 @@ class DecodeBlockSizes:
     block_k: keys per inner-loop step (a power of two >= 16).
     num_warps: warps per program.
     num_stages: software-pipelining depth of the K/V loads.
+
+  Example:
+    >>> DecodeBlockSizes(block_k=128).num_warps
+    4
   """
   block_k: int = 64
   num_warps: int = 4

@@ -58,6 +58,10 @@ class BlockSizes:
     block_q: query rows per tile; a multiple of 128 (lse/delta and segment ids travel as
       lane-dense rows of this length).
     block_k: keys per tile; a multiple of 128 lanes.
+
+  Example:
+    >>> BlockSizes(block_q=256, block_k=512).block_k
+    512
   """
   block_q: int = 128
   block_k: int = 128

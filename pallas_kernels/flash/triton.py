@@ -158,8 +158,9 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     A ``BlockSizes``.
 
   Example:
-    >>> default_block_sizes(128, jnp.bfloat16)
-    BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3, bwd_num_warps=8, bwd_num_stages=3, dkv_q_chunk=64, dq_k_chunk=64, bwd_block_q=128, bwd_block_k=64)
+    >>> bs = default_block_sizes(128, jnp.bfloat16)
+    >>> (bs.block_q, bs.block_k), bs.bwd_tiles, (bs.bwd_num_warps, bs.bwd_num_stages)
+    ((64, 64), (128, 64), (8, 3))
   """
   if head_dim > 256:
     raise ValueError(f"head_dim must be <= 256, got {head_dim}")

@@ -112,6 +112,12 @@ def total_order_key(x):
 
   The order ``lax.top_k`` ranks by; usable inside Triton kernels.
 
+  Args:
+    x: a floating array (converted to fp32).
+
+  Returns:
+    int32 array of x's shape; ``a < b`` in total order iff ``key(a) < key(b)``.
+
   Example:
     >>> total_order_key(jnp.array([-0.0, 0.0, 1.0])).tolist()
     [-1, 0, 1065353216]
