@@ -314,6 +314,12 @@ def _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, *, impl, scal
 
 
 # ----------------------------------------------------------------------------- cache appends
+def _check_new_token(k_new, v_new, b, hk, d, d_v):
+  for name, x, dim in (("k_new", k_new, d), ("v_new", v_new, d_v)):
+    if x.shape != (b, hk, dim):
+      raise ValueError(f"{name} must be [batch, kv_heads, dim] = {(b, hk, dim)}, got {x.shape}")
+
+
 def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
   """Write one new token per sequence at position ``kv_lengths[b]`` (functional update).
 
@@ -323,10 +329,10 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
 
   Args:
     k_cache: [batch, max_len, kv_heads, head_dim].
-    v_cache: same shape as ``k_cache``.
+    v_cache: [batch, max_len, kv_heads, head_dim_v] (head_dim_v may differ, e.g. MLA).
     kv_lengths: int32 [batch], current lengths.
     k_new: [batch, kv_heads, head_dim] (cast to the cache dtype).
-    v_new: [batch, kv_heads, head_dim].
+    v_new: [batch, kv_heads, head_dim_v].
 
   Returns:
     (k_cache, v_cache, kv_lengths + 1).
@@ -337,12 +343,11 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
     >>> float(k2[1, 3, 0, 0]), lens2.tolist()
     (1.0, [1, 4])
   """
+  if k_cache.ndim != 4 or v_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
+    raise ValueError(f"k_cache and v_cache must be [batch, max_len, kv_heads, dim] with the same "
+                     f"first three dims, got {k_cache.shape} and {v_cache.shape}")
   b, max_len, hk, d = k_cache.shape
-  if v_cache.shape != k_cache.shape:
-    raise ValueError(f"k_cache and v_cache shapes differ: {k_cache.shape} vs {v_cache.shape}")
-  for name, x in (("k_new", k_new), ("v_new", v_new)):
-    if x.shape != (b, hk, d):
-      raise ValueError(f"{name} must be [batch, kv_heads, head_dim] = {(b, hk, d)}, got {x.shape}")
+  _check_new_token(k_new, v_new, b, hk, d, v_cache.shape[-1])
   kv_lengths = jnp.asarray(kv_lengths)
   if kv_lengths.shape != (b,):
     raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {kv_lengths.shape}")
@@ -362,11 +367,11 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
 
   Args:
     k_pages: [num_pages, page_size, kv_heads, head_dim].
-    v_pages: same shape as ``k_pages``.
+    v_pages: [num_pages, page_size, kv_heads, head_dim_v] (head_dim_v may differ, e.g. MLA).
     page_table: int32 [batch, max_pages].
     kv_lengths: int32 [batch].
     k_new: [batch, kv_heads, head_dim].
-    v_new: [batch, kv_heads, head_dim].
+    v_new: [batch, kv_heads, head_dim_v].
 
   Returns:
     (k_pages, v_pages, kv_lengths + 1).
@@ -378,9 +383,10 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
     >>> float(kp[3, 1, 0, 0]), lens.tolist()
     (1.0, [18])
   """
+  if k_pages.ndim != 4 or v_pages.ndim != 4 or v_pages.shape[:3] != k_pages.shape[:3]:
+    raise ValueError(f"k_pages and v_pages must be [num_pages, page_size, kv_heads, dim] with the "
+                     f"same first three dims, got {k_pages.shape} and {v_pages.shape}")
   num_pages, page_size, hk, d = k_pages.shape
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}")
   page_table = jnp.asarray(page_table)
   b = page_table.shape[0] if page_table.ndim == 2 else None
   if page_table.ndim != 2:
@@ -388,9 +394,7 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
   kv_lengths = jnp.asarray(kv_lengths)
   if kv_lengths.shape != (b,):
     raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {kv_lengths.shape}")
-  for name, x in (("k_new", k_new), ("v_new", v_new)):
-    if x.shape != (b, hk, d):
-      raise ValueError(f"{name} must be [batch, kv_heads, head_dim] = {(b, hk, d)}, got {x.shape}")
+  _check_new_token(k_new, v_new, b, hk, d, v_pages.shape[-1])
   lens = kv_lengths.astype(jnp.int32)
   slot_page = lens // page_size
   in_table = (lens >= 0) & (slot_page < page_table.shape[1])

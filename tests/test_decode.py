@@ -246,6 +246,28 @@ def test_validation_errors():
     dec.append_kv(k, v, lengths[:1], k[:, 0], v[:, 0])
 
 
+def test_append_kv_values_narrower_than_keys():
+  """MLA-style caches (values narrower than keys) append contiguous and paged; wrong widths and
+  mismatched caches raise."""
+  b, n, hk, d, dv = 2, 32, 2, 24, 16
+  k = jnp.zeros((b, n, hk, d))
+  v = jnp.zeros((b, n, hk, dv))
+  lens = jnp.array([3, 31], jnp.int32)
+  kn, vn = jnp.ones((b, hk, d)), 2 * jnp.ones((b, hk, dv))
+  k2, v2, l2 = dec.append_kv(k, v, lens, kn, vn)
+  assert v2.shape == v.shape and float(v2[1, 31, 0, 0]) == 2.0 and l2.tolist() == [4, 32]
+  pages_k, pages_v = jnp.zeros((4, 16, hk, d)), jnp.zeros((4, 16, hk, dv))
+  table = jnp.array([[3, 1], [0, 2]], jnp.int32)
+  pk, pv, _ = dec.append_kv_paged(pages_k, pages_v, table, lens, kn, vn)
+  assert float(pv[3, 3, 0, 0]) == 2.0 and float(pv[2, 15, 0, 0]) == 2.0
+  with pytest.raises(ValueError, match="v_new must be"):
+    dec.append_kv(k, v, lens, kn, jnp.ones((b, hk, d)))
+  with pytest.raises(ValueError, match="same first three dims"):
+    dec.append_kv(k, jnp.zeros((b, n + 1, hk, dv)), lens, kn, vn)
+  with pytest.raises(ValueError, match="same first three dims"):
+    dec.append_kv_paged(pages_k, jnp.zeros((4, 8, hk, dv)), table, lens, kn, vn)
+
+
 def test_triton_lowers_for_gpu_at_bench_shapes():
   """The Pallas -> Triton lowering runs on CPU: catch lowering errors at the real shapes."""
   S = jax.ShapeDtypeStruct
