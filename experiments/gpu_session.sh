@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call: GPU tests, then the kernel benchmark, logs under $OUT (device tool) or ./gpu_out.
 #   bash experiments/gpu_session.sh [bench args...]
+# Env: SKIP_TESTS=1 / SKIP_BENCH=1, TEST_TIMEOUT / BENCH_TIMEOUT (s), GPU_TESTS (paths).
 # Expects tokamax wheels in .whl/ (../shared/scripts/tokamax_wheels.sh) when comparing with it.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -17,5 +18,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider -o addopts="" ${GPU_TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1
   tail -60 "$OUT/gpu_tests.txt"
 fi
-timeout ${BENCH_TIMEOUT:-280} python3 -m experiments.bench_kernels --out "$OUT/h200_kernels.json" "$@" > "$OUT/bench.txt" 2>&1
-tail -80 "$OUT/bench.txt"
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  timeout ${BENCH_TIMEOUT:-280} python3 -m experiments.bench_kernels --out "$OUT/h200_kernels.json" "$@" > "$OUT/bench.txt" 2>&1
+  tail -80 "$OUT/bench.txt"
+fi
