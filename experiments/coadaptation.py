@@ -27,6 +27,7 @@ Usage::
   python -m experiments.coadaptation --preset smoke --out /tmp/coad     # ~1-2 min on CPU
   python -m experiments.coadaptation --preset cpu --out runs/cpu          # < 30 min, 3 seeds
   python -m experiments.coadaptation --preset h200 --out runs/h200        # one H200, ~10 min
+  python -m experiments.coadaptation --preset h200 --out /tmp/dry --dry-run  # CPU rehearsal, ~4 min
 
 Writes ``OUT/results.json`` ({"rows": [...], "meta": {...}}), ``OUT/table.md``, PNG figures in
 ``OUT/figures/`` and per-run state in ``OUT/runs/<variant>_s<seed>/`` (a killed run restarts
@@ -123,6 +124,7 @@ class Preset:
   ckpt_every: int = 100
   log_every: int = 10
   implementation: str | None = None
+  interpret: bool = False
 
   def task_config(self):
     """The ``TaskConfig`` of this preset."""
@@ -292,7 +294,32 @@ def model_config(preset, layers):
   # attention kernels fp32 q/k/v (IEEE fp32 dots, ~20x slower on the GPU than bf16).
   dtype = None if preset.compute_dtype is None else jnp.dtype(preset.compute_dtype)
   return TransformerConfig(**kwargs, implementation=preset.implementation,
+                           interpret=preset.interpret,
                            param_dtype=jnp.dtype(preset.param_dtype), dtype=dtype)
+
+
+def dry_run_preset(preset):
+  """A few-minute CPU rehearsal of a GPU preset: same model, layers and dtypes, every variant and
+  phase (train, resume checkpoints, eval, analysis, decode timing, figures), but at most 1024
+  tokens, 3 steps and tiny eval sets, with the Pallas Triton kernels in interpret mode, so code
+  paths that only the GPU would take (kernel dtypes, tile constraints, decode) run on the CPU.
+
+  Args:
+    preset: a ``Preset``.
+
+  Returns:
+    A new ``Preset`` (name suffixed "-dryrun").
+
+  Example:
+    >>> p = dry_run_preset(PRESETS["h200"])
+    >>> p.seq_len, p.steps, p.implementation, p.interpret
+    (1024, 3, 'triton', True)
+  """
+  return dataclasses.replace(
+      preset, name=preset.name + "-dryrun", seq_len=min(preset.seq_len, 1024), steps=3,
+      batch_size=2, warmup_steps=1, eval_retrieval=2, eval_text=2, decode_tokens=2,
+      analysis_rows=1, curve_points=2, ckpt_every=2, log_every=1, seeds=1,
+      implementation="triton", interpret=True)
 
 
 def build_model(preset, variant, seed):
@@ -1143,8 +1170,13 @@ def main(argv=None):
   ap.add_argument("--stop-after", type=int, default=None,
                   help="stop after this many training steps (simulated kill; rerun to resume)")
   ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+  ap.add_argument("--dry-run", action="store_true",
+                  help="CPU rehearsal: tiny sizes, Triton kernels in interpret mode (see "
+                       "dry_run_preset)")
   args = ap.parse_args(argv)
   preset = PRESETS[args.preset]
+  if args.dry_run:
+    preset = dry_run_preset(preset)
   if args.steps is not None:
     preset = dataclasses.replace(preset, steps=args.steps,
                                  warmup_steps=min(preset.warmup_steps, max(1, args.steps // 5)))

@@ -245,3 +245,28 @@ def test_compute_dtype_reaches_the_attention_kernels(monkeypatch):
     model = C.build_model(p, "full", 0)
     jax.eval_shape(lambda t: model(t), jnp.zeros((1, p.seq_len), jnp.int32))
     assert seen and all(d == (want,) * 3 for d in seen), (compute, seen)
+
+
+def test_dry_run_preset_runs_the_pallas_kernels_in_interpret_mode(monkeypatch):
+  """--dry-run keeps the model and dtypes of a GPU preset and sends attention through the Triton
+  kernels in interpret mode (the full CLI rehearsal takes minutes; this checks the wiring)."""
+  import jax
+  import jax.numpy as jnp
+  import jattn.attention as api
+  from experiments import coadaptation as C
+  p = C.dry_run_preset(C.PRESETS["h200"])
+  base = C.PRESETS["h200"]
+  assert (p.num_layers, p.d_model, p.head_dim, p.compute_dtype, p.block_size) == (
+      base.num_layers, base.d_model, base.head_dim, base.compute_dtype, base.block_size)
+  assert p.seq_len == 1024 and p.steps == 3 and p.interpret and p.implementation == "triton"
+  seen = []
+  real = api.resolve_implementation
+
+  def spy(implementation=None, **kw):
+    seen.append((implementation, kw.get("interpret")))
+    return real(implementation, **kw)
+
+  monkeypatch.setattr(api, "resolve_implementation", spy)
+  model = C.build_model(p, "full", 0)
+  jax.eval_shape(lambda t: model(t), jnp.zeros((1, p.seq_len), jnp.int32))
+  assert seen and all(s == ("triton", True) for s in seen), seen
