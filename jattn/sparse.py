@@ -12,8 +12,9 @@ The pieces (see docs/sparse.md for the formulas):
 * :func:`captured_mass`: the fraction of full-softmax attention probability inside the kept blocks.
 * Sparse decode: :class:`BlockSummaries` (running key sums per cache block, O(1) per appended
   token), :func:`select_decode_blocks`, :func:`sparse_decode_attention` (contiguous cache) and
-  :func:`sparse_paged_decode_attention` (paged cache); "xla" or the Triton kernel in
-  ``pallas_kernels/sparse/decode.py``.
+  :func:`sparse_paged_decode_attention` (paged cache); "xla", the Triton kernels in
+  ``pallas_kernels/sparse/decode.py`` (GPU default) or the Mosaic TPU kernel in
+  ``pallas_kernels/sparse/decode_tpu.py`` (TPU default).
 * :func:`bench_cases`: the H200 benchmark rows (``experiments/bench_kernels.py --ops sparse``).
 
 Conventions: layout [batch, seq, heads, head_dim]; GQA query head h reads kv head
@@ -1176,6 +1177,9 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   return o.reshape(b, hq, vg.shape[-1]).astype(q.dtype), lse.reshape(b, hq)
 
 
+_DECODE_IMPLEMENTATIONS = (None, "xla", "triton", "mosaic_tpu")
+
+
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
                    num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
                    implementation, interpret, num_splits):
@@ -1196,18 +1200,28 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   nb = _cdiv(k.shape[1], block_size) if page_table is None else page_table.shape[1]
   if block_summaries.num_blocks != nb:
     raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache {nb}")
-  if implementation not in (None, "xla", "triton"):
-    raise ValueError(f"sparse decode supports implementation None, 'xla' or 'triton', got "
-                     f"{implementation!r}")
+  if implementation not in _DECODE_IMPLEMENTATIONS:
+    raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton' or "
+                     f"'mosaic_tpu', got {implementation!r}")
   impl = implementation
   if impl is None:
-    impl = "triton" if compat.default_backend() == "gpu" else "xla"
+    impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(compat.default_backend(), "xla")
+  if impl == "mosaic_tpu" and num_splits not in (None, 1):
+    raise ValueError(f"num_splits applies to the Triton kernel only (the Mosaic TPU kernel "
+                     f"walks each kv head's kept blocks in one pass), got {num_splits}")
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   sel_kw = dict(top_k=top_k, num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
   if impl == "xla":
     indices = _decode_select(q, block_summaries, kv_lengths, **sel_kw)
     out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
+  elif impl == "mosaic_tpu":
+    # Selection in XLA (ascending lists, -1 padded); the kernel DMAs only the kept blocks.
+    from pallas_kernels.sparse.decode_tpu import sparse_decode as tpu_sparse_decode
+    indices = _decode_select(q, block_summaries, kv_lengths, **sel_kw)
+    out, lse = tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
+                                 page_table=page_table, block_size=block_size,
+                                 scale=float(scale), interpret=interpret)
   else:
     # Four launches, no XLA glue: block scores (many programs over the fp32 key sums), the
     # selection (a threshold search, no sort; compact ascending lists and counts), the split-KV
@@ -1253,7 +1267,13 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       (``pallas_kernels.sparse.decode_select``, a threshold search instead of a sort), the
       split-KV kernel whose per-kv-head block lists act as page tables and the log-sum-exp merge
       of its splits (``pallas_kernels.sparse.decode``). block_size must be a power of two >= 16.
-    * None: "triton" on GPU, "xla" elsewhere.
+    * "mosaic_tpu": the selection in XLA, then one Pallas Mosaic TPU kernel
+      (``pallas_kernels.sparse.decode_tpu``) with grid (batch, kv head, kept slot): the kept
+      block ids, counts and page table are scalar-prefetched and the K/V index maps DMA only the
+      kept blocks; one online softmax per GQA group. block_size must give DMAs of a multiple
+      of 8 rows (16 for 16-bit caches); head dims that are not multiples of 128 with several
+      kv heads read every head's rows of a kept block (see ``head_lanes_layout``).
+    * None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere.
 
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
@@ -1268,10 +1288,12 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return lse [batch, q_heads] (fp32, natural log, -inf if empty).
     return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
-    implementation: None, "xla" or "triton".
-    interpret: run the Triton kernel in interpret mode (CPU tests).
+    implementation: None, "xla", "triton" or "mosaic_tpu".
+    interpret: run the Pallas kernel in interpret mode (CPU tests; the TPU interpreter for
+      "mosaic_tpu").
     num_splits: Triton splits per (batch, kv head); default
-      ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM).
+      ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM). The
+      Mosaic TPU kernel has no splits (None or 1).
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
