@@ -63,10 +63,10 @@ def _check(out, lse, ref, ref_lse, lens, tol):
 def test_sparse_decode_mosaic_tpu_interpret(d, dv, hq, hk, dtype, tol):
   """Contiguous and paged (shuffled pages, NaN spare pages, garbage table entries past the
   lengths) against the fp32 reference over the XLA selection, which both paths return. Lengths:
-  0, 1, a length ending mid-block (45 = 2 blocks + 13) whose 3 visible blocks are fewer than
-  the 1 + 1 + top_k slots (so -1 padded slots are skipped), and a full cache (100, a partial
-  last block)."""
-  b, n, bs, top_k = 4, 100, 16, 3
+  0, 1, a length ending mid-block (45 = 2 blocks + 13) whose 3 visible blocks leave 1 candidate
+  for top_k = 2 (so a -1 padded slot is skipped), and a full cache (100, a partial last
+  block; 4 of its 7 blocks kept)."""
+  b, n, bs, top_k = 4, 100, 16, 2
   lens = [100, 0, 1, 45]
   q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(60 + d + hk, b, n, hq, hk, d, dv, bs,
                                                          lens, dtype)
@@ -74,7 +74,7 @@ def test_sparse_decode_mosaic_tpu_interpret(d, dv, hq, hk, dtype, tol):
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   psumm = sp.init_block_summaries(kp, lens, block_size=bs, page_table=table)
   idx_x = jax.jit(functools.partial(sp.select_decode_blocks, top_k=top_k))(q, summ, lens)
-  assert int(jnp.sum(idx_x[3] >= 0)) == 3 * hk and idx_x.shape[-1] == 5   # top_k > visible
+  assert int(jnp.sum(idx_x[3] >= 0)) == 3 * hk and idx_x.shape[-1] == 4   # top_k > visible
   ref, ref_lse, mask = _reference(q, kc, vc, lens, idx_x, bs)
   assert mask[0].sum() < hk * n                                   # sparse: blocks were skipped
   for paged, cache, s in ((False, (kc, vc), summ), (True, (kp, vp, table), psumm)):
