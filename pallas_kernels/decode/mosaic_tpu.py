@@ -149,16 +149,39 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
     lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
 
 
+def group_queries(q, kv_heads, dtype):
+  """q [B, Hq, D] -> ([B, kv_heads, g_pad, D] in ``dtype``, group, g_pad): each kv head's GQA
+  group of query rows, zero padded to a multiple of the sublane tile (8 rows of 32-bit, 16 of
+  16-bit values). Shared by the dense and block-sparse TPU decode kernels.
+
+  Args:
+    q: [batch, q_heads, head_dim]; q_heads a multiple of kv_heads.
+    kv_heads: number of kv heads.
+    dtype: the cache dtype (the dots run in it).
+
+  Returns:
+    (q4 [batch, kv_heads, g_pad, head_dim], group, g_pad).
+
+  Example:
+    >>> q4, group, g_pad = group_queries(jnp.ones((1, 6, 128)), 2, jnp.float32)
+    >>> q4.shape, group, g_pad
+    ((1, 2, 8, 128), 3, 8)
+  """
+  bsz, hq, d = q.shape
+  group = hq // kv_heads
+  sub = 8 if jnp.dtype(dtype).itemsize == 4 else 16
+  g_pad = -(-group // sub) * sub
+  q4 = q.astype(dtype).reshape(bsz, kv_heads, group, d)
+  if g_pad != group:
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
+  return q4, group, g_pad
+
+
 def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, capacity,
           num_splits, scale, window_left, logits_soft_cap, interpret, pages_per_step=1):
   bsz, hq, d = q.shape
   dv = v2.shape[-1]
-  group = hq // kv_heads
-  sub = 8 if jnp.dtype(k2.dtype).itemsize == 4 else 16
-  g_pad = -(-group // sub) * sub
-  q4 = q.astype(k2.dtype).reshape(bsz, kv_heads, group, d)  # dots in the cache dtype
-  if g_pad != group:
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
+  q4, group, g_pad = group_queries(q, kv_heads, k2.dtype)          # dots in the cache dtype
   if scale is None:
     scale = 1.0 / math.sqrt(head_dim)
   num_steps = -(-(-(-capacity // block_k)) // num_splits)          # blocks per split, at most

@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
 from pallas_kernels.decode.checks import check_page_table, check_partials_args
-from pallas_kernels.decode.mosaic_tpu import LANES, _load_head
+from pallas_kernels.decode.mosaic_tpu import LANES, _load_head, group_queries
 
 __all__ = ["sparse_decode", "head_lanes_layout"]
 
@@ -210,11 +210,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
       raise ValueError(f"cache length {rows0} is shorter than one block ({block_size})")
     num_blocks = -(-rows0 // block_size)
     capacity = rows0
-  group = hq // hk
-  g_pad = -(-group // sub) * sub
-  q4 = q.astype(k.dtype).reshape(bsz, hk, group, d)                 # dots in the cache dtype
-  if g_pad != group:
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, g_pad - group), (0, 0)))
+  q4, group, g_pad = group_queries(q, hk, k.dtype)                  # dots in the cache dtype
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   num_slots = indices.shape[-1]
