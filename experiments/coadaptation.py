@@ -374,7 +374,7 @@ def _opt(preset):
   return OptimConfig(lr=preset.lr, warmup_steps=preset.warmup_steps, total_steps=preset.steps)
 
 
-def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True):
+def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True, deadline=None):
   """Train one (variant, seed), resuming from ``run_dir/ckpt`` if a checkpoint is there.
 
   Args:
@@ -384,6 +384,7 @@ def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True):
     run_dir: the run's directory.
     stop_after: stop after this many steps in this call (simulated kill), or None.
     progress: tqdm progress bar.
+    deadline: ``time.monotonic()`` after which training stops (checkpointed), or None.
 
   Returns:
     (trainer, finished: bool).
@@ -396,7 +397,8 @@ def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True):
   finished = trainer.fit(ctx.stream(seed), p.steps, ckpt_dir=os.path.join(run_dir, "ckpt"),
                          ckpt_every=p.ckpt_every, stop_after=stop_after, log_every=p.log_every,
                          desc=f"{variant} s{seed}", progress=progress,
-                         extra_record={"variant": variant, "seed": seed, "preset": p.name})
+                         extra_record={"variant": variant, "seed": seed, "preset": p.name},
+                         deadline=deadline)
   return trainer, finished
 
 
@@ -833,7 +835,7 @@ def finish_run(ctx, variant, seed, run_dir, trainer, *, graphdef=None, params=No
 
 
 def run_experiment(preset, out_dir, *, seeds=None, variants=VARIANTS, stop_after=None,
-                   progress=True, devices=None, log=print, on_row=None):
+                   progress=True, devices=None, log=print, on_row=None, deadline=None):
   """Train, evaluate and analyse every (variant, seed); resumable.
 
   Finished runs (``runs/<variant>_s<seed>/result.json``) are loaded, not redone; an unfinished run
@@ -890,10 +892,11 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=VARIANTS, stop_after
         if on_row:
           on_row(rows)
         continue
-      if budget is not None and budget <= 0:
+      if (budget is not None and budget <= 0) or (
+          deadline is not None and time.monotonic() > deadline):
         return rows, False
       trainer, finished = train_run(ctx, variant, seed, run_dir, stop_after=budget,
-                                    progress=progress)
+                                    progress=progress, deadline=deadline)
       if budget is not None:
         budget -= trainer.step - trainer.fit_start_step
       if not finished:
@@ -1170,6 +1173,10 @@ def main(argv=None):
   ap.add_argument("--stop-after", type=int, default=None,
                   help="stop after this many training steps (simulated kill; rerun to resume)")
   ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+  ap.add_argument("--time-budget", type=float, default=None,
+                  help="seconds: stop training (checkpointed) once this much wall time has "
+                       "passed and exit 3; rerun the same command to continue. Leave room for "
+                       "one variant's evaluation (~1 min on the H200) below a hard limit")
   ap.add_argument("--dry-run", action="store_true",
                   help="CPU rehearsal: tiny sizes, Triton kernels in interpret mode (see "
                        "dry_run_preset)")
@@ -1191,13 +1198,15 @@ def main(argv=None):
   def on_row(rows):  # partial results while the run goes on (results.json only at the end)
     os.makedirs(partial, exist_ok=True)
     write_results(partial, preset, rows, finished=False, wall_s=time.perf_counter() - t0)
+  deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
   rows, finished = run_experiment(preset, args.out, seeds=args.seeds, variants=variants,
                                   stop_after=args.stop_after, progress=not args.no_progress,
-                                  on_row=on_row)
+                                  on_row=on_row, deadline=deadline)
   wall = time.perf_counter() - t0
   if not finished:
-    print(f"[coadaptation] stopped after --stop-after {args.stop_after} steps ({wall:.1f} s); "
-          f"rerun the same command to resume.")
+    why = (f"--stop-after {args.stop_after} steps" if args.stop_after is not None
+           else f"--time-budget {args.time_budget:g} s")
+    print(f"[coadaptation] stopped by {why} ({wall:.1f} s); rerun the same command to resume.")
     return 3
   summary, table, notes = write_results(args.out, preset, rows, finished=True, wall_s=wall)
   figs = make_figures(args.out, rows)

@@ -324,7 +324,7 @@ class Trainer:
 
   # -- training ----------------------------------------------------------------------------------
   def fit(self, stream, total_steps, *, ckpt_dir=None, ckpt_every=100, stop_after=None,
-          log_every=10, desc="train", progress=True, extra_record=None):
+          log_every=10, desc="train", progress=True, extra_record=None, deadline=None):
     """Train to ``total_steps`` (resuming from ``ckpt_dir`` when it holds a checkpoint).
 
     Args:
@@ -339,9 +339,12 @@ class Trainer:
       desc: progress-bar label.
       progress: show a tqdm progress bar.
       extra_record: JSON-able dict stored with every checkpoint.
+      deadline: ``time.monotonic()`` value after which training stops at the next step (with a
+        checkpoint, like ``stop_after``); None: no limit.
 
     Returns:
-      True if ``total_steps`` was reached, False if stopped early by ``stop_after``.
+      True if ``total_steps`` was reached, False if stopped early by ``stop_after`` or
+      ``deadline``.
     """
     from tqdm.auto import tqdm
     manager = None
@@ -386,6 +389,8 @@ class Trainer:
         bar.update(1)
         if manager is not None and self.step % ckpt_every == 0 and self.step < end:
           self.save(manager, dict(data=stream.state(self.step), **(extra_record or {})))
+        if deadline is not None and time.monotonic() > deadline:
+          break
     finally:
       bar.close()
     if manager is not None:

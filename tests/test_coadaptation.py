@@ -184,6 +184,24 @@ def test_resume_is_exact(tmp_path):
              for a, b in zip(p0, jax.tree.leaves(ref.params)))
 
 
+def test_deadline_stops_with_a_checkpoint_and_resumes(tmp_path):
+  """--time-budget: a passed deadline stops training after the current step with a checkpoint
+  (run_experiment reports unfinished); the same call without a deadline continues from there."""
+  import time
+  preset = _tiny(steps=4)
+  ctx = C.Context(preset, devices=jax.devices()[:1])
+  run_dir = str(tmp_path / "r")
+  part, done = C.train_run(ctx, "full", 0, run_dir, progress=False,
+                           deadline=time.monotonic() - 1.0)
+  assert not done and part.step == 1
+  res, done = C.train_run(ctx, "full", 0, run_dir, progress=False)
+  assert done and res.fit_start_step == 1 and res.step == 4
+  rows, finished = C.run_experiment(preset, str(tmp_path / "x"), variants=("full",),
+                                    progress=False, devices=jax.devices()[:1],
+                                    deadline=time.monotonic() - 1.0)
+  assert rows == [] and not finished
+
+
 DP_SCRIPT = textwrap.dedent("""
   import json, jax, numpy as np
   from experiments import coadaptation as C
