@@ -369,6 +369,18 @@ def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
   return (group, num_tiles, batch * heads // group), 1, index
 
 
+def _tile_specs(order, tile_of):
+  """``spec(shape, f)`` -> a BlockSpec whose index map runs ``f(tile, batch, head)`` on the
+  program's (tile, batch, head) under launch ``order`` (from ``_launch_order``); ``tile_of`` maps
+  the launch-order tile number to the tile the kernel works on."""
+  def spec(shape, f):
+    def index_map(*p):
+      t, bi, h = order(*p)
+      return f(tile_of(t), bi, h)
+    return pl.BlockSpec(shape, index_map)
+  return spec
+
+
 def _logits(q, k, st: _Static):
   """Scaled (and soft-capped) logits in the base-2 domain, and tanh(x/cap) for the backward.
 
@@ -514,11 +526,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
 
   grid, tile_axis, order = _launch_order(st, nq, b, hq)
 
-  def spec(shape, f):  # f(query tile, batch, head) -> block index
-    def index_map(*p):
-      t, bi, h = order(*p)
-      return f(nq - 1 - t, bi, h)
-    return pl.BlockSpec(shape, index_map)
+  spec = _tile_specs(order, lambda t: nq - 1 - t)
 
   in_specs = [
       spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
@@ -683,17 +691,9 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
   has_seg = q_seg is not None
   params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
 
-  def specs(order, tile_of):
-    def spec(shape, f):  # f(tile, batch, head) -> block index
-      def index_map(*p):
-        t, bi, h = order(*p)
-        return f(tile_of(t), bi, h)
-      return pl.BlockSpec(shape, index_map)
-    return spec
-
   # dK / dV: programs over (kv tile, batch, kv head); kv tile 0 is the heaviest causal one.
   grid, tile_axis, order = _launch_order(st, nk, b, hk)
-  spec = specs(order, lambda t: t)
+  spec = _tile_specs(order, lambda t: t)
   rb, rh = _row_index_maps(bwd_rows)
   in_specs = [
       spec((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
@@ -726,7 +726,7 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
 
   # dQ: programs over (query tile, batch, query head), heaviest causal query tiles first.
   grid, tile_axis, order = _launch_order(st, nq, b, hq)
-  spec = specs(order, lambda t: nq - 1 - t)
+  spec = _tile_specs(order, lambda t: nq - 1 - t)
   rb, rh = _row_index_maps(fwd_rows)
   in_specs = [
       spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),          # q
