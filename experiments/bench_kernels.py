@@ -128,7 +128,7 @@ def flash_impls(causal, window):
   return impls
 
 
-def bench_flash(cases, *, with_bwd=True, check_heads=2):
+def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None):
   for (b, s, h, d, causal, window) in cases:
     case = f"B{b} S{s // 1024}K H{h} D{d}" + (" causal" if causal else "") + (
         f" window{window[0] + 1}" if window else "")
@@ -154,6 +154,8 @@ def bench_flash(cases, *, with_bwd=True, check_heads=2):
           q_, k_, v_, causal=causal, local_window_size=window)[0].astype(jnp.float32)
           * sl(ct).astype(jnp.float32)), argnums=(0, 1, 2))(sl(q), sl(k), sl(v))
     for name, f in flash_impls(causal, window).items():
+      if impls is not None and name not in impls:
+        continue
       if name == "jax_nn_xla" and s > 4096:
         print("  jax_nn_xla: skipped above 4K (materialises the logits; fwd+bwd needs 80 GiB at 16K)")
         continue
@@ -262,6 +264,10 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="4K cases only")
   p.add_argument("--seqs", default="4096,16384", help="flash sequence lengths")
   p.add_argument("--no-sweep", action="store_true", help="decode: no block-size sweep")
+  p.add_argument("--impls", default=None,
+                 help="flash: comma list of implementation names to time (default: all)")
+  p.add_argument("--masks", default="dense,causal,window",
+                 help="flash: comma list of mask kinds among dense, causal, window")
   args = p.parse_args(argv)
   ops = args.ops.split(",")
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -269,11 +275,14 @@ def main(argv=None):
   if "flash" in ops:
     cases = []
     for s in ((4096,) if args.quick else tuple(int(x) for x in args.seqs.split(","))):
-      for causal in (False, True):
-        cases.append((2, s, 16, 128, causal, None))
-      cases.append((2, s, 16, 128, True, (511, 0)))
-    bench_flash(cases)
-    if not args.quick:
+      masks = args.masks.split(",")
+      for causal, kind in ((False, "dense"), (True, "causal")):
+        if kind in masks:
+          cases.append((2, s, 16, 128, causal, None))
+      if "window" in masks:
+        cases.append((2, s, 16, 128, True, (511, 0)))
+    bench_flash(cases, impls=None if args.impls is None else set(args.impls.split(",")))
+    if not args.quick and args.impls is None:
       bench_flash_packed()
   if "decode" in ops:
     bench_decode(sweep=not args.no_sweep)
