@@ -1223,25 +1223,25 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                                  page_table=page_table, block_size=block_size,
                                  scale=float(scale), interpret=interpret)
   else:
-    # Four launches, no XLA glue: block scores (many programs over the fp32 key sums), the
-    # selection (a threshold search, no sort; compact ascending lists and counts), the split-KV
-    # attention over the kept blocks, and the log-sum-exp merge of the splits.
+    # Three launches, no XLA glue: block scores (many programs over the fp32 key sums), the
+    # selection (a threshold search, no sort; compact ascending lists, counts and zeroed
+    # arrival counters), and the split-KV attention over the kept blocks whose last split to
+    # finish per (batch, kv head) merges the splits (an atomic arrival counter).
     _check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
-    from pallas_kernels.sparse.decode import (default_num_splits, merge_decode_partials,
-                                              sparse_decode_partials)
+    from pallas_kernels.sparse.decode import default_num_splits, sparse_decode
     from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
     lengths = jnp.asarray(kv_lengths, jnp.int32)
     width = _decode_width(nb, top_k, num_init_blocks, num_local_blocks)
     scores = decode_block_scores(q, block_summaries.sums, block_summaries.lengths,
                                  block_size=block_size, interpret=interpret)
-    indices, counts = select_decode_slots(scores, lengths, block_size=block_size,
-                                          max_selected=width, interpret=interpret, **sel_kw)
+    indices, counts, arrivals = select_decode_slots(
+        scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
+        return_arrivals=True, **sel_kw)
     if num_splits is None:
       num_splits = default_num_splits(q.shape[0], k.shape[2], width)
-    outs, lses = sparse_decode_partials(q, k, v, lengths, indices, page_table, counts,
-                                        block_size=block_size, num_splits=int(num_splits),
-                                        scale=float(scale), interpret=interpret)
-    out, lse = merge_decode_partials(outs, lses, out_dtype=q.dtype, interpret=interpret)
+    out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
+                             block_size=block_size, num_splits=int(num_splits),
+                             scale=float(scale), out_dtype=q.dtype, interpret=interpret)
   res = (out,)
   if return_lse:
     res += (lse,)
@@ -1263,10 +1263,11 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
   Implementations:
     * "xla": gathers the kept blocks of each kv head (advanced indexing, never a copy of the whole
       cache), then one softmax.
-    * "triton": four Pallas kernels: block scores and the top-k selection
-      (``pallas_kernels.sparse.decode_select``, a threshold search instead of a sort), the
-      split-KV kernel whose per-kv-head block lists act as page tables and the log-sum-exp merge
-      of its splits (``pallas_kernels.sparse.decode``). block_size must be a power of two >= 16.
+    * "triton": three Pallas kernels: block scores and the top-k selection
+      (``pallas_kernels.sparse.decode_select``, a threshold search instead of a sort), then the
+      split-KV kernel whose per-kv-head block lists act as page tables and whose last split to
+      finish per (batch, kv head) merges the splits by log-sum-exp
+      (``pallas_kernels.sparse.decode.sparse_decode``). block_size must be a power of two >= 16.
     * "mosaic_tpu": the selection in XLA, then one Pallas Mosaic TPU kernel
       (``pallas_kernels.sparse.decode_tpu``) with grid (batch, kv head, kept slot): the kept
       block ids, counts and page table are scalar-prefetched and the K/V index maps DMA only the

@@ -1,6 +1,7 @@
 """Tests of jattn.sparse: selection rules, block-sparse attention, gate gradients, captured mass,
 sparse decode. Brute-force numpy/jnp references are written here, independent of the module."""
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -1004,3 +1005,108 @@ def test_sparse_decode_partials_value_width():
   with pytest.raises(ValueError, match="agree"):
     sp.sparse_decode_attention(q, k, k[:, :, :1, :32], jnp.array([40]), summ, block_size=16,
                                top_k=1, implementation="xla")
+
+
+# ----------------------------------------------------------------------------- merged decode kernel
+def _selection_reference(q, kc, vc, lens, idx, bs):
+  """fp32 dense attention restricted to the kept blocks ``idx`` [b, hk, m] (-1 padded)."""
+  b, n, hk, _ = kc.shape
+  idx = np.asarray(idx)
+  mask = np.zeros((b, hk, 1, n), bool)
+  for bi in range(b):
+    for g in range(hk):
+      for j in idx[bi, g][idx[bi, g] >= 0]:
+        mask[bi, g, 0, j * bs:min((j + 1) * bs, int(lens[bi]))] = True
+  up = lambda x: jnp.asarray(x, jnp.float32)
+  ref, ref_lse = attention_reference(up(q)[:, None], up(kc), up(vc), block_mask=jnp.asarray(mask))
+  return ref[:, 0], ref_lse[:, :, 0]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-3), (jnp.bfloat16, 2e-2)])
+def test_sparse_decode_merged_kernel(dtype, tol):
+  """The one-launch attention + in-kernel merge (interpret) vs the fp32 reference restricted to
+  the selection and vs the two-kernel path (partials + merge kernel): contiguous and paged
+  (shuffled pages, NaN spare pages), GQA group 3, values narrower than keys, lengths 0, 1,
+  mid-block and full, top_k larger than the visible blocks, 1 split, several, more splits than
+  kept blocks, and split orders in which another split than the last arrives last."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode import (merge_decode_partials, sparse_decode,
+                                            sparse_decode_partials)
+  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+  b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 9       # 7 blocks: top_k > visible
+  lens_l = [100, 0, 1, 45]
+  q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(61, b, n, hq, hk, d, dv, bs, lens_l,
+                                                         dtype)
+  lens = jnp.array(lens_l, jnp.int32)
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  nb = summ.num_blocks
+  width = sp._decode_width(nb, top_k, 1, 1)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
+  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
+  idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
+                                      return_arrivals=True, **kw)
+  np.testing.assert_array_equal(np.asarray(arr), 0)
+  np.testing.assert_array_equal(np.asarray(cnt), [[7, 7], [0, 0], [1, 1], [3, 3]])
+  ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
+  caches = {"contiguous": (kc, vc, None), "paged": (kp, vp, table)}
+  for (name, (k, v, pt)), (splits, stride) in itertools.product(
+      caches.items(), [(1, 1), (2, 1), (3, 2), (5, 3), (8, 5)]):
+    msg = f"{name} splits={splits} stride={stride}"
+    out, lse = sparse_decode(q, k, v, lens, idx, pt, cnt, arr, block_size=bs, num_splits=splits,
+                             interpret=True, _split_stride=stride)
+    assert out.shape == (b, hq, dv) and out.dtype == dtype, msg
+    assert not np.isnan(np.asarray(out, np.float32)).any(), msg
+    assert _rel(out, ref) < tol, (msg, _rel(out, ref))
+    assert np.all(np.asarray(out[1], np.float32) == 0), msg
+    assert np.all(np.isneginf(np.asarray(lse[1]))), msg
+    np.testing.assert_allclose(np.asarray(lse)[[0, 2, 3]], np.asarray(ref_lse)[[0, 2, 3]],
+                               rtol=1e-4, atol=1e-4, err_msg=msg)
+    parts = sparse_decode_partials(q, k, v, lens, idx, pt, cnt, block_size=bs,
+                                   num_splits=splits, interpret=True)
+    two, two_lse = merge_decode_partials(*parts, out_dtype=dtype, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(two, np.float32),
+                                  err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(two_lse), err_msg=msg)
+  # Without counters from the selection kernel the wrapper makes zeros.
+  out, _ = sparse_decode(q, kc, vc, lens, idx, None, cnt, block_size=bs, num_splits=3,
+                         interpret=True)
+  assert _rel(out, ref) < tol
+  with pytest.raises(ValueError, match="coprime"):
+    sparse_decode(q, kc, vc, lens, idx, None, cnt, block_size=bs, num_splits=4,
+                  interpret=True, _split_stride=2)
+  with pytest.raises(ValueError, match="arrivals must be"):
+    sparse_decode(q, kc, vc, lens, idx, None, cnt, arr[:, :1], block_size=bs, num_splits=2,
+                  interpret=True)
+
+
+def test_sparse_decode_triton_is_three_launches():
+  """At the issue-5 bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks), the "triton"
+  sparse decode lowers (for CUDA, on the CPU) to exactly three Triton kernels and nothing that
+  XLA would launch between them besides (no memset: the selection kernel zeroes the arrival
+  counters, which the attention kernel updates in place); contiguous and paged."""
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  n, bs = 131072, 64
+  nb = n // bs
+  summ = sp.BlockSummaries(sums=S((1, nb, 8, 128), jnp.float32), lengths=S((1,), jnp.int32),
+                           block_size=bs)
+  kw = dict(top_k=387, implementation="triton", num_splits=33)      # the H200 default
+  contiguous = lambda q, k, v, lens, s: sp.sparse_decode_attention(q, k, v, lens, s,
+                                                                   block_size=bs, **kw)
+  paged = lambda q, k, v, pt, lens, s: sp.sparse_paged_decode_attention(q, k, v, pt, lens, s,
+                                                                        **kw)
+  cases = [(contiguous, (S((1, 32, 128), bf16), S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16),
+                         S((1,), jnp.int32), summ)),
+           (paged, (S((1, 32, 128), bf16), S((nb + 4, bs, 8, 128), bf16),
+                    S((nb + 4, bs, 8, 128), bf16), S((1, nb), jnp.int32), S((1,), jnp.int32),
+                    summ))]
+  for fn, args in cases:
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
+        *args).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3
+    assert "grid_z = 33" in text
+    assert "output_operand_alias" in text                          # counters updated in place
+    for op in ("stablehlo.broadcast", "stablehlo.constant dense<0> : tensor<1x8xi32>",
+               "stablehlo.sort", "stablehlo.reduce"):
+      assert op not in text, op

@@ -15,11 +15,19 @@ iteration and Triton can double-buffer the K/V copies. All query heads of the gr
 than keys (MLA: keys carry extra rope dims): V tiles, the accumulator and the output are
 [.., dv_pad] with their own column mask, so V rows are read with V's own width.
 
-The splits' partial (out, lse) are merged by log-sum-exp in :func:`merge_decode_partials`, one
-small kernel that also casts to the output dtype (the same arithmetic as
-``jattn.merge.merge_partials``, which XLA runs as several reduction kernels).
+Two ways to combine the splits' partial (out, lse):
 
-File layout: attention kernel body and wrapper, merge kernel body and wrapper.
+* :func:`sparse_decode` (used by ``jattn.sparse``'s "triton" path): the merge is folded into
+  the attention kernel. Each split stores its partial to an HBM scratch and atomically counts
+  its arrival on a per-(batch, kv head) counter; the split that arrives last merges the group's
+  partials by log-sum-exp and writes the output in its dtype. One launch.
+* :func:`sparse_decode_partials` returns the partials and :func:`merge_decode_partials` merges
+  them in a second small kernel (the same arithmetic as ``jattn.merge.merge_partials``, which
+  XLA runs as several reduction kernels). Two launches; kept for comparison and as building
+  blocks.
+
+File layout: attention kernel body, wrappers (partials, merged), merge helper, merge kernel and
+wrapper.
 """
 from __future__ import annotations
 
@@ -34,26 +42,42 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import compat
 from pallas_kernels.decode.triton import load_group_query
 
-__all__ = ["sparse_decode_partials", "merge_decode_partials", "default_num_splits"]
+__all__ = ["sparse_decode", "sparse_decode_partials", "merge_decode_partials",
+           "default_num_splits"]
+
+
+def _pow2(n):
+  return max(16, pl.next_power_of_2(int(n)))
 
 
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
-            head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged):
+            head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
+            merge=False, split_stride=1):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
   [B, Hq, D]; k [B, N, Hk, D] and v [B, N, Hk, Dv] (contiguous) or [P * block, Hk, D | Dv]
-  (paged, page table [B, max_pages] first in ``rest``); outputs o [B, S, Hq, Dv] fp32 and lse
-  [B, S, Hq] fp32.
+  (paged, page table [B, max_pages] first in ``rest``). Then, without ``merge``: outputs o
+  [B, S, Hq, Dv] fp32 and lse [B, S, Hq] fp32 (the partials). With ``merge`` and S > 1: the
+  arrival counters [B, Hk] int32 (input, aliased to the third output), outputs out [B, Hq, Dv]
+  (final dtype), lse [B, Hq] fp32, the counters, and the partials o [B, S, Hq, Dv] and lse
+  [B, S, Hq] (scratch in HBM); with ``merge`` and S == 1 just out and lse.
   """
   if paged:
-    pt_ref, o_ref, lse_ref = rest
+    pt_ref, *rest = rest
   else:
     pt_ref = None
+  if not merge:
     o_ref, lse_ref = rest
+  elif num_splits == 1:
+    out_ref, lse_out_ref = rest
+  else:
+    _, out_ref, lse_out_ref, arr_ref, o_ref, lse_ref = rest
   b = pl.program_id(0)
   h = pl.program_id(1)
   split = pl.program_id(2)
+  if split_stride != 1:                  # tests: make a split other than S-1 arrive last
+    split = (split * split_stride) % num_splits
   length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[b]), capacity), 0)   # scalar
   if cnt_ref is None:
     n_slots = jnp.int32(num_slots)
@@ -119,8 +143,33 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   l_safe = jnp.where(empty, 1.0, l)
   out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+  if merge and num_splits == 1:                                      # nothing to merge
+    plgpu.store(out_ref.at[b, q_rows[:, None], vcols[None, :]], out.astype(out_ref.dtype),
+                mask=o_mask)
+    plgpu.store(lse_out_ref.at[b, q_rows], lse, mask=row_ok)
+    return
   plgpu.store(o_ref.at[b, split, q_rows[:, None], vcols[None, :]], out, mask=o_mask)
   plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
+  if not merge:
+    return
+  # Arrival: the split whose increment brings the counter of (b, h) to num_splits merges all
+  # partials of the group. Memory order: the atomic is acq_rel at GPU scope but Triton issues
+  # a scalar atomic from one thread, so every thread's partial stores must be ordered before
+  # it by a CTA barrier. ``arrived`` (= 1) is a reduction over the whole [g_pad, dv_pad] tile,
+  # which spans all warps and therefore passes through shared memory and a barrier placed
+  # after the stores above; the increment depends on it, so the barrier cannot be dropped or
+  # moved past the atomic. The winner reads the partials after the atomic's result has been
+  # broadcast to its threads (shared memory + barrier), so its loads follow the acquire.
+  tile = row_ok[:, None] & (vcols < head_dim_v)[None, :]             # [g_pad, dv_pad]
+  arrived = jnp.minimum(jnp.sum(tile.astype(jnp.int32)), 1)
+  ticket = plgpu.atomic_add(arr_ref, (b, h), arrived)
+
+  @pl.when(ticket == num_splits - 1)
+  def _merge():
+    for g in range(group):
+      _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, b, h * group + g,
+                  num_splits=num_splits, s_pad=_pow2(num_splits), head_dim=head_dim_v,
+                  d_pad=dv_pad)
 
 
 def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, programs_per_core=2,
@@ -196,9 +245,25 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     >>> o.shape
     (1, 2, 4, 8)
   """
+  kernel, grid, (bsz, hq, dv), args = _prepare(
+      q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
+      num_splits=num_splits, scale=scale, merge=False, split_stride=1)
+  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
+               jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=grid,
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="jattn_sparse_decode")(*args)
+
+
+def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, num_splits, scale,
+             merge, split_stride):
+  """Checks shapes; returns (kernel, grid, (batch, q_heads, head_dim_v), kernel args)."""
   if block_size < 16 or block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two >= 16 for the Triton sparse decode "
                      f"kernel, got {block_size}")
+  if int(num_splits) < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
   bsz, hq, d = q.shape
   dv = v.shape[-1]
   if k.ndim != 4 or k.shape[-1] != d or v.shape[:-1] != k.shape[:-1]:
@@ -222,29 +287,90 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
   if counts is not None and counts.shape != (bsz, hk):
     raise ValueError(f"counts must be [batch, kv_heads] = [{bsz}, {hk}], got {counts.shape}")
   group = hq // hk
-  g_pad = max(16, pl.next_power_of_2(group))
-  d_pad = max(16, pl.next_power_of_2(d))
-  dv_pad = max(16, pl.next_power_of_2(dv))
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   kernel = functools.partial(_kernel, scale=float(scale), block=block_size, group=group,
-                             g_pad=g_pad, head_dim=d, d_pad=d_pad, head_dim_v=dv,
-                             dv_pad=dv_pad, num_splits=num_splits,
-                             num_slots=indices.shape[-1], capacity=capacity, paged=paged)
+                             g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d), head_dim_v=dv,
+                             dv_pad=_pow2(dv), num_splits=int(num_splits),
+                             num_slots=indices.shape[-1], capacity=capacity, paged=paged,
+                             merge=merge, split_stride=int(split_stride))
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
-  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
-               jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
   if counts is not None:
     args.append(counts.astype(jnp.int32))
   args += [q, k, v]
   if paged:
     args.append(page_table.astype(jnp.int32))
-  return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(bsz, hk, num_splits),
+  return kernel, (bsz, hk, int(num_splits)), (bsz, hq, dv), args
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "out_dtype",
+                                             "num_warps", "num_stages", "interpret",
+                                             "_split_stride"))
+def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, arrivals=None, *,
+                  block_size, num_splits, scale=None, out_dtype=None, num_warps=4, num_stages=3,
+                  interpret=False, _split_stride=1):
+  """Decode attention over each kv head's selected cache blocks, splits merged in-kernel (Triton).
+
+  The kernel of :func:`sparse_decode_partials` with the merge folded in: each (batch, kv head,
+  split) program stores its partial (out, lse) to an HBM scratch, then increments the
+  (batch, kv head)'s arrival counter (``pl`` Triton ``atomic_add``, acq_rel, GPU scope); the
+  program that arrives last merges the ``num_splits`` partials of the group's query heads by
+  log-sum-exp (the arithmetic of :func:`merge_decode_partials`) and writes the output. One
+  launch instead of two; with ``num_splits == 1`` there is no counter and no scratch.
+
+  Args:
+    q, k, v, kv_lengths, indices, page_table, counts, block_size, scale, num_warps,
+      num_stages, interpret: as :func:`sparse_decode_partials`.
+    arrivals: None or int32 [batch, kv_heads] of zeros: the arrival counters (donated to the
+      kernel; e.g. ``select_decode_slots(..., return_arrivals=True)``'s, which costs no extra
+      launch). None makes zeros (an XLA memset before the kernel). Ignored when num_splits == 1.
+    num_splits: splits of each selected list.
+    out_dtype: dtype of the output (default q.dtype).
+    _split_stride: tests only: program s handles split (s * stride) % num_splits (coprime with
+      num_splits), so in the interpreter, which runs programs in order, another split than the
+      last arrives last.
+
+  Returns:
+    (out [batch, q_heads, head_dim_v] in out_dtype, lse [batch, q_heads] fp32; rows that see
+    no key give 0 and -inf).
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))
+    >>> idx = jnp.array([[[2, 0], [1, -1]]], jnp.int32)
+    >>> out, lse = sparse_decode(q, k, k, jnp.array([40], jnp.int32), idx, block_size=16,
+    ...                          num_splits=2, interpret=True)
+    >>> out.shape, lse.shape
+    ((1, 4, 16), (1, 4))
+  """
+  if math.gcd(int(_split_stride), int(num_splits)) != 1:
+    raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits "
+                     f"{num_splits}")
+  kernel, grid, (bsz, hq, dv), args = _prepare(
+      q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
+      num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride)
+  hk = grid[1]
+  out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  out_shape = [jax.ShapeDtypeStruct((bsz, hq, dv), out_dtype),
+               jax.ShapeDtypeStruct((bsz, hq), jnp.float32)]
+  aliases = {}
+  if num_splits > 1:
+    if arrivals is None:
+      arrivals = jnp.zeros((bsz, hk), jnp.int32)
+    elif arrivals.shape != (bsz, hk):
+      raise ValueError(f"arrivals must be [batch, kv_heads] = [{bsz}, {hk}], got "
+                       f"{arrivals.shape}")
+    aliases = {len(args): 2}
+    args.append(arrivals.astype(jnp.int32))
+    out_shape += [jax.ShapeDtypeStruct((bsz, hk), jnp.int32),
+                  jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
+  res = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret, name="jattn_sparse_decode")(*args)
+      interpret=interpret, name="jattn_sparse_decode_merged")(*args)
+  return res[0], res[1]
 
 
 def _no_counts(kernel, lens_ref, idx_ref, *refs):
@@ -252,13 +378,12 @@ def _no_counts(kernel, lens_ref, idx_ref, *refs):
 
 
 # ----------------------------------------------------------------------------- merge
-def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits, s_pad, head_dim, d_pad):
-  """One (batch, query head) program: log-sum-exp merge of its num_splits partials.
+def _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, b, hh, *, num_splits, s_pad, head_dim,
+                d_pad):
+  """Log-sum-exp merge of query head ``hh``'s num_splits partials of sequence ``b``.
 
   Refs: o [B, S, Hq, D] fp32; lse [B, S, Hq] fp32; outputs out [B, Hq, D] and lse [B, Hq].
   """
-  b = pl.program_id(0)
-  hh = pl.program_id(1)
   srows = jnp.arange(s_pad, dtype=jnp.int32)                         # [s_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
   s_ok = srows < num_splits
@@ -275,6 +400,12 @@ def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits, s_pad, he
   out = jnp.sum(contrib * (w / total_safe)[:, None], axis=0)         # [d_pad]
   plgpu.store(out_ref.at[b, hh, cols], out.astype(out_ref.dtype), mask=cols < head_dim)
   plgpu.store(lse_out_ref.at[b, hh], jnp.where(empty, -jnp.inf, m + jnp.log(total_safe)))
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits, s_pad, head_dim, d_pad):
+  """One (batch, query head) program: log-sum-exp merge of its num_splits partials."""
+  _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, pl.program_id(0), pl.program_id(1),
+              num_splits=num_splits, s_pad=s_pad, head_dim=head_dim, d_pad=d_pad)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "num_warps", "interpret"))
@@ -304,8 +435,8 @@ def merge_decode_partials(outs, lses, *, out_dtype=None, num_warps=4, interpret=
   if lses.shape != (bsz, ns, hq):
     raise ValueError(f"lses must be {(bsz, ns, hq)}, got {lses.shape}")
   out_dtype = outs.dtype if out_dtype is None else jnp.dtype(out_dtype)
-  kernel = functools.partial(_merge_kernel, num_splits=ns, s_pad=max(16, pl.next_power_of_2(ns)),
-                             head_dim=d, d_pad=max(16, pl.next_power_of_2(d)))
+  kernel = functools.partial(_merge_kernel, num_splits=ns, s_pad=_pow2(ns), head_dim=d,
+                             d_pad=_pow2(d))
   return pl.pallas_call(
       kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
                          jax.ShapeDtypeStruct((bsz, hq), jnp.float32)],

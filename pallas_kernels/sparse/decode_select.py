@@ -126,12 +126,12 @@ def total_order_key(x):
   return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *, block, num_blocks, nb_pad, num_init,
+def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
                    num_local, top_k, width):
   """One (batch, kv head) program.
 
   Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
-  int32 and cnt [B, Hk] int32.
+  int32, cnt [B, Hk] int32 and optionally arrival counters [B, Hk] int32 (set to 0).
   """
   b = pl.program_id(0)
   h = pl.program_id(1)
@@ -173,13 +173,16 @@ def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *, block, num_blocks, nb_pa
   slot = jnp.where(keep, incl - 1, count + j - incl)
   plgpu.store(idx_ref.at[b, h, slot], jnp.where(keep, j, -1), mask=slot < width)
   plgpu.store(cnt_ref.at[b, h], count)
+  if arr:                                      # zeroed counters for the merged decode kernel
+    plgpu.store(arr[0].at[b, h], jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
                                              "num_local_blocks", "max_selected", "num_warps",
-                                             "interpret"))
+                                             "interpret", "return_arrivals"))
 def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_blocks,
-                        num_local_blocks, max_selected, num_warps=None, interpret=False):
+                        num_local_blocks, max_selected, num_warps=None, interpret=False,
+                        return_arrivals=False):
   """Kept blocks of one decode query per sequence: initial, local and the top_k by score.
 
   Args:
@@ -192,10 +195,12 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
       (min(init + local + top_k, num_blocks)).
     num_warps: launch parameter; default grows with the block count.
     interpret: run in the Pallas interpreter (CPU tests).
+    return_arrivals: also return int32 [batch, kv_heads] zeros written by this kernel: the
+      arrival counters of ``pallas_kernels.sparse.decode.sparse_decode`` (no memset launch).
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
-    counts int32 [batch, kv_heads]).
+    counts int32 [batch, kv_heads]), then the zeroed counters if ``return_arrivals``.
 
   Example:
     >>> s = jnp.array([[[0.0, 5.0, 1.0, 3.0, 2.0, 9.0]]])
@@ -213,9 +218,12 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
                              nb_pad=nb_pad, num_init=int(num_init_blocks),
                              num_local=int(num_local_blocks), top_k=int(min(top_k, nb)),
                              width=int(max_selected))
+  out_shape = [jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
+               jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
+  if return_arrivals:
+    out_shape.append(jax.ShapeDtypeStruct((bsz, hk), jnp.int32))
   return pl.pallas_call(
-      kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
-                         jax.ShapeDtypeStruct((bsz, hk), jnp.int32)],
+      kernel, out_shape=out_shape,
       grid=(bsz, hk),
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
       interpret=interpret, name="jattn_sparse_decode_select")(
