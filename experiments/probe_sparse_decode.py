@@ -6,7 +6,11 @@ blocks, + the initial and the local block). Rows:
 
 * ``dense``: ``jattn.decode.decode_attention(implementation="triton")`` (the bench baseline).
 * ``sparse``: ``sparse_decode_attention(implementation="triton")``, selection included (the
-  bench's timed call): four kernels (scores, select, attend, merge).
+  bench's timed call): three kernels (scores, select, attend with the merge folded in: the
+  last split to arrive merges).
+* ``sparse_4k``: the previous four-kernel path, built from the same public kernels (scores,
+  select, ``sparse_decode_partials``, ``merge_decode_partials``) at the same split count: the
+  old-vs-new comparison of the in-kernel merge (``summary.merged_vs_4k_*``).
 * stages of it, each alone on precomputed inputs: ``scores`` (decode_block_scores),
   ``select`` (select_decode_slots), ``attend`` (sparse_decode_partials with counts; also at
   several split counts), ``merge`` (merge_decode_partials).
@@ -15,13 +19,21 @@ blocks, + the initial and the local block). Rows:
   selection + attend over the unsorted-free list + XLA merge, as before the kernels).
 * ``sparse_xla``: the pure XLA implementation.
 
-Two timings per row: ``host_ms`` is the bench's method (median of host-timed loops of async
-calls, rotating 3 input sets: includes dispatch when dispatch is slower than the GPU) and
-``device_ms`` = (time of one jitted program running the op on ``--unroll`` different queries)
-/ unroll: the GPU time per call without per-call dispatch.
+Three timings per row: ``host_ms`` is the bench's method (median of host-timed loops of async
+calls, rotating 3 input sets: includes dispatch when dispatch is slower than the GPU);
+``unroll_ms`` = (host time of one jitted program running the op on ``--unroll`` (16) different
+queries, back to back) / unroll, as in a model's decode step; ``device_ms`` = the slope
+(T(unroll) - T(unroll/2)) / (unroll/2) of such programs: the GPU time per call without the
+per-program dispatch.
+
+Checks (same run, fp32 references on input set 0): new and old paths vs attention restricted to
+the selection, new == old (the same partials, the same merge arithmetic), and the new path run
+``--repeat`` times on the same inputs gives bit-identical outputs (a split that merged before
+all partials were visible would show up here as a mismatch or a wrong result).
 
 Usage (GPU, < 60 s):  python experiments/probe_sparse_decode.py --out /tmp/probe.json
 CPU smoke test:       python experiments/probe_sparse_decode.py --tiny --out /tmp/probe.json
+  (--tiny: 2K tokens, GQA 4:2, D64, 16-token blocks, 3 splits, kernels interpreted)
 """
 from __future__ import annotations
 
@@ -43,7 +55,7 @@ from jattn import sparse as sp  # noqa: E402
 from jattn.merge import merge_partials  # noqa: E402
 from pallas_kernels.flash.reference import attention_reference  # noqa: E402
 from pallas_kernels.sparse.decode import (default_num_splits, merge_decode_partials,  # noqa: E402
-                                          sparse_decode_partials)
+                                          sparse_decode, sparse_decode_partials)
 from pallas_kernels.sparse.decode_select import (decode_block_scores,  # noqa: E402
                                                  select_decode_slots)
 
@@ -70,6 +82,19 @@ def device_ms(fn, qs, rest, *, repeats=5):
   return (run(qs) - run(qs[:n])) / (len(qs) - n)
 
 
+def unroll_ms(fn, qs, rest, *, repeats=5):
+  """Host ms per call of one jitted program that calls fn(q_i, *rest[i % len(rest)]) for all
+  queries back to back (one dispatch for len(qs) calls), best of ``repeats``."""
+  many = jax.jit(lambda qs, rest: [fn(q, *rest[i % len(rest)]) for i, q in enumerate(qs)])
+  _sync(many(qs, rest))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    _sync(many(qs, rest))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return float(np.min(times)) / len(qs)
+
+
 def rel_err(x, ref):
   x = jnp.asarray(x, jnp.float32)
   ref = jnp.asarray(ref, jnp.float32)
@@ -83,6 +108,8 @@ def main(argv=None):
   ap.add_argument("--unroll", type=int, default=None,
                   help="calls per program for device_ms (also n/2; the slope is reported)")
   ap.add_argument("--splits", default=None, help="comma-separated split counts for 'attend'")
+  ap.add_argument("--repeat", type=int, default=None,
+                  help="runs of the merged kernel on the same inputs for the identity check")
   args = ap.parse_args(argv)
   t_start = time.perf_counter()
   if args.tiny:
@@ -90,6 +117,7 @@ def main(argv=None):
   else:
     n, hq, hk, d, bs, interpret, min_time, unroll = 131072, 32, 8, 128, 64, False, 0.2, 16
   unroll = args.unroll or unroll
+  repeat = args.repeat or (3 if args.tiny else 50)
   nb = n // bs
   fraction = 0.19
   top_k = max(0, int(round(fraction * nb)) - 2)           # as jattn.sparse.bench_cases
@@ -110,7 +138,7 @@ def main(argv=None):
   qs = [jax.random.normal(jax.random.key(100 + i), (1, hq, d), dtype) for i in range(unroll)]
   q = qs[0]
   kc, vc, summ = sets[0]
-  splits = default_num_splits(1, hk, width)
+  splits = 3 if args.tiny else default_num_splits(1, hk, width)   # tiny: exercise the merge
   rows, checks = [], {}
 
   def record(name, fn, per_set, what=""):
@@ -120,11 +148,13 @@ def main(argv=None):
     try:
       r["host_ms"] = host_ms(fn, [(qs[i % unroll],) + tuple(p) for i, p in enumerate(per_set)],
                              min_time=min_time)
+      r["unroll_ms"] = unroll_ms(fn, qs, [tuple(p) for p in per_set])
       r["device_ms"] = device_ms(fn, qs, [tuple(p) for p in per_set])
     except Exception as e:  # keep probing
       r["error"] = f"{type(e).__name__}: {e}"[:400]
     rows.append(r)
-    print(f"  {name:24s} host {r.get('host_ms', float('nan')):8.4f} ms   device "
+    print(f"  {name:24s} host {r.get('host_ms', float('nan')):8.4f} ms   unroll "
+          f"{r.get('unroll_ms', float('nan')):8.4f} ms   device "
           f"{r.get('device_ms', float('nan')):8.4f} ms   {what}{r.get('error', '')}", flush=True)
 
   # ---- references and checks (fp32, on set 0)
@@ -140,10 +170,30 @@ def main(argv=None):
 
   sparse = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
                                      implementation="triton", interpret=interpret,
-                                     return_indices=True, **sel_kw))
+                                     return_indices=True, num_splits=splits, **sel_kw))
   out, idx = sparse(q, kc, vc, block_summaries=summ)
   checks["sparse_rel_err"] = rel_err(out, ref_sparse[:, 0])
   checks["sparse_indices_equal_xla"] = bool(jnp.array_equal(idx, idx_ref))
+  mismatches = 0
+  for _ in range(repeat):
+    again, _ = sparse(q, kc, vc, block_summaries=summ)
+    mismatches += int(not bool(jnp.array_equal(again, out)))
+  checks["merged_repeat_runs"] = repeat
+  checks["merged_repeat_mismatches"] = mismatches
+
+  def four_kernels(q, k, v, s):
+    """The previous path: scores, select, attention partials, merge kernel (4 launches)."""
+    sc = decode_block_scores(q, s.sums, s.lengths, block_size=bs, interpret=interpret)
+    i, c = select_decode_slots(sc, lens, block_size=bs, max_selected=width, interpret=interpret,
+                               **sel_kw)
+    o, l = sparse_decode_partials(q, k, v, lens, i, None, c, block_size=bs, num_splits=splits,
+                                  interpret=interpret)
+    return merge_decode_partials(o, l, out_dtype=dtype, interpret=interpret)[0]
+  out_4k = jax.jit(four_kernels)(q, kc, vc, summ)
+  checks["sparse_4k_rel_err"] = rel_err(out_4k, ref_sparse[:, 0])
+  checks["merged_equals_4k"] = bool(jnp.array_equal(out, out_4k))
+  checks["merged_vs_4k_max_abs"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) -
+                                                         out_4k.astype(jnp.float32))))
   scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=interpret)
   checks["scores_rel_err_vs_xla"] = rel_err(scores, sp._decode_scores(q, summ))
   sidx, cnt = select_decode_slots(scores, lens, block_size=bs, max_selected=width,
@@ -169,7 +219,9 @@ def main(argv=None):
   if dense is not None:
     record("dense", dense, sets, "jattn.decode.decode_attention triton")
   record("sparse", lambda q, k, v, s: sparse(q, k, v, block_summaries=s)[0], sets,
-         f"whole sparse decode (4 kernels), splits={splits}")
+         f"whole sparse decode (3 kernels, in-kernel merge), splits={splits}")
+  record("sparse_4k", four_kernels, sets,
+         f"previous whole sparse decode (4 kernels, merge kernel), splits={splits}")
   def xla_merge_variant(q, k, v, s):
     sc = sc_fn(q, s.sums, s.lengths)
     i, c = sel_fn(sc, lens)
@@ -191,6 +243,13 @@ def main(argv=None):
            [(k, v, i, c) for (k, v, _), (i, c) in zip(sets, lists)],
            f"sparse_decode_partials, {ns} splits x {hk} kv heads" +
            (" (default)" if ns == splits else ""))
+  sel3 = functools.partial(select_decode_slots, block_size=bs, max_selected=width,
+                           interpret=interpret, return_arrivals=True, **sel_kw)
+  lists3 = [sel3(s, lens) for (s,) in score_sets]
+  merged = functools.partial(sparse_decode, block_size=bs, num_splits=splits, interpret=interpret)
+  record("attend_merged", lambda q, k, v, i, c, a: merged(q, k, v, lens, i, None, c, a)[0],
+         [(k, v) + tuple(l3) for (k, v, _), l3 in zip(sets, lists3)],
+         f"sparse_decode (attend + in-kernel merge), {splits} splits")
   att = functools.partial(sparse_decode_partials, block_size=bs, num_splits=splits,
                           interpret=interpret)
   parts = [att(qs[i % unroll], k, v, lens, il, None, c) for i, ((k, v, _), (il, c)) in
@@ -222,13 +281,18 @@ def main(argv=None):
 
   by = {r["stage"]: r for r in rows}
   summary = {}
-  for key in ("host_ms", "device_ms"):
+  for key in ("host_ms", "unroll_ms", "device_ms"):
     if key in by.get("dense", {}) and key in by.get("sparse", {}):
       summary[f"speedup_{key}"] = by["dense"][key] / by["sparse"][key]
+    if key in by.get("dense", {}) and key in by.get("sparse_4k", {}):
+      summary[f"speedup_4k_{key}"] = by["dense"][key] / by["sparse_4k"][key]
+    if key in by.get("sparse", {}) and key in by.get("sparse_4k", {}):
+      summary[f"merged_vs_4k_{key}"] = by["sparse_4k"][key] / by["sparse"][key]
   kv_bytes = 2 * float(np.asarray(cnt).sum()) * bs * d * 2
   summary["kept_kv_bytes"] = kv_bytes
   summary["kv_read_us_at_4TBps"] = kv_bytes / 4e12 * 1e6
   ok = (checks["sparse_rel_err"] < 2e-2 and checks["sparse_indices_equal_xla"]
+        and checks["sparse_4k_rel_err"] < 2e-2 and checks["merged_repeat_mismatches"] == 0
         and checks["select_equal_xla_on_same_scores"] and checks["scores_rel_err_vs_xla"] < 1e-5
         and checks["attend_merge_rel_err"] < 2e-2 and checks["sparse_prev_rel_err"] < 2e-2
         and checks.get("dense_rel_err", 0.0) < 2e-2)
