@@ -60,6 +60,10 @@ from pallas_kernels.sparse.decode_select import (decode_block_scores,  # noqa: E
                                                  select_decode_slots)
 
 
+def _pow2(n):
+  return max(16, 1 << (int(n) - 1).bit_length())
+
+
 def host_ms(fn, arg_sets, *, min_time, repeats=3):
   """The bench's timing (``bench_kernels.time_fn``): median ms per call of host-timed loops."""
   return time_fn(fn, arg_sets, min_time=min_time, repeats=repeats)[0]
@@ -233,6 +237,15 @@ def main(argv=None):
          "decode_block_scores kernel")
   score_sets = [(sc_fn(q, s.sums, s.lengths),) for _, _, s in sets]
   record("select", lambda q, s: sel_fn(s, lens), score_sets, "select_decode_slots kernel")
+  # The selection is 32 dependent block-wide reductions (a bit search): with one warp they are
+  # shuffles only, with more warps each one also crosses shared memory and a barrier.
+  for w in (1, 2, 8):
+    sel_w = functools.partial(sel_fn, num_warps=w)
+    record(f"select_w{w}", lambda q, s, sel_w=sel_w: sel_w(s, lens), score_sets,
+           f"select_decode_slots kernel, num_warps={w} (default {max(4, min(16, _pow2(nb) // 512))})")
+  # Per-call floor of the host-timed method: a jitted call that launches one trivial kernel
+  # with the same arguments as the whole sparse decode.
+  record("host_floor", lambda q, k, v, s: q * 2, sets, "one trivial XLA kernel, same arguments")
   lists = [sel_fn(s, lens) for (s,) in score_sets]
   split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
                 sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
