@@ -1,0 +1,683 @@
+"""Flash attention backward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
+
+STATUS: NOT YET RUN ON A GPU. On the CPU the two kernels are only lowered (``jax.export`` for
+"cuda": the Pallas -> Mosaic GPU lowering, register layouts, wgmma/TMA constraints and the
+shared-memory budget), and their tile walks and arithmetic are replayed in jnp by
+tests/test_flash_mosaic_gpu_bwd.py against ``jax.vjp`` of the fp32 reference (jax's Mosaic GPU
+interpret mode cannot run wgmma with transposed or register operands). Not registered in
+``jattn`` yet; ``pallas_kernels.flash.mosaic_gpu``'s custom_vjp still uses the Triton backward.
+
+``flash_attention_bwd(q, k, v, out, lse, do)`` takes the forward's residuals (``lse`` as
+``mosaic_gpu.flash_attention`` and ``attention_reference`` return it: natural log, [B, Hq, Sq],
+-inf for rows that see no key) and returns (dq, dk, dv) in the input dtype. It is the standard
+FlashAttention-2/3 split into three steps:
+
+  1. delta = rowsum(dO * O) - d_lse (fp32, XLA), and lse2 = lse * log2(e) with -inf -> +inf, so
+     that P = exp2(S * scale * log2(e) - lse2) is 0 (never NaN) for rows that see no key and for
+     padded query rows.
+  2. dK/dV kernel: one program (CTA) per (kv tile of ``2 * block_k_dkv`` keys, kv head, batch)
+     with three warpgroups. Compute warpgroups 0 and 1 each own ``block_k_dkv`` keys: their K
+     and V tiles are loaded once (TMA) and stay in shared memory; dK and dV accumulate in fp32
+     registers. Warpgroup 2 (memory) streams, for every query head of the GQA group and every
+     query tile the program's keys can see, the Q and dO tiles and the lse2 and delta rows into a
+     ring of ``num_stages_dkv`` slots, shared by both compute warpgroups (each arrives on the
+     slot's "free" barrier when done with it). Per step, with transposed tiles so that P^T and
+     dS^T are wgmma A operands from registers (wgmma's M is the key dimension):
+       S^T = K Q^T, P^T = exp2(S^T * c - lse2), dV += P^T dO, dP^T = V dO^T,
+       dS^T = P^T * (dP^T - delta), dK += dS^T Q; at the end dK *= scale.
+     GQA: the group's query heads are walked inside the program and summed in the accumulators
+     (no repeated K/V, no per-query-head dK/dV in memory).
+  3. dQ kernel: one program per (query tile of ``2 * block_q_dq`` rows, query head, batch), the
+     forward's shape: compute warpgroups own ``block_q_dq`` rows each (Q, dO, lse2, delta loaded
+     once), the memory warpgroup streams K/V tiles into a ring. Per kv tile:
+       S = Q K^T, P = exp2(S * c - lse2), dP = dO V^T, dS = P * (dP - delta), dQ += dS K;
+     at the end dQ *= scale.
+
+Masks: causal is aligned bottom-right (query i sits at kv position kv_len - q_len + i), like the
+forward. Only the tiles that need it build an element mask: in the dQ kernel the causal diagonal
+tiles and the last kv tile when it holds padded keys; in the dK/dV kernel the diagonal query
+tiles. The dK/dV kernel needs no padded-key mask (a padded key's row of P^T/dS^T only reaches
+that key's own dK/dV rows, which are sliced away), and no padded-query mask (padded rows have
+lse2 = +inf, so P = 0, and zero dO/delta). Tiles that no row can see are never loaded; with two
+compute warpgroups sharing one ring, a warpgroup drains (waits, frees) the steps that only the
+other one needs, as in the forward.
+
+Lengths are padded inside (a copy, only when not multiples of the tiles). head_dim 64 and 128;
+256 raises NotImplementedError: the dK and dV accumulators of a 64-key warpgroup tile would take
+2 * 64 * 256 fp32 = 256 registers per thread, more than a thread has.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+LOG2E = math.log2(math.e)
+_COMPUTE_WGS = 2
+_SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block sizes
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles and pipeline depths of the two backward kernels.
+
+  Attributes:
+    block_q_dkv: query rows per ring step of the dK/dV kernel (a multiple of 64).
+    block_k_dkv: keys per compute warpgroup of the dK/dV kernel (a multiple of 64: wgmma's M);
+      a program covers ``2 * block_k_dkv`` keys.
+    block_q_dq: query rows per compute warpgroup of the dQ kernel (a multiple of 64); a program
+      covers ``2 * block_q_dq`` rows.
+    block_k_dq: keys per ring step of the dQ kernel (a multiple of 64).
+    num_stages_dkv: Q/dO/lse/delta slots in the dK/dV kernel's TMA ring (>= 2).
+    num_stages_dq: K/V slots in the dQ kernel's TMA ring (>= 2).
+    compute_registers: registers per thread requested for the compute warpgroups (the memory
+      warpgroup keeps 40).
+
+  Example:
+    >>> BlockSizes().keys_per_dkv_program
+    128
+  """
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  num_stages_dkv: int = 2
+  num_stages_dq: int = 2
+  compute_registers: int = 232
+
+  def __post_init__(self):
+    for name in ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+      val = getattr(self, name)
+      if val <= 0 or val % 64:
+        raise ValueError(f"{name} must be a positive multiple of 64, got {val}")
+    for name in ("num_stages_dkv", "num_stages_dq"):
+      if getattr(self, name) < 2:
+        raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}")
+
+  @property
+  def keys_per_dkv_program(self) -> int:
+    return _COMPUTE_WGS * self.block_k_dkv
+
+  @property
+  def rows_per_dq_program(self) -> int:
+    return _COMPUTE_WGS * self.block_q_dq
+
+  def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of the dK/dV kernel's buffers (own K/V tiles, the Q/dO ring, lse/delta rows;
+    the lowering adds barriers and alignment and rejects a kernel over 227 KiB)."""
+    own = 2 * _COMPUTE_WGS * self.block_k_dkv * head_dim * itemsize
+    ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize
+                                  + 2 * self.block_q_dkv * 4)
+    return own + ring
+
+  def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of the dQ kernel's buffers (own Q/dO tiles and lse/delta rows, K/V ring)."""
+    own = _COMPUTE_WGS * self.block_q_dq * (2 * head_dim * itemsize + 2 * 4)
+    ring = self.num_stages_dq * 2 * self.block_k_dq * head_dim * itemsize
+    return own + ring
+
+
+# Untuned starting points (no GPU run yet; ``_sweep_bwd`` tries neighbours). D128: dK/dV ~129 KiB,
+# dQ ~129 KiB of shared memory. Register budget of a dK/dV compute warpgroup at D128: dK + dV
+# accumulators 2 * 64 = 128 fp32 registers per thread, S^T/P^T and dP^T 32 each.
+_DEFAULT_BLOCK_SIZES = {
+    64: BlockSizes(64, 64, 64, 128, num_stages_dkv=3, num_stages_dq=3),
+    128: BlockSizes(64, 64, 64, 64, num_stages_dkv=2, num_stages_dq=2),
+}
+
+
+def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+  """Default ``BlockSizes`` for a head dimension (64 or 128; bf16 or fp16).
+
+  Args:
+    head_dim: the head dimension of q, k and v.
+    dtype: the input dtype (only checked).
+
+  Returns:
+    A ``BlockSizes``.
+
+  Example:
+    >>> default_block_sizes(128).block_k_dkv
+    64
+  """
+  _check_dtype(dtype)
+  _check_head_dim(head_dim)
+  return _DEFAULT_BLOCK_SIZES[head_dim]
+
+
+def _check_dtype(dtype):
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise NotImplementedError(f"the Mosaic GPU flash attention backward supports bfloat16 and "
+                              f"float16 inputs, got {jnp.dtype(dtype)}")
+
+
+def _check_head_dim(d):
+  if d == 256:
+    raise NotImplementedError(
+        "the Mosaic GPU flash attention backward does not support head_dim 256: a 64-key dK/dV "
+        "warpgroup tile would hold 2 x 64 x 256 fp32 accumulators = 256 registers per thread "
+        "(more than the 255 a thread has); use the Triton backward")
+  if d not in _SUPPORTED_HEAD_DIMS:
+    raise NotImplementedError(f"the Mosaic GPU flash attention backward supports head_dim 64 or "
+                              f"128, got head_dim {d}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Static configuration and tile ranges
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  bs: BlockSizes
+  q_len: int            # unpadded
+  kv_len: int           # unpadded
+  q_pad: int            # padded q_len (a multiple of 2 * block_q_dq and of block_q_dkv)
+  kv_pad: int           # padded kv_len (a multiple of 2 * block_k_dkv and of block_k_dq)
+  head_dim: int
+  group: int            # query heads per kv head
+  causal: bool
+  scale: float
+  dtype: jnp.dtype
+
+  @property
+  def offset(self) -> int:
+    """kv position of query row 0 (bottom-right causal alignment)."""
+    return self.kv_len - self.q_len
+
+  @property
+  def c(self) -> float:
+    """Logit multiplier of the base-2 domain: scale * log2(e)."""
+    return self.scale * LOG2E
+
+  # dK/dV kernel
+  @property
+  def num_dkv_programs(self) -> int:
+    return -(-self.kv_len // self.bs.keys_per_dkv_program)
+
+  @property
+  def num_q_tiles_dkv(self) -> int:
+    """Query tiles (of block_q_dkv rows) holding a real row."""
+    return -(-self.q_len // self.bs.block_q_dkv)
+
+  # dQ kernel
+  @property
+  def num_dq_programs(self) -> int:
+    return -(-self.q_len // self.bs.rows_per_dq_program)
+
+  @property
+  def num_kv_tiles_dq(self) -> int:
+    """kv tiles (of block_k_dq keys) holding a real key."""
+    return -(-self.kv_len // self.bs.block_k_dq)
+
+  @property
+  def num_full_kv_tiles_dq(self) -> int:
+    """kv tiles without padded keys."""
+    return self.kv_len // self.bs.block_k_dq
+
+
+def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> _Static:
+  _, sq, hq, d = q_shape
+  _, sk, hk, _ = k_shape
+  _check_head_dim(d)
+  bs = block_sizes or default_block_sizes(d, dtype)
+  if sq < 1 or sk < 1:
+    raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
+  lq = math.lcm(bs.rows_per_dq_program, bs.block_q_dkv)
+  lk = math.lcm(bs.keys_per_dkv_program, bs.block_k_dq)
+  return _Static(bs=bs, q_len=sq, kv_len=sk, q_pad=-(-sq // lq) * lq, kv_pad=-(-sk // lk) * lk,
+                 head_dim=d, group=hq // hk, causal=bool(causal),
+                 scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype))
+
+
+def _dq_kv_range(row0, st: _Static):
+  """dQ kernel, query rows [row0, row0 + block_q_dq): (full, steps) int32 scalars. kv tiles
+  [0, full) are visible to every row with only real keys (no mask), [full, steps) need the
+  element mask, tiles >= steps are invisible to every row (never loaded)."""
+  bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
+  if not st.causal:
+    return jnp.int32(st.num_full_kv_tiles_dq), jnp.int32(st.num_kv_tiles_dq)
+  steps = jnp.clip(lax.div(row0 + (bq + st.offset + bk - 1), jnp.int32(bk)), 0,
+                   st.num_kv_tiles_dq)
+  full = jnp.clip(lax.div(row0 + (st.offset + 1), jnp.int32(bk)), 0, st.num_full_kv_tiles_dq)
+  return jnp.minimum(full, steps), steps
+
+
+def _dq_visible(rows, cols, row0, t, st: _Static):
+  """dQ element mask of kv tile ``t`` for rows from ``row0`` ([bq, bk] iotas rows/cols): real
+  keys, and when causal keys at or before each row's diagonal."""
+  k_pos = cols + t * st.bs.block_k_dq
+  visible = k_pos < st.kv_len
+  if st.causal:
+    visible = jnp.logical_and(visible, k_pos <= rows + (row0 + st.offset))
+  return visible
+
+
+def _dkv_q_range(k0, st: _Static):
+  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full) int32 scalars. Query tiles
+  [0, first) see none of the keys (skipped), [first, full) need the causal mask, [full,
+  num_q_tiles_dkv) see every key (no mask)."""
+  nq = st.num_q_tiles_dkv
+  if not st.causal:
+    return jnp.int32(0), jnp.int32(0)
+  bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
+  first = jnp.clip(lax.div(jnp.maximum(k0 - st.offset, 0), jnp.int32(bq)), 0, nq)
+  full = lax.div(jnp.maximum(k0 + (bk - 1 - st.offset), 0) + (bq - 1), jnp.int32(bq))
+  return first, jnp.clip(full, first, nq)
+
+
+def _dkv_visible(rows, cols, k0, i, st: _Static):
+  """dK/dV causal element mask of query tile ``i`` for the keys from ``k0``, on the transposed
+  [bk, bq] tile (rows = keys, cols = queries)."""
+  return rows + k0 <= cols + (i * st.bs.block_q_dkv + st.offset)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile arithmetic (shared by the kernels and the CPU replay)
+# ----------------------------------------------------------------------------------------------
+
+
+def _probs(s, lse2, st: _Static, *, axis):
+  """P = exp2(s * c - lse2), lse2 broadcast along ``axis`` of s (0: lse2 per row, the dQ tile;
+  1: per column, the transposed dK/dV tile)."""
+  return jnp.exp2(s * st.c - lax.broadcast_in_dim(lse2, s.shape, [axis]))
+
+
+def _dscores(p, dp, delta, *, axis):
+  """dS = P * (dP - delta), delta broadcast along ``axis`` (see ``_probs``)."""
+  return p * (dp - lax.broadcast_in_dim(delta, p.shape, [axis]))
+
+
+# ----------------------------------------------------------------------------------------------
+# dK/dV kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem,
+                own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free, *, st: _Static):
+  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM) ->
+  dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D], v_own [2, bk, D], q [S, bq, D],
+  do [S, bq, D], lse2 [S, bq], delta [S, bq]); barriers own_loaded [2 wgs x (k, v)],
+  q/do/lse/delta_loaded [S], free [S] (2 arrivals)."""
+  k_own, v_own, q_smem, do_smem, lse_smem, delta_smem = smem
+  bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
+  stages = st.bs.num_stages_dkv
+  nq = st.num_q_tiles_dkv
+  b = lax.axis_index("batch")
+  kv_h = lax.axis_index("heads")
+  prog = lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  k0_program = prog * (_COMPUTE_WGS * bk)
+  first_program, _ = _dkv_q_range(k0_program, st)         # warpgroup 0's keys see the most rows
+  per_head = nq - first_program                           # ring steps per query head (>= 1)
+  total = st.group * per_head
+  slot_of = lambda j: lax.rem(j, jnp.int32(stages))
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(st.bs.compute_registers, action="increase")
+    k0 = k0_program + wg * bk
+    kt, vt = k_own.at[wg], v_own.at[wg]                   # [bk, D]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kv_h], kt, own_loaded.at[2 * wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kv_h], vt, own_loaded.at[2 * wg + 1])
+    first, full = _dkv_q_range(k0, st)
+    wgmma_layout = plgpu.Layout.WGMMA
+    col_layout = plgpu.Layout.WGMMA.reduce(0)              # one value per query (column)
+    zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
+    dk = zeros((bk, st.head_dim))
+    dv = zeros((bk, st.head_dim))
+    plgpu.barrier_wait(own_loaded.at[2 * wg])
+    plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
+
+    def step(i, carry, *, base, masked):
+      dk, dv = carry
+      slot = slot_of(base + i)
+      qs, dos = q_smem.at[slot], do_smem.at[slot]         # [bq, D]
+      plgpu.barrier_wait(q_loaded.at[slot])
+
+      def st_gemm(acc_ref):                               # S^T = K Q^T [bk, bq]
+        plgpu.wgmma(acc_ref, kt, plgpu.transpose_ref(qs, (1, 0)))
+        return acc_ref[...]
+      s_t = pl.run_scoped(st_gemm, plgpu.ACC((bk, bq), jnp.float32))
+      plgpu.barrier_wait(lse_loaded.at[slot])
+      lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
+      p_t = _probs(s_t, lse2, st, axis=1)
+      if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
+        p_t = jnp.where(_dkv_visible(rows, cols, k0, i, st), p_t, 0.0)
+      plgpu.barrier_wait(do_loaded.at[slot])
+
+      def dv_dpt_gemm(refs):                              # dV += P^T dO; dP^T = V dO^T
+        dv_ref, dpt_ref = refs
+        plgpu.wgmma(dv_ref, p_t.astype(st.dtype), dos)
+        plgpu.wgmma(dpt_ref, vt, plgpu.transpose_ref(dos, (1, 0)))
+      dv, dp_t = pl.run_state(dv_dpt_gemm)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros((bk, bq)))))
+      plgpu.barrier_wait(delta_loaded.at[slot])
+      delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
+      ds_t = _dscores(p_t, dp_t, delta, axis=1)
+
+      def dk_gemm(acc_ref):                               # dK += dS^T Q
+        plgpu.wgmma(acc_ref, ds_t.astype(st.dtype), qs)
+      dk = pl.run_state(dk_gemm)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(free.at[slot])
+      return dk, dv
+
+    def drain(i, carry, *, base):
+      # Steps only the other warpgroup needs: keep the ring's barrier phases in step.
+      slot = slot_of(base + i)
+      for bar in (q_loaded, lse_loaded, do_loaded, delta_loaded):
+        plgpu.barrier_wait(bar.at[slot])
+      plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    def head(g, carry):
+      base = g * per_head - first_program                 # ring step of query tile i: base + i
+      carry = lax.fori_loop(first_program, first, functools.partial(drain, base=base), carry)
+      carry = lax.fori_loop(first, full, functools.partial(step, base=base, masked=True), carry)
+      return lax.fori_loop(full, nq, functools.partial(step, base=base, masked=False), carry)
+
+    dk, dv = lax.fori_loop(0, st.group, head, (dk, dv))
+    kt[...] = (dk * st.scale).astype(st.dtype)            # K/V are dead: reuse them for dK/dV
+    vt[...] = dv.astype(st.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(kt, dk_ref.at[b, pl.ds(k0, bk), kv_h])
+    plgpu.copy_smem_to_gmem(vt, dv_ref.at[b, pl.ds(k0, bk), kv_h])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(j, slot):
+      g = lax.div(j, jnp.maximum(per_head, 1))
+      i = first_program + (j - g * per_head)
+      h = kv_h * st.group + g
+      rows = pl.ds(i * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
+                              delta_loaded.at[slot])
+
+    for s in range(stages):                               # fill the ring
+      @pl.when(s < total)
+      def _():
+        load(jnp.int32(s), s)
+
+    @pl.loop(stages, jnp.maximum(total, stages))
+    def _(j):
+      slot = slot_of(j)
+      plgpu.barrier_wait(free.at[slot])
+      load(j, slot)
+
+
+def _dkv_call(q, k, v, do, lse2, delta, st: _Static):
+  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] ->
+  (dk, dv) [B, Sk', Hk, D] in the input dtype (rows of padded keys are garbage).
+
+  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
+  b, _, _, d = q.shape
+  _, _, hk, _ = k.shape
+  bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 B
+  smem = (
+      plgpu.SMEM((_COMPUTE_WGS, bk, d), k.dtype, transforms=tiled),     # own K, then dK
+      plgpu.SMEM((_COMPUTE_WGS, bk, d), v.dtype, transforms=tiled),     # own V, then dV
+      plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiled),           # Q ring
+      plgpu.SMEM((stages, bq, d), do.dtype, transforms=tiled),          # dO ring
+      plgpu.SMEM((stages, bq), jnp.float32),                            # lse2 ring
+      plgpu.SMEM((stages, bq), jnp.float32),                            # delta ring
+  )
+  call = plgpu.kernel(
+      functools.partial(_dkv_kernel, st=st),
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      scratch_types=(
+          smem,
+          plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),                    # own_loaded
+          plgpu.Barrier(num_barriers=stages),                              # q_loaded
+          plgpu.Barrier(num_barriers=stages),                              # do_loaded
+          plgpu.Barrier(num_barriers=stages),                              # lse_loaded
+          plgpu.Barrier(num_barriers=stages),                              # delta_loaded
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
+      ),
+      grid=(hk, st.num_dkv_programs, b),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+  return call(q, k, v, do, lse2, delta)
+
+
+# ----------------------------------------------------------------------------------------------
+# dQ kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, own_loaded,
+               k_loaded, v_loaded, free, *, st: _Static):
+  """Refs as ``_dkv_kernel`` -> dq [B, Sq', Hq, D]. Scratch: smem = (q_own [2, bq, D],
+  do_own [2, bq, D], lse2 [2, bq], delta [2, bq], k [S, bk, D], v [S, bk, D]); barriers
+  own_loaded [2 wgs x (q, do, lse, delta)], k/v_loaded [S], free [S] (2 arrivals)."""
+  q_own, do_own, lse_own, delta_own, k_smem, v_smem = smem
+  bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
+  stages = st.bs.num_stages_dq
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  tile = lax.axis_index("q_tiles")
+  if st.causal:
+    tile = (st.num_dq_programs - 1) - tile                # longest kv ranges first
+  wg = lax.axis_index("wg")
+  kv_h = lax.div(h, jnp.int32(st.group))
+  row0_program = tile * (_COMPUTE_WGS * bq)
+  _, program_steps = _dq_kv_range(row0_program + (_COMPUTE_WGS - 1) * bq, st)
+  slot_of = lambda t: lax.rem(t, jnp.int32(stages))
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(st.bs.compute_registers, action="increase")
+    row0 = row0_program + wg * bq
+    rows_ds = pl.ds(row0, bq)
+    qt, dot = q_own.at[wg], do_own.at[wg]                 # [bq, D]
+    bars = [own_loaded.at[4 * wg + n] for n in range(4)]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rows_ds, h], qt, bars[0])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows_ds, h], dot, bars[1])
+    plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows_ds], lse_own.at[wg], bars[2])
+    plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows_ds], delta_own.at[wg], bars[3])
+    full, steps = _dq_kv_range(row0, st)
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per query (row)
+    dq = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), wgmma_layout)
+    for bar in bars:
+      plgpu.barrier_wait(bar)
+    lse2 = plgpu.load(lse_own.at[wg], (), layout=row_layout)
+    delta = plgpu.load(delta_own.at[wg], (), layout=row_layout)
+
+    def step(t, dq, *, masked):
+      slot = slot_of(t)
+      ks, vs = k_smem.at[slot], v_smem.at[slot]           # [bk, D]
+      plgpu.barrier_wait(k_loaded.at[slot])
+
+      def s_gemm(acc_ref):                                # S = Q K^T [bq, bk]
+        plgpu.wgmma(acc_ref, qt, plgpu.transpose_ref(ks, (1, 0)))
+        return acc_ref[...]
+      s = pl.run_scoped(s_gemm, plgpu.ACC((bq, bk), jnp.float32))
+      p = _probs(s, lse2, st, axis=0)
+      if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+        p = jnp.where(_dq_visible(rows, cols, row0, t, st), p, 0.0)
+      plgpu.barrier_wait(v_loaded.at[slot])
+
+      def dp_gemm(acc_ref):                               # dP = dO V^T [bq, bk]
+        plgpu.wgmma(acc_ref, dot, plgpu.transpose_ref(vs, (1, 0)))
+        return acc_ref[...]
+      dp = pl.run_scoped(dp_gemm, plgpu.ACC((bq, bk), jnp.float32))
+      ds = _dscores(p, dp, delta, axis=0)
+
+      def dq_gemm(acc_ref):                               # dQ += dS K
+        plgpu.wgmma(acc_ref, ds.astype(st.dtype), ks)
+      dq = pl.run_state(dq_gemm)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(free.at[slot])
+      return dq
+
+    def drain(t, carry):
+      slot = slot_of(t)
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_arrive(free.at[slot])
+      return carry
+
+    dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+    lax.fori_loop(steps, program_steps, drain, None)
+    qt[...] = (dq * st.scale).astype(st.dtype)            # Q is dead: reuse its tile for dQ
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qt, dq_ref.at[b, rows_ds, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(t, slot):
+      rows = (b, pl.ds(t * bk, bk), kv_h)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+    for s in range(stages):
+      @pl.when(s < program_steps)
+      def _():
+        load(jnp.int32(s), s)
+
+    @pl.loop(stages, jnp.maximum(program_steps, stages))
+    def _(t):
+      slot = slot_of(t)
+      plgpu.barrier_wait(free.at[slot])
+      load(t, slot)
+
+
+def _dq_call(q, k, v, do, lse2, delta, st: _Static):
+  """Padded inputs as ``_dkv_call`` -> dq [B, Sq', Hq, D] in the input dtype.
+
+  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
+  b, _, hq, d = q.shape
+  bq, bk, stages = st.bs.block_q_dq, st.bs.block_k_dq, st.bs.num_stages_dq
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  smem = (
+      plgpu.SMEM((_COMPUTE_WGS, bq, d), q.dtype, transforms=tiled),     # own Q, then dQ
+      plgpu.SMEM((_COMPUTE_WGS, bq, d), do.dtype, transforms=tiled),    # own dO
+      plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),                      # own lse2
+      plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),                      # own delta
+      plgpu.SMEM((stages, bk, d), k.dtype, transforms=tiled),           # K ring
+      plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
+  )
+  call = plgpu.kernel(
+      functools.partial(_dq_kernel, st=st),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_types=(
+          smem,
+          plgpu.Barrier(num_barriers=4 * _COMPUTE_WGS),                    # own_loaded
+          plgpu.Barrier(num_barriers=stages),                              # k_loaded
+          plgpu.Barrier(num_barriers=stages),                              # v_loaded
+          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
+      ),
+      grid=(hq, st.num_dq_programs, b),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+  return call(q, k, v, do, lse2, delta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+
+def _pad_axis(x, axis, size, value=0.0):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _prepare(out, lse, do, d_lse, st: _Static):
+  """(lse2, delta) [B, Hq, Sq'] fp32, padded: lse2 = lse * log2(e) with -inf (rows that see no
+  key) and padded rows +inf; delta = rowsum(dO * O) - d_lse, padded rows 0."""
+  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+  if d_lse is not None:
+    delta = delta - d_lse.astype(jnp.float32)
+  lse = lse.astype(jnp.float32)
+  lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+  return _pad_axis(lse2, 2, st.q_pad, jnp.inf), _pad_axis(delta, 2, st.q_pad)
+
+
+def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
+                        scale: float | None = None, block_sizes: BlockSizes | None = None,
+                        d_lse=None):
+  """Gradients of flash attention with the Mosaic GPU (Hopper) backward kernels.
+
+  Args:
+    q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128).
+    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
+    v: [B, Sk, Hk, D].
+    out: the forward's output [B, Sq, Hq, D].
+    lse: the forward's log-sum-exp [B, Hq, Sq] fp32, natural log, -inf for rows that see no
+      key (as ``mosaic_gpu.flash_attention`` and ``attention_reference`` return it).
+    do: cotangent of out [B, Sq, Hq, D].
+    causal: bottom-right aligned causal mask (must match the forward).
+    scale: logit scale (None: 1 / sqrt(D)).
+    block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
+    d_lse: optional cotangent of lse [B, Hq, Sq] (None: zero).
+
+  Returns:
+    (dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, D]) in q.dtype, accumulated in fp32;
+    dk/dv summed over each kv head's query heads. Rows that see no key get dq = 0 and add
+    nothing to dk/dv.
+
+  Example (on an H100/H200):
+    >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
+    >>> from pallas_kernels.flash import mosaic_gpu
+    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True)  # doctest: +SKIP
+    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True)  # doctest: +SKIP
+  """
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
+  b, sq, hq, d = q.shape
+  if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape:
+    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape}")
+  if hq % k.shape[2]:
+    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({k.shape[2]})")
+  if out.shape != q.shape or do.shape != q.shape:
+    raise ValueError(f"out {out.shape} and do {do.shape} must have q's shape {q.shape}")
+  if lse.shape != (b, hq, sq):
+    raise ValueError(f"lse must be [batch, q_heads, q_len] = {(b, hq, sq)}, got {lse.shape}")
+  if not (q.dtype == k.dtype == v.dtype == do.dtype):
+    raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
+                    f"{do.dtype}")
+  _check_dtype(q.dtype)
+  st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
+                      block_sizes=block_sizes)
+  lse2, delta = _prepare(out, lse, do, d_lse, st)
+  q_p, do_p = _pad_axis(q, 1, st.q_pad), _pad_axis(do, 1, st.q_pad)
+  k_p, v_p = _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
+  dk, dv = _dkv_call(q_p, k_p, v_p, do_p, lse2, delta, st)
+  dq = _dq_call(q_p, k_p, v_p, do_p, lse2, delta, st)
+  return dq[:, :sq], dk[:, :st.kv_len], dv[:, :st.kv_len]
