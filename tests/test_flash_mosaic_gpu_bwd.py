@@ -1,0 +1,417 @@
+"""Mosaic GPU (Hopper) flash attention backward: what the CPU can check, and GPU tests.
+
+On the CPU nothing here runs the kernels: jax's Mosaic GPU interpret mode cannot execute them (its
+wgmma takes neither transposed nor register operands). The CPU tests check
+  * that both kernels lower for "cuda" (``jax.export``: the whole Pallas -> Mosaic GPU lowering in
+    Python, register layouts, wgmma/TMA constraints, the shared-memory budget), and that an
+    over-budget configuration fails to lower (so the lowering test can fail);
+  * the tile walks against an independent element mask: in the dK/dV kernel the query tiles a
+    warpgroup skips see none of its keys, the tiles it runs unmasked see all of them; in the dQ
+    kernel the kv tiles skipped are invisible and the unmasked ones fully visible with only real
+    keys; the memory warpgroups load exactly the union of the compute warpgroups' ranges;
+  * a jnp replay of both kernels (same programs, warpgroup tiles, loop ranges, masks, padding,
+    GQA walk, the kernels' own ``_probs``/``_dscores``, P and dS cast to the input dtype before
+    their matmuls) substituted for ``_dkv_call``/``_dq_call`` (monkeypatch), so that the public
+    ``flash_attention_bwd`` (padding, lse -> lse2, delta, slicing) runs end to end against
+    ``jax.vjp`` of the fp32 reference, on ragged lengths, GQA, causal with q shorter and longer
+    than kv (rows that see no key: dq exactly 0, no NaN) and a d_lse cotangent.
+Tests marked ``gpu`` run the compiled kernels on an sm90 GPU against the reference's VJP.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from pallas_kernels import compat
+from pallas_kernels.flash import mosaic_gpu_bwd as mb
+from pallas_kernels.flash.reference import attention_reference
+
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
+# Options for compiling the CPU replay only (how XLA:CPU optimises the test harness).
+_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _rel(a, b):
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, b, sq, sk, hq, hk, d, dtype):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (b, sq, hq, d), dtype)
+  k = jax.random.normal(ks[1], (b, sk, hk, d), dtype)
+  v = jax.random.normal(ks[2], (b, sk, hk, d), dtype)
+  do = jax.random.normal(ks[3], (b, sq, hq, d), dtype)
+  return q, k, v, do
+
+
+# -------------------------------------------------------------------------------- lowering (CPU)
+
+def _lower(b, sq, sk, hq, hk, d, causal, dtype=jnp.bfloat16, bs=None):
+  q = jax.ShapeDtypeStruct((b, sq, hq, d), dtype)
+  kv = jax.ShapeDtypeStruct((b, sk, hk, d), dtype)
+  lse = jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)
+  fn = jax.jit(lambda q, k, v, o, l, do: mb.flash_attention_bwd(q, k, v, o, l, do, causal=causal,
+                                                                 block_sizes=bs))
+  return jax.export.export(fn, platforms=["cuda"])(q, kv, kv, q, lse, q)
+
+
+LOWER_CASES = {
+    "d64": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=False),
+    "d128_causal_gqa_ragged": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True),
+    "d128_fp16_q_longer": dict(sq=384, sk=130, hq=2, hk=1, d=128, causal=True,
+                               dtype=jnp.float16),
+    "d64_causal_3_stages_bk128": dict(sq=300, sk=500, hq=2, hk=1, d=64, causal=True,
+                                      bs=mb.BlockSizes(64, 128, 64, 128, 3, 3)),
+    "d128_bq_dq128": dict(sq=1000, sk=1000, hq=4, hk=1, d=128, causal=True,
+                          bs=mb.BlockSizes(64, 64, 128, 64, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWER_CASES))
+def test_lowers_for_cuda(name):
+  case = dict(LOWER_CASES[name])
+  exported = _lower(2, **case)
+  text = exported.mlir_module()
+  assert text.count("mosaic_gpu") >= 2 and "wgmma" in text     # two Mosaic GPU kernels
+  sq, sk, hq, hk, d = (case[n] for n in ("sq", "sk", "hq", "hk", "d"))
+  assert [a.shape for a in exported.out_avals] == [(2, sq, hq, d), (2, sk, hk, d), (2, sk, hk, d)]
+
+
+@pytest.mark.parametrize("bs", [mb.BlockSizes(64, 64, 64, 128, 2, 4),      # dQ kernel over
+                                mb.BlockSizes(128, 64, 64, 64, 5, 2)])     # dK/dV kernel over
+def test_shared_memory_overflow_fails_to_lower(bs):
+  with pytest.raises(ValueError, match="shared memory"):
+    _lower(1, 256, 256, 1, 1, 128, False, bs=bs)
+
+
+def test_unsupported_inputs_raise():
+  q = jnp.ones((1, 128, 2, 256), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 128), jnp.float32)
+  with pytest.raises(NotImplementedError, match="head_dim 256"):
+    mb.flash_attention_bwd(q, q, q, q, lse, q)
+  q96 = jnp.ones((1, 128, 2, 96), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="head_dim 96"):
+    mb.flash_attention_bwd(q96, q96, q96, q96, lse, q96)
+  q32 = jnp.ones((1, 128, 2, 64), jnp.float32)
+  with pytest.raises(NotImplementedError, match="float32"):
+    mb.flash_attention_bwd(q32, q32, q32, q32, lse, q32)
+  q64 = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="lse"):
+    mb.flash_attention_bwd(q64, q64, q64, q64, lse[:, :1], q64)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    mb.BlockSizes(block_k_dkv=32)
+
+
+# ---------------------------------------------------------------------------- tile walk (CPU)
+
+WALK_SHAPES = [(128, 128), (1000, 1000), (200, 328), (328, 200), (384, 130), (64, 1000), (1, 77),
+               (77, 1)]
+WALK_BLOCKS = [mb.BlockSizes(), mb.BlockSizes(128, 64, 128, 128), mb.BlockSizes(64, 128, 64, 64)]
+
+
+def _ref_visible(q_pos, k_pos, st):
+  """Independent element mask: real query and key, causal bottom-right."""
+  vis = (q_pos < st.q_len) & (k_pos < st.kv_len)
+  if st.causal:
+    vis &= k_pos <= q_pos + (st.kv_len - st.q_len)
+  return vis
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dkv_walk(causal):
+  for sq, sk in WALK_SHAPES:
+    for bs in WALK_BLOCKS:
+      st = mb._static_config((1, sq, 1, 128), (1, sk, 1, 128), jnp.bfloat16, causal=causal,
+                             scale=None, block_sizes=bs)
+      bq, bk, nq = bs.block_q_dkv, bs.block_k_dkv, st.num_q_tiles_dkv
+      assert nq * bq <= st.q_pad and st.num_dkv_programs * 2 * bk <= st.kv_pad
+      keys = np.arange(bk)[:, None]                       # transposed tile: rows are keys
+      qs = np.arange(bq)[None, :]
+      for prog in range(st.num_dkv_programs):
+        k0p = prog * 2 * bk
+        first_p = int(mb._dkv_q_range(jnp.int32(k0p), st)[0])
+        assert nq - first_p >= 1                          # the program's real keys see a row
+        for wg in range(2):
+          k0 = k0p + wg * bk
+          first, full = (int(x) for x in mb._dkv_q_range(jnp.int32(k0), st))
+          assert first_p <= first <= full <= nq, (sq, sk, bs, prog, wg)
+          for i in range(nq):
+            ref = _ref_visible(qs + i * bq, keys + k0, st)
+            if i < first:
+              assert not ref.any(), (sq, sk, bs, prog, wg, i)          # safe to skip
+            elif i < full:
+              kern = np.asarray(mb._dkv_visible(keys, qs, k0, i, st))
+              real = (qs + i * bq < sq) & (keys + k0 < sk)
+              np.testing.assert_array_equal(kern & real, ref)
+            else:   # unmasked: every real (key, row) pair visible
+              real = (qs + i * bq < sq) & (keys + k0 < sk)
+              np.testing.assert_array_equal(ref, real)
+          if first < nq and k0 < sk:   # no wasted leading tile
+            assert _ref_visible(qs + first * bq, keys + k0, st).any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_walk(causal):
+  for sq, sk in WALK_SHAPES:
+    for bs in WALK_BLOCKS:
+      st = mb._static_config((1, sq, 1, 128), (1, sk, 1, 128), jnp.bfloat16, causal=causal,
+                             scale=None, block_sizes=bs)
+      bq, bk, nk = bs.block_q_dq, bs.block_k_dq, st.num_kv_tiles_dq
+      assert nk * bk <= st.kv_pad and st.num_dq_programs * 2 * bq <= st.q_pad
+      rows = np.arange(bq)[:, None]
+      cols = np.arange(bk)[None, :]
+      for prog in range(st.num_dq_programs):
+        steps_wg = []
+        for wg in range(2):
+          row0 = prog * 2 * bq + wg * bq
+          full, steps = (int(x) for x in mb._dq_kv_range(jnp.int32(row0), st))
+          assert 0 <= full <= steps <= nk
+          real_rows = rows + row0 < sq
+          for t in range(nk):
+            ref = _ref_visible(rows + row0, cols + t * bk, st)
+            if t < full:
+              np.testing.assert_array_equal(ref, real_rows & np.ones_like(cols, bool))
+            elif t < steps:
+              kern = np.asarray(mb._dq_visible(rows, cols, row0, t, st))
+              np.testing.assert_array_equal(kern & real_rows, ref)
+            else:
+              assert not ref.any(), (sq, sk, bs, prog, wg, t)
+          if steps and row0 < sq:
+            assert _ref_visible(rows + row0, cols + (steps - 1) * bk, st).any()
+          steps_wg.append(steps)
+        _, program_steps = mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st)
+        assert int(program_steps) == max(steps_wg)   # what the memory warpgroup loads
+
+
+# ------------------------------------------------------------------------------- replay (CPU)
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _replay_dkv_call(q, k, v, do, lse2, delta, st):
+  """jnp replay of ``_dkv_kernel`` on the padded inputs: every compute warpgroup's key tile, its
+  query-tile range per GQA head (drained steps skipped), masked/unmasked split, the kernel's
+  arithmetic helpers."""
+  b, _, hq, d = q.shape
+  hk = k.shape[2]
+  bq, bk, nq, g_n = st.bs.block_q_dkv, st.bs.block_k_dkv, st.num_q_tiles_dkv, st.group
+  rows = lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
+
+  def warpgroup(k_t, v_t, q_g, do_g, lse_g, delta_g, k0):   # [bk, D] x2, [G, Sq', D] x2, [G, Sq']
+    first, full = mb._dkv_q_range(k0, st)
+
+    def step(i, carry, *, g, masked):
+      dk, dv = carry
+      sl = lambda x: lax.dynamic_slice_in_dim(x[g], i * bq, bq)
+      q_t, do_t, lse_t, delta_t = sl(q_g), sl(do_g), sl(lse_g), sl(delta_g)
+      p_t = mb._probs(_dot(k_t, q_t.T), lse_t, st, axis=1)
+      if masked:
+        p_t = jnp.where(mb._dkv_visible(rows, cols, k0, i, st), p_t, 0.0)
+      dv = dv + _dot(p_t.astype(st.dtype), do_t)
+      ds_t = mb._dscores(p_t, _dot(v_t, do_t.T), delta_t, axis=1)
+      return dk + _dot(ds_t.astype(st.dtype), q_t), dv
+
+    def head(g, carry):
+      carry = lax.fori_loop(first, full, functools.partial(step, g=g, masked=True), carry)
+      return lax.fori_loop(full, nq, functools.partial(step, g=g, masked=False), carry)
+
+    zeros = jnp.zeros((bk, d), jnp.float32)
+    dk, dv = lax.fori_loop(0, g_n, head, (zeros, zeros))
+    return (dk * st.scale).astype(st.dtype), dv.astype(st.dtype)
+
+  n_tiles = st.num_dkv_programs * 2                       # warpgroup key tiles
+  k0s = jnp.arange(n_tiles, dtype=jnp.int32) * bk
+  kt = k[:, :n_tiles * bk].reshape(b, n_tiles, bk, hk, d).transpose(0, 3, 1, 2, 4)
+  vt = v[:, :n_tiles * bk].reshape(b, n_tiles, bk, hk, d).transpose(0, 3, 1, 2, 4)
+  grp = lambda x: x.transpose(0, 2, 1, 3).reshape(b, hk, g_n, x.shape[1], d)
+  grp_rows = lambda x: x.reshape(b, hk, g_n, x.shape[2])
+  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, None, None, None, None, 0))
+  dk, dv = jax.vmap(jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None)),
+                    in_axes=(0, 0, 0, 0, 0, 0, None))(kt, vt, grp(q), grp(do), grp_rows(lse2),
+                                                      grp_rows(delta), k0s)
+  out = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, n_tiles * bk, hk, d)
+  pad = ((0, 0), (0, k.shape[1] - n_tiles * bk), (0, 0), (0, 0))
+  return jnp.pad(out(dk), pad), jnp.pad(out(dv), pad)
+
+
+def _replay_dq_call(q, k, v, do, lse2, delta, st):
+  """jnp replay of ``_dq_kernel`` on the padded inputs: every compute warpgroup's rows, its kv
+  range, masked/unmasked split, the kernel's arithmetic helpers."""
+  b, sq_pad, hq, d = q.shape
+  bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
+  heads = jnp.arange(hq) // st.group
+  k_h = k[:, :, heads].transpose(0, 2, 1, 3)              # [B, Hq, Sk', D] (replay only)
+  v_h = v[:, :, heads].transpose(0, 2, 1, 3)
+  rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+
+  def warpgroup(q_t, do_t, lse_t, delta_t, k_all, v_all, row0):
+    full, steps = mb._dq_kv_range(row0, st)
+
+    def step(t, dq, *, masked):
+      k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)
+      v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
+      p = mb._probs(_dot(q_t, k_t.T), lse_t, st, axis=0)
+      if masked:
+        p = jnp.where(mb._dq_visible(rows, cols, row0, t, st), p, 0.0)
+      ds = mb._dscores(p, _dot(do_t, v_t.T), delta_t, axis=0)
+      return dq + _dot(ds.astype(st.dtype), k_t)
+
+    dq = lax.fori_loop(0, full, functools.partial(step, masked=False),
+                       jnp.zeros((bq, d), jnp.float32))
+    dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+    return (dq * st.scale).astype(st.dtype)
+
+  n_tiles = st.num_dq_programs * 2
+  row0s = jnp.arange(n_tiles, dtype=jnp.int32) * bq
+  tiles = lambda x: x[:, :n_tiles * bq].reshape(b, n_tiles, bq, hq, d).transpose(0, 3, 1, 2, 4)
+  rows_t = lambda x: x[:, :, :n_tiles * bq].reshape(b, hq, n_tiles, bq)
+  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, 0, 0, None, None, 0))
+  dq = jax.vmap(jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None)),
+                in_axes=(0, 0, 0, 0, 0, 0, None))(tiles(q), tiles(do), rows_t(lse2),
+                                                  rows_t(delta), k_h, v_h, row0s)
+  dq = dq.transpose(0, 2, 3, 1, 4).reshape(b, n_tiles * bq, hq, d)
+  return jnp.pad(dq, ((0, 0), (0, sq_pad - n_tiles * bq), (0, 0), (0, 0)))
+
+
+def _reference_residuals(q, k, v, causal, scale):
+  """(out in q.dtype, lse) of the fp32 reference: the forward's residuals."""
+  up = lambda x: x.astype(jnp.float32)
+  out, lse = attention_reference(up(q), up(k), up(v), causal=causal, scale=scale)
+  return out.astype(q.dtype), lse
+
+
+def _reference_grads(q, k, v, do, d_lse, causal, scale):
+  up = lambda x: x.astype(jnp.float32)
+  f = functools.partial(attention_reference, causal=causal, scale=scale)
+  (out, lse), vjp = jax.vjp(f, up(q), up(k), up(v))
+  return vjp((up(do), jnp.zeros_like(lse) if d_lse is None else d_lse))
+
+
+def _kernel_vs_reference(q, k, v, do, causal, *, scale=None, bs=None, d_lse=None):
+  def both(q, k, v, do, d_lse):
+    out, lse = _reference_residuals(q, k, v, causal, scale)
+    got = mb.flash_attention_bwd(q, k, v, out, lse, do, causal=causal, scale=scale,
+                                 block_sizes=bs, d_lse=d_lse)
+    return got, _reference_grads(q, k, v, do, d_lse, causal, scale), lse
+  fn = jax.jit(both)
+  if compat.default_backend() == "cpu":
+    return fn.lower(q, k, v, do, d_lse).compile(_FAST_CPU_COMPILE)(q, k, v, do, d_lse)
+  return fn(q, k, v, do, d_lse)
+
+
+def _assert_grads_close(got, want, lse, q, k, dtype):
+  tol = TOL[dtype]
+  for name, g, r, like in zip(("dq", "dk", "dv"), got, want, (q, k, k)):
+    assert g.shape == like.shape and g.dtype == dtype, (name, g.shape, g.dtype)
+    assert np.isfinite(np.asarray(g, np.float32)).all(), name
+    assert _rel(g, r) < tol, (name, _rel(g, r))
+  empty = np.isneginf(np.asarray(lse))                    # [B, Hq, Sq]
+  if empty.any():   # rows that see no key: dq exactly 0
+    dq = np.asarray(got[0], np.float32).transpose(0, 2, 1, 3)[empty]
+    assert (dq == 0).all()
+
+
+REPLAY_CASES = {
+    "dense_gqa_ragged": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=False),
+    "causal_gqa_ragged": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=True),
+    "causal_q_longer_empty_rows": dict(b=1, sq=328, sk=200, hq=4, hk=2, d=64, causal=True,
+                                       scale=0.1),
+    "causal_blocks_128_fp16_d_lse": dict(b=2, sq=200, sk=328, hq=2, hk=1, d=64, causal=True,
+                                         dtype=jnp.float16, d_lse=True,
+                                         bs=mb.BlockSizes(128, 64, 128, 128)),
+    "dense_bk_dkv_128": dict(b=1, sq=77, sk=130, hq=2, hk=2, d=64, causal=False,
+                             bs=mb.BlockSizes(64, 128, 64, 64)),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAY_CASES))
+def test_replayed_kernels_match_reference_vjp(name, monkeypatch):
+  monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
+  case = dict(REPLAY_CASES[name])
+  dtype, bs = case.pop("dtype", jnp.bfloat16), case.pop("bs", None)
+  causal, scale, with_d_lse = case.pop("causal"), case.pop("scale", None), case.pop("d_lse", False)
+  q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
+  d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
+           if with_d_lse else None)
+  got, want, lse = _kernel_vs_reference(q, k, v, do, causal, scale=scale, bs=bs, d_lse=d_lse)
+  _assert_grads_close(got, want, lse, q, k, dtype)
+
+
+def test_replay_check_catches_a_wrong_mask(monkeypatch):
+  """The replay test can fail: a dK/dV walk that skips its diagonal mask gives wrong dk/dv."""
+  monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
+  monkeypatch.setattr(mb, "_dkv_visible", lambda rows, cols, k0, i, st: rows >= 0)
+  q, k, v, do = _inputs(3, b=1, sq=200, sk=200, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
+  got, want, _ = _kernel_vs_reference(q, k, v, do, True)
+  assert _rel(got[0], want[0]) < TOL[jnp.bfloat16]        # dq untouched
+  assert _rel(got[1], want[1]) > 0.1 and _rel(got[2], want[2]) > 0.1
+
+
+# ----------------------------------------------------------------------------- GPU (sm90)
+
+GPU_CASES = {
+    "d64": dict(b=2, sq=1024, sk=1024, hq=4, hk=4, d=64, causal=False),
+    "d64_causal_gqa": dict(b=1, sq=1024, sk=1024, hq=4, hk=2, d=64, causal=True),
+    "d128": dict(b=2, sq=2048, sk=2048, hq=4, hk=4, d=128, causal=False),
+    "d128_causal_gqa": dict(b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True),
+    "d128_ragged_gqa": dict(b=1, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=False),
+    "d128_causal_q_shorter": dict(b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True),
+    "d128_causal_q_longer_empty_rows": dict(b=1, sq=700, sk=260, hq=2, hk=1, d=128, causal=True),
+    "d128_fp16_d_lse": dict(b=1, sq=512, sk=512, hq=2, hk=1, d=128, causal=True,
+                            dtype=jnp.float16, d_lse=True),
+    "d128_bq_dq128_3_stages": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=128, causal=True,
+                                   bs=mb.BlockSizes(64, 64, 128, 64, 3, 2)),
+    "d64_bk_dkv128": dict(b=1, sq=1000, sk=777, hq=4, hk=1, d=64, causal=True,
+                          bs=mb.BlockSizes(64, 128, 64, 128, 3, 3)),
+}
+
+
+def _skip_unless_sm90():
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_matches_reference_vjp(name):
+  """The compiled kernels on the reference's residuals vs jax.vjp of the fp32 reference."""
+  _skip_unless_sm90()
+  case = dict(GPU_CASES[name])
+  dtype, bs = case.pop("dtype", jnp.bfloat16), case.pop("bs", None)
+  causal, with_d_lse = case.pop("causal"), case.pop("d_lse", False)
+  q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
+  d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
+           if with_d_lse else None)
+  got, want, lse = _kernel_vs_reference(q, k, v, do, causal, bs=bs, d_lse=d_lse)
+  _assert_grads_close(got, want, lse, q, k, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_after_mosaic_forward(causal):
+  """Forward by ``mosaic_gpu.flash_attention``, backward here on its out and LSE."""
+  _skip_unless_sm90()
+  from pallas_kernels.flash import mosaic_gpu as mg
+  q, k, v, do = _inputs(11, b=1, sq=1000, sk=1000, hq=4, hk=2, d=128, dtype=jnp.bfloat16)
+
+  @jax.jit
+  def run(q, k, v, do):
+    out, lse = mg.flash_attention(q, k, v, causal=causal)
+    return mb.flash_attention_bwd(q, k, v, out, lse, do, causal=causal), lse
+  got, lse = run(q, k, v, do)
+  want = _reference_grads(q, k, v, do, None, causal, None)
+  _assert_grads_close(got, want, lse, q, k, jnp.bfloat16)
