@@ -1,4 +1,4 @@
-"""Mosaic GPU (Hopper) flash attention forward: what can be checked without a GPU, and GPU tests.
+"""Mosaic GPU (Hopper) flash attention, Triton backward: what the CPU can check, and GPU tests.
 
 On the CPU nothing here runs the kernel: jax's Mosaic GPU interpret mode cannot execute it (its
 wgmma takes neither a transposed K nor P from registers). The CPU tests check
@@ -10,8 +10,15 @@ wgmma takes neither a transposed K nor P from registers). The CPU tests check
   * a jnp replay of the kernel's walk (same programs, warpgroup rows, kv ranges, full/masked split
     and the kernel's own mask, online-softmax and finalize helpers, P cast to the input dtype)
     against the fp32 reference, including padded lengths, bottom-right causal alignment and rows
-    that see no key.
-Tests marked ``gpu`` run the compiled kernel on an sm90 GPU against the reference.
+    that see no key;
+  * the registration in ``jattn.flash_attention(implementation="mosaic_gpu")``: its custom_vjp
+    hands the forward's out and LSE to the Triton backward kernels, run in interpret mode with
+    ``_fwd_call`` replaced by the replay (monkeypatch), against the fp32 reference's VJP; that
+    every unsupported option raises NotImplementedError naming it; and that forward + backward
+    lower for "cuda" (``.lower(lowering_platforms=("cuda",))``: ``jax.export`` refuses the
+    Triton custom call, which has no export compatibility guarantee).
+Tests marked ``gpu`` run the compiled kernel on an sm90 GPU against the reference: the kernel
+alone, and forward + VJP through ``jattn.flash_attention(implementation="mosaic_gpu")``.
 """
 from __future__ import annotations
 
@@ -144,11 +151,11 @@ def _replay(q, k, v, *, causal, block_sizes=None):
   return fn.lower(q, k, v).compile(_FAST_CPU_COMPILE)(q, k, v)
 
 
-def _replay_fn(q, k, v, *, causal, block_sizes=None):
+def _replay_fn(q, k, v, *, causal, block_sizes=None, scale=None):
   """The kernel's forward walk in jnp, with its own helpers (see the module docstring)."""
   b, sq, hq, d = q.shape
   sk, hk = k.shape[1], k.shape[2]
-  st = mg._static_config(q.shape, k.shape, q.dtype, causal=causal, scale=None,
+  st = mg._static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                          block_sizes=block_sizes)
   bq, bk = st.block_q, st.block_k
   sq_pad, sk_pad = st.num_q_programs * 2 * bq, st.num_kv_tiles * bk
@@ -226,11 +233,147 @@ def test_unsupported_options_raise():
     mg.flash_attention(q96, q96, q96)
 
 
-def test_backward_raises():
-  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
-  loss = lambda q, k, v: mg.flash_attention(q, k, v)[0].astype(jnp.float32).sum()
-  with pytest.raises(NotImplementedError, match="backward"):
-    jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(q, q, q)
+# ------------------------------------------- jattn registration, hybrid backward (CPU)
+
+
+def _replayed_fwd_call(q_p, k_p, v_p, st):
+  """Stand-in for ``mg._fwd_call`` on the CPU: the jnp replay of the kernel's walk (its own mask,
+  online softmax and ``_finalize``, so the same out and natural-log LSE, -inf for empty rows), on
+  the same padded inputs and returning the same padded shapes."""
+  bs = mg.BlockSizes(st.block_q, st.block_k, st.num_stages, st.pingpong)
+  out, lse = _replay_fn(q_p[:, :st.q_len], k_p[:, :st.kv_len], v_p[:, :st.kv_len],
+                        causal=st.causal, block_sizes=bs, scale=st.scale)
+  pad = q_p.shape[1] - st.q_len
+  out = jnp.pad(out, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+  return out, lse
+
+
+def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None):
+  """(kernel, reference) results: out, lse and the VJP of (out, lse) for random cotangents,
+  through ``jattn.flash_attention(implementation="mosaic_gpu", return_lse=True)``; the reference
+  runs in fp32 on the upcast inputs."""
+  import jattn
+  ks = jax.random.split(jax.random.key(99), 2)
+  d_out = jax.random.normal(ks[0], q.shape, q.dtype)
+  d_lse = jax.random.normal(ks[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+  def kernel_run(q, k, v):
+    f = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, scale=scale,
+                                              return_lse=True, implementation="mosaic_gpu",
+                                              interpret=interpret)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+  def ref_run(q, k, v):
+    up = lambda x: x.astype(jnp.float32)
+    f = functools.partial(attention_reference, causal=causal, scale=scale)
+    (out, lse), vjp = jax.vjp(f, up(q), up(k), up(v))
+    return out, lse, vjp((up(d_out), d_lse))
+
+  run = lambda fn: (jax.jit(fn).lower(q, k, v).compile(_FAST_CPU_COMPILE) if interpret
+                    else jax.jit(fn))(q, k, v)
+  return run(kernel_run), run(ref_run)
+
+
+def _assert_vjp_close(got, want, dtype):
+  (out, lse, grads), (r_out, r_lse, r_grads) = got, want
+  tol = TOL[dtype]
+  assert out.dtype == dtype and lse.dtype == jnp.float32
+  assert _rel(out, r_out) < tol, ("out", _rel(out, r_out))
+  lse, r_lse = np.asarray(lse), np.asarray(r_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+  fin = np.isfinite(r_lse)
+  assert _rel(np.where(fin, lse, 0.0), np.where(fin, r_lse, 0.0)) < tol
+  for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
+    assert g.shape == r.shape and g.dtype == dtype, (name, g.shape, g.dtype)
+    assert np.isfinite(np.asarray(g, np.float32)).all(), name
+    assert _rel(g, r) < tol, (name, _rel(g, r))
+  if (~fin).any():   # rows that see no key: zero gradient for their queries
+    dq = np.asarray(grads[0], np.float32).transpose(0, 2, 1, 3)[~fin]
+    assert (dq == 0).all()
+
+
+VJP_CASES = {
+    "dense_gqa_ragged": dict(sq=200, sk=328, causal=False),
+    "causal_gqa_ragged": dict(sq=200, sk=328, causal=True),
+    "causal_q_longer_empty_rows": dict(sq=328, sk=200, causal=True, scale=0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(VJP_CASES))
+def test_registered_vjp_uses_triton_backward(name, monkeypatch):
+  """jattn.flash_attention(implementation="mosaic_gpu"): the custom_vjp feeds the forward's out
+  and LSE to the Triton backward (interpret mode). The Mosaic forward cannot run on the CPU, so
+  ``_fwd_call`` is replaced by the jnp replay of its walk (same LSE convention)."""
+  monkeypatch.setattr(mg, "_fwd_call", _replayed_fwd_call)
+  case = dict(VJP_CASES[name])
+  causal, scale = case.pop("causal"), case.pop("scale", None)
+  q, k, v = _inputs(zlib.crc32(name.encode()), b=1, hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, scale=scale)
+  _assert_vjp_close(got, want, jnp.bfloat16)
+
+
+def test_vjp_check_catches_a_base2_lse(monkeypatch):
+  """The VJP test can fail: a forward whose LSE is in base 2 (the kernel's internal domain)
+  instead of natural log gives wrong gradients through the Triton backward."""
+  def base2_lse(q_p, k_p, v_p, st):
+    out, lse = _replayed_fwd_call(q_p, k_p, v_p, st)
+    return out, lse * mg.LOG2E
+  monkeypatch.setattr(mg, "_fwd_call", base2_lse)
+  q, k, v = _inputs(5, b=1, sq=130, sk=130, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
+  (_, _, grads), (_, _, r_grads) = _vjp_vs_reference(q, k, v, True, interpret=True)
+  assert _rel(grads[0], r_grads[0]) > 0.1
+
+
+def test_registered_path_rejects_unsupported_options():
+  """Every option the Hopper path lacks raises NotImplementedError naming it (no fallback)."""
+  import jattn
+  q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+  call = functools.partial(jattn.flash_attention, implementation="mosaic_gpu")
+  seg = jnp.ones((1, 128), jnp.int32)
+  for kwargs, name in ((dict(segment_ids=seg), "segment_ids"),
+                       (dict(segment_ids=seg, kv_segment_ids=seg), "segment_ids"),
+                       (dict(local_window_size=(63, 0)), "local_window_size"),
+                       (dict(local_window_size=64, causal=True), "local_window_size"),
+                       (dict(logits_soft_cap=30.0), "logits_soft_cap"),
+                       (dict(interpret=True), "interpret")):
+    with pytest.raises(NotImplementedError, match=name):
+      call(q, q, q, **kwargs)
+  q96 = jnp.ones((1, 128, 2, 96), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="head_dim 96"):
+    call(q96, q96, q96)
+  with pytest.raises(NotImplementedError, match="head_dim_v 128"):
+    call(q, q, jnp.ones((1, 128, 2, 128), jnp.bfloat16))
+  for dt in (jnp.float32, jnp.float16):
+    if dt == jnp.float16:   # mixed dtypes
+      args = (q, q.astype(dt), q.astype(dt))
+    else:
+      args = (q.astype(dt),) * 3
+    with pytest.raises(NotImplementedError, match="dtype"):
+      call(*args)
+  with pytest.raises(TypeError, match="BlockSizes"):
+    from pallas_kernels.flash import triton as ft
+    call(q, q, q, block_sizes=ft.default_block_sizes(64, jnp.bfloat16))
+  # None never picks the Hopper path yet (its hybrid backward is not GPU-verified).
+  assert jattn.resolve_implementation(None, platform="gpu") == "triton"
+  assert jattn.resolve_implementation("mosaic_gpu", platform="gpu") == "mosaic_gpu"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_registered_fwd_bwd_lowers_for_cuda(causal):
+  """jax.grad through jattn.flash_attention(implementation="mosaic_gpu") lowers for "cuda": the
+  Mosaic GPU forward plus the two Triton backward kernels (dK/dV, dQ)."""
+  import jattn
+  q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
+  loss = lambda q, k, v: jattn.flash_attention(
+      q, k, v, causal=causal, implementation="mosaic_gpu").astype(jnp.float32).sum()
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+  n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
+  assert n == 2, n
 
 
 # ----------------------------------------------------------------------------- GPU (sm90)
@@ -243,7 +386,6 @@ GPU_CASES = {
     "d128_ragged": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=True),
     "d128_q_shorter": dict(b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True),
     "d128_q_longer_empty_rows": dict(b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True),
-    "d128_fp16": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=128, causal=True, dtype=jnp.float16),
     "d128_no_pingpong": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=128, causal=True,
                              bs=mg.BlockSizes(64, 128, 2, pingpong=False)),
     "d256": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=False),
@@ -264,3 +406,30 @@ def test_gpu_matches_reference(name):
   fn = jax.jit(lambda q, k, v: mg.flash_attention(q, k, v, causal=causal, block_sizes=bs))
   out, lse = fn(q, k, v)
   _check(out, lse, q, k, v, causal, dtype)
+
+
+# Through the registered path: jattn.flash_attention(implementation="mosaic_gpu"), forward and
+# VJP (Mosaic GPU forward, Triton backward on its out and LSE) against the fp32 reference.
+GPU_VJP_CASES = {
+    "d64": dict(b=2, sq=1024, sk=1024, hq=4, hk=4, d=64, causal=False),
+    "d64_causal_gqa": dict(b=1, sq=1024, sk=1024, hq=4, hk=2, d=64, causal=True),
+    "d128_causal_gqa": dict(b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True),
+    "d128_ragged_gqa": dict(b=1, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=False),
+    "d128_q_shorter_ragged": dict(b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True),
+    "d128_q_longer_empty_rows": dict(b=1, sq=700, sk=260, hq=2, hk=1, d=128, causal=True),
+    "d256": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=False),
+    "d256_causal_gqa_ragged": dict(b=1, sq=777, sk=777, hq=4, hk=2, d=256, causal=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_VJP_CASES))
+def test_gpu_registered_forward_and_vjp(name):
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+  case = dict(GPU_VJP_CASES[name])
+  dtype = case.pop("dtype", jnp.bfloat16)
+  causal = case.pop("causal")
+  q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False)
+  _assert_vjp_close(got, want, dtype)

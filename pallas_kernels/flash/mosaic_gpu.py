@@ -1,12 +1,25 @@
 """Flash attention forward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
 
-STATUS: a first step. Forward only, dense or causal, GQA, bf16/fp16, head_dim 64/128/256. On the
-CPU it is only lowered (``jax.export`` for "cuda": the Pallas -> Mosaic GPU lowering, layouts and
-the shared-memory budget), and its tile walk and softmax arithmetic are replayed in jnp by the
-tests; jax's GPU interpret mode cannot run it (no transposed or register operands for wgmma). It
-has NOT yet run on a GPU, so ``jattn.flash_attention(implementation="mosaic_gpu")`` still raises
-NotImplementedError (see docs/kernels.md, "Mosaic GPU (Hopper) forward: status"). Segment ids,
-windows, soft cap, block schedules and the backward raise NotImplementedError here.
+STATUS (2026-11-30, H200, jax 0.11.2, CUDA 13.0): the forward has run on a GPU and passed its 11
+GPU tests (run 9: dense/causal, GQA, bf16/fp16, head_dim 64/128/256, ragged, q_len > kv_len;
+experiments/results/h200_gpu_tests_run9_20261130.txt). ``_sweep`` in run 10
+(experiments/results/h200_mosaic_gpu_sweep_run10_20261130.json), B2 S16K H16 D128 bf16, default
+``BlockSizes(64, 128, num_stages=2, pingpong=True)``: non-causal 7.19 ms = 612 TFLOP/s (jax.nn
+cuDNN 6.99 ms, 629), causal 3.81 ms = 577 TFLOP/s (cuDNN 3.83 ms, 575); max |diff| vs cuDNN
+5e-4 / 2e-3. Non-causal neighbours: pingpong=False 592 TFLOP/s, block_k=64 485, num_stages=3
+over the shared-memory limit (232568 > 232448 bytes). That is ~1.5x the Triton forward (~400
+TFLOP/s). D64 and D256 have not been timed.
+
+NEW, NOT YET RUN ON A GPU: ``flash_attention`` here is differentiable: its custom_vjp hands
+(q, k, v, out, lse) to the Triton backward kernels (``triton.flash_attention_bwd``: dK/dV and dQ,
+the same LSE convention), and ``jattn.flash_attention(implementation="mosaic_gpu")`` runs it
+(``implementation=None`` does not pick it until forward + backward pass on sm90). On the CPU the
+forward is only lowered (``jax.export`` for "cuda") and its tile walk and softmax arithmetic are
+replayed in jnp by the tests; jax's GPU interpret mode cannot run it (no transposed or register
+operands for wgmma), so ``interpret=True`` raises NotImplementedError. The CPU tests check the
+hybrid VJP with the replay standing in for the kernel and the Triton backward interpreted.
+Segment ids, windows, soft cap and block schedules raise NotImplementedError (see
+docs/kernels.md, "Mosaic GPU (Hopper) forward: status").
 
 Structure (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``): one
 program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three warpgroups:
@@ -102,8 +115,9 @@ class BlockSizes:
     return qo + kv + _COMPUTE_WGS * self.block_q * 4
 
 
-# Untuned starting points (no GPU measurement yet): 160 KiB (D128), 96 KiB (D64) and 192 KiB
-# (D256) of shared memory.
+# D128: the best of the configs ``_sweep`` tried in run 10 (2026-11-30, H200; see the module
+# docstring), ~160 KiB of shared memory. D64 (~112 KiB) and D256 (~192 KiB): untimed starting
+# points (their GPU tests passed).
 _DEFAULT_BLOCK_SIZES = {
     64: BlockSizes(block_q=64, block_k=128, num_stages=3),
     128: BlockSizes(block_q=64, block_k=128, num_stages=2),
@@ -159,6 +173,8 @@ class _Static:
   causal: bool
   scale: float
   dtype: jnp.dtype
+  interpret: bool = False    # the backward's Triton kernels in interpret mode (the forward raises)
+  bwd_block_sizes: object = None   # pallas_kernels.flash.triton.BlockSizes or None (its default)
 
   @property
   def offset(self) -> int:
@@ -362,7 +378,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
 
 
 def _fwd_call(q, k, v, st: _Static):
-  """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] -> (o [B, Sq', Hq, D], lse [B, Hq, Sq'])."""
+  """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
+
+  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel, to run
+  the custom_vjp and the Triton backward in interpret mode."""
+  if st.interpret:
+    raise NotImplementedError("the Mosaic GPU flash attention forward cannot run in interpret "
+                              "mode (interpret=True): jax's GPU interpreter has no wgmma with "
+                              "transposed or register operands")
   b, sq_pad, hq, d = q.shape
   bq, bk, stages = st.block_q, st.block_k, st.num_stages
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 bytes
@@ -402,8 +425,9 @@ def _pad_axis(x, axis, size):
   return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _forward(q, k, v, st: _Static):
+def _forward_impl(q, k, v, st: _Static):
+  """Unpadded q, k, v -> (out [B, Sq, Hq, D], lse [B, Hq, Sq] natural log): pads to whole tiles,
+  runs the kernel (``_fwd_call``) and slices the padding away."""
   sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
   sk_pad = st.num_kv_tiles * st.block_k
   q_p = _pad_axis(q, 1, sq_pad)
@@ -413,19 +437,37 @@ def _forward(q, k, v, st: _Static):
   return out[:, :st.q_len], lse[:, :, :st.q_len]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _forward(q, k, v, st: _Static):
+  return _forward_impl(q, k, v, st)
+
+
 def _forward_fwd(q, k, v, st):
-  return _forward(q, k, v, st), None
+  out, lse = _forward_impl(q, k, v, st)
+  return (out, lse), (q, k, v, out, lse)
 
 
 def _forward_bwd(st, res, cts):
-  raise NotImplementedError("the Mosaic GPU flash attention has no backward yet; use "
-                            "implementation='triton' for gradients")
+  """The Triton backward kernels (``triton.flash_attention_bwd``) on this forward's residuals.
+
+  The conventions match: lse is the natural-log log-sum-exp over the unpadded keys (``_finalize``:
+  m * ln 2 + ln l, m the base-2 running max) with -inf for rows that see no key, which the Triton
+  backward turns into base 2 and +inf (p = 0) like its own forward's; padded rows are sliced away
+  before the residuals are saved; causal alignment is bottom-right in both.
+  """
+  from pallas_kernels.flash import triton as flash_triton  # local: the forward alone needs none
+  q, k, v, out, lse = res
+  d_out, d_lse = cts
+  return flash_triton.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, causal=st.causal,
+                                          scale=st.scale, block_sizes=st.bwd_block_sizes,
+                                          interpret=st.interpret)
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
-def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> _Static:
+def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, interpret=False,
+                   bwd_block_sizes=None) -> _Static:
   """The kernel's static configuration for q [B, Sq, Hq, D] and k/v [B, Sk, Hk, D]."""
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
@@ -439,17 +481,21 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> _S
       compute_registers=bs.compute_registers, q_len=sq, kv_len=sk,
       num_q_programs=-(-sq // bs.rows_per_program), num_kv_tiles=-(-sk // bs.block_k),
       head_dim=d, group=hq // hk, causal=bool(causal),
-      scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype))
+      scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
+      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes)
 
 
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=None, *,
                     causal: bool = False, local_window_size=None, scale: float | None = None,
                     logits_soft_cap: float | None = None, block_sizes: BlockSizes | None = None,
-                    interpret: bool = False):
-  """Flash attention forward on Hopper (Pallas Mosaic GPU). Not differentiable yet.
+                    interpret: bool = False, bwd_block_sizes=None):
+  """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton backward (custom_vjp).
 
   The argument shape follows ``pallas_kernels.flash.triton.flash_attention``; the options this
-  first version lacks must be None and raise NotImplementedError otherwise.
+  version lacks must be None and raise NotImplementedError otherwise. Differentiable with respect
+  to q, k, v (including through the returned LSE): the backward is
+  ``pallas_kernels.flash.triton.flash_attention_bwd`` (the Triton dK/dV and dQ kernels) fed with
+  this forward's out and LSE.
 
   Args:
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
@@ -462,10 +508,14 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     local_window_size: must be None (not supported yet).
     scale: logit scale (None: 1 / sqrt(D)).
     logits_soft_cap: must be None (not supported yet).
-    block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
-    interpret: must be False: jax's Mosaic GPU interpret mode (0.10.2, 0.11) implements wgmma
+    block_sizes: ``BlockSizes`` of the forward (None: ``default_block_sizes(D)``).
+    interpret: runs the backward's Triton kernels in the Pallas interpreter; the forward itself
+      cannot be interpreted (jax's Mosaic GPU interpret mode, 0.10.2 and 0.11, implements wgmma
       only with both operands in shared memory and untransposed, and this kernel uses K^T and P
-      from registers.
+      from registers), so a call with interpret=True raises NotImplementedError unless a test has
+      substituted ``_fwd_call``.
+    bwd_block_sizes: ``pallas_kernels.flash.triton.BlockSizes`` for the backward (its bwd_*
+      fields; None: the Triton default for D and the dtype).
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see
@@ -475,9 +525,6 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
     >>> out, lse = flash_attention(q, q, q, causal=True)  # doctest: +SKIP
   """
-  if interpret:
-    raise NotImplementedError("the Mosaic GPU flash attention cannot run in interpret mode (jax's "
-                              "GPU interpreter has no wgmma with transposed or register operands)")
   unsupported = [name for name, val in (("q_segment_ids", q_segment_ids),
                                         ("kv_segment_ids", kv_segment_ids),
                                         ("schedule", schedule),
@@ -500,7 +547,8 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   _check_dtype(q.dtype)
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
-                      block_sizes=block_sizes)
+                      block_sizes=block_sizes, interpret=interpret,
+                      bwd_block_sizes=bwd_block_sizes)
   return _forward(q, k, v, st)
 
 

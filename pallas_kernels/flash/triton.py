@@ -13,6 +13,8 @@ differ from the forward's: all it takes from the forward (out, log-sum-exp) is p
     transposed schedule (``q_indices``), so K/V are never repeated in memory.
   * dQ: one program per (query tile, batch, query head), walking the schedule's kv list.
   delta = rowsum(dO * O) - dLSE, so cotangents of the returned log-sum-exp are honoured.
+  ``flash_attention_bwd`` runs the same two kernels on another forward's (out, lse) for dense or
+  causal masks: the Mosaic GPU (Hopper) forward's backward.
 
 Padding happens here: sequences to multiples of both passes' tile sizes, head dims to a power of
 two (Triton blocks need power-of-two shapes). Padded keys are always in partial tiles (the schedule
@@ -762,6 +764,20 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
 # ----------------------------------------------------------------------------------------------
 
 
+def _bwd_row_terms(out, lse, d_out, d_lse):
+  """The per-row inputs of the backward kernels, from any forward's (out, lse) and cotangents.
+
+  out, d_out: [B, Sq, Hq, Dv]; lse: [B, Hq, Sq] fp32, natural log, -inf for rows that see no key;
+  d_lse: [B, Hq, Sq]. Returns (delta, lse2), both [B, Hq, Sq] fp32: delta = rowsum(dO * O) - dLSE
+  (elementwise + reduce, no TF32 matmul) and lse2 = lse * log2(e), +inf where lse is -inf (the
+  kernels compute p = exp2(s - lse2), so those rows get p = 0 and zero gradients).
+  """
+  delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Sq, Hq]
+  delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)
+  lse2 = jnp.where(lse == _NEG_INF, _POS_INF, lse * LOG2E)  # base 2; +inf -> p = 0
+  return delta, lse2
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _flash_padded(st, bst, q, k, v, q_seg, kv_seg, fwd_rows, dq_rows, dkv_rows):
   """st / fwd_rows: the forward's tiles and kv lists; bst / dq_rows / dkv_rows: the backward's
@@ -778,10 +794,7 @@ def _flash_padded_bwd(st, bst, res, cts):
   del st
   q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse = res
   d_out, d_lse = cts
-  # delta = rowsum(dO * O) - dLSE: [B, Hq, Sq] fp32 (elementwise + reduce, no TF32 matmul).
-  delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Sq, Hq]
-  delta = jnp.swapaxes(delta, 1, 2) - d_lse.astype(jnp.float32)
-  lse2 = jnp.where(lse == _NEG_INF, _POS_INF, lse * LOG2E)  # base 2; +inf -> p = 0
+  delta, lse2 = _bwd_row_terms(out, lse, d_out, d_lse)
   dq, dk, dv = _bwd_calls(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, d_out.astype(q.dtype),
                           lse2, delta, bst)
   return dq, dk, dv, None, None, None, None, None
@@ -971,4 +984,79 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
   return out[:, :sq, :, :d_v], lse[:, :, :sq]
 
 
-__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]
+def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float,
+                        block_sizes: BlockSizes | None = None, interpret: bool = False):
+  """The Triton backward kernels (dK/dV, dQ) for another forward's residuals (dense or causal).
+
+  Used by the Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``), whose custom_vjp keeps
+  (q, k, v, out, lse) and hands them here. The mask is dense or causal (bottom-right aligned);
+  the backward walks ``make_schedule(Sq, Sk, *block_sizes.bwd_tiles, causal=causal)``. Segment
+  ids, windows and soft cap are not taken: the forward that calls this supports none of them.
+
+  Args:
+    q: [B, Sq, Hq, D]; k: [B, Sk, Hk, D]; v: [B, Sk, Hk, Dv] (Hq % Hk == 0), unpadded.
+    out: the forward's output [B, Sq, Hq, Dv].
+    lse: the forward's log-sum-exp [B, Hq, Sq] fp32: natural log, -inf for rows that see no key
+      (the convention of ``flash_attention`` here and of the Mosaic GPU forward); converted to
+      base 2 (+inf for -inf rows) exactly as this module's own backward does.
+    d_out: cotangent of out [B, Sq, Hq, Dv].
+    d_lse: cotangent of lse [B, Hq, Sq] (zeros when only out is used).
+    causal: causal mask (bottom-right aligned when Sq != Sk).
+    scale: the logit scale the forward used.
+    block_sizes: Triton ``BlockSizes`` whose backward fields are used (None:
+      ``default_block_sizes(D, q.dtype)``).
+    interpret: run the kernels in the Pallas interpreter (CPU).
+
+  Returns:
+    (dq, dk, dv) in the dtypes and shapes of q, k, v.
+
+  Example:
+    >>> from pallas_kernels.flash.reference import attention_reference
+    >>> q = jax.random.normal(jax.random.key(0), (1, 40, 2, 32))
+    >>> out, lse = attention_reference(q, q, q, causal=True)
+    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, jnp.zeros_like(lse),
+    ...                                  causal=True, scale=32 ** -0.5, interpret=True)
+    >>> dq.shape
+    (1, 40, 2, 32)
+  """
+  from pallas_kernels.block_schedule import make_schedule  # local: only this bridge needs it
+
+  b, sq, hq, d = q.shape
+  _, sk, hk, d_v = v.shape
+  if k.shape[:3] != v.shape[:3] or k.shape[3] != d or hq % hk:
+    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape}")
+  if out.shape != (b, sq, hq, d_v) or lse.shape != (b, hq, sq):
+    raise ValueError(f"residuals out {out.shape} / lse {lse.shape} do not match q {q.shape}, "
+                     f"v {v.shape}")
+  bs = block_sizes or default_block_sizes(max(d, d_v), q.dtype)
+  bbq, bbk = bs.bwd_tiles
+  d_p, dv_p = _pow2(d), _pow2(d_v)
+  defaults = _launch_defaults(bbq, bbk, d_p, dv_p, q.dtype, bwd_block_q=bbq, bwd_block_k=bbk)
+  dkv_q_chunk = min(bs.dkv_q_chunk or defaults.dkv_q_chunk, bbq)
+  dq_k_chunk = min(bs.dq_k_chunk or defaults.dq_k_chunk, bbk)
+  st = _Static(
+      block_q=bbq, block_k=bbk, q_len=sq, kv_len=sk, causal=bool(causal), window=None,
+      scale=float(scale), soft_cap=None, num_warps=int(defaults.num_warps),
+      num_stages=int(defaults.num_stages),
+      bwd_num_warps=int(bs.bwd_num_warps or defaults.bwd_num_warps),
+      bwd_num_stages=int(bs.bwd_num_stages or defaults.bwd_num_stages),
+      dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret),
+      head_group=bs.head_group)
+  schedule = make_schedule(sq, sk, bbq, bbk, causal=causal)
+  dq_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
+  dkv_rows = _pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
+  # Padded query rows get d_out = 0, d_lse = 0 and lse = -inf (p = 0): they add nothing.
+  sq_p, sk_p = -(-sq // bbq) * bbq, -(-sk // bbk) * bbk
+  qp = _pad_axis(_pad_axis(q, 1, sq_p), 3, d_p)
+  kp = _pad_axis(_pad_axis(k, 1, sk_p), 3, d_p)
+  vp = _pad_axis(_pad_axis(v, 1, sk_p), 3, dv_p)
+  outp = _pad_axis(_pad_axis(out, 1, sq_p), 3, dv_p)
+  dop = _pad_axis(_pad_axis(d_out.astype(q.dtype), 1, sq_p), 3, dv_p)
+  lsep = _pad_axis(lse.astype(jnp.float32), 2, sq_p, _NEG_INF)
+  dlsep = _pad_axis(d_lse.astype(jnp.float32), 2, sq_p)
+  delta, lse2 = _bwd_row_terms(outp, lsep, dop, dlsep)
+  dq, dk, dv = _bwd_calls(qp, kp, vp, None, None, dq_rows, dkv_rows, dop, lse2, delta, st)
+  return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d_v]
+
+
+__all__ = ["BlockSizes", "default_block_sizes", "flash_attention", "flash_attention_bwd"]
