@@ -117,6 +117,18 @@ def flash_impls(causal, window):
       bs = dataclasses.replace(ft.default_block_sizes(q.shape[-1], q.dtype), head_group=1)
       return jattn.flash_attention(q, k, v, causal=True, implementation="triton", block_sizes=bs)
     impls["jattn_triton[head_group1]"] = per_head
+
+    # Causal backward A/B (docs/kernels.md, "Causal backward vs tokamax"): the dK/dV kernel on
+    # chunk-sized q tiles, and tokamax-triton's backward tiling/launch parameters.
+    def with_config(name):
+      def f(q, k, v):
+        from experiments.gpu_sweep import causal_bwd_configs
+        bs = causal_bwd_configs(q.shape[-1], q.dtype)[name]
+        return jattn.flash_attention(q, k, v, causal=True, implementation="triton",
+                                     block_sizes=bs)
+      return f
+    for name in ("dkv_block_q64", "tokamax_tiles"):
+      impls[f"jattn_triton[{name}]"] = with_config(name)
   impls["jax_nn_cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                             local_window_size=window, implementation="cudnn")
   impls["jax_nn_xla"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
@@ -129,7 +141,7 @@ def flash_impls(causal, window):
   return impls
 
 
-def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None):
+def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None, bwd_only=False):
   for (b, s, h, d, causal, window) in cases:
     case = f"B{b} S{s // 1024}K H{h} D{d}" + (" causal" if causal else "") + (
         f" window{window[0] + 1}" if window else "")
@@ -180,6 +192,13 @@ def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None):
         record(op="flash_fwd_bwd", case=case, impl=name, ms=ms, spread_ms=spread,
                tflops=3.5 * flops / ms / 1e9, rel_err=gerr,
                ok=bool(gerr is None or gerr < 2e-2))
+        if bwd_only:
+          # The backward alone: the VJP closure (a pytree of the saved residuals) is a jit
+          # argument, so no forward runs in the timed program (no fwd+bwd - fwd subtraction).
+          bsets = [(jax.vjp(f, *s)[1], ct) for s in sets]
+          ms, spread = time_fn(jax.jit(lambda fn, c: fn(c)), bsets)
+          record(op="flash_bwd", case=case, impl=name, ms=ms, spread_ms=spread,
+                 tflops=2.5 * flops / ms / 1e9, ok=True)
       except NotImplementedError as e:  # e.g. jattn_mosaic_gpu on window cases: no row, a reason
         print(f"  {name}: skipped, not supported: {str(e)[:200]}")
       except Exception as e:  # record failures instead of hiding them
@@ -269,6 +288,8 @@ def main(argv=None):
                  help="flash: comma list of implementation names to time (default: all)")
   p.add_argument("--masks", default="dense,causal,window",
                  help="flash: comma list of mask kinds among dense, causal, window")
+  p.add_argument("--bwd-only", action="store_true",
+                 help="flash: also time the backward alone (op flash_bwd: VJP of saved residuals)")
   args = p.parse_args(argv)
   ops = args.ops.split(",")
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -282,7 +303,8 @@ def main(argv=None):
           cases.append((2, s, 16, 128, causal, None))
       if "window" in masks:
         cases.append((2, s, 16, 128, True, (511, 0)))
-    bench_flash(cases, impls=None if args.impls is None else set(args.impls.split(",")))
+    bench_flash(cases, impls=None if args.impls is None else set(args.impls.split(",")),
+                bwd_only=args.bwd_only)
     if not args.quick and args.impls is None:
       bench_flash_packed()
   if "decode" in ops:

@@ -226,6 +226,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
       kwargs["block_sizes"] = bs
       if bs.bwd_tiles != (bs.block_q, bs.block_k):
         kwargs["bwd_schedule"] = make_schedule(q_len, kv_len, *bs.bwd_tiles, **mask)
+      if bs.dkv_tiles != bs.bwd_tiles:  # dK/dV walks its own (finer) q tiles
+        kwargs["dkv_schedule"] = make_schedule(q_len, kv_len, *bs.dkv_tiles, **mask)
     out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
                                    local_window_size=window, scale=scale,
                                    logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)

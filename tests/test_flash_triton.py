@@ -6,6 +6,7 @@ marked ``gpu`` run the compiled kernels.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,10 +66,11 @@ def _segments(rng, batch, length, *, pad_tail=0, one_token_docs=False):
 def _run(*, batch=1, q_len=64, kv_len=None, q_heads=2, kv_heads=None, head_dim=32,
          head_dim_v=None, dtype=jnp.float32, causal=False, window=None, segments=None,
          soft_cap=None, block_q=32, block_k=16, bwd_tiles=None, tile_mask=None, poison=None,
-         seed=0, interpret=True, **kernel_kwargs):
+         seed=0, interpret=True, dkv_tiles=None, **kernel_kwargs):
   """Run kernel and reference (forward and VJP with random cotangents for out and LSE).
 
-  ``bwd_tiles=(block_q, block_k)`` gives the backward its own schedule of the same mask.
+  ``bwd_tiles=(block_q, block_k)`` gives the backward its own schedule of the same mask;
+  ``dkv_tiles`` the dK/dV kernel a third one.
   """
   kv_len = q_len if kv_len is None else kv_len
   kv_heads = q_heads if kv_heads is None else kv_heads
@@ -93,11 +95,15 @@ def _run(*, batch=1, q_len=64, kv_len=None, q_heads=2, kv_heads=None, head_dim=3
   def kernel_run(q, k, v, q_seg, kv_seg, tile_mask):
     schedule = make(block_q, block_k, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                     block_mask=tile_mask)
-    bwd_schedule = None
+    bwd_schedule = dkv_schedule = None
     if bwd_tiles is not None:
       assert tile_mask is None  # a tile mask is defined on the forward's tiles
       bwd_schedule = make(*bwd_tiles, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
-    f = lambda q, k, v: kern(q, k, v, q_seg, kv_seg, schedule, bwd_schedule=bwd_schedule)
+    if dkv_tiles is not None:
+      assert tile_mask is None
+      dkv_schedule = make(*dkv_tiles, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    f = lambda q, k, v: kern(q, k, v, q_seg, kv_seg, schedule, bwd_schedule=bwd_schedule,
+                             dkv_schedule=dkv_schedule)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return out, lse, vjp((d_out, d_lse))
 
@@ -184,6 +190,96 @@ def test_forward_and_backward_tiles_differ(fwd_tiles, bwd_tiles):
                    window=(29, 0), segments=(q_seg, kv_seg), block_q=fwd_tiles[0],
                    block_k=fwd_tiles[1], bwd_tiles=bwd_tiles, seed=7)
   _assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("case", [
+    # causal GQA 6:2, lengths that are multiples of no tile, dK/dV on 16-row q tiles (= its
+    # chunk) under 32x16 backward tiles; dQ chunked
+    dict(batch=2, q_len=75, kv_len=91, q_heads=6, kv_heads=2, causal=True, block_q=16,
+         block_k=16, bwd_tiles=(32, 16), dkv_tiles=(16, 16), dkv_q_chunk=16, dq_k_chunk=16),
+    # q longer than kv (empty rows), causal window, soft cap, bf16-sized tiles
+    dict(q_len=100, kv_len=70, q_heads=4, kv_heads=1, causal=True, window=(30, 0),
+         soft_cap=3.0, block_q=32, block_k=32, bwd_tiles=(64, 32), dkv_tiles=(16, 32)),
+    # one chunk per dK/dV tile but coarser than the backward tile is allowed too
+    dict(q_len=60, causal=True, q_heads=2, block_q=16, block_k=16, bwd_tiles=(16, 16),
+         dkv_tiles=(32, 16), dkv_q_chunk=16),
+])
+def test_dkv_block_q_matches_reference(case):
+  """``BlockSizes.dkv_block_q`` (dK/dV walks a schedule with its own q tiles, e.g. its chunk, so
+  the causal diagonal's all-masked chunks are skipped): forward + VJP vs the fp32 reference."""
+  case = dict(case)
+  bs = ft.BlockSizes(case["block_q"], case["block_k"], bwd_block_q=case["bwd_tiles"][0],
+                     bwd_block_k=case["bwd_tiles"][1], dkv_block_q=case["dkv_tiles"][0],
+                     dkv_q_chunk=case.pop("dkv_q_chunk", None),
+                     dq_k_chunk=case.pop("dq_k_chunk", None))
+  assert bs.dkv_tiles == case["dkv_tiles"]
+  got, want = _run(block_sizes=bs, seed=13, **case)
+  _assert_close(got, want, jnp.float32)
+  # Same gradients (up to summation order) as the backward schedule's own q lists.
+  base, _ = _run(block_sizes=dataclasses.replace(bs, dkv_block_q=None), seed=13,
+                 **dict(case, dkv_tiles=None))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_dkv_block_q_segments_and_jattn_entry_point():
+  """Packed documents with padding + GQA through ``jattn.flash_attention`` (which builds the
+  third schedule), bf16 against the fp32 reference; and the tile checks."""
+  import jattn
+  rng = np.random.default_rng(17)
+  b, n, hq, hk, d = 2, 90, 4, 2, 32
+  seg = _segments(rng, b, n, pad_tail=9)
+  q, k, v = (jnp.asarray(rng.standard_normal((b, n, h, d), np.float32)) for h in (hq, hk, hk))
+  bs = ft.BlockSizes(16, 16, bwd_block_q=32, bwd_block_k=16, dkv_block_q=16, dkv_q_chunk=16)
+  ct = jnp.asarray(rng.standard_normal((b, n, hq, d), np.float32))
+
+  def loss(f, q, k, v):
+    return jnp.sum(f(q, k, v).astype(jnp.float32) * ct)
+
+  kern = lambda q, k, v: jattn.flash_attention(
+      q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), causal=True,
+      segment_ids=seg, implementation="triton", interpret=True, block_sizes=bs)
+  ref = lambda q, k, v: attention_reference(q, k, v, causal=True, q_segment_ids=seg,
+                                            kv_segment_ids=seg)[0]
+  got = _compile_and_run(jax.value_and_grad(functools.partial(loss, kern), argnums=(0, 1, 2)),
+                         q, k, v)
+  want = jax.value_and_grad(functools.partial(loss, ref), argnums=(0, 1, 2))(q, k, v)
+  for g, r in zip(got[1], want[1]):
+    assert _rel(g, r) < TOL[jnp.bfloat16], _rel(g, r)
+  s = make_schedule(32, 32, 16, 16, causal=True)
+  kw = dict(causal=True, local_window_size=None, scale=0.1, logits_soft_cap=None, interpret=True)
+  x = jnp.zeros((1, 32, 1, 16))
+  with pytest.raises(ValueError, match="dK/dV tiles"):
+    ft.flash_attention(x, x, x, None, None, s, block_sizes=ft.BlockSizes(16, 16, dkv_block_q=32),
+                       **kw)
+  with pytest.raises(ValueError, match="dkv_schedule block_k"):
+    ft.flash_attention(x, x, x, None, None, s,
+                       dkv_schedule=make_schedule(32, 32, 16, 32, causal=True), **kw)
+
+
+def test_bwd_parts_run_one_kernel():
+  """The timing switch ``_bwd_parts``: "dkv" / "dq" give that kernel's gradients bit for bit and
+  zeros for the other's; "none" gives zeros."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 40, h, 16), np.float32)) for h in (4, 2, 2))
+  s = make_schedule(40, 40, 16, 16, causal=True)
+
+  def grads(parts):
+    f = lambda q, k, v: ft.flash_attention(
+        q, k, v, None, None, s, causal=True, local_window_size=None, scale=0.25,
+        logits_soft_cap=None, interpret=True, _bwd_parts=parts)[0]
+    return _compile_and_run(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)),
+                            q, k, v)
+
+  full = grads("all")
+  for parts, keep in (("dkv", (1, 2)), ("dq", (0,)), ("none", ())):
+    got = grads(parts)
+    for i in range(3):
+      want = full[i] if i in keep else jnp.zeros_like(full[i])
+      np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want))
+  with pytest.raises(ValueError, match="_bwd_parts"):
+    ft.flash_attention(q, k, v, None, None, s, causal=True, local_window_size=None, scale=0.25,
+                       logits_soft_cap=None, interpret=True, _bwd_parts="dk")
 
 
 @pytest.mark.parametrize("batch,heads", [(2, 16), (1, 6), (3, 5)])
@@ -316,6 +412,8 @@ def test_bad_inputs_raise():
 def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **mask):
   """Lower forward + VJP for the "cuda" platform (runs the Pallas -> Triton IR lowering)."""
   bs = ft.default_block_sizes(head_dim, dtype)
+  if mask.pop("dkv_block_q", None):  # the dK/dV kernel on chunk-sized q tiles
+    bs = dataclasses.replace(bs, dkv_block_q=bs.dkv_q_chunk)
   seg = mask.pop("segments", False)
   cap = mask.pop("soft_cap", None)
 
@@ -326,10 +424,12 @@ def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **m
     # The default may give the backward other tiles (its own schedule of the same mask).
     s_bwd = make_schedule(q_len, kv_len, *bs.bwd_tiles, q_segment_ids=q_seg,
                           kv_segment_ids=kv_seg, **mask)
+    s_dkv = make_schedule(q_len, kv_len, *bs.dkv_tiles, q_segment_ids=q_seg,
+                          kv_segment_ids=kv_seg, **mask)
     fa = lambda q, k, v: ft.flash_attention(
         q, k, v, q_seg, kv_seg, s, causal=mask.get("causal", False),
         local_window_size=mask.get("local_window_size"), scale=0.1, logits_soft_cap=cap,
-        block_sizes=bs, bwd_schedule=s_bwd)
+        block_sizes=bs, bwd_schedule=s_bwd, dkv_schedule=s_dkv)
     (o, l), vjp = jax.vjp(fa, q, k, v)
     return vjp((o, l))
 
@@ -347,6 +447,8 @@ def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **m
          dtype=jnp.float32, causal=True, local_window_size=(64, 0)),
     dict(batch=1, q_len=256, kv_len=256, q_heads=2, kv_heads=1, head_dim=256,
          dtype=jnp.float16),
+    dict(batch=1, q_len=1000, kv_len=1000, q_heads=4, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, causal=True, dkv_block_q=True),
 ])
 def test_lowers_to_triton(case):
   text = _lower_for_gpu(**case)

@@ -681,3 +681,125 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
   dk, dv = _dkv_call(q_p, k_p, v_p, do_p, lse2, delta, st)
   dq = _dq_call(q_p, k_p, v_p, do_p, lse2, delta, st)
   return dq[:, :sq], dk[:, :st.kv_len], dv[:, :st.kv_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU benchmark helper (one process: this backward, the Triton backward and jax.nn's cuDNN)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
+               head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16, configs=None,
+               iters: int = 10, verbose: bool = True):
+  """Time this backward per config against jax.nn's cuDNN forward + backward (GPU only).
+
+  Rows: ``cudnn_fwd`` and ``cudnn_fwd_bwd`` (jax.nn.dot_product_attention(implementation=
+  "cudnn") and its VJP), ``cudnn_bwd_est`` (their difference), ``triton_bwd`` (the backward the
+  Mosaic forward's custom_vjp uses today, on the same residuals), then per config
+  ``mosaic_bwd`` (this backward alone, on residuals of ``mosaic_gpu.flash_attention`` computed
+  once outside the timing) and ``mosaic_fwd_bwd`` (Mosaic forward + this backward, to compare
+  with ``cudnn_fwd_bwd``). TFLOP/s counts 4 * B * Hq * D * pairs for a forward and 10 * ... for a
+  backward (5 matmuls; S is recomputed); pairs = S^2, or S(S+1)/2 causal. Each mosaic row
+  reports max |d - d_cudnn| of dq, dk, dv.
+
+  Args:
+    batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
+    causal: causal mask.
+    dtype: bf16 or fp16.
+    configs: list of ``BlockSizes`` (default: the default and a few neighbours).
+    iters: timed iterations (median) after one warm-up.
+    verbose: print one line per row.
+
+  Returns:
+    A list of dicts: name, ms, tflops, max_abs_diff_vs_cudnn (or error).
+
+  Example:
+    >>> rows = _sweep_bwd(causal=True)  # doctest: +SKIP
+  """
+  import statistics
+  import time
+
+  from pallas_kernels.flash import mosaic_gpu as mg
+
+  if configs is None:
+    base = default_block_sizes(head_dim, dtype)
+    configs = [base,
+               dataclasses.replace(base, num_stages_dkv=base.num_stages_dkv + 1),
+               dataclasses.replace(base, num_stages_dq=base.num_stages_dq + 1),
+               dataclasses.replace(base, block_k_dq=64 if base.block_k_dq == 128 else 128)]
+    if head_dim == 64:   # at D128 these would need > 232 registers per thread (spills)
+      configs += [dataclasses.replace(base, block_q_dkv=128),
+                  dataclasses.replace(base, block_k_dkv=128),
+                  dataclasses.replace(base, block_q_dq=128, num_stages_dq=2)]
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), dtype)
+  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
+  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
+  do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), dtype)
+  pairs = seq * (seq + 1) // 2 if causal else seq * seq
+  fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
+  bwd_flops = 2.5 * fwd_flops
+
+  def timeit(fn, *args):
+    res = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - t0)
+    return res, statistics.median(times) * 1e3
+
+  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                            implementation="cudnn")
+
+  def cudnn_fwd_bwd(q, k, v, do):
+    _, vjp = jax.vjp(cudnn, q, k, v)
+    return vjp(do)
+
+  _, fwd_ms = timeit(jax.jit(cudnn), q, k, v)
+  ref, fb_ms = timeit(jax.jit(cudnn_fwd_bwd), q, k, v, do)
+  rows = [dict(name="cudnn_fwd", ms=fwd_ms, tflops=fwd_flops / fwd_ms * 1e-9),
+          dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
+          dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
+               tflops=bwd_flops / max(fb_ms - fwd_ms, 1e-9) * 1e-9)]
+
+  def diff(grads):
+    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+               for g, r in zip(grads, ref))
+
+  out, lse = jax.block_until_ready(jax.jit(functools.partial(mg.flash_attention,
+                                                             causal=causal))(q, k, v))
+  try:
+    from pallas_kernels.flash import triton as flash_triton
+    scale = head_dim ** -0.5
+    tri = jax.jit(lambda q, k, v, o, l, do: flash_triton.flash_attention_bwd(
+        q, k, v, o, l, do, jnp.zeros_like(l), causal=causal, scale=scale))
+    grads, ms = timeit(tri, q, k, v, out, lse, do)
+    rows.append(dict(name="triton_bwd", ms=ms, tflops=bwd_flops / ms * 1e-9,
+                     max_abs_diff_vs_cudnn=diff(grads)))
+  except Exception as e:  # reported, not fatal
+    rows.append(dict(name="triton_bwd", error=f"{type(e).__name__}: {str(e)[:300]}"))
+
+  for cfg in configs:
+    for name in ("mosaic_bwd", "mosaic_fwd_bwd"):
+      row = dict(name=f"{name} {cfg}")
+      try:
+        if name == "mosaic_bwd":
+          fn = jax.jit(lambda q, k, v, o, l, do, cfg=cfg: flash_attention_bwd(
+              q, k, v, o, l, do, causal=causal, block_sizes=cfg))
+          grads, ms = timeit(fn, q, k, v, out, lse, do)
+          flops = bwd_flops
+        else:
+          def fwd_bwd(q, k, v, do, cfg=cfg):
+            o, l = mg.flash_attention(q, k, v, causal=causal)
+            return flash_attention_bwd(q, k, v, o, l, do, causal=causal, block_sizes=cfg)
+          grads, ms = timeit(jax.jit(fwd_bwd), q, k, v, do)
+          flops = fwd_flops + bwd_flops
+        row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_diff_vs_cudnn=diff(grads))
+      except Exception as e:  # a config that does not compile is reported, not fatal
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+      rows.append(row)
+  if verbose:
+    for row in rows:
+      print(row, flush=True)
+  return rows

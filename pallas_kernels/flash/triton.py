@@ -67,7 +67,7 @@ class BlockSizes:
     bwd_num_warps: backward warps per program (None: default).
     bwd_num_stages: backward pipelining depth (None: default).
     dkv_q_chunk: rows of a backward query tile processed per step of the dK/dV kernel (divides
-      the backward block_q; None: default).
+      the dK/dV kernel's q tile, ``dkv_tiles[0]``; None: default).
     dq_k_chunk: rows of a backward kv tile processed per step of the dQ kernel (divides the
       backward block_k; None: default).
     bwd_block_q: backward query tile (None: ``block_q``).
@@ -77,6 +77,13 @@ class BlockSizes:
       tiles from the heaviest (most causal tiles) down, then the next G pairs, so the programs
       launched last are the lightest (balances the causal triangle's tail). None: 4 for causal
       masks without a left window (when 4 divides batch x heads, else 2 or 1), 1 otherwise.
+    dkv_block_q: query tile of the schedule that the dK/dV kernel walks (its transposed q lists;
+      None: the backward block_q). Set it to ``dkv_q_chunk`` and the kernel visits the mask at
+      chunk granularity: on the causal diagonal (and window / document edges) it skips the
+      chunks that no query of them can see and masks only the chunks that cross the edge,
+      instead of masking (or computing for nothing) every chunk of a partial backward tile.
+      Needs a third schedule (``flash_attention(dkv_schedule=...)``; ``jattn.flash_attention``
+      builds it). The dQ kernel keeps the backward tiles.
 
   Example:
     >>> BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_block_q=128).bwd_tiles
@@ -93,11 +100,23 @@ class BlockSizes:
   bwd_block_q: int | None = None
   bwd_block_k: int | None = None
   head_group: int | None = None
+  dkv_block_q: int | None = None
 
   @property
   def bwd_tiles(self) -> tuple[int, int]:
     """(block_q, block_k) of the backward schedule."""
     return (self.bwd_block_q or self.block_q, self.bwd_block_k or self.block_k)
+
+  @property
+  def dkv_tiles(self) -> tuple[int, int]:
+    """(block_q, block_k) of the schedule that the dK/dV kernel walks.
+
+    Example:
+      >>> BlockSizes(64, 64, bwd_block_q=128, dkv_block_q=64).dkv_tiles
+      (64, 64)
+    """
+    bq, bk = self.bwd_tiles
+    return (self.dkv_block_q or bq, bk)
 
 
 # Default launch configurations, keyed by (padded head dim, input itemsize), for Hopper
@@ -242,7 +261,7 @@ def _visible_pairs(q_len, kv_len, causal, window):
 def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 16,
            head_dim: int = 128, *, causal: bool = True, local_window_size=None,
            dtype=jnp.bfloat16, configs=None, iters: int = 10, verbose: bool = True,
-           interpret: bool = False):
+           interpret: bool = False, time_bwd: bool = False):
   """Time forward and forward+backward of the compiled kernels for each candidate config (GPU).
 
   TFLOP/s count only visible (query, key) pairs: forward 4*B*Hq*D*pairs, forward+backward
@@ -256,10 +275,15 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
     iters: timed iterations (median reported) after one warm-up.
     verbose: print one line per config.
     interpret: run in the Pallas interpreter (only to smoke-test this helper on a CPU).
+    time_bwd: also time the backward alone (the VJP of saved residuals, no forward): bwd_ms
+      (both kernels and the delta precompute), dkv_ms / dq_ms (one kernel + precompute) and
+      prep_ms (precompute only: delta, base-2 LSE, zero gradients), so the kernels' own times
+      are dkv_ms - prep_ms and dq_ms - prep_ms.
 
   Returns:
-    A list of dicts: config, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops, error (a config
-    that fails to compile, e.g. out of shared memory, gets ``error`` and no timings).
+    A list of dicts: config, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops (and with
+    ``time_bwd``: bwd_ms, dkv_ms, dq_ms, prep_ms, bwd_tflops), error (a config that fails to
+    compile, e.g. out of shared memory, gets ``error`` and no timings).
 
   Example:
     >>> rows = _sweep(seq=16384, local_window_size=(511, 0))  # doctest: +SKIP
@@ -289,17 +313,27 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
 
   rows = []
   for cfg in configs:
-    def attn(q, k, v, cfg=cfg):
+    def attn(q, k, v, cfg=cfg, parts="all"):
       sched = make_schedule(seq, seq, cfg.block_q, cfg.block_k, causal=causal,
                             local_window_size=window)
-      bwd_sched = None
+      bwd_sched = dkv_sched = None
       if cfg.bwd_tiles != (cfg.block_q, cfg.block_k):
         bwd_sched = make_schedule(seq, seq, *cfg.bwd_tiles, causal=causal,
+                                  local_window_size=window)
+      if cfg.dkv_tiles != cfg.bwd_tiles:
+        dkv_sched = make_schedule(seq, seq, *cfg.dkv_tiles, causal=causal,
                                   local_window_size=window)
       return flash_attention(
           q, k, v, None, None, sched, causal=causal, local_window_size=window,
           scale=head_dim ** -0.5, logits_soft_cap=None, block_sizes=cfg, interpret=interpret,
-          bwd_schedule=bwd_sched)
+          bwd_schedule=bwd_sched, dkv_schedule=dkv_sched, _bwd_parts=parts)
+
+    def bwd_ms(parts, attn=attn):
+      # The VJP closure (a pytree of the saved residuals) is a jit argument: only the backward
+      # runs in the timed program.
+      out, vjp_fn = jax.vjp(lambda q, k, v: attn(q, k, v, parts=parts)[0], q, k, v)
+      ct = jax.random.normal(keys[3], out.shape, out.dtype)
+      return timeit(jax.jit(lambda fn, ct: fn(ct)), vjp_fn, ct)
 
     fwd = jax.jit(lambda q, k, v: attn(q, k, v)[0])
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attn(q, k, v)[0].astype(jnp.float32)),
@@ -310,6 +344,11 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
       row["fwd_bwd_ms"] = timeit(fwd_bwd, q, k, v)
       row["fwd_tflops"] = fwd_flops / row["fwd_ms"] * 1e-9
       row["fwd_bwd_tflops"] = 3.5 * fwd_flops / row["fwd_bwd_ms"] * 1e-9
+      if time_bwd:
+        for key, parts in (("bwd_ms", "all"), ("dkv_ms", "dkv"), ("dq_ms", "dq"),
+                           ("prep_ms", "none")):
+          row[key] = bwd_ms(parts)
+        row["bwd_tflops"] = 2.5 * fwd_flops / row["bwd_ms"] * 1e-9
     except Exception as e:  # a config that does not compile (e.g. shared memory) is reported
       row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
     rows.append(row)
@@ -345,6 +384,8 @@ class _Static:
   dq_k_chunk: int
   interpret: bool
   head_group: int | None = None  # see BlockSizes.head_group; None: the default rule
+  dkv_block_q: int | None = None  # backward only: the dK/dV kernel's q tile (None: block_q)
+  bwd_parts: str = "all"  # backward kernels to run: "all", "dkv", "dq", "none" (timing only)
 
 
 def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
@@ -681,22 +722,43 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
   """Padded inputs -> (dq, dk, dv) in the input dtypes.
 
   ``st`` carries the backward tiles; ``fwd_rows`` / ``bwd_rows`` are the backward schedule's kv
-  lists (dQ) and transposed q lists (dK/dV). The grids cover that schedule's tiles; gradient
-  rows of padding past them are 0.
+  lists (dQ) and transposed q lists (dK/dV; with ``st.dkv_block_q`` set, the transposed lists of
+  a schedule whose q tile is ``st.dkv_block_q``). The grids cover that schedule's tiles;
+  gradient rows of padding past them are 0. ``st.bwd_parts`` other than "all" (timing only)
+  skips kernels and returns zeros in their place.
   """
+  dkv_st = st
+  if st.dkv_block_q is not None:
+    dkv_st = dataclasses.replace(st, block_q=st.dkv_block_q,
+                                 dkv_q_chunk=min(st.dkv_q_chunk, st.dkv_block_q))
+  sq, sk = q.shape[1], k.shape[1]
+  if st.bwd_parts in ("all", "dkv"):
+    dk, dv = _dkv_call(q, k, v, q_seg, kv_seg, bwd_rows, do, lse2, delta, dkv_st)
+  else:
+    dk, dv = jnp.zeros_like(k), jnp.zeros_like(v)
+  if st.bwd_parts in ("all", "dq"):
+    dq = _dq_call(q, k, v, q_seg, kv_seg, fwd_rows, do, lse2, delta, st)
+  else:
+    dq = jnp.zeros_like(q)
+  return _pad_axis(dq, 1, sq), _pad_axis(dk, 1, sk), _pad_axis(dv, 1, sk)
+
+
+def _dkv_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
+  """dK / dV (padded inputs; ``rows``: transposed q lists of ``st``'s tiles) -> dk, dv
+  [B, nk * block_k, Hk, D / Dv]."""
   b, sq, hq, d = q.shape
   _, sk, hk, d_v = v.shape
   g = hq // hk
   bq, bk = st.block_q, st.block_k
-  nq, nk = fwd_rows.shape[2], bwd_rows.shape[2]
-  assert nq * bq <= sq and nk * bk <= sk and sq % bq == 0 and sk % bk == 0, (nq, nk, sq, sk)
+  nk = rows.shape[2]
+  assert nk * bk <= sk and sq % bq == 0 and sk % bk == 0, (nk, sq, sk, bq, bk)
   has_seg = q_seg is not None
   params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
 
   # dK / dV: programs over (kv tile, batch, kv head); kv tile 0 is the heaviest causal one.
   grid, tile_axis, order = _launch_order(st, nk, b, hk)
   spec = _tile_specs(order, lambda t: t)
-  rb, rh = _row_index_maps(bwd_rows)
+  rb, rh = _row_index_maps(rows)
   in_specs = [
       spec((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
       spec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),    # k
@@ -710,10 +772,10 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
     in_specs += [spec((None, sq), lambda i, bi, h: (bi, 0)),
                  spec((None, bk), lambda i, bi, h: (bi, i))]
     args += [q_seg, kv_seg]
-  in_specs.append(spec((None, None, None, bwd_rows.shape[-1]),
+  in_specs.append(spec((None, None, None, rows.shape[-1]),
                        lambda i, bi, h: (rb(bi), rh(h), i, 0)))
-  args.append(bwd_rows)
-  dk, dv = pl.pallas_call(
+  args.append(rows)
+  return pl.pallas_call(
       functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g, tile_axis=tile_axis),
       grid=grid,
       in_specs=in_specs,
@@ -726,10 +788,22 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
       name="jattn_flash_bwd_dkv",
   )(*args)
 
+
+def _dq_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
+  """dQ (padded inputs; ``rows``: kv lists of ``st``'s tiles) -> dq [B, nq * block_q, Hq, D]."""
+  b, sq, hq, d = q.shape
+  _, sk, hk, d_v = v.shape
+  g = hq // hk
+  bq, bk = st.block_q, st.block_k
+  nq = rows.shape[2]
+  assert nq * bq <= sq and sq % bq == 0 and sk % bk == 0, (nq, sq, sk, bq, bk)
+  has_seg = q_seg is not None
+  params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
+
   # dQ: programs over (query tile, batch, query head), heaviest causal query tiles first.
   grid, tile_axis, order = _launch_order(st, nq, b, hq)
   spec = _tile_specs(order, lambda t: nq - 1 - t)
-  rb, rh = _row_index_maps(fwd_rows)
+  rb, rh = _row_index_maps(rows)
   in_specs = [
       spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),          # q
       spec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),     # k
@@ -743,10 +817,10 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
     in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
                  spec((None, sk), lambda i, bi, h: (bi, 0))]
     args += [q_seg, kv_seg]
-  in_specs.append(spec((None, None, None, fwd_rows.shape[-1]),
+  in_specs.append(spec((None, None, None, rows.shape[-1]),
                        lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
-  args.append(fwd_rows)
-  dq = pl.pallas_call(
+  args.append(rows)
+  return pl.pallas_call(
       functools.partial(_dq_kernel, st=st, has_seg=has_seg, num_q_tiles=nq, tile_axis=tile_axis),
       grid=grid,
       in_specs=in_specs,
@@ -756,7 +830,6 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
       interpret=st.interpret,
       name="jattn_flash_bwd_dq",
   )(*args)
-  return _pad_axis(dq, 1, sq), _pad_axis(dk, 1, sk), _pad_axis(dv, 1, sk)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -841,7 +914,8 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                     logits_soft_cap: float | None, num_warps=None, num_stages=None,
                     interpret: bool = False, bwd_num_warps=None, bwd_num_stages=None,
                     dkv_q_chunk=None, dq_k_chunk=None, block_sizes: BlockSizes | None = None,
-                    bwd_schedule: BlockSchedule | None = None):
+                    bwd_schedule: BlockSchedule | None = None,
+                    dkv_schedule: BlockSchedule | None = None, _bwd_parts: str = "all"):
   """Flash attention on the GPU (Pallas, Triton lowering), walking a block schedule.
 
   Differentiable (custom_vjp) with respect to q, k, v, including through the returned LSE.
@@ -869,6 +943,11 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     bwd_schedule: the schedule of the same mask (same lengths, causal, window, segment ids, block
       mask) with the backward's tiles; it drives dQ (its kv lists) and dK/dV (its transposed q
       lists). None: ``schedule`` (one tiling for both passes).
+    dkv_schedule: optional schedule of the same mask with the backward's block_k and its own
+      block_q (``BlockSizes.dkv_block_q``, e.g. the dK/dV chunk): the dK/dV kernel walks its
+      transposed q lists instead of ``bwd_schedule``'s. None: ``bwd_schedule``.
+    _bwd_parts: timing only: "dkv", "dq" or "none" runs only that backward kernel (or neither)
+      and returns zero gradients in place of the other's.
 
   Returns:
     (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that
@@ -909,7 +988,12 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                      f"{kv_segment_ids.shape} for q {q.shape}, k {k.shape}")
   if bwd_schedule is None:
     bwd_schedule = schedule
-  for what, sch in (("schedule", schedule), ("bwd_schedule", bwd_schedule)):
+  if dkv_schedule is None:
+    dkv_schedule = bwd_schedule
+  if _bwd_parts not in ("all", "dkv", "dq", "none"):
+    raise ValueError(f"_bwd_parts must be all, dkv, dq or none, got {_bwd_parts!r}")
+  for what, sch in (("schedule", schedule), ("bwd_schedule", bwd_schedule),
+                    ("dkv_schedule", dkv_schedule)):
     if (sch.q_len, sch.kv_len) != (sq, sk):
       raise ValueError(f"{what} is for lengths ({sch.q_len}, {sch.kv_len}), inputs have "
                        f"({sq}, {sk})")
@@ -923,6 +1007,10 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
         raise ValueError(f"{what} leading dims must be [1|{b}, 1|{hk}], got {arr.shape[:2]}")
   bq, bk = schedule.block_q, schedule.block_k
   bbq, bbk = bwd_schedule.block_q, bwd_schedule.block_k
+  dkv_bq = dkv_schedule.block_q
+  if dkv_schedule.block_k != bbk:
+    raise ValueError(f"dkv_schedule block_k ({dkv_schedule.block_k}) must equal the backward "
+                     f"schedule's ({bbk})")
 
   if block_sizes is not None:
     if (block_sizes.block_q, block_sizes.block_k) != (bq, bk):
@@ -932,6 +1020,10 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       raise ValueError(f"block_sizes backward tiles {block_sizes.bwd_tiles} differ from the "
                        f"backward schedule's ({bbq}, {bbk}): pass bwd_schedule=make_schedule(..., "
                        f"{block_sizes.bwd_tiles[0]}, {block_sizes.bwd_tiles[1]}, <same mask>)")
+    if block_sizes.dkv_tiles != (dkv_bq, bbk):
+      raise ValueError(f"block_sizes dK/dV tiles {block_sizes.dkv_tiles} differ from the dK/dV "
+                       f"schedule's ({dkv_bq}, {bbk}): pass dkv_schedule=make_schedule(..., "
+                       f"{block_sizes.dkv_tiles[0]}, {block_sizes.dkv_tiles[1]}, <same mask>)")
     num_warps = num_warps or block_sizes.num_warps
     num_stages = num_stages or block_sizes.num_stages
     bwd_num_warps = bwd_num_warps or block_sizes.bwd_num_warps
@@ -943,9 +1035,9 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     raise ValueError(f"head_group must be >= 1 or None, got {head_group}")
   defaults = _launch_defaults(bq, bk, _pow2(d), _pow2(d_v), q.dtype, bwd_block_q=bbq,
                               bwd_block_k=bbk)
-  dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, bbq)
+  dkv_q_chunk = min(dkv_q_chunk or defaults.dkv_q_chunk, dkv_bq)
   dq_k_chunk = min(dq_k_chunk or defaults.dq_k_chunk, bbk)
-  for name, c, blk in (("dkv_q_chunk", dkv_q_chunk, bbq), ("dq_k_chunk", dq_k_chunk, bbk)):
+  for name, c, blk in (("dkv_q_chunk", dkv_q_chunk, dkv_bq), ("dq_k_chunk", dq_k_chunk, bbk)):
     if c < 16 or blk % c:
       raise ValueError(f"{name}={c} must be >= 16 and divide the backward tile {blk}")
   st = _Static(
@@ -958,11 +1050,12 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       bwd_num_stages=int(bwd_num_stages or defaults.bwd_num_stages),
       dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret),
       head_group=head_group)
-  bst = dataclasses.replace(st, block_q=bbq, block_k=bbk)
+  bst = dataclasses.replace(st, block_q=bbq, block_k=bbk,
+                            dkv_block_q=None if dkv_bq == bbq else dkv_bq, bwd_parts=_bwd_parts)
 
   # Pad the sequences to a multiple of both passes' tiles (powers of two: the larger one); each
   # pass's grid covers its own tiles, and rows past them are padding (see _fwd_call, _bwd_calls).
-  sq_p = -(-sq // max(bq, bbq)) * max(bq, bbq)
+  sq_p = -(-sq // max(bq, bbq, dkv_bq)) * max(bq, bbq, dkv_bq)
   sk_p = -(-sk // max(bk, bbk)) * max(bk, bbk)
   d_p, dv_p = _pow2(d), _pow2(d_v)
   qp = _pad_axis(_pad_axis(q, 1, sq_p), 3, d_p)
@@ -979,7 +1072,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
   else:
     dq_rows = _pack_rows(bwd_schedule.kv_indices, bwd_schedule.kv_counts,
                          bwd_schedule.kv_partial)
-  dkv_rows = _pack_rows(bwd_schedule.q_indices, bwd_schedule.q_counts, bwd_schedule.q_partial)
+  dkv_rows = _pack_rows(dkv_schedule.q_indices, dkv_schedule.q_counts, dkv_schedule.q_partial)
   out, lse = _flash_padded(st, bst, qp, kp, vp, qs, ks, fwd_rows, dq_rows, dkv_rows)
   return out[:, :sq, :, :d_v], lse[:, :, :sq]
 
