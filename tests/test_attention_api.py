@@ -45,7 +45,8 @@ def test_cudnn_rejects_what_it_cannot_do():
     jattn.flash_attention(q, q, q, logits_soft_cap=5.0, implementation="cudnn")
 
 
-def test_mosaic_gpu_says_not_implemented():
+def test_mosaic_gpu_rejects_what_it_does_not_support():
+  """fp32 and head_dim 32 are outside the Hopper kernel: the error names the implementation."""
   q = _rand(0, (1, 16, 2, 32))
   with pytest.raises(NotImplementedError, match="mosaic_gpu"):
     jattn.flash_attention(q, q, q, implementation="mosaic_gpu")
