@@ -9,6 +9,10 @@ wgmma takes neither transposed nor register operands). The CPU tests check
     warpgroup skips see none of its keys, the tiles it runs unmasked see all of them; in the dQ
     kernel the kv tiles skipped are invisible and the unmasked ones fully visible with only real
     keys; the memory warpgroups load exactly the union of the compute warpgroups' ranges;
+  * the TMA rings' barrier protocol, simulated with random interleavings of the three
+    warpgroups (mbarrier arrival counts, per-thread parity bits as Mosaic GPU keeps them): no
+    deadlock, no slot refilled before both compute warpgroups freed it, each warpgroup computes
+    exactly its walk's tiles (drained steps included in the waits);
   * a jnp replay of both kernels (same programs, warpgroup tiles, loop ranges, masks, padding,
     GQA walk, the kernels' own ``_probs``/``_dscores``, P and dS cast to the input dtype before
     their matmuls) substituted for ``_dkv_call``/``_dq_call`` (monkeypatch), so that the public
@@ -189,6 +193,186 @@ def test_dq_walk(causal):
           steps_wg.append(steps)
         _, program_steps = mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st)
         assert int(program_steps) == max(steps_wg)   # what the memory warpgroup loads
+
+
+# ------------------------------------------------------- barrier protocol simulation (CPU)
+
+
+class _Barrier:
+  """An mbarrier array: per barrier, arrivals per phase and completed phases. A wait for parity
+  P returns once the barrier's current phase parity differs from P (hardware try_wait.parity);
+  each thread keeps its own parity bit per barrier, flipped by every wait (as Mosaic GPU does)."""
+
+  def __init__(self, n, arrivals=1):
+    self.arrivals = arrivals
+    self.pending = [arrivals] * n
+    self.completed = [0] * n
+
+  def arrive(self, i):
+    self.pending[i] -= 1
+    assert self.pending[i] >= 0
+    if self.pending[i] == 0:
+      self.completed[i] += 1
+      self.pending[i] = self.arrivals
+
+
+def _simulate(threads, seed):
+  """Run generator threads that yield ("wait", barrier, i) or ("arrive", barrier, i) with a random
+  interleaving; asserts no deadlock. Returns the number of ops run."""
+  rng = np.random.default_rng(seed)
+  parity = [dict() for _ in threads]
+  pending = [next(t, None) for t in threads]
+  ops = 0
+  while any(op is not None for op in pending):
+    ready = []
+    for n, op in enumerate(pending):
+      if op is None:
+        continue
+      kind, bar, i = op
+      if kind == "arrive" or bar.completed[i] % 2 != parity[n].get((id(bar), i), 0):
+        ready.append(n)
+    assert ready, f"deadlock: {pending}"
+    n = ready[rng.integers(len(ready))]
+    kind, bar, i = pending[n]
+    if kind == "arrive":
+      bar.arrive(i)
+    else:
+      parity[n][(id(bar), i)] = 1 - parity[n].get((id(bar), i), 0)
+    ops += 1
+    pending[n] = next(threads[n], None)
+  return ops
+
+
+def _dkv_protocol(st, prog, seed):
+  """The dK/dV kernel's ring protocol for one program (loop bounds from the kernel's helpers):
+  every compute step must see the (head, query tile) it expects in each of the 4 buffers, from
+  its first wait to its free arrival."""
+  stages, bk, nq = st.bs.num_stages_dkv, st.bs.block_k_dkv, st.num_q_tiles_dkv
+  k0p = prog * 2 * bk
+  first_p = int(mb._dkv_q_range(jnp.int32(k0p), st)[0])
+  per_head = nq - first_p
+  total = st.group * per_head
+  loaded = [_Barrier(stages) for _ in range(4)]           # q, lse, do, delta
+  free = _Barrier(stages, arrivals=2)
+  data = [[None] * stages for _ in range(4)]
+  computed = {0: [], 1: []}
+
+  def memory():
+    def load(j, slot):
+      g = j // per_head
+      for buf in range(4):
+        data[buf][slot] = (g, first_p + j - g * per_head)
+        yield ("arrive", loaded[buf], slot)               # TMA completion
+    for s in range(min(stages, total)):
+      yield from load(s, s)
+    for j in range(stages, max(total, stages)):
+      yield ("wait", free, j % stages)
+      yield from load(j, j % stages)
+
+  def compute(wg):
+    first, full = (int(x) for x in mb._dkv_q_range(jnp.int32(k0p + wg * bk), st))
+    for g in range(st.group):
+      base = g * per_head - first_p
+      for i in range(first_p, nq):
+        slot = (base + i) % stages
+        for buf in range(4):
+          yield ("wait", loaded[buf], slot)
+          if i >= first:
+            assert data[buf][slot] == (g, i), (buf, data[buf][slot], g, i)
+        if i >= first:
+          assert all(data[buf][slot] == (g, i) for buf in range(4))   # still there at the end
+          computed[wg].append((g, i, i < full))
+        yield ("arrive", free, slot)
+
+  _simulate([memory(), compute(0), compute(1)], seed)
+  return computed
+
+
+def _dq_protocol(st, prog, seed):
+  """The dQ kernel's K/V ring protocol for one program (see ``_dkv_protocol``)."""
+  stages, bq = st.bs.num_stages_dq, st.bs.block_q_dq
+  _, program_steps = (int(x) for x in mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st))
+  loaded = [_Barrier(stages) for _ in range(2)]           # k, v
+  free = _Barrier(stages, arrivals=2)
+  data = [[None] * stages for _ in range(2)]
+  computed = {0: [], 1: []}
+
+  def memory():
+    def load(t, slot):
+      for buf in range(2):
+        data[buf][slot] = t
+        yield ("arrive", loaded[buf], slot)
+    for s in range(min(stages, program_steps)):
+      yield from load(s, s)
+    for t in range(stages, max(program_steps, stages)):
+      yield ("wait", free, t % stages)
+      yield from load(t, t % stages)
+
+  def compute(wg):
+    full, steps = (int(x) for x in mb._dq_kv_range(jnp.int32(prog * 2 * bq + wg * bq), st))
+    for t in range(program_steps):
+      slot = t % stages
+      for buf in range(2):
+        yield ("wait", loaded[buf], slot)
+        assert data[buf][slot] == t, (buf, data[buf][slot], t)
+      if t < steps:
+        computed[wg].append((t, t >= full))
+      yield ("arrive", free, slot)
+
+  _simulate([memory(), compute(0), compute(1)], seed)
+  return computed
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_protocols_never_deadlock_or_overwrite(causal):
+  """Random interleavings of the memory and compute warpgroups of both kernels: no deadlock, no
+  slot overwritten before both compute warpgroups freed it, every warpgroup computes exactly
+  the tiles of its walk."""
+  for (sq, sk, hq, hk), bs in [((200, 328, 4, 2), mb.BlockSizes()),
+                               ((328, 200, 2, 1), mb.BlockSizes(64, 64, 64, 64, 3, 3)),
+                               ((1000, 700, 3, 1), mb.BlockSizes(128, 64, 64, 128, 2, 4))]:
+    st = mb._static_config((1, sq, hq, 64), (1, sk, hk, 64), jnp.bfloat16, causal=causal,
+                           scale=None, block_sizes=bs)
+    for prog in range(st.num_dkv_programs):
+      got = _dkv_protocol(st, prog, seed=prog)
+      for wg in range(2):
+        first, full = (int(x) for x in mb._dkv_q_range(
+            jnp.int32(prog * 2 * bs.block_k_dkv + wg * bs.block_k_dkv), st))
+        want = [(g, i, i < full) for g in range(st.group)
+                for i in range(first, st.num_q_tiles_dkv)]
+        assert got[wg] == want
+    for prog in range(st.num_dq_programs):
+      got = _dq_protocol(st, prog, seed=prog)
+      for wg in range(2):
+        full, steps = (int(x) for x in mb._dq_kv_range(
+            jnp.int32(prog * 2 * bs.block_q_dq + wg * bs.block_q_dq), st))
+        assert got[wg] == [(t, t >= full) for t in range(steps)]
+
+
+def test_protocol_simulation_catches_a_missing_drain():
+  """The simulation can fail: in the dQ kernel, with warpgroup kv ranges more than a ring apart
+  (256-row warpgroups, 64-key tiles, 2 stages, causal), a compute warpgroup that stops at its own
+  last tile without draining the rest never frees the slots the memory warpgroup waits for."""
+  st = mb._static_config((1, 1024, 1, 64), (1, 1024, 1, 64), jnp.bfloat16, causal=True,
+                         scale=None, block_sizes=mb.BlockSizes(64, 64, 256, 64, 2, 2))
+  stages, bq = st.bs.num_stages_dq, st.bs.block_q_dq
+  _, program_steps = (int(x) for x in mb._dq_kv_range(jnp.int32(bq), st))
+  loaded, free = _Barrier(stages), _Barrier(stages, arrivals=2)
+
+  def memory():
+    for t in range(program_steps):
+      if t >= stages:
+        yield ("wait", free, t % stages)
+      yield ("arrive", loaded, t % stages)
+
+  def compute(wg):   # no drain
+    _, steps = (int(x) for x in mb._dq_kv_range(jnp.int32(wg * bq), st))
+    for t in range(steps):
+      yield ("wait", loaded, t % stages)
+      yield ("arrive", free, t % stages)
+
+  with pytest.raises(AssertionError, match="deadlock"):
+    _simulate([memory(), compute(0), compute(1)], seed=0)
 
 
 # ------------------------------------------------------------------------------- replay (CPU)
