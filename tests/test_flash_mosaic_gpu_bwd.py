@@ -84,7 +84,7 @@ def test_lowers_for_cuda(name):
   case = dict(LOWER_CASES[name])
   exported = _lower(2, **case)
   text = exported.mlir_module()
-  assert text.count("mosaic_gpu") >= 2 and "wgmma" in text     # two Mosaic GPU kernels
+  assert text.count("custom_call @mosaic_gpu") == 2 and "wgmma" in text   # two kernels
   sq, sk, hq, hk, d = (case[n] for n in ("sq", "sk", "hq", "hk", "d"))
   assert [a.shape for a in exported.out_avals] == [(2, sq, hq, d), (2, sk, hk, d), (2, sk, hk, d)]
 
@@ -94,6 +94,22 @@ def test_lowers_for_cuda(name):
 def test_shared_memory_overflow_fails_to_lower(bs):
   with pytest.raises(ValueError, match="shared memory"):
     _lower(1, 256, 256, 1, 1, 128, False, bs=bs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_after_the_mosaic_forward(causal):
+  """The Mosaic GPU forward and this backward on its out and LSE lower together (three Mosaic
+  GPU kernels in one program), the way a custom_vjp pairing them would run."""
+  from pallas_kernels.flash import mosaic_gpu as mg
+
+  def fwd_bwd(q, k, v, do):
+    out, lse = mg.flash_attention(q, k, v, causal=causal)
+    return mb.flash_attention_bwd(q, k, v, out, lse, do, causal=causal)
+  q = jax.ShapeDtypeStruct((1, 1000, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
+  exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"])(q, kv, kv, q)
+  assert [a.shape for a in exported.out_avals] == [q.shape, kv.shape, kv.shape]
+  assert exported.mlir_module().count("custom_call @mosaic_gpu") == 3
 
 
 def test_unsupported_inputs_raise():
