@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU call for the Mosaic GPU (Hopper) flash attention backward (pallas_kernels/flash/
+# mosaic_gpu_bwd.py, never run on a GPU before): its GPU tests under their own limit (a first run
+# of a barrier-driven kernel can hang), then _sweep_bwd non-causal and causal at B2 S16K H16 D128
+# bf16 against jax.nn cuDNN fwd+bwd and the Triton backward. Logs and JSON under $OUT.
+#   bash experiments/mosaic_gpu_bwd_session.sh
+# Env: SKIP_TESTS=1 / SKIP_SWEEP=1, TEST_TIMEOUT / SWEEP_TIMEOUT (s per sweep), SEQ (16384).
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
+python3 -c "import jax; print(jax.__version__, jax.devices())"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider \
+    -o addopts="" tests/test_flash_mosaic_gpu_bwd.py > "$OUT/gpu_tests_mosaic_bwd.txt" 2>&1
+  echo "mosaic_gpu_bwd tests rc=$?"; tail -40 "$OUT/gpu_tests_mosaic_bwd.txt"
+fi
+if [ "${SKIP_SWEEP:-0}" != 1 ]; then
+  for causal in False True; do
+    timeout ${SWEEP_TIMEOUT:-200} python3 -c "
+import json
+from pallas_kernels.flash import mosaic_gpu_bwd as mb
+rows = mb._sweep_bwd(seq=${SEQ:-16384}, causal=$causal)
+json.dump(rows, open('$OUT/h200_mosaic_gpu_bwd_sweep_causal_$causal.json', 'w'), indent=1)
+" > "$OUT/sweep_bwd_causal_$causal.txt" 2>&1
+    echo "sweep causal=$causal rc=$?"; tail -20 "$OUT/sweep_bwd_causal_$causal.txt"
+  done
+fi
