@@ -268,7 +268,7 @@ def _dkv_protocol(st, prog, seed):
   first_p = int(mb._dkv_q_range(jnp.int32(k0p), st)[0])
   per_head = nq - first_p
   total = st.group * per_head
-  loaded = [_Barrier(stages) for _ in range(4)]           # q, lse, do, delta
+  loaded = [_Barrier(stages) for _ in range(4)]           # q, do, lse, delta (the waits' order)
   free = _Barrier(stages, arrivals=2)
   data = [[None] * stages for _ in range(4)]
   computed = {0: [], 1: []}

@@ -30,15 +30,16 @@ FlashAttention-2/3 split into three steps:
      ring of ``num_stages_dkv`` slots, shared by both compute warpgroups (each arrives on the
      slot's "free" barrier when done with it). Per step, with transposed tiles so that P^T and
      dS^T are wgmma A operands from registers (wgmma's M is the key dimension):
-       S^T = K Q^T, P^T = exp2(S^T * c - lse2), dV += P^T dO, dP^T = V dO^T,
-       dS^T = P^T * (dP^T - delta), dK += dS^T Q; at the end dK *= scale.
+       S^T = K Q^T and dP^T = V dO^T (one wgmma group), P^T = exp2(S^T * c - lse2),
+       dS^T = P^T * (dP^T - delta), then dV += P^T dO and dK += dS^T Q (one wgmma group);
+       at the end dK *= scale.
      GQA: the group's query heads are walked inside the program and summed in the accumulators
      (no repeated K/V, no per-query-head dK/dV in memory).
   3. dQ kernel: one program per (query tile of ``2 * block_q_dq`` rows, query head, batch), the
      forward's shape: compute warpgroups own ``block_q_dq`` rows each (Q, dO, lse2, delta loaded
      once), the memory warpgroup streams K/V tiles into a ring. Per kv tile:
-       S = Q K^T, P = exp2(S * c - lse2), dP = dO V^T, dS = P * (dP - delta), dQ += dS K;
-     at the end dQ *= scale.
+       S = Q K^T and dP = dO V^T (one wgmma group), P = exp2(S * c - lse2),
+       dS = P * (dP - delta), dQ += dS K; at the end dQ *= scale.
 
 Masks: causal is aligned bottom-right (query i sits at kv position kv_len - q_len + i), like the
 forward. Only the tiles that need it build an element mask: in the dQ kernel the causal diagonal
@@ -353,11 +354,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       slot = slot_of(base + i)
       qs, dos = q_smem.at[slot], do_smem.at[slot]         # [bq, D]
       plgpu.barrier_wait(q_loaded.at[slot])
+      plgpu.barrier_wait(do_loaded.at[slot])
 
-      def st_gemm(acc_ref):                               # S^T = K Q^T [bk, bq]
-        plgpu.wgmma(acc_ref, kt, plgpu.transpose_ref(qs, (1, 0)))
-        return acc_ref[...]
-      s_t = pl.run_scoped(st_gemm, plgpu.ACC((bk, bq), jnp.float32))
+      def st_dpt_gemm(refs):                              # S^T = K Q^T; dP^T = V dO^T [bk, bq]
+        st_ref, dpt_ref = refs
+        plgpu.wgmma(st_ref, kt, plgpu.transpose_ref(qs, (1, 0)))
+        plgpu.wgmma(dpt_ref, vt, plgpu.transpose_ref(dos, (1, 0)))
+      s_t, dp_t = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(zeros((bk, bq))),
+                                             plgpu.ACC.init(zeros((bk, bq)))))
       plgpu.barrier_wait(lse_loaded.at[slot])
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
       p_t = _probs(s_t, lse2, st, axis=1)
@@ -365,20 +369,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
         p_t = jnp.where(_dkv_visible(rows, cols, k0, i, st), p_t, 0.0)
-      plgpu.barrier_wait(do_loaded.at[slot])
-
-      def dv_dpt_gemm(refs):                              # dV += P^T dO; dP^T = V dO^T
-        dv_ref, dpt_ref = refs
-        plgpu.wgmma(dv_ref, p_t.astype(st.dtype), dos)
-        plgpu.wgmma(dpt_ref, vt, plgpu.transpose_ref(dos, (1, 0)))
-      dv, dp_t = pl.run_state(dv_dpt_gemm)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros((bk, bq)))))
       plgpu.barrier_wait(delta_loaded.at[slot])
       delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
       ds_t = _dscores(p_t, dp_t, delta, axis=1)
 
-      def dk_gemm(acc_ref):                               # dK += dS^T Q
-        plgpu.wgmma(acc_ref, ds_t.astype(st.dtype), qs)
-      dk = pl.run_state(dk_gemm)(plgpu.ACC.init(dk))
+      def dv_dk_gemm(refs):                               # dV += P^T dO; dK += dS^T Q
+        dv_ref, dk_ref = refs
+        plgpu.wgmma(dv_ref, p_t.astype(st.dtype), dos)
+        plgpu.wgmma(dk_ref, ds_t.astype(st.dtype), qs)
+      dv, dk = pl.run_state(dv_dk_gemm)((plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
 
@@ -507,7 +506,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
     full, steps = _dq_kv_range(row0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per query (row)
-    dq = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), wgmma_layout)
+    zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
+    dq = zeros((bq, st.head_dim))
     for bar in bars:
       plgpu.barrier_wait(bar)
     lse2 = plgpu.load(lse_own.at[wg], (), layout=row_layout)
@@ -517,22 +517,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       slot = slot_of(t)
       ks, vs = k_smem.at[slot], v_smem.at[slot]           # [bk, D]
       plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
 
-      def s_gemm(acc_ref):                                # S = Q K^T [bq, bk]
-        plgpu.wgmma(acc_ref, qt, plgpu.transpose_ref(ks, (1, 0)))
-        return acc_ref[...]
-      s = pl.run_scoped(s_gemm, plgpu.ACC((bq, bk), jnp.float32))
+      def s_dp_gemm(refs):                                # S = Q K^T; dP = dO V^T [bq, bk]
+        s_ref, dp_ref = refs
+        plgpu.wgmma(s_ref, qt, plgpu.transpose_ref(ks, (1, 0)))
+        plgpu.wgmma(dp_ref, dot, plgpu.transpose_ref(vs, (1, 0)))
+      s, dp = pl.run_state(s_dp_gemm)((plgpu.ACC.init(zeros((bq, bk))),
+                                       plgpu.ACC.init(zeros((bq, bk)))))
       p = _probs(s, lse2, st, axis=0)
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
         p = jnp.where(_dq_visible(rows, cols, row0, t, st), p, 0.0)
-      plgpu.barrier_wait(v_loaded.at[slot])
-
-      def dp_gemm(acc_ref):                               # dP = dO V^T [bq, bk]
-        plgpu.wgmma(acc_ref, dot, plgpu.transpose_ref(vs, (1, 0)))
-        return acc_ref[...]
-      dp = pl.run_scoped(dp_gemm, plgpu.ACC((bq, bk), jnp.float32))
       ds = _dscores(p, dp, delta, axis=0)
 
       def dq_gemm(acc_ref):                               # dQ += dS K
