@@ -2,7 +2,8 @@
 # One GPU call: GPU tests, then the kernel benchmark, logs under $OUT (device tool) or ./gpu_out.
 #   bash experiments/gpu_session.sh [bench args...]
 # Env: SKIP_TESTS=1 / SKIP_BENCH=1, TEST_TIMEOUT / MOSAIC_TIMEOUT / BENCH_TIMEOUT (s), GPU_TESTS
-# (paths; default: every GPU test, the Mosaic GPU ones last in their own run).
+# (paths; default: every GPU test but the Mosaic GPU backward's, the Mosaic GPU forward's last in
+# their own run; the never-run backward has its own call: experiments/mosaic_gpu_bwd_session.sh).
 # Expects tokamax wheels in .whl/ (../shared/scripts/tokamax_wheels.sh) when comparing with it.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # The Mosaic GPU (Hopper) tests run last with their own limit: a first run of a barrier-driven
   # kernel can hang, and must not take the other GPU tests' results with it.
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider -o addopts="" \
-    ${GPU_TESTS:-tests --ignore tests/test_flash_mosaic_gpu.py} > "$OUT/gpu_tests.txt" 2>&1
+    ${GPU_TESTS:-tests --ignore tests/test_flash_mosaic_gpu.py --ignore tests/test_flash_mosaic_gpu_bwd.py} > "$OUT/gpu_tests.txt" 2>&1
   tail -60 "$OUT/gpu_tests.txt"
   if [ -z "${GPU_TESTS:-}" ]; then
     timeout ${MOSAIC_TIMEOUT:-180} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider -o addopts="" \
