@@ -110,6 +110,13 @@ def flash_impls(causal, window):
   for impl in ("triton", "mosaic_gpu"):
     impls[f"jattn_{impl}"] = functools.partial(jattn.flash_attention, causal=causal,
                                                local_window_size=window, implementation=impl)
+
+  def mosaic_fwd_bwd(q, k, v):  # Hopper forward + Hopper backward (the default backward: Triton)
+    from pallas_kernels.flash import mosaic_gpu as mg
+    bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1]), backward="mosaic")
+    return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
+                                 implementation="mosaic_gpu", block_sizes=bs)
+  impls["jattn_mosaic_gpu[mosaic_bwd]"] = mosaic_fwd_bwd
   if causal and window is None:  # launch-order A/B: the per-(batch, head) order of runs 1-5
     from pallas_kernels.flash import triton as ft
 

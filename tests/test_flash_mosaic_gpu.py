@@ -22,6 +22,7 @@ alone, and forward + VJP through ``jattn.flash_attention(implementation="mosaic_
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -249,7 +250,7 @@ def _replayed_fwd_call(q_p, k_p, v_p, st):
   return out, lse
 
 
-def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None):
+def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None, block_sizes=None):
   """(kernel, reference) results: out, lse and the VJP of (out, lse) for random cotangents,
   through ``jattn.flash_attention(implementation="mosaic_gpu", return_lse=True)``; the reference
   runs in fp32 on the upcast inputs."""
@@ -261,7 +262,7 @@ def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None):
   def kernel_run(q, k, v):
     f = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, scale=scale,
                                               return_lse=True, implementation="mosaic_gpu",
-                                              interpret=interpret)
+                                              interpret=interpret, block_sizes=block_sizes)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return out, lse, vjp((d_out, d_lse))
 
@@ -312,6 +313,41 @@ def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   q, k, v = _inputs(zlib.crc32(name.encode()), b=1, hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
   got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, scale=scale)
   _assert_vjp_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("name", list(VJP_CASES))
+def test_registered_vjp_with_mosaic_backward(name, monkeypatch):
+  """``BlockSizes(backward="mosaic")``: the custom_vjp hands the same residuals to the Mosaic GPU
+  backward (``mosaic_gpu_bwd``). Neither Mosaic kernel runs on the CPU: the forward and both
+  backward kernels are replaced by their jnp replays (tests/test_flash_mosaic_gpu_bwd.py)."""
+  import test_flash_mosaic_gpu_bwd as tb
+  from pallas_kernels.flash import mosaic_gpu_bwd as mb
+  monkeypatch.setattr(mg, "_fwd_call", _replayed_fwd_call)
+  monkeypatch.setattr(mb, "_dkv_call", tb._replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", tb._replay_dq_call)
+  called = []
+  real_bwd = mb.flash_attention_bwd
+  monkeypatch.setattr(mb, "flash_attention_bwd", lambda *a, **kw: called.append(1) or
+                      real_bwd(*a, **kw))
+  case = dict(VJP_CASES[name])
+  causal, scale = case.pop("causal"), case.pop("scale", None)
+  q, k, v = _inputs(zlib.crc32(name.encode()), b=1, hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
+  bs = mg.BlockSizes(backward="mosaic")
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, scale=scale, block_sizes=bs)
+  assert called, "the Mosaic GPU backward was not used"
+  _assert_vjp_close(got, want, jnp.bfloat16)
+
+
+def test_mosaic_backward_option_is_checked_at_the_call():
+  """backward="mosaic" with head_dim 256 raises when the forward is called (not at grad time);
+  an unknown backward name is a ValueError."""
+  import jattn
+  q = jnp.zeros((1, 64, 2, 256), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="head_dim 256"):
+    jattn.flash_attention(q, q, q, implementation="mosaic_gpu",
+                          block_sizes=mg.BlockSizes(64, 64, 2, backward="mosaic"))
+  with pytest.raises(ValueError, match="backward"):
+    mg.BlockSizes(backward="cudnn")
 
 
 def test_vjp_check_catches_a_base2_lse(monkeypatch):
@@ -420,6 +456,21 @@ GPU_VJP_CASES = {
     "d256": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=False),
     "d256_causal_gqa_ragged": dict(b=1, sq=777, sk=777, hq=4, hk=2, d=256, causal=True),
 }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in GPU_VJP_CASES if "d256" not in n])
+def test_gpu_registered_forward_and_mosaic_backward(name):
+  """Hopper forward + Hopper backward (``BlockSizes(backward="mosaic")``) through jattn."""
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+  case = dict(GPU_VJP_CASES[name])
+  dtype = case.pop("dtype", jnp.bfloat16)
+  causal = case.pop("causal")
+  q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
+  bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1]), backward="mosaic")
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, block_sizes=bs)
+  _assert_vjp_close(got, want, dtype)
 
 
 @pytest.mark.gpu

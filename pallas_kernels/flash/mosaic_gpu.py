@@ -84,6 +84,9 @@ class BlockSizes:
     pingpong: rendezvous of the two compute warpgroups so that softmax and wgmma alternate.
     compute_registers: registers per thread requested for the compute warpgroups (the memory
       warpgroup gives its registers back, keeping 40).
+    backward: which kernels compute the gradients: "triton" (default: the Triton dK/dV and dQ
+      kernels, GPU-untested behind this forward) or "mosaic" (``mosaic_gpu_bwd``, the Hopper
+      backward: head_dim 64/128, written on the CPU, not yet run on a GPU).
 
   Example:
     >>> BlockSizes(64, 128, 2).rows_per_program
@@ -94,8 +97,11 @@ class BlockSizes:
   num_stages: int = 2
   pingpong: bool = True
   compute_registers: int = 232
+  backward: str = "triton"
 
   def __post_init__(self):
+    if self.backward not in ("triton", "mosaic"):
+      raise ValueError(f"backward must be 'triton' or 'mosaic', got {self.backward!r}")
     if self.block_q % 64 or self.block_q <= 0:
       raise ValueError(f"block_q must be a positive multiple of 64, got {self.block_q}")
     if self.block_k % 64 or self.block_k <= 0:
@@ -174,7 +180,8 @@ class _Static:
   scale: float
   dtype: jnp.dtype
   interpret: bool = False    # the backward's Triton kernels in interpret mode (the forward raises)
-  bwd_block_sizes: object = None   # pallas_kernels.flash.triton.BlockSizes or None (its default)
+  bwd_block_sizes: object = None   # the backward's BlockSizes (triton or mosaic_gpu_bwd) or None
+  backward: str = "triton"         # "triton" or "mosaic" (the kernels of the custom_vjp backward)
 
   @property
   def offset(self) -> int:
@@ -448,7 +455,9 @@ def _forward_fwd(q, k, v, st):
 
 
 def _forward_bwd(st, res, cts):
-  """The Triton backward kernels (``triton.flash_attention_bwd``) on this forward's residuals.
+  """The backward kernels on this forward's residuals: Triton's (``triton.flash_attention_bwd``)
+  or, with ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as
+  ``bwd_block_sizes``, the Mosaic GPU ones (``mosaic_gpu_bwd.flash_attention_bwd``, same residuals).
 
   The conventions match: lse is the natural-log log-sum-exp over the unpadded keys (``_finalize``:
   m * ln 2 + ln l, m the base-2 running max) with -inf for rows that see no key, which the Triton
@@ -458,6 +467,11 @@ def _forward_bwd(st, res, cts):
   from pallas_kernels.flash import triton as flash_triton  # local: the forward alone needs none
   q, k, v, out, lse = res
   d_out, d_lse = cts
+  if st.backward == "mosaic":
+    from pallas_kernels.flash import mosaic_gpu_bwd
+    return mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, causal=st.causal,
+                                              scale=st.scale, block_sizes=st.bwd_block_sizes,
+                                              d_lse=d_lse)
   return flash_triton.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, causal=st.causal,
                                           scale=st.scale, block_sizes=st.bwd_block_sizes,
                                           interpret=st.interpret)
@@ -474,6 +488,13 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
   bs = block_sizes or default_block_sizes(d, dtype)
   if d not in _DEFAULT_BLOCK_SIZES:
     raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got {d}")
+  from pallas_kernels.flash import mosaic_gpu_bwd   # light: no kernel is built here
+  backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward
+  if backward == "mosaic":
+    if bwd_block_sizes is not None and not isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes):
+      raise TypeError(f"backward='mosaic' takes a mosaic_gpu_bwd.BlockSizes as bwd_block_sizes, "
+                      f"got {type(bwd_block_sizes)}")
+    mosaic_gpu_bwd._check_head_dim(d)              # D256: NotImplementedError now, not at grad
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   return _Static(
@@ -482,7 +503,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       num_q_programs=-(-sq // bs.rows_per_program), num_kv_tiles=-(-sk // bs.block_k),
       head_dim=d, group=hq // hk, causal=bool(causal),
       scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
-      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes)
+      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward)
 
 
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=None, *,
@@ -514,8 +535,10 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       only with both operands in shared memory and untransposed, and this kernel uses K^T and P
       from registers), so a call with interpret=True raises NotImplementedError unless a test has
       substituted ``_fwd_call``.
-    bwd_block_sizes: ``pallas_kernels.flash.triton.BlockSizes`` for the backward (its bwd_*
-      fields; None: the Triton default for D and the dtype).
+    bwd_block_sizes: the backward's tiles: a ``pallas_kernels.flash.triton.BlockSizes`` (its
+      bwd_* fields) for the Triton backward, or a ``mosaic_gpu_bwd.BlockSizes``, which also
+      selects the Mosaic GPU backward; None: the default tiles of the backward that
+      ``block_sizes.backward`` names.
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see
