@@ -1163,6 +1163,57 @@ def write_results(out_dir, preset, rows, *, finished, wall_s, extra_meta=None):
   return summary, table, notes
 
 
+def override_preset(preset, assignments):
+  """A copy of ``preset`` with ``FIELD=VALUE`` strings applied, each value parsed as the field's
+  current type (int, float, str, bool: true/false; "none" sets None where the field is None or a
+  str).
+
+  Args:
+    preset: a ``Preset``.
+    assignments: iterable of "field=value" strings.
+
+  Returns:
+    The new ``Preset``.
+
+  Raises:
+    ValueError: unknown field, malformed assignment or unparsable value.
+
+  Example:
+    >>> override_preset(PRESETS["smoke"], ["lr=1e-3", "steps=5"]).lr
+    0.001
+  """
+  fields = {f.name: f for f in dataclasses.fields(preset)}
+  changes = {}
+  for a in assignments:
+    key, sep, raw = a.partition("=")
+    key = key.strip()
+    if not sep or key not in fields:
+      raise ValueError(f"--set expects FIELD=VALUE with FIELD one of {sorted(fields)}, got {a!r}")
+    cur = getattr(preset, key)
+    try:
+      if raw.lower() == "none" and (cur is None or isinstance(cur, str)):
+        val = None
+      elif isinstance(cur, bool):
+        if raw.lower() not in ("true", "false"):
+          raise ValueError(raw)
+        val = raw.lower() == "true"
+      elif isinstance(cur, int):
+        val = int(raw)
+      elif isinstance(cur, float):
+        val = float(raw)
+      elif cur is None:                  # an unset optional field: a number if it parses
+        try:
+          val = int(raw)
+        except ValueError:
+          val = raw
+      else:
+        val = raw
+    except ValueError:
+      raise ValueError(f"--set {key}: cannot parse {raw!r} as {type(cur).__name__}") from None
+    changes[key] = val
+  return dataclasses.replace(preset, **changes)
+
+
 def main(argv=None):
   """Command line entry point (see the module docstring)."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -1175,6 +1226,9 @@ def main(argv=None):
   ap.add_argument("--lr", type=float, default=None,
                   help="override the preset's peak learning rate (use a fresh --out: finished "
                        "runs in an existing one are reused as they are)")
+  ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                  help="override any Preset field, e.g. --set curriculum_ramp=0.5 --set "
+                       "batch_size=16 (repeatable; use a fresh --out)")
   ap.add_argument("--stop-after", type=int, default=None,
                   help="stop after this many training steps (simulated kill; rerun to resume)")
   ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -1192,6 +1246,10 @@ def main(argv=None):
   if args.steps is not None:
     preset = dataclasses.replace(preset, steps=args.steps,
                                  warmup_steps=min(preset.warmup_steps, max(1, args.steps // 5)))
+  try:
+    preset = override_preset(preset, args.set)
+  except ValueError as e:
+    ap.error(str(e))
   if args.lr is not None:
     if not args.lr > 0:
       ap.error(f"--lr must be positive, got {args.lr}")

@@ -288,3 +288,14 @@ def test_dry_run_preset_runs_the_pallas_kernels_in_interpret_mode(monkeypatch):
   model = C.build_model(p, "full", 0)
   jax.eval_shape(lambda t: model(t), jnp.zeros((1, p.seq_len), jnp.int32))
   assert seen and all(s == ("triton", True) for s in seen), seen
+
+
+def test_override_preset_parses_by_field_type():
+  from experiments import coadaptation as C
+  p = C.override_preset(C.PRESETS["h200"], ["lr=1e-3", "steps=120", "curriculum_ramp=0.5",
+                                            "compute_dtype=none", "corpus_bytes=1000"])
+  assert (p.lr, p.steps, p.curriculum_ramp, p.compute_dtype, p.corpus_bytes) == (
+      1e-3, 120, 0.5, None, 1000)
+  for bad in (["nope=1"], ["steps"], ["steps=1.5"]):
+    with pytest.raises(ValueError):
+      C.override_preset(C.PRESETS["h200"], bad)
