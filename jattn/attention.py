@@ -7,9 +7,10 @@ Implementations:
   * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same schedule.
   * ``"mosaic_gpu"``: Hopper (sm90) path: the Pallas Mosaic GPU forward of
     ``pallas_kernels.flash.mosaic_gpu`` (FA3-style: TMA, wgmma, warp specialisation, ping-pong)
-    with the Triton backward kernels fed its out and LSE (custom_vjp). Dense or causal, GQA,
-    bf16/fp16, head_dim 64/128/256; segment ids, local windows, soft cap, other dtypes or head
-    dims and ``interpret=True`` raise NotImplementedError naming the option (no fallback).
+    with the Triton backward kernels fed its out and LSE (custom_vjp). Dense or causal, local
+    windows, segment ids, soft cap (these three not yet run on a GPU), GQA, bf16/fp16, head_dim
+    64/128/256; other dtypes or head dims and ``interpret=True`` raise NotImplementedError naming
+    the option (no fallback).
     The forward passed its GPU tests on an H200 (run 9, 2026-11-30) and measured 612 TFLOP/s
     non-causal, 577 causal at B2 S16K H16 D128 bf16 (run 10, 2026-11-30; cuDNN 629 / 575); the
     registered path and its hybrid backward have not yet run on a GPU, so ``None`` does not
@@ -116,17 +117,13 @@ def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, retu
 _MOSAIC_GPU_HEAD_DIMS = (64, 128, 256)
 
 
-def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, interpret,
-                block_sizes):
-  """The Hopper path: Mosaic GPU forward, Triton backward. Rejects, naming them, the options it
-  does not support (no fallback to another implementation)."""
+def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, logits_soft_cap,
+                interpret, block_sizes):
+  """The Hopper path: Mosaic GPU forward, Triton backward (or the Mosaic GPU backward with
+  ``BlockSizes(backward="mosaic")``, dense/causal only: the kernel module raises for masks it
+  lacks). Local windows, segment ids and soft cap are supported; rejects, naming them, the
+  options it does not support (no fallback to another implementation)."""
   problems = []
-  if segment_ids is not None:
-    problems.append("segment_ids")
-  if window is not None:
-    problems.append("local_window_size")
-  if logits_soft_cap is not None:
-    problems.append("logits_soft_cap")
   if q.shape[-1] not in _MOSAIC_GPU_HEAD_DIMS:
     problems.append(f"head_dim {q.shape[-1]} (supported: 64, 128, 256)")
   if v.shape[-1] != q.shape[-1]:
@@ -144,7 +141,9 @@ def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap,
                     f"pallas_kernels.flash.mosaic_gpu.BlockSizes, got {type(block_sizes)}")
   # interpret=True: the forward raises NotImplementedError (it cannot be interpreted); tests that
   # substitute the forward run the Triton backward in interpret mode.
-  return mod.flash_attention(q, k, v, causal=causal, scale=scale, block_sizes=block_sizes,
+  return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, causal=causal,
+                             local_window_size=window, scale=scale,
+                             logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
                              interpret=interpret)
 
 
@@ -169,8 +168,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
       rows that see no key); differentiable.
     implementation: None, "xla", "triton", "mosaic_gpu", "mosaic_tpu" or "cudnn" (see the
       module docstring; ``resolve_implementation`` says which one None picks). "mosaic_gpu"
-      (Hopper): Mosaic GPU forward, Triton backward; dense or causal, bf16/fp16, head_dim
-      64/128/256, head_dim_v == head_dim.
+      (Hopper): Mosaic GPU forward, Triton backward; any of the masks above, bf16/fp16,
+      head_dim 64/128/256, head_dim_v == head_dim.
     interpret: run a Pallas kernel in interpret mode (CPU). "mosaic_gpu" raises
       NotImplementedError: its forward cannot be interpreted.
     block_sizes: optional kernel-specific ``BlockSizes`` override (Pallas implementations; for
@@ -207,7 +206,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
                   logits_soft_cap=logits_soft_cap, return_lse=return_lse)
   if impl == "mosaic_gpu":
     out, lse = _mosaic_gpu(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
-                           scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret,
+                           kv_segment_ids=kv_segment_ids, scale=scale,
+                           logits_soft_cap=logits_soft_cap, interpret=interpret,
                            block_sizes=block_sizes)
   elif impl == "xla":
     out, lse = attention_reference(q, k, v, causal=causal, local_window_size=window,

@@ -47,9 +47,13 @@ def _rel(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _check(out, lse, q, k, v, causal, dtype):
-  ref = jax.jit(functools.partial(attention_reference, causal=causal))
-  r_out, r_lse = ref.lower(q, k, v).compile(_FAST_CPU_COMPILE)(q, k, v)
+def _check(out, lse, q, k, v, causal, dtype, q_seg=None, kv_seg=None, **mask):
+  """Kernel (or replay) results against the fp32 reference; ``mask``: local_window_size,
+  logits_soft_cap, scale (the reference's keywords)."""
+  ref = jax.jit(lambda q, k, v, qs, ks: attention_reference(
+      q, k, v, causal=causal, q_segment_ids=qs, kv_segment_ids=ks, **mask))
+  r_out, r_lse = ref.lower(q, k, v, q_seg, kv_seg).compile(_FAST_CPU_COMPILE)(
+      q, k, v, q_seg, kv_seg)
   tol = TOL[dtype]
   assert out.shape == r_out.shape and out.dtype == q.dtype
   assert _rel(out, r_out) < tol, _rel(out, r_out)
@@ -83,6 +87,19 @@ LOWER_CASES = {
                              bs=mg.BlockSizes(64, 128, 2, pingpong=False)),
     "d64_3_stages": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=True,
                          bs=mg.BlockSizes(64, 128, 3)),
+    "d128_causal_window_64": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True,
+                                  local_window_size=(64, 0)),
+    "d128_window_100_30": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=False,
+                               local_window_size=(100, 30)),
+    "d256_causal_window_511": dict(sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
+                                   local_window_size=(511, 0)),
+    "d64_soft_cap": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=True, logits_soft_cap=30.0),
+    "d128_segments_causal": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True),
+    "d64_segments_window_soft_cap_3_stages": dict(
+        sq=328, sk=200, hq=2, hk=1, d=64, causal=False, seg=True, local_window_size=(100, 30),
+        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3)),
+    "d256_segments_no_pingpong": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=True, seg=True,
+                                      bs=mg.BlockSizes(64, 64, 2, pingpong=False)),
 }
 
 
@@ -91,12 +108,16 @@ def test_lowers_for_cuda(name):
   case = dict(LOWER_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
   bs = case.pop("bs", None)
+  seg = case.pop("seg", False)
+  mask = {key: case.pop(key) for key in ("local_window_size", "logits_soft_cap") if key in case}
   sq, sk, hq, hk, d = (case[n] for n in ("sq", "sk", "hq", "hk", "d"))
   q = jax.ShapeDtypeStruct((2, sq, hq, d), dtype)
   kv = jax.ShapeDtypeStruct((2, sk, hk, d), dtype)
-  fn = jax.jit(lambda q, k, v: mg.flash_attention(q, k, v, causal=case["causal"],
-                                                  block_sizes=bs))
-  exported = jax.export.export(fn, platforms=["cuda"])(q, kv, kv)
+  segs = ((jax.ShapeDtypeStruct((2, sq), jnp.int32), jax.ShapeDtypeStruct((2, sk), jnp.int32))
+          if seg else ())
+  fn = jax.jit(lambda q, k, v, *segs: mg.flash_attention(q, k, v, *segs, causal=case["causal"],
+                                                         block_sizes=bs, **mask))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, kv, kv, *segs)
   text = exported.mlir_module()
   assert "mosaic_gpu" in text and "wgmma" in text
   assert [a.shape for a in exported.out_avals] == [(2, sq, hq, d), (2, hq, sq)]
@@ -114,50 +135,184 @@ def test_shared_memory_overflow_fails_to_lower():
 # ---------------------------------------------------------------------------- tile walk (CPU)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_tile_walk_skips_only_masked_tiles(causal):
-  for sq, sk in [(128, 128), (1000, 1000), (200, 300), (384, 130), (64, 1000), (1, 77)]:
-    for bs in [mg.BlockSizes(64, 128, 2), mg.BlockSizes(64, 64, 2), mg.BlockSizes(128, 64, 2)]:
+WALK_MASKS = {
+    "dense": dict(causal=False),
+    "causal": dict(causal=True),
+    "causal_window_64": dict(causal=True, window=(64, 0)),
+    "window_100_30": dict(causal=False, window=(100, 30)),
+    "causal_window_511": dict(causal=True, window=(511, 0)),
+    "window_left_only": dict(causal=False, window=(70, None)),
+    "window_right_only": dict(causal=False, window=(None, 5)),
+    "window_0_0": dict(causal=False, window=(0, 0)),
+}
+
+
+def _walk_segments(name, b, sq, sk):
+  """Segment ids for the walk tests: packed documents with padding (0) at the end, or random
+  short runs (documents that do not line up between q and kv)."""
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  if sq == sk:   # packed documents, the tail padding
+    cuts = np.sort(rng.choice(np.arange(1, sq), size=3, replace=False))
+    q = np.searchsorted(cuts, np.arange(sq), side="right") + 1
+    q[sq - sq // 7:] = 0
+    q = np.broadcast_to(q, (b, sq)).copy()
+    return q.astype(np.int32), q.astype(np.int32)
+  q = np.sort(rng.integers(0, 4, size=(b, sq)), axis=1)
+  k = np.sort(rng.integers(0, 4, size=(b, sk)), axis=1)
+  return q.astype(np.int32), k.astype(np.int32)
+
+
+def _walk_ranges(st, q_seg_p=None, kv_seg_p=None):
+  """numpy [B, programs, 2] (plo, phi) and [B, programs, 2, 4] (lo, flo, fhi, hi) exactly as the
+  kernel derives them (``_program_ranges``), for every batch row."""
+  from pallas_kernels.flash.mosaic_gpu import _COMPUTE_WGS
+  n = st.num_q_programs
+  if q_seg_p is not None:
+    bounds = np.asarray(mg._seg_bounds(jnp.asarray(q_seg_p), jnp.asarray(kv_seg_p), st))
+    return bounds[..., :2], bounds[..., 2:].reshape(bounds.shape[:2] + (_COMPUTE_WGS, 4))
+  prog, wgs = [], []
+  for tile in range(n):
+    row0 = tile * 2 * st.block_q
+    plo, _, _, phi = (int(x) for x in mg._static_ranges(row0, 2 * st.block_q, st))
+    prog.append((plo, phi))
+    wgs.append([tuple(int(x) for x in mg._clip_to_program(
+        plo, phi, *mg._static_ranges(row0 + wg * st.block_q, st.block_q, st)))
+        for wg in range(2)])
+  return np.asarray(prog)[None], np.asarray(wgs)[None]
+
+
+def _check_walk(st, q_seg=None, kv_seg=None, *, tight=True):
+  """Every warpgroup's walk against an independent element mask (``masks.element_mask``): tiles
+  outside [lo, hi) are invisible to its real rows, tiles in [flo, fhi) fully visible (no mask),
+  lo <= flo <= fhi <= hi inside the program's [plo, phi), which is exactly the union of the
+  warpgroups' non-empty ranges (the memory warpgroup loads nothing else); with ``tight`` the
+  first and last tile of a range hold a visible key."""
+  from pallas_kernels.masks import element_mask
+  bq, bk, sq, sk = st.block_q, st.block_k, st.q_len, st.kv_len
+  sq_pad, sk_pad = st.num_q_programs * 2 * bq, st.num_kv_tiles * bk
+  q_pos = np.arange(sq_pad) + (sk - sq)
+  k_pos = np.arange(sk_pad)
+  segs = q_seg is not None
+  if segs:
+    q_seg_p = np.pad(q_seg, ((0, 0), (0, sq_pad - sq)))
+    kv_seg_p = np.pad(kv_seg, ((0, 0), (0, sk_pad - sk)))
+    vis = np.asarray(element_mask(q_pos, k_pos, causal=st.causal, window=st.window, kv_len=sk,
+                                  q_seg=q_seg_p, kv_seg=kv_seg_p))          # [B, Sq', Sk']
+    prog, wgs = _walk_ranges(st, q_seg_p, kv_seg_p)
+  else:
+    vis = np.asarray(element_mask(q_pos, k_pos, causal=st.causal, window=st.window,
+                                  kv_len=sk))[None]
+    prog, wgs = _walk_ranges(st)
+  vis = vis & (np.arange(sq_pad) < sq)[None, :, None]                         # real rows only
+  tiles = vis.reshape(vis.shape[0], sq_pad // bq, bq, st.num_kv_tiles, bk)
+  any_vis = tiles.any(axis=(2, 4))                                           # [B, wg tiles, nk]
+  real = (np.arange(sq_pad) < sq).reshape(-1, bq)                             # [wg tiles, bq]
+  all_vis = (tiles | ~real[None, :, :, None, None]).all(axis=(2, 4))
+  for bi in range(prog.shape[0]):
+    for p in range(st.num_q_programs):
+      plo, phi = prog[bi, p]
+      assert 0 <= plo <= phi <= st.num_kv_tiles, (bi, p, plo, phi)
+      union = set()
+      for wg in range(2):
+        lo, flo, fhi, hi = wgs[bi, p, wg]
+        i = 2 * p + wg
+        where = (bi, p, wg, (lo, flo, fhi, hi))
+        assert plo <= lo <= flo <= fhi <= hi <= phi, where
+        t = np.arange(st.num_kv_tiles)
+        assert not any_vis[bi, i, (t < lo) | (t >= hi)].any(), where      # skipped: invisible
+        assert all_vis[bi, i, flo:fhi].all(), where                        # unmasked: visible
+        if hi > lo:
+          union |= set(range(lo, hi))
+          if tight:
+            assert any_vis[bi, i, lo] and any_vis[bi, i, hi - 1], where
+        if tight and not segs:   # no visible tile is masked without need at the range's edges
+          assert not (any_vis[bi, i].any() and hi == lo), where
+      assert union == set(range(plo, phi)), (bi, p, union, plo, phi)
+
+
+WALK_SHAPES = [(128, 128), (1000, 1000), (200, 300), (384, 130), (64, 1000), (1, 77), (200, 328),
+               (328, 200)]
+WALK_TILES = [mg.BlockSizes(64, 128, 2), mg.BlockSizes(64, 64, 2), mg.BlockSizes(128, 64, 2)]
+
+
+@pytest.mark.parametrize("mask", list(WALK_MASKS))
+def test_tile_walk_skips_only_masked_tiles(mask):
+  causal, window = WALK_MASKS[mask]["causal"], WALK_MASKS[mask].get("window")
+  for sq, sk in WALK_SHAPES:
+    for bs in WALK_TILES:
       st = mg._static_config((1, sq, 1, 128), (1, sk, 1, 128), jnp.bfloat16, causal=causal,
-                             scale=None, block_sizes=bs)
-      bq, bk = st.block_q, st.block_k
-      rows = np.arange(bq)[:, None] * np.ones((1, bk), np.int32)
-      cols = np.ones((bq, 1), np.int32) * np.arange(bk)[None, :]
-      for prog in range(st.num_q_programs):
-        row0_prog = prog * 2 * bq
-        program_steps = int(mg._kv_steps(jnp.int32(row0_prog + 2 * bq), st))
-        wg_steps = []
-        for wg in range(2):
-          row0 = row0_prog + wg * bq
-          steps = int(mg._kv_steps(jnp.int32(row0 + bq), st))
-          full = int(mg._full_steps(jnp.int32(row0), st))
-          assert 0 <= full <= steps <= st.num_kv_tiles
-          real = (np.arange(bq) + row0 < sq)[:, None]          # rows that are not padding
-          for t in range(st.num_kv_tiles):
-            vis = np.asarray(mg._tile_visible(rows, cols, row0, t, st))
-            if t < full:
-              assert vis.all(), (sq, sk, bs, prog, wg, t)        # no mask needed
-            if t >= steps:
-              assert not (vis & real).any(), (sq, sk, bs, prog, wg, t)   # safe to skip
-          if steps:   # no wasted tile: the last one visited has a visible key for a real row
-            vis = np.asarray(mg._tile_visible(rows, cols, row0, steps - 1, st))
-            assert (vis & real).any() or row0 >= sq, (sq, sk, bs, prog, wg)
-          wg_steps.append(steps)
-        assert program_steps == max(wg_steps)   # the memory warpgroup loads exactly these
+                             scale=None, block_sizes=bs, local_window_size=window)
+      _check_walk(st)
 
 
-def _replay(q, k, v, *, causal, block_sizes=None):
+@pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_64", "window_100_30"])
+def test_tile_walk_with_segments(mask):
+  """Segment ids: the per-(batch, program) ranges of ``_seg_bounds`` (packed documents with
+  padding when q_len == kv_len, random sorted ids otherwise)."""
+  causal, window = WALK_MASKS[mask]["causal"], WALK_MASKS[mask].get("window")
+  for sq, sk in [(1000, 1000), (512, 512), (200, 328), (328, 200), (200, 200)]:
+    for bs in WALK_TILES:
+      st = mg._static_config((2, sq, 1, 128), (2, sk, 1, 128), jnp.bfloat16, causal=causal,
+                             scale=None, block_sizes=bs, local_window_size=window, has_seg=True)
+      q_seg, kv_seg = _walk_segments(f"{mask}{sq}{sk}", 2, sq, sk)
+      _check_walk(st, q_seg, kv_seg, tight=False)
+
+
+def test_tile_walk_packed_documents_skip_other_documents():
+  """Four aligned documents (the issue-8 layout, scaled down): each warpgroup walks only its own
+  document's tiles (causal), so the work is that of four separate causal rows."""
+  sq, docs = 2048, 4
+  seg = np.repeat(np.arange(1, docs + 1, dtype=np.int32), sq // docs)[None]
+  st = mg._static_config((1, sq, 1, 128), (1, sq, 1, 128), jnp.bfloat16, causal=True,
+                         scale=None, block_sizes=mg.BlockSizes(64, 128, 2), has_seg=True)
+  _check_walk(st, seg, seg, tight=True)
+  prog, wgs = _walk_ranges(st, seg, seg)
+  walked = int((wgs[..., 3] - wgs[..., 0]).sum())
+  one_doc = mg._static_config((1, sq // docs, 1, 128), (1, sq // docs, 1, 128), jnp.bfloat16,
+                              causal=True, scale=None, block_sizes=mg.BlockSizes(64, 128, 2))
+  _, wgs1 = _walk_ranges(one_doc)
+  assert walked == docs * int((wgs1[..., 3] - wgs1[..., 0]).sum())
+  masked = int((wgs[..., 1] - wgs[..., 0] + wgs[..., 3] - wgs[..., 2]).sum())
+  assert masked == docs * int((wgs1[..., 1] - wgs1[..., 0] + wgs1[..., 3] - wgs1[..., 2]).sum())
+
+
+def test_tile_walk_check_can_fail():
+  """The walk check catches a range that skips a visible tile (a window's left edge one tile
+  too far right)."""
+  st = mg._static_config((1, 1000, 1, 128), (1, 1000, 1, 128), jnp.bfloat16, causal=True,
+                         scale=None, block_sizes=mg.BlockSizes(64, 128, 2),
+                         local_window_size=(200, 0))
+  real = mg._static_ranges
+
+  def shifted(row0, n, st):
+    lo, flo, fhi, hi = real(row0, n, st)
+    lo = jnp.minimum(lo + 1, hi)
+    return lo, jnp.maximum(flo, lo), jnp.maximum(fhi, lo), hi
+  mg._static_ranges = shifted
+  try:
+    with pytest.raises(AssertionError):
+      _check_walk(st)
+  finally:
+    mg._static_ranges = real
+
+
+def _replay(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, **kw):
   """Compile ``_replay_fn`` with cheap XLA:CPU codegen (it is unrolled and runs once)."""
-  fn = jax.jit(functools.partial(_replay_fn, causal=causal, block_sizes=block_sizes))
-  return fn.lower(q, k, v).compile(_FAST_CPU_COMPILE)(q, k, v)
+  fn = jax.jit(functools.partial(_replay_fn, causal=causal, block_sizes=block_sizes, **kw))
+  return fn.lower(q, k, v, q_seg, kv_seg).compile(_FAST_CPU_COMPILE)(q, k, v, q_seg, kv_seg)
 
 
-def _replay_fn(q, k, v, *, causal, block_sizes=None, scale=None):
-  """The kernel's forward walk in jnp, with its own helpers (see the module docstring)."""
+def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, scale=None,
+               local_window_size=None, logits_soft_cap=None):
+  """The kernel's forward walk in jnp, with its own helpers (see the module docstring): per
+  warpgroup the ranges of ``_program_ranges`` (static or ``_seg_bounds``), masked edges
+  [lo, flo) and [fhi, hi), unmasked [flo, fhi)."""
   b, sq, hq, d = q.shape
   sk, hk = k.shape[1], k.shape[2]
+  has_seg = q_seg is not None
   st = mg._static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
-                         block_sizes=block_sizes)
+                         block_sizes=block_sizes, local_window_size=local_window_size,
+                         logits_soft_cap=logits_soft_cap, has_seg=has_seg)
   bq, bk = st.block_q, st.block_k
   sq_pad, sk_pad = st.num_q_programs * 2 * bq, st.num_kv_tiles * bk
   qp = jnp.pad(q, ((0, 0), (0, sq_pad - sq), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
@@ -166,15 +321,34 @@ def _replay_fn(q, k, v, *, causal, block_sizes=None, scale=None):
   vp = jnp.pad(v, ((0, 0), (0, sk_pad - sk), (0, 0), (0, 0)))[:, :, heads].transpose(0, 2, 1, 3)
   rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  n_rows = sq_pad // bq
+  if has_seg:
+    qs_p = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)))
+    ks_p = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, sk_pad - sk)))
+    ranges = mg._seg_bounds(qs_p, ks_p, st)[..., 2:].reshape(b, n_rows, 4)
+  else:
+    qs_p = jnp.zeros((b, sq_pad), jnp.int32)
+    ks_p = jnp.zeros((b, sk_pad), jnp.int32)
+    per = []
+    for tile in range(st.num_q_programs):
+      row0 = tile * 2 * bq
+      plo, _, _, phi = mg._static_ranges(row0, 2 * bq, st)
+      for wg in range(2):
+        per.append(jnp.stack(mg._clip_to_program(
+            plo, phi, *mg._static_ranges(row0 + wg * bq, bq, st))))
+    ranges = jnp.broadcast_to(jnp.stack(per), (b, n_rows, 4))
 
-  def warpgroup(q_t, k_all, v_all, row0):                   # [bq, D], [Sk', D], [Sk', D]
+  def warpgroup(q_t, k_all, v_all, row0, rng, qs_t, ks_all):   # [bq, D], [Sk', D], [Sk', D]
     def step(t, carry, *, masked):
       acc, m, l = carry
       k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)        # [bk, D]
       v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
       s = jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32)        # [bq, bk]
+      s = mg._cap_logits(s, st)
       if masked:
-        s = jnp.where(mg._tile_visible(rows, cols, row0, t, st), s, -jnp.inf)
+        ks_t = lax.dynamic_slice_in_dim(ks_all, t * bk, bk) if has_seg else None
+        vis = mg._tile_visible(rows, cols, row0, t, st, qs_t if has_seg else None, ks_t)
+        s = jnp.where(vis, s, -jnp.inf)
       p, alpha, m, l = mg._online_softmax(s, m, l, st)
       acc = acc * alpha[:, None] + jnp.dot(p.astype(q.dtype), v_t,
                                            preferred_element_type=jnp.float32)
@@ -182,16 +356,19 @@ def _replay_fn(q, k, v, *, causal, block_sizes=None, scale=None):
 
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    steps, full = mg._kv_steps(row0 + bq, st), mg._full_steps(row0, st)
-    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+    lo, flo, fhi, hi = rng[0], rng[1], rng[2], rng[3]
+    carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+    acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
     return mg._finalize(acc, m, l)
 
-  n_rows = sq_pad // bq
   q_tiles = qp.reshape(b, hq, n_rows, bq, d)                   # [B, Hq, tiles, bq, D]
-  row0s = jnp.arange(n_rows, dtype=jnp.int32) * bq
-  per_tile = jax.vmap(warpgroup, in_axes=(0, None, None, 0))
-  out, lse = jax.vmap(jax.vmap(per_tile))(q_tiles, kp, vp, jnp.broadcast_to(row0s, (b, hq, n_rows)))
+  row0s = jnp.broadcast_to(jnp.arange(n_rows, dtype=jnp.int32) * bq, (b, hq, n_rows))
+  rng = jnp.broadcast_to(ranges[:, None], (b, hq, n_rows, 4))
+  qs_tiles = jnp.broadcast_to(qs_p.reshape(b, 1, n_rows, bq), (b, hq, n_rows, bq))
+  ks_all = jnp.broadcast_to(ks_p[:, None], (b, hq, sk_pad))
+  per_tile = jax.vmap(warpgroup, in_axes=(0, None, None, 0, 0, 0, None))
+  out, lse = jax.vmap(jax.vmap(per_tile))(q_tiles, kp, vp, row0s, rng, qs_tiles, ks_all)
   out = out.reshape(b, hq, sq_pad, d).transpose(0, 2, 1, 3)[:, :sq].astype(q.dtype)
   return out, lse.reshape(b, hq, sq_pad)[:, :, :sq]
 
@@ -203,7 +380,57 @@ REPLAY_CASES = {
     "causal_q_longer_empty_rows": dict(b=1, sq=300, sk=130, hq=2, hk=1, d=64, causal=True),
     "fp16_tiles_64": dict(b=1, sq=160, sk=200, hq=2, hk=2, d=64, causal=True,
                           dtype=jnp.float16, bs=mg.BlockSizes(64, 64, 2)),
+    # local windows (jax.nn convention (left, right), bottom-right aligned)
+    "causal_window_64": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=True,
+                             local_window_size=(64, 0)),
+    "window_100_30": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=False,
+                          local_window_size=(100, 30)),
+    "window_100_30_q_longer": dict(b=1, sq=328, sk=200, hq=4, hk=2, d=64, causal=False,
+                                   local_window_size=(100, 30)),
+    "causal_window_64_tiles_64": dict(b=1, sq=328, sk=328, hq=2, hk=1, d=64, causal=True,
+                                      local_window_size=(64, 0), bs=mg.BlockSizes(64, 64, 2)),
+    "window_0_0_empty_rows": dict(b=1, sq=300, sk=130, hq=2, hk=1, d=64, causal=False,
+                                  local_window_size=(0, 0)),
+    # soft cap (on the scaled logit)
+    "soft_cap_causal": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=True,
+                            logits_soft_cap=2.0, scale=0.5),
+    "soft_cap_window": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=False,
+                            logits_soft_cap=5.0, local_window_size=(100, 30)),
+    # segment ids (0 = padding)
+    "segments_dense": dict(b=2, sq=200, sk=200, hq=4, hk=2, d=64, causal=False, seg="packed"),
+    "segments_causal": dict(b=2, sq=200, sk=200, hq=4, hk=2, d=64, causal=True, seg="packed"),
+    "segments_causal_q_shorter": dict(b=2, sq=200, sk=328, hq=4, hk=2, d=64, causal=True,
+                                      seg="random"),
+    "segments_window_soft_cap": dict(b=2, sq=328, sk=200, hq=4, hk=2, d=64, causal=False,
+                                     seg="random", local_window_size=(100, 30),
+                                     logits_soft_cap=3.0),
 }
+
+
+def _segments(name, b, sq, sk, kind):
+  """"packed": documents of random lengths with padding (0) at the end, the same ids for q and
+  kv (needs sq == sk); "random": sorted random ids in 0..3 (0 = padding) for q and kv
+  independently (documents that do not line up, q_len != kv_len)."""
+  if kind == "packed":
+    assert sq == sk
+    q_seg, kv_seg = _walk_segments(name, b, sq, sk)
+  else:
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    q_seg = np.sort(rng.integers(0, 4, size=(b, sq)), axis=1).astype(np.int32)
+    kv_seg = np.sort(rng.integers(0, 4, size=(b, sk)), axis=1).astype(np.int32)
+  return jnp.asarray(q_seg), jnp.asarray(kv_seg)
+
+
+def _mask_args(case, name):
+  """Pops the mask options of a case: (causal, q_seg, kv_seg, dict of reference keywords)."""
+  causal = case.pop("causal")
+  kind = case.pop("seg", None)
+  mask = {key: case.pop(key) for key in ("local_window_size", "logits_soft_cap", "scale")
+          if key in case}
+  q_seg = kv_seg = None
+  if kind is not None:
+    q_seg, kv_seg = _segments(name, case["b"], case["sq"], case["sk"], kind)
+  return causal, q_seg, kv_seg, mask
 
 
 @pytest.mark.parametrize("name", list(REPLAY_CASES))
@@ -211,10 +438,10 @@ def test_replayed_walk_matches_reference(name):
   case = dict(REPLAY_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
   bs = case.pop("bs", None)
-  causal = case.pop("causal")
+  causal, q_seg, kv_seg, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  out, lse = _replay(q, k, v, causal=causal, block_sizes=bs)
-  _check(out, lse, q, k, v, causal, dtype)
+  out, lse = _replay(q, k, v, q_seg, kv_seg, causal=causal, block_sizes=bs, **mask)
+  _check(out, lse, q, k, v, causal, dtype, q_seg, kv_seg, **mask)
 
 
 # -------------------------------------------------------------------------- errors (CPU)
@@ -222,9 +449,8 @@ def test_replayed_walk_matches_reference(name):
 
 def test_unsupported_options_raise():
   q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
-  seg = jnp.ones((1, 128), jnp.int32)
-  for kwargs in (dict(q_segment_ids=seg, kv_segment_ids=seg), dict(local_window_size=(63, 0)),
-                 dict(logits_soft_cap=30.0), dict(interpret=True)):
+  from pallas_kernels.block_schedule import make_schedule
+  for kwargs in (dict(schedule=make_schedule(128, 128, 64, 64)), dict(interpret=True)):
     with pytest.raises(NotImplementedError):
       mg.flash_attention(q, q, q, **kwargs)
   with pytest.raises(NotImplementedError, match="float32"):
@@ -232,25 +458,48 @@ def test_unsupported_options_raise():
   q96 = jnp.ones((1, 128, 2, 96), jnp.bfloat16)
   with pytest.raises(NotImplementedError, match="head_dim"):
     mg.flash_attention(q96, q96, q96)
+  seg = jnp.ones((1, 128), jnp.int32)
+  with pytest.raises(ValueError, match="together"):
+    mg.flash_attention(q, q, q, seg, None)
+  with pytest.raises(ValueError, match="soft_cap"):
+    mg.flash_attention(q, q, q, logits_soft_cap=0.0)
+
+
+def test_mosaic_backward_rejects_masks_at_the_call():
+  """backward="mosaic" (dense/causal only) with a window, segment ids or soft cap raises
+  NotImplementedError when the forward is called, naming the option."""
+  import jattn
+  q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
+  seg = jnp.ones((1, 128), jnp.int32)
+  bs = mg.BlockSizes(backward="mosaic")
+  for kwargs, name in ((dict(local_window_size=(63, 0), causal=True), "local_window_size"),
+                       (dict(segment_ids=seg), "segment ids"),
+                       (dict(logits_soft_cap=30.0), "logits_soft_cap")):
+    with pytest.raises(NotImplementedError, match=name):
+      jattn.flash_attention(q, q, q, implementation="mosaic_gpu", block_sizes=bs, **kwargs)
 
 
 # ------------------------------------------- jattn registration, hybrid backward (CPU)
 
 
-def _replayed_fwd_call(q_p, k_p, v_p, st):
+def _replayed_fwd_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None):
   """Stand-in for ``mg._fwd_call`` on the CPU: the jnp replay of the kernel's walk (its own mask,
   online softmax and ``_finalize``, so the same out and natural-log LSE, -inf for empty rows), on
-  the same padded inputs and returning the same padded shapes."""
+  the same padded inputs and returning the same padded shapes. With segment ids the replay
+  recomputes ``_seg_bounds`` from the padded ids (what the wrapper passed as ``bounds``)."""
   bs = mg.BlockSizes(st.block_q, st.block_k, st.num_stages, st.pingpong)
-  out, lse = _replay_fn(q_p[:, :st.q_len], k_p[:, :st.kv_len], v_p[:, :st.kv_len],
-                        causal=st.causal, block_sizes=bs, scale=st.scale)
+  seg = () if q_seg is None else (q_seg[:, :st.q_len], kv_seg[:, :st.kv_len])
+  out, lse = _replay_fn(q_p[:, :st.q_len], k_p[:, :st.kv_len], v_p[:, :st.kv_len], *seg,
+                        causal=st.causal, block_sizes=bs, scale=st.scale,
+                        local_window_size=st.window, logits_soft_cap=st.soft_cap)
   pad = q_p.shape[1] - st.q_len
   out = jnp.pad(out, ((0, 0), (0, pad), (0, 0), (0, 0)))
   lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
   return out, lse
 
 
-def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None, block_sizes=None):
+def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None, block_sizes=None, q_seg=None,
+                      kv_seg=None, local_window_size=None, logits_soft_cap=None):
   """(kernel, reference) results: out, lse and the VJP of (out, lse) for random cotangents,
   through ``jattn.flash_attention(implementation="mosaic_gpu", return_lse=True)``; the reference
   runs in fp32 on the upcast inputs."""
@@ -258,17 +507,21 @@ def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None, block_sizes=Non
   ks = jax.random.split(jax.random.key(99), 2)
   d_out = jax.random.normal(ks[0], q.shape, q.dtype)
   d_lse = jax.random.normal(ks[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+  mask = dict(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
 
   def kernel_run(q, k, v):
     f = lambda q, k, v: jattn.flash_attention(q, k, v, causal=causal, scale=scale,
+                                              segment_ids=q_seg, kv_segment_ids=kv_seg,
                                               return_lse=True, implementation="mosaic_gpu",
-                                              interpret=interpret, block_sizes=block_sizes)
+                                              interpret=interpret, block_sizes=block_sizes,
+                                              **mask)
     (out, lse), vjp = jax.vjp(f, q, k, v)
     return out, lse, vjp((d_out, d_lse))
 
   def ref_run(q, k, v):
     up = lambda x: x.astype(jnp.float32)
-    f = functools.partial(attention_reference, causal=causal, scale=scale)
+    f = functools.partial(attention_reference, causal=causal, scale=scale, q_segment_ids=q_seg,
+                          kv_segment_ids=kv_seg, **mask)
     (out, lse), vjp = jax.vjp(f, up(q), up(k), up(v))
     return out, lse, vjp((up(d_out), d_lse))
 
@@ -300,18 +553,31 @@ VJP_CASES = {
     "causal_gqa_ragged": dict(sq=200, sk=328, causal=True),
     "causal_q_longer_empty_rows": dict(sq=328, sk=200, causal=True, scale=0.1),
 }
+# The masks the Mosaic GPU backward lacks: Triton backward only (through _triton_bwd_masked).
+VJP_MASK_CASES = {
+    "causal_window_64": dict(sq=200, sk=328, causal=True, local_window_size=(64, 0)),
+    "window_100_30": dict(sq=200, sk=328, causal=False, local_window_size=(100, 30)),
+    "window_100_30_q_longer": dict(sq=328, sk=200, causal=False, local_window_size=(100, 30)),
+    "soft_cap_causal": dict(sq=200, sk=328, causal=True, logits_soft_cap=2.0, scale=0.5),
+    "segments_causal_packed": dict(sq=200, sk=200, causal=True, seg="packed"),
+    "segments_q_shorter": dict(sq=200, sk=328, causal=False, seg="random"),
+    "segments_window_soft_cap": dict(sq=328, sk=200, causal=True, seg="random",
+                                     local_window_size=(100, 30), logits_soft_cap=3.0),
+}
 
 
-@pytest.mark.parametrize("name", list(VJP_CASES))
+@pytest.mark.parametrize("name", list(VJP_CASES) + list(VJP_MASK_CASES))
 def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu"): the custom_vjp feeds the forward's out
   and LSE to the Triton backward (interpret mode). The Mosaic forward cannot run on the CPU, so
   ``_fwd_call`` is replaced by the jnp replay of its walk (same LSE convention)."""
   monkeypatch.setattr(mg, "_fwd_call", _replayed_fwd_call)
-  case = dict(VJP_CASES[name])
-  causal, scale = case.pop("causal"), case.pop("scale", None)
-  q, k, v = _inputs(zlib.crc32(name.encode()), b=1, hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
-  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, scale=scale)
+  case = dict(VJP_CASES.get(name) or VJP_MASK_CASES[name])
+  case.update(b=1)
+  causal, q_seg, kv_seg, mask = _mask_args(case, name)
+  q, k, v = _inputs(zlib.crc32(name.encode()), hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, q_seg=q_seg, kv_seg=kv_seg,
+                                **mask)
   _assert_vjp_close(got, want, jnp.bfloat16)
 
 
@@ -363,17 +629,12 @@ def test_vjp_check_catches_a_base2_lse(monkeypatch):
 
 
 def test_registered_path_rejects_unsupported_options():
-  """Every option the Hopper path lacks raises NotImplementedError naming it (no fallback)."""
+  """Every option the Hopper path lacks raises NotImplementedError naming it (no fallback);
+  windows, segment ids and soft cap are supported (``test_registered_vjp_uses_triton_backward``)."""
   import jattn
   q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
   call = functools.partial(jattn.flash_attention, implementation="mosaic_gpu")
-  seg = jnp.ones((1, 128), jnp.int32)
-  for kwargs, name in ((dict(segment_ids=seg), "segment_ids"),
-                       (dict(segment_ids=seg, kv_segment_ids=seg), "segment_ids"),
-                       (dict(local_window_size=(63, 0)), "local_window_size"),
-                       (dict(local_window_size=64, causal=True), "local_window_size"),
-                       (dict(logits_soft_cap=30.0), "logits_soft_cap"),
-                       (dict(interpret=True), "interpret")):
+  for kwargs, name in ((dict(interpret=True), "interpret"),):
     with pytest.raises(NotImplementedError, match=name):
       call(q, q, q, **kwargs)
   q96 = jnp.ones((1, 128, 2, 96), jnp.bfloat16)
@@ -396,16 +657,22 @@ def test_registered_path_rejects_unsupported_options():
   assert jattn.resolve_implementation("mosaic_gpu", platform="gpu") == "mosaic_gpu"
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_registered_fwd_bwd_lowers_for_cuda(causal):
+@pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_511", "soft_cap",
+                                  "segments_causal"])
+def test_registered_fwd_bwd_lowers_for_cuda(mask):
   """jax.grad through jattn.flash_attention(implementation="mosaic_gpu") lowers for "cuda": the
   Mosaic GPU forward plus the two Triton backward kernels (dK/dV, dQ)."""
   import jattn
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
-  loss = lambda q, k, v: jattn.flash_attention(
-      q, k, v, causal=causal, implementation="mosaic_gpu").astype(jnp.float32).sum()
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+  seg = jax.ShapeDtypeStruct((2, 1000), jnp.int32)
+  kwargs = {"dense": dict(), "causal": dict(causal=True),
+            "causal_window_511": dict(causal=True, local_window_size=(511, 0)),
+            "soft_cap": dict(logits_soft_cap=30.0), "segments_causal": dict(causal=True)}[mask]
+  loss = lambda q, k, v, seg: jattn.flash_attention(
+      q, k, v, implementation="mosaic_gpu", segment_ids=seg if "segments" in mask else None,
+      **kwargs).astype(jnp.float32).sum()
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
   n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
@@ -429,19 +696,46 @@ GPU_CASES = {
 }
 
 
+# Windows, soft cap, segment ids (never run on a GPU yet).
+GPU_MASK_CASES = {
+    "d128_causal_window_511": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
+                                   local_window_size=(511, 0)),
+    "d128_causal_window_64_ragged": dict(b=1, sq=1000, sk=1328, hq=4, hk=2, d=128, causal=True,
+                                         local_window_size=(64, 0)),
+    "d64_window_100_30_q_longer": dict(b=1, sq=1328, sk=1000, hq=2, hk=1, d=64, causal=False,
+                                       local_window_size=(100, 30)),
+    "d256_causal_window_300": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
+                                   local_window_size=(300, 0)),
+    "d128_soft_cap_causal": dict(b=1, sq=1024, sk=1024, hq=4, hk=2, d=128, causal=True,
+                                 logits_soft_cap=2.0, scale=0.5),
+    "d64_soft_cap_dense_fp16": dict(b=1, sq=1000, sk=1000, hq=2, hk=2, d=64, causal=False,
+                                    logits_soft_cap=30.0, dtype=jnp.float16),
+    "d128_segments_packed_causal": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
+                                        seg="packed"),
+    "d128_segments_random_q_shorter": dict(b=2, sq=700, sk=1111, hq=4, hk=2, d=128,
+                                           causal=False, seg="random"),
+    "d64_segments_window_soft_cap": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True,
+                                         seg="packed", local_window_size=(200, 0),
+                                         logits_soft_cap=5.0),
+    "d256_segments_causal": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=True,
+                                 seg="packed"),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("name", list(GPU_CASES) + list(GPU_MASK_CASES))
 def test_gpu_matches_reference(name):
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
-  case = dict(GPU_CASES[name])
+  case = dict(GPU_CASES.get(name) or GPU_MASK_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
   bs = case.pop("bs", None)
-  causal = case.pop("causal")
+  causal, q_seg, kv_seg, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  fn = jax.jit(lambda q, k, v: mg.flash_attention(q, k, v, causal=causal, block_sizes=bs))
-  out, lse = fn(q, k, v)
-  _check(out, lse, q, k, v, causal, dtype)
+  fn = jax.jit(lambda q, k, v, qs, ks: mg.flash_attention(q, k, v, qs, ks, causal=causal,
+                                                          block_sizes=bs, **mask))
+  out, lse = fn(q, k, v, q_seg, kv_seg)
+  _check(out, lse, q, k, v, causal, dtype, q_seg, kv_seg, **mask)
 
 
 # Through the registered path: jattn.flash_attention(implementation="mosaic_gpu"), forward and
@@ -474,13 +768,19 @@ def test_gpu_registered_forward_and_mosaic_backward(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_VJP_CASES))
+@pytest.mark.parametrize("name", list(GPU_VJP_CASES) + [
+    n for n in GPU_MASK_CASES if n in ("d128_causal_window_511", "d64_window_100_30_q_longer",
+                                       "d128_soft_cap_causal", "d128_segments_packed_causal",
+                                       "d128_segments_random_q_shorter",
+                                       "d64_segments_window_soft_cap")])
 def test_gpu_registered_forward_and_vjp(name):
+  """Mosaic GPU forward + Triton backward through jattn (with masks: ``_triton_bwd_masked``)."""
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
-  case = dict(GPU_VJP_CASES[name])
+  case = dict(GPU_VJP_CASES.get(name) or GPU_MASK_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
-  causal = case.pop("causal")
+  causal, q_seg, kv_seg, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False)
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, q_seg=q_seg, kv_seg=kv_seg,
+                                **mask)
   _assert_vjp_close(got, want, dtype)

@@ -18,8 +18,11 @@ forward is only lowered (``jax.export`` for "cuda") and its tile walk and softma
 replayed in jnp by the tests; jax's GPU interpret mode cannot run it (no transposed or register
 operands for wgmma), so ``interpret=True`` raises NotImplementedError. The CPU tests check the
 hybrid VJP with the replay standing in for the kernel and the Triton backward interpreted.
-Segment ids, windows, soft cap and block schedules raise NotImplementedError (see
-docs/kernels.md, "Mosaic GPU (Hopper) forward: status").
+
+NEW, NOT YET RUN ON A GPU (issue 8): local windows, segment ids and logits soft cap (see "Masks"
+below); the backward with them is the Triton one (``_triton_bwd_masked``), and
+``backward="mosaic"`` rejects them at the call. Block schedules (block-sparse masks) still raise
+NotImplementedError (see docs/kernels.md, "Mosaic GPU (Hopper) forward: status").
 
 Structure (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``): one
 program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three warpgroups:
@@ -40,8 +43,22 @@ offset by one rendezvous, so that one warpgroup's softmax overlaps the other's m
 tiles beyond a warpgroup's own causal range are drained (wait loaded, arrive free, rendezvous)
 without computing.
 
-Causal masks align bottom-right (query i sits at kv position kv_len - q_len + i); kv tiles beyond
-a program's last visible key are never loaded. A query row that sees no key (causal with
+Masks (``masks.visible``): causal and windows align bottom-right (query i sits at kv position
+kv_len - q_len + i; window (left, right): keys in [pos - left, pos + right]). Each warpgroup walks
+the kv tiles [lo, hi) that its rows may see, with the element mask only on the edges [lo, flo)
+and [fhi, hi) and none on [flo, fhi) (fully visible); the program's range [plo, phi) is the union
+of its two warpgroups' ranges, and the memory warpgroup loads exactly those tiles, so kv tiles
+outside every row's window are never loaded. Both compute warpgroups walk [plo, phi) (ping-pong),
+draining the tiles before and after their own range. For causal and windows the ranges are scalar
+arithmetic on the program index (``_static_ranges``). With segment ids they come from per-tile
+data: ``_seg_bounds`` (jnp in the wrapper, from the min/max segment id per tile as in
+``block_schedule.make_schedule``, intersected with the static ranges) gives each (batch, program)
+its ranges as int32 scalars that the kernel reads from GMEM; a query tile inside one document
+therefore never walks another document's tiles (packed documents cost what separate rows cost),
+and tiles between two documents that a tile's rows straddle are walked masked. The segment ids of
+the Q tile and of each K tile travel by TMA with them (same barriers). The soft cap is
+cap * tanh(scale * s / cap) on every tile before the mask, in the natural domain, then the
+base-2 softmax multiplies by log2(e) (``_cap_logits``, ``_softmax_factor``). A query row that sees no key (causal with
 q_len > kv_len) returns output 0 and log-sum-exp -inf. Query rows are padded to a multiple of
 ``2 * block_q`` and keys to a multiple of ``block_k`` in the wrapper (a copy, only when the
 lengths are not multiples); padded keys are masked in the last kv tile.
@@ -179,6 +196,9 @@ class _Static:
   causal: bool
   scale: float
   dtype: jnp.dtype
+  window: tuple | None = None   # (left, right) from masks.normalize_window; a side None = unbounded
+  soft_cap: float | None = None
+  has_seg: bool = False         # segment ids: per-(batch, q tile) kv ranges from ``_seg_bounds``
   interpret: bool = False    # the backward's Triton kernels in interpret mode (the forward raises)
   bwd_block_sizes: object = None   # the backward's BlockSizes (triton or mosaic_gpu_bwd) or None
   backward: str = "triton"         # "triton" or "mosaic" (the kernels of the custom_vjp backward)
@@ -194,21 +214,111 @@ class _Static:
     return self.kv_len // self.block_k
 
 
-def _kv_steps(row_end, st: _Static):
-  """Number of kv tiles (from tile 0) that rows [.., row_end) need: all tiles, or up to the causal
-  diagonal of row ``row_end - 1``. An int32 scalar."""
-  if not st.causal:
-    return jnp.int32(st.num_kv_tiles)
-  n = lax.div(row_end + (st.offset + st.block_k - 1), jnp.int32(st.block_k))
-  return jnp.clip(n, 0, st.num_kv_tiles)
+def _bounds_left(st: _Static):
+  """Left window bound (keys >= qpos - left), or None (unbounded)."""
+  return None if st.window is None else st.window[0]
 
 
-def _full_steps(row0, st: _Static):
-  """Number of leading kv tiles visible to every row >= row0 (no element mask needed)."""
-  if not st.causal:
-    return jnp.int32(st.num_full_tiles)
-  n = lax.div(row0 + (st.offset + 1), jnp.int32(st.block_k))
-  return jnp.clip(n, 0, st.num_full_tiles)
+def _bounds_right(st: _Static):
+  """Effective right bound (keys <= qpos + right): 0 when causal, the window's right side
+  otherwise, or None (unbounded)."""
+  if st.causal:
+    return 0
+  return None if st.window is None else st.window[1]
+
+
+def _static_ranges(row0, n, st: _Static):
+  """kv tile ranges of the query rows [row0, row0 + n) (only rows < q_len count) under the
+  static mask (causal, window, padded keys): (lo, flo, fhi, hi), int32 (scalars or arrays,
+  elementwise in ``row0``), with
+
+    * tiles < lo and >= hi invisible to every real row (never loaded for them),
+    * tiles in [flo, fhi) visible in full to every real row (no element mask),
+    * tiles in [lo, flo) and [fhi, hi) the edges (element mask),
+
+  and lo <= flo <= fhi <= hi. hi == lo when no real row sees a key tile (all rows padding,
+  causal rows before the first key, a window past the keys)."""
+  bk, nk = st.block_k, st.num_kv_tiles
+  row0 = jnp.asarray(row0, jnp.int32)
+  last = jnp.minimum(row0 + n, st.q_len) - 1          # last real row
+  q_first = row0 + st.offset                           # kv position of the first row
+  q_last = last + st.offset
+  left, right = _bounds_left(st), _bounds_right(st)
+  zero = jnp.int32(0)
+  if left is None:
+    lo = jnp.zeros_like(row0)
+    flo = lo
+  else:
+    lo = lax.div(jnp.maximum(zero, q_first - left), jnp.int32(bk))
+    flo = lax.div(jnp.maximum(zero, q_last - left) + (bk - 1), jnp.int32(bk))
+  lo = jnp.minimum(lo, nk)
+  if right is None:
+    hi = jnp.full_like(row0, nk)
+    fhi = jnp.full_like(row0, st.num_full_tiles)
+  else:
+    hi = jnp.minimum(lax.div(jnp.maximum(zero, q_last + right + bk), jnp.int32(bk)), nk)
+    fhi = jnp.minimum(lax.div(jnp.maximum(zero, q_first + right + 1), jnp.int32(bk)),
+                      st.num_full_tiles)
+  hi = jnp.where(last < row0, lo, jnp.maximum(hi, lo))
+  flo = jnp.clip(flo, lo, hi)
+  fhi = jnp.clip(fhi, flo, hi)
+  return lo, flo, fhi, hi
+
+
+def _clip_to_program(plo, phi, lo, flo, fhi, hi):
+  """A warpgroup's ranges clipped into its program's [plo, phi) (both warpgroups walk the
+  program's range; an empty range becomes an empty range inside it)."""
+  lo = jnp.clip(lo, plo, phi)
+  hi = jnp.clip(hi, lo, phi)
+  flo = jnp.clip(flo, lo, hi)
+  fhi = jnp.clip(fhi, flo, hi)
+  return lo, flo, fhi, hi
+
+
+def _seg_bounds(q_seg, kv_seg, st: _Static):
+  """Per-(batch, program) kv ranges with segment ids, from the tile classes that
+  ``block_schedule.make_schedule`` uses (min/max segment id per tile) intersected with the
+  static mask: int32 [B, num_q_programs, 2 + 4 * 2] rows
+  ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` (program range, then each
+  compute warpgroup's (lo, flo, fhi, hi) as in ``_static_ranges``, clipped into the program's).
+
+  A warpgroup walks [lo, hi) = first to last kv tile that any of its rows may see (tiles in
+  between that no row sees, across a document gap, are walked masked), without the mask on the
+  first run of fully visible tiles [flo, fhi) (one segment on both sides, inside the static
+  full range).
+
+  q_seg: int32 [B, Sq'] and kv_seg [B, Sk'] padded with 0 to whole tiles."""
+  from pallas_kernels.block_schedule import _segment_tile_classes  # light, no kernel
+  bq, bk, nk = st.block_q, st.block_k, st.num_kv_tiles
+  n_tiles = st.num_q_programs * _COMPUTE_WGS
+  qmin, qmax = _segment_tile_classes(q_seg, q_seg.shape[1], bq)       # [B, n_tiles]
+  kmin, kmax = _segment_tile_classes(kv_seg, kv_seg.shape[1], bk)     # [B, nk]
+  qmin, qmax = qmin[:, :, None], qmax[:, :, None]
+  kmin, kmax = kmin[:, None, :], kmax[:, None, :]
+  seg_any = (qmax >= kmin) & (kmax >= qmin) & (qmax > 0) & (kmax > 0)   # [B, n_tiles, nk]
+  seg_all = (qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin > 0)
+  lo_s, flo_s, fhi_s, hi_s = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * bq, bq, st)
+  t = jnp.arange(nk, dtype=jnp.int32)[None, :]
+  in_static = (t >= lo_s[:, None]) & (t < hi_s[:, None])                 # [n_tiles, nk]
+  full_static = (t >= flo_s[:, None]) & (t < fhi_s[:, None])
+  visit = seg_any & in_static[None]
+  full = seg_all & full_static[None] & visit
+  any_visit = visit.any(-1)                                              # [B, n_tiles]
+  lo = jnp.where(any_visit, jnp.argmax(visit, -1), nk).astype(jnp.int32)
+  hi = jnp.where(any_visit, nk - jnp.argmax(visit[..., ::-1], -1), 0).astype(jnp.int32)
+  any_full = full.any(-1)
+  flo = jnp.where(any_full, jnp.argmax(full, -1), hi).astype(jnp.int32)
+  after = (~full) & (t[None] >= flo[..., None])
+  fhi = jnp.where(after.any(-1), jnp.argmax(after, -1), nk).astype(jnp.int32)
+  fhi = jnp.where(any_full, jnp.minimum(fhi, hi), flo)
+  b = q_seg.shape[0]
+  shape = (b, st.num_q_programs, _COMPUTE_WGS)
+  lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))
+  plo = lo.min(-1)                                   # empty warpgroups have lo = nk, hi = 0
+  phi = jnp.maximum(hi.max(-1), plo)
+  lo, flo, fhi, hi = _clip_to_program(plo[..., None], phi[..., None], lo, flo, fhi, hi)
+  wg = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, st.num_q_programs, 4 * _COMPUTE_WGS)
+  return jnp.concatenate([plo[..., None], phi[..., None], wg], -1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,29 +327,57 @@ def _full_steps(row0, st: _Static):
 # ----------------------------------------------------------------------------------------------
 
 
-def _tile_visible(rows, cols, row0, t, st: _Static):
+def _tile_visible(rows, cols, row0, t, st: _Static, q_seg=None, kv_seg=None):
   """Element mask of kv tile ``t`` for the query rows from ``row0``: rows/cols are the [bq, bk]
-  iotas of the tile. Masks padded keys and, when causal, keys past each row's diagonal."""
+  iotas of the tile. Masks padded keys, keys past each row's causal diagonal, keys outside its
+  window (``pallas_kernels.masks.visible``) and, with q_seg [bq] / kv_seg [bk] (the tile's
+  segment ids), keys of another segment or of segment 0."""
   k_pos = cols + t * st.block_k                               # [bq, bk]
   visible = k_pos < st.kv_len
-  if st.causal:
-    visible = jnp.logical_and(visible, k_pos <= rows + (row0 + st.offset))
+  left, right = _bounds_left(st), _bounds_right(st)
+  if left is not None or right is not None:
+    q_pos = rows + (row0 + st.offset)
+    if right is not None:
+      visible = jnp.logical_and(visible, k_pos <= q_pos + right)
+    if left is not None:
+      visible = jnp.logical_and(visible, k_pos >= q_pos - left)
+  if q_seg is not None:
+    shape = rows.shape
+    qs = lax.broadcast_in_dim(q_seg, shape, [0])
+    ks = lax.broadcast_in_dim(kv_seg, shape, [1])
+    visible = jnp.logical_and(visible, jnp.logical_and(qs == ks, ks != 0))
   return visible
+
+
+def _cap_logits(s, st: _Static):
+  """Soft cap on raw logits q.k: cap * tanh(scale * s / cap) (the reference's convention,
+  cap on the scaled logit); without a cap, s unchanged (the scale is folded into the softmax's
+  multiply, see ``_softmax_factor``)."""
+  if st.soft_cap is None:
+    return s
+  return jnp.tanh(s * (st.scale / st.soft_cap)) * st.soft_cap
+
+
+def _softmax_factor(st: _Static) -> float:
+  """Factor from ``_cap_logits``'s output to base-2 logits: scale * log2(e), or log2(e) when the
+  soft cap has already applied the scale."""
+  return LOG2E if st.soft_cap is not None else st.scale * LOG2E
 
 
 def _online_softmax(s, m, l, st: _Static):
   """One online-softmax step in the base-2 domain.
 
   Args:
-    s: [bq, bk] fp32 raw logits q.k (masked entries -inf).
+    s: [bq, bk] fp32 logits from ``_cap_logits`` (masked entries -inf).
     m: [bq] running max of the base-2 scaled logits (starts at _M_INIT).
     l: [bq] running sum of exp2(logit - m).
 
   Returns:
     (p [bq, bk] fp32 = exp2(s * c - m_new), alpha [bq] = exp2(m - m_new), m_new, l_new), with
-    c = scale * log2(e) folded into one multiply-add per element.
+    c = ``_softmax_factor(st)`` (scale * log2(e) without soft cap) folded into one multiply-add
+    per element.
   """
-  c = st.scale * LOG2E
+  c = _softmax_factor(st)
   m_new = jnp.maximum(m, s.max(axis=1) * c)                   # [bq]
   alpha = jnp.exp2(m - m_new)                                 # [bq]
   p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))   # [bq, bk]
@@ -260,12 +398,40 @@ def _finalize(acc, m, l):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free,
-                v_free, rendezvous, *, st: _Static):
-  """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM) -> o [B, Sq, Hq, D], lse [B, Hq, Sq] (GMEM,
-  natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D], v [S, bk, D], lse [2, bq]),
-  barriers q_loaded [2], k/v_loaded [S], k/v_free [S] (2 arrivals), rendezvous (2 arrivals)."""
-  qo_smem, k_smem, v_smem, lse_smem = smem
+def _program_ranges(b, tile, wg, bounds_ref, st: _Static):
+  """(plo, phi) of the program and, for compute warpgroup ``wg`` (None: the memory warpgroup,
+  program range only), its (lo, flo, fhi, hi) clipped into it: from ``_static_ranges`` or, with
+  segment ids, read from the ``_seg_bounds`` row of (batch, program) in GMEM."""
+  bq = st.block_q
+  if st.has_seg:
+    plo, phi = bounds_ref[b, tile, 0], bounds_ref[b, tile, 1]
+    if wg is None:
+      return plo, phi, None
+    base = 2 + 4 * wg
+    return plo, phi, tuple(bounds_ref[b, tile, base + j] for j in range(4))
+  row0_program = tile * (_COMPUTE_WGS * bq)
+  plo, _, _, phi = _static_ranges(row0_program, _COMPUTE_WGS * bq, st)
+  if wg is None:
+    return plo, phi, None
+  return plo, phi, _clip_to_program(plo, phi, *_static_ranges(row0_program + wg * bq, bq, st))
+
+
+def _fwd_kernel(*refs, st: _Static):
+  """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM), with segment ids also q_seg [B, Sq],
+  kv_seg [B, Sk] int32 and bounds [B, programs, 10] (``_seg_bounds``) -> o [B, Sq, Hq, D],
+  lse [B, Hq, Sq] (GMEM, natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D],
+  v [S, bk, D], lse [2, bq], with segment ids q_seg [2, bq], kv_seg [S, bk]), barriers
+  q_loaded [2], k/v_loaded [S] (with segment ids q_loaded and k_loaded also count the segment
+  copies), k/v_free [S] (2 arrivals), rendezvous (2 arrivals)."""
+  if st.has_seg:
+    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, bounds_ref, o_ref, lse_ref, smem, q_loaded,
+     k_loaded, v_loaded, k_free, v_free, rendezvous) = refs
+    qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, kv_seg_smem = smem
+  else:
+    (q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free, v_free,
+     rendezvous) = refs
+    qo_smem, k_smem, v_smem, lse_smem = smem
+    q_seg_ref = kv_seg_ref = bounds_ref = q_seg_smem = kv_seg_smem = None
   bq, bk, stages = st.block_q, st.block_k, st.num_stages
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
@@ -275,7 +441,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
   wg = lax.axis_index("wg")
   kv_h = lax.div(h, jnp.int32(st.group))
   row0_program = tile * (_COMPUTE_WGS * bq)
-  program_steps = _kv_steps(row0_program + _COMPUTE_WGS * bq, st)
   slot_of = lambda t: lax.rem(t, jnp.int32(stages))
 
   def meet():
@@ -289,20 +454,28 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
     row0 = row0_program + wg * bq
     q_smem = qo_smem.at[wg]                                   # [bq, D]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_loaded.at[wg])
-    steps = _kv_steps(row0 + bq, st)
-    full = _full_steps(row0, st)
+    if st.has_seg:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg],
+                              q_loaded.at[wg])
+    plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)   # base-2 max
     l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)       # running sum
     acc = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), wgmma_layout)
     plgpu.barrier_wait(q_loaded.at[wg])
+    q_seg = None
+    if st.has_seg:
+      q_seg = plgpu.load(q_seg_smem.at[wg], (), layout=row_layout)            # [bq] int32
     pl.when(wg == 1)(meet)
 
     def step(t, carry, *, masked):
       acc, m, l = carry
       slot = slot_of(t)
       plgpu.barrier_wait(k_loaded.at[slot])
+      kv_seg = None
+      if masked and st.has_seg:   # read before the slot is released (k_free)
+        kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
 
       def qk_gemm(s_ref):                                     # [bq, bk] fp32
         plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
@@ -310,10 +483,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
         return s_ref[...]
       s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))   # [bq, bk]
       plgpu.barrier_arrive(k_free.at[slot])
+      s = _cap_logits(s, st)
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-        s = jnp.where(_tile_visible(rows, cols, row0, t, st), s, -jnp.inf)
+        s = jnp.where(_tile_visible(rows, cols, row0, t, st, q_seg, kv_seg), s, -jnp.inf)
       p, alpha, m_new, l = _online_softmax(s, m, l, st)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p = p.astype(st.dtype)
@@ -330,9 +504,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
       return acc, m_new, l
 
     def drain(t, _):
-      # Tiles the other warpgroup needs and this one does not: keep the ring and the
-      # rendezvous count in step. Waiting for the load first means this warpgroup can never
-      # arrive on a slot's "free" barrier for a later use of the slot.
+      # Tiles the other warpgroup needs and this one does not (before or after this
+      # warpgroup's own range): keep the ring and the rendezvous count in step. Waiting for the
+      # load first means this warpgroup can never arrive on a slot's "free" barrier for a later
+      # use of the slot.
       slot = slot_of(t)
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
@@ -343,9 +518,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
       return None
 
     carry = (acc, m, l)
-    carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
-    lax.fori_loop(steps, program_steps, drain, None)
+    lax.fori_loop(plo, lo, drain, None)
+    carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+    lax.fori_loop(hi, phi, drain, None)
     pl.when(wg == 0)(meet)
     acc, m, l = carry
 
@@ -360,18 +537,22 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
+    plo, phi, _ = _program_ranges(b, tile, None, bounds_ref, st)
 
     def load(t, slot):
       rows = (b, pl.ds(t * bk, bk), kv_h)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+      if st.has_seg:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(t * bk, bk)], kv_seg_smem.at[slot],
+                                k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
     for i in range(stages):                                   # fill the ring
-      @pl.when(i < program_steps)
+      @pl.when(plo + i < phi)
       def _():
-        load(jnp.int32(i), i)
+        load(plo + i, slot_of(plo + i))
 
-    @pl.loop(stages, jnp.maximum(program_steps, stages))
+    @pl.loop(plo + stages, jnp.maximum(phi, plo + stages))
     def _(t):
       slot = slot_of(t)
       plgpu.barrier_wait(k_free.at[slot])
@@ -384,8 +565,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_call(q, k, v, st: _Static):
-  """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
+def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None):
+  """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] (with segment ids: q_seg [B, Sq'],
+  kv_seg [B, Sk'] int32 padded with 0, bounds from ``_seg_bounds``)
+  -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
 
   The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel, to run
   the custom_vjp and the Triton backward in interpret mode."""
@@ -402,14 +585,21 @@ def _fwd_call(q, k, v, st: _Static):
       plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
       plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),                      # LSE staging
   )
+  seg_copies = 1
+  args = (q, k, v)
+  if st.has_seg:
+    smem += (plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),                # q segment ids
+             plgpu.SMEM((stages, bk), jnp.int32))                      # kv segment ids ring
+    seg_copies = 2       # Q + its ids on q_loaded, K + its ids on k_loaded
+    args += (q_seg, kv_seg, bounds)
   call = plgpu.kernel(
       functools.partial(_fwd_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32)),
       scratch_types=(
           smem,
-          plgpu.Barrier(num_barriers=_COMPUTE_WGS),                        # q_loaded
-          plgpu.Barrier(num_barriers=stages),                              # k_loaded
+          plgpu.Barrier(num_arrivals=seg_copies, num_barriers=_COMPUTE_WGS),  # q_loaded
+          plgpu.Barrier(num_arrivals=seg_copies, num_barriers=stages),        # k_loaded
           plgpu.Barrier(num_barriers=stages),                              # v_loaded
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # k_free
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # v_free
@@ -421,7 +611,7 @@ def _fwd_call(q, k, v, st: _Static):
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  return call(q, k, v)
+  return call(*args)
 
 
 def _pad_axis(x, axis, size):
@@ -432,57 +622,120 @@ def _pad_axis(x, axis, size):
   return jnp.pad(x, widths)
 
 
-def _forward_impl(q, k, v, st: _Static):
-  """Unpadded q, k, v -> (out [B, Sq, Hq, D], lse [B, Hq, Sq] natural log): pads to whole tiles,
-  runs the kernel (``_fwd_call``) and slices the padding away."""
+def _forward_impl(q, k, v, q_seg, kv_seg, st: _Static):
+  """Unpadded q, k, v (and segment ids or None) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq] natural
+  log): pads to whole tiles, runs the kernel (``_fwd_call``) and slices the padding away."""
   sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
   sk_pad = st.num_kv_tiles * st.block_k
   q_p = _pad_axis(q, 1, sq_pad)
   k_p = _pad_axis(k, 1, sk_pad)
   v_p = _pad_axis(v, 1, sk_pad)
-  out, lse = _fwd_call(q_p, k_p, v_p, st)
+  if st.has_seg:
+    q_seg_p = _pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)      # padding: segment 0
+    kv_seg_p = _pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
+    out, lse = _fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p, _seg_bounds(q_seg_p, kv_seg_p, st))
+  else:
+    out, lse = _fwd_call(q_p, k_p, v_p, st)
   return out[:, :st.q_len], lse[:, :, :st.q_len]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _forward(q, k, v, st: _Static):
-  return _forward_impl(q, k, v, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _forward(q, k, v, q_seg, kv_seg, st: _Static):
+  return _forward_impl(q, k, v, q_seg, kv_seg, st)
 
 
-def _forward_fwd(q, k, v, st):
-  out, lse = _forward_impl(q, k, v, st)
-  return (out, lse), (q, k, v, out, lse)
+def _forward_fwd(q, k, v, q_seg, kv_seg, st):
+  out, lse = _forward_impl(q, k, v, q_seg, kv_seg, st)
+  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: _Static):
+  """The Triton backward kernels (``triton._bwd_calls``: dK/dV, dQ) on this forward's residuals
+  for the masks ``triton.flash_attention_bwd`` does not take (window, segment ids, soft cap):
+  the same bridge (padding, natural-log LSE to base 2 with +inf for empty rows, delta), walking
+  ``make_schedule`` of the full mask at the backward tiles. TODO: fold into
+  ``triton.flash_attention_bwd`` (this module must not edit triton.py meanwhile)."""
+  from pallas_kernels.block_schedule import make_schedule
+  from pallas_kernels.flash import triton as ft
+  b, sq, hq, d = q.shape
+  _, sk, hk, d_v = v.shape
+  bs = st.bwd_block_sizes or ft.default_block_sizes(max(d, d_v), q.dtype)
+  bbq, bbk = bs.bwd_tiles
+  d_p, dv_p = ft._pow2(d), ft._pow2(d_v)
+  defaults = ft._launch_defaults(bbq, bbk, d_p, dv_p, q.dtype, bwd_block_q=bbq, bwd_block_k=bbk)
+  tst = ft._Static(
+      block_q=bbq, block_k=bbk, q_len=sq, kv_len=sk, causal=st.causal, window=st.window,
+      scale=st.scale, soft_cap=st.soft_cap, num_warps=int(defaults.num_warps),
+      num_stages=int(defaults.num_stages),
+      bwd_num_warps=int(bs.bwd_num_warps or defaults.bwd_num_warps),
+      bwd_num_stages=int(bs.bwd_num_stages or defaults.bwd_num_stages),
+      dkv_q_chunk=int(min(bs.dkv_q_chunk or defaults.dkv_q_chunk, bbq)),
+      dq_k_chunk=int(min(bs.dq_k_chunk or defaults.dq_k_chunk, bbk)),
+      interpret=st.interpret, head_group=bs.head_group)
+  schedule = make_schedule(sq, sk, bbq, bbk, causal=st.causal, local_window_size=st.window,
+                           q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  dq_rows = ft._pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
+  dkv_rows = ft._pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
+  sq_p, sk_p = -(-sq // bbq) * bbq, -(-sk // bbk) * bbk
+  qp = ft._pad_axis(ft._pad_axis(q, 1, sq_p), 3, d_p)
+  kp = ft._pad_axis(ft._pad_axis(k, 1, sk_p), 3, d_p)
+  vp = ft._pad_axis(ft._pad_axis(v, 1, sk_p), 3, dv_p)
+  outp = ft._pad_axis(ft._pad_axis(out, 1, sq_p), 3, dv_p)
+  dop = ft._pad_axis(ft._pad_axis(d_out.astype(q.dtype), 1, sq_p), 3, dv_p)
+  lsep = ft._pad_axis(lse.astype(jnp.float32), 2, sq_p, -jnp.inf)
+  dlsep = ft._pad_axis(d_lse.astype(jnp.float32), 2, sq_p)
+  qs = ks = None
+  if q_seg is not None:
+    qs = ft._pad_axis(q_seg.astype(jnp.int32), 1, sq_p)
+    ks = ft._pad_axis(kv_seg.astype(jnp.int32), 1, sk_p)
+  delta, lse2 = ft._bwd_row_terms(outp, lsep, dop, dlsep)
+  dq, dk, dv = ft._bwd_calls(qp, kp, vp, qs, ks, dq_rows, dkv_rows, dop, lse2, delta, tst)
+  return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d_v]
 
 
 def _forward_bwd(st, res, cts):
-  """The backward kernels on this forward's residuals: Triton's (``triton.flash_attention_bwd``)
-  or, with ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as
-  ``bwd_block_sizes``, the Mosaic GPU ones (``mosaic_gpu_bwd.flash_attention_bwd``, same residuals).
+  """The backward kernels on this forward's residuals: Triton's (``triton.flash_attention_bwd``;
+  with a window, segment ids or soft cap ``_triton_bwd_masked``) or, with
+  ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``,
+  the Mosaic GPU ones (``mosaic_gpu_bwd.flash_attention_bwd``, same residuals; dense or causal
+  only, which ``_static_config`` checks at the call).
 
   The conventions match: lse is the natural-log log-sum-exp over the unpadded keys (``_finalize``:
   m * ln 2 + ln l, m the base-2 running max) with -inf for rows that see no key, which the Triton
   backward turns into base 2 and +inf (p = 0) like its own forward's; padded rows are sliced away
-  before the residuals are saved; causal alignment is bottom-right in both.
+  before the residuals are saved; causal alignment is bottom-right in both; the soft cap is on
+  the scaled logit in both.
   """
   from pallas_kernels.flash import triton as flash_triton  # local: the forward alone needs none
-  q, k, v, out, lse = res
+  q, k, v, q_seg, kv_seg, out, lse = res
   d_out, d_lse = cts
   if st.backward == "mosaic":
     from pallas_kernels.flash import mosaic_gpu_bwd
-    return mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, causal=st.causal,
-                                              scale=st.scale, block_sizes=st.bwd_block_sizes,
-                                              d_lse=d_lse)
-  return flash_triton.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, causal=st.causal,
-                                          scale=st.scale, block_sizes=st.bwd_block_sizes,
-                                          interpret=st.interpret)
+    grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, causal=st.causal,
+                                               scale=st.scale, block_sizes=st.bwd_block_sizes,
+                                               d_lse=d_lse)
+  elif st.window is not None or st.soft_cap is not None or st.has_seg:
+    grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st)
+  else:
+    grads = flash_triton.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, causal=st.causal,
+                                             scale=st.scale, block_sizes=st.bwd_block_sizes,
+                                             interpret=st.interpret)
+  return tuple(grads) + (None, None)
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, interpret=False,
-                   bwd_block_sizes=None) -> _Static:
+                   bwd_block_sizes=None, local_window_size=None, logits_soft_cap=None,
+                   has_seg=False) -> _Static:
   """The kernel's static configuration for q [B, Sq, Hq, D] and k/v [B, Sk, Hk, D]."""
+  from pallas_kernels.masks import normalize_window
+  window = normalize_window(local_window_size)
+  if window == (None, None):
+    window = None
+  if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
+    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   bs = block_sizes or default_block_sizes(d, dtype)
@@ -495,6 +748,12 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       raise TypeError(f"backward='mosaic' takes a mosaic_gpu_bwd.BlockSizes as bwd_block_sizes, "
                       f"got {type(bwd_block_sizes)}")
     mosaic_gpu_bwd._check_head_dim(d)              # D256: NotImplementedError now, not at grad
+    masks = [name for name, val in (("local_window_size", window),
+                                    ("segment ids", has_seg or None),
+                                    ("logits_soft_cap", logits_soft_cap)) if val is not None]
+    if masks:   # now, not at grad time
+      raise NotImplementedError("the Mosaic GPU backward (backward='mosaic') does not support "
+                                + ", ".join(masks) + "; use the default backward='triton'")
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   return _Static(
@@ -503,6 +762,8 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       num_q_programs=-(-sq // bs.rows_per_program), num_kv_tiles=-(-sk // bs.block_k),
       head_dim=d, group=hq // hk, causal=bool(causal),
       scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
+      window=window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+      has_seg=bool(has_seg),
       interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward)
 
 
@@ -512,8 +773,8 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
                     interpret: bool = False, bwd_block_sizes=None):
   """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton backward (custom_vjp).
 
-  The argument shape follows ``pallas_kernels.flash.triton.flash_attention``; the options this
-  version lacks must be None and raise NotImplementedError otherwise. Differentiable with respect
+  The argument shape follows ``pallas_kernels.flash.triton.flash_attention``; ``schedule`` must
+  be None (NotImplementedError otherwise). Differentiable with respect
   to q, k, v (including through the returned LSE): the backward is
   ``pallas_kernels.flash.triton.flash_attention_bwd`` (the Triton dK/dV and dQ kernels) fed with
   this forward's out and LSE.
@@ -522,13 +783,20 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
     k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
     v: [B, Sk, Hk, D] (same head dim as k).
-    q_segment_ids, kv_segment_ids: must be None (not supported yet).
-    schedule: must be None: the kernel derives its kv range from ``causal`` (block schedules are
-      not walked yet).
+    q_segment_ids, kv_segment_ids: None (both) or int [B, Sq] / [B, Sk]: query i sees key j
+      only if their ids are equal and non-zero (0 = padding). The kernel walks, per query tile,
+      the kv tiles from the first to the last that may hold a key of its segments (tiles of
+      other documents are never loaded) and masks the tiles that need it.
+    schedule: must be None: the kernel derives its kv ranges from the mask (block schedules,
+      e.g. block-sparse masks, are not walked).
     causal: bottom-right aligned causal mask; kv tiles past the diagonal are skipped.
-    local_window_size: must be None (not supported yet).
+    local_window_size: None, int w (= (w, w)) or (left, right) (jax.nn convention; either side
+      None = unbounded): query at position p sees keys in [p - left, p + right]; with causal a
+      "window of 512" is (511, 0). kv tiles outside every row's window are skipped, only edge
+      tiles are masked.
     scale: logit scale (None: 1 / sqrt(D)).
-    logits_soft_cap: must be None (not supported yet).
+    logits_soft_cap: None or cap > 0: logits = cap * tanh(scale * q.k / cap) (the reference's
+      convention).
     block_sizes: ``BlockSizes`` of the forward (None: ``default_block_sizes(D)``).
     interpret: runs the backward's Triton kernels in the Pallas interpreter; the forward itself
       cannot be interpreted (jax's Mosaic GPU interpret mode, 0.10.2 and 0.11, implements wgmma
@@ -538,7 +806,8 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     bwd_block_sizes: the backward's tiles: a ``pallas_kernels.flash.triton.BlockSizes`` (its
       bwd_* fields) for the Triton backward, or a ``mosaic_gpu_bwd.BlockSizes``, which also
       selects the Mosaic GPU backward; None: the default tiles of the backward that
-      ``block_sizes.backward`` names.
+      ``block_sizes.backward`` names. The Mosaic GPU backward is dense/causal only: with a
+      window, segment ids or soft cap it raises NotImplementedError at this call.
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see
@@ -548,14 +817,10 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
     >>> out, lse = flash_attention(q, q, q, causal=True)  # doctest: +SKIP
   """
-  unsupported = [name for name, val in (("q_segment_ids", q_segment_ids),
-                                        ("kv_segment_ids", kv_segment_ids),
-                                        ("schedule", schedule),
-                                        ("local_window_size", local_window_size),
-                                        ("logits_soft_cap", logits_soft_cap)) if val is not None]
-  if unsupported:
+  if schedule is not None:
     raise NotImplementedError("the Mosaic GPU flash attention forward does not support yet: "
-                              + ", ".join(unsupported) + "; use implementation='triton'")
+                              "schedule (block schedules, e.g. block-sparse masks); use "
+                              "implementation='triton'")
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
                      f"{v.shape}")
@@ -569,10 +834,17 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   _check_dtype(q.dtype)
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  if q_segment_ids is not None and (q_segment_ids.shape != (b, sq)
+                                    or kv_segment_ids.shape != (b, sk)):
+    raise ValueError(f"segment ids must be [batch, len]: got {q_segment_ids.shape}, "
+                     f"{kv_segment_ids.shape} for q {q.shape}, k {k.shape}")
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes, interpret=interpret,
-                      bwd_block_sizes=bwd_block_sizes)
-  return _forward(q, k, v, st)
+                      bwd_block_sizes=bwd_block_sizes, local_window_size=local_window_size,
+                      logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None)
+  return _forward(q, k, v, q_segment_ids, kv_segment_ids, st)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -580,16 +852,40 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
 # ----------------------------------------------------------------------------------------------
 
 
-def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
-           head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16, configs=None,
-           iters: int = 10, verbose: bool = True):
-  """Time the forward for each config and jax.nn's cuDNN forward on the same inputs (GPU only).
+def _visible_pairs(seq: int, causal: bool, window) -> int:
+  """Visible (query, key) pairs of a self-attention mask of length ``seq`` (numpy, exact)."""
+  import numpy as np
+  i = np.arange(seq)
+  hi = i if causal else np.full(seq, seq - 1)
+  lo = np.zeros(seq, np.int64)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      lo = np.maximum(lo, i - left)
+    if right is not None:
+      hi = np.minimum(hi, i + right)
+  return int(np.maximum(hi - lo + 1, 0).sum())
 
-  TFLOP/s = 4 * B * Hq * D * (visible query-key pairs) / time: S^2 non-causal, S(S+1)/2 causal.
+
+def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
+           head_dim: int = 128, *, causal: bool = False, local_window_size=None,
+           docs: int | None = None, dtype=jnp.bfloat16, configs=None, iters: int = 10,
+           verbose: bool = True):
+  """Time the forward for each config and jax.nn's cuDNN forward on the same problem (GPU only).
+
+  TFLOP/s = 4 * B * Hq * D * (visible query-key pairs) / time: S^2 non-causal, S(S+1)/2
+  causal, fewer with a window; with ``docs``, ``docs`` packed causal documents of S / docs
+  tokens per row (segment ids 1..docs), whose pairs are docs * n(n+1)/2.
 
   Args:
     batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
     causal: causal mask.
+    local_window_size: None, int or (left, right) (a causal window of 512 is (511, 0)); cuDNN
+      gets the same window.
+    docs: None, or the number of packed documents per row (causal, segment ids): cuDNN has no
+      segment ids, so its row times ``batch * docs`` separate causal rows of ``seq // docs``
+      (the work the packed kernel should match, as ``experiments/bench_kernels.py``'s packed
+      case) and the outputs are compared on that layout.
     dtype: bf16 or fp16.
     configs: list of ``BlockSizes`` (default: the default and a few neighbours).
     iters: timed iterations (median) after one warm-up.
@@ -599,11 +895,18 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     A list of dicts: name, ms, tflops, max_abs_diff_vs_cudnn (or error).
 
   Example:
-    >>> rows = _sweep(causal=True)  # doctest: +SKIP
+    >>> rows = _sweep(causal=True, local_window_size=(511, 0))  # doctest: +SKIP
+    >>> rows = _sweep(docs=4)  # doctest: +SKIP
   """
   import statistics
   import time
 
+  from pallas_kernels.masks import normalize_window
+  window = normalize_window(local_window_size)
+  if docs is not None:
+    if seq % docs:
+      raise ValueError(f"seq ({seq}) must be a multiple of docs ({docs})")
+    causal = True
   if configs is None:
     base = default_block_sizes(head_dim, dtype)
     configs = [base, dataclasses.replace(base, pingpong=False),
@@ -613,27 +916,41 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
   q = jax.random.normal(keys[0], (batch, seq, q_heads, head_dim), dtype)
   k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)
   v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), dtype)
-  pairs = seq * (seq + 1) // 2 if causal else seq * seq
+  seg = None
+  if docs is None:
+    pairs = _visible_pairs(seq, causal, window)
+  else:
+    n = seq // docs
+    pairs = docs * _visible_pairs(n, True, window)
+    seg = jnp.broadcast_to(jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), n), (batch, seq))
   flops = 4.0 * batch * q_heads * head_dim * pairs
 
-  def timeit(fn):
-    out = jax.block_until_ready(fn(q, k, v))
+  def timeit(fn, *args):
+    out = jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
       t0 = time.perf_counter()
-      jax.block_until_ready(fn(q, k, v))
+      jax.block_until_ready(fn(*args))
       times.append(time.perf_counter() - t0)
     return out, statistics.median(times) * 1e3
 
-  ref, ref_ms = timeit(jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                                                 implementation="cudnn")))
-  rows = [dict(name="jax_nn_cudnn", ms=ref_ms, tflops=flops / ref_ms * 1e-9)]
+  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                            local_window_size=window, implementation="cudnn")
+  if docs is None:
+    ref, ref_ms = timeit(jax.jit(cudnn), q, k, v)
+    name = "jax_nn_cudnn"
+  else:   # docs separate causal rows of n tokens
+    split = lambda x: x.reshape(batch * docs, n, *x.shape[2:])
+    ref, ref_ms = timeit(jax.jit(cudnn), split(q), split(k), split(v))
+    ref = ref.reshape(q.shape)
+    name = f"jax_nn_cudnn ({batch * docs} separate causal rows of {n})"
+  rows = [dict(name=name, ms=ref_ms, tflops=flops / ref_ms * 1e-9)]
   for cfg in configs:
     row = dict(name=f"mosaic_gpu {cfg}")
     try:
-      fn = jax.jit(lambda q, k, v, cfg=cfg: flash_attention(q, k, v, causal=causal,
-                                                            block_sizes=cfg)[0])
-      out, ms = timeit(fn)
+      fn = jax.jit(lambda q, k, v, cfg=cfg: flash_attention(
+          q, k, v, seg, seg, causal=causal, local_window_size=window, block_sizes=cfg)[0])
+      out, ms = timeit(fn, q, k, v)
       row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_diff_vs_cudnn=float(
           jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))))
     except Exception as e:  # a config that does not compile is reported, not fatal
