@@ -257,6 +257,69 @@ def test_dkv_block_q_segments_and_jattn_entry_point():
                        dkv_schedule=make_schedule(32, 32, 16, 32, causal=True), **kw)
 
 
+@pytest.mark.parametrize("case", [
+    # causal, q shorter than kv (bottom-right: the q spans are shifted against the kv spans),
+    # GQA 6:2 (dK/dV summed over 3 heads in-kernel, dQ for 3 heads per program), lengths that
+    # are multiples of no tile, soft cap; 32x16 backward tiles: two kv tiles per program
+    dict(batch=2, q_len=75, kv_len=91, q_heads=6, kv_heads=2, causal=True, soft_cap=2.0,
+         block_q=16, block_k=16, bwd_tiles=(32, 16)),
+    # q longer than kv (60 empty rows), causal window, MQA 4:1; 16x32 backward tiles: two q
+    # tiles per program, and q spans that no program's kv span reaches
+    dict(q_len=100, kv_len=40, q_heads=4, kv_heads=1, causal=True, window=(30, 0), block_q=16,
+         block_k=16, bwd_tiles=(16, 32)),
+])
+def test_fused_bwd_matches_reference(case):
+  """``BlockSizes.fused_bwd`` (one backward kernel: dK/dV of kv span t, then dQ of q span
+  t - shift): forward + VJP vs the fp32 reference."""
+  bs = ft.BlockSizes(case["block_q"], case["block_k"], bwd_block_q=case["bwd_tiles"][0],
+                     bwd_block_k=case["bwd_tiles"][1], fused_bwd=True)
+  got, want = _run(block_sizes=bs, seed=13, **case)
+  _assert_close(got, want, jnp.float32)
+  if case["q_len"] > case["kv_len"]:
+    out, lse, (dq, _, _) = got
+    assert np.all(np.asarray(dq[:, :60]) == 0) and np.all(np.isneginf(np.asarray(lse[..., :60])))
+
+
+def test_fused_bwd_segments_dkv_block_q_and_bridge():
+  """The fused backward with packed documents + padding, GQA 4:2, awkward lengths and the dK/dV
+  phase on its own 16-row q tiles: vs the reference and vs the two-kernel backward (same terms in
+  the same order); the Mosaic GPU forward's bridge (``flash_attention_bwd``) with the option; and
+  the timing switch it cannot honour."""
+  rng = np.random.default_rng(21)
+  n = 70
+  seg = _segments(rng, 2, n, pad_tail=5)
+  case = dict(batch=2, q_len=n, q_heads=4, kv_heads=2, causal=True, segments=(seg, seg),
+              block_q=16, block_k=16, bwd_tiles=(32, 16), dkv_tiles=(16, 16), seed=5)
+  bs = ft.BlockSizes(16, 16, bwd_block_q=32, bwd_block_k=16, dkv_block_q=16, dkv_q_chunk=16,
+                     fused_bwd=True)
+  got, want = _run(block_sizes=bs, **case)
+  _assert_close(got, want, jnp.float32)
+  two, _ = _run(block_sizes=dataclasses.replace(bs, fused_bwd=False), **case)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(two)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+  q, k, v = (jnp.asarray(rng.standard_normal((1, s, h, 16), np.float32))
+             for s, h in ((40, 2), (56, 1), (56, 1)))
+  out, lse = attention_reference(q, k, v, causal=True)
+  d_out = jnp.asarray(rng.standard_normal(out.shape, np.float32))
+  got = _compile_and_run(
+      lambda *a: ft.flash_attention_bwd(*a, causal=True, scale=0.25, interpret=True,
+                                        block_sizes=ft.BlockSizes(16, 16, bwd_block_q=32,
+                                                                  fused_bwd=True)),
+      q, k, v, out, lse, d_out, jnp.zeros_like(lse))
+  _, vjp = jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=True, scale=0.25)[0],
+                   q, k, v)
+  for a, b in zip(got, vjp(d_out)):
+    assert _rel(a, b) < TOL[jnp.float32], _rel(a, b)
+
+  s = make_schedule(32, 32, 16, 16, causal=True)
+  x = jnp.zeros((1, 32, 1, 16))
+  with pytest.raises(ValueError, match="fused_bwd runs dQ, dK and dV in one kernel"):
+    ft.flash_attention(x, x, x, None, None, s, causal=True, local_window_size=None, scale=0.1,
+                       logits_soft_cap=None, interpret=True, _bwd_parts="dkv",
+                       block_sizes=ft.BlockSizes(16, 16, fused_bwd=True))
+
+
 def test_bwd_parts_run_one_kernel():
   """The timing switch ``_bwd_parts``: "dkv" / "dq" give that kernel's gradients bit for bit and
   zeros for the other's; "none" gives zeros."""
@@ -414,6 +477,8 @@ def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **m
   bs = ft.default_block_sizes(head_dim, dtype)
   if mask.pop("dkv_block_q", None):  # the dK/dV kernel on chunk-sized q tiles
     bs = dataclasses.replace(bs, dkv_block_q=bs.dkv_q_chunk)
+  if mask.pop("fused_bwd", None):  # one backward kernel
+    bs = dataclasses.replace(bs, fused_bwd=True)
   seg = mask.pop("segments", False)
   cap = mask.pop("soft_cap", None)
 
@@ -449,12 +514,21 @@ def _lower_for_gpu(batch, q_len, kv_len, q_heads, kv_heads, head_dim, dtype, **m
          dtype=jnp.float16),
     dict(batch=1, q_len=1000, kv_len=1000, q_heads=4, kv_heads=2, head_dim=128,
          dtype=jnp.bfloat16, causal=True, dkv_block_q=True),
+    # the fused backward: bf16 D128 default tiles (two 64-row kv tiles per 128-row span) with
+    # segments and soft cap, q shorter than kv; fp32 GQA 6:2 window, q longer than kv
+    dict(batch=2, q_len=1000, kv_len=1100, q_heads=4, kv_heads=2, head_dim=128,
+         dtype=jnp.bfloat16, causal=True, segments=True, soft_cap=30.0, fused_bwd=True),
+    dict(batch=1, q_len=500, kv_len=300, q_heads=6, kv_heads=2, head_dim=72,
+         dtype=jnp.float32, causal=True, local_window_size=(64, 0), dkv_block_q=True,
+         fused_bwd=True),
 ])
 def test_lowers_to_triton(case):
+  fused = case.get("fused_bwd", False)
   text = _lower_for_gpu(**case)
-  # forward, dK/dV and dQ kernels
+  # forward, dK/dV and dQ kernels (forward and one fused backward kernel)
   n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
-  assert n == 3, n
+  assert n == (2 if fused else 3), n
+  assert ("jattn_flash_bwd_fused" in text) == fused
 
 
 # ------------------------------------------------------------------------------------------

@@ -84,6 +84,15 @@ class BlockSizes:
       instead of masking (or computing for nothing) every chunk of a partial backward tile.
       Needs a third schedule (``flash_attention(dkv_schedule=...)``; ``jattn.flash_attention``
       builds it). The dQ kernel keeps the backward tiles.
+    fused_bwd: run the backward as ONE kernel of paired tiles instead of two (dK/dV, then dQ).
+      Program t of a (kv head, batch) covers a span of L = max(bwd_block_q, bwd_block_k) rows:
+      it computes dK/dV of the kv tiles in kv span t (all heads of the GQA group, summed on
+      chip), then dQ of the q tiles in q span (t - s) mod P for each head of the group, where
+      s = floor((kv_len - q_len) / L) aligns the bottom-right causal diagonal and P is the number
+      of spans. Under a causal mask every program then has the same work: kv span t walks the
+      q rows below it, q span t the kv rows left of it. Same schedules, masks, chunking and
+      fp32 accumulation as the two kernels (every mask the schedule describes is supported);
+      the only thing it cannot do is the timing switch ``_bwd_parts="dkv"|"dq"`` (one kernel).
 
   Example:
     >>> BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_block_q=128).bwd_tiles
@@ -101,6 +110,7 @@ class BlockSizes:
   bwd_block_k: int | None = None
   head_group: int | None = None
   dkv_block_q: int | None = None
+  fused_bwd: bool = False
 
   @property
   def bwd_tiles(self) -> tuple[int, int]:
@@ -386,6 +396,7 @@ class _Static:
   head_group: int | None = None  # see BlockSizes.head_group; None: the default rule
   dkv_block_q: int | None = None  # backward only: the dK/dV kernel's q tile (None: block_q)
   bwd_parts: str = "all"  # backward kernels to run: "all", "dkv", "dq", "none" (timing only)
+  fused_bwd: bool = False  # backward only: one kernel of paired spans (BlockSizes.fused_bwd)
 
 
 def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
@@ -465,13 +476,19 @@ def _dot_nt(a, b):
                          preferred_element_type=jnp.float32)
 
 
-def _walk(row_ref, lo, hi, num_chunks, body, carry):
+def _row_entry(row_ref, at, i):
+  """Entry i of a packed schedule row: ``row_ref[i]``, or ``row_ref[at, i]`` for a block of rows."""
+  return row_ref[i] if at is None else row_ref[at, i]
+
+
+def _walk(row_ref, lo, hi, num_chunks, body, carry, at=None):
   """Run ``carry = body(tile, chunk, carry)`` for flat steps j in [lo, hi) of a schedule row.
 
   Step j visits chunk ``j % num_chunks`` of tile ``row[2 + j // num_chunks]``. The tile index of
   step j + 1 is loaded during step j (a loop-carried prefetch), so no load of the schedule sits
   between the loop start and the tile loads that Triton pipelines. Rows are long enough
-  (``_pack_rows``) that the prefetch past the last step stays in bounds.
+  (``_pack_rows``) that the prefetch past the last step stays in bounds. ``at``: the row is
+  ``row_ref[at]`` of a block of rows (the fused backward's), else ``row_ref`` itself.
   """
   def split(j):
     if num_chunks == 1:
@@ -482,10 +499,10 @@ def _walk(row_ref, lo, hi, num_chunks, body, carry):
     tile, carry = state
     t_next, _ = split(j + 1)
     _, chunk = split(j)
-    return row_ref[2 + t_next], body(tile, chunk, carry)
+    return _row_entry(row_ref, at, 2 + t_next), body(tile, chunk, carry)
 
   t_lo, _ = split(lo)
-  _, carry = lax.fori_loop(lo, hi, step, (row_ref[2 + t_lo], carry))
+  _, carry = lax.fori_loop(lo, hi, step, (_row_entry(row_ref, at, 2 + t_lo), carry))
   return carry
 
 
@@ -607,30 +624,21 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
-  """Refs: q [Sq, G, D], k [bk, D], v [bk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
-  (q_seg [Sq], kv_seg [bk]), row [W] -> dk [bk, D], dv [bk, Dv].
+def _dkv_tile(q_ref, do_ref, lse_ref, delta_ref, qseg_ref, row_ref, k, v, k_pos, k_seg, *,
+              st: _Static, groups: int, at=None):
+  """dK (unscaled) and dV of one kv tile, fp32 [bk, D] / [bk, Dv], summed over the GQA group.
 
-  lse2 is the log-sum-exp in base 2, +inf for rows that saw nothing (so p = 0 there).
+  q_ref [Sq, G, D], do_ref [Sq, G, Dv], lse_ref / delta_ref [G, Sq], qseg_ref [Sq] or None; the
+  schedule row (transposed q list of ``st``'s tiles) is ``row_ref`` or ``row_ref[at]``; k [bk, D],
+  v [bk, Dv], k_pos [bk] and k_seg [bk] (or None) are the kv tile's.
   """
-  if has_seg:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, row_ref,
-     dk_ref, dv_ref) = refs
-  else:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, row_ref, dk_ref, dv_ref = refs
-    qseg_ref = kseg_ref = None
-  bq, bk = st.block_q, st.block_k
+  bq = st.block_q
   cq = st.dkv_q_chunk
   nc = bq // cq
-  assert bq % cq == 0 and k_ref.shape[0] == bk, (bq, cq, k_ref.shape)
-
-  ki = pl.program_id(tile_axis)  # causal: kv tile 0 sees every query tile (heaviest first)
-  k = k_ref[...]  # [bk, D]
-  v = v_ref[...]  # [bk, Dv]
-  k_pos = ki * bk + lax.iota(jnp.int32, bk)  # [bk]
-  k_seg = kseg_ref[...] if has_seg else None  # [bk]
-  count = row_ref[0]
-  n_full = row_ref[1]
+  assert bq % cq == 0, (bq, cq)
+  has_seg = qseg_ref is not None
+  count = _row_entry(row_ref, at, 0)
+  n_full = _row_entry(row_ref, at, 1)
   off = st.kv_len - st.q_len
 
   # Everything is computed kv-major ([bk, cq] = transposed logits), so the big P and dS tiles
@@ -658,43 +666,32 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
     return dk, dv
 
   def head(g, carry):
-    carry = _walk(row_ref, 0, n_full * nc, nc, functools.partial(step, g=g, masked=False), carry)
+    carry = _walk(row_ref, 0, n_full * nc, nc, functools.partial(step, g=g, masked=False), carry,
+                  at=at)
     return _walk(row_ref, n_full * nc, count * nc, nc, functools.partial(step, g=g, masked=True),
-                 carry)
+                 carry, at=at)
 
-  carry = (jnp.zeros(k_ref.shape, jnp.float32), jnp.zeros(v_ref.shape, jnp.float32))
+  carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   if groups == 1:
-    carry = head(0, carry)
-  else:
-    carry = lax.fori_loop(0, groups, head, carry)
-  dk, dv = carry
-  dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+    return head(0, carry)
+  return lax.fori_loop(0, groups, head, carry)
 
 
-def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: int):
-  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq],
-  (q_seg [bq], kv_seg [Sk]), row [W] -> dq [bq, D]."""
-  if has_seg:
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, row_ref,
-     dq_ref) = refs
-  else:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, row_ref, dq_ref = refs
-    qseg_ref = kseg_ref = None
-  bq, bk = st.block_q, st.block_k
+def _dq_tile(k_ref, v_ref, kseg_ref, row_ref, q, do, lse2, delta, q_pos, q_seg, *, st: _Static,
+             at=None):
+  """dQ (unscaled) of one query tile, fp32 [bq, D].
+
+  k_ref [Sk, D], v_ref [Sk, Dv], kseg_ref [Sk] or None; the schedule row (kv list of ``st``'s
+  tiles) is ``row_ref`` or ``row_ref[at]``; q [bq, D], do [bq, Dv], lse2 / delta / q_pos [bq]
+  and q_seg [bq] (or None) are the query tile's (one head).
+  """
+  bk = st.block_k
   ck = st.dq_k_chunk
   nc = bk // ck
-  assert bk % ck == 0 and q_ref.shape[0] == bq, (bk, ck, q_ref.shape)
-
-  qi = num_q_tiles - 1 - pl.program_id(tile_axis)  # heaviest causal tiles first
-  q = q_ref[...]  # [bq, D]
-  do = do_ref[...]  # [bq, Dv]
-  lse2 = lse_ref[...]  # [bq]
-  delta = delta_ref[...]  # [bq]
-  q_pos = qi * bq + lax.iota(jnp.int32, bq) + (st.kv_len - st.q_len)
-  q_seg = qseg_ref[...] if has_seg else None
-  count = row_ref[0]
-  n_full = row_ref[1]
+  assert bk % ck == 0, (bk, ck)
+  has_seg = kseg_ref is not None
+  count = _row_entry(row_ref, at, 0)
+  n_full = _row_entry(row_ref, at, 1)
 
   def step(tile, c, dq, masked):
     start = pl.multiple_of(tile * bk + c * ck, ck)
@@ -712,10 +709,125 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: i
       ds = ds * (1.0 - th * th)
     return dq + _dot_nn(ds.astype(k.dtype), k)  # [bq, D]
 
-  dq = jnp.zeros(q_ref.shape, jnp.float32)
-  dq = _walk(row_ref, 0, n_full * nc, nc, functools.partial(step, masked=False), dq)
-  dq = _walk(row_ref, n_full * nc, count * nc, nc, functools.partial(step, masked=True), dq)
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dq = _walk(row_ref, 0, n_full * nc, nc, functools.partial(step, masked=False), dq, at=at)
+  return _walk(row_ref, n_full * nc, count * nc, nc, functools.partial(step, masked=True), dq,
+               at=at)
+
+
+def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
+  """Refs: q [Sq, G, D], k [bk, D], v [bk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
+  (q_seg [Sq], kv_seg [bk]), row [W] -> dk [bk, D], dv [bk, Dv].
+
+  lse2 is the log-sum-exp in base 2, +inf for rows that saw nothing (so p = 0 there).
+  """
+  if has_seg:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, row_ref,
+     dk_ref, dv_ref) = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, row_ref, dk_ref, dv_ref = refs
+    qseg_ref = kseg_ref = None
+  bk = st.block_k
+  assert k_ref.shape[0] == bk, k_ref.shape
+
+  ki = pl.program_id(tile_axis)  # causal: kv tile 0 sees every query tile (heaviest first)
+  k = k_ref[...]  # [bk, D]
+  v = v_ref[...]  # [bk, Dv]
+  k_pos = ki * bk + lax.iota(jnp.int32, bk)  # [bk]
+  k_seg = kseg_ref[...] if has_seg else None  # [bk]
+  dk, dv = _dkv_tile(q_ref, do_ref, lse_ref, delta_ref, qseg_ref, row_ref, k, v, k_pos, k_seg,
+                     st=st, groups=groups)
+  dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: int):
+  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq],
+  (q_seg [bq], kv_seg [Sk]), row [W] -> dq [bq, D]."""
+  if has_seg:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, row_ref,
+     dq_ref) = refs
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, row_ref, dq_ref = refs
+    qseg_ref = kseg_ref = None
+  bq = st.block_q
+  assert q_ref.shape[0] == bq, q_ref.shape
+
+  qi = num_q_tiles - 1 - pl.program_id(tile_axis)  # heaviest causal tiles first
+  q_pos = qi * bq + lax.iota(jnp.int32, bq) + (st.kv_len - st.q_len)
+  q_seg = qseg_ref[...] if has_seg else None
+  dq = _dq_tile(k_ref, v_ref, kseg_ref, row_ref, q_ref[...], do_ref[...], lse_ref[...],
+                delta_ref[...], q_pos, q_seg, st=st)
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+
+
+def _fused_span(st: _Static) -> int:
+  """Rows of q and of kv that one program of the fused backward covers: max(block_q, block_k)
+  of the backward tiles (both powers of two, so it is a multiple of each)."""
+  return max(st.block_q, st.block_k)
+
+
+def _fused_bwd_kernel(*refs, st: _Static, dkv_st: _Static, has_seg: bool, groups: int,
+                      num_programs: int, q_shift: int, tile_axis: int):
+  """Refs: q [Sq, G, D], k [Sk, D], v [Sk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
+  (q_seg [Sq], kv_seg [Sk]), dkv rows [L / bk, W], dq rows [L / bq, W]
+  -> dq [L, G, D], dk [L, D], dv [L, Dv] (L = ``_fused_span(st)``).
+
+  Program t: dK/dV of the kv tiles of kv span t (rows t*L .. t*L + L - 1; ``dkv_st``'s tiles and
+  transposed q lists, the GQA group summed), then dQ of the q tiles of q span
+  u = (t + q_shift) mod num_programs for each head of the group (``st``'s tiles and kv lists).
+  Spans past the padded arrays are skipped (their output rows are sliced away by the caller).
+  """
+  if has_seg:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dkv_rows_ref,
+     dq_rows_ref, dq_ref, dk_ref, dv_ref) = refs
+  else:
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dkv_rows_ref, dq_rows_ref, dq_ref,
+     dk_ref, dv_ref) = refs
+    qseg_ref = kseg_ref = None
+  span = _fused_span(st)
+  bq, bk = st.block_q, st.block_k
+  assert dkv_st.block_k == bk and span % bq == 0 and span % bk == 0, (dkv_st, st)
+  t = pl.program_id(tile_axis)
+  u = t if q_shift == 0 else lax.rem(t + q_shift, jnp.int32(num_programs))
+  off = st.kv_len - st.q_len
+
+  def dkv_phase():
+    for i in range(span // bk):  # static: the kv tiles of this span, one after another
+      start = pl.multiple_of(t * span + i * bk, bk)
+      k = k_ref[pl.ds(start, bk), :]  # [bk, D]
+      v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
+      k_pos = start + lax.iota(jnp.int32, bk)
+      k_seg = kseg_ref[pl.ds(start, bk)] if has_seg else None
+      dk, dv = _dkv_tile(q_ref, do_ref, lse_ref, delta_ref, qseg_ref, dkv_rows_ref, k, v, k_pos,
+                         k_seg, st=dkv_st, groups=groups, at=i)
+      dk_ref[pl.ds(i * bk, bk), :] = (dk * st.scale).astype(dk_ref.dtype)
+      dv_ref[pl.ds(i * bk, bk), :] = dv.astype(dv_ref.dtype)
+
+  def dq_head(g, carry):
+    for i in range(span // bq):  # static: the q tiles of this span
+      start = pl.multiple_of(u * span + i * bq, bq)
+      q_pos = start + lax.iota(jnp.int32, bq) + off
+      q_seg = qseg_ref[pl.ds(start, bq)] if has_seg else None
+      dq = _dq_tile(k_ref, v_ref, kseg_ref, dq_rows_ref, q_ref[pl.ds(start, bq), g, :],
+                    do_ref[pl.ds(start, bq), g, :], lse_ref[g, pl.ds(start, bq)],
+                    delta_ref[g, pl.ds(start, bq)], q_pos, q_seg, st=st, at=i)
+      dq_ref[pl.ds(i * bq, bq), g, :] = (dq * st.scale).astype(dq_ref.dtype)
+    return carry
+
+  def dq_phase():
+    if groups == 1:
+      dq_head(0, None)
+    else:
+      lax.fori_loop(0, groups, dq_head, None)
+
+  # Spans that lie inside the padded arrays; static when every program has both phases.
+  for phase, idx, n in ((dkv_phase, t, k_ref.shape[0] // span),
+                        (dq_phase, u, q_ref.shape[0] // span)):
+    if n >= num_programs:
+      phase()
+    else:
+      pl.when(idx < n)(phase)
 
 
 def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: _Static):
@@ -725,13 +837,23 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta, st: 
   lists (dQ) and transposed q lists (dK/dV; with ``st.dkv_block_q`` set, the transposed lists of
   a schedule whose q tile is ``st.dkv_block_q``). The grids cover that schedule's tiles;
   gradient rows of padding past them are 0. ``st.bwd_parts`` other than "all" (timing only)
-  skips kernels and returns zeros in their place.
+  skips kernels and returns zeros in their place. ``st.fused_bwd``: one kernel computes all
+  three (``_fused_bwd_call``; the padded lengths must be multiples of ``_fused_span(st)``).
   """
   dkv_st = st
   if st.dkv_block_q is not None:
     dkv_st = dataclasses.replace(st, block_q=st.dkv_block_q,
                                  dkv_q_chunk=min(st.dkv_q_chunk, st.dkv_block_q))
   sq, sk = q.shape[1], k.shape[1]
+  if st.fused_bwd:
+    if st.bwd_parts == "none":
+      return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    if st.bwd_parts != "all":
+      raise ValueError(f"the fused backward is one kernel: _bwd_parts={st.bwd_parts!r} cannot "
+                       f"run a part of it (use 'all' or 'none')")
+    dq, dk, dv = _fused_bwd_call(q, k, v, q_seg, kv_seg, fwd_rows, bwd_rows, do, lse2, delta,
+                                 st, dkv_st)
+    return dq[:, :sq], dk[:, :sk], dv[:, :sk]
   if st.bwd_parts in ("all", "dkv"):
     dk, dv = _dkv_call(q, k, v, q_seg, kv_seg, bwd_rows, do, lse2, delta, dkv_st)
   else:
@@ -829,6 +951,80 @@ def _dq_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
       compiler_params=params,
       interpret=st.interpret,
       name="jattn_flash_bwd_dq",
+  )(*args)
+
+
+def _fused_bwd_call(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, do, lse2, delta, st: _Static,
+                    dkv_st: _Static):
+  """dQ, dK, dV in one kernel of paired spans (``BlockSizes.fused_bwd``; padded inputs whose
+  lengths are multiples of the span L) -> dq [B, P * L, Hq, D], dk / dv [B, P * L, Hk, D / Dv];
+  rows past the inputs' lengths are not written (the caller slices them away).
+
+  ``dq_rows``: kv lists of ``st``'s tiles (as ``_dq_call``); ``dkv_rows``: transposed q lists of
+  ``dkv_st``'s tiles (as ``_dkv_call``). Grid: P = max(Sk, Sq) / L programs per (batch, kv head).
+  """
+  b, sq, hq, d = q.shape
+  _, sk, hk, d_v = v.shape
+  g = hq // hk
+  bq, bk = st.block_q, st.block_k
+  span = _fused_span(st)
+  assert sq % span == 0 and sk % span == 0 and sq % dkv_st.block_q == 0, (sq, sk, span, dkv_st)
+  nk_sched, nq_sched = dkv_rows.shape[2], dq_rows.shape[2]
+  assert nk_sched * bk <= sk and nq_sched * bq <= sq, (nk_sched, nq_sched, sq, sk)
+  num_programs = max(sk // span, sq // span)
+  # Rows for every tile of every program's spans: tiles past the schedule's get count 0 (their
+  # gradients are 0, as the two-kernel backward pads them).
+  dkv_rows = _pad_axis(dkv_rows, 2, num_programs * (span // bk))
+  dq_rows = _pad_axis(dq_rows, 2, num_programs * (span // bq))
+  # Pair kv span t with q span t - s (mod P), s = floor((kv_len - q_len) / L): for a bottom-right
+  # causal mask the q span whose diagonal meets kv span t, so the two phases' work adds up to
+  # about the same for every program.
+  q_shift = (-((st.kv_len - st.q_len) // span)) % num_programs
+  has_seg = q_seg is not None
+  params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
+
+  grid, tile_axis, order = _launch_order(st, num_programs, b, hk)
+  spec_k = _tile_specs(order, lambda t: t)
+  if q_shift:
+    spec_q = _tile_specs(order, lambda t: lax.rem(t + q_shift, jnp.int32(num_programs)))
+  else:
+    spec_q = spec_k
+  rb, rh = _row_index_maps(dkv_rows)
+  qb, qh = _row_index_maps(dq_rows)
+  in_specs = [
+      spec_k((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
+      spec_k((None, sk, None, d), lambda i, bi, h: (bi, 0, h, 0)),    # k
+      spec_k((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h, 0)),  # v
+      spec_k((None, sq, g, d_v), lambda i, bi, h: (bi, 0, h, 0)),     # do
+      spec_k((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # lse2
+      spec_k((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # delta
+  ]
+  args = [q, k, v, do, lse2, delta]
+  if has_seg:
+    in_specs += [spec_k((None, sq), lambda i, bi, h: (bi, 0)),
+                 spec_k((None, sk), lambda i, bi, h: (bi, 0))]
+    args += [q_seg, kv_seg]
+  in_specs += [spec_k((None, None, span // bk, dkv_rows.shape[-1]),
+                      lambda i, bi, h: (rb(bi), rh(h), i, 0)),
+               spec_q((None, None, span // bq, dq_rows.shape[-1]),
+                      lambda i, bi, h: (qb(bi), qh(h), i, 0))]
+  args += [dkv_rows, dq_rows]
+  kernel = functools.partial(_fused_bwd_kernel, st=st, dkv_st=dkv_st, has_seg=has_seg, groups=g,
+                             num_programs=num_programs, q_shift=q_shift, tile_axis=tile_axis)
+  n = num_programs * span
+  return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=[spec_q((None, span, g, d), lambda i, bi, h: (bi, i, h, 0)),
+                 spec_k((None, span, None, d), lambda i, bi, h: (bi, i, h, 0)),
+                 spec_k((None, span, None, d_v), lambda i, bi, h: (bi, i, h, 0))],
+      out_shape=[jax.ShapeDtypeStruct((b, n, hq, d), q.dtype),
+                 jax.ShapeDtypeStruct((b, n, hk, d), k.dtype),
+                 jax.ShapeDtypeStruct((b, n, hk, d_v), v.dtype)],
+      compiler_params=params,
+      interpret=st.interpret,
+      name="jattn_flash_bwd_fused",
   )(*args)
 
 
@@ -1031,6 +1227,10 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     dkv_q_chunk = dkv_q_chunk or block_sizes.dkv_q_chunk
     dq_k_chunk = dq_k_chunk or block_sizes.dq_k_chunk
   head_group = None if block_sizes is None else block_sizes.head_group
+  fused_bwd = block_sizes is not None and bool(block_sizes.fused_bwd)
+  if fused_bwd and _bwd_parts in ("dkv", "dq"):
+    raise ValueError(f"BlockSizes.fused_bwd runs dQ, dK and dV in one kernel: _bwd_parts="
+                     f"{_bwd_parts!r} cannot run a part of it (use 'all' or 'none')")
   if head_group is not None and head_group < 1:
     raise ValueError(f"head_group must be >= 1 or None, got {head_group}")
   defaults = _launch_defaults(bq, bk, _pow2(d), _pow2(d_v), q.dtype, bwd_block_q=bbq,
@@ -1051,12 +1251,15 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret),
       head_group=head_group)
   bst = dataclasses.replace(st, block_q=bbq, block_k=bbk,
-                            dkv_block_q=None if dkv_bq == bbq else dkv_bq, bwd_parts=_bwd_parts)
+                            dkv_block_q=None if dkv_bq == bbq else dkv_bq, bwd_parts=_bwd_parts,
+                            fused_bwd=fused_bwd)
 
   # Pad the sequences to a multiple of both passes' tiles (powers of two: the larger one); each
   # pass's grid covers its own tiles, and rows past them are padding (see _fwd_call, _bwd_calls).
-  sq_p = -(-sq // max(bq, bbq, dkv_bq)) * max(bq, bbq, dkv_bq)
-  sk_p = -(-sk // max(bk, bbk)) * max(bk, bbk)
+  # The fused backward's programs cover spans of max(bbq, bbk) rows of both q and kv.
+  span = _fused_span(bst) if fused_bwd else 1
+  sq_p = -(-sq // max(bq, bbq, dkv_bq, span)) * max(bq, bbq, dkv_bq, span)
+  sk_p = -(-sk // max(bk, bbk, span)) * max(bk, bbk, span)
   d_p, dv_p = _pow2(d), _pow2(d_v)
   qp = _pad_axis(_pad_axis(q, 1, sq_p), 3, d_p)
   kp = _pad_axis(_pad_axis(k, 1, sk_p), 3, d_p)
@@ -1134,12 +1337,13 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
       bwd_num_warps=int(bs.bwd_num_warps or defaults.bwd_num_warps),
       bwd_num_stages=int(bs.bwd_num_stages or defaults.bwd_num_stages),
       dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret),
-      head_group=bs.head_group)
+      head_group=bs.head_group, fused_bwd=bool(bs.fused_bwd))
   schedule = make_schedule(sq, sk, bbq, bbk, causal=causal)
   dq_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
   dkv_rows = _pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
   # Padded query rows get d_out = 0, d_lse = 0 and lse = -inf (p = 0): they add nothing.
-  sq_p, sk_p = -(-sq // bbq) * bbq, -(-sk // bbk) * bbk
+  pq, pk = (_fused_span(st),) * 2 if st.fused_bwd else (bbq, bbk)
+  sq_p, sk_p = -(-sq // pq) * pq, -(-sk // pk) * pk
   qp = _pad_axis(_pad_axis(q, 1, sq_p), 3, d_p)
   kp = _pad_axis(_pad_axis(k, 1, sk_p), 3, d_p)
   vp = _pad_axis(_pad_axis(v, 1, sk_p), 3, dv_p)
