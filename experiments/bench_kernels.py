@@ -136,6 +136,8 @@ def flash_impls(causal, window):
       return f
     for name in ("dkv_block_q64", "tokamax_tiles"):
       impls[f"jattn_triton[{name}]"] = with_config(name)
+    # One fused backward kernel of paired spans (BlockSizes.fused_bwd), default tiles.
+    impls["jattn_triton[fused_bwd]"] = with_config("fused")
   impls["jax_nn_cudnn"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                                             local_window_size=window, implementation="cudnn")
   impls["jax_nn_xla"] = functools.partial(jax.nn.dot_product_attention, is_causal=causal,

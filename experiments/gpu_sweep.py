@@ -7,8 +7,9 @@ Case sets (``--cases``, default ``causal_bwd``):
   * ``causal_bwd``: why the causal backward trails tokamax-triton (docs/kernels.md, "Causal
     backward vs tokamax"): B2 H16 D128 bf16 causal, the default against each backward option
     (``CAUSAL_BWD_CONFIGS``), each with forward, forward+backward, backward alone and each
-    backward kernel alone (bwd_ms, dkv_ms, dq_ms, prep_ms), plus tokamax's Triton op timed the
-    same way in the same process when it imports.
+    backward kernel alone (bwd_ms, dkv_ms, dq_ms, prep_ms; the ``fused*`` configs run one
+    backward kernel, so no dkv_ms / dq_ms), plus tokamax's Triton op timed the same way in the
+    same process when it imports.
   * ``causal_bwd_dense``: the same configs non-causal (an option must not slow it down).
   * ``launch``: launch order A/B (the default groups 4 (batch, head) pairs, heaviest first;
     head_group=1 is the per-head order of runs 1-5).
@@ -48,6 +49,16 @@ def causal_bwd_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> dict:
       # default tiles, 4 warps x 2 stages with 32-row steps (two CTAs per SM if registers allow)
       "bwd_w4s2_chunk32": dataclasses.replace(d, bwd_num_warps=4, bwd_num_stages=2,
                                               dkv_q_chunk=32, dq_k_chunk=32, dkv_block_q=32),
+      # One fused backward kernel (BlockSizes.fused_bwd): program t does dK/dV of kv span t, then
+      # dQ of q span t (spans of max(bwd tiles) rows), constant work per program under causal.
+      # With the default tiles (8 warps, 3 stages, one CTA per SM), with the diagonal chunks
+      # skipped, and with tokamax's tiling/launch (4 warps, 2 stages: two CTAs per SM, so an
+      # SM can hold one program in its dK/dV phase and another in its dQ phase).
+      "fused": dataclasses.replace(d, fused_bwd=True),
+      "fused+dkv_block_q64": dataclasses.replace(d, fused_bwd=True, dkv_block_q=d.dkv_q_chunk),
+      "fused+tokamax_tiles": dataclasses.replace(
+          d, bwd_block_q=64, bwd_block_k=64, bwd_num_warps=4, bwd_num_stages=2, dkv_q_chunk=32,
+          dq_k_chunk=32, fused_bwd=True),
   }
 
 

@@ -12,6 +12,9 @@ differ from the forward's: all it takes from the forward (out, log-sum-exp) is p
     accumulators on chip and walks, for every query head of its GQA group, the query tiles of the
     transposed schedule (``q_indices``), so K/V are never repeated in memory.
   * dQ: one program per (query tile, batch, query head), walking the schedule's kv list.
+  * ``BlockSizes(fused_bwd=True)`` (option): one kernel instead of the two, one program per
+    (span, batch, kv head) doing dK/dV of a kv span and then dQ of the paired q span, so that
+    under a causal mask every program has the same work (``_fused_bwd_kernel``).
   delta = rowsum(dO * O) - dLSE, so cotangents of the returned log-sum-exp are honoured.
   ``flash_attention_bwd`` runs the same two kernels on another forward's (out, lse) for dense or
   causal masks: the Mosaic GPU (Hopper) forward's backward.
@@ -288,7 +291,7 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
     time_bwd: also time the backward alone (the VJP of saved residuals, no forward): bwd_ms
       (both kernels and the delta precompute), dkv_ms / dq_ms (one kernel + precompute) and
       prep_ms (precompute only: delta, base-2 LSE, zero gradients), so the kernels' own times
-      are dkv_ms - prep_ms and dq_ms - prep_ms.
+      are dkv_ms - prep_ms and dq_ms - prep_ms. A ``fused_bwd`` config has no dkv_ms / dq_ms.
 
   Returns:
     A list of dicts: config, fwd_ms, fwd_bwd_ms, fwd_tflops, fwd_bwd_tflops (and with
@@ -357,6 +360,8 @@ def _sweep(batch: int = 2, seq: int = 4096, q_heads: int = 16, kv_heads: int = 1
       if time_bwd:
         for key, parts in (("bwd_ms", "all"), ("dkv_ms", "dkv"), ("dq_ms", "dq"),
                            ("prep_ms", "none")):
+          if cfg.fused_bwd and parts in ("dkv", "dq"):
+            continue  # one kernel: no per-kernel split (bwd_ms - prep_ms is the kernel)
           row[key] = bwd_ms(parts)
         row["bwd_tflops"] = 2.5 * fwd_flops / row["bwd_ms"] * 1e-9
     except Exception as e:  # a config that does not compile (e.g. shared memory) is reported
@@ -777,6 +782,7 @@ def _fused_bwd_kernel(*refs, st: _Static, dkv_st: _Static, has_seg: bool, groups
   transposed q lists, the GQA group summed), then dQ of the q tiles of q span
   u = (t + q_shift) mod num_programs for each head of the group (``st``'s tiles and kv lists).
   Spans past the padded arrays are skipped (their output rows are sliced away by the caller).
+  Programs start from the last span down.
   """
   if has_seg:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref, dkv_rows_ref,
@@ -788,7 +794,9 @@ def _fused_bwd_kernel(*refs, st: _Static, dkv_st: _Static, has_seg: bool, groups
   span = _fused_span(st)
   bq, bk = st.block_q, st.block_k
   assert dkv_st.block_k == bk and span % bq == 0 and span % bk == 0, (dkv_st, st)
-  t = pl.program_id(tile_axis)
+  # Spans in descending order: with q shorter than kv the first spans have no dQ phase (they
+  # start last), with q longer the last ones no dK/dV phase (near-empty, they start first).
+  t = num_programs - 1 - pl.program_id(tile_axis)
   u = t if q_shift == 0 else lax.rem(t + q_shift, jnp.int32(num_programs))
   off = st.kv_len - st.q_len
 
@@ -984,9 +992,10 @@ def _fused_bwd_call(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, do, lse2, delta, 
   params = compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages)
 
   grid, tile_axis, order = _launch_order(st, num_programs, b, hk)
-  spec_k = _tile_specs(order, lambda t: t)
+  last = num_programs - 1  # launch-order program t works on kv span last - t (see the kernel)
+  spec_k = _tile_specs(order, lambda t: last - t)
   if q_shift:
-    spec_q = _tile_specs(order, lambda t: lax.rem(t + q_shift, jnp.int32(num_programs)))
+    spec_q = _tile_specs(order, lambda t: lax.rem(last - t + q_shift, jnp.int32(num_programs)))
   else:
     spec_q = spec_k
   rb, rh = _row_index_maps(dkv_rows)
