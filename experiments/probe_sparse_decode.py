@@ -14,6 +14,13 @@ blocks, + the initial and the local block). Rows:
 * stages of it, each alone on precomputed inputs: ``scores`` (decode_block_scores),
   ``select`` (select_decode_slots), ``attend`` (sparse_decode_partials with counts; also at
   several split counts), ``merge`` (merge_decode_partials).
+* selection variants on the same scores: ``select_w{1,2,8}`` (num_warps), ``select_r2``,
+  ``select_r4`` (radix threshold search, ``digit_bits`` 2 / 4: 16 / 8 dependent reductions
+  instead of 32), ``select_r4_w{1,8}``, ``select_r2_w1``, ``select_r4_1chunk`` (one compare
+  tile over all blocks instead of the register-bounded chunks); each checked equal to the
+  default selection on all three score sets (``checks.select_r*_equal_default``), and
+  ``sparse_r4``: the whole 3-kernel call with the digit_bits=4 selection
+  (``checks.sparse_r4_equals_sparse``: bit-identical to ``sparse``).
 * the previous path's XLA stages for comparison: ``xla_scores`` (einsum), ``xla_select``
   (lax.top_k + sort), ``xla_merge`` (jattn.merge.merge_partials), and ``sparse_prev`` (XLA
   selection + attend over the unsorted-free list + XLA merge, as before the kernels).
@@ -58,6 +65,11 @@ from pallas_kernels.sparse.decode import (default_num_splits, merge_decode_parti
                                           sparse_decode, sparse_decode_partials)
 from pallas_kernels.sparse.decode_select import (decode_block_scores,  # noqa: E402
                                                  select_decode_slots)
+
+
+# (digit_bits, num_warps or None = default, search_chunk or None = default) of the radix rows
+RADIX_VARIANTS = ((2, None, None), (4, None, None), (4, 1, None), (4, 8, None), (2, 1, None),
+                  (4, None, 1 << 30))
 
 
 def _pow2(n):
@@ -239,14 +251,40 @@ def main(argv=None):
   record("select", lambda q, s: sel_fn(s, lens), score_sets, "select_decode_slots kernel")
   # The selection is 32 dependent block-wide reductions (a bit search): with one warp they are
   # shuffles only, with more warps each one also crosses shared memory and a barrier.
+  lists = [sel_fn(s, lens) for (s,) in score_sets]
   for w in (1, 2, 8):
     sel_w = functools.partial(sel_fn, num_warps=w)
     record(f"select_w{w}", lambda q, s, sel_w=sel_w: sel_w(s, lens), score_sets,
            f"select_decode_slots kernel, num_warps={w} (default {max(4, min(16, _pow2(nb) // 512))})")
+  # Radix threshold search (digit_bits 2 / 4: 16 / 8 dependent reductions instead of 32, each
+  # over a [2**bits, chunk] compare tile summed over the chunks of the block axis); the same
+  # selection as the default, checked on all three score sets (checks["select_r*_equal"]).
+  nb_pad = _pow2(nb)
+  for bits, w, ch in RADIX_VARIANTS:
+    name = f"select_r{bits}" + (f"_w{w}" if w else "") + ("_1chunk" if ch else "")
+    chunk = min(ch or nb_pad, nb_pad)
+    sel_r = functools.partial(sel_fn, digit_bits=bits, search_chunk=ch,
+                              **({"num_warps": w} if w else {}))
+    same = all(bool(jnp.array_equal(x, y)) for (s,), l in zip(score_sets, lists)
+               for x, y in zip(sel_r(s, lens), l))
+    checks[f"{name}_equal_default"] = same
+    record(name, lambda q, s, sel_r=sel_r: sel_r(s, lens), score_sets,
+           f"select_decode_slots, digit_bits={bits}" + (f", num_warps={w}" if w else "") +
+           (f", search_chunk={chunk}" if ch else ", default search_chunk"))
+  # The whole call with the radix selection (the 3-kernel path of "sparse", built from the
+  # public kernels): bit-identical to "sparse" (same selection, same attention kernel).
+  def sparse_radix(q, k, v, s, bits=4):
+    sc = sc_fn(q, s.sums, s.lengths)
+    i, c, a = sel_fn(sc, lens, return_arrivals=True, digit_bits=bits)
+    return sparse_decode(q, k, v, lens, i, None, c, a, block_size=bs, num_splits=splits,
+                         out_dtype=dtype, interpret=interpret)[0]
+  checks["sparse_r4_equals_sparse"] = bool(jnp.array_equal(
+      jax.jit(sparse_radix)(q, kc, vc, summ), out))
+  record("sparse_r4", sparse_radix, sets,
+         f"whole sparse decode as 'sparse' with the digit_bits=4 selection, splits={splits}")
   # Per-call floor of the host-timed method: a jitted call that launches one trivial kernel
   # with the same arguments as the whole sparse decode.
   record("host_floor", lambda q, k, v, s: q * 2, sets, "one trivial XLA kernel, same arguments")
-  lists = [sel_fn(s, lens) for (s,) in score_sets]
   split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
                 sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
   for ns in split_list:
@@ -308,7 +346,9 @@ def main(argv=None):
         and checks["sparse_4k_rel_err"] < 2e-2 and checks["merged_repeat_mismatches"] == 0
         and checks["select_equal_xla_on_same_scores"] and checks["scores_rel_err_vs_xla"] < 1e-5
         and checks["attend_merge_rel_err"] < 2e-2 and checks["sparse_prev_rel_err"] < 2e-2
-        and checks.get("dense_rel_err", 0.0) < 2e-2)
+        and checks.get("dense_rel_err", 0.0) < 2e-2
+        and all(v for k, v in checks.items() if k.startswith("select_r"))
+        and checks["sparse_r4_equals_sparse"])
   res = dict(case=case, top_k=top_k, width=width, default_splits=splits, ok=bool(ok),
              checks=checks, summary=summary, rows=rows,
              meta=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,

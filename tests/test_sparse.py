@@ -841,6 +841,84 @@ def test_decode_select_kernel(nb, bs, top_k, n_init, n_local):
   assert (brute >= 0).sum() > 0
 
 
+def _adversarial_decode_scores(rng, b, nb):
+  """[b, 7, nb] fp32 rows: quantised (many ties), all equal, +0/-0, -inf/inf/-FLT_MAX and
+  subnormals, continuous, neighbouring floats (keys differing in the low bits only), and
+  -inf everywhere except a few blocks."""
+  f32 = np.float32
+  rows = [np.round(rng.normal(size=(b, nb)) * 4) / 4,
+          np.full((b, nb), 1.5),
+          np.where(rng.random((b, nb)) < 0.5, -0.0, 0.0),
+          rng.choice(np.array([-np.inf, np.inf, -np.finfo(f32).max, np.finfo(f32).max,
+                               -np.finfo(f32).smallest_subnormal, 1e-45, -1.0], f32), (b, nb)),
+          rng.normal(size=(b, nb)),
+          np.nextafter(f32(0.75), f32(2)) + np.arange(nb) % 5 * np.spacing(f32(0.75)),
+          np.where(rng.random((b, nb)) < 0.1, rng.normal(size=(b, nb)), -np.inf)]
+  rows[5] = np.broadcast_to(rng.permutation(rows[5].astype(f32)), (b, nb))
+  return jnp.asarray(np.stack([np.asarray(r, f32) for r in rows], axis=1))
+
+
+@pytest.mark.parametrize("nb,bs,top_k,n_init,n_local,chunk", [
+    (37, 16, 5, 1, 1, None), (300, 16, 40, 2, 3, 64), (2048, 64, 387, 1, 1, None),
+    (9, 16, 30, 0, 0, None)])
+def test_decode_select_kernel_radix(nb, bs, top_k, n_init, n_local, chunk):
+  """The radix threshold search (digit_bits 2 and 4, one or several compare chunks) selects
+  exactly what the 32-step bit search, lax.top_k and brute force select: ties to the lower
+  block id, forced blocks, top_k above the visible blocks, lengths 0, 1, mid-block, on a block
+  boundary and past the cache, all-equal rows, +0/-0, +-inf, -FLT_MAX, subnormals."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode_select import select_decode_slots
+  rng = np.random.default_rng(3 * nb + top_k)
+  lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100,
+                    2 * bs + 1, bs * min(nb, top_k + 2)])
+  scores = _adversarial_decode_scores(rng, lens.shape[0], nb)
+  width = sp._decode_width(nb, top_k, n_init, n_local)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local,
+            max_selected=width, interpret=True)
+  base, bcnt = select_decode_slots(scores, lens, **kw)
+  sel_kw = {k: kw[k] for k in ("block_size", "top_k", "num_init_blocks", "num_local_blocks")}
+  want = jax.jit(functools.partial(sp._decode_select_from_scores, **sel_kw))(scores, lens)
+  brute = _np_decode_select(scores, np.asarray(lens), bs, top_k, n_init, n_local, width)
+  # lax.top_k ranks -inf candidates with the masked (forced, invisible) blocks, ties to the
+  # lower id, so a -inf candidate can lose its place: brute force only on -inf-free heads.
+  finite = [h for h in range(scores.shape[1]) if not np.isneginf(scores[:, h]).any()]
+  np.testing.assert_array_equal(np.asarray(want)[:, finite], brute[:, finite])
+  np.testing.assert_array_equal(np.asarray(base), np.asarray(want))
+  for bits in (2, 4):
+    idx, cnt, arr = select_decode_slots(scores, lens, digit_bits=bits, search_chunk=chunk,
+                                        return_arrivals=True, **kw)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want), err_msg=f"bits={bits}")
+    np.testing.assert_array_equal(np.asarray(cnt), np.asarray(bcnt))
+    np.testing.assert_array_equal(np.asarray(arr), 0)
+
+
+def test_decode_select_radix_args():
+  """Argument checks, the default compare chunk, and the CUDA lowering of the variants."""
+  from pallas_kernels.sparse.decode_select import _default_search_chunk, select_decode_slots
+  s, lens = jnp.zeros((1, 1, 40)), jnp.array([640])
+  kw = dict(block_size=16, top_k=3, num_init_blocks=1, num_local_blocks=1, max_selected=5,
+            interpret=True)
+  with pytest.raises(ValueError, match="digit_bits"):
+    select_decode_slots(s, lens, digit_bits=3, **kw)
+  with pytest.raises(ValueError, match="search_chunk"):
+    select_decode_slots(s, lens, digit_bits=4, search_chunk=24, **kw)
+  # [digits, chunk] tile at 32 int32 per thread, within [16, nb_pad]
+  assert _default_search_chunk(2048, 4, 4) == 256
+  assert _default_search_chunk(2048, 2, 4) == 1024
+  assert _default_search_chunk(2048, 4, 1) == 64
+  assert _default_search_chunk(64, 4, 16) == 64
+  # every variant lowers for CUDA (on the CPU) at the bench shape: one Triton call
+  S = jax.ShapeDtypeStruct
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  for bits, warps in ((2, 4), (4, 4), (4, 1), (4, 8)):
+    fn = functools.partial(select_decode_slots, block_size=64, top_k=387, num_init_blocks=1,
+                           num_local_blocks=1, max_selected=389, num_warps=warps,
+                           digit_bits=bits, return_arrivals=True)
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
+        S((1, 8, 2048), jnp.float32), S((1,), jnp.int32)).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
+
+
 @pytest.mark.parametrize("hq,hk,d,nb,chunk", [(6, 2, 72, 37, 16), (4, 4, 16, 5, 128)])
 def test_decode_block_scores_kernel(hq, hk, d, nb, chunk):
   """Pallas block scores (interpret) vs fp64 q-group-sum . key_sum / count, GQA group 3 and

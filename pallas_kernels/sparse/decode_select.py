@@ -14,7 +14,9 @@ one threshold search inside a kernel.
   largest candidate score found by a 32-step bitwise search over the scores' total-order int32
   keys (ties broken by the lower block id, as ``lax.top_k``), then the kept blocks compacted in
   ascending order by a prefix sum into a ``[max_selected]`` list padded with -1, and the count.
-  Exactly ``select_decode_blocks``'s output for the same scores (tested).
+  Exactly ``select_decode_blocks``'s output for the same scores (tested). Option
+  ``digit_bits`` 2 or 4: a radix form of the same search (16 or 8 passes, each counting the
+  keys >= all 2**digit_bits trial digits at once), the same threshold, so the same selection.
 
 File layout: score kernel and wrapper, selection kernel and wrapper.
 """
@@ -107,6 +109,12 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, chunk=64, num_w
 
 
 # ----------------------------------------------------------------------------- selection
+def _default_search_chunk(nb_pad, digit_bits, num_warps):
+  """Blocks per radix compare tile: [2**digit_bits, chunk] at ~32 int32 per thread."""
+  cols = (32 * 32 * int(num_warps)) >> digit_bits      # 32 elements x threads / digits
+  return int(min(nb_pad, max(16, 1 << (max(cols, 1).bit_length() - 1))))   # a power of two
+
+
 def total_order_key(x):
   """int32 keys of fp32 values in IEEE total order (-NaN < -inf < -0 < +0 < inf < NaN).
 
@@ -126,8 +134,52 @@ def total_order_key(x):
   return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+def _radix_threshold(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_local, top_k,
+                     digit_bits, chunk):
+  """The bit search's threshold (unsigned space), ``digit_bits`` bits per pass.
+
+  Same answer as the 32-step search: t = the largest u with #{real lanes: u_key >= u} >= top_k,
+  where u_key = key ^ INT_MIN. The count is non-increasing in u, so t's digit at each level is
+  the largest digit d whose trial (prefix | d << shift, lower bits 0) still counts >= top_k:
+  one pass counts, for all 2**digit_bits digits at once, the keys >= each trial ([digits,
+  chunk] compares summed over the chunks of the block axis elementwise, then one reduction
+  along the block axis), and the digit is the number of digits >= 1 that pass (they form a
+  prefix 1..d of the digits). Digit 0 always passes (the prefix passed before, or is 0 and
+  counts every real lane, >= top_k), so its row is forced true and padded lanes get u_key 0,
+  which no trial >= 1 counts (as in the 32-step search, whose trials are all >= 1).
+  The keys are loaded per chunk of ``chunk`` blocks (a static loop): the [digits, chunk] tile,
+  not [digits, nb_pad], bounds the registers.
+  """
+  nd = 1 << digit_bits
+  dig = jnp.arange(nd, dtype=jnp.int32)                              # [nd] candidate digits
+  keys = []
+  for c in range(nb_pad // chunk):
+    jc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    real_c = jc < num_blocks
+    forced_c = jc < num_init
+    if num_local > 0:
+      forced_c = forced_c | (jc > diag - num_local)
+    cand_c = (jc <= diag) & ~forced_c
+    s_c = plgpu.load(s_ref.at[b, h, jc], mask=real_c, other=0.0)
+    key_c = jnp.where(cand_c, total_order_key(s_c), _NEG_INF_KEY)
+    keys.append(jnp.where(real_c, key_c, _INT_MIN))                  # padded: u_key 0
+  t_u = jnp.int32(0)
+  for p in range(32 // digit_bits):
+    shift = 32 - digit_bits * (p + 1)
+    trial = (t_u | jax.lax.shift_left(dig, jnp.int32(shift))) ^ _INT_MIN   # [nd] signed
+    acc = None
+    for key_c in keys:
+      ge = (key_c[None, :] >= trial[:, None]).astype(jnp.int32)      # [nd, chunk]
+      acc = ge if acc is None else acc + ge
+    n_ge = jnp.sum(acc, axis=1)                                      # [nd]
+    ok = (n_ge >= top_k) | (dig == 0)
+    digit = jnp.sum(ok.astype(jnp.int32)) - 1
+    t_u = t_u | jax.lax.shift_left(digit, jnp.int32(shift))
+  return t_u
+
+
 def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
-                   num_local, top_k, width):
+                   num_local, top_k, width, digit_bits=1, search_chunk=None):
   """One (batch, kv head) program.
 
   Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
@@ -153,11 +205,16 @@ def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb
     key = jnp.where(cand, total_order_key(s), _NEG_INF_KEY)
     # Largest t with #{key >= t} >= top_k, built from the top bit down in the unsigned space
     # u = t ^ INT_MIN (order preserving), so the answer is the top_k-th largest key.
-    t_u = jnp.int32(0)
-    for bit in range(31, -1, -1):
-      trial = t_u | jnp.int32(_INT_MIN if bit == 31 else 1 << bit)
-      n_ge = jnp.sum(((key >= (trial ^ _INT_MIN)) & real).astype(jnp.int32))
-      t_u = jnp.where(n_ge >= top_k, trial, t_u)
+    if digit_bits == 1:
+      t_u = jnp.int32(0)
+      for bit in range(31, -1, -1):
+        trial = t_u | jnp.int32(_INT_MIN if bit == 31 else 1 << bit)
+        n_ge = jnp.sum(((key >= (trial ^ _INT_MIN)) & real).astype(jnp.int32))
+        t_u = jnp.where(n_ge >= top_k, trial, t_u)
+    else:                                      # radix: 32 / digit_bits dependent reductions
+      t_u = _radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
+                             num_init=num_init, num_local=num_local, top_k=top_k,
+                             digit_bits=digit_bits, chunk=search_chunk)
     thr = t_u ^ _INT_MIN
     above = (key > thr) & real
     need = top_k - jnp.sum(above.astype(jnp.int32))                 # ties at thr to take
@@ -179,10 +236,11 @@ def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb
 
 @functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
                                              "num_local_blocks", "max_selected", "num_warps",
-                                             "interpret", "return_arrivals"))
+                                             "interpret", "return_arrivals", "digit_bits",
+                                             "search_chunk"))
 def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_blocks,
                         num_local_blocks, max_selected, num_warps=None, interpret=False,
-                        return_arrivals=False):
+                        return_arrivals=False, digit_bits=1, search_chunk=None):
   """Kept blocks of one decode query per sequence: initial, local and the top_k by score.
 
   Args:
@@ -197,6 +255,13 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     interpret: run in the Pallas interpreter (CPU tests).
     return_arrivals: also return int32 [batch, kv_heads] zeros written by this kernel: the
       arrival counters of ``pallas_kernels.sparse.decode.sparse_decode`` (no memset launch).
+    digit_bits: bits of the threshold fixed per pass of its search: 1 (the 32-step bit
+      search, one scalar reduction per step), 2 or 4 (radix: 32 / digit_bits passes, each
+      counting the keys >= all 2**digit_bits trial digits at once, one [2**digit_bits]
+      reduction along the block axis). The same selection for every value (tested).
+    search_chunk: radix only: blocks per compare tile ([2**digit_bits, search_chunk], summed
+      elementwise over the chunks before the one reduction), a power of two >= 16; default
+      keeps the tile at ~32 int32 per thread (``_default_search_chunk``).
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
@@ -214,10 +279,17 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
   nb_pad = _pow2(nb)
   if num_warps is None:
     num_warps = int(min(16, max(4, nb_pad // 512)))
+  if digit_bits not in (1, 2, 4):
+    raise ValueError(f"digit_bits must be 1, 2 or 4, got {digit_bits}")
+  if search_chunk is None:
+    search_chunk = _default_search_chunk(nb_pad, digit_bits, num_warps)
+  elif search_chunk < 16 or search_chunk & (search_chunk - 1):
+    raise ValueError(f"search_chunk must be a power of two >= 16, got {search_chunk}")
   kernel = functools.partial(_select_kernel, block=int(block_size), num_blocks=nb,
                              nb_pad=nb_pad, num_init=int(num_init_blocks),
                              num_local=int(num_local_blocks), top_k=int(min(top_k, nb)),
-                             width=int(max_selected))
+                             width=int(max_selected), digit_bits=int(digit_bits),
+                             search_chunk=int(min(search_chunk, nb_pad)))
   out_shape = [jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
                jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
   if return_arrivals:
