@@ -478,7 +478,7 @@ def _fwd_kernel(*refs, st: _Static):
         kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
 
       def qk_gemm(s_ref):                                     # [bq, bk] fp32
-        plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
         meet()
         return s_ref[...]
       s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))   # [bq, bk]

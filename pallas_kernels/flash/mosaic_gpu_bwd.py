@@ -358,8 +358,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
       def st_dpt_gemm(refs):                              # S^T = K Q^T; dP^T = V dO^T [bk, bq]
         st_ref, dpt_ref = refs
-        plgpu.wgmma(st_ref, kt, plgpu.transpose_ref(qs, (1, 0)))
-        plgpu.wgmma(dpt_ref, vt, plgpu.transpose_ref(dos, (1, 0)))
+        plgpu.wgmma(st_ref, kt, qs.transpose((1, 0)))
+        plgpu.wgmma(dpt_ref, vt, dos.transpose((1, 0)))
       s_t, dp_t = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(zeros((bk, bq))),
                                              plgpu.ACC.init(zeros((bk, bq)))))
       plgpu.barrier_wait(lse_loaded.at[slot])
@@ -521,8 +521,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
 
       def s_dp_gemm(refs):                                # S = Q K^T; dP = dO V^T [bq, bk]
         s_ref, dp_ref = refs
-        plgpu.wgmma(s_ref, qt, plgpu.transpose_ref(ks, (1, 0)))
-        plgpu.wgmma(dp_ref, dot, plgpu.transpose_ref(vs, (1, 0)))
+        plgpu.wgmma(s_ref, qt, ks.transpose((1, 0)))
+        plgpu.wgmma(dp_ref, dot, vs.transpose((1, 0)))
       s, dp = pl.run_state(s_dp_gemm)((plgpu.ACC.init(zeros((bq, bk))),
                                        plgpu.ACC.init(zeros((bq, bk)))))
       p = _probs(s, lse2, st, axis=0)
