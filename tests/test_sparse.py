@@ -1127,8 +1127,11 @@ def test_sparse_decode_merged_kernel(dtype, tol):
   np.testing.assert_array_equal(np.asarray(cnt), [[7, 7], [0, 0], [1, 1], [3, 3]])
   ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
   caches = {"contiguous": (kc, vc, None), "paged": (kp, vp, table)}
-  for (name, (k, v, pt)), (splits, stride) in itertools.product(
-      caches.items(), [(1, 1), (2, 1), (3, 2), (5, 3), (8, 5)]):
+  # Split counts and arrival orders do not depend on the dtype: every one in fp32, two in bf16
+  # (the output cast; keeps this interpret-mode test's CI time down).
+  split_cases = ([(1, 1), (2, 1), (3, 2), (5, 3), (8, 5)] if dtype == jnp.float32
+                 else [(1, 1), (5, 3)])
+  for (name, (k, v, pt)), (splits, stride) in itertools.product(caches.items(), split_cases):
     msg = f"{name} splits={splits} stride={stride}"
     out, lse = sparse_decode(q, k, v, lens, idx, pt, cnt, arr, block_size=bs, num_splits=splits,
                              interpret=True, _split_stride=stride)
