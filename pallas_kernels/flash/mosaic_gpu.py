@@ -867,6 +867,20 @@ def _visible_pairs(seq: int, causal: bool, window) -> int:
   return int(np.maximum(hi - lo + 1, 0).sum())
 
 
+def _timed_median(fn, *args, iters):
+  """(fn(*args), median wall ms of ``iters`` synchronous calls after one warm-up): the GPU sweeps'
+  timer (this module's ``_sweep`` and ``mosaic_gpu_bwd._sweep_bwd``)."""
+  import statistics
+  import time
+  out = jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return out, statistics.median(times) * 1e3
+
+
 def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
            head_dim: int = 128, *, causal: bool = False, local_window_size=None,
            docs: int | None = None, dtype=jnp.bfloat16, configs=None, iters: int = 10,
@@ -898,9 +912,6 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     >>> rows = _sweep(causal=True, local_window_size=(511, 0))  # doctest: +SKIP
     >>> rows = _sweep(docs=4)  # doctest: +SKIP
   """
-  import statistics
-  import time
-
   from pallas_kernels.masks import normalize_window
   window = normalize_window(local_window_size)
   if docs is not None:
@@ -925,14 +936,7 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     seg = jnp.broadcast_to(jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), n), (batch, seq))
   flops = 4.0 * batch * q_heads * head_dim * pairs
 
-  def timeit(fn, *args):
-    out = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - t0)
-    return out, statistics.median(times) * 1e3
+  timeit = functools.partial(_timed_median, iters=iters)
 
   cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                             local_window_size=window, implementation="cudnn")

@@ -720,9 +720,6 @@ def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: in
   Example:
     >>> rows = _sweep_bwd(causal=True)  # doctest: +SKIP
   """
-  import statistics
-  import time
-
   from pallas_kernels.flash import mosaic_gpu as mg
 
   if configs is None:
@@ -744,14 +741,7 @@ def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: in
   fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
   bwd_flops = 2.5 * fwd_flops
 
-  def timeit(fn, *args):
-    res = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - t0)
-    return res, statistics.median(times) * 1e3
+  timeit = functools.partial(mg._timed_median, iters=iters)
 
   cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                             implementation="cudnn")
