@@ -117,6 +117,15 @@ def flash_impls(causal, window):
     return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
                                  implementation="mosaic_gpu", block_sizes=bs)
   impls["jattn_mosaic_gpu[mosaic_bwd]"] = mosaic_fwd_bwd
+
+  def prev_default(q, k, v):  # the Triton default before session 12 (A/B in the same run)
+    from pallas_kernels.flash import triton as ft
+    bs = ft.default_block_sizes(q.shape[-1], q.dtype)
+    if (q.shape[-1], q.dtype.itemsize) == (128, 2):
+      bs = ft.PREV_D128_BF16
+    return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
+                                 implementation="triton", block_sizes=bs)
+  impls["jattn_triton[prev_default]"] = prev_default
   if causal and window is None:  # launch-order A/B: the per-(batch, head) order of runs 1-5
     from pallas_kernels.flash import triton as ft
 

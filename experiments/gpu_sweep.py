@@ -36,6 +36,9 @@ def causal_bwd_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> dict:
   d = ft.default_block_sizes(head_dim, dtype)
   return {
       "default": d,
+      # the D128 default before session 12 (8 warps x 3 stages, 64-row steps)
+      "prev_default": ft.PREV_D128_BF16 if (head_dim, jnp.dtype(dtype).itemsize) == (128, 2)
+                      else d,
       # dK/dV walks 64-row q tiles (= its chunk): the diagonal's all-masked chunks are skipped
       # and only the chunk that crosses the diagonal is masked (bit-for-bit the same terms).
       "dkv_block_q64": dataclasses.replace(d, dkv_block_q=d.dkv_q_chunk),

@@ -500,7 +500,8 @@ def _kernel_block_sizes(impl, mod, selection, head_dim, dtype):
     if bs > base.block_k:
       extra = dict(num_stages=2)
     return dataclasses.replace(base, block_q=qbs, block_k=bs, num_warps=None,
-                               bwd_num_warps=None, bwd_block_q=None, bwd_block_k=None, **extra)
+                               bwd_num_warps=None, bwd_block_q=None, bwd_block_k=None,
+                               dkv_block_q=None, **extra)
   if (base.block_q, base.block_k) == (qbs, bs):
     return base
   try:
@@ -1182,7 +1183,7 @@ _DECODE_IMPLEMENTATIONS = (None, "xla", "triton", "mosaic_tpu")
 
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
                    num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
-                   implementation, interpret, num_splits):
+                   implementation, interpret, num_splits, fused_select=False, score_splits=None):
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
   if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
@@ -1206,6 +1207,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   impl = implementation
   if impl is None:
     impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(compat.default_backend(), "xla")
+  if score_splits is not None and not fused_select:
+    raise ValueError("score_splits applies to fused_select=True only")
   if impl == "mosaic_tpu" and num_splits not in (None, 1):
     raise ValueError(f"num_splits applies to the Triton kernel only (the Mosaic TPU kernel "
                      f"walks each kv head's kept blocks in one pass), got {num_splits}")
@@ -1226,17 +1229,27 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     # Three launches, no XLA glue: block scores (many programs over the fp32 key sums), the
     # selection (a threshold search, no sort; compact ascending lists, counts and zeroed
     # arrival counters), and the split-KV attention over the kept blocks whose last split to
-    # finish per (batch, kv head) merges the splits (an atomic arrival counter).
+    # finish per (batch, kv head) merges the splits (an atomic arrival counter). With
+    # fused_select, the first two are one launch (scores, then the last score program of each
+    # (batch, kv head) selects; a memset of its counters first when it has several).
     _check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
     from pallas_kernels.sparse.decode import default_num_splits, sparse_decode
-    from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+    from pallas_kernels.sparse.decode_select import (decode_block_scores,
+                                                     score_select_decode_slots,
+                                                     select_decode_slots)
     lengths = jnp.asarray(kv_lengths, jnp.int32)
     width = _decode_width(nb, top_k, num_init_blocks, num_local_blocks)
-    scores = decode_block_scores(q, block_summaries.sums, block_summaries.lengths,
-                                 block_size=block_size, interpret=interpret)
-    indices, counts, arrivals = select_decode_slots(
-        scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
-        return_arrivals=True, **sel_kw)
+    if fused_select:
+      indices, counts, arrivals = score_select_decode_slots(
+          q, block_summaries.sums, block_summaries.lengths, lengths, block_size=block_size,
+          max_selected=width, score_splits=score_splits, interpret=interpret,
+          return_arrivals=True, **sel_kw)
+    else:
+      scores = decode_block_scores(q, block_summaries.sums, block_summaries.lengths,
+                                   block_size=block_size, interpret=interpret)
+      indices, counts, arrivals = select_decode_slots(
+          scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
+          return_arrivals=True, **sel_kw)
     if num_splits is None:
       num_splits = default_num_splits(q.shape[0], k.shape[2], width)
     out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
@@ -1253,7 +1266,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
 def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *, block_size,
                             top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                             return_lse=False, return_indices=False, implementation=None,
-                            interpret=False, num_splits=None):
+                            interpret=False, num_splits=None, fused_select=False,
+                            score_splits=None):
   """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
 
   Selection (:func:`select_decode_blocks`, per kv head, shared by its query heads) from the
@@ -1268,6 +1282,7 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       split-KV kernel whose per-kv-head block lists act as page tables and whose last split to
       finish per (batch, kv head) merges the splits by log-sum-exp
       (``pallas_kernels.sparse.decode.sparse_decode``). block_size must be a power of two >= 16.
+      ``fused_select=True``: scores and selection in one kernel (two launches in all).
     * "mosaic_tpu": the selection in XLA, then one Pallas Mosaic TPU kernel
       (``pallas_kernels.sparse.decode_tpu``) with grid (batch, kv head, kept slot): the kept
       block ids, counts and page table are scalar-prefetched and the K/V index maps DMA only the
@@ -1295,6 +1310,14 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     num_splits: Triton splits per (batch, kv head); default
       ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM). The
       Mosaic TPU kernel has no splits (None or 1).
+    fused_select: "triton" only (the other implementations select in XLA and ignore it): the
+      block scores and the selection in one launch
+      (``pallas_kernels.sparse.decode_select.score_select_decode_slots``) instead of two; the
+      same selection and output to the bit. Default False (two launches).
+    score_splits: with ``fused_select``: score programs per (batch, kv head); default
+      ``pallas_kernels.sparse.decode_select.default_score_splits`` (32 at B1, 8 kv heads,
+      2048 blocks on an H200; 1, i.e. no counters and no memset, once batch x kv_heads fills
+      the GPU).
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -1312,13 +1335,15 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
                         block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
                         num_local_blocks=num_local_blocks, scale=scale, return_lse=return_lse,
                         return_indices=return_indices, implementation=implementation,
-                        interpret=interpret, num_splits=num_splits)
+                        interpret=interpret, num_splits=num_splits, fused_select=fused_select,
+                        score_splits=score_splits)
 
 
 def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, block_summaries, *,
                                   top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                                   return_lse=False, return_indices=False, implementation=None,
-                                  interpret=False, num_splits=None):
+                                  interpret=False, num_splits=None, fused_select=False,
+                                  score_splits=None):
   """:func:`sparse_decode_attention` over a paged cache; blocks are pages (block = page size).
 
   Args:
@@ -1332,7 +1357,7 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
     block_summaries: :class:`BlockSummaries` with block_size == page_size and max_pages blocks
       (``init_block_summaries(k_pages, lens, block_size=page_size, page_table=page_table)``).
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
-      interpret, num_splits: as in :func:`sparse_decode_attention`.
+      interpret, num_splits, fused_select, score_splits: as in :func:`sparse_decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -1351,7 +1376,8 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                         scale=scale, return_lse=return_lse, return_indices=return_indices,
                         implementation=implementation, interpret=interpret,
-                        num_splits=num_splits)
+                        num_splits=num_splits, fused_select=fused_select,
+                        score_splits=score_splits)
 
 
 # ----------------------------------------------------------------------------- benchmarks

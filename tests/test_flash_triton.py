@@ -558,6 +558,7 @@ def test_gpu_matches_reference(name):
   if case.get("segments") == "packed":
     seg = _segments(np.random.default_rng(0), case["batch"], case["q_len"], pad_tail=100)
     case["segments"] = (seg, seg)
+  dkv = None if bs.dkv_tiles == bs.bwd_tiles else bs.dkv_tiles  # the default's own dK/dV tiles
   got, want = _run(block_q=bs.block_q, block_k=bs.block_k, bwd_tiles=bs.bwd_tiles, block_sizes=bs,
-                   interpret=False, **case)
+                   dkv_tiles=dkv, interpret=False, **case)
   _assert_close(got, want, dtype)

@@ -148,8 +148,14 @@ _DEFAULT_BLOCK_SIZES = {
     # non-causal, 5.77 vs 5.85 causal, 0.69-0.73 vs 0.76 ms causal window (511, 0)) while the
     # backward is much slower with them (fwd+bwd 80.6 ms). Hence per-pass tiles: the split
     # config itself has not been timed yet (predicted in docs/kernels.md).
-    (128, 2): BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_num_warps=8, bwd_num_stages=3,
-                         dkv_q_chunk=64, dq_k_chunk=64, bwd_block_q=128, bwd_block_k=64),
+    # Backward launch from the causal-backward A/B of session 12 (H200, one process with
+    # tokamax 0.0.17, experiments/results/h200_causal_bwd_ab_run13_20261130.json): 4 warps x 2
+    # stages with 32-row steps and 32-row dK/dV q tiles took causal fwd+bwd at 16K from 28.29 to
+    # 22.92 ms (tokamax-triton 28.50) and at 4K from 2.22 to 2.05 ms (tokamax 2.33): the dK/dV
+    # kernel from 17.4 to 10.7 ms. The previous 8 warps x 3 stages, 64-row steps: PREV_D128_BF16.
+    (128, 2): BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
+                         dkv_q_chunk=32, dq_k_chunk=32, bwd_block_q=128, bwd_block_k=64,
+                         dkv_block_q=32),
     (256, 2): BlockSizes(64, 64, num_warps=8, num_stages=2, bwd_num_warps=8, bwd_num_stages=2,
                          dkv_q_chunk=16, dq_k_chunk=32),
     # fp32 inputs (IEEE fp32 products, no tensor cores): for accuracy, not speed.
@@ -162,6 +168,11 @@ _DEFAULT_BLOCK_SIZES = {
     (256, 4): BlockSizes(32, 16, num_warps=4, num_stages=1, bwd_num_warps=4, bwd_num_stages=1,
                          dkv_q_chunk=16, dq_k_chunk=16),
 }
+
+# The D128 16-bit default before session 12 (backward 8 warps x 3 stages, 64-row steps): kept
+# for A/B rows in the benchmark (``jattn_triton[prev_default]``).
+PREV_D128_BF16 = BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_num_warps=8, bwd_num_stages=3,
+                            dkv_q_chunk=64, dq_k_chunk=64, bwd_block_q=128, bwd_block_k=64)
 
 # Candidates for a GPU sweep (``_sweep``), 16-bit inputs, by padded head dim. Each compiles for
 # sm_90a without register spills unless noted. Fields: block_q, block_k, fwd warps, fwd stages,
@@ -194,7 +205,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
   Example:
     >>> bs = default_block_sizes(128, jnp.bfloat16)
     >>> (bs.block_q, bs.block_k), bs.bwd_tiles, (bs.bwd_num_warps, bs.bwd_num_stages)
-    ((64, 64), (128, 64), (8, 3))
+    ((64, 64), (128, 64), (4, 2))
   """
   if head_dim > 256:
     raise ValueError(f"head_dim must be <= 256, got {head_dim}")
