@@ -903,6 +903,8 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=VARIANTS, stop_after
         budget -= trainer.step - trainer.fit_start_step
       if not finished:
         return rows, False
+      if full_head is None and variant != "full":  # full ran in another process (same out_dir)
+        full_head = _finished_full_head(out_dir, seed)
       row = finish_run(ctx, variant, seed, run_dir, trainer, retrieval_head=full_head)
       if variant == "full":
         full_trainer, full_head = trainer, tuple(row["analysis"]["retrieval_head"])
@@ -911,6 +913,16 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=VARIANTS, stop_after
       if on_row:
         on_row(rows)
   return rows, True
+
+
+def _finished_full_head(out_dir, seed):
+  """The full model's drawn (layer, head) if ``runs/full_s<seed>`` finished, else None."""
+  path = os.path.join(out_dir, "runs", f"full_s{seed}", "result.json")
+  try:
+    with open(path) as f:
+      return tuple(json.load(f)["analysis"]["retrieval_head"])
+  except (OSError, KeyError, ValueError):
+    return None
 
 
 def _fmt(x, nd=3):
