@@ -21,6 +21,18 @@ blocks, + the initial and the local block). Rows:
   default selection on all three score sets (``checks.select_r*_equal_default``), and
   ``sparse_r4``: the whole 3-kernel call with the digit_bits=4 selection
   (``checks.sparse_r4_equals_sparse``: bit-identical to ``sparse``).
+* fused scores + selection (``score_select_decode_slots``, one launch instead of ``scores`` +
+  ``select``): ``score_select_fused`` (default score splits: 32 programs per kv head on the
+  H200, the last to arrive selects; a memset of the counters before it),
+  ``score_select_fused_s1`` (one program per (batch, kv head): no counter, no memset, each
+  program reads its kv head's 1 MiB of fp32 key sums alone), ``score_select_fused_s8``,
+  ``score_select_fused_r4`` / ``score_select_fused_s1_r4`` (digit_bits=4); each checked equal
+  to ``scores`` + ``select`` on all three input sets (``checks.score_select_fused*_equal``:
+  indices, counts, zeroed counters). Whole calls: ``sparse_fused``
+  (``sparse_decode_attention(fused_select=True)``, two launches + the memset),
+  ``sparse_fused_s1`` (``score_splits=1``: two launches), ``sparse_fused_r4`` (digit_bits=4,
+  from the kernels), each bit-identical to ``sparse`` (``checks.sparse_fused*_equals_sparse``,
+  output and indices).
 * the previous path's XLA stages for comparison: ``xla_scores`` (einsum), ``xla_select``
   (lax.top_k + sort), ``xla_merge`` (jattn.merge.merge_partials), and ``sparse_prev`` (XLA
   selection + attend over the unsorted-free list + XLA merge, as before the kernels).
@@ -64,9 +76,14 @@ from pallas_kernels.flash.reference import attention_reference  # noqa: E402
 from pallas_kernels.sparse.decode import (default_num_splits, merge_decode_partials,  # noqa: E402
                                           sparse_decode, sparse_decode_partials)
 from pallas_kernels.sparse.decode_select import (decode_block_scores,  # noqa: E402
+                                                 default_score_splits,
+                                                 score_select_decode_slots,
                                                  select_decode_slots)
 
 
+# (name suffix, score_splits or None = default, digit_bits) of the fused score + selection rows
+FUSED_VARIANTS = (("", None, 1), ("_s1", 1, 1), ("_s8", 8, 1), ("_r4", None, 4),
+                  ("_s1_r4", 1, 4))
 # (digit_bits, num_warps or None = default, search_chunk or None = default) of the radix rows
 RADIX_VARIANTS = ((2, None, None), (4, None, None), (4, 1, None), (4, 8, None), (2, 1, None),
                   (4, None, 1 << 30))
@@ -282,6 +299,52 @@ def main(argv=None):
       jax.jit(sparse_radix)(q, kc, vc, summ), out))
   record("sparse_r4", sparse_radix, sets,
          f"whole sparse decode as 'sparse' with the digit_bits=4 selection, splits={splits}")
+  # Scores + selection in one kernel (score_select_decode_slots): the same indices, counts
+  # and zeroed counters as scores + select (checked on all three input sets), and the whole
+  # call with it bit-identical to "sparse".
+  # q is qs[0] in score_sets
+  ref3 = [sel_fn(sc, lens, return_arrivals=True) for (sc,) in score_sets]
+  ss_default = default_score_splits(1, hk, nb)
+  n_tiles = -(-nb // min(64, _pow2(nb)))                  # 64-block score tiles per kv head
+
+  def eff_splits(ss):
+    """score_splits as the kernel runs it (every split at least one tile)."""
+    ss = min(ss or ss_default, n_tiles)
+    return -(-n_tiles // -(-n_tiles // ss))
+  for suffix, ss, bits in FUSED_VARIANTS:
+    name = f"score_select_fused{suffix}"
+    fz = functools.partial(score_select_decode_slots, block_size=bs, max_selected=width,
+                           score_splits=ss, digit_bits=bits, return_arrivals=True,
+                           interpret=interpret, **sel_kw)
+    checks[f"{name}_equal"] = all(bool(jnp.array_equal(x, y))
+                                  for (_, _, s), r in zip(sets, ref3)
+                                  for x, y in zip(fz(q, s.sums, s.lengths, lens), r))
+    record(name, lambda q, s, fz=fz: fz(q, s.sums, s.lengths, lens), [(s,) for _, _, s in sets],
+           f"score_select_decode_slots (scores + select, 1 launch), score_splits="
+           f"{eff_splits(ss)}{' (default)' if ss is None else ''}, digit_bits={bits}")
+  def sparse_fused_kernels(q, k, v, s, bits=4):
+    i, c, a = score_select_decode_slots(q, s.sums, s.lengths, lens, block_size=bs,
+                                        max_selected=width, digit_bits=bits,
+                                        return_arrivals=True, interpret=interpret, **sel_kw)
+    return sparse_decode(q, k, v, lens, i, None, c, a, block_size=bs, num_splits=splits,
+                         out_dtype=dtype, interpret=interpret)[0]
+  whole = {"sparse_fused": (None, "whole sparse decode, fused_select=True (score_select + "
+                                  "attend: 2 launches, + a counter memset if score_splits > 1)"),
+           "sparse_fused_s1": (1, "whole sparse decode, fused_select=True (2 launches)")}
+  for name, (ss, what) in whole.items():
+    fused = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
+                                      implementation="triton", interpret=interpret,
+                                      return_indices=True, num_splits=splits, fused_select=True,
+                                      score_splits=ss, **sel_kw))
+    fo, fi = fused(q, kc, vc, block_summaries=summ)
+    checks[f"{name}_equals_sparse"] = bool(jnp.array_equal(fo, out) and jnp.array_equal(fi, idx))
+    record(name, lambda q, k, v, s, fused=fused: fused(q, k, v, block_summaries=s)[0], sets,
+           f"{what}, score_splits={eff_splits(ss)}, splits={splits}")
+  checks["sparse_fused_r4_equals_sparse"] = bool(jnp.array_equal(
+      jax.jit(sparse_fused_kernels)(q, kc, vc, summ), out))
+  record("sparse_fused_r4", sparse_fused_kernels, sets,
+         f"whole sparse decode as 'sparse_fused' with the digit_bits=4 selection, "
+         f"score_splits={eff_splits(None)}, splits={splits}")
   # Per-call floor of the host-timed method: a jitted call that launches one trivial kernel
   # with the same arguments as the whole sparse decode.
   record("host_floor", lambda q, k, v, s: q * 2, sets, "one trivial XLA kernel, same arguments")
@@ -339,6 +402,11 @@ def main(argv=None):
       summary[f"speedup_4k_{key}"] = by["dense"][key] / by["sparse_4k"][key]
     if key in by.get("sparse", {}) and key in by.get("sparse_4k", {}):
       summary[f"merged_vs_4k_{key}"] = by["sparse_4k"][key] / by["sparse"][key]
+    for name in ("sparse_fused", "sparse_fused_s1", "sparse_fused_r4"):
+      if key in by.get("dense", {}) and key in by.get(name, {}):
+        summary[f"speedup_{name[len('sparse_'):]}_{key}"] = by["dense"][key] / by[name][key]
+      if key in by.get("sparse", {}) and key in by.get(name, {}):
+        summary[f"{name[len('sparse_'):]}_vs_sparse_{key}"] = by["sparse"][key] / by[name][key]
   kv_bytes = 2 * float(np.asarray(cnt).sum()) * bs * d * 2
   summary["kept_kv_bytes"] = kv_bytes
   summary["kv_read_us_at_4TBps"] = kv_bytes / 4e12 * 1e6
@@ -348,7 +416,9 @@ def main(argv=None):
         and checks["attend_merge_rel_err"] < 2e-2 and checks["sparse_prev_rel_err"] < 2e-2
         and checks.get("dense_rel_err", 0.0) < 2e-2
         and all(v for k, v in checks.items() if k.startswith("select_r"))
-        and checks["sparse_r4_equals_sparse"])
+        and checks["sparse_r4_equals_sparse"]
+        and all(v for k, v in checks.items() if k.startswith(("score_select_fused",
+                                                                "sparse_fused"))))
   res = dict(case=case, top_k=top_k, width=width, default_splits=splits, ok=bool(ok),
              checks=checks, summary=summary, rows=rows,
              meta=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,

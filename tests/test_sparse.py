@@ -940,6 +940,68 @@ def test_decode_block_scores_kernel(hq, hk, d, nb, chunk):
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+def test_decode_score_select_fused_kernel():
+  """Scores + selection in one kernel (interpret) == the two kernels to the bit (indices,
+  counts, scores, zeroed counters) and == lax.top_k / brute force on the same scores: one
+  program per (batch, kv head) (bit search), and 3 score splits of 2 tiles each arriving out of
+  order, the last reaching past the last block (radix search); GQA group 2, head_dim 72, 70
+  blocks; random,
+  quantised (ties, +0/-0) and special (inf, -inf, NaN, FLT_MAX overflow, subnormal) key sums;
+  lengths 0, 1, mid-block, on a boundary, past the cache; summaries one token behind."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode_select import (decode_block_scores,
+                                                   score_select_decode_slots,
+                                                   select_decode_slots)
+  b, hq, hk, d, bs, nb, top_k, n_init, n_local = 8, 6, 3, 72, 16, 70, 5, 1, 2
+  rng = np.random.default_rng(5)
+  f32 = np.float32
+  q = np.asarray(rng.normal(size=(b, hq, d)), f32)
+  sums = np.asarray(rng.normal(size=(b, nb, hk, d)) * 8, f32)
+  # kv head 1: qsum = 2 e_0 and quantised sums in dim 0 (exact ties, +0/-0); kv head 2: the
+  # same query and special values (3 * FLT_MAX / count overflows to inf for full blocks).
+  q[:, 2:, :] = 0.0
+  q[:, 2:, 0] = 1.0
+  sums[:, :, 1:, :] = 0.0
+  sums[:, :, 1, 0] = np.round(rng.normal(size=(b, nb)) * 2) / 2 * 16
+  sums[:, ::4, 1, 0] = -0.0
+  sums[:, :, 2, 0] = rng.choice(np.array([np.inf, -np.inf, np.nan, np.finfo(f32).max, -1.0,
+                                          np.finfo(f32).smallest_subnormal, 4.0], f32), (b, nb))
+  lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100, 2 * bs + 1,
+                    bs * (top_k + 3)])
+  slens = jnp.maximum(lens - 1, 0)
+  q, sums = jnp.asarray(q, jnp.bfloat16), jnp.asarray(sums)
+  width = sp._decode_width(nb, top_k, n_init, n_local)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local,
+            max_selected=width, interpret=True)
+  scores = decode_block_scores(q, sums, slens, block_size=bs, chunk=16, interpret=True)
+  idx, cnt = select_decode_slots(scores, lens, **kw)
+  sel_kw = {k: kw[k] for k in ("block_size", "top_k", "num_init_blocks", "num_local_blocks")}
+  want = jax.jit(functools.partial(sp._decode_select_from_scores, **sel_kw))(scores, lens)
+  brute = _np_decode_select(scores, np.asarray(lens), bs, top_k, n_init, n_local, width)
+  np.testing.assert_array_equal(np.asarray(idx)[:, :2], np.asarray(want)[:, :2])
+  np.testing.assert_array_equal(np.asarray(idx)[:, :2], brute[:, :2])
+  assert np.isnan(np.asarray(scores)[:, 2]).any() and np.isinf(np.asarray(scores)[:, 2]).any()
+  for splits, stride, bits in ((1, 1, 1), (3, 2, 4)):          # 5 tiles of 16 blocks
+    msg = f"splits={splits} stride={stride} digit_bits={bits}"
+    i, c, a, s = score_select_decode_slots(q, sums, slens, lens, score_splits=splits, chunk=16,
+                                           digit_bits=bits, return_arrivals=True,
+                                           return_scores=True, _split_stride=stride, **kw)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(scores), err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(idx), err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(c), np.asarray(cnt), err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(a), 0, err_msg=msg)
+  with pytest.raises(ValueError, match="coprime"):
+    score_select_decode_slots(q, sums, slens, lens, score_splits=2, chunk=16, _split_stride=2,
+                              **kw)
+  with pytest.raises(ValueError, match="score_splits"):
+    score_select_decode_slots(q, sums, slens, lens, score_splits=0, **kw)
+  summ = sp.BlockSummaries(sums=sums, lengths=slens, block_size=bs)
+  with pytest.raises(ValueError, match="score_splits applies to fused_select"):
+    sp.sparse_decode_attention(q, jnp.zeros((b, nb * bs, hk, d)), jnp.zeros((b, nb * bs, hk, d)),
+                               lens, summ, block_size=bs, top_k=top_k, score_splits=2,
+                               implementation="triton")
+
+
 def test_merge_decode_partials_kernel():
   """One-kernel merge (interpret) == jattn.merge.merge_partials, with empty partials, an
   all-empty head, 5 splits (not a power of two), head_dim 72, a bf16 output."""
@@ -1029,7 +1091,9 @@ def _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens, dtype=jnp.f
 def test_sparse_decode_values_narrower_than_keys(impl, d, dv, hq, hk):
   """MLA-shaped caches (keys d wide, values dv < d): contiguous and paged (shuffled pages, NaN
   spare pages) sparse decode return [.., dv] outputs equal to the fp32 reference restricted to the
-  selection; GQA, a zero-length and a one-token sequence, several splits."""
+  selection; GQA, a zero-length and a one-token sequence, several splits; Triton GQA 6:2 paged
+  with ``fused_select`` (scores + selection in one kernel): bit-identical to the contiguous
+  three-kernel call."""
   if impl == "triton":
     _kernel_module_or_skip("triton")
   b, n, bs, top_k = 4, 100, 16, 2
@@ -1050,12 +1114,17 @@ def test_sparse_decode_values_narrower_than_keys(impl, d, dv, hq, hk):
   ref, ref_lse = ref[:, 0], ref_lse[:, :, 0]                    # [b, hq, dv], [b, hq]
   kw = dict(top_k=top_k, return_lse=True, return_indices=True, implementation=impl,
             interpret=True, num_splits=3 if impl == "triton" else None)
+  # Triton, GQA 6:2: the paged call runs the fused score + selection kernel (2 score splits).
+  fused = dict(fused_select=True, score_splits=2) if impl == "triton" and hk == 2 else {}
   runs = {
       "contiguous": jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, **kw))(
           q, kc, vc, lens, summ),
-      "paged": jax.jit(functools.partial(sp.sparse_paged_decode_attention, **kw))(
+      "paged": jax.jit(functools.partial(sp.sparse_paged_decode_attention, **kw, **fused))(
           q, kp, vp, table, lens, psumm),
   }
+  if fused:                        # the same selection and arithmetic: equal to the bit
+    for x, y in zip(runs["paged"], runs["contiguous"]):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   for name, (out, lse, idx) in runs.items():
     np.testing.assert_array_equal(np.asarray(idx), idx_x, err_msg=name)
     assert out.shape == (b, hq, dv) and out.dtype == q.dtype, (name, out.shape)
@@ -1160,6 +1229,7 @@ def test_sparse_decode_merged_kernel(dtype, tol):
                   interpret=True)
 
 
+
 def test_sparse_decode_triton_is_three_launches():
   """At the issue-5 bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks), the "triton"
   sparse decode lowers (for CUDA, on the CPU) to exactly three Triton kernels and nothing that
@@ -1190,4 +1260,42 @@ def test_sparse_decode_triton_is_three_launches():
     assert "output_operand_alias" in text                          # counters updated in place
     for op in ("stablehlo.broadcast", "stablehlo.constant dense<0> : tensor<1x8xi32>",
                "stablehlo.sort", "stablehlo.reduce"):
+      assert op not in text, op
+
+
+def test_sparse_decode_fused_select_is_two_launches():
+  """``fused_select=True`` at the issue-5 bench shape lowers (for CUDA, on the CPU) to two
+  Triton kernels: with 32 score splits (the H200 default) plus the zeroed [1, 8] counters (a
+  memset), which the score + selection kernel and then the attention kernel update in place;
+  with one score program per kv head (contiguous and paged) nothing else."""
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  n, bs = 131072, 64
+  nb = n // bs
+  summ = sp.BlockSummaries(sums=S((1, nb, 8, 128), jnp.float32), lengths=S((1,), jnp.int32),
+                           block_size=bs)
+  kw = dict(top_k=387, implementation="triton", num_splits=33, fused_select=True)
+  q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
+  cache, pages = S((1, n, 8, 128), bf16), S((nb + 4, bs, 8, 128), bf16)
+  for splits, paged in ((32, False), (1, False), (1, True)):
+    if paged:
+      fn = lambda q, k, v, pt, lens, s: sp.sparse_paged_decode_attention(
+          q, k, v, pt, lens, s, score_splits=splits, **kw)
+      args = (q, pages, pages, S((1, nb), jnp.int32), lens, summ)
+    else:
+      fn = lambda q, k, v, lens, s: sp.sparse_decode_attention(
+          q, k, v, lens, s, block_size=bs, score_splits=splits, **kw)
+      args = (q, cache, cache, lens, summ)
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
+        *args).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2, splits
+    assert f"grid_z = {splits} " in text and "grid_z = 33" in text
+    assert text.count("output_operand_aliases =") == (2 if splits > 1 else 1)   # in place
+    # the counters: zeros broadcast from a scalar 0 (XLA: a memset), only with splits
+    assert text.count("stablehlo.broadcast") == (splits > 1)
+    assert text.count("-> tensor<1x8xi32>") == (splits > 1)
+    assert text.count("stablehlo.constant") == (splits > 1)
+    assert (splits == 1) or "stablehlo.constant dense<0> : tensor<i32>" in text
+    for op in ("stablehlo.sort", "stablehlo.reduce"):
       assert op not in text, op

@@ -17,12 +17,19 @@ one threshold search inside a kernel.
   Exactly ``select_decode_blocks``'s output for the same scores (tested). Option
   ``digit_bits`` 2 or 4: a radix form of the same search (16 or 8 passes, each counting the
   keys >= all 2**digit_bits trial digits at once), the same threshold, so the same selection.
+* :func:`score_select_decode_slots`: both in one launch (``jattn.sparse``'s
+  ``fused_select=True``): grid (batch, kv head, score split), each program scores its share
+  of the blocks with the score kernel's code into an HBM scratch; with one split the program
+  then selects (after a CTA barrier), with several the last to arrive on a per-(batch, kv
+  head) counter (atomic) selects and resets the counter, which then serves as the merged
+  decode kernel's zeroed arrival counter. The same scores and selection, to the bit.
 
-File layout: score kernel and wrapper, selection kernel and wrapper.
+File layout: score kernel and wrapper, selection kernel and wrapper, fused kernel and wrapper.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +39,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import compat
 from pallas_kernels.decode.triton import load_group_query
 
-__all__ = ["decode_block_scores", "select_decode_slots", "total_order_key"]
+__all__ = ["decode_block_scores", "select_decode_slots", "score_select_decode_slots",
+           "default_score_splits", "total_order_key"]
 
 _INT_MIN = -(2 ** 31)
 _NEG_INF_KEY = -2139095041           # total_order_key(-inf): 0xff800000 ^ 0x7fffffff
@@ -43,6 +51,29 @@ def _pow2(n):
 
 
 # ----------------------------------------------------------------------------- scores
+def _group_query_sum(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
+  """fp32 [d_pad] sum of kv head h's GQA group of queries (padded rows and columns 0), the
+  column ids and mask, and the [g_pad, d_pad] mask of the group's real query entries."""
+  q, (_, cols, _, col_ok, q_mask) = load_group_query(
+      q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
+  qsum = jnp.sum(q.astype(jnp.float32), axis=0)                      # [d_pad], padded rows 0
+  return qsum, cols, col_ok, q_mask
+
+
+def _chunk_scores(slen_ref, sums_ref, b, h, c, qsum, cols, col_ok, *, block, chunk,
+                  num_blocks):
+  """Scores of blocks c * chunk .. c * chunk + chunk - 1: (block ids [chunk], in range
+  [chunk], fp32 scores [chunk]); one [chunk, d_pad] load of the key sums."""
+  rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)              # [chunk] block ids
+  row_ok = rows < num_blocks
+  mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
+  s = plgpu.load(sums_ref.at[b, rows[:, None], h, cols[None, :]], mask=mask, other=0.0)
+  dots = jnp.sum(s.astype(jnp.float32) * qsum[None, :], axis=1)      # [chunk] fp32
+  length = plgpu.load(slen_ref.at[b])
+  cnt = jnp.clip(length - rows * block, 0, block)
+  return rows, row_ok, dots / jnp.maximum(cnt, 1).astype(jnp.float32)
+
+
 def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, *, block, chunk, group, g_pad, head_dim,
                   d_pad, num_blocks):
   """One (batch, kv head, chunk) program.
@@ -53,17 +84,10 @@ def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, *, block, chunk, group, g_pa
   b = pl.program_id(0)
   h = pl.program_id(1)
   c = pl.program_id(2)
-  q, (_, cols, _, col_ok, _) = load_group_query(
-      q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
-  qsum = jnp.sum(q.astype(jnp.float32), axis=0)                      # [d_pad], padded rows 0
-  rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)              # [chunk] block ids
-  row_ok = rows < num_blocks
-  mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
-  s = plgpu.load(sums_ref.at[b, rows[:, None], h, cols[None, :]], mask=mask, other=0.0)
-  dots = jnp.sum(s.astype(jnp.float32) * qsum[None, :], axis=1)      # [chunk] fp32
-  length = plgpu.load(slen_ref.at[b])
-  cnt = jnp.clip(length - rows * block, 0, block)
-  scores = dots / jnp.maximum(cnt, 1).astype(jnp.float32)
+  qsum, cols, col_ok, _ = _group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
+                                           head_dim=head_dim, d_pad=d_pad)
+  rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h, c, qsum, cols, col_ok,
+                                       block=block, chunk=chunk, num_blocks=num_blocks)
   plgpu.store(o_ref.at[b, h, rows], scores, mask=row_ok)
 
 
@@ -178,15 +202,10 @@ def _radix_threshold(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_loc
   return t_u
 
 
-def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
-                   num_local, top_k, width, digit_bits=1, search_chunk=None):
-  """One (batch, kv head) program.
-
-  Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
-  int32, cnt [B, Hk] int32 and optionally arrival counters [B, Hk] int32 (set to 0).
-  """
-  b = pl.program_id(0)
-  h = pl.program_id(1)
+def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, nb_pad,
+                 num_init, num_local, top_k, width, digit_bits, search_chunk):
+  """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
+  selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h]."""
   j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
   real = j < num_blocks
   length = jnp.minimum(plgpu.load(len_ref.at[b]), num_blocks * block)
@@ -230,8 +249,41 @@ def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb
   slot = jnp.where(keep, incl - 1, count + j - incl)
   plgpu.store(idx_ref.at[b, h, slot], jnp.where(keep, j, -1), mask=slot < width)
   plgpu.store(cnt_ref.at[b, h], count)
+
+
+def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
+                   num_local, top_k, width, digit_bits=1, search_chunk=None):
+  """One (batch, kv head) program.
+
+  Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
+  int32, cnt [B, Hk] int32 and optionally arrival counters [B, Hk] int32 (set to 0).
+  """
+  b = pl.program_id(0)
+  h = pl.program_id(1)
+  _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, block=block, num_blocks=num_blocks,
+               nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
+               width=width, digit_bits=digit_bits, search_chunk=search_chunk)
   if arr:                                      # zeroed counters for the merged decode kernel
     plgpu.store(arr[0].at[b, h], jnp.int32(0))
+
+
+def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, max_selected,
+                      num_warps, digit_bits, search_chunk):
+  """Checks the selection options; (num_warps, static keywords of ``_select_body``)."""
+  nb_pad = _pow2(nb)
+  if num_warps is None:
+    num_warps = int(min(16, max(4, nb_pad // 512)))
+  if digit_bits not in (1, 2, 4):
+    raise ValueError(f"digit_bits must be 1, 2 or 4, got {digit_bits}")
+  if search_chunk is None:
+    search_chunk = _default_search_chunk(nb_pad, digit_bits, num_warps)
+  elif search_chunk < 16 or search_chunk & (search_chunk - 1):
+    raise ValueError(f"search_chunk must be a power of two >= 16, got {search_chunk}")
+  return int(num_warps), dict(block=int(block_size), num_blocks=nb, nb_pad=nb_pad,
+                              num_init=int(num_init_blocks), num_local=int(num_local_blocks),
+                              top_k=int(min(top_k, nb)), width=int(max_selected),
+                              digit_bits=int(digit_bits),
+                              search_chunk=int(min(search_chunk, nb_pad)))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
@@ -276,20 +328,9 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     ([[[0, 1, 3, 4]]], [[4]])
   """
   bsz, hk, nb = scores.shape
-  nb_pad = _pow2(nb)
-  if num_warps is None:
-    num_warps = int(min(16, max(4, nb_pad // 512)))
-  if digit_bits not in (1, 2, 4):
-    raise ValueError(f"digit_bits must be 1, 2 or 4, got {digit_bits}")
-  if search_chunk is None:
-    search_chunk = _default_search_chunk(nb_pad, digit_bits, num_warps)
-  elif search_chunk < 16 or search_chunk & (search_chunk - 1):
-    raise ValueError(f"search_chunk must be a power of two >= 16, got {search_chunk}")
-  kernel = functools.partial(_select_kernel, block=int(block_size), num_blocks=nb,
-                             nb_pad=nb_pad, num_init=int(num_init_blocks),
-                             num_local=int(num_local_blocks), top_k=int(min(top_k, nb)),
-                             width=int(max_selected), digit_bits=int(digit_bits),
-                             search_chunk=int(min(search_chunk, nb_pad)))
+  num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
+                                     max_selected, num_warps, digit_bits, search_chunk)
+  kernel = functools.partial(_select_kernel, **sel)
   out_shape = [jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
                jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
   if return_arrivals:
@@ -300,3 +341,186 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
       interpret=interpret, name="jattn_sparse_decode_select")(
           kv_lengths.astype(jnp.int32), scores.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------- fused
+def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group, g_pad,
+                         head_dim, d_pad, score_splits, chunks_per_split, split_stride,
+                         **sel):
+  """One (batch, kv head, score split) program: scores, then (last to arrive) the selection.
+
+  Refs: slen [B] (positions summarised); len [B] (query position + 1); q [B, Hq, D]; sums
+  [B, N, Hk, D] fp32; with score_splits > 1 the arrival counters [B, Hk] int32 (zeros, input
+  aliased to the last output). Outputs: scores [B, Hk, N] fp32, idx [B, Hk, width] int32,
+  cnt [B, Hk] int32, then the counters (with score_splits > 1, or when requested: set to 0).
+  """
+  if score_splits > 1:
+    _, s_ref, idx_ref, cnt_ref, arr_ref = rest
+  else:
+    s_ref, idx_ref, cnt_ref, *arr = rest
+    arr_ref = arr[0] if arr else None
+  b = pl.program_id(0)
+  h = pl.program_id(1)
+  split = pl.program_id(2)
+  if split_stride != 1:                  # tests: make a split other than S-1 arrive last
+    split = (split * split_stride) % score_splits
+  qsum, cols, col_ok, q_mask = _group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
+                                                head_dim=head_dim, d_pad=d_pad)
+  # This program's share of the blocks: chunks_per_split tiles of ``chunk`` blocks, each the
+  # score kernel's program (the same loads and arithmetic, so the same fp32 scores).
+  for i in range(chunks_per_split):
+    rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h,
+                                         split * chunks_per_split + i, qsum, cols, col_ok,
+                                         block=sel["block"], chunk=chunk,
+                                         num_blocks=sel["num_blocks"])
+    plgpu.store(s_ref.at[b, h, rows], scores, mask=row_ok)
+  # Memory order (as in pallas_kernels.sparse.decode.sparse_decode's merge): the selection
+  # reads scores stored by other threads of this program (and, with splits, by other
+  # programs). ``arrived`` (= 1) is a reduction over the whole [g_pad, d_pad] query tile, which
+  # spans all warps, so it passes through shared memory and a CTA barrier placed after the
+  # score stores above; with splits the atomic (acq_rel, GPU scope) increment depends on it,
+  # and the last program's selection loads follow the atomic's broadcast result.
+  arrived = jnp.minimum(jnp.sum(q_mask.astype(jnp.int32)), 1)
+  if score_splits > 1:
+    last = plgpu.atomic_add(arr_ref, (b, h), arrived) == score_splits - 1
+  else:
+    last = arrived == 1                  # always: orders the loads below after the barrier
+
+  @pl.when(last)
+  def _select():
+    _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, **sel)
+    if arr_ref is not None:              # zeroed counters for the merged decode kernel
+      plgpu.store(arr_ref.at[b, h], jnp.int32(0))
+
+
+def default_score_splits(batch, kv_heads, num_blocks, *, chunk=64, core_count=None,
+                         programs_per_core=2):
+  """Score programs per (batch, kv head) of :func:`score_select_decode_slots`.
+
+  About ``programs_per_core`` programs per multiprocessor over the batch x kv_heads pairs, at
+  most one per ``chunk`` blocks: B1 with 8 kv heads and 2048 blocks on a 132-SM H200 gives 32
+  (256 programs of one [64, head_dim] key-sum tile each, the score kernel's decomposition);
+  1 (no counter, no memset) once batch x kv_heads fills the GPU, and without a GPU.
+
+  Args:
+    batch, kv_heads: (batch, kv head) pairs.
+    num_blocks: cache blocks.
+    chunk: blocks per score tile.
+    core_count: multiprocessors; default ``compat.gpu_core_count()`` (1 without a GPU).
+    programs_per_core: target programs per multiprocessor.
+
+  Returns:
+    An int >= 1.
+
+  Example:
+    >>> default_score_splits(1, 8, 2048, core_count=132)
+    32
+    >>> default_score_splits(64, 8, 2048, core_count=132)
+    1
+  """
+  cores = compat.gpu_core_count() if core_count is None else int(core_count)
+  want = -(-int(programs_per_core) * cores // max(1, batch * kv_heads))
+  n_chunks = -(-int(num_blocks) // min(int(chunk), _pow2(num_blocks)))
+  return int(max(1, min(want, n_chunks)))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
+                                             "num_local_blocks", "max_selected", "score_splits",
+                                             "chunk", "num_warps", "digit_bits",
+                                             "search_chunk", "return_arrivals",
+                                             "return_scores", "interpret", "_split_stride"))
+def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_size, top_k,
+                              num_init_blocks, num_local_blocks, max_selected,
+                              score_splits=None, chunk=64, num_warps=None, digit_bits=1,
+                              search_chunk=None, return_arrivals=False, return_scores=False,
+                              interpret=False, _split_stride=1):
+  """:func:`decode_block_scores` and :func:`select_decode_slots` in one launch.
+
+  Grid (batch, kv head, score split). Each program computes the scores of its share of the
+  blocks (``chunk``-block tiles, the score kernel's loads and arithmetic) into an fp32 HBM
+  scratch; the selection of a (batch, kv head) then runs in one program over all its scores
+  (the selection kernel's code: threshold search, ties, forced blocks, compaction). With
+  ``score_splits == 1`` that is the same program, after a CTA barrier; with more, each split
+  counts its arrival on a per-(batch, kv head) counter (``atomic_add``, acq_rel, GPU scope) and
+  the split that arrives last selects, then resets the counter to 0, so the counters leave the
+  kernel as the zeroed arrival counters of ``pallas_kernels.sparse.decode.sparse_decode``. The
+  counters start as zeros made by XLA (a memset before the launch); ``score_splits == 1`` needs
+  none. Same scores and the same selection as the two kernels, to the bit (tested), for any
+  split count and arrival order.
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    sums: fp32 [batch, num_blocks, kv_heads, head_dim] (``BlockSummaries.sums``).
+    summary_lengths: int32 [batch] (``BlockSummaries.lengths``).
+    kv_lengths: int32 [batch], including the new token (query at kv_lengths - 1).
+    block_size: positions per block.
+    top_k, num_init_blocks, num_local_blocks, max_selected: as :func:`select_decode_slots`.
+    score_splits: score programs per (batch, kv head); default :func:`default_score_splits`
+      (32 at B1, 8 kv heads, 2048 blocks on an H200; 1 without a GPU). Rounded so that every
+      split has at least one ``chunk``-block tile.
+    chunk: blocks per score tile, a power of two >= 16 (as :func:`decode_block_scores`).
+    num_warps: launch parameter; default :func:`select_decode_slots`'s (the selection's).
+    digit_bits, search_chunk: the threshold search, as :func:`select_decode_slots`.
+    return_arrivals: also return the zeroed int32 [batch, kv_heads] arrival counters.
+    return_scores: also return the fp32 [batch, kv_heads, num_blocks] scores.
+    interpret: run in the Pallas interpreter (CPU tests).
+    _split_stride: tests only: program s scores split (s * stride) % score_splits (coprime
+      with the split count), so in the interpreter, which runs programs in order, another
+      split than the last arrives last.
+
+  Returns:
+    (indices int32 [batch, kv_heads, max_selected], counts int32 [batch, kv_heads]), then the
+    counters if ``return_arrivals``, then the scores if ``return_scores``.
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); sums = jnp.arange(6.0).reshape(1, 6, 1, 1) * jnp.ones(16)
+    >>> idx, cnt = score_select_decode_slots(
+    ...     q, sums, jnp.array([96]), jnp.array([96]), block_size=16, top_k=2,
+    ...     num_init_blocks=1, num_local_blocks=1, max_selected=4, interpret=True)
+    >>> idx.tolist(), cnt.tolist()
+    ([[[0, 3, 4, 5]]], [[4]])
+  """
+  bsz, hq, d = q.shape
+  _, nb, hk, ds = sums.shape
+  if ds != d or hq % hk or sums.shape[0] != bsz:
+    raise ValueError(f"q {q.shape} does not match the block sums {sums.shape}")
+  if chunk < 16 or chunk & (chunk - 1):
+    raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+  chunk = min(chunk, _pow2(nb))
+  n_chunks = pl.cdiv(nb, chunk)
+  if score_splits is None:
+    score_splits = default_score_splits(bsz, hk, nb, chunk=chunk)
+  if int(score_splits) < 1:
+    raise ValueError(f"score_splits must be >= 1, got {score_splits}")
+  per_split = pl.cdiv(n_chunks, min(int(score_splits), n_chunks))
+  splits = pl.cdiv(n_chunks, per_split)
+  if math.gcd(int(_split_stride), splits) != 1:
+    raise ValueError(f"_split_stride {_split_stride} must be coprime with the {splits} splits")
+  num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
+                                     max_selected, num_warps, digit_bits, search_chunk)
+  group = hq // hk
+  kernel = functools.partial(_score_select_kernel, chunk=chunk, group=group,
+                             g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d),
+                             score_splits=splits, chunks_per_split=per_split,
+                             split_stride=int(_split_stride), **sel)
+  args = [summary_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32), q,
+          sums.astype(jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
+               jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
+               jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
+  aliases = {}
+  if splits > 1 or return_arrivals:
+    out_shape.append(jax.ShapeDtypeStruct((bsz, hk), jnp.int32))
+  if splits > 1:
+    aliases = {len(args): 3}
+    args.append(jnp.zeros((bsz, hk), jnp.int32))
+  res = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(bsz, hk, splits), input_output_aliases=aliases,
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jattn_sparse_decode_score_select")(*args)
+  out = (res[1], res[2])
+  if return_arrivals:
+    out += (res[3],)
+  if return_scores:
+    out += (res[0],)
+  return out
