@@ -3,7 +3,7 @@
 # training a disjoint set of variants into the same output directory (finished runs are kept in
 # OUT_DIR/runs/<variant>_s<seed>/), then one more call of the same command with every variant
 # loads them and writes results.json, table.md and the figures.
-#   [PRESET=h200] [GROUPS="full,posthoc_topk sparse_none,csa ..."] OUT_DIR=runs/h200 SEEDS=2 BUDGET=470 bash experiments/h200_parallel.sh [extra coadaptation args]
+#   [PRESET=h200] [VARIANT_GROUPS="full,posthoc_topk sparse_none,csa ..."] OUT_DIR=runs/h200 SEEDS=2 BUDGET=470 bash experiments/h200_parallel.sh [extra coadaptation args]
 # Exit 0 when the table was written; 3 when a group stopped at its time budget (rerun the same
 # command while the machine is warm: every run resumes from its checkpoint).
 set -uo pipefail
@@ -11,7 +11,7 @@ OUT_DIR=${OUT_DIR:-runs/h200}; SEEDS=${SEEDS:-2}; BUDGET=${BUDGET:-470}
 mkdir -p "$OUT_DIR"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 PYTHONUNBUFFERED=1
 pids=()
-for group in ${GROUPS:-full,posthoc_topk,local_global sparse_none,sparse_ste sparse_gumbel,csa}; do
+for group in ${VARIANT_GROUPS:-full,posthoc_topk,local_global sparse_none,sparse_ste sparse_gumbel,csa}; do
   python3 -m experiments.coadaptation --preset "${PRESET:-h200}" --out "$OUT_DIR" --seeds "$SEEDS" \
     --variants "$group" --no-progress --time-budget "$BUDGET" "$@" \
     > "$OUT_DIR/log_${group//,/+}.txt" 2>&1 &
