@@ -2,12 +2,13 @@
 
 One process, random non-zero bf16 inputs, every timed output checked against a reference.
 Default case = the issue-5 bench case "B1 S128K GQA32:8 D128 top19% blk64" (top_k 387 of 2048
-blocks, + the initial and the local block). Rows:
+blocks, + the initial and the local block). Rows (``--list`` prints them; ``--rows`` picks some):
 
 * ``dense``: ``jattn.decode.decode_attention(implementation="triton")`` (the bench baseline).
 * ``sparse``: ``sparse_decode_attention(implementation="triton")``, selection included (the
   bench's timed call): three kernels (scores, select, attend with the merge folded in: the
-  last split to arrive merges).
+  last split to arrive merges). ``dense`` and ``sparse`` always run: the ratios and the
+  equality checks of the other rows need them.
 * ``sparse_4k``: the previous four-kernel path, built from the same public kernels (scores,
   select, ``sparse_decode_partials``, ``merge_decode_partials``) at the same split count: the
   old-vs-new comparison of the in-kernel merge (``summary.merged_vs_4k_*``).
@@ -18,9 +19,9 @@ blocks, + the initial and the local block). Rows:
   ``select_r4`` (radix threshold search, ``digit_bits`` 2 / 4: 16 / 8 dependent reductions
   instead of 32), ``select_r4_w{1,8}``, ``select_r2_w1``, ``select_r4_1chunk`` (one compare
   tile over all blocks instead of the register-bounded chunks); each checked equal to the
-  default selection on all three score sets (``checks.select_r*_equal_default``), and
-  ``sparse_r4``: the whole 3-kernel call with the digit_bits=4 selection
-  (``checks.sparse_r4_equals_sparse``: bit-identical to ``sparse``).
+  default selection on all three score sets (``checks.select_*_equal_default``), and
+  ``sparse_r2`` / ``sparse_r4``: the whole 3-kernel call with the digit_bits=2 / 4 selection
+  (``checks.sparse_r*_equals_sparse``: output and indices bit-identical to ``sparse``).
 * fused scores + selection (``score_select_decode_slots``, one launch instead of ``scores`` +
   ``select``): ``score_select_fused`` (default score splits: 32 programs per kv head on the
   H200, the last to arrive selects; a memset of the counters before it),
@@ -30,33 +31,48 @@ blocks, + the initial and the local block). Rows:
   to ``scores`` + ``select`` on all three input sets (``checks.score_select_fused*_equal``:
   indices, counts, zeroed counters). Whole calls: ``sparse_fused``
   (``sparse_decode_attention(fused_select=True)``, two launches + the memset),
-  ``sparse_fused_s1`` (``score_splits=1``: two launches), ``sparse_fused_r4`` (digit_bits=4,
-  from the kernels), each bit-identical to ``sparse`` (``checks.sparse_fused*_equals_sparse``,
-  output and indices).
+  ``sparse_fused_s1`` (``score_splits=1``: two launches), ``sparse_fused_r2`` /
+  ``sparse_fused_r4`` (digit_bits=2 / 4, from the kernels), each bit-identical to ``sparse``
+  (``checks.sparse_fused*_equals_sparse``, output and indices).
 * the previous path's XLA stages for comparison: ``xla_scores`` (einsum), ``xla_select``
   (lax.top_k + sort), ``xla_merge`` (jattn.merge.merge_partials), and ``sparse_prev`` (XLA
   selection + attend over the unsorted-free list + XLA merge, as before the kernels).
-* ``sparse_xla``: the pure XLA implementation.
+* ``sparse_xla``: the pure XLA implementation; ``host_floor``: one trivial XLA kernel with the
+  whole call's arguments (the per-call floor of the host-timed method).
 
-Three timings per row: ``host_ms`` is the bench's method (median of host-timed loops of async
-calls, rotating 3 input sets: includes dispatch when dispatch is slower than the GPU);
-``unroll_ms`` = (host time of one jitted program running the op on ``--unroll`` (16) different
-queries, back to back) / unroll, as in a model's decode step; ``device_ms`` = the slope
-(T(unroll) - T(unroll/2)) / (unroll/2) of such programs: the GPU time per call without the
-per-program dispatch.
+Three timings per row (``--timings`` picks some): ``host_ms`` is the bench's method (median of
+host-timed loops of async calls, rotating 3 input sets: includes dispatch when dispatch is
+slower than the GPU); ``unroll_ms`` = (host time of one jitted program running the op on
+``--unroll`` (16) different queries, back to back) / unroll, as in a model's decode step;
+``device_ms`` = the slope (T(unroll) - T(unroll/2)) / (unroll/2) of such programs: the GPU time
+per call without the per-program dispatch (best of ``--prog-repeats`` runs of each program).
 
-Checks (same run, fp32 references on input set 0): new and old paths vs attention restricted to
-the selection, new == old (the same partials, the same merge arithmetic), and the new path run
-``--repeat`` times on the same inputs gives bit-identical outputs (a split that merged before
-all partials were visible would show up here as a mismatch or a wrong result).
+Checks (fp32 references on input set 0): each row's check runs the row's own jitted function
+(the one that is timed: no extra compile) and is printed next to the row and stored in its
+JSON entry (``rows[i].checks``) and in ``checks``; ``sparse`` is also run ``--repeat`` times
+on the same inputs and must give bit-identical outputs (a split that merged before all
+partials were visible would show up as a mismatch). ``ok`` = every check of the chosen rows
+passed and no chosen row failed.
 
-Usage (GPU, < 60 s):  python experiments/probe_sparse_decode.py --out /tmp/probe.json
-CPU smoke test:       python experiments/probe_sparse_decode.py --tiny --out /tmp/probe.json
-  (--tiny: 2K tokens, GQA 4:2, D64, 16-token blocks, 3 splits, kernels interpreted)
+Where the time goes (GPU): every row compiles three XLA programs (one call for the check and
+``host_ms``, --unroll calls, --unroll/2 calls); with jax >= 0.11 each program's lowering runs
+Triton's compiler on every Pallas kernel in it, so an unchanged kernel was compiled again for
+every program of every row. This script memoises that compile by the kernel's IR
+(``meta.triton_compile``: calls, cache hits, seconds; ``--no-triton-cache`` turns it off).
+Each row prints its wall time split into check (incl. the first compile), host, x16 and x8
+(compile + runs of the two programs); the JSON is rewritten after every row (``complete``:
+false until the end), so a timeout keeps the finished rows.
+
+Usage (GPU):  python experiments/probe_sparse_decode.py --out $OUT/probe.json
+              [--rows 'select_r*,sparse_fused*'] [--timings unroll,device] [--repeat 0]
+CPU smoke test: python experiments/probe_sparse_decode.py --tiny --rows select_r2 --out /tmp/p.json
+  (--tiny: 2K tokens, GQA 4:2, D64, 16-token blocks, 3 splits, kernels interpreted; every row
+  interpreted takes ~8 min on 2 CPU cores)
 """
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import functools
 import json
 import os
@@ -87,10 +103,104 @@ FUSED_VARIANTS = (("", None, 1), ("_s1", 1, 1), ("_s8", 8, 1), ("_r4", None, 4),
 # (digit_bits, num_warps or None = default, search_chunk or None = default) of the radix rows
 RADIX_VARIANTS = ((2, None, None), (4, None, None), (4, 1, None), (4, 8, None), (2, 1, None),
                   (4, None, 1 << 30))
+ALWAYS_ROWS = ("dense", "sparse")          # the ratios' and the equality checks' baselines
+TIMINGS = ("host", "unroll", "device")
 
 
 def _pow2(n):
   return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def row_names(split_list):
+  """Every row of the probe, in the order it runs (``split_list``: the attend rows' splits)."""
+  names = ["dense", "sparse", "sparse_4k", "sparse_xla_merge", "scores", "select"]
+  names += [f"select_w{w}" for w in (1, 2, 8)]
+  names += [f"select_r{b}" + (f"_w{w}" if w else "") + ("_1chunk" if ch else "")
+            for b, w, ch in RADIX_VARIANTS]
+  names += ["sparse_r4", "sparse_r2"]
+  names += [f"score_select_fused{s}" for s, _, _ in FUSED_VARIANTS]
+  names += ["sparse_fused", "sparse_fused_s1", "sparse_fused_r4", "sparse_fused_r2",
+            "host_floor"]
+  names += [f"attend_s{ns}" for ns in split_list]
+  names += ["attend_merged", "merge", "xla_scores", "xla_select", "xla_merge", "sparse_prev",
+            "sparse_xla"]
+  return names
+
+
+def select_rows(names, spec, always=ALWAYS_ROWS):
+  """The rows of ``names`` (in their order) that ``spec`` picks, plus ``always``.
+
+  spec: None / "" (all rows) or comma-separated exact names or fnmatch patterns; a pattern
+  with a leading "-" removes the rows it matches (e.g. "*,-attend_s*"). A pattern that matches
+  no row is an error (a typo would otherwise silently skip rows).
+
+  >>> select_rows(["dense", "sparse", "select", "select_r2", "sparse_r2"], "select_r*")
+  ['dense', 'sparse', 'select_r2']
+  """
+  pats = [p.strip() for p in (spec or "").split(",") if p.strip()]
+  inc = [p for p in pats if not p.startswith("-")]
+  exc = [p[1:] for p in pats if p.startswith("-")]
+  bad = [p for p in inc + exc if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+  if bad:
+    raise ValueError(f"--rows patterns {bad} match no row; rows: {', '.join(names)}")
+  keep = [n for n in names
+          if n in always or ((not inc or any(fnmatch.fnmatchcase(n, p) for p in inc))
+                             and not any(fnmatch.fnmatchcase(n, p) for p in exc))]
+  return keep
+
+
+def check_passes(key, value):
+  """True / False for a check entry, None for an informational one."""
+  if key.endswith("_error"):
+    return False
+  if isinstance(value, bool):
+    return value
+  if key == "scores_rel_err_vs_xla":
+    return value < 1e-5
+  if key.endswith("_rel_err"):
+    return value < 2e-2
+  if key.endswith("_mismatches"):
+    return value == 0
+  return None
+
+
+def cache_triton_compile():
+  """Memoise the Triton compile that Pallas runs while lowering each pallas_call (jax >= 0.11):
+  the same kernel IR in another program (every row compiles three) is compiled once. Returns
+  the stats dict (calls, hits, compile_s) or None when this jax has no such call."""
+  try:
+    from jax._src.pallas.triton import pallas_call_registration as reg
+  except Exception:  # noqa: BLE001
+    return None
+  triton = getattr(reg, "triton", None)
+  if triton is None or not callable(getattr(triton, "compile", None)):
+    return None
+  stats = dict(calls=0, hits=0, compile_s=0.0)
+  cache = {}
+
+  class _Cached:
+    def __getattr__(self, name):
+      return getattr(triton, name)
+
+    def compile(self, *a, **kw):  # noqa: A003
+      stats["calls"] += 1
+      try:
+        key = (a, tuple(sorted(kw.items())))
+        hash(key)
+      except TypeError:
+        key = None
+      if key is not None and key in cache:
+        stats["hits"] += 1
+        return cache[key]
+      t0 = time.perf_counter()
+      res = triton.compile(*a, **kw)
+      stats["compile_s"] += time.perf_counter() - t0
+      if key is not None:
+        cache[key] = res
+      return res
+
+  reg.triton = _Cached()
+  return stats
 
 
 def host_ms(fn, arg_sets, *, min_time, repeats=3):
@@ -98,26 +208,9 @@ def host_ms(fn, arg_sets, *, min_time, repeats=3):
   return time_fn(fn, arg_sets, min_time=min_time, repeats=repeats)[0]
 
 
-def device_ms(fn, qs, rest, *, repeats=5):
-  """GPU ms per call without dispatch: programs that call fn(q_i, *rest[i % len(rest)]) for
-  the first n and for all 2n queries; the slope (T(2n) - T(n)) / n cancels the per-program
-  dispatch and synchronisation (about 0.2 ms on the H200 machine)."""
-  def run(qq):
-    many = jax.jit(lambda qs, rest: [fn(q, *rest[i % len(rest)]) for i, q in enumerate(qs)])
-    _sync(many(qq, rest))
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      _sync(many(qq, rest))
-      times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.min(times))
-  n = len(qs) // 2
-  return (run(qs) - run(qs[:n])) / (len(qs) - n)
-
-
-def unroll_ms(fn, qs, rest, *, repeats=5):
-  """Host ms per call of one jitted program that calls fn(q_i, *rest[i % len(rest)]) for all
-  queries back to back (one dispatch for len(qs) calls), best of ``repeats``."""
+def program_ms(fn, qs, rest, *, repeats):
+  """Best host ms (of ``repeats``, after a compiling run) of one jitted program that calls
+  fn(q_i, *rest[i % len(rest)]) for every q_i in ``qs`` back to back (one dispatch)."""
   many = jax.jit(lambda qs, rest: [fn(q, *rest[i % len(rest)]) for i, q in enumerate(qs)])
   _sync(many(qs, rest))
   times = []
@@ -125,7 +218,7 @@ def unroll_ms(fn, qs, rest, *, repeats=5):
     t0 = time.perf_counter()
     _sync(many(qs, rest))
     times.append((time.perf_counter() - t0) * 1e3)
-  return float(np.min(times)) / len(qs)
+  return float(np.min(times))
 
 
 def rel_err(x, ref):
@@ -134,34 +227,78 @@ def rel_err(x, ref):
   return float(jnp.linalg.norm((x - ref).ravel()) / (jnp.linalg.norm(ref.ravel()) + 1e-30))
 
 
+def _equal(xs, ys):
+  xs, ys = jax.tree_util.tree_leaves(xs), jax.tree_util.tree_leaves(ys)
+  return len(xs) == len(ys) and all(bool(jnp.array_equal(x, y)) for x, y in zip(xs, ys))
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--out", required=True, help="JSON output path")
+  ap.add_argument("--out", help="JSON output path (rewritten after every row)")
   ap.add_argument("--tiny", action="store_true", help="small CPU case, kernels interpreted")
+  ap.add_argument("--rows", default=None,
+                  help="comma-separated row names or fnmatch patterns (e.g. "
+                       "'select_r*,sparse_fused*'; '-pat' removes rows); dense and sparse "
+                       "always run. Default: every row (see --list)")
+  ap.add_argument("--list", action="store_true", help="print the row names and exit")
+  ap.add_argument("--timings", default=",".join(TIMINGS),
+                  help="comma-separated subset of host,unroll,device (device also gives "
+                       "unroll: both use the --unroll-call program)")
   ap.add_argument("--unroll", type=int, default=None,
                   help="calls per program for device_ms (also n/2; the slope is reported)")
+  ap.add_argument("--prog-repeats", type=int, default=10,
+                  help="runs of each unrolled program (best is kept); they cost ~1 ms each")
+  ap.add_argument("--min-time", type=float, default=None,
+                  help="seconds per host-timed loop (3 loops per row; default 0.2, tiny 0.01)")
   ap.add_argument("--splits", default=None, help="comma-separated split counts for 'attend'")
   ap.add_argument("--repeat", type=int, default=None,
-                  help="runs of the merged kernel on the same inputs for the identity check")
+                  help="runs of the sparse call on the same inputs for the identity check "
+                       "(default 50, tiny 3; 0 skips it)")
+  ap.add_argument("--no-triton-cache", action="store_true",
+                  help="do not memoise Triton compiles across programs (see the docstring)")
   args = ap.parse_args(argv)
   t_start = time.perf_counter()
+  timings = {t.strip() for t in args.timings.split(",") if t.strip()}
+  if not timings <= set(TIMINGS):
+    ap.error(f"--timings: unknown {sorted(timings - set(TIMINGS))}")
   if args.tiny:
     n, hq, hk, d, bs, interpret, min_time, unroll = 2048, 4, 2, 64, 16, True, 0.01, 4
   else:
     n, hq, hk, d, bs, interpret, min_time, unroll = 131072, 32, 8, 128, 64, False, 0.2, 16
+  min_time = args.min_time if args.min_time is not None else min_time
   unroll = args.unroll or unroll
-  repeat = args.repeat or (3 if args.tiny else 50)
+  repeat = args.repeat if args.repeat is not None else (3 if args.tiny else 50)
   nb = n // bs
   fraction = 0.19
   top_k = max(0, int(round(fraction * nb)) - 2)           # as jattn.sparse.bench_cases
   dtype = jnp.bfloat16
-  lens = jnp.array([n], jnp.int32)
   width = sp._decode_width(nb, top_k, 1, 1)
   sel_kw = dict(top_k=top_k, num_init_blocks=1, num_local_blocks=1)
+  splits = 3 if args.tiny else default_num_splits(1, hk, width)   # tiny: exercise the merge
+  split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
+                sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
+  names = row_names(split_list)
+  if args.list:
+    print("\n".join(names))
+    return 0
+  if not args.out:
+    ap.error("--out is required")
+  try:
+    chosen = select_rows(names, args.rows)
+  except ValueError as e:
+    ap.error(str(e))
+  triton_stats = None if args.no_triton_cache else cache_triton_compile()
   case = f"B1 S{n // 1024}K GQA{hq}:{hk} D{d} top{fraction:.0%} blk{bs}"
   print(f"{case}: top_k={top_k} width={width} backend={jax.default_backend()} "
         f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
+  print(f"rows ({len(chosen)} of {len(names)}): {', '.join(chosen)}; timings "
+        f"{','.join(t for t in TIMINGS if t in timings)}; unroll {unroll}; repeat {repeat}; "
+        f"triton compile cache {'on' if triton_stats is not None else 'off/unavailable'}",
+        flush=True)
 
+  # ---- inputs
+  t0 = time.perf_counter()
+  lens = jnp.array([n], jnp.int32)
   keys = jax.random.split(jax.random.key(7), 9)
   sets = []
   for i in range(3):
@@ -171,48 +308,128 @@ def main(argv=None):
   qs = [jax.random.normal(jax.random.key(100 + i), (1, hq, d), dtype) for i in range(unroll)]
   q = qs[0]
   kc, vc, summ = sets[0]
-  splits = 3 if args.tiny else default_num_splits(1, hk, width)   # tiny: exercise the merge
+  _sync((sets, qs))
+  setup_s = {"inputs": time.perf_counter() - t0}
+
   rows, checks = [], {}
+  res = dict(case=case, top_k=top_k, width=width, default_splits=splits, ok=None,
+             complete=False, rows_chosen=chosen, checks=checks, summary={}, rows=rows,
+             meta=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                       backend=jax.default_backend(), unroll=unroll, tiny=args.tiny,
+                       timings=sorted(timings), prog_repeats=args.prog_repeats,
+                       min_time=min_time, repeat=repeat, argv=list(argv or sys.argv[1:]),
+                       setup_s=setup_s, triton_compile=triton_stats))
 
-  def record(name, fn, per_set, what=""):
-    """fn(q, *per_set[i]) for the three input sets."""
-    r = dict(stage=name, what=what)
-    fn = jax.jit(fn)
-    try:
-      r["host_ms"] = host_ms(fn, [(qs[i % unroll],) + tuple(p) for i, p in enumerate(per_set)],
-                             min_time=min_time)
-      r["unroll_ms"] = unroll_ms(fn, qs, [tuple(p) for p in per_set])
-      r["device_ms"] = device_ms(fn, qs, [tuple(p) for p in per_set])
-    except Exception as e:  # keep probing
-      r["error"] = f"{type(e).__name__}: {e}"[:400]
-    rows.append(r)
-    print(f"  {name:24s} host {r.get('host_ms', float('nan')):8.4f} ms   unroll "
-          f"{r.get('unroll_ms', float('nan')):8.4f} ms   device "
-          f"{r.get('device_ms', float('nan')):8.4f} ms   {what}{r.get('error', '')}", flush=True)
+  # ---- shared data, computed on first use (only the chosen rows pay for it)
+  memo = {}
 
-  # ---- references and checks (fp32, on set 0)
-  idx_ref = jax.jit(functools.partial(sp.select_decode_blocks, **sel_kw))(q, summ, lens)
-  sel = jnp.zeros((1, hk, nb + 1), bool).at[0, jnp.arange(hk)[:, None],
-                                             jnp.where(idx_ref[0] < 0, nb, idx_ref[0])].set(True)
-  mask = jnp.repeat(sel[..., :nb], bs, axis=-1)[:, :, None, :]
+  def lazy(f):
+    @functools.wraps(f)
+    def get():
+      if f.__name__ not in memo:
+        memo[f.__name__] = _sync(f())
+      return memo[f.__name__]
+    return get
+
   up = lambda x: x.astype(jnp.float32)
-  ref_sparse, _ = jax.jit(lambda q, k, v, m: attention_reference(up(q)[:, None], up(k), up(v),
-                                                                 block_mask=m))(q, kc, vc, mask)
-  ref_dense, _ = jax.jit(lambda q, k, v: attention_reference(up(q)[:, None], up(k), up(v)))(
-      q, kc, vc)
+
+  @lazy
+  def ref_sparse():
+    """fp32 attention restricted to the XLA selection (select_decode_blocks) on set 0."""
+    sel = jnp.zeros((1, hk, nb + 1), bool).at[
+        0, jnp.arange(hk)[:, None], jnp.where(idx_xla()[0] < 0, nb, idx_xla()[0])].set(True)
+    mask = jnp.repeat(sel[..., :nb], bs, axis=-1)[:, :, None, :]
+    return jax.jit(lambda q, k, v, m: attention_reference(up(q)[:, None], up(k), up(v),
+                                                          block_mask=m))(q, kc, vc, mask)[0][:, 0]
+
+  @lazy
+  def ref_dense():
+    return jax.jit(lambda q, k, v: attention_reference(up(q)[:, None], up(k), up(v)))(
+        q, kc, vc)[0][:, 0]
+
+  @lazy
+  def idx_xla():
+    return jax.jit(functools.partial(sp.select_decode_blocks, **sel_kw))(q, summ, lens)
+
+  sc_fn = functools.partial(decode_block_scores, block_size=bs, interpret=interpret)
+  sel_fn = functools.partial(select_decode_slots, block_size=bs, max_selected=width,
+                             interpret=interpret, **sel_kw)
+
+  @lazy
+  def score_sets():
+    """Block scores of the three sets, all with q = qs[0] (the select rows ignore q)."""
+    return [(sc_fn(q, s.sums, s.lengths),) for _, _, s in sets]
+
+  @lazy
+  def lists():
+    return [sel_fn(s, lens) for (s,) in score_sets()]
+
+  @lazy
+  def lists3():
+    """(indices, counts, zeroed counters): also the fused rows' reference."""
+    return [sel_fn(s, lens, return_arrivals=True) for (s,) in score_sets()]
+
+  @lazy
+  def parts():
+    att = functools.partial(sparse_decode_partials, block_size=bs, num_splits=splits,
+                            interpret=interpret)
+    return [att(qs[i % unroll], k, v, lens, il, None, c)
+            for i, ((k, v, _), (il, c)) in enumerate(zip(sets, lists()))]
 
   sparse = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
                                      implementation="triton", interpret=interpret,
                                      return_indices=True, num_splits=splits, **sel_kw))
-  out, idx = sparse(q, kc, vc, block_summaries=summ)
-  checks["sparse_rel_err"] = rel_err(out, ref_sparse[:, 0])
-  checks["sparse_indices_equal_xla"] = bool(jnp.array_equal(idx, idx_ref))
-  mismatches = 0
-  for _ in range(repeat):
-    again, _ = sparse(q, kc, vc, block_summaries=summ)
-    mismatches += int(not bool(jnp.array_equal(again, out)))
-  checks["merged_repeat_runs"] = repeat
-  checks["merged_repeat_mismatches"] = mismatches
+  base = {}                                # the sparse row's (out, idx) on set 0
+
+  def equals_sparse(out_idx):
+    return _equal(out_idx, base["out_idx"])
+
+  def write_json():
+    if not args.out:
+      return
+    res["meta"]["wall_s"] = time.perf_counter() - t_start
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump(res, f, indent=1)
+    os.replace(tmp, args.out)
+
+  # ---- rows: name -> (what, build); build() -> (fn, per_set, check) where fn(q, *per_set[i])
+  # is timed on the three sets and check(fn) -> dict runs the jitted fn on set 0 / all sets.
+  specs = {}
+
+  def row(name, what):
+    def deco(build):
+      specs[name] = (what, build)
+      return build
+    return deco
+
+  try:
+    from jattn import decode as dec
+    dense_fn = lambda q, k, v, s: dec.decode_attention(q, k, v, lens, implementation="triton",
+                                                       interpret=interpret)
+  except Exception as e:  # noqa: BLE001
+    dense_fn = None
+    checks["dense_error"] = f"{type(e).__name__}: {e}"[:400]
+
+  @row("dense", "jattn.decode.decode_attention triton")
+  def _():
+    return dense_fn, sets, lambda f: {"dense_rel_err": rel_err(f(q, kc, vc, summ), ref_dense())}
+
+  @row("sparse", f"whole sparse decode (3 kernels, in-kernel merge), splits={splits}; "
+                 f"returns (out, indices)")
+  def _():
+    def check(f):
+      out, idx = base["out_idx"] = f(q, kc, vc, summ)
+      c = {"sparse_rel_err": rel_err(out, ref_sparse()),
+           "sparse_indices_equal_xla": bool(jnp.array_equal(idx, idx_xla()))}
+      mism = sum(int(not _equal(f(q, kc, vc, summ), (out, idx))) for _ in range(repeat))
+      c["merged_repeat_runs"] = repeat
+      c["merged_repeat_mismatches"] = mism
+      cnt = np.asarray(jnp.sum(idx >= 0, axis=-1))
+      c["kept_blocks_per_head"] = cnt.tolist()
+      c["kept_fraction"] = float(cnt.mean() / nb)
+      return c
+    return lambda q, k, v, s: sparse(q, k, v, block_summaries=s), sets, check
 
   def four_kernels(q, k, v, s):
     """The previous path: scores, select, attention partials, merge kernel (4 launches)."""
@@ -222,88 +439,86 @@ def main(argv=None):
     o, l = sparse_decode_partials(q, k, v, lens, i, None, c, block_size=bs, num_splits=splits,
                                   interpret=interpret)
     return merge_decode_partials(o, l, out_dtype=dtype, interpret=interpret)[0]
-  out_4k = jax.jit(four_kernels)(q, kc, vc, summ)
-  checks["sparse_4k_rel_err"] = rel_err(out_4k, ref_sparse[:, 0])
-  checks["merged_equals_4k"] = bool(jnp.array_equal(out, out_4k))
-  checks["merged_vs_4k_max_abs"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) -
-                                                         out_4k.astype(jnp.float32))))
-  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=interpret)
-  checks["scores_rel_err_vs_xla"] = rel_err(scores, sp._decode_scores(q, summ))
-  sidx, cnt = select_decode_slots(scores, lens, block_size=bs, max_selected=width,
-                                  interpret=interpret, **sel_kw)
-  xidx = sp._decode_select_from_scores(scores, lens, block_size=bs, **sel_kw)
-  checks["select_equal_xla_on_same_scores"] = bool(jnp.array_equal(sidx, xidx))
-  checks["kept_blocks_per_head"] = np.asarray(cnt).tolist()
-  checks["kept_fraction"] = float(np.asarray(cnt).mean() / nb)
-  try:
-    from jattn import decode as dec
-    dense = jax.jit(lambda q, k, v, s: dec.decode_attention(q, k, v, lens, implementation="triton",
-                                                            interpret=interpret))
-    checks["dense_rel_err"] = rel_err(dense(q, kc, vc, summ), ref_dense[:, 0])
-  except Exception as e:
-    dense = None
-    checks["dense_error"] = f"{type(e).__name__}: {e}"[:400]
-  print("checks:", json.dumps(checks), flush=True)
 
-  # ---- timings
-  sc_fn = functools.partial(decode_block_scores, block_size=bs, interpret=interpret)
-  sel_fn = functools.partial(select_decode_slots, block_size=bs, max_selected=width,
-                             interpret=interpret, **sel_kw)
-  if dense is not None:
-    record("dense", dense, sets, "jattn.decode.decode_attention triton")
-  record("sparse", lambda q, k, v, s: sparse(q, k, v, block_summaries=s)[0], sets,
-         f"whole sparse decode (3 kernels, in-kernel merge), splits={splits}")
-  record("sparse_4k", four_kernels, sets,
-         f"previous whole sparse decode (4 kernels, merge kernel), splits={splits}")
-  def xla_merge_variant(q, k, v, s):
-    sc = sc_fn(q, s.sums, s.lengths)
-    i, c = sel_fn(sc, lens)
-    o, l = sparse_decode_partials(q, k, v, lens, i, None, c, block_size=bs, num_splits=splits,
-                                  interpret=interpret)
-    return merge_partials(o, l, axis=1)[0].astype(dtype)
-  record("sparse_xla_merge", xla_merge_variant, sets, "scores + select + attend kernels, XLA merge")
-  record("scores", lambda q, s: sc_fn(q, s.sums, s.lengths), [(s,) for _, _, s in sets],
-         "decode_block_scores kernel")
-  score_sets = [(sc_fn(q, s.sums, s.lengths),) for _, _, s in sets]
-  record("select", lambda q, s: sel_fn(s, lens), score_sets, "select_decode_slots kernel")
+  @row("sparse_4k", f"previous whole sparse decode (4 kernels, merge kernel), splits={splits}")
+  def _():
+    def check(f):
+      o4 = f(q, kc, vc, summ)
+      out = base["out_idx"][0]
+      return {"sparse_4k_rel_err": rel_err(o4, ref_sparse()),
+              "merged_equals_4k": bool(jnp.array_equal(out, o4)),
+              "merged_vs_4k_max_abs": float(jnp.max(jnp.abs(up(out) - up(o4))))}
+    return four_kernels, sets, check
+
+  @row("sparse_xla_merge", "scores + select + attend kernels, XLA merge")
+  def _():
+    def fn(q, k, v, s):
+      i, c = sel_fn(sc_fn(q, s.sums, s.lengths), lens)
+      o, l = sparse_decode_partials(q, k, v, lens, i, None, c, block_size=bs, num_splits=splits,
+                                    interpret=interpret)
+      return merge_partials(o, l, axis=1)[0].astype(dtype)
+    return fn, sets, lambda f: {"sparse_xla_merge_rel_err": rel_err(f(q, kc, vc, summ),
+                                                                    ref_sparse())}
+
+  @row("scores", "decode_block_scores kernel")
+  def _():
+    def check(f):
+      return {"scores_rel_err_vs_xla": rel_err(f(q, summ), jax.jit(sp._decode_scores)(q, summ))}
+    return (lambda q, s: sc_fn(q, s.sums, s.lengths)), [(s,) for _, _, s in sets], check
+
+  @row("select", "select_decode_slots kernel")
+  def _():
+    def check(f):
+      xidx = jax.jit(functools.partial(sp._decode_select_from_scores, block_size=bs, **sel_kw))(
+          score_sets()[0][0], lens)
+      return {"select_equal_xla_on_same_scores":
+              bool(jnp.array_equal(f(q, score_sets()[0][0])[0], xidx))}
+    return (lambda q, s: sel_fn(s, lens)), score_sets(), check
+
+  def equal_default_check(name):
+    """fn(q, scores_i) equals the default selection on all three score sets."""
+    return lambda f: {f"{name}_equal_default": all(
+        _equal(f(q, s), l) for (s,), l in zip(score_sets(), lists()))}
+
   # The selection is 32 dependent block-wide reductions (a bit search): with one warp they are
   # shuffles only, with more warps each one also crosses shared memory and a barrier.
-  lists = [sel_fn(s, lens) for (s,) in score_sets]
   for w in (1, 2, 8):
-    sel_w = functools.partial(sel_fn, num_warps=w)
-    record(f"select_w{w}", lambda q, s, sel_w=sel_w: sel_w(s, lens), score_sets,
-           f"select_decode_slots kernel, num_warps={w} (default {max(4, min(16, _pow2(nb) // 512))})")
+    @row(f"select_w{w}", f"select_decode_slots kernel, num_warps={w} "
+                         f"(default {max(4, min(16, _pow2(nb) // 512))})")
+    def _(w=w):
+      sel_w = functools.partial(sel_fn, num_warps=w)
+      return (lambda q, s: sel_w(s, lens)), score_sets(), equal_default_check(f"select_w{w}")
+
   # Radix threshold search (digit_bits 2 / 4: 16 / 8 dependent reductions instead of 32, each
   # over a [2**bits, chunk] compare tile summed over the chunks of the block axis); the same
-  # selection as the default, checked on all three score sets (checks["select_r*_equal"]).
+  # selection as the default, checked on all three score sets.
   nb_pad = _pow2(nb)
   for bits, w, ch in RADIX_VARIANTS:
     name = f"select_r{bits}" + (f"_w{w}" if w else "") + ("_1chunk" if ch else "")
-    chunk = min(ch or nb_pad, nb_pad)
-    sel_r = functools.partial(sel_fn, digit_bits=bits, search_chunk=ch,
-                              **({"num_warps": w} if w else {}))
-    same = all(bool(jnp.array_equal(x, y)) for (s,), l in zip(score_sets, lists)
-               for x, y in zip(sel_r(s, lens), l))
-    checks[f"{name}_equal_default"] = same
-    record(name, lambda q, s, sel_r=sel_r: sel_r(s, lens), score_sets,
-           f"select_decode_slots, digit_bits={bits}" + (f", num_warps={w}" if w else "") +
-           (f", search_chunk={chunk}" if ch else ", default search_chunk"))
+
+    @row(name, f"select_decode_slots, digit_bits={bits}" + (f", num_warps={w}" if w else "") +
+         (f", search_chunk={min(ch, nb_pad)}" if ch else ", default search_chunk"))
+    def _(bits=bits, w=w, ch=ch, name=name):
+      sel_r = functools.partial(sel_fn, digit_bits=bits, search_chunk=ch,
+                                **({"num_warps": w} if w else {}))
+      return (lambda q, s: sel_r(s, lens)), score_sets(), equal_default_check(name)
+
   # The whole call with the radix selection (the 3-kernel path of "sparse", built from the
-  # public kernels): bit-identical to "sparse" (same selection, same attention kernel).
-  def sparse_radix(q, k, v, s, bits=4):
-    sc = sc_fn(q, s.sums, s.lengths)
-    i, c, a = sel_fn(sc, lens, return_arrivals=True, digit_bits=bits)
-    return sparse_decode(q, k, v, lens, i, None, c, a, block_size=bs, num_splits=splits,
-                         out_dtype=dtype, interpret=interpret)[0]
-  checks["sparse_r4_equals_sparse"] = bool(jnp.array_equal(
-      jax.jit(sparse_radix)(q, kc, vc, summ), out))
-  record("sparse_r4", sparse_radix, sets,
-         f"whole sparse decode as 'sparse' with the digit_bits=4 selection, splits={splits}")
+  # public kernels): output and indices bit-identical to "sparse".
+  for bits in (4, 2):
+    @row(f"sparse_r{bits}", f"whole sparse decode as 'sparse' with the digit_bits={bits} "
+                            f"selection, splits={splits}; returns (out, indices)")
+    def _(bits=bits):
+      def fn(q, k, v, s):
+        sc = sc_fn(q, s.sums, s.lengths)
+        i, c, a = sel_fn(sc, lens, return_arrivals=True, digit_bits=bits)
+        return sparse_decode(q, k, v, lens, i, None, c, a, block_size=bs, num_splits=splits,
+                             out_dtype=dtype, interpret=interpret)[0], i
+      return fn, sets, lambda f: {f"sparse_r{bits}_equals_sparse":
+                                  equals_sparse(f(q, kc, vc, summ))}
+
   # Scores + selection in one kernel (score_select_decode_slots): the same indices, counts
-  # and zeroed counters as scores + select (checked on all three input sets), and the whole
-  # call with it bit-identical to "sparse".
-  # q is qs[0] in score_sets
-  ref3 = [sel_fn(sc, lens, return_arrivals=True) for (sc,) in score_sets]
+  # and zeroed counters as scores + select (checked on all three input sets, q = qs[0]).
   ss_default = default_score_splits(1, hk, nb)
   n_tiles = -(-nb // min(64, _pow2(nb)))                  # 64-block score tiles per kv head
 
@@ -311,124 +526,210 @@ def main(argv=None):
     """score_splits as the kernel runs it (every split at least one tile)."""
     ss = min(ss or ss_default, n_tiles)
     return -(-n_tiles // -(-n_tiles // ss))
+
   for suffix, ss, bits in FUSED_VARIANTS:
     name = f"score_select_fused{suffix}"
-    fz = functools.partial(score_select_decode_slots, block_size=bs, max_selected=width,
-                           score_splits=ss, digit_bits=bits, return_arrivals=True,
-                           interpret=interpret, **sel_kw)
-    checks[f"{name}_equal"] = all(bool(jnp.array_equal(x, y))
-                                  for (_, _, s), r in zip(sets, ref3)
-                                  for x, y in zip(fz(q, s.sums, s.lengths, lens), r))
-    record(name, lambda q, s, fz=fz: fz(q, s.sums, s.lengths, lens), [(s,) for _, _, s in sets],
-           f"score_select_decode_slots (scores + select, 1 launch), score_splits="
-           f"{eff_splits(ss)}{' (default)' if ss is None else ''}, digit_bits={bits}")
-  def sparse_fused_kernels(q, k, v, s, bits=4):
-    i, c, a = score_select_decode_slots(q, s.sums, s.lengths, lens, block_size=bs,
-                                        max_selected=width, digit_bits=bits,
-                                        return_arrivals=True, interpret=interpret, **sel_kw)
-    return sparse_decode(q, k, v, lens, i, None, c, a, block_size=bs, num_splits=splits,
-                         out_dtype=dtype, interpret=interpret)[0]
+
+    @row(name, f"score_select_decode_slots (scores + select, 1 launch), score_splits="
+               f"{eff_splits(ss)}{' (default)' if ss is None else ''}, digit_bits={bits}")
+    def _(ss=ss, bits=bits, name=name):
+      fz = functools.partial(score_select_decode_slots, block_size=bs, max_selected=width,
+                             score_splits=ss, digit_bits=bits, return_arrivals=True,
+                             interpret=interpret, **sel_kw)
+
+      def check(f):
+        return {f"{name}_equal": all(_equal(f(q, s), r)
+                                     for (_, _, s), r in zip(sets, lists3()))}
+      return (lambda q, s: fz(q, s.sums, s.lengths, lens)), [(s,) for _, _, s in sets], check
+
   whole = {"sparse_fused": (None, "whole sparse decode, fused_select=True (score_select + "
                                   "attend: 2 launches, + a counter memset if score_splits > 1)"),
            "sparse_fused_s1": (1, "whole sparse decode, fused_select=True (2 launches)")}
   for name, (ss, what) in whole.items():
-    fused = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
-                                      implementation="triton", interpret=interpret,
-                                      return_indices=True, num_splits=splits, fused_select=True,
-                                      score_splits=ss, **sel_kw))
-    fo, fi = fused(q, kc, vc, block_summaries=summ)
-    checks[f"{name}_equals_sparse"] = bool(jnp.array_equal(fo, out) and jnp.array_equal(fi, idx))
-    record(name, lambda q, k, v, s, fused=fused: fused(q, k, v, block_summaries=s)[0], sets,
-           f"{what}, score_splits={eff_splits(ss)}, splits={splits}")
-  checks["sparse_fused_r4_equals_sparse"] = bool(jnp.array_equal(
-      jax.jit(sparse_fused_kernels)(q, kc, vc, summ), out))
-  record("sparse_fused_r4", sparse_fused_kernels, sets,
-         f"whole sparse decode as 'sparse_fused' with the digit_bits=4 selection, "
-         f"score_splits={eff_splits(None)}, splits={splits}")
+    @row(name, f"{what}, score_splits={eff_splits(ss)}, splits={splits}; returns (out, indices)")
+    def _(ss=ss, name=name):
+      fused = jax.jit(functools.partial(
+          sp.sparse_decode_attention, kv_lengths=lens, block_size=bs, implementation="triton",
+          interpret=interpret, return_indices=True, num_splits=splits, fused_select=True,
+          score_splits=ss, **sel_kw))
+      return ((lambda q, k, v, s: fused(q, k, v, block_summaries=s)), sets,
+              lambda f: {f"{name}_equals_sparse": equals_sparse(f(q, kc, vc, summ))})
+
+  for bits in (4, 2):
+    @row(f"sparse_fused_r{bits}", f"whole sparse decode as 'sparse_fused' with the digit_bits="
+                                  f"{bits} selection, score_splits={eff_splits(None)}, "
+                                  f"splits={splits}; returns (out, indices)")
+    def _(bits=bits):
+      def fn(q, k, v, s):
+        i, c, a = score_select_decode_slots(q, s.sums, s.lengths, lens, block_size=bs,
+                                            max_selected=width, digit_bits=bits,
+                                            return_arrivals=True, interpret=interpret, **sel_kw)
+        return sparse_decode(q, k, v, lens, i, None, c, a, block_size=bs, num_splits=splits,
+                             out_dtype=dtype, interpret=interpret)[0], i
+      return fn, sets, lambda f: {f"sparse_fused_r{bits}_equals_sparse":
+                                  equals_sparse(f(q, kc, vc, summ))}
+
   # Per-call floor of the host-timed method: a jitted call that launches one trivial kernel
   # with the same arguments as the whole sparse decode.
-  record("host_floor", lambda q, k, v, s: q * 2, sets, "one trivial XLA kernel, same arguments")
-  split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
-                sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
+  @row("host_floor", "one trivial XLA kernel, same arguments")
+  def _():
+    return (lambda q, k, v, s: q * 2), sets, None
+
   for ns in split_list:
-    att = functools.partial(sparse_decode_partials, block_size=bs, num_splits=ns,
-                            interpret=interpret)
-    record(f"attend_s{ns}", lambda q, k, v, i, c, att=att: att(q, k, v, lens, i, None, c),
-           [(k, v, i, c) for (k, v, _), (i, c) in zip(sets, lists)],
-           f"sparse_decode_partials, {ns} splits x {hk} kv heads" +
-           (" (default)" if ns == splits else ""))
-  sel3 = functools.partial(select_decode_slots, block_size=bs, max_selected=width,
-                           interpret=interpret, return_arrivals=True, **sel_kw)
-  lists3 = [sel3(s, lens) for (s,) in score_sets]
-  merged = functools.partial(sparse_decode, block_size=bs, num_splits=splits, interpret=interpret)
-  record("attend_merged", lambda q, k, v, i, c, a: merged(q, k, v, lens, i, None, c, a)[0],
-         [(k, v) + tuple(l3) for (k, v, _), l3 in zip(sets, lists3)],
-         f"sparse_decode (attend + in-kernel merge), {splits} splits")
-  att = functools.partial(sparse_decode_partials, block_size=bs, num_splits=splits,
-                          interpret=interpret)
-  parts = [att(qs[i % unroll], k, v, lens, il, None, c) for i, ((k, v, _), (il, c)) in
-           enumerate(zip(sets, lists))]
-  o, _ = merge_decode_partials(*att(q, kc, vc, lens, lists[0][0], None, lists[0][1]),
-                               out_dtype=dtype, interpret=interpret)
-  checks["attend_merge_rel_err"] = rel_err(o, ref_sparse[:, 0])
-  mg = functools.partial(merge_decode_partials, out_dtype=dtype, interpret=interpret)
-  record("merge", lambda q, o, l: mg(o, l), parts, "merge_decode_partials kernel")
-  record("xla_scores", lambda q, s: sp._decode_scores(q, s), [(s,) for _, _, s in sets],
-         "previous: einsum + divide (XLA)")
-  record("xla_select", lambda q, s: sp._decode_select_from_scores(s, lens, block_size=bs,
-                                                                  **sel_kw),
-         score_sets, "previous: lax.top_k + forced + sort (XLA)")
-  record("xla_merge", lambda q, o, l: merge_partials(o, l, axis=1)[0].astype(dtype), parts,
-         "previous: jattn.merge.merge_partials (XLA)")
-  prev_splits = 32
+    @row(f"attend_s{ns}", f"sparse_decode_partials, {ns} splits x {hk} kv heads" +
+         (" (default)" if ns == splits else ""))
+    def _(ns=ns):
+      att = functools.partial(sparse_decode_partials, block_size=bs, num_splits=ns,
+                              interpret=interpret)
+      return ((lambda q, k, v, i, c: att(q, k, v, lens, i, None, c)),
+              [(k, v, i, c) for (k, v, _), (i, c) in zip(sets, lists())], None)
 
-  def prev(q, k, v, s):
-    i = sp._decode_select(q, s, lens, **sel_kw)
-    o, l = sparse_decode_partials(q, k, v, lens, i, block_size=bs, num_splits=prev_splits,
-                                  interpret=interpret)
-    return merge_partials(o, l, axis=1)[0].astype(dtype)
-  checks["sparse_prev_rel_err"] = rel_err(jax.jit(prev)(q, kc, vc, summ), ref_sparse[:, 0])
-  record("sparse_prev", prev, sets, "XLA select + kernel (32 splits) + XLA merge")
-  sx = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
-                                 implementation="xla", **sel_kw))
-  record("sparse_xla", lambda q, k, v, s: sx(q, k, v, block_summaries=s), sets, "pure XLA")
+  @row("attend_merged", f"sparse_decode (attend + in-kernel merge), {splits} splits")
+  def _():
+    merged = functools.partial(sparse_decode, block_size=bs, num_splits=splits,
+                               interpret=interpret)
+    return ((lambda q, k, v, i, c, a: merged(q, k, v, lens, i, None, c, a)[0]),
+            [(k, v) + tuple(l3) for (k, v, _), l3 in zip(sets, lists3())],
+            lambda f: {"attend_merged_equals_sparse": bool(jnp.array_equal(
+                f(q, kc, vc, *lists3()[0]), base["out_idx"][0]))})
 
-  by = {r["stage"]: r for r in rows}
-  summary = {}
-  for key in ("host_ms", "unroll_ms", "device_ms"):
-    if key in by.get("dense", {}) and key in by.get("sparse", {}):
-      summary[f"speedup_{key}"] = by["dense"][key] / by["sparse"][key]
-    if key in by.get("dense", {}) and key in by.get("sparse_4k", {}):
-      summary[f"speedup_4k_{key}"] = by["dense"][key] / by["sparse_4k"][key]
-    if key in by.get("sparse", {}) and key in by.get("sparse_4k", {}):
-      summary[f"merged_vs_4k_{key}"] = by["sparse_4k"][key] / by["sparse"][key]
-    for name in ("sparse_fused", "sparse_fused_s1", "sparse_fused_r4"):
-      if key in by.get("dense", {}) and key in by.get(name, {}):
-        summary[f"speedup_{name[len('sparse_'):]}_{key}"] = by["dense"][key] / by[name][key]
-      if key in by.get("sparse", {}) and key in by.get(name, {}):
-        summary[f"{name[len('sparse_'):]}_vs_sparse_{key}"] = by["sparse"][key] / by[name][key]
-  kv_bytes = 2 * float(np.asarray(cnt).sum()) * bs * d * 2
-  summary["kept_kv_bytes"] = kv_bytes
-  summary["kv_read_us_at_4TBps"] = kv_bytes / 4e12 * 1e6
-  ok = (checks["sparse_rel_err"] < 2e-2 and checks["sparse_indices_equal_xla"]
-        and checks["sparse_4k_rel_err"] < 2e-2 and checks["merged_repeat_mismatches"] == 0
-        and checks["select_equal_xla_on_same_scores"] and checks["scores_rel_err_vs_xla"] < 1e-5
-        and checks["attend_merge_rel_err"] < 2e-2 and checks["sparse_prev_rel_err"] < 2e-2
-        and checks.get("dense_rel_err", 0.0) < 2e-2
-        and all(v for k, v in checks.items() if k.startswith("select_r"))
-        and checks["sparse_r4_equals_sparse"]
-        and all(v for k, v in checks.items() if k.startswith(("score_select_fused",
-                                                                "sparse_fused"))))
-  res = dict(case=case, top_k=top_k, width=width, default_splits=splits, ok=bool(ok),
-             checks=checks, summary=summary, rows=rows,
-             meta=dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                       unroll=unroll, tiny=args.tiny,
-                       wall_s=time.perf_counter() - t_start))
-  with open(args.out, "w") as f:
-    json.dump(res, f, indent=1)
-  print("summary:", json.dumps(summary), f"ok={ok}", f"wall {res['meta']['wall_s']:.1f}s",
-        flush=True)
-  return 0 if ok else 1
+  @row("merge", "merge_decode_partials kernel")
+  def _():
+    mg = functools.partial(merge_decode_partials, out_dtype=dtype, interpret=interpret)
+    return ((lambda q, o, l: mg(o, l)), parts(),
+            lambda f: {"attend_merge_rel_err": rel_err(f(q, *parts()[0])[0], ref_sparse())})
+
+  @row("xla_scores", "previous: einsum + divide (XLA)")
+  def _():
+    return (lambda q, s: sp._decode_scores(q, s)), [(s,) for _, _, s in sets], None
+
+  @row("xla_select", "previous: lax.top_k + forced + sort (XLA)")
+  def _():
+    return ((lambda q, s: sp._decode_select_from_scores(s, lens, block_size=bs, **sel_kw)),
+            score_sets(), None)
+
+  @row("xla_merge", "previous: jattn.merge.merge_partials (XLA)")
+  def _():
+    return (lambda q, o, l: merge_partials(o, l, axis=1)[0].astype(dtype)), parts(), None
+
+  @row("sparse_prev", "XLA select + kernel (32 splits) + XLA merge")
+  def _():
+    def prev(q, k, v, s):
+      i = sp._decode_select(q, s, lens, **sel_kw)
+      o, l = sparse_decode_partials(q, k, v, lens, i, block_size=bs, num_splits=32,
+                                    interpret=interpret)
+      return merge_partials(o, l, axis=1)[0].astype(dtype)
+    return prev, sets, lambda f: {"sparse_prev_rel_err": rel_err(f(q, kc, vc, summ),
+                                                                 ref_sparse())}
+
+  @row("sparse_xla", "pure XLA")
+  def _():
+    sx = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
+                                   implementation="xla", **sel_kw))
+    return ((lambda q, k, v, s: sx(q, k, v, block_summaries=s)), sets,
+            lambda f: {"sparse_xla_rel_err": rel_err(f(q, kc, vc, summ), ref_sparse())})
+
+  assert list(specs) == names, (list(specs), names)
+
+  # ---- run the chosen rows
+  def run_row(name):
+    what, build = specs[name]
+    r = dict(stage=name, what=what)
+    ph = {}
+    t_row = time.perf_counter()
+    try:
+      t = time.perf_counter()
+      fn, per_set, check = build()
+      if fn is None:
+        raise RuntimeError(checks.get(f"{name}_error", "not available"))
+      fn = jax.jit(fn)
+      ph["inputs"] = time.perf_counter() - t
+      if check is not None:
+        t = time.perf_counter()
+        try:
+          r["checks"] = check(fn)
+        except Exception as e:  # noqa: BLE001
+          r["checks"] = {f"{name}_check_error": f"{type(e).__name__}: {e}"[:400]}
+        ph["check"] = time.perf_counter() - t
+        checks.update(r["checks"])
+      arg_sets = [(qs[i % unroll],) + tuple(p) for i, p in enumerate(per_set)]
+      rest = [tuple(p) for p in per_set]
+      if "host" in timings:
+        t = time.perf_counter()
+        r["host_ms"] = host_ms(fn, arg_sets, min_time=min_time)
+        ph["host"] = time.perf_counter() - t
+      if timings & {"unroll", "device"}:
+        t = time.perf_counter()
+        full = program_ms(fn, qs, rest, repeats=args.prog_repeats)
+        ph[f"x{len(qs)}"] = time.perf_counter() - t
+        if "unroll" in timings:
+          r["unroll_ms"] = full / len(qs)
+        if "device" in timings:
+          t = time.perf_counter()
+          half = len(qs) // 2
+          part = program_ms(fn, qs[:half], rest, repeats=args.prog_repeats)
+          ph[f"x{half}"] = time.perf_counter() - t
+          r["device_ms"] = (full - part) / (len(qs) - half)
+    except Exception as e:  # noqa: BLE001  keep probing
+      r["error"] = f"{type(e).__name__}: {e}"[:400]
+    r["wall_s"] = time.perf_counter() - t_row
+    r["phases_s"] = {k: round(v, 2) for k, v in ph.items()}
+    rows.append(r)
+    cks = r.get("checks", {})
+    bad = [k for k, v in cks.items() if check_passes(k, v) is False]
+    ck = ("" if not cks else " | check " + ("FAIL " + ",".join(bad) if bad else "ok") + ": " +
+          ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in cks.items() if check_passes(k, v) is not None))
+    fmt = lambda k: f"{r[k]:8.4f}" if k in r else "     n/a"
+    print(f"  {name:24s} host {fmt('host_ms')} ms   unroll {fmt('unroll_ms')} ms   device "
+          f"{fmt('device_ms')} ms   {what}{ck}{' | ERROR ' + r['error'] if 'error' in r else ''}"
+          f" | {r['wall_s']:.1f}s (" + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()) + ")",
+          flush=True)
+
+  def summarize():
+    by = {r["stage"]: r for r in rows}
+    summary = {}
+    for key in ("host_ms", "unroll_ms", "device_ms"):
+      if key in by.get("dense", {}) and key in by.get("sparse", {}):
+        summary[f"speedup_{key}"] = by["dense"][key] / by["sparse"][key]
+      if key in by.get("dense", {}) and key in by.get("sparse_4k", {}):
+        summary[f"speedup_4k_{key}"] = by["dense"][key] / by["sparse_4k"][key]
+      if key in by.get("sparse", {}) and key in by.get("sparse_4k", {}):
+        summary[f"merged_vs_4k_{key}"] = by["sparse_4k"][key] / by["sparse"][key]
+      for name in ("sparse_fused", "sparse_fused_s1", "sparse_fused_r4", "sparse_fused_r2",
+                   "sparse_r4", "sparse_r2"):
+        short = name[len("sparse_"):]
+        if key in by.get("dense", {}) and key in by.get(name, {}):
+          summary[f"speedup_{short}_{key}"] = by["dense"][key] / by[name][key]
+        if key in by.get("sparse", {}) and key in by.get(name, {}):
+          summary[f"{short}_vs_sparse_{key}"] = by["sparse"][key] / by[name][key]
+    if "kept_blocks_per_head" in checks:
+      kv_bytes = 2 * float(np.sum(checks["kept_blocks_per_head"])) * bs * d * 2
+      summary["kept_kv_bytes"] = kv_bytes
+      summary["kv_read_us_at_4TBps"] = kv_bytes / 4e12 * 1e6
+    res["summary"] = summary
+    res["ok"] = bool(all(check_passes(k, v) is not False for k, v in checks.items())
+                     and not any("error" in r for r in rows))
+    res["meta"]["triton_compile"] = triton_stats and dict(triton_stats)
+
+  setup_s["before_rows"] = time.perf_counter() - t_start
+  write_json()
+  for name in chosen:
+    run_row(name)
+    summarize()
+    write_json()
+  res["complete"] = True
+  summarize()
+  write_json()
+  ts = triton_stats
+  print("summary:", json.dumps(res["summary"]), f"ok={res['ok']}",
+        f"wall {res['meta']['wall_s']:.1f}s (setup {setup_s['before_rows']:.1f}s)" +
+        (f"; triton compiles {ts['calls'] - ts['hits']} ({ts['compile_s']:.1f}s), "
+         f"{ts['hits']} cache hits" if ts else ""), flush=True)
+  if not res["ok"]:
+    print("failed:", [k for k, v in checks.items() if check_passes(k, v) is False],
+          [r["stage"] for r in rows if "error" in r], flush=True)
+  return 0 if res["ok"] else 1
 
 
 if __name__ == "__main__":
