@@ -259,7 +259,10 @@ def bench_decode(sweep=True):
     record(**row)
 
 
-def bench_sparse():
+def bench_sparse(extra_impls=("mosaic_gpu",)):
+  """Sparse training and decode rows (``jattn.sparse.bench_cases``): the Triton rows, plus
+  ``extra_impls`` on the training cases (``jattn_mosaic_gpu_sparse``: the Hopper forward walking
+  the same selection's schedule, the Triton backward), timed on the same inputs."""
   try:
     from jattn import sparse as sp
   except ImportError:
@@ -268,7 +271,7 @@ def bench_sparse():
   if not hasattr(sp, "bench_cases"):
     print("[sparse] no bench_cases()")
     return
-  for row in sp.bench_cases(time_fn=time_fn, rel_err=rel_err):
+  for row in sp.bench_cases(time_fn=time_fn, rel_err=rel_err, extra_impls=tuple(extra_impls)):
     record(**row)
 
 
@@ -308,6 +311,9 @@ def main(argv=None):
                  help="flash: comma list of mask kinds among dense, causal, window")
   p.add_argument("--bwd-only", action="store_true",
                  help="flash: also time the backward alone (op flash_bwd: VJP of saved residuals)")
+  p.add_argument("--sparse-extra", default="mosaic_gpu",
+                 help="sparse: comma list of implementations timed besides triton on the training "
+                      "cases (rows jattn_<impl>_sparse; '' for none)")
   args = p.parse_args(argv)
   ops = args.ops.split(",")
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -328,7 +334,7 @@ def main(argv=None):
   if "decode" in ops:
     bench_decode(sweep=not args.no_sweep)
   if "sparse" in ops:
-    bench_sparse()
+    bench_sparse(extra_impls=[x for x in args.sparse_extra.split(",") if x])
   result = {"meta": meta(), "rows": ROWS}
   os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
   with open(args.out, "w") as fh:

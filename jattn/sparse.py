@@ -479,6 +479,32 @@ def _check_selection(selection, batch, q_len, kv_len, kv_heads):
                      f"(n,), got {selection.indices.shape}")
 
 
+def _mosaic_gpu_block_sizes(mod, selection, head_dim, dtype):
+  """(Mosaic GPU forward BlockSizes, Triton backward BlockSizes) for a selection, or a clear
+  ValueError naming the allowed block sizes.
+
+  The Hopper forward walks the selection's schedule with its own tiles: 64 query rows per
+  warpgroup (two per program) and ``min(default block_k, block_size)`` keys, so every kernel tile
+  lies inside one selection block; the Triton backward walks the same schedule at the
+  selection's tiles, with the launch the "triton" implementation uses for them. Hence
+  q_block_size and block_size must be powers of two >= 64.
+  """
+  from pallas_kernels.flash import triton as ft
+  base = mod.default_block_sizes(head_dim, dtype)      # NotImplementedError: head dim, dtype
+  qbs, bs = selection.q_block_size, selection.block_size
+  bad = [f"{n}={x}" for n, x in (("q_block_size", qbs), ("block_size", bs))
+         if x < 64 or x & (x - 1)]
+  if bad:
+    raise ValueError(
+        f"implementation='mosaic_gpu' needs q_block_size and block_size powers of two >= 64 "
+        f"(allowed: 64, 128, 256, ...: the Hopper forward's tiles are {base.block_q} query rows "
+        f"per warpgroup and 64 or {base.block_k} keys, the Triton backward's powers of two), "
+        f"got {', '.join(bad)}; select blocks with such sizes (e.g. q_block_size=128, "
+        f"block_size=64) or use implementation='triton' or 'xla'")
+  fwd = dataclasses.replace(base, block_k=min(base.block_k, bs))
+  return fwd, _kernel_block_sizes("triton", ft, selection, head_dim, dtype)
+
+
 def _kernel_block_sizes(impl, mod, selection, head_dim, dtype):
   """The kernel's BlockSizes with the selection's tiles, or a clear ValueError."""
   base = mod.default_block_sizes(head_dim, dtype)
@@ -532,6 +558,14 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
       are visited; the backward walks the schedule's transposed lists. A ValueError is raised if
       the kernel cannot run those tile sizes (e.g. Triton needs powers of two >= 16, Mosaic TPU
       multiples of 128): there is no silent fallback.
+    * "mosaic_gpu" (Hopper, sm90): the Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``)
+      walks the same schedule with its own 64-row x (64 or 128)-key tiles, only the kept tiles
+      (per program the union of its two 64-row warpgroups' lists, each tile run unmasked,
+      masked or skipped per warpgroup); the backward is the Triton dK/dV and dQ kernels walking
+      that schedule at the selection's tiles (the "triton" implementation's backward). Needs
+      q_block_size and block_size powers of two >= 64 (ValueError otherwise), bf16/fp16,
+      head_dim 64/128/256 == head_dim_v (NotImplementedError otherwise). CPU-verified only
+      (lowering, a jnp replay of the walk); not yet run on a GPU.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -543,9 +577,10 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None ("triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU), "xla", "triton" or
-      "mosaic_tpu".
-    interpret: run a Pallas kernel in interpret mode (CPU tests).
+    implementation: None ("triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU), "xla", "triton",
+      "mosaic_gpu" or "mosaic_tpu".
+    interpret: run a Pallas kernel in interpret mode (CPU tests; "mosaic_gpu" raises
+      NotImplementedError: its forward cannot be interpreted).
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -579,9 +614,23 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
                                    local_window_size=None, scale=scale, logits_soft_cap=None,
                                    interpret=interpret, **kwargs)
+  elif impl == "mosaic_gpu":
+    # Hopper forward walking the selection's schedule; the Triton backward walks the same one.
+    mod = kernel_module(impl)
+    fwd_bs, bwd_bs = _mosaic_gpu_block_sizes(mod, selection, q.shape[-1], q.dtype)
+    if v.shape[-1] != q.shape[-1]:
+      raise NotImplementedError(f"implementation='mosaic_gpu' needs head_dim_v == head_dim, got "
+                                f"{v.shape[-1]} != {q.shape[-1]}; use implementation='triton'")
+    schedule = make_schedule(q_len, kv_len, selection.q_block_size, selection.block_size,
+                             causal=causal, q_segment_ids=segment_ids,
+                             kv_segment_ids=kv_segment_ids, block_mask=selection.tile_mask(),
+                             max_kv_blocks=selection.max_selected)
+    out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
+                                   scale=scale, block_sizes=fwd_bs, bwd_block_sizes=bwd_bs,
+                                   interpret=interpret)
   else:
     raise ValueError(f"block_sparse_attention does not support implementation={impl!r}; use "
-                     f"'xla', 'triton' or 'mosaic_tpu'")
+                     f"'xla', 'triton', 'mosaic_gpu' or 'mosaic_tpu'")
   return (out, lse) if return_lse else out
 
 
@@ -696,7 +745,7 @@ def _gated_bwd(causal, scale, impl, interpret, res, cts):
   q, k, v, out, lse, vjp_fn, selection, q_seg, kv_seg = res
   dout, dlse = cts
   dq, dk, dv = vjp_fn((dout, dlse))
-  if impl == "triton":
+  if impl in ("triton", "mosaic_gpu"):   # the Triton gate-gradient kernel (GPU)
     from pallas_kernels.sparse.gate_grad import tile_logit_grads
     dgate = tile_logit_grads(q, k, v, out, lse, dout, dlse, selection.indices, selection.counts,
                              q_seg, kv_seg, block_q=selection.q_block_size,
@@ -740,8 +789,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
 
   Initial and local blocks are always kept in every mode and receive the gate gradient like any
   kept block. The gate gradient needs one extra pass over the kept tiles (two matmuls per tile):
-  the Pallas kernel ``pallas_kernels/sparse/gate_grad.py`` for "triton", a chunked XLA pass
-  (gathering the kept key/value blocks) for "xla" and "mosaic_tpu".
+  the Pallas kernel ``pallas_kernels/sparse/gate_grad.py`` for "triton" and "mosaic_gpu", a
+  chunked XLA pass (gathering the kept key/value blocks) for "xla" and "mosaic_tpu".
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -1413,7 +1462,7 @@ def causal_top_k_for_density(seq_len, fraction, *, block_size, q_block_size, num
 def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128,
                 configs=((128, 64), (128, 128)), fraction=0.19, implementation="triton",
                 decode_len=131072, decode_heads=(32, 8), decode_block_size=64,
-                ste_seqs=(16384,)):
+                ste_seqs=(16384,), extra_impls=()):
   """H200 benchmark rows for ``experiments/bench_kernels.py --ops sparse``.
 
   Training (B1, H16, D128, bf16, causal): dense ``flash_attention(causal=True)`` versus
@@ -1425,6 +1474,12 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
   Rows: op "sparse_fwdbwd" (dense and sparse ms), "sparse_select" (scoring + top-k + schedule ms
   and its fraction of the sparse time), "sparse_speedup" (dense / sparse); at ``ste_seqs`` also
   the gate_grad="ste" fwd+bwd time (its extra XLA gate-gradient pass).
+  Each of ``extra_impls`` (e.g. "mosaic_gpu": the Hopper forward walking the same selection's
+  schedule, Triton backward) is timed on the same inputs right after ``implementation``'s
+  sparse row: op "sparse_fwdbwd", impl ``jattn_<name>_sparse`` (its forward checked like the
+  first; its gradients compared with ``implementation``'s, ``grad_rel_err``; ``vs_sparse``:
+  ``implementation``'s sparse ms / its ms) and op "sparse_speedup" against the same dense row.
+  A failure is recorded as a row with ok False.
   Decode (B1, GQA 32:8, D128, bf16, 128K, 64-token blocks, ~19% of blocks): dense
   ``jattn.decode.decode_attention`` vs :func:`sparse_decode_attention` ("triton" and "xla"),
   selection included; op "sparse_decode" and "sparse_decode_speedup".
@@ -1434,6 +1489,7 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
     rel_err: ``rel_err(x, ref) -> float``.
     seqs, heads, head_dim, configs, fraction, implementation: training cases.
     ste_seqs: sequence lengths at which the STE variant is timed too (first config only).
+    extra_impls: further implementations timed on the sparse training cases (not decode).
     decode_len, decode_heads, decode_block_size: the decode case.
 
   Returns:
@@ -1501,6 +1557,9 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
         rows.append(dict(op="sparse_speedup", case=case, impl=f"jattn_{implementation}",
                          speedup=ms_dense / ms_sparse, dense_ms=ms_dense, sparse_ms=ms_sparse,
                          select_ms=ms_sel, causal_fraction=dens, ok=ok))
+        for extra in extra_impls:
+          rows += _bench_extra_sparse(extra, kw, fwdbwd, sparse, sets, time_fn, rel_err, case,
+                                      ref, tail, ms_dense, ms_sparse, top_k, dens)
         if s in ste_seqs and (qbs, bs) == tuple(configs[0]):
           ste = fwdbwd(lambda q, k, v: sparse_attention(q, k, v, gate_grad="ste", **kw))
           ms_ste, sp_ste = time_fn(ste, sets)
@@ -1567,6 +1626,31 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
     rows.append(dict(op="sparse_decode_speedup", case=case, impl="jattn_sparse", ok=False,
                      error=f"{type(e).__name__}: {e}"[:500]))
   return rows
+
+
+def _bench_extra_sparse(impl, kw, fwdbwd, base_fn, sets, time_fn, rel_err, case, ref, tail,
+                        ms_dense, ms_base, top_k, dens):
+  """``bench_cases``'s rows for one more implementation of the same sparse training case: its
+  fwd+bwd time, forward error against ``ref`` (last ``tail`` queries of two heads), gradient
+  error against the first implementation's (``base_fn``) and the speedups."""
+  name = f"jattn_{impl}_sparse"
+  kw = dict(kw, implementation=impl)
+  try:
+    fn = fwdbwd(lambda q, k, v: sparse_attention(q, k, v, **kw))
+    out, grads = fn(*sets[0])
+    _, base_grads = base_fn(*sets[0])
+    err = rel_err(out[:, -tail:, :2], ref)
+    grad_err = max(rel_err(g, b) for g, b in zip(grads, base_grads))
+    ok = bool(err < 2e-2 and grad_err < 2e-2)
+    ms, spread = time_fn(fn, sets)
+    return [dict(op="sparse_fwdbwd", case=case, impl=name, ms=ms, spread_ms=spread, top_k=top_k,
+                 causal_fraction=dens, rel_err=err, grad_rel_err=grad_err, vs_sparse=ms_base / ms,
+                 ok=ok),
+            dict(op="sparse_speedup", case=case, impl=f"jattn_{impl}", speedup=ms_dense / ms,
+                 dense_ms=ms_dense, sparse_ms=ms, causal_fraction=dens, ok=ok)]
+  except Exception as e:  # record the failure, keep benchmarking
+    return [dict(op="sparse_fwdbwd", case=case, impl=name, ok=False,
+                 error=f"{type(e).__name__}: {e}"[:500])]
 
 
 def _dense_flash(q, k, v, implementation):

@@ -21,8 +21,13 @@ hybrid VJP with the replay standing in for the kernel and the Triton backward in
 
 NEW, NOT YET RUN ON A GPU (issue 8): local windows, segment ids and logits soft cap (see "Masks"
 below); the backward with them is the Triton one (``_triton_bwd_masked``), and
-``backward="mosaic"`` rejects them at the call. Block schedules (block-sparse masks) still raise
-NotImplementedError (see docs/kernels.md, "Mosaic GPU (Hopper) forward: status").
+``backward="mosaic"`` rejects them at the call.
+
+NEW, NOT YET RUN ON A GPU: block schedules (``flash_attention(schedule=...)``, what
+``jattn.block_sparse_attention(implementation="mosaic_gpu")`` passes for a top-K selection): each
+program walks a list of kv tiles instead of contiguous ranges (see "Block schedules" below); the
+backward is the Triton kernels on the same schedule. See docs/kernels.md, "Mosaic GPU (Hopper)
+block-sparse forward".
 
 Structure (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``): one
 program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three warpgroups:
@@ -62,6 +67,19 @@ base-2 softmax multiplies by log2(e) (``_cap_logits``, ``_softmax_factor``). A q
 q_len > kv_len) returns output 0 and log-sum-exp -inf. Query rows are padded to a multiple of
 ``2 * block_q`` and keys to a multiple of ``block_k`` in the wrapper (a copy, only when the
 lengths are not multiples); padded keys are masked in the last kv tile.
+
+Block schedules (``st.has_sched``): ``_schedule_walk`` (jnp, in the wrapper) turns a
+``BlockSchedule`` whose tiles are powers of two and multiples of the kernel's (``block_q`` rows,
+``block_k`` keys) into one row per (batch, kv head, program): a count and the program's kv tiles
+in increasing order, the union of its two warpgroups' lists (one schedule row when
+``2 * block_q`` divides the schedule's block_q, two merged rows when it equals ``block_q``;
+wider schedule key tiles are split into kernel tiles), each entry packing the tile and a 2-bit
+code per warpgroup: skip, full (no element mask) or partial, recomputed at the warpgroup's 64
+rows from this call's mask (``_walk_codes``: static ranges and per-tile segment min/max, the
+classes of ``make_schedule``). The memory warpgroup loads entry j into ring slot j mod S; each
+compute warpgroup walks all entries in order (ping-pong keeps its two meetings per entry) and
+branches on its code (``lax.cond``: drain the slot, unmasked step or masked step). Tiles outside
+the schedule are never loaded; a tile only one warpgroup needs is drained by the other.
 """
 from __future__ import annotations
 
@@ -71,6 +89,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -202,6 +221,11 @@ class _Static:
   interpret: bool = False    # the backward's Triton kernels in interpret mode (the forward raises)
   bwd_block_sizes: object = None   # the backward's BlockSizes (triton or mosaic_gpu_bwd) or None
   backward: str = "triton"         # "triton" or "mosaic" (the kernels of the custom_vjp backward)
+  # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
+  # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
+  has_sched: bool = False
+  sched_batch: bool = False     # the walk has a batch axis (else one row shared by all batches)
+  sched_heads: bool = False     # the walk has a kv-head axis (else shared by all heads)
 
   @property
   def offset(self) -> int:
@@ -322,6 +346,131 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
 
 
 # ----------------------------------------------------------------------------------------------
+# Block schedules: the per-program walk
+# ----------------------------------------------------------------------------------------------
+
+# An entry of a walk row packs a kv tile and what each compute warpgroup does with it:
+# ``tile << _WALK_SHIFT | code(warpgroup 0) | code(warpgroup 1) << 2``, each code one of
+# _SKIP (drain the ring slot: none of the warpgroup's real rows sees a key of the tile),
+# _FULL (every real row sees every key: no element mask) or _PARTIAL (element mask).
+_WALK_SHIFT = 4
+_SKIP, _FULL, _PARTIAL = 0, 1, 2
+
+
+def _walk_codes(tiles, valid, st: _Static, q_seg=None, kv_seg=None):
+  """Per-warpgroup class of kernel kv tiles.
+
+  Args:
+    tiles: int32 [Bs, Hs, n_wg, L] kernel kv tiles (``block_k`` keys) listed for warpgroup tile
+      i (query rows [i * block_q, (i + 1) * block_q)), n_wg = 2 * num_q_programs.
+    valid: bool, same shape: the entries that are listed (the others get _SKIP).
+    st: the kernel's static configuration (causal, window, lengths, tiles).
+    q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 to whole programs / tiles.
+
+  Returns:
+    int32 [B', Hs, n_wg, L] codes (B' = B with segment ids, else Bs), the classes
+    ``block_schedule.make_schedule`` gives at the warpgroup's 64-row granularity: _SKIP where no
+    real row of the warpgroup may see a key of the tile (static mask: causal, window, padded keys,
+    from ``_static_ranges``; segment ids: per-tile min/max ids), _FULL where every real row sees
+    every key, _PARTIAL otherwise.
+  """
+  n_wg = tiles.shape[2]
+  lo, flo, fhi, hi = (x[:, None] for x in _static_ranges(
+      jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st))      # [n_wg, 1]
+  visible = valid & (tiles >= lo) & (tiles < hi)
+  full = (tiles >= flo) & (tiles < fhi)
+  if q_seg is not None:
+    from pallas_kernels.block_schedule import _segment_tile_classes  # light, no kernel
+    qmin, qmax = _segment_tile_classes(q_seg, q_seg.shape[1], st.block_q)      # [B, n_wg]
+    kmin, kmax = _segment_tile_classes(kv_seg, kv_seg.shape[1], st.block_k)    # [B, nk]
+    t = jnp.broadcast_to(jnp.clip(tiles, 0, kmin.shape[1] - 1), (q_seg.shape[0],) + tiles.shape[1:])
+    kmin_t = jax.vmap(lambda x, i: x[i])(kmin, t)                            # [B, Hs, n_wg, L]
+    kmax_t = jax.vmap(lambda x, i: x[i])(kmax, t)
+    qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
+    visible = visible & (qmax >= kmin_t) & (kmax_t >= qmin) & (qmax > 0) & (kmax_t > 0)
+    full = full & (qmin == qmax) & (kmin_t == kmax_t) & (qmin == kmin_t) & (qmin > 0)
+  return jnp.where(visible, jnp.where(full, _FULL, _PARTIAL), _SKIP).astype(jnp.int32)
+
+
+def _schedule_walk(schedule, st: _Static, q_seg=None, kv_seg=None):
+  """The kernel's walk of a block schedule: for each program, one list of kv tiles with what
+  each of its two compute warpgroups does with each tile.
+
+  The schedule (``block_schedule.BlockSchedule``, tiles ``sbq`` x ``sbk`` with ``block_q | sbq``
+  and ``block_k | sbk``) lists, per query tile, the kv tiles to visit. Warpgroup tile i (64 rows)
+  lies inside schedule row ``i * block_q // sbq``; each listed schedule tile becomes its
+  ``sbk // block_k`` kernel tiles. A program's list is the union of its two warpgroups' lists
+  (the same list when ``2 * block_q`` divides ``sbq``), in increasing tile order; each entry
+  carries both warpgroups' codes (``_walk_codes``: skip, full or partial, recomputed at the
+  warpgroup's granularity from the kernel's own mask, so the schedule's partial flags are not
+  needed and a tile that is partial for the schedule's larger tile can run unmasked or be
+  skipped by one warpgroup). Entries that neither warpgroup needs are dropped (kept, as rare
+  drains, only when the lists need no compaction: ``sbq == 2 * block_q`` and ``sbk == block_k``).
+
+  Args:
+    schedule: a ``BlockSchedule`` for (q_len, kv_len), leading axes [1|B, 1|Hk].
+    st: the kernel's static configuration.
+    q_seg, kv_seg: None or int32 segment ids padded to whole programs / kv tiles.
+
+  Returns:
+    int32 [B', Hs, num_q_programs, 1 + W] rows ``[count, entry_0, ..., entry_{W-1}]`` (B' = B
+    with segment ids or a per-batch schedule, else 1), entry = tile << _WALK_SHIFT | code0 |
+    code1 << 2; entries past count are 0 and never read.
+  """
+  bq, bk = st.block_q, st.block_k
+  sbq, sbk = schedule.block_q, schedule.block_k
+  rk = sbk // bk
+  n_wg = _COMPUTE_WGS * st.num_q_programs
+  nq_s = schedule.num_q_blocks
+  idx = schedule.kv_indices.astype(jnp.int32)                  # [Bs, Hs, nq_s, M]
+  cnt = schedule.kv_counts.astype(jnp.int32)                   # [Bs, Hs, nq_s]
+  rows = np.arange(n_wg) * bq // sbq                           # schedule row of each wg tile
+  real = jnp.asarray(rows < nq_s)                              # the others: padding, nothing
+  rows = np.minimum(rows, nq_s - 1)
+  j = np.arange(idx.shape[-1] * rk)
+  tiles = idx[:, :, rows][..., j // rk] * rk + jnp.asarray(j % rk, jnp.int32)   # [Bs, Hs, n_wg, L]
+  cnt_w = jnp.where(real, cnt[:, :, rows], 0)
+  valid = (jnp.asarray(j // rk) < cnt_w[..., None]) & (tiles < st.num_kv_tiles)
+  codes = _walk_codes(tiles, valid, st, q_seg, kv_seg)        # [B', Hs, n_wg, L]
+  tiles = jnp.broadcast_to(tiles, codes.shape)
+  t0, t1 = tiles[:, :, 0::2], tiles[:, :, 1::2]                # [B', Hs, P, L]
+  c0, c1 = codes[:, :, 0::2], codes[:, :, 1::2]
+  if sbq % (_COMPUTE_WGS * bq) == 0:    # both warpgroups read the same row: one list
+    t, keep = t0, (c0 | c1) != 0
+    if sbq == _COMPUTE_WGS * bq and rk == 1:    # no compaction: the rows as they are
+      count = jnp.broadcast_to(cnt_w[:, :, 0::2], c0.shape[:-1])
+      entries = (t << _WALK_SHIFT) | c0 | (c1 << 2)
+      width = t.shape[-1]
+      j = jnp.arange(width, dtype=jnp.int32)
+      entries = jnp.where(j < count[..., None], entries, 0)
+      return jnp.concatenate([count[..., None], entries], -1).astype(jnp.int32)
+  else:                                 # two rows: their union, in increasing tile order
+    big = jnp.int32(np.iinfo(np.int32).max)
+    k0 = jnp.where(c0 != _SKIP, (t0 * 2) * 4 + c0, big)       # key = (tile, warpgroup, code)
+    k1 = jnp.where(c1 != _SKIP, (t1 * 2 + 1) * 4 + c1, big)
+    keys = jnp.sort(jnp.concatenate([k0, k1], -1), axis=-1)   # a tile at most once per row
+    listed = keys != big
+    t = keys >> 3
+    who = (keys >> 2) & 1
+    code = keys & 3
+    edge = jnp.full(t.shape[:-1] + (1,), -1, jnp.int32)
+    t_prev = jnp.concatenate([edge, t[..., :-1]], -1)
+    t_next = jnp.concatenate([t[..., 1:], edge], -1)
+    code_next = jnp.concatenate([code[..., 1:], jnp.zeros_like(edge)], -1)
+    keep = listed & (t != t_prev)                              # first key of each tile
+    c0 = jnp.where(who == 0, code, _SKIP)
+    c1 = jnp.where(who == 1, code, jnp.where(t_next == t, code_next, _SKIP))
+  width = min(t.shape[-1], st.num_kv_tiles)
+  pos = jnp.arange(t.shape[-1], dtype=jnp.int32)
+  order = jnp.argsort(jnp.where(keep, pos, t.shape[-1] + pos), axis=-1)[..., :width]
+  take = lambda x: jnp.take_along_axis(x, order, axis=-1)
+  t, c0, c1, keep = take(t), take(c0), take(c1), take(keep)
+  count = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+  entries = jnp.where(keep, (t << _WALK_SHIFT) | c0 | (c1 << 2), 0)
+  return jnp.concatenate([count[..., None], entries], -1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
 # Tile arithmetic (plain jnp on values: the kernel uses these, and the CPU tests replay the
 # kernel's tile walk with them)
 # ----------------------------------------------------------------------------------------------
@@ -422,16 +571,23 @@ def _fwd_kernel(*refs, st: _Static):
   lse [B, Hq, Sq] (GMEM, natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D],
   v [S, bk, D], lse [2, bq], with segment ids q_seg [2, bq], kv_seg [S, bk]), barriers
   q_loaded [2], k/v_loaded [S] (with segment ids q_loaded and k_loaded also count the segment
-  copies), k/v_free [S] (2 arrivals), rendezvous (2 arrivals)."""
+  copies), k/v_free [S] (2 arrivals), rendezvous (2 arrivals). With a block schedule
+  (``st.has_sched``) the last input is the walk [B', Hs, programs, 1 + W] of ``_schedule_walk``
+  instead of the bounds (segment ids or not)."""
+  n_in = 3 + (2 if st.has_seg else 0) + (1 if st.has_seg or st.has_sched else 0)
+  ins = refs[:n_in]
+  o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous = refs[n_in:]
+  q_ref, k_ref, v_ref = ins[:3]
+  q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = q_seg_smem = kv_seg_smem = None
   if st.has_seg:
-    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, bounds_ref, o_ref, lse_ref, smem, q_loaded,
-     k_loaded, v_loaded, k_free, v_free, rendezvous) = refs
+    q_seg_ref, kv_seg_ref = ins[3:5]
     qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, kv_seg_smem = smem
   else:
-    (q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free, v_free,
-     rendezvous) = refs
     qo_smem, k_smem, v_smem, lse_smem = smem
-    q_seg_ref = kv_seg_ref = bounds_ref = q_seg_smem = kv_seg_smem = None
+  if st.has_sched:
+    walk_ref = ins[-1]
+  elif st.has_seg:
+    bounds_ref = ins[-1]
   bq, bk, stages = st.block_q, st.block_k, st.num_stages
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
@@ -442,6 +598,11 @@ def _fwd_kernel(*refs, st: _Static):
   kv_h = lax.div(h, jnp.int32(st.group))
   row0_program = tile * (_COMPUTE_WGS * bq)
   slot_of = lambda t: lax.rem(t, jnp.int32(stages))
+  if st.has_sched:   # this program's row of the walk: [count, entries...] (``_schedule_walk``)
+    walk_b = b if st.sched_batch else 0
+    walk_h = kv_h if st.sched_heads else 0
+    walk_count = lambda: walk_ref[walk_b, walk_h, tile, 0]
+    walk_entry = lambda j: walk_ref[walk_b, walk_h, tile, 1 + j]
 
   def meet():
     if st.pingpong:
@@ -457,7 +618,8 @@ def _fwd_kernel(*refs, st: _Static):
     if st.has_seg:
       plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg],
                               q_loaded.at[wg])
-    plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
+    if not st.has_sched:
+      plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)   # base-2 max
@@ -469,9 +631,9 @@ def _fwd_kernel(*refs, st: _Static):
       q_seg = plgpu.load(q_seg_smem.at[wg], (), layout=row_layout)            # [bq] int32
     pl.when(wg == 1)(meet)
 
-    def step(t, carry, *, masked):
+    def step_at(slot, t, carry, *, masked):
+      # kv tile t, in ring slot ``slot`` (t mod stages for ranges, the list position for walks)
       acc, m, l = carry
-      slot = slot_of(t)
       plgpu.barrier_wait(k_loaded.at[slot])
       kv_seg = None
       if masked and st.has_seg:   # read before the slot is released (k_free)
@@ -503,26 +665,52 @@ def _fwd_kernel(*refs, st: _Static):
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    def drain(t, _):
+    def step(t, carry, *, masked):
+      return step_at(slot_of(t), t, carry, masked=masked)
+
+    def drain_at(slot):
       # Tiles the other warpgroup needs and this one does not (before or after this
       # warpgroup's own range): keep the ring and the rendezvous count in step. Waiting for the
       # load first means this warpgroup can never arrive on a slot's "free" barrier for a later
       # use of the slot.
-      slot = slot_of(t)
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
       meet()
       meet()
+
+    def drain(t, _):
+      drain_at(slot_of(t))
       return None
 
     carry = (acc, m, l)
-    lax.fori_loop(plo, lo, drain, None)
-    carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
-    lax.fori_loop(hi, phi, drain, None)
+    if st.has_sched:
+      # The program's list, in order (the memory warpgroup loads entry j into slot j mod S);
+      # this warpgroup's 2-bit code of each entry picks drain, unmasked or masked step.
+      shift = 2 * wg
+
+      def walk_step(j, carry):
+        entry = walk_entry(j)
+        t = lax.shift_right_logical(entry, jnp.int32(_WALK_SHIFT))
+        code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
+        slot = slot_of(j)
+
+        def skip(carry):
+          drain_at(slot)
+          return carry
+
+        def run(carry):
+          return lax.cond(code == _FULL, functools.partial(step_at, slot, t, masked=False),
+                          functools.partial(step_at, slot, t, masked=True), carry)
+        return lax.cond(code == _SKIP, skip, run, carry)
+      carry = lax.fori_loop(jnp.int32(0), walk_count(), walk_step, carry)
+    else:
+      lax.fori_loop(plo, lo, drain, None)
+      carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
+      carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+      lax.fori_loop(hi, phi, drain, None)
     pl.when(wg == 0)(meet)
     acc, m, l = carry
 
@@ -537,7 +725,6 @@ def _fwd_kernel(*refs, st: _Static):
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
-    plo, phi, _ = _program_ranges(b, tile, None, bounds_ref, st)
 
     def load(t, slot):
       rows = (b, pl.ds(t * bk, bk), kv_h)
@@ -547,6 +734,23 @@ def _fwd_kernel(*refs, st: _Static):
                                 k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
+    if st.has_sched:   # the walk's entries in order, entry j into slot j mod S
+      n = walk_count()
+      tile_at = lambda j: lax.shift_right_logical(walk_entry(j), jnp.int32(_WALK_SHIFT))
+      for i in range(stages):                                 # fill the ring
+        @pl.when(i < n)
+        def _():
+          load(tile_at(i), i)
+
+      @pl.loop(jnp.int32(stages), jnp.maximum(n, stages))
+      def _(j):
+        slot = slot_of(j)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(tile_at(j), slot)
+      return
+
+    plo, phi, _ = _program_ranges(b, tile, None, bounds_ref, st)
     for i in range(stages):                                   # fill the ring
       @pl.when(plo + i < phi)
       def _():
@@ -565,10 +769,10 @@ def _fwd_kernel(*refs, st: _Static):
 # ----------------------------------------------------------------------------------------------
 
 
-def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None):
+def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None, walk=None):
   """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] (with segment ids: q_seg [B, Sq'],
-  kv_seg [B, Sk'] int32 padded with 0, bounds from ``_seg_bounds``)
-  -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
+  kv_seg [B, Sk'] int32 padded with 0, bounds from ``_seg_bounds``; with a block schedule:
+  walk from ``_schedule_walk`` and no bounds) -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
 
   The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel, to run
   the custom_vjp and the Triton backward in interpret mode."""
@@ -591,7 +795,11 @@ def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None):
     smem += (plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),                # q segment ids
              plgpu.SMEM((stages, bk), jnp.int32))                      # kv segment ids ring
     seg_copies = 2       # Q + its ids on q_loaded, K + its ids on k_loaded
-    args += (q_seg, kv_seg, bounds)
+    args += (q_seg, kv_seg)
+    if not st.has_sched:
+      args += (bounds,)
+  if st.has_sched:
+    args += (walk,)
   call = plgpu.kernel(
       functools.partial(_fwd_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -622,15 +830,23 @@ def _pad_axis(x, axis, size):
   return jnp.pad(x, widths)
 
 
-def _forward_impl(q, k, v, q_seg, kv_seg, st: _Static):
-  """Unpadded q, k, v (and segment ids or None) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq] natural
-  log): pads to whole tiles, runs the kernel (``_fwd_call``) and slices the padding away."""
+def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: _Static):
+  """Unpadded q, k, v (segment ids or None, a BlockSchedule or None) -> (out [B, Sq, Hq, D],
+  lse [B, Hq, Sq] natural log): pads to whole tiles, runs the kernel (``_fwd_call``) and slices
+  the padding away."""
   sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
   sk_pad = st.num_kv_tiles * st.block_k
   q_p = _pad_axis(q, 1, sq_pad)
   k_p = _pad_axis(k, 1, sk_pad)
   v_p = _pad_axis(v, 1, sk_pad)
-  if st.has_seg:
+  if st.has_sched:
+    q_seg_p = kv_seg_p = None
+    if st.has_seg:
+      q_seg_p = _pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)    # padding: segment 0
+      kv_seg_p = _pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
+    walk = _schedule_walk(schedule, st, q_seg_p, kv_seg_p)
+    out, lse = _fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p, walk=walk)
+  elif st.has_seg:
     q_seg_p = _pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)      # padding: segment 0
     kv_seg_p = _pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
     out, lse = _fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p, _seg_bounds(q_seg_p, kv_seg_p, st))
@@ -639,27 +855,33 @@ def _forward_impl(q, k, v, q_seg, kv_seg, st: _Static):
   return out[:, :st.q_len], lse[:, :, :st.q_len]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _forward(q, k, v, q_seg, kv_seg, st: _Static):
-  return _forward_impl(q, k, v, q_seg, kv_seg, st)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _forward(q, k, v, q_seg, kv_seg, schedule, st: _Static):
+  return _forward_impl(q, k, v, q_seg, kv_seg, schedule, st)
 
 
-def _forward_fwd(q, k, v, q_seg, kv_seg, st):
-  out, lse = _forward_impl(q, k, v, q_seg, kv_seg, st)
-  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
+  out, lse = _forward_impl(q, k, v, q_seg, kv_seg, schedule, st)
+  return (out, lse), (q, k, v, q_seg, kv_seg, schedule, out, lse)
 
 
-def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: _Static):
+def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: _Static,
+                       schedule=None):
   """The Triton backward kernels (``triton._bwd_calls``: dK/dV, dQ) on this forward's residuals
-  for the masks ``triton.flash_attention_bwd`` does not take (window, segment ids, soft cap):
-  the same bridge (padding, natural-log LSE to base 2 with +inf for empty rows, delta), walking
-  ``make_schedule`` of the full mask at the backward tiles. TODO: fold into
-  ``triton.flash_attention_bwd`` (this module must not edit triton.py meanwhile)."""
+  for the masks ``triton.flash_attention_bwd`` does not take (window, segment ids, soft cap,
+  block schedules): the same bridge (padding, natural-log LSE to base 2 with +inf for empty
+  rows, delta), walking ``make_schedule`` of the full mask at the backward tiles, or
+  ``schedule`` (the forward's block schedule, e.g. a top-K selection's) at its own tiles.
+  TODO: fold into ``triton.flash_attention_bwd`` (this module must not edit triton.py
+  meanwhile)."""
   from pallas_kernels.block_schedule import make_schedule
   from pallas_kernels.flash import triton as ft
   b, sq, hq, d = q.shape
   _, sk, hk, d_v = v.shape
-  bs = st.bwd_block_sizes or ft.default_block_sizes(max(d, d_v), q.dtype)
+  if schedule is not None:
+    bs = st.bwd_block_sizes or ft.BlockSizes(schedule.block_q, schedule.block_k)
+  else:
+    bs = st.bwd_block_sizes or ft.default_block_sizes(max(d, d_v), q.dtype)
   bbq, bbk = bs.bwd_tiles
   d_p, dv_p = ft._pow2(d), ft._pow2(d_v)
   defaults = ft._launch_defaults(bbq, bbk, d_p, dv_p, q.dtype, bwd_block_q=bbq, bwd_block_k=bbk)
@@ -672,8 +894,9 @@ def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: _Stat
       dkv_q_chunk=int(min(bs.dkv_q_chunk or defaults.dkv_q_chunk, bbq)),
       dq_k_chunk=int(min(bs.dq_k_chunk or defaults.dq_k_chunk, bbk)),
       interpret=st.interpret, head_group=bs.head_group)
-  schedule = make_schedule(sq, sk, bbq, bbk, causal=st.causal, local_window_size=st.window,
-                           q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  if schedule is None:
+    schedule = make_schedule(sq, sk, bbq, bbk, causal=st.causal, local_window_size=st.window,
+                             q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   dq_rows = ft._pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
   dkv_rows = ft._pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
   sq_p, sk_p = -(-sq // bbq) * bbq, -(-sk // bbk) * bbk
@@ -707,9 +930,12 @@ def _forward_bwd(st, res, cts):
   the scaled logit in both.
   """
   from pallas_kernels.flash import triton as flash_triton  # local: the forward alone needs none
-  q, k, v, q_seg, kv_seg, out, lse = res
+  q, k, v, q_seg, kv_seg, schedule, out, lse = res
   d_out, d_lse = cts
-  if st.backward == "mosaic":
+  if st.has_sched:   # the Triton kernels on the same block schedule
+    grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st,
+                               schedule=schedule)
+  elif st.backward == "mosaic":
     from pallas_kernels.flash import mosaic_gpu_bwd
     grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, causal=st.causal,
                                                scale=st.scale, block_sizes=st.bwd_block_sizes,
@@ -720,7 +946,7 @@ def _forward_bwd(st, res, cts):
     grads = flash_triton.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, causal=st.causal,
                                              scale=st.scale, block_sizes=st.bwd_block_sizes,
                                              interpret=st.interpret)
-  return tuple(grads) + (None, None)
+  return tuple(grads) + (None, None, None)
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
@@ -728,8 +954,9 @@ _forward.defvjp(_forward_fwd, _forward_bwd)
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, interpret=False,
                    bwd_block_sizes=None, local_window_size=None, logits_soft_cap=None,
-                   has_seg=False) -> _Static:
-  """The kernel's static configuration for q [B, Sq, Hq, D] and k/v [B, Sk, Hk, D]."""
+                   has_seg=False, schedule=None) -> _Static:
+  """The kernel's static configuration for q [B, Sq, Hq, D] and k/v [B, Sk, Hk, D] (and a
+  ``BlockSchedule``, checked against the kernel's tiles, or None)."""
   from pallas_kernels.masks import normalize_window
   window = normalize_window(local_window_size)
   if window == (None, None):
@@ -750,12 +977,19 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
     mosaic_gpu_bwd._check_head_dim(d)              # D256: NotImplementedError now, not at grad
     masks = [name for name, val in (("local_window_size", window),
                                     ("segment ids", has_seg or None),
-                                    ("logits_soft_cap", logits_soft_cap)) if val is not None]
+                                    ("logits_soft_cap", logits_soft_cap),
+                                    ("block schedules", schedule)) if val is not None]
     if masks:   # now, not at grad time
       raise NotImplementedError("the Mosaic GPU backward (backward='mosaic') does not support "
                                 + ", ".join(masks) + "; use the default backward='triton'")
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
+  sched = {}
+  if schedule is not None:
+    _check_schedule(schedule, q_shape, k_shape, bs, bwd_block_sizes)
+    bsz, hsz = schedule.kv_indices.shape[:2]
+    sched = dict(has_sched=True, sched_batch=q_shape[0] > 1 and (has_seg or bsz > 1),
+                 sched_heads=hsz > 1)
   return _Static(
       block_q=bs.block_q, block_k=bs.block_k, num_stages=bs.num_stages, pingpong=bs.pingpong,
       compute_registers=bs.compute_registers, q_len=sq, kv_len=sk,
@@ -764,7 +998,39 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
       window=window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       has_seg=bool(has_seg),
-      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward)
+      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward, **sched)
+
+
+def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
+  """ValueError unless the kernel (tiles ``bs``) and the Triton backward can walk ``schedule``:
+  same lengths, leading axes [1|B, 1|Hk], schedule tiles multiples of the kernel's
+  (``block_q`` rows per warpgroup, ``block_k`` keys) and powers of two >= 16 (the Triton
+  backward walks the schedule at its own tiles), a Triton ``bwd_block_sizes`` with those tiles."""
+  from pallas_kernels.block_schedule import BlockSchedule
+  if not isinstance(schedule, BlockSchedule):
+    raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
+  b, sq, _, _ = q_shape
+  _, sk, hk, _ = k_shape
+  if (schedule.q_len, schedule.kv_len) != (sq, sk):
+    raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
+                     f"have ({sq}, {sk})")
+  lead = schedule.kv_indices.shape[:2]
+  if lead[0] not in (1, b) or lead[1] not in (1, hk):
+    raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {lead}")
+  sbq, sbk = schedule.block_q, schedule.block_k
+  bad = [f"{name}={n}" for name, n, unit in (("block_q", sbq, bs.block_q),
+                                             ("block_k", sbk, bs.block_k))
+         if n % unit or n & (n - 1)]
+  if bad:
+    raise ValueError(
+        f"the Mosaic GPU forward walks schedules whose tiles are powers of two and multiples of "
+        f"its own tiles (block_q={bs.block_q} query rows per warpgroup, block_k={bs.block_k} "
+        f"keys): allowed block_q {bs.block_q}, {2 * bs.block_q}, {4 * bs.block_q}, ...; "
+        f"block_k {bs.block_k}, {2 * bs.block_k}, ...; got schedule {', '.join(bad)}")
+  if bwd_block_sizes is not None and tuple(bwd_block_sizes.bwd_tiles) != (sbq, sbk):
+    raise ValueError(f"bwd_block_sizes backward tiles {tuple(bwd_block_sizes.bwd_tiles)} differ "
+                     f"from the schedule's ({sbq}, {sbk}): the Triton backward walks the "
+                     f"schedule at its own tiles")
 
 
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=None, *,
@@ -773,11 +1039,11 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
                     interpret: bool = False, bwd_block_sizes=None):
   """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton backward (custom_vjp).
 
-  The argument shape follows ``pallas_kernels.flash.triton.flash_attention``; ``schedule`` must
-  be None (NotImplementedError otherwise). Differentiable with respect
-  to q, k, v (including through the returned LSE): the backward is
+  The argument shape follows ``pallas_kernels.flash.triton.flash_attention``. Differentiable
+  with respect to q, k, v (including through the returned LSE): the backward is
   ``pallas_kernels.flash.triton.flash_attention_bwd`` (the Triton dK/dV and dQ kernels) fed with
-  this forward's out and LSE.
+  this forward's out and LSE (with masks or a schedule: the same kernels through
+  ``_triton_bwd_masked``).
 
   Args:
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
@@ -787,8 +1053,16 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       only if their ids are equal and non-zero (0 = padding). The kernel walks, per query tile,
       the kv tiles from the first to the last that may hold a key of its segments (tiles of
       other documents are never loaded) and masks the tiles that need it.
-    schedule: must be None: the kernel derives its kv ranges from the mask (block schedules,
-      e.g. block-sparse masks, are not walked).
+    schedule: None (the kernel derives contiguous kv ranges from the mask) or a
+      ``block_schedule.BlockSchedule`` for (Sq, Sk) with leading axes [1|B, 1|Hk], e.g.
+      ``make_schedule(Sq, Sk, 128, 64, causal=True, block_mask=selection.tile_mask())`` for a
+      top-K block selection: the kernel then visits only the schedule's kv tiles
+      (``_schedule_walk``: per program the union of its two warpgroups' lists, each tile run
+      unmasked, masked or skipped per warpgroup) and the backward is the Triton dK/dV and dQ
+      kernels walking the same schedule (its kv lists and transposed q lists) at the schedule's
+      tiles. Its tiles must be powers of two and multiples of ``block_sizes.block_q`` /
+      ``block_k`` (ValueError otherwise); the element mask (causal, window, segment ids) is this
+      call's, the schedule only removes tiles.
     causal: bottom-right aligned causal mask; kv tiles past the diagonal are skipped.
     local_window_size: None, int w (= (w, w)) or (left, right) (jax.nn convention; either side
       None = unbounded): query at position p sees keys in [p - left, p + right]; with causal a
@@ -806,8 +1080,10 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     bwd_block_sizes: the backward's tiles: a ``pallas_kernels.flash.triton.BlockSizes`` (its
       bwd_* fields) for the Triton backward, or a ``mosaic_gpu_bwd.BlockSizes``, which also
       selects the Mosaic GPU backward; None: the default tiles of the backward that
-      ``block_sizes.backward`` names. The Mosaic GPU backward is dense/causal only: with a
-      window, segment ids or soft cap it raises NotImplementedError at this call.
+      ``block_sizes.backward`` names (with a schedule: Triton launch defaults at the schedule's
+      tiles; a Triton ``BlockSizes`` given here must have them as ``bwd_tiles``). The Mosaic GPU
+      backward is dense/causal only: with a window, segment ids, soft cap or a schedule it
+      raises NotImplementedError at this call.
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see
@@ -816,11 +1092,11 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   Example (on an H100/H200):
     >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
     >>> out, lse = flash_attention(q, q, q, causal=True)  # doctest: +SKIP
+    >>> from pallas_kernels.block_schedule import make_schedule
+    >>> keep = jnp.tril(jnp.ones((8, 16), bool))[None, None]    # any [1|B, 1|Hk, 8, 16] tiles
+    >>> s = make_schedule(1024, 1024, 128, 64, causal=True, block_mask=keep)
+    >>> out, lse = flash_attention(q, q, q, schedule=s, causal=True)  # doctest: +SKIP
   """
-  if schedule is not None:
-    raise NotImplementedError("the Mosaic GPU flash attention forward does not support yet: "
-                              "schedule (block schedules, e.g. block-sparse masks); use "
-                              "implementation='triton'")
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
                      f"{v.shape}")
@@ -843,8 +1119,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes, interpret=interpret,
                       bwd_block_sizes=bwd_block_sizes, local_window_size=local_window_size,
-                      logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None)
-  return _forward(q, k, v, q_segment_ids, kv_segment_ids, st)
+                      logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None,
+                      schedule=schedule)
+  return _forward(q, k, v, q_segment_ids, kv_segment_ids, schedule, st)
 
 
 # ----------------------------------------------------------------------------------------------

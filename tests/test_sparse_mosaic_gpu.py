@@ -1,0 +1,571 @@
+"""Block-sparse attention on the Hopper path: ``block_sparse_attention(implementation="mosaic_gpu")``.
+
+The Mosaic GPU forward walks the selection's block schedule (``mosaic_gpu._schedule_walk``: per
+program the union of its two 64-row warpgroups' kv lists, each entry run unmasked, masked or
+skipped per warpgroup); the backward is the Triton dK/dV and dQ kernels on the same schedule.
+On the CPU (the kernel cannot be interpreted, see tests/test_flash_mosaic_gpu.py):
+  * the walk against an independent element mask restricted to the selection (every tile a
+    warpgroup needs is listed, tiles it runs unmasked are fully visible, nothing is listed twice,
+    nothing is loaded that neither warpgroup needs), on awkward shapes: q_len != kv_len, ragged
+    lengths, GQA, packed segment ids with padding, non-causal, every way the schedule's tiles
+    relate to the kernel's (64-row schedule tiles: two rows per program, merged; 128; 256 and
+    256-key tiles split into kernel tiles);
+  * a jnp replay of the kernel's walk of the packed rows (the kernel's own mask, soft-max and
+    finalize helpers) against the fp32 reference restricted to the selection's mask;
+  * forward + VJP through ``jattn.block_sparse_attention`` with the replay standing in for the
+    kernel and the Triton backward interpreted; lowering for "cuda" of the kernel and of
+    forward + backward (one Mosaic GPU call, two Triton calls); the errors.
+Tests marked ``gpu`` run the compiled kernels on an sm90 GPU.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jattn import sparse as sp
+from pallas_kernels import compat
+from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.flash import mosaic_gpu as mg
+from pallas_kernels.flash.reference import attention_reference
+
+_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def _compiled(fn, *args):
+  """fn(*args), compiled with cheap XLA:CPU codegen (test harness code that runs once)."""
+  return jax.jit(fn).lower(*args).compile(_FAST_CPU_COMPILE)(*args)
+
+
+def select(q, k, *, segment_ids=None, kv_segment_ids=None, **kw):
+  return _compiled(lambda q, k, s, ks: sp.select_blocks(q, k, segment_ids=s, kv_segment_ids=ks,
+                                                        **kw), q, k, segment_ids, kv_segment_ids)
+
+
+def _rel(a, b):
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(seed, b, sq, sk, hq, hk, d, dtype=jnp.bfloat16):
+  """Standard normal q, k, v (numpy's generator: no per-shape compile on the CPU)."""
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+               for shape in ((b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d)))
+
+
+def _packed(name, b, n):
+  """Packed documents of random lengths, the tail padded (id 0)."""
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  seg = np.zeros((b, n), np.int32)
+  for r in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, n), size=2, replace=False))
+    seg[r] = np.searchsorted(cuts, np.arange(n), side="right") + 1
+    seg[r, n - int(rng.integers(1, n // 6)):] = 0
+  return seg
+
+
+# (b, sq, sk, hq, hk, d, q_block_size, block_size, top_k, causal, segments)
+CASES = {
+    # 64-row selection blocks: each program merges two rows (the union path)
+    "q64_k64_causal_ragged_gqa": (2, 300, 300, 4, 2, 64, 64, 64, 1, True, False),
+    "q64_k128_q_shorter": (1, 200, 457, 4, 2, 64, 64, 128, 1, True, False),
+    # 128-row blocks = one program: one list for both warpgroups (the benchmark's layout)
+    "q128_k64_segments_gqa": (2, 520, 520, 4, 2, 128, 128, 64, 2, True, True),
+    "q128_k128_q_longer_empty_rows": (1, 600, 520, 2, 1, 64, 128, 128, 1, True, False),
+    "q128_k64_non_causal": (1, 333, 333, 4, 2, 128, 128, 64, 2, False, False),
+    # 256-row / 256-key blocks: programs share a row, schedule tiles split into kernel tiles
+    "q256_k256_segments_ragged": (2, 1300, 1300, 2, 2, 128, 256, 256, 1, True, True),
+}
+
+
+@functools.lru_cache(maxsize=None)   # inputs and selection built once per session
+def _case(name, dtype=jnp.bfloat16):
+  b, sq, sk, hq, hk, d, qbs, bs, top_k, causal, segs = CASES[name]
+  q, k, v = _inputs(zlib.crc32(name.encode()), b, sq, sk, hq, hk, d, dtype)
+  q_seg = kv_seg = None
+  if segs:
+    kv_seg = jnp.asarray(_packed(name, b, sk))
+    q_seg = kv_seg[:, sk - sq:]
+  sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
+               segment_ids=q_seg, kv_segment_ids=kv_seg)
+  # Some selectable tile must be dropped, or a kernel ignoring the selection would pass.
+  counts = np.asarray(sel.counts)
+  assert counts.sum() < np.broadcast_to(np.asarray(sel.num_visible), counts.shape).sum()
+  return q, k, v, q_seg, kv_seg, sel, causal
+
+
+def _walk_of(q, k, q_seg, kv_seg, sel, causal):
+  """(st, walk) exactly as ``block_sparse_attention(implementation="mosaic_gpu")`` builds them."""
+  fwd_bs, bwd_bs = sp._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype)
+  sq, sk = q.shape[1], k.shape[1]
+  sched_of = lambda sel, q_seg, kv_seg: make_schedule(
+      sq, sk, sel.q_block_size, sel.block_size, causal=causal, q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg, block_mask=sel.tile_mask(), max_kv_blocks=sel.max_selected)
+  st = mg._static_config(q.shape, k.shape, q.dtype, causal=causal, scale=None,
+                         block_sizes=fwd_bs, bwd_block_sizes=bwd_bs,
+                         has_seg=q_seg is not None,
+                         schedule=jax.eval_shape(sched_of, sel, q_seg, kv_seg))
+  sq_pad, sk_pad = st.num_q_programs * 2 * st.block_q, st.num_kv_tiles * st.block_k
+  pad = lambda x, n: None if x is None else jnp.pad(x, ((0, 0), (0, n - x.shape[1])))
+  walk = _compiled(lambda sel, q_seg, kv_seg: mg._schedule_walk(
+      sched_of(sel, q_seg, kv_seg), st, pad(q_seg, sq_pad), pad(kv_seg, sk_pad)),
+      sel, q_seg, kv_seg)
+  return st, np.asarray(walk)
+
+
+def _tile_mask(sel):
+  """numpy bool [B, Hk, nq, nk]: the selection's kept blocks (``BlockSelection.tile_mask``)."""
+  idx = np.asarray(sel.indices)
+  tm = np.zeros(idx.shape[:3] + (sel.num_kv_blocks + 1,), bool)
+  np.put_along_axis(tm, np.where(idx < 0, sel.num_kv_blocks, idx), True, axis=-1)
+  return tm[..., :-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _case_walk(name):
+  """(st, walk) of a case (cached; callers copy before editing)."""
+  q, k, v, q_seg, kv_seg, sel, causal = _case(name)
+  return _walk_of(q, k, q_seg, kv_seg, sel, causal)
+
+
+def _decode(row):
+  n = int(row[0])
+  e = row[1:1 + n]
+  return n, e >> mg._WALK_SHIFT, e & 3, (e >> 2) & 3
+
+
+def _check_sched_walk(st, walk, sel, q_seg, kv_seg, *, tight):
+  """The walk against the element mask (``masks.element_mask``) & the selection's mask."""
+  from pallas_kernels.masks import element_mask
+  bq, bk, sq, sk = st.block_q, st.block_k, st.q_len, st.kv_len
+  n_prog, nk = st.num_q_programs, st.num_kv_tiles
+  sq_pad, sk_pad = n_prog * 2 * bq, nk * bk
+  seg = q_seg is not None
+  pad = lambda x, n: None if x is None else np.pad(np.asarray(x), ((0, 0), (0, n - x.shape[1])))
+  vis = np.asarray(_compiled(lambda qs, ks: element_mask(
+      jnp.arange(sq_pad) + (sk - sq), jnp.arange(sk_pad), causal=st.causal, window=st.window,
+      kv_len=sk, q_seg=qs, kv_seg=ks), pad(q_seg, sq_pad), pad(kv_seg, sk_pad)))
+  if not seg:
+    vis = vis[None]
+  blk = np.repeat(np.repeat(_tile_mask(sel), sel.q_block_size, 2), sel.block_size, 3)
+  blk = np.pad(blk[:, :, :sq, :sk], ((0, 0), (0, 0), (0, sq_pad - sq), (0, sk_pad - sk)))
+  real = (np.arange(sq_pad) < sq)
+  allowed = vis[:, None] & blk & real[None, None, :, None]                     # [B, Hk, Sq', Sk']
+  b, hk = blk.shape[:2]
+  t6 = allowed.reshape(b, hk, 2 * n_prog, bq, nk, bk)
+  any_t = t6.any(axis=(3, 5))                                         # [B, Hk, wg tiles, nk]
+  all_t = (t6 | ~real.reshape(1, 1, -1, bq, 1, 1)).all(axis=(3, 5))
+  compacted = not (sel.q_block_size == 2 * bq and sel.block_size == bk)
+  for bi in range(b):
+    for h in range(hk):
+      for p in range(n_prog):
+        row = walk[bi if walk.shape[0] > 1 else 0, h if walk.shape[1] > 1 else 0, p]
+        n, t, c0, c1 = _decode(row)
+        where = (bi, h, p, t.tolist(), c0.tolist(), c1.tolist())
+        assert n <= walk.shape[-1] - 1 and len(set(t.tolist())) == n, where    # no repeats
+        assert ((t >= 0) & (t < nk)).all(), where
+        assert set(c0.tolist()) <= {0, 1, 2} and set(c1.tolist()) <= {0, 1, 2}, where
+        if compacted:   # nothing is loaded that neither warpgroup needs
+          assert ((c0 | c1) != 0).all(), where
+        for wg, c in ((0, c0), (1, c1)):
+          i = 2 * p + wg
+          need = set(np.nonzero(any_t[bi, h, i])[0].tolist())
+          listed = set(t[c != 0].tolist())
+          assert need <= listed, (where, wg, need - listed)                   # nothing skipped
+          assert all_t[bi, h, i, t[c == 1]].all(), (where, wg)                 # unmasked: visible
+          if tight:
+            assert listed <= need, (where, wg, listed - need)
+
+
+def test_walk_check_can_fail():
+  """The walk check catches a dropped entry and a partial tile marked full."""
+  q, k, v, q_seg, kv_seg, sel, causal = _case("q128_k64_segments_gqa")
+  st, walk = _case_walk("q128_k64_segments_gqa")
+  partial = [int(((_decode(walk[0, 0, p])[2] == 2)).sum()) for p in range(st.num_q_programs)]
+  p = int(np.argmax(partial))                                       # a program with masked tiles
+  assert partial[p] > 0
+  dropped = walk.copy()
+  dropped[:, :, p, 0] -= 1                                          # forget the last entry
+  with pytest.raises(AssertionError):
+    _check_sched_walk(st, dropped, sel, q_seg, kv_seg, tight=False)
+  full = walk.copy()
+  n = full[0, 0, p, 0]
+  full[0, 0, p, 1:1 + n] = (full[0, 0, p, 1:1 + n] >> 4 << 4) | 1 | (1 << 2)   # all "full"
+  with pytest.raises(AssertionError):
+    _check_sched_walk(st, full, sel, q_seg, kv_seg, tight=False)
+
+
+# ------------------------------------------------------------------ replay of the kernel's walk
+
+
+def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk=None):
+  """Stand-in for ``mg._fwd_call`` in schedule mode: a jnp replay of the kernel's walk of the
+  packed rows (entry order, per-warpgroup codes: skip / unmasked / masked step with the kernel's
+  ``_tile_visible``, ``_cap_logits``, ``_online_softmax``, P cast to the input dtype,
+  ``_finalize``), on the padded inputs, returning the padded shapes."""
+  assert st.has_sched and walk is not None and bounds is None
+  b, sq_pad, hq, d = q_p.shape
+  bq, bk, n_prog = st.block_q, st.block_k, st.num_q_programs
+  heads = jnp.arange(hq) // st.group
+  kp = k_p[:, :, heads].transpose(0, 2, 1, 3)                        # [B, Hq, Sk', D]
+  vp = v_p[:, :, heads].transpose(0, 2, 1, 3)
+  qt = q_p.transpose(0, 2, 1, 3).reshape(b, hq, n_prog, 2, bq, d)
+  wrows = walk[jnp.arange(b) if walk.shape[0] > 1 else jnp.zeros(b, jnp.int32)]
+  wrows = wrows[:, heads if walk.shape[1] > 1 else jnp.zeros(hq, jnp.int32)]   # [B, Hq, P, W]
+  has_seg = q_seg is not None
+  qs = (q_seg if has_seg else jnp.zeros((b, sq_pad), jnp.int32)).reshape(b, n_prog, 2, bq)
+  ks = kv_seg if has_seg else jnp.zeros((b, k_p.shape[1]), jnp.int32)
+  rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+
+  def warpgroup(q_t, k_all, v_all, wrow, p, wg, qs_t, ks_all):
+    row0 = (2 * p + wg) * bq
+
+    def step(t, carry, masked):
+      acc, m, l = carry
+      k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)
+      v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
+      s = mg._cap_logits(jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32), st)
+      if masked:
+        ks_t = lax.dynamic_slice_in_dim(ks_all, t * bk, bk) if has_seg else None
+        vis = mg._tile_visible(rows, cols, row0, t, st, qs_t if has_seg else None, ks_t)
+        s = jnp.where(vis, s, -jnp.inf)
+      p_, alpha, m, l = mg._online_softmax(s, m, l, st)
+      acc = acc * alpha[:, None] + jnp.dot(p_.astype(q_p.dtype), v_t,
+                                           preferred_element_type=jnp.float32)
+      return acc, m, l
+
+    def body(j, carry):
+      entry = wrow[1 + j]
+      t = entry >> mg._WALK_SHIFT
+      code = (entry >> (2 * wg)) & 3
+      return lax.switch(code, [lambda c: c, lambda c: step(t, c, False),
+                               lambda c: step(t, c, True)], carry)
+
+    carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    return mg._finalize(*lax.fori_loop(0, wrow[0], body, carry))
+
+  per_wg = jax.vmap(warpgroup, in_axes=(0, None, None, None, None, 0, 0, None))
+  per_prog = jax.vmap(per_wg, in_axes=(0, None, None, 0, 0, None, 0, None))
+  per_head = jax.vmap(per_prog, in_axes=(0, 0, 0, 0, None, None, None, None))
+  per_batch = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None, None, 0, 0))
+  out, lse = per_batch(qt, kp, vp, wrows, jnp.arange(n_prog), jnp.arange(2), qs, ks)
+  out = out.reshape(b, hq, sq_pad, d).transpose(0, 2, 1, 3).astype(q_p.dtype)
+  return out, lse.reshape(b, hq, sq_pad)
+
+
+def _reference(q, k, v, q_seg, kv_seg, sel, causal, scale=None):
+  up = lambda x: x.astype(jnp.float32)
+  return attention_reference(up(q), up(k), up(v), causal=causal, q_segment_ids=q_seg,
+                             kv_segment_ids=kv_seg, scale=scale, block_mask=sel.to_mask())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_walk_and_replay_match_the_selection(name, monkeypatch):
+  """The walk covers exactly the selection's visible tiles (``_check_sched_walk``); then
+  ``block_sparse_attention(implementation="mosaic_gpu")``'s forward, with the replay in place of
+  the kernel: out and LSE against the fp32 reference restricted to the selection's mask (rows
+  that see no key: output 0, LSE -inf)."""
+  q, k, v, q_seg, kv_seg, sel, causal = _case(name)
+  st, walk = _case_walk(name)
+  assert st.has_sched and st.sched_heads == (k.shape[2] > 1)
+  # Without segment ids the walk is exact: a warpgroup lists a tile iff one of its rows sees
+  # one of its keys (tight); with them, per-tile min/max ids may list a tile no row sees.
+  _check_sched_walk(st, walk, sel, q_seg, kv_seg, tight=q_seg is None)
+  tm = _tile_mask(sel)
+  if sel.q_block_size == st.block_q:
+    # 64-row schedule rows: a program's list is the union of its two rows, in order, each tile
+    # once with both warpgroups' codes.
+    both = 0
+    for p in range(st.num_q_programs):
+      n, t, c0, c1 = _decode(walk[0, 0, p])
+      rows = [2 * p + w for w in range(2) if 2 * p + w < tm.shape[2]]
+      assert set(t.tolist()) <= set(np.nonzero(tm[0, 0, rows].any(0))[0].tolist())
+      assert list(t) == sorted(t)
+      both += int(((c0 != 0) & (c1 != 0)).sum())
+    assert both > 0
+  if sel.block_size > st.block_k:
+    # Wide schedule tiles: each kept block is walked as its kernel tiles.
+    r = sel.block_size // st.block_k
+    for p in range(st.num_q_programs):
+      n, t, _, _ = _decode(walk[0, 0, p])
+      blocks = set(np.nonzero(tm[0, 0, p * 2 * st.block_q // sel.q_block_size])[0].tolist())
+      assert set((t // r).tolist()) <= blocks
+      assert n == 0 or all(any(r * j + i in t for i in range(r)) for j in blocks)
+  monkeypatch.setattr(mg, "_fwd_call", _replayed_sched_call)
+  run = lambda q, k, v: sp.block_sparse_attention(
+      q, k, v, sel, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True,
+      implementation="mosaic_gpu")
+  out, lse = _compiled(run, q, k, v)
+  r_out, r_lse = _compiled(lambda q, k, v: _reference(q, k, v, q_seg, kv_seg, sel, causal),
+                           q, k, v)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert _rel(out, r_out) < 2e-2, _rel(out, r_out)
+  lse, r_lse = np.asarray(lse), np.asarray(r_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+  fin = np.isfinite(r_lse)
+  assert _rel(np.where(fin, lse, 0.0), np.where(fin, r_lse, 0.0)) < 2e-2
+  if (~fin).any():
+    assert (np.asarray(out, np.float32).transpose(0, 2, 1, 3)[~fin] == 0).all()
+
+
+def test_replay_check_can_fail(monkeypatch):
+  """A walk whose codes are all "full" (no element mask: keys past the causal diagonal and of
+  other documents leak in) fails the comparison."""
+  def unmasked(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk=None):
+    j = jnp.arange(walk.shape[-1])
+    n = walk[..., :1]
+    listed = (j >= 1) & (j <= n)
+    walk = jnp.where(listed, (walk >> mg._WALK_SHIFT << mg._WALK_SHIFT) | 5, walk)
+    return _replayed_sched_call(q_p, k_p, v_p, st, q_seg, kv_seg, bounds, walk)
+  monkeypatch.setattr(mg, "_fwd_call", unmasked)
+  q, k, v, q_seg, kv_seg, sel, causal = _case("q128_k64_segments_gqa")
+  out = _compiled(lambda q, k, v: sp.block_sparse_attention(
+      q, k, v, sel, causal=causal, segment_ids=q_seg, implementation="mosaic_gpu"), q, k, v)
+  r_out, _ = _compiled(lambda q, k, v: _reference(q, k, v, q_seg, kv_seg, sel, causal), q, k, v)
+  assert _rel(out, r_out) > 0.1
+
+
+VJP_CASES = ["q128_k64_segments_gqa"]
+
+
+@pytest.mark.parametrize("name", VJP_CASES)
+def test_vjp_uses_triton_backward_on_the_selection(name, monkeypatch):
+  """Forward (replay) + the Triton backward (interpreted) on the selection's schedule: the VJP of
+  (out, lse) matches the fp32 reference's; the Triton backward runs on the schedule's tiles."""
+  from pallas_kernels.flash import triton as ft
+  monkeypatch.setattr(mg, "_fwd_call", _replayed_sched_call)
+  tiles = []
+  real_bwd = ft._bwd_calls
+  monkeypatch.setattr(ft, "_bwd_calls", lambda *a: tiles.append((a[-1].block_q, a[-1].block_k))
+                      or real_bwd(*a))
+  q, k, v, q_seg, kv_seg, sel, causal = _case(name)
+  ks = jax.random.split(jax.random.key(3), 2)
+  d_out = jax.random.normal(ks[0], q.shape, q.dtype)
+  d_lse = jax.random.normal(ks[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+  def kernel(q, k, v):
+    f = lambda q, k, v: sp.block_sparse_attention(
+        q, k, v, sel, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True,
+        implementation="mosaic_gpu", interpret=True)
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+  def ref(q, k, v):
+    up = lambda x: x.astype(jnp.float32)
+    f = lambda q, k, v: _reference(q, k, v, q_seg, kv_seg, sel, causal)
+    (out, lse), vjp = jax.vjp(f, up(q), up(k), up(v))
+    return out, lse, vjp((up(d_out), d_lse))
+
+  out, lse, grads = _compiled(kernel, q, k, v)
+  r_out, r_lse, r_grads = _compiled(ref, q, k, v)
+  assert tiles == [(sel.q_block_size, sel.block_size)]
+  assert _rel(out, r_out) < 2e-2
+  fin = np.isfinite(np.asarray(r_lse))
+  assert _rel(np.where(fin, lse, 0.0), np.where(fin, r_lse, 0.0)) < 2e-2
+  for nm, g, r in zip("qkv", grads, r_grads):
+    assert g.shape == r.shape and g.dtype == q.dtype, nm
+    assert _rel(g, r) < 2e-2, (nm, _rel(g, r))
+
+
+# ------------------------------------------------------------------------------ lowering (CPU)
+
+LOWER_CASES = {
+    "d128_q128_k64_gqa": dict(sq=1000, sk=1000, hq=4, hk=2, d=128, qbs=128, bs=64),
+    "d64_q64_k128_segments_q_shorter": dict(sq=300, sk=500, hq=2, hk=1, d=64, qbs=64, bs=128,
+                                            seg=True),
+    "d256_q256_k256_no_pingpong": dict(sq=640, sk=640, hq=2, hk=2, d=256, qbs=256, bs=256,
+                                       pingpong=False),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWER_CASES))
+def test_kernel_with_schedule_lowers_for_cuda(name):
+  """The schedule-walking kernel lowers for "cuda" (jax.export: the Mosaic GPU lowering with the
+  per-entry branches around wgmma, register layouts, shared memory)."""
+  c = dict(LOWER_CASES[name])
+  b, sq, sk, hq, hk, d = 2, c["sq"], c["sk"], c["hq"], c["hk"], c["d"]
+  base = mg.default_block_sizes(d)
+  bs = mg.BlockSizes(base.block_q, min(base.block_k, c["bs"]), base.num_stages,
+                     pingpong=c.get("pingpong", True))
+  nq, nk = -(-sq // c["qbs"]), -(-sk // c["bs"])
+  shapes = [jax.ShapeDtypeStruct((b, sq, hq, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, sk, hk, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, sk, hk, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, hk, nq, nk), jnp.bool_)]
+  if c.get("seg"):
+    shapes += [jax.ShapeDtypeStruct((b, sq), jnp.int32), jax.ShapeDtypeStruct((b, sk), jnp.int32)]
+
+  def fn(q, k, v, keep, *segs):
+    s = make_schedule(sq, sk, c["qbs"], c["bs"], causal=True, block_mask=keep,
+                      q_segment_ids=segs[0] if segs else None,
+                      kv_segment_ids=segs[1] if segs else None)
+    return mg.flash_attention(q, k, v, *segs, schedule=s, causal=True, block_sizes=bs)
+  exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*shapes)
+  text = exported.mlir_module()
+  assert "mosaic_gpu" in text
+  assert [a.shape for a in exported.out_avals] == [(b, sq, hq, d), (b, hq, sq)]
+
+
+@pytest.mark.parametrize("gate_grad", ["none", "ste"])
+def test_sparse_fwd_bwd_lowers_for_cuda(gate_grad):
+  """jax.grad through ``sparse_attention(implementation="mosaic_gpu")`` (selection + block-sparse
+  attention) lowers for "cuda": one Mosaic GPU forward, the two Triton backward kernels, and with
+  the STE gate the Triton gate-gradient kernel."""
+  q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
+  loss = lambda q, k, v: sp.sparse_attention(
+      q, k, v, block_size=64, q_block_size=128, top_k=3, gate_grad=gate_grad,
+      implementation="mosaic_gpu").astype(jnp.float32).sum()
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu_v2") == 1 or text.count("@mosaic_gpu") == 1
+  n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
+  assert n == (2 if gate_grad == "none" else 3), n
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_unsupported_block_sizes_and_options_raise():
+  """Errors at trace time (shapes only): block sizes the kernels cannot walk name the allowed
+  sizes; fp32 and interpret=True raise NotImplementedError naming them."""
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 1, 64), jnp.bfloat16)
+  f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+  sel_of = lambda qbs, bs: jax.eval_shape(functools.partial(
+      sp.select_blocks, block_size=bs, q_block_size=qbs, top_k=1), q, k)
+  attn = lambda q, k, sel, **kw: jax.eval_shape(lambda q, k, sel: sp.block_sparse_attention(
+      q, k, k, sel, implementation="mosaic_gpu", **kw), q, k, sel)
+  for qbs, bs, bad in ((32, 64, "q_block_size=32"), (64, 96, "block_size=96"),
+                       (128, 16, "block_size=16")):
+    with pytest.raises(ValueError, match=f"powers of two >= 64.*{bad}"):
+      attn(q, k, sel_of(qbs, bs))
+  sel = sel_of(128, 64)
+  with pytest.raises(NotImplementedError, match="float32"):
+    attn(f32(q), f32(k), sel)
+  with pytest.raises(NotImplementedError, match="interpret"):
+    attn(q, k, sel, interpret=True)
+  # The kernel module: schedule tiles that are not multiples of the kernel's, a Triton backward
+  # with other tiles, the Mosaic backward (dense/causal only), other lengths.
+  from pallas_kernels.flash import triton as ft
+  sched = lambda bq, bk: jax.eval_shape(lambda: make_schedule(256, 256, bq, bk, causal=True))
+  call = lambda q, s, **kw: jax.eval_shape(lambda q, k: mg.flash_attention(
+      q, k, k, schedule=s, causal=True, **kw), q, k)
+  with pytest.raises(ValueError, match="block_k=64"):
+    call(q, sched(64, 64))                                            # kernel block_k 128
+  with pytest.raises(ValueError, match="backward tiles"):
+    call(q, sched(128, 128), bwd_block_sizes=ft.BlockSizes(64, 64))
+  with pytest.raises(NotImplementedError, match="block schedules"):
+    call(q, sched(128, 128), block_sizes=mg.BlockSizes(backward="mosaic"))
+  with pytest.raises(ValueError, match="lengths"):
+    call(jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16), sched(128, 128))
+
+
+# ------------------------------------------------------------------------------- GPU (sm90)
+
+# (b, s, hq, hk, d, q_block_size, block_size, top_k, segments, dtype)
+GPU_CASES = {
+    # the benchmark's layout (one list per program), packed documents, GQA
+    "d128_q128_k64_segments_gqa": (2, 2048, 4, 2, 128, 128, 64, 4, True, jnp.bfloat16),
+    # 128-key kernel tiles, ragged length
+    "d128_q128_k128_ragged": (1, 2000, 4, 2, 128, 128, 128, 3, False, jnp.bfloat16),
+    # 64-row selection blocks: each program merges two rows
+    "d128_q64_k64_union_segments": (1, 1500, 2, 2, 128, 64, 64, 4, True, jnp.bfloat16),
+    "d64_q128_k128_fp16": (1, 2048, 4, 1, 64, 128, 128, 3, False, jnp.float16),
+    # forward only: 256-key blocks split into 128-key kernel tiles, 256-row blocks shared by two
+    # programs (compacted lists); D256 (64-key kernel tiles). Their Triton backward tiles
+    # (256 x 256, or D256) are the "triton" implementation's, untested on a GPU.
+    "d64_q256_k256_fp16": (1, 2048, 4, 1, 64, 256, 256, 2, False, jnp.float16),
+    "d256_q128_k64_segments": (1, 1024, 2, 1, 256, 128, 64, 2, True, jnp.bfloat16),
+}
+GPU_FORWARD_ONLY = ("d64_q256_k256_fp16", "d256_q128_k64_segments")
+
+
+def _gpu_case(name):
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+  b, s, hq, hk, d, qbs, bs, top_k, segs, dtype = GPU_CASES[name]
+  q, k, v = _inputs(zlib.crc32(name.encode()), b, s, s, hq, hk, d, dtype)
+  seg = jnp.asarray(_packed(name, b, s)) if segs else None
+  sel = jax.jit(functools.partial(sp.select_blocks, block_size=bs, q_block_size=qbs,
+                                  top_k=top_k))(q, k, segment_ids=seg)
+  return q, k, v, seg, sel, dtype
+
+
+def _check_out_lse(out, lse, r_out, r_lse, dtype):
+  assert out.dtype == dtype and _rel(out, r_out) < 2e-2, _rel(out, r_out)
+  lse, r_lse = np.asarray(lse), np.asarray(r_lse)
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
+  fin = np.isfinite(r_lse)
+  assert _rel(np.where(fin, lse, 0.0), np.where(fin, r_lse, 0.0)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_block_sparse_mosaic_forward(name):
+  """The compiled Mosaic GPU forward walking the selection vs the fp32 reference over it."""
+  q, k, v, seg, sel, dtype = _gpu_case(name)
+  out, lse = jax.jit(lambda q, k, v: sp.block_sparse_attention(
+      q, k, v, sel, segment_ids=seg, return_lse=True, implementation="mosaic_gpu"))(q, k, v)
+  r_out, r_lse = jax.jit(lambda q, k, v: _reference(q, k, v, seg, seg, sel, True))(q, k, v)
+  _check_out_lse(out, lse, r_out, r_lse, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [n for n in GPU_CASES if n not in GPU_FORWARD_ONLY])
+def test_gpu_block_sparse_mosaic_vjp(name):
+  """Mosaic GPU forward + Triton backward on the selection: the VJP of (out, lse) vs the fp32
+  reference's, and vs the "triton" implementation (same schedule, same backward kernels)."""
+  q, k, v, seg, sel, dtype = _gpu_case(name)
+  rng = np.random.default_rng(5)
+  d_out = jnp.asarray(rng.standard_normal(q.shape, np.float32), dtype)
+  d_lse = jnp.asarray(rng.standard_normal((q.shape[0], q.shape[2], q.shape[1]), np.float32))
+
+  def run(impl):
+    up = (lambda x: x.astype(jnp.float32)) if impl == "ref" else (lambda x: x)
+
+    def f(q, k, v):
+      g = lambda q, k, v: (_reference(q, k, v, seg, seg, sel, True) if impl == "ref" else
+                           sp.block_sparse_attention(q, k, v, sel, segment_ids=seg,
+                                                     return_lse=True, implementation=impl))
+      (out, lse), vjp = jax.vjp(g, *(up(x) for x in (q, k, v)))
+      return out, lse, vjp((up(d_out), d_lse))
+    return jax.jit(f)(q, k, v)
+  out, lse, grads = run("mosaic_gpu")
+  r_out, r_lse, r_grads = run("ref")
+  _check_out_lse(out, lse, r_out, r_lse, dtype)
+  for nm, g, r in zip("qkv", grads, r_grads):
+    assert g.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all(), nm
+    assert _rel(g, r) < 2e-2, (nm, _rel(g, r))
+  t_out, _, t_grads = run("triton")
+  assert _rel(out, t_out) < 1e-2
+  for nm, g, t in zip("qkv", grads, t_grads):
+    assert _rel(g, t) < 1e-2, (nm, _rel(g, t))
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_attention_ste_mosaic_matches_triton():
+  """``sparse_attention(gate_grad="ste")``: same selection, forward and gradients (incl. the
+  gate gradient through the scores) on the Hopper path as on the Triton path."""
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+  q, k, v = _inputs(23, 1, 2048, 2048, 4, 2, 128)
+  kw = dict(block_size=64, q_block_size=128, top_k=4, gate_grad="ste")
+
+  def run(impl):
+    loss = lambda q, k, v: (sp.sparse_attention(q, k, v, implementation=impl, **kw)
+                            .astype(jnp.float32) ** 2).sum()
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  (l_m, g_m), (l_t, g_t) = run("mosaic_gpu"), run("triton")
+  assert abs(float(l_m) - float(l_t)) < 1e-2 * abs(float(l_t))
+  for nm, a, b in zip("qkv", g_m, g_t):
+    assert _rel(a, b) < 2e-2, (nm, _rel(a, b))
