@@ -10,7 +10,8 @@ cuDNN 6.99 ms, 629), causal 3.81 ms = 577 TFLOP/s (cuDNN 3.83 ms, 575); max |dif
 over the shared-memory limit (232568 > 232448 bytes). That is ~1.5x the Triton forward (~400
 TFLOP/s). D64 and D256 have not been timed.
 
-NEW, NOT YET RUN ON A GPU: ``flash_attention`` here is differentiable: its custom_vjp hands
+Differentiable (run on the H200 in run 17 through ``jattn.flash_attention`` with windows, forward
++ VJP vs the reference): ``flash_attention`` here: its custom_vjp hands
 (q, k, v, out, lse) to the Triton backward kernels (``triton.flash_attention_bwd``: dK/dV and dQ,
 the same LSE convention), and ``jattn.flash_attention(implementation="mosaic_gpu")`` runs it
 (``implementation=None`` does not pick it until forward + backward pass on sm90). On the CPU the
@@ -19,8 +20,9 @@ replayed in jnp by the tests; jax's GPU interpret mode cannot run it (no transpo
 operands for wgmma), so ``interpret=True`` raises NotImplementedError. The CPU tests check the
 hybrid VJP with the replay standing in for the kernel and the Triton backward interpreted.
 
-NEW, NOT YET RUN ON A GPU (issue 8): local windows, segment ids and logits soft cap (see "Masks"
-below); the backward with them is the Triton one (``_triton_bwd_masked``), and
+Local windows, segment ids and logits soft cap (see "Masks" below; run 17 on the H200: all 10
+forward cases vs the reference passed, D64/128/256, experiments/results/
+h200_gpu_tests_mosaic_masks_run17_20261130.txt); the backward with them is the Triton one (``_triton_bwd_masked``), and
 ``backward="mosaic"`` rejects them at the call.
 
 NEW, NOT YET RUN ON A GPU: block schedules (``flash_attention(schedule=...)``, what
