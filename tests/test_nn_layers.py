@@ -150,6 +150,49 @@ def test_compressed_partial_against_dense_topk():
       np.testing.assert_allclose(lse[0, t, h], np.log(p.sum()) + s[top].max(), rtol=1e-5)
 
 
+def _old_pool_windows(x, gate, bias, ratio, n_entries):
+  """``pool_windows`` before the memory work: a gather, no remat."""
+  need = n_entries * ratio + ratio
+  pad = [(0, 0), (0, max(0, need - x.shape[1])), (0, 0), (0, 0)]
+  x, gate = jnp.pad(x, pad), jnp.pad(gate, pad)
+  idx = jnp.arange(n_entries)[:, None] * ratio + jnp.arange(2 * ratio)[None]
+  w = jax.nn.softmax(gate[:, idx].astype(jnp.float32) + bias.astype(jnp.float32), axis=2)
+  return jnp.sum(w * x[:, idx].astype(jnp.float32), axis=2)
+
+
+def _old_compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale):
+  """``compressed_partial`` before the memory work: whole [b, h, t, C] logits, no remat."""
+  s, _ = csa_ops._entry_scores(q, ck, q_pos, ratio, scale)
+  return csa_ops._softmax_partial(jnp.where(csa_ops._top_k_mask(s, top_k), s, -jnp.inf), cv)
+
+
+def test_csa_layer_matches_unchunked_implementation(monkeypatch):
+  """The memory-saving CSA layer (query chunks of 4 rows, the last padded; remat with the saved
+  bit-packed selection; gather-free pooling; remat merge) == the old one (whole logits, gather
+  pooling, no remat) in fp32: output and every parameter's gradient, sink included."""
+  layer = _layer(LayerSpec("csa", compress_ratio=2, top_k=3, window=3, csa_sink=True))
+  g, params = nnx.split(layer, nnx.Param)
+  rng = np.random.default_rng(0)                  # non-zero pooling biases and sink
+  params = jax.tree.map(lambda p: p + 0.3 * rng.standard_normal(p.shape, np.float32), params)
+  x = rng.standard_normal((2, 19, 24), np.float32)
+  w = rng.standard_normal((2, 19, 24), np.float32)
+  vg = jax.value_and_grad(lambda params: jnp.sum(nnx.merge(g, params)(x) * w))
+  assert csa_ops.query_chunk(None, 8, 4, 8192, 2048) == 512   # the h200 preset: 16 chunks
+
+  @jax.jit   # one compilation; the module attributes are read while tracing
+  def both(params):
+    monkeypatch.setattr(csa_ops, "CHUNK_ELEMENTS", 2 * 4 * 10 * 4)   # b * hq * C * 4 rows
+    new = vg(params)
+    monkeypatch.setattr(csa_ops, "compressed_partial", _old_compressed_partial)
+    monkeypatch.setattr(csa_ops, "pool_windows", _old_pool_windows)
+    old = vg(params)
+    monkeypatch.undo()
+    return new, old
+
+  new, old = jax.tree.map(np.asarray, both(params))
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5)
+
 # ------------------------------------------------------------------ options that cannot be honoured
 def test_unhonourable_options_raise():
   with pytest.raises(ValueError):

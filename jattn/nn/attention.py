@@ -264,10 +264,15 @@ class Attention(nnx.Module):
     spec = self.spec
     o_c, lse_c = csa_ops.compressed_partial(q, ck, cv, q_pos, ratio=spec.compress_ratio,
                                             top_k=spec.top_k, scale=self.scale)
-    o, lse = merge(o_l.astype(jnp.float32), lse_l.transpose(0, 2, 1), o_c, lse_c)
-    if self.sink is not None:
-      o, lse = merge(o, lse, *csa_ops.sink_partial(_get(self.sink), o.shape))
-    return o
+    sink = None if self.sink is None else _get(self.sink)
+
+    @jax.checkpoint  # elementwise: recompute in the bwd rather than keep fp32 stacks per layer
+    def combine(o_l, lse_l, o_c, lse_c, sink):
+      o, lse = merge(o_l.astype(jnp.float32), lse_l.transpose(0, 2, 1), o_c, lse_c)
+      if sink is not None:
+        o, lse = merge(o, lse, *csa_ops.sink_partial(sink, o.shape))
+      return o
+    return combine(o_l, lse_l, o_c, lse_c, sink)
 
   # ---------------------------------------------------------------- cache
   def cache_layout(self, max_len):

@@ -25,19 +25,32 @@ Two modes (``LayerSpec.csa_mode``):
 
 The functions here are pure and shared by the training forward and the cached decode path, so both
 compute the same selections. Selections are non-differentiable (gradients flow through the logits of
-the selected keys and entries). The scoring materialises [batch, heads, q_len, entries] logits, and
-"two_stage" computes its fine stage with the fp32 reference (an element mask), so CSA is a
-reference-quality path for research at moderate lengths, not a fused kernel.
+the selected keys and entries).
+
+Memory: "compressed" scores [batch, heads, rows, entries] fp32 logits one chunk of query rows at a
+time (``lax.map`` over chunks, each under ``jax.checkpoint`` that keeps only the selection, packed
+to bits), so neither the forward nor the saved residuals hold the whole [batch, heads, q_len,
+entries] tensor: at 8K tokens, batch 8, 4 heads and ratio 4 that tensor is 2 GiB, and autodiff
+kept several per layer (a 6-layer train step wanted ~30 GiB on the H200). The backward recomputes
+each chunk's logits (not its top-K). "two_stage" still materialises its logits and computes its
+fine stage with the fp32 reference (an element mask): a reference-quality path for moderate lengths.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jattn.merge import merge
 from pallas_kernels.flash.reference import attention_reference
 
 _HI = jax.lax.Precision.HIGHEST
+# fp32 logits per query chunk of "compressed" (elements of [batch, q_heads, rows, entries]):
+# 2**25 = 128 MiB, i.e. 512 rows at batch 8, 4 heads, 2048 entries.
+CHUNK_ELEMENTS = 1 << 25
+_SELECTION = "csa_selection"
 
 
 def num_entries(num_tokens, ratio):
@@ -93,15 +106,24 @@ def pool_windows(x, gate, bias, ratio, n_entries):
     >>> pool_windows(x, x, jnp.zeros((8, 2, 4)), 4, 4).shape
     (1, 4, 2, 4)
   """
+  return _pool_windows(x, gate, bias, ratio, n_entries)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3, 4))  # no fp32 [b, C, 2r, h, d] residuals
+def _pool_windows(x, gate, bias, ratio, n_entries):
   n = x.shape[1]
   need = n_entries * ratio + ratio
   if need > n:
     pad = [(0, 0), (0, need - n), (0, 0), (0, 0)]
     x, gate = jnp.pad(x, pad), jnp.pad(gate, pad)
-  idx = jnp.arange(n_entries)[:, None] * ratio + jnp.arange(2 * ratio)[None]  # [C, 2r]
-  xw = x[:, idx].astype(jnp.float32)                                           # [b, C, 2r, h, d]
-  w = jax.nn.softmax(gate[:, idx].astype(jnp.float32) + bias.astype(jnp.float32), axis=2)
-  return jnp.sum(w * xw, axis=2)
+
+  def windows(a):  # [b, C, 2r, h, d]: window c = tokens c*r .. c*r + 2r - 1 (no gather)
+    lo = a[:, :n_entries * ratio].reshape(a.shape[0], n_entries, ratio, *a.shape[2:])
+    hi = a[:, ratio:need].reshape(lo.shape)
+    return jnp.concatenate([lo, hi], axis=2).astype(jnp.float32)
+
+  w = jax.nn.softmax(windows(gate) + bias.astype(jnp.float32), axis=2)
+  return jnp.sum(w * windows(x), axis=2)
 
 
 def pool_one_window(xw, gw, bias):
@@ -157,8 +179,73 @@ def _top_k_mask(s, k):
   return (s >= kth) & jnp.isfinite(s)
 
 
-def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale):
+def _pack_bits(mask):
+  """bool [..., n] -> uint32 [..., ceil(n / 32)] (bit j of word w = mask[32 w + j])."""
+  n = mask.shape[-1]
+  words = -(-n // 32)
+  m = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, words * 32 - n)])
+  m = m.reshape(*mask.shape[:-1], words, 32).astype(jnp.uint32)
+  return jnp.sum(m << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+
+
+def _unpack_bits(bits, n):
+  """Inverse of ``_pack_bits``: uint32 [..., words] -> bool [..., n]."""
+  m = (bits[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
+  return m.reshape(*bits.shape[:-1], -1)[..., :n].astype(jnp.bool_)
+
+
+def query_chunk(q_chunk, batch, q_heads, q_len, entries):
+  """Query rows per chunk of ``compressed_partial`` (explicit, or from ``CHUNK_ELEMENTS``).
+
+  Args:
+    q_chunk: None (auto: the largest power of two with batch * q_heads * rows * entries <=
+      ``CHUNK_ELEMENTS``, at least 1) or a positive int.
+    batch, q_heads, q_len, entries: the logits' dimensions.
+
+  Returns:
+    int in [1, q_len] (q_len: one chunk).
+
+  Example:
+    >>> query_chunk(None, 8, 4, 8192, 2048)
+    512
+  """
+  if q_chunk is None:
+    rows = max(1, CHUNK_ELEMENTS // max(1, batch * q_heads * entries))
+    q_chunk = 1 << (rows.bit_length() - 1)
+  if q_chunk < 1:
+    raise ValueError(f"q_chunk must be >= 1, got {q_chunk}")
+  return max(1, min(q_chunk, q_len))
+
+
+def _map_query_chunks(fn, q, q_pos, chunk):
+  """``fn(q, q_pos) -> (o [b, t, ...], lse [b, t, ...])`` over chunks of ``chunk`` query rows.
+
+  ``fn`` must treat rows independently. Each chunk runs under ``jax.checkpoint`` saving only the
+  values ``fn`` names ``_SELECTION`` (the bit-packed selection), so differentiation keeps no
+  [.., rows, entries] float residuals; padded rows have position -1 (no visible entry) and are
+  sliced off.
+  """
+  body = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(_SELECTION))
+  b, t = q.shape[:2]
+  if chunk >= t:
+    return body(q, q_pos)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  if pad:
+    q = jnp.pad(q, [(0, 0), (0, pad)] + [(0, 0)] * (q.ndim - 2))
+    q_pos = jnp.pad(q_pos, [(0, 0), (0, pad)], constant_values=-1)
+  qs = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
+  ps = jnp.moveaxis(q_pos.reshape(b, n, chunk), 1, 0)
+  outs = jax.lax.map(lambda a: body(*a), (qs, ps))
+  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, n * chunk, *x.shape[3:])[:, :t]
+  return jax.tree.map(unchunk, outs)
+
+
+def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale, q_chunk=None):
   """Attention of each query head over its top-K visible compressed entries.
+
+  Computed over chunks of query rows (see the module docstring, "Memory"); the chunking changes
+  neither the selection nor the math, only the peak memory of the forward and of its gradient.
 
   Args:
     q: [batch, t, q_heads, d] queries (after RoPE / norms).
@@ -168,6 +255,7 @@ def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale):
     ratio: compression ratio r.
     top_k: entries kept per query head and token.
     scale: logit scale.
+    q_chunk: query rows per chunk (None: ``query_chunk``'s budget; >= t: one chunk).
 
   Returns:
     (out [batch, t, q_heads, dv] fp32, lse [batch, t, q_heads] fp32), a partial for ``jattn.merge``.
@@ -178,9 +266,17 @@ def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale):
     >>> o.shape, lse.shape
     ((1, 8, 2, 4), (1, 8, 2))
   """
-  s, _ = _entry_scores(q, ck, q_pos, ratio, scale)
-  s = jnp.where(_top_k_mask(s, top_k), s, -jnp.inf)
-  return _softmax_partial(s, cv)
+  def rows(q, q_pos):
+    s, _ = _entry_scores(q, ck, q_pos, ratio, scale)
+    # The backward recomputes s but reuses the forward's selection (saved as bits: 1/32 of the
+    # fp32 logits) rather than a top-K threshold: a recomputed s need not be bit-identical (XLA
+    # may fuse or constant-fold it differently), and comparing it with a saved threshold could
+    # drop the K-th entry from the gradient.
+    bits = checkpoint_name(_pack_bits(_top_k_mask(s, top_k)), _SELECTION)
+    s = jnp.where(_unpack_bits(bits, s.shape[-1]), s, -jnp.inf)
+    return _softmax_partial(s, cv)
+  b, t, hq, _ = q.shape
+  return _map_query_chunks(rows, q, q_pos, query_chunk(q_chunk, b, hq, t, ck.shape[1]))
 
 
 def sink_partial(sink, shape_o):
