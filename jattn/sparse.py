@@ -41,7 +41,8 @@ from pallas_kernels.masks import element_mask
 
 __all__ = [
     "BlockSelection", "block_scores", "select_blocks", "block_sparse_attention",
-    "sparse_attention", "captured_mass", "BlockSummaries", "init_block_summaries",
+    "sparse_attention", "captured_mass", "block_attention_mass", "block_score_kl",
+    "BlockSummaries", "init_block_summaries",
     "update_block_summaries", "select_decode_blocks", "sparse_decode_attention",
     "sparse_paged_decode_attention",
     "causal_top_k_for_density", "bench_cases",
@@ -49,6 +50,7 @@ __all__ = [
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _GATE_MODES = ("none", "ste", "gumbel")
+_QUERY_POOLS = ("sum", "max")
 _INT_MAX = np.iinfo(np.int32).max
 
 
@@ -347,10 +349,43 @@ def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, 
     raise ValueError("segment ids need both seg_ok and doc_start")
   _, _, max_sel, _ = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal),
                                     num_init, num_local, top_k, per_doc_init=per_doc)
-  visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
-                                         0 if per_doc else num_init, num_local)
   b, hk, nq, nk = rank.shape
   rank = jax.lax.stop_gradient(rank).astype(jnp.float32)
+  cand, vis, fidx = _candidates(b, hk, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
+                                block_size=block_size, causal=causal, num_init=num_init,
+                                num_local=num_local, seg_ok=seg_ok, doc_start=doc_start)
+  parts = [fidx]
+  k_eff = min(top_k, nk)
+  if k_eff > 0:
+    cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
+    masked = jnp.where(cand_b, rank, -jnp.inf)
+    _, tidx = jax.lax.top_k(masked, k_eff)                            # [b, hk, nq, k_eff]
+    tvalid = jnp.take_along_axis(cand_b, tidx, axis=-1)
+    parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
+  allidx = jnp.concatenate(parts, axis=-1)
+  key = jnp.where(allidx < 0, nk, allidx)
+  srt = jnp.sort(key, axis=-1)[..., :max_sel]
+  indices = jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
+  counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
+  num_visible = jnp.sum(vis, axis=-1).astype(jnp.int32)
+  return BlockSelection(indices=indices, counts=counts, num_visible=num_visible, scores=scores,
+                        block_size=block_size, q_block_size=q_block_size, q_len=q_len,
+                        kv_len=kv_len)
+
+
+def _candidates(b, hk, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
+                seg_ok, doc_start):
+  """The block sets of ``_select``'s rules (see :func:`select_blocks`).
+
+  Returns:
+    cand: bool [b or 1, 1, nq, nk]: the blocks top-k chooses among (selectable, not forced).
+    vis: bool [b or 1, 1, nq, nk]: the selectable blocks.
+    fidx: int32 [b, hk, nq, width]: the forced (initial, local) blocks, -1 where absent.
+  """
+  per_doc = doc_start is not None
+  visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
+                                         0 if per_doc else num_init, num_local)
+  nq, nk = visible.shape
   if per_doc:
     # cand / forced_idx above hold the local blocks only; add each row's document-initial blocks.
     n_init = min(num_init, nk)
@@ -374,23 +409,7 @@ def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, 
     cand = cand[None, None]                                           # [1, 1, nq, nk]
     vis = visible[None, None]
     fidx = jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape)
-  parts = [fidx]
-  k_eff = min(top_k, nk)
-  if k_eff > 0:
-    cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
-    masked = jnp.where(cand_b, rank, -jnp.inf)
-    _, tidx = jax.lax.top_k(masked, k_eff)                            # [b, hk, nq, k_eff]
-    tvalid = jnp.take_along_axis(cand_b, tidx, axis=-1)
-    parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
-  allidx = jnp.concatenate(parts, axis=-1)
-  key = jnp.where(allidx < 0, nk, allidx)
-  srt = jnp.sort(key, axis=-1)[..., :max_sel]
-  indices = jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
-  counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
-  num_visible = jnp.sum(vis, axis=-1).astype(jnp.int32)
-  return BlockSelection(indices=indices, counts=counts, num_visible=num_visible, scores=scores,
-                        block_size=block_size, q_block_size=q_block_size, q_len=q_len,
-                        kv_len=kv_len)
+  return cand, vis, fidx
 
 
 def _check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks):
@@ -763,7 +782,8 @@ _gated_attention.defvjp(_gated_fwd, _gated_bwd)
 def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="none",
                      gate_temperature=1.0, rng=None, causal=True, num_init_blocks=1,
                      num_local_blocks=1, segment_ids=None, kv_segment_ids=None, scale=None,
-                     implementation=None, interpret=False, return_selection=False):
+                     implementation=None, interpret=False, return_selection=False,
+                     score_aux_weight=0.0, score_aux_pool="sum", aux_max_chunk_elems=1 << 25):
   """Top-K block selection plus block-sparse attention in one call, for training.
 
   Let score = ``block_scores(q, k)`` [b, g, i, j], c = scale (the attention logit scale) and
@@ -792,6 +812,19 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   the Pallas kernel ``pallas_kernels/sparse/gate_grad.py`` for "triton" and "mosaic_gpu", a
   chunked XLA pass (gathering the kept key/value blocks) for "xla" and "mosaic_tpu".
 
+  ``score_aux_weight`` = w > 0 adds a score-distillation signal that works with every
+  ``gate_grad`` mode and reaches the scores of blocks that were *not* kept: the gradient of
+  q and k becomes that of L + w * KL, with KL = :func:`block_score_kl` (the dense attention's
+  block mass, stop-gradient, pooled over each block's queries by ``score_aux_pool`` "sum" or
+  "max", as the target of softmax(c * score / T) over the candidate blocks).
+  The forward output is unchanged (the same selection, bit for bit); the term is injected into
+  the backward pass (``_add_aux_loss``, DeepSeek's ``AddAuxiliaryLoss`` pattern), so it needs no
+  change to the caller's loss, but it assumes the caller differentiates one scalar loss (its
+  weight does not scale with the output cotangent) and it is not part of any reported loss
+  value. Cost: the O(q_len * kv_len) dense probabilities of the target, computed chunked
+  (``aux_max_chunk_elems`` logits per chunk) and only when differentiated (XLA drops it from
+  forward-only calls).
+
   Args:
     q: [batch, q_len, q_heads, head_dim].
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
@@ -808,6 +841,10 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     scale: logit scale, default 1/sqrt(head_dim).
     implementation, interpret: as in :func:`block_sparse_attention`.
     return_selection: also return the :class:`BlockSelection`.
+    score_aux_weight: w >= 0, weight of the score-distillation term (0: off; above).
+    score_aux_pool: "sum" or "max": the target's pooling over a block's queries
+      (:func:`block_attention_mass` ``query_pool``).
+    aux_max_chunk_elems: bound on the logits materialised per chunk of the target.
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, selection).
@@ -825,6 +862,11 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     raise ValueError(f"gate_temperature must be > 0, got {gate_temperature}")
   if gate_grad == "gumbel" and rng is None:
     raise ValueError("gate_grad='gumbel' needs rng (a jax PRNG key)")
+  if isinstance(score_aux_weight, bool) or not (isinstance(score_aux_weight, (int, float))
+                                                and score_aux_weight >= 0):
+    raise ValueError(f"score_aux_weight must be a float >= 0, got {score_aux_weight!r}")
+  if score_aux_pool not in _QUERY_POOLS:
+    raise ValueError(f"score_aux_pool must be one of {_QUERY_POOLS}, got {score_aux_pool!r}")
   _check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
   batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, v)
   _validate.check_implementation(implementation)
@@ -865,6 +907,20 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     bare = dataclasses.replace(sel, scores=None)
     out, _ = _gated_attention(q, k, v, gate_sel, bare, segment_ids, kv_segment_ids, bool(causal),
                               float(scale), impl, bool(interpret))
+  if score_aux_weight > 0:
+    scores_g = scores if gate_grad != "none" else block_scores(
+        q, k, block_size=block_size, q_block_size=q_block_size, segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids)
+    mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,
+                                causal=causal, segment_ids=segment_ids,
+                                kv_segment_ids=kv_segment_ids, scale=scale,
+                                query_pool=score_aux_pool, max_chunk_elems=aux_max_chunk_elems)
+    cand, _, _ = _candidates(batch, k.shape[2], q_len=q_len, kv_len=kv_len,
+                             q_block_size=int(q_block_size), block_size=int(block_size),
+                             causal=causal, num_init=int(num_init_blocks),
+                             num_local=int(num_local_blocks), seg_ok=seg_ok, doc_start=doc_start)
+    kl = _score_kl(scale * scores_g / gate_temperature, mass, cand)
+    out = _add_aux_loss(out, float(score_aux_weight) * kl)
   return (out, sel) if return_selection else out
 
 
@@ -944,6 +1000,199 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   if reduce:
     return jnp.sum(mass) / jnp.maximum(jnp.sum(cnt), 1.0)
   return jnp.where(cnt > 0, mass / jnp.maximum(cnt, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------- score distillation
+def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, segment_ids=None,
+                         kv_segment_ids=None, scale=None, query_pool="sum",
+                         max_chunk_elems=1 << 25):
+  """Dense attention probability pooled onto (query block, key block) tiles, per GQA group.
+
+  With P = softmax over the visible keys (causal, bottom-right aligned; same nonzero segment id)
+  of scale * q[t] . k[s] in fp32 (queries that see no key, e.g. padding, contribute 0) and
+  m[b, h, t, j] = sum over the keys s of block j of P[b, h, t, s] (query t's mass on block j):
+
+    * query_pool="sum": M[b, g, i, j] = sum over the query heads h of kv group g and the queries
+      t of block i of m[b, h, t, j]. Row sums: sum_j M = (query heads per group) * (valid
+      queries of block i).
+    * query_pool="max": M[b, g, i, j] = sum over h in group g of max over t in block i of
+      m[b, h, t, j]: a block that one query of the block needs counts fully (SeerAttention's
+      max-pooled ground truth), where "sum" dilutes it by the query block size.
+
+  The target of :func:`block_score_kl`. Not differentiable (stop-gradient inputs). Computed in chunks of query blocks (``lax.map``; ~max_chunk_elems logits each), the
+  matmul in the input dtype with fp32 accumulation (fp32 inputs: HIGHEST precision).
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim].
+    block_size, q_block_size: key / query block sizes.
+    causal: bottom-right aligned causal mask.
+    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
+    scale: logit scale, default 1/sqrt(head_dim).
+    query_pool: "sum" or "max" (above).
+    max_chunk_elems: bound on the logits materialised per chunk.
+
+  Returns:
+    fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks].
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 96, 4, 16))
+    >>> m = block_attention_mass(q, q[:, :, :2], block_size=32, q_block_size=32)
+    >>> m.shape, float(m[0, 0, 1].sum())   # 2 query heads per group x 32 queries
+    ((1, 2, 3, 3), 64.0)
+  """
+  if query_pool not in _QUERY_POOLS:
+    raise ValueError(f"query_pool must be one of {_QUERY_POOLS}, got {query_pool!r}")
+  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+  g, d = hq // hk, q.shape[-1]
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  qbs, bs = int(q_block_size), int(block_size)
+  nq, nk = _cdiv(q_len, qbs), _cdiv(kv_len, bs)
+  c = int(max(1, min(nq, max_chunk_elems // max(1, batch * hq * qbs * kv_len))))
+  nc = _cdiv(nq, c)
+  pad = nc * c * qbs - q_len
+  f32 = jnp.float32
+  dt = jnp.promote_types(q.dtype, k.dtype)
+  prec = _HIGHEST if dt == f32 else None
+  qf = jnp.pad(q.astype(dt), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  kf = k.astype(dt)
+  if segment_ids is not None:
+    qsg = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+
+  def chunk(ci):
+    start = ci * c * qbs
+    qc = jax.lax.dynamic_slice_in_dim(qf, start, c * qbs, 1).reshape(batch, c * qbs, hk, g, d)
+    t = start + jnp.arange(c * qbs)                                        # query index
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec, preferred_element_type=f32)
+    if segment_ids is not None:
+      qs = jax.lax.dynamic_slice_in_dim(qsg, start, c * qbs, 1)
+      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
+                         q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
+    else:
+      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
+                         window=None)[None, None, None]
+    vis = vis & (t < q_len)[:, None]
+    s = jnp.where(vis, s * scale, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)         # [b, hk, g, cq, sk]
+    p = jnp.pad(p, ((0, 0),) * 4 + ((0, nk * bs - kv_len),))
+    p = jnp.sum(p.reshape(batch, hk, g, c, qbs, nk, bs), axis=6)          # [b,hk,g,c,qbs,nk]
+    p = jnp.max(p, axis=4) if query_pool == "max" else jnp.sum(p, axis=4)
+    return jnp.sum(p, axis=2)                                              # [b, hk, c, nk]
+
+  res = jax.lax.map(chunk, jnp.arange(nc))                                 # [nc, b, hk, c, nk]
+  return jnp.moveaxis(res, 0, 2).reshape(batch, hk, nc * c, nk)[:, :, :nq]
+
+
+def _score_kl(z, mass, cand):
+  """Mean over rows of KL(p || softmax(z) over the candidate blocks); p = mass renormalised
+  over the candidates. Rows with fewer than two candidates or no candidate mass are skipped.
+
+  z, mass: fp32 [b, hk, nq, nk]; cand: bool, broadcastable to it.
+  """
+  cand = jnp.broadcast_to(cand, z.shape)
+  tgt = jnp.where(cand, jax.lax.stop_gradient(mass).astype(jnp.float32), 0.0)
+  tot = jnp.sum(tgt, axis=-1, keepdims=True)
+  ok = (jnp.sum(cand, axis=-1) >= 2) & (tot[..., 0] > 0)                  # [b, hk, nq]
+  p = tgt / jnp.where(tot > 0, tot, 1.0)
+  use = cand & ok[..., None]
+  logq = jax.nn.log_softmax(jnp.where(use, z.astype(jnp.float32), -jnp.inf), axis=-1)
+  logq = jnp.where(use, logq, 0.0)
+  pos = use & (p > 0)
+  kl = jnp.sum(jnp.where(pos, p * (jnp.log(jnp.where(pos, p, 1.0)) - logq), 0.0), axis=-1)
+  return jnp.sum(kl) / jnp.maximum(jnp.sum(ok), 1).astype(jnp.float32)
+
+
+def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_init_blocks=1,
+                   num_local_blocks=1, segment_ids=None, kv_segment_ids=None, scale=None,
+                   temperature=1.0, query_pool="sum", max_chunk_elems=1 << 25):
+  """Score-distillation loss: how far the block scorer's distribution is from the dense
+  attention's block mass (``sparse_attention(score_aux_weight=...)`` trains on it).
+
+  For batch b, kv head g and query block i, let C(i) be the candidate blocks of
+  :func:`select_blocks`' rules (selectable and not always kept: top-k chooses among exactly
+  these), z[i, j] = c * score[i, j] / T (``block_scores``, c = scale, T = temperature: the
+  "ste" gate logits) and M = :func:`block_attention_mass` (stop-gradient; ``query_pool`` "sum"
+  or "max" over the block's queries). Then
+
+      p[i, j] = M[i, j] / sum_{j' in C(i)} M[i, j']        (j in C(i))
+      KL(i)   = sum_{j in C(i)} p[i, j] * (log p[i, j] - log_softmax_{j' in C(i)} z[i, j'])
+
+  and the loss is the mean of KL(i) over (b, g, i) with |C(i)| >= 2 and some target mass (0 if
+  there is none). dKL(i)/dz[i, j] = softmax(z)[i, j] - p[i, j] for every candidate j, kept or
+  not, so the scores of dropped blocks that the dense attention wants rise (SeerAttention's
+  pooled-attention KL; DeepSeek Sparse Attention's indexer KL, here at block level and on the
+  attention's own q/k). The always-kept blocks are left out: their score decides nothing and
+  their (mostly local) mass would dwarf the candidates'.
+
+  Args:
+    q, k: as in :func:`select_blocks` (differentiable through the scores only).
+    block_size, q_block_size, causal, num_init_blocks, num_local_blocks, segment_ids,
+      kv_segment_ids: the selection rules (:func:`select_blocks`).
+    scale: logit scale c, default 1/sqrt(head_dim).
+    temperature: T > 0.
+    query_pool: "sum" or "max": pooling of the target over the queries of a block
+      (:func:`block_attention_mass`).
+    max_chunk_elems: chunking of the target (:func:`block_attention_mass`).
+
+  Returns:
+    fp32 scalar (nats).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 16))
+    >>> kl = block_score_kl(q, q, block_size=32, q_block_size=32)
+    >>> bool(kl >= 0), jax.grad(lambda q: block_score_kl(q, q, block_size=32,
+    ...                                                   q_block_size=32))(q).shape
+    (True, (1, 256, 2, 16))
+  """
+  _check_selection_args(block_size, q_block_size, 0, num_init_blocks, num_local_blocks)
+  if not temperature > 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}")
+  batch, q_len, kv_len, _, hk = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,
+                              causal=causal, segment_ids=segment_ids,
+                              kv_segment_ids=kv_segment_ids, scale=scale, query_pool=query_pool,
+                              max_chunk_elems=max_chunk_elems)
+  seg_ok = doc_start = None
+  if segment_ids is not None:
+    seg_ok = _segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
+    doc_start = _doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
+  cand, _, _ = _candidates(batch, hk, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
+                           block_size=int(block_size), causal=causal,
+                           num_init=int(num_init_blocks), num_local=int(num_local_blocks),
+                           seg_ok=seg_ok, doc_start=doc_start)
+  return _score_kl(scale * scores / temperature, mass, cand)
+
+
+@jax.custom_vjp
+def _add_aux_loss(x, loss):
+  """Identity on ``x``; in the backward pass ``loss`` (a scalar) receives cotangent 1, so the
+  gradient of the caller's scalar loss L becomes that of L + loss (DeepSeek-V2/V3's
+  ``AddAuxiliaryLoss``)."""
+  del loss
+  return x
+
+
+def _add_aux_loss_fwd(x, loss):
+  return x, jnp.zeros_like(loss)
+
+
+def _add_aux_loss_bwd(zero, g):
+  return g, jnp.ones_like(zero)
+
+
+_add_aux_loss.defvjp(_add_aux_loss_fwd, _add_aux_loss_bwd)
 
 
 # ----------------------------------------------------------------------------- sparse decode

@@ -554,6 +554,129 @@ def test_gumbel_deterministic_and_gradient():
     sp.sparse_attention(q, k, v, block_size=bs, top_k=1, gate_grad="soft")
 
 
+# ----------------------------------------------------------------------------- score distillation
+def _dense_probs(q, k, qseg=None, kseg=None):
+  """Brute-force causal (bottom-right) softmax probabilities [b, hq, sq, sk], fp32."""
+  b, sq, hq, d = q.shape
+  sk, hk = k.shape[1], k.shape[2]
+  kf = jnp.repeat(k.astype(jnp.float32), hq // hk, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf, precision=HI) / np.sqrt(d)
+  allowed = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+  allowed = np.broadcast_to(allowed, (b, sq, sk))
+  if qseg is not None:
+    allowed = allowed & (qseg[:, :, None] == kseg[:, None, :]) & (kseg[:, None, :] != 0)
+  allowed = jnp.asarray(allowed)[:, None]
+  p = jax.nn.softmax(jnp.where(allowed, s, -jnp.inf), axis=-1)
+  return jnp.where(allowed, p, 0.0)
+
+
+def _pool(p, hk, qbs, bs, query_pool="sum"):
+  """[b, hq, sq, sk] -> [b, hk, nq, nk]: sum over each tile's keys, sum or max over its queries,
+  sum over the group's heads (zero padding)."""
+  b, hq, sq, sk = p.shape
+  nq, nk = -(-sq // qbs), -(-sk // bs)
+  p = jnp.pad(p, ((0, 0), (0, 0), (0, nq * qbs - sq), (0, nk * bs - sk)))
+  p = p.reshape(b, hk, hq // hk, nq, qbs, nk, bs).sum(6)
+  return (p.max(4) if query_pool == "max" else p.sum(4)).sum(2)
+
+
+@pytest.mark.parametrize("segments,query_pool", [(False, "sum"), (True, "sum"), (True, "max")])
+def test_block_attention_mass_brute_force(segments, query_pool):
+  rng = np.random.default_rng(11)
+  b, sq, sk, hq, hk, d, bs, qbs = 2, 100, 130, 4, 2, 8, 32, 16
+  q, k, _ = _qkv(21, b, sq, sk, hq, hk, d)
+  qseg = kseg = None
+  if segments:
+    kseg = _packed_segments(rng, b, sk)
+    qseg = kseg[:, sk - sq:].copy()
+  f = jax.jit(functools.partial(sp.block_attention_mass, block_size=bs, q_block_size=qbs,
+                                query_pool=query_pool,
+                                max_chunk_elems=3000))      # several chunks, a padded last one
+  m = f(q, k, segment_ids=None if qseg is None else jnp.asarray(qseg),
+        kv_segment_ids=None if kseg is None else jnp.asarray(kseg))
+  ref = _pool(_dense_probs(q, k, qseg, kseg), hk, qbs, bs, query_pool)
+  np.testing.assert_allclose(np.asarray(m), np.asarray(ref), atol=2e-5)
+  with pytest.raises(ValueError, match="query_pool"):
+    sp.block_attention_mass(q, k, query_pool="mean")
+
+
+@pytest.mark.parametrize("gate,pool", [("none", "sum"), ("ste", "max")])
+def test_score_aux_forward_unchanged_and_gradient(gate, pool):
+  """score_aux_weight keeps the forward (and selection) bit for bit and adds w * dKL to the
+  q/k gradient, KL written here from scratch (dense probabilities pooled per tile, renormalised
+  over the candidate blocks: visible, not block 0, not the local block)."""
+  b, s, hq, hk, d, bs, qbs, top_k, w = 1, 192, 4, 2, 16, 32, 16, 1, 100.0
+  q, k, v = _qkv(23, b, s, s, hq, hk, d)
+  q = 3.0 * q                                           # peaked attention: a non-flat target
+  scale = 1 / np.sqrt(d)
+  kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, gate_grad=gate, implementation="xla")
+  run = jax.jit(lambda q, k, v, w: sp.sparse_attention(q, k, v, score_aux_weight=w,
+                                                       score_aux_pool=pool,
+                                                       return_selection=True, **kw),
+                static_argnums=3)
+  o0, s0 = run(q, k, v, 0.0)
+  o1, s1 = run(q, k, v, w)
+  np.testing.assert_array_equal(np.asarray(o1), np.asarray(o0))
+  np.testing.assert_array_equal(np.asarray(s1.indices), np.asarray(s0.indices))
+
+  nq, nk = s // qbs, s // bs
+  i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+  hi = (i * qbs + qbs - 1) // bs                        # the local (and last visible) block
+  cand = jnp.asarray((j >= 1) & (j < hi))                # [nq, nk]
+
+  def kl_ref(q, k):
+    z = scale * sp.block_scores(q, k, block_size=bs, q_block_size=qbs)
+    m = jax.lax.stop_gradient(_pool(_dense_probs(q, k), hk, qbs, bs, pool))
+    pt = jnp.where(cand, m, 0.0)
+    pt = pt / jnp.maximum(pt.sum(-1, keepdims=True), 1e-30)
+    logq = jax.nn.log_softmax(jnp.where(cand, z, -jnp.inf), -1)
+    row = jnp.sum(jnp.where(cand, pt * (jnp.log(jnp.where(cand, pt, 1.0))
+                                          - jnp.where(cand, logq, 0.0)), 0.0), -1)
+    ok = jnp.asarray(cand.sum(-1) >= 2)
+    return jnp.sum(jnp.where(ok, row, 0.0)) / (ok.sum() * b * hk)
+
+  kl = float(jax.jit(functools.partial(sp.block_score_kl, block_size=bs, q_block_size=qbs,
+                                       query_pool=pool))(q, k))
+  assert kl > 1e-3 and abs(kl - float(jax.jit(kl_ref)(q, k))) < 1e-5 * max(1.0, kl)
+  ct = jax.random.normal(jax.random.key(29), o0.shape, jnp.float32)
+  grad = lambda w: jax.jit(jax.grad(lambda q, k, v: jnp.sum(ct * run(q, k, v, w)[0]),
+                                    (0, 1, 2)))(q, k, v)
+  g0, g1 = grad(0.0), grad(w)
+  gk = jax.jit(jax.grad(lambda q, k: w * kl_ref(q, k), (0, 1)))(q, k)
+  for a, base, extra in zip(g1[:2], g0[:2], gk):
+    assert _rel(a, base) > 1e-3, _rel(a, base)          # the term is not negligible here
+    assert _rel(a - base, extra) < 1e-2, _rel(a - base, extra)
+  np.testing.assert_array_equal(np.asarray(g1[2]), np.asarray(g0[2]))   # v: untouched
+
+
+def test_score_kl_gradient_reaches_unkept_blocks():
+  """dKL/dz = softmax(z) - p on every candidate block, kept or not (the gates "ste"/"gumbel"
+  send gradient to kept blocks only); zero outside the candidates."""
+  b, s, h, d, bs = 1, 256, 2, 16, 32
+  q, k, _ = _qkv(31, b, s, s, h, h, d)
+  sel = select(q, k, block_size=bs, q_block_size=bs, top_k=1)
+  mass = jax.jit(functools.partial(sp.block_attention_mass, block_size=bs, q_block_size=bs))(q, k)
+  cand, _, _ = sp._candidates(b, h, q_len=s, kv_len=s, q_block_size=bs, block_size=bs,
+                              causal=True, num_init=1, num_local=1, seg_ok=None, doc_start=None)
+  z = jnp.asarray(np.random.default_rng(0).normal(size=mass.shape), jnp.float32)
+  gz = np.asarray(jax.jit(jax.grad(sp._score_kl))(z, mass, cand))
+  cand = np.broadcast_to(np.asarray(cand), gz.shape)
+  unkept = cand & ~np.asarray(sel.tile_mask())
+  assert unkept.sum() >= 10 and np.all(np.abs(gz[unkept]) > 0)
+  assert np.all(gz[~cand] == 0)
+  # the formula, per row with >= 2 candidates (mean over those rows)
+  ok = cand.sum(-1) >= 2
+  pt = np.where(cand, np.asarray(mass), 0.0)
+  pt = pt / np.maximum(pt.sum(-1, keepdims=True), 1e-30)
+  zz = np.where(cand, np.asarray(z, np.float64), -np.inf)
+  sm = np.where(cand, np.exp(zz - np.where(cand, zz, -1e30).max(-1, keepdims=True)), 0.0)
+  sm = sm / np.maximum(sm.sum(-1, keepdims=True), 1e-300)
+  want = np.where(cand & ok[..., None], sm - pt, 0.0) / ok.sum()
+  np.testing.assert_allclose(gz, want, atol=1e-6)
+  with pytest.raises(ValueError, match="score_aux_weight"):
+    sp.sparse_attention(q, k, k, block_size=bs, top_k=1, score_aux_weight=-1.0)
+
+
 # ----------------------------------------------------------------------------- captured mass
 def test_captured_mass():
   rng = np.random.default_rng(4)

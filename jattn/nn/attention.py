@@ -237,7 +237,8 @@ class Attention(nnx.Module):
     return sparse.sparse_attention(
         q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
         gate_grad=spec.gate_grad, rng=rng, causal=True, segment_ids=segment_ids,
-        scale=self.scale, implementation=self.implementation, interpret=self.interpret)
+        scale=self.scale, implementation=self.implementation, interpret=self.interpret,
+        score_aux_weight=spec.score_aux_weight, score_aux_pool=spec.score_aux_pool)
 
   def _csa_forward(self, q, k, v, ent, segment_ids):
     spec = self.spec

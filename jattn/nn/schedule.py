@@ -38,6 +38,12 @@ class LayerSpec:
     csa_sink: learned attention sink per head ("csa" "compressed" only).
     gate_grad: gradient through block selection, passed to ``sparse_attention`` ("sparse"):
       "none", "ste" or "gumbel" (gumbel draws from the layer's rngs during training).
+    score_aux_weight: "sparse" only: weight w >= 0 of the score-distillation term of
+      ``sparse_attention`` (0: off): the training gradient becomes that of loss + w * KL between
+      the block scorer and the dense attention's block mass (``jattn.sparse.block_score_kl``),
+      which also reaches blocks that were not kept. Forward output unchanged.
+    score_aux_pool: "sum" or "max": how the distillation target pools a block's queries
+      (``jattn.sparse.block_attention_mass`` ``query_pool``).
 
   Example:
     >>> LayerSpec("local", window=512).kind
@@ -55,9 +61,16 @@ class LayerSpec:
   csa_mode: str = "compressed"
   csa_sink: bool = False
   gate_grad: str = "none"
+  score_aux_weight: float = 0.0
+  score_aux_pool: str = "sum"
 
   def __post_init__(self):
     k = self.kind
+    w = self.score_aux_weight
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
+      raise ValueError(f"score_aux_weight must be a number >= 0, got {w!r}")
+    if self.score_aux_pool not in ("sum", "max"):
+      raise ValueError(f"score_aux_pool must be 'sum' or 'max', got {self.score_aux_pool!r}")
     if k not in KINDS:
       raise ValueError(f"LayerSpec.kind must be one of {KINDS}, got {k!r}")
     if self.rope_base is not None and not self.rope_base > 0:
@@ -107,6 +120,8 @@ class LayerSpec:
       raise ValueError("csa_mode/csa_sink only apply to kind='csa'")
     if k != "sparse" and self.gate_grad != "none":
       raise ValueError("gate_grad only applies to kind='sparse'")
+    if k != "sparse" and (w or self.score_aux_pool != "sum"):
+      raise ValueError("score_aux_weight/score_aux_pool only apply to kind='sparse'")
 
 
 def local_global_schedule(num_layers, local_per_global=5, window=512, local_rope_base=10000.0,
