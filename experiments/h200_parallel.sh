@@ -2,7 +2,8 @@
 # The h200 preset with several seeds in one device call: three processes share the GPU, each
 # training a disjoint set of variants into the same output directory (finished runs are kept in
 # OUT_DIR/runs/<variant>_s<seed>/), then one more call of the same command with every variant
-# loads them and writes results.json, table.md and the figures.
+# loads them and writes results.json, table.md and the figures (for the variants of
+# VARIANT_GROUPS, e.g. sparse_aux, which the default variant list leaves out).
 #   [PRESET=h200] [VARIANT_GROUPS="full,posthoc_topk sparse_none,csa ..."] OUT_DIR=runs/h200 SEEDS=2 BUDGET=470 bash experiments/h200_parallel.sh [extra coadaptation args]
 # Exit 0 when the table was written; 3 when a group stopped at its time budget (rerun the same
 # command while the machine is warm: every run resumes from its checkpoint).
@@ -10,8 +11,9 @@ set -uo pipefail
 OUT_DIR=${OUT_DIR:-runs/h200}; SEEDS=${SEEDS:-2}; BUDGET=${BUDGET:-470}
 mkdir -p "$OUT_DIR"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 PYTHONUNBUFFERED=1
+VARIANT_GROUPS=${VARIANT_GROUPS:-full,posthoc_topk,local_global sparse_none,sparse_ste sparse_gumbel,csa}
 pids=()
-for group in ${VARIANT_GROUPS:-full,posthoc_topk,local_global sparse_none,sparse_ste sparse_gumbel,csa}; do
+for group in $VARIANT_GROUPS; do
   python3 -m experiments.coadaptation --preset "${PRESET:-h200}" --out "$OUT_DIR" --seeds "$SEEDS" \
     --variants "$group" --no-progress --time-budget "$BUDGET" "$@" \
     > "$OUT_DIR/log_${group//,/+}.txt" 2>&1 &
@@ -22,5 +24,5 @@ for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 echo "groups done (last nonzero rc: $rc)"
 [ "$rc" = 0 ] || exit 3
 python3 -m experiments.coadaptation --preset "${PRESET:-h200}" --out "$OUT_DIR" --seeds "$SEEDS" \
-  --no-progress "$@" > "$OUT_DIR/log_table.txt" 2>&1
+  --variants "$(echo $VARIANT_GROUPS | tr ' ' ',')" --no-progress "$@" > "$OUT_DIR/log_table.txt" 2>&1
 rc=$?; tail -40 "$OUT_DIR/log_table.txt"; exit $rc

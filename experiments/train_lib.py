@@ -394,7 +394,8 @@ class Trainer:
     finally:
       bar.close()
     if manager is not None:
-      self.save(manager, dict(data=stream.state(self.step), **(extra_record or {})))
+      if self.step not in manager.all_steps():  # a restored, finished run has nothing new to save
+        self.save(manager, dict(data=stream.state(self.step), **(extra_record or {})))
       manager.close()
     return self.step >= total_steps
 

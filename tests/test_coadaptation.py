@@ -125,7 +125,7 @@ def test_smoke_cli_writes_every_variant_and_resumes(tmp_path, capsys):
   assert C.main(args) == 0                                       # resumes and finishes
   res = json.load(open(os.path.join(out, "results.json")))
   rows = {r["variant"]: r for r in res["rows"]}
-  assert set(rows) == set(C.VARIANTS)
+  assert set(rows) == set(C.DEFAULT_VARIANTS)          # sparse_aux is opt-in (--variants)
   for r in rows.values():
     for f in FIELDS:
       assert f in r, (r["variant"], f)
@@ -302,3 +302,43 @@ def test_override_preset_parses_by_field_type():
   for bad in (["nope=1"], ["steps"], ["steps=1.5"]):
     with pytest.raises(ValueError):
       C.override_preset(C.PRESETS["h200"], bad)
+
+
+def test_sparse_aux_variant_same_forward_more_gradient():
+  """sparse_aux: every layer LayerSpec("sparse", score_aux_weight=w); the model computes exactly
+  what sparse_none computes from the same weights, and only the q/k projections get an extra
+  gradient (the score-distillation term); --set reaches its weight and gate."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from jattn.nn import LayerSpec
+  p = _tiny(seq_len=128, block_size=16, num_layers=1)
+  layers = C.variant_layers(p, "sparse_aux")
+  assert all(s.kind == "sparse" and s.score_aux_weight == 1.0 and s.gate_grad == "none"
+             and s.score_aux_pool == "max" for s in layers)
+  q = C.override_preset(p, ["score_aux_weight=0.25", "aux_gate=ste", "aux_pool=sum"])
+  assert C.variant_layers(q, "sparse_aux")[0].score_aux_weight == 0.25
+  assert C.variant_layers(q, "sparse_aux")[0].score_aux_pool == "sum"
+  assert C.variant_layers(q, "sparse_aux")[0].gate_grad == C._gate_name("ste")
+  assert all(s.score_aux_weight == 0.0 for s in C.variant_layers(p, "sparse_ste"))
+  with pytest.raises(ValueError, match="score_aux_weight"):
+    LayerSpec("global", score_aux_weight=1.0)
+  with pytest.raises(ValueError, match="score_aux_pool"):
+    LayerSpec("sparse", top_k=1, score_aux_pool="mean")
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 128)), jnp.int32)
+  outs, grads = [], []
+  for v in ("sparse_none", "sparse_aux"):
+    gd, params, rest = nnx.split(C.build_model(p, v, 0), nnx.Param, ...)
+
+    def loss(params):
+      return jnp.mean(nnx.merge(gd, params, rest)(toks) ** 2)
+    val, g = jax.jit(jax.value_and_grad(loss))(params)
+    outs.append(float(val))
+    grads.append({"/".join(map(str, k)): np.asarray(x) for k, x in
+                  jax.tree_util.tree_leaves_with_path(g)})
+  assert outs[0] == outs[1]
+  changed = {k for k in grads[0] if not np.array_equal(grads[0][k], grads[1][k])}
+  assert any("wq" in k for k in changed) and any("wk" in k for k in changed), changed
+  assert not any("wv" in k or "wo" in k for k in changed), changed   # values: untouched
+  assert all(np.isfinite(x).all() for x in grads[1].values())
+
