@@ -4,13 +4,13 @@
 # OUT_DIR/runs/<variant>_s<seed>/), then one more call of the same command with every variant
 # loads them and writes results.json, table.md and the figures (for the variants of
 # VARIANT_GROUPS, e.g. sparse_aux, which the default variant list leaves out).
-#   [PRESET=h200] [VARIANT_GROUPS="full,posthoc_topk sparse_none,csa ..."] OUT_DIR=runs/h200 SEEDS=2 BUDGET=470 bash experiments/h200_parallel.sh [extra coadaptation args]
+#   [PRESET=h200] [MEM_FRACTION=0.2] [VARIANT_GROUPS="full,posthoc_topk sparse_none,csa ..."] OUT_DIR=runs/h200 SEEDS=2 BUDGET=470 bash experiments/h200_parallel.sh [extra coadaptation args]
 # Exit 0 when the table was written; 3 when a group stopped at its time budget (rerun the same
 # command while the machine is warm: every run resumes from its checkpoint).
 set -uo pipefail
 OUT_DIR=${OUT_DIR:-runs/h200}; SEEDS=${SEEDS:-2}; BUDGET=${BUDGET:-470}
 mkdir -p "$OUT_DIR"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.2} PYTHONUNBUFFERED=1
 VARIANT_GROUPS=${VARIANT_GROUPS:-full,posthoc_topk,local_global sparse_none,sparse_ste sparse_gumbel,csa}
 pids=()
 for group in $VARIANT_GROUPS; do
