@@ -440,6 +440,16 @@ def main(argv=None):
                                   interpret=interpret)
     return merge_decode_partials(o, l, out_dtype=dtype, interpret=interpret)[0]
 
+  def attend_xla_merge(q, k, v, i, c=None, num_splits=splits):
+    """sparse_decode_partials over the selected blocks, merged by XLA (jattn.merge)."""
+    o, l = sparse_decode_partials(q, k, v, lens, i, None, c, block_size=bs,
+                                  num_splits=num_splits, interpret=interpret)
+    return merge_partials(o, l, axis=1)[0].astype(dtype)
+
+  def sparse_check(key):
+    """check(f) -> {key: rel err of f on set 0 vs the sparse reference}."""
+    return lambda f: {key: rel_err(f(q, kc, vc, summ), ref_sparse())}
+
   @row("sparse_4k", f"previous whole sparse decode (4 kernels, merge kernel), splits={splits}")
   def _():
     def check(f):
@@ -454,11 +464,8 @@ def main(argv=None):
   def _():
     def fn(q, k, v, s):
       i, c = sel_fn(sc_fn(q, s.sums, s.lengths), lens)
-      o, l = sparse_decode_partials(q, k, v, lens, i, None, c, block_size=bs, num_splits=splits,
-                                    interpret=interpret)
-      return merge_partials(o, l, axis=1)[0].astype(dtype)
-    return fn, sets, lambda f: {"sparse_xla_merge_rel_err": rel_err(f(q, kc, vc, summ),
-                                                                    ref_sparse())}
+      return attend_xla_merge(q, k, v, i, c)
+    return fn, sets, sparse_check("sparse_xla_merge_rel_err")
 
   @row("scores", "decode_block_scores kernel")
   def _():
@@ -615,19 +622,15 @@ def main(argv=None):
   @row("sparse_prev", "XLA select + kernel (32 splits) + XLA merge")
   def _():
     def prev(q, k, v, s):
-      i = sp._decode_select(q, s, lens, **sel_kw)
-      o, l = sparse_decode_partials(q, k, v, lens, i, block_size=bs, num_splits=32,
-                                    interpret=interpret)
-      return merge_partials(o, l, axis=1)[0].astype(dtype)
-    return prev, sets, lambda f: {"sparse_prev_rel_err": rel_err(f(q, kc, vc, summ),
-                                                                 ref_sparse())}
+      return attend_xla_merge(q, k, v, sp._decode_select(q, s, lens, **sel_kw), num_splits=32)
+    return prev, sets, sparse_check("sparse_prev_rel_err")
 
   @row("sparse_xla", "pure XLA")
   def _():
     sx = jax.jit(functools.partial(sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
                                    implementation="xla", **sel_kw))
     return ((lambda q, k, v, s: sx(q, k, v, block_summaries=s)), sets,
-            lambda f: {"sparse_xla_rel_err": rel_err(f(q, kc, vc, summ), ref_sparse())})
+            sparse_check("sparse_xla_rel_err"))
 
   assert list(specs) == names, (list(specs), names)
 
