@@ -91,6 +91,21 @@ def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, *, block, chunk, group, g_pa
   plgpu.store(o_ref.at[b, h, rows], scores, mask=row_ok)
 
 
+def _check_score_inputs(q, sums, chunk):
+  """Checks q [batch, q_heads, head_dim] against the block sums and the score tile ``chunk``.
+
+  Returns (batch, kv_heads, num_blocks, head_dim, group, chunk), chunk clipped to
+  ``_pow2(num_blocks)``.
+  """
+  bsz, hq, d = q.shape
+  _, nb, hk, ds = sums.shape
+  if ds != d or hq % hk or sums.shape[0] != bsz:
+    raise ValueError(f"q {q.shape} does not match the block sums {sums.shape}")
+  if chunk < 16 or chunk & (chunk - 1):
+    raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+  return bsz, hk, nb, d, hq // hk, min(chunk, _pow2(nb))
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "chunk", "num_warps", "interpret"))
 def decode_block_scores(q, sums, summary_lengths, *, block_size, chunk=64, num_warps=4,
                         interpret=False):
@@ -114,14 +129,7 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, chunk=64, num_w
     >>> decode_block_scores(q, sums, jnp.array([40]), block_size=16, interpret=True)[0, 0]
     Array([2., 2., 4.], dtype=float32)
   """
-  bsz, hq, d = q.shape
-  _, nb, hk, ds = sums.shape
-  if ds != d or hq % hk or sums.shape[0] != bsz:
-    raise ValueError(f"q {q.shape} does not match the block sums {sums.shape}")
-  if chunk < 16 or chunk & (chunk - 1):
-    raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-  chunk = min(chunk, _pow2(nb))
-  group = hq // hk
+  bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums, chunk)
   kernel = functools.partial(_score_kernel, block=int(block_size), chunk=chunk, group=group,
                              g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d), num_blocks=nb)
   return pl.pallas_call(
@@ -480,13 +488,7 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     >>> idx.tolist(), cnt.tolist()
     ([[[0, 3, 4, 5]]], [[4]])
   """
-  bsz, hq, d = q.shape
-  _, nb, hk, ds = sums.shape
-  if ds != d or hq % hk or sums.shape[0] != bsz:
-    raise ValueError(f"q {q.shape} does not match the block sums {sums.shape}")
-  if chunk < 16 or chunk & (chunk - 1):
-    raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-  chunk = min(chunk, _pow2(nb))
+  bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums, chunk)
   n_chunks = pl.cdiv(nb, chunk)
   if score_splits is None:
     score_splits = default_score_splits(bsz, hk, nb, chunk=chunk)
@@ -498,7 +500,6 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     raise ValueError(f"_split_stride {_split_stride} must be coprime with the {splits} splits")
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, num_warps, digit_bits, search_chunk)
-  group = hq // hk
   kernel = functools.partial(_score_select_kernel, chunk=chunk, group=group,
                              g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d),
                              score_splits=splits, chunks_per_split=per_split,
