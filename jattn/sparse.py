@@ -925,6 +925,23 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
 
 
 # ----------------------------------------------------------------------------- captured mass
+def _chunk_visibility(t, start, qsg, kv_segment_ids, *, q_len, kv_len, causal):
+  """Element visibility [b or 1, 1, 1, len(t), kv_len] of a chunk's query rows ``t``.
+
+  ``t`` = start + arange(chunk) indexes the padded queries; ``qsg`` the padded query segment
+  ids (None: no segments). Causal / segment mask as :func:`element_mask` (no window); padding
+  rows (t >= q_len) see nothing.
+  """
+  if qsg is not None:
+    qs = jax.lax.dynamic_slice_in_dim(qsg, start, t.shape[0], 1)
+    vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
+                       q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
+  else:
+    vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
+                       window=None)[None, None, None]
+  return vis & (t < q_len)[:, None]
+
+
 def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_ids=None,
                   scale=None, reduce=True, max_chunk_elems=1 << 25):
   """Fraction of the full-softmax attention probability that falls inside the kept blocks.
@@ -970,22 +987,15 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   kf = k.astype(jnp.float32)
   tiles = selection.tile_mask()                                            # [b, hk, nq, nk]
   kblock = jnp.arange(kv_len) // bs                                        # [sk]
-  if segment_ids is not None:
-    qsg = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+  qsg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
 
   def chunk(ci):
     start = ci * cq
     qc = jax.lax.dynamic_slice_in_dim(qf, start, cq, 1).reshape(batch, cq, hk, g, d)
     t = start + jnp.arange(cq)                                             # query index
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=_HIGHEST) * scale
-    if segment_ids is not None:
-      qs = jax.lax.dynamic_slice_in_dim(qsg, start, cq, 1)
-      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
-                         q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
-    else:
-      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
-                         window=None)[None, None, None]
-    vis = vis & (t < q_len)[:, None]
+    vis = _chunk_visibility(t, start, qsg, kv_segment_ids, q_len=q_len, kv_len=kv_len,
+                            causal=causal)
     rows = jnp.take(tiles, jnp.minimum(t // qbs, selection.num_q_blocks - 1), axis=2)
     kept = jnp.take(rows, kblock, axis=3)[:, :, None]                      # [b, hk, 1, cq, sk]
     s_all = jnp.where(vis, s, -jnp.inf)
@@ -1060,22 +1070,15 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
   prec = _HIGHEST if dt == f32 else None
   qf = jnp.pad(q.astype(dt), ((0, 0), (0, pad), (0, 0), (0, 0)))
   kf = k.astype(dt)
-  if segment_ids is not None:
-    qsg = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+  qsg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
 
   def chunk(ci):
     start = ci * c * qbs
     qc = jax.lax.dynamic_slice_in_dim(qf, start, c * qbs, 1).reshape(batch, c * qbs, hk, g, d)
     t = start + jnp.arange(c * qbs)                                        # query index
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec, preferred_element_type=f32)
-    if segment_ids is not None:
-      qs = jax.lax.dynamic_slice_in_dim(qsg, start, c * qbs, 1)
-      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
-                         q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
-    else:
-      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
-                         window=None)[None, None, None]
-    vis = vis & (t < q_len)[:, None]
+    vis = _chunk_visibility(t, start, qsg, kv_segment_ids, q_len=q_len, kv_len=kv_len,
+                            causal=causal)
     s = jnp.where(vis, s * scale, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
