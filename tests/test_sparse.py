@@ -1032,13 +1032,11 @@ def test_decode_select_radix_args():
   assert _default_search_chunk(64, 4, 16) == 64
   # every variant lowers for CUDA (on the CPU) at the bench shape: one Triton call
   S = jax.ShapeDtypeStruct
-  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
   for bits, warps in ((2, 4), (4, 4), (4, 1), (4, 8)):
     fn = functools.partial(select_decode_slots, block_size=64, top_k=387, num_init_blocks=1,
                            num_local_blocks=1, max_selected=389, num_warps=warps,
                            digit_bits=bits, return_arrivals=True)
-    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
-        S((1, 8, 2048), jnp.float32), S((1,), jnp.int32)).mlir_module()
+    text = _cuda_mlir(fn, S((1, 8, 2048), jnp.float32), S((1,), jnp.int32))
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
 
 
@@ -1352,6 +1350,61 @@ def test_sparse_decode_merged_kernel(dtype, tol):
                   interpret=True)
 
 
+def test_sparse_decode_kernel_step_options():
+  """The attention kernel's sweep options (interpret): several kept blocks per loop step
+  (``blocks_per_step``, ids gathered per tile row; splits hold whole steps) and block ids loaded
+  in the step instead of one step ahead (``index_lookahead=False``) give the reference's output
+  contiguous and paged, with and without counts; ids in the step at one block per step is the
+  default's arithmetic (bit-identical)."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
+  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+  b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 9
+  lens_l = [100, 0, 1, 45]
+  q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(61, b, n, hq, hk, d, dv, bs, lens_l)
+  lens = jnp.array(lens_l, jnp.int32)
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  width = sp._decode_width(summ.num_blocks, top_k, 1, 1)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
+  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
+  idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
+                                      return_arrivals=True, **kw)
+  ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
+  cases = [((kc, vc, None), cnt, 3, 2, True), ((kp, vp, table), None, 2, 4, False)]
+  for (k, v, pt), c, splits, bps, ahead in cases:
+    msg = f"paged={pt is not None} splits={splits} bps={bps} lookahead={ahead}"
+    out, lse = sparse_decode(q, k, v, lens, idx, pt, c, arr, block_size=bs, num_splits=splits,
+                             blocks_per_step=bps, index_lookahead=ahead, interpret=True)
+    assert _rel(out, ref) < 2e-3, (msg, _rel(out, ref))
+    assert np.all(np.asarray(out[1]) == 0) and np.all(np.isneginf(np.asarray(lse[1]))), msg
+    np.testing.assert_allclose(np.asarray(lse)[[0, 2, 3]], np.asarray(ref_lse)[[0, 2, 3]],
+                               rtol=1e-4, atol=1e-4, err_msg=msg)
+  kw = dict(block_size=bs, num_splits=2, interpret=True)
+  for x, y in zip(sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, **kw),
+                  sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, index_lookahead=False,
+                                         **kw)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  with pytest.raises(ValueError, match="blocks_per_step"):
+    sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, blocks_per_step=3, **kw)
+
+
+def _cuda_mlir(fn, *args):
+  """MLIR text of jit(fn) exported for CUDA (on the CPU; Triton custom calls allowed)."""
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
+      *args).mlir_module()
+
+
+def _issue5_decode_shape():
+  """The issue-5 bench shape (B1, 128K tokens, 8 kv heads, D128, 64-token blocks):
+  (tokens, block size, blocks, fp32 BlockSummaries of ShapeDtypeStructs)."""
+  S = jax.ShapeDtypeStruct
+  n, bs = 131072, 64
+  nb = n // bs
+  summ = sp.BlockSummaries(sums=S((1, nb, 8, 128), jnp.float32), lengths=S((1,), jnp.int32),
+                           block_size=bs)
+  return n, bs, nb, summ
+
 
 def test_sparse_decode_triton_is_three_launches():
   """At the issue-5 bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks), the "triton"
@@ -1360,11 +1413,7 @@ def test_sparse_decode_triton_is_three_launches():
   counters, which the attention kernel updates in place); contiguous and paged."""
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  n, bs = 131072, 64
-  nb = n // bs
-  summ = sp.BlockSummaries(sums=S((1, nb, 8, 128), jnp.float32), lengths=S((1,), jnp.int32),
-                           block_size=bs)
+  n, bs, nb, summ = _issue5_decode_shape()
   kw = dict(top_k=387, implementation="triton", num_splits=33)      # the H200 default
   contiguous = lambda q, k, v, lens, s: sp.sparse_decode_attention(q, k, v, lens, s,
                                                                    block_size=bs, **kw)
@@ -1376,8 +1425,7 @@ def test_sparse_decode_triton_is_three_launches():
                     S((nb + 4, bs, 8, 128), bf16), S((1, nb), jnp.int32), S((1,), jnp.int32),
                     summ))]
   for fn, args in cases:
-    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
-        *args).mlir_module()
+    text = _cuda_mlir(fn, *args)
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 3
     assert "grid_z = 33" in text
     assert "output_operand_alias" in text                          # counters updated in place
@@ -1393,11 +1441,7 @@ def test_sparse_decode_fused_select_is_two_launches():
   with one score program per kv head (contiguous and paged) nothing else."""
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-  n, bs = 131072, 64
-  nb = n // bs
-  summ = sp.BlockSummaries(sums=S((1, nb, 8, 128), jnp.float32), lengths=S((1,), jnp.int32),
-                           block_size=bs)
+  n, bs, nb, summ = _issue5_decode_shape()
   kw = dict(top_k=387, implementation="triton", num_splits=33, fused_select=True)
   q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
   cache, pages = S((1, n, 8, 128), bf16), S((nb + 4, bs, 8, 128), bf16)
@@ -1410,8 +1454,7 @@ def test_sparse_decode_fused_select_is_two_launches():
       fn = lambda q, k, v, lens, s: sp.sparse_decode_attention(
           q, k, v, lens, s, block_size=bs, score_splits=splits, **kw)
       args = (q, cache, cache, lens, summ)
-    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
-        *args).mlir_module()
+    text = _cuda_mlir(fn, *args)
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2, splits
     assert f"grid_z = {splits} " in text and "grid_z = 33" in text
     assert text.count("output_operand_aliases =") == (2 if splits > 1 else 1)   # in place
