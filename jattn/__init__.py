@@ -1,5 +1,5 @@
 """jattn: IO-aware attention for JAX (re-exports only)."""
-from jattn.attention import flash_attention, resolve_implementation
+from jattn.attention import flash_attention, flash_attention_plan, resolve_implementation
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from jattn.decode import append_kv, append_kv_paged, decode_attention, paged_decode_attention
 from jattn.packing import PackPlan, pack_bfd, segments_from_lengths
@@ -9,7 +9,8 @@ from jattn.sparse import (BlockSelection, BlockSummaries, block_sparse_attention
                           sparse_decode_attention, sparse_paged_decode_attention,
                           update_block_summaries)
 
-__all__ = ["flash_attention", "resolve_implementation", "BlockSchedule", "make_schedule",
+__all__ = ["flash_attention", "flash_attention_plan", "resolve_implementation", "BlockSchedule",
+           "make_schedule",
            "BlockSelection", "BlockSummaries", "block_sparse_attention", "captured_mass",
            "init_block_summaries", "select_blocks", "sparse_attention", "sparse_decode_attention",
            "sparse_paged_decode_attention", "update_block_summaries",

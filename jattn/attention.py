@@ -7,21 +7,27 @@ Implementations:
   * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same schedule.
   * ``"mosaic_gpu"``: Hopper (sm90) path: the Pallas Mosaic GPU forward of
     ``pallas_kernels.flash.mosaic_gpu`` (FA3-style: TMA, wgmma, warp specialisation, ping-pong)
-    with the Triton backward kernels fed its out and LSE (custom_vjp). Dense or causal, local
-    windows, segment ids, soft cap (these three not yet run on a GPU), GQA, bf16/fp16, head_dim
-    64/128/256; other dtypes or head dims and ``interpret=True`` raise NotImplementedError naming
-    the option (no fallback).
-    The forward passed its GPU tests on an H200 (run 9, 2026-11-30) and measured 612 TFLOP/s
-    non-causal, 577 causal at B2 S16K H16 D128 bf16 (run 10, 2026-11-30; cuDNN 629 / 575); the
-    registered path and its hybrid backward have not yet run on a GPU, so ``None`` does not
-    pick it.
+    and, by default, the Mosaic GPU backward (``mosaic_gpu_bwd``) where it supports the call
+    (head_dim 64/128, dense or causal, no window / segment ids / soft cap); otherwise the Triton
+    backward kernels fed the forward's out and LSE. Dense or causal, local windows, segment ids,
+    soft cap, GQA, bf16/fp16, head_dim 64/128/256; other dtypes or head dims and
+    ``interpret=True`` raise NotImplementedError naming the option (no fallback).
+    GPU-verified on an H200 (runs 17-22, 2026-11-30: every case of tests/test_flash_mosaic_gpu.py
+    passed). Run 21 (B2 S16K H16 D128 bf16, one process): forward 586 / 604 TFLOP/s non-causal /
+    causal (cuDNN 617 / 573, jattn triton 418 / 409); forward+backward 30.5 / 15.5 ms (cuDNN
+    27.6 / 14.3, jattn triton 46.9 / 22.6).
   * ``"cudnn"``: pass-through to ``jax.nn.dot_product_attention(implementation="cudnn")`` for
     the masks it supports (causal, local window); anything else raises ValueError.
-  * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU (see ``resolve_implementation``).
+  * ``None``: on a Hopper GPU (compute capability 9.0) "mosaic_gpu" for the calls of the Hopper
+    default (bf16/fp16, head_dim 128 = head_dim_v, not interpret), "triton" for other GPU calls,
+    "mosaic_tpu" on TPU, "xla" on CPU. ``flash_attention_plan`` reports the forward and backward
+    kernels a call runs; ``resolve_implementation`` the platform default.
 
 ``interpret=True`` runs a Pallas implementation on the CPU (tests); it is ignored by "xla".
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -34,23 +40,20 @@ from pallas_kernels.masks import normalize_window
 
 
 def resolve_implementation(implementation=None, *, platform=None, interpret=False):
-  """The implementation ``flash_attention`` runs for a given request.
+  """The platform's implementation for ``implementation=None`` (or the name given).
 
   Args:
     implementation: None or an implementation name.
     platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
     interpret: whether a Pallas kernel would run in interpret mode.
 
-  ``None`` picks "triton" on GPU, never "mosaic_gpu" yet: its forward is GPU-verified (runs 9-10,
-  2026-11-30) but the registered path with its hybrid backward (Mosaic GPU forward, Triton
-  backward) is not. TODO(next GPU session): once ``pytest -m gpu tests/test_flash_mosaic_gpu.py``
-  passes the forward+backward tests through ``jattn.flash_attention(implementation="mosaic_gpu")``
-  on sm90, let None pick "mosaic_gpu" on Hopper for the calls it supports. Callers can ask which
-  path a call runs with this function (``flash_attention`` dispatches on its answer).
+  ``None`` gives "triton" on GPU, "mosaic_tpu" on TPU and "xla" on CPU. This is the answer for
+  every op except ``flash_attention`` on a Hopper GPU, which refines a GPU ``None`` per call (the
+  Mosaic GPU path for the calls it is measured and tested on): ask ``flash_attention_plan`` for
+  the kernels a given call runs.
 
   Returns:
-    The implementation name that will run (no silent fallback: a named implementation is
-    returned unchanged).
+    The implementation name (no silent fallback: a named implementation is returned unchanged).
 
   Example:
     >>> resolve_implementation("xla")
@@ -67,6 +70,80 @@ def resolve_implementation(implementation=None, *, platform=None, interpret=Fals
   if platform == "tpu":
     return "mosaic_tpu"
   return "xla"
+
+
+# Head dims for which ``implementation=None`` picks the Hopper path on sm90: measured faster than
+# the Triton kernels there (run 21, 2026-11-30, H200, B2 S16K H16 bf16: forward 1.40x / 1.47x,
+# forward+backward 1.54x / 1.46x non-causal / causal). D64 and D256 pass their GPU tests but are
+# untimed on the Hopper path, so they stay on Triton until a sweep says otherwise.
+_HOPPER_DEFAULT_HEAD_DIMS = (128,)
+_MOSAIC_GPU_BWD_HEAD_DIMS = (64, 128)   # mosaic_gpu_bwd: D256 does not fit its registers
+
+
+def _shape_dtype(x):
+  return tuple(x.shape), jnp.dtype(x.dtype)
+
+
+def _hopper_default_covers(q, k, v):
+  (qs, qd), (ks, kd), (vs, vd) = map(_shape_dtype, (q, k, v))
+  return (qd == kd == vd and qd in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and qs[-1] in _HOPPER_DEFAULT_HEAD_DIMS and vs[-1] == qs[-1])
+
+
+def _mosaic_backward(q, *, window, segment_ids, logits_soft_cap, block_sizes):
+  """"mosaic" or "triton": the backward of the mosaic_gpu path for a call."""
+  if block_sizes is not None:
+    return getattr(block_sizes, "backward", "triton")
+  window = None if window == (None, None) else window
+  masked = window is not None or segment_ids is not None or logits_soft_cap is not None
+  return "triton" if masked or q.shape[-1] not in _MOSAIC_GPU_BWD_HEAD_DIMS else "mosaic"
+
+
+def flash_attention_plan(q, k, v, *, local_window_size=None, segment_ids=None,
+                         logits_soft_cap=None, implementation=None, interpret=False,
+                         block_sizes=None, platform=None, compute_capability=None):
+  """The kernels ``flash_attention`` runs for a call: which implementation, which backward.
+
+  Args:
+    q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
+    local_window_size, segment_ids, logits_soft_cap, implementation, interpret, block_sizes:
+      as for ``flash_attention`` (only whether a mask is present matters here).
+    platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
+    compute_capability: (major, minor) of the GPU; default: that of the first GPU.
+
+  ``implementation=None`` on a GPU of compute capability 9.0 (H100/H200) picks "mosaic_gpu"
+  when q, k and v are all bf16 or all fp16 with head_dim 128 (= head_dim_v) and interpret is
+  off (and ``block_sizes`` is None or a Mosaic GPU ``BlockSizes``); any other GPU call picks
+  "triton" (a Triton ``BlockSizes`` keeps it there). On the "mosaic_gpu" path the backward is the Mosaic GPU
+  one for head_dim 64/128 without window, segment ids or soft cap (unless ``block_sizes`` says
+  otherwise), the Triton one otherwise.
+
+  Returns:
+    A dict: ``implementation`` (the name ``flash_attention`` dispatches on) and ``backward``
+    ("mosaic_gpu", "triton", "mosaic_tpu", "cudnn" or "xla": the kernels of the VJP).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    >>> flash_attention_plan(x, x, x, platform="gpu", compute_capability=(9, 0))
+    {'implementation': 'mosaic_gpu', 'backward': 'mosaic_gpu'}
+    >>> flash_attention_plan(x, x, x, platform="gpu", compute_capability=(8, 0))
+    {'implementation': 'triton', 'backward': 'triton'}
+  """
+  impl = resolve_implementation(implementation, platform=platform, interpret=interpret)
+  if implementation is None and impl == "triton" and not interpret:
+    cc = compute_capability if compute_capability is not None else compat.gpu_compute_capability()
+    hopper_sizes = block_sizes is None or (type(block_sizes).__module__
+                                           == "pallas_kernels.flash.mosaic_gpu")
+    if (cc is not None and tuple(cc) == (9, 0) and hopper_sizes
+        and _hopper_default_covers(q, k, v)):
+      impl = "mosaic_gpu"
+  backward = impl
+  if impl == "mosaic_gpu":
+    bwd = _mosaic_backward(q, window=normalize_window(local_window_size), segment_ids=segment_ids,
+                           logits_soft_cap=logits_soft_cap, block_sizes=block_sizes)
+    backward = "mosaic_gpu" if bwd == "mosaic" else "triton"
+  return {"implementation": impl, "backward": backward}
 
 
 def kernel_module(implementation):
@@ -119,10 +196,11 @@ _MOSAIC_GPU_HEAD_DIMS = (64, 128, 256)
 
 def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, logits_soft_cap,
                 interpret, block_sizes):
-  """The Hopper path: Mosaic GPU forward, Triton backward (or the Mosaic GPU backward with
-  ``BlockSizes(backward="mosaic")``, dense/causal only: the kernel module raises for masks it
-  lacks). Local windows, segment ids and soft cap are supported; rejects, naming them, the
-  options it does not support (no fallback to another implementation)."""
+  """The Hopper path: Mosaic GPU forward; backward by ``_mosaic_backward`` (Mosaic GPU for
+  head_dim 64/128 without masks, Triton otherwise, or as ``block_sizes.backward`` says: the
+  kernel module raises for masks the Mosaic backward lacks). Local windows, segment ids and soft
+  cap are supported; rejects, naming them, the options it does not support (no fallback to
+  another implementation)."""
   problems = []
   if q.shape[-1] not in _MOSAIC_GPU_HEAD_DIMS:
     problems.append(f"head_dim {q.shape[-1]} (supported: 64, 128, 256)")
@@ -139,6 +217,10 @@ def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, 
   if block_sizes is not None and not isinstance(block_sizes, mod.BlockSizes):
     raise TypeError(f"implementation='mosaic_gpu' takes block_sizes of type "
                     f"pallas_kernels.flash.mosaic_gpu.BlockSizes, got {type(block_sizes)}")
+  if block_sizes is None:
+    bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
+                           logits_soft_cap=logits_soft_cap, block_sizes=None)
+    block_sizes = dataclasses.replace(mod.default_block_sizes(q.shape[-1], q.dtype), backward=bwd)
   # interpret=True: the forward raises NotImplementedError (it cannot be interpreted); tests that
   # substitute the forward run the Triton backward in interpret mode.
   return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, causal=causal,
@@ -167,14 +249,16 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log, -inf for
       rows that see no key); differentiable.
     implementation: None, "xla", "triton", "mosaic_gpu", "mosaic_tpu" or "cudnn" (see the
-      module docstring; ``resolve_implementation`` says which one None picks). "mosaic_gpu"
-      (Hopper): Mosaic GPU forward, Triton backward; any of the masks above, bf16/fp16,
-      head_dim 64/128/256, head_dim_v == head_dim.
+      module docstring; ``flash_attention_plan`` says which kernels a call runs: None picks
+      "mosaic_gpu" on Hopper for bf16/fp16 head_dim 128, "triton" on other GPU calls).
+      "mosaic_gpu" (Hopper): Mosaic GPU forward, Mosaic GPU backward for head_dim 64/128
+      without window / segment ids / soft cap, Triton backward otherwise; any of the masks
+      above, bf16/fp16, head_dim 64/128/256, head_dim_v == head_dim.
     interpret: run a Pallas kernel in interpret mode (CPU). "mosaic_gpu" raises
       NotImplementedError: its forward cannot be interpreted.
     block_sizes: optional kernel-specific ``BlockSizes`` override (Pallas implementations; for
-      "mosaic_gpu" a ``pallas_kernels.flash.mosaic_gpu.BlockSizes`` of the forward, the backward
-      taking the Triton default).
+      "mosaic_gpu" a ``pallas_kernels.flash.mosaic_gpu.BlockSizes``, whose ``backward`` field
+      picks the backward kernels: "triton" or "mosaic").
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -200,7 +284,9 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   if scale is None:
     scale = 1.0 / (q.shape[-1] ** 0.5)
-  impl = resolve_implementation(implementation, interpret=interpret)
+  impl = flash_attention_plan(q, k, v, local_window_size=window, segment_ids=segment_ids,
+                              logits_soft_cap=logits_soft_cap, implementation=implementation,
+                              interpret=interpret, block_sizes=block_sizes)["implementation"]
   if impl == "cudnn":
     return _cudnn(q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
                   logits_soft_cap=logits_soft_cap, return_lse=return_lse)

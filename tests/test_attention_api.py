@@ -59,6 +59,56 @@ def test_resolve_implementation_is_explicit():
   assert jattn.resolve_implementation("cudnn", platform="tpu") == "cudnn"
 
 
+def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
+  """None on sm90: Mosaic GPU for bf16/fp16 D128 (its backward for unmasked D64/D128 calls);
+  Triton on other GPUs, for fp32, other head dims, interpret mode or a Triton BlockSizes."""
+  from pallas_kernels.flash import mosaic_gpu as mg, triton as ft
+  sds = lambda d, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, 300, 4, d), dt)
+  plan = lambda *a, **kw: jattn.flash_attention_plan(*a, platform="gpu", **kw)
+  x = sds(128)
+  assert plan(x, x, x, compute_capability=(9, 0)) == {"implementation": "mosaic_gpu",
+                                                       "backward": "mosaic_gpu"}
+  for mask in (dict(local_window_size=(511, 0)), dict(logits_soft_cap=30.0),
+               dict(segment_ids=jnp.ones((2, 300), jnp.int32))):
+    assert plan(x, x, x, compute_capability=(9, 0), **mask)["backward"] == "triton", mask
+  for args, kw in [((x, x, x), dict(compute_capability=(8, 0))),
+                   ((x, x, x), dict(compute_capability=(10, 0))),
+                   ((sds(128, jnp.float32),) * 3, dict(compute_capability=(9, 0))),
+                   ((sds(64),) * 3, dict(compute_capability=(9, 0))),
+                   ((x, x, sds(64)), dict(compute_capability=(9, 0))),
+                   ((x, x, x), dict(compute_capability=(9, 0), interpret=True)),
+                   ((x, x, x), dict(compute_capability=(9, 0),
+                                    block_sizes=ft.default_block_sizes(128, jnp.bfloat16)))]:
+    assert plan(*args, **kw) == {"implementation": "triton", "backward": "triton"}, kw
+  # Named implementations are kept; on Hopper's path the block sizes choose the backward.
+  hop = mg.default_block_sizes(64)
+  assert plan(sds(64), sds(64), sds(64), implementation="mosaic_gpu")["backward"] == "mosaic_gpu"
+  assert plan(x, x, x, implementation="mosaic_gpu", block_sizes=hop)["backward"] == "triton"
+  assert plan(x, x, x, compute_capability=(9, 0), block_sizes=hop)["implementation"] == (
+      "mosaic_gpu")
+  assert plan(x, x, x, implementation="xla", compute_capability=(9, 0))["implementation"] == "xla"
+
+
+def test_flash_attention_dispatches_on_the_plan(monkeypatch):
+  """flash_attention(None) on a (simulated) H200 runs the Mosaic GPU path, with the Mosaic GPU
+  backward for an unmasked D128 call and the Triton one under a window."""
+  from pallas_kernels import compat
+  from pallas_kernels.flash import mosaic_gpu as mg
+  seen = []
+
+  def fake_kernel(q, k, v, q_seg, kv_seg, *, block_sizes, **kw):
+    seen.append(block_sizes.backward)
+    return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+  monkeypatch.setattr(mg, "flash_attention", fake_kernel)
+  monkeypatch.setattr(compat, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(compat, "gpu_compute_capability", lambda: (9, 0))
+  q = jnp.ones((1, 64, 2, 128), jnp.bfloat16)
+  jattn.flash_attention(q, q, q, causal=True)
+  jattn.flash_attention(q, q, q, causal=True, local_window_size=(63, 0))
+  assert seen == ["mosaic", "triton"]
+
+
 def _naive(q, k, v, mask, scale):
   """Independent float64 numpy attention with an explicit [b, hq, sq, sk] mask."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))

@@ -23,6 +23,7 @@ alone, and forward + VJP through ``jattn.flash_attention(implementation="mosaic_
 from __future__ import annotations
 
 import dataclasses
+import re
 import functools
 import zlib
 
@@ -302,6 +303,27 @@ def _replay(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, **kw)
   return fn.lower(q, k, v, q_seg, kv_seg).compile(_FAST_CPU_COMPILE)(q, k, v, q_seg, kv_seg)
 
 
+def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all, p_dtype):
+  """One kv tile t of a warpgroup (query rows row0 .. row0 + bq) in the kernel's walk, in jnp
+  with the kernel's helpers: logits (``_cap_logits``), with ``masked`` ``_tile_visible``
+  (segment ids qs_t [bq] / ks_all [Sk'] unless qs_t is None), ``_online_softmax``, P cast to
+  p_dtype. carry = (acc [bq, D], m, l); also used by tests/test_sparse_mosaic_gpu.py."""
+  acc, m, l = carry
+  bq, bk = st.block_q, st.block_k
+  k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)            # [bk, D]
+  v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
+  s = mg._cap_logits(jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32), st)  # [bq, bk]
+  if masked:
+    rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    ks_t = None if qs_t is None else lax.dynamic_slice_in_dim(ks_all, t * bk, bk)
+    s = jnp.where(mg._tile_visible(rows, cols, row0, t, st, qs_t, ks_t), s, -jnp.inf)
+  p, alpha, m, l = mg._online_softmax(s, m, l, st)
+  acc = acc * alpha[:, None] + jnp.dot(p.astype(p_dtype), v_t,
+                                       preferred_element_type=jnp.float32)
+  return acc, m, l
+
+
 def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, scale=None,
                local_window_size=None, logits_soft_cap=None):
   """The kernel's forward walk in jnp, with its own helpers (see the module docstring): per
@@ -319,8 +341,6 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
   heads = jnp.arange(hq) // st.group                           # kv head of each query head
   kp = jnp.pad(k, ((0, 0), (0, sk_pad - sk), (0, 0), (0, 0)))[:, :, heads].transpose(0, 2, 1, 3)
   vp = jnp.pad(v, ((0, 0), (0, sk_pad - sk), (0, 0), (0, 0)))[:, :, heads].transpose(0, 2, 1, 3)
-  rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
   n_rows = sq_pad // bq
   if has_seg:
     qs_p = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)))
@@ -339,21 +359,8 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
     ranges = jnp.broadcast_to(jnp.stack(per), (b, n_rows, 4))
 
   def warpgroup(q_t, k_all, v_all, row0, rng, qs_t, ks_all):   # [bq, D], [Sk', D], [Sk', D]
-    def step(t, carry, *, masked):
-      acc, m, l = carry
-      k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)        # [bk, D]
-      v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
-      s = jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32)        # [bq, bk]
-      s = mg._cap_logits(s, st)
-      if masked:
-        ks_t = lax.dynamic_slice_in_dim(ks_all, t * bk, bk) if has_seg else None
-        vis = mg._tile_visible(rows, cols, row0, t, st, qs_t if has_seg else None, ks_t)
-        s = jnp.where(vis, s, -jnp.inf)
-      p, alpha, m, l = mg._online_softmax(s, m, l, st)
-      acc = acc * alpha[:, None] + jnp.dot(p.astype(q.dtype), v_t,
-                                           preferred_element_type=jnp.float32)
-      return acc, m, l
-
+    step = functools.partial(_replay_step, st=st, q_t=q_t, k_all=k_all, v_all=v_all, row0=row0,
+                             qs_t=qs_t if has_seg else None, ks_all=ks_all, p_dtype=q.dtype)
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     lo, flo, fhi, hi = rng[0], rng[1], rng[2], rng[3]
@@ -568,16 +575,18 @@ VJP_MASK_CASES = {
 
 @pytest.mark.parametrize("name", list(VJP_CASES) + list(VJP_MASK_CASES))
 def test_registered_vjp_uses_triton_backward(name, monkeypatch):
-  """jattn.flash_attention(implementation="mosaic_gpu"): the custom_vjp feeds the forward's out
-  and LSE to the Triton backward (interpret mode). The Mosaic forward cannot run on the CPU, so
+  """jattn.flash_attention(implementation="mosaic_gpu", backward="triton" block sizes): the
+  custom_vjp feeds the forward's out and LSE to the Triton backward (interpret mode). The Mosaic forward cannot run on the CPU, so
   ``_fwd_call`` is replaced by the jnp replay of its walk (same LSE convention)."""
   monkeypatch.setattr(mg, "_fwd_call", _replayed_fwd_call)
   case = dict(VJP_CASES.get(name) or VJP_MASK_CASES[name])
   case.update(b=1)
   causal, q_seg, kv_seg, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
+  # backward="triton" explicitly: unmasked D64/D128 calls default to the Mosaic GPU backward.
+  bs = dataclasses.replace(mg.default_block_sizes(64), backward="triton")
   got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, q_seg=q_seg, kv_seg=kv_seg,
-                                **mask)
+                                block_sizes=bs, **mask)
   _assert_vjp_close(got, want, jnp.bfloat16)
 
 
@@ -624,7 +633,9 @@ def test_vjp_check_catches_a_base2_lse(monkeypatch):
     return out, lse * mg.LOG2E
   monkeypatch.setattr(mg, "_fwd_call", base2_lse)
   q, k, v = _inputs(5, b=1, sq=130, sk=130, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
-  (_, _, grads), (_, _, r_grads) = _vjp_vs_reference(q, k, v, True, interpret=True)
+  bs = dataclasses.replace(mg.default_block_sizes(64), backward="triton")
+  (_, _, grads), (_, _, r_grads) = _vjp_vs_reference(q, k, v, True, interpret=True,
+                                                     block_sizes=bs)
   assert _rel(grads[0], r_grads[0]) > 0.1
 
 
@@ -652,7 +663,8 @@ def test_registered_path_rejects_unsupported_options():
   with pytest.raises(TypeError, match="BlockSizes"):
     from pallas_kernels.flash import triton as ft
     call(q, q, q, block_sizes=ft.default_block_sizes(64, jnp.bfloat16))
-  # None never picks the Hopper path yet (its hybrid backward is not GPU-verified).
+  # The platform default stays Triton; flash_attention refines it per call on Hopper
+  # (flash_attention_plan, tested in test_attention_api.py).
   assert jattn.resolve_implementation(None, platform="gpu") == "triton"
   assert jattn.resolve_implementation("mosaic_gpu", platform="gpu") == "mosaic_gpu"
 
@@ -661,7 +673,8 @@ def test_registered_path_rejects_unsupported_options():
                                   "segments_causal"])
 def test_registered_fwd_bwd_lowers_for_cuda(mask):
   """jax.grad through jattn.flash_attention(implementation="mosaic_gpu") lowers for "cuda": the
-  Mosaic GPU forward plus the two Triton backward kernels (dK/dV, dQ)."""
+  Mosaic GPU forward plus the two Triton backward kernels (dK/dV, dQ) under a window, soft cap
+  or segment ids, and the Mosaic GPU backward kernels (no Triton call) for dense / causal."""
   import jattn
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
@@ -674,9 +687,10 @@ def test_registered_fwd_bwd_lowers_for_cuda(mask):
       **kwargs).astype(jnp.float32).sum()
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
   n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
-  assert n == 2, n
+  assert n == (0 if mask in ("dense", "causal") else 2), n
+  calls = re.findall(r"custom_call @(mosaic_gpu\w*)", text)
+  assert len(calls) == (3 if mask in ("dense", "causal") else 1), calls
 
 
 # ----------------------------------------------------------------------------- GPU (sm90)
