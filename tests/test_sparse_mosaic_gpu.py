@@ -33,6 +33,7 @@ from pallas_kernels import compat
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash import mosaic_gpu as mg
 from pallas_kernels.flash.reference import attention_reference
+from test_flash_mosaic_gpu import _replay_step
 
 _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -212,7 +213,7 @@ def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None
   ``_finalize``), on the padded inputs, returning the padded shapes."""
   assert st.has_sched and walk is not None and bounds is None
   b, sq_pad, hq, d = q_p.shape
-  bq, bk, n_prog = st.block_q, st.block_k, st.num_q_programs
+  bq, n_prog = st.block_q, st.num_q_programs
   heads = jnp.arange(hq) // st.group
   kp = k_p[:, :, heads].transpose(0, 2, 1, 3)                        # [B, Hq, Sk', D]
   vp = v_p[:, :, heads].transpose(0, 2, 1, 3)
@@ -222,32 +223,18 @@ def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None
   has_seg = q_seg is not None
   qs = (q_seg if has_seg else jnp.zeros((b, sq_pad), jnp.int32)).reshape(b, n_prog, 2, bq)
   ks = kv_seg if has_seg else jnp.zeros((b, k_p.shape[1]), jnp.int32)
-  rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
 
   def warpgroup(q_t, k_all, v_all, wrow, p, wg, qs_t, ks_all):
-    row0 = (2 * p + wg) * bq
-
-    def step(t, carry, masked):
-      acc, m, l = carry
-      k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)
-      v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
-      s = mg._cap_logits(jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32), st)
-      if masked:
-        ks_t = lax.dynamic_slice_in_dim(ks_all, t * bk, bk) if has_seg else None
-        vis = mg._tile_visible(rows, cols, row0, t, st, qs_t if has_seg else None, ks_t)
-        s = jnp.where(vis, s, -jnp.inf)
-      p_, alpha, m, l = mg._online_softmax(s, m, l, st)
-      acc = acc * alpha[:, None] + jnp.dot(p_.astype(q_p.dtype), v_t,
-                                           preferred_element_type=jnp.float32)
-      return acc, m, l
+    step = functools.partial(_replay_step, st=st, q_t=q_t, k_all=k_all, v_all=v_all,
+                             row0=(2 * p + wg) * bq, qs_t=qs_t if has_seg else None,
+                             ks_all=ks_all, p_dtype=q_p.dtype)
 
     def body(j, carry):
       entry = wrow[1 + j]
       t = entry >> mg._WALK_SHIFT
       code = (entry >> (2 * wg)) & 3
-      return lax.switch(code, [lambda c: c, lambda c: step(t, c, False),
-                               lambda c: step(t, c, True)], carry)
+      return lax.switch(code, [lambda c: c, lambda c: step(t, c, masked=False),
+                               lambda c: step(t, c, masked=True)], carry)
 
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
