@@ -159,22 +159,34 @@ class BlockSizes:
     return qo + kv + _COMPUTE_WGS * self.block_q * 4
 
 
-# D128: the best of the configs ``_sweep`` tried in run 10 (2026-11-30, H200; see the module
-# docstring), ~160 KiB of shared memory. D64 (~112 KiB) and D256 (~192 KiB): untimed starting
-# points (their GPU tests passed).
-_DEFAULT_BLOCK_SIZES = {
-    64: BlockSizes(block_q=64, block_k=128, num_stages=3),
-    128: BlockSizes(block_q=64, block_k=128, num_stages=2),
-    256: BlockSizes(block_q=64, block_k=64, num_stages=2),
-}
+# Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_fwd", one JSON table per
+# device; see docs/kernels.md, "Tuning data"). D128: the best of the configs ``_sweep`` tried in
+# run 10 (2026-11-30, H200; see the module docstring), ~160 KiB of shared memory. D64 (~112 KiB)
+# and D256 (~192 KiB): untimed starting points (their GPU tests passed).
+_HEAD_DIMS = (64, 128, 256)
 
 
-def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+@functools.lru_cache(maxsize=None)
+def _tuned_block_sizes(head_dim: int, device_kind: str | None) -> BlockSizes:
+  from pallas_kernels import tuning
+  kind = tuning.device_kind() if device_kind is None else device_kind
+  p = tuning.params("mosaic_gpu_fwd", head_dim, "16bit", device=kind)
+  if p is None:
+    raise KeyError(f"no mosaic_gpu_fwd tuning entry for head_dim {head_dim} on {kind!r} "
+                   f"({tuning.table_file(kind)})")
+  return BlockSizes(**p)
+
+
+def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
+                        device_kind: str | None = None) -> BlockSizes:
   """Default ``BlockSizes`` for a head dimension (64, 128 or 256; bf16 or fp16).
+
+  Read from the tuning table of the device (``pallas_kernels.tuning``; the same for every mask).
 
   Args:
     head_dim: the head dimension of q, k and v.
     dtype: the input dtype (only checked: bf16 and fp16 have the same tiles).
+    device_kind: jax ``device_kind`` whose table to read (default: the first device's).
 
   Returns:
     A ``BlockSizes``.
@@ -184,10 +196,10 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
     128
   """
   _check_dtype(dtype)
-  if head_dim not in _DEFAULT_BLOCK_SIZES:
+  if head_dim not in _HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got "
                               f"{head_dim}")
-  return _DEFAULT_BLOCK_SIZES[head_dim]
+  return _tuned_block_sizes(head_dim, device_kind)
 
 
 def _check_dtype(dtype):
@@ -968,7 +980,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   bs = block_sizes or default_block_sizes(d, dtype)
-  if d not in _DEFAULT_BLOCK_SIZES:
+  if d not in _HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got {d}")
   from pallas_kernels.flash import mosaic_gpu_bwd   # light: no kernel is built here
   backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward

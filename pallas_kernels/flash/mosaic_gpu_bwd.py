@@ -137,21 +137,32 @@ class BlockSizes:
     return own + ring
 
 
-# Untuned starting points (no GPU run yet; ``_sweep_bwd`` tries neighbours). D128: dK/dV ~129 KiB,
-# dQ ~129 KiB of shared memory. Register budget of a dK/dV compute warpgroup at D128: dK + dV
+# Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_bwd", one JSON table per
+# device; see docs/kernels.md, "Tuning data"). Untuned starting points (GPU-tested in runs 17-22,
+# D128 timed only as the default in run 21; ``_sweep_bwd`` tries neighbours). D128: dK/dV ~129
+# KiB, dQ ~129 KiB of shared memory. Register budget of a dK/dV compute warpgroup at D128: dK + dV
 # accumulators 2 * 64 = 128 fp32 registers per thread, S^T/P^T and dP^T 32 each.
-_DEFAULT_BLOCK_SIZES = {
-    64: BlockSizes(64, 64, 64, 128, num_stages_dkv=3, num_stages_dq=3),
-    128: BlockSizes(64, 64, 64, 64, num_stages_dkv=2, num_stages_dq=2),
-}
+@functools.lru_cache(maxsize=None)
+def _tuned_block_sizes(head_dim: int, device_kind: str | None) -> BlockSizes:
+  from pallas_kernels import tuning
+  kind = tuning.device_kind() if device_kind is None else device_kind
+  p = tuning.params("mosaic_gpu_bwd", head_dim, "16bit", device=kind)
+  if p is None:
+    raise KeyError(f"no mosaic_gpu_bwd tuning entry for head_dim {head_dim} on {kind!r} "
+                   f"({tuning.table_file(kind)})")
+  return BlockSizes(**p)
 
 
-def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
+def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
+                        device_kind: str | None = None) -> BlockSizes:
   """Default ``BlockSizes`` for a head dimension (64 or 128; bf16 or fp16).
+
+  Read from the tuning table of the device (``pallas_kernels.tuning``; the same for every mask).
 
   Args:
     head_dim: the head dimension of q, k and v.
     dtype: the input dtype (only checked).
+    device_kind: jax ``device_kind`` whose table to read (default: the first device's).
 
   Returns:
     A ``BlockSizes``.
@@ -162,7 +173,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16) -> BlockSizes:
   """
   _check_dtype(dtype)
   _check_head_dim(head_dim)
-  return _DEFAULT_BLOCK_SIZES[head_dim]
+  return _tuned_block_sizes(head_dim, device_kind)
 
 
 def _check_dtype(dtype):

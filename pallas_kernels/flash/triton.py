@@ -132,42 +132,33 @@ class BlockSizes:
     return (self.dkv_block_q or bq, bk)
 
 
-# Default launch configurations, keyed by (padded head dim, input itemsize), for Hopper
-# (H100/H200). Checked by compiling the three kernels ahead of time for sm_90a (Triton + ptxas):
-# the 16-bit entries use wgmma and cp.async pipelining, fit shared memory (<= 227 KiB) and do not
-# spill registers (head_dim 256: 280 bytes in dK/dV). Not yet timed on the GPU: refine with
-# ``_sweep`` and update here.
-_DEFAULT_BLOCK_SIZES = {
-    (32, 2): BlockSizes(128, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
-                        dkv_q_chunk=64, dq_k_chunk=64),
-    (64, 2): BlockSizes(128, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
-                        dkv_q_chunk=64, dq_k_chunk=64),
-    # H200 sweep, run 3 (experiments/results/h200_flash_sweep_run3_20261130.json), B2 H16 16K:
-    # three backward stages took fwd+bwd from 66.3 to 56.6 ms (non-causal) and 33.9 to 29.0 ms
-    # (causal) with 128x64 tiles; the forward alone is fastest with 64x64 tiles (10.49 vs 11.49 ms
-    # non-causal, 5.77 vs 5.85 causal, 0.69-0.73 vs 0.76 ms causal window (511, 0)) while the
-    # backward is much slower with them (fwd+bwd 80.6 ms). Hence per-pass tiles: the split
-    # config itself has not been timed yet (predicted in docs/kernels.md).
-    # Backward launch from the causal-backward A/B of session 12 (H200, one process with
-    # tokamax 0.0.17, experiments/results/h200_causal_bwd_ab_run13_20261130.json): 4 warps x 2
-    # stages with 32-row steps and 32-row dK/dV q tiles took causal fwd+bwd at 16K from 28.29 to
-    # 22.92 ms (tokamax-triton 28.50) and at 4K from 2.22 to 2.05 ms (tokamax 2.33): the dK/dV
-    # kernel from 17.4 to 10.7 ms. The previous 8 warps x 3 stages, 64-row steps: PREV_D128_BF16.
-    (128, 2): BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_num_warps=4, bwd_num_stages=2,
-                         dkv_q_chunk=32, dq_k_chunk=32, bwd_block_q=128, bwd_block_k=64,
-                         dkv_block_q=32),
-    (256, 2): BlockSizes(64, 64, num_warps=8, num_stages=2, bwd_num_warps=8, bwd_num_stages=2,
-                         dkv_q_chunk=16, dq_k_chunk=32),
-    # fp32 inputs (IEEE fp32 products, no tensor cores): for accuracy, not speed.
-    (32, 4): BlockSizes(64, 32, num_warps=8, num_stages=2, bwd_num_warps=8, bwd_num_stages=2,
-                        dkv_q_chunk=32, dq_k_chunk=32),
-    (64, 4): BlockSizes(64, 32, num_warps=8, num_stages=2, bwd_num_warps=8, bwd_num_stages=2,
-                        dkv_q_chunk=32, dq_k_chunk=32),
-    (128, 4): BlockSizes(64, 32, num_warps=8, num_stages=2, bwd_num_warps=8, bwd_num_stages=2,
-                         dkv_q_chunk=32, dq_k_chunk=32),
-    (256, 4): BlockSizes(32, 16, num_warps=4, num_stages=1, bwd_num_warps=4, bwd_num_stages=1,
-                         dkv_q_chunk=16, dq_k_chunk=16),
-}
+# Default launch configurations: data in ``pallas_kernels/tuning`` (one JSON table per device,
+# ``generic.json`` for every other device; see docs/kernels.md, "Tuning data"), keyed by kernel
+# ("triton_fwd": the forward's fields below, "triton_bwd": the backward's), padded head dim
+# (32, 64, 128, 256) and dtype class (16-bit: wgmma and cp.async pipelining, checked to fit
+# shared memory and not spill registers on sm_90a; 32-bit: IEEE fp32 products, for accuracy not
+# speed). Each entry records where it comes from: D128 16-bit tuned on the H200 (forward tiles:
+# run 3's sweep; backward launch: runs 13-14, 4 warps x 2 stages with 32-row steps, causal
+# fwd+bwd at 16K 28.3 -> 22.9 ms), the other head dims and fp32 untimed. The previous D128
+# 16-bit default (8 warps x 3 stages, 64-row steps): PREV_D128_BF16.
+_FWD_FIELDS = ("block_q", "block_k", "num_warps", "num_stages", "head_group")
+_BWD_FIELDS = ("bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages", "dkv_q_chunk",
+               "dq_k_chunk", "dkv_block_q", "fused_bwd")
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_block_sizes(d_key: int, itemsize: int, device_kind: str | None) -> BlockSizes:
+  """The table's ``BlockSizes`` for a padded head dim and itemsize (2 or 4) on a device."""
+  from pallas_kernels import tuning
+  kind = tuning.device_kind() if device_kind is None else device_kind
+  dcls = "32bit" if itemsize >= 4 else "16bit"
+  fwd = tuning.params("triton_fwd", d_key, dcls, device=kind)
+  bwd = tuning.params("triton_bwd", d_key, dcls, device=kind)
+  if fwd is None or bwd is None:
+    raise KeyError(f"no triton_fwd/triton_bwd tuning entry for head_dim {d_key} {dcls} on "
+                   f"{kind!r} ({tuning.table_file(kind)})")
+  return BlockSizes(**{k: fwd[k] for k in _FWD_FIELDS}, **{k: bwd[k] for k in _BWD_FIELDS})
+
 
 # The D128 16-bit default before session 12 (backward 8 warps x 3 stages, 64-row steps): kept
 # for A/B rows in the benchmark (``jattn_triton[prev_default]``).
@@ -192,12 +183,15 @@ _SWEEP_CANDIDATES = {
 }
 
 
-def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
+def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) -> BlockSizes:
   """Default tiles and launch parameters for the Triton kernels (tuned for Hopper).
+
+  Read from the tuning table of the device (``pallas_kernels.tuning``; the same for every mask).
 
   Args:
     head_dim: the (unpadded) head dimension, up to 256.
     dtype: the input dtype (fp32 needs twice the shared memory of bf16/fp16, so smaller tiles).
+    device_kind: jax ``device_kind`` whose table to read (default: the first device's).
 
   Returns:
     A ``BlockSizes``.
@@ -210,7 +204,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
   if head_dim > 256:
     raise ValueError(f"head_dim must be <= 256, got {head_dim}")
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
-  return _DEFAULT_BLOCK_SIZES[(max(32, _pow2(head_dim)), itemsize)]
+  return _tuned_block_sizes(max(32, _pow2(head_dim)), itemsize, device_kind)
 
 
 def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None,
@@ -219,7 +213,7 @@ def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None
   when the forward (backward) tiles match the table's, otherwise a heuristic from the tile sizes
   and a shared-memory budget of ~200 KiB."""
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
-  tuned = _DEFAULT_BLOCK_SIZES[(max(32, max(d_pad, dv_pad)), itemsize)]
+  tuned = _tuned_block_sizes(max(32, max(d_pad, dv_pad)), itemsize, None)
   bbq, bbk = bwd_block_q or block_q, bwd_block_k or block_k
   budget = 200 * 1024
   if (tuned.block_q, tuned.block_k) == (block_q, block_k):

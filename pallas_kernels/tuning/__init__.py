@@ -1,0 +1,173 @@
+"""Tuned block sizes of the flash kernels, kept as data keyed by device (issue 8, point 3).
+
+Each JSON file in this package is one table: ``device_kinds`` (the ``device_kind`` strings jax
+reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
+
+  * ``kernel``: "triton_fwd", "triton_bwd" (the two passes of ``pallas_kernels.flash.triton``:
+    one ``BlockSizes`` holds both, the forward's fields in one entry, the backward's in the
+    other), "mosaic_gpu_fwd" (``flash.mosaic_gpu``) or "mosaic_gpu_bwd" (``flash.mosaic_gpu_bwd``);
+  * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
+  * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
+  * ``mask``: "all" (one entry for every mask kind: no kernel is tuned per mask yet), or a mask
+    kind ("dense", "causal", "window", "causal_window") that overrides "all" for that kind;
+
+with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the run,
+date, commit, command and results file that picked it, or "untimed" for a guess).
+
+``DEVICE_TABLES`` maps a device kind to its file; every other device (CPU, interpret mode,
+other GPUs) gets ``generic.json``, the values all devices used before these tables existed. A
+device table's entries override the generic ones key by key. Tables are read on first use
+(json, ~10 KB each) and cached. ``experiments/gpu_sweep.py --write-tuning`` writes a candidate
+table in this format; docs/kernels.md ("Tuning data") says how to regenerate one.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+__all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "device_kind", "dtype_class",
+           "entry", "params", "table_file", "load_table"]
+
+# jax device_kind -> table file (in this package). Add a device here with its file; a device
+# not listed (the H100 included: its kernels were never timed) uses GENERIC_TABLE.
+DEVICE_TABLES = {"NVIDIA H200": "nvidia_h200.json"}
+GENERIC_TABLE = "generic.json"
+KERNELS = ("triton_fwd", "triton_bwd", "mosaic_gpu_fwd", "mosaic_gpu_bwd")
+MASK_KINDS = ("all", "dense", "causal", "window", "causal_window")
+_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.lru_cache(maxsize=None)
+def device_kind() -> str | None:
+  """The current device's kind, whose table the kernels read.
+
+  Returns:
+    ``jax.devices()[0].device_kind`` (cached for the process; None if jax has no device).
+
+  Example:
+    >>> isinstance(device_kind(), str)
+    True
+  """
+  import jax
+  try:
+    return jax.devices()[0].device_kind
+  except RuntimeError:
+    return None
+
+
+def dtype_class(dtype) -> str:
+  """The dtype key of the tables.
+
+  Args:
+    dtype: an input dtype.
+
+  Returns:
+    "16bit" for bf16/fp16 (and narrower), "32bit" for fp32 and wider.
+
+  Example:
+    >>> dtype_class("bfloat16"), dtype_class("float32")
+    ('16bit', '32bit')
+  """
+  import numpy as np
+  return "32bit" if np.dtype(dtype).itemsize >= 4 else "16bit"
+
+
+def table_file(kind: str | None = None) -> str:
+  """The table a device reads.
+
+  Args:
+    kind: a jax ``device_kind`` (default: the current device's).
+
+  Returns:
+    The file name in this package: ``DEVICE_TABLES[kind]``, else ``GENERIC_TABLE``.
+
+  Example:
+    >>> table_file("NVIDIA H200"), table_file("cpu")
+    ('nvidia_h200.json', 'generic.json')
+  """
+  kind = device_kind() if kind is None else kind
+  return DEVICE_TABLES.get(kind, GENERIC_TABLE)
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(name: str) -> dict:
+  """One table file, parsed and checked (cached: do not mutate the result).
+
+  Args:
+    name: a file name in this package, or a path (e.g. a candidate from ``gpu_sweep``).
+
+  Returns:
+    {(kernel, head_dim, dtype, mask): entry}, entry being the JSON object (params, provenance).
+
+  Example:
+    >>> ("triton_bwd", 128, "16bit", "all") in load_table("nvidia_h200.json")
+    True
+  """
+  with open(os.path.join(_DIR, name)) as f:
+    data = json.load(f)
+  if data.get("format") != 1:
+    raise ValueError(f"{name}: unknown tuning table format {data.get('format')!r}")
+  out = {}
+  for e in data["entries"]:
+    key = (e["kernel"], int(e["head_dim"]), e["dtype"], e.get("mask", "all"))
+    if e["kernel"] not in KERNELS or e["dtype"] not in ("16bit", "32bit") or key[3] not in MASK_KINDS:
+      raise ValueError(f"{name}: bad entry key {key}")
+    if key in out:
+      raise ValueError(f"{name}: duplicate entry {key}")
+    out[key] = e
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _merged(name: str) -> dict:
+  if name == GENERIC_TABLE:
+    return load_table(GENERIC_TABLE)
+  return {**load_table(GENERIC_TABLE), **load_table(name)}
+
+
+def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
+          device: str | None = None) -> dict | None:
+  """The table entry for a key on a device.
+
+  The device's table (generic.json if it has none) over the generic one; an entry for ``mask``
+  first, then the "all" entry.
+
+  Args:
+    kernel: one of ``KERNELS``.
+    head_dim: the head dim key (padded to a power of two >= 32 for Triton).
+    dtype_cls: "16bit" or "32bit" (``dtype_class``).
+    mask: a mask kind of ``MASK_KINDS``.
+    device: a jax ``device_kind`` (default: the current device's).
+
+  Returns:
+    The entry (a dict with kernel, head_dim, dtype, mask, params, provenance), or None.
+
+  Example:
+    >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["provenance"]["run"]
+    'run 10'
+  """
+  table = _merged(table_file(device))
+  for m in (mask, "all"):
+    e = table.get((kernel, int(head_dim), dtype_cls, m))
+    if e is not None:
+      return e
+  return None
+
+
+def params(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
+           device: str | None = None) -> dict | None:
+  """The ``BlockSizes`` fields of a table entry.
+
+  Args:
+    kernel, head_dim, dtype_cls, mask, device: as for ``entry``.
+
+  Returns:
+    A new dict of ``BlockSizes`` fields, or None if there is no entry.
+
+  Example:
+    >>> params("mosaic_gpu_fwd", 128, "16bit", device="cpu")["block_k"]
+    128
+  """
+  e = entry(kernel, head_dim, dtype_cls, mask, device)
+  return None if e is None else dict(e["params"])
