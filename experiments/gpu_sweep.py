@@ -2,6 +2,8 @@
 
     python -m experiments.gpu_sweep OUT.json [--cases causal_bwd,...] [--seqs 4096,16384]
     python -m experiments.gpu_sweep OUT.json --dry-run   # CPU: tiny sizes, Pallas interpreter
+    python -m experiments.gpu_sweep OUT.json --cases tiles,causal_bwd,causal_bwd_dense \
+        --write-tuning CANDIDATE.json --run "run 23"     # also a candidate tuning table
 
 Case sets (``--cases``, default ``causal_bwd``):
   * ``causal_bwd``: why the causal backward trails tokamax-triton (docs/kernels.md, "Causal
@@ -15,14 +17,24 @@ Case sets (``--cases``, default ``causal_bwd``):
     head_group=1 is the per-head order of runs 1-5).
   * ``tiles``: the tile sweep of run 3 (the default, the old single-tile default, others).
 
-The winners go into ``_DEFAULT_BLOCK_SIZES`` in ``pallas_kernels/flash/triton.py``.
+With ``--write-tuning PATH`` every config is also checked against the fp32 reference (outputs
+and gradients at B1 H2, ``min(seq, CHECK_SEQ)`` keys, same mask, head dim and dtype; each row
+gets ``check``), and PATH receives a candidate table in the format of ``pallas_kernels/tuning``
+(see ``tuning_table``): per mask kind the checked config with the lowest summed median forward
+time (entry "triton_fwd") and backward time (entry "triton_bwd"), one "all" entry per pass when
+every measured mask kind picks the same. Review it, then merge its entries into the device's
+table (``pallas_kernels/tuning/nvidia_h200.json``; docs/kernels.md, "Tuning data").
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import math
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -126,6 +138,168 @@ def plan(case_sets, seqs):
   return out
 
 
+CHECK_SEQ = 1024
+CHECK_TOL = {2: 2e-2, 4: 2e-3}  # relative L2 error of out / dq / dk / dv, by input itemsize
+_FWD_FIELDS, _BWD_FIELDS = ft._FWD_FIELDS, ft._BWD_FIELDS
+
+
+def check_config(cfg, *, seq, causal, window, head_dim, dtype, interpret=False, heads=2):
+  """The Triton kernels with ``cfg`` against the fp32 reference (outputs and gradients).
+
+  Args:
+    cfg: a Triton ``BlockSizes``.
+    seq, causal, window, head_dim, dtype: the case (checked at ``min(seq, CHECK_SEQ)`` keys).
+    interpret: run the kernels in the Pallas interpreter.
+    heads: query and kv heads (batch 1).
+
+  Returns:
+    A dict: seq, out/dq/dk/dv (relative L2 errors), ok (all finite and below ``CHECK_TOL``),
+    or error and ok False.
+  """
+  import numpy as np
+
+  import jattn
+  from pallas_kernels.flash.reference import attention_reference
+
+  n = min(seq, CHECK_SEQ)
+  keys = jax.random.split(jax.random.key(1), 4)
+  q, k, v, do = (jax.random.normal(kk, (1, n, heads, head_dim), dtype) for kk in keys)
+  mask = dict(causal=causal, local_window_size=None if window is None else tuple(window))
+
+  def vjp(f, *args):
+    out, fn = jax.vjp(f, *args)
+    return (out, *fn(do.astype(out.dtype)))
+
+  res = dict(seq=n)
+  try:
+    got = jax.jit(lambda q, k, v: vjp(lambda q, k, v: jattn.flash_attention(
+        q, k, v, implementation="triton", interpret=interpret, block_sizes=cfg, **mask),
+        q, k, v))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.jit(lambda q, k, v: vjp(lambda q, k, v: attention_reference(
+        q, k, v, **mask)[0], q, k, v))(*f32)
+    ok = True
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+      a = np.asarray(a.astype(jnp.float32), np.float64)
+      b = np.asarray(b, np.float64)
+      err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+      res[name] = err
+      ok = ok and bool(np.isfinite(a).all()) and err < CHECK_TOL[jnp.dtype(dtype).itemsize]
+    res["ok"] = ok
+  except Exception as e:  # a config that does not compile fails its check
+    res.update(error=f"{type(e).__name__}: {str(e)[:200]}", ok=False)
+  return res
+
+
+def mask_kind(causal, window) -> str:
+  """The tuning tables' mask key of a case: "dense", "causal", "window" or "causal_window"."""
+  windowed = window is not None and tuple(window) != (None, None)
+  if windowed:
+    return "causal_window" if causal else "window"
+  return "causal" if causal else "dense"
+
+
+def _git_commit():
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+  except Exception:
+    return "unknown"
+
+
+def tuning_table(rows, *, head_dim, dtype, device_kind, provenance):
+  """A candidate tuning table (format of ``pallas_kernels/tuning``) from checked sweep rows.
+
+  Per mask kind (``mask_kind``), among the configs whose every row of that kind has timings,
+  no error and ``check["ok"]`` (configs compared by value, not name; tokamax rows ignored):
+  the lowest sum over the measured sequence lengths of the median forward time gives the
+  "triton_fwd" entry (the forward's fields), of the backward time (``bwd_ms`` when every such
+  row has it, else fwd_bwd_ms - fwd_ms) the "triton_bwd" entry (the backward's fields; its
+  tiles written out when the forward winner has other tiles). A pass whose winner is the same
+  for every measured mask kind (two or more) gets one entry with mask "all".
+
+  Args:
+    rows: the sweep's rows (``main``'s output: config as a dict, name, seq, causal, window,
+      fwd_ms, fwd_bwd_ms, optional bwd_ms, error, check).
+    head_dim, dtype: the sweep's head dim and input dtype (the table's keys).
+    device_kind: jax ``device_kind`` of the machine that ran the sweep.
+    provenance: fields for every entry's provenance (status, run, date, commit, command,
+      results, device).
+
+  Returns:
+    A dict: format, device_kinds, description, entries (possibly empty).
+  """
+  d_key = max(32, ft._pow2(head_dim))
+  dcls = "32bit" if jnp.dtype(dtype).itemsize >= 4 else "16bit"
+  default = json.dumps(dataclasses.asdict(ft.default_block_sizes(head_dim, dtype)),
+                       sort_keys=True)
+  groups, seqs = {}, {}
+  for r in rows:
+    if not isinstance(r.get("config"), dict):
+      continue  # tokamax rows
+    m = mask_kind(r["causal"], r.get("window"))
+    seqs.setdefault(m, set()).add(r["seq"])
+    key = json.dumps(r["config"], sort_keys=True)
+    g = groups.setdefault(m, {}).setdefault(
+        key, dict(config=r["config"], names=set(), fwd={}, bwd={}, fwd_bwd={}, ok=True))
+    g["names"].add(r["name"])
+    if "error" in r or not (r.get("check") or {}).get("ok") or "fwd_ms" not in r:
+      g["ok"] = False
+      continue
+    s = r["seq"]
+    g["fwd"][s] = min(g["fwd"].get(s, math.inf), r["fwd_ms"])
+    g["fwd_bwd"][s] = min(g["fwd_bwd"].get(s, math.inf), r["fwd_bwd_ms"] - r["fwd_ms"])
+    if "bwd_ms" in r:
+      g["bwd"][s] = min(g["bwd"].get(s, math.inf), r["bwd_ms"])
+  winners = {}  # mask -> (fwd params, bwd params, provenance extras)
+  for m, cands in sorted(groups.items()):
+    ok = [g for g in cands.values() if g["ok"] and set(g["fwd"]) == seqs[m]]
+    if not ok:
+      continue
+    bwd_key = "bwd" if all(set(g["bwd"]) == seqs[m] for g in ok) else "fwd_bwd"
+    score = lambda g, k: sum(g[k].values())
+    best_f = min(ok, key=lambda g: score(g, "fwd"))
+    best_b = min(ok, key=lambda g: score(g, bwd_key))
+    dflt = cands.get(default)
+    fwd = {k: best_f["config"][k] for k in _FWD_FIELDS}
+    bwd = {k: best_b["config"][k] for k in _BWD_FIELDS}
+    cb = best_b["config"]
+    if (cb["block_q"], cb["block_k"]) != (fwd["block_q"], fwd["block_k"]):
+      bwd["bwd_block_q"] = cb["bwd_block_q"] or cb["block_q"]
+      bwd["bwd_block_k"] = cb["bwd_block_k"] or cb["block_k"]
+
+    def measured(best, k, metric):
+      out = dict(metric=metric, configs=sorted(best["names"]),
+                 ms={str(s): round(t, 4) for s, t in sorted(best[k].items())},
+                 candidates=len(ok), of=len(cands))
+      if dflt is not None and dflt["ok"]:
+        out["current_default_ms"] = {str(s): round(t, 4) for s, t in sorted(dflt[k].items())}
+      return out
+
+    winners[m] = (fwd, bwd, measured(best_f, "fwd", "fwd_ms"),
+                  measured(best_b, bwd_key, "bwd_ms" if bwd_key == "bwd"
+                           else "fwd_bwd_ms - fwd_ms"))
+  entries = []
+  for kernel, i in (("triton_fwd", 0), ("triton_bwd", 1)):
+    same = len(winners) >= 2 and all(w[i] == next(iter(winners.values()))[i]
+                                     for w in winners.values())
+    for m, w in winners.items():
+      mask = "all" if same else m
+      prov = dict(provenance, selection="lowest summed median time over the measured seqs "
+                  "among configs whose outputs and gradients matched the fp32 reference",
+                  measured={mm: ww[2 + i] for mm, ww in winners.items()} if same
+                  else {m: w[2 + i]})
+      entries.append(dict(kernel=kernel, head_dim=d_key, dtype=dcls, mask=mask,
+                          params=dict(w[i]), provenance=prov))
+      if same:
+        break
+  return {"format": 1, "device_kinds": [device_kind],
+          "description": "Candidate written by experiments/gpu_sweep.py --write-tuning: review, "
+                         "then merge its entries into the device's table in "
+                         "pallas_kernels/tuning (docs/kernels.md, 'Tuning data').",
+          "entries": entries}
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("out", help="JSON file (rewritten after every row)")
@@ -138,6 +312,11 @@ def main(argv=None):
   p.add_argument("--no-tokamax", action="store_true")
   p.add_argument("--dry-run", action="store_true",
                  help="CPU smoke test: seq 128, B1 H2 D32 fp32 configs, Pallas interpreter")
+  p.add_argument("--write-tuning", metavar="PATH", default=None,
+                 help="check every config against the reference and write a candidate tuning "
+                      "table (format of pallas_kernels/tuning) to PATH")
+  p.add_argument("--run", default=None,
+                 help="run label for the candidate table's provenance (e.g. 'run 23')")
   args = p.parse_args(argv)
   seqs = [int(s) for s in args.seqs.split(",")]
   cases = plan(args.cases.split(","), seqs)
@@ -161,8 +340,14 @@ def main(argv=None):
       cfg_list = [cfgs[n] for n in names]
     for name, r in zip(names, ft._sweep(configs=cfg_list, **kw)):
       r = dict(r)
+      if args.write_tuning and "error" not in r:
+        r["check"] = check_config(r["config"], seq=kw["seq"], causal=causal, window=window,
+                                  head_dim=kw.get("head_dim", 128),
+                                  dtype=kw.get("dtype", jnp.bfloat16),
+                                  interpret=kw.get("interpret", False))
+        print(name, r["check"], flush=True)
       r["config"] = dataclasses.asdict(r["config"])
-      r.update(name=name, seq=seq, causal=causal, window=window)
+      r.update(name=name, seq=kw["seq"], causal=causal, window=window)
       rows.append(r)
       with open(args.out, "w") as fh:
         json.dump(rows, fh, indent=1)
@@ -172,6 +357,21 @@ def main(argv=None):
         rows.append(r)
         with open(args.out, "w") as fh:
           json.dump(rows, fh, indent=1)
+  if args.write_tuning:
+    head_dim, dtype = (32, jnp.float32) if args.dry_run else (128, jnp.bfloat16)
+    kind = jax.devices()[0].device_kind
+    now = datetime.datetime.now(datetime.timezone.utc)
+    prov = dict(status="dry-run" if args.dry_run else "tuned",
+                run=args.run or f"gpu_sweep {now:%Y-%m-%dT%H:%M}Z", date=f"{now:%Y-%m-%d}",
+                device=kind, commit=_git_commit(),
+                command="python -m experiments.gpu_sweep " + " ".join(
+                    sys.argv[1:] if argv is None else argv),
+                results=args.out)
+    table = tuning_table(rows, head_dim=head_dim, dtype=dtype, device_kind=kind,
+                         provenance=prov)
+    with open(args.write_tuning, "w") as fh:
+      json.dump(table, fh, indent=1)
+    print(f"candidate tuning table ({len(table['entries'])} entries): {args.write_tuning}")
   return rows
 
 
