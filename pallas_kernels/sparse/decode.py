@@ -52,7 +52,7 @@ def _pow2(n):
 
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
-            merge=False, split_stride=1):
+            merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
@@ -62,6 +62,12 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   arrival counters [B, Hk] int32 (input, aliased to the third output), outputs out [B, Hq, Dv]
   (final dtype), lse [B, Hq] fp32, the counters, and the partials o [B, S, Hq, Dv] and lse
   [B, S, Hq] (scratch in HBM); with ``merge`` and S == 1 just out and lse.
+
+  ``blocks_per_step`` (a power of two) kept blocks form one [blocks_per_step * block, d] K/V
+  tile per loop step (their ids are gathered as a vector); splits then hold whole steps.
+  ``index_lookahead``: look the next step's block id(s) up one step ahead through the loop carry
+  (default) or in the step itself. The default (1 block per step, lookahead) is the original
+  code path, unchanged.
   """
   if paged:
     pt_ref, *rest = rest
@@ -83,20 +89,34 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     n_slots = jnp.int32(num_slots)
   else:
     n_slots = jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots)
-  per_split = pl.cdiv(n_slots, num_splits)
+  bps = int(blocks_per_step)
+  if bps == 1:
+    per_split = pl.cdiv(n_slots, num_splits)
+  else:                                  # whole steps per split (the last one may be partial)
+    per_split = pl.cdiv(pl.cdiv(n_slots, bps), num_splits) * bps
   begin = jnp.minimum(split * per_split, n_slots)
   end = jnp.minimum(begin + per_split, n_slots)
 
   q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-  offs = jnp.arange(block, dtype=jnp.int32)                          # [block]
+  if bps == 1:
+    offs = jnp.arange(block, dtype=jnp.int32)                        # [block]
+  else:
+    rows = jnp.arange(bps * block, dtype=jnp.int32)                  # [bps * block] tile rows
+    offs = rows % block                                              # row within its block
+    sub = rows // block                                              # which block of the step
   vcols = jnp.arange(dv_pad, dtype=jnp.int32)                        # [dv_pad]
   vcol_ok = vcols < head_dim_v if dv_pad != head_dim_v else None
   o_mask = row_ok[:, None] if vcol_ok is None else row_ok[:, None] & vcol_ok[None, :]
 
   def lookup(s):
-    """Block id of slot s (-1 when s >= end or the slot is unused) and its first cache row."""
+    """Block id of slot s (-1 when s >= end or the slot is unused) and its first cache row.
+
+    With several blocks per step: the ids [bps * block] (one per tile row) of slots s .. s +
+    bps - 1 and each row's first cache row of its block."""
+    if bps != 1:
+      s = s + sub                                                    # [bps * block] slots
     blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
     blk = jnp.where(s < end, blk, -1)
     if paged:
@@ -104,11 +124,19 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
       return blk, page * block
     return blk, None
 
+  def slot(i):
+    """First slot of loop step i (steps count slots when bps == 1, else from 0)."""
+    return i if bps == 1 else begin + i * bps
+
   def body(s, carry):
-    acc, m_prev, l_prev, blk, row0 = carry if paged else (*carry, None)
-    blk_next, row0_next = lookup(s + 1)                              # one slot ahead
+    if index_lookahead:
+      acc, m_prev, l_prev, blk, row0 = carry if paged else (*carry, None)
+      blk_next, row0_next = lookup(slot(s + 1))                      # one step ahead
+    else:
+      acc, m_prev, l_prev = carry
+      blk, row0 = lookup(slot(s))                                    # this step's ids
     ok = blk >= 0
-    pos = jnp.maximum(blk, 0) * block + offs                         # [block] token index
+    pos = jnp.maximum(blk, 0) * block + offs                         # [bps * block] tokens
     valid = (pos < length) & ok
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
     v_mask = valid[:, None] if vcol_ok is None else valid[:, None] & vcol_ok[None, :]
@@ -130,15 +158,24 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     else:
       v = plgpu.load(v_ref.at[b, pos[:, None], h, vcols[None, :]], mask=v_mask, other=0)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, dv_pad]
+    if not index_lookahead:
+      return acc * alpha[:, None] + pv, m_new, l_new
     new = (acc * alpha[:, None] + pv, m_new, l_new, blk_next)
     return new + (row0_next,) if paged else new
 
   acc0 = jnp.zeros((g_pad, dv_pad), jnp.float32)
   m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
   l0 = jnp.zeros((g_pad,), jnp.float32)
-  blk0, row00 = lookup(begin)
-  init = (acc0, m0, l0, blk0) + ((row00,) if paged else ())
-  acc, m, l = jax.lax.fori_loop(begin, end, body, init)[:3]
+  if index_lookahead:
+    blk0, row00 = lookup(begin)
+    init = (acc0, m0, l0, blk0) + ((row00,) if paged else ())
+  else:
+    init = (acc0, m0, l0)
+  if bps == 1:
+    lo, hi = begin, end
+  else:
+    lo, hi = 0, pl.cdiv(end - begin, bps)
+  acc, m, l = jax.lax.fori_loop(lo, hi, body, init)[:3]
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
@@ -202,10 +239,11 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "blocks_per_step", "index_lookahead",
+                                             "interpret"))
 def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts=None, *,
                            block_size, num_splits, scale=None, num_warps=4, num_stages=3,
-                           interpret=False):
+                           blocks_per_step=1, index_lookahead=True, interpret=False):
   """Per-split partial decode attention over each kv head's selected cache blocks (Triton).
 
   Args:
@@ -227,6 +265,12 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       :func:`merge_decode_partials`).
     scale: logit scale, default 1/sqrt(head_dim).
     num_warps, num_stages: launch parameters.
+    blocks_per_step: kept blocks per loop step (a power of two): the K/V tile of a step is
+      [blocks_per_step * block_size, head_dim], gathered from that many (scattered) blocks;
+      splits hold whole steps. 1 (default) is the original kernel.
+    index_lookahead: True (default): the next step's block ids (and pages) are loaded one step
+      ahead and reach the step through the loop carry; False: each step loads its own ids
+      first (the K/V addresses then depend on a load of the same iteration).
     interpret: run in the Pallas interpreter (CPU tests).
 
   Returns:
@@ -247,7 +291,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
   """
   kernel, grid, (bsz, hq, dv), args = _prepare(
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
-      num_splits=num_splits, scale=scale, merge=False, split_stride=1)
+      num_splits=num_splits, scale=scale, merge=False, split_stride=1,
+      blocks_per_step=blocks_per_step, index_lookahead=index_lookahead)
   out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
   return pl.pallas_call(
@@ -257,13 +302,16 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
 
 
 def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, num_splits, scale,
-             merge, split_stride):
+             merge, split_stride, blocks_per_step=1, index_lookahead=True):
   """Checks shapes; returns (kernel, grid, (batch, q_heads, head_dim_v), kernel args)."""
   if block_size < 16 or block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two >= 16 for the Triton sparse decode "
                      f"kernel, got {block_size}")
   if int(num_splits) < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  bps = int(blocks_per_step)
+  if bps < 1 or bps & (bps - 1):
+    raise ValueError(f"blocks_per_step must be a power of two >= 1, got {blocks_per_step}")
   bsz, hq, d = q.shape
   dv = v.shape[-1]
   if k.ndim != 4 or k.shape[-1] != d or v.shape[:-1] != k.shape[:-1]:
@@ -294,6 +342,9 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
                              dv_pad=_pow2(dv), num_splits=int(num_splits),
                              num_slots=indices.shape[-1], capacity=capacity, paged=paged,
                              merge=merge, split_stride=int(split_stride))
+  if bps != 1 or not index_lookahead:    # the default keeps the original kernel's arguments
+    kernel = functools.partial(kernel, blocks_per_step=bps,
+                               index_lookahead=bool(index_lookahead))
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
@@ -306,11 +357,11 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "out_dtype",
-                                             "num_warps", "num_stages", "interpret",
-                                             "_split_stride"))
+                                             "num_warps", "num_stages", "blocks_per_step",
+                                             "index_lookahead", "interpret", "_split_stride"))
 def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, arrivals=None, *,
                   block_size, num_splits, scale=None, out_dtype=None, num_warps=4, num_stages=3,
-                  interpret=False, _split_stride=1):
+                  blocks_per_step=1, index_lookahead=True, interpret=False, _split_stride=1):
   """Decode attention over each kv head's selected cache blocks, splits merged in-kernel (Triton).
 
   The kernel of :func:`sparse_decode_partials` with the merge folded in: each (batch, kv head,
@@ -322,7 +373,8 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
 
   Args:
     q, k, v, kv_lengths, indices, page_table, counts, block_size, scale, num_warps,
-      num_stages, interpret: as :func:`sparse_decode_partials`.
+      num_stages, blocks_per_step, index_lookahead, interpret: as
+      :func:`sparse_decode_partials`.
     arrivals: None or int32 [batch, kv_heads] of zeros: the arrival counters (donated to the
       kernel; e.g. ``select_decode_slots(..., return_arrivals=True)``'s, which costs no extra
       launch). None makes zeros (an XLA memset before the kernel). Ignored when num_splits == 1.
@@ -349,7 +401,8 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
                      f"{num_splits}")
   kernel, grid, (bsz, hq, dv), args = _prepare(
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
-      num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride)
+      num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride,
+      blocks_per_step=blocks_per_step, index_lookahead=index_lookahead)
   hk = grid[1]
   out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
   out_shape = [jax.ShapeDtypeStruct((bsz, hq, dv), out_dtype),
