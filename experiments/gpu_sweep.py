@@ -20,9 +20,10 @@ Case sets (``--cases``, default ``causal_bwd``):
 With ``--write-tuning PATH`` every config is also checked against the fp32 reference (outputs
 and gradients at B1 H2, ``min(seq, CHECK_SEQ)`` keys, same mask, head dim and dtype; each row
 gets ``check``), and PATH receives a candidate table in the format of ``pallas_kernels/tuning``
-(see ``tuning_table``): per mask kind the checked config with the lowest summed median forward
-time (entry "triton_fwd") and backward time (entry "triton_bwd"), one "all" entry per pass when
-every measured mask kind picks the same. Review it, then merge its entries into the device's
+(see ``tuning_table``): per mask kind the checked config with the lowest median forward time
+(entry "triton_fwd") and backward time (entry "triton_bwd") at the longest sequence measured
+for that mask kind (``--from-rows`` merges the rows of several calls), one "all" entry per pass
+when every measured mask kind picks the same. Review it, then merge its entries into the device's
 table (``pallas_kernels/tuning/nvidia_h200.json``; docs/kernels.md, "Tuning data").
 """
 from __future__ import annotations
@@ -114,23 +115,25 @@ def _tokamax_rows(batch, seq, heads, head_dim, causal, dtype, iters):
   return [row]
 
 
-def plan(case_sets, seqs):
+def plan(case_sets, seqs, head_dim=128):
   """[(seq, causal, window, {name: BlockSizes}, time_bwd, with_tokamax)] for the case sets."""
   out = []
-  ab = causal_bwd_configs()
+  ab = causal_bwd_configs(head_dim)
   for cs in case_sets:
     if cs == "causal_bwd":
       out += [(s, True, None, ab, True, True) for s in seqs]
     elif cs == "causal_bwd_dense":
       out += [(s, False, None, ab, True, True) for s in seqs]
     elif cs == "launch":
-      d = ft.default_block_sizes(128, jnp.bfloat16)
+      d = ft.default_block_sizes(head_dim, jnp.bfloat16)
       cfgs = {"default": d, "head_group1": dataclasses.replace(d, head_group=1)}
       out += [(s, True, None, cfgs, False, False) for s in seqs]
     elif cs == "tiles":
-      allc = ft._bench_configs()
-      # 0: the default (per-pass tiles), 3: the previous single-tile default, then other tilings.
-      cfgs = {f"bench{i}": allc[i] for i in (0, 3, 6, 7, 9, 11) if i < len(allc)}
+      allc = ft._bench_configs(head_dim)
+      # D128: 0: the default (per-pass tiles), 3: the previous single-tile default, then other
+      # tilings. Other head dims: the default and every candidate of ft._SWEEP_CANDIDATES.
+      idx = (0, 3, 6, 7, 9, 11) if head_dim == 128 else range(len(allc))
+      cfgs = {f"bench{i}": allc[i] for i in idx if i < len(allc)}
       out += [(16384, causal, window, cfgs, False, False) for causal, window in
               ((False, None), (True, None), (True, (511, 0)))]
     else:
@@ -210,11 +213,11 @@ def _git_commit():
 def tuning_table(rows, *, head_dim, dtype, device_kind, provenance):
   """A candidate tuning table (format of ``pallas_kernels/tuning``) from checked sweep rows.
 
-  Per mask kind (``mask_kind``), among the configs whose every row of that kind has timings,
-  no error and ``check["ok"]`` (configs compared by value, not name; tokamax rows ignored):
-  the lowest sum over the measured sequence lengths of the median forward time gives the
-  "triton_fwd" entry (the forward's fields), of the backward time (``bwd_ms`` when every such
-  row has it, else fwd_bwd_ms - fwd_ms) the "triton_bwd" entry (the backward's fields; its
+  Per mask kind (``mask_kind``), among the configs timed at the longest sequence measured for
+  that kind whose every row of that kind has no error and ``check["ok"]`` (configs compared by
+  value, not name; tokamax rows ignored): the lowest median forward time at that length gives
+  the "triton_fwd" entry (the forward's fields), the lowest backward time (``bwd_ms`` when every
+  such row has it, else fwd_bwd_ms - fwd_ms) the "triton_bwd" entry (the backward's fields; its
   tiles written out when the forward winner has other tiles). A pass whose winner is the same
   for every measured mask kind (two or more) gets one entry with mask "all".
 
@@ -253,13 +256,13 @@ def tuning_table(rows, *, head_dim, dtype, device_kind, provenance):
       g["bwd"][s] = min(g["bwd"].get(s, math.inf), r["bwd_ms"])
   winners = {}  # mask -> (fwd params, bwd params, provenance extras)
   for m, cands in sorted(groups.items()):
-    ok = [g for g in cands.values() if g["ok"] and set(g["fwd"]) == seqs[m]]
+    top = max(seqs[m])
+    ok = [g for g in cands.values() if g["ok"] and top in g["fwd"]]
     if not ok:
       continue
-    bwd_key = "bwd" if all(set(g["bwd"]) == seqs[m] for g in ok) else "fwd_bwd"
-    score = lambda g, k: sum(g[k].values())
-    best_f = min(ok, key=lambda g: score(g, "fwd"))
-    best_b = min(ok, key=lambda g: score(g, bwd_key))
+    bwd_key = "bwd" if all(top in g["bwd"] for g in ok) else "fwd_bwd"
+    best_f = min(ok, key=lambda g: g["fwd"][top])
+    best_b = min(ok, key=lambda g: g[bwd_key][top])
     dflt = cands.get(default)
     fwd = {k: best_f["config"][k] for k in _FWD_FIELDS}
     bwd = {k: best_b["config"][k] for k in _BWD_FIELDS}
@@ -269,7 +272,7 @@ def tuning_table(rows, *, head_dim, dtype, device_kind, provenance):
       bwd["bwd_block_k"] = cb["bwd_block_k"] or cb["block_k"]
 
     def measured(best, k, metric):
-      out = dict(metric=metric, configs=sorted(best["names"]),
+      out = dict(metric=metric, selected_at_seq=top, configs=sorted(best["names"]),
                  ms={str(s): round(t, 4) for s, t in sorted(best[k].items())},
                  candidates=len(ok), of=len(cands))
       if dflt is not None and dflt["ok"]:
@@ -285,7 +288,7 @@ def tuning_table(rows, *, head_dim, dtype, device_kind, provenance):
                                      for w in winners.values())
     for m, w in winners.items():
       mask = "all" if same else m
-      prov = dict(provenance, selection="lowest summed median time over the measured seqs "
+      prov = dict(provenance, selection="lowest median time at the longest measured seq "
                   "among configs whose outputs and gradients matched the fp32 reference",
                   measured={mm: ww[2 + i] for mm, ww in winners.items()} if same
                   else {m: w[2 + i]})
@@ -306,6 +309,8 @@ def main(argv=None):
   p.add_argument("--cases", default="causal_bwd",
                  help="comma list of: causal_bwd, causal_bwd_dense, launch, tiles")
   p.add_argument("--seqs", default="4096,16384")
+  p.add_argument("--head-dim", type=int, default=128,
+                 help="head dim of every case (bf16, B2 H16); 64 and 256 have untimed defaults")
   p.add_argument("--iters", type=int, default=10, help="timed calls per row (median)")
   p.add_argument("--configs", default=None,
                  help="causal_bwd*: comma list of config names to keep (default: all)")
@@ -317,15 +322,28 @@ def main(argv=None):
                       "table (format of pallas_kernels/tuning) to PATH")
   p.add_argument("--run", default=None,
                  help="run label for the candidate table's provenance (e.g. 'run 23')")
+  p.add_argument("--from-rows", default=None, metavar="A.json[,B.json]",
+                 help="with --write-tuning: no sweep, the candidate from these rows files of "
+                      "earlier --write-tuning calls (e.g. case sets split over calls); OUT unused")
   args = p.parse_args(argv)
+  if args.from_rows:
+    if not args.write_tuning:
+      p.error("--from-rows needs --write-tuning")
+    rows = []
+    for path in args.from_rows.split(","):
+      with open(path) as fh:
+        rows += json.load(fh)
+    _write_tuning(args, argv, rows, args.from_rows.replace(",", "; "))
+    return rows
   seqs = [int(s) for s in args.seqs.split(",")]
-  cases = plan(args.cases.split(","), seqs)
+  cases = plan(args.cases.split(","), seqs, args.head_dim)
   keep = None if args.configs is None else set(args.configs.split(","))
   rows = []
+  device, commit = jax.devices()[0].device_kind, _git_commit()
   for seq, causal, window, cfgs, time_bwd, with_tk in cases:
     names = [n for n in cfgs if keep is None or n in keep or not time_bwd]
     kw = dict(seq=seq, causal=causal, local_window_size=window, iters=args.iters,
-              time_bwd=time_bwd)
+              time_bwd=time_bwd, head_dim=args.head_dim)
     if args.dry_run:
       # Tiny problem in the interpreter: only checks that every config builds and runs.
       small = {n: dataclasses.replace(cfgs[n], block_q=16, block_k=16,
@@ -342,37 +360,45 @@ def main(argv=None):
       r = dict(r)
       if args.write_tuning and "error" not in r:
         r["check"] = check_config(r["config"], seq=kw["seq"], causal=causal, window=window,
-                                  head_dim=kw.get("head_dim", 128),
-                                  dtype=kw.get("dtype", jnp.bfloat16),
+                                  head_dim=kw["head_dim"], dtype=kw.get("dtype", jnp.bfloat16),
                                   interpret=kw.get("interpret", False))
         print(name, r["check"], flush=True)
       r["config"] = dataclasses.asdict(r["config"])
-      r.update(name=name, seq=kw["seq"], causal=causal, window=window)
+      r.update(name=name, seq=kw["seq"], causal=causal, window=window, device=device,
+               commit=commit)
       rows.append(r)
       with open(args.out, "w") as fh:
         json.dump(rows, fh, indent=1)
     if with_tk and not args.no_tokamax and not args.dry_run:
-      for r in _tokamax_rows(2, seq, 16, 128, causal, jnp.bfloat16, args.iters):
+      for r in _tokamax_rows(2, seq, 16, args.head_dim, causal, jnp.bfloat16, args.iters):
         r.update(name="tokamax_triton", seq=seq, causal=causal, window=window)
         rows.append(r)
         with open(args.out, "w") as fh:
           json.dump(rows, fh, indent=1)
   if args.write_tuning:
-    head_dim, dtype = (32, jnp.float32) if args.dry_run else (128, jnp.bfloat16)
-    kind = jax.devices()[0].device_kind
-    now = datetime.datetime.now(datetime.timezone.utc)
-    prov = dict(status="dry-run" if args.dry_run else "tuned",
-                run=args.run or f"gpu_sweep {now:%Y-%m-%dT%H:%M}Z", date=f"{now:%Y-%m-%d}",
-                device=kind, commit=_git_commit(),
-                command="python -m experiments.gpu_sweep " + " ".join(
-                    sys.argv[1:] if argv is None else argv),
-                results=args.out)
-    table = tuning_table(rows, head_dim=head_dim, dtype=dtype, device_kind=kind,
-                         provenance=prov)
-    with open(args.write_tuning, "w") as fh:
-      json.dump(table, fh, indent=1)
-    print(f"candidate tuning table ({len(table['entries'])} entries): {args.write_tuning}")
+    _write_tuning(args, argv, rows, args.out)
   return rows
+
+
+def _write_tuning(args, argv, rows, results):
+  """Write ``tuning_table`` of ``rows`` to ``args.write_tuning`` (device and commit: the rows')."""
+  head_dim, dtype = (32, jnp.float32) if args.dry_run else (args.head_dim, jnp.bfloat16)
+  kinds = {r["device"] for r in rows if "device" in r}
+  commits = sorted({r["commit"] for r in rows if "commit" in r})
+  if len(kinds) > 1:
+    raise ValueError(f"rows from several devices: {sorted(kinds)}")
+  kind = kinds.pop() if kinds else jax.devices()[0].device_kind
+  now = datetime.datetime.now(datetime.timezone.utc)
+  prov = dict(status="dry-run" if args.dry_run else "tuned",
+              run=args.run or f"gpu_sweep {now:%Y-%m-%dT%H:%M}Z", date=f"{now:%Y-%m-%d}",
+              device=kind, commit=", ".join(commits) or _git_commit(),
+              command="python -m experiments.gpu_sweep " + " ".join(
+                  sys.argv[1:] if argv is None else argv),
+              results=results)
+  table = tuning_table(rows, head_dim=head_dim, dtype=dtype, device_kind=kind, provenance=prov)
+  with open(args.write_tuning, "w") as fh:
+    json.dump(table, fh, indent=1)
+  print(f"candidate tuning table ({len(table['entries'])} entries): {args.write_tuning}")
 
 
 if __name__ == "__main__":

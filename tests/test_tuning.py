@@ -200,3 +200,31 @@ def test_gpu_sweep_write_tuning_candidate(tmp_path, monkeypatch):
   (f3, b3) = t3["entries"]
   assert (f3["mask"], f3["params"]["block_q"], b3["mask"]) == ("causal_window", 64, "causal_window")
   assert (b3["params"]["bwd_block_q"], b3["params"]["bwd_block_k"]) == (128, 64)
+  # selection at the longest measured length: a config timed only there competes
+  only16k = dataclasses.replace(base, num_stages=4)
+  t4 = gs.tuning_table(rows + [_row("s4", only16k, 16384, True, 3.9, 7.9)], head_dim=128,
+                       dtype=jnp.bfloat16, device_kind="NVIDIA H200", provenance=prov)
+  f4 = {(e["kernel"], e["mask"]): e for e in t4["entries"]}[("triton_fwd", "causal")]
+  assert f4["params"]["num_stages"] == 4
+  assert f4["provenance"]["measured"]["causal"]["selected_at_seq"] == 16384
+
+
+def test_gpu_sweep_dry_run_writes_candidate(tmp_path, monkeypatch):
+  # the whole --write-tuning path on the CPU: interpreted sweep (the launch case's default
+  # config only, seq 128), reference check, candidate table readable by the loader
+  from experiments import gpu_sweep as gs
+  plan = gs.plan
+  monkeypatch.setattr(gs, "plan", lambda *a: [(s, c, w, {"default": cfgs["default"]}, t, tk)
+                                              for s, c, w, cfgs, t, tk in plan(*a)])
+  rows_path, cand = tmp_path / "rows.json", tmp_path / "cand.json"
+  rows = gs.main([str(rows_path), "--dry-run", "--cases", "launch", "--seqs", "128",
+                  "--write-tuning", str(cand), "--run", "dry"])
+  assert len(rows) == 1 and rows[0]["check"]["ok"]
+  table = tuning.load_table(str(cand))
+  assert set(table) == {("triton_fwd", 32, "32bit", "causal"),
+                        ("triton_bwd", 32, "32bit", "causal")}
+  prov = table[("triton_fwd", 32, "32bit", "causal")]["provenance"]
+  assert (prov["status"], prov["run"], prov["results"]) == ("dry-run", "dry", str(rows_path))
+  again = tmp_path / "again.json"
+  gs.main(["unused", "--dry-run", "--from-rows", str(rows_path), "--write-tuning", str(again)])
+  assert set(tuning.load_table(str(again))) == set(table)

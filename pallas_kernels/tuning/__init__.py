@@ -5,11 +5,13 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
 
   * ``kernel``: "triton_fwd", "triton_bwd" (the two passes of ``pallas_kernels.flash.triton``:
     one ``BlockSizes`` holds both, the forward's fields in one entry, the backward's in the
-    other), "mosaic_gpu_fwd" (``flash.mosaic_gpu``) or "mosaic_gpu_bwd" (``flash.mosaic_gpu_bwd``);
+    other; ``head_group``, the launch order of all three kernels, is a forward field),
+    "mosaic_gpu_fwd" (``flash.mosaic_gpu``) or "mosaic_gpu_bwd" (``flash.mosaic_gpu_bwd``);
   * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
   * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
-  * ``mask``: "all" (one entry for every mask kind: no kernel is tuned per mask yet), or a mask
-    kind ("dense", "causal", "window", "causal_window") that overrides "all" for that kind;
+  * ``mask``: "all" (one entry for every mask kind: no kernel is tuned per mask yet, and the
+    kernels' ``default_block_sizes`` ask for "all"), or a mask kind ("dense", "causal",
+    "window", "causal_window") that ``entry(mask=...)`` prefers to "all";
 
 with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the run,
 date, commit, command and results file that picked it, or "untimed" for a guess).
@@ -111,7 +113,8 @@ def load_table(name: str) -> dict:
   out = {}
   for e in data["entries"]:
     key = (e["kernel"], int(e["head_dim"]), e["dtype"], e.get("mask", "all"))
-    if e["kernel"] not in KERNELS or e["dtype"] not in ("16bit", "32bit") or key[3] not in MASK_KINDS:
+    if (e["kernel"] not in KERNELS or e["dtype"] not in ("16bit", "32bit")
+        or key[3] not in MASK_KINDS):
       raise ValueError(f"{name}: bad entry key {key}")
     if key in out:
       raise ValueError(f"{name}: duplicate entry {key}")
