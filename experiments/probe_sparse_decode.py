@@ -39,6 +39,29 @@ blocks, + the initial and the local block). Rows (``--list`` prints them; ``--ro
   selection + attend over the unsorted-free list + XLA merge, as before the kernels).
 * ``sparse_xla``: the pure XLA implementation; ``host_floor``: one trivial XLA kernel with the
   whole call's arguments (the per-call floor of the host-timed method).
+* attention-kernel sweep (only with ``--sweep-attend`` / ``--attend-configs`` / ``--attend-best``;
+  then the default rows are dense, sparse, every ``sw_*`` row and ``sparse_best``): ``sw_<cfg>``
+  times the attention over the kept blocks alone, on the fixed block lists of the ``select``
+  kernel (three input sets), for one launch configuration ``<cfg>`` =
+  ``s<splits>_w<num_warps>_st<num_stages>_b<blocks_per_step>[_la0][_nm|_xm|_mk]`` (fields in any
+  order, missing ones at the kernel's defaults: the default splits, w4, st3, b1, block ids one
+  step ahead, merge in the kernel; ``_la0``: ids loaded in the step; ``_nm``: partials only, no
+  merge; ``_xm``: partials + XLA merge; ``_mk``: partials + merge kernel). In-kernel-merge rows
+  with splits > 1 also run XLA's memset of the [1, kv_heads] arrival counters (~1-2 us, which
+  the whole call does not pay: the select kernel writes them). Each config compiles two
+  programs, ``--sweep-unroll`` (32) calls and a quarter of that, and is timed by their slope
+  (``device_ms``) and the long one / calls (``unroll_ms``); no host timing (a single kernel call
+  host-timed is the dispatch floor). After the last sweep row every config's two programs are
+  timed again in ``--sweep-rounds`` (3) interleaved rounds (no compiles): ``device_ms`` /
+  ``unroll_ms`` use the best times over all rounds, ``round_device_ms`` the slope of each round
+  (the spread is the noise; run 12 saw 33 vs 60 us for 33 vs 32 splits); dense, sparse and
+  sparse_best get the same re-timing rounds together at the end. A sweep row's check runs on
+  the long program's first output (no extra compile): rel err vs the fp32 reference
+  (``*_sweep_rel_err`` < 5e-3), max abs vs the ``sparse`` output, and for the default config
+  bit-identity with it (``*_equals_sparse``). ``sparse_best``: the whole call (scores +
+  select + the attention with the fastest passing sweep config by ``device_ms``, or
+  ``--attend-best``), timed like every other row (``summary.speedup_best_*``;
+  ``summary.attend_sweep``: the configs by device time).
 
 Three timings per row (``--timings`` picks some): ``host_ms`` is the bench's method (median of
 host-timed loops of async calls, rotating 3 input sets: includes dispatch when dispatch is
@@ -65,9 +88,12 @@ false until the end), so a timeout keeps the finished rows.
 
 Usage (GPU):  python experiments/probe_sparse_decode.py --out $OUT/probe.json
               [--rows 'select_r*,sparse_fused*'] [--timings unroll,device] [--repeat 0]
+       sweep: python experiments/probe_sparse_decode.py --sweep-attend --repeat 10
+              --out $OUT/sweep.json [--attend-configs s17_w8,s33_b2_st2,...]
 CPU smoke test: python experiments/probe_sparse_decode.py --tiny --rows select_r2 --out /tmp/p.json
   (--tiny: 2K tokens, GQA 4:2, D64, 16-token blocks, 3 splits, kernels interpreted; every row
   interpreted takes ~8 min on 2 CPU cores)
+  sweep dry run: python experiments/probe_sparse_decode.py --tiny --sweep-attend --out /tmp/s.json
 """
 from __future__ import annotations
 
@@ -76,6 +102,7 @@ import fnmatch
 import functools
 import json
 import os
+import re
 import sys
 import time
 
@@ -105,14 +132,79 @@ RADIX_VARIANTS = ((2, None, None), (4, None, None), (4, 1, None), (4, 8, None), 
                   (4, None, 1 << 30))
 ALWAYS_ROWS = ("dense", "sparse")          # the ratios' and the equality checks' baselines
 TIMINGS = ("host", "unroll", "device")
+FINAL_RETIME = ("dense", "sparse", "sparse_best")   # sweep mode: re-timed together at the end
+# The attention kernel's launch sweep (``--sweep-attend``), 16 configs; see the docstring for
+# the names. {d} = the default splits (33 on the H200 at B1 with 8 kv heads: 264 programs, two
+# per SM), {p} = the largest power of two <= d (32: the in-kernel merge's [splits, d] tile is
+# padded to a power of two, 64 rows at 33 splits), {h} = d // 2 (16: 128 programs, one wave at
+# one program per SM), {t} = 2 d. Around the default (4 warps, 3 stages, one 64-token block per
+# step, in-kernel merge): the merge (none / XLA / merge kernel), split counts, warps, stages,
+# block ids loaded in the step, 128 keys per step (two blocks: 64 KB of K+V per stage, so one
+# program per SM: with {h} splits), and {h} splits with the XLA merge.
+ATTEND_GRID = ("s{d}_w4_st3_b1", "s{d}_w4_st3_b1_nm", "s{d}_w4_st3_b1_xm", "s{d}_w4_st3_b1_mk",
+               "s{p}_w4_st3_b1", "s{h}_w4_st3_b1", "s{t}_w4_st3_b1", "s{d}_w8_st3_b1",
+               "s{d}_w2_st3_b1", "s{d}_w4_st2_b1", "s{d}_w4_st4_b1", "s{d}_w4_st3_b1_la0",
+               "s{h}_w4_st3_b2", "s{h}_w4_st2_b2", "s{h}_w8_st3_b2", "s{h}_w4_st3_b1_xm")
+MERGES = {"": "in-kernel merge (sparse_decode)",
+          "nm": "no merge: partials only (sparse_decode_partials)",
+          "xm": "partials + XLA merge (jattn.merge.merge_partials)",
+          "mk": "partials + merge kernel (merge_decode_partials)"}
+_CFG_FIELDS = {"st": "num_stages", "s": "splits", "w": "num_warps", "b": "blocks_per_step",
+               "la": "index_lookahead"}
+
+
+def parse_attend_config(spec, default_splits):
+  """An attention sweep config name -> dict of the kernel's launch options and the merge.
+
+  ``s<splits>_w<warps>_st<stages>_b<blocks per step>[_la0][_nm|_xm|_mk]``, fields in any order;
+  missing fields take the defaults (``default_splits``, 4 warps, 3 stages, 1 block per step,
+  block ids one step ahead, merge in the kernel).
+
+  >>> parse_attend_config("s17_b2_xm", 33)["splits"], attend_config_name(
+  ...     parse_attend_config("b2_xm_s17", 33))
+  (17, 's17_w4_st3_b2_xm')
+  """
+  cfg = dict(splits=int(default_splits), num_warps=4, num_stages=3, blocks_per_step=1,
+             index_lookahead=True, merge="")
+  for tok in str(spec).strip().split("_"):
+    m = re.fullmatch(r"(st|la|s|w|b)(\d+)", tok)
+    if not tok:
+      continue
+    if tok in MERGES:
+      cfg["merge"] = tok
+    elif m:
+      key, val = _CFG_FIELDS[m.group(1)], int(m.group(2))
+      if key == "index_lookahead":
+        if val not in (0, 1):
+          raise ValueError(f"attend config {spec!r}: la must be 0 or 1")
+        val = bool(val)
+      cfg[key] = val
+    else:
+      raise ValueError(f"attend config {spec!r}: unknown field {tok!r} (expected s<n>, w<n>, "
+                       f"st<n>, b<n>, la0/la1, nm, xm or mk)")
+  pow2 = lambda x: x >= 1 and not x & (x - 1)
+  if cfg["splits"] < 1 or cfg["num_stages"] < 1 or not pow2(cfg["num_warps"]) or not pow2(
+      cfg["blocks_per_step"]):
+    raise ValueError(f"attend config {spec!r}: splits and stages >= 1, warps and blocks per "
+                     f"step powers of two")
+  return cfg
+
+
+def attend_config_name(cfg):
+  """The canonical name of a parsed config (every field, defaults included)."""
+  return (f"s{cfg['splits']}_w{cfg['num_warps']}_st{cfg['num_stages']}_"
+          f"b{cfg['blocks_per_step']}" + ("" if cfg["index_lookahead"] else "_la0") +
+          (f"_{cfg['merge']}" if cfg["merge"] else ""))
 
 
 def _pow2(n):
   return max(16, 1 << (int(n) - 1).bit_length())
 
 
-def row_names(split_list):
-  """Every row of the probe, in the order it runs (``split_list``: the attend rows' splits)."""
+def row_names(split_list, sweep=()):
+  """Every row of the probe, in the order it runs (``split_list``: the attend rows' splits;
+  ``sweep``: canonical attention sweep config names, whose rows and ``sparse_best`` come last).
+  """
   names = ["dense", "sparse", "sparse_4k", "sparse_xla_merge", "scores", "select"]
   names += [f"select_w{w}" for w in (1, 2, 8)]
   names += [f"select_r{b}" + (f"_w{w}" if w else "") + ("_1chunk" if ch else "")
@@ -124,6 +216,8 @@ def row_names(split_list):
   names += [f"attend_s{ns}" for ns in split_list]
   names += ["attend_merged", "merge", "xla_scores", "xla_select", "xla_merge", "sparse_prev",
             "sparse_xla"]
+  if sweep:
+    names += [f"sw_{c}" for c in sweep] + ["sparse_best"]
   return names
 
 
@@ -157,6 +251,8 @@ def check_passes(key, value):
     return value
   if key == "scores_rel_err_vs_xla":
     return value < 1e-5
+  if key.endswith("_sweep_rel_err"):      # sweep rows vs the fp32 reference (sparse: 1.9e-3)
+    return value < 5e-3
   if key.endswith("_rel_err"):
     return value < 2e-2
   if key.endswith("_mismatches"):
@@ -208,17 +304,24 @@ def host_ms(fn, arg_sets, *, min_time, repeats=3):
   return time_fn(fn, arg_sets, min_time=min_time, repeats=repeats)[0]
 
 
-def program_ms(fn, qs, rest, *, repeats):
-  """Best host ms (of ``repeats``, after a compiling run) of one jitted program that calls
-  fn(q_i, *rest[i % len(rest)]) for every q_i in ``qs`` back to back (one dispatch)."""
-  many = jax.jit(lambda qs, rest: [fn(q, *rest[i % len(rest)]) for i, q in enumerate(qs)])
-  _sync(many(qs, rest))
+def best_ms(many, qs, rest, repeats):
+  """Best host ms of ``repeats`` runs of the (compiled) program ``many(qs, rest)``."""
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     _sync(many(qs, rest))
     times.append((time.perf_counter() - t0) * 1e3)
   return float(np.min(times))
+
+
+def program_ms(fn, qs, rest, *, repeats, return_outputs=False):
+  """Best host ms (of ``repeats``, after a compiling run) of one jitted program that calls
+  fn(q_i, *rest[i % len(rest)]) for every q_i in ``qs`` back to back (one dispatch). With
+  ``return_outputs``: (ms, the compiling run's list of outputs, the program)."""
+  many = jax.jit(lambda qs, rest: [fn(q, *rest[i % len(rest)]) for i, q in enumerate(qs)])
+  outs = _sync(many(qs, rest))
+  ms = best_ms(many, qs, rest, repeats)
+  return (ms, outs, many) if return_outputs else ms
 
 
 def rel_err(x, ref):
@@ -256,6 +359,23 @@ def main(argv=None):
                        "(default 50, tiny 3; 0 skips it)")
   ap.add_argument("--no-triton-cache", action="store_true",
                   help="do not memoise Triton compiles across programs (see the docstring)")
+  ap.add_argument("--sweep-attend", action="store_true",
+                  help="add the attention-kernel sweep rows (sw_<config>; the default grid "
+                       "ATTEND_GRID, 16 configs around the default splits) and sparse_best; "
+                       "without --rows only dense, sparse, the sweep rows and sparse_best run")
+  ap.add_argument("--attend-configs", default=None,
+                  help="comma-separated sweep configs instead of the default grid (implies "
+                       "--sweep-attend), e.g. 's17_w8,s33_st4_b2,s33_xm'")
+  ap.add_argument("--attend-best", default=None,
+                  help="sparse_best's attention config (implies --sweep-attend); default: the "
+                       "sweep row with the lowest device_ms whose checks passed")
+  ap.add_argument("--sweep-unroll", type=int, default=None,
+                  help="calls in the sweep rows' long program (default 32, tiny 4); the short "
+                       "one has a quarter, device_ms is the slope")
+  ap.add_argument("--sweep-rounds", type=int, default=3,
+                  help="extra timing rounds of every sweep row's compiled programs after the "
+                       "last one, interleaved (no compiles; ~0.1 s per config and round); "
+                       "likewise dense, sparse and sparse_best at the end")
   args = ap.parse_args(argv)
   t_start = time.perf_counter()
   timings = {t.strip() for t in args.timings.split(",") if t.strip()}
@@ -277,14 +397,32 @@ def main(argv=None):
   splits = 3 if args.tiny else default_num_splits(1, hk, width)   # tiny: exercise the merge
   split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
                 sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
-  names = row_names(split_list)
+  sweep_mode = bool(args.sweep_attend or args.attend_configs or args.attend_best)
+  sweep_cfgs = {}                          # canonical name -> parsed config, in grid order
+  try:
+    grid = [g.format(d=splits, p=1 << (splits.bit_length() - 1), h=max(1, splits // 2),
+                     t=2 * splits) for g in ATTEND_GRID]
+    for spec in ((args.attend_configs.split(",") if args.attend_configs else grid)
+                 if sweep_mode else ()):
+      if spec.strip():
+        cfg = parse_attend_config(spec, splits)
+        sweep_cfgs.setdefault(attend_config_name(cfg), cfg)
+    if args.attend_best:
+      parse_attend_config(args.attend_best, splits)
+  except ValueError as e:
+    ap.error(str(e))
+  sweep_unroll = args.sweep_unroll or (4 if args.tiny else 32)
+  names = row_names(split_list, tuple(sweep_cfgs))
   if args.list:
     print("\n".join(names))
     return 0
   if not args.out:
     ap.error("--out is required")
   try:
-    chosen = select_rows(names, args.rows)
+    rows_spec = args.rows
+    if rows_spec is None and sweep_mode:
+      rows_spec = "sw_*,sparse_best" if sweep_cfgs else "sparse_best"
+    chosen = select_rows(names, rows_spec)
   except ValueError as e:
     ap.error(str(e))
   triton_stats = None if args.no_triton_cache else cache_triton_compile()
@@ -306,9 +444,12 @@ def main(argv=None):
     vc = jax.random.normal(keys[3 * i + 2], (1, n, hk, d), dtype)
     sets.append((kc, vc, sp.init_block_summaries(kc, lens, block_size=bs)))
   qs = [jax.random.normal(jax.random.key(100 + i), (1, hq, d), dtype) for i in range(unroll)]
+  # the sweep rows' queries: qs, then more (distinct (query, set) pairs: nothing for XLA to CSE)
+  qs_sw = qs[:sweep_unroll] + [jax.random.normal(jax.random.key(100 + i), (1, hq, d), dtype)
+                               for i in range(len(qs), sweep_unroll)]
   q = qs[0]
   kc, vc, summ = sets[0]
-  _sync((sets, qs))
+  _sync((sets, qs, qs_sw))
   setup_s = {"inputs": time.perf_counter() - t0}
 
   rows, checks = [], {}
@@ -318,7 +459,10 @@ def main(argv=None):
                        backend=jax.default_backend(), unroll=unroll, tiny=args.tiny,
                        timings=sorted(timings), prog_repeats=args.prog_repeats,
                        min_time=min_time, repeat=repeat, argv=list(argv or sys.argv[1:]),
-                       setup_s=setup_s, triton_compile=triton_stats))
+                       setup_s=setup_s, triton_compile=triton_stats,
+                       attend_sweep=dict(configs=list(sweep_cfgs), unroll=sweep_unroll,
+                                         best_override=args.attend_best) if sweep_mode
+                       else None))
 
   # ---- shared data, computed on first use (only the chosen rows pay for it)
   memo = {}
@@ -632,6 +776,94 @@ def main(argv=None):
     return ((lambda q, k, v, s: sx(q, k, v, block_summaries=s)), sets,
             sparse_check("sparse_xla_rel_err"))
 
+  # ---- attention-kernel sweep: sw_<cfg> (the attention alone on the select kernel's block
+  # lists) and sparse_best (the whole call with the fastest config)
+  def attend_fn(cfg):
+    """fn(q, k, v, indices, counts, arrivals=None) for a sweep config: the output [1, hq, d]
+    in dtype, or the partials (out, lse) for ``_nm``. arrivals None: zeros made in the call."""
+    kw = dict(block_size=bs, num_splits=cfg["splits"], num_warps=cfg["num_warps"],
+              num_stages=cfg["num_stages"], blocks_per_step=cfg["blocks_per_step"],
+              index_lookahead=cfg["index_lookahead"], interpret=interpret)
+    part = lambda q, k, v, i, c: sparse_decode_partials(q, k, v, lens, i, None, c, **kw)
+    merge = cfg["merge"]
+    if merge == "":
+      return lambda q, k, v, i, c, a=None: sparse_decode(q, k, v, lens, i, None, c, a,
+                                                         out_dtype=dtype, **kw)[0]
+    if merge == "nm":
+      return lambda q, k, v, i, c, a=None: part(q, k, v, i, c)
+    if merge == "xm":
+      return lambda q, k, v, i, c, a=None: merge_partials(*part(q, k, v, i, c),
+                                                          axis=1)[0].astype(dtype)
+    return lambda q, k, v, i, c, a=None: merge_decode_partials(
+        *part(q, k, v, i, c), out_dtype=dtype, interpret=interpret)[0]
+
+  default_cfg = parse_attend_config("", splits)
+
+  def vs_sparse(key, out):
+    """Max abs difference to the sparse row's output (and bit-identity for ``key`` given)."""
+    if "out_idx" not in base:
+      return {}
+    ref_out = base["out_idx"][0]
+    c = {f"{key}_max_abs_vs_sparse": float(jnp.max(jnp.abs(up(out) - up(ref_out))))}
+    c[f"{key}_bitwise_vs_sparse"] = "equal" if bool(jnp.array_equal(out, ref_out)) else "differs"
+    return c
+
+  for cname, cfg in sweep_cfgs.items():
+    @row(f"sw_{cname}", f"attention alone: splits={cfg['splits']} x {hk} kv heads, "
+                        f"warps={cfg['num_warps']}, stages={cfg['num_stages']}, "
+                        f"{cfg['blocks_per_step'] * bs} keys/step, ids "
+                        f"{'one step ahead' if cfg['index_lookahead'] else 'in the step'}, "
+                        f"{MERGES[cfg['merge']]}")
+    def _(cfg=cfg, cname=cname):
+      key = f"sw_{cname}"
+
+      def check(f):
+        out = f(q, kc, vc, *lists()[0])
+        if cfg["merge"] == "nm":
+          out = merge_partials(*out, axis=1)[0].astype(dtype)
+        c = {f"{key}_sweep_rel_err": rel_err(out, ref_sparse())}
+        c.update(vs_sparse(key, out))
+        if cfg == default_cfg and "out_idx" in base:    # the attention of the sparse call
+          c[f"{key}_equals_sparse"] = bool(jnp.array_equal(out, base["out_idx"][0]))
+        return c
+      return attend_fn(cfg), [(k, v, i, c) for (k, v, _), (i, c) in zip(sets, lists())], check
+
+  def best_sweep_config():
+    """The sweep row with the lowest device_ms whose checks all passed (not ``_nm``)."""
+    ok = [r for r in rows if r["stage"].startswith("sw_") and "device_ms" in r
+          and "error" not in r and r.get("checks")
+          and not any(check_passes(k, v) is False for k, v in r["checks"].items())
+          and sweep_cfgs[r["stage"][3:]]["merge"] != "nm"]
+    if not ok:
+      raise RuntimeError("no sweep row with a device time and passing checks: pass "
+                         "--attend-best")
+    return min(ok, key=lambda r: r["device_ms"])["stage"][3:]
+
+  if sweep_mode:
+    @row("sparse_best", "whole sparse decode (scores + select + attention) with the sweep's "
+                        "fastest config (device_ms) or --attend-best; returns (out, indices)")
+    def _():
+      cname = attend_config_name(parse_attend_config(args.attend_best, splits)) \
+          if args.attend_best else best_sweep_config()
+      cfg = parse_attend_config(cname, splits)
+      if cfg["merge"] == "nm":
+        raise ValueError(f"sparse_best needs a config with a merge, got {cname}")
+      att = attend_fn(cfg)
+
+      def fn(q, k, v, s):
+        i, c, a = sel_fn(sc_fn(q, s.sums, s.lengths), lens, return_arrivals=True)
+        return att(q, k, v, i, c, a), i
+
+      def check(f):
+        out, idx = f(q, kc, vc, summ)
+        c = {"sparse_best_config": cname,
+             "sparse_best_sweep_rel_err": rel_err(out, ref_sparse())}
+        c.update(vs_sparse("sparse_best", out))
+        if "out_idx" in base:
+          c["sparse_best_indices_equal_sparse"] = bool(jnp.array_equal(idx, base["out_idx"][1]))
+        return c
+      return fn, sets, check
+
   assert list(specs) == names, (list(specs), names)
 
   # ---- run the chosen rows
@@ -640,6 +872,7 @@ def main(argv=None):
     r = dict(stage=name, what=what)
     ph = {}
     t_row = time.perf_counter()
+    sweep = name.startswith("sw_")
     try:
       t = time.perf_counter()
       fn, per_set, check = build()
@@ -647,6 +880,34 @@ def main(argv=None):
         raise RuntimeError(checks.get(f"{name}_error", "not available"))
       fn = jax.jit(fn)
       ph["inputs"] = time.perf_counter() - t
+      if sweep:
+        # Two programs (sweep_unroll calls and a quarter), the check on the long one's first
+        # output (q = qs[0], input set 0): one compile per program, no host timing.
+        rest = [tuple(p) for p in per_set]
+        n_long, n_short = sweep_unroll, max(1, sweep_unroll // 4)
+        t = time.perf_counter()
+        full, outs, many_long = program_ms(fn, qs_sw[:n_long], rest, repeats=args.prog_repeats,
+                                           return_outputs=True)
+        ph[f"x{n_long}"] = time.perf_counter() - t
+        if check is not None:
+          t = time.perf_counter()
+          try:
+            r["checks"] = check(lambda *a: outs[0])
+          except Exception as e:  # noqa: BLE001
+            r["checks"] = {f"{name}_check_error": f"{type(e).__name__}: {e}"[:400]}
+          ph["check"] = time.perf_counter() - t
+          checks.update(r["checks"])
+        r["unroll_ms"] = full / n_long
+        if n_short < n_long:
+          t = time.perf_counter()
+          part, _, many_short = program_ms(fn, qs_sw[:n_short], rest,
+                                           repeats=args.prog_repeats, return_outputs=True)
+          ph[f"x{n_short}"] = time.perf_counter() - t
+          r["device_ms"] = (full - part) / (n_long - n_short)
+          r["round_device_ms"] = [r["device_ms"]]
+          sweep_progs[name] = dict(row=r, long=(many_long, qs_sw[:n_long], [full]),
+                                   short=(many_short, qs_sw[:n_short], [part]), rest=rest)
+        check = None                              # done; skip the generic path below
       if check is not None:
         t = time.perf_counter()
         try:
@@ -657,22 +918,28 @@ def main(argv=None):
         checks.update(r["checks"])
       arg_sets = [(qs[i % unroll],) + tuple(p) for i, p in enumerate(per_set)]
       rest = [tuple(p) for p in per_set]
-      if "host" in timings:
+      if "host" in timings and not sweep:
         t = time.perf_counter()
         r["host_ms"] = host_ms(fn, arg_sets, min_time=min_time)
         ph["host"] = time.perf_counter() - t
-      if timings & {"unroll", "device"}:
+      if timings & {"unroll", "device"} and not sweep:
         t = time.perf_counter()
-        full = program_ms(fn, qs, rest, repeats=args.prog_repeats)
+        full, _, many_full = program_ms(fn, qs, rest, repeats=args.prog_repeats,
+                                        return_outputs=True)
         ph[f"x{len(qs)}"] = time.perf_counter() - t
         if "unroll" in timings:
           r["unroll_ms"] = full / len(qs)
         if "device" in timings:
           t = time.perf_counter()
           half = len(qs) // 2
-          part = program_ms(fn, qs[:half], rest, repeats=args.prog_repeats)
+          part, _, many_half = program_ms(fn, qs[:half], rest, repeats=args.prog_repeats,
+                                          return_outputs=True)
           ph[f"x{half}"] = time.perf_counter() - t
           r["device_ms"] = (full - part) / (len(qs) - half)
+          if sweep_mode and name in FINAL_RETIME:        # re-timed together at the end
+            r["round_device_ms"] = [r["device_ms"]]
+            final_progs[name] = dict(row=r, long=(many_full, qs, [full]),
+                                     short=(many_half, qs[:half], [part]), rest=rest)
     except Exception as e:  # noqa: BLE001  keep probing
       r["error"] = f"{type(e).__name__}: {e}"[:400]
     r["wall_s"] = time.perf_counter() - t_row
@@ -706,6 +973,22 @@ def main(argv=None):
           summary[f"speedup_{short}_{key}"] = by["dense"][key] / by[name][key]
         if key in by.get("sparse", {}) and key in by.get(name, {}):
           summary[f"{short}_vs_sparse_{key}"] = by["sparse"][key] / by[name][key]
+    for key in ("host_ms", "unroll_ms", "device_ms"):
+      if key in by.get("dense", {}) and key in by.get("sparse_best", {}):
+        summary[f"speedup_best_{key}"] = by["dense"][key] / by["sparse_best"][key]
+      if key in by.get("sparse", {}) and key in by.get("sparse_best", {}):
+        summary[f"best_vs_sparse_{key}"] = by["sparse"][key] / by["sparse_best"][key]
+    sw = sorted((r for r in rows if r["stage"].startswith("sw_") and "device_ms" in r),
+                key=lambda r: r["device_ms"])
+    if sw:
+      summary["attend_sweep"] = [
+          dict(config=r["stage"][3:], device_us=round(r["device_ms"] * 1e3, 2),
+               unroll_us=round(r["unroll_ms"] * 1e3, 2),
+               round_device_us=[round(x * 1e3, 2) for x in r.get("round_device_ms", [])],
+               ok=not any(check_passes(k, v) is False for k, v in r.get("checks", {}).items()))
+          for r in sw]
+    if "sparse_best_config" in checks:
+      summary["sparse_best_config"] = checks["sparse_best_config"]
     if "kept_blocks_per_head" in checks:
       kv_bytes = 2 * float(np.sum(checks["kept_blocks_per_head"])) * bs * d * 2
       summary["kept_kv_bytes"] = kv_bytes
@@ -717,10 +1000,45 @@ def main(argv=None):
 
   setup_s["before_rows"] = time.perf_counter() - t_start
   write_json()
-  for name in chosen:
+  sweep_progs = {}                         # sw_ row -> its two compiled programs and times
+  final_progs = {}                         # sweep mode: dense, sparse, sparse_best likewise
+
+  def retime(progs, what):
+    """--sweep-rounds more timing rounds of each row's two compiled programs, the rows
+    interleaved (drift and clock changes hit all of them alike); device_ms and unroll_ms become
+    those of the best times over all rounds, round_device_ms lists the slope of each round (its
+    spread is the noise)."""
+    if not progs or args.sweep_rounds <= 0:
+      return
+    t0 = time.perf_counter()
+    for _ in range(args.sweep_rounds):
+      for e in progs.values():
+        for which in ("long", "short"):
+          many, qq, times = e[which]
+          try:
+            times.append(best_ms(many, qq, e["rest"], args.prog_repeats))
+          except Exception as ex:  # noqa: BLE001
+            e["row"]["retime_error"] = f"{type(ex).__name__}: {ex}"[:200]
+        r = e["row"]
+        n_long, n_short = len(e["long"][1]), len(e["short"][1])
+        r["round_device_ms"].append((e["long"][2][-1] - e["short"][2][-1]) / (n_long - n_short))
+    for e in progs.values():
+      r = e["row"]
+      n_long, n_short = len(e["long"][1]), len(e["short"][1])
+      r["device_ms"] = (min(e["long"][2]) - min(e["short"][2])) / (n_long - n_short)
+      r["unroll_ms"] = min(e["long"][2]) / n_long
+    print(f"  ({what} re-timed: {args.sweep_rounds} more rounds of {len(progs)} rows, "
+          f"{time.perf_counter() - t0:.1f}s: " + ", ".join(
+              f"{e['row']['stage']} {e['row']['device_ms'] * 1e3:.1f}" for e in progs.values())
+          + " us device)", flush=True)
+
+  for pos, name in enumerate(chosen):
     run_row(name)
+    if name.startswith("sw_") and not (chosen[pos + 1:] or [""])[0].startswith("sw_"):
+      retime(sweep_progs, "sweep")          # after the last sweep row, before sparse_best
     summarize()
     write_json()
+  retime(final_progs, "dense/sparse/sparse_best")    # sweep mode: the ratios' rows together
   res["complete"] = True
   summarize()
   write_json()
@@ -729,6 +1047,22 @@ def main(argv=None):
         f"wall {res['meta']['wall_s']:.1f}s (setup {setup_s['before_rows']:.1f}s)" +
         (f"; triton compiles {ts['calls'] - ts['hits']} ({ts['compile_s']:.1f}s), "
          f"{ts['hits']} cache hits" if ts else ""), flush=True)
+  if res["summary"].get("attend_sweep"):
+    print("attention sweep by device time (us; the floor of the kept K+V reads at 4 TB/s: "
+          f"{res['summary'].get('kv_read_us_at_4TBps', float('nan')):.1f}):", flush=True)
+    for e in res["summary"]["attend_sweep"]:
+      rd = e["round_device_us"] or [float("nan")]
+      print(f"  {e['config']:24s} device {e['device_us']:8.2f}   unroll {e['unroll_us']:8.2f}"
+            f"   rounds {min(rd):.2f}..{max(rd):.2f}{'' if e['ok'] else '   CHECK FAILED'}",
+            flush=True)
+    failed = [r["stage"] for r in rows if r["stage"].startswith("sw_") and "error" in r]
+    if failed:
+      print("  sweep rows with errors:", ", ".join(failed), flush=True)
+  if "sparse_best_config" in res["summary"]:
+    print(f"sparse_best = scores + select + attention {res['summary']['sparse_best_config']}: "
+          + ", ".join(f"dense/best {k[len('speedup_best_'):]} {v:.2f}x"
+                      for k, v in res["summary"].items() if k.startswith("speedup_best_")),
+          flush=True)
   if not res["ok"]:
     print("failed:", [k for k, v in checks.items() if check_passes(k, v) is False],
           [r["stage"] for r in rows if "error" in r], flush=True)

@@ -41,3 +41,35 @@ def test_check_rules():
 def test_list_runs_nothing(capsys):
   assert probe.main(["--list", "--tiny"]) == 0
   assert "sparse_fused_r2" in capsys.readouterr().out.split()
+
+
+def test_attend_sweep_configs_and_rows():
+  """--sweep-attend's config names: any field order, defaults filled in, canonical names; the
+  sweep rows come after every other row, only when asked for; bad names are errors."""
+  cfg = probe.parse_attend_config("b2_xm_s17", 33)
+  assert cfg == dict(splits=17, num_warps=4, num_stages=3, blocks_per_step=2,
+                     index_lookahead=True, merge="xm")
+  assert probe.attend_config_name(cfg) == "s17_w4_st3_b2_xm"
+  assert probe.attend_config_name(probe.parse_attend_config("", 33)) == "s33_w4_st3_b1"
+  assert probe.attend_config_name(probe.parse_attend_config("st4_la0_w8", 33)) == \
+      "s33_w8_st4_b1_la0"
+  for bad in ("s33_x1", "b3", "w3", "la2", "s0"):
+    with pytest.raises(ValueError):
+      probe.parse_attend_config(bad, 33)
+  names = probe.row_names([33], ("s33_w4_st3_b1", "s16_w4_st3_b2"))
+  assert names[-3:] == ["sw_s33_w4_st3_b1", "sw_s16_w4_st3_b2", "sparse_best"]
+  assert probe.row_names([33]) == probe.row_names([33], ())
+  assert probe.select_rows(names, "sw_*,sparse_best") == ["dense", "sparse"] + names[-3:]
+  assert probe.check_passes("sw_s33_w4_st3_b1_sweep_rel_err", 2e-3) is True
+  assert probe.check_passes("sw_s33_w4_st3_b1_sweep_rel_err", 1e-2) is False
+  assert probe.check_passes("sparse_best_config", "s33_w4_st3_b1") is None
+  assert probe.check_passes("sw_s33_w4_st3_b1_bitwise_vs_sparse", "differs") is None
+
+
+def test_list_sweep_rows(capsys):
+  assert probe.main(["--list", "--tiny", "--sweep-attend"]) == 0
+  out = capsys.readouterr().out.split()
+  assert len([n for n in out if n.startswith("sw_")]) == len(probe.ATTEND_GRID) == 16
+  assert out[-1] == "sparse_best" and "sw_s3_w4_st3_b1" in out      # tiny: 3 default splits
+  assert probe.main(["--list", "--tiny", "--attend-configs", "s2_b2,s2_w4_st3_b2"]) == 0
+  assert capsys.readouterr().out.split()[-2:] == ["sw_s2_w4_st3_b2", "sparse_best"]

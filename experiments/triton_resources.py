@@ -1,0 +1,156 @@
+"""Shared memory, registers and spills of the sparse decode attention kernel's Triton configs,
+on a machine without a GPU (occupancy questions before a GPU session).
+
+Two steps, two Python environments:
+
+1. ``dump`` (this repo's environment, jax): lowers ``sparse_decode`` / ``sparse_decode_partials``
+   for CUDA at the issue-5 bench shape (B1 S128K, GQA 32:8, D128 bf16, 64-token blocks, 389 kept
+   blocks per kv head) with ``jax.export(..., platforms=["cuda"])``, takes each Triton custom
+   call's ``ir`` attribute (the Pallas kernel's TTIR as MLIR bytecode), prints it as text with
+   jaxlib's Triton dialect registered and writes ``<config>.ttir`` plus ``<config>.json``
+   (num_warps, num_stages). Configs are the probe's attention sweep names
+   (``experiments/probe_sparse_decode.py``: ``s33_w4_st3_b1``, ``_nm`` = partials only, ...;
+   ``_xm`` / ``_mk`` dump the partials kernel, which is what they launch).
+2. ``compile`` (a separate venv with ``pip install triton``; no jax needed): compiles each
+   ``.ttir`` with ``triton.compile(path, target=GPUTarget("cuda", 90, 32))`` and reports
+   ``metadata.shared`` and, from the bundled ``ptxas`` (the newest one that accepts the PTX)
+   with ``-v``, registers and spill bytes; writes ``resources.json``.
+
+The numbers are upstream Triton's; XLA compiles the same TTIR with its own bundled Triton and
+pass pipeline, so they can differ (docs/kernels.md, "Sparse decode" > "Run 19-20").
+
+Usage:  python experiments/triton_resources.py dump --out /tmp/ttir [--configs s33,s33_nm,...]
+        /path/to/venv/bin/python experiments/triton_resources.py compile /tmp/ttir
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+
+def dump(out_dir, configs):
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import jax
+  import jax.numpy as jnp
+  from jax._src.interpreters import mlir as jm
+  from jax._src.lib import triton as jt
+  from jax._src.lib.mlir import ir
+
+  from experiments.probe_sparse_decode import attend_config_name, parse_attend_config
+  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
+
+  shape = jax.ShapeDtypeStruct
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  n, bs, hq, hk, d, width, default_splits = 131072, 64, 32, 8, 128, 389, 33
+  args = (shape((1, hq, d), bf16), shape((1, n, hk, d), bf16), shape((1, n, hk, d), bf16),
+          shape((1,), i32), shape((1, hk, width), i32), shape((1, hk), i32), shape((1, hk), i32))
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  os.makedirs(out_dir, exist_ok=True)
+  for spec in configs:
+    cfg = parse_attend_config(spec, default_splits)
+    name = attend_config_name(cfg)
+    kw = dict(block_size=bs, num_splits=cfg["splits"], num_warps=cfg["num_warps"],
+              num_stages=cfg["num_stages"], blocks_per_step=cfg["blocks_per_step"],
+              index_lookahead=cfg["index_lookahead"])
+    if cfg["merge"] == "":
+      fn = lambda q, k, v, lens, i, c, a, kw=kw: sparse_decode(q, k, v, lens, i, None, c, a,
+                                                               **kw)
+    else:
+      fn = lambda q, k, v, lens, i, c, a, kw=kw: sparse_decode_partials(q, k, v, lens, i, None,
+                                                                        c, **kw)
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
+        *args).mlir_module()
+    with jm.make_ir_context() as ctx:
+      jt.dialect.register_dialect(ctx)
+      found = []
+
+      def walk(op):
+        for region in op.regions:
+          for block in region.blocks:
+            for o in block.operations:
+              if o.operation.name == "stablehlo.custom_call":
+                bc = o.operation.attributes["mhlo.backend_config"]
+                found.append((ir.Module.parse(bc["ir"].value_bytes).operation.get_asm(
+                    enable_debug_info=False), int(re.match(r"\d+", str(bc["num_warps"]))[0]),
+                    int(re.match(r"\d+", str(bc["num_stages"]))[0])))
+              walk(o.operation)
+      walk(ir.Module.parse(text).operation)
+    ttir, warps, stages = found[0]                       # the attention kernel
+    with open(os.path.join(out_dir, name + ".ttir"), "w") as f:
+      f.write(ttir)
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+      json.dump(dict(config=name, num_warps=warps, num_stages=stages), f)
+    print(f"{name}: {len(ttir)} chars of TTIR, num_warps={warps}, num_stages={stages}")
+
+
+def compile_dir(in_dir, arch):
+  os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+  import triton
+  from triton.backends.compiler import GPUTarget
+
+  bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+  ptxas = sorted(glob.glob(os.path.join(bindir, "ptxas*")), reverse=True)
+  rows = []
+  for path in sorted(glob.glob(os.path.join(in_dir, "*.ttir"))):
+    meta = json.load(open(path[:-5] + ".json"))
+    row = dict(config=meta["config"], num_warps=meta["num_warps"],
+               num_stages=meta["num_stages"])
+    try:
+      k = triton.compile(path, target=GPUTarget("cuda", arch, 32),
+                         options=dict(num_warps=meta["num_warps"],
+                                      num_stages=meta["num_stages"]))
+      row["shared_bytes"] = int(k.metadata.shared)
+      ptx = path + ".ptx"
+      with open(ptx, "w") as f:
+        f.write(k.asm["ptx"])
+      for exe in ptxas:                                  # the first that accepts this PTX
+        res = subprocess.run([exe, "-v", f"-arch=sm_{arch}a", ptx, "-o", os.devnull],
+                             capture_output=True, text=True)
+        if res.returncode == 0:
+          regs = re.search(r"Used (\d+) registers", res.stderr)
+          spill = re.search(r"(\d+) bytes spill stores", res.stderr)
+          row["registers"] = int(regs[1]) if regs else None
+          row["spill_store_bytes"] = int(spill[1]) if spill else None
+          break
+    except Exception as e:  # noqa: BLE001
+      row["error"] = f"{type(e).__name__}: {e}"[:300]
+    rows.append(row)
+    print(f"{row['config']:24s} warps {row['num_warps']} stages {row['num_stages']} "
+          f"shared {row.get('shared_bytes', '?')} B registers {row.get('registers', '?')} "
+          f"spills {row.get('spill_store_bytes', '?')} B {row.get('error', '')}", flush=True)
+  with open(os.path.join(in_dir, "resources.json"), "w") as f:
+    json.dump(dict(triton=triton.__version__, arch=arch, rows=rows), f, indent=1)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  sub = ap.add_subparsers(dest="cmd", required=True)
+  d = sub.add_parser("dump", help="write <config>.ttir (needs jax; this repo's environment)")
+  d.add_argument("--out", required=True)
+  d.add_argument("--configs", default=None,
+                 help="comma-separated probe sweep configs (default: the probe's grid at 33 "
+                      "splits)")
+  c = sub.add_parser("compile", help="compile a dump directory (needs the triton package)")
+  c.add_argument("dir")
+  c.add_argument("--arch", type=int, default=90)
+  args = ap.parse_args(argv)
+  if args.cmd == "dump":
+    if args.configs:
+      configs = [x for x in args.configs.split(",") if x.strip()]
+    else:
+      sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+      from experiments.probe_sparse_decode import ATTEND_GRID
+      configs = [g.format(d=33, p=32, h=16, t=66) for g in ATTEND_GRID]
+    dump(args.out, configs)
+  else:
+    compile_dir(args.dir, args.arch)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
