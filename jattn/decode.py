@@ -7,6 +7,10 @@ Implementations:
     the splits are merged with ``jattn.merge.merge_partials``.
   * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same split-KV structure (scalar-prefetched
     lengths and page table drive the K/V index maps).
+  * ``"mosaic_gpu"``: Pallas Mosaic GPU kernel for Hopper (``pallas_kernels.decode.mosaic_gpu``:
+    TMA ring, wgmma, warp specialisation; same split-KV partials). Contiguous caches only, bf16 or
+    fp16, head_dim 64/128/256, no window or soft cap (NotImplementedError). CPU-verified only
+    (lowering + a replay of its walk): never picked by ``None``.
   * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU.
 
 Semantics: sequence b holds ``kv_lengths[b]`` valid keys at cache positions
@@ -34,7 +38,7 @@ from pallas_kernels.masks import normalize_window
 __all__ = ["decode_attention", "paged_decode_attention", "append_kv", "append_kv_paged",
            "resolve_decode_implementation", "default_num_splits", "bench_decode_cases"]
 
-IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
+IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu", "mosaic_gpu")
 MIN_PAGE_SIZE = 16
 
 
@@ -65,7 +69,7 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
                        head_dim=128, dtype=jnp.bfloat16):
   """The split count used when ``num_splits=None``.
 
-  GPU ("triton"): at least two programs per multiprocessor (``compat.gpu_core_count()``) over
+  GPU ("triton", "mosaic_gpu"): at least two programs per multiprocessor (``compat.gpu_core_count()``) over
   the batch x kv_heads pairs and splits of at most about 1K keys (at most 32 splits), at least
   four key blocks per split, rounded down to a power of two (``pallas_kernels.decode.triton.default_num_splits``).
   "xla" and "mosaic_tpu": 1 (one pass; a TPU core walks the grid sequentially).
@@ -86,10 +90,14 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
     >>> default_num_splits("xla", 1, 8, 131072)
     1
   """
-  if implementation != "triton":
+  if implementation not in ("triton", "mosaic_gpu"):
     return 1
   from pallas_kernels.decode import triton as kt
-  bs = block_sizes or kt.default_block_sizes(head_dim, dtype)
+  if implementation == "mosaic_gpu":   # the Triton rule at the Mosaic GPU kernel's block_k
+    from pallas_kernels.decode import mosaic_gpu as km
+    bs = block_sizes or km.default_block_sizes(head_dim)
+  else:
+    bs = block_sizes or kt.default_block_sizes(head_dim, dtype)
   return kt.default_num_splits(batch, kv_heads, max_len, core_count=compat.gpu_core_count(),
                                block_k=bs.block_k)
 
@@ -167,10 +175,12 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
       or an int >= 1: how many parts each sequence's visible keys are split into. Every value
       gives the same result up to rounding.
     return_lse: also return the log-sum-exp [batch, q_heads] (fp32, natural log).
-    implementation: None, "xla", "triton" or "mosaic_tpu".
+    implementation: None, "xla", "triton", "mosaic_tpu" or "mosaic_gpu" (Hopper; contiguous
+      caches, bf16/fp16, head_dim 64/128/256, no window or soft cap; never picked by None).
     interpret: run a Pallas kernel in interpret mode (CPU).
     block_sizes: optional kernel-specific block sizes (``pallas_kernels.decode.triton.
-      DecodeBlockSizes`` or ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes``).
+      DecodeBlockSizes``, ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes`` or
+      ``pallas_kernels.decode.mosaic_gpu.DecodeBlockSizes``).
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -190,6 +200,11 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   impl, window, cap, num_splits, scale = _check_options(implementation, local_window_size,
                                                         logits_soft_cap, num_splits, scale)
   batch, max_len, kv_heads, _ = k_cache.shape
+  if impl == "mosaic_gpu":   # unsupported options raise now, not inside jit
+    from pallas_kernels.decode import mosaic_gpu as km
+    km.check_options(head_dim=q.shape[-1], head_dim_v=v_cache.shape[-1], dtype=k_cache.dtype,
+                     window_left=None if window is None else window[0], logits_soft_cap=cap,
+                     group=q.shape[1] // kv_heads, interpret=interpret)
   if num_splits is None:
     num_splits = default_num_splits(impl, batch, kv_heads, max_len, block_sizes,
                                     head_dim=q.shape[-1], dtype=k_cache.dtype)
@@ -225,6 +240,8 @@ def _kernel_module(impl):
     from pallas_kernels.decode import triton as kern
   elif impl == "mosaic_tpu":
     from pallas_kernels.decode import mosaic_tpu as kern
+  elif impl == "mosaic_gpu":
+    from pallas_kernels.decode import mosaic_gpu as kern
   else:
     raise ValueError(f"{impl!r} is not a Pallas implementation")
   return kern
@@ -282,6 +299,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
   page_table = _check_paged(q, k_pages, page_table)
   impl, window, cap, num_splits, scale = _check_options(implementation, local_window_size,
                                                         logits_soft_cap, num_splits, scale)
+  if impl == "mosaic_gpu":
+    from pallas_kernels.decode import mosaic_gpu as km
+    km.check_options(head_dim=q.shape[-1], head_dim_v=v_pages.shape[-1], dtype=k_pages.dtype,
+                     paged=True)
   batch = q.shape[0]
   _, page_size, kv_heads, _ = k_pages.shape
   capacity = page_table.shape[1] * page_size
@@ -434,7 +455,9 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
   Cases (q_heads 32, kv_heads 8, head_dim 128, bf16): "B1 S128K" and "B8 S32K" at full length
   (contiguous and paged, page size 16 and 64), and "B8 S32K mixed": a paged batch of very
   different lengths (sum about 29% of 8 x 32K). Implementations: jattn triton (heuristic splits,
-  plus a block-size sweep at B1 S128K when ``sweep``), jattn xla, jax.nn "cudnn" and "xla",
+  plus a block-size sweep at B1 S128K when ``sweep``), jattn mosaic_gpu (contiguous; at B1
+  S128K unless ``quick`` also block_k 128 x 2 stages and 33 / 16 splits; not with
+  ``interpret``), jattn xla, jax.nn "cudnn" and "xla",
   and JAX's Pallas GPU decode (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``) when it
   imports. Bandwidth counts the bytes of K and V each sequence must read (its length x kv_heads
   x head_dim x 2 x itemsize) over the time.
@@ -519,6 +542,15 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
     f = jax.jit(functools.partial(decode_attention, implementation="triton",
                                   interpret=interpret))
     yield row(case, "jattn_triton", f, contiguous, ref, nbytes, base_ms, config)
+    if not interpret:   # Hopper kernel (contiguous caches; an error row elsewhere)
+      from pallas_kernels.decode import mosaic_gpu as km
+      variants = [("", {})]
+      if not quick and case == cases[0][0]:
+        variants += [("[bk128,st2]", dict(block_sizes=km.DecodeBlockSizes(128, 2))),
+                     ("[sp33]", dict(num_splits=33)), ("[sp16]", dict(num_splits=16))]
+      for suffix, kw in variants:
+        f = jax.jit(functools.partial(decode_attention, implementation="mosaic_gpu", **kw))
+        yield row(case, f"jattn_mosaic_gpu{suffix}", f, contiguous, ref, nbytes, base_ms)
     if lengths_list is not None or not quick:
       f = jax.jit(functools.partial(decode_attention, implementation="xla"))
       yield row(case, "jattn_xla", f, contiguous, ref, nbytes, base_ms)
