@@ -8,9 +8,11 @@ Implementations:
   * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same split-KV structure (scalar-prefetched
     lengths and page table drive the K/V index maps).
   * ``"mosaic_gpu"``: Pallas Mosaic GPU kernel for Hopper (``pallas_kernels.decode.mosaic_gpu``:
-    TMA ring, wgmma, warp specialisation; same split-KV partials). Contiguous caches only, bf16 or
-    fp16, head_dim 64/128/256, no window or soft cap (NotImplementedError). CPU-verified only
-    (lowering + a replay of its walk): never picked by ``None``.
+    TMA ring, wgmma, warp specialisation; same split-KV partials; paged: one TMA per page). bf16
+    or fp16, head_dim 64/128/256, no window or soft cap, page sizes dividing its block_k (64) or
+    multiples of it (NotImplementedError otherwise); cache rows past a length inside its last
+    64-key tile must be finite. CPU-verified only (lowering + a replay of its walk): never
+    picked by ``None``.
   * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU.
 
 Semantics: sequence b holds ``kv_lengths[b]`` valid keys at cache positions
@@ -175,8 +177,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
       or an int >= 1: how many parts each sequence's visible keys are split into. Every value
       gives the same result up to rounding.
     return_lse: also return the log-sum-exp [batch, q_heads] (fp32, natural log).
-    implementation: None, "xla", "triton", "mosaic_tpu" or "mosaic_gpu" (Hopper; contiguous
-      caches, bf16/fp16, head_dim 64/128/256, no window or soft cap; never picked by None).
+    implementation: None, "xla", "triton", "mosaic_tpu" or "mosaic_gpu" (Hopper; bf16/fp16,
+      head_dim 64/128/256, no window or soft cap; never picked by None).
     interpret: run a Pallas kernel in interpret mode (CPU).
     block_sizes: optional kernel-specific block sizes (``pallas_kernels.decode.triton.
       DecodeBlockSizes``, ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes`` or
@@ -302,7 +304,11 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
   if impl == "mosaic_gpu":
     from pallas_kernels.decode import mosaic_gpu as km
     km.check_options(head_dim=q.shape[-1], head_dim_v=v_pages.shape[-1], dtype=k_pages.dtype,
-                     paged=True)
+                     window_left=None if window is None else window[0], logits_soft_cap=cap,
+                     group=q.shape[1] // k_pages.shape[2], interpret=interpret,
+                     page_size=k_pages.shape[1],
+                     block_k=None if block_sizes is None else getattr(block_sizes, "block_k",
+                                                                      None))
   batch = q.shape[0]
   _, page_size, kv_heads, _ = k_pages.shape
   capacity = page_table.shape[1] * page_size
@@ -455,7 +461,7 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
   Cases (q_heads 32, kv_heads 8, head_dim 128, bf16): "B1 S128K" and "B8 S32K" at full length
   (contiguous and paged, page size 16 and 64), and "B8 S32K mixed": a paged batch of very
   different lengths (sum about 29% of 8 x 32K). Implementations: jattn triton (heuristic splits,
-  plus a block-size sweep at B1 S128K when ``sweep``), jattn mosaic_gpu (contiguous; at B1
+  plus a block-size sweep at B1 S128K when ``sweep``), jattn mosaic_gpu (contiguous and paged; at B1
   S128K unless ``quick`` also block_k 128 x 2 stages and 33 / 16 splits; not with
   ``interpret``), jattn xla, jax.nn "cudnn" and "xla",
   and JAX's Pallas GPU decode (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``) when it
@@ -569,6 +575,10 @@ def bench_decode_cases(time_fn, rel_err, *, quick=False, sweep=True, num_input_s
                                   interpret=interpret))
       yield row(case, f"jattn_triton_paged_ps{page_size}", f, paged_sets, ref, nbytes, base_ms,
                 config)
+      if not interpret:
+        f = jax.jit(functools.partial(paged_decode_attention, implementation="mosaic_gpu"))
+        yield row(case, f"jattn_mosaic_gpu_paged_ps{page_size}", f, paged_sets, ref, nbytes,
+                  base_ms)
       for s in (split_sweep if page_size == 16 else ()):
         f = jax.jit(functools.partial(paged_decode_attention, implementation="triton",
                                       num_splits=s, interpret=interpret))

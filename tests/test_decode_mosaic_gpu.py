@@ -5,7 +5,8 @@ transposed or register operand). The CPU tests check
   * that the kernel lowers for "cuda" through ``jattn.decode_attention(implementation=
     "mosaic_gpu")`` (``.trace(...).lower(lowering_platforms=("cuda",))``: Pallas -> Mosaic GPU,
     wgmma/TMA constraints, the shared-memory budget), at D64/128/256, a ragged capacity and the
-    B1 S128K bench shape;
+    B1 S128K bench shape, contiguous and paged (pages smaller than, equal to and larger than a
+    tile);
   * the split walk (``_split_range``): splits tile each sequence's keys exactly once, only the
     last tile is masked, splits past the length are empty;
   * a jnp replay of the kernel's walk (per (batch, kv head, split): the same tiles of the padded
@@ -13,6 +14,8 @@ transposed or register operand). The CPU tests check
     P in the cache dtype, the kernel's output layout) against the fp32 reference, with mixed
     lengths (0, clamped, ragged), both directly and substituted for the kernel call
     (monkeypatch) under ``decode_attention``, so the wrapper's reshapes and the merge are tested;
+    and the paged walk (one TMA per page, copies past the length redirected to the first page)
+    under ``paged_decode_attention`` with NaN spare pages and garbage table entries;
   * the NotImplementedError messages and that ``implementation=None`` never picks it.
 The ``gpu`` test runs the compiled kernel on an sm90 GPU against the reference.
 """
@@ -94,6 +97,21 @@ def test_lowers_for_cuda(name):
   assert [a.shape for a in lowered.out_info] == [(c["b"], c["hq"], c["d"]), (c["b"], c["hq"])]
 
 
+@pytest.mark.parametrize("page_size,d,hq,hk", [(16, 128, 8, 2), (64, 64, 4, 4), (128, 256, 16, 2)])
+def test_paged_lowers_for_cuda(page_size, d, hq, hk):
+  """4 TMA copies per tile (16-key pages), one per tile (64), two tiles per page (128)."""
+  b, max_pages = 2, 6
+  q = jax.ShapeDtypeStruct((b, hq, d), jnp.bfloat16)
+  pages = jax.ShapeDtypeStruct((b * max_pages + 1, page_size, hk, d), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((b, max_pages), jnp.int32)
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+  fn = jax.jit(lambda q, kp, vp, t, lens: dec.paged_decode_attention(
+      q, kp, vp, t, lens, num_splits=2, return_lse=True, implementation="mosaic_gpu"))
+  lowered = fn.trace(q, pages, pages, table, lens).lower(lowering_platforms=("cuda",))
+  assert "wgmma" in lowered.as_text()
+  assert [a.shape for a in lowered.out_info] == [(b, hq, d), (b, hq)]
+
+
 def test_shared_memory_overflow_fails_to_lower():
   """The lowering checks the 227 KiB budget (so the lowering tests can fail): D256 with 3
   stages of 64-key tiles."""
@@ -135,20 +153,32 @@ def test_split_walk_covers_each_key_tile_once():
 # ------------------------------------------------------------------------------ replay (CPU)
 
 
-def _replay_call(q_p, k, v, lens, st: dm._Static):
+def _replay_call(q_p, k, v, lens, st: dm._Static, page_table=None):
   """The kernel's walk in jnp, same inputs and outputs as ``dm._call``: q_p [B, Hk, 64, D],
-  k/v [B, N', Hk, D] (padded to whole tiles) -> o [B, S, Hk, group, D], lse [B, S, Hk, 64]."""
+  k/v [B, N', Hk, D] (padded to whole tiles) or pages [P, page_size, Hk, D] with page_table
+  [B, max_pages] -> o [B, S, Hk, group, D], lse [B, S, Hk, 64]. Paged tiles are assembled from
+  the kernel's copies (``dm._page_copy``: one per page, past the length the first page)."""
   b, hk = q_p.shape[:2]
-  bk = st.block_k
+  bk, d = st.block_k, st.head_dim
 
-  def program(q_t, k_h, v_h, length, split):            # [64, D], [N', D], [N', D]
+  def tile(x, bi, h, t, length):                               # [bk, D] of tile t
+    if page_table is None:
+      return lax.dynamic_slice(x, (bi, t * bk, h, 0), (1, bk, 1, d)).reshape(bk, d)
+    n = st.copy_rows
+    parts = []
+    for j in range(st.copies_per_tile):
+      col, row = dm._page_copy(length, t, j, st)
+      page = page_table[bi, col]
+      parts.append(lax.dynamic_slice(x, (page, row, h, 0), (1, n, 1, d)).reshape(n, d))
+    return jnp.concatenate(parts, 0)
+
+  def program(q_t, bi, h, length, split):                      # q_t [64, D]
     length = dm._clamp_length(length, st)
     t0, tf, t1 = dm._split_range(length, split, st)
 
     def step(t, carry, masked):
       acc, m, l = carry
-      k_t = lax.dynamic_slice_in_dim(k_h, t * bk, bk)
-      v_t = lax.dynamic_slice_in_dim(v_h, t * bk, bk)
+      k_t, v_t = tile(k, bi, h, t, length), tile(v, bi, h, t, length)
       s = jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32)       # [64, bk]
       if masked:
         cols = lax.broadcasted_iota(jnp.int32, s.shape, 1)
@@ -158,7 +188,7 @@ def _replay_call(q_p, k, v, lens, st: dm._Static):
                                            preferred_element_type=jnp.float32)
       return acc, m, l
 
-    carry = (jnp.zeros((dm.ROWS, st.head_dim), jnp.float32),
+    carry = (jnp.zeros((dm.ROWS, d), jnp.float32),
              jnp.full((dm.ROWS,), dm._M_INIT, jnp.float32), jnp.zeros((dm.ROWS,), jnp.float32))
     carry = lax.fori_loop(t0, tf, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(tf, t1, functools.partial(step, masked=True), carry)
@@ -166,11 +196,10 @@ def _replay_call(q_p, k, v, lens, st: dm._Static):
     return out[:st.group], lse
 
   splits = jnp.arange(st.num_splits, dtype=jnp.int32)
-  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)             # [B, Hk, N', D]
   per_split = jax.vmap(program, in_axes=(None, None, None, None, 0))
-  per_head = jax.vmap(per_split, in_axes=(0, 0, 0, None, None))
-  per_batch = jax.vmap(per_head, in_axes=(0, 0, 0, 0, None))
-  o, lse = per_batch(q_p, kt, vt, lens, splits)                        # [B, Hk, S, ...]
+  per_head = jax.vmap(per_split, in_axes=(0, None, 0, None, None))
+  per_batch = jax.vmap(per_head, in_axes=(0, 0, None, 0, None))
+  o, lse = per_batch(q_p, jnp.arange(b), jnp.arange(hk), lens, splits)   # [B, Hk, S, ...]
   return o.transpose(0, 2, 1, 3, 4), lse.transpose(0, 2, 1, 3)
 
 
@@ -182,7 +211,6 @@ REPLAY_CASES = {
                                      lengths=[333, 65, 400]),
     "d64_gqa8_fp16_more_splits_than_tiles": dict(b=2, n=256, hq=8, hk=1, d=64, splits=8,
                                                  lengths=[200, 64], dtype=jnp.float16),
-    "d256_bk64_one_split": dict(b=1, n=200, hq=4, hk=1, d=256, splits=1, lengths=[199]),
     "d64_bk128_gqa64": dict(b=1, n=512, hq=64, hk=1, d=64, splits=2, lengths=[300],
                             bs=dm.DecodeBlockSizes(128, 2)),
 }
@@ -195,7 +223,8 @@ def _case(name):
   return q, k, v, jnp.asarray(c["lengths"], jnp.int32), c["splits"], c.get("bs")
 
 
-@pytest.mark.parametrize("name", list(REPLAY_CASES))
+# (fp16: in the paged test; gqa64: through decode_attention)
+@pytest.mark.parametrize("name", [n for n in REPLAY_CASES if "fp16" not in n and "gqa64" not in n])
 def test_replayed_walk_matches_reference(name, monkeypatch):
   q, k, v, lengths, splits, bs = _case(name)
   monkeypatch.setattr(dm, "_call", _replay_call)
@@ -219,17 +248,32 @@ def test_replayed_walk_matches_reference(name, monkeypatch):
 
 def test_replay_through_decode_attention(monkeypatch):
   """The registered path with the replay in place of the kernel: wiring, reshapes, merge."""
-  q, k, v, lengths, splits, _ = _case("d64_gqa4_mixed")
+  q, k, v, lengths, splits, bs = _case("d64_bk128_gqa64")
   monkeypatch.setattr(dm, "_call", _replay_call)
-  out, lse = dec.decode_attention(q.astype(jnp.float32), k, v, lengths, num_splits=splits,
-                                  return_lse=True, implementation="mosaic_gpu")
+  out, lse, ref = _decode_with_reference(q.astype(jnp.float32), k, v, lengths, splits, bs)
   assert out.dtype == jnp.float32
-  _check(out, lse, q.astype(jnp.float32), k, v, lengths)
-  # default split count: the Triton heuristic (>= 1 on a CPU without a GPU core count)
-  assert dec.decode_attention(q, k, v, lengths, implementation="mosaic_gpu").shape == q.shape
+  _check(out, lse, q.astype(jnp.float32), k, v, lengths, ref)
 
 
-def test_replay_check_can_fail(monkeypatch):
+def _decode_with_reference(q, k, v, lengths, splits, block_sizes=None):
+  """decode_attention(implementation="mosaic_gpu") and the reference, one cheap CPU compile."""
+  fn = jax.jit(lambda q, k, v, lens: dec.decode_attention(
+      q, k, v, lens, num_splits=splits, return_lse=True, implementation="mosaic_gpu",
+      block_sizes=block_sizes)
+      + (_reference(q, k, v, lens),))
+  return fn.lower(q, k, v, lengths).compile(_FAST_CPU_COMPILE)(q, k, v, lengths)
+
+
+@pytest.fixture
+def fresh_traces():
+  """jit caches cleared before and after a test that monkeypatches a helper the kernels' jitted
+  wrappers trace (a cached trace would hide the patch, or keep it for later tests)."""
+  jax.clear_caches()
+  yield
+  jax.clear_caches()
+
+
+def test_replay_check_can_fail(monkeypatch, fresh_traces):
   """A walk that drops the ragged tail's mask is caught."""
   q, k, v, lengths, splits, _ = _case("d128_mha_ragged_capacity")
   real = dm._split_range
@@ -239,10 +283,65 @@ def test_replay_check_can_fail(monkeypatch):
     return t0, t1, t1
   monkeypatch.setattr(dm, "_call", _replay_call)
   monkeypatch.setattr(dm, "_split_range", no_tail_mask)
-  out, lse = dec.decode_attention(q, k, v, lengths, num_splits=splits, return_lse=True,
-                                  implementation="mosaic_gpu")
+  out, lse, ref = _decode_with_reference(q, k, v, lengths, splits)
   with pytest.raises(AssertionError):
-    _check(out, lse, q, k, v, lengths)
+    _check(out, lse, q, k, v, lengths, ref)
+
+
+def _paginate(seed, k, v, lengths, page_size, extra_pages=2):
+  """Contiguous caches scattered into a shuffled page pool; spare pages hold 1e4 (K) and NaN
+  (V), and table entries past each length point at a spare page or out of range (-7): reading
+  one of them by mistake breaks the result."""
+  b, n, hk, d = k.shape
+  max_pages = -(-n // page_size)
+  pad = max_pages * page_size - n
+  kp, vp = (np.asarray(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).astype(jnp.float32))
+            .reshape(b * max_pages, page_size, hk, d) for x in (k, v))
+  num_pages = b * max_pages + extra_pages
+  perm = np.random.default_rng(seed).permutation(num_pages)
+  k_pages = np.full((num_pages, page_size, hk, d), 1e4, np.float32)
+  v_pages = np.full((num_pages, page_size, hk, d), np.nan, np.float32)
+  k_pages[perm[:b * max_pages]], v_pages[perm[:b * max_pages]] = kp, vp
+  table = perm[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+  for i, length in enumerate(np.asarray(lengths)):
+    used = -(-int(length) // page_size)
+    table[i, used:] = np.where(np.arange(max_pages - used) % 2, -7, perm[b * max_pages])
+  return (jnp.asarray(k_pages.astype(k.dtype)), jnp.asarray(v_pages.astype(v.dtype)),
+          jnp.asarray(table))
+
+
+PAGED_CASES = {   # name: (replay case, page_size, block_sizes)
+    "ps16_4_copies_per_tile": ("d64_gqa4_mixed", 16, None),
+    "ps32_ragged_capacity": ("d128_mha_ragged_capacity", 32, None),
+    "ps128_two_tiles_per_page": ("d64_gqa8_fp16_more_splits_than_tiles", 128, None),
+}
+
+
+@pytest.mark.parametrize("name", list(PAGED_CASES))
+def test_paged_replay_matches_reference(name, monkeypatch):
+  """The paged walk (one TMA per page, copies past the length redirected to the first page)
+  replayed under ``paged_decode_attention``, with NaN spare pages and garbage table entries."""
+  case, page_size, bs = PAGED_CASES[name]
+  q, k, v, lengths, splits, _ = _case(case)
+  k_pages, v_pages, table = _paginate(sum(map(ord, name)), k, v, lengths, page_size)
+  monkeypatch.setattr(dm, "_call", _replay_call)
+  fn = jax.jit(lambda q, kp, vp, t, lens, k, v: (
+      dec.paged_decode_attention(q, kp, vp, t, lens, num_splits=splits, return_lse=True,
+                                 implementation="mosaic_gpu", block_sizes=bs),
+      _reference(q, k, v, lens)))
+  args = (q, k_pages, v_pages, table, lengths, k, v)
+  (out, lse), ref = fn.lower(*args).compile(_FAST_CPU_COMPILE)(*args)
+  _check(out, lse, q, k, v, lengths, ref)
+
+
+def test_paged_check_can_fail(monkeypatch, fresh_traces):
+  """Without the redirect of copies past the length, the NaN spare pages reach the output."""
+  def no_redirect(length, t, j, st):
+    start = t * st.block_k + j * st.copy_rows
+    return lax.div(start, jnp.int32(st.page_size)), lax.rem(start, jnp.int32(st.page_size))
+  monkeypatch.setattr(dm, "_page_copy", no_redirect)
+  with pytest.raises(AssertionError):
+    test_paged_replay_matches_reference("ps16_4_copies_per_tile", monkeypatch)
 
 
 # ------------------------------------------------------------------------------- errors (CPU)
@@ -271,9 +370,13 @@ def test_unsupported_options_raise():
     call(interpret=True)
   with pytest.raises(NotImplementedError, match="GQA group"):
     call(q=sds((1, 130, 64), bf16))
-  with pytest.raises(NotImplementedError, match="paged"):
-    pages = sds((8, 16, 1, 64), bf16)
+  with pytest.raises(NotImplementedError, match="page_size 48"):
+    pages = sds((8, 48, 1, 64), bf16)
     call(k=pages, v=pages, fn=dec.paged_decode_attention, args=(sds((1, 8), jnp.int32),))
+  with pytest.raises(NotImplementedError, match="logits_soft_cap"):
+    pages = sds((8, 16, 1, 64), bf16)
+    call(k=pages, v=pages, fn=dec.paged_decode_attention, args=(sds((1, 8), jnp.int32),),
+         logits_soft_cap=5.0)
   from pallas_kernels.decode import triton as dt
   with pytest.raises(TypeError, match="DecodeBlockSizes"):
     call(block_sizes=dt.DecodeBlockSizes(64))
@@ -300,15 +403,22 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("name", list(GPU_CASES) + [f"paged_ps{ps}" for ps in (16, 128)])
 def test_gpu_matches_reference(name):
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
-  c = dict(GPU_CASES[name])
+  page_size = int(name[len("paged_ps"):]) if name.startswith("paged_ps") else None
+  c = dict(GPU_CASES["d128_gqa4_mixed" if page_size else name])
   dtype = c.pop("dtype", jnp.bfloat16)
   q, k, v = _inputs(sum(map(ord, name)), c["b"], c["n"], c["hq"], c["hk"], c["d"], dtype)
   lengths = jnp.asarray(c["lengths"], jnp.int32)
-  out, lse = jax.jit(lambda q, k, v, lens: dec.decode_attention(
-      q, k, v, lens, num_splits=c["splits"], return_lse=True, implementation="mosaic_gpu",
-      block_sizes=c.get("bs")))(q, k, v, lengths)
+  if page_size:   # paged (NaN spare pages, garbage table entries past the lengths)
+    k_pages, v_pages, table = _paginate(page_size, k, v, lengths, page_size)
+    out, lse = jax.jit(lambda q, kp, vp, t, lens: dec.paged_decode_attention(
+        q, kp, vp, t, lens, return_lse=True, implementation="mosaic_gpu"))(
+            q, k_pages, v_pages, table, lengths)
+  else:
+    out, lse = jax.jit(lambda q, k, v, lens: dec.decode_attention(
+        q, k, v, lens, num_splits=c["splits"], return_lse=True, implementation="mosaic_gpu",
+        block_sizes=c.get("bs")))(q, k, v, lengths)
   _check(out, lse, q, k, v, lengths)

@@ -1,13 +1,13 @@
 """Split-KV decode attention for Hopper (sm90) in Pallas Mosaic GPU: TMA ring, wgmma, warp
-specialisation. Contiguous cache only.
+specialisation. Contiguous and paged caches.
 
-STATUS (2026-11-30): written and verified on the CPU only (jax 0.10.2): it lowers for "cuda"
+STATUS (2026-11-30): written and verified on the CPU only (jax 0.10.2 and 0.11.2): it lowers for "cuda"
 (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``: the whole Pallas -> Mosaic GPU
 lowering, wgmma/TMA constraints, the shared-memory budget) and a jnp replay of its split/tile walk
 (``tests/test_decode_mosaic_gpu.py``) matches the fp32 reference. It has NOT run on a GPU; the
 ``gpu``-marked test there is the first thing to run (docs/kernels.md, "Mosaic GPU decode").
-``jattn.decode_attention(implementation="mosaic_gpu")`` runs it; ``implementation=None`` never
-picks it.
+``jattn.decode_attention`` / ``jattn.paged_decode_attention`` with ``implementation="mosaic_gpu"``
+run it; ``implementation=None`` never picks it.
 
 Structure: one program (CTA) per (split, kv head, batch) -- the same split-KV partials as the
 Triton kernel (``pallas_kernels/decode/triton.py``): split s of sequence b covers the key tiles
@@ -41,10 +41,23 @@ writes [B, S, Hk, group, D]: only the group's rows leave shared memory, a free r
 all 64 rows of [B, S, Hk, 64], since a TMA box of fewer than 4 fp32 is not allowed; the wrapper
 slices).
 
-Unsupported (NotImplementedError naming the option): local windows, logits soft cap, paged
-caches, head dims other than 64/128/256, head_dim_v != head_dim, caches other than bf16/fp16,
-GQA groups over 64 query heads per kv head, interpret mode (jax's Mosaic GPU interpreter has no
-wgmma with transposed or register operands).
+Paged caches (``paged_decode_partials``): the memory warpgroup fills a ring slot with one TMA
+per page when pages are smaller than a tile (page_size dividing ``block_k``: 16, 32 or 64 keys at
+the default 64-key tiles; the slot's loaded barrier counts the copies) or one TMA per tile inside
+a page (page_size a multiple of ``block_k``), the page number read from the table in GMEM.
+Copies that start at or past the sequence's length read its first page instead
+(``_page_copy``): table entries past the length may point anywhere.
+
+Masked keys and non-finite values: keys past the length in the last tile are masked in the
+logits (p = 0), but their V rows still enter the P V wgmma, where 0 * NaN = NaN. Paged caches
+never load a page past the length (above); in a contiguous cache, and in the last page of a
+paged one, the rows between the length and the end of that tile must hold finite values (zeros,
+stale K/V: anything but Inf/NaN). The Triton kernel masks its loads instead.
+
+Unsupported (NotImplementedError naming the option): local windows, logits soft cap, head dims
+other than 64/128/256, head_dim_v != head_dim, caches other than bf16/fp16, GQA groups over 64
+query heads per kv head, page sizes that neither divide ``block_k`` nor are multiples of it,
+interpret mode (jax's Mosaic GPU interpreter has no wgmma with transposed or register operands).
 """
 from __future__ import annotations
 
@@ -121,7 +134,7 @@ def default_block_sizes(head_dim: int) -> DecodeBlockSizes:
 
 
 def check_options(*, head_dim, head_dim_v, dtype, window_left=None, logits_soft_cap=None,
-                  group=1, interpret=False, paged=False):
+                  group=1, interpret=False, page_size=None, block_k=None):
   """NotImplementedError naming the first option the kernel does not support.
 
   Args:
@@ -130,7 +143,10 @@ def check_options(*, head_dim, head_dim_v, dtype, window_left=None, logits_soft_
     window_left, logits_soft_cap: must be None.
     group: query heads per kv head (at most 64).
     interpret: must be False.
-    paged: a paged cache (not implemented).
+    page_size: None (contiguous) or the paged cache's page size: it must divide ``block_k``
+      (the tile's keys, default ``default_block_sizes(head_dim).block_k``) or be a multiple
+      of it.
+    block_k: the kernel's tile (None: the default for head_dim).
 
   Returns:
     None.
@@ -138,9 +154,6 @@ def check_options(*, head_dim, head_dim_v, dtype, window_left=None, logits_soft_
   Example:
     >>> check_options(head_dim=128, head_dim_v=128, dtype=jnp.bfloat16, group=4)
   """
-  if paged:
-    raise NotImplementedError("implementation='mosaic_gpu' decode supports contiguous caches "
-                              "only; paged caches (paged_decode_attention) are not implemented")
   if window_left is not None:
     raise NotImplementedError("implementation='mosaic_gpu' decode does not support "
                               "local_window_size")
@@ -163,6 +176,12 @@ def check_options(*, head_dim, head_dim_v, dtype, window_left=None, logits_soft_
   if group > ROWS:
     raise NotImplementedError(f"implementation='mosaic_gpu' decode supports at most {ROWS} query "
                               f"heads per kv head (GQA group), got {group}")
+  if page_size is not None:
+    bk = block_k or default_block_sizes(head_dim).block_k
+    if bk % page_size and page_size % bk:
+      raise NotImplementedError(f"implementation='mosaic_gpu' paged decode needs a page_size "
+                                f"that divides block_k ({bk}) or is a multiple of it, got "
+                                f"page_size {page_size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +195,18 @@ class _Static:
   group: int
   scale: float
   dtype: jnp.dtype
+  page_size: int | None = None   # paged cache: keys per page (None: contiguous)
+
+  @property
+  def copies_per_tile(self) -> int:
+    """TMA copies per K (and per V) tile: one per page when pages are smaller than a tile."""
+    if self.page_size is None or self.page_size >= self.block_k:
+      return 1
+    return self.block_k // self.page_size
+
+  @property
+  def copy_rows(self) -> int:
+    return self.block_k // self.copies_per_tile
 
 
 # -------------------------------------------------------------------------------------------
@@ -209,6 +240,20 @@ def _split_range(length, split, st: _Static):
   return t0, tf, t1
 
 
+def _page_copy(length, t, j, st: _Static):
+  """Paged cache: (page-table column, first row in the page) of copy ``j`` of kv tile ``t``
+  (``st.copy_rows`` keys from token t * block_k + j * copy_rows). A copy that starts at or past
+  the length reads the sequence's first page instead (column 0; only tiles with a key below the
+  length are loaded, so length > 0): table entries past the length may point anywhere, and the
+  masked keys' values must be finite (P = 0 times a NaN is NaN in the P V wgmma)."""
+  ps = st.page_size
+  start = t * st.block_k + j * st.copy_rows
+  live = start < length
+  col = jnp.where(live, lax.div(start, jnp.int32(ps)), 0)
+  row = jnp.where(live, lax.rem(start, jnp.int32(ps)), 0)
+  return col, row
+
+
 def _online_softmax(s, m, l, st: _Static):
   """Base-2 online-softmax step: s [R, bk] fp32 raw logits (masked: -inf), m/l [R] ->
   (p, alpha, m_new, l_new)."""
@@ -232,11 +277,17 @@ def _finalize(acc, m, l):
 # -------------------------------------------------------------------------------------------
 
 
-def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded, k_loaded,
-                   v_loaded, k_free, v_free, *, st: _Static):
+def _decode_kernel(*refs, st: _Static):
   """Refs (GMEM): lens [B] int32, q [B, Hk, 64, D] (group rows, zero padded), k/v [B, N', Hk, D]
+  (paged: [P, page_size, Hk, D] and a page table [B, max_pages] int32 after them)
   -> o [B, S, Hk, group, D] fp32, lse [B, S, Hk, 64] fp32. Scratch: smem = (q [64, D],
-  k/v rings [stages, bk, D], o staging [64, D] fp32, lse staging [64] fp32), barriers."""
+  k/v rings [stages, bk, D], o staging [64, min(D, 128)] fp32, lse staging [64] fp32),
+  barriers (k/v_loaded count ``copies_per_tile`` TMA arrivals)."""
+  paged = st.page_size is not None
+  lens_ref, q_ref, k_ref, v_ref = refs[:4]
+  pt_ref = refs[4] if paged else None
+  (o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free,
+   v_free) = refs[5 if paged else 4:]
   q_smem, k_smem, v_smem, o_smem, lse_smem = smem
   bk, stages = st.block_k, st.num_stages
   split = lax.axis_index("splits")
@@ -304,9 +355,18 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded
 
     def load(t):
       slot = slot_of(t)
-      rows = (b, pl.ds(t * bk, bk), h)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+      if not paged:
+        rows = (b, pl.ds(t * bk, bk), h)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+        return
+      n = st.copy_rows
+      for j in range(st.copies_per_tile):   # one TMA per page (or per tile inside a page)
+        col, row = _page_copy(length, t, j, st)
+        rows = (pt_ref[b, col], pl.ds(row, n), h)
+        dst = pl.ds(j * n, n)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot, dst], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot, dst], v_loaded.at[slot])
 
     for i in range(stages):                                     # fill the ring
       @pl.when(t0 + i < t1)
@@ -321,7 +381,7 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, smem, q_loaded
       load(t)
 
 
-def _call(q_p, k, v, lens, st: _Static):
+def _call(q_p, k, v, lens, st: _Static, page_table=None):
   b, hk = q_p.shape[:2]
   d, bk, stages = st.head_dim, st.block_k, st.num_stages
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 B
@@ -339,8 +399,8 @@ def _call(q_p, k, v, lens, st: _Static):
       scratch_types=(
           smem,
           plgpu.Barrier(num_barriers=1),                                  # q_loaded
-          plgpu.Barrier(num_barriers=stages),                             # k_loaded
-          plgpu.Barrier(num_barriers=stages),                             # v_loaded
+          plgpu.Barrier(num_arrivals=st.copies_per_tile, num_barriers=stages),   # k_loaded
+          plgpu.Barrier(num_arrivals=st.copies_per_tile, num_barriers=stages),   # v_loaded
           plgpu.Barrier(num_barriers=stages),                             # k_free
           plgpu.Barrier(num_barriers=stages),                             # v_free
       ),
@@ -350,20 +410,25 @@ def _call(q_p, k, v, lens, st: _Static):
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  return call(lens, q_p, k, v)
+  args = (lens, q_p, k, v) + (() if page_table is None else (page_table,))
+  return call(*args)
 
 
-def _static(q, k, v, num_splits, scale, block_sizes, **opts) -> _Static:
+def _static(q, k, v, num_splits, scale, block_sizes, page_size=None, capacity=None,
+            **opts) -> _Static:
   bsz, hq, d = q.shape
   _, n, hk, _ = k.shape
-  check_options(head_dim=d, head_dim_v=v.shape[-1], dtype=k.dtype, group=hq // hk, **opts)
-  bs = block_sizes or default_block_sizes(d)
+  bs = block_sizes or (default_block_sizes(d) if d in _HEAD_DIMS else DecodeBlockSizes())
   if not isinstance(bs, DecodeBlockSizes):
     raise TypeError(f"block_sizes for implementation='mosaic_gpu' must be a "
                     f"pallas_kernels.decode.mosaic_gpu.DecodeBlockSizes, got {type(bs).__name__}")
+  check_options(head_dim=d, head_dim_v=v.shape[-1], dtype=k.dtype, group=hq // hk,
+                page_size=page_size, block_k=bs.block_k, **opts)
+  n = n if capacity is None else capacity
   return _Static(block_k=bs.block_k, num_stages=bs.num_stages, num_splits=int(num_splits),
                  capacity=n, num_tiles=-(-n // bs.block_k), head_dim=d, group=hq // hk,
-                 scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(k.dtype))
+                 scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(k.dtype),
+                 page_size=page_size)
 
 
 def pad_query(q, st: _Static, hk: int):
@@ -415,22 +480,42 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
   return o.reshape(b, num_splits, hq, d), lse[..., :st.group].reshape(b, num_splits, hq)
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
 def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_splits, scale=None,
                           window_left=None, logits_soft_cap=None, block_sizes=None,
                           interpret=False):
-  """Paged caches are not implemented for Mosaic GPU: always raises NotImplementedError.
+  """Per-split partial decode attention over a paged cache (Mosaic GPU kernel, sm90).
+
+  The memory warpgroup fills each ring slot with one TMA per page (pages smaller than
+  ``block_k``) or one per tile (pages a multiple of ``block_k``), reading the page table from
+  GMEM; copies that start past the sequence's length read its first page instead (finite values
+  for the masked keys).
 
   Args:
-    q, k_pages, v_pages, page_table, kv_lengths, num_splits, scale, window_left,
-      logits_soft_cap, block_sizes, interpret: as in the Triton ``paged_decode_partials``.
+    q: [batch, q_heads, head_dim].
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim], bf16 or fp16; page_size must
+      divide ``block_sizes.block_k`` or be a multiple of it (NotImplementedError otherwise).
+    page_table: int32 [batch, max_pages]; entries past a sequence's length are never read.
+    kv_lengths: int32 [batch] (clamped to [0, max_pages * page_size]).
+    num_splits, scale, window_left, logits_soft_cap, block_sizes, interpret: as in
+      :func:`decode_partials`.
 
   Returns:
-    Nothing (raises).
+    (out [batch, num_splits, q_heads, head_dim] fp32, lse [batch, num_splits, q_heads] fp32).
 
-  Example:
-    >>> paged_decode_partials(q, pages, pages, table, lens, num_splits=2)  # doctest: +SKIP
-    Traceback (most recent call last):
-    NotImplementedError: ...
+  Example (on an H100/H200):
+    >>> o, lse = paged_decode_partials(q, kp, vp, table, lens, num_splits=8)  # doctest: +SKIP
   """
-  check_options(head_dim=q.shape[-1], head_dim_v=v_pages.shape[-1], dtype=k_pages.dtype,
-                paged=True)
+  check_partials_args(q, k_pages, v_pages, kv_lengths, num_splits)
+  if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
+    raise ValueError(f"page_table must be [batch, max_pages] with batch {q.shape[0]}, "
+                     f"got {page_table.shape}")
+  _, page_size, hk, _ = k_pages.shape
+  st = _static(q, k_pages, v_pages, num_splits, scale, block_sizes, window_left=window_left,
+               logits_soft_cap=logits_soft_cap, interpret=interpret, page_size=page_size,
+               capacity=page_table.shape[1] * page_size)
+  b, hq, d = q.shape
+  o, lse = _call(pad_query(q, st, hk), k_pages, v_pages, kv_lengths.astype(jnp.int32), st,
+                 page_table.astype(jnp.int32))
+  return o.reshape(b, num_splits, hq, d), lse[..., :st.group].reshape(b, num_splits, hq)
