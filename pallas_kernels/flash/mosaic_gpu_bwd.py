@@ -145,12 +145,7 @@ class BlockSizes:
 @functools.lru_cache(maxsize=None)
 def _tuned_block_sizes(head_dim: int, device_kind: str | None) -> BlockSizes:
   from pallas_kernels import tuning
-  kind = tuning.device_kind() if device_kind is None else device_kind
-  p = tuning.params("mosaic_gpu_bwd", head_dim, "16bit", device=kind)
-  if p is None:
-    raise KeyError(f"no mosaic_gpu_bwd tuning entry for head_dim {head_dim} on {kind!r} "
-                   f"({tuning.table_file(kind)})")
-  return BlockSizes(**p)
+  return BlockSizes(**tuning.required_params("mosaic_gpu_bwd", head_dim, "16bit", device_kind))
 
 
 def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,

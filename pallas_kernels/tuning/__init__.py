@@ -174,3 +174,28 @@ def params(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
   """
   e = entry(kernel, head_dim, dtype_cls, mask, device)
   return None if e is None else dict(e["params"])
+
+
+def required_params(kernel: str, head_dim: int, dtype_cls: str,
+                    device: str | None = None) -> dict:
+  """``params`` for the "all" mask, raising when the table has no entry.
+
+  Args:
+    kernel, head_dim, dtype_cls, device: as for ``entry`` (device: default the current one).
+
+  Returns:
+    A new dict of ``BlockSizes`` fields.
+
+  Raises:
+    KeyError: no entry for the key on the device (naming the table file).
+
+  Example:
+    >>> required_params("mosaic_gpu_fwd", 128, "16bit", device="cpu")["block_k"]
+    128
+  """
+  kind = device_kind() if device is None else device
+  p = params(kernel, head_dim, dtype_cls, device=kind)
+  if p is None:
+    raise KeyError(f"no {kernel} tuning entry for head_dim {head_dim} on {kind!r} "
+                   f"({table_file(kind)})")
+  return p
