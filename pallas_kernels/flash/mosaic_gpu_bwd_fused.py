@@ -1,0 +1,391 @@
+"""Fused flash attention backward for Hopper (sm90), Pallas Mosaic GPU: dQ inside the dK/dV kernel.
+
+STATUS: NOT YET RUN ON A GPU (correctness, hangs, register spills and speed all unknown). CPU
+checks (tests/test_flash_mosaic_gpu_bwd_fused.py): the kernel lowers for "cuda" (``jax.export``:
+register layouts, wgmma/TMA constraints, the shared-memory budget); a jnp replay of the kernel
+(same programs, warpgroup tiles, loop ranges, masks, GQA walk, per-step dQ contributions added in
+the kernel's order) through this module's wrapper matches ``jax.vjp`` of the fp32 reference; the
+protocol of the per-step exchange barrier, simulated with random warpgroup interleavings, neither
+deadlocks nor lets a warpgroup overwrite a dS buffer the other one still reads.
+
+Why: ``mosaic_gpu_bwd`` (the default, GPU-verified) runs two kernels: dK/dV (per kv tile,
+recomputes S^T and dP^T: 4 matmuls) and dQ (per q tile, recomputes S and dP again: 3 matmuls),
+7 matmuls where the usual FLOP count of a backward has 5 (2.5x the forward). Measured on the
+H200 at B2 S16K H16 D128 bf16: 23.0 ms = 477 "effective" TFLOP/s = 668 real TFLOP/s, ~97% of the
+~688 TFLOP/s matmul ceiling, so the two-kernel design is capped at ~491 effective while cuDNN
+reaches 524-537. FlashAttention-3's layout does 5: one kernel per kv tile that also produces
+each query tile's dQ contribution and adds it to a global fp32 dQ.
+
+``flash_attention_bwd(q, k, v, out, lse, do)`` has ``mosaic_gpu_bwd.flash_attention_bwd``'s
+signature and results. Steps:
+
+  1. delta, lse2 and padding as ``mosaic_gpu_bwd`` (``_prepare``), plus an fp32 dQ buffer of
+     zeros [B, Sq', Hq, D] passed to the kernel as a mutable ``jax.Ref`` (aliased in and out of
+     the custom call).
+  2. One kernel, grid (kv tile of ``2 * block_k_dkv`` keys, kv head, batch): kv tiles vary
+     fastest so that the CTAs running together work on the same head's dQ rows (L2 locality of
+     the reduce-adds). Warpgroups as the dK/dV kernel of ``mosaic_gpu_bwd``: compute warpgroups
+     0 and 1 own ``block_k_dkv`` keys each (K/V in shared memory, dK/dV in fp32 registers), the
+     memory warpgroup streams Q, dO, lse2, delta per (query head of the GQA group, query tile)
+     through a ring of ``num_stages_dkv`` slots. Per step, each compute warpgroup:
+       S^T = K Q^T, dP^T = V dO^T (one wgmma group); P^T = exp2(S^T c - lse2);
+       dS^T = P^T (dP^T - delta); stores dS^T (input dtype) to its half of a [2 x block_k_dkv,
+       block_q_dkv] shared buffer (two of them, alternating by step parity), arrives on that
+       parity's exchange barrier (2 arrivals);
+       issues dV += P^T dO, dK += dS^T Q (register A operands), waits on the exchange barrier,
+       then issues dQ_w = dS[q, all 2 x block_k_dkv keys] @ K[keys, columns of half w of D]
+       (A: the shared dS^T transposed, B: both warpgroups' K tiles, columns w*D/2..(w+1)*D/2):
+       a [block_q_dkv, D/2] fp32 tile (32 registers per thread at 64 rows, D128);
+       frees the ring slot, waits until its previous dQ reduce-add has read its fp32 staging
+       tile (``wait_smem_to_gmem(0, wait_read_only=True)``), stores dQ_w * scale there and
+       issues the TMA reduce-add ``copy_smem_to_gmem(..., reduction_op="add")`` into the dQ
+       buffer's rows of that query tile and head, columns of half w.
+     Both warpgroups walk the same steps (the exchange needs both dS halves): on the causal
+     diagonal a warpgroup whose keys see none of a query tile runs it masked (P = 0) instead of
+     draining it as the two-kernel dK/dV kernel does (at most one extra tile per head and
+     program at 64-row tiles). Double-buffered dS: a warpgroup rewrites the buffer of parity p
+     at step j + 2 only after passing step j + 1's exchange barrier, i.e. after the other
+     warpgroup finished step j (its dQ wgmma read of that buffer included). At the end both
+     warpgroups meet on a ``done`` barrier before overwriting their K tile with dK (the other
+     warpgroup's last dQ wgmma reads it).
+  3. dq = dQ buffer sliced and cast to the input dtype (XLA).
+
+NONDETERMINISM: dQ is a sum of fp32 reduce-adds from the kv-tile programs in whatever order
+they reach L2, so dq may differ in the last bits between runs (dk and dv are deterministic).
+
+Masks and padding: q is padded to a multiple of ``block_q_dkv`` and kv to ``2 * block_k_dkv``
+(zeros; lse2 = +inf and delta = 0 on padded rows, so their P and dS are 0). Causal is aligned
+bottom-right, tiles on the diagonal get the element mask (the two-kernel dK/dV ranges). Unlike
+the dK/dV kernel, padded keys must be masked too (their dS would reach the real rows' dQ through
+zero K rows: 0 * P, NaN if P overflowed): in the last program, when kv_len is not a multiple of
+``2 * block_k_dkv``, every step is masked.
+
+Supported: bf16/fp16, head_dim 128 (64 raises NotImplementedError: half of D is 32 columns, less
+than one 128-byte swizzle tile of K, which the dQ wgmma would have to slice), block_k_dkv 64
+(the dQ tile's contraction over both warpgroups' keys), causal or not, GQA, ragged lengths, an
+LSE cotangent. Shared memory at the defaults (D128, 64 x 64 tiles, 2 stages): own K/V 64 KiB,
+Q/dO ring 64 KiB, dS exchange 32 KiB, dQ staging 32 KiB, lse/delta 1 KiB: ~193 KiB (3 stages:
+~225 KiB, over the 227 KiB limit once barriers and alignment are added: use 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.flash import mosaic_gpu_bwd as mb
+from pallas_kernels.flash.mosaic_gpu_bwd import BlockSizes
+
+_COMPUTE_WGS = mb._COMPUTE_WGS
+_FUSED_HEAD_DIMS = (128,)
+
+
+def default_block_sizes(head_dim: int = 128, dtype=jnp.bfloat16) -> BlockSizes:
+  """Block sizes of the fused kernel (untuned; only the dK/dV fields are used).
+
+  Example:
+    >>> default_block_sizes(128).num_stages_dkv
+    2
+  """
+  mb._check_dtype(dtype)
+  _check_head_dim(head_dim)
+  return BlockSizes(block_q_dkv=64, block_k_dkv=64, num_stages_dkv=2, compute_registers=232)
+
+
+def _check_head_dim(d):
+  if d not in _FUSED_HEAD_DIMS:
+    raise NotImplementedError(
+        f"the fused Mosaic GPU flash attention backward supports head_dim 128, got head_dim {d} "
+        f"(use mosaic_gpu_bwd.flash_attention_bwd)")
+
+
+def _check_block_sizes(bs: BlockSizes):
+  if bs.block_k_dkv != 64:
+    raise NotImplementedError(f"the fused backward needs block_k_dkv == 64, got {bs.block_k_dkv}")
+  if bs.block_q_dkv != 64:
+    raise NotImplementedError(f"the fused backward needs block_q_dkv == 64 (a 128-row tile's S^T "
+                              f"and dP^T would not fit in registers at D128), got "
+                              f"{bs.block_q_dkv}")
+
+
+def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> mb._Static:
+  """``mosaic_gpu_bwd._Static`` with the fused kernel's padding (q to block_q_dkv, kv to
+  2 * block_k_dkv)."""
+  d = q_shape[3]
+  _check_head_dim(d)
+  bs = block_sizes or default_block_sizes(d, dtype)
+  _check_block_sizes(bs)
+  st = mb._static_config(q_shape, k_shape, dtype, causal=causal, scale=scale, block_sizes=bs)
+  lq, lk = bs.block_q_dkv, bs.keys_per_dkv_program
+  return dataclasses.replace(st, q_pad=-(-st.q_len // lq) * lq, kv_pad=-(-st.kv_len // lk) * lk)
+
+
+def _ragged_keys(st: mb._Static) -> bool:
+  """Whether the last program holds padded keys (then all its steps are masked)."""
+  return st.kv_len % st.bs.keys_per_dkv_program != 0
+
+
+def _fused_q_range(prog, k0, st: mb._Static):
+  """Steps of the warpgroup with keys [k0, k0 + block_k_dkv) in program ``prog``: (first,
+  full) int32; query tiles [first, full) masked, [full, nq) unmasked, where ``first`` is the
+  program's first tile (shared by both warpgroups, so that they walk the same steps)."""
+  first_program, _ = mb._dkv_q_range(prog * st.bs.keys_per_dkv_program, st)
+  _, full = mb._dkv_q_range(k0, st)
+  full = jnp.maximum(full, first_program)
+  if _ragged_keys(st):
+    full = jnp.where(prog == st.num_dkv_programs - 1, jnp.int32(st.num_q_tiles_dkv), full)
+  return first_program, full
+
+
+def _fused_visible(rows, cols, k0, i, st: mb._Static):
+  """Element mask of a masked step on the transposed [bk, bq] tile (rows = keys, cols =
+  queries): real keys, and the causal diagonal when causal."""
+  vis = rows + k0 < st.kv_len
+  if st.causal:
+    vis = jnp.logical_and(vis, mb._dkv_visible(rows, cols, k0, i, st))
+  return vis
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, smem,
+                  own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free, ds_ready,
+                  done, *, st: mb._Static):
+  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32, dq [B, Sq',
+  Hq, D] fp32 (zeros in, sums out) -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
+  v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq], ds [2 parities,
+  2 wgs, bk, bq], dq staging [2 wgs, bq, D/2] fp32); barriers own_loaded [2 wgs x (k, v)],
+  q/do/lse/delta_loaded [S], free [S] (2 arrivals), ds_ready [2 parities] (2 arrivals), done
+  (2 arrivals)."""
+  k_own, v_own, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
+  bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
+  stages = st.bs.num_stages_dkv
+  nq = st.num_q_tiles_dkv
+  dcols = st.head_dim // _COMPUTE_WGS
+  b = lax.axis_index("batch")
+  kv_h = lax.axis_index("heads")
+  prog = lax.axis_index("kv_tiles")
+  wg = lax.axis_index("wg")
+  k0_program = prog * (_COMPUTE_WGS * bk)
+  first_program, _ = mb._dkv_q_range(k0_program, st)
+  per_head = nq - first_program                           # ring steps per query head (>= 1)
+  total = st.group * per_head
+  slot_of = lambda j: lax.rem(j, jnp.int32(stages))
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(st.bs.compute_registers, action="increase")
+    k0 = k0_program + wg * bk
+    col0 = pl.multiple_of(wg * dcols, dcols)
+    kt, vt = k_own.at[wg], v_own.at[wg]                   # [bk, D]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kv_h], kt, own_loaded.at[2 * wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kv_h], vt, own_loaded.at[2 * wg + 1])
+    _, full = _fused_q_range(prog, k0, st)
+    wgmma_layout = plgpu.Layout.WGMMA
+    col_layout = plgpu.Layout.WGMMA.reduce(0)              # one value per query (column)
+    zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
+    dk = zeros((bk, st.head_dim))
+    dv = zeros((bk, st.head_dim))
+    plgpu.barrier_wait(own_loaded.at[2 * wg])
+    plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
+    # The other warpgroup's K tile is read by this warpgroup's dQ wgmmas.
+    plgpu.barrier_wait(own_loaded.at[2 * (1 - wg)])
+
+    def step(i, carry, *, g, base, masked):
+      dk, dv = carry
+      j = base + i                                        # ring step
+      slot = slot_of(j)
+      par = lax.rem(j, jnp.int32(2))
+      qs, dos = q_smem.at[slot], do_smem.at[slot]         # [bq, D]
+      plgpu.barrier_wait(q_loaded.at[slot])
+      plgpu.barrier_wait(do_loaded.at[slot])
+
+      def st_dpt_gemm(refs):                              # S^T = K Q^T; dP^T = V dO^T [bk, bq]
+        st_ref, dpt_ref = refs
+        plgpu.wgmma(st_ref, kt, qs.transpose((1, 0)))
+        plgpu.wgmma(dpt_ref, vt, dos.transpose((1, 0)))
+      s_t, dp_t = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(zeros((bk, bq))),
+                                             plgpu.ACC.init(zeros((bk, bq)))))
+      plgpu.barrier_wait(lse_loaded.at[slot])
+      lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
+      p_t = mb._probs(s_t, lse2, st, axis=1)
+      if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
+        p_t = jnp.where(_fused_visible(rows, cols, k0, i, st), p_t, 0.0)
+      plgpu.barrier_wait(delta_loaded.at[slot])
+      delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
+      ds_t = mb._dscores(p_t, dp_t, delta, axis=1).astype(st.dtype)
+      ds_smem.at[par, wg][...] = ds_t                     # this warpgroup's keys of dS^T
+      plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
+      plgpu.barrier_arrive(ds_ready.at[par])
+
+      def grad_gemms(refs):                               # dV += P^T dO; dK += dS^T Q; dQ_w
+        dv_ref, dk_ref, dq_ref_acc = refs
+        plgpu.wgmma(dv_ref, p_t.astype(st.dtype), dos)
+        plgpu.wgmma(dk_ref, ds_t, qs)
+        plgpu.barrier_wait(ds_ready.at[par])              # both halves of dS^T stored
+        for w in range(_COMPUTE_WGS):                     # dQ_w = dS K[:, half w] over all keys
+          plgpu.wgmma(dq_ref_acc, ds_smem.at[par, w].transpose((1, 0)),
+                      k_own.at[w, :, pl.ds(col0, dcols)])
+      dv, dk, dq = pl.run_state(grad_gemms)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                             plgpu.ACC.init(zeros((bq, dcols)))))
+      plgpu.barrier_arrive(free.at[slot])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # last reduce-add has read the staging
+      dq_smem.at[wg][...] = dq * st.scale
+      plgpu.commit_smem()
+      h = kv_h * st.group + g
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(i * bq, bq), h,
+                                                        pl.ds(col0, dcols)],
+                              reduction_op="add")
+      return dk, dv
+
+    def head(g, carry):
+      base = g * per_head - first_program                 # ring step of query tile i: base + i
+      carry = lax.fori_loop(first_program, full,
+                            functools.partial(step, g=g, base=base, masked=True), carry)
+      return lax.fori_loop(full, nq, functools.partial(step, g=g, base=base, masked=False),
+                           carry)
+
+    dk, dv = lax.fori_loop(0, st.group, head, (dk, dv))
+    plgpu.barrier_arrive(done)                            # the other warpgroup's last dQ wgmma
+    plgpu.barrier_wait(done)                              # has read this K tile
+    kt[...] = (dk * st.scale).astype(st.dtype)            # K/V are dead: reuse them for dK/dV
+    vt[...] = dv.astype(st.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(kt, dk_ref.at[b, pl.ds(k0, bk), kv_h])
+    plgpu.copy_smem_to_gmem(vt, dv_ref.at[b, pl.ds(k0, bk), kv_h])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == _COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(j, slot):
+      g = lax.div(j, jnp.maximum(per_head, 1))
+      i = first_program + (j - g * per_head)
+      h = kv_h * st.group + g
+      rows = pl.ds(i * bq, bq)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
+                              delta_loaded.at[slot])
+
+    for s in range(stages):                               # fill the ring
+      @pl.when(s < total)
+      def _():
+        load(jnp.int32(s), s)
+
+    @pl.loop(stages, jnp.maximum(total, stages))
+    def _(j):
+      slot = slot_of(j)
+      plgpu.barrier_wait(free.at[slot])
+      load(j, slot)
+
+
+def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
+  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] -> (dq [B, Sq',
+  Hq, D] fp32 sums (scaled), dk, dv [B, Sk', Hk, D] in the input dtype; rows of padded keys
+  garbage).
+
+  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
+  b, sq_pad, hq, d = q.shape
+  _, _, hk, _ = k.shape
+  bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 B
+  tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # 32 x fp32 = 128 B
+  smem = (
+      plgpu.SMEM((_COMPUTE_WGS, bk, d), k.dtype, transforms=tiled),     # own K, then dK
+      plgpu.SMEM((_COMPUTE_WGS, bk, d), v.dtype, transforms=tiled),     # own V, then dV
+      plgpu.SMEM((stages, bq, d), q.dtype, transforms=tiled),           # Q ring
+      plgpu.SMEM((stages, bq, d), do.dtype, transforms=tiled),          # dO ring
+      plgpu.SMEM((stages, bq), jnp.float32),                            # lse2 ring
+      plgpu.SMEM((stages, bq), jnp.float32),                            # delta ring
+      plgpu.SMEM((2, _COMPUTE_WGS, bk, bq), q.dtype, transforms=tiled),  # dS^T exchange
+      plgpu.SMEM((_COMPUTE_WGS, bq, d // _COMPUTE_WGS), jnp.float32,
+                 transforms=tiled32),                                   # dQ staging
+  )
+  scratch = (
+      smem,
+      plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),                    # own_loaded
+      plgpu.Barrier(num_barriers=stages),                              # q_loaded
+      plgpu.Barrier(num_barriers=stages),                              # do_loaded
+      plgpu.Barrier(num_barriers=stages),                              # lse_loaded
+      plgpu.Barrier(num_barriers=stages),                              # delta_loaded
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=2),        # ds_ready
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                        # done
+  )
+  mesh = plgpu.Mesh(grid=(st.num_dkv_programs, hk, b), grid_names=("kv_tiles", "heads", "batch"),
+                    num_threads=_COMPUTE_WGS + 1, thread_name="wg")
+
+  def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
+    pl.run_scoped(
+        functools.partial(_fused_kernel, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+                          dk_ref, dv_ref, st=st),
+        *scratch, collective_axes="wg")
+
+  dq_acc = jax.new_ref(jnp.zeros((b, sq_pad, hq, d), jnp.float32))
+  dk, dv = pl.kernel(
+      body,
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      mesh=mesh,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      name="flash_bwd_fused_dq",
+  )(q, k, v, do, lse2, delta, dq_acc)
+  return dq_acc[...], dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------
+
+
+def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
+                        scale: float | None = None, block_sizes: BlockSizes | None = None,
+                        d_lse=None):
+  """Gradients of flash attention with the fused Mosaic GPU (Hopper) backward kernel.
+
+  Same arguments and results as ``mosaic_gpu_bwd.flash_attention_bwd`` (see there), except:
+  head_dim 128 only, ``block_sizes`` (default ``default_block_sizes()``) must have
+  block_q_dkv == block_k_dkv == 64 (its dQ-kernel fields are ignored), and dq is
+  nondeterministic in its last bits (fp32 reduce-adds in arrival order).
+
+  Example (on an H100/H200):
+    >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
+    >>> from pallas_kernels.flash import mosaic_gpu
+    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True)  # doctest: +SKIP
+    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True)  # doctest: +SKIP
+  """
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
+  b, sq, hq, d = q.shape
+  if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape:
+    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape}")
+  if hq % k.shape[2]:
+    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({k.shape[2]})")
+  if out.shape != q.shape or do.shape != q.shape:
+    raise ValueError(f"out {out.shape} and do {do.shape} must have q's shape {q.shape}")
+  if lse.shape != (b, hq, sq):
+    raise ValueError(f"lse must be [batch, q_heads, q_len] = {(b, hq, sq)}, got {lse.shape}")
+  if not (q.dtype == k.dtype == v.dtype == do.dtype):
+    raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
+                    f"{do.dtype}")
+  mb._check_dtype(q.dtype)
+  st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
+                      block_sizes=block_sizes)
+  lse2, delta = mb._prepare(out, lse, do, d_lse, st)
+  q_p, do_p = mb._pad_axis(q, 1, st.q_pad), mb._pad_axis(do, 1, st.q_pad)
+  k_p, v_p = mb._pad_axis(k, 1, st.kv_pad), mb._pad_axis(v, 1, st.kv_pad)
+  dq, dk, dv = _fused_call(q_p, k_p, v_p, do_p, lse2, delta, st)
+  return dq[:, :sq].astype(q.dtype), dk[:, :st.kv_len], dv[:, :st.kv_len]
