@@ -310,6 +310,8 @@ def main(argv=None):
   p.add_argument("--no-sweep", action="store_true", help="decode: no block-size sweep")
   p.add_argument("--impls", default=None,
                  help="flash: comma list of implementation names to time (default: all)")
+  p.add_argument("--head-dims", default="128",
+                 help="flash: comma list of head dims (the issue's D64 / D256 gates: 64,256)")
   p.add_argument("--masks", default="dense,causal,window",
                  help="flash: comma list of mask kinds among dense, causal, window")
   p.add_argument("--bwd-only", action="store_true",
@@ -323,13 +325,14 @@ def main(argv=None):
   _OUT["path"] = args.out
   if "flash" in ops:
     cases = []
-    for s in ((4096,) if args.quick else tuple(int(x) for x in args.seqs.split(","))):
-      masks = args.masks.split(",")
-      for causal, kind in ((False, "dense"), (True, "causal")):
-        if kind in masks:
-          cases.append((2, s, 16, 128, causal, None))
-      if "window" in masks:
-        cases.append((2, s, 16, 128, True, (511, 0)))
+    masks = args.masks.split(",")
+    for d in (int(x) for x in args.head_dims.split(",")):
+      for s in ((4096,) if args.quick else tuple(int(x) for x in args.seqs.split(","))):
+        for causal, kind in ((False, "dense"), (True, "causal")):
+          if kind in masks:
+            cases.append((2, s, 16, d, causal, None))
+        if "window" in masks:
+          cases.append((2, s, 16, d, True, (511, 0)))
     bench_flash(cases, impls=None if args.impls is None else set(args.impls.split(",")),
                 bwd_only=args.bwd_only)
     if not args.quick and args.impls is None:

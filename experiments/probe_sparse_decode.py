@@ -132,7 +132,7 @@ RADIX_VARIANTS = ((2, None, None), (4, None, None), (4, 1, None), (4, 8, None), 
                   (4, None, 1 << 30))
 ALWAYS_ROWS = ("dense", "sparse")          # the ratios' and the equality checks' baselines
 TIMINGS = ("host", "unroll", "device")
-FINAL_RETIME = ("dense", "sparse", "sparse_best")   # sweep mode: re-timed together at the end
+FINAL_RETIME = ("dense", "sparse", "sparse_r2", "sparse_best")  # sweep mode: re-timed together
 # The attention kernel's launch sweep (``--sweep-attend``), 16 configs; see the docstring for
 # the names. {d} = the default splits (33 on the H200 at B1 with 8 kv heads: 264 programs, two
 # per SM), {p} = the largest power of two <= d (32: the in-kernel merge's [splits, d] tile is
@@ -369,6 +369,9 @@ def main(argv=None):
   ap.add_argument("--attend-best", default=None,
                   help="sparse_best's attention config (implies --sweep-attend); default: the "
                        "sweep row with the lowest device_ms whose checks passed")
+  ap.add_argument("--best-digit-bits", type=int, default=1, choices=(1, 2, 4),
+                  help="sparse_best's selection: 1 = the bit search (the default path), 2 / 4 "
+                       "= the radix search (the same indices)")
   ap.add_argument("--sweep-unroll", type=int, default=None,
                   help="calls in the sweep rows' long program (default 32, tiny 4); the short "
                        "one has a quarter, device_ms is the slope")
@@ -851,12 +854,14 @@ def main(argv=None):
       att = attend_fn(cfg)
 
       def fn(q, k, v, s):
-        i, c, a = sel_fn(sc_fn(q, s.sums, s.lengths), lens, return_arrivals=True)
+        i, c, a = sel_fn(sc_fn(q, s.sums, s.lengths), lens, return_arrivals=True,
+                         digit_bits=args.best_digit_bits)
         return att(q, k, v, i, c, a), i
 
       def check(f):
         out, idx = f(q, kc, vc, summ)
-        c = {"sparse_best_config": cname,
+        c = {"sparse_best_config": cname + (f" r{args.best_digit_bits}"
+                                            if args.best_digit_bits > 1 else ""),
              "sparse_best_sweep_rel_err": rel_err(out, ref_sparse())}
         c.update(vs_sparse("sparse_best", out))
         if "out_idx" in base:
@@ -1038,7 +1043,7 @@ def main(argv=None):
       retime(sweep_progs, "sweep")          # after the last sweep row, before sparse_best
     summarize()
     write_json()
-  retime(final_progs, "dense/sparse/sparse_best")    # sweep mode: the ratios' rows together
+  retime(final_progs, "whole-call rows")    # sweep mode: the ratios' rows together
   res["complete"] = True
   summarize()
   write_json()
