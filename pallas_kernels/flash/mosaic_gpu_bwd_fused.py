@@ -6,7 +6,12 @@ register layouts, wgmma/TMA constraints, the shared-memory budget); a jnp replay
 (same programs, warpgroup tiles, loop ranges, masks, GQA walk, per-step dQ contributions added in
 the kernel's order) through this module's wrapper matches ``jax.vjp`` of the fp32 reference; the
 protocol of the per-step exchange barrier, simulated with random warpgroup interleavings, neither
-deadlocks nor lets a warpgroup overwrite a dS buffer the other one still reads.
+deadlocks nor lets a warpgroup overwrite a dS buffer the other one still reads. Not checked:
+the compiled kernel (hangs, register spills, the real TMA reduce-add), speed. Next GPU call:
+``bash experiments/mosaic_gpu_bwd_fused_session.sh`` (GPU tests under a timeout, then
+``_sweep_bwd_fused`` non-causal and causal). Prediction (docs/kernels.md, written before any GPU
+run): ~20 ms non-causal at B2 S16K H16 D128 bf16 (~550 effective TFLOP/s), ~10.5 ms causal. Not
+wired into ``jattn`` or the Mosaic forward's custom_vjp (which use ``mosaic_gpu_bwd``).
 
 Why: ``mosaic_gpu_bwd`` (the default, GPU-verified) runs two kernels: dK/dV (per kv tile,
 recomputes S^T and dP^T: 4 matmuls) and dQ (per q tile, recomputes S and dP again: 3 matmuls),
@@ -22,9 +27,10 @@ signature and results. Steps:
   1. delta, lse2 and padding as ``mosaic_gpu_bwd`` (``_prepare``), plus an fp32 dQ buffer of
      zeros [B, Sq', Hq, D] passed to the kernel as a mutable ``jax.Ref`` (aliased in and out of
      the custom call).
-  2. One kernel, grid (kv tile of ``2 * block_k_dkv`` keys, kv head, batch): kv tiles vary
-     fastest so that the CTAs running together work on the same head's dQ rows (L2 locality of
-     the reduce-adds). Warpgroups as the dK/dV kernel of ``mosaic_gpu_bwd``: compute warpgroups
+  2. One kernel, grid (batch, kv head, kv tile of ``2 * block_k_dkv`` keys): kv tiles vary
+     fastest (Mosaic GPU maps the last grid axis to blockIdx.x) so that the CTAs running
+     together are one head's kv tiles, reduce-adding into the same dQ rows (L2 locality: a
+     head's fp32 dQ is 8 MiB at S16K D128). Warpgroups as the dK/dV kernel of ``mosaic_gpu_bwd``: compute warpgroups
      0 and 1 own ``block_k_dkv`` keys each (K/V in shared memory, dK/dV in fp32 registers), the
      memory warpgroup streams Q, dO, lse2, delta per (query head of the GQA group, query tile)
      through a ring of ``num_stages_dkv`` slots. Per step, each compute warpgroup:
@@ -60,12 +66,20 @@ the dK/dV kernel, padded keys must be masked too (their dS would reach the real 
 zero K rows: 0 * P, NaN if P overflowed): in the last program, when kv_len is not a multiple of
 ``2 * block_k_dkv``, every step is masked.
 
-Supported: bf16/fp16, head_dim 128 (64 raises NotImplementedError: half of D is 32 columns, less
-than one 128-byte swizzle tile of K, which the dQ wgmma would have to slice), block_k_dkv 64
-(the dQ tile's contraction over both warpgroups' keys), causal or not, GQA, ragged lengths, an
-LSE cotangent. Shared memory at the defaults (D128, 64 x 64 tiles, 2 stages): own K/V 64 KiB,
-Q/dO ring 64 KiB, dS exchange 32 KiB, dQ staging 32 KiB, lse/delta 1 KiB: ~193 KiB (3 stages:
-~225 KiB, over the 227 KiB limit once barriers and alignment are added: use 2).
+Supported: bf16/fp16, head_dim 128 and 64 (256 raises NotImplementedError, as in
+``mosaic_gpu_bwd``), block_q_dkv == block_k_dkv == 64 (a 128-row query tile's S^T and dP^T
+would not fit in registers next to dK/dV at D128), causal or not, GQA, ragged lengths, an LSE
+cotangent. The dQ wgmma slices K's columns by warpgroup, so half of D must be whole swizzle
+tiles, and wgmma wants one swizzle on both operands: every 16-bit buffer is swizzled 128 B at
+D128 and 64 B at D64 (32 columns). Shared memory at D128 (the lowering's count, barriers and
+alignment included): 198,872 bytes with 2 stages (own K/V 64 KiB, Q/dO ring 64 KiB, dS exchange
+32 KiB, dQ staging 32 KiB fp32, lse/delta), 231,640 with 3 (just under the 232,448 limit), 4 do
+not fit.
+
+Registers per compute thread (D128, the two-kernel dK/dV kernel's budget plus the dQ tile): dK
++ dV accumulators 128 fp32, S^T and dP^T 32 each while they live, P^T and dS^T as 16-bit
+wgmma operands 16 each, the dQ half-tile [64, 64] fp32 32, under the 232 requested. Spills are
+not visible on the CPU.
 """
 from __future__ import annotations
 
@@ -82,11 +96,19 @@ from pallas_kernels.flash import mosaic_gpu_bwd as mb
 from pallas_kernels.flash.mosaic_gpu_bwd import BlockSizes
 
 _COMPUTE_WGS = mb._COMPUTE_WGS
-_FUSED_HEAD_DIMS = (128,)
+_FUSED_HEAD_DIMS = (64, 128)
 
 
 def default_block_sizes(head_dim: int = 128, dtype=jnp.bfloat16) -> BlockSizes:
-  """Block sizes of the fused kernel (untuned; only the dK/dV fields are used).
+  """Block sizes of the fused kernel (untuned; only the dK/dV fields and compute_registers are
+  used).
+
+  Args:
+    head_dim: the head dimension of q, k and v (64 or 128).
+    dtype: the input dtype (only checked).
+
+  Returns:
+    A ``mosaic_gpu_bwd.BlockSizes`` with 64 x 64 tiles and a 2-slot ring.
 
   Example:
     >>> default_block_sizes(128).num_stages_dkv
@@ -301,7 +323,11 @@ def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
   b, sq_pad, hq, d = q.shape
   _, _, hk, _ = k.shape
   bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
-  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 B
+  # 16-bit buffers: rows of D/2 columns must be whole swizzle tiles (the dQ wgmma slices K's
+  # columns by warpgroup), and wgmma needs the same swizzle on both operands: 128 B at D128,
+  # 64 B at D64, for every 16-bit buffer.
+  swizzle = min(128, d // _COMPUTE_WGS * 2)
+  tiled = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
   tiled32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))  # 32 x fp32 = 128 B
   smem = (
       plgpu.SMEM((_COMPUTE_WGS, bk, d), k.dtype, transforms=tiled),     # own K, then dK
@@ -325,7 +351,10 @@ def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=2),        # ds_ready
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                        # done
   )
-  mesh = plgpu.Mesh(grid=(st.num_dkv_programs, hk, b), grid_names=("kv_tiles", "heads", "batch"),
+  # The last grid axis is blockIdx.x (the fastest): kv tiles, so that the CTAs resident together
+  # are one head's kv tiles, reduce-adding into the same dQ rows (L2 locality; causal: longest
+  # programs first within each head).
+  mesh = plgpu.Mesh(grid=(b, hk, st.num_dkv_programs), grid_names=("batch", "heads", "kv_tiles"),
                     num_threads=_COMPUTE_WGS + 1, thread_name="wg")
 
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
@@ -355,10 +384,27 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                         d_lse=None):
   """Gradients of flash attention with the fused Mosaic GPU (Hopper) backward kernel.
 
-  Same arguments and results as ``mosaic_gpu_bwd.flash_attention_bwd`` (see there), except:
-  head_dim 128 only, ``block_sizes`` (default ``default_block_sizes()``) must have
-  block_q_dkv == block_k_dkv == 64 (its dQ-kernel fields are ignored), and dq is
-  nondeterministic in its last bits (fp32 reduce-adds in arrival order).
+  Same arguments and results as ``mosaic_gpu_bwd.flash_attention_bwd``, except: head_dim 64 or
+  128, ``block_sizes`` must have block_q_dkv == block_k_dkv == 64 (its dQ-kernel fields are
+  ignored), and dq is nondeterministic in its last bits (fp32 reduce-adds in arrival order).
+
+  Args:
+    q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128).
+    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
+    v: [B, Sk, Hk, D].
+    out: the forward's output [B, Sq, Hq, D].
+    lse: the forward's log-sum-exp [B, Hq, Sq] fp32, natural log, -inf for rows that see no
+      key.
+    do: cotangent of out [B, Sq, Hq, D].
+    causal: bottom-right aligned causal mask (must match the forward).
+    scale: logit scale (None: 1 / sqrt(D)).
+    block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
+    d_lse: optional cotangent of lse [B, Hq, Sq] (None: zero).
+
+  Returns:
+    (dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, D]) in q.dtype; dq accumulated in an
+    fp32 buffer by reduce-adds, dk/dv in fp32 registers and summed over each kv head's query
+    heads. Rows that see no key get dq = 0.
 
   Example (on an H100/H200):
     >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
@@ -389,3 +435,106 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
   k_p, v_p = mb._pad_axis(k, 1, st.kv_pad), mb._pad_axis(v, 1, st.kv_pad)
   dq, dk, dv = _fused_call(q_p, k_p, v_p, do_p, lse2, delta, st)
   return dq[:, :sq].astype(q.dtype), dk[:, :st.kv_len], dv[:, :st.kv_len]
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU benchmark helper (one process: this backward, the two-kernel backward and jax.nn's cuDNN)
+# ----------------------------------------------------------------------------------------------
+
+
+def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
+                     head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16,
+                     configs=None, iters: int = 10, verbose: bool = True):
+  """Time the fused backward against the two-kernel backward and cuDNN (GPU only).
+
+  Rows: ``cudnn_fwd``, ``cudnn_fwd_bwd`` (jax.nn.dot_product_attention(implementation="cudnn")
+  and its VJP), ``cudnn_bwd_est`` (their difference), ``two_kernel_bwd``
+  (``mosaic_gpu_bwd.flash_attention_bwd`` with its default tiles), then per config
+  ``fused_bwd`` (this backward alone) and, for the first config, ``fused_fwd_bwd`` and
+  ``two_kernel_fwd_bwd`` (Mosaic forward + backward, to compare with ``cudnn_fwd_bwd``). The
+  backwards run on residuals of ``mosaic_gpu.flash_attention`` computed once outside the timing.
+  TFLOP/s is "effective": 4 * B * Hq * D * pairs for a forward and 2.5x that for a backward (5
+  matmuls), pairs = S^2 or S(S+1)/2 causal; the two-kernel backward really does 7 matmuls
+  (``real_tflops`` = 7/5 x). Each row reports max |d - d_cudnn| over dq, dk, dv.
+
+  Args:
+    batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
+    causal: causal mask.
+    dtype: bf16 or fp16.
+    configs: list of ``BlockSizes`` (default: 2 and 3 stages).
+    iters: timed iterations (median) after one warm-up.
+    verbose: print one line per row.
+
+  Returns:
+    A list of dicts: name, ms, tflops, max_abs_diff_vs_cudnn (or error).
+
+  Example:
+    >>> rows = _sweep_bwd_fused(causal=True)  # doctest: +SKIP
+  """
+  from pallas_kernels.flash import mosaic_gpu as mg
+
+  if configs is None:
+    base = default_block_sizes(head_dim, dtype)
+    configs = [base, dataclasses.replace(base, num_stages_dkv=3)]
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), dtype)
+  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
+  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
+  do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), dtype)
+  pairs = seq * (seq + 1) // 2 if causal else seq * seq
+  fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
+  bwd_flops = 2.5 * fwd_flops
+  timeit = functools.partial(mg._timed_median, iters=iters)
+  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                            implementation="cudnn")
+
+  def cudnn_fwd_bwd(q, k, v, do):
+    _, vjp = jax.vjp(cudnn, q, k, v)
+    return vjp(do)
+
+  _, fwd_ms = timeit(jax.jit(cudnn), q, k, v)
+  ref, fb_ms = timeit(jax.jit(cudnn_fwd_bwd), q, k, v, do)
+  rows = [dict(name="cudnn_fwd", ms=fwd_ms, tflops=fwd_flops / fwd_ms * 1e-9),
+          dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
+          dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
+               tflops=bwd_flops / max(fb_ms - fwd_ms, 1e-9) * 1e-9)]
+
+  def diff(grads):
+    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+               for g, r in zip(grads, ref))
+
+  out, lse = jax.block_until_ready(jax.jit(functools.partial(mg.flash_attention,
+                                                             causal=causal))(q, k, v))
+
+  def add(name, make, flops, real=1.0):
+    row = dict(name=name)
+    try:
+      grads, ms = make()
+      row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_diff_vs_cudnn=diff(grads))
+      if real != 1.0:
+        row["real_tflops"] = real * row["tflops"]
+    except Exception as e:  # a config that does not compile is reported, not fatal
+      row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(row)
+
+  def bwd_alone(fn):
+    return timeit(jax.jit(lambda q, k, v, o, l, do: fn(q, k, v, o, l, do, causal=causal)),
+                  q, k, v, out, lse, do)
+
+  def fwd_bwd(fn):
+    def run(q, k, v, do):
+      o, l = mg.flash_attention(q, k, v, causal=causal)
+      return fn(q, k, v, o, l, do, causal=causal)
+    return timeit(jax.jit(run), q, k, v, do)
+
+  add("two_kernel_bwd", lambda: bwd_alone(mb.flash_attention_bwd), bwd_flops, real=7 / 5)
+  for n, cfg in enumerate(configs):
+    fused = functools.partial(flash_attention_bwd, block_sizes=cfg)
+    add(f"fused_bwd {cfg}", lambda: bwd_alone(fused), bwd_flops)
+    if n == 0:
+      add(f"fused_fwd_bwd {cfg}", lambda: fwd_bwd(fused), fwd_flops + bwd_flops)
+  add("two_kernel_fwd_bwd", lambda: fwd_bwd(mb.flash_attention_bwd), fwd_flops + bwd_flops)
+  if verbose:
+    for row in rows:
+      print(row, flush=True)
+  return rows

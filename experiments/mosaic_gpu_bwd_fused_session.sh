@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU call for the fused Mosaic GPU backward (pallas_kernels/flash/mosaic_gpu_bwd_fused.py: dQ
+# inside the dK/dV kernel by TMA reduce-add, never run on a GPU before): its GPU tests under
+# their own limit (a first run of a barrier-driven kernel can hang), then _sweep_bwd_fused
+# non-causal and causal at B2 S16K H16 D128 bf16 against cuDNN fwd+bwd and the two-kernel
+# backward. Logs and JSON under $OUT.
+#   bash experiments/mosaic_gpu_bwd_fused_session.sh
+# Env: SKIP_TESTS=1 / SKIP_SWEEP=1, TEST_TIMEOUT / SWEEP_TIMEOUT (s per sweep), SEQ (16384).
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
+python3 -c "import jax; print(jax.__version__, jax.devices())"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider \
+    -o addopts="" tests/test_flash_mosaic_gpu_bwd_fused.py > "$OUT/gpu_tests_mosaic_bwd_fused.txt" 2>&1
+  echo "mosaic_gpu_bwd_fused tests rc=$?"; tail -40 "$OUT/gpu_tests_mosaic_bwd_fused.txt"
+fi
+if [ "${SKIP_SWEEP:-0}" != 1 ]; then
+  for causal in False True; do
+    timeout ${SWEEP_TIMEOUT:-200} python3 -c "
+import json
+from pallas_kernels.flash import mosaic_gpu_bwd_fused as mf
+rows = mf._sweep_bwd_fused(seq=${SEQ:-16384}, causal=$causal)
+json.dump(rows, open('$OUT/h200_mosaic_gpu_bwd_fused_sweep_causal_$causal.json', 'w'), indent=1)
+" > "$OUT/sweep_bwd_fused_causal_$causal.txt" 2>&1
+    echo "sweep causal=$causal rc=$?"; tail -20 "$OUT/sweep_bwd_fused_causal_$causal.txt"
+  done
+fi
