@@ -1,4 +1,12 @@
-"""Block schedules against brute-force element masks (hypothesis over mask layouts)."""
+"""Block schedules against brute-force element masks (hypothesis over mask layouts).
+
+The hypothesis tests build each drawn schedule and brute-force mask under ``jax.jit`` (one XLA
+compile per drawn shape instead of one per eager op, as the kernels call ``make_schedule``) and
+walk the results as numpy arrays (CI time); the values checked are the same.
+"""
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,15 +16,35 @@ from pallas_kernels.block_schedule import make_schedule, schedule_to_mask
 from pallas_kernels.masks import element_mask
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3),
+                   static_argnames=("causal", "local_window_size"))
+def _jit_schedule(q_len, kv_len, bq, bk, q_segment_ids=None, kv_segment_ids=None, *, causal,
+                  local_window_size):
+  """``make_schedule`` and its ``schedule_to_mask`` in one jit (hypothesis draws many shapes)."""
+  s = make_schedule(q_len, kv_len, bq, bk, causal=causal, local_window_size=local_window_size,
+                    q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  return s, schedule_to_mask(s)
+
+
+def _np_schedule(s):
+  """The schedule's arrays as numpy (cheap indexing in the per-tile loops)."""
+  return jax.tree.map(np.asarray, s)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window"))
+def _jit_element_mask(q_pos, k_pos, q_seg=None, kv_seg=None, *, causal, window):
+  return element_mask(q_pos, k_pos, causal=causal, window=window, q_seg=q_seg, kv_seg=kv_seg)
+
+
 def _tile_truth(q_len, kv_len, bq, bk, causal, window, qseg=None, kseg=None, block_mask=None):
   """Brute force: (any_visible, all_visible) per tile [B?, nq, nk] from the element mask."""
   qp = jnp.arange(q_len) + (kv_len - q_len)
   kp = jnp.arange(kv_len)
   if qseg is not None:
-    m = np.asarray(element_mask(qp, kp, causal=causal, window=window, q_seg=jnp.asarray(qseg),
-                                kv_seg=jnp.asarray(kseg)))
+    m = np.asarray(_jit_element_mask(qp, kp, jnp.asarray(qseg), jnp.asarray(kseg),
+                                     causal=causal, window=window))
   else:
-    m = np.asarray(element_mask(qp, kp, causal=causal, window=window))[None]
+    m = np.asarray(_jit_element_mask(qp, kp, causal=causal, window=window))[None]
   nq, nk = -(-q_len // bq), -(-kv_len // bk)
   pad = np.zeros((m.shape[0], nq * bq, nk * bk), bool)
   pad[:, :q_len, :kv_len] = m
@@ -42,9 +70,9 @@ windows = st.one_of(st.none(), st.integers(0, 40).map(lambda w: (w, w)),
 @given(q_len=st.integers(1, 90), kv_len=st.integers(1, 90), bq=st.sampled_from([8, 16, 32]),
        bk=st.sampled_from([8, 16, 32]), causal=st.booleans(), window=windows)
 def test_static_schedule_is_exact(q_len, kv_len, bq, bk, causal, window):
-  s = make_schedule(q_len, kv_len, bq, bk, causal=causal, local_window_size=window)
+  s, visited = _jit_schedule(q_len, kv_len, bq, bk, causal=causal, local_window_size=window)
+  s, visited = _np_schedule(s), np.asarray(visited)[0]
   any_, all_ = _tile_truth(q_len, kv_len, bq, bk, causal, window)
-  visited = np.asarray(schedule_to_mask(s))[0]
   np.testing.assert_array_equal(visited[0], any_[0])
   # Entries flagged "full" must have every element visible; partial ones must not all be.
   for qi in range(s.num_q_blocks):
@@ -81,10 +109,10 @@ def test_segment_schedule_covers_every_visible_element(data, causal, window):
   seg = np.stack(rows)
   bq = data.draw(st.sampled_from([8, 16]))
   bk = data.draw(st.sampled_from([8, 16]))
-  s = make_schedule(length, length, bq, bk, causal=causal, local_window_size=window,
-                    q_segment_ids=jnp.asarray(seg), kv_segment_ids=jnp.asarray(seg))
+  s, visited = _jit_schedule(length, length, bq, bk, jnp.asarray(seg), jnp.asarray(seg),
+                             causal=causal, local_window_size=window)
+  s, visited = _np_schedule(s), np.asarray(visited)[:, 0]
   any_, all_ = _tile_truth(length, length, bq, bk, causal, window, seg, seg)
-  visited = np.asarray(schedule_to_mask(s))[:, 0]
   assert np.all(visited | ~any_), "a tile with a visible element was skipped"
   for bi in range(b):
     for qi in range(s.num_q_blocks):
