@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
-# One GPU call for the fused Mosaic GPU backward (pallas_kernels/flash/mosaic_gpu_bwd_fused.py: dQ
-# inside the dK/dV kernel by TMA reduce-add, never run on a GPU before): its GPU tests under
-# their own limit (a first run of a barrier-driven kernel can hang), then _sweep_bwd_fused
-# non-causal and causal at B2 S16K H16 D128 bf16 against cuDNN fwd+bwd and the two-kernel
-# backward. Logs and JSON under $OUT.
+# One GPU call for the fused Mosaic GPU backward (pallas_kernels/flash/mosaic_gpu_bwd_fused.py:
+# dQ inside the dK/dV kernel by TMA reduce-add, never run on a GPU before): a ptxas
+# register/spill dump of one small call, its GPU tests under their own limit (a first run of a
+# barrier-driven kernel can hang), then _sweep_bwd_fused non-causal and causal at B2 S16K H16
+# D128 bf16 against cuDNN fwd+bwd and the two-kernel backward. Logs and JSON under $OUT.
 #   bash experiments/mosaic_gpu_bwd_fused_session.sh
-# Env: SKIP_TESTS=1 / SKIP_SWEEP=1, TEST_TIMEOUT / SWEEP_TIMEOUT (s per sweep), SEQ (16384).
+# Env: SKIP_PTXAS=1 / SKIP_TESTS=1 / SKIP_SWEEP=1, PTXAS_TIMEOUT / TEST_TIMEOUT /
+# SWEEP_TIMEOUT (s per sweep), SEQ (16384).
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/nvidia_smi.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())"
+if [ "${SKIP_PTXAS:-0}" != 1 ]; then
+  # Registers and spills of the fused kernel (ptxas -v through Mosaic GPU), one small D128 call.
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout ${PTXAS_TIMEOUT:-120} python3 -c "
+import jax, jax.numpy as jnp
+from pallas_kernels.flash import mosaic_gpu_bwd_fused as mf
+x = jax.random.normal(jax.random.key(0), (1, 256, 2, 128), jnp.bfloat16)
+lse = jnp.zeros((1, 2, 256), jnp.float32)
+for causal in (False, True):
+  jax.block_until_ready(jax.jit(lambda *a: mf.flash_attention_bwd(*a, causal=causal))(x, x, x, x, lse, x))
+print('ran')
+" > "$OUT/ptxas_mosaic_bwd_fused.txt" 2>&1
+  echo "ptxas dump rc=$?"; grep -i -E "spill|registers|error|ran" "$OUT/ptxas_mosaic_bwd_fused.txt" | head -20
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider \
     -o addopts="" tests/test_flash_mosaic_gpu_bwd_fused.py > "$OUT/gpu_tests_mosaic_bwd_fused.txt" 2>&1
