@@ -73,10 +73,12 @@ def resolve_implementation(implementation=None, *, platform=None, interpret=Fals
 
 
 # Head dims for which ``implementation=None`` picks the Hopper path on sm90: measured faster than
-# the Triton kernels there (run 21, 2026-11-30, H200, B2 S16K H16 bf16: forward 1.40x / 1.47x,
-# forward+backward 1.54x / 1.46x non-causal / causal). D64 and D256 pass their GPU tests but are
-# untimed on the Hopper path, so they stay on Triton until a sweep says otherwise.
-_HOPPER_DEFAULT_HEAD_DIMS = (128,)
+# the Triton kernels there (H200, B2 S16K H16 bf16, non-causal / causal). D128 (run 21): forward
+# 1.40x / 1.47x, forward+backward 1.54x / 1.46x. D64 (run 26): forward 1.16x / 1.19x,
+# forward+backward (Mosaic backward) 1.20x / 1.20x. D256 (run 26): forward 2.84x / 2.65x,
+# forward+backward 1.11x / 1.11x (the Triton backward on both paths: the Mosaic one does not fit
+# D256's registers). Results: experiments/results/h200_flash_anchors_d64_128_256_run26_20261130.json.
+_HOPPER_DEFAULT_HEAD_DIMS = (64, 128, 256)
 _MOSAIC_GPU_BWD_HEAD_DIMS = (64, 128)   # mosaic_gpu_bwd: D256 does not fit its registers
 
 
@@ -112,11 +114,11 @@ def flash_attention_plan(q, k, v, *, local_window_size=None, segment_ids=None,
     compute_capability: (major, minor) of the GPU; default: that of the first GPU.
 
   ``implementation=None`` on a GPU of compute capability 9.0 (H100/H200) picks "mosaic_gpu"
-  when q, k and v are all bf16 or all fp16 with head_dim 128 (= head_dim_v) and interpret is
-  off (and ``block_sizes`` is None or a Mosaic GPU ``BlockSizes``); any other GPU call picks
-  "triton" (a Triton ``BlockSizes`` keeps it there). On the "mosaic_gpu" path the backward is the Mosaic GPU
-  one for head_dim 64/128 without window, segment ids or soft cap (unless ``block_sizes`` says
-  otherwise), the Triton one otherwise.
+  when q, k and v are all bf16 or all fp16 with head_dim 64, 128 or 256 (= head_dim_v) and
+  interpret is off (and ``block_sizes`` is None or a Mosaic GPU ``BlockSizes``); any other GPU
+  call picks "triton" (a Triton ``BlockSizes`` keeps it there). On the "mosaic_gpu" path the
+  backward is the Mosaic GPU one for head_dim 64/128 without window, segment ids or soft cap
+  (unless ``block_sizes`` says otherwise), the Triton one otherwise (head_dim 256 included).
 
   Returns:
     A dict: ``implementation`` (the name ``flash_attention`` dispatches on) and ``backward``

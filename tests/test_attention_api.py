@@ -60,8 +60,9 @@ def test_resolve_implementation_is_explicit():
 
 
 def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
-  """None on sm90: Mosaic GPU for bf16/fp16 D128 (its backward for unmasked D64/D128 calls);
-  Triton on other GPUs, for fp32, other head dims, interpret mode or a Triton BlockSizes."""
+  """None on sm90: Mosaic GPU for bf16/fp16 D64/D128/D256 (its backward for unmasked D64/D128
+  calls, Triton's for D256); Triton on other GPUs, for fp32, other head dims, head_dim_v !=
+  head_dim, interpret mode or a Triton BlockSizes."""
   from pallas_kernels.flash import mosaic_gpu as mg, triton as ft
   sds = lambda d, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, 300, 4, d), dt)
   plan = lambda *a, **kw: jattn.flash_attention_plan(*a, platform="gpu", **kw)
@@ -71,10 +72,15 @@ def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
   for mask in (dict(local_window_size=(511, 0)), dict(logits_soft_cap=30.0),
                dict(segment_ids=jnp.ones((2, 300), jnp.int32))):
     assert plan(x, x, x, compute_capability=(9, 0), **mask)["backward"] == "triton", mask
+  for d, bwd in ((64, "mosaic_gpu"), (256, "triton")):
+    y = sds(d, jnp.float16)
+    assert plan(y, y, y, compute_capability=(9, 0)) == {"implementation": "mosaic_gpu",
+                                                         "backward": bwd}, d
   for args, kw in [((x, x, x), dict(compute_capability=(8, 0))),
                    ((x, x, x), dict(compute_capability=(10, 0))),
                    ((sds(128, jnp.float32),) * 3, dict(compute_capability=(9, 0))),
-                   ((sds(64),) * 3, dict(compute_capability=(9, 0))),
+                   ((sds(96),) * 3, dict(compute_capability=(9, 0))),
+                   ((sds(32),) * 3, dict(compute_capability=(9, 0))),
                    ((x, x, sds(64)), dict(compute_capability=(9, 0))),
                    ((x, x, x), dict(compute_capability=(9, 0), interpret=True)),
                    ((x, x, x), dict(compute_capability=(9, 0),

@@ -1,5 +1,7 @@
 """Tuning tables (pallas_kernels/tuning): the loaded defaults are bit-identical to the constants
-they replaced (commit 061afb8) on this machine, on an H200 and on any other device."""
+they replaced (commit 061afb8) on this machine, on an H200 and on any other device, except the
+entries retuned since by a recorded sweep (H200 Mosaic GPU backward D128: 3 dK/dV stages, run 25)."""
+import dataclasses
 import json
 import os
 import tomllib
@@ -68,6 +70,8 @@ def test_mosaic_default_block_sizes_unchanged(device):
     for head_dim, want in MOSAIC_BEFORE.items():
       assert _same(mg.default_block_sizes(head_dim, dtype, device_kind=device), want)
     for head_dim, want in MOSAIC_BWD_BEFORE.items():
+      if device == "NVIDIA H200" and head_dim == 128:  # retuned from the run-25 sweep
+        want = dataclasses.replace(want, num_stages_dkv=3)
       assert _same(mgb.default_block_sizes(head_dim, dtype, device_kind=device), want)
   with pytest.raises(NotImplementedError):
     mg.default_block_sizes(96, device_kind=device)
@@ -123,7 +127,8 @@ def test_tables_well_formed():
     # every 16-bit Triton and Mosaic D128 entry is tuned; the other head dims are not
     assert {k for k, e in table.items() if e["provenance"]["status"] == "tuned"} == {
         ("triton_fwd", 128, "16bit", "all"), ("triton_bwd", 128, "16bit", "all"),
-        ("mosaic_gpu_fwd", 128, "16bit", "all")}
+        ("mosaic_gpu_fwd", 128, "16bit", "all")} | (
+            {("mosaic_gpu_bwd", 128, "16bit", "all")} if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
 
 
