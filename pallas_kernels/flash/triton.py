@@ -1295,7 +1295,8 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
 
 
 def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale: float,
-                        block_sizes: BlockSizes | None = None, interpret: bool = False):
+                        block_sizes: BlockSizes | None = None, interpret: bool = False,
+                        _bwd_parts: str = "all"):
   """The Triton backward kernels (dK/dV, dQ) for another forward's residuals (dense or causal).
 
   Used by the Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``), whose custom_vjp keeps
@@ -1316,6 +1317,8 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
     block_sizes: Triton ``BlockSizes`` whose backward fields are used (None:
       ``default_block_sizes(D, q.dtype)``).
     interpret: run the kernels in the Pallas interpreter (CPU).
+    _bwd_parts: timing only (``experiments/gpu_sweep.py``): "dkv", "dq" or "none" runs only that
+      kernel (or neither) and returns zeros for the rest; not with ``fused_bwd`` ("all", "none").
 
   Returns:
     (dq, dk, dv) in the dtypes and shapes of q, k, v.
@@ -1351,7 +1354,7 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
       bwd_num_warps=int(bs.bwd_num_warps or defaults.bwd_num_warps),
       bwd_num_stages=int(bs.bwd_num_stages or defaults.bwd_num_stages),
       dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret),
-      head_group=bs.head_group, fused_bwd=bool(bs.fused_bwd))
+      head_group=bs.head_group, fused_bwd=bool(bs.fused_bwd), bwd_parts=_bwd_parts)
   schedule = make_schedule(sq, sk, bbq, bbk, causal=causal)
   dq_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
   dkv_rows = _pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
