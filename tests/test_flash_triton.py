@@ -544,6 +544,10 @@ GPU_CASES = {
     "fp16_d96_mqa": dict(batch=2, q_len=640, q_heads=4, kv_heads=1, head_dim=96,
                          dtype=jnp.float16, causal=True),
     "bf16_d256": dict(batch=1, q_len=384, head_dim=256, dtype=jnp.bfloat16, causal=True),
+    # D256 with ragged lengths and GQA: the H200's tuned D256 backward (run 29) uses 128-row dQ
+    # tiles and 32-row dK/dV steps, so neither length is a multiple of a tile.
+    "bf16_d256_ragged_gqa": dict(batch=1, q_len=1000, kv_len=1111, q_heads=4, kv_heads=2,
+                                 head_dim=256, dtype=jnp.bfloat16, causal=False),
     "bf16_d64_segments": dict(batch=2, q_len=1024, head_dim=64, dtype=jnp.bfloat16,
                               segments="packed"),
 }
@@ -562,3 +566,14 @@ def test_gpu_matches_reference(name):
   got, want = _run(block_q=bs.block_q, block_k=bs.block_k, bwd_tiles=bs.bwd_tiles, block_sizes=bs,
                    dkv_tiles=dkv, interpret=False, **case)
   _assert_close(got, want, dtype)
+
+
+def test_h200_d256_backward_tiles_interpret():
+  """The H200's tuned D256 backward (run 29: 128-row dQ tiles, 32-row dK/dV and dQ steps) on
+  ragged lengths with GQA, in the interpreter: the table's values, not the generic ones."""
+  bs = ft.default_block_sizes(256, jnp.bfloat16, device_kind="NVIDIA H200")
+  assert (bs.bwd_block_q, bs.dkv_q_chunk, bs.dq_k_chunk) == (128, 32, 32)
+  got, want = _run(batch=1, q_len=150, kv_len=170, q_heads=2, kv_heads=1, head_dim=256,
+                   causal=True, block_q=bs.block_q, block_k=bs.block_k, bwd_tiles=bs.bwd_tiles,
+                   block_sizes=bs)
+  _assert_close(got, want, jnp.float32)

@@ -1,6 +1,7 @@
 """Tuning tables (pallas_kernels/tuning): the loaded defaults are bit-identical to the constants
 they replaced (commit 061afb8) on this machine, on an H200 and on any other device, except the
-entries retuned since by a recorded sweep (H200 Mosaic GPU backward D128: 3 dK/dV stages, run 25)."""
+entries retuned since by a recorded sweep (H200 Mosaic GPU backward D128: 3 dK/dV stages, run 25;
+H200 Triton backward for 16-bit head dims 129-256: 128-row dQ tiles, 32-row steps, run 29)."""
 import dataclasses
 import json
 import os
@@ -59,7 +60,11 @@ def test_triton_default_block_sizes_unchanged(device):
     for head_dim in (8, 16, 32, 40, 64, 80, 96, 128, 160, 192, 256):
       key = (max(32, max(16, 1 << (head_dim - 1).bit_length())), itemsize)
       got = ft.default_block_sizes(head_dim, dtype, device_kind=device)
-      assert _same(got, TRITON_BEFORE[key]), (device, head_dim, dtype)
+      want = TRITON_BEFORE[key]
+      if device == "NVIDIA H200" and key == (256, 2):  # retuned backward (run 29)
+        want = dataclasses.replace(want, bwd_block_q=128, bwd_block_k=64, dkv_q_chunk=32,
+                                   dq_k_chunk=32)
+      assert _same(got, want), (device, head_dim, dtype)
   with pytest.raises(ValueError):
     ft.default_block_sizes(512, jnp.bfloat16, device_kind=device)
 
@@ -128,7 +133,8 @@ def test_tables_well_formed():
     assert {k for k, e in table.items() if e["provenance"]["status"] == "tuned"} == {
         ("triton_fwd", 128, "16bit", "all"), ("triton_bwd", 128, "16bit", "all"),
         ("mosaic_gpu_fwd", 128, "16bit", "all")} | (
-            {("mosaic_gpu_bwd", 128, "16bit", "all")} if name == "nvidia_h200.json" else set())
+            {("mosaic_gpu_bwd", 128, "16bit", "all"), ("triton_bwd", 256, "16bit", "all")}
+            if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
 
 
