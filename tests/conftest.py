@@ -1,7 +1,25 @@
-"""Shared test setup: GPU tests skip cleanly without a GPU; hypothesis profile for CI."""
+"""Shared test setup: GPU tests skip cleanly without a GPU; hypothesis profile for CI; fast XLA
+compiles on CPU-only machines."""
 import os
+import shutil
 
-import jax
+
+def _no_nvidia_gpu():
+  return shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl")
+
+
+# CPU CI is compile-bound (interpret-mode kernels, eager ops, many small jits): XLA's LLVM backend
+# at -O0 compiles ~35% faster (whole CPU suite 15:06 -> 10:28 on a 2-core box); the HLO passes
+# and every test tolerance are unchanged (no fast-math either way; the last bit may round
+# differently where the LLVM backend would contract to FMA). Only without an NVIDIA GPU, so GPU
+# timings are untouched; set JATTN_TEST_XLA_OPT=1 to keep the default optimisation level. Must
+# run before jax's backend starts (conftest is imported before any test module).
+if _no_nvidia_gpu() and os.environ.get("JATTN_TEST_XLA_OPT") != "1":
+  _flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_backend_optimization_level" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
 import pytest
 
 try:

@@ -284,7 +284,8 @@ DP_SCRIPT = textwrap.dedent("""
 
 
 def test_data_parallel_on_four_cpu_devices(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +   # keeps conftest's
+                                    " --xla_force_host_platform_device_count=4").strip(),
              JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   script = DP_SCRIPT.replace("{OUT}", str(tmp_path))
   proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
