@@ -97,6 +97,47 @@ from pallas_kernels.flash.mosaic_gpu_bwd import BlockSizes
 
 _COMPUTE_WGS = mb._COMPUTE_WGS
 _FUSED_HEAD_DIMS = (64, 128)
+_PIPELINED_DS_BUFFERS = 4       # dS exchange buffers of the pipelined ordering (see FusedOptions)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedOptions:
+  """Variants of the fused kernel (v2, CPU-verified only); the defaults are the GPU-verified v1.
+
+  Attributes:
+    pipelined: FlashAttention-3's ordering of the exchange. Step j issues dV += P^T dO and
+      dK += dS^T Q of step j, then waits for the other warpgroup's dS^T of step j - 1 (stored a
+      whole step earlier, so the wait is normally already satisfied) and issues step j - 1's dQ
+      wgmmas into the same wgmma group; the dQ reduce-add of step j - 1 follows. The last step's
+      dQ is issued after the loop. The warpgroups may then drift up to about a step apart (one's
+      softmax overlaps the other's wgmmas) instead of meeting before every dQ. Needs 4 dS^T
+      buffers (a warpgroup rewrites buffer j mod 4 at step j; the other warpgroup's last read of
+      it, step j - 4's dQ, ended in its step j - 3, which finished before it arrived for step
+      j - 2, which this warpgroup waited for in step j - 1): 32 KiB more shared memory, so 2
+      ring stages only (231,640 bytes at D128).
+    lean: fewer live registers in the softmax phase: the causal/padding mask compares a
+      per-thread key vector (2 values) with a query vector (16 values), broadcast, instead of
+      two [64, 64] int32 iota tiles (32 registers each); P^T is cast to the input dtype right
+      after dS^T is formed (the fp32 P^T dies before the dS^T store and the barrier arrive, not
+      inside the wgmma group).
+    memory_registers: ``setmaxnreg`` of the memory warpgroup (40 in v1). 24 (FA3's producer
+      value) leaves room for ``compute_registers=240`` (2 x 240 + 24 <= 512 per warp slot).
+
+  Example:
+    >>> FusedOptions().pipelined
+    False
+  """
+  pipelined: bool = False
+  lean: bool = False
+  memory_registers: int = 40
+
+  @property
+  def ds_buffers(self) -> int:
+    return _PIPELINED_DS_BUFFERS if self.pipelined else 2
+
+
+# The v2 candidate timed next to v1 by ``_sweep_bwd_fused`` (with ``V2_BLOCK_SIZES``).
+V2_OPTIONS = FusedOptions(pipelined=True, lean=True, memory_registers=24)
 
 
 def default_block_sizes(head_dim: int = 128, dtype=jnp.bfloat16) -> BlockSizes:
@@ -133,6 +174,18 @@ def _check_block_sizes(bs: BlockSizes):
     raise NotImplementedError(f"the fused backward needs block_q_dkv == 64 (a 128-row tile's S^T "
                               f"and dP^T would not fit in registers at D128), got "
                               f"{bs.block_q_dkv}")
+
+
+def _check_options(opts: FusedOptions, bs: BlockSizes):
+  """setmaxnreg values: multiples of 8 in [24, 256], and the three warpgroups within the CTA's
+  launch allocation (3 x 168 = 504 registers per thread slot at 384 threads)."""
+  for name, r in (("memory_registers", opts.memory_registers),
+                  ("compute_registers", bs.compute_registers)):
+    if r % 8 or not 24 <= r <= 256:
+      raise ValueError(f"{name} must be a multiple of 8 in [24, 256], got {r}")
+  if _COMPUTE_WGS * bs.compute_registers + opts.memory_registers > 504:
+    raise ValueError(f"2 x compute_registers + memory_registers must be <= 504, got "
+                     f"{bs.compute_registers} and {opts.memory_registers}")
 
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> mb._Static:
@@ -173,6 +226,13 @@ def _fused_visible(rows, cols, k0, i, st: mb._Static):
   return vis
 
 
+def _tile_of_step(j, *, first_program, per_head):
+  """Ring step j of a program -> (GQA head g, query tile i): the pipelined dQ's target (step
+  j - 1's tile), as the memory warpgroup's walk."""
+  g = lax.div(j, jnp.maximum(per_head, 1))
+  return g, first_program + (j - g * per_head)
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
@@ -180,13 +240,14 @@ def _fused_visible(rows, cols, k0, i, st: mb._Static):
 
 def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, smem,
                   own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free, ds_ready,
-                  done, *, st: mb._Static):
+                  done, *, st: mb._Static, opts: FusedOptions = FusedOptions()):
   """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32, dq [B, Sq',
   Hq, D] fp32 (zeros in, sums out) -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
   v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq], ds [2 parities,
   2 wgs, bk, bq], dq staging [2 wgs, bq, D/2] fp32); barriers own_loaded [2 wgs x (k, v)],
   q/do/lse/delta_loaded [S], free [S] (2 arrivals), ds_ready [2 parities] (2 arrivals), done
-  (2 arrivals)."""
+  (2 arrivals). With ``opts.pipelined``: 4 dS^T buffers and 4 ds_ready barriers (by ring step
+  mod 4), and the dQ of ring step j - 1 is issued in step j's dV/dK wgmma group."""
   k_own, v_own, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem = smem
   bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
   stages = st.bs.num_stages_dkv
@@ -201,6 +262,10 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
   per_head = nq - first_program                           # ring steps per query head (>= 1)
   total = st.group * per_head
   slot_of = lambda j: lax.rem(j, jnp.int32(stages))
+  nbuf = opts.ds_buffers
+  buf_of = lambda j: lax.rem(j, jnp.int32(nbuf))
+
+  tile_of = functools.partial(_tile_of_step, first_program=first_program, per_head=per_head)
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -213,11 +278,27 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
     _, full = _fused_q_range(prog, k0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     col_layout = plgpu.Layout.WGMMA.reduce(0)              # one value per query (column)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per key (row)
     zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
     dk = zeros((bk, st.head_dim))
     dv = zeros((bk, st.head_dim))
     plgpu.barrier_wait(own_loaded.at[2 * wg])
     plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
+
+    def dq_gemms(dq_acc, buf):                            # dQ_w = dS K[:, half w] over all keys
+      for w in range(_COMPUTE_WGS):
+        plgpu.wgmma(dq_acc, ds_smem.at[buf, w].transpose((1, 0)),
+                    k_own.at[w, :, pl.ds(col0, dcols)])
+
+    def dq_reduce_add(dq, j):                             # dQ of ring step j -> GMEM dQ (+=)
+      g, i = tile_of(j)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # last reduce-add has read the staging
+      dq_smem.at[wg][...] = dq * st.scale
+      plgpu.commit_smem()
+      h = kv_h * st.group + g
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(i * bq, bq), h,
+                                                        pl.ds(col0, dcols)],
+                              reduction_op="add")
     # The other warpgroup's K tile is read by this warpgroup's dQ wgmmas.
     plgpu.barrier_wait(own_loaded.at[2 * (1 - wg)])
 
@@ -225,7 +306,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
       dk, dv = carry
       j = base + i                                        # ring step
       slot = slot_of(j)
-      par = lax.rem(j, jnp.int32(2))
+      par = lax.rem(j, jnp.int32(2)) if not opts.pipelined else buf_of(j)
       qs, dos = q_smem.at[slot], do_smem.at[slot]         # [bq, D]
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(do_loaded.at[slot])
@@ -240,15 +321,44 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
       p_t = mb._probs(s_t, lse2, st, axis=1)
       if masked:
-        rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
-        cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
+        if opts.lean:                                     # [bk] + [bq] vectors, broadcast
+          rows = lax.broadcast_in_dim(
+              plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=row_layout), (bk, bq), [0])
+          cols = lax.broadcast_in_dim(
+              plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=col_layout), (bk, bq), [1])
+        else:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
+          cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
         p_t = jnp.where(_fused_visible(rows, cols, k0, i, st), p_t, 0.0)
       plgpu.barrier_wait(delta_loaded.at[slot])
       delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
       ds_t = mb._dscores(p_t, dp_t, delta, axis=1).astype(st.dtype)
+      if opts.lean:
+        p_t = p_t.astype(st.dtype)                        # the fp32 P^T dies here
       ds_smem.at[par, wg][...] = ds_t                     # this warpgroup's keys of dS^T
       plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
       plgpu.barrier_arrive(ds_ready.at[par])
+
+      if opts.pipelined:
+        prev = buf_of(j + (nbuf - 1))                     # buffer of ring step j - 1
+
+        def grad_gemms(refs):                             # dV += P^T dO; dK += dS^T Q; dQ_{j-1}
+          dv_ref, dk_ref, dq_ref_acc = refs
+          plgpu.wgmma(dv_ref, p_t.astype(st.dtype), dos)
+          plgpu.wgmma(dk_ref, ds_t, qs)
+
+          @pl.when(j > 0)                                 # step 0: no previous dS (its dQ
+          def _():                                        # wgmma reads an unused buffer and
+            plgpu.barrier_wait(ds_ready.at[prev])         # is discarded)
+          dq_gemms(dq_ref_acc, prev)
+        dv, dk, dq = pl.run_state(grad_gemms)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
+                                               plgpu.ACC.init(zeros((bq, dcols)))))
+        plgpu.barrier_arrive(free.at[slot])
+
+        @pl.when(j > 0)
+        def _():
+          dq_reduce_add(dq, j - 1)
+        return dk, dv
 
       def grad_gemms(refs):                               # dV += P^T dO; dK += dS^T Q; dQ_w
         dv_ref, dk_ref, dq_ref_acc = refs
@@ -278,6 +388,13 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
                            carry)
 
     dk, dv = lax.fori_loop(0, st.group, head, (dk, dv))
+    if opts.pipelined:                                    # the last step's dQ (total >= 1)
+      last = total - 1
+      plgpu.barrier_wait(ds_ready.at[buf_of(last)])
+
+      def last_dq_gemm(dq_acc):
+        dq_gemms(dq_acc, buf_of(last))
+      dq_reduce_add(pl.run_state(last_dq_gemm)(plgpu.ACC.init(zeros((bq, dcols)))), last)
     plgpu.barrier_arrive(done)                            # the other warpgroup's last dQ wgmma
     plgpu.barrier_wait(done)                              # has read this K tile
     kt[...] = (dk * st.scale).astype(st.dtype)            # K/V are dead: reuse them for dK/dV
@@ -289,7 +406,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(opts.memory_registers, action="decrease")
 
     def load(j, slot):
       g = lax.div(j, jnp.maximum(per_head, 1))
@@ -314,7 +431,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
       load(j, slot)
 
 
-def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
+def _fused_call(q, k, v, do, lse2, delta, st: mb._Static, opts: FusedOptions = FusedOptions()):
   """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] -> (dq [B, Sq',
   Hq, D] fp32 sums (scaled), dk, dv [B, Sk', Hk, D] in the input dtype; rows of padded keys
   garbage).
@@ -336,7 +453,8 @@ def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
       plgpu.SMEM((stages, bq, d), do.dtype, transforms=tiled),          # dO ring
       plgpu.SMEM((stages, bq), jnp.float32),                            # lse2 ring
       plgpu.SMEM((stages, bq), jnp.float32),                            # delta ring
-      plgpu.SMEM((2, _COMPUTE_WGS, bk, bq), q.dtype, transforms=tiled),  # dS^T exchange
+      plgpu.SMEM((opts.ds_buffers, _COMPUTE_WGS, bk, bq), q.dtype,
+                 transforms=tiled),                                     # dS^T exchange
       plgpu.SMEM((_COMPUTE_WGS, bq, d // _COMPUTE_WGS), jnp.float32,
                  transforms=tiled32),                                   # dQ staging
   )
@@ -348,7 +466,7 @@ def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
       plgpu.Barrier(num_barriers=stages),                              # lse_loaded
       plgpu.Barrier(num_barriers=stages),                              # delta_loaded
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=2),        # ds_ready
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=opts.ds_buffers),  # ds_ready
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                        # done
   )
   # The last grid axis is blockIdx.x (the fastest): kv tiles, so that the CTAs resident together
@@ -360,7 +478,7 @@ def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
   def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
     pl.run_scoped(
         functools.partial(_fused_kernel, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-                          dk_ref, dv_ref, st=st),
+                          dk_ref, dv_ref, st=st, opts=opts),
         *scratch, collective_axes="wg")
 
   dq_acc = jax.new_ref(jnp.zeros((b, sq_pad, hq, d), jnp.float32))
@@ -381,7 +499,7 @@ def _fused_call(q, k, v, do, lse2, delta, st: mb._Static):
 
 def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                         scale: float | None = None, block_sizes: BlockSizes | None = None,
-                        d_lse=None):
+                        d_lse=None, options: FusedOptions | None = None):
   """Gradients of flash attention with the fused Mosaic GPU (Hopper) backward kernel.
 
   Same arguments and results as ``mosaic_gpu_bwd.flash_attention_bwd``, except: head_dim 64 or
@@ -400,6 +518,8 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     scale: logit scale (None: 1 / sqrt(D)).
     block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
     d_lse: optional cotangent of lse [B, Hq, Sq] (None: zero).
+    options: ``FusedOptions`` (None: the GPU-verified v1 kernel; ``V2_OPTIONS`` with
+      ``compute_registers=240`` is the CPU-verified v2 candidate).
 
   Returns:
     (dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, D]) in q.dtype; dq accumulated in an
@@ -430,16 +550,35 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
   mb._check_dtype(q.dtype)
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes)
+  opts = options or FusedOptions()
+  _check_options(opts, st.bs)
   lse2, delta = mb._prepare(out, lse, do, d_lse, st)
   q_p, do_p = mb._pad_axis(q, 1, st.q_pad), mb._pad_axis(do, 1, st.q_pad)
   k_p, v_p = mb._pad_axis(k, 1, st.kv_pad), mb._pad_axis(v, 1, st.kv_pad)
-  dq, dk, dv = _fused_call(q_p, k_p, v_p, do_p, lse2, delta, st)
+  if opts == FusedOptions():                              # v1: the call as GPU-verified
+    dq, dk, dv = _fused_call(q_p, k_p, v_p, do_p, lse2, delta, st)
+  else:
+    dq, dk, dv = _fused_call(q_p, k_p, v_p, do_p, lse2, delta, st, opts)
   return dq[:, :sq].astype(q.dtype), dk[:, :st.kv_len], dv[:, :st.kv_len]
 
 
 # ----------------------------------------------------------------------------------------------
 # GPU benchmark helper (one process: this backward, the two-kernel backward and jax.nn's cuDNN)
 # ----------------------------------------------------------------------------------------------
+
+
+def _default_sweep_configs(head_dim: int = 128, dtype=jnp.bfloat16):
+  """(label, BlockSizes, FusedOptions) timed by ``_sweep_bwd_fused``: v1 (GPU-verified, 22.36 /
+  12.05 ms in runs 27-28), each v2 change alone at v1's registers, both, and the v2 candidate
+  (both + 240/24 registers). 3 stages are left out (27.2 ms in run 27; no room with the
+  pipelined exchange's 4 dS buffers)."""
+  base = default_block_sizes(head_dim, dtype)
+  v2_bs = dataclasses.replace(base, compute_registers=240)
+  return [("v1", base, FusedOptions()),
+          ("lean", base, FusedOptions(lean=True)),
+          ("pipelined", base, FusedOptions(pipelined=True)),
+          ("pipelined+lean", base, FusedOptions(pipelined=True, lean=True)),
+          ("v2=pipelined+lean+regs240/24", v2_bs, V2_OPTIONS)]
 
 
 def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
@@ -451,7 +590,8 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
   and its VJP), ``cudnn_bwd_est`` (their difference), ``two_kernel_bwd``
   (``mosaic_gpu_bwd.flash_attention_bwd`` with its default tiles), then per config
   ``fused_bwd`` (this backward alone) and, for the first config, ``fused_fwd_bwd`` and
-  ``two_kernel_fwd_bwd`` (Mosaic forward + backward, to compare with ``cudnn_fwd_bwd``). The
+  ``two_kernel_fwd_bwd`` (Mosaic forward + backward, to compare with ``cudnn_fwd_bwd``), and
+  ``fused_fwd_bwd`` for the last config (the v2 candidate by default). The
   backwards run on residuals of ``mosaic_gpu.flash_attention`` computed once outside the timing.
   TFLOP/s is "effective": 4 * B * Hq * D * pairs for a forward and 2.5x that for a backward (5
   matmuls), pairs = S^2 or S(S+1)/2 causal; the two-kernel backward really does 7 matmuls
@@ -461,7 +601,8 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
     batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
     causal: causal mask.
     dtype: bf16 or fp16.
-    configs: list of ``BlockSizes`` (default: 2 and 3 stages).
+    configs: list of ``BlockSizes`` or ``(label, BlockSizes, FusedOptions)`` (default:
+      ``_default_sweep_configs``: v1 and the v2 variants, 2 stages).
     iters: timed iterations (median) after one warm-up.
     verbose: print one line per row.
 
@@ -474,8 +615,8 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
   from pallas_kernels.flash import mosaic_gpu as mg
 
   if configs is None:
-    base = default_block_sizes(head_dim, dtype)
-    configs = [base, dataclasses.replace(base, num_stages_dkv=3)]
+    configs = _default_sweep_configs(head_dim, dtype)
+  configs = [c if isinstance(c, tuple) else (str(c), c, FusedOptions()) for c in configs]
   ks = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), dtype)
   k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
@@ -528,11 +669,11 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
     return timeit(jax.jit(run), q, k, v, do)
 
   add("two_kernel_bwd", lambda: bwd_alone(mb.flash_attention_bwd), bwd_flops, real=7 / 5)
-  for n, cfg in enumerate(configs):
-    fused = functools.partial(flash_attention_bwd, block_sizes=cfg)
-    add(f"fused_bwd {cfg}", lambda: bwd_alone(fused), bwd_flops)
-    if n == 0:
-      add(f"fused_fwd_bwd {cfg}", lambda: fwd_bwd(fused), fwd_flops + bwd_flops)
+  for n, (label, cfg, opts) in enumerate(configs):
+    fused = functools.partial(flash_attention_bwd, block_sizes=cfg, options=opts)
+    add(f"fused_bwd {label}", lambda: bwd_alone(fused), bwd_flops)
+    if n in (0, len(configs) - 1):
+      add(f"fused_fwd_bwd {label}", lambda: fwd_bwd(fused), fwd_flops + bwd_flops)
   add("two_kernel_fwd_bwd", lambda: fwd_bwd(mb.flash_attention_bwd), fwd_flops + bwd_flops)
   if verbose:
     for row in rows:
