@@ -277,8 +277,9 @@ def _replay_fused_call(q, k, v, do, lse2, delta, st, opts=mf.FusedOptions(), *,
   scale added to an fp32 buffer; the programs' buffers summed. ``opts.pipelined``: the
   contribution of ring step j is added in step j + 1 (across the masked/unmasked loops and GQA
   heads) to the tile the kernel's ``_tile_of_step(j)`` names, the last one after the walk
-  (``drop_last_dq``: not, a planted bug). ``opts.lean``:
-  the mask from a key vector and a query vector, broadcast."""
+  (``drop_last_dq``: not, a planted bug). ``opts.lean``: S^T and dP^T accumulated onto
+  -lse2 / c and -delta (``_lean_acc_init``), P^T = ``_lean_probs``, dS^T = P^T acc_dp, the
+  mask from a key vector and a query vector, broadcast."""
   b, sq_pad, hq, d = q.shape
   hk = k.shape[2]
   bq, bk, nq, g_n = st.bs.block_q_dkv, st.bs.block_k_dkv, st.num_q_tiles_dkv, st.group
@@ -306,11 +307,19 @@ def _replay_fused_call(q, k, v, do, lse2, delta, st, opts=mf.FusedOptions(), *,
       ds_all, dk_new, dv_new = [], [], []
       for w in range(2):
         k_t, v_t = k_p[w * bk:(w + 1) * bk], v_p[w * bk:(w + 1) * bk]
-        p_t = mb._probs(dot(k_t, q_t.T), lse_t, st, axis=1)
-        r, c = (rows[:, :1], cols[:1, :]) if opts.lean else (rows, cols)
+        if opts.lean:                                      # accumulators from -lse2/c, -delta
+          init_s, init_dp = mf._lean_acc_init(lse_t, delta_t, (bk, bq), st)
+          p_t = mf._lean_probs(init_s + dot(k_t, q_t.T), st)
+          r, c = rows[:, :1], cols[:1, :]
+        else:
+          p_t = mb._probs(dot(k_t, q_t.T), lse_t, st, axis=1)
+          r, c = rows, cols
         masked = jnp.where(mf._fused_visible(r, c, k0p + w * bk, i, st), p_t, 0.0)
         p_t = jnp.where(i < fulls[w], masked, p_t)
-        ds_t = mb._dscores(p_t, dot(v_t, do_t.T), delta_t, axis=1).astype(st.dtype)
+        if opts.lean:
+          ds_t = (p_t * (init_dp + dot(v_t, do_t.T))).astype(st.dtype)
+        else:
+          ds_t = mb._dscores(p_t, dot(v_t, do_t.T), delta_t, axis=1).astype(st.dtype)
         dv_new.append(dv[w] + dot(p_t.astype(st.dtype), do_t))
         dk_new.append(dk[w] + dot(ds_t, q_t))
         ds_all.append(ds_t)

@@ -217,6 +217,19 @@ def _fused_q_range(prog, k0, st: mb._Static):
   return first_program, full
 
 
+def _lean_acc_init(lse2, delta, shape, st: mb._Static):
+  """``FusedOptions(lean=True)``: initial S^T and dP^T accumulators [bk, bq] from the per-query
+  lse2 and delta: -lse2 / c and -delta broadcast along the keys (lse2 = +inf on padded and
+  empty rows: -inf, so P = 0 there)."""
+  return (lax.broadcast_in_dim(lse2 * (-1.0 / st.c), shape, [1]),
+          lax.broadcast_in_dim(-delta, shape, [1]))
+
+
+def _lean_probs(s_acc, st: mb._Static):
+  """P^T = exp2(c (S^T - lse2 / c)) from the lean S^T accumulator."""
+  return jnp.exp2(s_acc * st.c)
+
+
 def _fused_visible(rows, cols, k0, i, st: mb._Static):
   """Element mask of a masked step on the transposed [bk, bq] tile (rows = keys, cols =
   queries): real keys, and the causal diagonal when causal."""
@@ -315,26 +328,39 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
         st_ref, dpt_ref = refs
         plgpu.wgmma(st_ref, kt, qs.transpose((1, 0)))
         plgpu.wgmma(dpt_ref, vt, dos.transpose((1, 0)))
-      s_t, dp_t = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(zeros((bk, bq))),
-                                             plgpu.ACC.init(zeros((bk, bq)))))
-      plgpu.barrier_wait(lse_loaded.at[slot])
-      lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
-      p_t = mb._probs(s_t, lse2, st, axis=1)
-      if masked:
-        if opts.lean:                                     # [bk] + [bq] vectors, broadcast
+      if opts.lean:
+        # The accumulators start at -lse2 / c and -delta (per query, broadcast), so that
+        # P^T = exp2(c acc_s) and dS^T = P^T acc_dp: the lse2/delta vectors (16 registers
+        # each) die before the wgmmas are issued instead of living in the softmax phase.
+        plgpu.barrier_wait(lse_loaded.at[slot])
+        plgpu.barrier_wait(delta_loaded.at[slot])
+        init_s, init_dp = _lean_acc_init(
+            plgpu.load(lse_smem.at[slot], (), layout=col_layout),
+            plgpu.load(delta_smem.at[slot], (), layout=col_layout), (bk, bq), st)
+        s_acc, dp_acc = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(init_s),
+                                                   plgpu.ACC.init(init_dp)))
+        p_t = _lean_probs(s_acc, st)
+        if masked:                                        # [bk] + [bq] vectors, broadcast
           rows = lax.broadcast_in_dim(
               plgpu.broadcasted_iota(jnp.int32, (bk,), 0, layout=row_layout), (bk, bq), [0])
           cols = lax.broadcast_in_dim(
               plgpu.broadcasted_iota(jnp.int32, (bq,), 0, layout=col_layout), (bk, bq), [1])
-        else:
+          p_t = jnp.where(_fused_visible(rows, cols, k0, i, st), p_t, 0.0)
+        ds_t = (p_t * dp_acc).astype(st.dtype)
+        p_t = p_t.astype(st.dtype)                        # the fp32 P^T dies here
+      else:
+        s_t, dp_t = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(zeros((bk, bq))),
+                                               plgpu.ACC.init(zeros((bk, bq)))))
+        plgpu.barrier_wait(lse_loaded.at[slot])
+        lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
+        p_t = mb._probs(s_t, lse2, st, axis=1)
+        if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
           cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
-        p_t = jnp.where(_fused_visible(rows, cols, k0, i, st), p_t, 0.0)
-      plgpu.barrier_wait(delta_loaded.at[slot])
-      delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
-      ds_t = mb._dscores(p_t, dp_t, delta, axis=1).astype(st.dtype)
-      if opts.lean:
-        p_t = p_t.astype(st.dtype)                        # the fp32 P^T dies here
+          p_t = jnp.where(_fused_visible(rows, cols, k0, i, st), p_t, 0.0)
+        plgpu.barrier_wait(delta_loaded.at[slot])
+        delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
+        ds_t = mb._dscores(p_t, dp_t, delta, axis=1).astype(st.dtype)
       ds_smem.at[par, wg][...] = ds_t                     # this warpgroup's keys of dS^T
       plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
       plgpu.barrier_arrive(ds_ready.at[par])
