@@ -601,10 +601,10 @@ def _default_sweep_configs(head_dim: int = 128, dtype=jnp.bfloat16):
   base = default_block_sizes(head_dim, dtype)
   v2_bs = dataclasses.replace(base, compute_registers=240)
   return [("v1", base, FusedOptions()),
-          ("lean", base, FusedOptions(lean=True)),
+          ("v2=pipelined+lean+regs240/24", v2_bs, V2_OPTIONS),
           ("pipelined", base, FusedOptions(pipelined=True)),
-          ("pipelined+lean", base, FusedOptions(pipelined=True, lean=True)),
-          ("v2=pipelined+lean+regs240/24", v2_bs, V2_OPTIONS)]
+          ("lean", base, FusedOptions(lean=True)),
+          ("pipelined+lean", base, FusedOptions(pipelined=True, lean=True))]
 
 
 def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
@@ -617,7 +617,8 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
   (``mosaic_gpu_bwd.flash_attention_bwd`` with its default tiles), then per config
   ``fused_bwd`` (this backward alone) and, for the first config, ``fused_fwd_bwd`` and
   ``two_kernel_fwd_bwd`` (Mosaic forward + backward, to compare with ``cudnn_fwd_bwd``), and
-  ``fused_fwd_bwd`` for the last config (the v2 candidate by default). The
+  ``fused_fwd_bwd`` for the second config too (the v2 candidate by default). Rows are printed
+  as they finish (a sweep cut by a timeout keeps its first rows). The
   backwards run on residuals of ``mosaic_gpu.flash_attention`` computed once outside the timing.
   TFLOP/s is "effective": 4 * B * Hq * D * pairs for a forward and 2.5x that for a backward (5
   matmuls), pairs = S^2 or S(S+1)/2 causal; the two-kernel backward really does 7 matmuls
@@ -665,6 +666,9 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
           dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
           dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
                tflops=bwd_flops / max(fb_ms - fwd_ms, 1e-9) * 1e-9)]
+  if verbose:
+    for row in rows:
+      print(row, flush=True)
 
   def diff(grads):
     return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
@@ -683,6 +687,8 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
     except Exception as e:  # a config that does not compile is reported, not fatal
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rows.append(row)
+    if verbose:
+      print(row, flush=True)
 
   def bwd_alone(fn):
     return timeit(jax.jit(lambda q, k, v, o, l, do: fn(q, k, v, o, l, do, causal=causal)),
@@ -698,10 +704,7 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
   for n, (label, cfg, opts) in enumerate(configs):
     fused = functools.partial(flash_attention_bwd, block_sizes=cfg, options=opts)
     add(f"fused_bwd {label}", lambda: bwd_alone(fused), bwd_flops)
-    if n in (0, len(configs) - 1):
+    if n < 2:
       add(f"fused_fwd_bwd {label}", lambda: fwd_bwd(fused), fwd_flops + bwd_flops)
   add("two_kernel_fwd_bwd", lambda: fwd_bwd(mb.flash_attention_bwd), fwd_flops + bwd_flops)
-  if verbose:
-    for row in rows:
-      print(row, flush=True)
   return rows
