@@ -162,7 +162,8 @@ def _fused_protocol(st, prog, seed, *, ds_buffers=2, done_barrier=True, pipeline
   A read window that sees a buffer change fails. ``pipelined``: ``FusedOptions(pipelined=True)``
   (dS^T buffer and barrier by ring step mod ``ds_buffers``; step j's dQ window reads step j - 1's
   buffer after waiting for it, from the issue of step j's dV/dK until the end of step j; the last
-  step's dQ after the loop, before the done barrier)."""
+  step's dQ after the loop, before the done barrier; a prologue arrival on buffer
+  ``ds_buffers - 1`` that step 0 waits for, its dQ discarded)."""
   stages, nq = st.bs.num_stages_dkv, st.num_q_tiles_dkv
   first_p = int(mf._fused_q_range(jnp.int32(prog), jnp.int32(prog * 2 * st.bs.block_k_dkv),
                                   st)[0])
@@ -198,6 +199,8 @@ def _fused_protocol(st, prog, seed, *, ds_buffers=2, done_barrier=True, pipeline
     assert ds[par] == [j, j] and k_own == ["K", "K"], (wg, j, ds[par], k_own)
 
   def compute(wg):
+    if pipelined:                                         # the prologue's "step -1" arrival
+      yield ("arrive", ds_ready, ds_buffers - 1)
     for g in range(st.group):
       for i in range(first_p, nq):
         j = g * per_head + i - first_p
@@ -211,6 +214,8 @@ def _fused_protocol(st, prog, seed, *, ds_buffers=2, done_barrier=True, pipeline
           yield from dq_window(wg, j)
         elif j > 0:
           yield from dq_window(wg, j - 1)
+        else:                                             # discarded dQ of "step -1"
+          yield ("wait", ds_ready, ds_buffers - 1)
         assert all(data[buf][slot] == (g, i) for buf in range(4))
         steps[wg] += 1
         yield ("arrive", free, slot)

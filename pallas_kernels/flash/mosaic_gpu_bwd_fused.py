@@ -314,6 +314,8 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
                               reduction_op="add")
     # The other warpgroup's K tile is read by this warpgroup's dQ wgmmas.
     plgpu.barrier_wait(own_loaded.at[2 * (1 - wg)])
+    if opts.pipelined:                                    # "step -1" of buffer nbuf - 1: both
+      plgpu.barrier_arrive(ds_ready.at[nbuf - 1])         # arrive, step 0 waits
 
     def step(i, carry, *, g, base, masked):
       dk, dv = carry
@@ -372,10 +374,9 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
           dv_ref, dk_ref, dq_ref_acc = refs
           plgpu.wgmma(dv_ref, p_t.astype(st.dtype), dos)
           plgpu.wgmma(dk_ref, ds_t, qs)
-
-          @pl.when(j > 0)                                 # step 0: no previous dS (its dQ
-          def _():                                        # wgmma reads an unused buffer and
-            plgpu.barrier_wait(ds_ready.at[prev])         # is discarded)
+          # Step 0 waits for the prologue's arrivals; its dQ wgmma reads an unwritten buffer
+          # and is discarded (no reduce-add): no branch inside the wgmma group.
+          plgpu.barrier_wait(ds_ready.at[prev])
           dq_gemms(dq_ref_acc, prev)
         dv, dk, dq = pl.run_state(grad_gemms)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
                                                plgpu.ACC.init(zeros((bq, dcols)))))
