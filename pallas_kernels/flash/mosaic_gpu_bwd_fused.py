@@ -1,17 +1,23 @@
 """Fused flash attention backward for Hopper (sm90), Pallas Mosaic GPU: dQ inside the dK/dV kernel.
 
-STATUS: NOT YET RUN ON A GPU (correctness, hangs, register spills and speed all unknown). CPU
-checks (tests/test_flash_mosaic_gpu_bwd_fused.py): the kernel lowers for "cuda" (``jax.export``:
-register layouts, wgmma/TMA constraints, the shared-memory budget); a jnp replay of the kernel
-(same programs, warpgroup tiles, loop ranges, masks, GQA walk, per-step dQ contributions added in
-the kernel's order) through this module's wrapper matches ``jax.vjp`` of the fp32 reference; the
-protocol of the per-step exchange barrier, simulated with random warpgroup interleavings, neither
-deadlocks nor lets a warpgroup overwrite a dS buffer the other one still reads. Not checked:
-the compiled kernel (hangs, register spills, the real TMA reduce-add), speed. Next GPU call:
-``bash experiments/mosaic_gpu_bwd_fused_session.sh`` (GPU tests under a timeout, then
-``_sweep_bwd_fused`` non-causal and causal). Prediction (docs/kernels.md, written before any GPU
-run): ~20 ms non-causal at B2 S16K H16 D128 bf16 (~550 effective TFLOP/s), ~10.5 ms causal. Not
-wired into ``jattn`` or the Mosaic forward's custom_vjp (which use ``mosaic_gpu_bwd``).
+STATUS: v1 (the defaults) GPU-verified on the H200 in runs 27-28: all 12 GPU tests pass, no
+hang; 22.36 ms non-causal / 12.05 ms causal at B2 S16K H16 D128 bf16 (two-kernel 23.13 / 11.26,
+cuDNN 21.14 / 10.37), ptxas: register spills (140 / 204 B non-causal, 436 / 500 B causal) and
+``warpgroup.arrive`` injected around the register-operand wgmmas. Not the default backward.
+v2 (``FusedOptions``: ``pipelined``, ``lean``, ``memory_registers``; candidate ``V2_OPTIONS``
+with ``compute_registers=240``) is CPU-verified only: it lowers for "cuda", the pipelined
+exchange's protocol simulation and the jnp replay pass; registers, hangs and speed unknown.
+With default options the kernel's Mosaic module is unchanged from the GPU-verified v1.
+CPU checks (tests/test_flash_mosaic_gpu_bwd_fused.py): the kernel lowers for "cuda"
+(``jax.export``: register layouts, wgmma/TMA constraints, the shared-memory budget); a jnp
+replay of the kernel (same programs, warpgroup tiles, loop ranges, masks, GQA walk, per-step dQ
+contributions added in the kernel's order) through this module's wrapper matches ``jax.vjp`` of
+the fp32 reference; the protocol of the exchange barriers, simulated with random warpgroup
+interleavings, neither deadlocks nor lets a warpgroup overwrite a dS buffer the other one still
+reads. Next GPU call: docs/kernels.md, "Next GPU session" item 2 (``bash
+experiments/mosaic_gpu_bwd_fused_session.sh``: ptxas per variant, GPU tests, then
+``_sweep_bwd_fused`` non-causal and causal, v1 next to the v2 variants). Not wired into
+``jattn`` or the Mosaic forward's custom_vjp (which use ``mosaic_gpu_bwd``).
 
 Why: ``mosaic_gpu_bwd`` (the default, GPU-verified) runs two kernels: dK/dV (per kv tile,
 recomputes S^T and dP^T: 4 matmuls) and dQ (per q tile, recomputes S and dP again: 3 matmuls),
@@ -76,10 +82,16 @@ alignment included): 198,872 bytes with 2 stages (own K/V 64 KiB, Q/dO ring 64 K
 32 KiB, dQ staging 32 KiB fp32, lse/delta), 231,640 with 3 (just under the 232,448 limit), 4 do
 not fit.
 
-Registers per compute thread (D128, the two-kernel dK/dV kernel's budget plus the dQ tile): dK
-+ dV accumulators 128 fp32, S^T and dP^T 32 each while they live, P^T and dS^T as 16-bit
-wgmma operands 16 each, the dQ half-tile [64, 64] fp32 32, under the 232 requested. Spills are
-not visible on the CPU.
+Registers per compute thread (D128; a [64, 64] fp32 tile is 32 registers, a 16-bit one 16, a
+per-query vector of the transposed tile 16, a per-key vector 2): dK + dV accumulators 128 fp32
+throughout. v1, softmax phase: S^T and dP^T 64 plus lse2 or delta 16 = 208, plus two [64, 64]
+int32 iota tiles (64) in masked steps; wgmma phase: P^T and dS^T operands 32 plus the dQ
+half-tile 32 = 192; against 232 (setmaxnreg) minus addresses, indices and descriptors; ptxas
+spilled. v2 ``lean``: the S^T/dP^T accumulators start at -lse2/c and -delta, so the vectors
+die before the wgmmas (softmax phase 192), the mask uses a key and a query vector (2 + 16), P^T
+is cast before the dS^T store; ``memory_registers=24`` with ``compute_registers=240`` adds 8.
+v2 ``pipelined`` does not raise the peak (the dQ tile of step j - 1 lives only in step j's
+wgmma phase, where v1's lived). Spills are not visible on the CPU.
 """
 from __future__ import annotations
 
