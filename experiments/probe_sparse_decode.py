@@ -37,6 +37,11 @@ blocks, + the initial and the local block). Rows (``--list`` prints them; ``--ro
 * the previous path's XLA stages for comparison: ``xla_scores`` (einsum), ``xla_select``
   (lax.top_k + sort), ``xla_merge`` (jattn.merge.merge_partials), and ``sparse_prev`` (XLA
   selection + attend over the unsorted-free list + XLA merge, as before the kernels).
+* ``sparse_mosaic`` (not with --tiny): ``sparse_decode_attention(implementation="mosaic_gpu")``:
+  the same scores + select kernels, the Mosaic GPU attention over the kept blocks
+  (``pallas_kernels.sparse.decode_mosaic_gpu``: TMA reads of the kept blocks, its default
+  splits = one CTA per SM) and the merge kernel; checked vs the fp32 reference and ``sparse``
+  (indices equal). In sweep mode it is re-timed with dense and sparse at the end.
 * ``sparse_xla``: the pure XLA implementation; ``host_floor``: one trivial XLA kernel with the
   whole call's arguments (the per-call floor of the host-timed method).
 * attention-kernel sweep (only with ``--sweep-attend`` / ``--attend-configs`` / ``--attend-best``;
@@ -62,6 +67,9 @@ blocks, + the initial and the local block). Rows (``--list`` prints them; ``--ro
   select + the attention with the fastest passing sweep config by ``device_ms``, or
   ``--attend-best``), timed like every other row (``summary.speedup_best_*``;
   ``summary.attend_sweep``: the configs by device time).
+* ``--sweep-mosaic``: sweep rows ``sw_mg_s<splits>_st<stages>_<nm|mk|xm>`` of the Mosaic GPU
+  attention (``MOSAIC_GRID``: alone, + merge kernel, + XLA merge, stages, splits) and two
+  Triton controls, then ``sparse_mosaic`` and ``sparse_best`` (which may be a Mosaic config).
 
 Three timings per row (``--timings`` picks some): ``host_ms`` is the bench's method (median of
 host-timed loops of async calls, rotating 3 input sets: includes dispatch when dispatch is
@@ -90,6 +98,8 @@ Usage (GPU):  python experiments/probe_sparse_decode.py --out $OUT/probe.json
               [--rows 'select_r*,sparse_fused*'] [--timings unroll,device] [--repeat 0]
        sweep: python experiments/probe_sparse_decode.py --sweep-attend --repeat 10
               --out $OUT/sweep.json [--attend-configs s17_w8,s33_b2_st2,...]
+      Mosaic: python experiments/probe_sparse_decode.py --sweep-mosaic --repeat 10
+              --out $OUT/probe_mosaic.json
 CPU smoke test: python experiments/probe_sparse_decode.py --tiny --rows select_r2 --out /tmp/p.json
   (--tiny: 2K tokens, GQA 4:2, D64, 16-token blocks, 3 splits, kernels interpreted; every row
   interpreted takes ~8 min on 2 CPU cores)
@@ -132,7 +142,8 @@ RADIX_VARIANTS = ((2, None, None), (4, None, None), (4, 1, None), (4, 8, None), 
                   (4, None, 1 << 30))
 ALWAYS_ROWS = ("dense", "sparse")          # the ratios' and the equality checks' baselines
 TIMINGS = ("host", "unroll", "device")
-FINAL_RETIME = ("dense", "sparse", "sparse_r2", "sparse_best")  # sweep mode: re-timed together
+FINAL_RETIME = ("dense", "sparse", "sparse_r2", "sparse_mosaic",
+                "sparse_best")              # sweep mode: re-timed together
 # The attention kernel's launch sweep (``--sweep-attend``), 16 configs; see the docstring for
 # the names. {d} = the default splits (33 on the H200 at B1 with 8 kv heads: 264 programs, two
 # per SM), {p} = the largest power of two <= d (32: the in-kernel merge's [splits, d] tile is
@@ -145,6 +156,13 @@ ATTEND_GRID = ("s{d}_w4_st3_b1", "s{d}_w4_st3_b1_nm", "s{d}_w4_st3_b1_xm", "s{d}
                "s{p}_w4_st3_b1", "s{h}_w4_st3_b1", "s{t}_w4_st3_b1", "s{d}_w8_st3_b1",
                "s{d}_w2_st3_b1", "s{d}_w4_st2_b1", "s{d}_w4_st4_b1", "s{d}_w4_st3_b1_la0",
                "s{h}_w4_st3_b2", "s{h}_w4_st2_b2", "s{h}_w8_st3_b2", "s{h}_w4_st3_b1_xm")
+# --sweep-mosaic: the Mosaic GPU attention (pallas_kernels.sparse.decode_mosaic_gpu) around its
+# default ({m} splits = one CTA per SM, 4 stages): attention alone (_nm), with the merge kernel
+# (the whole call's) or the XLA merge, stages 2 / 3, two waves ({d} splits), half the SMs (8
+# splits); then the Triton default, alone and with the merge kernel, as same-run controls.
+MOSAIC_GRID = ("mg_s{m}_st4_nm", "mg_s{m}_st4_mk", "mg_s{m}_st4_xm", "mg_s{m}_st3_mk",
+               "mg_s{m}_st2_mk", "mg_s{d}_st4_mk", "mg_s{d}_st2_mk", "mg_s8_st4_mk",
+               "s{d}_w4_st3_b1_nm", "s{d}_w4_st3_b1")
 MERGES = {"": "in-kernel merge (sparse_decode)",
           "nm": "no merge: partials only (sparse_decode_partials)",
           "xm": "partials + XLA merge (jattn.merge.merge_partials)",
@@ -153,23 +171,34 @@ _CFG_FIELDS = {"st": "num_stages", "s": "splits", "w": "num_warps", "b": "blocks
                "la": "index_lookahead"}
 
 
-def parse_attend_config(spec, default_splits):
+def parse_attend_config(spec, default_splits, mosaic_splits=None):
   """An attention sweep config name -> dict of the kernel's launch options and the merge.
 
   ``s<splits>_w<warps>_st<stages>_b<blocks per step>[_la0][_nm|_xm|_mk]``, fields in any order;
   missing fields take the defaults (``default_splits``, 4 warps, 3 stages, 1 block per step,
-  block ids one step ahead, merge in the kernel).
+  block ids one step ahead, merge in the kernel). With the field ``mg``: the Mosaic GPU kernel
+  (``kernel`` = "mosaic_gpu"), fields s and st only (defaults ``mosaic_splits``, 4 stages) and
+  a merge of nm / xm / mk (default mk: it has no in-kernel merge).
 
   >>> parse_attend_config("s17_b2_xm", 33)["splits"], attend_config_name(
   ...     parse_attend_config("b2_xm_s17", 33))
   (17, 's17_w4_st3_b2_xm')
+  >>> attend_config_name(parse_attend_config("mg_st2", 33, 16))
+  'mg_s16_st2_mk'
   """
   cfg = dict(splits=int(default_splits), num_warps=4, num_stages=3, blocks_per_step=1,
              index_lookahead=True, merge="")
-  for tok in str(spec).strip().split("_"):
+  toks = [t for t in str(spec).strip().split("_") if t]
+  if "mg" in toks:
+    toks.remove("mg")
+    cfg.update(kernel="mosaic_gpu", num_stages=4,
+               splits=int(mosaic_splits or default_splits))
+    bad = [t for t in toks if t not in MERGES and not re.fullmatch(r"(st|s)\d+", t)]
+    if bad:
+      raise ValueError(f"attend config {spec!r}: the Mosaic GPU kernel (mg) takes s<n>, st<n> "
+                       f"and nm / xm / mk only, got {bad}")
+  for tok in toks:
     m = re.fullmatch(r"(st|la|s|w|b)(\d+)", tok)
-    if not tok:
-      continue
     if tok in MERGES:
       cfg["merge"] = tok
     elif m:
@@ -187,11 +216,17 @@ def parse_attend_config(spec, default_splits):
       cfg["blocks_per_step"]):
     raise ValueError(f"attend config {spec!r}: splits and stages >= 1, warps and blocks per "
                      f"step powers of two")
+  if cfg.get("kernel") == "mosaic_gpu":
+    cfg["merge"] = cfg["merge"] or "mk"
+    if cfg["num_stages"] < 2:
+      raise ValueError(f"attend config {spec!r}: the Mosaic GPU ring needs st >= 2")
   return cfg
 
 
 def attend_config_name(cfg):
   """The canonical name of a parsed config (every field, defaults included)."""
+  if cfg.get("kernel") == "mosaic_gpu":
+    return f"mg_s{cfg['splits']}_st{cfg['num_stages']}_{cfg['merge']}"
   return (f"s{cfg['splits']}_w{cfg['num_warps']}_st{cfg['num_stages']}_"
           f"b{cfg['blocks_per_step']}" + ("" if cfg["index_lookahead"] else "_la0") +
           (f"_{cfg['merge']}" if cfg["merge"] else ""))
@@ -201,11 +236,14 @@ def _pow2(n):
   return max(16, 1 << (int(n) - 1).bit_length())
 
 
-def row_names(split_list, sweep=()):
+def row_names(split_list, sweep=(), mosaic=True):
   """Every row of the probe, in the order it runs (``split_list``: the attend rows' splits;
-  ``sweep``: canonical attention sweep config names, whose rows and ``sparse_best`` come last).
+  ``sweep``: canonical attention sweep config names, whose rows and ``sparse_best`` come last;
+  ``mosaic``: the ``sparse_mosaic`` row, not with --tiny: the kernel has no interpreter).
   """
-  names = ["dense", "sparse", "sparse_4k", "sparse_xla_merge", "scores", "select"]
+  names = ["dense", "sparse", "sparse_4k", "sparse_xla_merge"]
+  names += ["sparse_mosaic"] if mosaic else []
+  names += ["scores", "select"]
   names += [f"select_w{w}" for w in (1, 2, 8)]
   names += [f"select_r{b}" + (f"_w{w}" if w else "") + ("_1chunk" if ch else "")
             for b, w, ch in RADIX_VARIANTS]
@@ -366,6 +404,13 @@ def main(argv=None):
   ap.add_argument("--attend-configs", default=None,
                   help="comma-separated sweep configs instead of the default grid (implies "
                        "--sweep-attend), e.g. 's17_w8,s33_st4_b2,s33_xm'")
+  ap.add_argument("--block-size", type=int, default=None,
+                  help="tokens per block (default 64, tiny 16; the Mosaic GPU rows need a "
+                       "multiple of 64)")
+  ap.add_argument("--sweep-mosaic", action="store_true",
+                  help="sweep the Mosaic GPU attention (MOSAIC_GRID: mg_* rows + two Triton "
+                       "controls; with --sweep-attend after ATTEND_GRID); without --rows: dense, "
+                       "sparse, sparse_mosaic, the sweep rows and sparse_best")
   ap.add_argument("--attend-best", default=None,
                   help="sparse_best's attention config (implies --sweep-attend); default: the "
                        "sweep row with the lowest device_ms whose checks passed")
@@ -388,6 +433,7 @@ def main(argv=None):
     n, hq, hk, d, bs, interpret, min_time, unroll = 2048, 4, 2, 64, 16, True, 0.01, 4
   else:
     n, hq, hk, d, bs, interpret, min_time, unroll = 131072, 32, 8, 128, 64, False, 0.2, 16
+  bs = args.block_size or bs
   min_time = args.min_time if args.min_time is not None else min_time
   unroll = args.unroll or unroll
   repeat = args.repeat if args.repeat is not None else (3 if args.tiny else 50)
@@ -400,22 +446,27 @@ def main(argv=None):
   splits = 3 if args.tiny else default_num_splits(1, hk, width)   # tiny: exercise the merge
   split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
                 sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
-  sweep_mode = bool(args.sweep_attend or args.attend_configs or args.attend_best)
+  from pallas_kernels.sparse import decode_mosaic_gpu as smg
+  mg_splits = 3 if args.tiny else smg.default_num_splits(1, hk, width)
+  sweep_mode = bool(args.sweep_attend or args.attend_configs or args.attend_best
+                    or args.sweep_mosaic)
   sweep_cfgs = {}                          # canonical name -> parsed config, in grid order
   try:
+    grid = (ATTEND_GRID if args.sweep_attend or not args.sweep_mosaic else ()) + (
+        MOSAIC_GRID if args.sweep_mosaic else ())
     grid = [g.format(d=splits, p=1 << (splits.bit_length() - 1), h=max(1, splits // 2),
-                     t=2 * splits) for g in ATTEND_GRID]
+                     t=2 * splits, m=mg_splits) for g in grid]
     for spec in ((args.attend_configs.split(",") if args.attend_configs else grid)
                  if sweep_mode else ()):
       if spec.strip():
-        cfg = parse_attend_config(spec, splits)
+        cfg = parse_attend_config(spec, splits, mg_splits)
         sweep_cfgs.setdefault(attend_config_name(cfg), cfg)
     if args.attend_best:
-      parse_attend_config(args.attend_best, splits)
+      parse_attend_config(args.attend_best, splits, mg_splits)
   except ValueError as e:
     ap.error(str(e))
   sweep_unroll = args.sweep_unroll or (4 if args.tiny else 32)
-  names = row_names(split_list, tuple(sweep_cfgs))
+  names = row_names(split_list, tuple(sweep_cfgs), mosaic=not args.tiny)
   if args.list:
     print("\n".join(names))
     return 0
@@ -425,6 +476,8 @@ def main(argv=None):
     rows_spec = args.rows
     if rows_spec is None and sweep_mode:
       rows_spec = "sw_*,sparse_best" if sweep_cfgs else "sparse_best"
+      if args.sweep_mosaic and not args.tiny:
+        rows_spec += ",sparse_mosaic"
     chosen = select_rows(names, rows_spec)
   except ValueError as e:
     ap.error(str(e))
@@ -614,6 +667,25 @@ def main(argv=None):
       return attend_xla_merge(q, k, v, i, c)
     return fn, sets, sparse_check("sparse_xla_merge_rel_err")
 
+  if not args.tiny:
+    @row("sparse_mosaic", f"whole sparse decode with the Mosaic GPU attention "
+                          f"(implementation='mosaic_gpu': scores + select + TMA attention + "
+                          f"merge kernel), splits={mg_splits}; returns (out, indices)")
+    def _():
+      mosaic = jax.jit(functools.partial(
+          sp.sparse_decode_attention, kv_lengths=lens, block_size=bs,
+          implementation="mosaic_gpu", return_indices=True, **sel_kw))
+
+      def check(f):
+        out, idx = f(q, kc, vc, summ)
+        c = {"sparse_mosaic_rel_err": rel_err(out, ref_sparse())}
+        c.update(vs_sparse("sparse_mosaic", out))
+        if "out_idx" in base:
+          c["sparse_mosaic_indices_equal_sparse"] = bool(jnp.array_equal(idx,
+                                                                         base["out_idx"][1]))
+        return c
+      return lambda q, k, v, s: mosaic(q, k, v, block_summaries=s), sets, check
+
   @row("scores", "decode_block_scores kernel")
   def _():
     def check(f):
@@ -784,10 +856,16 @@ def main(argv=None):
   def attend_fn(cfg):
     """fn(q, k, v, indices, counts, arrivals=None) for a sweep config: the output [1, hq, d]
     in dtype, or the partials (out, lse) for ``_nm``. arrivals None: zeros made in the call."""
-    kw = dict(block_size=bs, num_splits=cfg["splits"], num_warps=cfg["num_warps"],
-              num_stages=cfg["num_stages"], blocks_per_step=cfg["blocks_per_step"],
-              index_lookahead=cfg["index_lookahead"], interpret=interpret)
-    part = lambda q, k, v, i, c: sparse_decode_partials(q, k, v, lens, i, None, c, **kw)
+    if cfg.get("kernel") == "mosaic_gpu":
+      from pallas_kernels.decode.mosaic_gpu import DecodeBlockSizes
+      mkw = dict(block_size=bs, num_splits=cfg["splits"],
+                 block_sizes=DecodeBlockSizes(64, cfg["num_stages"]))
+      part = lambda q, k, v, i, c: smg.sparse_decode_partials(q, k, v, lens, i, None, c, **mkw)
+    else:
+      kw = dict(block_size=bs, num_splits=cfg["splits"], num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"], blocks_per_step=cfg["blocks_per_step"],
+                index_lookahead=cfg["index_lookahead"], interpret=interpret)
+      part = lambda q, k, v, i, c: sparse_decode_partials(q, k, v, lens, i, None, c, **kw)
     merge = cfg["merge"]
     if merge == "":
       return lambda q, k, v, i, c, a=None: sparse_decode(q, k, v, lens, i, None, c, a,
@@ -811,12 +889,18 @@ def main(argv=None):
     c[f"{key}_bitwise_vs_sparse"] = "equal" if bool(jnp.array_equal(out, ref_out)) else "differs"
     return c
 
+  def sweep_what(cfg):
+    if cfg.get("kernel") == "mosaic_gpu":
+      return (f"Mosaic GPU attention alone: splits={cfg['splits']} x {hk} kv heads, "
+              f"{cfg['num_stages']}-stage TMA ring of 64-key tiles, {MERGES[cfg['merge']]}")
+    return (f"attention alone: splits={cfg['splits']} x {hk} kv heads, "
+            f"warps={cfg['num_warps']}, stages={cfg['num_stages']}, "
+            f"{cfg['blocks_per_step'] * bs} keys/step, ids "
+            f"{'one step ahead' if cfg['index_lookahead'] else 'in the step'}, "
+            f"{MERGES[cfg['merge']]}")
+
   for cname, cfg in sweep_cfgs.items():
-    @row(f"sw_{cname}", f"attention alone: splits={cfg['splits']} x {hk} kv heads, "
-                        f"warps={cfg['num_warps']}, stages={cfg['num_stages']}, "
-                        f"{cfg['blocks_per_step'] * bs} keys/step, ids "
-                        f"{'one step ahead' if cfg['index_lookahead'] else 'in the step'}, "
-                        f"{MERGES[cfg['merge']]}")
+    @row(f"sw_{cname}", sweep_what(cfg))
     def _(cfg=cfg, cname=cname):
       key = f"sw_{cname}"
 
@@ -846,9 +930,9 @@ def main(argv=None):
     @row("sparse_best", "whole sparse decode (scores + select + attention) with the sweep's "
                         "fastest config (device_ms) or --attend-best; returns (out, indices)")
     def _():
-      cname = attend_config_name(parse_attend_config(args.attend_best, splits)) \
+      cname = attend_config_name(parse_attend_config(args.attend_best, splits, mg_splits)) \
           if args.attend_best else best_sweep_config()
-      cfg = parse_attend_config(cname, splits)
+      cfg = parse_attend_config(cname, splits, mg_splits)
       if cfg["merge"] == "nm":
         raise ValueError(f"sparse_best needs a config with a merge, got {cname}")
       att = attend_fn(cfg)

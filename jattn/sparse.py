@@ -1479,7 +1479,16 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   return o.reshape(b, hq, vg.shape[-1]).astype(q.dtype), lse.reshape(b, hq)
 
 
-_DECODE_IMPLEMENTATIONS = (None, "xla", "triton", "mosaic_tpu")
+_DECODE_IMPLEMENTATIONS = (None, "xla", "triton", "mosaic_tpu", "mosaic_gpu")
+
+
+def _resolve_decode_implementation(implementation, platform=None):
+  """None -> "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere (never "mosaic_gpu": not
+  timed yet); other values unchanged."""
+  if implementation is not None:
+    return implementation
+  platform = compat.default_backend() if platform is None else platform
+  return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
 
 
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
@@ -1503,16 +1512,18 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   if block_summaries.num_blocks != nb:
     raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache {nb}")
   if implementation not in _DECODE_IMPLEMENTATIONS:
-    raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton' or "
-                     f"'mosaic_tpu', got {implementation!r}")
-  impl = implementation
-  if impl is None:
-    impl = {"gpu": "triton", "tpu": "mosaic_tpu"}.get(compat.default_backend(), "xla")
+    raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton', "
+                     f"'mosaic_tpu' or 'mosaic_gpu', got {implementation!r}")
+  impl = _resolve_decode_implementation(implementation)
   if score_splits is not None and not fused_select:
     raise ValueError("score_splits applies to fused_select=True only")
   if impl == "mosaic_tpu" and num_splits not in (None, 1):
     raise ValueError(f"num_splits applies to the Triton kernel only (the Mosaic TPU kernel "
                      f"walks each kv head's kept blocks in one pass), got {num_splits}")
+  if impl == "mosaic_gpu":    # unsupported options raise now, naming them (not inside jit)
+    from pallas_kernels.sparse import decode_mosaic_gpu as mg
+    mg.check_options(block_size=block_size, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
+                     dtype=k.dtype, group=q.shape[1] // k.shape[2], interpret=interpret)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   sel_kw = dict(top_k=top_k, num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
@@ -1533,8 +1544,9 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     # finish per (batch, kv head) merges the splits (an atomic arrival counter). With
     # fused_select, the first two are one launch (scores, then the last score program of each
     # (batch, kv head) selects; a memset of its counters first when it has several).
+    # "mosaic_gpu": the same selection, then the Mosaic GPU kernel (TMA reads of the kept
+    # blocks) and the Triton merge kernel (four launches).
     _check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
-    from pallas_kernels.sparse.decode import default_num_splits, sparse_decode
     from pallas_kernels.sparse.decode_select import (decode_block_scores,
                                                      score_select_decode_slots,
                                                      select_decode_slots)
@@ -1551,11 +1563,20 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
       indices, counts, arrivals = select_decode_slots(
           scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
           return_arrivals=True, **sel_kw)
-    if num_splits is None:
-      num_splits = default_num_splits(q.shape[0], k.shape[2], width)
-    out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
-                             block_size=block_size, num_splits=int(num_splits),
-                             scale=float(scale), out_dtype=q.dtype, interpret=interpret)
+    if impl == "mosaic_gpu":
+      from pallas_kernels.sparse import decode_mosaic_gpu as mg
+      if num_splits is None:
+        num_splits = mg.default_num_splits(q.shape[0], k.shape[2], width)
+      out, lse = mg.sparse_decode(q, k, v, lengths, indices, page_table, counts,
+                                  block_size=block_size, num_splits=int(num_splits),
+                                  scale=float(scale), out_dtype=q.dtype)
+    else:
+      from pallas_kernels.sparse.decode import default_num_splits, sparse_decode
+      if num_splits is None:
+        num_splits = default_num_splits(q.shape[0], k.shape[2], width)
+      out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
+                               block_size=block_size, num_splits=int(num_splits),
+                               scale=float(scale), out_dtype=q.dtype, interpret=interpret)
   res = (out,)
   if return_lse:
     res += (lse,)
@@ -1590,6 +1611,12 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       kept blocks; one online softmax per GQA group. block_size must give DMAs of a multiple
       of 8 rows (16 for 16-bit caches); head dims that are not multiples of 128 with several
       kv heads read every head's rows of a kept block (see ``head_lanes_layout``).
+    * "mosaic_gpu" (Hopper, sm90; CPU-verified only, never picked by None): the Triton
+      selection kernels, then a Pallas Mosaic GPU kernel that reads only the kept blocks by TMA
+      (``pallas_kernels.sparse.decode_mosaic_gpu``: the split-KV program of the Mosaic GPU
+      decode kernel walking each kv head's list, default splits one CTA per SM) and the
+      Triton merge kernel. bf16/fp16, head_dim 64/128/256 == head_dim_v, block_size a
+      multiple of 64; other options raise NotImplementedError.
     * None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere.
 
   Args:
@@ -1605,11 +1632,12 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return lse [batch, q_heads] (fp32, natural log, -inf if empty).
     return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
-    implementation: None, "xla", "triton" or "mosaic_tpu".
+    implementation: None, "xla", "triton", "mosaic_tpu" or "mosaic_gpu".
     interpret: run the Pallas kernel in interpret mode (CPU tests; the TPU interpreter for
-      "mosaic_tpu").
+      "mosaic_tpu"; "mosaic_gpu" raises NotImplementedError).
     num_splits: Triton splits per (batch, kv head); default
-      ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM). The
+      ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM;
+      "mosaic_gpu": ``pallas_kernels.sparse.decode_mosaic_gpu.default_num_splits``, one). The
       Mosaic TPU kernel has no splits (None or 1).
     fused_select: "triton" only (the other implementations select in XLA and ignore it): the
       block scores and the selection in one launch

@@ -153,12 +153,50 @@ def test_split_walk_covers_each_key_tile_once():
 # ------------------------------------------------------------------------------ replay (CPU)
 
 
+def replay_program(q_t, st: dm._Static, length, runs, key0, kv_tile):
+  """One program of ``dm.split_program`` in jnp: q_t [64, D] (padded group rows), the tiles of
+  ``runs`` ((lo, hi, masked), ...; masked tiles hide keys at ``key0(t) + column >= length``),
+  kv_tile(t) -> the (K, V) tiles [bk, D] the TMA copies put in the ring slot; the module's
+  online softmax and finalize, P in the cache dtype -> (out [group, D] fp32, lse [64])."""
+  d = st.head_dim
+
+  def step(t, carry, masked):
+    acc, m, l = carry
+    k_t, v_t = kv_tile(t)
+    s = jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32)       # [64, bk]
+    if masked:
+      cols = lax.broadcasted_iota(jnp.int32, s.shape, 1)
+      s = jnp.where(cols + key0(t) < length, s, -jnp.inf)
+    p, alpha, m, l = dm._online_softmax(s, m, l, st)
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(st.dtype), v_t,
+                                         preferred_element_type=jnp.float32)
+    return acc, m, l
+
+  carry = (jnp.zeros((dm.ROWS, d), jnp.float32),
+           jnp.full((dm.ROWS,), dm._M_INIT, jnp.float32), jnp.zeros((dm.ROWS,), jnp.float32))
+  for lo, hi, masked in runs:
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+  out, lse = dm._finalize(*carry)
+  return out[:st.group], lse
+
+
+def replay_grid(program, q_p, lens, st: dm._Static):
+  """``program(q_t, b, h, length, split)`` over the kernel's grid -> the kernel's outputs
+  o [B, S, Hk, group, D], lse [B, S, Hk, 64]."""
+  b, hk = q_p.shape[:2]
+  splits = jnp.arange(st.num_splits, dtype=jnp.int32)
+  per_split = jax.vmap(program, in_axes=(None, None, None, None, 0))
+  per_head = jax.vmap(per_split, in_axes=(0, None, 0, None, None))
+  per_batch = jax.vmap(per_head, in_axes=(0, 0, None, 0, None))
+  o, lse = per_batch(q_p, jnp.arange(b), jnp.arange(hk), lens, splits)   # [B, Hk, S, ...]
+  return o.transpose(0, 2, 1, 3, 4), lse.transpose(0, 2, 1, 3)
+
+
 def _replay_call(q_p, k, v, lens, st: dm._Static, page_table=None):
   """The kernel's walk in jnp, same inputs and outputs as ``dm._call``: q_p [B, Hk, 64, D],
   k/v [B, N', Hk, D] (padded to whole tiles) or pages [P, page_size, Hk, D] with page_table
   [B, max_pages] -> o [B, S, Hk, group, D], lse [B, S, Hk, 64]. Paged tiles are assembled from
   the kernel's copies (``dm._page_copy``: one per page, past the length the first page)."""
-  b, hk = q_p.shape[:2]
   bk, d = st.block_k, st.head_dim
 
   def tile(x, bi, h, t, length):                               # [bk, D] of tile t
@@ -175,32 +213,12 @@ def _replay_call(q_p, k, v, lens, st: dm._Static, page_table=None):
   def program(q_t, bi, h, length, split):                      # q_t [64, D]
     length = dm._clamp_length(length, st)
     t0, tf, t1 = dm._split_range(length, split, st)
+    return replay_program(q_t, st, length, ((t0, tf, False), (tf, t1, True)),
+                          key0=lambda t: t * bk,
+                          kv_tile=lambda t: (tile(k, bi, h, t, length),
+                                             tile(v, bi, h, t, length)))
 
-    def step(t, carry, masked):
-      acc, m, l = carry
-      k_t, v_t = tile(k, bi, h, t, length), tile(v, bi, h, t, length)
-      s = jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32)       # [64, bk]
-      if masked:
-        cols = lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(cols + t * bk < length, s, -jnp.inf)
-      p, alpha, m, l = dm._online_softmax(s, m, l, st)
-      acc = acc * alpha[:, None] + jnp.dot(p.astype(st.dtype), v_t,
-                                           preferred_element_type=jnp.float32)
-      return acc, m, l
-
-    carry = (jnp.zeros((dm.ROWS, d), jnp.float32),
-             jnp.full((dm.ROWS,), dm._M_INIT, jnp.float32), jnp.zeros((dm.ROWS,), jnp.float32))
-    carry = lax.fori_loop(t0, tf, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(tf, t1, functools.partial(step, masked=True), carry)
-    out, lse = dm._finalize(*carry)
-    return out[:st.group], lse
-
-  splits = jnp.arange(st.num_splits, dtype=jnp.int32)
-  per_split = jax.vmap(program, in_axes=(None, None, None, None, 0))
-  per_head = jax.vmap(per_split, in_axes=(0, None, 0, None, None))
-  per_batch = jax.vmap(per_head, in_axes=(0, 0, None, 0, None))
-  o, lse = per_batch(q_p, jnp.arange(b), jnp.arange(hk), lens, splits)   # [B, Hk, S, ...]
-  return o.transpose(0, 2, 1, 3, 4), lse.transpose(0, 2, 1, 3)
+  return replay_grid(program, q_p, lens, st)
 
 
 REPLAY_CASES = {

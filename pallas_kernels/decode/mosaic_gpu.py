@@ -277,31 +277,39 @@ def _finalize(acc, m, l):
 # -------------------------------------------------------------------------------------------
 
 
-def _decode_kernel(*refs, st: _Static):
-  """Refs (GMEM): lens [B] int32, q [B, Hk, 64, D] (group rows, zero padded), k/v [B, N', Hk, D]
-  (paged: [P, page_size, Hk, D] and a page table [B, max_pages] int32 after them)
-  -> o [B, S, Hk, group, D] fp32, lse [B, S, Hk, 64] fp32. Scratch: smem = (q [64, D],
-  k/v rings [stages, bk, D], o staging [64, min(D, 128)] fp32, lse staging [64] fp32),
-  barriers (k/v_loaded count ``copies_per_tile`` TMA arrivals)."""
-  paged = st.page_size is not None
-  lens_ref, q_ref, k_ref, v_ref = refs[:4]
-  pt_ref = refs[4] if paged else None
-  (o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free,
-   v_free) = refs[5 if paged else 4:]
-  q_smem, k_smem, v_smem, o_smem, lse_smem = smem
+def split_program(st: _Static, bufs, *, q_src, o_dst, lse_dst, length, lo, hi, runs, key0,
+                  copies):
+  """One split-KV program (CTA) of a decode kernel: both warpgroups, shared by the dense and
+  the sparse decode kernels (``pallas_kernels.sparse.decode_mosaic_gpu``). The program walks
+  the kv tiles t in [lo, hi) (traced int32; ring slot (t - lo) % num_stages).
+
+  Args:
+    st: the static parameters (``_Static`` or a subclass).
+    bufs: the scratch refs of :func:`launch`: (smem buffers, q_loaded, k_loaded, v_loaded,
+      k_free, v_free).
+    q_src: GMEM ref [64, D] of the group's padded query rows.
+    o_dst: GMEM ref [group, D] (fp32) of the partial output; lse_dst: [64] (fp32).
+    length: the sequence's visible keys (int32; masked keys are those at or past it).
+    lo, hi: the tiles to walk.
+    runs: ((start, stop, masked), ...) consecutive ranges covering [lo, hi); ``masked`` (static)
+      builds the element mask ``key0(t) + column < length`` for the tiles of that range.
+    key0: tile index -> position of the tile's first key (int32), read by masked runs only.
+    copies: tile index -> [(k_src, v_src, dst_rows)]: the TMA copies that fill a ring slot
+      (dst_rows None: the whole slot; else a ``pl.ds`` of its rows); the loaded barriers count
+      ``st.copies_per_tile`` arrivals, so ``copies`` must return that many.
+
+  Returns:
+    None (writes o_dst and lse_dst).
+  """
+  (q_smem, k_smem, v_smem, o_smem, lse_smem), q_loaded, k_loaded, v_loaded, k_free, v_free = bufs
   bk, stages = st.block_k, st.num_stages
-  split = lax.axis_index("splits")
-  h = lax.axis_index("kv_heads")
-  b = lax.axis_index("batch")
   wg = lax.axis_index("wg")
-  length = _clamp_length(lens_ref[b], st)
-  t0, tf, t1 = _split_range(length, split, st)
-  slot_of = lambda t: lax.rem(t - t0, jnp.int32(stages))
+  slot_of = lambda t: lax.rem(t - lo, jnp.int32(stages))
 
   @pl.when(wg == 0)
   def _compute():
     plgpu.set_max_registers(232, action="increase")
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_loaded)
+    plgpu.copy_gmem_to_smem(q_src, q_smem, q_loaded)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((ROWS,), _M_INIT, jnp.float32), row_layout)
@@ -319,9 +327,9 @@ def _decode_kernel(*refs, st: _Static):
         return s_ref[...]
       s = pl.run_scoped(qk_gemm, plgpu.ACC((ROWS, bk), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
-      if masked:   # the sequence's last tile: keys at or past its length
+      if masked:   # keys at or past the length (the sequence's last tile; sparse: every tile)
         cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), 1, layout=wgmma_layout)
-        s = jnp.where(cols + t * bk < length, s, -jnp.inf)
+        s = jnp.where(cols + key0(t) < length, s, -jnp.inf)
       p, alpha, m_new, l = _online_softmax(s, m, l, st)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p = p.astype(st.dtype)
@@ -333,9 +341,10 @@ def _decode_kernel(*refs, st: _Static):
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
-    carry = lax.fori_loop(t0, tf, functools.partial(step, masked=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(tf, t1, functools.partial(step, masked=True), carry)
-    out, lse = _finalize(acc, m, l)
+    carry = (acc, m, l)
+    for start, stop, masked in runs:
+      carry = lax.fori_loop(start, stop, functools.partial(step, masked=masked), carry)
+    out, lse = _finalize(*carry)
     lse_smem[...] = lse
     dc = _o_chunk(st.head_dim)
     for c in range(st.head_dim // dc):    # D256: two column halves through one staging buffer
@@ -343,10 +352,9 @@ def _decode_kernel(*refs, st: _Static):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous half has left
       o_smem[...] = out[:, c * dc:(c + 1) * dc]
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, st.group)],
-                              o_ref.at[b, split, h, :, pl.ds(c * dc, dc)])
+      plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, st.group)], o_dst.at[:, pl.ds(c * dc, dc)])
       if not c:
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, split, h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 1)
@@ -355,25 +363,18 @@ def _decode_kernel(*refs, st: _Static):
 
     def load(t):
       slot = slot_of(t)
-      if not paged:
-        rows = (b, pl.ds(t * bk, bk), h)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
-        return
-      n = st.copy_rows
-      for j in range(st.copies_per_tile):   # one TMA per page (or per tile inside a page)
-        col, row = _page_copy(length, t, j, st)
-        rows = (pt_ref[b, col], pl.ds(row, n), h)
-        dst = pl.ds(j * n, n)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot, dst], k_loaded.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot, dst], v_loaded.at[slot])
+      for k_src, v_src, dst in copies(t):
+        k_dst = k_smem.at[slot] if dst is None else k_smem.at[slot, dst]
+        v_dst = v_smem.at[slot] if dst is None else v_smem.at[slot, dst]
+        plgpu.copy_gmem_to_smem(k_src, k_dst, k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_src, v_dst, v_loaded.at[slot])
 
     for i in range(stages):                                     # fill the ring
-      @pl.when(t0 + i < t1)
+      @pl.when(lo + i < hi)
       def _():
-        load(t0 + i)
+        load(lo + i)
 
-    @pl.loop(t0 + stages, jnp.maximum(t1, t0 + stages))
+    @pl.loop(lo + stages, jnp.maximum(hi, lo + stages))
     def _(t):
       slot = slot_of(t)
       plgpu.barrier_wait(k_free.at[slot])
@@ -381,8 +382,53 @@ def _decode_kernel(*refs, st: _Static):
       load(t)
 
 
-def _call(q_p, k, v, lens, st: _Static, page_table=None):
-  b, hk = q_p.shape[:2]
+def _decode_kernel(*refs, st: _Static):
+  """Refs (GMEM): lens [B] int32, q [B, Hk, 64, D] (group rows, zero padded), k/v [B, N', Hk, D]
+  (paged: [P, page_size, Hk, D] and a page table [B, max_pages] int32 after them)
+  -> o [B, S, Hk, group, D] fp32, lse [B, S, Hk, 64] fp32; then the scratch of :func:`launch`
+  (k/v_loaded count ``copies_per_tile`` TMA arrivals)."""
+  paged = st.page_size is not None
+  lens_ref, q_ref, k_ref, v_ref = refs[:4]
+  pt_ref = refs[4] if paged else None
+  o_ref, lse_ref, *bufs = refs[5 if paged else 4:]
+  bk = st.block_k
+  split = lax.axis_index("splits")
+  h = lax.axis_index("kv_heads")
+  b = lax.axis_index("batch")
+  length = _clamp_length(lens_ref[b], st)
+  t0, tf, t1 = _split_range(length, split, st)
+
+  def copies(t):
+    if not paged:
+      rows = (b, pl.ds(t * bk, bk), h)
+      return [(k_ref.at[rows], v_ref.at[rows], None)]
+    n = st.copy_rows
+    out = []
+    for j in range(st.copies_per_tile):   # one TMA per page (or per tile inside a page)
+      col, row = _page_copy(length, t, j, st)
+      rows = (pt_ref[b, col], pl.ds(row, n), h)
+      out.append((k_ref.at[rows], v_ref.at[rows], pl.ds(j * n, n)))
+    return out
+
+  split_program(st, bufs, q_src=q_ref.at[b, h], o_dst=o_ref.at[b, split, h],
+                lse_dst=lse_ref.at[b, split, h], length=length, lo=t0, hi=t1,
+                runs=((t0, tf, False), (tf, t1, True)), key0=lambda t: t * bk, copies=copies)
+
+
+def launch(kernel, args, st: _Static, batch: int, kv_heads: int):
+  """The Mosaic GPU call of a split-KV decode kernel: grid (splits, kv heads, batch), two
+  warpgroups, the scratch ``split_program`` uses (Q tile, K/V rings, fp32 output and lse
+  staging, barriers), outputs o [B, S, Hk, group, D] and lse [B, S, Hk, 64] fp32.
+
+  Args:
+    kernel: called with the GMEM refs of ``args``, the two outputs and the scratch.
+    args: the kernel's inputs.
+    st: the static parameters.
+    batch, kv_heads: the grid.
+
+  Returns:
+    (o, lse).
+  """
   d, bk, stages = st.head_dim, st.block_k, st.num_stages
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 B
   smem = (
@@ -393,9 +439,9 @@ def _call(q_p, k, v, lens, st: _Static, page_table=None):
       plgpu.SMEM((ROWS,), jnp.float32),                                   # lse staging
   )
   call = plgpu.kernel(
-      functools.partial(_decode_kernel, st=st),
-      out_type=(jax.ShapeDtypeStruct((b, st.num_splits, hk, st.group, d), jnp.float32),
-                jax.ShapeDtypeStruct((b, st.num_splits, hk, ROWS), jnp.float32)),
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((batch, st.num_splits, kv_heads, st.group, d), jnp.float32),
+                jax.ShapeDtypeStruct((batch, st.num_splits, kv_heads, ROWS), jnp.float32)),
       scratch_types=(
           smem,
           plgpu.Barrier(num_barriers=1),                                  # q_loaded
@@ -404,14 +450,19 @@ def _call(q_p, k, v, lens, st: _Static, page_table=None):
           plgpu.Barrier(num_barriers=stages),                             # k_free
           plgpu.Barrier(num_barriers=stages),                             # v_free
       ),
-      grid=(st.num_splits, hk, b),
+      grid=(st.num_splits, kv_heads, batch),
       grid_names=("splits", "kv_heads", "batch"),
       num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  args = (lens, q_p, k, v) + (() if page_table is None else (page_table,))
   return call(*args)
+
+
+def _call(q_p, k, v, lens, st: _Static, page_table=None):
+  b, hk = q_p.shape[:2]
+  args = (lens, q_p, k, v) + (() if page_table is None else (page_table,))
+  return launch(functools.partial(_decode_kernel, st=st), args, st, b, hk)
 
 
 def _static(q, k, v, num_splits, scale, block_sizes, page_size=None, capacity=None,
