@@ -382,19 +382,25 @@ def split_program(st: _Static, bufs, *, q_src, o_dst, lse_dst, length, lo, hi, r
       load(t)
 
 
+def unpack_refs(refs, num_inputs: int, st: _Static):
+  """A kernel's refs as :func:`launch` passes them -> (its ``num_inputs`` input refs, the page
+  table ref after them or None (contiguous), o, lse, the scratch refs) and the program's
+  (split, kv head, batch) grid indices."""
+  paged = st.page_size is not None
+  o_ref, lse_ref, *bufs = refs[num_inputs + paged:]
+  ids = tuple(lax.axis_index(name) for name in ("splits", "kv_heads", "batch"))
+  return refs[:num_inputs], refs[num_inputs] if paged else None, o_ref, lse_ref, bufs, ids
+
+
 def _decode_kernel(*refs, st: _Static):
   """Refs (GMEM): lens [B] int32, q [B, Hk, 64, D] (group rows, zero padded), k/v [B, N', Hk, D]
   (paged: [P, page_size, Hk, D] and a page table [B, max_pages] int32 after them)
   -> o [B, S, Hk, group, D] fp32, lse [B, S, Hk, 64] fp32; then the scratch of :func:`launch`
   (k/v_loaded count ``copies_per_tile`` TMA arrivals)."""
   paged = st.page_size is not None
-  lens_ref, q_ref, k_ref, v_ref = refs[:4]
-  pt_ref = refs[4] if paged else None
-  o_ref, lse_ref, *bufs = refs[5 if paged else 4:]
+  (lens_ref, q_ref, k_ref, v_ref), pt_ref, o_ref, lse_ref, bufs, (split, h, b) = unpack_refs(
+      refs, 4, st)
   bk = st.block_k
-  split = lax.axis_index("splits")
-  h = lax.axis_index("kv_heads")
-  b = lax.axis_index("batch")
   length = _clamp_length(lens_ref[b], st)
   t0, tf, t1 = _split_range(length, split, st)
 

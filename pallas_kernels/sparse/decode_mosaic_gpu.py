@@ -163,13 +163,9 @@ def _sparse_kernel(*refs, st: _Static):
   [B, N', Hk, D] (paged: [P, block_size, Hk, D] and the page table [B, max_pages] after them)
   -> o [B, S, Hk, group, D], lse [B, S, Hk, 64] fp32; then ``dm.launch``'s scratch."""
   paged = st.page_size is not None
-  lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref = refs[:6]
-  pt_ref = refs[6] if paged else None
-  o_ref, lse_ref, *bufs = refs[7 if paged else 6:]
+  ins, pt_ref, o_ref, lse_ref, bufs, (split, h, b) = dm.unpack_refs(refs, 6, st)
+  lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref = ins
   bk = st.block_k
-  split = lax.axis_index("splits")
-  h = lax.axis_index("kv_heads")
-  b = lax.axis_index("batch")
   length = dm._clamp_length(lens_ref[b], st)
   begin, end = _split_slots(cnt_ref[b, h], length, split, st)
   lo, hi = begin * st.tiles_per_block, end * st.tiles_per_block
