@@ -1639,7 +1639,7 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM;
       "mosaic_gpu": ``pallas_kernels.sparse.decode_mosaic_gpu.default_num_splits``, one). The
       Mosaic TPU kernel has no splits (None or 1).
-    fused_select: "triton" only (the other implementations select in XLA and ignore it): the
+    fused_select: "triton" and "mosaic_gpu" (the others select in XLA and ignore it): the
       block scores and the selection in one launch
       (``pallas_kernels.sparse.decode_select.score_select_decode_slots``) instead of two; the
       same selection and output to the bit. Default False (two launches).

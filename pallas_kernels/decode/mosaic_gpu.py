@@ -35,6 +35,11 @@ per-row cross-lane reductions over D and a broadcast multiply per key -- more co
 registers, and no tensor cores. The padded query rows are zeros (the wrapper pads q to
 [B, Hk, 64, D], a few KiB); their logits are 0 and their outputs are never written.
 
+Code layout: ``split_program`` (both warpgroups of one program, given its tile walk and the TMA
+copies of a tile), ``launch`` (grid, scratch, outputs) and ``unpack_refs`` are shared with the
+sparse decode kernel (``pallas_kernels.sparse.decode_mosaic_gpu``, which walks each kv head's
+list of kept blocks); ``_decode_kernel`` gives them the dense walk.
+
 Layout of the results (what ``jattn.decode`` merges): o [B, num_splits, Hq, D] fp32 (the kernel
 writes [B, S, Hk, group, D]: only the group's rows leave shared memory, a free reshape) and lse
 [B, num_splits, Hq] fp32, natural log, -inf for splits without a visible key (the kernel writes
