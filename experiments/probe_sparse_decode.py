@@ -1056,7 +1056,7 @@ def main(argv=None):
       if key in by.get("sparse", {}) and key in by.get("sparse_4k", {}):
         summary[f"merged_vs_4k_{key}"] = by["sparse_4k"][key] / by["sparse"][key]
       for name in ("sparse_fused", "sparse_fused_s1", "sparse_fused_r4", "sparse_fused_r2",
-                   "sparse_r4", "sparse_r2"):
+                   "sparse_r4", "sparse_r2", "sparse_mosaic"):
         short = name[len("sparse_"):]
         if key in by.get("dense", {}) and key in by.get(name, {}):
           summary[f"speedup_{short}_{key}"] = by["dense"][key] / by[name][key]
