@@ -118,6 +118,9 @@ def test_sparse_decode_mosaic_tpu_errors():
     sp.sparse_decode_attention(q, kb, kb, lens, sp.init_block_summaries(kb, lens, block_size=8),
                                **{**kw, "block_size": 8})
   with pytest.raises(ValueError, match="implementation"):
+    sp.sparse_decode_attention(q, k, k, lens, summ, **{**kw, "implementation": "no_such_impl"})
+  # "mosaic_gpu" is a sparse decode implementation since session 14, but not in interpret mode
+  with pytest.raises(NotImplementedError, match="interpret"):
     sp.sparse_decode_attention(q, k, k, lens, summ, **{**kw, "implementation": "mosaic_gpu"})
 
 
