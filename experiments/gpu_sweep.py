@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -144,6 +145,31 @@ BWD_D256_CANDIDATES = (
 CHECK_HEADS = ((0, 0), (1, 15))  # (batch, head) pairs whose gradients bwd_d256 checks
 
 
+def _median_ms(fn, *args, iters):
+  """Median wall milliseconds of ``fn(*args)`` (synchronised) over ``iters`` calls after one
+  warm-up call.
+
+  Args:
+    fn: a callable returning jax arrays.
+    *args: its arguments.
+    iters: timed calls.
+
+  Returns:
+    The median in milliseconds.
+
+  Example:
+    >>> _median_ms(jax.jit(lambda x: x + 1), jnp.ones(4), iters=2) > 0
+    True
+  """
+  jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts) * 1e3
+
+
 def _bwd_programs(cfg, *, causal, scale, interpret, split):
   """[(key, fn)] of the backward-alone programs of one config (fn(q, k, v, out, lse, do))."""
   parts = ["all"] + (["dkv", "dq"] if split and not cfg.fused_bwd else [])
@@ -193,14 +219,7 @@ def bwd_rows(cfgs, *, seq, causal, head_dim, batch=2, heads=16, dtype=jnp.bfloat
       q, k, v, None, None, sched, causal=causal, local_window_size=None, scale=scale,
       logits_soft_cap=None, block_sizes=fwd_cfg, interpret=interpret))
 
-  def timeit(fn, *args):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+  timeit = functools.partial(_median_ms, iters=iters)
 
   fwd_ms = timeit(fwd, q, k, v)
   out, lse = fwd(q, k, v)
@@ -299,14 +318,7 @@ def _tokamax_rows(batch, seq, heads, head_dim, causal, dtype, iters):
   f = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
                                                     implementation="triton")
 
-  def timeit(fn, *args):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
+  timeit = functools.partial(_median_ms, iters=iters)
 
   row = dict(config="tokamax_triton")
   try:

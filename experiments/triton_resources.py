@@ -46,9 +46,6 @@ def dump(out_dir, configs):
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
   import jax.numpy as jnp
-  from jax._src.interpreters import mlir as jm
-  from jax._src.lib import triton as jt
-  from jax._src.lib.mlir import ir
 
   from experiments.probe_sparse_decode import attend_config_name, parse_attend_config
   from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
@@ -74,22 +71,7 @@ def dump(out_dir, configs):
                                                                         c, **kw)
     text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
         *args).mlir_module()
-    with jm.make_ir_context() as ctx:
-      jt.dialect.register_dialect(ctx)
-      found = []
-
-      def walk(op):
-        for region in op.regions:
-          for block in region.blocks:
-            for o in block.operations:
-              if o.operation.name == "stablehlo.custom_call":
-                bc = o.operation.attributes["mhlo.backend_config"]
-                found.append((ir.Module.parse(bc["ir"].value_bytes).operation.get_asm(
-                    enable_debug_info=False), int(re.match(r"\d+", str(bc["num_warps"]))[0]),
-                    int(re.match(r"\d+", str(bc["num_stages"]))[0])))
-              walk(o.operation)
-      walk(ir.Module.parse(text).operation)
-    ttir, warps, stages = found[0]                       # the attention kernel
+    ttir, _, warps, stages = _triton_calls(text)[0]     # the attention kernel
     with open(os.path.join(out_dir, name + ".ttir"), "w") as f:
       f.write(ttir)
     with open(os.path.join(out_dir, name + ".json"), "w") as f:

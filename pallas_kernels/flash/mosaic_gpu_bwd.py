@@ -698,6 +698,64 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
 # ----------------------------------------------------------------------------------------------
 
 
+def _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, *, causal, dtype, iters):
+  """What the backward sweeps share (GPU only): random inputs, FLOP counts, jax.nn cuDNN's
+  forward and forward + backward (rows ``cudnn_fwd``, ``cudnn_fwd_bwd``, ``cudnn_bwd_est``, and
+  its gradients as the reference of ``diff``), and the Mosaic forward's residuals.
+
+  Args:
+    batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
+    causal: causal mask.
+    dtype: bf16 or fp16.
+    iters: timed iterations (median) after one warm-up.
+
+  Returns:
+    A namespace: q, k, v, do, out, lse, fwd_flops, bwd_flops (5 matmuls: 2.5x the forward),
+    timeit (``fn, *args -> (result, median ms)``), rows (the three cuDNN rows) and diff
+    (``grads -> max |d - d_cudnn|`` over dq, dk, dv).
+
+  Example:
+    >>> b = _sweep_baseline(2, 16384, 16, 16, 128, causal=True, dtype=jnp.bfloat16,
+    ...                     iters=10)  # doctest: +SKIP
+  """
+  import types
+  from pallas_kernels.flash import mosaic_gpu as mg
+
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), dtype)
+  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
+  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
+  do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), dtype)
+  pairs = seq * (seq + 1) // 2 if causal else seq * seq
+  fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
+  bwd_flops = 2.5 * fwd_flops
+
+  timeit = functools.partial(mg._timed_median, iters=iters)
+
+  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                            implementation="cudnn")
+
+  def cudnn_fwd_bwd(q, k, v, do):
+    _, vjp = jax.vjp(cudnn, q, k, v)
+    return vjp(do)
+
+  _, fwd_ms = timeit(jax.jit(cudnn), q, k, v)
+  ref, fb_ms = timeit(jax.jit(cudnn_fwd_bwd), q, k, v, do)
+  rows = [dict(name="cudnn_fwd", ms=fwd_ms, tflops=fwd_flops / fwd_ms * 1e-9),
+          dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
+          dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
+               tflops=bwd_flops / max(fb_ms - fwd_ms, 1e-9) * 1e-9)]
+
+  def diff(grads):
+    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
+               for g, r in zip(grads, ref))
+
+  out, lse = jax.block_until_ready(jax.jit(functools.partial(mg.flash_attention,
+                                                             causal=causal))(q, k, v))
+  return types.SimpleNamespace(q=q, k=k, v=v, do=do, out=out, lse=lse, fwd_flops=fwd_flops,
+                               bwd_flops=bwd_flops, timeit=timeit, rows=rows, diff=diff)
+
+
 def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
                head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16, configs=None,
                iters: int = 10, verbose: bool = True):
@@ -738,37 +796,10 @@ def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: in
       configs += [dataclasses.replace(base, block_q_dkv=128),
                   dataclasses.replace(base, block_k_dkv=128),
                   dataclasses.replace(base, block_q_dq=128, num_stages_dq=2)]
-  ks = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), dtype)
-  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
-  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
-  do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), dtype)
-  pairs = seq * (seq + 1) // 2 if causal else seq * seq
-  fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
-  bwd_flops = 2.5 * fwd_flops
-
-  timeit = functools.partial(mg._timed_median, iters=iters)
-
-  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                            implementation="cudnn")
-
-  def cudnn_fwd_bwd(q, k, v, do):
-    _, vjp = jax.vjp(cudnn, q, k, v)
-    return vjp(do)
-
-  _, fwd_ms = timeit(jax.jit(cudnn), q, k, v)
-  ref, fb_ms = timeit(jax.jit(cudnn_fwd_bwd), q, k, v, do)
-  rows = [dict(name="cudnn_fwd", ms=fwd_ms, tflops=fwd_flops / fwd_ms * 1e-9),
-          dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
-          dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
-               tflops=bwd_flops / max(fb_ms - fwd_ms, 1e-9) * 1e-9)]
-
-  def diff(grads):
-    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
-               for g, r in zip(grads, ref))
-
-  out, lse = jax.block_until_ready(jax.jit(functools.partial(mg.flash_attention,
-                                                             causal=causal))(q, k, v))
+  b = _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, causal=causal, dtype=dtype,
+                      iters=iters)
+  q, k, v, do, out, lse = b.q, b.k, b.v, b.do, b.out, b.lse
+  fwd_flops, bwd_flops, timeit, rows, diff = b.fwd_flops, b.bwd_flops, b.timeit, b.rows, b.diff
   try:
     from pallas_kernels.flash import triton as flash_triton
     scale = head_dim ** -0.5

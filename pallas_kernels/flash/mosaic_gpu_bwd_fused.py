@@ -315,8 +315,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
         plgpu.wgmma(dq_acc, ds_smem.at[buf, w].transpose((1, 0)),
                     k_own.at[w, :, pl.ds(col0, dcols)])
 
-    def dq_reduce_add(dq, j):                             # dQ of ring step j -> GMEM dQ (+=)
-      g, i = tile_of(j)
+    def dq_reduce_add(dq, g, i):                          # dQ of (head g, q tile i) -> GMEM (+=)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # last reduce-add has read the staging
       dq_smem.at[wg][...] = dq * st.scale
       plgpu.commit_smem()
@@ -396,7 +395,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
 
         @pl.when(j > 0)
         def _():
-          dq_reduce_add(dq, j - 1)
+          dq_reduce_add(dq, *tile_of(j - 1))
         return dk, dv
 
       def grad_gemms(refs):                               # dV += P^T dO; dK += dS^T Q; dQ_w
@@ -410,13 +409,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
       dv, dk, dq = pl.run_state(grad_gemms)((plgpu.ACC.init(dv), plgpu.ACC.init(dk),
                                              plgpu.ACC.init(zeros((bq, dcols)))))
       plgpu.barrier_arrive(free.at[slot])
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # last reduce-add has read the staging
-      dq_smem.at[wg][...] = dq * st.scale
-      plgpu.commit_smem()
-      h = kv_h * st.group + g
-      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dq_ref.at[b, pl.ds(i * bq, bq), h,
-                                                        pl.ds(col0, dcols)],
-                              reduction_op="add")
+      dq_reduce_add(dq, g, i)
       return dk, dv
 
     def head(g, carry):
@@ -433,7 +426,8 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
 
       def last_dq_gemm(dq_acc):
         dq_gemms(dq_acc, buf_of(last))
-      dq_reduce_add(pl.run_state(last_dq_gemm)(plgpu.ACC.init(zeros((bq, dcols)))), last)
+      dq_reduce_add(pl.run_state(last_dq_gemm)(plgpu.ACC.init(zeros((bq, dcols)))),
+                    *tile_of(last))
     plgpu.barrier_arrive(done)                            # the other warpgroup's last dQ wgmma
     plgpu.barrier_wait(done)                              # has read this K tile
     kt[...] = (dk * st.scale).astype(st.dtype)            # K/V are dead: reuse them for dK/dV
@@ -657,38 +651,13 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
   if configs is None:
     configs = _default_sweep_configs(head_dim, dtype)
   configs = [c if isinstance(c, tuple) else (str(c), c, FusedOptions()) for c in configs]
-  ks = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), dtype)
-  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
-  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
-  do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), dtype)
-  pairs = seq * (seq + 1) // 2 if causal else seq * seq
-  fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
-  bwd_flops = 2.5 * fwd_flops
-  timeit = functools.partial(mg._timed_median, iters=iters)
-  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                            implementation="cudnn")
-
-  def cudnn_fwd_bwd(q, k, v, do):
-    _, vjp = jax.vjp(cudnn, q, k, v)
-    return vjp(do)
-
-  _, fwd_ms = timeit(jax.jit(cudnn), q, k, v)
-  ref, fb_ms = timeit(jax.jit(cudnn_fwd_bwd), q, k, v, do)
-  rows = [dict(name="cudnn_fwd", ms=fwd_ms, tflops=fwd_flops / fwd_ms * 1e-9),
-          dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
-          dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
-               tflops=bwd_flops / max(fb_ms - fwd_ms, 1e-9) * 1e-9)]
+  b = mb._sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, causal=causal, dtype=dtype,
+                         iters=iters)
+  q, k, v, do, out, lse = b.q, b.k, b.v, b.do, b.out, b.lse
+  fwd_flops, bwd_flops, timeit, rows, diff = b.fwd_flops, b.bwd_flops, b.timeit, b.rows, b.diff
   if verbose:
     for row in rows:
       print(row, flush=True)
-
-  def diff(grads):
-    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
-               for g, r in zip(grads, ref))
-
-  out, lse = jax.block_until_ready(jax.jit(functools.partial(mg.flash_attention,
-                                                             causal=causal))(q, k, v))
 
   def add(name, make, flops, real=1.0):
     row = dict(name=name)
