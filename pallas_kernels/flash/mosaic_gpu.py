@@ -1235,6 +1235,8 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     ref = ref.reshape(q.shape)
     name = f"jax_nn_cudnn ({batch * docs} separate causal rows of {n})"
   rows = [dict(name=name, ms=ref_ms, tflops=flops / ref_ms * 1e-9)]
+  if verbose:   # each row as it finishes: a call cut by a timeout still reports what ran
+    print(rows[0], flush=True)
   for cfg in configs:
     row = dict(name=f"mosaic_gpu {cfg}")
     try:
@@ -1246,7 +1248,6 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     except Exception as e:  # a config that does not compile is reported, not fatal
       row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     rows.append(row)
-  if verbose:
-    for row in rows:
+    if verbose:
       print(row, flush=True)
   return rows

@@ -1,0 +1,119 @@
+"""Probe (GPU): does a head-major KV cache ([batch, kv_heads, len, head_dim], "HND") lift the
+sparse decode's read rate?  Issue 5's sparse decode at B1 S128K GQA 32:8 D128, 64-token blocks,
+top 19%.  The cache layout the kernels read today is [batch, len, kv_heads, head_dim] ("NHD"): a
+kept 64-token block of one kv head is 64 rows of 256 B, 2 KB apart, while the other kv heads'
+rows in between are read only if they kept the same block.  A head-major cache makes each kept
+block one contiguous 16 KB run.  No kernel change is needed to test it: a head-major cache
+reshaped to [batch * kv_heads, len, 1, head_dim] (free) is a cache of batch * kv_heads
+sequences with one kv head each, and the query heads of group h become that sequence's query
+heads.  Every row is checked against the NHD call's output in the same process, and every
+timing is a device slope (jitted programs of 4 and 16 calls, interleaved rounds).
+
+  python experiments/probe_sparse_decode_layout.py --out OUT.json
+"""
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import decode as jd
+from jattn import sparse as sp
+
+
+def to_hnd_batch(x):
+  """[B, S, Hk, D] -> [B * Hk, S, 1, D] through the head-major copy (made once, outside timing)."""
+  b, s, h, d = x.shape
+  return jnp.transpose(x, (0, 2, 1, 3)).reshape(b * h, s, 1, d)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default="probe_sparse_decode_layout.json")
+  p.add_argument("--seq", type=int, default=131072)
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
+  a = p.parse_args(argv)
+  B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
+  S = 1024 if a.tiny else a.seq
+  G = Hq // Hk
+  nb = S // bs
+  top_k = max(1, round(0.19 * nb) - 2)
+  interp = a.tiny
+  impl = "xla" if a.tiny else "triton"
+  keys = jax.random.split(jax.random.key(0), 8)
+  dt = jnp.bfloat16
+  k = jax.random.normal(keys[0], (B, S, Hk, D), dt)
+  v = jax.random.normal(keys[1], (B, S, Hk, D), dt)
+  qs = [jax.random.normal(keys[2 + i], (B, Hq, D), dt) for i in range(4)]
+  lens = jnp.full((B,), S, jnp.int32)
+  summ = sp.init_block_summaries(k, lens, block_size=bs)
+  kh, vh = to_hnd_batch(k), to_hnd_batch(v)
+  lens_h = jnp.repeat(lens, Hk)
+  summ_h = sp.init_block_summaries(kh, lens_h, block_size=bs)
+  q_h = lambda q: q.reshape(B * Hk, G, D)
+  back = lambda o: o.reshape(B, Hq, D)
+  kw = dict(block_size=bs, top_k=top_k, interpret=interp)
+
+  fns = {
+      "dense_nhd": lambda q: jd.decode_attention(q, k, v, lens, interpret=interp),
+      "dense_hnd": lambda q: back(jd.decode_attention(q_h(q), kh, vh, lens_h, interpret=interp)),
+      "sparse_nhd": lambda q: sp.sparse_decode_attention(q, k, v, lens, summ,
+                                                          implementation=impl, **kw),
+      "sparse_hnd": lambda q: back(sp.sparse_decode_attention(q_h(q), kh, vh, lens_h, summ_h,
+                                                               implementation=impl, **kw)),
+  }
+  if not a.tiny:
+    fns["sparse_mosaic_nhd"] = lambda q: sp.sparse_decode_attention(
+        q, k, v, lens, summ, implementation="mosaic_gpu", **kw)
+    fns["sparse_mosaic_hnd"] = lambda q: back(sp.sparse_decode_attention(
+        q_h(q), kh, vh, lens_h, summ_h, implementation="mosaic_gpu", **kw))
+  res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, case=dict(
+      B=B, S=S, Hq=Hq, Hk=Hk, D=D, block=bs, top_k=top_k, kept_blocks=top_k + 2, blocks=nb),
+      rows={})
+  # check: fp32 reference on the NHD selection, every row against it
+  outs = {n: jax.block_until_ready(jax.jit(f)(qs[0])) for n, f in fns.items()}
+  ref_sparse = sp.sparse_decode_attention(qs[0].astype(jnp.float32), k.astype(jnp.float32),
+                                          v.astype(jnp.float32), lens, summ,
+                                          implementation="xla", block_size=bs, top_k=top_k)
+  ref_dense = jd.decode_attention(qs[0].astype(jnp.float32), k.astype(jnp.float32),
+                                  v.astype(jnp.float32), lens, implementation="xla")
+  def err(x, r):
+    x, r = x.astype(jnp.float32), r.astype(jnp.float32)
+    return float(jnp.linalg.norm(x - r) / jnp.linalg.norm(r))
+  for n, o in outs.items():
+    r = ref_dense if n.startswith("dense") else ref_sparse
+    res["rows"][n] = dict(rel_err=err(o, r), ok=err(o, r) < 5e-3)
+    print(n, "rel_err", res["rows"][n]["rel_err"], flush=True)
+  # device slope: programs of 4 and 16 calls (one dispatch each), interleaved rounds
+  progs = {}
+  for n, f in fns.items():
+    for m in (4, 16):
+      pr = jax.jit(lambda qq, f=f, m=m: [f(qq[i % 4]) for i in range(m)])
+      jax.block_until_ready(pr(qs))
+      progs[(n, m)] = pr
+  def best(pr, reps=5):
+    ts = []
+    for _ in range(reps):
+      t0 = time.perf_counter(); jax.block_until_ready(pr(qs)); ts.append(time.perf_counter() - t0)
+    return min(ts)
+  slopes = {n: [] for n in fns}
+  for _ in range(a.rounds):
+    for n in fns:
+      t4, t16 = best(progs[(n, 4)]), best(progs[(n, 16)])
+      slopes[n].append((t16 - t4) / 12 * 1e6)
+  for n in fns:
+    res["rows"][n].update(device_us=statistics.median(slopes[n]), rounds_us=slopes[n])
+    print(f"{n:22s} device {statistics.median(slopes[n]):8.2f} us  rounds "
+          f"{', '.join(f'{x:.1f}' for x in slopes[n])}", flush=True)
+  d = res["rows"]["dense_nhd"]["device_us"]
+  res["speedups_vs_dense_nhd"] = {n: d / r["device_us"] for n, r in res["rows"].items()}
+  print("dense_nhd / row:", {n: round(x, 2) for n, x in res["speedups_vs_dense_nhd"].items()})
+  json.dump(res, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+  main()
