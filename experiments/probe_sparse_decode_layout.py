@@ -7,7 +7,7 @@ block one contiguous 16 KB run.  No kernel change is needed to test it: a head-m
 reshaped to [batch * kv_heads, len, 1, head_dim] (free) is a cache of batch * kv_heads
 sequences with one kv head each, and the query heads of group h become that sequence's query
 heads.  Every row is checked against the NHD call's output in the same process, and every
-timing is a device slope (jitted programs of 4 and 16 calls, interleaved rounds).
+timing is a device slope (jitted programs of 2 and 6 calls by default, interleaved rounds).
 
   python experiments/probe_sparse_decode_layout.py --out OUT.json
 """
@@ -35,6 +35,8 @@ def main(argv=None):
   p.add_argument("--out", default="probe_sparse_decode_layout.json")
   p.add_argument("--seq", type=int, default=131072)
   p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--calls", default="2,6", help="calls in the short and the long program")
+  p.add_argument("--mosaic", action="store_true", help="also the mosaic_gpu rows")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
   a = p.parse_args(argv)
   B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
@@ -66,7 +68,7 @@ def main(argv=None):
       "sparse_hnd": lambda q: back(sp.sparse_decode_attention(q_h(q), kh, vh, lens_h, summ_h,
                                                                implementation=impl, **kw)),
   }
-  if not a.tiny:
+  if a.mosaic and not a.tiny:
     fns["sparse_mosaic_nhd"] = lambda q: sp.sparse_decode_attention(
         q, k, v, lens, summ, implementation="mosaic_gpu", **kw)
     fns["sparse_mosaic_hnd"] = lambda q: back(sp.sparse_decode_attention(
@@ -89,9 +91,10 @@ def main(argv=None):
     res["rows"][n] = dict(rel_err=err(o, r), ok=err(o, r) < 5e-3)
     print(n, "rel_err", res["rows"][n]["rel_err"], flush=True)
   # device slope: programs of 4 and 16 calls (one dispatch each), interleaved rounds
+  m_short, m_long = map(int, a.calls.split(","))
   progs = {}
   for n, f in fns.items():
-    for m in (4, 16):
+    for m in (m_short, m_long):
       pr = jax.jit(lambda qq, f=f, m=m: [f(qq[i % 4]) for i in range(m)])
       jax.block_until_ready(pr(qs))
       progs[(n, m)] = pr
@@ -103,8 +106,8 @@ def main(argv=None):
   slopes = {n: [] for n in fns}
   for _ in range(a.rounds):
     for n in fns:
-      t4, t16 = best(progs[(n, 4)]), best(progs[(n, 16)])
-      slopes[n].append((t16 - t4) / 12 * 1e6)
+      t_s, t_l = best(progs[(n, m_short)]), best(progs[(n, m_long)])
+      slopes[n].append((t_l - t_s) / (m_long - m_short) * 1e6)
   for n in fns:
     res["rows"][n].update(device_us=statistics.median(slopes[n]), rounds_us=slopes[n])
     print(f"{n:22s} device {statistics.median(slopes[n]):8.2f} us  rounds "
