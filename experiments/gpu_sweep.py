@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.flash import triton as ft
+from pallas_kernels.tuning import mask_kind  # the tables' mask key of a case (also used below)
 
 
 def causal_bwd_configs(head_dim: int = 128, dtype=jnp.bfloat16) -> dict:
@@ -419,12 +420,6 @@ def check_config(cfg, *, seq, causal, window, head_dim, dtype, interpret=False, 
   return res
 
 
-def mask_kind(causal, window) -> str:
-  """The tuning tables' mask key of a case: "dense", "causal", "window" or "causal_window"."""
-  windowed = window is not None and tuple(window) != (None, None)
-  if windowed:
-    return "causal_window" if causal else "window"
-  return "causal" if causal else "dense"
 
 
 def _git_commit():

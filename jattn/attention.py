@@ -222,7 +222,10 @@ def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, 
   if block_sizes is None:
     bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
                            logits_soft_cap=logits_soft_cap, block_sizes=None)
-    block_sizes = dataclasses.replace(mod.default_block_sizes(q.shape[-1], q.dtype), backward=bwd)
+    from pallas_kernels.tuning import mask_kind   # tiles tuned per mask kind where measured
+    block_sizes = dataclasses.replace(
+        mod.default_block_sizes(q.shape[-1], q.dtype, mask=mask_kind(causal, window)),
+        backward=bwd)
   # interpret=True: the forward raises NotImplementedError (it cannot be interpreted); tests that
   # substitute the forward run the Triton backward in interpret mode.
   return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, causal=causal,

@@ -108,6 +108,53 @@ def test_table_choice_and_fallback():
                       device="NVIDIA H200")["provenance"]["run"] == "run 10"
 
 
+def test_mask_kind_and_mask_entries():
+  assert [tuning.mask_kind(c, w) for c, w in [(False, None), (True, None), (True, (511, 0)),
+                                              (False, (100, 30)), (True, (None, None))]] == [
+      "dense", "causal", "causal_window", "window", "causal"]
+  # the H200's causal-window entry (run 33: 64-key tiles); every other kind and device: "all"
+  got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
+  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64))
+  for kind in ("all", "dense", "causal", "window"):
+    assert _same(mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind),
+                 MOSAIC_BEFORE[128])
+  for head_dim in (64, 256):
+    assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200",
+                                        mask="causal_window"), MOSAIC_BEFORE[head_dim])
+  assert _same(mg.default_block_sizes(128, device_kind="cpu", mask="causal_window"),
+               MOSAIC_BEFORE[128])
+  assert tuning.required_params("mosaic_gpu_fwd", 128, "16bit", "NVIDIA H200",
+                                "causal_window")["block_k"] == 64
+
+
+def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
+  """jattn.flash_attention(implementation="mosaic_gpu") passes the mask kind to the tile
+  lookup: on an H200 a causal window gets the 64-key tiles, a causal mask the 128-key ones."""
+  import jax
+  import jattn
+
+  class Stop(Exception):
+    pass
+
+  seen = []
+
+  def fake_forward(*args, block_sizes, **kwargs):
+    seen.append(block_sizes)
+    raise Stop
+
+  monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+  monkeypatch.setattr(mg, "flash_attention", fake_forward)
+  mg._tuned_block_sizes.cache_clear()
+  try:
+    x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    for kw in (dict(causal=True, local_window_size=(511, 0)), dict(causal=True)):
+      with pytest.raises(Stop):
+        jattn.flash_attention(x, x, x, implementation="mosaic_gpu", **kw)
+  finally:
+    mg._tuned_block_sizes.cache_clear()
+  assert [b.block_k for b in seen] == [64, 128]
+
+
 def test_tables_well_formed():
   names = {tuning.GENERIC_TABLE, *tuning.DEVICE_TABLES.values()}
   assert names == {f for f in os.listdir(os.path.dirname(tuning.__file__))
@@ -120,7 +167,9 @@ def test_tables_well_formed():
     table = tuning.load_table(name)
     assert {k[0] for k in table} == set(tuning.KERNELS)
     for key, e in table.items():
-      assert key[3] == "all"  # no mask-specific tuning yet
+      # mask-specific tuning so far: the H200 Mosaic forward's causal window (run 33)
+      assert key[3] == "all" or (name, key) == (
+          "nvidia_h200.json", ("mosaic_gpu_fwd", 128, "16bit", "causal_window")), key
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
       assert prov["commit"]
@@ -133,7 +182,8 @@ def test_tables_well_formed():
     assert {k for k, e in table.items() if e["provenance"]["status"] == "tuned"} == {
         ("triton_fwd", 128, "16bit", "all"), ("triton_bwd", 128, "16bit", "all"),
         ("mosaic_gpu_fwd", 128, "16bit", "all")} | (
-            {("mosaic_gpu_bwd", 128, "16bit", "all"), ("triton_bwd", 256, "16bit", "all")}
+            {("mosaic_gpu_bwd", 128, "16bit", "all"), ("triton_bwd", 256, "16bit", "all"),
+             ("mosaic_gpu_fwd", 128, "16bit", "causal_window")}
             if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
 

@@ -9,9 +9,9 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
     "mosaic_gpu_fwd" (``flash.mosaic_gpu``) or "mosaic_gpu_bwd" (``flash.mosaic_gpu_bwd``);
   * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
   * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
-  * ``mask``: "all" (one entry for every mask kind: no kernel is tuned per mask yet, and the
-    kernels' ``default_block_sizes`` ask for "all"), or a mask kind ("dense", "causal",
-    "window", "causal_window") that ``entry(mask=...)`` prefers to "all";
+  * ``mask``: "all" (one entry for every mask kind), or a mask kind ("dense", "causal",
+    "window", "causal_window"; ``mask_kind``) that ``entry(mask=...)`` prefers to "all" (so far
+    only the Mosaic GPU forward asks by mask: its H200 causal-window tiles, run 33);
 
 with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the run,
 date, commit, command and results file that picked it, or "untimed" for a guess).
@@ -29,7 +29,7 @@ import json
 import os
 
 __all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "device_kind", "dtype_class",
-           "entry", "params", "table_file", "load_table"]
+           "entry", "mask_kind", "params", "required_params", "table_file", "load_table"]
 
 # jax device_kind -> table file (in this package). Add a device here with its file; a device
 # not listed (the H100 included: its kernels were never timed) uses GENERIC_TABLE.
@@ -176,12 +176,33 @@ def params(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
   return None if e is None else dict(e["params"])
 
 
+def mask_kind(causal: bool, window=None) -> str:
+  """The tables' mask key of an attention call: "dense", "causal", "window" or "causal_window".
+
+  Args:
+    causal: causal mask.
+    window: None or a (left, right) local window (either side may be None: unbounded).
+
+  Returns:
+    One of ``MASK_KINDS`` other than "all" (segment ids do not change the kind).
+
+  Example:
+    >>> mask_kind(True, (511, 0)), mask_kind(False, None)
+    ('causal_window', 'dense')
+  """
+  windowed = window is not None and tuple(window) != (None, None)
+  if windowed:
+    return "causal_window" if causal else "window"
+  return "causal" if causal else "dense"
+
+
 def required_params(kernel: str, head_dim: int, dtype_cls: str,
-                    device: str | None = None) -> dict:
-  """``params`` for the "all" mask, raising when the table has no entry.
+                    device: str | None = None, mask: str = "all") -> dict:
+  """``params`` for a mask kind (its own entry, else "all"), raising when there is neither.
 
   Args:
     kernel, head_dim, dtype_cls, device: as for ``entry`` (device: default the current one).
+    mask: a mask kind of ``MASK_KINDS`` (default "all").
 
   Returns:
     A new dict of ``BlockSizes`` fields.
@@ -194,7 +215,7 @@ def required_params(kernel: str, head_dim: int, dtype_cls: str,
     128
   """
   kind = device_kind() if device is None else device
-  p = params(kernel, head_dim, dtype_cls, device=kind)
+  p = params(kernel, head_dim, dtype_cls, mask, device=kind)
   if p is None:
     raise KeyError(f"no {kernel} tuning entry for head_dim {head_dim} on {kind!r} "
                    f"({table_file(kind)})")
