@@ -52,7 +52,8 @@ def _pow2(n):
 
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
-            merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True):
+            merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True,
+            slot_source=None):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
@@ -68,6 +69,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   ``index_lookahead``: look the next step's block id(s) up one step ahead through the loop carry
   (default) or in the step itself. The default (1 block per step, lookahead) is the original
   code path, unchanged.
+  ``slot_source``: None (the lists come from idx_ref / cnt_ref), or a function (b, h) ->
+  (n_slots, blk_at) whose blk_at(s) gives the block id of list slot s < n_slots (scalar s:
+  blocks_per_step 1; the kernel masks s >= end itself): the fused selection kernel
+  (``pallas_kernels.sparse.decode_fused_select``) derives the lists in-kernel, with idx_ref
+  and cnt_ref None.
   """
   if paged:
     pt_ref, *rest = rest
@@ -85,7 +91,9 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   if split_stride != 1:                  # tests: make a split other than S-1 arrive last
     split = (split * split_stride) % num_splits
   length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[b]), capacity), 0)   # scalar
-  if cnt_ref is None:
+  if slot_source is not None:
+    n_slots, blk_at = slot_source(b, h)
+  elif cnt_ref is None:
     n_slots = jnp.int32(num_slots)
   else:
     n_slots = jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots)
@@ -117,7 +125,10 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     bps - 1 and each row's first cache row of its block."""
     if bps != 1:
       s = s + sub                                                    # [bps * block] slots
-    blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
+    if slot_source is None:
+      blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
+    else:
+      blk = blk_at(s)
     blk = jnp.where(s < end, blk, -1)
     if paged:
       page = plgpu.load(pt_ref.at[b, jnp.maximum(blk, 0)])

@@ -1,0 +1,366 @@
+"""Top-K block-sparse decode with the block selection inside the attention kernel (Triton).
+
+Today's "triton" sparse decode (``jattn.sparse``) is three launches: block scores
+(``decode_select.decode_block_scores``), the selection (``decode_select.select_decode_slots``:
+threshold search, compact ascending kept-block lists and counts) and the split-KV attention
+(``decode.sparse_decode``, whose last split per (batch, kv head) merges). Here the selection
+runs in the attention kernel's prologue, so a call is two launches: scores, then
+select + attend + merge.
+
+* :func:`sparse_decode_select_attend`: grid (batch, kv head, split). Each program
+  (1) computes the kept set of (b, h) from its scores row with the selection kernel's rules
+  (``_keep_flags``: the forced initial and local blocks, the top_k candidates by the same
+  threshold search, ``decode_select._radix_threshold`` for ``digit_bits`` 2 or 4, ties to the
+  lower block id), as a kept-flag vector over the padded block axis; (2) its inclusive prefix
+  count ``incl`` gives the list length (the count) and, for list slot p, the kept block id
+  ``#{j: incl[j] <= p}`` (one compare + sum per loop step, looked up one step ahead like the
+  index loads of ``sparse_decode``; no scatter, no HBM round trip); (3) runs
+  ``decode._kernel`` (the online-softmax loop over its share of the list, split exactly as
+  ``sparse_decode`` splits the counts, and the in-kernel log-sum-exp merge by the last split
+  to arrive) with that lookup in place of the index loads (``slot_source``). Same blocks in
+  the same order and the same arithmetic, so the same output and lse to the bit as
+  ``select_decode_slots`` + ``sparse_decode`` on the same scores (tested). With
+  ``return_indices`` the program of split 0 also writes the compact list and counts (the
+  selection kernel's stores).
+* :func:`decode_block_scores_arrivals`: ``decode_block_scores``'s kernel (the same loads and
+  arithmetic, so the same scores) whose chunk-0 program also writes the zeroed arrival counter
+  of its (batch, kv head), so the merge needs no memset launch.
+* :func:`sparse_decode_fused`: the two launches from the block sums.
+
+Cost model: every split of a (b, h) repeats the selection (a [nb_pad] scores load, mostly from
+L2, and the radix search), in parallel; the per-step lookup is a [nb_pad] compare + reduction
+off the K/V critical path. CPU-verified (interpret mode, CUDA lowering); timing is the probe
+``experiments/probe_sparse_decode_fused_select.py``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import compat
+from pallas_kernels.sparse import decode as _dec
+from pallas_kernels.sparse import decode_select as _sel
+
+__all__ = ["sparse_decode_select_attend", "decode_block_scores_arrivals", "sparse_decode_fused",
+           "decode_width"]
+
+
+def _pow2(n):
+  return max(16, pl.next_power_of_2(int(n)))
+
+
+def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
+  """Width of the kept lists: max(1, min(forced + top_k, num_blocks)) (as ``jattn.sparse``).
+
+  Example:
+    >>> decode_width(2048, 387, 1, 1)
+    389
+  """
+  n_forced = min(num_init_blocks, num_blocks) + min(num_local_blocks, num_blocks)
+  return max(1, min(n_forced + min(top_k, num_blocks), num_blocks))
+
+
+# ----------------------------------------------------------------------------- selection
+def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
+                digit_bits, search_chunk):
+  """Kept-flag vector of (batch b, kv head h): (block ids [nb_pad], keep [nb_pad] bool).
+
+  The keep computation of ``decode_select._select_body`` (same ops in the same order, so the
+  same kept set; tested against ``select_decode_slots``), without its compaction stores.
+  """
+  j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
+  real = j < num_blocks
+  length = jnp.minimum(plgpu.load(len_ref.at[b]), num_blocks * block)
+  diag = jnp.where(length > 0, (length - 1) // block, -1)            # the query's block
+  visible = j <= diag
+  forced = j < num_init
+  if num_local > 0:
+    forced = forced | (j > diag - num_local)
+  forced = visible & forced
+  keep = forced
+  if top_k > 0:
+    cand = visible & ~forced
+    s = plgpu.load(s_ref.at[b, h, j], mask=real, other=0.0)          # [nb_pad] fp32
+    key = jnp.where(cand, _sel.total_order_key(s), _sel._NEG_INF_KEY)
+    if digit_bits == 1:
+      t_u = jnp.int32(0)
+      for bit in range(31, -1, -1):
+        trial = t_u | jnp.int32(_sel._INT_MIN if bit == 31 else 1 << bit)
+        n_ge = jnp.sum(((key >= (trial ^ _sel._INT_MIN)) & real).astype(jnp.int32))
+        t_u = jnp.where(n_ge >= top_k, trial, t_u)
+    else:
+      t_u = _sel._radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
+                                  num_init=num_init, num_local=num_local, top_k=top_k,
+                                  digit_bits=digit_bits, chunk=search_chunk)
+    thr = t_u ^ _sel._INT_MIN
+    above = (key > thr) & real
+    need = top_k - jnp.sum(above.astype(jnp.int32))                 # ties at thr to take
+    tie = (key == thr) & real
+    tie_i = tie.astype(jnp.int32)
+    tie_rank = jnp.cumsum(tie_i) - tie_i                               # ties before j
+    keep = keep | (cand & (above | (tie & (tie_rank < need))))
+  return j, keep
+
+
+def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, return_indices,
+                  **attn):
+  """One (batch, kv head, split) program: selection, then ``decode._kernel``'s body.
+
+  Refs: lens [B]; scores [B, Hk, N] fp32; q, k, v (and the page table, the arrival counters,
+  the outputs and scratch) as ``decode._kernel`` with ``merge=True``; with ``return_indices``
+  two more outputs: idx [B, Hk, width] int32 and cnt [B, Hk] int32.
+  """
+  if return_indices:
+    *rest, idx_ref, cnt_ref = rest
+
+  def slot_source(b, h):
+    j, keep = _keep_flags(lens_ref, s_ref, b, h, **sel)
+    keep_i = keep.astype(jnp.int32)
+    incl = jnp.cumsum(keep_i)                                        # [nb_pad]
+    count = jnp.sum(keep_i)
+    if return_indices:
+      @pl.when(pl.program_id(2) == 0)
+      def _write_list():                 # the selection kernel's stable-partition stores
+        slot = jnp.where(keep, incl - 1, count + j - incl)
+        plgpu.store(idx_ref.at[b, h, slot], jnp.where(keep, j, -1), mask=slot < width)
+        plgpu.store(cnt_ref.at[b, h], count)
+
+    def blk_at(p):
+      # Kept block number p (ascending) = #{j: incl[j] <= p} for p < count: the blocks before
+      # it hold at most p kept ones, the block itself and later ones at least p + 1.
+      return jnp.sum((incl <= p).astype(jnp.int32))
+
+    return count, blk_at
+
+  _dec._kernel(lens_ref, None, None, q_ref, k_ref, v_ref, *rest, slot_source=slot_source,
+               **attn)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "block_size", "top_k", "num_init_blocks", "num_local_blocks", "num_splits", "scale",
+    "out_dtype", "digit_bits", "search_chunk", "num_warps", "num_stages", "return_indices",
+    "interpret", "_split_stride"))
+def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, arrivals=None, *,
+                                block_size, top_k, num_init_blocks=1, num_local_blocks=1,
+                                num_splits=None, scale=None, out_dtype=None, digit_bits=2,
+                                search_chunk=None, num_warps=4, num_stages=3,
+                                return_indices=False, interpret=False, _split_stride=1):
+  """Block selection, split-KV attention over the kept blocks and the merge, in one launch.
+
+  ``select_decode_slots`` + ``sparse_decode`` (merged) as one kernel: each (batch, kv head,
+  split) program selects from the scores row of (batch, kv head), takes its share of the
+  ascending kept list (the first ``count`` slots split evenly, as ``sparse_decode`` with
+  counts) and runs ``sparse_decode``'s loop and merge. Same output and lse to the bit.
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page
+      pool [num_pages, block_size, kv_heads, head_dim].
+    v: like ``k`` with its own last dim.
+    kv_lengths: int32 [batch], including the new token (query at kv_lengths - 1).
+    scores: fp32 [batch, kv_heads, num_blocks] (``decode_block_scores`` or
+      :func:`decode_block_scores_arrivals`); num_blocks = cdiv(max_len, block_size)
+      (contiguous) or max_pages (paged).
+    page_table: None or int32 [batch, max_pages] (page size = block_size).
+    arrivals: None or int32 [batch, kv_heads] zeros (donated; e.g.
+      :func:`decode_block_scores_arrivals`'s); None makes zeros (an XLA memset). Unused with
+      one split.
+    block_size: tokens per block, a power of two >= 16.
+    top_k, num_init_blocks, num_local_blocks: as ``jattn.sparse.select_decode_blocks``.
+    num_splits: splits per (batch, kv head); default ``decode.default_num_splits``.
+    scale: logit scale, default 1/sqrt(head_dim).
+    out_dtype: output dtype (default q.dtype).
+    digit_bits, search_chunk: the threshold search, as ``select_decode_slots`` (default 2:
+      the radix search; every value gives the same selection).
+    num_warps, num_stages: launch parameters.
+    return_indices: also return the kept lists int32 [batch, kv_heads, width] (ascending, -1
+      padded; width = min(init + local + top_k, num_blocks), at least 1) and counts int32
+      [batch, kv_heads], written by split 0.
+    interpret: run in the Pallas interpreter (CPU tests).
+    _split_stride: tests only: program s handles split (s * stride) % num_splits, so another
+      split than the last arrives last in the interpreter.
+
+  Returns:
+    (out [batch, q_heads, head_dim_v] in out_dtype, lse [batch, q_heads] fp32), then indices
+    and counts with ``return_indices``.
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 96, 2, 16))
+    >>> s = jnp.arange(12.0).reshape(1, 2, 6)
+    >>> out, lse, idx, cnt = sparse_decode_select_attend(
+    ...     q, k, k, jnp.array([80]), s, block_size=16, top_k=1, num_splits=2,
+    ...     return_indices=True, interpret=True)
+    >>> out.shape, idx.tolist(), cnt.tolist()
+    ((1, 4, 16), [[[0, 3, 4], [0, 3, 4]]], [[3, 3]])
+  """
+  if block_size < 16 or block_size & (block_size - 1):
+    raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+  bsz, hq, d = q.shape
+  dv = v.shape[-1]
+  if k.ndim != 4 or k.shape[-1] != d or v.shape[:-1] != k.shape[:-1]:
+    raise ValueError(f"k must be [.., .., kv_heads, head_dim={d}] and v share all but its last "
+                     f"dim, got k {k.shape}, v {v.shape}")
+  paged = page_table is not None
+  if paged:
+    num_pages, page_size, hk, _ = k.shape
+    if page_size != block_size:
+      raise ValueError(f"page size {page_size} must equal block_size {block_size}")
+    nb = page_table.shape[1]
+    capacity = nb * page_size
+    k = k.reshape(num_pages * page_size, hk, d)
+    v = v.reshape(num_pages * page_size, hk, dv)
+  else:
+    if k.shape[0] != bsz:
+      raise ValueError(f"q batch {bsz} != cache batch {k.shape[0]}")
+    _, capacity, hk, _ = k.shape
+    nb = pl.cdiv(capacity, block_size)
+  if hq % hk:
+    raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk})")
+  if scores.shape != (bsz, hk, nb):
+    raise ValueError(f"scores must be [batch, kv_heads, num_blocks] = {(bsz, hk, nb)}, got "
+                     f"{scores.shape}")
+  width = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
+  if num_splits is None:
+    num_splits = _dec.default_num_splits(bsz, hk, width)
+  num_splits = int(num_splits)
+  if num_splits < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  if math.gcd(int(_split_stride), num_splits) != 1:
+    raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits "
+                     f"{num_splits}")
+  _, sel = _sel._selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
+                                  width, num_warps, digit_bits, search_chunk)
+  sel.pop("width")
+  group = hq // hk
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  kernel = functools.partial(
+      _fused_kernel, sel=sel, width=width, return_indices=bool(return_indices),
+      scale=float(scale), block=int(block_size), group=group, g_pad=_pow2(group), head_dim=d,
+      d_pad=_pow2(d), head_dim_v=dv, dv_pad=_pow2(dv), num_splits=num_splits, num_slots=width,
+      capacity=capacity, paged=paged, merge=True, split_stride=int(_split_stride))
+  args = [kv_lengths.astype(jnp.int32), scores.astype(jnp.float32), q, k, v]
+  if paged:
+    args.append(page_table.astype(jnp.int32))
+  out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  out_shape = [jax.ShapeDtypeStruct((bsz, hq, dv), out_dtype),
+               jax.ShapeDtypeStruct((bsz, hq), jnp.float32)]
+  aliases = {}
+  if num_splits > 1:
+    if arrivals is None:
+      arrivals = jnp.zeros((bsz, hk), jnp.int32)
+    elif arrivals.shape != (bsz, hk):
+      raise ValueError(f"arrivals must be [batch, kv_heads] = [{bsz}, {hk}], got "
+                       f"{arrivals.shape}")
+    aliases = {len(args): 2}
+    args.append(arrivals.astype(jnp.int32))
+    out_shape += [jax.ShapeDtypeStruct((bsz, hk), jnp.int32),
+                  jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
+  if return_indices:
+    out_shape += [jax.ShapeDtypeStruct((bsz, hk, width), jnp.int32),
+                  jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
+  res = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(bsz, hk, num_splits), input_output_aliases=aliases,
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="jattn_sparse_decode_select_attend")(*args)
+  if return_indices:
+    return res[0], res[1], res[-2], res[-1]
+  return res[0], res[1]
+
+
+# ----------------------------------------------------------------------------- scores
+def _score_arrivals_kernel(slen_ref, q_ref, sums_ref, o_ref, arr_ref, **kw):
+  """``decode_select._score_kernel``, plus: the chunk-0 program zeroes arr[b, h]."""
+  _sel._score_kernel(slen_ref, q_ref, sums_ref, o_ref, **kw)
+  b, h = pl.program_id(0), pl.program_id(1)
+
+  @pl.when(pl.program_id(2) == 0)
+  def _zero():
+    plgpu.store(arr_ref.at[b, h], jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "chunk", "num_warps", "interpret"))
+def decode_block_scores_arrivals(q, sums, summary_lengths, *, block_size, chunk=64,
+                                 num_warps=4, interpret=False):
+  """``decode_select.decode_block_scores`` (the same scores, to the bit) and zeroed counters.
+
+  Args:
+    q, sums, summary_lengths, block_size, chunk, num_warps, interpret: as
+      ``decode_block_scores``.
+
+  Returns:
+    (scores fp32 [batch, kv_heads, num_blocks], int32 [batch, kv_heads] zeros: the arrival
+    counters of :func:`sparse_decode_select_attend`, written by the kernel, no memset).
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); sums = jnp.ones((1, 3, 2, 16))
+    >>> s, arr = decode_block_scores_arrivals(q, sums, jnp.array([40]), block_size=16,
+    ...                                       interpret=True)
+    >>> s[0, 0].tolist(), arr.tolist()
+    ([2.0, 2.0, 4.0], [[0, 0]])
+  """
+  bsz, hk, nb, d, group, chunk = _sel._check_score_inputs(q, sums, chunk)
+  kernel = functools.partial(_score_arrivals_kernel, block=int(block_size), chunk=chunk,
+                             group=group, g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d),
+                             num_blocks=nb)
+  return pl.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
+                         jax.ShapeDtypeStruct((bsz, hk), jnp.int32)],
+      grid=(bsz, hk, pl.cdiv(nb, chunk)),
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
+      interpret=interpret, name="jattn_sparse_decode_scores_arrivals")(
+          summary_lengths.astype(jnp.int32), q, sums.astype(jnp.float32))
+
+
+def sparse_decode_fused(q, k, v, kv_lengths, sums, summary_lengths, page_table=None, *,
+                        block_size, top_k, num_init_blocks=1, num_local_blocks=1,
+                        num_splits=None, scale=None, digit_bits=2, return_lse=False,
+                        return_indices=False, interpret=False, **kw):
+  """Sparse decode in two launches: :func:`decode_block_scores_arrivals`, then
+  :func:`sparse_decode_select_attend` (the counters from the first, no memset).
+
+  The "triton" ``jattn.sparse.sparse_decode_attention`` / ``sparse_paged_decode_attention``
+  (layout "nhd") in two launches instead of three: the same selection and output.
+
+  Args:
+    q, k, v, kv_lengths, page_table, block_size, top_k, num_init_blocks, num_local_blocks,
+      num_splits, scale, digit_bits, interpret: as :func:`sparse_decode_select_attend`.
+    sums, summary_lengths: ``BlockSummaries.sums`` and ``.lengths`` (layout "nhd").
+    return_lse, return_indices: also return lse [batch, q_heads] and/or the kept lists
+      [batch, kv_heads, width].
+    **kw: more options of :func:`sparse_decode_select_attend` (num_warps, num_stages, ...).
+
+  Returns:
+    out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
+
+  Example:
+    >>> import jattn.sparse as sp
+    >>> k = jax.random.normal(jax.random.key(0), (1, 256, 2, 16)); lens = jnp.array([200])
+    >>> s = sp.init_block_summaries(k, lens, block_size=16)
+    >>> q = jax.random.normal(jax.random.key(1), (1, 4, 16))
+    >>> out = sparse_decode_fused(q, k, k, lens, s.sums, s.lengths, block_size=16, top_k=3,
+    ...                           num_splits=2, interpret=True)
+    >>> ref = sp.sparse_decode_attention(q, k, k, lens, s, block_size=16, top_k=3,
+    ...                                  implementation="xla")
+    >>> bool(jnp.allclose(out, ref, atol=1e-5))
+    True
+  """
+  scores, arrivals = decode_block_scores_arrivals(q, sums, summary_lengths,
+                                                  block_size=block_size, interpret=interpret)
+  res = sparse_decode_select_attend(
+      q, k, v, jnp.asarray(kv_lengths, jnp.int32), scores, page_table, arrivals,
+      block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
+      num_local_blocks=num_local_blocks, num_splits=num_splits, scale=scale,
+      digit_bits=digit_bits, return_indices=return_indices, interpret=interpret, **kw)
+  out = (res[0],)
+  if return_lse:
+    out += (res[1],)
+  if return_indices:
+    out += (res[2],)
+  return out[0] if len(out) == 1 else out

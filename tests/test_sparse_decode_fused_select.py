@@ -1,0 +1,239 @@
+"""Sparse decode with the block selection inside the attention kernel
+(``pallas_kernels.sparse.decode_fused_select``).
+
+Checks (Pallas interpreter): the fused kernel's kept lists and counts equal
+``select_decode_slots``'s, and its output and lse equal the two-kernel path
+``select_decode_slots`` + ``sparse_decode`` on the same scores to the bit, on ragged lengths
+(0, shorter than init + local + top_k blocks, not a multiple of the block), GQA groups 4 and 1,
+narrower values, tied scores, 1 to 7 splits (more than the kept blocks), every arrival order,
+all threshold searches, contiguous and paged caches; the two launches from block sums equal
+``jattn.sparse``'s "triton" path and the fp32 "xla" reference. The issue-5 bench shape lowers
+for CUDA (on the CPU) to two Triton kernels with no memset. GPU test (``-m gpu``): the compiled
+kernel against the compiled two-kernel path.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn import sparse as sp
+from pallas_kernels.sparse import decode as sd
+from pallas_kernels.sparse import decode_fused_select as fs
+from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+
+
+def _two_kernel(q, k, v, lens, scores, page_table=None, *, block_size, top_k, num_init_blocks,
+                num_local_blocks, num_splits, interpret=True):
+  """Today's path on given scores: select_decode_slots + sparse_decode (merged, counts)."""
+  nb = scores.shape[-1]
+  width = fs.decode_width(nb, top_k, num_init_blocks, num_local_blocks)
+  idx, cnt, arr = select_decode_slots(scores, lens, block_size=block_size, top_k=top_k,
+                                      num_init_blocks=num_init_blocks,
+                                      num_local_blocks=num_local_blocks, max_selected=width,
+                                      return_arrivals=True, interpret=interpret)
+  out, lse = sd.sparse_decode(q, k, v, lens, idx, page_table, cnt, arr, block_size=block_size,
+                              num_splits=num_splits, interpret=interpret)
+  return out, lse, idx, cnt
+
+
+def _same(x, y):
+  np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _tied_scores(key, b, hk, nb):
+  """Random scores with many ties: values on a 0.5 grid (about 7 distinct values)."""
+  return jnp.round(jax.random.normal(key, (b, hk, nb)) * 2.0) / 2.0
+
+
+_CASES = {
+    # b, hq, hk, d, dv, bs, n, lens, top_k, init, local, splits, digit_bits, dtype
+    "gqa4_ragged": (3, 8, 2, 32, 32, 16, 208, [208, 37, 100], 4, 1, 2, 3, 2, jnp.bfloat16),
+    "gqa1_many_splits": (2, 2, 2, 16, 8, 16, 160, [75, 16], 3, 1, 1, 7, 1, jnp.float32),
+    "no_local_radix4": (2, 12, 3, 16, 16, 32, 320, [320, 0], 5, 2, 0, 4, 4, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+@pytest.mark.parametrize("paged", [False, True])
+def test_fused_equals_two_kernels(case, paged):
+  """Indices, counts, output and lse of the fused kernel == select_decode_slots +
+  sparse_decode on the same (tied) scores, to the bit; arrival order permuted."""
+  b, hq, hk, d, dv, bs, n, lens, top_k, init, local, splits, bits, dt = _CASES[case]
+  nb = n // bs
+  ks = jax.random.split(jax.random.key(list(_CASES).index(case)), 4)
+  q = jax.random.normal(ks[0], (b, hq, d), dt)
+  k = jax.random.normal(ks[1], (b, n, hk, d), dt)
+  v = jax.random.normal(ks[2], (b, n, hk, dv), dt)
+  scores = _tied_scores(ks[3], b, hk, nb)
+  lens = jnp.asarray(lens, jnp.int32)
+  pt = None
+  if paged:                              # pages of a shuffled pool holding the same blocks
+    perm = np.random.default_rng(0).permutation(b * nb + 3)[:b * nb].reshape(b, nb)
+    pool = lambda x: jnp.zeros((b * nb + 3, bs, hk, x.shape[-1]), dt).at[perm.reshape(-1)].set(
+        x.reshape(b * nb, bs, hk, x.shape[-1]))
+    k, v, pt = pool(k), pool(v), jnp.asarray(perm, jnp.int32)
+  sel = dict(block_size=bs, top_k=top_k, num_init_blocks=init, num_local_blocks=local)
+  want = _two_kernel(q, k, v, lens, scores, pt, num_splits=splits, **sel)
+  stride = 2 if splits % 2 else 1        # another split than the last arrives last
+  got = fs.sparse_decode_select_attend(q, k, v, lens, scores, pt, num_splits=splits,
+                                       digit_bits=bits, return_indices=True, interpret=True,
+                                       _split_stride=stride, **sel)
+  for g, w in zip(got, want):
+    _same(g, w)
+  assert got[0].dtype == dt
+
+
+def test_fused_selection_is_checked():
+  """The equality above sees a wrong selection: a different top_k changes the lists."""
+  b, hk, nb, bs = 1, 2, 12, 16
+  q = jnp.ones((b, 4, 16)); k = jnp.ones((b, nb * bs, hk, 16))
+  scores = jax.random.normal(jax.random.key(3), (b, hk, nb))
+  lens = jnp.array([nb * bs], jnp.int32)
+  _, _, idx, cnt = fs.sparse_decode_select_attend(q, k, k, lens, scores, block_size=bs, top_k=3,
+                                                  num_splits=2, return_indices=True,
+                                                  interpret=True)
+  kw = dict(block_size=bs, num_init_blocks=1, num_local_blocks=1, max_selected=idx.shape[-1],
+            interpret=True)
+  ref_idx, ref_cnt = select_decode_slots(scores, lens, top_k=3, **kw)
+  _same(idx, ref_idx); _same(cnt, ref_cnt)
+  np.testing.assert_array_equal(np.asarray(cnt), 5)
+  # the kept set really is the top 3 candidates (blocks 1 .. nb - 2) plus blocks 0 and nb - 1
+  for h in range(hk):
+    top = 1 + np.argsort(-np.asarray(scores[0, h, 1:nb - 1]), kind="stable")[:3]
+    assert np.asarray(idx[0, h]).tolist() == sorted([0, nb - 1, *top.tolist()])
+  bad_idx, _ = select_decode_slots(scores, lens, top_k=2, **kw)
+  assert not np.array_equal(np.asarray(bad_idx), np.asarray(idx))
+
+
+def test_fused_from_summaries_equals_triton_path_and_reference():
+  """The two launches from block sums (``sparse_decode_fused``) == ``jattn.sparse``'s
+  "triton" path (indices, lse, output to the bit) and the fp32 "xla" reference within 2e-3;
+  duplicated cache blocks make tied scores; the scores kernel with counters == the plain one."""
+  b, hq, hk, d, bs, n = 3, 8, 2, 32, 16, 224
+  ks = jax.random.split(jax.random.key(11), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.float32)
+  k = jax.random.normal(ks[1], (b, n, hk, d), jnp.float32)
+  v = jax.random.normal(ks[2], (b, n, hk, d), jnp.float32)
+  k = k.at[:, 3 * bs:4 * bs].set(k[:, 6 * bs:7 * bs]).at[:, 9 * bs:10 * bs].set(
+      k[:, 6 * bs:7 * bs])                                             # blocks 3, 6, 9 tie
+  lens = jnp.array([224, 45, 170], jnp.int32)
+  summ = sp.init_block_summaries(k, lens, block_size=bs)
+  sel = dict(block_size=bs, top_k=3, num_init_blocks=1, num_local_blocks=1)
+  scores, arr = fs.decode_block_scores_arrivals(q, summ.sums, summ.lengths, block_size=bs,
+                                                interpret=True)
+  _same(scores, decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True))
+  _same(arr, np.zeros((b, hk), np.int32))
+  assert float(scores[0, 0, 3]) == float(scores[0, 0, 6]) == float(scores[0, 0, 9])
+  out, lse, idx = fs.sparse_decode_fused(q, k, v, lens, summ.sums, summ.lengths, num_splits=3,
+                                         return_lse=True, return_indices=True, interpret=True,
+                                         **sel)
+  t_out, t_lse, t_idx = sp.sparse_decode_attention(
+      q, k, v, lens, summ, return_lse=True, return_indices=True, implementation="triton",
+      interpret=True, num_splits=3, **sel)
+  _same(idx, t_idx); _same(lse, t_lse); _same(out, t_out)
+  r_out, r_lse, r_idx = sp.sparse_decode_attention(
+      q, k, v, lens, summ, return_lse=True, return_indices=True, implementation="xla", **sel)
+  _same(idx, r_idx)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(r_out), atol=2e-3, rtol=2e-3)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(r_lse), atol=2e-3, rtol=2e-3)
+
+
+def test_fused_options_raise():
+  q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16)); lens = jnp.array([64])
+  s = jnp.zeros((1, 2, 4))
+  run = functools.partial(fs.sparse_decode_select_attend, q, k, k, lens, top_k=1,
+                          interpret=True)
+  with pytest.raises(ValueError, match="scores"):
+    run(jnp.zeros((1, 2, 5)), block_size=16)
+  with pytest.raises(ValueError, match="block_size"):
+    run(s, block_size=24)
+  with pytest.raises(ValueError, match="num_splits"):
+    run(s, block_size=16, num_splits=0)
+  with pytest.raises(ValueError, match="digit_bits"):
+    run(s, block_size=16, digit_bits=3)
+
+
+def _cuda_mlir(fn, *args):
+  """MLIR text of jit(fn) exported for CUDA (on the CPU; Triton custom calls allowed)."""
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
+      *args).mlir_module()
+
+
+def test_fused_is_two_launches_for_cuda():
+  """At the issue-5 bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks, top_k 387,
+  33 splits) ``sparse_decode_fused`` lowers for CUDA (on the CPU) to two Triton kernels and
+  nothing between them (the scores kernel zeroes the counters: no memset, no sort), contiguous
+  and paged."""
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  n, bs = 131072, 64
+  nb = n // bs
+  sums, slen = S((1, nb, 8, 128), jnp.float32), S((1,), jnp.int32)
+  q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
+  kw = dict(block_size=bs, top_k=387, num_splits=33)
+  cases = [(lambda q, k, v, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl, **kw),
+            (q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, sums, slen)),
+           (lambda q, k, v, pt, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl, pt, **kw),
+            (q, S((nb + 4, bs, 8, 128), bf16), S((nb + 4, bs, 8, 128), bf16),
+             S((1, nb), jnp.int32), lens, sums, slen))]
+  for fn, args in cases:
+    text = _cuda_mlir(fn, *args)
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2
+    assert "grid_z = 33" in text and "grid_z = 32" in text        # 2048 blocks / 64 per chunk
+    assert "output_operand_alias" in text                          # counters updated in place
+    for op in ("stablehlo.broadcast", "stablehlo.constant dense<0> : tensor<1x8xi32>",
+               "stablehlo.sort", "stablehlo.reduce"):
+      assert op not in text, op
+
+
+def test_decode_kernel_default_path_unchanged():
+  """``decode._kernel``'s ``slot_source`` hook is off by default: ``sparse_decode``'s jaxpr has
+  no trace of it (every block id is a load of the index list)."""
+  S = jax.ShapeDtypeStruct
+  args = (S((1, 4, 16), jnp.float32), S((1, 64, 2, 16), jnp.float32),
+          S((1, 64, 2, 16), jnp.float32), S((1,), jnp.int32), S((1, 2, 3), jnp.int32), None,
+          S((1, 2), jnp.int32))
+  text = str(jax.make_jaxpr(functools.partial(sd.sparse_decode, block_size=16, num_splits=2))(
+      *args))
+  assert "cumsum" not in text
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+def test_gpu_fused_equals_triton_path():
+  """Compiled on the GPU (B3, 8K, GQA 32:8, D128, bf16, 64-token blocks, lengths 8192 / 0 /
+  3001, default and 5 splits): the fused two launches give the "triton" path's indices, and
+  its output and lse (the same blocks, order and arithmetic: equal, up to at most bf16 / fp32
+  rounding should the compiler schedule the two kernels differently)."""
+  b, n, hq, hk, d, bs, top_k = 3, 8192, 32, 8, 128, 64, 24
+  ks = jax.random.split(jax.random.key(45), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, n, hk, d), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, n, hk, d), jnp.bfloat16)
+  lens = jnp.array([8192, 0, 3001], jnp.int32)
+  summ = sp.init_block_summaries(k, lens, block_size=bs)
+  for splits in (None, 5):
+    t_out, t_lse, t_idx = jax.jit(functools.partial(
+        sp.sparse_decode_attention, block_size=bs, top_k=top_k, return_lse=True,
+        return_indices=True, implementation="triton", num_splits=splits))(q, k, v, lens, summ)
+    out, lse, idx = jax.jit(functools.partial(
+        fs.sparse_decode_fused, block_size=bs, top_k=top_k, num_splits=splits, return_lse=True,
+        return_indices=True))(q, k, v, lens, summ.sums, summ.lengths)
+    _same(idx, t_idx)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(t_out, np.float32),
+                               rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), np.isneginf(np.asarray(t_lse)))
+    fin = np.isfinite(np.asarray(t_lse))
+    np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(t_lse)[fin], rtol=1e-5,
+                               atol=1e-5)
+    ref = sp.sparse_decode_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                     v.astype(jnp.float32), lens, summ, block_size=bs,
+                                     top_k=top_k, implementation="xla")
+    err = np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref)) / np.linalg.norm(
+        np.asarray(ref))
+    assert err < 1e-2, err
