@@ -4,12 +4,12 @@
 Checks (Pallas interpreter): the fused kernel's kept lists and counts equal
 ``select_decode_slots``'s, and its output and lse equal the two-kernel path
 ``select_decode_slots`` + ``sparse_decode`` on the same scores to the bit, on ragged lengths
-(0, shorter than init + local + top_k blocks, not a multiple of the block), GQA groups 4 and 1,
-narrower values, tied scores, 1 to 7 splits (more than the kept blocks), every arrival order,
-all threshold searches, contiguous and paged caches; the two launches from block sums equal
-``jattn.sparse``'s "triton" path and the fp32 "xla" reference. The issue-5 bench shape lowers
-for CUDA (on the CPU) to two Triton kernels with no memset. GPU test (``-m gpu``): the compiled
-kernel against the compiled two-kernel path.
+(0, shorter than init + local + top_k blocks, not a multiple of the block), GQA groups 4, 3
+and 1, head_dim 24, narrower values, tied scores, 1 to 7 splits (more than the kept blocks), a
+permuted arrival order, all threshold searches, contiguous and paged caches; the two launches
+from block sums equal ``jattn.sparse``'s "triton" path and the fp32 "xla" reference. The
+issue-5 bench shape lowers for CUDA (on the CPU) to two Triton kernels with no memset. GPU test
+(``-m gpu``): the compiled kernel against the compiled two-kernel path.
 """
 import functools
 
@@ -52,11 +52,12 @@ _CASES = {
     "gqa4_ragged": (3, 8, 2, 32, 32, 16, 208, [208, 37, 100], 4, 1, 2, 3, 2, jnp.bfloat16),
     "gqa1_many_splits": (2, 2, 2, 16, 8, 16, 160, [75, 16], 3, 1, 1, 7, 1, jnp.float32),
     "no_local_radix4": (2, 12, 3, 16, 16, 32, 320, [320, 0], 5, 2, 0, 4, 4, jnp.bfloat16),
+    "gqa3_d24_one_split": (1, 6, 2, 24, 24, 16, 144, [139], 3, 1, 1, 1, 2, jnp.float32),
 }
 
 
-@pytest.mark.parametrize("case", list(_CASES))
-@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("case,paged", [(c, False) for c in _CASES]
+                         + [("gqa4_ragged", True), ("gqa1_many_splits", True)])
 def test_fused_equals_two_kernels(case, paged):
   """Indices, counts, output and lse of the fused kernel == select_decode_slots +
   sparse_decode on the same (tied) scores, to the bit; arrival order permuted."""
