@@ -8,8 +8,11 @@ Rows:
           launches (scores, selection, attention + merge).
   fused:  ``pallas_kernels.sparse.decode_fused_select.sparse_decode_fused``: two launches
           (scores + zeroed counters, then selection + attention + merge in one kernel).
+  fused_scratch (``--scratch``): the fused kernel with ``lookup="scratch"`` (each split stores
+          its share of the kept list to HBM and loads the ids back in its loop, as
+          ``sparse_decode``, instead of a [2048] compare + sum per step).
   fused_s16, fused_s66 (``--extra-splits 16,66``): the fused kernel with other split counts
-          (each row costs two more GPU compiles; off by default).
+          (each extra row costs two more GPU compiles; off by default).
 
 Checks (the first query's output from the short timing program, so no extra compiles): every
 row against the fp32 reference (dense or sparse "xla", relative L2 error < 5e-3); fused rows vs
@@ -44,6 +47,8 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--calls", default="2,6", help="calls in the short and the long program")
   p.add_argument("--extra-splits", default="", help="e.g. 16,66: more fused rows")
+  p.add_argument("--scratch", action="store_true",
+                 help="also the fused row with lookup='scratch' (block ids via an HBM list)")
   p.add_argument("--digit-bits", type=int, default=2, help="fused threshold search (1, 2, 4)")
   p.add_argument("--full-check", action="store_true",
                  help="also compare kept lists and lse of fused vs sparse (2 more compiles)")
@@ -68,12 +73,15 @@ def main(argv=None):
     return sp.sparse_decode_attention(q, k, v, lens, summ, implementation="triton",
                                       interpret=interp, **kw, **x)
 
-  def fused(q, num_splits=None, **x):
+  def fused(q, num_splits=None, lookup="reduce", **x):
     return fs.sparse_decode_fused(q, k, v, lens, summ.sums, summ.lengths, num_splits=num_splits,
-                                  digit_bits=a.digit_bits, interpret=interp, **kw, **x)
+                                  digit_bits=a.digit_bits, lookup=lookup, interpret=interp,
+                                  **kw, **x)
 
   fns = {"dense": lambda q: jd.decode_attention(q, k, v, lens, interpret=interp),
          "sparse": sparse, "fused": fused}
+  if a.scratch:
+    fns["fused_scratch"] = lambda q: fused(q, lookup="scratch")
   for s in filter(None, a.extra_splits.split(",")):
     fns[f"fused_s{int(s)}"] = lambda q, s=int(s): fused(q, num_splits=s)
   width = fs.decode_width(nb, top_k, 1, 1)
@@ -126,7 +134,7 @@ def main(argv=None):
                  out_matches_program=bool(np.array_equal(np.asarray(up(f_out)),
                                                          np.asarray(up(first[n])))))
     res["rows"][n] = row
-    print(f"{n:10s} " + ", ".join(f"{kk} {vv:.2e}" if isinstance(vv, float) else f"{kk} {vv}"
+    print(f"{n:14s} " + ", ".join(f"{kk} {vv:.2e}" if isinstance(vv, float) else f"{kk} {vv}"
                                   for kk, vv in row.items()), flush=True)
   res["check_s"] = time.perf_counter() - t0
   print(f"checks {res['check_s']:.1f} s, program compiles {res['compile_s']:.1f} s", flush=True)
@@ -142,7 +150,7 @@ def main(argv=None):
       slopes[n].append((t_l - t_s) / (m_long - m_short) * 1e6)
   for n in fns:
     res["rows"][n].update(device_us=statistics.median(slopes[n]), rounds_us=slopes[n])
-    print(f"{n:10s} device {statistics.median(slopes[n]):8.2f} us  rounds "
+    print(f"{n:14s} device {statistics.median(slopes[n]):8.2f} us  rounds "
           f"{', '.join(f'{x:.1f}' for x in slopes[n])}", flush=True)
   d = res["rows"]["dense"]["device_us"]
   res["dense_over_row"] = {n: d / r["device_us"] if r["device_us"] > 0 else None

@@ -56,11 +56,14 @@ _CASES = {
 }
 
 
-@pytest.mark.parametrize("case,paged", [(c, False) for c in _CASES]
-                         + [("gqa4_ragged", True), ("gqa1_many_splits", True)])
-def test_fused_equals_two_kernels(case, paged):
+@pytest.mark.parametrize("case,paged,lookup", [(c, False, "reduce") for c in _CASES]
+                         + [("gqa4_ragged", True, "reduce"), ("gqa1_many_splits", True, "reduce"),
+                            ("gqa4_ragged", False, "scratch"),
+                            ("gqa1_many_splits", True, "scratch")])
+def test_fused_equals_two_kernels(case, paged, lookup):
   """Indices, counts, output and lse of the fused kernel == select_decode_slots +
-  sparse_decode on the same (tied) scores, to the bit; arrival order permuted."""
+  sparse_decode on the same (tied) scores, to the bit; arrival order permuted; both lookups
+  of the block ids."""
   b, hq, hk, d, dv, bs, n, lens, top_k, init, local, splits, bits, dt = _CASES[case]
   nb = n // bs
   ks = jax.random.split(jax.random.key(list(_CASES).index(case)), 4)
@@ -80,7 +83,7 @@ def test_fused_equals_two_kernels(case, paged):
   stride = 2 if splits % 2 else 1        # another split than the last arrives last
   got = fs.sparse_decode_select_attend(q, k, v, lens, scores, pt, num_splits=splits,
                                        digit_bits=bits, return_indices=True, interpret=True,
-                                       _split_stride=stride, **sel)
+                                       _split_stride=stride, lookup=lookup, **sel)
   for g, w in zip(got, want):
     _same(g, w)
   assert got[0].dtype == dt
@@ -154,6 +157,8 @@ def test_fused_options_raise():
     run(s, block_size=16, num_splits=0)
   with pytest.raises(ValueError, match="digit_bits"):
     run(s, block_size=16, digit_bits=3)
+  with pytest.raises(ValueError, match="lookup"):
+    run(s, block_size=16, lookup="gather")
 
 
 def _cuda_mlir(fn, *args):
@@ -167,7 +172,7 @@ def test_fused_is_two_launches_for_cuda():
   """At the issue-5 bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks, top_k 387,
   33 splits) ``sparse_decode_fused`` lowers for CUDA (on the CPU) to two Triton kernels and
   nothing between them (the scores kernel zeroes the counters: no memset, no sort), contiguous
-  and paged."""
+  (both lookups) and paged."""
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
   n, bs = 131072, 64
@@ -176,6 +181,9 @@ def test_fused_is_two_launches_for_cuda():
   q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
   kw = dict(block_size=bs, top_k=387, num_splits=33)
   cases = [(lambda q, k, v, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl, **kw),
+            (q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, sums, slen)),
+           (lambda q, k, v, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl,
+                                                             lookup="scratch", **kw),
             (q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, sums, slen)),
            (lambda q, k, v, pt, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl, pt, **kw),
             (q, S((nb + 4, bs, 8, 128), bf16), S((nb + 4, bs, 8, 128), bf16),

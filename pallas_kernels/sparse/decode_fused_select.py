@@ -17,9 +17,12 @@ select + attend + merge.
   index loads of ``sparse_decode``; no scatter, no HBM round trip); (3) runs
   ``decode._kernel`` (the online-softmax loop over its share of the list, split exactly as
   ``sparse_decode`` splits the counts, and the in-kernel log-sum-exp merge by the last split
-  to arrive) with that lookup in place of the index loads (``slot_source``). Same blocks in
-  the same order and the same arithmetic, so the same output and lse to the bit as
-  ``select_decode_slots`` + ``sparse_decode`` on the same scores (tested). With
+  to arrive) with that lookup in place of the index loads (``slot_source``). Option
+  ``lookup="scratch"``: instead, each split stores its share of the list to an HBM scratch
+  after the selection, then (after a CTA barrier) loads the ids back in its loop exactly as
+  ``sparse_decode`` loads its index list. Same blocks in the same order and the same
+  arithmetic, so the same output and lse to the bit as ``select_decode_slots`` +
+  ``sparse_decode`` on the same scores (tested). With
   ``return_indices`` the program of split 0 also writes the compact list and counts (the
   selection kernel's stores).
 * :func:`decode_block_scores_arrivals`: ``decode_block_scores``'s kernel (the same loads and
@@ -108,13 +111,16 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
 
 
 def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, return_indices,
-                  **attn):
+                  lookup="reduce", **attn):
   """One (batch, kv head, split) program: selection, then ``decode._kernel``'s body.
 
   Refs: lens [B]; scores [B, Hk, N] fp32; q, k, v (and the page table, the arrival counters,
   the outputs and scratch) as ``decode._kernel`` with ``merge=True``; with ``return_indices``
-  two more outputs: idx [B, Hk, width] int32 and cnt [B, Hk] int32.
+  two more outputs: idx [B, Hk, width] int32 and cnt [B, Hk] int32; with lookup "scratch"
+  one more: the list scratch [B, Hk, width] int32.
   """
+  if lookup == "scratch":
+    *rest, scr_ref = rest
   if return_indices:
     *rest, idx_ref, cnt_ref = rest
 
@@ -130,10 +136,31 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
         plgpu.store(idx_ref.at[b, h, slot], jnp.where(keep, j, -1), mask=slot < width)
         plgpu.store(cnt_ref.at[b, h], count)
 
-    def blk_at(p):
-      # Kept block number p (ascending) = #{j: incl[j] <= p} for p < count: the blocks before
-      # it hold at most p kept ones, the block itself and later ones at least p + 1.
-      return jnp.sum((incl <= p).astype(jnp.int32))
+    if lookup == "scratch":
+      # This split's share of the list (``decode._kernel``'s begin / end) to the scratch, then
+      # the loop loads its block ids from there as ``sparse_decode`` loads the index list.
+      # Memory order (as the merge of ``decode._kernel``): ``token`` (= 0) is a reduction
+      # over the [nb_pad] flags, which span all warps, so it passes through shared memory and
+      # a CTA barrier placed after the stores; every id load's address depends on it.
+      split = pl.program_id(2)
+      if attn["split_stride"] != 1:
+        split = (split * attn["split_stride"]) % attn["num_splits"]
+      per_split = pl.cdiv(count, attn["num_splits"])
+      begin = jnp.minimum(split * per_split, count)
+      end = jnp.minimum(begin + per_split, count)
+      pos = incl - 1
+      mine = keep & (pos >= begin) & (pos < end)
+      slot = jnp.where(keep, pos, count + j - incl)                  # distinct for every lane
+      plgpu.store(scr_ref.at[b, h, slot], j, mask=mine)
+      token = jnp.minimum(jnp.sum(mine.astype(jnp.int32)), 0)
+
+      def blk_at(p):
+        return plgpu.load(scr_ref.at[b, h, jnp.minimum(p + token, width - 1)])
+    else:
+      def blk_at(p):
+        # Kept block number p (ascending) = #{j: incl[j] <= p} for p < count: the blocks
+        # before it hold at most p kept ones, the block itself and later ones at least p + 1.
+        return jnp.sum((incl <= p).astype(jnp.int32))
 
     return count, blk_at
 
@@ -143,12 +170,12 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
 
 @functools.partial(jax.jit, static_argnames=(
     "block_size", "top_k", "num_init_blocks", "num_local_blocks", "num_splits", "scale",
-    "out_dtype", "digit_bits", "search_chunk", "num_warps", "num_stages", "return_indices",
-    "interpret", "_split_stride"))
+    "out_dtype", "digit_bits", "search_chunk", "lookup", "num_warps", "num_stages",
+    "return_indices", "interpret", "_split_stride"))
 def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, arrivals=None, *,
                                 block_size, top_k, num_init_blocks=1, num_local_blocks=1,
                                 num_splits=None, scale=None, out_dtype=None, digit_bits=2,
-                                search_chunk=None, num_warps=4, num_stages=3,
+                                search_chunk=None, lookup="reduce", num_warps=4, num_stages=3,
                                 return_indices=False, interpret=False, _split_stride=1):
   """Block selection, split-KV attention over the kept blocks and the merge, in one launch.
 
@@ -177,6 +204,10 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
     out_dtype: output dtype (default q.dtype).
     digit_bits, search_chunk: the threshold search, as ``select_decode_slots`` (default 2:
       the radix search; every value gives the same selection).
+    lookup: how a loop step finds its block id: "reduce" (default: #{j: incl[j] <= slot}, a
+      [nb_pad] compare + sum one step ahead, registers only) or "scratch" (each split stores
+      its share of the list to an HBM scratch after the selection, then loads ids from it as
+      ``sparse_decode`` loads its index list; a CTA barrier orders the two). The same output.
     num_warps, num_stages: launch parameters.
     return_indices: also return the kept lists int32 [batch, kv_heads, width] (ascending, -1
       padded; width = min(init + local + top_k, num_blocks), at least 1) and counts int32
@@ -230,6 +261,8 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   num_splits = int(num_splits)
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  if lookup not in ("reduce", "scratch"):
+    raise ValueError(f"lookup must be 'reduce' or 'scratch', got {lookup!r}")
   if math.gcd(int(_split_stride), num_splits) != 1:
     raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits "
                      f"{num_splits}")
@@ -240,7 +273,7 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   kernel = functools.partial(
-      _fused_kernel, sel=sel, width=width, return_indices=bool(return_indices),
+      _fused_kernel, sel=sel, width=width, return_indices=bool(return_indices), lookup=lookup,
       scale=float(scale), block=int(block_size), group=group, g_pad=_pow2(group), head_dim=d,
       d_pad=_pow2(d), head_dim_v=dv, dv_pad=_pow2(dv), num_splits=num_splits, num_slots=width,
       capacity=capacity, paged=paged, merge=True, split_stride=int(_split_stride))
@@ -265,12 +298,15 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   if return_indices:
     out_shape += [jax.ShapeDtypeStruct((bsz, hk, width), jnp.int32),
                   jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
+  if lookup == "scratch":
+    out_shape.append(jax.ShapeDtypeStruct((bsz, hk, width), jnp.int32))
   res = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz, hk, num_splits), input_output_aliases=aliases,
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="jattn_sparse_decode_select_attend")(*args)
   if return_indices:
-    return res[0], res[1], res[-2], res[-1]
+    n = len(res) - (lookup == "scratch")
+    return res[0], res[1], res[n - 2], res[n - 1]
   return res[0], res[1]
 
 
