@@ -139,9 +139,11 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
     if lookup == "scratch":
       # This split's share of the list (``decode._kernel``'s begin / end) to the scratch, then
       # the loop loads its block ids from there as ``sparse_decode`` loads the index list.
-      # Memory order (as the merge of ``decode._kernel``): ``token`` (= 0) is a reduction
-      # over the [nb_pad] flags, which span all warps, so it passes through shared memory and
-      # a CTA barrier placed after the stores; every id load's address depends on it.
+      # Memory order (as the merge of ``decode._kernel``): ``token`` (= 0: this split holds
+      # end - begin slots, but no compiler can prove it, so it is not folded away) is a
+      # reduction over the [nb_pad] flags, which span all warps, so it passes through shared
+      # memory and a CTA barrier placed after the stores; every id load's address depends on
+      # it.
       split = pl.program_id(2)
       if attn["split_stride"] != 1:
         split = (split * attn["split_stride"]) % attn["num_splits"]
@@ -152,7 +154,7 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
       mine = keep & (pos >= begin) & (pos < end)
       slot = jnp.where(keep, pos, count + j - incl)                  # distinct for every lane
       plgpu.store(scr_ref.at[b, h, slot], j, mask=mine)
-      token = jnp.minimum(jnp.sum(mine.astype(jnp.int32)), 0)
+      token = jnp.sum(mine.astype(jnp.int32)) - (end - begin)
 
       def blk_at(p):
         return plgpu.load(scr_ref.at[b, h, jnp.minimum(p + token, width - 1)])
