@@ -57,7 +57,7 @@ _CASES = {
 
 
 @pytest.mark.parametrize("case,paged,lookup", [(c, False, "reduce") for c in _CASES]
-                         + [("gqa4_ragged", True, "reduce"), ("gqa1_many_splits", True, "reduce"),
+                         + [("gqa1_many_splits", True, "reduce"),
                             ("gqa4_ragged", False, "scratch"),
                             ("gqa1_many_splits", True, "scratch")])
 def test_fused_equals_two_kernels(case, paged, lookup):
