@@ -1445,9 +1445,9 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
 
 
 def _decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
-  """Static width of the decode selection lists: max(1, min(forced + top_k, num_blocks))."""
-  n_forced = min(num_init_blocks, num_blocks) + min(num_local_blocks, num_blocks)
-  return max(1, min(n_forced + min(top_k, num_blocks), num_blocks))
+  """Static width of the decode selection lists (``decode_fused_select.decode_width``)."""
+  from pallas_kernels.sparse.decode_fused_select import decode_width
+  return decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks)
 
 
 def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks):

@@ -58,7 +58,18 @@ def _pow2(n):
 
 
 def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
-  """Width of the kept lists: max(1, min(forced + top_k, num_blocks)) (as ``jattn.sparse``).
+  """Width of the kept lists: max(1, min(forced + top_k, num_blocks)).
+
+  The one definition: ``jattn.sparse``'s decode selection sizes its lists with it too.
+
+  Args:
+    num_blocks: blocks in the cache (``BlockSummaries.num_blocks``).
+    top_k: blocks chosen by score besides the forced ones.
+    num_init_blocks: leading blocks always kept.
+    num_local_blocks: trailing blocks (the current one and those before it) always kept.
+
+  Returns:
+    int: the static width of the kept-block lists.
 
   Example:
     >>> decode_width(2048, 387, 1, 1)
