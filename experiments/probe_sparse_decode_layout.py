@@ -5,19 +5,18 @@ kept 64-token block of one kv head is 64 rows of 256 B, 2 KB apart, while the ot
 rows in between are read only if they kept the same block.  A head-major cache makes each kept
 block one contiguous 16 KB run.
 
-Rows: ``dense_nhd`` / ``sparse_nhd`` read the [B, S, Hk, D] cache; ``sparse_hnd`` calls
-``sparse_decode_attention(kv_layout="hnd")`` on the head-major copy [B, Hk, S, D] (the library
-runs it as batch * kv_heads sequences of one kv head, no kernel change); ``dense_hnd`` has no
-layout option in ``decode_attention``, so it does that reshape by hand: the head-major cache
-reshaped (free) to [B * Hk, S, 1, D] is a cache of B * Hk sequences with one kv head each, and
-the query heads of group h (query head h * G + g) become that sequence's query heads.  Every row
+Rows: ``dense_nhd`` / ``sparse_nhd`` read the [B, S, Hk, D] cache; ``sparse_hnd`` and
+``dense_hnd`` call ``sparse_decode_attention`` / ``decode_attention`` with ``kv_layout="hnd"`` on
+the head-major copy [B, Hk, S, D] (the library runs it as B * Hk sequences of one kv head: the
+head-major cache reshaped (free) to [B * Hk, S, 1, D], query head h * G + g becoming query head
+g of sequence b * Hk + h; no kernel change, the same default split count as NHD).  Every row
 is checked against the fp32 reference in the same process (the HND rows also against their NHD
 row), and every timing is a device slope: jitted programs of 2 and 6 calls by default, each call
 on its own q (so XLA cannot merge identical calls), interleaved rounds.
 
-Run 34 (H200, before ``kv_layout`` existed, hand reshape for both HND rows) repeated q's in the
-long program (calls i and i + 4 got identical inputs and were CSE'd), which halved the absolute
-per-call times; the NHD / HND ratios stand.
+Run 34 (H200, before ``kv_layout`` existed, the same reshape by hand for both HND rows) repeated
+q's in the long program (calls i and i + 4 got identical inputs and were CSE'd), which halved the
+absolute per-call times; the NHD / HND ratios stand.
 
   python experiments/probe_sparse_decode_layout.py --out OUT.json
 """
@@ -39,13 +38,6 @@ def to_hnd(x):
   return jnp.transpose(x, (0, 2, 1, 3))
 
 
-def as_sequences(x):
-  """Head-major [B, Hk, S, D] -> [B * Hk, S, 1, D] (free): B * Hk sequences of one kv head,
-  for the dense rows (``decode_attention`` has no head-major option)."""
-  b, h, s, d = x.shape
-  return x.reshape(b * h, s, 1, d)
-
-
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--out", default="probe_sparse_decode_layout.json")
@@ -57,7 +49,6 @@ def main(argv=None):
   a = p.parse_args(argv)
   B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
   S = 1024 if a.tiny else a.seq
-  G = Hq // Hk
   nb = S // bs
   top_k = max(1, round(0.19 * nb) - 2)
   interp = a.tiny
@@ -75,16 +66,12 @@ def main(argv=None):
   summ = sp.init_block_summaries(k, lens, block_size=bs)
   kh, vh = to_hnd(k), to_hnd(v)                                       # [B, Hk, S, D]
   summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
-  # dense rows only: B * Hk sequences of one kv head by hand
-  kh_seq, vh_seq, lens_seq = as_sequences(kh), as_sequences(vh), jnp.repeat(lens, Hk)
-  q_seq = lambda q: q.reshape(B * Hk, G, D)                           # [B * Hk, G, D]
-  back = lambda o: o.reshape(B, Hq, D)
   kw = dict(block_size=bs, top_k=top_k, interpret=interp)
 
   fns = {
       "dense_nhd": lambda q: jd.decode_attention(q, k, v, lens, interpret=interp),
-      "dense_hnd": lambda q: back(jd.decode_attention(q_seq(q), kh_seq, vh_seq, lens_seq,
-                                                      interpret=interp)),
+      "dense_hnd": lambda q: jd.decode_attention(q, kh, vh, lens, interpret=interp,
+                                                 kv_layout="hnd"),
       "sparse_nhd": lambda q: sp.sparse_decode_attention(q, k, v, lens, summ,
                                                           implementation=impl, **kw),
       "sparse_hnd": lambda q: sp.sparse_decode_attention(q, kh, vh, lens, summ_h,

@@ -22,6 +22,9 @@ Lengths above the cache capacity are clamped to it. A length-0 sequence returns 
 -inf. Values may be narrower (or wider) than keys (MLA: keys carry extra rope dims); the output
 has the values' head dim on every implementation. The decode paths compute forward only (the "xla" path is differentiable by autodiff).
 
+``decode_attention(..., kv_layout="hnd")`` takes a head-major contiguous cache [batch, kv_heads,
+max_len, head_dim] (run as batch x kv_heads sequences of one kv head, ``jattn._layout``).
+
 ``interpret=True`` runs a Pallas implementation on the CPU (tests); it is ignored by "xla".
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 
+from jattn import _layout
 from jattn.merge import merge_partials
 from pallas_kernels import compat
 from pallas_kernels.decode import reference as _ref
@@ -157,14 +161,24 @@ def _merge(o_parts, lse_parts):
 # ----------------------------------------------------------------------------- public ops
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
                      logits_soft_cap=None, num_splits=None, return_lse=False, implementation=None,
-                     interpret=False, block_sizes=None):
+                     interpret=False, block_sizes=None, kv_layout="nhd"):
   """Attention of one new query token per sequence over a contiguous KV cache (flash decoding).
+
+  Cache layouts (``kv_layout``): "nhd" (default) is ``[batch, max_len, kv_heads, head_dim]``;
+  "hnd" (head-major) is ``[batch, kv_heads, max_len, head_dim]``, where each kv head's keys are
+  one contiguous run. Every implementation runs "hnd" as a free reshape of the cache to
+  ``[batch * kv_heads, max_len, 1, head_dim]`` (batch x kv_heads sequences of one kv head; query
+  head ``h * G + g`` becomes query head g of sequence ``b * kv_heads + h``, lengths repeated per
+  kv head), with the same kernel programs and the same default ``num_splits`` as "nhd"; results
+  come back as ``[batch, q_heads, ...]``. Paged caches (:func:`paged_decode_attention`) have no
+  head-major option.
 
   Args:
     q: [batch, q_heads, head_dim], fp32/bf16/fp16.
-    k_cache: [batch, max_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA: query head h
-      reads kv head h // (q_heads // kv_heads)). bf16, fp16 or fp32.
-    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache``; head_dim_v may
+    k_cache: [batch, max_len, kv_heads, head_dim] ("nhd") or [batch, kv_heads, max_len,
+      head_dim] ("hnd"); q_heads % kv_heads == 0 (GQA: query head h reads kv head
+      h // (q_heads // kv_heads)). bf16, fp16 or fp32.
+    v_cache: like ``k_cache`` with head_dim_v, the dtype of ``k_cache``; head_dim_v may
       differ from head_dim (MLA: values narrower than the rope-extended keys).
     kv_lengths: int32 [batch]: valid entries per sequence; the query sits at position
       ``kv_lengths - 1``. 0 gives a zero output (and lse -inf).
@@ -183,9 +197,11 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     block_sizes: optional kernel-specific block sizes (``pallas_kernels.decode.triton.
       DecodeBlockSizes``, ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes`` or
       ``pallas_kernels.decode.mosaic_gpu.DecodeBlockSizes``).
+    kv_layout: "nhd" (default) or "hnd": the layout of ``k_cache`` / ``v_cache``, see above.
+      The "hnd" kernels are CPU-verified only (interpreted, lowered; not timed on a GPU).
 
   Returns:
-    out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
+    out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse (either layout).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -197,31 +213,49 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     >>> decode_attention(q, k, k[..., :40], jnp.array([17, 256], jnp.int32),
     ...                  implementation="xla").shape
     (2, 8, 40)
+    >>> kh = jnp.swapaxes(k, 1, 2)                  # head-major [batch, kv_heads, len, dim]
+    >>> out_h = decode_attention(q, kh, kh, jnp.array([17, 256], jnp.int32),
+    ...                          implementation="xla", kv_layout="hnd")
+    >>> bool(jnp.allclose(out_h, out, atol=1e-5))
+    True
   """
-  kv_lengths = _check_common(q, k_cache, v_cache, kv_lengths, cache_name="cache")
+  _layout.check_kv_layout(kv_layout)
+  if kv_layout == "hnd":   # validate as the "nhd" cache of the same sizes (same dtype messages)
+    batch, kv_heads, max_len = _layout.check_hnd_shapes(q, k_cache, v_cache, kv_lengths)
+    as_nhd = lambda x: jax.ShapeDtypeStruct((batch, max_len, kv_heads, x.shape[-1]), x.dtype)
+    kv_lengths = _check_common(q, as_nhd(k_cache), as_nhd(v_cache), kv_lengths,
+                               cache_name="cache")
+  else:
+    kv_lengths = _check_common(q, k_cache, v_cache, kv_lengths, cache_name="cache")
+    batch, max_len, kv_heads, _ = k_cache.shape
   impl, window, cap, num_splits, scale = _check_options(implementation, local_window_size,
                                                         logits_soft_cap, num_splits, scale)
-  batch, max_len, kv_heads, _ = k_cache.shape
   if impl == "mosaic_gpu":   # unsupported options raise now, not inside jit
     from pallas_kernels.decode import mosaic_gpu as km
     km.check_options(head_dim=q.shape[-1], head_dim_v=v_cache.shape[-1], dtype=k_cache.dtype,
                      window_left=None if window is None else window[0], logits_soft_cap=cap,
                      group=q.shape[1] // kv_heads, interpret=interpret)
-  if num_splits is None:
+  if num_splits is None:   # "hnd" too: the "nhd" choice at (batch, kv_heads), not (b * hk, 1)
     num_splits = default_num_splits(impl, batch, kv_heads, max_len, block_sizes,
                                     head_dim=q.shape[-1], dtype=k_cache.dtype)
   out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, impl=impl, scale=scale, window=window,
                          cap=cap, num_splits=num_splits, block_sizes=block_sizes,
-                         interpret=interpret)
+                         interpret=interpret, kv_layout=kv_layout)
   return (out, lse) if return_lse else out
 
 
 _STATICS = ("impl", "scale", "window", "cap", "num_splits", "block_sizes", "interpret")
 
 
-@functools.partial(jax.jit, static_argnames=_STATICS)
+@functools.partial(jax.jit, static_argnames=_STATICS + ("kv_layout",))
 def _decode_jit(q, k_cache, v_cache, kv_lengths, *, impl, scale, window, cap, num_splits,
-                block_sizes, interpret):
+                block_sizes, interpret, kv_layout="nhd"):
+  if kv_layout == "hnd":   # inside the jit: the reshapes are free (no eager copy of the cache)
+    batch = q.shape[0]
+    out, lse = _decode_jit(*_layout.hnd_as_sequences(q, k_cache, v_cache, kv_lengths), impl=impl,
+                           scale=scale, window=window, cap=cap, num_splits=num_splits,
+                           block_sizes=block_sizes, interpret=interpret)
+    return _layout.sequences_as_hnd(batch, out, lse)
   if impl == "xla":
     out, lse = _ref.decode_reference(q, k_cache, v_cache, kv_lengths, scale=scale,
                                      local_window_size=window, logits_soft_cap=cap,

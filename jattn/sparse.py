@@ -34,6 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn import _validate
+from jattn._layout import KV_LAYOUTS as _KV_LAYOUTS
+from jattn._layout import check_kv_layout as _check_kv_layout
+from jattn._layout import hnd_as_sequences as _hnd_as_sequences
 from jattn.attention import kernel_module, resolve_implementation
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import make_schedule
@@ -1200,15 +1203,6 @@ _add_aux_loss.defvjp(_add_aux_loss_fwd, _add_aux_loss_bwd)
 
 
 # ----------------------------------------------------------------------------- sparse decode
-_KV_LAYOUTS = ("nhd", "hnd")
-
-
-def _check_kv_layout(kv_layout):
-  if kv_layout not in _KV_LAYOUTS:
-    raise ValueError(f"kv_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
-                     f"([batch, kv_heads, len, head_dim]), got {kv_layout!r}")
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockSummaries:
@@ -1577,19 +1571,9 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
   kv head; then the "nhd" path, and the results reshaped back. The batch x kv_heads programs of
   every kernel (and the default split counts, which depend on batch * kv_heads) are unchanged.
   """
-  if q.ndim != 3:
-    raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
-  if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"with kv_layout='hnd', k/v must be [batch, kv_heads, len, d] and agree "
-                     f"in all but the last dim (v's head_dim may differ), got {k.shape} / "
-                     f"{v.shape}")
+  q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
   b, hk, n, d = k.shape
   hq = q.shape[1]
-  if q.shape[-1] != d or hq % hk:
-    raise ValueError(f"q {q.shape} does not match the head-major cache {k.shape} "
-                     f"([batch, kv_heads, len, head_dim])")
-  if q.shape[0] != b:
-    raise ValueError(f"q batch {q.shape[0]} != cache batch {b}")
   nb = _cdiv(n, block_size)
   if block_summaries.block_size != block_size:
     raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
@@ -1597,15 +1581,11 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
   if block_summaries.sums.shape != (b, hk, nb, d):
     raise ValueError(f"block_summaries.sums {block_summaries.sums.shape} does not match the "
                      f"head-major cache {k.shape}: expected {(b, hk, nb, d)}")
-  g = hq // hk
-  lengths = jnp.repeat(jnp.asarray(kv_lengths, jnp.int32), hk)               # [b * hk]
   summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
                         lengths=jnp.repeat(block_summaries.lengths, hk),
                         block_size=block_summaries.block_size)
-  out, lse, idx = _sparse_decode(
-      q.reshape(b * hk, g, d), k.reshape(b * hk, n, 1, d),                   # [b*hk, g, d]
-      v.reshape(b * hk, n, 1, v.shape[-1]), lengths, summ, None, block_size=block_size,
-      return_lse=True, return_indices=True, **kw)
+  out, lse, idx = _sparse_decode(q2, k2, v2, lengths, summ, None, block_size=block_size,
+                                 return_lse=True, return_indices=True, **kw)
   res = (out.reshape(b, hq, out.shape[-1]),)                               # [b, hq, dv]
   if return_lse:
     res += (lse.reshape(b, hq),)

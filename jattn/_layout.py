@@ -1,0 +1,101 @@
+"""KV cache layouts of the contiguous decode ops (``kv_layout``), shared by ``jattn.decode`` and
+``jattn.sparse``.
+
+"nhd" (default): k/v ``[batch, max_len, kv_heads, head_dim]``. "hnd" (head-major):
+``[batch, kv_heads, max_len, head_dim]``. Every implementation runs "hnd" the same way, with no
+kernel change: the head-major cache reshaped (free) to ``[batch * kv_heads, max_len, 1,
+head_dim]`` is a cache of batch x kv_heads sequences of one kv head; query head ``h * G + g``
+(G = q_heads // kv_heads) becomes query head g of sequence ``b * kv_heads + h``, lengths are
+repeated per kv head, and the outputs are reshaped back.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+KV_LAYOUTS = ("nhd", "hnd")
+
+
+def check_kv_layout(kv_layout):
+  """ValueError unless ``kv_layout`` is "nhd" or "hnd".
+
+  Example:
+    >>> check_kv_layout("hnd")
+  """
+  if kv_layout not in KV_LAYOUTS:
+    raise ValueError(f"kv_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
+                     f"([batch, kv_heads, len, head_dim]), got {kv_layout!r}")
+
+
+def check_hnd_shapes(q, k, v, kv_lengths=None):
+  """ValueError unless q [b, hq, d], k [b, hk, n, d], v [b, hk, n, dv] (and kv_lengths [b])
+  form a head-major decode call with hq a multiple of hk.
+
+  Returns:
+    (batch, kv_heads, max_len).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> check_hnd_shapes(jnp.zeros((2, 8, 16)), jnp.zeros((2, 4, 64, 16)), jnp.zeros((2, 4, 64, 8)))
+    (2, 4, 64)
+  """
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
+  if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"with kv_layout='hnd', k/v must be [batch, kv_heads, len, d] and agree "
+                     f"in all but the last dim (v's head_dim may differ), got {k.shape} / "
+                     f"{v.shape}")
+  b, hk, n, d = k.shape
+  if q.shape[-1] != d or q.shape[1] % hk:
+    raise ValueError(f"q {q.shape} does not match the head-major cache {k.shape} "
+                     f"([batch, kv_heads, len, head_dim])")
+  if q.shape[0] != b:
+    raise ValueError(f"q batch {q.shape[0]} != cache batch {b}")
+  if kv_lengths is not None and jnp.shape(kv_lengths) != (b,):
+    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got "
+                     f"{jnp.shape(kv_lengths)}")
+  return b, hk, n
+
+
+def hnd_as_sequences(q, k, v, kv_lengths):
+  """A head-major decode call as batch * kv_heads sequences of one kv head (free reshapes).
+
+  Args:
+    q: [batch, q_heads, head_dim].
+    k: [batch, kv_heads, max_len, head_dim].
+    v: [batch, kv_heads, max_len, head_dim_v].
+    kv_lengths: [batch] (its dtype is kept).
+
+  Returns:
+    (q [batch * kv_heads, G, head_dim], k [batch * kv_heads, max_len, 1, head_dim],
+    v [batch * kv_heads, max_len, 1, head_dim_v], kv_lengths [batch * kv_heads]): the "nhd"
+    call whose results :func:`sequences_as_hnd` turns back into the head-major call's.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> q, k, v, lens = hnd_as_sequences(jnp.zeros((2, 8, 16)), jnp.zeros((2, 4, 64, 16)),
+    ...                                  jnp.zeros((2, 4, 64, 8)), jnp.array([3, 5]))
+    >>> q.shape, k.shape, v.shape, lens.tolist()
+    ((8, 2, 16), (8, 64, 1, 16), (8, 64, 1, 8), [3, 3, 3, 3, 5, 5, 5, 5])
+  """
+  b, hk, n = check_hnd_shapes(q, k, v, kv_lengths)
+  d = k.shape[-1]
+  g = q.shape[1] // hk
+  return (q.reshape(b * hk, g, d), k.reshape(b * hk, n, 1, d),
+          v.reshape(b * hk, n, 1, v.shape[-1]), jnp.repeat(jnp.asarray(kv_lengths), hk))
+
+
+def sequences_as_hnd(batch, *per_query_head):
+  """Results of the :func:`hnd_as_sequences` call ([batch * kv_heads, G, ...]) reshaped back to
+  [batch, q_heads, ...] (out [batch, q_heads, head_dim_v], lse [batch, q_heads]).
+
+  Returns:
+    A tuple, one array per argument after ``batch``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> out, lse = sequences_as_hnd(2, jnp.zeros((8, 2, 16)), jnp.zeros((8, 2)))
+    >>> out.shape, lse.shape
+    ((2, 8, 16), (2, 8))
+  """
+  return tuple(x.reshape(batch, x.shape[0] // batch * x.shape[1], *x.shape[2:])
+               for x in per_query_head)
