@@ -1562,9 +1562,15 @@ def _resolve_decode_implementation(implementation, platform=None):
   return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "block_size", "return_lse", "return_indices", "top_k", "num_init_blocks", "num_local_blocks",
+    "scale", "implementation", "interpret", "num_splits", "fused_select", "score_splits"))
 def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
                 return_indices, **kw):
   """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
+
+  Jitted, so that the reshapes are bitcasts even when the caller is not (outside a jit each
+  reshape of the cache would be its own computation and copy it).
 
   k [b, hk, n, d] -> [b * hk, n, 1, d] (v likewise), q [b, hq, d] -> [b * hk, g, d] (query
   head h * g + i is query head i of sequence b * hk + h), lengths and summaries repeated per
