@@ -11,8 +11,8 @@ Implementations:
     TMA ring, wgmma, warp specialisation; same split-KV partials; paged: one TMA per page). bf16
     or fp16, head_dim 64/128/256, no window or soft cap, page sizes dividing its block_k (64) or
     multiples of it (NotImplementedError otherwise); cache rows past a length inside its last
-    64-key tile must be finite. CPU-verified only (lowering + a replay of its walk): never
-    picked by ``None``.
+    64-key tile must be finite. GPU tests pass (run 23); 3.92-4.00 TB/s at B1 S128K against
+    Triton's 4.06 (run 24), so never picked by ``None``.
   * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU.
 
 Semantics: sequence b holds ``kv_lengths[b]`` valid keys at cache positions

@@ -587,8 +587,9 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
       masked or skipped per warpgroup); the backward is the Triton dK/dV and dQ kernels walking
       that schedule at the selection's tiles (the "triton" implementation's backward). Needs
       q_block_size and block_size powers of two >= 64 (ValueError otherwise), bf16/fp16,
-      head_dim 64/128/256 == head_dim_v (NotImplementedError otherwise). CPU-verified only
-      (lowering, a jnp replay of the walk); not yet run on a GPU.
+      head_dim 64/128/256 == head_dim_v (NotImplementedError otherwise). GPU tests pass
+      (runs 19-22); fwd+bwd at 64K with 19% of causal blocks 4.94x the dense causal kernel
+      (run 32).
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -1735,7 +1736,8 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       kept blocks; one online softmax per GQA group. block_size must give DMAs of a multiple
       of 8 rows (16 for 16-bit caches); head dims that are not multiples of 128 with several
       kv heads read every head's rows of a kept block (see ``head_lanes_layout``).
-    * "mosaic_gpu" (Hopper, sm90; CPU-verified only, never picked by None): the Triton
+    * "mosaic_gpu" (Hopper, sm90; GPU tests pass, not faster than "triton" in run 30, so
+      never picked by None): the Triton
       selection kernels, then a Pallas Mosaic GPU kernel that reads only the kept blocks by TMA
       (``pallas_kernels.sparse.decode_mosaic_gpu``: the split-KV program of the Mosaic GPU
       decode kernel walking each kv head's list, default splits one CTA per SM) and the

@@ -5,8 +5,10 @@ hang; 22.36 ms non-causal / 12.05 ms causal at B2 S16K H16 D128 bf16 (two-kernel
 cuDNN 21.14 / 10.37), ptxas: register spills (140 / 204 B non-causal, 436 / 500 B causal) and
 ``warpgroup.arrive`` injected around the register-operand wgmmas. Not the default backward.
 v2 (``FusedOptions``: ``pipelined``, ``lean``, ``memory_registers``; candidate ``V2_OPTIONS``
-with ``compute_registers=240``) is CPU-verified only: it lowers for "cuda", the pipelined
-exchange's protocol simulation and the jnp replay pass; registers, hangs and speed unknown.
+with ``compute_registers=240``): run 31 on the H200, its 5 GPU tests pass (no hang) but no
+variant is faster (v2 24.55 / 11.72 ms, pipelined 27.21 / 13.99, lean 23.18 / 12.43 against
+the two-kernel 23.44 / 11.74) and every variant still spills (docs/kernels.md, "Fused
+backward").
 With default options the kernel's Mosaic module is unchanged from the GPU-verified v1.
 CPU checks (tests/test_flash_mosaic_gpu_bwd_fused.py): the kernel lowers for "cuda"
 (``jax.export``: register layouts, wgmma/TMA constraints, the shared-memory budget); a jnp
@@ -14,9 +16,8 @@ replay of the kernel (same programs, warpgroup tiles, loop ranges, masks, GQA wa
 contributions added in the kernel's order) through this module's wrapper matches ``jax.vjp`` of
 the fp32 reference; the protocol of the exchange barriers, simulated with random warpgroup
 interleavings, neither deadlocks nor lets a warpgroup overwrite a dS buffer the other one still
-reads. Next GPU call: docs/kernels.md, "Next GPU session" item 2 (``bash
-experiments/mosaic_gpu_bwd_fused_session.sh``: ptxas per variant, GPU tests, then
-``_sweep_bwd_fused`` non-causal and causal, v1 next to the v2 variants). Not wired into
+reads. GPU session script: ``bash experiments/mosaic_gpu_bwd_fused_session.sh`` (ptxas per
+variant, GPU tests, then ``_sweep_bwd_fused`` non-causal and causal). Not wired into
 ``jattn`` or the Mosaic forward's custom_vjp (which use ``mosaic_gpu_bwd``).
 
 Why: ``mosaic_gpu_bwd`` (the default, GPU-verified) runs two kernels: dK/dV (per kv tile,
@@ -114,7 +115,7 @@ _PIPELINED_DS_BUFFERS = 4       # dS exchange buffers of the pipelined ordering 
 
 @dataclasses.dataclass(frozen=True)
 class FusedOptions:
-  """Variants of the fused kernel (v2, CPU-verified only); the defaults are the GPU-verified v1.
+  """Variants of the fused kernel (v2; GPU tests pass, none faster than v1: run 31).
 
   Attributes:
     pipelined: FlashAttention-3's ordering of the exchange. Step j issues dV += P^T dO and
