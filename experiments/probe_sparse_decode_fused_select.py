@@ -11,6 +11,9 @@ Rows:
   fused_scratch (``--scratch``): the fused kernel with ``lookup="scratch"`` (each split stores
           its share of the kept list to HBM and loads the ids back in its loop, as
           ``sparse_decode``, instead of a [2048] compare + sum per step).
+  fused_rolled (``--rolled``): the fused kernel with ``search_loop="rolled"`` (the threshold
+          search as one loop in the kernel: the same dynamic work, ~4x less straight-line
+          code ahead of the first K/V copy; tells instruction fetch from issue work apart).
   fused_s16, fused_s66 (``--extra-splits 16,66``): the fused kernel with other split counts
           (each extra row costs two more GPU compiles; off by default).
 
@@ -49,6 +52,8 @@ def main(argv=None):
   p.add_argument("--extra-splits", default="", help="e.g. 16,66: more fused rows")
   p.add_argument("--scratch", action="store_true",
                  help="also the fused row with lookup='scratch' (block ids via an HBM list)")
+  p.add_argument("--rolled", action="store_true",
+                 help="also the fused row with search_loop='rolled' (the search as a loop)")
   p.add_argument("--digit-bits", type=int, default=2, help="fused threshold search (1, 2, 4)")
   p.add_argument("--full-check", action="store_true",
                  help="also compare kept lists and lse of fused vs sparse (2 more compiles)")
@@ -82,6 +87,8 @@ def main(argv=None):
          "sparse": sparse, "fused": fused}
   if a.scratch:
     fns["fused_scratch"] = lambda q: fused(q, lookup="scratch")
+  if a.rolled:
+    fns["fused_rolled"] = lambda q: fused(q, search_loop="rolled")
   for s in filter(None, a.extra_splits.split(",")):
     fns[f"fused_s{int(s)}"] = lambda q, s=int(s): fused(q, num_splits=s)
   width = fs.decode_width(nb, top_k, 1, 1)

@@ -26,9 +26,24 @@ flash_attention_bwd``, the backward behind the Mosaic GPU forward): one ``<confi
 the masked chunk loops; the kernel code does not depend on the sequence length). The names of
 ``experiments.gpu_sweep.bwd_d256_configs`` are accepted too.
 
+``dump-fused-select`` does step 1 for the selection-inside-attention sparse decode
+(``pallas_kernels.sparse.decode_fused_select.sparse_decode_select_attend``) at the same bench
+shape, next to what the three-launch path runs: ``sparse_decode`` (the merged attention kernel,
+default launch, 33 splits), ``select_d<bits>`` (``select_decode_slots``, digit_bits 1 / 2 /
+4) and ``fused_d<bits>_<reduce|scratch>[_s<splits>][_c<search_chunk>][_rolled]`` (the fused
+kernel: threshold search, lookup, split count, radix compare tile, ``search_loop="rolled"``).
+``compile`` also reports, from the cubin's SASS (``cuobjdump -sass``): the instruction count,
+the instructions and CTA barriers before the first ``LDGSTS`` (the first K/V copy: the
+prologue every program runs before any attention traffic; a loop in it counts once), each
+loop's body (``sass_loops``: first instruction, length, barriers, ``LDGSTS``), and from the
+TTGIR whether the main loop is software-pipelined (``async_copy_global_to_local`` issued
+before the loop and ``async_wait`` in it).
+
 Usage:  python experiments/triton_resources.py dump --out /tmp/ttir [--configs s33,s33_nm,...]
         python experiments/triton_resources.py dump-flash --out /tmp/ttir_bwd --head-dim 256 \
             --configs q64k64_w8s2_c16d32,q128k64_w8s1_c64d32
+        python experiments/triton_resources.py dump-fused-select --out /tmp/ttir_fs \
+            [--configs sparse_decode,select_d2,fused_d2_reduce,fused_d2_scratch,...]
         /path/to/venv/bin/python experiments/triton_resources.py compile /tmp/ttir
 """
 from __future__ import annotations
@@ -77,6 +92,117 @@ def dump(out_dir, configs):
     with open(os.path.join(out_dir, name + ".json"), "w") as f:
       json.dump(dict(config=name, num_warps=warps, num_stages=stages), f)
     print(f"{name}: {len(ttir)} chars of TTIR, num_warps={warps}, num_stages={stages}")
+
+
+FUSED_SELECT_CONFIGS = ("sparse_decode", "select_d1", "select_d2", "select_d4",
+                        "fused_d1_reduce", "fused_d2_reduce", "fused_d2_scratch",
+                        "fused_d4_reduce", "fused_d4_scratch", "fused_d2_reduce_s16",
+                        "fused_d1_reduce_rolled", "fused_d2_reduce_rolled",
+                        "fused_d2_scratch_rolled", "fused_d4_reduce_rolled")
+_FUSED_SPEC = re.compile(r"fused_d(\d)_(reduce|scratch)(?:_s(\d+))?(?:_c(\d+))?(_rolled)?$")
+
+
+def dump_fused_select(out_dir, configs):
+  """Write the TTIR of ``sparse_decode``, ``select_decode_slots`` and the fused selection +
+  attention kernel at the issue-5 bench shape (B1 S128K GQA 32:8 D128 bf16, 64-token blocks,
+  top_k 387: 389 of 2048 blocks, 33 splits unless ``_s<n>``), one ``<config>.ttir`` each."""
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels.sparse import decode_fused_select as fs
+  from pallas_kernels.sparse import decode_select as ds
+  from pallas_kernels.sparse.decode import sparse_decode
+
+  sd, bf16, i32, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32, jnp.float32
+  n, bs, hq, hk, d, width, splits, top_k = 131072, 64, 32, 8, 128, 389, 33, 387
+  nb = n // bs
+  q, k = sd((1, hq, d), bf16), sd((1, n, hk, d), bf16)
+  lens, scores, arr = sd((1,), i32), sd((1, hk, nb), f32), sd((1, hk), i32)
+  idx, cnt = sd((1, hk, width), i32), sd((1, hk), i32)
+  disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  os.makedirs(out_dir, exist_ok=True)
+  for name in configs:
+    m = re.match(r"sparse_decode(?:_s(\d+))?$", name)
+    if m:
+      s = int(m[1] or splits)
+      fn = lambda q, k, v, l, i, c, a, s=s: sparse_decode(q, k, v, l, i, None, c, a,
+                                                          block_size=bs, num_splits=s)
+      args = (q, k, k, lens, idx, cnt, arr)
+    elif re.match(r"select_d\d$", name):
+      fn = lambda s, l, db=int(name[-1]): ds.select_decode_slots(
+          s, l, block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1,
+          max_selected=width, digit_bits=db)
+      args = (scores, lens)
+    else:
+      m = _FUSED_SPEC.match(name)
+      if m is None:
+        raise ValueError(f"unknown config {name!r}")
+      kw = dict(block_size=bs, top_k=top_k, num_splits=int(m[3] or splits),
+                digit_bits=int(m[1]), lookup=m[2],
+                search_chunk=int(m[4]) if m[4] else None)
+      if m[5]:
+        kw["search_loop"] = "rolled"
+      fn = lambda q, k, v, l, s, a, kw=kw: fs.sparse_decode_select_attend(
+          q, k, v, l, s, None, a, **kw)
+      args = (q, k, k, lens, scores, arr)
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
+        *args).mlir_module()
+    ttir, _, warps, stages = _triton_calls(text)[0]
+    with open(os.path.join(out_dir, name + ".ttir"), "w") as f:
+      f.write(ttir)
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+      json.dump(dict(config=name, num_warps=warps, num_stages=stages), f)
+    print(f"{name}: {len(ttir)} chars of TTIR, num_warps={warps}, num_stages={stages}",
+          flush=True)
+
+
+def _sass_stats(cubin_path, bindir):
+  """SASS instruction counts of a cubin: total, before the first LDGSTS (cp.async) and the CTA
+  barriers among those; None where cuobjdump is missing."""
+  exe = os.path.join(bindir, "cuobjdump")
+  if not os.path.exists(exe):
+    return {}
+  sass = subprocess.run([exe, "-sass", cubin_path], capture_output=True, text=True).stdout
+  ops, addrs, targets = [], [], []
+  for line in sass.splitlines():
+    m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)",
+                 line)
+    if m:
+      addrs.append(int(m[1], 16))
+      ops.append(m[2])
+      t = re.search(r"0x([0-9a-f]+)", m[3]) if m[2].startswith("BRA") else None
+      targets.append(int(t[1], 16) if t else None)
+  first = next((i for i, o in enumerate(ops) if o.startswith("LDGSTS")), None)
+  head = ops if first is None else ops[:first]
+  count = lambda xs, p: sum(o.startswith(p) for o in xs)
+  loops = []                                             # backward branches: loop bodies
+  where = {a: i for i, a in enumerate(addrs)}
+  for i, t in enumerate(targets):
+    if t is not None and t < addrs[i] and t in where:
+      body = ops[where[t]:i + 1]
+      loops.append(dict(start=where[t], length=len(body), bar=count(body, "BAR"),
+                        ldgsts=count(body, "LDGSTS")))
+  return dict(sass_instructions=len(ops),
+              sass_before_first_ldgsts=None if first is None else first,
+              bar_before_first_ldgsts=None if first is None else count(head, "BAR"),
+              bar_total=count(ops, "BAR"), sass_loops=loops)
+
+
+def _pipeline_stats(ttgir):
+  """Whether the TTGIR's main loop is software-pipelined: async copies before the first
+  scf.for and in it, and the async_wait depth in it."""
+  loop = ttgir.find("scf.for")
+  if loop < 0:
+    return dict(loop=False)
+  body = ttgir[loop:]
+  end = body.find("scf.yield")
+  body = body[:end] if end > 0 else body
+  wait = re.search(r"ttg\.async_wait[^\n]*\{num = (\d+)", body)
+  return dict(loop=True,
+              async_copies_before_loop=ttgir[:loop].count("ttg.async_copy_global_to_local"),
+              async_copies_in_loop=body.count("ttg.async_copy_global_to_local"),
+              async_wait_num_in_loop=int(wait[1]) if wait else None)
 
 
 def _triton_calls(text):
@@ -194,6 +320,13 @@ def compile_dir(in_dir, arch):
                          options=dict(num_warps=meta["num_warps"],
                                       num_stages=meta["num_stages"]))
       row["shared_bytes"] = int(k.metadata.shared)
+      row.update(_pipeline_stats(k.asm["ttgir"]))
+      with open(path[:-5] + ".ttgir", "w") as f:
+        f.write(k.asm["ttgir"])
+      cubin = path[:-5] + ".cubin"
+      with open(cubin, "wb") as f:
+        f.write(k.asm["cubin"])
+      row.update(_sass_stats(cubin, bindir))
       ptx = path + ".ptx"
       with open(ptx, "w") as f:
         f.write(k.asm["ptx"])
@@ -211,7 +344,9 @@ def compile_dir(in_dir, arch):
     rows.append(row)
     print(f"{row['config']:24s} warps {row['num_warps']} stages {row['num_stages']} "
           f"shared {row.get('shared_bytes', '?')} B registers {row.get('registers', '?')} "
-          f"spills {row.get('spill_store_bytes', '?')} B {row.get('error', '')}", flush=True)
+          f"spills {row.get('spill_store_bytes', '?')} B "
+          f"prologue {row.get('sass_before_first_ldgsts', '?')} SASS / "
+          f"{row.get('bar_before_first_ldgsts', '?')} BAR {row.get('error', '')}", flush=True)
   with open(os.path.join(in_dir, "resources.json"), "w") as f:
     json.dump(dict(triton=triton.__version__, arch=arch, rows=rows), f, indent=1)
 
@@ -230,6 +365,13 @@ def main(argv=None):
                  help="comma-separated specs (q64k64_w8s2_c16d32[_fused]) or bwd_d256 names")
   f.add_argument("--head-dim", type=int, default=256)
   f.add_argument("--dense", action="store_true", help="non-causal (default: causal)")
+  fsp = sub.add_parser("dump-fused-select",
+                       help="write the fused selection + attention kernel's TTIR and its "
+                            "three-launch counterparts'")
+  fsp.add_argument("--out", required=True)
+  fsp.add_argument("--configs", default=",".join(FUSED_SELECT_CONFIGS),
+                   help="comma-separated: sparse_decode[_s<n>], select_d<bits>, "
+                        "fused_d<bits>_<reduce|scratch>[_s<n>][_c<chunk>][_rolled]")
   c = sub.add_parser("compile", help="compile a dump directory (needs the triton package)")
   c.add_argument("dir")
   c.add_argument("--arch", type=int, default=90)
@@ -242,6 +384,8 @@ def main(argv=None):
       from experiments.probe_sparse_decode import ATTEND_GRID
       configs = [g.format(d=33, p=32, h=16, t=66) for g in ATTEND_GRID]
     dump(args.out, configs)
+  elif args.cmd == "dump-fused-select":
+    dump_fused_select(args.out, [x for x in args.configs.split(",") if x.strip()])
   elif args.cmd == "dump-flash":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     dump_flash(args.out, [x for x in args.configs.split(",") if x.strip()], args.head_dim,

@@ -6,7 +6,8 @@ Checks (Pallas interpreter): the fused kernel's kept lists and counts equal
 ``select_decode_slots`` + ``sparse_decode`` on the same scores to the bit, on ragged lengths
 (0, shorter than init + local + top_k blocks, not a multiple of the block), GQA groups 4, 3
 and 1, head_dim 24, narrower values, tied scores, 1 to 7 splits (more than the kept blocks), a
-permuted arrival order, all threshold searches, contiguous and paged caches; the two launches
+permuted arrival order, all threshold searches (unrolled and ``search_loop="rolled"``),
+contiguous and paged caches; the two launches
 from block sums equal ``jattn.sparse``'s "triton" path and the fp32 "xla" reference. The
 issue-5 bench shape lowers for CUDA (on the CPU) to two Triton kernels with no memset. GPU test
 (``-m gpu``): the compiled kernel against the compiled two-kernel path.
@@ -56,14 +57,18 @@ _CASES = {
 }
 
 
-@pytest.mark.parametrize("case,paged,lookup", [(c, False, "reduce") for c in _CASES]
-                         + [("gqa1_many_splits", True, "reduce"),
-                            ("gqa4_ragged", False, "scratch"),
-                            ("gqa1_many_splits", True, "scratch")])
-def test_fused_equals_two_kernels(case, paged, lookup):
+@pytest.mark.parametrize("case,paged,lookup,search_loop",
+                         [(c, False, "reduce", "unrolled") for c in _CASES]
+                         + [("gqa1_many_splits", True, "reduce", "unrolled"),
+                            ("gqa4_ragged", False, "scratch", "unrolled"),
+                            ("gqa1_many_splits", True, "scratch", "unrolled"),
+                            ("gqa4_ragged", False, "reduce", "rolled"),           # radix 2
+                            ("gqa1_many_splits", True, "scratch", "rolled"),      # bit search
+                            ("no_local_radix4", False, "reduce", "rolled")])      # radix 4
+def test_fused_equals_two_kernels(case, paged, lookup, search_loop):
   """Indices, counts, output and lse of the fused kernel == select_decode_slots +
   sparse_decode on the same (tied) scores, to the bit; arrival order permuted; both lookups
-  of the block ids."""
+  of the block ids; the threshold search unrolled (default) or as a loop."""
   b, hq, hk, d, dv, bs, n, lens, top_k, init, local, splits, bits, dt = _CASES[case]
   nb = n // bs
   ks = jax.random.split(jax.random.key(list(_CASES).index(case)), 4)
@@ -83,7 +88,8 @@ def test_fused_equals_two_kernels(case, paged, lookup):
   stride = 2 if splits % 2 else 1        # another split than the last arrives last
   got = fs.sparse_decode_select_attend(q, k, v, lens, scores, pt, num_splits=splits,
                                        digit_bits=bits, return_indices=True, interpret=True,
-                                       _split_stride=stride, lookup=lookup, **sel)
+                                       _split_stride=stride, lookup=lookup,
+                                       search_loop=search_loop, **sel)
   for g, w in zip(got, want):
     _same(g, w)
   assert got[0].dtype == dt
@@ -109,6 +115,29 @@ def test_fused_selection_is_checked():
     assert np.asarray(idx[0, h]).tolist() == sorted([0, nb - 1, *top.tolist()])
   bad_idx, _ = select_decode_slots(scores, lens, top_k=2, **kw)
   assert not np.array_equal(np.asarray(bad_idx), np.asarray(idx))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_fused_rolled_search_several_chunks(bits):
+  """``search_loop="rolled"`` over several radix compare chunks (nb_pad 64, search_chunk 16):
+  kept lists and counts == ``select_decode_slots`` (tied scores, ragged lengths), output ==
+  the unrolled search's to the bit."""
+  b, hk, nb, bs = 2, 2, 60, 16
+  ks = jax.random.split(jax.random.key(5), 2)
+  q = jax.random.normal(ks[0], (b, 4, 16), jnp.float32)
+  k = jax.random.normal(ks[1], (b, nb * bs, hk, 16), jnp.float32)
+  scores = _tied_scores(jax.random.key(6), b, hk, nb)
+  lens = jnp.array([nb * bs - 5, 23 * bs], jnp.int32)
+  kw = dict(block_size=bs, top_k=9, num_init_blocks=1, num_local_blocks=2, num_splits=2,
+            digit_bits=bits, search_chunk=16, return_indices=True, interpret=True)
+  got = fs.sparse_decode_select_attend(q, k, k, lens, scores, search_loop="rolled", **kw)
+  ref = fs.sparse_decode_select_attend(q, k, k, lens, scores, **kw)
+  for g, w in zip(got, ref):
+    _same(g, w)
+  want_idx, want_cnt = select_decode_slots(scores, lens, block_size=bs, top_k=9,
+                                           num_init_blocks=1, num_local_blocks=2,
+                                           max_selected=got[2].shape[-1], interpret=True)
+  _same(got[2], want_idx); _same(got[3], want_cnt)
 
 
 def test_fused_from_summaries_equals_triton_path_and_reference():
@@ -159,6 +188,8 @@ def test_fused_options_raise():
     run(s, block_size=16, digit_bits=3)
   with pytest.raises(ValueError, match="lookup"):
     run(s, block_size=16, lookup="gather")
+  with pytest.raises(ValueError, match="search_loop"):
+    run(s, block_size=16, search_loop="scan")
 
 
 def _cuda_mlir(fn, *args):
@@ -172,7 +203,7 @@ def test_fused_is_two_launches_for_cuda():
   """At the issue-5 bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks, top_k 387,
   33 splits) ``sparse_decode_fused`` lowers for CUDA (on the CPU) to two Triton kernels and
   nothing between them (the scores kernel zeroes the counters: no memset, no sort), contiguous
-  (both lookups) and paged."""
+  (both lookups, and the rolled search) and paged."""
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
   n, bs = 131072, 64
@@ -184,6 +215,9 @@ def test_fused_is_two_launches_for_cuda():
             (q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, sums, slen)),
            (lambda q, k, v, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl,
                                                              lookup="scratch", **kw),
+            (q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, sums, slen)),
+           (lambda q, k, v, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl,
+                                                             search_loop="rolled", **kw),
             (q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, sums, slen)),
            (lambda q, k, v, pt, l, s, sl: fs.sparse_decode_fused(q, k, v, l, s, sl, pt, **kw),
             (q, S((nb + 4, bs, 8, 128), bf16), S((nb + 4, bs, 8, 128), bf16),

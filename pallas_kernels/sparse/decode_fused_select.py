@@ -33,7 +33,9 @@ select + attend + merge.
 Cost model: every split of a (b, h) repeats the selection (a [nb_pad] scores load, mostly from
 L2, and the radix search), in parallel; the per-step lookup is a [nb_pad] compare + reduction
 off the K/V critical path. CPU-verified (interpret mode, CUDA lowering); timing is the probe
-``experiments/probe_sparse_decode_fused_select.py``.
+``experiments/probe_sparse_decode_fused_select.py``. Option ``search_loop="rolled"``: the
+threshold search as one loop instead of ~5k straight-line SASS instructions per program
+(same work and selection; docs/sparse.md, "Why it is slower").
 """
 from __future__ import annotations
 
@@ -80,12 +82,52 @@ def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
 
 
 # ----------------------------------------------------------------------------- selection
+def _radix_threshold_rolled(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_local,
+                            top_k, digit_bits, chunk):
+  """``decode_select._radix_threshold`` with its passes as one ``fori_loop`` (an ``scf.for``
+  in the TTIR) instead of a Python loop: the same keys, trials, counts and digit per pass, so
+  the same threshold, but the pass body is emitted once (the unrolled form is ~3.8k straight-
+  line SASS instructions at digit_bits 2, nb_pad 2048, 4 warps). Keys stay in registers
+  (loop-invariant values of the loop)."""
+  nd = 1 << digit_bits
+  dig = jnp.arange(nd, dtype=jnp.int32)
+  keys = []
+  for c in range(nb_pad // chunk):
+    jc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+    real_c = jc < num_blocks
+    forced_c = jc < num_init
+    if num_local > 0:
+      forced_c = forced_c | (jc > diag - num_local)
+    cand_c = (jc <= diag) & ~forced_c
+    s_c = plgpu.load(s_ref.at[b, h, jc], mask=real_c, other=0.0)
+    key_c = jnp.where(cand_c, _sel.total_order_key(s_c), _sel._NEG_INF_KEY)
+    keys.append(jnp.where(real_c, key_c, _sel._INT_MIN))
+
+  def one_pass(p, t_u):
+    shift = 32 - digit_bits * (p + 1)
+    trial = (t_u | jax.lax.shift_left(dig, jnp.broadcast_to(shift, dig.shape))) ^ _sel._INT_MIN
+    acc = None
+    for key_c in keys:
+      ge = (key_c[None, :] >= trial[:, None]).astype(jnp.int32)      # [nd, chunk]
+      acc = ge if acc is None else acc + ge
+    n_ge = jnp.sum(acc, axis=1)                                      # [nd]
+    ok = (n_ge >= top_k) | (dig == 0)
+    digit = jnp.sum(ok.astype(jnp.int32)) - 1
+    return t_u | jax.lax.shift_left(digit, shift)
+
+  return jax.lax.fori_loop(0, 32 // digit_bits, one_pass, jnp.int32(0))
+
+
 def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
-                digit_bits, search_chunk):
+                digit_bits, search_chunk, search_loop="unrolled"):
   """Kept-flag vector of (batch b, kv head h): (block ids [nb_pad], keep [nb_pad] bool).
 
   The keep computation of ``decode_select._select_body`` (same ops in the same order, so the
   same kept set; tested against ``select_decode_slots``), without its compaction stores.
+  ``search_loop="rolled"``: the threshold search's steps (bit or radix) run as a
+  ``fori_loop`` instead of a Python-unrolled sequence (the same integer ops per step, so the
+  same threshold; a short loop in the kernel instead of thousands of straight-line
+  instructions ahead of the first K/V copy).
   """
   j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
   real = j < num_blocks
@@ -101,12 +143,22 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
     cand = visible & ~forced
     s = plgpu.load(s_ref.at[b, h, j], mask=real, other=0.0)          # [nb_pad] fp32
     key = jnp.where(cand, _sel.total_order_key(s), _sel._NEG_INF_KEY)
-    if digit_bits == 1:
+    if digit_bits == 1 and search_loop == "rolled":
+      def bit_step(i, t_u):              # bit 31 - i; 1 << 31 wraps to INT_MIN in int32
+        trial = t_u | jax.lax.shift_left(jnp.int32(1), 31 - i)
+        n_ge = jnp.sum(((key >= (trial ^ _sel._INT_MIN)) & real).astype(jnp.int32))
+        return jnp.where(n_ge >= top_k, trial, t_u)
+      t_u = jax.lax.fori_loop(0, 32, bit_step, jnp.int32(0))
+    elif digit_bits == 1:
       t_u = jnp.int32(0)
       for bit in range(31, -1, -1):
         trial = t_u | jnp.int32(_sel._INT_MIN if bit == 31 else 1 << bit)
         n_ge = jnp.sum(((key >= (trial ^ _sel._INT_MIN)) & real).astype(jnp.int32))
         t_u = jnp.where(n_ge >= top_k, trial, t_u)
+    elif search_loop == "rolled":
+      t_u = _radix_threshold_rolled(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
+                                    num_init=num_init, num_local=num_local, top_k=top_k,
+                                    digit_bits=digit_bits, chunk=search_chunk)
     else:
       t_u = _sel._radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
                                   num_init=num_init, num_local=num_local, top_k=top_k,
@@ -183,13 +235,14 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
 
 @functools.partial(jax.jit, static_argnames=(
     "block_size", "top_k", "num_init_blocks", "num_local_blocks", "num_splits", "scale",
-    "out_dtype", "digit_bits", "search_chunk", "lookup", "num_warps", "num_stages",
-    "return_indices", "interpret", "_split_stride"))
+    "out_dtype", "digit_bits", "search_chunk", "search_loop", "lookup", "num_warps",
+    "num_stages", "return_indices", "interpret", "_split_stride"))
 def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, arrivals=None, *,
                                 block_size, top_k, num_init_blocks=1, num_local_blocks=1,
                                 num_splits=None, scale=None, out_dtype=None, digit_bits=2,
-                                search_chunk=None, lookup="reduce", num_warps=4, num_stages=3,
-                                return_indices=False, interpret=False, _split_stride=1):
+                                search_chunk=None, search_loop="unrolled", lookup="reduce",
+                                num_warps=4, num_stages=3, return_indices=False, interpret=False,
+                                _split_stride=1):
   """Block selection, split-KV attention over the kept blocks and the merge, in one launch.
 
   ``select_decode_slots`` + ``sparse_decode`` (merged) as one kernel: each (batch, kv head,
@@ -217,6 +270,10 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
     out_dtype: output dtype (default q.dtype).
     digit_bits, search_chunk: the threshold search, as ``select_decode_slots`` (default 2:
       the radix search; every value gives the same selection).
+    search_loop: "unrolled" (default: the search's steps as straight-line code, as
+      ``select_decode_slots``) or "rolled" (the steps as one loop in the kernel: at the bench
+      shape the prologue before the first K/V copy shrinks from ~4.9k to ~1.4k SASS
+      instructions at digit_bits 2, see docs/sparse.md). The same selection and output.
     lookup: how a loop step finds its block id: "reduce" (default: #{j: incl[j] <= slot}, a
       [nb_pad] compare + sum one step ahead, registers only) or "scratch" (each split stores
       its share of the list to an HBM scratch after the selection, then loads ids from it as
@@ -274,6 +331,8 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   num_splits = int(num_splits)
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  if search_loop not in ("unrolled", "rolled"):
+    raise ValueError(f"search_loop must be 'unrolled' or 'rolled', got {search_loop!r}")
   if lookup not in ("reduce", "scratch"):
     raise ValueError(f"lookup must be 'reduce' or 'scratch', got {lookup!r}")
   if math.gcd(int(_split_stride), num_splits) != 1:
@@ -282,6 +341,8 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   _, sel = _sel._selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                   width, num_warps, digit_bits, search_chunk)
   sel.pop("width")
+  if search_loop != "unrolled":          # default: _keep_flags' keywords as before
+    sel["search_loop"] = search_loop
   group = hq // hk
   if scale is None:
     scale = 1.0 / math.sqrt(d)
