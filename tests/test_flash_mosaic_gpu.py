@@ -86,6 +86,8 @@ LOWER_CASES = {
                                dtype=jnp.float16),
     "d128_no_pingpong": dict(sq=256, sk=256, hq=2, hk=2, d=128, causal=False,
                              bs=mg.BlockSizes(64, 128, 2, pingpong=False)),
+    "d128_softmax_fence": dict(sq=256, sk=256, hq=2, hk=2, d=128, causal=True,
+                               bs=mg.BlockSizes(64, 128, 2, softmax_fence=True)),
     "d64_3_stages": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=True,
                          bs=mg.BlockSizes(64, 128, 3)),
     "d128_causal_window_64": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True,

@@ -122,6 +122,11 @@ class BlockSizes:
     pingpong: rendezvous of the two compute warpgroups so that softmax and wgmma alternate.
     compute_registers: registers per thread requested for the compute warpgroups (the memory
       warpgroup gives its registers back, keeping 40).
+    softmax_fence: an optimization barrier on (acc, m, l, p) at the end of each tile's softmax,
+      before the warpgroup releases the tensor cores to the other one, so that no softmax work
+      (e.g. the row sum) is scheduled into the other warpgroup's wgmma window. JAX's own Pallas
+      Hopper attention does this at head_dim <= 128 and notes that the ordering changes its
+      speed markedly; off by default here until timed (results are identical either way).
     backward: which kernels compute the gradients: "triton" (default: the Triton dK/dV and dQ
       kernels; GPU tests pass behind this forward, runs 17-22) or "mosaic" (``mosaic_gpu_bwd``,
       the Hopper backward: head_dim 64/128, unmasked; GPU tests pass, runs 19-22).
@@ -136,6 +141,7 @@ class BlockSizes:
   pingpong: bool = True
   compute_registers: int = 232
   backward: str = "triton"
+  softmax_fence: bool = False
 
   def __post_init__(self):
     if self.backward not in ("triton", "mosaic"):
@@ -236,6 +242,7 @@ class _Static:
   interpret: bool = False    # the backward's Triton kernels in interpret mode (the forward raises)
   bwd_block_sizes: object = None   # the backward's BlockSizes (triton or mosaic_gpu_bwd) or None
   backward: str = "triton"         # "triton" or "mosaic" (the kernels of the custom_vjp backward)
+  softmax_fence: bool = False      # BlockSizes.softmax_fence
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
   # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
   has_sched: bool = False
@@ -668,6 +675,8 @@ def _fwd_kernel(*refs, st: _Static):
       p, alpha, m_new, l = _online_softmax(s, m, l, st)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p = p.astype(st.dtype)
+      if st.softmax_fence:   # all of the softmax before the other warpgroup's wgmma window
+        acc, m_new, l, p = lax.optimization_barrier((acc, m_new, l, p))
       if st.pingpong:
         plgpu.barrier_arrive(rendezvous)   # softmax done; the other warpgroup may issue wgmma
       plgpu.barrier_wait(v_loaded.at[slot])
@@ -1013,7 +1022,8 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
       window=window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       has_seg=bool(has_seg),
-      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward, **sched)
+      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward,
+      softmax_fence=bool(bs.softmax_fence), **sched)
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
@@ -1213,7 +1223,8 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
   if configs is None:
     from pallas_kernels.tuning import mask_kind
     base = default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window))
-    configs = [base, dataclasses.replace(base, pingpong=False),
+    configs = [base, dataclasses.replace(base, softmax_fence=True),
+               dataclasses.replace(base, pingpong=False),
                dataclasses.replace(base, num_stages=base.num_stages + 1),
                dataclasses.replace(base, block_k=64)]
   keys = jax.random.split(jax.random.key(0), 3)
