@@ -51,6 +51,34 @@ def test_sparse_layers_q_block_1_mqa():
   assert _rel(dec, full) < 2e-3
 
 
+def test_sparse_decode_block_sums_are_incremental(monkeypatch):
+  """Sparse layers keep their block summaries in the cache: each decode step adds only its new
+  keys (no re-read of the whole cache), and the sums equal those of the whole cache."""
+  from jattn import sparse
+  layers = (LayerSpec("sparse", block_size=4, top_k=2, q_block_size=1, rope_base=None),)
+  cfg = TransformerConfig(num_layers=1, layers=layers, **BASE)
+  model = Transformer(cfg, rngs=nnx.Rngs(3))
+  tokens = jax.random.randint(jax.random.key(4), (2, 13), 0, cfg.vocab_size)
+
+  def no_resummary(*a, **k):
+    raise AssertionError("decode re-summarised the whole cache")
+
+  monkeypatch.setattr(sparse, "init_block_summaries", no_resummary)
+  model.init_cache(2, 16, jnp.float32)
+  attn = model.blocks[0].attn
+  assert attn.cache_block_sums[...].shape == (2, 4, 2, 8)    # ceil(16 / 4) blocks, fp32
+  i = 0
+  for c in (5, 1, 3, 1, 3):        # chunks that cross block boundaries
+    model.decode(tokens[:, i:i + c])
+    i += c
+  monkeypatch.undo()
+  want = sparse.init_block_summaries(attn.cache_k[...], jnp.full((2,), i, jnp.int32),
+                                     block_size=4).sums
+  np.testing.assert_allclose(attn.cache_block_sums[...], want, rtol=1e-6, atol=1e-6)
+  model.init_cache(2, 16, jnp.float32)                        # a reset clears them
+  assert not bool(jnp.any(model.blocks[0].attn.cache_block_sums[...]))
+
+
 def test_csa_both_modes():
   layers = (LayerSpec("csa", window=6, top_k=2, compress_ratio=2, csa_sink=True),
             LayerSpec("csa", csa_mode="two_stage", block_size=6, top_k=1, compress_ratio=3,

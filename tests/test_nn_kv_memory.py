@@ -42,8 +42,10 @@ def test_accounting_matches_allocated_caches():
   # local ring 7 x (K, V); global/sparse 50 x (K, V); CSA compressed: 17 entries x (K, V) + a raw
   # ring of max(5, 2*3) + a gate ring of 6; two_stage: raw 50 + 17 entries + gate ring 6.
   # MLA (latent 6, RoPE key 2): 48 bytes per token with RoPE, 36 without (global NoPE).
-  expected = ([48 * 14, 48 * 100, 48 * 100, 48 * (34 + 12 + 12), 48 * (100 + 34 + 12)],
-              [48 * 7, 36 * 50, 48 * 50])
+  # sparse also keeps fp32 key sums per 4-token block: 3 x 13 blocks x 2 heads x 4 dims x 4 B.
+  expected = ([48 * 14, 48 * 100, 48 * 100 + 3 * 13 * 2 * 4 * 4, 48 * (34 + 12 + 12),
+               48 * (100 + 34 + 12)],
+              [48 * 7, 36 * 50, 48 * 50 + 3 * 13 * 2 * 6 * 4])   # MLA sparse: k is 4 + 2 dims
   for kw, want in zip((dict(layers=layers), dict(layers=layers[:3], kv_lora_rank=6,
                                                   rope_head_dim=2)), expected):
     cfg = TransformerConfig(vocab_size=11, num_layers=len(kw["layers"]), d_model=16, num_heads=4,
@@ -59,6 +61,8 @@ def test_accounting_matches_allocated_caches():
     for blk in model.blocks:
       a = blk.attn
       arrs = [getattr(a, f"cache_{n}") for n in a.cache_names]
+      if hasattr(a, "cache_block_sums"):
+        arrs.append(a.cache_block_sums)
       got.append(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrs))
     acct = kv_cache_bytes(cfg, 50, jnp.bfloat16, batch_size=3)
     assert acct["per_layer"] == got == want

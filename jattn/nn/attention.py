@@ -19,7 +19,8 @@
   run ``jattn.flash_attention`` over the cache rolled so that the chunk ends it (global) or over
   the ring read back in position order plus the chunk (local, CSA's raw window), with kv segment
   ids masking empty slots; "sparse" layers run ``jattn.sparse.sparse_decode_attention`` for each
-  new token.
+  new token, scoring blocks from fp32 per-block key sums kept in the cache (``cache_block_sums``,
+  grown by each step's new keys only).
   All rows of a batch advance together (one shared cache index); to decode packed documents, decode
   each document in its own row (or its own call), starting from position 0.
 """
@@ -316,6 +317,10 @@ class Attention(nnx.Module):
         ring_sizes.add(slots)
     for size in sorted(ring_sizes):
       setattr(self, f"ring_pos_{size}", nnx.Cache(jnp.full((size,), -1, jnp.int32)))
+    if self.spec.kind == "sparse":   # running per-block key sums for decode-time block scores
+      nb = -(-max_len // self.spec.block_size)
+      self.cache_block_sums = nnx.Cache(
+          jnp.zeros((batch_size, nb, self.num_kv_heads, self.qk_dim), jnp.float32))
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
     self.cache_names = tuple(names)
     self.cache_max_len = max_len
@@ -429,12 +434,19 @@ class Attention(nnx.Module):
     _set(rp, _get(rp).at[slots].set(pos[t - m:]))
 
   def _sparse_decode(self, q, k, v, pos, p):
-    """Per-token top-K decode (``select_blocks(q_block_size=1)`` rules) for t new queries."""
+    """Per-token top-K decode (``select_blocks(q_block_size=1)`` rules) for t new queries.
+
+    The block summaries (fp32 key sums per cache block) live in the cache and grow by the t new
+    keys only: O(t) per step instead of re-reading every cached key (which would cost half of a
+    dense decode's reads at every step)."""
     spec = self.spec
     sparse = _sparse_module()
     b, t = q.shape[:2]
-    summaries = sparse.init_block_summaries(k, jnp.full((b,), p + t, jnp.int32),
-                                            block_size=spec.block_size)
+    k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=1).astype(jnp.float32)  # [b, t, hk, dk]
+    sums = _get(self.cache_block_sums).at[:, pos // spec.block_size].add(k_new)
+    _set(self.cache_block_sums, sums)
+    summaries = sparse.BlockSummaries(sums=sums, lengths=jnp.full((b,), p + t, jnp.int32),
+                                      block_size=spec.block_size)
 
     def one(qi, length):  # v may be narrower than k (MLA): the output has v's head dim
       return sparse.sparse_decode_attention(qi, k, v, jnp.full((b,), length, jnp.int32), summaries,

@@ -38,7 +38,10 @@ def kv_cache_bytes(config, context_len, dtype=jnp.bfloat16, *, batch_size=1):
     layout = cache_layout(spec, context_len, num_kv_heads=config.num_kv_heads,
                           head_dim=config.head_dim, kv_lora_rank=config.kv_lora_rank,
                           rope_head_dim=config.layer_rope_head_dim(spec))
-    per_layer.append(sum(batch_size * slots * math.prod(shape) * item
-                         for _, slots, shape in layout.values()))
+    nbytes = sum(batch_size * slots * math.prod(shape) * item for _, slots, shape in layout.values())
+    if spec.kind == "sparse":   # fp32 running key sums per block (decode-time block scores)
+      qk_dim = config.head_dim + config.layer_rope_head_dim(spec)
+      nbytes += batch_size * -(-context_len // spec.block_size) * config.num_kv_heads * qk_dim * 4
+    per_layer.append(nbytes)
   total = sum(per_layer)
   return dict(per_layer=per_layer, total=total, per_token=total / context_len)
