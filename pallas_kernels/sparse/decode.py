@@ -414,9 +414,23 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride,
       blocks_per_step=blocks_per_step, index_lookahead=index_lookahead)
-  hk = grid[1]
-  out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
-  out_shape = [jax.ShapeDtypeStruct((bsz, hq, dv), out_dtype),
+  out_shape, aliases = _merged_outputs(args, arrivals, bsz=bsz, hq=hq, hk=grid[1], dv=dv,
+                                       num_splits=num_splits,
+                                       out_dtype=q.dtype if out_dtype is None else out_dtype)
+  res = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
+      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret, name="jattn_sparse_decode_merged")(*args)
+  return res[0], res[1]
+
+
+def _merged_outputs(args, arrivals, *, bsz, hq, hk, dv, num_splits, out_dtype):
+  """Outputs of a kernel that merges its splits in place (the last split to arrive per (batch,
+  kv head) merges): (out_shape, input_output_aliases). With several splits, appends the arrival
+  counters (zeros if ``arrivals`` is None; updated in place) to ``args`` and adds the counters'
+  output and the fp32 partials' scratch outputs; ``sparse_decode`` and the fused selection
+  kernel share it."""
+  out_shape = [jax.ShapeDtypeStruct((bsz, hq, dv), jnp.dtype(out_dtype)),
                jax.ShapeDtypeStruct((bsz, hq), jnp.float32)]
   aliases = {}
   if num_splits > 1:
@@ -430,11 +444,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
     out_shape += [jax.ShapeDtypeStruct((bsz, hk), jnp.int32),
                   jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
                   jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
-  res = pl.pallas_call(
-      kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
-      compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=num_stages),
-      interpret=interpret, name="jattn_sparse_decode_merged")(*args)
-  return res[0], res[1]
+  return out_shape, aliases
 
 
 def _no_counts(kernel, lens_ref, idx_ref, *refs):

@@ -9,8 +9,8 @@ select + attend + merge.
 
 * :func:`sparse_decode_select_attend`: grid (batch, kv head, split). Each program
   (1) computes the kept set of (b, h) from its scores row with the selection kernel's rules
-  (``_keep_flags``: the forced initial and local blocks, the top_k candidates by the same
-  threshold search, ``decode_select._radix_threshold`` for ``digit_bits`` 2 or 4, ties to the
+  (``decode_select._keep_flags``, the selection kernel's own keep computation: the forced
+  initial and local blocks, the top_k candidates by the same threshold search, ``decode_select._radix_threshold`` for ``digit_bits`` 2 or 4, ties to the
   lower block id), as a kept-flag vector over the padded block axis; (2) its inclusive prefix
   count ``incl`` gives the list length (the count) and, for list slot p, the kept block id
   ``#{j: incl[j] <= p}`` (one compare + sum per loop step, looked up one step ahead like the
@@ -32,8 +32,8 @@ select + attend + merge.
 
 Cost model: every split of a (b, h) repeats the selection (a [nb_pad] scores load, mostly from
 L2, and the radix search), in parallel; the per-step lookup is a [nb_pad] compare + reduction
-off the K/V critical path. CPU-verified (interpret mode, CUDA lowering); timing is the probe
-``experiments/probe_sparse_decode_fused_select.py``. Option ``search_loop="rolled"``: the
+off the K/V critical path. Run 35 on the H200: bit-identical to the three-launch path but
+slower (74.9 vs 54.2 us); the probe is ``experiments/probe_sparse_decode_fused_select.py``. Option ``search_loop="rolled"``: the
 threshold search as one loop instead of ~5k straight-line SASS instructions per program
 (same work and selection; docs/sparse.md, "Why it is slower").
 """
@@ -81,98 +81,7 @@ def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
   return max(1, min(n_forced + min(top_k, num_blocks), num_blocks))
 
 
-# ----------------------------------------------------------------------------- selection
-def _radix_threshold_rolled(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_local,
-                            top_k, digit_bits, chunk):
-  """``decode_select._radix_threshold`` with its passes as one ``fori_loop`` (an ``scf.for``
-  in the TTIR) instead of a Python loop: the same keys, trials, counts and digit per pass, so
-  the same threshold, but the pass body is emitted once (the unrolled form is ~3.8k straight-
-  line SASS instructions at digit_bits 2, nb_pad 2048, 4 warps). Keys stay in registers
-  (loop-invariant values of the loop)."""
-  nd = 1 << digit_bits
-  dig = jnp.arange(nd, dtype=jnp.int32)
-  keys = []
-  for c in range(nb_pad // chunk):
-    jc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-    real_c = jc < num_blocks
-    forced_c = jc < num_init
-    if num_local > 0:
-      forced_c = forced_c | (jc > diag - num_local)
-    cand_c = (jc <= diag) & ~forced_c
-    s_c = plgpu.load(s_ref.at[b, h, jc], mask=real_c, other=0.0)
-    key_c = jnp.where(cand_c, _sel.total_order_key(s_c), _sel._NEG_INF_KEY)
-    keys.append(jnp.where(real_c, key_c, _sel._INT_MIN))
-
-  def one_pass(p, t_u):
-    shift = 32 - digit_bits * (p + 1)
-    trial = (t_u | jax.lax.shift_left(dig, jnp.broadcast_to(shift, dig.shape))) ^ _sel._INT_MIN
-    acc = None
-    for key_c in keys:
-      ge = (key_c[None, :] >= trial[:, None]).astype(jnp.int32)      # [nd, chunk]
-      acc = ge if acc is None else acc + ge
-    n_ge = jnp.sum(acc, axis=1)                                      # [nd]
-    ok = (n_ge >= top_k) | (dig == 0)
-    digit = jnp.sum(ok.astype(jnp.int32)) - 1
-    return t_u | jax.lax.shift_left(digit, shift)
-
-  return jax.lax.fori_loop(0, 32 // digit_bits, one_pass, jnp.int32(0))
-
-
-def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
-                digit_bits, search_chunk, search_loop="unrolled"):
-  """Kept-flag vector of (batch b, kv head h): (block ids [nb_pad], keep [nb_pad] bool).
-
-  The keep computation of ``decode_select._select_body`` (same ops in the same order, so the
-  same kept set; tested against ``select_decode_slots``), without its compaction stores.
-  ``search_loop="rolled"``: the threshold search's steps (bit or radix) run as a
-  ``fori_loop`` instead of a Python-unrolled sequence (the same integer ops per step, so the
-  same threshold; a short loop in the kernel instead of thousands of straight-line
-  instructions ahead of the first K/V copy).
-  """
-  j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
-  real = j < num_blocks
-  length = jnp.minimum(plgpu.load(len_ref.at[b]), num_blocks * block)
-  diag = jnp.where(length > 0, (length - 1) // block, -1)            # the query's block
-  visible = j <= diag
-  forced = j < num_init
-  if num_local > 0:
-    forced = forced | (j > diag - num_local)
-  forced = visible & forced
-  keep = forced
-  if top_k > 0:
-    cand = visible & ~forced
-    s = plgpu.load(s_ref.at[b, h, j], mask=real, other=0.0)          # [nb_pad] fp32
-    key = jnp.where(cand, _sel.total_order_key(s), _sel._NEG_INF_KEY)
-    if digit_bits == 1 and search_loop == "rolled":
-      def bit_step(i, t_u):              # bit 31 - i; 1 << 31 wraps to INT_MIN in int32
-        trial = t_u | jax.lax.shift_left(jnp.int32(1), 31 - i)
-        n_ge = jnp.sum(((key >= (trial ^ _sel._INT_MIN)) & real).astype(jnp.int32))
-        return jnp.where(n_ge >= top_k, trial, t_u)
-      t_u = jax.lax.fori_loop(0, 32, bit_step, jnp.int32(0))
-    elif digit_bits == 1:
-      t_u = jnp.int32(0)
-      for bit in range(31, -1, -1):
-        trial = t_u | jnp.int32(_sel._INT_MIN if bit == 31 else 1 << bit)
-        n_ge = jnp.sum(((key >= (trial ^ _sel._INT_MIN)) & real).astype(jnp.int32))
-        t_u = jnp.where(n_ge >= top_k, trial, t_u)
-    elif search_loop == "rolled":
-      t_u = _radix_threshold_rolled(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
-                                    num_init=num_init, num_local=num_local, top_k=top_k,
-                                    digit_bits=digit_bits, chunk=search_chunk)
-    else:
-      t_u = _sel._radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
-                                  num_init=num_init, num_local=num_local, top_k=top_k,
-                                  digit_bits=digit_bits, chunk=search_chunk)
-    thr = t_u ^ _sel._INT_MIN
-    above = (key > thr) & real
-    need = top_k - jnp.sum(above.astype(jnp.int32))                 # ties at thr to take
-    tie = (key == thr) & real
-    tie_i = tie.astype(jnp.int32)
-    tie_rank = jnp.cumsum(tie_i) - tie_i                               # ties before j
-    keep = keep | (cand & (above | (tie & (tie_rank < need))))
-  return j, keep
-
-
+# ----------------------------------------------------------------------------- kernel
 def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, return_indices,
                   lookup="reduce", **attn):
   """One (batch, kv head, split) program: selection, then ``decode._kernel``'s body.
@@ -188,7 +97,7 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
     *rest, idx_ref, cnt_ref = rest
 
   def slot_source(b, h):
-    j, keep = _keep_flags(lens_ref, s_ref, b, h, **sel)
+    j, keep = _sel._keep_flags(lens_ref, s_ref, b, h, **sel)
     keep_i = keep.astype(jnp.int32)
     incl = jnp.cumsum(keep_i)                                        # [nb_pad]
     count = jnp.sum(keep_i)
@@ -341,7 +250,7 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   _, sel = _sel._selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                   width, num_warps, digit_bits, search_chunk)
   sel.pop("width")
-  if search_loop != "unrolled":          # default: _keep_flags' keywords as before
+  if search_loop != "unrolled":          # default: _keep_flags' default search
     sel["search_loop"] = search_loop
   group = hq // hk
   if scale is None:
@@ -354,21 +263,9 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   args = [kv_lengths.astype(jnp.int32), scores.astype(jnp.float32), q, k, v]
   if paged:
     args.append(page_table.astype(jnp.int32))
-  out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
-  out_shape = [jax.ShapeDtypeStruct((bsz, hq, dv), out_dtype),
-               jax.ShapeDtypeStruct((bsz, hq), jnp.float32)]
-  aliases = {}
-  if num_splits > 1:
-    if arrivals is None:
-      arrivals = jnp.zeros((bsz, hk), jnp.int32)
-    elif arrivals.shape != (bsz, hk):
-      raise ValueError(f"arrivals must be [batch, kv_heads] = [{bsz}, {hk}], got "
-                       f"{arrivals.shape}")
-    aliases = {len(args): 2}
-    args.append(arrivals.astype(jnp.int32))
-    out_shape += [jax.ShapeDtypeStruct((bsz, hk), jnp.int32),
-                  jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
-                  jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
+  out_shape, aliases = _dec._merged_outputs(
+      args, arrivals, bsz=bsz, hq=hq, hk=hk, dv=dv, num_splits=num_splits,
+      out_dtype=q.dtype if out_dtype is None else out_dtype)
   if return_indices:
     out_shape += [jax.ShapeDtypeStruct((bsz, hk, width), jnp.int32),
                   jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]

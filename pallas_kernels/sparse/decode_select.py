@@ -167,7 +167,7 @@ def total_order_key(x):
 
 
 def _radix_threshold(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_local, top_k,
-                     digit_bits, chunk):
+                     digit_bits, chunk, rolled=False):
   """The bit search's threshold (unsigned space), ``digit_bits`` bits per pass.
 
   Same answer as the 32-step search: t = the largest u with #{real lanes: u_key >= u} >= top_k,
@@ -180,10 +180,17 @@ def _radix_threshold(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_loc
   counts every real lane, >= top_k), so its row is forced true and padded lanes get u_key 0,
   which no trial >= 1 counts (as in the 32-step search, whose trials are all >= 1).
   The keys are loaded per chunk of ``chunk`` blocks (a static loop): the [digits, chunk] tile,
-  not [digits, nb_pad], bounds the registers.
+  not [digits, nb_pad], bounds the registers. ``rolled``: the passes as one ``fori_loop``.
   """
-  nd = 1 << digit_bits
-  dig = jnp.arange(nd, dtype=jnp.int32)                              # [nd] candidate digits
+  return _radix_search(_radix_keys(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
+                                   num_init=num_init, num_local=num_local, chunk=chunk),
+                       top_k=top_k, digit_bits=digit_bits, rolled=rolled)
+
+
+def _radix_keys(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_local, chunk):
+  """The search keys of (b, h), one [chunk] int32 vector per chunk of the block axis:
+  ``total_order_key`` of the candidates' scores, -inf's key for non-candidates, INT_MIN (u_key 0)
+  for padded lanes."""
   keys = []
   for c in range(nb_pad // chunk):
     jc = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -195,10 +202,16 @@ def _radix_threshold(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_loc
     s_c = plgpu.load(s_ref.at[b, h, jc], mask=real_c, other=0.0)
     key_c = jnp.where(cand_c, total_order_key(s_c), _NEG_INF_KEY)
     keys.append(jnp.where(real_c, key_c, _INT_MIN))                  # padded: u_key 0
-  t_u = jnp.int32(0)
-  for p in range(32 // digit_bits):
-    shift = 32 - digit_bits * (p + 1)
-    trial = (t_u | jax.lax.shift_left(dig, jnp.int32(shift))) ^ _INT_MIN   # [nd] signed
+  return keys
+
+
+def _radix_search(keys, *, top_k, digit_bits, rolled):
+  """t_u from the key chunks: 32 / digit_bits passes, Python-unrolled or (``rolled``) one
+  ``fori_loop`` whose body is the same pass (same trials, counts and digits)."""
+  dig = jnp.arange(1 << digit_bits, dtype=jnp.int32)                 # [nd] candidate digits
+
+  def one_pass(t_u, shift, trial_shift):
+    trial = (t_u | jax.lax.shift_left(dig, trial_shift)) ^ _INT_MIN    # [nd] signed
     acc = None
     for key_c in keys:
       ge = (key_c[None, :] >= trial[:, None]).astype(jnp.int32)      # [nd, chunk]
@@ -206,14 +219,43 @@ def _radix_threshold(s_ref, b, h, diag, *, num_blocks, nb_pad, num_init, num_loc
     n_ge = jnp.sum(acc, axis=1)                                      # [nd]
     ok = (n_ge >= top_k) | (dig == 0)
     digit = jnp.sum(ok.astype(jnp.int32)) - 1
-    t_u = t_u | jax.lax.shift_left(digit, jnp.int32(shift))
+    return t_u | jax.lax.shift_left(digit, shift)
+
+  if rolled:
+    def body(p, t_u):
+      shift = 32 - digit_bits * (p + 1)
+      return one_pass(t_u, shift, jnp.broadcast_to(shift, dig.shape))
+    return jax.lax.fori_loop(0, 32 // digit_bits, body, jnp.int32(0))
+  t_u = jnp.int32(0)
+  for p in range(32 // digit_bits):
+    shift = jnp.int32(32 - digit_bits * (p + 1))
+    t_u = one_pass(t_u, shift, shift)
   return t_u
 
 
-def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, nb_pad,
-                 num_init, num_local, top_k, width, digit_bits, search_chunk):
-  """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
-  selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h]."""
+def _bit_search(key, real, *, top_k, rolled):
+  """t_u by the 32-step bit search (top bit first), unrolled or as one ``fori_loop``."""
+  if rolled:
+    def bit_step(i, t_u):              # bit 31 - i; 1 << 31 wraps to INT_MIN in int32
+      trial = t_u | jax.lax.shift_left(jnp.int32(1), 31 - i)
+      n_ge = jnp.sum(((key >= (trial ^ _INT_MIN)) & real).astype(jnp.int32))
+      return jnp.where(n_ge >= top_k, trial, t_u)
+    return jax.lax.fori_loop(0, 32, bit_step, jnp.int32(0))
+  t_u = jnp.int32(0)
+  for bit in range(31, -1, -1):
+    trial = t_u | jnp.int32(_INT_MIN if bit == 31 else 1 << bit)
+    n_ge = jnp.sum(((key >= (trial ^ _INT_MIN)) & real).astype(jnp.int32))
+    t_u = jnp.where(n_ge >= top_k, trial, t_u)
+  return t_u
+
+
+def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
+                digit_bits, search_chunk, search_loop="unrolled"):
+  """The kept set of (batch b, kv head h) from its scores: (block ids [nb_pad], keep [nb_pad]
+  bool). Shared by the selection kernels (``_select_body``, which then compacts it) and the
+  fused selection + attention kernel (``decode_fused_select``). ``search_loop="rolled"``: the
+  threshold search's steps run as one ``fori_loop`` instead of Python-unrolled (the same
+  integer ops per step, so the same threshold)."""
   j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
   real = j < num_blocks
   length = jnp.minimum(plgpu.load(len_ref.at[b]), num_blocks * block)
@@ -232,16 +274,13 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
     key = jnp.where(cand, total_order_key(s), _NEG_INF_KEY)
     # Largest t with #{key >= t} >= top_k, built from the top bit down in the unsigned space
     # u = t ^ INT_MIN (order preserving), so the answer is the top_k-th largest key.
+    rolled = search_loop == "rolled"
     if digit_bits == 1:
-      t_u = jnp.int32(0)
-      for bit in range(31, -1, -1):
-        trial = t_u | jnp.int32(_INT_MIN if bit == 31 else 1 << bit)
-        n_ge = jnp.sum(((key >= (trial ^ _INT_MIN)) & real).astype(jnp.int32))
-        t_u = jnp.where(n_ge >= top_k, trial, t_u)
+      t_u = _bit_search(key, real, top_k=top_k, rolled=rolled)
     else:                                      # radix: 32 / digit_bits dependent reductions
       t_u = _radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
                              num_init=num_init, num_local=num_local, top_k=top_k,
-                             digit_bits=digit_bits, chunk=search_chunk)
+                             digit_bits=digit_bits, chunk=search_chunk, rolled=rolled)
     thr = t_u ^ _INT_MIN
     above = (key > thr) & real
     need = top_k - jnp.sum(above.astype(jnp.int32))                 # ties at thr to take
@@ -249,6 +288,16 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
     tie_i = tie.astype(jnp.int32)
     tie_rank = jnp.cumsum(tie_i) - tie_i                               # ties before j
     keep = keep | (cand & (above | (tie & (tie_rank < need))))
+  return j, keep
+
+
+def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, nb_pad,
+                 num_init, num_local, top_k, width, digit_bits, search_chunk):
+  """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
+  selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h]."""
+  j, keep = _keep_flags(len_ref, s_ref, b, h, block=block, num_blocks=num_blocks,
+                        nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
+                        digit_bits=digit_bits, search_chunk=search_chunk)
   keep_i = keep.astype(jnp.int32)
   incl = jnp.cumsum(keep_i)                                          # [nb_pad]
   count = jnp.sum(keep_i)
