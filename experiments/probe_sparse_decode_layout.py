@@ -45,6 +45,10 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--calls", default="2,6", help="calls in the short and the long program")
   p.add_argument("--mosaic", action="store_true", help="also the mosaic_gpu rows")
+  p.add_argument("--hnd-splits", default="",
+                 help="e.g. 16,24,49: more sparse_hnd rows with these num_splits (Triton)")
+  p.add_argument("--hnd-fused", action="store_true",
+                 help="also sparse_hnd with fused_select=True (scores + selection, one launch)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
   a = p.parse_args(argv)
   B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
@@ -78,6 +82,13 @@ def main(argv=None):
                                                           implementation=impl, kv_layout="hnd",
                                                           **kw),
   }
+  hnd = dict(implementation=impl, kv_layout="hnd", **kw)
+  for n in (int(x) for x in a.hnd_splits.split(",") if x):
+    fns[f"sparse_hnd_s{n}"] = lambda q, n=n: sp.sparse_decode_attention(
+        q, kh, vh, lens, summ_h, num_splits=n, **hnd)
+  if a.hnd_fused:
+    fns["sparse_hnd_fused"] = lambda q: sp.sparse_decode_attention(
+        q, kh, vh, lens, summ_h, fused_select=True, **hnd)
   if a.mosaic and not a.tiny:
     fns["sparse_mosaic_nhd"] = lambda q: sp.sparse_decode_attention(
         q, k, v, lens, summ, implementation="mosaic_gpu", **kw)
@@ -99,7 +110,7 @@ def main(argv=None):
   for n, o in outs.items():
     r = ref_dense if n.startswith("dense") else ref_sparse
     row = res["rows"][n] = dict(rel_err=err(o, r), ok=err(o, r) < 5e-3)
-    twin = n[:-len("_hnd")] + "_nhd" if n.endswith("_hnd") else None
+    twin = n[:n.index("_hnd")] + "_nhd" if "_hnd" in n else None
     if twin in outs:      # same selection and blocks: equal to the NHD row up to rounding
       row["max_abs_diff_vs_nhd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs[twin].astype(jnp.float32))))

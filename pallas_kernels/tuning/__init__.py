@@ -148,7 +148,7 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
 
   Example:
     >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["provenance"]["run"]
-    'run 10'
+    'run 37'
   """
   table = _merged(table_file(device))
   for m in (mask, "all"):
