@@ -49,6 +49,8 @@ def main(argv=None):
                  help="e.g. 16,24,49: more sparse_hnd rows with these num_splits (Triton)")
   p.add_argument("--hnd-fused", action="store_true",
                  help="also sparse_hnd with fused_select=True (scores + selection, one launch)")
+  p.add_argument("--skip", default="", help="comma list of row names not to run "
+                 "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
   a = p.parse_args(argv)
   B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
@@ -94,6 +96,10 @@ def main(argv=None):
         q, k, v, lens, summ, implementation="mosaic_gpu", **kw)
     fns["sparse_mosaic_hnd"] = lambda q: sp.sparse_decode_attention(
         q, kh, vh, lens, summ_h, implementation="mosaic_gpu", kv_layout="hnd", **kw)
+  for n in (x for x in a.skip.split(",") if x):
+    if n not in fns or n == "dense_nhd":
+      raise ValueError(f"--skip: no row {n!r} to skip (rows: {', '.join(fns)})")
+    del fns[n]
   res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, case=dict(
       B=B, S=S, Hq=Hq, Hk=Hk, D=D, block=bs, top_k=top_k, kept_blocks=top_k + 2, blocks=nb,
       calls=[m_short, m_long], distinct_q_per_call=True), rows={})
