@@ -224,7 +224,8 @@ def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, 
                            logits_soft_cap=logits_soft_cap, block_sizes=None)
     from pallas_kernels.tuning import mask_kind   # tiles tuned per mask kind where measured
     block_sizes = dataclasses.replace(
-        mod.default_block_sizes(q.shape[-1], q.dtype, mask=mask_kind(causal, window)),
+        mod.default_block_sizes(q.shape[-1], q.dtype, mask=mask_kind(
+            causal, window, segments=segment_ids is not None)),
         backward=bwd)
   # interpret=True: the forward raises NotImplementedError (it cannot be interpreted); tests that
   # substitute the forward run the Triton backward in interpret mode.

@@ -114,24 +114,33 @@ def test_mask_kind_and_mask_entries():
   assert [tuning.mask_kind(c, w) for c, w in [(False, None), (True, None), (True, (511, 0)),
                                               (False, (100, 30)), (True, (None, None))]] == [
       "dense", "causal", "causal_window", "window", "causal"]
-  # the H200's causal-window entry (run 33: 64-key tiles); every other kind and device: "all"
+  # segment ids change only the causal kind without a window
+  assert [tuning.mask_kind(c, w, segments=True) for c, w in [
+      (False, None), (True, None), (True, (511, 0)), (False, (100, 30))]] == [
+      "dense", "causal_segments", "causal_window", "window"]
+  # the H200's causal-window entry (run 33: 64-key tiles; run 38: fence) and packed documents
+  # (run 38: no fence); every other kind and device: "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
-  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64))
+  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64, softmax_fence=True))
+  got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
+  assert _same(got, MOSAIC_BEFORE[128])
   for kind in ("all", "dense", "causal", "window"):     # softmax fence on since run 37
     assert _same(mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind),
                  dataclasses.replace(MOSAIC_BEFORE[128], softmax_fence=True))
   for head_dim in (64, 256):
-    assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200",
-                                        mask="causal_window"), MOSAIC_BEFORE[head_dim])
-  assert _same(mg.default_block_sizes(128, device_kind="cpu", mask="causal_window"),
-               MOSAIC_BEFORE[128])
+    for kind in ("causal_window", "causal_segments"):
+      assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200", mask=kind),
+                   MOSAIC_BEFORE[head_dim])
+  for kind in tuning.MASK_KINDS:
+    assert _same(mg.default_block_sizes(128, device_kind="cpu", mask=kind), MOSAIC_BEFORE[128])
   assert tuning.required_params("mosaic_gpu_fwd", 128, "16bit", "NVIDIA H200",
                                 "causal_window")["block_k"] == 64
 
 
 def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu") passes the mask kind to the tile
-  lookup: on an H200 a causal window gets the 64-key tiles, a causal mask the 128-key ones."""
+  lookup: on an H200 a causal window gets the 64-key tiles, a causal mask the 128-key ones
+  with the softmax fence, packed documents (causal with segment ids) no fence."""
   import jax
   import jattn
 
@@ -149,12 +158,15 @@ def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
   mg._tuned_block_sizes.cache_clear()
   try:
     x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-    for kw in (dict(causal=True, local_window_size=(511, 0)), dict(causal=True)):
+    seg = jnp.ones((1, 256), jnp.int32)
+    for kw in (dict(causal=True, local_window_size=(511, 0)), dict(causal=True),
+               dict(causal=True, segment_ids=seg), dict(causal=False, segment_ids=seg)):
       with pytest.raises(Stop):
         jattn.flash_attention(x, x, x, implementation="mosaic_gpu", **kw)
   finally:
     mg._tuned_block_sizes.cache_clear()
-  assert [b.block_k for b in seen] == [64, 128]
+  assert [(b.block_k, b.softmax_fence) for b in seen] == [
+      (64, True), (128, True), (128, False), (128, True)]
 
 
 def test_tables_well_formed():
@@ -169,9 +181,11 @@ def test_tables_well_formed():
     table = tuning.load_table(name)
     assert {k[0] for k in table} == set(tuning.KERNELS)
     for key, e in table.items():
-      # mask-specific tuning so far: the H200 Mosaic forward's causal window (run 33)
-      assert key[3] == "all" or (name, key) == (
-          "nvidia_h200.json", ("mosaic_gpu_fwd", 128, "16bit", "causal_window")), key
+      # mask-specific tuning so far: the H200 Mosaic forward's causal window (runs 33, 38)
+      # and packed documents (run 38)
+      assert key[3] == "all" or (name, key) in {
+          ("nvidia_h200.json", ("mosaic_gpu_fwd", 128, "16bit", m))
+          for m in ("causal_window", "causal_segments")}, key
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
       assert prov["commit"]
@@ -185,7 +199,8 @@ def test_tables_well_formed():
         ("triton_fwd", 128, "16bit", "all"), ("triton_bwd", 128, "16bit", "all"),
         ("mosaic_gpu_fwd", 128, "16bit", "all")} | (
             {("mosaic_gpu_bwd", 128, "16bit", "all"), ("triton_bwd", 256, "16bit", "all"),
-             ("mosaic_gpu_fwd", 128, "16bit", "causal_window")}
+             ("mosaic_gpu_fwd", 128, "16bit", "causal_window"),
+             ("mosaic_gpu_fwd", 128, "16bit", "causal_segments")}
             if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
 

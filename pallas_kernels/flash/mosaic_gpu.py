@@ -184,14 +184,16 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
   """Default ``BlockSizes`` for a head dimension (64, 128 or 256; bf16 or fp16) and mask kind.
 
   Read from the tuning table of the device (``pallas_kernels.tuning``): the entry for ``mask``
-  if the table has one (the H200's causal window at D128: 64-key tiles, 1.32x faster than 128
-  in run 33), else the entry for every mask.
+  if the table has one, else the entry for every mask. The H200's D128 entries: the softmax
+  fence on (runs 37-38), 64-key tiles for a causal window (1.32x faster than 128 in run 33),
+  and no fence for packed documents ("causal_segments": 1.25 vs 1.50 ms with it, run 38).
 
   Args:
     head_dim: the head dimension of q, k and v.
     dtype: the input dtype (only checked: bf16 and fp16 have the same tiles).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
-    mask: "all", "dense", "causal", "window" or "causal_window" (``tuning.mask_kind``).
+    mask: "all", "dense", "causal", "window", "causal_window" or "causal_segments"
+      (``tuning.mask_kind``).
 
   Returns:
     A ``BlockSizes``.
@@ -1222,8 +1224,9 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     causal = True
   if configs is None:
     from pallas_kernels.tuning import mask_kind
-    base = default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window))
-    configs = [base, dataclasses.replace(base, softmax_fence=True),
+    base = default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window,
+                                                               segments=docs is not None))
+    configs = [base, dataclasses.replace(base, softmax_fence=not base.softmax_fence),
                dataclasses.replace(base, pingpong=False),
                dataclasses.replace(base, num_stages=base.num_stages + 1),
                dataclasses.replace(base, block_k=64)]

@@ -10,8 +10,9 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
   * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
   * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
   * ``mask``: "all" (one entry for every mask kind), or a mask kind ("dense", "causal",
-    "window", "causal_window"; ``mask_kind``) that ``entry(mask=...)`` prefers to "all" (so far
-    only the Mosaic GPU forward asks by mask: its H200 causal-window tiles, run 33);
+    "window", "causal_window", "causal_segments"; ``mask_kind``) that ``entry(mask=...)``
+    prefers to "all" (so far only the Mosaic GPU forward asks by mask: its H200 causal-window
+    tiles, run 33, and its softmax fence, on except for packed documents, runs 37-38);
 
 with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the run,
 date, commit, command and results file that picked it, or "untimed" for a guess).
@@ -36,7 +37,7 @@ __all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "device_ki
 DEVICE_TABLES = {"NVIDIA H200": "nvidia_h200.json"}
 GENERIC_TABLE = "generic.json"
 KERNELS = ("triton_fwd", "triton_bwd", "mosaic_gpu_fwd", "mosaic_gpu_bwd")
-MASK_KINDS = ("all", "dense", "causal", "window", "causal_window")
+MASK_KINDS = ("all", "dense", "causal", "window", "causal_window", "causal_segments")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -176,24 +177,30 @@ def params(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
   return None if e is None else dict(e["params"])
 
 
-def mask_kind(causal: bool, window=None) -> str:
-  """The tables' mask key of an attention call: "dense", "causal", "window" or "causal_window".
+def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
+  """The tables' mask key of an attention call.
+
+  "dense", "causal", "window" or "causal_window"; a causal call with segment ids (packed
+  documents) and no window is "causal_segments". Segment ids do not change the other kinds.
 
   Args:
     causal: causal mask.
     window: None or a (left, right) local window (either side may be None: unbounded).
+    segments: the call has segment ids (query or key side).
 
   Returns:
-    One of ``MASK_KINDS`` other than "all" (segment ids do not change the kind).
+    One of ``MASK_KINDS`` other than "all".
 
   Example:
-    >>> mask_kind(True, (511, 0)), mask_kind(False, None)
-    ('causal_window', 'dense')
+    >>> mask_kind(True, (511, 0)), mask_kind(False, None), mask_kind(True, None, segments=True)
+    ('causal_window', 'dense', 'causal_segments')
   """
   windowed = window is not None and tuple(window) != (None, None)
   if windowed:
     return "causal_window" if causal else "window"
-  return "causal" if causal else "dense"
+  if causal:
+    return "causal_segments" if segments else "causal"
+  return "dense"
 
 
 def required_params(kernel: str, head_dim: int, dtype_cls: str,
