@@ -198,7 +198,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
       DecodeBlockSizes``, ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes`` or
       ``pallas_kernels.decode.mosaic_gpu.DecodeBlockSizes``).
     kv_layout: "nhd" (default) or "hnd": the layout of ``k_cache`` / ``v_cache``, see above.
-      The "hnd" kernels are CPU-verified only (interpreted, lowered; not timed on a GPU).
+      On an H200 (run 36) the "hnd" GPU tests pass (Triton, Mosaic GPU) and the Triton path
+      ran 1.03x faster at B1 S128K GQA 32:8 D128 (140.2 vs 145.0 us).
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse (either layout).
