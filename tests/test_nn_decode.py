@@ -2,9 +2,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from jattn.nn import LayerSpec, Transformer, TransformerConfig, local_global_schedule
+from jattn.nn import Attention, LayerSpec, Transformer, TransformerConfig, local_global_schedule
 
 BASE = dict(vocab_size=61, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8)
 # prefill, single steps, chunks longer than the local window (they wrap the ring), more steps;
@@ -165,17 +166,18 @@ def test_fp32_weights_with_bf16_cache_on_pallas_kernels():
 
 def test_mla_sparse_decode_on_pallas_kernels():
   """MLA values are narrower than its keys (head_dim vs head_dim + rope_head_dim): the Triton
-  block-sparse decode (sparse layer) and the Triton split-KV decode (the local layer's single
-  steps) take the unpadded values, return value-width outputs and match the q_block_size=1
-  forward."""
+  block-sparse decode (sparse layer) and the Triton split-KV decode (the single steps of the
+  local and global layers, absorbed: keys latent + RoPE key, values the latent, one kv head)
+  take the unpadded values, return value-width outputs and match the q_block_size=1 forward."""
   import dataclasses
   from jattn.nn.transformer import with_config
   layers = (LayerSpec("local", window=8),
-            LayerSpec("sparse", block_size=16, top_k=1, q_block_size=16))
-  cfg = TransformerConfig(num_layers=2, layers=layers, kv_lora_rank=12, rope_head_dim=8,
+            LayerSpec("sparse", block_size=16, top_k=1, q_block_size=16), LayerSpec("global"))
+  cfg = TransformerConfig(num_layers=3, layers=layers, kv_lora_rank=12, rope_head_dim=8,
                           implementation="triton", interpret=True, **BASE)
   model = Transformer(cfg, rngs=nnx.Rngs(9))
-  per_token = (layers[0], dataclasses.replace(layers[1], q_block_size=1))
+  assert model.blocks[2].attn.absorbed_decode
+  per_token = (layers[0], dataclasses.replace(layers[1], q_block_size=1), layers[2])
   ref = with_config(model, dataclasses.replace(cfg, implementation="xla", interpret=False,
                                                layers=per_token))
   tokens = jax.random.randint(jax.random.key(10), (2, 80), 0, cfg.vocab_size)
@@ -186,3 +188,71 @@ def test_mla_sparse_decode_on_pallas_kernels():
     dec = jnp.concatenate([step(model, tokens[:, :76])] +
                           [step(model, tokens[:, i:i + 1]) for i in range(76, 80)], axis=1)
   assert _rel(dec, full) < 2e-3
+
+
+# MLA weight absorption: awkward sizes (latent 24, RoPE key 8, head_dim 12, GQA 4:2)
+MLA = dict(kv_lora_rank=24, rope_head_dim=8)
+MLA_SPECS = [(LayerSpec("global"), 8), (LayerSpec("global", rope_base=None), 0),
+             (LayerSpec("local", window=5), 8)]
+
+
+def _mla_layer(spec, rope_head_dim, **kw):
+  return Attention(40, 4, 2, 12, spec, kv_lora_rank=24, rope_head_dim=rope_head_dim,
+                   rngs=nnx.Rngs(0), **kw)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("spec,rope_head_dim", MLA_SPECS, ids=["global", "global_nope", "local"])
+def test_mla_absorbed_decode_equals_expanded(spec, rope_head_dim, dtype, tol):
+  """Single-token MLA decode attending the latent (absorbed w_uk / w_uv) equals expanding the
+  cache into per-head keys/values, step by step after a prefill (the local ring wraps)."""
+  x = jax.random.normal(jax.random.key(1), (3, 13, 40))
+  outs = []
+  for absorb in (True, False):
+    layer = _mla_layer(spec, rope_head_dim, mla_absorb=absorb)     # same seed: same weights
+    assert layer.absorbed_decode == absorb
+    layer.init_cache(3, 13, dtype)
+    step = nnx.jit(lambda m, t: m.decode(t))
+    step(layer, x[:, :6])
+    outs.append(jnp.concatenate([step(layer, x[:, i:i + 1]) for i in range(6, 13)], axis=1))
+  assert _rel(outs[0], outs[1]) < tol, _rel(outs[0], outs[1])
+
+
+def test_mla_absorbed_decode_equals_full_forward():
+  """Transformer decode with absorbed MLA (global RoPE / NoPE and local layers) == forward."""
+  layers = (LayerSpec("local", window=8), LayerSpec("global"), LayerSpec("global", rope_base=None))
+  cfg = TransformerConfig(num_layers=3, layers=layers, tie_embeddings=False, **MLA,
+                          **{**BASE, "head_dim": 12})
+  model, _, full, dec = _decode_vs_full(cfg, seed=12)
+  assert all(blk.attn.absorbed_decode for blk in model.blocks)
+  assert _rel(dec, full) < 2e-3
+
+
+def _dot_shapes(jaxpr):
+  """Output shapes of every dot_general in a jaxpr and its sub-jaxprs (jit, custom_vjp, ...)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield eqn.outvars[0].aval.shape
+    for val in eqn.params.values():
+      for sub in val if isinstance(val, (tuple, list)) else (val,):
+        if hasattr(sub, "eqns"):
+          yield from _dot_shapes(getattr(sub, "jaxpr", sub))
+
+
+@pytest.mark.parametrize("spec,rope_head_dim", MLA_SPECS[:2], ids=["global", "global_nope"])
+def test_mla_absorbed_decode_does_not_expand_the_cache(spec, rope_head_dim):
+  """The traced single-token step has no matmul producing per-head keys/values over the cache
+  ([batch, max_len, kv_heads * head_dim]); the expanded path (mla_absorb=False, or qk_norm) has."""
+  b, max_len = 2, 64
+
+  def expands(layer):
+    layer.init_cache(b, max_len, jnp.float32)
+    graph, state = nnx.split(layer)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graph, s).decode(x))(
+        state, jnp.ones((b, 1, 40)))
+    big = b * max_len * layer.num_kv_heads * layer.head_dim
+    return any(max_len in s and np.prod(s) >= big for s in _dot_shapes(jaxpr.jaxpr))
+
+  assert not expands(_mla_layer(spec, rope_head_dim))
+  assert expands(_mla_layer(spec, rope_head_dim, mla_absorb=False))
+  assert expands(_mla_layer(spec, rope_head_dim, qk_norm=True))

@@ -15,7 +15,10 @@
   "global"/"sparse" keep ``max_len`` tokens; "local" keeps a ring buffer of ``window`` tokens with
   their positions; "csa" keeps compressed entries plus a raw ring (or the raw KV for two_stage).
   Single-token steps of "global"/"local" layers run ``jattn.decode_attention`` (flash decoding;
-  the ring is attended in slot order, which softmax does not care about); chunks of t > 1 tokens
+  the ring is attended in slot order, which softmax does not care about); MLA layers there absorb
+  the up-projections (``Attention.absorbed_decode``) and attend the cached latent directly, with
+  no per-step expansion of the cache into per-head keys/values (chunks and "sparse" MLA layers
+  still expand it); chunks of t > 1 tokens
   run ``jattn.flash_attention`` over the cache rolled so that the chunk ends it (global) or over
   the ring read back in position order plus the chunk (local, CSA's raw window), with kv segment
   ids masking empty slots; "sparse" layers run ``jattn.sparse.sparse_decode_attention`` for each
@@ -31,11 +34,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn.attention import flash_attention
-from jattn.decode import decode_attention
+from jattn.decode import decode_attention, resolve_decode_implementation
 from jattn.merge import merge
 from jattn.nn import csa as csa_ops
 from jattn.nn.rope import apply_rope
 from jattn.nn.schedule import LayerSpec
+
+
+# decode implementations that take any key width and narrower values, so absorbed MLA decode
+# (keys kv_lora_rank + rope_head_dim wide, values kv_lora_rank, one kv head) runs on them;
+# "mosaic_gpu" needs head_dim_v == head_dim in {64, 128, 256} and keeps the expansion. Triton
+# then holds all query heads in one [pad16(num_heads), pow2(r + rope)] tile per program: checked
+# on CPU (interpret mode, lowering), not yet timed on a GPU at DeepSeek sizes (128 heads, 576).
+ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 
 
 def _get(var):
@@ -70,6 +81,12 @@ class Attention(nnx.Module):
     kv_lora_rank: None (plain GQA) or the MLA latent width.
     rope_head_dim: MLA only: width of the decoupled RoPE part of queries/keys (even, > 0).
     qk_norm: RMSNorm each query/key head (MLA: the non-RoPE part) before RoPE.
+    mla_absorb: MLA only: single-token decode of "global"/"local" layers absorbs ``w_uk`` into
+      the query and ``w_uv`` into the output and attends the latent cache directly (see
+      ``absorbed_decode``; it applies where valid: not with ``qk_norm``, whose key norm after
+      ``w_uk`` does not commute with the absorption, nor on ``implementation="mosaic_gpu"``).
+      False: expand the cache into per-head keys/values at every step (the same result up to
+      rounding).
     implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
     interpret: run Pallas kernels in interpret mode (CPU tests).
     param_dtype: parameter dtype.
@@ -90,8 +107,8 @@ class Attention(nnx.Module):
   """
 
   def __init__(self, d_model, num_heads, num_kv_heads, head_dim, spec=None, *, kv_lora_rank=None,
-               rope_head_dim=0, qk_norm=False, implementation=None, interpret=False,
-               param_dtype=jnp.float32, dtype=None, rngs):
+               rope_head_dim=0, qk_norm=False, mla_absorb=True, implementation=None,
+               interpret=False, param_dtype=jnp.float32, dtype=None, rngs):
     spec = LayerSpec("global") if spec is None else spec
     if not isinstance(spec, LayerSpec):
       raise TypeError(f"spec must be a LayerSpec, got {type(spec).__name__}")
@@ -136,7 +153,7 @@ class Attention(nnx.Module):
       self.wk = lin(d_model, num_kv_heads * head_dim)
       self.wv = lin(d_model, num_kv_heads * head_dim)
     self.wo = lin(num_heads * head_dim, d_model)
-    self.qk_norm = qk_norm
+    self.qk_norm, self.mla_absorb = qk_norm, mla_absorb
     if qk_norm:
       self.q_norm = nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
       self.k_norm = nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -197,6 +214,23 @@ class Attention(nnx.Module):
   @property
   def scale(self):
     return 1.0 / (self.qk_dim ** 0.5)
+
+  @property
+  def absorbed_decode(self):
+    """Whether single-token decode ("global"/"local") attends the MLA latent directly.
+
+    True for MLA layers with ``mla_absorb``, without ``qk_norm`` and with a decode
+    implementation in ``ABSORB_IMPLEMENTATIONS`` ("xla", "triton", "mosaic_tpu"; None resolves
+    per platform); these static rules alone decide it, never the data. Otherwise decode expands
+    the cache into per-head keys/values (O(context x kv_heads x head_dim) per step).
+
+    Example:
+      >>> mla = Attention(64, 4, 2, 16, kv_lora_rank=24, rope_head_dim=8, rngs=nnx.Rngs(0))
+      >>> mla.absorbed_decode, Attention(64, 4, 2, 16, rngs=nnx.Rngs(0)).absorbed_decode
+      (True, False)
+    """
+    return (self.mla and self.mla_absorb and not self.qk_norm
+            and resolve_decode_implementation(self.implementation) in ABSORB_IMPLEMENTATIONS)
 
   # ---------------------------------------------------------------- forward
   def __call__(self, x, segment_ids=None, positions=None, *, return_qk=False):
@@ -357,22 +391,21 @@ class Attention(nnx.Module):
     q = q.astype(dt)  # attention runs in the cache dtype (kernels want one dtype for q, k, v)
     if spec.kind in ("global", "sparse"):
       full = self._write_full(ent, p)
-      k, v = self._expand(full)
       if spec.kind == "global" and t == 1:
-        o = self._decode_one(q, k, v, jnp.full((b,), p + 1, jnp.int32))
+        o = self._decode_one(q, full, jnp.full((b,), p + 1, jnp.int32))
       elif spec.kind == "global":  # roll the cache so the chunk ends it: bottom-right causal
+        k, v = self._expand(full)
         shift = k.shape[1] - (p + t)
         roll = lambda a: jnp.roll(a, shift, axis=1)
         o = self._chunk_flash(q, roll(k), roll(v), jnp.arange(k.shape[1]) >= shift)
       else:
-        o = self._sparse_decode(q, k, v, pos, p)
+        o = self._sparse_decode(q, *self._expand(full), pos, p)
     elif spec.kind == "local":
       size = spec.window
       if t == 1:  # write first: the ring then holds exactly the visible window (order is moot)
         self._ring_write(ent, list(ent), size, pos)
-        k, v = self._expand({n: _get(getattr(self, f"cache_{n}")) for n in ent})
         lens = jnp.full((b,), jnp.minimum(p + 1, size), jnp.int32)
-        o = self._decode_one(q, k, v, lens)
+        o = self._decode_one(q, {n: _get(getattr(self, f"cache_{n}")) for n in ent}, lens)
       else:
         keys, valid = self._ring_unrolled(ent, list(ent), size)
         k, v = self._expand(keys)
@@ -384,12 +417,41 @@ class Attention(nnx.Module):
     y = self.wo(o.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim))
     return (y, {"q": q}) if return_qk else y
 
-  def _decode_one(self, q, k, v, lengths):
-    """One query per row over a contiguous cache with ``jattn.decode_attention`` (values may
-    be narrower than keys, MLA: the output has the values' head dim)."""
-    o = decode_attention(q[:, 0], k, v, lengths, scale=self.scale,
+  def _decode_one(self, q, ent, lengths):
+    """One query per row (q [b, 1, hq, qk_dim]) over contiguous cache entries with
+    ``jattn.decode_attention``: absorbed MLA (``absorbed_decode``) or the expanded keys/values.
+
+    Absorbed, with W[g] = kernel[:, g, :] [r, head_dim] (``nnx.Linear`` kernels are [in, out],
+    out = (kv head, head_dim)), per query head h of kv head g: q_abs[h] = W_uk[g] q_nope[h] [r];
+    all query heads read one kv head, keys concat(latent, k_rope) [b, n, 1, r + rope_head_dim]
+    and values the latent [b, n, 1, r] (the concatenation copies r + rope_head_dim channels per
+    cached token each step; NoPE layers attend the latent as is); o[h] = W_uv[g]^T o_lat[h]
+    [head_dim]. The scale stays
+    1/sqrt(qk_dim). The absorption matmuls run in fp32 at HIGHEST precision (weights and
+    activations upcast), attention in the cache dtype like the expanded path.
+
+    Returns:
+      o [b, 1, hq, head_dim] (the cache dtype, or fp32 when absorbed).
+    """
+    q = q[:, 0]                                                      # [b, hq, qk_dim]
+    if not self.absorbed_decode:
+      k, v = self._expand(ent)
+      return decode_attention(q, k, v, lengths, scale=self.scale,
+                              implementation=self.implementation, interpret=self.interpret)[:, None]
+    b, hq, _ = q.shape
+    hk, d, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
+    f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
+    w = lambda lin: _get(lin.kernel).astype(f32).reshape(r, hk, d)    # [r, hk, d]
+    q_nope = q[..., :d].astype(f32).reshape(b, hk, hq // hk, d)      # [b, hk, group, d]
+    q_abs = jnp.einsum("bgjd,rgd->bgjr", q_nope, w(self.w_uk), precision=hi)
+    lat = ent["latent"]                                              # [b, n, r]
+    k = jnp.concatenate([lat, ent["k_rope"]], axis=-1) if self.rope_head_dim else lat
+    q = jnp.concatenate([q_abs.reshape(b, hq, r).astype(lat.dtype), q[..., d:]], axis=-1)
+    o = decode_attention(q, k[:, :, None], lat[:, :, None], lengths, scale=self.scale,
                          implementation=self.implementation, interpret=self.interpret)
-    return o[:, None]
+    o = o.astype(f32).reshape(b, hk, hq // hk, r)                    # [b, hk, group, r]
+    o = jnp.einsum("bgjr,rgd->bgjd", o, w(self.w_uv), precision=hi)
+    return o.reshape(b, 1, hq, d)
 
   def _write_full(self, ent, p, names=None):
     out = {}

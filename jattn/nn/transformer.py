@@ -49,6 +49,8 @@ class TransformerConfig:
     param_dtype: parameter dtype.
     dtype: computation dtype (None: the parameter dtype; jnp.bfloat16 for bf16 activations and
       attention inputs with fp32 parameters). Logits come out in this dtype.
+    mla_absorb: MLA single-token decode attends the latent cache with absorbed up-projections
+      where valid (``Attention.absorbed_decode``); False expands the cache at every step.
 
   Example:
     >>> from jattn.nn.schedule import local_global_schedule
@@ -73,6 +75,7 @@ class TransformerConfig:
   norm_eps: float = 1e-6
   param_dtype: object = jnp.float32
   dtype: object = None
+  mla_absorb: bool = True
 
   def __post_init__(self):
     if self.layers is None:
@@ -139,7 +142,8 @@ class Block(nnx.Module):
     self.attn_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
     self.attn = Attention(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, spec,
                           kv_lora_rank=c.kv_lora_rank, rope_head_dim=c.layer_rope_head_dim(spec),
-                          qk_norm=c.qk_norm, implementation=c.implementation,
+                          qk_norm=c.qk_norm, mla_absorb=c.mla_absorb,
+                          implementation=c.implementation,
                           interpret=c.interpret, param_dtype=pd, dtype=dt, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
     self.mlp = MLP(c.d_model, c.mlp_dim or 4 * c.d_model, param_dtype=pd, dtype=dt, rngs=rngs)
