@@ -11,6 +11,12 @@ zeros); each timing rotates over several input sets so repeated calls do not jus
 Anchors: jax.nn.dot_product_attention ("cudnn", "xla"); tokamax ("mosaic", "triton", "cudnn")
 when importable; JAX's Pallas GPU decode (``jax.experimental.pallas.ops.gpu.decode_attention``)
 when importable. Compare only ratios from one run.
+
+Timer: ``pallas_kernels._timing.time_fn`` (also the Mosaic GPU sweeps'). Forward rows of a causal
+window or packed documents of the Mosaic forward (jattn_mosaic_gpu, its [no_fence] variant, and
+jattn_default where it runs it) carry issue 8's gate, ``tile_sum_ms`` (the same implementation's
+dense ms in this run x needed / all tiles, ``mosaic_tile_counts``) and ``tile_sum_ratio`` = ms /
+tile_sum_ms (gate <= 1.2), when the dense row of the same shape ran first.
 """
 from __future__ import annotations
 
@@ -23,7 +29,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 import traceback
 
 import jax
@@ -31,50 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from pallas_kernels._timing import random_sets, sync as _sync, time_fn  # noqa: F401 (re-exported)
 from pallas_kernels.flash.reference import attention_reference
 
 ROWS = []
 _OUT = {"path": None}
-
-
-def _sync(x):
-  jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
-  return x
-
-
-def time_fn(fn, arg_sets, *, iters=None, min_time=0.25, repeats=3):
-  """Median milliseconds per call of ``fn(*args)``, rotating over ``arg_sets``.
-
-  Args:
-    fn: a jitted function.
-    arg_sets: list of argument tuples (several, to defeat the L2 cache).
-    iters: calls per measurement; default: enough for ``min_time`` seconds.
-    min_time: target seconds per measurement when ``iters`` is None.
-    repeats: measurements; the median is returned.
-
-  Returns:
-    (median_ms, spread_ms) where spread is max - min over the measurements.
-
-  Example:
-    >>> f = jax.jit(lambda x: x + 1)
-    >>> ms, _ = time_fn(f, [(jnp.ones(4),)], iters=3, repeats=2)
-  """
-  for args in arg_sets:  # compile + warm up
-    _sync(fn(*args))
-  if iters is None:
-    t0 = time.perf_counter()
-    _sync(fn(*arg_sets[0]))
-    one = max(time.perf_counter() - t0, 1e-5)
-    iters = int(min(max(min_time / one, 3), 2000))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for i in range(iters):
-      out = fn(*arg_sets[i % len(arg_sets)])
-    _sync(out)
-    times.append((time.perf_counter() - t0) * 1e3 / iters)
-  return float(np.median(times)), float(max(times) - min(times))
 
 
 def rel_err(x, ref):
@@ -89,7 +55,8 @@ def record(**row):
   if _OUT["path"]:  # write as we go, so a run stopped at its time limit keeps its rows
     with open(_OUT["path"], "w") as fh:
       json.dump({"meta": meta(), "rows": ROWS}, fh, indent=1)
-  keys = ("op", "case", "impl", "ms", "tflops", "tbps", "speedup", "rel_err", "ok")
+  keys = ("op", "case", "impl", "ms", "tflops", "tbps", "speedup", "rel_err", "ok", "tile_sum_ms",
+          "tile_sum_ratio")
   print("  " + " ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}"
                         for k in keys if k in row), flush=True)
 
@@ -105,7 +72,7 @@ def _tokamax():
 # ----------------------------------------------------------------------------- flash attention
 def flash_impls(causal, window):
   """name -> f(q, k, v) for every implementation (one that lacks the mask raises
-  NotImplementedError, and ``bench_flash`` prints why it skips it: jattn_mosaic_gpu on windows)."""
+  NotImplementedError, and ``bench_flash`` prints why it skips it)."""
   impls = {}
   for impl in ("triton", "mosaic_gpu"):
     impls[f"jattn_{impl}"] = functools.partial(jattn.flash_attention, causal=causal,
@@ -114,12 +81,22 @@ def flash_impls(causal, window):
   impls["jattn_default"] = functools.partial(jattn.flash_attention, causal=causal,
                                              local_window_size=window)   # None: see the plan
 
-  def mosaic_triton_bwd(q, k, v):  # Hopper forward + Triton backward (the pre-run-21 default)
-    from pallas_kernels.flash import mosaic_gpu as mg
-    bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1]), backward="triton")
-    return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
-                                 implementation="mosaic_gpu", block_sizes=bs)
-  impls["jattn_mosaic_gpu[triton_bwd]"] = mosaic_triton_bwd
+  def mosaic_with(**changes):  # the Hopper forward's default tiles for the mask kind, changed
+    def f(q, k, v):
+      from pallas_kernels.flash import mosaic_gpu as mg
+      from pallas_kernels.tuning import mask_kind
+      bwd = jattn.flash_attention_plan(q, k, v, local_window_size=window,
+                                       implementation="mosaic_gpu")["backward"]
+      bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1], mask=mask_kind(causal, window)),
+                               **{"backward": "mosaic" if bwd == "mosaic_gpu" else "triton",
+                                  **changes})
+      return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
+                                   implementation="mosaic_gpu", block_sizes=bs)
+    return f
+  # Hopper forward + Triton backward (the pre-run-21 default); the forward without the softmax
+  # fence (the D128 default since run 37: its A/B in one process).
+  impls["jattn_mosaic_gpu[triton_bwd]"] = mosaic_with(backward="triton")
+  impls["jattn_mosaic_gpu[no_fence]"] = mosaic_with(softmax_fence=False)
 
   def prev_default(q, k, v):  # the Triton default before session 12 (A/B in the same run)
     from pallas_kernels.flash import triton as ft
@@ -162,14 +139,133 @@ def flash_impls(causal, window):
   return impls
 
 
+def mosaic_tile_counts(seq, head_dim, *, causal=False, window=None, docs=None, tiles=None):
+  """(needed, all): the (query tile, kv tile) pairs of the Mosaic GPU forward's tiles in which
+  some query sees some key, for one (batch row, head) of a self-attention of length ``seq``, and
+  all pairs (the dense problem's).
+
+  Tiles: a program's rows (``2 * block_q``) by ``block_k`` keys of
+  ``mosaic_gpu.default_block_sizes(head_dim, mask=tuning.mask_kind(...))``, the tiles
+  ``jattn.flash_attention(implementation="mosaic_gpu")`` uses. Exact, from each query's visible
+  key range (contiguous for causal, windows and packed documents). The forward walks exactly
+  these tiles except with packed documents and a last q tile that is partly padding (its
+  segment-id range then includes 0 and it walks every earlier kv tile; also
+  ``block_schedule.make_schedule``'s count).
+
+  Args:
+    seq: sequence length (queries = keys).
+    head_dim: picks the default tiles.
+    causal, window: the mask (window: None or (left, right), e.g. (511, 0)).
+    docs: None, or that many packed causal documents of ``seq // docs`` tokens (segment ids).
+    tiles: (rows, block_k) instead of the default tiles.
+
+  Returns:
+    (needed, all) ints; issue 8's tile sum is dense ms x needed / all.
+
+  Example:
+    >>> mosaic_tile_counts(1024, 128, causal=True, tiles=(128, 128))
+    (36, 64)
+    >>> mosaic_tile_counts(1024, 128, docs=4, tiles=(128, 64))   # 4 x (2 + 4)
+    (24, 128)
+  """
+  from pallas_kernels.flash import mosaic_gpu as mg
+  if tiles is None:
+    from pallas_kernels.tuning import mask_kind
+    bs = mg.default_block_sizes(head_dim, mask=mask_kind(causal or docs is not None, window,
+                                                         segments=docs is not None))
+    tiles = (bs.rows_per_program, bs.block_k)
+  rows, bk = tiles
+  lo, hi = mg._visible_ranges(seq, causal or docs is not None, window)
+  if docs is not None:
+    if seq % docs:
+      raise ValueError(f"seq ({seq}) must be a multiple of docs ({docs})")
+    start = np.arange(seq) // (seq // docs) * (seq // docs)
+    lo, hi = np.maximum(lo, start), np.minimum(hi, start + seq // docs - 1)
+  nq, nk = -(-seq // rows), -(-seq // bk)
+  q = np.arange(seq)[hi >= lo] // rows
+  edges = np.zeros((nq, nk + 1), np.int64)   # +1 / -1 at each query's first / past-last kv tile
+  np.add.at(edges, (q, lo[hi >= lo] // bk), 1)
+  np.add.at(edges, (q, hi[hi >= lo] // bk + 1), -1)
+  return int((np.cumsum(edges, 1)[:, :nk] > 0).sum()), nq * nk
+
+
+TILE_SUM_IMPLS = ("jattn_default", "jattn_mosaic_gpu", "jattn_mosaic_gpu[no_fence]")
+
+
+def tile_sum_fields(impl, dense_case, ms, q, *, window=None, docs=None, segment_ids=None):
+  """Issue 8's gate for a forward row of a causal window or packed documents: ``tile_sum_ms`` =
+  the same implementation's dense non-causal ms in this run x needed / all tiles
+  (``mosaic_tile_counts``), and ``tile_sum_ratio`` = ms / tile_sum_ms (gate: <= 1.2).
+
+  Args:
+    impl: the row's implementation name (only ``TILE_SUM_IMPLS`` get the fields; jattn_default
+      only where it runs the Mosaic GPU forward).
+    dense_case: the ``case`` of the dense non-causal row of the same shape.
+    ms: the row's time.
+    q: the row's queries [B, S, H, D] (shape, dtype and the default's plan).
+    window, docs: the row's mask (a causal window, or packed causal documents).
+    segment_ids: the packed rows' segment ids (for the default's plan).
+
+  Returns:
+    A dict (tiles_needed, tiles_all, tile_sum_ms, tile_sum_ratio), or {} after printing why.
+
+  Example:
+    >>> q = jnp.zeros((1, 1024, 1, 64), jnp.bfloat16)
+    >>> tile_sum_fields("jax_nn_cudnn", "B1 S1K H1 D64", 1.0, q, window=(511, 0))
+    {}
+  """
+  if impl not in TILE_SUM_IMPLS:
+    return {}
+  if impl == "jattn_default":
+    plan = jattn.flash_attention_plan(q, q, q, local_window_size=window, segment_ids=segment_ids)
+    if plan["implementation"] != "mosaic_gpu":
+      print(f"  {impl}: no tile_sum_ms: it runs {plan['implementation']}, not the Mosaic forward")
+      return {}
+  dense = [r["ms"] for r in ROWS if (r["op"], r["case"], r["impl"]) == ("flash_fwd", dense_case,
+                                                                      impl) and r.get("ms")]
+  if not dense:
+    print(f"  {impl}: no tile_sum_ms: no dense row '{dense_case}' of it in this run "
+          f"(add 'dense' to --masks)")
+    return {}
+  needed, total = mosaic_tile_counts(q.shape[1], q.shape[-1], causal=True, window=window,
+                                     docs=docs)
+  t = dense[-1] * needed / total
+  return dict(tiles_needed=needed, tiles_all=total, tile_sum_ms=t, tile_sum_ratio=ms / t)
+
+
+def _timed_row(name, case, fn, sets, check, flops, more=None):
+  """Time the forward ``fn`` (jitted here) on ``sets``, check it (``check(out) -> rel_err``),
+  record its row (with ``more(ms)``: a dict of more fields) and return the jitted fn; None (and
+  a printed reason, or a failed row) when it raises."""
+  try:
+    fwd = jax.jit(fn)
+    err = check(fwd(*sets[0]))
+    ms, spread = time_fn(fwd, sets)
+    record(op="flash_fwd", case=case, impl=name, ms=ms, spread_ms=spread,
+           tflops=flops / ms / 1e9, rel_err=err, ok=bool(err < 2e-2), **(more(ms) if more else {}))
+    return fwd
+  except NotImplementedError as e:  # e.g. a mask the implementation lacks: no row, a reason
+    print(f"  {name}: skipped, not supported: {str(e)[:200]}")
+  except Exception as e:  # record failures instead of hiding them
+    _failed("flash_fwd", name, case, e)
+
+
+def _failed(op, name, case, e):
+  msg = f"{type(e).__name__}: {str(e)[:300]}"
+  print(f"  {name}: FAILED {msg}")
+  record(op=op, case=case, impl=name, ms=None, error=msg, ok=False)
+
+
+def _case(b, s, h, d):
+  return f"B{b} S{s // 1024}K H{h} D{d}"
+
+
 def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None, bwd_only=False):
   for (b, s, h, d, causal, window) in cases:
-    case = f"B{b} S{s // 1024}K H{h} D{d}" + (" causal" if causal else "") + (
+    case = _case(b, s, h, d) + (" causal" if causal else "") + (
         f" window{window[0] + 1}" if window else "")
     print(f"[flash] {case}", flush=True)
-    keys = jax.random.split(jax.random.key(s + d + causal), 9)
-    sets = [tuple(jax.random.normal(keys[3 * i + j], (b, s, h, d), jnp.bfloat16) for j in range(3))
-            for i in range(3)]
+    sets = random_sets([(b, s, h, d)] * 3, jnp.bfloat16, seed=s + d + causal)
     flops = 4.0 * b * h * s * s * d
     if window is not None:
       # Exact visible pairs of a causal window (left, 0): each query sees min(i+1, left+1) keys.
@@ -181,7 +277,7 @@ def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None, bwd_only=Fal
     # Reference on a slice (batch 0, first heads) in fp32.
     sl = lambda x: x[:1, :, :check_heads]
     ref_out, _ = attention_reference(sl(q), sl(k), sl(v), causal=causal, local_window_size=window)
-    ct = jax.random.normal(keys[-1], (b, s, h, d), jnp.bfloat16)
+    ct = jax.random.normal(jax.random.key(s + d + causal + 1), (b, s, h, d), jnp.bfloat16)
     ref_grads = None
     if with_bwd and s <= 4096:
       ref_grads = jax.grad(lambda q_, k_, v_: jnp.sum(attention_reference(
@@ -193,15 +289,12 @@ def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None, bwd_only=Fal
       if name == "jax_nn_xla" and s > 4096:
         print("  jax_nn_xla: skipped above 4K (materialises the logits; fwd+bwd needs 80 GiB at 16K)")
         continue
+      more = None if window is None else (lambda ms, name=name: tile_sum_fields(
+          name, _case(b, s, h, d), ms, q, window=window))
+      if _timed_row(name, case, f, sets, lambda out: rel_err(sl(out), ref_out), flops,
+                    more) is None or not with_bwd:
+        continue
       try:
-        fwd = jax.jit(f)
-        out = fwd(q, k, v)
-        err = rel_err(sl(out), ref_out)
-        ms, spread = time_fn(fwd, sets)
-        record(op="flash_fwd", case=case, impl=name, ms=ms, spread_ms=spread,
-               tflops=flops / ms / 1e9, rel_err=err, ok=bool(err < 2e-2))
-        if not with_bwd:
-          continue
         def loss(q_, k_, v_, f=f):
           return jnp.sum(f(q_, k_, v_).astype(jnp.float32) * ct.astype(jnp.float32))
         gfn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -220,32 +313,44 @@ def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None, bwd_only=Fal
           ms, spread = time_fn(jax.jit(lambda fn, c: fn(c)), bsets)
           record(op="flash_bwd", case=case, impl=name, ms=ms, spread_ms=spread,
                  tflops=2.5 * flops / ms / 1e9, ok=True)
-      except NotImplementedError as e:  # e.g. jattn_mosaic_gpu on window cases: no row, a reason
-        print(f"  {name}: skipped, not supported: {str(e)[:200]}")
+      except NotImplementedError as e:  # e.g. a backward the implementation lacks
+        print(f"  {name}: backward skipped, not supported: {str(e)[:200]}")
       except Exception as e:  # record failures instead of hiding them
-        msg = f"{type(e).__name__}: {str(e)[:300]}"
-        print(f"  {name}: FAILED {msg}")
-        record(op="flash_fwd", case=case, impl=name, ms=None, error=msg, ok=False)
+        _failed("flash_fwd_bwd", name, case, e)
 
 
-def bench_flash_packed(s=16384, docs=4, h=16, d=128, b=2):
-  """Packed documents: four 4K documents per 16K row vs one 4K causal row x4."""
-  case = f"B{b} S{s // 1024}K H{h} D{d} causal docs{docs}x{s // docs // 1024}K"
+PACKED_IMPLS = ("jattn_default", "jattn_triton", "jattn_mosaic_gpu", "jax_nn_cudnn")
+
+
+def bench_flash_packed(s=16384, docs=4, h=16, d=128, b=2, impls=None, check_heads=2):
+  """Packed documents: ``docs`` causal documents of ``s // docs`` tokens per row of ``s``
+  (segment ids), forward only, for ``PACKED_IMPLS`` (or those of ``impls``) in one process:
+  jattn_default, jattn_triton, jattn_mosaic_gpu, and jax_nn_cudnn on the equivalent
+  ``b * docs`` separate causal rows of ``s // docs`` (the anchor: the work the packed kernels
+  should match). Each is checked against the fp32 reference on the first document of batch 0,
+  first heads; the Mosaic rows get issue 8's tile sum (``tile_sum_fields``) when the dense
+  row of the same shape ran first."""
+  n = s // docs
+  case = _case(b, s, h, d) + f" causal docs{docs}x{n // 1024}K"
   print(f"[flash] {case}", flush=True)
-  keys = jax.random.split(jax.random.key(7), 4)
-  q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys[:3])
-  seg = jnp.broadcast_to(jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), s // docs), (b, s))
-  for impl in ("triton",):
-    f = jax.jit(lambda q, k, v, seg=seg: jattn.flash_attention(
-        q, k, v, causal=True, segment_ids=seg, implementation=impl))
-    out = f(q, k, v)
-    n = s // docs
-    ref, _ = attention_reference(q[:1, :n, :2], k[:1, :n, :2], v[:1, :n, :2], causal=True)
-    err = rel_err(out[:1, :n, :2], ref)
-    ms, spread = time_fn(f, [(q, k, v)])
-    flops = 4.0 * b * h * n * n * d / 2 * docs
-    record(op="flash_fwd", case=case, impl=f"jattn_{impl}", ms=ms, spread_ms=spread,
-           tflops=flops / ms / 1e9, rel_err=err, ok=bool(err < 2e-2))
+  sets = random_sets([(b, s, h, d)] * 3, jnp.bfloat16, seed=7)
+  seg = jnp.broadcast_to(jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), n), (b, s))
+  q, k, v = sets[0]
+  sl = lambda x: x[:1, :n, :check_heads]
+  ref, _ = attention_reference(sl(q), sl(k), sl(v), causal=True)
+  split = lambda x: x.reshape(b * docs, n, *x.shape[2:])
+  fns = {name: functools.partial(jattn.flash_attention, causal=True, segment_ids=seg,
+                                 implementation=impl)
+         for name, impl in (("jattn_default", None), ("jattn_triton", "triton"),
+                            ("jattn_mosaic_gpu", "mosaic_gpu"))}
+  fns["jax_nn_cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+      split(q), split(k), split(v), is_causal=True, implementation="cudnn").reshape(q.shape)
+  flops = 4.0 * b * h * n * n * d / 2 * docs
+  for name, f in fns.items():
+    if impls is None or name in impls:
+      _timed_row(name, case, f, sets, lambda out: rel_err(sl(out), ref), flops,
+                 more=lambda ms, name=name: tile_sum_fields(name, _case(b, s, h, d), ms, q,
+                                                            docs=docs, segment_ids=seg))
 
 
 # ----------------------------------------------------------------------------- decode / sparse
@@ -312,8 +417,11 @@ def main(argv=None):
                  help="flash: comma list of implementation names to time (default: all)")
   p.add_argument("--head-dims", default="128",
                  help="flash: comma list of head dims (the issue's D64 / D256 gates: 64,256)")
-  p.add_argument("--masks", default="dense,causal,window",
-                 help="flash: comma list of mask kinds among dense, causal, window")
+  p.add_argument("--masks", default="dense,causal,window,packed",
+                 help="flash: comma list of mask kinds among dense, causal, window, packed (4 "
+                      "causal 4K documents per 16K row; not with --quick); the window and packed "
+                      "rows' tile sums need dense")
+  p.add_argument("--fwd-only", action="store_true", help="flash: forward rows only")
   p.add_argument("--bwd-only", action="store_true",
                  help="flash: also time the backward alone (op flash_bwd: VJP of saved residuals)")
   p.add_argument("--sparse-extra", default="mosaic_gpu",
@@ -333,10 +441,11 @@ def main(argv=None):
             cases.append((2, s, 16, d, causal, None))
         if "window" in masks:
           cases.append((2, s, 16, d, True, (511, 0)))
-    bench_flash(cases, impls=None if args.impls is None else set(args.impls.split(",")),
-                bwd_only=args.bwd_only)
-    if not args.quick and args.impls is None:
-      bench_flash_packed()
+    impls = None if args.impls is None else set(args.impls.split(","))
+    bench_flash(cases, impls=impls, bwd_only=args.bwd_only, with_bwd=not args.fwd_only)
+    if "packed" in masks and not args.quick:
+      for d in (int(x) for x in args.head_dims.split(",")):
+        bench_flash_packed(d=d, impls=impls)
   if "decode" in ops:
     bench_decode(sweep=not args.no_sweep)
   if "sparse" in ops:

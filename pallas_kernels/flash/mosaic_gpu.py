@@ -1156,8 +1156,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
 # ----------------------------------------------------------------------------------------------
 
 
-def _visible_pairs(seq: int, causal: bool, window) -> int:
-  """Visible (query, key) pairs of a self-attention mask of length ``seq`` (numpy, exact)."""
+def _visible_ranges(seq: int, causal: bool, window):
+  """(lo, hi): each query's visible keys [lo, hi] of a self-attention mask of length ``seq``
+  (numpy int64 [seq]; hi < lo when none)."""
   import numpy as np
   i = np.arange(seq)
   hi = i if causal else np.full(seq, seq - 1)
@@ -1168,32 +1169,26 @@ def _visible_pairs(seq: int, causal: bool, window) -> int:
       lo = np.maximum(lo, i - left)
     if right is not None:
       hi = np.minimum(hi, i + right)
-  return int(np.maximum(hi - lo + 1, 0).sum())
+  return lo, hi
 
 
-def _timed_median(fn, *args, iters):
-  """(fn(*args), median wall ms of ``iters`` synchronous calls after one warm-up): the GPU sweeps'
-  timer (this module's ``_sweep`` and ``mosaic_gpu_bwd._sweep_bwd``)."""
-  import statistics
-  import time
-  out = jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return out, statistics.median(times) * 1e3
+def _visible_pairs(seq: int, causal: bool, window) -> int:
+  """Visible (query, key) pairs of a self-attention mask of length ``seq`` (numpy, exact)."""
+  lo, hi = _visible_ranges(seq, causal, window)
+  return int((hi - lo + 1).clip(0).sum())
 
 
 def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
            head_dim: int = 128, *, causal: bool = False, local_window_size=None,
-           docs: int | None = None, dtype=jnp.bfloat16, configs=None, iters: int = 10,
+           docs: int | None = None, dtype=jnp.bfloat16, configs=None, iters: int | None = None,
            verbose: bool = True):
   """Time the forward for each config and jax.nn's cuDNN forward on the same problem (GPU only).
 
   TFLOP/s = 4 * B * Hq * D * (visible query-key pairs) / time: S^2 non-causal, S(S+1)/2
   causal, fewer with a window; with ``docs``, ``docs`` packed causal documents of S / docs
-  tokens per row (segment ids 1..docs), whose pairs are docs * n(n+1)/2.
+  tokens per row (segment ids 1..docs), whose pairs are docs * n(n+1)/2. Timed as
+  ``experiments/bench_kernels.py`` times (``pallas_kernels._timing.time_fn``: async loops
+  rotating 3 distinct random input sets, median of 3 loops), cuDNN's row too.
 
   Args:
     batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
@@ -1206,7 +1201,7 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
       case) and the outputs are compared on that layout.
     dtype: bf16 or fp16.
     configs: list of ``BlockSizes`` (default: the default and a few neighbours).
-    iters: timed iterations (median) after one warm-up.
+    iters: calls per timed loop (``time_fn``; None: enough for 0.25 s).
     verbose: print one line per row.
 
   Returns:
@@ -1230,10 +1225,10 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
                dataclasses.replace(base, pingpong=False),
                dataclasses.replace(base, num_stages=base.num_stages + 1),
                dataclasses.replace(base, block_k=64)]
-  keys = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(keys[0], (batch, seq, q_heads, head_dim), dtype)
-  k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), dtype)
-  v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), dtype)
+  from pallas_kernels._timing import random_sets, timed
+  kv_shape = (batch, seq, kv_heads, head_dim)
+  sets = random_sets([(batch, seq, q_heads, head_dim), kv_shape, kv_shape], dtype)
+  timeit = lambda fn: timed(jax.jit(fn), sets, iters=iters)
   seg = None
   if docs is None:
     pairs = _visible_pairs(seq, causal, window)
@@ -1243,27 +1238,22 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     seg = jnp.broadcast_to(jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), n), (batch, seq))
   flops = 4.0 * batch * q_heads * head_dim * pairs
 
-  timeit = functools.partial(_timed_median, iters=iters)
-
   cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                             local_window_size=window, implementation="cudnn")
-  if docs is None:
-    ref, ref_ms = timeit(jax.jit(cudnn), q, k, v)
-    name = "jax_nn_cudnn"
-  else:   # docs separate causal rows of n tokens
+  name = "jax_nn_cudnn"
+  if docs is not None:   # docs separate causal rows of n tokens
     split = lambda x: x.reshape(batch * docs, n, *x.shape[2:])
-    ref, ref_ms = timeit(jax.jit(cudnn), split(q), split(k), split(v))
-    ref = ref.reshape(q.shape)
+    cudnn = lambda q, k, v, f=cudnn: f(split(q), split(k), split(v)).reshape(q.shape)
     name = f"jax_nn_cudnn ({batch * docs} separate causal rows of {n})"
+  ref, ref_ms = timeit(cudnn)
   rows = [dict(name=name, ms=ref_ms, tflops=flops / ref_ms * 1e-9)]
   if verbose:   # each row as it finishes: a call cut by a timeout still reports what ran
     print(rows[0], flush=True)
   for cfg in configs:
     row = dict(name=f"mosaic_gpu {cfg}")
     try:
-      fn = jax.jit(lambda q, k, v, cfg=cfg: flash_attention(
+      out, ms = timeit(lambda q, k, v, cfg=cfg: flash_attention(
           q, k, v, seg, seg, causal=causal, local_window_size=window, block_sizes=cfg)[0])
-      out, ms = timeit(fn, q, k, v)
       row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_diff_vs_cudnn=float(
           jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))))
     except Exception as e:  # a config that does not compile is reported, not fatal

@@ -707,30 +707,36 @@ def _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, *, causal, dtype, i
     batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
     causal: causal mask.
     dtype: bf16 or fp16.
-    iters: timed iterations (median) after one warm-up.
+    iters: calls per timed loop (``pallas_kernels._timing.time_fn``; None: enough for 0.25 s).
 
   Returns:
-    A namespace: q, k, v, do, out, lse, fwd_flops, bwd_flops (5 matmuls: 2.5x the forward),
-    timeit (``fn, *args -> (result, median ms)``), rows (the three cuDNN rows) and diff
-    (``grads -> max |d - d_cudnn|`` over dq, dk, dv).
+    A namespace: q, k, v, do, out, lse (the first of 3 distinct random input sets, with the
+    Mosaic forward's residuals), fwd_flops, bwd_flops (5 matmuls: 2.5x the forward), timeit
+    (``fn, *names -> (result on the first set, median ms)``: ``fn`` jitted and timed as
+    ``experiments/bench_kernels.py`` times, rotating the 3 sets, called with the named arrays of
+    each, e.g. ``timeit(f, "q", "k", "v", "out", "lse", "do")``), rows (the three cuDNN rows) and
+    diff (``grads -> max |d - d_cudnn|`` over dq, dk, dv).
 
   Example:
     >>> b = _sweep_baseline(2, 16384, 16, 16, 128, causal=True, dtype=jnp.bfloat16,
-    ...                     iters=10)  # doctest: +SKIP
+    ...                     iters=None)  # doctest: +SKIP
   """
   import types
+  from pallas_kernels._timing import random_sets, timed
   from pallas_kernels.flash import mosaic_gpu as mg
 
-  ks = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(ks[0], (batch, seq, q_heads, head_dim), dtype)
-  k = jax.random.normal(ks[1], (batch, seq, kv_heads, head_dim), dtype)
-  v = jax.random.normal(ks[2], (batch, seq, kv_heads, head_dim), dtype)
-  do = jax.random.normal(ks[3], (batch, seq, q_heads, head_dim), dtype)
+  qs, kvs = (batch, seq, q_heads, head_dim), (batch, seq, kv_heads, head_dim)
+  sets = [dict(zip(("q", "k", "v", "do"), s)) for s in random_sets([qs, kvs, kvs, qs], dtype)]
+  fwd = jax.jit(functools.partial(mg.flash_attention, causal=causal))
+  for s in sets:   # the backwards' residuals, computed once outside the timings
+    s["out"], s["lse"] = jax.block_until_ready(fwd(s["q"], s["k"], s["v"]))
+
+  def timeit(fn, *names):
+    return timed(jax.jit(fn), [tuple(s[n] for n in names) for s in sets], iters=iters)
+
   pairs = seq * (seq + 1) // 2 if causal else seq * seq
   fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
   bwd_flops = 2.5 * fwd_flops
-
-  timeit = functools.partial(mg._timed_median, iters=iters)
 
   cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                             implementation="cudnn")
@@ -739,8 +745,8 @@ def _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, *, causal, dtype, i
     _, vjp = jax.vjp(cudnn, q, k, v)
     return vjp(do)
 
-  _, fwd_ms = timeit(jax.jit(cudnn), q, k, v)
-  ref, fb_ms = timeit(jax.jit(cudnn_fwd_bwd), q, k, v, do)
+  _, fwd_ms = timeit(cudnn, "q", "k", "v")
+  ref, fb_ms = timeit(cudnn_fwd_bwd, "q", "k", "v", "do")
   rows = [dict(name="cudnn_fwd", ms=fwd_ms, tflops=fwd_flops / fwd_ms * 1e-9),
           dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
           dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
@@ -750,15 +756,13 @@ def _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, *, causal, dtype, i
     return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
                for g, r in zip(grads, ref))
 
-  out, lse = jax.block_until_ready(jax.jit(functools.partial(mg.flash_attention,
-                                                             causal=causal))(q, k, v))
-  return types.SimpleNamespace(q=q, k=k, v=v, do=do, out=out, lse=lse, fwd_flops=fwd_flops,
-                               bwd_flops=bwd_flops, timeit=timeit, rows=rows, diff=diff)
+  return types.SimpleNamespace(**sets[0], fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                               timeit=timeit, rows=rows, diff=diff)
 
 
 def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
                head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16, configs=None,
-               iters: int = 10, verbose: bool = True):
+               iters: int | None = None, verbose: bool = True):
   """Time this backward per config against jax.nn's cuDNN forward + backward (GPU only).
 
   Rows: ``cudnn_fwd`` and ``cudnn_fwd_bwd`` (jax.nn.dot_product_attention(implementation=
@@ -766,7 +770,8 @@ def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: in
   Mosaic forward's custom_vjp uses today, on the same residuals), then per config
   ``mosaic_bwd`` (this backward alone, on residuals of ``mosaic_gpu.flash_attention`` computed
   once outside the timing) and ``mosaic_fwd_bwd`` (Mosaic forward + this backward, to compare
-  with ``cudnn_fwd_bwd``). TFLOP/s counts 4 * B * Hq * D * pairs for a forward and 10 * ... for a
+  with ``cudnn_fwd_bwd``), all timed by ``_sweep_baseline``'s timer (that of
+  ``experiments/bench_kernels.py``, over 3 random input sets). TFLOP/s counts 4 * B * Hq * D * pairs for a forward and 10 * ... for a
   backward (5 matmuls; S is recomputed); pairs = S^2, or S(S+1)/2 causal. Each mosaic row
   reports max |d - d_cudnn| of dq, dk, dv.
 
@@ -775,7 +780,7 @@ def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: in
     causal: causal mask.
     dtype: bf16 or fp16.
     configs: list of ``BlockSizes`` (default: the default and a few neighbours).
-    iters: timed iterations (median) after one warm-up.
+    iters: calls per timed loop (``pallas_kernels._timing.time_fn``; None: enough for 0.25 s).
     verbose: print one line per row.
 
   Returns:
@@ -798,14 +803,13 @@ def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: in
                   dataclasses.replace(base, block_q_dq=128, num_stages_dq=2)]
   b = _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, causal=causal, dtype=dtype,
                       iters=iters)
-  q, k, v, do, out, lse = b.q, b.k, b.v, b.do, b.out, b.lse
   fwd_flops, bwd_flops, timeit, rows, diff = b.fwd_flops, b.bwd_flops, b.timeit, b.rows, b.diff
+  residuals = ("q", "k", "v", "out", "lse", "do")
   try:
     from pallas_kernels.flash import triton as flash_triton
     scale = head_dim ** -0.5
-    tri = jax.jit(lambda q, k, v, o, l, do: flash_triton.flash_attention_bwd(
-        q, k, v, o, l, do, jnp.zeros_like(l), causal=causal, scale=scale))
-    grads, ms = timeit(tri, q, k, v, out, lse, do)
+    grads, ms = timeit(lambda q, k, v, o, l, do: flash_triton.flash_attention_bwd(
+        q, k, v, o, l, do, jnp.zeros_like(l), causal=causal, scale=scale), *residuals)
     rows.append(dict(name="triton_bwd", ms=ms, tflops=bwd_flops / ms * 1e-9,
                      max_abs_diff_vs_cudnn=diff(grads)))
   except Exception as e:  # reported, not fatal
@@ -816,15 +820,14 @@ def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: in
       row = dict(name=f"{name} {cfg}")
       try:
         if name == "mosaic_bwd":
-          fn = jax.jit(lambda q, k, v, o, l, do, cfg=cfg: flash_attention_bwd(
-              q, k, v, o, l, do, causal=causal, block_sizes=cfg))
-          grads, ms = timeit(fn, q, k, v, out, lse, do)
+          grads, ms = timeit(lambda q, k, v, o, l, do, cfg=cfg: flash_attention_bwd(
+              q, k, v, o, l, do, causal=causal, block_sizes=cfg), *residuals)
           flops = bwd_flops
         else:
           def fwd_bwd(q, k, v, do, cfg=cfg):
             o, l = mg.flash_attention(q, k, v, causal=causal)
             return flash_attention_bwd(q, k, v, o, l, do, causal=causal, block_sizes=cfg)
-          grads, ms = timeit(jax.jit(fwd_bwd), q, k, v, do)
+          grads, ms = timeit(fwd_bwd, "q", "k", "v", "do")
           flops = fwd_flops + bwd_flops
         row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_diff_vs_cudnn=diff(grads))
       except Exception as e:  # a config that does not compile is reported, not fatal

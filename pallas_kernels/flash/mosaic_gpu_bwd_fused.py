@@ -617,7 +617,7 @@ def _default_sweep_configs(head_dim: int = 128, dtype=jnp.bfloat16):
 
 def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
                      head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16,
-                     configs=None, iters: int = 10, verbose: bool = True):
+                     configs=None, iters: int | None = None, verbose: bool = True):
   """Time the fused backward against the two-kernel backward and cuDNN (GPU only).
 
   Rows: ``cudnn_fwd``, ``cudnn_fwd_bwd`` (jax.nn.dot_product_attention(implementation="cudnn")
@@ -638,7 +638,8 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
     dtype: bf16 or fp16.
     configs: list of ``BlockSizes`` or ``(label, BlockSizes, FusedOptions)`` (default:
       ``_default_sweep_configs``: v1 and the v2 variants, 2 stages).
-    iters: timed iterations (median) after one warm-up.
+    iters: calls per timed loop (``pallas_kernels._timing.time_fn``; None: enough for 0.25 s;
+      3 random input sets, as ``mosaic_gpu_bwd._sweep_baseline``).
     verbose: print one line per row.
 
   Returns:
@@ -654,7 +655,6 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
   configs = [c if isinstance(c, tuple) else (str(c), c, FusedOptions()) for c in configs]
   b = mb._sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, causal=causal, dtype=dtype,
                          iters=iters)
-  q, k, v, do, out, lse = b.q, b.k, b.v, b.do, b.out, b.lse
   fwd_flops, bwd_flops, timeit, rows, diff = b.fwd_flops, b.bwd_flops, b.timeit, b.rows, b.diff
   if verbose:
     for row in rows:
@@ -674,14 +674,14 @@ def _sweep_bwd_fused(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_hea
       print(row, flush=True)
 
   def bwd_alone(fn):
-    return timeit(jax.jit(lambda q, k, v, o, l, do: fn(q, k, v, o, l, do, causal=causal)),
-                  q, k, v, out, lse, do)
+    return timeit(lambda q, k, v, o, l, do: fn(q, k, v, o, l, do, causal=causal),
+                  "q", "k", "v", "out", "lse", "do")
 
   def fwd_bwd(fn):
     def run(q, k, v, do):
       o, l = mg.flash_attention(q, k, v, causal=causal)
       return fn(q, k, v, o, l, do, causal=causal)
-    return timeit(jax.jit(run), q, k, v, do)
+    return timeit(run, "q", "k", "v", "do")
 
   add("two_kernel_bwd", lambda: bwd_alone(mb.flash_attention_bwd), bwd_flops, real=7 / 5)
   for n, (label, cfg, opts) in enumerate(configs):
