@@ -256,3 +256,23 @@ def test_mla_absorbed_decode_does_not_expand_the_cache(spec, rope_head_dim):
   assert not expands(_mla_layer(spec, rope_head_dim))
   assert expands(_mla_layer(spec, rope_head_dim, mla_absorb=False))
   assert expands(_mla_layer(spec, rope_head_dim, qk_norm=True))
+
+
+def test_mla_absorbed_decode_rules():
+  """Which layers absorb: MLA without qk_norm on xla / mosaic_tpu; on triton only while the
+  absorbed query tile has at most the elements of the kernel's largest tested tile (16 heads x
+  256 lanes); never mosaic_gpu."""
+  rngs = nnx.Rngs(0)
+  mla = lambda heads, rank, rope, impl, **kw: Attention(
+      64, heads, 2, 16, kv_lora_rank=rank, rope_head_dim=rope, implementation=impl,
+      rngs=rngs, **kw).absorbed_decode
+  assert mla(4, 24, 8, "xla") and mla(4, 24, 8, "mosaic_tpu")
+  assert mla(16, 192, 64, "triton")                    # 16 x 256: the largest tested tile
+  assert not mla(16, 192, 72, "triton")                # 16 x 512
+  assert mla(32, 96, 32, "triton")                     # 32 x 128: as many elements
+  assert not mla(32, 192, 64, "triton")                # 32 x 256
+  assert not mla(128, 512, 64, "triton")               # DeepSeek-V3 sizes: expansion
+  assert mla(128, 512, 64, "xla")
+  assert not mla(4, 24, 8, "xla", mla_absorb=False)
+  assert not mla(4, 24, 8, "xla", qk_norm=True)
+  assert not mla(4, 24, 8, "mosaic_gpu")

@@ -43,10 +43,22 @@ from jattn.nn.schedule import LayerSpec
 
 # decode implementations that take any key width and narrower values, so absorbed MLA decode
 # (keys kv_lora_rank + rope_head_dim wide, values kv_lora_rank, one kv head) runs on them;
-# "mosaic_gpu" needs head_dim_v == head_dim in {64, 128, 256} and keeps the expansion. Triton
-# then holds all query heads in one [pad16(num_heads), pow2(r + rope)] tile per program: checked
-# on CPU (interpret mode, lowering), not yet timed on a GPU at DeepSeek sizes (128 heads, 576).
+# "mosaic_gpu" needs head_dim_v == head_dim in {64, 128, 256} and keeps the expansion.
 ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
+# Triton's decode kernel holds all query heads of a kv head in one [pad16(heads), pow2(dim)]
+# query tile per program; absorbed, that is every query head at r + rope_head_dim. Absorb on
+# Triton only up to the elements of the largest tile its GPU tests run (16 heads x 256 lanes): at
+# DeepSeek sizes (128 heads, 576) the tile and its fp32 accumulator would not fit in registers,
+# so those layers keep the expansion until a head-tiled kernel exists (never run on a GPU).
+TRITON_ABSORB_MAX_TILE = 16 * 256
+
+
+def _pad16(n):
+  return -(-n // 16) * 16
+
+
+def _pow2(n):
+  return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _get(var):
@@ -84,7 +96,8 @@ class Attention(nnx.Module):
     mla_absorb: MLA only: single-token decode of "global"/"local" layers absorbs ``w_uk`` into
       the query and ``w_uv`` into the output and attends the latent cache directly (see
       ``absorbed_decode``; it applies where valid: not with ``qk_norm``, whose key norm after
-      ``w_uk`` does not commute with the absorption, nor on ``implementation="mosaic_gpu"``).
+      ``w_uk`` does not commute with the absorption, nor on ``implementation="mosaic_gpu"``,
+      nor on "triton" beyond 16 query heads x 256 lanes of latent + RoPE).
       False: expand the cache into per-head keys/values at every step (the same result up to
       rounding).
     implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
@@ -221,16 +234,26 @@ class Attention(nnx.Module):
 
     True for MLA layers with ``mla_absorb``, without ``qk_norm`` and with a decode
     implementation in ``ABSORB_IMPLEMENTATIONS`` ("xla", "triton", "mosaic_tpu"; None resolves
-    per platform); these static rules alone decide it, never the data. Otherwise decode expands
-    the cache into per-head keys/values (O(context x kv_heads x head_dim) per step).
+    per platform), on "triton" only while its query tile, pad16(num_heads) x
+    pow2(kv_lora_rank + rope_head_dim), has at most ``TRITON_ABSORB_MAX_TILE`` (16 x 256)
+    elements; these static rules alone decide it, never the data. Otherwise decode expands the cache into
+    per-head keys/values (O(context x kv_heads x head_dim) per step).
+
+    Returns:
+      A bool.
 
     Example:
       >>> mla = Attention(64, 4, 2, 16, kv_lora_rank=24, rope_head_dim=8, rngs=nnx.Rngs(0))
       >>> mla.absorbed_decode, Attention(64, 4, 2, 16, rngs=nnx.Rngs(0)).absorbed_decode
       (True, False)
     """
-    return (self.mla and self.mla_absorb and not self.qk_norm
-            and resolve_decode_implementation(self.implementation) in ABSORB_IMPLEMENTATIONS)
+    if not (self.mla and self.mla_absorb and not self.qk_norm):
+      return False
+    impl = resolve_decode_implementation(self.implementation)
+    if impl == "triton":
+      tile = _pad16(self.num_heads) * _pow2(self.kv_lora_rank + self.rope_head_dim)
+      return tile <= TRITON_ABSORB_MAX_TILE
+    return impl in ABSORB_IMPLEMENTATIONS
 
   # ---------------------------------------------------------------- forward
   def __call__(self, x, segment_ids=None, positions=None, *, return_qk=False):
