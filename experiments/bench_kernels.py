@@ -12,9 +12,9 @@ Anchors: jax.nn.dot_product_attention ("cudnn", "xla"); tokamax ("mosaic", "trit
 when importable; JAX's Pallas GPU decode (``jax.experimental.pallas.ops.gpu.decode_attention``)
 when importable. Compare only ratios from one run.
 
-Timer: ``pallas_kernels._timing.time_fn`` (also the Mosaic GPU sweeps'). Forward rows of a causal
-window or packed documents of the Mosaic forward (jattn_mosaic_gpu, its [no_fence] variant, and
-jattn_default where it runs it) carry issue 8's gate, ``tile_sum_ms`` (the same implementation's
+Timer: ``pallas_kernels._timing.time_fn`` (also the Mosaic GPU sweeps'). Forward rows of the
+Mosaic forward on a causal window (jattn_mosaic_gpu, its [no_fence] variant, and jattn_default
+where it runs it) or on packed documents (jattn_mosaic_gpu, jattn_default) carry issue 8's gate, ``tile_sum_ms`` (the same implementation's
 dense ms in this run x needed / all tiles, ``mosaic_tile_counts``) and ``tile_sum_ratio`` = ms /
 tile_sum_ms (gate <= 1.2), when the dense row of the same shape ran first.
 """
@@ -83,13 +83,10 @@ def flash_impls(causal, window):
 
   def mosaic_with(**changes):  # the Hopper forward's default tiles for the mask kind, changed
     def f(q, k, v):
-      from pallas_kernels.flash import mosaic_gpu as mg
-      from pallas_kernels.tuning import mask_kind
-      bwd = jattn.flash_attention_plan(q, k, v, local_window_size=window,
-                                       implementation="mosaic_gpu")["backward"]
-      bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1], mask=mask_kind(causal, window)),
-                               **{"backward": "mosaic" if bwd == "mosaic_gpu" else "triton",
-                                  **changes})
+      from jattn.attention import _mosaic_gpu_default_block_sizes
+      from pallas_kernels.masks import normalize_window
+      bs = dataclasses.replace(_mosaic_gpu_default_block_sizes(
+          q, causal=causal, window=normalize_window(window)), **changes)
       return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
                                    implementation="mosaic_gpu", block_sizes=bs)
     return f
@@ -139,7 +136,8 @@ def flash_impls(causal, window):
   return impls
 
 
-def mosaic_tile_counts(seq, head_dim, *, causal=False, window=None, docs=None, tiles=None):
+def mosaic_tile_counts(seq, head_dim, *, causal=False, window=None, docs=None, tiles=None,
+                       device_kind=None):
   """(needed, all): the (query tile, kv tile) pairs of the Mosaic GPU forward's tiles in which
   some query sees some key, for one (batch row, head) of a self-attention of length ``seq``, and
   all pairs (the dense problem's).
@@ -158,6 +156,7 @@ def mosaic_tile_counts(seq, head_dim, *, causal=False, window=None, docs=None, t
     causal, window: the mask (window: None or (left, right), e.g. (511, 0)).
     docs: None, or that many packed causal documents of ``seq // docs`` tokens (segment ids).
     tiles: (rows, block_k) instead of the default tiles.
+    device_kind: whose tuning table gives the default tiles (default: the first device's).
 
   Returns:
     (needed, all) ints; issue 8's tile sum is dense ms x needed / all.
@@ -171,8 +170,9 @@ def mosaic_tile_counts(seq, head_dim, *, causal=False, window=None, docs=None, t
   from pallas_kernels.flash import mosaic_gpu as mg
   if tiles is None:
     from pallas_kernels.tuning import mask_kind
-    bs = mg.default_block_sizes(head_dim, mask=mask_kind(causal or docs is not None, window,
-                                                         segments=docs is not None))
+    bs = mg.default_block_sizes(head_dim, device_kind=device_kind,
+                                mask=mask_kind(causal or docs is not None, window,
+                                               segments=docs is not None))
     tiles = (bs.rows_per_program, bs.block_k)
   rows, bk = tiles
   lo, hi = mg._visible_ranges(seq, causal or docs is not None, window)
@@ -241,13 +241,20 @@ def _timed_row(name, case, fn, sets, check, flops, more=None):
     fwd = jax.jit(fn)
     err = check(fwd(*sets[0]))
     ms, spread = time_fn(fwd, sets)
-    record(op="flash_fwd", case=case, impl=name, ms=ms, spread_ms=spread,
-           tflops=flops / ms / 1e9, rel_err=err, ok=bool(err < 2e-2), **(more(ms) if more else {}))
-    return fwd
   except NotImplementedError as e:  # e.g. a mask the implementation lacks: no row, a reason
     print(f"  {name}: skipped, not supported: {str(e)[:200]}")
+    return None
   except Exception as e:  # record failures instead of hiding them
     _failed("flash_fwd", name, case, e)
+    return None
+  try:    # a timed row is recorded even if its extra fields fail
+    extra = more(ms) if more else {}
+  except Exception as e:
+    extra = dict(extra_error=f"{type(e).__name__}: {str(e)[:200]}")
+    print(f"  {name}: extra fields failed: {extra['extra_error']}")
+  record(op="flash_fwd", case=case, impl=name, ms=ms, spread_ms=spread,
+         tflops=flops / ms / 1e9, rel_err=err, ok=bool(err < 2e-2), **extra)
+  return fwd
 
 
 def _failed(op, name, case, e):

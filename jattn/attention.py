@@ -196,6 +196,20 @@ def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, retu
 _MOSAIC_GPU_HEAD_DIMS = (64, 128, 256)
 
 
+def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logits_soft_cap=None):
+  """The Mosaic GPU ``BlockSizes`` of ``implementation="mosaic_gpu"`` with ``block_sizes=None``:
+  the device table's tiles for the call's mask kind (``tuning.mask_kind``: causal, window,
+  segment ids) and the backward ``_mosaic_backward`` picks (window: normalized (left, right) or
+  None)."""
+  from pallas_kernels.tuning import mask_kind   # tiles tuned per mask kind where measured
+  bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
+                         logits_soft_cap=logits_soft_cap, block_sizes=None)
+  kind = mask_kind(causal, window, segments=segment_ids is not None)
+  return dataclasses.replace(
+      kernel_module("mosaic_gpu").default_block_sizes(q.shape[-1], q.dtype, mask=kind),
+      backward=bwd)
+
+
 def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, logits_soft_cap,
                 interpret, block_sizes):
   """The Hopper path: Mosaic GPU forward; backward by ``_mosaic_backward`` (Mosaic GPU for
@@ -220,13 +234,9 @@ def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, 
     raise TypeError(f"implementation='mosaic_gpu' takes block_sizes of type "
                     f"pallas_kernels.flash.mosaic_gpu.BlockSizes, got {type(block_sizes)}")
   if block_sizes is None:
-    bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
-                           logits_soft_cap=logits_soft_cap, block_sizes=None)
-    from pallas_kernels.tuning import mask_kind   # tiles tuned per mask kind where measured
-    block_sizes = dataclasses.replace(
-        mod.default_block_sizes(q.shape[-1], q.dtype, mask=mask_kind(
-            causal, window, segments=segment_ids is not None)),
-        backward=bwd)
+    block_sizes = _mosaic_gpu_default_block_sizes(q, causal=causal, window=window,
+                                                  segment_ids=segment_ids,
+                                                  logits_soft_cap=logits_soft_cap)
   # interpret=True: the forward raises NotImplementedError (it cannot be interpreted); tests that
   # substitute the forward run the Triton backward in interpret mode.
   return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, causal=causal,

@@ -1,6 +1,7 @@
-"""The one GPU timer of the repository's benchmarks (``experiments/bench_kernels.py`` and the
-Mosaic GPU sweeps ``flash.mosaic_gpu._sweep`` / ``flash.mosaic_gpu_bwd._sweep_bwd``), so their
-numbers can be compared: warm-up on every input set, then host-timed loops of asynchronous calls
+"""The timer of the bench (``experiments/bench_kernels.py``) and of the Mosaic GPU sweeps
+(``flash.mosaic_gpu._sweep`` / ``flash.mosaic_gpu_bwd._sweep_bwd``), so their numbers can be
+compared (``flash.triton._sweep`` and ``experiments/gpu_sweep.py`` still time one synchronous
+call at a time): warm-up on every input set, then host-timed loops of asynchronous calls
 rotating over several input sets (so that repeated calls do not just hit L2), median of the loops.
 """
 from __future__ import annotations

@@ -47,12 +47,19 @@ def test_bench_tile_counts_match_brute_force(seq, tiles, mask):
 
 
 def test_bench_tile_counts_default_tiles_are_the_kernels():
-  from pallas_kernels.tuning import mask_kind
-  for kw in MASKS[1:3] + MASKS[4:5]:
-    bs = mg.default_block_sizes(128, mask=mask_kind(True, kw["window"],
-                                                    segments=kw["docs"] is not None))
-    assert bk.mosaic_tile_counts(4096, 128, **kw) == bk.mosaic_tile_counts(
-        4096, 128, tiles=(bs.rows_per_program, bs.block_k), **kw)
+  """The default tiles are the device table's for the mask kind: on an H200, 128 rows x 64 keys
+  for a causal window and 128 x 128 for causal and packed documents (the generic table: 128 x
+  128 everywhere)."""
+  want = {"NVIDIA H200": [(128, 64), (128, 128), (128, 128)], "cpu": [(128, 128)] * 3}
+  for device, tiles in want.items():
+    for kw, t in zip([dict(causal=True, window=(511, 0), docs=None),
+                      dict(causal=True, window=None, docs=None),
+                      dict(causal=True, window=None, docs=4)], tiles):
+      got = bk.mosaic_tile_counts(4096, 128, device_kind=device, **kw)
+      assert got == bk.mosaic_tile_counts(4096, 128, tiles=t, **kw), (device, kw)
+  # and the tiles change the count (a wrong tile size would be seen)
+  assert bk.mosaic_tile_counts(4096, 128, causal=True, window=(511, 0), tiles=(128, 64)) != \
+      bk.mosaic_tile_counts(4096, 128, causal=True, window=(511, 0), tiles=(128, 128))
 
 
 @pytest.mark.parametrize("seq", [1536, 1000])

@@ -126,7 +126,9 @@ class BlockSizes:
       before the warpgroup releases the tensor cores to the other one, so that no softmax work
       (e.g. the row sum) is scheduled into the other warpgroup's wgmma window. JAX's own Pallas
       Hopper attention does this at head_dim <= 128 and notes that the ordering changes its
-      speed markedly; off by default here until timed (results are identical either way).
+      speed markedly. The dataclass default is off; the H200 table turns it on at D128 except
+      for packed documents (runs 37-38, sweep timer; not yet confirmed by the bench, see
+      docs/kernels.md). Results are identical either way.
     backward: which kernels compute the gradients: "triton" (default: the Triton dK/dV and dQ
       kernels; GPU tests pass behind this forward, runs 17-22) or "mosaic" (``mosaic_gpu_bwd``,
       the Hopper backward: head_dim 64/128, unmasked; GPU tests pass, runs 19-22).
@@ -166,9 +168,9 @@ class BlockSizes:
 
 
 # Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_fwd", one JSON table per
-# device; see docs/kernels.md, "Tuning data"). D128: the best of the configs ``_sweep`` tried in
-# run 10 (2026-11-30, H200; see the module docstring), ~160 KiB of shared memory. D64 (~112 KiB)
-# and D256 (~192 KiB): untimed starting points (their GPU tests passed).
+# device; see docs/kernels.md, "Tuning data"). D128: the tiles of run 10 (~160 KiB of shared
+# memory) with the softmax fence (runs 37-38), per mask kind; D64 (~112 KiB) and D256
+# (~192 KiB): swept in run 33 without a better config.
 _HEAD_DIMS = (64, 128, 256)
 
 
@@ -1225,6 +1227,7 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
                dataclasses.replace(base, pingpong=False),
                dataclasses.replace(base, num_stages=base.num_stages + 1),
                dataclasses.replace(base, block_k=64)]
+    configs = list(dict.fromkeys(configs))   # e.g. block_k=64 is already the window's base
   from pallas_kernels._timing import random_sets, timed
   kv_shape = (batch, seq, kv_heads, head_dim)
   sets = random_sets([(batch, seq, q_heads, head_dim), kv_shape, kv_shape], dtype)

@@ -182,6 +182,8 @@ def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
 
   "dense", "causal", "window" or "causal_window"; a causal call with segment ids (packed
   documents) and no window is "causal_segments". Segment ids do not change the other kinds.
+  The kind sees only the call: causal calls whose segment ids are not packed documents
+  (padding only, ``jattn.nn``'s chunked prefill) get the "causal_segments" entry too.
 
   Args:
     causal: causal mask.
