@@ -262,10 +262,9 @@ def test_mla_absorbed_decode_rules():
   """Which layers absorb: MLA without qk_norm on xla / mosaic_tpu; on triton only while the
   absorbed query tile has at most the elements of the kernel's largest tested tile (16 heads x
   256 lanes); never mosaic_gpu."""
-  rngs = nnx.Rngs(0)
-  mla = lambda heads, rank, rope, impl, **kw: Attention(
+  mla = lambda heads, rank, rope, impl, **kw: nnx.eval_shape(lambda: Attention(   # no weights
       64, heads, 2, 16, kv_lora_rank=rank, rope_head_dim=rope, implementation=impl,
-      rngs=rngs, **kw).absorbed_decode
+      rngs=nnx.Rngs(0), **kw)).absorbed_decode
   assert mla(4, 24, 8, "xla") and mla(4, 24, 8, "mosaic_tpu")
   assert mla(16, 192, 64, "triton")                    # 16 x 256: the largest tested tile
   assert not mla(16, 192, 72, "triton")                # 16 x 512
