@@ -106,6 +106,34 @@ LOWER_CASES = {
 }
 
 
+# The options from the comparison with tokamax's sm90 kernel (docs/mosaic_fwd_vs_tokamax.md),
+# default off: each lowers at D64/D128/D256, causal and not; then all of them together with
+# segment ids, a window and a block schedule's drains.
+TOKAMAX_OPTIONS = {
+    "early_k_load": dict(early_k_load=True),
+    "pingpong_handoff": dict(pingpong_handoff=True),
+    "q_major_grid": dict(q_major_grid=True),
+    "no_reduction_scratch": dict(no_reduction_scratch=True),
+}
+for _opt, _kw in TOKAMAX_OPTIONS.items():
+  for _d in (64, 128, 256):
+    for _causal in (False, True):
+      LOWER_CASES[f"d{_d}{'_causal' if _causal else ''}_{_opt}"] = dict(
+          sq=384, sk=320, hq=4, hk=2, d=_d, causal=_causal,
+          bs=mg.BlockSizes(64, 128 if _d < 256 else 64, 2, **_kw))
+_ALL_OPTIONS = dict(early_k_load=True, pingpong_handoff=True, q_major_grid=True,
+                    no_reduction_scratch=True)
+LOWER_CASES["d128_3_stages_no_reduction_scratch"] = dict(
+    sq=256, sk=256, hq=2, hk=2, d=128, causal=False,
+    bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True))
+LOWER_CASES["d128_segments_window_all_options"] = dict(
+    sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True, local_window_size=(64, 0),
+    bs=mg.BlockSizes(64, 128, 2, **_ALL_OPTIONS))
+LOWER_CASES["d64_segments_all_options_3_stages"] = dict(
+    sq=328, sk=200, hq=2, hk=1, d=64, causal=False, seg=True,
+    bs=mg.BlockSizes(64, 128, 3, **_ALL_OPTIONS))
+
+
 @pytest.mark.parametrize("name", list(LOWER_CASES))
 def test_lowers_for_cuda(name):
   case = dict(LOWER_CASES[name])
@@ -124,6 +152,36 @@ def test_lowers_for_cuda(name):
   text = exported.mlir_module()
   assert "mosaic_gpu" in text and "wgmma" in text
   assert [a.shape for a in exported.out_avals] == [(2, sq, hq, d), (2, hq, sq)]
+
+
+@pytest.mark.parametrize("opt", list(TOKAMAX_OPTIONS))
+@pytest.mark.parametrize("causal", [False, True])
+def test_tokamax_options_lower_with_a_block_schedule(opt, causal):
+  """Each option lowers on a block schedule's walk (drains, per-entry codes), D128."""
+  from pallas_kernels.block_schedule import make_schedule
+  q = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
+  sched = make_schedule(512, 512, 128, 128, causal=causal)
+  bs = mg.BlockSizes(64, 128, 2, **TOKAMAX_OPTIONS[opt])
+  fn = jax.jit(lambda q, k, v: mg.flash_attention(q, k, v, causal=causal, block_sizes=bs,
+                                                  schedule=sched))
+  text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "wgmma" in text
+
+
+def test_pingpong_handoff_needs_pingpong():
+  with pytest.raises(ValueError, match="pingpong_handoff"):
+    mg.BlockSizes(64, 128, 2, pingpong=False, pingpong_handoff=True)
+
+
+def test_three_stages_fit_at_d128_only_without_reduction_scratch():
+  """D128, 128-key tiles, 3 stages: 120 bytes over the shared-memory limit with Pallas's 2 KiB
+  reduction reserve, inside it without (``no_reduction_scratch``)."""
+  q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
+  lower = lambda bs: jax.export.export(jax.jit(
+      lambda q: mg.flash_attention(q, q, q, block_sizes=bs)), platforms=["cuda"])(q)
+  with pytest.raises(ValueError, match="shared memory"):
+    lower(mg.BlockSizes(64, 128, 3))
+  assert "wgmma" in lower(mg.BlockSizes(64, 128, 3, no_reduction_scratch=True)).mlir_module()
 
 
 def test_shared_memory_overflow_fails_to_lower():
@@ -709,6 +767,29 @@ GPU_CASES = {
                              bs=mg.BlockSizes(64, 128, 2, pingpong=False)),
     "d256": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=False),
     "d256_causal": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True),
+    # the options of docs/mosaic_fwd_vs_tokamax.md (not yet run on a GPU)
+    "d128_early_k_load": dict(b=2, sq=2048, sk=2048, hq=4, hk=4, d=128, causal=False,
+                              bs=mg.BlockSizes(64, 128, 2, early_k_load=True)),
+    "d128_causal_gqa_pingpong_handoff": dict(
+        b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, pingpong_handoff=True)),
+    "d64_causal_ragged_q_major_grid": dict(b=2, sq=1000, sk=1000, hq=4, hk=2, d=64, causal=True,
+                                           bs=mg.BlockSizes(64, 128, 2, q_major_grid=True)),
+    "d128_3_stages_no_reduction_scratch": dict(
+        b=1, sq=1024, sk=1111, hq=2, hk=1, d=128, causal=False,
+        bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True)),
+    "d128_q_shorter_all_options": dict(
+        b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 3, early_k_load=True, pingpong_handoff=True,
+                         q_major_grid=True, no_reduction_scratch=True)),
+    "d256_causal_all_options": dict(
+        b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
+        bs=mg.BlockSizes(64, 64, 2, early_k_load=True, pingpong_handoff=True,
+                         q_major_grid=True, no_reduction_scratch=True)),
+    "d64_segments_packed_all_options": dict(
+        b=2, sq=1024, sk=1024, hq=4, hk=2, d=64, causal=True, seg="packed",
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, pingpong_handoff=True,
+                         q_major_grid=True, no_reduction_scratch=True)),
 }
 
 

@@ -129,6 +129,29 @@ class BlockSizes:
       speed markedly. The dataclass default is off; the H200 table turns it on at D128 except
       for packed documents (runs 37-38, sweep timer; not yet confirmed by the bench, see
       docs/kernels.md). Results are identical either way.
+    early_k_load: the memory warpgroup refills a ring slot's K as soon as both compute
+      warpgroups have released that K (after their Q K^T wgmma), then waits for the V release
+      and refills V, as tokamax's sm90 kernel orders its loads; off (default) it waits for both
+      releases (the K release and, after P V, the V release) before issuing either copy, so the
+      next K of a slot starts one P V later. Not yet timed on a GPU (docs/mosaic_fwd_vs_tokamax.md).
+    pingpong_handoff: with ``pingpong``, hand the tensor cores over instead of meeting: each
+      compute warpgroup has its own barrier; after issuing its Q K^T a warpgroup arrives on the
+      other's barrier, and before its P V it waits on its own (one wait per kv tile, as tokamax's
+      sm90 kernel and FlashAttention-3 do with named barriers). Off (default): one shared
+      barrier that both warpgroups arrive on and wait for twice per kv tile (after Q K^T and
+      before P V), which also holds a warpgroup's softmax until the other's softmax is done. Not
+      yet timed on a GPU (docs/mosaic_fwd_vs_tokamax.md).
+    no_reduction_scratch: compile with ``reduction_scratch_bytes=0`` (tokamax's sm90 setting)
+      instead of Pallas's default 2 KiB of shared memory reserved for cross-warp reductions: the
+      kernel's row max and row sum stay inside a warp, so nothing uses it. This frees room for
+      ``num_stages=3`` at D128 with 128-key tiles (~224.6 KiB: 120 bytes over the 227 KiB limit
+      with the reserve; tokamax's H100 table picks 3 stages for some D128 shapes). Not yet timed
+      on a GPU (docs/mosaic_fwd_vs_tokamax.md).
+    q_major_grid: launch the programs with the query tiles fastest (CUDA's x), then heads, then
+      batch, so that the programs resident at one time are consecutive query tiles of one head
+      and read the same K/V tiles (tokamax's persistent loop walks (batch, heads, q tiles) with
+      q tiles innermost); off (default) the heads are fastest, so ~132 resident programs span
+      all heads. Not yet timed on a GPU (docs/mosaic_fwd_vs_tokamax.md).
     backward: which kernels compute the gradients: "triton" (default: the Triton dK/dV and dQ
       kernels; GPU tests pass behind this forward, runs 17-22) or "mosaic" (``mosaic_gpu_bwd``,
       the Hopper backward: head_dim 64/128, unmasked; GPU tests pass, runs 19-22).
@@ -144,8 +167,14 @@ class BlockSizes:
   compute_registers: int = 232
   backward: str = "triton"
   softmax_fence: bool = False
+  early_k_load: bool = False
+  q_major_grid: bool = False
+  pingpong_handoff: bool = False
+  no_reduction_scratch: bool = False
 
   def __post_init__(self):
+    if self.pingpong_handoff and not self.pingpong:
+      raise ValueError("pingpong_handoff needs pingpong=True")
     if self.backward not in ("triton", "mosaic"):
       raise ValueError(f"backward must be 'triton' or 'mosaic', got {self.backward!r}")
     if self.block_q % 64 or self.block_q <= 0:
@@ -247,6 +276,10 @@ class _Static:
   bwd_block_sizes: object = None   # the backward's BlockSizes (triton or mosaic_gpu_bwd) or None
   backward: str = "triton"         # "triton" or "mosaic" (the kernels of the custom_vjp backward)
   softmax_fence: bool = False      # BlockSizes.softmax_fence
+  early_k_load: bool = False       # BlockSizes.early_k_load
+  q_major_grid: bool = False       # BlockSizes.q_major_grid
+  pingpong_handoff: bool = False   # BlockSizes.pingpong_handoff (only with pingpong)
+  no_reduction_scratch: bool = False   # BlockSizes.no_reduction_scratch
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
   # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
   has_sched: bool = False
@@ -635,6 +668,11 @@ def _fwd_kernel(*refs, st: _Static):
       plgpu.barrier_arrive(rendezvous)
       plgpu.barrier_wait(rendezvous)
 
+  # pingpong_handoff: rendezvous is one barrier per compute warpgroup (1 arrival each)
+  handoff = st.pingpong and st.pingpong_handoff
+  hand_over = lambda: plgpu.barrier_arrive(rendezvous.at[1 - wg])   # the other may run P V
+  take_turn = lambda: plgpu.barrier_wait(rendezvous.at[wg])         # the other issued Q K^T
+
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     plgpu.set_max_registers(st.compute_registers, action="increase")
@@ -655,7 +693,7 @@ def _fwd_kernel(*refs, st: _Static):
     q_seg = None
     if st.has_seg:
       q_seg = plgpu.load(q_seg_smem.at[wg], (), layout=row_layout)            # [bq] int32
-    pl.when(wg == 1)(meet)
+    pl.when(wg == 1)(take_turn if handoff else meet)
 
     def step_at(slot, t, carry, *, masked):
       # kv tile t, in ring slot ``slot`` (t mod stages for ranges, the list position for walks)
@@ -667,7 +705,10 @@ def _fwd_kernel(*refs, st: _Static):
 
       def qk_gemm(s_ref):                                     # [bq, bk] fp32
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        meet()
+        if handoff:
+          hand_over()
+        else:
+          meet()
         return s_ref[...]
       s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))   # [bq, bk]
       plgpu.barrier_arrive(k_free.at[slot])
@@ -681,10 +722,12 @@ def _fwd_kernel(*refs, st: _Static):
       p = p.astype(st.dtype)
       if st.softmax_fence:   # all of the softmax before the other warpgroup's wgmma window
         acc, m_new, l, p = lax.optimization_barrier((acc, m_new, l, p))
-      if st.pingpong:
+      if st.pingpong and not handoff:
         plgpu.barrier_arrive(rendezvous)   # softmax done; the other warpgroup may issue wgmma
       plgpu.barrier_wait(v_loaded.at[slot])
-      if st.pingpong:
+      if handoff:
+        take_turn()
+      elif st.pingpong:
         plgpu.barrier_wait(rendezvous)
 
       def pv_gemm(acc_ref):                                   # [bq, D] fp32
@@ -705,8 +748,12 @@ def _fwd_kernel(*refs, st: _Static):
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
-      meet()
-      meet()
+      if handoff:
+        hand_over()
+        take_turn()
+      else:
+        meet()
+        meet()
 
     def drain(t, _):
       drain_at(slot_of(t))
@@ -739,7 +786,7 @@ def _fwd_kernel(*refs, st: _Static):
       carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
       carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       lax.fori_loop(hi, phi, drain, None)
-    pl.when(wg == 0)(meet)
+    pl.when(wg == 0)(hand_over if handoff else meet)
     acc, m, l = carry
 
     out, lse = _finalize(acc, m, l)
@@ -754,13 +801,29 @@ def _fwd_kernel(*refs, st: _Static):
   def _memory():
     plgpu.set_max_registers(40, action="decrease")
 
-    def load(t, slot):
+    def load(t, slot, part="kv"):
       rows = (b, pl.ds(t * bk, bk), kv_h)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
-      if st.has_seg:
-        plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(t * bk, bk)], kv_seg_smem.at[slot],
-                                k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+      if "k" in part:
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+        if st.has_seg:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(t * bk, bk)], kv_seg_smem.at[slot],
+                                  k_loaded.at[slot])
+      if "v" in part:
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+    def refill(tile_fn, slot):
+      # a later use of a ring slot: wait for its release by both compute warpgroups, then load
+      # kv tile tile_fn()
+      if st.early_k_load:   # K as soon as its Q K^T is done, V after the P V
+        plgpu.barrier_wait(k_free.at[slot])
+        t = tile_fn()
+        load(t, slot, "k")
+        plgpu.barrier_wait(v_free.at[slot])
+        load(t, slot, "v")
+      else:
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(tile_fn(), slot)
 
     if st.has_sched:   # the walk's entries in order, entry j into slot j mod S
       n = walk_count()
@@ -773,9 +836,7 @@ def _fwd_kernel(*refs, st: _Static):
       @pl.loop(jnp.int32(stages), jnp.maximum(n, stages))
       def _(j):
         slot = slot_of(j)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(tile_at(j), slot)
+        refill(lambda: tile_at(j), slot)
       return
 
     plo, phi, _ = _program_ranges(b, tile, None, bounds_ref, st)
@@ -787,9 +848,7 @@ def _fwd_kernel(*refs, st: _Static):
     @pl.loop(plo + stages, jnp.maximum(phi, plo + stages))
     def _(t):
       slot = slot_of(t)
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-      load(t, slot)
+      refill(lambda: t, slot)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -828,6 +887,11 @@ def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None, walk=N
       args += (bounds,)
   if st.has_sched:
     args += (walk,)
+  # The first grid axis is CUDA's x, launched fastest.
+  if st.q_major_grid:   # resident programs: consecutive query tiles of one head
+    grid = dict(grid=(st.num_q_programs, hq, b), grid_names=("q_tiles", "heads", "batch"))
+  else:
+    grid = dict(grid=(hq, st.num_q_programs, b), grid_names=("heads", "q_tiles", "batch"))
   call = plgpu.kernel(
       functools.partial(_fwd_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -839,13 +903,14 @@ def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None, walk=N
           plgpu.Barrier(num_barriers=stages),                              # v_loaded
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # k_free
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # v_free
-          plgpu.Barrier(num_arrivals=_COMPUTE_WGS),                        # rendezvous
+          (plgpu.Barrier(num_barriers=_COMPUTE_WGS)                        # rendezvous
+           if st.pingpong and st.pingpong_handoff else plgpu.Barrier(num_arrivals=_COMPUTE_WGS)),
       ),
-      grid=(hq, st.num_q_programs, b),
-      grid_names=("heads", "q_tiles", "batch"),
+      **grid,
       num_threads=_COMPUTE_WGS + 1,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
+      compiler_params=(plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+                       if st.no_reduction_scratch else plgpu.CompilerParams(approx_math=True)),
   )
   return call(*args)
 
@@ -1027,7 +1092,9 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       window=window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       has_seg=bool(has_seg),
       interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward,
-      softmax_fence=bool(bs.softmax_fence), **sched)
+      softmax_fence=bool(bs.softmax_fence), early_k_load=bool(bs.early_k_load),
+      q_major_grid=bool(bs.q_major_grid), pingpong_handoff=bool(bs.pingpong_handoff),
+      no_reduction_scratch=bool(bs.no_reduction_scratch), **sched)
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
@@ -1202,7 +1269,8 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
       (the work the packed kernel should match, as ``experiments/bench_kernels.py``'s packed
       case) and the outputs are compared on that layout.
     dtype: bf16 or fp16.
-    configs: list of ``BlockSizes`` (default: the default and a few neighbours).
+    configs: list of ``BlockSizes`` (default: the default, a few neighbours and the options of
+      docs/mosaic_fwd_vs_tokamax.md).
     iters: calls per timed loop (``time_fn``; None: enough for 0.25 s).
     verbose: print one line per row.
 
@@ -1227,6 +1295,17 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
                dataclasses.replace(base, pingpong=False),
                dataclasses.replace(base, num_stages=base.num_stages + 1),
                dataclasses.replace(base, block_k=64)]
+    # the options of docs/mosaic_fwd_vs_tokamax.md: each alone (3 stages with the reduction
+    # reserve off: fits at D128), the ping-pong hand-over (new barrier protocol) late, then all
+    configs += [dataclasses.replace(base, early_k_load=True),
+                dataclasses.replace(base, q_major_grid=True),
+                dataclasses.replace(base, no_reduction_scratch=True),
+                dataclasses.replace(base, no_reduction_scratch=True,
+                                    num_stages=base.num_stages + 1),
+                dataclasses.replace(base, pingpong_handoff=base.pingpong),
+                dataclasses.replace(base, early_k_load=True, pingpong_handoff=base.pingpong,
+                                    q_major_grid=True, no_reduction_scratch=True,
+                                    num_stages=base.num_stages + 1)]
     configs = list(dict.fromkeys(configs))   # e.g. block_k=64 is already the window's base
   from pallas_kernels._timing import random_sets, timed
   kv_shape = (batch, seq, kv_heads, head_dim)
