@@ -146,9 +146,8 @@ def mosaic_tile_counts(seq, head_dim, *, causal=False, window=None, docs=None, t
   ``mosaic_gpu.default_block_sizes(head_dim, mask=tuning.mask_kind(...))``, the tiles
   ``jattn.flash_attention(implementation="mosaic_gpu")`` uses. Exact, from each query's visible
   key range (contiguous for causal, windows and packed documents). The forward walks exactly
-  these tiles except with packed documents and a last q tile that is partly padding (its
-  segment-id range then includes 0 and it walks every earlier kv tile; also
-  ``block_schedule.make_schedule``'s count).
+  these tiles, also with packed documents and a last q tile that is partly padding (tile id
+  ranges leave the padding id 0 out; so does ``block_schedule.make_schedule``'s count).
 
   Args:
     seq: sequence length (queries = keys).

@@ -30,6 +30,9 @@ import numpy as np
 
 from pallas_kernels.masks import normalize_window
 
+_INT32_MAX = np.iinfo(np.int32).max
+_INT32_MIN = np.iinfo(np.int32).min
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +118,43 @@ def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
 
 
 def _segment_tile_classes(seg, length, block):
-  """Per-tile (min, max) of segment ids, padding (id 0) beyond ``length``. seg: [b, length]."""
+  """Per-tile summary of segment ids for ``_segment_tile_pairs``. seg: int [b, length]; positions
+  past ``length`` (up to whole tiles) are padding, id 0.
+
+  Id 0 sees nothing and is seen by nothing (``masks.visible``: equal ids, nonzero), so it is left
+  out of the ranges: a tile that straddles a document and padding gets that document's range
+  only (with 0 inside the range, a right-padded packed row's last tile would visit every earlier
+  kv tile), and an all-padding tile gets the empty range (lo > hi). No ordering of the ids is
+  assumed: any ids, negative ones included, any layout.
+
+  Returns:
+    (lo, hi, pure), [b, n] each: the smallest and largest nonzero id of the tile (int32; INT32_MAX
+    and INT32_MIN when it has none) and whether every position of the tile holds that one
+    nonzero id (bool).
+  """
   n = -(-length // block)
   pad = n * block - length
   s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)))
   s = s.reshape(seg.shape[0], n, block)  # [b, n, block]
-  return jnp.min(s, axis=-1), jnp.max(s, axis=-1)
+  real = s != 0
+  lo = jnp.min(jnp.where(real, s, _INT32_MAX), axis=-1)
+  hi = jnp.max(jnp.where(real, s, _INT32_MIN), axis=-1)
+  return lo, hi, jnp.all(real, axis=-1) & (lo == hi)
+
+
+def _segment_tile_pairs(q_classes, kv_classes):
+  """(visit, full) bool of (query tile, kv tile) pairs from broadcastable ``_segment_tile_classes``.
+
+  visit: both tiles have a nonzero id and their ranges [lo, hi] intersect. A query and a key with
+  the same nonzero id put that id in both ranges, so every pair of tiles holding a visible
+  (query, key) pair is visited, whatever the layout (a superset; exact for self-attention over
+  packed rows, whose nonzero ids do not decrease, padding anywhere). full: both tiles hold one and
+  the same nonzero id everywhere, so the segment part of the element mask is all true.
+  """
+  qlo, qhi, qpure = q_classes
+  klo, khi, kpure = kv_classes
+  visit = (qlo <= qhi) & (klo <= khi) & (qlo <= khi) & (klo <= qhi)
+  return visit, qpure & kpure & (qlo == klo)
 
 
 def _compact(visit, partial, max_count):
@@ -151,6 +185,8 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     causal: bottom-right aligned causal mask.
     local_window_size: None, int or (left, right).
     q_segment_ids, kv_segment_ids: None or int32 [batch, len] (both or neither); 0 = padding.
+      A pair of tiles is visited when their nonzero id ranges intersect, full when both hold
+      one nonzero id (``_segment_tile_pairs``).
     block_mask: None or bool [Bs, Hs, nq, nk] (tile level, e.g. a top-K selection): tiles where
       it is False are never visited. Traced values are fine.
     max_kv_blocks, max_q_blocks: static bounds on the visit-list lengths; default: the exact
@@ -178,12 +214,10 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
   visit = jnp.asarray(any_s)[None, None]  # [1, 1, nq, nk]
   full = jnp.asarray(all_s)[None, None]
   if q_segment_ids is not None:
-    qmin, qmax = _segment_tile_classes(q_segment_ids, q_len, block_q)   # [b, nq]
-    kmin, kmax = _segment_tile_classes(kv_segment_ids, kv_len, block_k)  # [b, nk]
-    qmin, qmax = qmin[:, :, None], qmax[:, :, None]
-    kmin, kmax = kmin[:, None, :], kmax[:, None, :]
-    seg_any = (qmax >= kmin) & (kmax >= qmin) & (qmax > 0) & (kmax > 0)
-    seg_all = (qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin > 0)
+    qc = _segment_tile_classes(q_segment_ids, q_len, block_q)    # 3 x [b, nq]
+    kc = _segment_tile_classes(kv_segment_ids, kv_len, block_k)   # 3 x [b, nk]
+    seg_any, seg_all = _segment_tile_pairs([x[:, :, None] for x in qc],
+                                           [x[:, None, :] for x in kc])   # [b, nq, nk]
     visit = visit & seg_any[:, None]
     full = full & seg_all[:, None]
   if block_mask is not None:

@@ -88,25 +88,31 @@ def test_static_schedule_is_exact(q_len, kv_len, bq, bk, causal, window):
   np.testing.assert_array_equal(visited_t, visited[0])
 
 
+def _draw_segment_row(data, length, kinds=("right_pad", "left_pad", "negative", "arbitrary")):
+  """Segment ids of one row: packed documents (non-decreasing ids) with padding (0) at the end
+  or at the start, the same with negated ids, or arbitrary ids (not monotone, 0 anywhere,
+  negative and int32-extreme ids)."""
+  kind = data.draw(st.sampled_from(kinds))
+  if kind == "arbitrary":
+    ids = st.one_of(st.integers(-3, 3), st.sampled_from([np.iinfo(np.int32).min,
+                                                         np.iinfo(np.int32).max]))
+    return np.array(data.draw(st.lists(ids, min_size=length, max_size=length)), np.int32)
+  cuts = sorted(data.draw(st.lists(st.integers(0, length), max_size=5)))
+  row = np.zeros(length, np.int32)
+  for i, c in enumerate(cuts):
+    row[c:] = i + 1
+  pad = data.draw(st.integers(0, length))   # pad == length: an all-padding row
+  if kind == "left_pad":
+    return np.concatenate([np.zeros(pad, np.int32), row[:length - pad]])
+  row[length - pad:] = 0
+  return -row if kind == "negative" else row
+
+
 @given(data=st.data(), causal=st.booleans(), window=windows)
 def test_segment_schedule_covers_every_visible_element(data, causal, window):
   length = data.draw(st.integers(1, 80))
   b = 2
-  # Packed layouts: sorted ids with zero padding at the end, or arbitrary (non-monotone) ids.
-  rows = []
-  for _ in range(b):
-    if data.draw(st.booleans()):
-      cuts = sorted(data.draw(st.lists(st.integers(0, length), max_size=5)))
-      row = np.zeros(length, np.int32)
-      for i, c in enumerate(cuts):
-        row[c:] = i + 1
-      pad = data.draw(st.integers(0, length))
-      row[length - pad:] = 0
-    else:
-      row = np.array(data.draw(st.lists(st.integers(0, 3), min_size=length, max_size=length)),
-                     np.int32)
-    rows.append(row)
-  seg = np.stack(rows)
+  seg = np.stack([_draw_segment_row(data, length) for _ in range(b)])
   bq = data.draw(st.sampled_from([8, 16]))
   bk = data.draw(st.sampled_from([8, 16]))
   s, visited = _jit_schedule(length, length, bq, bk, jnp.asarray(seg), jnp.asarray(seg),
@@ -120,6 +126,35 @@ def test_segment_schedule_covers_every_visible_element(data, causal, window):
         ki = int(s.kv_indices[bi, 0, qi, j])
         if not s.kv_partial[bi, 0, qi, j]:
           assert all_[bi, qi, ki], "a tile marked full has masked elements"
+
+
+@given(data=st.data())
+def test_segment_schedule_is_exact_for_packed_rows(data):
+  """Self-attention over packed rows (non-decreasing ids, padding at either end): the tiles
+  visited are exactly those with a visible element. Padding (id 0) widens no tile's id range,
+  so a tile straddling the last document and the padding visits only that document's tiles."""
+  length = data.draw(st.integers(1, 80))
+  seg = np.stack([_draw_segment_row(data, length, ("right_pad", "left_pad")) for _ in range(2)])
+  bq = data.draw(st.sampled_from([8, 16]))
+  bk = data.draw(st.sampled_from([8, 16]))
+  _, visited = _jit_schedule(length, length, bq, bk, jnp.asarray(seg), jnp.asarray(seg),
+                             causal=False, local_window_size=None)
+  any_, _ = _tile_truth(length, length, bq, bk, False, None, seg, seg)
+  np.testing.assert_array_equal(np.asarray(visited)[:, 0], any_)
+
+
+def test_right_padded_packed_row_visits_only_needed_tiles():
+  """Query tile 6 (tokens 96..111) holds the end of document 3 and padding: it visits document
+  3's kv tiles only (it visited every earlier kv tile when the id ranges included 0); tile 7 is
+  all padding and visits nothing."""
+  seg = np.repeat(np.array([1, 2, 3, 0], np.int32), [40, 40, 30, 10])[None]   # 120 tokens
+  s = make_schedule(120, 120, 16, 16, causal=True, q_segment_ids=jnp.asarray(seg),
+                    kv_segment_ids=jnp.asarray(seg))
+  visited = np.asarray(schedule_to_mask(s))[0, 0]
+  any_, _ = _tile_truth(120, 120, 16, 16, True, None, seg, seg)
+  np.testing.assert_array_equal(visited, any_[0])
+  np.testing.assert_array_equal(np.flatnonzero(visited[6]), [5, 6])   # doc 3: keys 80..109
+  assert not visited[7].any()
 
 
 def test_block_mask_restricts_and_bounds():

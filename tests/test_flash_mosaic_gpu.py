@@ -337,6 +337,80 @@ def test_tile_walk_packed_documents_skip_other_documents():
   assert masked == docs * int((wgs1[..., 1] - wgs1[..., 0] + wgs1[..., 3] - wgs1[..., 2]).sum())
 
 
+def _layout_segments(kind, rng, b, n):
+  """int32 [b, n] segment ids: "right_pad" / "left_pad" packed documents (non-decreasing ids,
+  lengths that line up with no tile) with padding (0) at the end / start, "negative" the
+  right-padded rows negated, "arbitrary" random ids in -3..3 (0 in the middle, not monotone)
+  with int32-extreme ids mixed in, "zeros" all padding."""
+  if kind == "zeros":
+    return np.zeros((b, n), np.int32)
+  if kind == "arbitrary":
+    ids = rng.integers(-3, 4, size=(b, n))
+    extreme = rng.random((b, n)) < 0.05
+    return np.where(extreme, rng.choice([np.iinfo(np.int32).min, np.iinfo(np.int32).max],
+                                        size=(b, n)), ids).astype(np.int32)
+  out = np.zeros((b, n), np.int32)
+  for r in range(b):
+    pad = int(rng.integers(1, n // 3))
+    cuts = np.sort(rng.choice(np.arange(1, n - pad), size=3, replace=False))
+    docs = np.searchsorted(cuts, np.arange(n - pad), side="right") + 1
+    out[r] = np.concatenate([docs, np.zeros(pad)] if kind != "left_pad" else
+                            [np.zeros(pad), docs])
+  return -out if kind == "negative" else out
+
+
+SEGMENT_LAYOUTS = ["right_pad", "left_pad", "negative", "arbitrary", "zeros"]
+
+
+@pytest.mark.parametrize("kind", SEGMENT_LAYOUTS)
+@pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_64"])
+def test_tile_walk_segment_layouts(kind, mask):
+  """``_seg_bounds`` for any segment-id layout: no tile with a visible element is skipped and no
+  unmasked tile masks an element (``_check_walk``); for packed rows (padding at either end) each
+  warpgroup's range is tight: its first and last tiles hold a visible key (a last q tile of
+  document and padding walked every earlier kv tile when its id range included 0)."""
+  causal, window = WALK_MASKS[mask]["causal"], WALK_MASKS[mask].get("window")
+  rng = np.random.default_rng(zlib.crc32(f"{kind}{mask}".encode()))
+  for n in (1000, 328):
+    for bs in WALK_TILES:
+      st = mg._static_config((2, n, 1, 128), (2, n, 1, 128), jnp.bfloat16, causal=causal,
+                             scale=None, block_sizes=bs, local_window_size=window, has_seg=True)
+      seg = _layout_segments(kind, rng, 2, n)
+      _check_walk(st, seg, seg, tight=kind in ("right_pad", "left_pad", "negative"))
+
+
+@pytest.mark.parametrize("kind", SEGMENT_LAYOUTS)
+def test_walk_codes_segment_layouts(kind):
+  """``_walk_codes`` (the block-schedule walk's per-warpgroup classes) for every kv tile of every
+  warpgroup, against the element mask: a tile with a visible element is never _SKIP, a _FULL
+  tile has every element of the warpgroup's real rows visible; packed rows skip exactly the
+  tiles without a visible element."""
+  from pallas_kernels.masks import element_mask
+  rng = np.random.default_rng(zlib.crc32(kind.encode()))
+  sq = sk = 1000
+  for causal in (False, True):
+    st = mg._static_config((2, sq, 1, 128), (2, sk, 1, 128), jnp.bfloat16, causal=causal,
+                           scale=None, block_sizes=mg.BlockSizes(64, 64, 2), has_seg=True)
+    bq, bk, nk = st.block_q, st.block_k, st.num_kv_tiles
+    sq_pad, sk_pad = st.num_q_programs * 2 * bq, nk * bk
+    seg = _layout_segments(kind, rng, 2, sq)
+    qs, ks = np.pad(seg, ((0, 0), (0, sq_pad - sq))), np.pad(seg, ((0, 0), (0, sk_pad - sk)))
+    n_wg = sq_pad // bq
+    tiles = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (1, 1, n_wg, nk))
+    codes = np.asarray(mg._walk_codes(tiles, jnp.ones(tiles.shape, bool), st, jnp.asarray(qs),
+                                      jnp.asarray(ks)))[:, 0]                  # [B, n_wg, nk]
+    vis = np.asarray(element_mask(np.arange(sq_pad), np.arange(sk_pad), causal=causal,
+                                  window=None, kv_len=sk, q_seg=qs, kv_seg=ks))
+    vis = vis & (np.arange(sq_pad) < sq)[None, :, None]                        # [B, Sq', Sk']
+    t = vis.reshape(2, n_wg, bq, nk, bk)
+    real = (np.arange(sq_pad) < sq).reshape(n_wg, bq)[None, :, :, None, None]
+    any_vis, all_vis = t.any(axis=(2, 4)), (t | ~real).all(axis=(2, 4))
+    assert not (any_vis & (codes == mg._SKIP)).any(), (kind, causal)
+    assert all_vis[codes == mg._FULL].all(), (kind, causal)
+    if kind in ("right_pad", "left_pad", "negative"):
+      np.testing.assert_array_equal(codes != mg._SKIP, any_vis)
+
+
 def test_tile_walk_check_can_fail():
   """The walk check catches a range that skips a visible tile (a window's left edge one tile
   too far right)."""

@@ -131,6 +131,19 @@ def test_packed_segments_causal_with_padding():
   assert np.all(np.asarray(dq)[pad] == 0.0)
 
 
+def test_packed_segments_padding_at_either_end_and_negative_ids():
+  """Rows whose padding (id 0) is at the end (the q tile that straddles the last document and the
+  padding visits that document's kv tiles only), at the start, and negative ids (ordinary ids),
+  a length that is a multiple of no tile: forward + VJP against the fp32 reference."""
+  rng = np.random.default_rng(3)
+  s = 300
+  right = _packed_segments(rng, 1, s, pad_tail=37)[0]
+  left = np.concatenate([np.zeros(50, np.int32), _packed_segments(rng, 1, s - 50, 0)[0]])
+  seg = jnp.asarray(np.stack([right, left, -right]))
+  q, k, v = _qkv(4, 3, s, s, 2, 1, 64)
+  _check(*_run_both(q, k, v, causal=True, q_seg=seg, kv_seg=seg))
+
+
 def test_segments_differ_between_q_and_kv():
   """q_len != kv_len with segment ids; some query rows see no key (id absent from kv)."""
   rng = np.random.default_rng(3)

@@ -177,6 +177,23 @@ def test_segment_ids_padding_and_one_token_docs():
   assert np.all(np.asarray(grads[0][1]) == 0)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_segment_layouts_padding_at_either_end_and_negative_ids(causal):
+  """Packed rows with the padding (id 0) at the end (the last q tile straddles a document and the
+  padding: it visits only that document's kv tiles), at the start, and with negative ids (ordinary
+  ids: tiles of only negative ids used to be skipped), lengths that are multiples of no tile:
+  forward + VJP against the fp32 reference."""
+  rng = np.random.default_rng(23)
+  n = 93
+  right = np.asarray(_segments(rng, 1, n, pad_tail=11))[0]
+  left = np.concatenate([np.zeros(13, np.int32), np.asarray(_segments(rng, 1, n - 13))[0]])
+  seg = jnp.asarray(np.stack([right, left, -right]))
+  got, want = _run(batch=3, q_len=n, q_heads=4, kv_heads=2, causal=causal, segments=(seg, seg),
+                   block_q=32, block_k=16, bwd_tiles=(16, 32), seed=29)
+  _assert_close(got, want, jnp.float32)
+  assert np.all(np.asarray(got[0])[0, n - 11:] == 0)   # padding rows: output 0
+
+
 @pytest.mark.parametrize("fwd_tiles,bwd_tiles", [((16, 16), (32, 16)), ((32, 16), (16, 32))])
 def test_forward_and_backward_tiles_differ(fwd_tiles, bwd_tiles):
   """The backward walks its own schedule with other tiles (out/LSE are per row): causal + window

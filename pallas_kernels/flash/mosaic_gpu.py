@@ -58,7 +58,7 @@ of its two warpgroups' ranges, and the memory warpgroup loads exactly those tile
 outside every row's window are never loaded. Both compute warpgroups walk [plo, phi) (ping-pong),
 draining the tiles before and after their own range. For causal and windows the ranges are scalar
 arithmetic on the program index (``_static_ranges``). With segment ids they come from per-tile
-data: ``_seg_bounds`` (jnp in the wrapper, from the min/max segment id per tile as in
+data: ``_seg_bounds`` (jnp in the wrapper, from the min/max nonzero segment id per tile as in
 ``block_schedule.make_schedule``, intersected with the static ranges) gives each (batch, program)
 its ranges as int32 scalars that the kernel reads from GMEM; a query tile inside one document
 therefore never walks another document's tiles (packed documents cost what separate rows cost),
@@ -77,7 +77,7 @@ in increasing order, the union of its two warpgroups' lists (one schedule row wh
 ``2 * block_q`` divides the schedule's block_q, two merged rows when it equals ``block_q``;
 wider schedule key tiles are split into kernel tiles), each entry packing the tile and a 2-bit
 code per warpgroup: skip, full (no element mask) or partial, recomputed at the warpgroup's 64
-rows from this call's mask (``_walk_codes``: static ranges and per-tile segment min/max, the
+rows from this call's mask (``_walk_codes``: static ranges and per-tile nonzero segment min/max, the
 classes of ``make_schedule``). The memory warpgroup loads entry j into ring slot j mod S; each
 compute warpgroup walks all entries in order (ping-pong keeps its two meetings per entry) and
 branches on its code (``lax.cond``: drain the slot, unmasked step or masked step). Tiles outside
@@ -360,7 +360,8 @@ def _clip_to_program(plo, phi, lo, flo, fhi, hi):
 
 def _seg_bounds(q_seg, kv_seg, st: _Static):
   """Per-(batch, program) kv ranges with segment ids, from the tile classes that
-  ``block_schedule.make_schedule`` uses (min/max segment id per tile) intersected with the
+  ``block_schedule.make_schedule`` uses (min/max nonzero segment id per tile, padding id 0 left
+  out: ``block_schedule._segment_tile_pairs``; no order of the ids assumed) intersected with the
   static mask: int32 [B, num_q_programs, 2 + 4 * 2] rows
   ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` (program range, then each
   compute warpgroup's (lo, flo, fhi, hi) as in ``_static_ranges``, clipped into the program's).
@@ -371,15 +372,13 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
   full range).
 
   q_seg: int32 [B, Sq'] and kv_seg [B, Sk'] padded with 0 to whole tiles."""
-  from pallas_kernels.block_schedule import _segment_tile_classes  # light, no kernel
+  from pallas_kernels.block_schedule import _segment_tile_classes, _segment_tile_pairs  # no kernel
   bq, bk, nk = st.block_q, st.block_k, st.num_kv_tiles
   n_tiles = st.num_q_programs * _COMPUTE_WGS
-  qmin, qmax = _segment_tile_classes(q_seg, q_seg.shape[1], bq)       # [B, n_tiles]
-  kmin, kmax = _segment_tile_classes(kv_seg, kv_seg.shape[1], bk)     # [B, nk]
-  qmin, qmax = qmin[:, :, None], qmax[:, :, None]
-  kmin, kmax = kmin[:, None, :], kmax[:, None, :]
-  seg_any = (qmax >= kmin) & (kmax >= qmin) & (qmax > 0) & (kmax > 0)   # [B, n_tiles, nk]
-  seg_all = (qmin == qmax) & (kmin == kmax) & (qmin == kmin) & (qmin > 0)
+  qc = _segment_tile_classes(q_seg, q_seg.shape[1], bq)               # 3 x [B, n_tiles]
+  kc = _segment_tile_classes(kv_seg, kv_seg.shape[1], bk)             # 3 x [B, nk]
+  seg_any, seg_all = _segment_tile_pairs([x[:, :, None] for x in qc],
+                                         [x[:, None, :] for x in kc])   # [B, n_tiles, nk]
   lo_s, flo_s, fhi_s, hi_s = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * bq, bq, st)
   t = jnp.arange(nk, dtype=jnp.int32)[None, :]
   in_static = (t >= lo_s[:, None]) & (t < hi_s[:, None])                 # [n_tiles, nk]
@@ -430,8 +429,8 @@ def _walk_codes(tiles, valid, st: _Static, q_seg=None, kv_seg=None):
     int32 [B', Hs, n_wg, L] codes (B' = B with segment ids, else Bs), the classes
     ``block_schedule.make_schedule`` gives at the warpgroup's 64-row granularity: _SKIP where no
     real row of the warpgroup may see a key of the tile (static mask: causal, window, padded keys,
-    from ``_static_ranges``; segment ids: per-tile min/max ids), _FULL where every real row sees
-    every key, _PARTIAL otherwise.
+    from ``_static_ranges``; segment ids: per-tile min/max nonzero ids), _FULL where every real
+    row sees every key, _PARTIAL otherwise.
   """
   n_wg = tiles.shape[2]
   lo, flo, fhi, hi = (x[:, None] for x in _static_ranges(
@@ -439,15 +438,15 @@ def _walk_codes(tiles, valid, st: _Static, q_seg=None, kv_seg=None):
   visible = valid & (tiles >= lo) & (tiles < hi)
   full = (tiles >= flo) & (tiles < fhi)
   if q_seg is not None:
-    from pallas_kernels.block_schedule import _segment_tile_classes  # light, no kernel
-    qmin, qmax = _segment_tile_classes(q_seg, q_seg.shape[1], st.block_q)      # [B, n_wg]
-    kmin, kmax = _segment_tile_classes(kv_seg, kv_seg.shape[1], st.block_k)    # [B, nk]
-    t = jnp.broadcast_to(jnp.clip(tiles, 0, kmin.shape[1] - 1), (q_seg.shape[0],) + tiles.shape[1:])
-    kmin_t = jax.vmap(lambda x, i: x[i])(kmin, t)                            # [B, Hs, n_wg, L]
-    kmax_t = jax.vmap(lambda x, i: x[i])(kmax, t)
-    qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]
-    visible = visible & (qmax >= kmin_t) & (kmax_t >= qmin) & (qmax > 0) & (kmax_t > 0)
-    full = full & (qmin == qmax) & (kmin_t == kmax_t) & (qmin == kmin_t) & (qmin > 0)
+    from pallas_kernels.block_schedule import _segment_tile_classes, _segment_tile_pairs
+    qc = _segment_tile_classes(q_seg, q_seg.shape[1], st.block_q)            # 3 x [B, n_wg]
+    kc = _segment_tile_classes(kv_seg, kv_seg.shape[1], st.block_k)          # 3 x [B, nk]
+    t = jnp.broadcast_to(jnp.clip(tiles, 0, kc[0].shape[1] - 1),
+                         (q_seg.shape[0],) + tiles.shape[1:])
+    kc_t = [jax.vmap(lambda x, i: x[i])(x, t) for x in kc]                   # [B, Hs, n_wg, L]
+    seg_any, seg_all = _segment_tile_pairs([x[:, None, :, None] for x in qc], kc_t)
+    visible = visible & seg_any
+    full = full & seg_all
   return jnp.where(visible, jnp.where(full, _FULL, _PARTIAL), _SKIP).astype(jnp.int32)
 
 
