@@ -114,6 +114,8 @@ TOKAMAX_OPTIONS = {
     "pingpong_handoff": dict(pingpong_handoff=True),
     "q_major_grid": dict(q_major_grid=True),
     "no_reduction_scratch": dict(no_reduction_scratch=True),
+    "k_wait_in_pv": dict(k_wait_in_pv=True),
+    "k_wait_in_pv_no_pingpong": dict(k_wait_in_pv=True, pingpong=False),
 }
 for _opt, _kw in TOKAMAX_OPTIONS.items():
   for _d in (64, 128, 256):
@@ -122,7 +124,7 @@ for _opt, _kw in TOKAMAX_OPTIONS.items():
           sq=384, sk=320, hq=4, hk=2, d=_d, causal=_causal,
           bs=mg.BlockSizes(64, 128 if _d < 256 else 64, 2, **_kw))
 _ALL_OPTIONS = dict(early_k_load=True, pingpong_handoff=True, q_major_grid=True,
-                    no_reduction_scratch=True)
+                    no_reduction_scratch=True, k_wait_in_pv=True)
 LOWER_CASES["d128_3_stages_no_reduction_scratch"] = dict(
     sq=256, sk=256, hq=2, hk=2, d=128, causal=False,
     bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True))
@@ -852,18 +854,26 @@ GPU_CASES = {
     "d128_3_stages_no_reduction_scratch": dict(
         b=1, sq=1024, sk=1111, hq=2, hk=1, d=128, causal=False,
         bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True)),
+    "d128_causal_k_wait_in_pv": dict(b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
+                                     bs=mg.BlockSizes(64, 128, 2, k_wait_in_pv=True)),
+    "d128_q_longer_k_wait_in_pv_no_pingpong": dict(
+        b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, pingpong=False, k_wait_in_pv=True)),
     "d128_q_shorter_all_options": dict(
         b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True,
         bs=mg.BlockSizes(64, 128, 3, early_k_load=True, pingpong_handoff=True,
-                         q_major_grid=True, no_reduction_scratch=True)),
+                         q_major_grid=True, no_reduction_scratch=True, k_wait_in_pv=True)),
     "d256_causal_all_options": dict(
         b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
         bs=mg.BlockSizes(64, 64, 2, early_k_load=True, pingpong_handoff=True,
-                         q_major_grid=True, no_reduction_scratch=True)),
+                         q_major_grid=True, no_reduction_scratch=True, k_wait_in_pv=True)),
     "d64_segments_packed_all_options": dict(
         b=2, sq=1024, sk=1024, hq=4, hk=2, d=64, causal=True, seg="packed",
         bs=mg.BlockSizes(64, 128, 2, early_k_load=True, pingpong_handoff=True,
-                         q_major_grid=True, no_reduction_scratch=True)),
+                         q_major_grid=True, no_reduction_scratch=True, k_wait_in_pv=True)),
+    "d128_causal_window_511_k_wait_in_pv": dict(
+        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 128, 2, k_wait_in_pv=True)),
 }
 
 

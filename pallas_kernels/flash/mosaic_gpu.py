@@ -147,6 +147,11 @@ class BlockSizes:
       ``num_stages=3`` at D128 with 128-key tiles (~224.6 KiB: 120 bytes over the 227 KiB limit
       with the reserve; tokamax's H100 table picks 3 stages for some D128 shapes). Not yet timed
       on a GPU (docs/mosaic_fwd_vs_tokamax.md).
+    k_wait_in_pv: each compute warpgroup waits for the next ring entry's K while its P V wgmma
+      runs (after issuing it, before waiting for it), as tokamax's sm90 kernel and JAX's Pallas
+      Hopper attention do, instead of at the start of the next step; drains wait for it after
+      their meetings. Off (default): the wait opens each step, after the P V has finished. Not
+      yet timed on a GPU (docs/mosaic_fwd_vs_tokamax.md).
     q_major_grid: launch the programs with the query tiles fastest (CUDA's x), then heads, then
       batch, so that the programs resident at one time are consecutive query tiles of one head
       and read the same K/V tiles (tokamax's persistent loop walks (batch, heads, q tiles) with
@@ -171,6 +176,7 @@ class BlockSizes:
   q_major_grid: bool = False
   pingpong_handoff: bool = False
   no_reduction_scratch: bool = False
+  k_wait_in_pv: bool = False
 
   def __post_init__(self):
     if self.pingpong_handoff and not self.pingpong:
@@ -280,6 +286,7 @@ class _Static:
   q_major_grid: bool = False       # BlockSizes.q_major_grid
   pingpong_handoff: bool = False   # BlockSizes.pingpong_handoff (only with pingpong)
   no_reduction_scratch: bool = False   # BlockSizes.no_reduction_scratch
+  k_wait_in_pv: bool = False       # BlockSizes.k_wait_in_pv
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
   # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
   has_sched: bool = False
@@ -693,11 +700,24 @@ def _fwd_kernel(*refs, st: _Static):
     if st.has_seg:
       q_seg = plgpu.load(q_seg_smem.at[wg], (), layout=row_layout)            # [bq] int32
     pl.when(wg == 1)(take_turn if handoff else meet)
+    if st.k_wait_in_pv:   # the first entry's K; each step or drain then waits for the next one
+      if st.has_sched:
+        n_walk = walk_count()
+        pl.when(n_walk > 0)(lambda: plgpu.barrier_wait(k_loaded.at[0]))
+      else:
+        pl.when(plo < phi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(plo)]))
 
-    def step_at(slot, t, carry, *, masked):
-      # kv tile t, in ring slot ``slot`` (t mod stages for ranges, the list position for walks)
+    def wait_next_k(nxt):
+      # k_wait_in_pv: the K of the next ring entry (slot, whether there is one)
+      next_slot, has_next = nxt
+      pl.when(has_next)(lambda: plgpu.barrier_wait(k_loaded.at[next_slot]))
+
+    def step_at(slot, t, carry, *, masked, nxt=None):
+      # kv tile t, in ring slot ``slot`` (t mod stages for ranges, the list position for walks);
+      # nxt: (slot, has) of the next entry, whose K this step waits for (k_wait_in_pv)
       acc, m, l = carry
-      plgpu.barrier_wait(k_loaded.at[slot])
+      if not st.k_wait_in_pv:
+        plgpu.barrier_wait(k_loaded.at[slot])
       kv_seg = None
       if masked and st.has_seg:   # read before the slot is released (k_free)
         kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -731,19 +751,24 @@ def _fwd_kernel(*refs, st: _Static):
 
       def pv_gemm(acc_ref):                                   # [bq, D] fp32
         plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        if st.k_wait_in_pv:   # while the wgmma runs
+          wait_next_k(nxt)
       acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))       # returns once the wgmma is done
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
     def step(t, carry, *, masked):
+      if st.k_wait_in_pv:
+        return step_at(slot_of(t), t, carry, masked=masked, nxt=(slot_of(t + 1), t + 1 < phi))
       return step_at(slot_of(t), t, carry, masked=masked)
 
-    def drain_at(slot):
+    def drain_at(slot, nxt=None):
       # Tiles the other warpgroup needs and this one does not (before or after this
       # warpgroup's own range): keep the ring and the rendezvous count in step. Waiting for the
       # load first means this warpgroup can never arrive on a slot's "free" barrier for a later
       # use of the slot.
-      plgpu.barrier_wait(k_loaded.at[slot])
+      if not st.k_wait_in_pv:   # else waited for by the previous entry
+        plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
@@ -753,9 +778,16 @@ def _fwd_kernel(*refs, st: _Static):
       else:
         meet()
         meet()
+      if st.k_wait_in_pv:
+        # after the meetings: the next K may need the other warpgroup's release of this
+        # entry's predecessor, which its P V gives only once this warpgroup has met it
+        wait_next_k(nxt)
 
     def drain(t, _):
-      drain_at(slot_of(t))
+      if st.k_wait_in_pv:
+        drain_at(slot_of(t), (slot_of(t + 1), t + 1 < phi))
+      else:
+        drain_at(slot_of(t))
       return None
 
     carry = (acc, m, l)
@@ -769,14 +801,19 @@ def _fwd_kernel(*refs, st: _Static):
         t = lax.shift_right_logical(entry, jnp.int32(_WALK_SHIFT))
         code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
         slot = slot_of(j)
+        nxt = (slot_of(j + 1), j + 1 < n_walk) if st.k_wait_in_pv else None
 
         def skip(carry):
-          drain_at(slot)
+          if st.k_wait_in_pv:
+            drain_at(slot, nxt)
+          else:
+            drain_at(slot)
           return carry
 
         def run(carry):
-          return lax.cond(code == _FULL, functools.partial(step_at, slot, t, masked=False),
-                          functools.partial(step_at, slot, t, masked=True), carry)
+          kw = dict(nxt=nxt) if st.k_wait_in_pv else {}
+          return lax.cond(code == _FULL, functools.partial(step_at, slot, t, masked=False, **kw),
+                          functools.partial(step_at, slot, t, masked=True, **kw), carry)
         return lax.cond(code == _SKIP, skip, run, carry)
       carry = lax.fori_loop(jnp.int32(0), walk_count(), walk_step, carry)
     else:
@@ -1093,7 +1130,8 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward,
       softmax_fence=bool(bs.softmax_fence), early_k_load=bool(bs.early_k_load),
       q_major_grid=bool(bs.q_major_grid), pingpong_handoff=bool(bs.pingpong_handoff),
-      no_reduction_scratch=bool(bs.no_reduction_scratch), **sched)
+      no_reduction_scratch=bool(bs.no_reduction_scratch), k_wait_in_pv=bool(bs.k_wait_in_pv),
+      **sched)
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
@@ -1302,9 +1340,11 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
                 dataclasses.replace(base, no_reduction_scratch=True,
                                     num_stages=base.num_stages + 1),
                 dataclasses.replace(base, pingpong_handoff=base.pingpong),
+                dataclasses.replace(base, k_wait_in_pv=True),
+                dataclasses.replace(base, k_wait_in_pv=True, pingpong_handoff=base.pingpong),
                 dataclasses.replace(base, early_k_load=True, pingpong_handoff=base.pingpong,
                                     q_major_grid=True, no_reduction_scratch=True,
-                                    num_stages=base.num_stages + 1)]
+                                    num_stages=base.num_stages + 1, k_wait_in_pv=True)]
     configs = list(dict.fromkeys(configs))   # e.g. block_k=64 is already the window's base
   from pallas_kernels._timing import random_sets, timed
   kv_shape = (batch, seq, kv_heads, head_dim)
