@@ -23,17 +23,7 @@ from pallas_kernels.decode import mosaic_gpu as dm
 from pallas_kernels.decode import reference as dref
 from test_decode_mosaic_gpu import _FAST_CPU_COMPILE, _replay_call, fresh_traces  # noqa: F401
 from test_sparse import _kernel_module_or_skip
-
-
-def _hnd(x):
-  """[b, n, hk, d] -> head-major [b, hk, n, d] (a copy, as a head-major cache would hold)."""
-  return jnp.swapaxes(x, 1, 2)
-
-
-def _rel(x, ref):
-  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+from test_sparse_decode_layout import _hnd, _rel
 
 
 def _inputs(seed, b, n, hq, hk, d, dv, dtype=jnp.float32):
