@@ -41,6 +41,13 @@ MOSAIC_BEFORE = {
     128: mg.BlockSizes(block_q=64, block_k=128, num_stages=2),
     256: mg.BlockSizes(block_q=64, block_k=64, num_stages=2),
 }
+# The H200 table's forward options on top of those tiles: the softmax fence at D128 (run 37),
+# tokamax's K-wait placement (k_wait_in_pv) and one-barrier ping-pong handoff (runs 43-45).
+H200_MOSAIC_OPTIONS = {
+    64: dict(k_wait_in_pv=True),
+    128: dict(softmax_fence=True, k_wait_in_pv=True, pingpong_handoff=True),
+    256: dict(k_wait_in_pv=True, pingpong_handoff=True),
+}
 MOSAIC_BWD_BEFORE = {
     64: mgb.BlockSizes(64, 64, 64, 128, num_stages_dkv=3, num_stages_dq=3),
     128: mgb.BlockSizes(64, 64, 64, 64, num_stages_dkv=2, num_stages_dq=2),
@@ -73,8 +80,8 @@ def test_triton_default_block_sizes_unchanged(device):
 def test_mosaic_default_block_sizes_unchanged(device):
   for dtype in (jnp.bfloat16, jnp.float16):
     for head_dim, want in MOSAIC_BEFORE.items():
-      if device == "NVIDIA H200" and head_dim == 128:  # softmax fence on (run 37)
-        want = dataclasses.replace(want, softmax_fence=True)
+      if device == "NVIDIA H200":
+        want = dataclasses.replace(want, **H200_MOSAIC_OPTIONS[head_dim])
       assert _same(mg.default_block_sizes(head_dim, dtype, device_kind=device), want)
     for head_dim, want in MOSAIC_BWD_BEFORE.items():
       if device == "NVIDIA H200" and head_dim == 128:  # retuned from the run-25 sweep
@@ -106,8 +113,8 @@ def test_table_choice_and_fallback():
   assert tuning.device_kind() is tuning.device_kind()  # cached
   assert tuning.entry("triton_fwd", 128, "16bit", mask="causal", device="cpu")["mask"] == "all"
   assert tuning.entry("triton_fwd", 512, "16bit", device="cpu") is None
-  assert tuning.entry("mosaic_gpu_fwd", 128, "16bit",
-                      device="NVIDIA H200")["provenance"]["run"] == "run 37"
+  assert tuning.entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["provenance"][
+      "run"].startswith("run 37 (fence), runs 43-44")
 
 
 def test_mask_kind_and_mask_entries():
@@ -118,19 +125,20 @@ def test_mask_kind_and_mask_entries():
   assert [tuning.mask_kind(c, w, segments=True) for c, w in [
       (False, None), (True, None), (True, (511, 0)), (False, (100, 30))]] == [
       "dense", "causal_segments", "causal_window", "window"]
-  # the H200's causal-window entry (run 33: 64-key tiles; run 38: fence) and packed documents
-  # (run 38: no fence); every other kind and device: "all"
+  # the H200's causal-window entry (run 33: 64-key tiles; run 38: fence), packed documents
+  # (run 38: no fence) and causal (runs 41, 44: no fence); every other kind and device: "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
   assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64, softmax_fence=True))
-  got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
-  assert _same(got, MOSAIC_BEFORE[128])
-  for kind in ("all", "dense", "causal", "window"):     # softmax fence on since run 37
+  for kind in ("causal_segments", "causal"):
+    got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind)
+    assert _same(got, MOSAIC_BEFORE[128])
+  for kind in ("all", "dense", "window"):     # fence (run 37), tokamax's K wait + handoff (44)
     assert _same(mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind),
-                 dataclasses.replace(MOSAIC_BEFORE[128], softmax_fence=True))
+                 dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OPTIONS[128]))
   for head_dim in (64, 256):
-    for kind in ("causal_window", "causal_segments"):
+    for kind in tuning.MASK_KINDS:
       assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200", mask=kind),
-                   MOSAIC_BEFORE[head_dim])
+                   dataclasses.replace(MOSAIC_BEFORE[head_dim], **H200_MOSAIC_OPTIONS[head_dim]))
   for kind in tuning.MASK_KINDS:
     assert _same(mg.default_block_sizes(128, device_kind="cpu", mask=kind), MOSAIC_BEFORE[128])
   assert tuning.required_params("mosaic_gpu_fwd", 128, "16bit", "NVIDIA H200",
@@ -139,8 +147,9 @@ def test_mask_kind_and_mask_entries():
 
 def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu") passes the mask kind to the tile
-  lookup: on an H200 a causal window gets the 64-key tiles, a causal mask the 128-key ones
-  with the softmax fence, packed documents (causal with segment ids) no fence."""
+  lookup: on an H200 a causal window gets the 64-key tiles with the softmax fence, a causal
+  mask and packed documents (causal with segment ids) the 128-key ones without the fence, a
+  non-causal mask with segment ids the fence."""
   import jax
   import jattn
 
@@ -165,8 +174,8 @@ def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
         jattn.flash_attention(x, x, x, implementation="mosaic_gpu", **kw)
   finally:
     mg._tuned_block_sizes.cache_clear()
-  assert [(b.block_k, b.softmax_fence) for b in seen] == [
-      (64, True), (128, True), (128, False), (128, True)]
+  assert [(b.block_k, b.softmax_fence, b.k_wait_in_pv) for b in seen] == [
+      (64, True, False), (128, False, False), (128, False, False), (128, True, True)]
 
 
 def test_tables_well_formed():
@@ -181,11 +190,11 @@ def test_tables_well_formed():
     table = tuning.load_table(name)
     assert {k[0] for k in table} == set(tuning.KERNELS)
     for key, e in table.items():
-      # mask-specific tuning so far: the H200 Mosaic forward's causal window (runs 33, 38)
-      # and packed documents (run 38)
+      # mask-specific tuning so far: the H200 Mosaic forward's causal window (runs 33, 38),
+      # packed documents (run 38) and causal (runs 41, 44)
       assert key[3] == "all" or (name, key) in {
           ("nvidia_h200.json", ("mosaic_gpu_fwd", 128, "16bit", m))
-          for m in ("causal_window", "causal_segments")}, key
+          for m in ("causal_window", "causal_segments", "causal")}, key
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
       assert prov["commit"]
@@ -194,13 +203,16 @@ def test_tables_well_formed():
           assert prov[field], (key, field)
         for path in prov["results"].split("; "):
           assert os.path.exists(os.path.join(root, path)), path
-    # every 16-bit Triton and Mosaic D128 entry is tuned; the other head dims are not
+    # every 16-bit Triton and Mosaic D128 entry is tuned; of the other head dims the H200's
+    # Triton D256 backward and Mosaic D64 / D256 forwards
     assert {k for k, e in table.items() if e["provenance"]["status"] == "tuned"} == {
         ("triton_fwd", 128, "16bit", "all"), ("triton_bwd", 128, "16bit", "all"),
         ("mosaic_gpu_fwd", 128, "16bit", "all")} | (
             {("mosaic_gpu_bwd", 128, "16bit", "all"), ("triton_bwd", 256, "16bit", "all"),
              ("mosaic_gpu_fwd", 128, "16bit", "causal_window"),
-             ("mosaic_gpu_fwd", 128, "16bit", "causal_segments")}
+             ("mosaic_gpu_fwd", 128, "16bit", "causal_segments"),
+             ("mosaic_gpu_fwd", 128, "16bit", "causal"),
+             ("mosaic_gpu_fwd", 64, "16bit", "all"), ("mosaic_gpu_fwd", 256, "16bit", "all")}
             if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
 
