@@ -26,6 +26,14 @@
   grown by each step's new keys only).
   All rows of a batch advance together (one shared cache index); to decode packed documents, decode
   each document in its own row (or its own call), starting from position 0.
+* Cache layout (``kv_cache_layout``): "nhd" (default) keeps K/V as [batch, slots, kv_heads,
+  head_dim]; "hnd" (head-major) as [batch, kv_heads, slots, head_dim] for "global", "sparse" and
+  "local" layers (full caches, rings and the sparse block sums alike), and single-token steps call
+  ``decode_attention`` / ``sparse_decode_attention`` with ``kv_layout="hnd"`` (each kv head's keys
+  one contiguous run: the sparse decode kernel alone ran 1.13x faster on an H200 at 128K,
+  docs/sparse.md; these layers have not been timed on a GPU). Chunks attend the head-major cache
+  transposed back (they read the whole cache anyway). MLA and "csa" layers raise ValueError with
+  "hnd" (see ``Attention``).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jattn._layout import KV_LAYOUTS
 from jattn.attention import flash_attention
 from jattn.decode import decode_attention, resolve_decode_implementation
 from jattn.merge import merge
@@ -72,6 +81,39 @@ def _set(var, value):
     var.value = value
 
 
+def check_kv_cache_layout(kv_cache_layout, *, kinds=(), mla=False):
+  """ValueError unless ``kv_cache_layout`` is "nhd" or "hnd", and "hnd" fits the layers.
+
+  Args:
+    kv_cache_layout: "nhd" or "hnd".
+    kinds: the ``LayerSpec.kind`` of every layer that will keep a cache in this layout.
+    mla: whether the layers are MLA (``kv_lora_rank`` set).
+
+  Returns:
+    None.
+
+  Example:
+    >>> check_kv_cache_layout("hnd", kinds=("global", "local", "sparse"))
+    >>> check_kv_cache_layout("hnd", kinds=("csa",))
+    Traceback (most recent call last):
+    ...
+    ValueError: kv_cache_layout='hnd' is not supported for 'csa' layers: ...
+  """
+  if kv_cache_layout not in KV_LAYOUTS:
+    raise ValueError(f"kv_cache_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
+                     f"([batch, kv_heads, len, head_dim]), got {kv_cache_layout!r}")
+  if kv_cache_layout == "nhd":
+    return
+  if mla:
+    raise ValueError("kv_cache_layout='hnd' is not supported with MLA (kv_lora_rank): the MLA "
+                     "cache holds a per-token latent [batch, len, kv_lora_rank] with no kv head "
+                     "axis to put first; use kv_cache_layout='nhd'")
+  if "csa" in kinds:
+    raise ValueError("kv_cache_layout='hnd' is not supported for 'csa' layers: their decode "
+                     "never calls the contiguous decode kernels (it pools raw windows into "
+                     "compressed entries); use kv_cache_layout='nhd'")
+
+
 def _sparse_module():
   try:
     from jattn import sparse
@@ -102,6 +144,12 @@ class Attention(nnx.Module):
       rounding).
     implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
     interpret: run Pallas kernels in interpret mode (CPU tests).
+    kv_cache_layout: "nhd" (default): K/V caches [batch, slots, kv_heads, head_dim]; "hnd":
+      head-major [batch, kv_heads, slots, head_dim] (full caches, local rings and the sparse
+      layers' block sums [batch, kv_heads, blocks, qk_dim]), decoded with ``kv_layout="hnd"``.
+      Same outputs either way; only the storage and the kernels' reads differ. ValueError for
+      other values, for MLA (its latent cache has no kv head axis) and for "csa" layers (their
+      decode does not use the contiguous decode kernels).
     param_dtype: parameter dtype.
     dtype: computation dtype of the projections (None: from the inputs/params, e.g. bf16 inputs
       with fp32 params compute in fp32; pass jnp.bfloat16 for bf16 attention inputs).
@@ -117,11 +165,20 @@ class Attention(nnx.Module):
     >>> y = layer(jnp.ones((2, 20, 64)))
     >>> layer.init_cache(2, 32, jnp.float32)
     >>> y_step = layer.decode(jnp.ones((2, 1, 64)))
+    >>> hm = Attention(64, 4, 2, 16, LayerSpec("local", window=8), kv_cache_layout="hnd",
+    ...                rngs=nnx.Rngs(0))
+    >>> hm.init_cache(2, 32, jnp.float32)
+    >>> hm.cache_k[...].shape                  # [batch, kv_heads, ring slots, head_dim]
+    (2, 2, 8, 16)
+    >>> bool(jnp.allclose(hm.decode(jnp.ones((2, 3, 64))), layer(jnp.ones((2, 3, 64))),
+    ...                   atol=1e-5))
+    True
   """
 
   def __init__(self, d_model, num_heads, num_kv_heads, head_dim, spec=None, *, kv_lora_rank=None,
                rope_head_dim=0, qk_norm=False, mla_absorb=True, implementation=None,
-               interpret=False, param_dtype=jnp.float32, dtype=None, rngs):
+               interpret=False, kv_cache_layout="nhd", param_dtype=jnp.float32, dtype=None,
+               rngs):
     spec = LayerSpec("global") if spec is None else spec
     if not isinstance(spec, LayerSpec):
       raise TypeError(f"spec must be a LayerSpec, got {type(spec).__name__}")
@@ -129,6 +186,8 @@ class Attention(nnx.Module):
       raise ValueError(
           f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     self.mla = kv_lora_rank is not None
+    check_kv_cache_layout(kv_cache_layout, kinds=(spec.kind,), mla=self.mla)
+    self.kv_cache_layout = kv_cache_layout
     if self.mla:
       if spec.kind == "csa":
         raise ValueError("MLA (kv_lora_rank) with a 'csa' layer is not supported: CSA pools raw "
@@ -334,6 +393,18 @@ class Attention(nnx.Module):
     return combine(o_l, lse_l, o_c, lse_c, sink)
 
   # ---------------------------------------------------------------- cache
+  def _head_major(self, name):
+    """Whether cache array ``name`` is stored head-major ("hnd": K/V of global/local/sparse)."""
+    return self.kv_cache_layout == "hnd" and name in ("k", "v")
+
+  def _to_cache(self, name, a):
+    """Token-major entries [b, t, hk, d] -> the stored layout of cache array ``name``."""
+    return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
+
+  def _from_cache(self, name, a):
+    """A stored cache array (or slice of it) -> token-major [b, slots, hk, d]."""
+    return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
+
   def cache_layout(self, max_len):
     """Cache arrays as {name: (storage, slots, per-token shape)}; storage is "full", "ring"
     or "compressed" (the layout ``init_cache`` allocates and ``kv_cache_bytes`` counts).
@@ -342,7 +413,9 @@ class Attention(nnx.Module):
       max_len: longest context the cache must serve.
 
     Returns:
-      dict name -> (storage, number of token slots, per-slot shape without batch).
+      dict name -> (storage, number of token slots, per-slot shape without batch). The arrays are
+      [batch, slots, *shape], or with ``kv_cache_layout="hnd"`` K/V [batch, kv_heads, slots,
+      head_dim] (the same bytes).
 
     Example:
       >>> layer = Attention(64, 4, 1, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
@@ -363,12 +436,15 @@ class Attention(nnx.Module):
       dtype: cache dtype (e.g. jnp.bfloat16).
 
     Returns:
-      None.
+      None. K/V arrays are [batch, slots, kv_heads, head_dim], or [batch, kv_heads, slots,
+      head_dim] with ``kv_cache_layout="hnd"`` (sparse layers' block sums likewise).
     """
     names = []
     ring_sizes = set()
     for name, (storage, slots, shape) in self.cache_layout(max_len).items():
-      setattr(self, f"cache_{name}", nnx.Cache(jnp.zeros((batch_size, slots) + shape, dtype)))
+      full_shape = ((batch_size, shape[0], slots) + shape[1:] if self._head_major(name)
+                    else (batch_size, slots) + shape)
+      setattr(self, f"cache_{name}", nnx.Cache(jnp.zeros(full_shape, dtype)))
       names.append(name)
       if storage == "ring":
         ring_sizes.add(slots)
@@ -376,8 +452,9 @@ class Attention(nnx.Module):
       setattr(self, f"ring_pos_{size}", nnx.Cache(jnp.full((size,), -1, jnp.int32)))
     if self.spec.kind == "sparse":   # running per-block key sums for decode-time block scores
       nb = -(-max_len // self.spec.block_size)
-      self.cache_block_sums = nnx.Cache(
-          jnp.zeros((batch_size, nb, self.num_kv_heads, self.qk_dim), jnp.float32))
+      hk = self.num_kv_heads
+      shape = (batch_size, hk, nb) if self._head_major("k") else (batch_size, nb, hk)
+      self.cache_block_sums = nnx.Cache(jnp.zeros(shape + (self.qk_dim,), jnp.float32))
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
     self.cache_names = tuple(names)
     self.cache_max_len = max_len
@@ -417,7 +494,7 @@ class Attention(nnx.Module):
       if spec.kind == "global" and t == 1:
         o = self._decode_one(q, full, jnp.full((b,), p + 1, jnp.int32))
       elif spec.kind == "global":  # roll the cache so the chunk ends it: bottom-right causal
-        k, v = self._expand(full)
+        k, v = self._expand({n: self._from_cache(n, a) for n, a in full.items()})
         shift = k.shape[1] - (p + t)
         roll = lambda a: jnp.roll(a, shift, axis=1)
         o = self._chunk_flash(q, roll(k), roll(v), jnp.arange(k.shape[1]) >= shift)
@@ -441,8 +518,9 @@ class Attention(nnx.Module):
     return (y, {"q": q}) if return_qk else y
 
   def _decode_one(self, q, ent, lengths):
-    """One query per row (q [b, 1, hq, qk_dim]) over contiguous cache entries with
-    ``jattn.decode_attention``: absorbed MLA (``absorbed_decode``) or the expanded keys/values.
+    """One query per row (q [b, 1, hq, qk_dim]) over contiguous cache entries (as stored, in
+    ``kv_cache_layout``) with ``jattn.decode_attention``: absorbed MLA (``absorbed_decode``) or
+    the expanded keys/values.
 
     Absorbed, with W[g] = kernel[:, g, :] [r, head_dim] (``nnx.Linear`` kernels are [in, out],
     out = (kv head, head_dim)), per query head h of kv head g: q_abs[h] = W_uk[g] q_nope[h] [r];
@@ -457,10 +535,11 @@ class Attention(nnx.Module):
       o [b, 1, hq, head_dim] (the cache dtype, or fp32 when absorbed).
     """
     q = q[:, 0]                                                      # [b, hq, qk_dim]
-    if not self.absorbed_decode:
+    if not self.absorbed_decode:  # (MLA caches are always "nhd"; plain K/V as stored)
       k, v = self._expand(ent)
       return decode_attention(q, k, v, lengths, scale=self.scale,
-                              implementation=self.implementation, interpret=self.interpret)[:, None]
+                              implementation=self.implementation, interpret=self.interpret,
+                              kv_layout=self.kv_cache_layout)[:, None]
     b, hq, _ = q.shape
     hk, d, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
@@ -478,9 +557,11 @@ class Attention(nnx.Module):
 
   def _write_full(self, ent, p, names=None):
     out = {}
-    for n in (names or list(ent)):
+    for n in (names or list(ent)):  # returns the stored arrays (in the cache layout)
       var = getattr(self, f"cache_{n}")
-      new = jax.lax.dynamic_update_slice_in_dim(_get(var), ent[n], p, axis=1)
+      axis = 2 if self._head_major(n) else 1
+      new = jax.lax.dynamic_update_slice_in_dim(_get(var), self._to_cache(n, ent[n]), p,
+                                                axis=axis)
       _set(var, new)
       out[n] = new
     return out
@@ -494,8 +575,11 @@ class Attention(nnx.Module):
     t = ent[names[0]].shape[1]
     opos = p - size + jnp.arange(size, dtype=jnp.int32)              # [size]
     slots = opos % size
-    keys = {n: jnp.concatenate([_get(getattr(self, f"cache_{n}"))[:, slots], ent[n]], axis=1)
-            for n in names}
+
+    def ring(n):
+      a = _get(getattr(self, f"cache_{n}"))
+      return self._from_cache(n, a[:, :, slots] if self._head_major(n) else a[:, slots])
+    keys = {n: jnp.concatenate([ring(n), ent[n]], axis=1) for n in names}
     return keys, jnp.concatenate([opos >= 0, jnp.ones((t,), bool)])
 
   def _chunk_flash(self, q, k, v, kv_valid, window=None, return_lse=False):
@@ -514,7 +598,11 @@ class Attention(nnx.Module):
     slots = pos[t - m:] % size
     for n in names:
       var = getattr(self, f"cache_{n}")
-      _set(var, _get(var).at[:, slots].set(ent[n][:, t - m:]))
+      new = self._to_cache(n, ent[n][:, t - m:])
+      if self._head_major(n):
+        _set(var, _get(var).at[:, :, slots].set(new))
+      else:
+        _set(var, _get(var).at[:, slots].set(new))
     rp = getattr(self, f"ring_pos_{size}")
     _set(rp, _get(rp).at[slots].set(pos[t - m:]))
 
@@ -523,21 +611,29 @@ class Attention(nnx.Module):
 
     The block summaries (fp32 key sums per cache block) live in the cache and grow by the t new
     keys only: O(t) per step instead of re-reading every cached key (which would cost half of a
-    dense decode's reads at every step)."""
+    dense decode's reads at every step). k/v (and the sums) are in the cache layout: [b, n, hk, d]
+    or, head-major, [b, hk, n, d]."""
     spec = self.spec
     sparse = _sparse_module()
     b, t = q.shape[:2]
-    k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=1).astype(jnp.float32)  # [b, t, hk, dk]
-    sums = _get(self.cache_block_sums).at[:, pos // spec.block_size].add(k_new)
+    blk = pos // spec.block_size
+    sums = _get(self.cache_block_sums)
+    if self._head_major("k"):
+      k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=2).astype(jnp.float32)  # [b, hk, t, dk]
+      sums = sums.at[:, :, blk].add(k_new)                                      # [b, hk, nb, dk]
+    else:
+      k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=1).astype(jnp.float32)  # [b, t, hk, dk]
+      sums = sums.at[:, blk].add(k_new)                                         # [b, nb, hk, dk]
     _set(self.cache_block_sums, sums)
     summaries = sparse.BlockSummaries(sums=sums, lengths=jnp.full((b,), p + t, jnp.int32),
-                                      block_size=spec.block_size)
+                                      block_size=spec.block_size, layout=self.kv_cache_layout)
 
     def one(qi, length):  # v may be narrower than k (MLA): the output has v's head dim
       return sparse.sparse_decode_attention(qi, k, v, jnp.full((b,), length, jnp.int32), summaries,
                                             block_size=spec.block_size, top_k=spec.top_k,
                                             scale=self.scale, implementation=self.implementation,
-                                            interpret=self.interpret)
+                                            interpret=self.interpret,
+                                            kv_layout=self.kv_cache_layout)
 
     return jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)   # [b, t, hq, dv]
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jattn.nn.attention import Attention
+from jattn.nn.attention import Attention, check_kv_cache_layout
 from jattn.nn.schedule import LayerSpec
 from pallas_kernels.masks import element_mask
 
@@ -51,12 +51,25 @@ class TransformerConfig:
       attention inputs with fp32 parameters). Logits come out in this dtype.
     mla_absorb: MLA single-token decode attends the latent cache with absorbed up-projections
       where valid (``Attention.absorbed_decode``); False expands the cache at every step.
+    kv_cache_layout: "nhd" (default) or "hnd": the decode caches of every layer keep K/V as
+      [batch, slots, kv_heads, head_dim] or head-major [batch, kv_heads, slots, head_dim]
+      (full caches, local rings, sparse block sums), and decode calls the kernels with that
+      ``kv_layout`` (``Attention(kv_cache_layout=...)``). A model-wide option rather than a
+      ``LayerSpec`` field: it is a storage choice of the serving cache that changes neither the
+      parameters nor the outputs (``with_config`` switches a trained model), while a LayerSpec
+      says what a layer computes; and one choice per model is what a server allocates for.
+      ValueError for other values and for "hnd" with MLA (``kv_lora_rank``) or "csa" layers
+      (no head-major path there; no silent fallback).
 
   Example:
     >>> from jattn.nn.schedule import local_global_schedule
     >>> cfg = TransformerConfig(256, 6, 64, 4, 2, 16, layers=local_global_schedule(6, window=8))
     >>> cfg.layers[5].kind
     'global'
+    >>> hm = Transformer(dataclasses.replace(cfg, kv_cache_layout="hnd"), rngs=nnx.Rngs(0))
+    >>> hm.init_cache(1, 32)
+    >>> hm.blocks[5].attn.cache_k[...].shape, hm.blocks[0].attn.cache_k[...].shape
+    ((1, 2, 32, 16), (1, 2, 8, 16))
   """
   vocab_size: int
   num_layers: int
@@ -76,6 +89,7 @@ class TransformerConfig:
   param_dtype: object = jnp.float32
   dtype: object = None
   mla_absorb: bool = True
+  kv_cache_layout: str = "nhd"
 
   def __post_init__(self):
     if self.layers is None:
@@ -89,6 +103,8 @@ class TransformerConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                        f"({self.num_kv_heads})")
+    check_kv_cache_layout(self.kv_cache_layout, kinds=tuple(s.kind for s in self.layers),
+                          mla=self.kv_lora_rank is not None)
 
   def layer_rope_head_dim(self, spec):
     """The MLA RoPE width a layer uses (0 for NoPE layers or without MLA)."""
@@ -143,8 +159,8 @@ class Block(nnx.Module):
     self.attn = Attention(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, spec,
                           kv_lora_rank=c.kv_lora_rank, rope_head_dim=c.layer_rope_head_dim(spec),
                           qk_norm=c.qk_norm, mla_absorb=c.mla_absorb,
-                          implementation=c.implementation,
-                          interpret=c.interpret, param_dtype=pd, dtype=dt, rngs=rngs)
+                          implementation=c.implementation, interpret=c.interpret,
+                          kv_cache_layout=c.kv_cache_layout, param_dtype=pd, dtype=dt, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
     self.mlp = MLP(c.d_model, c.mlp_dim or 4 * c.d_model, param_dtype=pd, dtype=dt, rngs=rngs)
 
