@@ -21,7 +21,8 @@ The pieces (see docs/sparse.md for the formulas):
 Conventions: layout [batch, seq, heads, head_dim]; GQA query head h reads kv head
 h // (q_heads // kv_heads); blocks are counted from position 0 (query block i holds queries
 i*q_block_size .. (i+1)*q_block_size-1; key block j holds keys j*block_size ..); causal masks align
-bottom-right (query i sits at kv_len - q_len + i).
+bottom-right (query i sits at kv_len - q_len + i). Segment ids: 0 is padding (sees and is seen by
+nothing); every other id, negative ones included, is a document.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _GATE_MODES = ("none", "ste", "gumbel")
 _QUERY_POOLS = ("sum", "max")
 _INT_MAX = np.iinfo(np.int32).max
+_INT_MIN = np.iinfo(np.int32).min
 
 
 def _cdiv(a, b):
@@ -301,42 +303,56 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
 
 
 def _segment_ranges(seg, block):
-  """Per-block (min nonzero id, max id) of seg [b, n] (positions past n are padding)."""
+  """Per-block (min nonzero id, max nonzero id) of seg [b, n] (positions past n are padding).
+
+  Every nonzero id, negative ones included, is a document; only 0 is padding (as in
+  ``masks.visible`` and ``block_schedule._segment_tile_classes``). A block without a nonzero id
+  gets the empty range (INT32_MAX, INT32_MIN), so ``min <= max`` iff the block holds a document.
+  """
   b, n = seg.shape
   nb = _cdiv(n, block)
   s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, nb * block - n))).reshape(b, nb, block)
-  return jnp.min(jnp.where(s > 0, s, _INT_MAX), -1), jnp.max(s, -1)
+  real = s != 0
+  return (jnp.min(jnp.where(real, s, _INT_MAX), -1),
+          jnp.max(jnp.where(real, s, _INT_MIN), -1))
 
 
 def _segment_overlap(q_seg, kv_seg, q_block_size, block_size):
-  """bool [b, nq, nk]: the nonzero id ranges of query block i and key block j intersect.
+  """bool [b, nq, nk]: query block i and key block j both hold a nonzero id and their nonzero id
+  ranges intersect.
 
-  Exact for packed sequences (ids non-decreasing along the sequence); for other layouts it may
-  keep a block without a common id (harmless: the element mask still applies).
+  Exact for packed sequences (nonzero ids non-decreasing along the sequence); for other layouts
+  it may keep a block without a common id (harmless: the element mask still applies).
   """
   qmn, qmx = _segment_ranges(q_seg, q_block_size)
   kmn, kmx = _segment_ranges(kv_seg, block_size)
   qmn, qmx = qmn[:, :, None], qmx[:, :, None]
   kmn, kmx = kmn[:, None, :], kmx[:, None, :]
-  return (qmx > 0) & (kmx > 0) & (qmn <= kmx) & (kmn <= qmx)
+  return (qmn <= qmx) & (kmn <= kmx) & (qmn <= kmx) & (kmn <= qmx)
 
 
 def _doc_start_blocks(q_seg, kv_seg, q_block_size, block_size):
   """int32 [b, nq]: the key block holding the first key of query block i's document.
 
-  The document of query block i is its minimum nonzero id d (as in ``_segment_ranges``). Its
-  first key block is the first key block j whose running maximum id, max(kv_seg[:(j+1)*bs]),
-  reaches d: a cumulative max over the per-block maxima (padding, id 0, never raises it) and one
-  binary search per query block, O(b * (nq + kv_len)) memory. For packed rows (nonzero ids
-  non-decreasing, zeros anywhere) that is exactly the block of d's first key. For other layouts
-  it is some block holding an id >= d, or nk (no such block, or an all-padding query block);
-  the caller keeps it only if it is selectable, so the rule stays safe, only less useful.
+  The document of query block i is its minimum nonzero id d (as in ``_segment_ranges``; any
+  nonzero id, negative ones included). Its first key block is the first key block j whose running
+  maximum nonzero id, over kv_seg[:(j+1)*bs], reaches d: a cumulative max over the per-block
+  maxima (an all-padding block counts as INT32_MIN, so padding never raises it) and one binary
+  search per query block, and no earlier than the first key block holding a nonzero id (matters
+  only for d = INT32_MIN); nk for an all-padding query block. O(b * (nq + kv_len)) memory. For
+  packed rows (nonzero ids non-decreasing, zeros anywhere) that is exactly the block of d's first
+  key. For other layouts it is some block holding an id >= d, or nk (no such block); the caller
+  keeps it only if it is selectable, so the rule stays safe, only less useful.
   """
-  qmn, _ = _segment_ranges(q_seg, q_block_size)                      # [b, nq]
-  _, kmx = _segment_ranges(kv_seg, block_size)                       # [b, nk]
+  qmn, qmx = _segment_ranges(q_seg, q_block_size)                    # [b, nq]
+  kmn, kmx = _segment_ranges(kv_seg, block_size)                     # [b, nk]
+  nk = kmx.shape[1]
   reach = jax.lax.cummax(kmx, axis=1)                                # [b, nk], non-decreasing
   start = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(reach, qmn)
-  return start.astype(jnp.int32)
+  has = kmn <= kmx                                                   # [b, nk] holds a document
+  first = jnp.where(jnp.any(has, axis=1), jnp.argmax(has, axis=1), nk)            # [b]
+  start = jnp.maximum(start, first[:, None])
+  return jnp.where(qmn <= qmx, start, nk).astype(jnp.int32)     # all-padding query block: nk
 
 
 def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
@@ -455,9 +471,10 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
     num_init_blocks: leading blocks always kept (of the row, or of each document with
       segment ids).
     num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
-    segment_ids: None or int [batch, q_len] (0 = padding). The rules are exact for packed rows
-      (nonzero ids non-decreasing, padding anywhere); other layouts never select a block outside
-      the rules' selectable set, but may force a less useful "initial" block.
+    segment_ids: None or int [batch, q_len] (0 = padding; any other id, negative ones included,
+      is a document). The rules are exact for packed rows (nonzero ids non-decreasing, padding
+      anywhere); other layouts never select a block outside the rules' selectable set, but may
+      force a less useful "initial" block.
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     score: "mean_key" (the only scorer so far).
 

@@ -296,6 +296,118 @@ def test_selection_non_monotone_segments_stay_selectable():
         assert qmx > 0 and kmx > 0 and qmn <= kmx and kmn <= qmx, (bi, i, j)
 
 
+# Packed rows with negative (and mixed-sign) document ids, nonzero ids non-decreasing, padding
+# (id 0) at the front, between documents and at the end, a one-token document, documents
+# starting mid-block and an all-padding 16-block; length 100 (blocks of 16: ragged last block).
+NEG_ROWS = [[-3] * 20 + [-1] * 30 + [0] * 5 + [2] * 25 + [0] * 20,
+            [0] * 10 + [-5] * 17 + [-2] + [-1] * 40 + [4] * 32,
+            [-2] * 33 + [0] * 20 + [-1] * 47,
+            [-9] * 100]
+
+
+def _shift_ids(seg, by=100):
+  """Order-preserving map of the nonzero ids to positive ones (0 stays padding)."""
+  seg = np.asarray(seg)
+  return np.where(seg != 0, seg + by, 0).astype(np.int32)
+
+
+def _block_ranges_np(seg, block):
+  b, n = seg.shape
+  nb = -(-n // block)
+  lo = np.full((b, nb), np.iinfo(np.int32).max, np.int64)
+  hi = np.full((b, nb), np.iinfo(np.int32).min, np.int64)
+  for bi in range(b):
+    for j in range(nb):
+      ids = [x for x in seg[bi, j * block:(j + 1) * block].tolist() if x != 0]
+      if ids:
+        lo[bi, j], hi[bi, j] = min(ids), max(ids)
+  return lo, hi
+
+
+@pytest.mark.parametrize("qbs,bs", [(16, 16), (8, 16), (32, 16)])
+def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
+  """Every nonzero id, negative included, is a document (only 0 is padding): the per-block
+  ranges, the block overlap and the document-start block against brute force, and equal to
+  those of the same rows with the ids shifted positive; int32-extreme ids and an all-padding
+  row too."""
+  i32 = np.iinfo(np.int32)
+  extreme = [[0] * 20 + [i32.min] * 10 + [-1] * 7 + [0] * 3 + [i32.max] * 60,
+             [0] * 100]
+  seg = np.array(NEG_ROWS + extreme, np.int32)
+  n = seg.shape[1]
+  nq, nk = -(-n // qbs), -(-n // bs)
+  segj = jnp.asarray(seg)
+  lo, hi = (np.asarray(x) for x in sp._segment_ranges(segj, bs))
+  elo, ehi = _block_ranges_np(seg, bs)
+  np.testing.assert_array_equal(lo, elo)
+  np.testing.assert_array_equal(hi, ehi)
+  # overlap: both blocks hold a nonzero id and the ranges intersect
+  qlo, qhi = _block_ranges_np(seg, qbs)
+  has_q, has_k = qlo <= qhi, elo <= ehi
+  want = (has_q[:, :, None] & has_k[:, None, :] & (qlo[:, :, None] <= ehi[:, None, :])
+          & (elo[:, None, :] <= qhi[:, :, None]))
+  got = np.asarray(sp._segment_overlap(segj, segj, qbs, bs))
+  np.testing.assert_array_equal(got, want)
+  # doc start: the block of the first key of the query block's smallest nonzero id; nk for an
+  # all-padding query block
+  ds = np.asarray(sp._doc_start_blocks(segj, segj, qbs, bs))
+  want_ds = np.full((seg.shape[0], nq), nk)
+  for bi in range(seg.shape[0]):
+    for i in range(nq):
+      if has_q[bi, i]:
+        want_ds[bi, i] = int(np.argmax(seg[bi] == qlo[bi, i])) // bs
+  np.testing.assert_array_equal(ds, want_ds)
+  # the negative rows give what their positive shift gives
+  neg = jnp.asarray(np.array(NEG_ROWS, np.int32))
+  pos = jnp.asarray(_shift_ids(NEG_ROWS))
+  np.testing.assert_array_equal(np.asarray(sp._segment_overlap(neg, neg, qbs, bs)),
+                                np.asarray(sp._segment_overlap(pos, pos, qbs, bs)))
+  np.testing.assert_array_equal(np.asarray(sp._doc_start_blocks(neg, neg, qbs, bs)),
+                                np.asarray(sp._doc_start_blocks(pos, pos, qbs, bs)))
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_negative_segment_ids_match_shifted(impl):
+  """Block selection and block-sparse attention with negative document ids == the same calls
+  with the ids shifted positive (order-preserving), and every selection rule holds; real query
+  rows attend (finite lse) and padding rows give 0."""
+  if impl == "triton":
+    _kernel_module_or_skip("triton")
+  bs = qbs = 16
+  neg = np.array(NEG_ROWS, np.int32)
+  pos = _shift_ids(neg)
+  b, s = neg.shape
+  hq, hk, d = 2, 1, 16
+  q, k, v = _qkv(23, b, s, s, hq, hk, d)
+  kw = dict(block_size=bs, q_block_size=qbs, top_k=1, num_init_blocks=1, num_local_blocks=1)
+  sel_n = select(q, k, segment_ids=jnp.asarray(neg), **kw)
+  sel_p = select(q, k, segment_ids=jnp.asarray(pos), **kw)
+  np.testing.assert_array_equal(np.asarray(sel_n.indices), np.asarray(sel_p.indices))
+  np.testing.assert_array_equal(np.asarray(sel_n.counts), np.asarray(sel_p.counts))
+  _check_rules(sel_n, np.asarray(sel_n.scores), sq=s, sk=s, qbs=qbs, bs=bs, top_k=1, ni=1, nl=1,
+               causal=True, qseg=neg, kseg=neg)
+  extra = dict(interpret=True) if impl == "triton" else {}
+  attn = jax.jit(lambda q, k, v, seg, sel: sp.block_sparse_attention(
+      q, k, v, sel, segment_ids=seg, return_lse=True, implementation=impl, **extra))
+  out_n, lse_n = attn(q, k, v, jnp.asarray(neg), sel_n)
+  out_p, lse_p = attn(q, k, v, jnp.asarray(pos), sel_p)
+  np.testing.assert_allclose(np.asarray(out_n), np.asarray(out_p), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse_n), np.asarray(lse_p), rtol=1e-5, atol=1e-5)
+  real = neg != 0
+  lse_n = np.asarray(lse_n)
+  assert np.isfinite(lse_n.transpose(0, 2, 1)[real]).all()
+  assert (lse_n.transpose(0, 2, 1)[~real] == -np.inf).all()
+  allowed = _allowed_from_indices(sel_n, s, s, True, neg, neg)
+  ref = _dense(q, k, v, allowed, 1 / np.sqrt(d))
+  assert _rel(out_n, ref) < 2e-3, _rel(out_n, ref)
+  if impl == "xla":
+    # sparse_attention (selection + attention in one call)
+    f = jax.jit(lambda q, k, v, seg: sp.sparse_attention(q, k, v, segment_ids=seg,
+                                                         implementation="xla", **kw))
+    np.testing.assert_allclose(np.asarray(f(q, k, v, jnp.asarray(neg))),
+                               np.asarray(f(q, k, v, jnp.asarray(pos))), rtol=1e-5, atol=1e-5)
+
+
 def _committed_selection(scores, *, sq, sk, qbs, bs, top_k, ni, nl, causal):
   """Reference of the rule without segment ids: forced = blocks 0..ni-1 and the local blocks
   (when visible), then the top_k highest scores of the rest; ascending, -1 padded."""
