@@ -148,8 +148,11 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
     The entry (a dict with kernel, head_dim, dtype, mask, params, provenance), or None.
 
   Example:
-    >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["provenance"]["run"]
-    'run 37'
+    >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["params"]["k_wait_in_pv"]
+    True
+    >>> entry("mosaic_gpu_fwd", 128, "16bit", mask="causal", device="NVIDIA H200")["params"][
+    ...     "softmax_fence"]
+    False
   """
   table = _merged(table_file(device))
   for m in (mask, "all"):
