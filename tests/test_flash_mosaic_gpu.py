@@ -195,6 +195,103 @@ def test_shared_memory_overflow_fails_to_lower():
     jax.export.export(fn, platforms=["cuda"])(q)
 
 
+# ------------------------------------------------- several query tiles per program (CPU)
+
+# BlockSizes(q_tiles_per_program=P): each program runs P query tiles of one (batch, head) one
+# after the other, the K/V ring running on across them and the next tile's Q prefetched into a
+# second Q/O buffer (not yet run on a GPU: GPU_CASES "*q_tiles*"). Lengths: 2048 / 256 = 8
+# tiles; 640 -> 3 tiles (P=2: the last program has 1); 1000 -> 4 tiles (P=3: 3 + 1);
+# 700 x 260 causal: tiles of rows that see no key.
+Q_TILES_LOWER_CASES = {
+    "d128_causal_window_511_bk64_p2": dict(sq=2048, sk=2048, causal=True, p=2, block_k=64,
+                                           local_window_size=(511, 0)),
+    "d128_causal_window_511_bk64_p4": dict(sq=2048, sk=2048, causal=True, p=4, block_k=64,
+                                           local_window_size=(511, 0)),
+    "d128_causal_ragged_last_program_p2": dict(sq=640, sk=600, causal=True, p=2),
+    "d128_dense_ragged_last_program_p3": dict(sq=1000, sk=777, causal=False, p=3),
+    "d128_causal_q_longer_empty_rows_p4": dict(sq=700, sk=260, causal=True, p=4),
+    "d128_window_100_30_p2_no_pingpong": dict(sq=640, sk=640, causal=False, p=2,
+                                              local_window_size=(100, 30), pingpong=False),
+    "d64_causal_p2_early_k_load_q_major_grid_3_stages": dict(
+        d=64, sq=1000, sk=1000, causal=True, p=2, early_k_load=True, q_major_grid=True,
+        num_stages=3, softmax_fence=True),
+}
+
+
+def _q_tiles_bs(case):
+  kw = {key: case.pop(key) for key in ("early_k_load", "q_major_grid", "pingpong",
+                                        "softmax_fence") if key in case}
+  return mg.BlockSizes(64, case.pop("block_k", 128), case.pop("num_stages", 2),
+                       q_tiles_per_program=case.pop("p"), **kw)
+
+
+@pytest.mark.parametrize("name", list(Q_TILES_LOWER_CASES))
+def test_q_tiles_per_program_lowers_for_cuda(name):
+  case = dict(Q_TILES_LOWER_CASES[name])
+  bs = _q_tiles_bs(case)
+  mask = {"local_window_size": case.pop("local_window_size", None)}
+  d, sq, sk = case.pop("d", 128), case["sq"], case["sk"]
+  q = jax.ShapeDtypeStruct((2, sq, 4, d), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, sk, 2, d), jnp.bfloat16)
+  fn = jax.jit(lambda q, k, v: mg.flash_attention(q, k, v, causal=case["causal"],
+                                                  block_sizes=bs, **mask))
+  exported = jax.export.export(fn, platforms=["cuda"])(q, kv, kv)
+  text = exported.mlir_module()
+  assert "mosaic_gpu" in text and "wgmma" in text
+  assert [a.shape for a in exported.out_avals] == [(2, sq, 4, d), (2, 4, sq)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n_q,p", [(1, 2), (5, 2), (8, 4), (7, 3), (3, 8)])
+def test_q_tiles_per_program_cover_every_tile_once(n_q, p, causal):
+  """``_program_tiles``: the programs' tiles are every query tile exactly once, consecutive
+  within a program, every program but possibly the last has P; causal: longest first."""
+  st = mg._static_config((1, n_q * 128, 1, 128), (1, n_q * 128, 1, 128), jnp.bfloat16,
+                         causal=causal, scale=None,
+                         block_sizes=mg.BlockSizes(64, 128, 2, q_tiles_per_program=p))
+  assert st.num_q_programs == n_q and st.num_programs == -(-n_q // p)
+  seen = []
+  for g in range(st.num_programs):
+    count, tile_of = mg._program_tiles(g, st)
+    count = int(count)
+    assert 1 <= count <= p and (count == p or g == st.num_programs - 1)
+    tiles = [int(tile_of(jnp.int32(i))) for i in range(count)]
+    assert tiles == sorted(tiles, reverse=causal)
+    assert abs(tiles[-1] - tiles[0]) == count - 1
+    seen += tiles
+  assert sorted(seen) == list(range(n_q))
+  if causal:
+    assert seen == list(range(n_q))[::-1]
+
+
+def test_q_tiles_per_program_checks():
+  for bad in (0, -1, 1.5, True, "2"):
+    with pytest.raises(ValueError, match="q_tiles_per_program"):
+      mg.BlockSizes(64, 128, 2, q_tiles_per_program=bad)
+  for opt in ("k_wait_in_pv", "pingpong_handoff"):
+    with pytest.raises(ValueError, match=opt):
+      mg.BlockSizes(64, 128, 2, q_tiles_per_program=2, **{opt: True})
+    mg.BlockSizes(64, 128, 2, q_tiles_per_program=1, **{opt: True})   # P = 1: as before
+  bs = mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)
+  assert bs.smem_bytes(128) == mg.BlockSizes(64, 128, 2).smem_bytes(128) + 2 * 64 * (256 + 4)
+  q = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
+  seg = jnp.ones((1, 256), jnp.int32)
+  with pytest.raises(ValueError, match="segment ids or a block schedule"):
+    mg.flash_attention(q, q, q, seg, seg, block_sizes=bs)
+  from pallas_kernels.block_schedule import make_schedule
+  with pytest.raises(ValueError, match="segment ids or a block schedule"):
+    mg.flash_attention(q, q, q, schedule=make_schedule(256, 256, 128, 128), block_sizes=bs)
+
+
+def test_q_tiles_per_program_d256_over_shared_memory():
+  """D256 (64x64 tiles, 2 stages) with the second Q/O buffer: over the 227 KiB limit."""
+  q = jax.ShapeDtypeStruct((1, 512, 2, 256), jnp.bfloat16)
+  bs = mg.BlockSizes(64, 64, 2, q_tiles_per_program=2)
+  fn = jax.jit(lambda q: mg.flash_attention(q, q, q, causal=True, block_sizes=bs))
+  with pytest.raises(ValueError, match="shared memory"):
+    jax.export.export(fn, platforms=["cuda"])(q)
+
+
 # ---------------------------------------------------------------------------- tile walk (CPU)
 
 
@@ -874,6 +971,29 @@ GPU_CASES = {
     "d128_causal_window_511_k_wait_in_pv": dict(
         b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
         bs=mg.BlockSizes(64, 128, 2, k_wait_in_pv=True)),
+    # BlockSizes.q_tiles_per_program (several query tiles per program; never run on a GPU yet):
+    # `pytest -m gpu -k q_tiles`
+    "d128_q_longer_q_tiles_2": dict(b=1, sq=1328, sk=1000, hq=2, hk=1, d=128, causal=False,
+                                    bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)),
+    "d128_q_longer_q_tiles_3": dict(b=1, sq=1328, sk=1000, hq=2, hk=1, d=128, causal=False,
+                                    bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=3)),
+    "d128_causal_ragged_q_tiles_3": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=True,
+                                         bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=3)),
+    "d128_causal_ragged_q_tiles_2": dict(b=2, sq=1000, sk=1111, hq=4, hk=2, d=128, causal=True,
+                                         bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)),
+    "d128_causal_window_511_q_tiles_2": dict(
+        b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True, q_tiles_per_program=2)),
+    "d128_causal_window_511_q_tiles_3": dict(
+        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True, q_tiles_per_program=3)),
+    "d128_causal_q_longer_empty_rows_q_tiles_3": dict(
+        b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=3)),
+    "d64_causal_window_q_tiles_2_options": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True, local_window_size=(200, 0),
+        bs=mg.BlockSizes(64, 128, 3, q_tiles_per_program=2, early_k_load=True,
+                         q_major_grid=True, pingpong=False)),
 }
 
 

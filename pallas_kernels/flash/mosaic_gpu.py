@@ -31,6 +31,12 @@ program walks a list of kv tiles instead of contiguous ranges (see "Block schedu
 backward is the Triton kernels on the same schedule. See docs/kernels.md, "Mosaic GPU (Hopper)
 block-sparse forward".
 
+NEW, NOT YET RUN ON A GPU: ``BlockSizes(q_tiles_per_program=P)`` (default 1: the kernel as
+before, byte-identical lowering): each program runs P query tiles of one (batch, head) in turn,
+the K/V ring and its barrier phases running on across them and the next tile's Q prefetched
+into a second Q/O buffer; range path only (docs/mosaic_fwd_vs_tokamax.md, "Several query tiles
+per program").
+
 Structure (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``): one
 program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three warpgroups:
 
@@ -160,6 +166,16 @@ class BlockSizes:
     backward: which kernels compute the gradients: "triton" (default: the Triton dK/dV and dQ
       kernels; GPU tests pass behind this forward, runs 17-22) or "mosaic" (``mosaic_gpu_bwd``,
       the Hopper backward: head_dim 64/128, unmasked; GPU tests pass, runs 19-22).
+    q_tiles_per_program: P >= 1 query tiles (``rows_per_program`` rows each) of one (batch,
+      head) per program, one after the other: the K/V ring runs on across them (the memory
+      warpgroup loads the next tile's first kv tiles while the compute warpgroups finish the
+      current one) and the next tile's Q is loaded into a second Q/O buffer during the current
+      one, so the per-program fixed costs (ring fill, Q load, epilogue) overlap work. The grid
+      has ceil(query tiles / P) programs per (batch, head). 1 (default): one tile per program,
+      the kernel as before (byte-identical lowering). P > 1 takes the range path only (no
+      segment ids or block schedule: ValueError at the call) and neither ``k_wait_in_pv`` nor
+      ``pingpong_handoff`` (ValueError here); D256 does not fit the second Q/O buffer. Not yet
+      run on a GPU (docs/mosaic_fwd_vs_tokamax.md).
 
   Example:
     >>> BlockSizes(64, 128, 2).rows_per_program
@@ -177,8 +193,17 @@ class BlockSizes:
   pingpong_handoff: bool = False
   no_reduction_scratch: bool = False
   k_wait_in_pv: bool = False
+  q_tiles_per_program: int = 1
 
   def __post_init__(self):
+    p = self.q_tiles_per_program
+    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
+      raise ValueError(f"q_tiles_per_program must be an int >= 1, got {p!r}")
+    if p > 1 and (self.k_wait_in_pv or self.pingpong_handoff):
+      raise ValueError(f"q_tiles_per_program={p} (> 1) does not support k_wait_in_pv or "
+                       f"pingpong_handoff (their barrier protocols are not carried across a "
+                       f"program's query tiles); got k_wait_in_pv={self.k_wait_in_pv}, "
+                       f"pingpong_handoff={self.pingpong_handoff}")
     if self.pingpong_handoff and not self.pingpong:
       raise ValueError("pingpong_handoff needs pingpong=True")
     if self.backward not in ("triton", "mosaic"):
@@ -195,11 +220,13 @@ class BlockSizes:
     return _COMPUTE_WGS * self.block_q
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of one program's buffers: Q/O tiles, the K/V ring, the LSE staging rows
-    (the lowering adds barriers and alignment, and rejects a kernel over 227 KiB)."""
-    qo = _COMPUTE_WGS * self.block_q * head_dim * itemsize
+    """Shared memory of one program's buffers: Q/O tiles, the K/V ring, the LSE staging rows,
+    the Q/O tiles and LSE rows twice with ``q_tiles_per_program`` > 1 (the lowering adds
+    barriers and alignment, and rejects a kernel over 227 KiB)."""
+    bufs = 2 if self.q_tiles_per_program > 1 else 1
+    qo = bufs * _COMPUTE_WGS * self.block_q * head_dim * itemsize
     kv = 2 * self.num_stages * self.block_k * head_dim * itemsize
-    return qo + kv + _COMPUTE_WGS * self.block_q * 4
+    return qo + kv + bufs * _COMPUTE_WGS * self.block_q * 4
 
 
 # Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_fwd", one JSON table per
@@ -290,6 +317,7 @@ class _Static:
   pingpong_handoff: bool = False   # BlockSizes.pingpong_handoff (only with pingpong)
   no_reduction_scratch: bool = False   # BlockSizes.no_reduction_scratch
   k_wait_in_pv: bool = False       # BlockSizes.k_wait_in_pv
+  q_tiles_per_program: int = 1     # BlockSizes.q_tiles_per_program (> 1: range path only)
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
   # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
   has_sched: bool = False
@@ -305,6 +333,11 @@ class _Static:
   def num_full_tiles(self) -> int:
     """kv tiles without padded keys."""
     return self.kv_len // self.block_k
+
+  @property
+  def num_programs(self) -> int:
+    """Programs per (batch, head): query tiles / ``q_tiles_per_program``, rounded up."""
+    return -(-self.num_q_programs // self.q_tiles_per_program)
 
 
 def _bounds_left(st: _Static):
@@ -633,6 +666,19 @@ def _program_ranges(b, tile, wg, bounds_ref, st: _Static):
   return plo, phi, _clip_to_program(plo, phi, *_static_ranges(row0_program + wg * bq, bq, st))
 
 
+def _program_tiles(g, st: _Static):
+  """q_tiles_per_program = P > 1: the query tiles of program ``g`` (``rows_per_program`` rows
+  each), as (count, i -> the i-th tile), int32: tiles j = g * P + i for i < count =
+  min(P, tiles - g * P) (the last program may have fewer), in that order; with causal j counts
+  from the last tile (the longest kv ranges first, as the one-tile programs' reversed order)."""
+  n_q = st.num_q_programs
+  first = jnp.asarray(g, jnp.int32) * st.q_tiles_per_program
+  count = jnp.minimum(jnp.int32(st.q_tiles_per_program), n_q - first)
+  if st.causal:
+    return count, lambda i: (n_q - 1) - (first + i)
+  return count, lambda i: first + i
+
+
 def _fwd_kernel(*refs, st: _Static):
   """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM), with segment ids also q_seg [B, Sq],
   kv_seg [B, Sk] int32 and bounds [B, programs, 10] (``_seg_bounds``) -> o [B, Sq, Hq, D],
@@ -641,7 +687,9 @@ def _fwd_kernel(*refs, st: _Static):
   q_loaded [2], k/v_loaded [S] (with segment ids q_loaded and k_loaded also count the segment
   copies), k/v_free [S] (2 arrivals), rendezvous (2 arrivals). With a block schedule
   (``st.has_sched``) the last input is the walk [B', Hs, programs, 1 + W] of ``_schedule_walk``
-  instead of the bounds (segment ids or not)."""
+  instead of the bounds (segment ids or not). With ``q_tiles_per_program`` > 1 (range path
+  only) qo, lse and q_loaded have 4 entries (two sets, 2 * set + warpgroup) and each program
+  runs its query tiles (``_program_tiles``) one after the other, the ring running on."""
   n_in = 3 + (2 if st.has_seg else 0) + (1 if st.has_seg or st.has_sched else 0)
   ins = refs[:n_in]
   o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous = refs[n_in:]
@@ -657,14 +705,18 @@ def _fwd_kernel(*refs, st: _Static):
   elif st.has_seg:
     bounds_ref = ins[-1]
   bq, bk, stages = st.block_q, st.block_k, st.num_stages
+  multi = st.q_tiles_per_program > 1   # several query tiles per program (range path only)
   b = lax.axis_index("batch")
   h = lax.axis_index("heads")
   tile = lax.axis_index("q_tiles")
-  if st.causal:
+  if multi:
+    n_sub, tile_of = _program_tiles(tile, st)
+  elif st.causal:
     tile = (st.num_q_programs - 1) - tile   # longest kv ranges first: a shorter tail
   wg = lax.axis_index("wg")
   kv_h = lax.div(h, jnp.int32(st.group))
-  row0_program = tile * (_COMPUTE_WGS * bq)
+  if not multi:
+    row0_program = tile * (_COMPUTE_WGS * bq)
   slot_of = lambda t: lax.rem(t, jnp.int32(stages))
   if st.has_sched:   # this program's row of the walk: [count, entries...] (``_schedule_walk``)
     walk_b = b if st.sched_batch else 0
@@ -682,15 +734,49 @@ def _fwd_kernel(*refs, st: _Static):
   hand_over = lambda: plgpu.barrier_arrive(rendezvous.at[1 - wg])   # the other may run P V
   take_turn = lambda: plgpu.barrier_wait(rendezvous.at[wg])         # the other issued Q K^T
 
-  @pl.when(wg < _COMPUTE_WGS)
-  def _compute():
-    plgpu.set_max_registers(st.compute_registers, action="increase")
-    row0 = row0_program + wg * bq
-    q_smem = qo_smem.at[wg]                                   # [bq, D]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_loaded.at[wg])
-    if st.has_seg:
-      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg],
-                              q_loaded.at[wg])
+  def _compute_tiles():
+    # q_tiles_per_program > 1: the program's query tiles one after the other. Q/O buffer and
+    # LSE row set u = i mod 2 (index 2 * u + wg, barrier q_loaded[2 * u + wg]) for tile i; the
+    # ring position runs on across tiles (``ring_base``: entries of the earlier tiles), as the
+    # memory warpgroup's. Each tile keeps the single-tile barrier protocol (warpgroup 1 meets
+    # once before its first kv entry, warpgroup 0 once after its last), so the meetings balance
+    # per tile.
+    row0_of = lambda i: tile_of(i) * (_COMPUTE_WGS * bq) + wg * bq
+    buf_of = lambda i: lax.rem(i, jnp.int32(2)) * _COMPUTE_WGS + wg
+
+    def load_q(i):
+      buf = buf_of(i)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0_of(i), bq), h], qo_smem.at[buf],
+                              q_loaded.at[buf])
+
+    load_q(jnp.int32(0))                                      # every program has tile 0
+
+    def sub_tile(i, ring_base):
+      def prefetch_next_q():   # after tile i's Q wait: tile i + 1's Q into the other buffer
+        @pl.when(i + 1 < n_sub)
+        def _():
+          # that buffer (and LSE row) last held tile i - 1's O, stored by TMA at its end:
+          # wait until those stores have read shared memory before overwriting it
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_q(i + 1)
+      buf = buf_of(i)
+      n = _compute_tile(tile_of(i), row0_of(i), qo_smem.at[buf], q_loaded.at[buf],
+                        lse_smem.at[buf], ring_base=ring_base, after_q_wait=prefetch_next_q)
+      return ring_base + n
+
+    lax.fori_loop(jnp.int32(0), n_sub, sub_tile, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+  def _compute_tile(tile, row0, q_smem, q_barrier, lse_dst, ring_base=None, after_q_wait=None):
+    """One query tile of this warpgroup (Q already requested on ``q_barrier``): the kv walk and
+    the epilogue (O into ``q_smem``, LSE into ``lse_dst``, TMA stores issued, not waited for).
+    ``ring_base`` (q_tiles_per_program > 1): ring entries of the program's earlier tiles; the
+    tile's entry t - plo is then in slot (ring_base + t - plo) mod stages. Returns the number of
+    ring entries of the tile (with ring_base) or None."""
+    if ring_base is None:
+      ring_slot = slot_of
+    else:
+      ring_slot = lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages))
     if not st.has_sched:
       plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
     wgmma_layout = plgpu.Layout.WGMMA
@@ -698,7 +784,9 @@ def _fwd_kernel(*refs, st: _Static):
     m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)   # base-2 max
     l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)       # running sum
     acc = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), wgmma_layout)
-    plgpu.barrier_wait(q_loaded.at[wg])
+    plgpu.barrier_wait(q_barrier)
+    if after_q_wait is not None:
+      after_q_wait()
     q_seg = None
     if st.has_seg:
       q_seg = plgpu.load(q_seg_smem.at[wg], (), layout=row_layout)            # [bq] int32
@@ -708,7 +796,7 @@ def _fwd_kernel(*refs, st: _Static):
         n_walk = walk_count()
         pl.when(n_walk > 0)(lambda: plgpu.barrier_wait(k_loaded.at[0]))
       else:
-        pl.when(plo < phi)(lambda: plgpu.barrier_wait(k_loaded.at[slot_of(plo)]))
+        pl.when(plo < phi)(lambda: plgpu.barrier_wait(k_loaded.at[ring_slot(plo)]))
 
     def wait_next_k(nxt):
       # k_wait_in_pv: the K of the next ring entry (slot, whether there is one)
@@ -762,8 +850,9 @@ def _fwd_kernel(*refs, st: _Static):
 
     def step(t, carry, *, masked):
       if st.k_wait_in_pv:
-        return step_at(slot_of(t), t, carry, masked=masked, nxt=(slot_of(t + 1), t + 1 < phi))
-      return step_at(slot_of(t), t, carry, masked=masked)
+        return step_at(ring_slot(t), t, carry, masked=masked,
+                       nxt=(ring_slot(t + 1), t + 1 < phi))
+      return step_at(ring_slot(t), t, carry, masked=masked)
 
     def drain_at(slot, nxt=None):
       # Tiles the other warpgroup needs and this one does not (before or after this
@@ -788,9 +877,9 @@ def _fwd_kernel(*refs, st: _Static):
 
     def drain(t, _):
       if st.k_wait_in_pv:
-        drain_at(slot_of(t), (slot_of(t + 1), t + 1 < phi))
+        drain_at(ring_slot(t), (ring_slot(t + 1), t + 1 < phi))
       else:
-        drain_at(slot_of(t))
+        drain_at(ring_slot(t))
       return None
 
     carry = (acc, m, l)
@@ -830,10 +919,27 @@ def _fwd_kernel(*refs, st: _Static):
 
     out, lse = _finalize(acc, m, l)
     q_smem[...] = out.astype(st.dtype)                        # Q is dead: reuse its tile for O
-    lse_smem.at[wg][...] = lse
+    lse_dst[...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(row0, bq), h])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)])
+    plgpu.copy_smem_to_gmem(lse_dst, lse_ref.at[b, h, pl.ds(row0, bq)])
+    if ring_base is not None:
+      return phi - plo
+    return None
+
+  @pl.when(wg < _COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(st.compute_registers, action="increase")
+    if multi:
+      _compute_tiles()
+      return
+    row0 = row0_program + wg * bq
+    q_smem = qo_smem.at[wg]                                   # [bq, D]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_loaded.at[wg])
+    if st.has_seg:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg],
+                              q_loaded.at[wg])
+    _compute_tile(tile, row0, q_smem, q_loaded.at[wg], lse_smem.at[wg])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _COMPUTE_WGS)
@@ -878,6 +984,31 @@ def _fwd_kernel(*refs, st: _Static):
         refill(lambda: tile_at(j), slot)
       return
 
+    if multi:
+      # The program's query tiles in the compute warpgroups' order, their kv ranges one after
+      # the other in one ring: entry c (c counts across tiles) in slot c mod stages, the first
+      # ``stages`` entries loaded at once, each later one when both compute warpgroups have
+      # released entry c - stages (possibly of the previous tile).
+      def sub_tile(i, ring_base):
+        plo, phi, _ = _program_ranges(b, tile_of(i), None, bounds_ref, st)
+
+        @pl.loop(jnp.int32(0), phi - plo)
+        def _(j):
+          c = ring_base + j
+          slot = slot_of(c)
+
+          @pl.when(c < stages)
+          def _():
+            load(plo + j, slot)
+
+          @pl.when(c >= stages)
+          def _():
+            refill(lambda: plo + j, slot)
+        return ring_base + (phi - plo)
+
+      lax.fori_loop(jnp.int32(0), n_sub, sub_tile, jnp.int32(0))
+      return
+
     plo, phi, _ = _program_ranges(b, tile, None, bounds_ref, st)
     for i in range(stages):                                   # fill the ring
       @pl.when(plo + i < phi)
@@ -909,11 +1040,13 @@ def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None, walk=N
   b, sq_pad, hq, d = q.shape
   bq, bk, stages = st.block_q, st.block_k, st.num_stages
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 bytes
+  # q_tiles_per_program > 1: two sets of Q/O tiles and LSE rows (index 2 * set + warpgroup)
+  n_q_bufs = _COMPUTE_WGS * (2 if st.q_tiles_per_program > 1 else 1)
   smem = (
-      plgpu.SMEM((_COMPUTE_WGS, bq, d), q.dtype, transforms=tiled),     # Q, then O
+      plgpu.SMEM((n_q_bufs, bq, d), q.dtype, transforms=tiled),         # Q, then O
       plgpu.SMEM((stages, bk, d), k.dtype, transforms=tiled),           # K ring
       plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
-      plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32),                      # LSE staging
+      plgpu.SMEM((n_q_bufs, bq), jnp.float32),                          # LSE staging
   )
   seg_copies = 1
   args = (q, k, v)
@@ -927,17 +1060,18 @@ def _fwd_call(q, k, v, st: _Static, q_seg=None, kv_seg=None, bounds=None, walk=N
   if st.has_sched:
     args += (walk,)
   # The first grid axis is CUDA's x, launched fastest.
+  # (q_tiles_per_program > 1: "q_tiles" counts programs of that many query tiles)
   if st.q_major_grid:   # resident programs: consecutive query tiles of one head
-    grid = dict(grid=(st.num_q_programs, hq, b), grid_names=("q_tiles", "heads", "batch"))
+    grid = dict(grid=(st.num_programs, hq, b), grid_names=("q_tiles", "heads", "batch"))
   else:
-    grid = dict(grid=(hq, st.num_q_programs, b), grid_names=("heads", "q_tiles", "batch"))
+    grid = dict(grid=(hq, st.num_programs, b), grid_names=("heads", "q_tiles", "batch"))
   call = plgpu.kernel(
       functools.partial(_fwd_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32)),
       scratch_types=(
           smem,
-          plgpu.Barrier(num_arrivals=seg_copies, num_barriers=_COMPUTE_WGS),  # q_loaded
+          plgpu.Barrier(num_arrivals=seg_copies, num_barriers=n_q_bufs),      # q_loaded
           plgpu.Barrier(num_arrivals=seg_copies, num_barriers=stages),        # k_loaded
           plgpu.Barrier(num_barriers=stages),                              # v_loaded
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # k_free
@@ -1116,6 +1250,10 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                                 + ", ".join(masks) + "; use the default backward='triton'")
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
+  if bs.q_tiles_per_program > 1 and (has_seg or schedule is not None):
+    raise ValueError(f"q_tiles_per_program={bs.q_tiles_per_program} (> 1) runs the range path "
+                     f"only: not with segment ids or a block schedule (use "
+                     f"q_tiles_per_program=1)")
   sched = {}
   if schedule is not None:
     _check_schedule(schedule, q_shape, k_shape, bs, bwd_block_sizes)
@@ -1134,7 +1272,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       softmax_fence=bool(bs.softmax_fence), early_k_load=bool(bs.early_k_load),
       q_major_grid=bool(bs.q_major_grid), pingpong_handoff=bool(bs.pingpong_handoff),
       no_reduction_scratch=bool(bs.no_reduction_scratch), k_wait_in_pv=bool(bs.k_wait_in_pv),
-      **sched)
+      q_tiles_per_program=int(bs.q_tiles_per_program), **sched)
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
@@ -1310,7 +1448,9 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
       case) and the outputs are compared on that layout.
     dtype: bf16 or fp16.
     configs: list of ``BlockSizes`` (default: the default, a few neighbours and the options of
-      docs/mosaic_fwd_vs_tokamax.md).
+      docs/mosaic_fwd_vs_tokamax.md; ``q_tiles_per_program`` is not among them: pass e.g.
+      ``dataclasses.replace(base, q_tiles_per_program=4)``, as experiments/next_gpu_session_n.sh
+      does for a causal window).
     iters: calls per timed loop (``time_fn``; None: enough for 0.25 s).
     verbose: print one line per row.
 
