@@ -146,8 +146,8 @@ def test_smoke_cli_writes_every_variant_and_resumes(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "| posthoc_topk |" in printed and "Δ score" in printed
   assert res["meta"]["summary"]["full"]["score"]["n"] == 1
-  # tests/test_notebook.py renders this finished smoke run instead of training its own (CI time);
-  # run alone, it trains one.
+  # tests/test_notebook.py renders this finished smoke run instead of training its own when both
+  # run in one process (CI time); alone, or in another pytest-xdist worker, it trains one.
   os.environ.setdefault("JATTN_COAD_RESULTS", out)
 
 
