@@ -25,17 +25,18 @@ forward cases vs the reference passed, D64/128/256, experiments/results/
 h200_gpu_tests_mosaic_masks_run17_20261130.txt); the backward with them is the Triton one (``_triton_bwd_masked``), and
 ``backward="mosaic"`` rejects them at the call.
 
-NEW, NOT YET RUN ON A GPU: block schedules (``flash_attention(schedule=...)``, what
+Block schedules (``flash_attention(schedule=...)``, what
 ``jattn.block_sparse_attention(implementation="mosaic_gpu")`` passes for a top-K selection): each
 program walks a list of kv tiles instead of contiguous ranges (see "Block schedules" below); the
-backward is the Triton kernels on the same schedule. See docs/kernels.md, "Mosaic GPU (Hopper)
+backward is the Triton kernels on the same schedule. GPU tests pass (runs 19-22); timed in run
+32. See docs/kernels.md, "Mosaic GPU (Hopper)
 block-sparse forward".
 
-NEW, NOT YET RUN ON A GPU: ``BlockSizes(q_tiles_per_program=P)`` (default 1: the kernel as
-before, byte-identical lowering): each program runs P query tiles of one (batch, head) in turn,
-the K/V ring and its barrier phases running on across them and the next tile's Q prefetched
-into a second Q/O buffer; range path only (docs/mosaic_fwd_vs_tokamax.md, "Several query tiles
-per program").
+``BlockSizes(q_tiles_per_program=P)`` (default 1: the kernel as before, byte-identical
+lowering): each program runs P query tiles of one (batch, head) in turn, the K/V ring and its
+barrier phases running on across them and the next tile's Q prefetched into a second Q/O
+buffer; range path only. Its GPU tests pass on the H200 but it was not faster on a causal window
+of 512 (run 49; docs/mosaic_fwd_vs_tokamax.md, "Several query tiles per program").
 
 Structure (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``): one
 program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three warpgroups:
@@ -174,8 +175,9 @@ class BlockSizes:
       has ceil(query tiles / P) programs per (batch, head). 1 (default): one tile per program,
       the kernel as before (byte-identical lowering). P > 1 takes the range path only (no
       segment ids or block schedule: ValueError at the call) and neither ``k_wait_in_pv`` nor
-      ``pingpong_handoff`` (ValueError here); D256 does not fit the second Q/O buffer. Not yet
-      run on a GPU (docs/mosaic_fwd_vs_tokamax.md).
+      ``pingpong_handoff`` (ValueError here); D256 does not fit the second Q/O buffer. GPU
+      tests pass (run 49); not faster on a causal window of 512 (P = 2: 0.428 ms vs 0.429; 4
+      and 8 slower; docs/mosaic_fwd_vs_tokamax.md).
 
   Example:
     >>> BlockSizes(64, 128, 2).rows_per_program

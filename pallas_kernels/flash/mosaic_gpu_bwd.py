@@ -1,18 +1,16 @@
 """Flash attention backward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
 
-STATUS: NOT YET RUN ON A GPU (correctness, hangs and speed all unknown). What the CPU checks
+STATUS: the GPU tests pass on the H200 (runs 19-22, through ``BlockSizes(backward="mosaic")``
+of ``pallas_kernels.flash.mosaic_gpu`` and ``jattn.flash_attention(implementation="mosaic_gpu")``
+for unmasked D64/128); timed in run 25 (477 TFLOP/s effective at D128, the H200 table's
+``mosaic_gpu_bwd`` entry), slower than cuDNN's backward (docs/kernels.md). What the CPU checks
 (tests/test_flash_mosaic_gpu_bwd.py; jax's Mosaic GPU interpret mode cannot run wgmma with
 transposed or register operands): both kernels lower for "cuda" (``jax.export``: the Pallas ->
 Mosaic GPU lowering, register layouts, wgmma/TMA constraints, the shared-memory budget); their
 tile walks match an independent element mask; their TMA ring barrier protocols, simulated with
 random warpgroup interleavings, neither deadlock nor refill a slot early; and a jnp replay of
 both kernels (same tiles, loop ranges, masks, padding, GQA walk, arithmetic helpers) through this
-module's wrapper matches ``jax.vjp`` of the fp32 reference. Not checked: register allocation
-(spills), the real TMA/wgmma execution, speed. Next GPU call:
-``bash experiments/mosaic_gpu_bwd_session.sh`` (GPU tests, then ``_sweep_bwd``). Not registered
-in ``jattn`` yet; ``pallas_kernels.flash.mosaic_gpu``'s custom_vjp still uses the Triton
-backward (``flash_attention_bwd(..., d_lse=d_lse)`` here takes the same residuals and
-cotangents).
+module's wrapper matches ``jax.vjp`` of the fp32 reference.
 
 ``flash_attention_bwd(q, k, v, out, lse, do)`` takes the forward's residuals (``lse`` as
 ``mosaic_gpu.flash_attention`` and ``attention_reference`` return it: natural log, [B, Hq, Sq],
