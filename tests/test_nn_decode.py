@@ -102,9 +102,8 @@ def test_mla_qk_norm():
   assert attn.cache_names == ("latent",)
   assert attn.cache_latent[...].shape == (2, SEQ, 12)
   local = model.blocks[0].attn                                 # local RoPE layer: ring of 8
-  assert set(local.cache_names) == {"latent", "k_rope"}
-  assert local.cache_latent[...].shape == (2, 8, 12)
-  assert local.cache_k_rope[...].shape == (2, 8, 4)
+  assert local.cache_names == ("latent_k_rope",)               # one array [latent | k_rope]
+  assert local.cache_latent_k_rope[...].shape == (2, 8, 12 + 4)
 
 
 def test_packed_rows_decode_one_document_at_a_time():
@@ -258,6 +257,35 @@ def test_mla_absorbed_decode_does_not_expand_the_cache(spec, rope_head_dim):
   assert not expands(_mla_layer(spec, rope_head_dim))
   assert expands(_mla_layer(spec, rope_head_dim, mla_absorb=False))
   assert expands(_mla_layer(spec, rope_head_dim, qk_norm=True))
+
+
+def _concat_shapes(jaxpr):
+  """Output shapes of every concatenate in a jaxpr and its sub-jaxprs (jit, pallas_call, ...)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "concatenate":
+      yield eqn.outvars[0].aval.shape
+    for val in eqn.params.values():
+      for sub in val if isinstance(val, (tuple, list)) else (val,):
+        if hasattr(sub, "eqns"):
+          yield from _concat_shapes(getattr(sub, "jaxpr", sub))
+
+
+@pytest.mark.parametrize("spec,slots", [(LayerSpec("global"), 64),
+                                        (LayerSpec("local", window=7), 7)], ids=["global", "local"])
+def test_mla_absorbed_decode_does_not_copy_the_cache(spec, slots):
+  """RoPE MLA layers cache one [latent | k_rope] array and the absorbed single-token step passes
+  it as keys and values as is: no concatenate over the cache's slots (latent ++ k_rope) in the
+  traced step, which would copy the whole cache at every token."""
+  b, max_len = 2, 64
+  layer = _mla_layer(spec, 8, implementation="xla")
+  assert layer.absorbed_decode
+  layer.init_cache(b, max_len, jnp.float32)
+  graph, state = nnx.split(layer)
+  jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graph, s).decode(x))(state, jnp.ones((b, 1, 40)))
+  shapes = list(_concat_shapes(jaxpr.jaxpr))
+  assert shapes                                        # (the query's [q_abs | q_rope] is one)
+  assert not [s for s in shapes if slots in s[1:2]], shapes
+  assert layer.cache_names == ("latent_k_rope",)
 
 
 def test_mla_absorbed_decode_rules():

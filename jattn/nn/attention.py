@@ -3,7 +3,9 @@
 * Heads: GQA/MQA (``num_heads % num_kv_heads == 0``), or MLA-style low-rank latent KV
   (``kv_lora_rank``): keys/values are up-projected from a normalised latent of ``kv_lora_rank``
   channels, plus a decoupled RoPE key part of ``rope_head_dim`` channels shared by all heads; the
-  cache holds only the latent and the rotated RoPE key.
+  cache holds only the latent and the rotated RoPE key, as one array [latent | k_rope]
+  ("latent_k_rope", [batch, slots, kv_lora_rank + rope_head_dim]; NoPE MLA layers: "latent",
+  [batch, slots, kv_lora_rank]).
 * Positions: RoPE (``spec.rope_base``) at explicit positions, or NoPE (``rope_base=None``).
   ``qk_norm`` applies RMSNorm to each query and key head before RoPE.
 * Dispatch (training / full forward): "global" -> ``jattn.flash_attention(causal=True)``;
@@ -17,8 +19,9 @@
   Single-token steps of "global"/"local" layers run ``jattn.decode_attention`` (flash decoding;
   the ring is attended in slot order, which softmax does not care about); MLA layers there absorb
   the up-projections (``Attention.absorbed_decode``) and attend the cached latent directly, with
-  no per-step expansion of the cache into per-head keys/values (chunks and "sparse" MLA layers
-  still expand it); chunks of t > 1 tokens
+  no per-step expansion of the cache into per-head keys/values and no per-step copy of it (RoPE
+  layers pass their one [latent | k_rope] array as keys and values; chunks and "sparse" MLA
+  layers still expand it); chunks of t > 1 tokens
   run ``jattn.flash_attention`` over the cache rolled so that the chunk ends it (global) or over
   the ring read back in position order plus the chunk (local, CSA's raw window), with kv segment
   ids masking empty slots; "sparse" layers run ``jattn.sparse.sparse_decode_attention`` for each
@@ -59,8 +62,15 @@ ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 # Triton only up to the elements of the largest tile its GPU tests run (16 heads x 256 lanes): at
 # DeepSeek sizes (128 heads, 576) the tile and its fp32 accumulator would not fit in registers,
 # so those layers keep the expansion until a head-tiled kernel exists. The absorbed Triton path
-# passed the nn GPU tests on the H200 (run 44: 4 query heads).
+# passed the nn GPU tests on the H200 (run 44: 4 query heads, with values the latent alone; the
+# one-array values below have run only in interpret mode so far).
+# The values are the keys' array ([latent | k_rope], r + rope_head_dim wide), so the kernel's
+# value tile and fp32 accumulator [pad16(heads), pow2(r + rope_head_dim)] are the query tile's
+# size too: the same bound covers all three.
 TRITON_ABSORB_MAX_TILE = 16 * 256
+# MLA layers with RoPE cache one array per token: the latent (kv_lora_rank) then the rotated
+# RoPE key (rope_head_dim) along the last axis; NoPE MLA layers cache "latent" alone.
+MLA_ROPE_CACHE = "latent_k_rope"
 
 
 def _pad16(n):
@@ -107,8 +117,8 @@ def check_kv_cache_layout(kv_cache_layout, *, kinds=(), mla=False):
     return
   if mla:
     raise ValueError("kv_cache_layout='hnd' is not supported with MLA (kv_lora_rank): the MLA "
-                     "cache holds a per-token latent [batch, len, kv_lora_rank] with no kv head "
-                     "axis to put first; use kv_cache_layout='nhd'")
+                     "cache holds a per-token latent [batch, len, kv_lora_rank (+ rope_head_dim)] "
+                     "with no kv head axis to put first; use kv_cache_layout='nhd'")
   if "csa" in kinds:
     raise ValueError("kv_cache_layout='hnd' is not supported for 'csa' layers: their decode "
                      "never calls the contiguous decode kernels (it pools raw windows into "
@@ -252,9 +262,12 @@ class Attention(nnx.Module):
         q_nope = self.q_norm(q_nope)
       q_rope = apply_rope(q_rope, positions, spec.rope_base)
       q = jnp.concatenate([q_nope, q_rope], axis=-1)
-      ent = {"latent": self.kv_norm(self.w_dkv(x))}
-      if self.rope_head_dim:
-        ent["k_rope"] = apply_rope(self.w_kr(x), positions, spec.rope_base)  # [b, t, rope_dim]
+      lat = self.kv_norm(self.w_dkv(x))                                # [b, t, r]
+      if self.rope_head_dim:  # one cache array [latent | k_rope]: [b, t, r + rope_dim]
+        k_rope = apply_rope(self.w_kr(x), positions, spec.rope_base)  # [b, t, rope_dim]
+        ent = {MLA_ROPE_CACHE: jnp.concatenate([lat, k_rope], axis=-1)}
+      else:
+        ent = {"latent": lat}
     else:
       k = self.wk(x).reshape(b, t, hk, d)
       v = self.wv(x).reshape(b, t, hk, d)
@@ -272,17 +285,26 @@ class Attention(nnx.Module):
     """Cache entries -> (k [b, n, hk, qk_dim], v [b, n, hk, head_dim])."""
     if not self.mla:
       return ent["k"], ent["v"]
-    lat = ent["latent"]
+    lat, k_rope = self._mla_parts(ent)
     b, n, _ = lat.shape
     k = self.w_uk(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
     v = self.w_uv(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
     if self.qk_norm:
       k = self.k_norm(k)
     if self.rope_head_dim:
-      kr = jnp.broadcast_to(ent["k_rope"][:, :, None, :].astype(k.dtype),
+      kr = jnp.broadcast_to(k_rope[:, :, None, :].astype(k.dtype),
                             (b, n, self.num_kv_heads, self.rope_head_dim))
       k = jnp.concatenate([k, kr], axis=-1)
     return k, v
+
+  def _mla_parts(self, ent):
+    """MLA cache entries (or a chunk / ring read of them) -> (latent [b, n, r], k_rope
+    [b, n, rope_head_dim] or None): slices of the one [latent | k_rope] array in RoPE layers."""
+    if not self.rope_head_dim:
+      return ent["latent"], None
+    c = ent[MLA_ROPE_CACHE]
+    r = self.kv_lora_rank
+    return c[..., :r], c[..., r:]
 
   @property
   def scale(self):
@@ -438,7 +460,9 @@ class Attention(nnx.Module):
 
     Returns:
       None. K/V arrays are [batch, slots, kv_heads, head_dim], or [batch, kv_heads, slots,
-      head_dim] with ``kv_cache_layout="hnd"`` (sparse layers' block sums likewise).
+      head_dim] with ``kv_cache_layout="hnd"`` (sparse layers' block sums likewise). MLA layers
+      keep ``cache_latent_k_rope`` [batch, slots, kv_lora_rank + rope_head_dim] (the latent, then
+      the rotated RoPE key) or, NoPE, ``cache_latent`` [batch, slots, kv_lora_rank].
     """
     names = []
     ring_sizes = set()
@@ -525,10 +549,11 @@ class Attention(nnx.Module):
 
     Absorbed, with W[g] = kernel[:, g, :] [r, head_dim] (``nnx.Linear`` kernels are [in, out],
     out = (kv head, head_dim)), per query head h of kv head g: q_abs[h] = W_uk[g] q_nope[h] [r];
-    all query heads read one kv head, keys concat(latent, k_rope) [b, n, 1, r + rope_head_dim]
-    and values the latent [b, n, 1, r] (the concatenation copies r + rope_head_dim channels per
-    cached token each step; NoPE layers attend the latent as is); o[h] = W_uv[g]^T o_lat[h]
-    [head_dim]. The scale stays
+    all query heads read one kv head. RoPE layers cache one array [latent | k_rope] [b, n,
+    r + rope_head_dim] and pass it as the keys and, unsliced, as the values too (the same buffer
+    twice: no per-step copy of the cache); the output keeps its first r columns (the RoPE columns
+    cost rope_head_dim / r extra value reads and are dropped). NoPE layers attend the latent
+    [b, n, r] as keys and values. o[h] = W_uv[g]^T o_lat[h] [head_dim]. The scale stays
     1/sqrt(qk_dim). The absorption matmuls run in fp32 at HIGHEST precision (weights and
     activations upcast), attention in the cache dtype like the expanded path.
 
@@ -547,12 +572,11 @@ class Attention(nnx.Module):
     w = lambda lin: _get(lin.kernel).astype(f32).reshape(r, hk, d)    # [r, hk, d]
     q_nope = q[..., :d].astype(f32).reshape(b, hk, hq // hk, d)      # [b, hk, group, d]
     q_abs = jnp.einsum("bgjd,rgd->bgjr", q_nope, w(self.w_uk), precision=hi)
-    lat = ent["latent"]                                              # [b, n, r]
-    k = jnp.concatenate([lat, ent["k_rope"]], axis=-1) if self.rope_head_dim else lat
-    q = jnp.concatenate([q_abs.reshape(b, hq, r).astype(lat.dtype), q[..., d:]], axis=-1)
-    o = decode_attention(q, k[:, :, None], lat[:, :, None], lengths, scale=self.scale,
+    kv = ent[MLA_ROPE_CACHE if self.rope_head_dim else "latent"][:, :, None]  # [b, n, 1, r+rope]
+    q = jnp.concatenate([q_abs.reshape(b, hq, r).astype(kv.dtype), q[..., d:]], axis=-1)
+    o = decode_attention(q, kv, kv, lengths, scale=self.scale,   # values: the same array
                          implementation=self.implementation, interpret=self.interpret)
-    o = o.astype(f32).reshape(b, hk, hq // hk, r)                    # [b, hk, group, r]
+    o = o[..., :r].astype(f32).reshape(b, hk, hq // hk, r)          # [b, hk, group, r]
     o = jnp.einsum("bgjr,rgd->bgjd", o, w(self.w_uv), precision=hi)
     return o.reshape(b, 1, hq, d)
 
@@ -706,10 +730,9 @@ def cache_layout(spec, max_len, *, num_kv_heads, head_dim, kv_lora_rank=None, ro
     ('full', 10, (2, 4))
   """
   hk, d = num_kv_heads, head_dim
-  if kv_lora_rank is not None:
-    per = {"latent": (kv_lora_rank,)}
-    if rope_head_dim:
-      per["k_rope"] = (rope_head_dim,)
+  if kv_lora_rank is not None:  # RoPE layers: one array [latent | k_rope] per token
+    per = ({MLA_ROPE_CACHE: (kv_lora_rank + rope_head_dim,)} if rope_head_dim
+           else {"latent": (kv_lora_rank,)})
   else:
     per = {"k": (hk, d), "v": (hk, d)}
   if spec.kind in ("global", "sparse"):
