@@ -229,15 +229,16 @@ def test_mla_absorbed_decode_equals_full_forward():
   assert _rel(dec, full) < 2e-3
 
 
-def _dot_shapes(jaxpr):
-  """Output shapes of every dot_general in a jaxpr and its sub-jaxprs (jit, custom_vjp, ...)."""
+def _out_shapes(jaxpr, primitive):
+  """Output shapes of every ``primitive`` equation in a jaxpr and its sub-jaxprs (jit,
+  custom_vjp, pallas_call, ...)."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
+    if eqn.primitive.name == primitive:
       yield eqn.outvars[0].aval.shape
     for val in eqn.params.values():
       for sub in val if isinstance(val, (tuple, list)) else (val,):
         if hasattr(sub, "eqns"):
-          yield from _dot_shapes(getattr(sub, "jaxpr", sub))
+          yield from _out_shapes(getattr(sub, "jaxpr", sub), primitive)
 
 
 @pytest.mark.parametrize("spec,rope_head_dim", MLA_SPECS[:2], ids=["global", "global_nope"])
@@ -252,22 +253,12 @@ def test_mla_absorbed_decode_does_not_expand_the_cache(spec, rope_head_dim):
     jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graph, s).decode(x))(
         state, jnp.ones((b, 1, 40)))
     big = b * max_len * layer.num_kv_heads * layer.head_dim
-    return any(max_len in s and np.prod(s) >= big for s in _dot_shapes(jaxpr.jaxpr))
+    return any(max_len in s and np.prod(s) >= big
+               for s in _out_shapes(jaxpr.jaxpr, "dot_general"))
 
   assert not expands(_mla_layer(spec, rope_head_dim))
   assert expands(_mla_layer(spec, rope_head_dim, mla_absorb=False))
   assert expands(_mla_layer(spec, rope_head_dim, qk_norm=True))
-
-
-def _concat_shapes(jaxpr):
-  """Output shapes of every concatenate in a jaxpr and its sub-jaxprs (jit, pallas_call, ...)."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "concatenate":
-      yield eqn.outvars[0].aval.shape
-    for val in eqn.params.values():
-      for sub in val if isinstance(val, (tuple, list)) else (val,):
-        if hasattr(sub, "eqns"):
-          yield from _concat_shapes(getattr(sub, "jaxpr", sub))
 
 
 @pytest.mark.parametrize("spec,slots", [(LayerSpec("global"), 64),
@@ -282,7 +273,7 @@ def test_mla_absorbed_decode_does_not_copy_the_cache(spec, slots):
   layer.init_cache(b, max_len, jnp.float32)
   graph, state = nnx.split(layer)
   jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graph, s).decode(x))(state, jnp.ones((b, 1, 40)))
-  shapes = list(_concat_shapes(jaxpr.jaxpr))
+  shapes = list(_out_shapes(jaxpr.jaxpr, "concatenate"))
   assert shapes                                        # (the query's [q_abs | q_rope] is one)
   assert not [s for s in shapes if slots in s[1:2]], shapes
   assert layer.cache_names == ("latent_k_rope",)
