@@ -136,6 +136,73 @@ LOWER_CASES["d64_segments_all_options_3_stages"] = dict(
     bs=mg.BlockSizes(64, 128, 3, **_ALL_OPTIONS))
 
 
+# BlockSizes.overlap_softmax (FlashAttention-3's intra-warpgroup overlap: Q K^T(t) and P V(t-1)
+# issued together, the softmax of t while P V(t-1) runs) and store_wait_read_only; session 18.
+_OVERLAP = dict(overlap_softmax=True, pingpong_handoff=True)
+OVERLAP_LOWER_CASES = {
+    "d128_overlap": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=False,
+                         bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
+    "d128_causal_overlap_early_k_load": dict(
+        sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
+    "d128_overlap_3_stages_no_reduction_scratch": dict(
+        sq=256, sk=256, hq=2, hk=2, d=128, causal=False,
+        bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True, **_OVERLAP)),
+    "d128_causal_window_511_bk64_overlap": dict(
+        sq=2048, sk=2048, hq=2, hk=1, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 64, 2, store_wait_read_only=True, **_OVERLAP)),
+    "d64_soft_cap_window_overlap_no_pingpong": dict(
+        sq=328, sk=200, hq=2, hk=1, d=64, causal=False, local_window_size=(100, 30),
+        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
+    "d256_causal_overlap": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=True,
+                                bs=mg.BlockSizes(64, 64, 2, **_OVERLAP)),
+    "d128_store_wait_read_only": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
+                                      bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
+}
+LOWER_CASES.update(OVERLAP_LOWER_CASES)
+
+
+def test_overlap_softmax_checks():
+  for kw in (dict(k_wait_in_pv=True), dict(softmax_fence=True), dict(q_tiles_per_program=2),
+             dict(pingpong_handoff=False)):
+    with pytest.raises(ValueError, match="overlap_softmax"):
+      mg.BlockSizes(64, 128, 2, **{**_OVERLAP, **kw})
+  q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+  bs = mg.BlockSizes(64, 128, 2, **_OVERLAP)
+  with pytest.raises(ValueError, match="overlap_softmax"):
+    jax.jit(lambda q, s: mg.flash_attention(q, q, q, s, s, block_sizes=bs)).trace(q, seg)
+
+
+def _mosaic_module_text(bs, monkeypatch, seq=512):
+  """The Mosaic GPU module of the D128 forward as text, captured before serialization (by
+  wrapping ``mosaic.gpu.core._run_serde_pass``) while lowering for "cuda" on the CPU."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  seen = []
+  orig = mgpu_core._run_serde_pass
+
+  def spy(module, *, serialize, **kw):
+    if serialize:
+      seen.append(str(module))
+    return orig(module, serialize=serialize, **kw)
+  monkeypatch.setattr(mgpu_core, "_run_serde_pass", spy)
+  q = jax.ShapeDtypeStruct((1, seq, 2, 128), jnp.bfloat16)
+  jax.jit(lambda q: mg.flash_attention(q, q, q, block_sizes=bs)).trace(q).lower(
+      lowering_platforms=("cuda",))
+  assert len(seen) == 1
+  return seen[0]
+
+
+def test_overlap_softmax_keeps_both_wgmmas_in_flight(monkeypatch):
+  """The overlap kernel waits with one wgmma group still pending (Q K^T done, P V not) in its
+  loop; the default kernel only ever waits for all (so this test can fail)."""
+  import re
+  pending = lambda text: sorted(set(re.findall(r"wgmma\.wait\.group\.sync\.aligned (\d+)", text)))
+  assert pending(_mosaic_module_text(mg.BlockSizes(64, 128, 2), monkeypatch)) == ["0"]
+  assert pending(_mosaic_module_text(mg.BlockSizes(64, 128, 2, **_OVERLAP), monkeypatch)) == [
+      "0", "1"]
+
+
 @pytest.mark.parametrize("name", list(LOWER_CASES))
 def test_lowers_for_cuda(name):
   case = dict(LOWER_CASES[name])
@@ -994,6 +1061,28 @@ GPU_CASES = {
         b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True, local_window_size=(200, 0),
         bs=mg.BlockSizes(64, 128, 3, q_tiles_per_program=2, early_k_load=True,
                          q_major_grid=True, pingpong=False)),
+    # BlockSizes.overlap_softmax / store_wait_read_only (session 18): `pytest -m gpu -k overlap`
+    "d128_overlap": dict(b=2, sq=2048, sk=2048, hq=4, hk=4, d=128, causal=False,
+                         bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
+    "d128_causal_gqa_overlap_early_k_load": dict(
+        b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
+    "d128_q_shorter_overlap_3_stages": dict(
+        b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True, **_OVERLAP)),
+    "d128_q_longer_empty_rows_overlap": dict(b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
+                                             bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
+    "d128_causal_window_511_bk64_overlap_store_read": dict(
+        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 64, 2, store_wait_read_only=True, **_OVERLAP)),
+    "d64_window_soft_cap_overlap_no_pingpong": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=False, local_window_size=(100, 30),
+        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
+    "d256_causal_overlap": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
+                                bs=mg.BlockSizes(64, 64, 2, **_OVERLAP)),
+    "d128_causal_ragged_store_wait_read_only": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
 }
 
 

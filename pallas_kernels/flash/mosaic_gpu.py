@@ -179,6 +179,21 @@ class BlockSizes:
       tests pass (run 49); not faster on a causal window of 512 (P = 2: 0.428 ms vs 0.429; 4
       and 8 slower; docs/mosaic_fwd_vs_tokamax.md).
 
+    overlap_softmax: FlashAttention-3's intra-warpgroup overlap: each compute warpgroup issues
+      the Q K^T wgmma of kv tile t and the P V wgmma of tile t - 1 back to back, waits only for
+      Q K^T (``wgmma_accumulator_load(wait_n=1)``), and runs tile t's softmax while P V(t - 1)
+      is still on the tensor cores; the O accumulator is rescaled after that P V completes.
+      Each warpgroup keeps two accumulators (O and S) and two P tiles live. With ``pingpong``
+      it needs ``pingpong_handoff`` (one turn per kv tile: wait own barrier, issue both wgmmas,
+      arrive on the other's). Range path only (no segment ids or block schedule: ValueError at
+      the call), not with ``k_wait_in_pv``, ``softmax_fence`` or ``q_tiles_per_program`` > 1.
+      Off (default): Q K^T and P V of a tile are each waited for before the next is issued.
+      Session 18 (docs/mosaic_fwd_vs_tokamax.md); its GPU tests are ``GPU_CASES`` "*overlap*".
+    store_wait_read_only: at the end of a program wait only until the O and LSE TMA stores have
+      read shared memory (``cp.async.bulk.wait_group.read``, as CUTLASS's ``tma_store_wait``)
+      instead of until they have completed in global memory, so that the next program on the SM
+      starts sooner. Off (default): the full wait.
+
   Example:
     >>> BlockSizes(64, 128, 2).rows_per_program
     128
@@ -196,8 +211,18 @@ class BlockSizes:
   no_reduction_scratch: bool = False
   k_wait_in_pv: bool = False
   q_tiles_per_program: int = 1
+  overlap_softmax: bool = False
+  store_wait_read_only: bool = False
 
   def __post_init__(self):
+    if self.overlap_softmax:
+      bad = [name for name, on in (("k_wait_in_pv", self.k_wait_in_pv),
+                                   ("softmax_fence", self.softmax_fence),
+                                   ("q_tiles_per_program > 1", self.q_tiles_per_program != 1),
+                                   ("pingpong without pingpong_handoff",
+                                    self.pingpong and not self.pingpong_handoff)) if on]
+      if bad:
+        raise ValueError("overlap_softmax does not support " + ", ".join(bad))
     p = self.q_tiles_per_program
     if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
       raise ValueError(f"q_tiles_per_program must be an int >= 1, got {p!r}")
@@ -320,6 +345,8 @@ class _Static:
   no_reduction_scratch: bool = False   # BlockSizes.no_reduction_scratch
   k_wait_in_pv: bool = False       # BlockSizes.k_wait_in_pv
   q_tiles_per_program: int = 1     # BlockSizes.q_tiles_per_program (> 1: range path only)
+  overlap_softmax: bool = False    # BlockSizes.overlap_softmax (range path only)
+  store_wait_read_only: bool = False   # BlockSizes.store_wait_read_only
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
   # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
   has_sched: bool = False
@@ -767,7 +794,7 @@ def _fwd_kernel(*refs, st: _Static):
       return ring_base + n
 
     lax.fori_loop(jnp.int32(0), n_sub, sub_tile, jnp.int32(0))
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_wait_read_only)
 
   def _compute_tile(tile, row0, q_smem, q_barrier, lse_dst, ring_base=None, after_q_wait=None):
     """One query tile of this warpgroup (Q already requested on ``q_barrier``): the kv walk and
@@ -792,7 +819,8 @@ def _fwd_kernel(*refs, st: _Static):
     q_seg = None
     if st.has_seg:
       q_seg = plgpu.load(q_seg_smem.at[wg], (), layout=row_layout)            # [bq] int32
-    pl.when(wg == 1)(take_turn if handoff else meet)
+    if not st.overlap_softmax:   # (overlap_softmax: the turns of ``overlap_walk``)
+      pl.when(wg == 1)(take_turn if handoff else meet)
     if st.k_wait_in_pv:   # the first entry's K; each step or drain then waits for the next one
       if st.has_sched:
         n_walk = walk_count()
@@ -884,8 +912,122 @@ def _fwd_kernel(*refs, st: _Static):
         drain_at(ring_slot(t))
       return None
 
+    def overlap_walk(carry):
+      # overlap_softmax (range path). Turns k = 0..n (n = phi - plo entries): the drains of
+      # [plo, lo), a Q K^T-only turn for lo, a turn per tile e in (lo, hi) issuing Q K^T(e)
+      # then P V(e - 1), a P V-only turn for hi - 1, the drains of [hi, phi), and an empty
+      # turn when the warpgroup has no tile (lo == hi): n + 1 turns for both warpgroups. A turn
+      # waits for its loads, then for its own barrier (not warpgroup 0's turn 0), issues, and
+      # arrives on the other's (not warpgroup 1's turn n), so the hand-overs pair up.
+      acc, m, l = carry
+      n = phi - plo
+      has = lo < hi
+
+      def begin(k):
+        if st.pingpong:
+          pl.when(jnp.logical_or(k > 0, wg == 1))(take_turn)
+
+      def end(k):
+        if st.pingpong:
+          pl.when(jnp.logical_or(k < n, wg == 0))(hand_over)
+
+      def drain_turn(e, k):
+        slot = ring_slot(e)
+        plgpu.barrier_wait(k_loaded.at[slot])
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        begin(k)
+        end(k)
+
+      def softmax(s, t, m, l, masked):
+        s = _cap_logits(s, st)
+        if masked:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
+          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+          s = jnp.where(_tile_visible(rows, cols, row0, t, st), s, -jnp.inf)
+        p, alpha, m, l = _online_softmax(s, m, l, st)
+        return p.astype(st.dtype), alpha, m, l
+
+      def first_turn(e, carry):                       # e = lo: Q K^T only
+        acc, m, l, _ = carry
+        slot = ring_slot(e)
+        plgpu.barrier_wait(k_loaded.at[slot])
+        begin(e - plo)
+
+        def qk_gemm(s_ref):
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          end(e - plo)
+          return s_ref[...]
+        s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, _, m, l = softmax(s, e, m, l, True)       # the edge tile or not: the mask is exact
+        return acc, m, l, p
+
+      def pair_turn(e, carry, *, masked):             # Q K^T(e), then P V(e - 1)
+        acc, m, l, p = carry
+        k_slot, v_slot = ring_slot(e), ring_slot(e - 1)
+        plgpu.barrier_wait(k_loaded.at[k_slot])
+        plgpu.barrier_wait(v_loaded.at[v_slot])
+        begin(e - plo)
+
+        def body(refs):
+          acc_ref, s_ref, m_ref, l_ref, p_ref, a_ref = refs
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[k_slot].transpose((1, 0)))
+          plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[v_slot])
+          end(e - plo)
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # Q K^T(e) done, P V may run
+          plgpu.barrier_arrive(k_free.at[k_slot])
+          p_new, alpha, m_new, l_new = softmax(s, e, m_ref[...], l_ref[...], masked)
+          m_ref[...] = m_new
+          l_ref[...] = l_new
+          p_ref[...] = p_new
+          a_ref[...] = alpha
+        s0 = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32), wgmma_layout)
+        acc, _, m, l, p, alpha = pl.run_state(body)(
+            (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, p, m))   # returns after P V
+        plgpu.barrier_arrive(v_free.at[v_slot])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return acc, m, l, p
+
+      def last_turn(e, carry):                        # e = hi: P V(hi - 1) only
+        acc, m, l, p = carry
+        slot = ring_slot(e - 1)
+        plgpu.barrier_wait(v_loaded.at[slot])
+        begin(e - plo)
+
+        def pv_gemm(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          end(e - plo)
+        acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, l, p
+
+      lax.fori_loop(plo, lo, lambda e, c: drain_turn(e, e - plo), None)
+      p0 = plgpu.layout_cast(jnp.full((bq, bk), 0.0, st.dtype), wgmma_layout)
+      carry = (acc, m, l, p0)
+      one = has.astype(jnp.int32)
+      carry = lax.fori_loop(lo, lo + one, first_turn, carry)
+      a = lo + 1
+      b1 = jnp.maximum(flo, a)
+      b2 = jnp.maximum(fhi, a)
+      carry = lax.fori_loop(a, b1, functools.partial(pair_turn, masked=True), carry)
+      carry = lax.fori_loop(b1, b2, functools.partial(pair_turn, masked=False), carry)
+      carry = lax.fori_loop(b2, hi, functools.partial(pair_turn, masked=True), carry)
+      carry = lax.fori_loop(hi, hi + one, last_turn, carry)
+      lax.fori_loop(hi, phi, lambda e, c: drain_turn(e, e - plo + one), None)
+
+      @pl.when(jnp.logical_not(has))
+      def _():                                        # the empty turn n
+        begin(n)
+        end(n)
+      acc, m, l, _ = carry
+      return acc, m, l
+
     carry = (acc, m, l)
-    if st.has_sched:
+    if st.overlap_softmax:
+      carry = overlap_walk(carry)
+    elif st.has_sched:
       # The program's list, in order (the memory warpgroup loads entry j into slot j mod S);
       # this warpgroup's 2-bit code of each entry picks drain, unmasked or masked step.
       shift = 2 * wg
@@ -916,7 +1058,8 @@ def _fwd_kernel(*refs, st: _Static):
       carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
       carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
       lax.fori_loop(hi, phi, drain, None)
-    pl.when(wg == 0)(hand_over if handoff else meet)
+    if not st.overlap_softmax:
+      pl.when(wg == 0)(hand_over if handoff else meet)
     acc, m, l = carry
 
     out, lse = _finalize(acc, m, l)
@@ -942,7 +1085,7 @@ def _fwd_kernel(*refs, st: _Static):
       plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg],
                               q_loaded.at[wg])
     _compute_tile(tile, row0, q_smem, q_loaded.at[wg], lse_smem.at[wg])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_wait_read_only)
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
@@ -1252,6 +1395,9 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                                 + ", ".join(masks) + "; use the default backward='triton'")
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
+  if bs.overlap_softmax and (has_seg or schedule is not None):
+    raise ValueError("overlap_softmax runs the range path only: not with segment ids or a block "
+                     "schedule (use overlap_softmax=False)")
   if bs.q_tiles_per_program > 1 and (has_seg or schedule is not None):
     raise ValueError(f"q_tiles_per_program={bs.q_tiles_per_program} (> 1) runs the range path "
                      f"only: not with segment ids or a block schedule (use "
@@ -1274,7 +1420,9 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       softmax_fence=bool(bs.softmax_fence), early_k_load=bool(bs.early_k_load),
       q_major_grid=bool(bs.q_major_grid), pingpong_handoff=bool(bs.pingpong_handoff),
       no_reduction_scratch=bool(bs.no_reduction_scratch), k_wait_in_pv=bool(bs.k_wait_in_pv),
-      q_tiles_per_program=int(bs.q_tiles_per_program), **sched)
+      q_tiles_per_program=int(bs.q_tiles_per_program),
+      overlap_softmax=bool(bs.overlap_softmax),
+      store_wait_read_only=bool(bs.store_wait_read_only), **sched)
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):

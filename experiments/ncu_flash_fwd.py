@@ -1,0 +1,68 @@
+"""Run the Mosaic GPU flash forward a few times, for Nsight Compute (``ncu``) to profile (H200).
+
+Each case compiles the forward once, runs it ``--calls`` times on random bf16 inputs and checks
+the last output against jax.nn's cuDNN forward (so a profile is never of a wrong kernel). ncu
+then profiles the kernels it is told to, e.g. (see experiments/next_gpu_session_p.sh):
+
+    ncu --target-processes all -k regex:mosaic -c 1 --set full \
+        python experiments/ncu_flash_fwd.py --case dense
+
+Cases (B, S, H, D128 bf16, the H200 table's default tiles for the mask):
+  dense:  B1 S8K H16 non-causal.
+  causal: B1 S8K H16 causal.
+  window: B2 S16K H16 causal window (511, 0) (issue 8's window case).
+
+Example (CPU: only parses the arguments and builds the inputs; the kernel needs a GPU):
+    python experiments/ncu_flash_fwd.py --case window --calls 1 --dry-run
+"""
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+CASES = {
+    "dense": dict(b=1, s=8192, h=16, causal=False, window=None),
+    "causal": dict(b=1, s=8192, h=16, causal=True, window=None),
+    "window": dict(b=2, s=16384, h=16, causal=True, window=(511, 0)),
+}
+
+
+def main(argv=None):
+  """Parse arguments, run the case, print the check.
+
+  Args:
+    argv: command-line arguments (default sys.argv).
+
+  Returns:
+    The max abs difference against cuDNN (None with --dry-run).
+  """
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--case", choices=sorted(CASES), default="dense")
+  ap.add_argument("--calls", type=int, default=2)
+  ap.add_argument("--dry-run", action="store_true")
+  args = ap.parse_args(argv)
+  c = CASES[args.case]
+  ks = jax.random.split(jax.random.key(0), 3)
+  shape = (c["b"], c["s"], c["h"], 128)
+  q, k, v = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks)
+  if args.dry_run:
+    print("inputs", q.shape, q.dtype)
+    return None
+  from pallas_kernels.flash import mosaic_gpu as mg
+  fn = jax.jit(lambda q, k, v: mg.flash_attention(
+      q, k, v, causal=c["causal"], local_window_size=c["window"])[0])
+  out = None
+  for _ in range(args.calls):
+    out = fn(q, k, v)
+  out.block_until_ready()
+  ref = jax.nn.dot_product_attention(q, k, v, is_causal=c["causal"],
+                                     local_window_size=c["window"], implementation="cudnn")
+  err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+  print(f"case {args.case}: max abs diff vs cuDNN {err:.4g}", flush=True)
+  return err
+
+
+if __name__ == "__main__":
+  main()
