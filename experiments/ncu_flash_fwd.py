@@ -42,6 +42,9 @@ def main(argv=None):
   ap.add_argument("--case", choices=sorted(CASES), default="dense")
   ap.add_argument("--calls", type=int, default=2)
   ap.add_argument("--dry-run", action="store_true")
+  ap.add_argument("--overlap", action="store_true",
+                  help="BlockSizes.overlap_softmax (+ pingpong_handoff, early_k_load) on the "
+                       "mask's default tiles")
   args = ap.parse_args(argv)
   c = CASES[args.case]
   ks = jax.random.split(jax.random.key(0), 3)
@@ -51,8 +54,15 @@ def main(argv=None):
     print("inputs", q.shape, q.dtype)
     return None
   from pallas_kernels.flash import mosaic_gpu as mg
+  bs = None
+  if args.overlap:
+    import dataclasses
+    from pallas_kernels.tuning import mask_kind
+    base = mg.default_block_sizes(128, mask=mask_kind(c["causal"], c["window"]))
+    bs = dataclasses.replace(base, overlap_softmax=True, pingpong_handoff=True,
+                             early_k_load=True, k_wait_in_pv=False, softmax_fence=False)
   fn = jax.jit(lambda q, k, v: mg.flash_attention(
-      q, k, v, causal=c["causal"], local_window_size=c["window"])[0])
+      q, k, v, causal=c["causal"], local_window_size=c["window"], block_sizes=bs)[0])
   out = None
   for _ in range(args.calls):
     out = fn(q, k, v)

@@ -12,10 +12,15 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 export XLA_FLAGS="--xla_gpu_enable_command_buffer="
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 $NCU --version | tail -1
+if [ -n "${PTXAS_DUMP:-}" ]; then   # ptxas -v of the Mosaic kernels (registers, spills, wgmma warnings)
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 experiments/ncu_flash_fwd.py --case dense --calls 1 \
+    ${NCU_ARGS:-} > "$OUT/ptxas_dump.txt" 2>&1
+  grep -i -E "registers|spill|warn|serializ|max abs" "$OUT/ptxas_dump.txt" | sort | uniq -c | head -20
+fi
 for case in ${CASES:-dense window}; do
   rep="$OUT/ncu_fwd_$case"
   timeout ${T_CASE:-200} $NCU --target-processes all -k "regex:mosaic_gpu_kernel|sdpa" -c 2 --set full \
-    --import-source no -f -o "$rep" python3 experiments/ncu_flash_fwd.py --case $case \
+    --import-source no -f -o "$rep" python3 experiments/ncu_flash_fwd.py --case $case ${NCU_ARGS:-} \
     > "$OUT/ncu_fwd_${case}_log.txt" 2>&1
   echo "$case rc=$?"; grep -E "max abs|==PROF==|==ERROR==|==WARNING==" "$OUT/ncu_fwd_${case}_log.txt" | head -8
   if [ -f "$rep.ncu-rep" ]; then

@@ -21,6 +21,11 @@ json.dump(rows, open('$OUT/h200_mosaic_$1.json', 'w'), indent=1, default=str)
   echo "sweep $1 rc=$?"
   grep "^{" "$OUT/sweep_$1.txt" | sed -E "s/compute_registers=232, //; s/backward='triton', //; s/block_q=64, //; s/q_major_grid=False, //; s/no_reduction_scratch=False, //; s/q_tiles_per_program=1, //" | cut -c1-330
 }
+if [ -n "${PTXAS_DUMP:-}" ]; then   # ptxas -v of the overlap kernel: registers, spills, C7513
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 experiments/ncu_flash_fwd.py --case dense --calls 1 \
+    --overlap > "$OUT/ptxas_dump_overlap.txt" 2>&1
+  grep -i -E "registers|spill|C75|max abs" "$OUT/ptxas_dump_overlap.txt" | sort | uniq -c | head
+fi
 if [ -z "${SKIP_A:-}" ]; then
   sweep store_read_window "(lambda b: m._sweep(causal=True, local_window_size=(511, 0), configs=[b, r(b, store_wait_read_only=True)]))(m.default_block_sizes(128, mask='causal_window'))"
   sweep store_read_dense "(lambda b: m._sweep(configs=[b, r(b, store_wait_read_only=True)]))(m.default_block_sizes(128))"

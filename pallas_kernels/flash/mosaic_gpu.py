@@ -946,8 +946,7 @@ def _fwd_kernel(*refs, st: _Static):
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
           s = jnp.where(_tile_visible(rows, cols, row0, t, st), s, -jnp.inf)
-        p, alpha, m, l = _online_softmax(s, m, l, st)
-        return p.astype(st.dtype), alpha, m, l
+        return _online_softmax(s, m, l, st)           # p in fp32
 
       def first_turn(e, carry):                       # e = lo: Q K^T only
         acc, m, l, _ = carry
@@ -962,7 +961,7 @@ def _fwd_kernel(*refs, st: _Static):
         s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
         p, _, m, l = softmax(s, e, m, l, True)       # the edge tile or not: the mask is exact
-        return acc, m, l, p
+        return acc, m, l, p.astype(st.dtype)
 
       def pair_turn(e, carry, *, masked):             # Q K^T(e), then P V(e - 1)
         acc, m, l, p = carry
@@ -972,21 +971,24 @@ def _fwd_kernel(*refs, st: _Static):
         begin(e - plo)
 
         def body(refs):
-          acc_ref, s_ref, m_ref, l_ref, p_ref, a_ref = refs
+          acc_ref, s_ref, m_ref, l_ref, p32_ref, a_ref = refs
           plgpu.wgmma(s_ref, q_smem, k_smem.at[k_slot].transpose((1, 0)))
-          plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[v_slot])
+          plgpu.wgmma(acc_ref, p, v_smem.at[v_slot])   # P(e - 1) stays untouched until done
           end(e - plo)
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # Q K^T(e) done, P V may run
           plgpu.barrier_arrive(k_free.at[k_slot])
-          p_new, alpha, m_new, l_new = softmax(s, e, m_ref[...], l_ref[...], masked)
+          p32, alpha, m_new, l_new = softmax(s, e, m_ref[...], l_ref[...], masked)
           m_ref[...] = m_new
           l_ref[...] = l_new
-          p_ref[...] = p_new
+          p32_ref[...] = p32
           a_ref[...] = alpha
         s0 = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32), wgmma_layout)
-        acc, _, m, l, p, alpha = pl.run_state(body)(
-            (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, p, m))   # returns after P V
+        acc, _, m, l, p32, alpha = pl.run_state(body)(
+            (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, s0, m))   # returns after P V
         plgpu.barrier_arrive(v_free.at[v_slot])
+        # P(e) in 16 bits only now: written while P V(e - 1) was in flight, the loop-carried P
+        # registers (the wgmma's operand) would make ptxas serialize every wgmma (C7513, run 54)
+        p = lax.optimization_barrier(p32).astype(st.dtype)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return acc, m, l, p
 
