@@ -205,9 +205,13 @@ def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logi
   bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
                          logits_soft_cap=logits_soft_cap, block_sizes=None)
   kind = mask_kind(causal, window, segments=segment_ids is not None)
-  return dataclasses.replace(
-      kernel_module("mosaic_gpu").default_block_sizes(q.shape[-1], q.dtype, mask=kind),
-      backward=bwd)
+  mod = kernel_module("mosaic_gpu")
+  bs = mod.default_block_sizes(q.shape[-1], q.dtype, mask=kind)
+  if segment_ids is not None and bs.overlap_softmax:
+    # the kind's tuned options run the range path only (BlockSizes.overlap_softmax): segment
+    # ids take the table's generic entry for the head dim
+    bs = mod.default_block_sizes(q.shape[-1], q.dtype, mask="all")
+  return dataclasses.replace(bs, backward=bwd)
 
 
 def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, logits_soft_cap,

@@ -48,6 +48,7 @@ H200_MOSAIC_OPTIONS = {
     128: dict(softmax_fence=True, k_wait_in_pv=True, pingpong_handoff=True),
     256: dict(k_wait_in_pv=True, pingpong_handoff=True),
 }
+H200_MOSAIC_OVERLAP = dict(overlap_softmax=True, pingpong_handoff=True, early_k_load=True)
 MOSAIC_BWD_BEFORE = {
     64: mgb.BlockSizes(64, 64, 64, 128, num_stages_dkv=3, num_stages_dq=3),
     128: mgb.BlockSizes(64, 64, 64, 64, num_stages_dkv=2, num_stages_dq=2),
@@ -129,14 +130,20 @@ def test_mask_kind_and_mask_entries():
   # (run 38: no fence) and causal (runs 41, 44: no fence); every other kind and device: "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
   assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64, softmax_fence=True))
-  for kind in ("causal_segments", "causal"):
-    got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind)
-    assert _same(got, MOSAIC_BEFORE[128])
-  for kind in ("all", "dense", "window"):     # fence (run 37), tokamax's K wait + handoff (44)
+  got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
+  assert _same(got, MOSAIC_BEFORE[128])
+  for kind in ("all", "window"):     # fence (run 37), tokamax's K wait + handoff (44)
     assert _same(mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind),
                  dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OPTIONS[128]))
+  # dense and causal at D128 and D256: FA3's intra-warpgroup overlap (runs 55-56)
+  for head_dim in (128, 256):
+    for kind in ("dense", "causal"):
+      assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200", mask=kind),
+                   dataclasses.replace(MOSAIC_BEFORE[head_dim], **H200_MOSAIC_OVERLAP))
   for head_dim in (64, 256):
     for kind in tuning.MASK_KINDS:
+      if head_dim == 256 and kind in ("dense", "causal"):
+        continue
       assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200", mask=kind),
                    dataclasses.replace(MOSAIC_BEFORE[head_dim], **H200_MOSAIC_OPTIONS[head_dim]))
   for kind in tuning.MASK_KINDS:
@@ -147,9 +154,9 @@ def test_mask_kind_and_mask_entries():
 
 def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu") passes the mask kind to the tile
-  lookup: on an H200 a causal window gets the 64-key tiles with the softmax fence, a causal
-  mask and packed documents (causal with segment ids) the 128-key ones without the fence, a
-  non-causal mask with segment ids the fence."""
+  lookup: on an H200 a causal window gets the 64-key tiles with the softmax fence, packed
+  documents (causal with segment ids) the 128-key ones without the fence, a non-causal mask
+  with segment ids the fence, causal and dense masks the intra-warpgroup overlap."""
   import jax
   import jattn
 
@@ -169,13 +176,16 @@ def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
     x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     seg = jnp.ones((1, 256), jnp.int32)
     for kw in (dict(causal=True, local_window_size=(511, 0)), dict(causal=True),
-               dict(causal=True, segment_ids=seg), dict(causal=False, segment_ids=seg)):
+               dict(causal=True, segment_ids=seg), dict(causal=False, segment_ids=seg),
+               dict(causal=False)):
       with pytest.raises(Stop):
         jattn.flash_attention(x, x, x, implementation="mosaic_gpu", **kw)
   finally:
     mg._tuned_block_sizes.cache_clear()
-  assert [(b.block_k, b.softmax_fence, b.k_wait_in_pv) for b in seen] == [
-      (64, True, False), (128, False, False), (128, False, False), (128, True, True)]
+  # (overlap_softmax runs the range path only: segment ids without causal take the "all" entry)
+  assert [(b.block_k, b.softmax_fence, b.k_wait_in_pv, b.overlap_softmax) for b in seen] == [
+      (64, True, False, False), (128, False, False, True), (128, False, False, False),
+      (128, True, True, False), (128, False, False, True)]
 
 
 def test_tables_well_formed():
@@ -194,7 +204,9 @@ def test_tables_well_formed():
       # packed documents (run 38) and causal (runs 41, 44)
       assert key[3] == "all" or (name, key) in {
           ("nvidia_h200.json", ("mosaic_gpu_fwd", 128, "16bit", m))
-          for m in ("causal_window", "causal_segments", "causal")}, key
+          for m in ("causal_window", "causal_segments", "causal", "dense")} | {
+          ("nvidia_h200.json", ("mosaic_gpu_fwd", 256, "16bit", m))
+          for m in ("causal", "dense")}, key
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
       assert prov["commit"]
@@ -212,6 +224,8 @@ def test_tables_well_formed():
              ("mosaic_gpu_fwd", 128, "16bit", "causal_window"),
              ("mosaic_gpu_fwd", 128, "16bit", "causal_segments"),
              ("mosaic_gpu_fwd", 128, "16bit", "causal"),
+             ("mosaic_gpu_fwd", 128, "16bit", "dense"),
+             ("mosaic_gpu_fwd", 256, "16bit", "causal"), ("mosaic_gpu_fwd", 256, "16bit", "dense"),
              ("mosaic_gpu_fwd", 64, "16bit", "all"), ("mosaic_gpu_fwd", 256, "16bit", "all")}
             if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
