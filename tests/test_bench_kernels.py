@@ -172,3 +172,28 @@ def test_mosaic_sweep_bwd_rows_cpu(monkeypatch):
   assert names == ["cudnn_fwd", "cudnn_fwd_bwd", "cudnn_bwd_est", "triton_bwd", "mosaic_bwd",
                    "mosaic_fwd_bwd"]
   assert all(r["max_abs_diff_vs_cudnn"] < 1e-2 for r in rows[4:])
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, local_window_size=(31, 0)),
+                                dict(docs=2)])
+def test_mosaic_sweep_default_configs_cpu(monkeypatch, kw):
+  """``_sweep``'s default config list on an H200's table is valid for every mask kind (no
+  combination ``BlockSizes`` rejects, e.g. the fence with overlap_softmax; no overlap with
+  segment ids) and A/Bs the intra-warpgroup overlap against the default."""
+  from pallas_kernels import tuning
+  _fake_cudnn(monkeypatch)
+  monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+  mg._tuned_block_sizes.cache_clear()
+  seen = []
+
+  def fake_forward(*args, block_sizes=None, **kwargs):
+    seen.append(block_sizes)
+    return _ref_forward(*args, **kwargs)
+  monkeypatch.setattr(mg, "flash_attention", fake_forward)
+  try:
+    rows = mg._sweep(1, 256, 2, 2, 128, iters=1, verbose=False, **kw)
+  finally:
+    mg._tuned_block_sizes.cache_clear()
+  assert all("error" not in r for r in rows) and len(rows) == len(set(seen)) + 1 > 5
+  overlap = {b.overlap_softmax for b in seen}
+  assert overlap == ({False} if "docs" in kw else {False, True})
