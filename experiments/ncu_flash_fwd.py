@@ -12,6 +12,10 @@ Cases (B, S, H, D128 bf16, the H200 table's default tiles for the mask):
   causal: B1 S8K H16 causal.
   window: B2 S16K H16 causal window (511, 0) (issue 8's window case).
 
+With ``--bwd`` it runs forward + backward (jax.grad through ``jattn.flash_attention``) and
+checks dq against cuDNN's; ``ncu -k regex:mosaic_gpu_kernel -c 3`` then profiles the forward,
+dK/dV and dQ kernels of one call.
+
 Example (CPU: only parses the arguments and builds the inputs; the kernel needs a GPU):
     python experiments/ncu_flash_fwd.py --case window --calls 1 --dry-run
 """
@@ -42,6 +46,9 @@ def main(argv=None):
   ap.add_argument("--case", choices=sorted(CASES), default="dense")
   ap.add_argument("--calls", type=int, default=2)
   ap.add_argument("--dry-run", action="store_true")
+  ap.add_argument("--bwd", action="store_true",
+                  help="forward + backward through jattn (implementation='mosaic_gpu': the Mosaic "
+                       "backward at D128 without masks), for profiling the backward kernels")
   ap.add_argument("--overlap", action="store_true",
                   help="BlockSizes.overlap_softmax (+ pingpong_handoff, early_k_load) on the "
                        "mask's default tiles")
@@ -63,6 +70,21 @@ def main(argv=None):
                              early_k_load=True, k_wait_in_pv=False, softmax_fence=False)
   fn = jax.jit(lambda q, k, v: mg.flash_attention(
       q, k, v, causal=c["causal"], local_window_size=c["window"], block_sizes=bs)[0])
+  if args.bwd:
+    import jattn
+    loss = lambda q, k, v: jnp.sum(jattn.flash_attention(
+        q, k, v, causal=c["causal"], local_window_size=c["window"],
+        implementation="mosaic_gpu").astype(jnp.float32) * ct)
+    ct = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for _ in range(args.calls):
+      dq, _, _ = grad(q, k, v)
+    ref = jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
+        q, k, v, is_causal=c["causal"], local_window_size=c["window"],
+        implementation="cudnn").astype(jnp.float32) * ct))(q, k, v)
+    err = float(jnp.max(jnp.abs(dq.astype(jnp.float32) - ref.astype(jnp.float32))))
+    print(f"case {args.case} (bwd): max abs dq diff vs cuDNN {err:.4g}", flush=True)
+    return err
   out = None
   for _ in range(args.calls):
     out = fn(q, k, v)

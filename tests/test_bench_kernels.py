@@ -178,8 +178,8 @@ def test_mosaic_sweep_bwd_rows_cpu(monkeypatch):
                                 dict(docs=2)])
 def test_mosaic_sweep_default_configs_cpu(monkeypatch, kw):
   """``_sweep``'s default config list on an H200's table is valid for every mask kind (no
-  combination ``BlockSizes`` rejects, e.g. the fence with overlap_softmax; no overlap with
-  segment ids) and A/Bs the intra-warpgroup overlap against the default."""
+  combination ``BlockSizes`` rejects, e.g. the fence with overlap_softmax) and A/Bs the
+  intra-warpgroup overlap against the default."""
   from pallas_kernels import tuning
   _fake_cudnn(monkeypatch)
   monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
@@ -195,5 +195,13 @@ def test_mosaic_sweep_default_configs_cpu(monkeypatch, kw):
   finally:
     mg._tuned_block_sizes.cache_clear()
   assert all("error" not in r for r in rows) and len(rows) == len(set(seen)) + 1 > 5
-  overlap = {b.overlap_softmax for b in seen}
-  assert overlap == ({False} if "docs" in kw else {False, True})
+  assert {b.overlap_softmax for b in seen} == {False, True}
+
+
+def test_ncu_target_parses_every_case():
+  """experiments/ncu_flash_fwd.py (the Nsight Compute target of next_gpu_session_p.sh) builds
+  its inputs for every case and option without a GPU (--dry-run)."""
+  from experiments import ncu_flash_fwd
+  for case in ncu_flash_fwd.CASES:
+    for extra in ([], ["--overlap"], ["--bwd"]):
+      assert ncu_flash_fwd.main(["--case", case, "--dry-run", *extra]) is None

@@ -156,6 +156,11 @@ OVERLAP_LOWER_CASES = {
         logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
     "d256_causal_overlap": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=True,
                                 bs=mg.BlockSizes(64, 64, 2, **_OVERLAP)),
+    "d128_segments_causal_overlap": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True,
+                                         seg=True, bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
+    "d64_segments_window_soft_cap_overlap_3_stages": dict(
+        sq=328, sk=200, hq=2, hk=1, d=64, causal=False, seg=True, local_window_size=(100, 30),
+        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, early_k_load=True, **_OVERLAP)),
     "d128_store_wait_read_only": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
                                       bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
 }
@@ -167,11 +172,13 @@ def test_overlap_softmax_checks():
              dict(pingpong_handoff=False)):
     with pytest.raises(ValueError, match="overlap_softmax"):
       mg.BlockSizes(64, 128, 2, **{**_OVERLAP, **kw})
+  from pallas_kernels.block_schedule import make_schedule
   q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
-  seg = jax.ShapeDtypeStruct((1, 256), jnp.int32)
   bs = mg.BlockSizes(64, 128, 2, **_OVERLAP)
+  sched = make_schedule(256, 256, 128, 128, causal=True)
   with pytest.raises(ValueError, match="overlap_softmax"):
-    jax.jit(lambda q, s: mg.flash_attention(q, q, q, s, s, block_sizes=bs)).trace(q, seg)
+    jax.jit(lambda q: mg.flash_attention(q, q, q, causal=True, schedule=sched,
+                                         block_sizes=bs)).trace(q)
 
 
 def _mosaic_module_text(bs, monkeypatch, seq=512):
@@ -1080,6 +1087,17 @@ GPU_CASES = {
         logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
     "d256_causal_overlap": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
                                 bs=mg.BlockSizes(64, 64, 2, **_OVERLAP)),
+    # overlap_softmax with segment ids (lowered on the CPU only; never run on a GPU yet)
+    "d128_segments_packed_causal_overlap": dict(
+        b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="packed",
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
+    "d128_segments_random_q_shorter_overlap": dict(
+        b=2, sq=700, sk=1111, hq=4, hk=2, d=128, causal=False, seg="random",
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
+    "d64_segments_window_soft_cap_overlap_no_pingpong": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True, seg="packed",
+        local_window_size=(200, 0), logits_soft_cap=5.0,
+        bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
     "d128_causal_ragged_store_wait_read_only": dict(
         b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=True,
         bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),

@@ -185,8 +185,9 @@ class BlockSizes:
       is still on the tensor cores; the O accumulator is rescaled after that P V completes.
       Each warpgroup keeps two accumulators (O and S) and two P tiles live. With ``pingpong``
       it needs ``pingpong_handoff`` (one turn per kv tile: wait own barrier, issue both wgmmas,
-      arrive on the other's). Range path only (no segment ids or block schedule: ValueError at
-      the call), not with ``k_wait_in_pv``, ``softmax_fence`` or ``q_tiles_per_program`` > 1.
+      arrive on the other's). Range path only (segment ids too, CPU-lowered only; a block
+      schedule raises ValueError at the call), not with ``k_wait_in_pv``, ``softmax_fence`` or
+      ``q_tiles_per_program`` > 1.
       Off (dataclass default): Q K^T and P V of a tile are each waited for before the next is
       issued. GPU tests pass (``GPU_CASES`` "*overlap*", runs 53 and 55); with
       ``early_k_load`` it is the H200 table's dense and causal entry at D128 and D256 (runs
@@ -944,18 +945,25 @@ def _fwd_kernel(*refs, st: _Static):
         begin(k)
         end(k)
 
-      def softmax(s, t, m, l, masked):
+      def tile_kv_seg(slot, masked):
+        # the tile's kv segment ids (with K on k_loaded), read before the slot is released
+        if masked and st.has_seg:
+          return plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return None
+
+      def softmax(s, t, m, l, masked, kv_seg=None):
         s = _cap_logits(s, st)
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-          s = jnp.where(_tile_visible(rows, cols, row0, t, st), s, -jnp.inf)
+          s = jnp.where(_tile_visible(rows, cols, row0, t, st, q_seg, kv_seg), s, -jnp.inf)
         return _online_softmax(s, m, l, st)           # p in fp32
 
       def first_turn(e, carry):                       # e = lo: Q K^T only
         acc, m, l, _ = carry
         slot = ring_slot(e)
         plgpu.barrier_wait(k_loaded.at[slot])
+        kv_seg = tile_kv_seg(slot, True)
         begin(e - plo)
 
         def qk_gemm(s_ref):
@@ -964,7 +972,7 @@ def _fwd_kernel(*refs, st: _Static):
           return s_ref[...]
         s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        p, _, m, l = softmax(s, e, m, l, True)       # the edge tile or not: the mask is exact
+        p, _, m, l = softmax(s, e, m, l, True, kv_seg)   # edge tile or not: the mask is exact
         return acc, m, l, p.astype(st.dtype)
 
       def pair_turn(e, carry, *, masked):             # Q K^T(e), then P V(e - 1)
@@ -972,6 +980,7 @@ def _fwd_kernel(*refs, st: _Static):
         k_slot, v_slot = ring_slot(e), ring_slot(e - 1)
         plgpu.barrier_wait(k_loaded.at[k_slot])
         plgpu.barrier_wait(v_loaded.at[v_slot])
+        kv_seg = tile_kv_seg(k_slot, masked)
         begin(e - plo)
 
         def body(refs):
@@ -981,7 +990,7 @@ def _fwd_kernel(*refs, st: _Static):
           end(e - plo)
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # Q K^T(e) done, P V may run
           plgpu.barrier_arrive(k_free.at[k_slot])
-          p32, alpha, m_new, l_new = softmax(s, e, m_ref[...], l_ref[...], masked)
+          p32, alpha, m_new, l_new = softmax(s, e, m_ref[...], l_ref[...], masked, kv_seg)
           m_ref[...] = m_new
           l_ref[...] = l_new
           p32_ref[...] = p32
@@ -1401,9 +1410,9 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                                 + ", ".join(masks) + "; use the default backward='triton'")
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
-  if bs.overlap_softmax and (has_seg or schedule is not None):
-    raise ValueError("overlap_softmax runs the range path only: not with segment ids or a block "
-                     "schedule (use overlap_softmax=False)")
+  if bs.overlap_softmax and schedule is not None:
+    raise ValueError("overlap_softmax runs the range path only: not with a block schedule (use "
+                     "overlap_softmax=False)")
   if bs.q_tiles_per_program > 1 and (has_seg or schedule is not None):
     raise ValueError(f"q_tiles_per_program={bs.q_tiles_per_program} (> 1) runs the range path "
                      f"only: not with segment ids or a block schedule (use "
@@ -1648,7 +1657,7 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     # dense and causal, runs 55-56)
     if base.overlap_softmax:
       configs.append(variant(overlap_softmax=False, early_k_load=False, k_wait_in_pv=True))
-    elif docs is None:   # (range path only: not with segment ids)
+    else:
       configs.append(variant(overlap_softmax=True, pingpong_handoff=base.pingpong,
                              early_k_load=True, k_wait_in_pv=False, softmax_fence=False))
     configs = [c for c in configs if c is not None]

@@ -151,8 +151,8 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
     >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["params"]["k_wait_in_pv"]
     True
     >>> entry("mosaic_gpu_fwd", 128, "16bit", mask="causal", device="NVIDIA H200")["params"][
-    ...     "softmax_fence"]
-    False
+    ...     "overlap_softmax"]
+    True
   """
   table = _merged(table_file(device))
   for m in (mask, "all"):
