@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU call (~6-8 min; run tool timeout_s 600), written in session 18 for session 19:
+# (1) the GPU tests of overlap_softmax on the segment-id range path (3 cases, never run on a GPU);
+# (2) only if they pass: packed 4 x 4K documents (B2 S16K H16 D128 causal segments) with
+#     _sweep's default configs, whose last row is the overlap + early_k_load variant (the
+#     causal_segments entry is 1.10 ms in the bench, 1.14x its tile sum, run 41);
+# (3) Nsight Compute on the Mosaic backward (issue 8's fwd+bwd gap: 0.92x cuDNN): one forward,
+#     dK/dV and dQ launch of B1 S8K H16 D128 (experiments/ncu_flash_fwd.py --bwd), details page
+#     and SASS stall samples. Outputs under $OUT.
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+timeout ${T_TESTS:-150} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider -o addopts="" \
+  tests/test_flash_mosaic_gpu.py -k "segments and overlap" > "$OUT/gpu_tests_segments_overlap.txt" 2>&1
+rc=$?; echo "segments overlap GPU tests rc=$rc"; tail -3 "$OUT/gpu_tests_segments_overlap.txt"
+if [ $rc -eq 0 ]; then
+  timeout ${T_SWEEP:-200} python3 -c "
+import json
+from pallas_kernels.flash import mosaic_gpu as m
+rows = m._sweep(docs=4)
+json.dump(rows, open('$OUT/h200_mosaic_docs4_overlap.json', 'w'), indent=1, default=str)
+" > "$OUT/sweep_docs4.txt" 2>&1
+  echo "sweep docs4 rc=$?"; grep "^{" "$OUT/sweep_docs4.txt" | cut -c1-330
+fi
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+timeout ${T_NCU:-200} $NCU --target-processes all -k "regex:mosaic_gpu_kernel" -c 3 --set full \
+  --import-source no -f -o "$OUT/ncu_bwd" python3 experiments/ncu_flash_fwd.py --case dense --bwd --calls 1 \
+  > "$OUT/ncu_bwd_log.txt" 2>&1
+echo "ncu bwd rc=$?"; grep -E "max abs|==PROF==|==ERROR==" "$OUT/ncu_bwd_log.txt" | head -8
+if [ -f "$OUT/ncu_bwd.ncu-rep" ]; then
+  $NCU --import "$OUT/ncu_bwd.ncu-rep" --page details > "$OUT/ncu_bwd_details.txt" 2>&1
+  $NCU --import "$OUT/ncu_bwd.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
+    | gzip > "$OUT/ncu_bwd_sass.csv.gz"
+  grep -E "mosaic_gpu_kernel|Duration|Registers Per|Local Memory Spilling Requests  |Issue Slots Busy|No Eligible|Tensor is|highest-utilized" \
+    "$OUT/ncu_bwd_details.txt" | head -30
+  rm -f "$OUT/ncu_bwd.ncu-rep"
+fi
