@@ -16,7 +16,7 @@ With ``--bwd`` it runs forward + backward (jax.grad through ``jattn.flash_attent
 checks dq against cuDNN's; ``ncu -k regex:mosaic_gpu_kernel -c 3`` then profiles the forward,
 dK/dV and dQ kernels of one call.
 
-Example (CPU: only parses the arguments and builds the inputs; the kernel needs a GPU):
+Example (CPU: only parses the arguments; the kernels need a GPU):
     python experiments/ncu_flash_fwd.py --case window --calls 1 --dry-run
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ CASES = {
 
 
 def main(argv=None):
-  """Parse arguments, run the case, print the check.
+  """Parse arguments, run the case, print the check against cuDNN.
 
   Args:
     argv: command-line arguments (default sys.argv).
@@ -49,17 +49,20 @@ def main(argv=None):
   ap.add_argument("--bwd", action="store_true",
                   help="forward + backward through jattn (implementation='mosaic_gpu': the Mosaic "
                        "backward at D128 without masks), for profiling the backward kernels")
+  ap.add_argument("--fused-bwd", action="store_true",
+                  help="the forward, then the fused Mosaic backward (mosaic_gpu_bwd_fused: dQ by "
+                       "reduce-adds inside the dK/dV kernel) on its out and lse")
   ap.add_argument("--overlap", action="store_true",
                   help="BlockSizes.overlap_softmax (+ pingpong_handoff, early_k_load) on the "
                        "mask's default tiles")
   args = ap.parse_args(argv)
   c = CASES[args.case]
-  ks = jax.random.split(jax.random.key(0), 3)
   shape = (c["b"], c["s"], c["h"], 128)
-  q, k, v = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks)
   if args.dry_run:
-    print("inputs", q.shape, q.dtype)
+    print("inputs", shape, "bfloat16")
     return None
+  ks = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks)
   from pallas_kernels.flash import mosaic_gpu as mg
   bs = None
   if args.overlap:
@@ -70,6 +73,19 @@ def main(argv=None):
                              early_k_load=True, k_wait_in_pv=False, softmax_fence=False)
   fn = jax.jit(lambda q, k, v: mg.flash_attention(
       q, k, v, causal=c["causal"], local_window_size=c["window"], block_sizes=bs)[0])
+  if args.fused_bwd:
+    from pallas_kernels.flash import mosaic_gpu_bwd_fused as mf
+    ct = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
+    fused = jax.jit(lambda q, k, v, do: mf.flash_attention_bwd(
+        q, k, v, *mg.flash_attention(q, k, v, causal=c["causal"]), do, causal=c["causal"]))
+    for _ in range(args.calls):
+      dq, _, _ = fused(q, k, v, ct)
+    ref = jax.grad(lambda q: jnp.sum(jax.nn.dot_product_attention(
+        q, k, v, is_causal=c["causal"], implementation="cudnn").astype(jnp.float32)
+        * ct.astype(jnp.float32)))(q)
+    err = float(jnp.max(jnp.abs(dq.astype(jnp.float32) - ref.astype(jnp.float32))))
+    print(f"case {args.case} (fused bwd): max abs dq diff vs cuDNN {err:.4g}", flush=True)
+    return err
   if args.bwd:
     import jattn
     loss = lambda q, k, v: jnp.sum(jattn.flash_attention(

@@ -4,9 +4,10 @@
 # (2) only if they pass: packed 4 x 4K documents (B2 S16K H16 D128 causal segments) with
 #     _sweep's default configs, whose last row is the overlap + early_k_load variant (the
 #     causal_segments entry is 1.10 ms in the bench, 1.14x its tile sum, run 41);
-# (3) Nsight Compute on the Mosaic backward (issue 8's fwd+bwd gap: 0.92x cuDNN): one forward,
-#     dK/dV and dQ launch of B1 S8K H16 D128 (experiments/ncu_flash_fwd.py --bwd), details page
-#     and SASS stall samples. Outputs under $OUT.
+# (3) Nsight Compute on the Mosaic backward (issue 8's fwd+bwd gap: 0.92x cuDNN), B1 S8K H16
+#     D128 (experiments/ncu_flash_fwd.py): the two-kernel backward (--bwd: forward, dK/dV, dQ)
+#     and the fused one (--fused-bwd: forward, fused), details pages and SASS stall samples.
+#     Outputs under $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
@@ -23,15 +24,19 @@ json.dump(rows, open('$OUT/h200_mosaic_docs4_overlap.json', 'w'), indent=1, defa
   echo "sweep docs4 rc=$?"; grep "^{" "$OUT/sweep_docs4.txt" | cut -c1-330
 fi
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-timeout ${T_NCU:-200} $NCU --target-processes all -k "regex:mosaic_gpu_kernel" -c 3 --set full \
-  --import-source no -f -o "$OUT/ncu_bwd" python3 experiments/ncu_flash_fwd.py --case dense --bwd --calls 1 \
-  > "$OUT/ncu_bwd_log.txt" 2>&1
-echo "ncu bwd rc=$?"; grep -E "max abs|==PROF==|==ERROR==" "$OUT/ncu_bwd_log.txt" | head -8
-if [ -f "$OUT/ncu_bwd.ncu-rep" ]; then
-  $NCU --import "$OUT/ncu_bwd.ncu-rep" --page details > "$OUT/ncu_bwd_details.txt" 2>&1
-  $NCU --import "$OUT/ncu_bwd.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
-    | gzip > "$OUT/ncu_bwd_sass.csv.gz"
-  grep -E "mosaic_gpu_kernel|Duration|Registers Per|Local Memory Spilling Requests  |Issue Slots Busy|No Eligible|Tensor is|highest-utilized" \
-    "$OUT/ncu_bwd_details.txt" | head -30
-  rm -f "$OUT/ncu_bwd.ncu-rep"
-fi
+# the two-kernel backward (forward, dK/dV, dQ: 3 launches) and the fused one (forward, fused: 2)
+for v in "bwd 3" "fused-bwd 2"; do
+  set -- $v
+  timeout ${T_NCU:-150} $NCU --target-processes all -k "regex:mosaic_gpu_kernel" -c $2 --set full \
+    --import-source no -f -o "$OUT/ncu_$1" python3 experiments/ncu_flash_fwd.py --case dense --$1 \
+    --calls 1 > "$OUT/ncu_$1_log.txt" 2>&1
+  echo "ncu $1 rc=$?"; grep -E "max abs|==PROF==|==ERROR==" "$OUT/ncu_$1_log.txt" | head -8
+  if [ -f "$OUT/ncu_$1.ncu-rep" ]; then
+    $NCU --import "$OUT/ncu_$1.ncu-rep" --page details > "$OUT/ncu_$1_details.txt" 2>&1
+    $NCU --import "$OUT/ncu_$1.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
+      | gzip > "$OUT/ncu_$1_sass.csv.gz"
+    grep -E "mosaic_gpu_kernel|Duration|Registers Per|Local Memory Spilling Requests  |Issue Slots Busy|No Eligible|Tensor is|highest-utilized" \
+      "$OUT/ncu_$1_details.txt" | head -30
+    rm -f "$OUT/ncu_$1.ncu-rep"
+  fi
+done

@@ -203,5 +203,5 @@ def test_ncu_target_parses_every_case():
   its inputs for every case and option without a GPU (--dry-run)."""
   from experiments import ncu_flash_fwd
   for case in ncu_flash_fwd.CASES:
-    for extra in ([], ["--overlap"], ["--bwd"]):
+    for extra in ([], ["--overlap"], ["--bwd"], ["--fused-bwd"]):
       assert ncu_flash_fwd.main(["--case", case, "--dry-run", *extra]) is None
