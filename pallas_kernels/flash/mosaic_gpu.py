@@ -918,15 +918,15 @@ def _fwd_kernel(*refs, st: _Static):
       return None
 
     def overlap_walk(carry):
-      # overlap_softmax (range path). Turns k = 0..n (n = phi - plo entries): the drains of
-      # [plo, lo), a Q K^T-only turn for lo, a turn per tile e in (lo, hi) issuing Q K^T(e)
-      # then P V(e - 1), a P V-only turn for hi - 1, the drains of [hi, phi), and an empty
-      # turn when the warpgroup has no tile (lo == hi): n + 1 turns for both warpgroups. A turn
-      # waits for its loads, then for its own barrier (not warpgroup 0's turn 0), issues, and
-      # arrives on the other's (not warpgroup 1's turn n), so the hand-overs pair up.
+      # overlap_softmax. Each compute warpgroup runs n + 1 turns for the program's n ring
+      # entries: per entry, a drain (a tile it does not need) or a tile, whose turn issues
+      # Q K^T of the tile and then P V of the warpgroup's previous tile (if any), and a last
+      # turn that issues the last P V. A turn waits for its loads, then for its own barrier
+      # (not warpgroup 0's turn 0), issues, and arrives on the other's (not warpgroup 1's turn
+      # n), so the hand-overs pair up for any ranges. The P V of a tile runs while the next
+      # tile's softmax does.
       acc, m, l = carry
-      n = phi - plo
-      has = lo < hi
+      n = walk_count() if st.has_sched else phi - plo
 
       def begin(k):
         if st.pingpong:
@@ -936,12 +936,14 @@ def _fwd_kernel(*refs, st: _Static):
         if st.pingpong:
           pl.when(jnp.logical_or(k < n, wg == 0))(hand_over)
 
-      def drain_turn(e, k):
-        slot = ring_slot(e)
+      def release(slot):   # an entry this warpgroup does not need
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
+
+      def drain_turn(slot, k):
+        release(slot)
         begin(k)
         end(k)
 
@@ -959,38 +961,36 @@ def _fwd_kernel(*refs, st: _Static):
           s = jnp.where(_tile_visible(rows, cols, row0, t, st, q_seg, kv_seg), s, -jnp.inf)
         return _online_softmax(s, m, l, st)           # p in fp32
 
-      def first_turn(e, carry):                       # e = lo: Q K^T only
+      def qk_turn(slot, t, k, carry, masked):         # Q K^T only: the warpgroup's first tile
         acc, m, l, _ = carry
-        slot = ring_slot(e)
         plgpu.barrier_wait(k_loaded.at[slot])
-        kv_seg = tile_kv_seg(slot, True)
-        begin(e - plo)
+        kv_seg = tile_kv_seg(slot, masked)
+        begin(k)
 
         def qk_gemm(s_ref):
           plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          end(e - plo)
+          end(k)
           return s_ref[...]
         s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        p, _, m, l = softmax(s, e, m, l, True, kv_seg)   # edge tile or not: the mask is exact
+        p, _, m, l = softmax(s, t, m, l, masked, kv_seg)
         return acc, m, l, p.astype(st.dtype)
 
-      def pair_turn(e, carry, *, masked):             # Q K^T(e), then P V(e - 1)
+      def pair_turn(k_slot, v_slot, t, k, carry, masked):   # Q K^T(t), then the pending P V
         acc, m, l, p = carry
-        k_slot, v_slot = ring_slot(e), ring_slot(e - 1)
         plgpu.barrier_wait(k_loaded.at[k_slot])
         plgpu.barrier_wait(v_loaded.at[v_slot])
         kv_seg = tile_kv_seg(k_slot, masked)
-        begin(e - plo)
+        begin(k)
 
         def body(refs):
           acc_ref, s_ref, m_ref, l_ref, p32_ref, a_ref = refs
           plgpu.wgmma(s_ref, q_smem, k_smem.at[k_slot].transpose((1, 0)))
-          plgpu.wgmma(acc_ref, p, v_smem.at[v_slot])   # P(e - 1) stays untouched until done
-          end(e - plo)
-          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # Q K^T(e) done, P V may run
+          plgpu.wgmma(acc_ref, p, v_smem.at[v_slot])   # the pending P stays untouched until done
+          end(k)
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # Q K^T done, P V may still run
           plgpu.barrier_arrive(k_free.at[k_slot])
-          p32, alpha, m_new, l_new = softmax(s, e, m_ref[...], l_ref[...], masked, kv_seg)
+          p32, alpha, m_new, l_new = softmax(s, t, m_ref[...], l_ref[...], masked, kv_seg)
           m_ref[...] = m_new
           l_ref[...] = l_new
           p32_ref[...] = p32
@@ -999,38 +999,91 @@ def _fwd_kernel(*refs, st: _Static):
         acc, _, m, l, p32, alpha = pl.run_state(body)(
             (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, s0, m))   # returns after P V
         plgpu.barrier_arrive(v_free.at[v_slot])
-        # P(e) in 16 bits only now: written while P V(e - 1) was in flight, the loop-carried P
-        # registers (the wgmma's operand) would make ptxas serialize every wgmma (C7513, run 54)
+        # the new P in 16 bits only now: written while the P V was in flight, the loop-carried
+        # P registers (that wgmma's operand) would make ptxas serialize every wgmma (C7513,
+        # run 54)
         p = lax.optimization_barrier(p32).astype(st.dtype)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return acc, m, l, p
 
-      def last_turn(e, carry):                        # e = hi: P V(hi - 1) only
+      def pv_turn(v_slot, k, carry, drain_slot=None):   # the pending P V only
         acc, m, l, p = carry
-        slot = ring_slot(e - 1)
-        plgpu.barrier_wait(v_loaded.at[slot])
-        begin(e - plo)
+        plgpu.barrier_wait(v_loaded.at[v_slot])
+        if drain_slot is not None:
+          release(drain_slot)
+        begin(k)
 
         def pv_gemm(acc_ref):
-          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-          end(e - plo)
+          plgpu.wgmma(acc_ref, p, v_smem.at[v_slot])
+          end(k)
         acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[v_slot])
         return acc, m, l, p
 
-      lax.fori_loop(plo, lo, lambda e, c: drain_turn(e, e - plo), None)
       p0 = plgpu.layout_cast(jnp.full((bq, bk), 0.0, st.dtype), wgmma_layout)
-      carry = (acc, m, l, p0)
+      if st.has_sched:
+        # The program's list in order, entry j in slot j mod S; carry: (acc, m, l, p, whether a
+        # P V is pending, its ring slot)
+        shift = 2 * wg
+
+        def walk_turn(j, c):
+          state, pending, prev = c[:4], c[4], c[5]
+          entry = walk_entry(j)
+          t = lax.shift_right_logical(entry, jnp.int32(_WALK_SHIFT))
+          code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
+          slot = slot_of(j)
+          no, yes = jnp.int32(0), jnp.int32(1)
+
+          def skip(state):
+            return lax.cond(pending == 1,
+                            lambda st_: (*pv_turn(prev, j, st_, drain_slot=slot), no, prev),
+                            lambda st_: (drain_turn(slot, j), (*st_, no, prev))[1], state)
+
+          def run(masked):
+            def f(state):
+              return lax.cond(
+                  pending == 1,
+                  lambda st_: (*pair_turn(slot, prev, t, j, st_, masked), yes, slot),
+                  lambda st_: (*qk_turn(slot, t, j, st_, masked), yes, slot), state)
+            return f
+          return lax.cond(code == _SKIP, skip,
+                          lambda st_: lax.cond(code == _FULL, run(False), run(True), st_), state)
+
+        c = lax.fori_loop(jnp.int32(0), n, walk_turn, (acc, m, l, p0, jnp.int32(0),
+                                                       jnp.int32(0)))
+        state, pending, prev = c[:4], c[4], c[5]
+
+        def last(state):
+          return pv_turn(prev, n, state)
+
+        def none(state):
+          begin(n)
+          end(n)
+          return state
+        acc, m, l, _ = lax.cond(pending == 1, last, none, state)
+        return acc, m, l
+
+      # Range path: the drains of [plo, lo), a Q K^T-only turn for lo, a pair turn per tile in
+      # (lo, hi), a P V-only turn, the drains of [hi, phi), and an empty turn when the
+      # warpgroup has no tile (lo == hi).
+      has = lo < hi
       one = has.astype(jnp.int32)
-      carry = lax.fori_loop(lo, lo + one, first_turn, carry)
+      lax.fori_loop(plo, lo, lambda e, c: drain_turn(ring_slot(e), e - plo), None)
+      carry = (acc, m, l, p0)
+      carry = lax.fori_loop(lo, lo + one, lambda e, c: qk_turn(ring_slot(e), e, e - plo, c, True),
+                            carry)                    # the edge tile or not: the mask is exact
       a = lo + 1
       b1 = jnp.maximum(flo, a)
       b2 = jnp.maximum(fhi, a)
-      carry = lax.fori_loop(a, b1, functools.partial(pair_turn, masked=True), carry)
-      carry = lax.fori_loop(b1, b2, functools.partial(pair_turn, masked=False), carry)
-      carry = lax.fori_loop(b2, hi, functools.partial(pair_turn, masked=True), carry)
-      carry = lax.fori_loop(hi, hi + one, last_turn, carry)
-      lax.fori_loop(hi, phi, lambda e, c: drain_turn(e, e - plo + one), None)
+
+      def pair(masked):
+        return lambda e, c: pair_turn(ring_slot(e), ring_slot(e - 1), e, e - plo, c, masked)
+      carry = lax.fori_loop(a, b1, pair(True), carry)
+      carry = lax.fori_loop(b1, b2, pair(False), carry)
+      carry = lax.fori_loop(b2, hi, pair(True), carry)
+      carry = lax.fori_loop(hi, hi + one, lambda e, c: pv_turn(ring_slot(e - 1), e - plo, c),
+                            carry)
+      lax.fori_loop(hi, phi, lambda e, c: drain_turn(ring_slot(e), e - plo + one), None)
 
       @pl.when(jnp.logical_not(has))
       def _():                                        # the empty turn n
@@ -1410,9 +1463,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                                 + ", ".join(masks) + "; use the default backward='triton'")
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
-  if bs.overlap_softmax and schedule is not None:
-    raise ValueError("overlap_softmax runs the range path only: not with a block schedule (use "
-                     "overlap_softmax=False)")
   if bs.q_tiles_per_program > 1 and (has_seg or schedule is not None):
     raise ValueError(f"q_tiles_per_program={bs.q_tiles_per_program} (> 1) runs the range path "
                      f"only: not with segment ids or a block schedule (use "
