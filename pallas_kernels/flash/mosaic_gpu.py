@@ -924,9 +924,12 @@ def _fwd_kernel(*refs, st: _Static):
       # turn that issues the last P V. A turn waits for its loads, then for its own barrier
       # (not warpgroup 0's turn 0), issues, and arrives on the other's (not warpgroup 1's turn
       # n), so the hand-overs pair up for any ranges. The P V of a tile runs while the next
-      # tile's softmax does.
+      # tile's softmax does. (Slots and turn numbers are passed as thunks, evaluated where
+      # they are used.)
       acc, m, l = carry
       n = walk_count() if st.has_sched else phi - plo
+      if not st.has_sched:
+        has = lo < hi
 
       def begin(k):
         if st.pingpong:
@@ -942,8 +945,8 @@ def _fwd_kernel(*refs, st: _Static):
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
 
-      def drain_turn(slot, k):
-        release(slot)
+      def drain_turn(slot_of_turn, k):
+        release(slot_of_turn())
         begin(k)
         end(k)
 
@@ -961,33 +964,35 @@ def _fwd_kernel(*refs, st: _Static):
           s = jnp.where(_tile_visible(rows, cols, row0, t, st, q_seg, kv_seg), s, -jnp.inf)
         return _online_softmax(s, m, l, st)           # p in fp32
 
-      def qk_turn(slot, t, k, carry, masked):         # Q K^T only: the warpgroup's first tile
+      def qk_turn(slot_of_turn, t, k, carry, masked):   # Q K^T only: the first tile
         acc, m, l, _ = carry
+        slot = slot_of_turn()
         plgpu.barrier_wait(k_loaded.at[slot])
         kv_seg = tile_kv_seg(slot, masked)
-        begin(k)
+        begin(k())
 
         def qk_gemm(s_ref):
           plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          end(k)
+          end(k())
           return s_ref[...]
         s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
         p, _, m, l = softmax(s, t, m, l, masked, kv_seg)
         return acc, m, l, p.astype(st.dtype)
 
-      def pair_turn(k_slot, v_slot, t, k, carry, masked):   # Q K^T(t), then the pending P V
+      def pair_turn(slots_of_turn, t, k, carry, masked):   # Q K^T(t), then the pending P V
         acc, m, l, p = carry
+        k_slot, v_slot = slots_of_turn()
         plgpu.barrier_wait(k_loaded.at[k_slot])
         plgpu.barrier_wait(v_loaded.at[v_slot])
         kv_seg = tile_kv_seg(k_slot, masked)
-        begin(k)
+        begin(k())
 
         def body(refs):
           acc_ref, s_ref, m_ref, l_ref, p32_ref, a_ref = refs
           plgpu.wgmma(s_ref, q_smem, k_smem.at[k_slot].transpose((1, 0)))
           plgpu.wgmma(acc_ref, p, v_smem.at[v_slot])   # the pending P stays untouched until done
-          end(k)
+          end(k())
           s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # Q K^T done, P V may still run
           plgpu.barrier_arrive(k_free.at[k_slot])
           p32, alpha, m_new, l_new = softmax(s, t, m_ref[...], l_ref[...], masked, kv_seg)
@@ -1006,21 +1011,22 @@ def _fwd_kernel(*refs, st: _Static):
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return acc, m, l, p
 
-      def pv_turn(v_slot, k, carry, drain_slot=None):   # the pending P V only
+      def pv_turn(slot_of_turn, k, carry, drain_slot=None):   # the pending P V only
         acc, m, l, p = carry
-        plgpu.barrier_wait(v_loaded.at[v_slot])
+        slot = slot_of_turn()
+        plgpu.barrier_wait(v_loaded.at[slot])
         if drain_slot is not None:
           release(drain_slot)
-        begin(k)
+        begin(k())
 
         def pv_gemm(acc_ref):
-          plgpu.wgmma(acc_ref, p, v_smem.at[v_slot])
-          end(k)
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          end(k())
         acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_free.at[v_slot])
+        plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l, p
 
-      p0 = plgpu.layout_cast(jnp.full((bq, bk), 0.0, st.dtype), wgmma_layout)
+      zero_p = lambda: plgpu.layout_cast(jnp.full((bq, bk), 0.0, st.dtype), wgmma_layout)
       if st.has_sched:
         # The program's list in order, entry j in slot j mod S; carry: (acc, m, l, p, whether a
         # P V is pending, its ring slot)
@@ -1033,57 +1039,57 @@ def _fwd_kernel(*refs, st: _Static):
           code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
           slot = slot_of(j)
           no, yes = jnp.int32(0), jnp.int32(1)
+          turn = lambda: j
 
           def skip(state):
-            return lax.cond(pending == 1,
-                            lambda st_: (*pv_turn(prev, j, st_, drain_slot=slot), no, prev),
-                            lambda st_: (drain_turn(slot, j), (*st_, no, prev))[1], state)
+            return lax.cond(
+                pending == 1,
+                lambda st_: (*pv_turn(lambda: prev, turn, st_, drain_slot=slot), no, prev),
+                lambda st_: (drain_turn(lambda: slot, j), (*st_, no, prev))[1], state)
 
           def run(masked):
             def f(state):
               return lax.cond(
                   pending == 1,
-                  lambda st_: (*pair_turn(slot, prev, t, j, st_, masked), yes, slot),
-                  lambda st_: (*qk_turn(slot, t, j, st_, masked), yes, slot), state)
+                  lambda st_: (*pair_turn(lambda: (slot, prev), t, turn, st_, masked), yes, slot),
+                  lambda st_: (*qk_turn(lambda: slot, t, turn, st_, masked), yes, slot), state)
             return f
           return lax.cond(code == _SKIP, skip,
                           lambda st_: lax.cond(code == _FULL, run(False), run(True), st_), state)
 
-        c = lax.fori_loop(jnp.int32(0), n, walk_turn, (acc, m, l, p0, jnp.int32(0),
+        c = lax.fori_loop(jnp.int32(0), n, walk_turn, (acc, m, l, zero_p(), jnp.int32(0),
                                                        jnp.int32(0)))
         state, pending, prev = c[:4], c[4], c[5]
-
-        def last(state):
-          return pv_turn(prev, n, state)
 
         def none(state):
           begin(n)
           end(n)
           return state
-        acc, m, l, _ = lax.cond(pending == 1, last, none, state)
+        acc, m, l, _ = lax.cond(pending == 1, lambda st_: pv_turn(lambda: prev, lambda: n, st_),
+                                none, state)
         return acc, m, l
 
       # Range path: the drains of [plo, lo), a Q K^T-only turn for lo, a pair turn per tile in
       # (lo, hi), a P V-only turn, the drains of [hi, phi), and an empty turn when the
       # warpgroup has no tile (lo == hi).
-      has = lo < hi
+      lax.fori_loop(plo, lo, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo), None)
+      carry = (acc, m, l, zero_p())
       one = has.astype(jnp.int32)
-      lax.fori_loop(plo, lo, lambda e, c: drain_turn(ring_slot(e), e - plo), None)
-      carry = (acc, m, l, p0)
-      carry = lax.fori_loop(lo, lo + one, lambda e, c: qk_turn(ring_slot(e), e, e - plo, c, True),
-                            carry)                    # the edge tile or not: the mask is exact
+      carry = lax.fori_loop(lo, lo + one, lambda e, c: qk_turn(
+          lambda: ring_slot(e), e, lambda: e - plo, c, True), carry)   # edge or not: exact mask
       a = lo + 1
       b1 = jnp.maximum(flo, a)
       b2 = jnp.maximum(fhi, a)
 
       def pair(masked):
-        return lambda e, c: pair_turn(ring_slot(e), ring_slot(e - 1), e, e - plo, c, masked)
+        return lambda e, c: pair_turn(lambda: (ring_slot(e), ring_slot(e - 1)), e,
+                                      lambda: e - plo, c, masked)
       carry = lax.fori_loop(a, b1, pair(True), carry)
       carry = lax.fori_loop(b1, b2, pair(False), carry)
       carry = lax.fori_loop(b2, hi, pair(True), carry)
-      carry = lax.fori_loop(hi, hi + one, lambda e, c: pv_turn(ring_slot(e - 1), e - plo, c),
-                            carry)
-      lax.fori_loop(hi, phi, lambda e, c: drain_turn(ring_slot(e), e - plo + one), None)
+      carry = lax.fori_loop(hi, hi + one, lambda e, c: pv_turn(
+          lambda: ring_slot(e - 1), lambda: e - plo, c), carry)
+      lax.fori_loop(hi, phi, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo + one), None)
 
       @pl.when(jnp.logical_not(has))
       def _():                                        # the empty turn n
