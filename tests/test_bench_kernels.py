@@ -205,3 +205,15 @@ def test_ncu_target_parses_every_case():
   for case in ncu_flash_fwd.CASES:
     for extra in ([], ["--overlap"], ["--bwd"], ["--fused-bwd"]):
       assert ncu_flash_fwd.main(["--case", case, "--dry-run", *extra]) is None
+
+
+def test_ncu_sparse_decode_target_cpu():
+  """experiments/ncu_sparse_decode.py: its summary (doctests: per-call sums, the marker cut)
+  and one row's wiring in interpret mode (S1024), checked against the fp32 reference."""
+  import doctest
+  from experiments import ncu_sparse_decode as nsd
+  assert doctest.testmod(nsd).failed == 0
+  err, opened = nsd.run_row("sparse_hnd", calls=1, tiny=True)
+  assert err < 5e-3 and opened is False       # no CUDA driver on the CPU machine
+  with pytest.raises(ValueError, match="row must be"):
+    nsd.run_row("sparse", tiny=True)
