@@ -185,9 +185,9 @@ class BlockSizes:
       is still on the tensor cores; the O accumulator is rescaled after that P V completes.
       Each warpgroup keeps two accumulators (O and S) and two P tiles live. With ``pingpong``
       it needs ``pingpong_handoff`` (one turn per kv tile: wait own barrier, issue both wgmmas,
-      arrive on the other's). Range path only (segment ids too, CPU-lowered only; a block
-      schedule raises ValueError at the call), not with ``k_wait_in_pv``, ``softmax_fence`` or
-      ``q_tiles_per_program`` > 1.
+      arrive on the other's). The range path and, lowered on the CPU but not yet run on a GPU,
+      segment ids and block schedules (the walk carries a pending P V across skipped entries);
+      not with ``k_wait_in_pv``, ``softmax_fence`` or ``q_tiles_per_program`` > 1.
       Off (dataclass default): Q K^T and P V of a tile are each waited for before the next is
       issued. GPU tests pass (``GPU_CASES`` "*overlap*", runs 53 and 55); with
       ``early_k_load`` it is the H200 table's dense and causal entry at D128 and D256 (runs
@@ -350,7 +350,7 @@ class _Static:
   no_reduction_scratch: bool = False   # BlockSizes.no_reduction_scratch
   k_wait_in_pv: bool = False       # BlockSizes.k_wait_in_pv
   q_tiles_per_program: int = 1     # BlockSizes.q_tiles_per_program (> 1: range path only)
-  overlap_softmax: bool = False    # BlockSizes.overlap_softmax (range path only)
+  overlap_softmax: bool = False    # BlockSizes.overlap_softmax
   store_wait_read_only: bool = False   # BlockSizes.store_wait_read_only
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
   # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
