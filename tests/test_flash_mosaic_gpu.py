@@ -168,11 +168,11 @@ LOWER_CASES.update(OVERLAP_LOWER_CASES)
 
 
 def test_overlap_softmax_checks():
+  """BlockSizes rejects the options the overlap's turn protocol cannot combine with."""
   for kw in (dict(k_wait_in_pv=True), dict(softmax_fence=True), dict(q_tiles_per_program=2),
              dict(pingpong_handoff=False)):
     with pytest.raises(ValueError, match="overlap_softmax"):
       mg.BlockSizes(64, 128, 2, **{**_OVERLAP, **kw})
-
 
 
 def _mosaic_module_text(bs, monkeypatch, seq=512):
