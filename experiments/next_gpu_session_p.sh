@@ -24,12 +24,7 @@ for case in ${CASES:-dense window}; do
     > "$OUT/ncu_fwd_${case}_log.txt" 2>&1
   echo "$case rc=$?"; grep -E "max abs|==PROF==|==ERROR==|==WARNING==" "$OUT/ncu_fwd_${case}_log.txt" | head -8
   if [ -f "$rep.ncu-rep" ]; then
-    $NCU --import "$rep.ncu-rep" --page details > "$OUT/ncu_fwd_${case}_details.txt" 2>&1
-    $NCU --import "$rep.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
-      | gzip > "$OUT/ncu_fwd_${case}_sass.csv.gz"
-    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|One or More|Warp Cycles Per Issued|Executed Ipc A" \
-      "$OUT/ncu_fwd_${case}_details.txt" | head -20
-    rm -f "$rep.ncu-rep"
+    bash experiments/ncu_report.sh "$rep" "Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issue Slots Busy|No Eligible|One or More|Warp Cycles Per Issued|Executed Ipc A" 20
   else
     timeout 120 $NCU --target-processes all --metrics gpu__time_duration.sum \
       python3 experiments/ncu_flash_fwd.py --case $case --calls 1 > "$OUT/ncu_names_$case.txt" 2>&1

@@ -43,12 +43,5 @@ for v in "bwd 3" "fused-bwd 2"; do
     --import-source no -f -o "$OUT/ncu_$1" python3 experiments/ncu_flash_fwd.py --case dense --$1 \
     --calls 1 > "$OUT/ncu_$1_log.txt" 2>&1
   echo "ncu $1 rc=$?"; grep -E "max abs|==PROF==|==ERROR==" "$OUT/ncu_$1_log.txt" | head -8
-  if [ -f "$OUT/ncu_$1.ncu-rep" ]; then
-    $NCU --import "$OUT/ncu_$1.ncu-rep" --page details > "$OUT/ncu_$1_details.txt" 2>&1
-    $NCU --import "$OUT/ncu_$1.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
-      | gzip > "$OUT/ncu_$1_sass.csv.gz"
-    grep -E "mosaic_gpu_kernel|Duration|Registers Per|Local Memory Spilling Requests  |Issue Slots Busy|No Eligible|Tensor is|highest-utilized" \
-      "$OUT/ncu_$1_details.txt" | head -30
-    rm -f "$OUT/ncu_$1.ncu-rep"
-  fi
+  bash experiments/ncu_report.sh "$OUT/ncu_$1" "mosaic_gpu_kernel|Duration|Registers Per|Local Memory Spilling Requests  |Issue Slots Busy|No Eligible|Tensor is|highest-utilized" 30
 done
