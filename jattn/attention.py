@@ -207,10 +207,6 @@ def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logi
   kind = mask_kind(causal, window, segments=segment_ids is not None)
   mod = kernel_module("mosaic_gpu")
   bs = mod.default_block_sizes(q.shape[-1], q.dtype, mask=kind)
-  if segment_ids is not None and bs.overlap_softmax:
-    # BlockSizes.overlap_softmax with segment ids lowers but has not run on a GPU yet
-    # (session 18): segment ids take the table's generic entry for the head dim
-    bs = mod.default_block_sizes(q.shape[-1], q.dtype, mask="all")
   return dataclasses.replace(bs, backward=bwd)
 
 

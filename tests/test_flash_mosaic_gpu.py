@@ -103,6 +103,11 @@ LOWER_CASES = {
         logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3)),
     "d256_segments_no_pingpong": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=True, seg=True,
                                       bs=mg.BlockSizes(64, 64, 2, pingpong=False)),
+    # the H200's D64 dense / causal entries (runs 60-61): 256-key tiles, 3 stages
+    "d64_bk256_3_stages_causal_ragged": dict(sq=600, sk=700, hq=4, hk=2, d=64, causal=True,
+                                             bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
+    "d64_bk256_3_stages_segments": dict(sq=328, sk=600, hq=2, hk=1, d=64, causal=False, seg=True,
+                                        bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
 }
 
 
@@ -1138,6 +1143,13 @@ GPU_MASK_CASES = {
                                          logits_soft_cap=5.0),
     "d256_segments_causal": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=True,
                                  seg="packed"),
+    # 256-key tiles at D64 (the H200's dense and causal entries since run 61; segment ids
+    # without causal take the "dense" entry)
+    "d64_bk256_causal_ragged_gqa": dict(b=1, sq=1000, sk=1300, hq=4, hk=2, d=64, causal=True,
+                                        bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
+    "d64_bk256_segments_random_q_shorter": dict(
+        b=2, sq=700, sk=1111, hq=4, hk=2, d=64, causal=False, seg="random",
+        bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
 }
 
 

@@ -49,6 +49,8 @@ H200_MOSAIC_OPTIONS = {
     256: dict(k_wait_in_pv=True, pingpong_handoff=True),
 }
 H200_MOSAIC_OVERLAP = dict(overlap_softmax=True, pingpong_handoff=True, early_k_load=True)
+# the H200's D64 dense and causal entries (runs 60-61): 256-key tiles, 3 stages
+H200_MOSAIC_D64_BK256 = dict(block_k=256, num_stages=3, k_wait_in_pv=True)
 MOSAIC_BWD_BEFORE = {
     64: mgb.BlockSizes(64, 64, 64, 128, num_stages_dkv=3, num_stages_dq=3),
     128: mgb.BlockSizes(64, 64, 64, 64, num_stages_dkv=2, num_stages_dq=2),
@@ -127,11 +129,12 @@ def test_mask_kind_and_mask_entries():
       (False, None), (True, None), (True, (511, 0)), (False, (100, 30))]] == [
       "dense", "causal_segments", "causal_window", "window"]
   # the H200's causal-window entry (run 33: 64-key tiles; run 38: fence), packed documents
-  # (run 38: no fence) and causal (runs 41, 44: no fence); every other kind and device: "all"
+  # (run 61: the overlap) and causal (runs 55-56: the overlap); every other kind and device:
+  # "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
   assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64, softmax_fence=True))
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
-  assert _same(got, MOSAIC_BEFORE[128])
+  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP))
   for kind in ("all", "window"):     # fence (run 37), tokamax's K wait + handoff (44)
     assert _same(mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind),
                  dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OPTIONS[128]))
@@ -140,9 +143,12 @@ def test_mask_kind_and_mask_entries():
     for kind in ("dense", "causal"):
       assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200", mask=kind),
                    dataclasses.replace(MOSAIC_BEFORE[head_dim], **H200_MOSAIC_OVERLAP))
+  for kind in ("dense", "causal"):   # D64: 256-key tiles (runs 60-61)
+    assert _same(mg.default_block_sizes(64, device_kind="NVIDIA H200", mask=kind),
+                 dataclasses.replace(MOSAIC_BEFORE[64], **H200_MOSAIC_D64_BK256))
   for head_dim in (64, 256):
     for kind in tuning.MASK_KINDS:
-      if head_dim == 256 and kind in ("dense", "causal"):
+      if kind in ("dense", "causal"):
         continue
       assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200", mask=kind),
                    dataclasses.replace(MOSAIC_BEFORE[head_dim], **H200_MOSAIC_OPTIONS[head_dim]))
@@ -155,8 +161,9 @@ def test_mask_kind_and_mask_entries():
 def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu") passes the mask kind to the tile
   lookup: on an H200 a causal window gets the 64-key tiles with the softmax fence, packed
-  documents (causal with segment ids) the 128-key ones without the fence, a non-causal mask
-  with segment ids the fence, causal and dense masks the intra-warpgroup overlap."""
+  documents (causal with segment ids) the 128-key ones with the overlap, a non-causal mask
+  with segment ids the "dense" entry, i.e. the intra-warpgroup overlap as causal and dense
+  masks."""
   import jax
   import jattn
 
@@ -182,10 +189,9 @@ def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
         jattn.flash_attention(x, x, x, implementation="mosaic_gpu", **kw)
   finally:
     mg._tuned_block_sizes.cache_clear()
-  # (overlap_softmax runs the range path only: segment ids without causal take the "all" entry)
   assert [(b.block_k, b.softmax_fence, b.k_wait_in_pv, b.overlap_softmax) for b in seen] == [
-      (64, True, False, False), (128, False, False, True), (128, False, False, False),
-      (128, True, True, False), (128, False, False, True)]
+      (64, True, False, False), (128, False, False, True), (128, False, False, True),
+      (128, False, False, True), (128, False, False, True)]
 
 
 def test_tables_well_formed():
@@ -201,12 +207,12 @@ def test_tables_well_formed():
     assert {k[0] for k in table} == set(tuning.KERNELS)
     for key, e in table.items():
       # mask-specific tuning so far: the H200 Mosaic forward's causal window (runs 33, 38),
-      # packed documents (run 38) and causal (runs 41, 44)
+      # packed documents (runs 38, 61), causal and dense (runs 41-61)
       assert key[3] == "all" or (name, key) in {
           ("nvidia_h200.json", ("mosaic_gpu_fwd", 128, "16bit", m))
           for m in ("causal_window", "causal_segments", "causal", "dense")} | {
-          ("nvidia_h200.json", ("mosaic_gpu_fwd", 256, "16bit", m))
-          for m in ("causal", "dense")}, key
+          ("nvidia_h200.json", ("mosaic_gpu_fwd", d, "16bit", m))
+          for d in (64, 256) for m in ("causal", "dense")}, key
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
       assert prov["commit"]
@@ -226,6 +232,7 @@ def test_tables_well_formed():
              ("mosaic_gpu_fwd", 128, "16bit", "causal"),
              ("mosaic_gpu_fwd", 128, "16bit", "dense"),
              ("mosaic_gpu_fwd", 256, "16bit", "causal"), ("mosaic_gpu_fwd", 256, "16bit", "dense"),
+             ("mosaic_gpu_fwd", 64, "16bit", "causal"), ("mosaic_gpu_fwd", 64, "16bit", "dense"),
              ("mosaic_gpu_fwd", 64, "16bit", "all"), ("mosaic_gpu_fwd", 256, "16bit", "all")}
             if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)

@@ -964,7 +964,9 @@ def _fwd_kernel(*refs, st: _Static):
           s = jnp.where(_tile_visible(rows, cols, row0, t, st, q_seg, kv_seg), s, -jnp.inf)
         return _online_softmax(s, m, l, st)           # p in fp32
 
-      def qk_turn(slot_of_turn, t, k, carry, masked):   # Q K^T only: the first tile
+      def qk_turn(slot_of_turn, t, k, carry, masked, rescale=False):   # Q K^T only
+        # (the first tile; on a walk also a tile after a skip that flushed the pending P V,
+        # where acc is not zero and must follow the new max: ``rescale``)
         acc, m, l, _ = carry
         slot = slot_of_turn()
         plgpu.barrier_wait(k_loaded.at[slot])
@@ -977,7 +979,9 @@ def _fwd_kernel(*refs, st: _Static):
           return s_ref[...]
         s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
-        p, _, m, l = softmax(s, t, m, l, masked, kv_seg)
+        p, alpha, m, l = softmax(s, t, m, l, masked, kv_seg)
+        if rescale:
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return acc, m, l, p.astype(st.dtype)
 
       def pair_turn(slots_of_turn, t, k, carry, masked):   # Q K^T(t), then the pending P V
@@ -1052,7 +1056,8 @@ def _fwd_kernel(*refs, st: _Static):
               return lax.cond(
                   pending == 1,
                   lambda st_: (*pair_turn(lambda: (slot, prev), t, turn, st_, masked), yes, slot),
-                  lambda st_: (*qk_turn(lambda: slot, t, turn, st_, masked), yes, slot), state)
+                  lambda st_: (*qk_turn(lambda: slot, t, turn, st_, masked, rescale=True),
+                               yes, slot), state)
             return f
           return lax.cond(code == _SKIP, skip,
                           lambda st_: lax.cond(code == _FULL, run(False), run(True), st_), state)
