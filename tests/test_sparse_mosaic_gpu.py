@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import zlib
 
 import jax
@@ -105,7 +106,8 @@ def _case(name, dtype=jnp.bfloat16):
 
 def _walk_of(q, k, q_seg, kv_seg, sel, causal):
   """(st, walk) exactly as ``block_sparse_attention(implementation="mosaic_gpu")`` builds them."""
-  fwd_bs, bwd_bs = sp._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype)
+  fwd_bs, bwd_bs = sp._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype, causal=causal,
+                                              segments=q_seg is not None)
   sq, sk = q.shape[1], k.shape[1]
   sched_of = lambda sel, q_seg, kv_seg: make_schedule(
       sq, sk, sel.q_block_size, sel.block_size, causal=causal, q_segment_ids=q_seg,
@@ -474,8 +476,10 @@ GPU_CASES = {
     # (256 x 256, or D256) are the "triton" implementation's, untested on a GPU.
     "d64_q256_k256_fp16": (1, 2048, 4, 1, 64, 256, 256, 2, False, jnp.float16),
     "d256_q128_k64_segments": (1, 1024, 2, 1, 256, 128, 64, 2, True, jnp.bfloat16),
+    # no segment ids: the H200's D256 causal entry (the overlap, session 19) on the walk
+    "d256_q128_k64": (1, 1024, 2, 1, 256, 128, 64, 2, False, jnp.bfloat16),
 }
-GPU_FORWARD_ONLY = ("d64_q256_k256_fp16", "d256_q128_k64_segments")
+GPU_FORWARD_ONLY = ("d64_q256_k256_fp16", "d256_q128_k64_segments", "d256_q128_k64")
 
 
 def _gpu_case(name):
@@ -495,6 +499,27 @@ def _check_out_lse(out, lse, r_out, r_lse, dtype):
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(r_lse))
   fin = np.isfinite(r_lse)
   assert _rel(np.where(fin, lse, 0.0), np.where(fin, r_lse, 0.0)) < 2e-2
+
+
+def test_mosaic_gpu_block_sizes_follow_the_mask_kind(monkeypatch):
+  """The block-sparse Hopper forward takes the device table's entry for the call's mask kind
+  (on the H200 at D128: the intra-warpgroup overlap for causal selections, also with segment
+  ids), with at most 128 keys per kernel tile and never more than the selection's block."""
+  from pallas_kernels import tuning
+  monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+  mg._tuned_block_sizes.cache_clear()
+  try:
+    got = {}
+    for d, qbs, bs, seg in [(128, 128, 64, False), (128, 64, 64, True), (128, 128, 256, False),
+                            (64, 256, 256, False), (256, 128, 64, False)]:
+      sel = types.SimpleNamespace(q_block_size=qbs, block_size=bs)
+      fwd, _ = sp._mosaic_gpu_block_sizes(mg, sel, d, jnp.bfloat16, causal=True, segments=seg)
+      got[d, qbs, bs, seg] = (fwd.block_k, fwd.num_stages, fwd.overlap_softmax)
+  finally:
+    mg._tuned_block_sizes.cache_clear()
+  assert got == {(128, 128, 64, False): (64, 2, True), (128, 64, 64, True): (64, 2, True),
+                 (128, 128, 256, False): (128, 2, True), (64, 256, 256, False): (128, 3, False),
+                 (256, 128, 64, False): (64, 2, True)}
 
 
 @pytest.mark.gpu
