@@ -60,7 +60,8 @@ def _marker(name: str, interpret: bool):
   return lambda: jax.block_until_ready(jax.jit(call)(jnp.zeros((8, 128), jnp.float32)))
 
 
-def run_row(row: str, *, calls: int = 8, seq: int = 131072, tiny: bool = False):
+def run_row(row: str, *, calls: int = 8, seq: int = 131072, tiny: bool = False,
+            digit_bits: int = 1, fused_select: bool = False):
   """Compile and warm up one row, then run it ``calls`` times inside the profiler range.
 
   Args:
@@ -68,11 +69,35 @@ def run_row(row: str, *, calls: int = 8, seq: int = 131072, tiny: bool = False):
     calls: profiled calls, each on its own query.
     seq: cache length (tokens).
     tiny: CPU dry run (S1024, interpret mode, "xla" sparse path).
+    digit_bits: the selection kernels' threshold search (1: the default bit search; 2 / 4:
+      the radix forms, the same selection), patched in for the row's duration (``jattn.sparse``
+      looks the kernels up in their module at call time).
+    fused_select: sparse rows: ``sparse_decode_attention(fused_select=True)`` (scores and
+      selection in one launch; the same selection).
 
   Returns:
     (relative error of the last call against the fp32 reference, whether the profiler range
     was opened).
+
+  Example:
+    >>> run_row("sparse_hnd", calls=1, tiny=True)[1]   # doctest: +SKIP
+    False
   """
+  if digit_bits == 1:
+    return _run_row(row, calls=calls, seq=seq, tiny=tiny, fused_select=fused_select)
+  import functools
+  from unittest import mock
+  from pallas_kernels.sparse import decode_select as ds
+  with mock.patch.object(ds, "select_decode_slots", functools.partial(
+      ds.select_decode_slots, digit_bits=digit_bits)), mock.patch.object(
+      ds, "score_select_decode_slots", functools.partial(
+          ds.score_select_decode_slots, digit_bits=digit_bits)):
+    return _run_row(row, calls=calls, seq=seq, tiny=tiny, fused_select=fused_select)
+
+
+def _run_row(row: str, *, calls: int = 8, seq: int = 131072, tiny: bool = False,
+             fused_select: bool = False):
+  """The body of :func:`run_row` (same arguments; ``digit_bits`` already patched in)."""
   from jattn import decode as jd
   from jattn import sparse as sp
   if row not in ROWS:
@@ -97,6 +122,8 @@ def run_row(row: str, *, calls: int = 8, seq: int = 131072, tiny: bool = False):
   else:
     summ = sp.init_block_summaries(kc, lens, block_size=bs, kv_layout=layout)
     impl = "xla" if tiny else "triton"
+    if fused_select and not tiny:
+      kw["fused_select"] = True
     fn = jax.jit(lambda q: sp.sparse_decode_attention(
         q, kc, vc, lens, summ, block_size=bs, top_k=top_k, implementation=impl, **kw))
     ref = sp.sparse_decode_attention(
@@ -173,6 +200,8 @@ def main(argv=None):
   ap.add_argument("--calls", type=int, default=8)
   ap.add_argument("--seq", type=int, default=131072)
   ap.add_argument("--tiny", action="store_true")
+  ap.add_argument("--digit-bits", type=int, default=1, choices=(1, 2, 4))
+  ap.add_argument("--fused-select", action="store_true")
   ap.add_argument("--summarize", metavar="CSV", help="ncu --csv output to summarize")
   a = ap.parse_args(argv)
   if a.summarize:
@@ -184,7 +213,8 @@ def main(argv=None):
     return res
   if a.row is None:
     ap.error("--row or --summarize is required")
-  err, opened = run_row(a.row, calls=a.calls, seq=a.seq, tiny=a.tiny)
+  err, opened = run_row(a.row, calls=a.calls, seq=a.seq, tiny=a.tiny, digit_bits=a.digit_bits,
+                        fused_select=a.fused_select)
   print(f"row {a.row}: rel err vs fp32 {err:.3g} ({'ok' if err < 5e-3 else 'FAILED'}); "
         f"profiler range {'opened' if opened else 'not available'}", flush=True)
   return err, opened

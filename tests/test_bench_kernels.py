@@ -215,5 +215,9 @@ def test_ncu_sparse_decode_target_cpu():
   assert doctest.testmod(nsd).failed == 0
   err, opened = nsd.run_row("sparse_hnd", calls=1, tiny=True)
   assert err < 5e-3 and opened is False       # no CUDA driver on the CPU machine
+  from pallas_kernels.sparse import decode_select as ds
+  before = ds.select_decode_slots
+  err, _ = nsd.run_row("sparse_hnd", calls=1, tiny=True, digit_bits=2, fused_select=True)
+  assert err < 5e-3 and ds.select_decode_slots is before   # the patch ends with the row
   with pytest.raises(ValueError, match="row must be"):
     nsd.run_row("sparse", tiny=True)
