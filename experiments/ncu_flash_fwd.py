@@ -7,10 +7,13 @@ then profiles the kernels it is told to, e.g. (see experiments/next_gpu_session_
     ncu --target-processes all -k regex:mosaic -c 1 --set full \
         python experiments/ncu_flash_fwd.py --case dense
 
-Cases (B, S, H, D128 bf16, the H200 table's default tiles for the mask):
+Cases (B, S, H, D128 bf16, the tuning table's entry for the mask, as jattn picks it; before
+session 20 the script used the "all" entry unless --overlap):
   dense:  B1 S8K H16 non-causal.
   causal: B1 S8K H16 causal.
   window: B2 S16K H16 causal window (511, 0) (issue 8's window case).
+  packed: B1 S16K H16, four causal 4K documents per row (segment ids; issue 8's packed case).
+  causal4k: B4 S4K H16 causal: the packed case's work without segment ids (same tiles).
 
 With ``--bwd`` it runs forward + backward (jax.grad through ``jattn.flash_attention``) and
 checks dq against cuDNN's; ``ncu -k regex:mosaic_gpu_kernel -c 3`` then profiles the forward,
@@ -30,6 +33,8 @@ CASES = {
     "dense": dict(b=1, s=8192, h=16, causal=False, window=None),
     "causal": dict(b=1, s=8192, h=16, causal=True, window=None),
     "window": dict(b=2, s=16384, h=16, causal=True, window=(511, 0)),
+    "packed": dict(b=1, s=16384, h=16, causal=True, window=None, docs=4),
+    "causal4k": dict(b=4, s=4096, h=16, causal=True, window=None),
 }
 
 
@@ -52,27 +57,37 @@ def main(argv=None):
   ap.add_argument("--fused-bwd", action="store_true",
                   help="the forward, then the fused Mosaic backward (mosaic_gpu_bwd_fused: dQ by "
                        "reduce-adds inside the dK/dV kernel) on its out and lse")
+  ap.add_argument("--time", action="store_true",
+                  help="also time the forward with the bench's timer (pallas_kernels._timing; "
+                       "not under ncu) and print its ms")
   ap.add_argument("--overlap", action="store_true",
                   help="BlockSizes.overlap_softmax (+ pingpong_handoff, early_k_load) on the "
                        "mask's default tiles")
   args = ap.parse_args(argv)
   c = CASES[args.case]
   shape = (c["b"], c["s"], c["h"], 128)
+  from pallas_kernels.flash import mosaic_gpu as mg
+  from pallas_kernels.tuning import mask_kind
+  # the tiles jattn picks for the mask (the table's mask entry), as in the bench
+  base = mg.default_block_sizes(128, mask=mask_kind(c["causal"], c["window"],
+                                                    segments=bool(c.get("docs"))))
+  bs = base
+  if args.overlap:
+    import dataclasses
+    bs = dataclasses.replace(base, overlap_softmax=True, pingpong_handoff=True,
+                             early_k_load=True, k_wait_in_pv=False, softmax_fence=False)
   if args.dry_run:
-    print("inputs", shape, "bfloat16")
+    print("inputs", shape, "bfloat16;", bs)
     return None
   ks = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in ks)
-  from pallas_kernels.flash import mosaic_gpu as mg
-  bs = None
-  if args.overlap:
-    import dataclasses
-    from pallas_kernels.tuning import mask_kind
-    base = mg.default_block_sizes(128, mask=mask_kind(c["causal"], c["window"]))
-    bs = dataclasses.replace(base, overlap_softmax=True, pingpong_handoff=True,
-                             early_k_load=True, k_wait_in_pv=False, softmax_fence=False)
+  docs = c.get("docs")
+  seg = None
+  if docs:
+    seg = jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), c["s"] // docs)[None]
+    seg = jnp.broadcast_to(seg, (c["b"], c["s"]))
   fn = jax.jit(lambda q, k, v: mg.flash_attention(
-      q, k, v, causal=c["causal"], local_window_size=c["window"], block_sizes=bs)[0])
+      q, k, v, seg, seg, causal=c["causal"], local_window_size=c["window"], block_sizes=bs)[0])
   if args.fused_bwd:
     from pallas_kernels.flash import mosaic_gpu_bwd_fused as mf
     ct = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
@@ -105,8 +120,17 @@ def main(argv=None):
   for _ in range(args.calls):
     out = fn(q, k, v)
   out.block_until_ready()
-  ref = jax.nn.dot_product_attention(q, k, v, is_causal=c["causal"],
-                                     local_window_size=c["window"], implementation="cudnn")
+  if args.time:
+    from pallas_kernels._timing import random_sets, time_fn
+    ms, _ = time_fn(fn, random_sets([shape] * 3, jnp.bfloat16, num_sets=3))
+    print(f"case {args.case}: {ms:.4f} ms (bench timer)", flush=True)
+  if docs:   # each document alone: [B * docs, S / docs, H, D] causal
+    split = lambda x: x.reshape(c["b"] * docs, c["s"] // docs, *shape[2:])
+    ref = jax.nn.dot_product_attention(split(q), split(k), split(v), is_causal=True,
+                                       implementation="cudnn").reshape(shape)
+  else:
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=c["causal"],
+                                       local_window_size=c["window"], implementation="cudnn")
   err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
   print(f"case {args.case}: max abs diff vs cuDNN {err:.4g}", flush=True)
   return err
