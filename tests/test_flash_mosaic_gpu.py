@@ -412,14 +412,19 @@ def _walk_segments(name, b, sq, sk):
   return q.astype(np.int32), k.astype(np.int32)
 
 
+_SEG_BOUNDS_JIT = jax.jit(mg._seg_bounds, static_argnums=2)
+
+
 def _walk_ranges(st, q_seg_p=None, kv_seg_p=None):
   """numpy [B, programs, 2] (plo, phi) and [B, programs, 2, 4] (lo, flo, fhi, hi) exactly as the
   kernel derives them (``_program_ranges``), for every batch row."""
   from pallas_kernels.flash.mosaic_gpu import _COMPUTE_WGS
   n = st.num_q_programs
   if q_seg_p is not None:
-    bounds = np.asarray(mg._seg_bounds(jnp.asarray(q_seg_p), jnp.asarray(kv_seg_p), st))
-    return bounds[..., :2], bounds[..., 2:].reshape(bounds.shape[:2] + (_COMPUTE_WGS, 4))
+    # one jitted program per config (op by op, each of its ~30 ops compiled on its own: 4x slower)
+    bounds = np.asarray(_SEG_BOUNDS_JIT(jnp.asarray(q_seg_p), jnp.asarray(kv_seg_p), st))
+    return bounds[..., :2], bounds[..., 2:mg._SEG_BOUNDS_ONE].reshape(
+        bounds.shape[:2] + (_COMPUTE_WGS, 4))
   prog, wgs = [], []
   for tile in range(n):
     row0 = tile * 2 * st.block_q
@@ -526,6 +531,47 @@ def test_tile_walk_packed_documents_skip_other_documents():
   assert masked == docs * int((wgs1[..., 1] - wgs1[..., 0] + wgs1[..., 3] - wgs1[..., 2]).sum())
 
 
+def test_one_segment_flag_is_exact():
+  """``_seg_bounds``' one-segment flag (masked tiles then take the static mask only): set for
+  every warpgroup of aligned packed documents (each walks tiles of its own document only), and
+  in general exactly when every tile of the warpgroup's [lo, hi) holds one and the same nonzero
+  id on both sides (checked against the ids themselves on random layouts with padding)."""
+  sq, docs = 2048, 4
+  seg = np.repeat(np.arange(1, docs + 1, dtype=np.int32), sq // docs)[None]
+  st = mg._static_config((1, sq, 1, 128), (1, sq, 1, 128), jnp.bfloat16, causal=True,
+                         scale=None, block_sizes=mg.BlockSizes(64, 128, 2), has_seg=True)
+  bounds = np.asarray(_SEG_BOUNDS_JIT(jnp.asarray(seg), jnp.asarray(seg), st))
+  assert bounds.shape[-1] == mg._SEG_BOUNDS_ONE + 2
+  assert (bounds[..., mg._SEG_BOUNDS_ONE:] == 1).all()
+  rng = np.random.default_rng(7)
+  n_set = n_clear = 0
+  for sq, sk, causal in [(1000, 1000, True), (328, 200, False), (200, 328, True)]:
+    st = mg._static_config((2, sq, 1, 128), (2, sk, 1, 128), jnp.bfloat16, causal=causal,
+                           scale=None, block_sizes=mg.BlockSizes(64, 64, 2), has_seg=True)
+    bq, bk = st.block_q, st.block_k
+    sq_p, sk_p = st.num_q_programs * 2 * bq, st.num_kv_tiles * bk
+    for _ in range(3):
+      q_seg = np.sort(rng.integers(0, 3, size=(2, sq)), axis=1).astype(np.int32)
+      kv_seg = (q_seg if sq == sk else
+                np.sort(rng.integers(0, 3, size=(2, sk)), axis=1).astype(np.int32))
+      qp = np.pad(q_seg, ((0, 0), (0, sq_p - sq)))
+      kp = np.pad(kv_seg, ((0, 0), (0, sk_p - sk)))
+      bounds = np.asarray(_SEG_BOUNDS_JIT(jnp.asarray(qp), jnp.asarray(kp), st))
+      for bi in range(2):
+        for p in range(st.num_q_programs):
+          for wg in range(2):
+            lo, hi = bounds[bi, p, 2 + 4 * wg], bounds[bi, p, 5 + 4 * wg]
+            rows = qp[bi, (2 * p + wg) * bq:(2 * p + wg + 1) * bq]
+            keys = kp[bi, lo * bk:hi * bk]
+            want = hi <= lo or bool(rows.min() != 0 and (rows == rows[0]).all()
+                                    and (keys == rows[0]).all())     # no tile: nothing to mask
+            got = bool(bounds[bi, p, mg._SEG_BOUNDS_ONE + wg])
+            assert got == want, (sq, sk, bi, p, wg, lo, hi)
+            n_set += got
+            n_clear += not got
+  assert n_set and n_clear
+
+
 def _layout_segments(kind, rng, b, n):
   """int32 [b, n] segment ids: "right_pad" / "left_pad" packed documents (non-decreasing ids,
   lengths that line up with no tile) with padding (0) at the end / start, "negative" the
@@ -626,11 +672,14 @@ def _replay(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, **kw)
   return fn.lower(q, k, v, q_seg, kv_seg).compile(_FAST_CPU_COMPILE)(q, k, v, q_seg, kv_seg)
 
 
-def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all, p_dtype):
+def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all, p_dtype,
+                 one_seg=None):
   """One kv tile t of a warpgroup (query rows row0 .. row0 + bq) in the kernel's walk, in jnp
   with the kernel's helpers: logits (``_cap_logits``), with ``masked`` ``_tile_visible``
-  (segment ids qs_t [bq] / ks_all [Sk'] unless qs_t is None), ``_online_softmax``, P cast to
-  p_dtype. carry = (acc [bq, D], m, l); also used by tests/test_sparse_mosaic_gpu.py."""
+  (segment ids qs_t [bq] / ks_all [Sk'] unless qs_t is None; where the traced bool ``one_seg``
+  (``_seg_bounds``' one-segment flag) is true, the static mask only, as the kernel's
+  ``masked="static"``), ``_online_softmax``, P cast to p_dtype. carry = (acc [bq, D], m, l); also
+  used by tests/test_sparse_mosaic_gpu.py."""
   acc, m, l = carry
   bq, bk = st.block_q, st.block_k
   k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)            # [bk, D]
@@ -640,7 +689,10 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
     rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     ks_t = None if qs_t is None else lax.dynamic_slice_in_dim(ks_all, t * bk, bk)
-    s = jnp.where(mg._tile_visible(rows, cols, row0, t, st, qs_t, ks_t), s, -jnp.inf)
+    vis = mg._tile_visible(rows, cols, row0, t, st, qs_t, ks_t)
+    if one_seg is not None:
+      vis = jnp.where(one_seg, mg._tile_visible(rows, cols, row0, t, st), vis)
+    s = jnp.where(vis, s, -jnp.inf)
   p, alpha, m, l = mg._online_softmax(s, m, l, st)
   acc = acc * alpha[:, None] + jnp.dot(p.astype(p_dtype), v_t,
                                        preferred_element_type=jnp.float32)
@@ -668,7 +720,9 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
   if has_seg:
     qs_p = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)))
     ks_p = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, sk_pad - sk)))
-    ranges = mg._seg_bounds(qs_p, ks_p, st)[..., 2:].reshape(b, n_rows, 4)
+    bounds = mg._seg_bounds(qs_p, ks_p, st)
+    ranges = bounds[..., 2:mg._SEG_BOUNDS_ONE].reshape(b, n_rows, 4)
+    ones = bounds[..., mg._SEG_BOUNDS_ONE:].reshape(b, n_rows)
   else:
     qs_p = jnp.zeros((b, sq_pad), jnp.int32)
     ks_p = jnp.zeros((b, sk_pad), jnp.int32)
@@ -680,10 +734,12 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
         per.append(jnp.stack(mg._clip_to_program(
             plo, phi, *mg._static_ranges(row0 + wg * bq, bq, st))))
     ranges = jnp.broadcast_to(jnp.stack(per), (b, n_rows, 4))
+    ones = jnp.zeros((b, n_rows), jnp.int32)
 
-  def warpgroup(q_t, k_all, v_all, row0, rng, qs_t, ks_all):   # [bq, D], [Sk', D], [Sk', D]
+  def warpgroup(q_t, k_all, v_all, row0, rng, one, qs_t, ks_all):   # [bq, D], [Sk', D] x 2
     step = functools.partial(_replay_step, st=st, q_t=q_t, k_all=k_all, v_all=v_all, row0=row0,
-                             qs_t=qs_t if has_seg else None, ks_all=ks_all, p_dtype=q.dtype)
+                             qs_t=qs_t if has_seg else None, ks_all=ks_all, p_dtype=q.dtype,
+                             one_seg=(one != 0) if has_seg else None)
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     lo, flo, fhi, hi = rng[0], rng[1], rng[2], rng[3]
@@ -695,10 +751,11 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
   q_tiles = qp.reshape(b, hq, n_rows, bq, d)                   # [B, Hq, tiles, bq, D]
   row0s = jnp.broadcast_to(jnp.arange(n_rows, dtype=jnp.int32) * bq, (b, hq, n_rows))
   rng = jnp.broadcast_to(ranges[:, None], (b, hq, n_rows, 4))
+  one = jnp.broadcast_to(ones[:, None], (b, hq, n_rows))
   qs_tiles = jnp.broadcast_to(qs_p.reshape(b, 1, n_rows, bq), (b, hq, n_rows, bq))
   ks_all = jnp.broadcast_to(ks_p[:, None], (b, hq, sk_pad))
-  per_tile = jax.vmap(warpgroup, in_axes=(0, None, None, 0, 0, 0, None))
-  out, lse = jax.vmap(jax.vmap(per_tile))(q_tiles, kp, vp, row0s, rng, qs_tiles, ks_all)
+  per_tile = jax.vmap(warpgroup, in_axes=(0, None, None, 0, 0, 0, 0, None))
+  out, lse = jax.vmap(jax.vmap(per_tile))(q_tiles, kp, vp, row0s, rng, one, qs_tiles, ks_all)
   out = out.reshape(b, hq, sq_pad, d).transpose(0, 2, 1, 3)[:, :sq].astype(q.dtype)
   return out, lse.reshape(b, hq, sq_pad)[:, :, :sq]
 
@@ -729,6 +786,8 @@ REPLAY_CASES = {
     # segment ids (0 = padding)
     "segments_dense": dict(b=2, sq=200, sk=200, hq=4, hk=2, d=64, causal=False, seg="packed"),
     "segments_causal": dict(b=2, sq=200, sk=200, hq=4, hk=2, d=64, causal=True, seg="packed"),
+    "segments_aligned_docs": dict(b=2, sq=512, sk=512, hq=2, hk=1, d=64, causal=True,
+                                  seg="aligned4"),
     "segments_causal_q_shorter": dict(b=2, sq=200, sk=328, hq=4, hk=2, d=64, causal=True,
                                       seg="random"),
     "segments_window_soft_cap": dict(b=2, sq=328, sk=200, hq=4, hk=2, d=64, causal=False,
@@ -740,8 +799,14 @@ REPLAY_CASES = {
 def _segments(name, b, sq, sk, kind):
   """"packed": documents of random lengths with padding (0) at the end, the same ids for q and
   kv (needs sq == sk); "random": sorted random ids in 0..3 (0 = padding) for q and kv
-  independently (documents that do not line up, q_len != kv_len)."""
-  if kind == "packed":
+  independently (documents that do not line up, q_len != kv_len); "aligned4": four documents
+  of sq / 4 tokens (issue 8's packed rows, scaled down: every warpgroup walks one document, so
+  its masked tiles take the static mask only, ``_seg_bounds``' one-segment flag)."""
+  if kind == "aligned4":
+    assert sq == sk and sq % 4 == 0
+    ids = np.repeat(np.arange(1, 5, dtype=np.int32), sq // 4)
+    q_seg = kv_seg = np.broadcast_to(ids, (b, sq)).copy()
+  elif kind == "packed":
     assert sq == sk
     q_seg, kv_seg = _walk_segments(name, b, sq, sk)
   else:
@@ -1143,6 +1208,16 @@ GPU_MASK_CASES = {
                                          logits_soft_cap=5.0),
     "d256_segments_causal": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=True,
                                  seg="packed"),
+    # aligned documents: the one-segment flag set, masked tiles with the static mask only
+    # (the H200's causal_segments entry: the overlap; and the plain range path)
+    "d128_segments_aligned_docs": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
+                                       seg="aligned4"),
+    "d128_segments_aligned_docs_no_overlap": dict(
+        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="aligned4",
+        bs=mg.BlockSizes(64, 128, 2)),
+    "d128_segments_aligned_docs_overlap": dict(
+        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="aligned4",
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
     # 256-key tiles at D64 (the H200's dense and causal entries since run 61; segment ids
     # without causal take the "dense" entry)
     "d64_bk256_causal_ragged_gqa": dict(b=1, sq=1000, sk=1300, hq=4, hk=2, d=64, causal=True,

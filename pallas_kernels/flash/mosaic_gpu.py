@@ -439,9 +439,12 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
   """Per-(batch, program) kv ranges with segment ids, from the tile classes that
   ``block_schedule.make_schedule`` uses (min/max nonzero segment id per tile, padding id 0 left
   out: ``block_schedule._segment_tile_pairs``; no order of the ids assumed) intersected with the
-  static mask: int32 [B, num_q_programs, 2 + 4 * 2] rows
-  ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` (program range, then each
-  compute warpgroup's (lo, flo, fhi, hi) as in ``_static_ranges``, clipped into the program's).
+  static mask: int32 [B, num_q_programs, 2 + 4 * 2 + 2] rows
+  ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, one0, one1]`` (program range, then
+  each compute warpgroup's (lo, flo, fhi, hi) as in ``_static_ranges``, clipped into the
+  program's, then its one-segment flag: 1 when every tile of its [lo, hi) holds one and the same
+  nonzero id on the query and the key side, so its masked tiles need only the static mask;
+  ``_SEG_BOUNDS_ONE``).
 
   A warpgroup walks [lo, hi) = first to last kv tile that any of its rows may see (tiles in
   between that no row sees, across a document gap, are walked masked), without the mask on the
@@ -476,8 +479,13 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
   plo = lo.min(-1)                                   # empty warpgroups have lo = nk, hi = 0
   phi = jnp.maximum(hi.max(-1), plo)
   lo, flo, fhi, hi = _clip_to_program(plo[..., None], phi[..., None], lo, flo, fhi, hi)
+  # one segment: every tile the warpgroup computes (its [lo, hi), masked edges included) holds
+  # one and the same nonzero id on both sides (``seg_all``), so the static mask alone is exact
+  walked = ((t[None] >= lo.reshape(b, n_tiles, 1)) & (t[None] < hi.reshape(b, n_tiles, 1)))
+  one_seg = jnp.all(seg_all | ~walked, -1).reshape(shape)
   wg = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, st.num_q_programs, 4 * _COMPUTE_WGS)
-  return jnp.concatenate([plo[..., None], phi[..., None], wg], -1).astype(jnp.int32)
+  return jnp.concatenate([plo[..., None], phi[..., None], wg, one_seg.astype(jnp.int32)],
+                         -1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -700,6 +708,18 @@ def _program_ranges(b, tile, wg, bounds_ref, st: _Static):
   return plo, phi, _clip_to_program(plo, phi, *_static_ranges(row0_program + wg * bq, bq, st))
 
 
+_SEG_BOUNDS_ONE = 2 + 4 * _COMPUTE_WGS   # column of warpgroup 0's one-segment flag
+
+
+def _one_segment(b, tile, wg, bounds_ref, st: _Static):
+  """With segment ids (range path): whether compute warpgroup ``wg`` of program (b, tile) walks
+  only tiles of one segment on both sides (``_seg_bounds``' flag; its masked tiles then take the
+  static mask only, not the per-element segment compare). None without segment ids."""
+  if not st.has_seg or st.has_sched:
+    return None
+  return bounds_ref[b, tile, _SEG_BOUNDS_ONE + wg] != 0
+
+
 def _program_tiles(g, st: _Static):
   """q_tiles_per_program = P > 1: the query tiles of program ``g`` (``rows_per_program`` rows
   each), as (count, i -> the i-th tile), int32: tiles j = g * P + i for i < count =
@@ -715,7 +735,7 @@ def _program_tiles(g, st: _Static):
 
 def _fwd_kernel(*refs, st: _Static):
   """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM), with segment ids also q_seg [B, Sq],
-  kv_seg [B, Sk] int32 and bounds [B, programs, 10] (``_seg_bounds``) -> o [B, Sq, Hq, D],
+  kv_seg [B, Sk] int32 and bounds [B, programs, 12] (``_seg_bounds``) -> o [B, Sq, Hq, D],
   lse [B, Hq, Sq] (GMEM, natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D],
   v [S, bk, D], lse [2, bq], with segment ids q_seg [2, bq], kv_seg [S, bk]), barriers
   q_loaded [2], k/v_loaded [S] (with segment ids q_loaded and k_loaded also count the segment
@@ -813,6 +833,18 @@ def _fwd_kernel(*refs, st: _Static):
       ring_slot = lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages))
     if not st.has_sched:
       plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
+    # segment ids: masked tiles take ``masked=True`` (static mask and the per-element segment
+    # compare) or, where this warpgroup walks one segment only, ``masked="static"``
+    one_seg = None if st.has_sched else _one_segment(b, tile, wg, bounds_ref, st)
+    seg_of = lambda masked, x: x if masked is True else None   # "static": no segment part
+
+    def masked_loop(lo_, hi_, body_of, carry):
+      # tiles [lo_, hi_) masked: all with the static mask when one_seg, else with segments
+      if one_seg is None:
+        return lax.fori_loop(lo_, hi_, body_of(True), carry)
+      mid = jnp.where(one_seg, hi_, lo_)
+      carry = lax.fori_loop(lo_, mid, body_of("static"), carry)
+      return lax.fori_loop(mid, hi_, body_of(True), carry)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)   # base-2 max
@@ -845,7 +877,7 @@ def _fwd_kernel(*refs, st: _Static):
       if not st.k_wait_in_pv:
         plgpu.barrier_wait(k_loaded.at[slot])
       kv_seg = None
-      if masked and st.has_seg:   # read before the slot is released (k_free)
+      if masked is True and st.has_seg:   # read before the slot is released (k_free)
         kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
 
       def qk_gemm(s_ref):                                     # [bq, bk] fp32
@@ -861,7 +893,8 @@ def _fwd_kernel(*refs, st: _Static):
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-        s = jnp.where(_tile_visible(rows, cols, row0, t, st, q_seg, kv_seg), s, -jnp.inf)
+        s = jnp.where(_tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg), kv_seg), s,
+                      -jnp.inf)
       p, alpha, m_new, l = _online_softmax(s, m, l, st)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p = p.astype(st.dtype)
@@ -952,7 +985,7 @@ def _fwd_kernel(*refs, st: _Static):
 
       def tile_kv_seg(slot, masked):
         # the tile's kv segment ids (with K on k_loaded), read before the slot is released
-        if masked and st.has_seg:
+        if masked is True and st.has_seg:
           return plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
         return None
 
@@ -961,7 +994,8 @@ def _fwd_kernel(*refs, st: _Static):
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-          s = jnp.where(_tile_visible(rows, cols, row0, t, st, q_seg, kv_seg), s, -jnp.inf)
+          s = jnp.where(_tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg), kv_seg),
+                        s, -jnp.inf)
         return _online_softmax(s, m, l, st)           # p in fp32
 
       def qk_turn(slot_of_turn, t, k, carry, masked, rescale=False):   # Q K^T only
@@ -1080,8 +1114,8 @@ def _fwd_kernel(*refs, st: _Static):
       lax.fori_loop(plo, lo, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo), None)
       carry = (acc, m, l, zero_p())
       one = has.astype(jnp.int32)
-      carry = lax.fori_loop(lo, lo + one, lambda e, c: qk_turn(
-          lambda: ring_slot(e), e, lambda: e - plo, c, True), carry)   # edge or not: exact mask
+      carry = masked_loop(lo, lo + one, lambda masked: lambda e, c: qk_turn(
+          lambda: ring_slot(e), e, lambda: e - plo, c, masked), carry)   # edge or not: exact mask
       a = lo + 1
       b1 = jnp.maximum(flo, a)
       b2 = jnp.maximum(fhi, a)
@@ -1089,9 +1123,9 @@ def _fwd_kernel(*refs, st: _Static):
       def pair(masked):
         return lambda e, c: pair_turn(lambda: (ring_slot(e), ring_slot(e - 1)), e,
                                       lambda: e - plo, c, masked)
-      carry = lax.fori_loop(a, b1, pair(True), carry)
+      carry = masked_loop(a, b1, pair, carry)
       carry = lax.fori_loop(b1, b2, pair(False), carry)
-      carry = lax.fori_loop(b2, hi, pair(True), carry)
+      carry = masked_loop(b2, hi, pair, carry)
       carry = lax.fori_loop(hi, hi + one, lambda e, c: pv_turn(
           lambda: ring_slot(e - 1), lambda: e - plo, c), carry)
       lax.fori_loop(hi, phi, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo + one), None)
@@ -1133,9 +1167,10 @@ def _fwd_kernel(*refs, st: _Static):
       carry = lax.fori_loop(jnp.int32(0), walk_count(), walk_step, carry)
     else:
       lax.fori_loop(plo, lo, drain, None)
-      carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
-      carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
-      carry = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+      step_of = lambda masked: functools.partial(step, masked=masked)
+      carry = masked_loop(lo, flo, step_of, carry)
+      carry = lax.fori_loop(flo, fhi, step_of(False), carry)
+      carry = masked_loop(fhi, hi, step_of, carry)
       lax.fori_loop(hi, phi, drain, None)
     if not st.overlap_softmax:
       pl.when(wg == 0)(hand_over if handoff else meet)
