@@ -168,6 +168,14 @@ OVERLAP_LOWER_CASES = {
         logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, early_k_load=True, **_OVERLAP)),
     "d128_store_wait_read_only": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
                                       bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
+    # BlockSizes.one_segment_static_mask (session 20), with and without the overlap
+    "d128_segments_one_segment_static_mask": dict(
+        sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True,
+        bs=mg.BlockSizes(64, 128, 2, one_segment_static_mask=True)),
+    "d128_segments_overlap_one_segment_static_mask": dict(
+        sq=512, sk=512, hq=4, hk=2, d=128, causal=True, seg=True,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, one_segment_static_mask=True,
+                         **_OVERLAP)),
 }
 LOWER_CASES.update(OVERLAP_LOWER_CASES)
 
@@ -678,7 +686,9 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
   with the kernel's helpers: logits (``_cap_logits``), with ``masked`` ``_tile_visible``
   (segment ids qs_t [bq] / ks_all [Sk'] unless qs_t is None; where the traced bool ``one_seg``
   (``_seg_bounds``' one-segment flag) is true, the static mask only, as the kernel's
-  ``masked="static"``), ``_online_softmax``, P cast to p_dtype. carry = (acc [bq, D], m, l); also
+  ``masked="static"`` with ``BlockSizes.one_segment_static_mask``: the flag is exact, so the
+  answer is the same either way, and the replay checks that), ``_online_softmax``, P cast to
+  p_dtype. carry = (acc [bq, D], m, l); also
   used by tests/test_sparse_mosaic_gpu.py."""
   acc, m, l = carry
   bq, bk = st.block_q, st.block_k
@@ -1212,12 +1222,17 @@ GPU_MASK_CASES = {
     # (the H200's causal_segments entry: the overlap; and the plain range path)
     "d128_segments_aligned_docs": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
                                        seg="aligned4"),
-    "d128_segments_aligned_docs_no_overlap": dict(
+    "d128_segments_aligned_docs_static_mask": dict(
         b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="aligned4",
-        bs=mg.BlockSizes(64, 128, 2)),
-    "d128_segments_aligned_docs_overlap": dict(
+        bs=mg.BlockSizes(64, 128, 2, one_segment_static_mask=True)),
+    "d128_segments_aligned_docs_overlap_static_mask": dict(
         b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="aligned4",
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, one_segment_static_mask=True,
+                         **_OVERLAP)),
+    "d128_segments_packed_overlap_static_mask": dict(
+        b=2, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=True, seg="packed",
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, one_segment_static_mask=True,
+                         **_OVERLAP)),
     # 256-key tiles at D64 (the H200's dense and causal entries since run 61; segment ids
     # without causal take the "dense" entry)
     "d64_bk256_causal_ragged_gqa": dict(b=1, sq=1000, sk=1300, hq=4, hk=2, d=64, causal=True,
