@@ -546,8 +546,12 @@ def test_one_segment_flag_is_exact():
   id on both sides (checked against the ids themselves on random layouts with padding)."""
   sq, docs = 2048, 4
   seg = np.repeat(np.arange(1, docs + 1, dtype=np.int32), sq // docs)[None]
+  bs = mg.BlockSizes(64, 128, 2, one_segment_static_mask=True)
   st = mg._static_config((1, sq, 1, 128), (1, sq, 1, 128), jnp.bfloat16, causal=True,
-                         scale=None, block_sizes=mg.BlockSizes(64, 128, 2), has_seg=True)
+                         scale=None, block_sizes=dataclasses.replace(
+                             bs, one_segment_static_mask=False), has_seg=True)
+  assert _SEG_BOUNDS_JIT(jnp.asarray(seg), jnp.asarray(seg), st).shape[-1] == 10  # option off
+  st = dataclasses.replace(st, one_seg_mask=True)
   bounds = np.asarray(_SEG_BOUNDS_JIT(jnp.asarray(seg), jnp.asarray(seg), st))
   assert bounds.shape[-1] == mg._SEG_BOUNDS_ONE + 2
   assert (bounds[..., mg._SEG_BOUNDS_ONE:] == 1).all()
@@ -555,7 +559,8 @@ def test_one_segment_flag_is_exact():
   n_set = n_clear = 0
   for sq, sk, causal in [(1000, 1000, True), (328, 200, False), (200, 328, True)]:
     st = mg._static_config((2, sq, 1, 128), (2, sk, 1, 128), jnp.bfloat16, causal=causal,
-                           scale=None, block_sizes=mg.BlockSizes(64, 64, 2), has_seg=True)
+                           scale=None, block_sizes=mg.BlockSizes(
+                               64, 64, 2, one_segment_static_mask=True), has_seg=True)
     bq, bk = st.block_q, st.block_k
     sq_p, sk_p = st.num_q_programs * 2 * bq, st.num_kv_tiles * bk
     for _ in range(3):
@@ -732,7 +737,8 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
     ks_p = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, sk_pad - sk)))
     bounds = mg._seg_bounds(qs_p, ks_p, st)
     ranges = bounds[..., 2:mg._SEG_BOUNDS_ONE].reshape(b, n_rows, 4)
-    ones = bounds[..., mg._SEG_BOUNDS_ONE:].reshape(b, n_rows)
+    ones = (bounds[..., mg._SEG_BOUNDS_ONE:].reshape(b, n_rows) if st.one_seg_mask
+            else jnp.zeros((b, n_rows), jnp.int32))
   else:
     qs_p = jnp.zeros((b, sq_pad), jnp.int32)
     ks_p = jnp.zeros((b, sk_pad), jnp.int32)
@@ -796,8 +802,12 @@ REPLAY_CASES = {
     # segment ids (0 = padding)
     "segments_dense": dict(b=2, sq=200, sk=200, hq=4, hk=2, d=64, causal=False, seg="packed"),
     "segments_causal": dict(b=2, sq=200, sk=200, hq=4, hk=2, d=64, causal=True, seg="packed"),
-    "segments_aligned_docs": dict(b=2, sq=512, sk=512, hq=2, hk=1, d=64, causal=True,
-                                  seg="aligned4"),
+    "segments_aligned_docs_static_mask": dict(
+        b=2, sq=512, sk=512, hq=2, hk=1, d=64, causal=True, seg="aligned4",
+        bs=mg.BlockSizes(64, 128, 2, one_segment_static_mask=True)),
+    "segments_packed_static_mask": dict(
+        b=2, sq=200, sk=200, hq=4, hk=2, d=64, causal=True, seg="packed",
+        bs=mg.BlockSizes(64, 64, 2, one_segment_static_mask=True)),
     "segments_causal_q_shorter": dict(b=2, sq=200, sk=328, hq=4, hk=2, d=64, causal=True,
                                       seg="random"),
     "segments_window_soft_cap": dict(b=2, sq=328, sk=200, hq=4, hk=2, d=64, causal=False,

@@ -448,12 +448,13 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
   """Per-(batch, program) kv ranges with segment ids, from the tile classes that
   ``block_schedule.make_schedule`` uses (min/max nonzero segment id per tile, padding id 0 left
   out: ``block_schedule._segment_tile_pairs``; no order of the ids assumed) intersected with the
-  static mask: int32 [B, num_q_programs, 2 + 4 * 2 + 2] rows
-  ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1, one0, one1]`` (program range, then
-  each compute warpgroup's (lo, flo, fhi, hi) as in ``_static_ranges``, clipped into the
-  program's, then its one-segment flag: 1 when every tile of its [lo, hi) holds one and the same
-  nonzero id on the query and the key side, so its masked tiles need only the static mask;
-  ``_SEG_BOUNDS_ONE``).
+  static mask: int32 [B, num_q_programs, 2 + 4 * 2] rows
+  ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` (program range, then each compute
+  warpgroup's (lo, flo, fhi, hi) as in ``_static_ranges``, clipped into the program's); with
+  ``BlockSizes.one_segment_static_mask`` two more columns ``one0, one1`` (from
+  ``_SEG_BOUNDS_ONE``): each warpgroup's one-segment flag, 1 when every tile of its [lo, hi)
+  holds one and the same nonzero id on the query and the key side, so its masked tiles need only
+  the static mask.
 
   A warpgroup walks [lo, hi) = first to last kv tile that any of its rows may see (tiles in
   between that no row sees, across a document gap, are walked masked), without the mask on the
@@ -490,11 +491,12 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
   lo, flo, fhi, hi = _clip_to_program(plo[..., None], phi[..., None], lo, flo, fhi, hi)
   # one segment: every tile the warpgroup computes (its [lo, hi), masked edges included) holds
   # one and the same nonzero id on both sides (``seg_all``), so the static mask alone is exact
-  walked = ((t[None] >= lo.reshape(b, n_tiles, 1)) & (t[None] < hi.reshape(b, n_tiles, 1)))
-  one_seg = jnp.all(seg_all | ~walked, -1).reshape(shape)
   wg = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, st.num_q_programs, 4 * _COMPUTE_WGS)
-  return jnp.concatenate([plo[..., None], phi[..., None], wg, one_seg.astype(jnp.int32)],
-                         -1).astype(jnp.int32)
+  cols = [plo[..., None], phi[..., None], wg]
+  if st.one_seg_mask:   # (without the option the rows keep their 10 columns: the same kernels)
+    walked = ((t[None] >= lo.reshape(b, n_tiles, 1)) & (t[None] < hi.reshape(b, n_tiles, 1)))
+    cols.append(jnp.all(seg_all | ~walked, -1).reshape(shape).astype(jnp.int32))
+  return jnp.concatenate(cols, -1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,7 +747,7 @@ def _program_tiles(g, st: _Static):
 
 def _fwd_kernel(*refs, st: _Static):
   """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM), with segment ids also q_seg [B, Sq],
-  kv_seg [B, Sk] int32 and bounds [B, programs, 12] (``_seg_bounds``) -> o [B, Sq, Hq, D],
+  kv_seg [B, Sk] int32 and bounds [B, programs, 10 or 12] (``_seg_bounds``) -> o [B, Sq, Hq, D],
   lse [B, Hq, Sq] (GMEM, natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D],
   v [S, bk, D], lse [2, bq], with segment ids q_seg [2, bq], kv_seg [S, bk]), barriers
   q_loaded [2], k/v_loaded [S] (with segment ids q_loaded and k_loaded also count the segment
