@@ -103,6 +103,50 @@ def test_hnd_equals_nhd_on_transposed_cache(impl):
                              atol=1e-4)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_hnd_triton_kernels_read_unrepeated_lengths(fused):
+  """On a head-major cache the Triton path passes the [batch] lengths to its kernels
+  (``lengths_group`` = kv_heads: sequence b * kv_heads + h reads entry b) instead of repeating
+  them per kv head in XLA; the kernels reject lengths of another shape."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse import decode as sd
+  from pallas_kernels.sparse import decode_select as ds
+  b, n, hq, hk, d, bs = 2, 96, 8, 4, 16, 16
+  q, kc, vc = _inputs(42, b, n, hq, hk, d, d)
+  lens = jnp.array([96, 40], jnp.int32)
+  kh, vh = _hnd(kc), _hnd(vc)
+  summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
+  jaxpr = jax.make_jaxpr(lambda q, kh, vh, lens, s: sp.sparse_decode_attention(
+      q, kh, vh, lens, s, block_size=bs, top_k=2, implementation="triton", interpret=True,
+      kv_layout="hnd", num_splits=2, fused_select=fused))(q, kh, vh, lens, summ_h)
+
+  def pallas_calls(jx):
+    for e in jx.eqns:
+      if e.primitive.name == "pallas_call":
+        yield e
+      for v in e.params.values():                 # pjit's jaxpr, cond branches, ...
+        for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            yield from pallas_calls(sub)
+  calls = list(pallas_calls(jaxpr.jaxpr))
+  assert len(calls) == (2 if fused else 3)        # (scores +) selection, attention
+  for e in calls:                                 # every kernel's first operand: lengths [b]
+    assert e.invars[0].aval.shape == (b,), (e.params["name_and_src_info"], e.invars[0].aval)
+  scores = jnp.zeros((b * hk, 1, n // bs), jnp.float32)
+  with pytest.raises(ValueError, match="kv_lengths must have shape"):
+    ds.select_decode_slots(scores, lens, block_size=bs, top_k=1, num_init_blocks=1,
+                           num_local_blocks=1, max_selected=3, interpret=True, lengths_group=2)
+  with pytest.raises(ValueError, match="lengths_group must be >= 1 and divide"):
+    ds.decode_block_scores(q.reshape(b * hk, 2, d), jnp.zeros((b * hk, n // bs, 1, d)), lens,
+                           block_size=bs, interpret=True, lengths_group=3)
+  with pytest.raises(ValueError, match="kv_lengths must have shape"):
+    sd.sparse_decode(q.reshape(b * hk, 2, d), kh.reshape(b * hk, n, 1, d),
+                     vh.reshape(b * hk, n, 1, d), lens,
+                     jnp.zeros((b * hk, 1, 2), jnp.int32), block_size=bs, num_splits=1,
+                     interpret=True, lengths_group=2)
+
+
 def test_hnd_triton_fused_select_bf16():
   """The fused score + select kernel on a head-major bf16 cache (GQA 8:2, lengths not multiples
   of the block): the "nhd" fused call's indices and outputs, and the fp32 reference."""

@@ -53,7 +53,7 @@ def _pow2(n):
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
             merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True,
-            slot_source=None):
+            slot_source=None, len_group=1):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
@@ -74,6 +74,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   blocks_per_step 1; the kernel masks s >= end itself): the fused selection kernel
   (``pallas_kernels.sparse.decode_fused_select``) derives the lists in-kernel, with idx_ref
   and cnt_ref None.
+  ``len_group``: lens holds one length per ``len_group`` consecutive sequences (lens[b //
+  len_group]; a head-major cache seen as batch x kv_heads sequences).
   """
   if paged:
     pt_ref, *rest = rest
@@ -90,7 +92,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   split = pl.program_id(2)
   if split_stride != 1:                  # tests: make a split other than S-1 arrive last
     split = (split * split_stride) % num_splits
-  length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[b]), capacity), 0)   # scalar
+  lb = b if len_group == 1 else jax.lax.div(b, jnp.int32(len_group))
+  length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[lb]), capacity), 0)   # scalar
   if slot_source is not None:
     n_slots, blk_at = slot_source(b, h)
   elif cnt_ref is None:
@@ -313,7 +316,7 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
 
 
 def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, num_splits, scale,
-             merge, split_stride, blocks_per_step=1, index_lookahead=True):
+             merge, split_stride, blocks_per_step=1, index_lookahead=True, lengths_group=1):
   """Checks shapes; returns (kernel, grid, (batch, q_heads, head_dim_v), kernel args)."""
   if block_size < 16 or block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two >= 16 for the Triton sparse decode "
@@ -345,6 +348,12 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
                      f"{indices.shape}")
   if counts is not None and counts.shape != (bsz, hk):
     raise ValueError(f"counts must be [batch, kv_heads] = [{bsz}, {hk}], got {counts.shape}")
+  if lengths_group < 1 or bsz % lengths_group:
+    raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got "
+                     f"{lengths_group}")
+  if kv_lengths.shape != (bsz // lengths_group,):
+    raise ValueError(f"kv_lengths must have shape ({bsz // lengths_group},) (batch {bsz} / "
+                     f"lengths_group {lengths_group}), got {kv_lengths.shape}")
   group = hq // hk
   if scale is None:
     scale = 1.0 / math.sqrt(d)
@@ -356,6 +365,8 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
   if bps != 1 or not index_lookahead:    # the default keeps the original kernel's arguments
     kernel = functools.partial(kernel, blocks_per_step=bps,
                                index_lookahead=bool(index_lookahead))
+  if lengths_group != 1:
+    kernel = functools.partial(kernel, len_group=int(lengths_group))
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
@@ -369,10 +380,12 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "out_dtype",
                                              "num_warps", "num_stages", "blocks_per_step",
-                                             "index_lookahead", "interpret", "_split_stride"))
+                                             "index_lookahead", "interpret", "_split_stride",
+                                             "lengths_group"))
 def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, arrivals=None, *,
                   block_size, num_splits, scale=None, out_dtype=None, num_warps=4, num_stages=3,
-                  blocks_per_step=1, index_lookahead=True, interpret=False, _split_stride=1):
+                  blocks_per_step=1, index_lookahead=True, interpret=False, _split_stride=1,
+                  lengths_group=1):
   """Decode attention over each kv head's selected cache blocks, splits merged in-kernel (Triton).
 
   The kernel of :func:`sparse_decode_partials` with the merge folded in: each (batch, kv head,
@@ -391,6 +404,9 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
       launch). None makes zeros (an XLA memset before the kernel). Ignored when num_splits == 1.
     num_splits: splits of each selected list.
     out_dtype: dtype of the output (default q.dtype).
+    lengths_group: kv_lengths is [batch / lengths_group], one length per that many
+      consecutive sequences (sequence b reads kv_lengths[b // lengths_group]): a head-major
+      cache seen as batch x kv_heads sequences, without repeating the lengths in XLA.
     _split_stride: tests only: program s handles split (s * stride) % num_splits (coprime with
       num_splits), so in the interpreter, which runs programs in order, another split than the
       last arrives last.
@@ -413,7 +429,8 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
   kernel, grid, (bsz, hq, dv), args = _prepare(
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride,
-      blocks_per_step=blocks_per_step, index_lookahead=index_lookahead)
+      blocks_per_step=blocks_per_step, index_lookahead=index_lookahead,
+      lengths_group=lengths_group)
   out_shape, aliases = _merged_outputs(args, arrivals, bsz=bsz, hq=hq, hk=grid[1], dv=dv,
                                        num_splits=num_splits,
                                        out_dtype=q.dtype if out_dtype is None else out_dtype)

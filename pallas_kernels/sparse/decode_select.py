@@ -60,26 +60,43 @@ def _group_query_sum(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
   return qsum, cols, col_ok, q_mask
 
 
+def _len_index(b, len_group):
+  """Row of a lengths array shared by ``len_group`` consecutive sequences (a head-major cache
+  seen as batch x kv_heads sequences, ``lengths_group`` = kv_heads): b // len_group."""
+  return b if len_group == 1 else jax.lax.div(b, jnp.int32(len_group))
+
+
+def _check_lengths(lengths, bsz, lengths_group, name):
+  """ValueError unless ``lengths`` has shape (bsz // lengths_group,)."""
+  if lengths_group < 1 or bsz % lengths_group:
+    raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got "
+                     f"{lengths_group}")
+  if jnp.shape(lengths) != (bsz // lengths_group,):
+    raise ValueError(f"{name} must have shape ({bsz // lengths_group},) (batch "
+                     f"{bsz} / lengths_group {lengths_group}), got {jnp.shape(lengths)}")
+
+
 def _chunk_scores(slen_ref, sums_ref, b, h, c, qsum, cols, col_ok, *, block, chunk,
-                  num_blocks):
+                  num_blocks, len_group=1):
   """Scores of blocks c * chunk .. c * chunk + chunk - 1: (block ids [chunk], in range
-  [chunk], fp32 scores [chunk]); one [chunk, d_pad] load of the key sums."""
+  [chunk], fp32 scores [chunk]); one [chunk, d_pad] load of the key sums. The summary length
+  of sequence b is slen[b // len_group]."""
   rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)              # [chunk] block ids
   row_ok = rows < num_blocks
   mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
   s = plgpu.load(sums_ref.at[b, rows[:, None], h, cols[None, :]], mask=mask, other=0.0)
   dots = jnp.sum(s.astype(jnp.float32) * qsum[None, :], axis=1)      # [chunk] fp32
-  length = plgpu.load(slen_ref.at[b])
+  length = plgpu.load(slen_ref.at[_len_index(b, len_group)])
   cnt = jnp.clip(length - rows * block, 0, block)
   return rows, row_ok, dots / jnp.maximum(cnt, 1).astype(jnp.float32)
 
 
 def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, *, block, chunk, group, g_pad, head_dim,
-                  d_pad, num_blocks):
+                  d_pad, num_blocks, len_group=1):
   """One (batch, kv head, chunk) program.
 
-  Refs: slen [B] (positions summarised); q [B, Hq, D]; sums [B, N, Hk, D] fp32; output scores
-  [B, Hk, N] fp32.
+  Refs: slen [B / len_group] (positions summarised); q [B, Hq, D]; sums [B, N, Hk, D] fp32;
+  output scores [B, Hk, N] fp32.
   """
   b = pl.program_id(0)
   h = pl.program_id(1)
@@ -87,7 +104,8 @@ def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, *, block, chunk, group, g_pa
   qsum, cols, col_ok, _ = _group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
                                            head_dim=head_dim, d_pad=d_pad)
   rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h, c, qsum, cols, col_ok,
-                                       block=block, chunk=chunk, num_blocks=num_blocks)
+                                       block=block, chunk=chunk, num_blocks=num_blocks,
+                                       len_group=len_group)
   plgpu.store(o_ref.at[b, h, rows], scores, mask=row_ok)
 
 
@@ -106,9 +124,10 @@ def _check_score_inputs(q, sums, chunk):
   return bsz, hk, nb, d, hq // hk, min(chunk, _pow2(nb))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "chunk", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "chunk", "num_warps", "interpret",
+                                             "lengths_group"))
 def decode_block_scores(q, sums, summary_lengths, *, block_size, chunk=64, num_warps=4,
-                        interpret=False):
+                        interpret=False, lengths_group=1):
   """Block scores of one decode query per sequence against the running key sums.
 
   Args:
@@ -120,6 +139,9 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, chunk=64, num_w
     chunk: blocks per program (a power of two).
     num_warps: launch parameter.
     interpret: run in the Pallas interpreter (CPU tests).
+    lengths_group: consecutive sequences that share one length: summary_lengths is then
+      [batch / lengths_group] and sequence b reads entry b // lengths_group (a head-major
+      cache seen as batch x kv_heads sequences, without repeating the lengths in XLA).
 
   Returns:
     fp32 [batch, kv_heads, num_blocks]: sum over the group's query heads of q . mean key.
@@ -130,8 +152,10 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, chunk=64, num_w
     Array([2., 2., 4.], dtype=float32)
   """
   bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums, chunk)
+  _check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
   kernel = functools.partial(_score_kernel, block=int(block_size), chunk=chunk, group=group,
-                             g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d), num_blocks=nb)
+                             g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d), num_blocks=nb,
+                             len_group=int(lengths_group))
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
       grid=(bsz, hk, pl.cdiv(nb, chunk)),
@@ -250,7 +274,7 @@ def _bit_search(key, real, *, top_k, rolled):
 
 
 def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
-                digit_bits, search_chunk, search_loop="unrolled"):
+                digit_bits, search_chunk, search_loop="unrolled", len_group=1):
   """The kept set of (batch b, kv head h) from its scores: (block ids [nb_pad], keep [nb_pad]
   bool). Shared by the selection kernels (``_select_body``, which then compacts it) and the
   fused selection + attention kernel (``decode_fused_select``). ``search_loop="rolled"``: the
@@ -258,7 +282,7 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
   integer ops per step, so the same threshold)."""
   j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
   real = j < num_blocks
-  length = jnp.minimum(plgpu.load(len_ref.at[b]), num_blocks * block)
+  length = jnp.minimum(plgpu.load(len_ref.at[_len_index(b, len_group)]), num_blocks * block)
   diag = jnp.where(length > 0, (length - 1) // block, -1)            # the query's block
   visible = j <= diag
   forced = j < num_init
@@ -292,12 +316,12 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
 
 
 def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, nb_pad,
-                 num_init, num_local, top_k, width, digit_bits, search_chunk):
+                 num_init, num_local, top_k, width, digit_bits, search_chunk, len_group=1):
   """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
   selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h]."""
   j, keep = _keep_flags(len_ref, s_ref, b, h, block=block, num_blocks=num_blocks,
                         nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
-                        digit_bits=digit_bits, search_chunk=search_chunk)
+                        digit_bits=digit_bits, search_chunk=search_chunk, len_group=len_group)
   keep_i = keep.astype(jnp.int32)
   incl = jnp.cumsum(keep_i)                                          # [nb_pad]
   count = jnp.sum(keep_i)
@@ -309,7 +333,7 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
 
 
 def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
-                   num_local, top_k, width, digit_bits=1, search_chunk=None):
+                   num_local, top_k, width, digit_bits=1, search_chunk=None, len_group=1):
   """One (batch, kv head) program.
 
   Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
@@ -319,7 +343,8 @@ def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb
   h = pl.program_id(1)
   _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, block=block, num_blocks=num_blocks,
                nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
-               width=width, digit_bits=digit_bits, search_chunk=search_chunk)
+               width=width, digit_bits=digit_bits, search_chunk=search_chunk,
+               len_group=len_group)
   if arr:                                      # zeroed counters for the merged decode kernel
     plgpu.store(arr[0].at[b, h], jnp.int32(0))
 
@@ -346,10 +371,11 @@ def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, 
 @functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
                                              "num_local_blocks", "max_selected", "num_warps",
                                              "interpret", "return_arrivals", "digit_bits",
-                                             "search_chunk"))
+                                             "search_chunk", "lengths_group"))
 def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_blocks,
                         num_local_blocks, max_selected, num_warps=None, interpret=False,
-                        return_arrivals=False, digit_bits=1, search_chunk=None):
+                        return_arrivals=False, digit_bits=1, search_chunk=None,
+                        lengths_group=1):
   """Kept blocks of one decode query per sequence: initial, local and the top_k by score.
 
   Args:
@@ -371,6 +397,9 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     search_chunk: radix only: blocks per compare tile ([2**digit_bits, search_chunk], summed
       elementwise over the chunks before the one reduction), a power of two >= 16; default
       keeps the tile at ~32 int32 per thread (``_default_search_chunk``).
+    lengths_group: consecutive sequences that share one length (kv_lengths [batch /
+      lengths_group], sequence b reads entry b // lengths_group), as
+      :func:`decode_block_scores`.
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
@@ -385,8 +414,11 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     ([[[0, 1, 3, 4]]], [[4]])
   """
   bsz, hk, nb = scores.shape
+  _check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, num_warps, digit_bits, search_chunk)
+  if lengths_group != 1:
+    sel["len_group"] = int(lengths_group)
   kernel = functools.partial(_select_kernel, **sel)
   out_shape = [jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
                jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
@@ -429,7 +461,8 @@ def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group
     rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h,
                                          split * chunks_per_split + i, qsum, cols, col_ok,
                                          block=sel["block"], chunk=chunk,
-                                         num_blocks=sel["num_blocks"])
+                                         num_blocks=sel["num_blocks"],
+                                         len_group=sel.get("len_group", 1))
     plgpu.store(s_ref.at[b, h, rows], scores, mask=row_ok)
   # Memory order (as in pallas_kernels.sparse.decode.sparse_decode's merge): the selection
   # reads scores stored by other threads of this program (and, with splits, by other
@@ -485,12 +518,13 @@ def default_score_splits(batch, kv_heads, num_blocks, *, chunk=64, core_count=No
                                              "num_local_blocks", "max_selected", "score_splits",
                                              "chunk", "num_warps", "digit_bits",
                                              "search_chunk", "return_arrivals",
-                                             "return_scores", "interpret", "_split_stride"))
+                                             "return_scores", "interpret", "_split_stride",
+                                             "lengths_group"))
 def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_size, top_k,
                               num_init_blocks, num_local_blocks, max_selected,
                               score_splits=None, chunk=64, num_warps=None, digit_bits=1,
                               search_chunk=None, return_arrivals=False, return_scores=False,
-                              interpret=False, _split_stride=1):
+                              interpret=False, _split_stride=1, lengths_group=1):
   """:func:`decode_block_scores` and :func:`select_decode_slots` in one launch.
 
   Grid (batch, kv head, score split). Each program computes the scores of its share of the
@@ -521,6 +555,8 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     return_arrivals: also return the zeroed int32 [batch, kv_heads] arrival counters.
     return_scores: also return the fp32 [batch, kv_heads, num_blocks] scores.
     interpret: run in the Pallas interpreter (CPU tests).
+    lengths_group: both lengths arrays are [batch / lengths_group], shared by that many
+      consecutive sequences (as :func:`decode_block_scores`).
     _split_stride: tests only: program s scores split (s * stride) % score_splits (coprime
       with the split count), so in the interpreter, which runs programs in order, another
       split than the last arrives last.
@@ -538,6 +574,8 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     ([[[0, 3, 4, 5]]], [[4]])
   """
   bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums, chunk)
+  _check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
+  _check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   n_chunks = pl.cdiv(nb, chunk)
   if score_splits is None:
     score_splits = default_score_splits(bsz, hk, nb, chunk=chunk)
@@ -549,6 +587,8 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     raise ValueError(f"_split_stride {_split_stride} must be coprime with the {splits} splits")
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, num_warps, digit_bits, search_chunk)
+  if lengths_group != 1:
+    sel["len_group"] = int(lengths_group)
   kernel = functools.partial(_score_select_kernel, chunk=chunk, group=group,
                              g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d),
                              score_splits=splits, chunks_per_split=per_split,
