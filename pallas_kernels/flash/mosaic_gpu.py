@@ -315,7 +315,8 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
   if head_dim not in _HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got "
                               f"{head_dim}")
-  return _tuned_block_sizes(head_dim, device_kind, mask)
+  from pallas_kernels import tuning
+  return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached by kind
 
 
 def _check_dtype(dtype):

@@ -166,7 +166,8 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
   """
   _check_dtype(dtype)
   _check_head_dim(head_dim)
-  return _tuned_block_sizes(head_dim, device_kind)
+  from pallas_kernels import tuning
+  return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind))   # cached by kind
 
 
 def _check_dtype(dtype):

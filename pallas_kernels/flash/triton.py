@@ -204,7 +204,10 @@ def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) ->
   if head_dim > 256:
     raise ValueError(f"head_dim must be <= 256, got {head_dim}")
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
-  return _tuned_block_sizes(max(32, _pow2(head_dim)), itemsize, device_kind)
+  # the cache key is the resolved kind (never None: a test that swaps tuning.device_kind must
+  # not leave its table cached for this machine's calls)
+  from pallas_kernels import tuning
+  return _tuned_block_sizes(max(32, _pow2(head_dim)), itemsize, tuning.resolve_kind(device_kind))
 
 
 def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None,
@@ -213,7 +216,8 @@ def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None
   when the forward (backward) tiles match the table's, otherwise a heuristic from the tile sizes
   and a shared-memory budget of ~200 KiB."""
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
-  tuned = _tuned_block_sizes(max(32, max(d_pad, dv_pad)), itemsize, None)
+  from pallas_kernels import tuning
+  tuned = _tuned_block_sizes(max(32, max(d_pad, dv_pad)), itemsize, tuning.resolve_kind(None))
   bbq, bbk = bwd_block_q or block_q, bwd_block_k or block_k
   budget = 200 * 1024
   if (tuned.block_q, tuned.block_k) == (block_q, block_k):

@@ -93,6 +93,24 @@ def table_file(kind: str | None = None) -> str:
   return DEVICE_TABLES.get(kind, GENERIC_TABLE)
 
 
+def resolve_kind(kind: str | None) -> str | None:
+  """``kind``, or the current device's (:func:`device_kind`) when None: the key under which the
+  kernels cache their tuned tiles, so that a cached entry always names the device it was read
+  for.
+
+  Args:
+    kind: a device kind or None.
+
+  Returns:
+    The device kind (None only if jax has no device).
+
+  Example:
+    >>> resolve_kind("NVIDIA H200")
+    'NVIDIA H200'
+  """
+  return device_kind() if kind is None else kind
+
+
 @functools.lru_cache(maxsize=None)
 def load_table(name: str) -> dict:
   """One table file, parsed and checked (cached: do not mutate the result).
