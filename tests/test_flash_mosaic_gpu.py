@@ -168,6 +168,12 @@ OVERLAP_LOWER_CASES = {
         logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, early_k_load=True, **_OVERLAP)),
     "d128_store_wait_read_only": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
                                       bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
+    # BlockSizes.tail_kv_splits (session 20): the main launch and the key-chunk launch
+    "d128_tail_kv_splits_overlap": dict(
+        sq=700, sk=1024, hq=4, hk=2, d=128, causal=False,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, tail_kv_splits=4, **_OVERLAP)),
+    "d256_tail_kv_splits": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=False,
+                                bs=mg.BlockSizes(64, 64, 2, tail_kv_splits=2)),
     # BlockSizes.one_segment_static_mask (session 20), with and without the overlap
     "d128_segments_one_segment_static_mask": dict(
         sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True,
@@ -910,6 +916,11 @@ def _replayed_fwd_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None):
   pad = q_p.shape[1] - st.q_len
   out = jnp.pad(out, ((0, 0), (0, pad), (0, 0), (0, 0)))
   lse = jnp.pad(lse, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+  if st.tail_batch >= 0:   # tail_kv_splits: the kernel's skipped program walks no key
+    rows = 2 * st.block_q
+    r0 = (st.num_q_programs - 1) * rows
+    out = out.at[st.tail_batch, r0:r0 + rows].set(0)
+    lse = lse.at[st.tail_batch, :, r0:r0 + rows].set(-jnp.inf)
   return out, lse
 
 
@@ -996,6 +1007,48 @@ def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, q_seg=q_seg, kv_seg=kv_seg,
                                 block_sizes=bs, **mask)
   _assert_vjp_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("splits,sq,b", [(4, 1000, 2), (2, 256, 1), (8, 300, 3)])
+def test_tail_kv_splits_through_the_replay(splits, sq, b, monkeypatch):
+  """``BlockSizes.tail_kv_splits``: the kernel (its jnp replay, which also leaves the skipped
+  program's rows at 0 / -inf as the kernel does) skips the last query program of the last
+  batch row; the second launch over the key chunks and the log-sum-exp merge fill them in.
+  Out, LSE and the VJP (Triton backward, interpret) against the fp32 reference, GQA 4:2, a
+  ragged last query tile (1000, 300) and a single program (256)."""
+  calls = []
+  real = _replayed_fwd_call
+  monkeypatch.setattr(mg, "_fwd_call", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+  q, k, v = _inputs(zlib.crc32(f"tail{splits}".encode()), b=b, sq=sq, sk=1024, hq=4, hk=2,
+                    d=64, dtype=jnp.bfloat16)
+  bs = mg.BlockSizes(64, 128, 2, backward="triton", tail_kv_splits=splits)
+  got, want = _vjp_vs_reference(q, k, v, False, interpret=True, block_sizes=bs)
+  _assert_vjp_close(got, want, jnp.bfloat16)
+  main, tail = calls[0], calls[1]
+  assert (main.tail_batch, main.tail_kv_splits) == (b - 1, splits)
+  assert (tail.tail_batch, tail.num_q_programs, tail.kv_len) == (-1, 1, 1024 // splits)
+
+
+def test_tail_kv_splits_checks():
+  """tail_kv_splits: an int >= 0, q_tiles_per_program 1, dense masks and keys a multiple of
+  tail_kv_splits * block_k; each other call raises, naming why."""
+  with pytest.raises(ValueError, match="tail_kv_splits must be an int"):
+    mg.BlockSizes(64, 128, 2, tail_kv_splits=-1)
+  with pytest.raises(ValueError, match="q_tiles_per_program=1"):
+    mg.BlockSizes(64, 128, 2, tail_kv_splits=2, q_tiles_per_program=2)
+  bs = mg.BlockSizes(64, 128, 2, tail_kv_splits=4)
+  cfg = lambda k_shape, **kw: mg._static_config((1, 1024, 2, 128), k_shape, jnp.bfloat16,
+                                                scale=None, block_sizes=bs, **kw)
+  assert cfg((1, 1024, 2, 128), causal=False).tail_kv_splits == 4
+  assert mg._static_config((1, 1024, 2, 128), (1, 1024, 2, 128), jnp.bfloat16, causal=False,
+                           scale=None, block_sizes=mg.BlockSizes(64, 128, 2)).tail_batch == -1
+  for kw, why in [(dict(causal=True), "causal"),
+                  (dict(causal=False, local_window_size=(64, 64)), "local window"),
+                  (dict(causal=False, has_seg=True), "segment ids")]:
+    with pytest.raises(ValueError, match=why):
+      cfg((1, 1024, 2, 128), **kw)
+  with pytest.raises(ValueError, match="not a multiple"):
+    cfg((1, 1000, 2, 128), causal=False)
 
 
 @pytest.mark.parametrize("name", list(VJP_CASES))
@@ -1228,6 +1281,13 @@ GPU_MASK_CASES = {
                                          logits_soft_cap=5.0),
     "d256_segments_causal": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=True,
                                  seg="packed"),
+    # BlockSizes.tail_kv_splits: the last program of the last batch row by key chunks
+    "d128_tail_kv_splits_overlap": dict(
+        b=2, sq=1000, sk=1024, hq=4, hk=2, d=128, causal=False,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, tail_kv_splits=4, **_OVERLAP)),
+    "d256_tail_kv_splits_overlap": dict(
+        b=2, sq=512, sk=512, hq=2, hk=2, d=256, causal=False,
+        bs=mg.BlockSizes(64, 64, 2, early_k_load=True, tail_kv_splits=2, **_OVERLAP)),
     # aligned documents: the one-segment flag set, masked tiles with the static mask only
     # (the H200's causal_segments entry: the overlap; and the plain range path)
     "d128_segments_aligned_docs": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,

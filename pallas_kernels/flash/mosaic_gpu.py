@@ -200,6 +200,17 @@ class BlockSizes:
       it. The same result. Written in session 20 after run 70 (packed documents 0.558 ms against
       0.499 for the same tiles without segment ids, the masked-tile code 1.7x longer);
       CPU-verified (lowered, replayed), not yet run on a GPU, so off by default.
+    tail_kv_splits: C > 0 (default 0, off): the last wave. The kernel runs one program per SM,
+      so B * Hq * programs is rarely a multiple of the SM count, and the last, partial wave
+      costs about half a wave (run 69: B2 S16K H16 D128 non-causal, 4096 programs = 31.03
+      waves of 132: 224.7 us per (batch, head) against 217.7 when the waves are full). With C,
+      the kernel skips the last query program of the last batch row for every head (the last
+      Hq programs it launches), and a second launch of the same kernel computes those rows
+      over C chunks of the keys, ``Hq * C`` short programs, merged by log-sum-exp in XLA.
+      Use it when (B * Hq * programs) mod SMs <= Hq. Dense masks only (no causal, window,
+      segment ids or block schedule), keys a multiple of C * block_k, and
+      ``q_tiles_per_program`` 1; other calls raise. Written in session 20, CPU-verified
+      (lowered; the wrapper through the jnp replay), not yet timed.
     store_wait_read_only: at the end of a program wait only until the O and LSE TMA stores have
       read shared memory (``cp.async.bulk.wait_group.read``, as CUTLASS's ``tma_store_wait``)
       instead of until they have completed in global memory, so that the next program on the SM
@@ -226,6 +237,7 @@ class BlockSizes:
   overlap_softmax: bool = False
   store_wait_read_only: bool = False
   one_segment_static_mask: bool = False
+  tail_kv_splits: int = 0
 
   def __post_init__(self):
     if self.overlap_softmax:
@@ -254,6 +266,11 @@ class BlockSizes:
       raise ValueError(f"block_k must be a positive multiple of 64, got {self.block_k}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+    c = self.tail_kv_splits
+    if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
+      raise ValueError(f"tail_kv_splits must be an int >= 0, got {c!r}")
+    if c and self.q_tiles_per_program != 1:
+      raise ValueError("tail_kv_splits needs q_tiles_per_program=1")
 
   @property
   def rows_per_program(self) -> int:
@@ -362,6 +379,8 @@ class _Static:
   overlap_softmax: bool = False    # BlockSizes.overlap_softmax
   store_wait_read_only: bool = False   # BlockSizes.store_wait_read_only
   one_seg_mask: bool = False           # BlockSizes.one_segment_static_mask
+  tail_batch: int = -1     # tail_kv_splits: this batch row's last program is skipped (-1: none)
+  tail_kv_splits: int = 0  # BlockSizes.tail_kv_splits (0: off)
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
   # list from ``_schedule_walk`` (read from GMEM) instead of the ranges of ``_program_ranges``.
   has_sched: bool = False
@@ -715,6 +734,9 @@ def _program_ranges(b, tile, wg, bounds_ref, st: _Static):
     return plo, phi, tuple(bounds_ref[b, tile, base + j] for j in range(4))
   row0_program = tile * (_COMPUTE_WGS * bq)
   plo, _, _, phi = _static_ranges(row0_program, _COMPUTE_WGS * bq, st)
+  if st.tail_batch >= 0:   # tail_kv_splits: the last program of that row walks nothing
+    skip = jnp.logical_and(b == st.tail_batch, tile == st.num_q_programs - 1)
+    phi = jnp.where(skip, plo, phi)
   if wg is None:
     return plo, phi, None
   return plo, phi, _clip_to_program(plo, phi, *_static_ranges(row0_program + wg * bq, bq, st))
@@ -1390,6 +1412,8 @@ def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: _Static):
     out, lse = _fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p, _seg_bounds(q_seg_p, kv_seg_p, st))
   else:
     out, lse = _fwd_call(q_p, k_p, v_p, st)
+    if st.tail_kv_splits:
+      out, lse = _tail_fixup(q_p, k_p, v_p, out, lse, st)
   return out[:, :st.q_len], lse[:, :, :st.q_len]
 
 
@@ -1547,7 +1571,51 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       q_tiles_per_program=int(bs.q_tiles_per_program),
       overlap_softmax=bool(bs.overlap_softmax),
       store_wait_read_only=bool(bs.store_wait_read_only),
-      one_seg_mask=bool(bs.one_segment_static_mask), **sched)
+      one_seg_mask=bool(bs.one_segment_static_mask), **sched, **_tail_config(
+          bs, q_shape, k_shape, causal=causal, window=window, has_seg=has_seg,
+          schedule=schedule))
+
+
+def _tail_config(bs: BlockSizes, q_shape, k_shape, *, causal, window, has_seg, schedule):
+  """``_Static`` fields of ``BlockSizes.tail_kv_splits`` ({} when off); ValueError naming what
+  the call has that the option does not support."""
+  c = int(bs.tail_kv_splits)
+  if not c:
+    return {}
+  bad = [name for name, on in (("causal", causal), ("a local window", window is not None),
+                               ("segment ids", has_seg), ("a block schedule",
+                                                          schedule is not None)) if on]
+  sk = k_shape[1]
+  if sk % (c * bs.block_k):
+    bad.append(f"kv length {sk} not a multiple of tail_kv_splits * block_k = {c * bs.block_k}")
+  if bad:
+    raise ValueError(f"tail_kv_splits={c} (dense masks only) does not support " + "; ".join(bad))
+  return dict(tail_batch=int(q_shape[0]) - 1, tail_kv_splits=c)
+
+
+def _tail_fixup(q_p, k_p, v_p, out, lse, st: _Static):
+  """``tail_kv_splits``: the rows of the program the kernel skipped (the last query program of
+  batch row ``st.tail_batch``, every head), computed by a second launch of the kernel over
+  ``st.tail_kv_splits`` chunks of the keys (batch = chunks, the skipped Q tile in each) and
+  merged by log-sum-exp, then written into ``out`` / ``lse`` (padded layouts of ``_fwd_call``)."""
+  c, bb = st.tail_kv_splits, st.tail_batch
+  _, sq_pad, hq, d = q_p.shape
+  sk_pad, hk = k_p.shape[1], k_p.shape[2]
+  rows = _COMPUTE_WGS * st.block_q
+  r0 = (st.num_q_programs - 1) * rows
+  q_t = jnp.broadcast_to(q_p[bb, r0:r0 + rows][None], (c, rows, hq, d))
+  k_t = k_p[bb].reshape(c, sk_pad // c, hk, d)          # contiguous chunks: free reshapes
+  v_t = v_p[bb].reshape(c, sk_pad // c, hk, v_p.shape[-1])
+  st_t = dataclasses.replace(st, q_len=rows, kv_len=sk_pad // c, num_q_programs=1,
+                             num_kv_tiles=st.num_kv_tiles // c, tail_batch=-1, tail_kv_splits=0)
+  o_t, l_t = _fwd_call(q_t, k_t, v_t, st_t)             # [c, rows, hq, d], [c, hq, rows]
+  m = jnp.max(l_t, axis=0)                                # [hq, rows]
+  w = jnp.exp(l_t - m[None])                              # [c, hq, rows]
+  tot = jnp.sum(w, axis=0)
+  o = jnp.einsum("chr,crhd->rhd", w / tot[None], o_t.astype(jnp.float32))
+  out = out.at[bb, r0:r0 + rows].set(o.astype(out.dtype))
+  lse = lse.at[bb, :, r0:r0 + rows].set(m + jnp.log(tot))
+  return out, lse
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
