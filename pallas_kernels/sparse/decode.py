@@ -50,6 +50,22 @@ def _pow2(n):
   return max(16, pl.next_power_of_2(int(n)))
 
 
+def _len_index(b, len_group):
+  """Row of a lengths array shared by ``len_group`` consecutive sequences (a head-major cache
+  seen as batch x kv_heads sequences, ``lengths_group`` = kv_heads): b // len_group."""
+  return b if len_group == 1 else jax.lax.div(b, jnp.int32(len_group))
+
+
+def _check_lengths(lengths, bsz, lengths_group, name):
+  """ValueError unless ``lengths`` has shape (bsz // lengths_group,)."""
+  if lengths_group < 1 or bsz % lengths_group:
+    raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got "
+                     f"{lengths_group}")
+  if jnp.shape(lengths) != (bsz // lengths_group,):
+    raise ValueError(f"{name} must have shape ({bsz // lengths_group},) (batch "
+                     f"{bsz} / lengths_group {lengths_group}), got {jnp.shape(lengths)}")
+
+
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
             merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True,
@@ -92,8 +108,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   split = pl.program_id(2)
   if split_stride != 1:                  # tests: make a split other than S-1 arrive last
     split = (split * split_stride) % num_splits
-  lb = b if len_group == 1 else jax.lax.div(b, jnp.int32(len_group))
-  length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[lb]), capacity), 0)   # scalar
+  length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[_len_index(b, len_group)]), capacity),
+                       0)                                                        # scalar
   if slot_source is not None:
     n_slots, blk_at = slot_source(b, h)
   elif cnt_ref is None:
@@ -348,12 +364,7 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
                      f"{indices.shape}")
   if counts is not None and counts.shape != (bsz, hk):
     raise ValueError(f"counts must be [batch, kv_heads] = [{bsz}, {hk}], got {counts.shape}")
-  if lengths_group < 1 or bsz % lengths_group:
-    raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got "
-                     f"{lengths_group}")
-  if kv_lengths.shape != (bsz // lengths_group,):
-    raise ValueError(f"kv_lengths must have shape ({bsz // lengths_group},) (batch {bsz} / "
-                     f"lengths_group {lengths_group}), got {kv_lengths.shape}")
+  _check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   group = hq // hk
   if scale is None:
     scale = 1.0 / math.sqrt(d)

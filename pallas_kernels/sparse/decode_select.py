@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
 from pallas_kernels.decode.triton import load_group_query
+from pallas_kernels.sparse.decode import _check_lengths, _len_index
 
 __all__ = ["decode_block_scores", "select_decode_slots", "score_select_decode_slots",
            "default_score_splits", "total_order_key"]
@@ -58,22 +59,6 @@ def _group_query_sum(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   qsum = jnp.sum(q.astype(jnp.float32), axis=0)                      # [d_pad], padded rows 0
   return qsum, cols, col_ok, q_mask
-
-
-def _len_index(b, len_group):
-  """Row of a lengths array shared by ``len_group`` consecutive sequences (a head-major cache
-  seen as batch x kv_heads sequences, ``lengths_group`` = kv_heads): b // len_group."""
-  return b if len_group == 1 else jax.lax.div(b, jnp.int32(len_group))
-
-
-def _check_lengths(lengths, bsz, lengths_group, name):
-  """ValueError unless ``lengths`` has shape (bsz // lengths_group,)."""
-  if lengths_group < 1 or bsz % lengths_group:
-    raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got "
-                     f"{lengths_group}")
-  if jnp.shape(lengths) != (bsz // lengths_group,):
-    raise ValueError(f"{name} must have shape ({bsz // lengths_group},) (batch "
-                     f"{bsz} / lengths_group {lengths_group}), got {jnp.shape(lengths)}")
 
 
 def _chunk_scores(slen_ref, sums_ref, b, h, c, qsum, cols, col_ok, *, block, chunk,
