@@ -94,6 +94,8 @@ def flash_impls(causal, window):
   # fence (the D128 default since run 37: its A/B in one process).
   impls["jattn_mosaic_gpu[triton_bwd]"] = mosaic_with(backward="triton")
   impls["jattn_mosaic_gpu[no_fence]"] = mosaic_with(softmax_fence=False)
+  if not causal and window is None:   # the last partial wave by key chunks (run 69; session 21)
+    impls["jattn_mosaic_gpu[tail8]"] = mosaic_with(tail_kv_splits=8)
 
   def prev_default(q, k, v):  # the Triton default before session 12 (A/B in the same run)
     from pallas_kernels.flash import triton as ft

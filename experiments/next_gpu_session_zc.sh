@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-timeout ${T_LAYOUT:-230} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 --rounds 7 \
+timeout ${T_LAYOUT:-230} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 --rounds ${ROUNDS:-7} \
   --skip sparse_nhd --hnd-fused --out "$OUT/h200_sparse_decode_layout_lengths_group.json" \
   > "$OUT/sparse_decode_layout_lengths_group.txt" 2>&1
 echo "layout probe rc=$?"; grep -v Warn "$OUT/sparse_decode_layout_lengths_group.txt" | tail -10

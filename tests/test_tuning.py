@@ -129,12 +129,13 @@ def test_mask_kind_and_mask_entries():
       (False, None), (True, None), (True, (511, 0)), (False, (100, 30))]] == [
       "dense", "causal_segments", "causal_window", "window"]
   # the H200's causal-window entry (run 33: 64-key tiles; run 38: fence), packed documents
-  # (run 61: the overlap) and causal (runs 55-56: the overlap); every other kind and device:
-  # "all"
+  # (run 61: the overlap; run 71: one_segment_static_mask) and causal (runs 55-56: the
+  # overlap); every other kind and device: "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
   assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64, softmax_fence=True))
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
-  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP))
+  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP,
+                                        one_segment_static_mask=True))   # run 71
   for kind in ("all", "window"):     # fence (run 37), tokamax's K wait + handoff (44)
     assert _same(mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind),
                  dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OPTIONS[128]))

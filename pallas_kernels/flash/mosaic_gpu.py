@@ -102,6 +102,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from pallas_kernels import compat
 
 
 LOG2E = math.log2(math.e)
@@ -198,19 +199,22 @@ class BlockSizes:
       warpgroup of aligned packed documents) masks its edge tiles with the static mask only
       (causal, window, padded keys), without the per-element segment compare; the others keep
       it. The same result. Written in session 20 after run 70 (packed documents 0.558 ms against
-      0.499 for the same tiles without segment ids, the masked-tile code 1.7x longer);
-      CPU-verified (lowered, replayed), not yet run on a GPU, so off by default.
+      0.499 for the same tiles without segment ids, the masked-tile code 1.7x longer). Run 71:
+      four 4K documents per 16K row 1.059 ms against 1.091 without (B2 H16 D128), the
+      segment-id GPU tests pass; on in the H200 ``causal_segments`` entry, off by default.
     tail_kv_splits: C > 0 (default 0, off): the last wave. The kernel runs one program per SM,
       so B * Hq * programs is rarely a multiple of the SM count, and the last, partial wave
       costs about half a wave (run 69: B2 S16K H16 D128 non-causal, 4096 programs = 31.03
       waves of 132: 224.7 us per (batch, head) against 217.7 when the waves are full). With C,
       the kernel skips the last query program of the last batch row for every head (the last
       Hq programs it launches), and a second launch of the same kernel computes those rows
-      over C chunks of the keys, ``Hq * C`` short programs, merged by log-sum-exp in XLA.
+      over C chunks of the keys, ``Hq * C`` short programs, merged by log-sum-exp in XLA and
+      written in place by a small Triton kernel (``_place_rows``; run 72's ``.at[].set`` did
+      not compile on the H200).
       Use it when (B * Hq * programs) mod SMs <= Hq. Dense masks only (no causal, window,
       segment ids or block schedule), keys a multiple of C * block_k, and
       ``q_tiles_per_program`` 1; other calls raise. Written in session 20, CPU-verified
-      (lowered; the wrapper through the jnp replay), not yet timed.
+      (lowered; the wrapper through the jnp replay); not yet timed on a GPU.
     store_wait_read_only: at the end of a program wait only until the O and LSE TMA stores have
       read shared memory (``cp.async.bulk.wait_group.read``, as CUTLASS's ``tma_store_wait``)
       instead of until they have completed in global memory, so that the next program on the SM
@@ -1611,9 +1615,39 @@ def _tail_fixup(q_p, k_p, v_p, out, lse, st: _Static):
   o_t, l_t = _fwd_call(q_t, k_t, v_t, st_t)             # [c, rows, hq, d], [c, hq, rows]
   from jattn.merge import merge_partials
   o, l = merge_partials(o_t.transpose(0, 2, 1, 3), l_t, axis=0)     # [hq, rows, d], [hq, rows]
-  out = out.at[bb, r0:r0 + rows].set(o.transpose(1, 0, 2).astype(out.dtype))
-  lse = lse.at[bb, :, r0:r0 + rows].set(l)
-  return out, lse
+  return _place_rows(out, lse, o.transpose(1, 0, 2).astype(out.dtype), l, bb, r0,
+                     interpret=st.interpret)
+
+
+def _place_rows(out, lse, rows_out, rows_lse, b, r0, *, interpret=False):
+  """``out[b, r0:r0 + R] = rows_out`` and ``lse[b, :, r0:r0 + R] = rows_lse`` in place: a Pallas
+  Triton kernel (one program per head) whose outputs alias ``out`` / ``lse``, so only the R rows
+  are written. Not ``.at[].set``: on the H200 (jax 0.11.2, run 72) XLA's dynamic-slice fusion
+  failed to compile that update of the Mosaic kernel's output ("DUS target must be a fusion
+  parameter"). R (a power of two) must divide r0."""
+  n, hq, d = rows_out.shape
+  if n & (n - 1) or r0 % n:
+    raise ValueError(f"_place_rows: {n} rows must be a power of two dividing r0={r0}")
+
+  def kernel(o_ref, l_ref, out_in, lse_in, out_ref, lse_ref):
+    del out_in, lse_in                                   # aliased: only this block is written
+    out_ref[...] = o_ref[...]
+    lse_ref[...] = l_ref[...]
+
+  row_block = r0 // n
+  return pl.pallas_call(
+      kernel, grid=(hq,),
+      in_specs=[pl.BlockSpec((n, None, d), lambda h: (0, h, 0)),
+                pl.BlockSpec((None, n), lambda h: (h, 0)),
+                pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
+                pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))],
+      out_specs=[pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
+                 pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))],
+      out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
+                 jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
+      input_output_aliases={2: 0, 3: 1},
+      compiler_params=compat.triton_compiler_params(num_warps=8, num_stages=1),
+      interpret=interpret, name="jattn_mosaic_tail_place")(rows_out, rows_lse, out, lse)
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
