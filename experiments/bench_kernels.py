@@ -86,7 +86,7 @@ def flash_impls(causal, window):
       from jattn.attention import _mosaic_gpu_default_block_sizes
       from pallas_kernels.masks import normalize_window
       bs = dataclasses.replace(_mosaic_gpu_default_block_sizes(
-          q, causal=causal, window=normalize_window(window)), **changes)
+          q, causal=causal, window=normalize_window(window), k_shape=k.shape), **changes)
       return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
                                    implementation="mosaic_gpu", block_sizes=bs)
     return f
@@ -96,6 +96,7 @@ def flash_impls(causal, window):
   impls["jattn_mosaic_gpu[no_fence]"] = mosaic_with(softmax_fence=False)
   if not causal and window is None:   # the last partial wave by key chunks (run 69; session 21)
     impls["jattn_mosaic_gpu[tail8]"] = mosaic_with(tail_kv_splits=8)
+    impls["jattn_mosaic_gpu[no_tail]"] = mosaic_with(tail_kv_splits=0)
 
   def prev_default(q, k, v):  # the Triton default before session 12 (A/B in the same run)
     from pallas_kernels.flash import triton as ft
@@ -282,8 +283,8 @@ def bench_flash(cases, *, with_bwd=True, check_heads=2, impls=None, bwd_only=Fal
     elif causal:
       flops /= 2
     q, k, v = sets[0]
-    # Reference on a slice (batch 0, first heads) in fp32.
-    sl = lambda x: x[:1, :, :check_heads]
+    # Reference on a slice (the last batch row, first heads) in fp32.
+    sl = lambda x: x[-1:, :, :check_heads]   # the last batch row: where tail_kv_splits writes
     ref_out, _ = attention_reference(sl(q), sl(k), sl(v), causal=causal, local_window_size=window)
     ct = jax.random.normal(jax.random.key(s + d + causal + 1), (b, s, h, d), jnp.bfloat16)
     ref_grads = None

@@ -196,17 +196,21 @@ def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, retu
 _MOSAIC_GPU_HEAD_DIMS = (64, 128, 256)
 
 
-def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logits_soft_cap=None):
+def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logits_soft_cap=None,
+                                    k_shape=None):
   """The Mosaic GPU ``BlockSizes`` of ``implementation="mosaic_gpu"`` with ``block_sizes=None``:
   the device table's tiles for the call's mask kind (``tuning.mask_kind``: causal, window,
-  segment ids) and the backward ``_mosaic_backward`` picks (window: normalized (left, right) or
-  None)."""
+  segment ids), its ``tail_kv_splits`` only where ``fit_tail_kv_splits`` says it pays for these
+  shapes (``k_shape``: default q's), and the backward ``_mosaic_backward`` picks (window:
+  normalized (left, right) or None)."""
   from pallas_kernels.tuning import mask_kind   # tiles tuned per mask kind where measured
   bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
                          logits_soft_cap=logits_soft_cap, block_sizes=None)
   kind = mask_kind(causal, window, segments=segment_ids is not None)
   mod = kernel_module("mosaic_gpu")
   bs = mod.default_block_sizes(q.shape[-1], q.dtype, mask=kind)
+  bs = mod.fit_tail_kv_splits(bs, q.shape, q.shape if k_shape is None else k_shape,
+                              causal=causal, window=window, segments=segment_ids is not None)
   return dataclasses.replace(bs, backward=bwd)
 
 
@@ -236,7 +240,8 @@ def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, 
   if block_sizes is None:
     block_sizes = _mosaic_gpu_default_block_sizes(q, causal=causal, window=window,
                                                   segment_ids=segment_ids,
-                                                  logits_soft_cap=logits_soft_cap)
+                                                  logits_soft_cap=logits_soft_cap,
+                                                  k_shape=k.shape)
   # interpret=True: the forward raises NotImplementedError (it cannot be interpreted); tests that
   # substitute the forward run the Triton backward in interpret mode.
   return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, causal=causal,

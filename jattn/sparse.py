@@ -546,7 +546,8 @@ def _mosaic_gpu_block_sizes(mod, selection, head_dim, dtype, *, causal=True, seg
         f"per warpgroup and 64 or {base.block_k} keys, the Triton backward's powers of two), "
         f"got {', '.join(bad)}; select blocks with such sizes (e.g. q_block_size=128, "
         f"block_size=64) or use implementation='triton' or 'xla'")
-  fwd = dataclasses.replace(base, block_k=min(base.block_k, 128, bs))
+  fwd = dataclasses.replace(base, block_k=min(base.block_k, 128, bs),
+                            tail_kv_splits=0)     # a schedule's walk: no key-chunk tail launch
   return fwd, _kernel_block_sizes("triton", ft, selection, head_dim, dtype)
 
 

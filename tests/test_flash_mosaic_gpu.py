@@ -1032,6 +1032,36 @@ def test_tail_kv_splits_through_the_replay(splits, sq, b, monkeypatch):
   assert (tail.tail_batch, tail.num_q_programs, tail.kv_len) == (-1, 1, 1024 // splits)
 
 
+def test_fit_tail_kv_splits_keeps_it_only_where_it_pays(monkeypatch):
+  """The table's tail_kv_splits (H200 dense D128/D256) reaches a call only for dense masks, keys
+  a multiple of C * block_k, and a last wave partial by 1..Hq programs; jattn's default block
+  sizes go through it (here with the H200 table and 132 SMs), block-sparse never takes it."""
+  bs = mg.BlockSizes(64, 128, 2, tail_kv_splits=8)
+  fit = lambda q, k=None, **kw: mg.fit_tail_kv_splits(bs, q, k or q, core_count=132,
+                                                      **kw).tail_kv_splits
+  assert fit((2, 16384, 16, 128)) == 8                       # 4096 = 31 * 132 + 4 (4 <= 16)
+  assert fit((1, 16384, 33, 128)) == 0                       # 32 full waves
+  assert fit((1, 16384, 31, 128)) == 8                       # 3968 = 30 * 132 + 8 (<= 31)
+  assert fit((1, 16384, 16, 128)) == 0                       # 2048 = 15 * 132 + 68 (> 16)
+  assert fit((2, 16384, 16, 128), (2, 16000, 16, 128)) == 0  # keys not a multiple of 1024
+  for kw in (dict(causal=True), dict(window=(511, 0)), dict(segments=True),
+             dict(schedule=True)):
+    assert fit((2, 16384, 16, 128), **kw) == 0, kw
+  assert mg.fit_tail_kv_splits(bs, (2, 16384, 16, 128), (2, 16384, 16, 128)).tail_kv_splits \
+      == (8 if compat.gpu_core_count() == 132 else 0)      # no GPU here: 1 "SM", never
+  # jattn: the H200 table's dense entry on 132 SMs
+  from jattn import attention as ja
+  from pallas_kernels import tuning
+  monkeypatch.setattr(compat, "gpu_core_count", lambda: 132)
+  monkeypatch.setattr(tuning, "resolve_kind", lambda kind=None: "NVIDIA H200")
+  q = jnp.zeros((2, 16384, 16, 128), jnp.bfloat16)
+  got = lambda **kw: ja._mosaic_gpu_default_block_sizes(q, window=None, **kw).tail_kv_splits
+  assert got(causal=False) == 8
+  assert got(causal=False, segment_ids=jnp.ones((2, 16384), jnp.int32)) == 0
+  assert got(causal=True) == 0
+  assert got(causal=False, k_shape=(2, 4096 + 128, 16, 128)) == 0
+
+
 def test_tail_kv_splits_checks():
   """tail_kv_splits: an int >= 0, q_tiles_per_program 1, dense masks and keys a multiple of
   tail_kv_splits * block_k; each other call raises, naming why."""

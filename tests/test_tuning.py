@@ -139,11 +139,13 @@ def test_mask_kind_and_mask_entries():
   for kind in ("all", "window"):     # fence (run 37), tokamax's K wait + handoff (44)
     assert _same(mg.default_block_sizes(128, device_kind="NVIDIA H200", mask=kind),
                  dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OPTIONS[128]))
-  # dense and causal at D128 and D256: FA3's intra-warpgroup overlap (runs 55-56)
+  # dense and causal at D128 and D256: FA3's intra-warpgroup overlap (runs 55-56); dense also
+  # the last wave by key chunks (run 74; jattn applies it through fit_tail_kv_splits)
   for head_dim in (128, 256):
     for kind in ("dense", "causal"):
+      tail = dict(tail_kv_splits=8) if kind == "dense" else {}
       assert _same(mg.default_block_sizes(head_dim, device_kind="NVIDIA H200", mask=kind),
-                   dataclasses.replace(MOSAIC_BEFORE[head_dim], **H200_MOSAIC_OVERLAP))
+                   dataclasses.replace(MOSAIC_BEFORE[head_dim], **H200_MOSAIC_OVERLAP, **tail))
   for kind in ("dense", "causal"):   # D64: 256-key tiles (runs 60-61)
     assert _same(mg.default_block_sizes(64, device_kind="NVIDIA H200", mask=kind),
                  dataclasses.replace(MOSAIC_BEFORE[64], **H200_MOSAIC_D64_BK256))

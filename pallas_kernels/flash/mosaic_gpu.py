@@ -1597,6 +1597,46 @@ def _tail_config(bs: BlockSizes, q_shape, k_shape, *, causal, window, has_seg, s
   return dict(tail_batch=int(q_shape[0]) - 1, tail_kv_splits=c)
 
 
+def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
+                       segments=False, schedule=False, core_count=None) -> BlockSizes:
+  """``bs`` with ``tail_kv_splits`` kept only where the call supports it and it pays: no causal
+  mask, window, segment ids or block schedule; keys a multiple of ``tail_kv_splits * block_k``;
+  and a last wave that is partial by at most ``Hq`` programs, i.e. (B * Hq * query programs) mod
+  SMs in [1, Hq] (one program per SM; the option moves exactly the last Hq programs to a
+  second, split launch). Otherwise 0. The table defaults go through this (``jattn``'s default
+  block sizes); a ``BlockSizes`` passed by the caller is used as given (and raises where the
+  option is unsupported).
+
+  Args:
+    bs: the forward's ``BlockSizes``.
+    q_shape, k_shape: [B, Sq, Hq, D] and [B, Sk, Hk, D].
+    causal, window, segments, schedule: the call's masks (window: None or (left, right)).
+    core_count: SMs per GPU (default ``compat.gpu_core_count()``, 1 without a GPU: never).
+
+  Returns:
+    A ``BlockSizes``.
+
+  Example:
+    >>> bs = BlockSizes(64, 128, 2, tail_kv_splits=8)   # B2 S16K H16: 4096 = 31 x 132 + 4
+    >>> fit_tail_kv_splits(bs, (2, 16384, 16, 128), (2, 16384, 16, 128),
+    ...                    core_count=132).tail_kv_splits
+    8
+    >>> fit_tail_kv_splits(bs, (1, 16384, 33, 128), (1, 16384, 33, 128),   # 32 full waves
+    ...                    core_count=132).tail_kv_splits
+    0
+  """
+  c = int(bs.tail_kv_splits)
+  if not c:
+    return bs
+  b, sq, hq, _ = q_shape
+  sk = k_shape[1]
+  sms = compat.gpu_core_count() if core_count is None else int(core_count)
+  last = (b * hq * -(-sq // bs.rows_per_program)) % sms
+  ok = (not (causal or window is not None or segments or schedule)
+        and sk % (c * bs.block_k) == 0 and 1 <= last <= hq)
+  return bs if ok else dataclasses.replace(bs, tail_kv_splits=0)
+
+
 def _tail_fixup(q_p, k_p, v_p, out, lse, st: _Static):
   """``tail_kv_splits``: the rows of the program the kernel skipped (the last query program of
   batch row ``st.tail_batch``, every head), computed by a second launch of the kernel over
@@ -1846,6 +1886,9 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     from pallas_kernels.tuning import mask_kind
     base = default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window,
                                                                segments=docs is not None))
+    base = fit_tail_kv_splits(base, (batch, seq, q_heads, head_dim),
+                              (batch, seq, kv_heads, head_dim), causal=causal, window=window,
+                              segments=docs is not None)
     def variant(**kw):   # None: a combination BlockSizes rejects (e.g. the fence with overlap)
       try:
         return dataclasses.replace(base, **kw)
