@@ -1408,3 +1408,19 @@ def test_gpu_registered_forward_and_vjp(name):
   got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, q_seg=q_seg, kv_seg=kv_seg,
                                 **mask)
   _assert_vjp_close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["mosaic", "triton"])
+def test_gpu_tail_kv_splits_forward_and_vjp(backward):
+  """``tail_kv_splits`` (the H200 dense default since session 21) through jattn on the GPU:
+  the forward's split rows and their LSE (written in place by ``_place_rows``) feed both
+  backwards; GQA 4:2, a ragged last query tile, against the fp32 reference."""
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+  q, k, v = _inputs(zlib.crc32(f"tail_vjp_{backward}".encode()), b=2, sq=1000, sk=1024, hq=4,
+                    hk=2, d=128, dtype=jnp.bfloat16)
+  bs = mg.BlockSizes(64, 128, 2, early_k_load=True, tail_kv_splits=4, backward=backward,
+                     **_OVERLAP)
+  got, want = _vjp_vs_reference(q, k, v, False, interpret=False, block_sizes=bs)
+  _assert_vjp_close(got, want, jnp.bfloat16)
