@@ -49,6 +49,9 @@ def main(argv=None):
                  help="e.g. 16,24,49: more sparse_hnd rows with these num_splits (Triton)")
   p.add_argument("--hnd-fused", action="store_true",
                  help="also sparse_hnd with fused_select=True (scores + selection, one launch)")
+  p.add_argument("--hnd-repeat", action="store_true",
+                 help="also sparse_hnd_repeat: the head-major call as before session 20 (the "
+                      "lengths repeated per kv head in XLA, no lengths_group), an A/B of it")
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
@@ -91,6 +94,17 @@ def main(argv=None):
   if a.hnd_fused:
     fns["sparse_hnd_fused"] = lambda q: sp.sparse_decode_attention(
         q, kh, vh, lens, summ_h, fused_select=True, **hnd)
+  if a.hnd_repeat:
+    def sparse_hnd_repeat(q):
+      from jattn._layout import hnd_as_sequences
+      q2, k2, v2, lens2 = hnd_as_sequences(q, kh, vh, lens)      # lengths repeated per kv head
+      summ2 = sp.BlockSummaries(sums=summ_h.sums.reshape(B * Hk, nb, 1, D),
+                                lengths=jnp.repeat(summ_h.lengths, Hk), block_size=bs)
+      out = sp._sparse_decode(q2, k2, v2, lens2, summ2, None, scale=None, return_lse=False,
+                              return_indices=False, implementation=impl, num_splits=None,
+                              num_init_blocks=1, num_local_blocks=1, **kw)
+      return out.reshape(B, Hq, D)
+    fns["sparse_hnd_repeat"] = sparse_hnd_repeat
   if a.mosaic and not a.tiny:
     fns["sparse_mosaic_nhd"] = lambda q: sp.sparse_decode_attention(
         q, k, v, lens, summ, implementation="mosaic_gpu", **kw)
@@ -121,6 +135,10 @@ def main(argv=None):
       row["max_abs_diff_vs_nhd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs[twin].astype(jnp.float32))))
       row["ok"] = row["ok"] and row["max_abs_diff_vs_nhd"] < 1e-2
+    if n == "sparse_hnd_repeat" and "sparse_hnd" in outs:   # the same kernels: bit-identical
+      row["max_abs_diff_vs_sparse_hnd"] = float(jnp.max(jnp.abs(
+          o.astype(jnp.float32) - outs["sparse_hnd"].astype(jnp.float32))))
+      row["ok"] = row["ok"] and row["max_abs_diff_vs_sparse_hnd"] == 0.0
     print(n, "rel_err", row["rel_err"], "max_abs_diff_vs_nhd",
           row.get("max_abs_diff_vs_nhd"), flush=True)
   # device slope: programs of m_short and m_long calls (one dispatch each, a distinct q per
