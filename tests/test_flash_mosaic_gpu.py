@@ -168,6 +168,14 @@ OVERLAP_LOWER_CASES = {
         logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, early_k_load=True, **_OVERLAP)),
     "d128_store_wait_read_only": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
                                       bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
+    # 192-key tiles (FlashAttention-3 takes 176 for non-causal D128): 2 stages fit only without
+    # the reduction reserve (227 KiB); keys not a multiple of 192 (a padded last tile)
+    "d128_bk192_overlap_no_reduction_scratch": dict(
+        sq=384, sk=520, hq=4, hk=2, d=128, causal=False,
+        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
+    "d128_causal_bk192_overlap_no_reduction_scratch": dict(
+        sq=520, sk=520, hq=4, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
     # BlockSizes.tail_kv_splits (session 20): the main launch and the key-chunk launch
     "d128_tail_kv_splits_overlap": dict(
         sq=700, sk=1024, hq=4, hk=2, d=128, causal=False,
@@ -792,6 +800,11 @@ REPLAY_CASES = {
     "causal_q_longer_empty_rows": dict(b=1, sq=300, sk=130, hq=2, hk=1, d=64, causal=True),
     "fp16_tiles_64": dict(b=1, sq=160, sk=200, hq=2, hk=2, d=64, causal=True,
                           dtype=jnp.float16, bs=mg.BlockSizes(64, 64, 2)),
+    # 192-key tiles (session 21): tile edges that are not powers of two, a padded last tile
+    "tiles_192_dense": dict(b=1, sq=300, sk=500, hq=2, hk=1, d=64, causal=False,
+                            bs=mg.BlockSizes(64, 192, 2)),
+    "tiles_192_causal_q_shorter": dict(b=1, sq=200, sk=500, hq=2, hk=2, d=64, causal=True,
+                                       bs=mg.BlockSizes(64, 192, 2)),
     # local windows (jax.nn convention (left, right), bottom-right aligned)
     "causal_window_64": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=True,
                              local_window_size=(64, 0)),
@@ -1321,6 +1334,13 @@ GPU_MASK_CASES = {
     "d256_tail_kv_splits_overlap": dict(
         b=2, sq=512, sk=512, hq=2, hk=2, d=256, causal=False,
         bs=mg.BlockSizes(64, 64, 2, early_k_load=True, tail_kv_splits=2, **_OVERLAP)),
+    # 192-key tiles with the overlap (2 stages: no reduction reserve), a padded last tile
+    "d128_bk192_overlap": dict(
+        b=2, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=False,
+        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
+    "d128_causal_bk192_overlap": dict(
+        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
     # aligned documents: the one-segment flag set, masked tiles with the static mask only
     # (the H200's causal_segments entry: the overlap; and the plain range path)
     "d128_segments_aligned_docs": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
