@@ -420,6 +420,10 @@ def main(argv=None):
   ap.add_argument("--sweep-unroll", type=int, default=None,
                   help="calls in the sweep rows' long program (default 32, tiny 4); the short "
                        "one has a quarter, device_ms is the slope")
+  ap.add_argument("--hnd", action="store_true",
+                  help="the head-major cache (kv_layout='hnd') as jattn runs it: batch x kv_heads "
+                       "sequences of one kv head (B8 Hk1 GQA 4:1 at the default shape), so every "
+                       "row reads contiguous 64-token blocks")
   ap.add_argument("--sweep-rounds", type=int, default=3,
                   help="extra timing rounds of every sweep row's compiled programs after the "
                        "last one, interleaved (no compiles; ~0.1 s per config and round); "
@@ -433,6 +437,9 @@ def main(argv=None):
     n, hq, hk, d, bs, interpret, min_time, unroll = 2048, 4, 2, 64, 16, True, 0.01, 4
   else:
     n, hq, hk, d, bs, interpret, min_time, unroll = 131072, 32, 8, 128, 64, False, 0.2, 16
+  nbatch = 1
+  if args.hnd:   # the head-major cache as jattn runs it: batch x kv_heads sequences of one head
+    nbatch, hq, hk = hk, hq // hk, 1
   bs = args.block_size or bs
   min_time = args.min_time if args.min_time is not None else min_time
   unroll = args.unroll or unroll
@@ -443,11 +450,11 @@ def main(argv=None):
   dtype = jnp.bfloat16
   width = sp._decode_width(nb, top_k, 1, 1)
   sel_kw = dict(top_k=top_k, num_init_blocks=1, num_local_blocks=1)
-  splits = 3 if args.tiny else default_num_splits(1, hk, width)   # tiny: exercise the merge
+  splits = 3 if args.tiny else default_num_splits(nbatch, hk, width)   # tiny: exercise the merge
   split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
                 sorted({splits, 16, 32, 66}) if not args.tiny else [splits, 2])
   from pallas_kernels.sparse import decode_mosaic_gpu as smg
-  mg_splits = 3 if args.tiny else smg.default_num_splits(1, hk, width)
+  mg_splits = 3 if args.tiny else smg.default_num_splits(nbatch, hk, width)
   sweep_mode = bool(args.sweep_attend or args.attend_configs or args.attend_best
                     or args.sweep_mosaic)
   sweep_cfgs = {}                          # canonical name -> parsed config, in grid order
@@ -482,7 +489,8 @@ def main(argv=None):
   except ValueError as e:
     ap.error(str(e))
   triton_stats = None if args.no_triton_cache else cache_triton_compile()
-  case = f"B1 S{n // 1024}K GQA{hq}:{hk} D{d} top{fraction:.0%} blk{bs}"
+  case = (f"B{nbatch} S{n // 1024}K GQA{hq}:{hk} D{d} top{fraction:.0%} blk{bs}"
+          + (" (head-major cache: B1 Hk%d as %d sequences)" % (nbatch, nbatch) if args.hnd else ""))
   print(f"{case}: top_k={top_k} width={width} backend={jax.default_backend()} "
         f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
   print(f"rows ({len(chosen)} of {len(names)}): {', '.join(chosen)}; timings "
@@ -492,17 +500,19 @@ def main(argv=None):
 
   # ---- inputs
   t0 = time.perf_counter()
-  lens = jnp.array([n], jnp.int32)
+  lens = jnp.full((nbatch,), n, jnp.int32)
   keys = jax.random.split(jax.random.key(7), 9)
   sets = []
   for i in range(3):
-    kc = jax.random.normal(keys[3 * i + 1], (1, n, hk, d), dtype)
-    vc = jax.random.normal(keys[3 * i + 2], (1, n, hk, d), dtype)
+    kc = jax.random.normal(keys[3 * i + 1], (nbatch, n, hk, d), dtype)
+    vc = jax.random.normal(keys[3 * i + 2], (nbatch, n, hk, d), dtype)
     sets.append((kc, vc, sp.init_block_summaries(kc, lens, block_size=bs)))
-  qs = [jax.random.normal(jax.random.key(100 + i), (1, hq, d), dtype) for i in range(unroll)]
+  qs = [jax.random.normal(jax.random.key(100 + i), (nbatch, hq, d), dtype)
+        for i in range(unroll)]
   # the sweep rows' queries: qs, then more (distinct (query, set) pairs: nothing for XLA to CSE)
-  qs_sw = qs[:sweep_unroll] + [jax.random.normal(jax.random.key(100 + i), (1, hq, d), dtype)
-                               for i in range(len(qs), sweep_unroll)]
+  qs_sw = qs[:sweep_unroll] + [
+      jax.random.normal(jax.random.key(100 + i), (nbatch, hq, d), dtype)
+      for i in range(len(qs), sweep_unroll)]
   q = qs[0]
   kc, vc, summ = sets[0]
   _sync((sets, qs, qs_sw))
@@ -536,8 +546,10 @@ def main(argv=None):
   @lazy
   def ref_sparse():
     """fp32 attention restricted to the XLA selection (select_decode_blocks) on set 0."""
-    sel = jnp.zeros((1, hk, nb + 1), bool).at[
-        0, jnp.arange(hk)[:, None], jnp.where(idx_xla()[0] < 0, nb, idx_xla()[0])].set(True)
+    idx = idx_xla()                                            # [nbatch, hk, width]
+    sel = jnp.zeros((nbatch, hk, nb + 1), bool).at[
+        jnp.arange(nbatch)[:, None, None], jnp.arange(hk)[None, :, None],
+        jnp.where(idx < 0, nb, idx)].set(True)
     mask = jnp.repeat(sel[..., :nb], bs, axis=-1)[:, :, None, :]
     return jax.jit(lambda q, k, v, m: attention_reference(up(q)[:, None], up(k), up(v),
                                                           block_mask=m))(q, kc, vc, mask)[0][:, 0]
@@ -745,7 +757,7 @@ def main(argv=None):
 
   # Scores + selection in one kernel (score_select_decode_slots): the same indices, counts
   # and zeroed counters as scores + select (checked on all three input sets, q = qs[0]).
-  ss_default = default_score_splits(1, hk, nb)
+  ss_default = default_score_splits(nbatch, hk, nb)
   n_tiles = -(-nb // min(64, _pow2(nb)))                  # 64-block score tiles per kv head
 
   def eff_splits(ss):
