@@ -311,12 +311,12 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
   """Default ``BlockSizes`` for a head dimension (64, 128 or 256; bf16 or fp16) and mask kind.
 
   Read from the tuning table of the device (``pallas_kernels.tuning``): the entry for ``mask``
-  if the table has one, else the entry for every mask. The H200's D128 entries: the softmax
-  fence, ``k_wait_in_pv`` and ``pingpong_handoff`` on (runs 37, 43-44: 7.29 vs 7.48 ms
-  without the two options), 64-key tiles for a causal window (1.32x faster than 128 in run
-  33), no fence for causal masks ("causal": 3.655 vs 3.740 ms, run 41) and packed documents
-  ("causal_segments": 1.25 vs 1.50 ms with it, run 38). D64: ``k_wait_in_pv``; D256:
-  ``k_wait_in_pv`` and ``pingpong_handoff`` (run 45: 4-6% faster).
+  if the table has one, else the entry for every mask. The H200's entries (session 21; each
+  with its runs in the table's provenance, summary in docs/kernels.md "Tuning data"): the
+  intra-warpgroup overlap for D128/D256 dense and causal, with ``tail_kv_splits=8`` on dense
+  (applied per call through ``fit_tail_kv_splits``); 256-key tiles for D64 dense and causal;
+  64-key tiles and the fence for a D128 causal window; the overlap and
+  ``one_segment_static_mask`` for packed documents ("causal_segments").
 
   Args:
     head_dim: the head dimension of q, k and v.
