@@ -1588,15 +1588,21 @@ def _tail_config(bs: BlockSizes, q_shape, k_shape, *, causal, window, has_seg, s
   c = int(bs.tail_kv_splits)
   if not c:
     return {}
-  bad = [name for name, on in (("causal", causal), ("a local window", window is not None),
-                               ("segment ids", has_seg), ("a block schedule",
-                                                          schedule is not None)) if on]
-  sk = k_shape[1]
-  if sk % (c * bs.block_k):
-    bad.append(f"kv length {sk} not a multiple of tail_kv_splits * block_k = {c * bs.block_k}")
+  bad = _tail_unsupported(bs, k_shape, causal=causal, window=window, segments=has_seg,
+                          schedule=schedule is not None)
   if bad:
     raise ValueError(f"tail_kv_splits={c} (dense masks only) does not support " + "; ".join(bad))
   return dict(tail_batch=int(q_shape[0]) - 1, tail_kv_splits=c)
+
+
+def _tail_unsupported(bs: BlockSizes, k_shape, *, causal, window, segments, schedule):
+  """What of a call ``tail_kv_splits`` does not support (empty: nothing)."""
+  bad = [name for name, on in (("causal", causal), ("a local window", window is not None),
+                               ("segment ids", segments), ("a block schedule", schedule)) if on]
+  c, sk = int(bs.tail_kv_splits), k_shape[1]
+  if sk % (c * bs.block_k):
+    bad.append(f"kv length {sk} not a multiple of tail_kv_splits * block_k = {c * bs.block_k}")
+  return bad
 
 
 def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
@@ -1631,11 +1637,10 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
   if not c:
     return bs
   b, sq, hq, _ = q_shape
-  sk = k_shape[1]
   sms = compat.gpu_core_count() if core_count is None else int(core_count)
   last = (b * hq * -(-sq // bs.rows_per_program)) % sms
-  ok = (not (causal or window is not None or segments or schedule)
-        and sk % (c * bs.block_k) == 0 and 1 <= last <= hq)
+  ok = 1 <= last <= hq and not _tail_unsupported(bs, k_shape, causal=causal, window=window,
+                                                  segments=segments, schedule=schedule)
   return bs if ok else dataclasses.replace(bs, tail_kv_splits=0)
 
 
