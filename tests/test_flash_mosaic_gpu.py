@@ -190,8 +190,27 @@ OVERLAP_LOWER_CASES = {
         sq=512, sk=512, hq=4, hk=2, d=128, causal=True, seg=True,
         bs=mg.BlockSizes(64, 128, 2, early_k_load=True, one_segment_static_mask=True,
                          **_OVERLAP)),
+    # session 22: edge masks (default; all_bounds_mask=True is the previous mask, for A/B) and
+    # FlashAttention-3's register split (compute 240 / memory 24)
+    "d128_causal_window_511_bk64_all_bounds_mask": dict(
+        sq=1024, sk=1024, hq=2, hk=1, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True, all_bounds_mask=True)),
+    "d128_overlap_registers_240_24": dict(
+        sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, compute_registers=240,
+                         memory_registers=24, **_OVERLAP)),
 }
 LOWER_CASES.update(OVERLAP_LOWER_CASES)
+
+
+def test_register_split_checks():
+  """BlockSizes rejects setmaxnreg values the hardware does not take or the CTA cannot hold."""
+  for kw in (dict(memory_registers=20), dict(compute_registers=236),
+             dict(compute_registers=248, memory_registers=24),
+             dict(compute_registers=240, memory_registers=40)):
+    with pytest.raises(ValueError, match="registers"):
+      mg.BlockSizes(64, 128, 2, **kw)
+  assert mg.BlockSizes(64, 128, 2, compute_registers=240, memory_registers=24).memory_registers == 24
 
 
 def test_overlap_softmax_checks():
@@ -508,6 +527,29 @@ def _check_walk(st, q_seg=None, kv_seg=None, *, tight=True):
         if tight and not segs:   # no visible tile is masked without need at the range's edges
           assert not (any_vis[bi, i].any() and hi == lo), where
       assert union == set(range(plo, phi)), (bi, p, union, plo, phi)
+  if not segs:
+    _check_edge_masks(st, vis[0], wgs[0])
+
+
+def _check_edge_masks(st, vis, wgs):
+  """The kernel's edge masks (``_tile_visible`` with edge "left" on a warpgroup's [lo, flo),
+  "right" on [fhi, hi), ``_edge_bounds``) equal the element mask ``vis`` [Sq', Sk'] on every
+  real row of those tiles."""
+  bq, bk = st.block_q, st.block_k
+  rows = np.arange(bq)[:, None]
+  cols = np.arange(bk)[None, :]
+  real = np.arange(vis.shape[0]) < st.q_len
+  for p in range(st.num_q_programs):
+    for wg in range(2):
+      lo, flo, fhi, hi = (int(x) for x in wgs[p, wg])
+      row0 = (2 * p + wg) * bq
+      for edge, tiles in (("left", range(lo, flo)), ("right", range(fhi, hi))):
+        for t in tiles:
+          got = mg._tile_visible(rows, cols, row0, t, st, edge=edge)
+          got = np.ones((bq, bk), bool) if got is None else np.broadcast_to(got, (bq, bk))
+          want = vis[row0:row0 + bq, t * bk:(t + 1) * bk]
+          ok = real[row0:row0 + bq, None]
+          assert ((got == want) | ~ok).all(), (p, wg, edge, t, (lo, flo, fhi, hi))
 
 
 WALK_SHAPES = [(128, 128), (1000, 1000), (200, 300), (384, 130), (64, 1000), (1, 77), (200, 328),
@@ -696,6 +738,30 @@ def test_tile_walk_check_can_fail():
     mg._static_ranges = real
 
 
+@pytest.mark.parametrize("drop", ["right_on_left_edges", "padded_keys"])
+def test_edge_mask_check_can_fail(drop):
+  """The walk check catches edge masks that drop a bound they need: the right bound on a left
+  edge of a window narrower than a tile (0, 0), or the padded-key compare of a last tile that
+  no other bound masks (a left-only window, 1000 keys in 128-key tiles)."""
+  window = (0, 0) if drop == "right_on_left_edges" else (70, None)
+  st = mg._static_config((1, 1000, 1, 128), (1, 1000, 1, 128), jnp.bfloat16, causal=False,
+                         scale=None, block_sizes=mg.BlockSizes(64, 128, 2),
+                         local_window_size=window)
+  real = mg._edge_bounds
+
+  def dropped(st, edge):
+    pad, r_on, l_on = real(st, edge)
+    return (pad and drop != "padded_keys",
+            r_on and not (edge == "left" and drop == "right_on_left_edges"), l_on)
+  _check_walk(st)   # the real edges pass
+  mg._edge_bounds = dropped
+  try:
+    with pytest.raises(AssertionError):
+      _check_walk(st)
+  finally:
+    mg._edge_bounds = real
+
+
 def _replay(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, **kw):
   """Compile ``_replay_fn`` with cheap XLA:CPU codegen (it is unrolled and runs once)."""
   fn = jax.jit(functools.partial(_replay_fn, causal=causal, block_sizes=block_sizes, **kw))
@@ -703,7 +769,7 @@ def _replay(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, **kw)
 
 
 def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all, p_dtype,
-                 one_seg=None):
+                 one_seg=None, edge=None):
   """One kv tile t of a warpgroup (query rows row0 .. row0 + bq) in the kernel's walk, in jnp
   with the kernel's helpers: logits (``_cap_logits``), with ``masked`` ``_tile_visible``
   (segment ids qs_t [bq] / ks_all [Sk'] unless qs_t is None; where the traced bool ``one_seg``
@@ -721,10 +787,11 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
     rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     ks_t = None if qs_t is None else lax.dynamic_slice_in_dim(ks_all, t * bk, bk)
-    vis = mg._tile_visible(rows, cols, row0, t, st, qs_t, ks_t)
+    vis = mg._tile_visible(rows, cols, row0, t, st, qs_t, ks_t, edge=edge)
     if one_seg is not None:
-      vis = jnp.where(one_seg, mg._tile_visible(rows, cols, row0, t, st), vis)
-    s = jnp.where(vis, s, -jnp.inf)
+      static = mg._tile_visible(rows, cols, row0, t, st, edge=edge)
+      vis = jnp.where(one_seg, True if static is None else static, vis)
+    s = mg._apply_mask(s, vis)
   p, alpha, m, l = mg._online_softmax(s, m, l, st)
   acc = acc * alpha[:, None] + jnp.dot(p.astype(p_dtype), v_t,
                                        preferred_element_type=jnp.float32)
@@ -776,9 +843,10 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     lo, flo, fhi, hi = rng[0], rng[1], rng[2], rng[3]
-    carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True, edge="left"), carry)
     carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
-    acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True), carry)
+    acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True, edge="right"),
+                              carry)
     return mg._finalize(acc, m, l)
 
   q_tiles = qp.reshape(b, hq, n_rows, bq, d)                   # [B, Hq, tiles, bq, D]
@@ -1341,6 +1409,24 @@ GPU_MASK_CASES = {
     "d128_causal_bk192_overlap": dict(
         b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
         bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
+    # session 22's edge masks (left edges without the right bound where the window is wide,
+    # right edges without the left bound, no padded-key compare for whole tiles): the H200's
+    # causal window entry's tiles, a window narrower than a tile pair (left edges keep the
+    # right bound), a left-only window with padded keys, the overlap path, GQA, q shorter
+    "d128_causal_window_511_bk64_fence_edges": dict(
+        b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True)),
+    "d128_window_0_0_ragged_edges": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=False, local_window_size=(0, 0)),
+    "d128_window_left_only_ragged_edges": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=2, d=128, causal=False, local_window_size=(70, None)),
+    "d128_window_300_100_q_shorter_overlap_edges": dict(
+        b=1, sq=700, sk=1111, hq=4, hk=2, d=128, causal=False, local_window_size=(300, 100),
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
+    "d128_causal_registers_240_24": dict(
+        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, compute_registers=240,
+                         memory_registers=24, **_OVERLAP)),
     # aligned documents: the one-segment flag set, masked tiles with the static mask only
     # (the H200's causal_segments entry: the overlap; and the plain range path)
     "d128_segments_aligned_docs": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,

@@ -95,6 +95,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -129,7 +130,10 @@ class BlockSizes:
     num_stages: K/V shared-memory slots in the TMA ring (>= 2).
     pingpong: rendezvous of the two compute warpgroups so that softmax and wgmma alternate.
     compute_registers: registers per thread requested for the compute warpgroups (the memory
-      warpgroup gives its registers back, keeping 40).
+      warpgroup gives its registers back, keeping ``memory_registers``).
+    memory_registers: ``setmaxnreg`` of the memory warpgroup (default 40). Both are multiples
+      of 8 in [24, 256] with 2 * compute_registers + memory_registers <= 504 (the CTA's launch
+      allocation: 168 per thread x 3 warpgroups); 240 / 24 is FlashAttention-3's split.
     softmax_fence: an optimization barrier on (acc, m, l, p) at the end of each tile's softmax,
       before the warpgroup releases the tensor cores to the other one, so that no softmax work
       (e.g. the row sum) is scheduled into the other warpgroup's wgmma window. JAX's own Pallas
@@ -217,6 +221,14 @@ class BlockSizes:
       raise. Runs 74 / 76 (C = 8, B2 S16K H16): D128 6.950 / 6.942 ms against 6.993 / 7.040
       without, D256 13.07 / 13.04 against 13.25 / 13.33; on in the H200 dense D128/D256
       entries.
+    all_bounds_mask: masked tiles apply every static bound (padded keys, the causal / right
+      bound and the left bound), as before session 22. Off (default): a tile of a warpgroup's
+      left edge [lo, flo) applies only the left bound (and the right one only where the window
+      is narrower than ``block_q + block_k``), a tile of its right edge [fhi, hi) never the
+      left bound (every tile from flo on lies right of every real row's left bound), and the
+      padded-key compare only when ``kv_len`` is not a multiple of ``block_k``. The same
+      result; for A/B timing only. Without segment ids or a block schedule (those keep every
+      bound); the first tile of ``overlap_softmax`` keeps every bound.
     store_wait_read_only: at the end of a program wait only until the O and LSE TMA stores have
       read shared memory (``cp.async.bulk.wait_group.read``, as CUTLASS's ``tma_store_wait``)
       instead of until they have completed in global memory, so that the next program on the SM
@@ -244,6 +256,8 @@ class BlockSizes:
   store_wait_read_only: bool = False
   one_segment_static_mask: bool = False
   tail_kv_splits: int = 0
+  all_bounds_mask: bool = False
+  memory_registers: int = 40
 
   def __post_init__(self):
     if self.overlap_softmax:
@@ -272,6 +286,13 @@ class BlockSizes:
       raise ValueError(f"block_k must be a positive multiple of 64, got {self.block_k}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
+    for name, r in (("compute_registers", self.compute_registers),
+                    ("memory_registers", self.memory_registers)):
+      if r % 8 or not 24 <= r <= 256:
+        raise ValueError(f"{name} must be a multiple of 8 in [24, 256], got {r}")
+    if _COMPUTE_WGS * self.compute_registers + self.memory_registers > 504:
+      raise ValueError(f"2 * compute_registers + memory_registers must be <= 504, got "
+                       f"{self.compute_registers} and {self.memory_registers}")
     c = self.tail_kv_splits
     if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
       raise ValueError(f"tail_kv_splits must be an int >= 0, got {c!r}")
@@ -360,6 +381,7 @@ class _Static:
   num_stages: int
   pingpong: bool
   compute_registers: int
+  memory_registers: int
   q_len: int           # unpadded
   kv_len: int          # unpadded
   num_q_programs: int  # padded q_len // (2 * block_q)
@@ -385,6 +407,7 @@ class _Static:
   overlap_softmax: bool = False    # BlockSizes.overlap_softmax
   store_wait_read_only: bool = False   # BlockSizes.store_wait_read_only
   one_seg_mask: bool = False           # BlockSizes.one_segment_static_mask
+  edge_masks: bool = True              # not BlockSizes.all_bounds_mask (see ``_edge_bounds``)
   tail_batch: int = -1     # tail_kv_splits: this batch row's last program is skipped (-1: none)
   tail_kv_splits: int = 0  # BlockSizes.tail_kv_splits (0: off)
   # Block schedule (``flash_attention(schedule=...)``): each program walks its row of the packed
@@ -537,6 +560,14 @@ _WALK_SHIFT = 4
 _SKIP, _FULL, _PARTIAL = 0, 1, 2
 
 
+class _Mask(typing.NamedTuple):
+  """How the kernel masks a tile: ``seg``, with the per-element segment compare (else the static
+  mask only); ``edge``, the warpgroup's masked range the tile is in ("left", "right" or None,
+  see ``_edge_bounds``)."""
+  seg: bool
+  edge: str | None
+
+
 def _walk_codes(tiles, valid, st: _Static, q_seg=None, kv_seg=None):
   """Per-warpgroup class of kernel kv tiles.
 
@@ -656,26 +687,59 @@ def _schedule_walk(schedule, st: _Static, q_seg=None, kv_seg=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def _tile_visible(rows, cols, row0, t, st: _Static, q_seg=None, kv_seg=None):
+def _edge_bounds(st: _Static, edge):
+  """Which static bounds a masked tile applies: (padded keys, right / causal bound, left bound),
+  bools. ``edge``: None (any tile: every bound the mask has), "left" (a tile of a warpgroup's
+  [lo, flo) from ``_static_ranges``) or "right" (of its [fhi, hi)).
+
+  With ``st.edge_masks`` (default) an edge applies fewer: keys are padded only when kv_len is
+  not a multiple of block_k; a tile t >= flo has t * bk >= q_last - left (``_static_ranges``),
+  so it is right of every real row's left bound and a right edge never needs it; a tile
+  t < flo ends at most at q_last - left + bk - 2, so a left edge needs the right bound only
+  when left + right < bq + bk - 3 (a window narrower than a tile pair; taken as < bq + bk).
+  Segment ids and block schedules give other ranges: they take every bound."""
+  left, right = _bounds_left(st), _bounds_right(st)
+  pad, r_on, l_on = True, right is not None, left is not None
+  if st.edge_masks and not st.has_seg and not st.has_sched:
+    pad = st.kv_len % st.block_k != 0
+    if edge == "right":
+      l_on = False
+    elif edge == "left" and r_on and l_on and left + right >= st.block_q + st.block_k:
+      r_on = False
+  return pad, r_on, l_on
+
+
+def _tile_visible(rows, cols, row0, t, st: _Static, q_seg=None, kv_seg=None, edge=None):
   """Element mask of kv tile ``t`` for the query rows from ``row0``: rows/cols are the [bq, bk]
   iotas of the tile. Masks padded keys, keys past each row's causal diagonal, keys outside its
   window (``pallas_kernels.masks.visible``) and, with q_seg [bq] / kv_seg [bk] (the tile's
-  segment ids), keys of another segment or of segment 0."""
+  segment ids), keys of another segment or of segment 0. ``edge`` ("left", "right" or None):
+  which of a warpgroup's masked ranges the tile is in; a bound that cannot mask any real row's
+  key there is not applied (``_edge_bounds``). Returns a bool [bq, bk] or None (nothing to
+  mask)."""
+  pad, r_on, l_on = _edge_bounds(st, edge)
+  visible = None
+  both = lambda a, b: b if a is None else jnp.logical_and(a, b)
   k_pos = cols + t * st.block_k                               # [bq, bk]
-  visible = k_pos < st.kv_len
-  left, right = _bounds_left(st), _bounds_right(st)
-  if left is not None or right is not None:
+  if pad:
+    visible = k_pos < st.kv_len
+  if r_on or l_on:
     q_pos = rows + (row0 + st.offset)
-    if right is not None:
-      visible = jnp.logical_and(visible, k_pos <= q_pos + right)
-    if left is not None:
-      visible = jnp.logical_and(visible, k_pos >= q_pos - left)
+    if r_on:
+      visible = both(visible, k_pos <= q_pos + _bounds_right(st))
+    if l_on:
+      visible = both(visible, k_pos >= q_pos - _bounds_left(st))
   if q_seg is not None:
     shape = rows.shape
     qs = lax.broadcast_in_dim(q_seg, shape, [0])
     ks = lax.broadcast_in_dim(kv_seg, shape, [1])
-    visible = jnp.logical_and(visible, jnp.logical_and(qs == ks, ks != 0))
+    visible = both(visible, jnp.logical_and(qs == ks, ks != 0))
   return visible
+
+
+def _apply_mask(s, visible):
+  """s where ``visible`` (from ``_tile_visible``), -inf elsewhere; s unchanged for None."""
+  return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
 
 def _cap_logits(s, st: _Static):
@@ -877,15 +941,17 @@ def _fwd_kernel(*refs, st: _Static):
     # segment ids: masked tiles take ``masked=True`` (static mask and the per-element segment
     # compare) or, where this warpgroup walks one segment only, ``masked="static"``
     one_seg = None if st.has_sched else _one_segment(b, tile, wg, bounds_ref, st)
-    seg_of = lambda masked, x: x if masked is True else None   # "static": no segment part
+    # masked: False (a full tile) or _Mask(seg, edge): seg, the per-element segment compare;
+    # edge, the warpgroup's masked range ("left" [lo, flo), "right" [fhi, hi), None: unknown)
+    seg_of = lambda masked, x: x if masked.seg else None
 
-    def masked_loop(lo_, hi_, body_of, carry):
+    def masked_loop(lo_, hi_, body_of, carry, edge=None):
       # tiles [lo_, hi_) masked: all with the static mask when one_seg, else with segments
       if one_seg is None:
-        return lax.fori_loop(lo_, hi_, body_of(True), carry)
+        return lax.fori_loop(lo_, hi_, body_of(_Mask(True, edge)), carry)
       mid = jnp.where(one_seg, hi_, lo_)
-      carry = lax.fori_loop(lo_, mid, body_of("static"), carry)
-      return lax.fori_loop(mid, hi_, body_of(True), carry)
+      carry = lax.fori_loop(lo_, mid, body_of(_Mask(False, edge)), carry)
+      return lax.fori_loop(mid, hi_, body_of(_Mask(True, edge)), carry)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)   # base-2 max
@@ -918,7 +984,7 @@ def _fwd_kernel(*refs, st: _Static):
       if not st.k_wait_in_pv:
         plgpu.barrier_wait(k_loaded.at[slot])
       kv_seg = None
-      if masked is True and st.has_seg:   # read before the slot is released (k_free)
+      if masked and masked.seg and st.has_seg:   # read before the slot is released (k_free)
         kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
 
       def qk_gemm(s_ref):                                     # [bq, bk] fp32
@@ -934,8 +1000,8 @@ def _fwd_kernel(*refs, st: _Static):
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-        s = jnp.where(_tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg), kv_seg), s,
-                      -jnp.inf)
+        s = _apply_mask(s, _tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg),
+                                         kv_seg, edge=masked.edge))
       p, alpha, m_new, l = _online_softmax(s, m, l, st)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p = p.astype(st.dtype)
@@ -1026,7 +1092,7 @@ def _fwd_kernel(*refs, st: _Static):
 
       def tile_kv_seg(slot, masked):
         # the tile's kv segment ids (with K on k_loaded), read before the slot is released
-        if masked is True and st.has_seg:
+        if masked and masked.seg and st.has_seg:
           return plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
         return None
 
@@ -1035,8 +1101,8 @@ def _fwd_kernel(*refs, st: _Static):
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-          s = jnp.where(_tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg), kv_seg),
-                        s, -jnp.inf)
+          s = _apply_mask(s, _tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg),
+                                           kv_seg, edge=masked.edge))
         return _online_softmax(s, m, l, st)           # p in fp32
 
       def qk_turn(slot_of_turn, t, k, carry, masked, rescale=False):   # Q K^T only
@@ -1134,8 +1200,8 @@ def _fwd_kernel(*refs, st: _Static):
                   lambda st_: (*qk_turn(lambda: slot, t, turn, st_, masked, rescale=True),
                                yes, slot), state)
             return f
-          return lax.cond(code == _SKIP, skip,
-                          lambda st_: lax.cond(code == _FULL, run(False), run(True), st_), state)
+          return lax.cond(code == _SKIP, skip, lambda st_: lax.cond(
+              code == _FULL, run(False), run(_Mask(True, None)), st_), state)
 
         c = lax.fori_loop(jnp.int32(0), n, walk_turn, (acc, m, l, zero_p(), jnp.int32(0),
                                                        jnp.int32(0)))
@@ -1164,9 +1230,9 @@ def _fwd_kernel(*refs, st: _Static):
       def pair(masked):
         return lambda e, c: pair_turn(lambda: (ring_slot(e), ring_slot(e - 1)), e,
                                       lambda: e - plo, c, masked)
-      carry = masked_loop(a, b1, pair, carry)
+      carry = masked_loop(a, b1, pair, carry, edge="left")
       carry = lax.fori_loop(b1, b2, pair(False), carry)
-      carry = masked_loop(b2, hi, pair, carry)
+      carry = masked_loop(b2, hi, pair, carry, edge="right")
       carry = lax.fori_loop(hi, hi + one, lambda e, c: pv_turn(
           lambda: ring_slot(e - 1), lambda: e - plo, c), carry)
       lax.fori_loop(hi, phi, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo + one), None)
@@ -1203,15 +1269,16 @@ def _fwd_kernel(*refs, st: _Static):
         def run(carry):
           kw = dict(nxt=nxt) if st.k_wait_in_pv else {}
           return lax.cond(code == _FULL, functools.partial(step_at, slot, t, masked=False, **kw),
-                          functools.partial(step_at, slot, t, masked=True, **kw), carry)
+                          functools.partial(step_at, slot, t, masked=_Mask(True, None), **kw),
+                          carry)
         return lax.cond(code == _SKIP, skip, run, carry)
       carry = lax.fori_loop(jnp.int32(0), walk_count(), walk_step, carry)
     else:
       lax.fori_loop(plo, lo, drain, None)
       step_of = lambda masked: functools.partial(step, masked=masked)
-      carry = masked_loop(lo, flo, step_of, carry)
+      carry = masked_loop(lo, flo, step_of, carry, edge="left")
       carry = lax.fori_loop(flo, fhi, step_of(False), carry)
-      carry = masked_loop(fhi, hi, step_of, carry)
+      carry = masked_loop(fhi, hi, step_of, carry, edge="right")
       lax.fori_loop(hi, phi, drain, None)
     if not st.overlap_softmax:
       pl.when(wg == 0)(hand_over if handoff else meet)
@@ -1244,7 +1311,7 @@ def _fwd_kernel(*refs, st: _Static):
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(st.memory_registers, action="decrease")
 
     def load(t, slot, part="kv"):
       rows = (b, pl.ds(t * bk, bk), kv_h)
@@ -1564,7 +1631,8 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                  sched_heads=hsz > 1)
   return _Static(
       block_q=bs.block_q, block_k=bs.block_k, num_stages=bs.num_stages, pingpong=bs.pingpong,
-      compute_registers=bs.compute_registers, q_len=sq, kv_len=sk,
+      compute_registers=bs.compute_registers, memory_registers=bs.memory_registers,
+      q_len=sq, kv_len=sk,
       num_q_programs=-(-sq // bs.rows_per_program), num_kv_tiles=-(-sk // bs.block_k),
       head_dim=d, group=hq // hk, causal=bool(causal),
       scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
@@ -1577,7 +1645,8 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       q_tiles_per_program=int(bs.q_tiles_per_program),
       overlap_softmax=bool(bs.overlap_softmax),
       store_wait_read_only=bool(bs.store_wait_read_only),
-      one_seg_mask=bool(bs.one_segment_static_mask), **sched, **_tail_config(
+      one_seg_mask=bool(bs.one_segment_static_mask), edge_masks=not bs.all_bounds_mask,
+      **sched, **_tail_config(
           bs, q_shape, k_shape, causal=causal, window=window, has_seg=has_seg,
           schedule=schedule))
 
