@@ -128,11 +128,12 @@ def test_mask_kind_and_mask_entries():
   assert [tuning.mask_kind(c, w, segments=True) for c, w in [
       (False, None), (True, None), (True, (511, 0)), (False, (100, 30))]] == [
       "dense", "causal_segments", "causal_window", "window"]
-  # the H200's causal-window entry (run 33: 64-key tiles; run 38: fence), packed documents
+  # the H200's causal-window entry (run 38: fence; run 81: back to 128-key tiles with the edge
+  # masks, 64 since run 33), packed documents
   # (run 61: the overlap; run 71: one_segment_static_mask) and causal (runs 55-56: the
   # overlap); every other kind and device: "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
-  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=64, softmax_fence=True))
+  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=128, softmax_fence=True))
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
   assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP,
                                         one_segment_static_mask=True))   # run 71
@@ -158,7 +159,7 @@ def test_mask_kind_and_mask_entries():
   for kind in tuning.MASK_KINDS:
     assert _same(mg.default_block_sizes(128, device_kind="cpu", mask=kind), MOSAIC_BEFORE[128])
   assert tuning.required_params("mosaic_gpu_fwd", 128, "16bit", "NVIDIA H200",
-                                "causal_window")["block_k"] == 64
+                                "causal_window")["block_k"] == 128
 
 
 def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
@@ -193,7 +194,7 @@ def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
   finally:
     mg._tuned_block_sizes.cache_clear()
   assert [(b.block_k, b.softmax_fence, b.k_wait_in_pv, b.overlap_softmax) for b in seen] == [
-      (64, True, False, False), (128, False, False, True), (128, False, False, True),
+      (128, True, False, False), (128, False, False, True), (128, False, False, True),
       (128, False, False, True), (128, False, False, True)]
 
 
