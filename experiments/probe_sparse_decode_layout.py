@@ -52,6 +52,10 @@ def main(argv=None):
   p.add_argument("--hnd-repeat", action="store_true",
                  help="also sparse_hnd_repeat: the head-major call as before session 20 (the "
                       "lengths repeated per kv head in XLA, no lengths_group), an A/B of it")
+  p.add_argument("--hnd-launch", default="",
+                 help="e.g. 3:1,2:2: more sparse_hnd rows with the Triton attention launched "
+                      "with num_stages:blocks_per_step (sparse_hnd_st3_b1, ...; session 22's "
+                      "default is 2:2, the previous one 3:1)")
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
@@ -91,6 +95,13 @@ def main(argv=None):
   for n in (int(x) for x in a.hnd_splits.split(",") if x):
     fns[f"sparse_hnd_s{n}"] = lambda q, n=n: sp.sparse_decode_attention(
         q, kh, vh, lens, summ_h, num_splits=n, **hnd)
+  for spec in (x for x in a.hnd_launch.split(",") if x):
+    st_, b_ = (int(x) for x in spec.split(":"))
+    launch = (("num_stages", st_), ("blocks_per_step", b_))
+    fns[f"sparse_hnd_st{st_}_b{b_}"] = lambda q, launch=launch: sp._hnd_decode(
+        q, kh, vh, lens, summ_h, return_lse=False, return_indices=False, num_init_blocks=1,
+        num_local_blocks=1, scale=None, num_splits=None, fused_select=False, score_splits=None,
+        _launch=launch, implementation=impl, **kw)
   if a.hnd_fused:
     fns["sparse_hnd_fused"] = lambda q: sp.sparse_decode_attention(
         q, kh, vh, lens, summ_h, fused_select=True, **hnd)

@@ -1588,11 +1588,21 @@ def _resolve_decode_implementation(implementation, platform=None):
   return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
 
 
+# The head-major path's Triton attention launch: 2 stages of 2 blocks (128 keys) per step. Run
+# 79 (probe_sparse_decode.py --hnd, B1 S128K GQA 32:8 D128, top 19%): the attention alone 35.9
+# / 40.1 us device (two timings) against 43.5 for the default 3 stages of 1 block; the whole
+# call 43.5 / 51.8 against 55.3 / 62.7 us. On the head-major cache a kept block is one 16 KB
+# run, so two per step are one 32 KB copy each for K and V; run 23 swept the strided ("nhd")
+# cache, where 3 stages of 1 block stayed best.
+_HND_TRITON_LAUNCH = (("num_stages", 2), ("blocks_per_step", 2))
+
+
 @functools.partial(jax.jit, static_argnames=(
     "block_size", "return_lse", "return_indices", "top_k", "num_init_blocks", "num_local_blocks",
-    "scale", "implementation", "interpret", "num_splits", "fused_select", "score_splits"))
+    "scale", "implementation", "interpret", "num_splits", "fused_select", "score_splits",
+    "_launch"))
 def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
-                return_indices, **kw):
+                return_indices, _launch=None, **kw):
   """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
 
   Jitted, so that the reshapes are bitcasts even when the caller is not (outside a jit each
@@ -1605,6 +1615,9 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
   The Triton kernels read the lengths of sequence b * kv_heads + h at b (``lengths_group``), so
   that path repeats nothing (two small XLA broadcasts fewer per call, ~1.8 us on the H200 in
   run 67); the other implementations get the repeated lengths.
+
+  ``_launch``: the Triton attention's launch options as ((name, value), ...); None takes
+  ``_HND_TRITON_LAUNCH`` (whose blocks are contiguous here, see there).
   """
   q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
   b, hk, n, d = k.shape
@@ -1623,9 +1636,10 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
     summary_lengths = jnp.repeat(block_summaries.lengths, hk)
   summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
                         lengths=summary_lengths, block_size=block_summaries.block_size)
+  launch = (_HND_TRITON_LAUNCH if _launch is None else tuple(_launch)) if triton else ()
   out, lse, idx = _sparse_decode(q2, k2, v2, lengths, summ, None, block_size=block_size,
                                  return_lse=True, return_indices=True,
-                                 _lengths_group=hk if triton else 1, **kw)
+                                 _lengths_group=hk if triton else 1, _launch=launch, **kw)
   res = (out.reshape(b, hq, out.shape[-1]),)                               # [b, hq, dv]
   if return_lse:
     res += (lse.reshape(b, hq),)
@@ -1637,9 +1651,10 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
                    num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
                    implementation, interpret, num_splits, fused_select=False, score_splits=None,
-                   kv_layout="nhd", _lengths_group=1):
+                   kv_layout="nhd", _lengths_group=1, _launch=()):
   # _lengths_group (the head-major path on the Triton kernels only): kv_lengths and the
-  # summaries' lengths hold one entry per that many consecutive sequences
+  # summaries' lengths hold one entry per that many consecutive sequences; _launch: the Triton
+  # attention kernel's launch options ((name, value), ...), from the head-major path
   _check_kv_layout(kv_layout)
   if not isinstance(block_summaries, BlockSummaries):
     raise TypeError("block_summaries must be a BlockSummaries")
@@ -1655,7 +1670,7 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                        scale=scale, implementation=implementation, interpret=interpret,
                        num_splits=num_splits, fused_select=fused_select,
-                       score_splits=score_splits)
+                       score_splits=score_splits, _launch=_HND_TRITON_LAUNCH)
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
   if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
@@ -1739,7 +1754,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
         num_splits = default_num_splits(q.shape[0], k.shape[2], width)
       out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
                                block_size=block_size, num_splits=int(num_splits),
-                               scale=float(scale), out_dtype=q.dtype, interpret=interpret, **lg)
+                               scale=float(scale), out_dtype=q.dtype, interpret=interpret, **lg,
+                               **dict(_launch))
   res = (out,)
   if return_lse:
     res += (lse,)

@@ -75,13 +75,15 @@ def _both_layouts(q, kc, vc, lens, bs, **kw):
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_tpu"])
-def test_hnd_equals_nhd_on_transposed_cache(impl):
+def test_hnd_equals_nhd_on_transposed_cache(impl, monkeypatch):
   """GQA 6:2, head_dim 48 with values 32 wide, a 100-token cache in 16-token blocks (a partial
   last block); lengths 100, 0, 1 and 45 (mid-block, fewer candidates than top_k); Triton with 3
-  splits. Same kept blocks, same outputs and lse, equal to the fp32 reference; the empty row
-  gives 0 and -inf."""
+  splits and the "nhd" path's launch (``_HND_TRITON_LAUNCH`` emptied; the head-major default's
+  own launch: ``test_hnd_triton_default_launch``). Same kept blocks, same outputs and lse,
+  equal to the fp32 reference; the empty row gives 0 and -inf."""
   if impl != "xla":
     _kernel_module_or_skip(impl)
+  monkeypatch.setattr(sp, "_HND_TRITON_LAUNCH", ())
   b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 2
   q, kc, vc = _inputs(40, b, n, hq, hk, d, dv)
   lens = jnp.array([100, 0, 1, 45], jnp.int32)
@@ -147,10 +149,12 @@ def test_hnd_triton_kernels_read_unrepeated_lengths(fused):
                      interpret=True, lengths_group=2)
 
 
-def test_hnd_triton_fused_select_bf16():
+def test_hnd_triton_fused_select_bf16(monkeypatch):
   """The fused score + select kernel on a head-major bf16 cache (GQA 8:2, lengths not multiples
-  of the block): the "nhd" fused call's indices and outputs, and the fp32 reference."""
+  of the block): with the "nhd" path's launch, that fused call's indices and outputs to the
+  bit, and the fp32 reference."""
   _kernel_module_or_skip("triton")
+  monkeypatch.setattr(sp, "_HND_TRITON_LAUNCH", ())
   b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 3
   q, kc, vc = _inputs(41, b, n, hq, hk, d, d, jnp.bfloat16)
   lens = jnp.array([187, 70], jnp.int32)
@@ -163,6 +167,34 @@ def test_hnd_triton_fused_select_bf16():
   np.testing.assert_allclose(np.asarray(lse_h), np.asarray(lse), rtol=1e-6, atol=1e-6)
   ref, _, _ = _reference(q, kc, vc, lens, idx, bs)
   assert _rel(out_h, ref) < 2e-2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_hnd_triton_default_launch(fused):
+  """The head-major path's own Triton attention launch (``_HND_TRITON_LAUNCH``: 2 stages of 2
+  blocks per step; run 79) on a bf16 cache, GQA 8:2, lengths not multiples of the block, an
+  odd block count per split: the attention kernel is launched with it, the kept blocks are the
+  "nhd" call's, and the output matches the fp32 reference and the "nhd" output to bf16
+  rounding."""
+  _kernel_module_or_skip("triton")
+  assert dict(sp._HND_TRITON_LAUNCH) == dict(num_stages=2, blocks_per_step=2)
+  b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 4
+  q, kc, vc = _inputs(43, b, n, hq, hk, d, d, jnp.bfloat16)
+  lens = jnp.array([187, 70], jnp.int32)
+  kw = dict(top_k=top_k, implementation="triton", interpret=True, fused_select=fused,
+            num_splits=3)
+  (out, lse, idx), (out_h, lse_h, idx_h) = _both_layouts(q, kc, vc, lens, bs, **kw)
+  np.testing.assert_array_equal(np.asarray(idx_h), np.asarray(idx))
+  ref, ref_lse, _ = _reference(q, kc, vc, lens, idx, bs)
+  assert _rel(out_h, ref) < 2e-2
+  np.testing.assert_allclose(np.asarray(out_h, np.float32), np.asarray(out, np.float32),
+                             atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(np.asarray(lse_h), np.asarray(ref_lse), rtol=2e-3, atol=2e-3)
+  summ_h = sp.init_block_summaries(_hnd(kc), lens, block_size=bs, kv_layout="hnd")
+  jaxpr = jax.make_jaxpr(lambda q, kh, vh, s: sp.sparse_decode_attention(
+      q, kh, vh, lens, s, block_size=bs, kv_layout="hnd", **kw))(q, _hnd(kc), _hnd(vc), summ_h)
+  text = str(jaxpr)
+  assert "num_stages=2" in text and "num_stages=3" not in text, "attention launch options"
 
 
 def test_hnd_mosaic_gpu_replayed(replayed):
