@@ -133,7 +133,7 @@ def test_mask_kind_and_mask_entries():
   # (run 61: the overlap; run 71: one_segment_static_mask) and causal (runs 55-56: the
   # overlap); every other kind and device: "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
-  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], block_k=128, softmax_fence=True))
+  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP))   # run 82
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
   assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP,
                                         one_segment_static_mask=True))   # run 71
@@ -194,7 +194,7 @@ def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
   finally:
     mg._tuned_block_sizes.cache_clear()
   assert [(b.block_k, b.softmax_fence, b.k_wait_in_pv, b.overlap_softmax) for b in seen] == [
-      (128, True, False, False), (128, False, False, True), (128, False, False, True),
+      (128, False, False, True), (128, False, False, True), (128, False, False, True),
       (128, False, False, True), (128, False, False, True)]
 
 
