@@ -336,8 +336,9 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
   with its runs in the table's provenance, summary in docs/kernels.md "Tuning data"): the
   intra-warpgroup overlap for D128/D256 dense and causal, with ``tail_kv_splits=8`` on dense
   (applied per call through ``fit_tail_kv_splits``); 256-key tiles for D64 dense and causal;
-  64-key tiles and the fence for a D128 causal window; the overlap and
-  ``one_segment_static_mask`` for packed documents ("causal_segments").
+  the overlap for a D128 causal window (128-key tiles since session 22's edge masks, runs
+  81-82; 64 before); the overlap and ``one_segment_static_mask`` for packed documents
+  ("causal_segments").
 
   Args:
     head_dim: the head dimension of q, k and v.
@@ -352,8 +353,8 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
   Example:
     >>> default_block_sizes(128).block_k
     128
-    >>> default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window").block_k
-    64
+    >>> default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window").overlap_softmax
+    True
   """
   _check_dtype(dtype)
   if head_dim not in _HEAD_DIMS:
