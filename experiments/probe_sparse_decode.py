@@ -174,7 +174,11 @@ _CFG_FIELDS = {"st": "num_stages", "s": "splits", "w": "num_warps", "b": "blocks
 def parse_attend_config(spec, default_splits, mosaic_splits=None):
   """An attention sweep config name -> dict of the kernel's launch options and the merge.
 
-  ``s<splits>_w<warps>_st<stages>_b<blocks per step>[_la0][_nm|_xm|_mk]``, fields in any order;
+  ``s<splits>_w<warps>_st<stages>_b<blocks per step>[_la0][_nm|_xm|_mk][_ct]``, fields in any
+  order; ``ct`` (compact, a diagnostic): the kept blocks copied, outside the timing, into a
+  contiguous cache in list order, read through ids 0..count-1 (the same bytes and the same
+  arithmetic as the scattered read, so the output equals the config's; the difference in time
+  is what the scattered placement costs: address translation, DRAM page locality);
   missing fields take the defaults (``default_splits``, 4 warps, 3 stages, 1 block per step,
   block ids one step ahead, merge in the kernel). With the field ``mg``: the Mosaic GPU kernel
   (``kernel`` = "mosaic_gpu"), fields s and st only (defaults ``mosaic_splits``, 4 stages) and
@@ -185,10 +189,15 @@ def parse_attend_config(spec, default_splits, mosaic_splits=None):
   (17, 's17_w4_st3_b2_xm')
   >>> attend_config_name(parse_attend_config("mg_st2", 33, 16))
   'mg_s16_st2_mk'
+  >>> attend_config_name(parse_attend_config("st2_b2_ct", 33))
+  's33_w4_st2_b2_ct'
   """
   cfg = dict(splits=int(default_splits), num_warps=4, num_stages=3, blocks_per_step=1,
-             index_lookahead=True, merge="")
+             index_lookahead=True, merge="", compact=False)
   toks = [t for t in str(spec).strip().split("_") if t]
+  if "ct" in toks:
+    toks.remove("ct")
+    cfg["compact"] = True
   if "mg" in toks:
     toks.remove("mg")
     cfg.update(kernel="mosaic_gpu", num_stages=4,
@@ -225,11 +234,45 @@ def parse_attend_config(spec, default_splits, mosaic_splits=None):
 
 def attend_config_name(cfg):
   """The canonical name of a parsed config (every field, defaults included)."""
+  ct = "_ct" if cfg.get("compact") else ""
   if cfg.get("kernel") == "mosaic_gpu":
-    return f"mg_s{cfg['splits']}_st{cfg['num_stages']}_{cfg['merge']}"
+    return f"mg_s{cfg['splits']}_st{cfg['num_stages']}_{cfg['merge']}" + ct
   return (f"s{cfg['splits']}_w{cfg['num_warps']}_st{cfg['num_stages']}_"
           f"b{cfg['blocks_per_step']}" + ("" if cfg["index_lookahead"] else "_la0") +
-          (f"_{cfg['merge']}" if cfg["merge"] else ""))
+          (f"_{cfg['merge']}" if cfg["merge"] else "") + ct)
+
+
+def compact_kept_blocks(k, indices, counts, block_size):
+  """The kept blocks of a contiguous cache copied into a contiguous one, in list order.
+
+  Args:
+    k: [batch, len, kv_heads, d] cache (len a multiple of block_size).
+    indices: int32 [batch, kv_heads, width] block ids (-1 padded) in the order the kernel reads.
+    counts: int32 [batch, kv_heads] listed ids per row (the entries past it are -1).
+    block_size: tokens per block.
+
+  Returns:
+    (k_c [batch, width * block_size, kv_heads, d], ids [batch, kv_heads, width]): list entry j
+    of (b, h) is block j of k_c's head h, ids j (j < count) or -1; padded entries are zeros.
+
+  >>> import numpy as np
+  >>> k = jnp.arange(2 * 8 * 2 * 1, dtype=jnp.float32).reshape(2, 8, 2, 1)   # 4 blocks of 2
+  >>> kc, ids = compact_kept_blocks(k, jnp.array([[[3, 1], [0, -1]]] * 2), jnp.array([[2, 1]] * 2), 2)
+  >>> np.asarray(kc[0, :, 0, 0]).tolist(), np.asarray(kc[0, :, 1, 0]).tolist()
+  ([12.0, 14.0, 4.0, 6.0], [1.0, 3.0, 0.0, 0.0])
+  >>> np.asarray(ids[0]).tolist()
+  [[0, 1], [0, -1]]
+  """
+  b, n, h, d = k.shape
+  w = indices.shape[-1]
+  blocks = k.reshape(b, n // block_size, block_size, h, d)
+  safe = jnp.where(indices >= 0, indices, 0)
+  g = blocks[jnp.arange(b)[:, None, None], safe, :, jnp.arange(h)[None, :, None], :]
+  g = jnp.where((indices >= 0)[..., None, None], g, 0)                # [b, h, w, bs, d]
+  k_c = g.transpose(0, 2, 3, 1, 4).reshape(b, w * block_size, h, d)
+  j = jnp.arange(w, dtype=jnp.int32)
+  ids = jnp.where(j < counts[..., None], j, -1).astype(jnp.int32)
+  return k_c, ids
 
 
 def _pow2(n):
@@ -909,15 +952,21 @@ def main(argv=None):
             f"warps={cfg['num_warps']}, stages={cfg['num_stages']}, "
             f"{cfg['blocks_per_step'] * bs} keys/step, ids "
             f"{'one step ahead' if cfg['index_lookahead'] else 'in the step'}, "
-            f"{MERGES[cfg['merge']]}")
+            f"{MERGES[cfg['merge']]}" +
+            (", kept blocks compacted (contiguous copy, ids 0..count-1)"
+             if cfg.get("compact") else ""))
 
   for cname, cfg in sweep_cfgs.items():
     @row(f"sw_{cname}", sweep_what(cfg))
     def _(cfg=cfg, cname=cname):
       key = f"sw_{cname}"
+      per_set = [(k, v, i, c) for (k, v, _), (i, c) in zip(sets, lists())]
+      if cfg.get("compact"):   # the same bytes, contiguous (made once, outside the timing)
+        per_set = _sync([(compact_kept_blocks(k, i, c, bs)[0], *compact_kept_blocks(v, i, c, bs),
+                          c) for k, v, i, c in per_set])
 
       def check(f):
-        out = f(q, kc, vc, *lists()[0])
+        out = f(q, *per_set[0])
         if cfg["merge"] == "nm":
           out = merge_partials(*out, axis=1)[0].astype(dtype)
         c = {f"{key}_sweep_rel_err": rel_err(out, ref_sparse())}
@@ -925,14 +974,16 @@ def main(argv=None):
         if cfg == default_cfg and "out_idx" in base:    # the attention of the sparse call
           c[f"{key}_equals_sparse"] = bool(jnp.array_equal(out, base["out_idx"][0]))
         return c
-      return attend_fn(cfg), [(k, v, i, c) for (k, v, _), (i, c) in zip(sets, lists())], check
+      return attend_fn(cfg), per_set, check
 
   def best_sweep_config():
-    """The sweep row with the lowest device_ms whose checks all passed (not ``_nm``)."""
+    """The sweep row with the lowest device_ms whose checks all passed (not ``_nm``, not
+    ``_ct``)."""
     ok = [r for r in rows if r["stage"].startswith("sw_") and "device_ms" in r
           and "error" not in r and r.get("checks")
           and not any(check_passes(k, v) is False for k, v in r["checks"].items())
-          and sweep_cfgs[r["stage"][3:]]["merge"] != "nm"]
+          and sweep_cfgs[r["stage"][3:]]["merge"] != "nm"
+          and not sweep_cfgs[r["stage"][3:]].get("compact")]
     if not ok:
       raise RuntimeError("no sweep row with a device time and passing checks: pass "
                          "--attend-best")
