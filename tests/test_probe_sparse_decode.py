@@ -48,8 +48,10 @@ def test_attend_sweep_configs_and_rows():
   sweep rows come after every other row, only when asked for; bad names are errors."""
   cfg = probe.parse_attend_config("b2_xm_s17", 33)
   assert cfg == dict(splits=17, num_warps=4, num_stages=3, blocks_per_step=2,
-                     index_lookahead=True, merge="xm")
+                     index_lookahead=True, merge="xm", compact=False)
   assert probe.attend_config_name(cfg) == "s17_w4_st3_b2_xm"
+  ct = probe.parse_attend_config("ct_st2_b2", 33)   # the compact diagnostic (session 22)
+  assert ct["compact"] and probe.attend_config_name(ct) == "s33_w4_st2_b2_ct"
   assert probe.attend_config_name(probe.parse_attend_config("", 33)) == "s33_w4_st3_b1"
   assert probe.attend_config_name(probe.parse_attend_config("st4_la0_w8", 33)) == \
       "s33_w8_st4_b1_la0"
@@ -73,3 +75,32 @@ def test_list_sweep_rows(capsys):
   assert out[-1] == "sparse_best" and "sw_s3_w4_st3_b1" in out      # tiny: 3 default splits
   assert probe.main(["--list", "--tiny", "--attend-configs", "s2_b2,s2_w4_st3_b2"]) == 0
   assert capsys.readouterr().out.split()[-2:] == ["sw_s2_w4_st3_b2", "sparse_best"]
+
+
+def test_compact_kept_blocks_reads_the_same_bytes():
+  """The ``_ct`` diagnostic: the Triton attention over a compacted copy of the kept blocks (ids
+  0..count-1) gives the scattered read's output to the bit (same bytes, same order)."""
+  import doctest
+
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.sparse.decode import sparse_decode
+  runner = doctest.DocTestRunner(verbose=False)
+  for t in doctest.DocTestFinder().find(probe.compact_kept_blocks, globs={"jnp": jnp}):
+    runner.run(t)
+  assert runner.summarize(verbose=False).attempted > 0 and runner.failures == 0
+  b, n, hq, hk, d, bs = 2, 128, 4, 2, 16, 16
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.float32)
+  k = jax.random.normal(ks[1], (b, n, hk, d), jnp.float32)
+  v = jax.random.normal(ks[2], (b, n, hk, d), jnp.float32)
+  idx = jnp.array([[[0, 3, 5, 7], [1, 2, 7, -1]], [[2, 4, -1, -1], [0, 6, 7, -1]]], jnp.int32)
+  cnt = jnp.sum(idx >= 0, axis=-1).astype(jnp.int32)
+  lens = jnp.full((b,), n, jnp.int32)
+  kw = dict(block_size=bs, num_splits=2, interpret=True)
+  out = sparse_decode(q, k, v, lens, idx, None, cnt, **kw)[0]
+  k_c, ids = probe.compact_kept_blocks(k, idx, cnt, bs)
+  v_c, _ = probe.compact_kept_blocks(v, idx, cnt, bs)
+  assert k_c.shape == (b, 4 * bs, hk, d)
+  out_c = sparse_decode(q, k_c, v_c, lens, ids, None, cnt, **kw)[0]
+  assert bool(jnp.array_equal(out, out_c))
