@@ -86,7 +86,7 @@ def test_compact_kept_blocks_reads_the_same_bytes():
   import jax.numpy as jnp
   from pallas_kernels.sparse.decode import sparse_decode
   runner = doctest.DocTestRunner(verbose=False)
-  for t in doctest.DocTestFinder().find(probe.compact_kept_blocks, globs={"jnp": jnp}):
+  for t in doctest.DocTestFinder().find(probe.compact_kept_blocks, globs=dict(vars(probe))):
     runner.run(t)
   assert runner.summarize(verbose=False).attempted > 0 and runner.failures == 0
   b, n, hq, hk, d, bs = 2, 128, 4, 2, 16, 16
