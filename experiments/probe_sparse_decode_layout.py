@@ -59,6 +59,10 @@ def main(argv=None):
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
+  p.add_argument("--kernel-trace", type=int, default=0, metavar="CALLS",
+                 help="also each row's device kernel time per call from a profiler trace of "
+                      "that many calls (experiments/kernel_trace.py; 0: off): the kernel sum "
+                      "(launch gaps excluded) and the span, with the dense / row ratios")
   a = p.parse_args(argv)
   B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
   S = 1024 if a.tiny else a.seq
@@ -178,6 +182,19 @@ def main(argv=None):
   d = res["rows"]["dense_nhd"]["device_us"]
   res["speedups_vs_dense_nhd"] = {n: d / r["device_us"] for n, r in res["rows"].items()}
   print("dense_nhd / row:", {n: round(x, 2) for n, x in res["speedups_vs_dense_nhd"].items()})
+  if a.kernel_trace:
+    from experiments.kernel_trace import format_times, kernel_times
+    traced = {}
+    for n, f in fns.items():   # each row: calls one at a time, distinct q per call
+      traced[n] = kernel_times(jax.jit(f), [(x,) for x in qs], calls=a.kernel_trace)
+      print(format_times(n, traced[n]), flush=True)
+      res["rows"][n]["kernel_trace"] = traced[n]
+    for key in ("sum_us", "span_us"):
+      base = traced["dense_nhd"][key]
+      res[f"kernel_trace_{key}_dense_over_row"] = {
+          n: (base / t[key] if t[key] else None) for n, t in traced.items()}
+      print(f"dense_nhd / row by kernel {key}:", {n: (round(x, 2) if x else x) for n, x in
+                                                  res[f"kernel_trace_{key}_dense_over_row"].items()})
   json.dump(res, open(a.out, "w"), indent=1)
 
 

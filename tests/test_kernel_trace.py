@@ -1,0 +1,34 @@
+"""experiments/kernel_trace.py on the CPU (the host plane's XLA thunks; on a GPU the same code
+reads the CUDA streams of the device plane)."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import kernel_trace as kt
+
+
+def test_kernel_times_reads_the_xla_ops():
+  xs = [(jax.random.normal(jax.random.key(i), (256, 256)),) for i in range(2)]
+  r = kt.kernel_times(lambda a: jnp.tanh(a @ a), xs, calls=6, warmup=1)
+  assert r["calls"] == 6 and r["events"] > 0 and r["sum_us"] > 0 and r["span_us"] > 0
+  assert all(name.startswith("tf_XLA") for name in r["lines"])          # no Python frames
+  assert not any(k.startswith("$") for k in r["per_kernel_us"])
+  assert abs(sum(r["per_kernel_us"].values()) - r["sum_us"]) < 1e-6
+  assert "x: kernels" in kt.format_times("x", r)
+
+
+def test_kernel_times_scales_with_the_work():
+  """512x the flops must take longer (the trace's durations are real)."""
+  small = [(jnp.ones((64, 64)),)]
+  big = [(jnp.ones((512, 512)),)]
+  f = lambda a: (a @ a @ a).sum()
+  t_small = kt.kernel_times(f, small, calls=4)["sum_us"]
+  t_big = kt.kernel_times(f, big, calls=4)["sum_us"]
+  assert t_big > 4 * t_small
+
+
+def test_kernel_times_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="calls"):
+    kt.kernel_times(lambda a: a, [(jnp.ones(3),)], calls=0)
+  with pytest.raises(ValueError, match="arg_sets"):
+    kt.kernel_times(lambda a: a, [])
