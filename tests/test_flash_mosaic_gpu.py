@@ -215,10 +215,65 @@ def test_register_split_checks():
 
 def test_overlap_softmax_checks():
   """BlockSizes rejects the options the overlap's turn protocol cannot combine with."""
-  for kw in (dict(k_wait_in_pv=True), dict(softmax_fence=True), dict(q_tiles_per_program=2),
-             dict(pingpong_handoff=False)):
+  for kw in (dict(k_wait_in_pv=True), dict(softmax_fence=True), dict(pingpong_handoff=False)):
     with pytest.raises(ValueError, match="overlap_softmax"):
       mg.BlockSizes(64, 128, 2, **{**_OVERLAP, **kw})
+  # several query tiles per program: since session 22 (the turns run on across tiles)
+  assert mg.BlockSizes(64, 128, 2, q_tiles_per_program=2, **_OVERLAP).q_tiles_per_program == 2
+
+
+def _simulate_turns(tiles, skips, rng):
+  """The overlap's hand-over barriers (``rendezvous.at[wg]``: one arrival completes a phase)
+  under a random interleaving of the two compute warpgroups, for a program whose query tiles
+  have ``tiles[i] + 1`` turns each. ``skips(wg, k, n, first, last)`` -> (skip wait, skip
+  hand-over). Returns None if every op ran with each barrier phase waited for before the next
+  arrival, else the failure ("deadlock" or "second arrival before the wait")."""
+  ops = {0: [], 1: []}
+  for i, n in enumerate(tiles):
+    for wg in (0, 1):
+      for k in range(n + 1):
+        sw, sh = (bool(x) for x in skips(wg, k, n, i == 0, i == len(tiles) - 1))
+        if not sw:
+          ops[wg].append(("wait", wg))
+        if not sh:
+          ops[wg].append(("arrive", 1 - wg))
+  completed, waited, pos = [0, 0], [0, 0], [0, 0]
+  while pos[0] < len(ops[0]) or pos[1] < len(ops[1]):
+    ready = []
+    for wg in (0, 1):
+      if pos[wg] < len(ops[wg]):
+        op, bar = ops[wg][pos[wg]]
+        if op == "arrive" or completed[bar] > waited[bar]:
+          ready.append(wg)
+    if not ready:
+      return "deadlock"
+    wg = ready[rng.integers(len(ready))]
+    op, bar = ops[wg][pos[wg]]
+    if op == "arrive":
+      if completed[bar] - waited[bar] >= 1:
+        return "second arrival before the wait"
+      completed[bar] += 1
+    else:
+      waited[bar] += 1
+    pos[wg] += 1
+  return None if completed == waited else "unconsumed arrival"
+
+
+@pytest.mark.parametrize("tiles", [(3,), (3, 3), (1, 4, 2), (0, 2), (2, 0, 0, 5), (6, 6, 6, 6)])
+def test_overlap_turns_run_on_across_query_tiles(tiles):
+  """``_turn_skips`` over a program's query tiles (turn counts per tile, 0: a tile whose range
+  is empty still has its one turn): no deadlock and no barrier phase arrived twice before its
+  wait, for 200 random interleavings; restarting the single-tile protocol at every tile (what
+  run 49 disallowed) fails as soon as a program has two tiles."""
+  rng = np.random.default_rng(sum(tiles) * 31 + len(tiles))
+  for _ in range(200):
+    assert _simulate_turns(tiles, mg._turn_skips, rng) is None
+  per_tile = lambda wg, k, n, first, last: mg._turn_skips(wg, k, n, True, True)
+  results = {_simulate_turns(tiles, per_tile, rng) for _ in range(200)}
+  if len(tiles) == 1:
+    assert results == {None}
+  else:
+    assert results - {None}, results
 
 
 def _mosaic_module_text(bs, monkeypatch, seq=512):
@@ -349,12 +404,22 @@ Q_TILES_LOWER_CASES = {
     "d64_causal_p2_early_k_load_q_major_grid_3_stages": dict(
         d=64, sq=1000, sk=1000, causal=True, p=2, early_k_load=True, q_major_grid=True,
         num_stages=3, softmax_fence=True),
+    # with overlap_softmax (session 22: the hand-over turns run on across the tiles)
+    "d128_dense_ragged_overlap_p2": dict(sq=1000, sk=777, causal=False, p=2, early_k_load=True,
+                                         overlap_softmax=True, pingpong_handoff=True),
+    "d128_causal_window_511_overlap_p2": dict(sq=2048, sk=2048, causal=True, p=2,
+                                              local_window_size=(511, 0), early_k_load=True,
+                                              overlap_softmax=True, pingpong_handoff=True),
+    "d128_causal_q_longer_empty_rows_overlap_p4": dict(sq=700, sk=260, causal=True, p=4,
+                                                       overlap_softmax=True,
+                                                       pingpong_handoff=True),
 }
 
 
 def _q_tiles_bs(case):
   kw = {key: case.pop(key) for key in ("early_k_load", "q_major_grid", "pingpong",
-                                        "softmax_fence") if key in case}
+                                        "softmax_fence", "overlap_softmax",
+                                        "pingpong_handoff") if key in case}
   return mg.BlockSizes(64, case.pop("block_k", 128), case.pop("num_stages", 2),
                        q_tiles_per_program=case.pop("p"), **kw)
 
@@ -1332,6 +1397,20 @@ GPU_CASES = {
     "d128_causal_q_longer_empty_rows_q_tiles_3": dict(
         b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
         bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=3)),
+    # the overlap with several query tiles per program (session 22; never run on a GPU yet):
+    # `pytest -m gpu -k overlap_q_tiles`
+    "d128_dense_ragged_overlap_q_tiles_2": dict(
+        b=2, sq=1328, sk=1000, hq=4, hk=2, d=128, causal=False,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, q_tiles_per_program=2, **_OVERLAP)),
+    "d128_causal_window_511_overlap_q_tiles_2": dict(
+        b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, q_tiles_per_program=2, **_OVERLAP)),
+    "d128_causal_q_longer_empty_rows_overlap_q_tiles_4": dict(
+        b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=4, **_OVERLAP)),
+    "d128_causal_overlap_q_tiles_3": dict(
+        b=1, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
+        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, q_tiles_per_program=3, **_OVERLAP)),
     "d64_causal_window_q_tiles_2_options": dict(
         b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True, local_window_size=(200, 0),
         bs=mg.BlockSizes(64, 128, 3, q_tiles_per_program=2, early_k_load=True,

@@ -180,9 +180,11 @@ class BlockSizes:
       has ceil(query tiles / P) programs per (batch, head). 1 (default): one tile per program,
       the kernel as before (byte-identical lowering). P > 1 takes the range path only (no
       segment ids or block schedule: ValueError at the call) and neither ``k_wait_in_pv`` nor
-      ``pingpong_handoff`` (ValueError here); D256 does not fit the second Q/O buffer. GPU
-      tests pass (run 49); not faster on a causal window of 512 (P = 2: 0.428 ms vs 0.429; 4
-      and 8 slower; docs/mosaic_fwd_vs_tokamax.md).
+      ``pingpong_handoff`` without ``overlap_softmax`` (ValueError here); D256 does not fit the
+      second Q/O buffer. GPU tests pass (run 49); not faster on a causal window of 512 (P = 2:
+      0.428 ms vs 0.429; 4 and 8 slower; docs/mosaic_fwd_vs_tokamax.md). With
+      ``overlap_softmax`` (session 22, lowered and protocol-simulated on the CPU only, not yet
+      run on a GPU) the hand-over turns run on across the program's tiles (``_turn_skips``).
 
     overlap_softmax: FlashAttention-3's intra-warpgroup overlap: each compute warpgroup issues
       the Q K^T wgmma of kv tile t and the P V wgmma of tile t - 1 back to back, waits only for
@@ -192,7 +194,8 @@ class BlockSizes:
       it needs ``pingpong_handoff`` (one turn per kv tile: wait own barrier, issue both wgmmas,
       arrive on the other's). The range path and, lowered on the CPU but not yet run on a GPU,
       segment ids and block schedules (the walk carries a pending P V across skipped entries);
-      not with ``k_wait_in_pv``, ``softmax_fence`` or ``q_tiles_per_program`` > 1.
+      not with ``k_wait_in_pv`` or ``softmax_fence``. With ``q_tiles_per_program`` > 1 since
+      session 22 (CPU only so far, see there).
       Off (dataclass default): Q K^T and P V of a tile are each waited for before the next is
       issued. GPU tests pass (``GPU_CASES`` "*overlap*", runs 53 and 55); with
       ``early_k_load`` it is the H200 table's dense and causal entry at D128 and D256 (runs
@@ -263,7 +266,6 @@ class BlockSizes:
     if self.overlap_softmax:
       bad = [name for name, on in (("k_wait_in_pv", self.k_wait_in_pv),
                                    ("softmax_fence", self.softmax_fence),
-                                   ("q_tiles_per_program > 1", self.q_tiles_per_program != 1),
                                    ("pingpong without pingpong_handoff",
                                     self.pingpong and not self.pingpong_handoff)) if on]
       if bad:
@@ -271,10 +273,11 @@ class BlockSizes:
     p = self.q_tiles_per_program
     if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
       raise ValueError(f"q_tiles_per_program must be an int >= 1, got {p!r}")
-    if p > 1 and (self.k_wait_in_pv or self.pingpong_handoff):
+    if p > 1 and (self.k_wait_in_pv or (self.pingpong_handoff and not self.overlap_softmax)):
       raise ValueError(f"q_tiles_per_program={p} (> 1) does not support k_wait_in_pv or "
-                       f"pingpong_handoff (their barrier protocols are not carried across a "
-                       f"program's query tiles); got k_wait_in_pv={self.k_wait_in_pv}, "
+                       f"pingpong_handoff without overlap_softmax (their barrier protocols are "
+                       f"not carried across a program's query tiles; the overlap's is, "
+                       f"``_turn_skips``); got k_wait_in_pv={self.k_wait_in_pv}, "
                        f"pingpong_handoff={self.pingpong_handoff}")
     if self.pingpong_handoff and not self.pingpong:
       raise ValueError("pingpong_handoff needs pingpong=True")
@@ -826,6 +829,26 @@ def _one_segment(b, tile, wg, bounds_ref, st: _Static):
   return bounds_ref[b, tile, _SEG_BOUNDS_ONE + wg] != 0
 
 
+def _turn_skips(wg, k, n, first_tile, last_tile):
+  """``overlap_softmax``'s hand-over protocol: for compute warpgroup ``wg``'s turn ``k`` of
+  ``n + 1`` turns (0..n) in a query tile, (skip the wait for its turn, skip the hand-over after
+  it). The turns of a program's query tiles form one sequence: warpgroup 0 skips only the
+  program's first wait (it goes first) and warpgroup 1 only the program's last hand-over (no
+  turn follows), so that each warpgroup alternates wait and hand-over through all its tiles
+  (``q_tiles_per_program`` > 1) and a barrier never gets a second arrival before its wait.
+  ``first_tile`` / ``last_tile``: whether the query tile is the program's first / last (both
+  True for one tile per program). Plain jnp (the kernel uses it, the CPU tests simulate it).
+
+  Example:
+    >>> [tuple(bool(x) for x in _turn_skips(w, k, 2, True, True)) for w in (0, 1) for k in (0, 2)]
+    [(True, False), (False, False), (False, False), (False, True)]
+  """
+  wg, k, n = (jnp.asarray(x, jnp.int32) for x in (wg, k, n))
+  skip_wait = jnp.logical_and(jnp.logical_and(first_tile, k == 0), wg == 0)
+  skip_hand = jnp.logical_and(jnp.logical_and(last_tile, k == n), wg == 1)
+  return skip_wait, skip_hand
+
+
 def _program_tiles(g, st: _Static):
   """q_tiles_per_program = P > 1: the query tiles of program ``g`` (``rows_per_program`` rows
   each), as (count, i -> the i-th tile), int32: tiles j = g * P + i for i < count =
@@ -921,13 +944,15 @@ def _fwd_kernel(*refs, st: _Static):
           load_q(i + 1)
       buf = buf_of(i)
       n = _compute_tile(tile_of(i), row0_of(i), qo_smem.at[buf], q_loaded.at[buf],
-                        lse_smem.at[buf], ring_base=ring_base, after_q_wait=prefetch_next_q)
+                        lse_smem.at[buf], ring_base=ring_base, after_q_wait=prefetch_next_q,
+                        tile_pos=(i == 0, i == n_sub - 1))
       return ring_base + n
 
     lax.fori_loop(jnp.int32(0), n_sub, sub_tile, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0, wait_read_only=st.store_wait_read_only)
 
-  def _compute_tile(tile, row0, q_smem, q_barrier, lse_dst, ring_base=None, after_q_wait=None):
+  def _compute_tile(tile, row0, q_smem, q_barrier, lse_dst, ring_base=None, after_q_wait=None,
+                    tile_pos=None):
     """One query tile of this warpgroup (Q already requested on ``q_barrier``): the kv walk and
     the epilogue (O into ``q_smem``, LSE into ``lse_dst``, TMA stores issued, not waited for).
     ``ring_base`` (q_tiles_per_program > 1): ring entries of the program's earlier tiles; the
@@ -1074,11 +1099,13 @@ def _fwd_kernel(*refs, st: _Static):
 
       def begin(k):
         if st.pingpong:
-          pl.when(jnp.logical_or(k > 0, wg == 1))(take_turn)
+          skip, _ = _turn_skips(wg, k, n, *(tile_pos or (True, True)))
+          pl.when(jnp.logical_not(skip))(take_turn)
 
       def end(k):
         if st.pingpong:
-          pl.when(jnp.logical_or(k < n, wg == 0))(hand_over)
+          _, skip = _turn_skips(wg, k, n, *(tile_pos or (True, True)))
+          pl.when(jnp.logical_not(skip))(hand_over)
 
       def release(slot):   # an entry this warpgroup does not need
         plgpu.barrier_wait(k_loaded.at[slot])
