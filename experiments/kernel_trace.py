@@ -111,6 +111,11 @@ def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str |
         first = ev.start_ns if first is None else min(first, ev.start_ns)
         last = ev.end_ns if last is None else max(last, ev.end_ns)
         n += 1
+  if n == 0:
+    planes = sorted({pl.name for pl in data.planes})
+    raise RuntimeError(f"no events on planes starting with {plane!r} (planes in the trace: "
+                       f"{planes}); on a GPU the device plane needs CUPTI (the profiler "
+                       f"plugin's libcupti)")
   per = {k: v / 1e3 / calls for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
   span = 0.0 if first is None else (last - first) / 1e3 / calls
   return dict(per_kernel_us=per, sum_us=sum(per.values()), span_us=span, events=n, calls=calls,

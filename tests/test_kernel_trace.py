@@ -32,3 +32,5 @@ def test_kernel_times_rejects_bad_arguments():
     kt.kernel_times(lambda a: a, [(jnp.ones(3),)], calls=0)
   with pytest.raises(ValueError, match="arg_sets"):
     kt.kernel_times(lambda a: a, [])
+  with pytest.raises(RuntimeError, match="no events on planes"):
+    kt.kernel_times(lambda a: a * 2, [(jnp.ones(3),)], calls=2, plane="/device:NONE")
