@@ -1602,7 +1602,7 @@ _HND_TRITON_LAUNCH = (("num_stages", 2), ("blocks_per_step", 2))
     "scale", "implementation", "interpret", "num_splits", "fused_select", "score_splits",
     "_launch"))
 def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
-                return_indices, _launch=None, **kw):
+                return_indices, _launch=(), **kw):
   """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
 
   Jitted, so that the reshapes are bitcasts even when the caller is not (outside a jit each
@@ -1616,8 +1616,8 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
   that path repeats nothing (two small XLA broadcasts fewer per call, ~1.8 us on the H200 in
   run 67); the other implementations get the repeated lengths.
 
-  ``_launch``: the Triton attention's launch options as ((name, value), ...); None takes
-  ``_HND_TRITON_LAUNCH`` (whose blocks are contiguous here, see there).
+  ``_launch``: the Triton attention's launch options as ((name, value), ...)
+  (``_sparse_decode`` passes ``_HND_TRITON_LAUNCH``: the blocks are contiguous here).
   """
   q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
   b, hk, n, d = k.shape
@@ -1636,7 +1636,7 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
     summary_lengths = jnp.repeat(block_summaries.lengths, hk)
   summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
                         lengths=summary_lengths, block_size=block_summaries.block_size)
-  launch = (_HND_TRITON_LAUNCH if _launch is None else tuple(_launch)) if triton else ()
+  launch = tuple(_launch) if triton else ()
   out, lse, idx = _sparse_decode(q2, k2, v2, lengths, summ, None, block_size=block_size,
                                  return_lse=True, return_indices=True,
                                  _lengths_group=hk if triton else 1, _launch=launch, **kw)

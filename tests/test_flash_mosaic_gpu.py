@@ -804,7 +804,7 @@ def test_tile_walk_check_can_fail():
 
 
 @pytest.mark.parametrize("drop", ["right_on_left_edges", "padded_keys"])
-def test_edge_mask_check_can_fail(drop):
+def test_edge_mask_check_can_fail(drop, monkeypatch):
   """The walk check catches edge masks that drop a bound they need: the right bound on a left
   edge of a window narrower than a tile (0, 0), or the padded-key compare of a last tile that
   no other bound masks (a left-only window, 1000 keys in 128-key tiles)."""
@@ -819,12 +819,9 @@ def test_edge_mask_check_can_fail(drop):
     return (pad and drop != "padded_keys",
             r_on and not (edge == "left" and drop == "right_on_left_edges"), l_on)
   _check_walk(st)   # the real edges pass
-  mg._edge_bounds = dropped
-  try:
-    with pytest.raises(AssertionError):
-      _check_walk(st)
-  finally:
-    mg._edge_bounds = real
+  monkeypatch.setattr(mg, "_edge_bounds", dropped)
+  with pytest.raises(AssertionError):
+    _check_walk(st)
 
 
 def _replay(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, **kw):

@@ -289,13 +289,7 @@ class BlockSizes:
       raise ValueError(f"block_k must be a positive multiple of 64, got {self.block_k}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
-    for name, r in (("compute_registers", self.compute_registers),
-                    ("memory_registers", self.memory_registers)):
-      if r % 8 or not 24 <= r <= 256:
-        raise ValueError(f"{name} must be a multiple of 8 in [24, 256], got {r}")
-    if _COMPUTE_WGS * self.compute_registers + self.memory_registers > 504:
-      raise ValueError(f"2 * compute_registers + memory_registers must be <= 504, got "
-                       f"{self.compute_registers} and {self.memory_registers}")
+    check_register_split(self.compute_registers, self.memory_registers)
     c = self.tail_kv_splits
     if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
       raise ValueError(f"tail_kv_splits must be an int >= 0, got {c!r}")
@@ -321,6 +315,31 @@ class BlockSizes:
 # memory) with the softmax fence (runs 37-38), per mask kind; D64 (~112 KiB) and D256
 # (~192 KiB): swept in run 33 without a better config.
 _HEAD_DIMS = (64, 128, 256)
+
+
+def check_register_split(compute_registers: int, memory_registers: int) -> None:
+  """Checks a kernel's ``setmaxnreg`` values for two compute warpgroups and one memory
+  warpgroup (the forward's and the fused backward's layout).
+
+  Args:
+    compute_registers: registers per thread of each compute warpgroup.
+    memory_registers: registers per thread of the memory warpgroup.
+
+  Returns:
+    None; raises ValueError unless both are multiples of 8 in [24, 256] and
+    2 * compute_registers + memory_registers <= 504 (the CTA's launch allocation: 168
+    registers per thread x 3 warpgroups).
+
+  Example:
+    >>> check_register_split(240, 24)
+  """
+  for name, r in (("compute_registers", compute_registers),
+                  ("memory_registers", memory_registers)):
+    if r % 8 or not 24 <= r <= 256:
+      raise ValueError(f"{name} must be a multiple of 8 in [24, 256], got {r}")
+  if _COMPUTE_WGS * compute_registers + memory_registers > 504:
+    raise ValueError(f"2 * compute_registers + memory_registers must be <= 504, got "
+                     f"{compute_registers} and {memory_registers}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -724,7 +743,8 @@ def _tile_visible(rows, cols, row0, t, st: _Static, q_seg=None, kv_seg=None, edg
   pad, r_on, l_on = _edge_bounds(st, edge)
   visible = None
   both = lambda a, b: b if a is None else jnp.logical_and(a, b)
-  k_pos = cols + t * st.block_k                               # [bq, bk]
+  if pad or r_on or l_on:
+    k_pos = cols + t * st.block_k                             # [bq, bk]
   if pad:
     visible = k_pos < st.kv_len
   if r_on or l_on:

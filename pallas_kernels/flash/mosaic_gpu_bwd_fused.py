@@ -106,6 +106,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash import mosaic_gpu_bwd as mb
+from pallas_kernels.flash.mosaic_gpu import check_register_split
 from pallas_kernels.flash.mosaic_gpu_bwd import BlockSizes
 
 _COMPUTE_WGS = mb._COMPUTE_WGS
@@ -192,13 +193,7 @@ def _check_block_sizes(bs: BlockSizes):
 def _check_options(opts: FusedOptions, bs: BlockSizes):
   """setmaxnreg values: multiples of 8 in [24, 256], and the three warpgroups within the CTA's
   launch allocation (3 x 168 = 504 registers per thread slot at 384 threads)."""
-  for name, r in (("memory_registers", opts.memory_registers),
-                  ("compute_registers", bs.compute_registers)):
-    if r % 8 or not 24 <= r <= 256:
-      raise ValueError(f"{name} must be a multiple of 8 in [24, 256], got {r}")
-  if _COMPUTE_WGS * bs.compute_registers + opts.memory_registers > 504:
-    raise ValueError(f"2 x compute_registers + memory_registers must be <= 504, got "
-                     f"{bs.compute_registers} and {opts.memory_registers}")
+  check_register_split(bs.compute_registers, opts.memory_registers)
 
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> mb._Static:
