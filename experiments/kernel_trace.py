@@ -47,7 +47,7 @@ def _lines(plane, line_prefix):
 
 
 def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str | None = None,
-                 line_prefix: str | None = None, name_filter=None):
+                 line_prefix: str | None = None, name_filter=None, calls_per_run: int = 1):
   """Mean device time per call of each kernel a jitted function launches.
 
   Args:
@@ -63,6 +63,10 @@ def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str |
       CUDA streams; on the CPU "tf_XLA" (XLA's threads, not the Python frames).
     name_filter: None, or a predicate on event names to keep (default on the CPU: not the
       thunk executor's own events, which contain the ops').
+    calls_per_run: logical calls made by one call of ``fn`` (e.g. a jitted program of that
+      many calls, so that the span counts only the gaps between kernels of one executable,
+      not the host's dispatch of each call): every per-call figure is divided by
+      ``calls * calls_per_run``.
 
   Returns:
     dict(per_kernel_us={name: mean us per call}, sum_us (their sum), span_us (first start to
@@ -75,8 +79,8 @@ def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str |
     >>> r["calls"], r["sum_us"] >= 0.0
     (4, True)
   """
-  if calls < 1:
-    raise ValueError(f"calls must be >= 1, got {calls}")
+  if calls < 1 or calls_per_run < 1:
+    raise ValueError(f"calls and calls_per_run must be >= 1, got {calls}, {calls_per_run}")
   if not arg_sets:
     raise ValueError("arg_sets must hold at least one argument tuple")
   gpu = jax.default_backend() == "gpu"
@@ -116,10 +120,11 @@ def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str |
     raise RuntimeError(f"no events on planes starting with {plane!r} (planes in the trace: "
                        f"{planes}); on a GPU the device plane needs CUPTI (the profiler "
                        f"plugin's libcupti)")
-  per = {k: v / 1e3 / calls for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
-  span = 0.0 if first is None else (last - first) / 1e3 / calls
-  return dict(per_kernel_us=per, sum_us=sum(per.values()), span_us=span, events=n, calls=calls,
-              lines=dict(lines))
+  per_call = calls * calls_per_run
+  per = {k: v / 1e3 / per_call for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+  span = 0.0 if first is None else (last - first) / 1e3 / per_call
+  return dict(per_kernel_us=per, sum_us=sum(per.values()), span_us=span, events=n,
+              calls=per_call, lines=dict(lines))
 
 
 def format_times(name, r, top: int = 6):

@@ -62,7 +62,9 @@ def main(argv=None):
   p.add_argument("--kernel-trace", type=int, default=0, metavar="CALLS",
                  help="also each row's device kernel time per call from a profiler trace of "
                       "that many calls (experiments/kernel_trace.py; 0: off): the kernel sum "
-                      "(launch gaps excluded) and the span, with the dense / row ratios")
+                      "(launch gaps excluded) and the span, with the dense / row ratios; "
+                      "then the same from the long program (--calls' second count of calls in "
+                      "one executable, so the span has no host dispatch gaps)")
   a = p.parse_args(argv)
   B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
   S = 1024 if a.tiny else a.seq
@@ -184,7 +186,7 @@ def main(argv=None):
   print("dense_nhd / row:", {n: round(x, 2) for n, x in res["speedups_vs_dense_nhd"].items()})
   if a.kernel_trace:
     from experiments.kernel_trace import format_times, kernel_times
-    traced = {}
+    traced, traced_prog = {}, {}
     for n, f in fns.items():   # each row: calls one at a time, distinct q per call
       try:
         traced[n] = kernel_times(jax.jit(f), [(x,) for x in qs], calls=a.kernel_trace)
@@ -194,12 +196,18 @@ def main(argv=None):
         break
       print(format_times(n, traced[n]), flush=True)
       res["rows"][n]["kernel_trace"] = traced[n]
-    for key in ("sum_us", "span_us") if "dense_nhd" in traced else ():
-      base = traced["dense_nhd"][key]
-      res[f"kernel_trace_{key}_dense_over_row"] = {
-          n: (base / t[key] if t[key] else None) for n, t in traced.items()}
-      print(f"dense_nhd / row by kernel {key}:", {n: (round(x, 2) if x else x) for n, x in
-                                                  res[f"kernel_trace_{key}_dense_over_row"].items()})
+      # the long program (m_long calls in one executable): its span has no host dispatch gaps
+      tp = kernel_times(progs[(n, m_long)], [(qs[:m_long],)],
+                        calls=max(1, -(-a.kernel_trace // m_long)), calls_per_run=m_long)
+      traced_prog[n] = res["rows"][n]["kernel_trace_program"] = tp
+      print(format_times(n + " (program)", tp), flush=True)
+    for tag, tr in (("", traced), ("_program", traced_prog)):
+      for key in ("sum_us", "span_us") if "dense_nhd" in tr else ():
+        base = tr["dense_nhd"][key]
+        r = res[f"kernel_trace{tag}_{key}_dense_over_row"] = {
+            n: (base / t[key] if t[key] else None) for n, t in tr.items()}
+        print(f"dense_nhd / row by kernel{tag} {key}:",
+              {n: (round(x, 2) if x else x) for n, x in r.items()}, flush=True)
   json.dump(res, open(a.out, "w"), indent=1)
 
 

@@ -200,8 +200,9 @@ def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logi
                                     k_shape=None):
   """The Mosaic GPU ``BlockSizes`` of ``implementation="mosaic_gpu"`` with ``block_sizes=None``:
   the device table's tiles for the call's mask kind (``tuning.mask_kind``: causal, window,
-  segment ids), its ``tail_kv_splits`` only where ``fit_tail_kv_splits`` says it pays for these
-  shapes (``k_shape``: default q's), and the backward ``_mosaic_backward`` picks (window:
+  segment ids), fitted to the call by ``fit_block_sizes`` (``tail_kv_splits`` only where it
+  pays for these shapes, ``k_shape``: default q's; one query tile per program with segment
+  ids), and the backward ``_mosaic_backward`` picks (window:
   normalized (left, right) or None)."""
   from pallas_kernels.tuning import mask_kind   # tiles tuned per mask kind where measured
   bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
@@ -209,8 +210,8 @@ def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logi
   kind = mask_kind(causal, window, segments=segment_ids is not None)
   mod = kernel_module("mosaic_gpu")
   bs = mod.default_block_sizes(q.shape[-1], q.dtype, mask=kind)
-  bs = mod.fit_tail_kv_splits(bs, q.shape, q.shape if k_shape is None else k_shape,
-                              causal=causal, window=window, segments=segment_ids is not None)
+  bs = mod.fit_block_sizes(bs, q.shape, q.shape if k_shape is None else k_shape,
+                           causal=causal, window=window, segments=segment_ids is not None)
   return dataclasses.replace(bs, backward=bwd)
 
 

@@ -1203,6 +1203,15 @@ def test_fit_tail_kv_splits_keeps_it_only_where_it_pays(monkeypatch):
   assert got(causal=False, segment_ids=jnp.ones((2, 16384), jnp.int32)) == 0
   assert got(causal=True) == 0
   assert got(causal=False, k_shape=(2, 4096 + 128, 16, 128)) == 0
+  # the causal-window entry's two query tiles per program: not with segment ids (range path)
+  seg = jnp.ones((2, 16384), jnp.int32)
+  tiles = lambda **kw: ja._mosaic_gpu_default_block_sizes(
+      q, causal=True, window=(511, 0), **kw).q_tiles_per_program
+  assert tiles() == 2 and tiles(segment_ids=seg) == 1
+  bs2 = mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)
+  for kw, want in ((dict(), 2), (dict(segments=True), 1), (dict(schedule=True), 1)):
+    assert mg.fit_block_sizes(bs2, q.shape, q.shape, causal=True, **kw).q_tiles_per_program \
+        == want, kw
 
 
 def test_tail_kv_splits_checks():

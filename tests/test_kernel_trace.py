@@ -34,3 +34,15 @@ def test_kernel_times_rejects_bad_arguments():
     kt.kernel_times(lambda a: a, [])
   with pytest.raises(RuntimeError, match="no events on planes"):
     kt.kernel_times(lambda a: a * 2, [(jnp.ones(3),)], calls=2, plane="/device:NONE")
+
+
+def test_kernel_times_calls_per_run_divides_by_the_logical_calls():
+  """A program of 4 identical matmuls traced with calls_per_run=4 reports about one matmul per
+  call (a missing division would report ~4x; a double one ~1/4x)."""
+  x = [(jax.random.normal(jax.random.key(0), (768, 768)),)]
+  one = kt.kernel_times(lambda a: a @ a, x, calls=6)
+  four = kt.kernel_times(lambda a: [a @ (a + i) for i in range(4)], x, calls=6, calls_per_run=4)
+  assert four["calls"] == 24 and one["calls"] == 6
+  assert 0.4 < four["sum_us"] / one["sum_us"] < 2.5
+  with pytest.raises(ValueError, match="calls_per_run"):
+    kt.kernel_times(lambda a: a, x, calls=2, calls_per_run=0)

@@ -133,7 +133,8 @@ def test_mask_kind_and_mask_entries():
   # (run 61: the overlap; run 71: one_segment_static_mask) and causal (runs 55-56: the
   # overlap); every other kind and device: "all"
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window")
-  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP))   # run 82
+  assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP,
+                                        q_tiles_per_program=2))   # runs 82, 85
   got = mg.default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_segments")
   assert _same(got, dataclasses.replace(MOSAIC_BEFORE[128], **H200_MOSAIC_OVERLAP,
                                         one_segment_static_mask=True))   # run 71

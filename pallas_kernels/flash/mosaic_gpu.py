@@ -1722,6 +1722,36 @@ def _tail_unsupported(bs: BlockSizes, k_shape, *, causal, window, segments, sche
   return bad
 
 
+def fit_block_sizes(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
+                    segments=False, schedule=False, core_count=None) -> BlockSizes:
+  """A table default fitted to one call: ``fit_tail_kv_splits``, and ``q_tiles_per_program``
+  back to 1 where the call has segment ids or a block schedule (several query tiles per program
+  run the range path only; the H200's causal-window entry takes 2, and a causal window with
+  segment ids has the same table key). A ``BlockSizes`` passed by the caller is used as given
+  (and raises where an option is unsupported).
+
+  Args:
+    bs: the forward's ``BlockSizes``.
+    q_shape, k_shape: [B, Sq, Hq, D] and [B, Sk, Hk, D].
+    causal, window, segments, schedule: the call's masks (window: None or (left, right)).
+    core_count: SMs per GPU (default ``compat.gpu_core_count()``).
+
+  Returns:
+    A ``BlockSizes``.
+
+  Example:
+    >>> bs = BlockSizes(64, 128, 2, q_tiles_per_program=2)
+    >>> fit_block_sizes(bs, (1, 4096, 8, 128), (1, 4096, 8, 128), causal=True,
+    ...                 window=(511, 0), segments=True).q_tiles_per_program
+    1
+  """
+  bs = fit_tail_kv_splits(bs, q_shape, k_shape, causal=causal, window=window, segments=segments,
+                          schedule=schedule, core_count=core_count)
+  if bs.q_tiles_per_program > 1 and (segments or schedule):
+    bs = dataclasses.replace(bs, q_tiles_per_program=1)
+  return bs
+
+
 def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
                        segments=False, schedule=False, core_count=None) -> BlockSizes:
   """``bs`` with ``tail_kv_splits`` kept only where the call supports it and it pays: no causal
@@ -2010,9 +2040,9 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     from pallas_kernels.tuning import mask_kind
     base = default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window,
                                                                segments=docs is not None))
-    base = fit_tail_kv_splits(base, (batch, seq, q_heads, head_dim),
-                              (batch, seq, kv_heads, head_dim), causal=causal, window=window,
-                              segments=docs is not None)
+    base = fit_block_sizes(base, (batch, seq, q_heads, head_dim),
+                           (batch, seq, kv_heads, head_dim), causal=causal, window=window,
+                           segments=docs is not None)
     def variant(**kw):   # None: a combination BlockSizes rejects (e.g. the fence with overlap)
       try:
         return dataclasses.replace(base, **kw)
@@ -2032,8 +2062,10 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
                         k_wait_in_pv=True)]
     # FlashAttention-3's intra-warpgroup overlap on or off (the H200 default at D128 / D256
     # dense and causal, runs 55-56)
-    if base.overlap_softmax:
-      configs.append(variant(overlap_softmax=False, early_k_load=False, k_wait_in_pv=True))
+    if base.overlap_softmax:   # without it, several query tiles per program take neither the
+      one = base.q_tiles_per_program == 1          # K wait in PV nor the ping-pong hand-over
+      configs.append(variant(overlap_softmax=False, early_k_load=False, k_wait_in_pv=one,
+                             pingpong_handoff=base.pingpong_handoff and one))
     else:
       configs.append(variant(overlap_softmax=True, pingpong_handoff=base.pingpong,
                              early_k_load=True, k_wait_in_pv=False, softmax_fence=False))
