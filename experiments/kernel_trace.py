@@ -37,6 +37,16 @@ _DERIVED_LINES = ("XLA Modules", "XLA Ops", "XLA TraceMe", "Steps", "Framework",
 _CPU_CONTAINERS = ("ThunkExecutor", "ThreadpoolListener", "SlinkyThreadPool", "end: ")
 
 
+def _profile_options():
+  """No HLO protos (run 86: a jitted function closing over a 128K-token cache embeds it as a
+  constant, and the trace's XSpace grew to 6.5 GB, over protobuf's 2 GB: no device plane) and
+  no Python tracer; the host and device tracers as by default."""
+  opts = jax.profiler.ProfileOptions()
+  opts.enable_hlo_proto = False
+  opts.python_tracer_level = 0
+  return opts
+
+
 def _lines(plane, line_prefix):
   """The plane's lines to read: those starting with ``line_prefix``, or (None) every line but
   the derived timelines."""
@@ -93,7 +103,7 @@ def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str |
   for i in range(warmup):
     jax.block_until_ready(jfn(*arg_sets[i % len(arg_sets)]))
   with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
+    with jax.profiler.trace(d, profiler_options=_profile_options()):
       outs = [jfn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
       jax.block_until_ready(outs)
     paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)

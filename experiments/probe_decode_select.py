@@ -34,10 +34,11 @@ from pallas_kernels.sparse.decode_select import (decode_block_scores, score_sele
                                                  select_decode_slots)
 
 # (digit_bits, num_warps or None, search_chunk: None = default, "f" = whole axis)
-SELECT_VARIANTS = ((1, None, None), (1, 1, None), (1, 2, None), (1, 8, None),
+SELECT_VARIANTS = ((1, None, None), (1, 1, None), (1, 2, None), (1, 8, None), (1, 16, None),
+                   (1, 32, None),
                    (2, None, None), (2, 16, "f"), (4, None, None), (4, 8, "f"), (4, 16, "f"),
                    (4, 16, None), (4, 32, "f"))
-FUSED_VARIANTS = ((1, None, None), (4, 16, "f"), (2, 16, "f"))
+FUSED_VARIANTS = ((1, None, None), (1, 8, None), (1, 16, None), (4, 16, "f"), (2, 16, "f"))
 SCORE_VARIANTS = ((64, 4), (32, 4), (128, 4), (64, 2), (64, 8), (128, 8))
 
 
