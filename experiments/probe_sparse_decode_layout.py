@@ -56,6 +56,14 @@ def main(argv=None):
                  help="e.g. 3:1,2:2: more sparse_hnd rows with the Triton attention launched "
                       "with num_stages:blocks_per_step (sparse_hnd_st3_b1, ...; session 22's "
                       "default is 2:2, the previous one 3:1)")
+  p.add_argument("--hnd-unfused", action="store_true",
+                 help="also sparse_hnd_unfused: fused_select=False (three launches; the "
+                      "head-major Triton default is one launch for scores + selection since "
+                      "session 23)")
+  p.add_argument("--hnd-grid", default="",
+                 help="e.g. 16:2:2,24:3:1: more head-major rows (fused selection) with the "
+                      "Triton attention at splits:num_stages:blocks_per_step "
+                      "(sparse_hnd_s16_st2_b2, ...)")
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
@@ -108,6 +116,16 @@ def main(argv=None):
         q, kh, vh, lens, summ_h, return_lse=False, return_indices=False, num_init_blocks=1,
         num_local_blocks=1, scale=None, num_splits=None, fused_select=False, score_splits=None,
         _launch=launch, implementation=impl, **kw)
+  for spec in (x for x in a.hnd_grid.split(",") if x):
+    n_, st_, b_ = (int(x) for x in spec.split(":"))
+    launch = (("num_stages", st_), ("blocks_per_step", b_))
+    fns[f"sparse_hnd_s{n_}_st{st_}_b{b_}"] = lambda q, n_=n_, launch=launch: sp._hnd_decode(
+        q, kh, vh, lens, summ_h, return_lse=False, return_indices=False, num_init_blocks=1,
+        num_local_blocks=1, scale=None, num_splits=n_, fused_select=True, score_splits=None,
+        _launch=launch, implementation=impl, **kw)
+  if a.hnd_unfused:
+    fns["sparse_hnd_unfused"] = lambda q: sp.sparse_decode_attention(
+        q, kh, vh, lens, summ_h, fused_select=False, **hnd)
   if a.hnd_fused:
     fns["sparse_hnd_fused"] = lambda q: sp.sparse_decode_attention(
         q, kh, vh, lens, summ_h, fused_select=True, **hnd)

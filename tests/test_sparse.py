@@ -2,6 +2,7 @@
 sparse decode. Brute-force numpy/jnp references are written here, independent of the module."""
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -1587,3 +1588,27 @@ def test_sparse_decode_fused_select_is_two_launches():
     assert (splits == 1) or "stablehlo.constant dense<0> : tensor<i32>" in text
     for op in ("stablehlo.sort", "stablehlo.reduce"):
       assert op not in text, op
+
+
+def test_sparse_decode_fused_select_default_by_layout():
+  """``fused_select=None`` (the default): on the head-major cache with "triton", scores and
+  selection are one launch (two Triton kernels per call, run 87); on the "nhd" cache three; an
+  explicit False keeps three on "hnd". The selection's warps at 2048 blocks: 8 (runs 86-87)."""
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  n, bs, nb, _ = _issue5_decode_shape()
+  q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
+  summ_h = sp.BlockSummaries(sums=S((1, 8, nb, 128), jnp.float32), lengths=S((1,), jnp.int32),
+                             block_size=bs, layout="hnd")
+  _, _, _, summ = _issue5_decode_shape()
+  kw = dict(block_size=bs, top_k=387, implementation="triton", num_splits=33)
+  count = lambda text: text.count("stablehlo.custom_call @__gpu$xla.gpu.triton")
+  hnd = lambda **f: _cuda_mlir(lambda q, k, v, l, s: sp.sparse_decode_attention(
+      q, k, v, l, s, kv_layout="hnd", **kw, **f), q, S((1, 8, n, 128), bf16),
+      S((1, 8, n, 128), bf16), lens, summ_h)
+  assert count(hnd()) == 2 and count(hnd(fused_select=False)) == 3
+  nhd = _cuda_mlir(lambda q, k, v, l, s: sp.sparse_decode_attention(q, k, v, l, s, **kw),
+                   q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, summ)
+  assert count(nhd) == 3
+  warps = re.findall(r"num_warps = (\d+) : i32", hnd())    # score + selection, attention
+  assert warps == ["8", "4"], warps
