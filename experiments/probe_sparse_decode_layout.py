@@ -94,57 +94,64 @@ def main(argv=None):
   kh, vh = to_hnd(k), to_hnd(v)                                       # [B, Hk, S, D]
   summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
   kw = dict(block_size=bs, top_k=top_k, interpret=interp)
+  # Every row is a function of (q, c), c = the cache arrays below passed as a jit argument: as
+  # closure constants the 128K-token caches were embedded in each program's HLO (~1 GB of
+  # constants per compile: run 88 spent its 420 s compiling 7 rows).
+  cache = dict(k=k, v=v, kh=kh, vh=vh, summ=summ, summ_h=summ_h, lens=lens)
 
   fns = {
-      "dense_nhd": lambda q: jd.decode_attention(q, k, v, lens, interpret=interp),
-      "dense_hnd": lambda q: jd.decode_attention(q, kh, vh, lens, interpret=interp,
-                                                 kv_layout="hnd"),
-      "sparse_nhd": lambda q: sp.sparse_decode_attention(q, k, v, lens, summ,
-                                                          implementation=impl, **kw),
-      "sparse_hnd": lambda q: sp.sparse_decode_attention(q, kh, vh, lens, summ_h,
-                                                          implementation=impl, kv_layout="hnd",
-                                                          **kw),
+      "dense_nhd": lambda q, c: jd.decode_attention(q, c["k"], c["v"], c["lens"],
+                                                    interpret=interp),
+      "dense_hnd": lambda q, c: jd.decode_attention(q, c["kh"], c["vh"], c["lens"],
+                                                    interpret=interp, kv_layout="hnd"),
+      "sparse_nhd": lambda q, c: sp.sparse_decode_attention(q, c["k"], c["v"], c["lens"],
+                                                             c["summ"], implementation=impl,
+                                                             **kw),
+      "sparse_hnd": lambda q, c: sp.sparse_decode_attention(q, c["kh"], c["vh"], c["lens"],
+                                                             c["summ_h"], implementation=impl,
+                                                             kv_layout="hnd", **kw),
   }
   hnd = dict(implementation=impl, kv_layout="hnd", **kw)
   for n in (int(x) for x in a.hnd_splits.split(",") if x):
-    fns[f"sparse_hnd_s{n}"] = lambda q, n=n: sp.sparse_decode_attention(
-        q, kh, vh, lens, summ_h, num_splits=n, **hnd)
+    fns[f"sparse_hnd_s{n}"] = lambda q, c, n=n: sp.sparse_decode_attention(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], num_splits=n, **hnd)
   for spec in (x for x in a.hnd_launch.split(",") if x):
     st_, b_ = (int(x) for x in spec.split(":"))
     launch = (("num_stages", st_), ("blocks_per_step", b_))
-    fns[f"sparse_hnd_st{st_}_b{b_}"] = lambda q, launch=launch: sp._hnd_decode(
-        q, kh, vh, lens, summ_h, return_lse=False, return_indices=False, num_init_blocks=1,
+    fns[f"sparse_hnd_st{st_}_b{b_}"] = lambda q, c, launch=launch: sp._hnd_decode(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False, num_init_blocks=1,
         num_local_blocks=1, scale=None, num_splits=None, fused_select=False, score_splits=None,
         _launch=launch, implementation=impl, **kw)
   for spec in (x for x in a.hnd_grid.split(",") if x):
     n_, st_, b_ = (int(x) for x in spec.split(":"))
     launch = (("num_stages", st_), ("blocks_per_step", b_))
-    fns[f"sparse_hnd_s{n_}_st{st_}_b{b_}"] = lambda q, n_=n_, launch=launch: sp._hnd_decode(
-        q, kh, vh, lens, summ_h, return_lse=False, return_indices=False, num_init_blocks=1,
+    fns[f"sparse_hnd_s{n_}_st{st_}_b{b_}"] = lambda q, c, n_=n_, launch=launch: sp._hnd_decode(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False, num_init_blocks=1,
         num_local_blocks=1, scale=None, num_splits=n_, fused_select=True, score_splits=None,
         _launch=launch, implementation=impl, **kw)
   if a.hnd_unfused:
-    fns["sparse_hnd_unfused"] = lambda q: sp.sparse_decode_attention(
-        q, kh, vh, lens, summ_h, fused_select=False, **hnd)
+    fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=False, **hnd)
   if a.hnd_fused:
-    fns["sparse_hnd_fused"] = lambda q: sp.sparse_decode_attention(
-        q, kh, vh, lens, summ_h, fused_select=True, **hnd)
+    fns["sparse_hnd_fused"] = lambda q, c: sp.sparse_decode_attention(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=True, **hnd)
   if a.hnd_repeat:
-    def sparse_hnd_repeat(q):
+    def sparse_hnd_repeat(q, c):
       from jattn._layout import hnd_as_sequences
-      q2, k2, v2, lens2 = hnd_as_sequences(q, kh, vh, lens)      # lengths repeated per kv head
-      summ2 = sp.BlockSummaries(sums=summ_h.sums.reshape(B * Hk, nb, 1, D),
-                                lengths=jnp.repeat(summ_h.lengths, Hk), block_size=bs)
+      q2, k2, v2, lens2 = hnd_as_sequences(q, c["kh"], c["vh"], c["lens"])   # lengths repeated
+      summ2 = sp.BlockSummaries(sums=c["summ_h"].sums.reshape(B * Hk, nb, 1, D),
+                                lengths=jnp.repeat(c["summ_h"].lengths, Hk), block_size=bs)
       out = sp._sparse_decode(q2, k2, v2, lens2, summ2, None, scale=None, return_lse=False,
                               return_indices=False, implementation=impl, num_splits=None,
                               num_init_blocks=1, num_local_blocks=1, **kw)
       return out.reshape(B, Hq, D)
     fns["sparse_hnd_repeat"] = sparse_hnd_repeat
   if a.mosaic and not a.tiny:
-    fns["sparse_mosaic_nhd"] = lambda q: sp.sparse_decode_attention(
-        q, k, v, lens, summ, implementation="mosaic_gpu", **kw)
-    fns["sparse_mosaic_hnd"] = lambda q: sp.sparse_decode_attention(
-        q, kh, vh, lens, summ_h, implementation="mosaic_gpu", kv_layout="hnd", **kw)
+    fns["sparse_mosaic_nhd"] = lambda q, c: sp.sparse_decode_attention(
+        q, c["k"], c["v"], c["lens"], c["summ"], implementation="mosaic_gpu", **kw)
+    fns["sparse_mosaic_hnd"] = lambda q, c: sp.sparse_decode_attention(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], implementation="mosaic_gpu",
+        kv_layout="hnd", **kw)
   for n in (x for x in a.skip.split(",") if x):
     if n not in fns or n == "dense_nhd":
       raise ValueError(f"--skip: no row {n!r} to skip (rows: {', '.join(fns)})")
@@ -153,7 +160,7 @@ def main(argv=None):
       B=B, S=S, Hq=Hq, Hk=Hk, D=D, block=bs, top_k=top_k, kept_blocks=top_k + 2, blocks=nb,
       calls=[m_short, m_long], distinct_q_per_call=True), rows={})
   # check: fp32 reference on the NHD selection, every row against it
-  outs = {n: jax.block_until_ready(jax.jit(f)(qs[0])) for n, f in fns.items()}
+  outs = {n: jax.block_until_ready(jax.jit(f)(qs[0], cache)) for n, f in fns.items()}
   ref_sparse = sp.sparse_decode_attention(qs[0].astype(jnp.float32), k.astype(jnp.float32),
                                           v.astype(jnp.float32), lens, summ,
                                           implementation="xla", block_size=bs, top_k=top_k)
@@ -181,13 +188,13 @@ def main(argv=None):
   progs = {}
   for n, f in fns.items():
     for m in (m_short, m_long):
-      pr = jax.jit(lambda qq, f=f: [f(x) for x in qq])
-      jax.block_until_ready(pr(qs[:m]))
+      pr = jax.jit(lambda qq, c, f=f: [f(x, c) for x in qq])
+      jax.block_until_ready(pr(qs[:m], cache))
       progs[(n, m)] = pr
   def best(pr, m, reps=5):
     ts = []
     for _ in range(reps):
-      t0 = time.perf_counter(); jax.block_until_ready(pr(qs[:m]))
+      t0 = time.perf_counter(); jax.block_until_ready(pr(qs[:m], cache))
       ts.append(time.perf_counter() - t0)
     return min(ts)
   slopes = {n: [] for n in fns}
@@ -207,7 +214,7 @@ def main(argv=None):
     traced, traced_prog = {}, {}
     for n, f in fns.items():   # each row: calls one at a time, distinct q per call
       try:
-        traced[n] = kernel_times(jax.jit(f), [(x,) for x in qs], calls=a.kernel_trace)
+        traced[n] = kernel_times(jax.jit(f), [(x, cache) for x in qs], calls=a.kernel_trace)
       except RuntimeError as e:   # e.g. no device plane (CUPTI missing): keep the slopes
         res["kernel_trace_error"] = str(e)
         print("kernel trace failed:", e, flush=True)
@@ -215,7 +222,7 @@ def main(argv=None):
       print(format_times(n, traced[n]), flush=True)
       res["rows"][n]["kernel_trace"] = traced[n]
       # the long program (m_long calls in one executable): its span has no host dispatch gaps
-      tp = kernel_times(progs[(n, m_long)], [(qs[:m_long],)],
+      tp = kernel_times(progs[(n, m_long)], [(qs[:m_long], cache)],
                         calls=max(1, -(-a.kernel_trace // m_long)), calls_per_run=m_long)
       traced_prog[n] = res["rows"][n]["kernel_trace_program"] = tp
       print(format_times(n + " (program)", tp), flush=True)

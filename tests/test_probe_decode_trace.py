@@ -1,0 +1,32 @@
+"""CPU dry runs (kernels interpreted) of the GPU probes that time sparse decode by device kernel
+time: ``experiments/probe_decode_select.py`` and ``experiments/probe_sparse_decode_layout.py
+--kernel-trace``. They check that each row runs, is checked against its reference, and gets the
+trace's per-call figures; the numbers themselves mean something only on a GPU."""
+import json
+
+from experiments import probe_decode_select as pds
+from experiments import probe_sparse_decode_layout as psl
+
+
+def test_probe_decode_select_tiny(tmp_path):
+  out = tmp_path / "sel.json"
+  res = pds.main(["--tiny", "--inputs", "2", "--reps", "1", "--out", str(out),
+                  "--rows", "scores_c32_w4,select_r1_w8,select_r2_w16_cf,fused_r1_wd"])
+  rows = res["rows"]
+  assert set(rows) == {"scores_c32_w4", "select_r1_w8_cd", "select_r2_w16_cf", "fused_r1_wd_cd"}
+  for name, row in rows.items():
+    assert row["ok"], name                        # equal to the default kernels' outputs
+    assert row["sum_us"] > 0 and row["kernel_trace"]["calls"] == 2, name
+  assert json.loads(out.read_text())["case"]["blocks"] == 32
+
+
+def test_probe_sparse_decode_layout_kernel_trace_tiny(tmp_path):
+  out = tmp_path / "layout.json"
+  psl.main(["--tiny", "--calls", "1,2", "--rounds", "1", "--skip", "sparse_nhd,dense_hnd",
+            "--hnd-grid", "4:2:2", "--kernel-trace", "2", "--out", str(out)])
+  res = json.loads(out.read_text())
+  assert set(res["rows"]) == {"dense_nhd", "sparse_hnd", "sparse_hnd_s4_st2_b2"}
+  for name, row in res["rows"].items():
+    assert row["ok"], name
+    assert row["kernel_trace"]["sum_us"] > 0 and row["kernel_trace_program"]["calls"] == 2
+  assert set(res["kernel_trace_program_sum_us_dense_over_row"]) == set(res["rows"])
