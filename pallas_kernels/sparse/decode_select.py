@@ -372,7 +372,7 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     top_k, num_init_blocks, num_local_blocks: as ``jattn.sparse.select_decode_blocks``.
     max_selected: output width; at least the most blocks a row can keep
       (min(init + local + top_k, num_blocks)).
-    num_warps: launch parameter; default grows with the block count.
+    num_warps: launch parameter; default grows with the block count (8 from 2048 blocks).
     interpret: run in the Pallas interpreter (CPU tests).
     return_arrivals: also return int32 [batch, kv_heads] zeros written by this kernel: the
       arrival counters of ``pallas_kernels.sparse.decode.sparse_decode`` (no memset launch).
