@@ -1120,12 +1120,56 @@ def test_decode_select_kernel_radix(nb, bs, top_k, n_init, n_local, chunk):
   finite = [h for h in range(scores.shape[1]) if not np.isneginf(scores[:, h]).any()]
   np.testing.assert_array_equal(np.asarray(want)[:, finite], brute[:, finite])
   np.testing.assert_array_equal(np.asarray(base), np.asarray(want))
-  for bits in (2, 4):
+  for bits, loop in ((2, "unrolled"), (4, "unrolled"), (1, "early"), (1, "rolled")):
     idx, cnt, arr = select_decode_slots(scores, lens, digit_bits=bits, search_chunk=chunk,
-                                        return_arrivals=True, **kw)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want), err_msg=f"bits={bits}")
-    np.testing.assert_array_equal(np.asarray(cnt), np.asarray(bcnt))
+                                        search_loop=loop, return_arrivals=True, **kw)
+    msg = f"bits={bits} search_loop={loop}"
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want), err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(cnt), np.asarray(bcnt), err_msg=msg)
     np.testing.assert_array_equal(np.asarray(arr), 0)
+
+
+def _keep_after_search(key, real, t_u, top_k):
+  """The selection kernel's step after the search (``_keep_flags``): keys > t, then the ties
+  at t by lower index up to top_k."""
+  thr = np.int64(t_u) ^ -(2 ** 31)
+  key, real = np.asarray(key, np.int64), np.asarray(real)
+  above = (key > thr) & real
+  tie = (key == thr) & real
+  rank = np.cumsum(tie) - tie
+  return above | (tie & (rank < top_k - above.sum()))
+
+
+def test_bit_search_early_exit_keeps_the_same_set():
+  """``search_loop="early"`` stops at the first trial that counts exactly top_k keys. On
+  continuous scores that is well before 32 steps (issue 5's shape: 2048 blocks, top 387), and
+  the kept set after the threshold step is the full search's on every row of the adversarial
+  set (ties at the k-th key, all equal, +0/-0, infinities, neighbouring floats), for several
+  top_k, with and without padded lanes."""
+  from pallas_kernels.sparse import decode_select as ds
+  rng = np.random.default_rng(11)
+  steps = []
+  for i in range(40):
+    s = jnp.asarray(rng.normal(size=2048) * rng.uniform(1e-3, 1e3), jnp.float32)
+    key, real = ds.total_order_key(s), jnp.arange(2048) < 2046
+    t_full = ds._bit_search(key, real, top_k=387)
+    t_early, n = ds._bit_search(key, real, top_k=387, loop="early", return_steps=True)
+    np.testing.assert_array_equal(_keep_after_search(key, real, t_full, 387),
+                                  _keep_after_search(key, real, t_early, 387))
+    steps.append(int(n))
+  assert max(steps) < 32 and np.mean(steps) < 24, steps
+  rows = _adversarial_decode_scores(rng, 3, 300).reshape(-1, 300)
+  for r in range(rows.shape[0]):
+    key = ds.total_order_key(rows[r])
+    for top_k in (1, 5, 40, 299, 300):
+      for n_real in (300, 257):
+        real = jnp.arange(300) < n_real
+        k = min(top_k, n_real)
+        full = _keep_after_search(key, real, ds._bit_search(key, real, top_k=k), k)
+        early = _keep_after_search(key, real, ds._bit_search(key, real, top_k=k, loop="early"),
+                                   k)
+        np.testing.assert_array_equal(early, full, err_msg=f"row {r} top_k {top_k}")
+        assert full.sum() == k
 
 
 def test_decode_select_radix_args():
@@ -1138,6 +1182,10 @@ def test_decode_select_radix_args():
     select_decode_slots(s, lens, digit_bits=3, **kw)
   with pytest.raises(ValueError, match="search_chunk"):
     select_decode_slots(s, lens, digit_bits=4, search_chunk=24, **kw)
+  with pytest.raises(ValueError, match="search_loop must be one of"):
+    select_decode_slots(s, lens, search_loop="fast", **kw)
+  with pytest.raises(ValueError, match="early.*digit_bits=1"):
+    select_decode_slots(s, lens, digit_bits=2, search_loop="early", **kw)
   # [digits, chunk] tile at 32 int32 per thread, within [16, nb_pad]
   assert _default_search_chunk(2048, 4, 4) == 256
   assert _default_search_chunk(2048, 2, 4) == 1024
@@ -1145,10 +1193,11 @@ def test_decode_select_radix_args():
   assert _default_search_chunk(64, 4, 16) == 64
   # every variant lowers for CUDA (on the CPU) at the bench shape: one Triton call
   S = jax.ShapeDtypeStruct
-  for bits, warps in ((2, 4), (4, 4), (4, 1), (4, 8)):
+  for bits, warps, loop in ((2, 4, "unrolled"), (4, 4, "unrolled"), (4, 1, "unrolled"),
+                            (4, 8, "unrolled"), (1, 8, "early"), (1, 8, "rolled")):
     fn = functools.partial(select_decode_slots, block_size=64, top_k=387, num_init_blocks=1,
                            num_local_blocks=1, max_selected=389, num_warps=warps,
-                           digit_bits=bits, return_arrivals=True)
+                           digit_bits=bits, return_arrivals=True, search_loop=loop)
     text = _cuda_mlir(fn, S((1, 8, 2048), jnp.float32), S((1,), jnp.int32))
     assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
 
@@ -1215,11 +1264,13 @@ def test_decode_score_select_fused_kernel():
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], np.asarray(want)[:, :2])
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], brute[:, :2])
   assert np.isnan(np.asarray(scores)[:, 2]).any() and np.isinf(np.asarray(scores)[:, 2]).any()
-  for splits, stride, bits in ((1, 1, 1), (3, 2, 4)):          # 5 tiles of 16 blocks
-    msg = f"splits={splits} stride={stride} digit_bits={bits}"
+  for splits, stride, bits, loop in ((1, 1, 1, "unrolled"), (3, 2, 4, "unrolled"),
+                                     (3, 2, 1, "early")):          # 5 tiles of 16 blocks
+    msg = f"splits={splits} stride={stride} digit_bits={bits} search_loop={loop}"
     i, c, a, s = score_select_decode_slots(q, sums, slens, lens, score_splits=splits, chunk=16,
                                            digit_bits=bits, return_arrivals=True,
-                                           return_scores=True, _split_stride=stride, **kw)
+                                           return_scores=True, _split_stride=stride,
+                                           search_loop=loop, **kw)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(scores), err_msg=msg)
     np.testing.assert_array_equal(np.asarray(i), np.asarray(idx), err_msg=msg)
     np.testing.assert_array_equal(np.asarray(c), np.asarray(cnt), err_msg=msg)

@@ -6,8 +6,8 @@ Checks (Pallas interpreter): the fused kernel's kept lists and counts equal
 ``select_decode_slots`` + ``sparse_decode`` on the same scores to the bit, on ragged lengths
 (0, shorter than init + local + top_k blocks, not a multiple of the block), GQA groups 4, 3
 and 1, head_dim 24, narrower values, tied scores, 1 to 7 splits (more than the kept blocks), a
-permuted arrival order, all threshold searches (unrolled and ``search_loop="rolled"``),
-contiguous and paged caches; the two launches
+permuted arrival order, all threshold searches (unrolled, ``search_loop="rolled"`` and
+"early"), contiguous and paged caches; the two launches
 from block sums equal ``jattn.sparse``'s "triton" path and the fp32 "xla" reference. The
 issue-5 bench shape lowers for CUDA (on the CPU) to two Triton kernels with no memset. GPU test
 (``-m gpu``): the compiled kernel against the compiled two-kernel path.
@@ -64,7 +64,8 @@ _CASES = {
                             ("gqa1_many_splits", True, "scratch", "unrolled"),
                             ("gqa4_ragged", False, "reduce", "rolled"),           # radix 2
                             ("gqa1_many_splits", True, "scratch", "rolled"),      # bit search
-                            ("no_local_radix4", False, "reduce", "rolled")])      # radix 4
+                            ("no_local_radix4", False, "reduce", "rolled"),       # radix 4
+                            ("gqa1_many_splits", False, "reduce", "early")])      # bit search
 def test_fused_equals_two_kernels(case, paged, lookup, search_loop):
   """Indices, counts, output and lse of the fused kernel == select_decode_slots +
   sparse_decode on the same (tied) scores, to the bit; arrival order permuted; both lookups

@@ -182,7 +182,9 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
     search_loop: "unrolled" (default: the search's steps as straight-line code, as
       ``select_decode_slots``) or "rolled" (the steps as one loop in the kernel: at the bench
       shape the prologue before the first K/V copy shrinks from ~4.9k to ~1.4k SASS
-      instructions at digit_bits 2, see docs/sparse.md). The same selection and output.
+      instructions at digit_bits 2, see docs/sparse.md) or "early" (digit_bits 1 only: stop
+      at the first trial counting exactly top_k keys, ``select_decode_slots``). The same
+      selection and output.
     lookup: how a loop step finds its block id: "reduce" (default: #{j: incl[j] <= slot}, a
       [nb_pad] compare + sum one step ahead, registers only) or "scratch" (each split stores
       its share of the list to an HBM scratch after the selection, then loads ids from it as
@@ -240,18 +242,15 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
   num_splits = int(num_splits)
   if num_splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-  if search_loop not in ("unrolled", "rolled"):
-    raise ValueError(f"search_loop must be 'unrolled' or 'rolled', got {search_loop!r}")
+
   if lookup not in ("reduce", "scratch"):
     raise ValueError(f"lookup must be 'reduce' or 'scratch', got {lookup!r}")
   if math.gcd(int(_split_stride), num_splits) != 1:
     raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits "
                      f"{num_splits}")
   _, sel = _sel._selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
-                                  width, num_warps, digit_bits, search_chunk)
+                                  width, num_warps, digit_bits, search_chunk, search_loop)
   sel.pop("width")
-  if search_loop != "unrolled":          # default: _keep_flags' default search
-    sel["search_loop"] = search_loop
   group = hq // hk
   if scale is None:
     scale = 1.0 / math.sqrt(d)
