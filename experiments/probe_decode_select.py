@@ -12,10 +12,11 @@ per-call kernel time and the span per call (gaps between the program's kernels i
 Rows:
 * ``scores_c{chunk}_w{warps}``: ``decode_block_scores`` launch variants; checked bit-identical
   to the default's scores (same loads and arithmetic per block).
-* ``select_r{bits}_w{warps}_c{chunk}``: ``select_decode_slots`` with ``digit_bits`` (1 = the
-  32-step bit search, 2 / 4 = radix passes), ``num_warps`` and ``search_chunk`` ("d" = default,
-  "f" = the whole block axis in one compare tile); indices and counts checked equal to the
-  default's.
+* ``select_r{bits}_w{warps}_c{chunk}[_{loop}]``: ``select_decode_slots`` with ``digit_bits``
+  (1 = the 32-step bit search, 2 / 4 = radix passes), ``num_warps``, ``search_chunk`` ("d" =
+  default, "f" = the whole block axis in one compare tile) and ``search_loop`` ("rolled",
+  "early": stop at the first trial counting exactly top_k); indices and counts checked equal
+  to the default's.
 * ``fused_r{bits}_w{warps}_c{chunk}``: ``score_select_decode_slots`` (scores + selection, one
   launch), the same check.
 
@@ -33,18 +34,21 @@ from jattn import sparse as sp
 from pallas_kernels.sparse.decode_select import (decode_block_scores, score_select_decode_slots,
                                                  select_decode_slots)
 
-# (digit_bits, num_warps or None, search_chunk: None = default, "f" = whole axis)
+# (digit_bits, num_warps or None, search_chunk: None = default, "f" = whole axis[, search_loop])
 SELECT_VARIANTS = ((1, None, None), (1, 1, None), (1, 2, None), (1, 8, None), (1, 16, None),
-                   (1, 32, None),
-                   (2, None, None), (2, 16, "f"), (4, None, None), (4, 8, "f"), (4, 16, "f"),
-                   (4, 16, None), (4, 32, "f"))
-FUSED_VARIANTS = ((1, None, None), (1, 8, None), (1, 16, None), (4, 16, "f"), (2, 16, "f"))
+                   (1, 32, None), (2, None, None), (2, 16, "f"), (4, None, None), (4, 8, "f"),
+                   (4, 16, "f"), (4, 16, None), (4, 32, "f"),
+                   (1, 8, None, "rolled"), (1, 8, None, "early"), (1, 4, None, "early"),
+                   (1, 16, None, "early"))
+FUSED_VARIANTS = ((1, None, None), (1, 8, None), (1, 16, None), (4, 16, "f"), (2, 16, "f"),
+                  (1, 8, None, "early"), (1, 8, None, "rolled"))
 SCORE_VARIANTS = ((64, 4), (32, 4), (128, 4), (64, 2), (64, 8), (128, 8))
 
 
-def variant_name(kind, bits, warps, chunk):
-  """Row name of a selection variant, e.g. ``select_r4_w16_cf``."""
-  return f"{kind}_r{bits}_w{warps or 'd'}_c{chunk or 'd'}"
+def variant_name(kind, bits, warps, chunk, loop="unrolled"):
+  """Row name of a selection variant, e.g. ``select_r4_w16_cf``, ``select_r1_w8_cd_early``."""
+  tail = "" if loop == "unrolled" else f"_{loop}"
+  return f"{kind}_r{bits}_w{warps or 'd'}_c{chunk or 'd'}{tail}"
 
 
 def main(argv=None):
@@ -84,16 +88,18 @@ def main(argv=None):
   rows = {}          # name -> (fn of one input, inputs, reference fn or None, kind)
   for chunk, w in SCORE_VARIANTS:
     rows[f"scores_c{chunk}_w{w}"] = (scores_fn(chunk, w), qs, "scores")
-  for bits, w, c in SELECT_VARIANTS:
-    f = (lambda s, bits=bits, w=w, c=c: select_decode_slots(
+  for bits, w, c, *lp in SELECT_VARIANTS:
+    loop = lp[0] if lp else "unrolled"
+    f = (lambda s, bits=bits, w=w, c=c, loop=loop: select_decode_slots(
         s, lens, num_warps=w, digit_bits=bits, search_chunk=chunk_arg(c), return_arrivals=True,
-        **sel_kw, **common))
-    rows[variant_name("select", bits, w, c)] = (f, score_list, "select")
-  for bits, w, c in FUSED_VARIANTS:
-    f = (lambda q, bits=bits, w=w, c=c: score_select_decode_slots(
+        search_loop=loop, **sel_kw, **common))
+    rows[variant_name("select", bits, w, c, loop)] = (f, score_list, "select")
+  for bits, w, c, *lp in FUSED_VARIANTS:
+    loop = lp[0] if lp else "unrolled"
+    f = (lambda q, bits=bits, w=w, c=c, loop=loop: score_select_decode_slots(
         q, sums2, summ.lengths, lens, num_warps=w, digit_bits=bits, search_chunk=chunk_arg(c),
-        return_arrivals=True, **sel_kw, **common))
-    rows[variant_name("fused", bits, w, c)] = (f, qs, "fused")
+        return_arrivals=True, search_loop=loop, **sel_kw, **common))
+    rows[variant_name("fused", bits, w, c, loop)] = (f, qs, "fused")
   if a.rows:
     pre = tuple(x for x in a.rows.split(",") if x)
     rows = {n: r for n, r in rows.items() if n.startswith(pre)}

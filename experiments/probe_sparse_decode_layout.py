@@ -64,6 +64,10 @@ def main(argv=None):
                  help="e.g. 16:2:2,24:3:1: more head-major rows (fused selection) with the "
                       "Triton attention at splits:num_stages:blocks_per_step "
                       "(sparse_hnd_s16_st2_b2, ...)")
+  p.add_argument("--hnd-select", default="",
+                 help="e.g. early,rolled: more head-major rows (session 23 defaults) whose "
+                      "selection's bit search runs with that search_loop (sparse_hnd_early, "
+                      "...; default 'unrolled')")
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
@@ -129,6 +133,12 @@ def main(argv=None):
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False, num_init_blocks=1,
         num_local_blocks=1, scale=None, num_splits=n_, fused_select=True, score_splits=None,
         _launch=launch, implementation=impl, **kw)
+  for loop in (x for x in a.hnd_select.split(",") if x):
+    fns[f"sparse_hnd_{loop}"] = lambda q, c, loop=loop: sp._hnd_decode(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False,
+        num_init_blocks=1, num_local_blocks=1, scale=None, num_splits=None, fused_select=True,
+        score_splits=None, _launch=sp._HND_TRITON_LAUNCH, _select=(("search_loop", loop),),
+        implementation=impl, **kw)
   if a.hnd_unfused:
     fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=False, **hnd)
@@ -177,7 +187,8 @@ def main(argv=None):
       row["max_abs_diff_vs_nhd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs[twin].astype(jnp.float32))))
       row["ok"] = row["ok"] and row["max_abs_diff_vs_nhd"] < 1e-2
-    if n == "sparse_hnd_repeat" and "sparse_hnd" in outs:   # the same kernels: bit-identical
+    same = n == "sparse_hnd_repeat" or n in (f"sparse_hnd_{x}" for x in ("early", "rolled"))
+    if same and "sparse_hnd" in outs:   # the same attention on the same selection: bit-identical
       row["max_abs_diff_vs_sparse_hnd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs["sparse_hnd"].astype(jnp.float32))))
       row["ok"] = row["ok"] and row["max_abs_diff_vs_sparse_hnd"] == 0.0

@@ -1600,9 +1600,9 @@ _HND_TRITON_LAUNCH = (("num_stages", 2), ("blocks_per_step", 2))
 @functools.partial(jax.jit, static_argnames=(
     "block_size", "return_lse", "return_indices", "top_k", "num_init_blocks", "num_local_blocks",
     "scale", "implementation", "interpret", "num_splits", "fused_select", "score_splits",
-    "_launch"))
+    "_launch", "_select"))
 def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
-                return_indices, _launch=(), **kw):
+                return_indices, _launch=(), _select=(), **kw):
   """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
 
   Jitted, so that the reshapes are bitcasts even when the caller is not (outside a jit each
@@ -1618,6 +1618,7 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
 
   ``_launch``: the Triton attention's launch options as ((name, value), ...)
   (``_sparse_decode`` passes ``_HND_TRITON_LAUNCH``: the blocks are contiguous here).
+  ``_select``: the Triton selection kernel's options as ((name, value), ...) (probes).
   """
   q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
   b, hk, n, d = k.shape
@@ -1639,7 +1640,8 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
   launch = tuple(_launch) if triton else ()
   out, lse, idx = _sparse_decode(q2, k2, v2, lengths, summ, None, block_size=block_size,
                                  return_lse=True, return_indices=True,
-                                 _lengths_group=hk if triton else 1, _launch=launch, **kw)
+                                 _lengths_group=hk if triton else 1, _launch=launch,
+                                 _select=tuple(_select) if triton else (), **kw)
   res = (out.reshape(b, hq, out.shape[-1]),)                               # [b, hq, dv]
   if return_lse:
     res += (lse.reshape(b, hq),)
@@ -1651,10 +1653,11 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
                    num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
                    implementation, interpret, num_splits, fused_select=None, score_splits=None,
-                   kv_layout="nhd", _lengths_group=1, _launch=()):
+                   kv_layout="nhd", _lengths_group=1, _launch=(), _select=()):
   # _lengths_group (the head-major path on the Triton kernels only): kv_lengths and the
   # summaries' lengths hold one entry per that many consecutive sequences; _launch: the Triton
-  # attention kernel's launch options ((name, value), ...), from the head-major path
+  # attention kernel's launch options ((name, value), ...), from the head-major path; _select:
+  # the Triton selection's options (e.g. (("search_loop", "early"),)), from probes
   _check_kv_layout(kv_layout)
   if not isinstance(block_summaries, BlockSummaries):
     raise TypeError("block_summaries must be a BlockSummaries")
@@ -1693,6 +1696,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton', "
                      f"'mosaic_tpu' or 'mosaic_gpu', got {implementation!r}")
   impl = _resolve_decode_implementation(implementation)
+  if _select and impl != "triton":
+    raise ValueError("_select is for the Triton selection kernels only")
   if score_splits is not None and not fused_select:
     raise ValueError("score_splits applies to fused_select=True only")
   if impl == "mosaic_tpu" and num_splits not in (None, 1):
@@ -1737,13 +1742,13 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
       indices, counts, arrivals = score_select_decode_slots(
           q, block_summaries.sums, block_summaries.lengths, lengths, block_size=block_size,
           max_selected=width, score_splits=score_splits, interpret=interpret,
-          return_arrivals=True, **sel_kw, **lg)
+          return_arrivals=True, **sel_kw, **lg, **dict(_select))
     else:
       scores = decode_block_scores(q, block_summaries.sums, block_summaries.lengths,
                                    block_size=block_size, interpret=interpret, **lg)
       indices, counts, arrivals = select_decode_slots(
           scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
-          return_arrivals=True, **sel_kw, **lg)
+          return_arrivals=True, **sel_kw, **lg, **dict(_select))
     if impl == "mosaic_gpu":
       from pallas_kernels.sparse import decode_mosaic_gpu as mg
       if num_splits is None:

@@ -197,6 +197,35 @@ def test_hnd_triton_default_launch(fused):
   assert "num_stages=2" in text and "num_stages=3" not in text, "attention launch options"
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_hnd_triton_select_options_reach_the_kernel(fused):
+  """``_hnd_decode(..., _select=(("search_loop", "early"),))`` (the probes' A/B of the early
+  bit search): the selection kernel gets the option (its jaxpr differs: a while loop), and
+  indices and output are the default call's to the bit; other implementations refuse it."""
+  _kernel_module_or_skip("triton")
+  b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 4
+  q, kc, vc = _inputs(44, b, n, hq, hk, d, d, jnp.bfloat16)
+  lens = jnp.array([187, 70], jnp.int32)
+  kh, vh = _hnd(kc), _hnd(vc)
+  summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
+  call = lambda select, impl="triton": functools.partial(
+      sp._hnd_decode, block_size=bs, return_lse=True, return_indices=True, top_k=top_k,
+      num_init_blocks=1, num_local_blocks=1, scale=None, implementation=impl, interpret=True,
+      num_splits=3, fused_select=fused, score_splits=None, _launch=sp._HND_TRITON_LAUNCH,
+      _select=select)
+  early = (("search_loop", "early"),)
+  base = call(())(q, kh, vh, lens, summ_h)
+  got = call(early)(q, kh, vh, lens, summ_h)
+  for x, y in zip(got, base):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert "while[" in str(jax.make_jaxpr(call(early))(q, kh, vh, lens, summ_h))
+  with pytest.raises(ValueError, match="_select is for the Triton"):
+    sp._sparse_decode(q, kc, vc, lens, sp.init_block_summaries(kc, lens, block_size=bs), None,
+                      block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1,
+                      scale=None, return_lse=False, return_indices=False, implementation="xla",
+                      interpret=True, num_splits=None, _select=early)
+
+
 def test_hnd_mosaic_gpu_replayed(replayed):
   """"mosaic_gpu" on a head-major cache with the CPU replay of its kernel (selection and merge
   kernels interpreted): the "nhd" call's indices, outputs and lse."""
