@@ -61,9 +61,9 @@ def main(argv=None):
                       "head-major Triton default is one launch for scores + selection since "
                       "session 23)")
   p.add_argument("--hnd-grid", default="",
-                 help="e.g. 16:2:2,24:3:1: more head-major rows (fused selection) with the "
-                      "Triton attention at splits:num_stages:blocks_per_step "
-                      "(sparse_hnd_s16_st2_b2, ...)")
+                 help="e.g. 16:2:2,24:3:1,33:2:2:p: more head-major rows (fused selection) "
+                      "with the Triton attention at splits:num_stages:blocks_per_step[:p] "
+                      "(sparse_hnd_s16_st2_b2, ...; ':p' = prefetch_ids, row suffix _p)")
   p.add_argument("--hnd-select", default="",
                  help="e.g. early,rolled: more head-major rows (session 23 defaults) whose "
                       "selection's bit search runs with that search_loop (sparse_hnd_early, "
@@ -127,9 +127,15 @@ def main(argv=None):
         num_local_blocks=1, scale=None, num_splits=None, fused_select=False, score_splits=None,
         _launch=launch, implementation=impl, **kw)
   for spec in (x for x in a.hnd_grid.split(",") if x):
-    n_, st_, b_ = (int(x) for x in spec.split(":"))
+    n_, st_, b_, *flags = spec.split(":")
+    n_, st_, b_ = int(n_), int(st_), int(b_)
     launch = (("num_stages", st_), ("blocks_per_step", b_))
-    fns[f"sparse_hnd_s{n_}_st{st_}_b{b_}"] = lambda q, c, n_=n_, launch=launch: sp._hnd_decode(
+    if flags and flags != ["p"]:
+      raise ValueError(f"--hnd-grid: {spec!r}: the only flag is ':p' (prefetch_ids)")
+    if flags:
+      launch += (("prefetch_ids", True),)
+    name = f"sparse_hnd_s{n_}_st{st_}_b{b_}" + ("_p" if flags else "")
+    fns[name] = lambda q, c, n_=n_, launch=launch: sp._hnd_decode(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False, num_init_blocks=1,
         num_local_blocks=1, scale=None, num_splits=n_, fused_select=True, score_splits=None,
         _launch=launch, implementation=impl, **kw)
@@ -170,7 +176,17 @@ def main(argv=None):
       B=B, S=S, Hq=Hq, Hk=Hk, D=D, block=bs, top_k=top_k, kept_blocks=top_k + 2, blocks=nb,
       calls=[m_short, m_long], distinct_q_per_call=True), rows={})
   # check: fp32 reference on the NHD selection, every row against it
-  outs = {n: jax.block_until_ready(jax.jit(f)(qs[0], cache)) for n, f in fns.items()}
+  outs, failed = {}, {}
+  for n, f in list(fns.items()):     # a row that fails to compile or run is reported, not fatal
+    try:
+      outs[n] = jax.block_until_ready(jax.jit(f)(qs[0], cache))
+    except Exception as e:           # noqa: BLE001 (e.g. shared memory over the limit)
+      if n == "dense_nhd":
+        raise
+      failed[n] = f"{type(e).__name__}: {str(e)[:300]}"
+      print(f"{n}: FAILED {failed[n]}", flush=True)
+      del fns[n]
+  res["failed_rows"] = failed
   ref_sparse = sp.sparse_decode_attention(qs[0].astype(jnp.float32), k.astype(jnp.float32),
                                           v.astype(jnp.float32), lens, summ,
                                           implementation="xla", block_size=bs, top_k=top_k)

@@ -13,7 +13,8 @@ def test_probe_decode_select_tiny(tmp_path):
   res = pds.main(["--tiny", "--inputs", "2", "--reps", "1", "--out", str(out),
                   "--rows", "scores_c32_w4,select_r1_w8,select_r2_w16_cf,fused_r1_wd"])
   rows = res["rows"]
-  assert set(rows) == {"scores_c32_w4", "select_r1_w8_cd", "select_r2_w16_cf", "fused_r1_wd_cd"}
+  assert set(rows) == {"scores_c32_w4", "select_r1_w8_cd", "select_r1_w8_cd_rolled",
+                       "select_r1_w8_cd_early", "select_r2_w16_cf", "fused_r1_wd_cd"}
   for name, row in rows.items():
     assert row["ok"], name                        # equal to the default kernels' outputs
     assert row["sum_us"] > 0 and row["kernel_trace"]["calls"] == 2, name
@@ -30,3 +31,23 @@ def test_probe_sparse_decode_layout_kernel_trace_tiny(tmp_path):
     assert row["ok"], name
     assert row["kernel_trace"]["sum_us"] > 0 and row["kernel_trace_program"]["calls"] == 2
   assert set(res["kernel_trace_program_sum_us_dense_over_row"]) == set(res["rows"])
+
+
+def test_probe_sparse_decode_layout_survives_a_failing_row(tmp_path, monkeypatch):
+  """A row that fails to compile or run (on a GPU: e.g. a launch over the shared-memory limit)
+  is reported under failed_rows and dropped; the other rows are still checked and timed."""
+  real = psl.sp._hnd_decode
+
+  def broken(*a, **kw):
+    if dict(kw.get("_launch", ())).get("num_stages") == 5:
+      raise RuntimeError("out of shared memory")
+    return real(*a, **kw)
+  monkeypatch.setattr(psl.sp, "_hnd_decode", broken)
+  out = tmp_path / "layout.json"
+  psl.main(["--tiny", "--calls", "1,2", "--rounds", "1", "--skip", "sparse_nhd,dense_hnd",
+            "--hnd-grid", "4:5:1,4:2:2:p", "--out", str(out)])
+  res = json.loads(out.read_text())
+  assert set(res["failed_rows"]) == {"sparse_hnd_s4_st5_b1"}
+  assert "out of shared memory" in res["failed_rows"]["sparse_hnd_s4_st5_b1"]
+  assert set(res["rows"]) == {"dense_nhd", "sparse_hnd", "sparse_hnd_s4_st2_b2_p"}
+  assert all(r["ok"] for r in res["rows"].values())

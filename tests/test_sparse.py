@@ -1562,6 +1562,68 @@ def test_sparse_decode_kernel_step_options():
     sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, blocks_per_step=3, **kw)
 
 
+@pytest.mark.parametrize("bps,splits", [(1, 3), (2, 2), (4, 1), (1, 7)])
+def test_sparse_decode_prefetch_ids_is_bit_identical(bps, splits):
+  """``prefetch_ids=True`` (each split's block ids and pages loaded once as a vector, each step
+  picking its ids from registers) gives the default kernel's partials and merged output to the
+  bit: contiguous and paged, with counts (compact lists) and without (lists in any order with
+  -1 holes and garbage-free padding), lengths 0 / 1 / ragged, more splits than kept blocks;
+  the fp32 reference within 2e-3. A wrong pick would move blocks between splits or drop them,
+  which the merged output and the per-split partials both see."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
+  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+  b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 4
+  lens_l = [100, 0, 1, 45]
+  q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(62, b, n, hq, hk, d, dv, bs, lens_l)
+  lens = jnp.array(lens_l, jnp.int32)
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  width = sp._decode_width(summ.num_blocks, top_k, 1, 1)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
+  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
+  idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
+                                      return_arrivals=True, **kw)
+  ref, _ = _selection_reference(q, kc, vc, lens, idx, bs)
+  # the same kept sets as unordered lists with -1 holes (no counts: every slot walked)
+  perm = np.random.default_rng(5).permutation(width)
+  shuffled = jnp.asarray(np.asarray(idx)[..., perm])
+  run = dict(block_size=bs, num_splits=splits, blocks_per_step=bps, interpret=True)
+  for (k, v, pt), lists, c in (((kc, vc, None), idx, cnt), ((kp, vp, table), idx, cnt),
+                               ((kc, vc, None), shuffled, None),
+                               ((kp, vp, table), shuffled, None)):
+    msg = f"paged={pt is not None} counts={c is not None} bps={bps} splits={splits}"
+    base = sparse_decode_partials(q, k, v, lens, lists, pt, c, **run)
+    got = sparse_decode_partials(q, k, v, lens, lists, pt, c, prefetch_ids=True, **run)
+    for x, y in zip(got, base):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
+    a = arr if c is not None else None
+    out_b, lse_b = sparse_decode(q, k, v, lens, lists, pt, c, a, **run)
+    out_p, lse_p = sparse_decode(q, k, v, lens, lists, pt, c, a, prefetch_ids=True, **run)
+    np.testing.assert_array_equal(np.asarray(out_p), np.asarray(out_b), err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(lse_p), np.asarray(lse_b), err_msg=msg)
+    assert _rel(out_p, ref) < 2e-3, (msg, _rel(out_p, ref))
+
+
+def test_sparse_decode_prefetch_ids_lowers_for_cuda():
+  """At the issue-5 bench shape the ``prefetch_ids`` kernel lowers for CUDA (on the CPU) to
+  one Triton call, 1 and 2 blocks per step, contiguous and paged."""
+  from pallas_kernels.sparse.decode import sparse_decode
+  S = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  n, bs, nb, _ = _issue5_decode_shape()
+  q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
+  idx, cnt = S((1, 8, 389), jnp.int32), S((1, 8), jnp.int32)
+  for bps in (1, 2):
+    for paged in (False, True):
+      kv = S((nb + 4, bs, 8, 128), bf16) if paged else S((1, n, 8, 128), bf16)
+      pt = (S((1, nb), jnp.int32),) if paged else ()
+      fn = lambda q, k, v, l, i, c, *pt, bps=bps: sparse_decode(
+          q, k, v, l, i, pt[0] if pt else None, c, None, block_size=bs, num_splits=33,
+          num_stages=2, blocks_per_step=bps, prefetch_ids=True)
+      text = _cuda_mlir(fn, q, kv, kv, lens, idx, cnt, *pt)
+      assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1, (bps, paged)
+
+
 def _cuda_mlir(fn, *args):
   """MLIR text of jit(fn) exported for CUDA (on the CPU; Triton custom calls allowed)."""
   disabled = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]

@@ -69,7 +69,7 @@ def _check_lengths(lengths, bsz, lengths_group, name):
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
             merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True,
-            slot_source=None, len_group=1):
+            slot_source=None, len_group=1, prefetch_ids=False):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
@@ -92,6 +92,10 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   and cnt_ref None.
   ``len_group``: lens holds one length per ``len_group`` consecutive sequences (lens[b //
   len_group]; a head-major cache seen as batch x kv_heads sequences).
+  ``prefetch_ids``: the split's block ids (and pages) are loaded once, as one vector, before
+  the loop; each step takes its ids from that vector in registers (a masked sum), so no step
+  waits on a load of its ids and the K/V copies' addresses are known as early as the
+  pipeline wants them. Not with ``slot_source``; ``index_lookahead`` then does not apply.
   """
   if paged:
     pt_ref, *rest = rest
@@ -124,6 +128,18 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   begin = jnp.minimum(split * per_split, n_slots)
   end = jnp.minimum(begin + per_split, n_slots)
 
+  if prefetch_ids and slot_source is not None:
+    raise ValueError("prefetch_ids needs the lists in idx_ref (not slot_source)")
+  if prefetch_ids:                       # the split's <= ids_pad ids, before the loop
+    ids_pad = _pow2(_max_per_split(num_slots, num_splits, bps))
+    ar = jnp.arange(ids_pad, dtype=jnp.int32)
+    own = ar < end - begin
+    ids_vec = plgpu.load(idx_ref.at[b, h, jnp.minimum(begin + ar, num_slots - 1)], mask=own,
+                         other=-1)
+    ids_vec = jnp.where(own, ids_vec, -1)
+    if paged:
+      pages_vec = plgpu.load(pt_ref.at[b, jnp.maximum(ids_vec, 0)])
+
   q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
@@ -142,6 +158,22 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
 
     With several blocks per step: the ids [bps * block] (one per tile row) of slots s .. s +
     bps - 1 and each row's first cache row of its block."""
+    if prefetch_ids:                     # from the vector: no load in the step
+      def pick(vec, local):              # vec[local] for a scalar local in [0, ids_pad)
+        return jnp.sum(jnp.where(ar == local, vec, 0))
+      if bps == 1:
+        blk, page = pick(ids_vec, s - begin), (pick(pages_vec, s - begin) if paged else None)
+      else:
+        blk = page = None
+        for j in range(bps):             # the step's blocks, one per ``sub`` value
+          bj = pick(ids_vec, s - begin + j)
+          blk = bj if blk is None else jnp.where(sub == j, bj, blk)
+          if paged:
+            pj = pick(pages_vec, s - begin + j)
+            page = pj if page is None else jnp.where(sub == j, pj, page)
+        s = s + sub
+      blk = jnp.where(s < end, blk, -1)
+      return (blk, page * block) if paged else (blk, None)
     if bps != 1:
       s = s + sub                                                    # [bps * block] slots
     if slot_source is None:
@@ -157,6 +189,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   def slot(i):
     """First slot of loop step i (steps count slots when bps == 1, else from 0)."""
     return i if bps == 1 else begin + i * bps
+
+  index_lookahead = index_lookahead and not prefetch_ids
 
   def body(s, carry):
     if index_lookahead:
@@ -239,6 +273,13 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
                   d_pad=dv_pad)
 
 
+def _max_per_split(num_slots, num_splits, bps):
+  """The most list slots one split walks (the kernel's per_split with every slot counted)."""
+  if bps == 1:
+    return -(-num_slots // num_splits)
+  return -(-(-(-num_slots // bps)) // num_splits) * bps
+
+
 def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, programs_per_core=2,
                        min_blocks_per_split=4):
   """Splits per (batch, kv head) for the sparse decode kernel.
@@ -270,10 +311,11 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "num_warps",
                                              "num_stages", "blocks_per_step", "index_lookahead",
-                                             "interpret"))
+                                             "interpret", "prefetch_ids"))
 def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts=None, *,
                            block_size, num_splits, scale=None, num_warps=4, num_stages=3,
-                           blocks_per_step=1, index_lookahead=True, interpret=False):
+                           blocks_per_step=1, index_lookahead=True, interpret=False,
+                           prefetch_ids=False):
   """Per-split partial decode attention over each kv head's selected cache blocks (Triton).
 
   Args:
@@ -302,6 +344,9 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       ahead and reach the step through the loop carry; False: each step loads its own ids
       first (the K/V addresses then depend on a load of the same iteration).
     interpret: run in the Pallas interpreter (CPU tests).
+    prefetch_ids: load each split's block ids (and pages) once, as one vector, before the
+      loop; each step then takes its ids from registers, so no step waits on an id load
+      (``index_lookahead`` does not apply). The same output to the bit (tested).
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
@@ -322,7 +367,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
   kernel, grid, (bsz, hq, dv), args = _prepare(
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=False, split_stride=1,
-      blocks_per_step=blocks_per_step, index_lookahead=index_lookahead)
+      blocks_per_step=blocks_per_step, index_lookahead=index_lookahead,
+      prefetch_ids=prefetch_ids)
   out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
   return pl.pallas_call(
@@ -332,7 +378,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
 
 
 def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, num_splits, scale,
-             merge, split_stride, blocks_per_step=1, index_lookahead=True, lengths_group=1):
+             merge, split_stride, blocks_per_step=1, index_lookahead=True, lengths_group=1,
+             prefetch_ids=False):
   """Checks shapes; returns (kernel, grid, (batch, q_heads, head_dim_v), kernel args)."""
   if block_size < 16 or block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two >= 16 for the Triton sparse decode "
@@ -378,6 +425,8 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
                                index_lookahead=bool(index_lookahead))
   if lengths_group != 1:
     kernel = functools.partial(kernel, len_group=int(lengths_group))
+  if prefetch_ids:
+    kernel = functools.partial(kernel, prefetch_ids=True)
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
@@ -392,11 +441,11 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "out_dtype",
                                              "num_warps", "num_stages", "blocks_per_step",
                                              "index_lookahead", "interpret", "_split_stride",
-                                             "lengths_group"))
+                                             "lengths_group", "prefetch_ids"))
 def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, arrivals=None, *,
                   block_size, num_splits, scale=None, out_dtype=None, num_warps=4, num_stages=3,
                   blocks_per_step=1, index_lookahead=True, interpret=False, _split_stride=1,
-                  lengths_group=1):
+                  lengths_group=1, prefetch_ids=False):
   """Decode attention over each kv head's selected cache blocks, splits merged in-kernel (Triton).
 
   The kernel of :func:`sparse_decode_partials` with the merge folded in: each (batch, kv head,
@@ -408,7 +457,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
 
   Args:
     q, k, v, kv_lengths, indices, page_table, counts, block_size, scale, num_warps,
-      num_stages, blocks_per_step, index_lookahead, interpret: as
+      num_stages, blocks_per_step, index_lookahead, interpret, prefetch_ids: as
       :func:`sparse_decode_partials`.
     arrivals: None or int32 [batch, kv_heads] of zeros: the arrival counters (donated to the
       kernel; e.g. ``select_decode_slots(..., return_arrivals=True)``'s, which costs no extra
@@ -441,7 +490,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride,
       blocks_per_step=blocks_per_step, index_lookahead=index_lookahead,
-      lengths_group=lengths_group)
+      lengths_group=lengths_group, prefetch_ids=prefetch_ids)
   out_shape, aliases = _merged_outputs(args, arrivals, bsz=bsz, hq=hq, hk=grid[1], dv=dv,
                                        num_splits=num_splits,
                                        out_dtype=q.dtype if out_dtype is None else out_dtype)
