@@ -110,9 +110,7 @@ def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str |
     if not paths:
       raise RuntimeError(f"the profiler wrote no .xplane.pb under {d}")
     data = jax.profiler.ProfileData.from_file(paths[0])
-  total = collections.defaultdict(float)
-  lines = collections.Counter()
-  first, last, n = None, None, 0
+  events, lines = [], collections.Counter()
   for pl in data.planes:
     if not pl.name.startswith(plane):
       continue
@@ -120,21 +118,39 @@ def kernel_times(fn, arg_sets, *, calls: int = 32, warmup: int = 2, plane: str |
       for ev in ln.events:
         if name_filter is not None and not name_filter(ev.name):
           continue
-        total[ev.name] += ev.duration_ns
+        events.append((ev.name, ev.start_ns, ev.end_ns))
         lines[ln.name] += 1
-        first = ev.start_ns if first is None else min(first, ev.start_ns)
-        last = ev.end_ns if last is None else max(last, ev.end_ns)
-        n += 1
-  if n == 0:
+  if not events:
     planes = sorted({pl.name for pl in data.planes})
     raise RuntimeError(f"no events on planes starting with {plane!r} (planes in the trace: "
                        f"{planes}); on a GPU the device plane needs CUPTI (the profiler "
                        f"plugin's libcupti)")
-  per_call = calls * calls_per_run
-  per = {k: v / 1e3 / per_call for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
-  span = 0.0 if first is None else (last - first) / 1e3 / per_call
-  return dict(per_kernel_us=per, sum_us=sum(per.values()), span_us=span, events=n,
-              calls=per_call, lines=dict(lines))
+  return dict(summarize_events(events, calls * calls_per_run), lines=dict(lines))
+
+
+def summarize_events(events, calls):
+  """Per-call figures of traced kernel events.
+
+  Args:
+    events: (name, start_ns, end_ns) of every kernel run in ``calls`` logical calls.
+    calls: the logical calls the events cover.
+
+  Returns:
+    dict(per_kernel_us={name: total us / calls, largest first}, sum_us, span_us (first start
+    to last end / calls), events, calls).
+
+  Example:
+    >>> summarize_events([("a", 0, 2000), ("b", 3000, 4000), ("a", 5000, 7000)], 2)["span_us"]
+    3.5
+  """
+  total = collections.defaultdict(float)
+  for name, start, end in events:
+    total[name] += end - start
+  per = {k: v / 1e3 / calls for k, v in sorted(total.items(), key=lambda kv: -kv[1])}
+  first = min(e[1] for e in events)
+  last = max(e[2] for e in events)
+  return dict(per_kernel_us=per, sum_us=sum(per.values()), span_us=(last - first) / 1e3 / calls,
+              events=len(events), calls=calls)
 
 
 def format_times(name, r, top: int = 6):

@@ -346,7 +346,9 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     interpret: run in the Pallas interpreter (CPU tests).
     prefetch_ids: load each split's block ids (and pages) once, as one vector, before the
       loop; each step then takes its ids from registers, so no step waits on an id load
-      (``index_lookahead`` does not apply). The same output to the bit (tested).
+      (``index_lookahead`` does not apply). The same output to the bit (tested). Meant for
+      short splits (the default split count gives <= 16 ids per split at 2048 blocks): each
+      step's pick is a compare + sum over the padded vector.
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
