@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One GPU call (~6 min), written in session 23 (not run yet): the early-exit bit search
+# One GPU call (~7 min), written in session 23 (not run yet): the early-exit bit search
 # (search_loop="early": stop at the first trial counting exactly top_k keys; the same kept
 # set, ~17 of 32 steps on continuous scores, CPU-tested against the full search, brute force
 # and lax.top_k). Prediction: the selection alone 6.8 -> ~4-4.5 us (8 warps), fused scores +
 # selection 10.4 -> ~8, the whole call 46.4 -> ~44 us by kernel sums (~2.94x dense).
+# (0) the GPU tests of both (compiled: bit-identical to the default head-major call) and the
+#     head-major vs nhd ones;
 # (1) probe_decode_select.py: unrolled / rolled / early at 4, 8, 16 warps, alone and fused,
 #     each checked equal to the default's indices and counts (device kernel time);
 # (2) the whole head-major call with session 23's defaults against the same with
@@ -18,6 +20,10 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+timeout ${T_TESTS:-120} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider -o addopts="" \
+  tests/test_sparse_decode_layout.py -k "prefetch_ids_and_early or hnd_equals_nhd" \
+  > "$OUT/gpu_tests_prefetch_early.txt" 2>&1
+echo "GPU tests rc=$?"; tail -2 "$OUT/gpu_tests_prefetch_early.txt"
 timeout ${T_SELECT:-150} python3 experiments/probe_decode_select.py \
   --rows select_r1_wd_cd,select_r1_w8_cd,select_r1_w4_cd_early,select_r1_w16_cd_early,fused_r1_w8_cd \
   --out "$OUT/decode_select_early.json" > "$OUT/decode_select_early.txt" 2>&1

@@ -393,3 +393,31 @@ def test_gpu_hnd_equals_nhd(impl):
   np.testing.assert_allclose(np.asarray(lse_h)[fin], np.asarray(lse)[fin], rtol=1e-3, atol=1e-3)
   ref, _, _ = _reference(q, kc, vc, lens, idx, bs)
   assert _rel(out_h, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_hnd_prefetch_ids_and_early_search():
+  """Session 23's two options compiled on the GPU (B3, 8K, GQA 32:8, D128, bf16, 64-token
+  blocks, lengths 8192 / 0 / 3001): the attention with ``prefetch_ids`` (2 stages x 2 blocks and
+  3 x 1) and the selection with ``search_loop="early"`` give the default head-major call's
+  indices, output and lse to the bit (the same blocks, split and summed in the same order)."""
+  _kernel_module_or_skip("triton")
+  b, n, hq, hk, d, bs, top_k = 3, 8192, 32, 8, 128, 64, 24
+  q, kc, vc = _inputs(46, b, n, hq, hk, d, d, jnp.bfloat16)
+  lens = jnp.array([8192, 0, 3001], jnp.int32)
+  kh, vh = _hnd(kc), _hnd(vc)
+  summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
+  call = lambda launch, select: jax.jit(functools.partial(
+      sp._hnd_decode, block_size=bs, return_lse=True, return_indices=True, top_k=top_k,
+      num_init_blocks=1, num_local_blocks=1, scale=None, implementation="triton",
+      interpret=False, num_splits=None, fused_select=True, score_splits=None, _launch=launch,
+      _select=select))(q, kh, vh, lens, summ_h)
+  for stages, bps in ((2, 2), (3, 1)):
+    launch = (("num_stages", stages), ("blocks_per_step", bps))
+    base = call(launch, ())
+    for got in (call(launch + (("prefetch_ids", True),), ()),
+                call(launch, (("search_loop", "early"),))):
+      for x, y in zip(got, base):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{launch}")
+  ref, _, _ = _reference(q, kc, vc, lens, base[2], bs)
+  assert _rel(base[0], ref) < 2e-2
