@@ -28,9 +28,9 @@ timeout ${T_SELECT:-150} python3 experiments/probe_decode_select.py \
   --rows select_r1_wd_cd,select_r1_w8_cd,select_r1_w4_cd_early,select_r1_w16_cd_early,fused_r1_w8_cd \
   --out "$OUT/decode_select_early.json" > "$OUT/decode_select_early.txt" 2>&1
 echo "select probe rc=$?"; grep -v Warn "$OUT/decode_select_early.txt" | tail -14 | cut -c1-200
-timeout ${T_LAYOUT:-330} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 \
+timeout ${T_LAYOUT:-300} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 \
   --rounds ${ROUNDS:-2} --skip sparse_nhd,dense_hnd --hnd-select early \
-  --hnd-grid ${GRID:-33:2:2:p,33:3:1:p,33:3:1,16:3:1:p} --kernel-trace ${CALLS:-32} \
+  --hnd-grid ${GRID:-33:2:2:p,33:3:1:p,48:3:1:p,16:3:1:p} --kernel-trace ${CALLS:-32} \
   --out "$OUT/sparse_decode_early_trace.json" > "$OUT/sparse_decode_early_trace.txt" 2>&1
 echo "layout probe rc=$?"; grep -v Warn "$OUT/sparse_decode_early_trace.txt" | grep "rel_err\|by kernel_program" | cut -c1-400
 grep "program)" "$OUT/sparse_decode_early_trace.txt" | cut -c1-260
