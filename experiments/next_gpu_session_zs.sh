@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call (~3 min), written in session 22 (not run yet): issue 8's decode point (4.0 TB/s
+# One GPU call (~3 min), written in session 22, rows added in session 23 (not run yet): issue
+# 8's decode point (4.0 TB/s
 # and 1.15x jax.nn cuDNN at B1 S128K, GQA 32:8, D128 bf16) by device kernel time. The bench
 # times host loops (level with cuDNN at 3.9-4.0 TB/s); experiments/kernel_trace.py gives each
 # implementation's kernels per call from a profiler trace of 32 calls on 3 input sets: the
@@ -27,7 +28,18 @@ fns = {
     "jax_nn_cudnn": lambda q, k, v, l: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")[:, 0],
     "jattn_default": lambda q, k, v, l: dec.decode_attention(q, k, v, l),
     "jattn_triton": lambda q, k, v, l: dec.decode_attention(q, k, v, l, implementation="triton"),
+    "jattn_mosaic_gpu": lambda q, k, v, l: dec.decode_attention(q, k, v, l,
+                                                                implementation="mosaic_gpu"),
 }
+# session 23: the Triton partials merged by one Pallas kernel instead of XLA's ~4 fusions
+# (5.7 us of run 87's 129.5 us dense call); a candidate for jattn's default merge
+from pallas_kernels.decode import triton as _kt
+from pallas_kernels.sparse.decode import merge_decode_partials as _mdp
+_splits = dec.default_num_splits("triton", b, hk, n)
+def _triton_merge_kernel(q, k, v, l):
+  o, lse = _kt.decode_partials(q, k, v, l, num_splits=_splits)
+  return _mdp(o, lse, out_dtype=q.dtype)[0]
+fns["jattn_triton_merge_kernel"] = _triton_merge_kernel
 res = {}
 for name, f in fns.items():
   f = jax.jit(f)
