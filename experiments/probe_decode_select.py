@@ -114,7 +114,12 @@ def main(argv=None):
       reps=a.reps))
   for name, (f, inputs, kind) in rows.items():
     jf = jax.jit(f)
-    outs = [jax.block_until_ready(jf(x)) for x in inputs]
+    try:                     # a variant that fails to lower or run is reported, not fatal
+      outs = [jax.block_until_ready(jf(x)) for x in inputs]
+    except Exception as e:   # noqa: BLE001
+      res["rows"][name] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+      print(f"{name}: FAILED {res['rows'][name]['error']}", flush=True)
+      continue
     if kind == "scores":
       ok = all(bool(jnp.array_equal(o, r)) for o, r in zip(outs, ref_scores))
     else:

@@ -51,3 +51,21 @@ def test_probe_sparse_decode_layout_survives_a_failing_row(tmp_path, monkeypatch
   assert "out of shared memory" in res["failed_rows"]["sparse_hnd_s4_st5_b1"]
   assert set(res["rows"]) == {"dense_nhd", "sparse_hnd", "sparse_hnd_s4_st2_b2_p"}
   assert all(r["ok"] for r in res["rows"].values())
+
+
+def test_probe_decode_select_survives_a_failing_variant(tmp_path, monkeypatch):
+  """A variant whose kernel fails (on a GPU: e.g. a lowering the Triton backend rejects) is
+  reported with its error and ok=False; the other rows run."""
+  real = pds.select_decode_slots
+
+  def broken(*a, search_loop="unrolled", **kw):
+    if search_loop == "early":
+      raise NotImplementedError("no while loop here")
+    return real(*a, search_loop=search_loop, **kw)
+  monkeypatch.setattr(pds, "select_decode_slots", broken)
+  res = pds.main(["--tiny", "--inputs", "2", "--reps", "1", "--out", str(tmp_path / "s.json"),
+                  "--rows", "select_r1_w8_cd"])
+  rows = res["rows"]
+  assert rows["select_r1_w8_cd_early"]["ok"] is False
+  assert "no while loop" in rows["select_r1_w8_cd_early"]["error"]
+  assert rows["select_r1_w8_cd"]["ok"] and rows["select_r1_w8_cd_rolled"]["ok"]
