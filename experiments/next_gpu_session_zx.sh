@@ -11,7 +11,7 @@
 # (2) the whole head-major call with session 23's defaults against the same with
 #     search_loop="early" (bit-identical output checked) and dense decode, by kernel trace.
 # (3) in the same layout probe: the attention with each split's block ids loaded once before
-#     its loop (prefetch_ids, ':p' rows; bit-identical to the default on the CPU). Run 23's
+#     its loop (prefetch_ids, ':p' rows; bit-identical to the default on the CPU). Session 14's CPU-compiled
 #     TTGIR had each step wait on a scalar L2 load of its id before issuing its copies; at ~12
 #     steps per program that could be the ~6 us by which the attention (34.5 us) exceeds the
 #     dense kernel's per-SM rate. Prediction: 28-31 us for the attention, 2-6 us less per call.
