@@ -119,13 +119,20 @@ def main(argv=None):
   for n in (int(x) for x in a.hnd_splits.split(",") if x):
     fns[f"sparse_hnd_s{n}"] = lambda q, c, n=n: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], num_splits=n, **hnd)
+
+  def hnd_row(launch, *, num_splits=None, fused=True, select=()):
+    """A head-major row through ``sp._hnd_decode`` with explicit Triton launch / selection
+    options (the API's own call uses ``_HND_TRITON_LAUNCH`` and the default selection)."""
+    return lambda q, c: sp._hnd_decode(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False,
+        num_init_blocks=1, num_local_blocks=1, scale=None, num_splits=num_splits,
+        fused_select=fused, score_splits=None, _launch=launch, _select=select,
+        implementation=impl, **kw)
+
   for spec in (x for x in a.hnd_launch.split(",") if x):
     st_, b_ = (int(x) for x in spec.split(":"))
     launch = (("num_stages", st_), ("blocks_per_step", b_))
-    fns[f"sparse_hnd_st{st_}_b{b_}"] = lambda q, c, launch=launch: sp._hnd_decode(
-        q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False, num_init_blocks=1,
-        num_local_blocks=1, scale=None, num_splits=None, fused_select=False, score_splits=None,
-        _launch=launch, implementation=impl, **kw)
+    fns[f"sparse_hnd_st{st_}_b{b_}"] = hnd_row(launch, fused=False)
   for spec in (x for x in a.hnd_grid.split(",") if x):
     n_, st_, b_, *flags = spec.split(":")
     n_, st_, b_ = int(n_), int(st_), int(b_)
@@ -135,16 +142,9 @@ def main(argv=None):
     if flags:
       launch += (("prefetch_ids", True),)
     name = f"sparse_hnd_s{n_}_st{st_}_b{b_}" + ("_p" if flags else "")
-    fns[name] = lambda q, c, n_=n_, launch=launch: sp._hnd_decode(
-        q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False, num_init_blocks=1,
-        num_local_blocks=1, scale=None, num_splits=n_, fused_select=True, score_splits=None,
-        _launch=launch, implementation=impl, **kw)
+    fns[name] = hnd_row(launch, num_splits=n_)
   for loop in (x for x in a.hnd_select.split(",") if x):
-    fns[f"sparse_hnd_{loop}"] = lambda q, c, loop=loop: sp._hnd_decode(
-        q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False,
-        num_init_blocks=1, num_local_blocks=1, scale=None, num_splits=None, fused_select=True,
-        score_splits=None, _launch=sp._HND_TRITON_LAUNCH, _select=(("search_loop", loop),),
-        implementation=impl, **kw)
+    fns[f"sparse_hnd_{loop}"] = hnd_row(sp._HND_TRITON_LAUNCH, select=(("search_loop", loop),))
   if a.hnd_unfused:
     fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=False, **hnd)

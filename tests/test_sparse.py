@@ -1524,6 +1524,24 @@ def test_sparse_decode_merged_kernel(dtype, tol):
                   interpret=True)
 
 
+def _kept_block_lists(seed, bs, *, top_k):
+  """The attention-kernel tests' case: B4 N100 GQA 6:2, head_dim 48 / values 32, lengths
+  100 / 0 / 1 / 45, contiguous and paged caches, and the Triton selection's compact kept
+  lists. Returns (q, kc, vc, kp, vp, table, lens, idx, cnt, arrivals, width)."""
+  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+  b, n, hq, hk, d, dv = 4, 100, 6, 2, 48, 32
+  lens_l = [100, 0, 1, 45]
+  q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens_l)
+  lens = jnp.array(lens_l, jnp.int32)
+  summ = sp.init_block_summaries(kc, lens, block_size=bs)
+  width = sp._decode_width(summ.num_blocks, top_k, 1, 1)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
+  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
+  idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
+                                      return_arrivals=True, **kw)
+  return q, kc, vc, kp, vp, table, lens, idx, cnt, arr, width
+
+
 def test_sparse_decode_kernel_step_options():
   """The attention kernel's sweep options (interpret): several kept blocks per loop step
   (``blocks_per_step``, ids gathered per tile row; splits hold whole steps) and block ids loaded
@@ -1532,17 +1550,8 @@ def test_sparse_decode_kernel_step_options():
   default's arithmetic (bit-identical)."""
   _kernel_module_or_skip("triton")
   from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
-  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
-  b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 9
-  lens_l = [100, 0, 1, 45]
-  q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(61, b, n, hq, hk, d, dv, bs, lens_l)
-  lens = jnp.array(lens_l, jnp.int32)
-  summ = sp.init_block_summaries(kc, lens, block_size=bs)
-  width = sp._decode_width(summ.num_blocks, top_k, 1, 1)
-  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
-  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
-  idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
-                                      return_arrivals=True, **kw)
+  bs = 16
+  q, kc, vc, kp, vp, table, lens, idx, cnt, arr, _ = _kept_block_lists(61, bs, top_k=9)
   ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
   cases = [((kc, vc, None), cnt, 3, 2, True), ((kp, vp, table), None, 2, 4, False)]
   for (k, v, pt), c, splits, bps, ahead in cases:
@@ -1572,17 +1581,8 @@ def test_sparse_decode_prefetch_ids_is_bit_identical(bps, splits):
   which the merged output and the per-split partials both see."""
   _kernel_module_or_skip("triton")
   from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
-  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
-  b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 4
-  lens_l = [100, 0, 1, 45]
-  q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(62, b, n, hq, hk, d, dv, bs, lens_l)
-  lens = jnp.array(lens_l, jnp.int32)
-  summ = sp.init_block_summaries(kc, lens, block_size=bs)
-  width = sp._decode_width(summ.num_blocks, top_k, 1, 1)
-  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
-  scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
-  idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
-                                      return_arrivals=True, **kw)
+  bs = 16
+  q, kc, vc, kp, vp, table, lens, idx, cnt, arr, width = _kept_block_lists(62, bs, top_k=4)
   ref, _ = _selection_reference(q, kc, vc, lens, idx, bs)
   # the same kept sets as unordered lists with -1 holes (no counts: every slot walked)
   perm = np.random.default_rng(5).permutation(width)
