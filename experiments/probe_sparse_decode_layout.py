@@ -203,12 +203,13 @@ def main(argv=None):
       row["max_abs_diff_vs_nhd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs[twin].astype(jnp.float32))))
       row["ok"] = row["ok"] and row["max_abs_diff_vs_nhd"] < 1e-2
-    same = n == "sparse_hnd_repeat" or n in (f"sparse_hnd_{x}" for x in ("early", "rolled"))
+    same = n == "sparse_hnd_repeat" or n in (f"sparse_hnd_{x}"
+                                             for x in ("early", "rolled", "unrolled"))
     if same and "sparse_hnd" in outs:   # the same attention on the same selection: bit-identical
       row["max_abs_diff_vs_sparse_hnd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs["sparse_hnd"].astype(jnp.float32))))
       row["ok"] = row["ok"] and row["max_abs_diff_vs_sparse_hnd"] == 0.0
-    print(n, "rel_err", row["rel_err"], "max_abs_diff_vs_nhd",
+    print(n, "rel_err", row["rel_err"], "ok", row["ok"], "max_abs_diff_vs_nhd",
           row.get("max_abs_diff_vs_nhd"), flush=True)
   # device slope: programs of m_short and m_long calls (one dispatch each, a distinct q per
   # call), interleaved rounds

@@ -1120,7 +1120,8 @@ def test_decode_select_kernel_radix(nb, bs, top_k, n_init, n_local, chunk):
   finite = [h for h in range(scores.shape[1]) if not np.isneginf(scores[:, h]).any()]
   np.testing.assert_array_equal(np.asarray(want)[:, finite], brute[:, finite])
   np.testing.assert_array_equal(np.asarray(base), np.asarray(want))
-  for bits, loop in ((2, "unrolled"), (4, "unrolled"), (1, "early"), (1, "rolled")):
+  for bits, loop in ((2, "unrolled"), (4, "unrolled"), (1, "early"), (1, "rolled"),
+                    (1, "unrolled")):
     idx, cnt, arr = select_decode_slots(scores, lens, digit_bits=bits, search_chunk=chunk,
                                         search_loop=loop, return_arrivals=True, **kw)
     msg = f"bits={bits} search_loop={loop}"

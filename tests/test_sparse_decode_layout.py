@@ -172,12 +172,13 @@ def test_hnd_triton_fused_select_bf16(monkeypatch):
 @pytest.mark.parametrize("fused", [False, True])
 def test_hnd_triton_default_launch(fused):
   """The head-major path's own Triton attention launch (``_HND_TRITON_LAUNCH``: 2 stages of 2
-  blocks per step; run 79) on a bf16 cache, GQA 8:2, lengths not multiples of the block, an
+  blocks per step, run 79; block ids loaded once per split, run 90) on a bf16 cache, GQA 8:2, lengths not multiples of the block, an
   odd block count per split: the attention kernel is launched with it, the kept blocks are the
   "nhd" call's, and the output matches the fp32 reference and the "nhd" output to bf16
   rounding."""
   _kernel_module_or_skip("triton")
-  assert dict(sp._HND_TRITON_LAUNCH) == dict(num_stages=2, blocks_per_step=2)
+  assert dict(sp._HND_TRITON_LAUNCH) == dict(num_stages=2, blocks_per_step=2,
+                                              prefetch_ids=True)
   b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 4
   q, kc, vc = _inputs(43, b, n, hq, hk, d, d, jnp.bfloat16)
   lens = jnp.array([187, 70], jnp.int32)
@@ -199,9 +200,10 @@ def test_hnd_triton_default_launch(fused):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_hnd_triton_select_options_reach_the_kernel(fused):
-  """``_hnd_decode(..., _select=(("search_loop", "early"),))`` (the probes' A/B of the early
-  bit search): the selection kernel gets the option (its jaxpr differs: a while loop), and
-  indices and output are the default call's to the bit; other implementations refuse it."""
+  """``_hnd_decode(..., _select=(("search_loop", "unrolled"),))`` (the probes' A/B against
+  the default early bit search): the selection kernel gets the option (its jaxpr differs: no
+  while loop), and indices and output are the default call's to the bit; other
+  implementations refuse it."""
   _kernel_module_or_skip("triton")
   b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 4
   q, kc, vc = _inputs(44, b, n, hq, hk, d, d, jnp.bfloat16)
@@ -213,17 +215,18 @@ def test_hnd_triton_select_options_reach_the_kernel(fused):
       num_init_blocks=1, num_local_blocks=1, scale=None, implementation=impl, interpret=True,
       num_splits=3, fused_select=fused, score_splits=None, _launch=sp._HND_TRITON_LAUNCH,
       _select=select)
-  early = (("search_loop", "early"),)
+  unrolled = (("search_loop", "unrolled"),)
   base = call(())(q, kh, vh, lens, summ_h)
-  got = call(early)(q, kh, vh, lens, summ_h)
+  got = call(unrolled)(q, kh, vh, lens, summ_h)
   for x, y in zip(got, base):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  assert "while[" in str(jax.make_jaxpr(call(early))(q, kh, vh, lens, summ_h))
+  loops = lambda sel: str(jax.make_jaxpr(call(sel))(q, kh, vh, lens, summ_h)).count("while[")
+  assert loops(()) == loops(unrolled) + 1           # the early search's loop
   with pytest.raises(ValueError, match="_select is for the Triton"):
     sp._sparse_decode(q, kc, vc, lens, sp.init_block_summaries(kc, lens, block_size=bs), None,
                       block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1,
                       scale=None, return_lse=False, return_indices=False, implementation="xla",
-                      interpret=True, num_splits=None, _select=early)
+                      interpret=True, num_splits=None, _select=unrolled)
 
 
 def test_hnd_mosaic_gpu_replayed(replayed):
@@ -398,9 +401,10 @@ def test_gpu_hnd_equals_nhd(impl):
 @pytest.mark.gpu
 def test_gpu_hnd_prefetch_ids_and_early_search():
   """Session 23's two options compiled on the GPU (B3, 8K, GQA 32:8, D128, bf16, 64-token
-  blocks, lengths 8192 / 0 / 3001): the attention with ``prefetch_ids`` (2 stages x 2 blocks and
-  3 x 1) and the selection with ``search_loop="early"`` give the default head-major call's
-  indices, output and lse to the bit (the same blocks, split and summed in the same order)."""
+  blocks, lengths 8192 / 0 / 3001): the attention with and without ``prefetch_ids`` (2 stages x
+  2 blocks and 3 x 1) and the selection's full bit search (``search_loop="unrolled"``) against
+  the default early exit give the same indices, output and lse to the bit (the same blocks,
+  split and summed in the same order)."""
   _kernel_module_or_skip("triton")
   b, n, hq, hk, d, bs, top_k = 3, 8192, 32, 8, 128, 64, 24
   q, kc, vc = _inputs(46, b, n, hq, hk, d, d, jnp.bfloat16)
@@ -416,7 +420,7 @@ def test_gpu_hnd_prefetch_ids_and_early_search():
     launch = (("num_stages", stages), ("blocks_per_step", bps))
     base = call(launch, ())
     for got in (call(launch + (("prefetch_ids", True),), ()),
-                call(launch, (("search_loop", "early"),))):
+                call(launch, (("search_loop", "unrolled"),))):
       for x, y in zip(got, base):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{launch}")
   ref, _, _ = _reference(q, kc, vc, lens, base[2], bs)
