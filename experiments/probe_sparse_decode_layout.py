@@ -32,6 +32,10 @@ import numpy as np
 from jattn import decode as jd
 from jattn import sparse as sp
 
+# --hnd-grid flags: Triton attention options added to a row's launch
+GRID_FLAGS = {"p": (("prefetch_ids", True),), "w": (("split_by", "width"),),
+              "m": (("merge_stores_last", False),)}
+
 
 def to_hnd(x):
   """[B, S, Hk, D] -> the head-major copy [B, Hk, S, D] (made once, outside timing)."""
@@ -61,9 +65,10 @@ def main(argv=None):
                       "head-major Triton default is one launch for scores + selection since "
                       "session 23)")
   p.add_argument("--hnd-grid", default="",
-                 help="e.g. 16:2:2,24:3:1,33:2:2:p: more head-major rows (fused selection) "
-                      "with the Triton attention at splits:num_stages:blocks_per_step[:p] "
-                      "(sparse_hnd_s16_st2_b2, ...; ':p' = prefetch_ids, row suffix _p)")
+                 help="e.g. 16:2:2,24:3:1,33:2:2:pw: more head-major rows (fused selection) "
+                      "with the Triton attention at splits:num_stages:blocks_per_step[:flags] "
+                      "(sparse_hnd_s16_st2_b2, ...; flags: p = prefetch_ids, w = "
+                      "split_by='width', m = merge_stores_last=False; row suffix _<flags>)")
   p.add_argument("--hnd-select", default="",
                  help="e.g. early,rolled: more head-major rows (session 23 defaults) whose "
                       "selection's bit search runs with that search_loop (sparse_hnd_early, "
@@ -137,11 +142,13 @@ def main(argv=None):
     n_, st_, b_, *flags = spec.split(":")
     n_, st_, b_ = int(n_), int(st_), int(b_)
     launch = (("num_stages", st_), ("blocks_per_step", b_))
-    if flags and flags != ["p"]:
-      raise ValueError(f"--hnd-grid: {spec!r}: the only flag is ':p' (prefetch_ids)")
-    if flags:
-      launch += (("prefetch_ids", True),)
-    name = f"sparse_hnd_s{n_}_st{st_}_b{b_}" + ("_p" if flags else "")
+    flags = "".join(flags)
+    if set(flags) - set(GRID_FLAGS):
+      raise ValueError(f"--hnd-grid: {spec!r}: flags are letters of {sorted(GRID_FLAGS)}")
+    for f in sorted(set(flags)):
+      launch += GRID_FLAGS[f]
+    name = f"sparse_hnd_s{n_}_st{st_}_b{b_}" + (f"_{''.join(sorted(set(flags)))}" if flags
+                                                 else "")
     fns[name] = hnd_row(launch, num_splits=n_)
   for loop in (x for x in a.hnd_select.split(",") if x):
     fns[f"sparse_hnd_{loop}"] = hnd_row(sp._HND_TRITON_LAUNCH, select=(("search_loop", loop),))

@@ -4,6 +4,8 @@ time: ``experiments/probe_decode_select.py`` and ``experiments/probe_sparse_deco
 trace's per-call figures; the numbers themselves mean something only on a GPU."""
 import json
 
+import pytest
+
 from experiments import probe_decode_select as pds
 from experiments import probe_sparse_decode_layout as psl
 
@@ -45,12 +47,15 @@ def test_probe_sparse_decode_layout_survives_a_failing_row(tmp_path, monkeypatch
   monkeypatch.setattr(psl.sp, "_hnd_decode", broken)
   out = tmp_path / "layout.json"
   psl.main(["--tiny", "--calls", "1,2", "--rounds", "1", "--skip", "sparse_nhd,dense_hnd",
-            "--hnd-grid", "4:5:1,4:2:2:p", "--out", str(out)])
+            "--hnd-grid", "4:5:1,4:2:2:p,4:2:2:wm:p", "--out", str(out)])
   res = json.loads(out.read_text())
   assert set(res["failed_rows"]) == {"sparse_hnd_s4_st5_b1"}
   assert "out of shared memory" in res["failed_rows"]["sparse_hnd_s4_st5_b1"]
-  assert set(res["rows"]) == {"dense_nhd", "sparse_hnd", "sparse_hnd_s4_st2_b2_p"}
+  assert set(res["rows"]) == {"dense_nhd", "sparse_hnd", "sparse_hnd_s4_st2_b2_p",
+                              "sparse_hnd_s4_st2_b2_mpw"}
   assert all(r["ok"] for r in res["rows"].values())
+  with pytest.raises(ValueError, match="flags are letters of"):
+    psl.main(["--tiny", "--hnd-grid", "4:2:2:x", "--out", str(out)])
 
 
 def test_probe_decode_select_survives_a_failing_variant(tmp_path, monkeypatch):

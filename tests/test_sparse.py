@@ -1160,6 +1160,7 @@ def test_bit_search_early_exit_keeps_the_same_set():
     steps.append(int(n))
   assert max(steps) < 32 and np.mean(steps) < 24, steps
   rows = _adversarial_decode_scores(rng, 3, 300).reshape(-1, 300)
+  search = jax.jit(ds._bit_search, static_argnames=("top_k", "loop", "n_real"))
   for r in range(rows.shape[0]):
     key = ds.total_order_key(rows[r])
     for top_k in (1, 5, 40, 299, 300):
@@ -1171,6 +1172,12 @@ def test_bit_search_early_exit_keeps_the_same_set():
                                    k)
         np.testing.assert_array_equal(early, full, err_msg=f"row {r} top_k {top_k}")
         assert full.sum() == k
+        loops = ("early", "unrolled", "rolled") if r == 0 else ("early",)
+        for loop in loops:                             # c_t: the count at the threshold
+          t_u, c_t = search(key, real, top_k=k, loop=loop, n_real=n_real)
+          thr = np.int64(t_u) ^ -(2 ** 31)
+          want = int(np.sum((np.asarray(key) >= thr) & np.asarray(real)))
+          assert int(c_t) == want >= k, (r, top_k, n_real, loop, int(c_t), want)
 
 
 def test_decode_select_radix_args():
@@ -1605,9 +1612,61 @@ def test_sparse_decode_prefetch_ids_is_bit_identical(bps, splits):
     assert _rel(out_p, ref) < 2e-3, (msg, _rel(out_p, ref))
 
 
+@pytest.mark.parametrize("bps,splits,prefetch", [(1, 3, True), (2, 2, True), (1, 7, False),
+                                                  (2, 3, False)])
+def test_sparse_decode_split_by_width_and_merge_order(bps, splits, prefetch):
+  """``split_by="width"`` (splits share the list's width, so a split's first slot and its id
+  loads do not wait on the count) walks the same kept blocks: the fp32 reference within 2e-3
+  and its lse, contiguous and paged, lengths 0 / 1 / ragged (counts below the width), more
+  splits than kept blocks; to the bit the "count" kernel's partials of every (batch, kv head)
+  whose count fills the width, and its whole output without counts (the same shares).
+  ``merge_stores_last=False`` (each head stored as merged) gives the default's output to the
+  bit."""
+  _kernel_module_or_skip("triton")
+  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
+  bs = 16
+  q, kc, vc, kp, vp, table, lens, idx, cnt, arr, width = _kept_block_lists(63, bs, top_k=4)
+  ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
+  full = np.asarray(cnt) == width                                    # [b, hk]
+  assert full.any() and not full.all()
+  run = dict(block_size=bs, num_splits=splits, blocks_per_step=bps, interpret=True,
+             prefetch_ids=prefetch)
+  for k, v, pt in ((kc, vc, None), (kp, vp, table)):
+    for c in (cnt, None):
+      msg = f"paged={pt is not None} counts={c is not None} bps={bps} splits={splits}"
+      a = arr if c is not None else None
+      o_w, l_w = sparse_decode_partials(q, k, v, lens, idx, pt, c, split_by="width", **run)
+      o_c, l_c = sparse_decode_partials(q, k, v, lens, idx, pt, c, **run)
+      out, lse = sparse_decode(q, k, v, lens, idx, pt, c, a, split_by="width", **run)
+      assert _rel(out, ref) < 2e-3, (msg, _rel(out, ref))
+      fin = np.isfinite(np.asarray(ref_lse))
+      np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-4,
+                                 atol=1e-4, err_msg=msg)
+      assert np.all(np.isneginf(np.asarray(lse)[~fin])), msg
+      g = q.shape[1] // full.shape[1]
+      same = full if c is not None else np.ones_like(full)
+      rows = np.repeat(same, g, axis=1)                              # [b, hq]
+      for x, y in ((o_w, o_c), (l_w, l_c)):
+        x, y = np.moveaxis(np.asarray(x), 1, -1), np.moveaxis(np.asarray(y), 1, -1)
+        np.testing.assert_array_equal(x[rows], y[rows], err_msg=msg)
+      if c is not None and (bps, splits) in ((1, 3), (2, 2)):   # live: other shares here
+        assert not np.array_equal(np.asarray(l_w), np.asarray(l_c)), msg
+      if c is None:
+        base = sparse_decode(q, k, v, lens, idx, pt, c, a, **run)
+        for x, y in zip((out, lse), base):
+          np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
+      old = sparse_decode(q, k, v, lens, idx, pt, c, a, split_by="width",
+                          merge_stores_last=False, **run)
+      for x, y in zip((out, lse), old):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
+  with pytest.raises(ValueError, match="split_by must be one of"):
+    sparse_decode(q, kc, vc, lens, idx, None, cnt, arr, split_by="even", **run)
+
+
 def test_sparse_decode_prefetch_ids_lowers_for_cuda():
   """At the issue-5 bench shape the ``prefetch_ids`` kernel lowers for CUDA (on the CPU) to
-  one Triton call, 1 and 2 blocks per step, contiguous and paged."""
+  one Triton call, 1 and 2 blocks per step (the latter with ``split_by="width"`` and the
+  merge storing each head as it goes), contiguous and paged."""
   from pallas_kernels.sparse.decode import sparse_decode
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
@@ -1620,7 +1679,8 @@ def test_sparse_decode_prefetch_ids_lowers_for_cuda():
       pt = (S((1, nb), jnp.int32),) if paged else ()
       fn = lambda q, k, v, l, i, c, *pt, bps=bps: sparse_decode(
           q, k, v, l, i, pt[0] if pt else None, c, None, block_size=bs, num_splits=33,
-          num_stages=2, blocks_per_step=bps, prefetch_ids=True)
+          num_stages=2, blocks_per_step=bps, prefetch_ids=True,
+          split_by="width" if bps == 2 else "count", merge_stores_last=bps == 1)
       text = _cuda_mlir(fn, q, kv, kv, lens, idx, cnt, *pt)
       assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1, (bps, paged)
 

@@ -45,6 +45,8 @@ from pallas_kernels.decode.triton import load_group_query
 __all__ = ["sparse_decode", "sparse_decode_partials", "merge_decode_partials",
            "default_num_splits"]
 
+SPLIT_BY = ("count", "width")     # how a (batch, kv head)'s list is shared among its splits
+
 
 def _pow2(n):
   return max(16, pl.next_power_of_2(int(n)))
@@ -69,7 +71,8 @@ def _check_lengths(lengths, bsz, lengths_group, name):
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
             merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True,
-            slot_source=None, len_group=1, prefetch_ids=False):
+            slot_source=None, len_group=1, prefetch_ids=False, split_by="count",
+            merge_stores_last=True):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
@@ -96,6 +99,13 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   the loop; each step takes its ids from that vector in registers (a masked sum), so no step
   waits on a load of its ids and the K/V copies' addresses are known as early as the
   pipeline wants them. Not with ``slot_source``; ``index_lookahead`` then does not apply.
+  ``split_by``: "count" (the first ``count`` slots split evenly) or "width" (the list's
+  ``num_slots`` slots split evenly, static shares; slots >= count are skipped), so that a
+  split's first slot, and its id loads, do not wait for the count's load. The same blocks;
+  the same split of them when count == num_slots.
+  ``merge_stores_last``: the last split's merge computes every query head of the group before
+  it stores any (True), so no partial's load waits behind an output store, or stores each head
+  as it goes (False). The same arithmetic either way.
   """
   if paged:
     pt_ref, *rest = rest
@@ -121,12 +131,18 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   else:
     n_slots = jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots)
   bps = int(blocks_per_step)
-  if bps == 1:
-    per_split = pl.cdiv(n_slots, num_splits)
-  else:                                  # whole steps per split (the last one may be partial)
-    per_split = pl.cdiv(pl.cdiv(n_slots, bps), num_splits) * bps
-  begin = jnp.minimum(split * per_split, n_slots)
-  end = jnp.minimum(begin + per_split, n_slots)
+  if split_by not in SPLIT_BY:
+    raise ValueError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
+  if split_by == "width":                # static shares of the list's width
+    per_split = _max_per_split(num_slots, num_splits, bps)
+    begin = jnp.minimum(split * per_split, num_slots)
+  else:
+    if bps == 1:
+      per_split = pl.cdiv(n_slots, num_splits)
+    else:                                # whole steps per split (the last one may be partial)
+      per_split = pl.cdiv(pl.cdiv(n_slots, bps), num_splits) * bps
+    begin = jnp.minimum(split * per_split, n_slots)
+  end = jnp.maximum(jnp.minimum(begin + per_split, n_slots), begin)   # "width": may be empty
 
   if prefetch_ids and slot_source is not None:
     raise ValueError("prefetch_ids needs the lists in idx_ref (not slot_source)")
@@ -134,8 +150,12 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     ids_pad = _pow2(_max_per_split(num_slots, num_splits, bps))
     ar = jnp.arange(ids_pad, dtype=jnp.int32)
     own = ar < end - begin
-    ids_vec = plgpu.load(idx_ref.at[b, h, jnp.minimum(begin + ar, num_slots - 1)], mask=own,
-                         other=-1)
+    # "width": the load's addresses and mask do not depend on the count (the split's static
+    # share), so it is issued with the count's load; slots past the count are dropped after.
+    ld_mask = (begin + ar < jnp.minimum(begin + per_split, num_slots)) if (
+        split_by == "width") else own
+    ids_vec = plgpu.load(idx_ref.at[b, h, jnp.minimum(begin + ar, num_slots - 1)],
+                         mask=ld_mask, other=-1)
     ids_vec = jnp.where(own, ids_vec, -1)
     if paged:
       pages_vec = plgpu.load(pt_ref.at[b, jnp.maximum(ids_vec, 0)])
@@ -267,10 +287,14 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
 
   @pl.when(ticket == num_splits - 1)
   def _merge():
-    for g in range(group):
-      _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, b, h * group + g,
-                  num_splits=num_splits, s_pad=_pow2(num_splits), head_dim=head_dim_v,
-                  d_pad=dv_pad)
+    heads = [h * group + g for g in range(group)]
+    mkw = dict(num_splits=num_splits, s_pad=_pow2(num_splits), head_dim=head_dim_v,
+               d_pad=dv_pad)
+    if merge_stores_last:
+      _merge_heads(o_ref, lse_ref, out_ref, lse_out_ref, b, heads, **mkw)
+    else:
+      for hh in heads:
+        _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, b, hh, **mkw)
 
 
 def _max_per_split(num_slots, num_splits, bps):
@@ -311,11 +335,11 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "num_warps",
                                              "num_stages", "blocks_per_step", "index_lookahead",
-                                             "interpret", "prefetch_ids"))
+                                             "interpret", "prefetch_ids", "split_by"))
 def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts=None, *,
                            block_size, num_splits, scale=None, num_warps=4, num_stages=3,
                            blocks_per_step=1, index_lookahead=True, interpret=False,
-                           prefetch_ids=False):
+                           prefetch_ids=False, split_by="count"):
   """Per-split partial decode attention over each kv head's selected cache blocks (Triton).
 
   Args:
@@ -349,6 +373,11 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       (``index_lookahead`` does not apply). The same output to the bit (tested). Meant for
       short splits (the default split count gives <= 16 ids per split at 2048 blocks): each
       step's pick is a compare + sum over the padded vector.
+    split_by: how the splits share a list: "count" (default: the first ``counts`` slots,
+      evenly) or "width" (all ``max_selected`` slots, evenly: each split's share, and so its
+      id loads, do not depend on the count's load; slots past the count are skipped). The
+      same blocks; the same split of them, and so the same result to the bit, where
+      count == max_selected. Without counts the two are the same.
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
@@ -370,7 +399,7 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=False, split_stride=1,
       blocks_per_step=blocks_per_step, index_lookahead=index_lookahead,
-      prefetch_ids=prefetch_ids)
+      prefetch_ids=prefetch_ids, split_by=split_by)
   out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
   return pl.pallas_call(
@@ -381,7 +410,7 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
 
 def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, num_splits, scale,
              merge, split_stride, blocks_per_step=1, index_lookahead=True, lengths_group=1,
-             prefetch_ids=False):
+             prefetch_ids=False, split_by="count", merge_stores_last=True):
   """Checks shapes; returns (kernel, grid, (batch, q_heads, head_dim_v), kernel args)."""
   if block_size < 16 or block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two >= 16 for the Triton sparse decode "
@@ -429,6 +458,12 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
     kernel = functools.partial(kernel, len_group=int(lengths_group))
   if prefetch_ids:
     kernel = functools.partial(kernel, prefetch_ids=True)
+  if split_by not in SPLIT_BY:
+    raise ValueError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
+  if split_by != "count":
+    kernel = functools.partial(kernel, split_by=split_by)
+  if not merge_stores_last:
+    kernel = functools.partial(kernel, merge_stores_last=False)
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
@@ -443,11 +478,13 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "out_dtype",
                                              "num_warps", "num_stages", "blocks_per_step",
                                              "index_lookahead", "interpret", "_split_stride",
-                                             "lengths_group", "prefetch_ids"))
+                                             "lengths_group", "prefetch_ids", "split_by",
+                                             "merge_stores_last"))
 def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, arrivals=None, *,
                   block_size, num_splits, scale=None, out_dtype=None, num_warps=4, num_stages=3,
                   blocks_per_step=1, index_lookahead=True, interpret=False, _split_stride=1,
-                  lengths_group=1, prefetch_ids=False):
+                  lengths_group=1, prefetch_ids=False, split_by="count",
+                  merge_stores_last=True):
   """Decode attention over each kv head's selected cache blocks, splits merged in-kernel (Triton).
 
   The kernel of :func:`sparse_decode_partials` with the merge folded in: each (batch, kv head,
@@ -459,7 +496,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
 
   Args:
     q, k, v, kv_lengths, indices, page_table, counts, block_size, scale, num_warps,
-      num_stages, blocks_per_step, index_lookahead, interpret, prefetch_ids: as
+      num_stages, blocks_per_step, index_lookahead, interpret, prefetch_ids, split_by: as
       :func:`sparse_decode_partials`.
     arrivals: None or int32 [batch, kv_heads] of zeros: the arrival counters (donated to the
       kernel; e.g. ``select_decode_slots(..., return_arrivals=True)``'s, which costs no extra
@@ -469,6 +506,9 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
     lengths_group: kv_lengths is [batch / lengths_group], one length per that many
       consecutive sequences (sequence b reads kv_lengths[b // lengths_group]): a head-major
       cache seen as batch x kv_heads sequences, without repeating the lengths in XLA.
+    merge_stores_last: the merging split computes all of its group's query heads before it
+      stores any (default), so the partials' loads of one head never wait behind the output
+      stores of another; False stores each head as it is merged. The same arithmetic.
     _split_stride: tests only: program s handles split (s * stride) % num_splits (coprime with
       num_splits), so in the interpreter, which runs programs in order, another split than the
       last arrives last.
@@ -492,7 +532,8 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride,
       blocks_per_step=blocks_per_step, index_lookahead=index_lookahead,
-      lengths_group=lengths_group, prefetch_ids=prefetch_ids)
+      lengths_group=lengths_group, prefetch_ids=prefetch_ids, split_by=split_by,
+      merge_stores_last=merge_stores_last)
   out_shape, aliases = _merged_outputs(args, arrivals, bsz=bsz, hq=hq, hk=grid[1], dv=dv,
                                        num_splits=num_splits,
                                        out_dtype=q.dtype if out_dtype is None else out_dtype)
@@ -537,6 +578,25 @@ def _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, b, hh, *, num_splits, s_pa
 
   Refs: o [B, S, Hq, D] fp32; lse [B, S, Hq] fp32; outputs out [B, Hq, D] and lse [B, Hq].
   """
+  _merge_heads(o_ref, lse_ref, out_ref, lse_out_ref, b, [hh], num_splits=num_splits,
+               s_pad=s_pad, head_dim=head_dim, d_pad=d_pad)
+
+
+def _merge_heads(o_ref, lse_ref, out_ref, lse_out_ref, b, heads, *, num_splits, s_pad,
+                 head_dim, d_pad):
+  """:func:`_merge_head` of each query head in ``heads``, every head computed before any store
+  (no partial's load follows an output store, which the compiler could not move it past)."""
+  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
+  res = [_merge_values(o_ref, lse_ref, b, hh, num_splits=num_splits, s_pad=s_pad,
+                       head_dim=head_dim, d_pad=d_pad) for hh in heads]
+  for hh, (out, lse) in zip(heads, res):
+    plgpu.store(out_ref.at[b, hh, cols], out.astype(out_ref.dtype), mask=cols < head_dim)
+    plgpu.store(lse_out_ref.at[b, hh], lse)
+
+
+def _merge_values(o_ref, lse_ref, b, hh, *, num_splits, s_pad, head_dim, d_pad):
+  """(out [d_pad] fp32, lse scalar) of query head ``hh``: the log-sum-exp merge of its
+  partials (partials with lse -inf ignored; no partial gives 0 and -inf)."""
   srows = jnp.arange(s_pad, dtype=jnp.int32)                         # [s_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
   s_ok = srows < num_splits
@@ -551,8 +611,7 @@ def _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, b, hh, *, num_splits, s_pa
   total_safe = jnp.where(empty, 1.0, total)
   contrib = jnp.where((w > 0.0)[:, None], o, 0.0)                    # [s_pad, d_pad]
   out = jnp.sum(contrib * (w / total_safe)[:, None], axis=0)         # [d_pad]
-  plgpu.store(out_ref.at[b, hh, cols], out.astype(out_ref.dtype), mask=cols < head_dim)
-  plgpu.store(lse_out_ref.at[b, hh], jnp.where(empty, -jnp.inf, m + jnp.log(total_safe)))
+  return out, jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits, s_pad, head_dim, d_pad):

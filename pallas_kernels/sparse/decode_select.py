@@ -245,7 +245,7 @@ def _radix_search(keys, *, top_k, digit_bits, rolled):
 SEARCH_LOOPS = ("unrolled", "rolled", "early")
 
 
-def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False):
+def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False, n_real=None):
   """t_u by the bit search (top bit first): the largest u with #{real: key_u >= u} >= top_k,
   or (``loop="early"``) any u whose count is exactly top_k.
 
@@ -259,6 +259,9 @@ def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False):
 
   Pure jnp (runs inside a Triton kernel or on arrays, which the tests use).
   ``return_steps``: also return the steps run (an int32 scalar).
+  ``n_real``: the number of real keys (a Python int); then also return c_t = #{real: key_u >=
+  t_u} (an int32 scalar, the count of the accepted trial; n_real while none was), after t_u
+  and before the steps.
   """
   if loop not in SEARCH_LOOPS:
     raise ValueError(f"search_loop must be one of {SEARCH_LOOPS}, got {loop!r}")
@@ -266,29 +269,35 @@ def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False):
   def count(trial):
     return jnp.sum(((key >= (trial ^ _INT_MIN)) & real).astype(jnp.int32))
 
+  def accept(trial, t_u, c_t):
+    n_ge = count(trial)
+    ok = n_ge >= top_k
+    return jnp.where(ok, trial, t_u), jnp.where(ok, n_ge, c_t), n_ge
+
+  c0 = jnp.int32(0 if n_real is None else n_real)
   if loop == "early":
     def cond(c):
-      i, _, done = c
+      i, _, _, done = c
       return (i < 32) & jnp.logical_not(done)
 
     def body(c):                       # bit 31 - i; 1 << 31 wraps to INT_MIN in int32
-      i, t_u, _ = c
-      trial = t_u | jax.lax.shift_left(jnp.int32(1), 31 - i)
-      n_ge = count(trial)
-      return i + 1, jnp.where(n_ge >= top_k, trial, t_u), n_ge == top_k
-    steps, t_u, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), False))
-    return (t_u, steps) if return_steps else t_u
-  if loop == "rolled":
-    def bit_step(i, t_u):
-      trial = t_u | jax.lax.shift_left(jnp.int32(1), 31 - i)
-      return jnp.where(count(trial) >= top_k, trial, t_u)
-    t_u = jax.lax.fori_loop(0, 32, bit_step, jnp.int32(0))
+      i, t_u, c_t, _ = c
+      t_u, c_t, n_ge = accept(t_u | jax.lax.shift_left(jnp.int32(1), 31 - i), t_u, c_t)
+      return i + 1, t_u, c_t, n_ge == top_k
+    steps, t_u, c_t, _ = jax.lax.while_loop(cond, body,
+                                            (jnp.int32(0), jnp.int32(0), c0, False))
+  elif loop == "rolled":
+    def bit_step(i, c):
+      return accept(c[0] | jax.lax.shift_left(jnp.int32(1), 31 - i), *c)[:2]
+    t_u, c_t = jax.lax.fori_loop(0, 32, bit_step, (jnp.int32(0), c0))
+    steps = jnp.int32(32)
   else:
-    t_u = jnp.int32(0)
+    t_u, c_t = jnp.int32(0), c0
     for bit in range(31, -1, -1):
-      trial = t_u | jnp.int32(_INT_MIN if bit == 31 else 1 << bit)
-      t_u = jnp.where(count(trial) >= top_k, trial, t_u)
-  return (t_u, jnp.int32(32)) if return_steps else t_u
+      t_u, c_t, _ = accept(t_u | jnp.int32(_INT_MIN if bit == 31 else 1 << bit), t_u, c_t)
+    steps = jnp.int32(32)
+  res = (t_u,) + ((c_t,) if n_real is not None else ()) + ((steps,) if return_steps else ())
+  return res[0] if len(res) == 1 else res
 
 
 def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
@@ -318,19 +327,26 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
     # Largest t with #{key >= t} >= top_k, built from the top bit down in the unsigned space
     # u = t ^ INT_MIN (order preserving), so the answer is the top_k-th largest key.
     rolled = search_loop == "rolled"
+    c_t = None
     if digit_bits == 1:
-      t_u = _bit_search(key, real, top_k=top_k, loop=search_loop)
+      t_u, c_t = _bit_search(key, real, top_k=top_k, loop=search_loop, n_real=num_blocks)
     else:                                      # radix: 32 / digit_bits dependent reductions
       t_u = _radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
                              num_init=num_init, num_local=num_local, top_k=top_k,
                              digit_bits=digit_bits, chunk=search_chunk, rolled=rolled)
     thr = t_u ^ _INT_MIN
-    above = (key > thr) & real
-    need = top_k - jnp.sum(above.astype(jnp.int32))                 # ties at thr to take
-    tie = (key == thr) & real
-    tie_i = tie.astype(jnp.int32)
-    tie_rank = jnp.cumsum(tie_i) - tie_i                               # ties before j
-    keep = keep | (cand & (above | (tie & (tie_rank < need))))
+
+    def by_rank():                             # keys > thr, then ties at thr by block id
+      above = (key > thr) & real
+      need = top_k - jnp.sum(above.astype(jnp.int32))               # ties at thr to take
+      tie = (key == thr) & real
+      tie_i = tie.astype(jnp.int32)
+      tie_rank = jnp.cumsum(tie_i) - tie_i                             # ties before j
+      return cand & (above | (tie & (tie_rank < need)))
+    if c_t is None:
+      keep = keep | by_rank()
+    else:   # exactly top_k keys >= thr (the usual case): all of them, no rank of the ties
+      keep = keep | jax.lax.cond(c_t == top_k, lambda: cand & (key >= thr) & real, by_rank)
   return j, keep
 
 
