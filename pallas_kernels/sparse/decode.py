@@ -72,7 +72,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged,
             merge=False, split_stride=1, blocks_per_step=1, index_lookahead=True,
             slot_source=None, len_group=1, prefetch_ids=False, split_by="count",
-            merge_stores_last=True):
+            merge_stores_last=True, pids=None, wait=None, lists_volatile=False):
   """One (batch, kv head, split) program.
 
   Refs: lens [B]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or None; q
@@ -106,6 +106,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   ``merge_stores_last``: the last split's merge computes every query head of the group before
   it stores any (True), so no partial's load waits behind an output store, or stores each head
   as it goes (False). The same arithmetic either way.
+  ``pids``: (batch, kv head, split) of this program (default: the program ids); ``wait``: a
+  function run after the length and query loads and before the count and list loads (the
+  one-launch kernel's wait for its selection, ``decode_one_launch``); ``lists_volatile``: the
+  count and list loads are volatile (from L2: no stale L1 line of a list written after the
+  kernel started).
   """
   if paged:
     pt_ref, *rest = rest
@@ -117,19 +122,27 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     out_ref, lse_out_ref = rest
   else:
     _, out_ref, lse_out_ref, arr_ref, o_ref, lse_ref = rest
-  b = pl.program_id(0)
-  h = pl.program_id(1)
-  split = pl.program_id(2)
-  if split_stride != 1:                  # tests: make a split other than S-1 arrive last
-    split = (split * split_stride) % num_splits
+  if pids is None:
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    split = pl.program_id(2)
+    if split_stride != 1:                # tests: make a split other than S-1 arrive last
+      split = (split * split_stride) % num_splits
+  else:
+    b, h, split = pids
   length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[_len_index(b, len_group)]), capacity),
                        0)                                                        # scalar
+  loaded_q = None
+  if wait is not None:                   # the query before the wait, the lists after it
+    loaded_q = load_group_query(q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim,
+                                d_pad=d_pad)
+    wait(b, h)
   if slot_source is not None:
     n_slots, blk_at = slot_source(b, h)
   elif cnt_ref is None:
     n_slots = jnp.int32(num_slots)
   else:
-    n_slots = jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots)
+    n_slots = jnp.clip(plgpu.load(cnt_ref.at[b, h], volatile=lists_volatile), 0, num_slots)
   bps = int(blocks_per_step)
   if split_by not in SPLIT_BY:
     raise ValueError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
@@ -155,12 +168,12 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     ld_mask = (begin + ar < jnp.minimum(begin + per_split, num_slots)) if (
         split_by == "width") else own
     ids_vec = plgpu.load(idx_ref.at[b, h, jnp.minimum(begin + ar, num_slots - 1)],
-                         mask=ld_mask, other=-1)
+                         mask=ld_mask, other=-1, volatile=lists_volatile)
     ids_vec = jnp.where(own, ids_vec, -1)
     if paged:
       pages_vec = plgpu.load(pt_ref.at[b, jnp.maximum(ids_vec, 0)])
 
-  q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
+  q, (q_rows, cols, row_ok, col_ok, q_mask) = loaded_q or load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   if bps == 1:
@@ -197,7 +210,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     if bps != 1:
       s = s + sub                                                    # [bps * block] slots
     if slot_source is None:
-      blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
+      blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)],
+                       volatile=lists_volatile)
     else:
       blk = blk_at(s)
     blk = jnp.where(s < end, blk, -1)

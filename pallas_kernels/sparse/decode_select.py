@@ -354,7 +354,9 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
                  num_init, num_local, top_k, width, digit_bits, search_chunk, len_group=1,
                  search_loop="unrolled"):
   """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
-  selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h]."""
+  selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h].
+  Returns the number of list slots written (>= 1; a reduction over every lane, so a value
+  computed from it follows all of this program's stores; unused results cost nothing)."""
   j, keep = _keep_flags(len_ref, s_ref, b, h, block=block, num_blocks=num_blocks,
                         nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
                         digit_bits=digit_bits, search_chunk=search_chunk, len_group=len_group,
@@ -367,6 +369,7 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
   slot = jnp.where(keep, incl - 1, count + j - incl)
   plgpu.store(idx_ref.at[b, h, slot], jnp.where(keep, j, -1), mask=slot < width)
   plgpu.store(cnt_ref.at[b, h], count)
+  return jnp.sum((slot < width).astype(jnp.int32))
 
 
 def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
