@@ -15,9 +15,10 @@ timeout ${T_TESTS:-150} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cachep
   tests/test_sparse_decode_one_launch.py > "$OUT/gpu_tests_one_launch.txt" 2>&1
 rc=$?; echo "GPU tests rc=$rc"; tail -3 "$OUT/gpu_tests_one_launch.txt"
 ONE=${ONE:-33:2:2:p,16:3:1:p,33:3:1:p,16:2:2:p,24:3:1:p}
-[ $rc -eq 0 ] || ONE=""
+ALL=--hnd-all
+[ $rc -eq 0 ] || { ONE=""; ALL=""; }
 timeout ${T_LAYOUT:-240} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 \
-  --rounds ${ROUNDS:-2} --skip sparse_nhd,dense_hnd --hnd-grid 16:3:1:p --one-launch "$ONE" \
+  --rounds ${ROUNDS:-2} --skip sparse_nhd,dense_hnd --hnd-grid 16:3:1:p --one-launch "$ONE" $ALL \
   --kernel-trace ${CALLS:-32} \
   --out "$OUT/sparse_decode_one_launch_trace.json" > "$OUT/sparse_decode_one_launch_trace.txt" 2>&1
 echo "layout probe rc=$?"; grep -v Warn "$OUT/sparse_decode_one_launch_trace.txt" | grep "rel_err\|by kernel_program" | cut -c1-600

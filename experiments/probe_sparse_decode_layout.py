@@ -73,6 +73,8 @@ def main(argv=None):
                  help="e.g. early,rolled: more head-major rows (session 23 defaults) whose "
                       "selection's bit search runs with that search_loop (sparse_hnd_early, "
                       "...; default 'unrolled')")
+  p.add_argument("--hnd-all", action="store_true",
+                 help="a head-major row with fused_select='all' (the API's one-launch path)")
   p.add_argument("--one-launch", default="",
                  help="e.g. 33:2:2:p,16:3:1:p: head-major rows through "
                       "pallas_kernels.sparse.decode_one_launch (scores, selection and "
@@ -160,6 +162,9 @@ def main(argv=None):
   if a.hnd_unfused:
     fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=False, **hnd)
+  if a.hnd_all:
+    fns["sparse_hnd_all"] = lambda q, c: sp.sparse_decode_attention(
+        q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select="all", **hnd)
   if a.hnd_fused:
     fns["sparse_hnd_fused"] = lambda q, c: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=True, **hnd)

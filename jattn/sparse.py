@@ -1700,6 +1700,11 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   impl = _resolve_decode_implementation(implementation)
   if _select and impl != "triton":
     raise ValueError("_select is for the Triton selection kernels only")
+  if fused_select not in (None, True, False, "all"):
+    raise ValueError(f"fused_select must be None, True, False or 'all', got {fused_select!r}")
+  if fused_select == "all" and (impl != "triton" or page_table is not None):
+    raise ValueError("fused_select='all' (scores, selection and attention in one launch) is "
+                     "for the 'triton' implementation on contiguous caches")
   if score_splits is not None and not fused_select:
     raise ValueError("score_splits applies to fused_select=True only")
   if impl == "mosaic_tpu" and num_splits not in (None, 1):
@@ -1740,7 +1745,14 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     lg = {} if _lengths_group == 1 else dict(lengths_group=int(_lengths_group))
     if _lengths_group != 1 and impl != "triton":
       raise ValueError("_lengths_group is for the Triton kernels only")
-    if fused_select:
+    if fused_select == "all":
+      from pallas_kernels.sparse.decode_one_launch import sparse_decode_one_launch
+      out, lse, indices, _ = sparse_decode_one_launch(
+          q, k, v, lengths, block_summaries.sums, block_summaries.lengths,
+          block_size=block_size, max_selected=width, num_splits=num_splits,
+          score_splits=score_splits, scale=float(scale), out_dtype=q.dtype,
+          interpret=interpret, **sel_kw, **lg, **dict(_launch), **dict(_select))
+    elif fused_select:
       indices, counts, arrivals = score_select_decode_slots(
           q, block_summaries.sums, block_summaries.lengths, lengths, block_size=block_size,
           max_selected=width, score_splits=score_splits, interpret=interpret,
@@ -1751,7 +1763,9 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
       indices, counts, arrivals = select_decode_slots(
           scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
           return_arrivals=True, **sel_kw, **lg, **dict(_select))
-    if impl == "mosaic_gpu":
+    if fused_select == "all":
+      pass
+    elif impl == "mosaic_gpu":
       from pallas_kernels.sparse import decode_mosaic_gpu as mg
       if num_splits is None:
         num_splits = mg.default_num_splits(q.shape[0], k.shape[2], width)
@@ -1853,7 +1867,11 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       same selection and output to the bit. Default None: True on the head-major cache
       (``kv_layout="hnd"``) with "triton" (run 87, H200, B1 S128K GQA 32:8, 19% of 64-token
       blocks, device kernel trace: 46.8 us per call against 48.3 for two launches), False
-      otherwise (two launches).
+      otherwise (two launches). "all" ("triton", contiguous caches): the scores, the
+      selection and the attention in one launch
+      (``pallas_kernels.sparse.decode_one_launch``: the attention's programs load their
+      queries while the selection runs and start on their kv head's list once it is
+      ready); the same selection, and the same output up to the attention's rounding.
     score_splits: with ``fused_select``: score programs per (batch, kv head); default
       ``pallas_kernels.sparse.decode_select.default_score_splits`` (32 at B1, 8 kv heads,
       2048 blocks on an H200; 1, i.e. no counters and no memset, once batch x kv_heads fills

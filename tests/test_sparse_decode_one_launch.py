@@ -41,7 +41,8 @@ def _two_launches(q, k, v, lens, sums, slens, *, bs, top_k, width, splits, score
 @pytest.mark.parametrize("layout,splits,score_splits,launch", [
     ("nhd", 3, 2, dict(num_stages=2, blocks_per_step=2, prefetch_ids=True)),
     ("hnd", 2, 1, dict(num_stages=3, blocks_per_step=1, prefetch_ids=False)),
-    ("hnd", 5, 3, dict(num_stages=3, blocks_per_step=1, prefetch_ids=True))])
+    ("hnd", 5, 3, dict(num_stages=3, blocks_per_step=1, prefetch_ids=True)),
+    ("nhd", 1, 3, dict(num_stages=3, blocks_per_step=1, prefetch_ids=False))])
 def test_one_launch_equals_two_launches(layout, splits, score_splits, launch):
   _kernel_module_or_skip("triton")
   b, n, hq, hk, d, dv, bs, top_k = 4, 600, 6, 2, 48, 32, 16, 6
@@ -85,8 +86,8 @@ def test_one_launch_checks_its_arguments():
   lens = jnp.array([50], jnp.int32)
   summ = sp.init_block_summaries(kc, lens, block_size=16)
   run = functools.partial(sparse_decode_one_launch, block_size=16, top_k=1, interpret=True)
-  with pytest.raises(ValueError, match="num_splits must be >= 2"):
-    run(q, kc, vc, lens, summ.sums, summ.lengths, num_splits=1)
+  with pytest.raises(ValueError, match="num_splits must be >= 1"):
+    run(q, kc, vc, lens, summ.sums, summ.lengths, num_splits=0)
   with pytest.raises(ValueError, match="sums must be"):
     run(q, kc, vc, lens, summ.sums[:, :2], summ.lengths, num_splits=2)
   with pytest.raises(ValueError, match="does not match the cache"):
@@ -141,3 +142,39 @@ def test_gpu_one_launch_equals_two_launches():
                                atol=2e-2, rtol=2e-2)
     ref, _, _ = _reference(q, kc, vc, lens, got[2].reshape(b, hk, width), bs)
     assert _rel(got[0].reshape(b, hq, d), ref) < 2e-2
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_api_fused_select_all(layout):
+  """``sparse_decode_attention(..., fused_select="all")`` ("triton", interpreted): the kept
+  lists of ``fused_select=True`` to the bit and its output and lse within fp32 rounding (the
+  attention may step over two blocks at a time), on both cache layouts; other
+  implementations and paged caches refuse it."""
+  _kernel_module_or_skip("triton")
+  b, n, hq, hk, d, bs, top_k = 2, 300, 4, 2, 32, 16, 5
+  q, kc, vc = _inputs(74, b, n, hq, hk, d, d)
+  lens = jnp.array([290, 77], jnp.int32)
+  kh, vh = (kc, vc) if layout == "nhd" else (_hnd(kc), _hnd(vc))
+  summ = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout=layout)
+  call = functools.partial(sp.sparse_decode_attention, q, kh, vh, lens, summ, block_size=bs,
+                           top_k=top_k, implementation="triton", interpret=True, num_splits=3,
+                           return_lse=True, return_indices=True, kv_layout=layout)
+  out, lse, idx = call(fused_select="all")
+  out_t, lse_t, idx_t = call(fused_select=True)
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx_t))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(out_t), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_t), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="fused_select='all'"):
+    sp.sparse_decode_attention(q, kh, vh, lens, summ, block_size=bs, top_k=top_k,
+                               implementation="xla", fused_select="all", kv_layout=layout)
+  with pytest.raises(ValueError, match="fused_select must be"):
+    call(fused_select="yes")
+  if layout == "nhd":
+    pages = kc[:, :18 * bs].reshape(2 * 18, bs, hk, d)
+    table = jnp.arange(2 * 18, dtype=jnp.int32).reshape(2, 18)
+    plens = jnp.array([280, 77], jnp.int32)
+    psumm = sp.init_block_summaries(kc[:, :18 * bs], plens, block_size=bs)
+    with pytest.raises(ValueError, match="fused_select='all'"):
+      sp.sparse_paged_decode_attention(q, pages, pages, table, plens, psumm, top_k=top_k,
+                                       implementation="triton", interpret=True,
+                                       fused_select="all")

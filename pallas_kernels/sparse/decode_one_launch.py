@@ -52,13 +52,18 @@ def _one_launch_kernel(slen_ref, len_ref, q_ref, sums_ref, k_ref, v_ref, *refs, 
   """One program: a score tile (and, last to arrive, the selection) or an attention split.
 
   Refs: slen, len [B / len_group]; q [B, Hq, D]; sums [B, N, Hk, D] fp32; k, v [B, L, Hk, D |
-  Dv]; the four counters (inputs, aliased to the last four outputs); outputs scores [B, Hk, N]
-  fp32, idx [B, Hk, width], cnt [B, Hk], out [B, Hq, Dv], lse [B, Hq], the partials o [B, S,
-  Hq, Dv] and lse [B, S, Hq] (scratch), then the counters: ticket [1], score arrivals, ready
-  flags and attention arrivals [B, Hk].
+  Dv]; the counters (inputs, aliased to the last outputs); outputs scores [B, Hk, N] fp32,
+  idx [B, Hk, width], cnt [B, Hk], out [B, Hq, Dv], lse [B, Hq], with S > 1 the partials o
+  [B, S, Hq, Dv] and lse [B, S, Hq] (scratch), then the counters: ticket [1], score arrivals
+  and ready flags [B, Hk], with S > 1 the attention arrivals [B, Hk].
   """
-  (_, _, _, _, s_ref, idx_ref, cnt_ref, out_ref, lse_out_ref, o_ref, lse_ref,
-   tk_ref, sa_ref, rd_ref, aa_ref) = refs
+  if attn["num_splits"] > 1:
+    (_, _, _, _, s_ref, idx_ref, cnt_ref, out_ref, lse_out_ref, o_ref, lse_ref,
+     tk_ref, sa_ref, rd_ref, aa_ref) = refs
+    merge_refs = (None, out_ref, lse_out_ref, aa_ref, o_ref, lse_ref)
+  else:                                  # one split: no partials, no attention counter
+    _, _, _, s_ref, idx_ref, cnt_ref, out_ref, lse_out_ref, tk_ref, sa_ref, rd_ref = refs
+    merge_refs = (out_ref, lse_out_ref)
   ticket = plgpu.atomic_add(tk_ref, (jnp.int32(0),), jnp.int32(1))
   n_score = bsz * hk * score_splits
 
@@ -98,8 +103,8 @@ def _one_launch_kernel(slen_ref, len_ref, q_ref, sums_ref, k_ref, v_ref, *refs, 
         jax.lax.while_loop(lambda f: f == 0,
                            lambda f: plgpu.atomic_add(rd_ref, (b, h), jnp.int32(0)), flag)
 
-    _dec._kernel(len_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, None, out_ref, lse_out_ref,
-                 aa_ref, o_ref, lse_ref, pids=(b, h, split), wait=wait, lists_volatile=True,
+    _dec._kernel(len_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *merge_refs,
+                 pids=(b, h, split), wait=wait, lists_volatile=True,
                  merge=True, len_group=len_group, **attn)
 
 
@@ -179,8 +184,8 @@ def sparse_decode_one_launch(q, k, v, kv_lengths, sums, summary_lengths, *, bloc
     max_selected = max(1, min(num_init_blocks + num_local_blocks + top_k, nb))
   if num_splits is None:
     num_splits = _dec.default_num_splits(bsz, hk, max_selected)
-  if num_splits < 2:
-    raise ValueError(f"num_splits must be >= 2 (the in-kernel merge), got {num_splits}")
+  if num_splits < 1:
+    raise ValueError(f"num_splits must be >= 1, got {num_splits}")
   n_chunks = pl.cdiv(nb, chunk)
   if score_splits is None:
     score_splits = _sel.default_score_splits(bsz, hk, nb, chunk=chunk)
@@ -201,18 +206,20 @@ def sparse_decode_one_launch(q, k, v, kv_lengths, sums, summary_lengths, *, bloc
       sel=sel, attn=attn, spin=not interpret)
   out_dtype = q.dtype if out_dtype is None else out_dtype
   i32 = jnp.int32
-  counters = [jnp.zeros((1,), i32)] + [jnp.zeros((bsz, hk), i32) for _ in range(3)]
+  n_counters = 4 if num_splits > 1 else 3
+  counters = [jnp.zeros((1,), i32)] + [jnp.zeros((bsz, hk), i32) for _ in range(n_counters - 1)]
   args = [summary_lengths.astype(i32), kv_lengths.astype(i32), q, sums.astype(jnp.float32),
           k, v] + counters
   out_shape = [jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
                jax.ShapeDtypeStruct((bsz, hk, max_selected), i32),
                jax.ShapeDtypeStruct((bsz, hk), i32),
                jax.ShapeDtypeStruct((bsz, hq, dv), jnp.dtype(out_dtype)),
-               jax.ShapeDtypeStruct((bsz, hq), jnp.float32),
-               jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
-               jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
+               jax.ShapeDtypeStruct((bsz, hq), jnp.float32)]
+  if num_splits > 1:
+    out_shape += [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
+                  jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
+  aliases = {6 + i: len(out_shape) + i for i in range(n_counters)}
   out_shape += [jax.ShapeDtypeStruct(c.shape, i32) for c in counters]
-  aliases = {6 + i: 7 + i for i in range(4)}
   grid = (bsz * hk * (score_splits + num_splits),)
   res = pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid, input_output_aliases=aliases,
