@@ -1595,8 +1595,41 @@ def _resolve_decode_implementation(implementation, platform=None):
 # run, so two per step are one 32 KB copy each for K and V; run 23 swept the strided ("nhd")
 # cache, where 3 stages of 1 block stayed best. Each split loads its block ids once, before its
 # loop (``prefetch_ids``): the attention by device kernel time 34.06 -> 33.03 us in run 90
-# (the same output to the bit, tested on the GPU).
-_HND_TRITON_LAUNCH = (("num_stages", 2), ("blocks_per_step", 2), ("prefetch_ids", True))
+# (the same output to the bit, tested on the GPU). Session 24: 3 stages of 1 block with the
+# ids prefetched and one program per SM (``_hnd_triton_num_splits``: 16 splits at B1 with 8
+# kv heads on an H200) took 32.74 / 32.94 / 32.94 / 33.38 us against 33.03 / 33.38 / 33.31 /
+# 33.69 for 33 splits of 2 x 2 blocks in the same runs (runs 90-93, device kernel trace).
+_HND_TRITON_LAUNCH = (("num_stages", 3), ("blocks_per_step", 1), ("prefetch_ids", True))
+
+
+def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_split=4):
+  """Default splits of the head-major path's Triton attention: one program per multiprocessor
+  (floor(cores / sequences), at most one per ``min_blocks_per_split`` kept blocks) when that
+  gives at least 8 splits (the measured regime: B1 with 8 kv heads), else
+  ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per multiprocessor).
+
+  Args:
+    sequences: batch x kv_heads (the head-major cache's sequences of one kv head).
+    width: kept-block list width.
+    core_count: multiprocessors; default ``compat.gpu_core_count()`` (1 without a GPU).
+    min_blocks_per_split: lower bound on the work of one split.
+
+  Returns:
+    An int >= 1.
+
+  Example:
+    >>> _hnd_triton_num_splits(8, 389, core_count=132)
+    16
+    >>> _hnd_triton_num_splits(64, 389, core_count=132)   # default_num_splits' choice
+    5
+  """
+  from pallas_kernels.sparse.decode import default_num_splits
+  cores = compat.gpu_core_count() if core_count is None else int(core_count)
+  one_wave = min(cores // max(1, sequences), -(-int(width) // min_blocks_per_split))
+  if one_wave >= 8:
+    return int(one_wave)
+  return default_num_splits(sequences, 1, width, core_count=cores,
+                            min_blocks_per_split=min_blocks_per_split)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -1640,6 +1673,9 @@ def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
   summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
                         lengths=summary_lengths, block_size=block_summaries.block_size)
   launch = tuple(_launch) if triton else ()
+  if triton and kw["num_splits"] is None:
+    kw["num_splits"] = _hnd_triton_num_splits(
+        b * hk, _decode_width(nb, kw["top_k"], kw["num_init_blocks"], kw["num_local_blocks"]))
   out, lse, idx = _sparse_decode(q2, k2, v2, lengths, summ, None, block_size=block_size,
                                  return_lse=True, return_indices=True,
                                  _lengths_group=hk if triton else 1, _launch=launch,

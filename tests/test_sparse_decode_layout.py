@@ -171,13 +171,13 @@ def test_hnd_triton_fused_select_bf16(monkeypatch):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_hnd_triton_default_launch(fused):
-  """The head-major path's own Triton attention launch (``_HND_TRITON_LAUNCH``: 2 stages of 2
-  blocks per step, run 79; block ids loaded once per split, run 90) on a bf16 cache, GQA 8:2, lengths not multiples of the block, an
+  """The head-major path's own Triton attention launch (``_HND_TRITON_LAUNCH``: 3 stages of 1
+  block per step, block ids loaded once per split; runs 90-93) on a bf16 cache, GQA 8:2, lengths not multiples of the block, an
   odd block count per split: the attention kernel is launched with it, the kept blocks are the
   "nhd" call's, and the output matches the fp32 reference and the "nhd" output to bf16
   rounding."""
   _kernel_module_or_skip("triton")
-  assert dict(sp._HND_TRITON_LAUNCH) == dict(num_stages=2, blocks_per_step=2,
+  assert dict(sp._HND_TRITON_LAUNCH) == dict(num_stages=3, blocks_per_step=1,
                                               prefetch_ids=True)
   b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 4
   q, kc, vc = _inputs(43, b, n, hq, hk, d, d, jnp.bfloat16)
@@ -195,7 +195,7 @@ def test_hnd_triton_default_launch(fused):
   jaxpr = jax.make_jaxpr(lambda q, kh, vh, s: sp.sparse_decode_attention(
       q, kh, vh, lens, s, block_size=bs, kv_layout="hnd", **kw))(q, _hnd(kc), _hnd(vc), summ_h)
   text = str(jaxpr)
-  assert "num_stages=2" in text and "num_stages=3" not in text, "attention launch options"
+  assert "num_stages=3" in text and "num_stages=2" not in text, "attention launch options"
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -246,11 +246,44 @@ def test_hnd_mosaic_gpu_replayed(replayed):
   assert _rel(out_h, ref) < 2e-2
 
 
-@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
+def test_hnd_triton_default_splits(monkeypatch):
+  """At B1 S128K GQA 32:8, top 387 of 2048 blocks, with the H200's 132 multiprocessors: the
+  head-major Triton attention runs one program per multiprocessor (16 splits of 8 sequences)
+  with 3 stages of 1 block and prefetched ids; the "nhd" call keeps ``default_num_splits``
+  (33) and its own launch."""
+  b, n, hq, hk, d, bs, top_k = 1, 131072, 32, 8, 128, 64, 387
+  monkeypatch.setattr(compat, "gpu_core_count", lambda: 132)
+  seen = []
+  orig = sd.sparse_decode
+
+  def record(*a, **kw):
+    seen.append({k: kw.get(k) for k in ("num_splits", "num_stages", "blocks_per_step",
+                                        "prefetch_ids")})
+    return orig(*a, **kw)
+  monkeypatch.setattr(sd, "sparse_decode", record)
+  sds = jax.ShapeDtypeStruct
+  nb = n // bs
+  for layout, kv, sums in (("nhd", (b, n, hk, d), (b, nb, hk, d)),
+                           ("hnd", (b, hk, n, d), (b, hk, nb, d))):
+    summ = sp.BlockSummaries(sums=sds(sums, jnp.float32), lengths=sds((b,), jnp.int32),
+                             block_size=bs, layout=layout)
+    jax.eval_shape(lambda q, k, v, lens, s, layout=layout: sp.sparse_decode_attention(
+        q, k, v, lens, s, block_size=bs, top_k=top_k, implementation="triton",
+        kv_layout=layout), sds((b, hq, d), jnp.bfloat16), sds(kv, jnp.bfloat16),
+        sds(kv, jnp.bfloat16), sds((b,), jnp.int32), summ)
+  assert seen == [dict(num_splits=33, num_stages=None, blocks_per_step=None,
+                       prefetch_ids=None),
+                  dict(num_splits=16, num_stages=3, blocks_per_step=1, prefetch_ids=True)]
+  assert sp._hnd_triton_num_splits(8, 26, core_count=132) == 7      # >= 4 blocks per split
+  assert sp._hnd_triton_num_splits(64, 389, core_count=132) == sd.default_num_splits(
+      64, 1, 389, core_count=132) == 5                                # outside: the default
+
+
+@pytest.mark.parametrize("impl", ["mosaic_gpu"])
 def test_hnd_default_splits_equal_nhd(impl, monkeypatch):
   """At B1 S8K GQA 32:8 (H200 core count): the "hnd" call (8 sequences of one kv head) gets
   the same default split count as "nhd" (one sequence of 8 kv heads), > 1, and lowers for
-  CUDA with the documented output shapes."""
+  CUDA with the documented output shapes ("triton" has its own head-major rule, above)."""
   b, n, hq, hk, d, bs, top_k = 1, 8192, 32, 8, 128, 64, 24
   mod = sd if impl == "triton" else sm
   seen = []
