@@ -1599,7 +1599,26 @@ def _resolve_decode_implementation(implementation, platform=None):
 # ids prefetched and one program per SM (``_hnd_triton_num_splits``: 16 splits at B1 with 8
 # kv heads on an H200) took 32.74 / 32.94 / 32.94 / 33.38 us against 33.03 / 33.38 / 33.31 /
 # 33.69 for 33 splits of 2 x 2 blocks in the same runs (runs 90-93, device kernel trace).
+# On Hopper (227 KB of shared memory per SM) two blocks per step at 3 stages, one program per
+# SM, took 32.0-32.1 us against 33.0-33.2 for one block (runs 96-97, three probe processes:
+# the whole call 42.0-42.2 us, 3.00-3.02x dense decode by kernel sums). Its 3 x 2 x 2 tiles
+# of 64 x 128 bf16 need 192 KB, so it is used where they fit in 200 KB on sm90 only;
+# elsewhere 3 stages of one block (96 KB at that shape).
 _HND_TRITON_LAUNCH = (("num_stages", 3), ("blocks_per_step", 1), ("prefetch_ids", True))
+_HND_TRITON_LAUNCH_SM90 = (("num_stages", 3), ("blocks_per_step", 2), ("prefetch_ids", True))
+
+
+def _hnd_triton_launch(k, v, block_size):
+  """The head-major path's Triton attention launch for this cache and device:
+  ``_HND_TRITON_LAUNCH_SM90`` on compute capability 9.x when its K/V stages fit in 200 KB of
+  shared memory, else ``_HND_TRITON_LAUNCH``."""
+  cc = compat.gpu_compute_capability()
+  opts = dict(_HND_TRITON_LAUNCH_SM90)
+  need = (opts["num_stages"] * opts["blocks_per_step"] * block_size
+          * (k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize))
+  if cc is not None and cc[0] == 9 and need <= 200 * 1024:
+    return _HND_TRITON_LAUNCH_SM90
+  return _HND_TRITON_LAUNCH
 
 
 def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_split=4):
@@ -1714,7 +1733,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                        scale=scale, implementation=implementation, interpret=interpret,
                        num_splits=num_splits, fused_select=fused_select,
-                       score_splits=score_splits, _launch=_HND_TRITON_LAUNCH)
+                       score_splits=score_splits,
+                       _launch=_hnd_triton_launch(k, v, block_size))
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
   if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:

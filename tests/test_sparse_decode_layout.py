@@ -275,6 +275,17 @@ def test_hnd_triton_default_splits(monkeypatch):
                        prefetch_ids=None),
                   dict(num_splits=16, num_stages=3, blocks_per_step=1, prefetch_ids=True)]
   assert sp._hnd_triton_num_splits(8, 26, core_count=132) == 7      # >= 4 blocks per split
+  # Hopper: two blocks per step where 3 x 2 stages of K and V fit in 200 KB
+  kv = lambda d, dt=jnp.bfloat16: jax.ShapeDtypeStruct((1, 8, 64, d), dt)
+  for cc, d, bs_, want in (((9, 0), 128, 64, sp._HND_TRITON_LAUNCH_SM90),
+                           ((9, 0), 256, 64, sp._HND_TRITON_LAUNCH),
+                           ((9, 0), 128, 128, sp._HND_TRITON_LAUNCH),
+                           ((8, 0), 128, 64, sp._HND_TRITON_LAUNCH),
+                           (None, 128, 64, sp._HND_TRITON_LAUNCH)):
+    monkeypatch.setattr(compat, "gpu_compute_capability", lambda cc=cc: cc)
+    assert sp._hnd_triton_launch(kv(d), kv(d), bs_) == want, (cc, d, bs_)
+  assert dict(sp._HND_TRITON_LAUNCH_SM90) == dict(num_stages=3, blocks_per_step=2,
+                                                  prefetch_ids=True)
   assert sp._hnd_triton_num_splits(64, 389, core_count=132) == sd.default_num_splits(
       64, 1, 389, core_count=132) == 5                                # outside: the default
 
