@@ -1928,6 +1928,8 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       (``pallas_kernels.sparse.decode_one_launch``: the attention's programs load their
       queries while the selection runs and start on their kv head's list once it is
       ready); the same selection, and the same output up to the attention's rounding.
+      Slower on the H200 (run 93: 46.6-57.8 us per call against 43.7 for the default, B1
+      S128K GQA 32:8, head-major), so never the default.
     score_splits: with ``fused_select``: score programs per (batch, kv head); default
       ``pallas_kernels.sparse.decode_select.default_score_splits`` (32 at B1, 8 kv heads,
       2048 blocks on an H200; 1, i.e. no counters and no memset, once batch x kv_heads fills
