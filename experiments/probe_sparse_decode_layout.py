@@ -34,7 +34,7 @@ from jattn import sparse as sp
 
 # --hnd-grid flags: Triton attention options added to a row's launch
 GRID_FLAGS = {"p": (("prefetch_ids", True),), "w": (("split_by", "width"),),
-              "m": (("merge_stores_last", False),)}
+              "m": (("merge_stores_last", False),), "e": (("num_warps", 8),)}
 
 
 def to_hnd(x):
@@ -68,7 +68,8 @@ def main(argv=None):
                  help="e.g. 16:2:2,24:3:1,33:2:2:pw: more head-major rows (fused selection) "
                       "with the Triton attention at splits:num_stages:blocks_per_step[:flags] "
                       "(sparse_hnd_s16_st2_b2, ...; flags: p = prefetch_ids, w = "
-                      "split_by='width', m = merge_stores_last=False; row suffix _<flags>)")
+                      "split_by='width', m = merge_stores_last=False, e = 8 warps; row "
+                      "suffix _<flags>)")
   p.add_argument("--hnd-select", default="",
                  help="e.g. early,rolled: more head-major rows (session 23 defaults) whose "
                       "selection's bit search runs with that search_loop (sparse_hnd_early, "
