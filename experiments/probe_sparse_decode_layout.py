@@ -77,10 +77,10 @@ def main(argv=None):
   p.add_argument("--hnd-all", action="store_true",
                  help="a head-major row with fused_select='all' (the API's one-launch path)")
   p.add_argument("--one-launch", default="",
-                 help="e.g. 33:2:2:p,16:3:1:p: head-major rows through "
-                      "pallas_kernels.sparse.decode_one_launch (scores, selection and "
-                      "attention in one Triton launch) at splits:num_stages:blocks_per_step"
-                      "[:p] (sparse_hnd_one_s33_st2_b2_p, ...)")
+                 help="e.g. 33:2:2:p,16:3:1:p: head-major rows with fused_select='all' "
+                      "(pallas_kernels.sparse.decode_one_launch: scores, selection and "
+                      "attention in one Triton launch; GPU only) at "
+                      "splits:num_stages:blocks_per_step[:p] (sparse_hnd_one_s33_st2_b2_p, ...)")
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
@@ -180,22 +180,12 @@ def main(argv=None):
                               num_init_blocks=1, num_local_blocks=1, **kw)
       return out.reshape(B, Hq, D)
     fns["sparse_hnd_repeat"] = sparse_hnd_repeat
-  for spec in (x for x in a.one_launch.split(",") if x):
+  for spec in (x for x in a.one_launch.split(",") if x):   # fused_select="all" at a launch
     n_, st_, b_, *flags = spec.split(":")
     n_, st_, b_, pre = int(n_), int(st_), int(b_), "p" in "".join(flags)
-
-    def one_launch(q, c, n_=n_, st_=st_, b_=b_, pre=pre):
-      from pallas_kernels.sparse.decode_one_launch import sparse_decode_one_launch
-      q2 = q.reshape(B * Hk, Hq // Hk, D)             # query heads h*G.. of kv head h
-      k2 = c["kh"].reshape(B * Hk, S, 1, D)
-      v2 = c["vh"].reshape(B * Hk, S, 1, D)
-      sums2 = c["summ_h"].sums.reshape(B * Hk, nb, 1, D)
-      out = sparse_decode_one_launch(q2, k2, v2, c["lens"], sums2, c["summ_h"].lengths,
-                                     block_size=bs, top_k=top_k, num_splits=n_,
-                                     num_stages=st_, blocks_per_step=b_, prefetch_ids=pre,
-                                     lengths_group=Hk, interpret=interp)[0]
-      return out.reshape(B, Hq, D)
-    fns[f"sparse_hnd_one_s{n_}_st{st_}_b{b_}" + ("_p" if pre else "")] = one_launch
+    launch = (("num_stages", st_), ("blocks_per_step", b_), ("prefetch_ids", pre))
+    fns[f"sparse_hnd_one_s{n_}_st{st_}_b{b_}" + ("_p" if pre else "")] = hnd_row(
+        launch, num_splits=n_, fused="all")
   if a.mosaic and not a.tiny:
     fns["sparse_mosaic_nhd"] = lambda q, c: sp.sparse_decode_attention(
         q, c["k"], c["v"], c["lens"], c["summ"], implementation="mosaic_gpu", **kw)

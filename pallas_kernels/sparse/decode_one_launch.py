@@ -72,16 +72,11 @@ def _one_launch_kernel(slen_ref, len_ref, q_ref, sums_ref, k_ref, v_ref, *refs, 
     split = ticket % score_splits
     bh = ticket // score_splits
     b, h = bh // hk, bh % hk
-    qsum, cols, col_ok, q_mask = _sel._group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
-                                                       head_dim=head_dim, d_pad=d_pad)
-    for i in range(chunks_per_split):
-      rows, row_ok, scores = _sel._chunk_scores(
-          slen_ref, sums_ref, b, h, split * chunks_per_split + i, qsum, cols, col_ok,
-          block=sel["block"], chunk=chunk, num_blocks=sel["num_blocks"], len_group=len_group)
-      plgpu.store(s_ref.at[b, h, rows], scores, mask=row_ok)
-    # as decode_select._score_select_kernel: the increment follows a reduction over every
-    # lane (so a barrier after the score stores), acq_rel at GPU scope
-    arrived = jnp.minimum(jnp.sum(q_mask.astype(jnp.int32)), 1)
+    arrived = _sel._score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split,
+                                chunks_per_split=chunks_per_split, chunk=chunk, group=group,
+                                g_pad=g_pad, head_dim=head_dim, d_pad=d_pad,
+                                block=sel["block"], num_blocks=sel["num_blocks"],
+                                len_group=len_group)
     last = plgpu.atomic_add(sa_ref, (b, h), arrived) == score_splits - 1
 
     @pl.when(last)

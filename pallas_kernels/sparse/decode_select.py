@@ -495,6 +495,29 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
 
 
 # ----------------------------------------------------------------------------- fused
+def _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split, *, chunks_per_split, chunk,
+                 group, g_pad, head_dim, d_pad, block, num_blocks, len_group):
+  """Scores of score program ``split``'s share of (b, h)'s blocks into s_ref: chunks_per_split
+  tiles of ``chunk`` blocks, each the score kernel's program (the same loads and arithmetic,
+  so the same fp32 scores). Returns ``arrived`` (= 1), the value to count the arrival with.
+
+  Memory order (as in pallas_kernels.sparse.decode.sparse_decode's merge): a selection reads
+  scores stored by other threads of this program (and, with splits, by other programs).
+  ``arrived`` is a reduction over the whole [g_pad, d_pad] query tile, which spans all warps,
+  so it passes through shared memory and a CTA barrier placed after the score stores; an
+  atomic (acq_rel, GPU scope) increment by it depends on it, and the last program's selection
+  loads follow the atomic's broadcast result."""
+  qsum, cols, col_ok, q_mask = _group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
+                                                head_dim=head_dim, d_pad=d_pad)
+  for i in range(chunks_per_split):
+    rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h,
+                                         split * chunks_per_split + i, qsum, cols, col_ok,
+                                         block=block, chunk=chunk, num_blocks=num_blocks,
+                                         len_group=len_group)
+    plgpu.store(s_ref.at[b, h, rows], scores, mask=row_ok)
+  return jnp.minimum(jnp.sum(q_mask.astype(jnp.int32)), 1)
+
+
 def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group, g_pad,
                          head_dim, d_pad, score_splits, chunks_per_split, split_stride,
                          **sel):
@@ -515,24 +538,10 @@ def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group
   split = pl.program_id(2)
   if split_stride != 1:                  # tests: make a split other than S-1 arrive last
     split = (split * split_stride) % score_splits
-  qsum, cols, col_ok, q_mask = _group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
-                                                head_dim=head_dim, d_pad=d_pad)
-  # This program's share of the blocks: chunks_per_split tiles of ``chunk`` blocks, each the
-  # score kernel's program (the same loads and arithmetic, so the same fp32 scores).
-  for i in range(chunks_per_split):
-    rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h,
-                                         split * chunks_per_split + i, qsum, cols, col_ok,
-                                         block=sel["block"], chunk=chunk,
-                                         num_blocks=sel["num_blocks"],
-                                         len_group=sel.get("len_group", 1))
-    plgpu.store(s_ref.at[b, h, rows], scores, mask=row_ok)
-  # Memory order (as in pallas_kernels.sparse.decode.sparse_decode's merge): the selection
-  # reads scores stored by other threads of this program (and, with splits, by other
-  # programs). ``arrived`` (= 1) is a reduction over the whole [g_pad, d_pad] query tile, which
-  # spans all warps, so it passes through shared memory and a CTA barrier placed after the
-  # score stores above; with splits the atomic (acq_rel, GPU scope) increment depends on it,
-  # and the last program's selection loads follow the atomic's broadcast result.
-  arrived = jnp.minimum(jnp.sum(q_mask.astype(jnp.int32)), 1)
+  arrived = _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split,
+                         chunks_per_split=chunks_per_split, chunk=chunk, group=group,
+                         g_pad=g_pad, head_dim=head_dim, d_pad=d_pad, block=sel["block"],
+                         num_blocks=sel["num_blocks"], len_group=sel.get("len_group", 1))
   if score_splits > 1:
     last = plgpu.atomic_add(arr_ref, (b, h), arrived) == score_splits - 1
   else:
