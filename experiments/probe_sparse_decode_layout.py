@@ -71,9 +71,9 @@ def main(argv=None):
                       "split_by='width', m = merge_stores_last=False, e = 8 warps; row "
                       "suffix _<flags>)")
   p.add_argument("--hnd-select", default="",
-                 help="e.g. early,rolled: more head-major rows (session 23 defaults) whose "
-                      "selection's bit search runs with that search_loop (sparse_hnd_early, "
-                      "...; default 'unrolled')")
+                 help="e.g. unrolled,kary,kary:32: more head-major rows (the API's "
+                      "launch) whose selection runs with that search_loop[:search_trials] "
+                      "(sparse_hnd_unrolled, sparse_hnd_kary32, ...; default 'early')")
   p.add_argument("--hnd-all", action="store_true",
                  help="a head-major row with fused_select='all' (the API's one-launch path)")
   p.add_argument("--one-launch", default="",
@@ -158,8 +158,13 @@ def main(argv=None):
     name = f"sparse_hnd_s{n_}_st{st_}_b{b_}" + (f"_{''.join(sorted(set(flags)))}" if flags
                                                  else "")
     fns[name] = hnd_row(launch, num_splits=n_)
-  for loop in (x for x in a.hnd_select.split(",") if x):
-    fns[f"sparse_hnd_{loop}"] = hnd_row(sp._HND_TRITON_LAUNCH, select=(("search_loop", loop),))
+  select_rows = set()                # the API call with another search: bit-identical outputs
+  for spec in (x for x in a.hnd_select.split(",") if x):
+    loop, *trials = spec.split(":")
+    select_rows.add(f"sparse_hnd_{loop}{''.join(trials)}")
+    select = (("search_loop", loop),) + tuple(("search_trials", int(t)) for t in trials)
+    fns[f"sparse_hnd_{loop}{''.join(trials)}"] = hnd_row(sp._hnd_triton_launch(kh, vh, bs),
+                                                         select=select)
   if a.hnd_unfused:
     fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=False, **hnd)
@@ -227,8 +232,7 @@ def main(argv=None):
       row["max_abs_diff_vs_nhd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs[twin].astype(jnp.float32))))
       row["ok"] = row["ok"] and row["max_abs_diff_vs_nhd"] < 1e-2
-    same = n == "sparse_hnd_repeat" or n in (f"sparse_hnd_{x}"
-                                             for x in ("early", "rolled", "unrolled"))
+    same = n == "sparse_hnd_repeat" or n in select_rows
     if same and "sparse_hnd" in outs:   # the same attention on the same selection: bit-identical
       row["max_abs_diff_vs_sparse_hnd"] = float(jnp.max(jnp.abs(
           o.astype(jnp.float32) - outs["sparse_hnd"].astype(jnp.float32))))

@@ -962,6 +962,34 @@ def test_gpu_sparse_decode_triton():
   assert _rel(out_t, out_x) < 2e-2
 
 
+@pytest.mark.gpu
+def test_gpu_decode_select_searches():
+  """The selection kernel compiled on the GPU at issue 5's shape (2048 blocks, top 387, 8
+  warps) with every threshold search (early and full bit search, radix 2 and 4, "kary" at 4,
+  16 and 32 trials) on the adversarial rows (ties, +0/-0, infinities, all equal, neighbouring
+  floats) and on continuous ones, lengths from 0 to past the cache: XLA's lax.top_k
+  selection, to the bit."""
+  from pallas_kernels.sparse.decode_select import select_decode_slots
+  nb, bs, top_k = 2048, 64, 387
+  rng = np.random.default_rng(23)
+  lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100,
+                    2 * bs + 1, bs * (top_k + 2)])
+  scores = jnp.concatenate([_adversarial_decode_scores(rng, lens.shape[0], nb),
+                            jnp.asarray(rng.standard_cauchy((lens.shape[0], 2, nb)),
+                                        jnp.float32)], axis=1)
+  width = sp._decode_width(nb, top_k, 1, 1)
+  sel_kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
+  want = jax.jit(functools.partial(sp._decode_select_from_scores, **sel_kw))(scores, lens)
+  for bits, loop, trials in ((1, "early", None), (1, "unrolled", None), (2, None, None),
+                             (4, None, None), (1, "kary", 4), (1, "kary", 16),
+                             (1, "kary", 32)):
+    idx, _ = jax.jit(functools.partial(
+        select_decode_slots, max_selected=width, digit_bits=bits, search_loop=loop,
+        search_trials=trials, **sel_kw))(scores, lens)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want),
+                                  err_msg=f"{bits} {loop} {trials}")
+
+
 def test_sparse_attention_lowers_for_tpu():
   """Selection + Mosaic TPU kernels (forward and VJP, STE gate) lower for TPU (jax.export)."""
   _kernel_module_or_skip("mosaic_tpu")
@@ -1120,11 +1148,13 @@ def test_decode_select_kernel_radix(nb, bs, top_k, n_init, n_local, chunk):
   finite = [h for h in range(scores.shape[1]) if not np.isneginf(scores[:, h]).any()]
   np.testing.assert_array_equal(np.asarray(want)[:, finite], brute[:, finite])
   np.testing.assert_array_equal(np.asarray(base), np.asarray(want))
-  for bits, loop in ((2, "unrolled"), (4, "unrolled"), (1, "early"), (1, "rolled"),
-                    (1, "unrolled")):
+  for bits, loop, trials in ((2, "unrolled", None), (4, "unrolled", None), (1, "early", None),
+                             (1, "rolled", None), (1, "unrolled", None), (1, "kary", None),
+                             (1, "kary", 4)):
     idx, cnt, arr = select_decode_slots(scores, lens, digit_bits=bits, search_chunk=chunk,
-                                        search_loop=loop, return_arrivals=True, **kw)
-    msg = f"bits={bits} search_loop={loop}"
+                                        search_loop=loop, search_trials=trials,
+                                        return_arrivals=True, **kw)
+    msg = f"bits={bits} search_loop={loop} trials={trials}"
     np.testing.assert_array_equal(np.asarray(idx), np.asarray(want), err_msg=msg)
     np.testing.assert_array_equal(np.asarray(cnt), np.asarray(bcnt), err_msg=msg)
     np.testing.assert_array_equal(np.asarray(arr), 0)
@@ -1180,6 +1210,44 @@ def test_bit_search_early_exit_keeps_the_same_set():
           assert int(c_t) == want >= k, (r, top_k, n_real, loop, int(c_t), want)
 
 
+def test_kary_search_hits_or_gives_up():
+  """``_kary_search`` (``search_loop="kary"``): a found threshold counts exactly top_k real
+  keys (so the kept set is the top_k, the same as the bit search's); on continuous scores of
+  issue 5's shape it finds one in a few passes at 16 trials (normal scores ~3, Cauchy ~5); rows with ties at the k-th key, all-equal rows and fewer candidates than top_k
+  find nothing (the caller then runs the bit search); padded lanes are never counted."""
+  from pallas_kernels.sparse import decode_select as ds
+  rng = np.random.default_rng(17)
+  search = jax.jit(ds._kary_search, static_argnames=("top_k", "trials", "return_passes"))
+
+  def run(s, top_k, trials=16, n_real=None):
+    n_real = s.shape[0] if n_real is None else n_real
+    key = np.where(np.arange(s.shape[0]) < n_real, np.asarray(ds.total_order_key(s)),
+                   np.int32(-(2 ** 31)))
+    chunks = [jnp.asarray(c) for c in np.split(key, 4)]
+    real = np.asarray(s[:n_real])
+    found, thr, passes = search(chunks, jnp.min(real), jnp.max(real), top_k=top_k,
+                                trials=trials, return_passes=True)
+    return bool(found), int(thr), int(passes), key
+
+  passes = []
+  for i in range(40):
+    gen = rng.standard_cauchy if i % 2 else rng.normal
+    s = jnp.asarray(gen(size=2048) * rng.uniform(1e-3, 1e3), jnp.float32)
+    found, thr, p, key = run(s, 387, n_real=2046)
+    assert found and int(np.sum(key >= thr)) == 387, i
+    passes.append(p)
+  normal, cauchy = passes[::2], passes[1::2]      # simulated: means 3.15 and 5.15 (300 rows)
+  assert np.mean(normal) <= 3.6 and np.mean(cauchy) <= 6 and max(passes) <= 8, passes
+  for trials in (4, 32):
+    found, thr, _, key = run(jnp.asarray(rng.normal(size=512), jnp.float32), 40, trials)
+    assert not found or int(np.sum(key >= thr)) == 40
+  ties = np.round(rng.normal(size=512) * 2).astype(np.float32)     # ~10 distinct values
+  for s, k in ((ties, 100), (np.full(512, 1.5, np.float32), 7), (ties[:8], 8)):
+    s = np.concatenate([s, np.zeros(4 * -(-s.size // 4) - s.size, np.float32)])
+    found, thr, p, key = run(jnp.asarray(s), k, n_real=s.size if k != 8 else 8)
+    assert not found or int(np.sum(key >= thr)) == k
+
+
 def test_decode_select_radix_args():
   """Argument checks, the default compare chunk, and the CUDA lowering of the variants."""
   from pallas_kernels.sparse.decode_select import _default_search_chunk, select_decode_slots
@@ -1194,6 +1262,12 @@ def test_decode_select_radix_args():
     select_decode_slots(s, lens, search_loop="fast", **kw)
   with pytest.raises(ValueError, match="early.*digit_bits=1"):
     select_decode_slots(s, lens, digit_bits=2, search_loop="early", **kw)
+  with pytest.raises(ValueError, match="kary.*digit_bits=1"):
+    select_decode_slots(s, lens, digit_bits=4, search_loop="kary", **kw)
+  with pytest.raises(ValueError, match="search_trials must be one of"):
+    select_decode_slots(s, lens, search_loop="kary", search_trials=12, **kw)
+  with pytest.raises(ValueError, match="search_trials is for search_loop='kary'"):
+    select_decode_slots(s, lens, search_loop="early", search_trials=16, **kw)
   # [digits, chunk] tile at 32 int32 per thread, within [16, nb_pad]
   assert _default_search_chunk(2048, 4, 4) == 256
   assert _default_search_chunk(2048, 2, 4) == 1024
@@ -1202,7 +1276,8 @@ def test_decode_select_radix_args():
   # every variant lowers for CUDA (on the CPU) at the bench shape: one Triton call
   S = jax.ShapeDtypeStruct
   for bits, warps, loop in ((2, 4, "unrolled"), (4, 4, "unrolled"), (4, 1, "unrolled"),
-                            (4, 8, "unrolled"), (1, 8, "early"), (1, 8, "rolled")):
+                            (4, 8, "unrolled"), (1, 8, "early"), (1, 8, "rolled"),
+                            (1, 8, "kary")):
     fn = functools.partial(select_decode_slots, block_size=64, top_k=387, num_init_blocks=1,
                            num_local_blocks=1, max_selected=389, num_warps=warps,
                            digit_bits=bits, return_arrivals=True, search_loop=loop)
@@ -1273,7 +1348,7 @@ def test_decode_score_select_fused_kernel():
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], brute[:, :2])
   assert np.isnan(np.asarray(scores)[:, 2]).any() and np.isinf(np.asarray(scores)[:, 2]).any()
   for splits, stride, bits, loop in ((1, 1, 1, "unrolled"), (3, 2, 4, "unrolled"),
-                                     (3, 2, 1, "early")):          # 5 tiles of 16 blocks
+                                     (3, 2, 1, "early"), (3, 2, 1, "kary")):  # 5 tiles of 16
     msg = f"splits={splits} stride={stride} digit_bits={bits} search_loop={loop}"
     i, c, a, s = score_select_decode_slots(q, sums, slens, lens, score_splits=splits, chunk=16,
                                            digit_bits=bits, return_arrivals=True,

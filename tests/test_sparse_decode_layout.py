@@ -446,9 +446,10 @@ def test_gpu_hnd_equals_nhd(impl):
 def test_gpu_hnd_prefetch_ids_and_early_search():
   """Session 23's two options compiled on the GPU (B3, 8K, GQA 32:8, D128, bf16, 64-token
   blocks, lengths 8192 / 0 / 3001): the attention with and without ``prefetch_ids`` (2 stages x
-  2 blocks and 3 x 1) and the selection's full bit search (``search_loop="unrolled"``) against
-  the default early exit give the same indices, output and lse to the bit (the same blocks,
-  split and summed in the same order)."""
+  2 blocks and 3 x 1) and the selection's full bit search (``search_loop="unrolled"``) and the
+  score-space search (``"kary"``, 16 and 32 trials; session 25) against the default early exit
+  give the same indices, output and lse to the bit (the same blocks, split and summed in the
+  same order)."""
   _kernel_module_or_skip("triton")
   b, n, hq, hk, d, bs, top_k = 3, 8192, 32, 8, 128, 64, 24
   q, kc, vc = _inputs(46, b, n, hq, hk, d, d, jnp.bfloat16)
@@ -464,7 +465,9 @@ def test_gpu_hnd_prefetch_ids_and_early_search():
     launch = (("num_stages", stages), ("blocks_per_step", bps))
     base = call(launch, ())
     for got in (call(launch + (("prefetch_ids", True),), ()),
-                call(launch, (("search_loop", "unrolled"),))):
+                call(launch, (("search_loop", "unrolled"),)),
+                call(launch, (("search_loop", "kary"),)),
+                call(launch, (("search_loop", "kary"), ("search_trials", 32)))):
       for x, y in zip(got, base):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{launch}")
   ref, _, _ = _reference(q, kc, vc, lens, base[2], bs)

@@ -242,7 +242,68 @@ def _radix_search(keys, *, top_k, digit_bits, rolled):
   return t_u
 
 
-SEARCH_LOOPS = ("unrolled", "rolled", "early")
+SEARCH_LOOPS = ("unrolled", "rolled", "early", "kary")
+KARY_TRIALS = (4, 8, 16, 32)
+_KARY_MAX_PASSES = 8
+
+
+def _kary_search(keys, lo, hi, *, top_k, trials, max_passes=_KARY_MAX_PASSES,
+                 return_passes=False):
+  """A threshold key that counts exactly ``top_k`` keys, searched in score space.
+
+  Each pass places ``trials`` evenly spaced fp32 trials strictly inside (lo, hi), counts the
+  real keys >= each trial's key at once (one [trials, chunk] compare tile per key chunk, then
+  one reduction along the block axis, as ``_radix_search``), and stops if a count is exactly
+  top_k; otherwise (lo, hi) shrinks to the trials whose counts bracket top_k (the top_k-th and
+  (top_k + 1)-th largest scores stay inside), so ~trials + 1 times narrower per pass. On
+  continuous scores the gap between those two scores is hit after ~3 passes at 16 trials
+  (2046 normal scores, top 387; ~4-5 for Cauchy or log-normal ones) against ~17.5 steps of
+  the early bit search. The acceptance test alone makes the answer exact: keys >= a trial
+  that counts exactly top_k are the top_k largest with every tie at the k-th among them (the
+  early bit search's condition), however the trials were placed. Ties at the k-th key,
+  non-finite scores, fewer candidates than top_k or a collapsed interval find nothing within
+  ``max_passes``; the caller then runs the bit search.
+
+  Pure jnp (runs inside a Triton kernel or on arrays).
+
+  Args:
+    keys: list of int32 key chunks (``_radix_keys``: candidates' ``total_order_key``, -inf's
+      key for the other real lanes, INT_MIN for padded lanes, which no trial counts).
+    lo, hi: fp32 scalars, the smallest and largest candidate score.
+    top_k: the count to hit.
+    trials: trials per pass.
+    max_passes: passes before giving up.
+    return_passes: also return the passes run.
+
+  Returns:
+    (found bool scalar, thr int32 scalar: a key counting exactly top_k where found), then the
+    passes run with ``return_passes``.
+  """
+  frac = (jnp.arange(trials, dtype=jnp.int32).astype(jnp.float32) + 1.0) / float(trials + 1)
+
+  def cond(c):
+    p, _, _, thr = c
+    return (p < max_passes) & (thr == _INT_MIN)
+
+  def body(c):
+    p, lo, hi, _ = c
+    t = lo + (hi - lo) * frac                                        # [trials] fp32
+    tk = jnp.maximum(total_order_key(t), _INT_MIN + 1)               # never counts padding
+    acc = None
+    for key_c in keys:
+      ge = (key_c[None, :] >= tk[:, None]).astype(jnp.int32)         # [trials, chunk]
+      acc = ge if acc is None else acc + ge
+    n_ge = jnp.sum(acc, axis=1)                                      # [trials]
+    thr = jnp.max(jnp.where(n_ge == top_k, tk, _INT_MIN))
+    lo = jnp.maximum(lo, jnp.max(jnp.where(n_ge > top_k, t, -jnp.inf)))
+    hi = jnp.minimum(hi, jnp.min(jnp.where(n_ge < top_k, t, jnp.inf)))
+    return p + 1, lo, hi, thr
+
+  passes, _, _, thr = jax.lax.while_loop(
+      cond, body, (jnp.int32(0), lo.astype(jnp.float32), hi.astype(jnp.float32),
+                   jnp.int32(_INT_MIN)))
+  res = (thr != _INT_MIN, thr)
+  return res + (passes,) if return_passes else res
 
 
 def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False, n_real=None):
@@ -301,13 +362,16 @@ def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False, n_real
 
 
 def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
-                digit_bits, search_chunk, search_loop="unrolled", len_group=1):
+                digit_bits, search_chunk, search_loop="unrolled", len_group=1,
+                search_trials=16):
   """The kept set of (batch b, kv head h) from its scores: (block ids [nb_pad], keep [nb_pad]
   bool). Shared by the selection kernels (``_select_body``, which then compacts it) and the
   fused selection + attention kernel (``decode_fused_select``). ``search_loop``: "unrolled"
   (default), "rolled" (the threshold search's steps as one ``fori_loop``: the same integer ops
   per step, so the same threshold) or "early" (bit search only: stop at the first trial that
-  counts exactly top_k keys, ``_bit_search``; the same kept set)."""
+  counts exactly top_k keys, ``_bit_search``; the same kept set) or "kary" (``_kary_search``
+  with ``search_trials`` trials per pass, then, only if it found nothing, the early bit
+  search; the same kept set)."""
   j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
   real = j < num_blocks
   length = jnp.minimum(plgpu.load(len_ref.at[_len_index(b, len_group)]), num_blocks * block)
@@ -326,33 +390,45 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
     key = jnp.where(cand, total_order_key(s), _NEG_INF_KEY)
     # Largest t with #{key >= t} >= top_k, built from the top bit down in the unsigned space
     # u = t ^ INT_MIN (order preserving), so the answer is the top_k-th largest key.
-    rolled = search_loop == "rolled"
-    c_t = None
-    if digit_bits == 1:
-      t_u, c_t = _bit_search(key, real, top_k=top_k, loop=search_loop, n_real=num_blocks)
-    else:                                      # radix: 32 / digit_bits dependent reductions
-      t_u = _radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
-                             num_init=num_init, num_local=num_local, top_k=top_k,
-                             digit_bits=digit_bits, chunk=search_chunk, rolled=rolled)
-    thr = t_u ^ _INT_MIN
+    def searched(loop):                        # the candidates kept by the threshold search
+      c_t = None
+      if digit_bits == 1:
+        t_u, c_t = _bit_search(key, real, top_k=top_k, loop=loop, n_real=num_blocks)
+      else:                                    # radix: 32 / digit_bits dependent reductions
+        t_u = _radix_threshold(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
+                               num_init=num_init, num_local=num_local, top_k=top_k,
+                               digit_bits=digit_bits, chunk=search_chunk,
+                               rolled=loop == "rolled")
+      thr = t_u ^ _INT_MIN
 
-    def by_rank():                             # keys > thr, then ties at thr by block id
-      above = (key > thr) & real
-      need = top_k - jnp.sum(above.astype(jnp.int32))               # ties at thr to take
-      tie = (key == thr) & real
-      tie_i = tie.astype(jnp.int32)
-      tie_rank = jnp.cumsum(tie_i) - tie_i                             # ties before j
-      return cand & (above | (tie & (tie_rank < need)))
-    if c_t is None:
-      keep = keep | by_rank()
-    else:   # exactly top_k keys >= thr (the usual case): all of them, no rank of the ties
-      keep = keep | jax.lax.cond(c_t == top_k, lambda: cand & (key >= thr) & real, by_rank)
+      def by_rank():                           # keys > thr, then ties at thr by block id
+        above = (key > thr) & real
+        need = top_k - jnp.sum(above.astype(jnp.int32))             # ties at thr to take
+        tie = (key == thr) & real
+        tie_i = tie.astype(jnp.int32)
+        tie_rank = jnp.cumsum(tie_i) - tie_i                           # ties before j
+        return cand & (above | (tie & (tie_rank < need)))
+      if c_t is None:
+        return by_rank()
+      # exactly top_k keys >= thr (the usual case): all of them, no rank of the ties
+      return jax.lax.cond(c_t == top_k, lambda: cand & (key >= thr) & real, by_rank)
+
+    if search_loop == "kary":                  # exact hits in score space, else the bit search
+      found, thr_k = _kary_search(
+          _radix_keys(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
+                      num_init=num_init, num_local=num_local, chunk=search_chunk),
+          jnp.min(jnp.where(cand, s, jnp.inf)), jnp.max(jnp.where(cand, s, -jnp.inf)),
+          top_k=top_k, trials=search_trials)
+      keep = keep | jax.lax.cond(found, lambda: cand & (key >= thr_k) & real,
+                                 lambda: searched("early"))
+    else:
+      keep = keep | searched(search_loop)
   return j, keep
 
 
 def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, nb_pad,
                  num_init, num_local, top_k, width, digit_bits, search_chunk, len_group=1,
-                 search_loop="unrolled"):
+                 search_loop="unrolled", search_trials=16):
   """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
   selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h].
   Returns the number of list slots written (>= 1; a reduction over every lane, so a value
@@ -360,7 +436,7 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
   j, keep = _keep_flags(len_ref, s_ref, b, h, block=block, num_blocks=num_blocks,
                         nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
                         digit_bits=digit_bits, search_chunk=search_chunk, len_group=len_group,
-                        search_loop=search_loop)
+                        search_loop=search_loop, search_trials=search_trials)
   keep_i = keep.astype(jnp.int32)
   incl = jnp.cumsum(keep_i)                                          # [nb_pad]
   count = jnp.sum(keep_i)
@@ -374,7 +450,7 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
 
 def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
                    num_local, top_k, width, digit_bits=1, search_chunk=None, len_group=1,
-                   search_loop="unrolled"):
+                   search_loop="unrolled", search_trials=16):
   """One (batch, kv head) program.
 
   Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
@@ -385,13 +461,13 @@ def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb
   _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, block=block, num_blocks=num_blocks,
                nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
                width=width, digit_bits=digit_bits, search_chunk=search_chunk,
-               len_group=len_group, search_loop=search_loop)
+               len_group=len_group, search_loop=search_loop, search_trials=search_trials)
   if arr:                                      # zeroed counters for the merged decode kernel
     plgpu.store(arr[0].at[b, h], jnp.int32(0))
 
 
 def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, max_selected,
-                      num_warps, digit_bits, search_chunk, search_loop=None):
+                      num_warps, digit_bits, search_chunk, search_loop=None, search_trials=None):
   """Checks the selection options; (num_warps, static keywords of ``_select_body``).
 
   ``search_loop=None``: "early" for the bit search (digit_bits 1), "unrolled" for the radix
@@ -408,11 +484,20 @@ def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, 
     raise ValueError(f"digit_bits must be 1, 2 or 4, got {digit_bits}")
   if search_loop not in SEARCH_LOOPS:
     raise ValueError(f"search_loop must be one of {SEARCH_LOOPS}, got {search_loop!r}")
-  if search_loop == "early" and digit_bits != 1:
-    raise ValueError(f"search_loop='early' is for the bit search (digit_bits=1), got "
+  if search_loop in ("early", "kary") and digit_bits != 1:
+    raise ValueError(f"search_loop={search_loop!r} is for the bit search (digit_bits=1), got "
                      f"digit_bits={digit_bits}")
-  if search_chunk is None:
-    search_chunk = _default_search_chunk(nb_pad, digit_bits, num_warps)
+  if search_trials is not None and search_loop != "kary":
+    raise ValueError(f"search_trials is for search_loop='kary', got search_loop="
+                     f"{search_loop!r}")
+  if search_loop == "kary":
+    search_trials = 16 if search_trials is None else search_trials
+    if search_trials not in KARY_TRIALS:
+      raise ValueError(f"search_trials must be one of {KARY_TRIALS}, got {search_trials}")
+  if search_chunk is None:      # the kary compare tile is [trials, chunk], as radix digits
+    search_chunk = _default_search_chunk(
+        nb_pad, int(search_trials).bit_length() - 1 if search_loop == "kary" else digit_bits,
+        num_warps)
   elif search_chunk < 16 or search_chunk & (search_chunk - 1):
     raise ValueError(f"search_chunk must be a power of two >= 16, got {search_chunk}")
   sel = dict(block=int(block_size), num_blocks=nb, nb_pad=nb_pad,
@@ -421,17 +506,20 @@ def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, 
              search_chunk=int(min(search_chunk, nb_pad)))
   if search_loop != "unrolled":          # default: _keep_flags' default search
     sel["search_loop"] = search_loop
+  if search_loop == "kary":
+    sel["search_trials"] = int(search_trials)
   return int(num_warps), sel
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
                                              "num_local_blocks", "max_selected", "num_warps",
                                              "interpret", "return_arrivals", "digit_bits",
-                                             "search_chunk", "lengths_group", "search_loop"))
+                                             "search_chunk", "lengths_group", "search_loop",
+                                             "search_trials"))
 def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_blocks,
                         num_local_blocks, max_selected, num_warps=None, interpret=False,
                         return_arrivals=False, digit_bits=1, search_chunk=None,
-                        lengths_group=1, search_loop=None):
+                        lengths_group=1, search_loop=None, search_trials=None):
   """Kept blocks of one decode query per sequence: initial, local and the top_k by score.
 
   Args:
@@ -458,9 +546,13 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
       :func:`decode_block_scores`.
     search_loop: the bit search's steps: "unrolled" (32 straight-line steps), "rolled" (one
       loop) or "early" (a loop that stops at the first trial counting exactly top_k keys:
-      ~17 steps on continuous scores, 32 with ties at the k-th). The same selection for every
-      value (tested). "early" needs digit_bits=1. Default None: "early" for digit_bits=1
-      (faster on the H200: 5.5 against 6.8 us at 2048 blocks, run 90), else "unrolled".
+      ~17 steps on continuous scores, 32 with ties at the k-th) or "kary" (``search_trials``
+      evenly spaced score trials per pass, accepting the first that counts exactly top_k keys:
+      ~3 passes on continuous scores; the early bit search only when none does within 8
+      passes, e.g. ties at the k-th). The same selection for every value (tested). "early"
+      and "kary" need digit_bits=1. Default None: "early" for digit_bits=1 (faster on the
+      H200: 5.5 against 6.8 us at 2048 blocks, run 90), else "unrolled".
+    search_trials: "kary" only: trials per pass, one of 4, 8, 16, 32 (default 16).
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
@@ -478,7 +570,7 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
   _check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, num_warps, digit_bits, search_chunk,
-                                     search_loop)
+                                     search_loop, search_trials)
   if lengths_group != 1:
     sel["len_group"] = int(lengths_group)
   kernel = functools.partial(_select_kernel, **sel)
@@ -590,13 +682,13 @@ def default_score_splits(batch, kv_heads, num_blocks, *, chunk=64, core_count=No
                                              "chunk", "num_warps", "digit_bits",
                                              "search_chunk", "return_arrivals",
                                              "return_scores", "interpret", "_split_stride",
-                                             "lengths_group", "search_loop"))
+                                             "lengths_group", "search_loop", "search_trials"))
 def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_size, top_k,
                               num_init_blocks, num_local_blocks, max_selected,
                               score_splits=None, chunk=64, num_warps=None, digit_bits=1,
                               search_chunk=None, return_arrivals=False, return_scores=False,
                               interpret=False, _split_stride=1, lengths_group=1,
-                              search_loop=None):
+                              search_loop=None, search_trials=None):
   """:func:`decode_block_scores` and :func:`select_decode_slots` in one launch.
 
   Grid (batch, kv head, score split). Each program computes the scores of its share of the
@@ -623,7 +715,7 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
       split has at least one ``chunk``-block tile.
     chunk: blocks per score tile, a power of two >= 16 (as :func:`decode_block_scores`).
     num_warps: launch parameter; default :func:`select_decode_slots`'s (the selection's).
-    digit_bits, search_chunk, search_loop: the threshold search, as
+    digit_bits, search_chunk, search_loop, search_trials: the threshold search, as
       :func:`select_decode_slots`.
     return_arrivals: also return the zeroed int32 [batch, kv_heads] arrival counters.
     return_scores: also return the fp32 [batch, kv_heads, num_blocks] scores.
@@ -660,7 +752,7 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     raise ValueError(f"_split_stride {_split_stride} must be coprime with the {splits} splits")
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, num_warps, digit_bits, search_chunk,
-                                     search_loop)
+                                     search_loop, search_trials)
   if lengths_group != 1:
     sel["len_group"] = int(lengths_group)
   kernel = functools.partial(_score_select_kernel, chunk=chunk, group=group,
