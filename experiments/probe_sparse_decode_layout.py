@@ -71,9 +71,10 @@ def main(argv=None):
                       "split_by='width', m = merge_stores_last=False, e = 8 warps; row "
                       "suffix _<flags>)")
   p.add_argument("--hnd-select", default="",
-                 help="e.g. unrolled,kary,kary:32: more head-major rows (the API's "
-                      "launch) whose selection runs with that search_loop[:search_trials] "
-                      "(sparse_hnd_unrolled, sparse_hnd_kary32, ...; default 'early')")
+                 help="e.g. unrolled,kary,kary:8,early/4: more head-major rows (the API's "
+                      "launch) whose scores + selection kernel runs with that "
+                      "search_loop[:search_trials][/num_warps] (sparse_hnd_unrolled, "
+                      "sparse_hnd_kary8, sparse_hnd_early_w4, ...; default 'early', 8 warps)")
   p.add_argument("--hnd-all", action="store_true",
                  help="a head-major row with fused_select='all' (the API's one-launch path)")
   p.add_argument("--one-launch", default="",
@@ -160,11 +161,13 @@ def main(argv=None):
     fns[name] = hnd_row(launch, num_splits=n_)
   select_rows = set()                # the API call with another search: bit-identical outputs
   for spec in (x for x in a.hnd_select.split(",") if x):
+    spec, *warps = spec.split("/")
     loop, *trials = spec.split(":")
-    select_rows.add(f"sparse_hnd_{loop}{''.join(trials)}")
-    select = (("search_loop", loop),) + tuple(("search_trials", int(t)) for t in trials)
-    fns[f"sparse_hnd_{loop}{''.join(trials)}"] = hnd_row(sp._hnd_triton_launch(kh, vh, bs),
-                                                         select=select)
+    name = f"sparse_hnd_{loop}{''.join(trials)}" + "".join(f"_w{w}" for w in warps)
+    select_rows.add(name)
+    select = ((("search_loop", loop),) + tuple(("search_trials", int(t)) for t in trials)
+              + tuple(("num_warps", int(w)) for w in warps))
+    fns[name] = hnd_row(sp._hnd_triton_launch(kh, vh, bs), select=select)
   if a.hnd_unfused:
     fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=False, **hnd)

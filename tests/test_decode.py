@@ -5,6 +5,7 @@ flash-attention reference (bottom-right aligned causal attention of the last que
 tiny: the Pallas interpreter is slow on the shared 2-core CI box.
 """
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -313,24 +314,23 @@ def test_triton_compiled_on_gpu(dtype, d):
 @pytest.mark.gpu
 def test_gpu_pallas_merge():
   """Compiled (B3, 4K, GQA 32:8, D128, bf16, lengths 4096 / 1 / 3001, default and 7 splits,
-  contiguous and paged): ``merge="pallas"`` within bf16 rounding of ``merge="xla"`` and the
-  fp32 reference."""
+  contiguous and paged; "triton" and "mosaic_gpu"): ``merge="pallas"`` (the default) within
+  bf16 rounding of ``merge="xla"`` and the fp32 reference."""
   b, n, hq, hk, d = 3, 4096, 32, 8, 128
   q, k, v = _inputs(19, b, n, hq, hk, d, jnp.bfloat16)
   lengths = jnp.array([4096, 1, 3001], jnp.int32)
   ref_out, ref_lse = _REF(q, k, v, lengths)
   k_pages, v_pages, table = _paginate(20, k, v, lengths.tolist(), 64)
-  for ns in (None, 7):
-    for paged in (False, True):
-      fn = dec.paged_decode_attention if paged else dec.decode_attention
-      args = (q, k_pages, v_pages, table, lengths) if paged else (q, k, v, lengths)
-      outs = [jax.jit(functools.partial(fn, num_splits=ns, return_lse=True, merge=m,
-                                        implementation="triton"))(*args)
-              for m in ("pallas", "xla")]
-      (out, lse), (out_x, _) = outs
-      assert _rel(out, ref_out) < TOL[jnp.bfloat16]
-      assert _rel(out, out_x) < 1e-2
-      np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=2e-2, atol=2e-2)
+  for impl, ns, paged in itertools.product(("triton", "mosaic_gpu"), (None, 7), (False, True)):
+    fn = dec.paged_decode_attention if paged else dec.decode_attention
+    args = (q, k_pages, v_pages, table, lengths) if paged else (q, k, v, lengths)
+    outs = [jax.jit(functools.partial(fn, num_splits=ns, return_lse=True, merge=m,
+                                      implementation=impl))(*args)
+            for m in (None, "xla")]
+    (out, lse), (out_x, _) = outs
+    assert _rel(out, ref_out) < TOL[jnp.bfloat16]
+    assert _rel(out, out_x) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton"])
@@ -394,7 +394,8 @@ def test_decode_pallas_merge(layout):
   """``merge="pallas"`` (the splits merged by one Triton kernel, interpreted) gives the XLA
   merge's output and lse within fp32 rounding and the fp32 reference, lengths 0 / 1 / ragged,
   GQA 3:1 with head_dim 24 and values of 40, a window and a soft cap, on contiguous caches of
-  both layouts and a paged one; other implementations and unknown values are refused."""
+  both layouts and a paged one; it is the "triton" default (merge=None); other
+  implementations and unknown values are refused."""
   q, k, v = _inputs(31, 3, 70, 6, 2, 24, dv=40)
   lengths = jnp.array([0, 1, 61], jnp.int32)
   kw = dict(local_window_size=(40, 0), logits_soft_cap=20.0, num_splits=3, return_lse=True,
@@ -408,9 +409,10 @@ def test_decode_pallas_merge(layout):
     call = functools.partial(dec.decode_attention, q, kc, vc, lengths, kv_layout=layout, **kw)
   out, lse = call(merge="pallas")
   out_x, lse_x = call(merge="xla")
-  for m, n in (("pallas", True), ("xla", False)):    # the merge kernel runs only when asked
+  for m, n in (("pallas", True), ("xla", False), (None, True)):   # None: the GPU default
     assert ("jattn_sparse_decode_merge" in str(jax.make_jaxpr(lambda m=m: call(merge=m))())
             ) == n, m
+  assert out.dtype == q.dtype                      # written by the merge kernel itself
   ref_out, ref_lse = _REF(q, k, v, lengths, local_window_size=(40, 0), logits_soft_cap=20.0)
   np.testing.assert_allclose(np.asarray(out), np.asarray(out_x), rtol=1e-5, atol=1e-5)
   fin = np.asarray(lengths) > 0

@@ -274,10 +274,12 @@ def test_replay_through_decode_attention(monkeypatch):
 
 
 def _decode_with_reference(q, k, v, lengths, splits, block_sizes=None):
-  """decode_attention(implementation="mosaic_gpu") and the reference, one cheap CPU compile."""
+  """decode_attention(implementation="mosaic_gpu") and the reference, one cheap CPU compile.
+  The XLA merge: the GPU default (one Triton merge kernel) does not run on the CPU outside
+  the interpreter; it is tested in tests/test_decode.py (interpreted and on the GPU)."""
   fn = jax.jit(lambda q, k, v, lens: dec.decode_attention(
       q, k, v, lens, num_splits=splits, return_lse=True, implementation="mosaic_gpu",
-      block_sizes=block_sizes)
+      block_sizes=block_sizes, merge="xla")
       + (_reference(q, k, v, lens),))
   return fn.lower(q, k, v, lengths).compile(_FAST_CPU_COMPILE)(q, k, v, lengths)
 
@@ -345,7 +347,7 @@ def test_paged_replay_matches_reference(name, monkeypatch):
   monkeypatch.setattr(dm, "_call", _replay_call)
   fn = jax.jit(lambda q, kp, vp, t, lens, k, v: (
       dec.paged_decode_attention(q, kp, vp, t, lens, num_splits=splits, return_lse=True,
-                                 implementation="mosaic_gpu", block_sizes=bs),
+                                 implementation="mosaic_gpu", block_sizes=bs, merge="xla"),
       _reference(q, k, v, lens)))
   args = (q, k_pages, v_pages, table, lengths, k, v)
   (out, lse), ref = fn.lower(*args).compile(_FAST_CPU_COMPILE)(*args)

@@ -243,35 +243,41 @@ def _radix_search(keys, *, top_k, digit_bits, rolled):
 
 
 SEARCH_LOOPS = ("unrolled", "rolled", "early", "kary")
-KARY_TRIALS = (4, 8, 16, 32)
-_KARY_MAX_PASSES = 8
+KARY_TRIALS = tuple(range(1, 9))      # most trials per pass of search_loop="kary"
+_KARY_MAX_PASSES = 24
 
 
-def _kary_search(keys, lo, hi, *, top_k, trials, max_passes=_KARY_MAX_PASSES,
+def _kary_search(key, real, lo, hi, *, top_k, trials, max_passes=_KARY_MAX_PASSES,
                  return_passes=False):
-  """A threshold key that counts exactly ``top_k`` keys, searched in score space.
+  """A threshold key that counts exactly ``top_k`` real keys, searched in score space.
 
-  Each pass places ``trials`` evenly spaced fp32 trials strictly inside (lo, hi), counts the
-  real keys >= each trial's key at once (one [trials, chunk] compare tile per key chunk, then
-  one reduction along the block axis, as ``_radix_search``), and stops if a count is exactly
-  top_k; otherwise (lo, hi) shrinks to the trials whose counts bracket top_k (the top_k-th and
-  (top_k + 1)-th largest scores stay inside), so ~trials + 1 times narrower per pass. On
-  continuous scores the gap between those two scores is hit after ~3 passes at 16 trials
-  (2046 normal scores, top 387; ~4-5 for Cauchy or log-normal ones) against ~17.5 steps of
-  the early bit search. The acceptance test alone makes the answer exact: keys >= a trial
-  that counts exactly top_k are the top_k largest with every tie at the k-th among them (the
-  early bit search's condition), however the trials were placed. Ties at the k-th key,
-  non-finite scores, fewer candidates than top_k or a collapsed interval find nothing within
-  ``max_passes``; the caller then runs the bit search.
+  Each pass places up to ``trials`` evenly spaced fp32 trials inside [lo, hi] and counts the
+  real keys >= each trial's key with ONE scalar reduction: the per-lane 0/1 flags of the
+  trials are packed into one int32 (trial i in bits [w * i, w * (i + 1))), so the sum holds
+  every count at once. A field holds at most the keys inside the current bracket [lo, hi)
+  (the count at hi is known, so a trial counts only keys in [trial, hi)), which bounds its
+  width w and so the trials that fit: 2 at 2048 blocks in the first pass (w = 12), more as the
+  bracket shrinks (at most ``trials``). The pass stops on a count of exactly top_k; otherwise
+  (lo, hi) shrinks to the trials whose counts bracket top_k. Simulated at 2046 candidates and
+  top 387 with 4 trials: ~6 passes on normal scores, ~9 log-normal, ~11 Cauchy, against ~17.5
+  steps of the early bit search (one reduction each); a 2D [trials, blocks] compare tile per
+  pass instead was slower on the H200 (run 99).
+
+  The acceptance test alone makes the answer exact: keys >= a trial that counts exactly
+  top_k are the top_k largest with every tie at the k-th among them (the early bit search's
+  condition), however the trials were placed. Ties at the k-th key, non-finite scores, fewer
+  candidates than top_k or an interval no trial can split find nothing (a pass without
+  progress, or ``max_passes``); the caller then runs the bit search.
 
   Pure jnp (runs inside a Triton kernel or on arrays).
 
   Args:
-    keys: list of int32 key chunks (``_radix_keys``: candidates' ``total_order_key``, -inf's
-      key for the other real lanes, INT_MIN for padded lanes, which no trial counts).
+    key: int32 [n] keys (``total_order_key`` of the candidates' scores, -inf's key for the
+      other real lanes).
+    real: bool [n], the lanes that count.
     lo, hi: fp32 scalars, the smallest and largest candidate score.
     top_k: the count to hit.
-    trials: trials per pass.
+    trials: most trials per pass (1 to 8).
     max_passes: passes before giving up.
     return_passes: also return the passes run.
 
@@ -279,31 +285,56 @@ def _kary_search(keys, lo, hi, *, top_k, trials, max_passes=_KARY_MAX_PASSES,
     (found bool scalar, thr int32 scalar: a key counting exactly top_k where found), then the
     passes run with ``return_passes``.
   """
-  frac = (jnp.arange(trials, dtype=jnp.int32).astype(jnp.float32) + 1.0) / float(trials + 1)
+  n_lanes = key.shape[0]
+  kp = jnp.where(real, key, _INT_MIN)                # padding: below every trial's key
+  ii = [jnp.int32(i) for i in range(trials)]
 
   def cond(c):
-    p, _, _, thr = c
-    return (p < max_passes) & (thr == _INT_MIN)
+    p, _, _, _, _, _, thr, moved = c
+    return (p < max_passes) & (thr == _INT_MIN) & moved
 
   def body(c):
-    p, lo, hi, _ = c
-    t = lo + (hi - lo) * frac                                        # [trials] fp32
-    tk = jnp.maximum(total_order_key(t), _INT_MIN + 1)               # never counts padding
-    acc = None
-    for key_c in keys:
-      ge = (key_c[None, :] >= tk[:, None]).astype(jnp.int32)         # [trials, chunk]
-      acc = ge if acc is None else acc + ge
-    n_ge = jnp.sum(acc, axis=1)                                      # [trials]
-    thr = jnp.max(jnp.where(n_ge == top_k, tk, _INT_MIN))
-    lo = jnp.maximum(lo, jnp.max(jnp.where(n_ge > top_k, t, -jnp.inf)))
-    hi = jnp.minimum(hi, jnp.min(jnp.where(n_ge < top_k, t, jnp.inf)))
-    return p + 1, lo, hi, thr
+    p, lo, hi, c_lo, c_hi, tk_hi, _, _ = c
+    # field width: the bracket holds <= c_lo - c_hi keys (c_lo is an upper bound at first)
+    m = jnp.maximum(c_lo - c_hi, 1)
+    w = jnp.int32(32) - jax.lax.clz(m)                               # bits of m
+    n_t = jnp.clip(jnp.int32(31) // w, 1, trials)                    # trials this pass
+    step = (hi - lo) / (n_t.astype(jnp.float32) + 1.0)
+    below_hi = kp < tk_hi                                            # tk_hi: INT_MIN+ none
+    below_hi = below_hi | (tk_hi == _INT_MIN)
+    packed = jnp.zeros_like(kp)
+    ts, tks = [], []
+    for i in ii:
+      t = jnp.clip(lo + step * (i.astype(jnp.float32) + 1.0), lo, hi)
+      tk = jnp.maximum(total_order_key(t), _INT_MIN + 1)
+      ts.append(t)
+      tks.append(tk)
+      flag = ((kp >= tk) & below_hi & (i < n_t)).astype(jnp.int32)
+      packed = packed + jax.lax.shift_left(flag, w * i)
+    tot = jnp.sum(packed)
+    mask = jax.lax.shift_left(jnp.int32(1), w) - 1
+    thr = jnp.int32(_INT_MIN)
+    new = (lo, hi, c_lo, c_hi, tk_hi)
+    for i, t, tk in zip(ii, ts, tks):
+      n_i = c_hi + (jax.lax.shift_right_logical(tot, w * i) & mask)  # #{key >= tk}
+      use = i < n_t
+      thr = jnp.where(use & (n_i == top_k), tk, thr)
+      n_lo, n_hi, n_clo, n_chi, n_tkhi = new
+      up = use & (n_i > top_k)                  # the k-th is at or above t: raise lo
+      n_lo, n_clo = jnp.where(up, t, n_lo), jnp.where(up, n_i, n_clo)
+      dn = use & (n_i < top_k) & ((tk < n_tkhi) | (n_tkhi == _INT_MIN))   # first such: hi
+      n_hi, n_chi, n_tkhi = (jnp.where(dn, t, n_hi), jnp.where(dn, n_i, n_chi),
+                             jnp.where(dn, tk, n_tkhi))
+      new = (n_lo, n_hi, n_clo, n_chi, n_tkhi)
+    moved = (new[0] != lo) | (new[1] != hi)
+    return (p + 1,) + new + (thr, moved)
 
-  passes, _, _, thr = jax.lax.while_loop(
-      cond, body, (jnp.int32(0), lo.astype(jnp.float32), hi.astype(jnp.float32),
-                   jnp.int32(_INT_MIN)))
-  res = (thr != _INT_MIN, thr)
-  return res + (passes,) if return_passes else res
+  init = (jnp.int32(0), lo.astype(jnp.float32), hi.astype(jnp.float32), jnp.int32(n_lanes),
+          jnp.int32(0), jnp.int32(_INT_MIN), jnp.int32(_INT_MIN), True)
+  res = jax.lax.while_loop(cond, body, init)
+  passes, thr = res[0], res[6]
+  out = (thr != _INT_MIN, thr)
+  return out + (passes,) if return_passes else out
 
 
 def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False, n_real=None):
@@ -363,15 +394,15 @@ def _bit_search(key, real, *, top_k, loop="unrolled", return_steps=False, n_real
 
 def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
                 digit_bits, search_chunk, search_loop="unrolled", len_group=1,
-                search_trials=16):
+                search_trials=4):
   """The kept set of (batch b, kv head h) from its scores: (block ids [nb_pad], keep [nb_pad]
   bool). Shared by the selection kernels (``_select_body``, which then compacts it) and the
   fused selection + attention kernel (``decode_fused_select``). ``search_loop``: "unrolled"
   (default), "rolled" (the threshold search's steps as one ``fori_loop``: the same integer ops
   per step, so the same threshold) or "early" (bit search only: stop at the first trial that
   counts exactly top_k keys, ``_bit_search``; the same kept set) or "kary" (``_kary_search``
-  with ``search_trials`` trials per pass, then, only if it found nothing, the early bit
-  search; the same kept set)."""
+  with at most ``search_trials`` trials per pass, then, only if it found nothing, the early
+  bit search; the same kept set)."""
   j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
   real = j < num_blocks
   length = jnp.minimum(plgpu.load(len_ref.at[_len_index(b, len_group)]), num_blocks * block)
@@ -415,10 +446,8 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
 
     if search_loop == "kary":                  # exact hits in score space, else the bit search
       found, thr_k = _kary_search(
-          _radix_keys(s_ref, b, h, diag, num_blocks=num_blocks, nb_pad=nb_pad,
-                      num_init=num_init, num_local=num_local, chunk=search_chunk),
-          jnp.min(jnp.where(cand, s, jnp.inf)), jnp.max(jnp.where(cand, s, -jnp.inf)),
-          top_k=top_k, trials=search_trials)
+          key, real, jnp.min(jnp.where(cand, s, jnp.inf)),
+          jnp.max(jnp.where(cand, s, -jnp.inf)), top_k=top_k, trials=search_trials)
       keep = keep | jax.lax.cond(found, lambda: cand & (key >= thr_k) & real,
                                  lambda: searched("early"))
     else:
@@ -428,7 +457,7 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
 
 def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, nb_pad,
                  num_init, num_local, top_k, width, digit_bits, search_chunk, len_group=1,
-                 search_loop="unrolled", search_trials=16):
+                 search_loop="unrolled", search_trials=4):
   """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
   selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h].
   Returns the number of list slots written (>= 1; a reduction over every lane, so a value
@@ -450,7 +479,7 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
 
 def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, block, num_blocks, nb_pad, num_init,
                    num_local, top_k, width, digit_bits=1, search_chunk=None, len_group=1,
-                   search_loop="unrolled", search_trials=16):
+                   search_loop="unrolled", search_trials=4):
   """One (batch, kv head) program.
 
   Refs: len [B] (query position + 1); scores [B, Hk, N] fp32; outputs idx [B, Hk, width]
@@ -491,13 +520,12 @@ def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, 
     raise ValueError(f"search_trials is for search_loop='kary', got search_loop="
                      f"{search_loop!r}")
   if search_loop == "kary":
-    search_trials = 16 if search_trials is None else search_trials
+    search_trials = 4 if search_trials is None else search_trials
     if search_trials not in KARY_TRIALS:
-      raise ValueError(f"search_trials must be one of {KARY_TRIALS}, got {search_trials}")
-  if search_chunk is None:      # the kary compare tile is [trials, chunk], as radix digits
-    search_chunk = _default_search_chunk(
-        nb_pad, int(search_trials).bit_length() - 1 if search_loop == "kary" else digit_bits,
-        num_warps)
+      raise ValueError(f"search_trials must be an int from 1 to {KARY_TRIALS[-1]}, got "
+                       f"{search_trials}")
+  if search_chunk is None:
+    search_chunk = _default_search_chunk(nb_pad, digit_bits, num_warps)
   elif search_chunk < 16 or search_chunk & (search_chunk - 1):
     raise ValueError(f"search_chunk must be a power of two >= 16, got {search_chunk}")
   sel = dict(block=int(block_size), num_blocks=nb, nb_pad=nb_pad,
@@ -546,13 +574,13 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
       :func:`decode_block_scores`.
     search_loop: the bit search's steps: "unrolled" (32 straight-line steps), "rolled" (one
       loop) or "early" (a loop that stops at the first trial counting exactly top_k keys:
-      ~17 steps on continuous scores, 32 with ties at the k-th) or "kary" (``search_trials``
-      evenly spaced score trials per pass, accepting the first that counts exactly top_k keys:
-      ~3 passes on continuous scores; the early bit search only when none does within 8
-      passes, e.g. ties at the k-th). The same selection for every value (tested). "early"
+      ~17 steps on continuous scores, 32 with ties at the k-th) or "kary" (up to
+      ``search_trials`` evenly spaced score trials per pass, their counts packed into one
+      reduction, accepting the first trial that counts exactly top_k keys: ~6 passes on
+      normal scores; the early bit search only when none does, e.g. ties at the k-th). The same selection for every value (tested). "early"
       and "kary" need digit_bits=1. Default None: "early" for digit_bits=1 (faster on the
       H200: 5.5 against 6.8 us at 2048 blocks, run 90), else "unrolled".
-    search_trials: "kary" only: trials per pass, one of 4, 8, 16, 32 (default 16).
+    search_trials: "kary" only: most trials per pass, 1 to 8 (default 4).
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
