@@ -84,6 +84,9 @@ def main(argv=None):
                       "splits:num_stages:blocks_per_step[:p] (sparse_hnd_one_s33_st2_b2_p, ...)")
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
+  p.add_argument("--top-frac", type=float, default=0.19,
+                 help="kept share of the blocks, the initial and local ones included "
+                      "(issue 5's case: 0.19)")
   p.add_argument("--tiny", action="store_true", help="CPU dry run (interpret, small shapes)")
   p.add_argument("--kernel-trace", type=int, default=0, metavar="CALLS",
                  help="also each row's device kernel time per call from a profiler trace of "
@@ -95,7 +98,7 @@ def main(argv=None):
   B, Hq, Hk, D, bs = 1, 32, 8, 128, 64
   S = 1024 if a.tiny else a.seq
   nb = S // bs
-  top_k = max(1, round(0.19 * nb) - 2)
+  top_k = max(1, round(a.top_frac * nb) - 2)
   interp = a.tiny
   impl = "xla" if a.tiny else "triton"
   keys = jax.random.split(jax.random.key(0), 8)
