@@ -82,6 +82,11 @@ def main(argv=None):
                       "(pallas_kernels.sparse.decode_one_launch: scores, selection and "
                       "attention in one Triton launch; GPU only) at "
                       "splits:num_stages:blocks_per_step[:p] (sparse_hnd_one_s33_st2_b2_p, ...)")
+  p.add_argument("--attend", default="",
+                 help="e.g. 16:3:2,16:3:1: head-major rows with fused_select='attend' (the "
+                      "scores launch, then the attention kernel whose every program selects "
+                      "itself; pallas_kernels.sparse.decode_fused_select) at "
+                      "splits:num_stages:blocks_per_step (sparse_hnd_attend_s16_st3_b2, ...)")
   p.add_argument("--skip", default="", help="comma list of row names not to run "
                  "(dense_nhd, the ratios' base, always runs)")
   p.add_argument("--top-frac", type=float, default=0.19,
@@ -197,6 +202,11 @@ def main(argv=None):
     launch = (("num_stages", st_), ("blocks_per_step", b_), ("prefetch_ids", pre))
     fns[f"sparse_hnd_one_s{n_}_st{st_}_b{b_}" + ("_p" if pre else "")] = hnd_row(
         launch, num_splits=n_, fused="all")
+  for spec in (x for x in a.attend.split(",") if x):      # fused_select="attend" at a launch
+    n_, st_, b_ = (int(x) for x in spec.split(":"))
+    launch = (("num_stages", st_), ("blocks_per_step", b_))
+    fns[f"sparse_hnd_attend_s{n_}_st{st_}_b{b_}"] = hnd_row(launch, num_splits=n_,
+                                                            fused="attend")
   if a.mosaic and not a.tiny:
     fns["sparse_mosaic_nhd"] = lambda q, c: sp.sparse_decode_attention(
         q, c["k"], c["v"], c["lens"], c["summ"], implementation="mosaic_gpu", **kw)

@@ -1756,11 +1756,15 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   impl = _resolve_decode_implementation(implementation)
   if _select and impl != "triton":
     raise ValueError("_select is for the Triton selection kernels only")
-  if fused_select not in (None, True, False, "all"):
-    raise ValueError(f"fused_select must be None, True, False or 'all', got {fused_select!r}")
+  if fused_select not in (None, True, False, "all", "attend"):
+    raise ValueError(f"fused_select must be None, True, False, 'all' or 'attend', got "
+                     f"{fused_select!r}")
   if fused_select == "all" and (impl != "triton" or page_table is not None):
     raise ValueError("fused_select='all' (scores, selection and attention in one launch) is "
                      "for the 'triton' implementation on contiguous caches")
+  if fused_select == "attend" and impl != "triton":
+    raise ValueError("fused_select='attend' (the selection inside the attention kernel) is "
+                     "for the 'triton' implementation")
   if score_splits is not None and not fused_select:
     raise ValueError("score_splits applies to fused_select=True only")
   if impl == "mosaic_tpu" and num_splits not in (None, 1):
@@ -1801,7 +1805,21 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     lg = {} if _lengths_group == 1 else dict(lengths_group=int(_lengths_group))
     if _lengths_group != 1 and impl != "triton":
       raise ValueError("_lengths_group is for the Triton kernels only")
-    if fused_select == "all":
+    if fused_select == "attend":
+      # scores (and zeroed arrival counters) in one launch, then every attention program
+      # selects from its (batch, kv head)'s scores row itself before attending
+      from pallas_kernels.sparse.decode_fused_select import sparse_decode_fused
+      launch = dict(_launch)
+      launch.pop("prefetch_ids", None)      # the ids come from the in-kernel selection
+      opts = dict(digit_bits=1, search_loop="early", lookup="scratch", **launch)
+      opts.update(dict(_select))
+      if score_splits is not None:
+        raise ValueError("score_splits applies to fused_select=True only")
+      out, lse, indices = sparse_decode_fused(
+          q, k, v, lengths, block_summaries.sums, block_summaries.lengths, page_table,
+          block_size=block_size, num_splits=num_splits, scale=float(scale), return_lse=True,
+          return_indices=True, interpret=interpret, **sel_kw, **lg, **opts)
+    elif fused_select == "all":
       from pallas_kernels.sparse.decode_one_launch import sparse_decode_one_launch
       out, lse, indices, _ = sparse_decode_one_launch(
           q, k, v, lengths, block_summaries.sums, block_summaries.lengths,
@@ -1819,7 +1837,7 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
       indices, counts, arrivals = select_decode_slots(
           scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
           return_arrivals=True, **sel_kw, **lg, **dict(_select))
-    if fused_select == "all":
+    if fused_select in ("all", "attend"):
       pass
     elif impl == "mosaic_gpu":
       from pallas_kernels.sparse import decode_mosaic_gpu as mg
@@ -1929,7 +1947,11 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       queries while the selection runs and start on their kv head's list once it is
       ready); the same selection, and the same output up to the attention's rounding.
       Slower on the H200 (run 93: 46.6-57.8 us per call against 43.7 for the default, B1
-      S128K GQA 32:8, head-major), so never the default.
+      S128K GQA 32:8, head-major), so never the default. "attend" ("triton"): the scores
+      (and the zeroed arrival counters) in one launch, then the attention kernel whose every
+      program runs the selection of its (batch, kv head) itself before attending
+      (``pallas_kernels.sparse.decode_fused_select``: no single-program selection between the
+      launches, the search repeated by each split); the same selection and output.
     score_splits: with ``fused_select``: score programs per (batch, kv head); default
       ``pallas_kernels.sparse.decode_select.default_score_splits`` (32 at B1, 8 kv heads,
       2048 blocks on an H200; 1, i.e. no counters and no memset, once batch x kv_heads fills

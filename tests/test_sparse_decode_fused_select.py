@@ -174,6 +174,49 @@ def test_fused_from_summaries_equals_triton_path_and_reference():
   np.testing.assert_allclose(np.asarray(lse), np.asarray(r_lse), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("layout,bps", [("nhd", 1), ("hnd", 1), ("hnd", 2)])
+def test_api_fused_select_attend(layout, bps):
+  """``sparse_decode_attention(..., fused_select="attend")`` (the scores launch, then the
+  attention kernel whose every program selects itself; session 25): the default "triton"
+  call's indices, lse and output to the bit (the same blocks in the same order and the same
+  arithmetic), on a contiguous cache of either layout (head-major: lengths shared by each
+  sequence's kv heads, ``lengths_group``), 1 and 2 blocks per step, ragged lengths and tied
+  scores; it refuses other implementations and score_splits."""
+  b, hq, hk, d, bs, n = 2, 8, 2, 32, 16, 224
+  ks = jax.random.split(jax.random.key(12), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.float32)
+  k = jax.random.normal(ks[1], (b, n, hk, d), jnp.float32)
+  v = jax.random.normal(ks[2], (b, n, hk, d), jnp.float32)
+  k = k.at[:, 3 * bs:4 * bs].set(k[:, 6 * bs:7 * bs])                 # blocks 3 and 6 tie
+  lens = jnp.array([224, 93], jnp.int32)
+  if layout == "hnd":
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  summ = sp.init_block_summaries(k, lens, block_size=bs, kv_layout=layout)
+  kw = dict(block_size=bs, top_k=4, return_lse=True, return_indices=True,
+            implementation="triton", interpret=True, num_splits=3, kv_layout=layout)
+  if layout == "hnd":
+    launch = (("num_stages", 2), ("blocks_per_step", bps), ("prefetch_ids", True))
+    call = lambda fused: sp._hnd_decode(
+        q, k, v, lens, summ, block_size=bs, top_k=4, num_init_blocks=1, num_local_blocks=1,
+        scale=None, return_lse=True, return_indices=True, implementation="triton",
+        interpret=True, num_splits=3, fused_select=fused, score_splits=None, _launch=launch)
+  else:
+    call = lambda fused: sp.sparse_decode_attention(q, k, v, lens, summ, fused_select=fused,
+                                                    **kw)
+  got, want = call("attend"), call(None)
+  for x, y in zip(got, want):
+    _same(x, y)
+  ref = sp.sparse_decode_attention(q, k, v, lens, summ, block_size=bs, top_k=4,
+                                   implementation="xla", kv_layout=layout)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref), atol=2e-3, rtol=2e-3)
+  with pytest.raises(ValueError, match="'attend'.*'triton'"):
+    sp.sparse_decode_attention(q, k, v, lens, summ, block_size=bs, top_k=4, kv_layout=layout,
+                               implementation="xla", fused_select="attend")
+  with pytest.raises(ValueError, match="score_splits"):
+    sp.sparse_decode_attention(q, k, v, lens, summ, fused_select="attend", score_splits=2,
+                               **kw)
+
+
 def test_fused_options_raise():
   q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16)); lens = jnp.array([64])
   s = jnp.zeros((1, 2, 4))
@@ -191,6 +234,12 @@ def test_fused_options_raise():
     run(s, block_size=16, lookup="gather")
   with pytest.raises(ValueError, match="search_loop"):
     run(s, block_size=16, search_loop="scan")
+  with pytest.raises(ValueError, match="needs lookup='scratch'"):
+    run(s, block_size=16, blocks_per_step=2)
+  with pytest.raises(ValueError, match="blocks_per_step must be a power of two"):
+    run(s, block_size=16, blocks_per_step=3, lookup="scratch")
+  with pytest.raises(ValueError, match="lengths_group must be >= 1 and divide the batch"):
+    run(s, block_size=16, lengths_group=2)
 
 
 def _cuda_mlir(fn, *args):
@@ -281,3 +330,29 @@ def test_gpu_fused_equals_triton_path():
     err = np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref)) / np.linalg.norm(
         np.asarray(ref))
     assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_gpu_api_fused_select_attend_head_major():
+  """Compiled on the GPU (head-major B3, 8K, GQA 32:8, D128, bf16, 64-token blocks, lengths
+  8192 / 0 / 3001; the API's head-major launch and split count): ``fused_select="attend"``
+  gives the default call's indices, and its output and lse up to bf16 / fp32 rounding (the
+  same blocks, order and arithmetic in another kernel)."""
+  b, n, hq, hk, d, bs, top_k = 3, 8192, 32, 8, 128, 64, 24
+  ks = jax.random.split(jax.random.key(47), 3)
+  q = jax.random.normal(ks[0], (b, hq, d), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, hk, n, d), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, hk, n, d), jnp.bfloat16)
+  lens = jnp.array([8192, 0, 3001], jnp.int32)
+  summ = sp.init_block_summaries(k, lens, block_size=bs, kv_layout="hnd")
+  run = lambda fused: jax.jit(functools.partial(
+      sp.sparse_decode_attention, block_size=bs, top_k=top_k, implementation="triton",
+      kv_layout="hnd", return_lse=True, return_indices=True, fused_select=fused))(
+          q, k, v, lens, summ)
+  (out, lse, idx), (w_out, w_lse, w_idx) = run("attend"), run(None)
+  _same(idx, w_idx)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(w_out, np.float32),
+                             atol=1e-2, rtol=1e-2)
+  fin = np.isfinite(np.asarray(w_lse))
+  _same(np.isfinite(np.asarray(lse)), fin)
+  np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(w_lse)[fin], atol=1e-3, rtol=1e-3)

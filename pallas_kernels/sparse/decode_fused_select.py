@@ -119,7 +119,11 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
       split = pl.program_id(2)
       if attn["split_stride"] != 1:
         split = (split * attn["split_stride"]) % attn["num_splits"]
-      per_split = pl.cdiv(count, attn["num_splits"])
+      bps = attn.get("blocks_per_step", 1)
+      if bps == 1:
+        per_split = pl.cdiv(count, attn["num_splits"])
+      else:                              # whole steps per split, as decode._kernel
+        per_split = pl.cdiv(pl.cdiv(count, bps), attn["num_splits"]) * bps
       begin = jnp.minimum(split * per_split, count)
       end = jnp.minimum(begin + per_split, count)
       pos = incl - 1
@@ -145,13 +149,14 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
 @functools.partial(jax.jit, static_argnames=(
     "block_size", "top_k", "num_init_blocks", "num_local_blocks", "num_splits", "scale",
     "out_dtype", "digit_bits", "search_chunk", "search_loop", "lookup", "num_warps",
-    "num_stages", "return_indices", "interpret", "_split_stride"))
+    "num_stages", "return_indices", "interpret", "_split_stride", "lengths_group",
+    "blocks_per_step"))
 def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, arrivals=None, *,
                                 block_size, top_k, num_init_blocks=1, num_local_blocks=1,
                                 num_splits=None, scale=None, out_dtype=None, digit_bits=2,
                                 search_chunk=None, search_loop="unrolled", lookup="reduce",
                                 num_warps=4, num_stages=3, return_indices=False, interpret=False,
-                                _split_stride=1):
+                                _split_stride=1, lengths_group=1, blocks_per_step=1):
   """Block selection, split-KV attention over the kept blocks and the merge, in one launch.
 
   ``select_decode_slots`` + ``sparse_decode`` (merged) as one kernel: each (batch, kv head,
@@ -196,6 +201,11 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
     interpret: run in the Pallas interpreter (CPU tests).
     _split_stride: tests only: program s handles split (s * stride) % num_splits, so another
       split than the last arrives last in the interpreter.
+    lengths_group: consecutive sequences that share one length (kv_lengths [batch /
+      lengths_group]; a head-major cache seen as batch x kv_heads sequences of one kv head,
+      as ``decode_select.decode_block_scores``).
+    blocks_per_step: kept blocks per loop step (a power of two, ``decode.sparse_decode``'s
+      option); more than 1 needs ``lookup="scratch"``.
 
   Returns:
     (out [batch, q_heads, head_dim_v] in out_dtype, lse [batch, q_heads] fp32), then indices
@@ -245,12 +255,21 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
 
   if lookup not in ("reduce", "scratch"):
     raise ValueError(f"lookup must be 'reduce' or 'scratch', got {lookup!r}")
+  bps = int(blocks_per_step)
+  if bps < 1 or bps & (bps - 1):
+    raise ValueError(f"blocks_per_step must be a power of two, got {blocks_per_step}")
+  if bps > 1 and lookup != "scratch":
+    raise ValueError("blocks_per_step > 1 needs lookup='scratch' (the 'reduce' lookup finds "
+                     "one block id per step)")
+  _dec._check_lengths(kv_lengths, bsz, int(lengths_group), "kv_lengths")
   if math.gcd(int(_split_stride), num_splits) != 1:
     raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits "
                      f"{num_splits}")
   _, sel = _sel._selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                   width, num_warps, digit_bits, search_chunk, search_loop)
   sel.pop("width")
+  if lengths_group != 1:
+    sel["len_group"] = int(lengths_group)
   group = hq // hk
   if scale is None:
     scale = 1.0 / math.sqrt(d)
@@ -258,7 +277,8 @@ def sparse_decode_select_attend(q, k, v, kv_lengths, scores, page_table=None, ar
       _fused_kernel, sel=sel, width=width, return_indices=bool(return_indices), lookup=lookup,
       scale=float(scale), block=int(block_size), group=group, g_pad=_pow2(group), head_dim=d,
       d_pad=_pow2(d), head_dim_v=dv, dv_pad=_pow2(dv), num_splits=num_splits, num_slots=width,
-      capacity=capacity, paged=paged, merge=True, split_stride=int(_split_stride))
+      capacity=capacity, paged=paged, merge=True, split_stride=int(_split_stride),
+      len_group=int(lengths_group), blocks_per_step=bps)
   args = [kv_lengths.astype(jnp.int32), scores.astype(jnp.float32), q, k, v]
   if paged:
     args.append(page_table.astype(jnp.int32))
@@ -291,13 +311,14 @@ def _score_arrivals_kernel(slen_ref, q_ref, sums_ref, o_ref, arr_ref, **kw):
     plgpu.store(arr_ref.at[b, h], jnp.int32(0))
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "chunk", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_size", "chunk", "num_warps", "interpret",
+                                             "lengths_group"))
 def decode_block_scores_arrivals(q, sums, summary_lengths, *, block_size, chunk=64,
-                                 num_warps=4, interpret=False):
+                                 num_warps=4, interpret=False, lengths_group=1):
   """``decode_select.decode_block_scores`` (the same scores, to the bit) and zeroed counters.
 
   Args:
-    q, sums, summary_lengths, block_size, chunk, num_warps, interpret: as
+    q, sums, summary_lengths, block_size, chunk, num_warps, interpret, lengths_group: as
       ``decode_block_scores``.
 
   Returns:
@@ -312,9 +333,10 @@ def decode_block_scores_arrivals(q, sums, summary_lengths, *, block_size, chunk=
     ([2.0, 2.0, 4.0], [[0, 0]])
   """
   bsz, hk, nb, d, group, chunk = _sel._check_score_inputs(q, sums, chunk)
+  _dec._check_lengths(summary_lengths, bsz, int(lengths_group), "summary_lengths")
   kernel = functools.partial(_score_arrivals_kernel, block=int(block_size), chunk=chunk,
                              group=group, g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d),
-                             num_blocks=nb)
+                             num_blocks=nb, len_group=int(lengths_group))
   return pl.pallas_call(
       kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
                          jax.ShapeDtypeStruct((bsz, hk), jnp.int32)],
@@ -327,7 +349,7 @@ def decode_block_scores_arrivals(q, sums, summary_lengths, *, block_size, chunk=
 def sparse_decode_fused(q, k, v, kv_lengths, sums, summary_lengths, page_table=None, *,
                         block_size, top_k, num_init_blocks=1, num_local_blocks=1,
                         num_splits=None, scale=None, digit_bits=2, return_lse=False,
-                        return_indices=False, interpret=False, **kw):
+                        return_indices=False, interpret=False, lengths_group=1, **kw):
   """Sparse decode in two launches: :func:`decode_block_scores_arrivals`, then
   :func:`sparse_decode_select_attend` (the counters from the first, no memset).
 
@@ -336,7 +358,8 @@ def sparse_decode_fused(q, k, v, kv_lengths, sums, summary_lengths, page_table=N
 
   Args:
     q, k, v, kv_lengths, page_table, block_size, top_k, num_init_blocks, num_local_blocks,
-      num_splits, scale, digit_bits, interpret: as :func:`sparse_decode_select_attend`.
+      num_splits, scale, digit_bits, interpret, lengths_group: as
+      :func:`sparse_decode_select_attend` (lengths_group also for the summaries' lengths).
     sums, summary_lengths: ``BlockSummaries.sums`` and ``.lengths`` (layout "nhd").
     return_lse, return_indices: also return lse [batch, q_heads] and/or the kept lists
       [batch, kv_heads, width].
@@ -358,12 +381,14 @@ def sparse_decode_fused(q, k, v, kv_lengths, sums, summary_lengths, page_table=N
     True
   """
   scores, arrivals = decode_block_scores_arrivals(q, sums, summary_lengths,
-                                                  block_size=block_size, interpret=interpret)
+                                                  block_size=block_size, interpret=interpret,
+                                                  lengths_group=lengths_group)
   res = sparse_decode_select_attend(
       q, k, v, jnp.asarray(kv_lengths, jnp.int32), scores, page_table, arrivals,
       block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
       num_local_blocks=num_local_blocks, num_splits=num_splits, scale=scale,
-      digit_bits=digit_bits, return_indices=return_indices, interpret=interpret, **kw)
+      digit_bits=digit_bits, return_indices=return_indices, interpret=interpret,
+      lengths_group=lengths_group, **kw)
   out = (res[0],)
   if return_lse:
     out += (res[1],)
