@@ -71,10 +71,11 @@ def main(argv=None):
                       "split_by='width', m = merge_stores_last=False, e = 8 warps; row "
                       "suffix _<flags>)")
   p.add_argument("--hnd-select", default="",
-                 help="e.g. unrolled,kary,kary:8,early/4: more head-major rows (the API's "
-                      "launch) whose scores + selection kernel runs with that "
-                      "search_loop[:search_trials][/num_warps] (sparse_hnd_unrolled, "
-                      "sparse_hnd_kary8, sparse_hnd_early_w4, ...; default 'early', 8 warps)")
+                 help="e.g. unrolled,kary,kary:8,early/4,early/2c32: more head-major rows (the "
+                      "API's launch) whose scores + selection kernel runs with that "
+                      "search_loop[:search_trials][/num_warps[c<score tile blocks>]] "
+                      "(sparse_hnd_unrolled, sparse_hnd_kary8, sparse_hnd_early_w4, "
+                      "sparse_hnd_early_w2_c32, ...; default 'early', 8 warps, 64-block tiles)")
   p.add_argument("--hnd-all", action="store_true",
                  help="a head-major row with fused_select='all' (the API's one-launch path)")
   p.add_argument("--one-launch", default="",
@@ -169,12 +170,15 @@ def main(argv=None):
     fns[name] = hnd_row(launch, num_splits=n_)
   select_rows = set()                # the API call with another search: bit-identical outputs
   for spec in (x for x in a.hnd_select.split(",") if x):
-    spec, *warps = spec.split("/")
+    spec, *launch = spec.split("/")
     loop, *trials = spec.split(":")
-    name = f"sparse_hnd_{loop}{''.join(trials)}" + "".join(f"_w{w}" for w in warps)
+    warps, _, chunk = (launch[0] if launch else "").partition("c")
+    name = (f"sparse_hnd_{loop}{''.join(trials)}" + (f"_w{warps}" if warps else "")
+            + (f"_c{chunk}" if chunk else ""))
     select_rows.add(name)
     select = ((("search_loop", loop),) + tuple(("search_trials", int(t)) for t in trials)
-              + tuple(("num_warps", int(w)) for w in warps))
+              + ((("num_warps", int(warps)),) if warps else ())
+              + ((("chunk", int(chunk)),) if chunk else ()))
     fns[name] = hnd_row(sp._hnd_triton_launch(kh, vh, bs), select=select)
   if a.hnd_unfused:
     fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
