@@ -1951,7 +1951,10 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       (and the zeroed arrival counters) in one launch, then the attention kernel whose every
       program runs the selection of its (batch, kv head) itself before attending
       (``pallas_kernels.sparse.decode_fused_select``: no single-program selection between the
-      launches, the search repeated by each split); the same selection and output.
+      launches, the search repeated by each split); the same selection and output. On the
+      H200 (run 102, head-major, B1 S128K GQA 32:8): 41.98 us per call against 42.27 for the
+      default, within 1%; not the default, as at large batch every program repeats the
+      search.
     score_splits: with ``fused_select``: score programs per (batch, kv head); default
       ``pallas_kernels.sparse.decode_select.default_score_splits`` (32 at B1, 8 kv heads,
       2048 blocks on an H200; 1, i.e. no counters and no memset, once batch x kv_heads fills

@@ -260,8 +260,10 @@ def _kary_search(key, real, lo, hi, *, top_k, trials, max_passes=_KARY_MAX_PASSE
   bracket shrinks (at most ``trials``). The pass stops on a count of exactly top_k; otherwise
   (lo, hi) shrinks to the trials whose counts bracket top_k. Simulated at 2046 candidates and
   top 387 with 4 trials: ~6 passes on normal scores, ~9 log-normal, ~11 Cauchy, against ~17.5
-  steps of the early bit search (one reduction each); a 2D [trials, blocks] compare tile per
-  pass instead was slower on the H200 (run 99).
+  steps of the early bit search (one reduction each). Slower on the H200 all the same: scores
+  + selection 10.2 / 13.0 / 17.8 us at 2 / 4 / 8 trials against 9.8 for the early bit search
+  (run 100; a 2D [trials, blocks] compare tile per pass instead: 11.0-18.3 us, run 99), so it
+  is an option, not the default.
 
   The acceptance test alone makes the answer exact: keys >= a trial that counts exactly
   top_k are the top_k largest with every tie at the k-th among them (the early bit search's
@@ -577,7 +579,8 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
       ~17 steps on continuous scores, 32 with ties at the k-th) or "kary" (up to
       ``search_trials`` evenly spaced score trials per pass, their counts packed into one
       reduction, accepting the first trial that counts exactly top_k keys: ~6 passes on
-      normal scores; the early bit search only when none does, e.g. ties at the k-th). The same selection for every value (tested). "early"
+      normal scores; the early bit search only when none does, e.g. ties at the k-th; slower
+      than "early" on the H200, runs 99-100). The same selection for every value (tested). "early"
       and "kary" need digit_bits=1. Default None: "early" for digit_bits=1 (faster on the
       H200: 5.5 against 6.8 us at 2048 blocks, run 90), else "unrolled".
     search_trials: "kary" only: most trials per pass, 1 to 8 (default 4).
