@@ -7,6 +7,7 @@ import json
 import pytest
 
 from experiments import probe_decode_select as pds
+from experiments import probe_sparse_attention_parts as psp
 from experiments import probe_sparse_decode_layout as psl
 
 
@@ -74,3 +75,16 @@ def test_probe_decode_select_survives_a_failing_variant(tmp_path, monkeypatch):
   assert rows["select_r1_w8_cd_early"]["ok"] is False
   assert "no while loop" in rows["select_r1_w8_cd_early"]["error"]
   assert rows["select_r1_w8_cd"]["ok"] and rows["select_r1_w8_cd_rolled"]["ok"]
+
+
+def test_probe_sparse_attention_parts_tiny(tmp_path):
+  """The attention-parts probe (session 25): every row (the merged kernel, partials + merge
+  kernel, lists cut to 0 / 2 / 32 blocks) matches the fp32 reference on its own lists and
+  gets the trace's per-call figures."""
+  out = tmp_path / "parts.json"
+  res = psp.main(["--tiny", "--out", str(out)])
+  assert set(res["rows"]) == {"merged", "partials+merge", "counts=0", "counts=2", "counts=32"}
+  for name, row in res["rows"].items():
+    assert row["ok"], name
+    assert row["sum_us"] > 0 and row["calls"] == 2, name
+  assert json.loads(out.read_text())["case"]["splits"] >= 1
