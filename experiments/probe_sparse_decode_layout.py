@@ -34,7 +34,8 @@ from jattn import sparse as sp
 
 # --hnd-grid flags: Triton attention options added to a row's launch
 GRID_FLAGS = {"p": (("prefetch_ids", True),), "w": (("split_by", "width"),),
-              "m": (("merge_stores_last", False),), "e": (("num_warps", 8),)}
+              "m": (("merge_stores_last", False),), "e": (("num_warps", 8),),
+              "k": (("merge_kernel", True),)}
 
 
 def to_hnd(x):
@@ -68,8 +69,9 @@ def main(argv=None):
                  help="e.g. 16:2:2,24:3:1,33:2:2:pw: more head-major rows (fused selection) "
                       "with the Triton attention at splits:num_stages:blocks_per_step[:flags] "
                       "(sparse_hnd_s16_st2_b2, ...; flags: p = prefetch_ids, w = "
-                      "split_by='width', m = merge_stores_last=False, e = 8 warps; row "
-                      "suffix _<flags>)")
+                      "split_by='width', m = merge_stores_last=False, e = 8 warps, k = "
+                      "merge_kernel (the splits merged by a second kernel); row suffix "
+                      "_<flags>)")
   p.add_argument("--hnd-select", default="",
                  help="e.g. unrolled,kary,kary:8,early/4,early/2c32: more head-major rows (the "
                       "API's launch) whose scores + selection kernel runs with that "

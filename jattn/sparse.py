@@ -1605,7 +1605,11 @@ def _resolve_decode_implementation(implementation, platform=None):
 # of 64 x 128 bf16 need 192 KB, so it is used where they fit in 200 KB on sm90 only;
 # elsewhere 3 stages of one block (96 KB at that shape).
 _HND_TRITON_LAUNCH = (("num_stages", 3), ("blocks_per_step", 1), ("prefetch_ids", True))
-_HND_TRITON_LAUNCH_SM90 = (("num_stages", 3), ("blocks_per_step", 2), ("prefetch_ids", True))
+_HND_TRITON_LAUNCH_SM90 = (("num_stages", 3), ("blocks_per_step", 2), ("prefetch_ids", True),
+                           ("merge_kernel", True))
+# Session 25: on sm90 the splits are merged by a second kernel (``sparse_decode(...,
+# merge_kernel=True)``): the last split's in-kernel merge added ~4.3 us to the attention
+# kernel, the merge kernel takes 1.9 (run 105, experiments/probe_sparse_attention_parts.py).
 
 
 def _hnd_triton_launch(k, v, block_size):
@@ -1811,6 +1815,7 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
       from pallas_kernels.sparse.decode_fused_select import sparse_decode_fused
       launch = dict(_launch)
       launch.pop("prefetch_ids", None)      # the ids come from the in-kernel selection
+      launch.pop("merge_kernel", None)      # the merge stays in the attention kernel
       opts = dict(digit_bits=1, search_loop="early", lookup="scratch", **launch)
       opts.update(dict(_select))
       if score_splits is not None:
@@ -1825,7 +1830,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
           q, k, v, lengths, block_summaries.sums, block_summaries.lengths,
           block_size=block_size, max_selected=width, num_splits=num_splits,
           score_splits=score_splits, scale=float(scale), out_dtype=q.dtype,
-          interpret=interpret, **sel_kw, **lg, **dict(_launch), **dict(_select))
+          interpret=interpret, **sel_kw, **lg,
+          **{k_: v_ for k_, v_ in _launch if k_ != "merge_kernel"}, **dict(_select))
     elif fused_select:
       indices, counts, arrivals = score_select_decode_slots(
           q, block_summaries.sums, block_summaries.lengths, lengths, block_size=block_size,

@@ -198,6 +198,42 @@ def test_hnd_triton_default_launch(fused):
   assert "num_stages=3" in text and "num_stages=2" not in text, "attention launch options"
 
 
+def test_hnd_triton_sm90_launch_merges_in_a_second_kernel(monkeypatch):
+  """On sm90 (compute capability faked) the head-major launch is ``_HND_TRITON_LAUNCH_SM90``:
+  3 stages of 2 blocks per step, prefetched ids, and (session 25) the splits merged by the
+  merge kernel (``sparse_decode(..., merge_kernel=True)``, no arrival counters) instead of the
+  last split: the same indices, and output and lse equal to the in-kernel merge's up to fp32
+  rounding (the same partials, merged by the same log-sum-exp); the jaxpr has the merge
+  kernel and the partials kernel, not the merged one."""
+  _kernel_module_or_skip("triton")
+  monkeypatch.setattr(compat, "gpu_compute_capability", lambda: (9, 0))
+  b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 5
+  q, kc, vc = _inputs(48, b, n, hq, hk, d, d, jnp.float32)
+  lens = jnp.array([187, 70], jnp.int32)
+  kh, vh = _hnd(kc), _hnd(vc)
+  summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
+  launch = sp._hnd_triton_launch(kh, vh, bs)
+  assert dict(launch) == dict(num_stages=3, blocks_per_step=2, prefetch_ids=True,
+                              merge_kernel=True)
+  call = lambda launch: sp._hnd_decode(
+      q, kh, vh, lens, summ_h, block_size=bs, top_k=top_k, num_init_blocks=1,
+      num_local_blocks=1, scale=None, return_lse=True, return_indices=True,
+      implementation="triton", interpret=True, num_splits=3, fused_select=True,
+      score_splits=None, _launch=launch)
+  out, lse, idx = call(launch)
+  inline = tuple(x for x in launch if x[0] != "merge_kernel")
+  out_i, lse_i, idx_i = call(inline)
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(idx_i))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(out_i), atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_i), atol=1e-6, rtol=1e-6)
+  ref, _, _ = _reference(q, kc, vc, lens, idx_i, bs)
+  assert _rel(out, ref) < 2e-3
+  text = str(jax.make_jaxpr(lambda q: sp.sparse_decode_attention(
+      q, kh, vh, lens, summ_h, block_size=bs, top_k=top_k, kv_layout="hnd",
+      implementation="triton", interpret=True, num_splits=3))(q))
+  assert "jattn_sparse_decode_merge" in text and "jattn_sparse_decode_merged" not in text
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_hnd_triton_select_options_reach_the_kernel(fused):
   """``_hnd_decode(..., _select=(("search_loop", "unrolled"),))`` (the probes' A/B against
