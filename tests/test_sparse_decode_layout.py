@@ -321,7 +321,7 @@ def test_hnd_triton_default_splits(monkeypatch):
     monkeypatch.setattr(compat, "gpu_compute_capability", lambda cc=cc: cc)
     assert sp._hnd_triton_launch(kv(d), kv(d), bs_) == want, (cc, d, bs_)
   assert dict(sp._HND_TRITON_LAUNCH_SM90) == dict(num_stages=3, blocks_per_step=2,
-                                                  prefetch_ids=True)
+                                                  prefetch_ids=True, merge_kernel=True)
   assert sp._hnd_triton_num_splits(64, 389, core_count=132) == sd.default_num_splits(
       64, 1, 389, core_count=132) == 5                                # outside: the default
 
