@@ -1610,6 +1610,8 @@ _HND_TRITON_LAUNCH_SM90 = (("num_stages", 3), ("blocks_per_step", 2), ("prefetch
 # Session 25: on sm90 the splits are merged by a second kernel (``sparse_decode(...,
 # merge_kernel=True)``): the last split's in-kernel merge added ~4.3 us to the attention
 # kernel, the merge kernel takes 1.9 (run 105, experiments/probe_sparse_attention_parts.py).
+# Through the API: 40.29-40.49 us per call against 42.34-42.42 with the in-kernel merge, dense
+# decode 125.90-126.05: 3.11-3.13x by kernel sums (runs 106-108).
 
 
 def _hnd_triton_launch(k, v, block_size):
