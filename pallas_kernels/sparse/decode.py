@@ -23,8 +23,9 @@ Two ways to combine the splits' partial (out, lse):
   partials by log-sum-exp and writes the output in its dtype. One launch.
 * :func:`sparse_decode_partials` returns the partials and :func:`merge_decode_partials` merges
   them in a second small kernel (the same arithmetic as ``jattn.merge.merge_partials``, which
-  XLA runs as several reduction kernels). Two launches; kept for comparison and as building
-  blocks.
+  XLA runs as several reduction kernels). Two launches; ``sparse_decode(...,
+  merge_kernel=True)`` runs them (the head-major default on sm90 since session 25: the merge
+  kernel took 1.9 us where the in-kernel merge added ~4.3 to the attention kernel, run 105).
 
 File layout: attention kernel body, wrappers (partials, merged), merge helper, merge kernel and
 wrapper.
@@ -349,11 +350,12 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "num_warps",
                                              "num_stages", "blocks_per_step", "index_lookahead",
-                                             "interpret", "prefetch_ids", "split_by"))
+                                             "interpret", "prefetch_ids", "split_by",
+                                             "lengths_group"))
 def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts=None, *,
                            block_size, num_splits, scale=None, num_warps=4, num_stages=3,
                            blocks_per_step=1, index_lookahead=True, interpret=False,
-                           prefetch_ids=False, split_by="count"):
+                           prefetch_ids=False, split_by="count", lengths_group=1):
   """Per-split partial decode attention over each kv head's selected cache blocks (Triton).
 
   Args:
@@ -392,6 +394,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       id loads, do not depend on the count's load; slots past the count are skipped). The
       same blocks; the same split of them, and so the same result to the bit, where
       count == max_selected. Without counts the two are the same.
+    lengths_group: kv_lengths is [batch / lengths_group], one length per that many
+      consecutive sequences (as :func:`sparse_decode`).
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
@@ -413,7 +417,7 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=False, split_stride=1,
       blocks_per_step=blocks_per_step, index_lookahead=index_lookahead,
-      prefetch_ids=prefetch_ids, split_by=split_by)
+      prefetch_ids=prefetch_ids, split_by=split_by, lengths_group=lengths_group)
   out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
   return pl.pallas_call(
@@ -499,7 +503,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
                   blocks_per_step=1, index_lookahead=True, interpret=False, _split_stride=1,
                   lengths_group=1, prefetch_ids=False, split_by="count",
                   merge_stores_last=True, merge_kernel=False):
-  """Decode attention over each kv head's selected cache blocks, splits merged in-kernel (Triton).
+  """Decode attention over each kv head's selected cache blocks, splits merged (Triton).
 
   The kernel of :func:`sparse_decode_partials` with the merge folded in: each (batch, kv head,
   split) program stores its partial (out, lse) to an HBM scratch, then increments the
@@ -549,18 +553,11 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
                      f"{num_splits}")
   out_dtype = q.dtype if out_dtype is None else out_dtype
   if merge_kernel and int(num_splits) > 1:       # partials, then one merge kernel
-    kernel, grid, (bsz, hq, dv), args = _prepare(
+    o, lse = sparse_decode_partials(
         q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
-        num_splits=num_splits, scale=scale, merge=False, split_stride=1,
-        blocks_per_step=blocks_per_step, index_lookahead=index_lookahead,
-        lengths_group=lengths_group, prefetch_ids=prefetch_ids, split_by=split_by)
-    o, lse = pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
-                           jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)],
-        grid=grid,
-        compiler_params=compat.triton_compiler_params(num_warps=num_warps,
-                                                      num_stages=num_stages),
-        interpret=interpret, name="jattn_sparse_decode")(*args)
+        num_splits=num_splits, scale=scale, num_warps=num_warps, num_stages=num_stages,
+        blocks_per_step=blocks_per_step, index_lookahead=index_lookahead, interpret=interpret,
+        prefetch_ids=prefetch_ids, split_by=split_by, lengths_group=lengths_group)
     return merge_decode_partials(o, lse, out_dtype=out_dtype, interpret=interpret)
   kernel, grid, (bsz, hq, dv), args = _prepare(
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
