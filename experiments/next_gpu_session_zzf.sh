@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Its dense decode trace is now experiments/decode_merge_trace.py; superseded by zzg, run 99.)
 # One GPU call (~4 min), written in session 24 (not run yet).
 # (0) GPU tests of decode_attention(..., merge="pallas") (the splits merged by one Triton
 #     kernel; 123.15 against 126.92 us per call by kernel trace in run 92, through a direct
@@ -16,31 +17,8 @@ timeout ${T_TESTS:-150} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cachep
   tests/test_decode.py tests/test_sparse_decode_layout.py -k "pallas_merge or hnd" \
   > "$OUT/gpu_tests_merge.txt" 2>&1
 echo "GPU tests rc=$?"; tail -2 "$OUT/gpu_tests_merge.txt"
-timeout ${T_TRACE:-120} python3 - <<'PY' 2>&1 | grep -v -i warn | tee "$OUT/decode_merge_trace.txt"
-import json, os, jax, jax.numpy as jnp
-from jattn import decode as dec
-from experiments.kernel_trace import kernel_times, format_times
-b, n, hq, hk, d = 1, 131072, 32, 8, 128
-sets = []
-for i in range(3):
-  k1, k2, k3 = jax.random.split(jax.random.key(i), 3)
-  sets.append((jax.random.normal(k1, (b, hq, d), jnp.bfloat16),
-               jax.random.normal(k2, (b, n, hk, d), jnp.bfloat16),
-               jax.random.normal(k3, (b, n, hk, d), jnp.bfloat16), jnp.full((b,), n, jnp.int32)))
-f32 = lambda x: x.astype(jnp.float32)
-q, k, v, lens = sets[0]
-ref = dec.decode_attention(f32(q), f32(k), f32(v), lens, implementation="xla")
-res = {}
-for m in ("xla", "pallas"):
-  f = jax.jit(lambda q, k, v, l, m=m: dec.decode_attention(q, k, v, l, implementation="triton",
-                                                          merge=m))
-  err = float(jnp.linalg.norm(f32(f(*sets[0])) - ref) / jnp.linalg.norm(ref))
-  r = kernel_times(f, sets, calls=32, warmup=3)
-  r.update(rel_err=err)
-  res[m] = r
-  print(format_times(f"merge={m}", r), f"| rel_err {err:.2e}", flush=True)
-json.dump(res, open(os.path.join(os.environ["OUT"], "decode_merge_trace.json"), "w"), indent=1)
-PY
+timeout ${T_TRACE:-120} python3 experiments/decode_merge_trace.py --merges xla,pallas --implementation triton \
+  --out "$OUT/decode_merge_trace.json" 2>&1 | grep -v -i warn | tee "$OUT/decode_merge_trace.txt"
 for i in 1 2; do
   timeout ${T_LAYOUT:-100} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 \
     --rounds 1 --skip sparse_nhd,dense_hnd --hnd-grid 16:3:2:pe,16:3:1:pe --kernel-trace 32 \

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Its dense decode trace, an inline Python block when it ran, is now
+# experiments/decode_merge_trace.py: the same calls, checks and trace.)
 # One GPU call (< 10 min), session 25. Supersedes next_gpu_session_zzf.sh (its steps 0-2 are
 # here too).
 # (0) GPU tests: decode_attention(..., merge="pallas"), the sparse head-major path (with the
@@ -17,31 +19,8 @@ timeout ${T_TESTS:-170} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cachep
   -k "pallas_merge or hnd or gpu_decode_select_searches or gpu_sparse_decode_triton" \
   > "$OUT/gpu_tests.txt" 2>&1
 echo "GPU tests rc=$?"; tail -3 "$OUT/gpu_tests.txt"
-timeout ${T_TRACE:-100} python3 - <<'PY' 2>&1 | grep -v -i warn | tee "$OUT/decode_merge_trace.txt"
-import json, os, jax, jax.numpy as jnp
-from jattn import decode as dec
-from experiments.kernel_trace import kernel_times, format_times
-b, n, hq, hk, d = 1, 131072, 32, 8, 128
-sets = []
-for i in range(3):
-  k1, k2, k3 = jax.random.split(jax.random.key(i), 3)
-  sets.append((jax.random.normal(k1, (b, hq, d), jnp.bfloat16),
-               jax.random.normal(k2, (b, n, hk, d), jnp.bfloat16),
-               jax.random.normal(k3, (b, n, hk, d), jnp.bfloat16), jnp.full((b,), n, jnp.int32)))
-f32 = lambda x: x.astype(jnp.float32)
-q, k, v, lens = sets[0]
-ref = dec.decode_attention(f32(q), f32(k), f32(v), lens, implementation="xla")
-res = {}
-for m in ("xla", "pallas", "xla"):
-  f = jax.jit(lambda q, k, v, l, m=m: dec.decode_attention(q, k, v, l, implementation="triton",
-                                                          merge=m))
-  err = float(jnp.linalg.norm(f32(f(*sets[0])) - ref) / jnp.linalg.norm(ref))
-  r = kernel_times(f, sets, calls=32, warmup=3)
-  r.update(rel_err=err)
-  res[m if m not in res else m + "_again"] = r
-  print(format_times(f"merge={m}", r), f"| rel_err {err:.2e}", flush=True)
-json.dump(res, open(os.path.join(os.environ["OUT"], "decode_merge_trace.json"), "w"), indent=1)
-PY
+timeout ${T_TRACE:-100} python3 experiments/decode_merge_trace.py --merges xla,pallas,xla --implementation triton \
+  --out "$OUT/decode_merge_trace.json" 2>&1 | grep -v -i warn | tee "$OUT/decode_merge_trace.txt"
 i=0
 for rows in "--hnd-select kary,kary:32 --hnd-grid 16:3:2:pe" "--hnd-select kary,kary:8"; do
   i=$((i + 1))

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Its dense decode trace, an inline Python block when it ran, is now
+# experiments/decode_merge_trace.py: the same calls, checks and trace.)
 # One GPU call (< 10 min), session 25, after run 99 (next_gpu_session_zzg.sh).
 # (0) GPU tests: the dense decode's new default merge (one Triton kernel, "triton" and
 #     "mosaic_gpu"), the selection kernel with every search (search_loop="kary" now packs its
@@ -16,31 +18,8 @@ timeout ${T_TESTS:-200} python3 -m pytest -q -rfE --tb=short -m gpu -p no:cachep
   tests/test_decode.py tests/test_sparse_decode_layout.py tests/test_sparse.py \
   -k "pallas_merge or hnd or gpu_decode_select_searches" > "$OUT/gpu_tests.txt" 2>&1
 echo "GPU tests rc=$?"; tail -3 "$OUT/gpu_tests.txt"
-timeout ${T_TRACE:-100} python3 - <<'PY' 2>&1 | grep -v -i warn | tee "$OUT/decode_merge_trace.txt"
-import json, os, jax, jax.numpy as jnp
-from jattn import decode as dec
-from experiments.kernel_trace import kernel_times, format_times
-b, n, hq, hk, d = 1, 131072, 32, 8, 128
-sets = []
-for i in range(3):
-  k1, k2, k3 = jax.random.split(jax.random.key(i), 3)
-  sets.append((jax.random.normal(k1, (b, hq, d), jnp.bfloat16),
-               jax.random.normal(k2, (b, n, hk, d), jnp.bfloat16),
-               jax.random.normal(k3, (b, n, hk, d), jnp.bfloat16), jnp.full((b,), n, jnp.int32)))
-f32 = lambda x: x.astype(jnp.float32)
-q, k, v, lens = sets[0]
-ref = dec.decode_attention(f32(q), f32(k), f32(v), lens, implementation="xla")
-res = {}
-for m in ("default", "xla", "default"):
-  kw = {} if m == "default" else dict(merge=m)
-  f = jax.jit(lambda q, k, v, l, kw=kw: dec.decode_attention(q, k, v, l, **kw))
-  err = float(jnp.linalg.norm(f32(f(*sets[0])) - ref) / jnp.linalg.norm(ref))
-  r = kernel_times(f, sets, calls=32, warmup=3)
-  r.update(rel_err=err)
-  res[m if m not in res else m + "_again"] = r
-  print(format_times(f"merge={m}", r), f"| rel_err {err:.2e}", flush=True)
-json.dump(res, open(os.path.join(os.environ["OUT"], "decode_merge_trace.json"), "w"), indent=1)
-PY
+timeout ${T_TRACE:-100} python3 experiments/decode_merge_trace.py --merges default,xla,default \
+  --out "$OUT/decode_merge_trace.json" 2>&1 | grep -v -i warn | tee "$OUT/decode_merge_trace.txt"
 for i in 1 2; do
   timeout ${T_LAYOUT:-130} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 \
     --rounds 1 --skip sparse_nhd,dense_hnd --hnd-select kary,kary:2,kary:8,early/4,kary/4 \

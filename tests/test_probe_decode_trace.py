@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from experiments import decode_merge_trace as dmt
 from experiments import probe_decode_select as pds
 from experiments import probe_sparse_attention_parts as psp
 from experiments import probe_sparse_decode_layout as psl
@@ -88,3 +89,14 @@ def test_probe_sparse_attention_parts_tiny(tmp_path):
     assert row["ok"], name
     assert row["sum_us"] > 0 and row["calls"] == 2, name
   assert json.loads(out.read_text())["case"]["splits"] >= 1
+
+
+def test_decode_merge_trace_tiny(tmp_path):
+  """The dense decode merge trace (sessions 24-25): each merge (a repeated one as <m>_again)
+  matches the fp32 reference and gets the trace's per-call figures."""
+  res = dmt.main(["--tiny", "--merges", "default,xla,default", "--out",
+                  str(tmp_path / "m.json")])
+  assert set(res) == {"default", "xla", "default_again"}
+  for name, row in res.items():
+    assert row["ok"], name
+    assert row["sum_us"] > 0 and row["calls"] == 2, name

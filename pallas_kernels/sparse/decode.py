@@ -148,20 +148,17 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   if split_by not in SPLIT_BY:
     raise ValueError(f"split_by must be one of {SPLIT_BY}, got {split_by!r}")
   if split_by == "width":                # static shares of the list's width
-    per_split = _max_per_split(num_slots, num_splits, bps)
+    per_split = _split_share(num_slots, num_splits, bps)
     begin = jnp.minimum(split * per_split, num_slots)
   else:
-    if bps == 1:
-      per_split = pl.cdiv(n_slots, num_splits)
-    else:                                # whole steps per split (the last one may be partial)
-      per_split = pl.cdiv(pl.cdiv(n_slots, bps), num_splits) * bps
+    per_split = _split_share(n_slots, num_splits, bps)
     begin = jnp.minimum(split * per_split, n_slots)
   end = jnp.maximum(jnp.minimum(begin + per_split, n_slots), begin)   # "width": may be empty
 
   if prefetch_ids and slot_source is not None:
     raise ValueError("prefetch_ids needs the lists in idx_ref (not slot_source)")
   if prefetch_ids:                       # the split's <= ids_pad ids, before the loop
-    ids_pad = _pow2(_max_per_split(num_slots, num_splits, bps))
+    ids_pad = _pow2(_split_share(num_slots, num_splits, bps))
     ar = jnp.arange(ids_pad, dtype=jnp.int32)
     own = ar < end - begin
     # "width": the load's addresses and mask do not depend on the count (the split's static
@@ -312,11 +309,18 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
         _merge_head(o_ref, lse_ref, out_ref, lse_out_ref, b, hh, **mkw)
 
 
-def _max_per_split(num_slots, num_splits, bps):
-  """The most list slots one split walks (the kernel's per_split with every slot counted)."""
+def _split_share(n_slots, num_splits, bps):
+  """List slots per split when n_slots (an int or a traced scalar) are shared by num_splits:
+  cdiv(n_slots, num_splits), or with ``bps`` blocks per step whole steps per split (the last
+  split may hold fewer). With n_slots = the list's width: the most slots one split walks.
+
+  Example:
+    >>> _split_share(389, 16, 1), _split_share(389, 16, 2)
+    (25, 26)
+  """
   if bps == 1:
-    return -(-num_slots // num_splits)
-  return -(-(-(-num_slots // bps)) // num_splits) * bps
+    return pl.cdiv(n_slots, num_splits)
+  return pl.cdiv(pl.cdiv(n_slots, bps), num_splits) * bps
 
 
 def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, programs_per_core=2,

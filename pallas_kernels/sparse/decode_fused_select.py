@@ -122,11 +122,7 @@ def _fused_kernel(lens_ref, s_ref, q_ref, k_ref, v_ref, *rest, sel, width, retur
       split = pl.program_id(2)
       if attn["split_stride"] != 1:
         split = (split * attn["split_stride"]) % attn["num_splits"]
-      bps = attn.get("blocks_per_step", 1)
-      if bps == 1:
-        per_split = pl.cdiv(count, attn["num_splits"])
-      else:                              # whole steps per split, as decode._kernel
-        per_split = pl.cdiv(pl.cdiv(count, bps), attn["num_splits"]) * bps
+      per_split = _dec._split_share(count, attn["num_splits"], attn.get("blocks_per_step", 1))
       begin = jnp.minimum(split * per_split, count)
       end = jnp.minimum(begin + per_split, count)
       pos = incl - 1
