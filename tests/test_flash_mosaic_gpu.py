@@ -36,6 +36,7 @@ from jax import lax
 from pallas_kernels import compat
 from pallas_kernels.flash import mosaic_gpu as mg
 from pallas_kernels.flash.reference import attention_reference
+from pallas_kernels.tuning import mask_kind
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 # Options for compiling the CPU replay only (how XLA:CPU optimises the test harness).
@@ -1033,17 +1034,14 @@ def test_unsupported_options_raise():
 
 
 def test_mosaic_backward_rejects_masks_at_the_call():
-  """backward="mosaic" (dense/causal only) with a window, segment ids or soft cap raises
-  NotImplementedError when the forward is called, naming the option."""
+  """backward="mosaic" with segment ids raises NotImplementedError when the forward is called,
+  naming the option (windows and the soft cap are supported)."""
   import jattn
   q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
   seg = jnp.ones((1, 128), jnp.int32)
   bs = mg.BlockSizes(backward="mosaic")
-  for kwargs, name in ((dict(local_window_size=(63, 0), causal=True), "local_window_size"),
-                       (dict(segment_ids=seg), "segment ids"),
-                       (dict(logits_soft_cap=30.0), "logits_soft_cap")):
-    with pytest.raises(NotImplementedError, match=name):
-      jattn.flash_attention(q, q, q, implementation="mosaic_gpu", block_sizes=bs, **kwargs)
+  with pytest.raises(NotImplementedError, match="segment ids"):
+    jattn.flash_attention(q, q, q, implementation="mosaic_gpu", block_sizes=bs, segment_ids=seg)
 
 
 # ------------------------------------------- jattn registration, hybrid backward (CPU)
@@ -1125,7 +1123,8 @@ VJP_CASES = {
     "causal_gqa_ragged": dict(sq=200, sk=328, causal=True),
     "causal_q_longer_empty_rows": dict(sq=328, sk=200, causal=True, scale=0.1),
 }
-# The masks the Mosaic GPU backward lacks: Triton backward only (through _triton_bwd_masked).
+# Masks: the Triton backward (through _triton_bwd_masked) and, except segment ids, the Mosaic GPU
+# backward.
 VJP_MASK_CASES = {
     "causal_window_64": dict(sq=200, sk=328, causal=True, local_window_size=(64, 0)),
     "window_100_30": dict(sq=200, sk=328, causal=False, local_window_size=(100, 30)),
@@ -1236,7 +1235,7 @@ def test_tail_kv_splits_checks():
     cfg((1, 1000, 2, 128), causal=False)
 
 
-@pytest.mark.parametrize("name", list(VJP_CASES))
+@pytest.mark.parametrize("name", list(VJP_CASES) + [n for n in VJP_MASK_CASES if "segments" not in n])
 def test_registered_vjp_with_mosaic_backward(name, monkeypatch):
   """``BlockSizes(backward="mosaic")``: the custom_vjp hands the same residuals to the Mosaic GPU
   backward (``mosaic_gpu_bwd``). Neither Mosaic kernel runs on the CPU: the forward and both
@@ -1250,11 +1249,12 @@ def test_registered_vjp_with_mosaic_backward(name, monkeypatch):
   real_bwd = mb.flash_attention_bwd
   monkeypatch.setattr(mb, "flash_attention_bwd", lambda *a, **kw: called.append(1) or
                       real_bwd(*a, **kw))
-  case = dict(VJP_CASES[name])
-  causal, scale = case.pop("causal"), case.pop("scale", None)
-  q, k, v = _inputs(zlib.crc32(name.encode()), b=1, hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
+  case = dict(VJP_CASES.get(name) or VJP_MASK_CASES[name])
+  case.update(b=1)
+  causal, _, _, mask = _mask_args(case, name)
+  q, k, v = _inputs(zlib.crc32(name.encode()), hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
   bs = mg.BlockSizes(backward="mosaic")
-  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, scale=scale, block_sizes=bs)
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, block_sizes=bs, **mask)
   assert called, "the Mosaic GPU backward was not used"
   _assert_vjp_close(got, want, jnp.bfloat16)
 
@@ -1567,18 +1567,27 @@ GPU_VJP_CASES = {
 }
 
 
+# Masked cases the Mosaic GPU backward takes (windows, soft cap; session 26).
+_MOSAIC_BWD_MASK_CASES = ("d128_causal_window_511", "d128_causal_window_64_ragged",
+                          "d64_window_100_30_q_longer", "d128_soft_cap_causal",
+                          "d64_soft_cap_dense_fp16")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in GPU_VJP_CASES if "d256" not in n])
+@pytest.mark.parametrize("name", [n for n in GPU_VJP_CASES if "d256" not in n]
+                         + list(_MOSAIC_BWD_MASK_CASES))
 def test_gpu_registered_forward_and_mosaic_backward(name):
-  """Hopper forward + Hopper backward (``BlockSizes(backward="mosaic")``) through jattn."""
+  """Hopper forward + Hopper backward (``BlockSizes(backward="mosaic")``) through jattn, with
+  the masks the Mosaic backward takes."""
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
-  case = dict(GPU_VJP_CASES[name])
+  case = dict(GPU_VJP_CASES.get(name) or GPU_MASK_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
-  causal = case.pop("causal")
+  causal, _, _, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1]), backward="mosaic")
-  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, block_sizes=bs)
+  kind = mask_kind(causal, mask.get("local_window_size"))
+  bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1], mask=kind), backward="mosaic")
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, block_sizes=bs, **mask)
   _assert_vjp_close(got, want, dtype)
 
 

@@ -58,12 +58,14 @@ def _inputs(seed, b, sq, sk, hq, hk, d, dtype):
 
 # -------------------------------------------------------------------------------- lowering (CPU)
 
-def _lower(b, sq, sk, hq, hk, d, causal, dtype=jnp.bfloat16, bs=None):
+def _lower(b, sq, sk, hq, hk, d, causal, dtype=jnp.bfloat16, bs=None, window=None,
+           soft_cap=None):
   q = jax.ShapeDtypeStruct((b, sq, hq, d), dtype)
   kv = jax.ShapeDtypeStruct((b, sk, hk, d), dtype)
   lse = jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)
-  fn = jax.jit(lambda q, k, v, o, l, do: mb.flash_attention_bwd(q, k, v, o, l, do, causal=causal,
-                                                                 block_sizes=bs))
+  fn = jax.jit(lambda q, k, v, o, l, do: mb.flash_attention_bwd(
+      q, k, v, o, l, do, causal=causal, block_sizes=bs, local_window_size=window,
+      logits_soft_cap=soft_cap))
   return jax.export.export(fn, platforms=["cuda"])(q, kv, kv, q, lse, q)
 
 
@@ -76,6 +78,11 @@ LOWER_CASES = {
                                       bs=mb.BlockSizes(64, 128, 64, 128, 3, 3)),
     "d128_bq_dq128": dict(sq=1000, sk=1000, hq=4, hk=1, d=128, causal=True,
                           bs=mb.BlockSizes(64, 64, 128, 64, 3, 2)),
+    "d128_causal_window_gqa_ragged": dict(sq=1000, sk=1000, hq=4, hk=2, d=128, causal=True,
+                                          window=(511, 0)),
+    "d64_two_sided_window_soft_cap": dict(sq=300, sk=500, hq=2, hk=1, d=64, causal=False,
+                                          window=(33, 70), soft_cap=20.0),
+    "d128_causal_soft_cap": dict(sq=256, sk=256, hq=2, hk=2, d=128, causal=True, soft_cap=30.0),
 }
 
 
@@ -96,15 +103,21 @@ def test_shared_memory_overflow_fails_to_lower(bs):
     _lower(1, 256, 256, 1, 1, 128, False, bs=bs)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_lowers_after_the_mosaic_forward(causal):
+@pytest.mark.parametrize("causal,window,soft_cap", [(False, None, None), (True, None, None),
+                                                    (True, (511, 0), None),
+                                                    (True, (511, 0), 30.0)])
+def test_lowers_after_the_mosaic_forward(causal, window, soft_cap):
   """The Mosaic GPU forward and this backward on its out and LSE lower together (three Mosaic
-  GPU kernels in one program), the way a custom_vjp pairing them would run."""
+  GPU kernels in one program), as the forward's custom_vjp pairs them with
+  ``bwd_block_sizes`` (windows and soft cap included)."""
   from pallas_kernels.flash import mosaic_gpu as mg
+  f = lambda q, k, v: mg.flash_attention(q, k, v, causal=causal, local_window_size=window,
+                                         logits_soft_cap=soft_cap,
+                                         bwd_block_sizes=mb.BlockSizes())[0]
 
   def fwd_bwd(q, k, v, do):
-    out, lse = mg.flash_attention(q, k, v, causal=causal)
-    return mb.flash_attention_bwd(q, k, v, out, lse, do, causal=causal)
+    _, vjp = jax.vjp(f, q, k, v)
+    return vjp(do)
   q = jax.ShapeDtypeStruct((1, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
   exported = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"])(q, kv, kv, q)
@@ -135,80 +148,108 @@ def test_unsupported_inputs_raise():
 WALK_SHAPES = [(128, 128), (1000, 1000), (200, 328), (328, 200), (384, 130), (64, 1000), (1, 77),
                (77, 1)]
 WALK_BLOCKS = [mb.BlockSizes(), mb.BlockSizes(128, 64, 128, 128), mb.BlockSizes(64, 128, 64, 64)]
+# (causal, local_window_size): dense, causal, causal windows, two-sided and one-sided windows.
+WALK_MASKS = [(False, None), (True, None), (True, (100, 0)), (True, (0, 0)), (True, (511, 7)),
+              (False, (37, 90)), (False, (None, 50)), (False, (60, None)), (False, (0, 0))]
+MASK_IDS = [f"causal{int(c)}_w{w}" for c, w in WALK_MASKS]
 
 
 def _ref_visible(q_pos, k_pos, st):
-  """Independent element mask: real query and key, causal bottom-right."""
+  """Independent element mask: real query and key, causal bottom-right, the window."""
   vis = (q_pos < st.q_len) & (k_pos < st.kv_len)
+  p = q_pos + (st.kv_len - st.q_len)
   if st.causal:
-    vis &= k_pos <= q_pos + (st.kv_len - st.q_len)
+    vis &= k_pos <= p
+  if st.window is not None:
+    left, right = st.window
+    if left is not None:
+      vis &= k_pos >= p - left
+    if right is not None:
+      vis &= k_pos <= p + right
   return vis
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_dkv_walk(causal):
+def _walk_config(sq, sk, bs, causal, window, hq=1, hk=1, d=128):
+  return mb._static_config((1, sq, hq, d), (1, sk, hk, d), jnp.bfloat16, causal=causal,
+                           scale=None, block_sizes=bs, local_window_size=window)
+
+
+@pytest.mark.parametrize("causal,window", WALK_MASKS, ids=MASK_IDS)
+def test_dkv_walk(causal, window):
   for sq, sk in WALK_SHAPES:
     for bs in WALK_BLOCKS:
-      st = mb._static_config((1, sq, 1, 128), (1, sk, 1, 128), jnp.bfloat16, causal=causal,
-                             scale=None, block_sizes=bs)
+      st = _walk_config(sq, sk, bs, causal, window)
       bq, bk, nq = bs.block_q_dkv, bs.block_k_dkv, st.num_q_tiles_dkv
       assert nq * bq <= st.q_pad and st.num_dkv_programs * 2 * bk <= st.kv_pad
       keys = np.arange(bk)[:, None]                       # transposed tile: rows are keys
       qs = np.arange(bq)[None, :]
       for prog in range(st.num_dkv_programs):
         k0p = prog * 2 * bk
-        first_p = int(mb._dkv_q_range(jnp.int32(k0p), st)[0])
-        assert nq - first_p >= 1                          # the program's real keys see a row
+        first_p = int(mb._dkv_q_bounds(jnp.int32(k0p), st)[0])
+        last_p = int(mb._dkv_q_bounds(jnp.int32(k0p + bk), st)[3])
         for wg in range(2):
           k0 = k0p + wg * bk
-          first, full = (int(x) for x in mb._dkv_q_range(jnp.int32(k0), st))
-          assert first_p <= first <= full <= nq, (sq, sk, bs, prog, wg)
+          first, lo, hi, last = (int(x) for x in mb._dkv_q_bounds(jnp.int32(k0), st))
+          assert first_p <= first <= lo <= hi <= last <= last_p <= nq, (sq, sk, bs, prog, wg)
           for i in range(nq):
             ref = _ref_visible(qs + i * bq, keys + k0, st)
-            if i < first:
+            real = (qs + i * bq < sq) & (keys + k0 < sk)
+            if i < first or i >= last:
               assert not ref.any(), (sq, sk, bs, prog, wg, i)          # safe to skip
-            elif i < full:
-              kern = np.asarray(mb._dkv_visible(keys, qs, k0, i, st))
-              real = (qs + i * bq < sq) & (keys + k0 < sk)
-              np.testing.assert_array_equal(kern & real, ref)
-            else:   # unmasked: every real (key, row) pair visible
-              real = (qs + i * bq < sq) & (keys + k0 < sk)
+            elif lo <= i < hi:   # unmasked: every real (key, row) pair visible
               np.testing.assert_array_equal(ref, real)
-          if first < nq and k0 < sk:   # no wasted leading tile
+            else:
+              kern = np.asarray(mb._dkv_visible(keys, qs, k0, i, st))
+              np.testing.assert_array_equal(kern & real, ref)
+          if first < last and k0 < sk:   # no wasted edge tile
             assert _ref_visible(qs + first * bq, keys + k0, st).any()
+            assert _ref_visible(qs + (last - 1) * bq, keys + k0, st).any()
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_dq_walk(causal):
+@pytest.mark.parametrize("causal,window", WALK_MASKS, ids=MASK_IDS)
+def test_dq_walk(causal, window):
   for sq, sk in WALK_SHAPES:
     for bs in WALK_BLOCKS:
-      st = mb._static_config((1, sq, 1, 128), (1, sk, 1, 128), jnp.bfloat16, causal=causal,
-                             scale=None, block_sizes=bs)
+      st = _walk_config(sq, sk, bs, causal, window)
       bq, bk, nk = bs.block_q_dq, bs.block_k_dq, st.num_kv_tiles_dq
       assert nk * bk <= st.kv_pad and st.num_dq_programs * 2 * bq <= st.q_pad
       rows = np.arange(bq)[:, None]
       cols = np.arange(bk)[None, :]
       for prog in range(st.num_dq_programs):
-        steps_wg = []
+        ranges = []
         for wg in range(2):
           row0 = prog * 2 * bq + wg * bq
-          full, steps = (int(x) for x in mb._dq_kv_range(jnp.int32(row0), st))
-          assert 0 <= full <= steps <= nk
+          start, lo, hi, steps = (int(x) for x in mb._dq_kv_range(jnp.int32(row0), st))
+          assert 0 <= start <= lo <= hi <= steps <= nk
           real_rows = rows + row0 < sq
           for t in range(nk):
             ref = _ref_visible(rows + row0, cols + t * bk, st)
-            if t < full:
+            if lo <= t < hi:
               np.testing.assert_array_equal(ref, real_rows & np.ones_like(cols, bool))
-            elif t < steps:
+            elif start <= t < steps:
               kern = np.asarray(mb._dq_visible(rows, cols, row0, t, st))
               np.testing.assert_array_equal(kern & real_rows, ref)
             else:
               assert not ref.any(), (sq, sk, bs, prog, wg, t)
-          if steps and row0 < sq:
+          if start < steps and row0 < sq:   # no wasted edge tile
+            assert _ref_visible(rows + row0, cols + start * bk, st).any()
             assert _ref_visible(rows + row0, cols + (steps - 1) * bk, st).any()
-          steps_wg.append(steps)
-        _, program_steps = mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st)
-        assert int(program_steps) == max(steps_wg)   # what the memory warpgroup loads
+          ranges.append((start, steps))
+        # what the memory warpgroup loads: the union of the warpgroups' ranges
+        program_start = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq), st)[0])
+        program_steps = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st)[3])
+        assert program_start == min(r[0] for r in ranges)
+        assert program_steps == max(r[1] for r in ranges)
+
+
+def test_window_walk_skips_tiles():
+  """A causal window of 100 over 1000 tokens walks a band, not the causal triangle."""
+  st = _walk_config(1000, 1000, mb.BlockSizes(), True, (100, 0))
+  dq_tiles = sum(int(r[3] - r[0]) for r in (mb._dq_kv_range(jnp.int32(r0), st)
+                                            for r0 in range(0, st.q_pad, 64)))
+  dkv_tiles = sum(int(r[3] - r[0]) for r in (mb._dkv_q_bounds(jnp.int32(k0), st)
+                                             for k0 in range(0, st.kv_pad, 64)))
+  assert dq_tiles <= 16 * 3 and dkv_tiles <= 16 * 3, (dq_tiles, dkv_tiles)
 
 
 # ------------------------------------------------------- barrier protocol simulation (CPU)
@@ -263,10 +304,11 @@ def _dkv_protocol(st, prog, seed):
   """The dK/dV kernel's ring protocol for one program (loop bounds from the kernel's helpers):
   every compute step must see the (head, query tile) it expects in each of the 4 buffers, from
   its first wait to its free arrival."""
-  stages, bk, nq = st.bs.num_stages_dkv, st.bs.block_k_dkv, st.num_q_tiles_dkv
+  stages, bk = st.bs.num_stages_dkv, st.bs.block_k_dkv
   k0p = prog * 2 * bk
-  first_p = int(mb._dkv_q_range(jnp.int32(k0p), st)[0])
-  per_head = nq - first_p
+  first_p = int(mb._dkv_q_bounds(jnp.int32(k0p), st)[0])
+  last_p = int(mb._dkv_q_bounds(jnp.int32(k0p + bk), st)[3])
+  per_head = last_p - first_p
   total = st.group * per_head
   loaded = [_Barrier(stages) for _ in range(4)]           # q, do, lse, delta (the waits' order)
   free = _Barrier(stages, arrivals=2)
@@ -286,18 +328,19 @@ def _dkv_protocol(st, prog, seed):
       yield from load(j, j % stages)
 
   def compute(wg):
-    first, full = (int(x) for x in mb._dkv_q_range(jnp.int32(k0p + wg * bk), st))
+    first, lo, hi, last = (int(x) for x in mb._dkv_q_bounds(jnp.int32(k0p + wg * bk), st))
     for g in range(st.group):
       base = g * per_head - first_p
-      for i in range(first_p, nq):
+      for i in range(first_p, last_p):
         slot = (base + i) % stages
+        run = first <= i < last
         for buf in range(4):
           yield ("wait", loaded[buf], slot)
-          if i >= first:
+          if run:
             assert data[buf][slot] == (g, i), (buf, data[buf][slot], g, i)
-        if i >= first:
+        if run:
           assert all(data[buf][slot] == (g, i) for buf in range(4))   # still there at the end
-          computed[wg].append((g, i, i < full))
+          computed[wg].append((g, i, not lo <= i < hi))
         yield ("arrive", free, slot)
 
   _simulate([memory(), compute(0), compute(1)], seed)
@@ -307,7 +350,9 @@ def _dkv_protocol(st, prog, seed):
 def _dq_protocol(st, prog, seed):
   """The dQ kernel's K/V ring protocol for one program (see ``_dkv_protocol``)."""
   stages, bq = st.bs.num_stages_dq, st.bs.block_q_dq
-  _, program_steps = (int(x) for x in mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st))
+  program_start = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq), st)[0])
+  program_steps = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st)[3])
+  n = program_steps - program_start
   loaded = [_Barrier(stages) for _ in range(2)]           # k, v
   free = _Barrier(stages, arrivals=2)
   data = [[None] * stages for _ in range(2)]
@@ -318,51 +363,51 @@ def _dq_protocol(st, prog, seed):
       for buf in range(2):
         data[buf][slot] = t
         yield ("arrive", loaded[buf], slot)
-    for s in range(min(stages, program_steps)):
-      yield from load(s, s)
-    for t in range(stages, max(program_steps, stages)):
-      yield ("wait", free, t % stages)
-      yield from load(t, t % stages)
+    for e in range(min(stages, n)):
+      yield from load(program_start + e, e)
+    for e in range(stages, max(n, stages)):
+      yield ("wait", free, e % stages)
+      yield from load(program_start + e, e % stages)
 
   def compute(wg):
-    full, steps = (int(x) for x in mb._dq_kv_range(jnp.int32(prog * 2 * bq + wg * bq), st))
-    for t in range(program_steps):
-      slot = t % stages
+    start, lo, hi, steps = (int(x) for x in mb._dq_kv_range(
+        jnp.int32(prog * 2 * bq + wg * bq), st))
+    for t in range(program_start, program_steps):
+      slot = (t - program_start) % stages
       for buf in range(2):
         yield ("wait", loaded[buf], slot)
         assert data[buf][slot] == t, (buf, data[buf][slot], t)
-      if t < steps:
-        computed[wg].append((t, t >= full))
+      if start <= t < steps:
+        computed[wg].append((t, not lo <= t < hi))
       yield ("arrive", free, slot)
 
   _simulate([memory(), compute(0), compute(1)], seed)
   return computed
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_ring_protocols_never_deadlock_or_overwrite(causal):
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (True, (100, 0)),
+                                           (False, (37, 90)), (False, (60, None))])
+def test_ring_protocols_never_deadlock_or_overwrite(causal, window):
   """Random interleavings of the memory and compute warpgroups of both kernels: no deadlock, no
   slot overwritten before both compute warpgroups freed it, every warpgroup computes exactly
   the tiles of its walk."""
   for (sq, sk, hq, hk), bs in [((200, 328, 4, 2), mb.BlockSizes()),
                                ((328, 200, 2, 1), mb.BlockSizes(64, 64, 64, 64, 3, 3)),
                                ((1000, 700, 3, 1), mb.BlockSizes(128, 64, 64, 128, 2, 4))]:
-    st = mb._static_config((1, sq, hq, 64), (1, sk, hk, 64), jnp.bfloat16, causal=causal,
-                           scale=None, block_sizes=bs)
+    st = _walk_config(sq, sk, bs, causal, window, hq=hq, hk=hk, d=64)
     for prog in range(st.num_dkv_programs):
       got = _dkv_protocol(st, prog, seed=prog)
       for wg in range(2):
-        first, full = (int(x) for x in mb._dkv_q_range(
+        first, lo, hi, last = (int(x) for x in mb._dkv_q_bounds(
             jnp.int32(prog * 2 * bs.block_k_dkv + wg * bs.block_k_dkv), st))
-        want = [(g, i, i < full) for g in range(st.group)
-                for i in range(first, st.num_q_tiles_dkv)]
+        want = [(g, i, not lo <= i < hi) for g in range(st.group) for i in range(first, last)]
         assert got[wg] == want
     for prog in range(st.num_dq_programs):
       got = _dq_protocol(st, prog, seed=prog)
       for wg in range(2):
-        full, steps = (int(x) for x in mb._dq_kv_range(
+        start, lo, hi, steps = (int(x) for x in mb._dq_kv_range(
             jnp.int32(prog * 2 * bs.block_q_dq + wg * bs.block_q_dq), st))
-        assert got[wg] == [(t, t >= full) for t in range(steps)]
+        assert got[wg] == [(t, not lo <= t < hi) for t in range(start, steps)]
 
 
 def test_protocol_simulation_catches_a_missing_drain():
@@ -372,7 +417,7 @@ def test_protocol_simulation_catches_a_missing_drain():
   st = mb._static_config((1, 1024, 1, 64), (1, 1024, 1, 64), jnp.bfloat16, causal=True,
                          scale=None, block_sizes=mb.BlockSizes(64, 64, 256, 64, 2, 2))
   stages, bq = st.bs.num_stages_dq, st.bs.block_q_dq
-  _, program_steps = (int(x) for x in mb._dq_kv_range(jnp.int32(bq), st))
+  program_steps = int(mb._dq_kv_range(jnp.int32(bq), st)[3])
   loaded, free = _Barrier(stages), _Barrier(stages, arrivals=2)
 
   def memory():
@@ -382,7 +427,7 @@ def test_protocol_simulation_catches_a_missing_drain():
       yield ("arrive", loaded, t % stages)
 
   def compute(wg):   # no drain
-    _, steps = (int(x) for x in mb._dq_kv_range(jnp.int32(wg * bq), st))
+    steps = int(mb._dq_kv_range(jnp.int32(wg * bq), st)[3])
     for t in range(steps):
       yield ("wait", loaded, t % stages)
       yield ("arrive", free, t % stages)
@@ -409,22 +454,25 @@ def _replay_dkv_call(q, k, v, do, lse2, delta, st):
   cols = lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
 
   def warpgroup(k_t, v_t, q_g, do_g, lse_g, delta_g, k0):   # [bk, D] x2, [G, Sq', D] x2, [G, Sq']
-    first, full = mb._dkv_q_range(k0, st)
+    first, full_lo, full_hi, last = mb._dkv_q_bounds(k0, st)
 
     def step(i, carry, *, g, masked):
       dk, dv = carry
       sl = lambda x: lax.dynamic_slice_in_dim(x[g], i * bq, bq)
       q_t, do_t, lse_t, delta_t = sl(q_g), sl(do_g), sl(lse_g), sl(delta_g)
-      p_t = mb._probs(_dot(k_t, q_t.T), lse_t, st, axis=1)
+      s_t = _dot(k_t, q_t.T)
+      p_t = mb._probs(s_t, lse_t, st, axis=1)
       if masked:
         p_t = jnp.where(mb._dkv_visible(rows, cols, k0, i, st), p_t, 0.0)
       dv = dv + _dot(p_t.astype(st.dtype), do_t)
-      ds_t = mb._dscores(p_t, _dot(v_t, do_t.T), delta_t, axis=1)
+      ds_t = mb._dscores(p_t, _dot(v_t, do_t.T), delta_t, axis=1,
+                         cap_grad=mb._cap_grad(s_t, st))
       return dk + _dot(ds_t.astype(st.dtype), q_t), dv
 
     def head(g, carry):
-      carry = lax.fori_loop(first, full, functools.partial(step, g=g, masked=True), carry)
-      return lax.fori_loop(full, nq, functools.partial(step, g=g, masked=False), carry)
+      carry = lax.fori_loop(first, full_lo, functools.partial(step, g=g, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g=g, masked=False), carry)
+      return lax.fori_loop(full_hi, last, functools.partial(step, g=g, masked=True), carry)
 
     zeros = jnp.zeros((bk, d), jnp.float32)
     dk, dv = lax.fori_loop(0, g_n, head, (zeros, zeros))
@@ -457,20 +505,22 @@ def _replay_dq_call(q, k, v, do, lse2, delta, st):
   cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
 
   def warpgroup(q_t, do_t, lse_t, delta_t, k_all, v_all, row0):
-    full, steps = mb._dq_kv_range(row0, st)
+    start, full_lo, full_hi, steps = mb._dq_kv_range(row0, st)
 
     def step(t, dq, *, masked):
       k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)
       v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
-      p = mb._probs(_dot(q_t, k_t.T), lse_t, st, axis=0)
+      s = _dot(q_t, k_t.T)
+      p = mb._probs(s, lse_t, st, axis=0)
       if masked:
         p = jnp.where(mb._dq_visible(rows, cols, row0, t, st), p, 0.0)
-      ds = mb._dscores(p, _dot(do_t, v_t.T), delta_t, axis=0)
+      ds = mb._dscores(p, _dot(do_t, v_t.T), delta_t, axis=0, cap_grad=mb._cap_grad(s, st))
       return dq + _dot(ds.astype(st.dtype), k_t)
 
-    dq = lax.fori_loop(0, full, functools.partial(step, masked=False),
+    dq = lax.fori_loop(start, full_lo, functools.partial(step, masked=True),
                        jnp.zeros((bq, d), jnp.float32))
-    dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(full_hi, steps, functools.partial(step, masked=True), dq)
     return (dq * st.scale).astype(st.dtype)
 
   n_tiles = st.num_dq_programs * 2
@@ -485,26 +535,30 @@ def _replay_dq_call(q, k, v, do, lse2, delta, st):
   return jnp.pad(dq, ((0, 0), (0, sq_pad - n_tiles * bq), (0, 0), (0, 0)))
 
 
-def _reference_residuals(q, k, v, causal, scale):
-  """(out in q.dtype, lse) of the fp32 reference: the forward's residuals."""
+def _reference_residuals(q, k, v, causal, scale, **mask):
+  """(out in q.dtype, lse) of the fp32 reference: the forward's residuals (``mask``:
+  local_window_size, logits_soft_cap)."""
   up = lambda x: x.astype(jnp.float32)
-  out, lse = attention_reference(up(q), up(k), up(v), causal=causal, scale=scale)
+  out, lse = attention_reference(up(q), up(k), up(v), causal=causal, scale=scale, **mask)
   return out.astype(q.dtype), lse
 
 
-def _reference_grads(q, k, v, do, d_lse, causal, scale):
+def _reference_grads(q, k, v, do, d_lse, causal, scale, **mask):
   up = lambda x: x.astype(jnp.float32)
-  f = functools.partial(attention_reference, causal=causal, scale=scale)
+  f = functools.partial(attention_reference, causal=causal, scale=scale, **mask)
   (out, lse), vjp = jax.vjp(f, up(q), up(k), up(v))
   return vjp((up(do), jnp.zeros_like(lse) if d_lse is None else d_lse))
 
 
-def _kernel_vs_reference(q, k, v, do, causal, *, scale=None, bs=None, d_lse=None):
+def _kernel_vs_reference(q, k, v, do, causal, *, scale=None, bs=None, d_lse=None, window=None,
+                         soft_cap=None):
+  mask = dict(local_window_size=window, logits_soft_cap=soft_cap)
+
   def both(q, k, v, do, d_lse):
-    out, lse = _reference_residuals(q, k, v, causal, scale)
+    out, lse = _reference_residuals(q, k, v, causal, scale, **mask)
     got = mb.flash_attention_bwd(q, k, v, out, lse, do, causal=causal, scale=scale,
-                                 block_sizes=bs, d_lse=d_lse)
-    return got, _reference_grads(q, k, v, do, d_lse, causal, scale), lse
+                                 block_sizes=bs, d_lse=d_lse, **mask)
+    return got, _reference_grads(q, k, v, do, d_lse, causal, scale, **mask), lse
   fn = jax.jit(both)
   if compat.default_backend() == "cpu":
     return fn.lower(q, k, v, do, d_lse).compile(_FAST_CPU_COMPILE)(q, k, v, do, d_lse)
@@ -533,6 +587,20 @@ REPLAY_CASES = {
                                          bs=mb.BlockSizes(128, 64, 128, 128)),
     "dense_bk_dkv_128": dict(b=1, sq=77, sk=130, hq=2, hk=2, d=64, causal=False,
                              bs=mb.BlockSizes(64, 128, 64, 64)),
+    "causal_window_gqa_ragged": dict(b=1, sq=600, sk=600, hq=4, hk=2, d=64, causal=True,
+                                     window=(100, 0)),
+    "causal_window_q_shorter": dict(b=1, sq=200, sk=457, hq=2, hk=1, d=64, causal=True,
+                                    window=(70, 0), bs=mb.BlockSizes(128, 64, 64, 128)),
+    "window_two_sided_q_longer_empty_rows": dict(b=1, sq=400, sk=150, hq=2, hk=1, d=64,
+                                                 causal=False, window=(30, 45)),
+    "window_left_only_fp16_d_lse": dict(b=2, sq=300, sk=300, hq=2, hk=2, d=64, causal=False,
+                                        window=(90, None), dtype=jnp.float16, d_lse=True),
+    "window_right_only": dict(b=1, sq=333, sk=333, hq=2, hk=1, d=64, causal=False,
+                              window=(None, 40), bs=mb.BlockSizes(64, 128, 64, 64)),
+    "soft_cap_causal_gqa": dict(b=1, sq=200, sk=328, hq=4, hk=2, d=64, causal=True,
+                                soft_cap=5.0, scale=0.5),
+    "soft_cap_causal_window": dict(b=1, sq=500, sk=500, hq=2, hk=1, d=64, causal=True,
+                                   window=(127, 0), soft_cap=3.0, scale=0.4),
 }
 
 
@@ -543,11 +611,37 @@ def test_replayed_kernels_match_reference_vjp(name, monkeypatch):
   case = dict(REPLAY_CASES[name])
   dtype, bs = case.pop("dtype", jnp.bfloat16), case.pop("bs", None)
   causal, scale, with_d_lse = case.pop("causal"), case.pop("scale", None), case.pop("d_lse", False)
+  window, soft_cap = case.pop("window", None), case.pop("soft_cap", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
   d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
            if with_d_lse else None)
-  got, want, lse = _kernel_vs_reference(q, k, v, do, causal, scale=scale, bs=bs, d_lse=d_lse)
+  got, want, lse = _kernel_vs_reference(q, k, v, do, causal, scale=scale, bs=bs, d_lse=d_lse,
+                                        window=window, soft_cap=soft_cap)
   _assert_grads_close(got, want, lse, q, k, dtype)
+
+
+def test_replay_check_catches_a_missing_cap_grad(monkeypatch):
+  """The replay test can fail on the soft cap: dS without the cap's derivative is wrong."""
+  monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
+  monkeypatch.setattr(mb, "_cap_grad", lambda s, st: None)
+  q, k, v, do = _inputs(5, b=1, sq=200, sk=200, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
+  got, want, _ = _kernel_vs_reference(q, k, v, do, True, scale=0.5, soft_cap=2.0)
+  assert _rel(got[2], want[2]) < TOL[jnp.bfloat16]        # dv does not use dS
+  assert _rel(got[0], want[0]) > 0.1 and _rel(got[1], want[1]) > 0.1
+
+
+def test_replay_check_catches_a_missing_window_bound(monkeypatch):
+  """The replay test can fail on the window: masks without the left bound give wrong grads."""
+  monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
+  q, k, v, do = _inputs(6, b=1, sq=300, sk=300, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
+  right_only = lambda q_pos, k_pos, st, visible=None: (
+      k_pos <= q_pos if visible is None else jnp.logical_and(visible, k_pos <= q_pos))
+  monkeypatch.setattr(mb, "_within_reach", right_only)
+  got, want, _ = _kernel_vs_reference(q, k, v, do, True, window=(40, 0))
+  for g, w in zip(got, want):
+    assert _rel(g, w) > 0.1
 
 
 def test_replay_check_catches_a_wrong_mask(monkeypatch):
@@ -577,6 +671,19 @@ GPU_CASES = {
                                    bs=mb.BlockSizes(64, 64, 128, 64, 3, 2)),
     "d64_bk_dkv128": dict(b=1, sq=1000, sk=777, hq=4, hk=1, d=64, causal=True,
                           bs=mb.BlockSizes(64, 128, 64, 128, 3, 3)),
+    "d128_causal_window_gqa_ragged": dict(b=1, sq=1500, sk=1500, hq=4, hk=2, d=128, causal=True,
+                                          window=(511, 0)),
+    "d128_causal_window_q_shorter": dict(b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True,
+                                         window=(200, 0)),
+    "d64_two_sided_window_q_longer": dict(b=1, sq=700, sk=260, hq=2, hk=1, d=64, causal=False,
+                                          window=(33, 70)),
+    "d128_left_window_fp16_d_lse": dict(b=1, sq=512, sk=512, hq=2, hk=1, d=128, causal=False,
+                                        window=(100, None), dtype=jnp.float16, d_lse=True),
+    "d128_causal_soft_cap_gqa": dict(b=1, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=True,
+                                     soft_cap=30.0),
+    "d128_window_soft_cap_3_stages": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=128, causal=True,
+                                          window=(255, 0), soft_cap=5.0, scale=0.3,
+                                          bs=mb.BlockSizes(64, 64, 64, 64, 3, 3)),
 }
 
 
@@ -593,10 +700,13 @@ def test_gpu_matches_reference_vjp(name):
   case = dict(GPU_CASES[name])
   dtype, bs = case.pop("dtype", jnp.bfloat16), case.pop("bs", None)
   causal, with_d_lse = case.pop("causal"), case.pop("d_lse", False)
+  window, soft_cap, scale = case.pop("window", None), case.pop("soft_cap", None), \
+      case.pop("scale", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
   d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
            if with_d_lse else None)
-  got, want, lse = _kernel_vs_reference(q, k, v, do, causal, bs=bs, d_lse=d_lse)
+  got, want, lse = _kernel_vs_reference(q, k, v, do, causal, bs=bs, d_lse=d_lse, window=window,
+                                        soft_cap=soft_cap, scale=scale)
   _assert_grads_close(got, want, lse, q, k, dtype)
 
 

@@ -39,10 +39,15 @@ FlashAttention-2/3 split into three steps:
        S = Q K^T and dP = dO V^T (one wgmma group), P = exp2(S * c - lse2),
        dS = P * (dP - delta), dQ += dS K; at the end dQ *= scale.
 
-Masks: causal is aligned bottom-right (query i sits at kv position kv_len - q_len + i), like the
-forward. Only the tiles that need it build an element mask: in the dQ kernel the causal diagonal
-tiles and the last kv tile when it holds padded keys; in the dK/dV kernel the diagonal query
-tiles. The dK/dV kernel needs no padded-key mask (a padded key's row of P^T/dS^T only reaches
+Masks: causal and local windows (``local_window_size`` = (left, right): query at kv position
+p sees keys [p - left, p + right]) are aligned bottom-right (query i sits at kv position kv_len
+- q_len + i), like the forward. A program's walk has up to five parts per warpgroup: drained
+steps (only the other warpgroup's), masked tiles at one edge, unmasked tiles, masked tiles at
+the other edge, drained steps. Only the tiles that need it build an element mask: in the dQ
+kernel the causal diagonal / window right-edge tiles, the window's left-edge tiles and the last
+kv tile when it holds padded keys; in the dK/dV kernel the query tiles at either edge. The soft
+cap (``logits_soft_cap``: logits cap * tanh(scale * s / cap)) multiplies dS by its derivative 1
+- tanh^2. The dK/dV kernel needs no padded-key mask (a padded key's row of P^T/dS^T only reaches
 that key's own dK/dV rows, which are sliced away), and no padded-query mask (padded rows have
 lse2 = +inf, so P = 0, and zero dO/delta). Tiles that no row can see are never loaded; with two
 compute warpgroups sharing one ring, a warpgroup drains (waits, frees) the steps that only the
@@ -204,11 +209,27 @@ class _Static:
   causal: bool
   scale: float
   dtype: jnp.dtype
+  window: tuple | None = None       # normalized (left, right), a side None = unbounded
+  soft_cap: float | None = None     # logits = cap * tanh(scale * s / cap)
 
   @property
   def offset(self) -> int:
     """kv position of query row 0 (bottom-right causal alignment)."""
     return self.kv_len - self.q_len
+
+  @property
+  def lo_reach(self) -> int | None:
+    """A query at kv position p sees no key before p - lo_reach (None: unbounded)."""
+    return None if self.window is None else self.window[0]
+
+  @property
+  def hi_reach(self) -> int | None:
+    """A query at kv position p sees no key after p + hi_reach (None: unbounded); causal
+    makes it at most 0."""
+    right = None if self.window is None else self.window[1]
+    if self.causal:
+      return 0 if right is None else min(right, 0)
+    return right
 
   @property
   def c(self) -> float:
@@ -241,60 +262,125 @@ class _Static:
     return self.kv_len // self.bs.block_k_dq
 
 
-def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes) -> _Static:
+def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local_window_size=None,
+                   logits_soft_cap=None) -> _Static:
+  from pallas_kernels.masks import normalize_window
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   _check_head_dim(d)
   bs = block_sizes or default_block_sizes(d, dtype)
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
+  window = normalize_window(local_window_size)
+  if window == (None, None):
+    window = None
+  if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
+    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   lq = math.lcm(bs.rows_per_dq_program, bs.block_q_dkv)
   lk = math.lcm(bs.keys_per_dkv_program, bs.block_k_dq)
   return _Static(bs=bs, q_len=sq, kv_len=sk, q_pad=-(-sq // lq) * lq, kv_pad=-(-sk // lk) * lk,
                  head_dim=d, group=hq // hk, causal=bool(causal),
-                 scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype))
+                 scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
+                 window=window,
+                 soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
+
+
+def _ceil_div_nonneg(n, d: int):
+  """ceil(max(n, 0) / d) for int32 scalars (d > 0)."""
+  return lax.div(jnp.maximum(n, 0) + (d - 1), jnp.int32(d))
+
+
+def _floor_div_nonneg(n, d: int):
+  """floor(max(n, 0) / d) for int32 scalars (d > 0)."""
+  return lax.div(jnp.maximum(n, 0), jnp.int32(d))
 
 
 def _dq_kv_range(row0, st: _Static):
-  """dQ kernel, query rows [row0, row0 + block_q_dq): (full, steps) int32 scalars. kv tiles
-  [0, full) are visible to every row with only real keys (no mask), [full, steps) need the
-  element mask, tiles >= steps are invisible to every row (never loaded)."""
+  """dQ kernel, query rows [row0, row0 + block_q_dq): (start, full_lo, full_hi, steps) int32
+  scalars, start <= full_lo <= full_hi <= steps. kv tiles [full_lo, full_hi) are visible to every
+  row and hold only real keys (no mask); [start, full_lo) (a window's left edge) and [full_hi,
+  steps) (causal diagonal, a window's right edge, padded keys) need the element mask; tiles
+  outside [start, steps) are invisible to every row (never computed)."""
   bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
-  if not st.causal:
-    return jnp.int32(st.num_full_kv_tiles_dq), jnp.int32(st.num_kv_tiles_dq)
-  steps = jnp.clip(lax.div(row0 + (bq + st.offset + bk - 1), jnp.int32(bk)), 0,
-                   st.num_kv_tiles_dq)
-  full = jnp.clip(lax.div(row0 + (st.offset + 1), jnp.int32(bk)), 0, st.num_full_kv_tiles_dq)
-  return jnp.minimum(full, steps), steps
+  nk, n_full = st.num_kv_tiles_dq, st.num_full_kv_tiles_dq
+  p0 = row0 + st.offset                                   # kv positions of the first and last
+  p1 = p0 + (bq - 1)                                      # row (padded rows included)
+  lo, hi = st.lo_reach, st.hi_reach
+  if hi is None:
+    steps, full_hi = jnp.int32(nk), jnp.int32(n_full)
+  else:
+    steps = jnp.minimum(_ceil_div_nonneg(p1 + (hi + 1), bk), nk)
+    full_hi = jnp.minimum(_floor_div_nonneg(p0 + (hi + 1), bk), n_full)
+  if lo is None:
+    start, full_lo = jnp.int32(0), jnp.int32(0)
+  else:
+    start = _floor_div_nonneg(p0 - lo, bk)
+    full_lo = _ceil_div_nonneg(p1 - lo, bk)
+  start = jnp.minimum(start, steps)
+  full_lo = jnp.clip(full_lo, start, steps)
+  return start, full_lo, jnp.clip(full_hi, full_lo, steps), steps
 
 
 def _dq_visible(rows, cols, row0, t, st: _Static):
   """dQ element mask of kv tile ``t`` for rows from ``row0`` ([bq, bk] iotas rows/cols): real
-  keys, and when causal keys at or before each row's diagonal."""
+  keys, and the window's / causal bounds."""
   k_pos = cols + t * st.bs.block_k_dq
-  visible = k_pos < st.kv_len
-  if st.causal:
-    visible = jnp.logical_and(visible, k_pos <= rows + (row0 + st.offset))
+  return _within_reach(rows + (row0 + st.offset), k_pos, st, k_pos < st.kv_len)
+
+
+def _within_reach(q_pos, k_pos, st: _Static, visible=None):
+  """``visible`` (None: no condition yet) and k_pos within [q_pos - lo_reach, q_pos +
+  hi_reach], for the bounds that exist; None if there is no condition at all."""
+  if st.hi_reach is not None:
+    right = k_pos <= q_pos + st.hi_reach
+    visible = right if visible is None else jnp.logical_and(visible, right)
+  if st.lo_reach is not None:
+    left = k_pos >= q_pos - st.lo_reach
+    visible = left if visible is None else jnp.logical_and(visible, left)
   return visible
 
 
-def _dkv_q_range(k0, st: _Static):
-  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full) int32 scalars. Query tiles
-  [0, first) see none of the keys (skipped), [first, full) need the causal mask, [full,
-  num_q_tiles_dkv) see every key (no mask)."""
+def _dkv_q_bounds(k0, st: _Static):
+  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full_lo, full_hi, last) int32 scalars,
+  first <= full_lo <= full_hi <= last. Query tiles outside [first, last) see none of the keys
+  (skipped); [full_lo, full_hi) see every key (no mask); [first, full_lo) (causal diagonal, a
+  window's right edge) and [full_hi, last) (a window's left edge) need the element mask. Padded
+  keys need no mask here (their dK/dV rows are sliced away), nor padded rows (lse2 = +inf)."""
   nq = st.num_q_tiles_dkv
-  if not st.causal:
-    return jnp.int32(0), jnp.int32(0)
   bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
-  first = jnp.clip(lax.div(jnp.maximum(k0 - st.offset, 0), jnp.int32(bq)), 0, nq)
-  full = lax.div(jnp.maximum(k0 + (bk - 1 - st.offset), 0) + (bq - 1), jnp.int32(bq))
-  return first, jnp.clip(full, first, nq)
+  k1 = k0 + (bk - 1)
+  lo, hi = st.lo_reach, st.hi_reach
+  if hi is None:
+    first, full_lo = jnp.int32(0), jnp.int32(0)
+  else:                                                   # rows at kv positions >= k - hi
+    first = jnp.minimum(_floor_div_nonneg(k0 - (hi + st.offset), bq), nq)
+    full_lo = _ceil_div_nonneg(k1 - (hi + st.offset), bq)
+  if lo is None:
+    last, full_hi = jnp.int32(nq), jnp.int32(nq)
+  else:                                                   # rows at kv positions <= k + lo
+    last = jnp.minimum(_ceil_div_nonneg(k1 + (lo - st.offset + 1), bq), nq)
+    full_hi = _floor_div_nonneg(k0 + (lo - st.offset + 1), bq)
+  first = jnp.minimum(first, last)
+  full_lo = jnp.clip(full_lo, first, last)
+  return first, full_lo, jnp.clip(full_hi, full_lo, last), last
+
+
+def _dkv_q_range(k0, st: _Static):
+  """(first, full) of ``_dkv_q_bounds`` for masks without a window's left bound (the fused
+  backward's walk): query tiles [full, num_q_tiles_dkv) run unmasked."""
+  if st.lo_reach is not None:
+    raise NotImplementedError("_dkv_q_range: a window's left bound needs _dkv_q_bounds")
+  first, full_lo, _, _ = _dkv_q_bounds(k0, st)
+  return first, full_lo
 
 
 def _dkv_visible(rows, cols, k0, i, st: _Static):
-  """dK/dV causal element mask of query tile ``i`` for the keys from ``k0``, on the transposed
-  [bk, bq] tile (rows = keys, cols = queries)."""
-  return rows + k0 <= cols + (i * st.bs.block_q_dkv + st.offset)
+  """dK/dV element mask of query tile ``i`` for the keys from ``k0``, on the transposed [bk, bq]
+  tile (rows = keys, cols = queries): the window's / causal bounds."""
+  visible = _within_reach(cols + (i * st.bs.block_q_dkv + st.offset), rows + k0, st)
+  if visible is None:   # no bound: every tile runs unmasked, so kernels never get here
+    return jnp.full(jnp.broadcast_shapes(jnp.shape(rows), jnp.shape(cols)), True)
+  return visible
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,13 +390,29 @@ def _dkv_visible(rows, cols, k0, i, st: _Static):
 
 def _probs(s, lse2, st: _Static, *, axis):
   """P = exp2(s * c - lse2), lse2 broadcast along ``axis`` of s (0: lse2 per row, the dQ tile;
-  1: per column, the transposed dK/dV tile)."""
-  return jnp.exp2(s * st.c - lax.broadcast_in_dim(lse2, s.shape, [axis]))
+  1: per column, the transposed dK/dV tile). With a soft cap the logit is cap * tanh(scale * s /
+  cap), i.e. P = exp2(cap * log2(e) * tanh(scale * s / cap) - lse2)."""
+  if st.soft_cap is None:
+    x = s * st.c
+  else:
+    x = jnp.tanh(s * (st.scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+  return jnp.exp2(x - lax.broadcast_in_dim(lse2, s.shape, [axis]))
 
 
-def _dscores(p, dp, delta, *, axis):
-  """dS = P * (dP - delta), delta broadcast along ``axis`` (see ``_probs``)."""
-  return p * (dp - lax.broadcast_in_dim(delta, p.shape, [axis]))
+def _cap_grad(s, st: _Static):
+  """The soft cap's derivative d(capped logit) / d(scale * s) = 1 - tanh(scale * s / cap)^2, or
+  None without a soft cap."""
+  if st.soft_cap is None:
+    return None
+  t = jnp.tanh(s * (st.scale / st.soft_cap))
+  return 1.0 - t * t
+
+
+def _dscores(p, dp, delta, *, axis, cap_grad=None):
+  """dS = P * (dP - delta), delta broadcast along ``axis`` (see ``_probs``), times the soft
+  cap's derivative ``cap_grad`` (``_cap_grad``) when there is one."""
+  ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [axis]))
+  return ds if cap_grad is None else ds * cap_grad
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,8 +435,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
   prog = lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
   k0_program = prog * (_COMPUTE_WGS * bk)
-  first_program, _ = _dkv_q_range(k0_program, st)         # warpgroup 0's keys see the most rows
-  per_head = nq - first_program                           # ring steps per query head (>= 1)
+  first_program = _dkv_q_bounds(k0_program, st)[0]        # warpgroup 0's keys see the first
+  last_program = _dkv_q_bounds(k0_program + (_COMPUTE_WGS - 1) * bk, st)[3]   # 1's the last
+  per_head = last_program - first_program                 # ring steps per query head (>= 0)
   total = st.group * per_head
   slot_of = lambda j: lax.rem(j, jnp.int32(stages))
 
@@ -345,7 +448,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     kt, vt = k_own.at[wg], v_own.at[wg]                   # [bk, D]
     plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kv_h], kt, own_loaded.at[2 * wg])
     plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kv_h], vt, own_loaded.at[2 * wg + 1])
-    first, full = _dkv_q_range(k0, st)
+    first, full_lo, full_hi, last = _dkv_q_bounds(k0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     col_layout = plgpu.Layout.WGMMA.reduce(0)              # one value per query (column)
     zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
@@ -370,13 +473,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       plgpu.barrier_wait(lse_loaded.at[slot])
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
       p_t = _probs(s_t, lse2, st, axis=1)
+      cap_grad = _cap_grad(s_t, st)
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
         p_t = jnp.where(_dkv_visible(rows, cols, k0, i, st), p_t, 0.0)
       plgpu.barrier_wait(delta_loaded.at[slot])
       delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
-      ds_t = _dscores(p_t, dp_t, delta, axis=1)
+      ds_t = _dscores(p_t, dp_t, delta, axis=1, cap_grad=cap_grad)
 
       def dv_dk_gemm(refs):                               # dV += P^T dO; dK += dS^T Q
         dv_ref, dk_ref = refs
@@ -397,8 +501,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     def head(g, carry):
       base = g * per_head - first_program                 # ring step of query tile i: base + i
       carry = lax.fori_loop(first_program, first, functools.partial(drain, base=base), carry)
-      carry = lax.fori_loop(first, full, functools.partial(step, base=base, masked=True), carry)
-      return lax.fori_loop(full, nq, functools.partial(step, base=base, masked=False), carry)
+      carry = lax.fori_loop(first, full_lo, functools.partial(step, base=base, masked=True),
+                            carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, base=base, masked=False),
+                            carry)
+      if st.lo_reach is not None:                         # a window's left edge
+        carry = lax.fori_loop(full_hi, last, functools.partial(step, base=base, masked=True),
+                              carry)
+        carry = lax.fori_loop(last, last_program, functools.partial(drain, base=base), carry)
+      return carry
 
     dk, dv = lax.fori_loop(0, st.group, head, (dk, dv))
     kt[...] = (dk * st.scale).astype(st.dtype)            # K/V are dead: reuse them for dK/dV
@@ -494,8 +605,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
   wg = lax.axis_index("wg")
   kv_h = lax.div(h, jnp.int32(st.group))
   row0_program = tile * (_COMPUTE_WGS * bq)
-  _, program_steps = _dq_kv_range(row0_program + (_COMPUTE_WGS - 1) * bq, st)
-  slot_of = lambda t: lax.rem(t, jnp.int32(stages))
+  program_start = _dq_kv_range(row0_program, st)[0]       # warpgroup 0's rows see the first
+  program_steps = _dq_kv_range(row0_program + (_COMPUTE_WGS - 1) * bq, st)[3]   # 1's the last
+  slot_of = lambda t: lax.rem(t - program_start, jnp.int32(stages))
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -508,7 +620,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
     plgpu.copy_gmem_to_smem(do_ref.at[b, rows_ds, h], dot, bars[1])
     plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows_ds], lse_own.at[wg], bars[2])
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows_ds], delta_own.at[wg], bars[3])
-    full, steps = _dq_kv_range(row0, st)
+    start, full_lo, full_hi, steps = _dq_kv_range(row0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per query (row)
     zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
@@ -531,11 +643,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       s, dp = pl.run_state(s_dp_gemm)((plgpu.ACC.init(zeros((bq, bk))),
                                        plgpu.ACC.init(zeros((bq, bk)))))
       p = _probs(s, lse2, st, axis=0)
+      cap_grad = _cap_grad(s, st)
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
         p = jnp.where(_dq_visible(rows, cols, row0, t, st), p, 0.0)
-      ds = _dscores(p, dp, delta, axis=0)
+      ds = _dscores(p, dp, delta, axis=0, cap_grad=cap_grad)
 
       def dq_gemm(acc_ref):                               # dQ += dS K
         plgpu.wgmma(acc_ref, ds.astype(st.dtype), ks)
@@ -550,8 +663,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    dq = lax.fori_loop(0, full, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+    if st.lo_reach is not None:                           # a window's left edge
+      lax.fori_loop(program_start, start, drain, None)
+      dq = lax.fori_loop(start, full_lo, functools.partial(step, masked=True), dq)
+    dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(full_hi, steps, functools.partial(step, masked=True), dq)
     lax.fori_loop(steps, program_steps, drain, None)
     qt[...] = (dq * st.scale).astype(st.dtype)            # Q is dead: reuse its tile for dQ
     plgpu.commit_smem()
@@ -567,16 +683,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
-    for s in range(stages):
-      @pl.when(s < program_steps)
+    n = program_steps - program_start                     # ring entries: kv tile start + e
+    for e in range(stages):
+      @pl.when(e < n)
       def _():
-        load(jnp.int32(s), s)
+        load(program_start + e, e)
 
-    @pl.loop(stages, jnp.maximum(program_steps, stages))
-    def _(t):
-      slot = slot_of(t)
+    @pl.loop(stages, jnp.maximum(n, stages))
+    def _(e):
+      slot = lax.rem(e, jnp.int32(stages))
       plgpu.barrier_wait(free.at[slot])
-      load(t, slot)
+      load(program_start + e, slot)
 
 
 def _dq_call(q, k, v, do, lse2, delta, st: _Static):
@@ -639,7 +756,8 @@ def _prepare(out, lse, do, d_lse, st: _Static):
 
 def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                         scale: float | None = None, block_sizes: BlockSizes | None = None,
-                        d_lse=None):
+                        d_lse=None, local_window_size=None,
+                        logits_soft_cap: float | None = None):
   """Gradients of flash attention with the Mosaic GPU (Hopper) backward kernels.
 
   Args:
@@ -654,6 +772,11 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     scale: logit scale (None: 1 / sqrt(D)).
     block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
     d_lse: optional cotangent of lse [B, Hq, Sq] (None: zero).
+    local_window_size: None, int w (= (w, w)) or (left, right): query i (at kv position p)
+      sees key j iff p - left <= j <= p + right (a side None: unbounded); must match the
+      forward. With ``causal`` the right side is at most 0.
+    logits_soft_cap: None or cap > 0: the forward's logits were cap * tanh(scale * q.k / cap)
+      (must match the forward).
 
   Returns:
     (dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, D]) in q.dtype, accumulated in fp32;
@@ -665,6 +788,11 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     >>> from pallas_kernels.flash import mosaic_gpu
     >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True)  # doctest: +SKIP
     >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True)  # doctest: +SKIP
+    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True, local_window_size=(511, 0),
+    ...                                       logits_soft_cap=30.0)  # doctest: +SKIP
+    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True,
+    ...                                  local_window_size=(511, 0),
+    ...                                  logits_soft_cap=30.0)  # doctest: +SKIP
   """
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
@@ -683,7 +811,8 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                     f"{do.dtype}")
   _check_dtype(q.dtype)
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
-                      block_sizes=block_sizes)
+                      block_sizes=block_sizes, local_window_size=local_window_size,
+                      logits_soft_cap=logits_soft_cap)
   lse2, delta = _prepare(out, lse, do, d_lse, st)
   q_p, do_p = _pad_axis(q, 1, st.q_pad), _pad_axis(do, 1, st.q_pad)
   k_p, v_p = _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
