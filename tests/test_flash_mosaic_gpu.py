@@ -1319,8 +1319,8 @@ def test_registered_path_rejects_unsupported_options():
                                   "segments_causal"])
 def test_registered_fwd_bwd_lowers_for_cuda(mask):
   """jax.grad through jattn.flash_attention(implementation="mosaic_gpu") lowers for "cuda": the
-  Mosaic GPU forward plus the two Triton backward kernels (dK/dV, dQ) under a window, soft cap
-  or segment ids, and the Mosaic GPU backward kernels (no Triton call) for dense / causal."""
+  Mosaic GPU forward plus the two Triton backward kernels (dK/dV, dQ) with segment ids, and the
+  Mosaic GPU backward kernels (no Triton call) for dense / causal / window / soft cap."""
   import jattn
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
@@ -1334,9 +1334,9 @@ def test_registered_fwd_bwd_lowers_for_cuda(mask):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(
       lowering_platforms=("cuda",)).as_text()
   n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
-  assert n == (0 if mask in ("dense", "causal") else 2), n
+  assert n == (2 if "segments" in mask else 0), n
   calls = re.findall(r"custom_call @(mosaic_gpu\w*)", text)
-  assert len(calls) == (3 if mask in ("dense", "causal") else 1), calls
+  assert len(calls) == (1 if "segments" in mask else 3), calls
 
 
 # ----------------------------------------------------------------------------- GPU (sm90)
@@ -1585,8 +1585,10 @@ def test_gpu_registered_forward_and_mosaic_backward(name):
   dtype = case.pop("dtype", jnp.bfloat16)
   causal, _, _, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  kind = mask_kind(causal, mask.get("local_window_size"))
-  bs = dataclasses.replace(mg.default_block_sizes(q.shape[-1], mask=kind), backward="mosaic")
+  window = mask.get("local_window_size")
+  bs = mg.fit_block_sizes(mg.default_block_sizes(q.shape[-1], mask=mask_kind(causal, window)),
+                          q.shape, k.shape, causal=causal, window=window)   # as jattn's default
+  bs = dataclasses.replace(bs, backward="mosaic")
   got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, block_sizes=bs, **mask)
   _assert_vjp_close(got, want, dtype)
 
