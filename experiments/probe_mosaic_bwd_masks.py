@@ -5,7 +5,8 @@ cuDNN, all in one process (GPU only).
 Per case (B2 H16 bf16 unless --shape) it times, with the bench's timer (``pallas_kernels._timing``,
 3 random input sets):
   * ``cudnn_fwd`` / ``cudnn_fwd_bwd`` (jax.nn.dot_product_attention(implementation="cudnn"); no
-    soft cap there, so soft-cap cases have no cuDNN rows);
+    soft cap there, so soft-cap cases have no cuDNN rows; no segment ids either, so packed
+    documents run cuDNN on the same documents as separate causal rows, the same math);
   * ``jattn_fwd`` (the Mosaic GPU forward, the table's tiles for the mask kind);
   * ``fwd_bwd[triton]`` and ``fwd_bwd[mosaic]`` (that forward + each backward), and
     ``fwd_bwd[mosaic <cfg>]`` for the backward tile configs given with --configs.
@@ -26,13 +27,15 @@ import json
 import time
 
 CASES = {
-    # name: (seq, head_dim, causal, window, soft_cap)
-    "window512": (16384, 128, True, (511, 0), None),
-    "window512_d64": (16384, 64, True, (511, 0), None),
-    "window512_s4k": (4096, 128, True, (511, 0), None),
-    "window2048": (16384, 128, True, (2047, 0), None),
-    "soft_cap_causal": (16384, 128, True, None, 30.0),
-    "window512_soft_cap": (16384, 128, True, (511, 0), 30.0),
+    # name: (seq, head_dim, causal, window, soft_cap, docs: packed causal documents per row)
+    "window512": (16384, 128, True, (511, 0), None, None),
+    "window512_d64": (16384, 64, True, (511, 0), None, None),
+    "window512_s4k": (4096, 128, True, (511, 0), None, None),
+    "window2048": (16384, 128, True, (2047, 0), None, None),
+    "soft_cap_causal": (16384, 128, True, None, 30.0, None),
+    "window512_soft_cap": (16384, 128, True, (511, 0), 30.0, None),
+    "packed4": (16384, 128, True, None, None, 4),
+    "packed16_d64": (16384, 64, True, None, None, 16),
 }
 
 
@@ -63,12 +66,15 @@ def run_case(name, *, batch=2, heads=16, configs=(), iters=None):
   from pallas_kernels.flash import mosaic_gpu as mg
   from pallas_kernels.tuning import mask_kind
 
-  seq, d, causal, window, cap = CASES[name]
+  seq, d, causal, window, cap, docs = CASES[name]
   shape = (batch, seq, heads, d)
+  seg = None if docs is None else jnp.broadcast_to(
+      jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), seq // docs), (batch, seq))
   sets = [dict(zip(("q", "k", "v", "do"), s))
           for s in random_sets([shape] * 4, jnp.bfloat16)]
-  base = mg.fit_block_sizes(mg.default_block_sizes(d, mask=mask_kind(causal, window)), shape,
-                            shape, causal=causal, window=window)
+  base = mg.fit_block_sizes(mg.default_block_sizes(d, mask=mask_kind(
+      causal, window, segments=seg is not None)), shape, shape, causal=causal, window=window,
+      segments=seg is not None)
   rows, ref = [], {}
 
   def timeit(fn, *names):
@@ -96,9 +102,9 @@ def run_case(name, *, batch=2, heads=16, configs=(), iters=None):
     return out
 
   def jattn_fwd_bwd(bs, bwd_bs=None):
-    f = lambda q, k, v: mg.flash_attention(q, k, v, causal=causal, local_window_size=window,
-                                           logits_soft_cap=cap, block_sizes=bs,
-                                           bwd_block_sizes=bwd_bs)[0]
+    f = lambda q, k, v: mg.flash_attention(q, k, v, seg, seg, causal=causal,
+                                           local_window_size=window, logits_soft_cap=cap,
+                                           block_sizes=bs, bwd_block_sizes=bwd_bs)[0]
 
     def run(q, k, v, do):
       _, vjp = jax.vjp(f, q, k, v)
@@ -106,8 +112,12 @@ def run_case(name, *, batch=2, heads=16, configs=(), iters=None):
     return run
 
   if cap is None:
-    cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                              local_window_size=window, implementation="cudnn")
+    rows_of = (lambda x: x) if docs is None else (   # documents as separate rows
+        lambda x: x.reshape(batch * docs, seq // docs, heads, d))
+    back = (lambda x: x) if docs is None else (lambda x: x.reshape(shape))
+    cudnn_rows = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                   local_window_size=window, implementation="cudnn")
+    cudnn = lambda q, k, v: back(cudnn_rows(rows_of(q), rows_of(k), rows_of(v)))
 
     def cudnn_fwd_bwd(q, k, v, do):
       _, vjp = jax.vjp(cudnn, q, k, v)
@@ -117,8 +127,8 @@ def run_case(name, *, batch=2, heads=16, configs=(), iters=None):
     if g is not None:
       ref["cudnn"] = g
   add("jattn_fwd", lambda q, k, v: mg.flash_attention(
-      q, k, v, causal=causal, local_window_size=window, logits_soft_cap=cap, block_sizes=base),
-      ("q", "k", "v"), grads=False)
+      q, k, v, seg, seg, causal=causal, local_window_size=window, logits_soft_cap=cap,
+      block_sizes=base), ("q", "k", "v"), grads=False)
   g = add("fwd_bwd[triton]", jattn_fwd_bwd(dataclasses.replace(base, backward="triton")),
           ("q", "k", "v", "do"))
   if g is not None:

@@ -8,8 +8,8 @@ Implementations:
   * ``"mosaic_gpu"``: Hopper (sm90) path: the Pallas Mosaic GPU forward of
     ``pallas_kernels.flash.mosaic_gpu`` (FA3-style: TMA, wgmma, warp specialisation, ping-pong)
     and, by default, the Mosaic GPU backward (``mosaic_gpu_bwd``) where it supports the call
-    (head_dim 64/128, dense or causal, local windows, soft cap; not segment ids); otherwise the
-    Triton backward kernels fed the forward's out and LSE. Dense or causal, local windows, segment ids,
+    (head_dim 64/128, any mask: dense or causal, local windows, soft cap, segment ids);
+    otherwise (head_dim 256) the Triton backward kernels fed the forward's out and LSE. Dense or causal, local windows, segment ids,
     soft cap, GQA, bf16/fp16, head_dim 64/128/256; other dtypes or head dims and
     ``interpret=True`` raise NotImplementedError naming the option (no fallback).
     GPU-verified on an H200 (runs 17-22, 2026-11-30: every case of tests/test_flash_mosaic_gpu.py
@@ -96,12 +96,10 @@ def _mosaic_backward(q, *, window, segment_ids, logits_soft_cap, block_sizes):
   """"mosaic" or "triton": the backward of the mosaic_gpu path for a call."""
   if block_sizes is not None:
     return getattr(block_sizes, "backward", "triton")
-  # Windows and soft cap since session 26 (run 109, B2 S16K H16 D128 bf16 causal: window 512
-  # fwd+bwd 1.583 ms against 2.080 with the Triton backward and cuDNN's 1.712; soft cap 30
-  # 18.61 against 28.27 ms). Segment ids: the Triton backward.
-  if segment_ids is not None or q.shape[-1] not in _MOSAIC_GPU_BWD_HEAD_DIMS:
-    return "triton"
-  return "mosaic"
+  # Windows, soft cap and segment ids since session 26 (run 109, B2 S16K H16 D128 bf16 causal:
+  # window 512 fwd+bwd 1.583 ms against 2.080 with the Triton backward and cuDNN's 1.712; soft
+  # cap 30 18.61 against 28.27 ms; segment ids: see docs/kernels.md, session 26).
+  return "mosaic" if q.shape[-1] in _MOSAIC_GPU_BWD_HEAD_DIMS else "triton"
 
 
 def flash_attention_plan(q, k, v, *, local_window_size=None, segment_ids=None,
@@ -120,7 +118,7 @@ def flash_attention_plan(q, k, v, *, local_window_size=None, segment_ids=None,
   when q, k and v are all bf16 or all fp16 with head_dim 64, 128 or 256 (= head_dim_v) and
   interpret is off (and ``block_sizes`` is None or a Mosaic GPU ``BlockSizes``); any other GPU
   call picks "triton" (a Triton ``BlockSizes`` keeps it there). On the "mosaic_gpu" path the
-  backward is the Mosaic GPU one for head_dim 64/128 without segment ids
+  backward is the Mosaic GPU one for head_dim 64/128
   (unless ``block_sizes`` says otherwise), the Triton one otherwise (head_dim 256 included).
 
   Returns:
@@ -221,7 +219,7 @@ def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logi
 def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, logits_soft_cap,
                 interpret, block_sizes):
   """The Hopper path: Mosaic GPU forward; backward by ``_mosaic_backward`` (Mosaic GPU for
-  head_dim 64/128 without segment ids, Triton otherwise, or as ``block_sizes.backward`` says: the
+  head_dim 64/128, Triton otherwise, or as ``block_sizes.backward`` says: the
   kernel module raises for masks the Mosaic backward lacks). Local windows, segment ids and soft
   cap are supported; rejects, naming them, the options it does not support (no fallback to
   another implementation)."""
@@ -276,8 +274,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     implementation: None, "xla", "triton", "mosaic_gpu", "mosaic_tpu" or "cudnn" (see the
       module docstring; ``flash_attention_plan`` says which kernels a call runs: None picks
       "mosaic_gpu" on Hopper for bf16/fp16 head_dim 128, "triton" on other GPU calls).
-      "mosaic_gpu" (Hopper): Mosaic GPU forward, Mosaic GPU backward for head_dim 64/128
-      without segment ids, Triton backward otherwise; any of the masks
+      "mosaic_gpu" (Hopper): Mosaic GPU forward, Mosaic GPU backward for head_dim 64/128,
+      Triton backward for head_dim 256; any of the masks
       above, bf16/fp16, head_dim 64/128/256, head_dim_v == head_dim.
     interpret: run a Pallas kernel in interpret mode (CPU). "mosaic_gpu" raises
       NotImplementedError: its forward cannot be interpreted.

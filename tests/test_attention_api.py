@@ -61,7 +61,7 @@ def test_resolve_implementation_is_explicit():
 
 def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
   """None on sm90: Mosaic GPU for bf16/fp16 D64/D128/D256 (its backward for D64/D128 calls
-  without segment ids, Triton's for D256 and segment ids); Triton on other GPUs, for fp32, other head dims, head_dim_v !=
+  with any mask, Triton's for D256); Triton on other GPUs, for fp32, other head dims, head_dim_v !=
   head_dim, interpret mode or a Triton BlockSizes."""
   from pallas_kernels.flash import mosaic_gpu as mg, triton as ft
   sds = lambda d, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, 300, 4, d), dt)
@@ -72,9 +72,9 @@ def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
   for mask, bwd in ((dict(local_window_size=(511, 0)), "mosaic_gpu"),
                     (dict(logits_soft_cap=30.0), "mosaic_gpu"),
                     (dict(local_window_size=(511, 0), logits_soft_cap=30.0), "mosaic_gpu"),
-                    (dict(segment_ids=jnp.ones((2, 300), jnp.int32)), "triton"),
+                    (dict(segment_ids=jnp.ones((2, 300), jnp.int32)), "mosaic_gpu"),
                     (dict(segment_ids=jnp.ones((2, 300), jnp.int32),
-                          local_window_size=(511, 0)), "triton")):
+                          local_window_size=(511, 0)), "mosaic_gpu")):
     assert plan(x, x, x, compute_capability=(9, 0), **mask)["backward"] == bwd, mask
   for d, bwd in ((64, "mosaic_gpu"), (256, "triton")):
     y = sds(d, jnp.float16)
@@ -101,7 +101,7 @@ def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
 
 def test_flash_attention_dispatches_on_the_plan(monkeypatch):
   """flash_attention(None) on a (simulated) H200 runs the Mosaic GPU path, with the Mosaic GPU
-  backward for a D128 call with or without a window and the Triton one with segment ids."""
+  backward for D128 calls with or without masks and the Triton one at D256."""
   from pallas_kernels import compat
   from pallas_kernels.flash import mosaic_gpu as mg
   seen = []
@@ -118,7 +118,9 @@ def test_flash_attention_dispatches_on_the_plan(monkeypatch):
   jattn.flash_attention(q, q, q, causal=True, local_window_size=(63, 0))
   seg = jnp.ones((1, 64), jnp.int32)
   jattn.flash_attention(q, q, q, causal=True, segment_ids=seg)
-  assert seen == ["mosaic", "mosaic", "triton"]
+  q256 = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
+  jattn.flash_attention(q256, q256, q256, causal=True)
+  assert seen == ["mosaic", "mosaic", "mosaic", "triton"]
 
 
 def _naive(q, k, v, mask, scale):

@@ -1033,15 +1033,15 @@ def test_unsupported_options_raise():
     mg.flash_attention(q, q, q, logits_soft_cap=0.0)
 
 
-def test_mosaic_backward_rejects_masks_at_the_call():
-  """backward="mosaic" with segment ids raises NotImplementedError when the forward is called,
-  naming the option (windows and the soft cap are supported)."""
-  import jattn
+def test_mosaic_backward_rejects_block_schedules_at_the_call():
+  """backward="mosaic" with a block schedule raises NotImplementedError when the forward is
+  called, naming it (windows, soft cap and segment ids are supported)."""
+  from pallas_kernels.block_schedule import make_schedule
   q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
-  seg = jnp.ones((1, 128), jnp.int32)
-  bs = mg.BlockSizes(backward="mosaic")
-  with pytest.raises(NotImplementedError, match="segment ids"):
-    jattn.flash_attention(q, q, q, implementation="mosaic_gpu", block_sizes=bs, segment_ids=seg)
+  bs = mg.BlockSizes(64, 64, 2, backward="mosaic")
+  sched = make_schedule(128, 128, 128, 64, causal=True)
+  with pytest.raises(NotImplementedError, match="block schedules"):
+    mg.flash_attention(q, q, q, None, None, sched, causal=True, block_sizes=bs)
 
 
 # ------------------------------------------- jattn registration, hybrid backward (CPU)
@@ -1235,7 +1235,7 @@ def test_tail_kv_splits_checks():
     cfg((1, 1000, 2, 128), causal=False)
 
 
-@pytest.mark.parametrize("name", list(VJP_CASES) + [n for n in VJP_MASK_CASES if "segments" not in n])
+@pytest.mark.parametrize("name", list(VJP_CASES) + list(VJP_MASK_CASES))
 def test_registered_vjp_with_mosaic_backward(name, monkeypatch):
   """``BlockSizes(backward="mosaic")``: the custom_vjp hands the same residuals to the Mosaic GPU
   backward (``mosaic_gpu_bwd``). Neither Mosaic kernel runs on the CPU: the forward and both
@@ -1251,10 +1251,11 @@ def test_registered_vjp_with_mosaic_backward(name, monkeypatch):
                       real_bwd(*a, **kw))
   case = dict(VJP_CASES.get(name) or VJP_MASK_CASES[name])
   case.update(b=1)
-  causal, _, _, mask = _mask_args(case, name)
+  causal, q_seg, kv_seg, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), hq=4, hk=2, d=64, dtype=jnp.bfloat16, **case)
   bs = mg.BlockSizes(backward="mosaic")
-  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, block_sizes=bs, **mask)
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=True, block_sizes=bs, q_seg=q_seg,
+                                kv_seg=kv_seg, **mask)
   assert called, "the Mosaic GPU backward was not used"
   _assert_vjp_close(got, want, jnp.bfloat16)
 
@@ -1319,8 +1320,7 @@ def test_registered_path_rejects_unsupported_options():
                                   "segments_causal"])
 def test_registered_fwd_bwd_lowers_for_cuda(mask):
   """jax.grad through jattn.flash_attention(implementation="mosaic_gpu") lowers for "cuda": the
-  Mosaic GPU forward plus the two Triton backward kernels (dK/dV, dQ) with segment ids, and the
-  Mosaic GPU backward kernels (no Triton call) for dense / causal / window / soft cap."""
+  Mosaic GPU forward and the two Mosaic GPU backward kernels (no Triton call) for every mask."""
   import jattn
   q = jax.ShapeDtypeStruct((2, 1000, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, 128), jnp.bfloat16)
@@ -1334,9 +1334,9 @@ def test_registered_fwd_bwd_lowers_for_cuda(mask):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, seg).lower(
       lowering_platforms=("cuda",)).as_text()
   n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
-  assert n == (2 if "segments" in mask else 0), n
+  assert n == 0, n
   calls = re.findall(r"custom_call @(mosaic_gpu\w*)", text)
-  assert len(calls) == (1 if "segments" in mask else 3), calls
+  assert len(calls) == 3, calls
 
 
 # ----------------------------------------------------------------------------- GPU (sm90)
@@ -1570,7 +1570,8 @@ GPU_VJP_CASES = {
 # Masked cases the Mosaic GPU backward takes (windows, soft cap; session 26).
 _MOSAIC_BWD_MASK_CASES = ("d128_causal_window_511", "d128_causal_window_64_ragged",
                           "d64_window_100_30_q_longer", "d128_soft_cap_causal",
-                          "d64_soft_cap_dense_fp16")
+                          "d64_soft_cap_dense_fp16", "d128_segments_packed_causal",
+                          "d128_segments_random_q_shorter", "d64_segments_window_soft_cap")
 
 
 @pytest.mark.gpu
@@ -1583,13 +1584,15 @@ def test_gpu_registered_forward_and_mosaic_backward(name):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
   case = dict(GPU_VJP_CASES.get(name) or GPU_MASK_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
-  causal, _, _, mask = _mask_args(case, name)
+  causal, q_seg, kv_seg, mask = _mask_args(case, name)
   q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  window = mask.get("local_window_size")
-  bs = mg.fit_block_sizes(mg.default_block_sizes(q.shape[-1], mask=mask_kind(causal, window)),
-                          q.shape, k.shape, causal=causal, window=window)   # as jattn's default
+  window, segments = mask.get("local_window_size"), q_seg is not None
+  bs = mg.fit_block_sizes(mg.default_block_sizes(q.shape[-1], mask=mask_kind(
+      causal, window, segments=segments)), q.shape, k.shape, causal=causal, window=window,
+      segments=segments)                                  # as jattn's default
   bs = dataclasses.replace(bs, backward="mosaic")
-  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, block_sizes=bs, **mask)
+  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, block_sizes=bs, q_seg=q_seg,
+                                kv_seg=kv_seg, **mask)
   _assert_vjp_close(got, want, dtype)
 
 

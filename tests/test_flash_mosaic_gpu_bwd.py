@@ -59,14 +59,16 @@ def _inputs(seed, b, sq, sk, hq, hk, d, dtype):
 # -------------------------------------------------------------------------------- lowering (CPU)
 
 def _lower(b, sq, sk, hq, hk, d, causal, dtype=jnp.bfloat16, bs=None, window=None,
-           soft_cap=None):
+           soft_cap=None, seg=False):
   q = jax.ShapeDtypeStruct((b, sq, hq, d), dtype)
   kv = jax.ShapeDtypeStruct((b, sk, hk, d), dtype)
   lse = jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)
-  fn = jax.jit(lambda q, k, v, o, l, do: mb.flash_attention_bwd(
+  q_seg, kv_seg = (jax.ShapeDtypeStruct((b, n), jnp.int32) for n in (sq, sk))
+  fn = jax.jit(lambda q, k, v, o, l, do, q_seg, kv_seg: mb.flash_attention_bwd(
       q, k, v, o, l, do, causal=causal, block_sizes=bs, local_window_size=window,
-      logits_soft_cap=soft_cap))
-  return jax.export.export(fn, platforms=["cuda"])(q, kv, kv, q, lse, q)
+      logits_soft_cap=soft_cap, q_segment_ids=q_seg if seg else None,
+      kv_segment_ids=kv_seg if seg else None))
+  return jax.export.export(fn, platforms=["cuda"])(q, kv, kv, q, lse, q, q_seg, kv_seg)
 
 
 LOWER_CASES = {
@@ -83,6 +85,9 @@ LOWER_CASES = {
     "d64_two_sided_window_soft_cap": dict(sq=300, sk=500, hq=2, hk=1, d=64, causal=False,
                                           window=(33, 70), soft_cap=20.0),
     "d128_causal_soft_cap": dict(sq=256, sk=256, hq=2, hk=2, d=128, causal=True, soft_cap=30.0),
+    "d128_causal_segments_window": dict(sq=1000, sk=1000, hq=4, hk=2, d=128, causal=True,
+                                        window=(511, 0), seg=True),
+    "d64_segments_q_shorter": dict(sq=300, sk=500, hq=2, hk=1, d=64, causal=False, seg=True),
 }
 
 
@@ -252,6 +257,107 @@ def test_window_walk_skips_tiles():
   assert dq_tiles <= 16 * 3 and dkv_tiles <= 16 * 3, (dq_tiles, dkv_tiles)
 
 
+def _segments(seed, b, n, kind):
+  """int32 [b, n] segment ids: "packed" (documents of random lengths, ids 1, 2, ..., a padded
+  tail of 0 in the last row) or "random" (ids 0..3 anywhere, 0 = padding)."""
+  rng = np.random.default_rng(seed)
+  if kind == "random":
+    return rng.integers(0, 4, (b, n)).astype(np.int32)
+  out = np.zeros((b, n), np.int32)
+  for r in range(b):
+    pos, doc = 0, 1
+    end = n - (rng.integers(1, n // 4 + 2) if r == b - 1 else 0)
+    while pos < end:
+      length = int(rng.integers(1, max(2, n // 3)))
+      out[r, pos:min(end, pos + length)] = doc
+      pos, doc = pos + length, doc + 1
+  return out
+
+
+SEG_WALK = [(300, 300, "packed", False, None), (300, 300, "packed", True, None),
+            (1000, 1000, "packed", True, (200, 0)), (200, 328, "random", False, None),
+            (328, 200, "random", True, None), (257, 257, "packed", False, (40, 90))]
+
+
+@pytest.mark.parametrize("sq,sk,kind,causal,window", SEG_WALK)
+def test_segment_bounds_walks(sq, sk, kind, causal, window):
+  """``_seg_bounds``: in both kernels, per batch row and warpgroup tile, tiles outside [lo, hi)
+  hold no visible pair (independent mask with segment ids), tiles in [flo, fhi) only visible
+  pairs (every real row and key), masked tiles get exactly the visible pairs from the kernel's
+  mask (static bounds and segment ids); a program walks the union of its warpgroups' ranges."""
+  b = 2
+  q_seg = _segments(sq, b, sq, kind)
+  kv_seg = q_seg if sq == sk else _segments(sk, b, sk, kind)
+  for bs in (mb.BlockSizes(), mb.BlockSizes(128, 64, 64, 128)):
+    st = mb._static_config((b, sq, 1, 64), (b, sk, 1, 64), jnp.bfloat16, causal=causal,
+                           scale=None, block_sizes=bs, local_window_size=window, has_seg=True)
+    qs_p = np.pad(q_seg, ((0, 0), (0, st.q_pad - sq)))
+    ks_p = np.pad(kv_seg, ((0, 0), (0, st.kv_pad - sk)))
+    dq_b, dkv_b = (np.asarray(x) for x in mb._seg_bounds(jnp.asarray(qs_p), jnp.asarray(ks_p),
+                                                           st))
+    for bounds in (dq_b, dkv_b):
+      for row in bounds.reshape(-1, 10):
+        plo, phi = row[:2]
+        assert plo <= phi
+        for lo, flo, fhi, hi in row[2:].reshape(2, 4):
+          assert plo <= lo <= flo <= fhi <= hi <= phi, row
+    ref = lambda qp, kp, r: (_ref_visible(qp, kp, st) & (qs_p[r][np.minimum(qp, st.q_pad - 1)]
+                                                          == ks_p[r][np.minimum(kp, st.kv_pad - 1)])
+                             & (ks_p[r][np.minimum(kp, st.kv_pad - 1)] != 0))
+    # dQ kernel
+    bq, bk = bs.block_q_dq, bs.block_k_dq
+    rows, cols = np.arange(bq)[:, None], np.arange(bk)[None, :]
+    for r in range(b):
+      for prog in range(st.num_dq_programs):
+        for wg in range(2):
+          row0 = prog * 2 * bq + wg * bq
+          lo, flo, fhi, hi = dq_b[r, prog, 2 + 4 * wg:6 + 4 * wg]
+          for t in range(st.num_kv_tiles_dq):
+            want = ref(rows + row0, cols + t * bk, r)
+            real = (rows + row0 < sq) & (cols + t * bk < sk)
+            if not lo <= t < hi:
+              assert not want.any(), (r, prog, wg, t)
+            elif flo <= t < fhi:
+              np.testing.assert_array_equal(want, real)
+            else:
+              kern = np.asarray(mb._both(mb._dq_visible(rows, cols, row0, t, st),
+                                         mb._seg_visible(qs_p[r, row0:row0 + bq],
+                                                         ks_p[r, t * bk:(t + 1) * bk],
+                                                         (bq, bk), 0)))
+              np.testing.assert_array_equal(kern & real, want)
+    # dK/dV kernel (transposed tiles: rows are keys)
+    bq, bk = bs.block_q_dkv, bs.block_k_dkv
+    keys, qcols = np.arange(bk)[:, None], np.arange(bq)[None, :]
+    for r in range(b):
+      for prog in range(st.num_dkv_programs):
+        for wg in range(2):
+          k0 = prog * 2 * bk + wg * bk
+          lo, flo, fhi, hi = dkv_b[r, prog, 2 + 4 * wg:6 + 4 * wg]
+          for i in range(st.num_q_tiles_dkv):
+            want = ref(qcols + i * bq, keys + k0, r)
+            real = (qcols + i * bq < sq) & (keys + k0 < sk)
+            if not lo <= i < hi:
+              assert not want.any(), (r, prog, wg, i)
+            elif flo <= i < fhi:
+              np.testing.assert_array_equal(want, real)
+            else:
+              static = (mb._dkv_visible(keys, qcols, k0, i, st)
+                        if st.lo_reach is not None or st.hi_reach is not None else None)
+              kern = np.asarray(mb._both(static, mb._seg_visible(
+                  qs_p[r, i * bq:(i + 1) * bq], ks_p[r, k0:k0 + bk], (bk, bq), 1)))
+              np.testing.assert_array_equal(kern & real, want & real)
+
+
+def test_segment_bounds_skip_other_documents():
+  """Packed causal documents of 256 tokens: each query tile walks its own document only."""
+  seg = jnp.repeat(jnp.arange(1, 5, dtype=jnp.int32), 256)[None]
+  st = mb._static_config((1, 1024, 1, 64), (1, 1024, 1, 64), jnp.bfloat16, causal=True,
+                         scale=None, block_sizes=mb.BlockSizes(), has_seg=True)
+  dq_b, dkv_b = (np.asarray(x) for x in mb._seg_bounds(seg, seg, st))
+  walked = lambda bounds: sum(int(hi - lo) for lo, _, _, hi in bounds[0, :, 2:].reshape(-1, 4))
+  assert walked(dq_b) == walked(dkv_b) == 4 * 10     # 4 docs x (1 + 2 + 3 + 4) tile pairs
+
+
 # ------------------------------------------------------- barrier protocol simulation (CPU)
 
 
@@ -300,14 +406,24 @@ def _simulate(threads, seed):
   return ops
 
 
-def _dkv_protocol(st, prog, seed):
-  """The dK/dV kernel's ring protocol for one program (loop bounds from the kernel's helpers):
-  every compute step must see the (head, query tile) it expects in each of the 4 buffers, from
-  its first wait to its free arrival."""
+def _wg_ranges(bounds_row, wg, static):
+  """A warpgroup's 4 range ints: from a ``_seg_bounds`` row, else ``static()``."""
+  if bounds_row is not None:
+    return tuple(int(x) for x in bounds_row[2 + 4 * wg:6 + 4 * wg])
+  return tuple(int(x) for x in static())
+
+
+def _dkv_protocol(st, prog, seed, bounds_row=None):
+  """The dK/dV kernel's ring protocol for one program (loop bounds from the kernel's helpers,
+  or a ``_seg_bounds`` row): every compute step must see the (head, query tile) it expects in
+  each of the 4 buffers, from its first wait to its free arrival."""
   stages, bk = st.bs.num_stages_dkv, st.bs.block_k_dkv
   k0p = prog * 2 * bk
-  first_p = int(mb._dkv_q_bounds(jnp.int32(k0p), st)[0])
-  last_p = int(mb._dkv_q_bounds(jnp.int32(k0p + bk), st)[3])
+  if bounds_row is not None:
+    first_p, last_p = int(bounds_row[0]), int(bounds_row[1])
+  else:
+    first_p = int(mb._dkv_q_bounds(jnp.int32(k0p), st)[0])
+    last_p = int(mb._dkv_q_bounds(jnp.int32(k0p + bk), st)[3])
   per_head = last_p - first_p
   total = st.group * per_head
   loaded = [_Barrier(stages) for _ in range(4)]           # q, do, lse, delta (the waits' order)
@@ -328,7 +444,8 @@ def _dkv_protocol(st, prog, seed):
       yield from load(j, j % stages)
 
   def compute(wg):
-    first, lo, hi, last = (int(x) for x in mb._dkv_q_bounds(jnp.int32(k0p + wg * bk), st))
+    first, lo, hi, last = _wg_ranges(bounds_row, wg,
+                                     lambda: mb._dkv_q_bounds(jnp.int32(k0p + wg * bk), st))
     for g in range(st.group):
       base = g * per_head - first_p
       for i in range(first_p, last_p):
@@ -347,11 +464,14 @@ def _dkv_protocol(st, prog, seed):
   return computed
 
 
-def _dq_protocol(st, prog, seed):
+def _dq_protocol(st, prog, seed, bounds_row=None):
   """The dQ kernel's K/V ring protocol for one program (see ``_dkv_protocol``)."""
   stages, bq = st.bs.num_stages_dq, st.bs.block_q_dq
-  program_start = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq), st)[0])
-  program_steps = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st)[3])
+  if bounds_row is not None:
+    program_start, program_steps = int(bounds_row[0]), int(bounds_row[1])
+  else:
+    program_start = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq), st)[0])
+    program_steps = int(mb._dq_kv_range(jnp.int32(prog * 2 * bq + bq), st)[3])
   n = program_steps - program_start
   loaded = [_Barrier(stages) for _ in range(2)]           # k, v
   free = _Barrier(stages, arrivals=2)
@@ -370,7 +490,7 @@ def _dq_protocol(st, prog, seed):
       yield from load(program_start + e, e % stages)
 
   def compute(wg):
-    start, lo, hi, steps = (int(x) for x in mb._dq_kv_range(
+    start, lo, hi, steps = _wg_ranges(bounds_row, wg, lambda: mb._dq_kv_range(
         jnp.int32(prog * 2 * bq + wg * bq), st))
     for t in range(program_start, program_steps):
       slot = (t - program_start) % stages
@@ -410,6 +530,33 @@ def test_ring_protocols_never_deadlock_or_overwrite(causal, window):
         assert got[wg] == [(t, not lo <= t < hi) for t in range(start, steps)]
 
 
+@pytest.mark.parametrize("sq,sk,kind,causal,window", SEG_WALK[:4])
+def test_ring_protocols_with_segment_bounds(sq, sk, kind, causal, window):
+  """The ring protocols on the walks of ``_seg_bounds`` (GQA 2:1, 3 stages): no deadlock, no
+  early refill, each warpgroup computes exactly its [lo, hi) with [flo, fhi) unmasked."""
+  b = 2
+  q_seg = _segments(sq + 1, b, sq, kind)
+  kv_seg = q_seg if sq == sk else _segments(sk + 1, b, sk, kind)
+  st = mb._static_config((b, sq, 2, 64), (b, sk, 1, 64), jnp.bfloat16, causal=causal,
+                         scale=None, block_sizes=mb.BlockSizes(64, 64, 64, 64, 3, 3),
+                         local_window_size=window, has_seg=True)
+  qs_p = jnp.asarray(np.pad(q_seg, ((0, 0), (0, st.q_pad - sq))))
+  ks_p = jnp.asarray(np.pad(kv_seg, ((0, 0), (0, st.kv_pad - sk))))
+  dq_b, dkv_b = (np.asarray(x) for x in mb._seg_bounds(qs_p, ks_p, st))
+  for r in range(b):
+    for prog in range(st.num_dkv_programs):
+      got = _dkv_protocol(st, prog, seed=prog, bounds_row=dkv_b[r, prog])
+      for wg in range(2):
+        first, lo, hi, last = dkv_b[r, prog, 2 + 4 * wg:6 + 4 * wg]
+        assert got[wg] == [(g, i, not lo <= i < hi) for g in range(st.group)
+                           for i in range(first, last)]
+    for prog in range(st.num_dq_programs):
+      got = _dq_protocol(st, prog, seed=prog, bounds_row=dq_b[r, prog])
+      for wg in range(2):
+        start, lo, hi, steps = dq_b[r, prog, 2 + 4 * wg:6 + 4 * wg]
+        assert got[wg] == [(t, not lo <= t < hi) for t in range(start, steps)]
+
+
 def test_protocol_simulation_catches_a_missing_drain():
   """The simulation can fail: in the dQ kernel, with warpgroup kv ranges more than a ring apart
   (256-row warpgroups, 64-key tiles, 2 stages, causal), a compute warpgroup that stops at its own
@@ -443,18 +590,37 @@ def _dot(a, b):
   return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _replay_dkv_call(q, k, v, do, lse2, delta, st):
+def _replay_masks(rows, cols, st, static_visible, q_seg, kv_seg, q_axis):
+  """The kernels' element mask of a masked tile (static bounds where the mask has any, segment
+  ids with ``seg``), or None."""
+  visible = static_visible() if (st.lo_reach is not None or st.hi_reach is not None
+                                 or q_axis == 0) else None
+  if st.has_seg:
+    visible = mb._both(visible, mb._seg_visible(q_seg, kv_seg, rows.shape, q_axis))
+  return visible
+
+
+def _replay_ranges(seg, n_tiles, static_ranges, b):
+  """[B, n_tiles, 4] int32 walk of every warpgroup tile: the bounds rows of ``_seg_bounds``
+  with segment ids, else the static ranges (broadcast over the batch)."""
+  if seg is not None:
+    return seg[2][:, :, 2:].reshape(b, n_tiles, 4)
+  r = jnp.stack([jnp.broadcast_to(x, (n_tiles,)) for x in static_ranges], -1)
+  return jnp.broadcast_to(r, (b, n_tiles, 4))
+
+
+def _replay_dkv_call(q, k, v, do, lse2, delta, st, seg=None):
   """jnp replay of ``_dkv_kernel`` on the padded inputs: every compute warpgroup's key tile, its
-  query-tile range per GQA head (drained steps skipped), masked/unmasked split, the kernel's
-  arithmetic helpers."""
-  b, _, hq, d = q.shape
+  query-tile range per GQA head (drained steps skipped; with segment ids the ``_seg_bounds``
+  rows), masked/unmasked split, the kernel's masks and arithmetic helpers."""
+  b, sq_pad, hq, d = q.shape
   hk = k.shape[2]
-  bq, bk, nq, g_n = st.bs.block_q_dkv, st.bs.block_k_dkv, st.num_q_tiles_dkv, st.group
+  bq, bk, g_n = st.bs.block_q_dkv, st.bs.block_k_dkv, st.group
   rows = lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
   cols = lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
 
-  def warpgroup(k_t, v_t, q_g, do_g, lse_g, delta_g, k0):   # [bk, D] x2, [G, Sq', D] x2, [G, Sq']
-    first, full_lo, full_hi, last = mb._dkv_q_bounds(k0, st)
+  def warpgroup(k_t, v_t, q_g, do_g, lse_g, delta_g, k0, rng, kv_seg_t, q_seg_all):
+    first, full_lo, full_hi, last = rng[0], rng[1], rng[2], rng[3]
 
     def step(i, carry, *, g, masked):
       dk, dv = carry
@@ -463,7 +629,11 @@ def _replay_dkv_call(q, k, v, do, lse2, delta, st):
       s_t = _dot(k_t, q_t.T)
       p_t = mb._probs(s_t, lse_t, st, axis=1)
       if masked:
-        p_t = jnp.where(mb._dkv_visible(rows, cols, k0, i, st), p_t, 0.0)
+        q_seg = lax.dynamic_slice_in_dim(q_seg_all, i * bq, bq)
+        visible = _replay_masks(rows, cols, st, lambda: mb._dkv_visible(rows, cols, k0, i, st),
+                                q_seg, kv_seg_t, 1)
+        if visible is not None:
+          p_t = jnp.where(visible, p_t, 0.0)
       dv = dv + _dot(p_t.astype(st.dtype), do_t)
       ds_t = mb._dscores(p_t, _dot(v_t, do_t.T), delta_t, axis=1,
                          cap_grad=mb._cap_grad(s_t, st))
@@ -480,22 +650,27 @@ def _replay_dkv_call(q, k, v, do, lse2, delta, st):
 
   n_tiles = st.num_dkv_programs * 2                       # warpgroup key tiles
   k0s = jnp.arange(n_tiles, dtype=jnp.int32) * bk
+  rng = _replay_ranges(seg, n_tiles, mb._dkv_q_bounds(k0s, st), b)
+  q_seg, kv_seg = (seg[0], seg[1]) if seg is not None else (
+      jnp.zeros((b, sq_pad), jnp.int32), jnp.zeros((b, k.shape[1]), jnp.int32))
+  kv_seg_t = kv_seg[:, :n_tiles * bk].reshape(b, n_tiles, bk)
   kt = k[:, :n_tiles * bk].reshape(b, n_tiles, bk, hk, d).transpose(0, 3, 1, 2, 4)
   vt = v[:, :n_tiles * bk].reshape(b, n_tiles, bk, hk, d).transpose(0, 3, 1, 2, 4)
   grp = lambda x: x.transpose(0, 2, 1, 3).reshape(b, hk, g_n, x.shape[1], d)
   grp_rows = lambda x: x.reshape(b, hk, g_n, x.shape[2])
-  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, None, None, None, None, 0))
-  dk, dv = jax.vmap(jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None)),
-                    in_axes=(0, 0, 0, 0, 0, 0, None))(kt, vt, grp(q), grp(do), grp_rows(lse2),
-                                                      grp_rows(delta), k0s)
+  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, None, None, None, None, 0, 0, 0, None))
+  per_head = jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None, None, None, None))
+  dk, dv = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, 0, None, 0, 0, 0))(
+      kt, vt, grp(q), grp(do), grp_rows(lse2), grp_rows(delta), k0s, rng, kv_seg_t, q_seg)
   out = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, n_tiles * bk, hk, d)
   pad = ((0, 0), (0, k.shape[1] - n_tiles * bk), (0, 0), (0, 0))
   return jnp.pad(out(dk), pad), jnp.pad(out(dv), pad)
 
 
-def _replay_dq_call(q, k, v, do, lse2, delta, st):
+def _replay_dq_call(q, k, v, do, lse2, delta, st, seg=None):
   """jnp replay of ``_dq_kernel`` on the padded inputs: every compute warpgroup's rows, its kv
-  range, masked/unmasked split, the kernel's arithmetic helpers."""
+  range (with segment ids the ``_seg_bounds`` rows), masked/unmasked split, the kernel's masks
+  and arithmetic helpers."""
   b, sq_pad, hq, d = q.shape
   bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
   heads = jnp.arange(hq) // st.group
@@ -504,8 +679,8 @@ def _replay_dq_call(q, k, v, do, lse2, delta, st):
   rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
 
-  def warpgroup(q_t, do_t, lse_t, delta_t, k_all, v_all, row0):
-    start, full_lo, full_hi, steps = mb._dq_kv_range(row0, st)
+  def warpgroup(q_t, do_t, lse_t, delta_t, k_all, v_all, row0, rng, q_seg_t, kv_seg_all):
+    start, full_lo, full_hi, steps = rng[0], rng[1], rng[2], rng[3]
 
     def step(t, dq, *, masked):
       k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)
@@ -513,7 +688,10 @@ def _replay_dq_call(q, k, v, do, lse2, delta, st):
       s = _dot(q_t, k_t.T)
       p = mb._probs(s, lse_t, st, axis=0)
       if masked:
-        p = jnp.where(mb._dq_visible(rows, cols, row0, t, st), p, 0.0)
+        kv_seg = lax.dynamic_slice_in_dim(kv_seg_all, t * bk, bk)
+        visible = _replay_masks(rows, cols, st, lambda: mb._dq_visible(rows, cols, row0, t, st),
+                                q_seg_t, kv_seg, 0)
+        p = jnp.where(visible, p, 0.0)
       ds = mb._dscores(p, _dot(do_t, v_t.T), delta_t, axis=0, cap_grad=mb._cap_grad(s, st))
       return dq + _dot(ds.astype(st.dtype), k_t)
 
@@ -525,12 +703,16 @@ def _replay_dq_call(q, k, v, do, lse2, delta, st):
 
   n_tiles = st.num_dq_programs * 2
   row0s = jnp.arange(n_tiles, dtype=jnp.int32) * bq
+  rng = _replay_ranges(seg, n_tiles, mb._dq_kv_range(row0s, st), b)
+  q_seg, kv_seg = (seg[0], seg[1]) if seg is not None else (
+      jnp.zeros((b, sq_pad), jnp.int32), jnp.zeros((b, k.shape[1]), jnp.int32))
+  q_seg_t = q_seg[:, :n_tiles * bq].reshape(b, n_tiles, bq)
   tiles = lambda x: x[:, :n_tiles * bq].reshape(b, n_tiles, bq, hq, d).transpose(0, 3, 1, 2, 4)
   rows_t = lambda x: x[:, :, :n_tiles * bq].reshape(b, hq, n_tiles, bq)
-  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, 0, 0, None, None, 0))
-  dq = jax.vmap(jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None)),
-                in_axes=(0, 0, 0, 0, 0, 0, None))(tiles(q), tiles(do), rows_t(lse2),
-                                                  rows_t(delta), k_h, v_h, row0s)
+  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, 0, 0, None, None, 0, 0, 0, None))
+  per_head = jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None, None, None, None))
+  dq = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, 0, None, 0, 0, 0))(
+      tiles(q), tiles(do), rows_t(lse2), rows_t(delta), k_h, v_h, row0s, rng, q_seg_t, kv_seg)
   dq = dq.transpose(0, 2, 3, 1, 4).reshape(b, n_tiles * bq, hq, d)
   return jnp.pad(dq, ((0, 0), (0, sq_pad - n_tiles * bq), (0, 0), (0, 0)))
 
@@ -551,18 +733,27 @@ def _reference_grads(q, k, v, do, d_lse, causal, scale, **mask):
 
 
 def _kernel_vs_reference(q, k, v, do, causal, *, scale=None, bs=None, d_lse=None, window=None,
-                         soft_cap=None):
+                         soft_cap=None, seg=None):
+  """(kernel grads, reference grads, lse) on the reference's residuals; seg: None, "packed" or
+  "random" segment ids (``_segments``; separate key ids when q and kv lengths differ)."""
   mask = dict(local_window_size=window, logits_soft_cap=soft_cap)
+  segs = {}
+  if seg is not None:
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    q_seg = jnp.asarray(_segments(sq, b, sq, seg))
+    segs = dict(q_segment_ids=q_seg,
+                kv_segment_ids=q_seg if sq == sk else jnp.asarray(_segments(sk, b, sk, seg)))
 
-  def both(q, k, v, do, d_lse):
-    out, lse = _reference_residuals(q, k, v, causal, scale, **mask)
+  def both(q, k, v, do, d_lse, segs):
+    out, lse = _reference_residuals(q, k, v, causal, scale, **mask, **segs)
     got = mb.flash_attention_bwd(q, k, v, out, lse, do, causal=causal, scale=scale,
-                                 block_sizes=bs, d_lse=d_lse, **mask)
-    return got, _reference_grads(q, k, v, do, d_lse, causal, scale, **mask), lse
+                                 block_sizes=bs, d_lse=d_lse, **mask, **segs)
+    return got, _reference_grads(q, k, v, do, d_lse, causal, scale, **mask, **segs), lse
   fn = jax.jit(both)
   if compat.default_backend() == "cpu":
-    return fn.lower(q, k, v, do, d_lse).compile(_FAST_CPU_COMPILE)(q, k, v, do, d_lse)
-  return fn(q, k, v, do, d_lse)
+    return fn.lower(q, k, v, do, d_lse, segs).compile(_FAST_CPU_COMPILE)(q, k, v, do, d_lse,
+                                                                         segs)
+  return fn(q, k, v, do, d_lse, segs)
 
 
 def _assert_grads_close(got, want, lse, q, k, dtype):
@@ -601,6 +792,13 @@ REPLAY_CASES = {
                                 soft_cap=5.0, scale=0.5),
     "soft_cap_causal_window": dict(b=1, sq=500, sk=500, hq=2, hk=1, d=64, causal=True,
                                    window=(127, 0), soft_cap=3.0, scale=0.4),
+    "segments_packed_causal_gqa": dict(b=2, sq=600, sk=600, hq=4, hk=2, d=64, causal=True,
+                                       seg="packed"),
+    "segments_random_q_shorter": dict(b=2, sq=200, sk=328, hq=2, hk=1, d=64, causal=False,
+                                      seg="random", bs=mb.BlockSizes(128, 64, 64, 128)),
+    "segments_window_soft_cap_fp16": dict(b=1, sq=500, sk=500, hq=2, hk=2, d=64, causal=True,
+                                          seg="packed", window=(100, 0), soft_cap=5.0,
+                                          dtype=jnp.float16),
 }
 
 
@@ -612,11 +810,12 @@ def test_replayed_kernels_match_reference_vjp(name, monkeypatch):
   dtype, bs = case.pop("dtype", jnp.bfloat16), case.pop("bs", None)
   causal, scale, with_d_lse = case.pop("causal"), case.pop("scale", None), case.pop("d_lse", False)
   window, soft_cap = case.pop("window", None), case.pop("soft_cap", None)
+  seg = case.pop("seg", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
   d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
            if with_d_lse else None)
   got, want, lse = _kernel_vs_reference(q, k, v, do, causal, scale=scale, bs=bs, d_lse=d_lse,
-                                        window=window, soft_cap=soft_cap)
+                                        window=window, soft_cap=soft_cap, seg=seg)
   _assert_grads_close(got, want, lse, q, k, dtype)
 
 
@@ -640,6 +839,18 @@ def test_replay_check_catches_a_missing_window_bound(monkeypatch):
       k_pos <= q_pos if visible is None else jnp.logical_and(visible, k_pos <= q_pos))
   monkeypatch.setattr(mb, "_within_reach", right_only)
   got, want, _ = _kernel_vs_reference(q, k, v, do, True, window=(40, 0))
+  for g, w in zip(got, want):
+    assert _rel(g, w) > 0.1
+
+
+def test_replay_check_catches_a_missing_segment_mask(monkeypatch):
+  """The replay test can fail on segment ids: masked tiles without the segment compare give
+  wrong gradients for packed documents."""
+  monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
+  monkeypatch.setattr(mb, "_seg_visible", lambda q_seg, kv_seg, shape, q_axis: None)
+  q, k, v, do = _inputs(8, b=2, sq=400, sk=400, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
+  got, want, _ = _kernel_vs_reference(q, k, v, do, False, seg="packed")
   for g, w in zip(got, want):
     assert _rel(g, w) > 0.1
 
@@ -684,6 +895,12 @@ GPU_CASES = {
     "d128_window_soft_cap_3_stages": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=128, causal=True,
                                           window=(255, 0), soft_cap=5.0, scale=0.3,
                                           bs=mb.BlockSizes(64, 64, 64, 64, 3, 3)),
+    "d128_segments_packed_causal_gqa": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128,
+                                            causal=True, seg="packed"),
+    "d128_segments_random_q_shorter": dict(b=2, sq=700, sk=1111, hq=4, hk=2, d=128,
+                                           causal=False, seg="random"),
+    "d64_segments_window_soft_cap": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True,
+                                         seg="packed", window=(200, 0), soft_cap=5.0),
 }
 
 
@@ -702,11 +919,12 @@ def test_gpu_matches_reference_vjp(name):
   causal, with_d_lse = case.pop("causal"), case.pop("d_lse", False)
   window, soft_cap, scale = case.pop("window", None), case.pop("soft_cap", None), \
       case.pop("scale", None)
+  seg = case.pop("seg", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
   d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
            if with_d_lse else None)
   got, want, lse = _kernel_vs_reference(q, k, v, do, causal, bs=bs, d_lse=d_lse, window=window,
-                                        soft_cap=soft_cap, scale=scale)
+                                        soft_cap=soft_cap, scale=scale, seg=seg)
   _assert_grads_close(got, want, lse, q, k, dtype)
 
 

@@ -23,8 +23,9 @@ hybrid VJP with the replay standing in for the kernel and the Triton backward in
 Local windows, segment ids and logits soft cap (see "Masks" below; run 17 on the H200: all 10
 forward cases vs the reference passed, D64/128/256, experiments/results/
 h200_gpu_tests_mosaic_masks_run17_20261130.txt); the backward with them is the Triton one
-(``_triton_bwd_masked``) by default. ``backward="mosaic"`` takes local windows and the soft cap
-(``mosaic_gpu_bwd``, session 26) and rejects segment ids and block schedules at the call.
+(``_triton_bwd_masked``) where ``backward="triton"``. ``backward="mosaic"`` (``mosaic_gpu_bwd``)
+takes local windows, the soft cap and segment ids (session 26) and rejects block schedules at
+the call.
 
 Block schedules (``flash_attention(schedule=...)``, what
 ``jattn.block_sparse_attention(implementation="mosaic_gpu")`` passes for a top-K selection): each
@@ -173,7 +174,7 @@ class BlockSizes:
     backward: which kernels compute the gradients: "triton" (default: the Triton dK/dV and dQ
       kernels; GPU tests pass behind this forward, runs 17-22) or "mosaic" (``mosaic_gpu_bwd``,
       the Hopper backward: head_dim 64/128, dense / causal (GPU tests pass, runs 19-22), local
-      windows and soft cap; not segment ids or block schedules).
+      windows, soft cap and segment ids (session 26); not block schedules).
     q_tiles_per_program: P >= 1 query tiles (``rows_per_program`` rows each) of one (batch,
       head) per program, one after the other: the K/V ring runs on across them (the memory
       warpgroup loads the next tile's first kv tiles while the compute warpgroups finish the
@@ -1606,8 +1607,8 @@ def _forward_bwd(st, res, cts):
   with a window, segment ids or soft cap ``_triton_bwd_masked``) or, with
   ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``,
   the Mosaic GPU ones (``mosaic_gpu_bwd.flash_attention_bwd``, same residuals; dense, causal,
-  local windows and soft cap, not segment ids or block schedules, which ``_static_config``
-  checks at the call).
+  local windows, soft cap and segment ids, not block schedules, which ``_static_config`` checks
+  at the call).
 
   The conventions match: lse is the natural-log log-sum-exp over the unpadded keys (``_finalize``:
   m * ln 2 + ln l, m the base-2 running max) with -inf for rows that see no key, which the Triton
@@ -1626,7 +1627,9 @@ def _forward_bwd(st, res, cts):
     grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, causal=st.causal,
                                                scale=st.scale, block_sizes=st.bwd_block_sizes,
                                                d_lse=d_lse, local_window_size=st.window,
-                                               logits_soft_cap=st.soft_cap)
+                                               logits_soft_cap=st.soft_cap,
+                                               q_segment_ids=q_seg if st.has_seg else None,
+                                               kv_segment_ids=kv_seg if st.has_seg else None)
   elif st.window is not None or st.soft_cap is not None or st.has_seg:
     grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st)
   else:
@@ -1662,8 +1665,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       raise TypeError(f"backward='mosaic' takes a mosaic_gpu_bwd.BlockSizes as bwd_block_sizes, "
                       f"got {type(bwd_block_sizes)}")
     mosaic_gpu_bwd._check_head_dim(d)              # D256: NotImplementedError now, not at grad
-    masks = [name for name, val in (("segment ids", has_seg or None),
-                                    ("block schedules", schedule)) if val is not None]
+    masks = [name for name, val in (("block schedules", schedule),) if val is not None]
     if masks:   # now, not at grad time
       raise NotImplementedError("the Mosaic GPU backward (backward='mosaic') does not support "
                                 + ", ".join(masks) + "; use the default backward='triton'")
@@ -1927,8 +1929,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       selects the Mosaic GPU backward; None: the default tiles of the backward that
       ``block_sizes.backward`` names (with a schedule: Triton launch defaults at the schedule's
       tiles; a Triton ``BlockSizes`` given here must have them as ``bwd_tiles``). The Mosaic GPU
-      backward is dense/causal only: with a window, segment ids, soft cap or a schedule it
-      raises NotImplementedError at this call.
+      backward takes every mask but a block schedule (NotImplementedError at this call).
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see

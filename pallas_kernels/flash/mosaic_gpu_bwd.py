@@ -211,6 +211,7 @@ class _Static:
   dtype: jnp.dtype
   window: tuple | None = None       # normalized (left, right), a side None = unbounded
   soft_cap: float | None = None     # logits = cap * tanh(scale * s / cap)
+  has_seg: bool = False             # segment ids: ranges per (batch, program) from ``_seg_bounds``
 
   @property
   def offset(self) -> int:
@@ -263,7 +264,7 @@ class _Static:
 
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local_window_size=None,
-                   logits_soft_cap=None) -> _Static:
+                   logits_soft_cap=None, has_seg=False) -> _Static:
   from pallas_kernels.masks import normalize_window
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
@@ -282,7 +283,8 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
                  head_dim=d, group=hq // hk, causal=bool(causal),
                  scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
                  window=window,
-                 soft_cap=None if logits_soft_cap is None else float(logits_soft_cap))
+                 soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+                 has_seg=bool(has_seg))
 
 
 def _ceil_div_nonneg(n, d: int):
@@ -383,6 +385,99 @@ def _dkv_visible(rows, cols, k0, i, st: _Static):
   return visible
 
 
+def _seg_visible(q_seg, kv_seg, shape, q_axis):
+  """q_seg == kv_seg != 0 on a tile of ``shape`` whose query axis is ``q_axis`` (q_seg / kv_seg:
+  the tile's query / key segment ids, vectors along their axes)."""
+  qs = lax.broadcast_in_dim(q_seg, shape, [q_axis])
+  ks = lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis])
+  return jnp.logical_and(qs == ks, ks != 0)
+
+
+def _both(a, b):
+  """a and b, either of which may be None (no condition)."""
+  return b if a is None else a if b is None else jnp.logical_and(a, b)
+
+
+def _tile_ranges(visit, full):
+  """(lo, flo, fhi, hi) int32 per row of bool tile masks [..., n]: [lo, hi) from the first to
+  the last visited tile (lo = hi = n when none), [flo, fhi) the first run of full tiles inside
+  it (flo = fhi = hi when none). Tiles in [lo, hi) outside [flo, fhi) are walked masked."""
+  n = visit.shape[-1]
+  t = jnp.arange(n, dtype=jnp.int32)
+  any_visit = visit.any(-1)
+  lo = jnp.where(any_visit, jnp.argmax(visit, -1), n).astype(jnp.int32)
+  hi = jnp.where(any_visit, n - jnp.argmax(visit[..., ::-1], -1), n).astype(jnp.int32)
+  any_full = full.any(-1)
+  flo = jnp.where(any_full, jnp.argmax(full, -1), hi).astype(jnp.int32)
+  after = (~full) & (t >= flo[..., None])
+  fhi = jnp.where(after.any(-1), jnp.argmax(after, -1), n).astype(jnp.int32)
+  fhi = jnp.where(any_full, jnp.minimum(fhi, hi), flo)
+  return lo, flo, fhi, hi
+
+
+def _program_bounds(lo, flo, fhi, hi):
+  """Rows [plo, phi, (lo, flo, fhi, hi) per compute warpgroup] from per-warpgroup ranges
+  [B, programs * 2]: the program walks [plo, phi), the union; a warpgroup's ranges are clipped
+  into it (an empty one becomes an empty range inside it, drained). int32 [B, programs, 10]."""
+  b = lo.shape[0]
+  shape = (b, lo.shape[1] // _COMPUTE_WGS, _COMPUTE_WGS)
+  lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))
+  empty = lo >= hi
+  plo = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, lo), -1)
+  phi = jnp.max(jnp.where(empty, 0, hi), -1)
+  plo = jnp.where(phi > 0, plo, 0)                        # no warpgroup sees anything: [0, 0)
+  phi = jnp.maximum(phi, plo)
+  lo = jnp.where(empty, plo[..., None], jnp.clip(lo, plo[..., None], phi[..., None]))
+  hi = jnp.where(empty, lo, jnp.clip(hi, lo, phi[..., None]))
+  flo = jnp.clip(flo, lo, hi)
+  fhi = jnp.clip(fhi, flo, hi)
+  wgs = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, shape[1], 4 * _COMPUTE_WGS)
+  return jnp.concatenate([plo[..., None], phi[..., None], wgs], -1).astype(jnp.int32)
+
+
+def _seg_bounds(q_seg, kv_seg, st: _Static):
+  """Per-(batch, program) walks of both kernels with segment ids: (dq_bounds, dkv_bounds), int32
+  [B, programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` (see
+  ``_program_bounds``): for the dQ kernel kv tiles per query program, for the dK/dV kernel
+  query tiles per kv program. A tile pair is visited when the static mask (``_dq_kv_range`` /
+  ``_dkv_q_bounds``) and the tiles' segment ids (``block_schedule``'s per-tile min/max nonzero
+  id: a superset of the pairs with a visible element) allow it, and runs unmasked when it is
+  statically full and both tiles hold one and the same nonzero id everywhere.
+
+  q_seg: int32 [B, Sq'], kv_seg [B, Sk'], padded with 0 (which sees nothing)."""
+  from pallas_kernels.block_schedule import _segment_tile_classes, _segment_tile_pairs
+  bs = st.bs
+
+  def classes(seg, block):
+    return _segment_tile_classes(seg, seg.shape[1], block)
+
+  # dQ kernel: query tiles of block_q_dq rows x kv tiles of block_k_dq keys
+  n_q = st.num_dq_programs * _COMPUTE_WGS
+  nk = st.num_kv_tiles_dq
+  qc = [x[:, :n_q, None] for x in classes(q_seg, bs.block_q_dq)]
+  kc = [x[:, None, :nk] for x in classes(kv_seg, bs.block_k_dq)]
+  seg_any, seg_all = _segment_tile_pairs(qc, kc)                     # [B, n_q, nk]
+  start, flo, fhi, steps = (jnp.broadcast_to(x, (n_q,)) for x in _dq_kv_range(
+      jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
+  t = jnp.arange(nk, dtype=jnp.int32)
+  visit = seg_any & ((t >= start[:, None]) & (t < steps[:, None]))[None]
+  full = visit & seg_all & ((t >= flo[:, None]) & (t < fhi[:, None]))[None]
+  dq_bounds = _program_bounds(*_tile_ranges(visit, full))
+
+  # dK/dV kernel: kv tiles of block_k_dkv keys x query tiles of block_q_dkv rows
+  n_k = st.num_dkv_programs * _COMPUTE_WGS
+  nq = st.num_q_tiles_dkv
+  kc = [x[:, :n_k, None] for x in classes(kv_seg, bs.block_k_dkv)]
+  qc = [x[:, None, :nq] for x in classes(q_seg, bs.block_q_dkv)]
+  seg_any, seg_all = _segment_tile_pairs(kc, qc)                     # [B, n_k, nq]
+  first, flo, fhi, last = (jnp.broadcast_to(x, (n_k,)) for x in _dkv_q_bounds(
+      jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
+  i = jnp.arange(nq, dtype=jnp.int32)
+  visit = seg_any & ((i >= first[:, None]) & (i < last[:, None]))[None]
+  full = visit & seg_all & ((i >= flo[:, None]) & (i < fhi[:, None]))[None]
+  return dq_bounds, _program_bounds(*_tile_ranges(visit, full))
+
+
 # ----------------------------------------------------------------------------------------------
 # Tile arithmetic (shared by the kernels and the CPU replay)
 # ----------------------------------------------------------------------------------------------
@@ -420,26 +515,34 @@ def _dscores(p, dp, delta, *, axis, cap_grad=None):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem,
-                own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free, *, st: _Static):
-  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM) ->
-  dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D], v_own [2, bk, D], q [S, bq, D],
-  do [S, bq, D], lse2 [S, bq], delta [S, bq]); barriers own_loaded [2 wgs x (k, v)],
-  q/do/lse/delta_loaded [S], free [S] (2 arrivals)."""
-  k_own, v_own, q_smem, do_smem, lse_smem, delta_smem = smem
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
+  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM), with
+  segment ids also q_seg [B, Sq'], kv_seg [B, Sk'] int32 and bounds [B, programs, 10] (the
+  dK/dV rows of ``_seg_bounds``) -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
+  v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
+  bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S], free
+  [S] (2 arrivals)."""
+  if st.has_seg:
+    q_seg_ref, kv_seg_ref, bounds_ref, *refs = refs
+  dk_ref, dv_ref, smem, own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free = refs
+  k_own, v_own, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
+  kv_seg_own, q_seg_smem = smem[6:] if st.has_seg else (None, None)
   bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
   stages = st.bs.num_stages_dkv
-  nq = st.num_q_tiles_dkv
   b = lax.axis_index("batch")
   kv_h = lax.axis_index("heads")
   prog = lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
   k0_program = prog * (_COMPUTE_WGS * bk)
-  first_program = _dkv_q_bounds(k0_program, st)[0]        # warpgroup 0's keys see the first
-  last_program = _dkv_q_bounds(k0_program + (_COMPUTE_WGS - 1) * bk, st)[3]   # 1's the last
+  if st.has_seg:
+    first_program, last_program = bounds_ref[b, prog, 0], bounds_ref[b, prog, 1]
+  else:
+    first_program = _dkv_q_bounds(k0_program, st)[0]      # warpgroup 0's keys see the first
+    last_program = _dkv_q_bounds(k0_program + (_COMPUTE_WGS - 1) * bk, st)[3]   # 1's the last
   per_head = last_program - first_program                 # ring steps per query head (>= 0)
   total = st.group * per_head
   slot_of = lambda j: lax.rem(j, jnp.int32(stages))
+  two_edges = st.lo_reach is not None or st.has_seg       # masked tiles on both sides
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -447,15 +550,25 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     k0 = k0_program + wg * bk
     kt, vt = k_own.at[wg], v_own.at[wg]                   # [bk, D]
     plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kv_h], kt, own_loaded.at[2 * wg])
+    if st.has_seg:
+      plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(k0, bk)], kv_seg_own.at[wg],
+                              own_loaded.at[2 * wg])
     plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kv_h], vt, own_loaded.at[2 * wg + 1])
-    first, full_lo, full_hi, last = _dkv_q_bounds(k0, st)
+    if st.has_seg:
+      base_col = 2 + 4 * wg
+      first, full_lo, full_hi, last = (bounds_ref[b, prog, base_col + j] for j in range(4))
+    else:
+      first, full_lo, full_hi, last = _dkv_q_bounds(k0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     col_layout = plgpu.Layout.WGMMA.reduce(0)              # one value per query (column)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per key (row)
     zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
     dk = zeros((bk, st.head_dim))
     dv = zeros((bk, st.head_dim))
     plgpu.barrier_wait(own_loaded.at[2 * wg])
     plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
+    kv_seg = (plgpu.load(kv_seg_own.at[wg], (), layout=row_layout) if st.has_seg
+              else None)                                  # [bk] int32
 
     def step(i, carry, *, base, masked):
       dk, dv = carry
@@ -475,9 +588,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       p_t = _probs(s_t, lse2, st, axis=1)
       cap_grad = _cap_grad(s_t, st)
       if masked:
-        rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
-        cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
-        p_t = jnp.where(_dkv_visible(rows, cols, k0, i, st), p_t, 0.0)
+        visible = None
+        if st.lo_reach is not None or st.hi_reach is not None:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
+          cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
+          visible = _dkv_visible(rows, cols, k0, i, st)
+        if st.has_seg:
+          q_seg = plgpu.load(q_seg_smem.at[slot], (), layout=col_layout)   # [bq] int32
+          visible = _both(visible, _seg_visible(q_seg, kv_seg, (bk, bq), 1))
+        if visible is not None:   # (dense: there is no masked range, but it is traced)
+          p_t = jnp.where(visible, p_t, 0.0)
       plgpu.barrier_wait(delta_loaded.at[slot])
       delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
       ds_t = _dscores(p_t, dp_t, delta, axis=1, cap_grad=cap_grad)
@@ -505,7 +625,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                             carry)
       carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, base=base, masked=False),
                             carry)
-      if st.lo_reach is not None:                         # a window's left edge
+      if two_edges:                                       # a window's left edge, segments
         carry = lax.fori_loop(full_hi, last, functools.partial(step, base=base, masked=True),
                               carry)
         carry = lax.fori_loop(last, last_program, functools.partial(drain, base=base), carry)
@@ -529,6 +649,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       h = kv_h * st.group + g
       rows = pl.ds(i * bq, bq)
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_loaded.at[slot])
+      if st.has_seg:
+        plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_loaded.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_loaded.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
@@ -546,9 +668,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
       load(j, slot)
 
 
-def _dkv_call(q, k, v, do, lse2, delta, st: _Static):
-  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] ->
-  (dk, dv) [B, Sk', Hk, D] in the input dtype (rows of padded keys are garbage).
+def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
+  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] (and with segment
+  ids seg = (q_seg [B, Sq'], kv_seg [B, Sk'], bounds [B, programs, 10]: the dK/dV rows of
+  ``_seg_bounds``)) -> (dk, dv) [B, Sk', Hk, D] in the input dtype (rows of padded keys are
+  garbage).
 
   The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
   b, _, _, d = q.shape
@@ -563,6 +687,9 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static):
       plgpu.SMEM((stages, bq), jnp.float32),                            # lse2 ring
       plgpu.SMEM((stages, bq), jnp.float32),                            # delta ring
   )
+  if st.has_seg:
+    smem += (plgpu.SMEM((_COMPUTE_WGS, bk), jnp.int32),                 # own kv segment ids
+             plgpu.SMEM((stages, bq), jnp.int32))                       # q segment id ring
   call = plgpu.kernel(
       functools.partial(_dkv_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -581,7 +708,7 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static):
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  return call(q, k, v, do, lse2, delta)
+  return call(q, k, v, do, lse2, delta, *(seg or ()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -589,12 +716,16 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static):
 # ----------------------------------------------------------------------------------------------
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, own_loaded,
-               k_loaded, v_loaded, free, *, st: _Static):
-  """Refs as ``_dkv_kernel`` -> dq [B, Sq', Hq, D]. Scratch: smem = (q_own [2, bq, D],
-  do_own [2, bq, D], lse2 [2, bq], delta [2, bq], k [S, bk, D], v [S, bk, D]); barriers
-  own_loaded [2 wgs x (q, do, lse, delta)], k/v_loaded [S], free [S] (2 arrivals)."""
-  q_own, do_own, lse_own, delta_own, k_smem, v_smem = smem
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
+  """Refs as ``_dkv_kernel`` (bounds: the dQ rows of ``_seg_bounds``) -> dq [B, Sq', Hq, D].
+  Scratch: smem = (q_own [2, bq, D], do_own [2, bq, D], lse2 [2, bq], delta [2, bq], k [S, bk,
+  D], v [S, bk, D][, q_seg_own [2, bq], kv_seg [S, bk]]); barriers own_loaded [2 wgs x (q, do,
+  lse, delta)], k/v_loaded [S], free [S] (2 arrivals)."""
+  if st.has_seg:
+    q_seg_ref, kv_seg_ref, bounds_ref, *refs = refs
+  dq_ref, smem, own_loaded, k_loaded, v_loaded, free = refs
+  q_own, do_own, lse_own, delta_own, k_smem, v_smem = smem[:6]
+  q_seg_own, kv_seg_smem = smem[6:] if st.has_seg else (None, None)
   bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
   stages = st.bs.num_stages_dq
   b = lax.axis_index("batch")
@@ -605,9 +736,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
   wg = lax.axis_index("wg")
   kv_h = lax.div(h, jnp.int32(st.group))
   row0_program = tile * (_COMPUTE_WGS * bq)
-  program_start = _dq_kv_range(row0_program, st)[0]       # warpgroup 0's rows see the first
-  program_steps = _dq_kv_range(row0_program + (_COMPUTE_WGS - 1) * bq, st)[3]   # 1's the last
+  if st.has_seg:
+    program_start, program_steps = bounds_ref[b, tile, 0], bounds_ref[b, tile, 1]
+  else:
+    program_start = _dq_kv_range(row0_program, st)[0]     # warpgroup 0's rows see the first
+    program_steps = _dq_kv_range(row0_program + (_COMPUTE_WGS - 1) * bq, st)[3]   # 1's last
   slot_of = lambda t: lax.rem(t - program_start, jnp.int32(stages))
+  two_edges = st.lo_reach is not None or st.has_seg       # masked tiles on both sides
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -617,10 +752,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
     qt, dot = q_own.at[wg], do_own.at[wg]                 # [bq, D]
     bars = [own_loaded.at[4 * wg + n] for n in range(4)]
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows_ds, h], qt, bars[0])
+    if st.has_seg:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows_ds], q_seg_own.at[wg], bars[0])
     plgpu.copy_gmem_to_smem(do_ref.at[b, rows_ds, h], dot, bars[1])
     plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows_ds], lse_own.at[wg], bars[2])
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows_ds], delta_own.at[wg], bars[3])
-    start, full_lo, full_hi, steps = _dq_kv_range(row0, st)
+    if st.has_seg:
+      start, full_lo, full_hi, steps = (bounds_ref[b, tile, 2 + 4 * wg + j] for j in range(4))
+    else:
+      start, full_lo, full_hi, steps = _dq_kv_range(row0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per query (row)
     zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
@@ -629,6 +769,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       plgpu.barrier_wait(bar)
     lse2 = plgpu.load(lse_own.at[wg], (), layout=row_layout)
     delta = plgpu.load(delta_own.at[wg], (), layout=row_layout)
+    q_seg = (plgpu.load(q_seg_own.at[wg], (), layout=row_layout) if st.has_seg
+             else None)                                   # [bq] int32
 
     def step(t, dq, *, masked):
       slot = slot_of(t)
@@ -647,7 +789,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       if masked:
         rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
         cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-        p = jnp.where(_dq_visible(rows, cols, row0, t, st), p, 0.0)
+        visible = _dq_visible(rows, cols, row0, t, st)
+        if st.has_seg:
+          kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+          visible = jnp.logical_and(visible, _seg_visible(q_seg, kv_seg, (bq, bk), 0))
+        p = jnp.where(visible, p, 0.0)
       ds = _dscores(p, dp, delta, axis=0, cap_grad=cap_grad)
 
       def dq_gemm(acc_ref):                               # dQ += dS K
@@ -663,7 +809,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    if st.lo_reach is not None:                           # a window's left edge
+    if two_edges:                                         # a window's left edge, segments
       lax.fori_loop(program_start, start, drain, None)
       dq = lax.fori_loop(start, full_lo, functools.partial(step, masked=True), dq)
     dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
@@ -681,6 +827,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
     def load(t, slot):
       rows = (b, pl.ds(t * bk, bk), kv_h)
       plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+      if st.has_seg:
+        plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(t * bk, bk)], kv_seg_smem.at[slot],
+                                k_loaded.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
     n = program_steps - program_start                     # ring entries: kv tile start + e
@@ -696,8 +845,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ow
       load(program_start + e, slot)
 
 
-def _dq_call(q, k, v, do, lse2, delta, st: _Static):
-  """Padded inputs as ``_dkv_call`` -> dq [B, Sq', Hq, D] in the input dtype.
+def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
+  """Padded inputs as ``_dkv_call`` (seg: bounds = the dQ rows of ``_seg_bounds``) -> dq [B,
+  Sq', Hq, D] in the input dtype.
 
   The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
   b, _, hq, d = q.shape
@@ -711,6 +861,9 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static):
       plgpu.SMEM((stages, bk, d), k.dtype, transforms=tiled),           # K ring
       plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
   )
+  if st.has_seg:
+    smem += (plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),                 # own q segment ids
+             plgpu.SMEM((stages, bk), jnp.int32))                       # kv segment id ring
   call = plgpu.kernel(
       functools.partial(_dq_kernel, st=st),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -727,7 +880,7 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static):
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
-  return call(q, k, v, do, lse2, delta)
+  return call(q, k, v, do, lse2, delta, *(seg or ()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -757,7 +910,8 @@ def _prepare(out, lse, do, d_lse, st: _Static):
 def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                         scale: float | None = None, block_sizes: BlockSizes | None = None,
                         d_lse=None, local_window_size=None,
-                        logits_soft_cap: float | None = None):
+                        logits_soft_cap: float | None = None, q_segment_ids=None,
+                        kv_segment_ids=None):
   """Gradients of flash attention with the Mosaic GPU (Hopper) backward kernels.
 
   Args:
@@ -777,6 +931,9 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
       forward. With ``causal`` the right side is at most 0.
     logits_soft_cap: None or cap > 0: the forward's logits were cap * tanh(scale * q.k / cap)
       (must match the forward).
+    q_segment_ids: None or int [B, Sq]: query i sees key j only where q_segment_ids[i] ==
+      kv_segment_ids[j] != 0 (packed documents; 0 = padding, sees nothing).
+    kv_segment_ids: int [B, Sk] (None: q_segment_ids, which then needs Sq == Sk).
 
   Returns:
     (dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, D]) in q.dtype, accumulated in fp32;
@@ -810,14 +967,36 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                     f"{do.dtype}")
   _check_dtype(q.dtype)
+  if kv_segment_ids is not None and q_segment_ids is None:
+    raise ValueError("kv_segment_ids needs q_segment_ids")
+  if q_segment_ids is not None:
+    if kv_segment_ids is None:
+      if sq != k.shape[1]:
+        raise ValueError(f"segment ids with q_len {sq} != kv_len {k.shape[1]} need "
+                         f"kv_segment_ids")
+      kv_segment_ids = q_segment_ids
+    if q_segment_ids.shape != (b, sq) or kv_segment_ids.shape != (b, k.shape[1]):
+      raise ValueError(f"segment ids must be [batch, q_len] = {(b, sq)} and [batch, kv_len] = "
+                       f"{(b, k.shape[1])}, got {q_segment_ids.shape} and "
+                       f"{kv_segment_ids.shape}")
+    if not (jnp.issubdtype(q_segment_ids.dtype, jnp.integer)
+            and jnp.issubdtype(kv_segment_ids.dtype, jnp.integer)):
+      raise TypeError(f"segment ids must be integers, got {q_segment_ids.dtype} and "
+                      f"{kv_segment_ids.dtype}")
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes, local_window_size=local_window_size,
-                      logits_soft_cap=logits_soft_cap)
+                      logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None)
   lse2, delta = _prepare(out, lse, do, d_lse, st)
   q_p, do_p = _pad_axis(q, 1, st.q_pad), _pad_axis(do, 1, st.q_pad)
   k_p, v_p = _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
-  dk, dv = _dkv_call(q_p, k_p, v_p, do_p, lse2, delta, st)
-  dq = _dq_call(q_p, k_p, v_p, do_p, lse2, delta, st)
+  seg_dq = seg_dkv = None
+  if st.has_seg:   # padding gets id 0 (sees nothing)
+    q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, st.q_pad, 0)
+    kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, st.kv_pad, 0)
+    dq_bounds, dkv_bounds = _seg_bounds(q_seg, kv_seg, st)
+    seg_dq, seg_dkv = (q_seg, kv_seg, dq_bounds), (q_seg, kv_seg, dkv_bounds)
+  dk, dv = _dkv_call(q_p, k_p, v_p, do_p, lse2, delta, st, seg_dkv)
+  dq = _dq_call(q_p, k_p, v_p, do_p, lse2, delta, st, seg_dq)
   return dq[:, :sq], dk[:, :st.kv_len], dv[:, :st.kv_len]
 
 
