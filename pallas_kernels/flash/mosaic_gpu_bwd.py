@@ -520,11 +520,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
   segment ids also q_seg [B, Sq'], kv_seg [B, Sk'] int32 and bounds [B, programs, 10] (the
   dK/dV rows of ``_seg_bounds``) -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
   v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
-  bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S], free
-  [S] (2 arrivals)."""
+  bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
+  2 arrivals with segment ids, Q and its ids), free [S] (2 arrivals)[, own kv ids loaded [2]]."""
   if st.has_seg:
     q_seg_ref, kv_seg_ref, bounds_ref, *refs = refs
-  dk_ref, dv_ref, smem, own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free = refs
+  (dk_ref, dv_ref, smem, own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free,
+   *seg_loaded) = refs                                    # with segment ids: own ids barriers
   k_own, v_own, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
   kv_seg_own, q_seg_smem = smem[6:] if st.has_seg else (None, None)
   bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
@@ -552,7 +553,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kv_h], kt, own_loaded.at[2 * wg])
     if st.has_seg:
       plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(k0, bk)], kv_seg_own.at[wg],
-                              own_loaded.at[2 * wg])
+                              seg_loaded[0].at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kv_h], vt, own_loaded.at[2 * wg + 1])
     if st.has_seg:
       base_col = 2 + 4 * wg
@@ -567,8 +568,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     dv = zeros((bk, st.head_dim))
     plgpu.barrier_wait(own_loaded.at[2 * wg])
     plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
-    kv_seg = (plgpu.load(kv_seg_own.at[wg], (), layout=row_layout) if st.has_seg
-              else None)                                  # [bk] int32
+    kv_seg = None
+    if st.has_seg:
+      plgpu.barrier_wait(seg_loaded[0].at[wg])
+      kv_seg = plgpu.load(kv_seg_own.at[wg], (), layout=row_layout)   # [bk] int32
 
     def step(i, carry, *, base, masked):
       dk, dv = carry
@@ -687,21 +690,24 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
       plgpu.SMEM((stages, bq), jnp.float32),                            # lse2 ring
       plgpu.SMEM((stages, bq), jnp.float32),                            # delta ring
   )
+  q_copies, seg_barriers = 1, ()
   if st.has_seg:
     smem += (plgpu.SMEM((_COMPUTE_WGS, bk), jnp.int32),                 # own kv segment ids
              plgpu.SMEM((stages, bq), jnp.int32))                       # q segment id ring
+    q_copies = 2                                          # Q and its ids on q_loaded
+    seg_barriers = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)         # own kv ids loaded
   call = plgpu.kernel(
       functools.partial(_dkv_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
       scratch_types=(
           smem,
           plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),                    # own_loaded
-          plgpu.Barrier(num_barriers=stages),                              # q_loaded
+          plgpu.Barrier(num_arrivals=q_copies, num_barriers=stages),       # q_loaded
           plgpu.Barrier(num_barriers=stages),                              # do_loaded
           plgpu.Barrier(num_barriers=stages),                              # lse_loaded
           plgpu.Barrier(num_barriers=stages),                              # delta_loaded
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
-      ),
+      ) + seg_barriers,
       grid=(hk, st.num_dkv_programs, b),
       grid_names=("heads", "kv_tiles", "batch"),
       num_threads=_COMPUTE_WGS + 1,
@@ -720,10 +726,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
   """Refs as ``_dkv_kernel`` (bounds: the dQ rows of ``_seg_bounds``) -> dq [B, Sq', Hq, D].
   Scratch: smem = (q_own [2, bq, D], do_own [2, bq, D], lse2 [2, bq], delta [2, bq], k [S, bk,
   D], v [S, bk, D][, q_seg_own [2, bq], kv_seg [S, bk]]); barriers own_loaded [2 wgs x (q, do,
-  lse, delta)], k/v_loaded [S], free [S] (2 arrivals)."""
+  lse, delta)], k/v_loaded [S] (k: 2 arrivals with segment ids, K and its ids), free [S] (2
+  arrivals)[, own q ids loaded [2]]. A barrier that two TMA copies complete needs 2 arrivals:
+  with 1 the first copy ends the phase (session 26's first GPU try: a launch failure)."""
   if st.has_seg:
     q_seg_ref, kv_seg_ref, bounds_ref, *refs = refs
-  dq_ref, smem, own_loaded, k_loaded, v_loaded, free = refs
+  dq_ref, smem, own_loaded, k_loaded, v_loaded, free, *seg_loaded = refs
   q_own, do_own, lse_own, delta_own, k_smem, v_smem = smem[:6]
   q_seg_own, kv_seg_smem = smem[6:] if st.has_seg else (None, None)
   bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
@@ -753,7 +761,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     bars = [own_loaded.at[4 * wg + n] for n in range(4)]
     plgpu.copy_gmem_to_smem(q_ref.at[b, rows_ds, h], qt, bars[0])
     if st.has_seg:
-      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows_ds], q_seg_own.at[wg], bars[0])
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows_ds], q_seg_own.at[wg], seg_loaded[0].at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[b, rows_ds, h], dot, bars[1])
     plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows_ds], lse_own.at[wg], bars[2])
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows_ds], delta_own.at[wg], bars[3])
@@ -769,8 +777,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
       plgpu.barrier_wait(bar)
     lse2 = plgpu.load(lse_own.at[wg], (), layout=row_layout)
     delta = plgpu.load(delta_own.at[wg], (), layout=row_layout)
-    q_seg = (plgpu.load(q_seg_own.at[wg], (), layout=row_layout) if st.has_seg
-             else None)                                   # [bq] int32
+    q_seg = None
+    if st.has_seg:
+      plgpu.barrier_wait(seg_loaded[0].at[wg])
+      q_seg = plgpu.load(q_seg_own.at[wg], (), layout=row_layout)     # [bq] int32
 
     def step(t, dq, *, masked):
       slot = slot_of(t)
@@ -861,19 +871,22 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
       plgpu.SMEM((stages, bk, d), k.dtype, transforms=tiled),           # K ring
       plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
   )
+  k_copies, seg_barriers = 1, ()
   if st.has_seg:
     smem += (plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),                 # own q segment ids
              plgpu.SMEM((stages, bk), jnp.int32))                       # kv segment id ring
+    k_copies = 2                                          # K and its ids on k_loaded
+    seg_barriers = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)         # own q ids loaded
   call = plgpu.kernel(
       functools.partial(_dq_kernel, st=st),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=(
           smem,
           plgpu.Barrier(num_barriers=4 * _COMPUTE_WGS),                    # own_loaded
-          plgpu.Barrier(num_barriers=stages),                              # k_loaded
+          plgpu.Barrier(num_arrivals=k_copies, num_barriers=stages),       # k_loaded
           plgpu.Barrier(num_barriers=stages),                              # v_loaded
           plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
-      ),
+      ) + seg_barriers,
       grid=(hq, st.num_dq_programs, b),
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=_COMPUTE_WGS + 1,
