@@ -9,8 +9,8 @@ Implementations:
     ``pallas_kernels.flash.mosaic_gpu`` (FA3-style: TMA, wgmma, warp specialisation, ping-pong)
     and, by default, the Mosaic GPU backward (``mosaic_gpu_bwd``) where it supports the call
     (head_dim 64/128, any mask: dense or causal, local windows, soft cap, segment ids);
-    otherwise (head_dim 256) the Triton backward kernels fed the forward's out and LSE. Dense or causal, local windows, segment ids,
-    soft cap, GQA, bf16/fp16, head_dim 64/128/256; other dtypes or head dims and
+    otherwise (head_dim 256) the Triton backward kernels fed the forward's out and LSE. Dense
+    or causal, local windows, segment ids, soft cap, GQA, bf16/fp16, head_dim 64/128/256; other dtypes or head dims and
     ``interpret=True`` raise NotImplementedError naming the option (no fallback).
     GPU-verified on an H200 (runs 17-22, 2026-11-30: every case of tests/test_flash_mosaic_gpu.py
     passed). Run 21 (B2 S16K H16 D128 bf16, one process): forward 586 / 604 TFLOP/s non-causal /

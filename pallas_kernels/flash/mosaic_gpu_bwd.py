@@ -2,8 +2,13 @@
 
 STATUS: the GPU tests pass on the H200 (runs 19-22, through ``BlockSizes(backward="mosaic")``
 of ``pallas_kernels.flash.mosaic_gpu`` and ``jattn.flash_attention(implementation="mosaic_gpu")``
-for unmasked D64/128); timed in run 25 (477 TFLOP/s effective at D128, the H200 table's
-``mosaic_gpu_bwd`` entry), slower than cuDNN's backward (docs/kernels.md). What the CPU checks
+for dense/causal D64/128; runs 109-114, session 26: local windows, soft cap and segment ids,
+all 21 GPU cases of tests/test_flash_mosaic_gpu_bwd.py); timed in run 25 (477 TFLOP/s effective
+at D128 dense, the H200 table's ``mosaic_gpu_bwd`` entry), slower than cuDNN's backward there
+(docs/kernels.md). With masks it is jattn's default backward on Hopper (runs 109-113, fwd+bwd
+with the Mosaic forward, B2 S16K H16 D128 bf16: causal window 512 1.583 ms against 2.080 with
+the Triton backward and cuDNN's 1.712; packed 4 x 4K documents 4.558 against 5.790, cuDNN on
+the same documents as separate rows 4.258). What the CPU checks
 (tests/test_flash_mosaic_gpu_bwd.py; jax's Mosaic GPU interpret mode cannot run wgmma with
 transposed or register operands): both kernels lower for "cuda" (``jax.export``: the Pallas ->
 Mosaic GPU lowering, register layouts, wgmma/TMA constraints, the shared-memory budget); their
