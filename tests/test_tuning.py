@@ -212,12 +212,14 @@ def test_tables_well_formed():
     assert {k[0] for k in table} == set(tuning.KERNELS)
     for key, e in table.items():
       # mask-specific tuning so far: the H200 Mosaic forward's causal window (runs 33, 38),
-      # packed documents (runs 38, 61), causal and dense (runs 41-61)
+      # packed documents (runs 38, 61), causal and dense (runs 41-61); the Mosaic backward's
+      # D64 causal window (run 110)
       assert key[3] == "all" or (name, key) in {
           ("nvidia_h200.json", ("mosaic_gpu_fwd", 128, "16bit", m))
           for m in ("causal_window", "causal_segments", "causal", "dense")} | {
           ("nvidia_h200.json", ("mosaic_gpu_fwd", d, "16bit", m))
-          for d in (64, 256) for m in ("causal", "dense")}, key
+          for d in (64, 256) for m in ("causal", "dense")} | {
+          ("nvidia_h200.json", ("mosaic_gpu_bwd", 64, "16bit", "causal_window"))}, key
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
       assert prov["commit"]
@@ -238,7 +240,8 @@ def test_tables_well_formed():
              ("mosaic_gpu_fwd", 128, "16bit", "dense"),
              ("mosaic_gpu_fwd", 256, "16bit", "causal"), ("mosaic_gpu_fwd", 256, "16bit", "dense"),
              ("mosaic_gpu_fwd", 64, "16bit", "causal"), ("mosaic_gpu_fwd", 64, "16bit", "dense"),
-             ("mosaic_gpu_fwd", 64, "16bit", "all"), ("mosaic_gpu_fwd", 256, "16bit", "all")}
+             ("mosaic_gpu_fwd", 64, "16bit", "all"), ("mosaic_gpu_fwd", 256, "16bit", "all"),
+             ("mosaic_gpu_bwd", 64, "16bit", "causal_window")}
             if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
 

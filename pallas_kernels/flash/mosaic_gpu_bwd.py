@@ -151,21 +151,25 @@ class BlockSizes:
 # KiB, dQ ~129 KiB of shared memory. Register budget of a dK/dV compute warpgroup at D128: dK + dV
 # accumulators 2 * 64 = 128 fp32 registers per thread, S^T/P^T and dP^T 32 each.
 @functools.lru_cache(maxsize=None)
-def _tuned_block_sizes(head_dim: int, device_kind: str | None) -> BlockSizes:
+def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str) -> BlockSizes:
   from pallas_kernels import tuning
-  return BlockSizes(**tuning.required_params("mosaic_gpu_bwd", head_dim, "16bit", device_kind))
+  return BlockSizes(**tuning.required_params("mosaic_gpu_bwd", head_dim, "16bit", device_kind,
+                                             mask=mask))
 
 
-def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
-                        device_kind: str | None = None) -> BlockSizes:
-  """Default ``BlockSizes`` for a head dimension (64 or 128; bf16 or fp16).
+def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | None = None,
+                        mask: str = "all") -> BlockSizes:
+  """Default ``BlockSizes`` for a head dimension (64 or 128; bf16 or fp16) and mask kind.
 
-  Read from the tuning table of the device (``pallas_kernels.tuning``; the same for every mask).
+  Read from the tuning table of the device (``pallas_kernels.tuning``): the entry for ``mask``
+  where one was measured (the H200's D64 causal window, run 110), else the one for every mask.
 
   Args:
     head_dim: the head dimension of q, k and v.
     dtype: the input dtype (only checked).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
+    mask: a mask kind (``pallas_kernels.tuning.mask_kind``: "dense", "causal", "window",
+      "causal_window", "causal_segments") or "all".
 
   Returns:
     A ``BlockSizes``.
@@ -173,11 +177,13 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
   Example:
     >>> default_block_sizes(128).block_k_dkv
     64
+    >>> default_block_sizes(64, device_kind="NVIDIA H200", mask="causal_window").block_k_dq
+    64
   """
   _check_dtype(dtype)
   _check_head_dim(head_dim)
   from pallas_kernels import tuning
-  return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind))   # cached by kind
+  return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached
 
 
 def _check_dtype(dtype):
@@ -271,15 +277,17 @@ class _Static:
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local_window_size=None,
                    logits_soft_cap=None, has_seg=False) -> _Static:
   from pallas_kernels.masks import normalize_window
+  from pallas_kernels.tuning import mask_kind
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   _check_head_dim(d)
-  bs = block_sizes or default_block_sizes(d, dtype)
-  if sq < 1 or sk < 1:
-    raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   window = normalize_window(local_window_size)
   if window == (None, None):
     window = None
+  bs = block_sizes or default_block_sizes(d, dtype, mask=mask_kind(causal, window,
+                                                                     segments=has_seg))
+  if sq < 1 or sk < 1:
+    raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
     raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   lq = math.lcm(bs.rows_per_dq_program, bs.block_q_dkv)

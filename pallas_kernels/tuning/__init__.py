@@ -11,8 +11,9 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
   * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
   * ``mask``: "all" (one entry for every mask kind), or a mask kind ("dense", "causal",
     "window", "causal_window", "causal_segments"; ``mask_kind``) that ``entry(mask=...)``
-    prefers to "all" (so far only the Mosaic GPU forward asks by mask: its H200 causal-window
-    tiles, run 33, and its softmax fence, on except for packed documents, runs 37-38);
+    prefers to "all" (the Mosaic GPU forward asks by mask: its H200 causal-window tiles, run
+    33, and its softmax fence, on except for packed documents, runs 37-38; and the Mosaic GPU
+    backward: its H200 D64 causal-window tiles, run 110);
 
 with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the run,
 date, commit, command and results file that picked it, or "untimed" for a guess).
