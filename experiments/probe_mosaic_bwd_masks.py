@@ -141,6 +141,17 @@ def run_case(name, *, batch=2, heads=16, configs=(), iters=None):
 
 
 def main(argv=None):
+  """Command line: run the cases, print one JSON row per timing, write them to --out.
+
+  Args:
+    argv: the arguments (None: sys.argv).
+
+  Returns:
+    The list of rows of every case.
+
+  Example:
+    >>> rows = main(["--cases", "packed4", "--out", "probe.json"])  # doctest: +SKIP
+  """
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--cases", default="window512,soft_cap_causal,window512_d64",
                  help=f"comma-separated, of {list(CASES)}")
