@@ -347,11 +347,9 @@ def _within_reach(q_pos, k_pos, st: _Static, visible=None):
   """``visible`` (None: no condition yet) and k_pos within [q_pos - lo_reach, q_pos +
   hi_reach], for the bounds that exist; None if there is no condition at all."""
   if st.hi_reach is not None:
-    right = k_pos <= q_pos + st.hi_reach
-    visible = right if visible is None else jnp.logical_and(visible, right)
+    visible = _both(visible, k_pos <= q_pos + st.hi_reach)
   if st.lo_reach is not None:
-    left = k_pos >= q_pos - st.lo_reach
-    visible = left if visible is None else jnp.logical_and(visible, left)
+    visible = _both(visible, k_pos >= q_pos - st.lo_reach)
   return visible
 
 
@@ -458,37 +456,32 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
   statically full and both tiles hold one and the same nonzero id everywhere.
 
   q_seg: int32 [B, Sq'], kv_seg [B, Sk'], padded with 0 (which sees nothing)."""
-  from pallas_kernels.block_schedule import _segment_tile_classes, _segment_tile_pairs
   bs = st.bs
-
-  def classes(seg, block):
-    return _segment_tile_classes(seg, seg.shape[1], block)
-
   # dQ kernel: query tiles of block_q_dq rows x kv tiles of block_k_dq keys
   n_q = st.num_dq_programs * _COMPUTE_WGS
-  nk = st.num_kv_tiles_dq
-  qc = [x[:, :n_q, None] for x in classes(q_seg, bs.block_q_dq)]
-  kc = [x[:, None, :nk] for x in classes(kv_seg, bs.block_k_dq)]
-  seg_any, seg_all = _segment_tile_pairs(qc, kc)                     # [B, n_q, nk]
-  start, flo, fhi, steps = (jnp.broadcast_to(x, (n_q,)) for x in _dq_kv_range(
-      jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
-  t = jnp.arange(nk, dtype=jnp.int32)
-  visit = seg_any & ((t >= start[:, None]) & (t < steps[:, None]))[None]
-  full = visit & seg_all & ((t >= flo[:, None]) & (t < fhi[:, None]))[None]
-  dq_bounds = _program_bounds(*_tile_ranges(visit, full))
-
+  dq_bounds = _seg_walk(q_seg, bs.block_q_dq, n_q, kv_seg, bs.block_k_dq, st.num_kv_tiles_dq,
+                        _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
   # dK/dV kernel: kv tiles of block_k_dkv keys x query tiles of block_q_dkv rows
   n_k = st.num_dkv_programs * _COMPUTE_WGS
-  nq = st.num_q_tiles_dkv
-  kc = [x[:, :n_k, None] for x in classes(kv_seg, bs.block_k_dkv)]
-  qc = [x[:, None, :nq] for x in classes(q_seg, bs.block_q_dkv)]
-  seg_any, seg_all = _segment_tile_pairs(kc, qc)                     # [B, n_k, nq]
-  first, flo, fhi, last = (jnp.broadcast_to(x, (n_k,)) for x in _dkv_q_bounds(
-      jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
-  i = jnp.arange(nq, dtype=jnp.int32)
-  visit = seg_any & ((i >= first[:, None]) & (i < last[:, None]))[None]
-  full = visit & seg_all & ((i >= flo[:, None]) & (i < fhi[:, None]))[None]
-  return dq_bounds, _program_bounds(*_tile_ranges(visit, full))
+  dkv_bounds = _seg_walk(kv_seg, bs.block_k_dkv, n_k, q_seg, bs.block_q_dkv, st.num_q_tiles_dkv,
+                         _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
+  return dq_bounds, dkv_bounds
+
+
+def _seg_walk(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, static):
+  """``_program_bounds`` rows of one kernel: its warpgroup tiles (``n_own`` tiles of
+  ``own_block`` along ``own_seg``) walk tiles of ``walk_block`` along ``walk_seg`` (``n_walk``
+  of them); ``static`` = the warpgroup tiles' (lo, flo, fhi, hi) under the static mask."""
+  from pallas_kernels.block_schedule import _segment_tile_classes, _segment_tile_pairs
+  oc = [x[:, :n_own, None] for x in _segment_tile_classes(own_seg, own_seg.shape[1], own_block)]
+  wc = [x[:, None, :n_walk]
+        for x in _segment_tile_classes(walk_seg, walk_seg.shape[1], walk_block)]
+  seg_any, seg_all = _segment_tile_pairs(oc, wc)                     # [B, n_own, n_walk]
+  lo, flo, fhi, hi = (jnp.broadcast_to(x, (n_own,))[:, None] for x in static)
+  t = jnp.arange(n_walk, dtype=jnp.int32)
+  visit = seg_any & ((t >= lo) & (t < hi))[None]
+  full = visit & seg_all & ((t >= flo) & (t < fhi))[None]
+  return _program_bounds(*_tile_ranges(visit, full))
 
 
 # ----------------------------------------------------------------------------------------------
