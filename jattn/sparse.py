@@ -38,7 +38,7 @@ from jattn import _validate
 from jattn._layout import KV_LAYOUTS as _KV_LAYOUTS
 from jattn._layout import check_kv_layout as _check_kv_layout
 from jattn._layout import hnd_as_sequences as _hnd_as_sequences
-from jattn.attention import kernel_module, resolve_implementation
+from jattn.attention import _MOSAIC_GPU_BWD_HEAD_DIMS, kernel_module, resolve_implementation
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash.reference import attention_reference
@@ -520,7 +520,7 @@ def _check_selection(selection, batch, q_len, kv_len, kv_heads):
 
 
 def _mosaic_gpu_block_sizes(mod, selection, head_dim, dtype, *, causal=True, segments=False):
-  """(Mosaic GPU forward BlockSizes, Triton backward BlockSizes) for a selection, or a clear
+  """(Mosaic GPU forward BlockSizes, backward BlockSizes or None) for a selection, or a clear
   ValueError naming the allowed block sizes.
 
   The Hopper forward walks the selection's schedule with its own tiles: 64 query rows per
@@ -528,9 +528,11 @@ def _mosaic_gpu_block_sizes(mod, selection, head_dim, dtype, *, causal=True, seg
   entry for the mask kind (``tuning.mask_kind(causal, None, segments)``; on the H200 at D128 and
   D256 FlashAttention-3's intra-warpgroup overlap, 5% faster on the 64K block-sparse forward,
   run 64), so every kernel tile lies inside one selection block (the walk's tiles have run on a
-  GPU at 64 and 128 keys, hence the cap); the Triton backward walks the same schedule at the
-  selection's tiles, with the launch the "triton" implementation uses for them. Hence
-  q_block_size and block_size must be powers of two >= 64.
+  GPU at 64 and 128 keys, hence the cap). The backward walks the same schedule: at head_dim 64
+  and 128 the Mosaic GPU backward (``backward="mosaic"``, None here: its default tiles cut to
+  fit the selection's blocks, ``mosaic_gpu_bwd.fit_block_sizes``), at head_dim 256 the Triton
+  one at the selection's tiles, with the launch the "triton" implementation uses for them.
+  Hence q_block_size and block_size must be powers of two >= 64.
   """
   from pallas_kernels.flash import triton as ft
   from pallas_kernels.tuning import mask_kind
@@ -548,6 +550,8 @@ def _mosaic_gpu_block_sizes(mod, selection, head_dim, dtype, *, causal=True, seg
         f"block_size=64) or use implementation='triton' or 'xla'")
   fwd = dataclasses.replace(base, block_k=min(base.block_k, 128, bs),
                             tail_kv_splits=0)     # a schedule's walk: no key-chunk tail launch
+  if head_dim in _MOSAIC_GPU_BWD_HEAD_DIMS:
+    return dataclasses.replace(fwd, backward="mosaic"), None
   return fwd, _kernel_block_sizes("triton", ft, selection, head_dim, dtype)
 
 
@@ -607,12 +611,14 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     * "mosaic_gpu" (Hopper, sm90): the Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``)
       walks the same schedule with its own 64-row x (64 or 128)-key tiles, only the kept tiles
       (per program the union of its two 64-row warpgroups' lists, each tile run unmasked,
-      masked or skipped per warpgroup); the backward is the Triton dK/dV and dQ kernels walking
-      that schedule at the selection's tiles (the "triton" implementation's backward). Needs
-      q_block_size and block_size powers of two >= 64 (ValueError otherwise), bf16/fp16,
-      head_dim 64/128/256 == head_dim_v (NotImplementedError otherwise). GPU tests pass
-      (runs 19-22); fwd+bwd at 64K with 19% of causal blocks 4.94x the dense causal kernel
-      (run 32).
+      masked or skipped per warpgroup); the backward walks the same schedule: at head_dim 64 and
+      128 the Mosaic GPU dK/dV and dQ kernels (``mosaic_gpu_bwd``, since session 27: the dQ
+      kernel walks each query tile's kv list, the dK/dV kernel each kv tile's transposed query
+      list, with 64-row / 64-key tiles), at head_dim 256 the Triton kernels at the selection's
+      tiles (the "triton" implementation's backward). Needs q_block_size and block_size powers
+      of two >= 64 (ValueError otherwise), bf16/fp16, head_dim 64/128/256 == head_dim_v
+      (NotImplementedError otherwise). GPU tests pass (runs 19-22); fwd+bwd at 64K with 19% of
+      causal blocks 4.94x the dense causal kernel with the Triton backward (run 32).
 
   Args:
     q: [batch, q_len, q_heads, head_dim].

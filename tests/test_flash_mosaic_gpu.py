@@ -1033,15 +1033,20 @@ def test_unsupported_options_raise():
     mg.flash_attention(q, q, q, logits_soft_cap=0.0)
 
 
-def test_mosaic_backward_rejects_block_schedules_at_the_call():
-  """backward="mosaic" with a block schedule raises NotImplementedError when the forward is
-  called, naming it (windows, soft cap and segment ids are supported)."""
+def test_mosaic_backward_takes_block_schedules():
+  """backward="mosaic" with a block schedule (session 27): the call configures the Mosaic GPU
+  backward walking it; backward tiles wider than the schedule's raise ValueError at the call."""
   from pallas_kernels.block_schedule import make_schedule
+  from pallas_kernels.flash import mosaic_gpu_bwd as mb
   q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
   bs = mg.BlockSizes(64, 64, 2, backward="mosaic")
   sched = make_schedule(128, 128, 128, 64, causal=True)
-  with pytest.raises(NotImplementedError, match="block schedules"):
-    mg.flash_attention(q, q, q, None, None, sched, causal=True, block_sizes=bs)
+  st = mg._static_config(q.shape, q.shape, q.dtype, causal=True, scale=None, block_sizes=bs,
+                         schedule=sched)
+  assert st.backward == "mosaic" and st.has_sched
+  with pytest.raises(ValueError, match="block_k_dkv=128 does not divide"):
+    mg.flash_attention(q, q, q, None, None, sched, causal=True, block_sizes=bs,
+                       bwd_block_sizes=mb.BlockSizes(64, 128, 64, 64))
 
 
 # ------------------------------------------- jattn registration, hybrid backward (CPU)

@@ -59,16 +59,25 @@ def _inputs(seed, b, sq, sk, hq, hk, d, dtype):
 # -------------------------------------------------------------------------------- lowering (CPU)
 
 def _lower(b, sq, sk, hq, hk, d, causal, dtype=jnp.bfloat16, bs=None, window=None,
-           soft_cap=None, seg=False):
+           soft_cap=None, seg=False, sched=None):
+  """jax.export for "cuda" of the backward; sched: None or (block_q, block_k) of a causal
+  schedule ([1, Hk] lists, traced as an input)."""
   q = jax.ShapeDtypeStruct((b, sq, hq, d), dtype)
   kv = jax.ShapeDtypeStruct((b, sk, hk, d), dtype)
   lse = jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)
   q_seg, kv_seg = (jax.ShapeDtypeStruct((b, n), jnp.int32) for n in (sq, sk))
-  fn = jax.jit(lambda q, k, v, o, l, do, q_seg, kv_seg: mb.flash_attention_bwd(
+  schedule = None
+  if sched is not None:
+    from pallas_kernels.block_schedule import make_schedule
+    nq, nk = -(-sq // sched[0]), -(-sk // sched[1])
+    schedule = make_schedule(sq, sk, *sched, causal=causal,
+                             block_mask=jnp.ones((1, hk, nq, nk), bool))
+  fn = jax.jit(lambda q, k, v, o, l, do, q_seg, kv_seg, schedule: mb.flash_attention_bwd(
       q, k, v, o, l, do, causal=causal, block_sizes=bs, local_window_size=window,
       logits_soft_cap=soft_cap, q_segment_ids=q_seg if seg else None,
-      kv_segment_ids=kv_seg if seg else None))
-  return jax.export.export(fn, platforms=["cuda"])(q, kv, kv, q, lse, q, q_seg, kv_seg)
+      kv_segment_ids=kv_seg if seg else None, schedule=schedule))
+  return jax.export.export(fn, platforms=["cuda"])(q, kv, kv, q, lse, q, q_seg, kv_seg,
+                                                   schedule)
 
 
 LOWER_CASES = {
@@ -88,6 +97,13 @@ LOWER_CASES = {
     "d128_causal_segments_window": dict(sq=1000, sk=1000, hq=4, hk=2, d=128, causal=True,
                                         window=(511, 0), seg=True),
     "d64_segments_q_shorter": dict(sq=300, sk=500, hq=2, hk=1, d=64, causal=False, seg=True),
+    "d128_causal_sched_128x64_gqa": dict(sq=1000, sk=1000, hq=4, hk=2, d=128, causal=True,
+                                         sched=(128, 64)),
+    "d64_sched_64x128_segments_window": dict(sq=300, sk=500, hq=2, hk=1, d=64, causal=False,
+                                             seg=True, window=(60, 90), sched=(64, 128)),
+    "d128_sched_256x128_3_stages_soft_cap": dict(sq=512, sk=512, hq=2, hk=2, d=128, causal=True,
+                                                 soft_cap=30.0, sched=(256, 128),
+                                                 bs=mb.BlockSizes(64, 64, 64, 64, 3, 3)),
 }
 
 
@@ -106,6 +122,27 @@ def test_lowers_for_cuda(name):
 def test_shared_memory_overflow_fails_to_lower(bs):
   with pytest.raises(ValueError, match="shared memory"):
     _lower(1, 256, 256, 1, 1, 128, False, bs=bs)
+
+
+def test_lowers_after_the_mosaic_forward_with_a_schedule():
+  """The Mosaic GPU forward walking a block schedule and this backward walking the same one
+  lower together (``mosaic_gpu.flash_attention(schedule=..., bwd_block_sizes=BlockSizes())``:
+  three Mosaic GPU kernels, no Triton one)."""
+  from pallas_kernels.block_schedule import make_schedule
+  from pallas_kernels.flash import mosaic_gpu as mg
+  keep = jnp.asarray(np.random.default_rng(0).random((1, 2, 8, 16)) < 0.5)
+  sched = make_schedule(1000, 1000, 128, 64, causal=True, block_mask=keep)
+  fwd_bs = mg.BlockSizes(block_k=64)
+  f = lambda q, k, v: mg.flash_attention(q, k, v, schedule=sched, causal=True,
+                                         block_sizes=fwd_bs, bwd_block_sizes=mb.BlockSizes())[0]
+
+  def fwd_bwd(q, k, v, do):
+    _, vjp = jax.vjp(f, q, k, v)
+    return vjp(do)
+  q = jax.ShapeDtypeStruct((1, 1000, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
+  text = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"])(q, kv, kv, q).mlir_module()
+  assert text.count("custom_call @mosaic_gpu") == 3 and "triton" not in text.lower()
 
 
 @pytest.mark.parametrize("causal,window,soft_cap", [(False, None, None), (True, None, None),
@@ -346,6 +383,106 @@ def test_segment_bounds_walks(sq, sk, kind, causal, window):
               kern = np.asarray(mb._both(static, mb._seg_visible(
                   qs_p[r, i * bq:(i + 1) * bq], ks_p[r, k0:k0 + bk], (bk, bq), 1)))
               np.testing.assert_array_equal(kern & real, want & real)
+
+
+SCHED_WALK = [  # (sq, sk, causal, window, segments, schedule tiles, kernel tiles)
+    (600, 600, True, None, None, (128, 64), mb.BlockSizes()),
+    (457, 200, False, None, None, (64, 128), mb.BlockSizes()),
+    (520, 520, True, (200, 0), "packed", (128, 128), mb.BlockSizes(128, 64, 128, 64)),
+    (300, 777, False, (50, 300), "random", (256, 64), mb.BlockSizes(64, 64, 64, 64)),
+    (384, 384, True, None, "packed", (64, 64), mb.BlockSizes(64, 64, 64, 64)),
+]
+
+
+def _walk_entries(row):
+  """[(tile, code of warpgroup 0, code of warpgroup 1)] of a walk row [count, entries...]."""
+  return [(int(e) >> mb._WALK_SHIFT, int(e) & 3, (int(e) >> 2) & 3) for e in row[1:1 + row[0]]]
+
+
+@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", SCHED_WALK)
+def test_sched_walks_cover_exactly_the_selection(sq, sk, causal, window, kind, tiles, bs):
+  """``_sched_walks`` against an independent element mask (static mask, segment ids, the
+  schedule's tile selection), in both kernels, per batch row, kv head and warpgroup tile: every
+  visible pair lies in a tile its warpgroup computes; a computed tile lies inside selected
+  schedule tiles (the kernels' element mask does not know the selection); an unmasked tile
+  holds only visible pairs (every real row and key); no tile is listed twice in a program."""
+  b, hk = 2, 2
+  segs, q_seg = {}, None
+  if kind is not None:
+    q_seg = _segments(sq, b, sq, kind)
+    kv_seg = q_seg if sq == sk else _segments(sk, b, sk, kind)
+    segs = dict(q_segment_ids=jnp.asarray(q_seg), kv_segment_ids=jnp.asarray(kv_seg))
+  sched, elem = _random_schedule(sq + sk, sq, sk, b, hk, block_q=tiles[0], block_k=tiles[1],
+                                 keep=0.5, per_batch=True, causal=causal, window=window,
+                                 segs=segs)
+  st = mb._static_config((b, sq, hk, 64), (b, sk, hk, 64), jnp.bfloat16, causal=causal,
+                         scale=None, block_sizes=bs, local_window_size=window,
+                         has_seg=kind is not None, schedule=sched)
+  qp = kp = None
+  if kind is not None:
+    qp = jnp.asarray(np.pad(q_seg, ((0, 0), (0, st.q_pad - sq))))
+    kp = jnp.asarray(np.pad(kv_seg, ((0, 0), (0, st.kv_pad - sk))))
+  dq_walk, dkv_walk = (np.asarray(x) for x in mb._sched_walks(sched, st, qp, kp))
+  qpos, kpos = np.arange(sq)[:, None], np.arange(sk)[None, :]
+  static = _ref_visible(qpos, kpos, st)                    # [sq, sk]
+  selected = np.broadcast_to(np.asarray(elem), (b, hk, sq, sk))
+  for bi in range(b):
+    seg_ok = True if kind is None else (q_seg[bi][:, None] == kv_seg[bi][None, :]) & (
+        q_seg[bi][:, None] != 0)
+    for h in range(hk):
+      vis = static & seg_ok & selected[bi, h]              # [sq, sk]
+      sel = selected[bi, h]
+      # (walk, own tile, walk tile, own-axis view of the masks [own, walk])
+      for walk, own_blk, walk_blk, v, sl in (
+          (dq_walk, bs.block_q_dq, bs.block_k_dq, vis, sel),
+          (dkv_walk, bs.block_k_dkv, bs.block_q_dkv, vis.T, sel.T)):
+        w = walk[bi if walk.shape[0] > 1 else 0, h if walk.shape[1] > 1 else 0]
+        n_own, n_walk = v.shape
+        covered = np.zeros_like(v)
+        for p, row in enumerate(w):
+          entries = _walk_entries(row)
+          listed = [t for t, _, _ in entries]
+          assert len(listed) == len(set(listed)), (p, listed)
+          for t, *codes in entries:
+            for wg, code in enumerate(codes):
+              o0, t0 = (2 * p + wg) * own_blk, t * walk_blk
+              blk_v = v[o0:o0 + own_blk, t0:t0 + walk_blk]
+              if code == mb._SKIP or blk_v.size == 0:
+                continue
+              assert sl[o0:o0 + own_blk, t0:t0 + walk_blk].all(), (p, wg, t)   # selected
+              if code == mb._FULL:
+                assert blk_v.all(), (p, wg, t)
+              covered[o0:o0 + own_blk, t0:t0 + walk_blk] = True
+        assert not (v & ~covered).any(), np.argwhere(v & ~covered)[:5]
+
+
+def test_sched_walks_skip_unselected_tiles():
+  """A schedule keeping 2 of 16 kv tiles per query tile walks 2 (or fewer) tiles per dQ program,
+  and the dK/dV kernel only the query tiles that selected its keys."""
+  from pallas_kernels.block_schedule import make_schedule
+  keep = np.zeros((1, 1, 8, 16), bool)
+  keep[..., :, [0, 5]] = True
+  sched = make_schedule(1024, 1024, 128, 64, block_mask=jnp.asarray(keep))
+  st = mb._static_config((1, 1024, 1, 64), (1, 1024, 1, 64), jnp.bfloat16, causal=False,
+                         scale=None, block_sizes=mb.BlockSizes(), schedule=sched)
+  dq_walk, dkv_walk = (np.asarray(x)[0, 0] for x in mb._sched_walks(sched, st))
+  assert [sorted(t for t, *_ in _walk_entries(r)) for r in dq_walk] == [[0, 5]] * 8
+  counts = [len(_walk_entries(r)) for r in dkv_walk]      # programs of 128 keys: tiles 0, 5
+  assert counts == [16, 0, 16, 0, 0, 0, 0, 0], counts
+
+
+def test_schedule_tiles_must_hold_the_kernels():
+  from pallas_kernels.block_schedule import make_schedule
+  sched = make_schedule(256, 256, 64, 64, causal=True)
+  q = jnp.ones((1, 256, 1, 64), jnp.bfloat16)
+  lse = jnp.zeros((1, 1, 256), jnp.float32)
+  with pytest.raises(ValueError, match="block_q_dq=128 does not divide"):
+    mb.flash_attention_bwd(q, q, q, q, lse, q, causal=True, schedule=sched,
+                           block_sizes=mb.BlockSizes(64, 64, 128, 64))
+  with pytest.raises(ValueError, match="lengths"):
+    mb.flash_attention_bwd(q[:, :200], q, q, q[:, :200], lse[:, :, :200], q[:, :200],
+                           causal=True, schedule=sched)
+  assert mb.fit_block_sizes(mb.BlockSizes(128, 128, 64, 128), sched) == mb.BlockSizes()
 
 
 def test_segment_bounds_skip_other_documents():
@@ -600,13 +737,42 @@ def _replay_masks(rows, cols, st, static_visible, q_seg, kv_seg, q_axis):
   return visible
 
 
-def _replay_ranges(seg, n_tiles, static_ranges, b):
+def _replay_ranges(bounds, n_tiles, static_ranges, b):
   """[B, n_tiles, 4] int32 walk of every warpgroup tile: the bounds rows of ``_seg_bounds``
   with segment ids, else the static ranges (broadcast over the batch)."""
-  if seg is not None:
-    return seg[2][:, :, 2:].reshape(b, n_tiles, 4)
+  if bounds is not None:
+    return bounds[:, :, 2:].reshape(b, n_tiles, 4)
   r = jnp.stack([jnp.broadcast_to(x, (n_tiles,)) for x in static_ranges], -1)
   return jnp.broadcast_to(r, (b, n_tiles, 4))
+
+
+def _replay_inputs(seg, st, b, heads, n_tiles, q_len, kv_len):
+  """The kernels' extra inputs, unpacked: (q_seg [B, Sq'], kv_seg [B, Sk'] (zeros without
+  segment ids), bounds or None, walk rows [B, heads, n_tiles, 1 + W] (each warpgroup tile's
+  program row of the schedule's walk; zeros without one))."""
+  extra = tuple(seg or ())
+  q_seg, kv_seg = extra[:2] if st.has_seg else (jnp.zeros((b, q_len), jnp.int32),
+                                                jnp.zeros((b, kv_len), jnp.int32))
+  bounds = extra[2] if st.has_seg and not st.has_sched else None
+  if st.has_sched:
+    walk = extra[-1]                                      # [B', Hs, programs, 1 + W]
+    walk = jnp.broadcast_to(walk, (b, heads) + walk.shape[2:])
+    rows = jnp.repeat(walk, 2, axis=2)[:, :, :n_tiles]    # warpgroup tile n: program n // 2
+  else:
+    rows = jnp.zeros((b, heads, n_tiles, 1), jnp.int32)
+  return q_seg, kv_seg, bounds, rows
+
+
+def _replay_walk(wrow, wg, step, carry):
+  """The kernels' walk of one warpgroup over its program's list: entry j's code picks a drain
+  (nothing to compute), an unmasked or a masked ``step(tile, carry, masked=)``."""
+  def body(j, carry):
+    entry = wrow[1 + j]
+    tile = entry >> mb._WALK_SHIFT
+    code = (entry >> (2 * wg)) & 3
+    return lax.switch(code, [lambda c: c, functools.partial(step, tile, masked=False),
+                             functools.partial(step, tile, masked=True)], carry)
+  return lax.fori_loop(0, wrow[0], body, carry)
 
 
 def _replay_dkv_call(q, k, v, do, lse2, delta, st, seg=None):
@@ -619,7 +785,7 @@ def _replay_dkv_call(q, k, v, do, lse2, delta, st, seg=None):
   rows = lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
   cols = lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
 
-  def warpgroup(k_t, v_t, q_g, do_g, lse_g, delta_g, k0, rng, kv_seg_t, q_seg_all):
+  def warpgroup(k_t, v_t, q_g, do_g, lse_g, delta_g, k0, rng, kv_seg_t, q_seg_all, wrow, wg):
     first, full_lo, full_hi, last = rng[0], rng[1], rng[2], rng[3]
 
     def step(i, carry, *, g, masked):
@@ -640,6 +806,8 @@ def _replay_dkv_call(q, k, v, do, lse2, delta, st, seg=None):
       return dk + _dot(ds_t.astype(st.dtype), q_t), dv
 
     def head(g, carry):
+      if st.has_sched:
+        return _replay_walk(wrow, wg, functools.partial(step, g=g), carry)
       carry = lax.fori_loop(first, full_lo, functools.partial(step, g=g, masked=True), carry)
       carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, g=g, masked=False), carry)
       return lax.fori_loop(full_hi, last, functools.partial(step, g=g, masked=True), carry)
@@ -650,18 +818,19 @@ def _replay_dkv_call(q, k, v, do, lse2, delta, st, seg=None):
 
   n_tiles = st.num_dkv_programs * 2                       # warpgroup key tiles
   k0s = jnp.arange(n_tiles, dtype=jnp.int32) * bk
-  rng = _replay_ranges(seg, n_tiles, mb._dkv_q_bounds(k0s, st), b)
-  q_seg, kv_seg = (seg[0], seg[1]) if seg is not None else (
-      jnp.zeros((b, sq_pad), jnp.int32), jnp.zeros((b, k.shape[1]), jnp.int32))
+  q_seg, kv_seg, bounds, wrows = _replay_inputs(seg, st, b, hk, n_tiles, sq_pad, k.shape[1])
+  rng = _replay_ranges(bounds, n_tiles, mb._dkv_q_bounds(k0s, st), b)
+  wgs = jnp.arange(n_tiles, dtype=jnp.int32) % 2
   kv_seg_t = kv_seg[:, :n_tiles * bk].reshape(b, n_tiles, bk)
   kt = k[:, :n_tiles * bk].reshape(b, n_tiles, bk, hk, d).transpose(0, 3, 1, 2, 4)
   vt = v[:, :n_tiles * bk].reshape(b, n_tiles, bk, hk, d).transpose(0, 3, 1, 2, 4)
   grp = lambda x: x.transpose(0, 2, 1, 3).reshape(b, hk, g_n, x.shape[1], d)
   grp_rows = lambda x: x.reshape(b, hk, g_n, x.shape[2])
-  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, None, None, None, None, 0, 0, 0, None))
-  per_head = jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None, None, None, None))
-  dk, dv = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, 0, None, 0, 0, 0))(
-      kt, vt, grp(q), grp(do), grp_rows(lse2), grp_rows(delta), k0s, rng, kv_seg_t, q_seg)
+  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, None, None, None, None, 0, 0, 0, None, 0, 0))
+  per_head = jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None, None, None, None, 0, None))
+  dk, dv = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, 0, None, 0, 0, 0, 0, None))(
+      kt, vt, grp(q), grp(do), grp_rows(lse2), grp_rows(delta), k0s, rng, kv_seg_t, q_seg,
+      wrows, wgs)
   out = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, n_tiles * bk, hk, d)
   pad = ((0, 0), (0, k.shape[1] - n_tiles * bk), (0, 0), (0, 0))
   return jnp.pad(out(dk), pad), jnp.pad(out(dv), pad)
@@ -679,7 +848,8 @@ def _replay_dq_call(q, k, v, do, lse2, delta, st, seg=None):
   rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
 
-  def warpgroup(q_t, do_t, lse_t, delta_t, k_all, v_all, row0, rng, q_seg_t, kv_seg_all):
+  def warpgroup(q_t, do_t, lse_t, delta_t, k_all, v_all, row0, rng, q_seg_t, kv_seg_all, wrow,
+                wg):
     start, full_lo, full_hi, steps = rng[0], rng[1], rng[2], rng[3]
 
     def step(t, dq, *, masked):
@@ -695,24 +865,30 @@ def _replay_dq_call(q, k, v, do, lse2, delta, st, seg=None):
       ds = mb._dscores(p, _dot(do_t, v_t.T), delta_t, axis=0, cap_grad=mb._cap_grad(s, st))
       return dq + _dot(ds.astype(st.dtype), k_t)
 
-    dq = lax.fori_loop(start, full_lo, functools.partial(step, masked=True),
-                       jnp.zeros((bq, d), jnp.float32))
-    dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(full_hi, steps, functools.partial(step, masked=True), dq)
+    dq = jnp.zeros((bq, d), jnp.float32)
+    if st.has_sched:
+      dq = _replay_walk(wrow, wg, step, dq)
+    else:
+      dq = lax.fori_loop(start, full_lo, functools.partial(step, masked=True), dq)
+      dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+      dq = lax.fori_loop(full_hi, steps, functools.partial(step, masked=True), dq)
     return (dq * st.scale).astype(st.dtype)
 
   n_tiles = st.num_dq_programs * 2
   row0s = jnp.arange(n_tiles, dtype=jnp.int32) * bq
-  rng = _replay_ranges(seg, n_tiles, mb._dq_kv_range(row0s, st), b)
-  q_seg, kv_seg = (seg[0], seg[1]) if seg is not None else (
-      jnp.zeros((b, sq_pad), jnp.int32), jnp.zeros((b, k.shape[1]), jnp.int32))
+  q_seg, kv_seg, bounds, wrows = _replay_inputs(seg, st, b, k.shape[2], n_tiles, sq_pad,
+                                                k.shape[1])
+  wrows = wrows[:, jnp.arange(hq) // st.group]            # per query head: its kv head's row
+  rng = _replay_ranges(bounds, n_tiles, mb._dq_kv_range(row0s, st), b)
+  wgs = jnp.arange(n_tiles, dtype=jnp.int32) % 2
   q_seg_t = q_seg[:, :n_tiles * bq].reshape(b, n_tiles, bq)
   tiles = lambda x: x[:, :n_tiles * bq].reshape(b, n_tiles, bq, hq, d).transpose(0, 3, 1, 2, 4)
   rows_t = lambda x: x[:, :, :n_tiles * bq].reshape(b, hq, n_tiles, bq)
-  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, 0, 0, None, None, 0, 0, 0, None))
-  per_head = jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None, None, None, None))
-  dq = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, 0, None, 0, 0, 0))(
-      tiles(q), tiles(do), rows_t(lse2), rows_t(delta), k_h, v_h, row0s, rng, q_seg_t, kv_seg)
+  per_tile = jax.vmap(warpgroup, in_axes=(0, 0, 0, 0, None, None, 0, 0, 0, None, 0, 0))
+  per_head = jax.vmap(per_tile, in_axes=(0, 0, 0, 0, 0, 0, None, None, None, None, 0, None))
+  dq = jax.vmap(per_head, in_axes=(0, 0, 0, 0, 0, 0, None, 0, 0, 0, 0, None))(
+      tiles(q), tiles(do), rows_t(lse2), rows_t(delta), k_h, v_h, row0s, rng, q_seg_t, kv_seg,
+      wrows, wgs)
   dq = dq.transpose(0, 2, 3, 1, 4).reshape(b, n_tiles * bq, hq, d)
   return jnp.pad(dq, ((0, 0), (0, sq_pad - n_tiles * bq), (0, 0), (0, 0)))
 
@@ -732,28 +908,52 @@ def _reference_grads(q, k, v, do, d_lse, causal, scale, **mask):
   return vjp((up(do), jnp.zeros_like(lse) if d_lse is None else d_lse))
 
 
+def _random_schedule(seed, q_len, kv_len, b, hk, *, block_q, block_k, keep, per_batch=False,
+                     per_head=True, causal=False, window=None, segs=None):
+  """(BlockSchedule, element mask [Bs, Hs, q_len, kv_len]) of a random tile selection keeping
+  about ``keep`` of the (block_q x block_k) tiles, on top of the call's mask (``make_schedule``
+  drops the tiles it rules out)."""
+  from pallas_kernels.block_schedule import make_schedule
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+  shape = (b if per_batch else 1, hk if per_head else 1, nq, nk)
+  tiles = np.random.default_rng(seed).random(shape) < keep
+  segs = segs or {}
+  sched = make_schedule(q_len, kv_len, block_q, block_k, causal=causal, local_window_size=window,
+                        block_mask=jnp.asarray(tiles), **segs)
+  elem = np.repeat(np.repeat(tiles, block_q, 2), block_k, 3)[:, :, :q_len, :kv_len]
+  return sched, jnp.asarray(elem)
+
+
 def _kernel_vs_reference(q, k, v, do, causal, *, scale=None, bs=None, d_lse=None, window=None,
-                         soft_cap=None, seg=None):
+                         soft_cap=None, seg=None, sched=None):
   """(kernel grads, reference grads, lse) on the reference's residuals; seg: None, "packed" or
-  "random" segment ids (``_segments``; separate key ids when q and kv lengths differ)."""
+  "random" segment ids (``_segments``; separate key ids when q and kv lengths differ); sched:
+  None or ``_random_schedule``'s keyword arguments (block_q, block_k, keep, ...): the kernels
+  walk that schedule, the reference masks with its tiles."""
   mask = dict(local_window_size=window, logits_soft_cap=soft_cap)
   segs = {}
+  b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
   if seg is not None:
-    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     q_seg = jnp.asarray(_segments(sq, b, sq, seg))
     segs = dict(q_segment_ids=q_seg,
                 kv_segment_ids=q_seg if sq == sk else jnp.asarray(_segments(sk, b, sk, seg)))
+  schedule, ref_mask = None, {}
+  if sched is not None:
+    schedule, elem = _random_schedule(sq * 7 + sk, sq, sk, b, k.shape[2], causal=causal,
+                                      window=window, segs=segs, **sched)
+    ref_mask = dict(block_mask=elem)
 
-  def both(q, k, v, do, d_lse, segs):
-    out, lse = _reference_residuals(q, k, v, causal, scale, **mask, **segs)
+  def both(q, k, v, do, d_lse, segs, schedule, ref_mask):
+    out, lse = _reference_residuals(q, k, v, causal, scale, **mask, **segs, **ref_mask)
     got = mb.flash_attention_bwd(q, k, v, out, lse, do, causal=causal, scale=scale,
-                                 block_sizes=bs, d_lse=d_lse, **mask, **segs)
-    return got, _reference_grads(q, k, v, do, d_lse, causal, scale, **mask, **segs), lse
+                                 block_sizes=bs, d_lse=d_lse, schedule=schedule, **mask, **segs)
+    return got, _reference_grads(q, k, v, do, d_lse, causal, scale, **mask, **segs,
+                                 **ref_mask), lse
   fn = jax.jit(both)
+  args = (q, k, v, do, d_lse, segs, schedule, ref_mask)
   if compat.default_backend() == "cpu":
-    return fn.lower(q, k, v, do, d_lse, segs).compile(_FAST_CPU_COMPILE)(q, k, v, do, d_lse,
-                                                                         segs)
-  return fn(q, k, v, do, d_lse, segs)
+    return fn.lower(*args).compile(_FAST_CPU_COMPILE)(*args)
+  return fn(*args)
 
 
 def _assert_grads_close(got, want, lse, q, k, dtype):
@@ -799,6 +999,25 @@ REPLAY_CASES = {
     "segments_window_soft_cap_fp16": dict(b=1, sq=500, sk=500, hq=2, hk=2, d=64, causal=True,
                                           seg="packed", window=(100, 0), soft_cap=5.0,
                                           dtype=jnp.float16),
+    # block schedules: random tile selections (the dQ kernel walks kv lists, the dK/dV kernel
+    # the transposed q lists); tiles 128 x 64 (the bench's), 64 x 128 and 256 x 64 (dK/dV
+    # walks lists of other 64-row tiles), GQA, ragged lengths, per-batch lists, segment ids
+    "sched_causal_128x64_gqa_ragged": dict(b=1, sq=600, sk=600, hq=4, hk=2, d=64, causal=True,
+                                           sched=dict(block_q=128, block_k=64, keep=0.5)),
+    "sched_dense_64x128_q_shorter": dict(b=2, sq=200, sk=457, hq=2, hk=1, d=64, causal=False,
+                                         sched=dict(block_q=64, block_k=128, keep=0.4,
+                                                    per_batch=True)),
+    "sched_causal_256x64_blocks_128": dict(b=1, sq=520, sk=520, hq=2, hk=1, d=64, causal=True,
+                                           bs=mb.BlockSizes(128, 64, 128, 64),
+                                           sched=dict(block_q=256, block_k=64, keep=0.6)),
+    "sched_segments_window_soft_cap": dict(b=2, sq=500, sk=500, hq=2, hk=2, d=64, causal=True,
+                                           seg="packed", window=(200, 0), soft_cap=5.0,
+                                           sched=dict(block_q=128, block_k=128, keep=0.7,
+                                                      per_batch=True)),
+    "sched_fp16_d_lse_shared_heads": dict(b=1, sq=384, sk=384, hq=4, hk=2, d=64, causal=True,
+                                          dtype=jnp.float16, d_lse=True,
+                                          sched=dict(block_q=64, block_k=64, keep=0.5,
+                                                     per_head=False)),
 }
 
 
@@ -810,12 +1029,12 @@ def test_replayed_kernels_match_reference_vjp(name, monkeypatch):
   dtype, bs = case.pop("dtype", jnp.bfloat16), case.pop("bs", None)
   causal, scale, with_d_lse = case.pop("causal"), case.pop("scale", None), case.pop("d_lse", False)
   window, soft_cap = case.pop("window", None), case.pop("soft_cap", None)
-  seg = case.pop("seg", None)
+  seg, sched = case.pop("seg", None), case.pop("sched", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
   d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
            if with_d_lse else None)
   got, want, lse = _kernel_vs_reference(q, k, v, do, causal, scale=scale, bs=bs, d_lse=d_lse,
-                                        window=window, soft_cap=soft_cap, seg=seg)
+                                        window=window, soft_cap=soft_cap, seg=seg, sched=sched)
   _assert_grads_close(got, want, lse, q, k, dtype)
 
 
@@ -853,6 +1072,45 @@ def test_replay_check_catches_a_missing_segment_mask(monkeypatch):
   got, want, _ = _kernel_vs_reference(q, k, v, do, False, seg="packed")
   for g, w in zip(got, want):
     assert _rel(g, w) > 0.1
+
+
+def test_replay_check_catches_a_walk_outside_the_selection(monkeypatch):
+  """The replay test can fail on schedules: walks of every tile the mask allows (the
+  selection dropped) give wrong gradients against the reference with the selection's mask."""
+  from pallas_kernels.block_schedule import make_schedule
+  monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
+  walks = mb._sched_walks
+  monkeypatch.setattr(mb, "_sched_walks", lambda s, st, q_seg=None, kv_seg=None: walks(
+      make_schedule(s.q_len, s.kv_len, s.block_q, s.block_k, causal=st.causal), st))
+  q, k, v, do = _inputs(9, b=1, sq=384, sk=384, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
+  got, want, _ = _kernel_vs_reference(q, k, v, do, True,
+                                      sched=dict(block_q=128, block_k=64, keep=0.4))
+  for g, w in zip(got, want):
+    assert _rel(g, w) > 0.1
+
+
+def test_replay_check_catches_unmasked_partial_tiles(monkeypatch):
+  """... and on the walk codes: running partial tiles unmasked gives wrong gradients."""
+  from pallas_kernels.flash import mosaic_gpu as mg
+  monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
+  monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
+  walks = mb._sched_walks
+
+  def no_partial(s, st, q_seg=None, kv_seg=None):   # code partial -> full, both warpgroups
+    def fix(w):
+      e = w[..., 1:]
+      c0, c1 = e & 3, (e >> 2) & 3
+      c0, c1 = (jnp.where(c == mg._PARTIAL, mg._FULL, c) for c in (c0, c1))
+      e = ((e >> mb._WALK_SHIFT) << mb._WALK_SHIFT) | c0 | (c1 << 2)
+      return w.at[..., 1:].set(e)
+    return tuple(fix(x) for x in walks(s, st, q_seg, kv_seg))
+  monkeypatch.setattr(mb, "_sched_walks", no_partial)
+  q, k, v, do = _inputs(10, b=1, sq=384, sk=384, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
+  got, want, _ = _kernel_vs_reference(q, k, v, do, True,
+                                      sched=dict(block_q=128, block_k=64, keep=0.6))
+  for g, w in zip(got, want):
+    assert _rel(g, w) > 0.05
 
 
 def test_replay_check_catches_a_wrong_mask(monkeypatch):
@@ -901,6 +1159,17 @@ GPU_CASES = {
                                            causal=False, seg="random"),
     "d64_segments_window_soft_cap": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True,
                                          seg="packed", window=(200, 0), soft_cap=5.0),
+    # block schedules (session 27): random tile selections walked by both kernels
+    "d128_sched_causal_128x64_gqa": dict(b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
+                                         sched=dict(block_q=128, block_k=64, keep=0.3)),
+    "d64_sched_64x128_segments_ragged": dict(b=2, sq=1000, sk=1000, hq=2, hk=1, d=64,
+                                             causal=True, seg="packed",
+                                             sched=dict(block_q=64, block_k=128, keep=0.5,
+                                                        per_batch=True)),
+    "d128_sched_256x64_q_shorter_3_stages": dict(b=1, sq=700, sk=1111, hq=2, hk=2, d=128,
+                                                 causal=False,
+                                                 bs=mb.BlockSizes(64, 64, 64, 64, 3, 3),
+                                                 sched=dict(block_q=256, block_k=64, keep=0.4)),
 }
 
 
@@ -919,12 +1188,12 @@ def test_gpu_matches_reference_vjp(name):
   causal, with_d_lse = case.pop("causal"), case.pop("d_lse", False)
   window, soft_cap, scale = case.pop("window", None), case.pop("soft_cap", None), \
       case.pop("scale", None)
-  seg = case.pop("seg", None)
+  seg, sched = case.pop("seg", None), case.pop("sched", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
   d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
            if with_d_lse else None)
   got, want, lse = _kernel_vs_reference(q, k, v, do, causal, bs=bs, d_lse=d_lse, window=window,
-                                        soft_cap=soft_cap, scale=scale, seg=seg)
+                                        soft_cap=soft_cap, scale=scale, seg=seg, sched=sched)
   _assert_grads_close(got, want, lse, q, k, dtype)
 
 

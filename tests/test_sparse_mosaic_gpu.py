@@ -2,7 +2,8 @@
 
 The Mosaic GPU forward walks the selection's block schedule (``mosaic_gpu._schedule_walk``: per
 program the union of its two 64-row warpgroups' kv lists, each entry run unmasked, masked or
-skipped per warpgroup); the backward is the Triton dK/dV and dQ kernels on the same schedule.
+skipped per warpgroup); the backward walks the same schedule: the Mosaic GPU dK/dV and dQ kernels
+at head_dim 64/128 (``mosaic_gpu_bwd``, session 27), the Triton ones at head_dim 256.
 On the CPU (the kernel cannot be interpreted, see tests/test_flash_mosaic_gpu.py):
   * the walk against an independent element mask restricted to the selection (every tile a
     warpgroup needs is listed, tiles it runs unmasked are fully visible, nothing is listed twice,
@@ -13,8 +14,9 @@ On the CPU (the kernel cannot be interpreted, see tests/test_flash_mosaic_gpu.py
   * a jnp replay of the kernel's walk of the packed rows (the kernel's own mask, soft-max and
     finalize helpers) against the fp32 reference restricted to the selection's mask;
   * forward + VJP through ``jattn.block_sparse_attention`` with the replay standing in for the
-    kernel and the Triton backward interpreted; lowering for "cuda" of the kernel and of
-    forward + backward (one Mosaic GPU call, two Triton calls); the errors.
+    kernel and the backward's kernels replayed (Mosaic GPU: tests/test_flash_mosaic_gpu_bwd.py's
+    jnp replays) or interpreted (Triton); lowering for "cuda" of the kernel and of forward +
+    backward (three Mosaic GPU calls); the errors.
 Tests marked ``gpu`` run the compiled kernels on an sm90 GPU.
 """
 from __future__ import annotations
@@ -324,19 +326,36 @@ def test_replay_check_can_fail(monkeypatch):
   assert _rel(out, r_out) > 0.1
 
 
-VJP_CASES = ["q128_k64_segments_gqa"]
+VJP_CASES = ["q128_k64_segments_gqa", "q64_k128_q_shorter"]
 
 
+@pytest.mark.parametrize("backward", ["mosaic", "triton"])
 @pytest.mark.parametrize("name", VJP_CASES)
-def test_vjp_uses_triton_backward_on_the_selection(name, monkeypatch):
-  """Forward (replay) + the Triton backward (interpreted) on the selection's schedule: the VJP of
-  (out, lse) matches the fp32 reference's; the Triton backward runs on the schedule's tiles."""
+def test_vjp_walks_the_selection_in_the_backward(name, backward, monkeypatch):
+  """Forward (replay) + the backward on the selection's schedule: the VJP of (out, lse) matches
+  the fp32 reference's. "mosaic": jattn's default at head_dim 64/128, the Mosaic GPU backward's
+  kernels (jnp replays of ``mosaic_gpu_bwd``) walking the schedule's lists; "triton": the Triton
+  backward (interpreted; jattn's at head_dim 256) on the schedule's tiles."""
+  from pallas_kernels.flash import mosaic_gpu_bwd as mb
   from pallas_kernels.flash import triton as ft
+  from test_flash_mosaic_gpu_bwd import _replay_dkv_call, _replay_dq_call
   monkeypatch.setattr(mg, "_fwd_call", _replayed_sched_call)
   tiles = []
-  real_bwd = ft._bwd_calls
-  monkeypatch.setattr(ft, "_bwd_calls", lambda *a: tiles.append((a[-1].block_q, a[-1].block_k))
-                      or real_bwd(*a))
+  if backward == "mosaic":
+    record = lambda replay: lambda *a: tiles.append(a[6].has_sched) or replay(*a)
+    monkeypatch.setattr(mb, "_dkv_call", record(_replay_dkv_call))
+    monkeypatch.setattr(mb, "_dq_call", record(_replay_dq_call))
+  else:
+    real_bwd = ft._bwd_calls
+    monkeypatch.setattr(ft, "_bwd_calls", lambda *a: tiles.append((a[-1].block_q, a[-1].block_k))
+                        or real_bwd(*a))
+    real_sizes = sp._mosaic_gpu_block_sizes
+
+    def triton_backward(mod, sel, d, dtype, **kw):
+      fwd, _ = real_sizes(mod, sel, d, dtype, **kw)
+      return (dataclasses.replace(fwd, backward="triton"),
+              sp._kernel_block_sizes("triton", ft, sel, d, dtype))
+    monkeypatch.setattr(sp, "_mosaic_gpu_block_sizes", triton_backward)
   q, k, v, q_seg, kv_seg, sel, causal = _case(name)
   ks = jax.random.split(jax.random.key(3), 2)
   d_out = jax.random.normal(ks[0], q.shape, q.dtype)
@@ -357,7 +376,8 @@ def test_vjp_uses_triton_backward_on_the_selection(name, monkeypatch):
 
   out, lse, grads = _compiled(kernel, q, k, v)
   r_out, r_lse, r_grads = _compiled(ref, q, k, v)
-  assert tiles == [(sel.q_block_size, sel.block_size)]
+  assert tiles == ([True, True] if backward == "mosaic" else
+                   [(sel.q_block_size, sel.block_size)])
   assert _rel(out, r_out) < 2e-2
   fin = np.isfinite(np.asarray(r_lse))
   assert _rel(np.where(fin, lse, 0.0), np.where(fin, r_lse, 0.0)) < 2e-2
@@ -408,7 +428,7 @@ def test_kernel_with_schedule_lowers_for_cuda(name):
 @pytest.mark.parametrize("gate_grad", ["none", "ste"])
 def test_sparse_fwd_bwd_lowers_for_cuda(gate_grad):
   """jax.grad through ``sparse_attention(implementation="mosaic_gpu")`` (selection + block-sparse
-  attention) lowers for "cuda": one Mosaic GPU forward, the two Triton backward kernels, and with
+  attention) lowers for "cuda": the Mosaic GPU forward and its two backward kernels, and with
   the STE gate the Triton gate-gradient kernel."""
   q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
@@ -417,9 +437,9 @@ def test_sparse_fwd_bwd_lowers_for_cuda(gate_grad):
       implementation="mosaic_gpu").astype(jnp.float32).sum()
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu_v2") == 1 or text.count("@mosaic_gpu") == 1
+  assert text.count("mosaic_gpu_v2") == 3 or text.count("@mosaic_gpu") == 3
   n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
-  assert n == (2 if gate_grad == "none" else 3), n
+  assert n == (0 if gate_grad == "none" else 1), n
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -445,7 +465,7 @@ def test_unsupported_block_sizes_and_options_raise():
   with pytest.raises(NotImplementedError, match="interpret"):
     attn(q, k, sel, interpret=True)
   # The kernel module: schedule tiles that are not multiples of the kernel's, a Triton backward
-  # with other tiles, the Mosaic backward (dense/causal only), other lengths.
+  # with other tiles, a Mosaic backward with tiles wider than the schedule's, other lengths.
   from pallas_kernels.flash import triton as ft
   sched = lambda bq, bk: jax.eval_shape(lambda: make_schedule(256, 256, bq, bk, causal=True))
   call = lambda q, s, **kw: jax.eval_shape(lambda q, k: mg.flash_attention(
@@ -454,8 +474,10 @@ def test_unsupported_block_sizes_and_options_raise():
     call(q, sched(64, 64))                                            # kernel block_k 128
   with pytest.raises(ValueError, match="backward tiles"):
     call(q, sched(128, 128), bwd_block_sizes=ft.BlockSizes(64, 64))
-  with pytest.raises(NotImplementedError, match="block schedules"):
-    call(q, sched(128, 128), block_sizes=mg.BlockSizes(backward="mosaic"))
+  from pallas_kernels.flash import mosaic_gpu_bwd as mb
+  with pytest.raises(ValueError, match="block_k_dq=256 does not divide the schedule's block_k"):
+    call(q, sched(128, 128), bwd_block_sizes=mb.BlockSizes(64, 64, 64, 256))
+  call(q, sched(128, 128), block_sizes=mg.BlockSizes(backward="mosaic"))   # fits its tiles
   with pytest.raises(ValueError, match="lengths"):
     call(jax.ShapeDtypeStruct((1, 200, 2, 64), jnp.bfloat16), sched(128, 128))
 
@@ -471,15 +493,18 @@ GPU_CASES = {
     # 64-row selection blocks: each program merges two rows
     "d128_q64_k64_union_segments": (1, 1500, 2, 2, 128, 64, 64, 4, True, jnp.bfloat16),
     "d64_q128_k128_fp16": (1, 2048, 4, 1, 64, 128, 128, 3, False, jnp.float16),
-    # forward only: 256-key blocks split into 128-key kernel tiles, 256-row blocks shared by two
-    # programs (compacted lists); D256 (64-key kernel tiles). Their Triton backward tiles
-    # (256 x 256, or D256) are the "triton" implementation's, untested on a GPU.
+    # 256-key blocks split into 128-key kernel tiles (64-key tiles in the Mosaic backward),
+    # 256-row blocks shared by two programs (compacted lists); D256 (64-key kernel tiles): forward
+    # only, its Triton backward tiles (D256) are the "triton" implementation's, untested on a GPU,
+    # as are the Triton's at 256 x 256 (so the D64 case's VJP is checked against the reference
+    # only).
     "d64_q256_k256_fp16": (1, 2048, 4, 1, 64, 256, 256, 2, False, jnp.float16),
     "d256_q128_k64_segments": (1, 1024, 2, 1, 256, 128, 64, 2, True, jnp.bfloat16),
     # no segment ids: the H200's D256 causal entry (the overlap, session 19) on the walk
     "d256_q128_k64": (1, 1024, 2, 1, 256, 128, 64, 2, False, jnp.bfloat16),
 }
-GPU_FORWARD_ONLY = ("d64_q256_k256_fp16", "d256_q128_k64_segments", "d256_q128_k64")
+GPU_FORWARD_ONLY = ("d256_q128_k64_segments", "d256_q128_k64")
+GPU_NO_TRITON_VJP = ("d64_q256_k256_fp16",)
 
 
 def _gpu_case(name):
@@ -536,8 +561,9 @@ def test_gpu_block_sparse_mosaic_forward(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [n for n in GPU_CASES if n not in GPU_FORWARD_ONLY])
 def test_gpu_block_sparse_mosaic_vjp(name):
-  """Mosaic GPU forward + Triton backward on the selection: the VJP of (out, lse) vs the fp32
-  reference's, and vs the "triton" implementation (same schedule, same backward kernels)."""
+  """Mosaic GPU forward + backward on the selection (at head_dim 64/128 the Mosaic GPU backward
+  walking the schedule's lists, session 27): the VJP of (out, lse) vs the fp32 reference's, and
+  vs the "triton" implementation (same schedule, the Triton kernels)."""
   q, k, v, seg, sel, dtype = _gpu_case(name)
   rng = np.random.default_rng(5)
   d_out = jnp.asarray(rng.standard_normal(q.shape, np.float32), dtype)
@@ -559,6 +585,8 @@ def test_gpu_block_sparse_mosaic_vjp(name):
   for nm, g, r in zip("qkv", grads, r_grads):
     assert g.dtype == dtype and np.isfinite(np.asarray(g, np.float32)).all(), nm
     assert _rel(g, r) < 2e-2, (nm, _rel(g, r))
+  if name in GPU_NO_TRITON_VJP:
+    return
   t_out, _, t_grads = run("triton")
   assert _rel(out, t_out) < 1e-2
   for nm, g, t in zip("qkv", grads, t_grads):

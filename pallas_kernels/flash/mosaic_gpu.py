@@ -612,18 +612,39 @@ def _walk_codes(tiles, valid, st: _Static, q_seg=None, kv_seg=None):
     row sees every key, _PARTIAL otherwise.
   """
   n_wg = tiles.shape[2]
-  lo, flo, fhi, hi = (x[:, None] for x in _static_ranges(
-      jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st))      # [n_wg, 1]
+  ranges = _static_ranges(jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st)
+  return _range_codes(tiles, valid, ranges, q_seg, st.block_q, kv_seg, st.block_k)
+
+
+def _range_codes(tiles, valid, ranges, own_seg, own_block, walk_seg, walk_block):
+  """Codes (_SKIP, _FULL, _PARTIAL) of listed walk tiles from each own tile's static ranges.
+
+  Args:
+    tiles: int32 [Bs, Hs, n_own, L] walk tiles listed for each own tile.
+    valid: bool, same shape: the entries that are listed (the others get _SKIP).
+    ranges: (lo, flo, fhi, hi) int32 [n_own]: own tile i may see walk tiles [lo, hi) and sees
+      [flo, fhi) in full under the static mask.
+    own_seg, walk_seg: None, or int32 segment ids [B, S'] along the own / walked axis, padded
+      with 0 to whole tiles.
+    own_block, walk_block: the own / walk tile sizes (for the segment ids' per-tile classes).
+
+  Returns:
+    int32 [B', Hs, n_own, L] codes (B' = B with segment ids, else Bs): _SKIP where the static
+    mask or the tiles' segment id classes rule every pair out, _FULL where both allow every
+    element, else _PARTIAL.
+  """
+  lo, flo, fhi, hi = (x[:, None] for x in ranges)                           # [n_own, 1]
   visible = valid & (tiles >= lo) & (tiles < hi)
   full = (tiles >= flo) & (tiles < fhi)
-  if q_seg is not None:
+  if own_seg is not None:
     from pallas_kernels.block_schedule import _segment_tile_classes, _segment_tile_pairs
-    qc = _segment_tile_classes(q_seg, q_seg.shape[1], st.block_q)            # 3 x [B, n_wg]
-    kc = _segment_tile_classes(kv_seg, kv_seg.shape[1], st.block_k)          # 3 x [B, nk]
-    t = jnp.broadcast_to(jnp.clip(tiles, 0, kc[0].shape[1] - 1),
-                         (q_seg.shape[0],) + tiles.shape[1:])
-    kc_t = [jax.vmap(lambda x, i: x[i])(x, t) for x in kc]                   # [B, Hs, n_wg, L]
-    seg_any, seg_all = _segment_tile_pairs([x[:, None, :, None] for x in qc], kc_t)
+    n_own = tiles.shape[2]
+    oc = [x[:, :n_own] for x in _segment_tile_classes(own_seg, own_seg.shape[1], own_block)]
+    wc = _segment_tile_classes(walk_seg, walk_seg.shape[1], walk_block)     # 3 x [B, n_walk]
+    t = jnp.broadcast_to(jnp.clip(tiles, 0, wc[0].shape[1] - 1),
+                         (own_seg.shape[0],) + tiles.shape[1:])
+    wc_t = [jax.vmap(lambda x, i: x[i])(x, t) for x in wc]                   # [B, Hs, n_own, L]
+    seg_any, seg_all = _segment_tile_pairs([x[:, None, :, None] for x in oc], wc_t)
     visible = visible & seg_any
     full = full & seg_all
   return jnp.where(visible, jnp.where(full, _FULL, _PARTIAL), _SKIP).astype(jnp.int32)
@@ -652,23 +673,49 @@ def _schedule_walk(schedule, st: _Static, q_seg=None, kv_seg=None):
   Returns:
     int32 [B', Hs, num_q_programs, 1 + W] rows ``[count, entry_0, ..., entry_{W-1}]`` (B' = B
     with segment ids or a per-batch schedule, else 1), entry = tile << _WALK_SHIFT | code0 |
-    code1 << 2; entries past count are 0 and never read.
+    code1 << 2; entries past count are 0 and never read (``_list_walk``).
   """
-  bq, bk = st.block_q, st.block_k
-  sbq, sbk = schedule.block_q, schedule.block_k
-  rk = sbk // bk
-  n_wg = _COMPUTE_WGS * st.num_q_programs
-  nq_s = schedule.num_q_blocks
-  idx = schedule.kv_indices.astype(jnp.int32)                  # [Bs, Hs, nq_s, M]
-  cnt = schedule.kv_counts.astype(jnp.int32)                   # [Bs, Hs, nq_s]
+  return _list_walk(schedule.kv_indices, schedule.kv_counts, schedule.block_q,
+                    schedule.block_k, st.block_q, st.block_k, _COMPUTE_WGS * st.num_q_programs,
+                    st.num_kv_tiles, lambda tiles, valid: _walk_codes(tiles, valid, st, q_seg,
+                                                                      kv_seg))
+
+
+def _list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, codes_fn):
+  """Per-program walk rows of a list schedule, for a kernel whose programs own two warpgroup
+  tiles of ``own_block`` along one axis and stream tiles of ``walk_block`` along the other
+  (the forward: query rows / kv tiles, ``_schedule_walk``; the Mosaic GPU backward's dQ kernel
+  the same, its dK/dV kernel keys / query tiles on the transposed lists).
+
+  Args:
+    idx, cnt: int32 [Bs, Hs, R, M] / [Bs, Hs, R]: per schedule tile of ``s_own`` along the own
+      axis, the listed tiles of ``s_walk`` along the other and their count.
+    s_own, s_walk: the schedule's tile sizes (multiples of ``own_block`` / ``walk_block``).
+    own_block, walk_block: the kernel's tiles.
+    n_own: the kernel's warpgroup tiles (2 per program); those past the schedule list nothing.
+    n_walk: the kernel's walk tiles; listed tiles from ``n_walk`` on are dropped.
+    codes_fn: ``(tiles [Bs, Hs, n_own, L], valid) -> codes [B', Hs, n_own, L]`` (_SKIP, _FULL,
+      _PARTIAL per own tile).
+
+  Returns:
+    int32 [B', Hs, n_own // 2, 1 + W] rows ``[count, entry_0, ..., entry_{W-1}]``, entry =
+    tile << _WALK_SHIFT | code0 | code1 << 2, in increasing tile order; entries past count are
+    0 and never read.
+  """
+  bq, bk, sbq = own_block, walk_block, s_own
+  rk = s_walk // bk
+  n_wg = n_own
+  nq_s = idx.shape[2]
+  idx = idx.astype(jnp.int32)                                  # [Bs, Hs, nq_s, M]
+  cnt = cnt.astype(jnp.int32)                                  # [Bs, Hs, nq_s]
   rows = np.arange(n_wg) * bq // sbq                           # schedule row of each wg tile
   real = jnp.asarray(rows < nq_s)                              # the others: padding, nothing
   rows = np.minimum(rows, nq_s - 1)
   j = np.arange(idx.shape[-1] * rk)
   tiles = idx[:, :, rows][..., j // rk] * rk + jnp.asarray(j % rk, jnp.int32)   # [Bs, Hs, n_wg, L]
   cnt_w = jnp.where(real, cnt[:, :, rows], 0)
-  valid = (jnp.asarray(j // rk) < cnt_w[..., None]) & (tiles < st.num_kv_tiles)
-  codes = _walk_codes(tiles, valid, st, q_seg, kv_seg)        # [B', Hs, n_wg, L]
+  valid = (jnp.asarray(j // rk) < cnt_w[..., None]) & (tiles < n_walk)
+  codes = codes_fn(tiles, valid)                               # [B', Hs, n_wg, L]
   tiles = jnp.broadcast_to(tiles, codes.shape)
   t0, t1 = tiles[:, :, 0::2], tiles[:, :, 1::2]                # [B', Hs, P, L]
   c0, c1 = codes[:, :, 0::2], codes[:, :, 1::2]
@@ -697,7 +744,7 @@ def _schedule_walk(schedule, st: _Static, q_seg=None, kv_seg=None):
     keep = listed & (t != t_prev)                              # first key of each tile
     c0 = jnp.where(who == 0, code, _SKIP)
     c1 = jnp.where(who == 1, code, jnp.where(t_next == t, code_next, _SKIP))
-  width = min(t.shape[-1], st.num_kv_tiles)
+  width = min(t.shape[-1], n_walk)
   pos = jnp.arange(t.shape[-1], dtype=jnp.int32)
   order = jnp.argsort(jnp.where(keep, pos, t.shape[-1] + pos), axis=-1)[..., :width]
   take = lambda x: jnp.take_along_axis(x, order, axis=-1)
@@ -1606,9 +1653,8 @@ def _forward_bwd(st, res, cts):
   """The backward kernels on this forward's residuals: Triton's (``triton.flash_attention_bwd``;
   with a window, segment ids or soft cap ``_triton_bwd_masked``) or, with
   ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``,
-  the Mosaic GPU ones (``mosaic_gpu_bwd.flash_attention_bwd``, same residuals; dense, causal,
-  local windows, soft cap and segment ids, not block schedules, which ``_static_config`` checks
-  at the call).
+  the Mosaic GPU ones (``mosaic_gpu_bwd.flash_attention_bwd``, same residuals; every mask, block
+  schedules included: its kernels walk the same schedule's lists at their own tiles).
 
   The conventions match: lse is the natural-log log-sum-exp over the unpadded keys (``_finalize``:
   m * ln 2 + ln l, m the base-2 running max) with -inf for rows that see no key, which the Triton
@@ -1619,17 +1665,18 @@ def _forward_bwd(st, res, cts):
   from pallas_kernels.flash import triton as flash_triton  # local: the forward alone needs none
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
   d_out, d_lse = cts
-  if st.has_sched:   # the Triton kernels on the same block schedule
-    grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st,
-                               schedule=schedule)
-  elif st.backward == "mosaic":
+  if st.backward == "mosaic":
     from pallas_kernels.flash import mosaic_gpu_bwd
     grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, causal=st.causal,
                                                scale=st.scale, block_sizes=st.bwd_block_sizes,
                                                d_lse=d_lse, local_window_size=st.window,
                                                logits_soft_cap=st.soft_cap,
                                                q_segment_ids=q_seg if st.has_seg else None,
-                                               kv_segment_ids=kv_seg if st.has_seg else None)
+                                               kv_segment_ids=kv_seg if st.has_seg else None,
+                                               schedule=schedule if st.has_sched else None)
+  elif st.has_sched:   # the Triton kernels on the same block schedule
+    grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st,
+                               schedule=schedule)
   elif st.window is not None or st.soft_cap is not None or st.has_seg:
     grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st)
   else:
@@ -1665,10 +1712,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       raise TypeError(f"backward='mosaic' takes a mosaic_gpu_bwd.BlockSizes as bwd_block_sizes, "
                       f"got {type(bwd_block_sizes)}")
     mosaic_gpu_bwd._check_head_dim(d)              # D256: NotImplementedError now, not at grad
-    masks = [name for name, val in (("block schedules", schedule),) if val is not None]
-    if masks:   # now, not at grad time
-      raise NotImplementedError("the Mosaic GPU backward (backward='mosaic') does not support "
-                                + ", ".join(masks) + "; use the default backward='triton'")
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   if bs.q_tiles_per_program > 1 and (has_seg or schedule is not None):
@@ -1677,7 +1720,16 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                      f"q_tiles_per_program=1)")
   sched = {}
   if schedule is not None:
-    _check_schedule(schedule, q_shape, k_shape, bs, bwd_block_sizes)
+    _check_schedule(schedule, q_shape, k_shape, bs,
+                    None if backward == "mosaic" else bwd_block_sizes)
+    if backward == "mosaic":   # its tiles against the schedule's: now, not at grad time
+      from pallas_kernels.tuning import mask_kind
+      default = mosaic_gpu_bwd.default_block_sizes(d, dtype, mask=mask_kind(causal, window,
+                                                                            segments=has_seg))
+      mosaic_gpu_bwd._check_schedule(
+          schedule, q_shape, k_shape,
+          mosaic_gpu_bwd.fit_block_sizes(default, schedule) if bwd_block_sizes is None
+          else bwd_block_sizes)
     bsz, hsz = schedule.kv_indices.shape[:2]
     sched = dict(has_sched=True, sched_batch=q_shape[0] > 1 and (has_seg or bsz > 1),
                  sched_heads=hsz > 1)

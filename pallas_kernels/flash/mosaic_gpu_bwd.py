@@ -73,6 +73,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from pallas_kernels.flash.mosaic_gpu import _FULL, _SKIP, _WALK_SHIFT, _list_walk, _range_codes
 
 
 LOG2E = math.log2(math.e)
@@ -223,6 +224,9 @@ class _Static:
   window: tuple | None = None       # normalized (left, right), a side None = unbounded
   soft_cap: float | None = None     # logits = cap * tanh(scale * s / cap)
   has_seg: bool = False             # segment ids: ranges per (batch, program) from ``_seg_bounds``
+  # Block schedule: each program walks its row of a list from ``_sched_walks`` (entries of
+  # ``mosaic_gpu._list_walk``) instead of ranges; its tiles are multiples of the kernels'.
+  has_sched: bool = False
 
   @property
   def offset(self) -> int:
@@ -275,7 +279,7 @@ class _Static:
 
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local_window_size=None,
-                   logits_soft_cap=None, has_seg=False) -> _Static:
+                   logits_soft_cap=None, has_seg=False, schedule=None) -> _Static:
   from pallas_kernels.masks import normalize_window
   from pallas_kernels.tuning import mask_kind
   _, sq, hq, d = q_shape
@@ -284,8 +288,14 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
   window = normalize_window(local_window_size)
   if window == (None, None):
     window = None
-  bs = block_sizes or default_block_sizes(d, dtype, mask=mask_kind(causal, window,
-                                                                     segments=has_seg))
+  if block_sizes is None:
+    block_sizes = default_block_sizes(d, dtype, mask=mask_kind(causal, window,
+                                                                 segments=has_seg))
+    if schedule is not None:
+      block_sizes = fit_block_sizes(block_sizes, schedule)
+  bs = block_sizes
+  if schedule is not None:
+    _check_schedule(schedule, q_shape, k_shape, bs)
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
@@ -297,7 +307,57 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
                  scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
                  window=window,
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                 has_seg=bool(has_seg))
+                 has_seg=bool(has_seg), has_sched=schedule is not None)
+
+
+def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
+  """``bs`` with each tile cut to divide the schedule's tile along its axis (the greatest common
+  divisor: kernel tiles must lie inside schedule tiles), e.g. the D64 default's 128-key dQ
+  tiles become 64 for a schedule of 64-key blocks.
+
+  Args:
+    bs: the backward's block sizes.
+    schedule: a ``block_schedule.BlockSchedule``.
+
+  Returns:
+    A ``BlockSizes``; ValueError (from ``BlockSizes``) when a divisor is not a multiple of 64.
+
+  Example:
+    >>> from pallas_kernels.block_schedule import make_schedule
+    >>> s = make_schedule(256, 256, 128, 64, causal=True)
+    >>> fit_block_sizes(BlockSizes(block_k_dq=128), s).block_k_dq
+    64
+  """
+  sbq, sbk = schedule.block_q, schedule.block_k
+  return dataclasses.replace(
+      bs, block_q_dkv=math.gcd(bs.block_q_dkv, sbq), block_k_dkv=math.gcd(bs.block_k_dkv, sbk),
+      block_q_dq=math.gcd(bs.block_q_dq, sbq), block_k_dq=math.gcd(bs.block_k_dq, sbk))
+
+
+def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes):
+  """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``: a
+  ``BlockSchedule`` for the inputs' lengths, leading axes [1|B, 1|Hk], tiles that are multiples
+  of the kernels' along each axis."""
+  from pallas_kernels.block_schedule import BlockSchedule
+  if not isinstance(schedule, BlockSchedule):
+    raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
+  b, sq, _, _ = q_shape
+  _, sk, hk, _ = k_shape
+  if (schedule.q_len, schedule.kv_len) != (sq, sk):
+    raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
+                     f"have ({sq}, {sk})")
+  lead = schedule.kv_indices.shape[:2]
+  if lead[0] not in (1, b) or lead[1] not in (1, hk):
+    raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {lead}")
+  bad = [f"{name}={tile} does not divide the schedule's {what}={s}"
+         for name, tile, what, s in (("block_q_dkv", bs.block_q_dkv, "block_q", schedule.block_q),
+                                     ("block_q_dq", bs.block_q_dq, "block_q", schedule.block_q),
+                                     ("block_k_dkv", bs.block_k_dkv, "block_k", schedule.block_k),
+                                     ("block_k_dq", bs.block_k_dq, "block_k", schedule.block_k))
+         if s % tile]
+  if bad:
+    raise ValueError("the Mosaic GPU backward walks a schedule with tiles inside its tiles: "
+                     + "; ".join(bad) + " (fit_block_sizes(bs, schedule) cuts them)")
 
 
 def _ceil_div_nonneg(n, d: int):
@@ -484,6 +544,38 @@ def _seg_walk(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, static):
   return _program_bounds(*_tile_ranges(visit, full))
 
 
+def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
+  """Both kernels' walks of a block schedule: (dq_walk, dkv_walk), int32 [B', Hs, programs, 1 +
+  W] rows ``[count, entry_0, ...]`` (``mosaic_gpu._list_walk``: entry = tile << 4 | code of
+  warpgroup 0 | code of warpgroup 1 << 2, codes skip / full / partial; B' = B with segment ids
+  or a per-batch schedule, else 1; Hs = the schedule's head axis, 1 or Hk).
+
+  The dQ kernel walks each query tile's kv list (``schedule.kv_indices``) at ``block_k_dq``
+  keys, the dK/dV kernel each kv tile's query list (the transposed ``schedule.q_indices``) at
+  ``block_q_dkv`` rows; a listed pair's code comes from this call's static mask at the
+  warpgroup tile (``_dq_kv_range`` / ``_dkv_q_bounds``) and the tiles' segment id classes, as
+  the forward's walk does, so the schedule's own partial flags are not needed.
+
+  q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 (which sees nothing)."""
+  bs = st.bs
+  n_q = st.num_dq_programs * _COMPUTE_WGS
+  dq_static = [jnp.broadcast_to(x, (n_q,))
+               for x in _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st)]
+  dq_walk = _list_walk(
+      schedule.kv_indices, schedule.kv_counts, schedule.block_q, schedule.block_k,
+      bs.block_q_dq, bs.block_k_dq, n_q, st.num_kv_tiles_dq,
+      lambda t, ok: _range_codes(t, ok, dq_static, q_seg, bs.block_q_dq, kv_seg, bs.block_k_dq))
+  n_k = st.num_dkv_programs * _COMPUTE_WGS
+  dkv_static = [jnp.broadcast_to(x, (n_k,))
+                for x in _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st)]
+  dkv_walk = _list_walk(
+      schedule.q_indices, schedule.q_counts, schedule.block_k, schedule.block_q,
+      bs.block_k_dkv, bs.block_q_dkv, n_k, st.num_q_tiles_dkv,
+      lambda t, ok: _range_codes(t, ok, dkv_static, kv_seg, bs.block_k_dkv, q_seg,
+                                 bs.block_q_dkv))
+  return dq_walk, dkv_walk
+
+
 # ----------------------------------------------------------------------------------------------
 # Tile arithmetic (shared by the kernels and the CPU replay)
 # ----------------------------------------------------------------------------------------------
@@ -528,8 +620,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
   v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
   bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
   2 arrivals with segment ids, Q and its ids), free [S] (2 arrivals)[, own kv ids loaded [2]]."""
+  q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
-    q_seg_ref, kv_seg_ref, bounds_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, *refs = refs
+  if st.has_sched:
+    walk_ref, *refs = refs
+  elif st.has_seg:
+    bounds_ref, *refs = refs
   (dk_ref, dv_ref, smem, own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded, free,
    *seg_loaded) = refs                                    # with segment ids: own ids barriers
   k_own, v_own, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
@@ -541,7 +638,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
   prog = lax.axis_index("kv_tiles")
   wg = lax.axis_index("wg")
   k0_program = prog * (_COMPUTE_WGS * bk)
-  if st.has_seg:
+  if st.has_sched:   # this program's list of query tiles, shared by the group's query heads
+    walk_row = (b if walk_ref.shape[0] > 1 else 0, kv_h if walk_ref.shape[1] > 1 else 0, prog)
+    walk_tile = lambda j: lax.shift_right_logical(walk_ref[walk_row + (1 + j,)],
+                                                  jnp.int32(_WALK_SHIFT))
+    first_program, last_program = jnp.int32(0), walk_ref[walk_row + (0,)]
+  elif st.has_seg:
     first_program, last_program = bounds_ref[b, prog, 0], bounds_ref[b, prog, 1]
   else:
     first_program = _dkv_q_bounds(k0_program, st)[0]      # warpgroup 0's keys see the first
@@ -561,10 +663,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
       plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(k0, bk)], kv_seg_own.at[wg],
                               seg_loaded[0].at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(k0, bk), kv_h], vt, own_loaded.at[2 * wg + 1])
-    if st.has_seg:
+    if st.has_seg and not st.has_sched:
       base_col = 2 + 4 * wg
       first, full_lo, full_hi, last = (bounds_ref[b, prog, base_col + j] for j in range(4))
-    else:
+    elif not st.has_sched:
       first, full_lo, full_hi, last = _dkv_q_bounds(k0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     col_layout = plgpu.Layout.WGMMA.reduce(0)              # one value per query (column)
@@ -580,8 +682,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
       kv_seg = plgpu.load(kv_seg_own.at[wg], (), layout=row_layout)   # [bk] int32
 
     def step(i, carry, *, base, masked):
+      return step_at(slot_of(base + i), i, carry, masked=masked)
+
+    def step_at(slot, i, carry, *, masked):               # query tile i in ring slot ``slot``
       dk, dv = carry
-      slot = slot_of(base + i)
       qs, dos = q_smem.at[slot], do_smem.at[slot]         # [bq, D]
       plgpu.barrier_wait(q_loaded.at[slot])
       plgpu.barrier_wait(do_loaded.at[slot])
@@ -621,11 +725,25 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
 
     def drain(i, carry, *, base):
       # Steps only the other warpgroup needs: keep the ring's barrier phases in step.
-      slot = slot_of(base + i)
+      return drain_at(slot_of(base + i), carry)
+
+    def drain_at(slot, carry):
       for bar in (q_loaded, lse_loaded, do_loaded, delta_loaded):
         plgpu.barrier_wait(bar.at[slot])
       plgpu.barrier_arrive(free.at[slot])
       return carry
+
+    def walk_head(g, carry):   # the list's entries in order: drain, unmasked or masked step
+      def walk_step(j, carry):
+        entry = walk_ref[walk_row + (1 + j,)]
+        i = lax.shift_right_logical(entry, jnp.int32(_WALK_SHIFT))
+        code = lax.bitwise_and(lax.shift_right_logical(entry, 2 * wg), jnp.int32(3))
+        slot = slot_of(g * per_head + j)
+        run = lambda c: lax.cond(code == _FULL,
+                                 functools.partial(step_at, slot, i, masked=False),
+                                 functools.partial(step_at, slot, i, masked=True), c)
+        return lax.cond(code == _SKIP, functools.partial(drain_at, slot), run, carry)
+      return lax.fori_loop(jnp.int32(0), per_head, walk_step, carry)
 
     def head(g, carry):
       base = g * per_head - first_program                 # ring step of query tile i: base + i
@@ -640,7 +758,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
         carry = lax.fori_loop(last, last_program, functools.partial(drain, base=base), carry)
       return carry
 
-    dk, dv = lax.fori_loop(0, st.group, head, (dk, dv))
+    dk, dv = lax.fori_loop(0, st.group, walk_head if st.has_sched else head, (dk, dv))
     kt[...] = (dk * st.scale).astype(st.dtype)            # K/V are dead: reuse them for dK/dV
     vt[...] = dv.astype(st.dtype)
     plgpu.commit_smem()
@@ -655,6 +773,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     def load(j, slot):
       g = lax.div(j, jnp.maximum(per_head, 1))
       i = first_program + (j - g * per_head)
+      if st.has_sched:
+        i = walk_tile(i)
       h = kv_h * st.group + g
       rows = pl.ds(i * bq, bq)
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_loaded.at[slot])
@@ -678,10 +798,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
 
 
 def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
-  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] (and with segment
-  ids seg = (q_seg [B, Sq'], kv_seg [B, Sk'], bounds [B, programs, 10]: the dK/dV rows of
-  ``_seg_bounds``)) -> (dk, dv) [B, Sk', Hk, D] in the input dtype (rows of padded keys are
-  garbage).
+  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] (and seg, the
+  further inputs: with segment ids q_seg [B, Sq'], kv_seg [B, Sk'], then bounds [B, programs,
+  10], the dK/dV rows of ``_seg_bounds``, or with a schedule the dK/dV walk of
+  ``_sched_walks`` instead of the bounds) -> (dk, dv) [B, Sk', Hk, D] in the input dtype (rows
+  of padded keys are garbage).
 
   The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
   b, _, _, d = q.shape
@@ -735,8 +856,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
   lse, delta)], k/v_loaded [S] (k: 2 arrivals with segment ids, K and its ids), free [S] (2
   arrivals)[, own q ids loaded [2]]. A barrier that two TMA copies complete needs 2 arrivals:
   with 1 the first copy ends the phase (session 26's first GPU try: a launch failure)."""
+  q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
-    q_seg_ref, kv_seg_ref, bounds_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, *refs = refs
+  if st.has_sched:
+    walk_ref, *refs = refs
+  elif st.has_seg:
+    bounds_ref, *refs = refs
   dq_ref, smem, own_loaded, k_loaded, v_loaded, free, *seg_loaded = refs
   q_own, do_own, lse_own, delta_own, k_smem, v_smem = smem[:6]
   q_seg_own, kv_seg_smem = smem[6:] if st.has_seg else (None, None)
@@ -750,7 +876,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
   wg = lax.axis_index("wg")
   kv_h = lax.div(h, jnp.int32(st.group))
   row0_program = tile * (_COMPUTE_WGS * bq)
-  if st.has_seg:
+  if st.has_sched:   # this program's list of kv tiles (ring entry j: the list's entry j)
+    walk_row = (b if walk_ref.shape[0] > 1 else 0, kv_h if walk_ref.shape[1] > 1 else 0, tile)
+    walk_entry = lambda j: walk_ref[walk_row + (1 + j,)]
+    program_start, program_steps = jnp.int32(0), walk_ref[walk_row + (0,)]
+  elif st.has_seg:
     program_start, program_steps = bounds_ref[b, tile, 0], bounds_ref[b, tile, 1]
   else:
     program_start = _dq_kv_range(row0_program, st)[0]     # warpgroup 0's rows see the first
@@ -771,9 +901,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     plgpu.copy_gmem_to_smem(do_ref.at[b, rows_ds, h], dot, bars[1])
     plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows_ds], lse_own.at[wg], bars[2])
     plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows_ds], delta_own.at[wg], bars[3])
-    if st.has_seg:
+    if st.has_seg and not st.has_sched:
       start, full_lo, full_hi, steps = (bounds_ref[b, tile, 2 + 4 * wg + j] for j in range(4))
-    else:
+    elif not st.has_sched:
       start, full_lo, full_hi, steps = _dq_kv_range(row0, st)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per query (row)
@@ -789,7 +919,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
       q_seg = plgpu.load(q_seg_own.at[wg], (), layout=row_layout)     # [bq] int32
 
     def step(t, dq, *, masked):
-      slot = slot_of(t)
+      return step_at(slot_of(t), t, dq, masked=masked)
+
+    def step_at(slot, t, dq, *, masked):                  # kv tile t in ring slot ``slot``
       ks, vs = k_smem.at[slot], v_smem.at[slot]           # [bk, D]
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
@@ -819,18 +951,32 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
       return dq
 
     def drain(t, carry):
-      slot = slot_of(t)
+      return drain_at(slot_of(t), carry)
+
+    def drain_at(slot, carry):
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_arrive(free.at[slot])
       return carry
 
-    if two_edges:                                         # a window's left edge, segments
+    def walk_step(j, dq):   # the list's entry j: drain, unmasked or masked step
+      entry = walk_entry(j)
+      t = lax.shift_right_logical(entry, jnp.int32(_WALK_SHIFT))
+      code = lax.bitwise_and(lax.shift_right_logical(entry, 2 * wg), jnp.int32(3))
+      slot = slot_of(j)
+      run = lambda c: lax.cond(code == _FULL, functools.partial(step_at, slot, t, masked=False),
+                               functools.partial(step_at, slot, t, masked=True), c)
+      return lax.cond(code == _SKIP, functools.partial(drain_at, slot), run, dq)
+
+    if st.has_sched:
+      dq = lax.fori_loop(jnp.int32(0), program_steps, walk_step, dq)
+    if two_edges and not st.has_sched:                    # a window's left edge, segments
       lax.fori_loop(program_start, start, drain, None)
       dq = lax.fori_loop(start, full_lo, functools.partial(step, masked=True), dq)
-    dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(full_hi, steps, functools.partial(step, masked=True), dq)
-    lax.fori_loop(steps, program_steps, drain, None)
+    if not st.has_sched:
+      dq = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), dq)
+      dq = lax.fori_loop(full_hi, steps, functools.partial(step, masked=True), dq)
+      lax.fori_loop(steps, program_steps, drain, None)
     qt[...] = (dq * st.scale).astype(st.dtype)            # Q is dead: reuse its tile for dQ
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(qt, dq_ref.at[b, rows_ds, h])
@@ -849,21 +995,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
 
     n = program_steps - program_start                     # ring entries: kv tile start + e
+    tile_at = lambda e: program_start + e                 # (a schedule: the list's entry e)
+    if st.has_sched:
+      tile_at = lambda e: lax.shift_right_logical(walk_entry(e), jnp.int32(_WALK_SHIFT))
     for e in range(stages):
       @pl.when(e < n)
       def _():
-        load(program_start + e, e)
+        load(tile_at(e), e)
 
     @pl.loop(stages, jnp.maximum(n, stages))
     def _(e):
       slot = lax.rem(e, jnp.int32(stages))
       plgpu.barrier_wait(free.at[slot])
-      load(program_start + e, slot)
+      load(tile_at(e), slot)
 
 
 def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
-  """Padded inputs as ``_dkv_call`` (seg: bounds = the dQ rows of ``_seg_bounds``) -> dq [B,
-  Sq', Hq, D] in the input dtype.
+  """Padded inputs as ``_dkv_call`` (seg: the dQ rows of ``_seg_bounds`` or the dQ walk of
+  ``_sched_walks``) -> dq [B, Sq', Hq, D] in the input dtype.
 
   The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
   b, _, hq, d = q.shape
@@ -930,7 +1079,7 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                         scale: float | None = None, block_sizes: BlockSizes | None = None,
                         d_lse=None, local_window_size=None,
                         logits_soft_cap: float | None = None, q_segment_ids=None,
-                        kv_segment_ids=None):
+                        kv_segment_ids=None, schedule=None):
   """Gradients of flash attention with the Mosaic GPU (Hopper) backward kernels.
 
   Args:
@@ -953,6 +1102,12 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     q_segment_ids: None or int [B, Sq]: query i sees key j only where q_segment_ids[i] ==
       kv_segment_ids[j] != 0 (packed documents; 0 = padding, sees nothing).
     kv_segment_ids: int [B, Sk] (None: q_segment_ids, which then needs Sq == Sk).
+    schedule: None, or the forward's ``block_schedule.BlockSchedule`` (e.g. a top-K block
+      selection's, leading axes [1|B, 1|Hk]): the dQ kernel then walks each query tile's kv
+      list and the dK/dV kernel each kv tile's transposed query list (``_sched_walks``), only
+      the listed tiles; the element mask (causal, window, segment ids) is still this call's.
+      Its tiles must be multiples of the kernels' (default tiles are cut to fit:
+      ``fit_block_sizes``; ValueError for given ``block_sizes`` that do not divide them).
 
   Returns:
     (dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, D]) in q.dtype, accumulated in fp32;
@@ -969,6 +1124,12 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True,
     ...                                  local_window_size=(511, 0),
     ...                                  logits_soft_cap=30.0)  # doctest: +SKIP
+    >>> from pallas_kernels.block_schedule import make_schedule
+    >>> keep = jnp.tril(jnp.ones((8, 16), bool))[None, None]    # [1|B, 1|Hk, 8, 16] tiles
+    >>> s = make_schedule(1024, 1024, 128, 64, causal=True, block_mask=keep)
+    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, schedule=s, causal=True)  # doctest: +SKIP
+    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True,
+    ...                                  schedule=s)  # doctest: +SKIP
   """
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
@@ -1004,14 +1165,21 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                       f"{kv_segment_ids.dtype}")
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes, local_window_size=local_window_size,
-                      logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None)
+                      logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None,
+                      schedule=schedule)
   lse2, delta = _prepare(out, lse, do, d_lse, st)
   q_p, do_p = _pad_axis(q, 1, st.q_pad), _pad_axis(do, 1, st.q_pad)
   k_p, v_p = _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
   seg_dq = seg_dkv = None
+  q_seg = kv_seg = None
   if st.has_seg:   # padding gets id 0 (sees nothing)
     q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, st.q_pad, 0)
     kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, st.kv_pad, 0)
+  if st.has_sched:
+    dq_walk, dkv_walk = _sched_walks(schedule, st, q_seg, kv_seg)
+    ids = (q_seg, kv_seg) if st.has_seg else ()
+    seg_dq, seg_dkv = ids + (dq_walk,), ids + (dkv_walk,)
+  elif st.has_seg:
     dq_bounds, dkv_bounds = _seg_bounds(q_seg, kv_seg, st)
     seg_dq, seg_dkv = (q_seg, kv_seg, dq_bounds), (q_seg, kv_seg, dkv_bounds)
   dk, dv = _dkv_call(q_p, k_p, v_p, do_p, lse2, delta, st, seg_dkv)

@@ -1,0 +1,159 @@
+"""Block-sparse training on Hopper: the Mosaic GPU backward walking a selection's schedule
+(session 27) against the Triton backward on the same schedule, in one process.
+
+B1 H16 D128 bf16 causal, a top-K selection of (q_block_size, block_size) blocks keeping ~19% of
+the causal tiles (``jattn.sparse.causal_top_k_for_density``, the bench's recipe), forward +
+backward (``jax.vjp``), timed with the bench's timer on 3 rotating input sets:
+
+  * ``kernels[mosaic_fwd+triton_bwd]`` / ``kernels[mosaic_fwd+mosaic_bwd]``: the Mosaic GPU
+    forward walking the schedule (built once, outside the timing) with either backward;
+  * ``sparse_attention[mosaic_gpu]`` / ``sparse_attention[triton]``: the whole call, selection
+    included (jattn's "mosaic_gpu" path runs the Mosaic backward since session 27);
+  * the dense causal baselines: ``jattn.flash_attention`` default (Mosaic GPU forward and
+    backward on sm90) and ``implementation="triton"``.
+
+Checks in the same run: the two kernel variants' gradients against each other, the two
+``sparse_attention`` paths' gradients against each other, and the Mosaic path's output on the
+last 512 queries of two heads against the fp32 reference over the selection.
+
+Usage (GPU): python -m experiments.probe_sparse_mosaic_bwd --seqs 16384,65536 --out rows.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _rel(a, b):
+  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _fwdbwd(attn):
+  def f(q, k, v, do):
+    out, vjp = jax.vjp(attn, q, k, v)
+    return out, vjp(do)
+  return jax.jit(f)
+
+
+def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fraction=0.19,
+          rows=None):
+  """Rows (dicts) of one sequence length; see the module docstring."""
+  from jattn import sparse as sp
+  from jattn.attention import flash_attention
+  from pallas_kernels._timing import time_fn
+  from pallas_kernels.block_schedule import make_schedule
+  from pallas_kernels.flash import mosaic_gpu as mg
+  from pallas_kernels.flash import triton as ft
+  rows = [] if rows is None else rows
+  keys = jax.random.split(jax.random.key(seq), 12)
+  sets = [tuple(jax.random.normal(keys[4 * i + j], (1, seq, heads, head_dim), jnp.bfloat16)
+                for j in range(4)) for i in range(3)]
+  top_k, _ = sp.causal_top_k_for_density(seq, fraction, block_size=block_size,
+                                         q_block_size=q_block_size)
+  base = f"B1 S{seq // 1024}K H{heads} D{head_dim} causal"
+  case = f"{base} top{fraction:.0%} q{q_block_size} k{block_size}"
+  kw = dict(block_size=block_size, q_block_size=q_block_size, top_k=top_k)
+
+  def row(impl, fn, argsets, **extra):
+    ms, spread = time_fn(fn, argsets)
+    r = dict(op="sparse_fwdbwd_ab", case=case if "dense" not in impl else base, impl=impl, ms=ms,
+             spread_ms=spread, **extra)
+    rows.append(r)
+    print(json.dumps(r), flush=True)
+    return ms
+
+  dense_ms = row("jattn_default_dense", _fwdbwd(lambda q, k, v: flash_attention(
+      q, k, v, causal=True)), sets)
+  row("jattn_triton_dense", _fwdbwd(lambda q, k, v: flash_attention(
+      q, k, v, causal=True, implementation="triton")), sets)
+
+  # The kernels on a fixed schedule (selected once from the first set).
+  q0, k0 = sets[0][0], sets[0][1]
+  sel = jax.jit(lambda q, k: sp.select_blocks(q, k, **kw))(q0, k0)
+  sched = jax.jit(lambda sel: make_schedule(seq, seq, q_block_size, block_size, causal=True,
+                                            block_mask=sel.tile_mask(),
+                                            max_kv_blocks=sel.max_selected))(sel)
+  fwd_bs, _ = sp._mosaic_gpu_block_sizes(mg, sel, head_dim, jnp.bfloat16, causal=True)
+  variants = {
+      "kernels[mosaic_fwd+triton_bwd]": dict(
+          block_sizes=dataclasses.replace(fwd_bs, backward="triton"),
+          bwd_block_sizes=sp._kernel_block_sizes("triton", ft, sel, head_dim, jnp.bfloat16)),
+      "kernels[mosaic_fwd+mosaic_bwd]": dict(
+          block_sizes=dataclasses.replace(fwd_bs, backward="mosaic"), bwd_block_sizes=None),
+  }
+  grads = {}
+  for name, bsz in variants.items():
+    fn = _fwdbwd(lambda q, k, v, bsz=bsz: mg.flash_attention(q, k, v, schedule=sched,
+                                                            causal=True, **bsz)[0])
+    grads[name] = fn(*sets[0])
+    row(name, fn, sets, top_k=top_k)
+  a, b = grads.values()
+  diff = {n: _rel(x, y) for n, x, y in zip(("out", "dq", "dk", "dv"), (a[0],) + a[1],
+                                           (b[0],) + b[1])}
+  print("kernels mosaic vs triton backward rel diff:", diff, flush=True)
+  rows[-1].update(rel_diff_vs_triton_bwd=diff, ok=bool(max(diff.values()) < 1e-2))
+
+  # The whole call, selection included.
+  full = {}
+  for impl in ("triton", "mosaic_gpu"):
+    fn = _fwdbwd(lambda q, k, v, impl=impl: sp.sparse_attention(q, k, v, implementation=impl,
+                                                                **kw))
+    full[impl] = fn(*sets[0])
+    ms = row(f"sparse_attention[{impl}]", fn, sets, top_k=top_k, speedup_vs_default_dense=None)
+    rows[-1]["speedup_vs_default_dense"] = dense_ms / ms
+  a, b = full["mosaic_gpu"], full["triton"]
+  diff = {n: _rel(x, y) for n, x, y in zip(("out", "dq", "dk", "dv"), (a[0],) + a[1],
+                                           (b[0],) + b[1])}
+  # The output's last 512 queries of two heads against the fp32 reference over the selection.
+  q, k, v, _ = sets[0]
+  out, sel = jax.jit(lambda q, k, v: sp.sparse_attention(q, k, v, return_selection=True,
+                                                          implementation="mosaic_gpu",
+                                                          **kw))(q, k, v)
+  tail, nqt = 512, 512 // q_block_size
+  sub = sp.BlockSelection(indices=sel.indices[:, :2, -nqt:], counts=sel.counts[:, :2, -nqt:],
+                          num_visible=sel.num_visible[:, :2, -nqt:], scores=None,
+                          block_size=block_size, q_block_size=q_block_size, q_len=tail,
+                          kv_len=seq)
+  ref = sp.block_sparse_attention(q[:, -tail:, :2].astype(jnp.float32),
+                                  k[:, :, :2].astype(jnp.float32),
+                                  v[:, :, :2].astype(jnp.float32), sub, implementation="xla")
+  err = _rel(out[:, -tail:, :2], ref)
+  print("sparse_attention mosaic_gpu vs triton rel diff:", diff, "out vs reference:", err,
+        flush=True)
+  rows[-1].update(rel_diff_vs_triton=diff, rel_err=err,
+                  ok=bool(max(diff.values()) < 2e-2 and err < 2e-2))
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--seqs", default="16384,65536")
+  p.add_argument("--q-block-size", type=int, default=128)
+  p.add_argument("--block-size", type=int, default=64)
+  p.add_argument("--out", default=None)
+  a = p.parse_args(argv)
+  rows = []
+  for s in (int(x) for x in a.seqs.split(",")):
+    try:
+      probe(s, q_block_size=a.q_block_size, block_size=a.block_size, rows=rows)
+    except Exception as e:   # record and go on
+      rows.append(dict(op="sparse_fwdbwd_ab", case=f"S{s}", ok=False,
+                       error=f"{type(e).__name__}: {e}"[:800]))
+      print(rows[-1], file=sys.stderr, flush=True)
+  meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump(dict(meta=meta, rows=rows), f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
