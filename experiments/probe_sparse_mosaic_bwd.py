@@ -44,8 +44,11 @@ def _fwdbwd(attn):
 
 
 def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fraction=0.19,
-          rows=None):
-  """Rows (dicts) of one sequence length; see the module docstring."""
+          rows=None, bwd_configs=(), kernels_only=False):
+  """Rows (dicts) of one sequence length; see the module docstring. ``bwd_configs``: more
+  ``mosaic_gpu_bwd.BlockSizes`` timed as ``kernels[mosaic_fwd+mosaic_bwd <config>]`` on the same
+  schedule (their gradients checked against the Triton backward's); ``kernels_only``: skip the
+  dense baselines and the whole calls."""
   from jattn import sparse as sp
   from jattn.attention import flash_attention
   from pallas_kernels._timing import time_fn
@@ -70,10 +73,11 @@ def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fract
     print(json.dumps(r), flush=True)
     return ms
 
-  dense_ms = row("jattn_default_dense", _fwdbwd(lambda q, k, v: flash_attention(
-      q, k, v, causal=True)), sets)
-  row("jattn_triton_dense", _fwdbwd(lambda q, k, v: flash_attention(
-      q, k, v, causal=True, implementation="triton")), sets)
+  if not kernels_only:
+    dense_ms = row("jattn_default_dense", _fwdbwd(lambda q, k, v: flash_attention(
+        q, k, v, causal=True)), sets)
+    row("jattn_triton_dense", _fwdbwd(lambda q, k, v: flash_attention(
+        q, k, v, causal=True, implementation="triton")), sets)
 
   # The kernels on a fixed schedule (selected once from the first set).
   q0, k0 = sets[0][0], sets[0][1]
@@ -100,6 +104,21 @@ def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fract
                                            (b[0],) + b[1])}
   print("kernels mosaic vs triton backward rel diff:", diff, flush=True)
   rows[-1].update(rel_diff_vs_triton_bwd=diff, ok=bool(max(diff.values()) < 1e-2))
+  for cfg in bwd_configs:
+    name = f"kernels[mosaic_fwd+mosaic_bwd {cfg}]"
+    try:
+      fn = _fwdbwd(lambda q, k, v, cfg=cfg: mg.flash_attention(
+          q, k, v, schedule=sched, causal=True, block_sizes=fwd_bs, bwd_block_sizes=cfg)[0])
+      g = fn(*sets[0])
+      row(name, fn, sets, top_k=top_k)
+      d = {n: _rel(x, y) for n, x, y in zip(("dq", "dk", "dv"), g[1], a[1])}
+      rows[-1].update(rel_diff_vs_triton_bwd=d, ok=bool(max(d.values()) < 1e-2))
+    except Exception as e:   # e.g. shared memory: record and go on
+      rows.append(dict(op="sparse_fwdbwd_ab", case=case, impl=name, ok=False,
+                       error=f"{type(e).__name__}: {e}"[:300]))
+      print(rows[-1], flush=True)
+  if kernels_only:
+    return rows
 
   # The whole call, selection included.
   full = {}
@@ -138,12 +157,18 @@ def main(argv=None):
   p.add_argument("--seqs", default="16384,65536")
   p.add_argument("--q-block-size", type=int, default=128)
   p.add_argument("--block-size", type=int, default=64)
+  p.add_argument("--bwd-configs", default="",
+                 help="';'-separated mosaic_gpu_bwd.BlockSizes fields, e.g. '64,64,64,64,3,3'")
+  p.add_argument("--kernels-only", action="store_true")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
+  from pallas_kernels.flash import mosaic_gpu_bwd as mb
+  cfgs = [mb.BlockSizes(*(int(x) for x in c.split(","))) for c in a.bwd_configs.split(";") if c]
   rows = []
   for s in (int(x) for x in a.seqs.split(",")):
     try:
-      probe(s, q_block_size=a.q_block_size, block_size=a.block_size, rows=rows)
+      probe(s, q_block_size=a.q_block_size, block_size=a.block_size, rows=rows, bwd_configs=cfgs,
+            kernels_only=a.kernels_only)
     except Exception as e:   # record and go on
       rows.append(dict(op="sparse_fwdbwd_ab", case=f"S{s}", ok=False,
                        error=f"{type(e).__name__}: {e}"[:800]))
