@@ -38,7 +38,8 @@ from jattn import _validate
 from jattn._layout import KV_LAYOUTS as _KV_LAYOUTS
 from jattn._layout import check_kv_layout as _check_kv_layout
 from jattn._layout import hnd_as_sequences as _hnd_as_sequences
-from jattn.attention import _MOSAIC_GPU_BWD_HEAD_DIMS, kernel_module, resolve_implementation
+from jattn.attention import (_MOSAIC_GPU_BWD_HEAD_DIMS, _hopper_default_covers, kernel_module,
+                             resolve_implementation)
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash.reference import attention_reference
@@ -46,7 +47,7 @@ from pallas_kernels.masks import element_mask
 
 __all__ = [
     "BlockSelection", "block_scores", "select_blocks", "block_sparse_attention",
-    "sparse_attention", "captured_mass", "block_attention_mass", "block_score_kl",
+    "block_sparse_plan", "sparse_attention", "captured_mass", "block_attention_mass", "block_score_kl",
     "BlockSummaries", "init_block_summaries",
     "update_block_summaries", "select_decode_blocks", "sparse_decode_attention",
     "sparse_paged_decode_attention",
@@ -590,6 +591,51 @@ def _kernel_block_sizes(impl, mod, selection, head_dim, dtype):
         f"implementation='xla'") from None
 
 
+def block_sparse_plan(q, k, v, *, q_block_size, block_size, implementation=None,
+                      interpret=False, platform=None, compute_capability=None):
+  """The kernels ``block_sparse_attention`` / ``sparse_attention`` run for a call.
+
+  ``implementation=None`` on a GPU of compute capability 9.0 (H100/H200) picks "mosaic_gpu" (the
+  Hopper forward and, at head_dim 64/128, the Mosaic GPU backward, both walking the selection's
+  block schedule) when q, k and v are all bf16 or all fp16 with head_dim 64, 128 or 256 (=
+  head_dim_v), q_block_size and block_size are powers of two >= 64 and interpret is off; any
+  other GPU call picks "triton". Measured (H200, B1 H16 D128 bf16 causal, 19% of the causal
+  128 x 64 tiles, fwd+bwd, selection included; run 116): 30.98 ms against 38.62 for "triton" at
+  64K, 2.376 against 2.933 at 16K. A named implementation is returned unchanged.
+
+  Args:
+    q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
+    q_block_size, block_size: the selection's block sizes.
+    implementation, interpret: as for ``block_sparse_attention``.
+    platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
+    compute_capability: (major, minor) of the GPU; default: that of the first GPU.
+
+  Returns:
+    A dict: ``implementation`` (the name the call dispatches on) and ``backward`` ("mosaic_gpu",
+    "triton", "mosaic_tpu" or "xla": the kernels of the VJP).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    >>> block_sparse_plan(x, x, x, q_block_size=128, block_size=64, platform="gpu",
+    ...                   compute_capability=(9, 0))
+    {'implementation': 'mosaic_gpu', 'backward': 'mosaic_gpu'}
+    >>> block_sparse_plan(x, x, x, q_block_size=32, block_size=64, platform="gpu",
+    ...                   compute_capability=(9, 0))
+    {'implementation': 'triton', 'backward': 'triton'}
+  """
+  impl = resolve_implementation(implementation, platform=platform, interpret=interpret)
+  if implementation is None and impl == "triton" and not interpret:
+    cc = compute_capability if compute_capability is not None else compat.gpu_compute_capability()
+    tiles_ok = all(x >= 64 and not x & (x - 1) for x in (int(q_block_size), int(block_size)))
+    if cc is not None and tuple(cc) == (9, 0) and tiles_ok and _hopper_default_covers(q, k, v):
+      impl = "mosaic_gpu"
+  backward = impl
+  if impl == "mosaic_gpu" and q.shape[-1] not in _MOSAIC_GPU_BWD_HEAD_DIMS:
+    backward = "triton"
+  return {"implementation": impl, "backward": backward}
+
+
 def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
                            kv_segment_ids=None, scale=None, return_lse=False, implementation=None,
                            interpret=False):
@@ -630,8 +676,9 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None ("triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU), "xla", "triton",
-      "mosaic_gpu" or "mosaic_tpu".
+    implementation: None (``block_sparse_plan``: "mosaic_gpu" on Hopper for the calls it covers,
+      else "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU), "xla", "triton", "mosaic_gpu" or
+      "mosaic_tpu".
     interpret: run a Pallas kernel in interpret mode (CPU tests; "mosaic_gpu" raises
       NotImplementedError: its forward cannot be interpreted).
 
@@ -651,7 +698,9 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   _check_selection(selection, batch, q_len, kv_len, hk)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  impl = resolve_implementation(implementation, interpret=interpret)
+  impl = block_sparse_plan(q, k, v, q_block_size=selection.q_block_size,
+                           block_size=selection.block_size, implementation=implementation,
+                           interpret=interpret)["implementation"]
   if impl == "xla":
     out, lse = attention_reference(q, k, v, causal=causal, q_segment_ids=segment_ids,
                                    kv_segment_ids=kv_segment_ids, scale=scale,
@@ -910,7 +959,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                                                          q_len, kv_len)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  impl = resolve_implementation(implementation, interpret=interpret)
+  impl = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
+                           implementation=implementation, interpret=interpret)["implementation"]
   if gate_grad == "none":
     q_s, k_s = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   else:

@@ -634,3 +634,79 @@ def test_gpu_block_sparse_mosaic_forward_overlap(name):
       bwd_block_sizes=bwd_bs))(q, k, v)
   r_out, r_lse = jax.jit(lambda q, k, v: _reference(q, k, v, seg, seg, sel, True))(q, k, v)
   _check_out_lse(out, lse, r_out, r_lse, dtype)
+
+
+# ------------------------------------------------------------- the default on Hopper (plan)
+
+
+def test_block_sparse_plan_picks_the_hopper_path_only_for_covered_calls():
+  """``block_sparse_plan``: implementation=None on sm90 is "mosaic_gpu" for bf16/fp16 with
+  head_dim 64/128/256 (= head_dim_v) and block sizes that are powers of two >= 64, with the
+  Mosaic backward at 64/128; every other call keeps the platform's default; a named
+  implementation is kept."""
+  s = lambda d=128, dv=None, dt=jnp.bfloat16: (jax.ShapeDtypeStruct((1, 4096, 8, d), dt),
+                                               jax.ShapeDtypeStruct((1, 4096, 2, d), dt),
+                                               jax.ShapeDtypeStruct((1, 4096, 2, dv or d), dt))
+  plan = lambda x, qbs=128, bs=64, cc=(9, 0), **kw: sp.block_sparse_plan(
+      *x, q_block_size=qbs, block_size=bs, platform=kw.pop("platform", "gpu"),
+      compute_capability=cc, **kw)
+  hopper = {"implementation": "mosaic_gpu", "backward": "mosaic_gpu"}
+  triton = {"implementation": "triton", "backward": "triton"}
+  assert plan(s()) == hopper
+  assert plan(s(64, dt=jnp.float16), qbs=64, bs=256) == hopper
+  assert plan(s(256)) == {"implementation": "mosaic_gpu", "backward": "triton"}
+  for x, kw in [(s(), dict(cc=(8, 0))), (s(), dict(cc=None)), (s(), dict(qbs=32)),
+                (s(), dict(bs=96)), (s(dt=jnp.float32), {}), (s(96), {}), (s(128, 64), {}),
+                (s(), dict(interpret=True))]:
+    assert plan(x, **kw) == triton, kw
+  assert plan(s(), implementation="triton") == triton
+  assert plan(s(), cc=(8, 0), implementation="mosaic_gpu") == hopper
+  assert plan(s(), platform="cpu") == {"implementation": "xla", "backward": "xla"}
+
+
+@pytest.mark.parametrize("cc,want", [((9, 0), "mosaic_gpu"), ((8, 0), "triton")])
+def test_default_dispatch_follows_the_plan(cc, want, monkeypatch):
+  """``block_sparse_attention`` and ``sparse_attention`` with implementation=None dispatch on
+  ``block_sparse_plan``: on a (mocked) sm90 GPU the Mosaic GPU kernels, else Triton (kernels
+  replaced by recorders; shapes only)."""
+  from pallas_kernels.flash import triton as ft
+  monkeypatch.setattr(compat, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(compat, "gpu_compute_capability", lambda: cc)
+  called = []
+
+  def recorder(name):
+    def f(q, k, v, *a, **kw):
+      called.append(name)
+      return jnp.zeros(q.shape, q.dtype), jnp.zeros((q.shape[0], q.shape[2], q.shape[1]))
+    return f
+  monkeypatch.setattr(mg, "flash_attention", recorder("mosaic_gpu"))
+  monkeypatch.setattr(ft, "flash_attention", recorder("triton"))
+  q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+  sel = jax.eval_shape(functools.partial(sp.select_blocks, block_size=64, q_block_size=128,
+                                         top_k=2), q, k)
+  jax.eval_shape(lambda q, k, sel: sp.block_sparse_attention(q, k, k, sel), q, k, sel)
+  jax.eval_shape(lambda q, k: sp.sparse_attention(q, k, k, block_size=64, q_block_size=128,
+                                                  top_k=2), q, k)
+  assert called == [want, want]
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_the_hopper_path():
+  """On sm90, implementation=None runs the Mosaic GPU path (``block_sparse_plan``): forward and
+  gradients identical to implementation="mosaic_gpu"."""
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+  q, k, v = _inputs(29, 1, 2048, 2048, 4, 2, 128)
+  kw = dict(block_size=64, q_block_size=128, top_k=4)
+  assert sp.block_sparse_plan(q, k, v, q_block_size=128, block_size=64) == {
+      "implementation": "mosaic_gpu", "backward": "mosaic_gpu"}
+
+  def run(impl):
+    loss = lambda q, k, v: (sp.sparse_attention(q, k, v, implementation=impl, **kw)
+                            .astype(jnp.float32) ** 2).sum()
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  (l_d, g_d), (l_m, g_m) = run(None), run("mosaic_gpu")
+  assert float(l_d) == float(l_m)
+  for a, b in zip(g_d, g_m):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
