@@ -471,6 +471,24 @@ def test_sched_walks_skip_unselected_tiles():
   assert counts == [16, 0, 16, 0, 0, 0, 0, 0], counts
 
 
+def test_schedules_take_the_block_sparse_entry(monkeypatch):
+  """A call with a block schedule reads the table's "block_sparse" entry (the H200's D128: 4
+  dK/dV stages, run 118), cut to the schedule's tiles; without one, its mask kind's."""
+  from pallas_kernels import tuning
+  from pallas_kernels.block_schedule import make_schedule
+  monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
+  mb._tuned_block_sizes.cache_clear()
+  try:
+    sched = make_schedule(1024, 1024, 128, 64, causal=True)
+    got = mb.call_block_sizes(128, jnp.bfloat16, causal=True, schedule=sched)
+    plain = mb.call_block_sizes(128, jnp.bfloat16, causal=True)
+    d64 = mb.call_block_sizes(64, jnp.bfloat16, causal=True, schedule=sched)
+  finally:
+    mb._tuned_block_sizes.cache_clear()
+  assert (got.num_stages_dkv, got.num_stages_dq, plain.num_stages_dkv) == (4, 2, 3)
+  assert (d64.block_k_dq, d64.num_stages_dkv) == (64, 3)   # D64: the 'all' entry, cut to 64 keys
+
+
 def test_schedule_tiles_must_hold_the_kernels():
   from pallas_kernels.block_schedule import make_schedule
   sched = make_schedule(256, 256, 64, 64, causal=True)

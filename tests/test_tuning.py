@@ -219,7 +219,8 @@ def test_tables_well_formed():
           for m in ("causal_window", "causal_segments", "causal", "dense")} | {
           ("nvidia_h200.json", ("mosaic_gpu_fwd", d, "16bit", m))
           for d in (64, 256) for m in ("causal", "dense")} | {
-          ("nvidia_h200.json", ("mosaic_gpu_bwd", 64, "16bit", "causal_window"))}, key
+          ("nvidia_h200.json", ("mosaic_gpu_bwd", 64, "16bit", "causal_window")),
+          ("nvidia_h200.json", ("mosaic_gpu_bwd", 128, "16bit", "block_sparse"))}, key
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
       assert prov["commit"]
@@ -241,7 +242,8 @@ def test_tables_well_formed():
              ("mosaic_gpu_fwd", 256, "16bit", "causal"), ("mosaic_gpu_fwd", 256, "16bit", "dense"),
              ("mosaic_gpu_fwd", 64, "16bit", "causal"), ("mosaic_gpu_fwd", 64, "16bit", "dense"),
              ("mosaic_gpu_fwd", 64, "16bit", "all"), ("mosaic_gpu_fwd", 256, "16bit", "all"),
-             ("mosaic_gpu_bwd", 64, "16bit", "causal_window")}
+             ("mosaic_gpu_bwd", 64, "16bit", "causal_window"),
+             ("mosaic_gpu_bwd", 128, "16bit", "block_sparse")}
             if name == "nvidia_h200.json" else set())
   assert set(ft._FWD_FIELDS) | set(ft._BWD_FIELDS) == set(ft.BlockSizes.__dataclass_fields__)
 

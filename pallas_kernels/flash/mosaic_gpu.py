@@ -1723,13 +1723,9 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
     _check_schedule(schedule, q_shape, k_shape, bs,
                     None if backward == "mosaic" else bwd_block_sizes)
     if backward == "mosaic":   # its tiles against the schedule's: now, not at grad time
-      from pallas_kernels.tuning import mask_kind
-      default = mosaic_gpu_bwd.default_block_sizes(d, dtype, mask=mask_kind(causal, window,
-                                                                            segments=has_seg))
-      mosaic_gpu_bwd._check_schedule(
-          schedule, q_shape, k_shape,
-          mosaic_gpu_bwd.fit_block_sizes(default, schedule) if bwd_block_sizes is None
-          else bwd_block_sizes)
+      mosaic_gpu_bwd._check_schedule(schedule, q_shape, k_shape, bwd_block_sizes or (
+          mosaic_gpu_bwd.call_block_sizes(d, dtype, causal=causal, window=window,
+                                          has_seg=has_seg, schedule=schedule)))
     bsz, hsz = schedule.kv_indices.shape[:2]
     sched = dict(has_sched=True, sched_batch=q_shape[0] > 1 and (has_seg or bsz > 1),
                  sched_heads=hsz > 1)

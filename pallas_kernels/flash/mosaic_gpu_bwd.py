@@ -163,14 +163,16 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | No
   """Default ``BlockSizes`` for a head dimension (64 or 128; bf16 or fp16) and mask kind.
 
   Read from the tuning table of the device (``pallas_kernels.tuning``): the entry for ``mask``
-  where one was measured (the H200's D64 causal window, run 110), else the one for every mask.
+  where one was measured (the H200's D64 causal window, run 110; its D128 block schedules, run
+  118), else the one for every mask.
 
   Args:
     head_dim: the head dimension of q, k and v.
     dtype: the input dtype (only checked).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
     mask: a mask kind (``pallas_kernels.tuning.mask_kind``: "dense", "causal", "window",
-      "causal_window", "causal_segments") or "all".
+      "causal_window", "causal_segments"; "block_sparse" for calls walking a block schedule) or
+      "all".
 
   Returns:
     A ``BlockSizes``.
@@ -281,19 +283,14 @@ class _Static:
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local_window_size=None,
                    logits_soft_cap=None, has_seg=False, schedule=None) -> _Static:
   from pallas_kernels.masks import normalize_window
-  from pallas_kernels.tuning import mask_kind
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   _check_head_dim(d)
   window = normalize_window(local_window_size)
   if window == (None, None):
     window = None
-  if block_sizes is None:
-    block_sizes = default_block_sizes(d, dtype, mask=mask_kind(causal, window,
-                                                                 segments=has_seg))
-    if schedule is not None:
-      block_sizes = fit_block_sizes(block_sizes, schedule)
-  bs = block_sizes
+  bs = block_sizes or call_block_sizes(d, dtype, causal=causal, window=window, has_seg=has_seg,
+                                       schedule=schedule)
   if schedule is not None:
     _check_schedule(schedule, q_shape, k_shape, bs)
   if sq < 1 or sk < 1:
@@ -308,6 +305,30 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
                  window=window,
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                  has_seg=bool(has_seg), has_sched=schedule is not None)
+
+
+def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg: bool = False,
+                     schedule=None) -> BlockSizes:
+  """The default ``BlockSizes`` of a call: the device table's entry for its mask kind
+  (``tuning.mask_kind``; with a block schedule "block_sparse", whatever the element mask, cut to
+  the schedule's tiles by ``fit_block_sizes``).
+
+  Args:
+    head_dim, dtype: as for ``default_block_sizes``.
+    causal, window, has_seg: the call's mask (window: None or normalized (left, right)).
+    schedule: None or the call's ``BlockSchedule``.
+
+  Returns:
+    A ``BlockSizes``.
+
+  Example:
+    >>> call_block_sizes(128, jnp.bfloat16, causal=True).num_stages_dq
+    2
+  """
+  from pallas_kernels.tuning import mask_kind
+  if schedule is None:
+    return default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window, segments=has_seg))
+  return fit_block_sizes(default_block_sizes(head_dim, dtype, mask="block_sparse"), schedule)
 
 
 def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:

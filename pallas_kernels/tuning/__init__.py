@@ -10,10 +10,11 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
   * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
   * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
   * ``mask``: "all" (one entry for every mask kind), or a mask kind ("dense", "causal",
-    "window", "causal_window", "causal_segments"; ``mask_kind``) that ``entry(mask=...)``
-    prefers to "all" (the Mosaic GPU forward asks by mask: its H200 causal-window tiles, run
-    33, and its softmax fence, on except for packed documents, runs 37-38; and the Mosaic GPU
-    backward: its H200 D64 causal-window tiles, run 110);
+    "window", "causal_window", "causal_segments"; ``mask_kind``; "block_sparse" for calls
+    walking a block schedule) that ``entry(mask=...)`` prefers to "all" (the Mosaic GPU forward
+    asks by mask: its H200 causal-window tiles, run 33, and its softmax fence, on except for
+    packed documents, runs 37-38; and the Mosaic GPU backward: its H200 D64 causal-window
+    tiles, run 110, and D128 block-schedule ring depth, run 118);
 
 with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the run,
 date, commit, command and results file that picked it, or "untimed" for a guess).
@@ -38,7 +39,10 @@ __all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "device_ki
 DEVICE_TABLES = {"NVIDIA H200": "nvidia_h200.json"}
 GENERIC_TABLE = "generic.json"
 KERNELS = ("triton_fwd", "triton_bwd", "mosaic_gpu_fwd", "mosaic_gpu_bwd")
-MASK_KINDS = ("all", "dense", "causal", "window", "causal_window", "causal_segments")
+# "block_sparse": calls walking a block schedule (a top-K selection's), whatever their element
+# mask; only the Mosaic GPU backward asks for it (``mosaic_gpu_bwd``, session 27).
+MASK_KINDS = ("all", "dense", "causal", "window", "causal_window", "causal_segments",
+              "block_sparse")
 _DIR = os.path.dirname(os.path.abspath(__file__))
 
 
