@@ -2140,11 +2140,13 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
   Rows: op "sparse_fwdbwd" (dense and sparse ms), "sparse_select" (scoring + top-k + schedule ms
   and its fraction of the sparse time), "sparse_speedup" (dense / sparse); at ``ste_seqs`` also
   the gate_grad="ste" fwd+bwd time (its extra XLA gate-gradient pass).
-  Each of ``extra_impls`` (e.g. "mosaic_gpu": the Hopper forward walking the same selection's
-  schedule, Triton backward) is timed on the same inputs right after ``implementation``'s
-  sparse row: op "sparse_fwdbwd", impl ``jattn_<name>_sparse`` (its forward checked like the
-  first; its gradients compared with ``implementation``'s, ``grad_rel_err``; ``vs_sparse``:
-  ``implementation``'s sparse ms / its ms) and op "sparse_speedup" against the same dense row.
+  Each of ``extra_impls`` (e.g. "mosaic_gpu": the Hopper forward and, at D64/D128, the Mosaic
+  GPU backward walking the same selection's schedule) is timed on the same inputs right after
+  ``implementation``'s sparse row: op "sparse_fwdbwd", impl ``jattn_<name>_sparse`` (its forward
+  checked like the first; its gradients compared with ``implementation``'s, ``grad_rel_err``;
+  ``vs_sparse``: ``implementation``'s sparse ms / its ms) and op "sparse_speedup" against the
+  same dense row (``speedup``) and against its own dense causal kernel (a
+  ``jattn_<name>_dense`` row timed after the first dense one: ``speedup_vs_own_dense``).
   A failure is recorded as a row with ok False.
   Decode (B1, GQA 32:8, D128, bf16, 128K, 64-token blocks, ~19% of blocks): dense
   ``jattn.decode.decode_attention`` vs :func:`sparse_decode_attention` ("triton" and "xla"),
@@ -2186,6 +2188,17 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
       rows.append(dict(op="sparse_fwdbwd", case=base, impl=f"jattn_{implementation}_dense",
                        ok=False, error=f"{type(e).__name__}: {e}"[:500]))
       continue
+    dense_extra = {}   # each extra implementation's own dense causal kernel (e.g. Hopper's)
+    for extra in extra_impls:
+      try:
+        ms_x, sp_x = time_fn(fwdbwd(lambda q, k, v, extra=extra: _dense_flash(q, k, v, extra)),
+                             sets)
+        dense_extra[extra] = ms_x
+        rows.append(dict(op="sparse_fwdbwd", case=base, impl=f"jattn_{extra}_dense", ms=ms_x,
+                         spread_ms=sp_x))
+      except Exception as e:
+        rows.append(dict(op="sparse_fwdbwd", case=base, impl=f"jattn_{extra}_dense", ok=False,
+                         error=f"{type(e).__name__}: {e}"[:500]))
     for qbs, bs in configs:
       top_k, frac = causal_top_k_for_density(s, fraction, block_size=bs, q_block_size=qbs)
       case = f"{base} top{fraction:.0%} q{qbs} k{bs}"
@@ -2225,7 +2238,8 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
                          select_ms=ms_sel, causal_fraction=dens, ok=ok))
         for extra in extra_impls:
           rows += _bench_extra_sparse(extra, kw, fwdbwd, sparse, sets, time_fn, rel_err, case,
-                                      ref, tail, ms_dense, ms_sparse, top_k, dens)
+                                      ref, tail, ms_dense, ms_sparse, top_k, dens,
+                                      ms_own_dense=dense_extra.get(extra))
         if s in ste_seqs and (qbs, bs) == tuple(configs[0]):
           ste = fwdbwd(lambda q, k, v: sparse_attention(q, k, v, gate_grad="ste", **kw))
           ms_ste, sp_ste = time_fn(ste, sets)
@@ -2295,10 +2309,12 @@ def bench_cases(time_fn, rel_err, *, seqs=(16384, 65536), heads=16, head_dim=128
 
 
 def _bench_extra_sparse(impl, kw, fwdbwd, base_fn, sets, time_fn, rel_err, case, ref, tail,
-                        ms_dense, ms_base, top_k, dens):
+                        ms_dense, ms_base, top_k, dens, ms_own_dense=None):
   """``bench_cases``'s rows for one more implementation of the same sparse training case: its
   fwd+bwd time, forward error against ``ref`` (last ``tail`` queries of two heads), gradient
-  error against the first implementation's (``base_fn``) and the speedups."""
+  error against the first implementation's (``base_fn``) and the speedups (against the first
+  implementation's dense kernel, ``speedup``, and against its own, ``speedup_vs_own_dense``,
+  when ``ms_own_dense`` was timed)."""
   name = f"jattn_{impl}_sparse"
   kw = dict(kw, implementation=impl)
   try:
@@ -2313,7 +2329,9 @@ def _bench_extra_sparse(impl, kw, fwdbwd, base_fn, sets, time_fn, rel_err, case,
                  causal_fraction=dens, rel_err=err, grad_rel_err=grad_err, vs_sparse=ms_base / ms,
                  ok=ok),
             dict(op="sparse_speedup", case=case, impl=f"jattn_{impl}", speedup=ms_dense / ms,
-                 dense_ms=ms_dense, sparse_ms=ms, causal_fraction=dens, ok=ok)]
+                 dense_ms=ms_dense, sparse_ms=ms, causal_fraction=dens, ok=ok,
+                 **({} if ms_own_dense is None else dict(
+                     own_dense_ms=ms_own_dense, speedup_vs_own_dense=ms_own_dense / ms)))]
   except Exception as e:  # record the failure, keep benchmarking
     return [dict(op="sparse_fwdbwd", case=case, impl=name, ok=False,
                  error=f"{type(e).__name__}: {e}"[:500])]

@@ -23,6 +23,7 @@ Tests marked ``gpu`` run the compiled kernels on an sm90 GPU against the referen
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 
@@ -710,6 +711,82 @@ def test_ring_protocols_with_segment_bounds(sq, sk, kind, causal, window):
       for wg in range(2):
         start, lo, hi, steps = dq_b[r, prog, 2 + 4 * wg:6 + 4 * wg]
         assert got[wg] == [(t, not lo <= t < hi) for t in range(start, steps)]
+
+
+def _walk_protocol(stages, group, row, seed, n_bufs):
+  """A kernel's ring protocol on a block schedule's walk row ``[count, entries...]``: the memory
+  warpgroup loads entry j of head g into slot (g * count + j) mod stages (``n_bufs`` buffers,
+  each its own barrier); both compute warpgroups wait for every entry, check a non-skipped one
+  holds (g, tile) from the first wait to the free arrival, and free it. Returns each warpgroup's
+  computed [(g, tile, masked)]."""
+  entries = _walk_entries(row)
+  count = len(entries)
+  total = group * count
+  loaded = [_Barrier(stages) for _ in range(n_bufs)]
+  free = _Barrier(stages, arrivals=2)
+  data = [[None] * stages for _ in range(n_bufs)]
+  computed = {0: [], 1: []}
+
+  def memory():
+    def load(j, slot):
+      g, e = divmod(j, max(count, 1))
+      for buf in range(n_bufs):
+        data[buf][slot] = (g, entries[e][0])
+        yield ("arrive", loaded[buf], slot)
+    for s in range(min(stages, total)):
+      yield from load(s, s)
+    for j in range(stages, max(total, stages)):
+      yield ("wait", free, j % stages)
+      yield from load(j, j % stages)
+
+  def compute(wg):
+    for g in range(group):
+      for j, (t, *codes) in enumerate(entries):
+        slot = (g * count + j) % stages
+        run = codes[wg] != mb._SKIP
+        for buf in range(n_bufs):
+          yield ("wait", loaded[buf], slot)
+          if run:
+            assert data[buf][slot] == (g, t), (buf, data[buf][slot], g, t)
+        if run:
+          assert all(data[buf][slot] == (g, t) for buf in range(n_bufs))
+          computed[wg].append((g, t, codes[wg] != mb._FULL))
+        yield ("arrive", free, slot)
+
+  _simulate([memory(), compute(0), compute(1)], seed)
+  return computed
+
+
+@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", SCHED_WALK[:3])
+def test_ring_protocols_on_schedule_walks(sq, sk, causal, window, kind, tiles, bs):
+  """The ring protocols of both kernels on ``_sched_walks`` rows (GQA 2:1 in the dK/dV kernel:
+  the list walked once per query head; 2 and 3 stages): no deadlock, no slot refilled before both
+  compute warpgroups freed it, each warpgroup computes exactly its non-skipped entries."""
+  b, hk = 2, 1
+  segs, q_seg = {}, None
+  if kind is not None:
+    q_seg = _segments(sq + 3, b, sq, kind)
+    kv_seg = q_seg if sq == sk else _segments(sk + 3, b, sk, kind)
+    segs = dict(q_segment_ids=jnp.asarray(q_seg), kv_segment_ids=jnp.asarray(kv_seg))
+  sched, _ = _random_schedule(sq * sk, sq, sk, b, hk, block_q=tiles[0], block_k=tiles[1],
+                              keep=0.5, per_batch=True, causal=causal, window=window, segs=segs)
+  for stages in (2, 3):
+    bs_s = dataclasses.replace(bs, num_stages_dkv=stages, num_stages_dq=stages)
+    st = mb._static_config((b, sq, 2 * hk, 64), (b, sk, hk, 64), jnp.bfloat16, causal=causal,
+                           scale=None, block_sizes=bs_s, local_window_size=window,
+                           has_seg=kind is not None, schedule=sched)
+    qp = kp = None
+    if kind is not None:
+      qp = jnp.asarray(np.pad(q_seg, ((0, 0), (0, st.q_pad - sq))))
+      kp = jnp.asarray(np.pad(kv_seg, ((0, 0), (0, st.kv_pad - sk))))
+    dq_walk, dkv_walk = (np.asarray(x) for x in mb._sched_walks(sched, st, qp, kp))
+    for walk, group, n_bufs in ((dq_walk, 1, 2), (dkv_walk, st.group, 4)):
+      for r in range(walk.shape[0]):
+        for p, row in enumerate(walk[r, 0]):
+          got = _walk_protocol(stages, group, row, seed=p, n_bufs=n_bufs)
+          for wg in range(2):
+            assert got[wg] == [(g, t, codes[wg] != mb._FULL) for g in range(group)
+                               for t, *codes in _walk_entries(row) if codes[wg] != mb._SKIP]
 
 
 def test_protocol_simulation_catches_a_missing_drain():

@@ -30,9 +30,10 @@ the call.
 Block schedules (``flash_attention(schedule=...)``, what
 ``jattn.block_sparse_attention(implementation="mosaic_gpu")`` passes for a top-K selection): each
 program walks a list of kv tiles instead of contiguous ranges (see "Block schedules" below); the
-backward is the Triton kernels on the same schedule. GPU tests pass (runs 19-22); timed in run
-32. See docs/kernels.md, "Mosaic GPU (Hopper)
-block-sparse forward".
+backward walks the same schedule: the Triton kernels by default, the Mosaic GPU ones with
+``backward="mosaic"`` (session 27: ``mosaic_gpu_bwd`` with a schedule; what jattn's block-sparse
+path runs at head_dim 64/128). GPU tests pass (runs 19-22, 116-120); timed in runs 32, 116-120.
+See docs/kernels.md, "Mosaic GPU (Hopper) block-sparse forward".
 
 ``BlockSizes(q_tiles_per_program=P)`` (default 1: the kernel as before, byte-identical
 lowering): each program runs P query tiles of one (batch, head) in turn, the K/V ring and its
@@ -174,7 +175,8 @@ class BlockSizes:
     backward: which kernels compute the gradients: "triton" (default: the Triton dK/dV and dQ
       kernels; GPU tests pass behind this forward, runs 17-22) or "mosaic" (``mosaic_gpu_bwd``,
       the Hopper backward: head_dim 64/128, dense / causal (GPU tests pass, runs 19-22), local
-      windows, soft cap and segment ids (session 26); not block schedules).
+      windows, soft cap and segment ids (session 26), block schedules (session 27, runs
+      116-120)).
     q_tiles_per_program: P >= 1 query tiles (``rows_per_program`` rows each) of one (batch,
       head) per program, one after the other: the K/V ring runs on across them (the memory
       warpgroup loads the next tile's first kv tiles while the compute warpgroups finish the
@@ -1932,13 +1934,16 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
                     causal: bool = False, local_window_size=None, scale: float | None = None,
                     logits_soft_cap: float | None = None, block_sizes: BlockSizes | None = None,
                     interpret: bool = False, bwd_block_sizes=None):
-  """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton backward (custom_vjp).
+  """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton or Mosaic GPU backward
+  (custom_vjp).
 
   The argument shape follows ``pallas_kernels.flash.triton.flash_attention``. Differentiable
-  with respect to q, k, v (including through the returned LSE): the backward is
+  with respect to q, k, v (including through the returned LSE): by default the backward is
   ``pallas_kernels.flash.triton.flash_attention_bwd`` (the Triton dK/dV and dQ kernels) fed with
   this forward's out and LSE (with masks or a schedule: the same kernels through
-  ``_triton_bwd_masked``).
+  ``_triton_bwd_masked``); ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes``
+  as ``bwd_block_sizes`` selects ``mosaic_gpu_bwd.flash_attention_bwd`` (every mask and block
+  schedules; head_dim 64/128).
 
   Args:
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
@@ -1953,9 +1958,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       ``make_schedule(Sq, Sk, 128, 64, causal=True, block_mask=selection.tile_mask())`` for a
       top-K block selection: the kernel then visits only the schedule's kv tiles
       (``_schedule_walk``: per program the union of its two warpgroups' lists, each tile run
-      unmasked, masked or skipped per warpgroup) and the backward is the Triton dK/dV and dQ
-      kernels walking the same schedule (its kv lists and transposed q lists) at the schedule's
-      tiles. Its tiles must be powers of two and multiples of ``block_sizes.block_q`` /
+      unmasked, masked or skipped per warpgroup) and the backward walks the same schedule (its
+      kv lists and transposed q lists): the Triton dK/dV and dQ kernels at the schedule's
+      tiles, or the Mosaic GPU ones at theirs (``backward="mosaic"``). Its tiles must be powers of two and multiples of ``block_sizes.block_q`` /
       ``block_k`` (ValueError otherwise); the element mask (causal, window, segment ids) is this
       call's, the schedule only removes tiles.
     causal: bottom-right aligned causal mask; kv tiles past the diagonal are skipped.
@@ -1976,8 +1981,10 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       bwd_* fields) for the Triton backward, or a ``mosaic_gpu_bwd.BlockSizes``, which also
       selects the Mosaic GPU backward; None: the default tiles of the backward that
       ``block_sizes.backward`` names (with a schedule: Triton launch defaults at the schedule's
-      tiles; a Triton ``BlockSizes`` given here must have them as ``bwd_tiles``). The Mosaic GPU
-      backward takes every mask but a block schedule (NotImplementedError at this call).
+      tiles; a Triton ``BlockSizes`` given here must have them as ``bwd_tiles``; the Mosaic GPU
+      backward's defaults come from its table's "block_sparse" entry cut to the schedule's
+      tiles, and tiles given here must divide the schedule's: ValueError at this call). The
+      Mosaic GPU backward takes every mask and block schedules.
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see

@@ -3,8 +3,10 @@
 STATUS: the GPU tests pass on the H200 (runs 19-22, through ``BlockSizes(backward="mosaic")``
 of ``pallas_kernels.flash.mosaic_gpu`` and ``jattn.flash_attention(implementation="mosaic_gpu")``
 for dense/causal D64/128; runs 109-114, session 26: local windows, soft cap and segment ids,
-all 21 GPU cases of tests/test_flash_mosaic_gpu_bwd.py); timed in run 25 (477 TFLOP/s effective
-at D128 dense, the H200 table's ``mosaic_gpu_bwd`` entry), slower than cuDNN's backward there
+all 21 GPU cases of tests/test_flash_mosaic_gpu_bwd.py; runs 116-120, session 27: block
+schedules, its 3 schedule cases and jattn's block-sparse VJP cases); timed in run 25 (477
+TFLOP/s effective at D128 dense, the H200 table's ``mosaic_gpu_bwd`` entry), slower than
+cuDNN's backward there
 (docs/kernels.md). With masks it is jattn's default backward on Hopper (runs 109-113, fwd+bwd
 with the Mosaic forward, B2 S16K H16 D128 bf16: causal window 512 1.583 ms against 2.080 with
 the Triton backward and cuDNN's 1.712; packed 4 x 4K documents 4.558 against 5.790, cuDNN on
@@ -57,6 +59,17 @@ that key's own dK/dV rows, which are sliced away), and no padded-query mask (pad
 lse2 = +inf, so P = 0, and zero dO/delta). Tiles that no row can see are never loaded; with two
 compute warpgroups sharing one ring, a warpgroup drains (waits, frees) the steps that only the
 other one needs, as in the forward.
+
+Block schedules (``schedule=``, a ``block_schedule.BlockSchedule``, e.g. a top-K block
+selection's; session 27): each program walks a list instead of ranges (``_sched_walks``, built
+in XLA with the forward's ``mosaic_gpu._list_walk``): the dQ kernel its query tile's kv list,
+the dK/dV kernel its keys' transposed query list (once per query head of the GQA group), each
+entry carrying both warpgroups' codes (skip: drain the ring slot; full: unmasked; partial: the
+element mask of this call's causal / window bounds and segment ids). Kernel tiles lie inside
+schedule tiles (``fit_block_sizes``; the H200's D128 default is the table's "block_sparse"
+entry, 4 dK/dV stages, run 118). B1 S64K H16 D128 causal, 19% of the 128 x 64 tiles, fwd+bwd
+with the Mosaic forward on one schedule (run 120): 28.61 ms against 35.13 with the Triton
+backward; the whole ``sparse_attention`` call 29.97 ms against the dense default's 119.95 (4.00x).
 
 Lengths are padded inside (a copy, only when not multiples of the tiles). head_dim 64 and 128;
 256 raises NotImplementedError: the dK and dV accumulators of a 64-key warpgroup tile would take
