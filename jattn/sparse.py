@@ -717,7 +717,8 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
                                    local_window_size=None, scale=scale, logits_soft_cap=None,
                                    interpret=interpret, **kwargs)
   elif impl == "mosaic_gpu":
-    # Hopper forward walking the selection's schedule; the Triton backward walks the same one.
+    # Hopper forward walking the selection's schedule; the backward (Mosaic GPU at D64/D128,
+    # Triton at D256) walks the same one.
     mod = kernel_module(impl)
     fwd_bs, bwd_bs = _mosaic_gpu_block_sizes(mod, selection, q.shape[-1], q.dtype,
                                              causal=causal, segments=segment_ids is not None
