@@ -650,7 +650,8 @@ def _dscores(p, dp, delta, *, axis, cap_grad=None):
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
   """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM), with
   segment ids also q_seg [B, Sq'], kv_seg [B, Sk'] int32 and bounds [B, programs, 10] (the
-  dK/dV rows of ``_seg_bounds``) -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
+  dK/dV rows of ``_seg_bounds``); with a block schedule the dK/dV walk [B', Hs, programs, 1 +
+  W] of ``_sched_walks`` instead of the bounds -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
   v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
   bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
   2 arrivals with segment ids, Q and its ids), free [S] (2 arrivals)[, own kv ids loaded [2]]."""
@@ -884,7 +885,8 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
-  """Refs as ``_dkv_kernel`` (bounds: the dQ rows of ``_seg_bounds``) -> dq [B, Sq', Hq, D].
+  """Refs as ``_dkv_kernel`` (bounds: the dQ rows of ``_seg_bounds``; walk: the dQ walk of
+  ``_sched_walks``) -> dq [B, Sq', Hq, D].
   Scratch: smem = (q_own [2, bq, D], do_own [2, bq, D], lse2 [2, bq], delta [2, bq], k [S, bk,
   D], v [S, bk, D][, q_seg_own [2, bq], kv_seg [S, bk]]); barriers own_loaded [2 wgs x (q, do,
   lse, delta)], k/v_loaded [S] (k: 2 arrivals with segment ids, K and its ids), free [S] (2
