@@ -157,6 +157,7 @@ def main(argv=None):
   p.add_argument("--seqs", default="16384,65536")
   p.add_argument("--q-block-size", type=int, default=128)
   p.add_argument("--block-size", type=int, default=64)
+  p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--bwd-configs", default="",
                  help="';'-separated mosaic_gpu_bwd.BlockSizes fields, e.g. '64,64,64,64,3,3'")
   p.add_argument("--kernels-only", action="store_true")
@@ -167,8 +168,8 @@ def main(argv=None):
   rows = []
   for s in (int(x) for x in a.seqs.split(",")):
     try:
-      probe(s, q_block_size=a.q_block_size, block_size=a.block_size, rows=rows, bwd_configs=cfgs,
-            kernels_only=a.kernels_only)
+      probe(s, head_dim=a.head_dim, q_block_size=a.q_block_size, block_size=a.block_size,
+            rows=rows, bwd_configs=cfgs, kernels_only=a.kernels_only)
     except Exception as e:   # record and go on
       rows.append(dict(op="sparse_fwdbwd_ab", case=f"S{s}", ok=False,
                        error=f"{type(e).__name__}: {e}"[:800]))
