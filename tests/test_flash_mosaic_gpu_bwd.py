@@ -395,6 +395,14 @@ SCHED_WALK = [  # (sq, sk, causal, window, segments, schedule tiles, kernel tile
 ]
 
 
+def _sched_walks_np(sched, st, q_seg=None, kv_seg=None):
+  """``_sched_walks`` as numpy arrays, compiled as one program with cheap XLA:CPU codegen (op by
+  op its many small ops each compile)."""
+  fn = lambda s, q, k: mb._sched_walks(s, st, q, k)
+  out = jax.jit(fn).lower(sched, q_seg, kv_seg).compile(_FAST_CPU_COMPILE)(sched, q_seg, kv_seg)
+  return tuple(np.asarray(x) for x in out)
+
+
 def _walk_entries(row):
   """[(tile, code of warpgroup 0, code of warpgroup 1)] of a walk row [count, entries...]."""
   return [(int(e) >> mb._WALK_SHIFT, int(e) & 3, (int(e) >> 2) & 3) for e in row[1:1 + row[0]]]
@@ -423,7 +431,7 @@ def test_sched_walks_cover_exactly_the_selection(sq, sk, causal, window, kind, t
   if kind is not None:
     qp = jnp.asarray(np.pad(q_seg, ((0, 0), (0, st.q_pad - sq))))
     kp = jnp.asarray(np.pad(kv_seg, ((0, 0), (0, st.kv_pad - sk))))
-  dq_walk, dkv_walk = (np.asarray(x) for x in mb._sched_walks(sched, st, qp, kp))
+  dq_walk, dkv_walk = _sched_walks_np(sched, st, qp, kp)
   qpos, kpos = np.arange(sq)[:, None], np.arange(sk)[None, :]
   static = _ref_visible(qpos, kpos, st)                    # [sq, sk]
   selected = np.broadcast_to(np.asarray(elem), (b, hk, sq, sk))
@@ -466,7 +474,7 @@ def test_sched_walks_skip_unselected_tiles():
   sched = make_schedule(1024, 1024, 128, 64, block_mask=jnp.asarray(keep))
   st = mb._static_config((1, 1024, 1, 64), (1, 1024, 1, 64), jnp.bfloat16, causal=False,
                          scale=None, block_sizes=mb.BlockSizes(), schedule=sched)
-  dq_walk, dkv_walk = (np.asarray(x)[0, 0] for x in mb._sched_walks(sched, st))
+  dq_walk, dkv_walk = (x[0, 0] for x in _sched_walks_np(sched, st))
   assert [sorted(t for t, *_ in _walk_entries(r)) for r in dq_walk] == [[0, 5]] * 8
   counts = [len(_walk_entries(r)) for r in dkv_walk]      # programs of 128 keys: tiles 0, 5
   assert counts == [16, 0, 16, 0, 0, 0, 0, 0], counts
@@ -779,7 +787,7 @@ def test_ring_protocols_on_schedule_walks(sq, sk, causal, window, kind, tiles, b
     if kind is not None:
       qp = jnp.asarray(np.pad(q_seg, ((0, 0), (0, st.q_pad - sq))))
       kp = jnp.asarray(np.pad(kv_seg, ((0, 0), (0, st.kv_pad - sk))))
-    dq_walk, dkv_walk = (np.asarray(x) for x in mb._sched_walks(sched, st, qp, kp))
+    dq_walk, dkv_walk = _sched_walks_np(sched, st, qp, kp)
     for walk, group, n_bufs in ((dq_walk, 1, 2), (dkv_walk, st.group, 4)):
       for r in range(walk.shape[0]):
         for p, row in enumerate(walk[r, 0]):
