@@ -11,6 +11,8 @@ backward (``jax.vjp``), timed with the bench's timer on 3 rotating input sets:
     included (jattn's "mosaic_gpu" path runs the Mosaic backward since session 27);
   * the dense causal baselines: ``jattn.flash_attention`` default (Mosaic GPU forward and
     backward on sm90) and ``implementation="triton"``.
+  * forward only (op "sparse_fwd_ab"): the Mosaic GPU forward on the schedule and the dense
+    default's forward, so the fwd+bwd rows split into their passes.
 
 Checks in the same run: the two kernel variants' gradients against each other, the two
 ``sparse_attention`` paths' gradients against each other, and the Mosaic path's output on the
@@ -67,8 +69,9 @@ def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fract
 
   def row(impl, fn, argsets, **extra):
     ms, spread = time_fn(fn, argsets)
-    r = dict(op="sparse_fwdbwd_ab", case=case if "dense" not in impl else base, impl=impl, ms=ms,
-             spread_ms=spread, **extra)
+    r = dict(op="sparse_fwd_ab" if "forward only" in impl else "sparse_fwdbwd_ab",
+             case=case if "dense" not in impl else base, impl=impl, ms=ms, spread_ms=spread,
+             **extra)
     rows.append(r)
     print(json.dumps(r), flush=True)
     return ms
@@ -93,6 +96,14 @@ def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fract
       "kernels[mosaic_fwd+mosaic_bwd]": dict(
           block_sizes=dataclasses.replace(fwd_bs, backward="mosaic"), bwd_block_sizes=None),
   }
+  # The forward alone on the schedule (its share of the fwd+bwd rows; the dense forward too,
+  # for the per-pass sparse efficiency), forward only: out of jitted calls.
+  fwd_only = jax.jit(lambda q, k, v, do: mg.flash_attention(q, k, v, schedule=sched, causal=True,
+                                                            block_sizes=fwd_bs)[0])
+  row("kernels[mosaic_fwd] (forward only)", fwd_only, sets, top_k=top_k)
+  if not kernels_only:
+    row("jattn_default_dense (forward only)", jax.jit(lambda q, k, v, do: flash_attention(
+        q, k, v, causal=True)), sets)
   grads = {}
   for name, bsz in variants.items():
     fn = _fwdbwd(lambda q, k, v, bsz=bsz: mg.flash_attention(q, k, v, schedule=sched,
