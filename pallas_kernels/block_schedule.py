@@ -173,6 +173,34 @@ def _compact(visit, partial, max_count):
   return indices, counts, part.astype(jnp.int32)
 
 
+def check_schedule_args(schedule, q_shape, k_shape) -> None:
+  """TypeError / ValueError unless ``schedule`` is a ``BlockSchedule`` for inputs q [B, Sq, Hq,
+  D] and k [B, Sk, Hk, D]: the same lengths and leading axes [1|B, 1|Hk]. (Each kernel checks
+  its own tile constraints after this.)
+
+  Args:
+    schedule: the schedule a kernel was given.
+    q_shape, k_shape: the shapes of q and k.
+
+  Returns:
+    None; raises as above.
+
+  Example:
+    >>> s = make_schedule(100, 100, 32, 32, causal=True)
+    >>> check_schedule_args(s, (2, 100, 4, 64), (2, 100, 2, 64))
+  """
+  if not isinstance(schedule, BlockSchedule):
+    raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
+  b, sq, _, _ = q_shape
+  _, sk, hk, _ = k_shape
+  if (schedule.q_len, schedule.kv_len) != (sq, sk):
+    raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
+                     f"have ({sq}, {sk})")
+  lead = schedule.kv_indices.shape[:2]
+  if lead[0] not in (1, b) or lead[1] not in (1, hk):
+    raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {lead}")
+
+
 def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal=False,
                   local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
                   block_mask=None, max_kv_blocks: int | None = None,

@@ -1903,17 +1903,8 @@ def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes)
   same lengths, leading axes [1|B, 1|Hk], schedule tiles multiples of the kernel's
   (``block_q`` rows per warpgroup, ``block_k`` keys) and powers of two >= 16 (the Triton
   backward walks the schedule at its own tiles), a Triton ``bwd_block_sizes`` with those tiles."""
-  from pallas_kernels.block_schedule import BlockSchedule
-  if not isinstance(schedule, BlockSchedule):
-    raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
-  b, sq, _, _ = q_shape
-  _, sk, hk, _ = k_shape
-  if (schedule.q_len, schedule.kv_len) != (sq, sk):
-    raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
-                     f"have ({sq}, {sk})")
-  lead = schedule.kv_indices.shape[:2]
-  if lead[0] not in (1, b) or lead[1] not in (1, hk):
-    raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {lead}")
+  from pallas_kernels.block_schedule import check_schedule_args
+  check_schedule_args(schedule, q_shape, k_shape)
   sbq, sbk = schedule.block_q, schedule.block_k
   bad = [f"{name}={n}" for name, n, unit in (("block_q", sbq, bs.block_q),
                                              ("block_k", sbk, bs.block_k))

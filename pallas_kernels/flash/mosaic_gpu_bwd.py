@@ -372,17 +372,8 @@ def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes):
   """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``: a
   ``BlockSchedule`` for the inputs' lengths, leading axes [1|B, 1|Hk], tiles that are multiples
   of the kernels' along each axis."""
-  from pallas_kernels.block_schedule import BlockSchedule
-  if not isinstance(schedule, BlockSchedule):
-    raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
-  b, sq, _, _ = q_shape
-  _, sk, hk, _ = k_shape
-  if (schedule.q_len, schedule.kv_len) != (sq, sk):
-    raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
-                     f"have ({sq}, {sk})")
-  lead = schedule.kv_indices.shape[:2]
-  if lead[0] not in (1, b) or lead[1] not in (1, hk):
-    raise ValueError(f"schedule leading dims must be [1|{b}, 1|{hk}], got {lead}")
+  from pallas_kernels.block_schedule import check_schedule_args
+  check_schedule_args(schedule, q_shape, k_shape)
   bad = [f"{name}={tile} does not divide the schedule's {what}={s}"
          for name, tile, what, s in (("block_q_dkv", bs.block_q_dkv, "block_q", schedule.block_q),
                                      ("block_q_dq", bs.block_q_dq, "block_q", schedule.block_q),
@@ -592,21 +583,22 @@ def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
 
   q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 (which sees nothing)."""
   bs = st.bs
-  n_q = st.num_dq_programs * _COMPUTE_WGS
-  dq_static = [jnp.broadcast_to(x, (n_q,))
-               for x in _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st)]
-  dq_walk = _list_walk(
-      schedule.kv_indices, schedule.kv_counts, schedule.block_q, schedule.block_k,
-      bs.block_q_dq, bs.block_k_dq, n_q, st.num_kv_tiles_dq,
-      lambda t, ok: _range_codes(t, ok, dq_static, q_seg, bs.block_q_dq, kv_seg, bs.block_k_dq))
-  n_k = st.num_dkv_programs * _COMPUTE_WGS
-  dkv_static = [jnp.broadcast_to(x, (n_k,))
-                for x in _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st)]
-  dkv_walk = _list_walk(
-      schedule.q_indices, schedule.q_counts, schedule.block_k, schedule.block_q,
-      bs.block_k_dkv, bs.block_q_dkv, n_k, st.num_q_tiles_dkv,
-      lambda t, ok: _range_codes(t, ok, dkv_static, kv_seg, bs.block_k_dkv, q_seg,
-                                 bs.block_q_dkv))
+
+  def walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_programs, n_walk, ranges, own_seg,
+           walk_seg):
+    n_own = n_programs * _COMPUTE_WGS
+    static = [jnp.broadcast_to(x, (n_own,))
+              for x in ranges(jnp.arange(n_own, dtype=jnp.int32) * own_block, st)]
+    return _list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk,
+                      lambda t, ok: _range_codes(t, ok, static, own_seg, own_block, walk_seg,
+                                                 walk_block))
+
+  dq_walk = walk(schedule.kv_indices, schedule.kv_counts, schedule.block_q, schedule.block_k,
+                 bs.block_q_dq, bs.block_k_dq, st.num_dq_programs, st.num_kv_tiles_dq,
+                 _dq_kv_range, q_seg, kv_seg)
+  dkv_walk = walk(schedule.q_indices, schedule.q_counts, schedule.block_k, schedule.block_q,
+                  bs.block_k_dkv, bs.block_q_dkv, st.num_dkv_programs, st.num_q_tiles_dkv,
+                  _dkv_q_bounds, kv_seg, q_seg)
   return dq_walk, dkv_walk
 
 
