@@ -13,6 +13,9 @@ backward (``jax.vjp``), timed with the bench's timer on 3 rotating input sets:
     backward on sm90) and ``implementation="triton"``.
   * forward only (op "sparse_fwd_ab"): the Mosaic GPU forward on the schedule and the dense
     default's forward, so the fwd+bwd rows split into their passes.
+  * ``--trace`` (op "sparse_trace"): per-kernel device time (``experiments.kernel_trace``, a
+    CUPTI trace) of the whole Hopper call and of the dense default, fwd+bwd: where the time
+    goes between selection, list building and the three kernels.
 
 Checks in the same run: the two kernel variants' gradients against each other, the two
 ``sparse_attention`` paths' gradients against each other, and the Mosaic path's output on the
@@ -46,11 +49,11 @@ def _fwdbwd(attn):
 
 
 def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fraction=0.19,
-          rows=None, bwd_configs=(), kernels_only=False):
+          rows=None, bwd_configs=(), kernels_only=False, trace=False):
   """Rows (dicts) of one sequence length; see the module docstring. ``bwd_configs``: more
   ``mosaic_gpu_bwd.BlockSizes`` timed as ``kernels[mosaic_fwd+mosaic_bwd <config>]`` on the same
   schedule (their gradients checked against the Triton backward's); ``kernels_only``: skip the
-  dense baselines and the whole calls."""
+  dense baselines and the whole calls; ``trace``: only the per-kernel trace rows."""
   from jattn import sparse as sp
   from jattn.attention import flash_attention
   from pallas_kernels._timing import time_fn
@@ -76,6 +79,8 @@ def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fract
     print(json.dumps(r), flush=True)
     return ms
 
+  if trace:
+    return _trace_rows(seq, sets, kw, case, base, rows)
   if not kernels_only:
     dense_ms = row("jattn_default_dense", _fwdbwd(lambda q, k, v: flash_attention(
         q, k, v, causal=True)), sets)
@@ -163,6 +168,28 @@ def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fract
   return rows
 
 
+def _trace_rows(seq, sets, kw, case, base, rows, calls=6, top=24):
+  """Per-kernel device time per call (CUPTI trace) of the Hopper ``sparse_attention`` call and
+  the dense default, fwd+bwd; the kernels' names, sums and spans go in the rows."""
+  from experiments.kernel_trace import format_times, kernel_times
+  from jattn import sparse as sp
+  from jattn.attention import flash_attention
+  fns = {
+      "sparse_attention[mosaic_gpu]": (case, _fwdbwd(lambda q, k, v: sp.sparse_attention(
+          q, k, v, implementation="mosaic_gpu", **kw))),
+      "jattn_default_dense": (base, _fwdbwd(lambda q, k, v: flash_attention(q, k, v,
+                                                                            causal=True))),
+  }
+  for impl, (c, fn) in fns.items():
+    r = kernel_times(fn, sets, calls=calls, warmup=2)
+    per = {k: round(v, 2) for k, v in list(r["per_kernel_us"].items())[:top]}
+    rows.append(dict(op="sparse_trace", case=c, impl=impl, sum_us=r["sum_us"],
+                     span_us=r["span_us"], events_per_call=r["events"] / r["calls"],
+                     per_kernel_us=per))
+    print(format_times(f"S{seq} {impl}", r, top=top), flush=True)
+  return rows
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seqs", default="16384,65536")
@@ -172,6 +199,8 @@ def main(argv=None):
   p.add_argument("--bwd-configs", default="",
                  help="';'-separated mosaic_gpu_bwd.BlockSizes fields, e.g. '64,64,64,64,3,3'")
   p.add_argument("--kernels-only", action="store_true")
+  p.add_argument("--trace", action="store_true",
+                 help="only the per-kernel trace rows (experiments.kernel_trace)")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   from pallas_kernels.flash import mosaic_gpu_bwd as mb
@@ -180,7 +209,7 @@ def main(argv=None):
   for s in (int(x) for x in a.seqs.split(",")):
     try:
       probe(s, head_dim=a.head_dim, q_block_size=a.q_block_size, block_size=a.block_size,
-            rows=rows, bwd_configs=cfgs, kernels_only=a.kernels_only)
+            rows=rows, bwd_configs=cfgs, kernels_only=a.kernels_only, trace=a.trace)
     except Exception as e:   # record and go on
       rows.append(dict(op="sparse_fwdbwd_ab", case=f"S{s}", ok=False,
                        error=f"{type(e).__name__}: {e}"[:800]))
