@@ -157,16 +157,48 @@ def _segment_tile_pairs(q_classes, kv_classes):
   return visit, qpure & kpure & (qlo == klo)
 
 
+def compact_true(keep, width: int):
+  """Positions of the True entries of ``keep`` along its last axis, in increasing order, without
+  a sort: a running count gives each True entry its slot and one scatter writes it there (on
+  the H200 the argsorts this replaces were ~2.5 ms of a 30 ms block-sparse training call at
+  64K, run 121).
+
+  Args:
+    keep: bool [..., n].
+    width: slots per row; True entries past the first ``width`` of a row are dropped.
+
+  Returns:
+    (order, count): int32 [..., width], order[..., j] the position of the row's j-th True entry
+    for j < min(count, width) and 0 past it; int32 [...] count, the row's True entries (not
+    capped at ``width``).
+
+  Example:
+    >>> order, count = compact_true(jnp.array([[False, True, False, True]]), 3)
+    >>> order.tolist(), count.tolist()
+    ([[1, 3, 0]], [2])
+  """
+  keep = jnp.asarray(keep, bool)
+  lead, n = keep.shape[:-1], keep.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  if rows * max(width, 1) >= _INT32_MAX:
+    raise ValueError(f"compact_true: {rows} rows x {width} slots do not fit int32 indices")
+  slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1        # [..., n]
+  count = slot[..., -1] + 1 if n else jnp.zeros(lead, jnp.int32)
+  base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * width
+  dest = jnp.where(keep & (slot < width), base + slot, rows * width)   # rows * width: dropped
+  src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keep.shape)
+  out = jnp.zeros((rows * width,), jnp.int32).at[dest.reshape(-1)].set(src.reshape(-1),
+                                                                        mode="drop")
+  return out.reshape(lead + (width,)), count.astype(jnp.int32)
+
+
 def _compact(visit, partial, max_count):
-  """Sorted visit lists from bool masks [..., n_rows, n_cols] -> (indices, counts, partial)."""
-  n_cols = visit.shape[-1]
-  cols = jnp.arange(n_cols, dtype=jnp.int32)
-  # Stable sort key: visited columns first, in increasing order.
-  key = jnp.where(visit, cols, n_cols + cols)
-  order = jnp.argsort(key, axis=-1)[..., :max_count].astype(jnp.int32)
-  counts = jnp.sum(visit, axis=-1).astype(jnp.int32)
+  """Sorted visit lists from bool masks [..., n_rows, n_cols] -> (indices, counts, partial);
+  entries past a row's count repeat its last listed column (column 0 for an empty row)."""
+  order, counts = compact_true(visit, max_count)
   j = jnp.arange(max_count, dtype=jnp.int32)
-  last = jnp.take_along_axis(order, jnp.maximum(counts - 1, 0)[..., None], axis=-1)
+  last = jnp.take_along_axis(order, jnp.maximum(jnp.minimum(counts, max_count) - 1, 0)[..., None],
+                             axis=-1)
   valid = j < counts[..., None]
   indices = jnp.where(valid, order, last)
   part = jnp.take_along_axis(partial, indices, axis=-1) & valid

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from pallas_kernels.block_schedule import make_schedule, schedule_to_mask
+from pallas_kernels.block_schedule import compact_true, make_schedule, schedule_to_mask
 from pallas_kernels.masks import element_mask
 
 
@@ -185,3 +185,19 @@ def test_packed_documents_cost_like_separate_rows():
 def test_mismatched_segments_raise():
   with pytest.raises(ValueError, match="together"):
     make_schedule(8, 8, 8, 8, q_segment_ids=jnp.ones((1, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("shape,width,p", [((3, 5, 17), 17, 0.3), ((2, 40), 6, 0.5),
+                                           ((4, 9), 9, 0.0), ((2, 3, 8), 4, 1.0)])
+def test_compact_true_matches_a_stable_sort(shape, width, p):
+  """``compact_true`` (running count + scatter) against numpy's positions of the True entries:
+  increasing order, 0 past the count, counts uncapped, rows longer than ``width`` cut."""
+  keep = np.random.default_rng(width).random(shape) < p
+  order, count = jax.jit(compact_true, static_argnums=1)(jnp.asarray(keep), width)
+  order, count = np.asarray(order), np.asarray(count)
+  for idx in np.ndindex(shape[:-1]):
+    pos = np.flatnonzero(keep[idx])
+    want = np.zeros(width, np.int32)
+    want[:min(len(pos), width)] = pos[:width]
+    np.testing.assert_array_equal(order[idx], want, err_msg=str(idx))
+    assert count[idx] == len(pos)

@@ -107,6 +107,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
+from pallas_kernels.block_schedule import compact_true
 
 
 LOG2E = math.log2(math.e)
@@ -731,28 +732,39 @@ def _list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, co
       entries = jnp.where(j < count[..., None], entries, 0)
       return jnp.concatenate([count[..., None], entries], -1).astype(jnp.int32)
   else:                                 # two rows: their union, in increasing tile order
-    big = jnp.int32(np.iinfo(np.int32).max)
-    k0 = jnp.where(c0 != _SKIP, (t0 * 2) * 4 + c0, big)       # key = (tile, warpgroup, code)
-    k1 = jnp.where(c1 != _SKIP, (t1 * 2 + 1) * 4 + c1, big)
-    keys = jnp.sort(jnp.concatenate([k0, k1], -1), axis=-1)   # a tile at most once per row
-    listed = keys != big
-    t = keys >> 3
-    who = (keys >> 2) & 1
-    code = keys & 3
-    edge = jnp.full(t.shape[:-1] + (1,), -1, jnp.int32)
-    t_prev = jnp.concatenate([edge, t[..., :-1]], -1)
-    t_next = jnp.concatenate([t[..., 1:], edge], -1)
-    code_next = jnp.concatenate([code[..., 1:], jnp.zeros_like(edge)], -1)
-    keep = listed & (t != t_prev)                              # first key of each tile
-    c0 = jnp.where(who == 0, code, _SKIP)
-    c1 = jnp.where(who == 1, code, jnp.where(t_next == t, code_next, _SKIP))
+    # Each row's codes scattered over the walk axis (a tile at most once per row), then the
+    # tiles either row lists, compacted: no sort (run 121: the sorts were ~2.5 ms at 64K).
+    width = min(2 * t0.shape[-1], n_walk)
+    dense = [_scatter_codes(tw, cw, n_walk) for tw, cw in ((t0, c0), (t1, c1))]
+    keep = (dense[0] | dense[1]) != _SKIP
+    order, count = compact_true(keep, width)
+    take = lambda x: jnp.take_along_axis(x, order, axis=-1)
+    t, c0, c1 = order, take(dense[0]), take(dense[1])
+    return _walk_rows(t, c0, c1, count)
   width = min(t.shape[-1], n_walk)
-  pos = jnp.arange(t.shape[-1], dtype=jnp.int32)
-  order = jnp.argsort(jnp.where(keep, pos, t.shape[-1] + pos), axis=-1)[..., :width]
+  order, count = compact_true(keep, width)
   take = lambda x: jnp.take_along_axis(x, order, axis=-1)
-  t, c0, c1, keep = take(t), take(c0), take(c1), take(keep)
-  count = jnp.sum(keep, axis=-1, dtype=jnp.int32)
-  entries = jnp.where(keep, (t << _WALK_SHIFT) | c0 | (c1 << 2), 0)
+  return _walk_rows(take(t), take(c0), take(c1), count)
+
+
+def _scatter_codes(tiles, codes, n):
+  """[..., n] int32: each row's codes at its tiles (tiles with code _SKIP are left out; a tile
+  at most once per row), _SKIP elsewhere."""
+  lead, m = codes.shape[:-1], codes.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n
+  dest = jnp.where(codes != _SKIP, base + tiles, rows * n)     # rows * n: dropped
+  out = jnp.full((rows * n,), _SKIP, jnp.int32)
+  out = out.at[dest.reshape(-1)].set(codes.reshape(-1).astype(jnp.int32), mode="drop")
+  return out.reshape(lead + (n,))
+
+
+def _walk_rows(t, c0, c1, count):
+  """Walk rows ``[count, entry_0, ...]`` from compacted tiles and codes [..., W] (entries past
+  ``count`` are 0)."""
+  j = jnp.arange(t.shape[-1], dtype=jnp.int32)
+  count = jnp.minimum(count, t.shape[-1])
+  entries = jnp.where(j < count[..., None], (t << _WALK_SHIFT) | c0 | (c1 << 2), 0)
   return jnp.concatenate([count[..., None], entries], -1).astype(jnp.int32)
 
 
