@@ -188,12 +188,17 @@ def test_mismatched_segments_raise():
 
 
 @pytest.mark.parametrize("shape,width,p", [((3, 5, 17), 17, 0.3), ((2, 40), 6, 0.5),
-                                           ((4, 9), 9, 0.0), ((2, 3, 8), 4, 1.0)])
-def test_compact_true_matches_a_stable_sort(shape, width, p):
-  """``compact_true`` (running count + scatter) against numpy's positions of the True entries:
-  increasing order, 0 past the count, counts uncapped, rows longer than ``width`` cut."""
+                                           ((4, 9), 9, 0.0), ((2, 3, 8), 4, 1.0),
+                                           ((2, 5), 8, 0.7)])
+@pytest.mark.parametrize("fn", ["compact_true", "_compact_by_sort"])
+def test_compact_true_matches_numpy(shape, width, p, fn):
+  """``compact_true`` (GPU/CPU: running count + scatter) and its TPU branch (a stable argsort)
+  against numpy's positions of the True entries: increasing order, 0 past the count, counts
+  uncapped, rows longer than ``width`` cut."""
+  from pallas_kernels import block_schedule
   keep = np.random.default_rng(width).random(shape) < p
-  order, count = jax.jit(compact_true, static_argnums=1)(jnp.asarray(keep), width)
+  f = getattr(block_schedule, fn)
+  order, count = jax.jit(f, static_argnums=1)(jnp.asarray(keep), width)
   order, count = np.asarray(order), np.asarray(count)
   for idx in np.ndindex(shape[:-1]):
     pos = np.flatnonzero(keep[idx])
@@ -201,3 +206,13 @@ def test_compact_true_matches_a_stable_sort(shape, width, p):
     want[:min(len(pos), width)] = pos[:width]
     np.testing.assert_array_equal(order[idx], want, err_msg=str(idx))
     assert count[idx] == len(pos)
+
+
+def test_compact_true_lowers_by_platform():
+  """The TPU lowering sorts (XLA's TPU scatter is serial); GPU and CPU scatter, no sort."""
+  from jax import export
+  f = jax.jit(lambda k: compact_true(k, 5))
+  x = jax.ShapeDtypeStruct((3, 9), jnp.bool_)
+  for plat, sorts in (("tpu", True), ("cuda", False), ("cpu", False)):
+    text = export.export(f, platforms=[plat])(x).mlir_module()
+    assert ("stablehlo.sort" in text) == sorts and ("stablehlo.scatter" in text) != sorts, plat
