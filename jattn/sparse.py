@@ -41,7 +41,8 @@ from jattn._layout import hnd_as_sequences as _hnd_as_sequences
 from jattn.attention import (_MOSAIC_GPU_BWD_HEAD_DIMS, _hopper_default_covers, kernel_module,
                              resolve_implementation)
 from pallas_kernels import compat
-from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.block_schedule import compact_true, make_schedule
+from pallas_kernels.sparse import topk as _topk
 from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.masks import element_mask
 
@@ -375,23 +376,50 @@ def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, 
   cand, vis, fidx = _candidates(b, hk, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
                                 block_size=block_size, causal=causal, num_init=num_init,
                                 num_local=num_local, seg_ok=seg_ok, doc_start=doc_start)
-  parts = [fidx]
   k_eff = min(top_k, nk)
-  if k_eff > 0:
-    cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
-    masked = jnp.where(cand_b, rank, -jnp.inf)
-    _, tidx = jax.lax.top_k(masked, k_eff)                            # [b, hk, nq, k_eff]
-    tvalid = jnp.take_along_axis(cand_b, tidx, axis=-1)
-    parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
-  allidx = jnp.concatenate(parts, axis=-1)
-  key = jnp.where(allidx < 0, nk, allidx)
-  srt = jnp.sort(key, axis=-1)[..., :max_sel]
-  indices = jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
+  cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
+  by_sort = functools.partial(_selected_lists_by_sort, k=k_eff, max_sel=max_sel)
+  if k_eff > 0 and nk <= _topk.MAX_ROW:   # GPU: the top-k as a mask by a Pallas kernel, no sort
+    by_mask = functools.partial(_selected_lists_by_mask, k=k_eff, max_sel=max_sel,
+                                keep_fn=_topk.top_k_mask)
+    indices = jax.lax.platform_dependent(rank, cand_b, fidx, cuda=by_mask, default=by_sort)
+  else:
+    indices = by_sort(rank, cand_b, fidx)
   counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
   num_visible = jnp.sum(vis, axis=-1).astype(jnp.int32)
   return BlockSelection(indices=indices, counts=counts, num_visible=num_visible, scores=scores,
                         block_size=block_size, q_block_size=q_block_size, q_len=q_len,
                         kv_len=kv_len)
+
+
+def _selected_lists_by_sort(rank, cand, fidx, *, k, max_sel):
+  """``_select``'s lists: ``lax.top_k`` of the candidates' ranks, with the forced blocks
+  ``fidx`` (-1 = none), sorted ascending, -1 past the count: int32 [b, hk, nq, max_sel]."""
+  nk = rank.shape[-1]
+  parts = [fidx]
+  if k > 0:
+    masked = jnp.where(cand, rank, -jnp.inf)
+    _, tidx = jax.lax.top_k(masked, k)                                # [b, hk, nq, k]
+    tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
+    parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
+  allidx = jnp.concatenate(parts, axis=-1)
+  key = jnp.where(allidx < 0, nk, allidx)
+  srt = jnp.sort(key, axis=-1)[..., :max_sel]
+  return jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
+
+
+def _selected_lists_by_mask(rank, cand, fidx, *, k, max_sel, keep_fn):
+  """The same lists as ``_selected_lists_by_sort`` without a sort: ``keep_fn(x, k)`` (the
+  mask of each row's k largest entries, ties to the lower index: ``lax.top_k``'s set; on a GPU
+  ``pallas_kernels.sparse.topk.top_k_mask``) of the candidates' ranks, or-ed with the forced
+  blocks, compacted in ascending order (``block_schedule.compact_true``)."""
+  nk = rank.shape[-1]
+  keep = keep_fn(jnp.where(cand, rank, -jnp.inf), k) & cand
+  j = jnp.arange(nk, dtype=jnp.int32)
+  forced = jnp.any(fidx[..., :, None] == j, axis=-2)                 # fidx -1: none
+  order, count = compact_true(keep | forced, max_sel)
+  slot = jnp.arange(max_sel, dtype=jnp.int32)
+  return jnp.where(slot < count[..., None], order, -1).astype(jnp.int32)
 
 
 def _candidates(b, hk, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,

@@ -1865,3 +1865,89 @@ def test_sparse_decode_fused_select_default_by_layout():
   assert count(nhd) == 3
   warps = re.findall(r"num_warps = (\d+) : i32", hnd())    # score + selection, attention
   assert warps == ["8", "4"], warps
+
+
+@pytest.mark.parametrize("case", SELECTION_CASES[:1] + SELECTION_CASES[2:] + ["packed", "ties"])
+def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
+  """On a GPU ``_select`` keeps the top-k as a mask (``pallas_kernels.sparse.topk``, a Pallas
+  kernel, interpreted here) and compacts it instead of ``lax.top_k`` + a sort: the same lists,
+  here forced through the mask path on the CPU, on plain, packed (per-document initial blocks)
+  and tie-heavy scores (rounded to halves: ties at the k-th score go to the lower block)."""
+  from pallas_kernels.sparse import topk
+  seg = None
+  if case == "packed":
+    b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = 4, 300, 300, 4, 2, 8, 16, 16, 3, 2, 1, True
+    seg = jnp.asarray(np.array([_rows_from_docs(sq, r) for r in PACKED_ROWS], np.int32))
+  elif case == "ties":
+    b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = 2, 256, 256, 2, 1, 8, 16, 16, 4, 1, 1, True
+  else:
+    b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = case
+  q, k, _ = _qkv(sq + top_k, b, sq, sk, hq, hk, d)
+  if case == "ties":
+    q, k = jnp.round(q), jnp.round(k * 0.5)
+  kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal, num_init_blocks=ni,
+            num_local_blocks=nl, segment_ids=seg)
+  want = sp.select_blocks(q, k, **kw)
+  by_mask = functools.partial(sp._selected_lists_by_mask,
+                              keep_fn=functools.partial(topk.top_k_mask, interpret=True))
+  monkeypatch.setattr(sp, "_selected_lists_by_sort", by_mask)
+  got = sp.select_blocks(q, k, **kw)
+  if case == "ties":   # the case has ties at the k-th score (else it tests nothing new)
+    s = np.sort(np.asarray(want.scores).reshape(-1, want.scores.shape[-1]), axis=-1)
+    assert (s[:, 1:] == s[:, :-1]).any()
+  np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+  np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(want.counts))
+
+
+@pytest.mark.parametrize("shape,k", [((3, 37), 5), ((2, 3, 64), 64), ((5, 17), 1), ((2, 300), 40)])
+def test_top_k_mask_kernel_matches_lax_top_k(shape, k):
+  """``top_k_mask`` (interpreted) keeps exactly ``lax.top_k``'s set, with -inf entries and
+  ties (values rounded to halves)."""
+  from pallas_kernels.sparse.topk import top_k_mask
+  x = np.round(np.random.default_rng(k).standard_normal(shape) * 2) / 2
+  x[..., ::5] = -np.inf
+  x = jnp.asarray(x, jnp.float32)
+  _, idx = jax.lax.top_k(x, k)
+  want = np.zeros(shape, bool)
+  np.put_along_axis(want, np.asarray(idx), True, axis=-1)
+  np.testing.assert_array_equal(np.asarray(top_k_mask(x, k, interpret=True)), want)
+
+
+def test_top_k_mask_rejects_bad_input():
+  from pallas_kernels.sparse.topk import MAX_ROW, top_k_mask
+  for x, k in [(jnp.zeros((2, 4)), 0), (jnp.zeros((2, 4)), 5), (jnp.zeros((2, 4), jnp.int32), 1),
+               (jnp.zeros((1, MAX_ROW + 1)), 1)]:
+    with pytest.raises(ValueError):
+      top_k_mask(x, k, interpret=True)
+
+
+@pytest.mark.gpu
+def test_gpu_selection_kernel_matches_lax_top_k():
+  """On the GPU ``select_blocks`` runs the top-k mask kernel: its lists equal those of the sort
+  path (``lax.top_k``) on the same device, at 16K tokens with 64-key blocks."""
+  q, k, _ = _qkv(7, 1, 16384, 16384, 8, 2, 64)
+  kw = dict(block_size=64, q_block_size=128, top_k=40)
+  got = jax.jit(functools.partial(sp.select_blocks, **kw))(q, k)
+  by_sort = sp._selected_lists_by_sort
+  import unittest.mock as mock
+  with mock.patch.object(sp, "_selected_lists_by_mask",
+                         lambda *a, keep_fn, **kw: by_sort(*a, **kw)):
+    want = jax.jit(functools.partial(sp.select_blocks, **kw))(q, k)
+  assert "jattn_top_k_mask" in jax.jit(functools.partial(sp.select_blocks, **kw)).lower(
+      q, k).as_text()
+  np.testing.assert_array_equal(np.asarray(got.indices), np.asarray(want.indices))
+  np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(want.counts))
+
+
+def test_selection_lowers_the_top_k_kernel_on_cuda_only():
+  """``select_blocks`` lowered for "cuda" runs the top-k mask kernel and no sort; for "tpu"
+  (and the CPU) ``lax.top_k`` and the sort, as before."""
+  from jax import export
+  q = jax.ShapeDtypeStruct((1, 4096, 4, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 4096, 2, 64), jnp.bfloat16)
+  f = jax.jit(functools.partial(sp.select_blocks, block_size=64, q_block_size=128, top_k=8))
+  checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+  for plat, kernel in (("cuda", True), ("tpu", False), ("cpu", False)):
+    text = export.export(f, platforms=[plat], disabled_checks=checks)(q, k).mlir_module()
+    assert ("jattn_top_k_mask" in text) == kernel, plat
+    assert ("stablehlo.sort" in text) != kernel, plat
