@@ -382,9 +382,10 @@ def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, 
   if k_eff > 0 and nk <= _topk.MAX_ROW:   # GPU: the top-k as a mask by a Pallas kernel, no sort
     by_mask = functools.partial(_selected_lists_by_mask, k=k_eff, max_sel=max_sel,
                                 keep_fn=_topk.top_k_mask)
-    indices = jax.lax.platform_dependent(rank, cand_b, fidx, cuda=by_mask, default=by_sort)
+    indices = jax.lax.platform_dependent(rank, cand_b, fidx, vis, cuda=by_mask,
+                                         default=by_sort)
   else:
-    indices = by_sort(rank, cand_b, fidx)
+    indices = by_sort(rank, cand_b, fidx, vis)
   counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
   num_visible = jnp.sum(vis, axis=-1).astype(jnp.int32)
   return BlockSelection(indices=indices, counts=counts, num_visible=num_visible, scores=scores,
@@ -392,9 +393,11 @@ def _select(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, 
                         kv_len=kv_len)
 
 
-def _selected_lists_by_sort(rank, cand, fidx, *, k, max_sel):
+def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel):
   """``_select``'s lists: ``lax.top_k`` of the candidates' ranks, with the forced blocks
-  ``fidx`` (-1 = none), sorted ascending, -1 past the count: int32 [b, hk, nq, max_sel]."""
+  ``fidx`` (-1 = none), sorted ascending, -1 past the count: int32 [b, hk, nq, max_sel].
+  (``visible``: unused; ``_selected_lists_by_mask``'s signature.)"""
+  del visible
   nk = rank.shape[-1]
   parts = [fidx]
   if k > 0:
@@ -408,16 +411,16 @@ def _selected_lists_by_sort(rank, cand, fidx, *, k, max_sel):
   return jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
 
 
-def _selected_lists_by_mask(rank, cand, fidx, *, k, max_sel, keep_fn):
+def _selected_lists_by_mask(rank, cand, fidx, visible, *, k, max_sel, keep_fn):
   """The same lists as ``_selected_lists_by_sort`` without a sort: ``keep_fn(x, k)`` (the
   mask of each row's k largest entries, ties to the lower index: ``lax.top_k``'s set; on a GPU
   ``pallas_kernels.sparse.topk.top_k_mask``) of the candidates' ranks, or-ed with the forced
-  blocks, compacted in ascending order (``block_schedule.compact_true``)."""
-  nk = rank.shape[-1]
+  blocks, compacted in ascending order (``block_schedule.compact_true``). The forced blocks
+  (``fidx``'s) are the selectable ones that are not candidates, ``visible & ~cand`` (as
+  ``_candidates`` builds them), a mask XLA folds like the rest of the static structure."""
+  del fidx
   keep = keep_fn(jnp.where(cand, rank, -jnp.inf), k) & cand
-  j = jnp.arange(nk, dtype=jnp.int32)
-  forced = jnp.any(fidx[..., :, None] == j, axis=-2)                 # fidx -1: none
-  order, count = compact_true(keep | forced, max_sel)
+  order, count = compact_true(keep | (visible & ~cand), max_sel)
   slot = jnp.arange(max_sel, dtype=jnp.int32)
   return jnp.where(slot < count[..., None], order, -1).astype(jnp.int32)
 

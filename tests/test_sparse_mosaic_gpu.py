@@ -428,8 +428,8 @@ def test_kernel_with_schedule_lowers_for_cuda(name):
 @pytest.mark.parametrize("gate_grad", ["none", "ste"])
 def test_sparse_fwd_bwd_lowers_for_cuda(gate_grad):
   """jax.grad through ``sparse_attention(implementation="mosaic_gpu")`` (selection + block-sparse
-  attention) lowers for "cuda": the Mosaic GPU forward and its two backward kernels, and with
-  the STE gate the Triton gate-gradient kernel."""
+  attention) lowers for "cuda": the selection's top-k kernel (Triton), the Mosaic GPU forward
+  and its two backward kernels, and with the STE gate the Triton gate-gradient kernel."""
   q = jax.ShapeDtypeStruct((1, 2048, 4, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 2048, 2, 128), jnp.bfloat16)
   loss = lambda q, k, v: sp.sparse_attention(
@@ -438,8 +438,11 @@ def test_sparse_fwd_bwd_lowers_for_cuda(gate_grad):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu_v2") == 3 or text.count("@mosaic_gpu") == 3
-  n = text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call_ffi")
-  assert n == (0 if gate_grad == "none" else 1), n
+  calls = [ln for ln in text.splitlines()
+           if "__gpu$xla.gpu.triton" in ln or "triton_kernel_call_ffi" in ln]
+  top_k = [ln for ln in calls if "jattn_top_k_mask" in ln]
+  assert len(top_k) == 1, len(top_k)
+  assert len(calls) - 1 == (0 if gate_grad == "none" else 1), len(calls)
 
 
 # ------------------------------------------------------------------------------------ errors
