@@ -489,7 +489,10 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
       diagonal block) and the num_local_blocks-1 blocks before those. A block that is both is
       kept once.
     * plus the ``top_k`` selectable blocks with the highest ``block_scores`` among the others
-      (all of them when fewer are left).
+      (all of them when fewer are left; ties go to the lower block, as ``lax.top_k``).
+  On a GPU the top-k runs as a Pallas kernel (``pallas_kernels.sparse.topk.top_k_mask``) and
+  the lists are compacted without a sort; on TPU and CPU ``lax.top_k`` and a sort. The lists are
+  the same.
   ``q_block_size=1`` selects per token (decode parity: see :func:`select_decode_blocks`).
   Not differentiable (the indices are integers); see :func:`sparse_attention` for gate gradients.
 
