@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Session 28: the training selection's top-k as a Pallas mask kernel on the GPU
-# (pallas_kernels/sparse/topk.py; lax.top_k's sort was 0.33 ms of the 64K call, run 122).
-# 1. GPU test: select_blocks' lists with the kernel equal the sort path's.
+# Session 28 (run 125), again first thing in session 29: the training selection's top-k as a
+# Pallas mask kernel on the GPU (pallas_kernels/sparse/topk.py; lax.top_k's sort was 0.33 ms of
+# the 64K call, run 122). Run 125's bench ran out of time on XLA constant folding (fixed after
+# it: static schedules in numpy, optimization barriers), so its bench rows are still missing.
+# 1. GPU tests: select_blocks' lists with the kernel equal the sort path's (16K and 256K).
 # 2. Per-kernel trace of the Hopper sparse call at 64K (the kernel's time, the sort gone).
 # 3. bench_kernels --ops sparse (speedup_vs_own_dense).
 set -uo pipefail
@@ -11,6 +13,6 @@ timeout ${T_TESTS:-90} python3 -m pytest -q -m gpu tests/test_sparse.py -k "sele
   2>&1 | tail -2
 timeout ${T_TRACE:-120} python3 -m experiments.probe_sparse_mosaic_bwd --seqs 65536 --trace \
   --out "$OUT/probe_sparse_trace.json" 2>&1 | cut -c1-1200
-timeout ${T_BENCH:-280} python3 -m experiments.bench_kernels --ops sparse \
+timeout ${T_BENCH:-400} python3 -m experiments.bench_kernels --ops sparse \
   --out "$OUT/bench_sparse.json" > "$OUT/bench_sparse.txt" 2>&1
-echo "bench rc=$?"; grep -E "sparse_speedup|sparse_fwdbwd|sparse_select" "$OUT/bench_sparse.txt" | cut -c1-200 | head -24
+echo "bench rc=$?"; grep -c "Constant folding" "$OUT/bench_sparse.txt"; grep -E "sparse_speedup|sparse_fwdbwd|sparse_select" "$OUT/bench_sparse.txt" | cut -c1-200 | head -24

@@ -1922,11 +1922,13 @@ def test_top_k_mask_rejects_bad_input():
 
 
 @pytest.mark.gpu
-def test_gpu_selection_kernel_matches_lax_top_k():
+@pytest.mark.parametrize("seq,top_k", [(16384, 40), (262144, 700)])
+def test_gpu_selection_kernel_matches_lax_top_k(seq, top_k):
   """On the GPU ``select_blocks`` runs the top-k mask kernel: its lists equal those of the sort
-  path (``lax.top_k``) on the same device, at 16K tokens with 64-key blocks."""
-  q, k, _ = _qkv(7, 1, 16384, 16384, 8, 2, 64)
-  kw = dict(block_size=64, q_block_size=128, top_k=40)
+  path (``lax.top_k``) on the same device, with 64-key blocks: 256 blocks per row at 16K
+  tokens (4 warps per program), 4096 at 256K (8 warps)."""
+  q, k, _ = _qkv(7, 1, seq, seq, 4, 2, 64, dtype=jnp.bfloat16)
+  kw = dict(block_size=64, q_block_size=128, top_k=top_k)
   got = jax.jit(functools.partial(sp.select_blocks, **kw))(q, k)
   by_sort = sp._selected_lists_by_sort
   import unittest.mock as mock

@@ -749,7 +749,9 @@ def _list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, co
 
 def _scatter_codes(tiles, codes, n):
   """[..., n] int32: each row's codes at its tiles (tiles with code _SKIP are left out; a tile
-  at most once per row), _SKIP elsewhere."""
+  at most once per row), _SKIP elsewhere. (Behind an optimization barrier, as
+  ``block_schedule.compact_true``: XLA would constant-fold the scatter of a static schedule.)"""
+  tiles, codes = jax.lax.optimization_barrier((tiles, codes))
   lead, m = codes.shape[:-1], codes.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
   base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n
