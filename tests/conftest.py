@@ -1,7 +1,8 @@
 """Shared test setup: GPU tests skip cleanly without a GPU; hypothesis profile for CI; fast XLA
-compiles on CPU-only machines."""
+compiles on CPU-only machines; a test whose xdist worker crashes runs once more."""
 import os
 import shutil
+import sys
 
 
 def _no_nvidia_gpu():
@@ -45,3 +46,28 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+# XLA:CPU's compiler (jax 0.10.2) has crashed a pytest-xdist worker with a segmentation fault in
+# 2 of ~8 fresh-clone CI runs (sessions 27-28), each time in a different test and inside
+# ``backend_compile_and_load``; none reproduced when run again (alone, in its file, with 512 KiB
+# to 8 MiB stacks). A test whose worker dies is therefore run once more on a fresh worker; a
+# second crash, like any failure of a test, fails the run. Test failures are never rerun.
+_CRASH_RERUNS: set = set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+  if crashitem in _CRASH_RERUNS:
+    return
+  _CRASH_RERUNS.add(crashitem)
+  sys.stderr.write(f"\n[conftest] the worker running {crashitem} crashed ({report.longrepr}); "
+                   f"running it once more on a fresh worker\n")
+  sched.mark_test_pending(crashitem)
+  report.outcome = "rerun"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_teststatus(report, config):
+  if report.outcome == "rerun":
+    return "rerun", "R", "RERUN"
