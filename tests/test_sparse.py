@@ -1867,7 +1867,8 @@ def test_sparse_decode_fused_select_default_by_layout():
   assert warps == ["8", "4"], warps
 
 
-@pytest.mark.parametrize("case", SELECTION_CASES[:1] + SELECTION_CASES[2:] + ["packed", "ties"])
+@pytest.mark.parametrize("case", SELECTION_CASES[:1] + SELECTION_CASES[2:] +
+                         ["packed", "packed_noncausal", "ties"])
 def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
   """On a GPU ``_select`` keeps the top-k as a mask (``pallas_kernels.sparse.topk``, a Pallas
   kernel, interpreted here) and compacts it instead of ``lax.top_k`` + a sort: the same lists,
@@ -1875,8 +1876,9 @@ def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
   and tie-heavy scores (rounded to halves: ties at the k-th score go to the lower block)."""
   from pallas_kernels.sparse import topk
   seg = None
-  if case == "packed":
-    b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = 4, 300, 300, 4, 2, 8, 16, 16, 3, 2, 1, True
+  if isinstance(case, str) and case.startswith("packed"):
+    b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl = 4, 300, 300, 4, 2, 8, 16, 32, 3, 2, 2
+    causal = case == "packed"
     seg = jnp.asarray(np.array([_rows_from_docs(sq, r) for r in PACKED_ROWS], np.int32))
   elif case == "ties":
     b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = 2, 256, 256, 2, 1, 8, 16, 16, 4, 1, 1, True
