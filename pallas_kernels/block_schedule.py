@@ -198,11 +198,13 @@ def _compact_by_scatter(keep, width):
   slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1        # [..., n]
   count = slot[..., -1] + 1 if n else jnp.zeros(lead, jnp.int32)
   base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * width
-  dest = jnp.where(keep & (slot < width), base + slot, rows * width)   # rows * width: dropped
+  # Entries that get no slot go to one extra trash slot, sliced off after: every index is in
+  # bounds (no reliance on how a backend drops out-of-bounds scatter updates).
+  dest = jnp.where(keep & (slot < width), base + slot, rows * width)
   src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keep.shape)
-  out = jnp.zeros((rows * width,), jnp.int32).at[dest.reshape(-1)].set(src.reshape(-1),
-                                                                        mode="drop")
-  return out.reshape(lead + (width,)), count.astype(jnp.int32)
+  out = jnp.zeros((rows * width + 1,), jnp.int32).at[dest.reshape(-1)].set(
+      src.reshape(-1), mode="promise_in_bounds")
+  return out[:rows * width].reshape(lead + (width,)), count.astype(jnp.int32)
 
 
 def _compact_by_sort(keep, width):

@@ -755,10 +755,11 @@ def _scatter_codes(tiles, codes, n):
   lead, m = codes.shape[:-1], codes.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
   base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n
-  dest = jnp.where(codes != _SKIP, base + tiles, rows * n)     # rows * n: dropped
-  out = jnp.full((rows * n,), _SKIP, jnp.int32)
-  out = out.at[dest.reshape(-1)].set(codes.reshape(-1).astype(jnp.int32), mode="drop")
-  return out.reshape(lead + (n,))
+  dest = jnp.where(codes != _SKIP, base + tiles, rows * n)     # rows * n: a trash slot
+  out = jnp.full((rows * n + 1,), _SKIP, jnp.int32)
+  out = out.at[dest.reshape(-1)].set(codes.reshape(-1).astype(jnp.int32),
+                                     mode="promise_in_bounds")
+  return out[:rows * n].reshape(lead + (n,))
 
 
 def _walk_rows(t, c0, c1, count):
