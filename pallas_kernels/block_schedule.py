@@ -219,32 +219,23 @@ def _compact_by_sort(keep, width):
   return jnp.where(j < count[..., None], order[..., :width], 0), count
 
 
-def _compact(visit, partial, max_count):
+def _compact(visit, partial, max_count, xp=jnp):
   """Sorted visit lists from bool masks [..., n_rows, n_cols] -> (indices, counts, partial);
-  entries past a row's count repeat its last listed column (column 0 for an empty row)."""
-  order, counts = compact_true(visit, max_count)
-  j = jnp.arange(max_count, dtype=jnp.int32)
-  last = jnp.take_along_axis(order, jnp.maximum(jnp.minimum(counts, max_count) - 1, 0)[..., None],
-                             axis=-1)
-  valid = j < counts[..., None]
-  indices = jnp.where(valid, order, last)
-  part = jnp.take_along_axis(partial, indices, axis=-1) & valid
-  return indices, counts, part.astype(jnp.int32)
-
-
-def _compact_np(visit, partial, max_count):
-  """``_compact`` of numpy masks, in numpy (int32 arrays)."""
-  n_cols = visit.shape[-1]
-  cols = np.arange(n_cols)
-  order = np.argsort(np.where(visit, cols, n_cols + cols), axis=-1, kind="stable")
-  order = order[..., :max_count].astype(np.int32)
-  counts = visit.sum(axis=-1).astype(np.int32)
-  last = np.take_along_axis(order, np.maximum(np.minimum(counts, max_count) - 1, 0)[..., None],
+  entries past a row's count repeat its last listed column (column 0 for an empty row).
+  ``xp``: jnp (traced masks, ``compact_true``) or np (static masks, at trace time)."""
+  if xp is np:
+    cols = np.arange(visit.shape[-1])
+    order = np.argsort(np.where(visit, cols, visit.shape[-1] + cols), axis=-1, kind="stable")
+    order, counts = order[..., :max_count].astype(np.int32), visit.sum(-1).astype(np.int32)
+  else:
+    order, counts = compact_true(visit, max_count)
+  j = xp.arange(max_count, dtype=xp.int32)
+  last = xp.take_along_axis(order, xp.maximum(xp.minimum(counts, max_count) - 1, 0)[..., None],
                             axis=-1)
-  valid = np.arange(max_count) < counts[..., None]
-  indices = np.where(valid, order, last).astype(np.int32)
-  part = np.take_along_axis(partial, indices, axis=-1) & valid
-  return indices, counts, part.astype(np.int32)
+  valid = j < counts[..., None]
+  indices = xp.where(valid, order, last).astype(xp.int32)
+  part = xp.take_along_axis(partial, indices, axis=-1) & valid
+  return indices, counts, part.astype(xp.int32)
 
 
 def check_schedule_args(schedule, q_shape, k_shape) -> None:
@@ -318,8 +309,8 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     # constant-folded by XLA, slowly: ~20 s per op at 64K tokens, run 125).
     visit, full = any_s[None, None], all_s[None, None]
     partial = visit & ~full
-    kv = _compact_np(visit, partial, max_kv_blocks)
-    q = _compact_np(np.swapaxes(visit, -1, -2), np.swapaxes(partial, -1, -2), max_q_blocks)
+    kv = _compact(visit, partial, max_kv_blocks, xp=np)
+    q = _compact(np.swapaxes(visit, -1, -2), np.swapaxes(partial, -1, -2), max_q_blocks, xp=np)
     kv_idx, kv_cnt, kv_part, q_idx, q_cnt, q_part = (jnp.asarray(x) for x in kv + q)
     return BlockSchedule(kv_indices=kv_idx, kv_counts=kv_cnt, kv_partial=kv_part,
                          q_indices=q_idx, q_counts=q_cnt, q_partial=q_part, block_q=block_q,
