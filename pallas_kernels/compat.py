@@ -120,7 +120,38 @@ def gpu_core_count() -> int:
   return int(getattr(dev, "core_count", 0) or 132)
 
 
+@functools.lru_cache(maxsize=None)
+def _mosaic_gpu_load_takes_index() -> bool:
+  import inspect
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  idx = inspect.signature(plgpu.load).parameters.get("idx")
+  return idx is not None and idx.default is inspect.Parameter.empty
+
+
+def mosaic_gpu_load(ref, *, layout=None):
+  """Load a whole (already indexed) Mosaic GPU shared-memory ref into an array, in a kernel body.
+
+  jax 0.10.x's ``plgpu.load(ref, idx, *, layout)`` needs the index argument; 0.11.x deprecates
+  it (index the ref with ``ref.at[...]`` instead). This passes ``()`` only where it is required.
+
+  Args:
+    ref: a Mosaic GPU ref (e.g. ``smem.at[slot]``).
+    layout: the register layout of the result (``plgpu.Layout...``), or None.
+
+  Returns:
+    The loaded array.
+
+  Example (inside a ``plgpu.kernel`` body)::
+
+    lse = mosaic_gpu_load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(1))
+  """
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if _mosaic_gpu_load_takes_index():
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
 __all__ = [
     "JAX_VERSION", "pl", "triton_compiler_params", "tpu_compiler_params", "tpu_interpret_params",
-    "default_backend", "gpu_compute_capability", "gpu_core_count",
+    "default_backend", "gpu_compute_capability", "gpu_core_count", "mosaic_gpu_load",
 ]

@@ -1075,7 +1075,7 @@ def _fwd_kernel(*refs, st: _Static):
       after_q_wait()
     q_seg = None
     if st.has_seg:
-      q_seg = plgpu.load(q_seg_smem.at[wg], (), layout=row_layout)            # [bq] int32
+      q_seg = compat.mosaic_gpu_load(q_seg_smem.at[wg], layout=row_layout)            # [bq] int32
     if not st.overlap_softmax:   # (overlap_softmax: the turns of ``overlap_walk``)
       pl.when(wg == 1)(take_turn if handoff else meet)
     if st.k_wait_in_pv:   # the first entry's K; each step or drain then waits for the next one
@@ -1098,7 +1098,7 @@ def _fwd_kernel(*refs, st: _Static):
         plgpu.barrier_wait(k_loaded.at[slot])
       kv_seg = None
       if masked and masked.seg and st.has_seg:   # read before the slot is released (k_free)
-        kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+        kv_seg = compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
       def qk_gemm(s_ref):                                     # [bq, bk] fp32
         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -1208,7 +1208,7 @@ def _fwd_kernel(*refs, st: _Static):
       def tile_kv_seg(slot, masked):
         # the tile's kv segment ids (with K on k_loaded), read before the slot is released
         if masked and masked.seg and st.has_seg:
-          return plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+          return compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         return None
 
       def softmax(s, t, m, l, masked, kv_seg=None):

@@ -86,6 +86,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from pallas_kernels import compat
 from pallas_kernels.flash.mosaic_gpu import _FULL, _SKIP, _WALK_SHIFT, _list_walk, _range_codes
 
 
@@ -706,7 +707,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     kv_seg = None
     if st.has_seg:
       plgpu.barrier_wait(seg_loaded[0].at[wg])
-      kv_seg = plgpu.load(kv_seg_own.at[wg], (), layout=row_layout)   # [bk] int32
+      kv_seg = compat.mosaic_gpu_load(kv_seg_own.at[wg], layout=row_layout)   # [bk] int32
 
     def step(i, carry, *, base, masked):
       return step_at(slot_of(base + i), i, carry, masked=masked)
@@ -724,7 +725,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
       s_t, dp_t = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(zeros((bk, bq))),
                                              plgpu.ACC.init(zeros((bk, bq)))))
       plgpu.barrier_wait(lse_loaded.at[slot])
-      lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
+      lse2 = compat.mosaic_gpu_load(lse_smem.at[slot], layout=col_layout)
       p_t = _probs(s_t, lse2, st, axis=1)
       cap_grad = _cap_grad(s_t, st)
       if masked:
@@ -734,12 +735,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
           cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
           visible = _dkv_visible(rows, cols, k0, i, st)
         if st.has_seg:
-          q_seg = plgpu.load(q_seg_smem.at[slot], (), layout=col_layout)   # [bq] int32
+          q_seg = compat.mosaic_gpu_load(q_seg_smem.at[slot], layout=col_layout)   # [bq] int32
           visible = _both(visible, _seg_visible(q_seg, kv_seg, (bk, bq), 1))
         if visible is not None:   # (dense: there is no masked range, but it is traced)
           p_t = jnp.where(visible, p_t, 0.0)
       plgpu.barrier_wait(delta_loaded.at[slot])
-      delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
+      delta = compat.mosaic_gpu_load(delta_smem.at[slot], layout=col_layout)
       ds_t = _dscores(p_t, dp_t, delta, axis=1, cap_grad=cap_grad)
 
       def dv_dk_gemm(refs):                               # dV += P^T dO; dK += dS^T Q
@@ -939,12 +940,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     dq = zeros((bq, st.head_dim))
     for bar in bars:
       plgpu.barrier_wait(bar)
-    lse2 = plgpu.load(lse_own.at[wg], (), layout=row_layout)
-    delta = plgpu.load(delta_own.at[wg], (), layout=row_layout)
+    lse2 = compat.mosaic_gpu_load(lse_own.at[wg], layout=row_layout)
+    delta = compat.mosaic_gpu_load(delta_own.at[wg], layout=row_layout)
     q_seg = None
     if st.has_seg:
       plgpu.barrier_wait(seg_loaded[0].at[wg])
-      q_seg = plgpu.load(q_seg_own.at[wg], (), layout=row_layout)     # [bq] int32
+      q_seg = compat.mosaic_gpu_load(q_seg_own.at[wg], layout=row_layout)     # [bq] int32
 
     def step(t, dq, *, masked):
       return step_at(slot_of(t), t, dq, masked=masked)
@@ -967,7 +968,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
         cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
         visible = _dq_visible(rows, cols, row0, t, st)
         if st.has_seg:
-          kv_seg = plgpu.load(kv_seg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+          kv_seg = compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
           visible = jnp.logical_and(visible, _seg_visible(q_seg, kv_seg, (bq, bk), 0))
         p = jnp.where(visible, p, 0.0)
       ds = _dscores(p, dp, delta, axis=0, cap_grad=cap_grad)

@@ -105,6 +105,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import compat
 from pallas_kernels.flash import mosaic_gpu_bwd as mb
 from pallas_kernels.flash.mosaic_gpu import check_register_split
 from pallas_kernels.flash.mosaic_gpu_bwd import BlockSizes
@@ -344,8 +345,8 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
         plgpu.barrier_wait(lse_loaded.at[slot])
         plgpu.barrier_wait(delta_loaded.at[slot])
         init_s, init_dp = _lean_acc_init(
-            plgpu.load(lse_smem.at[slot], (), layout=col_layout),
-            plgpu.load(delta_smem.at[slot], (), layout=col_layout), (bk, bq), st)
+            compat.mosaic_gpu_load(lse_smem.at[slot], layout=col_layout),
+            compat.mosaic_gpu_load(delta_smem.at[slot], layout=col_layout), (bk, bq), st)
         s_acc, dp_acc = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(init_s),
                                                    plgpu.ACC.init(init_dp)))
         p_t = _lean_probs(s_acc, st)
@@ -361,14 +362,14 @@ def _fused_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_re
         s_t, dp_t = pl.run_state(st_dpt_gemm)((plgpu.ACC.init(zeros((bk, bq))),
                                                plgpu.ACC.init(zeros((bk, bq)))))
         plgpu.barrier_wait(lse_loaded.at[slot])
-        lse2 = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
+        lse2 = compat.mosaic_gpu_load(lse_smem.at[slot], layout=col_layout)
         p_t = mb._probs(s_t, lse2, st, axis=1)
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=wgmma_layout)
           cols = plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=wgmma_layout)
           p_t = jnp.where(_fused_visible(rows, cols, k0, i, st), p_t, 0.0)
         plgpu.barrier_wait(delta_loaded.at[slot])
-        delta = plgpu.load(delta_smem.at[slot], (), layout=col_layout)
+        delta = compat.mosaic_gpu_load(delta_smem.at[slot], layout=col_layout)
         ds_t = mb._dscores(p_t, dp_t, delta, axis=1).astype(st.dtype)
       ds_smem.at[par, wg][...] = ds_t                     # this warpgroup's keys of dS^T
       plgpu.commit_smem()                                 # visible to the async proxy (wgmma)
