@@ -2,7 +2,7 @@
 
 Each case compiles the forward once, runs it ``--calls`` times on random bf16 inputs and checks
 the last output against jax.nn's cuDNN forward (so a profile is never of a wrong kernel). ncu
-then profiles the kernels it is told to, e.g. (see experiments/next_gpu_session_p.sh):
+then profiles the kernels it is told to, e.g. (see experiments/gpu_sessions/next_gpu_session_p.sh):
 
     ncu --target-processes all -k regex:mosaic -c 1 --set full \
         python experiments/ncu_flash_fwd.py --case dense

@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-CASES=window T_CASE=${T_CASE:-200} bash experiments/next_gpu_session_p.sh
+CASES=window T_CASE=${T_CASE:-200} bash experiments/gpu_sessions/next_gpu_session_p.sh
 [ -f "$OUT/ncu_fwd_window_sass.csv.gz" ] && python3 experiments/ncu_sass_regions.py \
   "$OUT/ncu_fwd_window_sass.csv.gz" --kernel 0 | cut -c1-170 | head -24
 # (session 23: the 1 / 2 / 4 query-tile sweep ran as run 85, next_gpu_session_zr.sh; the entry

@@ -27,4 +27,4 @@ timeout ${T_LAYOUT:-200} python3 experiments/probe_sparse_decode_layout.py --cal
   --out "$OUT/sparse_decode_merge_trace.json" > "$OUT/sparse_decode_merge_trace.txt" 2>&1
 echo "layout probe rc=$?"; grep -v Warn "$OUT/sparse_decode_merge_trace.txt" | grep "rel_err\|by kernel_program sum" | cut -c1-500
 grep "program)" "$OUT/sparse_decode_merge_trace.txt" | cut -c1-230
-T_TRACE=${T_TRACE:-180} bash experiments/next_gpu_session_zs.sh 2>&1 | grep -v "^WARN" | tail -12
+T_TRACE=${T_TRACE:-180} bash experiments/gpu_sessions/next_gpu_session_zs.sh 2>&1 | grep -v "^WARN" | tail -12

@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
-T_TRACE=150 bash experiments/next_gpu_session_zs.sh
+T_TRACE=150 bash experiments/gpu_sessions/next_gpu_session_zs.sh
 for frac in 0.10 0.38; do
   timeout ${T_LAYOUT:-100} python3 experiments/probe_sparse_decode_layout.py --calls 1,4 \
     --rounds 1 --skip sparse_nhd,dense_hnd --top-frac $frac --kernel-trace 32 \

@@ -10,4 +10,4 @@ for c in packed causal4k; do
   timeout 120 python3 experiments/ncu_flash_fwd.py --case $c --calls 2 --time 2>&1 \
     | grep -E "case|Error|error" | tee "$OUT/time_$c.txt"
 done
-CASES="packed causal4k" T_CASE=150 bash experiments/next_gpu_session_p.sh
+CASES="packed causal4k" T_CASE=150 bash experiments/gpu_sessions/next_gpu_session_p.sh

@@ -20,4 +20,4 @@ timeout ${T_LAYOUT:-200} python3 experiments/probe_sparse_decode_layout.py --cal
   --out "$OUT/sparse_decode_defaults_trace.json" > "$OUT/sparse_decode_defaults_trace.txt" 2>&1
 echo "layout probe rc=$?"; grep -v Warn "$OUT/sparse_decode_defaults_trace.txt" | grep "rel_err\|by kernel_program" | cut -c1-500
 grep "program)" "$OUT/sparse_decode_defaults_trace.txt" | cut -c1-230
-T_WINDOW=${T_WINDOW:-220} bash experiments/next_gpu_session_zy.sh
+T_WINDOW=${T_WINDOW:-220} bash experiments/gpu_sessions/next_gpu_session_zy.sh
