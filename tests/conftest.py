@@ -54,8 +54,8 @@ def pytest_collection_modifyitems(config, items):
 # are large programs, and every shape and option is a new one) holds one memory map or more per
 # executable and reaches the kernel's limit (vm.max_map_count, 65530 by default); XLA:CPU's
 # compiler then segfaults in ``backend_compile_and_load`` instead of raising. Sessions 27-28 saw
-# this in 7 of ~12 fresh-clone CI runs, late in the suite, always in a worker near the limit
-# (session 29 watched one reach 65,532 maps and crash). ``_bound_memory_maps`` below clears
+# this in 7 of ~12 fresh-clone CI runs, always late in the suite; session 29 watched a worker
+# reach 65,532 maps and crash there. ``_bound_memory_maps`` below clears
 # jax's caches when a worker passes a third of the limit. The rerun stays as a guard: a test
 # whose worker dies anyway runs once more on a fresh worker; a second crash, like any failure of
 # a test, fails the run. Test failures are never rerun.

@@ -2082,8 +2082,8 @@ def _sweep(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 
     dtype: bf16 or fp16.
     configs: list of ``BlockSizes`` (default: the default, a few neighbours and the options of
       docs/mosaic_fwd_vs_tokamax.md; ``q_tiles_per_program`` is not among them: pass e.g.
-      ``dataclasses.replace(base, q_tiles_per_program=4)``, as experiments/gpu_sessions/next_gpu_session_n.sh
-      does for a causal window).
+      ``dataclasses.replace(base, q_tiles_per_program=4)``, as
+      experiments/gpu_sessions/next_gpu_session_n.sh does for a causal window).
     iters: calls per timed loop (``time_fn``; None: enough for 0.25 s).
     verbose: print one line per row.
 
