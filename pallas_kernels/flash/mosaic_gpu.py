@@ -1876,7 +1876,7 @@ def _tail_fixup(q_p, k_p, v_p, out, lse, st: _Static):
   st_t = dataclasses.replace(st, q_len=rows, kv_len=sk_pad // c, num_q_programs=1,
                              num_kv_tiles=st.num_kv_tiles // c, tail_batch=-1, tail_kv_splits=0)
   o_t, l_t = _fwd_call(q_t, k_t, v_t, st_t)             # [c, rows, hq, d], [c, hq, rows]
-  from jattn.merge import merge_partials
+  from pallas_kernels.common.merge import merge_partials
   o, l = merge_partials(o_t.transpose(0, 2, 1, 3), l_t, axis=0)     # [hq, rows, d], [hq, rows]
   return _place_rows(out, lse, o.transpose(1, 0, 2).astype(out.dtype), l, bb, r0,
                      interpret=st.interpret)

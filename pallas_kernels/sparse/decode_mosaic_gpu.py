@@ -307,7 +307,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, *,
     from pallas_kernels.sparse.decode import merge_decode_partials
     return merge_decode_partials(o, lse, out_dtype=out_dtype)
   if merge == "xla":
-    from jattn.merge import merge_partials
+    from pallas_kernels.common.merge import merge_partials
     out, lse = merge_partials(o, lse, axis=1)
     return out.astype(out_dtype), lse
   raise ValueError(f"merge must be 'kernel' or 'xla', got {merge!r}")

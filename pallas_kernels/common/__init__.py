@@ -1,0 +1,1 @@
+"""Helpers shared by the kernel families: the log-sum-exp merge of partial results."""
