@@ -56,8 +56,8 @@ def main(argv=None):
   idx2 = idx.reshape(b * hk, 1, -1)
   cnt2 = jnp.sum(idx2 >= 0, axis=-1).astype(jnp.int32)              # [b * hk, 1]
   width = idx2.shape[-1]
-  launch = dict(sp._hnd_triton_launch(kh, vh, bs))
-  splits = sp._hnd_triton_num_splits(b * hk, width)
+  launch = dict(sp.decode._hnd_triton_launch(kh, vh, bs))
+  splits = sp.decode._hnd_triton_num_splits(b * hk, width)
   kw = dict(block_size=bs, num_splits=splits, interpret=interp, **launch)
 
   def merged(counts):
@@ -78,7 +78,7 @@ def main(argv=None):
     fn = jax.jit(fn)
     out = fn(q2, k2, v2)
     sub = jnp.where(jnp.arange(width) < kept, idx2, -1)                # the first kept blocks
-    ref = sp._sparse_decode_xla(f32(q2), f32(k2), f32(v2), lens2, sub, None, bs,
+    ref = sp.decode._sparse_decode_xla(f32(q2), f32(k2), f32(v2), lens2, sub, None, bs,
                                 1.0 / d ** 0.5)[0]
     err = float(jnp.linalg.norm(f32(out) - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
     row = dict(rel_err=err, ok=err < 5e-3)

@@ -491,7 +491,7 @@ def main(argv=None):
   fraction = 0.19
   top_k = max(0, int(round(fraction * nb)) - 2)           # as jattn.sparse.bench_cases
   dtype = jnp.bfloat16
-  width = sp._decode_width(nb, top_k, 1, 1)
+  width = sp.decode._decode_width(nb, top_k, 1, 1)
   sel_kw = dict(top_k=top_k, num_init_blocks=1, num_local_blocks=1)
   splits = 3 if args.tiny else default_num_splits(nbatch, hk, width)   # tiny: exercise the merge
   split_list = ([int(x) for x in args.splits.split(",")] if args.splits else
@@ -744,13 +744,13 @@ def main(argv=None):
   @row("scores", "decode_block_scores kernel")
   def _():
     def check(f):
-      return {"scores_rel_err_vs_xla": rel_err(f(q, summ), jax.jit(sp._decode_scores)(q, summ))}
+      return {"scores_rel_err_vs_xla": rel_err(f(q, summ), jax.jit(sp.decode._decode_scores)(q, summ))}
     return (lambda q, s: sc_fn(q, s.sums, s.lengths)), [(s,) for _, _, s in sets], check
 
   @row("select", "select_decode_slots kernel")
   def _():
     def check(f):
-      xidx = jax.jit(functools.partial(sp._decode_select_from_scores, block_size=bs, **sel_kw))(
+      xidx = jax.jit(functools.partial(sp.decode._decode_select_from_scores, block_size=bs, **sel_kw))(
           score_sets()[0][0], lens)
       return {"select_equal_xla_on_same_scores":
               bool(jnp.array_equal(f(q, score_sets()[0][0])[0], xidx))}
@@ -882,11 +882,11 @@ def main(argv=None):
 
   @row("xla_scores", "previous: einsum + divide (XLA)")
   def _():
-    return (lambda q, s: sp._decode_scores(q, s)), [(s,) for _, _, s in sets], None
+    return (lambda q, s: sp.decode._decode_scores(q, s)), [(s,) for _, _, s in sets], None
 
   @row("xla_select", "previous: lax.top_k + forced + sort (XLA)")
   def _():
-    return ((lambda q, s: sp._decode_select_from_scores(s, lens, block_size=bs, **sel_kw)),
+    return ((lambda q, s: sp.decode._decode_select_from_scores(s, lens, block_size=bs, **sel_kw)),
             score_sets(), None)
 
   @row("xla_merge", "previous: jattn.merge.merge_partials (XLA)")
@@ -896,7 +896,7 @@ def main(argv=None):
   @row("sparse_prev", "XLA select + kernel (32 splits) + XLA merge")
   def _():
     def prev(q, k, v, s):
-      return attend_xla_merge(q, k, v, sp._decode_select(q, s, lens, **sel_kw), num_splits=32)
+      return attend_xla_merge(q, k, v, sp.decode._decode_select(q, s, lens, **sel_kw), num_splits=32)
     return prev, sets, sparse_check("sparse_prev_rel_err")
 
   @row("sparse_xla", "pure XLA")

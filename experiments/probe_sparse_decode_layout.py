@@ -146,9 +146,9 @@ def main(argv=None):
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], num_splits=n, **hnd)
 
   def hnd_row(launch, *, num_splits=None, fused=True, select=()):
-    """A head-major row through ``sp._hnd_decode`` with explicit Triton launch / selection
+    """A head-major row through ``sp.decode._hnd_decode`` with explicit Triton launch / selection
     options (the API's own call uses ``_HND_TRITON_LAUNCH`` and the default selection)."""
-    return lambda q, c: sp._hnd_decode(
+    return lambda q, c: sp.decode._hnd_decode(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], return_lse=False, return_indices=False,
         num_init_blocks=1, num_local_blocks=1, scale=None, num_splits=num_splits,
         fused_select=fused, score_splits=None, _launch=launch, _select=select,
@@ -181,7 +181,7 @@ def main(argv=None):
     select = ((("search_loop", loop),) + tuple(("search_trials", int(t)) for t in trials)
               + ((("num_warps", int(warps)),) if warps else ())
               + ((("chunk", int(chunk)),) if chunk else ()))
-    fns[name] = hnd_row(sp._hnd_triton_launch(kh, vh, bs), select=select)
+    fns[name] = hnd_row(sp.decode._hnd_triton_launch(kh, vh, bs), select=select)
   if a.hnd_unfused:
     fns["sparse_hnd_unfused"] = lambda q, c: sp.sparse_decode_attention(
         q, c["kh"], c["vh"], c["lens"], c["summ_h"], fused_select=False, **hnd)
@@ -197,7 +197,7 @@ def main(argv=None):
       q2, k2, v2, lens2 = hnd_as_sequences(q, c["kh"], c["vh"], c["lens"])   # lengths repeated
       summ2 = sp.BlockSummaries(sums=c["summ_h"].sums.reshape(B * Hk, nb, 1, D),
                                 lengths=jnp.repeat(c["summ_h"].lengths, Hk), block_size=bs)
-      out = sp._sparse_decode(q2, k2, v2, lens2, summ2, None, scale=None, return_lse=False,
+      out = sp.decode._sparse_decode(q2, k2, v2, lens2, summ2, None, scale=None, return_lse=False,
                               return_indices=False, implementation=impl, num_splits=None,
                               num_init_blocks=1, num_local_blocks=1, **kw)
       return out.reshape(B, Hq, D)

@@ -93,11 +93,11 @@ def probe(seq, *, heads=16, head_dim=128, q_block_size=128, block_size=64, fract
   sched = jax.jit(lambda sel: make_schedule(seq, seq, q_block_size, block_size, causal=True,
                                             block_mask=sel.tile_mask(),
                                             max_kv_blocks=sel.max_selected))(sel)
-  fwd_bs, _ = sp._mosaic_gpu_block_sizes(mg, sel, head_dim, jnp.bfloat16, causal=True)
+  fwd_bs, _ = sp.attention._mosaic_gpu_block_sizes(mg, sel, head_dim, jnp.bfloat16, causal=True)
   variants = {
       "kernels[mosaic_fwd+triton_bwd]": dict(
           block_sizes=dataclasses.replace(fwd_bs, backward="triton"),
-          bwd_block_sizes=sp._kernel_block_sizes("triton", ft, sel, head_dim, jnp.bfloat16)),
+          bwd_block_sizes=sp.attention._kernel_block_sizes("triton", ft, sel, head_dim, jnp.bfloat16)),
       "kernels[mosaic_fwd+mosaic_bwd]": dict(
           block_sizes=dataclasses.replace(fwd_bs, backward="mosaic"), bwd_block_sizes=None),
   }

@@ -40,7 +40,7 @@ def test_probe_sparse_decode_layout_kernel_trace_tiny(tmp_path):
 def test_probe_sparse_decode_layout_survives_a_failing_row(tmp_path, monkeypatch):
   """A row that fails to compile or run (on a GPU: e.g. a launch over the shared-memory limit)
   is reported under failed_rows and dropped; the other rows are still checked and timed."""
-  real = psl.sp._hnd_decode
+  real = psl.sp.decode._hnd_decode
 
   def broken(*a, **kw):
     if dict(kw.get("_launch", ())).get("num_stages") == 5:

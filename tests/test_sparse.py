@@ -338,7 +338,7 @@ def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   n = seg.shape[1]
   nq, nk = -(-n // qbs), -(-n // bs)
   segj = jnp.asarray(seg)
-  lo, hi = (np.asarray(x) for x in sp._segment_ranges(segj, bs))
+  lo, hi = (np.asarray(x) for x in sp.selection._segment_ranges(segj, bs))
   elo, ehi = _block_ranges_np(seg, bs)
   np.testing.assert_array_equal(lo, elo)
   np.testing.assert_array_equal(hi, ehi)
@@ -347,11 +347,11 @@ def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   has_q, has_k = qlo <= qhi, elo <= ehi
   want = (has_q[:, :, None] & has_k[:, None, :] & (qlo[:, :, None] <= ehi[:, None, :])
           & (elo[:, None, :] <= qhi[:, :, None]))
-  got = np.asarray(sp._segment_overlap(segj, segj, qbs, bs))
+  got = np.asarray(sp.selection.segment_overlap(segj, segj, qbs, bs))
   np.testing.assert_array_equal(got, want)
   # doc start: the block of the first key of the query block's smallest nonzero id; nk for an
   # all-padding query block
-  ds = np.asarray(sp._doc_start_blocks(segj, segj, qbs, bs))
+  ds = np.asarray(sp.selection.doc_start_blocks(segj, segj, qbs, bs))
   want_ds = np.full((seg.shape[0], nq), nk)
   for bi in range(seg.shape[0]):
     for i in range(nq):
@@ -361,10 +361,10 @@ def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   # the negative rows give what their positive shift gives
   neg = jnp.asarray(np.array(NEG_ROWS, np.int32))
   pos = jnp.asarray(_shift_ids(NEG_ROWS))
-  np.testing.assert_array_equal(np.asarray(sp._segment_overlap(neg, neg, qbs, bs)),
-                                np.asarray(sp._segment_overlap(pos, pos, qbs, bs)))
-  np.testing.assert_array_equal(np.asarray(sp._doc_start_blocks(neg, neg, qbs, bs)),
-                                np.asarray(sp._doc_start_blocks(pos, pos, qbs, bs)))
+  np.testing.assert_array_equal(np.asarray(sp.selection.segment_overlap(neg, neg, qbs, bs)),
+                                np.asarray(sp.selection.segment_overlap(pos, pos, qbs, bs)))
+  np.testing.assert_array_equal(np.asarray(sp.selection.doc_start_blocks(neg, neg, qbs, bs)),
+                                np.asarray(sp.selection.doc_start_blocks(pos, pos, qbs, bs)))
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton"])
@@ -769,10 +769,10 @@ def test_score_kl_gradient_reaches_unkept_blocks():
   q, k, _ = _qkv(31, b, s, s, h, h, d)
   sel = select(q, k, block_size=bs, q_block_size=bs, top_k=1)
   mass = jax.jit(functools.partial(sp.block_attention_mass, block_size=bs, q_block_size=bs))(q, k)
-  cand, _, _ = sp._candidates(b, h, q_len=s, kv_len=s, q_block_size=bs, block_size=bs,
+  cand, _, _ = sp.selection.candidates(b, h, q_len=s, kv_len=s, q_block_size=bs, block_size=bs,
                               causal=True, num_init=1, num_local=1, seg_ok=None, doc_start=None)
   z = jnp.asarray(np.random.default_rng(0).normal(size=mass.shape), jnp.float32)
-  gz = np.asarray(jax.jit(jax.grad(sp._score_kl))(z, mass, cand))
+  gz = np.asarray(jax.jit(jax.grad(sp.metrics.score_kl))(z, mass, cand))
   cand = np.broadcast_to(np.asarray(cand), gz.shape)
   unkept = cand & ~np.asarray(sel.tile_mask())
   assert unkept.sum() >= 10 and np.all(np.abs(gz[unkept]) > 0)
@@ -977,9 +977,9 @@ def test_gpu_decode_select_searches():
   scores = jnp.concatenate([_adversarial_decode_scores(rng, lens.shape[0], nb),
                             jnp.asarray(rng.standard_cauchy((lens.shape[0], 2, nb)),
                                         jnp.float32)], axis=1)
-  width = sp._decode_width(nb, top_k, 1, 1)
+  width = sp.decode._decode_width(nb, top_k, 1, 1)
   sel_kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
-  want = jax.jit(functools.partial(sp._decode_select_from_scores, **sel_kw))(scores, lens)
+  want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(scores, lens)
   for bits, loop, trials in ((1, "early", None), (1, "unrolled", None), (2, None, None),
                              (4, None, None), (1, "kary", 1), (1, "kary", 4),
                              (1, "kary", 8)):
@@ -1026,7 +1026,7 @@ def test_gate_grad_kernel_interpret():
   dout = jax.random.normal(ks[0], out.shape)
   dlse = jnp.where(jnp.isfinite(lse), jax.random.normal(ks[1], lse.shape), 0.0)
   segs = (kw["segment_ids"], kw["kv_segment_ids"])
-  want = jax.jit(functools.partial(sp._tile_logit_grads, causal=True, scale=scale))(
+  want = jax.jit(functools.partial(sp.attention._tile_logit_grads, causal=True, scale=scale))(
       q, k, v, out, lse, dout, dlse, sel, *segs)
   got = tile_logit_grads(q, k, v, out, lse, dout, dlse, sel.indices, sel.counts, *segs,
                          block_q=bs, block_k=bs, causal=True, scale=scale, interpret=True)
@@ -1094,10 +1094,10 @@ def test_decode_select_kernel(nb, bs, top_k, n_init, n_local):
   scores[:, 0, 1::3] = 0.0
   scores = jnp.asarray(scores, jnp.float32)
   lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100])
-  width = sp._decode_width(nb, top_k, n_init, n_local)
+  width = sp.decode._decode_width(nb, top_k, n_init, n_local)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local)
   idx, cnt = select_decode_slots(scores, lens, max_selected=width, interpret=True, **kw)
-  want = jax.jit(functools.partial(sp._decode_select_from_scores, **kw))(scores, lens)
+  want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **kw))(scores, lens)
   brute = _np_decode_select(scores, np.asarray(lens), bs, top_k, n_init, n_local, width)
   np.testing.assert_array_equal(np.asarray(want), brute)
   np.testing.assert_array_equal(np.asarray(idx), brute)
@@ -1136,12 +1136,12 @@ def test_decode_select_kernel_radix(nb, bs, top_k, n_init, n_local, chunk):
   lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100,
                     2 * bs + 1, bs * min(nb, top_k + 2)])
   scores = _adversarial_decode_scores(rng, lens.shape[0], nb)
-  width = sp._decode_width(nb, top_k, n_init, n_local)
+  width = sp.decode._decode_width(nb, top_k, n_init, n_local)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local,
             max_selected=width, interpret=True)
   base, bcnt = select_decode_slots(scores, lens, **kw)
   sel_kw = {k: kw[k] for k in ("block_size", "top_k", "num_init_blocks", "num_local_blocks")}
-  want = jax.jit(functools.partial(sp._decode_select_from_scores, **sel_kw))(scores, lens)
+  want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(scores, lens)
   brute = _np_decode_select(scores, np.asarray(lens), bs, top_k, n_init, n_local, width)
   # lax.top_k ranks -inf candidates with the masked (forced, invisible) blocks, ties to the
   # lower id, so a -inf candidate can lose its place: brute force only on -inf-free heads.
@@ -1340,13 +1340,13 @@ def test_decode_score_select_fused_kernel():
                     bs * (top_k + 3)])
   slens = jnp.maximum(lens - 1, 0)
   q, sums = jnp.asarray(q, jnp.bfloat16), jnp.asarray(sums)
-  width = sp._decode_width(nb, top_k, n_init, n_local)
+  width = sp.decode._decode_width(nb, top_k, n_init, n_local)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local,
             max_selected=width, interpret=True)
   scores = decode_block_scores(q, sums, slens, block_size=bs, chunk=16, interpret=True)
   idx, cnt = select_decode_slots(scores, lens, **kw)
   sel_kw = {k: kw[k] for k in ("block_size", "top_k", "num_init_blocks", "num_local_blocks")}
-  want = jax.jit(functools.partial(sp._decode_select_from_scores, **sel_kw))(scores, lens)
+  want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(scores, lens)
   brute = _np_decode_select(scores, np.asarray(lens), bs, top_k, n_init, n_local, width)
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], np.asarray(want)[:, :2])
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], brute[:, :2])
@@ -1559,7 +1559,7 @@ def test_sparse_decode_merged_kernel(dtype, tol):
   lens = jnp.array(lens_l, jnp.int32)
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   nb = summ.num_blocks
-  width = sp._decode_width(nb, top_k, 1, 1)
+  width = sp.decode._decode_width(nb, top_k, 1, 1)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
   scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
   idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
@@ -1621,7 +1621,7 @@ def _kept_block_lists(seed, bs, *, top_k):
   q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens_l)
   lens = jnp.array(lens_l, jnp.int32)
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
-  width = sp._decode_width(summ.num_blocks, top_k, 1, 1)
+  width = sp.decode._decode_width(summ.num_blocks, top_k, 1, 1)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
   scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
   idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
@@ -1890,9 +1890,9 @@ def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
   kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal, num_init_blocks=ni,
             num_local_blocks=nl, segment_ids=seg)
   want = sp.select_blocks(q, k, **kw)
-  by_mask = functools.partial(sp._selected_lists_by_mask,
+  by_mask = functools.partial(sp.selection._selected_lists_by_mask,
                               keep_fn=functools.partial(topk.top_k_mask, interpret=True))
-  monkeypatch.setattr(sp, "_selected_lists_by_sort", by_mask)
+  monkeypatch.setattr(sp.selection, "_selected_lists_by_sort", by_mask)
   got = sp.select_blocks(q, k, **kw)
   if case == "ties":   # the case has ties at the k-th score (else it tests nothing new)
     s = np.sort(np.asarray(want.scores).reshape(-1, want.scores.shape[-1]), axis=-1)
@@ -1932,7 +1932,7 @@ def test_gpu_selection_kernel_matches_lax_top_k(seq, top_k):
   q, k, _ = _qkv(7, 1, seq, seq, 4, 2, 64, dtype=jnp.bfloat16)
   kw = dict(block_size=64, q_block_size=128, top_k=top_k)
   got = jax.jit(functools.partial(sp.select_blocks, **kw))(q, k)
-  by_sort = sp._selected_lists_by_sort
+  by_sort = sp.selection._selected_lists_by_sort
   import unittest.mock as mock
   with mock.patch.object(sp, "_selected_lists_by_mask",
                          lambda *a, keep_fn, **kw: by_sort(*a, **kw)):

@@ -196,7 +196,7 @@ def test_api_fused_select_attend(layout, bps):
             implementation="triton", interpret=True, num_splits=3, kv_layout=layout)
   if layout == "hnd":
     launch = (("num_stages", 2), ("blocks_per_step", bps), ("prefetch_ids", True))
-    call = lambda fused: sp._hnd_decode(
+    call = lambda fused: sp.decode._hnd_decode(
         q, k, v, lens, summ, block_size=bs, top_k=4, num_init_blocks=1, num_local_blocks=1,
         scale=None, return_lse=True, return_indices=True, implementation="triton",
         interpret=True, num_splits=3, fused_select=fused, score_splits=None, _launch=launch)

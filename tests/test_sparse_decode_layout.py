@@ -83,7 +83,7 @@ def test_hnd_equals_nhd_on_transposed_cache(impl, monkeypatch):
   equal to the fp32 reference; the empty row gives 0 and -inf."""
   if impl != "xla":
     _kernel_module_or_skip(impl)
-  monkeypatch.setattr(sp, "_HND_TRITON_LAUNCH", ())
+  monkeypatch.setattr(sp.decode, "_HND_TRITON_LAUNCH", ())
   b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 2
   q, kc, vc = _inputs(40, b, n, hq, hk, d, dv)
   lens = jnp.array([100, 0, 1, 45], jnp.int32)
@@ -154,7 +154,7 @@ def test_hnd_triton_fused_select_bf16(monkeypatch):
   of the block): with the "nhd" path's launch, that fused call's indices and outputs to the
   bit, and the fp32 reference."""
   _kernel_module_or_skip("triton")
-  monkeypatch.setattr(sp, "_HND_TRITON_LAUNCH", ())
+  monkeypatch.setattr(sp.decode, "_HND_TRITON_LAUNCH", ())
   b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 3
   q, kc, vc = _inputs(41, b, n, hq, hk, d, d, jnp.bfloat16)
   lens = jnp.array([187, 70], jnp.int32)
@@ -177,7 +177,7 @@ def test_hnd_triton_default_launch(fused):
   "nhd" call's, and the output matches the fp32 reference and the "nhd" output to bf16
   rounding."""
   _kernel_module_or_skip("triton")
-  assert dict(sp._HND_TRITON_LAUNCH) == dict(num_stages=3, blocks_per_step=1,
+  assert dict(sp.decode._HND_TRITON_LAUNCH) == dict(num_stages=3, blocks_per_step=1,
                                               prefetch_ids=True)
   b, n, hq, hk, d, bs, top_k = 2, 200, 8, 2, 32, 16, 4
   q, kc, vc = _inputs(43, b, n, hq, hk, d, d, jnp.bfloat16)
@@ -212,10 +212,10 @@ def test_hnd_triton_sm90_launch_merges_in_a_second_kernel(monkeypatch):
   lens = jnp.array([187, 70], jnp.int32)
   kh, vh = _hnd(kc), _hnd(vc)
   summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
-  launch = sp._hnd_triton_launch(kh, vh, bs)
+  launch = sp.decode._hnd_triton_launch(kh, vh, bs)
   assert dict(launch) == dict(num_stages=3, blocks_per_step=2, prefetch_ids=True,
                               merge_kernel=True)
-  call = lambda launch: sp._hnd_decode(
+  call = lambda launch: sp.decode._hnd_decode(
       q, kh, vh, lens, summ_h, block_size=bs, top_k=top_k, num_init_blocks=1,
       num_local_blocks=1, scale=None, return_lse=True, return_indices=True,
       implementation="triton", interpret=True, num_splits=3, fused_select=True,
@@ -247,9 +247,9 @@ def test_hnd_triton_select_options_reach_the_kernel(fused):
   kh, vh = _hnd(kc), _hnd(vc)
   summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
   call = lambda select, impl="triton": functools.partial(
-      sp._hnd_decode, block_size=bs, return_lse=True, return_indices=True, top_k=top_k,
+      sp.decode._hnd_decode, block_size=bs, return_lse=True, return_indices=True, top_k=top_k,
       num_init_blocks=1, num_local_blocks=1, scale=None, implementation=impl, interpret=True,
-      num_splits=3, fused_select=fused, score_splits=None, _launch=sp._HND_TRITON_LAUNCH,
+      num_splits=3, fused_select=fused, score_splits=None, _launch=sp.decode._HND_TRITON_LAUNCH,
       _select=select)
   unrolled = (("search_loop", "unrolled"),)
   base = call(())(q, kh, vh, lens, summ_h)
@@ -259,7 +259,7 @@ def test_hnd_triton_select_options_reach_the_kernel(fused):
   loops = lambda sel: str(jax.make_jaxpr(call(sel))(q, kh, vh, lens, summ_h)).count("while[")
   assert loops(()) == loops(unrolled) + 1           # the early search's loop
   with pytest.raises(ValueError, match="_select is for the Triton"):
-    sp._sparse_decode(q, kc, vc, lens, sp.init_block_summaries(kc, lens, block_size=bs), None,
+    sp.decode._sparse_decode(q, kc, vc, lens, sp.init_block_summaries(kc, lens, block_size=bs), None,
                       block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1,
                       scale=None, return_lse=False, return_indices=False, implementation="xla",
                       interpret=True, num_splits=None, _select=unrolled)
@@ -310,19 +310,19 @@ def test_hnd_triton_default_splits(monkeypatch):
   assert seen == [dict(num_splits=33, num_stages=None, blocks_per_step=None,
                        prefetch_ids=None),
                   dict(num_splits=16, num_stages=3, blocks_per_step=1, prefetch_ids=True)]
-  assert sp._hnd_triton_num_splits(8, 26, core_count=132) == 7      # >= 4 blocks per split
+  assert sp.decode._hnd_triton_num_splits(8, 26, core_count=132) == 7      # >= 4 blocks per split
   # Hopper: two blocks per step where 3 x 2 stages of K and V fit in 200 KB
   kv = lambda d, dt=jnp.bfloat16: jax.ShapeDtypeStruct((1, 8, 64, d), dt)
-  for cc, d, bs_, want in (((9, 0), 128, 64, sp._HND_TRITON_LAUNCH_SM90),
-                           ((9, 0), 256, 64, sp._HND_TRITON_LAUNCH),
-                           ((9, 0), 128, 128, sp._HND_TRITON_LAUNCH),
-                           ((8, 0), 128, 64, sp._HND_TRITON_LAUNCH),
-                           (None, 128, 64, sp._HND_TRITON_LAUNCH)):
+  for cc, d, bs_, want in (((9, 0), 128, 64, sp.decode._HND_TRITON_LAUNCH_SM90),
+                           ((9, 0), 256, 64, sp.decode._HND_TRITON_LAUNCH),
+                           ((9, 0), 128, 128, sp.decode._HND_TRITON_LAUNCH),
+                           ((8, 0), 128, 64, sp.decode._HND_TRITON_LAUNCH),
+                           (None, 128, 64, sp.decode._HND_TRITON_LAUNCH)):
     monkeypatch.setattr(compat, "gpu_compute_capability", lambda cc=cc: cc)
-    assert sp._hnd_triton_launch(kv(d), kv(d), bs_) == want, (cc, d, bs_)
-  assert dict(sp._HND_TRITON_LAUNCH_SM90) == dict(num_stages=3, blocks_per_step=2,
+    assert sp.decode._hnd_triton_launch(kv(d), kv(d), bs_) == want, (cc, d, bs_)
+  assert dict(sp.decode._HND_TRITON_LAUNCH_SM90) == dict(num_stages=3, blocks_per_step=2,
                                                   prefetch_ids=True, merge_kernel=True)
-  assert sp._hnd_triton_num_splits(64, 389, core_count=132) == sd.default_num_splits(
+  assert sp.decode._hnd_triton_num_splits(64, 389, core_count=132) == sd.default_num_splits(
       64, 1, 389, core_count=132) == 5                                # outside: the default
 
 
@@ -355,7 +355,7 @@ def test_hnd_default_splits_equal_nhd(impl, monkeypatch):
     exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=disabled)(
         sds((b, hq, d), jnp.bfloat16), sds(kv, jnp.bfloat16), sds(kv, jnp.bfloat16),
         sds((b,), jnp.int32), summ)
-    width = sp._decode_width(nb, top_k, 1, 1)
+    width = sp.decode._decode_width(nb, top_k, 1, 1)
     assert [a.shape for a in exp.out_avals] == [(b, hq, d), (b, hq), (b, hk, width)]
   assert len(seen) == 2 and seen[0] == seen[1] and seen[0][2] > 1, seen
 
@@ -376,7 +376,7 @@ def test_hnd_mosaic_tpu_lowers_for_tpu():
   exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
       sds((1, hq, d), jnp.bfloat16), kv, kv, sds((1,), jnp.int32), summ)
   assert "jattn_sparse_decode_tpu" in exp.mlir_module()
-  width = sp._decode_width(nb, top_k, 1, 1)
+  width = sp.decode._decode_width(nb, top_k, 1, 1)
   assert [a.shape for a in exp.out_avals] == [(1, hq, d), (1, hq), (1, hk, width)]
 
 
@@ -493,7 +493,7 @@ def test_gpu_hnd_prefetch_ids_and_early_search():
   kh, vh = _hnd(kc), _hnd(vc)
   summ_h = sp.init_block_summaries(kh, lens, block_size=bs, kv_layout="hnd")
   call = lambda launch, select: jax.jit(functools.partial(
-      sp._hnd_decode, block_size=bs, return_lse=True, return_indices=True, top_k=top_k,
+      sp.decode._hnd_decode, block_size=bs, return_lse=True, return_indices=True, top_k=top_k,
       num_init_blocks=1, num_local_blocks=1, scale=None, implementation="triton",
       interpret=False, num_splits=None, fused_select=True, score_splits=None, _launch=launch,
       _select=select))(q, kh, vh, lens, summ_h)

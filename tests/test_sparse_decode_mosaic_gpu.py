@@ -87,7 +87,7 @@ def test_whole_call_lowers_for_cuda(name):
     exp, text = _export(fn, q, kv, kv, lens, summ)
   assert "mosaic_gpu_v2" in text and "wgmma" in text
   assert "__gpu$xla.gpu.triton" in text          # selection and merge stay on Triton
-  width = sp._decode_width(nb, top_k, 1, 1)
+  width = sp.decode._decode_width(nb, top_k, 1, 1)
   assert [a.shape for a in exp.out_avals] == [(b, hq, d), (b, hq), (b, hk, width)]
 
 
@@ -383,8 +383,8 @@ def test_unsupported_options_raise():
 
 def test_none_never_picks_mosaic_gpu():
   for platform in ("gpu", "tpu", "cpu"):
-    assert sp._resolve_decode_implementation(None, platform) != "mosaic_gpu"
-  assert sp._resolve_decode_implementation("mosaic_gpu") == "mosaic_gpu"
+    assert sp.decode._resolve_decode_implementation(None, platform) != "mosaic_gpu"
+  assert sp.decode._resolve_decode_implementation("mosaic_gpu") == "mosaic_gpu"
 
 
 # ----------------------------------------------------------------------------------- GPU

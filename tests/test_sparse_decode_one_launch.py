@@ -51,7 +51,7 @@ def test_one_launch_equals_two_launches(layout, splits, score_splits, launch):
   lens = jnp.array(lens_l, jnp.int32)
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   nb = summ.num_blocks
-  width = sp._decode_width(nb, top_k, 1, 1)
+  width = sp.decode._decode_width(nb, top_k, 1, 1)
   if layout == "nhd":
     args, group = (q, kc, vc, lens, summ.sums, summ.lengths), 1
   else:   # head-major: batch x kv_heads sequences of one kv head, lengths shared per batch
@@ -124,7 +124,7 @@ def test_gpu_one_launch_equals_two_launches():
   lens = jnp.array([8192, 0, 3001], jnp.int32)
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   nb = summ.num_blocks
-  width = sp._decode_width(nb, top_k, 1, 1)
+  width = sp.decode._decode_width(nb, top_k, 1, 1)
   seq = lambda x: _hnd(x).reshape(b * hk, n, 1, d)
   sums = jnp.swapaxes(summ.sums, 1, 2).reshape(b * hk, nb, 1, d)
   args = (q.reshape(b * hk, hq // hk, d), seq(kc), seq(vc), lens, sums, summ.lengths)

@@ -108,7 +108,7 @@ def _case(name, dtype=jnp.bfloat16):
 
 def _walk_of(q, k, q_seg, kv_seg, sel, causal):
   """(st, walk) exactly as ``block_sparse_attention(implementation="mosaic_gpu")`` builds them."""
-  fwd_bs, bwd_bs = sp._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype, causal=causal,
+  fwd_bs, bwd_bs = sp.attention._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype, causal=causal,
                                               segments=q_seg is not None)
   sq, sk = q.shape[1], k.shape[1]
   sched_of = lambda sel, q_seg, kv_seg: make_schedule(
@@ -349,13 +349,13 @@ def test_vjp_walks_the_selection_in_the_backward(name, backward, monkeypatch):
     real_bwd = ft._bwd_calls
     monkeypatch.setattr(ft, "_bwd_calls", lambda *a: tiles.append((a[-1].block_q, a[-1].block_k))
                         or real_bwd(*a))
-    real_sizes = sp._mosaic_gpu_block_sizes
+    real_sizes = sp.attention._mosaic_gpu_block_sizes
 
     def triton_backward(mod, sel, d, dtype, **kw):
       fwd, _ = real_sizes(mod, sel, d, dtype, **kw)
       return (dataclasses.replace(fwd, backward="triton"),
-              sp._kernel_block_sizes("triton", ft, sel, d, dtype))
-    monkeypatch.setattr(sp, "_mosaic_gpu_block_sizes", triton_backward)
+              sp.attention._kernel_block_sizes("triton", ft, sel, d, dtype))
+    monkeypatch.setattr(sp.attention, "_mosaic_gpu_block_sizes", triton_backward)
   q, k, v, q_seg, kv_seg, sel, causal = _case(name)
   ks = jax.random.split(jax.random.key(3), 2)
   d_out = jax.random.normal(ks[0], q.shape, q.dtype)
@@ -541,7 +541,7 @@ def test_mosaic_gpu_block_sizes_follow_the_mask_kind(monkeypatch):
     for d, qbs, bs, seg in [(128, 128, 64, False), (128, 64, 64, True), (128, 128, 256, False),
                             (64, 256, 256, False), (256, 128, 64, False)]:
       sel = types.SimpleNamespace(q_block_size=qbs, block_size=bs)
-      fwd, _ = sp._mosaic_gpu_block_sizes(mg, sel, d, jnp.bfloat16, causal=True, segments=seg)
+      fwd, _ = sp.attention._mosaic_gpu_block_sizes(mg, sel, d, jnp.bfloat16, causal=True, segments=seg)
       got[d, qbs, bs, seg] = (fwd.block_k, fwd.num_stages, fwd.overlap_softmax)
   finally:
     mg._tuned_block_sizes.cache_clear()
@@ -624,7 +624,7 @@ def test_gpu_block_sparse_mosaic_forward_overlap(name):
   overlap's walk (a pending P V carried across skipped entries) has only been lowered on the
   CPU: `pytest -m gpu -k overlap tests/test_sparse_mosaic_gpu.py`."""
   q, k, v, seg, sel, dtype = _gpu_case(name)
-  fwd_bs, bwd_bs = sp._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype)
+  fwd_bs, bwd_bs = sp.attention._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype)
   fwd_bs = dataclasses.replace(fwd_bs, overlap_softmax=True, pingpong_handoff=True,
                                early_k_load=True, k_wait_in_pv=False, softmax_fence=False)
   s = q.shape[1]

@@ -164,5 +164,5 @@ def test_sparse_decode_default_is_mosaic_tpu_on_tpu(monkeypatch):
   # A fresh function per export: jit would reuse the first trace.
   f = lambda: functools.partial(sp.sparse_decode_attention, block_size=64, top_k=2)
   assert "tpu_custom_call" not in _export_tpu(f(), *args)
-  monkeypatch.setattr(sp.compat, "default_backend", lambda: "tpu")
+  monkeypatch.setattr(sp.decode.compat, "default_backend", lambda: "tpu")
   assert "jattn_sparse_decode_tpu" in _export_tpu(f(), *args)

@@ -1,0 +1,41 @@
+"""The resolved plan of a call: which implementation runs, with which kernel configs.
+
+Every op family resolves a call once, in one place and in one order: an explicit argument
+(``implementation=``, ``block_sizes=``), then the device's tuning table
+(``pallas_kernels.tuning``; a device with no table of its own reads ``generic.json`` and the plan
+says so), then the family's heuristic, then a fit of the configs to the call's shapes. The
+``*_plan`` functions return that resolution as a :class:`Plan`, and the call runs exactly it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one call runs.
+
+  Attributes:
+    op: the op family: "flash", "block_sparse", "decode", "paged_decode", "sparse_decode".
+    implementation: the forward's implementation ("xla", "triton", "mosaic_gpu",
+      "mosaic_tpu", "cudnn").
+    config: the forward kernel's config (a frozen ``BlockSizes``-like dataclass of the kernel
+      module), or None where the implementation takes none ("xla", "cudnn").
+    backward: the backward's implementation, or None for a forward-only op (decode).
+    backward_config: the backward kernels' config, or None.
+    table: the tuning table the configs were read from ("nvidia_h200.json", "generic.json"),
+      or None where no table was read (explicit configs, heuristics only, "xla").
+    device_kind: the device the plan was resolved for (jax's ``device_kind``), or None.
+
+  Example:
+    >>> Plan(op="flash", implementation="xla").backward is None
+    True
+  """
+  op: str
+  implementation: str
+  config: Any = None
+  backward: str | None = None
+  backward_config: Any = None
+  table: str | None = None
+  device_kind: str | None = None

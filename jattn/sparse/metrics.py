@@ -1,0 +1,296 @@
+"""What a block selection keeps: captured attention mass, true block mass and score distillation."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _validate
+from pallas_kernels.masks import element_mask
+from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
+                                   check_selection_args, doc_start_blocks, segment_overlap)
+
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_GATE_MODES = ("none", "ste", "gumbel")
+_QUERY_POOLS = ("sum", "max")
+_INT_MAX = np.iinfo(np.int32).max
+_INT_MIN = np.iinfo(np.int32).min
+
+
+# ----------------------------------------------------------------------------- captured mass
+def _chunk_visibility(t, start, qsg, kv_segment_ids, *, q_len, kv_len, causal):
+  """Element visibility [b or 1, 1, 1, len(t), kv_len] of a chunk's query rows ``t``.
+
+  ``t`` = start + arange(chunk) indexes the padded queries; ``qsg`` the padded query segment
+  ids (None: no segments). Causal / segment mask as :func:`element_mask` (no window); padding
+  rows (t >= q_len) see nothing.
+  """
+  if qsg is not None:
+    qs = jax.lax.dynamic_slice_in_dim(qsg, start, t.shape[0], 1)
+    vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
+                       q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
+  else:
+    vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
+                       window=None)[None, None, None]
+  return vis & (t < q_len)[:, None]
+
+
+def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_ids=None,
+                  scale=None, reduce=True, max_chunk_elems=1 << 25):
+  """Fraction of the full-softmax attention probability that falls inside the kept blocks.
+
+  For query t of head h: mass = sum over visible keys in kept blocks of softmax(scale * q.k)
+  (normalised over all visible keys: causal and segment masks). Computed in fp32 in chunks of
+  queries (``lax.map``), so memory stays ~ max_chunk_elems floats even at 16K-64K tokens.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim].
+    selection: a :class:`BlockSelection` for (q_len, kv_len).
+    causal: bottom-right aligned causal mask for the full softmax.
+    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
+    scale: logit scale, default 1/sqrt(head_dim).
+    reduce: True: one scalar, the mean over all (batch, head, query) with at least one visible
+      key. False: fp32 [batch, q_heads], the mean over each head's queries (NaN-free: 0 where a
+      head has no valid query).
+    max_chunk_elems: bound on the logits materialised per chunk.
+
+  Returns:
+    fp32 scalar or [batch, q_heads].
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
+    >>> sel = select_blocks(q, q, block_size=64, top_k=4)
+    >>> float(captured_mass(q, q, sel))
+    1.0
+  """
+  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  check_selection(selection, batch, q_len, kv_len, hk)
+  g = hq // hk
+  d = q.shape[-1]
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  qbs, bs = selection.q_block_size, selection.block_size
+  cq = int(max(1, min(q_len, max_chunk_elems // max(1, batch * hq * kv_len))))
+  nc = cdiv(q_len, cq)
+  pad = nc * cq - q_len
+  qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  kf = k.astype(jnp.float32)
+  tiles = selection.tile_mask()                                            # [b, hk, nq, nk]
+  kblock = jnp.arange(kv_len) // bs                                        # [sk]
+  qsg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
+
+  def chunk(ci):
+    start = ci * cq
+    qc = jax.lax.dynamic_slice_in_dim(qf, start, cq, 1).reshape(batch, cq, hk, g, d)
+    t = start + jnp.arange(cq)                                             # query index
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=_HIGHEST) * scale
+    vis = _chunk_visibility(t, start, qsg, kv_segment_ids, q_len=q_len, kv_len=kv_len,
+                            causal=causal)
+    rows = jnp.take(tiles, jnp.minimum(t // qbs, selection.num_q_blocks - 1), axis=2)
+    kept = jnp.take(rows, kblock, axis=3)[:, :, None]                      # [b, hk, 1, cq, sk]
+    s_all = jnp.where(vis, s, -jnp.inf)
+    lse_all = jax.nn.logsumexp(s_all, axis=-1)
+    lse_sel = jax.nn.logsumexp(jnp.where(kept, s_all, -jnp.inf), axis=-1)
+    ok = jnp.isfinite(lse_all)
+    mass = jnp.where(ok, jnp.exp(lse_sel - jnp.where(ok, lse_all, 0.0)), 0.0)  # [b, hk, g, cq]
+    return (mass.sum(-1).reshape(batch, hq), ok.sum(-1).reshape(batch, hq).astype(jnp.float32))
+
+  mass, cnt = jax.lax.map(chunk, jnp.arange(nc))
+  mass, cnt = mass.sum(0), cnt.sum(0)                                      # [b, hq]
+  if reduce:
+    return jnp.sum(mass) / jnp.maximum(jnp.sum(cnt), 1.0)
+  return jnp.where(cnt > 0, mass / jnp.maximum(cnt, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------- score distillation
+def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, segment_ids=None,
+                         kv_segment_ids=None, scale=None, query_pool="sum",
+                         max_chunk_elems=1 << 25):
+  """Dense attention probability pooled onto (query block, key block) tiles, per GQA group.
+
+  With P = softmax over the visible keys (causal, bottom-right aligned; same nonzero segment id)
+  of scale * q[t] . k[s] in fp32 (queries that see no key, e.g. padding, contribute 0) and
+  m[b, h, t, j] = sum over the keys s of block j of P[b, h, t, s] (query t's mass on block j):
+
+    * query_pool="sum": M[b, g, i, j] = sum over the query heads h of kv group g and the queries
+      t of block i of m[b, h, t, j]. Row sums: sum_j M = (query heads per group) * (valid
+      queries of block i).
+    * query_pool="max": M[b, g, i, j] = sum over h in group g of max over t in block i of
+      m[b, h, t, j]: a block that one query of the block needs counts fully (SeerAttention's
+      max-pooled ground truth), where "sum" dilutes it by the query block size.
+
+  The target of :func:`block_score_kl`. Not differentiable (stop-gradient inputs). Computed in chunks of query blocks (``lax.map``; ~max_chunk_elems logits each), the
+  matmul in the input dtype with fp32 accumulation (fp32 inputs: HIGHEST precision).
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim].
+    block_size, q_block_size: key / query block sizes.
+    causal: bottom-right aligned causal mask.
+    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
+    scale: logit scale, default 1/sqrt(head_dim).
+    query_pool: "sum" or "max" (above).
+    max_chunk_elems: bound on the logits materialised per chunk.
+
+  Returns:
+    fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks].
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 96, 4, 16))
+    >>> m = block_attention_mass(q, q[:, :, :2], block_size=32, q_block_size=32)
+    >>> m.shape, float(m[0, 0, 1].sum())   # 2 query heads per group x 32 queries
+    ((1, 2, 3, 3), 64.0)
+  """
+  if query_pool not in _QUERY_POOLS:
+    raise ValueError(f"query_pool must be one of {_QUERY_POOLS}, got {query_pool!r}")
+  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+  g, d = hq // hk, q.shape[-1]
+  if scale is None:
+    scale = 1.0 / math.sqrt(d)
+  qbs, bs = int(q_block_size), int(block_size)
+  nq, nk = cdiv(q_len, qbs), cdiv(kv_len, bs)
+  c = int(max(1, min(nq, max_chunk_elems // max(1, batch * hq * qbs * kv_len))))
+  nc = cdiv(nq, c)
+  pad = nc * c * qbs - q_len
+  f32 = jnp.float32
+  dt = jnp.promote_types(q.dtype, k.dtype)
+  prec = _HIGHEST if dt == f32 else None
+  qf = jnp.pad(q.astype(dt), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  kf = k.astype(dt)
+  qsg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
+
+  def chunk(ci):
+    start = ci * c * qbs
+    qc = jax.lax.dynamic_slice_in_dim(qf, start, c * qbs, 1).reshape(batch, c * qbs, hk, g, d)
+    t = start + jnp.arange(c * qbs)                                        # query index
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec, preferred_element_type=f32)
+    vis = _chunk_visibility(t, start, qsg, kv_segment_ids, q_len=q_len, kv_len=kv_len,
+                            causal=causal)
+    s = jnp.where(vis, s * scale, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)         # [b, hk, g, cq, sk]
+    p = jnp.pad(p, ((0, 0),) * 4 + ((0, nk * bs - kv_len),))
+    p = jnp.sum(p.reshape(batch, hk, g, c, qbs, nk, bs), axis=6)          # [b,hk,g,c,qbs,nk]
+    p = jnp.max(p, axis=4) if query_pool == "max" else jnp.sum(p, axis=4)
+    return jnp.sum(p, axis=2)                                              # [b, hk, c, nk]
+
+  res = jax.lax.map(chunk, jnp.arange(nc))                                 # [nc, b, hk, c, nk]
+  return jnp.moveaxis(res, 0, 2).reshape(batch, hk, nc * c, nk)[:, :, :nq]
+
+
+def score_kl(z, mass, cand):
+  """Mean over rows of KL(p || softmax(z) over the candidate blocks); p = mass renormalised
+  over the candidates. Rows with fewer than two candidates or no candidate mass are skipped.
+
+  z, mass: fp32 [b, hk, nq, nk]; cand: bool, broadcastable to it.
+  """
+  cand = jnp.broadcast_to(cand, z.shape)
+  tgt = jnp.where(cand, jax.lax.stop_gradient(mass).astype(jnp.float32), 0.0)
+  tot = jnp.sum(tgt, axis=-1, keepdims=True)
+  ok = (jnp.sum(cand, axis=-1) >= 2) & (tot[..., 0] > 0)                  # [b, hk, nq]
+  p = tgt / jnp.where(tot > 0, tot, 1.0)
+  use = cand & ok[..., None]
+  logq = jax.nn.log_softmax(jnp.where(use, z.astype(jnp.float32), -jnp.inf), axis=-1)
+  logq = jnp.where(use, logq, 0.0)
+  pos = use & (p > 0)
+  kl = jnp.sum(jnp.where(pos, p * (jnp.log(jnp.where(pos, p, 1.0)) - logq), 0.0), axis=-1)
+  return jnp.sum(kl) / jnp.maximum(jnp.sum(ok), 1).astype(jnp.float32)
+
+
+def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_init_blocks=1,
+                   num_local_blocks=1, segment_ids=None, kv_segment_ids=None, scale=None,
+                   temperature=1.0, query_pool="sum", max_chunk_elems=1 << 25):
+  """Score-distillation loss: how far the block scorer's distribution is from the dense
+  attention's block mass (``sparse_attention(score_aux_weight=...)`` trains on it).
+
+  For batch b, kv head g and query block i, let C(i) be the candidate blocks of
+  :func:`select_blocks`' rules (selectable and not always kept: top-k chooses among exactly
+  these), z[i, j] = c * score[i, j] / T (``block_scores``, c = scale, T = temperature: the
+  "ste" gate logits) and M = :func:`block_attention_mass` (stop-gradient; ``query_pool`` "sum"
+  or "max" over the block's queries). Then
+
+      p[i, j] = M[i, j] / sum_{j' in C(i)} M[i, j']        (j in C(i))
+      KL(i)   = sum_{j in C(i)} p[i, j] * (log p[i, j] - log_softmax_{j' in C(i)} z[i, j'])
+
+  and the loss is the mean of KL(i) over (b, g, i) with |C(i)| >= 2 and some target mass (0 if
+  there is none). dKL(i)/dz[i, j] = softmax(z)[i, j] - p[i, j] for every candidate j, kept or
+  not, so the scores of dropped blocks that the dense attention wants rise (SeerAttention's
+  pooled-attention KL; DeepSeek Sparse Attention's indexer KL, here at block level and on the
+  attention's own q/k). The always-kept blocks are left out: their score decides nothing and
+  their (mostly local) mass would dwarf the candidates'.
+
+  Args:
+    q, k: as in :func:`select_blocks` (differentiable through the scores only).
+    block_size, q_block_size, causal, num_init_blocks, num_local_blocks, segment_ids,
+      kv_segment_ids: the selection rules (:func:`select_blocks`).
+    scale: logit scale c, default 1/sqrt(head_dim).
+    temperature: T > 0.
+    query_pool: "sum" or "max": pooling of the target over the queries of a block
+      (:func:`block_attention_mass`).
+    max_chunk_elems: chunking of the target (:func:`block_attention_mass`).
+
+  Returns:
+    fp32 scalar (nats).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 16))
+    >>> kl = block_score_kl(q, q, block_size=32, q_block_size=32)
+    >>> bool(kl >= 0), jax.grad(lambda q: block_score_kl(q, q, block_size=32,
+    ...                                                   q_block_size=32))(q).shape
+    (True, (1, 256, 2, 16))
+  """
+  check_selection_args(block_size, q_block_size, 0, num_init_blocks, num_local_blocks)
+  if not temperature > 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}")
+  batch, q_len, kv_len, _, hk = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  if scale is None:
+    scale = 1.0 / math.sqrt(q.shape[-1])
+  scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,
+                              causal=causal, segment_ids=segment_ids,
+                              kv_segment_ids=kv_segment_ids, scale=scale, query_pool=query_pool,
+                              max_chunk_elems=max_chunk_elems)
+  seg_ok = doc_start = None
+  if segment_ids is not None:
+    seg_ok = segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
+    doc_start = doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
+  cand, _, _ = candidates(batch, hk, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
+                           block_size=int(block_size), causal=causal,
+                           num_init=int(num_init_blocks), num_local=int(num_local_blocks),
+                           seg_ok=seg_ok, doc_start=doc_start)
+  return score_kl(scale * scores / temperature, mass, cand)
+
+
+@jax.custom_vjp
+def add_aux_loss(x, loss):
+  """Identity on ``x``; in the backward pass ``loss`` (a scalar) receives cotangent 1, so the
+  gradient of the caller's scalar loss L becomes that of L + loss (DeepSeek-V2/V3's
+  ``AddAuxiliaryLoss``)."""
+  del loss
+  return x
+
+
+def _add_aux_loss_fwd(x, loss):
+  return x, jnp.zeros_like(loss)
+
+
+def _add_aux_loss_bwd(zero, g):
+  return g, jnp.ones_like(zero)
+
+
+add_aux_loss.defvjp(_add_aux_loss_fwd, _add_aux_loss_bwd)
+
+

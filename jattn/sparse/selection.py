@@ -1,0 +1,518 @@
+"""Block scores and top-K block selection (InfLLM v2 / MoBA / NSA style).
+
+:func:`block_scores` mean-pools keys per block; :func:`select_blocks` keeps, for every query
+(block) and kv head, the initial and local blocks plus the top-K scored visible blocks, shared by
+the GQA group, as a :class:`BlockSelection`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn import _validate
+from pallas_kernels.block_schedule import compact_true
+from pallas_kernels.sparse import topk as _topk
+
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_GATE_MODES = ("none", "ste", "gumbel")
+_QUERY_POOLS = ("sum", "max")
+_INT_MAX = np.iinfo(np.int32).max
+_INT_MIN = np.iinfo(np.int32).min
+
+
+def cdiv(a, b):
+  return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- BlockSelection
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockSelection:
+  """The key blocks kept for every (batch, kv head, query block): a top-K block-sparse mask.
+
+  Attributes:
+    indices: int32 [batch, kv_heads, num_q_blocks, max_selected]: kept key-block ids in increasing
+      order, then -1 (the sentinel) for unused slots.
+    counts: int32 [batch, kv_heads, num_q_blocks]: number of kept blocks (valid entries).
+    num_visible: int32 [batch, kv_heads or 1, num_q_blocks]: number of selectable blocks (causally
+      visible and, with segment ids, overlapping the query block's documents).
+    scores: None or fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]: the block scores the
+      selection ranked (``block_scores``), for inspection.
+    block_size: keys per key block (static).
+    q_block_size: queries per query block (static).
+    q_len, kv_len: the sequence lengths the selection was made for (static).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+    >>> sel = select_blocks(q, q, block_size=16, q_block_size=16, top_k=1)
+    >>> sel.counts.shape  # [batch, kv_heads, num_q_blocks]
+    (1, 2, 4)
+  """
+  indices: jax.Array
+  counts: jax.Array
+  num_visible: jax.Array
+  scores: jax.Array | None
+  block_size: int = dataclasses.field(metadata=dict(static=True))
+  q_block_size: int = dataclasses.field(metadata=dict(static=True))
+  q_len: int = dataclasses.field(metadata=dict(static=True))
+  kv_len: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def num_q_blocks(self) -> int:
+    return cdiv(self.q_len, self.q_block_size)
+
+  @property
+  def num_kv_blocks(self) -> int:
+    return cdiv(self.kv_len, self.block_size)
+
+  @property
+  def max_selected(self) -> int:
+    return self.indices.shape[-1]
+
+  def tile_mask(self):
+    """Tile-level mask of the selection, the ``block_mask`` of ``make_schedule``.
+
+    Returns:
+      bool [batch, kv_heads, num_q_blocks, num_kv_blocks], True for kept (query, key) blocks.
+
+    Example:
+      >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 16))
+      >>> sel = select_blocks(q, q, block_size=64, q_block_size=64, top_k=1)
+      >>> sel.tile_mask().shape
+      (1, 2, 4, 4)
+    """
+    b, h, nq, _ = self.indices.shape
+    nk = self.num_kv_blocks
+    cols = jnp.where(self.indices < 0, nk, self.indices)              # sentinel -> spare column
+    mask = jnp.zeros((b, h, nq, nk + 1), bool)
+    bi = jnp.arange(b)[:, None, None, None]
+    hi = jnp.arange(h)[None, :, None, None]
+    qi = jnp.arange(nq)[None, None, :, None]
+    return mask.at[bi, hi, qi, cols].set(True)[..., :nk]
+
+  def to_mask(self, q_len=None, kv_len=None):
+    """Element-level expansion of the block mask (no causal or segment mask applied).
+
+    Args:
+      q_len, kv_len: default to the lengths the selection was made for; if given they must be
+        equal to them.
+
+    Returns:
+      bool [batch, kv_heads, q_len, kv_len]: True where key j's block is kept for query i's block.
+      The attention op applies the element-level causal and segment masks on top.
+
+    Example:
+      >>> q = jax.random.normal(jax.random.key(0), (1, 100, 2, 16))
+      >>> sel = select_blocks(q, q, block_size=32, q_block_size=16, top_k=1)
+      >>> sel.to_mask(100, 100).shape
+      (1, 2, 100, 100)
+    """
+    q_len = self.q_len if q_len is None else int(q_len)
+    kv_len = self.kv_len if kv_len is None else int(kv_len)
+    if (q_len, kv_len) != (self.q_len, self.kv_len):
+      raise ValueError(f"selection was made for (q_len, kv_len) = {(self.q_len, self.kv_len)}, "
+                       f"got {(q_len, kv_len)}")
+    m = self.tile_mask()
+    m = jnp.repeat(m, self.q_block_size, axis=2)[:, :, :q_len]
+    return jnp.repeat(m, self.block_size, axis=3)[..., :kv_len]
+
+  def density(self, relative_to="all"):
+    """Fraction of blocks kept, averaged over batch, kv heads and query blocks.
+
+    Args:
+      relative_to: "all" (kept / num_kv_blocks per query block: the fraction of the full tile
+        grid) or "visible" (kept / selectable blocks, e.g. the fraction of causal blocks).
+
+    Returns:
+      fp32 scalar.
+
+    Example:
+      >>> q = jax.random.normal(jax.random.key(0), (1, 256, 1, 16))
+      >>> float(select_blocks(q, q, block_size=64, top_k=0, num_local_blocks=1,
+      ...                     num_init_blocks=0).density())
+      0.25
+    """
+    kept = jnp.sum(self.counts.astype(jnp.float32))
+    if relative_to == "all":
+      return kept / (self.counts.size * self.num_kv_blocks)
+    if relative_to == "visible":
+      vis = jnp.broadcast_to(self.num_visible, self.counts.shape)
+      return kept / jnp.maximum(jnp.sum(vis.astype(jnp.float32)), 1.0)
+    raise ValueError(f"relative_to must be 'all' or 'visible', got {relative_to!r}")
+
+
+# ----------------------------------------------------------------------------- scoring
+def _block_mean(x, valid, block):
+  """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions."""
+  b, n, h, d = x.shape
+  nb = cdiv(n, block)
+  pad = nb * block - n
+  w = jnp.ones((b, n), jnp.float32) if valid is None else valid.astype(jnp.float32)
+  xf = x.astype(jnp.float32) * w[:, :, None, None]
+  xf = jnp.pad(xf, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, block, h, d)
+  cnt = jnp.pad(w, ((0, 0), (0, pad))).reshape(b, nb, block).sum(-1)   # [b, nb]
+  return xf.sum(2) / jnp.maximum(cnt, 1.0)[:, :, None, None]            # [b, nb, h, d]
+
+
+def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_segment_ids=None):
+  """Mean-pooled block scores (InfLLM v2 / MoBA): the ranking ``select_blocks`` uses.
+
+  score[b, g, i, j] = sum over the query heads h of kv group g of
+  mean(q[b, block i, h]) . mean(k[b, block j, g]), the means taken over the block's positions
+  inside the sequence (and, with segment ids, over non-padding positions only). Unscaled.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
+    block_size: keys per key block.
+    q_block_size: queries per query block (1: per token).
+    segment_ids, kv_segment_ids: None or int [batch, q_len] / [batch, kv_len] (0 = padding).
+
+  Returns:
+    fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]; differentiable in q and k.
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (1, 100, 4, 16))
+    >>> k = jax.random.normal(jax.random.key(1), (1, 100, 2, 16))
+    >>> block_scores(q, k, block_size=32, q_block_size=16).shape
+    (1, 2, 7, 4)
+  """
+  b, _, hq, d = q.shape
+  hk = k.shape[2]
+  qv = None if segment_ids is None else segment_ids != 0
+  kv = None if kv_segment_ids is None else kv_segment_ids != 0
+  qbar = _block_mean(q, qv, q_block_size)                        # [b, nq, hq, d]
+  kbar = _block_mean(k, kv, block_size)                          # [b, nk, hk, d]
+  qsum = qbar.reshape(b, qbar.shape[1], hk, hq // hk, d).sum(3)  # [b, nq, hk, d]
+  return jnp.einsum("bihd,bjhd->bhij", qsum, kbar, precision=_HIGHEST)
+
+
+# ----------------------------------------------------------------------------- selection rules
+def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
+  """Per query block: last query position and the local key-block range [lo, hi] (numpy or jnp)."""
+  nq = cdiv(q_len, q_block_size)
+  off = kv_len - q_len
+  i = xp.arange(nq)
+  q_first = i * q_block_size + off                                  # absolute positions
+  q_last = xp.minimum((i + 1) * q_block_size, q_len) - 1 + off
+  lo = xp.maximum(q_first, 0) // block_size - (num_local - 1)
+  hi = xp.where(q_last >= 0, q_last // block_size, -1)
+  return q_last, lo, hi
+
+
+@functools.lru_cache(maxsize=256)
+def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
+                   per_doc_init=False):
+  """From shapes alone (numpy, O(num_q_blocks)): per-row counts and the static list widths.
+
+  ``per_doc_init=True`` (segment ids: the initial blocks start at each document's first block,
+  which the shapes do not tell) makes ``n_forced`` an upper bound: min(num_init, n_visible) plus
+  every visible local block, as if none of them were initial blocks. Under ``causal`` the
+  resulting ``max_selected`` is the same as without it (a local range that overlaps the initial
+  blocks already covers every visible block).
+
+  Returns (n_visible [nq], n_forced [nq], max_selected, local_width).
+  """
+  nk = cdiv(kv_len, block_size)
+  q_last, lo, hi = _row_geometry(np, q_len, kv_len, q_block_size, block_size, num_local)
+  n_vis = np.clip(q_last // block_size + 1, 0, nk) if causal else np.full(q_last.shape, nk)
+  n_forced = np.minimum(num_init, n_vis)
+  width = 0
+  if num_local > 0:
+    lo0 = np.maximum(lo, 0)
+    width = int(max(0, (hi - lo0 + 1).max()))
+    first_local = lo0 if per_doc_init else np.maximum(lo, num_init)
+    n_forced = n_forced + np.maximum(np.minimum(hi, n_vis - 1) - first_local + 1, 0)
+    n_forced = np.minimum(n_forced, n_vis)
+  k_eff = min(top_k, nk)
+  max_sel = int(max(1, (n_forced + np.minimum(k_eff, n_vis - n_forced)).max()))
+  return n_vis, n_forced, max_sel, width
+
+
+def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local):
+  """jnp masks from iota (no large constants): visible, candidates [nq, nk] and the forced
+  index lists [nq, init + local_width] (-1 where absent)."""
+  nk = cdiv(kv_len, block_size)
+  q_last, lo, hi = _row_geometry(jnp, q_len, kv_len, q_block_size, block_size, num_local)
+  j = jnp.arange(nk, dtype=jnp.int32)[None, :]
+  if causal:
+    visible = j * block_size <= q_last[:, None]
+  else:
+    visible = jnp.ones((q_last.shape[0], nk), bool)
+  forced = j < num_init
+  if num_local > 0:
+    forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
+  forced = forced & visible
+  cand = visible & ~forced
+  parts = []
+  n_init = min(num_init, nk)
+  if n_init:
+    init = jnp.broadcast_to(jnp.arange(n_init, dtype=jnp.int32)[None, :],
+                            (q_last.shape[0], n_init))
+    ok = (init * block_size <= q_last[:, None]) if causal else jnp.ones_like(init, bool)
+    parts.append(jnp.where(ok, init, -1))
+  _, _, _, width = _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init,
+                                  num_local, 0)
+  if num_local > 0 and width:
+    loc = jnp.maximum(lo, 0)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    ok = (loc <= hi[:, None]) & (loc >= num_init) & (loc < nk)
+    parts.append(jnp.where(ok, loc, -1))
+  if not parts:
+    parts.append(jnp.full((q_last.shape[0], 1), -1, jnp.int32))
+  return visible, cand, jnp.concatenate(parts, axis=1).astype(jnp.int32)
+
+
+def _segment_ranges(seg, block):
+  """Per-block (min nonzero id, max nonzero id) of seg [b, n] (positions past n are padding).
+
+  Every nonzero id, negative ones included, is a document; only 0 is padding (as in
+  ``masks.visible`` and ``block_schedule._segment_tile_classes``). A block without a nonzero id
+  gets the empty range (INT32_MAX, INT32_MIN), so ``min <= max`` iff the block holds a document.
+  """
+  b, n = seg.shape
+  nb = cdiv(n, block)
+  s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, nb * block - n))).reshape(b, nb, block)
+  real = s != 0
+  return (jnp.min(jnp.where(real, s, _INT_MAX), -1),
+          jnp.max(jnp.where(real, s, _INT_MIN), -1))
+
+
+def segment_overlap(q_seg, kv_seg, q_block_size, block_size):
+  """bool [b, nq, nk]: query block i and key block j both hold a nonzero id and their nonzero id
+  ranges intersect.
+
+  Exact for packed sequences (nonzero ids non-decreasing along the sequence); for other layouts
+  it may keep a block without a common id (harmless: the element mask still applies).
+  """
+  qmn, qmx = _segment_ranges(q_seg, q_block_size)
+  kmn, kmx = _segment_ranges(kv_seg, block_size)
+  qmn, qmx = qmn[:, :, None], qmx[:, :, None]
+  kmn, kmx = kmn[:, None, :], kmx[:, None, :]
+  return (qmn <= qmx) & (kmn <= kmx) & (qmn <= kmx) & (kmn <= qmx)
+
+
+def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size):
+  """int32 [b, nq]: the key block holding the first key of query block i's document.
+
+  The document of query block i is its minimum nonzero id d (as in ``_segment_ranges``; any
+  nonzero id, negative ones included). Its first key block is the first key block j whose running
+  maximum nonzero id, over kv_seg[:(j+1)*bs], reaches d: a cumulative max over the per-block
+  maxima (an all-padding block counts as INT32_MIN, so padding never raises it) and one binary
+  search per query block, and no earlier than the first key block holding a nonzero id (matters
+  only for d = INT32_MIN); nk for an all-padding query block. O(b * (nq + kv_len)) memory. For
+  packed rows (nonzero ids non-decreasing, zeros anywhere) that is exactly the block of d's first
+  key. For other layouts it is some block holding an id >= d, or nk (no such block); the caller
+  keeps it only if it is selectable, so the rule stays safe, only less useful.
+  """
+  qmn, qmx = _segment_ranges(q_seg, q_block_size)                    # [b, nq]
+  kmn, kmx = _segment_ranges(kv_seg, block_size)                     # [b, nk]
+  nk = kmx.shape[1]
+  reach = jax.lax.cummax(kmx, axis=1)                                # [b, nk], non-decreasing
+  start = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(reach, qmn)
+  has = kmn <= kmx                                                   # [b, nk] holds a document
+  first = jnp.where(jnp.any(has, axis=1), jnp.argmax(has, axis=1), nk)            # [b]
+  start = jnp.maximum(start, first[:, None])
+  return jnp.where(qmn <= qmx, start, nk).astype(jnp.int32)     # all-padding query block: nk
+
+
+def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
+            seg_ok, scores, doc_start=None):
+  """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
+
+  seg_ok: None or bool [b, nq, nk] (``segment_overlap``). doc_start: None (initial blocks
+  0 .. num_init-1) or int32 [b, nq] (``doc_start_blocks``: initial blocks doc_start[b, i] ..
+  doc_start[b, i] + num_init - 1). Forced blocks are never candidates and an initial block
+  that is also local is listed once, so the sorted lists hold no duplicates.
+  """
+  per_doc = doc_start is not None
+  if per_doc != (seg_ok is not None):
+    raise ValueError("segment ids need both seg_ok and doc_start")
+  _, _, max_sel, _ = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal),
+                                    num_init, num_local, top_k, per_doc_init=per_doc)
+  b, hk, nq, nk = rank.shape
+  rank = jax.lax.stop_gradient(rank).astype(jnp.float32)
+  cand, vis, fidx = candidates(b, hk, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
+                                block_size=block_size, causal=causal, num_init=num_init,
+                                num_local=num_local, seg_ok=seg_ok, doc_start=doc_start)
+  k_eff = min(top_k, nk)
+  cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
+  by_sort = functools.partial(_selected_lists_by_sort, k=k_eff, max_sel=max_sel)
+  if k_eff > 0 and nk <= _topk.MAX_ROW:   # GPU: the top-k as a mask by a Pallas kernel, no sort
+    by_mask = functools.partial(_selected_lists_by_mask, k=k_eff, max_sel=max_sel,
+                                keep_fn=_topk.top_k_mask)
+    indices = jax.lax.platform_dependent(rank, cand_b, fidx, vis, cuda=by_mask,
+                                         default=by_sort)
+  else:
+    indices = by_sort(rank, cand_b, fidx, vis)
+  counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
+  num_visible = jnp.sum(vis, axis=-1).astype(jnp.int32)
+  return BlockSelection(indices=indices, counts=counts, num_visible=num_visible, scores=scores,
+                        block_size=block_size, q_block_size=q_block_size, q_len=q_len,
+                        kv_len=kv_len)
+
+
+def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel):
+  """``select_lists``'s lists: ``lax.top_k`` of the candidates' ranks, with the forced blocks
+  ``fidx`` (-1 = none), sorted ascending, -1 past the count: int32 [b, hk, nq, max_sel].
+  (``visible``: unused; ``_selected_lists_by_mask``'s signature.)"""
+  del visible
+  nk = rank.shape[-1]
+  parts = [fidx]
+  if k > 0:
+    masked = jnp.where(cand, rank, -jnp.inf)
+    _, tidx = jax.lax.top_k(masked, k)                                # [b, hk, nq, k]
+    tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
+    parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
+  allidx = jnp.concatenate(parts, axis=-1)
+  key = jnp.where(allidx < 0, nk, allidx)
+  srt = jnp.sort(key, axis=-1)[..., :max_sel]
+  return jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
+
+
+def _selected_lists_by_mask(rank, cand, fidx, visible, *, k, max_sel, keep_fn):
+  """The same lists as ``_selected_lists_by_sort`` without a sort: ``keep_fn(x, k)`` (the
+  mask of each row's k largest entries, ties to the lower index: ``lax.top_k``'s set; on a GPU
+  ``pallas_kernels.sparse.topk.top_k_mask``) of the candidates' ranks, or-ed with the forced
+  blocks, compacted in ascending order (``block_schedule.compact_true``). The forced blocks
+  (``fidx``'s) are the selectable ones that are not candidates, ``visible & ~cand`` (as
+  ``candidates`` builds them), a mask XLA folds like the rest of the static structure."""
+  del fidx
+  keep = keep_fn(jnp.where(cand, rank, -jnp.inf), k) & cand
+  order, count = compact_true(keep | (visible & ~cand), max_sel)
+  slot = jnp.arange(max_sel, dtype=jnp.int32)
+  return jnp.where(slot < count[..., None], order, -1).astype(jnp.int32)
+
+
+def candidates(b, hk, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
+                seg_ok, doc_start):
+  """The block sets of ``select_lists``'s rules (see :func:`select_blocks`).
+
+  Returns:
+    cand: bool [b or 1, 1, nq, nk]: the blocks top-k chooses among (selectable, not forced).
+    vis: bool [b or 1, 1, nq, nk]: the selectable blocks.
+    fidx: int32 [b, hk, nq, width]: the forced (initial, local) blocks, -1 where absent.
+  """
+  per_doc = doc_start is not None
+  visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
+                                         0 if per_doc else num_init, num_local)
+  nq, nk = visible.shape
+  if per_doc:
+    # cand / forced_idx above hold the local blocks only; add each row's document-initial blocks.
+    n_init = min(num_init, nk)
+    ok = visible[None] & seg_ok                                       # [b, nq, nk] selectable
+    fidx = jnp.broadcast_to(forced_idx[None], (b,) + forced_idx.shape)  # [b, nq, width]
+    cand = cand[None] & seg_ok                                        # [b, nq, nk]
+    if n_init:
+      start = doc_start[:, :, None]                                   # [b, nq, 1]
+      init = start + jnp.arange(n_init, dtype=jnp.int32)[None, None]  # [b, nq, n_init]
+      fidx = jnp.where((fidx >= start) & (fidx < start + n_init), -1, fidx)   # listed as init
+      fidx = jnp.concatenate([init, fidx], axis=-1)
+      j = jnp.arange(nk, dtype=jnp.int32)[None, None]
+      cand = cand & ~((j >= start) & (j < start + n_init))
+    valid = (fidx >= 0) & (fidx < nk)
+    f_ok = jnp.take_along_axis(ok, jnp.clip(fidx, 0, nk - 1), axis=-1)
+    fidx = jnp.where(valid & f_ok, fidx, -1).astype(jnp.int32)
+    fidx = jnp.broadcast_to(fidx[:, None], (b, hk) + fidx.shape[1:])
+    cand = cand[:, None]                                              # [b, 1, nq, nk]
+    vis = ok[:, None]
+  else:
+    cand = cand[None, None]                                           # [1, 1, nq, nk]
+    vis = visible[None, None]
+    fidx = jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape)
+  return cand, vis, fidx
+
+
+def check_selection(selection, batch, q_len, kv_len, kv_heads):
+  if not isinstance(selection, BlockSelection):
+    raise TypeError(f"selection must be a BlockSelection, got {type(selection).__name__}")
+  if (selection.q_len, selection.kv_len) != (q_len, kv_len):
+    raise ValueError(f"selection was made for (q_len, kv_len) = "
+                     f"{(selection.q_len, selection.kv_len)}, inputs have {(q_len, kv_len)}")
+  want = (batch, kv_heads, selection.num_q_blocks)
+  if selection.indices.shape[:3] != want:
+    raise ValueError(f"selection.indices must be [batch, kv_heads, num_q_blocks, n] = {want} + "
+                     f"(n,), got {selection.indices.shape}")
+
+
+def check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks):
+  for name, val, lo in (("block_size", block_size, 1), ("q_block_size", q_block_size, 1),
+                        ("top_k", top_k, 0), ("num_init_blocks", num_init_blocks, 0),
+                        ("num_local_blocks", num_local_blocks, 0)):
+    if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
+      raise ValueError(f"{name} must be an int >= {lo} (static), got {val!r}")
+
+
+def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, num_init_blocks=1,
+                  num_local_blocks=1, segment_ids=None, kv_segment_ids=None, score="mean_key"):
+  """Top-K key-block selection per query block, shared by the query heads of each GQA group.
+
+  Rules, for query block i (queries i*q_block_size ..) and kv head g:
+    * selectable blocks: causally visible ones (the block's first key <= the block's last query
+      position, bottom-right aligned) or all blocks when ``causal=False``; with segment ids only
+      blocks whose documents overlap the query block's documents (``segment_overlap``).
+    * always kept (when selectable): the initial blocks and the local blocks. Initial blocks:
+      without segment ids blocks 0 .. num_init_blocks-1; with segment ids the first
+      num_init_blocks key blocks of the query block's document (its smallest nonzero id),
+      i.e. doc_start // block_size + 0 .. num_init_blocks-1 with doc_start that document's first
+      key (each packed document keeps its own attention-sink blocks; ``doc_start_blocks``).
+      Local blocks: every key block holding one of the query block's own positions (its
+      diagonal block) and the num_local_blocks-1 blocks before those. A block that is both is
+      kept once.
+    * plus the ``top_k`` selectable blocks with the highest ``block_scores`` among the others
+      (all of them when fewer are left; ties go to the lower block, as ``lax.top_k``).
+  On a GPU the top-k runs as a Pallas kernel (``pallas_kernels.sparse.topk.top_k_mask``) and
+  the lists are compacted without a sort; on TPU and CPU ``lax.top_k`` and a sort. The lists are
+  the same.
+  ``q_block_size=1`` selects per token (decode parity: see :func:`select_decode_blocks`).
+  Not differentiable (the indices are integers); see :func:`sparse_attention` for gate gradients.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim].
+    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
+    block_size: keys per key block (static).
+    top_k: number of blocks chosen by score besides the initial and local ones (static).
+    q_block_size: queries per query block (static).
+    causal: bottom-right aligned causal visibility.
+    num_init_blocks: leading blocks always kept (of the row, or of each document with
+      segment ids).
+    num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
+    segment_ids: None or int [batch, q_len] (0 = padding; any other id, negative ones included,
+      is a document). The rules are exact for packed rows (nonzero ids non-decreasing, padding
+      anywhere); other layouts never select a block outside the rules' selectable set, but may
+      force a less useful "initial" block.
+    kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
+    score: "mean_key" (the only scorer so far).
+
+  Returns:
+    A :class:`BlockSelection` with ``scores`` filled in. jit-compatible (all sizes are static).
+
+  Example:
+    >>> q = jax.random.normal(jax.random.key(0), (2, 512, 4, 32))
+    >>> k = jax.random.normal(jax.random.key(1), (2, 512, 2, 32))
+    >>> sel = select_blocks(q, k, block_size=64, q_block_size=64, top_k=2)
+    >>> sel.indices.shape   # 1 init + 1 local + 2 chosen
+    (2, 2, 8, 4)
+  """
+  if score != "mean_key":
+    raise ValueError(f"unknown score {score!r}; supported: 'mean_key'")
+  check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
+  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+                                                         q_len, kv_len)
+  scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  seg_ok = doc_start = None
+  if segment_ids is not None:
+    seg_ok = segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
+    doc_start = doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
+  return select_lists(scores, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
+                 block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
+                 num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
+                 scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
+
+
