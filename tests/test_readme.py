@@ -1,16 +1,33 @@
-"""The README's usage example runs as written (CPU, implementation=None -> "xla")."""
+"""The README's code runs as written on a CPU (implementation=None -> "xla"), and its two commands
+are the ones CI runs."""
 import pathlib
 import re
 
 import numpy as np
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
 
-def test_readme_usage_example_runs():
-  text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-  code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+
+def test_readme_python_blocks_run():
+  blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+  assert len(blocks) >= 2
   scope = {}
-  exec(compile(code, "README.md", "exec"), scope)
+  for i, code in enumerate(blocks):
+    exec(compile(code, f"README.md, python block {i + 1}", "exec"), scope)
   out, lse = scope["out"], scope["lse"]
   assert out.shape == (2, 1000, 8, 96) and lse.shape == (2, 8, 1000)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
-  assert scope["plan"].num_bins == 2  # 4096 | 3000 + 900 + 120
+  assert scope["plan"].implementation == "xla"
+  assert scope["packed"].num_bins == 2                    # 4096 | 3000 + 900 + 120
+  assert scope["logits"].shape == (2, 12, 256)
+
+
+def test_readme_commands_are_the_ci_commands():
+  ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+  test_cmd = 'pip install -e ".[test,experiments]" && pytest -q -x -n 2'
+  main_cmd = ('pip install -e ".[experiments]" && python -m experiments.coadaptation --preset smoke'
+              ' --out runs/smoke')
+  first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+  assert test_cmd in first_block and main_cmd in first_block
+  assert test_cmd in ci.splitlines()
