@@ -1,9 +1,12 @@
-"""Documentation holds: every docstring example runs (doctest), and every public function and
-class of a public module documents its arguments, return value and an example."""
+"""Documentation holds: every docstring example runs (doctest), every docs page's python code runs,
+and every public function and class of a public module documents its arguments, return value and
+an example."""
 import doctest
 import importlib
 import inspect
+import pathlib
 import pkgutil
+import re
 
 import pytest
 
@@ -56,3 +59,15 @@ def test_public_api_is_documented():
       if miss:
         missing[f"{name}.{obj.__qualname__}"] = miss
   assert not missing, missing
+
+
+DOC_PAGES = sorted((pathlib.Path(__file__).resolve().parent.parent / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_doc_code_blocks_run(page):
+  """Every ```python block of a docs page runs on the CPU (the page's blocks share one scope)."""
+  blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+  scope = {"__name__": f"docs.{page.stem}"}
+  for i, code in enumerate(blocks):
+    exec(compile(code, f"{page.name}, python block {i + 1}", "exec"), scope)
