@@ -67,7 +67,7 @@ DOC_PAGES = sorted((pathlib.Path(__file__).resolve().parent.parent / "docs").glo
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
 def test_doc_code_blocks_run(page):
   """Every ```python block of a docs page runs on the CPU (the page's blocks share one scope)."""
-  blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)
+  blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL)
   scope = {"__name__": f"docs.{page.stem}"}
   for i, code in enumerate(blocks):
     exec(compile(code, f"{page.name}, python block {i + 1}", "exec"), scope)

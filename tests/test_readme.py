@@ -10,7 +10,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def test_readme_python_blocks_run():
-  blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+  blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
   assert len(blocks) >= 2
   scope = {}
   for i, code in enumerate(blocks):
@@ -28,6 +28,6 @@ def test_readme_commands_are_the_ci_commands():
   test_cmd = 'pip install -e ".[test,experiments]" && pytest -q -x -n 2'
   main_cmd = ('pip install -e ".[experiments]" && python -m experiments.coadaptation --preset smoke'
               ' --out runs/smoke')
-  first_block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+  first_block = re.search(r"```bash\n(.*?)```", README, re.DOTALL).group(1)
   assert test_cmd in first_block and main_cmd in first_block
   assert test_cmd in ci.splitlines()
