@@ -1,8 +1,8 @@
 """Kernel benchmark: jattn and the anchors on named cases, every timed output checked in the run.
 
-  python -m experiments.bench                        # every case -> experiments/results/<device>.json
-  python -m experiments.bench --cases anchors --out /tmp/anchors.json    # a subset, where --out says
-  python -m experiments.bench --summary experiments/results/h200.json    # the README's table
+  python -m experiments.bench                    # every case -> experiments/results/<device>.json
+  python -m experiments.bench --cases anchors --out /tmp/anchors.json   # a subset -> --out
+  python -m experiments.bench --summary experiments/results/h200.json   # the README's table
 
 Cases (``--cases``, names or groups, see ``--list``): flash attention forward and forward+backward
 (B2 S16K H16 bf16, dense / causal / causal window 512 / packed documents, D64/D128/D256), flash
@@ -12,8 +12,8 @@ included, forward+backward, against jattn's own dense causal kernel) and sparse 
 64-token blocks, ~19% kept, against jattn's dense decode). The group ``anchors`` holds the cases
 compared with cuDNN and tokamax.
 
-Implementations (``--impls``): ``jattn`` (``implementation=None``: what a user gets), ``jattn_<name>``
-(an explicit implementation), and the anchors ``jax_nn_cudnn`` / ``jax_nn_xla``
+Implementations (``--impls``): ``jattn`` (``implementation=None``: what a user gets),
+``jattn_<name>`` (an explicit implementation), and the anchors ``jax_nn_cudnn`` / ``jax_nn_xla``
 (``jax.nn.dot_product_attention``) and ``tokamax_mosaic`` / ``tokamax_cudnn``
 (``tokamax.dot_product_attention``, when tokamax imports). Anchors apply to the flash cases (and
 jax.nn's to decode); the sparse cases time each jattn implementation against the same
@@ -120,7 +120,7 @@ class Case:
       s += f" top{self.fraction:.0%} blk{self.block}"
     return s
 
-  def tiny(self) -> "Case":
+  def tiny(self) -> Case:
     """The same case at CPU-test sizes (seq / 64, heads / 8, batch <= 2), same head dim."""
     f = 64
     seq = max(self.seq // f, 256)
@@ -379,15 +379,15 @@ class Bench:
     impls: implementation names (``IMPLS``).
     out: None or the results path (rows also go to ``out + ".partial"`` as they come).
     interpret: run the explicit jattn Pallas implementations in interpret mode (CPU tests).
-    timer: ``timer(fn, arg_sets) -> (ms, spread_ms)``.
+    timer: ``timer(fn, arg_sets) -> (ms, spread_ms)``; default ``time_fn``.
     command: recorded in meta.
   """
 
-  def __init__(self, impls, *, out=None, interpret=False, timer=time_fn, command=None):
+  def __init__(self, impls, *, out=None, interpret=False, timer=None, command=None):
     self.impls = list(impls)
     self.out = out
     self.interpret = interpret
-    self.timer = timer
+    self.timer = timer or time_fn
     self.command = command
     self.rows = []
     self.cases = []
@@ -681,6 +681,24 @@ def device_slug(kind: str) -> str:
   return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "device"
 
 
+def results_path(names, out=None, *, tiny=False, device_kind=None):
+  """Where a run writes: ``out`` if given; else experiments/results/<device>.json for a run of
+  every case at full size; else None (a subset or a tiny run writes no file).
+
+  Example:
+    >>> results_path(["decode_b1_s128k"]) is None
+    True
+    >>> os.path.basename(results_path(list(CASES), device_kind="NVIDIA H200"))
+    'h200.json'
+  """
+  if out is not None:
+    return out
+  if tiny or list(names) != list(CASES):
+    return None
+  kind = device_kind or jax.devices()[0].device_kind
+  return os.path.join(RESULTS_DIR, device_slug(kind) + ".json")
+
+
 def _git_commit():
   try:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -721,7 +739,8 @@ def summary(result) -> str:
   """
   rows = result["rows"]
   meta_ = result.get("meta", {})
-  fmt = lambda r: "fail" if r is None or not r.get("ok") or r.get("ms") is None else f"{r['ms']:.3f}"
+  fmt = lambda r: ("fail" if r is None or not r.get("ok") or r.get("ms") is None
+                   else f"{r['ms']:.3f}")
   by = {(r["case"], r["impl"]): r for r in rows}
   cases = list(dict.fromkeys(r["case"] for r in rows if r["impl"] != "(case)"))
   shape = {r["case"]: r.get("shape", "") for r in rows}
@@ -806,9 +825,7 @@ def main(argv=None):
     impls = parse_impls(args.impls)
   except ValueError as e:
     p.error(str(e))   # exit status 2
-  out = args.out
-  if out is None and not args.tiny and names == list(CASES):
-    out = os.path.join(RESULTS_DIR, device_slug(jax.devices()[0].device_kind) + ".json")
+  out = results_path(names, args.out, tiny=args.tiny)
   if out is None:
     print("a subset of the cases (or --tiny): rows are printed, no file written (give --out)")
   try:

@@ -908,8 +908,9 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=DEFAULT_VARIANTS, st
     raise ValueError("posthoc_topk evaluates the full model: include 'full' in variants")
   seeds = preset.seeds if seeds is None else seeds
   ctx = Context(preset, devices)
-  log(f"[coadaptation] preset={preset.name} seq_len={preset.seq_len} devices={ctx.mesh.devices.size}"
-      f" train_text={len(ctx.train_text.tokens)} bytes ({len(ctx.train_text.names)} files)"
+  log(f"[coadaptation] preset={preset.name} seq_len={preset.seq_len}"
+      f" devices={ctx.mesh.devices.size} train_text={len(ctx.train_text.tokens)} bytes"
+      f" ({len(ctx.train_text.names)} files)"
       f" sparse top_k={sparse_top_k(preset)} block={preset.block_size}")
   budget = stop_after
   rows = []

@@ -1,223 +1,239 @@
-"""The benchmarks' shared timer, issue 8's tile counts and tile sums, the packed-documents bench
-and the Mosaic GPU sweeps' wiring, on the CPU (GPU kernels stood in for by the reference)."""
+"""experiments.bench on the CPU: case and implementation names, the references, a tiny run of
+every case family with its results file and summary, and the committed results files' format."""
+import dataclasses
 import functools
+import glob
+import json
+import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from experiments import bench_kernels as bk
-from pallas_kernels import _timing
-from pallas_kernels.block_schedule import make_schedule
-from pallas_kernels.flash import mosaic_gpu as mg
-from pallas_kernels.flash import mosaic_gpu_bwd as mb
+import jattn
+from experiments import bench, timing
 from pallas_kernels.flash.reference import attention_reference
 
-
-def _brute_tiles(seq, rows, bk_, *, causal, window, docs):
-  """(needed, all) tiles from the element mask, reduced over (rows x bk_) tiles."""
-  i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
-  vis = np.ones((seq, seq), bool)
-  if causal or docs:
-    vis &= j <= i
-  if window is not None:
-    vis &= j >= i - window[0]
-  if docs:
-    seg = np.arange(seq) // (seq // docs)
-    vis &= seg[:, None] == seg[None, :]
-  nq, nk = -(-seq // rows), -(-seq // bk_)
-  pad = np.zeros((nq * rows, nk * bk_), bool)
-  pad[:seq, :seq] = vis
-  return int(pad.reshape(nq, rows, nk, bk_).any((1, 3)).sum()), nq * nk
+FAST = functools.partial(timing.time_fn, iters=1, repeats=1)
 
 
-MASKS = [dict(causal=False, window=None, docs=None), dict(causal=True, window=None, docs=None),
-         dict(causal=True, window=(511, 0), docs=None), dict(causal=True, window=(37, 0), docs=None),
-         dict(causal=True, window=None, docs=4), dict(causal=True, window=None, docs=3)]
-
-
-@pytest.mark.parametrize("seq", [384, 1000, 1536])
-@pytest.mark.parametrize("tiles", [(128, 128), (128, 64), (256, 64)])
-@pytest.mark.parametrize("mask", MASKS, ids=lambda m: "-".join(f"{k}{v}" for k, v in m.items()))
-def test_bench_tile_counts_match_brute_force(seq, tiles, mask):
-  if mask["docs"] and seq % mask["docs"]:
-    pytest.skip("docs must divide seq")
-  got = bk.mosaic_tile_counts(seq, 128, tiles=tiles, **mask)
-  assert got == _brute_tiles(seq, *tiles, **mask)   # exact: one tile off fails
-
-
-def test_bench_tile_counts_default_tiles_are_the_kernels():
-  """The default tiles are the device table's for the mask kind: on an H200, 128 rows x 128
-  keys for a causal window (64 keys from run 33 to run 81), causal and packed documents (the
-  generic table: 128 x 128 everywhere)."""
-  want = {"NVIDIA H200": [(128, 128)] * 3, "cpu": [(128, 128)] * 3}
-  for device, tiles in want.items():
-    for kw, t in zip([dict(causal=True, window=(511, 0), docs=None),
-                      dict(causal=True, window=None, docs=None),
-                      dict(causal=True, window=None, docs=4)], tiles):
-      got = bk.mosaic_tile_counts(4096, 128, device_kind=device, **kw)
-      assert got == bk.mosaic_tile_counts(4096, 128, tiles=t, **kw), (device, kw)
-  # and the tiles change the count (a wrong tile size would be seen)
-  assert bk.mosaic_tile_counts(4096, 128, causal=True, window=(511, 0), tiles=(128, 64)) != \
-      bk.mosaic_tile_counts(4096, 128, causal=True, window=(511, 0), tiles=(128, 128))
-
-
-@pytest.mark.parametrize("seq", [1536, 1000])
-@pytest.mark.parametrize("mask", MASKS[1:], ids=lambda m: f"w{m['window']}-d{m['docs']}")
-def test_bench_tile_counts_vs_the_mosaic_forward_walk(mask, seq):
-  """The Mosaic forward's own program ranges [plo, phi) (``_static_ranges``, or ``_seg_bounds``
-  with segment ids) walk exactly the needed tiles, packed documents with a last q tile that is
-  partly padding (seq 1000 here) included."""
-  if mask["docs"] and seq % mask["docs"]:
-    pytest.skip("docs must divide seq")
-  bs = mg.BlockSizes(64, 64)
-  st = mg._static_config((1, seq, 1, 128), (1, seq, 1, 128), jnp.bfloat16, causal=True, scale=None,
-                         block_sizes=bs, local_window_size=mask["window"],
-                         has_seg=mask["docs"] is not None)
-  if mask["docs"] is None:
-    rows = jnp.arange(st.num_q_programs) * bs.rows_per_program
-    plo, _, _, phi = mg._static_ranges(rows, bs.rows_per_program, st)
-  else:
-    seg = jnp.repeat(jnp.arange(1, mask["docs"] + 1, dtype=jnp.int32), seq // mask["docs"])[None]
-    pad = st.num_q_programs * bs.rows_per_program - seq
-    seg = jnp.pad(seg, ((0, 0), (0, pad)))
-    bounds = mg._seg_bounds(seg, jnp.pad(seg, ((0, 0), (0, st.num_kv_tiles * 64 - seq - pad))),
-                            st)[0]
-    plo, phi = bounds[:, 0], bounds[:, 1]
-  walked = (int(jnp.sum(phi - plo)), st.num_q_programs * st.num_kv_tiles)
-  needed = bk.mosaic_tile_counts(seq, 128, tiles=(bs.rows_per_program, bs.block_k), **mask)
-  assert walked == needed
-  if mask["docs"]:   # the block schedule of the Triton and TPU kernels at the same tiles
-    s = make_schedule(seq, seq, bs.rows_per_program, bs.block_k, causal=True,
-                      q_segment_ids=seg[:, :seq], kv_segment_ids=seg[:, :seq])
-    assert (int(s.visited_tiles()[0, 0]), s.num_q_blocks * s.num_kv_blocks) == needed
-
-
-def test_bench_time_fn_rotates_input_sets():
+def test_time_fn_rotates_input_sets():
   seen = []
   f = lambda x: seen.append(float(x[0])) or x
-  ms, spread = _timing.time_fn(f, [(jnp.full(2, i, jnp.float32),) for i in range(3)], iters=6,
-                               repeats=2)
+  ms, spread = timing.time_fn(f, [(jnp.full(2, i, jnp.float32),) for i in range(3)], iters=6,
+                              repeats=2)
   assert ms > 0 and spread >= 0 and seen[3:] == [0.0, 1.0, 2.0] * 4   # warm-up, then loops
-  assert bk.time_fn is _timing.time_fn
 
 
-def test_bench_tile_sum_fields(monkeypatch, capsys):
-  monkeypatch.setattr(bk, "ROWS", [])
-  q = jnp.zeros((2, 2048, 2, 128), jnp.bfloat16)
-  dense = bk._case(2, 2048, 2, 128)
-  assert bk.tile_sum_fields("jattn_mosaic_gpu", dense, 1.0, q, window=(511, 0)) == {}
-  assert "no dense row" in capsys.readouterr().out
-  bk.ROWS.append(dict(op="flash_fwd", case=dense, impl="jattn_mosaic_gpu", ms=4.0))
-  needed, total = bk.mosaic_tile_counts(2048, 128, causal=True, window=(511, 0))
-  got = bk.tile_sum_fields("jattn_mosaic_gpu", dense, 1.0, q, window=(511, 0))
-  assert got == pytest.approx(dict(tiles_needed=needed, tiles_all=total,
-                                   tile_sum_ms=4.0 * needed / total,
-                                   tile_sum_ratio=total / (4.0 * needed)))
-  assert bk.tile_sum_fields("jax_nn_cudnn", dense, 1.0, q, window=(511, 0)) == {}
-  bk.ROWS.append(dict(op="flash_fwd", case=dense, impl="jattn_default", ms=4.0))
-  assert bk.tile_sum_fields("jattn_default", dense, 1.0, q, docs=4) == {}   # CPU: runs xla
-  assert "not the Mosaic forward" in capsys.readouterr().out
+def test_time_fn_automatic_iterations_are_bounded():
+  calls = []
+  f = lambda x: calls.append(1) or x
+  timing.time_fn(f, [(jnp.ones(2),)], min_time=0.0, min_iters=5, repeats=3)
+  assert len(calls) == 1 + 1 + 5 * 3          # warm-up, the one timed probe call, 3 loops of 5
 
 
-def test_bench_flash_packed_cpu(monkeypatch, capsys):
-  """Every packed implementation gets a row or a printed reason; jattn_default (xla on the CPU)
-  checks against the reference; the cuDNN anchor is timed on separate rows (here: xla)."""
-  monkeypatch.setattr(bk, "ROWS", [])
-  monkeypatch.setattr(bk, "time_fn", functools.partial(_timing.time_fn, iters=1, repeats=1))
-  _fake_cudnn(monkeypatch)
-  bk.bench_flash_packed(s=512, docs=4, h=2, d=64, b=1)
-  rows = {r["impl"]: r for r in bk.ROWS}
-  assert rows["jattn_default"]["ok"] and rows["jax_nn_cudnn"]["ok"]
+def test_anchor_group_holds_the_compared_cases():
+  assert bench.expand_cases("anchors") == [
+      "flash_d128_fwd", "flash_d128_fwdbwd", "flash_d128_causal_fwd", "flash_d128_causal_fwdbwd",
+      "flash_window512_fwd", "flash_window512_fwdbwd", "decode_b1_s128k", "sparse_64k"]
+  c = bench.CASES["flash_d128_causal_fwdbwd"]
+  assert (c.batch, c.seq, c.heads, c.head_dim, c.causal, c.op) == (2, 16384, 16, 128, True,
+                                                                   "flash_fwd_bwd")
+  assert bench.CASES["flash_window512_fwd"].window == (511, 0)
+  d = bench.CASES["decode_b1_s128k"]
+  assert (d.batch, d.seq, d.heads, d.kv_heads, d.head_dim) == (1, 131072, 32, 8, 128)
+  s = bench.CASES["sparse_64k"]
+  assert (s.seq, s.q_block, s.block, s.fraction, s.op) == (65536, 128, 64, 0.19, "sparse_fwd_bwd")
+  assert set(bench.expand_cases("all")) == set(bench.CASES)
+
+
+def test_case_names_groups_and_unknown_names():
+  assert bench.expand_cases("decode_b1_s128k,flash_d128") == [
+      "flash_d128_fwd", "flash_d128_fwdbwd", "decode_b1_s128k"]          # CASES order
+  assert bench.expand_cases("sparse,sparse_64k") == ["sparse_16k", "sparse_64k",
+                                                     "sparse_decode_b1_s128k"]
+  with pytest.raises(ValueError, match="unknown case.*nope.*valid cases: flash_d128_fwd"):
+    bench.expand_cases("flash_d128,nope")
+
+
+def test_impls_are_validated(capsys):
+  assert bench.parse_impls("jattn, jax_nn_xla,jattn") == ["jattn", "jax_nn_xla"]
+  with pytest.raises(SystemExit) as e:
+    bench.main(["--impls", "jattn,cudnn_fast", "--cases", "decode_b1_s128k"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "cudnn_fast" in err and all(name in err for name in bench.IMPLS)
+  with pytest.raises(SystemExit) as e:
+    bench.main(["--cases", "flash_d512"])
+  assert e.value.code == 2 and "flash_d512" in capsys.readouterr().err
+
+
+def test_help_lists_cases_groups_and_impls(capsys):
+  with pytest.raises(SystemExit) as e:
+    bench.main(["--help"])
+  assert e.value.code == 0
   out = capsys.readouterr().out
-  for name in bk.PACKED_IMPLS:
-    assert name in rows or f"{name}: skipped" in out
+  assert all(name in out for name in [*bench.IMPLS, *bench.CASES, *bench.GROUPS])
 
 
-def _fake_cudnn(monkeypatch):
-  nn_attn = jax.nn.dot_product_attention
-  monkeypatch.setattr(jax.nn, "dot_product_attention",
-                      lambda *a, implementation=None, **kw: nn_attn(*a, **kw))
+def test_results_path():
+  assert bench.results_path(list(bench.CASES), device_kind="NVIDIA H100 80GB HBM3").endswith(
+      os.path.join("experiments", "results", "h100.json"))
+  assert bench.results_path(list(bench.CASES), tiny=True) is None
+  assert bench.results_path(["sparse_64k"]) is None
+  assert bench.results_path(["sparse_64k"], "x.json") == "x.json"
+  assert bench.device_slug("TPU v5 lite") == "tpu_v5_lite"
 
 
-def _ref_forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, local_window_size=None,
-                 block_sizes=None, **_):
-  return attention_reference(q, k, v, causal=causal, local_window_size=local_window_size,
-                             q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+@pytest.mark.parametrize("case", ["flash_window512_fwdbwd", "flash_packed_fwd",
+                                  "flash_d128_causal_fwdbwd"])
+def test_reference_matches_attention_reference(case):
+  """The chunked fp32 reference (forward and gradients) equals the library's reference."""
+  c = bench.CASES[case].tiny()
+  s, d = c.seq, c.head_dim
+  q, k, v, ct = (jax.random.normal(jax.random.key(i), (s, d), jnp.float32) for i in range(4))
+  seg = None
+  if c.docs:
+    seg = jnp.repeat(jnp.arange(1, c.docs + 1, dtype=jnp.int32), s // c.docs)
+  out, grads = bench.reference(q, k, v, bench.flash_mask_fn(c, seg), ct=ct, chunk=96)
+
+  def ref(q, k, v):
+    o, _ = attention_reference(q[None, :, None], k[None, :, None], v[None, :, None],
+                               causal=c.causal, local_window_size=c.window,
+                               q_segment_ids=None if seg is None else seg[None],
+                               kv_segment_ids=None if seg is None else seg[None])
+    return o[0, :, 0]
+  want, vjp = jax.vjp(ref, q, k, v)
+  assert bench.rel_err(out, want) < 1e-5
+  for g, w in zip(grads, vjp(ct)):
+    assert bench.rel_err(g, w) < 1e-5
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True, local_window_size=(31, 0)), dict(docs=2)])
-def test_mosaic_sweep_rows_cpu(monkeypatch, kw):
-  """``_sweep``'s wiring (3 input sets through the shared timer, rows, the cuDNN anchor on
-  separate rows for docs) with the reference standing in for the kernel and cuDNN."""
-  _fake_cudnn(monkeypatch)
-  monkeypatch.setattr(mg, "flash_attention", _ref_forward)
-  rows = mg._sweep(1, 256, 2, 2, 64, configs=[mg.BlockSizes()], iters=1, verbose=False, **kw)
-  assert [set(r) for r in rows] == [{"name", "ms", "tflops"},
-                                    {"name", "ms", "tflops", "max_abs_diff_vs_cudnn"}]
-  assert rows[1]["max_abs_diff_vs_cudnn"] < 1e-2
+def test_decode_reference_is_the_last_row_of_attention():
+  q = jax.random.normal(jax.random.key(0), (2, 4, 16))
+  k, v = (jax.random.normal(jax.random.key(i), (2, 40, 2, 16)) for i in (1, 2))
+  lengths = jnp.array([40, 7])
+  keep = jax.random.bernoulli(jax.random.key(3), 0.5, (2, 2, 40)).at[:, :, 0].set(True)
+  got = bench.decode_reference(q, k, v, lengths, keep=keep)
+  for b in range(2):
+    for h in range(4):
+      g = h // 2
+      mask = lambda r, c: ((c < lengths[b]) & keep[b, g][c])[None, :]
+      want = bench.reference(q[b, h][None], k[b, :, g], v[b, :, g], mask)[0]
+      assert bench.rel_err(got[b, h], want) < 1e-5, (b, h)
 
 
-def test_mosaic_sweep_bwd_rows_cpu(monkeypatch):
-  _fake_cudnn(monkeypatch)
-  monkeypatch.setattr(mg, "flash_attention", _ref_forward)
-
-  def ref_bwd(q, k, v, o, l, do, *, causal=False, block_sizes=None):
-    return jax.vjp(lambda q, k, v: attention_reference(q, k, v, causal=causal)[0], q, k, v)[1](do)
-  monkeypatch.setattr(mb, "flash_attention_bwd", ref_bwd)
-  rows = mb._sweep_bwd(1, 128, 2, 2, 64, causal=True, dtype=jnp.float32, iters=1,
-                       configs=[mb.BlockSizes()], verbose=False)
-  names = [r["name"].split()[0] for r in rows]
-  assert names == ["cudnn_fwd", "cudnn_fwd_bwd", "cudnn_bwd_est", "triton_bwd", "mosaic_bwd",
-                   "mosaic_fwd_bwd"]
-  assert all(r["max_abs_diff_vs_cudnn"] < 1e-2 for r in rows[4:])
+@pytest.mark.parametrize("seq,q_block,block", [(1024, 128, 64), (1024, 64, 64), (768, 128, 128)])
+def test_causal_top_k_matches_the_selection(seq, q_block, block):
+  """The bench's top_k keeps the fraction it predicts in jattn's own selection."""
+  top_k, frac = bench.causal_top_k(seq, 0.3, q_block=q_block, block=block)
+  q = jax.random.normal(jax.random.key(0), (1, seq, 2, 16))
+  sel = jattn.select_blocks(q, q, block_size=block, q_block_size=q_block, top_k=top_k)
+  kept = float(jnp.sum(sel.counts)) / (bench._visible_blocks(seq, q_block, block) * 2)
+  assert abs(kept - frac) < 1e-9
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(causal=True, local_window_size=(31, 0)),
-                                dict(docs=2)])
-def test_mosaic_sweep_default_configs_cpu(monkeypatch, kw):
-  """``_sweep``'s default config list on an H200's table is valid for every mask kind (no
-  combination ``BlockSizes`` rejects, e.g. the fence with overlap_softmax) and A/Bs the
-  intra-warpgroup overlap against the default."""
-  from pallas_kernels import tuning
-  _fake_cudnn(monkeypatch)
-  monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
-  mg._tuned_block_sizes.cache_clear()
-  seen = []
-
-  def fake_forward(*args, block_sizes=None, **kwargs):
-    seen.append(block_sizes)
-    return _ref_forward(*args, **kwargs)
-  monkeypatch.setattr(mg, "flash_attention", fake_forward)
-  try:
-    rows = mg._sweep(1, 256, 2, 2, 128, iters=1, verbose=False, **kw)
-  finally:
-    mg._tuned_block_sizes.cache_clear()
-  assert all("error" not in r for r in rows) and len(rows) == len(set(seen)) + 1 > 5
-  assert {b.overlap_softmax for b in seen} == {False, True}
+def test_causal_top_k_of_the_64k_case():
+  assert bench.causal_top_k(65536, 0.19, q_block=128, block=64)[0] == 100
+  assert bench.causal_top_k(16384, 0.19, q_block=128, block=64)[0] == 23
 
 
-def test_ncu_target_parses_every_case():
-  """experiments/ncu_flash_fwd.py (the Nsight Compute target of next_gpu_session_p.sh) builds
-  its inputs for every case and option without a GPU (--dry-run)."""
-  from experiments import ncu_flash_fwd
-  for case in ncu_flash_fwd.CASES:
-    for extra in ([], ["--overlap"], ["--bwd"], ["--fused-bwd"]):
-      assert ncu_flash_fwd.main(["--case", case, "--dry-run", *extra]) is None
+def _check_file(result, cases):
+  meta = result["meta"]
+  for key in ("date", "device", "jax_version", "commit", "command"):
+    assert meta.get(key), key
+  assert {r["case"] for r in result["rows"]} == set(cases)
+  for r in result["rows"]:
+    assert r["case"] in bench.CASES and r["op"] == bench.CASES[r["case"]].op
+    assert {"op", "case", "impl", "ms", "ok"} <= set(r), r
+    if r.get("ms") is None:
+      continue
+    assert ("tflops" in r) != ("tbps" in r), r
+    if r["op"].startswith("sparse") and not r["impl"].endswith("_dense"):
+      assert r["speedup"] > 0, r
 
 
-def test_ncu_sparse_decode_target_cpu():
-  """experiments/ncu_sparse_decode.py: its summary (doctests: per-call sums, the marker cut)
-  and one row's wiring in interpret mode (S1024), checked against the fp32 reference."""
-  import doctest
-  from experiments import ncu_sparse_decode as nsd
-  assert doctest.testmod(nsd).failed == 0
-  err, opened = nsd.run_row("sparse_hnd", calls=1, tiny=True)
-  assert err < 5e-3 and opened is False       # no CUDA driver on the CPU machine
-  from pallas_kernels.sparse import decode_select as ds
-  before = ds.select_decode_slots
-  err, _ = nsd.run_row("sparse_hnd", calls=1, tiny=True, digit_bits=2, fused_select=True)
-  assert err < 5e-3 and ds.select_decode_slots is before   # the patch ends with the row
-  with pytest.raises(ValueError, match="row must be"):
-    nsd.run_row("sparse", tiny=True)
+def test_tiny_run_every_family(tmp_path, monkeypatch, capsys):
+  """One case of each family at tiny sizes, jattn and the XLA anchor: rows checked, file
+  written, summary printed."""
+  monkeypatch.setattr(bench, "time_fn", FAST)
+  out = str(tmp_path / "r.json")
+  cases = ["flash_window512_fwdbwd", "flash_packed_fwd", "decode_b8_s32k_paged", "sparse_16k",
+           "sparse_decode_b1_s128k"]
+  assert bench.main(["--tiny", "--cases", ",".join(cases), "--impls", "jattn,jax_nn_xla",
+                     "--out", out]) == 0
+  assert not os.path.exists(out + ".partial")
+  with open(out) as fh:
+    result = json.load(fh)
+  _check_file(result, cases)
+  assert result["meta"]["command"].startswith("python -m experiments.bench --tiny")
+  rows = {(r["case"], r["impl"]): r for r in result["rows"]}
+  want = [(c, i) for c in cases[:3] for i in ("jattn", "jax_nn_xla")]
+  want += [(c, i) for c in cases[3:] for i in ("jattn", "jattn_dense")]
+  assert set(rows) == set(want)
+  for r in rows.values():
+    assert r["ok"] and 0 <= r["rel_err"] < 2e-2 and r["ms"] > 0, r
+  sp = rows[("sparse_16k", "jattn")]
+  assert 0 < sp["kept_fraction"] < 1 and sp["speedup"] == pytest.approx(
+      rows[("sparse_16k", "jattn_dense")]["ms"] / sp["ms"])
+  capsys.readouterr()
+  assert bench.main(["--summary", out]) == 0
+  table = capsys.readouterr().out
+  assert "| flash_window512_fwdbwd |" in table and "jattn / best anchor" in table
+  assert "| sparse_16k |" in table and "jattn dense ms" in table
+  line = next(ln for ln in table.splitlines() if ln.startswith("| flash_packed_fwd |"))
+  j, a = (rows[("flash_packed_fwd", i)]["ms"] for i in ("jattn", "jax_nn_xla"))
+  assert line.endswith(f"| {j / a:.2f} |")
+
+
+def test_a_failing_implementation_is_a_failed_row(tmp_path, monkeypatch, capsys):
+  """An implementation that raises (here: an explicit Pallas kernel without interpret on a
+  CPU, or cuDNN without a GPU) gives a row with ok False and its error; the run goes on."""
+  monkeypatch.setattr(bench, "time_fn", FAST)
+  out = str(tmp_path / "r.json")
+  assert bench.main(["--tiny", "--cases", "decode_b1_s128k", "--impls",
+                     "jattn_xla,jax_nn_cudnn", "--out", out]) == 0
+  with open(out) as fh:
+    rows = {r["impl"]: r for r in json.load(fh)["rows"]}
+  assert rows["jattn_xla"]["ok"]
+  if jax.default_backend() == "cpu":
+    assert rows["jax_nn_cudnn"]["ok"] is False and rows["jax_nn_cudnn"]["error"]
+    capsys.readouterr()
+    bench.main(["--summary", out])
+    assert "fail" in capsys.readouterr().out
+
+
+def test_interpreted_pallas_kernel_row(monkeypatch):
+  """An explicit Pallas implementation in interpret mode is timed and checked like the rest."""
+  monkeypatch.setattr(bench, "time_fn", FAST)
+  b = bench.Bench(["jattn_triton"], interpret=True)
+  c = dataclasses.replace(bench.CASES["flash_d128_causal_fwd"].tiny(), seq=128, batch=1,
+                          head_dim=64)
+  b.flash(c)
+  (row,) = b.rows
+  assert row["impl"] == "jattn_triton" and row["ok"] and row["rel_err"] < 2e-2, row
+
+
+def test_summary_of_rows():
+  rows = [dict(op="decode", case="decode_b1_s128k", shape="s", impl=i, ms=ms, tbps=1.0, ok=ok)
+          for i, ms, ok in (("jattn", 1.0, True), ("jax_nn_cudnn", 2.0, True),
+                            ("jax_nn_xla", 0.5, False))]
+  table = bench.summary({"meta": {}, "rows": rows})
+  assert "| decode_b1_s128k | s | 1.000 | 2.000 | fail | 0.50 |" in table   # failed anchor left out
+
+
+RESULTS = sorted(glob.glob(os.path.join(bench.RESULTS_DIR, "*.json")))
+
+
+@pytest.mark.parametrize("path", [p for p in RESULTS if not os.path.basename(p).startswith(
+    ("packing",))], ids=os.path.basename)
+def test_committed_results_files(path):
+  """Every device file under experiments/results/ has the bench's format and is named after its
+  device; its summary prints."""
+  with open(path) as fh:
+    result = json.load(fh)
+  assert os.path.basename(path) == bench.device_slug(result["meta"]["device"]) + ".json"
+  _check_file(result, result["meta"]["cases"])
+  names = {r["case"] for r in result["rows"]}
+  assert set(bench.GROUPS["anchors"]) <= names
+  assert "jattn / best anchor" in bench.summary(result)

@@ -301,7 +301,6 @@ def test_data_parallel_on_four_cpu_devices(tmp_path):
 def test_compute_dtype_reaches_the_attention_kernels(monkeypatch):
   """A preset's compute_dtype is the activations' dtype, so attention gets bf16 q/k/v (with
   dtype=None the fp32 norms handed fp32 q/k/v to the kernels: IEEE fp32 dots on the GPU)."""
-  import dataclasses
   import jax
   import jax.numpy as jnp
   import jattn.nn.attention as attn_mod
