@@ -16,7 +16,7 @@ import pytest
 from experiments import coadaptation as C
 from experiments import data
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_deadline_stops_with_a_checkpoint_and_resumes(tmp_path):
 DP_SCRIPT = textwrap.dedent("""
   import json, jax, numpy as np
   from experiments import coadaptation as C
-  from tests.test_coadaptation import _tiny
+  from tests.experiments.test_coadaptation import _tiny
   assert len(jax.devices()) == 4, jax.devices()
   preset = _tiny(steps=3, batch_size=8)
   out = {}
