@@ -51,8 +51,8 @@ import numpy as np
 
 VARIANTS = ("full", "posthoc_topk", "sparse_none", "sparse_ste", "sparse_gumbel", "sparse_aux",
             "local_global", "csa")
-# What runs without --variants: the original seven (sparse_aux is opt-in, so existing commands,
-# the smoke test and earlier result directories stay as they were).
+# What runs without --variants: every variant but sparse_aux, which is opt-in (name it in
+# --variants).
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "sparse_aux")
 TRAINED = tuple(v for v in VARIANTS if v != "posthoc_topk")
 SPARSE_GATES = {"sparse_none": "none", "sparse_ste": "ste", "sparse_gumbel": "gumbel"}
@@ -166,13 +166,9 @@ PRESETS = {
                   num_values=32, num_pairs=1, num_queries=1, text_fraction=0.125,
                   corpus_bytes=2_000_000, eval_retrieval=128, eval_text=32, seeds=3,
                   curriculum_start=4, decode_tokens=8, analysis_rows=4, ckpt_every=50),
-    # One H200, ~10 minutes for every variant (1 seed) at 8K context.
-    # Calibration (H200, 2026-11-30, before compute_dtype reached the activations, i.e. with
-    # fp32 attention): per variant ~15 s compile + ~55 s eval/analysis/decode, and steps at full
-    # length took ~0.9 s; 60 steps already gave full 100% / sparse_ste 81%. 300 steps is the guess
-    # that fits 10 minutes with bf16 attention. Run 11 (H200, bf16): ~9 min of wall time for
-    # every variant (two --time-budget calls); the trained sparse variants collapsed once long
-    # rows arrived (docs/coadaptation.md, "h200 preset"); next: try --lr 1e-3.
+    # One H200, ~10 minutes for every variant (1 seed) at 8K context: per variant ~15 s compile
+    # + ~55 s eval/analysis/decode, and a step at full length ~0.9 s with fp32 attention (less
+    # with bf16); 300 steps fit about 9 minutes of wall time in bf16 (two --time-budget calls).
     "h200": Preset(name="h200", seq_len=8192, num_layers=6, d_model=256, num_heads=4,
                    num_kv_heads=2, head_dim=64, batch_size=8, steps=300, lr=2e-3,
                    warmup_steps=50, block_size=64, window=512, csa_top_k=64, csa_window=512,
@@ -912,8 +908,9 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=DEFAULT_VARIANTS, st
     raise ValueError("posthoc_topk evaluates the full model: include 'full' in variants")
   seeds = preset.seeds if seeds is None else seeds
   ctx = Context(preset, devices)
-  log(f"[coadaptation] preset={preset.name} seq_len={preset.seq_len} devices={ctx.mesh.devices.size}"
-      f" train_text={len(ctx.train_text.tokens)} bytes ({len(ctx.train_text.names)} files)"
+  log(f"[coadaptation] preset={preset.name} seq_len={preset.seq_len}"
+      f" devices={ctx.mesh.devices.size} train_text={len(ctx.train_text.tokens)} bytes"
+      f" ({len(ctx.train_text.names)} files)"
       f" sparse top_k={sparse_top_k(preset)} block={preset.block_size}")
   budget = stop_after
   rows = []

@@ -8,7 +8,7 @@ Vocabulary (``Vocab``): bytes 0..255 (the text corpus is byte level), then a few
 then ``num_keys`` key tokens, ``num_values`` value tokens and, for the ``"pairs"`` task,
 ``num_keys * num_values`` fused key-value needle tokens.
 
-Retrieval episode (one row of ``seq_len + 1`` tokens; inputs are ``row[:-1]``, targets ``row[1:]``)::
+Retrieval episode (one row of ``seq_len + 1`` tokens; inputs ``row[:-1]``, targets ``row[1:]``)::
 
     [ haystack of real text (bytes) with needles written into its last `span` tokens ... ]
     [ QUERY key_a VAL(a)  QUERY key_b VAL(b) ... ]        <- num_queries queries at the end

@@ -1,13 +1,12 @@
 """Per-kernel device time from a JAX profiler trace (CUPTI on GPU), without Nsight Compute.
 
-Whole-call device slopes of small programs are noisy on the H200: issue 5's sparse decode saw
-round slopes from 22 to 81 us for one 58 us call (run 83), and ncu crashed on 5 of 6 rows in
-run 68. A profiler trace records every kernel's start and end on the device at its own clocks,
-without replaying it. ``kernel_times`` runs a jitted function ``calls`` times inside
-``jax.profiler.trace``, reads the trace back (``jax.profiler.ProfileData``), and returns:
+Whole-call device slopes of small programs (tens of microseconds) are noisy, and Nsight Compute
+replays kernels (and can crash on Mosaic GPU ones). A profiler trace records every kernel's start
+and end on the device at its own clocks, without replaying it. ``kernel_times`` runs a jitted
+function ``calls`` times inside ``jax.profiler.trace``, reads the trace back
+(``jax.profiler.ProfileData``), and returns:
 - each kernel's mean device time per call;
-- their sum per call (the device work of one call, launch gaps excluded, as run 67's
-  ncu kernel sums);
+- their sum per call (the device work of one call, launch gaps excluded);
 - the span per call (first kernel start to last kernel end, over the back-to-back calls,
   divided by ``calls``; gaps included).
 
@@ -38,8 +37,8 @@ _CPU_CONTAINERS = ("ThunkExecutor", "ThreadpoolListener", "SlinkyThreadPool", "e
 
 
 def _profile_options():
-  """No HLO protos (run 86: a jitted function closing over a 128K-token cache embeds it as a
-  constant, and the trace's XSpace grew to 6.5 GB, over protobuf's 2 GB: no device plane) and
+  """No HLO protos (a jitted function closing over a 128K-token cache embeds it as a constant,
+  and the trace's XSpace can grow past protobuf's 2 GB limit: then there is no device plane) and
   no Python tracer; the host and device tracers as by default."""
   opts = jax.profiler.ProfileOptions()
   opts.enable_hlo_proto = False

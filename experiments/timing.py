@@ -1,0 +1,79 @@
+"""The benchmark's timer: warm-up on every input set, then host-timed loops of asynchronous calls
+rotating over several input sets (so that repeated calls do not just hit L2), median of the loops.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+
+def sync(x):
+  """Block until every array of the pytree ``x`` is ready; returns ``x``."""
+  jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a,
+                         x)
+  return x
+
+
+def time_fn(fn, arg_sets, *, iters=None, min_time=0.1, min_iters=5, max_iters=2000, repeats=3):
+  """Median milliseconds per call of ``fn(*args)``, rotating over ``arg_sets``.
+
+  Each input set is called once to compile and warm up; then ``repeats`` loops of ``iters``
+  asynchronous calls are timed on the host, each ended by one wait for the last output.
+
+  Args:
+    fn: a jitted function.
+    arg_sets: list of argument tuples (several, to defeat the L2 cache).
+    iters: calls per loop; default: enough for ``min_time`` seconds, clipped to
+      [min_iters, max_iters].
+    min_time: target seconds per loop when ``iters`` is None.
+    min_iters, max_iters: bounds of the automatic ``iters``.
+    repeats: loops; the median is returned.
+
+  Returns:
+    (median_ms, spread_ms) where spread is max - min over the loops.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> f = jax.jit(lambda x: x + 1)
+    >>> ms, _ = time_fn(f, [(jnp.ones(4),)], iters=3, repeats=2)
+  """
+  for args in arg_sets:  # compile + warm up
+    sync(fn(*args))
+  if iters is None:
+    t0 = time.perf_counter()
+    sync(fn(*arg_sets[0]))
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = int(min(max(min_time / one, min_iters), max_iters))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(iters):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    sync(out)
+    times.append((time.perf_counter() - t0) * 1e3 / iters)
+  return float(np.median(times)), float(max(times) - min(times))
+
+
+def random_sets(shapes, dtype, *, num_sets=3, seed=0):
+  """``num_sets`` distinct tuples of standard-normal arrays of ``shapes`` (inputs for ``time_fn``).
+
+  Args:
+    shapes: a list of array shapes (one array per shape in each tuple).
+    dtype: their dtype.
+    num_sets: how many tuples.
+    seed: PRNG seed.
+
+  Returns:
+    A list of ``num_sets`` tuples of arrays.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> sets = random_sets([(2, 3), (4,)], jnp.float32)
+    >>> len(sets), sets[0][1].shape, bool((sets[0][0] != sets[1][0]).all())
+    (3, (4,), True)
+  """
+  keys = jax.random.split(jax.random.key(seed), num_sets * len(shapes)).reshape(num_sets, -1)
+  return [tuple(jax.random.normal(kk, s, dtype) for kk, s in zip(ks, shapes)) for ks in keys]
