@@ -76,16 +76,20 @@ def resolve_decode_implementation(implementation=None, *, platform=None):
   """The implementation the decode ops run for a request.
 
   Args:
-    implementation: None or one of ``IMPLEMENTATIONS``.
+    implementation: None, one of ``IMPLEMENTATIONS``, or "mosaic_gpu" (the Hopper flash
+      kernel's name, e.g. a layer's implementation), which decodes with "triton": there is no
+      Mosaic GPU decode kernel.
     platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
 
   Returns:
-    The implementation name (a named implementation is returned unchanged; never a fallback).
+    The implementation name (any other named implementation is returned unchanged).
 
   Example:
-    >>> resolve_decode_implementation("xla")
-    'xla'
+    >>> resolve_decode_implementation("xla"), resolve_decode_implementation("mosaic_gpu")
+    ('xla', 'triton')
   """
+  if implementation == "mosaic_gpu":
+    return "triton"
   if implementation is not None and implementation not in IMPLEMENTATIONS:
     raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
                      f"{IMPLEMENTATIONS}")
@@ -311,7 +315,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
       count, :func:`default_num_splits`) or an int >= 1: how many parts each sequence's
       visible keys are split into. Every value gives the same result up to rounding.
     return_lse: also return the log-sum-exp [batch, q_heads] (fp32, natural log).
-    implementation: None, "xla", "triton" or "mosaic_tpu".
+    implementation: None, "xla", "triton" or "mosaic_tpu" (:func:`resolve_decode_implementation`).
     interpret: run a Pallas kernel in interpret mode (CPU).
     block_sizes: optional kernel-specific block sizes (``pallas_kernels.decode.triton.
       DecodeBlockSizes`` or ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes``).

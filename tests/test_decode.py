@@ -465,8 +465,9 @@ def test_decode_plan_resolution():
   k_pages, v_pages, table = _paginate(2, k, v, lens.tolist(), 64)
   p = dec.decode_plan(q, k_pages, v_pages, lens, page_table=table, implementation="mosaic_tpu")
   assert (p.op, p.config) == ("paged_decode", dec.DecodeConfig(1, ktpu.DecodeBlockSizes()))
+  assert dec.decode_plan(q, k, v, lens, implementation="mosaic_gpu").implementation == "triton"
   with pytest.raises(ValueError, match="unknown implementation"):
-    dec.decode_plan(q, k, v, lens, implementation="mosaic_gpu")
+    dec.decode_plan(q, k, v, lens, implementation="cudnn")
 
 
 @pytest.mark.parametrize("paged", [False, True])

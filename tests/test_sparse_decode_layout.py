@@ -170,8 +170,7 @@ def test_sparse_decode_plan_resolution(monkeypatch):
   assert plan(q, kv, kv, implementation="mosaic_tpu").config is None
   with pytest.raises(ValueError, match="num_splits applies to the Triton kernel only"):
     plan(q, kv, kv, implementation="mosaic_tpu", num_splits=2)
-  with pytest.raises(ValueError, match="implementation"):
-    plan(q, kv, kv, implementation="mosaic_gpu")
+  assert plan(q, kv, kv, implementation="mosaic_gpu").implementation == "triton"
   cfg = sp.decode.SparseDecodeConfig
   assert plan(q, kv, kv, implementation="triton").config == cfg(num_splits=33)
   assert plan(q, kv, kv, implementation="triton", num_splits=5).config == cfg(num_splits=5)

@@ -394,7 +394,10 @@ class SparseDecodeConfig:
 
 
 def _resolve_decode_implementation(implementation, platform=None):
-  """None -> "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere; other values checked."""
+  """None -> "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere; "mosaic_gpu" (the Hopper
+  flash kernel's name, e.g. a layer's) -> "triton"; other values checked."""
+  if implementation == "mosaic_gpu":
+    return "triton"
   if implementation is not None:
     if implementation not in IMPLEMENTATIONS:
       raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton' or "
