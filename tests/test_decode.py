@@ -314,22 +314,19 @@ def test_triton_compiled_on_gpu(dtype, d):
 @pytest.mark.gpu
 def test_gpu_pallas_merge():
   """Compiled (B3, 4K, GQA 32:8, D128, bf16, lengths 4096 / 1 / 3001, default and 7 splits,
-  contiguous and paged; "triton" and "mosaic_gpu"): ``merge="pallas"`` (the default) within
-  bf16 rounding of ``merge="xla"`` and the fp32 reference."""
+  contiguous and paged): the "triton" call (splits merged by the Pallas merge kernel) within
+  bf16 rounding of the fp32 reference."""
   b, n, hq, hk, d = 3, 4096, 32, 8, 128
   q, k, v = _inputs(19, b, n, hq, hk, d, jnp.bfloat16)
   lengths = jnp.array([4096, 1, 3001], jnp.int32)
   ref_out, ref_lse = _REF(q, k, v, lengths)
   k_pages, v_pages, table = _paginate(20, k, v, lengths.tolist(), 64)
-  for impl, ns, paged in itertools.product(("triton", "mosaic_gpu"), (None, 7), (False, True)):
+  for ns, paged in itertools.product((None, 7), (False, True)):
     fn = dec.paged_decode_attention if paged else dec.decode_attention
     args = (q, k_pages, v_pages, table, lengths) if paged else (q, k, v, lengths)
-    outs = [jax.jit(functools.partial(fn, num_splits=ns, return_lse=True, merge=m,
-                                      implementation=impl))(*args)
-            for m in (None, "xla")]
-    (out, lse), (out_x, _) = outs
+    out, lse = jax.jit(functools.partial(fn, num_splits=ns, return_lse=True,
+                                         implementation="triton"))(*args)
     assert _rel(out, ref_out) < TOL[jnp.bfloat16]
-    assert _rel(out, out_x) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=2e-2, atol=2e-2)
 
 
@@ -391,27 +388,30 @@ def test_triton_lowers_for_gpu_mla_shapes():
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd", "paged"])
 def test_decode_pallas_merge(layout):
-  """``merge="pallas"`` (the splits merged by one Triton kernel, interpreted) gives the XLA
-  merge's output and lse within fp32 rounding and the fp32 reference, lengths 0 / 1 / ragged,
-  GQA 3:1 with head_dim 24 and values of 40, a window and a soft cap, on contiguous caches of
-  both layouts and a paged one; it is the "triton" default (merge=None); other
-  implementations and unknown values are refused."""
+  """The "triton" call merges its splits with the Pallas merge kernel (interpreted): the same
+  output and lse as the XLA merge of the same partials within fp32 rounding, and the fp32
+  reference; lengths 0 / 1 / ragged, GQA 3:1 with head_dim 24 and values of 40, a window and a
+  soft cap, contiguous caches of both layouts and a paged one."""
+  from pallas_kernels.common.merge import merge_partials
+  from pallas_kernels.decode import triton as kt
   q, k, v = _inputs(31, 3, 70, 6, 2, 24, dv=40)
   lengths = jnp.array([0, 1, 61], jnp.int32)
   kw = dict(local_window_size=(40, 0), logits_soft_cap=20.0, num_splits=3, return_lse=True,
             implementation="triton", interpret=True, block_sizes=BK16)
+  pkw = dict(num_splits=3, window_left=40, logits_soft_cap=20.0, block_sizes=BK16,
+             interpret=True)
   if layout == "paged":
     k_pages, v_pages, table = _paginate(32, k, v, lengths, 16)
     call = functools.partial(dec.paged_decode_attention, q, k_pages, v_pages, table, lengths,
                              **kw)
+    parts = kt.paged_decode_partials(q, k_pages, v_pages, table, lengths, **pkw)
   else:
     kc, vc = (k, v) if layout == "nhd" else (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2))
     call = functools.partial(dec.decode_attention, q, kc, vc, lengths, kv_layout=layout, **kw)
-  out, lse = call(merge="pallas")
-  out_x, lse_x = call(merge="xla")
-  for m, n in (("pallas", True), ("xla", False), (None, True)):   # None: the GPU default
-    assert ("jattn_sparse_decode_merge" in str(jax.make_jaxpr(lambda m=m: call(merge=m))())
-            ) == n, m
+    parts = kt.decode_partials(q, k, v, lengths, **pkw)
+  out, lse = call()
+  assert "jattn_merge_partials" in str(jax.make_jaxpr(call)())
+  out_x, lse_x = merge_partials(*parts, axis=1)
   assert out.dtype == q.dtype                      # written by the merge kernel itself
   ref_out, ref_lse = _REF(q, k, v, lengths, local_window_size=(40, 0), logits_soft_cap=20.0)
   np.testing.assert_allclose(np.asarray(out), np.asarray(out_x), rtol=1e-5, atol=1e-5)
@@ -421,7 +421,79 @@ def test_decode_pallas_merge(layout):
   assert _rel(out, ref_out) < 2e-3
   np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=2e-3,
                              atol=2e-3)
-  with pytest.raises(ValueError, match="merge must be"):
-    call(merge="kernel")
-  with pytest.raises(ValueError, match="merge='pallas'"):
-    dec.decode_attention(q, k, v, lengths, implementation="xla", merge="pallas")
+
+
+def test_merge_partials_pallas_matches_xla():
+  """The merge kernel (interpreted) == ``merge_partials`` over the split axis, with empty
+  partials (lse -inf, garbage outputs), an all-empty head and a non-power-of-two head_dim."""
+  from pallas_kernels.common.merge import merge_partials, merge_partials_pallas
+  rng = np.random.default_rng(3)
+  o = jnp.asarray(rng.normal(size=(2, 5, 3, 40)), jnp.float32)
+  lse = jnp.asarray(rng.normal(size=(2, 5, 3)), jnp.float32)
+  lse = lse.at[0, 1:3, 0].set(-jnp.inf).at[1, :, 2].set(-jnp.inf)
+  o = o.at[0, 1, 0].set(jnp.nan)
+  out, l = merge_partials_pallas(o, lse, out_dtype=jnp.bfloat16, interpret=True)
+  want, want_l = merge_partials(o, lse, axis=1)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(l), np.asarray(want_l), rtol=1e-6)
+  assert np.all(np.asarray(out[1, 2], np.float32) == 0) and np.isneginf(np.asarray(l[1, 2])).all()
+
+
+def test_decode_plan_resolution():
+  """``decode_plan``: explicit arguments win; otherwise the heuristics (Triton block sizes at
+  max(head_dim, head_dim_v), ``default_num_splits`` at (batch, kv_heads, capacity) for both
+  layouts and paged caches), the merge by implementation."""
+  from jattn._plan import Plan
+  from pallas_kernels.decode import mosaic_tpu as ktpu
+  from pallas_kernels.decode import triton as kt
+  q, k, v = _inputs(1, 2, 4096, 8, 2, 64)
+  lens = jnp.array([10, 4096], jnp.int32)
+  p = dec.decode_plan(q, k, v, lens, implementation="xla")
+  assert isinstance(p, Plan) and (p.op, p.implementation, p.backward, p.table) == (
+      "decode", "xla", None, None)
+  assert p.config == dec.DecodeConfig(num_splits=1, block_sizes=None, merge="xla")
+  p = dec.decode_plan(q, k, v, lens, implementation="triton")
+  bs = kt.default_block_sizes(64, k.dtype)
+  want = dec.default_num_splits("triton", 2, 2, 4096, bs)
+  assert p.config == dec.DecodeConfig(num_splits=want, block_sizes=bs, merge="pallas")
+  kh, vh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+  assert dec.decode_plan(q, kh, vh, lens, kv_layout="hnd", implementation="triton") == p
+  mine = kt.DecodeBlockSizes(block_k=32)
+  p = dec.decode_plan(q, k, v, lens, implementation="triton", num_splits=5, block_sizes=mine)
+  assert p.config == dec.DecodeConfig(num_splits=5, block_sizes=mine, merge="pallas")
+  k_pages, v_pages, table = _paginate(2, k, v, lens.tolist(), 64)
+  p = dec.decode_plan(q, k_pages, v_pages, lens, page_table=table, implementation="mosaic_tpu")
+  assert (p.op, p.config) == ("paged_decode", dec.DecodeConfig(1, ktpu.DecodeBlockSizes()))
+  assert dec.decode_plan(q, k, v, lens, implementation="mosaic_gpu").implementation == "triton"
+  with pytest.raises(ValueError, match="unknown implementation"):
+    dec.decode_plan(q, k, v, lens, implementation="cudnn")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_runs_its_plan(paged, monkeypatch):
+  """The call hands the kernel exactly its plan's config (num_splits, block sizes), with and
+  without explicit arguments."""
+  from pallas_kernels.decode import triton as kt
+  seen = []
+  name = "paged_decode_partials" if paged else "decode_partials"
+  orig = getattr(kt, name)
+
+  def spy(*args, **kw):
+    seen.append((kw["num_splits"], kw["block_sizes"]))
+    return orig(*args, **kw)
+  monkeypatch.setattr(kt, name, spy)
+  q, k, v = _inputs(paged + 40, 2, 96, 4, 2, 32 + 8 * paged)
+  lens = jnp.array([96, 50], jnp.int32)
+  if paged:
+    k_pages, v_pages, table = _paginate(41, k, v, lens.tolist(), 16)
+    args, call = (q, k_pages, v_pages, table, lens), dec.paged_decode_attention
+    plan_args = (q, k_pages, v_pages, lens)
+    plan_kw = dict(page_table=table)
+  else:
+    args, call, plan_args, plan_kw = (q, k, v, lens), dec.decode_attention, (q, k, v, lens), {}
+  for kw in (dict(), dict(num_splits=3, block_sizes=BK16)):
+    seen.clear()
+    call(*args, implementation="triton", interpret=True, **kw)
+    plan = dec.decode_plan(*plan_args, implementation="triton", **plan_kw, **kw)
+    assert seen == [(plan.config.num_splits, plan.config.block_sizes)], kw

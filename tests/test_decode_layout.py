@@ -5,10 +5,9 @@ Every implementation runs "hnd" as the free reshape to batch * kv_heads sequence
 head (``jattn._layout``, shared with sparse decode), so the checks are: "hnd" on the transposed
 cache == "nhd" (out and lse) and == the fp32 reference, for "xla", "triton" (interpreted) and
 "mosaic_tpu" (the TPU interpreter), with ragged lengths (0, 1, partial blocks), GQA 4 and 1, a
-window and a soft cap, values narrower than keys; "mosaic_gpu" through the CPU replay of its
-kernel walk; the default split count of "hnd" is the "nhd" one (H200 core count) and the call
-lowers for CUDA / TPU at the bench shape; bad layouts and shapes raise. GPU tests (``-m gpu``)
-compare the compiled Triton and Mosaic GPU kernels.
+window and a soft cap, values narrower than keys; the default split count of "hnd" is the
+"nhd" one (H200 core count) and the call lowers for CUDA / TPU at the bench shape; bad layouts
+and shapes raise. The GPU test (``-m gpu``) compares the compiled Triton kernels.
 """
 import functools
 
@@ -19,11 +18,13 @@ import pytest
 
 from jattn import decode as dec
 from pallas_kernels import compat
-from pallas_kernels.decode import mosaic_gpu as dm
 from pallas_kernels.decode import reference as dref
-from test_decode_mosaic_gpu import _FAST_CPU_COMPILE, _replay_call, fresh_traces  # noqa: F401
 from test_sparse import _kernel_module_or_skip
 from test_sparse_decode_layout import _hnd, _rel
+
+
+_FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0,
+                     "xla_llvm_disable_expensive_passes": True}
 
 
 def _inputs(seed, b, n, hq, hk, d, dv, dtype=jnp.float32):
@@ -99,39 +100,26 @@ def test_hnd_equals_nhd_on_transposed_cache(impl, name):
   _check(nhd, hnd, ref, lens, tol)
 
 
-def test_hnd_mosaic_gpu_replayed(monkeypatch, fresh_traces):  # noqa: F811
-  """"mosaic_gpu" on a head-major bf16 cache with the CPU replay of its kernel walk (GQA 4,
-  D64, lengths 0 / 1 / ragged / full, 3 splits): the "nhd" call's outputs and lse, and the fp32
-  reference."""
-  monkeypatch.setattr(dm, "_call", _replay_call)
-  q, k, v = _inputs(7, 4, 200, 8, 2, 64, 64, jnp.bfloat16)
-  lens = jnp.asarray([0, 1, 130, 200], jnp.int32)
-  nhd, hnd, ref = _both_layouts(q, k, v, lens, num_splits=3, implementation="mosaic_gpu",
-                                merge="xla")       # the Triton merge needs a GPU here
-  _check(nhd, hnd, ref, lens, 2e-2)
-
-
-@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
-def test_hnd_default_splits_equal_nhd(impl, monkeypatch):
+def test_hnd_default_splits_equal_nhd(monkeypatch):
   """B1 S128K GQA 32:8 D128 bf16 on a 132-SM H200: "hnd" (8 sequences of one kv head inside)
   gets the split count "nhd" gets (asked for at (batch 1, kv_heads 8): 32), which is also the
   heuristic's answer at (8, 1); the call lowers for CUDA with the documented output shapes."""
   monkeypatch.setattr(compat, "gpu_core_count", lambda: 132)
   b, n, hq, hk, d, dt = 1, 131072, 32, 8, 128, jnp.bfloat16
-  default = functools.partial(dec.default_num_splits, impl, head_dim=d, dtype=dt)
+  default = functools.partial(dec.default_num_splits, "triton", head_dim=d, dtype=dt)
   assert default(b, hk, n) == default(b * hk, 1, n) == 32
   seen = []
   real = dec._decode_jit
 
   def spy(*args, **kw):
-    seen.append(kw["num_splits"])
+    seen.append(kw["config"].num_splits)
     return real(*args, **kw)
   monkeypatch.setattr(dec, "_decode_jit", spy)
   sds = jax.ShapeDtypeStruct
   for kv in ((b, n, hk, d), (b, hk, n, d)):
     layout = "nhd" if kv[1] == n else "hnd"
     fn = jax.jit(lambda q, k, v, lens, layout=layout: dec.decode_attention(
-        q, k, v, lens, return_lse=True, implementation=impl, kv_layout=layout))
+        q, k, v, lens, return_lse=True, implementation="triton", kv_layout=layout))
     lowered = fn.trace(sds((b, hq, d), dt), sds(kv, dt), sds(kv, dt),
                        sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert [a.shape for a in lowered.out_info] == [(b, hq, d), (b, hq)]
@@ -182,11 +170,6 @@ def test_layout_errors():
     hnd(q, kh, vh.astype(jnp.bfloat16), lens)
   with pytest.raises(TypeError, match="floating"):
     hnd(q, kh.astype(jnp.int32), vh.astype(jnp.int32), lens)
-  # unsupported options of an implementation still raise, naming the option
-  with pytest.raises(NotImplementedError, match="local_window_size"):
-    dec.decode_attention(q.astype(jnp.bfloat16), kh.astype(jnp.bfloat16),
-                         vh.astype(jnp.bfloat16), lens, local_window_size=(8, 0),
-                         implementation="mosaic_gpu", kv_layout="hnd")
   # paged caches have no head-major option
   with pytest.raises(TypeError, match="kv_layout"):
     dec.paged_decode_attention(q, k.reshape(4, 16, hk, d), v.reshape(4, 16, hk, d),
@@ -198,18 +181,15 @@ def test_layout_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
-def test_gpu_hnd_equals_nhd(impl):
+def test_gpu_hnd_equals_nhd():
   """The compiled kernels on a head-major bf16 cache (B3, 8K, GQA 32:8, D128, lengths 8192 / 0
   / 3001, default splits): the "nhd" call's outputs and lse within rounding, and the fp32
   reference."""
-  if impl == "mosaic_gpu" and compat.gpu_compute_capability() != (9, 0):
-    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
   b, n, hq, hk, d = 3, 8192, 32, 8, 128
   q, k, v = _inputs(45, b, n, hq, hk, d, d, jnp.bfloat16)
   lens = jnp.array([8192, 0, 3001], jnp.int32)
   run = lambda *a, **x: jax.jit(functools.partial(
-      dec.decode_attention, return_lse=True, implementation=impl, **x))(*a)
+      dec.decode_attention, return_lse=True, implementation="triton", **x))(*a)
   out, lse = run(q, k, v, lens)
   out_h, lse_h = run(q, _hnd(k), _hnd(v), lens, kv_layout="hnd")
   assert out_h.shape == (b, hq, d) and lse_h.shape == (b, hq)

@@ -282,7 +282,7 @@ def test_mla_absorbed_decode_does_not_copy_the_cache(spec, slots):
 def test_mla_absorbed_decode_rules():
   """Which layers absorb: MLA without qk_norm on xla / mosaic_tpu; on triton only while the
   absorbed query tile has at most the elements of the kernel's largest tested tile (16 heads x
-  256 lanes); never mosaic_gpu."""
+  256 lanes); "mosaic_gpu" decodes with the Triton kernel, so its rule."""
   mla = lambda heads, rank, rope, impl, **kw: nnx.eval_shape(lambda: Attention(   # no weights
       64, heads, 2, 16, kv_lora_rank=rank, rope_head_dim=rope, implementation=impl,
       rngs=nnx.Rngs(0), **kw)).absorbed_decode
@@ -295,4 +295,4 @@ def test_mla_absorbed_decode_rules():
   assert mla(128, 512, 64, "xla")
   assert not mla(4, 24, 8, "xla", mla_absorb=False)
   assert not mla(4, 24, 8, "xla", qk_norm=True)
-  assert not mla(4, 24, 8, "mosaic_gpu")
+  assert mla(4, 24, 8, "mosaic_gpu") and not mla(16, 192, 72, "mosaic_gpu")

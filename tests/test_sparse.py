@@ -1,7 +1,6 @@
 """Tests of jattn.sparse: selection rules, block-sparse attention, gate gradients, captured mass,
 sparse decode. Brute-force numpy/jnp references are written here, independent of the module."""
 import functools
-import itertools
 import re
 
 import jax
@@ -963,13 +962,12 @@ def test_gpu_sparse_decode_triton():
 
 
 @pytest.mark.gpu
-def test_gpu_decode_select_searches():
-  """The selection kernel compiled on the GPU at issue 5's shape (2048 blocks, top 387, 8
-  warps) with every threshold search (early and full bit search, radix 2 and 4, "kary" at 1,
-  4 and 8 trials) on the adversarial rows (ties, +0/-0, infinities, all equal, neighbouring
-  floats) and on continuous ones, lengths from 0 to past the cache: XLA's lax.top_k
-  selection, to the bit."""
-  from pallas_kernels.sparse.decode_select import select_decode_slots
+def test_gpu_decode_select():
+  """The selection kernel compiled on the GPU at the bench shape (2048 blocks, top 387, 8
+  warps) on the adversarial rows (ties, +0/-0, infinities, all equal, neighbouring floats) and
+  on continuous ones, lengths from 0 to past the cache: XLA's lax.top_k selection, to the
+  bit."""
+  from pallas_kernels.sparse.decode_select import decode_width, select_decode_slots
   nb, bs, top_k = 2048, 64, 387
   rng = np.random.default_rng(23)
   lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100,
@@ -977,17 +975,11 @@ def test_gpu_decode_select_searches():
   scores = jnp.concatenate([_adversarial_decode_scores(rng, lens.shape[0], nb),
                             jnp.asarray(rng.standard_cauchy((lens.shape[0], 2, nb)),
                                         jnp.float32)], axis=1)
-  width = sp.decode._decode_width(nb, top_k, 1, 1)
   sel_kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
   want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(scores, lens)
-  for bits, loop, trials in ((1, "early", None), (1, "unrolled", None), (2, None, None),
-                             (4, None, None), (1, "kary", 1), (1, "kary", 4),
-                             (1, "kary", 8)):
-    idx, _ = jax.jit(functools.partial(
-        select_decode_slots, max_selected=width, digit_bits=bits, search_loop=loop,
-        search_trials=trials, **sel_kw))(scores, lens)
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want),
-                                  err_msg=f"{bits} {loop} {trials}")
+  idx, _ = jax.jit(functools.partial(select_decode_slots, max_selected=decode_width(
+      nb, top_k, 1, 1), **sel_kw))(scores, lens)
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
 
 
 def test_sparse_attention_lowers_for_tpu():
@@ -1086,7 +1078,7 @@ def test_decode_select_kernel(nb, bs, top_k, n_init, n_local):
   with many exact ties (quantised scores, +0/-0), lengths 0, 1, mid-block, on a block
   boundary, past the cache."""
   _kernel_module_or_skip("triton")
-  from pallas_kernels.sparse.decode_select import select_decode_slots
+  from pallas_kernels.sparse.decode_select import decode_width, select_decode_slots
   rng = np.random.default_rng(nb + top_k)
   b, hk = 6, 3
   scores = np.round(rng.normal(size=(b, hk, nb)) * 4) / 4              # many ties
@@ -1094,7 +1086,7 @@ def test_decode_select_kernel(nb, bs, top_k, n_init, n_local):
   scores[:, 0, 1::3] = 0.0
   scores = jnp.asarray(scores, jnp.float32)
   lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100])
-  width = sp.decode._decode_width(nb, top_k, n_init, n_local)
+  width = decode_width(nb, top_k, n_init, n_local)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local)
   idx, cnt = select_decode_slots(scores, lens, max_selected=width, interpret=True, **kw)
   want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **kw))(scores, lens)
@@ -1122,42 +1114,32 @@ def _adversarial_decode_scores(rng, b, nb):
   return jnp.asarray(np.stack([np.asarray(r, f32) for r in rows], axis=1))
 
 
-@pytest.mark.parametrize("nb,bs,top_k,n_init,n_local,chunk", [
-    (37, 16, 5, 1, 1, None), (300, 16, 40, 2, 3, 64), (2048, 64, 387, 1, 1, None),
-    (9, 16, 30, 0, 0, None)])
-def test_decode_select_kernel_radix(nb, bs, top_k, n_init, n_local, chunk):
-  """The radix threshold search (digit_bits 2 and 4, one or several compare chunks) selects
-  exactly what the 32-step bit search, lax.top_k and brute force select: ties to the lower
-  block id, forced blocks, top_k above the visible blocks, lengths 0, 1, mid-block, on a block
-  boundary and past the cache, all-equal rows, +0/-0, +-inf, -FLT_MAX, subnormals."""
+@pytest.mark.parametrize("nb,bs,top_k,n_init,n_local", [
+    (37, 16, 5, 1, 1), (300, 16, 40, 2, 3), (9, 16, 30, 0, 0)])
+def test_decode_select_kernel_adversarial(nb, bs, top_k, n_init, n_local):
+  """The selection kernel selects exactly what lax.top_k and brute force select on adversarial
+  rows: ties to the lower block id, forced blocks, top_k above the visible blocks, lengths 0,
+  1, mid-block, on a block boundary and past the cache, all-equal rows, +0/-0, +-inf,
+  -FLT_MAX, subnormals; the arrival counters come back zeroed."""
   _kernel_module_or_skip("triton")
-  from pallas_kernels.sparse.decode_select import select_decode_slots
+  from pallas_kernels.sparse.decode_select import decode_width, select_decode_slots
   rng = np.random.default_rng(3 * nb + top_k)
   lens = jnp.array([nb * bs, 0, 1, (nb // 2) * bs, (nb // 3) * bs + 5, nb * bs + 100,
                     2 * bs + 1, bs * min(nb, top_k + 2)])
   scores = _adversarial_decode_scores(rng, lens.shape[0], nb)
-  width = sp.decode._decode_width(nb, top_k, n_init, n_local)
-  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local,
-            max_selected=width, interpret=True)
-  base, bcnt = select_decode_slots(scores, lens, **kw)
-  sel_kw = {k: kw[k] for k in ("block_size", "top_k", "num_init_blocks", "num_local_blocks")}
-  want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(scores, lens)
+  width = decode_width(nb, top_k, n_init, n_local)
+  kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local)
+  idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
+                                      return_arrivals=True, **kw)
+  want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **kw))(scores, lens)
   brute = _np_decode_select(scores, np.asarray(lens), bs, top_k, n_init, n_local, width)
   # lax.top_k ranks -inf candidates with the masked (forced, invisible) blocks, ties to the
   # lower id, so a -inf candidate can lose its place: brute force only on -inf-free heads.
   finite = [h for h in range(scores.shape[1]) if not np.isneginf(scores[:, h]).any()]
   np.testing.assert_array_equal(np.asarray(want)[:, finite], brute[:, finite])
-  np.testing.assert_array_equal(np.asarray(base), np.asarray(want))
-  for bits, loop, trials in ((2, "unrolled", None), (4, "unrolled", None), (1, "early", None),
-                             (1, "rolled", None), (1, "unrolled", None), (1, "kary", None),
-                             (1, "kary", 1), (1, "kary", 8)):
-    idx, cnt, arr = select_decode_slots(scores, lens, digit_bits=bits, search_chunk=chunk,
-                                        search_loop=loop, search_trials=trials,
-                                        return_arrivals=True, **kw)
-    msg = f"bits={bits} search_loop={loop} trials={trials}"
-    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want), err_msg=msg)
-    np.testing.assert_array_equal(np.asarray(cnt), np.asarray(bcnt), err_msg=msg)
-    np.testing.assert_array_equal(np.asarray(arr), 0)
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(cnt), (np.asarray(want) >= 0).sum(-1))
+  np.testing.assert_array_equal(np.asarray(arr), 0)
 
 
 def _keep_after_search(key, real, t_u, top_k):
@@ -1171,128 +1153,50 @@ def _keep_after_search(key, real, t_u, top_k):
   return above | (tie & (rank < top_k - above.sum()))
 
 
-def test_bit_search_early_exit_keeps_the_same_set():
-  """``search_loop="early"`` stops at the first trial that counts exactly top_k keys. On
-  continuous scores that is well before 32 steps (issue 5's shape: 2048 blocks, top 387), and
-  the kept set after the threshold step is the full search's on every row of the adversarial
-  set (ties at the k-th key, all equal, +0/-0, infinities, neighbouring floats), for several
-  top_k, with and without padded lanes."""
-  from pallas_kernels.sparse import decode_select as ds
+def test_bit_search_keeps_the_top_k():
+  """``topk.bit_search`` stops at the first trial that counts exactly top_k keys. On continuous
+  scores that is well before 32 steps (2048 blocks, top 387); after the threshold step (keys
+  above it, then ties at it by lower index) the kept set is the brute-force top_k (ties to the
+  lower index) on every row of the adversarial set (ties at the k-th key, all equal, +0/-0,
+  infinities, neighbouring floats), for several top_k, with and without padded lanes; c_t is
+  the count of real keys at the threshold."""
+  from pallas_kernels.sparse import topk
   rng = np.random.default_rng(11)
+
+  def brute(key, real, k):
+    key, real = np.asarray(key, np.int64), np.asarray(real)
+    order = sorted(np.flatnonzero(real), key=lambda j: (-key[j], j))[:k]
+    keep = np.zeros(key.shape, bool)
+    keep[order] = True
+    return keep
   steps = []
-  for i in range(40):
+  for i in range(20):
     s = jnp.asarray(rng.normal(size=2048) * rng.uniform(1e-3, 1e3), jnp.float32)
-    key, real = ds.total_order_key(s), jnp.arange(2048) < 2046
-    t_full = ds._bit_search(key, real, top_k=387)
-    t_early, n = ds._bit_search(key, real, top_k=387, loop="early", return_steps=True)
-    np.testing.assert_array_equal(_keep_after_search(key, real, t_full, 387),
-                                  _keep_after_search(key, real, t_early, 387))
+    key, real = topk.total_order_key(s), jnp.arange(2048) < 2046
+    t, n = topk.bit_search(key, real, top_k=387, return_steps=True)
+    np.testing.assert_array_equal(_keep_after_search(key, real, t, 387), brute(key, real, 387))
     steps.append(int(n))
   assert max(steps) < 32 and np.mean(steps) < 24, steps
   rows = _adversarial_decode_scores(rng, 3, 300).reshape(-1, 300)
-  search = jax.jit(ds._bit_search, static_argnames=("top_k", "loop", "n_real"))
+  search = jax.jit(topk.bit_search, static_argnames=("top_k", "n_real"))
   for r in range(rows.shape[0]):
-    key = ds.total_order_key(rows[r])
+    key = topk.total_order_key(rows[r])
     for top_k in (1, 5, 40, 299, 300):
       for n_real in (300, 257):
         real = jnp.arange(300) < n_real
         k = min(top_k, n_real)
-        full = _keep_after_search(key, real, ds._bit_search(key, real, top_k=k), k)
-        early = _keep_after_search(key, real, ds._bit_search(key, real, top_k=k, loop="early"),
-                                   k)
-        np.testing.assert_array_equal(early, full, err_msg=f"row {r} top_k {top_k}")
-        assert full.sum() == k
-        loops = ("early", "unrolled", "rolled") if r == 0 else ("early",)
-        for loop in loops:                             # c_t: the count at the threshold
-          t_u, c_t = search(key, real, top_k=k, loop=loop, n_real=n_real)
-          thr = np.int64(t_u) ^ -(2 ** 31)
-          want = int(np.sum((np.asarray(key) >= thr) & np.asarray(real)))
-          assert int(c_t) == want >= k, (r, top_k, n_real, loop, int(c_t), want)
+        t_u, c_t = search(key, real, top_k=k, n_real=n_real)
+        np.testing.assert_array_equal(_keep_after_search(key, real, t_u, k),
+                                      brute(key, real, k), err_msg=f"row {r} top_k {top_k}")
+        thr = np.int64(t_u) ^ -(2 ** 31)
+        want = int(np.sum((np.asarray(key) >= thr) & np.asarray(real)))
+        assert int(c_t) == want >= k, (r, top_k, n_real, int(c_t), want)
 
 
-def test_kary_search_hits_or_gives_up():
-  """``_kary_search`` (``search_loop="kary"``): a found threshold counts exactly top_k real
-  keys (so the kept set is the top_k, the same as the bit search's); on continuous scores of
-  issue 5's shape it finds one in fewer passes than the bit search's ~17.5 steps (simulated
-  means at 4 trials: ~6 normal, ~11 Cauchy); ties at the k-th key, all-equal rows, fewer
-  candidates than top_k and non-finite scores find nothing or the exact count; padded lanes
-  are never counted."""
-  from pallas_kernels.sparse import decode_select as ds
-  rng = np.random.default_rng(17)
-  search = jax.jit(ds._kary_search, static_argnames=("top_k", "trials", "return_passes"))
-
-  def run(s, top_k, trials=4, n_real=None):
-    n_real = s.shape[0] if n_real is None else n_real
-    key, real = ds.total_order_key(s), jnp.arange(s.shape[0]) < n_real
-    r = np.asarray(s[:n_real])
-    found, thr, passes = search(key, real, jnp.min(r), jnp.max(r), top_k=top_k,
-                                trials=trials, return_passes=True)
-    n = int(np.sum((np.asarray(key) >= int(thr)) & np.asarray(real)))
-    return bool(found), n, int(passes)
-
-  passes = {rng.normal: [], rng.standard_cauchy: []}
-  for i in range(40):
-    gen = rng.standard_cauchy if i % 2 else rng.normal
-    s = jnp.asarray(gen(size=2048) * rng.uniform(1e-3, 1e3), jnp.float32)
-    s = s.at[2046:].set(np.float32(1e30))                 # padding: never counted
-    found, n, p = run(s, 387, n_real=2046)
-    assert found and n == 387, i
-    passes[gen].append(p)
-  normal, cauchy = passes[rng.normal], passes[rng.standard_cauchy]
-  assert np.mean(normal) <= 7 and np.mean(cauchy) <= 12.5, passes
-  for trials in (1, 2, 8):
-    for k in (1, 40, 511):
-      found, n, _ = run(jnp.asarray(rng.normal(size=512), jnp.float32), k, trials)
-      assert found and n == k, (trials, k)
-  ties = np.round(rng.normal(size=512) * 2).astype(np.float32)     # ~10 distinct values
-  special = rng.choice(np.array([np.inf, -np.inf, np.nan, 3e38, -3e38, 1.0], np.float32), 512)
-  for s, k, n_real in ((ties, 100, 512), (np.full(512, 1.5, np.float32), 7, 512),
-                       (ties, 8, 8), (special, 50, 512), (ties, 512, 512)):
-    found, n, _ = run(jnp.asarray(s), k, n_real=n_real)
-    assert not found or n == k, (k, n_real)
-
-
-def test_decode_select_radix_args():
-  """Argument checks, the default compare chunk, and the CUDA lowering of the variants."""
-  from pallas_kernels.sparse.decode_select import _default_search_chunk, select_decode_slots
-  s, lens = jnp.zeros((1, 1, 40)), jnp.array([640])
-  kw = dict(block_size=16, top_k=3, num_init_blocks=1, num_local_blocks=1, max_selected=5,
-            interpret=True)
-  with pytest.raises(ValueError, match="digit_bits"):
-    select_decode_slots(s, lens, digit_bits=3, **kw)
-  with pytest.raises(ValueError, match="search_chunk"):
-    select_decode_slots(s, lens, digit_bits=4, search_chunk=24, **kw)
-  with pytest.raises(ValueError, match="search_loop must be one of"):
-    select_decode_slots(s, lens, search_loop="fast", **kw)
-  with pytest.raises(ValueError, match="early.*digit_bits=1"):
-    select_decode_slots(s, lens, digit_bits=2, search_loop="early", **kw)
-  with pytest.raises(ValueError, match="kary.*digit_bits=1"):
-    select_decode_slots(s, lens, digit_bits=4, search_loop="kary", **kw)
-  with pytest.raises(ValueError, match="search_trials must be an int from 1 to 8"):
-    select_decode_slots(s, lens, search_loop="kary", search_trials=12, **kw)
-  with pytest.raises(ValueError, match="search_trials is for search_loop='kary'"):
-    select_decode_slots(s, lens, search_loop="early", search_trials=16, **kw)
-  # [digits, chunk] tile at 32 int32 per thread, within [16, nb_pad]
-  assert _default_search_chunk(2048, 4, 4) == 256
-  assert _default_search_chunk(2048, 2, 4) == 1024
-  assert _default_search_chunk(2048, 4, 1) == 64
-  assert _default_search_chunk(64, 4, 16) == 64
-  # every variant lowers for CUDA (on the CPU) at the bench shape: one Triton call
-  S = jax.ShapeDtypeStruct
-  for bits, warps, loop in ((2, 4, "unrolled"), (4, 4, "unrolled"), (4, 1, "unrolled"),
-                            (4, 8, "unrolled"), (1, 8, "early"), (1, 8, "rolled"),
-                            (1, 8, "kary")):
-    fn = functools.partial(select_decode_slots, block_size=64, top_k=387, num_init_blocks=1,
-                           num_local_blocks=1, max_selected=389, num_warps=warps,
-                           digit_bits=bits, return_arrivals=True, search_loop=loop)
-    text = _cuda_mlir(fn, S((1, 8, 2048), jnp.float32), S((1,), jnp.int32))
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1
-
-
-@pytest.mark.parametrize("hq,hk,d,nb,chunk", [(6, 2, 72, 37, 16), (4, 4, 16, 5, 128)])
-def test_decode_block_scores_kernel(hq, hk, d, nb, chunk):
+@pytest.mark.parametrize("hq,hk,d,nb", [(6, 2, 72, 150), (4, 4, 16, 5)])
+def test_decode_block_scores_kernel(hq, hk, d, nb):
   """Pallas block scores (interpret) vs fp64 q-group-sum . key_sum / count, GQA group 3 and
-  1, head_dim 72, a block count that is not a multiple of the chunk, partial blocks."""
+  1, head_dim 72, a block count that is not a multiple of the score tile, partial blocks."""
   _kernel_module_or_skip("triton")
   from pallas_kernels.sparse.decode_select import decode_block_scores
   b, bs = 3, 16
@@ -1301,8 +1205,7 @@ def test_decode_block_scores_kernel(hq, hk, d, nb, chunk):
   kc = jax.random.normal(ks[1], (b, nb * bs, hk, d))
   lens = jnp.array([nb * bs, 1, nb * bs // 2 + 3])
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
-  got = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, chunk=chunk,
-                            interpret=True)
+  got = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
   qs = np.asarray(q, np.float64).reshape(b, hk, hq // hk, d).sum(2)
   cnt = np.maximum(np.asarray(summ.counts()), 1)
   want = np.einsum("bhd,bjhd->bhj", qs, np.asarray(summ.sums, np.float64)) / cnt[:, None, :]
@@ -1311,18 +1214,17 @@ def test_decode_block_scores_kernel(hq, hk, d, nb, chunk):
 
 
 def test_decode_score_select_fused_kernel():
-  """Scores + selection in one kernel (interpret) == the two kernels to the bit (indices,
-  counts, scores, zeroed counters) and == lax.top_k / brute force on the same scores: one
-  program per (batch, kv head) (bit search), and 3 score splits of 2 tiles each arriving out of
-  order, the last reaching past the last block (radix search); GQA group 2, head_dim 72, 70
-  blocks; random,
+  """Scores + selection in one kernel (interpret) == the two kernels (scores, and the
+  selection of its scores; zeroed counters) and == lax.top_k / brute force on the same scores:
+  one program per (batch, kv head), and 4 score splits of one tile each arriving out of order,
+  the last reaching past the last block; GQA group 2, head_dim 72, 200 blocks; random,
   quantised (ties, +0/-0) and special (inf, -inf, NaN, FLT_MAX overflow, subnormal) key sums;
   lengths 0, 1, mid-block, on a boundary, past the cache; summaries one token behind."""
   _kernel_module_or_skip("triton")
-  from pallas_kernels.sparse.decode_select import (decode_block_scores,
+  from pallas_kernels.sparse.decode_select import (decode_block_scores, decode_width,
                                                    score_select_decode_slots,
                                                    select_decode_slots)
-  b, hq, hk, d, bs, nb, top_k, n_init, n_local = 8, 6, 3, 72, 16, 70, 5, 1, 2
+  b, hq, hk, d, bs, nb, top_k, n_init, n_local = 8, 6, 3, 72, 16, 200, 5, 1, 2
   rng = np.random.default_rng(5)
   f32 = np.float32
   q = np.asarray(rng.normal(size=(b, hq, d)), f32)
@@ -1340,10 +1242,10 @@ def test_decode_score_select_fused_kernel():
                     bs * (top_k + 3)])
   slens = jnp.maximum(lens - 1, 0)
   q, sums = jnp.asarray(q, jnp.bfloat16), jnp.asarray(sums)
-  width = sp.decode._decode_width(nb, top_k, n_init, n_local)
+  width = decode_width(nb, top_k, n_init, n_local)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=n_init, num_local_blocks=n_local,
             max_selected=width, interpret=True)
-  scores = decode_block_scores(q, sums, slens, block_size=bs, chunk=16, interpret=True)
+  scores = decode_block_scores(q, sums, slens, block_size=bs, interpret=True)
   idx, cnt = select_decode_slots(scores, lens, **kw)
   sel_kw = {k: kw[k] for k in ("block_size", "top_k", "num_init_blocks", "num_local_blocks")}
   want = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(scores, lens)
@@ -1351,51 +1253,28 @@ def test_decode_score_select_fused_kernel():
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], np.asarray(want)[:, :2])
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], brute[:, :2])
   assert np.isnan(np.asarray(scores)[:, 2]).any() and np.isinf(np.asarray(scores)[:, 2]).any()
-  for splits, stride, bits, loop in ((1, 1, 1, "unrolled"), (3, 2, 4, "unrolled"),
-                                     (3, 2, 1, "early"), (3, 2, 1, "kary")):  # 5 tiles of 16
-    msg = f"splits={splits} stride={stride} digit_bits={bits} search_loop={loop}"
-    i, c, a, s = score_select_decode_slots(q, sums, slens, lens, score_splits=splits, chunk=16,
-                                           digit_bits=bits, return_arrivals=True,
-                                           return_scores=True, _split_stride=stride,
-                                           search_loop=loop, **kw)
-    np.testing.assert_array_equal(np.asarray(s), np.asarray(scores), err_msg=msg)
-    np.testing.assert_array_equal(np.asarray(i), np.asarray(idx), err_msg=msg)
-    np.testing.assert_array_equal(np.asarray(c), np.asarray(cnt), err_msg=msg)
+  for splits, stride in ((1, 1), (4, 3)):                            # 4 tiles of 64
+    msg = f"splits={splits} stride={stride}"
+    i, c, a, s = score_select_decode_slots(q, sums, slens, lens, score_splits=splits,
+                                           return_arrivals=True, return_scores=True,
+                                           _split_stride=stride, **kw)
+    # The same scores up to the interpreter's reduction order on the CPU (the same code per
+    # tile), and the selection of exactly those scores.
+    np.testing.assert_allclose(np.asarray(s), np.asarray(scores), rtol=1e-5, atol=1e-5,
+                               err_msg=msg)
+    want_s = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(s, lens)
+    np.testing.assert_array_equal(np.asarray(i), np.asarray(want_s), err_msg=msg)
+    np.testing.assert_array_equal(np.asarray(c), (np.asarray(want_s) >= 0).sum(-1), err_msg=msg)
     np.testing.assert_array_equal(np.asarray(a), 0, err_msg=msg)
   with pytest.raises(ValueError, match="coprime"):
-    score_select_decode_slots(q, sums, slens, lens, score_splits=2, chunk=16, _split_stride=2,
-                              **kw)
+    score_select_decode_slots(q, sums, slens, lens, score_splits=4, _split_stride=2, **kw)
   with pytest.raises(ValueError, match="score_splits"):
     score_select_decode_slots(q, sums, slens, lens, score_splits=0, **kw)
-  summ = sp.BlockSummaries(sums=sums, lengths=slens, block_size=bs)
-  with pytest.raises(ValueError, match="score_splits applies to fused_select"):
-    sp.sparse_decode_attention(q, jnp.zeros((b, nb * bs, hk, d)), jnp.zeros((b, nb * bs, hk, d)),
-                               lens, summ, block_size=bs, top_k=top_k, score_splits=2,
-                               implementation="triton")
-
-
-def test_merge_decode_partials_kernel():
-  """One-kernel merge (interpret) == jattn.merge.merge_partials, with empty partials, an
-  all-empty head, 5 splits (not a power of two), head_dim 72, a bf16 output."""
-  _kernel_module_or_skip("triton")
-  from jattn.merge import merge_partials
-  from pallas_kernels.sparse.decode import merge_decode_partials
-  ks = jax.random.split(jax.random.key(32), 2)
-  outs = jax.random.normal(ks[0], (2, 5, 3, 72))
-  lses = jax.random.normal(ks[1], (2, 5, 3)) * 3
-  lses = lses.at[0, 1:, 0].set(-jnp.inf).at[1, :, 2].set(-jnp.inf).at[1, 3, 1].set(-jnp.inf)
-  outs = outs.at[1, 3, 1].set(jnp.nan)                       # ignored: its lse is -inf
-  out, lse = merge_decode_partials(outs, lses, out_dtype=jnp.bfloat16, interpret=True)
-  ref, ref_lse = merge_partials(outs, lses, axis=1)
-  assert out.dtype == jnp.bfloat16 and not np.isnan(np.asarray(out, np.float32)).any()
-  assert _rel(out, ref) < 4e-3
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-6, atol=1e-6)
-  assert np.all(np.asarray(out[1, 2], np.float32) == 0) and lse[1, 2] == -jnp.inf
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-3), (jnp.bfloat16, 2e-2)])
 def test_sparse_decode_triton_interpret(dtype, tol):
-  """The four-kernel Triton path (interpret) vs the fp32 reference restricted to its selection,
+  """The Triton path (interpret) vs the fp32 reference restricted to its selection,
   which equals the XLA path's; GQA group 3, head_dim 72, lengths 1, on a block boundary,
   ragged; default and explicit split counts (more splits than kept blocks)."""
   _kernel_module_or_skip("triton")
@@ -1463,9 +1342,7 @@ def _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens, dtype=jnp.f
 def test_sparse_decode_values_narrower_than_keys(impl, d, dv, hq, hk):
   """MLA-shaped caches (keys d wide, values dv < d): contiguous and paged (shuffled pages, NaN
   spare pages) sparse decode return [.., dv] outputs equal to the fp32 reference restricted to the
-  selection; GQA, a zero-length and a one-token sequence, several splits; Triton GQA 6:2 paged
-  with ``fused_select`` (scores + selection in one kernel): bit-identical to the contiguous
-  three-kernel call."""
+  selection; GQA, a zero-length and a one-token sequence, several splits."""
   if impl == "triton":
     _kernel_module_or_skip("triton")
   b, n, bs, top_k = 4, 100, 16, 2
@@ -1486,17 +1363,12 @@ def test_sparse_decode_values_narrower_than_keys(impl, d, dv, hq, hk):
   ref, ref_lse = ref[:, 0], ref_lse[:, :, 0]                    # [b, hq, dv], [b, hq]
   kw = dict(top_k=top_k, return_lse=True, return_indices=True, implementation=impl,
             interpret=True, num_splits=3 if impl == "triton" else None)
-  # Triton, GQA 6:2: the paged call runs the fused score + selection kernel (2 score splits).
-  fused = dict(fused_select=True, score_splits=2) if impl == "triton" and hk == 2 else {}
   runs = {
       "contiguous": jax.jit(functools.partial(sp.sparse_decode_attention, block_size=bs, **kw))(
           q, kc, vc, lens, summ),
-      "paged": jax.jit(functools.partial(sp.sparse_paged_decode_attention, **kw, **fused))(
+      "paged": jax.jit(functools.partial(sp.sparse_paged_decode_attention, **kw))(
           q, kp, vp, table, lens, psumm),
   }
-  if fused:                        # the same selection and arithmetic: equal to the bit
-    for x, y in zip(runs["paged"], runs["contiguous"]):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   for name, (out, lse, idx) in runs.items():
     np.testing.assert_array_equal(np.asarray(idx), idx_x, err_msg=name)
     assert out.shape == (b, hq, dv) and out.dtype == q.dtype, (name, out.shape)
@@ -1549,9 +1421,10 @@ def test_sparse_decode_merged_kernel(dtype, tol):
   mid-block and full, top_k larger than the visible blocks, 1 split, several, more splits than
   kept blocks, and split orders in which another split than the last arrives last."""
   _kernel_module_or_skip("triton")
-  from pallas_kernels.sparse.decode import (merge_decode_partials, sparse_decode,
-                                            sparse_decode_partials)
-  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+  from pallas_kernels.common.merge import merge_partials_pallas
+  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
+  from pallas_kernels.sparse.decode_select import (decode_block_scores, decode_width,
+                                                   select_decode_slots)
   b, n, hq, hk, d, dv, bs, top_k = 4, 100, 6, 2, 48, 32, 16, 9       # 7 blocks: top_k > visible
   lens_l = [100, 0, 1, 45]
   q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(61, b, n, hq, hk, d, dv, bs, lens_l,
@@ -1559,7 +1432,7 @@ def test_sparse_decode_merged_kernel(dtype, tol):
   lens = jnp.array(lens_l, jnp.int32)
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   nb = summ.num_blocks
-  width = sp.decode._decode_width(nb, top_k, 1, 1)
+  width = decode_width(nb, top_k, 1, 1)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
   scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
   idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
@@ -1593,7 +1466,7 @@ def test_sparse_decode_merged_kernel(dtype, tol):
                                rtol=1e-4, atol=1e-4, err_msg=msg)
     parts = sparse_decode_partials(q, k, v, lens, idx, pt, cnt, block_size=bs,
                                    num_splits=splits, interpret=True)
-    two, two_lse = merge_decode_partials(*parts, out_dtype=dtype, interpret=True)
+    two, two_lse = merge_partials_pallas(*parts, out_dtype=dtype, interpret=True)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(two, np.float32),
                                   err_msg=msg)
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(two_lse), err_msg=msg)
@@ -1615,13 +1488,14 @@ def _kept_block_lists(seed, bs, *, top_k):
   """The attention-kernel tests' case: B4 N100 GQA 6:2, head_dim 48 / values 32, lengths
   100 / 0 / 1 / 45, contiguous and paged caches, and the Triton selection's compact kept
   lists. Returns (q, kc, vc, kp, vp, table, lens, idx, cnt, arrivals, width)."""
-  from pallas_kernels.sparse.decode_select import decode_block_scores, select_decode_slots
+  from pallas_kernels.sparse.decode_select import (decode_block_scores, decode_width,
+                                                   select_decode_slots)
   b, n, hq, hk, d, dv = 4, 100, 6, 2, 48, 32
   lens_l = [100, 0, 1, 45]
   q, kc, vc, kp, vp, table = _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens_l)
   lens = jnp.array(lens_l, jnp.int32)
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
-  width = sp.decode._decode_width(summ.num_blocks, top_k, 1, 1)
+  width = decode_width(summ.num_blocks, top_k, 1, 1)
   kw = dict(block_size=bs, top_k=top_k, num_init_blocks=1, num_local_blocks=1)
   scores = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
   idx, cnt, arr = select_decode_slots(scores, lens, max_selected=width, interpret=True,
@@ -1629,127 +1503,59 @@ def _kept_block_lists(seed, bs, *, top_k):
   return q, kc, vc, kp, vp, table, lens, idx, cnt, arr, width
 
 
-def test_sparse_decode_kernel_step_options():
-  """The attention kernel's sweep options (interpret): several kept blocks per loop step
-  (``blocks_per_step``, ids gathered per tile row; splits hold whole steps) and block ids loaded
-  in the step instead of one step ahead (``index_lookahead=False``) give the reference's output
-  contiguous and paged, with and without counts; ids in the step at one block per step is the
-  default's arithmetic (bit-identical)."""
-  _kernel_module_or_skip("triton")
-  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
-  bs = 16
-  q, kc, vc, kp, vp, table, lens, idx, cnt, arr, _ = _kept_block_lists(61, bs, top_k=9)
-  ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
-  cases = [((kc, vc, None), cnt, 3, 2, True), ((kp, vp, table), None, 2, 4, False)]
-  for (k, v, pt), c, splits, bps, ahead in cases:
-    msg = f"paged={pt is not None} splits={splits} bps={bps} lookahead={ahead}"
-    out, lse = sparse_decode(q, k, v, lens, idx, pt, c, arr, block_size=bs, num_splits=splits,
-                             blocks_per_step=bps, index_lookahead=ahead, interpret=True)
-    assert _rel(out, ref) < 2e-3, (msg, _rel(out, ref))
-    assert np.all(np.asarray(out[1]) == 0) and np.all(np.isneginf(np.asarray(lse[1]))), msg
-    np.testing.assert_allclose(np.asarray(lse)[[0, 2, 3]], np.asarray(ref_lse)[[0, 2, 3]],
-                               rtol=1e-4, atol=1e-4, err_msg=msg)
-  kw = dict(block_size=bs, num_splits=2, interpret=True)
-  for x, y in zip(sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, **kw),
-                  sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, index_lookahead=False,
-                                         **kw)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  with pytest.raises(ValueError, match="blocks_per_step"):
-    sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, blocks_per_step=3, **kw)
-
-
-@pytest.mark.parametrize("bps,splits", [(1, 3), (2, 2), (4, 1), (1, 7)])
-def test_sparse_decode_prefetch_ids_is_bit_identical(bps, splits):
+@pytest.mark.parametrize("bps,splits", [(1, 3), (1, 7), (2, 2)])
+def test_sparse_decode_prefetch_ids(bps, splits):
   """``prefetch_ids=True`` (each split's block ids and pages loaded once as a vector, each step
-  picking its ids from registers) gives the default kernel's partials and merged output to the
-  bit: contiguous and paged, with counts (compact lists) and without (lists in any order with
-  -1 holes and garbage-free padding), lengths 0 / 1 / ragged, more splits than kept blocks;
-  the fp32 reference within 2e-3. A wrong pick would move blocks between splits or drop them,
-  which the merged output and the per-split partials both see."""
+  picking its ids from registers): at one block per step the default kernel's partials and
+  merged output to the bit; at two blocks per step (splits hold whole steps) the fp32
+  reference; the merge kernel (``merge_kernel=True``) the in-kernel merge's output. Contiguous
+  and paged, with counts (compact lists) and without (lists in any order with -1 holes),
+  lengths 0 / 1 / ragged, more splits than kept blocks. A wrong pick would move blocks between
+  splits or drop them, which the merged output and the per-split partials both see."""
   _kernel_module_or_skip("triton")
   from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
   bs = 16
   q, kc, vc, kp, vp, table, lens, idx, cnt, arr, width = _kept_block_lists(62, bs, top_k=4)
-  ref, _ = _selection_reference(q, kc, vc, lens, idx, bs)
+  ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
   # the same kept sets as unordered lists with -1 holes (no counts: every slot walked)
   perm = np.random.default_rng(5).permutation(width)
   shuffled = jnp.asarray(np.asarray(idx)[..., perm])
-  run = dict(block_size=bs, num_splits=splits, blocks_per_step=bps, interpret=True)
+  run = dict(block_size=bs, num_splits=splits, interpret=True)
+  pre = dict(run, blocks_per_step=bps, prefetch_ids=True)
   for (k, v, pt), lists, c in (((kc, vc, None), idx, cnt), ((kp, vp, table), idx, cnt),
                                ((kc, vc, None), shuffled, None),
                                ((kp, vp, table), shuffled, None)):
     msg = f"paged={pt is not None} counts={c is not None} bps={bps} splits={splits}"
-    base = sparse_decode_partials(q, k, v, lens, lists, pt, c, **run)
-    got = sparse_decode_partials(q, k, v, lens, lists, pt, c, prefetch_ids=True, **run)
-    for x, y in zip(got, base):
-      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
     a = arr if c is not None else None
-    out_b, lse_b = sparse_decode(q, k, v, lens, lists, pt, c, a, **run)
-    out_p, lse_p = sparse_decode(q, k, v, lens, lists, pt, c, a, prefetch_ids=True, **run)
-    np.testing.assert_array_equal(np.asarray(out_p), np.asarray(out_b), err_msg=msg)
-    np.testing.assert_array_equal(np.asarray(lse_p), np.asarray(lse_b), err_msg=msg)
+    out_p, lse_p = sparse_decode(q, k, v, lens, lists, pt, c, a, **pre)
     assert _rel(out_p, ref) < 2e-3, (msg, _rel(out_p, ref))
-
-
-@pytest.mark.parametrize("bps,splits,prefetch", [(1, 3, True), (2, 2, True), (1, 7, False),
-                                                  (2, 3, False)])
-def test_sparse_decode_split_by_width_and_merge_order(bps, splits, prefetch):
-  """``split_by="width"`` (splits share the list's width, so a split's first slot and its id
-  loads do not wait on the count) walks the same kept blocks: the fp32 reference within 2e-3
-  and its lse, contiguous and paged, lengths 0 / 1 / ragged (counts below the width), more
-  splits than kept blocks; to the bit the "count" kernel's partials of every (batch, kv head)
-  whose count fills the width, and its whole output without counts (the same shares).
-  ``merge_stores_last=False`` (each head stored as merged) gives the default's output to the
-  bit."""
-  _kernel_module_or_skip("triton")
-  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
-  bs = 16
-  q, kc, vc, kp, vp, table, lens, idx, cnt, arr, width = _kept_block_lists(63, bs, top_k=4)
-  ref, ref_lse = _selection_reference(q, kc, vc, lens, idx, bs)
-  full = np.asarray(cnt) == width                                    # [b, hk]
-  assert full.any() and not full.all()
-  run = dict(block_size=bs, num_splits=splits, blocks_per_step=bps, interpret=True,
-             prefetch_ids=prefetch)
-  for k, v, pt in ((kc, vc, None), (kp, vp, table)):
-    for c in (cnt, None):
-      msg = f"paged={pt is not None} counts={c is not None} bps={bps} splits={splits}"
-      a = arr if c is not None else None
-      o_w, l_w = sparse_decode_partials(q, k, v, lens, idx, pt, c, split_by="width", **run)
-      o_c, l_c = sparse_decode_partials(q, k, v, lens, idx, pt, c, **run)
-      out, lse = sparse_decode(q, k, v, lens, idx, pt, c, a, split_by="width", **run)
-      assert _rel(out, ref) < 2e-3, (msg, _rel(out, ref))
-      fin = np.isfinite(np.asarray(ref_lse))
-      np.testing.assert_allclose(np.asarray(lse)[fin], np.asarray(ref_lse)[fin], rtol=1e-4,
-                                 atol=1e-4, err_msg=msg)
-      assert np.all(np.isneginf(np.asarray(lse)[~fin])), msg
-      g = q.shape[1] // full.shape[1]
-      same = full if c is not None else np.ones_like(full)
-      rows = np.repeat(same, g, axis=1)                              # [b, hq]
-      for x, y in ((o_w, o_c), (l_w, l_c)):
-        x, y = np.moveaxis(np.asarray(x), 1, -1), np.moveaxis(np.asarray(y), 1, -1)
-        np.testing.assert_array_equal(x[rows], y[rows], err_msg=msg)
-      if c is not None and (bps, splits) in ((1, 3), (2, 2)):   # live: other shares here
-        assert not np.array_equal(np.asarray(l_w), np.asarray(l_c)), msg
-      if c is None:
-        base = sparse_decode(q, k, v, lens, idx, pt, c, a, **run)
-        for x, y in zip((out, lse), base):
-          np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
-      old = sparse_decode(q, k, v, lens, idx, pt, c, a, split_by="width",
-                          merge_stores_last=False, **run)
-      for x, y in zip((out, lse), old):
+    fin = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse_p)[fin], np.asarray(ref_lse)[fin], rtol=1e-4,
+                               atol=1e-4, err_msg=msg)
+    out_m, lse_m = sparse_decode(q, k, v, lens, lists, pt, c, merge_kernel=True, **pre)
+    np.testing.assert_allclose(np.asarray(out_m), np.asarray(out_p), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse_m), np.asarray(lse_p), rtol=1e-6, atol=1e-6)
+    if bps == 1:
+      base = sparse_decode_partials(q, k, v, lens, lists, pt, c, **run)
+      got = sparse_decode_partials(q, k, v, lens, lists, pt, c, prefetch_ids=True, **run)
+      for x, y in zip(got, base):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=msg)
-  with pytest.raises(ValueError, match="split_by must be one of"):
-    sparse_decode(q, kc, vc, lens, idx, None, cnt, arr, split_by="even", **run)
+      out_b, lse_b = sparse_decode(q, k, v, lens, lists, pt, c, a, **run)
+      np.testing.assert_array_equal(np.asarray(out_p), np.asarray(out_b), err_msg=msg)
+      np.testing.assert_array_equal(np.asarray(lse_p), np.asarray(lse_b), err_msg=msg)
+  for bad in (dict(blocks_per_step=3, prefetch_ids=True), dict(blocks_per_step=2)):
+    with pytest.raises(ValueError, match="blocks_per_step"):
+      sparse_decode_partials(q, kc, vc, lens, idx, None, cnt, **run, **bad)
 
 
 def test_sparse_decode_prefetch_ids_lowers_for_cuda():
-  """At the issue-5 bench shape the ``prefetch_ids`` kernel lowers for CUDA (on the CPU) to
-  one Triton call, 1 and 2 blocks per step (the latter with ``split_by="width"`` and the
-  merge storing each head as it goes), contiguous and paged."""
+  """At the bench shape the ``prefetch_ids`` kernel lowers for CUDA (on the CPU), contiguous
+  and paged: one Triton call at 1 block per step (in-kernel merge), two at 2 blocks per step
+  with the merge kernel (the sm90 head-major launch)."""
   from pallas_kernels.sparse.decode import sparse_decode
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  n, bs, nb, _ = _issue5_decode_shape()
+  n, bs, nb, _ = _bench_decode_shape()
   q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
   idx, cnt = S((1, 8, 389), jnp.int32), S((1, 8), jnp.int32)
   for bps in (1, 2):
@@ -1757,11 +1563,10 @@ def test_sparse_decode_prefetch_ids_lowers_for_cuda():
       kv = S((nb + 4, bs, 8, 128), bf16) if paged else S((1, n, 8, 128), bf16)
       pt = (S((1, nb), jnp.int32),) if paged else ()
       fn = lambda q, k, v, l, i, c, *pt, bps=bps: sparse_decode(
-          q, k, v, l, i, pt[0] if pt else None, c, None, block_size=bs, num_splits=33,
-          num_stages=2, blocks_per_step=bps, prefetch_ids=True,
-          split_by="width" if bps == 2 else "count", merge_stores_last=bps == 1)
+          q, k, v, l, i, pt[0] if pt else None, c, None, block_size=bs, num_splits=16,
+          blocks_per_step=bps, prefetch_ids=True, merge_kernel=bps == 2)
       text = _cuda_mlir(fn, q, kv, kv, lens, idx, cnt, *pt)
-      assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1, (bps, paged)
+      assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == bps, (bps, paged)
 
 
 def _cuda_mlir(fn, *args):
@@ -1771,8 +1576,8 @@ def _cuda_mlir(fn, *args):
       *args).mlir_module()
 
 
-def _issue5_decode_shape():
-  """The issue-5 bench shape (B1, 128K tokens, 8 kv heads, D128, 64-token blocks):
+def _bench_decode_shape():
+  """The bench shape (B1, 128K tokens, 8 kv heads, D128, 64-token blocks):
   (tokens, block size, blocks, fp32 BlockSummaries of ShapeDtypeStructs)."""
   S = jax.ShapeDtypeStruct
   n, bs = 131072, 64
@@ -1783,13 +1588,13 @@ def _issue5_decode_shape():
 
 
 def test_sparse_decode_triton_is_three_launches():
-  """At the issue-5 bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks), the "triton"
+  """At the bench shape (B1, 128K, GQA 32:8, D128, bf16, 64-token blocks), the "triton"
   sparse decode lowers (for CUDA, on the CPU) to exactly three Triton kernels and nothing that
   XLA would launch between them besides (no memset: the selection kernel zeroes the arrival
   counters, which the attention kernel updates in place); contiguous and paged."""
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  n, bs, nb, summ = _issue5_decode_shape()
+  n, bs, nb, summ = _bench_decode_shape()
   kw = dict(top_k=387, implementation="triton", num_splits=33)      # the H200 default
   contiguous = lambda q, k, v, lens, s: sp.sparse_decode_attention(q, k, v, lens, s,
                                                                    block_size=bs, **kw)
@@ -1810,61 +1615,32 @@ def test_sparse_decode_triton_is_three_launches():
       assert op not in text, op
 
 
-def test_sparse_decode_fused_select_is_two_launches():
-  """``fused_select=True`` at the issue-5 bench shape lowers (for CUDA, on the CPU) to two
-  Triton kernels: with 32 score splits (the H200 default) plus the zeroed [1, 8] counters (a
-  memset), which the score + selection kernel and then the attention kernel update in place;
-  with one score program per kv head (contiguous and paged) nothing else."""
+def test_sparse_decode_hnd_launches(monkeypatch):
+  """The head-major Triton plan at the bench shape on a 132-SM GPU lowers (for CUDA, on the
+  CPU) to scores + selection in one launch (32 score splits, so a [1, 8] counter memset) and
+  the attention with its in-kernel merge: two Triton kernels; on sm90 three (the attention's
+  partials, then the merge kernel). The selection's warps at 2048 blocks: 8."""
+  from pallas_kernels import compat
+  monkeypatch.setattr(compat, "gpu_core_count", lambda: 132)
   S = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  n, bs, nb, summ = _issue5_decode_shape()
-  kw = dict(top_k=387, implementation="triton", num_splits=33, fused_select=True)
-  q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
-  cache, pages = S((1, n, 8, 128), bf16), S((nb + 4, bs, 8, 128), bf16)
-  for splits, paged in ((32, False), (1, False), (1, True)):
-    if paged:
-      fn = lambda q, k, v, pt, lens, s: sp.sparse_paged_decode_attention(
-          q, k, v, pt, lens, s, score_splits=splits, **kw)
-      args = (q, pages, pages, S((1, nb), jnp.int32), lens, summ)
-    else:
-      fn = lambda q, k, v, lens, s: sp.sparse_decode_attention(
-          q, k, v, lens, s, block_size=bs, score_splits=splits, **kw)
-      args = (q, cache, cache, lens, summ)
-    text = _cuda_mlir(fn, *args)
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 2, splits
-    assert f"grid_z = {splits} " in text and "grid_z = 33" in text
-    assert text.count("output_operand_aliases =") == (2 if splits > 1 else 1)   # in place
-    # the counters: zeros broadcast from a scalar 0 (XLA: a memset), only with splits
-    assert text.count("stablehlo.broadcast") == (splits > 1)
-    assert text.count("-> tensor<1x8xi32>") == (splits > 1)
-    assert text.count("stablehlo.constant") == (splits > 1)
-    assert (splits == 1) or "stablehlo.constant dense<0> : tensor<i32>" in text
-    for op in ("stablehlo.sort", "stablehlo.reduce"):
-      assert op not in text, op
-
-
-def test_sparse_decode_fused_select_default_by_layout():
-  """``fused_select=None`` (the default): on the head-major cache with "triton", scores and
-  selection are one launch (two Triton kernels per call, run 87); on the "nhd" cache three; an
-  explicit False keeps three on "hnd". The selection's warps at 2048 blocks: 8 (runs 86-87)."""
-  S = jax.ShapeDtypeStruct
-  bf16 = jnp.bfloat16
-  n, bs, nb, _ = _issue5_decode_shape()
+  n, bs, nb, _ = _bench_decode_shape()
   q, lens = S((1, 32, 128), bf16), S((1,), jnp.int32)
   summ_h = sp.BlockSummaries(sums=S((1, 8, nb, 128), jnp.float32), lengths=S((1,), jnp.int32),
                              block_size=bs, layout="hnd")
-  _, _, _, summ = _issue5_decode_shape()
-  kw = dict(block_size=bs, top_k=387, implementation="triton", num_splits=33)
   count = lambda text: text.count("stablehlo.custom_call @__gpu$xla.gpu.triton")
-  hnd = lambda **f: _cuda_mlir(lambda q, k, v, l, s: sp.sparse_decode_attention(
-      q, k, v, l, s, kv_layout="hnd", **kw, **f), q, S((1, 8, n, 128), bf16),
-      S((1, 8, n, 128), bf16), lens, summ_h)
-  assert count(hnd()) == 2 and count(hnd(fused_select=False)) == 3
-  nhd = _cuda_mlir(lambda q, k, v, l, s: sp.sparse_decode_attention(q, k, v, l, s, **kw),
-                   q, S((1, n, 8, 128), bf16), S((1, n, 8, 128), bf16), lens, summ)
-  assert count(nhd) == 3
-  warps = re.findall(r"num_warps = (\d+) : i32", hnd())    # score + selection, attention
-  assert warps == ["8", "4"], warps
+  hnd = lambda: _cuda_mlir(lambda q, k, v, l, s: sp.sparse_decode_attention(
+      q, k, v, l, s, kv_layout="hnd", block_size=bs, top_k=387, implementation="triton"),
+      q, S((1, 8, n, 128), bf16), S((1, 8, n, 128), bf16), lens, summ_h)
+  for cc, launches in ((None, 2), ((9, 0), 3)):
+    monkeypatch.setattr(compat, "gpu_compute_capability", lambda cc=cc: cc)
+    text = hnd()
+    assert count(text) == launches, cc
+    assert "grid_z = 32 " in text and "grid_z = 16" in text       # score splits, attention
+    assert "stablehlo.constant dense<0> : tensor<i32>" in text     # the counters' memset
+    if cc is None:
+      warps = re.findall(r"num_warps = (\d+) : i32", text)        # score + selection, attention
+      assert warps == ["8", "4"], warps
 
 
 @pytest.mark.parametrize("case", SELECTION_CASES[:1] + SELECTION_CASES[2:] +

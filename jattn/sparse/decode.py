@@ -12,19 +12,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jattn._layout import check_hnd_shapes as _hnd_check_shapes
 from jattn._layout import check_kv_layout as _check_kv_layout
 from jattn._layout import hnd_as_sequences as _hnd_as_sequences
-from pallas_kernels import compat
+from jattn._plan import Plan
 from jattn.sparse.selection import cdiv, check_selection_args
-
+from pallas_kernels import compat
+from pallas_kernels.sparse.decode_select import decode_width
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_GATE_MODES = ("none", "ste", "gumbel")
-_QUERY_POOLS = ("sum", "max")
-_INT_MAX = np.iinfo(np.int32).max
-_INT_MIN = np.iinfo(np.int32).min
+IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 
 
 # ----------------------------------------------------------------------------- sparse decode
@@ -263,12 +261,6 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
 
 
-def _decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
-  """Static width of the decode selection lists (``decode_fused_select.decode_width``)."""
-  from pallas_kernels.sparse.decode_fused_select import decode_width
-  return decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks)
-
-
 def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks):
   """select_decode_blocks in XLA (the reference; the Triton path runs
   ``pallas_kernels.sparse.decode_select`` instead)."""
@@ -322,7 +314,7 @@ def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_ini
   if not parts:
     return jnp.full((b, hk, 1), -1, jnp.int32)
   allidx = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
-  ms = _decode_width(nb, top_k, num_init_blocks, num_local_blocks)
+  ms = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
   key = jnp.sort(jnp.where(allidx < 0, nb, allidx), axis=-1)[..., :ms]
   return jnp.where(key >= nb, -1, key).astype(jnp.int32)
 
@@ -375,71 +367,65 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   return o.reshape(b, hq, vg.shape[-1]).astype(q.dtype), lse.reshape(b, hq)
 
 
-_DECODE_IMPLEMENTATIONS = (None, "xla", "triton", "mosaic_tpu", "mosaic_gpu")
+@dataclasses.dataclass(frozen=True)
+class SparseDecodeConfig:
+  """The resolved configuration of the Triton sparse decode (``Plan.config`` of
+  :func:`sparse_decode_plan`).
+
+  Attributes:
+    num_splits: splits of each (sequence, kv head)'s kept-block list.
+    fused_select: block scores and selection in one launch
+      (``pallas_kernels.sparse.decode_select.score_select_decode_slots``) instead of two.
+    score_splits: with ``fused_select``: score programs per (sequence, kv head).
+    blocks_per_step: kept blocks per attention loop step (1, or 2 with ``prefetch_ids``).
+    prefetch_ids: each attention split loads its block ids once, before its loop.
+    merge_kernel: the splits are merged by a second kernel instead of by the last split.
+
+  Example:
+    >>> SparseDecodeConfig(num_splits=33).fused_select
+    False
+  """
+  num_splits: int
+  fused_select: bool = False
+  score_splits: int | None = None
+  blocks_per_step: int = 1
+  prefetch_ids: bool = False
+  merge_kernel: bool = False
 
 
 def _resolve_decode_implementation(implementation, platform=None):
-  """None -> "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere (never "mosaic_gpu": not
-  timed yet); other values unchanged."""
+  """None -> "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere; "mosaic_gpu" (the Hopper
+  flash kernel's name, e.g. a layer's) -> "triton"; other values checked."""
+  if implementation == "mosaic_gpu":
+    return "triton"
   if implementation is not None:
+    if implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton' or "
+                       f"'mosaic_tpu', got {implementation!r}")
     return implementation
   platform = compat.default_backend() if platform is None else platform
   return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
 
 
-# The head-major path's Triton attention launch: 2 stages of 2 blocks (128 keys) per step. Run
-# 79 (probe_sparse_decode.py --hnd, B1 S128K GQA 32:8 D128, top 19%): the attention alone 35.9
-# / 40.1 us device (two timings) against 43.5 for the default 3 stages of 1 block; the whole
-# call 43.5 / 51.8 against 55.3 / 62.7 us. On the head-major cache a kept block is one 16 KB
-# run, so two per step are one 32 KB copy each for K and V; run 23 swept the strided ("nhd")
-# cache, where 3 stages of 1 block stayed best. Each split loads its block ids once, before its
-# loop (``prefetch_ids``): the attention by device kernel time 34.06 -> 33.03 us in run 90
-# (the same output to the bit, tested on the GPU). Session 24: 3 stages of 1 block with the
-# ids prefetched and one program per SM (``_hnd_triton_num_splits``: 16 splits at B1 with 8
-# kv heads on an H200) took 32.74 / 32.94 / 32.94 / 33.38 us against 33.03 / 33.38 / 33.31 /
-# 33.69 for 33 splits of 2 x 2 blocks in the same runs (runs 90-93, device kernel trace).
-# On Hopper (227 KB of shared memory per SM) two blocks per step at 3 stages, one program per
-# SM, took 32.0-32.1 us against 33.0-33.2 for one block (runs 96-97, three probe processes:
-# the whole call 42.0-42.2 us, 3.00-3.02x dense decode by kernel sums). Its 3 x 2 x 2 tiles
-# of 64 x 128 bf16 need 192 KB, so it is used where they fit in 200 KB on sm90 only;
-# elsewhere 3 stages of one block (96 KB at that shape).
-_HND_TRITON_LAUNCH = (("num_stages", 3), ("blocks_per_step", 1), ("prefetch_ids", True))
-_HND_TRITON_LAUNCH_SM90 = (("num_stages", 3), ("blocks_per_step", 2), ("prefetch_ids", True),
-                           ("merge_kernel", True))
-# Session 25: on sm90 the splits are merged by a second kernel (``sparse_decode(...,
-# merge_kernel=True)``): the last split's in-kernel merge added ~4.3 us to the attention
-# kernel, the merge kernel takes 1.9 (run 105, experiments/probe_sparse_attention_parts.py).
-# Through the API: 40.29-40.49 us per call against 42.34-42.42 with the in-kernel merge, dense
-# decode 125.90-126.05: 3.11-3.13x by kernel sums (runs 106-108).
-
-
 def _hnd_triton_launch(k, v, block_size):
-  """The head-major path's Triton attention launch for this cache and device:
-  ``_HND_TRITON_LAUNCH_SM90`` on compute capability 9.x when its K/V stages fit in 200 KB of
-  shared memory, else ``_HND_TRITON_LAUNCH``."""
+  """The head-major path's attention launch. A kept block is one contiguous run there, so the
+  attention loads each split's block ids once (``prefetch_ids``); on compute capability 9.x,
+  where its 3 stages x 2 blocks of K and V fit in 200 KB of shared memory, two blocks per step
+  (more bytes in flight: the kernel is latency-bound) and the splits merged by a second kernel
+  (the last split's merge added more to the attention kernel than the merge kernel takes)."""
   cc = compat.gpu_compute_capability()
-  opts = dict(_HND_TRITON_LAUNCH_SM90)
-  need = (opts["num_stages"] * opts["blocks_per_step"] * block_size
-          * (k.shape[-1] * k.dtype.itemsize + v.shape[-1] * v.dtype.itemsize))
+  need = (3 * 2 * block_size
+          * (k.shape[-1] * jnp.dtype(k.dtype).itemsize + v.shape[-1] * jnp.dtype(v.dtype).itemsize))
   if cc is not None and cc[0] == 9 and need <= 200 * 1024:
-    return _HND_TRITON_LAUNCH_SM90
-  return _HND_TRITON_LAUNCH
+    return dict(blocks_per_step=2, prefetch_ids=True, merge_kernel=True)
+  return dict(blocks_per_step=1, prefetch_ids=True, merge_kernel=False)
 
 
 def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_split=4):
   """Default splits of the head-major path's Triton attention: one program per multiprocessor
   (floor(cores / sequences), at most one per ``min_blocks_per_split`` kept blocks) when that
-  gives at least 8 splits (the measured regime: B1 with 8 kv heads), else
+  gives at least 8 splits (B1 with 8 kv heads), else
   ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per multiprocessor).
-
-  Args:
-    sequences: batch x kv_heads (the head-major cache's sequences of one kv head).
-    width: kept-block list width.
-    core_count: multiprocessors; default ``compat.gpu_core_count()`` (1 without a GPU).
-    min_blocks_per_split: lower bound on the work of one split.
-
-  Returns:
-    An int >= 1.
 
   Example:
     >>> _hnd_triton_num_splits(8, 389, core_count=132)
@@ -456,70 +442,153 @@ def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_
                             min_blocks_per_split=min_blocks_per_split)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "block_size", "return_lse", "return_indices", "top_k", "num_init_blocks", "num_local_blocks",
-    "scale", "implementation", "interpret", "num_splits", "fused_select", "score_splits",
-    "_launch", "select_lists"))
-def _hnd_decode(q, k, v, kv_lengths, block_summaries, *, block_size, return_lse,
-                return_indices, _launch=(), select_lists=(), **kw):
+def sparse_decode_plan(q, k_cache, v_cache, *, block_size, top_k, num_init_blocks=1,
+                       num_local_blocks=1, page_table=None, kv_layout="nhd",
+                       implementation=None, num_splits=None):
+  """What :func:`sparse_decode_attention` (or, with ``page_table``,
+  :func:`sparse_paged_decode_attention`) runs for these arguments.
+
+  Resolution, once per call: the implementation (None: "triton" on GPU, "mosaic_tpu" on TPU,
+  "xla" elsewhere), then for "triton" the config from the explicit ``num_splits``, else the
+  heuristics (there are no sparse decode tables), fitted to the call's shapes:
+
+  * "nhd" and paged caches: block scores and the selection in two launches, then the
+    attention with ``pallas_kernels.sparse.decode.default_num_splits`` splits (about two
+    programs per multiprocessor), each step's block id looked up one step ahead, and the
+    splits merged by the last split to finish.
+  * "hnd" (batch x kv_heads sequences of one kv head): scores and selection in one launch
+    (``default_score_splits`` score programs per sequence), one attention program per
+    multiprocessor (``_hnd_triton_num_splits``), each split's ids loaded once; on sm90 two
+    blocks per step and a merge kernel (``_hnd_triton_launch``).
+
+  "xla" and "mosaic_tpu" take no config (None); "mosaic_tpu" has no splits.
+
+  Args:
+    q: [batch, q_heads, head_dim] (or a ``jax.ShapeDtypeStruct``; likewise the caches).
+    k_cache, v_cache: the caches as in the call (page pools with ``page_table``).
+    block_size: positions per block (the page size for a paged cache).
+    top_k, num_init_blocks, num_local_blocks: selection sizes.
+    page_table: None or int32 [batch, max_pages].
+    kv_layout: "nhd" or "hnd" (contiguous caches only).
+    implementation, num_splits: as in :func:`sparse_decode_attention`.
+
+  Returns:
+    A ``jattn._plan.Plan`` with op "sparse_decode", the implementation, a
+    :class:`SparseDecodeConfig` (or None), no backward, table None and the device kind.
+
+  Example:
+    >>> q = jnp.zeros((1, 8, 64)); k = jnp.zeros((1, 1024, 2, 64))
+    >>> p = sparse_decode_plan(q, k, k, block_size=64, top_k=2, implementation="xla")
+    >>> p.op, p.implementation, p.config
+    ('sparse_decode', 'xla', None)
+  """
+  _check_kv_layout(kv_layout)
+  impl = _resolve_decode_implementation(implementation)
+  if num_splits is not None and (isinstance(num_splits, bool) or int(num_splits) != num_splits
+                                 or num_splits < 1):
+    raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+  if impl == "mosaic_tpu" and num_splits not in (None, 1):
+    raise ValueError(f"num_splits applies to the Triton kernel only (the Mosaic TPU kernel "
+                     f"walks each kv head's kept blocks in one pass), got {num_splits}")
+  config = None
+  if impl == "triton":
+    if kv_layout == "hnd":
+      b, hk, n, _ = k_cache.shape
+      seqs, nb = b * hk, cdiv(n, block_size)
+    else:
+      seqs = q.shape[0]
+      nb = cdiv(k_cache.shape[1], block_size) if page_table is None else page_table.shape[1]
+    width = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
+    if kv_layout == "hnd":
+      from pallas_kernels.sparse.decode_select import default_score_splits
+      config = SparseDecodeConfig(
+          num_splits=int(num_splits or _hnd_triton_num_splits(seqs, width)), fused_select=True,
+          score_splits=default_score_splits(seqs, 1, nb),
+          **_hnd_triton_launch(k_cache, v_cache, block_size))
+    else:
+      from pallas_kernels.sparse.decode import default_num_splits
+      config = SparseDecodeConfig(
+          num_splits=int(num_splits or default_num_splits(seqs, k_cache.shape[2], width)))
+  return Plan(op="sparse_decode", implementation=impl, config=config,
+              device_kind=jax.devices()[0].device_kind)
+
+
+def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel, scale,
+            interpret, lengths_group=1):
+  """Selection and attention of an "nhd" (or paged) call by ``plan``: (out, lse, indices).
+  ``lengths_group`` ("triton" only): kv_lengths and the summaries' lengths hold one entry per
+  that many consecutive sequences (the head-major path)."""
+  sel = dict(sel)
+  if plan.implementation == "xla":
+    indices = _decode_select(q, summaries, kv_lengths, **sel)
+    out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
+    return out, lse, indices
+  if plan.implementation == "mosaic_tpu":
+    # Selection in XLA (ascending lists, -1 padded); the kernel DMAs only the kept blocks.
+    from pallas_kernels.sparse.decode_tpu import sparse_decode as tpu_sparse_decode
+    indices = _decode_select(q, summaries, kv_lengths, **sel)
+    out, lse = tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
+                                 page_table=page_table, block_size=block_size,
+                                 scale=float(scale), interpret=interpret)
+    return out, lse, indices
+  # "triton", no XLA glue: block scores and the selection (a threshold search, no sort;
+  # compact ascending lists, counts and zeroed arrival counters) in one launch or two, then
+  # the split-KV attention over the kept blocks.
+  from pallas_kernels.sparse.decode import sparse_decode
+  from pallas_kernels.sparse.decode_select import (decode_block_scores,
+                                                   score_select_decode_slots,
+                                                   select_decode_slots)
+  cfg = plan.config
+  lengths = jnp.asarray(kv_lengths, jnp.int32)
+  width = decode_width(summaries.num_blocks, **sel)
+  common = dict(block_size=block_size, interpret=interpret, lengths_group=lengths_group)
+  if cfg.fused_select:
+    indices, counts, arrivals = score_select_decode_slots(
+        q, summaries.sums, summaries.lengths, lengths, max_selected=width,
+        score_splits=cfg.score_splits, return_arrivals=True, **sel, **common)
+  else:
+    scores = decode_block_scores(q, summaries.sums, summaries.lengths, **common)
+    indices, counts, arrivals = select_decode_slots(scores, lengths, max_selected=width,
+                                                    return_arrivals=True, **sel, **common)
+  out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
+                           num_splits=cfg.num_splits, scale=float(scale), out_dtype=q.dtype,
+                           blocks_per_step=cfg.blocks_per_step, prefetch_ids=cfg.prefetch_ids,
+                           merge_kernel=cfg.merge_kernel, **common)
+  return out, lse, indices
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "block_size", "sel", "scale", "interpret"))
+def _hnd_attend(q, k, v, kv_lengths, block_summaries, *, plan, block_size, sel, scale,
+                interpret):
   """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
 
   Jitted, so that the reshapes are bitcasts even when the caller is not (outside a jit each
-  reshape of the cache would be its own computation and copy it).
-
-  k [b, hk, n, d] -> [b * hk, n, 1, d] (v likewise), q [b, hq, d] -> [b * hk, g, d] (query
-  head h * g + i is query head i of sequence b * hk + h), lengths and summaries repeated per
-  kv head; then the "nhd" path, and the results reshaped back. The batch x kv_heads programs of
-  every kernel (and the default split counts, which depend on batch * kv_heads) are unchanged.
-  The Triton kernels read the lengths of sequence b * kv_heads + h at b (``lengths_group``), so
-  that path repeats nothing (two small XLA broadcasts fewer per call, ~1.8 us on the H200 in
-  run 67); the other implementations get the repeated lengths.
-
-  ``_launch``: the Triton attention's launch options as ((name, value), ...)
-  (``_sparse_decode`` passes ``_HND_TRITON_LAUNCH``: the blocks are contiguous here).
-  ``select_lists``: the Triton selection kernel's options as ((name, value), ...) (probes).
+  reshape of the cache would be its own computation and copy it). k [b, hk, n, d] ->
+  [b * hk, n, 1, d] (v likewise), q [b, hq, d] -> [b * hk, g, d] (query head h * g + i is query
+  head i of sequence b * hk + h); then the "nhd" path, and the results reshaped back. The
+  Triton kernels read the lengths of sequence b * hk + h at b (``lengths_group``), so that
+  path repeats nothing; the other implementations get the lengths repeated per kv head.
   """
   q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
   b, hk, n, d = k.shape
-  hq = q.shape[1]
-  nb = cdiv(n, block_size)
-  if block_summaries.block_size != block_size:
-    raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
-                     f"block_size={block_size}")
-  if block_summaries.sums.shape != (b, hk, nb, d):
-    raise ValueError(f"block_summaries.sums {block_summaries.sums.shape} does not match the "
-                     f"head-major cache {k.shape}: expected {(b, hk, nb, d)}")
-  triton = _resolve_decode_implementation(kw["implementation"]) == "triton"
+  triton = plan.implementation == "triton"
   if triton:       # lengths [b], read by sequence b * hk + h at b (no repeat)
     lengths, summary_lengths = jnp.asarray(kv_lengths, jnp.int32), block_summaries.lengths
   else:
     summary_lengths = jnp.repeat(block_summaries.lengths, hk)
+  nb = block_summaries.num_blocks
   summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
                         lengths=summary_lengths, block_size=block_summaries.block_size)
-  launch = tuple(_launch) if triton else ()
-  if triton and kw["num_splits"] is None:
-    kw["num_splits"] = _hnd_triton_num_splits(
-        b * hk, _decode_width(nb, kw["top_k"], kw["num_init_blocks"], kw["num_local_blocks"]))
-  out, lse, idx = _sparse_decode(q2, k2, v2, lengths, summ, None, block_size=block_size,
-                                 return_lse=True, return_indices=True,
-                                 _lengths_group=hk if triton else 1, _launch=launch,
-                                 select_lists=tuple(select_lists) if triton else (), **kw)
-  res = (out.reshape(b, hq, out.shape[-1]),)                               # [b, hq, dv]
-  if return_lse:
-    res += (lse.reshape(b, hq),)
-  if return_indices:
-    res += (idx.reshape(b, hk, idx.shape[-1]),)                            # [b, hk, ms]
-  return res[0] if len(res) == 1 else res
+  out, lse, idx = _attend(q2, k2, v2, lengths, summ, None, plan=plan, block_size=block_size,
+                          sel=sel, scale=scale, interpret=interpret,
+                          lengths_group=hk if triton else 1)
+  return (out.reshape(b, q.shape[1], out.shape[-1]), lse.reshape(b, q.shape[1]),
+          idx.reshape(b, hk, idx.shape[-1]))
 
 
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
                    num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
-                   implementation, interpret, num_splits, fused_select=None, score_splits=None,
-                   kv_layout="nhd", _lengths_group=1, _launch=(), select_lists=()):
-  # _lengths_group (the head-major path on the Triton kernels only): kv_lengths and the
-  # summaries' lengths hold one entry per that many consecutive sequences; _launch: the Triton
-  # attention kernel's launch options ((name, value), ...), from the head-major path; select_lists:
-  # the Triton selection's options (e.g. (("search_loop", "early"),)), from probes
+                   implementation, interpret, num_splits, kv_layout="nhd"):
   _check_kv_layout(kv_layout)
   if not isinstance(block_summaries, BlockSummaries):
     raise TypeError("block_summaries must be a BlockSummaries")
@@ -527,153 +596,55 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
     raise ValueError(f"block_summaries.layout={block_summaries.layout!r} != "
                      f"kv_layout={kv_layout!r}: make the summaries with "
                      f"init_block_summaries(..., kv_layout={kv_layout!r})")
-  if fused_select is None:   # one launch for scores + selection on the head-major Triton path
-    fused_select = kv_layout == "hnd" and implementation in (None, "triton") and (
-        _resolve_decode_implementation(implementation) == "triton")
-  if kv_layout == "hnd":
-    if page_table is not None:
-      raise NotImplementedError("kv_layout='hnd' is for contiguous caches, not paged ones")
-    return _hnd_decode(q, k, v, kv_lengths, block_summaries, block_size=block_size,
-                       return_lse=return_lse, return_indices=return_indices, top_k=top_k,
-                       num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
-                       scale=scale, implementation=implementation, interpret=interpret,
-                       num_splits=num_splits, fused_select=fused_select,
-                       score_splits=score_splits,
-                       _launch=_hnd_triton_launch(k, v, block_size))
-  if q.ndim != 3:
-    raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
-  if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"k/v must be [batch or pages, len, kv_heads, d] and agree in all but the "
-                     f"last dim (v's head_dim may differ), got {k.shape} / {v.shape}")
-  if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[2]:
-    raise ValueError(f"q {q.shape} does not match the cache {k.shape}")
-  if page_table is None and q.shape[0] != k.shape[0]:
-    raise ValueError(f"q batch {q.shape[0]} != cache batch {k.shape[0]}")
   if block_summaries.block_size != block_size:
     raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
                      f"block_size={block_size}")
-  nb = cdiv(k.shape[1], block_size) if page_table is None else page_table.shape[1]
-  if block_summaries.num_blocks != nb:
-    raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache {nb}")
-  if implementation not in _DECODE_IMPLEMENTATIONS:
-    raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton', "
-                     f"'mosaic_tpu' or 'mosaic_gpu', got {implementation!r}")
-  impl = _resolve_decode_implementation(implementation)
-  if select_lists and impl != "triton":
-    raise ValueError("select_lists is for the Triton selection kernels only")
-  if fused_select not in (None, True, False, "all", "attend"):
-    raise ValueError(f"fused_select must be None, True, False, 'all' or 'attend', got "
-                     f"{fused_select!r}")
-  if fused_select == "all" and (impl != "triton" or page_table is not None):
-    raise ValueError("fused_select='all' (scores, selection and attention in one launch) is "
-                     "for the 'triton' implementation on contiguous caches")
-  if fused_select == "attend" and impl != "triton":
-    raise ValueError("fused_select='attend' (the selection inside the attention kernel) is "
-                     "for the 'triton' implementation")
-  if score_splits is not None and not fused_select:
-    raise ValueError("score_splits applies to fused_select=True only")
-  if impl == "mosaic_tpu" and num_splits not in (None, 1):
-    raise ValueError(f"num_splits applies to the Triton kernel only (the Mosaic TPU kernel "
-                     f"walks each kv head's kept blocks in one pass), got {num_splits}")
-  if impl == "mosaic_gpu":    # unsupported options raise now, naming them (not inside jit)
-    from pallas_kernels.sparse import decode_mosaic_gpu as mg
-    mg.check_options(block_size=block_size, head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-                     dtype=k.dtype, group=q.shape[1] // k.shape[2], interpret=interpret)
-  if scale is None:
-    scale = 1.0 / math.sqrt(q.shape[-1])
-  sel_kw = dict(top_k=top_k, num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
-  if impl == "xla":
-    indices = _decode_select(q, block_summaries, kv_lengths, **sel_kw)
-    out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
-  elif impl == "mosaic_tpu":
-    # Selection in XLA (ascending lists, -1 padded); the kernel DMAs only the kept blocks.
-    from pallas_kernels.sparse.decode_tpu import sparse_decode as tpu_sparse_decode
-    indices = _decode_select(q, block_summaries, kv_lengths, **sel_kw)
-    out, lse = tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
-                                 page_table=page_table, block_size=block_size,
-                                 scale=float(scale), interpret=interpret)
+  if kv_layout == "hnd":
+    if page_table is not None:
+      raise NotImplementedError("kv_layout='hnd' is for contiguous caches, not paged ones")
+    _hnd_check_shapes(q, k, v, kv_lengths)
+    b, hk, n, d = k.shape
+    if block_summaries.sums.shape != (b, hk, cdiv(n, block_size), d):
+      raise ValueError(f"block_summaries.sums {block_summaries.sums.shape} does not match the "
+                       f"head-major cache {k.shape}: expected {(b, hk, cdiv(n, block_size), d)}")
   else:
-    # Three launches, no XLA glue: block scores (many programs over the fp32 key sums), the
-    # selection (a threshold search, no sort; compact ascending lists, counts and zeroed
-    # arrival counters), and the split-KV attention over the kept blocks whose last split to
-    # finish per (batch, kv head) merges the splits (an atomic arrival counter). With
-    # fused_select, the first two are one launch (scores, then the last score program of each
-    # (batch, kv head) selects; a memset of its counters first when it has several).
-    # "mosaic_gpu": the same selection, then the Mosaic GPU kernel (TMA reads of the kept
-    # blocks) and the Triton merge kernel (four launches).
-    check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
-    from pallas_kernels.sparse.decode_select import (decode_block_scores,
-                                                     score_select_decode_slots,
-                                                     select_decode_slots)
-    lengths = jnp.asarray(kv_lengths, jnp.int32)
-    width = _decode_width(nb, top_k, num_init_blocks, num_local_blocks)
-    lg = {} if _lengths_group == 1 else dict(lengths_group=int(_lengths_group))
-    if _lengths_group != 1 and impl != "triton":
-      raise ValueError("_lengths_group is for the Triton kernels only")
-    if fused_select == "attend":
-      # scores (and zeroed arrival counters) in one launch, then every attention program
-      # selects from its (batch, kv head)'s scores row itself before attending
-      from pallas_kernels.sparse.decode_fused_select import sparse_decode_fused
-      launch = dict(_launch)
-      launch.pop("prefetch_ids", None)      # the ids come from the in-kernel selection
-      launch.pop("merge_kernel", None)      # the merge stays in the attention kernel
-      opts = dict(digit_bits=1, search_loop="early", lookup="scratch", **launch)
-      opts.update(dict(select_lists))
-      if score_splits is not None:
-        raise ValueError("score_splits applies to fused_select=True only")
-      out, lse, indices = sparse_decode_fused(
-          q, k, v, lengths, block_summaries.sums, block_summaries.lengths, page_table,
-          block_size=block_size, num_splits=num_splits, scale=float(scale), return_lse=True,
-          return_indices=True, interpret=interpret, **sel_kw, **lg, **opts)
-    elif fused_select == "all":
-      from pallas_kernels.sparse.decode_one_launch import sparse_decode_one_launch
-      out, lse, indices, _ = sparse_decode_one_launch(
-          q, k, v, lengths, block_summaries.sums, block_summaries.lengths,
-          block_size=block_size, max_selected=width, num_splits=num_splits,
-          score_splits=score_splits, scale=float(scale), out_dtype=q.dtype,
-          interpret=interpret, **sel_kw, **lg,
-          **{k_: v_ for k_, v_ in _launch if k_ != "merge_kernel"}, **dict(select_lists))
-    elif fused_select:
-      indices, counts, arrivals = score_select_decode_slots(
-          q, block_summaries.sums, block_summaries.lengths, lengths, block_size=block_size,
-          max_selected=width, score_splits=score_splits, interpret=interpret,
-          return_arrivals=True, **sel_kw, **lg, **dict(select_lists))
-    else:
-      scores = decode_block_scores(q, block_summaries.sums, block_summaries.lengths,
-                                   block_size=block_size, interpret=interpret, **lg)
-      indices, counts, arrivals = select_decode_slots(
-          scores, lengths, block_size=block_size, max_selected=width, interpret=interpret,
-          return_arrivals=True, **sel_kw, **lg, **dict(select_lists))
-    if fused_select in ("all", "attend"):
-      pass
-    elif impl == "mosaic_gpu":
-      from pallas_kernels.sparse import decode_mosaic_gpu as mg
-      if num_splits is None:
-        num_splits = mg.default_num_splits(q.shape[0], k.shape[2], width)
-      out, lse = mg.sparse_decode(q, k, v, lengths, indices, page_table, counts,
-                                  block_size=block_size, num_splits=int(num_splits),
-                                  scale=float(scale), out_dtype=q.dtype)
-    else:
-      from pallas_kernels.sparse.decode import default_num_splits, sparse_decode
-      if num_splits is None:
-        num_splits = default_num_splits(q.shape[0], k.shape[2], width)
-      out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
-                               block_size=block_size, num_splits=int(num_splits),
-                               scale=float(scale), out_dtype=q.dtype, interpret=interpret, **lg,
-                               **dict(_launch))
-  res = (out,)
-  if return_lse:
-    res += (lse,)
-  if return_indices:
-    res += (indices,)
+    if q.ndim != 3:
+      raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
+    if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+      raise ValueError(f"k/v must be [batch or pages, len, kv_heads, d] and agree in all but "
+                       f"the last dim (v's head_dim may differ), got {k.shape} / {v.shape}")
+    if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[2]:
+      raise ValueError(f"q {q.shape} does not match the cache {k.shape}")
+    if page_table is None and q.shape[0] != k.shape[0]:
+      raise ValueError(f"q batch {q.shape[0]} != cache batch {k.shape[0]}")
+    nb = cdiv(k.shape[1], block_size) if page_table is None else page_table.shape[1]
+    if block_summaries.num_blocks != nb:
+      raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache "
+                       f"{nb}")
+  check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
+  plan = sparse_decode_plan(q, k, v, block_size=block_size, top_k=top_k,
+                            num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
+                            page_table=page_table, kv_layout=kv_layout,
+                            implementation=implementation, num_splits=num_splits)
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  sel = (("top_k", top_k), ("num_init_blocks", num_init_blocks),
+         ("num_local_blocks", num_local_blocks))
+  if kv_layout == "hnd":
+    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, plan=plan,
+                                    block_size=block_size, sel=sel, scale=scale,
+                                    interpret=interpret)
+  else:
+    out, lse, indices = _attend(q, k, v, kv_lengths, block_summaries, page_table, plan=plan,
+                                block_size=block_size, sel=sel, scale=scale,
+                                interpret=interpret)
+  res = (out,) + ((lse,) if return_lse else ()) + ((indices,) if return_indices else ())
   return res[0] if len(res) == 1 else res
 
 
 def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *, block_size,
                             top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                             return_lse=False, return_indices=False, implementation=None,
-                            interpret=False, num_splits=None, fused_select=None,
-                            score_splits=None, kv_layout="nhd"):
+                            interpret=False, num_splits=None, kv_layout="nhd"):
   """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
 
   Selection (:func:`select_decode_blocks`, per kv head, shared by its query heads) from the
@@ -683,25 +654,18 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
   Implementations:
     * "xla": gathers the kept blocks of each kv head (advanced indexing, never a copy of the whole
       cache), then one softmax.
-    * "triton": three Pallas kernels: block scores and the top-k selection
+    * "triton": Pallas kernels: block scores and the top-k selection
       (``pallas_kernels.sparse.decode_select``, a threshold search instead of a sort), then the
-      split-KV kernel whose per-kv-head block lists act as page tables and whose last split to
-      finish per (batch, kv head) merges the splits by log-sum-exp
-      (``pallas_kernels.sparse.decode.sparse_decode``). block_size must be a power of two >= 16.
-      ``fused_select=True``: scores and selection in one kernel (two launches in all).
+      split-KV kernel whose per-kv-head block lists act as page tables, its splits merged by
+      log-sum-exp (``pallas_kernels.sparse.decode.sparse_decode``). How the launches are laid
+      out depends on the cache (:func:`sparse_decode_plan`). block_size must be a power of two
+      >= 16.
     * "mosaic_tpu": the selection in XLA, then one Pallas Mosaic TPU kernel
       (``pallas_kernels.sparse.decode_tpu``) with grid (batch, kv head, kept slot): the kept
       block ids, counts and page table are scalar-prefetched and the K/V index maps DMA only the
       kept blocks; one online softmax per GQA group. block_size must give DMAs of a multiple
       of 8 rows (16 for 16-bit caches); head dims that are not multiples of 128 with several
       kv heads read every head's rows of a kept block (see ``head_lanes_layout``).
-    * "mosaic_gpu" (Hopper, sm90; GPU tests pass, not faster than "triton" in run 30, so
-      never picked by None): the Triton
-      selection kernels, then a Pallas Mosaic GPU kernel that reads only the kept blocks by TMA
-      (``pallas_kernels.sparse.decode_mosaic_gpu``: the split-KV program of the Mosaic GPU
-      decode kernel walking each kv head's list, default splits one CTA per SM) and the
-      Triton merge kernel. bf16/fp16, head_dim 64/128/256 == head_dim_v, block_size a
-      multiple of 64; other options raise NotImplementedError.
     * None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere.
 
   Cache layouts (``kv_layout``):
@@ -714,11 +678,9 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       back: the same programs (and default split counts), the same selection and the same
       output as "nhd" on the transposed cache. The summaries must be made with the same
       layout (``init_block_summaries(..., kv_layout="hnd")``; a mismatch raises ValueError).
-      On an H200 at B1 S128K GQA 32:8 D128, 64-token blocks, top 19% the Triton path ran
-      1.13x faster on a head-major cache through this option (run 36: 49.0 vs 55.3 us, 2.96x
-      dense decode on the default cache; run 40: 3.07x; docs/sparse.md). For "mosaic_tpu" with several
-      kv heads and head dims that are not multiples of 128, "hnd" reads only the kept head's
-      rows (one kv head per sequence, see ``head_lanes_layout``).
+      The Triton path is fastest on this layout (a kept block is one contiguous run). For
+      "mosaic_tpu" with several kv heads and head dims that are not multiples of 128, "hnd"
+      reads only the kept head's rows (one kv head per sequence, see ``head_lanes_layout``).
 
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
@@ -735,37 +697,11 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return lse [batch, q_heads] (fp32, natural log, -inf if empty).
     return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
-    implementation: None, "xla", "triton", "mosaic_tpu" or "mosaic_gpu".
+    implementation: None, "xla", "triton" or "mosaic_tpu".
     interpret: run the Pallas kernel in interpret mode (CPU tests; the TPU interpreter for
-      "mosaic_tpu"; "mosaic_gpu" raises NotImplementedError).
-    num_splits: Triton splits per (batch, kv head); default
-      ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per SM;
-      "mosaic_gpu": ``pallas_kernels.sparse.decode_mosaic_gpu.default_num_splits``, one). The
+      "mosaic_tpu").
+    num_splits: Triton splits per (batch, kv head); default: :func:`sparse_decode_plan`'s. The
       Mosaic TPU kernel has no splits (None or 1).
-    fused_select: "triton" and "mosaic_gpu" (the others select in XLA and ignore it): the
-      block scores and the selection in one launch
-      (``pallas_kernels.sparse.decode_select.score_select_decode_slots``) instead of two; the
-      same selection and output to the bit. Default None: True on the head-major cache
-      (``kv_layout="hnd"``) with "triton" (run 87, H200, B1 S128K GQA 32:8, 19% of 64-token
-      blocks, device kernel trace: 46.8 us per call against 48.3 for two launches), False
-      otherwise (two launches). "all" ("triton", contiguous caches): the scores, the
-      selection and the attention in one launch
-      (``pallas_kernels.sparse.decode_one_launch``: the attention's programs load their
-      queries while the selection runs and start on their kv head's list once it is
-      ready); the same selection, and the same output up to the attention's rounding.
-      Slower on the H200 (run 93: 46.6-57.8 us per call against 43.7 for the default, B1
-      S128K GQA 32:8, head-major), so never the default. "attend" ("triton"): the scores
-      (and the zeroed arrival counters) in one launch, then the attention kernel whose every
-      program runs the selection of its (batch, kv head) itself before attending
-      (``pallas_kernels.sparse.decode_fused_select``: no single-program selection between the
-      launches, the search repeated by each split); the same selection and output. On the
-      H200 (run 102, head-major, B1 S128K GQA 32:8): 41.98 us per call against 42.27 for the
-      default, within 1%; not the default, as at large batch every program repeats the
-      search.
-    score_splits: with ``fused_select``: score programs per (batch, kv head); default
-      ``pallas_kernels.sparse.decode_select.default_score_splits`` (32 at B1, 8 kv heads,
-      2048 blocks on an H200; 1, i.e. no counters and no memset, once batch x kv_heads fills
-      the GPU).
     kv_layout: "nhd" (default) or "hnd": the cache layout, see above.
 
   Returns:
@@ -792,15 +728,13 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
                         block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
                         num_local_blocks=num_local_blocks, scale=scale, return_lse=return_lse,
                         return_indices=return_indices, implementation=implementation,
-                        interpret=interpret, num_splits=num_splits, fused_select=fused_select,
-                        score_splits=score_splits, kv_layout=kv_layout)
+                        interpret=interpret, num_splits=num_splits, kv_layout=kv_layout)
 
 
 def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, block_summaries, *,
                                   top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                                   return_lse=False, return_indices=False, implementation=None,
-                                  interpret=False, num_splits=None, fused_select=None,
-                                  score_splits=None):
+                                  interpret=False, num_splits=None):
   """:func:`sparse_decode_attention` over a paged cache; blocks are pages (block = page size).
 
   Args:
@@ -815,7 +749,7 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
       (``init_block_summaries(k_pages, lens, block_size=page_size, page_table=page_table)``;
       layout "nhd": paged caches have no head-major option).
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
-      interpret, num_splits, fused_select, score_splits: as in :func:`sparse_decode_attention`.
+      interpret, num_splits: as in :func:`sparse_decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -834,7 +768,6 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                         scale=scale, return_lse=return_lse, return_indices=return_indices,
                         implementation=implementation, interpret=interpret,
-                        num_splits=num_splits, fused_select=fused_select,
-                        score_splits=score_splits)
+                        num_splits=num_splits)
 
 

@@ -7,16 +7,28 @@ holds no visible key). Attention over the union of disjoint subsets is
     lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i.
 
 Split-KV decoding, two-stage (coarse + fine) retrieval with one softmax and a current-block plus
-selected-blocks split all combine their partials with these two functions. Both are computed in
-fp32, are safe for empty partials (an all-empty merge gives 0 output and -inf lse, never NaN) and
-are differentiable with finite gradients everywhere, including through the returned lse.
+selected-blocks split all combine their partials with :func:`merge_partials` and :func:`merge`
+(XLA). Both are computed in fp32, are safe for empty partials (an all-empty merge gives 0 output
+and -inf lse, never NaN) and are differentiable with finite gradients everywhere, including
+through the returned lse.
+
+The GPU decode kernels merge their splits with the same arithmetic in Pallas (Triton):
+:func:`merge_partials_pallas` (one kernel over all partials; forward only) and
+:func:`store_merged_heads` (the merge of one sequence's heads, called inside a kernel).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["merge_partials", "merge"]
+from pallas_kernels import compat
+
+__all__ = ["merge_partials", "merge", "merge_partials_pallas", "store_merged_heads",
+           "merged_head"]
 
 
 def merge_partials(outs, lses, axis=0):
@@ -88,3 +100,88 @@ def merge(o1, lse1, o2, lse2):
   outs = jnp.stack([jnp.asarray(o1, dtype), jnp.asarray(o2, dtype)], axis=0)
   lses = jnp.stack([jnp.asarray(lse1, jnp.float32), jnp.asarray(lse2, jnp.float32)], axis=0)
   return merge_partials(outs, lses, axis=0)
+
+
+# ----------------------------------------------------------------------------- Pallas (Triton)
+def _pow2(n):
+  return max(16, pl.next_power_of_2(int(n)))
+
+
+def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad):
+  """The log-sum-exp merge of query head ``hh``'s partials of sequence ``b``, inside a Triton
+  kernel: (out [d_pad] fp32, lse scalar fp32). Partials with lse -inf are ignored; no partial
+  gives 0 and -inf.
+
+  Refs: o [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32 (S = ``num_splits``).
+  """
+  srows = jnp.arange(_pow2(num_splits), dtype=jnp.int32)             # [s_pad]
+  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
+  s_ok = srows < num_splits
+  lse = plgpu.load(lse_ref.at[b, srows, hh], mask=s_ok, other=-jnp.inf)   # [s_pad]
+  mask = s_ok[:, None] if d_pad == head_dim else s_ok[:, None] & (cols < head_dim)[None, :]
+  o = plgpu.load(o_ref.at[b, srows[:, None], hh, cols[None, :]], mask=mask, other=0.0)
+  m = jnp.max(lse)
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+  w = jnp.exp(lse - m)                                               # 0 for empty partials
+  total = jnp.sum(w)
+  empty = total == 0.0
+  total_safe = jnp.where(empty, 1.0, total)
+  contrib = jnp.where((w > 0.0)[:, None], o, 0.0)                    # [s_pad, d_pad]
+  out = jnp.sum(contrib * (w / total_safe)[:, None], axis=0)         # [d_pad]
+  return out, jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
+
+
+def store_merged_heads(o_ref, lse_ref, out_ref, lse_out_ref, b, heads, *, num_splits, head_dim,
+                       d_pad):
+  """:func:`merged_head` of each query head in ``heads`` of sequence ``b``, stored to out
+  [B, Hq, D] and lse [B, Hq]; every head is computed before any store, so no partial's load
+  waits behind an output store (the compiler cannot move a load past a store)."""
+  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
+  res = [merged_head(o_ref, lse_ref, b, hh, num_splits=num_splits, head_dim=head_dim,
+                     d_pad=d_pad) for hh in heads]
+  for hh, (out, lse) in zip(heads, res):
+    plgpu.store(out_ref.at[b, hh, cols], out.astype(out_ref.dtype), mask=cols < head_dim)
+    plgpu.store(lse_out_ref.at[b, hh], lse)
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits, head_dim, d_pad):
+  """One (batch, query head) program."""
+  store_merged_heads(o_ref, lse_ref, out_ref, lse_out_ref, pl.program_id(0),
+                     [pl.program_id(1)], num_splits=num_splits, head_dim=head_dim, d_pad=d_pad)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
+def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False):
+  """:func:`merge_partials` over axis 1 of split partials, as one Pallas kernel (Triton).
+
+  One program per (batch, query head); the kernel writes the output in ``out_dtype`` itself,
+  so no XLA convert follows. The GPU split-KV decode kernels (dense and sparse) merge their
+  partials with it.
+
+  Args:
+    outs: fp32 [batch, num_splits, q_heads, head_dim].
+    lses: fp32 [batch, num_splits, q_heads].
+    out_dtype: dtype of the merged output (default outs.dtype).
+    interpret: run in the Pallas interpreter (CPU tests).
+
+  Returns:
+    (out [batch, q_heads, head_dim] in out_dtype, lse [batch, q_heads] fp32).
+
+  Example:
+    >>> o = jnp.ones((1, 3, 2, 16)); lse = jnp.zeros((1, 3, 2))
+    >>> out, l = merge_partials_pallas(o, lse, interpret=True)
+    >>> out.shape, l.shape
+    ((1, 2, 16), (1, 2))
+  """
+  bsz, ns, hq, d = outs.shape
+  if lses.shape != (bsz, ns, hq):
+    raise ValueError(f"lses must be {(bsz, ns, hq)}, got {lses.shape}")
+  out_dtype = outs.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  kernel = functools.partial(_merge_kernel, num_splits=ns, head_dim=d, d_pad=_pow2(d))
+  return pl.pallas_call(
+      kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
+                         jax.ShapeDtypeStruct((bsz, hq), jnp.float32)],
+      grid=(bsz, hq),
+      compiler_params=compat.triton_compiler_params(num_warps=4, num_stages=1),
+      interpret=interpret, name="jattn_merge_partials")(
+          outs.astype(jnp.float32), lses.astype(jnp.float32))

@@ -79,8 +79,9 @@ def _block_index(length, split, step, **kw):
   return jnp.maximum(jnp.minimum(begin + step, stop - 1), 0)
 
 
-def _load_head(kv_ref, h, *, kv_heads, rows):
-  """Rows h, h + kv_heads, ... of a [rows * kv_heads, D] block: head h's [rows, D] tile."""
+def load_head(kv_ref, h, *, kv_heads, rows):
+  """Rows h, h + kv_heads, ... of a [rows * kv_heads, D] block: head h's [rows, D] tile (a
+  strided sublane load; shared with the block-sparse TPU decode kernel)."""
   if kv_heads == 1:
     return kv_ref[...]
   return kv_ref[pl.ds(h, rows, stride=kv_heads), :]
@@ -103,8 +104,8 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
                                          block_k=block_k, num_splits=num_splits,
                                          capacity=capacity)
 
-  def load_head(kv_refs, h):                                        # [block_k, D]
-    tiles = [_load_head(r, h, kv_heads=kv_heads, rows=rows) for r in kv_refs]
+  def head_tile(kv_refs, h):                                        # [block_k, D]
+    tiles = [load_head(r, h, kv_heads=kv_heads, rows=rows) for r in kv_refs]
     return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=0)
 
   @pl.when(step == 0)
@@ -122,7 +123,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
     valid_rows = blk * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < length
     for h in range(kv_heads):
       q = q_ref[h]                                                               # [g_pad, D]
-      k = load_head(k_refs, h)                                                   # [bk, D]
+      k = head_tile(k_refs, h)                                                   # [bk, D]
       s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                               preferred_element_type=jnp.float32) * scale        # [g_pad, bk]
       if soft_cap is not None:
@@ -134,7 +135,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
       p = jnp.exp(s - m_new[:, :1])                                              # [g_pad, bk]
       l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
       m_ref[h] = m_new
-      v = load_head(v_refs, h)                                                   # [bk, Dv]
+      v = head_tile(v_refs, h)                                                   # [bk, Dv]
       v = jnp.where(valid_rows, v, jnp.zeros_like(v))   # rows past the cache may hold garbage
       pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)               # [g_pad, Dv]

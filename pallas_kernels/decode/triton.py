@@ -14,11 +14,11 @@ that Triton double-buffers the K/V copies as in the contiguous kernel) and gathe
 that page, so page boundaries never constrain the tiling and page sizes need not be powers of two.
 Values may be narrower than keys (MLA): V tiles, the accumulator and the partial output are
 [.., dv_pad] with V's own column mask.
-(Checked offline by compiling the lowered TTIR with Triton 3.5 for sm_90: both kernels use 16-byte
-cp.async copies into two shared-memory stages, about 70 KiB per program at the defaults.)
+Both kernels lower to 16-byte cp.async copies into two shared-memory stages (Triton, sm_90),
+about 70 KiB per program at the default block sizes.
 
-Each program writes one partial (out, lse) per split; the caller merges the splits by log-sum-exp
-(``jattn.merge.merge_partials``). File layout: block sizes, kernel body, pallas_call wrappers.
+Each program writes one partial (out, lse) per split; the caller merges the splits by
+log-sum-exp (``pallas_kernels.common.merge``).
 """
 from __future__ import annotations
 
@@ -64,45 +64,27 @@ class DecodeBlockSizes:
       raise ValueError(f"block_k must be a power of two >= 16, got {self.block_k}")
 
 
-# Measured block sizes for 16-bit caches with head_dim <= 128, keyed by jax's device_kind
-# (e.g. "NVIDIA H200"); fill from the sweep rows of ``jattn.decode.bench_decode_cases``. Devices
-# not listed use the rule in ``default_block_sizes``.
-TUNED_BLOCK_SIZES: dict = {}
-
-
-def _device_kind():
-  try:
-    return jax.devices("gpu")[0].device_kind
-  except RuntimeError:
-    return None
-
-
-def default_block_sizes(head_dim, dtype, device_kind=None):
+def default_block_sizes(head_dim, dtype):
   """Block sizes used when none are given.
 
-  A 16-bit cache with head_dim <= 128 on a device listed in ``TUNED_BLOCK_SIZES`` uses that
-  entry. Otherwise: num_stages=3 (two shared-memory buffers per K and V tile, so the next block
-  is in flight while the current one is computed) and the largest block_k <= 128 whose K tile
-  fits 16 KiB (64 keys x 128 lanes in bf16: about 72 KiB of shared memory per program, so three
-  programs fit an H100/H200 SM).
+  num_stages=3 (two shared-memory buffers per K and V tile, so the next block is in flight
+  while the current one is computed) and the largest block_k <= 128 whose K tile fits 16 KiB
+  (64 keys x 128 lanes in bf16: about 72 KiB of shared memory per program, so three programs
+  fit an H100/H200 SM).
 
   Args:
     head_dim: head dimension (padded to a power of two inside the kernel).
     dtype: cache dtype.
-    device_kind: jax device_kind string; default: the first GPU's, if any.
 
   Returns:
     A ``DecodeBlockSizes``.
 
   Example:
-    >>> default_block_sizes(128, jnp.bfloat16, device_kind="cpu").block_k
+    >>> default_block_sizes(128, jnp.bfloat16).block_k
     64
   """
   d_pad = max(16, _next_pow2(head_dim))
   itemsize = jnp.dtype(dtype).itemsize
-  kind = _device_kind() if device_kind is None else device_kind
-  if itemsize == 2 and d_pad <= 128 and kind in TUNED_BLOCK_SIZES:
-    return TUNED_BLOCK_SIZES[kind]
   block_k = 128
   while block_k > 16 and block_k * d_pad * itemsize > 16 * 1024:
     block_k //= 2
@@ -118,9 +100,8 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
   over many programs instead of leaving a few to finish alone; at least four key blocks per
   split, at most ``max_splits``; rounded down to a power of two.
 
-  Measured on the H200 (run 4, 8 KV heads, D128 bf16): B8 S32K takes 0.257 ms at 32 splits and
-  0.284 at 8; a mixed-length B8 batch (capacity 32K) 0.096 at 32 and 0.110 at 8 (its paged
-  page-16 cache 0.099 vs 0.124); B1 S128K was measured at 32.
+  On the H200 (8 KV heads, D128 bf16) B8 S32K takes 0.257 ms at 32 splits and 0.284 at 8; a
+  mixed-length B8 batch (capacity 32K) 0.096 at 32 and 0.110 at 8.
 
   Args:
     batch: batch size.

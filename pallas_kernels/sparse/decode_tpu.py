@@ -1,8 +1,8 @@
 """Top-K block-sparse decode for TPU (Pallas Mosaic), contiguous and paged caches.
 
-Grid (batch, kv head, slot). The selection (``jattn.sparse._decode_select``, in XLA) gives every
-(batch, kv head) its own list of kept cache blocks, ``indices[b, h, :]`` (valid ids first, then
--1), and ``counts[b, h]``. Both, the sequence lengths and (paged) the page table are
+Grid (batch, kv head, slot). The selection (``jattn.sparse.select_decode_blocks``, in XLA)
+gives every (batch, kv head) its own list of kept cache blocks, ``indices[b, h, :]`` (valid ids
+first, then -1), and ``counts[b, h]``. Both, the sequence lengths and (paged) the page table are
 scalar-prefetched into SMEM, and the K/V BlockSpec index maps read them: step ``j`` of program
 (b, h) DMAs block ``indices[b, h, j]`` (through ``page_table[b, .]`` for a paged cache, where a
 block is a page) and nothing else, so the kernel reads only the kept blocks. Slots past the
@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
 from pallas_kernels.decode.checks import check_page_table, check_partials_args
-from pallas_kernels.decode.mosaic_tpu import LANES, _load_head, group_queries
+from pallas_kernels.decode.mosaic_tpu import LANES, group_queries, load_head
 
 __all__ = ["sparse_decode", "head_lanes_layout"]
 
@@ -124,8 +124,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, *refs, scale, block, kv_heads, num_slots
     for hh in range(kv_heads):                        # static strided loads of head hh's rows
       @pl.when(run & (h == hh))
       def _compute_head():
-        attend(_load_head(k_ref, hh, kv_heads=kv_heads, rows=block),
-               _load_head(v_ref, hh, kv_heads=kv_heads, rows=block))
+        attend(load_head(k_ref, hh, kv_heads=kv_heads, rows=block),
+               load_head(v_ref, hh, kv_heads=kv_heads, rows=block))
   else:
     @pl.when(run)
     def _compute():

@@ -1,4 +1,4 @@
-"""Per-tile sums of dLoss/dlogits over the kept tiles of a block selection (Pallas, Triton lowering).
+"""Per-tile sums of dLoss/dlogits over the kept tiles of a block selection (Pallas, Triton).
 
 The straight-through gate of ``jattn.sparse.sparse_attention`` (``gate_grad="ste"`` or
 ``"gumbel"``) adds a zero-valued bias to every logit of a kept tile; the bias's cotangent is the

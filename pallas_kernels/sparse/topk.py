@@ -2,12 +2,12 @@
 
 Training-time block selection (``jattn.sparse.select_blocks``) keeps, per (batch, kv head,
 query block), the ``top_k`` highest-scoring candidate key blocks. ``lax.top_k`` over 1024
-blocks per row is a sort on the GPU: 0.33 ms of a 28.3 ms block-sparse training call at 64K
-tokens on the H200 (run 122's trace). Here each program loads its row into registers and
-finds the k-th largest value by the bit search of the decode selection
-(``pallas_kernels.sparse.decode_select._bit_search``: total-order int32 keys, top bit first,
-stopping at the first trial that counts exactly k), then keeps the values above it and the
-ties at it by lowest index: the set ``lax.top_k`` returns (ties to the lower index), as a mask.
+blocks per row is a sort on the GPU (0.33 ms of a 28.3 ms block-sparse training call at 64K
+tokens on the H200). Here each program loads its row into registers and finds the k-th
+largest value by :func:`bit_search` (total-order int32 keys, top bit first, stopping at the
+first trial that counts exactly k), then keeps the values above it and the ties at it by
+lowest index: the set ``lax.top_k`` returns (ties to the lower index), as a mask. The decode
+selection (``pallas_kernels.sparse.decode_select``) finds its threshold with the same search.
 """
 from __future__ import annotations
 
@@ -19,11 +19,81 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.sparse.decode_select import _INT_MIN, _bit_search, total_order_key
 
-__all__ = ["top_k_mask", "MAX_ROW"]
+__all__ = ["top_k_mask", "MAX_ROW", "total_order_key", "bit_search", "INT_MIN"]
 
 MAX_ROW = 8192      # longest row one program holds in registers (8192 int32 keys over 8 warps)
+INT_MIN = -(2 ** 31)
+
+
+def total_order_key(x):
+  """int32 keys of fp32 values in IEEE total order (-NaN < -inf < -0 < +0 < inf < NaN).
+
+  The order ``lax.top_k`` ranks by; usable inside Triton kernels.
+
+  Args:
+    x: a floating array (converted to fp32).
+
+  Returns:
+    int32 array of x's shape; ``a < b`` in total order iff ``key(a) < key(b)``.
+
+  Example:
+    >>> total_order_key(jnp.array([-0.0, 0.0, 1.0])).tolist()
+    [-1, 0, 1065353216]
+  """
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def bit_search(key, real, *, top_k, n_real=None, return_steps=False):
+  """A threshold for the ``top_k`` largest real keys, by a bit search (top bit first).
+
+  Works in the unsigned space u = key ^ INT_MIN (order preserving): trial t = the bits fixed
+  so far plus the next bit is accepted when #{real: key_u >= t} >= top_k. The search stops at
+  the first accepted trial whose count is exactly ``top_k`` (keys >= it are then exactly the
+  top_k largest, every tie at the k-th among them), else after 32 steps with the largest u
+  whose count is >= top_k (the k-th largest key). Either way the caller's threshold step
+  (keys > t, then ties at t by lowest index up to top_k) keeps the ``lax.top_k`` set.
+  Continuous scores stop after ~17 steps (2046 normal scores, top 387); ties at the k-th key
+  run all 32.
+
+  Pure jnp (runs inside a Triton kernel or on arrays).
+
+  Args:
+    key: int32 [n] keys (:func:`total_order_key`).
+    real: bool [n]: the lanes that count.
+    top_k: the count to reach.
+    n_real: the number of real keys (a Python int); then also return c_t = #{real: key_u >=
+      t_u} (the count at the threshold; n_real while no trial was accepted).
+    return_steps: also return the steps run (int32 scalar).
+
+  Returns:
+    t_u (int32 scalar; the signed threshold key is ``t_u ^ INT_MIN``), then c_t with
+    ``n_real``, then the steps with ``return_steps``.
+
+  Example:
+    >>> key = total_order_key(jnp.array([3.0, 1.0, 2.0]))
+    >>> int(bit_search(key, jnp.ones(3, bool), top_k=2) ^ INT_MIN) == int(key[2])
+    True
+  """
+  def count(trial):
+    return jnp.sum(((key >= (trial ^ INT_MIN)) & real).astype(jnp.int32))
+
+  def cond(c):
+    i, _, _, done = c
+    return (i < 32) & jnp.logical_not(done)
+
+  def body(c):                           # bit 31 - i; 1 << 31 wraps to INT_MIN in int32
+    i, t_u, c_t, _ = c
+    trial = t_u | jax.lax.shift_left(jnp.int32(1), 31 - i)
+    n_ge = count(trial)
+    ok = n_ge >= top_k
+    return i + 1, jnp.where(ok, trial, t_u), jnp.where(ok, n_ge, c_t), n_ge == top_k
+
+  c0 = jnp.int32(0 if n_real is None else n_real)
+  steps, t_u, c_t, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.int32(0), c0, False))
+  res = (t_u,) + ((c_t,) if n_real is not None else ()) + ((steps,) if return_steps else ())
+  return res[0] if len(res) == 1 else res
 
 
 def _kernel(x_ref, o_ref, *, n, n_pad, top_k):
@@ -32,8 +102,8 @@ def _kernel(x_ref, o_ref, *, n, n_pad, top_k):
   real = j < n
   x = plgpu.load(x_ref.at[r, j], mask=real, other=0.0)
   key = total_order_key(x)
-  t_u = _bit_search(key, real, top_k=top_k, loop="early")
-  thr = t_u ^ _INT_MIN
+  t_u = bit_search(key, real, top_k=top_k)
+  thr = t_u ^ INT_MIN
   above = (key > thr) & real
   need = top_k - jnp.sum(above.astype(jnp.int32))         # ties at thr to take, lowest first
   tie = (key == thr) & real
