@@ -137,8 +137,8 @@ CAPS = {
 
 def _inputs(name, c: Case):
   rng = np.random.default_rng(zlib.crc32(name.encode()))
-  q, k, v = helpers.random_qkv(rng, c.batch, c.q_len, c.sk, c.q_heads, c.kv_heads, c.head_dim,
-                       c.head_dim_v, c.dtype)
+  q, k, v = helpers.random_qkv(rng, c.batch, c.q_len, c.sk, c.q_heads, c.kv_heads,
+                               c.head_dim, c.head_dim_v, c.dtype)
   q_seg = kv_seg = None
   if c.segments == "packed":
     q_seg = helpers.packed_segments(rng, c.batch, c.q_len, pad_tail=c.q_len // 8)
