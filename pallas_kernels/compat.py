@@ -1,7 +1,7 @@
 """The one place that knows about differences between supported jax versions (>= 0.10.2).
 
 Everything in ``pallas_kernels`` and ``jattn`` that touches an API whose spelling moved between
-jax 0.10.x (the CPU machines) and 0.11.x (the H200 machine) goes through this module.
+jax 0.10.x (the CPU machines) and 0.11.x (the GPU machines) goes through this module.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Shared test setup: GPU tests skip cleanly without a GPU; hypothesis profile for CI; fast XLA
-compiles on CPU-only machines; jax's caches cleared before a worker runs out of memory maps; a
-test whose xdist worker crashes runs once more."""
+"""Shared test setup: GPU tests skip cleanly without a GPU; tests marked ``slow`` run only with
+``--run-slow``; hypothesis profile for CI; fast XLA compiles on CPU-only machines; jax's caches
+cleared before a worker runs out of memory maps; a test whose xdist worker crashes runs once
+more."""
 import gc
 import os
 import shutil
@@ -12,8 +13,8 @@ def _no_nvidia_gpu():
 
 
 # CPU CI is compile-bound (interpret-mode kernels, eager ops, many small jits): XLA's LLVM backend
-# at -O0 compiles ~35% faster (whole CPU suite 15:06 -> 10:28 on a 2-core box); the HLO passes
-# and every test tolerance are unchanged (no fast-math either way; the last bit may round
+# at -O0 compiles ~35% faster (the whole CPU suite on a 2-core box: 15 -> 10.5 minutes); the HLO
+# passes and every test tolerance are unchanged (no fast-math either way; the last bit may round
 # differently where the LLVM backend would contract to FMA). Only without an NVIDIA GPU, so GPU
 # timings are untouched; set JATTN_TEST_XLA_OPT=1 to keep the default optimisation level. Must
 # run before jax's backend starts (conftest is imported before any test module).
@@ -41,24 +42,29 @@ def _has_gpu():
     return False
 
 
+def pytest_addoption(parser):
+  parser.addoption("--run-slow", action="store_true", default=False,
+                   help="also run the tests marked slow")
+
+
 def pytest_collection_modifyitems(config, items):
-  if _has_gpu():
-    return
-  skip = pytest.mark.skip(reason="needs a GPU (run `pytest -m gpu` on a GPU machine)")
+  skip_slow = pytest.mark.skip(reason="slow: run with --run-slow")
+  skip_gpu = pytest.mark.skip(reason="needs a GPU (run `pytest -m gpu` on a GPU machine)")
+  run_slow, has_gpu = config.getoption("--run-slow"), _has_gpu()
   for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+    if "slow" in item.keywords and not run_slow:
+      item.add_marker(skip_slow)
+    if "gpu" in item.keywords and not has_gpu:
+      item.add_marker(skip_gpu)
 
 
-# Found in session 29: an xdist worker that compiles ~20,000 executables (interpret-mode kernels
-# are large programs, and every shape and option is a new one) holds one memory map or more per
-# executable and reaches the kernel's limit (vm.max_map_count, 65530 by default); XLA:CPU's
-# compiler then segfaults in ``backend_compile_and_load`` instead of raising. Sessions 27-28 saw
-# this in 7 of ~12 fresh-clone CI runs, always late in the suite; session 29 watched a worker
-# reach 65,532 maps and crash there. ``_bound_memory_maps`` below clears
-# jax's caches when a worker passes a third of the limit. The rerun stays as a guard: a test
-# whose worker dies anyway runs once more on a fresh worker; a second crash, like any failure of
-# a test, fails the run. Test failures are never rerun.
+# An xdist worker that compiles many thousands of executables (interpret-mode kernels are large
+# programs, and every shape and option is a new one) holds one memory map or more per executable
+# and can reach the kernel's limit (vm.max_map_count, 65530 by default); XLA:CPU's compiler then
+# segfaults in ``backend_compile_and_load`` instead of raising, late in the suite.
+# ``_bound_memory_maps`` below clears jax's caches when a worker passes a third of the limit. The
+# rerun stays as a guard: a test whose worker dies anyway runs once more on a fresh worker; a
+# second crash, like any failure of a test, fails the run. Test failures are never rerun.
 _CRASH_RERUNS: set = set()
 
 

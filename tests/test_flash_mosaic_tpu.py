@@ -1,7 +1,8 @@
-"""Pallas Mosaic TPU flash attention (pallas_kernels/flash/mosaic_tpu.py) against the fp32 reference.
+"""Mosaic TPU flash attention, kernel-specific: non-default tiles, block-mask schedules (tiles
+outside them are never read), tile validation, and lowering for TPU with ``jax.export``.
 
-The kernels run in TPU interpret mode on the CPU (tiny shapes: interpret mode simulates every
-grid step and DMA) and are checked to lower for TPU with ``jax.export``.
+Masks, dtypes, head dims and GQA through ``jattn.flash_attention`` (default tiles) are in
+test_conformance.py. The kernels run in TPU interpret mode on the CPU.
 """
 import zlib
 
@@ -13,28 +14,10 @@ import pytest
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash import mosaic_tpu
 from pallas_kernels.flash.reference import attention_reference
+from tests.helpers import rel_err as _rel
 
 TOL_FP32 = 2e-3
 BLOCKS = mosaic_tpu.BlockSizes(block_q=128, block_k=128)
-
-
-def _rel(x, ref):
-  x = np.asarray(x, np.float64)
-  ref = np.asarray(ref, np.float64)
-  return float(np.linalg.norm((x - ref).ravel()) / np.linalg.norm(ref.ravel()))
-
-
-def _packed_segments(rng, batch, length, pad_tail):
-  """Random documents (including one-token ones) followed by ``pad_tail`` padding tokens (id 0)."""
-  segs = np.zeros((batch, length), np.int32)
-  for b in range(batch):
-    pos, doc = 0, 1
-    while pos < length - pad_tail:
-      n = int(rng.choice([1, 1, 7, 40, 90, 150]))
-      n = min(n, length - pad_tail - pos)
-      segs[b, pos:pos + n] = doc
-      pos, doc = pos + n, doc + 1
-  return segs
 
 
 def _run_both(q, k, v, *, causal=False, window=None, q_seg=None, kv_seg=None, soft_cap=None,
@@ -98,7 +81,6 @@ def _qkv(seed, b, sq, sk, hq, hk, d, dv=None, dtype=jnp.float32):
 
 # (name, b, sq, sk, hq, hk, d, options); non-square tiles catch block_q/block_k mix-ups.
 CASES = [
-    ("causal_gqa_d72_qlen_ne_kvlen", 1, 200, 300, 4, 2, 72, dict(causal=True)),
     ("window_softcap_mqa_tiles128x256", 1, 300, 300, 3, 1, 96,
      dict(window=(100, 30), soft_cap=5.0, blocks=mosaic_tpu.BlockSizes(128, 256))),
     ("causal_window_qlen_gt_kvlen_tiles256x128", 1, 270, 140, 2, 2, 32,
@@ -107,60 +89,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_reference(case):
+def test_non_default_tiles_match_reference(case):
   name, b, sq, sk, hq, hk, d, opts = case
   q, k, v = _qkv(zlib.crc32(name.encode()) % 1000, b, sq, sk, hq, hk, d)
   got, want = _run_both(q, k, v, **opts)
   _check(got, want)
-
-
-def test_packed_segments_causal_with_padding():
-  rng = np.random.default_rng(1)
-  b, s = 2, 260
-  segs = _packed_segments(rng, b, s, pad_tail=45)
-  segs[1, :] = 0                      # batch row 1: one document, then whole tiles of padding
-  segs[1, :100] = 1                   # (query tiles with nothing to visit)
-  q, k, v = _qkv(2, b, s, s, 2, 1, 64)
-  seg = jnp.asarray(segs)
-  got, want = _run_both(q, k, v, causal=True, q_seg=seg, kv_seg=seg)
-  _check(got, want)
-  out, lse, (dq, _, _) = got
-  pad = segs == 0
-  assert np.all(np.asarray(out)[pad] == 0.0)
-  assert np.all(np.isneginf(np.asarray(lse).transpose(0, 2, 1)[pad]))
-  assert np.all(np.asarray(dq)[pad] == 0.0)
-
-
-def test_packed_segments_padding_at_either_end_and_negative_ids():
-  """Rows whose padding (id 0) is at the end (the q tile that straddles the last document and the
-  padding visits that document's kv tiles only), at the start, and negative ids (ordinary ids),
-  a length that is a multiple of no tile: forward + VJP against the fp32 reference."""
-  rng = np.random.default_rng(3)
-  s = 300
-  right = _packed_segments(rng, 1, s, pad_tail=37)[0]
-  left = np.concatenate([np.zeros(50, np.int32), _packed_segments(rng, 1, s - 50, 0)[0]])
-  seg = jnp.asarray(np.stack([right, left, -right]))
-  q, k, v = _qkv(4, 3, s, s, 2, 1, 64)
-  _check(*_run_both(q, k, v, causal=True, q_seg=seg, kv_seg=seg))
-
-
-def test_segments_differ_between_q_and_kv():
-  """q_len != kv_len with segment ids; some query rows see no key (id absent from kv)."""
-  rng = np.random.default_rng(3)
-  b, sq, sk = 1, 140, 290
-  q_seg = rng.integers(1, 4, size=(b, sq)).astype(np.int32)
-  q_seg[:, :20] = 7                  # id 7 never occurs in kv: empty rows
-  q_seg[:, -10:] = 0                 # padding rows
-  kv_seg = rng.integers(0, 4, size=(b, sk)).astype(np.int32)
-  q, k, v = _qkv(4, b, sq, sk, 2, 2, 128)
-  got, want = _run_both(q, k, v, q_seg=jnp.asarray(q_seg), kv_seg=jnp.asarray(kv_seg),
-                        soft_cap=8.0)
-  _check(got, want)
-  out, lse, (dq, _, _) = got
-  empty = (q_seg == 7) | (q_seg == 0)
-  assert np.all(np.asarray(out)[empty] == 0.0)
-  assert np.all(np.isneginf(np.asarray(lse).transpose(0, 2, 1)[empty]))
-  assert np.all(np.asarray(dq)[empty] == 0.0)
 
 
 def _expand_block_mask(bm, sq, sk):
@@ -207,16 +140,6 @@ def test_nan_in_skipped_tiles_never_reaches_results():
   out, _, (dq, dk, dv) = got
   assert np.all(np.asarray(out)[:, 256:] == 0.0) and np.all(np.asarray(dq)[:, 256:] == 0.0)
   assert np.all(np.asarray(dk)[:, 128:256] == 0.0) and np.all(np.asarray(dv)[:, 128:256] == 0.0)
-
-
-@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, TOL_FP32)])
-def test_half_inputs_default_tiles(dtype, tol):
-  """bf16 runs the MXU in bf16 (looser tolerance); fp16 is computed in fp32 inside."""
-  q, k, v = _qkv(9, 1, 150, 150, 2, 1, 128, dtype=dtype)
-  got, want = _run_both(q, k, v, causal=True, blocks=mosaic_tpu.default_block_sizes(128, dtype))
-  assert got[0].dtype == dtype and got[1].dtype == jnp.float32
-  assert all(g.dtype == dtype for g in got[2])
-  _check(got, want, tol=tol)
 
 
 def test_default_block_sizes_and_validation():

@@ -1617,53 +1617,16 @@ def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
 
 def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: _Static,
                        schedule=None):
-  """The Triton backward kernels (``triton._bwd_calls``: dK/dV, dQ) on this forward's residuals
-  for the masks ``triton.flash_attention_bwd`` does not take (window, segment ids, soft cap,
-  block schedules): the same bridge (padding, natural-log LSE to base 2 with +inf for empty
-  rows, delta), walking ``make_schedule`` of the full mask at the backward tiles, or
-  ``schedule`` (the forward's block schedule, e.g. a top-K selection's) at its own tiles.
-  TODO: fold into ``triton.flash_attention_bwd`` (this module must not edit triton.py
-  meanwhile)."""
-  from pallas_kernels.block_schedule import make_schedule
+  """The Triton backward kernels (``triton.flash_attention_bwd``) on this forward's residuals
+  for windows, segment ids, soft cap and block schedules: they walk ``make_schedule`` of the full
+  mask at the backward tiles, or ``schedule`` (the forward's block schedule, e.g. a top-K
+  selection's) at its own tiles."""
   from pallas_kernels.flash import triton as ft
-  b, sq, hq, d = q.shape
-  _, sk, hk, d_v = v.shape
-  if schedule is not None:
-    bs = st.bwd_block_sizes or ft.BlockSizes(schedule.block_q, schedule.block_k)
-  else:
-    bs = st.bwd_block_sizes or ft.default_block_sizes(max(d, d_v), q.dtype)
-  bbq, bbk = bs.bwd_tiles
-  d_p, dv_p = ft._pow2(d), ft._pow2(d_v)
-  defaults = ft._launch_defaults(bbq, bbk, d_p, dv_p, q.dtype, bwd_block_q=bbq, bwd_block_k=bbk)
-  tst = ft._Static(
-      block_q=bbq, block_k=bbk, q_len=sq, kv_len=sk, causal=st.causal, window=st.window,
-      scale=st.scale, soft_cap=st.soft_cap, num_warps=int(defaults.num_warps),
-      num_stages=int(defaults.num_stages),
-      bwd_num_warps=int(bs.bwd_num_warps or defaults.bwd_num_warps),
-      bwd_num_stages=int(bs.bwd_num_stages or defaults.bwd_num_stages),
-      dkv_q_chunk=int(min(bs.dkv_q_chunk or defaults.dkv_q_chunk, bbq)),
-      dq_k_chunk=int(min(bs.dq_k_chunk or defaults.dq_k_chunk, bbk)),
-      interpret=st.interpret, head_group=bs.head_group)
-  if schedule is None:
-    schedule = make_schedule(sq, sk, bbq, bbk, causal=st.causal, local_window_size=st.window,
-                             q_segment_ids=q_seg, kv_segment_ids=kv_seg)
-  dq_rows = ft._pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
-  dkv_rows = ft._pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
-  sq_p, sk_p = -(-sq // bbq) * bbq, -(-sk // bbk) * bbk
-  qp = ft._pad_axis(ft._pad_axis(q, 1, sq_p), 3, d_p)
-  kp = ft._pad_axis(ft._pad_axis(k, 1, sk_p), 3, d_p)
-  vp = ft._pad_axis(ft._pad_axis(v, 1, sk_p), 3, dv_p)
-  outp = ft._pad_axis(ft._pad_axis(out, 1, sq_p), 3, dv_p)
-  dop = ft._pad_axis(ft._pad_axis(d_out.astype(q.dtype), 1, sq_p), 3, dv_p)
-  lsep = ft._pad_axis(lse.astype(jnp.float32), 2, sq_p, -jnp.inf)
-  dlsep = ft._pad_axis(d_lse.astype(jnp.float32), 2, sq_p)
-  qs = ks = None
-  if q_seg is not None:
-    qs = ft._pad_axis(q_seg.astype(jnp.int32), 1, sq_p)
-    ks = ft._pad_axis(kv_seg.astype(jnp.int32), 1, sk_p)
-  delta, lse2 = ft._bwd_row_terms(outp, lsep, dop, dlsep)
-  dq, dk, dv = ft._bwd_calls(qp, kp, vp, qs, ks, dq_rows, dkv_rows, dop, lse2, delta, tst)
-  return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d_v]
+  return ft.flash_attention_bwd(
+      q, k, v, out, lse, d_out, d_lse, causal=st.causal, scale=st.scale,
+      local_window_size=st.window, logits_soft_cap=st.soft_cap, q_segment_ids=q_seg,
+      kv_segment_ids=kv_seg, schedule=schedule, block_sizes=st.bwd_block_sizes,
+      interpret=st.interpret)
 
 
 def _forward_bwd(st, res, cts):

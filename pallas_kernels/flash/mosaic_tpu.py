@@ -39,6 +39,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule
+from pallas_kernels.common.softmax import delta_rows
+from pallas_kernels.common.util import cdiv, round_up
 from pallas_kernels.masks import normalize_window, visible
 
 NUM_LANES = 128
@@ -79,7 +81,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
   Larger tiles amortise the ~0.35 us per-grid-step overhead of a Mosaic kernel; the fp32 tile
   intermediates ``[block_q, block_k]`` and double-buffered inputs must stay well inside the
   default scoped VMEM (16 MiB on v5e), which limits tiles for wide heads and fp32/fp16 inputs.
-  (Not tuned on hardware: no TPU was available when this was written.)
+  These are estimates from the VMEM budget, not timed on TPU hardware.
 
   Args:
     head_dim: the (unpadded) head dimension.
@@ -92,7 +94,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     >>> default_block_sizes(128, jnp.bfloat16)
     BlockSizes(block_q=256, block_k=512)
   """
-  d_pad = _round_up(head_dim, NUM_LANES)
+  d_pad = round_up(head_dim, NUM_LANES)
   # fp16 is computed in fp32 on TPU (see the module docstring).
   itemsize = 4 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype).itemsize
   if d_pad <= 128 and itemsize == 2:
@@ -100,10 +102,6 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
   if d_pad <= 256:
     return BlockSizes(block_q=256, block_k=256)
   return BlockSizes(block_q=128, block_k=128)
-
-
-def _round_up(x, m):
-  return -(-x // m) * m
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,19 +129,19 @@ class _Config:
 
   @property
   def nq(self):
-    return -(-self.q_len // self.block_q)
+    return cdiv(self.q_len, self.block_q)
 
   @property
   def nk(self):
-    return -(-self.kv_len // self.block_k)
+    return cdiv(self.kv_len, self.block_k)
 
   @property
   def d_pad(self):
-    return _round_up(self.head_dim, NUM_LANES)
+    return round_up(self.head_dim, NUM_LANES)
 
   @property
   def dv_pad(self):
-    return _round_up(self.head_dim_v, NUM_LANES)
+    return round_up(self.head_dim_v, NUM_LANES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,10 +506,7 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
   v3 = _to_tiles(v.astype(dt), sk_pad, cfg.dv_pad)         # [B, Sk_p, Hk*Dv]
   do3 = _to_tiles(dout.astype(dt), sq_pad, cfg.dv_pad)     # [B, Sq_p, Hq*Dv]
   # delta_i = sum_d dO_id O_id - dlse_i: the lse cotangent enters exactly like the row term.
-  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)     # [B, Hq, Sq]
-  if dlse is not None:
-    delta = delta - dlse.astype(jnp.float32)
+  delta = delta_rows(out, dout, dlse)                      # [B, Hq, Sq] fp32
   # Rows that see no key have lse = -inf; any finite value works there since every logit of
   # such a row is masked (p = exp(MASK_VALUE - 0) = 0). Padded rows have dO = 0 and delta = 0.
   lse_f = jnp.where(jnp.isfinite(lse), lse, 0.0)

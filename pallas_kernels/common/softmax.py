@@ -1,0 +1,119 @@
+"""Online softmax in the base-2 domain, its finalisation, and the backward's per-row terms.
+
+Flash kernels keep, per query row, a running max ``m`` of the base-2 logits and a running sum
+``l`` of ``exp2(logit - m)``; every new tile of logits rescales the accumulator by
+``alpha = exp2(m_old - m_new)``. Working in base 2 lets ``log2(e)`` fold into the logit scale, so
+each element costs one multiply-add and one ``exp2``. At the end the output is ``acc / l`` and
+the log-sum-exp (natural log) is ``m * ln 2 + ln l``; a row that saw no key (``l == 0``) gets
+output 0 and log-sum-exp -inf, never NaN.
+
+The backward needs two per-row terms from any forward's (out, lse): ``delta = rowsum(dO * O) -
+dLSE`` (the cotangent of the returned log-sum-exp enters exactly like that row term) and the
+log-sum-exp in base 2, with +inf for empty rows so that ``p = exp2(s - lse2)`` is 0 there.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["LOG2E", "LN2", "online_softmax_step", "finalize", "delta_rows", "lse_base2"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def online_softmax_step(s, m, l, *, factor=None, guard_empty=False):
+  """One online-softmax step over a tile of logits, base 2.
+
+  Args:
+    s: [R, N] fp32 logits, masked entries -inf; base-2 already, or natural-scale logits that
+      ``factor`` (e.g. scale * log2(e)) turns into base 2.
+    m: [R] running max of the base-2 logits (-inf or a very negative finite value at start).
+    l: [R] running sum of exp2(logit - m).
+    factor: None, or a float multiplied into ``s`` (folded into the exponent's multiply-add).
+    guard_empty: ``m`` may be -inf after this tile (a row that has seen only masked logits):
+      exponentiate against 0 there, so that no ``-inf - -inf`` NaN appears.
+
+  Returns:
+    (p [R, N] = exp2(s * factor - m_new), alpha [R] = exp2(m - m_new), m_new [R], l_new [R]).
+
+  Example:
+    >>> s = jnp.array([[0.0, 1.0], [-jnp.inf, -jnp.inf]])
+    >>> m0, l0 = jnp.full((2,), -jnp.inf), jnp.zeros((2,))
+    >>> p, alpha, m, l = online_softmax_step(s, m0, l0, guard_empty=True)
+    >>> l.tolist()
+    [1.5, 0.0]
+  """
+  row_max = s.max(axis=1)
+  if factor is not None:
+    row_max = row_max * factor
+    s = s * factor
+  m_new = jnp.maximum(m, row_max)
+  m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard_empty else m_new
+  alpha = jnp.exp2(m - m_use)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def finalize(acc, m, l):
+  """The output and natural-log log-sum-exp of an online softmax.
+
+  Args:
+    acc: [R, D] fp32 sum of exp2(logit - m) * v.
+    m: [R] base-2 running max.
+    l: [R] running sum.
+
+  Returns:
+    (out [R, D] fp32 = acc / l, lse [R] fp32 = m ln 2 + ln l); rows with l == 0 keep their
+    accumulator (0) and get -inf.
+
+  Example:
+    >>> acc = jnp.array([[1.0, 1.0], [0.0, 0.0]])  # a row that saw no key accumulated 0
+    >>> out, lse = finalize(acc, jnp.zeros((2,)), jnp.array([2.0, 0.0]))
+    >>> out[:, 0].tolist(), lse.tolist()
+    ([0.5, 0.0], [0.6931471824645996, -inf])
+  """
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+  return out, jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
+
+
+def delta_rows(out, d_out, d_lse=None):
+  """delta = rowsum(dO * O) - dLSE, fp32, by elementwise products (no reduced-precision matmul).
+
+  Args:
+    out: [B, Sq, Hq, Dv] the forward's output.
+    d_out: [B, Sq, Hq, Dv] its cotangent.
+    d_lse: None or [B, Hq, Sq] the cotangent of the log-sum-exp.
+
+  Returns:
+    delta [B, Hq, Sq] fp32.
+
+  Example:
+    >>> delta_rows(jnp.ones((1, 3, 2, 4)), jnp.ones((1, 3, 2, 4))).shape
+    (1, 2, 3)
+  """
+  delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Sq, Hq]
+  delta = jnp.swapaxes(delta, 1, 2)  # [B, Hq, Sq]
+  if d_lse is not None:
+    delta = delta - d_lse.astype(jnp.float32)
+  return delta
+
+
+def lse_base2(lse):
+  """Natural-log log-sum-exp -> base 2, with +inf for rows that see no key (-inf).
+
+  Args:
+    lse: fp32 log-sum-exp, natural log, -inf for empty rows.
+
+  Returns:
+    lse * log2(e), +inf where lse is -inf (so exp2(s - lse2) is 0 on those rows).
+
+  Example:
+    >>> lse_base2(jnp.array([0.0, -jnp.inf])).tolist()
+    [0.0, inf]
+  """
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)

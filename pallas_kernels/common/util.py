@@ -1,0 +1,85 @@
+"""Small shape helpers shared by the kernel modules: integer rounding, powers of two, padding.
+
+Example:
+  >>> cdiv(100, 32), round_up(100, 32), next_pow2(72), next_pow2(3, minimum=16)
+  (4, 128, 128, 16)
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+__all__ = ["cdiv", "round_up", "next_pow2", "pad_axis"]
+
+
+def cdiv(n: int, d: int) -> int:
+  """ceil(n / d) for Python ints (d > 0).
+
+  Args:
+    n: the numerator.
+    d: the positive denominator.
+
+  Returns:
+    The rounded-up quotient.
+
+  Example:
+    >>> cdiv(129, 128)
+    2
+  """
+  return -(-n // d)
+
+
+def round_up(n: int, m: int) -> int:
+  """The smallest multiple of ``m`` that is >= ``n``.
+
+  Args:
+    n: the value to round.
+    m: the positive multiple.
+
+  Returns:
+    ``cdiv(n, m) * m``.
+
+  Example:
+    >>> round_up(72, 128)
+    128
+  """
+  return cdiv(n, m) * m
+
+
+def next_pow2(n: int, *, minimum: int = 1) -> int:
+  """The smallest power of two that is >= ``n`` and >= ``minimum``.
+
+  Args:
+    n: a non-negative int.
+    minimum: the lower bound (Triton blocks need at least 16 along a dot's axes).
+
+  Returns:
+    A power of two.
+
+  Example:
+    >>> next_pow2(96), next_pow2(1), next_pow2(8, minimum=16)
+    (128, 1, 16)
+  """
+  return max(int(minimum), 1 << max(0, int(n) - 1).bit_length())
+
+
+def pad_axis(x, axis: int, size: int, value=0):
+  """Pad ``x`` at the end of ``axis`` up to ``size`` with ``value`` (no copy when it fits).
+
+  Args:
+    x: an array.
+    axis: the axis to pad.
+    size: the new length of that axis (>= its current length).
+    value: the fill value.
+
+  Returns:
+    The padded array.
+
+  Example:
+    >>> pad_axis(jnp.ones((2, 3)), 1, 4).shape
+    (2, 4)
+  """
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
