@@ -157,7 +157,7 @@ def _scatter_codes(tiles, codes, n):
   at most once per row), SKIP elsewhere. Behind an optimization barrier, as
   ``block_schedule.compact_true``: XLA would constant-fold the scatter of a static schedule."""
   tiles, codes = jax.lax.optimization_barrier((tiles, codes))
-  lead, m = codes.shape[:-1], codes.shape[-1]
+  lead = codes.shape[:-1]
   rows = int(np.prod(lead, dtype=np.int64))
   base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n
   dest = jnp.where(codes != SKIP, base + tiles, rows * n)      # rows * n: a trash slot
