@@ -917,7 +917,7 @@ def _replayed_fwd_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None):
   online softmax and ``_finalize``, so the same out and natural-log LSE, -inf for empty rows), on
   the same padded inputs and returning the same padded shapes. With segment ids the replay
   recomputes ``_seg_bounds`` from the padded ids (what the wrapper passed as ``bounds``)."""
-  bs = mg.BlockSizes(st.block_q, st.block_k, st.num_stages, st.pingpong)
+  bs = mg.BlockSizes(st.block_q, st.block_k, st.num_stages, protocol=st.protocol)
   seg = () if q_seg is None else (q_seg[:, :st.q_len], kv_seg[:, :st.kv_len])
   out, lse = _replay_fn(q_p[:, :st.q_len], k_p[:, :st.kv_len], v_p[:, :st.kv_len], *seg,
                         causal=st.causal, block_sizes=bs, scale=st.scale,
@@ -1005,8 +1005,8 @@ VJP_MASK_CASES = {
 @pytest.mark.parametrize("name", list(VJP_CASES) + list(VJP_MASK_CASES))
 def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu", backward="triton" block sizes): the
-  custom_vjp feeds the forward's out and LSE to the Triton backward (interpret mode). The Mosaic forward cannot run on the CPU, so
-  ``_fwd_call`` is replaced by the jnp replay of its walk (same LSE convention)."""
+  custom_vjp feeds the forward's out and LSE to the Triton backward (interpret mode). The Mosaic
+  forward cannot run on the CPU, so ``fk.fwd_call`` is replaced by the jnp replay of its walk (same LSE convention)."""
   monkeypatch.setattr(fk, "fwd_call", _replayed_fwd_call)
   case = dict(VJP_CASES.get(name) or VJP_MASK_CASES[name])
   case.update(b=1)

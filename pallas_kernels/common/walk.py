@@ -1,4 +1,4 @@
-"""Walk rows: what the Hopper (Mosaic GPU) flash kernels read to walk a block schedule.
+"""Walks of the Hopper (Mosaic GPU) flash kernels: block-schedule rows and segment-id ranges.
 
 A program of those kernels owns two warpgroup tiles along one axis (the forward and the dQ
 kernel: query rows; the dK/dV kernel: keys) and streams tiles along the other through a ring of
@@ -27,7 +27,7 @@ SKIP, FULL, PARTIAL = 0, 1, 2
 WARPGROUPS = 2   # compute warpgroups per program: the two codes of an entry
 
 __all__ = ["FULL", "PARTIAL", "SKIP", "WALK_SHIFT", "WARPGROUPS", "entry_code", "entry_tile",
-           "list_walk", "range_codes"]
+           "list_walk", "range_codes", "segment_bounds"]
 
 
 def entry_tile(entry):
@@ -174,3 +174,88 @@ def _walk_rows(t, c0, c1, count):
   count = jnp.minimum(count, t.shape[-1])
   entries = jnp.where(j < count[..., None], (t << WALK_SHIFT) | c0 | (c1 << 2), 0)
   return jnp.concatenate([count[..., None], entries], -1).astype(jnp.int32)
+
+
+def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, static, *,
+                   one_segment=False):
+  """Per-(batch, program) walk ranges with segment ids (the range path's bounds rows).
+
+  A warpgroup tile (``own_block`` along ``own_seg``) walks the tiles of ``walk_block`` along
+  ``walk_seg`` that the static mask and the tiles' segment ids allow
+  (``block_schedule.segment_tile_pairs``: per-tile min/max nonzero ids, a superset of the pairs
+  with a visible element): [lo, hi) from the first to the last such tile (tiles in between that
+  no row sees, across a document gap, are walked masked), unmasked on the first run [flo, fhi)
+  of tiles statically full with one and the same nonzero id on both sides.
+
+  Args:
+    own_seg, walk_seg: int32 [B, S'] segment ids along the own / walked axis, padded with 0
+      (which sees nothing) to whole tiles.
+    own_block, walk_block: the tile sizes.
+    n_own, n_walk: warpgroup tiles (2 per program) and walk tiles.
+    static: (lo, flo, fhi, hi) int32 [n_own]: each warpgroup tile's ranges under the static mask.
+    one_segment: add each warpgroup's one-segment flag (two more columns).
+
+  Returns:
+    int32 [B, n_own // 2, 10 (12)] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1,
+    hi1(, one0, one1)]``: the program walks [plo, phi), the union of its warpgroups' ranges,
+    each clipped into it (an empty one becomes an empty range inside it, drained); ``one_w`` is
+    1 where every tile of warpgroup w's [lo, hi) holds one and the same nonzero id on both sides.
+
+  Example:
+    >>> seg = jnp.array([[1] * 128 + [2] * 128])
+    >>> static = tuple(jnp.array(x) for x in ([0, 0], [0, 0], [2, 2], [2, 2]))
+    >>> segment_bounds(seg, 64, 2, seg, 128, 2, static)[0, 0, :6].tolist()
+    [0, 1, 0, 0, 1, 1]
+  """
+  oc = [x[:, :n_own, None] for x in segment_tile_classes(own_seg, own_seg.shape[1], own_block)]
+  wc = [x[:, None, :n_walk]
+        for x in segment_tile_classes(walk_seg, walk_seg.shape[1], walk_block)]
+  seg_any, seg_all = segment_tile_pairs(oc, wc)                     # [B, n_own, n_walk]
+  lo, flo, fhi, hi = (jnp.broadcast_to(x, (n_own,))[:, None] for x in static)
+  t = jnp.arange(n_walk, dtype=jnp.int32)
+  visit = seg_any & ((t >= lo) & (t < hi))[None]
+  full = visit & seg_all & ((t >= flo) & (t < fhi))[None]
+  rows = _program_bounds(*_tile_ranges(visit, full))                # [B, programs, 10]
+  if not one_segment:
+    return rows
+  b = rows.shape[0]
+  lo, hi = (rows[..., 2 + j::4][..., :WARPGROUPS].reshape(b, n_own, 1) for j in (0, 3))
+  walked = (t >= lo) & (t < hi)                                     # [B, n_own, n_walk]
+  one = jnp.all(seg_all | ~walked, -1).reshape(b, n_own // WARPGROUPS, WARPGROUPS)
+  return jnp.concatenate([rows, one.astype(jnp.int32)], -1)
+
+
+def _tile_ranges(visit, full):
+  """(lo, flo, fhi, hi) int32 per row of bool tile masks [..., n]: [lo, hi) from the first to
+  the last visited tile (lo = hi = n when none), [flo, fhi) the first run of full tiles inside
+  it (flo = fhi = hi when none)."""
+  n = visit.shape[-1]
+  t = jnp.arange(n, dtype=jnp.int32)
+  any_visit = visit.any(-1)
+  lo = jnp.where(any_visit, jnp.argmax(visit, -1), n).astype(jnp.int32)
+  hi = jnp.where(any_visit, n - jnp.argmax(visit[..., ::-1], -1), n).astype(jnp.int32)
+  any_full = full.any(-1)
+  flo = jnp.where(any_full, jnp.argmax(full, -1), hi).astype(jnp.int32)
+  after = (~full) & (t >= flo[..., None])
+  fhi = jnp.where(after.any(-1), jnp.argmax(after, -1), n).astype(jnp.int32)
+  fhi = jnp.where(any_full, jnp.minimum(fhi, hi), flo)
+  return lo, flo, fhi, hi
+
+
+def _program_bounds(lo, flo, fhi, hi):
+  """Bounds rows [B, programs, 10] (``segment_bounds``) from per-warpgroup ranges [B, 2 *
+  programs]."""
+  b = lo.shape[0]
+  shape = (b, lo.shape[1] // WARPGROUPS, WARPGROUPS)
+  lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))
+  empty = lo >= hi
+  plo = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, lo), -1)
+  phi = jnp.max(jnp.where(empty, 0, hi), -1)
+  plo = jnp.where(phi > 0, plo, 0)                        # no warpgroup sees anything: [0, 0)
+  phi = jnp.maximum(phi, plo)
+  lo = jnp.where(empty, plo[..., None], jnp.clip(lo, plo[..., None], phi[..., None]))
+  hi = jnp.where(empty, lo, jnp.clip(hi, lo, phi[..., None]))
+  flo = jnp.clip(flo, lo, hi)
+  fhi = jnp.clip(fhi, flo, hi)
+  wgs = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, shape[1], 4 * WARPGROUPS)
+  return jnp.concatenate([plo[..., None], phi[..., None], wgs], -1).astype(jnp.int32)

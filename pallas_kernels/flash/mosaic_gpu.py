@@ -199,7 +199,7 @@ def fit_block_sizes(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=No
     A ``BlockSizes``.
 
   Example:
-    >>> bs = BlockSizes(64, 128, 2, q_tiles_per_program=2)
+    >>> bs = BlockSizes(64, 128, 2, protocol="overlap", q_tiles_per_program=2)
     >>> fit_block_sizes(bs, (1, 4096, 8, 128), (1, 4096, 8, 128), causal=True,
     ...                 window=(511, 0), segments=True).q_tiles_per_program
     1
@@ -251,8 +251,8 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
 
 
 def _tail_config(bs: BlockSizes, q_shape, k_shape, *, causal, window, has_seg, schedule):
-  """``fk.KernelConfig`` fields of ``BlockSizes.tail_kv_splits`` ({} when off); ValueError naming what
-  the call has that the option does not support."""
+  """``KernelConfig`` fields of ``BlockSizes.tail_kv_splits`` ({} when off); ValueError naming
+  what the call has that the option does not support."""
   c = int(bs.tail_kv_splits)
   if not c:
     return {}
@@ -360,7 +360,8 @@ def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
   elif st.has_seg:
     q_seg_p = _pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)      # padding: segment 0
     kv_seg_p = _pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
-    out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p, fk.seg_bounds(q_seg_p, kv_seg_p, st))
+    out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p,
+                           fk.seg_bounds(q_seg_p, kv_seg_p, st))
   else:
     out, lse = fk.fwd_call(q_p, k_p, v_p, st)
     if st.tail_kv_splits:
@@ -397,7 +398,7 @@ def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: fk.Ke
   bbq, bbk = bs.bwd_tiles
   d_p, dv_p = ft._pow2(d), ft._pow2(d_v)
   defaults = ft._launch_defaults(bbq, bbk, d_p, dv_p, q.dtype, bwd_block_q=bbq, bwd_block_k=bbk)
-  tst = ft.fk.KernelConfig(
+  tst = ft._Static(
       block_q=bbq, block_k=bbk, q_len=sq, kv_len=sk, causal=st.causal, window=st.window,
       scale=st.scale, soft_cap=st.soft_cap, num_warps=int(defaults.num_warps),
       num_stages=int(defaults.num_stages),

@@ -72,7 +72,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
-from pallas_kernels.block_schedule import segment_tile_classes, segment_tile_pairs
 from pallas_kernels.common import walk
 
 
@@ -481,78 +480,25 @@ def _both(a, b):
   return b if a is None else a if b is None else jnp.logical_and(a, b)
 
 
-def _tile_ranges(visit, full):
-  """(lo, flo, fhi, hi) int32 per row of bool tile masks [..., n]: [lo, hi) from the first to
-  the last visited tile (lo = hi = n when none), [flo, fhi) the first run of full tiles inside
-  it (flo = fhi = hi when none). Tiles in [lo, hi) outside [flo, fhi) are walked masked."""
-  n = visit.shape[-1]
-  t = jnp.arange(n, dtype=jnp.int32)
-  any_visit = visit.any(-1)
-  lo = jnp.where(any_visit, jnp.argmax(visit, -1), n).astype(jnp.int32)
-  hi = jnp.where(any_visit, n - jnp.argmax(visit[..., ::-1], -1), n).astype(jnp.int32)
-  any_full = full.any(-1)
-  flo = jnp.where(any_full, jnp.argmax(full, -1), hi).astype(jnp.int32)
-  after = (~full) & (t >= flo[..., None])
-  fhi = jnp.where(after.any(-1), jnp.argmax(after, -1), n).astype(jnp.int32)
-  fhi = jnp.where(any_full, jnp.minimum(fhi, hi), flo)
-  return lo, flo, fhi, hi
-
-
-def _program_bounds(lo, flo, fhi, hi):
-  """Rows [plo, phi, (lo, flo, fhi, hi) per compute warpgroup] from per-warpgroup ranges
-  [B, programs * 2]: the program walks [plo, phi), the union; a warpgroup's ranges are clipped
-  into it (an empty one becomes an empty range inside it, drained). int32 [B, programs, 10]."""
-  b = lo.shape[0]
-  shape = (b, lo.shape[1] // _COMPUTE_WGS, _COMPUTE_WGS)
-  lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))
-  empty = lo >= hi
-  plo = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, lo), -1)
-  phi = jnp.max(jnp.where(empty, 0, hi), -1)
-  plo = jnp.where(phi > 0, plo, 0)                        # no warpgroup sees anything: [0, 0)
-  phi = jnp.maximum(phi, plo)
-  lo = jnp.where(empty, plo[..., None], jnp.clip(lo, plo[..., None], phi[..., None]))
-  hi = jnp.where(empty, lo, jnp.clip(hi, lo, phi[..., None]))
-  flo = jnp.clip(flo, lo, hi)
-  fhi = jnp.clip(fhi, flo, hi)
-  wgs = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, shape[1], 4 * _COMPUTE_WGS)
-  return jnp.concatenate([plo[..., None], phi[..., None], wgs], -1).astype(jnp.int32)
-
-
 def _seg_bounds(q_seg, kv_seg, st: _Static):
   """Per-(batch, program) walks of both kernels with segment ids: (dq_bounds, dkv_bounds), int32
-  [B, programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` (see
-  ``_program_bounds``): for the dQ kernel kv tiles per query program, for the dK/dV kernel
-  query tiles per kv program. A tile pair is visited when the static mask (``_dq_kv_range`` /
-  ``_dkv_q_bounds``) and the tiles' segment ids (``block_schedule``'s per-tile min/max nonzero
-  id: a superset of the pairs with a visible element) allow it, and runs unmasked when it is
-  statically full and both tiles hold one and the same nonzero id everywhere.
+  [B, programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of
+  ``walk.segment_bounds``: for the dQ kernel kv tiles per query program (static ranges
+  ``_dq_kv_range``), for the dK/dV kernel query tiles per kv program (``_dkv_q_bounds``).
 
   q_seg: int32 [B, Sq'], kv_seg [B, Sk'], padded with 0 (which sees nothing)."""
   bs = st.bs
   # dQ kernel: query tiles of block_q_dq rows x kv tiles of block_k_dq keys
   n_q = st.num_dq_programs * _COMPUTE_WGS
-  dq_bounds = _seg_walk(q_seg, bs.block_q_dq, n_q, kv_seg, bs.block_k_dq, st.num_kv_tiles_dq,
-                        _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
+  dq_bounds = walk.segment_bounds(
+      q_seg, bs.block_q_dq, n_q, kv_seg, bs.block_k_dq, st.num_kv_tiles_dq,
+      _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
   # dK/dV kernel: kv tiles of block_k_dkv keys x query tiles of block_q_dkv rows
   n_k = st.num_dkv_programs * _COMPUTE_WGS
-  dkv_bounds = _seg_walk(kv_seg, bs.block_k_dkv, n_k, q_seg, bs.block_q_dkv, st.num_q_tiles_dkv,
-                         _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
+  dkv_bounds = walk.segment_bounds(
+      kv_seg, bs.block_k_dkv, n_k, q_seg, bs.block_q_dkv, st.num_q_tiles_dkv,
+      _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
   return dq_bounds, dkv_bounds
-
-
-def _seg_walk(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, static):
-  """``_program_bounds`` rows of one kernel: its warpgroup tiles (``n_own`` tiles of
-  ``own_block`` along ``own_seg``) walk tiles of ``walk_block`` along ``walk_seg`` (``n_walk``
-  of them); ``static`` = the warpgroup tiles' (lo, flo, fhi, hi) under the static mask."""
-  oc = [x[:, :n_own, None] for x in segment_tile_classes(own_seg, own_seg.shape[1], own_block)]
-  wc = [x[:, None, :n_walk]
-        for x in segment_tile_classes(walk_seg, walk_seg.shape[1], walk_block)]
-  seg_any, seg_all = segment_tile_pairs(oc, wc)                     # [B, n_own, n_walk]
-  lo, flo, fhi, hi = (jnp.broadcast_to(x, (n_own,))[:, None] for x in static)
-  t = jnp.arange(n_walk, dtype=jnp.int32)
-  visit = seg_any & ((t >= lo) & (t < hi))[None]
-  full = visit & seg_all & ((t >= flo) & (t < fhi))[None]
-  return _program_bounds(*_tile_ranges(visit, full))
 
 
 def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
@@ -629,8 +575,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
   """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM), with
   segment ids also q_seg [B, Sq'], kv_seg [B, Sk'] int32 and bounds [B, programs, 10] (the
   dK/dV rows of ``_seg_bounds``); with a block schedule the dK/dV walk [B', Hs, programs, 1 +
-  W] of ``_sched_walks`` instead of the bounds -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
-  v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
+  W] of ``_sched_walks`` instead of the bounds -> dk/dv [B, Sk', Hk, D]. Scratch: smem =
+  (k_own [2, bk, D], v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
   bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
   2 arrivals with segment ids, Q and its ids), free [S] (2 arrivals)[, own kv ids loaded [2]]."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None

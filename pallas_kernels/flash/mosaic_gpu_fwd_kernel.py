@@ -52,7 +52,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
-from pallas_kernels.block_schedule import segment_tile_classes, segment_tile_pairs
 from pallas_kernels.common import walk
 
 __all__ = ["COMPUTE_WGS", "KernelConfig", "PROTOCOLS", "Protocol", "fwd_call", "schedule_walk",
@@ -229,59 +228,22 @@ def _clip_to_program(plo, phi, lo, flo, fhi, hi):
 
 
 def seg_bounds(q_seg, kv_seg, st: KernelConfig):
-  """Per-(batch, program) kv ranges with segment ids (computed in XLA, read by the kernel).
-
-  From the tile classes that ``block_schedule.make_schedule`` uses (min/max nonzero segment id
-  per tile, padding id 0 left out: ``block_schedule.segment_tile_pairs``; no order of the ids
-  assumed) intersected with the static mask. A warpgroup walks [lo, hi) = first to last kv tile
-  that any of its rows may see (tiles in between that no row sees, across a document gap, are
-  walked masked), without the mask on the first run of fully visible tiles [flo, fhi).
+  """Per-(batch, program) kv ranges with segment ids (in XLA; the kernel reads them from GMEM).
 
   Args:
     q_seg, kv_seg: int32 [B, Sq'] and [B, Sk'] padded with 0 to whole tiles.
     st: the kernel's configuration.
 
   Returns:
-    int32 [B, num_q_programs, 10 or 12] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1,
-    fhi1, hi1]``: the program range, then each compute warpgroup's (lo, flo, fhi, hi) as in
-    ``_static_ranges``, clipped into the program's; with ``st.one_seg_mask`` two more columns
-    ``one0, one1`` (``_SEG_BOUNDS_ONE``): 1 where every tile of the warpgroup's [lo, hi) holds
-    one and the same nonzero id on both sides, so its masked tiles need only the static mask.
+    int32 [B, num_q_programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1,
+    hi1]`` of ``walk.segment_bounds`` (the static ranges of ``_static_ranges`` intersected with
+    the tiles' segment ids); with ``st.one_seg_mask`` the two one-segment flags after them
+    (``_SEG_BOUNDS_ONE``: that warpgroup's masked tiles need only the static mask).
   """
-  bq, bk, nk = st.block_q, st.block_k, st.num_kv_tiles
   n_tiles = st.num_q_programs * COMPUTE_WGS
-  qc = segment_tile_classes(q_seg, q_seg.shape[1], bq)               # 3 x [B, n_tiles]
-  kc = segment_tile_classes(kv_seg, kv_seg.shape[1], bk)             # 3 x [B, nk]
-  seg_any, seg_all = segment_tile_pairs([x[:, :, None] for x in qc],
-                                         [x[:, None, :] for x in kc])   # [B, n_tiles, nk]
-  lo_s, flo_s, fhi_s, hi_s = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * bq, bq, st)
-  t = jnp.arange(nk, dtype=jnp.int32)[None, :]
-  in_static = (t >= lo_s[:, None]) & (t < hi_s[:, None])                 # [n_tiles, nk]
-  full_static = (t >= flo_s[:, None]) & (t < fhi_s[:, None])
-  visit = seg_any & in_static[None]
-  full = seg_all & full_static[None] & visit
-  any_visit = visit.any(-1)                                              # [B, n_tiles]
-  lo = jnp.where(any_visit, jnp.argmax(visit, -1), nk).astype(jnp.int32)
-  hi = jnp.where(any_visit, nk - jnp.argmax(visit[..., ::-1], -1), 0).astype(jnp.int32)
-  any_full = full.any(-1)
-  flo = jnp.where(any_full, jnp.argmax(full, -1), hi).astype(jnp.int32)
-  after = (~full) & (t[None] >= flo[..., None])
-  fhi = jnp.where(after.any(-1), jnp.argmax(after, -1), nk).astype(jnp.int32)
-  fhi = jnp.where(any_full, jnp.minimum(fhi, hi), flo)
-  b = q_seg.shape[0]
-  shape = (b, st.num_q_programs, COMPUTE_WGS)
-  lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))
-  plo = lo.min(-1)                                   # empty warpgroups have lo = nk, hi = 0
-  phi = jnp.maximum(hi.max(-1), plo)
-  lo, flo, fhi, hi = _clip_to_program(plo[..., None], phi[..., None], lo, flo, fhi, hi)
-  # one segment: every tile the warpgroup computes (its [lo, hi), masked edges included) holds
-  # one and the same nonzero id on both sides (``seg_all``), so the static mask alone is exact
-  wg = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, st.num_q_programs, 4 * COMPUTE_WGS)
-  cols = [plo[..., None], phi[..., None], wg]
-  if st.one_seg_mask:   # (without the option the rows keep their 10 columns: the same kernels)
-    walked = ((t[None] >= lo.reshape(b, n_tiles, 1)) & (t[None] < hi.reshape(b, n_tiles, 1)))
-    cols.append(jnp.all(seg_all | ~walked, -1).reshape(shape).astype(jnp.int32))
-  return jnp.concatenate(cols, -1).astype(jnp.int32)
+  static = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * st.block_q, st.block_q, st)
+  return walk.segment_bounds(q_seg, st.block_q, n_tiles, kv_seg, st.block_k, st.num_kv_tiles,
+                             static, one_segment=st.one_seg_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -957,7 +919,8 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
         def run(carry):
           kw = dict(nxt=nxt) if st.proto.k_wait else {}
-          return lax.cond(code == walk.FULL, functools.partial(step_at, slot, t, masked=False, **kw),
+          return lax.cond(code == walk.FULL,
+                          functools.partial(step_at, slot, t, masked=False, **kw),
                           functools.partial(step_at, slot, t, masked=_Mask(True, None), **kw),
                           carry)
         return lax.cond(code == walk.SKIP, skip, run, carry)
