@@ -216,7 +216,7 @@ def _mosaic_module_text(bs, monkeypatch, seq=512):
   return seen[0]
 
 
-def test_overlap_softmax_keeps_both_wgmmas_in_flight(monkeypatch):
+def test_overlap_keeps_both_wgmmas_in_flight(monkeypatch):
   """The overlap kernel waits with one wgmma group still pending (Q K^T done, P V not) in its
   loop; the default kernel only ever waits for all (so this test can fail)."""
   import re
@@ -833,7 +833,7 @@ def _segments(name, b, sq, sk, kind):
   """"packed": documents of random lengths with padding (0) at the end, the same ids for q and
   kv (needs sq == sk); "random": sorted random ids in 0..3 (0 = padding) for q and kv
   independently (documents that do not line up, q_len != kv_len); "aligned4": four documents
-  of sq / 4 tokens (issue 8's packed rows, scaled down: every warpgroup walks one document, so
+  of sq / 4 tokens (aligned packed rows, scaled down: every warpgroup walks one document, so
   its masked tiles take the static mask only, ``_seg_bounds``' one-segment flag)."""
   if kind == "aligned4":
     assert sq == sk and sq % 4 == 0

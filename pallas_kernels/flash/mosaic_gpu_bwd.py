@@ -1,12 +1,5 @@
 """Flash attention backward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
 
-What the CPU checks (jax's Mosaic GPU interpret mode cannot run wgmma with transposed or register
-operands): both kernels lower for "cuda" (``jax.export``: layouts, wgmma/TMA constraints, the
-shared-memory budget); their tile walks match an independent element mask; their TMA ring
-barrier protocols, simulated with random warpgroup interleavings, neither deadlock nor refill a
-slot early; and a jnp replay of both kernels through this module's wrapper matches ``jax.vjp``
-of the fp32 reference. The GPU tests run them.
-
 ``flash_attention_bwd(q, k, v, out, lse, do)`` takes the forward's residuals (``lse`` as
 ``mosaic_gpu.flash_attention`` and ``attention_reference`` return it: natural log, [B, Hq, Sq],
 -inf for rows that see no key) and returns (dq, dk, dv) in the input dtype. It is the standard
@@ -1076,17 +1069,6 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     >>> from pallas_kernels.flash import mosaic_gpu
     >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True)  # doctest: +SKIP
     >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True)  # doctest: +SKIP
-    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True, local_window_size=(511, 0),
-    ...                                       logits_soft_cap=30.0)  # doctest: +SKIP
-    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True,
-    ...                                  local_window_size=(511, 0),
-    ...                                  logits_soft_cap=30.0)  # doctest: +SKIP
-    >>> from pallas_kernels.block_schedule import make_schedule
-    >>> keep = jnp.tril(jnp.ones((8, 16), bool))[None, None]    # [1|B, 1|Hk, 8, 16] tiles
-    >>> s = make_schedule(1024, 1024, 128, 64, causal=True, block_mask=keep)
-    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, schedule=s, causal=True)  # doctest: +SKIP
-    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True,
-    ...                                  schedule=s)  # doctest: +SKIP
   """
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
