@@ -1,22 +1,14 @@
 """Flash attention for Hopper (sm90): the Pallas Mosaic GPU forward, with a Triton or Mosaic GPU
 backward (custom_vjp).
 
-The forward kernel (TMA, wgmma, warp specialisation, ping-pong between two compute warpgroups)
-is in ``mosaic_gpu_fwd_kernel``; this module holds its ``BlockSizes`` (tiles, ring depth and the
-barrier ``protocol``), the tuned defaults (``pallas_kernels.tuning``, kernel "mosaic_gpu_fwd"),
-``fit_block_sizes`` and ``flash_attention``: padding, segment ids, block schedules, the last-wave
-split (``tail_kv_splits``) and the custom_vjp.
-
-The backward takes the forward's (q, k, v, out, lse): ``BlockSizes.backward`` "mosaic" runs
-``mosaic_gpu_bwd`` (head_dim 64/128, every mask and block schedules), "triton" the Triton dK/dV
-and dQ kernels (``triton.flash_attention_bwd``; with windows, segment ids, soft cap or a
-schedule ``_triton_bwd_masked``). Both use the same LSE convention (natural log, -inf for rows
-that see no key).
-
-On the CPU the forward can only be lowered (``jax.export`` for "cuda"): jax's GPU interpret mode
-has no wgmma with transposed or register operands, so ``interpret=True`` raises
-NotImplementedError. The CPU tests replay the kernel's tile walk and arithmetic in jnp
-(substituting ``mosaic_gpu_fwd_kernel.fwd_call``) and run the Triton backward interpreted.
+The kernel is in ``mosaic_gpu_fwd_kernel``; this module holds its ``BlockSizes``, the tuned
+defaults (``pallas_kernels.tuning``, kernel "mosaic_gpu_fwd"), ``fit_block_sizes`` and
+``flash_attention``: padding, segment ids, block schedules, the last-wave split and the
+custom_vjp. The backward takes the forward's (q, k, v, out, lse; natural-log LSE, -inf for rows
+that see no key): ``BlockSizes.backward`` "mosaic" runs ``mosaic_gpu_bwd`` (head_dim 64/128),
+"triton" the Triton dK/dV and dQ kernels (``triton.flash_attention_bwd``; with windows, segment
+ids, soft cap or a schedule ``_triton_bwd_masked``). On the CPU the forward can only be lowered
+(jax's GPU interpret mode has no wgmma with transposed or register operands).
 """
 from __future__ import annotations
 
@@ -125,15 +117,6 @@ class BlockSizes:
   @property
   def rows_per_program(self) -> int:
     return _COMPUTE_WGS * self.block_q
-
-  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of one program's buffers: Q/O tiles, the K/V ring, the LSE staging rows,
-    the Q/O tiles and LSE rows twice with ``q_tiles_per_program`` > 1 (the lowering adds
-    barriers and alignment, and rejects a kernel over 227 KiB)."""
-    bufs = 2 if self.q_tiles_per_program > 1 else 1
-    qo = bufs * _COMPUTE_WGS * self.block_q * head_dim * itemsize
-    kv = 2 * self.num_stages * self.block_k * head_dim * itemsize
-    return qo + kv + bufs * _COMPUTE_WGS * self.block_q * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -552,13 +535,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton or Mosaic GPU backward
   (custom_vjp).
 
-  The argument shape follows ``pallas_kernels.flash.triton.flash_attention``. Differentiable
-  with respect to q, k, v (including through the returned LSE): by default the backward is
-  ``pallas_kernels.flash.triton.flash_attention_bwd`` (the Triton dK/dV and dQ kernels) fed with
-  this forward's out and LSE (with masks or a schedule: the same kernels through
-  ``_triton_bwd_masked``); ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes``
-  as ``bwd_block_sizes`` selects ``mosaic_gpu_bwd.flash_attention_bwd`` (every mask and block
-  schedules; head_dim 64/128).
+  Differentiable with respect to q, k, v (including through the returned LSE): the backward
+  named by ``BlockSizes.backward`` (see the module docstring) runs on this forward's out and
+  LSE; a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes`` also selects the Mosaic GPU one.
 
   Args:
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
@@ -589,14 +568,10 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     interpret: runs the backward's Triton kernels in the Pallas interpreter; the forward itself
       cannot be interpreted (jax's Mosaic GPU interpret mode has no wgmma with K^T or P from
       registers): NotImplementedError unless a test has substituted ``fk.fwd_call``.
-    bwd_block_sizes: the backward's tiles: a ``pallas_kernels.flash.triton.BlockSizes`` (its
-      bwd_* fields) for the Triton backward, or a ``mosaic_gpu_bwd.BlockSizes``, which also
-      selects the Mosaic GPU backward; None: the default tiles of the backward that
-      ``block_sizes.backward`` names (with a schedule: Triton launch defaults at the schedule's
-      tiles; a Triton ``BlockSizes`` given here must have them as ``bwd_tiles``; the Mosaic GPU
-      backward's defaults come from its table's "block_sparse" entry cut to the schedule's
-      tiles, and tiles given here must divide the schedule's: ValueError at this call). The
-      Mosaic GPU backward takes every mask and block schedules.
+    bwd_block_sizes: the backward's tiles: a Triton ``BlockSizes`` (its bwd_* fields; with a
+      schedule its ``bwd_tiles`` must be the schedule's) or a ``mosaic_gpu_bwd.BlockSizes``
+      (tiles dividing the schedule's); None: the defaults of the backward that
+      ``block_sizes.backward`` names. Mismatched tiles raise ValueError at this call.
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see

@@ -124,20 +124,6 @@ class BlockSizes:
   def rows_per_dq_program(self) -> int:
     return _COMPUTE_WGS * self.block_q_dq
 
-  def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of the dK/dV kernel's buffers (own K/V tiles, the Q/dO ring, lse/delta rows;
-    the lowering adds barriers and alignment and rejects a kernel over 227 KiB)."""
-    own = 2 * _COMPUTE_WGS * self.block_k_dkv * head_dim * itemsize
-    ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize
-                                  + 2 * self.block_q_dkv * 4)
-    return own + ring
-
-  def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of the dQ kernel's buffers (own Q/dO tiles and lse/delta rows, K/V ring)."""
-    own = _COMPUTE_WGS * self.block_q_dq * (2 * head_dim * itemsize + 2 * 4)
-    ring = self.num_stages_dq * 2 * self.block_k_dq * head_dim * itemsize
-    return own + ring
-
 
 # Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_bwd"). D128: dK/dV ~129
 # KiB, dQ ~129 KiB of shared memory. Register budget of a dK/dV compute warpgroup at D128: dK + dV

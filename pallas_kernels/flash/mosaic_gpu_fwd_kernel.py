@@ -34,10 +34,7 @@ TMA with them. The soft cap is cap * tanh(scale * s / cap) on every tile before 
 row that sees no key returns output 0 and log-sum-exp -inf.
 
 Block schedules: ``schedule_walk`` (XLA) turns a ``BlockSchedule`` into one walk row per
-(batch, kv head, program) (``pallas_kernels.common.walk``): the program's kv tiles in increasing
-order, each with a skip / full / partial code per warpgroup recomputed from this call's mask. The
-memory warpgroup loads entry j into slot j mod S; each compute warpgroup walks every entry and
-branches on its code. Tiles outside the schedule are never loaded.
+(batch, kv head, program) (``pallas_kernels.common.walk``); tiles outside it are never loaded.
 """
 from __future__ import annotations
 
@@ -270,11 +267,8 @@ def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
     q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 to whole programs / tiles.
 
   Returns:
-    int32 [B', Hs, n_wg, L] codes (B' = B with segment ids, else Bs), the classes
-    ``block_schedule.make_schedule`` gives at the warpgroup's 64-row granularity: SKIP where no
-    real row of the warpgroup may see a key of the tile (static mask: causal, window, padded keys,
-    from ``_static_ranges``; segment ids: per-tile min/max nonzero ids), FULL where every real
-    row sees every key, PARTIAL otherwise.
+    int32 [B', Hs, n_wg, L] codes of ``walk.range_codes`` (B' = B with segment ids, else Bs)
+    from the warpgroup tiles' ``_static_ranges``.
   """
   n_wg = tiles.shape[2]
   ranges = _static_ranges(jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st)
@@ -282,19 +276,11 @@ def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
 
 
 def schedule_walk(schedule, st: KernelConfig, q_seg=None, kv_seg=None):
-  """The kernel's walk of a block schedule: for each program, one list of kv tiles with what
-  each of its two compute warpgroups does with each tile.
-
-  The schedule (``block_schedule.BlockSchedule``, tiles ``sbq`` x ``sbk`` with ``block_q | sbq``
-  and ``block_k | sbk``) lists, per query tile, the kv tiles to visit. Warpgroup tile i (64 rows)
-  lies inside schedule row ``i * block_q // sbq``; each listed schedule tile becomes its
-  ``sbk // block_k`` kernel tiles. A program's list is the union of its two warpgroups' lists
-  (the same list when ``2 * block_q`` divides ``sbq``), in increasing tile order; each entry
-  carries both warpgroups' codes (``_walk_codes``: skip, full or partial, recomputed at the
-  warpgroup's granularity from the kernel's own mask, so the schedule's partial flags are not
-  needed and a tile that is partial for the schedule's larger tile can run unmasked or be
-  skipped by one warpgroup). Entries that neither warpgroup needs are dropped (kept, as rare
-  drains, only when the lists need no compaction: ``sbq == 2 * block_q`` and ``sbk == block_k``).
+  """The kernel's walk of a block schedule (``walk.list_walk`` on its kv lists): for each
+  program, one list of kv tiles with what each of its two compute warpgroups does with each
+  tile (``_walk_codes``: skip, full or partial, recomputed at the warpgroup's rows from the
+  kernel's own mask, so a tile partial for the schedule's larger tile may run unmasked or be
+  skipped by one warpgroup). Schedule tiles are multiples of the kernel's.
 
   Args:
     schedule: a ``BlockSchedule`` for (q_len, kv_len), leading axes [1|B, 1|Hk].
