@@ -213,11 +213,13 @@ def test_walk_check_can_fail():
 # ------------------------------------------------------------------ replay of the kernel's walk
 
 
-def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk=None):
+def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None,
+                         walk_rows=None):
   """Stand-in for ``fk.fwd_call`` in schedule mode: a jnp replay of the kernel's walk of the
   packed rows (entry order, per-warpgroup codes: skip / unmasked / masked step with the kernel's
   ``_tile_visible``, ``_cap_logits``, ``_online_softmax``, P cast to the input dtype,
   ``_finalize``), on the padded inputs, returning the padded shapes."""
+  walk = walk_rows
   assert st.has_sched and walk is not None and bounds is None
   b, sq_pad, hq, d = q_p.shape
   bq, n_prog = st.block_q, st.num_q_programs
@@ -314,7 +316,8 @@ def test_walk_and_replay_match_the_selection(name, monkeypatch):
 def test_replay_check_can_fail(monkeypatch):
   """A walk whose codes are all "full" (no element mask: keys past the causal diagonal and of
   other documents leak in) fails the comparison."""
-  def unmasked(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk=None):
+  def unmasked(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk_rows=None):
+    walk = walk_rows
     j = jnp.arange(walk.shape[-1])
     n = walk[..., :1]
     listed = (j >= 1) & (j <= n)
@@ -394,8 +397,8 @@ LOWER_CASES = {
     "d128_q128_k64_gqa": dict(sq=1000, sk=1000, hq=4, hk=2, d=128, qbs=128, bs=64),
     "d64_q64_k128_segments_q_shorter": dict(sq=300, sk=500, hq=2, hk=1, d=64, qbs=64, bs=128,
                                             seg=True),
-    "d256_q256_k256_no_pingpong": dict(sq=640, sk=640, hq=2, hk=2, d=256, qbs=256, bs=256,
-                                       pingpong=False),
+    "d256_q256_k256_handoff_kwait": dict(sq=640, sk=640, hq=2, hk=2, d=256, qbs=256, bs=256,
+                                         protocol="handoff_kwait"),
 }
 
 
@@ -407,7 +410,7 @@ def test_kernel_with_schedule_lowers_for_cuda(name):
   b, sq, sk, hq, hk, d = 2, c["sq"], c["sk"], c["hq"], c["hk"], c["d"]
   base = mg.default_block_sizes(d)
   bs = mg.BlockSizes(base.block_q, min(base.block_k, c["bs"]), base.num_stages,
-                     pingpong=c.get("pingpong", True))
+                     protocol=c.get("protocol", "pingpong"))
   nq, nk = -(-sq // c["qbs"]), -(-sk // c["bs"])
   shapes = [jax.ShapeDtypeStruct((b, sq, hq, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((b, sk, hk, d), jnp.bfloat16),
