@@ -1005,7 +1005,8 @@ VJP_MASK_CASES = {
 def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu", backward="triton" block sizes): the
   custom_vjp feeds the forward's out and LSE to the Triton backward (interpret mode). The Mosaic
-  forward cannot run on the CPU, so ``fk.fwd_call`` is replaced by the jnp replay of its walk (same LSE convention)."""
+  forward cannot run on the CPU, so ``fk.fwd_call`` is replaced by the jnp replay of its walk
+  (same LSE convention)."""
   monkeypatch.setattr(fk, "fwd_call", _replayed_fwd_call)
   case = dict(VJP_CASES.get(name) or VJP_MASK_CASES[name])
   case.update(b=1)

@@ -555,8 +555,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
   segment ids also q_seg [B, Sq'], kv_seg [B, Sk'] int32 and bounds [B, programs, 10] (the
   dK/dV rows of ``_seg_bounds``); with a block schedule the dK/dV walk [B', Hs, programs, 1 +
   W] of ``_sched_walks`` instead of the bounds -> dk/dv [B, Sk', Hk, D]. Scratch: smem =
-  (k_own [2, bk, D], v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
-  bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
+  (k_own [2, bk, D], v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S,
+  bq][, kv_seg_own [2, bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
   2 arrivals with segment ids, Q and its ids), free [S] (2 arrivals)[, own kv ids loaded [2]]."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
