@@ -13,7 +13,7 @@ wgmma takes neither a transposed K nor P from registers). The CPU tests check
     that see no key;
   * the registration in ``jattn.flash_attention(implementation="mosaic_gpu")``: its custom_vjp
     hands the forward's out and LSE to the Triton backward kernels, run in interpret mode with
-    ``_fwd_call`` replaced by the replay (monkeypatch), against the fp32 reference's VJP; that
+    ``fk.fwd_call`` replaced by the replay (monkeypatch), against the fp32 reference's VJP; that
     every unsupported option raises NotImplementedError naming it; and that forward + backward
     lower for "cuda" (``.lower(lowering_platforms=("cuda",))``: ``jax.export`` refuses the
     Triton custom call, which has no export compatibility guarantee).
@@ -494,7 +494,7 @@ def test_tile_walk_skips_only_masked_tiles(mask):
 
 @pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_64", "window_100_30"])
 def test_tile_walk_with_segments(mask):
-  """Segment ids: the per-(batch, program) ranges of ``_seg_bounds`` (packed documents with
+  """Segment ids: the per-(batch, program) ranges of ``fk.seg_bounds`` (packed documents with
   padding when q_len == kv_len, random sorted ids otherwise)."""
   causal, window = WALK_MASKS[mask]["causal"], WALK_MASKS[mask].get("window")
   for sq, sk in [(1000, 1000), (512, 512), (200, 328), (328, 200), (200, 200)]:
@@ -524,7 +524,7 @@ def test_tile_walk_packed_documents_skip_other_documents():
 
 
 def test_one_segment_flag_is_exact():
-  """``_seg_bounds``' one-segment flag (masked tiles then take the static mask only): set for
+  """``fk.seg_bounds``' one-segment flag (masked tiles then take the static mask only): set for
   every warpgroup of aligned packed documents (each walks tiles of its own document only), and
   in general exactly when every tile of the warpgroup's [lo, hi) holds one and the same nonzero
   id on both sides (checked against the ids themselves on random layouts with padding)."""
@@ -597,7 +597,7 @@ SEGMENT_LAYOUTS = ["right_pad", "left_pad", "negative", "arbitrary", "zeros"]
 @pytest.mark.parametrize("kind", SEGMENT_LAYOUTS)
 @pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_64"])
 def test_tile_walk_segment_layouts(kind, mask):
-  """``_seg_bounds`` for any segment-id layout: no tile with a visible element is skipped and no
+  """``fk.seg_bounds`` for any segment-id layout: no tile with a visible element is skipped and no
   unmasked tile masks an element (``_check_walk``); for packed rows (padding at either end) each
   warpgroup's range is tight: its first and last tiles hold a visible key (a last q tile of
   document and padding walked every earlier kv tile when its id range included 0)."""
@@ -695,7 +695,7 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
   """One kv tile t of a warpgroup (query rows row0 .. row0 + bq) in the kernel's walk, in jnp
   with the kernel's helpers: logits (``_cap_logits``), with ``masked`` ``_tile_visible``
   (segment ids qs_t [bq] / ks_all [Sk'] unless qs_t is None; where the traced bool ``one_seg``
-  (``_seg_bounds``' one-segment flag) is true, the static mask only, as the kernel's
+  (``fk.seg_bounds``' one-segment flag) is true, the static mask only, as the kernel's
   ``masked="static"`` with ``BlockSizes.one_segment_static_mask``: the flag is exact, so the
   answer is the same either way, and the replay checks that), ``_online_softmax``, P cast to
   p_dtype. carry = (acc [bq, D], m, l); also
@@ -723,7 +723,7 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
 def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, scale=None,
                local_window_size=None, logits_soft_cap=None):
   """The kernel's forward walk in jnp, with its own helpers (see the module docstring): per
-  warpgroup the ranges of ``_program_ranges`` (static or ``_seg_bounds``), masked edges
+  warpgroup the ranges of ``_program_ranges`` (static or ``fk.seg_bounds``), masked edges
   [lo, flo) and [fhi, hi), unmasked [flo, fhi)."""
   b, sq, hq, d = q.shape
   sk = k.shape[1]
@@ -833,7 +833,7 @@ def _segments(name, b, sq, sk, kind):
   kv (needs sq == sk); "random": sorted random ids in 0..3 (0 = padding) for q and kv
   independently (documents that do not line up, q_len != kv_len); "aligned4": four documents
   of sq / 4 tokens (aligned packed rows, scaled down: every warpgroup walks one document, so
-  its masked tiles take the static mask only, ``_seg_bounds``' one-segment flag)."""
+  its masked tiles take the static mask only, ``fk.seg_bounds``' one-segment flag)."""
   if kind == "aligned4":
     assert sq == sk and sq % 4 == 0
     ids = np.repeat(np.arange(1, 5, dtype=np.int32), sq // 4)
@@ -915,7 +915,7 @@ def _replayed_fwd_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None):
   """Stand-in for ``fk.fwd_call`` on the CPU: the jnp replay of the kernel's walk (its own mask,
   online softmax and ``_finalize``, so the same out and natural-log LSE, -inf for empty rows), on
   the same padded inputs and returning the same padded shapes. With segment ids the replay
-  recomputes ``_seg_bounds`` from the padded ids (what the wrapper passed as ``bounds``)."""
+  recomputes ``fk.seg_bounds`` from the padded ids (what the wrapper passed as ``bounds``)."""
   bs = mg.BlockSizes(st.block_q, st.block_k, st.num_stages, protocol=st.protocol)
   seg = () if q_seg is None else (q_seg[:, :st.q_len], kv_seg[:, :st.kv_len])
   out, lse = _replay_fn(q_p[:, :st.q_len], k_p[:, :st.kv_len], v_p[:, :st.kv_len], *seg,
