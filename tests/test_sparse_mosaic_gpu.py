@@ -2,8 +2,9 @@
 
 The Mosaic GPU forward walks the selection's block schedule
 (``mosaic_gpu_fwd_kernel.schedule_walk``: per program the union of its two 64-row warpgroups'
-kv lists, each entry run unmasked, masked or skipped per warpgroup); the backward walks the same schedule: the Mosaic GPU dK/dV and dQ kernels
-at head_dim 64/128 (``mosaic_gpu_bwd``), the Triton ones at head_dim 256.
+kv lists, each entry run unmasked, masked or skipped per warpgroup); the backward walks the
+same schedule: the Mosaic GPU dK/dV and dQ kernels at head_dim 64/128 (``mosaic_gpu_bwd``), the
+Triton ones at head_dim 256.
 On the CPU (the kernel cannot be interpreted, see tests/test_flash_mosaic_gpu.py):
   * the walk against an independent element mask restricted to the selection (every tile a
     warpgroup needs is listed, tiles it runs unmasked are fully visible, nothing is listed twice,
