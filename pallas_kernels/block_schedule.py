@@ -99,8 +99,7 @@ def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
   all_ = np.ones((nq, nk), bool)
   # Padding keys beyond kv_len make a tile partial.
   all_ &= (k0 + block_k) <= kv_len
-  # Query rows past q_len are padding: their output is discarded, so they do not make a tile
-  # partial; but we still use only valid rows to decide visibility.
+  # Query rows past q_len are padding (discarded): only valid rows decide visibility.
   if causal:
     any_ &= k0 <= q1
     all_ &= k1 <= q0
@@ -112,13 +111,12 @@ def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
     if right is not None:
       any_ &= k0 <= q1 + right
       all_ &= k1 <= q0 + right
-  # A tile in which the last partial key block is only padding cannot happen (k1 >= k0).
   all_ &= any_
   return any_, all_
 
 
-def _segment_tile_classes(seg, length, block):
-  """Per-tile summary of segment ids for ``_segment_tile_pairs``. seg: int [b, length]; positions
+def segment_tile_classes(seg, length, block):
+  """Per-tile summary of segment ids for ``segment_tile_pairs``. seg: int [b, length]; positions
   past ``length`` (up to whole tiles) are padding, id 0.
 
   Id 0 sees nothing and is seen by nothing (``masks.visible``: equal ids, nonzero), so it is left
@@ -131,6 +129,10 @@ def _segment_tile_classes(seg, length, block):
     (lo, hi, pure), [b, n] each: the smallest and largest nonzero id of the tile (int32; INT32_MAX
     and INT32_MIN when it has none) and whether every position of the tile holds that one
     nonzero id (bool).
+
+  Example:
+    >>> segment_tile_classes(jnp.array([[1, 1, 2, 0]]), 4, 2)[2].tolist()
+    [[True, False]]
   """
   n = -(-length // block)
   pad = n * block - length
@@ -142,14 +144,19 @@ def _segment_tile_classes(seg, length, block):
   return lo, hi, jnp.all(real, axis=-1) & (lo == hi)
 
 
-def _segment_tile_pairs(q_classes, kv_classes):
-  """(visit, full) bool of (query tile, kv tile) pairs from broadcastable ``_segment_tile_classes``.
+def segment_tile_pairs(q_classes, kv_classes):
+  """(visit, full) bool of (query tile, kv tile) pairs from broadcastable ``segment_tile_classes``.
 
   visit: both tiles have a nonzero id and their ranges [lo, hi] intersect. A query and a key with
   the same nonzero id put that id in both ranges, so every pair of tiles holding a visible
   (query, key) pair is visited, whatever the layout (a superset; exact for self-attention over
   packed rows, whose nonzero ids do not decrease, padding anywhere). full: both tiles hold one and
   the same nonzero id everywhere, so the segment part of the element mask is all true.
+
+  Example:
+    >>> c = segment_tile_classes(jnp.array([[1, 1, 2, 2]]), 4, 2)
+    >>> segment_tile_pairs([x[:, :, None] for x in c], [x[:, None] for x in c])[1].tolist()
+    [[[True, False], [False, True]]]
   """
   qlo, qhi, qpure = q_classes
   klo, khi, kpure = kv_classes
@@ -161,10 +168,9 @@ def compact_true(keep, width: int):
   """Positions of the True entries of ``keep`` along its last axis, in increasing order.
 
   On GPU and CPU without a sort: a running count gives each True entry its slot and one scatter
-  writes it there (on the H200 the argsorts this replaced were ~2.5 ms of a 30 ms block-sparse
-  training call at 64K, runs 121-122). On TPU, where XLA's scatter is serial, a stable argsort
-  (the same result; ``lax.platform_dependent`` picks the branch when the call is lowered; not
-  timed on a TPU, none is available here).
+  writes it there (on the H200 an argsort here cost ~2.5 ms of a 30 ms block-sparse training
+  call at 64K). On TPU, where XLA's scatter is serial, a stable argsort (the same result;
+  ``lax.platform_dependent`` picks the branch when the call is lowered).
 
   Args:
     keep: bool [..., n].
@@ -191,7 +197,7 @@ def compact_true(keep, width: int):
 def _compact_by_scatter(keep, width):
   """``compact_true`` by a running count and one scatter. The optimization barrier keeps XLA
   from constant-folding the running count of a constant mask (a static schedule's lists), which
-  takes seconds per op at 64K tokens (run 125)."""
+  takes seconds per op at 64K tokens."""
   keep = jax.lax.optimization_barrier(keep)
   lead, n = keep.shape[:-1], keep.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
@@ -279,7 +285,7 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     local_window_size: None, int or (left, right).
     q_segment_ids, kv_segment_ids: None or int32 [batch, len] (both or neither); 0 = padding.
       A pair of tiles is visited when their nonzero id ranges intersect, full when both hold
-      one nonzero id (``_segment_tile_pairs``).
+      one nonzero id (``segment_tile_pairs``).
     block_mask: None or bool [Bs, Hs, nq, nk] (tile level, e.g. a top-K selection): tiles where
       it is False are never visited. Traced values are fine.
     max_kv_blocks, max_q_blocks: static bounds on the visit-list lengths; default: the exact
@@ -298,29 +304,24 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     raise ValueError("q_segment_ids and kv_segment_ids must be given together")
   any_s, all_s = _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window)
   nq, nk = any_s.shape
-  if max_kv_blocks is None:
-    max_kv_blocks = max(int(any_s.sum(axis=1).max()), 1)
-  if max_q_blocks is None:
-    max_q_blocks = max(int(any_s.sum(axis=0).max()), 1)
-  max_kv_blocks = min(max_kv_blocks, nk)
-  max_q_blocks = min(max_q_blocks, nq)
+  exact_kv, exact_q = (max(int(any_s.sum(axis=a).max()), 1) for a in (1, 0))
+  max_kv_blocks = min(exact_kv if max_kv_blocks is None else max_kv_blocks, nk)
+  max_q_blocks = min(exact_q if max_q_blocks is None else max_q_blocks, nq)
   if q_segment_ids is None and block_mask is None:
     # Static: the lists in numpy at trace time (the jnp compaction of a constant mask would be
-    # constant-folded by XLA, slowly: ~20 s per op at 64K tokens, run 125).
+    # constant-folded by XLA, slowly: ~20 s per op at 64K tokens).
     visit, full = any_s[None, None], all_s[None, None]
     partial = visit & ~full
     kv = _compact(visit, partial, max_kv_blocks, xp=np)
     q = _compact(np.swapaxes(visit, -1, -2), np.swapaxes(partial, -1, -2), max_q_blocks, xp=np)
-    kv_idx, kv_cnt, kv_part, q_idx, q_cnt, q_part = (jnp.asarray(x) for x in kv + q)
-    return BlockSchedule(kv_indices=kv_idx, kv_counts=kv_cnt, kv_partial=kv_part,
-                         q_indices=q_idx, q_counts=q_cnt, q_partial=q_part, block_q=block_q,
-                         block_k=block_k, q_len=q_len, kv_len=kv_len)
+    return BlockSchedule(*(jnp.asarray(x) for x in kv + q), block_q=block_q, block_k=block_k,
+                         q_len=q_len, kv_len=kv_len)
   visit = jnp.asarray(any_s)[None, None]  # [1, 1, nq, nk]
   full = jnp.asarray(all_s)[None, None]
   if q_segment_ids is not None:
-    qc = _segment_tile_classes(q_segment_ids, q_len, block_q)    # 3 x [b, nq]
-    kc = _segment_tile_classes(kv_segment_ids, kv_len, block_k)   # 3 x [b, nk]
-    seg_any, seg_all = _segment_tile_pairs([x[:, :, None] for x in qc],
+    qc = segment_tile_classes(q_segment_ids, q_len, block_q)    # 3 x [b, nq]
+    kc = segment_tile_classes(kv_segment_ids, kv_len, block_k)   # 3 x [b, nk]
+    seg_any, seg_all = segment_tile_pairs([x[:, :, None] for x in qc],
                                            [x[:, None, :] for x in kc])   # [b, nq, nk]
     visit = visit & seg_any[:, None]
     full = full & seg_all[:, None]
@@ -332,9 +333,8 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
   full = full & visit
   partial = visit & ~full
   kv_idx, kv_cnt, kv_part = _compact(visit, partial, max_kv_blocks)
-  visit_t = jnp.swapaxes(visit, -1, -2)
-  partial_t = jnp.swapaxes(partial, -1, -2)
-  q_idx, q_cnt, q_part = _compact(visit_t, partial_t, max_q_blocks)
+  q_idx, q_cnt, q_part = _compact(jnp.swapaxes(visit, -1, -2), jnp.swapaxes(partial, -1, -2),
+                                  max_q_blocks)
   return BlockSchedule(kv_indices=kv_idx, kv_counts=kv_cnt, kv_partial=kv_part, q_indices=q_idx,
                        q_counts=q_cnt, q_partial=q_part, block_q=block_q, block_k=block_k,
                        q_len=q_len, kv_len=kv_len)

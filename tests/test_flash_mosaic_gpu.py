@@ -13,7 +13,7 @@ wgmma takes neither a transposed K nor P from registers). The CPU tests check
     that see no key;
   * the registration in ``jattn.flash_attention(implementation="mosaic_gpu")``: its custom_vjp
     hands the forward's out and LSE to the Triton backward kernels, run in interpret mode with
-    ``_fwd_call`` replaced by the replay (monkeypatch), against the fp32 reference's VJP; that
+    ``fk.fwd_call`` replaced by the replay (monkeypatch), against the fp32 reference's VJP; that
     every unsupported option raises NotImplementedError naming it; and that forward + backward
     lower for "cuda" (``.lower(lowering_platforms=("cuda",))``: ``jax.export`` refuses the
     Triton custom call, which has no export compatibility guarantee).
@@ -34,7 +34,9 @@ import pytest
 from jax import lax
 
 from pallas_kernels import compat
+from pallas_kernels.common import walk as wk
 from pallas_kernels.flash import mosaic_gpu as mg
+from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
 from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.tuning import mask_kind
 
@@ -79,148 +81,66 @@ def _inputs(seed, b, sq, sk, hq, hk, d, dtype):
 
 # -------------------------------------------------------------------------------- lowering (CPU)
 
+def _bs(block_k, stages, protocol="pingpong", **kw):
+  return mg.BlockSizes(64, block_k, stages, protocol=protocol, **kw)
+
+
+# Each protocol at the head dims and tiles its table entries use, with the masks the kernel
+# branches on (causal, windows, soft cap, segment ids, ragged lengths); then the per-call options.
 LOWER_CASES = {
-    "d64": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=False),
-    "d128_causal_gqa": dict(sq=512, sk=512, hq=4, hk=2, d=128, causal=True),
-    "d256_causal_ragged": dict(sq=200, sk=300, hq=2, hk=1, d=256, causal=True),
-    "d128_fp16_q_longer": dict(sq=384, sk=130, hq=2, hk=1, d=128, causal=True,
-                               dtype=jnp.float16),
-    "d128_no_pingpong": dict(sq=256, sk=256, hq=2, hk=2, d=128, causal=False,
-                             bs=mg.BlockSizes(64, 128, 2, pingpong=False)),
-    "d128_softmax_fence": dict(sq=256, sk=256, hq=2, hk=2, d=128, causal=True,
-                               bs=mg.BlockSizes(64, 128, 2, softmax_fence=True)),
-    "d64_3_stages": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=True,
-                         bs=mg.BlockSizes(64, 128, 3)),
-    "d128_causal_window_64": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True,
-                                  local_window_size=(64, 0)),
-    "d128_window_100_30": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=False,
-                               local_window_size=(100, 30)),
-    "d256_causal_window_511": dict(sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
-                                   local_window_size=(511, 0)),
-    "d64_soft_cap": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=True, logits_soft_cap=30.0),
-    "d128_segments_causal": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True),
-    "d64_segments_window_soft_cap_3_stages": dict(
-        sq=328, sk=200, hq=2, hk=1, d=64, causal=False, seg=True, local_window_size=(100, 30),
-        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3)),
-    "d256_segments_no_pingpong": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=True, seg=True,
-                                      bs=mg.BlockSizes(64, 64, 2, pingpong=False)),
-    # the H200's D64 dense / causal entries (runs 60-61): 256-key tiles, 3 stages
-    "d64_bk256_3_stages_causal_ragged": dict(sq=600, sk=700, hq=4, hk=2, d=64, causal=True,
-                                             bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
-    "d64_bk256_3_stages_segments": dict(sq=328, sk=600, hq=2, hk=1, d=64, causal=False, seg=True,
-                                        bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
-}
-
-
-# The options from the comparison with tokamax's sm90 kernel (docs/mosaic_fwd_vs_tokamax.md),
-# default off: each lowers at D64/D128/D256, causal and not; then all of them together with
-# segment ids, a window and a block schedule's drains.
-TOKAMAX_OPTIONS = {
-    "early_k_load": dict(early_k_load=True),
-    "pingpong_handoff": dict(pingpong_handoff=True),
-    "q_major_grid": dict(q_major_grid=True),
-    "no_reduction_scratch": dict(no_reduction_scratch=True),
-    "k_wait_in_pv": dict(k_wait_in_pv=True),
-    "k_wait_in_pv_no_pingpong": dict(k_wait_in_pv=True, pingpong=False),
-}
-for _opt, _kw in TOKAMAX_OPTIONS.items():
-  for _d in (64, 128, 256):
-    for _causal in (False, True):
-      LOWER_CASES[f"d{_d}{'_causal' if _causal else ''}_{_opt}"] = dict(
-          sq=384, sk=320, hq=4, hk=2, d=_d, causal=_causal,
-          bs=mg.BlockSizes(64, 128 if _d < 256 else 64, 2, **_kw))
-_ALL_OPTIONS = dict(early_k_load=True, pingpong_handoff=True, q_major_grid=True,
-                    no_reduction_scratch=True, k_wait_in_pv=True)
-LOWER_CASES["d128_3_stages_no_reduction_scratch"] = dict(
-    sq=256, sk=256, hq=2, hk=2, d=128, causal=False,
-    bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True))
-LOWER_CASES["d128_segments_window_all_options"] = dict(
-    sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True, local_window_size=(64, 0),
-    bs=mg.BlockSizes(64, 128, 2, **_ALL_OPTIONS))
-LOWER_CASES["d64_segments_all_options_3_stages"] = dict(
-    sq=328, sk=200, hq=2, hk=1, d=64, causal=False, seg=True,
-    bs=mg.BlockSizes(64, 128, 3, **_ALL_OPTIONS))
-
-
-# BlockSizes.overlap_softmax (FlashAttention-3's intra-warpgroup overlap: Q K^T(t) and P V(t-1)
-# issued together, the softmax of t while P V(t-1) runs) and store_wait_read_only; session 18.
-_OVERLAP = dict(overlap_softmax=True, pingpong_handoff=True)
-OVERLAP_LOWER_CASES = {
+    "d128_pingpong": dict(sq=256, sk=256, hq=2, hk=2, d=128, causal=False, bs=_bs(128, 2)),
+    "d256_causal_ragged_pingpong": dict(sq=200, sk=300, hq=2, hk=1, d=256, causal=True,
+                                        bs=_bs(64, 2)),
+    "d64_fp16_q_longer_pingpong_kwait": dict(sq=384, sk=130, hq=2, hk=1, d=64, causal=True,
+                                             dtype=jnp.float16, bs=_bs(128, 3, "pingpong_kwait")),
+    "d64_bk256_segments_pingpong_kwait": dict(sq=328, sk=600, hq=2, hk=1, d=64, causal=False,
+                                              seg=True, bs=_bs(256, 3, "pingpong_kwait")),
+    "d64_soft_cap_pingpong_kwait": dict(sq=256, sk=256, hq=2, hk=2, d=64, causal=True,
+                                        logits_soft_cap=30.0, bs=_bs(128, 3, "pingpong_kwait")),
+    "d128_causal_gqa_handoff_kwait_fence": dict(sq=512, sk=512, hq=4, hk=2, d=128, causal=True,
+                                                bs=_bs(128, 2, "handoff_kwait_fence")),
+    "d128_window_100_30_handoff_kwait_fence": dict(
+        sq=200, sk=328, hq=4, hk=2, d=128, causal=False, local_window_size=(100, 30),
+        bs=_bs(128, 2, "handoff_kwait_fence")),
+    "d128_segments_causal_handoff_kwait_fence": dict(
+        sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True,
+        bs=_bs(128, 2, "handoff_kwait_fence")),
+    "d256_causal_window_511_handoff_kwait": dict(
+        sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True, local_window_size=(511, 0),
+        bs=_bs(64, 2, "handoff_kwait")),
+    "d256_segments_soft_cap_handoff_kwait": dict(
+        sq=512, sk=512, hq=2, hk=2, d=256, causal=True, seg=True, logits_soft_cap=5.0,
+        bs=_bs(64, 2, "handoff_kwait")),
     "d128_overlap": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=False,
-                         bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
-    "d128_causal_overlap_early_k_load": dict(
-        sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
-    "d128_overlap_3_stages_no_reduction_scratch": dict(
-        sq=256, sk=256, hq=2, hk=2, d=128, causal=False,
-        bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True, **_OVERLAP)),
-    "d128_causal_window_511_bk64_overlap": dict(
-        sq=2048, sk=2048, hq=2, hk=1, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 64, 2, store_wait_read_only=True, **_OVERLAP)),
-    "d64_soft_cap_window_overlap_no_pingpong": dict(
-        sq=328, sk=200, hq=2, hk=1, d=64, causal=False, local_window_size=(100, 30),
-        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
+                         bs=_bs(128, 2, "overlap")),
+    "d128_causal_window_64_overlap": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True,
+                                          local_window_size=(64, 0), bs=_bs(128, 2, "overlap")),
     "d256_causal_overlap": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=True,
-                                bs=mg.BlockSizes(64, 64, 2, **_OVERLAP)),
-    "d128_segments_causal_overlap": dict(sq=200, sk=328, hq=4, hk=2, d=128, causal=True,
-                                         seg=True, bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
+                                bs=_bs(64, 2, "overlap")),
     "d64_segments_window_soft_cap_overlap_3_stages": dict(
         sq=328, sk=200, hq=2, hk=1, d=64, causal=False, seg=True, local_window_size=(100, 30),
-        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, early_k_load=True, **_OVERLAP)),
-    "d128_store_wait_read_only": dict(sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
-                                      bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
-    # 192-key tiles (FlashAttention-3 takes 176 for non-causal D128): 2 stages fit only without
-    # the reduction reserve (227 KiB); keys not a multiple of 192 (a padded last tile)
-    "d128_bk192_overlap_no_reduction_scratch": dict(
-        sq=384, sk=520, hq=4, hk=2, d=128, causal=False,
-        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
-    "d128_causal_bk192_overlap_no_reduction_scratch": dict(
-        sq=520, sk=520, hq=4, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
-    # BlockSizes.tail_kv_splits (session 20): the main launch and the key-chunk launch
-    "d128_tail_kv_splits_overlap": dict(
-        sq=700, sk=1024, hq=4, hk=2, d=128, causal=False,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, tail_kv_splits=4, **_OVERLAP)),
-    "d256_tail_kv_splits": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=False,
-                                bs=mg.BlockSizes(64, 64, 2, tail_kv_splits=2)),
-    # BlockSizes.one_segment_static_mask (session 20), with and without the overlap
-    "d128_segments_one_segment_static_mask": dict(
-        sq=200, sk=328, hq=4, hk=2, d=128, causal=True, seg=True,
-        bs=mg.BlockSizes(64, 128, 2, one_segment_static_mask=True)),
+        logits_soft_cap=5.0, bs=_bs(128, 3, "overlap")),
     "d128_segments_overlap_one_segment_static_mask": dict(
         sq=512, sk=512, hq=4, hk=2, d=128, causal=True, seg=True,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, one_segment_static_mask=True,
-                         **_OVERLAP)),
-    # session 22: edge masks (default; all_bounds_mask=True is the previous mask, for A/B) and
-    # FlashAttention-3's register split (compute 240 / memory 24)
-    "d128_causal_window_511_bk64_all_bounds_mask": dict(
-        sq=1024, sk=1024, hq=2, hk=1, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True, all_bounds_mask=True)),
-    "d128_overlap_registers_240_24": dict(
-        sq=384, sk=320, hq=4, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, compute_registers=240,
-                         memory_registers=24, **_OVERLAP)),
+        bs=_bs(128, 2, "overlap", one_segment_static_mask=True)),
+    # tail_kv_splits: the main launch, the key-chunk launch and the in-place row writer
+    "d128_tail_kv_splits_overlap": dict(sq=700, sk=1024, hq=4, hk=2, d=128, causal=False,
+                                        bs=_bs(128, 2, "overlap", tail_kv_splits=4)),
+    "d256_tail_kv_splits_overlap": dict(sq=512, sk=512, hq=2, hk=2, d=256, causal=False,
+                                        bs=_bs(64, 2, "overlap", tail_kv_splits=2)),
 }
-LOWER_CASES.update(OVERLAP_LOWER_CASES)
 
 
-def test_register_split_checks():
-  """BlockSizes rejects setmaxnreg values the hardware does not take or the CTA cannot hold."""
-  for kw in (dict(memory_registers=20), dict(compute_registers=236),
-             dict(compute_registers=248, memory_registers=24),
-             dict(compute_registers=240, memory_registers=40)):
-    with pytest.raises(ValueError, match="registers"):
-      mg.BlockSizes(64, 128, 2, **kw)
-  assert mg.BlockSizes(64, 128, 2, compute_registers=240, memory_registers=24).memory_registers == 24
-
-
-def test_overlap_softmax_checks():
-  """BlockSizes rejects the options the overlap's turn protocol cannot combine with."""
-  for kw in (dict(k_wait_in_pv=True), dict(softmax_fence=True), dict(pingpong_handoff=False)):
-    with pytest.raises(ValueError, match="overlap_softmax"):
-      mg.BlockSizes(64, 128, 2, **{**_OVERLAP, **kw})
-  # several query tiles per program: since session 22 (the turns run on across tiles)
-  assert mg.BlockSizes(64, 128, 2, q_tiles_per_program=2, **_OVERLAP).q_tiles_per_program == 2
+def test_block_sizes_checks():
+  """BlockSizes rejects an unknown protocol and several query tiles per program without the
+  overlap (whose hand-over turns alone run on across a program's tiles)."""
+  with pytest.raises(ValueError, match="protocol"):
+    mg.BlockSizes(64, 128, 2, protocol="no_such_protocol")
+  for name in mg.PROTOCOLS:
+    if name != "overlap":
+      with pytest.raises(ValueError, match="q_tiles_per_program"):
+        _bs(128, 2, name, q_tiles_per_program=2)
+  assert _bs(128, 2, "overlap", q_tiles_per_program=2).q_tiles_per_program == 2
 
 
 def _simulate_turns(tiles, skips, rng):
@@ -265,11 +185,11 @@ def test_overlap_turns_run_on_across_query_tiles(tiles):
   """``_turn_skips`` over a program's query tiles (turn counts per tile, 0: a tile whose range
   is empty still has its one turn): no deadlock and no barrier phase arrived twice before its
   wait, for 200 random interleavings; restarting the single-tile protocol at every tile (what
-  run 49 disallowed) fails as soon as a program has two tiles."""
+  a single query tile needs) fails as soon as a program has two tiles."""
   rng = np.random.default_rng(sum(tiles) * 31 + len(tiles))
   for _ in range(200):
-    assert _simulate_turns(tiles, mg._turn_skips, rng) is None
-  per_tile = lambda wg, k, n, first, last: mg._turn_skips(wg, k, n, True, True)
+    assert _simulate_turns(tiles, fk._turn_skips, rng) is None
+  per_tile = lambda wg, k, n, first, last: fk._turn_skips(wg, k, n, True, True)
   results = {_simulate_turns(tiles, per_tile, rng) for _ in range(200)}
   if len(tiles) == 1:
     assert results == {None}
@@ -296,14 +216,13 @@ def _mosaic_module_text(bs, monkeypatch, seq=512):
   return seen[0]
 
 
-def test_overlap_softmax_keeps_both_wgmmas_in_flight(monkeypatch):
+def test_overlap_keeps_both_wgmmas_in_flight(monkeypatch):
   """The overlap kernel waits with one wgmma group still pending (Q K^T done, P V not) in its
   loop; the default kernel only ever waits for all (so this test can fail)."""
   import re
   pending = lambda text: sorted(set(re.findall(r"wgmma\.wait\.group\.sync\.aligned (\d+)", text)))
   assert pending(_mosaic_module_text(mg.BlockSizes(64, 128, 2), monkeypatch)) == ["0"]
-  assert pending(_mosaic_module_text(mg.BlockSizes(64, 128, 2, **_OVERLAP), monkeypatch)) == [
-      "0", "1"]
+  assert pending(_mosaic_module_text(_bs(128, 2, "overlap"), monkeypatch)) == ["0", "1"]
 
 
 @pytest.mark.parametrize("name", list(LOWER_CASES))
@@ -329,51 +248,23 @@ def test_lowers_for_cuda(name):
   assert n_triton == (1 if bs is not None and bs.tail_kv_splits else 0), n_triton
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seg", [False, True])
-def test_overlap_softmax_lowers_with_a_block_schedule(causal, seg):
-  """overlap_softmax on a block schedule's walk (drains, per-entry codes, a pending P V
-  carried across skipped entries), D128, with and without segment ids."""
+@pytest.mark.parametrize("protocol,causal,seg", [
+    ("overlap", True, False), ("overlap", False, True), ("pingpong", True, False),
+    ("pingpong_kwait", True, True), ("handoff_kwait", False, False),
+    ("handoff_kwait_fence", True, False)])
+def test_protocols_lower_with_a_block_schedule(protocol, causal, seg):
+  """Each protocol on a block schedule's walk (drains, per-entry codes; the overlap's pending
+  P V carried across skipped entries), D128, with and without segment ids."""
   from pallas_kernels.block_schedule import make_schedule
   q = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((2, 512), jnp.int32)
   sched = make_schedule(512, 512, 128, 128, causal=causal, local_window_size=(200, 0))
-  bs = mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)
+  bs = _bs(128, 2, protocol)
   segs = (ids, ids) if seg else ()
   fn = jax.jit(lambda q, k, v, *segs: mg.flash_attention(q, k, v, *segs, causal=causal,
                                                          block_sizes=bs, schedule=sched))
   text = fn.trace(q, q, q, *segs).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "wgmma" in text
-
-
-@pytest.mark.parametrize("opt", list(TOKAMAX_OPTIONS))
-@pytest.mark.parametrize("causal", [False, True])
-def test_tokamax_options_lower_with_a_block_schedule(opt, causal):
-  """Each option lowers on a block schedule's walk (drains, per-entry codes), D128."""
-  from pallas_kernels.block_schedule import make_schedule
-  q = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
-  sched = make_schedule(512, 512, 128, 128, causal=causal)
-  bs = mg.BlockSizes(64, 128, 2, **TOKAMAX_OPTIONS[opt])
-  fn = jax.jit(lambda q, k, v: mg.flash_attention(q, k, v, causal=causal, block_sizes=bs,
-                                                  schedule=sched))
-  text = fn.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text and "wgmma" in text
-
-
-def test_pingpong_handoff_needs_pingpong():
-  with pytest.raises(ValueError, match="pingpong_handoff"):
-    mg.BlockSizes(64, 128, 2, pingpong=False, pingpong_handoff=True)
-
-
-def test_three_stages_fit_at_d128_only_without_reduction_scratch():
-  """D128, 128-key tiles, 3 stages: 120 bytes over the shared-memory limit with Pallas's 2 KiB
-  reduction reserve, inside it without (``no_reduction_scratch``)."""
-  q = jax.ShapeDtypeStruct((1, 256, 1, 128), jnp.bfloat16)
-  lower = lambda bs: jax.export.export(jax.jit(
-      lambda q: mg.flash_attention(q, q, q, block_sizes=bs)), platforms=["cuda"])(q)
-  with pytest.raises(ValueError, match="shared memory"):
-    lower(mg.BlockSizes(64, 128, 3))
-  assert "wgmma" in lower(mg.BlockSizes(64, 128, 3, no_reduction_scratch=True)).mlir_module()
 
 
 def test_shared_memory_overflow_fails_to_lower():
@@ -389,56 +280,30 @@ def test_shared_memory_overflow_fails_to_lower():
 
 # BlockSizes(q_tiles_per_program=P): each program runs P query tiles of one (batch, head) one
 # after the other, the K/V ring running on across them and the next tile's Q prefetched into a
-# second Q/O buffer (GPU_CASES "*q_tiles*": pass on the H200, run 49). Lengths: 2048 / 256 = 8
-# tiles; 640 -> 3 tiles (P=2: the last program has 1); 1000 -> 4 tiles (P=3: 3 + 1);
-# 700 x 260 causal: tiles of rows that see no key.
+# second Q/O buffer. Lengths: 2048 / 256 = 8 tiles; 1000 -> 4 tiles (P=3: 3 + 1); 700 x 260
+# causal: tiles of rows that see no key.
 Q_TILES_LOWER_CASES = {
-    "d128_causal_window_511_bk64_p2": dict(sq=2048, sk=2048, causal=True, p=2, block_k=64,
-                                           local_window_size=(511, 0)),
-    "d128_causal_window_511_bk64_p4": dict(sq=2048, sk=2048, causal=True, p=4, block_k=64,
-                                           local_window_size=(511, 0)),
-    "d128_causal_ragged_last_program_p2": dict(sq=640, sk=600, causal=True, p=2),
-    "d128_dense_ragged_last_program_p3": dict(sq=1000, sk=777, causal=False, p=3),
+    "d128_dense_ragged_p3": dict(sq=1000, sk=777, causal=False, p=3),
+    "d128_causal_window_511_p2": dict(sq=2048, sk=2048, causal=True, p=2,
+                                      local_window_size=(511, 0)),
     "d128_causal_q_longer_empty_rows_p4": dict(sq=700, sk=260, causal=True, p=4),
-    "d128_window_100_30_p2_no_pingpong": dict(sq=640, sk=640, causal=False, p=2,
-                                              local_window_size=(100, 30), pingpong=False),
-    "d64_causal_p2_early_k_load_q_major_grid_3_stages": dict(
-        d=64, sq=1000, sk=1000, causal=True, p=2, early_k_load=True, q_major_grid=True,
-        num_stages=3, softmax_fence=True),
-    # with overlap_softmax (session 22: the hand-over turns run on across the tiles)
-    "d128_dense_ragged_overlap_p2": dict(sq=1000, sk=777, causal=False, p=2, early_k_load=True,
-                                         overlap_softmax=True, pingpong_handoff=True),
-    "d128_causal_window_511_overlap_p2": dict(sq=2048, sk=2048, causal=True, p=2,
-                                              local_window_size=(511, 0), early_k_load=True,
-                                              overlap_softmax=True, pingpong_handoff=True),
-    "d128_causal_q_longer_empty_rows_overlap_p4": dict(sq=700, sk=260, causal=True, p=4,
-                                                       overlap_softmax=True,
-                                                       pingpong_handoff=True),
 }
-
-
-def _q_tiles_bs(case):
-  kw = {key: case.pop(key) for key in ("early_k_load", "q_major_grid", "pingpong",
-                                        "softmax_fence", "overlap_softmax",
-                                        "pingpong_handoff") if key in case}
-  return mg.BlockSizes(64, case.pop("block_k", 128), case.pop("num_stages", 2),
-                       q_tiles_per_program=case.pop("p"), **kw)
 
 
 @pytest.mark.parametrize("name", list(Q_TILES_LOWER_CASES))
 def test_q_tiles_per_program_lowers_for_cuda(name):
   case = dict(Q_TILES_LOWER_CASES[name])
-  bs = _q_tiles_bs(case)
+  bs = _bs(128, 2, "overlap", q_tiles_per_program=case.pop("p"))
   mask = {"local_window_size": case.pop("local_window_size", None)}
-  d, sq, sk = case.pop("d", 128), case["sq"], case["sk"]
-  q = jax.ShapeDtypeStruct((2, sq, 4, d), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, sk, 2, d), jnp.bfloat16)
+  sq, sk = case["sq"], case["sk"]
+  q = jax.ShapeDtypeStruct((2, sq, 4, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, sk, 2, 128), jnp.bfloat16)
   fn = jax.jit(lambda q, k, v: mg.flash_attention(q, k, v, causal=case["causal"],
                                                   block_sizes=bs, **mask))
   exported = jax.export.export(fn, platforms=["cuda"])(q, kv, kv)
   text = exported.mlir_module()
   assert "mosaic_gpu" in text and "wgmma" in text
-  assert [a.shape for a in exported.out_avals] == [(2, sq, 4, d), (2, 4, sq)]
+  assert [a.shape for a in exported.out_avals] == [(2, sq, 4, 128), (2, 4, sq)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -448,11 +313,11 @@ def test_q_tiles_per_program_cover_every_tile_once(n_q, p, causal):
   within a program, every program but possibly the last has P; causal: longest first."""
   st = mg._static_config((1, n_q * 128, 1, 128), (1, n_q * 128, 1, 128), jnp.bfloat16,
                          causal=causal, scale=None,
-                         block_sizes=mg.BlockSizes(64, 128, 2, q_tiles_per_program=p))
+                         block_sizes=_bs(128, 2, "overlap", q_tiles_per_program=p))
   assert st.num_q_programs == n_q and st.num_programs == -(-n_q // p)
   seen = []
   for g in range(st.num_programs):
-    count, tile_of = mg._program_tiles(g, st)
+    count, tile_of = fk._program_tiles(g, st)
     count = int(count)
     assert 1 <= count <= p and (count == p or g == st.num_programs - 1)
     tiles = [int(tile_of(jnp.int32(i))) for i in range(count)]
@@ -468,12 +333,7 @@ def test_q_tiles_per_program_checks():
   for bad in (0, -1, 1.5, True, "2"):
     with pytest.raises(ValueError, match="q_tiles_per_program"):
       mg.BlockSizes(64, 128, 2, q_tiles_per_program=bad)
-  for opt in ("k_wait_in_pv", "pingpong_handoff"):
-    with pytest.raises(ValueError, match=opt):
-      mg.BlockSizes(64, 128, 2, q_tiles_per_program=2, **{opt: True})
-    mg.BlockSizes(64, 128, 2, q_tiles_per_program=1, **{opt: True})   # P = 1: as before
-  bs = mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)
-  assert bs.smem_bytes(128) == mg.BlockSizes(64, 128, 2).smem_bytes(128) + 2 * 64 * (256 + 4)
+  bs = _bs(128, 2, "overlap", q_tiles_per_program=2)
   q = jnp.ones((1, 256, 2, 128), jnp.bfloat16)
   seg = jnp.ones((1, 256), jnp.int32)
   with pytest.raises(ValueError, match="segment ids or a block schedule"):
@@ -486,7 +346,7 @@ def test_q_tiles_per_program_checks():
 def test_q_tiles_per_program_d256_over_shared_memory():
   """D256 (64x64 tiles, 2 stages) with the second Q/O buffer: over the 227 KiB limit."""
   q = jax.ShapeDtypeStruct((1, 512, 2, 256), jnp.bfloat16)
-  bs = mg.BlockSizes(64, 64, 2, q_tiles_per_program=2)
+  bs = _bs(64, 2, "overlap", q_tiles_per_program=2)
   fn = jax.jit(lambda q: mg.flash_attention(q, q, q, causal=True, block_sizes=bs))
   with pytest.raises(ValueError, match="shared memory"):
     jax.export.export(fn, platforms=["cuda"])(q)
@@ -522,26 +382,25 @@ def _walk_segments(name, b, sq, sk):
   return q.astype(np.int32), k.astype(np.int32)
 
 
-_SEG_BOUNDS_JIT = jax.jit(mg._seg_bounds, static_argnums=2)
+_SEG_BOUNDS_JIT = jax.jit(fk.seg_bounds, static_argnums=2)
 
 
 def _walk_ranges(st, q_seg_p=None, kv_seg_p=None):
   """numpy [B, programs, 2] (plo, phi) and [B, programs, 2, 4] (lo, flo, fhi, hi) exactly as the
   kernel derives them (``_program_ranges``), for every batch row."""
-  from pallas_kernels.flash.mosaic_gpu import _COMPUTE_WGS
   n = st.num_q_programs
   if q_seg_p is not None:
     # one jitted program per config (op by op, each of its ~30 ops compiled on its own: 4x slower)
     bounds = np.asarray(_SEG_BOUNDS_JIT(jnp.asarray(q_seg_p), jnp.asarray(kv_seg_p), st))
-    return bounds[..., :2], bounds[..., 2:mg._SEG_BOUNDS_ONE].reshape(
-        bounds.shape[:2] + (_COMPUTE_WGS, 4))
+    return bounds[..., :2], bounds[..., 2:fk._SEG_BOUNDS_ONE].reshape(
+        bounds.shape[:2] + (fk.COMPUTE_WGS, 4))
   prog, wgs = [], []
   for tile in range(n):
     row0 = tile * 2 * st.block_q
-    plo, _, _, phi = (int(x) for x in mg._static_ranges(row0, 2 * st.block_q, st))
+    plo, _, _, phi = (int(x) for x in fk._static_ranges(row0, 2 * st.block_q, st))
     prog.append((plo, phi))
-    wgs.append([tuple(int(x) for x in mg._clip_to_program(
-        plo, phi, *mg._static_ranges(row0 + wg * st.block_q, st.block_q, st)))
+    wgs.append([tuple(int(x) for x in fk._clip_to_program(
+        plo, phi, *fk._static_ranges(row0 + wg * st.block_q, st.block_q, st)))
         for wg in range(2)])
   return np.asarray(prog)[None], np.asarray(wgs)[None]
 
@@ -611,7 +470,7 @@ def _check_edge_masks(st, vis, wgs):
       row0 = (2 * p + wg) * bq
       for edge, tiles in (("left", range(lo, flo)), ("right", range(fhi, hi))):
         for t in tiles:
-          got = mg._tile_visible(rows, cols, row0, t, st, edge=edge)
+          got = fk._tile_visible(rows, cols, row0, t, st, edge=edge)
           got = np.ones((bq, bk), bool) if got is None else np.broadcast_to(got, (bq, bk))
           want = vis[row0:row0 + bq, t * bk:(t + 1) * bk]
           ok = real[row0:row0 + bq, None]
@@ -635,7 +494,7 @@ def test_tile_walk_skips_only_masked_tiles(mask):
 
 @pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_64", "window_100_30"])
 def test_tile_walk_with_segments(mask):
-  """Segment ids: the per-(batch, program) ranges of ``_seg_bounds`` (packed documents with
+  """Segment ids: the per-(batch, program) ranges of ``fk.seg_bounds`` (packed documents with
   padding when q_len == kv_len, random sorted ids otherwise)."""
   causal, window = WALK_MASKS[mask]["causal"], WALK_MASKS[mask].get("window")
   for sq, sk in [(1000, 1000), (512, 512), (200, 328), (328, 200), (200, 200)]:
@@ -665,7 +524,7 @@ def test_tile_walk_packed_documents_skip_other_documents():
 
 
 def test_one_segment_flag_is_exact():
-  """``_seg_bounds``' one-segment flag (masked tiles then take the static mask only): set for
+  """``fk.seg_bounds``' one-segment flag (masked tiles then take the static mask only): set for
   every warpgroup of aligned packed documents (each walks tiles of its own document only), and
   in general exactly when every tile of the warpgroup's [lo, hi) holds one and the same nonzero
   id on both sides (checked against the ids themselves on random layouts with padding)."""
@@ -678,8 +537,8 @@ def test_one_segment_flag_is_exact():
   assert _SEG_BOUNDS_JIT(jnp.asarray(seg), jnp.asarray(seg), st).shape[-1] == 10  # option off
   st = dataclasses.replace(st, one_seg_mask=True)
   bounds = np.asarray(_SEG_BOUNDS_JIT(jnp.asarray(seg), jnp.asarray(seg), st))
-  assert bounds.shape[-1] == mg._SEG_BOUNDS_ONE + 2
-  assert (bounds[..., mg._SEG_BOUNDS_ONE:] == 1).all()
+  assert bounds.shape[-1] == fk._SEG_BOUNDS_ONE + 2
+  assert (bounds[..., fk._SEG_BOUNDS_ONE:] == 1).all()
   rng = np.random.default_rng(7)
   n_set = n_clear = 0
   for sq, sk, causal in [(1000, 1000, True), (328, 200, False), (200, 328, True)]:
@@ -703,7 +562,7 @@ def test_one_segment_flag_is_exact():
             keys = kp[bi, lo * bk:hi * bk]
             want = hi <= lo or bool(rows.min() != 0 and (rows == rows[0]).all()
                                     and (keys == rows[0]).all())     # no tile: nothing to mask
-            got = bool(bounds[bi, p, mg._SEG_BOUNDS_ONE + wg])
+            got = bool(bounds[bi, p, fk._SEG_BOUNDS_ONE + wg])
             assert got == want, (sq, sk, bi, p, wg, lo, hi)
             n_set += got
             n_clear += not got
@@ -738,7 +597,7 @@ SEGMENT_LAYOUTS = ["right_pad", "left_pad", "negative", "arbitrary", "zeros"]
 @pytest.mark.parametrize("kind", SEGMENT_LAYOUTS)
 @pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_64"])
 def test_tile_walk_segment_layouts(kind, mask):
-  """``_seg_bounds`` for any segment-id layout: no tile with a visible element is skipped and no
+  """``fk.seg_bounds`` for any segment-id layout: no tile with a visible element is skipped and no
   unmasked tile masks an element (``_check_walk``); for packed rows (padding at either end) each
   warpgroup's range is tight: its first and last tiles hold a visible key (a last q tile of
   document and padding walked every earlier kv tile when its id range included 0)."""
@@ -770,7 +629,7 @@ def test_walk_codes_segment_layouts(kind):
     qs, ks = np.pad(seg, ((0, 0), (0, sq_pad - sq))), np.pad(seg, ((0, 0), (0, sk_pad - sk)))
     n_wg = sq_pad // bq
     tiles = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32), (1, 1, n_wg, nk))
-    codes = np.asarray(mg._walk_codes(tiles, jnp.ones(tiles.shape, bool), st, jnp.asarray(qs),
+    codes = np.asarray(fk._walk_codes(tiles, jnp.ones(tiles.shape, bool), st, jnp.asarray(qs),
                                       jnp.asarray(ks)))[:, 0]                  # [B, n_wg, nk]
     vis = np.asarray(element_mask(np.arange(sq_pad), np.arange(sk_pad), causal=causal,
                                   window=None, kv_len=sk, q_seg=qs, kv_seg=ks))
@@ -778,10 +637,10 @@ def test_walk_codes_segment_layouts(kind):
     t = vis.reshape(2, n_wg, bq, nk, bk)
     real = (np.arange(sq_pad) < sq).reshape(n_wg, bq)[None, :, :, None, None]
     any_vis, all_vis = t.any(axis=(2, 4)), (t | ~real).all(axis=(2, 4))
-    assert not (any_vis & (codes == mg._SKIP)).any(), (kind, causal)
-    assert all_vis[codes == mg._FULL].all(), (kind, causal)
+    assert not (any_vis & (codes == wk.SKIP)).any(), (kind, causal)
+    assert all_vis[codes == wk.FULL].all(), (kind, causal)
     if kind in ("right_pad", "left_pad", "negative"):
-      np.testing.assert_array_equal(codes != mg._SKIP, any_vis)
+      np.testing.assert_array_equal(codes != wk.SKIP, any_vis)
 
 
 def test_tile_walk_check_can_fail():
@@ -790,18 +649,18 @@ def test_tile_walk_check_can_fail():
   st = mg._static_config((1, 1000, 1, 128), (1, 1000, 1, 128), jnp.bfloat16, causal=True,
                          scale=None, block_sizes=mg.BlockSizes(64, 128, 2),
                          local_window_size=(200, 0))
-  real = mg._static_ranges
+  real = fk._static_ranges
 
   def shifted(row0, n, st):
     lo, flo, fhi, hi = real(row0, n, st)
     lo = jnp.minimum(lo + 1, hi)
     return lo, jnp.maximum(flo, lo), jnp.maximum(fhi, lo), hi
-  mg._static_ranges = shifted
+  fk._static_ranges = shifted
   try:
     with pytest.raises(AssertionError):
       _check_walk(st)
   finally:
-    mg._static_ranges = real
+    fk._static_ranges = real
 
 
 @pytest.mark.parametrize("drop", ["right_on_left_edges", "padded_keys"])
@@ -813,14 +672,14 @@ def test_edge_mask_check_can_fail(drop, monkeypatch):
   st = mg._static_config((1, 1000, 1, 128), (1, 1000, 1, 128), jnp.bfloat16, causal=False,
                          scale=None, block_sizes=mg.BlockSizes(64, 128, 2),
                          local_window_size=window)
-  real = mg._edge_bounds
+  real = fk._edge_bounds
 
   def dropped(st, edge):
     pad, r_on, l_on = real(st, edge)
     return (pad and drop != "padded_keys",
             r_on and not (edge == "left" and drop == "right_on_left_edges"), l_on)
   _check_walk(st)   # the real edges pass
-  monkeypatch.setattr(mg, "_edge_bounds", dropped)
+  monkeypatch.setattr(fk, "_edge_bounds", dropped)
   with pytest.raises(AssertionError):
     _check_walk(st)
 
@@ -836,7 +695,7 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
   """One kv tile t of a warpgroup (query rows row0 .. row0 + bq) in the kernel's walk, in jnp
   with the kernel's helpers: logits (``_cap_logits``), with ``masked`` ``_tile_visible``
   (segment ids qs_t [bq] / ks_all [Sk'] unless qs_t is None; where the traced bool ``one_seg``
-  (``_seg_bounds``' one-segment flag) is true, the static mask only, as the kernel's
+  (``fk.seg_bounds``' one-segment flag) is true, the static mask only, as the kernel's
   ``masked="static"`` with ``BlockSizes.one_segment_static_mask``: the flag is exact, so the
   answer is the same either way, and the replay checks that), ``_online_softmax``, P cast to
   p_dtype. carry = (acc [bq, D], m, l); also
@@ -845,17 +704,17 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
   bq, bk = st.block_q, st.block_k
   k_t = lax.dynamic_slice_in_dim(k_all, t * bk, bk)            # [bk, D]
   v_t = lax.dynamic_slice_in_dim(v_all, t * bk, bk)
-  s = mg._cap_logits(jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32), st)  # [bq, bk]
+  s = fk._cap_logits(jnp.dot(q_t, k_t.T, preferred_element_type=jnp.float32), st)  # [bq, bk]
   if masked:
     rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     cols = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     ks_t = None if qs_t is None else lax.dynamic_slice_in_dim(ks_all, t * bk, bk)
-    vis = mg._tile_visible(rows, cols, row0, t, st, qs_t, ks_t, edge=edge)
+    vis = fk._tile_visible(rows, cols, row0, t, st, qs_t, ks_t, edge=edge)
     if one_seg is not None:
-      static = mg._tile_visible(rows, cols, row0, t, st, edge=edge)
+      static = fk._tile_visible(rows, cols, row0, t, st, edge=edge)
       vis = jnp.where(one_seg, True if static is None else static, vis)
-    s = mg._apply_mask(s, vis)
-  p, alpha, m, l = mg._online_softmax(s, m, l, st)
+    s = fk._apply_mask(s, vis)
+  p, alpha, m, l = fk._online_softmax(s, m, l, st)
   acc = acc * alpha[:, None] + jnp.dot(p.astype(p_dtype), v_t,
                                        preferred_element_type=jnp.float32)
   return acc, m, l
@@ -864,10 +723,10 @@ def _replay_step(t, carry, *, masked, st, q_t, k_all, v_all, row0, qs_t, ks_all,
 def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, scale=None,
                local_window_size=None, logits_soft_cap=None):
   """The kernel's forward walk in jnp, with its own helpers (see the module docstring): per
-  warpgroup the ranges of ``_program_ranges`` (static or ``_seg_bounds``), masked edges
+  warpgroup the ranges of ``_program_ranges`` (static or ``fk.seg_bounds``), masked edges
   [lo, flo) and [fhi, hi), unmasked [flo, fhi)."""
   b, sq, hq, d = q.shape
-  sk, hk = k.shape[1], k.shape[2]
+  sk = k.shape[1]
   has_seg = q_seg is not None
   st = mg._static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                          block_sizes=block_sizes, local_window_size=local_window_size,
@@ -882,9 +741,9 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
   if has_seg:
     qs_p = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, sq_pad - sq)))
     ks_p = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, sk_pad - sk)))
-    bounds = mg._seg_bounds(qs_p, ks_p, st)
-    ranges = bounds[..., 2:mg._SEG_BOUNDS_ONE].reshape(b, n_rows, 4)
-    ones = (bounds[..., mg._SEG_BOUNDS_ONE:].reshape(b, n_rows) if st.one_seg_mask
+    bounds = fk.seg_bounds(qs_p, ks_p, st)
+    ranges = bounds[..., 2:fk._SEG_BOUNDS_ONE].reshape(b, n_rows, 4)
+    ones = (bounds[..., fk._SEG_BOUNDS_ONE:].reshape(b, n_rows) if st.one_seg_mask
             else jnp.zeros((b, n_rows), jnp.int32))
   else:
     qs_p = jnp.zeros((b, sq_pad), jnp.int32)
@@ -892,10 +751,10 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
     per = []
     for tile in range(st.num_q_programs):
       row0 = tile * 2 * bq
-      plo, _, _, phi = mg._static_ranges(row0, 2 * bq, st)
+      plo, _, _, phi = fk._static_ranges(row0, 2 * bq, st)
       for wg in range(2):
-        per.append(jnp.stack(mg._clip_to_program(
-            plo, phi, *mg._static_ranges(row0 + wg * bq, bq, st))))
+        per.append(jnp.stack(fk._clip_to_program(
+            plo, phi, *fk._static_ranges(row0 + wg * bq, bq, st))))
     ranges = jnp.broadcast_to(jnp.stack(per), (b, n_rows, 4))
     ones = jnp.zeros((b, n_rows), jnp.int32)
 
@@ -903,14 +762,14 @@ def _replay_fn(q, k, v, q_seg=None, kv_seg=None, *, causal, block_sizes=None, sc
     step = functools.partial(_replay_step, st=st, q_t=q_t, k_all=k_all, v_all=v_all, row0=row0,
                              qs_t=qs_t if has_seg else None, ks_all=ks_all, p_dtype=q.dtype,
                              one_seg=(one != 0) if has_seg else None)
-    carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
+    carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), fk._M_INIT, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
     lo, flo, fhi, hi = rng[0], rng[1], rng[2], rng[3]
     carry = lax.fori_loop(lo, flo, functools.partial(step, masked=True, edge="left"), carry)
     carry = lax.fori_loop(flo, fhi, functools.partial(step, masked=False), carry)
     acc, m, l = lax.fori_loop(fhi, hi, functools.partial(step, masked=True, edge="right"),
                               carry)
-    return mg._finalize(acc, m, l)
+    return fk._finalize(acc, m, l)
 
   q_tiles = qp.reshape(b, hq, n_rows, bq, d)                   # [B, Hq, tiles, bq, D]
   row0s = jnp.broadcast_to(jnp.arange(n_rows, dtype=jnp.int32) * bq, (b, hq, n_rows))
@@ -931,7 +790,7 @@ REPLAY_CASES = {
     "causal_q_longer_empty_rows": dict(b=1, sq=300, sk=130, hq=2, hk=1, d=64, causal=True),
     "fp16_tiles_64": dict(b=1, sq=160, sk=200, hq=2, hk=2, d=64, causal=True,
                           dtype=jnp.float16, bs=mg.BlockSizes(64, 64, 2)),
-    # 192-key tiles (session 21): tile edges that are not powers of two, a padded last tile
+    # 192-key tiles: tile edges that are not powers of two, a padded last tile
     "tiles_192_dense": dict(b=1, sq=300, sk=500, hq=2, hk=1, d=64, causal=False,
                             bs=mg.BlockSizes(64, 192, 2)),
     "tiles_192_causal_q_shorter": dict(b=1, sq=200, sk=500, hq=2, hk=2, d=64, causal=True,
@@ -973,8 +832,8 @@ def _segments(name, b, sq, sk, kind):
   """"packed": documents of random lengths with padding (0) at the end, the same ids for q and
   kv (needs sq == sk); "random": sorted random ids in 0..3 (0 = padding) for q and kv
   independently (documents that do not line up, q_len != kv_len); "aligned4": four documents
-  of sq / 4 tokens (issue 8's packed rows, scaled down: every warpgroup walks one document, so
-  its masked tiles take the static mask only, ``_seg_bounds``' one-segment flag)."""
+  of sq / 4 tokens (aligned packed rows, scaled down: every warpgroup walks one document, so
+  its masked tiles take the static mask only, ``fk.seg_bounds``' one-segment flag)."""
   if kind == "aligned4":
     assert sq == sk and sq % 4 == 0
     ids = np.repeat(np.arange(1, 5, dtype=np.int32), sq // 4)
@@ -1034,7 +893,7 @@ def test_unsupported_options_raise():
 
 
 def test_mosaic_backward_takes_block_schedules():
-  """backward="mosaic" with a block schedule (session 27): the call configures the Mosaic GPU
+  """backward="mosaic" with a block schedule: the call configures the Mosaic GPU
   backward walking it; backward tiles wider than the schedule's raise ValueError at the call."""
   from pallas_kernels.block_schedule import make_schedule
   from pallas_kernels.flash import mosaic_gpu_bwd as mb
@@ -1053,11 +912,11 @@ def test_mosaic_backward_takes_block_schedules():
 
 
 def _replayed_fwd_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None):
-  """Stand-in for ``mg._fwd_call`` on the CPU: the jnp replay of the kernel's walk (its own mask,
+  """Stand-in for ``fk.fwd_call`` on the CPU: the jnp replay of the kernel's walk (its own mask,
   online softmax and ``_finalize``, so the same out and natural-log LSE, -inf for empty rows), on
   the same padded inputs and returning the same padded shapes. With segment ids the replay
-  recomputes ``_seg_bounds`` from the padded ids (what the wrapper passed as ``bounds``)."""
-  bs = mg.BlockSizes(st.block_q, st.block_k, st.num_stages, st.pingpong)
+  recomputes ``fk.seg_bounds`` from the padded ids (what the wrapper passed as ``bounds``)."""
+  bs = mg.BlockSizes(st.block_q, st.block_k, st.num_stages, protocol=st.protocol)
   seg = () if q_seg is None else (q_seg[:, :st.q_len], kv_seg[:, :st.kv_len])
   out, lse = _replay_fn(q_p[:, :st.q_len], k_p[:, :st.kv_len], v_p[:, :st.kv_len], *seg,
                         causal=st.causal, block_sizes=bs, scale=st.scale,
@@ -1145,9 +1004,10 @@ VJP_MASK_CASES = {
 @pytest.mark.parametrize("name", list(VJP_CASES) + list(VJP_MASK_CASES))
 def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu", backward="triton" block sizes): the
-  custom_vjp feeds the forward's out and LSE to the Triton backward (interpret mode). The Mosaic forward cannot run on the CPU, so
-  ``_fwd_call`` is replaced by the jnp replay of its walk (same LSE convention)."""
-  monkeypatch.setattr(mg, "_fwd_call", _replayed_fwd_call)
+  custom_vjp feeds the forward's out and LSE to the Triton backward (interpret mode). The Mosaic
+  forward cannot run on the CPU, so ``fk.fwd_call`` is replaced by the jnp replay of its walk
+  (same LSE convention)."""
+  monkeypatch.setattr(fk, "fwd_call", _replayed_fwd_call)
   case = dict(VJP_CASES.get(name) or VJP_MASK_CASES[name])
   case.update(b=1)
   causal, q_seg, kv_seg, mask = _mask_args(case, name)
@@ -1168,7 +1028,7 @@ def test_tail_kv_splits_through_the_replay(splits, sq, b, monkeypatch):
   ragged last query tile (1000, 300) and a single program (256)."""
   calls = []
   real = _replayed_fwd_call
-  monkeypatch.setattr(mg, "_fwd_call", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+  monkeypatch.setattr(fk, "fwd_call", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
   q, k, v = _inputs(zlib.crc32(f"tail{splits}".encode()), b=b, sq=sq, sk=1024, hq=4, hk=2,
                     d=64, dtype=jnp.bfloat16)
   bs = mg.BlockSizes(64, 128, 2, backward="triton", tail_kv_splits=splits)
@@ -1212,7 +1072,7 @@ def test_fit_tail_kv_splits_keeps_it_only_where_it_pays(monkeypatch):
   tiles = lambda **kw: ja._mosaic_gpu_default_block_sizes(
       q, causal=True, window=(511, 0), **kw).q_tiles_per_program
   assert tiles() == 2 and tiles(segment_ids=seg) == 1
-  bs2 = mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)
+  bs2 = _bs(128, 2, "overlap", q_tiles_per_program=2)
   for kw, want in ((dict(), 2), (dict(segments=True), 1), (dict(schedule=True), 1)):
     assert mg.fit_block_sizes(bs2, q.shape, q.shape, causal=True, **kw).q_tiles_per_program \
         == want, kw
@@ -1224,7 +1084,7 @@ def test_tail_kv_splits_checks():
   with pytest.raises(ValueError, match="tail_kv_splits must be an int"):
     mg.BlockSizes(64, 128, 2, tail_kv_splits=-1)
   with pytest.raises(ValueError, match="q_tiles_per_program=1"):
-    mg.BlockSizes(64, 128, 2, tail_kv_splits=2, q_tiles_per_program=2)
+    _bs(128, 2, "overlap", tail_kv_splits=2, q_tiles_per_program=2)
   bs = mg.BlockSizes(64, 128, 2, tail_kv_splits=4)
   cfg = lambda k_shape, **kw: mg._static_config((1, 1024, 2, 128), k_shape, jnp.bfloat16,
                                                 scale=None, block_sizes=bs, **kw)
@@ -1247,7 +1107,7 @@ def test_registered_vjp_with_mosaic_backward(name, monkeypatch):
   backward kernels are replaced by their jnp replays (tests/test_flash_mosaic_gpu_bwd.py)."""
   import test_flash_mosaic_gpu_bwd as tb
   from pallas_kernels.flash import mosaic_gpu_bwd as mb
-  monkeypatch.setattr(mg, "_fwd_call", _replayed_fwd_call)
+  monkeypatch.setattr(fk, "fwd_call", _replayed_fwd_call)
   monkeypatch.setattr(mb, "_dkv_call", tb._replay_dkv_call)
   monkeypatch.setattr(mb, "_dq_call", tb._replay_dq_call)
   called = []
@@ -1282,8 +1142,8 @@ def test_vjp_check_catches_a_base2_lse(monkeypatch):
   instead of natural log gives wrong gradients through the Triton backward."""
   def base2_lse(q_p, k_p, v_p, st):
     out, lse = _replayed_fwd_call(q_p, k_p, v_p, st)
-    return out, lse * mg.LOG2E
-  monkeypatch.setattr(mg, "_fwd_call", base2_lse)
+    return out, lse * fk.LOG2E
+  monkeypatch.setattr(fk, "fwd_call", base2_lse)
   q, k, v = _inputs(5, b=1, sq=130, sk=130, hq=2, hk=1, d=64, dtype=jnp.bfloat16)
   bs = dataclasses.replace(mg.default_block_sizes(64), backward="triton")
   (_, _, grads), (_, _, r_grads) = _vjp_vs_reference(q, k, v, True, interpret=True,
@@ -1346,208 +1206,47 @@ def test_registered_fwd_bwd_lowers_for_cuda(mask):
 
 # ----------------------------------------------------------------------------- GPU (sm90)
 
+# Kernel-specific cases: every protocol at the tiles its table entries use, with the masks and
+# lengths the kernel branches on (edge masks, empty rows, ragged tiles, segment walks, several
+# query tiles per program). The generic mask / GQA / dtype matrix is tests/test_conformance.py.
 GPU_CASES = {
-    "d64": dict(b=2, sq=1024, sk=1024, hq=4, hk=4, d=64, causal=False),
-    "d64_causal": dict(b=2, sq=1024, sk=1024, hq=4, hk=4, d=64, causal=True),
-    "d128": dict(b=2, sq=2048, sk=2048, hq=4, hk=4, d=128, causal=False),
-    "d128_causal_gqa": dict(b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True),
-    "d128_ragged": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=True),
-    "d128_q_shorter": dict(b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True),
-    "d128_q_longer_empty_rows": dict(b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True),
-    "d128_no_pingpong": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=128, causal=True,
-                             bs=mg.BlockSizes(64, 128, 2, pingpong=False)),
-    "d256": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=False),
-    "d256_causal": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True),
-    # the options of docs/mosaic_fwd_vs_tokamax.md (pass on the H200, run 43)
-    "d128_early_k_load": dict(b=2, sq=2048, sk=2048, hq=4, hk=4, d=128, causal=False,
-                              bs=mg.BlockSizes(64, 128, 2, early_k_load=True)),
-    "d128_causal_gqa_pingpong_handoff": dict(
-        b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, pingpong_handoff=True)),
-    "d64_causal_ragged_q_major_grid": dict(b=2, sq=1000, sk=1000, hq=4, hk=2, d=64, causal=True,
-                                           bs=mg.BlockSizes(64, 128, 2, q_major_grid=True)),
-    "d128_3_stages_no_reduction_scratch": dict(
-        b=1, sq=1024, sk=1111, hq=2, hk=1, d=128, causal=False,
-        bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True)),
-    "d128_causal_k_wait_in_pv": dict(b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
-                                     bs=mg.BlockSizes(64, 128, 2, k_wait_in_pv=True)),
-    "d128_q_longer_k_wait_in_pv_no_pingpong": dict(
-        b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, pingpong=False, k_wait_in_pv=True)),
-    "d128_q_shorter_all_options": dict(
-        b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 3, early_k_load=True, pingpong_handoff=True,
-                         q_major_grid=True, no_reduction_scratch=True, k_wait_in_pv=True)),
-    "d256_causal_all_options": dict(
-        b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
-        bs=mg.BlockSizes(64, 64, 2, early_k_load=True, pingpong_handoff=True,
-                         q_major_grid=True, no_reduction_scratch=True, k_wait_in_pv=True)),
-    "d64_segments_packed_all_options": dict(
-        b=2, sq=1024, sk=1024, hq=4, hk=2, d=64, causal=True, seg="packed",
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, pingpong_handoff=True,
-                         q_major_grid=True, no_reduction_scratch=True, k_wait_in_pv=True)),
-    "d128_causal_window_511_k_wait_in_pv": dict(
-        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 128, 2, k_wait_in_pv=True)),
-    # BlockSizes.q_tiles_per_program (several query tiles per program; never run on a GPU yet):
-    # `pytest -m gpu -k q_tiles`
-    "d128_q_longer_q_tiles_2": dict(b=1, sq=1328, sk=1000, hq=2, hk=1, d=128, causal=False,
-                                    bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)),
-    "d128_q_longer_q_tiles_3": dict(b=1, sq=1328, sk=1000, hq=2, hk=1, d=128, causal=False,
-                                    bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=3)),
-    "d128_causal_ragged_q_tiles_3": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=True,
-                                         bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=3)),
-    "d128_causal_ragged_q_tiles_2": dict(b=2, sq=1000, sk=1111, hq=4, hk=2, d=128, causal=True,
-                                         bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=2)),
-    "d128_causal_window_511_q_tiles_2": dict(
+    "d128_causal_gqa_pingpong": dict(b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
+                                     bs=_bs(128, 2)),
+    "d128_window_left_only_ragged_pingpong": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=2, d=128, causal=False, local_window_size=(70, None),
+        bs=_bs(128, 2)),
+    "d64_causal_ragged_pingpong_kwait": dict(b=1, sq=1000, sk=1000, hq=4, hk=2, d=64,
+                                             causal=True, bs=_bs(128, 3, "pingpong_kwait")),
+    "d64_bk256_segments_random_q_shorter_pingpong_kwait": dict(
+        b=2, sq=700, sk=1111, hq=4, hk=2, d=64, causal=False, seg="random",
+        bs=_bs(256, 3, "pingpong_kwait")),
+    "d128_q_longer_empty_rows_handoff_kwait_fence": dict(
+        b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True, bs=_bs(128, 2, "handoff_kwait_fence")),
+    "d128_window_100_30_soft_cap_fp16_handoff_kwait_fence": dict(
+        b=1, sq=1328, sk=1000, hq=2, hk=1, d=128, causal=False, local_window_size=(100, 30),
+        logits_soft_cap=2.0, scale=0.5, dtype=jnp.float16, bs=_bs(128, 2, "handoff_kwait_fence")),
+    "d256_causal_ragged_handoff_kwait": dict(b=1, sq=777, sk=777, hq=4, hk=2, d=256, causal=True,
+                                             bs=_bs(64, 2, "handoff_kwait")),
+    "d128_q_shorter_overlap": dict(b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True,
+                                   bs=_bs(128, 2, "overlap")),
+    "d128_causal_window_511_overlap_p2": dict(
         b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True, q_tiles_per_program=2)),
-    "d128_causal_window_511_q_tiles_3": dict(
-        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True, q_tiles_per_program=3)),
-    "d128_causal_q_longer_empty_rows_q_tiles_3": dict(
-        b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=3)),
-    # the overlap with several query tiles per program (session 22; never run on a GPU yet):
-    # `pytest -m gpu -k overlap_q_tiles`
-    "d128_dense_ragged_overlap_q_tiles_2": dict(
-        b=2, sq=1328, sk=1000, hq=4, hk=2, d=128, causal=False,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, q_tiles_per_program=2, **_OVERLAP)),
-    "d128_causal_window_511_overlap_q_tiles_2": dict(
-        b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, q_tiles_per_program=2, **_OVERLAP)),
-    "d128_causal_q_longer_empty_rows_overlap_q_tiles_4": dict(
-        b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, q_tiles_per_program=4, **_OVERLAP)),
-    "d128_causal_overlap_q_tiles_3": dict(
-        b=1, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, q_tiles_per_program=3, **_OVERLAP)),
-    "d64_causal_window_q_tiles_2_options": dict(
-        b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True, local_window_size=(200, 0),
-        bs=mg.BlockSizes(64, 128, 3, q_tiles_per_program=2, early_k_load=True,
-                         q_major_grid=True, pingpong=False)),
-    # BlockSizes.overlap_softmax / store_wait_read_only (session 18): `pytest -m gpu -k overlap`
-    "d128_overlap": dict(b=2, sq=2048, sk=2048, hq=4, hk=4, d=128, causal=False,
-                         bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
-    "d128_causal_gqa_overlap_early_k_load": dict(
-        b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
-    "d128_q_shorter_overlap_3_stages": dict(
-        b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 3, no_reduction_scratch=True, **_OVERLAP)),
-    "d128_q_longer_empty_rows_overlap": dict(b=1, sq=700, sk=260, hq=2, hk=2, d=128, causal=True,
-                                             bs=mg.BlockSizes(64, 128, 2, **_OVERLAP)),
-    "d128_causal_window_511_bk64_overlap_store_read": dict(
-        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 64, 2, store_wait_read_only=True, **_OVERLAP)),
-    "d64_window_soft_cap_overlap_no_pingpong": dict(
-        b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=False, local_window_size=(100, 30),
-        logits_soft_cap=5.0, bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
-    "d256_causal_overlap": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
-                                bs=mg.BlockSizes(64, 64, 2, **_OVERLAP)),
-    # overlap_softmax with segment ids (lowered on the CPU only; never run on a GPU yet)
-    "d128_segments_packed_causal_overlap": dict(
-        b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="packed",
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
-    "d128_segments_random_q_shorter_overlap": dict(
-        b=2, sq=700, sk=1111, hq=4, hk=2, d=128, causal=False, seg="random",
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
-    "d64_segments_window_soft_cap_overlap_no_pingpong": dict(
-        b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True, seg="packed",
-        local_window_size=(200, 0), logits_soft_cap=5.0,
-        bs=mg.BlockSizes(64, 128, 3, pingpong=False, overlap_softmax=True)),
-    "d128_causal_ragged_store_wait_read_only": dict(
-        b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, store_wait_read_only=True)),
-}
-
-
-# Windows, soft cap, segment ids (never run on a GPU yet).
-GPU_MASK_CASES = {
-    "d128_causal_window_511": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
-                                   local_window_size=(511, 0)),
-    "d128_causal_window_64_ragged": dict(b=1, sq=1000, sk=1328, hq=4, hk=2, d=128, causal=True,
-                                         local_window_size=(64, 0)),
-    "d64_window_100_30_q_longer": dict(b=1, sq=1328, sk=1000, hq=2, hk=1, d=64, causal=False,
-                                       local_window_size=(100, 30)),
-    "d256_causal_window_300": dict(b=1, sq=1024, sk=1024, hq=2, hk=1, d=256, causal=True,
-                                   local_window_size=(300, 0)),
-    "d128_soft_cap_causal": dict(b=1, sq=1024, sk=1024, hq=4, hk=2, d=128, causal=True,
-                                 logits_soft_cap=2.0, scale=0.5),
-    "d64_soft_cap_dense_fp16": dict(b=1, sq=1000, sk=1000, hq=2, hk=2, d=64, causal=False,
-                                    logits_soft_cap=30.0, dtype=jnp.float16),
-    "d128_segments_packed_causal": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
-                                        seg="packed"),
-    "d128_segments_random_q_shorter": dict(b=2, sq=700, sk=1111, hq=4, hk=2, d=128,
-                                           causal=False, seg="random"),
-    "d64_segments_window_soft_cap": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True,
-                                         seg="packed", local_window_size=(200, 0),
-                                         logits_soft_cap=5.0),
-    "d256_segments_causal": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=True,
-                                 seg="packed"),
-    # BlockSizes.tail_kv_splits: the last program of the last batch row by key chunks
-    "d128_tail_kv_splits_overlap": dict(
-        b=2, sq=1000, sk=1024, hq=4, hk=2, d=128, causal=False,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, tail_kv_splits=4, **_OVERLAP)),
-    "d256_tail_kv_splits_overlap": dict(
-        b=2, sq=512, sk=512, hq=2, hk=2, d=256, causal=False,
-        bs=mg.BlockSizes(64, 64, 2, early_k_load=True, tail_kv_splits=2, **_OVERLAP)),
-    # 192-key tiles with the overlap (2 stages: no reduction reserve), a padded last tile
-    "d128_bk192_overlap": dict(
-        b=2, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=False,
-        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
-    "d128_causal_bk192_overlap": dict(
-        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 192, 2, early_k_load=True, no_reduction_scratch=True, **_OVERLAP)),
-    # session 22's edge masks (left edges without the right bound where the window is wide,
-    # right edges without the left bound, no padded-key compare for whole tiles): the H200's
-    # causal window entry's tiles, a window narrower than a tile pair (left edges keep the
-    # right bound), a left-only window with padded keys, the overlap path, GQA, q shorter
-    "d128_causal_window_511_bk64_fence_edges": dict(
-        b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, local_window_size=(511, 0),
-        bs=mg.BlockSizes(64, 64, 2, softmax_fence=True)),
-    "d128_window_0_0_ragged_edges": dict(
-        b=1, sq=1000, sk=1000, hq=2, hk=1, d=128, causal=False, local_window_size=(0, 0)),
-    "d128_window_left_only_ragged_edges": dict(
-        b=1, sq=1000, sk=1000, hq=2, hk=2, d=128, causal=False, local_window_size=(70, None)),
-    "d128_window_300_100_q_shorter_overlap_edges": dict(
-        b=1, sq=700, sk=1111, hq=4, hk=2, d=128, causal=False, local_window_size=(300, 100),
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, **_OVERLAP)),
-    "d128_causal_registers_240_24": dict(
-        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, compute_registers=240,
-                         memory_registers=24, **_OVERLAP)),
-    # aligned documents: the one-segment flag set, masked tiles with the static mask only
-    # (the H200's causal_segments entry: the overlap; and the plain range path)
-    "d128_segments_aligned_docs": dict(b=2, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
-                                       seg="aligned4"),
-    "d128_segments_aligned_docs_static_mask": dict(
-        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="aligned4",
-        bs=mg.BlockSizes(64, 128, 2, one_segment_static_mask=True)),
-    "d128_segments_aligned_docs_overlap_static_mask": dict(
-        b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True, seg="aligned4",
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, one_segment_static_mask=True,
-                         **_OVERLAP)),
+        bs=_bs(128, 2, "overlap", q_tiles_per_program=2)),
     "d128_segments_packed_overlap_static_mask": dict(
         b=2, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=True, seg="packed",
-        bs=mg.BlockSizes(64, 128, 2, early_k_load=True, one_segment_static_mask=True,
-                         **_OVERLAP)),
-    # 256-key tiles at D64 (the H200's dense and causal entries since run 61; segment ids
-    # without causal take the "dense" entry)
-    "d64_bk256_causal_ragged_gqa": dict(b=1, sq=1000, sk=1300, hq=4, hk=2, d=64, causal=True,
-                                        bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
-    "d64_bk256_segments_random_q_shorter": dict(
-        b=2, sq=700, sk=1111, hq=4, hk=2, d=64, causal=False, seg="random",
-        bs=mg.BlockSizes(64, 256, 3, k_wait_in_pv=True)),
+        bs=_bs(128, 2, "overlap", one_segment_static_mask=True)),
+    "d256_segments_aligned_docs_overlap": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256,
+                                               causal=True, seg="aligned4",
+                                               bs=_bs(64, 2, "overlap")),
 }
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CASES) + list(GPU_MASK_CASES))
+@pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_matches_reference(name):
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
-  case = dict(GPU_CASES.get(name) or GPU_MASK_CASES[name])
+  case = dict(GPU_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
   bs = case.pop("bs", None)
   causal, q_seg, kv_seg, mask = _mask_args(case, name)
@@ -1558,79 +1257,47 @@ def test_gpu_matches_reference(name):
   _check(out, lse, q, k, v, causal, dtype, q_seg, kv_seg, **mask)
 
 
-# Through the registered path: jattn.flash_attention(implementation="mosaic_gpu"), forward and
-# VJP (Mosaic GPU forward, Triton backward on its out and LSE) against the fp32 reference.
+# Through the registered path, forward and VJP against the fp32 reference: jattn's default at
+# D256 (Triton backward) and the Triton backward on masks it takes through ``_triton_bwd_masked``
+# (the Mosaic GPU backward's own cases: tests/test_flash_mosaic_gpu_bwd.py).
 GPU_VJP_CASES = {
-    "d64": dict(b=2, sq=1024, sk=1024, hq=4, hk=4, d=64, causal=False),
-    "d64_causal_gqa": dict(b=1, sq=1024, sk=1024, hq=4, hk=2, d=64, causal=True),
-    "d128_causal_gqa": dict(b=2, sq=2048, sk=2048, hq=8, hk=2, d=128, causal=True),
-    "d128_ragged_gqa": dict(b=1, sq=1000, sk=1000, hq=4, hk=2, d=128, causal=False),
-    "d128_q_shorter_ragged": dict(b=1, sq=300, sk=1111, hq=2, hk=2, d=128, causal=True),
-    "d128_q_longer_empty_rows": dict(b=1, sq=700, sk=260, hq=2, hk=1, d=128, causal=True),
-    "d256": dict(b=1, sq=1024, sk=1024, hq=2, hk=2, d=256, causal=False),
     "d256_causal_gqa_ragged": dict(b=1, sq=777, sk=777, hq=4, hk=2, d=256, causal=True),
+    "d64_segments_window_soft_cap_triton_bwd": dict(
+        b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True, seg="packed",
+        local_window_size=(200, 0), logits_soft_cap=5.0),
 }
 
 
-# Masked cases the Mosaic GPU backward takes (windows, soft cap; session 26).
-_MOSAIC_BWD_MASK_CASES = ("d128_causal_window_511", "d128_causal_window_64_ragged",
-                          "d64_window_100_30_q_longer", "d128_soft_cap_causal",
-                          "d64_soft_cap_dense_fp16", "d128_segments_packed_causal",
-                          "d128_segments_random_q_shorter", "d64_segments_window_soft_cap")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in GPU_VJP_CASES if "d256" not in n]
-                         + list(_MOSAIC_BWD_MASK_CASES))
-def test_gpu_registered_forward_and_mosaic_backward(name):
-  """Hopper forward + Hopper backward (``BlockSizes(backward="mosaic")``) through jattn, with
-  the masks the Mosaic backward takes."""
+@pytest.mark.parametrize("name", list(GPU_VJP_CASES))
+def test_gpu_registered_forward_and_vjp(name):
+  """Mosaic GPU forward + Triton backward (with masks: ``_triton_bwd_masked``)."""
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
-  case = dict(GPU_VJP_CASES.get(name) or GPU_MASK_CASES[name])
-  dtype = case.pop("dtype", jnp.bfloat16)
+  case = dict(GPU_VJP_CASES[name])
   causal, q_seg, kv_seg, mask = _mask_args(case, name)
-  q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  window, segments = mask.get("local_window_size"), q_seg is not None
-  bs = mg.fit_block_sizes(mg.default_block_sizes(q.shape[-1], mask=mask_kind(
-      causal, window, segments=segments)), q.shape, k.shape, causal=causal, window=window,
-      segments=segments)                                  # as jattn's default
-  bs = dataclasses.replace(bs, backward="mosaic")
+  q, k, v = _inputs(zlib.crc32(name.encode()), dtype=jnp.bfloat16, **case)
+  bs = None
+  if name.endswith("triton_bwd"):
+    window, segments = mask.get("local_window_size"), q_seg is not None
+    bs = dataclasses.replace(mg.fit_block_sizes(
+        mg.default_block_sizes(q.shape[-1], mask=mask_kind(causal, window, segments=segments)),
+        q.shape, k.shape, causal=causal, window=window, segments=segments), backward="triton")
   got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, block_sizes=bs, q_seg=q_seg,
                                 kv_seg=kv_seg, **mask)
-  _assert_vjp_close(got, want, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_VJP_CASES) + [
-    n for n in GPU_MASK_CASES if n in ("d128_causal_window_511", "d64_window_100_30_q_longer",
-                                       "d128_soft_cap_causal", "d128_segments_packed_causal",
-                                       "d128_segments_random_q_shorter",
-                                       "d64_segments_window_soft_cap")])
-def test_gpu_registered_forward_and_vjp(name):
-  """Mosaic GPU forward + Triton backward through jattn (with masks: ``_triton_bwd_masked``)."""
-  if compat.gpu_compute_capability() != (9, 0):
-    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
-  case = dict(GPU_VJP_CASES.get(name) or GPU_MASK_CASES[name])
-  dtype = case.pop("dtype", jnp.bfloat16)
-  causal, q_seg, kv_seg, mask = _mask_args(case, name)
-  q, k, v = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  got, want = _vjp_vs_reference(q, k, v, causal, interpret=False, q_seg=q_seg, kv_seg=kv_seg,
-                                **mask)
-  _assert_vjp_close(got, want, dtype)
+  _assert_vjp_close(got, want, jnp.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backward", ["mosaic", "triton"])
 def test_gpu_tail_kv_splits_forward_and_vjp(backward):
-  """``tail_kv_splits`` (the H200 dense default since session 21) through jattn on the GPU:
+  """``tail_kv_splits`` (the H200 dense default) through jattn on the GPU:
   the forward's split rows and their LSE (written in place by ``_place_rows``) feed both
   backwards; GQA 4:2, a ragged last query tile, against the fp32 reference."""
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
   q, k, v = _inputs(zlib.crc32(f"tail_vjp_{backward}".encode()), b=2, sq=1000, sk=1024, hq=4,
                     hk=2, d=128, dtype=jnp.bfloat16)
-  bs = mg.BlockSizes(64, 128, 2, early_k_load=True, tail_kv_splits=4, backward=backward,
-                     **_OVERLAP)
+  bs = _bs(128, 2, "overlap", tail_kv_splits=4, backward=backward)
   got, want = _vjp_vs_reference(q, k, v, False, interpret=False, block_sizes=bs)
   _assert_vjp_close(got, want, jnp.bfloat16)

@@ -34,6 +34,7 @@ import pytest
 from jax import lax
 
 from pallas_kernels import compat
+from pallas_kernels.common import walk as wk
 from pallas_kernels.flash import mosaic_gpu_bwd as mb
 from pallas_kernels.flash.reference import attention_reference
 
@@ -405,7 +406,7 @@ def _sched_walks_np(sched, st, q_seg=None, kv_seg=None):
 
 def _walk_entries(row):
   """[(tile, code of warpgroup 0, code of warpgroup 1)] of a walk row [count, entries...]."""
-  return [(int(e) >> mb._WALK_SHIFT, int(e) & 3, (int(e) >> 2) & 3) for e in row[1:1 + row[0]]]
+  return [(int(e) >> wk.WALK_SHIFT, int(e) & 3, (int(e) >> 2) & 3) for e in row[1:1 + row[0]]]
 
 
 @pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", SCHED_WALK)
@@ -456,10 +457,10 @@ def test_sched_walks_cover_exactly_the_selection(sq, sk, causal, window, kind, t
             for wg, code in enumerate(codes):
               o0, t0 = (2 * p + wg) * own_blk, t * walk_blk
               blk_v = v[o0:o0 + own_blk, t0:t0 + walk_blk]
-              if code == mb._SKIP or blk_v.size == 0:
+              if code == wk.SKIP or blk_v.size == 0:
                 continue
               assert sl[o0:o0 + own_blk, t0:t0 + walk_blk].all(), (p, wg, t)   # selected
-              if code == mb._FULL:
+              if code == wk.FULL:
                 assert blk_v.all(), (p, wg, t)
               covered[o0:o0 + own_blk, t0:t0 + walk_blk] = True
         assert not (v & ~covered).any(), np.argwhere(v & ~covered)[:5]
@@ -482,7 +483,7 @@ def test_sched_walks_skip_unselected_tiles():
 
 def test_schedules_take_the_block_sparse_entry(monkeypatch):
   """A call with a block schedule reads the table's "block_sparse" entry (the H200's D128: 4
-  dK/dV stages, run 118), cut to the schedule's tiles; without one, its mask kind's."""
+  dK/dV stages), cut to the schedule's tiles; without one, its mask kind's."""
   from pallas_kernels import tuning
   from pallas_kernels.block_schedule import make_schedule
   monkeypatch.setattr(tuning, "device_kind", lambda: "NVIDIA H200")
@@ -751,14 +752,14 @@ def _walk_protocol(stages, group, row, seed, n_bufs):
     for g in range(group):
       for j, (t, *codes) in enumerate(entries):
         slot = (g * count + j) % stages
-        run = codes[wg] != mb._SKIP
+        run = codes[wg] != wk.SKIP
         for buf in range(n_bufs):
           yield ("wait", loaded[buf], slot)
           if run:
             assert data[buf][slot] == (g, t), (buf, data[buf][slot], g, t)
         if run:
           assert all(data[buf][slot] == (g, t) for buf in range(n_bufs))
-          computed[wg].append((g, t, codes[wg] != mb._FULL))
+          computed[wg].append((g, t, codes[wg] != wk.FULL))
         yield ("arrive", free, slot)
 
   _simulate([memory(), compute(0), compute(1)], seed)
@@ -793,8 +794,8 @@ def test_ring_protocols_on_schedule_walks(sq, sk, causal, window, kind, tiles, b
         for p, row in enumerate(walk[r, 0]):
           got = _walk_protocol(stages, group, row, seed=p, n_bufs=n_bufs)
           for wg in range(2):
-            assert got[wg] == [(g, t, codes[wg] != mb._FULL) for g in range(group)
-                               for t, *codes in _walk_entries(row) if codes[wg] != mb._SKIP]
+            assert got[wg] == [(g, t, codes[wg] != wk.FULL) for g in range(group)
+                               for t, *codes in _walk_entries(row) if codes[wg] != wk.SKIP]
 
 
 def test_protocol_simulation_catches_a_missing_drain():
@@ -871,7 +872,7 @@ def _replay_walk(wrow, wg, step, carry):
   (nothing to compute), an unmasked or a masked ``step(tile, carry, masked=)``."""
   def body(j, carry):
     entry = wrow[1 + j]
-    tile = entry >> mb._WALK_SHIFT
+    tile = entry >> wk.WALK_SHIFT
     code = (entry >> (2 * wg)) & 3
     return lax.switch(code, [lambda c: c, functools.partial(step, tile, masked=False),
                              functools.partial(step, tile, masked=True)], carry)
@@ -1195,7 +1196,6 @@ def test_replay_check_catches_a_walk_outside_the_selection(monkeypatch):
 
 def test_replay_check_catches_unmasked_partial_tiles(monkeypatch):
   """... and on the walk codes: running partial tiles unmasked gives wrong gradients."""
-  from pallas_kernels.flash import mosaic_gpu as mg
   monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
   monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
   walks = mb._sched_walks
@@ -1204,8 +1204,8 @@ def test_replay_check_catches_unmasked_partial_tiles(monkeypatch):
     def fix(w):
       e = w[..., 1:]
       c0, c1 = e & 3, (e >> 2) & 3
-      c0, c1 = (jnp.where(c == mg._PARTIAL, mg._FULL, c) for c in (c0, c1))
-      e = ((e >> mb._WALK_SHIFT) << mb._WALK_SHIFT) | c0 | (c1 << 2)
+      c0, c1 = (jnp.where(c == wk.PARTIAL, wk.FULL, c) for c in (c0, c1))
+      e = ((e >> wk.WALK_SHIFT) << wk.WALK_SHIFT) | c0 | (c1 << 2)
       return w.at[..., 1:].set(e)
     return tuple(fix(x) for x in walks(s, st, q_seg, kv_seg))
   monkeypatch.setattr(mb, "_sched_walks", no_partial)
@@ -1262,7 +1262,7 @@ GPU_CASES = {
                                            causal=False, seg="random"),
     "d64_segments_window_soft_cap": dict(b=1, sq=1000, sk=1000, hq=2, hk=1, d=64, causal=True,
                                          seg="packed", window=(200, 0), soft_cap=5.0),
-    # block schedules (session 27): random tile selections walked by both kernels
+    # block schedules: random tile selections walked by both kernels
     "d128_sched_causal_128x64_gqa": dict(b=1, sq=2048, sk=2048, hq=4, hk=2, d=128, causal=True,
                                          sched=dict(block_q=128, block_k=64, keep=0.3)),
     "d64_sched_64x128_segments_ragged": dict(b=2, sq=1000, sk=1000, hq=2, hk=1, d=64,
@@ -1281,8 +1281,18 @@ def _skip_unless_sm90():
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
 
 
+# The default GPU run: per head dim, the table's tiles and ring depths, empty rows, each mask
+# branch (windows on either side, soft cap, segment walks) and block-schedule walks; the rest
+# of GPU_CASES is marked slow.
+GPU_FAST = ("d64_causal_gqa", "d128_causal_q_longer_empty_rows", "d128_left_window_fp16_d_lse",
+            "d64_two_sided_window_q_longer", "d128_window_soft_cap_3_stages",
+            "d128_segments_random_q_shorter", "d128_sched_causal_128x64_gqa",
+            "d64_sched_64x128_segments_ragged")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("name", [n if n in GPU_FAST else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in GPU_CASES])
 def test_gpu_matches_reference_vjp(name):
   """The compiled kernels on the reference's residuals vs jax.vjp of the fp32 reference."""
   _skip_unless_sm90()
@@ -1301,7 +1311,7 @@ def test_gpu_matches_reference_vjp(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_gpu_after_mosaic_forward(causal):
   """Forward by ``mosaic_gpu.flash_attention``, backward here on its out and LSE."""
   _skip_unless_sm90()

@@ -1,9 +1,10 @@
 """Block-sparse attention on the Hopper path: ``block_sparse_attention(implementation="mosaic_gpu")``.
 
-The Mosaic GPU forward walks the selection's block schedule (``mosaic_gpu._schedule_walk``: per
-program the union of its two 64-row warpgroups' kv lists, each entry run unmasked, masked or
-skipped per warpgroup); the backward walks the same schedule: the Mosaic GPU dK/dV and dQ kernels
-at head_dim 64/128 (``mosaic_gpu_bwd``, session 27), the Triton ones at head_dim 256.
+The Mosaic GPU forward walks the selection's block schedule
+(``mosaic_gpu_fwd_kernel.schedule_walk``: per program the union of its two 64-row warpgroups'
+kv lists, each entry run unmasked, masked or skipped per warpgroup); the backward walks the
+same schedule: the Mosaic GPU dK/dV and dQ kernels at head_dim 64/128 (``mosaic_gpu_bwd``), the
+Triton ones at head_dim 256.
 On the CPU (the kernel cannot be interpreted, see tests/test_flash_mosaic_gpu.py):
   * the walk against an independent element mask restricted to the selection (every tile a
     warpgroup needs is listed, tiles it runs unmasked are fully visible, nothing is listed twice,
@@ -35,7 +36,9 @@ from jax import lax
 from jattn import sparse as sp
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.common import walk as wk
 from pallas_kernels.flash import mosaic_gpu as mg
+from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
 from pallas_kernels.flash.reference import attention_reference
 from test_flash_mosaic_gpu import _replay_step
 
@@ -120,7 +123,7 @@ def _walk_of(q, k, q_seg, kv_seg, sel, causal):
                          schedule=jax.eval_shape(sched_of, sel, q_seg, kv_seg))
   sq_pad, sk_pad = st.num_q_programs * 2 * st.block_q, st.num_kv_tiles * st.block_k
   pad = lambda x, n: None if x is None else jnp.pad(x, ((0, 0), (0, n - x.shape[1])))
-  walk = _compiled(lambda sel, q_seg, kv_seg: mg._schedule_walk(
+  walk = _compiled(lambda sel, q_seg, kv_seg: fk.schedule_walk(
       sched_of(sel, q_seg, kv_seg), st, pad(q_seg, sq_pad), pad(kv_seg, sk_pad)),
       sel, q_seg, kv_seg)
   return st, np.asarray(walk)
@@ -144,7 +147,7 @@ def _case_walk(name):
 def _decode(row):
   n = int(row[0])
   e = row[1:1 + n]
-  return n, e >> mg._WALK_SHIFT, e & 3, (e >> 2) & 3
+  return n, e >> wk.WALK_SHIFT, e & 3, (e >> 2) & 3
 
 
 def _check_sched_walk(st, walk, sel, q_seg, kv_seg, *, tight):
@@ -211,11 +214,13 @@ def test_walk_check_can_fail():
 # ------------------------------------------------------------------ replay of the kernel's walk
 
 
-def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk=None):
-  """Stand-in for ``mg._fwd_call`` in schedule mode: a jnp replay of the kernel's walk of the
+def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None,
+                         walk_rows=None):
+  """Stand-in for ``fk.fwd_call`` in schedule mode: a jnp replay of the kernel's walk of the
   packed rows (entry order, per-warpgroup codes: skip / unmasked / masked step with the kernel's
   ``_tile_visible``, ``_cap_logits``, ``_online_softmax``, P cast to the input dtype,
   ``_finalize``), on the padded inputs, returning the padded shapes."""
+  walk = walk_rows
   assert st.has_sched and walk is not None and bounds is None
   b, sq_pad, hq, d = q_p.shape
   bq, n_prog = st.block_q, st.num_q_programs
@@ -236,14 +241,14 @@ def _replayed_sched_call(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None
 
     def body(j, carry):
       entry = wrow[1 + j]
-      t = entry >> mg._WALK_SHIFT
+      t = entry >> wk.WALK_SHIFT
       code = (entry >> (2 * wg)) & 3
       return lax.switch(code, [lambda c: c, lambda c: step(t, c, masked=False),
                                lambda c: step(t, c, masked=True)], carry)
 
-    carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), mg._M_INIT, jnp.float32),
+    carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), fk._M_INIT, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    return mg._finalize(*lax.fori_loop(0, wrow[0], body, carry))
+    return fk._finalize(*lax.fori_loop(0, wrow[0], body, carry))
 
   per_wg = jax.vmap(warpgroup, in_axes=(0, None, None, None, None, 0, 0, None))
   per_prog = jax.vmap(per_wg, in_axes=(0, None, None, 0, 0, None, 0, None))
@@ -292,7 +297,7 @@ def test_walk_and_replay_match_the_selection(name, monkeypatch):
       blocks = set(np.nonzero(tm[0, 0, p * 2 * st.block_q // sel.q_block_size])[0].tolist())
       assert set((t // r).tolist()) <= blocks
       assert n == 0 or all(any(r * j + i in t for i in range(r)) for j in blocks)
-  monkeypatch.setattr(mg, "_fwd_call", _replayed_sched_call)
+  monkeypatch.setattr(fk, "fwd_call", _replayed_sched_call)
   run = lambda q, k, v: sp.block_sparse_attention(
       q, k, v, sel, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg, return_lse=True,
       implementation="mosaic_gpu")
@@ -312,13 +317,14 @@ def test_walk_and_replay_match_the_selection(name, monkeypatch):
 def test_replay_check_can_fail(monkeypatch):
   """A walk whose codes are all "full" (no element mask: keys past the causal diagonal and of
   other documents leak in) fails the comparison."""
-  def unmasked(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk=None):
+  def unmasked(q_p, k_p, v_p, st, q_seg=None, kv_seg=None, bounds=None, walk_rows=None):
+    walk = walk_rows
     j = jnp.arange(walk.shape[-1])
     n = walk[..., :1]
     listed = (j >= 1) & (j <= n)
-    walk = jnp.where(listed, (walk >> mg._WALK_SHIFT << mg._WALK_SHIFT) | 5, walk)
+    walk = jnp.where(listed, (walk >> wk.WALK_SHIFT << wk.WALK_SHIFT) | 5, walk)
     return _replayed_sched_call(q_p, k_p, v_p, st, q_seg, kv_seg, bounds, walk)
-  monkeypatch.setattr(mg, "_fwd_call", unmasked)
+  monkeypatch.setattr(fk, "fwd_call", unmasked)
   q, k, v, q_seg, kv_seg, sel, causal = _case("q128_k64_segments_gqa")
   out = _compiled(lambda q, k, v: sp.block_sparse_attention(
       q, k, v, sel, causal=causal, segment_ids=q_seg, implementation="mosaic_gpu"), q, k, v)
@@ -339,7 +345,7 @@ def test_vjp_walks_the_selection_in_the_backward(name, backward, monkeypatch):
   from pallas_kernels.flash import mosaic_gpu_bwd as mb
   from pallas_kernels.flash import triton as ft
   from test_flash_mosaic_gpu_bwd import _replay_dkv_call, _replay_dq_call
-  monkeypatch.setattr(mg, "_fwd_call", _replayed_sched_call)
+  monkeypatch.setattr(fk, "fwd_call", _replayed_sched_call)
   tiles = []
   if backward == "mosaic":
     record = lambda replay: lambda *a: tiles.append(a[6].has_sched) or replay(*a)
@@ -392,8 +398,8 @@ LOWER_CASES = {
     "d128_q128_k64_gqa": dict(sq=1000, sk=1000, hq=4, hk=2, d=128, qbs=128, bs=64),
     "d64_q64_k128_segments_q_shorter": dict(sq=300, sk=500, hq=2, hk=1, d=64, qbs=64, bs=128,
                                             seg=True),
-    "d256_q256_k256_no_pingpong": dict(sq=640, sk=640, hq=2, hk=2, d=256, qbs=256, bs=256,
-                                       pingpong=False),
+    "d256_q256_k256_handoff_kwait": dict(sq=640, sk=640, hq=2, hk=2, d=256, qbs=256, bs=256,
+                                         protocol="handoff_kwait"),
 }
 
 
@@ -405,7 +411,7 @@ def test_kernel_with_schedule_lowers_for_cuda(name):
   b, sq, sk, hq, hk, d = 2, c["sq"], c["sk"], c["hq"], c["hk"], c["d"]
   base = mg.default_block_sizes(d)
   bs = mg.BlockSizes(base.block_q, min(base.block_k, c["bs"]), base.num_stages,
-                     pingpong=c.get("pingpong", True))
+                     protocol=c.get("protocol", "pingpong"))
   nq, nk = -(-sq // c["qbs"]), -(-sk // c["bs"])
   shapes = [jax.ShapeDtypeStruct((b, sq, hq, d), jnp.bfloat16),
             jax.ShapeDtypeStruct((b, sk, hk, d), jnp.bfloat16),
@@ -503,7 +509,7 @@ GPU_CASES = {
     # only).
     "d64_q256_k256_fp16": (1, 2048, 4, 1, 64, 256, 256, 2, False, jnp.float16),
     "d256_q128_k64_segments": (1, 1024, 2, 1, 256, 128, 64, 2, True, jnp.bfloat16),
-    # no segment ids: the H200's D256 causal entry (the overlap, session 19) on the walk
+    # no segment ids: the H200's D256 causal entry (the overlap) on the walk
     "d256_q128_k64": (1, 1024, 2, 1, 256, 128, 64, 2, False, jnp.bfloat16),
 }
 GPU_FORWARD_ONLY = ("d256_q128_k64_segments", "d256_q128_k64")
@@ -542,7 +548,7 @@ def test_mosaic_gpu_block_sizes_follow_the_mask_kind(monkeypatch):
                             (64, 256, 256, False), (256, 128, 64, False)]:
       sel = types.SimpleNamespace(q_block_size=qbs, block_size=bs)
       fwd, _ = sp.attention._mosaic_gpu_block_sizes(mg, sel, d, jnp.bfloat16, causal=True, segments=seg)
-      got[d, qbs, bs, seg] = (fwd.block_k, fwd.num_stages, fwd.overlap_softmax)
+      got[d, qbs, bs, seg] = (fwd.block_k, fwd.num_stages, fwd.protocol == "overlap")
   finally:
     mg._tuned_block_sizes.cache_clear()
   assert got == {(128, 128, 64, False): (64, 2, True), (128, 64, 64, True): (64, 2, True),
@@ -550,8 +556,17 @@ def test_mosaic_gpu_block_sizes_follow_the_mask_kind(monkeypatch):
                  (256, 128, 64, False): (64, 2, True)}
 
 
+# The default GPU run takes GPU_FAST; the other cases are marked slow.
+GPU_FAST = ("d128_q128_k64_segments_gqa", "d128_q64_k64_union_segments", "d64_q256_k256_fp16",
+            "d256_q128_k64_segments")
+
+
+def _fast_or_slow(names):
+  return [n if n in GPU_FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CASES))
+@pytest.mark.parametrize("name", _fast_or_slow(GPU_CASES))
 def test_gpu_block_sparse_mosaic_forward(name):
   """The compiled Mosaic GPU forward walking the selection vs the fp32 reference over it."""
   q, k, v, seg, sel, dtype = _gpu_case(name)
@@ -562,10 +577,10 @@ def test_gpu_block_sparse_mosaic_forward(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n for n in GPU_CASES if n not in GPU_FORWARD_ONLY])
+@pytest.mark.parametrize("name", _fast_or_slow(n for n in GPU_CASES if n not in GPU_FORWARD_ONLY))
 def test_gpu_block_sparse_mosaic_vjp(name):
   """Mosaic GPU forward + backward on the selection (at head_dim 64/128 the Mosaic GPU backward
-  walking the schedule's lists, session 27): the VJP of (out, lse) vs the fp32 reference's, and
+  walking the schedule's lists): the VJP of (out, lse) vs the fp32 reference's, and
   vs the "triton" implementation (same schedule, the Triton kernels)."""
   q, k, v, seg, sel, dtype = _gpu_case(name)
   rng = np.random.default_rng(5)
@@ -597,6 +612,7 @@ def test_gpu_block_sparse_mosaic_vjp(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_sparse_attention_ste_mosaic_matches_triton():
   """``sparse_attention(gate_grad="ste")``: same selection, forward and gradients (incl. the
   gate gradient through the scores) on the Hopper path as on the Triton path."""
@@ -616,17 +632,16 @@ def test_gpu_sparse_attention_ste_mosaic_matches_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["d128_q128_k64_segments_gqa", "d128_q128_k128_ragged",
-                                  "d128_q64_k64_union_segments"])
+@pytest.mark.parametrize("name", ["d128_q128_k128_ragged"] + [
+    pytest.param(n, marks=pytest.mark.slow)
+    for n in ("d128_q128_k64_segments_gqa", "d128_q64_k64_union_segments")])
 def test_gpu_block_sparse_mosaic_forward_overlap(name):
-  """``BlockSizes.overlap_softmax`` (FA3's intra-warpgroup overlap, session 18) on the walk of a
-  selection's schedule: the compiled forward vs the fp32 reference over the selection. The
-  overlap's walk (a pending P V carried across skipped entries) has only been lowered on the
-  CPU: `pytest -m gpu -k overlap tests/test_sparse_mosaic_gpu.py`."""
+  """The overlap protocol (FA3's intra-warpgroup overlap; a pending P V carried across skipped
+  entries) on the walk of a selection's schedule, whatever the device's table picks: the
+  compiled forward vs the fp32 reference over the selection."""
   q, k, v, seg, sel, dtype = _gpu_case(name)
   fwd_bs, bwd_bs = sp.attention._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype)
-  fwd_bs = dataclasses.replace(fwd_bs, overlap_softmax=True, pingpong_handoff=True,
-                               early_k_load=True, k_wait_in_pv=False, softmax_fence=False)
+  fwd_bs = dataclasses.replace(fwd_bs, protocol="overlap", q_tiles_per_program=1)
   s = q.shape[1]
   sched = make_schedule(s, s, sel.q_block_size, sel.block_size, causal=True,
                         q_segment_ids=seg, kv_segment_ids=seg, block_mask=sel.tile_mask(),

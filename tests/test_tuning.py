@@ -41,16 +41,15 @@ MOSAIC_BEFORE = {
     128: mg.BlockSizes(block_q=64, block_k=128, num_stages=2),
     256: mg.BlockSizes(block_q=64, block_k=64, num_stages=2),
 }
-# The H200 table's forward options on top of those tiles: the softmax fence at D128 (run 37),
-# tokamax's K-wait placement (k_wait_in_pv) and one-barrier ping-pong handoff (runs 43-45).
+# The H200 table's forward protocols on top of those tiles.
 H200_MOSAIC_OPTIONS = {
-    64: dict(k_wait_in_pv=True),
-    128: dict(softmax_fence=True, k_wait_in_pv=True, pingpong_handoff=True),
-    256: dict(k_wait_in_pv=True, pingpong_handoff=True),
+    64: dict(protocol="pingpong_kwait"),
+    128: dict(protocol="handoff_kwait_fence"),
+    256: dict(protocol="handoff_kwait"),
 }
-H200_MOSAIC_OVERLAP = dict(overlap_softmax=True, pingpong_handoff=True, early_k_load=True)
-# the H200's D64 dense and causal entries (runs 60-61): 256-key tiles, 3 stages
-H200_MOSAIC_D64_BK256 = dict(block_k=256, num_stages=3, k_wait_in_pv=True)
+H200_MOSAIC_OVERLAP = dict(protocol="overlap")
+# the H200's D64 dense and causal entries: 256-key tiles, 3 stages
+H200_MOSAIC_D64_BK256 = dict(block_k=256, num_stages=3, protocol="pingpong_kwait")
 MOSAIC_BWD_BEFORE = {
     64: mgb.BlockSizes(64, 64, 64, 128, num_stages_dkv=3, num_stages_dq=3),
     128: mgb.BlockSizes(64, 64, 64, 64, num_stages_dkv=2, num_stages_dq=2),
@@ -116,8 +115,8 @@ def test_table_choice_and_fallback():
   assert tuning.device_kind() is tuning.device_kind()  # cached
   assert tuning.entry("triton_fwd", 128, "16bit", mask="causal", device="cpu")["mask"] == "all"
   assert tuning.entry("triton_fwd", 512, "16bit", device="cpu") is None
-  assert tuning.entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["provenance"][
-      "run"].startswith("run 37 (fence), runs 43-44")
+  assert tuning.entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["params"][
+      "protocol"] == "handoff_kwait_fence"
 
 
 def test_mask_kind_and_mask_entries():
@@ -194,9 +193,7 @@ def test_flash_attention_asks_for_the_mask_kinds_tiles(monkeypatch):
         jattn.flash_attention(x, x, x, implementation="mosaic_gpu", **kw)
   finally:
     mg._tuned_block_sizes.cache_clear()
-  assert [(b.block_k, b.softmax_fence, b.k_wait_in_pv, b.overlap_softmax) for b in seen] == [
-      (128, False, False, True), (128, False, False, True), (128, False, False, True),
-      (128, False, False, True), (128, False, False, True)]
+  assert [(b.block_k, b.protocol) for b in seen] == [(128, "overlap")] * 5
 
 
 def test_tables_well_formed():

@@ -1,24 +1,5 @@
 """Flash attention backward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
 
-STATUS: the GPU tests pass on the H200 (runs 19-22, through ``BlockSizes(backward="mosaic")``
-of ``pallas_kernels.flash.mosaic_gpu`` and ``jattn.flash_attention(implementation="mosaic_gpu")``
-for dense/causal D64/128; runs 109-114, session 26: local windows, soft cap and segment ids,
-all 21 GPU cases of tests/test_flash_mosaic_gpu_bwd.py; runs 116-120, session 27: block
-schedules, its 3 schedule cases and jattn's block-sparse VJP cases); timed in run 25 (477
-TFLOP/s effective at D128 dense, the H200 table's ``mosaic_gpu_bwd`` entry), slower than
-cuDNN's backward there
-(docs/kernels.md). With masks it is jattn's default backward on Hopper (runs 109-113, fwd+bwd
-with the Mosaic forward, B2 S16K H16 D128 bf16: causal window 512 1.583 ms against 2.080 with
-the Triton backward and cuDNN's 1.712; packed 4 x 4K documents 4.558 against 5.790, cuDNN on
-the same documents as separate rows 4.258). What the CPU checks
-(tests/test_flash_mosaic_gpu_bwd.py; jax's Mosaic GPU interpret mode cannot run wgmma with
-transposed or register operands): both kernels lower for "cuda" (``jax.export``: the Pallas ->
-Mosaic GPU lowering, register layouts, wgmma/TMA constraints, the shared-memory budget); their
-tile walks match an independent element mask; their TMA ring barrier protocols, simulated with
-random warpgroup interleavings, neither deadlock nor refill a slot early; and a jnp replay of
-both kernels (same tiles, loop ranges, masks, padding, GQA walk, arithmetic helpers) through this
-module's wrapper matches ``jax.vjp`` of the fp32 reference.
-
 ``flash_attention_bwd(q, k, v, out, lse, do)`` takes the forward's residuals (``lse`` as
 ``mosaic_gpu.flash_attention`` and ``attention_reference`` return it: natural log, [B, Hq, Sq],
 -inf for rows that see no key) and returns (dq, dk, dv) in the input dtype. It is the standard
@@ -61,15 +42,12 @@ compute warpgroups sharing one ring, a warpgroup drains (waits, frees) the steps
 other one needs, as in the forward.
 
 Block schedules (``schedule=``, a ``block_schedule.BlockSchedule``, e.g. a top-K block
-selection's; session 27): each program walks a list instead of ranges (``_sched_walks``, built
-in XLA with the forward's ``mosaic_gpu._list_walk``): the dQ kernel its query tile's kv list,
-the dK/dV kernel its keys' transposed query list (once per query head of the GQA group), each
-entry carrying both warpgroups' codes (skip: drain the ring slot; full: unmasked; partial: the
-element mask of this call's causal / window bounds and segment ids). Kernel tiles lie inside
-schedule tiles (``fit_block_sizes``; the H200's D128 default is the table's "block_sparse"
-entry, 4 dK/dV stages, run 118). B1 S64K H16 D128 causal, 19% of the 128 x 64 tiles, fwd+bwd
-with the Mosaic forward on one schedule (run 120): 28.61 ms against 35.13 with the Triton
-backward; the whole ``sparse_attention`` call 29.97 ms against the dense default's 119.95 (4.00x).
+selection's): each program walks a list instead of ranges (``_sched_walks``, built in XLA with
+``pallas_kernels.common.walk``): the dQ kernel its query tile's kv list, the dK/dV kernel its
+keys' transposed query list (once per query head of the GQA group), each entry carrying both
+warpgroups' codes (skip: drain the ring slot; full: unmasked; partial: the element mask of this
+call's causal / window bounds and segment ids). Kernel tiles lie inside schedule tiles
+(``fit_block_sizes``; defaults from the table's "block_sparse" entry).
 
 Lengths are padded inside (a copy, only when not multiples of the tiles). head_dim 64 and 128;
 256 raises NotImplementedError: the dK and dV accumulators of a 64-key warpgroup tile would take
@@ -87,11 +65,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
-from pallas_kernels.flash.mosaic_gpu import _FULL, _SKIP, _WALK_SHIFT, _list_walk, _range_codes
+from pallas_kernels.common import walk
 
 
 LOG2E = math.log2(math.e)
-_COMPUTE_WGS = 2
+_COMPUTE_WGS = walk.WARPGROUPS
+# setmaxnreg: compute warpgroups 232 registers per thread, the memory warpgroup 40 (2 * 232 + 40
+# = 504, the CTA's launch allocation of 168 per thread x 3 warpgroups).
+_COMPUTE_REGISTERS = 232
+_MEMORY_REGISTERS = 40
 _SUPPORTED_HEAD_DIMS = (64, 128)
 
 
@@ -113,8 +95,6 @@ class BlockSizes:
     block_k_dq: keys per ring step of the dQ kernel (a multiple of 64).
     num_stages_dkv: Q/dO/lse/delta slots in the dK/dV kernel's TMA ring (>= 2).
     num_stages_dq: K/V slots in the dQ kernel's TMA ring (>= 2).
-    compute_registers: registers per thread requested for the compute warpgroups (the memory
-      warpgroup keeps 40).
 
   Example:
     >>> BlockSizes().keys_per_dkv_program
@@ -126,7 +106,6 @@ class BlockSizes:
   block_k_dq: int = 64
   num_stages_dkv: int = 2
   num_stages_dq: int = 2
-  compute_registers: int = 232
 
   def __post_init__(self):
     for name in ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
@@ -145,24 +124,8 @@ class BlockSizes:
   def rows_per_dq_program(self) -> int:
     return _COMPUTE_WGS * self.block_q_dq
 
-  def smem_bytes_dkv(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of the dK/dV kernel's buffers (own K/V tiles, the Q/dO ring, lse/delta rows;
-    the lowering adds barriers and alignment and rejects a kernel over 227 KiB)."""
-    own = 2 * _COMPUTE_WGS * self.block_k_dkv * head_dim * itemsize
-    ring = self.num_stages_dkv * (2 * self.block_q_dkv * head_dim * itemsize
-                                  + 2 * self.block_q_dkv * 4)
-    return own + ring
 
-  def smem_bytes_dq(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of the dQ kernel's buffers (own Q/dO tiles and lse/delta rows, K/V ring)."""
-    own = _COMPUTE_WGS * self.block_q_dq * (2 * head_dim * itemsize + 2 * 4)
-    ring = self.num_stages_dq * 2 * self.block_k_dq * head_dim * itemsize
-    return own + ring
-
-
-# Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_bwd", one JSON table per
-# device; see docs/kernels.md, "Tuning data"). Untuned starting points (GPU-tested in runs 17-22,
-# D128 timed only as the default in run 21; ``_sweep_bwd`` tries neighbours). D128: dK/dV ~129
+# Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_bwd"). D128: dK/dV ~129
 # KiB, dQ ~129 KiB of shared memory. Register budget of a dK/dV compute warpgroup at D128: dK + dV
 # accumulators 2 * 64 = 128 fp32 registers per thread, S^T/P^T and dP^T 32 each.
 @functools.lru_cache(maxsize=None)
@@ -177,8 +140,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | No
   """Default ``BlockSizes`` for a head dimension (64 or 128; bf16 or fp16) and mask kind.
 
   Read from the tuning table of the device (``pallas_kernels.tuning``): the entry for ``mask``
-  where one was measured (the H200's D64 causal window, run 110; its D128 block schedules, run
-  118), else the one for every mask.
+  where the table has one, else the one for every mask.
 
   Args:
     head_dim: the head dimension of q, k and v.
@@ -198,7 +160,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | No
     64
   """
   _check_dtype(dtype)
-  _check_head_dim(head_dim)
+  check_head_dim(head_dim)
   from pallas_kernels import tuning
   return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached
 
@@ -209,7 +171,12 @@ def _check_dtype(dtype):
                               f"float16 inputs, got {jnp.dtype(dtype)}")
 
 
-def _check_head_dim(d):
+def check_head_dim(d: int) -> None:
+  """NotImplementedError unless this backward supports head_dim ``d`` (64 or 128).
+
+  Example:
+    >>> check_head_dim(128)
+  """
   if d == 256:
     raise NotImplementedError(
         "the Mosaic GPU flash attention backward does not support head_dim 256: a 64-key dK/dV "
@@ -241,7 +208,7 @@ class _Static:
   soft_cap: float | None = None     # logits = cap * tanh(scale * s / cap)
   has_seg: bool = False             # segment ids: ranges per (batch, program) from ``_seg_bounds``
   # Block schedule: each program walks its row of a list from ``_sched_walks`` (entries of
-  # ``mosaic_gpu._list_walk``) instead of ranges; its tiles are multiples of the kernels'.
+  # ``walk.list_walk``) instead of ranges; its tiles are multiples of the kernels'.
   has_sched: bool = False
 
   @property
@@ -299,14 +266,14 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
   from pallas_kernels.masks import normalize_window
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
-  _check_head_dim(d)
+  check_head_dim(d)
   window = normalize_window(local_window_size)
   if window == (None, None):
     window = None
   bs = block_sizes or call_block_sizes(d, dtype, causal=causal, window=window, has_seg=has_seg,
                                        schedule=schedule)
   if schedule is not None:
-    _check_schedule(schedule, q_shape, k_shape, bs)
+    check_schedule(schedule, q_shape, k_shape, bs)
   if sq < 1 or sk < 1:
     raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
@@ -369,10 +336,16 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
       block_q_dq=math.gcd(bs.block_q_dq, sbq), block_k_dq=math.gcd(bs.block_k_dq, sbk))
 
 
-def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes):
+def check_schedule(schedule, q_shape, k_shape, bs: BlockSizes) -> None:
   """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``: a
   ``BlockSchedule`` for the inputs' lengths, leading axes [1|B, 1|Hk], tiles that are multiples
-  of the kernels' along each axis."""
+  of the kernels' along each axis.
+
+  Example:
+    >>> from pallas_kernels.block_schedule import make_schedule
+    >>> check_schedule(make_schedule(256, 256, 128, 64), (1, 256, 2, 64), (1, 256, 2, 64),
+    ...                BlockSizes())
+  """
   from pallas_kernels.block_schedule import check_schedule_args
   check_schedule_args(schedule, q_shape, k_shape)
   bad = [f"{name}={tile} does not divide the schedule's {what}={s}"
@@ -464,15 +437,6 @@ def _dkv_q_bounds(k0, st: _Static):
   return first, full_lo, jnp.clip(full_hi, full_lo, last), last
 
 
-def _dkv_q_range(k0, st: _Static):
-  """(first, full) of ``_dkv_q_bounds`` for masks without a window's left bound (the fused
-  backward's walk): query tiles [full, num_q_tiles_dkv) run unmasked."""
-  if st.lo_reach is not None:
-    raise NotImplementedError("_dkv_q_range: a window's left bound needs _dkv_q_bounds")
-  first, full_lo, _, _ = _dkv_q_bounds(k0, st)
-  return first, full_lo
-
-
 def _dkv_visible(rows, cols, k0, i, st: _Static):
   """dK/dV element mask of query tile ``i`` for the keys from ``k0``, on the transposed [bk, bq]
   tile (rows = keys, cols = queries): the window's / causal bounds."""
@@ -495,84 +459,30 @@ def _both(a, b):
   return b if a is None else a if b is None else jnp.logical_and(a, b)
 
 
-def _tile_ranges(visit, full):
-  """(lo, flo, fhi, hi) int32 per row of bool tile masks [..., n]: [lo, hi) from the first to
-  the last visited tile (lo = hi = n when none), [flo, fhi) the first run of full tiles inside
-  it (flo = fhi = hi when none). Tiles in [lo, hi) outside [flo, fhi) are walked masked."""
-  n = visit.shape[-1]
-  t = jnp.arange(n, dtype=jnp.int32)
-  any_visit = visit.any(-1)
-  lo = jnp.where(any_visit, jnp.argmax(visit, -1), n).astype(jnp.int32)
-  hi = jnp.where(any_visit, n - jnp.argmax(visit[..., ::-1], -1), n).astype(jnp.int32)
-  any_full = full.any(-1)
-  flo = jnp.where(any_full, jnp.argmax(full, -1), hi).astype(jnp.int32)
-  after = (~full) & (t >= flo[..., None])
-  fhi = jnp.where(after.any(-1), jnp.argmax(after, -1), n).astype(jnp.int32)
-  fhi = jnp.where(any_full, jnp.minimum(fhi, hi), flo)
-  return lo, flo, fhi, hi
-
-
-def _program_bounds(lo, flo, fhi, hi):
-  """Rows [plo, phi, (lo, flo, fhi, hi) per compute warpgroup] from per-warpgroup ranges
-  [B, programs * 2]: the program walks [plo, phi), the union; a warpgroup's ranges are clipped
-  into it (an empty one becomes an empty range inside it, drained). int32 [B, programs, 10]."""
-  b = lo.shape[0]
-  shape = (b, lo.shape[1] // _COMPUTE_WGS, _COMPUTE_WGS)
-  lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))
-  empty = lo >= hi
-  plo = jnp.min(jnp.where(empty, jnp.iinfo(jnp.int32).max, lo), -1)
-  phi = jnp.max(jnp.where(empty, 0, hi), -1)
-  plo = jnp.where(phi > 0, plo, 0)                        # no warpgroup sees anything: [0, 0)
-  phi = jnp.maximum(phi, plo)
-  lo = jnp.where(empty, plo[..., None], jnp.clip(lo, plo[..., None], phi[..., None]))
-  hi = jnp.where(empty, lo, jnp.clip(hi, lo, phi[..., None]))
-  flo = jnp.clip(flo, lo, hi)
-  fhi = jnp.clip(fhi, flo, hi)
-  wgs = jnp.stack([lo, flo, fhi, hi], -1).reshape(b, shape[1], 4 * _COMPUTE_WGS)
-  return jnp.concatenate([plo[..., None], phi[..., None], wgs], -1).astype(jnp.int32)
-
-
 def _seg_bounds(q_seg, kv_seg, st: _Static):
   """Per-(batch, program) walks of both kernels with segment ids: (dq_bounds, dkv_bounds), int32
-  [B, programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` (see
-  ``_program_bounds``): for the dQ kernel kv tiles per query program, for the dK/dV kernel
-  query tiles per kv program. A tile pair is visited when the static mask (``_dq_kv_range`` /
-  ``_dkv_q_bounds``) and the tiles' segment ids (``block_schedule``'s per-tile min/max nonzero
-  id: a superset of the pairs with a visible element) allow it, and runs unmasked when it is
-  statically full and both tiles hold one and the same nonzero id everywhere.
+  [B, programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of
+  ``walk.segment_bounds``: for the dQ kernel kv tiles per query program (static ranges
+  ``_dq_kv_range``), for the dK/dV kernel query tiles per kv program (``_dkv_q_bounds``).
 
   q_seg: int32 [B, Sq'], kv_seg [B, Sk'], padded with 0 (which sees nothing)."""
   bs = st.bs
   # dQ kernel: query tiles of block_q_dq rows x kv tiles of block_k_dq keys
   n_q = st.num_dq_programs * _COMPUTE_WGS
-  dq_bounds = _seg_walk(q_seg, bs.block_q_dq, n_q, kv_seg, bs.block_k_dq, st.num_kv_tiles_dq,
-                        _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
+  dq_bounds = walk.segment_bounds(
+      q_seg, bs.block_q_dq, n_q, kv_seg, bs.block_k_dq, st.num_kv_tiles_dq,
+      _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
   # dK/dV kernel: kv tiles of block_k_dkv keys x query tiles of block_q_dkv rows
   n_k = st.num_dkv_programs * _COMPUTE_WGS
-  dkv_bounds = _seg_walk(kv_seg, bs.block_k_dkv, n_k, q_seg, bs.block_q_dkv, st.num_q_tiles_dkv,
-                         _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
+  dkv_bounds = walk.segment_bounds(
+      kv_seg, bs.block_k_dkv, n_k, q_seg, bs.block_q_dkv, st.num_q_tiles_dkv,
+      _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
   return dq_bounds, dkv_bounds
-
-
-def _seg_walk(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, static):
-  """``_program_bounds`` rows of one kernel: its warpgroup tiles (``n_own`` tiles of
-  ``own_block`` along ``own_seg``) walk tiles of ``walk_block`` along ``walk_seg`` (``n_walk``
-  of them); ``static`` = the warpgroup tiles' (lo, flo, fhi, hi) under the static mask."""
-  from pallas_kernels.block_schedule import _segment_tile_classes, _segment_tile_pairs
-  oc = [x[:, :n_own, None] for x in _segment_tile_classes(own_seg, own_seg.shape[1], own_block)]
-  wc = [x[:, None, :n_walk]
-        for x in _segment_tile_classes(walk_seg, walk_seg.shape[1], walk_block)]
-  seg_any, seg_all = _segment_tile_pairs(oc, wc)                     # [B, n_own, n_walk]
-  lo, flo, fhi, hi = (jnp.broadcast_to(x, (n_own,))[:, None] for x in static)
-  t = jnp.arange(n_walk, dtype=jnp.int32)
-  visit = seg_any & ((t >= lo) & (t < hi))[None]
-  full = visit & seg_all & ((t >= flo) & (t < fhi))[None]
-  return _program_bounds(*_tile_ranges(visit, full))
 
 
 def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
   """Both kernels' walks of a block schedule: (dq_walk, dkv_walk), int32 [B', Hs, programs, 1 +
-  W] rows ``[count, entry_0, ...]`` (``mosaic_gpu._list_walk``: entry = tile << 4 | code of
+  W] rows ``[count, entry_0, ...]`` (``walk.list_walk``: entry = tile << 4 | code of
   warpgroup 0 | code of warpgroup 1 << 2, codes skip / full / partial; B' = B with segment ids
   or a per-batch schedule, else 1; Hs = the schedule's head axis, 1 or Hk).
 
@@ -585,19 +495,19 @@ def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
   q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 (which sees nothing)."""
   bs = st.bs
 
-  def walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_programs, n_walk, ranges, own_seg,
+  def rows(idx, cnt, s_own, s_walk, own_block, walk_block, n_programs, n_walk, ranges, own_seg,
            walk_seg):
     n_own = n_programs * _COMPUTE_WGS
     static = [jnp.broadcast_to(x, (n_own,))
               for x in ranges(jnp.arange(n_own, dtype=jnp.int32) * own_block, st)]
-    return _list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk,
-                      lambda t, ok: _range_codes(t, ok, static, own_seg, own_block, walk_seg,
-                                                 walk_block))
+    return walk.list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk,
+                          lambda t, ok: walk.range_codes(t, ok, static, own_seg, own_block,
+                                                         walk_seg, walk_block))
 
-  dq_walk = walk(schedule.kv_indices, schedule.kv_counts, schedule.block_q, schedule.block_k,
+  dq_walk = rows(schedule.kv_indices, schedule.kv_counts, schedule.block_q, schedule.block_k,
                  bs.block_q_dq, bs.block_k_dq, st.num_dq_programs, st.num_kv_tiles_dq,
                  _dq_kv_range, q_seg, kv_seg)
-  dkv_walk = walk(schedule.q_indices, schedule.q_counts, schedule.block_k, schedule.block_q,
+  dkv_walk = rows(schedule.q_indices, schedule.q_counts, schedule.block_k, schedule.block_q,
                   bs.block_k_dkv, bs.block_q_dkv, st.num_dkv_programs, st.num_q_tiles_dkv,
                   _dkv_q_bounds, kv_seg, q_seg)
   return dq_walk, dkv_walk
@@ -644,9 +554,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
   """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM), with
   segment ids also q_seg [B, Sq'], kv_seg [B, Sk'] int32 and bounds [B, programs, 10] (the
   dK/dV rows of ``_seg_bounds``); with a block schedule the dK/dV walk [B', Hs, programs, 1 +
-  W] of ``_sched_walks`` instead of the bounds -> dk/dv [B, Sk', Hk, D]. Scratch: smem = (k_own [2, bk, D],
-  v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S, bq][, kv_seg_own [2,
-  bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
+  W] of ``_sched_walks`` instead of the bounds -> dk/dv [B, Sk', Hk, D]. Scratch: smem =
+  (k_own [2, bk, D], v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S,
+  bq][, kv_seg_own [2, bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
   2 arrivals with segment ids, Q and its ids), free [S] (2 arrivals)[, own kv ids loaded [2]]."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
@@ -668,8 +578,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
   k0_program = prog * (_COMPUTE_WGS * bk)
   if st.has_sched:   # this program's list of query tiles, shared by the group's query heads
     walk_row = (b if walk_ref.shape[0] > 1 else 0, kv_h if walk_ref.shape[1] > 1 else 0, prog)
-    walk_tile = lambda j: lax.shift_right_logical(walk_ref[walk_row + (1 + j,)],
-                                                  jnp.int32(_WALK_SHIFT))
+    walk_tile = lambda j: walk.entry_tile(walk_ref[walk_row + (1 + j,)])
     first_program, last_program = jnp.int32(0), walk_ref[walk_row + (0,)]
   elif st.has_seg:
     first_program, last_program = bounds_ref[b, prog, 0], bounds_ref[b, prog, 1]
@@ -683,7 +592,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(st.bs.compute_registers, action="increase")
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     k0 = k0_program + wg * bk
     kt, vt = k_own.at[wg], v_own.at[wg]                   # [bk, D]
     plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(k0, bk), kv_h], kt, own_loaded.at[2 * wg])
@@ -764,13 +673,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     def walk_head(g, carry):   # the list's entries in order: drain, unmasked or masked step
       def walk_step(j, carry):
         entry = walk_ref[walk_row + (1 + j,)]
-        i = lax.shift_right_logical(entry, jnp.int32(_WALK_SHIFT))
-        code = lax.bitwise_and(lax.shift_right_logical(entry, 2 * wg), jnp.int32(3))
+        i, code = walk.entry_tile(entry), walk.entry_code(entry, wg)
         slot = slot_of(g * per_head + j)
-        run = lambda c: lax.cond(code == _FULL,
+        run = lambda c: lax.cond(code == walk.FULL,
                                  functools.partial(step_at, slot, i, masked=False),
                                  functools.partial(step_at, slot, i, masked=True), c)
-        return lax.cond(code == _SKIP, functools.partial(drain_at, slot), run, carry)
+        return lax.cond(code == walk.SKIP, functools.partial(drain_at, slot), run, carry)
       return lax.fori_loop(jnp.int32(0), per_head, walk_step, carry)
 
     def head(g, carry):
@@ -796,7 +704,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
     def load(j, slot):
       g = lax.div(j, jnp.maximum(per_head, 1))
@@ -884,7 +792,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
   D], v [S, bk, D][, q_seg_own [2, bq], kv_seg [S, bk]]); barriers own_loaded [2 wgs x (q, do,
   lse, delta)], k/v_loaded [S] (k: 2 arrivals with segment ids, K and its ids), free [S] (2
   arrivals)[, own q ids loaded [2]]. A barrier that two TMA copies complete needs 2 arrivals:
-  with 1 the first copy ends the phase (session 26's first GPU try: a launch failure)."""
+  with 1 the first copy ends the phase."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
     q_seg_ref, kv_seg_ref, *refs = refs
@@ -919,7 +827,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    plgpu.set_max_registers(st.bs.compute_registers, action="increase")
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
     row0 = row0_program + wg * bq
     rows_ds = pl.ds(row0, bq)
     qt, dot = q_own.at[wg], do_own.at[wg]                 # [bq, D]
@@ -990,12 +898,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
 
     def walk_step(j, dq):   # the list's entry j: drain, unmasked or masked step
       entry = walk_entry(j)
-      t = lax.shift_right_logical(entry, jnp.int32(_WALK_SHIFT))
-      code = lax.bitwise_and(lax.shift_right_logical(entry, 2 * wg), jnp.int32(3))
+      t, code = walk.entry_tile(entry), walk.entry_code(entry, wg)
       slot = slot_of(j)
-      run = lambda c: lax.cond(code == _FULL, functools.partial(step_at, slot, t, masked=False),
+      run = lambda c: lax.cond(code == walk.FULL, functools.partial(step_at, slot, t, masked=False),
                                functools.partial(step_at, slot, t, masked=True), c)
-      return lax.cond(code == _SKIP, functools.partial(drain_at, slot), run, dq)
+      return lax.cond(code == walk.SKIP, functools.partial(drain_at, slot), run, dq)
 
     if st.has_sched:
       dq = lax.fori_loop(jnp.int32(0), program_steps, walk_step, dq)
@@ -1013,7 +920,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
 
   @pl.when(wg == _COMPUTE_WGS)
   def _memory():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
     def load(t, slot):
       rows = (b, pl.ds(t * bk, bk), kv_h)
@@ -1026,7 +933,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     n = program_steps - program_start                     # ring entries: kv tile start + e
     tile_at = lambda e: program_start + e                 # (a schedule: the list's entry e)
     if st.has_sched:
-      tile_at = lambda e: lax.shift_right_logical(walk_entry(e), jnp.int32(_WALK_SHIFT))
+      tile_at = lambda e: walk.entry_tile(walk_entry(e))
     for e in range(stages):
       @pl.when(e < n)
       def _():
@@ -1148,17 +1055,6 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     >>> from pallas_kernels.flash import mosaic_gpu
     >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True)  # doctest: +SKIP
     >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True)  # doctest: +SKIP
-    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True, local_window_size=(511, 0),
-    ...                                       logits_soft_cap=30.0)  # doctest: +SKIP
-    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True,
-    ...                                  local_window_size=(511, 0),
-    ...                                  logits_soft_cap=30.0)  # doctest: +SKIP
-    >>> from pallas_kernels.block_schedule import make_schedule
-    >>> keep = jnp.tril(jnp.ones((8, 16), bool))[None, None]    # [1|B, 1|Hk, 8, 16] tiles
-    >>> s = make_schedule(1024, 1024, 128, 64, causal=True, block_mask=keep)
-    >>> out, lse = mosaic_gpu.flash_attention(q, q, q, schedule=s, causal=True)  # doctest: +SKIP
-    >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True,
-    ...                                  schedule=s)  # doctest: +SKIP
   """
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
@@ -1214,149 +1110,3 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
   dk, dv = _dkv_call(q_p, k_p, v_p, do_p, lse2, delta, st, seg_dkv)
   dq = _dq_call(q_p, k_p, v_p, do_p, lse2, delta, st, seg_dq)
   return dq[:, :sq], dk[:, :st.kv_len], dv[:, :st.kv_len]
-
-
-# ----------------------------------------------------------------------------------------------
-# GPU benchmark helper (one process: this backward, the Triton backward and jax.nn's cuDNN)
-# ----------------------------------------------------------------------------------------------
-
-
-def _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, *, causal, dtype, iters):
-  """What the backward sweeps share (GPU only): random inputs, FLOP counts, jax.nn cuDNN's
-  forward and forward + backward (rows ``cudnn_fwd``, ``cudnn_fwd_bwd``, ``cudnn_bwd_est``, and
-  its gradients as the reference of ``diff``), and the Mosaic forward's residuals.
-
-  Args:
-    batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
-    causal: causal mask.
-    dtype: bf16 or fp16.
-    iters: calls per timed loop (``pallas_kernels._timing.time_fn``; None: enough for 0.25 s).
-
-  Returns:
-    A namespace: q, k, v, do, out, lse (the first of 3 distinct random input sets, with the
-    Mosaic forward's residuals), fwd_flops, bwd_flops (5 matmuls: 2.5x the forward), timeit
-    (``fn, *names -> (result on the first set, median ms)``: ``fn`` jitted and timed as
-    ``experiments/bench_kernels.py`` times, rotating the 3 sets, called with the named arrays of
-    each, e.g. ``timeit(f, "q", "k", "v", "out", "lse", "do")``), rows (the three cuDNN rows) and
-    diff (``grads -> max |d - d_cudnn|`` over dq, dk, dv).
-
-  Example:
-    >>> b = _sweep_baseline(2, 16384, 16, 16, 128, causal=True, dtype=jnp.bfloat16,
-    ...                     iters=None)  # doctest: +SKIP
-  """
-  import types
-  from pallas_kernels._timing import random_sets, timed
-  from pallas_kernels.flash import mosaic_gpu as mg
-
-  qs, kvs = (batch, seq, q_heads, head_dim), (batch, seq, kv_heads, head_dim)
-  sets = [dict(zip(("q", "k", "v", "do"), s)) for s in random_sets([qs, kvs, kvs, qs], dtype)]
-  fwd = jax.jit(functools.partial(mg.flash_attention, causal=causal))
-  for s in sets:   # the backwards' residuals, computed once outside the timings
-    s["out"], s["lse"] = jax.block_until_ready(fwd(s["q"], s["k"], s["v"]))
-
-  def timeit(fn, *names):
-    return timed(jax.jit(fn), [tuple(s[n] for n in names) for s in sets], iters=iters)
-
-  pairs = seq * (seq + 1) // 2 if causal else seq * seq
-  fwd_flops = 4.0 * batch * q_heads * head_dim * pairs
-  bwd_flops = 2.5 * fwd_flops
-
-  cudnn = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                            implementation="cudnn")
-
-  def cudnn_fwd_bwd(q, k, v, do):
-    _, vjp = jax.vjp(cudnn, q, k, v)
-    return vjp(do)
-
-  _, fwd_ms = timeit(cudnn, "q", "k", "v")
-  ref, fb_ms = timeit(cudnn_fwd_bwd, "q", "k", "v", "do")
-  rows = [dict(name="cudnn_fwd", ms=fwd_ms, tflops=fwd_flops / fwd_ms * 1e-9),
-          dict(name="cudnn_fwd_bwd", ms=fb_ms, tflops=(fwd_flops + bwd_flops) / fb_ms * 1e-9),
-          dict(name="cudnn_bwd_est", ms=fb_ms - fwd_ms,
-               tflops=bwd_flops / max(fb_ms - fwd_ms, 1e-9) * 1e-9)]
-
-  def diff(grads):
-    return max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32))))
-               for g, r in zip(grads, ref))
-
-  return types.SimpleNamespace(**sets[0], fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-                               timeit=timeit, rows=rows, diff=diff)
-
-
-def _sweep_bwd(batch: int = 2, seq: int = 16384, q_heads: int = 16, kv_heads: int = 16,
-               head_dim: int = 128, *, causal: bool = False, dtype=jnp.bfloat16, configs=None,
-               iters: int | None = None, verbose: bool = True):
-  """Time this backward per config against jax.nn's cuDNN forward + backward (GPU only).
-
-  Rows: ``cudnn_fwd`` and ``cudnn_fwd_bwd`` (jax.nn.dot_product_attention(implementation=
-  "cudnn") and its VJP), ``cudnn_bwd_est`` (their difference), ``triton_bwd`` (the backward the
-  Mosaic forward's custom_vjp uses today, on the same residuals), then per config
-  ``mosaic_bwd`` (this backward alone, on residuals of ``mosaic_gpu.flash_attention`` computed
-  once outside the timing) and ``mosaic_fwd_bwd`` (Mosaic forward + this backward, to compare
-  with ``cudnn_fwd_bwd``), all timed by ``_sweep_baseline``'s timer (that of
-  ``experiments/bench_kernels.py``, over 3 random input sets). TFLOP/s counts 4 * B * Hq * D * pairs for a forward and 10 * ... for a
-  backward (5 matmuls; S is recomputed); pairs = S^2, or S(S+1)/2 causal. Each mosaic row
-  reports max |d - d_cudnn| of dq, dk, dv.
-
-  Args:
-    batch, seq, q_heads, kv_heads, head_dim: problem size (self-attention).
-    causal: causal mask.
-    dtype: bf16 or fp16.
-    configs: list of ``BlockSizes`` (default: the default and a few neighbours).
-    iters: calls per timed loop (``pallas_kernels._timing.time_fn``; None: enough for 0.25 s).
-    verbose: print one line per row.
-
-  Returns:
-    A list of dicts: name, ms, tflops, max_abs_diff_vs_cudnn (or error).
-
-  Example:
-    >>> rows = _sweep_bwd(causal=True)  # doctest: +SKIP
-  """
-  from pallas_kernels.flash import mosaic_gpu as mg
-
-  if configs is None:
-    base = default_block_sizes(head_dim, dtype)
-    configs = [base,
-               dataclasses.replace(base, num_stages_dkv=base.num_stages_dkv + 1),
-               dataclasses.replace(base, num_stages_dq=base.num_stages_dq + 1),
-               dataclasses.replace(base, block_k_dq=64 if base.block_k_dq == 128 else 128)]
-    if head_dim == 64:   # at D128 these would need > 232 registers per thread (spills)
-      configs += [dataclasses.replace(base, block_q_dkv=128),
-                  dataclasses.replace(base, block_k_dkv=128),
-                  dataclasses.replace(base, block_q_dq=128, num_stages_dq=2)]
-  b = _sweep_baseline(batch, seq, q_heads, kv_heads, head_dim, causal=causal, dtype=dtype,
-                      iters=iters)
-  fwd_flops, bwd_flops, timeit, rows, diff = b.fwd_flops, b.bwd_flops, b.timeit, b.rows, b.diff
-  residuals = ("q", "k", "v", "out", "lse", "do")
-  try:
-    from pallas_kernels.flash import triton as flash_triton
-    scale = head_dim ** -0.5
-    grads, ms = timeit(lambda q, k, v, o, l, do: flash_triton.flash_attention_bwd(
-        q, k, v, o, l, do, jnp.zeros_like(l), causal=causal, scale=scale), *residuals)
-    rows.append(dict(name="triton_bwd", ms=ms, tflops=bwd_flops / ms * 1e-9,
-                     max_abs_diff_vs_cudnn=diff(grads)))
-  except Exception as e:  # reported, not fatal
-    rows.append(dict(name="triton_bwd", error=f"{type(e).__name__}: {str(e)[:300]}"))
-
-  for cfg in configs:
-    for name in ("mosaic_bwd", "mosaic_fwd_bwd"):
-      row = dict(name=f"{name} {cfg}")
-      try:
-        if name == "mosaic_bwd":
-          grads, ms = timeit(lambda q, k, v, o, l, do, cfg=cfg: flash_attention_bwd(
-              q, k, v, o, l, do, causal=causal, block_sizes=cfg), *residuals)
-          flops = bwd_flops
-        else:
-          def fwd_bwd(q, k, v, do, cfg=cfg):
-            o, l = mg.flash_attention(q, k, v, causal=causal)
-            return flash_attention_bwd(q, k, v, o, l, do, causal=causal, block_sizes=cfg)
-          grads, ms = timeit(fwd_bwd, "q", "k", "v", "do")
-          flops = fwd_flops + bwd_flops
-        row.update(ms=ms, tflops=flops / ms * 1e-9, max_abs_diff_vs_cudnn=diff(grads))
-      except Exception as e:  # a config that does not compile is reported, not fatal
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      rows.append(row)
-  if verbose:
-    for row in rows:
-      print(row, flush=True)
-  return rows

@@ -171,11 +171,11 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
     The entry (a dict with kernel, head_dim, dtype, mask, params, provenance), or None.
 
   Example:
-    >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["params"]["k_wait_in_pv"]
-    True
+    >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["params"]["protocol"]
+    'handoff_kwait_fence'
     >>> entry("mosaic_gpu_fwd", 128, "16bit", mask="causal", device="NVIDIA H200")["params"][
-    ...     "overlap_softmax"]
-    True
+    ...     "protocol"]
+    'overlap'
   """
   table = _merged(table_file(device))
   for m in (mask, "all"):

@@ -1,0 +1,1085 @@
+"""The Hopper (sm90) flash attention forward kernel in Pallas Mosaic GPU: TMA, wgmma, warp
+specialisation (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``).
+
+``pallas_kernels.flash.mosaic_gpu`` holds the block sizes, the wrapper and the custom_vjp; this
+module holds the kernel (``fwd_call``), its static configuration (``KernelConfig``) and the jnp
+tile arithmetic that the kernel uses and the CPU tests replay.
+
+One program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three
+warpgroups:
+
+  * warpgroups 0 and 1 (compute) each own ``block_q`` query rows. Each loads its Q tile once by
+    TMA, then per kv tile: S = Q K^T by wgmma into fp32 registers, an online softmax in the
+    base-2 domain (scale * log2(e) folded into one multiply), O += P V by wgmma with P (in the
+    input dtype) from registers. Only the tiles that need it (causal diagonal, window edges,
+    padded keys, segment boundaries) build an element mask.
+  * warpgroup 2 (memory) streams K and V tiles into a ring of ``num_stages`` shared-memory slots
+    by TMA. Each slot has a "loaded" barrier per operand and a "free" barrier per operand that
+    both compute warpgroups arrive on once their wgmma has read it.
+
+The two compute warpgroups ping-pong on the tensor cores: one's softmax runs while the other's
+matrix multiplies do. ``PROTOCOLS`` names the barrier protocols (``BlockSizes.protocol``). Both
+warpgroups walk the program's whole kv range: tiles outside a warpgroup's own range are drained
+(wait loaded, arrive free, keep the ping-pong turns) without computing.
+
+Masks: causal and windows align bottom-right (query i sits at kv position kv_len - q_len + i;
+window (left, right): keys in [pos - left, pos + right]). Each warpgroup walks the kv tiles
+[lo, hi) its rows may see, masked on the edges [lo, flo) and [fhi, hi) and unmasked on
+[flo, fhi); the program's range [plo, phi) is the union of its two warpgroups' ranges and the
+memory warpgroup loads exactly those tiles. For causal and windows the ranges are scalar
+arithmetic on the program index (``_static_ranges``); with segment ids they come from per-tile
+min/max nonzero ids (``seg_bounds``, in XLA) read from GMEM, so a query tile inside one document
+never walks another document's tiles. The segment ids of the Q tile and of each K tile travel by
+TMA with them. The soft cap is cap * tanh(scale * s / cap) on every tile before the mask. A query
+row that sees no key returns output 0 and log-sum-exp -inf.
+
+Block schedules: ``schedule_walk`` (XLA) turns a ``BlockSchedule`` into one walk row per
+(batch, kv head, program) (``pallas_kernels.common.walk``); tiles outside it are never loaded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from pallas_kernels import compat
+from pallas_kernels.common import walk
+
+__all__ = ["COMPUTE_WGS", "KernelConfig", "PROTOCOLS", "Protocol", "fwd_call", "schedule_walk",
+           "seg_bounds"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# Initial running max: finite, so that a row with nothing visible yet gives exp2(m - m) = 1
+# instead of exp2(-inf + inf) = NaN; any real base-2 logit is far above it.
+_M_INIT = -1e30
+COMPUTE_WGS = walk.WARPGROUPS
+# setmaxnreg: the compute warpgroups take registers from the memory warpgroup (2 * 232 + 40 =
+# 504 = 168 per thread x 3 warpgroups, the CTA's launch allocation).
+_COMPUTE_REGISTERS = 232
+_MEMORY_REGISTERS = 40
+
+
+class Protocol(typing.NamedTuple):
+  """How the compute warpgroups share the tensor cores and the ring (``PROTOCOLS``).
+
+  Attributes:
+    handoff: hand the tensor cores over instead of meeting: each compute warpgroup has its own
+      barrier; after issuing Q K^T a warpgroup arrives on the other's, before P V it waits on
+      its own (one wait per kv tile, as tokamax's sm90 kernel and FlashAttention-3). Off: one
+      shared barrier that both arrive on and wait for twice per kv tile (after Q K^T, before
+      P V).
+    k_wait: wait for the next ring entry's K while the P V wgmma runs (after issuing it),
+      instead of at the start of the next step.
+    fence: an optimization barrier on (acc, m, l, p) at the end of each tile's softmax, so that
+      no softmax work is scheduled into the other warpgroup's wgmma window.
+    overlap: FlashAttention-3's intra-warpgroup overlap: issue Q K^T of tile t and P V of tile
+      t - 1 back to back, wait only for Q K^T (``wgmma_accumulator_load(wait_n=1)``) and run
+      tile t's softmax while P V(t - 1) is on the tensor cores (two accumulators and two P tiles
+      live). Needs ``handoff`` (one turn per kv tile: wait own barrier, issue both wgmmas,
+      arrive on the other's, ``_turn_skips``).
+    early_k: the memory warpgroup refills a slot's K as soon as both compute warpgroups have
+      released that K (after Q K^T), then waits for the V release and refills V; off, it waits
+      for both releases before issuing either copy.
+  """
+  handoff: bool = False
+  k_wait: bool = False
+  fence: bool = False
+  overlap: bool = False
+  early_k: bool = False
+
+
+# The protocols the tuning tables use (``BlockSizes.protocol``).
+PROTOCOLS = {
+    "pingpong": Protocol(),
+    "pingpong_kwait": Protocol(k_wait=True),
+    "handoff_kwait": Protocol(handoff=True, k_wait=True),
+    "handoff_kwait_fence": Protocol(handoff=True, k_wait=True, fence=True),
+    "overlap": Protocol(handoff=True, overlap=True, early_k=True),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Static configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Everything static about one forward call (built by ``mosaic_gpu._static_config``; the
+  custom_vjp's non-differentiable argument, so it also names the backward)."""
+  block_q: int         # rows per compute warpgroup
+  block_k: int
+  num_stages: int
+  q_len: int           # unpadded
+  kv_len: int          # unpadded
+  num_q_programs: int  # padded q_len // (2 * block_q): query tiles of 2 * block_q rows
+  num_kv_tiles: int    # padded kv_len // block_k
+  head_dim: int
+  group: int           # query heads per kv head
+  causal: bool
+  scale: float
+  dtype: jnp.dtype
+  window: tuple | None = None   # (left, right) from masks.normalize_window; a side None = unbounded
+  soft_cap: float | None = None
+  has_seg: bool = False         # segment ids: per-(batch, q tile) kv ranges from ``seg_bounds``
+  protocol: str = "pingpong"    # a key of PROTOCOLS
+  q_tiles_per_program: int = 1  # BlockSizes.q_tiles_per_program (> 1: range path only)
+  one_seg_mask: bool = False    # BlockSizes.one_segment_static_mask
+  tail_batch: int = -1     # tail_kv_splits: this batch row's last program is skipped (-1: none)
+  tail_kv_splits: int = 0  # BlockSizes.tail_kv_splits (0: off)
+  # Block schedule: each program walks its row of ``schedule_walk`` (read from GMEM) instead of
+  # the ranges of ``_program_ranges``.
+  has_sched: bool = False
+  sched_batch: bool = False     # the walk has a batch axis (else one row shared by all batches)
+  sched_heads: bool = False     # the walk has a kv-head axis (else shared by all heads)
+  interpret: bool = False    # the backward's Triton kernels in interpret mode (the forward raises)
+  bwd_block_sizes: object = None   # the backward's BlockSizes (triton or mosaic_gpu_bwd) or None
+  backward: str = "triton"         # "triton" or "mosaic" (the kernels of the custom_vjp backward)
+
+  @property
+  def offset(self) -> int:
+    """kv position of query row 0 (bottom-right causal alignment)."""
+    return self.kv_len - self.q_len
+
+  @property
+  def num_full_tiles(self) -> int:
+    """kv tiles without padded keys."""
+    return self.kv_len // self.block_k
+
+  @property
+  def num_programs(self) -> int:
+    """Programs per (batch, head): query tiles / ``q_tiles_per_program``, rounded up."""
+    return -(-self.num_q_programs // self.q_tiles_per_program)
+
+  @property
+  def proto(self) -> Protocol:
+    return PROTOCOLS[self.protocol]
+
+
+def _bounds_left(st: KernelConfig):
+  """Left window bound (keys >= qpos - left), or None (unbounded)."""
+  return None if st.window is None else st.window[0]
+
+
+def _bounds_right(st: KernelConfig):
+  """Effective right bound (keys <= qpos + right): 0 when causal, the window's right side
+  otherwise, or None (unbounded)."""
+  if st.causal:
+    return 0
+  return None if st.window is None else st.window[1]
+
+
+def _static_ranges(row0, n, st: KernelConfig):
+  """kv tile ranges of the query rows [row0, row0 + n) (only rows < q_len count) under the
+  static mask (causal, window, padded keys): (lo, flo, fhi, hi), int32 (scalars or arrays,
+  elementwise in ``row0``), with
+
+    * tiles < lo and >= hi invisible to every real row (never loaded for them),
+    * tiles in [flo, fhi) visible in full to every real row (no element mask),
+    * tiles in [lo, flo) and [fhi, hi) the edges (element mask),
+
+  and lo <= flo <= fhi <= hi. hi == lo when no real row sees a key tile (all rows padding,
+  causal rows before the first key, a window past the keys)."""
+  bk, nk = st.block_k, st.num_kv_tiles
+  row0 = jnp.asarray(row0, jnp.int32)
+  last = jnp.minimum(row0 + n, st.q_len) - 1          # last real row
+  q_first = row0 + st.offset                           # kv position of the first row
+  q_last = last + st.offset
+  left, right = _bounds_left(st), _bounds_right(st)
+  zero = jnp.int32(0)
+  if left is None:
+    lo = jnp.zeros_like(row0)
+    flo = lo
+  else:
+    lo = lax.div(jnp.maximum(zero, q_first - left), jnp.int32(bk))
+    flo = lax.div(jnp.maximum(zero, q_last - left) + (bk - 1), jnp.int32(bk))
+  lo = jnp.minimum(lo, nk)
+  if right is None:
+    hi = jnp.full_like(row0, nk)
+    fhi = jnp.full_like(row0, st.num_full_tiles)
+  else:
+    hi = jnp.minimum(lax.div(jnp.maximum(zero, q_last + right + bk), jnp.int32(bk)), nk)
+    fhi = jnp.minimum(lax.div(jnp.maximum(zero, q_first + right + 1), jnp.int32(bk)),
+                      st.num_full_tiles)
+  hi = jnp.where(last < row0, lo, jnp.maximum(hi, lo))
+  flo = jnp.clip(flo, lo, hi)
+  fhi = jnp.clip(fhi, flo, hi)
+  return lo, flo, fhi, hi
+
+
+def _clip_to_program(plo, phi, lo, flo, fhi, hi):
+  """A warpgroup's ranges clipped into its program's [plo, phi) (both warpgroups walk the
+  program's range; an empty range becomes an empty range inside it)."""
+  lo = jnp.clip(lo, plo, phi)
+  hi = jnp.clip(hi, lo, phi)
+  flo = jnp.clip(flo, lo, hi)
+  fhi = jnp.clip(fhi, flo, hi)
+  return lo, flo, fhi, hi
+
+
+def seg_bounds(q_seg, kv_seg, st: KernelConfig):
+  """Per-(batch, program) kv ranges with segment ids (in XLA; the kernel reads them from GMEM).
+
+  Args:
+    q_seg, kv_seg: int32 [B, Sq'] and [B, Sk'] padded with 0 to whole tiles.
+    st: the kernel's configuration.
+
+  Returns:
+    int32 [B, num_q_programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1,
+    hi1]`` of ``walk.segment_bounds`` (the static ranges of ``_static_ranges`` intersected with
+    the tiles' segment ids); with ``st.one_seg_mask`` the two one-segment flags after them
+    (``_SEG_BOUNDS_ONE``: that warpgroup's masked tiles need only the static mask).
+  """
+  n_tiles = st.num_q_programs * COMPUTE_WGS
+  static = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * st.block_q, st.block_q, st)
+  return walk.segment_bounds(q_seg, st.block_q, n_tiles, kv_seg, st.block_k, st.num_kv_tiles,
+                             static, one_segment=st.one_seg_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block schedules: the per-program walk
+# ----------------------------------------------------------------------------------------------
+
+
+class _Mask(typing.NamedTuple):
+  """How the kernel masks a tile: ``seg``, with the per-element segment compare (else the static
+  mask only); ``edge``, the warpgroup's masked range the tile is in ("left", "right" or None,
+  see ``_edge_bounds``)."""
+  seg: bool
+  edge: str | None
+
+
+def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
+  """Per-warpgroup class of kernel kv tiles.
+
+  Args:
+    tiles: int32 [Bs, Hs, n_wg, L] kernel kv tiles (``block_k`` keys) listed for warpgroup tile
+      i (query rows [i * block_q, (i + 1) * block_q)), n_wg = 2 * num_q_programs.
+    valid: bool, same shape: the entries that are listed (the others get SKIP).
+    st: the kernel's static configuration (causal, window, lengths, tiles).
+    q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 to whole programs / tiles.
+
+  Returns:
+    int32 [B', Hs, n_wg, L] codes of ``walk.range_codes`` (B' = B with segment ids, else Bs)
+    from the warpgroup tiles' ``_static_ranges``.
+  """
+  n_wg = tiles.shape[2]
+  ranges = _static_ranges(jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st)
+  return walk.range_codes(tiles, valid, ranges, q_seg, st.block_q, kv_seg, st.block_k)
+
+
+def schedule_walk(schedule, st: KernelConfig, q_seg=None, kv_seg=None):
+  """The kernel's walk of a block schedule (``walk.list_walk`` on its kv lists): for each
+  program, one list of kv tiles with what each of its two compute warpgroups does with each
+  tile (``_walk_codes``: skip, full or partial, recomputed at the warpgroup's rows from the
+  kernel's own mask, so a tile partial for the schedule's larger tile may run unmasked or be
+  skipped by one warpgroup). Schedule tiles are multiples of the kernel's.
+
+  Args:
+    schedule: a ``BlockSchedule`` for (q_len, kv_len), leading axes [1|B, 1|Hk].
+    st: the kernel's static configuration.
+    q_seg, kv_seg: None or int32 segment ids padded to whole programs / kv tiles.
+
+  Returns:
+    int32 [B', Hs, num_q_programs, 1 + W] rows ``[count, entry_0, ..., entry_{W-1}]`` (B' = B
+    with segment ids or a per-batch schedule, else 1), entry = tile << WALK_SHIFT | code0 |
+    code1 << 2; entries past count are 0 and never read (``walk.list_walk``).
+  """
+  return walk.list_walk(schedule.kv_indices, schedule.kv_counts, schedule.block_q,
+                        schedule.block_k, st.block_q, st.block_k,
+                        COMPUTE_WGS * st.num_q_programs, st.num_kv_tiles,
+                        lambda tiles, valid: _walk_codes(tiles, valid, st, q_seg, kv_seg))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile arithmetic (plain jnp on values: the kernel uses these, and the CPU tests replay the
+# kernel's tile walk with them)
+# ----------------------------------------------------------------------------------------------
+
+
+def _edge_bounds(st: KernelConfig, edge):
+  """Which static bounds a masked tile applies: (padded keys, right / causal bound, left bound),
+  bools. ``edge``: None (any tile: every bound the mask has), "left" (a tile of a warpgroup's
+  [lo, flo) from ``_static_ranges``) or "right" (of its [fhi, hi)).
+
+  On the range path an edge applies fewer: keys are padded only when kv_len is
+  not a multiple of block_k; a tile t >= flo has t * bk >= q_last - left (``_static_ranges``),
+  so it is right of every real row's left bound and a right edge never needs it; a tile
+  t < flo ends at most at q_last - left + bk - 2, so a left edge needs the right bound only
+  when left + right < bq + bk - 3 (a window narrower than a tile pair; taken as < bq + bk).
+  Segment ids and block schedules give other ranges: they take every bound."""
+  left, right = _bounds_left(st), _bounds_right(st)
+  pad, r_on, l_on = True, right is not None, left is not None
+  if not st.has_seg and not st.has_sched:
+    pad = st.kv_len % st.block_k != 0
+    if edge == "right":
+      l_on = False
+    elif edge == "left" and r_on and l_on and left + right >= st.block_q + st.block_k:
+      r_on = False
+  return pad, r_on, l_on
+
+
+def _tile_visible(rows, cols, row0, t, st: KernelConfig, q_seg=None, kv_seg=None, edge=None):
+  """Element mask of kv tile ``t`` for the query rows from ``row0``: rows/cols are the [bq, bk]
+  iotas of the tile. Masks padded keys, keys past each row's causal diagonal, keys outside its
+  window (``pallas_kernels.masks.visible``) and, with q_seg [bq] / kv_seg [bk] (the tile's
+  segment ids), keys of another segment or of segment 0. ``edge`` ("left", "right" or None):
+  which of a warpgroup's masked ranges the tile is in; a bound that cannot mask any real row's
+  key there is not applied (``_edge_bounds``). Returns a bool [bq, bk] or None (nothing to
+  mask)."""
+  pad, r_on, l_on = _edge_bounds(st, edge)
+  visible = None
+  both = lambda a, b: b if a is None else jnp.logical_and(a, b)
+  if pad or r_on or l_on:
+    k_pos = cols + t * st.block_k                             # [bq, bk]
+  if pad:
+    visible = k_pos < st.kv_len
+  if r_on or l_on:
+    q_pos = rows + (row0 + st.offset)
+    if r_on:
+      visible = both(visible, k_pos <= q_pos + _bounds_right(st))
+    if l_on:
+      visible = both(visible, k_pos >= q_pos - _bounds_left(st))
+  if q_seg is not None:
+    shape = rows.shape
+    qs = lax.broadcast_in_dim(q_seg, shape, [0])
+    ks = lax.broadcast_in_dim(kv_seg, shape, [1])
+    visible = both(visible, jnp.logical_and(qs == ks, ks != 0))
+  return visible
+
+
+def _apply_mask(s, visible):
+  """s where ``visible`` (from ``_tile_visible``), -inf elsewhere; s unchanged for None."""
+  return s if visible is None else jnp.where(visible, s, -jnp.inf)
+
+
+def _cap_logits(s, st: KernelConfig):
+  """Soft cap on raw logits q.k: cap * tanh(scale * s / cap) (the reference's convention,
+  cap on the scaled logit); without a cap, s unchanged (the scale is folded into the softmax's
+  multiply, see ``_softmax_factor``)."""
+  if st.soft_cap is None:
+    return s
+  return jnp.tanh(s * (st.scale / st.soft_cap)) * st.soft_cap
+
+
+def _softmax_factor(st: KernelConfig) -> float:
+  """Factor from ``_cap_logits``'s output to base-2 logits: scale * log2(e), or log2(e) when the
+  soft cap has already applied the scale."""
+  return LOG2E if st.soft_cap is not None else st.scale * LOG2E
+
+
+def _online_softmax(s, m, l, st: KernelConfig):
+  """One online-softmax step in the base-2 domain.
+
+  Args:
+    s: [bq, bk] fp32 logits from ``_cap_logits`` (masked entries -inf).
+    m: [bq] running max of the base-2 scaled logits (starts at _M_INIT).
+    l: [bq] running sum of exp2(logit - m).
+
+  Returns:
+    (p [bq, bk] fp32 = exp2(s * c - m_new), alpha [bq] = exp2(m - m_new), m_new, l_new), with
+    c = ``_softmax_factor(st)`` (scale * log2(e) without soft cap) folded into one multiply-add
+    per element.
+  """
+  c = _softmax_factor(st)
+  m_new = jnp.maximum(m, s.max(axis=1) * c)                   # [bq]
+  alpha = jnp.exp2(m - m_new)                                 # [bq]
+  p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))   # [bq, bk]
+  return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def _finalize(acc, m, l):
+  """acc [bq, D], m, l [bq] -> (out [bq, D] fp32, lse [bq] fp32, natural log). Rows that saw no
+  key (l == 0) give output 0 and lse -inf."""
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+  return out, jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+
+
+def _program_ranges(b, tile, wg, bounds_ref, st: KernelConfig):
+  """(plo, phi) of the program and, for compute warpgroup ``wg`` (None: the memory warpgroup,
+  program range only), its (lo, flo, fhi, hi) clipped into it: from ``_static_ranges`` or, with
+  segment ids, read from the ``seg_bounds`` row of (batch, program) in GMEM."""
+  bq = st.block_q
+  if st.has_seg:
+    plo, phi = bounds_ref[b, tile, 0], bounds_ref[b, tile, 1]
+    if wg is None:
+      return plo, phi, None
+    base = 2 + 4 * wg
+    return plo, phi, tuple(bounds_ref[b, tile, base + j] for j in range(4))
+  row0_program = tile * (COMPUTE_WGS * bq)
+  plo, _, _, phi = _static_ranges(row0_program, COMPUTE_WGS * bq, st)
+  if st.tail_batch >= 0:   # tail_kv_splits: the last program of that row walks nothing
+    skip = jnp.logical_and(b == st.tail_batch, tile == st.num_q_programs - 1)
+    phi = jnp.where(skip, plo, phi)
+  if wg is None:
+    return plo, phi, None
+  return plo, phi, _clip_to_program(plo, phi, *_static_ranges(row0_program + wg * bq, bq, st))
+
+
+_SEG_BOUNDS_ONE = 2 + 4 * COMPUTE_WGS   # column of warpgroup 0's one-segment flag
+
+
+def _one_segment(b, tile, wg, bounds_ref, st: KernelConfig):
+  """With segment ids (range path): whether compute warpgroup ``wg`` of program (b, tile) walks
+  only tiles of one segment on both sides (``seg_bounds``' flag; its masked tiles then take the
+  static mask only, not the per-element segment compare). None without segment ids or without
+  ``BlockSizes.one_segment_static_mask``."""
+  if not st.has_seg or st.has_sched or not st.one_seg_mask:
+    return None
+  return bounds_ref[b, tile, _SEG_BOUNDS_ONE + wg] != 0
+
+
+def _turn_skips(wg, k, n, first_tile, last_tile):
+  """The overlap protocol's hand-over turns: for compute warpgroup ``wg``'s turn ``k`` of
+  ``n + 1`` turns (0..n) in a query tile, (skip the wait for its turn, skip the hand-over after
+  it). The turns of a program's query tiles form one sequence: warpgroup 0 skips only the
+  program's first wait (it goes first) and warpgroup 1 only the program's last hand-over (no
+  turn follows), so that each warpgroup alternates wait and hand-over through all its tiles
+  (``q_tiles_per_program`` > 1) and a barrier never gets a second arrival before its wait.
+  ``first_tile`` / ``last_tile``: whether the query tile is the program's first / last (both
+  True for one tile per program). Plain jnp (the kernel uses it, the CPU tests simulate it).
+
+  Example:
+    >>> [tuple(bool(x) for x in _turn_skips(w, k, 2, True, True)) for w in (0, 1) for k in (0, 2)]
+    [(True, False), (False, False), (False, False), (False, True)]
+  """
+  wg, k, n = (jnp.asarray(x, jnp.int32) for x in (wg, k, n))
+  skip_wait = jnp.logical_and(jnp.logical_and(first_tile, k == 0), wg == 0)
+  skip_hand = jnp.logical_and(jnp.logical_and(last_tile, k == n), wg == 1)
+  return skip_wait, skip_hand
+
+
+def _program_tiles(g, st: KernelConfig):
+  """q_tiles_per_program = P > 1: the query tiles of program ``g`` (``rows_per_program`` rows
+  each), as (count, i -> the i-th tile), int32: tiles j = g * P + i for i < count =
+  min(P, tiles - g * P) (the last program may have fewer), in that order; with causal j counts
+  from the last tile (the longest kv ranges first, as the one-tile programs' reversed order)."""
+  n_q = st.num_q_programs
+  first = jnp.asarray(g, jnp.int32) * st.q_tiles_per_program
+  count = jnp.minimum(jnp.int32(st.q_tiles_per_program), n_q - first)
+  if st.causal:
+    return count, lambda i: (n_q - 1) - (first + i)
+  return count, lambda i: first + i
+
+
+def _fwd_kernel(*refs, st: KernelConfig):
+  """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM), with segment ids also q_seg [B, Sq],
+  kv_seg [B, Sk] int32 and bounds [B, programs, 10 or 12] (``seg_bounds``) -> o [B, Sq, Hq, D],
+  lse [B, Hq, Sq] (GMEM, natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D],
+  v [S, bk, D], lse [2, bq], with segment ids q_seg [2, bq], kv_seg [S, bk]), barriers
+  q_loaded [2], k/v_loaded [S] (with segment ids q_loaded and k_loaded also count the segment
+  copies), k/v_free [S] (2 arrivals), rendezvous (2 arrivals). With a block schedule
+  (``st.has_sched``) the last input is the walk [B', Hs, programs, 1 + W] of ``schedule_walk``
+  instead of the bounds (segment ids or not). With ``q_tiles_per_program`` > 1 (range path
+  only) qo, lse and q_loaded have 4 entries (two sets, 2 * set + warpgroup) and each program
+  runs its query tiles (``_program_tiles``) one after the other, the ring running on."""
+  n_in = 3 + (2 if st.has_seg else 0) + (1 if st.has_seg or st.has_sched else 0)
+  ins = refs[:n_in]
+  o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous = refs[n_in:]
+  q_ref, k_ref, v_ref = ins[:3]
+  q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = q_seg_smem = kv_seg_smem = None
+  if st.has_seg:
+    q_seg_ref, kv_seg_ref = ins[3:5]
+    qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, kv_seg_smem = smem
+  else:
+    qo_smem, k_smem, v_smem, lse_smem = smem
+  if st.has_sched:
+    walk_ref = ins[-1]
+  elif st.has_seg:
+    bounds_ref = ins[-1]
+  bq, bk, stages = st.block_q, st.block_k, st.num_stages
+  multi = st.q_tiles_per_program > 1   # several query tiles per program (range path only)
+  b = lax.axis_index("batch")
+  h = lax.axis_index("heads")
+  tile = lax.axis_index("q_tiles")
+  if multi:
+    n_sub, tile_of = _program_tiles(tile, st)
+  elif st.causal:
+    tile = (st.num_q_programs - 1) - tile   # longest kv ranges first: a shorter tail
+  wg = lax.axis_index("wg")
+  kv_h = lax.div(h, jnp.int32(st.group))
+  if not multi:
+    row0_program = tile * (COMPUTE_WGS * bq)
+  slot_of = lambda t: lax.rem(t, jnp.int32(stages))
+  if st.has_sched:   # this program's row of the walk: [count, entries...] (``schedule_walk``)
+    walk_b = b if st.sched_batch else 0
+    walk_h = kv_h if st.sched_heads else 0
+    walk_count = lambda: walk_ref[walk_b, walk_h, tile, 0]
+    walk_entry = lambda j: walk_ref[walk_b, walk_h, tile, 1 + j]
+
+  def meet():
+    plgpu.barrier_arrive(rendezvous)
+    plgpu.barrier_wait(rendezvous)
+
+  # handoff: rendezvous is one barrier per compute warpgroup (1 arrival each)
+  handoff = st.proto.handoff
+  hand_over = lambda: plgpu.barrier_arrive(rendezvous.at[1 - wg])   # the other may run P V
+  take_turn = lambda: plgpu.barrier_wait(rendezvous.at[wg])         # the other issued Q K^T
+
+  def _compute_tiles():
+    # q_tiles_per_program > 1: the program's query tiles one after the other. Q/O buffer and
+    # LSE row set u = i mod 2 (index 2 * u + wg, barrier q_loaded[2 * u + wg]) for tile i; the
+    # ring position runs on across tiles (``ring_base``: entries of the earlier tiles), as the
+    # memory warpgroup's. The overlap protocol's hand-over turns run on across the tiles
+    # (``_turn_skips``).
+    row0_of = lambda i: tile_of(i) * (COMPUTE_WGS * bq) + wg * bq
+    buf_of = lambda i: lax.rem(i, jnp.int32(2)) * COMPUTE_WGS + wg
+
+    def load_q(i):
+      buf = buf_of(i)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0_of(i), bq), h], qo_smem.at[buf],
+                              q_loaded.at[buf])
+
+    load_q(jnp.int32(0))                                      # every program has tile 0
+
+    def sub_tile(i, ring_base):
+      def prefetch_next_q():   # after tile i's Q wait: tile i + 1's Q into the other buffer
+        @pl.when(i + 1 < n_sub)
+        def _():
+          # that buffer (and LSE row) last held tile i - 1's O, stored by TMA at its end:
+          # wait until those stores have read shared memory before overwriting it
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          load_q(i + 1)
+      buf = buf_of(i)
+      n = _compute_tile(tile_of(i), row0_of(i), qo_smem.at[buf], q_loaded.at[buf],
+                        lse_smem.at[buf], ring_base=ring_base, after_q_wait=prefetch_next_q,
+                        tile_pos=(i == 0, i == n_sub - 1))
+      return ring_base + n
+
+    lax.fori_loop(jnp.int32(0), n_sub, sub_tile, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+  def _compute_tile(tile, row0, q_smem, q_barrier, lse_dst, ring_base=None, after_q_wait=None,
+                    tile_pos=None):
+    """One query tile of this warpgroup (Q already requested on ``q_barrier``): the kv walk and
+    the epilogue (O into ``q_smem``, LSE into ``lse_dst``, TMA stores issued, not waited for).
+    ``ring_base`` (q_tiles_per_program > 1): ring entries of the program's earlier tiles; the
+    tile's entry t - plo is then in slot (ring_base + t - plo) mod stages. Returns the number of
+    ring entries of the tile (with ring_base) or None."""
+    if ring_base is None:
+      ring_slot = slot_of
+    else:
+      ring_slot = lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages))
+    if not st.has_sched:
+      plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
+    # segment ids: masked tiles take ``masked=True`` (static mask and the per-element segment
+    # compare) or, where this warpgroup walks one segment only, ``masked="static"``
+    one_seg = None if st.has_sched else _one_segment(b, tile, wg, bounds_ref, st)
+    # masked: False (a full tile) or _Mask(seg, edge): seg, the per-element segment compare;
+    # edge, the warpgroup's masked range ("left" [lo, flo), "right" [fhi, hi), None: unknown)
+    seg_of = lambda masked, x: x if masked.seg else None
+
+    def masked_loop(lo_, hi_, body_of, carry, edge=None):
+      # tiles [lo_, hi_) masked: all with the static mask when one_seg, else with segments
+      if one_seg is None:
+        return lax.fori_loop(lo_, hi_, body_of(_Mask(True, edge)), carry)
+      mid = jnp.where(one_seg, hi_, lo_)
+      carry = lax.fori_loop(lo_, mid, body_of(_Mask(False, edge)), carry)
+      return lax.fori_loop(mid, hi_, body_of(_Mask(True, edge)), carry)
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)   # base-2 max
+    l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)       # running sum
+    acc = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), wgmma_layout)
+    plgpu.barrier_wait(q_barrier)
+    if after_q_wait is not None:
+      after_q_wait()
+    q_seg = None
+    if st.has_seg:
+      q_seg = compat.mosaic_gpu_load(q_seg_smem.at[wg], layout=row_layout)            # [bq] int32
+    if not st.proto.overlap:   # (overlap: the turns of ``overlap_walk``)
+      pl.when(wg == 1)(take_turn if handoff else meet)
+    if st.proto.k_wait:   # the first entry's K; each step or drain then waits for the next one
+      if st.has_sched:
+        n_walk = walk_count()
+        pl.when(n_walk > 0)(lambda: plgpu.barrier_wait(k_loaded.at[0]))
+      else:
+        pl.when(plo < phi)(lambda: plgpu.barrier_wait(k_loaded.at[ring_slot(plo)]))
+
+    def wait_next_k(nxt):
+      # k_wait: the K of the next ring entry (slot, whether there is one)
+      next_slot, has_next = nxt
+      pl.when(has_next)(lambda: plgpu.barrier_wait(k_loaded.at[next_slot]))
+
+    def step_at(slot, t, carry, *, masked, nxt=None):
+      # kv tile t, in ring slot ``slot`` (t mod stages for ranges, the list position for walks);
+      # nxt: (slot, has) of the next entry, whose K this step waits for (k_wait)
+      acc, m, l = carry
+      if not st.proto.k_wait:
+        plgpu.barrier_wait(k_loaded.at[slot])
+      kv_seg = None
+      if masked and masked.seg and st.has_seg:   # read before the slot is released (k_free)
+        kv_seg = compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+
+      def qk_gemm(s_ref):                                     # [bq, bk] fp32
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        if handoff:
+          hand_over()
+        else:
+          meet()
+        return s_ref[...]
+      s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))   # [bq, bk]
+      plgpu.barrier_arrive(k_free.at[slot])
+      s = _cap_logits(s, st)
+      if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+        s = _apply_mask(s, _tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg),
+                                         kv_seg, edge=masked.edge))
+      p, alpha, m_new, l = _online_softmax(s, m, l, st)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p = p.astype(st.dtype)
+      if st.proto.fence:   # all of the softmax before the other warpgroup's wgmma window
+        acc, m_new, l, p = lax.optimization_barrier((acc, m_new, l, p))
+      if not handoff:
+        plgpu.barrier_arrive(rendezvous)   # softmax done; the other warpgroup may issue wgmma
+      plgpu.barrier_wait(v_loaded.at[slot])
+      if handoff:
+        take_turn()
+      else:
+        plgpu.barrier_wait(rendezvous)
+
+      def pv_gemm(acc_ref):                                   # [bq, D] fp32
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        if st.proto.k_wait:   # while the wgmma runs
+          wait_next_k(nxt)
+      acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))       # returns once the wgmma is done
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l
+
+    def step(t, carry, *, masked):
+      if st.proto.k_wait:
+        return step_at(ring_slot(t), t, carry, masked=masked,
+                       nxt=(ring_slot(t + 1), t + 1 < phi))
+      return step_at(ring_slot(t), t, carry, masked=masked)
+
+    def drain_at(slot, nxt=None):
+      # Tiles the other warpgroup needs and this one does not (before or after this
+      # warpgroup's own range): keep the ring and the rendezvous count in step. Waiting for the
+      # load first means this warpgroup can never arrive on a slot's "free" barrier for a later
+      # use of the slot.
+      if not st.proto.k_wait:   # else waited for by the previous entry
+        plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      if handoff:
+        hand_over()
+        take_turn()
+      else:
+        meet()
+        meet()
+      if st.proto.k_wait:
+        # after the meetings: the next K may need the other warpgroup's release of this
+        # entry's predecessor, which its P V gives only once this warpgroup has met it
+        wait_next_k(nxt)
+
+    def drain(t, _):
+      if st.proto.k_wait:
+        drain_at(ring_slot(t), (ring_slot(t + 1), t + 1 < phi))
+      else:
+        drain_at(ring_slot(t))
+      return None
+
+    def overlap_walk(carry):
+      # The overlap protocol. Each compute warpgroup runs n + 1 turns for the program's n ring
+      # entries: per entry, a drain (a tile it does not need) or a tile, whose turn issues
+      # Q K^T of the tile and then P V of the warpgroup's previous tile (if any), and a last
+      # turn that issues the last P V. A turn waits for its loads, then for its own barrier
+      # (not warpgroup 0's turn 0), issues, and arrives on the other's (not warpgroup 1's turn
+      # n), so the hand-overs pair up for any ranges. The P V of a tile runs while the next
+      # tile's softmax does. (Slots and turn numbers are passed as thunks, evaluated where
+      # they are used.)
+      acc, m, l = carry
+      n = walk_count() if st.has_sched else phi - plo
+      if not st.has_sched:
+        has = lo < hi
+
+      def begin(k):
+        skip, _ = _turn_skips(wg, k, n, *(tile_pos or (True, True)))
+        pl.when(jnp.logical_not(skip))(take_turn)
+
+      def end(k):
+        _, skip = _turn_skips(wg, k, n, *(tile_pos or (True, True)))
+        pl.when(jnp.logical_not(skip))(hand_over)
+
+      def release(slot):   # an entry this warpgroup does not need
+        plgpu.barrier_wait(k_loaded.at[slot])
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+
+      def drain_turn(slot_of_turn, k):
+        release(slot_of_turn())
+        begin(k)
+        end(k)
+
+      def tile_kv_seg(slot, masked):
+        # the tile's kv segment ids (with K on k_loaded), read before the slot is released
+        if masked and masked.seg and st.has_seg:
+          return compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        return None
+
+      def softmax(s, t, m, l, masked, kv_seg=None):
+        s = _cap_logits(s, st)
+        if masked:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
+          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+          s = _apply_mask(s, _tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg),
+                                           kv_seg, edge=masked.edge))
+        return _online_softmax(s, m, l, st)           # p in fp32
+
+      def qk_turn(slot_of_turn, t, k, carry, masked, rescale=False):   # Q K^T only
+        # (the first tile; on a walk also a tile after a skip that flushed the pending P V,
+        # where acc is not zero and must follow the new max: ``rescale``)
+        acc, m, l, _ = carry
+        slot = slot_of_turn()
+        plgpu.barrier_wait(k_loaded.at[slot])
+        kv_seg = tile_kv_seg(slot, masked)
+        begin(k())
+
+        def qk_gemm(s_ref):
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          end(k())
+          return s_ref[...]
+        s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        p, alpha, m, l = softmax(s, t, m, l, masked, kv_seg)
+        if rescale:
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return acc, m, l, p.astype(st.dtype)
+
+      def pair_turn(slots_of_turn, t, k, carry, masked):   # Q K^T(t), then the pending P V
+        acc, m, l, p = carry
+        k_slot, v_slot = slots_of_turn()
+        plgpu.barrier_wait(k_loaded.at[k_slot])
+        plgpu.barrier_wait(v_loaded.at[v_slot])
+        kv_seg = tile_kv_seg(k_slot, masked)
+        begin(k())
+
+        def body(refs):
+          acc_ref, s_ref, m_ref, l_ref, p32_ref, a_ref = refs
+          plgpu.wgmma(s_ref, q_smem, k_smem.at[k_slot].transpose((1, 0)))
+          plgpu.wgmma(acc_ref, p, v_smem.at[v_slot])   # the pending P stays untouched until done
+          end(k())
+          s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)    # Q K^T done, P V may still run
+          plgpu.barrier_arrive(k_free.at[k_slot])
+          p32, alpha, m_new, l_new = softmax(s, t, m_ref[...], l_ref[...], masked, kv_seg)
+          m_ref[...] = m_new
+          l_ref[...] = l_new
+          p32_ref[...] = p32
+          a_ref[...] = alpha
+        s0 = plgpu.layout_cast(jnp.full((bq, bk), 0.0, jnp.float32), wgmma_layout)
+        acc, _, m, l, p32, alpha = pl.run_state(body)(
+            (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, s0, m))   # returns after P V
+        plgpu.barrier_arrive(v_free.at[v_slot])
+        # the new P in 16 bits only now: written while the P V was in flight, the loop-carried
+        # P registers (that wgmma's operand) would make ptxas serialize every wgmma (C7513)
+        p = lax.optimization_barrier(p32).astype(st.dtype)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return acc, m, l, p
+
+      def pv_turn(slot_of_turn, k, carry, drain_slot=None):   # the pending P V only
+        acc, m, l, p = carry
+        slot = slot_of_turn()
+        plgpu.barrier_wait(v_loaded.at[slot])
+        if drain_slot is not None:
+          release(drain_slot)
+        begin(k())
+
+        def pv_gemm(acc_ref):
+          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+          end(k())
+        acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, l, p
+
+      zero_p = lambda: plgpu.layout_cast(jnp.full((bq, bk), 0.0, st.dtype), wgmma_layout)
+      if st.has_sched:
+        # The program's list in order, entry j in slot j mod S; carry: (acc, m, l, p, whether a
+        # P V is pending, its ring slot)
+        shift = 2 * wg                                 # this warpgroup's code: entry >> shift
+
+        def walk_turn(j, c):
+          state, pending, prev = c[:4], c[4], c[5]
+          entry = walk_entry(j)
+          t = walk.entry_tile(entry)
+          code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
+          slot = slot_of(j)
+          no, yes = jnp.int32(0), jnp.int32(1)
+          turn = lambda: j
+
+          def skip(state):
+            return lax.cond(
+                pending == 1,
+                lambda st_: (*pv_turn(lambda: prev, turn, st_, drain_slot=slot), no, prev),
+                lambda st_: (drain_turn(lambda: slot, j), (*st_, no, prev))[1], state)
+
+          def run(masked):
+            def f(state):
+              return lax.cond(
+                  pending == 1,
+                  lambda st_: (*pair_turn(lambda: (slot, prev), t, turn, st_, masked), yes, slot),
+                  lambda st_: (*qk_turn(lambda: slot, t, turn, st_, masked, rescale=True),
+                               yes, slot), state)
+            return f
+          return lax.cond(code == walk.SKIP, skip, lambda st_: lax.cond(
+              code == walk.FULL, run(False), run(_Mask(True, None)), st_), state)
+
+        c = lax.fori_loop(jnp.int32(0), n, walk_turn, (acc, m, l, zero_p(), jnp.int32(0),
+                                                       jnp.int32(0)))
+        state, pending, prev = c[:4], c[4], c[5]
+
+        def none(state):
+          begin(n)
+          end(n)
+          return state
+        acc, m, l, _ = lax.cond(pending == 1, lambda st_: pv_turn(lambda: prev, lambda: n, st_),
+                                none, state)
+        return acc, m, l
+
+      # Range path: the drains of [plo, lo), a Q K^T-only turn for lo, a pair turn per tile in
+      # (lo, hi), a P V-only turn, the drains of [hi, phi), and an empty turn when the
+      # warpgroup has no tile (lo == hi).
+      lax.fori_loop(plo, lo, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo), None)
+      carry = (acc, m, l, zero_p())
+      one = has.astype(jnp.int32)
+      carry = masked_loop(lo, lo + one, lambda masked: lambda e, c: qk_turn(
+          lambda: ring_slot(e), e, lambda: e - plo, c, masked), carry)   # edge or not: exact mask
+      a = lo + 1
+      b1 = jnp.maximum(flo, a)
+      b2 = jnp.maximum(fhi, a)
+
+      def pair(masked):
+        return lambda e, c: pair_turn(lambda: (ring_slot(e), ring_slot(e - 1)), e,
+                                      lambda: e - plo, c, masked)
+      carry = masked_loop(a, b1, pair, carry, edge="left")
+      carry = lax.fori_loop(b1, b2, pair(False), carry)
+      carry = masked_loop(b2, hi, pair, carry, edge="right")
+      carry = lax.fori_loop(hi, hi + one, lambda e, c: pv_turn(
+          lambda: ring_slot(e - 1), lambda: e - plo, c), carry)
+      lax.fori_loop(hi, phi, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo + one), None)
+
+      @pl.when(jnp.logical_not(has))
+      def _():                                        # the empty turn n
+        begin(n)
+        end(n)
+      acc, m, l, _ = carry
+      return acc, m, l
+
+    carry = (acc, m, l)
+    if st.proto.overlap:
+      carry = overlap_walk(carry)
+    elif st.has_sched:
+      # The program's list, in order (the memory warpgroup loads entry j into slot j mod S);
+      # this warpgroup's 2-bit code of each entry picks drain, unmasked or masked step.
+      shift = 2 * wg
+
+      def walk_step(j, carry):
+        entry = walk_entry(j)
+        t = walk.entry_tile(entry)
+        code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
+        slot = slot_of(j)
+        nxt = (slot_of(j + 1), j + 1 < n_walk) if st.proto.k_wait else None
+
+        def skip(carry):
+          if st.proto.k_wait:
+            drain_at(slot, nxt)
+          else:
+            drain_at(slot)
+          return carry
+
+        def run(carry):
+          kw = dict(nxt=nxt) if st.proto.k_wait else {}
+          return lax.cond(code == walk.FULL,
+                          functools.partial(step_at, slot, t, masked=False, **kw),
+                          functools.partial(step_at, slot, t, masked=_Mask(True, None), **kw),
+                          carry)
+        return lax.cond(code == walk.SKIP, skip, run, carry)
+      carry = lax.fori_loop(jnp.int32(0), walk_count(), walk_step, carry)
+    else:
+      lax.fori_loop(plo, lo, drain, None)
+      step_of = lambda masked: functools.partial(step, masked=masked)
+      carry = masked_loop(lo, flo, step_of, carry, edge="left")
+      carry = lax.fori_loop(flo, fhi, step_of(False), carry)
+      carry = masked_loop(fhi, hi, step_of, carry, edge="right")
+      lax.fori_loop(hi, phi, drain, None)
+    if not st.proto.overlap:
+      pl.when(wg == 0)(hand_over if handoff else meet)
+    acc, m, l = carry
+
+    out, lse = _finalize(acc, m, l)
+    q_smem[...] = out.astype(st.dtype)                        # Q is dead: reuse its tile for O
+    lse_dst[...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(row0, bq), h])
+    plgpu.copy_smem_to_gmem(lse_dst, lse_ref.at[b, h, pl.ds(row0, bq)])
+    if ring_base is not None:
+      return phi - plo
+    return None
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _compute():
+    plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+    if multi:
+      _compute_tiles()
+      return
+    row0 = row0_program + wg * bq
+    q_smem = qo_smem.at[wg]                                   # [bq, D]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_loaded.at[wg])
+    if st.has_seg:
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg],
+                              q_loaded.at[wg])
+    _compute_tile(tile, row0, q_smem, q_loaded.at[wg], lse_smem.at[wg])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _memory():
+    plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+    def load(t, slot, part="kv"):
+      rows = (b, pl.ds(t * bk, bk), kv_h)
+      if "k" in part:
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+        if st.has_seg:
+          plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(t * bk, bk)], kv_seg_smem.at[slot],
+                                  k_loaded.at[slot])
+      if "v" in part:
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+    def refill(tile_fn, slot):
+      # a later use of a ring slot: wait for its release by both compute warpgroups, then load
+      # kv tile tile_fn()
+      if st.proto.early_k:   # K as soon as its Q K^T is done, V after the P V
+        plgpu.barrier_wait(k_free.at[slot])
+        t = tile_fn()
+        load(t, slot, "k")
+        plgpu.barrier_wait(v_free.at[slot])
+        load(t, slot, "v")
+      else:
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        load(tile_fn(), slot)
+
+    if st.has_sched:   # the walk's entries in order, entry j into slot j mod S
+      n = walk_count()
+      tile_at = lambda j: walk.entry_tile(walk_entry(j))
+      for i in range(stages):                                 # fill the ring
+        @pl.when(i < n)
+        def _():
+          load(tile_at(i), i)
+
+      @pl.loop(jnp.int32(stages), jnp.maximum(n, stages))
+      def _(j):
+        slot = slot_of(j)
+        refill(lambda: tile_at(j), slot)
+      return
+
+    if multi:
+      # The program's query tiles in the compute warpgroups' order, their kv ranges one after
+      # the other in one ring: entry c (c counts across tiles) in slot c mod stages, the first
+      # ``stages`` entries loaded at once, each later one when both compute warpgroups have
+      # released entry c - stages (possibly of the previous tile).
+      def sub_tile(i, ring_base):
+        plo, phi, _ = _program_ranges(b, tile_of(i), None, bounds_ref, st)
+
+        @pl.loop(jnp.int32(0), phi - plo)
+        def _(j):
+          c = ring_base + j
+          slot = slot_of(c)
+
+          @pl.when(c < stages)
+          def _():
+            load(plo + j, slot)
+
+          @pl.when(c >= stages)
+          def _():
+            refill(lambda: plo + j, slot)
+        return ring_base + (phi - plo)
+
+      lax.fori_loop(jnp.int32(0), n_sub, sub_tile, jnp.int32(0))
+      return
+
+    plo, phi, _ = _program_ranges(b, tile, None, bounds_ref, st)
+    for i in range(stages):                                   # fill the ring
+      @pl.when(plo + i < phi)
+      def _():
+        load(plo + i, slot_of(plo + i))
+
+    @pl.loop(plo + stages, jnp.maximum(phi, plo + stages))
+    def _(t):
+      slot = slot_of(t)
+      refill(lambda: t, slot)
+
+
+
+def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, walk_rows=None):
+  """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] (with segment ids: q_seg [B, Sq'],
+  kv_seg [B, Sk'] int32 padded with 0, bounds from ``seg_bounds``; with a block schedule:
+  walk_rows from ``schedule_walk`` and no bounds) -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
+
+  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel, to run
+  the custom_vjp and the Triton backward in interpret mode."""
+  if st.interpret:
+    raise NotImplementedError("the Mosaic GPU flash attention forward cannot run in interpret "
+                              "mode (interpret=True): jax's GPU interpreter has no wgmma with "
+                              "transposed or register operands")
+  b, sq_pad, hq, d = q.shape
+  bq, bk, stages = st.block_q, st.block_k, st.num_stages
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 64 x 16-bit = 128 bytes
+  # q_tiles_per_program > 1: two sets of Q/O tiles and LSE rows (index 2 * set + warpgroup)
+  n_q_bufs = COMPUTE_WGS * (2 if st.q_tiles_per_program > 1 else 1)
+  smem = (
+      plgpu.SMEM((n_q_bufs, bq, d), q.dtype, transforms=tiled),         # Q, then O
+      plgpu.SMEM((stages, bk, d), k.dtype, transforms=tiled),           # K ring
+      plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
+      plgpu.SMEM((n_q_bufs, bq), jnp.float32),                          # LSE staging
+  )
+  seg_copies = 1
+  args = (q, k, v)
+  if st.has_seg:
+    smem += (plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32),                # q segment ids
+             plgpu.SMEM((stages, bk), jnp.int32))                      # kv segment ids ring
+    seg_copies = 2       # Q + its ids on q_loaded, K + its ids on k_loaded
+    args += (q_seg, kv_seg)
+    if not st.has_sched:
+      args += (bounds,)
+  if st.has_sched:
+    args += (walk_rows,)
+  call = plgpu.kernel(
+      functools.partial(_fwd_kernel, st=st),
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, hq, sq_pad), jnp.float32)),
+      scratch_types=(
+          smem,
+          plgpu.Barrier(num_arrivals=seg_copies, num_barriers=n_q_bufs),      # q_loaded
+          plgpu.Barrier(num_arrivals=seg_copies, num_barriers=stages),        # k_loaded
+          plgpu.Barrier(num_barriers=stages),                              # v_loaded
+          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),   # k_free
+          plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),   # v_free
+          (plgpu.Barrier(num_barriers=COMPUTE_WGS)                        # rendezvous
+           if st.proto.handoff else plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
+      ),
+      # heads on CUDA's x, launched fastest ("q_tiles" counts programs of
+      # q_tiles_per_program query tiles)
+      grid=(hq, st.num_programs, b), grid_names=("heads", "q_tiles", "batch"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )
+  return call(*args)
+
