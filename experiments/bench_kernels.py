@@ -83,10 +83,9 @@ def flash_impls(causal, window):
 
   def mosaic_with(**changes):  # the Hopper forward's default tiles for the mask kind, changed
     def f(q, k, v):
-      from jattn.attention import _mosaic_gpu_default_block_sizes
-      from pallas_kernels.masks import normalize_window
-      bs = dataclasses.replace(_mosaic_gpu_default_block_sizes(
-          q, causal=causal, window=normalize_window(window), k_shape=k.shape), **changes)
+      bs = dataclasses.replace(jattn.flash_attention_plan(
+          q, k, v, causal=causal, local_window_size=window, implementation="mosaic_gpu").config,
+          **changes)
       return jattn.flash_attention(q, k, v, causal=causal, local_window_size=window,
                                    implementation="mosaic_gpu", block_sizes=bs)
     return f
@@ -220,8 +219,8 @@ def tile_sum_fields(impl, dense_case, ms, q, *, window=None, docs=None, segment_
     return {}
   if impl == "jattn_default":
     plan = jattn.flash_attention_plan(q, q, q, local_window_size=window, segment_ids=segment_ids)
-    if plan["implementation"] != "mosaic_gpu":
-      print(f"  {impl}: no tile_sum_ms: it runs {plan['implementation']}, not the Mosaic forward")
+    if plan.implementation != "mosaic_gpu":
+      print(f"  {impl}: no tile_sum_ms: it runs {plan.implementation}, not the Mosaic forward")
       return {}
   dense = [r["ms"] for r in ROWS if (r["op"], r["case"], r["impl"]) == ("flash_fwd", dense_case,
                                                                       impl) and r.get("ms")]
