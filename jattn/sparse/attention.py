@@ -12,7 +12,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import _validate
 from jattn._plan import Plan
@@ -24,12 +23,12 @@ from jattn.sparse.selection import (block_scores, candidates, cdiv, check_select
                                    check_selection_args, doc_start_blocks, segment_overlap,
                                    select_lists)
 
+__all__ = ["block_sparse_plan", "block_sparse_attention", "sparse_attention"]
+
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _GATE_MODES = ("none", "ste", "gumbel")
 _QUERY_POOLS = ("sum", "max")
-_INT_MAX = np.iinfo(np.int32).max
-_INT_MIN = np.iinfo(np.int32).min
 
 
 # ----------------------------------------------------------------------------- attention

@@ -5,19 +5,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn import _validate
 from pallas_kernels.masks import element_mask
 from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
                                    check_selection_args, doc_start_blocks, segment_overlap)
 
+__all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_loss"]
+
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_GATE_MODES = ("none", "ste", "gumbel")
 _QUERY_POOLS = ("sum", "max")
-_INT_MAX = np.iinfo(np.int32).max
-_INT_MIN = np.iinfo(np.int32).min
 
 
 # ----------------------------------------------------------------------------- captured mass
@@ -62,6 +60,7 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     fp32 scalar or [batch, q_heads].
 
   Example:
+    >>> from jattn.sparse import select_blocks
     >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
     >>> sel = select_blocks(q, q, block_size=64, top_k=4)
     >>> float(captured_mass(q, q, sel))
@@ -276,9 +275,21 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
 
 @jax.custom_vjp
 def add_aux_loss(x, loss):
-  """Identity on ``x``; in the backward pass ``loss`` (a scalar) receives cotangent 1, so the
-  gradient of the caller's scalar loss L becomes that of L + loss (DeepSeek-V2/V3's
-  ``AddAuxiliaryLoss``)."""
+  """Identity on ``x``; in the backward pass ``loss`` receives cotangent 1 (DeepSeek-V2/V3's
+  ``AddAuxiliaryLoss``).
+
+  Args:
+    x: any array.
+    loss: a scalar whose gradient joins the caller's.
+
+  Returns:
+    ``x``; the gradient of the caller's scalar loss L becomes that of L + loss.
+
+  Example:
+    >>> w = jnp.float32(2.0)
+    >>> float(jax.grad(lambda w: add_aux_loss(jnp.ones(3), w ** 2).sum())(w))
+    4.0
+  """
   del loss
   return x
 

@@ -17,10 +17,10 @@ from jattn import _validate
 from pallas_kernels.block_schedule import compact_true
 from pallas_kernels.sparse import topk as _topk
 
+__all__ = ["BlockSelection", "block_scores", "select_blocks"]
+
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_GATE_MODES = ("none", "ste", "gumbel")
-_QUERY_POOLS = ("sum", "max")
 _INT_MAX = np.iinfo(np.int32).max
 _INT_MIN = np.iinfo(np.int32).min
 
