@@ -33,7 +33,7 @@ import types
 import jax
 import jax.numpy as jnp
 
-from jattn import _validate
+from jattn._validate import check_implementation, check_qkv, check_segments
 from jattn._plan import Plan
 from pallas_kernels import tuning
 from pallas_kernels.block_schedule import make_schedule
@@ -205,7 +205,7 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
     segments: whether the call has segment ids.
     tiles: None, or a block-sparse call's (q_block_size, block_size): the kernels walk the
       selection's schedule, whose tiles the configs are fitted to.
-    implementation: None or a name (``_validate.IMPLEMENTATIONS``).
+    implementation: None or a name (``jattn._validate.IMPLEMENTATIONS``).
     block_sizes: None or the kernel's ``BlockSizes`` (used as given).
     interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
     platform, device_kind: describe another device than the current one
@@ -220,7 +220,7 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
     >>> p.implementation, p.config, p.backward
     ('xla', None, 'xla')
   """
-  _validate.check_implementation(implementation)
+  check_implementation(implementation)
   dev = tuning.device(platform, device_kind)
   impl = implementation or _default_implementation(dev, q, k, v, interpret=interpret,
                                                    block_sizes=block_sizes, tiles=tiles)
@@ -350,9 +350,9 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     >>> out.shape
     (2, 100, 4, 64)
   """
-  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, v)
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
   window = normalize_window(local_window_size)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")

@@ -13,7 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jattn import _validate
+from jattn._validate import check_qkv, check_segments
 from jattn._plan import Plan
 from jattn.attention import kernel_module, resolve
 from pallas_kernels.block_schedule import make_schedule
@@ -159,8 +159,8 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     >>> block_sparse_attention(q, q, q, sel, implementation="xla").shape
     (1, 256, 2, 32)
   """
-  batch, q_len, kv_len, _, hk = _validate.check_qkv(q, k, v)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, _, hk = check_qkv(q, k, v)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
   if scale is None:
@@ -387,8 +387,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   if score_aux_pool not in _QUERY_POOLS:
     raise ValueError(f"score_aux_pool must be one of {_QUERY_POOLS}, got {score_aux_pool!r}")
   check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
-  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, v)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])

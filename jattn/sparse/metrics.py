@@ -6,7 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jattn import _validate
+from jattn._validate import check_qkv, check_segments
 from pallas_kernels.masks import element_mask
 from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
                                    check_selection_args, doc_start_blocks, segment_overlap)
@@ -66,8 +66,8 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     >>> float(captured_mass(q, q, sel))
     1.0
   """
-  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
   g = hq // hk
@@ -124,8 +124,9 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
       m[b, h, t, j]: a block that one query of the block needs counts fully (SeerAttention's
       max-pooled ground truth), where "sum" dilutes it by the query block size.
 
-  The target of :func:`block_score_kl`. Not differentiable (stop-gradient inputs). Computed in chunks of query blocks (``lax.map``; ~max_chunk_elems logits each), the
-  matmul in the input dtype with fp32 accumulation (fp32 inputs: HIGHEST precision).
+  The target of :func:`block_score_kl`. Not differentiable (stop-gradient inputs). Computed in
+  chunks of query blocks (``lax.map``; ~max_chunk_elems logits each), the matmul in the input
+  dtype with fp32 accumulation (fp32 inputs: HIGHEST precision).
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -148,8 +149,8 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
   """
   if query_pool not in _QUERY_POOLS:
     raise ValueError(f"query_pool must be one of {_QUERY_POOLS}, got {query_pool!r}")
-  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   g, d = hq // hk, q.shape[-1]
@@ -251,8 +252,8 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
   check_selection_args(block_size, q_block_size, 0, num_init_blocks, num_local_blocks)
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
-  batch, q_len, kv_len, _, hk = _validate.check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, _, hk = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
