@@ -1,17 +1,17 @@
 """jattn: IO-aware attention for JAX (re-exports only)."""
-from jattn.attention import flash_attention, flash_attention_plan, resolve_implementation
+from jattn._plan import Plan
+from jattn.attention import flash_attention, flash_attention_plan
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from jattn.decode import (append_kv, append_kv_paged, decode_attention, decode_plan,
                           paged_decode_attention)
 from jattn.packing import PackPlan, pack_bfd, segments_from_lengths
 from jattn.merge import merge_partials  # jattn.merge stays the module (merge() lives there)
 from jattn.sparse import (BlockSelection, BlockSummaries, block_sparse_attention,
-                          block_sparse_plan, captured_mass, init_block_summaries, select_blocks, sparse_attention,
-                          sparse_decode_attention, sparse_paged_decode_attention,
-                          update_block_summaries)
+                          block_sparse_plan, captured_mass, init_block_summaries, select_blocks,
+                          sparse_attention, sparse_decode_attention,
+                          sparse_paged_decode_attention, update_block_summaries)
 
-__all__ = ["flash_attention", "flash_attention_plan", "resolve_implementation", "BlockSchedule",
-           "make_schedule",
+__all__ = ["Plan", "flash_attention", "flash_attention_plan", "BlockSchedule", "make_schedule",
            "BlockSelection", "BlockSummaries", "block_sparse_attention", "block_sparse_plan",
            "captured_mass",
            "init_block_summaries", "select_blocks", "sparse_attention", "sparse_decode_attention",

@@ -23,13 +23,23 @@ class Plan:
     config: the forward kernel's config (a frozen ``BlockSizes``-like dataclass of the kernel
       module), or None where the implementation takes none ("xla", "cudnn").
     backward: the backward's implementation, or None for a forward-only op (decode).
-    backward_config: the backward kernels' config, or None.
+    backward_config: the backward kernels' config, or None. For "triton" and "mosaic_tpu" one
+      ``BlockSizes`` holds both passes: it is ``config``. Fields left None in a config are the
+      kernel's launch heuristic for its tiles.
     table: the tuning table the configs were read from ("nvidia_h200.json", "generic.json"),
       or None where no table was read (explicit configs, heuristics only, "xla").
     device_kind: the device the plan was resolved for (jax's ``device_kind``), or None.
 
   Example:
-    >>> Plan(op="flash", implementation="xla").backward is None
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    >>> p = jattn.flash_attention_plan(x, x, x, causal=True, device_kind="NVIDIA H200")
+    >>> p.op, p.implementation, p.backward, p.table
+    ('flash', 'mosaic_gpu', 'mosaic_gpu', 'nvidia_h200.json')
+    >>> from pallas_kernels.flash import mosaic_gpu, mosaic_gpu_bwd
+    >>> isinstance(p.config, mosaic_gpu.BlockSizes)
+    True
+    >>> isinstance(p.backward_config, mosaic_gpu_bwd.BlockSizes)
     True
   """
   op: str

@@ -2,151 +2,49 @@
 
 Implementations:
   * ``"xla"``: pure jnp (materialises the logits; the reference semantics, any platform).
-  * ``"triton"``: portable Pallas GPU kernel (Triton lowering); forward and backward walk the
+  * ``"triton"``: portable Pallas GPU kernels (Triton lowering); forward and backward walk the
     mask's block schedule, so masked tiles are skipped.
-  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same schedule.
-  * ``"mosaic_gpu"``: Hopper (sm90) path: the Pallas Mosaic GPU forward of
-    ``pallas_kernels.flash.mosaic_gpu`` (FA3-style: TMA, wgmma, warp specialisation, ping-pong)
-    and, by default, the Mosaic GPU backward (``mosaic_gpu_bwd``) where it supports the call
-    (head_dim 64/128, any mask: dense or causal, local windows, soft cap, segment ids);
-    otherwise (head_dim 256) the Triton backward kernels fed the forward's out and LSE. Dense
-    or causal, local windows, segment ids, soft cap, GQA, bf16/fp16, head_dim 64/128/256; other dtypes or head dims and
-    ``interpret=True`` raise NotImplementedError naming the option (no fallback).
-    GPU-verified on an H200 (runs 17-22, 2026-11-30: every case of tests/test_flash_mosaic_gpu.py
-    passed). Run 21 (B2 S16K H16 D128 bf16, one process): forward 586 / 604 TFLOP/s non-causal /
-    causal (cuDNN 617 / 573, jattn triton 418 / 409); forward+backward 30.5 / 15.5 ms (cuDNN
-    27.6 / 14.3, jattn triton 46.9 / 22.6).
+  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernels with the same schedule.
+  * ``"mosaic_gpu"``: Hopper (sm90): the Pallas Mosaic GPU forward of
+    ``pallas_kernels.flash.mosaic_gpu`` (TMA, wgmma, warp specialisation, ping-pong) with the
+    Mosaic GPU backward (``mosaic_gpu_bwd``) at head_dim 64/128 and the Triton backward kernels,
+    fed the forward's out and LSE, at head_dim 256. Every mask (causal, local window, segment
+    ids), soft cap, GQA; bf16/fp16, head_dim 64/128/256 == head_dim_v. Other dtypes or head dims
+    and ``interpret=True`` raise NotImplementedError naming the option (no fallback).
   * ``"cudnn"``: pass-through to ``jax.nn.dot_product_attention(implementation="cudnn")`` for
     the masks it supports (causal, local window); anything else raises ValueError.
-  * ``None``: on a Hopper GPU (compute capability 9.0) "mosaic_gpu" for the calls of the Hopper
-    default (bf16/fp16, head_dim 128 = head_dim_v, not interpret), "triton" for other GPU calls,
-    "mosaic_tpu" on TPU, "xla" on CPU. ``flash_attention_plan`` reports the forward and backward
-    kernels a call runs; ``resolve_implementation`` the platform default.
 
-``interpret=True`` runs a Pallas implementation on the CPU (tests); it is ignored by "xla".
+How a call is resolved (:func:`resolve`, the one place, for flash and block-sparse calls):
+  1. implementation: the one named, else the platform's: "mosaic_gpu" on a Hopper GPU for the
+     calls it covers, "triton" on other GPU calls, "mosaic_tpu" on TPU, "xla" on CPU;
+  2. configs: ``block_sizes`` if given, else the device's tuning table
+     (``pallas_kernels.tuning``; a device without its own table reads ``generic.json``) for the
+     call's head dim, dtype and mask kind, else the kernel's heuristic default;
+  3. fit to the call: the kernel's ``fit_block_sizes`` (shapes, masks) and, for block-sparse
+     calls, the selection's tiles.
+The result is a :class:`jattn._plan.Plan`; :func:`flash_attention_plan` returns it and
+:func:`flash_attention` runs exactly it.
 """
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
 
-from jattn import _validate
-from pallas_kernels import compat
+from jattn._validate import check_implementation, check_qkv, check_segments
+from jattn._plan import Plan
+from pallas_kernels import tuning
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.masks import normalize_window
 
-
-def resolve_implementation(implementation=None, *, platform=None, interpret=False):
-  """The platform's implementation for ``implementation=None`` (or the name given).
-
-  Args:
-    implementation: None or an implementation name.
-    platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
-    interpret: whether a Pallas kernel would run in interpret mode.
-
-  ``None`` gives "triton" on GPU, "mosaic_tpu" on TPU and "xla" on CPU. This is the answer for
-  every op except ``flash_attention`` on a Hopper GPU, which refines a GPU ``None`` per call (the
-  Mosaic GPU path for the calls it is measured and tested on): ask ``flash_attention_plan`` for
-  the kernels a given call runs.
-
-  Returns:
-    The implementation name (no silent fallback: a named implementation is returned unchanged).
-
-  Example:
-    >>> resolve_implementation("xla")
-    'xla'
-    >>> resolve_implementation(None, platform="gpu")
-    'triton'
-  """
-  _validate.check_implementation(implementation)
-  if implementation is not None:
-    return implementation
-  platform = platform or compat.default_backend()
-  if platform == "gpu":
-    return "triton"
-  if platform == "tpu":
-    return "mosaic_tpu"
-  return "xla"
-
-
-# Head dims for which ``implementation=None`` picks the Hopper path on sm90: measured faster than
-# the Triton kernels there (H200, B2 S16K H16 bf16, non-causal / causal). D128 (run 21): forward
-# 1.40x / 1.47x, forward+backward 1.54x / 1.46x. D64 (run 26): forward 1.16x / 1.19x,
-# forward+backward (Mosaic backward) 1.20x / 1.20x. D256 (run 26): forward 2.84x / 2.65x,
-# forward+backward 1.11x / 1.11x (the Triton backward on both paths: the Mosaic one does not fit
-# D256's registers). Results: experiments/results/h200_flash_anchors_d64_128_256_run26_20261130.json.
-_HOPPER_DEFAULT_HEAD_DIMS = (64, 128, 256)
-_MOSAIC_GPU_BWD_HEAD_DIMS = (64, 128)   # mosaic_gpu_bwd: D256 does not fit its registers
-
-
-def _shape_dtype(x):
-  return tuple(x.shape), jnp.dtype(x.dtype)
-
-
-def _hopper_default_covers(q, k, v):
-  (qs, qd), (ks, kd), (vs, vd) = map(_shape_dtype, (q, k, v))
-  return (qd == kd == vd and qd in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and qs[-1] in _HOPPER_DEFAULT_HEAD_DIMS and vs[-1] == qs[-1])
-
-
-def _mosaic_backward(q, *, window, segment_ids, logits_soft_cap, block_sizes):
-  """"mosaic" or "triton": the backward of the mosaic_gpu path for a call."""
-  if block_sizes is not None:
-    return getattr(block_sizes, "backward", "triton")
-  # Windows, soft cap and segment ids since session 26 (run 109, B2 S16K H16 D128 bf16 causal:
-  # window 512 fwd+bwd 1.583 ms against 2.080 with the Triton backward and cuDNN's 1.712; soft
-  # cap 30 18.61 against 28.27 ms; segment ids: see docs/kernels.md, session 26).
-  return "mosaic" if q.shape[-1] in _MOSAIC_GPU_BWD_HEAD_DIMS else "triton"
-
-
-def flash_attention_plan(q, k, v, *, local_window_size=None, segment_ids=None,
-                         logits_soft_cap=None, implementation=None, interpret=False,
-                         block_sizes=None, platform=None, compute_capability=None):
-  """The kernels ``flash_attention`` runs for a call: which implementation, which backward.
-
-  Args:
-    q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
-    local_window_size, segment_ids, logits_soft_cap, implementation, interpret, block_sizes:
-      as for ``flash_attention`` (only whether a mask is present matters here).
-    platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
-    compute_capability: (major, minor) of the GPU; default: that of the first GPU.
-
-  ``implementation=None`` on a GPU of compute capability 9.0 (H100/H200) picks "mosaic_gpu"
-  when q, k and v are all bf16 or all fp16 with head_dim 64, 128 or 256 (= head_dim_v) and
-  interpret is off (and ``block_sizes`` is None or a Mosaic GPU ``BlockSizes``); any other GPU
-  call picks "triton" (a Triton ``BlockSizes`` keeps it there). On the "mosaic_gpu" path the
-  backward is the Mosaic GPU one for head_dim 64/128
-  (unless ``block_sizes`` says otherwise), the Triton one otherwise (head_dim 256 included).
-
-  Returns:
-    A dict: ``implementation`` (the name ``flash_attention`` dispatches on) and ``backward``
-    ("mosaic_gpu", "triton", "mosaic_tpu", "cudnn" or "xla": the kernels of the VJP).
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
-    >>> flash_attention_plan(x, x, x, platform="gpu", compute_capability=(9, 0))
-    {'implementation': 'mosaic_gpu', 'backward': 'mosaic_gpu'}
-    >>> flash_attention_plan(x, x, x, platform="gpu", compute_capability=(8, 0))
-    {'implementation': 'triton', 'backward': 'triton'}
-  """
-  impl = resolve_implementation(implementation, platform=platform, interpret=interpret)
-  if implementation is None and impl == "triton" and not interpret:
-    cc = compute_capability if compute_capability is not None else compat.gpu_compute_capability()
-    hopper_sizes = block_sizes is None or (type(block_sizes).__module__
-                                           == "pallas_kernels.flash.mosaic_gpu")
-    if (cc is not None and tuple(cc) == (9, 0) and hopper_sizes
-        and _hopper_default_covers(q, k, v)):
-      impl = "mosaic_gpu"
-  backward = impl
-  if impl == "mosaic_gpu":
-    bwd = _mosaic_backward(q, window=normalize_window(local_window_size), segment_ids=segment_ids,
-                           logits_soft_cap=logits_soft_cap, block_sizes=block_sizes)
-    backward = "mosaic_gpu" if bwd == "mosaic" else "triton"
-  return {"implementation": impl, "backward": backward}
+# The Hopper default covers the Mosaic GPU forward's head dims; its backward covers 64 and 128
+# (at 256 the dK/dV accumulators exceed a thread's registers: the Triton backward runs).
+MOSAIC_GPU_HEAD_DIMS = (64, 128, 256)
+MOSAIC_GPU_BWD_HEAD_DIMS = (64, 128)
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def kernel_module(implementation):
@@ -176,6 +74,221 @@ def kernel_module(implementation):
   return mod
 
 
+def mosaic_gpu_problems(q, k, v):
+  """What of a call the Mosaic GPU forward does not support (empty: nothing).
+
+  Args:
+    q, k, v: the call's arrays or ``jax.ShapeDtypeStruct`` of them.
+
+  Returns:
+    A list of strings naming the unsupported options.
+
+  Example:
+    >>> x = jax.ShapeDtypeStruct((1, 8, 2, 32), jnp.bfloat16)
+    >>> mosaic_gpu_problems(x, x, x)
+    ['head_dim 32 (supported: 64, 128, 256)']
+  """
+  problems = []
+  d = q.shape[-1]
+  if d not in MOSAIC_GPU_HEAD_DIMS:
+    problems.append(f"head_dim {d} (supported: 64, 128, 256)")
+  if v.shape[-1] != d:
+    problems.append(f"head_dim_v {v.shape[-1]} != head_dim {d}")
+  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+  if len(dtypes) > 1 or not dtypes <= set(_HALF):
+    problems.append(f"dtype {'/'.join(sorted(t.name for t in dtypes))} (supported: bfloat16 or "
+                    f"float16 for q, k and v)")
+  return problems
+
+
+def _default_implementation(dev, q, k, v, *, interpret, block_sizes, tiles):
+  if dev.platform == "tpu":
+    return "mosaic_tpu"
+  if dev.platform != "gpu":
+    return "xla"
+  hopper = dev.sm90 and not interpret and not mosaic_gpu_problems(q, k, v)
+  if hopper and block_sizes is not None:
+    hopper = isinstance(block_sizes, kernel_module("mosaic_gpu").BlockSizes)
+  if hopper and tiles is not None:
+    hopper = all(t >= 64 and not t & (t - 1) for t in tiles)
+  return "mosaic_gpu" if hopper else "triton"
+
+
+def _fit_to_tiles(impl, base, tiles):
+  """``base`` with the selection's tiles (q_block_size, block_size), or a ValueError."""
+  qbs, bs = tiles
+  if impl == "triton":
+    bad = [f"{n}={x}" for n, x in (("q_block_size", qbs), ("block_size", bs))
+           if x < 16 or x & (x - 1)]
+    if bad:
+      raise ValueError(f"implementation='triton' needs powers of two >= 16 for the tiles, got "
+                       f"{', '.join(bad)}; select blocks with such sizes (the kernel's default "
+                       f"is q_block_size={base.block_q}, block_size={base.block_k}) or use "
+                       f"implementation='xla'")
+    # One tiling, the selection's blocks, for both passes. Warps None: the kernel's launch
+    # heuristic for these tiles (its tuned values where they match the table's tiles); a longer
+    # key tile than the table's gets a shorter pipeline (shared memory).
+    extra = dict(num_stages=2) if bs > base.block_k else {}
+    return dataclasses.replace(base, block_q=qbs, block_k=bs, num_warps=None, bwd_num_warps=None,
+                               bwd_block_q=None, bwd_block_k=None, dkv_block_q=None, **extra)
+  if (base.block_q, base.block_k) == (qbs, bs):
+    return base
+  try:
+    return dataclasses.replace(base, block_q=qbs, block_k=bs)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"implementation={impl!r} cannot run tiles of q_block_size={qbs}, block_size={bs} ({e}); "
+        f"select blocks with sizes the kernel supports (its default is "
+        f"q_block_size={base.block_q}, block_size={base.block_k}) or use "
+        f"implementation='xla'") from None
+
+
+def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, block_sizes):
+  from pallas_kernels.flash import mosaic_gpu_bwd as mgb
+  from pallas_kernels.flash import triton as ft
+  mod = kernel_module("mosaic_gpu")
+  problems = mosaic_gpu_problems(q, k, v)
+  if problems:
+    raise NotImplementedError("implementation='mosaic_gpu' does not support: "
+                              + ", ".join(problems) + "; use implementation='triton'")
+  if block_sizes is not None and not isinstance(block_sizes, mod.BlockSizes):
+    raise TypeError(f"implementation='mosaic_gpu' takes block_sizes of type "
+                    f"pallas_kernels.flash.mosaic_gpu.BlockSizes, got {type(block_sizes)}")
+  d, dtype = q.shape[-1], q.dtype
+  kind = tuning.mask_kind(causal, window, segments=segments)
+  if block_sizes is not None:
+    fwd = block_sizes
+    bwd = "mosaic_gpu" if getattr(block_sizes, "backward", "triton") == "mosaic" else "triton"
+  else:
+    fwd = mod.default_block_sizes(d, dtype, device_kind=dev.kind, mask=kind)
+    if tiles is not None:
+      bad = [f"{n}={x}" for n, x in zip(("q_block_size", "block_size"), tiles)
+             if x < 64 or x & (x - 1)]
+      if bad:
+        raise ValueError(
+            f"implementation='mosaic_gpu' needs q_block_size and block_size powers of two >= 64 "
+            f"(its tiles are {fwd.block_q} query rows per warpgroup and up to {fwd.block_k} "
+            f"keys), got {', '.join(bad)}; select blocks with such sizes (e.g. "
+            f"q_block_size=128, block_size=64) or use implementation='triton' or 'xla'")
+    fwd = mod.fit_block_sizes(fwd, q.shape, k.shape, causal=causal, window=window,
+                              segments=segments, schedule=tiles is not None,
+                              core_count=dev.core_count)
+    if tiles is not None:   # every kernel tile inside one selection block
+      fwd = dataclasses.replace(fwd, block_k=min(fwd.block_k, 128, tiles[1]))
+    bwd = "mosaic_gpu" if d in MOSAIC_GPU_BWD_HEAD_DIMS else "triton"
+    fwd = dataclasses.replace(fwd, backward="mosaic" if bwd == "mosaic_gpu" else "triton")
+  if bwd == "mosaic_gpu":
+    bwd_cfg = mgb.default_block_sizes(d, dtype, device_kind=dev.kind,
+                                      mask=kind if tiles is None else "block_sparse")
+    if tiles is not None:   # the fit reads the schedule's tiles only
+      bwd_cfg = mgb.fit_block_sizes(bwd_cfg, types.SimpleNamespace(block_q=tiles[0],
+                                                                    block_k=tiles[1]))
+  else:
+    bwd_cfg = ft.default_block_sizes(max(d, v.shape[-1]), dtype, device_kind=dev.kind)
+    if tiles is not None:
+      bwd_cfg = _fit_to_tiles("triton", bwd_cfg, tiles)
+  return Plan(op, "mosaic_gpu", fwd, bwd, bwd_cfg, dev.table, dev.kind)
+
+
+def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=None,
+            implementation=None, block_sizes=None, interpret=False, platform=None,
+            device_kind=None) -> Plan:
+  """The plan of one call: implementation, then configs (explicit, table, heuristic, fit).
+
+  The one resolution behind :func:`flash_attention_plan` and ``jattn.block_sparse_plan``.
+
+  Args:
+    op: "flash" or "block_sparse".
+    q, k, v: the call's arrays or ``jax.ShapeDtypeStruct`` of them.
+    causal: the call's causal flag.
+    window: None or a normalized (left, right) local window.
+    segments: whether the call has segment ids.
+    tiles: None, or a block-sparse call's (q_block_size, block_size): the kernels walk the
+      selection's schedule, whose tiles the configs are fitted to.
+    implementation: None or a name (``jattn._validate.IMPLEMENTATIONS``).
+    block_sizes: None or the kernel's ``BlockSizes`` (used as given).
+    interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
+    platform, device_kind: describe another device than the current one
+      (``pallas_kernels.tuning.device``).
+
+  Returns:
+    A :class:`jattn._plan.Plan`.
+
+  Example:
+    >>> x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)
+    >>> p = resolve("flash", x, x, x, causal=True, platform="cpu")
+    >>> p.implementation, p.config, p.backward
+    ('xla', None, 'xla')
+  """
+  check_implementation(implementation)
+  dev = tuning.device(platform, device_kind)
+  impl = implementation or _default_implementation(dev, q, k, v, interpret=interpret,
+                                                   block_sizes=block_sizes, tiles=tiles)
+  if impl in ("xla", "cudnn"):
+    return Plan(op, impl, backward=impl, device_kind=dev.kind)
+  if impl == "mosaic_gpu":
+    return _resolve_mosaic_gpu(op, q, k, v, dev, causal=causal, window=window,
+                               segments=segments, tiles=tiles, block_sizes=block_sizes)
+  mod = kernel_module(impl)
+  table = None
+  if block_sizes is not None:
+    if not isinstance(block_sizes, mod.BlockSizes):
+      raise TypeError(f"implementation={impl!r} takes block_sizes of type {mod.__name__}"
+                      f".BlockSizes, got {type(block_sizes)}")
+    cfg = block_sizes
+  elif impl == "triton":
+    cfg, table = mod.default_block_sizes(q.shape[-1], q.dtype, device_kind=dev.kind), dev.table
+  else:   # mosaic_tpu: a heuristic, no table
+    cfg = mod.default_block_sizes(q.shape[-1], q.dtype)
+  if tiles is not None:
+    cfg = _fit_to_tiles(impl, cfg, tiles)
+  # one BlockSizes holds both passes of these kernels
+  return Plan(op, impl, cfg, impl, cfg, table, dev.kind)
+
+
+def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segment_ids=None,
+                         kv_segment_ids=None, scale=None, logits_soft_cap=None, return_lse=False,
+                         implementation=None, interpret=False, block_sizes=None, platform=None,
+                         device_kind=None) -> Plan:
+  """What ``flash_attention`` runs for a call: implementation and forward/backward configs.
+
+  Takes every argument of :func:`flash_attention` (so the call's own arguments work; ``scale``,
+  ``logits_soft_cap`` and ``return_lse`` change no choice), plus a device description.
+
+  Args:
+    q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
+    causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap, return_lse,
+      implementation, interpret, block_sizes: as for :func:`flash_attention`.
+    platform: "cpu", "gpu" or "tpu"; default: jax's default backend (or ``device_kind``'s).
+    device_kind: a jax ``device_kind`` to plan for, e.g. "NVIDIA H200"; default: the current
+      device's (``pallas_kernels.tuning.device``).
+
+  Returns:
+    A :class:`jattn._plan.Plan`: ``implementation``, ``config`` (the forward's ``BlockSizes``),
+    ``backward`` and ``backward_config``, ``table`` (the tuning table read, "generic.json" on a
+    device without its own) and ``device_kind``. ``implementation=None`` picks "mosaic_gpu" on
+    a Hopper GPU for bf16/fp16 q, k, v with head_dim 64, 128 or 256 (= head_dim_v), interpret
+    off and ``block_sizes`` None or a Mosaic GPU ``BlockSizes``; "triton" for other GPU calls.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    >>> p = flash_attention_plan(x, x, x, causal=True, device_kind="NVIDIA H200")
+    >>> p.implementation, p.backward, p.table
+    ('mosaic_gpu', 'mosaic_gpu', 'nvidia_h200.json')
+    >>> p = flash_attention_plan(x, x, x, device_kind="NVIDIA H100 80GB HBM3")
+    >>> p.implementation, p.table
+    ('mosaic_gpu', 'generic.json')
+    >>> flash_attention_plan(x, x, x, device_kind="NVIDIA A100-SXM4-80GB").implementation
+    'triton'
+  """
+  del scale, logits_soft_cap, return_lse
+  return resolve("flash", q, k, v, causal=causal, window=normalize_window(local_window_size),
+                 segments=segment_ids is not None or kv_segment_ids is not None,
+                 implementation=implementation, block_sizes=block_sizes, interpret=interpret,
+                 platform=platform, device_kind=device_kind)
+
+
 def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, return_lse):
   problems = []
   if segment_ids is not None:
@@ -192,64 +305,6 @@ def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, retu
     raise ValueError("implementation='cudnn' does not support: " + ", ".join(problems))
   return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                       local_window_size=window, implementation="cudnn")
-
-
-_MOSAIC_GPU_HEAD_DIMS = (64, 128, 256)
-
-
-def _mosaic_gpu_default_block_sizes(q, *, causal, window, segment_ids=None, logits_soft_cap=None,
-                                    k_shape=None):
-  """The Mosaic GPU ``BlockSizes`` of ``implementation="mosaic_gpu"`` with ``block_sizes=None``:
-  the device table's tiles for the call's mask kind (``tuning.mask_kind``: causal, window,
-  segment ids), fitted to the call by ``fit_block_sizes`` (``tail_kv_splits`` only where it
-  pays for these shapes, ``k_shape``: default q's; one query tile per program with segment
-  ids), and the backward ``_mosaic_backward`` picks (window:
-  normalized (left, right) or None)."""
-  from pallas_kernels.tuning import mask_kind   # tiles tuned per mask kind where measured
-  bwd = _mosaic_backward(q, window=window, segment_ids=segment_ids,
-                         logits_soft_cap=logits_soft_cap, block_sizes=None)
-  kind = mask_kind(causal, window, segments=segment_ids is not None)
-  mod = kernel_module("mosaic_gpu")
-  bs = mod.default_block_sizes(q.shape[-1], q.dtype, mask=kind)
-  bs = mod.fit_block_sizes(bs, q.shape, q.shape if k_shape is None else k_shape,
-                           causal=causal, window=window, segments=segment_ids is not None)
-  return dataclasses.replace(bs, backward=bwd)
-
-
-def _mosaic_gpu(q, k, v, *, causal, window, segment_ids, kv_segment_ids, scale, logits_soft_cap,
-                interpret, block_sizes):
-  """The Hopper path: Mosaic GPU forward; backward by ``_mosaic_backward`` (Mosaic GPU for
-  head_dim 64/128, Triton otherwise, or as ``block_sizes.backward`` says: the
-  kernel module raises for masks the Mosaic backward lacks). Local windows, segment ids and soft
-  cap are supported; rejects, naming them, the options it does not support (no fallback to
-  another implementation)."""
-  problems = []
-  if q.shape[-1] not in _MOSAIC_GPU_HEAD_DIMS:
-    problems.append(f"head_dim {q.shape[-1]} (supported: 64, 128, 256)")
-  if v.shape[-1] != q.shape[-1]:
-    problems.append(f"head_dim_v {v.shape[-1]} != head_dim {q.shape[-1]}")
-  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-  if not dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)} or len(dtypes) > 1:
-    problems.append(f"dtype {'/'.join(sorted(d.name for d in dtypes))} (supported: one of "
-                    f"bfloat16, float16 for q, k and v)")
-  if problems:
-    raise NotImplementedError("implementation='mosaic_gpu' does not support: "
-                              + ", ".join(problems) + "; use implementation='triton'")
-  mod = kernel_module("mosaic_gpu")
-  if block_sizes is not None and not isinstance(block_sizes, mod.BlockSizes):
-    raise TypeError(f"implementation='mosaic_gpu' takes block_sizes of type "
-                    f"pallas_kernels.flash.mosaic_gpu.BlockSizes, got {type(block_sizes)}")
-  if block_sizes is None:
-    block_sizes = _mosaic_gpu_default_block_sizes(q, causal=causal, window=window,
-                                                  segment_ids=segment_ids,
-                                                  logits_soft_cap=logits_soft_cap,
-                                                  k_shape=k.shape)
-  # interpret=True: the forward raises NotImplementedError (it cannot be interpreted); tests that
-  # substitute the forward run the Triton backward in interpret mode.
-  return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, causal=causal,
-                             local_window_size=window, scale=scale,
-                             logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
-                             interpret=interpret)
 
 
 def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_ids=None,
@@ -272,16 +327,13 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log, -inf for
       rows that see no key); differentiable.
     implementation: None, "xla", "triton", "mosaic_gpu", "mosaic_tpu" or "cudnn" (see the
-      module docstring; ``flash_attention_plan`` says which kernels a call runs: None picks
-      "mosaic_gpu" on Hopper for bf16/fp16 head_dim 128, "triton" on other GPU calls).
-      "mosaic_gpu" (Hopper): Mosaic GPU forward, Mosaic GPU backward for head_dim 64/128,
-      Triton backward for head_dim 256; any of the masks
-      above, bf16/fp16, head_dim 64/128/256, head_dim_v == head_dim.
+      module docstring). None: "mosaic_gpu" on a Hopper GPU for bf16/fp16 head_dim 64/128/256
+      (= head_dim_v), "triton" on other GPU calls, "mosaic_tpu" on TPU, "xla" on CPU;
+      :func:`flash_attention_plan` says what a call runs.
     interpret: run a Pallas kernel in interpret mode (CPU). "mosaic_gpu" raises
       NotImplementedError: its forward cannot be interpreted.
-    block_sizes: optional kernel-specific ``BlockSizes`` override (Pallas implementations; for
-      "mosaic_gpu" a ``pallas_kernels.flash.mosaic_gpu.BlockSizes``, whose ``backward`` field
-      picks the backward kernels: "triton" or "mosaic").
+    block_sizes: optional ``BlockSizes`` of the implementation's kernel module, used as given
+      (for "mosaic_gpu" its ``backward`` field, "triton" or "mosaic", picks the backward).
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -298,46 +350,42 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     >>> out.shape
     (2, 100, 4, 64)
   """
-  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, v)
-  _validate.check_implementation(implementation)
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
   window = normalize_window(local_window_size)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   if scale is None:
     scale = 1.0 / (q.shape[-1] ** 0.5)
-  impl = flash_attention_plan(q, k, v, local_window_size=window, segment_ids=segment_ids,
-                              logits_soft_cap=logits_soft_cap, implementation=implementation,
-                              interpret=interpret, block_sizes=block_sizes)["implementation"]
+  plan = flash_attention_plan(q, k, v, causal=causal, local_window_size=window,
+                              segment_ids=segment_ids, implementation=implementation,
+                              interpret=interpret, block_sizes=block_sizes)
+  impl, bs = plan.implementation, plan.config
+  mask = dict(causal=causal, local_window_size=window)
   if impl == "cudnn":
     return _cudnn(q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
                   logits_soft_cap=logits_soft_cap, return_lse=return_lse)
-  if impl == "mosaic_gpu":
-    out, lse = _mosaic_gpu(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
-                           kv_segment_ids=kv_segment_ids, scale=scale,
-                           logits_soft_cap=logits_soft_cap, interpret=interpret,
-                           block_sizes=block_sizes)
-  elif impl == "xla":
-    out, lse = attention_reference(q, k, v, causal=causal, local_window_size=window,
-                                   q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                                   scale=scale, logits_soft_cap=logits_soft_cap)
+  if impl == "xla":
+    out, lse = attention_reference(q, k, v, q_segment_ids=segment_ids,
+                                   kv_segment_ids=kv_segment_ids, scale=scale,
+                                   logits_soft_cap=logits_soft_cap, **mask)
+  elif impl == "mosaic_gpu":
+    # interpret=True: the forward raises NotImplementedError (it cannot be interpreted)
+    out, lse = kernel_module(impl).flash_attention(
+        q, k, v, segment_ids, kv_segment_ids, scale=scale, logits_soft_cap=logits_soft_cap,
+        block_sizes=bs, bwd_block_sizes=plan.backward_config, interpret=interpret, **mask)
   else:
-    mod = kernel_module(impl)
-    bs = block_sizes or mod.default_block_sizes(q.shape[-1], q.dtype)
-    mask = dict(causal=causal, local_window_size=window, q_segment_ids=segment_ids,
-                kv_segment_ids=kv_segment_ids)
+    mask.update(q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
     schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, **mask)
     kwargs = {}
-    if impl == "triton":
-      # The Triton forward and backward may use different tiles: the backward walks its own
-      # schedule of the same mask.
+    if impl == "triton":   # the backward walks its own schedules of the same mask
       kwargs["block_sizes"] = bs
       if bs.bwd_tiles != (bs.block_q, bs.block_k):
         kwargs["bwd_schedule"] = make_schedule(q_len, kv_len, *bs.bwd_tiles, **mask)
-      if bs.dkv_tiles != bs.bwd_tiles:  # dK/dV walks its own (finer) q tiles
+      if bs.dkv_tiles != bs.bwd_tiles:
         kwargs["dkv_schedule"] = make_schedule(q_len, kv_len, *bs.dkv_tiles, **mask)
-    out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
-                                   local_window_size=window, scale=scale,
-                                   logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)
+    out, lse = kernel_module(impl).flash_attention(
+        q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal, local_window_size=window,
+        scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)
   return (out, lse) if return_lse else out

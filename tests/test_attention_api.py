@@ -1,4 +1,6 @@
 """jattn.flash_attention: validation, dispatch, and the "xla" path against the reference."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,11 +54,13 @@ def test_mosaic_gpu_rejects_what_it_does_not_support():
     jattn.flash_attention(q, q, q, implementation="mosaic_gpu")
 
 
-def test_resolve_implementation_is_explicit():
-  assert jattn.resolve_implementation(None, platform="gpu") == "triton"
-  assert jattn.resolve_implementation(None, platform="tpu") == "mosaic_tpu"
-  assert jattn.resolve_implementation(None, platform="cpu") == "xla"
-  assert jattn.resolve_implementation("cudnn", platform="tpu") == "cudnn"
+def test_platform_defaults():
+  x = jax.ShapeDtypeStruct((1, 64, 2, 32), jnp.float32)
+  plan = lambda **kw: jattn.flash_attention_plan(x, x, x, **kw)
+  assert plan(platform="gpu").implementation == "triton"
+  assert plan(platform="tpu").implementation == "mosaic_tpu"
+  assert plan(platform="cpu").implementation == "xla"
+  assert plan(implementation="cudnn", platform="tpu").implementation == "cudnn"
 
 
 def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
@@ -65,49 +69,75 @@ def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
   head_dim, interpret mode or a Triton BlockSizes."""
   from pallas_kernels.flash import mosaic_gpu as mg, triton as ft
   sds = lambda d, dt=jnp.bfloat16: jax.ShapeDtypeStruct((2, 300, 4, d), dt)
-  plan = lambda *a, **kw: jattn.flash_attention_plan(*a, platform="gpu", **kw)
+  h200, a100 = "NVIDIA H200", "NVIDIA A100-SXM4-80GB"
+  names = lambda *a, **kw: (lambda p: (p.implementation, p.backward))(
+      jattn.flash_attention_plan(*a, **kw))
   x = sds(128)
-  assert plan(x, x, x, compute_capability=(9, 0)) == {"implementation": "mosaic_gpu",
-                                                       "backward": "mosaic_gpu"}
-  for mask, bwd in ((dict(local_window_size=(511, 0)), "mosaic_gpu"),
-                    (dict(logits_soft_cap=30.0), "mosaic_gpu"),
-                    (dict(local_window_size=(511, 0), logits_soft_cap=30.0), "mosaic_gpu"),
-                    (dict(segment_ids=jnp.ones((2, 300), jnp.int32)), "mosaic_gpu"),
-                    (dict(segment_ids=jnp.ones((2, 300), jnp.int32),
-                          local_window_size=(511, 0)), "mosaic_gpu")):
-    assert plan(x, x, x, compute_capability=(9, 0), **mask)["backward"] == bwd, mask
+  assert names(x, x, x, device_kind=h200) == ("mosaic_gpu", "mosaic_gpu")
+  for mask in (dict(local_window_size=(511, 0)), dict(logits_soft_cap=30.0),
+               dict(local_window_size=(511, 0), logits_soft_cap=30.0),
+               dict(segment_ids=jnp.ones((2, 300), jnp.int32)),
+               dict(segment_ids=jnp.ones((2, 300), jnp.int32), local_window_size=(511, 0))):
+    assert names(x, x, x, device_kind=h200, **mask) == ("mosaic_gpu", "mosaic_gpu"), mask
   for d, bwd in ((64, "mosaic_gpu"), (256, "triton")):
     y = sds(d, jnp.float16)
-    assert plan(y, y, y, compute_capability=(9, 0)) == {"implementation": "mosaic_gpu",
-                                                         "backward": bwd}, d
-  for args, kw in [((x, x, x), dict(compute_capability=(8, 0))),
-                   ((x, x, x), dict(compute_capability=(10, 0))),
-                   ((sds(128, jnp.float32),) * 3, dict(compute_capability=(9, 0))),
-                   ((sds(96),) * 3, dict(compute_capability=(9, 0))),
-                   ((sds(32),) * 3, dict(compute_capability=(9, 0))),
-                   ((x, x, sds(64)), dict(compute_capability=(9, 0))),
-                   ((x, x, x), dict(compute_capability=(9, 0), interpret=True)),
-                   ((x, x, x), dict(compute_capability=(9, 0),
+    assert names(y, y, y, device_kind=h200) == ("mosaic_gpu", bwd), d
+  for args, kw in [((x, x, x), dict(device_kind=a100)),
+                   ((x, x, x), dict(device_kind="NVIDIA B200")),
+                   ((sds(128, jnp.float32),) * 3, dict(device_kind=h200)),
+                   ((sds(96),) * 3, dict(device_kind=h200)),
+                   ((sds(32),) * 3, dict(device_kind=h200)),
+                   ((x, x, sds(64)), dict(device_kind=h200)),
+                   ((x, x, x), dict(device_kind=h200, interpret=True)),
+                   ((x, x, x), dict(device_kind=h200,
                                     block_sizes=ft.default_block_sizes(128, jnp.bfloat16)))]:
-    assert plan(*args, **kw) == {"implementation": "triton", "backward": "triton"}, kw
-  # Named implementations are kept; on Hopper's path the block sizes choose the backward.
+    assert names(*args, **kw) == ("triton", "triton"), kw
+  # Named implementations are kept; on Hopper's path explicit block sizes choose the backward.
   hop = mg.default_block_sizes(64)
-  assert plan(sds(64), sds(64), sds(64), implementation="mosaic_gpu")["backward"] == "mosaic_gpu"
-  assert plan(x, x, x, implementation="mosaic_gpu", block_sizes=hop)["backward"] == "triton"
-  assert plan(x, x, x, compute_capability=(9, 0), block_sizes=hop)["implementation"] == (
-      "mosaic_gpu")
-  assert plan(x, x, x, implementation="xla", compute_capability=(9, 0))["implementation"] == "xla"
+  assert names(sds(64), sds(64), sds(64), implementation="mosaic_gpu")[1] == "mosaic_gpu"
+  assert names(x, x, x, implementation="mosaic_gpu", block_sizes=hop)[1] == "triton"
+  assert names(x, x, x, device_kind=h200, block_sizes=hop)[0] == "mosaic_gpu"
+  assert names(x, x, x, implementation="xla", device_kind=h200)[0] == "xla"
+
+
+def test_flash_attention_plan_reports_configs_and_table():
+  """The plan holds the configs that run and the table they came from: the H200 reads its own
+  table, the H100 and every other device generic.json; explicit block sizes read none."""
+  from pallas_kernels import tuning
+  from pallas_kernels.flash import mosaic_gpu as mg, mosaic_gpu_bwd as mgb, triton as ft
+  x = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+  for kind, table in (("NVIDIA H200", "nvidia_h200.json"),
+                      ("NVIDIA H100 80GB HBM3", "generic.json")):
+    p = jattn.flash_attention_plan(x, x, x, causal=True, device_kind=kind)
+    assert (p.op, p.table, p.device_kind) == ("flash", table, kind)
+    want = mg.default_block_sizes(128, jnp.bfloat16, device_kind=kind, mask="causal")
+    assert p.config == mg.fit_block_sizes(dataclasses.replace(want, backward="mosaic"), x.shape,
+                                          x.shape, causal=True)
+    assert p.backward_config == mgb.default_block_sizes(128, device_kind=kind, mask="causal")
+    assert tuning.table_file(kind) == table
+  p = jattn.flash_attention_plan(x, x, x, platform="gpu", device_kind="NVIDIA A100-SXM4-80GB")
+  assert p.config == p.backward_config == ft.default_block_sizes(128, jnp.bfloat16)
+  assert p.table == "generic.json"
+  bs = ft.BlockSizes(32, 32)
+  p = jattn.flash_attention_plan(x, x, x, implementation="triton", block_sizes=bs)
+  assert (p.config, p.table) == (bs, None)
+  p = jattn.flash_attention_plan(x, x, x, platform="cpu")
+  assert (p.implementation, p.config, p.backward, p.table) == ("xla", None, "xla", None)
+  with pytest.raises(TypeError, match="BlockSizes"):
+    jattn.flash_attention_plan(x, x, x, implementation="triton", block_sizes=mg.BlockSizes())
 
 
 def test_flash_attention_dispatches_on_the_plan(monkeypatch):
-  """flash_attention(None) on a (simulated) H200 runs the Mosaic GPU path, with the Mosaic GPU
-  backward for D128 calls with or without masks and the Triton one at D256."""
+  """flash_attention(None) on a (simulated) Hopper GPU runs the Mosaic GPU path, with the Mosaic
+  GPU backward for D128 calls with or without masks and the Triton one at D256."""
   from pallas_kernels import compat
-  from pallas_kernels.flash import mosaic_gpu as mg
+  from pallas_kernels.flash import mosaic_gpu as mg, mosaic_gpu_bwd as mgb, triton as ft
   seen = []
 
-  def fake_kernel(q, k, v, q_seg, kv_seg, *, block_sizes, **kw):
-    seen.append(block_sizes.backward)
+  def fake_kernel(q, k, v, q_seg, kv_seg, *, block_sizes, bwd_block_sizes, **kw):
+    kind = ("mosaic" if isinstance(bwd_block_sizes, mgb.BlockSizes) else
+            "triton" if isinstance(bwd_block_sizes, ft.BlockSizes) else None)
+    seen.append((block_sizes.backward, kind))
     return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
 
   monkeypatch.setattr(mg, "flash_attention", fake_kernel)
@@ -120,7 +150,8 @@ def test_flash_attention_dispatches_on_the_plan(monkeypatch):
   jattn.flash_attention(q, q, q, causal=True, segment_ids=seg)
   q256 = jnp.ones((1, 64, 2, 256), jnp.bfloat16)
   jattn.flash_attention(q256, q256, q256, causal=True)
-  assert seen == ["mosaic", "mosaic", "mosaic", "triton"]
+  mosaic = ("mosaic", "mosaic")
+  assert seen == [mosaic, mosaic, mosaic, ("triton", "triton")]
 
 
 def _naive(q, k, v, mask, scale):

@@ -1057,20 +1057,19 @@ def test_fit_tail_kv_splits_keeps_it_only_where_it_pays(monkeypatch):
   assert mg.fit_tail_kv_splits(bs, (2, 16384, 16, 128), (2, 16384, 16, 128)).tail_kv_splits \
       == (8 if compat.gpu_core_count() == 132 else 0)      # no GPU here: 1 "SM", never
   # jattn: the H200 table's dense entry on 132 SMs
-  from jattn import attention as ja
-  from pallas_kernels import tuning
+  import jattn
   monkeypatch.setattr(compat, "gpu_core_count", lambda: 132)
-  monkeypatch.setattr(tuning, "resolve_kind", lambda kind=None: "NVIDIA H200")
-  q = jnp.zeros((2, 16384, 16, 128), jnp.bfloat16)
-  got = lambda **kw: ja._mosaic_gpu_default_block_sizes(q, window=None, **kw).tail_kv_splits
+  q = jax.ShapeDtypeStruct((2, 16384, 16, 128), jnp.bfloat16)
+  plan = lambda k=q, **kw: jattn.flash_attention_plan(q, k, k, device_kind="NVIDIA H200", **kw)
+  got = lambda **kw: plan(**kw).config.tail_kv_splits
   assert got(causal=False) == 8
   assert got(causal=False, segment_ids=jnp.ones((2, 16384), jnp.int32)) == 0
   assert got(causal=True) == 0
-  assert got(causal=False, k_shape=(2, 4096 + 128, 16, 128)) == 0
+  assert got(causal=False, k=jax.ShapeDtypeStruct((2, 4096 + 128, 16, 128), jnp.bfloat16)) == 0
   # the causal-window entry's two query tiles per program: not with segment ids (range path)
   seg = jnp.ones((2, 16384), jnp.int32)
-  tiles = lambda **kw: ja._mosaic_gpu_default_block_sizes(
-      q, causal=True, window=(511, 0), **kw).q_tiles_per_program
+  tiles = lambda **kw: plan(causal=True, local_window_size=(511, 0), **kw).config \
+      .q_tiles_per_program
   assert tiles() == 2 and tiles(segment_ids=seg) == 1
   bs2 = _bs(128, 2, "overlap", q_tiles_per_program=2)
   for kw, want in ((dict(), 2), (dict(segments=True), 1), (dict(schedule=True), 1)):
@@ -1175,10 +1174,6 @@ def test_registered_path_rejects_unsupported_options():
   with pytest.raises(TypeError, match="BlockSizes"):
     from pallas_kernels.flash import triton as ft
     call(q, q, q, block_sizes=ft.default_block_sizes(64, jnp.bfloat16))
-  # The platform default stays Triton; flash_attention refines it per call on Hopper
-  # (flash_attention_plan, tested in test_attention_api.py).
-  assert jattn.resolve_implementation(None, platform="gpu") == "triton"
-  assert jattn.resolve_implementation("mosaic_gpu", platform="gpu") == "mosaic_gpu"
 
 
 @pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_511", "soft_cap",

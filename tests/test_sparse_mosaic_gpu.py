@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 import zlib
 
 import jax
@@ -109,10 +108,18 @@ def _case(name, dtype=jnp.bfloat16):
   return q, k, v, q_seg, kv_seg, sel, causal
 
 
+def _configs(q_block_size, block_size, d, dtype=jnp.bfloat16, **kw):
+  """(forward, backward) configs of ``block_sparse_plan(implementation="mosaic_gpu")``."""
+  x = jax.ShapeDtypeStruct((1, 1024, 2, d), dtype)
+  plan = sp.block_sparse_plan(x, x, x, q_block_size=q_block_size, block_size=block_size,
+                              implementation="mosaic_gpu", **kw)
+  return plan.config, plan.backward_config
+
+
 def _walk_of(q, k, q_seg, kv_seg, sel, causal):
   """(st, walk) exactly as ``block_sparse_attention(implementation="mosaic_gpu")`` builds them."""
-  fwd_bs, bwd_bs = sp.attention._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype, causal=causal,
-                                              segments=q_seg is not None)
+  fwd_bs, bwd_bs = _configs(sel.q_block_size, sel.block_size, q.shape[-1], q.dtype,
+                            causal=causal, segment_ids=q_seg)
   sq, sk = q.shape[1], k.shape[1]
   sched_of = lambda sel, q_seg, kv_seg: make_schedule(
       sq, sk, sel.q_block_size, sel.block_size, causal=causal, q_segment_ids=q_seg,
@@ -355,13 +362,8 @@ def test_vjp_walks_the_selection_in_the_backward(name, backward, monkeypatch):
     real_bwd = ft._bwd_calls
     monkeypatch.setattr(ft, "_bwd_calls", lambda *a: tiles.append((a[-1].block_q, a[-1].block_k))
                         or real_bwd(*a))
-    real_sizes = sp.attention._mosaic_gpu_block_sizes
-
-    def triton_backward(mod, sel, d, dtype, **kw):
-      fwd, _ = real_sizes(mod, sel, d, dtype, **kw)
-      return (dataclasses.replace(fwd, backward="triton"),
-              sp.attention._kernel_block_sizes("triton", ft, sel, d, dtype))
-    monkeypatch.setattr(sp.attention, "_mosaic_gpu_block_sizes", triton_backward)
+    import jattn.attention
+    monkeypatch.setattr(jattn.attention, "MOSAIC_GPU_BWD_HEAD_DIMS", ())   # Triton's for all
   q, k, v, q_seg, kv_seg, sel, causal = _case(name)
   ks = jax.random.split(jax.random.key(3), 2)
   d_out = jax.random.normal(ks[0], q.shape, q.dtype)
@@ -546,8 +548,8 @@ def test_mosaic_gpu_block_sizes_follow_the_mask_kind(monkeypatch):
     got = {}
     for d, qbs, bs, seg in [(128, 128, 64, False), (128, 64, 64, True), (128, 128, 256, False),
                             (64, 256, 256, False), (256, 128, 64, False)]:
-      sel = types.SimpleNamespace(q_block_size=qbs, block_size=bs)
-      fwd, _ = sp.attention._mosaic_gpu_block_sizes(mg, sel, d, jnp.bfloat16, causal=True, segments=seg)
+      fwd, _ = _configs(qbs, bs, d, causal=True,
+                        segment_ids=jnp.ones((1, 1024), jnp.int32) if seg else None)
       got[d, qbs, bs, seg] = (fwd.block_k, fwd.num_stages, fwd.protocol == "overlap")
   finally:
     mg._tuned_block_sizes.cache_clear()
@@ -640,7 +642,8 @@ def test_gpu_block_sparse_mosaic_forward_overlap(name):
   entries) on the walk of a selection's schedule, whatever the device's table picks: the
   compiled forward vs the fp32 reference over the selection."""
   q, k, v, seg, sel, dtype = _gpu_case(name)
-  fwd_bs, bwd_bs = sp.attention._mosaic_gpu_block_sizes(mg, sel, q.shape[-1], q.dtype)
+  fwd_bs, bwd_bs = _configs(sel.q_block_size, sel.block_size, q.shape[-1], q.dtype,
+                            segment_ids=seg)
   fwd_bs = dataclasses.replace(fwd_bs, protocol="overlap", q_tiles_per_program=1)
   s = q.shape[1]
   sched = make_schedule(s, s, sel.q_block_size, sel.block_size, causal=True,
@@ -665,21 +668,22 @@ def test_block_sparse_plan_picks_the_hopper_path_only_for_covered_calls():
   s = lambda d=128, dv=None, dt=jnp.bfloat16: (jax.ShapeDtypeStruct((1, 4096, 8, d), dt),
                                                jax.ShapeDtypeStruct((1, 4096, 2, d), dt),
                                                jax.ShapeDtypeStruct((1, 4096, 2, dv or d), dt))
-  plan = lambda x, qbs=128, bs=64, cc=(9, 0), **kw: sp.block_sparse_plan(
-      *x, q_block_size=qbs, block_size=bs, platform=kw.pop("platform", "gpu"),
-      compute_capability=cc, **kw)
-  hopper = {"implementation": "mosaic_gpu", "backward": "mosaic_gpu"}
-  triton = {"implementation": "triton", "backward": "triton"}
+  def plan(x, qbs=128, bs=64, device_kind="NVIDIA H200", **kw):
+    p = sp.block_sparse_plan(*x, q_block_size=qbs, block_size=bs, device_kind=device_kind, **kw)
+    return p.implementation, p.backward
+  hopper, triton = ("mosaic_gpu", "mosaic_gpu"), ("triton", "triton")
+  a100 = "NVIDIA A100-SXM4-80GB"
   assert plan(s()) == hopper
   assert plan(s(64, dt=jnp.float16), qbs=64, bs=256) == hopper
-  assert plan(s(256)) == {"implementation": "mosaic_gpu", "backward": "triton"}
-  for x, kw in [(s(), dict(cc=(8, 0))), (s(), dict(cc=None)), (s(), dict(qbs=32)),
-                (s(), dict(bs=96)), (s(dt=jnp.float32), {}), (s(96), {}), (s(128, 64), {}),
+  assert plan(s(256)) == ("mosaic_gpu", "triton")
+  with pytest.raises(ValueError, match="powers of two"):   # Triton's tiles, no fallback
+    plan(s(), bs=96)
+  for x, kw in [(s(), dict(device_kind=a100)), (s(), dict(qbs=32)), (s(dt=jnp.float32), {}), (s(96), {}), (s(128, 64), {}),
                 (s(), dict(interpret=True))]:
     assert plan(x, **kw) == triton, kw
   assert plan(s(), implementation="triton") == triton
-  assert plan(s(), cc=(8, 0), implementation="mosaic_gpu") == hopper
-  assert plan(s(), platform="cpu") == {"implementation": "xla", "backward": "xla"}
+  assert plan(s(), device_kind=a100, implementation="mosaic_gpu") == hopper
+  assert plan(s(), platform="cpu") == ("xla", "xla")
 
 
 @pytest.mark.parametrize("cc,want", [((9, 0), "mosaic_gpu"), ((8, 0), "triton")])
@@ -717,8 +721,8 @@ def test_gpu_default_is_the_hopper_path():
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
   q, k, v = _inputs(29, 1, 2048, 2048, 4, 2, 128)
   kw = dict(block_size=64, q_block_size=128, top_k=4)
-  assert sp.block_sparse_plan(q, k, v, q_block_size=128, block_size=64) == {
-      "implementation": "mosaic_gpu", "backward": "mosaic_gpu"}
+  p = sp.block_sparse_plan(q, k, v, q_block_size=128, block_size=64)
+  assert (p.implementation, p.backward) == ("mosaic_gpu", "mosaic_gpu")
 
   def run(impl):
     loss = lambda q, k, v: (sp.sparse_attention(q, k, v, implementation=impl, **kw)

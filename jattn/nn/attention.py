@@ -61,9 +61,7 @@ ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 # query tile per program; absorbed, that is every query head at r + rope_head_dim. Absorb on
 # Triton only up to the elements of the largest tile its GPU tests run (16 heads x 256 lanes): at
 # DeepSeek sizes (128 heads, 576) the tile and its fp32 accumulator would not fit in registers,
-# so those layers keep the expansion until a head-tiled kernel exists. The absorbed Triton path
-# passed the nn GPU tests on the H200 (run 44: 4 query heads, with values the latent alone; the
-# one-array values below have run only in interpret mode so far).
+# so those layers keep the expansion.
 # The values are the keys' array ([latent | k_rope], r + rope_head_dim wide), so the kernel's
 # value tile and fp32 accumulator [pad16(heads), pow2(r + rope_head_dim)] are the query tile's
 # size too: the same bound covers all three.

@@ -1,6 +1,7 @@
 """Training-time block sparsity and sparse decode (re-exports only).
 
-* :mod:`jattn.sparse.selection`: :func:`block_scores`, :func:`select_blocks` -> :class:`BlockSelection`.
+* :mod:`jattn.sparse.selection`: :func:`block_scores`, :func:`select_blocks` ->
+  :class:`BlockSelection`.
 * :mod:`jattn.sparse.attention`: :func:`block_sparse_attention`, :func:`block_sparse_plan`,
   :func:`sparse_attention` (selection + attention with gates "none", "ste", "gumbel").
 * :mod:`jattn.sparse.metrics`: :func:`captured_mass`, :func:`block_attention_mass`,

@@ -12,12 +12,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jattn import _validate
-from jattn.attention import (_MOSAIC_GPU_BWD_HEAD_DIMS, _hopper_default_covers, kernel_module,
-                             resolve_implementation)
-from pallas_kernels import compat
+from jattn._validate import check_qkv, check_segments
+from jattn._plan import Plan
+from jattn.attention import kernel_module, resolve
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash.reference import attention_reference
 from jattn.sparse.metrics import add_aux_loss, block_attention_mass, score_kl
@@ -25,129 +23,88 @@ from jattn.sparse.selection import (block_scores, candidates, cdiv, check_select
                                    check_selection_args, doc_start_blocks, segment_overlap,
                                    select_lists)
 
+__all__ = ["block_sparse_plan", "block_sparse_attention", "sparse_attention"]
+
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _GATE_MODES = ("none", "ste", "gumbel")
 _QUERY_POOLS = ("sum", "max")
-_INT_MAX = np.iinfo(np.int32).max
-_INT_MIN = np.iinfo(np.int32).min
 
 
 # ----------------------------------------------------------------------------- attention
-def _mosaic_gpu_block_sizes(mod, selection, head_dim, dtype, *, causal=True, segments=False):
-  """(Mosaic GPU forward BlockSizes, backward BlockSizes or None) for a selection, or a clear
-  ValueError naming the allowed block sizes.
+def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=None, causal=True,
+                      segment_ids=None, kv_segment_ids=None, scale=None, return_lse=False,
+                      implementation=None, interpret=False, platform=None,
+                      device_kind=None) -> Plan:
+  """What ``block_sparse_attention`` (and ``sparse_attention``) runs for a call.
 
-  The Hopper forward walks the selection's schedule with its own tiles: 64 query rows per
-  warpgroup (two per program) and ``min(block_k, 128, block_size)`` keys of the device table's
-  entry for the mask kind (``tuning.mask_kind(causal, None, segments)``; on the H200 at D128 and
-  D256 FlashAttention-3's intra-warpgroup overlap, 5% faster on the 64K block-sparse forward,
-  run 64), so every kernel tile lies inside one selection block (the walk's tiles have run on a
-  GPU at 64 and 128 keys, hence the cap). The backward walks the same schedule: at head_dim 64
-  and 128 the Mosaic GPU backward (``backward="mosaic"``, None here: its default tiles cut to
-  fit the selection's blocks, ``mosaic_gpu_bwd.fit_block_sizes``), at head_dim 256 the Triton
-  one at the selection's tiles, with the launch the "triton" implementation uses for them.
-  Hence q_block_size and block_size must be powers of two >= 64.
-  """
-  from pallas_kernels.flash import triton as ft
-  from pallas_kernels.tuning import mask_kind
-  base = mod.default_block_sizes(head_dim, dtype,    # NotImplementedError: head dim, dtype
-                                 mask=mask_kind(causal, None, segments=segments))
-  qbs, bs = selection.q_block_size, selection.block_size
-  bad = [f"{n}={x}" for n, x in (("q_block_size", qbs), ("block_size", bs))
-         if x < 64 or x & (x - 1)]
-  if bad:
-    raise ValueError(
-        f"implementation='mosaic_gpu' needs q_block_size and block_size powers of two >= 64 "
-        f"(allowed: 64, 128, 256, ...: the Hopper forward's tiles are {base.block_q} query rows "
-        f"per warpgroup and 64 or {base.block_k} keys, the Triton backward's powers of two), "
-        f"got {', '.join(bad)}; select blocks with such sizes (e.g. q_block_size=128, "
-        f"block_size=64) or use implementation='triton' or 'xla'")
-  fwd = dataclasses.replace(base, block_k=min(base.block_k, 128, bs),
-                            tail_kv_splits=0)     # a schedule's walk: no key-chunk tail launch
-  if head_dim in _MOSAIC_GPU_BWD_HEAD_DIMS:
-    return dataclasses.replace(fwd, backward="mosaic"), None
-  return fwd, _kernel_block_sizes("triton", ft, selection, head_dim, dtype)
-
-
-def _kernel_block_sizes(impl, mod, selection, head_dim, dtype):
-  """The kernel's BlockSizes with the selection's tiles, or a clear ValueError."""
-  base = mod.default_block_sizes(head_dim, dtype)
-  qbs, bs = selection.q_block_size, selection.block_size
-  if impl == "triton":
-    bad = [f"{n}={x}" for n, x in (("q_block_size", qbs), ("block_size", bs))
-           if x < 16 or x & (x - 1)]
-    if bad:
-      raise ValueError(f"implementation='triton' needs powers of two >= 16 for the tiles, got "
-                       f"{', '.join(bad)}; select blocks with such sizes (the kernel's default "
-                       f"is q_block_size={base.block_q}, block_size={base.block_k}) or use "
-                       f"implementation='xla'")
-    # One tiling, the selection's blocks, for the forward and the backward (the default's
-    # per-pass tiles are dropped: the backward walks the same schedule). Launch parameters tuned
-    # for other tiles do not carry over: let the kernel choose the warps (its tuned values when
-    # a pass's tiles match the default's), and shorten the pipeline when the key tile grows
-    # (shared memory).
-    extra = {}
-    if bs > base.block_k:
-      extra = dict(num_stages=2)
-    return dataclasses.replace(base, block_q=qbs, block_k=bs, num_warps=None,
-                               bwd_num_warps=None, bwd_block_q=None, bwd_block_k=None,
-                               dkv_block_q=None, **extra)
-  if (base.block_q, base.block_k) == (qbs, bs):
-    return base
-  try:
-    return dataclasses.replace(base, block_q=qbs, block_k=bs)
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-        f"implementation={impl!r} cannot run tiles of q_block_size={qbs}, block_size={bs} ({e}); "
-        f"select blocks with sizes the kernel supports (its default is "
-        f"q_block_size={base.block_q}, block_size={base.block_k}) or use "
-        f"implementation='xla'") from None
-
-
-def block_sparse_plan(q, k, v, *, q_block_size, block_size, implementation=None,
-                      interpret=False, platform=None, compute_capability=None):
-  """The kernels ``block_sparse_attention`` / ``sparse_attention`` run for a call.
-
-  ``implementation=None`` on a GPU of compute capability 9.0 (H100/H200) picks "mosaic_gpu" (the
-  Hopper forward and, at head_dim 64/128, the Mosaic GPU backward, both walking the selection's
-  block schedule) when q, k and v are all bf16 or all fp16 with head_dim 64, 128 or 256 (=
-  head_dim_v), q_block_size and block_size are powers of two >= 64 and interpret is off; any
-  other GPU call picks "triton". Measured (H200, B1 H16 D128 bf16 causal, 19% of the causal
-  128 x 64 tiles, fwd+bwd, selection included; run 116): 30.98 ms against 38.62 for "triton" at
-  64K, 2.376 against 2.933 at 16K. A named implementation is returned unchanged.
+  Takes every argument of :func:`block_sparse_attention` (``scale`` and ``return_lse`` change no
+  choice); without a selection, ``q_block_size`` and ``block_size`` give its tiles.
+  ``implementation=None`` on a Hopper GPU picks "mosaic_gpu" (the Hopper forward and, at
+  head_dim 64/128, the Mosaic GPU backward, both walking the selection's block schedule) for
+  bf16/fp16 q, k, v with head_dim 64, 128 or 256 (= head_dim_v), tiles that are powers of two
+  >= 64 and interpret off; "triton" for other GPU calls, "mosaic_tpu" on TPU, "xla" on CPU.
+  The configs are the device table's, fitted to the selection's tiles
+  (``jattn.attention.resolve``).
 
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
-    q_block_size, block_size: the selection's block sizes.
-    implementation, interpret: as for ``block_sparse_attention``.
-    platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
-    compute_capability: (major, minor) of the GPU; default: that of the first GPU.
+    selection: the call's :class:`BlockSelection`, or None with the two block sizes.
+    q_block_size, block_size: the selection's block sizes (when ``selection`` is None).
+    causal, segment_ids, kv_segment_ids, scale, return_lse, implementation, interpret: as for
+      :func:`block_sparse_attention`.
+    platform, device_kind: plan for another device (as for ``jattn.flash_attention_plan``).
 
   Returns:
-    A dict: ``implementation`` (the name the call dispatches on) and ``backward`` ("mosaic_gpu",
-    "triton", "mosaic_tpu" or "xla": the kernels of the VJP).
+    A :class:`jattn._plan.Plan` with ``op="block_sparse"``.
 
   Example:
     >>> import jax, jax.numpy as jnp
     >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
-    >>> block_sparse_plan(x, x, x, q_block_size=128, block_size=64, platform="gpu",
-    ...                   compute_capability=(9, 0))
-    {'implementation': 'mosaic_gpu', 'backward': 'mosaic_gpu'}
-    >>> block_sparse_plan(x, x, x, q_block_size=32, block_size=64, platform="gpu",
-    ...                   compute_capability=(9, 0))
-    {'implementation': 'triton', 'backward': 'triton'}
+    >>> p = block_sparse_plan(x, x, x, q_block_size=128, block_size=64, device_kind="NVIDIA H200")
+    >>> p.implementation, p.backward, p.config.block_k
+    ('mosaic_gpu', 'mosaic_gpu', 64)
+    >>> block_sparse_plan(x, x, x, q_block_size=32, block_size=64,
+    ...                   device_kind="NVIDIA H200").implementation
+    'triton'
   """
-  impl = resolve_implementation(implementation, platform=platform, interpret=interpret)
-  if implementation is None and impl == "triton" and not interpret:
-    cc = compute_capability if compute_capability is not None else compat.gpu_compute_capability()
-    tiles_ok = all(x >= 64 and not x & (x - 1) for x in (int(q_block_size), int(block_size)))
-    if cc is not None and tuple(cc) == (9, 0) and tiles_ok and _hopper_default_covers(q, k, v):
-      impl = "mosaic_gpu"
-  backward = impl
-  if impl == "mosaic_gpu" and q.shape[-1] not in _MOSAIC_GPU_BWD_HEAD_DIMS:
-    backward = "triton"
-  return {"implementation": impl, "backward": backward}
+  del scale, return_lse
+  if selection is not None:
+    q_block_size, block_size = selection.q_block_size, selection.block_size
+  if q_block_size is None or block_size is None:
+    raise ValueError("block_sparse_plan needs a selection or q_block_size and block_size")
+  return resolve("block_sparse", q, k, v, causal=causal,
+                 segments=segment_ids is not None or kv_segment_ids is not None,
+                 tiles=(int(q_block_size), int(block_size)), implementation=implementation,
+                 interpret=interpret, platform=platform, device_kind=device_kind)
+
+
+def _run_block_sparse(plan, q, k, v, selection, *, causal, segment_ids, kv_segment_ids, scale,
+                      interpret):
+  """(out, lse) of ``plan`` for validated inputs."""
+  impl, q_len, kv_len = plan.implementation, q.shape[1], k.shape[1]
+  if impl == "xla":
+    return attention_reference(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, scale=scale,
+                               block_mask=selection.to_mask())
+  if impl not in ("triton", "mosaic_tpu", "mosaic_gpu"):
+    raise ValueError(f"block_sparse_attention does not support implementation={impl!r}; use "
+                     f"'xla', 'triton', 'mosaic_gpu' or 'mosaic_tpu'")
+  # The selection's schedule at its own tiles: the Triton and Mosaic TPU kernels walk it with
+  # those tiles, the Mosaic GPU kernels with theirs, which lie inside its blocks.
+  schedule = make_schedule(q_len, kv_len, selection.q_block_size, selection.block_size,
+                           causal=causal, q_segment_ids=segment_ids,
+                           kv_segment_ids=kv_segment_ids, block_mask=selection.tile_mask(),
+                           max_kv_blocks=selection.max_selected)
+  mod = kernel_module(impl)
+  if impl == "mosaic_gpu":
+    return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
+                               scale=scale, block_sizes=plan.config,
+                               bwd_block_sizes=plan.backward_config, interpret=interpret)
+  kwargs = dict(block_sizes=plan.config) if impl == "triton" else {}
+  return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
+                             local_window_size=None, scale=scale, logits_soft_cap=None,
+                             interpret=interpret, **kwargs)
 
 
 def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
@@ -168,17 +125,14 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
       are visited; the backward walks the schedule's transposed lists. A ValueError is raised if
       the kernel cannot run those tile sizes (e.g. Triton needs powers of two >= 16, Mosaic TPU
       multiples of 128): there is no silent fallback.
-    * "mosaic_gpu" (Hopper, sm90): the Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``)
-      walks the same schedule with its own 64-row x (64 or 128)-key tiles, only the kept tiles
-      (per program the union of its two 64-row warpgroups' lists, each tile run unmasked,
-      masked or skipped per warpgroup); the backward walks the same schedule: at head_dim 64 and
-      128 the Mosaic GPU dK/dV and dQ kernels (``mosaic_gpu_bwd``, since session 27: the dQ
-      kernel walks each query tile's kv list, the dK/dV kernel each kv tile's transposed query
-      list, with 64-row / 64-key tiles), at head_dim 256 the Triton kernels at the selection's
-      tiles (the "triton" implementation's backward). Needs q_block_size and block_size powers
-      of two >= 64 (ValueError otherwise), bf16/fp16, head_dim 64/128/256 == head_dim_v
-      (NotImplementedError otherwise). GPU tests pass (runs 19-22); fwd+bwd at 64K with 19% of
-      causal blocks 4.94x the dense causal kernel with the Triton backward (run 32).
+    * "mosaic_gpu" (Hopper, sm90): the Mosaic GPU forward walks the same schedule with its own
+      64-row x (64 or 128)-key tiles, only the kept tiles (per program the union of its two
+      64-row warpgroups' lists, each tile run unmasked, masked or skipped per warpgroup); the
+      backward walks the same schedule: at head_dim 64 and 128 the Mosaic GPU dK/dV and dQ
+      kernels (``mosaic_gpu_bwd``: dQ walks each query tile's kv list, dK/dV each kv tile's
+      transposed query list), at head_dim 256 the Triton kernels at the selection's tiles.
+      Needs q_block_size and block_size powers of two >= 64 (ValueError otherwise), bf16/fp16,
+      head_dim 64/128/256 == head_dim_v (NotImplementedError otherwise).
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -190,9 +144,8 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None (``block_sparse_plan``: "mosaic_gpu" on Hopper for the calls it covers,
-      else "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU), "xla", "triton", "mosaic_gpu" or
-      "mosaic_tpu".
+    implementation: None (:func:`block_sparse_plan` says what runs), "xla", "triton",
+      "mosaic_gpu" or "mosaic_tpu".
     interpret: run a Pallas kernel in interpret mode (CPU tests; "mosaic_gpu" raises
       NotImplementedError: its forward cannot be interpreted).
 
@@ -200,56 +153,22 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
 
   Example:
+    >>> from jattn.sparse import select_blocks
     >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
     >>> sel = select_blocks(q, q, block_size=64, q_block_size=64, top_k=1)
     >>> block_sparse_attention(q, q, q, sel, implementation="xla").shape
     (1, 256, 2, 32)
   """
-  batch, q_len, kv_len, _, hk = _validate.check_qkv(q, k, v)
-  _validate.check_implementation(implementation)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, _, hk = check_qkv(q, k, v)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  impl = block_sparse_plan(q, k, v, q_block_size=selection.q_block_size,
-                           block_size=selection.block_size, implementation=implementation,
-                           interpret=interpret)["implementation"]
-  if impl == "xla":
-    out, lse = attention_reference(q, k, v, causal=causal, q_segment_ids=segment_ids,
-                                   kv_segment_ids=kv_segment_ids, scale=scale,
-                                   block_mask=selection.to_mask())
-  elif impl in ("triton", "mosaic_tpu"):
-    mod = kernel_module(impl)
-    bs = _kernel_block_sizes(impl, mod, selection, q.shape[-1], q.dtype)
-    schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, causal=causal,
-                             q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                             block_mask=selection.tile_mask(),
-                             max_kv_blocks=selection.max_selected)
-    kwargs = dict(block_sizes=bs) if impl == "triton" else {}
-    out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
-                                   local_window_size=None, scale=scale, logits_soft_cap=None,
-                                   interpret=interpret, **kwargs)
-  elif impl == "mosaic_gpu":
-    # Hopper forward walking the selection's schedule; the backward (Mosaic GPU at D64/D128,
-    # Triton at D256) walks the same one.
-    mod = kernel_module(impl)
-    fwd_bs, bwd_bs = _mosaic_gpu_block_sizes(mod, selection, q.shape[-1], q.dtype,
-                                             causal=causal, segments=segment_ids is not None
-                                             or kv_segment_ids is not None)
-    if v.shape[-1] != q.shape[-1]:
-      raise NotImplementedError(f"implementation='mosaic_gpu' needs head_dim_v == head_dim, got "
-                                f"{v.shape[-1]} != {q.shape[-1]}; use implementation='triton'")
-    schedule = make_schedule(q_len, kv_len, selection.q_block_size, selection.block_size,
-                             causal=causal, q_segment_ids=segment_ids,
-                             kv_segment_ids=kv_segment_ids, block_mask=selection.tile_mask(),
-                             max_kv_blocks=selection.max_selected)
-    out, lse = mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
-                                   scale=scale, block_sizes=fwd_bs, bwd_block_sizes=bwd_bs,
-                                   interpret=interpret)
-  else:
-    raise ValueError(f"block_sparse_attention does not support implementation={impl!r}; use "
-                     f"'xla', 'triton', 'mosaic_gpu' or 'mosaic_tpu'")
+  plan = block_sparse_plan(q, k, v, selection, causal=causal, segment_ids=segment_ids,
+                           implementation=implementation, interpret=interpret)
+  out, lse = _run_block_sparse(plan, q, k, v, selection, causal=causal, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, scale=scale, interpret=interpret)
   return (out, lse) if return_lse else out
 
 
@@ -338,33 +257,33 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _gated_attention(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, impl,
+def _gated_attention(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, plan,
                      interpret):
-  """block_sparse_attention whose logits carry a per-kept-tile bias ``gate_logits - itself``.
+  """block-sparse attention (``plan``) whose logits carry a per-kept-tile bias
+  ``gate_logits - itself``.
 
   gate_logits [b, hk, nq, max_selected] never changes the forward (the bias is exactly 0); its
   cotangent is the tile-summed dLoss/dlogits (``_tile_logit_grads``).
   """
   del gate_logits
-  return block_sparse_attention(q, k, v, selection, causal=causal, segment_ids=q_seg,
-                                kv_segment_ids=kv_seg, scale=scale, return_lse=True,
-                                implementation=impl, interpret=interpret)
+  return _run_block_sparse(plan, q, k, v, selection, causal=causal, segment_ids=q_seg,
+                           kv_segment_ids=kv_seg, scale=scale, interpret=interpret)
 
 
-def _gated_fwd(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, impl, interpret):
+def _gated_fwd(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, plan, interpret):
   del gate_logits
-  attn = lambda q_, k_, v_: block_sparse_attention(
-      q_, k_, v_, selection, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg, scale=scale,
-      return_lse=True, implementation=impl, interpret=interpret)
+  attn = lambda q_, k_, v_: _run_block_sparse(
+      plan, q_, k_, v_, selection, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg,
+      scale=scale, interpret=interpret)
   (out, lse), vjp_fn = jax.vjp(attn, q, k, v)
   return (out, lse), (q, k, v, out, lse, vjp_fn, selection, q_seg, kv_seg)
 
 
-def _gated_bwd(causal, scale, impl, interpret, res, cts):
+def _gated_bwd(causal, scale, plan, interpret, res, cts):
   q, k, v, out, lse, vjp_fn, selection, q_seg, kv_seg = res
   dout, dlse = cts
   dq, dk, dv = vjp_fn((dout, dlse))
-  if impl in ("triton", "mosaic_gpu"):   # the Triton gate-gradient kernel (GPU)
+  if plan.implementation in ("triton", "mosaic_gpu"):   # the Triton gate-gradient kernel (GPU)
     from pallas_kernels.sparse.gate_grad import tile_logit_grads
     dgate = tile_logit_grads(q, k, v, out, lse, dout, dlse, selection.indices, selection.counts,
                              q_seg, kv_seg, block_q=selection.q_block_size,
@@ -468,14 +387,14 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   if score_aux_pool not in _QUERY_POOLS:
     raise ValueError(f"score_aux_pool must be one of {_QUERY_POOLS}, got {score_aux_pool!r}")
   check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
-  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, v)
-  _validate.check_implementation(implementation)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
-  impl = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
-                           implementation=implementation, interpret=interpret)["implementation"]
+  plan = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
+                           causal=causal, segment_ids=segment_ids, implementation=implementation,
+                           interpret=interpret)
   if gate_grad == "none":
     q_s, k_s = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   else:
@@ -498,16 +417,15 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                 num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
                 scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
   if gate_grad == "none":
-    out = block_sparse_attention(q, k, v, sel, causal=causal, segment_ids=segment_ids,
-                                 kv_segment_ids=kv_segment_ids, scale=scale,
-                                 implementation=impl, interpret=interpret)
+    out, _ = _run_block_sparse(plan, q, k, v, sel, causal=causal, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, scale=scale, interpret=interpret)
   else:
     valid = sel.indices >= 0
     gate_sel = jnp.take_along_axis(gate, jnp.maximum(sel.indices, 0), axis=-1)
     gate_sel = jnp.where(valid, gate_sel, 0.0)                    # [b, hk, nq, max_selected]
     bare = dataclasses.replace(sel, scores=None)
     out, _ = _gated_attention(q, k, v, gate_sel, bare, segment_ids, kv_segment_ids, bool(causal),
-                              float(scale), impl, bool(interpret))
+                              float(scale), plan, bool(interpret))
   if score_aux_weight > 0:
     scores_g = scores if gate_grad != "none" else block_scores(
         q, k, block_size=block_size, q_block_size=q_block_size, segment_ids=segment_ids,

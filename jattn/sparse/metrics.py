@@ -5,19 +5,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jattn import _validate
+from jattn._validate import check_qkv, check_segments
 from pallas_kernels.masks import element_mask
 from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
                                    check_selection_args, doc_start_blocks, segment_overlap)
 
+__all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_loss"]
+
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_GATE_MODES = ("none", "ste", "gumbel")
 _QUERY_POOLS = ("sum", "max")
-_INT_MAX = np.iinfo(np.int32).max
-_INT_MIN = np.iinfo(np.int32).min
 
 
 # ----------------------------------------------------------------------------- captured mass
@@ -62,13 +60,14 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     fp32 scalar or [batch, q_heads].
 
   Example:
+    >>> from jattn.sparse import select_blocks
     >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
     >>> sel = select_blocks(q, q, block_size=64, top_k=4)
     >>> float(captured_mass(q, q, sel))
     1.0
   """
-  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
   g = hq // hk
@@ -125,8 +124,9 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
       m[b, h, t, j]: a block that one query of the block needs counts fully (SeerAttention's
       max-pooled ground truth), where "sum" dilutes it by the query block size.
 
-  The target of :func:`block_score_kl`. Not differentiable (stop-gradient inputs). Computed in chunks of query blocks (``lax.map``; ~max_chunk_elems logits each), the
-  matmul in the input dtype with fp32 accumulation (fp32 inputs: HIGHEST precision).
+  The target of :func:`block_score_kl`. Not differentiable (stop-gradient inputs). Computed in
+  chunks of query blocks (``lax.map``; ~max_chunk_elems logits each), the matmul in the input
+  dtype with fp32 accumulation (fp32 inputs: HIGHEST precision).
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -149,8 +149,8 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
   """
   if query_pool not in _QUERY_POOLS:
     raise ValueError(f"query_pool must be one of {_QUERY_POOLS}, got {query_pool!r}")
-  batch, q_len, kv_len, hq, hk = _validate.check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   g, d = hq // hk, q.shape[-1]
@@ -252,8 +252,8 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
   check_selection_args(block_size, q_block_size, 0, num_init_blocks, num_local_blocks)
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
-  batch, q_len, kv_len, _, hk = _validate.check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, _, hk = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -276,9 +276,21 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
 
 @jax.custom_vjp
 def add_aux_loss(x, loss):
-  """Identity on ``x``; in the backward pass ``loss`` (a scalar) receives cotangent 1, so the
-  gradient of the caller's scalar loss L becomes that of L + loss (DeepSeek-V2/V3's
-  ``AddAuxiliaryLoss``)."""
+  """Identity on ``x``; in the backward pass ``loss`` receives cotangent 1 (DeepSeek-V2/V3's
+  ``AddAuxiliaryLoss``).
+
+  Args:
+    x: any array.
+    loss: a scalar whose gradient joins the caller's.
+
+  Returns:
+    ``x``; the gradient of the caller's scalar loss L becomes that of L + loss.
+
+  Example:
+    >>> w = jnp.float32(2.0)
+    >>> float(jax.grad(lambda w: add_aux_loss(jnp.ones(3), w ** 2).sum())(w))
+    4.0
+  """
   del loss
   return x
 

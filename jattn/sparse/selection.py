@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import _validate
+from jattn._validate import check_qkv, check_segments
 from pallas_kernels.block_schedule import compact_true
-from pallas_kernels.sparse import topk as _topk
+from pallas_kernels.sparse import topk as topk_kernel
+
+__all__ = ["BlockSelection", "block_scores", "select_blocks"]
 
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_GATE_MODES = ("none", "ste", "gumbel")
-_QUERY_POOLS = ("sum", "max")
 _INT_MAX = np.iinfo(np.int32).max
 _INT_MIN = np.iinfo(np.int32).min
 
@@ -320,8 +320,8 @@ def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size):
   return jnp.where(qmn <= qmx, start, nk).astype(jnp.int32)     # all-padding query block: nk
 
 
-def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
-            seg_ok, scores, doc_start=None):
+def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
+                 top_k, seg_ok, scores, doc_start=None):
   """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
 
   seg_ok: None or bool [b, nq, nk] (``segment_overlap``). doc_start: None (initial blocks
@@ -342,9 +342,9 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
   k_eff = min(top_k, nk)
   cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
   by_sort = functools.partial(_selected_lists_by_sort, k=k_eff, max_sel=max_sel)
-  if k_eff > 0 and nk <= _topk.MAX_ROW:   # GPU: the top-k as a mask by a Pallas kernel, no sort
+  if k_eff > 0 and nk <= topk_kernel.MAX_ROW:   # GPU: the top-k as a mask by a Pallas kernel
     by_mask = functools.partial(_selected_lists_by_mask, k=k_eff, max_sel=max_sel,
-                                keep_fn=_topk.top_k_mask)
+                                keep_fn=topk_kernel.top_k_mask)
     indices = jax.lax.platform_dependent(rank, cand_b, fidx, vis, cuda=by_mask,
                                          default=by_sort)
   else:
@@ -501,8 +501,8 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
   if score != "mean_key":
     raise ValueError(f"unknown score {score!r}; supported: 'mean_key'")
   check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
-  batch, q_len, kv_len, _, _ = _validate.check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = _validate.check_segments(segment_ids, kv_segment_ids, batch,
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)

@@ -1,4 +1,4 @@
-"""Tuned block sizes of the flash kernels, kept as data keyed by device (issue 8, point 3).
+"""Tuned kernel configs kept as data, one JSON table per device, and the device they key on.
 
 Each JSON file in this package is one table: ``device_kinds`` (the ``device_kind`` strings jax
 reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
@@ -9,38 +9,40 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
     "mosaic_gpu_fwd" (``flash.mosaic_gpu``) or "mosaic_gpu_bwd" (``flash.mosaic_gpu_bwd``);
   * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
   * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
-  * ``mask``: "all" (one entry for every mask kind), or a mask kind ("dense", "causal",
-    "window", "causal_window", "causal_segments"; ``mask_kind``; "block_sparse" for calls
-    walking a block schedule) that ``entry(mask=...)`` prefers to "all" (the Mosaic GPU forward
-    asks by mask: its H200 causal-window tiles, run 33, and its softmax fence, on except for
-    packed documents, runs 37-38; and the Mosaic GPU backward: its H200 D64 causal-window
-    tiles, run 110, and D128 block-schedule ring depth, run 118);
+  * ``mask``: "all" (one entry for every mask kind), or a mask kind (:func:`mask_kind`:
+    "dense", "causal", "window", "causal_window", "causal_segments"; "block_sparse" for calls
+    walking a block schedule) that :func:`entry` prefers to "all";
 
-with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the run,
-date, commit, command and results file that picked it, or "untimed" for a guess).
+with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the date,
+commit, command and results that picked it, or "untimed" for a guess).
 
 ``DEVICE_TABLES`` maps a device kind to its file; every other device (CPU, interpret mode,
-other GPUs) gets ``generic.json``, the values all devices used before these tables existed. A
-device table's entries override the generic ones key by key. Tables are read on first use
-(json, ~10 KB each) and cached. ``experiments/gpu_sweep.py --write-tuning`` writes a candidate
-table in this format; docs/kernels.md ("Tuning data") says how to regenerate one.
+other GPUs, the H100 included) reads ``generic.json``. A device table's entries override the
+generic ones key by key. Tables are read on first use and cached.
+
+:class:`Device` is the one description of a device that both dispatch (platform, compute
+capability) and the tables (device kind) key on; :func:`device` reads it once per process, or
+builds one from overrides (tests, docs).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
+import re
 
-__all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "device_kind", "dtype_class",
-           "entry", "mask_kind", "params", "required_params", "table_file", "load_table"]
+__all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "Device", "device",
+           "device_kind", "dtype_class", "entry", "mask_kind", "params", "required_params",
+           "table_file", "load_table"]
 
 # jax device_kind -> table file (in this package). Add a device here with its file; a device
-# not listed (the H100 included: its kernels were never timed) uses GENERIC_TABLE.
+# not listed (the H100 included) uses GENERIC_TABLE.
 DEVICE_TABLES = {"NVIDIA H200": "nvidia_h200.json"}
 GENERIC_TABLE = "generic.json"
 KERNELS = ("triton_fwd", "triton_bwd", "mosaic_gpu_fwd", "mosaic_gpu_bwd")
 # "block_sparse": calls walking a block schedule (a top-K selection's), whatever their element
-# mask; only the Mosaic GPU backward asks for it (``mosaic_gpu_bwd``, session 27).
+# mask; only the Mosaic GPU backward asks for it.
 MASK_KINDS = ("all", "dense", "causal", "window", "causal_window", "causal_segments",
               "block_sparse")
 _DIR = os.path.dirname(os.path.abspath(__file__))
@@ -62,6 +64,74 @@ def device_kind() -> str | None:
     return jax.devices()[0].device_kind
   except RuntimeError:
     return None
+
+
+# Hopper parts by device kind (H100, H200, H800, H20, GH200): compute capability 9.0.
+_SM90_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """The device a call is planned for: what dispatch and the tables key on.
+
+  Attributes:
+    platform: "cpu", "gpu" or "tpu".
+    kind: jax's ``device_kind`` (the tables' key), or None without a device.
+    compute_capability: (major, minor) of a GPU, or None.
+    core_count: multiprocessors of a GPU, or None where unknown (a described device).
+
+  Example:
+    >>> d = device(kind="NVIDIA H200")
+    >>> d.platform, d.compute_capability, d.sm90, d.table
+    ('gpu', (9, 0), True, 'nvidia_h200.json')
+  """
+  platform: str
+  kind: str | None
+  compute_capability: tuple[int, int] | None = None
+  core_count: int | None = None
+
+  @property
+  def sm90(self) -> bool:
+    """Hopper (compute capability 9.0): where the Mosaic GPU kernels run."""
+    return self.platform == "gpu" and self.compute_capability == (9, 0)
+
+  @property
+  def table(self) -> str:
+    """The table file this device reads (:func:`table_file`)."""
+    return DEVICE_TABLES.get(self.kind, GENERIC_TABLE)
+
+
+def device(platform: str | None = None, kind: str | None = None) -> Device:
+  """The current device, or one described by overrides.
+
+  Args:
+    platform: "cpu", "gpu" or "tpu" (default: that of ``kind`` if it names one, else jax's
+      default backend).
+    kind: a jax ``device_kind`` (default: the current device's). A kind other than the
+      current device's gets the compute capability its name implies (9.0 for Hopper parts,
+      else None) and no core count.
+
+  Returns:
+    A :class:`Device`.
+
+  Example:
+    >>> device(kind="NVIDIA H100 80GB HBM3").table
+    'generic.json'
+    >>> device("gpu", "NVIDIA A100-SXM4-80GB").sm90
+    False
+  """
+  from pallas_kernels import compat
+  here = device_kind()
+  if kind is None or kind == here:
+    platform = platform or compat.default_backend()
+    gpu = platform == "gpu"
+    return Device(platform, here, compat.gpu_compute_capability() if gpu else None,
+                  compat.gpu_core_count() if gpu else None)
+  if platform is None:
+    platform = ("gpu" if kind.startswith("NVIDIA") else "tpu" if "TPU" in kind
+                else compat.default_backend())
+  cc = (9, 0) if platform == "gpu" and _SM90_KIND.search(kind) else None
+  return Device(platform, kind, cc)
 
 
 def dtype_class(dtype) -> str:

@@ -333,14 +333,16 @@ def test_dry_run_preset_runs_the_pallas_kernels_in_interpret_mode(monkeypatch):
   assert (p.num_layers, p.d_model, p.head_dim, p.compute_dtype, p.block_size) == (
       base.num_layers, base.d_model, base.head_dim, base.compute_dtype, base.block_size)
   assert p.seq_len == 1024 and p.steps == 3 and p.interpret and p.implementation == "triton"
+  import jattn.sparse.attention as sparse_api
   seen = []
-  real = api.resolve_implementation
+  real = api.resolve
 
-  def spy(implementation=None, **kw):
+  def spy(op, *a, implementation=None, **kw):
     seen.append((implementation, kw.get("interpret")))
-    return real(implementation, **kw)
+    return real(op, *a, implementation=implementation, **kw)
 
-  monkeypatch.setattr(api, "resolve_implementation", spy)
+  monkeypatch.setattr(api, "resolve", spy)
+  monkeypatch.setattr(sparse_api, "resolve", spy)
   model = C.build_model(p, "full", 0)
   jax.eval_shape(lambda t: model(t), jnp.zeros((1, p.seq_len), jnp.int32))
   assert seen and all(s == ("triton", True) for s in seen), seen
