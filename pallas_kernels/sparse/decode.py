@@ -269,7 +269,7 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
   """Splits per (batch, kv head) for the sparse decode kernel.
 
   About ``programs_per_core`` programs per multiprocessor over the batch x kv_heads pairs (B1
-  with 8 kv heads would otherwise run 8 programs on a 132-SM H200), with at least
+  with 8 kv heads would otherwise launch 8 programs on a 132-SM H200), with at least
   ``min_blocks_per_split`` selected blocks per split. Not rounded to a power of two: the
   selected lists have no power-of-two length.
 
