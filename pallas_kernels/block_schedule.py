@@ -30,6 +30,10 @@ import numpy as np
 
 from pallas_kernels.masks import normalize_window
 
+# The documented API; the segment-tile helpers serve the Mosaic GPU walks.
+__all__ = ["BlockSchedule", "compact_true", "make_schedule", "schedule_to_mask",
+           "check_schedule_args"]
+
 _INT32_MAX = np.iinfo(np.int32).max
 _INT32_MIN = np.iinfo(np.int32).min
 

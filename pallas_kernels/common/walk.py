@@ -26,8 +26,8 @@ WALK_SHIFT = 4
 SKIP, FULL, PARTIAL = 0, 1, 2
 WARPGROUPS = 2   # compute warpgroups per program: the two codes of an entry
 
-__all__ = ["FULL", "PARTIAL", "SKIP", "WALK_SHIFT", "WARPGROUPS", "entry_code", "entry_tile",
-           "list_walk", "range_codes", "segment_bounds"]
+# The documented API; the entry codes serve the Mosaic GPU kernels.
+__all__ = ["range_codes", "list_walk", "segment_bounds"]
 
 
 def entry_tile(entry):

@@ -36,8 +36,8 @@ from pallas_kernels import compat
 from pallas_kernels.common.merge import merge_partials_pallas, store_merged_heads
 from pallas_kernels.decode.triton import load_group_query
 
-__all__ = ["sparse_decode", "sparse_decode_partials", "default_num_splits", "length_row",
-           "check_lengths"]
+# The documented API; the length helpers serve the selection kernels.
+__all__ = ["sparse_decode", "sparse_decode_partials", "default_num_splits"]
 
 NUM_WARPS = 4
 NUM_STAGES = 3

@@ -5,7 +5,7 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
 
   * ``kernel``: "triton_fwd", "triton_bwd" (the two passes of ``pallas_kernels.flash.triton``:
     one ``BlockSizes`` holds both, the forward's fields in one entry, the backward's in the
-    other; ``head_group``, the launch order of all three kernels, is a forward field),
+    other),
     "mosaic_gpu_fwd" (``flash.mosaic_gpu``) or "mosaic_gpu_bwd" (``flash.mosaic_gpu_bwd``);
   * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
   * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
@@ -191,7 +191,7 @@ def load_table(name: str) -> dict:
   """One table file, parsed and checked (cached: do not mutate the result).
 
   Args:
-    name: a file name in this package, or a path (e.g. a candidate from ``gpu_sweep``).
+    name: a file name in this package, or a path (e.g. a candidate table).
 
   Returns:
     {(kernel, head_dim, dtype, mask): entry}, entry being the JSON object (params, provenance).
