@@ -179,7 +179,7 @@ def test_tiny_run_every_family(tmp_path, monkeypatch, capsys):
   capsys.readouterr()
   assert bench.main(["--summary", out]) == 0
   table = capsys.readouterr().out
-  assert "| flash_window512_fwdbwd |" in table and "jattn / best anchor" in table
+  assert "| flash_window512_fwdbwd |" in table and "speed vs best anchor" in table
   assert "| sparse_16k |" in table and "jattn dense ms" in table
   line = next(ln for ln in table.splitlines() if ln.startswith("| flash_packed_fwd |"))
   j, a = (rows[("flash_packed_fwd", i)]["ms"] for i in ("jattn", "jax_nn_xla"))
@@ -219,7 +219,7 @@ def test_summary_of_rows():
           for i, ms, ok in (("jattn", 1.0, True), ("jax_nn_cudnn", 2.0, True),
                             ("jax_nn_xla", 0.5, False))]
   table = bench.summary({"meta": {}, "rows": rows})
-  assert "| decode_b1_s128k | s | 1.000 | 2.000 | fail | 0.50 |" in table   # failed anchor left out
+  assert "| decode_b1_s128k | s | 1.000 | 2.000 | fail | 2.00 |" in table   # failed anchor left out
 
 
 RESULTS = sorted(glob.glob(os.path.join(bench.RESULTS_DIR, "*.json")))
@@ -236,4 +236,4 @@ def test_committed_results_files(path):
   _check_file(result, result["meta"]["cases"])
   names = {r["case"] for r in result["rows"]}
   assert set(bench.GROUPS["anchors"]) <= names
-  assert "jattn / best anchor" in bench.summary(result)
+  assert "speed vs best anchor" in bench.summary(result)
