@@ -5,23 +5,15 @@ Implementations:
   * ``"triton"``: portable Pallas GPU kernels (Triton lowering); forward and backward walk the
     mask's block schedule, so masked tiles are skipped.
   * ``"mosaic_tpu"``: Pallas Mosaic TPU kernels with the same schedule.
-  * ``"mosaic_gpu"``: Hopper (sm90): the Pallas Mosaic GPU forward of
-    ``pallas_kernels.flash.mosaic_gpu`` (TMA, wgmma, warp specialisation, ping-pong) with the
-    Mosaic GPU backward (``mosaic_gpu_bwd``) at head_dim 64/128 and the Triton backward kernels,
-    fed the forward's out and LSE, at head_dim 256. Every mask (causal, local window, segment
-    ids), soft cap, GQA; bf16/fp16, head_dim 64/128/256 == head_dim_v. Other dtypes or head dims
-    and ``interpret=True`` raise NotImplementedError naming the option (no fallback).
+  * ``"mosaic_gpu"``: Hopper (sm90) Pallas Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``)
+    and backward (Triton backward at head_dim 256); bf16/fp16, head_dim 64/128/256 == head_dim_v.
   * ``"cudnn"``: pass-through to ``jax.nn.dot_product_attention(implementation="cudnn")`` for
     the masks it supports (causal, local window); anything else raises ValueError.
 
 How a call is resolved (:func:`resolve`, the one place, for flash and block-sparse calls):
-  1. implementation: the one named, else the platform's: "mosaic_gpu" on a Hopper GPU for the
-     calls it covers, "triton" on other GPU calls, "mosaic_tpu" on TPU, "xla" on CPU;
-  2. configs: ``block_sizes`` if given, else the device's tuning table
-     (``pallas_kernels.tuning``; a device without its own table reads ``generic.json``) for the
-     call's head dim, dtype and mask kind, else the kernel's heuristic default;
-  3. fit to the call: the kernel's ``fit_block_sizes`` (shapes, masks) and, for block-sparse
-     calls, the selection's tiles.
+  1. implementation: the one named, else the platform's;
+  2. configs: ``block_sizes`` if given, else the device's tuning table, else the heuristic;
+  3. fit to the call (``fit_block_sizes``; for block-sparse calls the selection's tiles).
 The result is a :class:`jattn._plan.Plan`; :func:`flash_attention_plan` returns it and
 :func:`flash_attention` runs exactly it.
 """
@@ -260,15 +252,10 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
     causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap, return_lse,
       implementation, interpret, block_sizes: as for :func:`flash_attention`.
     platform: "cpu", "gpu" or "tpu"; default: jax's default backend (or ``device_kind``'s).
-    device_kind: a jax ``device_kind`` to plan for, e.g. "NVIDIA H200"; default: the current
-      device's (``pallas_kernels.tuning.device``).
+    device_kind: a jax ``device_kind`` to plan for, e.g. "NVIDIA H200"; default: the current.
 
   Returns:
-    A :class:`jattn._plan.Plan`: ``implementation``, ``config`` (the forward's ``BlockSizes``),
-    ``backward`` and ``backward_config``, ``table`` (the tuning table read, "generic.json" on a
-    device without its own) and ``device_kind``. ``implementation=None`` picks "mosaic_gpu" on
-    a Hopper GPU for bf16/fp16 q, k, v with head_dim 64, 128 or 256 (= head_dim_v), interpret
-    off and ``block_sizes`` None or a Mosaic GPU ``BlockSizes``; "triton" for other GPU calls.
+    A :class:`jattn._plan.Plan` (implementation, configs, backward, table, device kind).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -276,11 +263,6 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
     >>> p = flash_attention_plan(x, x, x, causal=True, device_kind="NVIDIA H200")
     >>> p.implementation, p.backward, p.table
     ('mosaic_gpu', 'mosaic_gpu', 'nvidia_h200.json')
-    >>> p = flash_attention_plan(x, x, x, device_kind="NVIDIA H100 80GB HBM3")
-    >>> p.implementation, p.table
-    ('mosaic_gpu', 'generic.json')
-    >>> flash_attention_plan(x, x, x, device_kind="NVIDIA A100-SXM4-80GB").implementation
-    'triton'
   """
   del scale, logits_soft_cap, return_lse
   return resolve("flash", q, k, v, causal=causal, window=normalize_window(local_window_size),
@@ -317,30 +299,19 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA/MQA).
     v: [batch, kv_len, kv_heads, head_dim_v].
     causal: causal mask, aligned bottom-right when q_len != kv_len.
-    local_window_size: None, int w (= (w, w)) or (left, right): query i sees key j iff
-      i - left <= j <= i + right (jax.nn convention). A causal "window of 512" is (511, 0).
-    segment_ids: None or int [batch, q_len]; query i sees key j only if the ids are equal and
-      nonzero (0 = padding).
+    local_window_size: None, int w or (left, right): i - left <= j <= i + right (jax.nn).
+    segment_ids: None or int [batch, q_len]; equal nonzero ids attend (0 = padding).
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     scale: logit scale, default 1/sqrt(head_dim).
     logits_soft_cap: None or cap > 0: logits = cap * tanh(logits / cap).
-    return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log, -inf for
-      rows that see no key); differentiable.
-    implementation: None, "xla", "triton", "mosaic_gpu", "mosaic_tpu" or "cudnn" (see the
-      module docstring). None: "mosaic_gpu" on a Hopper GPU for bf16/fp16 head_dim 64/128/256
-      (= head_dim_v), "triton" on other GPU calls, "mosaic_tpu" on TPU, "xla" on CPU;
-      :func:`flash_attention_plan` says what a call runs.
-    interpret: run a Pallas kernel in interpret mode (CPU). "mosaic_gpu" raises
-      NotImplementedError: its forward cannot be interpreted.
-    block_sizes: optional ``BlockSizes`` of the implementation's kernel module, used as given
-      (for "mosaic_gpu" its ``backward`` field, "triton" or "mosaic", picks the backward).
+    return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
+    implementation: None (:func:`flash_attention_plan`), "xla", "triton", "mosaic_gpu",
+      "mosaic_tpu" or "cudnn".
+    interpret: run a Pallas kernel in interpret mode (CPU; not "mosaic_gpu").
+    block_sizes: optional ``BlockSizes`` of the implementation's kernel module.
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
-
-  Raises:
-    NotImplementedError: an option the chosen implementation does not support (named in the
-      message; there is no silent fallback to another implementation).
 
   Example:
     >>> import jax, jattn

@@ -2,30 +2,14 @@
 
 Implementations:
   * ``"xla"``: pure jnp (``pallas_kernels.decode.reference``; materialises the logits).
-  * ``"triton"``: portable Pallas GPU split-KV kernel (``pallas_kernels.decode.triton``); each
-    program handles all query heads of one kv head over one split of the sequence's visible
-    keys and writes a partial (out, lse); one Pallas kernel merges the splits
-    (``pallas_kernels.common.merge.merge_partials_pallas``, writing the output dtype).
-  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same split-KV structure
-    (scalar-prefetched lengths and page table drive the K/V index maps); XLA merges the splits.
+  * ``"triton"``: Pallas GPU split-KV kernel (``pallas_kernels.decode.triton``), splits merged
+    by ``pallas_kernels.common.merge.merge_partials_pallas``.
+  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same split-KV structure; XLA merges.
   * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU.
 
-A call resolves its configuration once (:func:`decode_plan`: explicit ``num_splits`` /
-``block_sizes``, else the heuristics) and runs exactly that plan.
-
-Semantics: sequence b holds ``kv_lengths[b]`` valid keys at cache positions
-``0 .. kv_lengths[b] - 1``; its query sits at position ``kv_lengths[b] - 1``; a window
-``(left, right)`` keeps keys ``j >= kv_lengths[b] - 1 - left`` (no key lies right of the
-query). Lengths above the cache capacity are clamped to it. A length-0 sequence returns zeros
-and lse -inf. Values may be narrower (or wider) than keys (MLA: keys carry extra rope dims);
-the output has the values' head dim on every implementation. The decode paths compute forward
-only (the "xla" path is differentiable by autodiff).
-
-``decode_attention(..., kv_layout="hnd")`` takes a head-major contiguous cache [batch,
-kv_heads, max_len, head_dim] (run as batch x kv_heads sequences of one kv head,
-``jattn._layout``).
-
-``interpret=True`` runs a Pallas implementation on the CPU (tests); it is ignored by "xla".
+Sequence b holds ``kv_lengths[b]`` valid keys and its query sits at ``kv_lengths[b] - 1``
+(lengths clamped to the capacity; length 0 gives zeros and lse -inf). Values may be narrower
+than keys (MLA). Forward only (the "xla" path is differentiable by autodiff).
 """
 from __future__ import annotations
 
@@ -56,12 +40,9 @@ class DecodeConfig:
   """The resolved configuration of a decode call (``Plan.config`` of :func:`decode_plan`).
 
   Attributes:
-    num_splits: parts each sequence's visible keys are split into (partials merged by
-      log-sum-exp).
-    block_sizes: the kernel's block sizes (``pallas_kernels.decode.triton.DecodeBlockSizes``
-      or ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes``), None for "xla".
-    merge: how the splits are merged: "pallas" (one Triton kernel; the "triton"
-      implementation) or "xla" (``merge_partials``; the others).
+    num_splits: parts each sequence's visible keys are split into.
+    block_sizes: the kernel's ``DecodeBlockSizes``, None for "xla".
+    merge: how the splits are merged: "pallas" ("triton") or "xla" (``merge_partials``).
 
   Example:
     >>> DecodeConfig(num_splits=1).merge
@@ -103,11 +84,8 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
                        head_dim=128, dtype=jnp.bfloat16):
   """The split count used when ``num_splits=None``.
 
-  "triton": at least two programs per multiprocessor (``compat.gpu_core_count()``) over the
-  batch x kv_heads pairs and splits of at most about 1K keys (at most 32 splits), at least four
-  key blocks per split, rounded down to a power of two
-  (``pallas_kernels.decode.triton.default_num_splits``). "xla" and "mosaic_tpu": 1 (one pass;
-  a TPU core walks the grid sequentially).
+  "triton": ``pallas_kernels.decode.triton.default_num_splits`` (about two programs per
+  multiprocessor); "xla" and "mosaic_tpu": 1.
 
   Args:
     implementation: a resolved implementation name.
@@ -216,18 +194,11 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
   """What :func:`decode_attention` (or, with ``page_table``, :func:`paged_decode_attention`)
   runs for these arguments.
 
-  Resolution, once per call: the implementation (:func:`resolve_decode_implementation`), then
-  each config field from its explicit argument, else the heuristic (there are no decode
-  tuning tables): ``block_sizes`` from the kernel's ``default_block_sizes`` ("triton", at
-  max(head_dim, head_dim_v) and the cache dtype) or ``DecodeBlockSizes()`` ("mosaic_tpu");
-  ``num_splits`` from :func:`default_num_splits` at (batch, kv_heads, capacity) for either
-  cache layout; the merge by implementation ("pallas" for "triton", else "xla"). The kernels
-  fit the block sizes to the cache (e.g. a TPU block no longer than the cache).
+  Each config field comes from its explicit argument, else the kernel's defaults and
+  :func:`default_num_splits`; the merge is "pallas" for "triton", else "xla".
 
   Args:
-    q, k_cache, v_cache, kv_lengths: the call's arrays (or ``jax.ShapeDtypeStruct``s for the
-      caches); with ``page_table`` the caches are page pools, as in
-      :func:`paged_decode_attention`.
+    q, k_cache, v_cache, kv_lengths: the call's arrays (caches may be ShapeDtypeStructs).
     page_table: None (contiguous cache) or int32 [batch, max_pages].
     kv_layout: "nhd" or "hnd" (contiguous caches only).
     local_window_size, logits_soft_cap: validated as in the call (they do not change the plan).
@@ -288,38 +259,23 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
                      interpret=False, block_sizes=None, kv_layout="nhd"):
   """Attention of one new query token per sequence over a contiguous KV cache (flash decoding).
 
-  Cache layouts (``kv_layout``): "nhd" (default) is ``[batch, max_len, kv_heads, head_dim]``;
-  "hnd" (head-major) is ``[batch, kv_heads, max_len, head_dim]``, where each kv head's keys are
-  one contiguous run. Every implementation runs "hnd" as a free reshape of the cache to
-  ``[batch * kv_heads, max_len, 1, head_dim]`` (batch x kv_heads sequences of one kv head;
-  query head ``h * G + g`` becomes query head g of sequence ``b * kv_heads + h``, lengths
-  repeated per kv head), with the same kernel programs and the same plan as "nhd"; results
-  come back as ``[batch, q_heads, ...]``. Paged caches (:func:`paged_decode_attention`) have
-  no head-major option.
+  ``kv_layout`` "nhd" is [batch, max_len, kv_heads, head_dim]; "hnd" (head-major) is [batch,
+  kv_heads, max_len, head_dim], run as a free reshape to batch * kv_heads sequences.
 
   Args:
     q: [batch, q_heads, head_dim], fp32/bf16/fp16.
-    k_cache: [batch, max_len, kv_heads, head_dim] ("nhd") or [batch, kv_heads, max_len,
-      head_dim] ("hnd"); q_heads % kv_heads == 0 (GQA: query head h reads kv head
-      h // (q_heads // kv_heads)). bf16, fp16 or fp32.
-    v_cache: like ``k_cache`` with head_dim_v, the dtype of ``k_cache``; head_dim_v may
-      differ from head_dim (MLA: values narrower than the rope-extended keys).
-    kv_lengths: int32 [batch]: valid entries per sequence; the query sits at position
-      ``kv_lengths - 1``. 0 gives a zero output (and lse -inf).
+    k_cache: the key cache in ``kv_layout``; q_heads % kv_heads == 0.
+    v_cache: like ``k_cache`` with head_dim_v (may differ from head_dim).
+    kv_lengths: int32 [batch]: valid entries per sequence, query at ``kv_lengths - 1``.
     scale: logit scale, default 1/sqrt(head_dim).
-    local_window_size: None, int w (= (w, w)) or (left, right) relative to the query position
-      (jax.nn convention); only ``left`` matters for decoding. A "window of 512 tokens" is
-      (511, 0).
+    local_window_size: None, int w or (left, right) (jax.nn convention; only left matters).
     logits_soft_cap: None or cap > 0: logits = cap * tanh(logits / cap).
-    num_splits: None (heuristic from batch, kv_heads, length and the GPU's multiprocessor
-      count, :func:`default_num_splits`) or an int >= 1: how many parts each sequence's
-      visible keys are split into. Every value gives the same result up to rounding.
+    num_splits: None (:func:`default_num_splits`) or an int >= 1: key splits per sequence.
     return_lse: also return the log-sum-exp [batch, q_heads] (fp32, natural log).
     implementation: None, "xla", "triton" or "mosaic_tpu" (:func:`resolve_decode_implementation`).
     interpret: run a Pallas kernel in interpret mode (CPU).
-    block_sizes: optional kernel-specific block sizes (``pallas_kernels.decode.triton.
-      DecodeBlockSizes`` or ``pallas_kernels.decode.mosaic_tpu.DecodeBlockSizes``).
-    kv_layout: "nhd" (default) or "hnd": the layout of ``k_cache`` / ``v_cache``, see above.
+    block_sizes: optional kernel-specific ``DecodeBlockSizes``.
+    kv_layout: "nhd" (default) or "hnd".
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse (either layout).
@@ -331,14 +287,6 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     >>> out = decode_attention(q, k, k, jnp.array([17, 256], jnp.int32), implementation="xla")
     >>> out.shape
     (2, 8, 64)
-    >>> decode_attention(q, k, k[..., :40], jnp.array([17, 256], jnp.int32),
-    ...                  implementation="xla").shape
-    (2, 8, 40)
-    >>> kh = jnp.swapaxes(k, 1, 2)                  # head-major [batch, kv_heads, len, dim]
-    >>> out_h = decode_attention(q, kh, kh, jnp.array([17, 256], jnp.int32),
-    ...                          implementation="xla", kv_layout="hnd")
-    >>> bool(jnp.allclose(out_h, out, atol=1e-5))
-    True
   """
   kv_lengths, _, _, _, _ = _check_call(q, k_cache, v_cache, kv_lengths, None, kv_layout)
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
@@ -381,16 +329,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
                            block_sizes=None):
   """Decode attention over a paged KV cache (continuous batching, vLLM-style page table).
 
-  Work is split by each sequence's actual length: a short sequence in a batch with a long one
-  only reads its own pages, and splits past its end do nothing.
-
   Args:
     q: [batch, q_heads, head_dim].
     k_pages: [num_pages, page_size, kv_heads, head_dim], page_size >= 16.
     v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
-    page_table: int32 [batch, max_pages]: token t of sequence b is stored in page
-      ``page_table[b, t // page_size]`` at slot ``t % page_size``. Entries past a sequence's
-      length are never read (they may hold anything).
+    page_table: int32 [batch, max_pages]: token t of sequence b is in page
+      ``page_table[b, t // page_size]`` at slot ``t % page_size``.
     kv_lengths: int32 [batch]; clamped to ``max_pages * page_size``.
     scale, local_window_size, logits_soft_cap, num_splits, return_lse, implementation,
       interpret, block_sizes: as in :func:`decode_attention`.

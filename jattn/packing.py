@@ -1,35 +1,19 @@
 """Sample packing: Best-Fit-Decreasing bins, packed batches, segment ids and positions.
 
-Pretraining documents have heavy-tailed lengths. Concatenate-and-chop cuts documents at every row
-boundary; one document per row wastes the padding. Best-Fit-Decreasing (BFD) packing (Ding et
-al., "Fewer Truncations Improve Language Modeling", ICML 2024) keeps every document no longer
-than the row whole, wastes almost nothing, and with segment ids (``flash_attention(...,
-segment_ids=...)``) no token attends across documents.
-
-Pieces, from planning to the training step:
+Best-Fit-Decreasing (BFD) packing (Ding et al., "Fewer Truncations Improve Language Modeling",
+ICML 2024) keeps every document no longer than the row whole; with segment ids
+(``flash_attention(..., segment_ids=...)``) no token attends across documents.
 
 * ``pack_bfd(lengths, max_len)`` -> ``PackPlan``: which chunk of which document goes to which
-  row ("bin") at which offset. Documents longer than ``max_len`` are cut into chunks of at most
-  ``max_len`` tokens; shorter documents are never cut.
+  row at which offset (documents longer than ``max_len`` are cut into chunks).
 * ``TokenStore`` + ``materialize(plan, store, rows)`` -> ``PackedBatch``: tokens, segment ids
-  (1-based per row, 0 = padding), positions (restarting at 0 in each document chunk) and loss
-  weights for rows of a plan.
-* ``segments_from_lengths(doc_lengths, max_len)``: segment ids and positions from per-row chunk
-  lengths, under ``jax.jit`` (so a training step can build them on device).
+  (1-based per row, 0 = padding), positions and loss weights for rows of a plan.
+* ``segments_from_lengths(doc_lengths, max_len)``: segment ids and positions under ``jax.jit``.
 * ``PackedIterator``: shuffled, epoch-aware, seeded batches, resumable from a small state dict.
 
-How ``pack_bfd`` is fast. Chunks are bucketed by length with a counting sort (lengths are at most
-``max_len``), then placed longest first. Open bins are grouped by remaining capacity, and a
-segment tree over capacities ``1..max_len`` answers "smallest capacity >= L that has a bin" in
-O(log max_len). Equal-length chunks are placed in groups: under best fit, the bin chosen for a
-chunk of length L at capacity r stays the best fit for the next chunks of length L until fewer
-than L tokens are left in it (its capacity only shrinks, and no bin with capacity in [L, r) exists),
-so ``r // L`` chunks go to it at once, and all bins at capacity r are filled alike. One tree query
-therefore places a whole run of chunks, and the result is exactly sequential BFD (up to ties
-between bins of equal capacity, which do not change the bins' loads). The per-chunk work
-(assignments and offsets) is vectorised in numpy. 1,000,000 lognormal documents (max_len 8192)
-pack in 0.2-0.6 s on a shared 2-core CPU, against 2-4 s for a per-chunk bisect BFD
-(docs/packing.md).
+``pack_bfd`` buckets chunks by length (counting sort) and finds the best-fit bin with a segment
+tree over capacities, placing runs of equal-length chunks per query; the result is exactly
+sequential BFD up to ties between bins of equal capacity (docs/packing.md).
 """
 from __future__ import annotations
 
@@ -56,11 +40,9 @@ __all__ = [
 class PackPlan:
   """Where every chunk of every document goes: one entry per chunk (columnar).
 
-  Entries are in document order: by ``doc_ids``, then by ``chunk_starts``. Chunk i holds tokens
-  ``[chunk_starts[i], chunk_starts[i] + chunk_lengths[i])`` of document ``doc_ids[i]`` and sits in
-  row ``bins[i]`` at columns ``[offsets[i], offsets[i] + chunk_lengths[i])``. Within a row, chunks
-  are laid out back to back from column 0 (no gaps), so a row's used prefix has length
-  ``row_loads[bin]``.
+  Entries are in document order. Chunk i holds tokens ``chunk_starts[i]:+chunk_lengths[i]`` of
+  document ``doc_ids[i]`` at columns ``offsets[i]:+chunk_lengths[i]`` of row ``bins[i]``; rows are
+  filled back to back from column 0.
 
   Attributes:
     doc_ids: int64 [num_chunks], index of the document in the input lengths.
@@ -264,25 +246,16 @@ def _bfd_runs(counts: np.ndarray, max_len: int):
 def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   """Pack documents into rows of ``max_len`` tokens with Best-Fit-Decreasing.
 
-  Documents longer than ``max_len`` are cut into chunks of ``max_len`` tokens plus a shorter
-  last chunk (with ``split_long=True``); no other document is ever cut. Chunks are placed
-  longest first, each into the open row with the least free space that still fits it, found with
-  a segment tree over free capacities in O(log max_len) (see the module docstring). The number
-  of rows is within a fraction of a percent of ``ceil(sum(lengths) / max_len)`` on heavy-tailed
-  lengths.
+  Documents longer than ``max_len`` are cut into ``max_len`` chunks plus a shorter last one;
+  chunks go longest first into the open row with the least free space that fits them.
 
   Args:
-    lengths: 1-D integer sequence of document lengths in tokens; 0-length documents are skipped
-      (they get no chunk).
+    lengths: 1-D integer document lengths; 0-length documents get no chunk.
     max_len: row length (tokens per packed sequence), >= 1.
     split_long: cut documents longer than ``max_len`` into chunks (True) or raise (False).
 
   Returns:
     A ``PackPlan`` with one entry per chunk, in document order.
-
-  Raises:
-    ValueError: lengths not 1-D integers, a negative length, ``max_len < 1``, or a document
-      longer than ``max_len`` with ``split_long=False``.
 
   Example:
     >>> plan = pack_bfd([5, 3, 0, 4, 12], max_len=8)
@@ -413,20 +386,15 @@ def _as_store(store) -> TokenStore:
 class PackedBatch:
   """Packed rows ready for a training step (numpy arrays).
 
-  Loss-weight convention: ``loss_weights[r, t]`` weights the prediction of ``tokens[r, t + 1]``
-  from position t, i.e. the loss is ``sum(w * xent(logits[:, :-1], tokens[:, 1:])) / sum(w)``
-  with ``w = loss_weights[:, :-1]`` (the last column is always 0). It is 1 iff t and t + 1 lie in
-  the same document chunk: padding and cross-document targets get 0. A chunk of n tokens
-  contributes n - 1 targets.
+  ``loss_weights[r, t]`` weights the prediction of ``tokens[r, t + 1]`` from t: 1 iff both lie
+  in the same document chunk (the last column is always 0).
 
   Attributes:
     tokens: [n, max_len] token ids (``pad_id`` in padding).
-    segment_ids: int32 [n, max_len]; chunks numbered 1, 2, ... from the left in each row, 0 for
-      padding. Pass as ``segment_ids=`` to ``jattn.flash_attention``.
+    segment_ids: int32 [n, max_len]; chunks numbered 1, 2, ... per row, 0 for padding.
     positions: int32 [n, max_len]; restart at 0 at each chunk start (0 in padding).
     loss_weights: float32 [n, max_len], see above.
-    doc_lengths: int32 [n, max_segments]; chunk lengths in row order, zero padded (the input of
-      ``segments_from_lengths``).
+    doc_lengths: int32 [n, max_segments]; chunk lengths in row order, zero padded.
     doc_ids: int64 [n, max_segments]; document of each chunk, -1 padded.
     chunk_starts: int64 [n, max_segments]; first token of each chunk in its document, 0 padded.
 
@@ -452,9 +420,7 @@ def loss_weights_from_segments(segment_ids):
     segment_ids: int [..., seq]; 0 is padding.
 
   Returns:
-    float32 [..., seq]: w[..., t] = 1 iff segment_ids[..., t] != 0 and
-    segment_ids[..., t + 1] == segment_ids[..., t] (the target t + 1 is in the same document);
-    the last position is 0.
+    float32 [..., seq]: 1 iff position t is not padding and t + 1 is in the same segment.
 
   Example:
     >>> loss_weights_from_segments(np.array([1, 1, 2, 2, 2, 0])).tolist()
@@ -473,12 +439,9 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
 
   Args:
     plan: a ``PackPlan`` over the store's documents (``plan.num_docs == store.num_docs``).
-    store: a ``TokenStore``, a ``(flat_tokens, offsets)`` pair (offsets [num_docs + 1]) or a
-      list of 1-D token arrays.
-    rows: which rows (bins) to build, int sequence; default all ``plan.num_bins`` rows. An entry
-      of -1 gives an empty row (all padding), for fixed-size last batches.
-    max_segments: width of ``doc_lengths``/``doc_ids`` (static shapes under jit); default
-      ``plan.max_segments``. A row with more chunks raises ValueError.
+    store: a ``TokenStore``, a ``(flat_tokens, offsets)`` pair or a list of 1-D token arrays.
+    rows: rows (bins) to build, default all; -1 gives an all-padding row.
+    max_segments: width of ``doc_lengths``/``doc_ids``; default ``plan.max_segments``.
     pad_id: token id written in padding.
 
   Returns:
@@ -490,8 +453,6 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
     >>> b = materialize(plan, docs)
     >>> b.tokens.tolist()
     [[1, 2, 3, 4, 5, 11, 12, 13], [21, 22, 23, 24, 0, 0, 0, 0]]
-    >>> b.segment_ids[1].tolist(), b.positions[0].tolist()
-    ([1, 1, 1, 1, 0, 0, 0, 0], [0, 1, 2, 3, 4, 0, 1, 2])
   """
   store = _as_store(store)
   if store.num_docs != plan.num_docs:
@@ -549,9 +510,8 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
 def segments_from_lengths(doc_lengths, max_len: int):
   """Segment ids and positions of packed rows from per-row document lengths (jit-compatible).
 
-  Documents are laid out back to back from column 0. Zero entries are skipped (pad the length
-  lists with zeros; a zero in the middle does not take a segment number). Columns past the sum
-  of a row's lengths are padding; a row whose lengths sum beyond ``max_len`` is cut there.
+  Documents are laid out back to back from column 0; zero lengths are skipped and a row is cut
+  at ``max_len``.
 
   Args:
     doc_lengths: int [batch, max_docs], non-negative.
@@ -588,25 +548,17 @@ def segments_from_lengths(doc_lengths, max_len: int):
 class PackedIterator:
   """Shuffled, epoch-aware, seeded, resumable iterator over packed batches.
 
-  Each epoch visits every chunk of every document exactly once. For epoch e, the documents are
-  permuted with a generator seeded by ``(seed, e)``, cut into windows of ``window`` documents (all
-  documents by default), each window is packed with ``pack_bfd``, and the rows of the epoch are
-  permuted again. Batches are consecutive groups of ``batch_size`` rows; the last batch of an
-  epoch is filled up with empty rows (all padding, zero loss weight) so shapes never change and no
-  document is dropped. Everything is a function of ``(seed, epoch)``, so the state is just
-  ``{"epoch", "step"}`` plus a fingerprint of the configuration: restoring it recomputes the
-  epoch's plan and continues with the next batch, without repeating or dropping a document.
+  Each epoch permutes the documents by ``(seed, epoch)``, packs windows of ``window`` documents
+  with ``pack_bfd`` and permutes the rows; the last batch is filled with empty rows. The state is
+  ``{"epoch", "step"}`` plus a configuration fingerprint.
 
   Args:
     store: a ``TokenStore``, ``(flat_tokens, offsets)`` or a list of 1-D token arrays.
     max_len: row length.
     batch_size: rows per batch.
     seed: integer seed.
-    window: pack documents in shuffled windows of this many documents (None: all at once). A
-      window mixes documents across the corpus and bounds packing latency for huge corpora.
-    max_segments: static width of ``doc_lengths``/``doc_ids`` in every batch; default: the
-      largest number of chunks in a row of epoch 0, rounded up to a multiple of 8 (a later epoch
-      needing more raises ValueError; pass a value to be safe).
+    window: pack in shuffled windows of this many documents (None: all at once).
+    max_segments: static width of ``doc_lengths``/``doc_ids``; default epoch 0's, rounded up to 8.
     num_epochs: stop after this many epochs (None: never stop).
     pad_id: token id for padding.
 
@@ -616,10 +568,6 @@ class PackedIterator:
     >>> b = next(it)
     >>> b.tokens.shape, it.get_state()["step"]
     ((2, 8), 1)
-    >>> saved = it.get_state(); rest = [x.doc_ids for x in it]
-    >>> it2 = PackedIterator(docs, max_len=8, batch_size=2, seed=0, num_epochs=1, state=saved)
-    >>> all((a == b).all() for a, b in zip(rest, [x.doc_ids for x in it2]))
-    True
   """
 
   def __init__(self, store, max_len: int, batch_size: int, *, seed: int = 0,
@@ -714,11 +662,7 @@ class PackedIterator:
     """Continue from a state returned by ``get_state``.
 
     Args:
-      state: dict from ``get_state`` of an iterator with the same store, max_len, batch_size,
-        seed and window.
-
-    Raises:
-      ValueError: if the configuration fingerprint differs or the step is out of range.
+      state: dict from ``get_state`` of an identically configured iterator (else ValueError).
 
     Example:
       >>> it = PackedIterator([np.ones(3)] * 4, max_len=4, batch_size=1)

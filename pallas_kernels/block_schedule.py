@@ -1,8 +1,7 @@
 """Masks as block schedules: for each query tile, the key/value tiles to visit, each full or partial.
 
-Every mask in jattn (dense, causal, sliding window, packed documents, top-K block selection, CSA
-blocks) is turned into a ``BlockSchedule``. A kernel walks the schedule and never touches a tile
-that is not in it, so cost follows the work actually done:
+Every mask in jattn is turned into a ``BlockSchedule``; a kernel walks it and never touches a
+tile that is not in it:
 
 * ``kv_indices[b, h, qi, j]`` (j < ``kv_counts[b, h, qi]``): the j-th kv tile visited by query tile
   qi, in increasing order. Entries past the count repeat the last valid index (so a pipelined TPU
@@ -14,10 +13,6 @@ that is not in it, so cost follows the work actually done:
 
 Leading axes are [Bs, Hs] with Bs in {1, batch} and Hs in {1, kv_heads}: a size-1 axis is shared
 (broadcast) by all batches or heads. Kernels index with ``b if Bs > 1 else 0``.
-
-Static masks (causal, window, padding) are classified with numpy at trace time, which also gives
-exact static maxima for the index arrays; traced inputs (segment ids, block selections) are
-classified with jnp under jit.
 """
 from __future__ import annotations
 
@@ -123,11 +118,7 @@ def segment_tile_classes(seg, length, block):
   """Per-tile summary of segment ids for ``segment_tile_pairs``. seg: int [b, length]; positions
   past ``length`` (up to whole tiles) are padding, id 0.
 
-  Id 0 sees nothing and is seen by nothing (``masks.visible``: equal ids, nonzero), so it is left
-  out of the ranges: a tile that straddles a document and padding gets that document's range
-  only (with 0 inside the range, a right-padded packed row's last tile would visit every earlier
-  kv tile), and an all-padding tile gets the empty range (lo > hi). No ordering of the ids is
-  assumed: any ids, negative ones included, any layout.
+  Id 0 (padding) is left out of the ranges; an all-padding tile gets the empty range (lo > hi).
 
   Returns:
     (lo, hi, pure), [b, n] each: the smallest and largest nonzero id of the tile (int32; INT32_MAX
@@ -151,11 +142,8 @@ def segment_tile_classes(seg, length, block):
 def segment_tile_pairs(q_classes, kv_classes):
   """(visit, full) bool of (query tile, kv tile) pairs from broadcastable ``segment_tile_classes``.
 
-  visit: both tiles have a nonzero id and their ranges [lo, hi] intersect. A query and a key with
-  the same nonzero id put that id in both ranges, so every pair of tiles holding a visible
-  (query, key) pair is visited, whatever the layout (a superset; exact for self-attention over
-  packed rows, whose nonzero ids do not decrease, padding anywhere). full: both tiles hold one and
-  the same nonzero id everywhere, so the segment part of the element mask is all true.
+  visit: both tiles have a nonzero id and their ranges [lo, hi] intersect (a superset of the
+  visible pairs). full: both tiles hold one and the same nonzero id everywhere.
 
   Example:
     >>> c = segment_tile_classes(jnp.array([[1, 1, 2, 2]]), 4, 2)
@@ -171,10 +159,7 @@ def segment_tile_pairs(q_classes, kv_classes):
 def compact_true(keep, width: int):
   """Positions of the True entries of ``keep`` along its last axis, in increasing order.
 
-  On GPU and CPU without a sort: a running count gives each True entry its slot and one scatter
-  writes it there (on the H200 an argsort here cost ~2.5 ms of a 30 ms block-sparse training
-  call at 64K). On TPU, where XLA's scatter is serial, a stable argsort (the same result;
-  ``lax.platform_dependent`` picks the branch when the call is lowered).
+  On GPU and CPU a running count and one scatter; on TPU a stable argsort (the same result).
 
   Args:
     keep: bool [..., n].
@@ -249,9 +234,8 @@ def _compact(visit, partial, max_count, xp=jnp):
 
 
 def check_schedule_args(schedule, q_shape, k_shape) -> None:
-  """TypeError / ValueError unless ``schedule`` is a ``BlockSchedule`` for inputs q [B, Sq, Hq,
-  D] and k [B, Sk, Hk, D]: the same lengths and leading axes [1|B, 1|Hk]. (Each kernel checks
-  its own tile constraints after this.)
+  """TypeError / ValueError unless ``schedule`` is a ``BlockSchedule`` for q [B, Sq, Hq, D] and
+  k [B, Sk, Hk, D]: the same lengths and leading axes [1|B, 1|Hk].
 
   Args:
     schedule: the schedule a kernel was given.
@@ -288,8 +272,6 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     causal: bottom-right aligned causal mask.
     local_window_size: None, int or (left, right).
     q_segment_ids, kv_segment_ids: None or int32 [batch, len] (both or neither); 0 = padding.
-      A pair of tiles is visited when their nonzero id ranges intersect, full when both hold
-      one nonzero id (``segment_tile_pairs``).
     block_mask: None or bool [Bs, Hs, nq, nk] (tile level, e.g. a top-K selection): tiles where
       it is False are never visited. Traced values are fine.
     max_kv_blocks, max_q_blocks: static bounds on the visit-list lengths; default: the exact
@@ -312,8 +294,7 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
   max_kv_blocks = min(exact_kv if max_kv_blocks is None else max_kv_blocks, nk)
   max_q_blocks = min(exact_q if max_q_blocks is None else max_q_blocks, nq)
   if q_segment_ids is None and block_mask is None:
-    # Static: the lists in numpy at trace time (the jnp compaction of a constant mask would be
-    # constant-folded by XLA, slowly: ~20 s per op at 64K tokens).
+    # Static: the lists in numpy at trace time (XLA would constant-fold jnp slowly).
     visit, full = any_s[None, None], all_s[None, None]
     partial = visit & ~full
     kv = _compact(visit, partial, max_kv_blocks, xp=np)

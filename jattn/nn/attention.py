@@ -1,42 +1,21 @@
 """``Attention``: one Flax NNX attention layer for every ``LayerSpec`` kind, with KV caches.
 
-* Heads: GQA/MQA (``num_heads % num_kv_heads == 0``), or MLA-style low-rank latent KV
-  (``kv_lora_rank``): keys/values are up-projected from a normalised latent of ``kv_lora_rank``
-  channels, plus a decoupled RoPE key part of ``rope_head_dim`` channels shared by all heads; the
-  cache holds only the latent and the rotated RoPE key, as one array [latent | k_rope]
-  ("latent_k_rope", [batch, slots, kv_lora_rank + rope_head_dim]; NoPE MLA layers: "latent",
-  [batch, slots, kv_lora_rank]).
-* Positions: RoPE (``spec.rope_base``) at explicit positions, or NoPE (``rope_base=None``).
-  ``qk_norm`` applies RMSNorm to each query and key head before RoPE.
-* Dispatch (training / full forward): "global" -> ``jattn.flash_attention(causal=True)``;
-  "local" -> ``flash_attention(causal=True, local_window_size=(window - 1, 0))``; "sparse" ->
-  ``jattn.sparse.sparse_attention``; "csa" -> ``jattn.nn.csa``. Packed inputs pass segment ids to
-  the op and positions (restarting per document) to RoPE.
-* Decode: ``init_cache(batch_size, max_len, dtype)`` creates ``nnx.Cache`` variables; ``decode(x)``
-  appends t >= 1 tokens (prefill and single steps share one path) and attends by absolute position.
-  "global"/"sparse" keep ``max_len`` tokens; "local" keeps a ring buffer of ``window`` tokens with
-  their positions; "csa" keeps compressed entries plus a raw ring (or the raw KV for two_stage).
-  Single-token steps of "global"/"local" layers run ``jattn.decode_attention`` (flash decoding;
-  the ring is attended in slot order, which softmax does not care about); MLA layers there absorb
-  the up-projections (``Attention.absorbed_decode``) and attend the cached latent directly, with
-  no per-step expansion of the cache into per-head keys/values and no per-step copy of it (RoPE
-  layers pass their one [latent | k_rope] array as keys and values; chunks and "sparse" MLA
-  layers still expand it); chunks of t > 1 tokens
-  run ``jattn.flash_attention`` over the cache rolled so that the chunk ends it (global) or over
-  the ring read back in position order plus the chunk (local, CSA's raw window), with kv segment
-  ids masking empty slots; "sparse" layers run ``jattn.sparse.sparse_decode_attention`` for each
-  new token, scoring blocks from fp32 per-block key sums kept in the cache (``cache_block_sums``,
-  grown by each step's new keys only).
-  All rows of a batch advance together (one shared cache index); to decode packed documents, decode
-  each document in its own row (or its own call), starting from position 0.
-* Cache layout (``kv_cache_layout``): "nhd" (default) keeps K/V as [batch, slots, kv_heads,
-  head_dim]; "hnd" (head-major) as [batch, kv_heads, slots, head_dim] for "global", "sparse" and
-  "local" layers (full caches, rings and the sparse block sums alike), and single-token steps call
-  ``decode_attention`` / ``sparse_decode_attention`` with ``kv_layout="hnd"`` (each kv head's keys
-  one contiguous run: the sparse decode kernel alone ran 1.13x faster on an H200 at 128K,
-  docs/sparse.md; these layers have not been timed on a GPU). Chunks attend the head-major cache
-  transposed back (they read the whole cache anyway). MLA and "csa" layers raise ValueError with
-  "hnd" (see ``Attention``).
+* Heads: GQA/MQA, or MLA-style low-rank latent KV (``kv_lora_rank``) with a decoupled RoPE key
+  of ``rope_head_dim`` channels; the MLA cache holds [latent | k_rope] ("latent_k_rope") or,
+  NoPE, "latent".
+* Positions: RoPE (``spec.rope_base``) at explicit positions, or NoPE; ``qk_norm`` RMSNorms each
+  query and key head before RoPE.
+* Forward: "global"/"local" -> ``jattn.flash_attention`` (causal, local window); "sparse" ->
+  ``jattn.sparse.sparse_attention``; "csa" -> ``jattn.nn.csa``. Packed inputs pass segment ids.
+* Decode: ``init_cache`` creates ``nnx.Cache`` variables; ``decode(x)`` appends t >= 1 tokens.
+  "global"/"sparse" keep ``max_len`` tokens, "local" a ring of ``window`` tokens, "csa"
+  compressed entries plus a raw ring. Single tokens run ``jattn.decode_attention`` (MLA layers
+  absorb the up-projections, ``Attention.absorbed_decode``) or, for "sparse",
+  ``jattn.sparse.sparse_decode_attention``; chunks run ``jattn.flash_attention`` over the cache.
+  All rows advance together (one shared cache index).
+* Cache layout (``kv_cache_layout``): "nhd" (default) [batch, slots, kv_heads, head_dim] or
+  "hnd" [batch, kv_heads, slots, head_dim] for "global", "sparse" and "local" layers (decoded
+  with ``kv_layout="hnd"``); MLA and "csa" layers raise ValueError with "hnd".
 """
 from __future__ import annotations
 
@@ -53,21 +32,12 @@ from jattn.nn.rope import apply_rope
 from jattn.nn.schedule import LayerSpec
 
 
-# decode implementations that take any key width and narrower values, so absorbed MLA decode
-# (keys kv_lora_rank + rope_head_dim wide, values kv_lora_rank, one kv head) runs on them;
-# "mosaic_gpu" needs head_dim_v == head_dim in {64, 128, 256} and keeps the expansion.
+# decode implementations that run absorbed MLA decode (any key width, narrower values).
 ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
-# Triton's decode kernel holds all query heads of a kv head in one [pad16(heads), pow2(dim)]
-# query tile per program; absorbed, that is every query head at r + rope_head_dim. Absorb on
-# Triton only up to the elements of the largest tile its GPU tests run (16 heads x 256 lanes): at
-# DeepSeek sizes (128 heads, 576) the tile and its fp32 accumulator would not fit in registers,
-# so those layers keep the expansion.
-# The values are the keys' array ([latent | k_rope], r + rope_head_dim wide), so the kernel's
-# value tile and fp32 accumulator [pad16(heads), pow2(r + rope_head_dim)] are the query tile's
-# size too: the same bound covers all three.
+# Largest Triton query tile [pad16(heads), pow2(r + rope_head_dim)] absorbed decode may use
+# (larger tiles and their fp32 accumulators do not fit in registers).
 TRITON_ABSORB_MAX_TILE = 16 * 256
-# MLA layers with RoPE cache one array per token: the latent (kv_lora_rank) then the rotated
-# RoPE key (rope_head_dim) along the last axis; NoPE MLA layers cache "latent" alone.
+# MLA RoPE layers cache one array per token: [latent | rotated k_rope].
 MLA_ROPE_CACHE = "latent_k_rope"
 
 
@@ -144,44 +114,20 @@ class Attention(nnx.Module):
     kv_lora_rank: None (plain GQA) or the MLA latent width.
     rope_head_dim: MLA only: width of the decoupled RoPE part of queries/keys (even, > 0).
     qk_norm: RMSNorm each query/key head (MLA: the non-RoPE part) before RoPE.
-    mla_absorb: MLA only: single-token decode of "global"/"local" layers absorbs ``w_uk`` into
-      the query and ``w_uv`` into the output and attends the latent cache directly (see
-      ``absorbed_decode``; it applies where valid: not with ``qk_norm``, whose key norm after
-      ``w_uk`` does not commute with the absorption, nor on ``implementation="mosaic_gpu"``,
-      nor on "triton" beyond 16 query heads x 256 lanes of latent + RoPE).
-      False: expand the cache into per-head keys/values at every step (the same result up to
-      rounding).
+    mla_absorb: MLA only: absorb the up-projections in single-token decode where valid (see
+      ``absorbed_decode``); False expands the cache every step.
     implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
     interpret: run Pallas kernels in interpret mode (CPU tests).
-    kv_cache_layout: "nhd" (default): K/V caches [batch, slots, kv_heads, head_dim]; "hnd":
-      head-major [batch, kv_heads, slots, head_dim] (full caches, local rings and the sparse
-      layers' block sums [batch, kv_heads, blocks, qk_dim]), decoded with ``kv_layout="hnd"``.
-      Same outputs either way; only the storage and the kernels' reads differ. ValueError for
-      other values, for MLA (its latent cache has no kv head axis) and for "csa" layers (their
-      decode does not use the contiguous decode kernels).
+    kv_cache_layout: "nhd" (default) or "hnd" (head-major K/V caches; not MLA or "csa").
     param_dtype: parameter dtype.
-    dtype: computation dtype of the projections (None: from the inputs/params, e.g. bf16 inputs
-      with fp32 params compute in fp32; pass jnp.bfloat16 for bf16 attention inputs).
-    rngs: ``nnx.Rngs`` (keyword-only); layers with ``gate_grad="gumbel"`` keep it and draw
-      their Gumbel noise from its default stream.
-
-  Decode of "sparse" layers always selects blocks per new token (``q_block_size=1`` rules via
-  ``jattn.sparse.sparse_decode_attention``); it equals the full forward exactly when the layer was
-  built with ``q_block_size=1``, and is the usual per-token approximation otherwise.
+    dtype: computation dtype of the projections (None: from the inputs/params).
+    rngs: ``nnx.Rngs`` (keyword-only); ``gate_grad="gumbel"`` layers draw noise from it.
 
   Example:
     >>> layer = Attention(64, 4, 2, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
     >>> y = layer(jnp.ones((2, 20, 64)))
     >>> layer.init_cache(2, 32, jnp.float32)
     >>> y_step = layer.decode(jnp.ones((2, 1, 64)))
-    >>> hm = Attention(64, 4, 2, 16, LayerSpec("local", window=8), kv_cache_layout="hnd",
-    ...                rngs=nnx.Rngs(0))
-    >>> hm.init_cache(2, 32, jnp.float32)
-    >>> hm.cache_k[...].shape                  # [batch, kv_heads, ring slots, head_dim]
-    (2, 2, 8, 16)
-    >>> bool(jnp.allclose(hm.decode(jnp.ones((2, 3, 64))), layer(jnp.ones((2, 3, 64))),
-    ...                   atol=1e-5))
-    True
   """
 
   def __init__(self, d_model, num_heads, num_kv_heads, head_dim, spec=None, *, kv_lora_rank=None,
@@ -312,12 +258,8 @@ class Attention(nnx.Module):
   def absorbed_decode(self):
     """Whether single-token decode ("global"/"local") attends the MLA latent directly.
 
-    True for MLA layers with ``mla_absorb``, without ``qk_norm`` and with a decode
-    implementation in ``ABSORB_IMPLEMENTATIONS`` ("xla", "triton", "mosaic_tpu"; None resolves
-    per platform), on "triton" only while its query tile, pad16(num_heads) x
-    pow2(kv_lora_rank + rope_head_dim), has at most ``TRITON_ABSORB_MAX_TILE`` (16 x 256)
-    elements; these static rules alone decide it, never the data. Otherwise decode expands the cache into
-    per-head keys/values (O(context x kv_heads x head_dim) per step).
+    True for MLA layers with ``mla_absorb``, without ``qk_norm``, on an implementation in
+    ``ABSORB_IMPLEMENTATIONS`` (on "triton" only up to ``TRITON_ABSORB_MAX_TILE``).
 
     Returns:
       A bool.
@@ -427,16 +369,13 @@ class Attention(nnx.Module):
     return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
 
   def cache_layout(self, max_len):
-    """Cache arrays as {name: (storage, slots, per-token shape)}; storage is "full", "ring"
-    or "compressed" (the layout ``init_cache`` allocates and ``kv_cache_bytes`` counts).
+    """Cache arrays as {name: (storage, slots, per-token shape)} (what ``init_cache`` allocates).
 
     Args:
       max_len: longest context the cache must serve.
 
     Returns:
-      dict name -> (storage, number of token slots, per-slot shape without batch). The arrays are
-      [batch, slots, *shape], or with ``kv_cache_layout="hnd"`` K/V [batch, kv_heads, slots,
-      head_dim] (the same bytes).
+      dict name -> (storage, number of token slots, per-slot shape without batch).
 
     Example:
       >>> layer = Attention(64, 4, 1, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
@@ -452,15 +391,11 @@ class Attention(nnx.Module):
 
     Args:
       batch_size: rows decoded together.
-      max_len: total tokens (prompt + generated) the cache must hold; local layers keep only a
-        ring buffer of ``window`` tokens whatever max_len is.
+      max_len: total tokens (prompt + generated) the cache must hold (local layers: a ring).
       dtype: cache dtype (e.g. jnp.bfloat16).
 
     Returns:
-      None. K/V arrays are [batch, slots, kv_heads, head_dim], or [batch, kv_heads, slots,
-      head_dim] with ``kv_cache_layout="hnd"`` (sparse layers' block sums likewise). MLA layers
-      keep ``cache_latent_k_rope`` [batch, slots, kv_lora_rank + rope_head_dim] (the latent, then
-      the rotated RoPE key) or, NoPE, ``cache_latent`` [batch, slots, kv_lora_rank].
+      None.
     """
     names = []
     ring_sizes = set()
@@ -545,15 +480,9 @@ class Attention(nnx.Module):
     ``kv_cache_layout``) with ``jattn.decode_attention``: absorbed MLA (``absorbed_decode``) or
     the expanded keys/values.
 
-    Absorbed, with W[g] = kernel[:, g, :] [r, head_dim] (``nnx.Linear`` kernels are [in, out],
-    out = (kv head, head_dim)), per query head h of kv head g: q_abs[h] = W_uk[g] q_nope[h] [r];
-    all query heads read one kv head. RoPE layers cache one array [latent | k_rope] [b, n,
-    r + rope_head_dim] and pass it as the keys and, unsliced, as the values too (the same buffer
-    twice: no per-step copy of the cache); the output keeps its first r columns (the RoPE columns
-    cost rope_head_dim / r extra value reads and are dropped). NoPE layers attend the latent
-    [b, n, r] as keys and values. o[h] = W_uv[g]^T o_lat[h] [head_dim]. The scale stays
-    1/sqrt(qk_dim). The absorption matmuls run in fp32 at HIGHEST precision (weights and
-    activations upcast), attention in the cache dtype like the expanded path.
+    Absorbed: q_abs[h] = W_uk[g] q_nope[h]; the cached [latent | k_rope] array is passed as keys
+    and values (the output keeps its first r columns); o[h] = W_uv[g]^T o_lat[h]. Absorption
+    matmuls run in fp32 at HIGHEST precision.
 
     Returns:
       o [b, 1, hq, head_dim] (the cache dtype, or fp32 when absorbed).
@@ -720,8 +649,7 @@ def cache_layout(spec, max_len, *, num_kv_heads, head_dim, kv_lora_rank=None, ro
     rope_head_dim: MLA decoupled RoPE width.
 
   Returns:
-    dict name -> (storage, slots, per-slot shape): storage "full" (max_len slots), "ring"
-    (a fixed number of recent tokens) or "compressed" (one slot per compressed entry).
+    dict name -> (storage "full", "ring" or "compressed", slots, per-slot shape).
 
   Example:
     >>> cache_layout(LayerSpec("global"), 10, num_kv_heads=2, head_dim=4)["v"]

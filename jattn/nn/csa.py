@@ -16,24 +16,14 @@ Two modes (``LayerSpec.csa_mode``):
   causal local window of ``window`` tokens, under one softmax (plus an optional learned sink logit).
   The local part runs on ``jattn.flash_attention``; the parts are combined by ``jattn.merge``.
   Entries overlapping the raw window are not excluded (as NSA's compressed and sliding branches).
-* "two_stage": per query token and kv head, blocks of ``block_size`` raw tokens are scored by the
-  best ``q . ck`` (query heads of a GQA group averaged) over the visible entries whose window
-  starts in the block; the ``top_k`` best past blocks plus the query's own block are attended
-  precisely on raw KV (causal), and every other visible compressed entry forms a coarse partial
-  (entries whose block is attended raw are left out, so no block counts twice); fine and coarse
-  partials share one normalisation through ``jattn.merge``.
+* "two_stage": raw blocks are scored by their best visible compressed entry; the ``top_k`` best
+  past blocks plus the query's own block are attended on raw KV and the other visible entries
+  form a coarse partial, merged through ``jattn.merge``.
 
-The functions here are pure and shared by the training forward and the cached decode path, so both
-compute the same selections. Selections are non-differentiable (gradients flow through the logits of
-the selected keys and entries).
-
-Memory: "compressed" scores [batch, heads, rows, entries] fp32 logits one chunk of query rows at a
-time (``lax.map`` over chunks, each under ``jax.checkpoint`` that keeps only the selection, packed
-to bits), so neither the forward nor the saved residuals hold the whole [batch, heads, q_len,
-entries] tensor: at 8K tokens, batch 8, 4 heads and ratio 4 that tensor is 2 GiB, and autodiff
-kept several per layer (a 6-layer train step wanted ~30 GiB on the H200). The backward recomputes
-each chunk's logits (not its top-K). "two_stage" still materialises its logits and computes its
-fine stage with the fp32 reference (an element mask): a reference-quality path for moderate lengths.
+The functions here are pure and shared by the training forward and the cached decode path.
+Selections are non-differentiable. "compressed" scores one chunk of query rows at a time under
+``jax.checkpoint``, so the whole [batch, heads, q_len, entries] logits are never held;
+"two_stage" materialises its logits (a reference-quality path for moderate lengths).
 """
 from __future__ import annotations
 

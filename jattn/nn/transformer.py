@@ -47,29 +47,16 @@ class TransformerConfig:
     interpret: Pallas interpret mode (CPU tests).
     norm_eps: RMSNorm epsilon.
     param_dtype: parameter dtype.
-    dtype: computation dtype (None: the parameter dtype; jnp.bfloat16 for bf16 activations and
-      attention inputs with fp32 parameters). Logits come out in this dtype.
-    mla_absorb: MLA single-token decode attends the latent cache with absorbed up-projections
-      where valid (``Attention.absorbed_decode``); False expands the cache at every step.
-    kv_cache_layout: "nhd" (default) or "hnd": the decode caches of every layer keep K/V as
-      [batch, slots, kv_heads, head_dim] or head-major [batch, kv_heads, slots, head_dim]
-      (full caches, local rings, sparse block sums), and decode calls the kernels with that
-      ``kv_layout`` (``Attention(kv_cache_layout=...)``). A model-wide option rather than a
-      ``LayerSpec`` field: it is a storage choice of the serving cache that changes neither the
-      parameters nor the outputs (``with_config`` switches a trained model), while a LayerSpec
-      says what a layer computes; and one choice per model is what a server allocates for.
-      ValueError for other values and for "hnd" with MLA (``kv_lora_rank``) or "csa" layers
-      (no head-major path there; no silent fallback).
+    dtype: computation dtype (None: the parameter dtype); logits come out in this dtype.
+    mla_absorb: absorbed MLA decode where valid (``Attention.absorbed_decode``).
+    kv_cache_layout: "nhd" (default) or "hnd": every layer's decode cache layout
+      (``Attention(kv_cache_layout=...)``); not with MLA or "csa" layers.
 
   Example:
     >>> from jattn.nn.schedule import local_global_schedule
     >>> cfg = TransformerConfig(256, 6, 64, 4, 2, 16, layers=local_global_schedule(6, window=8))
     >>> cfg.layers[5].kind
     'global'
-    >>> hm = Transformer(dataclasses.replace(cfg, kv_cache_layout="hnd"), rngs=nnx.Rngs(0))
-    >>> hm.init_cache(1, 32)
-    >>> hm.blocks[5].attn.cache_k[...].shape, hm.blocks[0].attn.cache_k[...].shape
-    ((1, 2, 32, 16), (1, 2, 8, 16))
   """
   vocab_size: int
   num_layers: int
@@ -274,8 +261,7 @@ def sparsify_config(config, top_k, *, block_size=64, q_block_size=64, kinds=("gl
                     gate_grad="none"):
   """A copy of ``config`` whose layers of the given kinds become top-K block-sparse layers.
 
-  The new "sparse" layers keep each layer's RoPE base, so a dense model's weights run unchanged
-  with post-hoc sparsity (see ``sparsify``).
+  The new "sparse" layers keep each layer's RoPE base (see ``sparsify``).
 
   Args:
     config: TransformerConfig.
@@ -346,9 +332,7 @@ def sparsify(model, top_k, *, block_size=64, q_block_size=64, kinds=("global",))
 def attention_probabilities(q, k, spec=None, *, segment_ids=None, scale=None):
   """Dense attention probabilities of one layer from its captured q/k (heatmaps, captured mass).
 
-  The mask is the layer's dense equivalent: causal, plus the window for "local" layers, plus
-  segment ids. (For "sparse"/"csa" layers this is the dense distribution their selection
-  approximates.)
+  The mask is the layer's dense equivalent: causal, the "local" window, segment ids.
 
   Args:
     q: [batch, seq, q_heads, d] (from ``Transformer(..., return_qk=True)``).

@@ -40,12 +40,8 @@ def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=
 
   Takes every argument of :func:`block_sparse_attention` (``scale`` and ``return_lse`` change no
   choice); without a selection, ``q_block_size`` and ``block_size`` give its tiles.
-  ``implementation=None`` on a Hopper GPU picks "mosaic_gpu" (the Hopper forward and, at
-  head_dim 64/128, the Mosaic GPU backward, both walking the selection's block schedule) for
-  bf16/fp16 q, k, v with head_dim 64, 128 or 256 (= head_dim_v), tiles that are powers of two
-  >= 64 and interpret off; "triton" for other GPU calls, "mosaic_tpu" on TPU, "xla" on CPU.
-  The configs are the device table's, fitted to the selection's tiles
-  (``jattn.attention.resolve``).
+  ``implementation=None`` picks "mosaic_gpu" on Hopper where it applies (bf16/fp16, head_dim
+  64/128/256, tiles powers of two >= 64), else "triton" on GPU, "mosaic_tpu" on TPU, "xla".
 
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
@@ -64,9 +60,6 @@ def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=
     >>> p = block_sparse_plan(x, x, x, q_block_size=128, block_size=64, device_kind="NVIDIA H200")
     >>> p.implementation, p.backward, p.config.block_k
     ('mosaic_gpu', 'mosaic_gpu', 64)
-    >>> block_sparse_plan(x, x, x, q_block_size=32, block_size=64,
-    ...                   device_kind="NVIDIA H200").implementation
-    'triton'
   """
   del scale, return_lse
   if selection is not None:
@@ -116,23 +109,10 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   and the element mask allows it (causal, segment ids). Rows that see no key return 0 and -inf
   log-sum-exp.
 
-  Implementations:
-    * "xla": ``attention_reference`` with ``block_mask=selection.to_mask()`` (materialises the
-      logits; the semantics every kernel matches).
-    * "triton", "mosaic_tpu": ``make_schedule(q_len, kv_len, q_block_size, block_size, causal,
-      segment ids, block_mask=selection.tile_mask(), max_kv_blocks=selection.max_selected)``
-      walked by the flash kernels with tiles of the selection's block sizes, so only kept tiles
-      are visited; the backward walks the schedule's transposed lists. A ValueError is raised if
-      the kernel cannot run those tile sizes (e.g. Triton needs powers of two >= 16, Mosaic TPU
-      multiples of 128): there is no silent fallback.
-    * "mosaic_gpu" (Hopper, sm90): the Mosaic GPU forward walks the same schedule with its own
-      64-row x (64 or 128)-key tiles, only the kept tiles (per program the union of its two
-      64-row warpgroups' lists, each tile run unmasked, masked or skipped per warpgroup); the
-      backward walks the same schedule: at head_dim 64 and 128 the Mosaic GPU dK/dV and dQ
-      kernels (``mosaic_gpu_bwd``: dQ walks each query tile's kv list, dK/dV each kv tile's
-      transposed query list), at head_dim 256 the Triton kernels at the selection's tiles.
-      Needs q_block_size and block_size powers of two >= 64 (ValueError otherwise), bf16/fp16,
-      head_dim 64/128/256 == head_dim_v (NotImplementedError otherwise).
+  Implementations: "xla" (``attention_reference`` with ``block_mask=selection.to_mask()``);
+  "triton", "mosaic_tpu" and "mosaic_gpu" walk a ``make_schedule`` of the kept tiles, forward and
+  backward (ValueError for tile sizes a kernel cannot run; "mosaic_gpu" needs powers of two
+  >= 64, bf16/fp16 and head_dim 64/128/256 == head_dim_v).
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -144,10 +124,9 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None (:func:`block_sparse_plan` says what runs), "xla", "triton",
-      "mosaic_gpu" or "mosaic_tpu".
-    interpret: run a Pallas kernel in interpret mode (CPU tests; "mosaic_gpu" raises
-      NotImplementedError: its forward cannot be interpreted).
+    implementation: None (:func:`block_sparse_plan`), "xla", "triton", "mosaic_gpu" or
+      "mosaic_tpu".
+    interpret: run a Pallas kernel in interpret mode (not "mosaic_gpu").
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -305,44 +284,22 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                      score_aux_weight=0.0, score_aux_pool="sum", aux_max_chunk_elems=1 << 25):
   """Top-K block selection plus block-sparse attention in one call, for training.
 
-  Let score = ``block_scores(q, k)`` [b, g, i, j], c = scale (the attention logit scale) and
-  T = gate_temperature. The kept set S(i) of query block i (kv head g) is chosen by the rules of
-  :func:`select_blocks` applied to a ranking r; the output is always the block-sparse attention
-  over S, O = block_sparse_attention(q, k, v, S). ``gate_grad`` decides r and the gradient:
+  Blocks are kept by the rules of :func:`select_blocks` applied to a ranking r, then
+  O = block_sparse_attention(q, k, v, S). With c = scale and T = gate_temperature:
 
-    * "none": r = score; no gradient reaches the selection (hard top-k, InfLLM v2 / MoBA).
-    * "ste": r = score (same selection, forward bit-for-bit equal to "none"). Gate logits
-      z[i, j] = c * score[i, j] / T. Every attention logit of a kept tile (i, j) gets the bias
-      z[i, j] - stop_gradient(z[i, j]) (exactly 0 in the forward), i.e. the gradient is the one
-      of attention in which each kept block is weighted by exp(z[i, j]) (equivalently by
-      softmax_j over S(i) of z: the shared normaliser cancels) and renormalised. So
-      dL/dz[i, j] = sum over the tile (its queries, the group's query heads, its keys) of
-      dL/dlogits, which flows to q and k through the mean-pooled score.
-    * "gumbel": r = y with y[i, j] = (c * score[i, j] + G[i, j]) / T, G iid Gumbel(0, 1) from
-      ``rng`` (one draw per batch, kv head, query block, key block): the forward keeps the hard
-      top-k of the perturbed scores (Gumbel-top-k: k blocks sampled without replacement from
-      softmax_j(c * score), independent of T; it explores blocks "none" would skip); the backward
-      is straight-through with the same per-tile bias y - stop_gradient(y), i.e.
-      dL/dscore[i, j] = (c / T) * tile sum of dL/dlogits over kept tiles, 0 for the others
-      (T only scales the relaxed gradient, as in Gumbel-softmax).
+    * "none": r = ``block_scores``; no gradient reaches the selection (hard top-k).
+    * "ste": r = score (forward equal to "none"); every logit of a kept tile (i, j) gets the bias
+      z - stop_gradient(z), z = c * score[i, j] / T, so gradients flow to q and k through the
+      mean-pooled score.
+    * "gumbel": r = (c * score + G) / T with G iid Gumbel(0, 1) from ``rng`` (Gumbel-top-k);
+      the backward is straight-through like "ste".
 
-  Initial and local blocks are always kept in every mode and receive the gate gradient like any
-  kept block. The gate gradient needs one extra pass over the kept tiles (two matmuls per tile):
-  the Pallas kernel ``pallas_kernels/sparse/gate_grad.py`` for "triton" and "mosaic_gpu", a
-  chunked XLA pass (gathering the kept key/value blocks) for "xla" and "mosaic_tpu".
+  Initial and local blocks are always kept. The gate gradient costs one extra pass over the kept
+  tiles (``pallas_kernels/sparse/gate_grad.py`` for "triton"/"mosaic_gpu", chunked XLA else).
 
-  ``score_aux_weight`` = w > 0 adds a score-distillation signal that works with every
-  ``gate_grad`` mode and reaches the scores of blocks that were *not* kept: the gradient of
-  q and k becomes that of L + w * KL, with KL = :func:`block_score_kl` (the dense attention's
-  block mass, stop-gradient, pooled over each block's queries by ``score_aux_pool`` "sum" or
-  "max", as the target of softmax(c * score / T) over the candidate blocks).
-  The forward output is unchanged (the same selection, bit for bit); the term is injected into
-  the backward pass (``add_aux_loss``, DeepSeek's ``AddAuxiliaryLoss`` pattern), so it needs no
-  change to the caller's loss, but it assumes the caller differentiates one scalar loss (its
-  weight does not scale with the output cotangent) and it is not part of any reported loss
-  value. Cost: the O(q_len * kv_len) dense probabilities of the target, computed chunked
-  (``aux_max_chunk_elems`` logits per chunk) and only when differentiated (XLA drops it from
-  forward-only calls).
+  ``score_aux_weight`` = w > 0 adds w * :func:`block_score_kl` (the dense attention's block mass,
+  stop-gradient, pooled by ``score_aux_pool``) to the backward only (``add_aux_loss``); the
+  forward output is unchanged.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -355,14 +312,12 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     gate_temperature: T > 0 (above).
     rng: a jax PRNG key; required for "gumbel", ignored otherwise.
     causal, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
-    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding); kv_segment_ids defaults
-      to segment_ids when q_len == kv_len.
+    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
     scale: logit scale, default 1/sqrt(head_dim).
     implementation, interpret: as in :func:`block_sparse_attention`.
     return_selection: also return the :class:`BlockSelection`.
     score_aux_weight: w >= 0, weight of the score-distillation term (0: off; above).
-    score_aux_pool: "sum" or "max": the target's pooling over a block's queries
-      (:func:`block_attention_mass` ``query_pool``).
+    score_aux_pool: "sum" or "max": the target's pooling over a block's queries.
     aux_max_chunk_elems: bound on the logits materialised per chunk of the target.
 
   Returns:

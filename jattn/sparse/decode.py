@@ -32,24 +32,17 @@ class BlockSummaries:
   """Running per-block key sums of a contiguous KV cache, for decode-time block scoring.
 
   Attributes:
-    sums: fp32 [batch, num_blocks, kv_heads, head_dim] (layout "nhd"), or [batch, kv_heads,
-      num_blocks, head_dim] (layout "hnd"): sum of the keys of each cache block over the
-      positions < lengths.
+    sums: fp32 [batch, num_blocks, kv_heads, head_dim] ("nhd", kv_heads first for "hnd"):
+      key sums of each block over the positions < lengths.
     lengths: int32 [batch]: number of cache positions summarised.
     block_size: positions per block (static).
-    layout: "nhd" or "hnd" (static): the layout of the cache these sums summarise (see
-      ``kv_layout`` of :func:`sparse_decode_attention`); the sums follow it (the kv head axis
-      before the block axis for "hnd").
+    layout: "nhd" or "hnd" (static): the layout of the summarised cache.
 
   Example:
     >>> k = jax.random.normal(jax.random.key(0), (1, 128, 2, 16))
     >>> s = init_block_summaries(k, jnp.array([100]), block_size=32)
     >>> s.sums.shape, s.num_blocks, s.layout
     ((1, 4, 2, 16), 4, 'nhd')
-    >>> kh = jnp.swapaxes(k, 1, 2)                      # head-major [1, 2, 128, 16]
-    >>> sh = init_block_summaries(kh, jnp.array([100]), block_size=32, kv_layout="hnd")
-    >>> sh.sums.shape, sh.num_blocks, sh.layout
-    ((1, 2, 4, 16), 4, 'hnd')
   """
   sums: jax.Array
   lengths: jax.Array
@@ -128,9 +121,6 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
     >>> s = init_block_summaries(k, jnp.array([10, 200]), block_size=64)
     >>> s.sums.shape
     (2, 4, 2, 16)
-    >>> init_block_summaries(jnp.swapaxes(k, 1, 2), jnp.array([10, 200]), block_size=64,
-    ...                      kv_layout="hnd").sums.shape
-    (2, 2, 4, 16)
   """
   _check_kv_layout(kv_layout)
   if k_cache.ndim != 4:
@@ -166,20 +156,15 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
 def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, kv_layout=None):
   """Add the newest cache entry of each sequence to its block sum (O(1) per appended token).
 
-  Call once after each decode step has written its key at position ``kv_lengths - 1``. A
-  sequence whose ``kv_lengths`` did not grow (``kv_lengths <= summaries.lengths``) is left
-  unchanged; a sequence that grew by more than one token must be re-summarised with
-  :func:`init_block_summaries` (only the last position is added).
+  Call after each decode step writes its key at ``kv_lengths - 1``; sequences that did not grow
+  are unchanged (growth by more than one token needs :func:`init_block_summaries`).
 
   Args:
     summaries: a :class:`BlockSummaries`.
-    k_cache: [batch, max_len, kv_heads, head_dim] ("nhd") or [batch, kv_heads, max_len,
-      head_dim] ("hnd") already holding the new keys, or with ``page_table`` the page pool
-      [num_pages, block_size, kv_heads, head_dim].
+    k_cache: the cache (or page pool) in the summaries' layout, holding the new keys.
     kv_lengths: int [batch], lengths including the new token.
     page_table: None or int32 [batch, max_pages].
-    kv_layout: None (default: ``summaries.layout``), "nhd" or "hnd"; a value other than
-      ``summaries.layout`` raises ValueError.
+    kv_layout: None (``summaries.layout``) or that layout, else ValueError.
 
   Returns:
     The updated :class:`BlockSummaries` (same layout).
@@ -190,11 +175,6 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
     >>> s = update_block_summaries(s, k, jnp.array([6]))
     >>> int(s.lengths[0])
     6
-    >>> kh = jnp.swapaxes(k, 1, 2)                      # head-major [1, 1, 128, 8]
-    >>> sh = init_block_summaries(kh, jnp.array([5]), block_size=64, kv_layout="hnd")
-    >>> sh = update_block_summaries(sh, kh, jnp.array([6]))
-    >>> bool(jnp.allclose(sh.sums, jnp.swapaxes(s.sums, 1, 2)))
-    True
   """
   if not isinstance(summaries, BlockSummaries):
     raise TypeError("summaries must be a BlockSummaries")
@@ -232,18 +212,12 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
                          num_local_blocks=1):
   """Per-token block selection for one new query per sequence (the decode side of select_blocks).
 
-  The query of sequence b sits at position p = kv_lengths[b] - 1 in block d = p // block_size.
-  Kept: blocks 0 .. num_init_blocks-1 and d-num_local_blocks+1 .. d (when <= d), plus the top_k
-  highest-scoring other blocks j < d, score = sum over the group's query heads of q . mean key of
-  block j. Same rules as ``select_blocks(q_block_size=1)`` on the last query of the prefix.
-  There are no segment ids: a cache row holds one document (decode packed documents one per
-  row), so block 0 is the document's first block, as ``select_blocks`` with segment ids
-  selects for a document that starts at a block boundary.
+  Same rules as ``select_blocks(q_block_size=1)`` for the query at kv_lengths - 1: initial and
+  local blocks plus the top_k others by (summed group queries) . (mean block key).
 
   Args:
     q: [batch, q_heads, head_dim].
-    block_summaries: :class:`BlockSummaries` of the cache (holding the new token), either
-      layout.
+    block_summaries: :class:`BlockSummaries` of the cache (holding the new token).
     kv_lengths: int [batch], lengths including the new token.
     top_k, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
 
@@ -374,8 +348,7 @@ class SparseDecodeConfig:
 
   Attributes:
     num_splits: splits of each (sequence, kv head)'s kept-block list.
-    fused_select: block scores and selection in one launch
-      (``pallas_kernels.sparse.decode_select.score_select_decode_slots``) instead of two.
+    fused_select: block scores and selection in one launch instead of two.
     score_splits: with ``fused_select``: score programs per (sequence, kv head).
     blocks_per_step: kept blocks per attention loop step (1, or 2 with ``prefetch_ids``).
     prefetch_ids: each attention split loads its block ids once, before its loop.
@@ -408,11 +381,8 @@ def _resolve_decode_implementation(implementation, platform=None):
 
 
 def _hnd_triton_launch(k, v, block_size):
-  """The head-major path's attention launch. A kept block is one contiguous run there, so the
-  attention loads each split's block ids once (``prefetch_ids``); on compute capability 9.x,
-  where its 3 stages x 2 blocks of K and V fit in 200 KB of shared memory, two blocks per step
-  (more bytes in flight: the kernel is latency-bound) and the splits merged by a second kernel
-  (the last split's merge added more to the attention kernel than the merge kernel takes)."""
+  """The head-major path's attention launch: block ids prefetched per split; on sm9x, when 3
+  stages x 2 blocks of K and V fit in 200 KB, two blocks per step and a merge kernel."""
   cc = compat.gpu_compute_capability()
   need = (3 * 2 * block_size
           * (k.shape[-1] * jnp.dtype(k.dtype).itemsize + v.shape[-1] * jnp.dtype(v.dtype).itemsize))
@@ -422,10 +392,8 @@ def _hnd_triton_launch(k, v, block_size):
 
 
 def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_split=4):
-  """Default splits of the head-major path's Triton attention: one program per multiprocessor
-  (floor(cores / sequences), at most one per ``min_blocks_per_split`` kept blocks) when that
-  gives at least 8 splits (B1 with 8 kv heads), else
-  ``pallas_kernels.sparse.decode.default_num_splits`` (about two programs per multiprocessor).
+  """Head-major Triton splits: one program per multiprocessor when that gives >= 8 splits,
+  else ``pallas_kernels.sparse.decode.default_num_splits``.
 
   Example:
     >>> _hnd_triton_num_splits(8, 389, core_count=132)
@@ -448,20 +416,9 @@ def sparse_decode_plan(q, k_cache, v_cache, *, block_size, top_k, num_init_block
   """What :func:`sparse_decode_attention` (or, with ``page_table``,
   :func:`sparse_paged_decode_attention`) runs for these arguments.
 
-  Resolution, once per call: the implementation (None: "triton" on GPU, "mosaic_tpu" on TPU,
-  "xla" elsewhere), then for "triton" the config from the explicit ``num_splits``, else the
-  heuristics (there are no sparse decode tables), fitted to the call's shapes:
-
-  * "nhd" and paged caches: block scores and the selection in two launches, then the
-    attention with ``pallas_kernels.sparse.decode.default_num_splits`` splits (about two
-    programs per multiprocessor), each step's block id looked up one step ahead, and the
-    splits merged by the last split to finish.
-  * "hnd" (batch x kv_heads sequences of one kv head): scores and selection in one launch
-    (``default_score_splits`` score programs per sequence), one attention program per
-    multiprocessor (``_hnd_triton_num_splits``), each split's ids loaded once; on sm90 two
-    blocks per step and a merge kernel (``_hnd_triton_launch``).
-
-  "xla" and "mosaic_tpu" take no config (None); "mosaic_tpu" has no splits.
+  Resolves the implementation (None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere)
+  and, for "triton", a :class:`SparseDecodeConfig` from ``num_splits`` or the heuristics ("hnd"
+  fuses scores and selection into one launch); "xla" and "mosaic_tpu" take no config.
 
   Args:
     q: [batch, q_heads, head_dim] (or a ``jax.ShapeDtypeStruct``; likewise the caches).
@@ -515,9 +472,8 @@ def sparse_decode_plan(q, k_cache, v_cache, *, block_size, top_k, num_init_block
 
 def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel, scale,
             interpret, lengths_group=1):
-  """Selection and attention of an "nhd" (or paged) call by ``plan``: (out, lse, indices).
-  ``lengths_group`` ("triton" only): kv_lengths and the summaries' lengths hold one entry per
-  that many consecutive sequences (the head-major path)."""
+  """Selection and attention of an "nhd" (or paged) call by ``plan``: (out, lse, indices);
+  ``lengths_group``: one length per that many consecutive sequences ("triton", head-major)."""
   sel = dict(sel)
   if plan.implementation == "xla":
     indices = _decode_select(q, summaries, kv_lengths, **sel)
@@ -562,12 +518,8 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, *, plan, block_size, sel, 
                 interpret):
   """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
 
-  Jitted, so that the reshapes are bitcasts even when the caller is not (outside a jit each
-  reshape of the cache would be its own computation and copy it). k [b, hk, n, d] ->
-  [b * hk, n, 1, d] (v likewise), q [b, hq, d] -> [b * hk, g, d] (query head h * g + i is query
-  head i of sequence b * hk + h); then the "nhd" path, and the results reshaped back. The
-  Triton kernels read the lengths of sequence b * hk + h at b (``lengths_group``), so that
-  path repeats nothing; the other implementations get the lengths repeated per kv head.
+  Jitted so the reshapes are bitcasts: k [b, hk, n, d] -> [b * hk, n, 1, d], q [b, hq, d] ->
+  [b * hk, g, d]; then the "nhd" path, and the results reshaped back.
   """
   q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
   b, hk, n, d = k.shape
@@ -651,62 +603,36 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
   block summaries, then attention over the kept blocks only (positions < kv_lengths); the result
   equals dense decode attention restricted to the kept blocks.
 
-  Implementations:
-    * "xla": gathers the kept blocks of each kv head (advanced indexing, never a copy of the whole
-      cache), then one softmax.
-    * "triton": Pallas kernels: block scores and the top-k selection
-      (``pallas_kernels.sparse.decode_select``, a threshold search instead of a sort), then the
-      split-KV kernel whose per-kv-head block lists act as page tables, its splits merged by
-      log-sum-exp (``pallas_kernels.sparse.decode.sparse_decode``). How the launches are laid
-      out depends on the cache (:func:`sparse_decode_plan`). block_size must be a power of two
-      >= 16.
-    * "mosaic_tpu": the selection in XLA, then one Pallas Mosaic TPU kernel
-      (``pallas_kernels.sparse.decode_tpu``) with grid (batch, kv head, kept slot): the kept
-      block ids, counts and page table are scalar-prefetched and the K/V index maps DMA only the
-      kept blocks; one online softmax per GQA group. block_size must give DMAs of a multiple
-      of 8 rows (16 for 16-bit caches); head dims that are not multiples of 128 with several
-      kv heads read every head's rows of a kept block (see ``head_lanes_layout``).
-    * None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere.
+  Implementations: "xla" (gathers the kept blocks, one softmax); "triton" (Pallas top-k
+  selection ``pallas_kernels.sparse.decode_select`` then the split-KV kernel
+  ``pallas_kernels.sparse.decode.sparse_decode``; block_size a power of two >= 16);
+  "mosaic_tpu" (XLA selection, then ``pallas_kernels.sparse.decode_tpu`` DMAing only the kept
+  blocks; block_size a multiple of 8 rows, 16 for 16-bit caches); None picks "triton" on GPU,
+  "mosaic_tpu" on TPU, "xla" elsewhere.
 
-  Cache layouts (``kv_layout``):
-    * "nhd" (default): [batch, max_len, kv_heads, head_dim], as everywhere else in jattn. A kept
-      block of one kv head is block_size rows of head_dim elements, kv_heads * head_dim apart.
-    * "hnd": head-major [batch, kv_heads, max_len, head_dim]: a kept block of one kv head is one
-      contiguous run. Every implementation runs it as a free reshape to a cache of batch *
-      kv_heads sequences with one kv head each (the G query heads of kv head h, query heads
-      h * G .. h * G + G - 1, become that sequence's query heads), then reshapes the results
-      back: the same programs (and default split counts), the same selection and the same
-      output as "nhd" on the transposed cache. The summaries must be made with the same
-      layout (``init_block_summaries(..., kv_layout="hnd")``; a mismatch raises ValueError).
-      The Triton path is fastest on this layout (a kept block is one contiguous run). For
-      "mosaic_tpu" with several kv heads and head dims that are not multiples of 128, "hnd"
-      reads only the kept head's rows (one kv head per sequence, see ``head_lanes_layout``).
+  ``kv_layout`` "nhd" is [batch, max_len, kv_heads, head_dim]; "hnd" is head-major [batch,
+  kv_heads, max_len, head_dim], run as a free reshape to batch * kv_heads single-head sequences
+  (same selection and output as "nhd" on the transposed cache; summaries must use the same
+  layout, else ValueError).
 
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
-    k_cache: [batch, max_len, kv_heads, head_dim] ("nhd") or [batch, kv_heads, max_len,
-      head_dim] ("hnd"), holding the new token.
-    v_cache: [batch, max_len, kv_heads, head_dim_v] ("nhd") or [batch, kv_heads, max_len,
-      head_dim_v] ("hnd"); head_dim_v may differ from head_dim (MLA: values narrower than the
-      rope-extended keys), on every implementation.
+    k_cache: the key cache in ``kv_layout``, holding the new token.
+    v_cache: the value cache in ``kv_layout``; head_dim_v may differ from head_dim.
     kv_lengths: int [batch]: valid positions per sequence, including the new token.
-    block_summaries: :class:`BlockSummaries` (``init_block_summaries`` /
-      ``update_block_summaries``) with the same block_size and ``layout == kv_layout``.
+    block_summaries: :class:`BlockSummaries` with the same block_size and layout.
     block_size: positions per block.
     top_k, num_init_blocks, num_local_blocks: selection sizes (as in :func:`select_blocks`).
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return lse [batch, q_heads] (fp32, natural log, -inf if empty).
     return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
     implementation: None, "xla", "triton" or "mosaic_tpu".
-    interpret: run the Pallas kernel in interpret mode (CPU tests; the TPU interpreter for
-      "mosaic_tpu").
-    num_splits: Triton splits per (batch, kv head); default: :func:`sparse_decode_plan`'s. The
-      Mosaic TPU kernel has no splits (None or 1).
-    kv_layout: "nhd" (default) or "hnd": the cache layout, see above.
+    interpret: run the Pallas kernel in interpret mode.
+    num_splits: Triton splits per (batch, kv head); default from :func:`sparse_decode_plan`.
+    kv_layout: "nhd" (default) or "hnd".
 
   Returns:
-    out [batch, q_heads, head_dim_v] in q.dtype; then lse [batch, q_heads] and/or indices
-    [batch, kv_heads, max_selected] if requested (the same shapes for both layouts).
+    out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
 
   Example:
     >>> k = jax.random.normal(jax.random.key(0), (1, 512, 2, 16))
@@ -717,12 +643,6 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     ...                               implementation="xla")
     >>> out.shape
     (1, 4, 16)
-    >>> kh = jnp.swapaxes(k, 1, 2)                      # head-major [1, 2, 512, 16]
-    >>> sh = init_block_summaries(kh, lens, block_size=64, kv_layout="hnd")
-    >>> out_h = sparse_decode_attention(q, kh, kh, lens, sh, block_size=64, top_k=1,
-    ...                                 implementation="xla", kv_layout="hnd")
-    >>> bool(jnp.allclose(out_h, out, atol=1e-5))
-    True
   """
   return _sparse_decode(q, k_cache, v_cache, kv_lengths, block_summaries, None,
                         block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
@@ -740,14 +660,11 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
   Args:
     q: [batch, q_heads, head_dim].
     k_pages: [num_pages, page_size, kv_heads, head_dim].
-    v_pages: [num_pages, page_size, kv_heads, head_dim_v] (head_dim_v may differ, as in
-      :func:`sparse_decode_attention`).
-    page_table: int32 [batch, max_pages]: token t of sequence b lives in page
+    v_pages: [num_pages, page_size, kv_heads, head_dim_v].
+    page_table: int32 [batch, max_pages]: token t of sequence b is in page
       ``page_table[b, t // page_size]``, slot ``t % page_size``.
     kv_lengths: int [batch], including the new token.
-    block_summaries: :class:`BlockSummaries` with block_size == page_size and max_pages blocks
-      (``init_block_summaries(k_pages, lens, block_size=page_size, page_table=page_table)``;
-      layout "nhd": paged caches have no head-major option).
+    block_summaries: :class:`BlockSummaries` with block_size == page_size (layout "nhd").
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
       interpret, num_splits: as in :func:`sparse_decode_attention`.
 

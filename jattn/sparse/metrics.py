@@ -40,9 +40,7 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
                   scale=None, reduce=True, max_chunk_elems=1 << 25):
   """Fraction of the full-softmax attention probability that falls inside the kept blocks.
 
-  For query t of head h: mass = sum over visible keys in kept blocks of softmax(scale * q.k)
-  (normalised over all visible keys: causal and segment masks). Computed in fp32 in chunks of
-  queries (``lax.map``), so memory stays ~ max_chunk_elems floats even at 16K-64K tokens.
+  Computed in fp32 in chunks of queries, ~max_chunk_elems logits at a time.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -51,9 +49,7 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     causal: bottom-right aligned causal mask for the full softmax.
     segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
     scale: logit scale, default 1/sqrt(head_dim).
-    reduce: True: one scalar, the mean over all (batch, head, query) with at least one visible
-      key. False: fp32 [batch, q_heads], the mean over each head's queries (NaN-free: 0 where a
-      head has no valid query).
+    reduce: True: one scalar mean over valid queries; False: fp32 [batch, q_heads] means.
     max_chunk_elems: bound on the logits materialised per chunk.
 
   Returns:
@@ -113,20 +109,9 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
                          max_chunk_elems=1 << 25):
   """Dense attention probability pooled onto (query block, key block) tiles, per GQA group.
 
-  With P = softmax over the visible keys (causal, bottom-right aligned; same nonzero segment id)
-  of scale * q[t] . k[s] in fp32 (queries that see no key, e.g. padding, contribute 0) and
-  m[b, h, t, j] = sum over the keys s of block j of P[b, h, t, s] (query t's mass on block j):
-
-    * query_pool="sum": M[b, g, i, j] = sum over the query heads h of kv group g and the queries
-      t of block i of m[b, h, t, j]. Row sums: sum_j M = (query heads per group) * (valid
-      queries of block i).
-    * query_pool="max": M[b, g, i, j] = sum over h in group g of max over t in block i of
-      m[b, h, t, j]: a block that one query of the block needs counts fully (SeerAttention's
-      max-pooled ground truth), where "sum" dilutes it by the query block size.
-
-  The target of :func:`block_score_kl`. Not differentiable (stop-gradient inputs). Computed in
-  chunks of query blocks (``lax.map``; ~max_chunk_elems logits each), the matmul in the input
-  dtype with fp32 accumulation (fp32 inputs: HIGHEST precision).
+  Query t's mass on key block j, summed over the group's query heads and pooled over the
+  queries of block i by ``query_pool`` ("sum", or "max" as SeerAttention's ground truth). The
+  target of :func:`block_score_kl`; not differentiable; computed in chunks of query blocks.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -213,21 +198,9 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
   """Score-distillation loss: how far the block scorer's distribution is from the dense
   attention's block mass (``sparse_attention(score_aux_weight=...)`` trains on it).
 
-  For batch b, kv head g and query block i, let C(i) be the candidate blocks of
-  :func:`select_blocks`' rules (selectable and not always kept: top-k chooses among exactly
-  these), z[i, j] = c * score[i, j] / T (``block_scores``, c = scale, T = temperature: the
-  "ste" gate logits) and M = :func:`block_attention_mass` (stop-gradient; ``query_pool`` "sum"
-  or "max" over the block's queries). Then
-
-      p[i, j] = M[i, j] / sum_{j' in C(i)} M[i, j']        (j in C(i))
-      KL(i)   = sum_{j in C(i)} p[i, j] * (log p[i, j] - log_softmax_{j' in C(i)} z[i, j'])
-
-  and the loss is the mean of KL(i) over (b, g, i) with |C(i)| >= 2 and some target mass (0 if
-  there is none). dKL(i)/dz[i, j] = softmax(z)[i, j] - p[i, j] for every candidate j, kept or
-  not, so the scores of dropped blocks that the dense attention wants rise (SeerAttention's
-  pooled-attention KL; DeepSeek Sparse Attention's indexer KL, here at block level and on the
-  attention's own q/k). The always-kept blocks are left out: their score decides nothing and
-  their (mostly local) mass would dwarf the candidates'.
+  Over the candidate blocks C(i) (selectable, not always kept), KL(p || softmax(z)) with
+  p = :func:`block_attention_mass` normalised over C(i) (stop-gradient) and
+  z = scale * score / T, averaged over query blocks with |C(i)| >= 2 and some target mass.
 
   Args:
     q, k: as in :func:`select_blocks` (differentiable through the scores only).
@@ -235,8 +208,7 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
       kv_segment_ids: the selection rules (:func:`select_blocks`).
     scale: logit scale c, default 1/sqrt(head_dim).
     temperature: T > 0.
-    query_pool: "sum" or "max": pooling of the target over the queries of a block
-      (:func:`block_attention_mass`).
+    query_pool: "sum" or "max" (:func:`block_attention_mass`).
     max_chunk_elems: chunking of the target (:func:`block_attention_mass`).
 
   Returns:

@@ -36,13 +36,10 @@ class BlockSelection:
   """The key blocks kept for every (batch, kv head, query block): a top-K block-sparse mask.
 
   Attributes:
-    indices: int32 [batch, kv_heads, num_q_blocks, max_selected]: kept key-block ids in increasing
-      order, then -1 (the sentinel) for unused slots.
-    counts: int32 [batch, kv_heads, num_q_blocks]: number of kept blocks (valid entries).
-    num_visible: int32 [batch, kv_heads or 1, num_q_blocks]: number of selectable blocks (causally
-      visible and, with segment ids, overlapping the query block's documents).
-    scores: None or fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]: the block scores the
-      selection ranked (``block_scores``), for inspection.
+    indices: int32 [batch, kv_heads, num_q_blocks, max_selected]: kept ids ascending, then -1.
+    counts: int32 [batch, kv_heads, num_q_blocks]: number of kept blocks.
+    num_visible: int32 [batch, kv_heads or 1, num_q_blocks]: number of selectable blocks.
+    scores: None or fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]: the ranked scores.
     block_size: keys per key block (static).
     q_block_size: queries per query block (static).
     q_len, kv_len: the sequence lengths the selection was made for (static).
@@ -99,12 +96,10 @@ class BlockSelection:
     """Element-level expansion of the block mask (no causal or segment mask applied).
 
     Args:
-      q_len, kv_len: default to the lengths the selection was made for; if given they must be
-        equal to them.
+      q_len, kv_len: must equal the selection's lengths (the default).
 
     Returns:
       bool [batch, kv_heads, q_len, kv_len]: True where key j's block is kept for query i's block.
-      The attention op applies the element-level causal and segment masks on top.
 
     Example:
       >>> q = jax.random.normal(jax.random.key(0), (1, 100, 2, 16))
@@ -125,8 +120,7 @@ class BlockSelection:
     """Fraction of blocks kept, averaged over batch, kv heads and query blocks.
 
     Args:
-      relative_to: "all" (kept / num_kv_blocks per query block: the fraction of the full tile
-        grid) or "visible" (kept / selectable blocks, e.g. the fraction of causal blocks).
+      relative_to: "all" (kept / num_kv_blocks) or "visible" (kept / selectable blocks).
 
     Returns:
       fp32 scalar.
@@ -162,9 +156,8 @@ def _block_mean(x, valid, block):
 def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_segment_ids=None):
   """Mean-pooled block scores (InfLLM v2 / MoBA): the ranking ``select_blocks`` uses.
 
-  score[b, g, i, j] = sum over the query heads h of kv group g of
-  mean(q[b, block i, h]) . mean(k[b, block j, g]), the means taken over the block's positions
-  inside the sequence (and, with segment ids, over non-padding positions only). Unscaled.
+  score[b, g, i, j] = sum over the group's query heads of mean(q block i) . mean(k block j)
+  (means over non-padding positions). Unscaled.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -451,25 +444,11 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
                   num_local_blocks=1, segment_ids=None, kv_segment_ids=None, score="mean_key"):
   """Top-K key-block selection per query block, shared by the query heads of each GQA group.
 
-  Rules, for query block i (queries i*q_block_size ..) and kv head g:
-    * selectable blocks: causally visible ones (the block's first key <= the block's last query
-      position, bottom-right aligned) or all blocks when ``causal=False``; with segment ids only
-      blocks whose documents overlap the query block's documents (``segment_overlap``).
-    * always kept (when selectable): the initial blocks and the local blocks. Initial blocks:
-      without segment ids blocks 0 .. num_init_blocks-1; with segment ids the first
-      num_init_blocks key blocks of the query block's document (its smallest nonzero id),
-      i.e. doc_start // block_size + 0 .. num_init_blocks-1 with doc_start that document's first
-      key (each packed document keeps its own attention-sink blocks; ``doc_start_blocks``).
-      Local blocks: every key block holding one of the query block's own positions (its
-      diagonal block) and the num_local_blocks-1 blocks before those. A block that is both is
-      kept once.
-    * plus the ``top_k`` selectable blocks with the highest ``block_scores`` among the others
-      (all of them when fewer are left; ties go to the lower block, as ``lax.top_k``).
-  On a GPU the top-k runs as a Pallas kernel (``pallas_kernels.sparse.topk.top_k_mask``) and
-  the lists are compacted without a sort; on TPU and CPU ``lax.top_k`` and a sort. The lists are
-  the same.
-  ``q_block_size=1`` selects per token (decode parity: see :func:`select_decode_blocks`).
-  Not differentiable (the indices are integers); see :func:`sparse_attention` for gate gradients.
+  For query block i and kv head g, among the selectable blocks (causally visible, and with
+  segment ids overlapping the query block's documents) keep the initial blocks (of the row, or
+  of the query block's document, ``doc_start_blocks``), the local blocks (the diagonal block and
+  num_local_blocks-1 before it), plus the ``top_k`` others with the highest ``block_scores``
+  (ties to the lower block). Not differentiable; see :func:`sparse_attention`.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -478,13 +457,9 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
     top_k: number of blocks chosen by score besides the initial and local ones (static).
     q_block_size: queries per query block (static).
     causal: bottom-right aligned causal visibility.
-    num_init_blocks: leading blocks always kept (of the row, or of each document with
-      segment ids).
+    num_init_blocks: leading blocks always kept (of the row, or of each document).
     num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
-    segment_ids: None or int [batch, q_len] (0 = padding; any other id, negative ones included,
-      is a document). The rules are exact for packed rows (nonzero ids non-decreasing, padding
-      anywhere); other layouts never select a block outside the rules' selectable set, but may
-      force a less useful "initial" block.
+    segment_ids: None or int [batch, q_len] (0 = padding); exact for packed rows.
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     score: "mean_key" (the only scorer so far).
 

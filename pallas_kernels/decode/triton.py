@@ -1,24 +1,10 @@
 """Split-KV decode attention in portable Pallas GPU (Triton lowering), contiguous and paged.
 
-One program per (batch, kv head, split). All q_heads // kv_heads query heads of the kv head form
-one [g_pad, d_pad] tile (rows padded to >= 16 for the tensor-core dot, head_dim padded to a power
-of two with masked loads), so each K/V byte is read from HBM exactly once. The split covers a
-contiguous range of the sequence's *visible* keys (from the window start, or 0, to its length):
-work follows each sequence's actual length, and splits past the end run a zero-trip loop. The
-inner loop walks ``block_k`` keys per step: K and V tiles are loaded once, the logits and the
-online softmax run in fp32, and there is no per-element divide inside the loop.
-
-The paged variant reads the same token range through the page table: for each key row it looks up
-``page_table[b, t // page_size]`` (a small int32 gather that stays in L1, done one block ahead so
-that Triton double-buffers the K/V copies as in the contiguous kernel) and gathers the K/V rows of
-that page, so page boundaries never constrain the tiling and page sizes need not be powers of two.
-Values may be narrower than keys (MLA): V tiles, the accumulator and the partial output are
-[.., dv_pad] with V's own column mask.
-Both kernels lower to 16-byte cp.async copies into two shared-memory stages (Triton, sm_90),
-about 70 KiB per program at the default block sizes.
-
-Each program writes one partial (out, lse) per split; the caller merges the splits by
-log-sum-exp (``pallas_kernels.common.merge``).
+One program per (batch, kv head, split): the GQA group's query heads form one [g_pad, d_pad]
+tile, so each K/V byte is read once. A split covers a contiguous range of the sequence's visible
+keys, ``block_k`` keys per step, fp32 online softmax. The paged variant gathers K/V rows through
+the page table (any page size). Each program writes one partial (out, lse); the caller merges
+them (``pallas_kernels.common.merge``).
 """
 from __future__ import annotations
 
@@ -67,10 +53,7 @@ class DecodeBlockSizes:
 def default_block_sizes(head_dim, dtype):
   """Block sizes used when none are given.
 
-  num_stages=3 (two shared-memory buffers per K and V tile, so the next block is in flight
-  while the current one is computed) and the largest block_k <= 128 whose K tile fits 16 KiB
-  (64 keys x 128 lanes in bf16: about 72 KiB of shared memory per program, so three programs
-  fit an H100/H200 SM).
+  num_stages=3 and the largest block_k <= 128 whose K tile fits 16 KiB.
 
   Args:
     head_dim: head dimension (padded to a power of two inside the kernel).
@@ -95,22 +78,14 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
                        tokens_per_split=1024, max_splits=32):
   """Heuristic split count for a cache of capacity ``max_len``.
 
-  At least two programs per multiprocessor over the batch x kv_heads pairs, and splits of at
-  most about ``tokens_per_split`` keys, so that the long sequences of a mixed-length batch spread
-  over many programs instead of leaving a few to finish alone; at least four key blocks per
-  split, at most ``max_splits``; rounded down to a power of two.
-
-  On the H200 (8 KV heads, D128 bf16) B8 S32K takes 0.257 ms at 32 splits and 0.284 at 8; a
-  mixed-length B8 batch (capacity 32K) 0.096 at 32 and 0.110 at 8.
+  At least two programs per multiprocessor and splits of at most about ``tokens_per_split``
+  keys; at least four key blocks per split, at most ``max_splits``; a power of two.
 
   Args:
-    batch: batch size.
-    kv_heads: number of kv heads (programs per sequence before splitting).
-    max_len: cache capacity in tokens (the longest a sequence can be).
-    core_count: multiprocessors of the device; default ``compat.gpu_core_count()``.
-    block_k: keys per inner step.
-    tokens_per_split: the split size to stay under when the capacity is long.
-    max_splits: the most splits (partials to merge) per sequence.
+    batch, kv_heads: (batch, kv head) pairs.
+    max_len: cache capacity in tokens.
+    core_count: multiprocessors; default ``compat.gpu_core_count()``.
+    block_k, tokens_per_split, max_splits: keys per step, split-size target, most splits.
 
   Returns:
     An int >= 1.
@@ -131,8 +106,6 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
 
 def load_group_query(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
   """Load the query rows of kv head ``h``'s GQA group as one [g_pad, d_pad] tile (zero padded).
-
-  Shared by the split-KV decode kernels (dense and block-sparse).
 
   Returns:
     (q [g_pad, d_pad], (q_rows [g_pad], cols [d_pad], row_ok [g_pad], col_ok [d_pad] or None when
@@ -282,8 +255,7 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
   Args:
     q: [batch, q_heads, head_dim].
     k_cache: [batch, max_len, kv_heads, head_dim], bf16, fp16 or fp32.
-    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache``; head_dim_v may
-      differ from head_dim (MLA values narrower than the rope-extended keys).
+    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache``.
     kv_lengths: int32 [batch]; the query sits at position kv_lengths - 1.
     num_splits: number of splits of each sequence's visible key range.
     scale: logit scale, default 1/sqrt(head_dim).
@@ -322,8 +294,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     k_pages: [num_pages, page_size, kv_heads, head_dim].
     v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
     page_table: int32 [batch, max_pages]; token t of sequence b is in page
-      ``page_table[b, t // page_size]``, slot ``t % page_size``. Entries past a sequence's length
-      are never read.
+      ``page_table[b, t // page_size]``, slot ``t % page_size``.
     kv_lengths: int32 [batch] (clamped to max_pages * page_size).
     num_splits, scale, window_left, logits_soft_cap, block_sizes, interpret: as in
       :func:`decode_partials`.

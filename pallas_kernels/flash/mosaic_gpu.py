@@ -1,14 +1,8 @@
 """Flash attention for Hopper (sm90): the Pallas Mosaic GPU forward, with a Triton or Mosaic GPU
 backward (custom_vjp).
 
-The kernel is in ``mosaic_gpu_fwd_kernel``; this module holds its ``BlockSizes``, the tuned
-defaults (``pallas_kernels.tuning``, kernel "mosaic_gpu_fwd"), ``fit_block_sizes`` and
-``flash_attention``: padding, segment ids, block schedules, the last-wave split and the
-custom_vjp. The backward takes the forward's (q, k, v, out, lse; natural-log LSE, -inf for rows
-that see no key): ``BlockSizes.backward`` "mosaic" runs ``mosaic_gpu_bwd`` (head_dim 64/128),
-"triton" the Triton dK/dV and dQ kernels (``triton.flash_attention_bwd``; with windows, segment
-ids, soft cap or a schedule ``_triton_bwd_masked``). On the CPU the forward can only be lowered
-(jax's GPU interpret mode has no wgmma with transposed or register operands).
+The kernel is in ``mosaic_gpu_fwd_kernel``; this module holds ``BlockSizes``, the tuned
+defaults and ``flash_attention`` (padding, segment ids, schedules, the custom_vjp).
 """
 from __future__ import annotations
 
@@ -39,42 +33,16 @@ class BlockSizes:
       ``2 * block_q`` rows with its two compute warpgroups.
     block_k: keys per kv tile (a multiple of 64).
     num_stages: K/V shared-memory slots in the TMA ring (>= 2).
-    protocol: how the two compute warpgroups share the tensor cores and the ring, a key of
-      ``PROTOCOLS`` (``mosaic_gpu_fwd_kernel.Protocol`` says what each part does). Results are
-      the same for every protocol.
-
-      ======================  ==========================================================
-      "pingpong"              both warpgroups meet on one barrier twice per kv tile
-                              (after Q K^T and before P V), so softmax and wgmma alternate
-      "pingpong_kwait"        the same, and the next K is waited for while P V runs
-      "handoff_kwait"         hand the tensor cores over on per-warpgroup barriers (one
-                              wait per kv tile), next K waited for while P V runs
-      "handoff_kwait_fence"   the same, with an optimization barrier closing the softmax
-      "overlap"               FlashAttention-3's intra-warpgroup overlap: Q K^T of tile t
-                              and P V of tile t - 1 in flight together, the softmax of t
-                              under P V; hand-over turns; K refilled before V
-      ======================  ==========================================================
-
-    backward: which kernels compute the gradients: "triton" (the Triton dK/dV and dQ kernels)
-      or "mosaic" (``mosaic_gpu_bwd``: head_dim 64/128, every mask and block schedules).
-    q_tiles_per_program: P >= 1 query tiles of one (batch, head) per program, one after the
-      other: the K/V ring runs on across them and the next tile's Q is loaded into a second
-      Q/O buffer, so the per-program fixed costs (ring fill, Q load, epilogue) overlap work.
-      P > 1 needs protocol "overlap" and takes the range path only (no segment ids or block
-      schedule: ValueError at the call, ``fit_block_sizes`` resets it); D256 does not fit the
-      second Q/O buffer.
-    one_segment_static_mask: with segment ids (range path), a compute warpgroup whose walk holds
-      one and the same nonzero id on both sides (every warpgroup of aligned packed documents)
-      masks its edge tiles with the static mask only (causal, window, padded keys), without
-      the per-element segment compare. The same result.
-    tail_kv_splits: C > 0: the last, partial wave of programs. The kernel runs one program per
-      SM, so B * Hq * programs is rarely a multiple of the SM count and the last wave costs
-      about half a wave. With C the kernel skips the last query program of the last batch row
-      for every head (its last Hq programs) and a second launch computes those rows over C
-      chunks of the keys (``Hq * C`` short programs), merged by log-sum-exp and written in
-      place (``_place_rows``). Dense masks only, keys a multiple of C * block_k,
-      ``q_tiles_per_program`` 1; other calls raise. Table defaults keep it only where it pays
-      (``fit_tail_kv_splits``).
+    protocol: a key of ``PROTOCOLS`` (see ``mosaic_gpu_fwd_kernel.Protocol``); how the two
+      compute warpgroups share the tensor cores and the ring. Results are the same for all.
+    backward: "triton" (the Triton dK/dV and dQ kernels) or "mosaic" (``mosaic_gpu_bwd``).
+    q_tiles_per_program: P >= 1 query tiles per program, the K/V ring running on across them.
+      P > 1 needs protocol "overlap" and no segment ids or block schedule; not for D256.
+    one_segment_static_mask: with segment ids, a warpgroup whose walk holds one nonzero id on
+      both sides masks edge tiles with the static mask only. The same result.
+    tail_kv_splits: C > 0: the last Hq programs (the partial last wave) run as a second launch
+      over C key chunks, merged by log-sum-exp. Dense masks only, keys a multiple of
+      C * block_k, ``q_tiles_per_program`` 1 (``fit_tail_kv_splits``).
 
   Example:
     >>> BlockSizes(64, 128, 2).rows_per_program
@@ -130,9 +98,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
                         device_kind: str | None = None, mask: str = "all") -> BlockSizes:
   """Default ``BlockSizes`` for a head dimension (64, 128 or 256; bf16 or fp16) and mask kind.
 
-  Read from the tuning table of the device (``pallas_kernels.tuning``, kernel
-  "mosaic_gpu_fwd"): the entry for ``mask`` if the table has one, else the entry for every mask.
-  Each entry's provenance records how it was chosen.
+  Read from the device's tuning table (``pallas_kernels.tuning``, kernel "mosaic_gpu_fwd").
 
   Args:
     head_dim: the head dimension of q, k and v.
@@ -167,10 +133,7 @@ def _check_dtype(dtype):
 def fit_block_sizes(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
                     segments=False, schedule=False, core_count=None) -> BlockSizes:
   """A table default fitted to one call: ``fit_tail_kv_splits``, and ``q_tiles_per_program``
-  back to 1 where the call has segment ids or a block schedule (several query tiles per program
-  run the range path only; the H200's causal-window entry takes 2, and a causal window with
-  segment ids has the same table key). A ``BlockSizes`` passed by the caller is used as given
-  (and raises where an option is unsupported).
+  back to 1 where the call has segment ids or a block schedule.
 
   Args:
     bs: the forward's ``BlockSizes``.
@@ -196,13 +159,9 @@ def fit_block_sizes(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=No
 
 def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
                        segments=False, schedule=False, core_count=None) -> BlockSizes:
-  """``bs`` with ``tail_kv_splits`` kept only where the call supports it and it pays: no causal
-  mask, window, segment ids or block schedule; keys a multiple of ``tail_kv_splits * block_k``;
-  and a last wave that is partial by at most ``Hq`` programs, i.e. (B * Hq * query programs) mod
-  SMs in [1, Hq] (one program per SM; the option moves exactly the last Hq programs to a
-  second, split launch). Otherwise 0. The table defaults go through this (``jattn``'s default
-  block sizes); a ``BlockSizes`` passed by the caller is used as given (and raises where the
-  option is unsupported).
+  """``bs`` with ``tail_kv_splits`` kept only where supported and it pays: dense mask, keys a
+  multiple of ``tail_kv_splits * block_k``, (B * Hq * query programs) mod SMs in [1, Hq].
+  Otherwise 0.
 
   Args:
     bs: the forward's ``BlockSizes``.
@@ -311,11 +270,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
           schedule=schedule))
 
 
-# ----------------------------------------------------------------------------------------------
-# Wrapper and custom_vjp
-# ----------------------------------------------------------------------------------------------
-
-
 def _pad_axis(x, axis, size):
   if x.shape[axis] == size:
     return x
@@ -364,10 +318,8 @@ def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
 
 def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: fk.KernelConfig,
                        schedule=None):
-  """The Triton backward kernels (``triton.flash_attention_bwd``) on this forward's residuals
-  for windows, segment ids, soft cap and block schedules: they walk ``make_schedule`` of the full
-  mask at the backward tiles, or ``schedule`` (the forward's block schedule, e.g. a top-K
-  selection's) at its own tiles."""
+  """The Triton backward kernels on this forward's residuals, walking ``schedule`` or the
+  full mask's."""
   from pallas_kernels.flash import triton as ft
   return ft.flash_attention_bwd(
       q, k, v, out, lse, d_out, d_lse, causal=st.causal, scale=st.scale,
@@ -377,17 +329,9 @@ def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: fk.Ke
 
 
 def _forward_bwd(st, res, cts):
-  """The backward kernels on this forward's residuals: Triton's (``triton.flash_attention_bwd``;
-  with a window, segment ids or soft cap ``_triton_bwd_masked``) or, with
-  ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``,
-  the Mosaic GPU ones (``mosaic_gpu_bwd.flash_attention_bwd``, same residuals; every mask, block
-  schedules included: its kernels walk the same schedule's lists at their own tiles).
-
-  The conventions match: lse is the natural-log log-sum-exp over the unpadded keys (``_finalize``:
-  m * ln 2 + ln l, m the base-2 running max) with -inf for rows that see no key, which the Triton
-  backward turns into base 2 and +inf (p = 0) like its own forward's; padded rows are sliced away
-  before the residuals are saved; causal alignment is bottom-right in both; the soft cap is on
-  the scaled logit in both.
+  """The backward kernels on this forward's residuals: Triton's, or the Mosaic GPU ones with
+  ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``.
+  lse is the natural-log log-sum-exp over unpadded keys, -inf for rows that see no key.
   """
   from pallas_kernels.flash import triton as flash_triton  # local: the forward alone needs none
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
@@ -499,43 +443,27 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton or Mosaic GPU backward
   (custom_vjp).
 
-  Differentiable with respect to q, k, v (including through the returned LSE): the backward
-  named by ``BlockSizes.backward`` (see the module docstring) runs on this forward's out and
-  LSE; a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes`` also selects the Mosaic GPU one.
+  Differentiable w.r.t. q, k, v (and through the LSE); ``BlockSizes.backward`` picks the backward.
 
   Args:
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
     k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
     v: [B, Sk, Hk, D] (same head dim as k).
     q_segment_ids, kv_segment_ids: None (both) or int [B, Sq] / [B, Sk]: query i sees key j
-      only if their ids are equal and non-zero (0 = padding). The kernel walks, per query tile,
-      the kv tiles from the first to the last that may hold a key of its segments (tiles of
-      other documents are never loaded) and masks the tiles that need it.
-    schedule: None (the kernel derives contiguous kv ranges from the mask) or a
-      ``block_schedule.BlockSchedule`` for (Sq, Sk) with leading axes [1|B, 1|Hk], e.g.
-      ``make_schedule(Sq, Sk, 128, 64, causal=True, block_mask=selection.tile_mask())`` for a
-      top-K block selection: the kernel then visits only the schedule's kv tiles
-      (``mosaic_gpu_fwd_kernel.schedule_walk``) and the backward walks the same schedule: the
-      Triton kernels at the schedule's tiles, or the Mosaic GPU ones at theirs. Its tiles must
-      be powers of two and multiples of ``block_sizes.block_q`` / ``block_k`` (ValueError
-      otherwise); the element mask (causal, window, segment ids) is this call's, the schedule
-      only removes tiles.
-    causal: bottom-right aligned causal mask; kv tiles past the diagonal are skipped.
-    local_window_size: None, int w (= (w, w)) or (left, right) (jax.nn convention; either side
-      None = unbounded): query at position p sees keys in [p - left, p + right]; with causal a
-      "window of 512" is (511, 0). kv tiles outside every row's window are skipped, only edge
-      tiles are masked.
+      only if their ids are equal and non-zero (0 = padding).
+    schedule: None or a ``block_schedule.BlockSchedule`` for (Sq, Sk) with leading axes
+      [1|B, 1|Hk]: only its kv tiles are visited (forward and backward). Its tiles must be
+      powers of two and multiples of ``block_sizes.block_q`` / ``block_k``.
+    causal: bottom-right aligned causal mask.
+    local_window_size: None, int w (= (w, w)) or (left, right): query at position p sees keys
+      in [p - left, p + right] (a side None: unbounded).
     scale: logit scale (None: 1 / sqrt(D)).
-    logits_soft_cap: None or cap > 0: logits = cap * tanh(scale * q.k / cap) (the reference's
-      convention).
+    logits_soft_cap: None or cap > 0: logits = cap * tanh(scale * q.k / cap).
     block_sizes: ``BlockSizes`` of the forward (None: ``default_block_sizes(D)``).
-    interpret: runs the backward's Triton kernels in the Pallas interpreter; the forward itself
-      cannot be interpreted (jax's Mosaic GPU interpret mode has no wgmma with K^T or P from
-      registers): NotImplementedError unless a test has substituted ``fk.fwd_call``.
-    bwd_block_sizes: the backward's tiles: a Triton ``BlockSizes`` (its bwd_* fields; with a
-      schedule its ``bwd_tiles`` must be the schedule's) or a ``mosaic_gpu_bwd.BlockSizes``
-      (tiles dividing the schedule's); None: the defaults of the backward that
-      ``block_sizes.backward`` names. Mismatched tiles raise ValueError at this call.
+    interpret: runs the backward's Triton kernels in the Pallas interpreter (the forward
+      cannot be interpreted).
+    bwd_block_sizes: a Triton ``BlockSizes`` or a ``mosaic_gpu_bwd.BlockSizes`` (None: the
+      defaults of ``block_sizes.backward``).
 
   Returns:
     (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see

@@ -1,57 +1,11 @@
 """Flash attention backward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
 
-``flash_attention_bwd(q, k, v, out, lse, do)`` takes the forward's residuals (``lse`` as
-``mosaic_gpu.flash_attention`` and ``attention_reference`` return it: natural log, [B, Hq, Sq],
--inf for rows that see no key) and returns (dq, dk, dv) in the input dtype. It is the standard
-FlashAttention-2/3 split into three steps:
-
-  1. delta = rowsum(dO * O) - d_lse (fp32, XLA), and lse2 = lse * log2(e) with -inf -> +inf, so
-     that P = exp2(S * scale * log2(e) - lse2) is 0 (never NaN) for rows that see no key and for
-     padded query rows.
-  2. dK/dV kernel: one program (CTA) per (kv tile of ``2 * block_k_dkv`` keys, kv head, batch)
-     with three warpgroups. Compute warpgroups 0 and 1 each own ``block_k_dkv`` keys: their K
-     and V tiles are loaded once (TMA) and stay in shared memory; dK and dV accumulate in fp32
-     registers. Warpgroup 2 (memory) streams, for every query head of the GQA group and every
-     query tile the program's keys can see, the Q and dO tiles and the lse2 and delta rows into a
-     ring of ``num_stages_dkv`` slots, shared by both compute warpgroups (each arrives on the
-     slot's "free" barrier when done with it). Per step, with transposed tiles so that P^T and
-     dS^T are wgmma A operands from registers (wgmma's M is the key dimension):
-       S^T = K Q^T and dP^T = V dO^T (one wgmma group), P^T = exp2(S^T * c - lse2),
-       dS^T = P^T * (dP^T - delta), then dV += P^T dO and dK += dS^T Q (one wgmma group);
-       at the end dK *= scale.
-     GQA: the group's query heads are walked inside the program and summed in the accumulators
-     (no repeated K/V, no per-query-head dK/dV in memory).
-  3. dQ kernel: one program per (query tile of ``2 * block_q_dq`` rows, query head, batch), the
-     forward's shape: compute warpgroups own ``block_q_dq`` rows each (Q, dO, lse2, delta loaded
-     once), the memory warpgroup streams K/V tiles into a ring. Per kv tile:
-       S = Q K^T and dP = dO V^T (one wgmma group), P = exp2(S * c - lse2),
-       dS = P * (dP - delta), dQ += dS K; at the end dQ *= scale.
-
-Masks: causal and local windows (``local_window_size`` = (left, right): query at kv position
-p sees keys [p - left, p + right]) are aligned bottom-right (query i sits at kv position kv_len
-- q_len + i), like the forward. A program's walk has up to five parts per warpgroup: drained
-steps (only the other warpgroup's), masked tiles at one edge, unmasked tiles, masked tiles at
-the other edge, drained steps. Only the tiles that need it build an element mask: in the dQ
-kernel the causal diagonal / window right-edge tiles, the window's left-edge tiles and the last
-kv tile when it holds padded keys; in the dK/dV kernel the query tiles at either edge. The soft
-cap (``logits_soft_cap``: logits cap * tanh(scale * s / cap)) multiplies dS by its derivative 1
-- tanh^2. The dK/dV kernel needs no padded-key mask (a padded key's row of P^T/dS^T only reaches
-that key's own dK/dV rows, which are sliced away), and no padded-query mask (padded rows have
-lse2 = +inf, so P = 0, and zero dO/delta). Tiles that no row can see are never loaded; with two
-compute warpgroups sharing one ring, a warpgroup drains (waits, frees) the steps that only the
-other one needs, as in the forward.
-
-Block schedules (``schedule=``, a ``block_schedule.BlockSchedule``, e.g. a top-K block
-selection's): each program walks a list instead of ranges (``_sched_walks``, built in XLA with
-``pallas_kernels.common.walk``): the dQ kernel its query tile's kv list, the dK/dV kernel its
-keys' transposed query list (once per query head of the GQA group), each entry carrying both
-warpgroups' codes (skip: drain the ring slot; full: unmasked; partial: the element mask of this
-call's causal / window bounds and segment ids). Kernel tiles lie inside schedule tiles
-(``fit_block_sizes``; defaults from the table's "block_sparse" entry).
-
-Lengths are padded inside (a copy, only when not multiples of the tiles). head_dim 64 and 128;
-256 raises NotImplementedError: the dK and dV accumulators of a 64-key warpgroup tile would take
-2 * 64 * 256 fp32 = 256 registers per thread, more than a thread has.
+``flash_attention_bwd(q, k, v, out, lse, do)`` takes the forward's residuals (``lse``: natural
+log, [B, Hq, Sq]) and returns (dq, dk, dv) in the input dtype. delta and lse2 = lse * log2(e)
+come from XLA; a dK/dV kernel (one program per 2 * block_k_dkv keys, streaming Q/dO over the GQA
+group) and a dQ kernel (one program per 2 * block_q_dq rows, streaming K/V) do the rest, each
+with two compute warpgroups and a TMA memory warpgroup. Masks align bottom-right like the
+forward; head_dim 64 and 128.
 """
 from __future__ import annotations
 
@@ -74,16 +28,10 @@ __all__ = ["BlockSizes", "default_block_sizes", "call_block_sizes", "fit_block_s
 
 LOG2E = math.log2(math.e)
 _COMPUTE_WGS = walk.WARPGROUPS
-# setmaxnreg: compute warpgroups 232 registers per thread, the memory warpgroup 40 (2 * 232 + 40
-# = 504, the CTA's launch allocation of 168 per thread x 3 warpgroups).
+# setmaxnreg: 2 * 232 + 40 = 3 x 168, the CTA's launch allocation.
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
 _SUPPORTED_HEAD_DIMS = (64, 128)
-
-
-# ----------------------------------------------------------------------------------------------
-# Block sizes
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +77,7 @@ class BlockSizes:
     return _COMPUTE_WGS * self.block_q_dq
 
 
-# Default tiles: data in ``pallas_kernels/tuning`` (kernel "mosaic_gpu_bwd"). D128: dK/dV ~129
-# KiB, dQ ~129 KiB of shared memory. Register budget of a dK/dV compute warpgroup at D128: dK + dV
-# accumulators 2 * 64 = 128 fp32 registers per thread, S^T/P^T and dP^T 32 each.
+# Default tiles: ``pallas_kernels/tuning`` (kernel "mosaic_gpu_bwd").
 @functools.lru_cache(maxsize=None)
 def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str) -> BlockSizes:
   from pallas_kernels import tuning
@@ -141,25 +87,19 @@ def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str) -> Blo
 
 def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | None = None,
                         mask: str = "all") -> BlockSizes:
-  """Default ``BlockSizes`` for a head dimension (64 or 128; bf16 or fp16) and mask kind.
-
-  Read from the tuning table of the device (``pallas_kernels.tuning``): the entry for ``mask``
-  where the table has one, else the one for every mask.
+  """Default ``BlockSizes`` for a head dimension (64 or 128) and mask kind, from the device's
+  tuning table (``pallas_kernels.tuning``).
 
   Args:
     head_dim: the head dimension of q, k and v.
     dtype: the input dtype (only checked).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
-    mask: a mask kind (``pallas_kernels.tuning.mask_kind``: "dense", "causal", "window",
-      "causal_window", "causal_segments"; "block_sparse" for calls walking a block schedule) or
-      "all".
+    mask: a ``pallas_kernels.tuning.mask_kind`` ("block_sparse" for schedules) or "all".
 
   Returns:
     A ``BlockSizes``.
 
   Example:
-    >>> default_block_sizes(128).block_k_dkv
-    64
     >>> default_block_sizes(64, device_kind="NVIDIA H200", mask="causal_window").block_k_dq
     64
   """
@@ -191,11 +131,6 @@ def check_head_dim(d: int) -> None:
                               f"128, got head_dim {d}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Static configuration and tile ranges
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
   bs: BlockSizes
@@ -211,8 +146,7 @@ class _Static:
   window: tuple | None = None       # normalized (left, right), a side None = unbounded
   soft_cap: float | None = None     # logits = cap * tanh(scale * s / cap)
   has_seg: bool = False             # segment ids: ranges per (batch, program) from ``_seg_bounds``
-  # Block schedule: each program walks its row of a list from ``_sched_walks`` (entries of
-  # ``walk.list_walk``) instead of ranges; its tiles are multiples of the kernels'.
+  # Block schedule: each program walks its row of a ``_sched_walks`` list instead of ranges.
   has_sched: bool = False
 
   @property
@@ -294,9 +228,8 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
 
 def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg: bool = False,
                      schedule=None) -> BlockSizes:
-  """The default ``BlockSizes`` of a call: the device table's entry for its mask kind
-  (``tuning.mask_kind``; with a block schedule "block_sparse", whatever the element mask, cut to
-  the schedule's tiles by ``fit_block_sizes``).
+  """The default ``BlockSizes`` of a call: the table entry for its mask kind (with a schedule
+  "block_sparse", cut by ``fit_block_sizes``).
 
   Args:
     head_dim, dtype: as for ``default_block_sizes``.
@@ -317,9 +250,7 @@ def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg
 
 
 def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
-  """``bs`` with each tile cut to divide the schedule's tile along its axis (the greatest common
-  divisor: kernel tiles must lie inside schedule tiles), e.g. the D64 default's 128-key dQ
-  tiles become 64 for a schedule of 64-key blocks.
+  """``bs`` with each tile cut to the gcd with the schedule's tile along its axis.
 
   Args:
     bs: the backward's block sizes.
@@ -341,9 +272,7 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
 
 
 def check_schedule(schedule, q_shape, k_shape, bs: BlockSizes) -> None:
-  """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``: a
-  ``BlockSchedule`` for the inputs' lengths, leading axes [1|B, 1|Hk], tiles that are multiples
-  of the kernels' along each axis.
+  """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``.
 
   Example:
     >>> from pallas_kernels.block_schedule import make_schedule
@@ -375,10 +304,7 @@ def _floor_div_nonneg(n, d: int):
 
 def _dq_kv_range(row0, st: _Static):
   """dQ kernel, query rows [row0, row0 + block_q_dq): (start, full_lo, full_hi, steps) int32
-  scalars, start <= full_lo <= full_hi <= steps. kv tiles [full_lo, full_hi) are visible to every
-  row and hold only real keys (no mask); [start, full_lo) (a window's left edge) and [full_hi,
-  steps) (causal diagonal, a window's right edge, padded keys) need the element mask; tiles
-  outside [start, steps) are invisible to every row (never computed)."""
+  scalars: tiles [full_lo, full_hi) unmasked, the rest of [start, steps) masked, others skipped."""
   bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
   nk, n_full = st.num_kv_tiles_dq, st.num_full_kv_tiles_dq
   p0 = row0 + st.offset                                   # kv positions of the first and last
@@ -417,11 +343,9 @@ def _within_reach(q_pos, k_pos, st: _Static, visible=None):
 
 
 def _dkv_q_bounds(k0, st: _Static):
-  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full_lo, full_hi, last) int32 scalars,
-  first <= full_lo <= full_hi <= last. Query tiles outside [first, last) see none of the keys
-  (skipped); [full_lo, full_hi) see every key (no mask); [first, full_lo) (causal diagonal, a
-  window's right edge) and [full_hi, last) (a window's left edge) need the element mask. Padded
-  keys need no mask here (their dK/dV rows are sliced away), nor padded rows (lse2 = +inf)."""
+  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full_lo, full_hi, last) int32 scalars:
+  query tiles [full_lo, full_hi) unmasked, the rest of [first, last) masked, others skipped
+  (padded keys and rows need no mask here)."""
   nq = st.num_q_tiles_dkv
   bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
   k1 = k0 + (bk - 1)
@@ -486,15 +410,7 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
 
 def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
   """Both kernels' walks of a block schedule: (dq_walk, dkv_walk), int32 [B', Hs, programs, 1 +
-  W] rows ``[count, entry_0, ...]`` (``walk.list_walk``: entry = tile << 4 | code of
-  warpgroup 0 | code of warpgroup 1 << 2, codes skip / full / partial; B' = B with segment ids
-  or a per-batch schedule, else 1; Hs = the schedule's head axis, 1 or Hk).
-
-  The dQ kernel walks each query tile's kv list (``schedule.kv_indices``) at ``block_k_dq``
-  keys, the dK/dV kernel each kv tile's query list (the transposed ``schedule.q_indices``) at
-  ``block_q_dkv`` rows; a listed pair's code comes from this call's static mask at the
-  warpgroup tile (``_dq_kv_range`` / ``_dkv_q_bounds``) and the tiles' segment id classes, as
-  the forward's walk does, so the schedule's own partial flags are not needed.
+  W] rows ``[count, entry_0, ...]`` of ``walk.list_walk``; codes come from this call's mask.
 
   q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 (which sees nothing)."""
   bs = st.bs
@@ -515,11 +431,6 @@ def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
                   bs.block_k_dkv, bs.block_q_dkv, st.num_dkv_programs, st.num_q_tiles_dkv,
                   _dkv_q_bounds, kv_seg, q_seg)
   return dq_walk, dkv_walk
-
-
-# ----------------------------------------------------------------------------------------------
-# Tile arithmetic (shared by the kernels and the CPU replay)
-# ----------------------------------------------------------------------------------------------
 
 
 def _probs(s, lse2, st: _Static, *, axis):
@@ -547,11 +458,6 @@ def _dscores(p, dp, delta, *, axis, cap_grad=None):
   cap's derivative ``cap_grad`` (``_cap_grad``) when there is one."""
   ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [axis]))
   return ds if cap_grad is None else ds * cap_grad
-
-
-# ----------------------------------------------------------------------------------------------
-# dK/dV kernel
-# ----------------------------------------------------------------------------------------------
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
@@ -738,13 +644,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
 
 
 def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
-  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] (and seg, the
-  further inputs: with segment ids q_seg [B, Sq'], kv_seg [B, Sk'], then bounds [B, programs,
-  10], the dK/dV rows of ``_seg_bounds``, or with a schedule the dK/dV walk of
-  ``_sched_walks`` instead of the bounds) -> (dk, dv) [B, Sk', Hk, D] in the input dtype (rows
-  of padded keys are garbage).
-
-  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
+  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] (seg: the
+  ``_dkv_kernel`` extra inputs) -> (dk, dv) [B, Sk', Hk, D] (padded key rows are garbage).
+  CPU tests monkeypatch it with a jnp replay."""
   b, _, _, d = q.shape
   _, _, hk, _ = k.shape
   bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
@@ -782,11 +684,6 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
   return call(q, k, v, do, lse2, delta, *(seg or ()))
-
-
-# ----------------------------------------------------------------------------------------------
-# dQ kernel
-# ----------------------------------------------------------------------------------------------
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
@@ -952,9 +849,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
 
 def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
   """Padded inputs as ``_dkv_call`` (seg: the dQ rows of ``_seg_bounds`` or the dQ walk of
-  ``_sched_walks``) -> dq [B, Sq', Hq, D] in the input dtype.
-
-  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel."""
+  ``_sched_walks``) -> dq [B, Sq', Hq, D]. CPU tests monkeypatch it with a jnp replay."""
   b, _, hq, d = q.shape
   bq, bk, stages = st.bs.block_q_dq, st.bs.block_k_dq, st.bs.num_stages_dq
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -991,11 +886,6 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
   return call(q, k, v, do, lse2, delta, *(seg or ()))
 
 
-# ----------------------------------------------------------------------------------------------
-# Public function
-# ----------------------------------------------------------------------------------------------
-
-
 def _pad_axis(x, axis, size, value=0.0):
   if x.shape[axis] == size:
     return x
@@ -1027,32 +917,21 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
     v: [B, Sk, Hk, D].
     out: the forward's output [B, Sq, Hq, D].
-    lse: the forward's log-sum-exp [B, Hq, Sq] fp32, natural log, -inf for rows that see no
-      key (as ``mosaic_gpu.flash_attention`` and ``attention_reference`` return it).
+    lse: the forward's log-sum-exp [B, Hq, Sq] fp32, natural log, -inf for rows that see no key.
     do: cotangent of out [B, Sq, Hq, D].
     causal: bottom-right aligned causal mask (must match the forward).
     scale: logit scale (None: 1 / sqrt(D)).
     block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
     d_lse: optional cotangent of lse [B, Hq, Sq] (None: zero).
-    local_window_size: None, int w (= (w, w)) or (left, right): query i (at kv position p)
-      sees key j iff p - left <= j <= p + right (a side None: unbounded); must match the
-      forward. With ``causal`` the right side is at most 0.
-    logits_soft_cap: None or cap > 0: the forward's logits were cap * tanh(scale * q.k / cap)
-      (must match the forward).
-    q_segment_ids: None or int [B, Sq]: query i sees key j only where q_segment_ids[i] ==
-      kv_segment_ids[j] != 0 (packed documents; 0 = padding, sees nothing).
+    local_window_size: None, int w or (left, right) (must match the forward).
+    logits_soft_cap: None or cap > 0 (must match the forward).
+    q_segment_ids: None or int [B, Sq]; query i sees key j only where the ids match and != 0.
     kv_segment_ids: int [B, Sk] (None: q_segment_ids, which then needs Sq == Sk).
-    schedule: None, or the forward's ``block_schedule.BlockSchedule`` (e.g. a top-K block
-      selection's, leading axes [1|B, 1|Hk]): the dQ kernel then walks each query tile's kv
-      list and the dK/dV kernel each kv tile's transposed query list (``_sched_walks``), only
-      the listed tiles; the element mask (causal, window, segment ids) is still this call's.
-      Its tiles must be multiples of the kernels' (default tiles are cut to fit:
-      ``fit_block_sizes``; ValueError for given ``block_sizes`` that do not divide them).
+    schedule: None, or the forward's ``block_schedule.BlockSchedule``.
 
   Returns:
     (dq [B, Sq, Hq, D], dk [B, Sk, Hk, D], dv [B, Sk, Hk, D]) in q.dtype, accumulated in fp32;
-    dk/dv summed over each kv head's query heads. Rows that see no key get dq = 0 and add
-    nothing to dk/dv.
+    dk/dv summed over each kv head's query heads.
 
   Example (on an H100/H200):
     >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)

@@ -5,36 +5,13 @@ specialisation (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attenti
 module holds the kernel (``fwd_call``), its static configuration (``KernelConfig``) and the jnp
 tile arithmetic that the kernel uses and the CPU tests replay.
 
-One program (CTA) per (query head, query tile of ``2 * block_q`` rows, batch) with three
-warpgroups:
-
-  * warpgroups 0 and 1 (compute) each own ``block_q`` query rows. Each loads its Q tile once by
-    TMA, then per kv tile: S = Q K^T by wgmma into fp32 registers, an online softmax in the
-    base-2 domain (scale * log2(e) folded into one multiply), O += P V by wgmma with P (in the
-    input dtype) from registers. Only the tiles that need it (causal diagonal, window edges,
-    padded keys, segment boundaries) build an element mask.
-  * warpgroup 2 (memory) streams K and V tiles into a ring of ``num_stages`` shared-memory slots
-    by TMA. Each slot has a "loaded" barrier per operand and a "free" barrier per operand that
-    both compute warpgroups arrive on once their wgmma has read it.
-
-The two compute warpgroups ping-pong on the tensor cores: one's softmax runs while the other's
-matrix multiplies do. ``PROTOCOLS`` names the barrier protocols (``BlockSizes.protocol``). Both
-warpgroups walk the program's whole kv range: tiles outside a warpgroup's own range are drained
-(wait loaded, arrive free, keep the ping-pong turns) without computing.
-
-Masks: causal and windows align bottom-right (query i sits at kv position kv_len - q_len + i;
-window (left, right): keys in [pos - left, pos + right]). Each warpgroup walks the kv tiles
-[lo, hi) its rows may see, masked on the edges [lo, flo) and [fhi, hi) and unmasked on
-[flo, fhi); the program's range [plo, phi) is the union of its two warpgroups' ranges and the
-memory warpgroup loads exactly those tiles. For causal and windows the ranges are scalar
-arithmetic on the program index (``_static_ranges``); with segment ids they come from per-tile
-min/max nonzero ids (``seg_bounds``, in XLA) read from GMEM, so a query tile inside one document
-never walks another document's tiles. The segment ids of the Q tile and of each K tile travel by
-TMA with them. The soft cap is cap * tanh(scale * s / cap) on every tile before the mask. A query
-row that sees no key returns output 0 and log-sum-exp -inf.
-
-Block schedules: ``schedule_walk`` (XLA) turns a ``BlockSchedule`` into one walk row per
-(batch, kv head, program) (``pallas_kernels.common.walk``); tiles outside it are never loaded.
+One program per (query head, query tile of ``2 * block_q`` rows, batch): compute warpgroups 0
+and 1 each own ``block_q`` rows (Q K^T, base-2 online softmax, P V, ping-ponging on the tensor
+cores, see ``PROTOCOLS``); warpgroup 2 streams K/V tiles by TMA into a ring of ``num_stages``
+slots. Each compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and [fhi, hi); the
+program's range [plo, phi) is their union (``_static_ranges``, or ``seg_bounds`` with segment
+ids, or ``schedule_walk`` with a block schedule). Masks align bottom-right; a query row that
+sees no key returns output 0 and log-sum-exp -inf.
 """
 from __future__ import annotations
 
@@ -56,12 +33,10 @@ __all__ = []
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Initial running max: finite, so that a row with nothing visible yet gives exp2(m - m) = 1
-# instead of exp2(-inf + inf) = NaN; any real base-2 logit is far above it.
+# Finite initial running max: exp2(m - m) = 1 instead of NaN for a row with nothing visible yet.
 _M_INIT = -1e30
 COMPUTE_WGS = walk.WARPGROUPS
-# setmaxnreg: the compute warpgroups take registers from the memory warpgroup (2 * 232 + 40 =
-# 504 = 168 per thread x 3 warpgroups, the CTA's launch allocation).
+# setmaxnreg: 2 * 232 + 40 = 3 x 168, the CTA's launch allocation.
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
 
@@ -70,23 +45,15 @@ class Protocol(typing.NamedTuple):
   """How the compute warpgroups share the tensor cores and the ring (``PROTOCOLS``).
 
   Attributes:
-    handoff: hand the tensor cores over instead of meeting: each compute warpgroup has its own
-      barrier; after issuing Q K^T a warpgroup arrives on the other's, before P V it waits on
-      its own (one wait per kv tile, as tokamax's sm90 kernel and FlashAttention-3). Off: one
-      shared barrier that both arrive on and wait for twice per kv tile (after Q K^T, before
-      P V).
+    handoff: one barrier per compute warpgroup: arrive on the other's after Q K^T, wait on
+      its own before P V. Off: one shared barrier met twice per kv tile.
     k_wait: wait for the next ring entry's K while the P V wgmma runs (after issuing it),
       instead of at the start of the next step.
     fence: an optimization barrier on (acc, m, l, p) at the end of each tile's softmax, so that
       no softmax work is scheduled into the other warpgroup's wgmma window.
-    overlap: FlashAttention-3's intra-warpgroup overlap: issue Q K^T of tile t and P V of tile
-      t - 1 back to back, wait only for Q K^T (``wgmma_accumulator_load(wait_n=1)``) and run
-      tile t's softmax while P V(t - 1) is on the tensor cores (two accumulators and two P tiles
-      live). Needs ``handoff`` (one turn per kv tile: wait own barrier, issue both wgmmas,
-      arrive on the other's, ``_turn_skips``).
-    early_k: the memory warpgroup refills a slot's K as soon as both compute warpgroups have
-      released that K (after Q K^T), then waits for the V release and refills V; off, it waits
-      for both releases before issuing either copy.
+    overlap: FlashAttention-3's intra-warpgroup overlap: tile t's softmax runs while
+      P V(t - 1) is on the tensor cores. Needs ``handoff`` (``_turn_skips``).
+    early_k: the memory warpgroup refills a slot's K as soon as K is released, before V.
   """
   handoff: bool = False
   k_wait: bool = False
@@ -103,11 +70,6 @@ PROTOCOLS = {
     "handoff_kwait_fence": Protocol(handoff=True, k_wait=True, fence=True),
     "overlap": Protocol(handoff=True, overlap=True, early_k=True),
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# Static configuration
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,11 +205,6 @@ def seg_bounds(q_seg, kv_seg, st: KernelConfig):
                              static, one_segment=st.one_seg_mask)
 
 
-# ----------------------------------------------------------------------------------------------
-# Block schedules: the per-program walk
-# ----------------------------------------------------------------------------------------------
-
-
 class _Mask(typing.NamedTuple):
   """How the kernel masks a tile: ``seg``, with the per-element segment compare (else the static
   mask only); ``edge``, the warpgroup's masked range the tile is in ("left", "right" or None,
@@ -298,23 +255,15 @@ def schedule_walk(schedule, st: KernelConfig, q_seg=None, kv_seg=None):
                         lambda tiles, valid: _walk_codes(tiles, valid, st, q_seg, kv_seg))
 
 
-# ----------------------------------------------------------------------------------------------
-# Tile arithmetic (plain jnp on values: the kernel uses these, and the CPU tests replay the
-# kernel's tile walk with them)
-# ----------------------------------------------------------------------------------------------
+# Tile arithmetic (plain jnp: the kernel uses these, the CPU tests replay them).
 
 
 def _edge_bounds(st: KernelConfig, edge):
   """Which static bounds a masked tile applies: (padded keys, right / causal bound, left bound),
   bools. ``edge``: None (any tile: every bound the mask has), "left" (a tile of a warpgroup's
-  [lo, flo) from ``_static_ranges``) or "right" (of its [fhi, hi)).
-
-  On the range path an edge applies fewer: keys are padded only when kv_len is
-  not a multiple of block_k; a tile t >= flo has t * bk >= q_last - left (``_static_ranges``),
-  so it is right of every real row's left bound and a right edge never needs it; a tile
-  t < flo ends at most at q_last - left + bk - 2, so a left edge needs the right bound only
-  when left + right < bq + bk - 3 (a window narrower than a tile pair; taken as < bq + bk).
-  Segment ids and block schedules give other ranges: they take every bound."""
+  [lo, flo) from ``_static_ranges``) or "right" (of its [fhi, hi)). On the range path an edge
+  drops the bounds that cannot mask a real row's key there; segment ids and block schedules
+  take every bound."""
   left, right = _bounds_left(st), _bounds_right(st)
   pad, r_on, l_on = True, right is not None, left is not None
   if not st.has_seg and not st.has_sched:
@@ -376,18 +325,9 @@ def _softmax_factor(st: KernelConfig) -> float:
 
 
 def _online_softmax(s, m, l, st: KernelConfig):
-  """One online-softmax step in the base-2 domain.
-
-  Args:
-    s: [bq, bk] fp32 logits from ``_cap_logits`` (masked entries -inf).
-    m: [bq] running max of the base-2 scaled logits (starts at _M_INIT).
-    l: [bq] running sum of exp2(logit - m).
-
-  Returns:
-    (p [bq, bk] fp32 = exp2(s * c - m_new), alpha [bq] = exp2(m - m_new), m_new, l_new), with
-    c = ``_softmax_factor(st)`` (scale * log2(e) without soft cap) folded into one multiply-add
-    per element.
-  """
+  """One base-2 online-softmax step: s [bq, bk] fp32 logits (masked -inf), m, l [bq] running
+  max / sum -> (p = exp2(s * c - m_new), alpha = exp2(m - m_new), m_new, l_new), with
+  c = ``_softmax_factor(st)``."""
   c = _softmax_factor(st)
   m_new = jnp.maximum(m, s.max(axis=1) * c)                   # [bq]
   alpha = jnp.exp2(m - m_new)                                 # [bq]
@@ -402,11 +342,6 @@ def _finalize(acc, m, l):
   l_safe = jnp.where(empty, 1.0, l)
   out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
   return out, jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernel
-# ----------------------------------------------------------------------------------------------
 
 
 def _program_ranges(b, tile, wg, bounds_ref, st: KernelConfig):
@@ -445,13 +380,9 @@ def _one_segment(b, tile, wg, bounds_ref, st: KernelConfig):
 
 def _turn_skips(wg, k, n, first_tile, last_tile):
   """The overlap protocol's hand-over turns: for compute warpgroup ``wg``'s turn ``k`` of
-  ``n + 1`` turns (0..n) in a query tile, (skip the wait for its turn, skip the hand-over after
-  it). The turns of a program's query tiles form one sequence: warpgroup 0 skips only the
-  program's first wait (it goes first) and warpgroup 1 only the program's last hand-over (no
-  turn follows), so that each warpgroup alternates wait and hand-over through all its tiles
-  (``q_tiles_per_program`` > 1) and a barrier never gets a second arrival before its wait.
-  ``first_tile`` / ``last_tile``: whether the query tile is the program's first / last (both
-  True for one tile per program). Plain jnp (the kernel uses it, the CPU tests simulate it).
+  ``n + 1`` in a query tile, (skip the wait for its turn, skip the hand-over after it).
+  Warpgroup 0 skips only the program's first wait and warpgroup 1 only its last hand-over;
+  ``first_tile`` / ``last_tile``: whether the query tile is the program's first / last.
 
   Example:
     >>> [tuple(bool(x) for x in _turn_skips(w, k, 2, True, True)) for w in (0, 1) for k in (0, 2)]

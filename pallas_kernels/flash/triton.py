@@ -1,28 +1,12 @@
 """Flash attention as portable Pallas GPU kernels (Triton lowering), walking a block schedule.
 
-Forward: one program per (query tile, batch, query head). It walks the tile's kv list from a
-``BlockSchedule``: first the full tiles (no element mask at all), then the partial tiles (element
-mask applied), with an online softmax in the base-2 domain (log2(e) folded into the logit scale)
-and fp32 accumulators. Tiles that the schedule leaves out are never loaded.
+Forward: one program per (query tile, batch, query head), walking the tile's kv list from a
+``BlockSchedule`` (full tiles unmasked, then partial tiles masked) with an online softmax in the
+base-2 domain. Backward (custom_vjp): a dK/dV kernel per (kv tile, batch, kv head) over the
+transposed schedule and the GQA group, and a dQ kernel per query tile; delta = rowsum(dO * O) -
+dLSE. ``flash_attention_bwd`` runs them on another forward's (out, lse).
 
-Backward (custom_vjp, as in jax's ``pallas/ops/gpu/attention.py`` but schedule-driven), walking
-its own schedule of the same mask (``bwd_schedule``, default: the forward's), whose tiles may
-differ from the forward's: all it takes from the forward (out, log-sum-exp) is per row.
-  * dK/dV: one program per (kv tile, batch, kv head). It keeps K, V and the fp32 dK, dV
-    accumulators on chip and walks, for every query head of its GQA group, the query tiles of the
-    transposed schedule (``q_indices``), so K/V are never repeated in memory.
-  * dQ: one program per (query tile, batch, query head), walking the schedule's kv list.
-  delta = rowsum(dO * O) - dLSE, so cotangents of the returned log-sum-exp are honoured.
-  ``flash_attention_bwd`` runs the same two kernels on another forward's (out, lse): the Mosaic
-  GPU (Hopper) forward's backward.
-
-Padding happens here: sequences to multiples of both passes' tile sizes, head dims to a power of
-two (Triton blocks need power-of-two shapes). Padded keys are always in partial tiles (the schedule
-marks them so) and are masked there; padded queries and head-dim columns are sliced away.
-
-The schedule's lists are reordered once per call (jnp, cheap) so that each row is
-``[count, n_full, full tiles..., partial tiles...]``: the kernels then run two loops with dynamic
-trip counts and no per-tile branch, each prefetching the next tile index one step ahead.
+Sequences are padded to the tiles, head dims to a power of two; padded keys are masked.
 """
 from __future__ import annotations
 
@@ -44,19 +28,9 @@ from pallas_kernels.masks import normalize_window, visible
 _NEG_INF = float("-inf")
 
 
-# ----------------------------------------------------------------------------------------------
-# Block sizes
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes and launch parameters of the Triton flash attention kernels.
-
-  ``block_q`` x ``block_k`` is the tile of the forward's block schedule; ``bwd_block_q`` x
-  ``bwd_block_k`` (default: the same) the tile of the schedule that both backward kernels walk.
-  The two passes may use different tiles because everything the backward takes from the forward
-  (out, log-sum-exp) is per row. The backward kernels may split a tile further into chunks.
 
   Attributes:
     block_q: forward query tile (power of two, >= 16).
@@ -71,13 +45,8 @@ class BlockSizes:
       backward block_k; None: default).
     bwd_block_q: backward query tile (None: ``block_q``).
     bwd_block_k: backward key/value tile (None: ``block_k``).
-    dkv_block_q: query tile of the schedule that the dK/dV kernel walks (its transposed q lists;
-      None: the backward block_q). Set it to ``dkv_q_chunk`` and the kernel visits the mask at
-      chunk granularity: on the causal diagonal (and window / document edges) it skips the
-      chunks that no query of them can see and masks only the chunks that cross the edge,
-      instead of masking (or computing for nothing) every chunk of a partial backward tile.
-      Needs a third schedule (``flash_attention(dkv_schedule=...)``; ``jattn.flash_attention``
-      builds it). The dQ kernel keeps the backward tiles.
+    dkv_block_q: query tile of the schedule that the dK/dV kernel walks (None: the backward
+      block_q); needs ``flash_attention(dkv_schedule=...)``.
 
   Example:
     >>> BlockSizes(64, 64, num_warps=4, num_stages=3, bwd_block_q=128).bwd_tiles
@@ -112,11 +81,7 @@ class BlockSizes:
     return (self.dkv_block_q or bq, bk)
 
 
-# Default launch configurations are data in ``pallas_kernels/tuning`` (one JSON table per device,
-# ``generic.json`` for every other device), keyed by kernel ("triton_fwd": the forward's fields
-# below, "triton_bwd": the backward's), padded head dim (32, 64, 128, 256) and dtype class
-# (16-bit: wgmma and cp.async pipelining, checked to fit shared memory and not spill registers on
-# sm_90a; 32-bit: IEEE fp32 products, for accuracy not speed). Each entry records its provenance.
+# Default launch configurations: ``pallas_kernels/tuning`` ("triton_fwd" / "triton_bwd").
 _FWD_FIELDS = ("block_q", "block_k", "num_warps", "num_stages")
 _BWD_FIELDS = ("bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages", "dkv_q_chunk",
                "dq_k_chunk", "dkv_block_q")
@@ -138,8 +103,6 @@ def _tuned_block_sizes(d_key: int, itemsize: int, device_kind: str | None) -> Bl
 
 def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) -> BlockSizes:
   """Default tiles and launch parameters for the Triton kernels (tuned for Hopper).
-
-  Read from the tuning table of the device (``pallas_kernels.tuning``; the same for every mask).
 
   Args:
     head_dim: the (unpadded) head dimension, up to 256.
@@ -198,11 +161,6 @@ def _pow2(n: int) -> int:
   return next_pow2(n, minimum=16)
 
 
-# ----------------------------------------------------------------------------------------------
-# Static configuration shared by the kernels
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
   block_q: int
@@ -228,12 +186,8 @@ def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
 
   ``index(p0, p1, p2) -> (t, bi, h)``: grid indices to the program's launch-order tile number
   t (0 = launched first; the kernels map it to the heaviest tile) and its (batch, head).
-  ``tile_axis`` is the grid axis of t, for ``pl.program_id`` inside the kernels. CUDA (and so
-  the Triton lowering) dispatches grid axis 0 fastest. Causal masks without a left window launch
-  G = 4 consecutive (batch, head) pairs fastest (2 or 1 when 4 does not divide batch x heads),
-  then tiles from the heaviest (most causal tiles) down, then the next G pairs, so the programs
-  launched last are the lightest (balances the causal triangle's tail); other masks launch
-  tiles fastest, one (batch, head) after another.
+  ``tile_axis`` is the grid axis of t. Causal masks launch G (4, 2 or 1) (batch, head) pairs
+  fastest, heaviest tiles first; other masks launch tiles fastest.
   """
   triangular = st.causal and (st.window is None or st.window[0] is None)
   group = 4 if triangular else 1
@@ -304,10 +258,8 @@ def _dot_nt(a, b):
 def _walk(row_ref, lo, hi, num_chunks, body, carry):
   """Run ``carry = body(tile, chunk, carry)`` for flat steps j in [lo, hi) of a schedule row.
 
-  Step j visits chunk ``j % num_chunks`` of tile ``row[2 + j // num_chunks]``. The tile index of
-  step j + 1 is loaded during step j (a loop-carried prefetch), so no load of the schedule sits
-  between the loop start and the tile loads that Triton pipelines. Rows are long enough
-  (``_pack_rows``) that the prefetch past the last step stays in bounds.
+  Step j visits chunk ``j % num_chunks`` of tile ``row[2 + j // num_chunks]``; the next tile
+  index is prefetched one step ahead (rows are padded so it stays in bounds).
   """
   def split(j):
     if num_chunks == 1:
@@ -341,11 +293,6 @@ def _seg_refs(refs, n_in, has_seg):
   segs = (rest[0], rest[1]) if has_seg else (None, None)
   rest = rest[2:] if has_seg else rest
   return ins, segs, rest[0], rest[1:]
-
-
-# ----------------------------------------------------------------------------------------------
-# Forward kernel
-# ----------------------------------------------------------------------------------------------
 
 
 def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: int):
@@ -438,17 +385,9 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
   return pad_axis(out, 1, sq), pad_axis(lse, 2, sq, _NEG_INF)
 
 
-# ----------------------------------------------------------------------------------------------
-# Backward kernels
-# ----------------------------------------------------------------------------------------------
-
-
 def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
   """Refs: q [Sq, G, D], k [bk, D], v [bk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
   (q_seg [Sq], kv_seg [bk]), row [W] -> dk [bk, D], dv [bk, Dv], summed over the GQA group.
-
-  The row is the transposed q list of ``st``'s tiles. lse2 is the log-sum-exp in base 2, +inf
-  for rows that saw nothing (so p = 0 there).
   """
   ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref), row_ref,
    (dk_ref, dv_ref)) = _seg_refs(refs, 6, has_seg)
@@ -462,8 +401,7 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
   k_pos = ki * bk + lax.iota(jnp.int32, bk)  # [bk]
   k_seg = kseg_ref[...] if has_seg else None  # [bk]
 
-  # Everything is computed kv-major ([bk, cq] = transposed logits), so the big P and dS tiles
-  # feed the dK/dV dots without a transpose; only the small Q / dO chunks are read transposed.
+  # Computed kv-major ([bk, cq] = transposed logits): P and dS feed the dK/dV dots directly.
   def step(tile, c, carry, g, masked):
     dk, dv = carry  # [bk, D], [bk, Dv] fp32
     start = pl.multiple_of(tile * bq + c * cq, cq)
@@ -532,10 +470,7 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: i
 def _bwd_calls(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, do, lse2, delta, st: _Static):
   """Padded inputs -> (dq, dk, dv) in the input dtypes.
 
-  ``st`` carries the backward tiles; ``dq_rows`` / ``dkv_rows`` are the backward schedule's kv
-  lists (dQ) and transposed q lists (dK/dV; with ``st.dkv_block_q`` set, the transposed lists of
-  a schedule whose q tile is ``st.dkv_block_q``). The grids cover that schedule's tiles;
-  gradient rows of padding past them are 0.
+  ``dq_rows`` / ``dkv_rows``: the backward schedule's kv lists and transposed q lists.
   """
   dkv_st = st
   if st.dkv_block_q is not None:
@@ -633,11 +568,6 @@ def _dq_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
   )(*args)
 
 
-# ----------------------------------------------------------------------------------------------
-# custom_vjp wiring (on padded arrays)
-# ----------------------------------------------------------------------------------------------
-
-
 def _bwd_from_residuals(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse, d_out, d_lse,
                         bst: _Static):
   """Padded inputs and a forward's (out, lse [natural log, -inf for rows that see no key]) and
@@ -670,11 +600,6 @@ def _flash_padded_bwd(st, bst, res, cts):
 
 
 _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
-
-
-# ----------------------------------------------------------------------------------------------
-# Schedule packing and the public entry points
-# ----------------------------------------------------------------------------------------------
 
 
 def _pack_rows(indices, counts, partial):
@@ -796,16 +721,10 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     scale: logit scale (None: 1 / sqrt(head_dim)).
     logits_soft_cap: None or cap (logits = cap * tanh(logits / cap)).
     interpret: run the kernels in the Pallas interpreter (CPU).
-    block_sizes: optional ``BlockSizes`` supplying the launch parameters (None fields: the
-      tuned table's where the tiles match it, else a heuristic); its forward tiles must equal
-      ``schedule``'s, its ``bwd_tiles`` ``bwd_schedule``'s and its ``dkv_tiles``
-      ``dkv_schedule``'s. None: ``BlockSizes(schedule.block_q, schedule.block_k)``.
-    bwd_schedule: the schedule of the same mask (same lengths, causal, window, segment ids, block
-      mask) with the backward's tiles; it drives dQ (its kv lists) and dK/dV (its transposed q
-      lists). None: ``schedule`` (one tiling for both passes).
-    dkv_schedule: optional schedule of the same mask with the backward's block_k and its own
-      block_q (``BlockSizes.dkv_block_q``, e.g. the dK/dV chunk): the dK/dV kernel walks its
-      transposed q lists instead of ``bwd_schedule``'s. None: ``bwd_schedule``.
+    block_sizes: optional ``BlockSizes`` (launch parameters); its tiles must match the
+      schedules'. None: ``BlockSizes(schedule.block_q, schedule.block_k)``.
+    bwd_schedule: the same mask's schedule at the backward's tiles (None: ``schedule``).
+    dkv_schedule: the same mask's schedule for the dK/dV kernel (None: ``bwd_schedule``).
 
   Returns:
     (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that
@@ -849,8 +768,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                      scale=d ** -0.5 if scale is None else scale, soft_cap=logits_soft_cap,
                      interpret=interpret, dkv_block_q=dkv_bq)
 
-  # Pad the sequences to a multiple of every pass's tiles (powers of two: the largest one); each
-  # pass's grid covers its own tiles, and rows past them are padding (see _fwd_call, _bwd_calls).
+  # Pad the sequences to a multiple of every pass's tiles.
   qp, kp, vp, qs, ks = _pad_inputs(q, k, v, q_segment_ids, kv_segment_ids,
                                    round_up(sq, max(bq, bbq, dkv_bq)), round_up(sk, max(bk, bbk)))
   fwd_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
@@ -871,16 +789,12 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
                         block_sizes: BlockSizes | None = None, interpret: bool = False):
   """The Triton backward kernels (dK/dV, dQ) for another forward's residuals.
 
-  The Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``) keeps (q, k, v, out, lse) in its
-  custom_vjp and hands them here. The kernels walk ``schedule`` (a block schedule of the same
-  mask, e.g. a top-K selection's, at its own tiles) or, without one, ``make_schedule`` of the
-  mask at ``block_sizes.bwd_tiles``.
+  The kernels walk ``schedule`` or, without one, ``make_schedule`` at ``block_sizes.bwd_tiles``.
 
   Args:
     q: [B, Sq, Hq, D]; k: [B, Sk, Hk, D]; v: [B, Sk, Hk, Dv] (Hq % Hk == 0), unpadded.
     out: the forward's output [B, Sq, Hq, Dv].
-    lse: the forward's log-sum-exp [B, Hq, Sq] fp32: natural log, -inf for rows that see no key
-      (the convention of ``flash_attention`` here and of the Mosaic GPU forward).
+    lse: the forward's log-sum-exp [B, Hq, Sq] fp32: natural log, -inf for rows that see no key.
     d_out: cotangent of out [B, Sq, Hq, Dv].
     d_lse: cotangent of lse [B, Hq, Sq] (zeros when only out is used).
     causal: causal mask (bottom-right aligned when Sq != Sk).

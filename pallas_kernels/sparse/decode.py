@@ -1,26 +1,11 @@
 """Top-K block-sparse decode in portable Pallas GPU (Triton lowering), contiguous and paged.
 
-One program per (batch, kv head, split). Each (batch, kv head) carries its own list of selected
-cache blocks (``indices[b, h, :]``, any order, -1 for unused slots), so the selection of a kv
-head is shared by its query heads but differs between kv heads: the list acts as a per-head page
-table over the cache viewed as blocks of ``block_size`` tokens (paged caches: ``page_size ==
-block_size`` and the block id goes through the page table). A split walks a contiguous share of
-the list's first ``counts[b, h]`` slots (all slots without counts); each step loads the K and V
-rows of head h of its block(s) (masked past the sequence length and for -1 slots, which read no
-memory), runs the online softmax in fp32 and accumulates. All query heads of the group form one
-[g_pad, d_pad] tile, so each selected K/V byte is read from HBM once. Values may be narrower
-than keys (MLA): V tiles, the accumulator and the output are [.., dv_pad] with their own column
-mask.
-
-Block ids reach the K/V loads in one of two ways, so that no copy waits on an id load of its
-own step: looked up one step ahead through the loop carry (default), or (``prefetch_ids``)
-loaded once per split as one vector before the loop, each step picking its ids from registers;
-only the latter takes ``blocks_per_step`` 2 (two kept blocks form one K/V tile per step).
-
-The splits' partial (out, lse) are combined either inside the kernel (:func:`sparse_decode`'s
-default: each split stores its partial to an HBM scratch and counts its arrival on a
-per-(batch, kv head) counter; the split that arrives last merges the group's partials) or by
-the merge kernel ``pallas_kernels.common.merge.merge_partials_pallas`` (``merge_kernel=True``).
+One program per (batch, kv head, split). Each (batch, kv head) has its own list of selected
+cache blocks (``indices[b, h, :]``, -1 for unused slots), a per-head page table over the cache
+seen as blocks of ``block_size`` tokens. A split walks a share of the list's first
+``counts[b, h]`` slots with an fp32 online softmax; the GQA group's queries form one tile, so
+each selected K/V byte is read once. The splits' partials are merged in the kernel by the last
+split to arrive (default) or by ``merge_partials_pallas`` (``merge_kernel=True``).
 """
 from __future__ import annotations
 
@@ -48,8 +33,7 @@ def _pow2(n):
 
 
 def length_row(b, lengths_group):
-  """Row of a lengths array shared by ``lengths_group`` consecutive sequences (a head-major
-  cache seen as batch x kv_heads sequences, ``lengths_group`` = kv_heads): b // lengths_group.
+  """Row of a lengths array shared by ``lengths_group`` consecutive sequences.
 
   Example:
     >>> length_row(5, 1)
@@ -85,9 +69,6 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   (input, aliased to the third output), outputs out [B, Hq, Dv] (final dtype), lse [B, Hq]
   fp32, the counters, and the partials o [B, S, Hq, Dv] and lse [B, S, Hq] (scratch in HBM);
   with ``merge`` and S == 1 just out and lse.
-
-  ``split_stride`` (tests): program s handles split (s * stride) % S, so that in the
-  interpreter another split than the last arrives last.
   """
   if paged:
     pt_ref, *rest = rest
@@ -251,9 +232,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
 
 
 def _split_share(n_slots, num_splits, bps):
-  """List slots per split when n_slots (an int or a traced scalar) are shared by num_splits:
-  cdiv(n_slots, num_splits), or with ``bps`` blocks per step whole steps per split (the last
-  split may hold fewer). With n_slots = the list's width: the most slots one split walks.
+  """List slots per split (whole steps of ``bps`` blocks) when num_splits share n_slots.
 
   Example:
     >>> _split_share(389, 16, 1), _split_share(389, 16, 2)
@@ -268,20 +247,8 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
                        min_blocks_per_split=4):
   """Splits per (batch, kv head) for the sparse decode kernel.
 
-  About ``programs_per_core`` programs per multiprocessor over the batch x kv_heads pairs (B1
-  with 8 kv heads would otherwise launch 8 programs on a 132-SM H200), with at least
-  ``min_blocks_per_split`` selected blocks per split. Not rounded to a power of two: the
-  selected lists have no power-of-two length.
-
-  Args:
-    batch, kv_heads: programs per split.
-    max_selected: width of the selected-block lists.
-    core_count: multiprocessors; default ``compat.gpu_core_count()``.
-    programs_per_core: target programs per multiprocessor.
-    min_blocks_per_split: lower bound on the work of one split.
-
-  Returns:
-    An int >= 1.
+  About ``programs_per_core`` programs per multiprocessor, with at least
+  ``min_blocks_per_split`` selected blocks per split.
 
   Example:
     >>> default_num_splits(1, 8, 389, core_count=132)
@@ -367,26 +334,19 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     q: [batch, q_heads, head_dim].
     k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page
       pool [num_pages, block_size, kv_heads, head_dim] (page size = block size).
-    v: like ``k`` with its own last dim head_dim_v (may differ from head_dim, e.g. MLA values
-      narrower than the rope-extended keys).
+    v: like ``k`` with its own last dim head_dim_v.
     kv_lengths: int32 [batch / lengths_group]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: selected block ids in any order, -1 for
       unused slots.
     page_table: None or int32 [batch, max_pages]: block j of sequence b is page
       ``page_table[b, j]``.
-    counts: None (walk all max_selected slots) or int32 [batch, kv_heads]: walk only the first
-      ``counts[b, h]`` slots (``pallas_kernels.sparse.decode_select``'s compact lists), split
-      evenly over the splits.
+    counts: None (walk all slots) or int32 [batch, kv_heads]: walk only the first counts.
     block_size: tokens per block, a power of two >= 16.
     num_splits: splits of each selected list.
     scale: logit scale, default 1/sqrt(head_dim).
-    blocks_per_step: kept blocks per loop step: 1, or 2 with ``prefetch_ids`` (one
-      [2 * block_size, head_dim] K/V tile gathered from two blocks; splits hold whole steps).
-    prefetch_ids: load each split's block ids (and pages) once, as one vector, before the loop
-      (for short splits: each step's pick is a compare + sum over the vector); otherwise each
-      step's ids are loaded one step ahead. The same output to the bit.
-    lengths_group: consecutive sequences sharing one entry of kv_lengths (sequence b reads
-      kv_lengths[b // lengths_group]: a head-major cache seen as batch x kv_heads sequences).
+    blocks_per_step: kept blocks per loop step: 1, or 2 with ``prefetch_ids``.
+    prefetch_ids: load each split's block ids once before the loop (else one step ahead).
+    lengths_group: consecutive sequences sharing one entry of kv_lengths.
     interpret: run in the Pallas interpreter (CPU tests).
 
   Returns:
@@ -421,27 +381,17 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
                   _split_stride=1):
   """Decode attention over each kv head's selected cache blocks, splits merged (Triton).
 
-  By default the merge is folded into the attention kernel: each (batch, kv head, split)
-  program stores its partial (out, lse) to an HBM scratch, then increments the (batch, kv
-  head)'s arrival counter (Triton ``atomic_add``, acq_rel, GPU scope); the program that arrives
-  last merges the group's partials by log-sum-exp and writes the output (one launch). With
-  ``merge_kernel`` the partials (:func:`sparse_decode_partials`) are merged by a second kernel
-  (``merge_partials_pallas``), which keeps the merge's latency out of the attention kernel.
-  With ``num_splits == 1`` there is nothing to merge.
+  By default the split that arrives last on a (batch, kv head) atomic counter merges the
+  partials by log-sum-exp (one launch); ``merge_kernel`` uses a second kernel.
 
   Args:
     q, k, v, kv_lengths, indices, page_table, counts, block_size, num_splits, scale,
       blocks_per_step, prefetch_ids, lengths_group, interpret: as
       :func:`sparse_decode_partials`.
-    arrivals: None or int32 [batch, kv_heads] of zeros: the arrival counters (donated to the
-      kernel; e.g. the selection kernel's, which costs no extra launch). None makes zeros (an
-      XLA memset). Unused with ``merge_kernel`` or ``num_splits == 1``.
+    arrivals: None or int32 [batch, kv_heads] zeros: the arrival counters (None: a memset).
     out_dtype: dtype of the output (default q.dtype).
-    merge_kernel: merge the splits in a second kernel instead of in the last split to arrive.
-      The same arithmetic.
-    _split_stride: tests only: program s handles split (s * stride) % num_splits (coprime with
-      num_splits), so in the interpreter, which runs programs in order, another split than the
-      last arrives last.
+    merge_kernel: merge the splits in a second kernel. The same arithmetic.
+    _split_stride: tests only: program s handles split (s * stride) % num_splits.
 
   Returns:
     (out [batch, q_heads, head_dim_v] in out_dtype, lse [batch, q_heads] fp32; rows that see

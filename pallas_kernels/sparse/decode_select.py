@@ -1,27 +1,13 @@
 """Decode-time block scoring and top-k block selection as Pallas kernels (Triton lowering).
 
-The selection of ``jattn.sparse.select_decode_blocks`` without XLA's sort: the block scores of
-one new query per sequence are a batched matrix-vector product, and ``lax.top_k`` over 2048
-candidates per kv head becomes a full bitonic sort on the GPU (several launches); here it is
-one threshold search inside a kernel.
+The selection of ``jattn.sparse.select_decode_blocks`` without XLA's sort:
 
-* :func:`decode_block_scores`: one program per (batch, kv head, chunk of ``chunk`` blocks):
-  score[b, h, j] = (sum of the GQA group's queries) . key_sum[b, j, h] / max(count_j, 1), fp32
-  products and sums (no TF32). Spread over many programs so the fp32 key sums (8 MiB at 128K
-  tokens, 8 kv heads, head_dim 128) are read at full bandwidth.
-* :func:`select_decode_slots`: one program per (batch, kv head) holding all its block scores
-  in registers: the forced blocks (initial and local) from the sequence length, then the k-th
-  largest candidate score found by the bit search over the scores' total-order int32 keys
-  (``pallas_kernels.sparse.topk.bit_search``; ties broken by the lower block id, as
-  ``lax.top_k``), then the kept blocks compacted in ascending order by a prefix sum into a
-  ``[max_selected]`` list padded with -1, and the count. Exactly ``select_decode_blocks``'s
-  output for the same scores (tested).
-* :func:`score_select_decode_slots`: both in one launch: grid (batch, kv head, score split),
-  each program scores its share of the blocks with the score kernel's code into an HBM
-  scratch; with one split the program then selects (after a CTA barrier), with several the
-  last to arrive on a per-(batch, kv head) counter (atomic) selects and resets the counter,
-  which then serves as the merged decode kernel's zeroed arrival counter. The same scores and
-  selection, to the bit.
+* :func:`decode_block_scores`: score[b, h, j] = (sum of the GQA group's queries) .
+  key_sum[b, j, h] / max(count_j, 1), fp32, one program per (batch, kv head, chunk).
+* :func:`select_decode_slots`: one program per (batch, kv head): forced blocks, then the k-th
+  largest score by a bit search (ties: lower block id, as ``lax.top_k``), compacted ascending.
+* :func:`score_select_decode_slots`: both in one launch; the last score split to arrive on an
+  atomic counter selects and resets it.
 """
 from __future__ import annotations
 
@@ -51,8 +37,6 @@ def _pow2(n):
 
 def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
   """Width of the kept-block lists: max(1, min(forced + top_k, num_blocks)).
-
-  The one definition: ``jattn.sparse``'s decode selection sizes its lists with it too.
 
   Args:
     num_blocks: blocks in the cache (``BlockSummaries.num_blocks``).
@@ -139,9 +123,8 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False
       clip(length - j * block_size, 0, block_size) keys.
     block_size: positions per block.
     interpret: run in the Pallas interpreter (CPU tests).
-    lengths_group: consecutive sequences that share one length: summary_lengths is then
-      [batch / lengths_group] and sequence b reads entry b // lengths_group (a head-major
-      cache seen as batch x kv_heads sequences, without repeating the lengths in XLA).
+    lengths_group: consecutive sequences that share one length (sequence b reads entry
+      b // lengths_group).
 
   Returns:
     fp32 [batch, kv_heads, num_blocks]: sum over the group's query heads of q . mean key.
@@ -260,10 +243,8 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     max_selected: output width; at least the most blocks a row can keep
       (:func:`decode_width`).
     interpret: run in the Pallas interpreter (CPU tests).
-    return_arrivals: also return int32 [batch, kv_heads] zeros written by this kernel: the
-      arrival counters of ``pallas_kernels.sparse.decode.sparse_decode`` (no memset launch).
-    lengths_group: consecutive sequences that share one length (sequence b reads entry
-      b // lengths_group), as :func:`decode_block_scores`.
+    return_arrivals: also return int32 [batch, kv_heads] zeros (``sparse_decode``'s counters).
+    lengths_group: as :func:`decode_block_scores`.
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
@@ -355,19 +336,7 @@ def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group
 def default_score_splits(batch, kv_heads, num_blocks, *, core_count=None, programs_per_core=2):
   """Score programs per (batch, kv head) of :func:`score_select_decode_slots`.
 
-  About ``programs_per_core`` programs per multiprocessor over the batch x kv_heads pairs, at
-  most one per score tile: B1 with 8 kv heads and 2048 blocks on a 132-SM H200 gives 32 (256
-  programs of one [64, head_dim] key-sum tile each, the score kernel's decomposition); 1 (no
-  counter, no memset) once batch x kv_heads fills the GPU, and without a GPU.
-
-  Args:
-    batch, kv_heads: (batch, kv head) pairs.
-    num_blocks: cache blocks.
-    core_count: multiprocessors; default ``compat.gpu_core_count()`` (1 without a GPU).
-    programs_per_core: target programs per multiprocessor.
-
-  Returns:
-    An int >= 1.
+  About ``programs_per_core`` programs per multiprocessor, at most one per score tile.
 
   Example:
     >>> default_score_splits(1, 8, 2048, core_count=132)
@@ -391,16 +360,9 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
                               interpret=False, lengths_group=1, _split_stride=1):
   """:func:`decode_block_scores` and :func:`select_decode_slots` in one launch.
 
-  Grid (batch, kv head, score split). Each program computes the scores of its share of the
-  blocks (the score kernel's tiles, loads and arithmetic) into an fp32 HBM scratch; the
-  selection of a (batch, kv head) then runs in one program over all its scores (the selection
-  kernel's code). With ``score_splits == 1`` that is the same program, after a CTA barrier;
-  with more, each split counts its arrival on a per-(batch, kv head) counter (``atomic_add``,
-  acq_rel, GPU scope) and the split that arrives last selects, then resets the counter to 0,
-  so the counters leave the kernel as the zeroed arrival counters of
-  ``pallas_kernels.sparse.decode.sparse_decode``. The counters start as zeros made by XLA (a
-  memset before the launch); ``score_splits == 1`` needs none. The same scores and selection
-  as the two kernels, to the bit (tested), for any split count and arrival order.
+  Grid (batch, kv head, score split): each program scores its share into an HBM scratch; the
+  split that arrives last on a per-(batch, kv head) atomic counter selects and resets the
+  counter to 0. The same scores and selection as the two kernels, to the bit.
 
   Args:
     q: [batch, q_heads, head_dim].
@@ -414,10 +376,8 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     return_arrivals: also return the zeroed int32 [batch, kv_heads] arrival counters.
     return_scores: also return the fp32 [batch, kv_heads, num_blocks] scores.
     interpret: run in the Pallas interpreter (CPU tests).
-    lengths_group: both lengths arrays are shared by that many consecutive sequences (as
-      :func:`decode_block_scores`).
-    _split_stride: tests only: program s scores split (s * stride) % score_splits (coprime
-      with the split count), so in the interpreter another split than the last arrives last.
+    lengths_group: as :func:`decode_block_scores`.
+    _split_stride: tests only: program s scores split (s * stride) % score_splits.
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected], counts int32 [batch, kv_heads]), then the

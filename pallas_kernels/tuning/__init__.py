@@ -3,26 +3,14 @@
 Each JSON file in this package is one table: ``device_kinds`` (the ``device_kind`` strings jax
 reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
 
-  * ``kernel``: "triton_fwd", "triton_bwd" (the two passes of ``pallas_kernels.flash.triton``:
-    one ``BlockSizes`` holds both, the forward's fields in one entry, the backward's in the
-    other),
-    "mosaic_gpu_fwd" (``flash.mosaic_gpu``) or "mosaic_gpu_bwd" (``flash.mosaic_gpu_bwd``);
-  * ``head_dim``: the padded head dim for Triton (32, 64, 128, 256), the head dim for Mosaic GPU;
-  * ``dtype``: "16bit" (bf16/fp16) or "32bit" (fp32 and wider);
-  * ``mask``: "all" (one entry for every mask kind), or a mask kind (:func:`mask_kind`:
-    "dense", "causal", "window", "causal_window", "causal_segments"; "block_sparse" for calls
-    walking a block schedule) that :func:`entry` prefers to "all";
+  * ``kernel``: one of ``KERNELS``;
+  * ``head_dim``: the padded head dim for Triton, the head dim for Mosaic GPU;
+  * ``dtype``: "16bit" (bf16/fp16) or "32bit";
+  * ``mask``: "all" or a :func:`mask_kind`, which :func:`entry` prefers to "all";
 
-with ``params`` (the ``BlockSizes`` fields) and ``provenance`` (status "tuned" with the date,
-commit, command and results that picked it, or "untimed" for a guess).
-
-``DEVICE_TABLES`` maps a device kind to its file; every other device (CPU, interpret mode,
-other GPUs, the H100 included) reads ``generic.json``. A device table's entries override the
-generic ones key by key. Tables are read on first use and cached.
-
-:class:`Device` is the one description of a device that both dispatch (platform, compute
-capability) and the tables (device kind) key on; :func:`device` reads it once per process, or
-builds one from overrides (tests, docs).
+with ``params`` (the ``BlockSizes`` fields) and ``provenance``. ``DEVICE_TABLES`` maps a device
+kind to its file; every other device reads ``generic.json``, whose entries a device table
+overrides key by key. :class:`Device` is what dispatch and the tables key on.
 """
 from __future__ import annotations
 
@@ -36,13 +24,11 @@ __all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "Device", 
            "device_kind", "dtype_class", "entry", "mask_kind", "params", "required_params",
            "table_file", "load_table"]
 
-# jax device_kind -> table file (in this package). Add a device here with its file; a device
-# not listed (the H100 included) uses GENERIC_TABLE.
+# jax device_kind -> table file; other devices use GENERIC_TABLE.
 DEVICE_TABLES = {"NVIDIA H200": "nvidia_h200.json"}
 GENERIC_TABLE = "generic.json"
 KERNELS = ("triton_fwd", "triton_bwd", "mosaic_gpu_fwd", "mosaic_gpu_bwd")
-# "block_sparse": calls walking a block schedule (a top-K selection's), whatever their element
-# mask; only the Mosaic GPU backward asks for it.
+# "block_sparse": calls walking a block schedule (Mosaic GPU backward only).
 MASK_KINDS = ("all", "dense", "causal", "window", "causal_window", "causal_segments",
               "block_sparse")
 _DIR = os.path.dirname(os.path.abspath(__file__))
@@ -169,15 +155,7 @@ def table_file(kind: str | None = None) -> str:
 
 
 def resolve_kind(kind: str | None) -> str | None:
-  """``kind``, or the current device's (:func:`device_kind`) when None: the key under which the
-  kernels cache their tuned tiles, so that a cached entry always names the device it was read
-  for.
-
-  Args:
-    kind: a device kind or None.
-
-  Returns:
-    The device kind (None only if jax has no device).
+  """``kind``, or the current device's (:func:`device_kind`) when None: the kernels' cache key.
 
   Example:
     >>> resolve_kind("NVIDIA H200")
@@ -227,9 +205,6 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
           device: str | None = None) -> dict | None:
   """The table entry for a key on a device.
 
-  The device's table (generic.json if it has none) over the generic one; an entry for ``mask``
-  first, then the "all" entry.
-
   Args:
     kernel: one of ``KERNELS``.
     head_dim: the head dim key (padded to a power of two >= 32 for Triton).
@@ -276,10 +251,8 @@ def params(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
 def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
   """The tables' mask key of an attention call.
 
-  "dense", "causal", "window" or "causal_window"; a causal call with segment ids (packed
-  documents) and no window is "causal_segments". Segment ids do not change the other kinds.
-  The kind sees only the call: causal calls whose segment ids are not packed documents
-  (padding only, ``jattn.nn``'s chunked prefill) get the "causal_segments" entry too.
+  "dense", "causal", "window" or "causal_window"; causal with segment ids and no window is
+  "causal_segments".
 
   Args:
     causal: causal mask.
