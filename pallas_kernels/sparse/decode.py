@@ -250,6 +250,15 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
   About ``programs_per_core`` programs per multiprocessor, with at least
   ``min_blocks_per_split`` selected blocks per split.
 
+  Args:
+    batch, kv_heads: the call's batch and kv heads.
+    max_selected: the most blocks a row keeps.
+    core_count: multiprocessors (default: the GPU's); programs_per_core, min_blocks_per_split:
+      the rule's two constants.
+
+  Returns:
+    The number of splits (>= 1).
+
   Example:
     >>> default_num_splits(1, 8, 389, core_count=132)
     33

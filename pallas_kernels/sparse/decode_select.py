@@ -338,6 +338,13 @@ def default_score_splits(batch, kv_heads, num_blocks, *, core_count=None, progra
 
   About ``programs_per_core`` programs per multiprocessor, at most one per score tile.
 
+  Args:
+    batch, kv_heads, num_blocks: the call's batch, kv heads and cache blocks.
+    core_count: multiprocessors (default: the GPU's); programs_per_core: programs per one.
+
+  Returns:
+    The number of score programs (>= 1).
+
   Example:
     >>> default_score_splits(1, 8, 2048, core_count=132)
     32
