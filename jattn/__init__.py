@@ -1,4 +1,6 @@
-"""jattn: IO-aware attention for JAX (re-exports only)."""
+"""jattn: IO-aware attention for JAX (re-exports only; ``jattn.nn`` loads on first use)."""
+import importlib
+
 from jattn._plan import Plan
 from jattn.attention import flash_attention, flash_attention_plan
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
@@ -11,7 +13,9 @@ from jattn.sparse import (BlockSelection, BlockSummaries, block_sparse_attention
                           sparse_attention, sparse_decode_attention,
                           sparse_paged_decode_attention, update_block_summaries)
 
-__all__ = ["Plan", "flash_attention", "flash_attention_plan", "BlockSchedule", "make_schedule",
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "nn", "Plan", "flash_attention", "flash_attention_plan", "BlockSchedule", "make_schedule",
            "BlockSelection", "BlockSummaries", "block_sparse_attention", "block_sparse_plan",
            "captured_mass",
            "init_block_summaries", "select_blocks", "sparse_attention", "sparse_decode_attention",
@@ -19,3 +23,11 @@ __all__ = ["Plan", "flash_attention", "flash_attention_plan", "BlockSchedule", "
            "decode_attention", "decode_plan", "paged_decode_attention", "append_kv",
            "append_kv_paged",
            "merge_partials", "PackPlan", "pack_bfd", "segments_from_lengths"]
+
+
+def __getattr__(name):
+  # ``jattn.nn`` (Flax NNX layers) imports flax: loaded on first access, so ``import jattn`` stays
+  # light.
+  if name == "nn":
+    return importlib.import_module("jattn.nn")
+  raise AttributeError(f"module 'jattn' has no attribute {name!r}")
