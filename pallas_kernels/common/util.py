@@ -83,3 +83,24 @@ def pad_axis(x, axis: int, size: int, value=0):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, size - x.shape[axis])
   return jnp.pad(x, widths, constant_values=value)
+
+
+def check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape) -> None:
+  """Check a kernel call's segment ids: both or neither, shaped [batch, len] of q and k.
+
+  Args:
+    q_segment_ids, kv_segment_ids: None, or the ids of the queries and of the keys.
+    q_shape, k_shape: q's and k's [batch, seq, heads, head_dim].
+
+  Returns:
+    None; raises ValueError naming the problem.
+
+  Example:
+    >>> check_segment_ids(None, None, (1, 8, 2, 32), (1, 8, 2, 32))
+  """
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+  if q_segment_ids is not None and (tuple(q_segment_ids.shape) != tuple(q_shape[:2])
+                                    or tuple(kv_segment_ids.shape) != (q_shape[0], k_shape[1])):
+    raise ValueError(f"segment ids must be [batch, len]: got {q_segment_ids.shape}, "
+                     f"{kv_segment_ids.shape} for q {tuple(q_shape)}, k {tuple(k_shape)}")

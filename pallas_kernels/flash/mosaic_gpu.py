@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from pallas_kernels import compat
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
+from pallas_kernels.common.util import check_segment_ids
 
 __all__ = ["BlockSizes", "PROTOCOLS", "default_block_sizes", "fit_block_sizes",
            "fit_tail_kv_splits", "flash_attention"]
@@ -484,18 +485,13 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape:
     raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape} (k and v "
                      f"must have the same shape and q's head dim)")
-  hk, sk = k.shape[2], k.shape[1]
+  hk = k.shape[2]
   if hq % hk:
     raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   _check_dtype(q.dtype)
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-  if q_segment_ids is not None and (q_segment_ids.shape != (b, sq)
-                                    or kv_segment_ids.shape != (b, sk)):
-    raise ValueError(f"segment ids must be [batch, len]: got {q_segment_ids.shape}, "
-                     f"{kv_segment_ids.shape} for q {q.shape}, k {k.shape}")
+  check_segment_ids(q_segment_ids, kv_segment_ids, q.shape, k.shape)
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes, interpret=interpret,
                       bwd_block_sizes=bwd_block_sizes, local_window_size=local_window_size,

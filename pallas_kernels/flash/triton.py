@@ -22,7 +22,7 @@ from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from pallas_kernels.common import softmax
 from pallas_kernels.common.softmax import LOG2E
-from pallas_kernels.common.util import next_pow2, pad_axis, round_up
+from pallas_kernels.common.util import check_segment_ids, next_pow2, pad_axis, round_up
 from pallas_kernels.masks import normalize_window, visible
 
 _NEG_INF = float("-inf")
@@ -640,12 +640,7 @@ def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
     raise TypeError(f"dtype must be float32, bfloat16 or float16, got {q.dtype}")
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-  if q_segment_ids is not None and (q_segment_ids.shape != (b, sq)
-                                    or kv_segment_ids.shape != (b, sk)):
-    raise ValueError(f"segment ids must be [batch, len]: got {q_segment_ids.shape}, "
-                     f"{kv_segment_ids.shape} for q {q.shape}, k {k.shape}")
+  check_segment_ids(q_segment_ids, kv_segment_ids, q.shape, k.shape)
   return b, sq, hq, d, sk, hk, d_v
 
 
