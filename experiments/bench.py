@@ -24,7 +24,7 @@ same run on one (batch row, head) slice: the forward output, and for forward+bac
 gradients dq, dk, dv of sum(out * ct) (``rel_err`` = ||x - ref|| / ||ref||, the largest of
 them; ``ok`` = rel_err < 2e-2). The reference runs in query chunks, so 64K fits.
 
-Timer (``experiments.timing.time_fn``): one warm-up call per input set, then 3 host-timed loops
+Timer (``pallas_kernels.tuning.timing.time_fn``): one warm-up call per input set, then 3 timed loops
 of asynchronous calls (at least 5 calls and 0.1 s each) rotating over 3 random bf16 input sets;
 the median loop. FLOPs: 4 * B * H * D * (visible query-key pairs), forward+backward 3.5x that;
 decode bandwidth: the K and V bytes each sequence reads.
@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from experiments.timing import random_sets, sync, time_fn
+from pallas_kernels.tuning.timing import random_sets, sync, time_fn
 
 JATTN_IMPLS = ("jattn", "jattn_xla", "jattn_triton", "jattn_mosaic_gpu", "jattn_mosaic_tpu")
 ANCHOR_IMPLS = ("jax_nn_cudnn", "jax_nn_xla", "tokamax_mosaic", "tokamax_cudnn")

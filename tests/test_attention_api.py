@@ -102,12 +102,13 @@ def test_flash_attention_plan_picks_hopper_path_for_measured_calls():
 
 def test_flash_attention_plan_reports_configs_and_table():
   """The plan holds the configs that run and the table they came from: the H200 reads its own
-  table, the H100 and every other device generic.json; explicit block sizes read none."""
+  table, the H100 its own or the nearest Hopper table, other devices generic.json; explicit
+  block sizes read none."""
   from pallas_kernels import tuning
   from pallas_kernels.flash import mosaic_gpu as mg, mosaic_gpu_bwd as mgb, triton as ft
   x = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
   for kind, table in (("NVIDIA H200", "nvidia_h200.json"),
-                      ("NVIDIA H100 80GB HBM3", "generic.json")):
+                      ("NVIDIA H100 80GB HBM3", tuning.table_file("NVIDIA H100 80GB HBM3"))):
     p = jattn.flash_attention_plan(x, x, x, causal=True, device_kind=kind)
     assert (p.op, p.table, p.device_kind) == ("flash", table, kind)
     want = mg.default_block_sizes(128, jnp.bfloat16, device_kind=kind, mask="causal")

@@ -184,9 +184,9 @@ def test_block_sparse_plan_needs_tiles_the_kernels_take():
 
 def test_device_description_is_shared():
   """Dispatch and tables read one description: a device without a table of its own plans with
-  generic.json and says so."""
+  the nearest of its architecture or generic.json, and says so."""
   for kind, table, sm90 in (("NVIDIA H200", "nvidia_h200.json", True),
-                            ("NVIDIA H100 80GB HBM3", "generic.json", True),
+                            ("NVIDIA H800", tuning.table_file("NVIDIA H800"), True),
                             ("NVIDIA A100-SXM4-80GB", "generic.json", False),
                             ("TPU v5 lite", "generic.json", False)):
     dev = tuning.device(kind=kind)

@@ -59,7 +59,7 @@ def test_mosaic_defaults_are_the_table_entries(device):
 
 
 def test_devices_without_a_table_read_the_generic_one():
-  for kind in ("NVIDIA H100 80GB HBM3", "no such device"):
+  for kind in ("NVIDIA A100-SXM4-80GB", "no such device"):
     assert _same(ft.default_block_sizes(128, jnp.bfloat16, device_kind=kind),
                  ft.default_block_sizes(128, jnp.bfloat16, device_kind="cpu"))
     for mask in tuning.MASK_KINDS:
@@ -75,11 +75,19 @@ def test_default_block_sizes_without_device_kind_use_this_device():
   assert _same(mgb.default_block_sizes(64), mgb.default_block_sizes(64, device_kind=here))
 
 
-def test_table_choice_and_fallback():
+def test_table_choice_and_fallback(monkeypatch):
   assert tuning.table_file("NVIDIA H200") == "nvidia_h200.json"
-  for kind in ("cpu", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "TPU v5 lite"):
+  for kind in ("cpu", "NVIDIA A100-SXM4-80GB", "TPU v5 lite"):
     assert tuning.table_file(kind) == tuning.GENERIC_TABLE
     assert tuning.device(kind=kind).table == tuning.GENERIC_TABLE
+  # a Hopper card without a table of its own reads the nearest of its architecture
+  hopper = {k: v for k, v in tuning.DEVICE_TABLES.items() if "H1" in k or "H2" in k}
+  assert hopper, "the package ships Hopper tables"
+  for kind in ("NVIDIA H800", "NVIDIA GH200 480GB", "NVIDIA H100 PCIe"):
+    if kind not in tuning.DEVICE_TABLES:
+      assert tuning.table_file(kind) in hopper.values(), kind
+  monkeypatch.setattr(tuning, "DEVICE_TABLES", {"NVIDIA H200": "nvidia_h200.json"})
+  assert tuning.table_file("NVIDIA H100 80GB HBM3") == "nvidia_h200.json"
   assert tuning.device_kind() is tuning.device_kind()  # cached
   assert tuning.device().kind == tuning.device_kind()
   assert tuning.entry("triton_fwd", 128, "16bit", mask="causal", device="cpu")["mask"] == "all"
@@ -168,96 +176,47 @@ def test_tables_ship_as_package_data():
   assert "*.json" in cfg["tool"]["setuptools"]["package-data"]["pallas_kernels.tuning"]
 
 
-def _row(name, cfg, seq, causal, fwd, bwd, ok=True, window=None):
-  import dataclasses
-  return dict(config=dataclasses.asdict(cfg), name=name, seq=seq, causal=causal, window=window,
-              fwd_ms=fwd, fwd_bwd_ms=fwd + bwd + 0.5, bwd_ms=bwd, check=dict(ok=ok))
+def test_user_tables_override_the_package(tmp_path, monkeypatch):
+  """A table in $JATTN_TUNING_DIR that lists a kind is what that kind reads; others unchanged."""
+  e = dict(tuning.entry("mosaic_gpu_fwd", 128, "16bit", mask="causal", device="NVIDIA H200"))
+  e["params"] = dict(e["params"], block_k=64)
+  kind = "NVIDIA H200"
+  (tmp_path / tuning.table_name(kind)).write_text(json.dumps(
+      dict(format=1, device_kinds=[kind], description="test", entries=[e])))
+  monkeypatch.setenv(tuning.USER_DIR_ENV, str(tmp_path))
+  assert tuning.table_file(kind) == str(tmp_path / "nvidia_h200.json")
+  assert tuning.params("mosaic_gpu_fwd", 128, "16bit", "causal", kind)["block_k"] == 64
+  assert tuning.table_file("cpu") == tuning.GENERIC_TABLE
 
 
-def test_gpu_sweep_write_tuning_candidate(tmp_path, monkeypatch):
-  gs = pytest.importorskip("experiments.gpu_sweep")
-  base = ft.default_block_sizes(128, jnp.bfloat16)
-  fast_bwd = dataclasses.replace(base, bwd_num_warps=8, bwd_num_stages=3, dkv_block_q=None)
-  other_tiles = dataclasses.replace(base, block_q=128, block_k=64, bwd_block_q=None,
-                                    bwd_block_k=None, num_warps=8, dkv_block_q=None)
-  rows = []
-  for seq in (4096, 16384):
-    s = seq / 4096
-    rows += [_row("default", base, seq, True, 1.0 * s, 3.0 * s),
-             _row("fast_bwd", fast_bwd, seq, True, 1.0 * s, 2.0 * s),
-             _row("broken", other_tiles, seq, True, 0.1, 0.1, ok=False),  # fast but wrong
-             _row("default", base, seq, False, 2.0 * s, 6.0 * s),
-             _row("tiles", other_tiles, seq, False, 1.5 * s, 5.0 * s),
-             dict(name="tokamax_triton", seq=seq, causal=True, window=None, fwd_ms=0.01)]
-  prov = dict(status="tuned", run="test", date="2026-11-30", device="NVIDIA H200",
-              commit="abc", command="gpu_sweep ...", results="rows.json")
-  table = gs.tuning_table(rows, head_dim=128, dtype=jnp.bfloat16, device_kind="NVIDIA H200",
-                          provenance=prov)
-  path = tmp_path / "candidate.json"
-  path.write_text(json.dumps(table))
-  got = {k: e for k, e in tuning.load_table(str(path)).items()}
-  assert set(got) == {("triton_fwd", 128, "16bit", "causal"), ("triton_fwd", 128, "16bit", "dense"),
-                      ("triton_bwd", 128, "16bit", "causal"), ("triton_bwd", 128, "16bit", "dense")}
-  assert got[("triton_fwd", 128, "16bit", "causal")]["params"]["block_q"] == 64  # broken excluded
-  assert got[("triton_fwd", 128, "16bit", "dense")]["params"]["block_q"] == 128
-  assert got[("triton_bwd", 128, "16bit", "causal")]["params"]["bwd_num_warps"] == 8
-  # dense: one config wins both passes, its fields are copied as they are (single tile)
-  dense_bwd = got[("triton_bwd", 128, "16bit", "dense")]
-  assert dense_bwd["params"]["bwd_block_q"] is None and dense_bwd["params"]["dkv_block_q"] is None
-  # causal: backward winner's tiles equal the forward winner's (64x64): fields copied as they are
-  assert got[("triton_bwd", 128, "16bit", "causal")]["params"]["bwd_block_q"] == 128
-  m = got[("triton_bwd", 128, "16bit", "causal")]["provenance"]
-  assert m["run"] == "test" and m["measured"]["causal"]["ms"] == {"4096": 2.0, "16384": 8.0}
-  assert m["measured"]["causal"]["current_default_ms"] == {"4096": 3.0, "16384": 12.0}
-  # the loader takes a mask entry over "all"
-  monkeypatch.setitem(tuning.DEVICE_TABLES, "test device", str(path))
-  e = tuning.entry("triton_bwd", 128, "16bit", mask="causal", device="test device")
-  assert e["params"]["bwd_num_warps"] == 8
-  # no "all" entry in the candidate: the generic table's
-  assert tuning.entry("triton_bwd", 128, "16bit", device="test device") == tuning.entry(
-      "triton_bwd", 128, "16bit", device="cpu")
-  # the same winner for every mask kind: one "all" entry per pass
-  same = [r for r in rows if r["name"] in ("default", "tokamax_triton")]
-  t2 = gs.tuning_table(same, head_dim=128, dtype=jnp.bfloat16, device_kind="NVIDIA H200",
-                       provenance=prov)
-  assert [(e["kernel"], e["mask"]) for e in t2["entries"]] == [("triton_fwd", "all"),
-                                                               ("triton_bwd", "all")]
-  fwd, bwd = (e["params"] for e in t2["entries"])
-  assert ft.BlockSizes(**fwd, **bwd) == base
-  assert gs.mask_kind(True, (511, 0)) == "causal_window" and gs.mask_kind(False, None) == "dense"
-  # a backward winner with other forward tiles than the forward winner: its tiles written out
-  win = [_row("default", base, 16384, True, 1.0, 3.0, window=[511, 0]),
-         _row("tiles", other_tiles, 16384, True, 2.0, 2.0, window=[511, 0])]
-  t3 = gs.tuning_table(win, head_dim=128, dtype=jnp.bfloat16, device_kind="NVIDIA H200",
-                       provenance=prov)
-  (f3, b3) = t3["entries"]
-  assert (f3["mask"], f3["params"]["block_q"], b3["mask"]) == ("causal_window", 64, "causal_window")
-  assert (b3["params"]["bwd_block_q"], b3["params"]["bwd_block_k"]) == (128, 64)
-  # selection at the longest measured length: a config timed only there competes
-  only16k = dataclasses.replace(base, num_stages=4)
-  t4 = gs.tuning_table(rows + [_row("s4", only16k, 16384, True, 3.9, 7.9)], head_dim=128,
-                       dtype=jnp.bfloat16, device_kind="NVIDIA H200", provenance=prov)
-  f4 = {(e["kernel"], e["mask"]): e for e in t4["entries"]}[("triton_fwd", "causal")]
-  assert f4["params"]["num_stages"] == 4
-  assert f4["provenance"]["measured"]["causal"]["selected_at_seq"] == 16384
+def test_tune_candidates_and_cli():
+  from pallas_kernels.tuning import tune
+  for kernel in tuning.KERNELS:
+    for quick in (True, False):
+      cands = tune.candidates(kernel, 128, "causal", quick)
+      assert cands and len({json.dumps(c, sort_keys=True) for c in cands}) == len(cands)
+      mod = {"mosaic_gpu_fwd": mg, "mosaic_gpu_bwd": mgb}.get(kernel)
+      for c in cands:   # every candidate is a valid config of its kernel
+        if mod is not None:
+          mod.BlockSizes(**c)
+        elif kernel == "triton_fwd":
+          ft.BlockSizes(**c)
+        else:
+          ft.BlockSizes(64, 64, **c)
+  with pytest.raises(ValueError, match="kernel"):
+    tune.candidates("nope", 128, "causal", True)
+  with pytest.raises(SystemExit) as e:   # no GPU here: a clear refusal, exit code 2
+    tune.main(["--quick"])
+  assert e.value.code == 2
 
 
-def test_gpu_sweep_dry_run_writes_candidate(tmp_path, monkeypatch):
-  # the whole --write-tuning path on the CPU: interpreted sweep (the launch case's default
-  # config only, seq 128), reference check, candidate table readable by the loader
-  gs = pytest.importorskip("experiments.gpu_sweep")
-  plan = gs.plan
-  monkeypatch.setattr(gs, "plan", lambda *a: [(s, c, w, {"default": cfgs["default"]}, t, tk)
-                                              for s, c, w, cfgs, t, tk in plan(*a)])
-  rows_path, cand = tmp_path / "rows.json", tmp_path / "cand.json"
-  rows = gs.main([str(rows_path), "--dry-run", "--cases", "launch", "--seqs", "128",
-                  "--write-tuning", str(cand), "--run", "dry"])
-  assert len(rows) == 1 and rows[0]["check"]["ok"]
-  table = tuning.load_table(str(cand))
-  assert set(table) == {("triton_fwd", 32, "32bit", "causal"),
-                        ("triton_bwd", 32, "32bit", "causal")}
-  prov = table[("triton_fwd", 32, "32bit", "causal")]["provenance"]
-  assert (prov["status"], prov["run"], prov["results"]) == ("dry-run", "dry", str(rows_path))
-  again = tmp_path / "again.json"
-  gs.main(["unused", "--dry-run", "--from-rows", str(rows_path), "--write-tuning", str(again)])
-  assert set(tuning.load_table(str(again))) == set(table)
+@pytest.mark.gpu
+def test_tune_quick_writes_a_loadable_table(tmp_path):
+  from pallas_kernels.tuning import tune
+  kernels = "mosaic_gpu_fwd" if tuning.device().sm90 else "triton_fwd"
+  table = tune.main(["--quick", "--kernels", kernels, "--head-dims", "128", "--masks", "causal",
+                     "--out", str(tmp_path)])
+  loaded = tuning.load_table(str(tmp_path / tuning.table_name(tuning.device_kind())))
+  assert len(loaded) == len(table["entries"]) == 1
+  (e,) = table["entries"]
+  assert e["provenance"]["ms"] <= e["provenance"]["incumbent_ms"]

@@ -22,7 +22,7 @@ __all__ = ["BlockSizes", "PROTOCOLS", "default_block_sizes", "fit_block_sizes",
 
 PROTOCOLS = fk.PROTOCOLS
 _COMPUTE_WGS = fk.COMPUTE_WGS
-_HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
     'overlap'
   """
   _check_dtype(dtype)
-  if head_dim not in _HEAD_DIMS:
+  if head_dim not in HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got "
                               f"{head_dim}")
   from pallas_kernels import tuning
@@ -230,7 +230,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   bs = block_sizes or default_block_sizes(d, dtype)
-  if d not in _HEAD_DIMS:
+  if d not in HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got {d}")
   from pallas_kernels.flash import mosaic_gpu_bwd   # light: no kernel is built here
   backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward

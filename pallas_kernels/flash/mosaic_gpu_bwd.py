@@ -31,7 +31,7 @@ _COMPUTE_WGS = walk.WARPGROUPS
 # setmaxnreg: 2 * 232 + 40 = 3 x 168, the CTA's launch allocation.
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
-_SUPPORTED_HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def check_head_dim(d: int) -> None:
         "the Mosaic GPU flash attention backward does not support head_dim 256: a 64-key dK/dV "
         "warpgroup tile would hold 2 x 64 x 256 fp32 accumulators = 256 registers per thread "
         "(more than the 255 a thread has); use the Triton backward")
-  if d not in _SUPPORTED_HEAD_DIMS:
+  if d not in HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU flash attention backward supports head_dim 64 or "
                               f"128, got head_dim {d}")
 

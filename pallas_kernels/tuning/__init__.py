@@ -8,9 +8,17 @@ reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
   * ``dtype``: "16bit" (bf16/fp16) or "32bit";
   * ``mask``: "all" or a :func:`mask_kind`, which :func:`entry` prefers to "all";
 
-with ``params`` (the ``BlockSizes`` fields) and ``provenance``. ``DEVICE_TABLES`` maps a device
-kind to its file; every other device reads ``generic.json``, whose entries a device table
-overrides key by key. :class:`Device` is what dispatch and the tables key on.
+with ``params`` (the ``BlockSizes`` fields) and ``provenance``. A device reads, first found:
+
+  1. a table in the folder named by ``$JATTN_TUNING_DIR`` that lists its kind (written by
+     ``python -m pallas_kernels.tuning.tune`` on the user's own card);
+  2. the package's table that lists its kind (``DEVICE_TABLES``);
+  3. the nearest package table of its architecture (a Hopper card without one: the H200's for
+     GH200 parts, else the H100's);
+  4. ``generic.json``.
+
+A device table overrides ``generic.json`` key by key. :class:`Device` is what dispatch and the
+tables key on; a plan's ``table`` field names the file a call read.
 """
 from __future__ import annotations
 
@@ -20,18 +28,32 @@ import json
 import os
 import re
 
-__all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "Device", "device",
-           "device_kind", "dtype_class", "entry", "mask_kind", "params", "required_params",
-           "table_file", "load_table"]
+__all__ = ["DEVICE_TABLES", "GENERIC_TABLE", "KERNELS", "MASK_KINDS", "USER_DIR_ENV", "Device",
+           "device", "device_kind", "dtype_class", "entry", "mask_kind", "params",
+           "required_params", "table_file", "table_name", "load_table"]
 
-# jax device_kind -> table file; other devices use GENERIC_TABLE.
-DEVICE_TABLES = {"NVIDIA H200": "nvidia_h200.json"}
 GENERIC_TABLE = "generic.json"
+USER_DIR_ENV = "JATTN_TUNING_DIR"
 KERNELS = ("triton_fwd", "triton_bwd", "mosaic_gpu_fwd", "mosaic_gpu_bwd")
 # "block_sparse": calls walking a block schedule (Mosaic GPU backward only).
 MASK_KINDS = ("all", "dense", "causal", "window", "causal_window", "causal_segments",
               "block_sparse")
 _DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _kinds_of(folder: str) -> dict:
+  """{device kind: table path or package file name} of the tables in a folder."""
+  out = {}
+  for name in sorted(os.listdir(folder)):
+    if name.endswith(".json") and name != GENERIC_TABLE:
+      with open(os.path.join(folder, name)) as f:
+        kinds = json.load(f).get("device_kinds", [])
+      out.update({k: name if folder == _DIR else os.path.join(folder, name) for k in kinds})
+  return out
+
+
+# jax device_kind -> package table file (each table lists the kinds it was tuned on).
+DEVICE_TABLES = _kinds_of(_DIR)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,7 +106,7 @@ class Device:
   @property
   def table(self) -> str:
     """The table file this device reads (:func:`table_file`)."""
-    return DEVICE_TABLES.get(self.kind, GENERIC_TABLE)
+    return table_file(self.kind)
 
 
 def device(platform: str | None = None, kind: str | None = None) -> Device:
@@ -101,7 +123,7 @@ def device(platform: str | None = None, kind: str | None = None) -> Device:
     A :class:`Device`.
 
   Example:
-    >>> device(kind="NVIDIA H100 80GB HBM3").table
+    >>> device(kind="NVIDIA A100-SXM4-80GB").table
     'generic.json'
     >>> device("gpu", "NVIDIA A100-SXM4-80GB").sm90
     False
@@ -137,21 +159,57 @@ def dtype_class(dtype) -> str:
   return "32bit" if np.dtype(dtype).itemsize >= 4 else "16bit"
 
 
+def table_name(kind: str) -> str:
+  """The file name of a device kind's table, as the tuning command writes it.
+
+  Args:
+    kind: a jax ``device_kind``.
+
+  Returns:
+    The kind in lower case, runs of other characters as "_", with ".json".
+
+  Example:
+    >>> table_name("NVIDIA H100 80GB HBM3")
+    'nvidia_h100_80gb_hbm3.json'
+  """
+  return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") + ".json"
+
+
+def _nearest(kind: str) -> str | None:
+  """The package table of the architecture nearest to a kind without one (Hopper only)."""
+  m = _SM90_KIND.search(kind)
+  if not m:
+    return None
+  same = {k: v for k, v in DEVICE_TABLES.items() if _SM90_KIND.search(k)}
+  model = {"200": "200"}.get(m.group(1), "100")     # GH200 parts: the H200's; others: the H100's
+  for k, v in same.items():
+    if _SM90_KIND.search(k).group(1) == model:
+      return v
+  return next(iter(same.values()), None)
+
+
 def table_file(kind: str | None = None) -> str:
-  """The table a device reads.
+  """The table a device reads: the user's, the package's, the nearest, else generic.
 
   Args:
     kind: a jax ``device_kind`` (default: the current device's).
 
   Returns:
-    The file name in this package: ``DEVICE_TABLES[kind]``, else ``GENERIC_TABLE``.
+    A file name in this package, or a path in ``$JATTN_TUNING_DIR``.
 
   Example:
     >>> table_file("NVIDIA H200"), table_file("cpu")
     ('nvidia_h200.json', 'generic.json')
   """
   kind = device_kind() if kind is None else kind
-  return DEVICE_TABLES.get(kind, GENERIC_TABLE)
+  user = os.environ.get(USER_DIR_ENV)
+  if kind is None:
+    return GENERIC_TABLE
+  if user and os.path.isdir(user):
+    found = _kinds_of(user).get(kind)
+    if found:
+      return found
+  return DEVICE_TABLES.get(kind) or _nearest(kind) or GENERIC_TABLE
 
 
 def resolve_kind(kind: str | None) -> str | None:

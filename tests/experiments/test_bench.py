@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 import jattn
-from experiments import bench, timing
+from experiments import bench
+from pallas_kernels.tuning import timing
 from pallas_kernels.flash.reference import attention_reference
 
 FAST = functools.partial(timing.time_fn, iters=1, repeats=1)

@@ -1,5 +1,6 @@
-"""The benchmark's timer: warm-up on every input set, then host-timed loops of asynchronous calls
-rotating over several input sets (so that repeated calls do not just hit L2), median of the loops.
+"""The timer of the tuning command and the benchmark: warm-up on every input set, then host-timed
+loops of asynchronous calls rotating over several input sets (so that repeated calls do not just hit
+L2), median of the loops.
 """
 from __future__ import annotations
 
@@ -10,7 +11,19 @@ import numpy as np
 
 
 def sync(x):
-  """Block until every array of the pytree ``x`` is ready; returns ``x``."""
+  """Block until every array of a pytree is ready.
+
+  Args:
+    x: a pytree of arrays (other leaves are left alone).
+
+  Returns:
+    ``x``, once ready.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> float(sync({"a": jnp.ones(2)})["a"][0])
+    1.0
+  """
   jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a,
                          x)
   return x
