@@ -152,17 +152,19 @@ def test_tables_well_formed():
       data = json.load(f)
     assert data["device_kinds"] == [k for k, v in tuning.DEVICE_TABLES.items() if v == name]
     table = tuning.load_table(name)
-    assert {k[0] for k in table} == set(tuning.KERNELS)
+    if name == tuning.GENERIC_TABLE:   # device tables hold the keys they tuned
+      assert {k[0] for k in table} == set(tuning.KERNELS)
     for key, e in table.items():
       prov = e["provenance"]
       assert prov["status"] in ("tuned", "untimed"), key
-      assert prov["commit"]
+      if prov["status"] == "untimed":
+        assert prov["commit"]
       if prov["status"] == "tuned":
         for field in ("date", "device", "command"):
           assert prov[field], (key, field)
       if key[0] in modules:     # every entry makes a valid BlockSizes
         modules[key[0]].BlockSizes(**e["params"])
-      elif key[0] == "triton_fwd":
+      elif key[0] == "triton_fwd" and ("triton_bwd",) + key[1:] in table:
         bwd = table[("triton_bwd",) + key[1:]]["params"]
         assert set(e["params"]) == set(TRITON_FWD_FIELDS)
         assert set(e["params"]) | set(bwd) == set(ft.BlockSizes.__dataclass_fields__)
