@@ -170,8 +170,8 @@ def test_layout_errors():
     hnd(q, kh, vh.astype(jnp.bfloat16), lens)
   with pytest.raises(TypeError, match="floating"):
     hnd(q, kh.astype(jnp.int32), vh.astype(jnp.int32), lens)
-  # paged caches have no head-major option
-  with pytest.raises(TypeError, match="kv_layout"):
+  # head-major pages [num_pages, kv_heads, page_size, d]: the same checks on the pool
+  with pytest.raises(ValueError, match=r"kv_heads \(16\)"):   # an "nhd" pool read as "hnd"
     dec.paged_decode_attention(q, k.reshape(4, 16, hk, d), v.reshape(4, 16, hk, d),
                                jnp.array([[0, 1], [2, 3]], jnp.int32), lens,
                                implementation="xla", kv_layout="hnd")
