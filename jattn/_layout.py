@@ -87,26 +87,18 @@ def hnd_as_sequences(q, k, v, kv_lengths):
 
 
 def hnd_pages_as_sequences(q, k_pages, v_pages, page_table, kv_lengths):
-  """A head-major paged decode call as batch * kv_heads sequences of one kv head: the pool
-  [num_pages, kv_heads, page_size, d] reshaped (free) to [num_pages * kv_heads, page_size, 1, d],
-  so page p of kv head h is page ``p * kv_heads + h``.
-
-  Args:
-    q: [batch, q_heads, head_dim].
-    k_pages, v_pages: [num_pages, kv_heads, page_size, head_dim(_v)].
-    page_table: int32 [batch, max_pages] (ids clamped to [0, num_pages)).
-    kv_lengths: [batch].
+  """A head-major paged call ([num_pages, kv_heads, page_size, d] pools) as the "nhd" call of
+  batch * kv_heads one-head sequences over the pool reshaped (free) to [num_pages * kv_heads,
+  page_size, 1, d]: page p of kv head h is page ``p * kv_heads + h`` (ids clamped to the pool).
 
   Returns:
-    (q [batch * kv_heads, G, head_dim], k_pages, v_pages [num_pages * kv_heads, page_size, 1,
-    ...], page_table [batch * kv_heads, max_pages], kv_lengths [batch * kv_heads]): the "nhd"
-    call whose results :func:`sequences_as_hnd` turns back.
+    (q, k_pages, v_pages, page_table, kv_lengths) of that call; :func:`sequences_as_hnd` turns
+    its results back.
 
   Example:
-    >>> import jax.numpy as jnp
     >>> pages = jnp.zeros((3, 2, 16, 8))
-    >>> out = hnd_pages_as_sequences(jnp.zeros((1, 4, 8)), pages, pages,
-    ...                              jnp.array([[2, 0]]), jnp.array([20]))
+    >>> out = hnd_pages_as_sequences(jnp.zeros((1, 4, 8)), pages, pages, jnp.array([[2, 0]]),
+    ...                              jnp.array([20]))
     >>> out[1].shape, out[3].tolist(), out[4].tolist()
     ((6, 16, 1, 8), [[4, 0], [5, 1]], [20, 20])
   """

@@ -34,12 +34,6 @@ def check_float(name, x):
     raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got {x.dtype}")
 
 
-def check_int(name, x):
-  """Raise TypeError unless x has an integer dtype (bool is not one)."""
-  if not jnp.issubdtype(x.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array, got {x.dtype}")
-
-
 def check_nonempty(**arrays):
   """Raise ValueError naming the first array with a zero-size dimension."""
   for name, x in arrays.items():
@@ -61,6 +55,8 @@ def check_scale_and_cap(scale=None, logits_soft_cap=None):
   for name, x, positive in (("scale", scale, False), ("logits_soft_cap", logits_soft_cap, True)):
     if x is not None:
       try:
+        if isinstance(x, (str, bytes, bool)):
+          raise TypeError
         x = float(x)
       except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
         raise TypeError(f"{name} must be a Python number (static), got {x!r}") from None
@@ -91,8 +87,10 @@ def check_qkv(q, k, v):
 
 def as_int32(name, x):
   """An integer array as int32 without changing a value: ids outside the int32 range raise
-  ValueError when concrete; a traced array of a wider type raises TypeError."""
-  check_int(name, x)
+  ValueError when concrete; a traced array of a wider type raises TypeError (TypeError for a
+  non-integer dtype, bool included)."""
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {x.dtype}")
   if not np.can_cast(x.dtype, np.int32):
     if is_traced(x):
       raise TypeError(f"{name} must be int32 (or narrower) under jax.jit, got {x.dtype}: a "
