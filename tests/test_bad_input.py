@@ -110,6 +110,8 @@ CASES = [
      r"kv_lengths\[1\] = 99"),
     ("sparse decode batch", lambda: sdecode(DQ[:1], DK, DK, LENS[:1], summ), ValueError,
      "k_cache batch 2 != q batch 1"),
+    ("select_decode_blocks float lengths", lambda: sp.select_decode_blocks(
+        DQ, summ, jnp.array([3.0, 4.0]), top_k=1), TypeError, "kv_lengths must be an integer"),
     ("summaries float lengths", lambda: sp.init_block_summaries(DK, jnp.array([1.5, 2.0]),
                                                                 block_size=16), TypeError,
      "kv_lengths"),

@@ -239,6 +239,10 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
     >>> select_decode_blocks(q, s, jnp.array([500]), top_k=2).shape
     (1, 2, 4)
   """
+  if not isinstance(block_summaries, BlockSummaries):
+    raise TypeError(f"block_summaries must be a BlockSummaries, got "
+                    f"{type(block_summaries).__name__}")
+  kv_lengths = check_lengths("kv_lengths", kv_lengths, q.shape[0])
   return _decode_select(q, block_summaries, kv_lengths, top_k=top_k,
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
 
