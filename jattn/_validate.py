@@ -96,7 +96,7 @@ def as_int32(name, x):
       raise TypeError(f"{name} must be int32 (or narrower) under jax.jit, got {x.dtype}: a "
                       f"cast could merge distinct values")
     check_range(name, x, _INT32.min, _INT32.max)
-  return x.astype(jnp.int32)
+  return x if isinstance(x, jax.ShapeDtypeStruct) else x.astype(jnp.int32)
 
 
 def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
@@ -156,7 +156,7 @@ def check_range(name, x, lo, hi, *, valid=None):
   broadcastable to x, computed only when checked); lo and hi may be arrays broadcastable to x.
   Traced: checked only inside :func:`debug_checks`."""
   traced = any(is_traced(a) for a in (x, lo, hi))
-  if traced and not _DEBUG:
+  if (traced and not _DEBUG) or isinstance(x, jax.ShapeDtypeStruct):   # shapes only: no values
     return
   valid = None if valid is None else valid()
   if not (traced or is_traced(valid)):

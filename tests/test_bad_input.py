@@ -152,9 +152,10 @@ def test_plans_take_the_calls_keywords(call, plan):
                   if p.kind == p.KEYWORD_ONLY}
   assert kw(call) <= set(inspect.signature(plan).parameters), kw(call) - set(
       inspect.signature(plan).parameters)
-  p = jattn.flash_attention_plan(Q, K, K, causal=True, scale=0.3, logits_soft_cap=30.0,
-                                 return_lse=True, segment_ids=SEG)
-  assert p.implementation == "xla"
+  for seg in (SEG, jax.ShapeDtypeStruct(SEG.shape, jnp.int32)):
+    p = jattn.flash_attention_plan(Q, K, K, causal=True, scale=0.3, logits_soft_cap=30.0,
+                                   return_lse=True, segment_ids=seg)
+    assert p.implementation == "xla"
 
 
 def test_unused_page_table_entries_may_hold_anything():
