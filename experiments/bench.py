@@ -1,23 +1,27 @@
 """Kernel benchmark: jattn and the anchors on named cases, every timed output checked in the run.
 
-  python -m experiments.bench                    # every case -> experiments/results/<device>.json
-  python -m experiments.bench --cases anchors --out /tmp/anchors.json   # a subset -> --out
-  python -m experiments.bench --summary experiments/results/h200.json   # the README's table
+  python -m experiments.bench --list                      # the cases and groups
+  python -m experiments.bench --all                       # every case -> experiments/results/<device>.json
+  python -m experiments.bench --case anchors --case decode_b1_s128k --out /tmp/a.json   # some
+  python -m experiments.bench --write-docs experiments/results/h200.json   # docs/benchmarks.md, README
 
-Cases (``--cases``, names or groups, see ``--list``): flash attention forward and forward+backward
-(B2 S16K H16 bf16, dense / causal / causal window 512 / packed documents, D64/D128/D256), flash
-decoding (B1 S128K and a paged ragged B8 S32K batch, GQA 32:8 D128), block-sparse training
-attention at 16K and 64K (B1 H16 D128, top-K keeping ~19% of the causal blocks, selection
-included, forward+backward, against jattn's own dense causal kernel) and sparse decoding (B1 S128K,
-64-token blocks, ~19% kept, against jattn's dense decode). The group ``anchors`` holds the cases
-compared with cuDNN and tokamax.
+Cases (``--case``, names or groups, repeatable or comma lists; unknown names exit with status 2
+and the valid ones): flash attention forward and forward+backward (B2 S16K H16 bf16, dense /
+causal / causal window 512 / packed documents, D64/D128/D256), flash decoding (B1 S128K and a
+paged ragged B8 S32K batch, GQA 32:8 D128), block-sparse training attention at 16K and 64K (B1
+H16 D128, top-K keeping ~19% of the causal blocks, selection included, forward+backward, against
+jattn's own dense causal kernel) and sparse decoding (B1 S128K, 64-token blocks, ~19% kept,
+against jattn's dense decode). The group ``anchors`` holds the cases compared with cuDNN and
+tokamax.
 
-Implementations (``--impls``): ``jattn`` (``implementation=None``: what a user gets),
+Implementations (``--impl``, same syntax): ``jattn`` (``implementation=None``: what a user gets),
 ``jattn_<name>`` (an explicit implementation), and the anchors ``jax_nn_cudnn`` / ``jax_nn_xla``
-(``jax.nn.dot_product_attention``) and ``tokamax_mosaic`` / ``tokamax_cudnn``
-(``tokamax.dot_product_attention``, when tokamax imports). Anchors apply to the flash cases (and
-jax.nn's to decode); the sparse cases time each jattn implementation against the same
-implementation's dense kernel (row ``<impl>_dense``; ``speedup`` = dense ms / sparse ms).
+(``jax.nn.dot_product_attention``; both by default, XLA recorded as skipped above 4K tokens where
+it would materialise the logits) and ``tokamax_mosaic`` / ``tokamax_cudnn``
+(``tokamax.dot_product_attention``, when tokamax imports; ``tokamax_mosaic`` by default). Anchors
+apply to the flash cases (and jax.nn's to decode); the sparse cases time each jattn
+implementation against the same implementation's dense kernel (row ``<impl>_dense``;
+``speedup`` = dense ms / sparse ms).
 
 Checks: every timed output is compared with an fp32 reference (HIGHEST precision) computed in the
 same run on one (batch row, head) slice: the forward output, and for forward+backward rows the
@@ -30,7 +34,7 @@ the median loop. FLOPs: 4 * B * H * D * (visible query-key pairs), forward+backw
 decode bandwidth: the K and V bytes each sequence reads.
 
 Output: ``{"meta": {...}, "rows": [{"op", "case", "shape", "impl", "ms", "tflops" | "tbps",
-"speedup" (sparse rows), "rel_err", "ok"}, ...]}``. A run of every case writes
+"speedup" (sparse rows), "rel_err", "ok", "error" | "skipped" (why no time)}, ...]}``. A run of every case writes
 ``experiments/results/<device>.json`` unless ``--out`` is given; a subset writes only to ``--out``.
 Rows are also written to ``<out>.partial`` as they come (a run stopped early keeps them).
 Compare ratios within one file only: each file is one run on one device.
@@ -41,6 +45,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import importlib.metadata
 import json
 import math
 import os
@@ -60,7 +65,7 @@ from pallas_kernels.tuning.timing import random_sets, sync, time_fn
 JATTN_IMPLS = ("jattn", "jattn_xla", "jattn_triton", "jattn_mosaic_gpu", "jattn_mosaic_tpu")
 ANCHOR_IMPLS = ("jax_nn_cudnn", "jax_nn_xla", "tokamax_mosaic", "tokamax_cudnn")
 IMPLS = JATTN_IMPLS + ANCHOR_IMPLS
-DEFAULT_IMPLS = ("jattn", "jax_nn_cudnn", "tokamax_mosaic")
+DEFAULT_IMPLS = ("jattn", "jax_nn_cudnn", "jax_nn_xla", "tokamax_mosaic")
 TOLERANCE = 2e-2
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -71,7 +76,7 @@ class Case:
   """One benchmark case.
 
   Attributes:
-    name: the case's name (``--cases``).
+    name: the case's name (``--case``).
     op: "flash_fwd", "flash_fwd_bwd", "decode", "sparse_fwd_bwd" or "sparse_decode".
     batch, seq, heads, kv_heads, head_dim: the shapes (seq: query = key length; decode: the
       cache length).
@@ -123,7 +128,7 @@ class Case:
   def tiny(self) -> Case:
     """The same case at CPU-test sizes (seq / 64, heads / 8, batch <= 2), same head dim."""
     f = 64
-    seq = max(self.seq // f, 256)
+    seq = max(self.seq // f, 512 if self.op == "sparse_fwd_bwd" else 256)   # sparse: top_k >= 1
     return dataclasses.replace(
         self, batch=min(self.batch, 2), seq=seq, heads=max(self.heads // 8, 1),
         kv_heads=max(self.kv_heads // 8, 1),
@@ -365,10 +370,10 @@ def causal_top_k(seq, fraction, *, q_block, block, num_init=1, num_local=1):
   lo = np.maximum((i * q_block) // block - (num_local - 1), num_init)
   forced = np.minimum(num_init, n_vis) + np.maximum(last // block - lo + 1, 0)
   forced = np.minimum(forced, n_vis)
-  ks = np.arange(-(-seq // block) + 1)
+  ks = np.arange(1, -(-seq // block) + 1)          # top_k >= 1 (jattn rejects 0)
   kept = (forced[None] + np.minimum(ks[:, None], (n_vis - forced)[None])).sum(1) / n_vis.sum()
-  k = int(np.argmin(np.abs(kept - fraction)))
-  return k, float(kept[k])
+  i = int(np.argmin(np.abs(kept - fraction)))
+  return int(ks[i]), float(kept[i])
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -398,7 +403,8 @@ class Bench:
   # -- rows
   def record(self, row):
     self.rows.append(row)
-    keys = ("op", "case", "impl", "ms", "tflops", "tbps", "speedup", "rel_err", "ok", "error")
+    keys = ("op", "case", "impl", "ms", "tflops", "tbps", "speedup", "rel_err", "ok", "error",
+            "skipped")
     print("  " + " ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float)
                           else f"{k}={row.get(k)}" for k in keys if k in row), flush=True)
     if self.out:
@@ -475,7 +481,8 @@ class Bench:
       return functools.partial(jattn.flash_attention, causal=case.causal,
                                local_window_size=window, segment_ids=seg, **self._jattn_kw(impl))
     if impl == "jax_nn_xla" and case.seq > 4096:
-      print(f"  {impl}: left out above 4K tokens (it materialises the logits)", flush=True)
+      self.record(dict(op=case.op, case=case.name, shape=case.shape, impl=impl, ms=None,
+                       ok=None, skipped="above 4K tokens (it materialises the logits)"))
       return None
     if impl.startswith("jax_nn"):
       f = functools.partial(jax.nn.dot_product_attention, is_causal=case.causal,
@@ -580,7 +587,7 @@ class Bench:
   def sparse_decode(self, case):
     b, n, hq, hk, d, bs = case.batch, case.seq, case.heads, case.kv_heads, case.head_dim, case.block
     nb = n // bs
-    top_k = max(0, int(round(case.fraction * nb)) - 2)   # besides 1 initial + 1 local block
+    top_k = max(1, int(round(case.fraction * nb)) - 2)   # besides 1 initial + 1 local block
     lengths = jnp.full((b,), n, jnp.int32)
     sets = []
     for q, k, v in random_sets([(b, hq, d), (b, n, hk, d), (b, n, hk, d)], jnp.bfloat16,
@@ -708,13 +715,21 @@ def _git_commit():
     return None
 
 
+def _version(package):
+  try:
+    return importlib.metadata.version(package)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
 def meta(impls, cases, command, tokamax=None):
   """The results file's meta block: date, device, versions, commit, command, timing rules."""
   dev = jax.devices()[0]
   return dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
-      jax_version=jax.__version__, python=platform.python_version(),
+      jax_version=jax.__version__, jaxlib_version=_version("jaxlib"),
+      jattn_version=jattn.__version__, python=platform.python_version(),
       tokamax_version=getattr(tokamax, "__version__", None) if tokamax else None,
       commit=os.environ.get("JATTN_COMMIT") or _git_commit(), command=command,
       cases=list(cases), impls=list(impls),
@@ -740,7 +755,8 @@ def summary(result) -> str:
   """
   rows = result["rows"]
   meta_ = result.get("meta", {})
-  fmt = lambda r: ("fail" if r is None or not r.get("ok") or r.get("ms") is None
+  fmt = lambda r: ("n/a" if r is not None and r.get("skipped") else
+                   "fail" if r is None or not r.get("ok") or r.get("ms") is None
                    else f"{r['ms']:.3f}")
   by = {(r["case"], r["impl"]): r for r in rows}
   cases = list(dict.fromkeys(r["case"] for r in rows if r["impl"] != "(case)"))
@@ -780,6 +796,86 @@ def rows_of(rows, case):
   return [r for r in rows if r["case"] == case]
 
 
+# ----------------------------------------------------------------------------- docs
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS_PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+README = os.path.join(ROOT, "README.md")
+README_BEGIN = "<!-- benchmark table: python -m experiments.bench --write-docs RESULTS -->"
+README_END = "<!-- end of benchmark table -->"
+_META_KEYS = ("device", "platform", "date", "commit", "jattn_version", "jax_version",
+              "jaxlib_version", "python", "tokamax_version", "command", "timing", "work", "check")
+
+
+def benchmarks_page(result, source) -> str:
+  """docs/benchmarks.md for a results file: the summary tables, the run's meta block and every
+  row.
+
+  Args:
+    result: a results file's content (``{"meta": ..., "rows": ...}``).
+    source: the results file's path as the page names it (relative to the repository root).
+
+  Returns:
+    The page's markdown.
+
+  Example:
+    >>> page = benchmarks_page({"meta": {"device": "cpu"}, "rows": []}, "r.json")
+    >>> page.splitlines()[0]
+    '# Benchmarks'
+  """
+  cell = lambda x: "" if x is None else str(x).replace("|", "/").replace("\n", " ")
+  lines = ["# Benchmarks", "",
+           f"Generated by `python -m experiments.bench --write-docs {source}` from that results "
+           f"file (one run on one device: compare ratios within it). Reproduce on a GPU with "
+           f"`python -m experiments.bench --all` (every case, `--list` names them; "
+           f"`--case NAME` for some).", "",
+           "## Summary", "",
+           "ms, lower is better; the anchors ran in the same process and every output was "
+           "checked against an fp32 reference; \"speed vs best anchor\" is the best anchor's "
+           "time over jattn's (above 1: jattn is faster). Sparse rows compare with jattn's own "
+           "dense kernel.", "", summary(result), "", "## The run", "", "| | |", "|---|---|"]
+  lines += [f"| {k} | {cell(result['meta'].get(k))} |" for k in _META_KEYS
+            if result["meta"].get(k) is not None]
+  lines += ["", "## Every row", "",
+            "| case | impl | ms | TFLOP/s | TB/s | speedup | rel_err | ok |",
+            "|---|---|---|---|---|---|---|---|"]
+  num = lambda r, k, f: "" if r.get(k) is None else format(r[k], f)
+  for r in result["rows"]:
+    ok = r.get("skipped") and f"skipped: {r['skipped']}" or r.get("error") or r.get("ok")
+    lines.append(f"| {r['case']} | {r['impl']} | {num(r, 'ms', '.3f')} | "
+                 f"{num(r, 'tflops', '.1f')} | {num(r, 'tbps', '.2f')} | "
+                 f"{num(r, 'speedup', '.2f')} | {num(r, 'rel_err', '.1e')} | {cell(ok)} |")
+  return "\n".join(lines) + "\n"
+
+
+def write_docs(path):
+  """Rewrite docs/benchmarks.md and the README's table (between ``README_BEGIN`` and
+  ``README_END``) from a results file.
+
+  Args:
+    path: the results file.
+
+  Returns:
+    None.
+
+  Example:
+    >>> callable(write_docs)
+    True
+  """
+  with open(path) as fh:
+    result = json.load(fh)
+  source = os.path.relpath(os.path.abspath(path), ROOT)
+  with open(DOCS_PAGE, "w") as fh:
+    fh.write(benchmarks_page(result, source))
+  with open(README) as fh:
+    text = fh.read()
+  if README_BEGIN not in text or README_END not in text:
+    raise ValueError(f"README.md lacks the markers {README_BEGIN!r} ... {README_END!r}")
+  head, rest = text.split(README_BEGIN, 1)
+  tail = rest.split(README_END, 1)[1]
+  with open(README, "w") as fh:
+    fh.write(f"{head}{README_BEGIN}\n{summary(result)}\n{README_END}{tail}")
+
+
 # ----------------------------------------------------------------------------- command line
 def _parser():
   p = argparse.ArgumentParser(
@@ -789,17 +885,20 @@ def _parser():
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="cases: " + ", ".join(CASES) + "\ngroups: " + ", ".join(
           f"{g} ({len(v)})" for g, v in GROUPS.items()) + "\nimplementations: " + ", ".join(IMPLS))
-  p.add_argument("--cases", default="all",
-                 help="comma list of case and group names (default: all; see --list)")
-  p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
-                 help=f"comma list among {', '.join(IMPLS)} (default: %(default)s; tokamax_* "
-                      f"when tokamax imports)")
+  what = p.add_mutually_exclusive_group()
+  what.add_argument("--list", action="store_true", help="print the cases and groups and exit")
+  what.add_argument("--case", action="append", metavar="NAME",
+                    help="a case or group name, or a comma list; repeatable (see --list)")
+  what.add_argument("--all", action="store_true", help="every case")
+  what.add_argument("--write-docs", metavar="RESULTS", default=None,
+                    help="regenerate docs/benchmarks.md and the README's table from a results "
+                         "file and exit")
+  p.add_argument("--impl", action="append", metavar="NAME",
+                 help=f"an implementation or a comma list; repeatable (default: "
+                      f"{', '.join(DEFAULT_IMPLS)}; tokamax_* when tokamax imports)")
   p.add_argument("--out", default=None,
-                 help="results file (default: experiments/results/<device>.json for a run of "
-                      "every case at full size; a subset writes only here)")
-  p.add_argument("--summary", metavar="FILE", default=None,
-                 help="print the markdown tables of a results file and exit")
-  p.add_argument("--list", action="store_true", help="print the cases and groups and exit")
+                 help="results file (default: experiments/results/<device>.json for --all at "
+                      "full size; otherwise rows are only printed)")
   p.add_argument("--tiny", action="store_true",
                  help="every case at CPU-test sizes (seq / 64, heads / 8); writes only to --out")
   p.add_argument("--interpret", action="store_true",
@@ -811,9 +910,9 @@ def main(argv=None):
   argv = sys.argv[1:] if argv is None else list(argv)
   p = _parser()
   args = p.parse_args(argv)
-  if args.summary:
-    with open(args.summary) as fh:
-      print(summary(json.load(fh)))
+  if args.write_docs:
+    write_docs(args.write_docs)
+    print(f"wrote {os.path.relpath(DOCS_PAGE)} and the table in {os.path.relpath(README)}")
     return 0
   if args.list:
     for name, c in CASES.items():
@@ -821,9 +920,11 @@ def main(argv=None):
     for g, names in GROUPS.items():
       print(f"{g:28s} group: {', '.join(names)}")
     return 0
+  if not (args.all or args.case):
+    p.error("say what to run: --all, --case NAME (names: --list) or --write-docs RESULTS")
   try:
-    names = expand_cases(args.cases)
-    impls = parse_impls(args.impls)
+    names = expand_cases(",".join(args.case or ["all"]))
+    impls = parse_impls(",".join(args.impl or DEFAULT_IMPLS))
   except ValueError as e:
     p.error(str(e))   # exit status 2
   out = results_path(names, args.out, tiny=args.tiny)

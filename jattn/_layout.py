@@ -1,4 +1,4 @@
-"""KV cache layouts of the contiguous decode ops (``kv_layout``), shared by ``jattn.decode`` and
+"""KV cache layouts of the decode ops (``kv_layout``), shared by ``jattn.decode`` and
 ``jattn.sparse``.
 
 "nhd" (default): k/v ``[batch, max_len, kv_heads, head_dim]``. "hnd" (head-major):
@@ -6,7 +6,9 @@
 kernel change: the head-major cache reshaped (free) to ``[batch * kv_heads, max_len, 1,
 head_dim]`` is a cache of batch x kv_heads sequences of one kv head; query head ``h * G + g``
 (G = q_heads // kv_heads) becomes query head g of sequence ``b * kv_heads + h``, lengths are
-repeated per kv head, and the outputs are reshaped back.
+repeated per kv head, and the outputs are reshaped back. Paged caches likewise: head-major
+pages [num_pages, kv_heads, page_size, head_dim] are a pool of num_pages * kv_heads one-head
+pages (:func:`hnd_pages_as_sequences`).
 """
 from __future__ import annotations
 
@@ -82,6 +84,31 @@ def hnd_as_sequences(q, k, v, kv_lengths):
   g = q.shape[1] // hk
   return (q.reshape(b * hk, g, d), k.reshape(b * hk, n, 1, d),
           v.reshape(b * hk, n, 1, v.shape[-1]), jnp.repeat(jnp.asarray(kv_lengths), hk))
+
+
+def hnd_pages_as_sequences(q, k_pages, v_pages, page_table, kv_lengths):
+  """A head-major paged call ([num_pages, kv_heads, page_size, d] pools) as the "nhd" call of
+  batch * kv_heads one-head sequences over the pool reshaped (free) to [num_pages * kv_heads,
+  page_size, 1, d]: page p of kv head h is page ``p * kv_heads + h`` (ids clamped to the pool).
+
+  Returns:
+    (q, k_pages, v_pages, page_table, kv_lengths) of that call; :func:`sequences_as_hnd` turns
+    its results back.
+
+  Example:
+    >>> pages = jnp.zeros((3, 2, 16, 8))
+    >>> out = hnd_pages_as_sequences(jnp.zeros((1, 4, 8)), pages, pages, jnp.array([[2, 0]]),
+    ...                              jnp.array([20]))
+    >>> out[1].shape, out[3].tolist(), out[4].tolist()
+    ((6, 16, 1, 8), [[4, 0], [5, 1]], [20, 20])
+  """
+  p, hk, ps, d = k_pages.shape
+  b, hq, _ = q.shape
+  table = jnp.clip(page_table, 0, p - 1)[:, None, :] * hk + jnp.arange(hk, dtype=page_table.dtype)[
+      None, :, None]                                  # ids clamped into the pool, as for "nhd"
+  return (q.reshape(b * hk, hq // hk, d), k_pages.reshape(p * hk, ps, 1, d),
+          v_pages.reshape(p * hk, ps, 1, v_pages.shape[-1]), table.reshape(b * hk, -1),
+          jnp.repeat(jnp.asarray(kv_lengths), hk))
 
 
 def sequences_as_hnd(batch, *per_query_head):

@@ -1,9 +1,25 @@
-"""Input checks shared by the public ops: clear errors that name the problem."""
+"""Input checks shared by the public ops: errors that name the argument, what was expected and
+what came.
+
+Shapes, ranks, dtypes and static arguments are always checked. Values the ops read (lengths,
+page ids, segment ids) are checked when they are concrete (an eager call); under ``jax.jit``
+they are traced, and each op documents what it does with an out-of-range value (the same on
+every implementation, never a write outside the caller's rows or pages). Inside
+:func:`debug_checks` the same value checks also run on traced values.
+"""
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic_gpu", "mosaic_tpu", "cudnn")
+_INT32 = np.iinfo(np.int32)
+_DEBUG = []   # one list of messages per active debug_checks() block (innermost last)
 
 
 def check_implementation(implementation, allowed=IMPLEMENTATIONS):
@@ -18,12 +34,45 @@ def check_float(name, x):
     raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got {x.dtype}")
 
 
+def check_nonempty(**arrays):
+  """Raise ValueError naming the first array with a zero-size dimension."""
+  for name, x in arrays.items():
+    if 0 in tuple(x.shape):
+      raise ValueError(f"{name} must have no zero-size dimension, got shape {tuple(x.shape)}")
+
+
+def check_flags(**flags):
+  """Raise TypeError naming the first flag that is not a Python or numpy bool."""
+  for name, f in flags.items():
+    if not isinstance(f, (bool, np.bool_)):
+      raise TypeError(f"{name} must be a bool, got {f!r}")
+
+
+def check_scale_and_cap(scale=None, logits_soft_cap=None):
+  """(scale, logits_soft_cap) as floats or None; ValueError unless scale is finite and the cap
+  finite and > 0."""
+  out = []
+  for name, x, positive in (("scale", scale, False), ("logits_soft_cap", logits_soft_cap, True)):
+    if x is not None:
+      try:
+        if isinstance(x, (str, bytes, bool)):
+          raise TypeError
+        x = float(x)
+      except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"{name} must be a Python number (static), got {x!r}") from None
+      if not math.isfinite(x) or (positive and not x > 0):
+        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {x}")
+    out.append(x)
+  return tuple(out)
+
+
 def check_qkv(q, k, v):
   """Validate [batch, seq, heads, head_dim] q/k/v; return (batch, q_len, kv_len, hq, hk)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
     check_float(name, x)
+  check_nonempty(q=q, k=k, v=v)
   if not (q.shape[0] == k.shape[0] == v.shape[0]):
     raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
   if q.shape[-1] != k.shape[-1]:
@@ -34,6 +83,20 @@ def check_qkv(q, k, v):
   if hq % hk != 0:
     raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA")
   return q.shape[0], q.shape[1], k.shape[1], hq, hk
+
+
+def as_int32(name, x):
+  """An integer array as int32 without changing a value: ids outside the int32 range raise
+  ValueError when concrete; a traced array of a wider type raises TypeError (TypeError for a
+  non-integer dtype, bool included)."""
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got {x.dtype}")
+  if not np.can_cast(x.dtype, np.int32):
+    if is_traced(x):
+      raise TypeError(f"{name} must be int32 (or narrower) under jax.jit, got {x.dtype}: a "
+                      f"cast could merge distinct values")
+    check_range(name, x, _INT32.min, _INT32.max)
+  return x if isinstance(x, jax.ShapeDtypeStruct) else x.astype(jnp.int32)
 
 
 def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
@@ -51,7 +114,95 @@ def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
   if kv_segment_ids.shape != (batch, kv_len):
     raise ValueError(
         f"kv_segment_ids must be [batch, kv_len] = {(batch, kv_len)}, got {kv_segment_ids.shape}")
-  for name, s in (("segment_ids", segment_ids), ("kv_segment_ids", kv_segment_ids)):
-    if not jnp.issubdtype(s.dtype, jnp.integer):
-      raise TypeError(f"{name} must be an integer array, got {s.dtype}")
-  return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+  return as_int32("segment_ids", segment_ids), as_int32("kv_segment_ids", kv_segment_ids)
+
+
+def check_lengths(name, lengths, batch, capacity=None):
+  """int32 ``lengths`` of shape (batch,), checked in [0, capacity] when concrete (and inside
+  :func:`debug_checks`); TypeError for a non-integer dtype."""
+  lengths = jnp.asarray(lengths) if not is_traced(lengths) else lengths
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {lengths.shape}")
+  lengths = as_int32(name, lengths)
+  check_range(name, lengths, 0, _INT32.max if capacity is None else capacity)
+  return lengths
+
+
+def is_traced(x):
+  """Whether x's values are unknown now (a tracer or a ``jax.ShapeDtypeStruct``)."""
+  return isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+def _first_bad(name, x, lo, hi, valid):
+  x = np.asarray(x)
+  bad = (x < np.asarray(lo)) | (x > np.asarray(hi))
+  if valid is not None:
+    bad = bad & np.asarray(valid)
+  if not bad.any():
+    return None
+  i = tuple(int(j) for j in np.argwhere(bad)[0])
+  val, lo, hi = (np.broadcast_to(np.asarray(t), bad.shape)[i] for t in (x, lo, hi))
+  return f"{name}[{', '.join(map(str, i))}] = {val}, expected a value in [{lo}, {hi}]"
+
+
+def _report(name, x, lo, hi, valid):
+  msg = _first_bad(name, x, lo, hi, valid)
+  if msg and _DEBUG:
+    _DEBUG[-1].append(msg)
+
+
+def check_range(name, x, lo, hi, *, valid=None):
+  """ValueError naming the first entry of x outside [lo, hi] (among ``valid()``, a bool mask
+  broadcastable to x, computed only when checked); lo and hi may be arrays broadcastable to x.
+  Traced: checked only inside :func:`debug_checks`."""
+  traced = any(is_traced(a) for a in (x, lo, hi))
+  if (traced and not _DEBUG) or isinstance(x, jax.ShapeDtypeStruct):   # shapes only: no values
+    return
+  valid = None if valid is None else valid()
+  if not (traced or is_traced(valid)):
+    msg = _first_bad(name, x, lo, hi, valid)
+    if msg:
+      raise ValueError(msg)
+  elif _DEBUG:
+    jax.debug.callback(functools.partial(_report, name), x, jnp.asarray(lo), jnp.asarray(hi),
+                       valid)
+
+
+@contextlib.contextmanager
+def debug_checks():
+  """Check traced values too: lengths, page ids and segment-length values of the ops called
+  (and jitted) inside the block are checked on the device's values, and the block raises
+  ValueError naming the first bad value (argument, index, value, expected range) at its end.
+
+  Outside the block a traced out-of-range value gets each op's documented behaviour (e.g.
+  decode lengths clamped to the cache) and concrete values are always checked. Entering and
+  leaving clears jax's compilation caches, so jitted functions retrace with, then without, the
+  checks (a host callback per checked array: for debugging, not for production).
+
+  Returns:
+    A context manager.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> k = jnp.zeros((1, 32, 1, 8)); q = jnp.zeros((1, 1, 8))
+    >>> f = jax.jit(lambda lens: jattn.decode_attention(q, k, k, lens, implementation="xla"))
+    >>> try:
+    ...   with jattn.debug_checks():
+    ...     _ = f(jnp.array([40]))
+    ... except ValueError as e:
+    ...   print(e)
+    kv_lengths[0] = 40, expected a value in [0, 32]
+  """
+  found = []
+  jax.clear_caches()
+  _DEBUG.append(found)
+  try:
+    yield
+    jax.effects_barrier()
+  finally:
+    _DEBUG.pop()
+    jax.clear_caches()
+  found = list(dict.fromkeys(found))   # a value checked twice (a call and its plan) counts once
+  if found:
+    more = f" (first of {len(found)} bad values)" if len(found) > 1 else ""
+    raise ValueError(found[0] + more)

@@ -25,7 +25,8 @@ import types
 import jax
 import jax.numpy as jnp
 
-from jattn._validate import check_implementation, check_qkv, check_segments
+from jattn._validate import (check_flags, check_implementation, check_qkv, check_scale_and_cap,
+                             check_segments)
 from jattn._plan import Plan
 from pallas_kernels import tuning
 from pallas_kernels.block_schedule import make_schedule
@@ -213,6 +214,11 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
     ('xla', None, 'xla')
   """
   check_implementation(implementation)
+  if platform not in (None, "cpu", "gpu", "tpu"):
+    raise ValueError(f"platform must be None, 'cpu', 'gpu' or 'tpu', got {platform!r}")
+  if device_kind is not None and not isinstance(device_kind, str):
+    raise TypeError(f"device_kind must be None or a jax device_kind string such as "
+                    f"'NVIDIA H200', got {device_kind!r}")
   dev = tuning.device(platform, device_kind)
   impl = implementation or _default_implementation(dev, q, k, v, interpret=interpret,
                                                    block_sizes=block_sizes, tiles=tiles)
@@ -264,9 +270,12 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
     >>> p.implementation, p.backward, p.table
     ('mosaic_gpu', 'mosaic_gpu', 'nvidia_h200.json')
   """
-  del scale, logits_soft_cap, return_lse
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
+  check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
+  check_scale_and_cap(scale, logits_soft_cap)
+  check_flags(causal=causal, return_lse=return_lse, interpret=interpret)
   return resolve("flash", q, k, v, causal=causal, window=normalize_window(local_window_size),
-                 segments=segment_ids is not None or kv_segment_ids is not None,
+                 segments=segment_ids is not None,
                  implementation=implementation, block_sizes=block_sizes, interpret=interpret,
                  platform=platform, device_kind=device_kind)
 
@@ -325,12 +334,12 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
   window = normalize_window(local_window_size)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
-  if logits_soft_cap is not None and not logits_soft_cap > 0:
-    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+  scale, logits_soft_cap = check_scale_and_cap(scale, logits_soft_cap)
   if scale is None:
     scale = 1.0 / (q.shape[-1] ** 0.5)
   plan = flash_attention_plan(q, k, v, causal=causal, local_window_size=window,
-                              segment_ids=segment_ids, implementation=implementation,
+                              segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                              return_lse=return_lse, implementation=implementation,
                               interpret=interpret, block_sizes=block_sizes)
   impl, bs = plan.implementation, plan.config
   mask = dict(causal=causal, local_window_size=window)

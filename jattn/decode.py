@@ -22,14 +22,16 @@ import jax.numpy as jnp
 
 from jattn import _layout
 from jattn._plan import Plan
+from jattn._validate import (as_int32, check_flags, check_float, check_lengths, check_nonempty,
+                             check_range, check_scale_and_cap, is_traced)
 from pallas_kernels import compat
 from pallas_kernels.common.merge import merge_partials, merge_partials_pallas
 from pallas_kernels.decode import reference as _ref
 from pallas_kernels.masks import normalize_window
 
-__all__ = ["decode_attention", "paged_decode_attention", "decode_plan", "DecodeConfig",
-           "append_kv", "append_kv_paged", "resolve_decode_implementation",
-           "default_num_splits"]
+__all__ = ["DecodeConfig", "append_kv", "append_kv_paged", "check_decode_call", "decode_attention",
+           "decode_plan", "default_num_splits", "paged_decode_attention",
+           "resolve_decode_implementation"]
 
 IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 MIN_PAGE_SIZE = 16
@@ -112,12 +114,11 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_common(q, k, v, kv_lengths, *, cache_name):
+def _check_common(q, k, v, *, cache_name):
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
   for name, x in (("q", q), ("k", k), ("v", v)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got {x.dtype}")
+    check_float(name, x)
   if k.ndim != 4:
     raise ValueError(f"k_{cache_name} must be 4-D, got shape {k.shape}")
   if v.ndim != 4 or k.shape[:3] != v.shape[:3]:
@@ -125,72 +126,92 @@ def _check_common(q, k, v, kv_lengths, *, cache_name):
                      f"last dim (v's head_dim may differ), got {k.shape} and {v.shape}")
   if k.dtype != v.dtype:
     raise TypeError(f"k_{cache_name} and v_{cache_name} dtypes differ: {k.dtype} vs {v.dtype}")
+  check_nonempty(q=q, **{f"k_{cache_name}": k, f"v_{cache_name}": v})
   if q.shape[-1] != k.shape[-1]:
     raise ValueError(f"q and k head_dim differ: q {q.shape}, k {k.shape}")
   hq, hk = q.shape[1], k.shape[2]
   if hq % hk:
     raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA")
-  kv_lengths = jnp.asarray(kv_lengths)
-  if kv_lengths.shape != (q.shape[0],):
-    raise ValueError(f"kv_lengths must have shape (batch,) = ({q.shape[0]},), got "
-                     f"{kv_lengths.shape}")
-  if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
-    raise TypeError(f"kv_lengths must be an integer array, got {kv_lengths.dtype}")
-  return kv_lengths.astype(jnp.int32)
 
 
 def _check_options(local_window_size, logits_soft_cap, num_splits, scale):
   window = normalize_window(local_window_size)
-  if logits_soft_cap is not None:
-    logits_soft_cap = float(logits_soft_cap)
-    if not logits_soft_cap > 0:
-      raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+  scale, logits_soft_cap = check_scale_and_cap(scale, logits_soft_cap)
   if num_splits is not None:
     if isinstance(num_splits, bool) or int(num_splits) != num_splits or num_splits < 1:
       raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
-  scale = None if scale is None else float(scale)
   return window, logits_soft_cap, scale
 
 
-def _check_paged(q, k_pages, page_table):
-  if k_pages.shape[1] < MIN_PAGE_SIZE:
-    raise ValueError(f"page_size (k_pages.shape[1]) must be >= {MIN_PAGE_SIZE}, got "
-                     f"{k_pages.shape[1]}")
-  page_table = jnp.asarray(page_table)
+def _check_paged(q, k_pages, page_table, min_page_size):
+  if k_pages.shape[1] < min_page_size:
+    raise ValueError(f"page_size must be >= {min_page_size}, got {k_pages.shape[1]}")
+  page_table = page_table if is_traced(page_table) else jnp.asarray(page_table)
   if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
     raise ValueError(f"page_table must be [batch, max_pages] with batch = {q.shape[0]}, got "
                      f"shape {page_table.shape}")
   if page_table.shape[1] < 1:
     raise ValueError("page_table needs at least one column (max_pages >= 1)")
-  if not jnp.issubdtype(page_table.dtype, jnp.integer):
-    raise TypeError(f"page_table must be an integer array, got {page_table.dtype}")
-  return page_table.astype(jnp.int32)
+  return as_int32("page_table", page_table)
 
 
-def _check_call(q, k, v, kv_lengths, page_table, kv_layout):
-  """Validates a decode call; (kv_lengths int32, page_table int32 or None, batch, kv_heads,
-  capacity)."""
+def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
+                      min_page_size=MIN_PAGE_SIZE):
+  """Validates a decode call (contiguous, or paged with ``page_table``).
+
+  Concrete ``kv_lengths`` outside [0, capacity] and page ids outside [0, num_pages) among the
+  pages a sequence uses raise ValueError naming the entry. Traced values are not checked
+  (except inside :func:`jattn.debug_checks`); every implementation then clamps lengths to [0,
+  capacity] (a negative length gives 0 output and -inf lse) and page ids to [0, num_pages - 1]
+  (reads stay inside the pool), so all give the same result.
+
+  Args:
+    q, k, v: the call's query and caches (or page pools) in ``kv_layout``.
+    kv_lengths: int [batch].
+    page_table: None or int [batch, max_pages].
+    kv_layout: "nhd" or "hnd".
+    min_page_size: the smallest page size the op runs.
+
+  Returns:
+    (kv_lengths int32, page_table int32 or None, batch, kv_heads, capacity).
+
+  Example:
+    >>> q = jnp.zeros((1, 4, 8)); k = jnp.zeros((1, 32, 2, 8))
+    >>> check_decode_call(q, k, k, [40])
+    Traceback (most recent call last):
+    ValueError: kv_lengths[0] = 40, expected a value in [0, 32]
+  """
   _layout.check_kv_layout(kv_layout)
+  name = "cache" if page_table is None else "pages"
+  if kv_layout == "hnd":   # validate as the "nhd" cache of the same sizes (same messages)
+    if page_table is None:
+      _layout.check_hnd_shapes(q, k, v)
+    if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+      raise ValueError(f"with kv_layout='hnd', k_{name}/v_{name} must be [batch or pages, "
+                       f"kv_heads, len, d] and agree in all but the last dim, got {k.shape} / "
+                       f"{v.shape}")
+    k, v = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
+            for x in (k, v))
+  _check_common(q, k, v, cache_name=name)
+  batch = q.shape[0]
+  if page_table is None:
+    if k.shape[0] != batch:
+      raise ValueError(f"k_cache batch {k.shape[0]} != q batch {batch}")
+    capacity = k.shape[1]
+  else:
+    page_table = _check_paged(q, k, page_table, min_page_size)
+    capacity = page_table.shape[1] * k.shape[1]
+  kv_lengths = check_lengths("kv_lengths", kv_lengths, batch, capacity)
   if page_table is not None:
-    if kv_layout != "nhd":
-      raise ValueError("kv_layout='hnd' is for contiguous caches; paged caches are "
-                       "[num_pages, page_size, kv_heads, head_dim]")
-    kv_lengths = _check_common(q, k, v, kv_lengths, cache_name="pages")
-    page_table = _check_paged(q, k, page_table)
-    return kv_lengths, page_table, q.shape[0], k.shape[2], page_table.shape[1] * k.shape[1]
-  if kv_layout == "hnd":   # validate as the "nhd" cache of the same sizes (same dtype messages)
-    batch, kv_heads, max_len = _layout.check_hnd_shapes(q, k, v, kv_lengths)
-    as_nhd = lambda x: jax.ShapeDtypeStruct((batch, max_len, kv_heads, x.shape[-1]), x.dtype)
-    kv_lengths = _check_common(q, as_nhd(k), as_nhd(v), kv_lengths, cache_name="cache")
-    return kv_lengths, None, batch, kv_heads, max_len
-  kv_lengths = _check_common(q, k, v, kv_lengths, cache_name="cache")
-  return kv_lengths, None, q.shape[0], k.shape[2], k.shape[1]
+    used = lambda: jnp.arange(page_table.shape[1]) * k.shape[1] < kv_lengths[:, None]
+    check_range("page_table", page_table, 0, k.shape[0] - 1, valid=used)
+  return kv_lengths, page_table, batch, k.shape[2], capacity
 
 
 # ----------------------------------------------------------------------------- plan
-def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="nhd",
-                local_window_size=None, logits_soft_cap=None, implementation=None,
-                num_splits=None, block_sizes=None):
+def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="nhd", scale=None,
+                local_window_size=None, logits_soft_cap=None, num_splits=None, return_lse=False,
+                implementation=None, interpret=False, block_sizes=None):
   """What :func:`decode_attention` (or, with ``page_table``, :func:`paged_decode_attention`)
   runs for these arguments.
 
@@ -198,10 +219,11 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
   :func:`default_num_splits`; the merge is "pallas" for "triton", else "xla".
 
   Args:
-    q, k_cache, v_cache, kv_lengths: the call's arrays (caches may be ShapeDtypeStructs).
-    page_table: None (contiguous cache) or int32 [batch, max_pages].
-    kv_layout: "nhd" or "hnd" (contiguous caches only).
-    local_window_size, logits_soft_cap: validated as in the call (they do not change the plan).
+    q, k_cache, v_cache, kv_lengths: the call's arrays (or ShapeDtypeStructs of them).
+    page_table: None (contiguous cache) or int32 [batch, max_pages] (or a ShapeDtypeStruct).
+    kv_layout: "nhd" or "hnd".
+    scale, local_window_size, logits_soft_cap, return_lse, interpret: validated as in the call
+      (they do not change the plan).
     implementation, num_splits, block_sizes: as in :func:`decode_attention`.
 
   Returns:
@@ -214,9 +236,14 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
     >>> p.op, p.implementation, p.config.num_splits
     ('decode', 'xla', 1)
   """
-  _, _, batch, kv_heads, capacity = _check_call(q, k_cache, v_cache, kv_lengths, page_table,
-                                                kv_layout)
-  _check_options(local_window_size, logits_soft_cap, num_splits, None)
+  if isinstance(kv_lengths, jax.ShapeDtypeStruct):   # shapes only: check them on zeros
+    kv_lengths = jnp.zeros(kv_lengths.shape, kv_lengths.dtype)
+  if isinstance(page_table, jax.ShapeDtypeStruct):
+    page_table = jnp.zeros(page_table.shape, page_table.dtype)
+  _, _, batch, kv_heads, capacity = check_decode_call(q, k_cache, v_cache, kv_lengths,
+                                                      page_table, kv_layout)
+  _check_options(local_window_size, logits_soft_cap, num_splits, scale)
+  check_flags(return_lse=return_lse, interpret=interpret)
   impl = resolve_decode_implementation(implementation)
   d, dv, dtype = q.shape[-1], v_cache.shape[-1], k_cache.dtype
   if impl == "triton":
@@ -266,7 +293,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     q: [batch, q_heads, head_dim], fp32/bf16/fp16.
     k_cache: the key cache in ``kv_layout``; q_heads % kv_heads == 0.
     v_cache: like ``k_cache`` with head_dim_v (may differ from head_dim).
-    kv_lengths: int32 [batch]: valid entries per sequence, query at ``kv_lengths - 1``.
+    kv_lengths: int32 [batch] in [0, max_len]: valid entries per sequence, query at
+      ``kv_lengths - 1`` (ValueError outside; traced values: :func:`check_decode_call`).
     scale: logit scale, default 1/sqrt(head_dim).
     local_window_size: None, int w or (left, right) (jax.nn convention; only left matters).
     logits_soft_cap: None or cap > 0: logits = cap * tanh(logits / cap).
@@ -288,7 +316,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     >>> out.shape
     (2, 8, 64)
   """
-  kv_lengths, _, _, _, _ = _check_call(q, k_cache, v_cache, kv_lengths, None, kv_layout)
+  kv_lengths, _, _, _, _ = check_decode_call(q, k_cache, v_cache, kv_lengths, None, kv_layout)
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
   plan = decode_plan(q, k_cache, v_cache, kv_lengths, kv_layout=kv_layout,
                      implementation=implementation, num_splits=num_splits,
@@ -326,18 +354,24 @@ def _decode_jit(q, k_cache, v_cache, kv_lengths, *, impl, config, scale, window,
 def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale=None,
                            local_window_size=None, logits_soft_cap=None, num_splits=None,
                            return_lse=False, implementation=None, interpret=False,
-                           block_sizes=None):
+                           block_sizes=None, kv_layout="nhd"):
   """Decode attention over a paged KV cache (continuous batching, vLLM-style page table).
+
+  ``kv_layout`` "nhd" pages are [page_size, kv_heads, head_dim]; "hnd" (head-major) pages are
+  [kv_heads, page_size, head_dim], run as a free reshape to batch * kv_heads sequences of one
+  kv head (page p of kv head h becomes page p * kv_heads + h).
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_pages: [num_pages, page_size, kv_heads, head_dim], page_size >= 16.
-    v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
+    k_pages: [num_pages, page_size, kv_heads, head_dim] ("nhd") or [num_pages, kv_heads,
+      page_size, head_dim] ("hnd"); page_size >= 16.
+    v_pages: like ``k_pages`` with head_dim_v, the dtype of ``k_pages``.
     page_table: int32 [batch, max_pages]: token t of sequence b is in page
       ``page_table[b, t // page_size]`` at slot ``t % page_size``.
-    kv_lengths: int32 [batch]; clamped to ``max_pages * page_size``.
+    kv_lengths: int32 [batch] in [0, max_pages * page_size] (traced lengths and page ids out
+      of range are clamped: :func:`check_decode_call`).
     scale, local_window_size, logits_soft_cap, num_splits, return_lse, implementation,
-      interpret, block_sizes: as in :func:`decode_attention`.
+      interpret, block_sizes, kv_layout: as in :func:`decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -352,21 +386,26 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
     >>> out.shape
     (2, 4, 32)
   """
-  kv_lengths, page_table, _, _, _ = _check_call(q, k_pages, v_pages, kv_lengths, page_table,
-                                                "nhd")
+  kv_lengths, page_table, _, _, _ = check_decode_call(q, k_pages, v_pages, kv_lengths,
+                                                      page_table, kv_layout)
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
-  plan = decode_plan(q, k_pages, v_pages, kv_lengths, page_table=page_table,
+  plan = decode_plan(q, k_pages, v_pages, kv_lengths, page_table=page_table, kv_layout=kv_layout,
                      implementation=implementation, num_splits=num_splits,
                      block_sizes=block_sizes)
   out, lse = _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths,
                                impl=plan.implementation, config=plan.config, scale=scale,
-                               window=window, cap=cap, interpret=interpret)
+                               window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=_STATICS)
+@functools.partial(jax.jit, static_argnames=_STATICS + ("kv_layout",))
 def _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, *, impl, config, scale, window,
-                      cap, interpret):
+                      cap, interpret, kv_layout="nhd"):
+  if kv_layout == "hnd":   # free reshapes inside the jit, as for contiguous caches
+    out, lse = _paged_decode_jit(
+        *_layout.hnd_pages_as_sequences(q, k_pages, v_pages, page_table, kv_lengths), impl=impl,
+        config=config, scale=scale, window=window, cap=cap, interpret=interpret)
+    return _layout.sequences_as_hnd(q.shape[0], out, lse)
   if impl == "xla":
     out, lse = _ref.paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths,
                                            scale=scale, local_window_size=window,
@@ -386,14 +425,16 @@ def _check_new_token(k_new, v_new, b, hk, d, d_v):
   for name, x, dim in (("k_new", k_new, d), ("v_new", v_new, d_v)):
     if x.shape != (b, hk, dim):
       raise ValueError(f"{name} must be [batch, kv_heads, dim] = {(b, hk, dim)}, got {x.shape}")
+    check_float(name, x)
 
 
 def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
   """Write one new token per sequence at position ``kv_lengths[b]`` (functional update).
 
   Jit with ``donate_argnums=(0, 1)`` to update the caches in place. A sequence whose cache is
-  full (kv_lengths[b] >= max_len) has its write dropped; its returned length still grows by
-  one, and decoding clamps lengths to the capacity.
+  full (kv_lengths[b] == max_len) has its write dropped; its returned length still grows by
+  one (decoding then raises, or clamps a traced length). Concrete lengths outside [0, max_len]
+  raise ValueError; traced ones outside [0, max_len) drop the write (never another slot).
 
   Args:
     k_cache: [batch, max_len, kv_heads, head_dim].
@@ -414,15 +455,13 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
   if k_cache.ndim != 4 or v_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
     raise ValueError(f"k_cache and v_cache must be [batch, max_len, kv_heads, dim] with the same "
                      f"first three dims, got {k_cache.shape} and {v_cache.shape}")
+  check_nonempty(k_cache=k_cache, v_cache=v_cache)
   b, max_len, hk, d = k_cache.shape
   _check_new_token(k_new, v_new, b, hk, d, v_cache.shape[-1])
-  kv_lengths = jnp.asarray(kv_lengths)
-  if kv_lengths.shape != (b,):
-    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {kv_lengths.shape}")
-  lens = kv_lengths.astype(jnp.int32)
-  rows = jnp.arange(b)
-  k_cache = k_cache.at[rows, lens].set(k_new.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[rows, lens].set(v_new.astype(v_cache.dtype), mode="drop")
+  lens = check_lengths("kv_lengths", kv_lengths, b, max_len)
+  rows, slot = jnp.arange(b), jnp.where(lens < 0, max_len, lens)   # negative: dropped too
+  k_cache = k_cache.at[rows, slot].set(k_new.astype(k_cache.dtype), mode="drop")
+  v_cache = v_cache.at[rows, slot].set(v_new.astype(v_cache.dtype), mode="drop")
   return k_cache, v_cache, lens + 1
 
 
@@ -431,7 +470,9 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
 
   Token ``t = kv_lengths[b]`` goes to page ``page_table[b, t // page_size]``, slot
   ``t % page_size``; the caller allocates pages in the table beforehand. Writes past the table
-  (t >= max_pages * page_size) are dropped. Jit with ``donate_argnums=(0, 1)`` for in-place.
+  (t == max_pages * page_size) are dropped. Concrete lengths outside [0, max_pages *
+  page_size] or a page id to write outside [0, num_pages) raise ValueError; traced ones drop
+  the write (never into another page). Jit with ``donate_argnums=(0, 1)`` for in-place.
 
   Args:
     k_pages: [num_pages, page_size, kv_heads, head_dim].
@@ -454,21 +495,23 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
   if k_pages.ndim != 4 or v_pages.ndim != 4 or v_pages.shape[:3] != k_pages.shape[:3]:
     raise ValueError(f"k_pages and v_pages must be [num_pages, page_size, kv_heads, dim] with the "
                      f"same first three dims, got {k_pages.shape} and {v_pages.shape}")
+  check_nonempty(k_pages=k_pages, v_pages=v_pages)
   num_pages, page_size, hk, d = k_pages.shape
-  page_table = jnp.asarray(page_table)
-  b = page_table.shape[0] if page_table.ndim == 2 else None
-  if page_table.ndim != 2:
-    raise ValueError(f"page_table must be [batch, max_pages], got shape {page_table.shape}")
-  kv_lengths = jnp.asarray(kv_lengths)
-  if kv_lengths.shape != (b,):
-    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {kv_lengths.shape}")
+  page_table = page_table if is_traced(page_table) else jnp.asarray(page_table)
+  if page_table.ndim != 2 or 0 in page_table.shape:
+    raise ValueError(f"page_table must be [batch, max_pages], both >= 1, got shape "
+                     f"{page_table.shape}")
+  page_table = as_int32("page_table", page_table)
+  b, max_pages = page_table.shape
+  lens = check_lengths("kv_lengths", kv_lengths, b, max_pages * page_size)
   _check_new_token(k_new, v_new, b, hk, d, v_pages.shape[-1])
-  lens = kv_lengths.astype(jnp.int32)
   slot_page = lens // page_size
-  in_table = (lens >= 0) & (slot_page < page_table.shape[1])
-  page = jnp.take_along_axis(page_table.astype(jnp.int32),
-                             jnp.clip(slot_page, 0, page_table.shape[1] - 1)[:, None], axis=1)[:, 0]
-  page = jnp.where(in_table, page, num_pages)          # out of range -> dropped
+  in_table = (lens >= 0) & (slot_page < max_pages)
+  check_range("page_table", page_table, 0, num_pages - 1,
+              valid=lambda: in_table[:, None] & (jnp.arange(max_pages) == slot_page[:, None]))
+  page = jnp.take_along_axis(page_table, jnp.clip(slot_page, 0, max_pages - 1)[:, None],
+                             axis=1)[:, 0]
+  page = jnp.where(in_table & (page >= 0) & (page < num_pages), page, num_pages)  # else dropped
   slot = lens % page_size
   k_pages = k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop")
   v_pages = v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop")

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._validate import as_int32, check_range, is_traced
+
 __all__ = [
     "PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize", "loss_weights_from_segments",
     "segments_from_lengths", "PackedIterator",
@@ -506,16 +508,17 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
 # Segment ids under jit
 # ----------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("max_len",))
 def segments_from_lengths(doc_lengths, max_len: int):
   """Segment ids and positions of packed rows from per-row document lengths (jit-compatible).
 
   Documents are laid out back to back from column 0; zero lengths are skipped and a row is cut
-  at ``max_len``.
+  at ``max_len``. Concrete lengths must be integers in [0, 2**31 - 1] (ValueError naming the
+  entry; TypeError for other dtypes); traced negative lengths count as 0 (``jattn.debug_checks``
+  reports them).
 
   Args:
     doc_lengths: int [batch, max_docs], non-negative.
-    max_len: row length (static).
+    max_len: row length (static), >= 1.
 
   Returns:
     (segment_ids int32 [batch, max_len], 1-based per row, 0 for padding;
@@ -526,7 +529,20 @@ def segments_from_lengths(doc_lengths, max_len: int):
     >>> seg.tolist(), pos.tolist()
     ([[1, 1, 1, 2, 2, 0]], [[0, 1, 2, 0, 1, 0]])
   """
-  lengths = jnp.asarray(doc_lengths).astype(jnp.int32)  # [b, d]
+  if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+    raise ValueError(f"max_len must be an int >= 1 (static), got {max_len!r}")
+  x = doc_lengths if is_traced(doc_lengths) else np.asarray(doc_lengths)
+  if x.ndim != 2:
+    raise ValueError(f"doc_lengths must be [batch, max_docs], got shape {x.shape}")
+  x = as_int32("doc_lengths", x)
+  check_range("doc_lengths", x, 0, np.iinfo(np.int32).max)
+  return _segments_from_lengths(x, int(max_len))
+
+
+@functools.partial(jax.jit, static_argnames=("max_len",))
+def _segments_from_lengths(doc_lengths, max_len):
+  # Lengths clipped to [0, max_len]: negative ones count as 0 and the sums cannot overflow.
+  lengths = jnp.clip(doc_lengths, 0, max_len)  # [b, d]
   ends = jnp.cumsum(lengths, axis=-1)  # [b, d]
   nonzero_before = jnp.cumsum(lengths > 0, axis=-1) - (lengths > 0)  # [b, d]
   col = jnp.arange(max_len, dtype=jnp.int32)

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jattn
 from jattn import decode as dec
+from jattn import sparse as sp
 from pallas_kernels import compat
 from pallas_kernels.decode import reference as dref
 from test_sparse import _kernel_module_or_skip
@@ -170,8 +172,8 @@ def test_layout_errors():
     hnd(q, kh, vh.astype(jnp.bfloat16), lens)
   with pytest.raises(TypeError, match="floating"):
     hnd(q, kh.astype(jnp.int32), vh.astype(jnp.int32), lens)
-  # paged caches have no head-major option
-  with pytest.raises(TypeError, match="kv_layout"):
+  # head-major pages [num_pages, kv_heads, page_size, d]: the same checks on the pool
+  with pytest.raises(ValueError, match=r"kv_heads \(16\)"):   # an "nhd" pool read as "hnd"
     dec.paged_decode_attention(q, k.reshape(4, 16, hk, d), v.reshape(4, 16, hk, d),
                                jnp.array([[0, 1], [2, 3]], jnp.int32), lens,
                                implementation="xla", kv_layout="hnd")
@@ -201,3 +203,42 @@ def test_gpu_hnd_equals_nhd():
   r_out, _ = jax.jit(functools.partial(dref.decode_reference, upcast=True))(
       up(q), up(k), up(v), lens)
   assert _rel(out_h, r_out) < 2e-2
+
+
+@pytest.mark.parametrize("kw", [dict(implementation="xla"),
+                                dict(implementation="triton", interpret=True, num_splits=2),
+                                dict(implementation="mosaic_tpu", interpret=True)],
+                         ids=lambda kw: kw["implementation"])
+def test_paged_hnd_equals_nhd(kw):
+  """Head-major pages [num_pages, kv_heads, page_size, d] (the pool of one-head pages p * hk + h)
+  give the "nhd" result on the transposed pool, dense and sparse (ragged lengths 0, partial,
+  full; shuffled pages; GQA 2; values narrower than keys)."""
+  b, hq, hk, d, dv, ps, mp = 3, 4, 2, 128, 64, 16, 4
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.standard_normal((b, hq, d), np.float32))
+  kp = jnp.asarray(rng.standard_normal((b * mp + 1, ps, hk, d), np.float32))
+  vp = jnp.asarray(rng.standard_normal((b * mp + 1, ps, hk, dv), np.float32))
+  table = jnp.asarray(rng.permutation(b * mp + 1)[:b * mp].reshape(b, mp), jnp.int32)
+  lens = jnp.array([0, 37, 64], jnp.int32)
+  kh, vh = jnp.swapaxes(kp, 1, 2), jnp.swapaxes(vp, 1, 2)     # [pages, hk, ps, d]
+  dense = jax.jit(functools.partial(jattn.paged_decode_attention, return_lse=True, **kw),
+                  static_argnames="kv_layout")
+  for x, y in zip(dense(q, kh, vh, table, lens, kv_layout="hnd"), dense(q, kp, vp, table, lens)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+  if kw["implementation"] == "mosaic_tpu":
+    return
+  s_n = sp.init_block_summaries(kp, lens, block_size=ps, page_table=table)
+  s_h = sp.init_block_summaries(kh, lens, block_size=ps, page_table=table, kv_layout="hnd")
+  np.testing.assert_allclose(np.asarray(s_h.sums), np.asarray(jnp.swapaxes(s_n.sums, 1, 2)),
+                             rtol=1e-6, atol=1e-6)
+  sparse = jax.jit(functools.partial(jattn.sparse_paged_decode_attention, top_k=1,
+                                     return_indices=True, **kw), static_argnames="kv_layout")
+  (o_h, i_h), (o_n, i_n) = (sparse(q, kh, vh, table, lens, s_h, kv_layout="hnd"),
+                            sparse(q, kp, vp, table, lens, s_n))
+  np.testing.assert_array_equal(np.asarray(i_h), np.asarray(i_n))
+  np.testing.assert_allclose(np.asarray(o_h), np.asarray(o_n), rtol=1e-5, atol=1e-5)
+  grown = jnp.minimum(lens + 1, mp * ps)
+  u_h = sp.update_block_summaries(s_h, kh, grown, page_table=table)
+  u_n = sp.update_block_summaries(s_n, kp, grown, page_table=table)
+  np.testing.assert_allclose(np.asarray(u_h.sums), np.asarray(jnp.swapaxes(u_n.sums, 1, 2)),
+                             rtol=1e-6, atol=1e-6)

@@ -1393,7 +1393,7 @@ def test_sparse_decode_partials_value_width():
     sparse_decode_partials(q, k, k[:, :32, :, :32], jnp.array([40], jnp.int32), idx,
                            block_size=16, num_splits=2, interpret=True)
   summ = sp.init_block_summaries(k, jnp.array([40]), block_size=16)
-  with pytest.raises(ValueError, match="agree"):
+  with pytest.raises(ValueError, match="same shape except the last dim"):
     sp.sparse_decode_attention(q, k, k[:, :, :1, :32], jnp.array([40]), summ, block_size=16,
                                top_k=1, implementation="xla")
 

@@ -314,15 +314,15 @@ def test_layout_mismatches_raise():
   # an "nhd" cache passed as "hnd" (with "hnd" summaries of the right cache): shapes disagree
   with pytest.raises(ValueError, match="does not match the head-major cache"):
     call(q, kc, kc, lens, sh, kv_layout="hnd")
-  # paged caches have no head-major option
+  # an "nhd" page pool read as head-major pages, and summaries of the other layout
   table = jnp.arange(n // bs, dtype=jnp.int32)[None]
   pages = kc.reshape(n // bs, bs, hk, d)
-  with pytest.raises(ValueError, match="contiguous"):
+  with pytest.raises(ValueError, match="page size 2 must equal block_size 16"):
     sp.init_block_summaries(pages, lens, block_size=bs, page_table=table, kv_layout="hnd")
   with pytest.raises(ValueError, match="layout='hnd' != kv_layout='nhd'"):
     sp.sparse_paged_decode_attention(q, pages, pages, table, lens, sh, top_k=1,
                                      implementation="xla")
-  with pytest.raises(ValueError, match="contiguous"):
+  with pytest.raises(ValueError, match="does not match the 'hnd' summaries"):
     sp.update_block_summaries(sh, pages, lens + 1, page_table=table)
 
 

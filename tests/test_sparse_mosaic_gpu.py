@@ -111,6 +111,8 @@ def _case(name, dtype=jnp.bfloat16):
 def _configs(q_block_size, block_size, d, dtype=jnp.bfloat16, **kw):
   """(forward, backward) configs of ``block_sparse_plan(implementation="mosaic_gpu")``."""
   x = jax.ShapeDtypeStruct((1, 1024, 2, d), dtype)
+  kw = {n: jax.ShapeDtypeStruct(x.shape[:2], jnp.int32) if "segment" in n and a is not None
+        else a for n, a in kw.items()}                       # the plan validates their shape
   plan = sp.block_sparse_plan(x, x, x, q_block_size=q_block_size, block_size=block_size,
                               implementation="mosaic_gpu", **kw)
   return plan.config, plan.backward_config

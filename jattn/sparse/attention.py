@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 
-from jattn._validate import check_qkv, check_segments
+from jattn._validate import check_flags, check_qkv, check_scale_and_cap, check_segments
 from jattn._plan import Plan
 from jattn.attention import kernel_module, resolve
 from pallas_kernels.block_schedule import make_schedule
@@ -61,13 +62,17 @@ def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=
     >>> p.implementation, p.backward, p.config.block_k
     ('mosaic_gpu', 'mosaic_gpu', 64)
   """
-  del scale, return_lse
+  batch, q_len, kv_len, _, hk = check_qkv(q, k, v)
+  check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
+  check_scale_and_cap(scale)
+  check_flags(causal=causal, return_lse=return_lse, interpret=interpret)
   if selection is not None:
+    check_selection(selection, batch, q_len, kv_len, hk)
     q_block_size, block_size = selection.q_block_size, selection.block_size
   if q_block_size is None or block_size is None:
     raise ValueError("block_sparse_plan needs a selection or q_block_size and block_size")
-  return resolve("block_sparse", q, k, v, causal=causal,
-                 segments=segment_ids is not None or kv_segment_ids is not None,
+  check_selection_args(block_size, q_block_size, 1, 0, 0)
+  return resolve("block_sparse", q, k, v, causal=causal, segments=segment_ids is not None,
                  tiles=(int(q_block_size), int(block_size)), implementation=implementation,
                  interpret=interpret, platform=platform, device_kind=device_kind)
 
@@ -142,9 +147,11 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
+  scale, _ = check_scale_and_cap(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   plan = block_sparse_plan(q, k, v, selection, causal=causal, segment_ids=segment_ids,
+                           kv_segment_ids=kv_segment_ids, return_lse=return_lse,
                            implementation=implementation, interpret=interpret)
   out, lse = _run_block_sparse(plan, q, k, v, selection, causal=causal, segment_ids=segment_ids,
                                kv_segment_ids=kv_segment_ids, scale=scale, interpret=interpret)
@@ -332,8 +339,9 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   """
   if gate_grad not in _GATE_MODES:
     raise ValueError(f"gate_grad must be one of {_GATE_MODES}, got {gate_grad!r}")
-  if not gate_temperature > 0:
-    raise ValueError(f"gate_temperature must be > 0, got {gate_temperature}")
+  if not (isinstance(gate_temperature, numbers.Real) and 0 < gate_temperature < math.inf):
+    raise ValueError(f"gate_temperature must be a finite number > 0, got {gate_temperature!r}")
+  check_flags(causal=causal, interpret=interpret, return_selection=return_selection)
   if gate_grad == "gumbel" and rng is None:
     raise ValueError("gate_grad='gumbel' needs rng (a jax PRNG key)")
   if isinstance(score_aux_weight, bool) or not (isinstance(score_aux_weight, (int, float))
@@ -345,11 +353,12 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
+  scale, _ = check_scale_and_cap(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   plan = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
-                           causal=causal, segment_ids=segment_ids, implementation=implementation,
-                           interpret=interpret)
+                           causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                           implementation=implementation, interpret=interpret)
   if gate_grad == "none":
     q_s, k_s = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   else:

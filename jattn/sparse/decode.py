@@ -13,10 +13,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jattn._layout import check_hnd_shapes as _hnd_check_shapes
 from jattn._layout import check_kv_layout as _check_kv_layout
 from jattn._layout import hnd_as_sequences as _hnd_as_sequences
+from jattn._layout import hnd_pages_as_sequences
 from jattn._plan import Plan
+from jattn._validate import check_flags, check_lengths, check_scale_and_cap
+from jattn.decode import check_decode_call
 from jattn.sparse.selection import cdiv, check_selection_args
 from pallas_kernels import compat
 from pallas_kernels.sparse.decode_select import decode_width
@@ -88,13 +90,14 @@ class BlockSummaries:
     return self.sums / cnt[:, :, None, None]
 
 
-def _gather_positions(k, page_table, pos):
-  """Rows k[b, pos[b, t]] of a contiguous cache, or via the page table of a page pool."""
+def _gather_positions(k, page_table, pos, hnd=False):
+  """Rows k[b, pos[b, t]] of a contiguous cache, or via the page table of a page pool
+  ([pages, kv_heads, page_size, d] pages with ``hnd``): [b, t, hk, d]."""
   if page_table is None:
     return jnp.take_along_axis(k, pos[:, :, None, None], axis=1)             # [b, t, hk, d]
-  ps = k.shape[1]
-  page = jnp.take_along_axis(page_table, pos // ps, axis=1)                  # [b, t]
-  return k[jnp.clip(page, 0, k.shape[0] - 1), pos % ps]                      # [b, t, hk, d]
+  ps = k.shape[2 if hnd else 1]
+  page = jnp.clip(jnp.take_along_axis(page_table, pos // ps, axis=1), 0, k.shape[0] - 1)
+  return k[page, :, pos % ps] if hnd else k[page, pos % ps]                  # [b, t, hk, d]
 
 
 def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv_layout="nhd"):
@@ -108,8 +111,8 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
     block_size: positions per block (the page size for a paged cache).
     page_table: None or int32 [batch, max_pages] (token t of sequence b lives in page
       ``page_table[b, t // block_size]``).
-    kv_layout: "nhd" (default) or "hnd" (head-major contiguous cache, see
-      :func:`sparse_decode_attention`; not with ``page_table``).
+    kv_layout: "nhd" (default) or "hnd" (head-major cache or pages
+      [num_pages, kv_heads, block_size, head_dim], see :func:`sparse_decode_attention`).
 
   Returns:
     A :class:`BlockSummaries` with ceil(max_len / block_size) (or max_pages) blocks and
@@ -125,21 +128,23 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
   _check_kv_layout(kv_layout)
   if k_cache.ndim != 4:
     raise ValueError(f"k_cache must be 4-d, got {k_cache.shape}")
+  check_selection_args(block_size, 1, 1, 0, 0)
+  paged_hnd = page_table is not None and kv_layout == "hnd"
   if page_table is not None:
-    if kv_layout != "nhd":
-      raise ValueError("kv_layout='hnd' is for contiguous caches; paged caches are "
-                       "[num_pages, page_size, kv_heads, head_dim] (kv_layout='nhd')")
-    if k_cache.shape[1] != block_size:
-      raise ValueError(f"page size {k_cache.shape[1]} must equal block_size {block_size}")
+    if k_cache.shape[2 if paged_hnd else 1] != block_size:
+      raise ValueError(f"page size {k_cache.shape[2 if paged_hnd else 1]} must equal "
+                       f"block_size {block_size}")
     n = page_table.shape[1] * block_size
     pos = jnp.broadcast_to(jnp.arange(n)[None], (page_table.shape[0], n))
-    k_cache = _gather_positions(k_cache, page_table, pos)
+    k_cache = _gather_positions(k_cache, page_table, pos, paged_hnd)         # [b, n, hk, d]
+    if paged_hnd:
+      k_cache = jnp.swapaxes(k_cache, 1, 2)
   if kv_layout == "hnd":
     b, hk, n, d = k_cache.shape
   else:
     b, n, hk, d = k_cache.shape
   nb = cdiv(n, block_size)
-  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
+  lengths = jnp.clip(check_lengths("kv_lengths", kv_lengths, b, n), 0, n)   # traced: clamped
   valid = jnp.arange(n)[None, :] < lengths[:, None]                          # [b, n]
   if kv_layout == "hnd":
     kf = jnp.where(valid[:, None, :, None], k_cache.astype(jnp.float32), 0.0)
@@ -184,20 +189,23 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
       raise ValueError(f"kv_layout={kv_layout!r} but the summaries were made for a "
                        f"{summaries.layout!r} cache (init_block_summaries(kv_layout=...))")
   hnd = summaries.layout == "hnd"
-  if hnd and page_table is not None:
-    raise ValueError("kv_layout='hnd' summaries are for contiguous caches, got a page_table")
+  ax = 1 if hnd else 2   # the kv-head axis of the cache, the pool and the sums
+  if k_cache.ndim != 4 or k_cache.shape[ax] != summaries.sums.shape[ax] or (
+      page_table is not None and k_cache.shape[3 - ax] != summaries.block_size):
+    raise ValueError(f"k_cache {k_cache.shape} does not match the {summaries.layout!r} "
+                     f"summaries {summaries.sums.shape} of block_size {summaries.block_size}")
   bsz = summaries.sums.shape[0]
   cap = summaries.num_blocks * summaries.block_size
   if page_table is None:
     cap = min(cap, k_cache.shape[2 if hnd else 1])
-  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), cap)
+  lengths = jnp.clip(check_lengths("kv_lengths", kv_lengths, bsz, cap), 0, cap)
   pos = jnp.maximum(lengths - 1, 0)
   new = lengths > summaries.lengths
   bi = jnp.arange(bsz)
-  if hnd:
+  if hnd and page_table is None:
     k_new = k_cache[bi, :, pos]                                              # [b, hk, d]
   else:
-    k_new = _gather_positions(k_cache, page_table, pos[:, None])[:, 0]        # [b, hk, d]
+    k_new = _gather_positions(k_cache, page_table, pos[:, None], hnd)[:, 0]  # [b, hk, d]
   k_new = jnp.where(new[:, None, None], k_new.astype(jnp.float32), 0.0)
   blk = pos // summaries.block_size
   if hnd:
@@ -231,6 +239,10 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
     >>> select_decode_blocks(q, s, jnp.array([500]), top_k=2).shape
     (1, 2, 4)
   """
+  if not isinstance(block_summaries, BlockSummaries):
+    raise TypeError(f"block_summaries must be a BlockSummaries, got "
+                    f"{type(block_summaries).__name__}")
+  kv_lengths = check_lengths("kv_lengths", kv_lengths, q.shape[0])
   return _decode_select(q, block_summaries, kv_lengths, top_k=top_k,
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
 
@@ -410,9 +422,11 @@ def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_
                             min_blocks_per_split=min_blocks_per_split)
 
 
-def sparse_decode_plan(q, k_cache, v_cache, *, block_size, top_k, num_init_blocks=1,
-                       num_local_blocks=1, page_table=None, kv_layout="nhd",
-                       implementation=None, num_splits=None):
+def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=None, *,
+                       block_size=None, top_k, num_init_blocks=1, num_local_blocks=1,
+                       page_table=None, kv_layout="nhd", scale=None, return_lse=False,
+                       return_indices=False, implementation=None, interpret=False,
+                       num_splits=None):
   """What :func:`sparse_decode_attention` (or, with ``page_table``,
   :func:`sparse_paged_decode_attention`) runs for these arguments.
 
@@ -423,10 +437,14 @@ def sparse_decode_plan(q, k_cache, v_cache, *, block_size, top_k, num_init_block
   Args:
     q: [batch, q_heads, head_dim] (or a ``jax.ShapeDtypeStruct``; likewise the caches).
     k_cache, v_cache: the caches as in the call (page pools with ``page_table``).
-    block_size: positions per block (the page size for a paged cache).
+    kv_lengths, block_summaries: optional, as in the call (they do not change the plan).
+    block_size: positions per block; default (and required value) with ``page_table``: the
+      page size.
     top_k, num_init_blocks, num_local_blocks: selection sizes.
     page_table: None or int32 [batch, max_pages].
-    kv_layout: "nhd" or "hnd" (contiguous caches only).
+    kv_layout: "nhd" or "hnd".
+    scale, return_lse, return_indices, interpret: validated as in the call (no effect on the
+      plan).
     implementation, num_splits: as in :func:`sparse_decode_attention`.
 
   Returns:
@@ -439,7 +457,26 @@ def sparse_decode_plan(q, k_cache, v_cache, *, block_size, top_k, num_init_block
     >>> p.op, p.implementation, p.config
     ('sparse_decode', 'xla', None)
   """
+  del kv_lengths, block_summaries
   _check_kv_layout(kv_layout)
+  check_scale_and_cap(scale)
+  check_flags(return_lse=return_lse, return_indices=return_indices, interpret=interpret)
+  if page_table is not None:
+    page_size = k_cache.shape[2 if kv_layout == "hnd" else 1]
+    if block_size not in (None, page_size):
+      raise ValueError(f"block_size must be the page size {page_size} for a paged cache, got "
+                       f"{block_size}")
+    block_size = page_size
+  check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
+  if page_table is not None and kv_layout == "hnd":   # the one-head "nhd" call it runs
+    (b, hq, d), (p, hk, ps, _) = q.shape, k_cache.shape
+    sds = jax.ShapeDtypeStruct
+    return sparse_decode_plan(
+        sds((b * hk, hq // hk, d), q.dtype), sds((p * hk, ps, 1, d), k_cache.dtype),
+        sds((p * hk, ps, 1, v_cache.shape[-1]), v_cache.dtype), top_k=top_k,
+        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
+        page_table=sds((b * hk, page_table.shape[1]), jnp.int32),
+        implementation=implementation, num_splits=num_splits)
   impl = _resolve_decode_implementation(implementation)
   if num_splits is not None and (isinstance(num_splits, bool) or int(num_splits) != num_splits
                                  or num_splits < 1):
@@ -514,15 +551,26 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "block_size", "sel", "scale", "interpret"))
-def _hnd_attend(q, k, v, kv_lengths, block_summaries, *, plan, block_size, sel, scale,
-                interpret):
-  """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
+def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, *, plan, block_size, sel,
+                scale, interpret):
+  """Head-major cache or pages: a free reshape to batch * kv_heads sequences of one kv head.
 
-  Jitted so the reshapes are bitcasts: k [b, hk, n, d] -> [b * hk, n, 1, d], q [b, hq, d] ->
-  [b * hk, g, d]; then the "nhd" path, and the results reshaped back.
+  Jitted so the reshapes are bitcasts: k [b, hk, n, d] -> [b * hk, n, 1, d] (pages [p, hk, ps,
+  d] -> [p * hk, ps, 1, d]), q [b, hq, d] -> [b * hk, g, d]; then the "nhd" path, and the
+  results reshaped back.
   """
+  b, hk, d = q.shape[0], k.shape[1], k.shape[-1]
+  if page_table is not None:
+    q2, k2, v2, table, lengths = hnd_pages_as_sequences(q, k, v, page_table, kv_lengths)
+    nb = block_summaries.num_blocks
+    summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
+                          lengths=jnp.repeat(block_summaries.lengths, hk),
+                          block_size=block_summaries.block_size)
+    out, lse, idx = _attend(q2, k2, v2, lengths, summ, table, plan=plan, block_size=block_size,
+                            sel=sel, scale=scale, interpret=interpret)
+    return (out.reshape(b, q.shape[1], out.shape[-1]), lse.reshape(b, q.shape[1]),
+            idx.reshape(b, hk, idx.shape[-1]))
   q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
-  b, hk, n, d = k.shape
   triton = plan.implementation == "triton"
   if triton:       # lengths [b], read by sequence b * hk + h at b (no repeat)
     lengths, summary_lengths = jnp.asarray(kv_lengths, jnp.int32), block_summaries.lengths
@@ -543,46 +591,35 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                    implementation, interpret, num_splits, kv_layout="nhd"):
   _check_kv_layout(kv_layout)
   if not isinstance(block_summaries, BlockSummaries):
-    raise TypeError("block_summaries must be a BlockSummaries")
+    raise TypeError(f"block_summaries must be a BlockSummaries, got "
+                    f"{type(block_summaries).__name__}")
   if block_summaries.layout != kv_layout:
     raise ValueError(f"block_summaries.layout={block_summaries.layout!r} != "
                      f"kv_layout={kv_layout!r}: make the summaries with "
                      f"init_block_summaries(..., kv_layout={kv_layout!r})")
+  kv_lengths, page_table, b, hk, _ = check_decode_call(q, k, v, kv_lengths, page_table,
+                                                       kv_layout, min_page_size=1)
+  hnd = kv_layout == "hnd"
+  block_size = k.shape[2 if hnd else 1] if block_size is None else block_size
   if block_summaries.block_size != block_size:
     raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
                      f"block_size={block_size}")
-  if kv_layout == "hnd":
-    if page_table is not None:
-      raise NotImplementedError("kv_layout='hnd' is for contiguous caches, not paged ones")
-    _hnd_check_shapes(q, k, v, kv_lengths)
-    b, hk, n, d = k.shape
-    if block_summaries.sums.shape != (b, hk, cdiv(n, block_size), d):
-      raise ValueError(f"block_summaries.sums {block_summaries.sums.shape} does not match the "
-                       f"head-major cache {k.shape}: expected {(b, hk, cdiv(n, block_size), d)}")
-  else:
-    if q.ndim != 3:
-      raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
-    if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-      raise ValueError(f"k/v must be [batch or pages, len, kv_heads, d] and agree in all but "
-                       f"the last dim (v's head_dim may differ), got {k.shape} / {v.shape}")
-    if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[2]:
-      raise ValueError(f"q {q.shape} does not match the cache {k.shape}")
-    if page_table is None and q.shape[0] != k.shape[0]:
-      raise ValueError(f"q batch {q.shape[0]} != cache batch {k.shape[0]}")
-    nb = cdiv(k.shape[1], block_size) if page_table is None else page_table.shape[1]
-    if block_summaries.num_blocks != nb:
-      raise ValueError(f"block_summaries has {block_summaries.num_blocks} blocks, the cache "
-                       f"{nb}")
-  check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
   plan = sparse_decode_plan(q, k, v, block_size=block_size, top_k=top_k,
                             num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
-                            page_table=page_table, kv_layout=kv_layout,
-                            implementation=implementation, num_splits=num_splits)
+                            page_table=page_table, kv_layout=kv_layout, scale=scale,
+                            return_lse=return_lse, return_indices=return_indices,
+                            implementation=implementation, interpret=interpret,
+                            num_splits=num_splits)
+  nb = cdiv(k.shape[2 if hnd else 1], block_size) if page_table is None else page_table.shape[1]
+  want = (b, hk, nb, k.shape[-1]) if hnd else (b, nb, hk, k.shape[-1])
+  if block_summaries.sums.shape != want:
+    raise ValueError(f"block_summaries.sums must be {want} for this {kv_layout!r} cache "
+                     f"{k.shape}, got {block_summaries.sums.shape}")
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   sel = (("top_k", top_k), ("num_init_blocks", num_init_blocks),
          ("num_local_blocks", num_local_blocks))
-  if kv_layout == "hnd":
-    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, plan=plan,
+  if hnd:
+    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table, plan=plan,
                                     block_size=block_size, sel=sel, scale=scale,
                                     interpret=interpret)
   else:
@@ -654,19 +691,25 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
 def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, block_summaries, *,
                                   top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                                   return_lse=False, return_indices=False, implementation=None,
-                                  interpret=False, num_splits=None):
+                                  interpret=False, num_splits=None, kv_layout="nhd"):
   """:func:`sparse_decode_attention` over a paged cache; blocks are pages (block = page size).
+
+  ``kv_layout`` "hnd" takes head-major pages [num_pages, kv_heads, page_size, head_dim], run
+  as batch * kv_heads one-head sequences (as ``jattn.paged_decode_attention``).
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_pages: [num_pages, page_size, kv_heads, head_dim].
-    v_pages: [num_pages, page_size, kv_heads, head_dim_v].
+    k_pages: [num_pages, page_size, kv_heads, head_dim] ("nhd") or [num_pages, kv_heads,
+      page_size, head_dim] ("hnd").
+    v_pages: like ``k_pages`` with head_dim_v.
     page_table: int32 [batch, max_pages]: token t of sequence b is in page
       ``page_table[b, t // page_size]``, slot ``t % page_size``.
-    kv_lengths: int [batch], including the new token.
-    block_summaries: :class:`BlockSummaries` with block_size == page_size (layout "nhd").
+    kv_lengths: int [batch], including the new token, in [0, max_pages * page_size] (traced
+      values: as ``jattn.paged_decode_attention``, ``jattn.decode.check_decode_call``).
+    block_summaries: :class:`BlockSummaries` with block_size == page_size and layout
+      ``kv_layout``.
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
-      interpret, num_splits: as in :func:`sparse_decode_attention`.
+      interpret, num_splits, kv_layout: as in :func:`sparse_decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -681,10 +724,10 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
     (1, 2, 8)
   """
   return _sparse_decode(q, k_pages, v_pages, kv_lengths, block_summaries, page_table,
-                        block_size=k_pages.shape[1], top_k=top_k,
+                        block_size=None, top_k=top_k,
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                         scale=scale, return_lse=return_lse, return_indices=return_indices,
                         implementation=implementation, interpret=interpret,
-                        num_splits=num_splits)
+                        num_splits=num_splits, kv_layout=kv_layout)
 
 

@@ -6,7 +6,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jattn._validate import check_qkv, check_segments
+from jattn._validate import check_qkv, check_scale_and_cap, check_segments
 from pallas_kernels.masks import element_mask
 from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
                                    check_selection_args, doc_start_blocks, segment_overlap)
@@ -68,6 +68,7 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   check_selection(selection, batch, q_len, kv_len, hk)
   g = hq // hk
   d = q.shape[-1]
+  scale, _ = check_scale_and_cap(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   qbs, bs = selection.q_block_size, selection.block_size
@@ -139,6 +140,7 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
                                                          q_len, kv_len)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   g, d = hq // hk, q.shape[-1]
+  scale, _ = check_scale_and_cap(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   qbs, bs = int(q_block_size), int(block_size)
@@ -221,12 +223,13 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
     ...                                                   q_block_size=32))(q).shape
     (True, (1, 256, 2, 16))
   """
-  check_selection_args(block_size, q_block_size, 0, num_init_blocks, num_local_blocks)
+  check_selection_args(block_size, q_block_size, 1, num_init_blocks, num_local_blocks)
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
   batch, q_len, kv_len, _, hk = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
+  scale, _ = check_scale_and_cap(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,

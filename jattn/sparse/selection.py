@@ -127,7 +127,7 @@ class BlockSelection:
 
     Example:
       >>> q = jax.random.normal(jax.random.key(0), (1, 256, 1, 16))
-      >>> float(select_blocks(q, q, block_size=64, top_k=0, num_local_blocks=1,
+      >>> float(select_blocks(q, q, block_size=64, top_k=1, num_local_blocks=0,
       ...                     num_init_blocks=0).density())
       0.25
     """
@@ -175,8 +175,10 @@ def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_s
     >>> block_scores(q, k, block_size=32, q_block_size=16).shape
     (1, 2, 7, 4)
   """
-  b, _, hq, d = q.shape
-  hk = k.shape[2]
+  check_selection_args(block_size, q_block_size, 1, 0, 0)
+  b, q_len, kv_len, hq, hk = check_qkv(q, k, k)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, b, q_len, kv_len)
+  d = q.shape[-1]
   qv = None if segment_ids is None else segment_ids != 0
   kv = None if kv_segment_ids is None else kv_segment_ids != 0
   qbar = _block_mean(q, qv, q_block_size)                        # [b, nq, hq, d]
@@ -434,7 +436,7 @@ def check_selection(selection, batch, q_len, kv_len, kv_heads):
 
 def check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks):
   for name, val, lo in (("block_size", block_size, 1), ("q_block_size", q_block_size, 1),
-                        ("top_k", top_k, 0), ("num_init_blocks", num_init_blocks, 0),
+                        ("top_k", top_k, 1), ("num_init_blocks", num_init_blocks, 0),
                         ("num_local_blocks", num_local_blocks, 0)):
     if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
       raise ValueError(f"{name} must be an int >= {lo} (static), got {val!r}")

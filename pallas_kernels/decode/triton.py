@@ -164,6 +164,7 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   def rows_of(pos, valid):
     """Paged: cache rows of tokens ``pos`` through the page table (a small int32 gather)."""
     page = plgpu.load(pt_ref.at[b, pos // page_size], mask=valid, other=0)      # [block_k]
+    page = jnp.clip(page, 0, k_ref.shape[0] // page_size - 1)   # ids outside the pool: clamped
     return page * page_size + pos % page_size
 
   def body(i, carry):

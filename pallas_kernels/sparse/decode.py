@@ -103,7 +103,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     ids_vec = plgpu.load(idx_ref.at[b, h, jnp.minimum(begin + ar, num_slots - 1)], mask=own,
                          other=-1)                                           # [ids_pad]
     if paged:
-      pages_vec = plgpu.load(pt_ref.at[b, jnp.maximum(ids_vec, 0)])
+      pages_vec = jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(ids_vec, 0)]), 0,
+                           k_ref.shape[0] // block - 1)           # ids outside the pool: clamped
 
   q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
@@ -141,7 +142,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
     blk = jnp.where(s < end, blk, -1)
     if paged:
-      page = plgpu.load(pt_ref.at[b, jnp.maximum(blk, 0)])
+      page = jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(blk, 0)]), 0,
+                      k_ref.shape[0] // block - 1)
       return blk, page * block
     return blk, None
 

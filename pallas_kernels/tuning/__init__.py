@@ -98,6 +98,13 @@ class Device:
   compute_capability: tuple[int, int] | None = None
   core_count: int | None = None
 
+  def __post_init__(self):
+    cc = self.compute_capability
+    if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2
+                               and all(isinstance(x, int) for x in cc)):
+      raise ValueError(f"compute_capability must be None or a (major, minor) tuple of ints "
+                       f"such as (9, 0), got {cc!r}")
+
   @property
   def sm90(self) -> bool:
     """Hopper (compute capability 9.0): where the Mosaic GPU kernels run."""

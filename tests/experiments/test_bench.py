@@ -57,16 +57,29 @@ def test_case_names_groups_and_unknown_names():
     bench.expand_cases("flash_d128,nope")
 
 
-def test_impls_are_validated(capsys):
-  assert bench.parse_impls("jattn, jax_nn_xla,jattn") == ["jattn", "jax_nn_xla"]
+@pytest.mark.parametrize("argv,bad,valid", [
+    (["--impl", "jattn,cudnn_fast", "--case", "decode_b1_s128k"], "cudnn_fast", bench.IMPLS),
+    (["--impl", "jattn", "--impl", "xla", "--all"], "xla", bench.IMPLS),
+    (["--case", "flash_d512"], "flash_d512", bench.CASES),
+    (["--case", "decode", "--case", "decode_b1_s128k,nope"], "nope", bench.CASES),
+    ([], "--all", ("--case NAME", "--list")),                 # nothing chosen
+    (["--all", "--case", "sparse_16k"], "not allowed with", ()),
+])
+def test_bad_command_lines_exit_2(argv, bad, valid, capsys):
+  """Unknown names (and no choice of cases) exit with status 2, naming them and the valid ones."""
   with pytest.raises(SystemExit) as e:
-    bench.main(["--impls", "jattn,cudnn_fast", "--cases", "decode_b1_s128k"])
+    bench.main(argv)
   assert e.value.code == 2
   err = capsys.readouterr().err
-  assert "cudnn_fast" in err and all(name in err for name in bench.IMPLS)
-  with pytest.raises(SystemExit) as e:
-    bench.main(["--cases", "flash_d512"])
-  assert e.value.code == 2 and "flash_d512" in capsys.readouterr().err
+  assert bad in err and all(name in err for name in valid), err
+
+
+def test_impls_and_list(capsys):
+  assert bench.parse_impls("jattn, jax_nn_xla,jattn") == ["jattn", "jax_nn_xla"]
+  assert {"jax_nn_cudnn", "jax_nn_xla"} <= set(bench.DEFAULT_IMPLS)   # the anchors, always
+  assert bench.main(["--list"]) == 0
+  out = capsys.readouterr().out
+  assert all(name in out for name in [*bench.CASES, *bench.GROUPS])
 
 
 def test_help_lists_cases_groups_and_impls(capsys):
@@ -161,8 +174,8 @@ def test_tiny_run_every_family(tmp_path, monkeypatch, capsys):
   out = str(tmp_path / "r.json")
   cases = ["flash_window512_fwdbwd", "flash_packed_fwd", "decode_b8_s32k_paged", "sparse_16k",
            "sparse_decode_b1_s128k"]
-  assert bench.main(["--tiny", "--cases", ",".join(cases), "--impls", "jattn,jax_nn_xla",
-                     "--out", out]) == 0
+  assert bench.main(["--tiny", "--case", ",".join(cases[:2]), "--case", ",".join(cases[2:]),
+                     "--impl", "jattn", "--impl", "jax_nn_xla", "--out", out]) == 0
   assert not os.path.exists(out + ".partial")
   with open(out) as fh:
     result = json.load(fh)
@@ -177,9 +190,8 @@ def test_tiny_run_every_family(tmp_path, monkeypatch, capsys):
   sp = rows[("sparse_16k", "jattn")]
   assert 0 < sp["kept_fraction"] < 1 and sp["speedup"] == pytest.approx(
       rows[("sparse_16k", "jattn_dense")]["ms"] / sp["ms"])
-  capsys.readouterr()
-  assert bench.main(["--summary", out]) == 0
-  table = capsys.readouterr().out
+  table = bench.summary(result)
+  assert table in capsys.readouterr().out                      # printed at the end of the run
   assert "| flash_window512_fwdbwd |" in table and "speed vs best anchor" in table
   assert "| sparse_16k |" in table and "jattn dense ms" in table
   line = next(ln for ln in table.splitlines() if ln.startswith("| flash_packed_fwd |"))
@@ -192,16 +204,15 @@ def test_a_failing_implementation_is_a_failed_row(tmp_path, monkeypatch, capsys)
   CPU, or cuDNN without a GPU) gives a row with ok False and its error; the run goes on."""
   monkeypatch.setattr(bench, "time_fn", FAST)
   out = str(tmp_path / "r.json")
-  assert bench.main(["--tiny", "--cases", "decode_b1_s128k", "--impls",
+  assert bench.main(["--tiny", "--case", "decode_b1_s128k", "--impl",
                      "jattn_xla,jax_nn_cudnn", "--out", out]) == 0
   with open(out) as fh:
-    rows = {r["impl"]: r for r in json.load(fh)["rows"]}
+    result = json.load(fh)
+  rows = {r["impl"]: r for r in result["rows"]}
   assert rows["jattn_xla"]["ok"]
   if jax.default_backend() == "cpu":
     assert rows["jax_nn_cudnn"]["ok"] is False and rows["jax_nn_cudnn"]["error"]
-    capsys.readouterr()
-    bench.main(["--summary", out])
-    assert "fail" in capsys.readouterr().out
+    assert "fail" in bench.summary(result)
 
 
 def test_interpreted_pallas_kernel_row(monkeypatch):
@@ -238,3 +249,39 @@ def test_committed_results_files(path):
   names = {r["case"] for r in result["rows"]}
   assert set(bench.GROUPS["anchors"]) <= names
   assert "speed vs best anchor" in bench.summary(result)
+
+
+def test_xla_anchor_above_4k_is_a_skipped_row(monkeypatch):
+  """jax.nn's XLA anchor is always asked for; where it would materialise 16K x 16K logits it
+  is recorded as skipped (with the reason), never silently missing."""
+  monkeypatch.setattr(bench, "time_fn", FAST)
+  b = bench.Bench(["jax_nn_xla"])
+  assert b._flash_fn(bench.CASES["flash_d128_fwd"], "jax_nn_xla", None) is None
+  (row,) = b.rows
+  assert row["skipped"] and row["ms"] is None and row["case"] == "flash_d128_fwd"
+  table = bench.summary({"meta": {}, "rows": b.rows})
+  assert table.splitlines()[-1].split(" | ")[3] == "n/a"
+
+
+def test_docs_are_generated_from_the_results_file(tmp_path, monkeypatch):
+  """docs/benchmarks.md and the README's table are what --write-docs makes of the committed
+  H200 results (regenerate them with the command after a new run); the command rewrites only
+  the README's marked block."""
+  path = os.path.join(bench.RESULTS_DIR, "h200.json")
+  with open(path) as fh:
+    result = json.load(fh)
+  with open(bench.DOCS_PAGE) as fh:
+    assert fh.read() == bench.benchmarks_page(result, "experiments/results/h200.json")
+  with open(bench.README) as fh:
+    readme = fh.read()
+  assert f"{bench.README_BEGIN}\n{bench.summary(result)}\n{bench.README_END}" in readme
+  page, fake_readme = tmp_path / "b.md", tmp_path / "README.md"
+  fake_readme.write_text(f"intro\n{bench.README_BEGIN}\nold\n{bench.README_END}\noutro\n")
+  monkeypatch.setattr(bench, "DOCS_PAGE", str(page))
+  monkeypatch.setattr(bench, "README", str(fake_readme))
+  assert bench.main(["--write-docs", path]) == 0
+  assert page.read_text() == bench.benchmarks_page(result, "experiments/results/h200.json")
+  assert fake_readme.read_text() == (f"intro\n{bench.README_BEGIN}\n{bench.summary(result)}\n"
+                                     f"{bench.README_END}\noutro\n")
+  for key in ("device", "jax_version", "commit", "date"):
+    assert str(result["meta"][key]) in page.read_text()
