@@ -174,6 +174,7 @@ def mask_tile_classes(mask, block_q: int, block_k: int):
     >>> [x.tolist() for x in mask_tile_classes(m, 2, 2)]
     [[[True, False], [True, True]], [[False, False], [True, False]]]
   """
+  mask = jax.lax.optimization_barrier(mask)   # no slow constant folding of a constant mask
   q_len, kv_len = mask.shape[-2:]
   nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
   pad = [(0, 0)] * (mask.ndim - 2) + [(0, nq * block_q - q_len), (0, nk * block_k - kv_len)]

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 
-import flax.nnx as nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jattn
 from pallas_kernels.block_schedule import make_schedule, mask_tile_classes
@@ -51,7 +51,7 @@ def make_group(rng, *, lengths=(1, 7, 33, 64, 100, 130), max_batch=4):
   d = int(rng.choice([16, 32, 40]))
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape).astype(np.float32))
   q, k, v = normal(b, t, n, d), normal(b, s, hk, d), normal(b, s, hk, d)
-  kw = dict(is_causal=bool(rng.random() < 0.4))
+  kw = {"is_causal": bool(rng.random() < 0.4)}
   w = rng.random()
   if w < 0.2:
     kw["local_window_size"] = int(rng.integers(0, 40))
@@ -137,9 +137,16 @@ def check_group(group, rng, *, implementation, interpret=False, tol=TOL, dtype=j
   np.testing.assert_array_equal(out[~np.asarray(rows)], 0.0)   # rows that see no key
   keep = np.asarray(rows)[..., None]
   assert rel_err(np.where(keep, out, 0), np.where(keep, out_ref, 0)) < tol, "out"
-  for name, a, r in zip(("dq", "dk", "dv", "dbias"), g, g_ref):
+  # A gradient that is 0 in exact arithmetic (dq, dk and dbias where every row sees one key)
+  # holds only the rounding of cancelling terms: a reference below 1% of the largest gradient's
+  # RMS is measured against that 1% instead of its own norm.
+  refs = [np.asarray(r, np.float64) for r in g_ref]
+  rms = max(np.sqrt(np.mean(np.square(r))) for r in refs)
+  for name, a, r in zip(("dq", "dk", "dv", "dbias"), g, refs):
     assert a.shape == r.shape, name
-    assert rel_err(a, r) < tol, (name, rel_err(a, r))
+    floor = max(1e-2 * rms * np.sqrt(r.size), np.finfo(np.float64).tiny)   # tiny: all zero
+    err = np.linalg.norm(np.ravel(np.asarray(a, np.float64) - r)) / max(np.linalg.norm(r), floor)
+    assert err < tol, (name, err)
 
 
 def _groups(seed, count, **kw):
@@ -159,7 +166,7 @@ def test_matches_jax_nn_xla(seed):
 
 
 def test_matches_jax_nn_triton_interpret():
-  groups, rng = _groups(10, 2, lengths=(7, 64, 100))
+  groups, rng = _groups(11, 3, lengths=(7, 64, 100))   # GQA, causal, window, mask, bias, lengths
   for group in groups:
     check_group(group, rng, implementation="triton", interpret=True)
 
@@ -167,7 +174,7 @@ def test_matches_jax_nn_triton_interpret():
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["xla", "triton"])
 def test_matches_jax_nn_sweep(implementation):
-  groups, rng = _groups(100, 70)
+  groups, rng = _groups(100, 80)
   assert _cases(groups) >= 200
   for group in groups:
     check_group(group, rng, implementation=implementation, interpret=implementation != "xla")
@@ -175,7 +182,7 @@ def test_matches_jax_nn_sweep(implementation):
 
 @pytest.mark.gpu
 def test_matches_jax_nn_gpu():
-  groups, rng = _groups(200, 70, lengths=(1, 100, 257, 1000))
+  groups, rng = _groups(200, 80, lengths=(1, 100, 257, 1000))
   assert _cases(groups) >= 200
   for group in groups:   # fp32: Triton on every GPU
     check_group(group, rng, implementation=None)

@@ -553,8 +553,8 @@ def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _St
   for x in (mask, bias):   # [1 | B, 1 | Hq, Sq, Sk]: the group's heads of kv head h
     if x is not None:
       xb, xg = x.shape[0] > 1, g if x.shape[1] > 1 else 1
-      in_specs.append(spec((None, xg, sq, bk), lambda i, bi, h, xb=xb, xg=xg:
-                           (bi if xb else 0, h if xg > 1 else 0, 0, i)))
+      in_specs.append(spec((None, xg, sq, bk), lambda i, bi, h, xb=xb, xh=x.shape[1] > 1:
+                           (bi if xb else 0, h if xh else 0, 0, i)))
       args.append(x)
   in_specs.append(spec((None, None, None, rows.shape[-1]),
                        lambda i, bi, h: (rb(bi), rh(h), i, 0)))
