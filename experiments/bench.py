@@ -82,6 +82,8 @@ class Case:
       cache length).
     causal, window: the mask (window: (left, right) or None).
     docs: packed causal documents of seq // docs tokens per row (segment ids); 0 for none.
+    mask_tiles: a boolean mask array of 128 x 128 tiles, this fraction visible (and the
+      diagonal); 0 for none.
     page_size: decode: a paged cache of this page size (0: contiguous).
     lengths: decode: the cache length of each sequence (None: all seq).
     q_block, block: sparse: query / key block sizes of the selection.
@@ -97,6 +99,7 @@ class Case:
   causal: bool = False
   window: tuple | None = None
   docs: int = 0
+  mask_tiles: float = 0.0
   page_size: int = 0
   lengths: tuple | None = None
   q_block: int = 128
@@ -115,6 +118,8 @@ class Case:
       s += f" window{self.window[0] + 1}"
     if self.docs:
       s += f" docs{self.docs}x{_k(self.seq // self.docs)}"
+    if self.mask_tiles:
+      s += f" tilemask{self.mask_tiles:.0%}"
     if self.page_size:
       s += f" paged{self.page_size}"
     if self.lengths:
@@ -153,6 +158,7 @@ CASES = {c.name: c for c in (
     Case("flash_window512_fwd", "flash_fwd", causal=True, window=(511, 0), **_D128),
     Case("flash_window512_fwdbwd", "flash_fwd_bwd", causal=True, window=(511, 0), **_D128),
     Case("flash_packed_fwd", "flash_fwd", causal=True, docs=4, **_D128),
+    Case("flash_tilemask10_fwd", "flash_fwd", mask_tiles=0.1, **_D128),
     Case("flash_d64_fwd", "flash_fwd", **dict(_D128, head_dim=64)),
     Case("flash_d64_causal_fwd", "flash_fwd", causal=True, **dict(_D128, head_dim=64)),
     Case("flash_d256_fwd", "flash_fwd", **dict(_D128, head_dim=256)),
@@ -320,7 +326,15 @@ def decode_reference(q, k, v, lengths, keep=None):
   return out.reshape(b, hq, d)
 
 
-def flash_mask_fn(case, segment_row=None):
+def tile_mask(case, tile=128):
+  """bool [seq, seq] of a ``mask_tiles`` case: seeded tile x tile blocks and the diagonal."""
+  n = -(-case.seq // tile)
+  keep = np.random.default_rng(case.seq).random((n, n)) < case.mask_tiles
+  keep[np.arange(n), np.arange(n)] = True
+  return np.repeat(np.repeat(keep, tile, 0), tile, 1)[:case.seq, :case.seq]
+
+
+def flash_mask_fn(case, segment_row=None, tiles=None):
   """The element mask of a flash case as ``mask_fn(rows, cols)`` (for :func:`reference`)."""
   def mask_fn(rows, cols):
     r, c = rows[:, None], cols[None, :]
@@ -332,6 +346,8 @@ def flash_mask_fn(case, segment_row=None):
     if segment_row is not None:
       seg_r = segment_row[rows][:, None]
       m &= (seg_r == segment_row[cols][None, :]) & (seg_r != 0)
+    if tiles is not None:
+      m &= tiles[rows[:, None], cols[None, :]]
     return m
   return mask_fn
 
@@ -339,6 +355,8 @@ def flash_mask_fn(case, segment_row=None):
 def visible_pairs(case):
   """Query-key pairs one (batch row, head) of a flash or sparse case computes (its mask's)."""
   s = case.seq
+  if case.mask_tiles:
+    return float(tile_mask(case).sum())
   n = s // case.docs if case.docs else s
   i = np.arange(n)
   if case.window is not None:
@@ -452,7 +470,8 @@ class Bench:
     # Reference on the last batch row, head 0 (kv head 0).
     sl = lambda x: x[-1, :, 0]
     q, k, v = sets[0][:3]
-    mask_fn = flash_mask_fn(case, None if seg is None else seg[-1])
+    tiles = jnp.asarray(tile_mask(case)) if case.mask_tiles else None
+    mask_fn = flash_mask_fn(case, None if seg is None else seg[-1], tiles)
     if bwd:
       ref_out, ref_grads = reference(sl(q), sl(k), sl(v), mask_fn, ct=sl(sets[0][3]))
     else:
@@ -460,7 +479,7 @@ class Bench:
     flops = 4.0 * b * h * d * visible_pairs(case) * (3.5 if bwd else 1.0)
     work = lambda ms: dict(tflops=flops / ms / 1e9)
     for impl in self.impls:
-      fn = self._flash_fn(case, impl, seg)
+      fn = self._flash_fn(case, impl, seg, None if tiles is None else tiles[None, None])
       if fn is None:
         continue
       if not bwd:
@@ -474,23 +493,23 @@ class Bench:
       self._timed(case, impl, grads, sets,
                   lambda g: max(rel_err(sl(x), r) for x, r in zip(g, ref_grads)), work)
 
-  def _flash_fn(self, case, impl, seg):
+  def _flash_fn(self, case, impl, seg, mask=None):
     """f(q, k, v) of an implementation for a flash case, or None (printed why) if it has none."""
     window = case.window
     if impl.startswith("jattn"):
-      return functools.partial(jattn.flash_attention, causal=case.causal,
+      return functools.partial(jattn.flash_attention, causal=case.causal, mask=mask,
                                local_window_size=window, segment_ids=seg, **self._jattn_kw(impl))
     if impl == "jax_nn_xla" and case.seq > 4096:
       self.record(dict(op=case.op, case=case.name, shape=case.shape, impl=impl, ms=None,
                        ok=None, skipped="above 4K tokens (it materialises the logits)"))
       return None
     if impl.startswith("jax_nn"):
-      f = functools.partial(jax.nn.dot_product_attention, is_causal=case.causal,
+      f = functools.partial(jax.nn.dot_product_attention, is_causal=case.causal, mask=mask,
                             local_window_size=window, implementation=impl[len("jax_nn_"):])
     elif impl.startswith("tokamax"):
       if self._tokamax is None:
         return None
-      f = functools.partial(self._tokamax.dot_product_attention, is_causal=case.causal,
+      f = functools.partial(self._tokamax.dot_product_attention, is_causal=case.causal, mask=mask,
                             local_window_size=window, implementation=impl[len("tokamax_"):])
     else:
       return None

@@ -4,6 +4,7 @@ import importlib
 from jattn._plan import Plan
 from jattn._validate import debug_checks
 from jattn.attention import flash_attention, flash_attention_plan
+from jattn.dot_product import dot_product_attention
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from jattn.decode import (append_kv, append_kv_paged, decode_attention, decode_plan,
                           paged_decode_attention)
@@ -16,7 +17,8 @@ from jattn.sparse import (BlockSelection, BlockSummaries, block_sparse_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "nn", "Plan", "debug_checks", "flash_attention", "flash_attention_plan", "BlockSchedule", "make_schedule",
+__all__ = ["__version__", "nn", "Plan", "debug_checks", "flash_attention", "flash_attention_plan",
+           "dot_product_attention", "BlockSchedule", "make_schedule",
            "BlockSelection", "BlockSummaries", "block_sparse_attention", "block_sparse_plan",
            "captured_mass",
            "init_block_summaries", "select_blocks", "sparse_attention", "sparse_decode_attention",

@@ -10,6 +10,10 @@ Implementations:
   * ``"cudnn"``: pass-through to ``jax.nn.dot_product_attention(implementation="cudnn")`` for
     the masks it supports (causal, local window); anything else raises ValueError.
 
+Boolean ``mask`` and additive ``bias`` arrays run on "xla" and "triton" (the mask becomes a
+block schedule on device: all-False tiles are skipped, all-True tiles run unmasked); the other
+implementations raise ValueError for them.
+
 How a call is resolved (:func:`resolve`, the one place, for flash and block-sparse calls):
   1. implementation: the one named, else the platform's;
   2. configs: ``block_sizes`` if given, else the device's tuning table, else the heuristic;
@@ -94,7 +98,9 @@ def mosaic_gpu_problems(q, k, v):
   return problems
 
 
-def _default_implementation(dev, q, k, v, *, interpret, block_sizes, tiles):
+def _default_implementation(dev, q, k, v, *, interpret, block_sizes, tiles, arrays):
+  if arrays:   # mask / bias arrays: the kernels that read them
+    return "triton" if dev.platform == "gpu" else "xla"
   if dev.platform == "tpu":
     return "mosaic_tpu"
   if dev.platform != "gpu":
@@ -185,7 +191,7 @@ def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, bl
 
 def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=None,
             implementation=None, block_sizes=None, interpret=False, platform=None,
-            device_kind=None) -> Plan:
+            device_kind=None, arrays=False) -> Plan:
   """The plan of one call: implementation, then configs (explicit, table, heuristic, fit).
 
   The one resolution behind :func:`flash_attention_plan` and ``jattn.block_sparse_plan``.
@@ -203,6 +209,8 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
     interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
     platform, device_kind: describe another device than the current one
       (``pallas_kernels.tuning.device``).
+    arrays: whether the call has ``mask`` or ``bias`` arrays (only "xla" and "triton" take
+      them: the default is "triton" on GPU, "xla" elsewhere; another named one raises).
 
   Returns:
     A :class:`jattn._plan.Plan`.
@@ -221,7 +229,11 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
                     f"'NVIDIA H200', got {device_kind!r}")
   dev = tuning.device(platform, device_kind)
   impl = implementation or _default_implementation(dev, q, k, v, interpret=interpret,
-                                                   block_sizes=block_sizes, tiles=tiles)
+                                                   block_sizes=block_sizes, tiles=tiles,
+                                                   arrays=arrays)
+  if arrays and impl not in ("xla", "triton"):
+    raise ValueError(f"implementation={impl!r} does not support mask or bias arrays; use "
+                     f"implementation='triton' (GPU) or 'xla'")
   if impl in ("xla", "cudnn"):
     return Plan(op, impl, backward=impl, device_kind=dev.kind)
   if impl == "mosaic_gpu":
@@ -246,8 +258,8 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
 
 def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segment_ids=None,
                          kv_segment_ids=None, scale=None, logits_soft_cap=None, return_lse=False,
-                         implementation=None, interpret=False, block_sizes=None, platform=None,
-                         device_kind=None) -> Plan:
+                         implementation=None, interpret=False, block_sizes=None, mask=None,
+                         bias=None, platform=None, device_kind=None) -> Plan:
   """What ``flash_attention`` runs for a call: implementation and forward/backward configs.
 
   Takes every argument of :func:`flash_attention` (so the call's own arguments work; ``scale``,
@@ -256,7 +268,7 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
     causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap, return_lse,
-      implementation, interpret, block_sizes: as for :func:`flash_attention`.
+      implementation, interpret, block_sizes, mask, bias: as for :func:`flash_attention`.
     platform: "cpu", "gpu" or "tpu"; default: jax's default backend (or ``device_kind``'s).
     device_kind: a jax ``device_kind`` to plan for, e.g. "NVIDIA H200"; default: the current.
 
@@ -277,7 +289,8 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
   return resolve("flash", q, k, v, causal=causal, window=normalize_window(local_window_size),
                  segments=segment_ids is not None,
                  implementation=implementation, block_sizes=block_sizes, interpret=interpret,
-                 platform=platform, device_kind=device_kind)
+                 platform=platform, device_kind=device_kind,
+                 arrays=mask is not None or bias is not None)
 
 
 def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, return_lse):
@@ -300,7 +313,8 @@ def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, retu
 
 def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_ids=None,
                     kv_segment_ids=None, scale=None, logits_soft_cap=None, return_lse=False,
-                    implementation=None, interpret=False, block_sizes=None):
+                    implementation=None, interpret=False, block_sizes=None, mask=None,
+                    bias=None):
   """IO-aware multi-head attention (flash attention) with masks as block schedules.
 
   Args:
@@ -318,6 +332,13 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
       "mosaic_tpu" or "cudnn".
     interpret: run a Pallas kernel in interpret mode (CPU; not "mosaic_gpu").
     block_sizes: optional ``BlockSizes`` of the implementation's kernel module.
+    mask: None or bool, 4-D, broadcastable to [batch, q_heads, q_len, kv_len] (each axis 1 or
+      full), True where a query may see a key, combined with the masks above; "xla" and
+      "triton" only. Triton turns it into block schedules on device: all-False tiles are
+      skipped, all-True tiles run unmasked, the others read the mask.
+    bias: None or float, 4-D, broadcastable like ``mask``: added to the (soft-capped) logits
+      before the softmax; differentiable; "xla" and "triton" only. Both arrays are broadcast to
+      [1 | batch, 1 | q_heads, q_len, kv_len] before a Triton call.
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -337,19 +358,22 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
   scale, logits_soft_cap = check_scale_and_cap(scale, logits_soft_cap)
   if scale is None:
     scale = 1.0 / (q.shape[-1] ** 0.5)
+  mask = broadcast_mask_or_bias("mask", mask, (batch, q.shape[2], q_len, kv_len))
+  bias = broadcast_mask_or_bias("bias", bias, (batch, q.shape[2], q_len, kv_len))
   plan = flash_attention_plan(q, k, v, causal=causal, local_window_size=window,
                               segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                               return_lse=return_lse, implementation=implementation,
-                              interpret=interpret, block_sizes=block_sizes)
+                              interpret=interpret, block_sizes=block_sizes, mask=mask, bias=bias)
   impl, bs = plan.implementation, plan.config
-  mask = dict(causal=causal, local_window_size=window)
+  mask_arr, mask = mask, dict(causal=causal, local_window_size=window)
   if impl == "cudnn":
     return _cudnn(q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
                   logits_soft_cap=logits_soft_cap, return_lse=return_lse)
   if impl == "xla":
     out, lse = attention_reference(q, k, v, q_segment_ids=segment_ids,
                                    kv_segment_ids=kv_segment_ids, scale=scale,
-                                   logits_soft_cap=logits_soft_cap, **mask)
+                                   logits_soft_cap=logits_soft_cap, block_mask=mask_arr,
+                                   bias=bias, **mask)
   elif impl == "mosaic_gpu":
     # interpret=True: the forward raises NotImplementedError (it cannot be interpreted)
     out, lse = kernel_module(impl).flash_attention(
@@ -357,8 +381,15 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
         block_sizes=bs, bwd_block_sizes=plan.backward_config, interpret=interpret, **mask)
   else:
     mask.update(q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-    schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, **mask)
     kwargs = {}
+    if mask_arr is not None:   # the schedules' lists: a kv head's group shares them
+      g = q.shape[2] // k.shape[2]
+      mask["mask"] = (mask_arr if mask_arr.shape[1] == 1 or g == 1 else
+                      mask_arr.reshape(mask_arr.shape[0], k.shape[2], g, q_len, kv_len))
+      kwargs["mask"] = mask_arr
+    if bias is not None:
+      kwargs["bias"] = bias
+    schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, **mask)
     if impl == "triton":   # the backward walks its own schedules of the same mask
       kwargs["block_sizes"] = bs
       if bs.bwd_tiles != (bs.block_q, bs.block_k):
@@ -369,3 +400,35 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
         q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal, local_window_size=window,
         scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)
   return (out, lse) if return_lse else out
+
+
+def broadcast_mask_or_bias(name, x, full):
+  """Check a ``mask`` or ``bias`` array and broadcast its sequence axes.
+
+  Args:
+    name: "mask" (bool) or "bias" (float).
+    x: None or a 4-D array whose axes are each 1 or the matching entry of ``full``.
+    full: (batch, q_heads, q_len, kv_len).
+
+  Returns:
+    None, or ``x`` broadcast to [1 | batch, 1 | q_heads, q_len, kv_len].
+
+  Raises:
+    TypeError: for a mask that is not bool or a bias that is not float.
+    ValueError: for another shape.
+
+  Example:
+    >>> broadcast_mask_or_bias("mask", jnp.ones((2, 1, 1, 8), bool), (2, 4, 6, 8)).shape
+    (2, 1, 6, 8)
+  """
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if name == "mask" and x.dtype != jnp.bool_:
+    raise TypeError(f"mask must be a bool array (True: visible), got {x.dtype}")
+  if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"bias must be a float array, got {x.dtype}")
+  if x.ndim != 4 or any(n not in (1, f) for n, f in zip(x.shape, full)):
+    raise ValueError(f"{name} must be 4-D and broadcastable to [batch, q_heads, q_len, kv_len] "
+                     f"= {full} (each axis 1 or full), got shape {x.shape}")
+  return jnp.broadcast_to(x, x.shape[:2] + tuple(full[2:]))

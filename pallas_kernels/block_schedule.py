@@ -7,7 +7,8 @@ tile that is not in it:
   qi, in increasing order. Entries past the count repeat the last valid index (so a pipelined TPU
   kernel issues no new copy for them); they must not be computed.
 * ``kv_partial[b, h, qi, j]``: 1 if the tile needs the element mask (causal diagonal, window edge,
-  segment boundary, padding), 0 if every element of the tile is visible.
+  segment boundary, padding, a boolean mask array with both values in the tile), 0 if every
+  element of the tile is visible.
 * ``q_indices``, ``q_counts``, ``q_partial``: the transposed schedule (for each kv tile, the query
   tiles that visit it), which the dK/dV backward kernels walk.
 
@@ -26,8 +27,8 @@ import numpy as np
 from pallas_kernels.masks import normalize_window
 
 # The documented API; the segment-tile helpers serve the Mosaic GPU walks.
-__all__ = ["BlockSchedule", "compact_true", "make_schedule", "schedule_to_mask",
-           "check_schedule_args"]
+__all__ = ["BlockSchedule", "compact_true", "make_schedule", "mask_tile_classes",
+           "schedule_to_mask", "check_schedule_args"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 _INT32_MIN = np.iinfo(np.int32).min
@@ -156,6 +157,34 @@ def segment_tile_pairs(q_classes, kv_classes):
   return visit, qpure & kpure & (qlo == klo)
 
 
+def mask_tile_classes(mask, block_q: int, block_k: int):
+  """(any, all) visible per tile of a boolean element mask, on device (traced values are fine).
+
+  Args:
+    mask: bool [..., q_len, kv_len]; a 5-D mask [Bs, Hs, G, q_len, kv_len] also reduces its G
+      axis (query heads sharing a kv head): any of them visible / all of them fully visible.
+    block_q, block_k: tile sizes. Rows and columns past the end of the mask (tile padding) do
+      not decide a tile's class.
+
+  Returns:
+    (any_, all_): bool [..., nq, nk] (without the G axis of a 5-D mask).
+
+  Example:
+    >>> m = jnp.tril(jnp.ones((4, 4), bool))
+    >>> [x.tolist() for x in mask_tile_classes(m, 2, 2)]
+    [[[True, False], [True, True]], [[False, False], [True, False]]]
+  """
+  mask = jax.lax.optimization_barrier(mask)   # no slow constant folding of a constant mask
+  q_len, kv_len = mask.shape[-2:]
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+  pad = [(0, 0)] * (mask.ndim - 2) + [(0, nq * block_q - q_len), (0, nk * block_k - kv_len)]
+  tiles = mask.shape[:-2] + (nq, block_q, nk, block_k)
+  axes = (-3, -1) if mask.ndim < 5 else (2, -3, -1)
+  any_ = jnp.any(jnp.pad(mask, pad, constant_values=False).reshape(tiles), axis=axes)
+  all_ = jnp.all(jnp.pad(mask, pad, constant_values=True).reshape(tiles), axis=axes)
+  return any_, all_
+
+
 def compact_true(keep, width: int):
   """Positions of the True entries of ``keep`` along its last axis, in increasing order.
 
@@ -262,7 +291,7 @@ def check_schedule_args(schedule, q_shape, k_shape) -> None:
 
 def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal=False,
                   local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
-                  block_mask=None, max_kv_blocks: int | None = None,
+                  block_mask=None, mask=None, max_kv_blocks: int | None = None,
                   max_q_blocks: int | None = None) -> BlockSchedule:
   """Build the block schedule of a mask.
 
@@ -274,6 +303,10 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     q_segment_ids, kv_segment_ids: None or int32 [batch, len] (both or neither); 0 = padding.
     block_mask: None or bool [Bs, Hs, nq, nk] (tile level, e.g. a top-K selection): tiles where
       it is False are never visited. Traced values are fine.
+    mask: None or a boolean element mask (``mask_tile_classes``) [Bs, Hs, q_len, kv_len], or
+      [Bs, Hs, G, q_len, kv_len] for G query heads per kv head: all-False tiles are skipped,
+      all-True tiles are full, the others partial (the kernel reads the mask there). Traced
+      values are fine.
     max_kv_blocks, max_q_blocks: static bounds on the visit-list lengths; default: the exact
       maximum of the static (causal/window) part.
 
@@ -293,7 +326,7 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
   exact_kv, exact_q = (max(int(any_s.sum(axis=a).max()), 1) for a in (1, 0))
   max_kv_blocks = min(exact_kv if max_kv_blocks is None else max_kv_blocks, nk)
   max_q_blocks = min(exact_q if max_q_blocks is None else max_q_blocks, nq)
-  if q_segment_ids is None and block_mask is None:
+  if q_segment_ids is None and block_mask is None and mask is None:
     # Static: the lists in numpy at trace time (XLA would constant-fold jnp slowly).
     visit, full = any_s[None, None], all_s[None, None]
     partial = visit & ~full
@@ -315,6 +348,12 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     if bm.ndim != 4 or bm.shape[-2:] != (nq, nk):
       raise ValueError(f"block_mask must be [Bs, Hs, {nq}, {nk}], got {bm.shape}")
     visit = visit & bm
+  if mask is not None:
+    m = jnp.asarray(mask, bool)
+    if m.ndim not in (4, 5) or m.shape[-2:] != (q_len, kv_len):
+      raise ValueError(f"mask must be [Bs, Hs, (G,) {q_len}, {kv_len}], got {m.shape}")
+    m_any, m_all = mask_tile_classes(m, block_q, block_k)
+    visit, full = visit & m_any, full & m_all
   full = full & visit
   partial = visit & ~full
   kv_idx, kv_cnt, kv_part = _compact(visit, partial, max_kv_blocks)

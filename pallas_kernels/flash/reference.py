@@ -14,7 +14,7 @@ from pallas_kernels.masks import element_mask, normalize_window
 
 def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segment_ids=None,
                         kv_segment_ids=None, scale=None, logits_soft_cap=None, block_mask=None,
-                        upcast=True):
+                        bias=None, upcast=True):
   """Reference multi-head attention returning (out, lse).
 
   Args:
@@ -28,7 +28,10 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
     scale: logit scale, default 1/sqrt(head_dim).
     logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
     block_mask: None or bool broadcastable to [batch, kv_heads, q_len, kv_len], an extra mask
-      (for example a block-sparse selection expanded to elements).
+      (for example a block-sparse selection expanded to elements); a 4-D mask may also have
+      q_heads heads (one mask per query head).
+    bias: None or float broadcastable to [batch, q_heads, q_len, kv_len] (4-D; heads 1 or
+      q_heads), added to the (soft-capped) logits.
     upcast: compute in fp32 at HIGHEST precision (True) or in the input dtype.
 
   Returns:
@@ -61,9 +64,14 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
                         q_seg=q_segment_ids[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
   else:
     mask = element_mask(q_pos, k_pos, causal=causal, window=window)[None, None, None]
+  if bias is not None:
+    s = s + _per_kv_head(jnp.asarray(bias, jnp.float32), hq, hk)
   if block_mask is not None:
     bm = jnp.asarray(block_mask, bool)
-    bm = jnp.broadcast_to(bm, (b, hk) + bm.shape[-2:])[:, :, None]
+    if bm.ndim == 4 and bm.shape[1] == hq:
+      bm = _per_kv_head(bm, hq, hk)
+    else:
+      bm = jnp.broadcast_to(bm, (b, hk) + bm.shape[-2:])[:, :, None]
     mask = mask & bm
   s = jnp.where(mask, s, -jnp.inf)
   m = jnp.max(s, axis=-1, keepdims=True)
@@ -76,3 +84,10 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
   out = o.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype)
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [b, hk, g, sq]
   return out, lse.reshape(b, hq, sq).astype(jnp.float32)
+
+
+def _per_kv_head(x, hq, hk):
+  """[B', 1 | hq, T', S'] -> [B', 1 | hk, 1 | G, T', S'] (query head h = kv head h // G, G-th)."""
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return x.reshape(x.shape[0], hk, hq // hk, *x.shape[2:])

@@ -16,6 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
@@ -287,19 +288,33 @@ def _walk_row(row_ref, num_chunks, body, carry):
                functools.partial(body, masked=True), carry)
 
 
-def _seg_refs(refs, n_in, has_seg):
-  """Split a kernel's refs into (inputs, (q_seg_ref, kv_seg_ref), row_ref, outputs)."""
-  ins, rest = refs[:n_in], refs[n_in:]
-  segs = (rest[0], rest[1]) if has_seg else (None, None)
-  rest = rest[2:] if has_seg else rest
-  return ins, segs, rest[0], rest[1:]
+def _split_refs(refs, n_in, has):
+  """Split a kernel's refs into (inputs, (q_seg_ref, kv_seg_ref), (mask_ref, bias_ref), row_ref,
+  outputs); ``has`` = (has_seg, has_mask, has_bias), absent refs are None."""
+  rest = list(refs[n_in:])
+  take = lambda flag: rest.pop(0) if flag else None
+  has_seg, has_mask, has_bias = has
+  segs = (take(has_seg), take(has_seg))
+  extra = (take(has_mask), take(has_bias))
+  return refs[:n_in], segs, extra, rest[0], rest[1:]
 
 
-def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: int):
-  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], (q_seg [bq], kv_seg [Sk]), row [W]
-  -> o [bq, Dv], lse [bq] (natural log)."""
-  (q_ref, k_ref, v_ref), (qseg_ref, kseg_ref), row_ref, (o_ref, lse_ref) = _seg_refs(
-      refs, 3, has_seg)
+def _bias_and_mask(s, bias, mask, vis):
+  """Base-2 logits s [m, n] plus a bias tile (natural units; None: no bias), -inf where ``vis``
+  (None: everywhere visible) or a mask tile (int8; None: no mask) is false."""
+  if bias is not None:
+    s = s + bias.astype(jnp.float32) * LOG2E
+  if mask is not None:
+    vis = mask != 0 if vis is None else vis & (mask != 0)
+  return s if vis is None else jnp.where(vis, s, _NEG_INF)
+
+
+def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int):
+  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], (q_seg [bq], kv_seg [Sk]), (mask [bq, Sk] int8),
+  (bias [bq, Sk]), row [W] -> o [bq, Dv], lse [bq] (natural log)."""
+  ((q_ref, k_ref, v_ref), (qseg_ref, kseg_ref), (mask_ref, bias_ref), row_ref,
+   (o_ref, lse_ref)) = _split_refs(refs, 3, has)
+  has_seg = has[0]
   bq, bk = st.block_q, st.block_k
   d_v = o_ref.shape[-1]
   assert q_ref.shape[0] == bq and k_ref.shape[0] % bk == 0, (q_ref.shape, k_ref.shape)
@@ -314,10 +329,14 @@ def _fwd_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: 
     start = pl.multiple_of(tile * bk, bk)
     k = k_ref[pl.ds(start, bk), :]  # [bk, D]
     s, _ = _logits(q, k, st)  # [bq, bk], base-2 logits
+    cols = pl.ds(start, bk)
+    vis = mask = None
     if masked:
       k_pos = start + lax.iota(jnp.int32, bk)
-      k_seg = kseg_ref[pl.ds(start, bk)] if has_seg else None
-      s = jnp.where(_tile_mask(q_pos, k_pos, q_seg, k_seg, st), s, _NEG_INF)
+      k_seg = kseg_ref[cols] if has_seg else None
+      vis = _tile_mask(q_pos, k_pos, q_seg, k_seg, st)
+      mask = None if mask_ref is None else mask_ref[:, cols]  # [bq, bk]
+    s = _bias_and_mask(s, None if bias_ref is None else bias_ref[:, cols], mask, vis)
     # A row of a partial tile may still have seen nothing (-inf): guard_empty avoids NaN.
     p, alpha, m_new, l_new = softmax.online_softmax_step(s, m_prev, l_prev, guard_empty=masked)
     v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
@@ -339,7 +358,7 @@ def _row_index_maps(rows):
   return rb, rh
 
 
-def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
+def _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, rows, st: _Static):
   """Padded inputs -> (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32).
 
   The grid covers the schedule's nq query tiles; when the arrays are padded further (for the
@@ -366,12 +385,13 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
     in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
                  spec((None, sk), lambda i, bi, h: (bi, 0))]
     args += [q_seg, kv_seg]
+  _q_major_extras(spec, in_specs, args, mask, bias, bq, sk)
   in_specs.append(spec((None, None, None, rows.shape[-1]),
                        lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
   args.append(rows)
   out, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, st=st, has_seg=has_seg, num_q_tiles=nq,
-                        tile_axis=tile_axis),
+      functools.partial(_fwd_kernel, st=st, has=(has_seg, mask is not None, bias is not None),
+                        num_q_tiles=nq, tile_axis=tile_axis),
       grid=grid,
       in_specs=in_specs,
       out_specs=[spec((None, bq, None, d_v), lambda i, bi, h: (bi, i, h, 0)),
@@ -385,12 +405,14 @@ def _fwd_call(q, k, v, q_seg, kv_seg, rows, st: _Static):
   return pad_axis(out, 1, sq), pad_axis(lse, 2, sq, _NEG_INF)
 
 
-def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
+def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
   """Refs: q [Sq, G, D], k [bk, D], v [bk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
-  (q_seg [Sq], kv_seg [bk]), row [W] -> dk [bk, D], dv [bk, Dv], summed over the GQA group.
+  (q_seg [Sq], kv_seg [bk]), (mask [G | 1, Sq, bk] int8), (bias [G | 1, Sq, bk]), row [W]
+  -> dk [bk, D], dv [bk, Dv], summed over the GQA group.
   """
-  ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref), row_ref,
-   (dk_ref, dv_ref)) = _seg_refs(refs, 6, has_seg)
+  ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref),
+   (mask_ref, bias_ref), row_ref, (dk_ref, dv_ref)) = _split_refs(refs, 6, has)
+  has_seg = has[0]
   bq, bk, cq = st.block_q, st.block_k, st.dkv_q_chunk
   assert k_ref.shape[0] == bk and bq % cq == 0, (k_ref.shape, bq, cq)
   off = st.kv_len - st.q_len
@@ -408,11 +430,16 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
     q = q_ref[pl.ds(start, cq), g, :]  # [cq, D]
     lse2 = lse_ref[g, pl.ds(start, cq)]  # [cq]
     s_t, th_t = _logits(k, q, st)  # [bk, cq]
+    rows = pl.ds(start, cq)
+    # the group's mask / bias rows (one shared by the group when it has one head)
+    tile_t = lambda ref: None if ref is None else ref[g if ref.shape[0] > 1 else 0, rows, :].T
+    vis_t = mask_t = None
     if masked:
       q_pos = start + lax.iota(jnp.int32, cq) + off
-      q_seg = qseg_ref[pl.ds(start, cq)] if has_seg else None
-      mask_t = _tile_mask(q_pos, k_pos, q_seg, k_seg, st, kv_major=True)  # [bk, cq]
-      s_t = jnp.where(mask_t, s_t, _NEG_INF)
+      q_seg = qseg_ref[rows] if has_seg else None
+      vis_t = _tile_mask(q_pos, k_pos, q_seg, k_seg, st, kv_major=True)  # [bk, cq]
+      mask_t = tile_t(mask_ref)
+    s_t = _bias_and_mask(s_t, tile_t(bias_ref), mask_t, vis_t)
     p_t = jnp.exp2(s_t - lse2[None, :])  # [bk, cq]
     do = do_ref[pl.ds(start, cq), g, :]  # [cq, Dv]
     dv = dv + _dot_nn(p_t.astype(do.dtype), do)  # [bk, Dv]
@@ -433,11 +460,15 @@ def _dkv_kernel(*refs, st: _Static, has_seg: bool, groups: int, tile_axis: int):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: int):
+def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int):
   """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq],
-  (q_seg [bq], kv_seg [Sk]), row [W] -> dq [bq, D]. The row is the kv list of ``st``'s tiles."""
-  ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref), row_ref,
-   (dq_ref,)) = _seg_refs(refs, 6, has_seg)
+  (q_seg [bq], kv_seg [Sk]), (mask [bq, Sk] int8), (bias [bq, Sk]), row [W], (dbias [bq, Sk]
+  zeros, aliased) -> dq [bq, D], (dbias [bq, Sk] fp32: dlogits on the visited tiles). The row
+  is the kv list of ``st``'s tiles."""
+  ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref),
+   (mask_ref, bias_ref), row_ref, outs) = _split_refs(refs, 6, has[:3])
+  has_seg, dbias_ref = has[0], (outs[-1] if has[3] else None)
+  dq_ref = outs[-2] if has[3] else outs[0]
   bq, bk, ck = st.block_q, st.block_k, st.dq_k_chunk
   assert q_ref.shape[0] == bq and bk % ck == 0, (q_ref.shape, bk, ck)
 
@@ -452,13 +483,19 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: i
     k = k_ref[pl.ds(start, ck), :]  # [ck, D]
     v = v_ref[pl.ds(start, ck), :]  # [ck, Dv]
     s, th = _logits(q, k, st)  # [bq, ck]
+    cols = pl.ds(start, ck)
+    vis = mask = None
     if masked:
       k_pos = start + lax.iota(jnp.int32, ck)
-      k_seg = kseg_ref[pl.ds(start, ck)] if has_seg else None
-      s = jnp.where(_tile_mask(q_pos, k_pos, q_seg, k_seg, st), s, _NEG_INF)
+      k_seg = kseg_ref[cols] if has_seg else None
+      vis = _tile_mask(q_pos, k_pos, q_seg, k_seg, st)
+      mask = None if mask_ref is None else mask_ref[:, cols]  # [bq, ck]
+    s = _bias_and_mask(s, None if bias_ref is None else bias_ref[:, cols], mask, vis)
     p = jnp.exp2(s - lse2[:, None])  # [bq, ck]
     dp = _dot_nt(do, v)  # [bq, ck]
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta[:, None])  # d loss / d logit (= d loss / d bias)
+    if dbias_ref is not None:
+      dbias_ref[:, cols] = ds
     if th is not None:
       ds = ds * (1.0 - th * th)
     return dq + _dot_nn(ds.astype(k.dtype), k)  # [bq, D]
@@ -467,8 +504,10 @@ def _dq_kernel(*refs, st: _Static, has_seg: bool, num_q_tiles: int, tile_axis: i
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
-def _bwd_calls(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, do, lse2, delta, st: _Static):
-  """Padded inputs -> (dq, dk, dv) in the input dtypes.
+def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, do, lse2, delta,
+               st: _Static, bias_grad=False):
+  """Padded inputs -> (dq, dk, dv) in the input dtypes, and dbias [B, Hq, Sq, Sk] fp32 (the
+  logits' gradient; None unless ``bias_grad``).
 
   ``dq_rows`` / ``dkv_rows``: the backward schedule's kv lists and transposed q lists.
   """
@@ -476,12 +515,14 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, do, lse2, delta, st: _
   if st.dkv_block_q is not None:
     dkv_st = dataclasses.replace(st, block_q=st.dkv_block_q,
                                  dkv_q_chunk=min(st.dkv_q_chunk, st.dkv_block_q))
-  dk, dv = _dkv_call(q, k, v, q_seg, kv_seg, dkv_rows, do, lse2, delta, dkv_st)
-  dq = _dq_call(q, k, v, q_seg, kv_seg, dq_rows, do, lse2, delta, st)
-  return pad_axis(dq, 1, q.shape[1]), pad_axis(dk, 1, k.shape[1]), pad_axis(dv, 1, k.shape[1])
+  dk, dv = _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, dkv_rows, do, lse2, delta, dkv_st)
+  dq, dbias = _dq_call(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, do, lse2, delta, st,
+                       bias_grad)
+  return (pad_axis(dq, 1, q.shape[1]), pad_axis(dk, 1, k.shape[1]), pad_axis(dv, 1, k.shape[1]),
+          dbias)
 
 
-def _dkv_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
+def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static):
   """dK / dV (padded inputs; ``rows``: transposed q lists of ``st``'s tiles) -> dk, dv
   [B, nk * block_k, Hk, D / Dv]."""
   b, sq, hq, d = q.shape
@@ -509,11 +550,18 @@ def _dkv_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
     in_specs += [spec((None, sq), lambda i, bi, h: (bi, 0)),
                  spec((None, bk), lambda i, bi, h: (bi, i))]
     args += [q_seg, kv_seg]
+  for x in (mask, bias):   # [1 | B, 1 | Hq, Sq, Sk]: the group's heads of kv head h
+    if x is not None:
+      xb, xg = x.shape[0] > 1, g if x.shape[1] > 1 else 1
+      in_specs.append(spec((None, xg, sq, bk), lambda i, bi, h, xb=xb, xh=x.shape[1] > 1:
+                           (bi if xb else 0, h if xh else 0, 0, i)))
+      args.append(x)
   in_specs.append(spec((None, None, None, rows.shape[-1]),
                        lambda i, bi, h: (rb(bi), rh(h), i, 0)))
   args.append(rows)
   return pl.pallas_call(
-      functools.partial(_dkv_kernel, st=st, has_seg=has_seg, groups=g, tile_axis=tile_axis),
+      functools.partial(_dkv_kernel, st=st, has=(has_seg, mask is not None, bias is not None),
+                        groups=g, tile_axis=tile_axis),
       grid=grid,
       in_specs=in_specs,
       out_specs=[spec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),
@@ -526,8 +574,10 @@ def _dkv_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
   )(*args)
 
 
-def _dq_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
-  """dQ (padded inputs; ``rows``: kv lists of ``st``'s tiles) -> dq [B, nq * block_q, Hq, D]."""
+def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static,
+             bias_grad):
+  """dQ (padded inputs; ``rows``: kv lists of ``st``'s tiles) -> dq [B, nq * block_q, Hq, D],
+  and dbias [B, Hq, Sq, Sk] fp32 if ``bias_grad`` (else None)."""
   b, sq, hq, d = q.shape
   _, sk, hk, d_v = v.shape
   g = hq // hk
@@ -553,53 +603,87 @@ def _dq_call(q, k, v, q_seg, kv_seg, rows, do, lse2, delta, st: _Static):
     in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
                  spec((None, sk), lambda i, bi, h: (bi, 0))]
     args += [q_seg, kv_seg]
+  _q_major_extras(spec, in_specs, args, mask, bias, bq, sk)
   in_specs.append(spec((None, None, None, rows.shape[-1]),
                        lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
   args.append(rows)
-  return pl.pallas_call(
-      functools.partial(_dq_kernel, st=st, has_seg=has_seg, num_q_tiles=nq, tile_axis=tile_axis),
+  out_specs = [spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0))]
+  out_shape = [jax.ShapeDtypeStruct((b, nq * bq, hq, d), q.dtype)]
+  aliases = {}
+  if bias_grad:   # written on the visited tiles only: zeros elsewhere
+    dbias_spec = spec((None, None, bq, sk), lambda i, bi, h: (bi, h, i, 0))
+    aliases = {len(args): 1}
+    in_specs.append(dbias_spec)
+    args.append(jnp.zeros((b, hq, sq, sk), jnp.float32))
+    out_specs.append(dbias_spec)
+    out_shape.append(jax.ShapeDtypeStruct((b, hq, sq, sk), jnp.float32))
+  outs = pl.pallas_call(
+      functools.partial(_dq_kernel, st=st, num_q_tiles=nq, tile_axis=tile_axis,
+                        has=(has_seg, mask is not None, bias is not None, bias_grad)),
       grid=grid,
       in_specs=in_specs,
-      out_specs=spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, nq * bq, hq, d), q.dtype),
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages),
       interpret=st.interpret,
       name="jattn_flash_bwd_dq",
   )(*args)
+  return outs[0], (outs[1] if bias_grad else None)
 
 
-def _bwd_from_residuals(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse, d_out, d_lse,
-                        bst: _Static):
+def _q_major_extras(spec, in_specs, args, mask, bias, bq, sk):
+  """Append the specs and arrays of a query-tile program's mask / bias stripes [bq, Sk] (arrays
+  [1 | B, 1 | Hq, Sq, Sk]; a size-1 axis is shared)."""
+  for x in (mask, bias):
+    if x is not None:
+      xb, xh = x.shape[0] > 1, x.shape[1] > 1
+      in_specs.append(spec((None, None, bq, sk), lambda i, bi, h, xb=xb, xh=xh:
+                           (bi if xb else 0, h if xh else 0, i, 0)))
+      args.append(x)
+
+
+def _bwd_from_residuals(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, d_out,
+                        d_lse, bst: _Static, bias_grad=False):
   """Padded inputs and a forward's (out, lse [natural log, -inf for rows that see no key]) and
-  cotangents -> (dq, dk, dv). Padded query rows carry d_out = 0 and lse = -inf (p = 0)."""
+  cotangents -> (dq, dk, dv, dbias or None). Padded query rows carry d_out = 0 and lse = -inf
+  (p = 0)."""
   delta = softmax.delta_rows(out, d_out, d_lse)  # [B, Hq, Sq] fp32
   lse2 = softmax.lse_base2(lse)  # base 2, +inf -> p = 0
-  return _bwd_calls(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, d_out.astype(q.dtype), lse2,
-                    delta, bst)
+  return _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows,
+                    d_out.astype(q.dtype), lse2, delta, bst, bias_grad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _flash_padded(st, bst, q, k, v, q_seg, kv_seg, fwd_rows, dq_rows, dkv_rows):
+def _flash_padded(st, bst, q, k, v, q_seg, kv_seg, mask, bias, fwd_rows, dq_rows, dkv_rows):
   """st / fwd_rows: the forward's tiles and kv lists; bst / dq_rows / dkv_rows: the backward's
   tiles, kv lists (dQ) and transposed q lists (dK/dV)."""
-  return _fwd_call(q, k, v, q_seg, kv_seg, fwd_rows, st)
+  return _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, fwd_rows, st)
 
 
-def _flash_padded_fwd(st, bst, q, k, v, q_seg, kv_seg, fwd_rows, dq_rows, dkv_rows):
-  out, lse = _fwd_call(q, k, v, q_seg, kv_seg, fwd_rows, st)
-  return (out, lse), (q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse)
+def _flash_padded_fwd(st, bst, *args):
+  # symbolic zeros: ``perturbed`` says whether the bias is differentiated (the dbias stripes are
+  # [B, Hq, Sq, Sk] fp32: written only when needed).
+  q, k, v, q_seg, kv_seg, mask, bias, fwd_rows, dq_rows, dkv_rows = (
+      None if a is None else a.value for a in args)
+  out, lse = _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, fwd_rows, st)
+  bias_grad = () if bias is not None and args[6].perturbed else None   # a static marker
+  return (out, lse), (q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, bias_grad)
 
 
 def _flash_padded_bwd(st, bst, res, cts):
   del st
-  q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse = res
-  d_out, d_lse = cts
-  dq, dk, dv = _bwd_from_residuals(q, k, v, q_seg, kv_seg, dq_rows, dkv_rows, out, lse, d_out,
-                                   d_lse, bst)
-  return dq, dk, dv, None, None, None, None, None
+  q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, bias_grad = res
+  d_out, d_lse = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts)
+  dq, dk, dv, dbias = _bwd_from_residuals(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows,
+                                          out, lse, d_out, d_lse, bst, bias_grad is not None)
+  if dbias is not None:   # reduce over the bias's shared (size-1) batch / head axes
+    axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
+    dbias = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)
+  return dq, dk, dv, None, None, None, dbias, None, None, None
 
 
-_flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd)
+_flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd, symbolic_zeros=True)
 
 
 def _pack_rows(indices, counts, partial):
@@ -699,10 +783,11 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                     logits_soft_cap: float | None, interpret: bool = False,
                     block_sizes: BlockSizes | None = None,
                     bwd_schedule: BlockSchedule | None = None,
-                    dkv_schedule: BlockSchedule | None = None):
+                    dkv_schedule: BlockSchedule | None = None, mask=None, bias=None):
   """Flash attention on the GPU (Pallas, Triton lowering), walking a block schedule.
 
-  Differentiable (custom_vjp) with respect to q, k, v, including through the returned LSE.
+  Differentiable (custom_vjp) with respect to q, k, v and ``bias``, including through the
+  returned LSE.
 
   Args:
     q: [B, Sq, Hq, D]; fp32, bf16 or fp16.
@@ -720,6 +805,11 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       schedules'. None: ``BlockSizes(schedule.block_q, schedule.block_k)``.
     bwd_schedule: the same mask's schedule at the backward's tiles (None: ``schedule``).
     dkv_schedule: the same mask's schedule for the dK/dV kernel (None: ``bwd_schedule``).
+    mask: None or bool [1 | B, 1 | Hq, Sq, Sk], an element mask (True: visible) that the kernels
+      read in the schedules' partial tiles (build the schedules with ``make_schedule(...,
+      mask=...)``); a size-1 axis is shared.
+    bias: None or float [1 | B, 1 | Hq, Sq, Sk], added to the (soft-capped) logits; its
+      gradient is computed only when it is differentiated ([B, Hq, Sq, Sk] fp32 in the backward).
 
   Returns:
     (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that
@@ -734,7 +824,11 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     >>> out.shape, lse.shape
     ((1, 100, 2, 32), (1, 2, 100))
   """
-  b, sq, _, d, sk, hk, d_v = _check_shapes(q, k, v, q_segment_ids, kv_segment_ids)
+  b, sq, hq, d, sk, hk, d_v = _check_shapes(q, k, v, q_segment_ids, kv_segment_ids)
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is not None and (x.ndim != 4 or x.shape[0] not in (1, b) or x.shape[1] not in (1, hq)
+                          or x.shape[2:] != (sq, sk)):
+      raise ValueError(f"{name} must be [1 | {b}, 1 | {hq}, {sq}, {sk}], got {x.shape}")
   bwd_schedule = schedule if bwd_schedule is None else bwd_schedule
   dkv_schedule = bwd_schedule if dkv_schedule is None else dkv_schedule
   for what, sch in (("schedule", schedule), ("bwd_schedule", bwd_schedule),
@@ -764,8 +858,10 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                      interpret=interpret, dkv_block_q=dkv_bq)
 
   # Pad the sequences to a multiple of every pass's tiles.
-  qp, kp, vp, qs, ks = _pad_inputs(q, k, v, q_segment_ids, kv_segment_ids,
-                                   round_up(sq, max(bq, bbq, dkv_bq)), round_up(sk, max(bk, bbk)))
+  sq_p, sk_p = round_up(sq, max(bq, bbq, dkv_bq)), round_up(sk, max(bk, bbk))
+  qp, kp, vp, qs, ks = _pad_inputs(q, k, v, q_segment_ids, kv_segment_ids, sq_p, sk_p)
+  pad2 = lambda x: pad_axis(pad_axis(x, 2, sq_p), 3, sk_p)   # padded keys stay masked
+  mask = None if mask is None else pad2(mask.astype(jnp.int8))
   fwd_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
   if bwd_schedule is schedule:
     dq_rows = fwd_rows
@@ -773,7 +869,8 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     dq_rows = _pack_rows(bwd_schedule.kv_indices, bwd_schedule.kv_counts,
                          bwd_schedule.kv_partial)
   dkv_rows = _pack_rows(dkv_schedule.q_indices, dkv_schedule.q_counts, dkv_schedule.q_partial)
-  out, lse = _flash_padded(st, bst, qp, kp, vp, qs, ks, fwd_rows, dq_rows, dkv_rows)
+  out, lse = _flash_padded(st, bst, qp, kp, vp, qs, ks, mask, None if bias is None else pad2(bias),
+                           fwd_rows, dq_rows, dkv_rows)
   return out[:, :sq, :, :d_v], lse[:, :, :sq]
 
 
@@ -842,8 +939,8 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
   dlsep = pad_axis(d_lse.astype(jnp.float32), 2, sq_p)
   dq_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
   dkv_rows = _pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
-  dq, dk, dv = _bwd_from_residuals(qp, kp, vp, qs, ks, dq_rows, dkv_rows, outp, lsep, dop,
-                                   dlsep, bst)
+  dq, dk, dv, _ = _bwd_from_residuals(qp, kp, vp, qs, ks, None, None, dq_rows, dkv_rows, outp,
+                                      lsep, dop, dlsep, bst)
   return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d_v]
 
 

@@ -1,0 +1,112 @@
+"""``dot_product_attention``: ``jax.nn.dot_product_attention``'s signature on jattn's kernels.
+
+The call maps onto :func:`jattn.flash_attention`: ``is_causal`` and ``local_window_size`` keep
+jax.nn's top-left alignment when q_len != kv_len (keys no query can see are dropped, and the
+shorter side is padded, so the kernels see equal lengths); sequence lengths become segment ids
+(1 for a valid position, 0 for padding); ``mask`` becomes block schedules on device; ``bias``
+is added to the logits.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jattn.attention import broadcast_mask_or_bias, flash_attention
+from pallas_kernels.common.util import pad_axis
+from pallas_kernels.masks import normalize_window
+
+
+def _lengths(name, x, batch):
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if x.shape != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape (batch,) = ({batch},), got "
+                     f"{x.dtype} {x.shape}")
+  return x.astype(jnp.int32)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, implementation=None, interpret=False):
+  """Scaled dot-product attention with ``jax.nn.dot_product_attention``'s signature.
+
+  Same shapes and semantics as jax.nn (BTNH layout, GQA, top-left aligned causal masks and
+  windows, sequence lengths, boolean masks, additive biases), run by jattn's kernels. The
+  differences:
+
+  * a query row that sees no key returns 0 with zero gradients (jax.nn's "xla" path fills
+    masked logits with a large finite negative number, so such a row averages every value);
+  * fp32 inputs are computed at full fp32 precision;
+  * ``implementation`` takes jattn's names; there is no ``return_residual``.
+
+  Args:
+    query: [batch, q_len, q_heads, head_dim] or [q_len, q_heads, head_dim].
+    key: [batch, kv_len, kv_heads, head_dim] (same rank as query); q_heads % kv_heads == 0.
+    value: [batch, kv_len, kv_heads, head_dim_v].
+    bias: None or float, broadcastable to [batch, q_heads, q_len, kv_len] (at most 4-D; missing
+      leading axes are added; each axis 1 or full), added to the scaled logits.
+    mask: None or bool, shaped like ``bias``; True where a query may see a key.
+    scale: logit scale (None: 1 / sqrt(head_dim)).
+    is_causal: query i sees keys j <= i (top-left aligned, as jax.nn).
+    query_seq_lengths: None or int [batch]: rows at or past the length see no key (output 0).
+    key_value_seq_lengths: None or int [batch]: keys at or past the length are masked.
+    local_window_size: None, int w or (left, right): query i sees keys i - left .. i + right.
+    implementation: None (the platform's choice, see :func:`jattn.flash_attention_plan`),
+      "xla", "triton", "mosaic_gpu", "mosaic_tpu" or "cudnn"; ``mask`` and ``bias`` run on
+      "xla" and "triton" only (the others raise ValueError).
+    interpret: run a Pallas kernel in interpret mode (CPU tests).
+
+  Returns:
+    The output, shaped like ``query`` with value's head_dim, in query's dtype.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> q = jax.random.normal(jax.random.key(0), (2, 100, 4, 64))
+    >>> k = jax.random.normal(jax.random.key(1), (2, 80, 2, 64))
+    >>> m = jax.random.bernoulli(jax.random.key(2), 0.5, (2, 1, 100, 80))
+    >>> out = jattn.dot_product_attention(q, k, k, mask=m, is_causal=True)
+    >>> out.shape
+    (2, 100, 4, 64)
+  """
+  rank = jnp.ndim(query)
+  if rank not in (3, 4) or jnp.ndim(key) != rank or jnp.ndim(value) != rank:
+    raise ValueError(f"query, key and value must all be rank 4 (BTNH) or all rank 3 (TNH), got "
+                     f"shapes {jnp.shape(query)}, {jnp.shape(key)}, {jnp.shape(value)}")
+  q, k, v = (jnp.asarray(x) if rank == 4 else jnp.asarray(x)[None] for x in (query, key, value))
+  b, t, n, _ = q.shape
+  s = k.shape[1]
+  full = (b, n, t, s)
+  arrays = {}
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is not None:
+      x = jnp.asarray(x)
+      if x.ndim > 4:
+        raise ValueError(f"{name} must have at most 4 axes, got shape {x.shape}")
+      arrays[name] = broadcast_mask_or_bias(name, x.reshape((1,) * (4 - x.ndim) + x.shape), full)
+  q_len = _lengths("query_seq_lengths", query_seq_lengths, b)
+  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
+  window = normalize_window(local_window_size)
+
+  # jax.nn aligns causal masks and windows top-left, jattn bottom-right: the same for equal
+  # lengths. Keys past the last visible one (t - 1 + right) are dropped; then the shorter side
+  # is padded (padded keys are masked, padded queries are sliced off).
+  if (is_causal or window is not None) and t != s:
+    right = 0 if is_causal else window[1]
+    s_vis = s if right is None else min(s, t + right)
+    length = max(t, s_vis)
+    k, v = (pad_axis(x[:, :s_vis], 1, length) for x in (k, v))
+    q = pad_axis(q, 1, length)
+    arrays = {name: pad_axis(pad_axis(x[..., :s_vis], 3, length), 2, length)
+              for name, x in arrays.items()}
+    if length != s_vis:   # padded keys: masked by the kv lengths
+      kv_len = (jnp.full((b,), s_vis, jnp.int32) if kv_len is None
+                else jnp.minimum(kv_len, s_vis))
+  seg = kv_seg = None
+  if q_len is not None or kv_len is not None:
+    seg, kv_seg = ((jnp.arange(n, dtype=jnp.int32) < (n if x is None else x[:, None]))
+                   .astype(jnp.int32) * jnp.ones((b, 1), jnp.int32)
+                   for x, n in ((q_len, q.shape[1]), (kv_len, k.shape[1])))
+  out = flash_attention(q, k, v, causal=is_causal, local_window_size=window, segment_ids=seg,
+                        kv_segment_ids=kv_seg, scale=scale, implementation=implementation,
+                        interpret=interpret, **arrays)[:, :t]
+  return out if rank == 4 else out[0]

@@ -1,0 +1,76 @@
+"""``dot_product_attention``: an ``attention_fn`` for Flax's attention modules on jattn's kernels."""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from flax.nnx.nn import dtypes
+
+from jattn import dot_product
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                          dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                          precision=None, module=None, promote_dtype=dtypes.promote_dtype,
+                          is_causal=False, *, implementation=None, interpret=False):
+  """``flax.nnx.dot_product_attention``'s signature, run by :func:`jattn.dot_product_attention`.
+
+  Pass it as ``attention_fn`` to ``flax.nnx.MultiHeadAttention`` (or linen's
+  ``MultiHeadDotProductAttention``, which passes only the arguments in this signature). Flax's
+  float masks (1.0 = visible) are read as booleans. As in Flax's own path without dropout,
+  ``precision`` does not change the computation (jattn computes fp32 inputs at fp32 precision
+  and accumulates 16-bit inputs in fp32), and ``broadcast_dropout`` / ``dropout_rng`` are unused
+  because attention dropout is not supported. Rows that see no key return 0 (Flax averages every
+  value there); see :func:`jattn.dot_product_attention` for the semantics.
+
+  Args:
+    query: [batch..., q_len, num_heads, head_dim] (any number of batch axes, or none).
+    key: [batch..., kv_len, kv_heads, head_dim]; value: [batch..., kv_len, kv_heads, head_dim_v].
+    bias: None or float broadcastable to [batch..., num_heads, q_len, kv_len].
+    mask: None or bool/float broadcastable like ``bias``; nonzero entries are visible.
+    broadcast_dropout, dropout_rng: unused (no dropout).
+    dropout_rate: must be 0 unless ``deterministic``.
+    deterministic: whether dropout is off.
+    dtype: computation dtype (default: promoted from the inputs by ``promote_dtype``).
+    precision: unused, as above.
+    module: must be None (attention weights are never materialised, so they cannot be sown).
+    promote_dtype: Flax's dtype promotion function.
+    is_causal: causal mask (top-left aligned, as Flax and jax.nn).
+    implementation: jattn's implementation (None: the platform's).
+    interpret: run a Pallas kernel in interpret mode (CPU tests).
+
+  Returns:
+    [batch..., q_len, num_heads, head_dim_v] in the computation dtype.
+
+  Raises:
+    ValueError: for dropout (``dropout_rate > 0`` and not ``deterministic``) or a ``module``.
+
+  Example:
+    >>> import flax.nnx as nnx, jax.numpy as jnp, jattn
+    >>> mha = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False,
+    ...                              attention_fn=jattn.nn.dot_product_attention,
+    ...                              rngs=nnx.Rngs(0))
+    >>> mha(jnp.ones((1, 10, 16)), mask=nnx.make_causal_mask(jnp.ones((1, 10)))).shape
+    (1, 10, 16)
+  """
+  del broadcast_dropout, dropout_rng, precision
+  if dropout_rate > 0 and not deterministic:
+    raise ValueError(f"jattn.nn.dot_product_attention has no attention dropout: got "
+                     f"dropout_rate={dropout_rate} with deterministic=False (use dropout_rate=0 "
+                     f"or deterministic=True)")
+  if module is not None:
+    raise ValueError("jattn.nn.dot_product_attention cannot sow attention weights (module must "
+                     "be None: call the module with sow_weights=False)")
+  query, key, value = promote_dtype((query, key, value), dtype=dtype)
+  batch = query.shape[:-3]
+  arrays = [None if x is None else jnp.asarray(x) for x in (bias, mask)]
+  if arrays[1] is not None:
+    arrays[1] = arrays[1].astype(bool)
+  if len(batch) > 1:   # one batch axis: [prod(batch...), ...]
+    flat = lambda x: x.reshape((math.prod(batch),) + x.shape[len(batch):])
+    query, key, value = flat(query), flat(key), flat(value)
+    arrays = [None if x is None else flat(jnp.broadcast_to(x, batch + x.shape[-3:]))
+              for x in arrays]
+  out = dot_product.dot_product_attention(query, key, value, *arrays, is_causal=is_causal,
+                                         implementation=implementation, interpret=interpret)
+  return out.reshape(batch + out.shape[-3:])
