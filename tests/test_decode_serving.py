@@ -233,3 +233,49 @@ def test_serving_paths_on_gpu(paged):
                 dict(softmax="unified_max")):
     out, lse = call(return_lse=True, **extra)
     _check(out, lse, ref_out, ref_lse, lengths, 2e-2)
+
+
+def _kept_reference(q, k, v, lengths, indices, block):
+  """fp32 attention over the kept blocks of each (row, kv head): (out, lse)."""
+  b, hq, d = q.shape
+  n, hk = k.shape[1], k.shape[2]
+  blk = jnp.arange(n) // block
+  keep = jnp.any(indices[..., None] == blk, axis=2) & (jnp.arange(n) < lengths[:, None, None])
+  s = jnp.einsum("bhgd,bnhd->bhgn", q.reshape(b, hk, hq // hk, d), k,
+                 precision=jax.lax.Precision.HIGHEST) / np.sqrt(d)
+  s = jnp.where(keep[:, :, None], s, -jnp.inf)
+  lse = jax.nn.logsumexp(s, axis=-1)
+  p = jnp.where(keep[:, :, None], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]),
+                0.0)
+  out = jnp.einsum("bhgn,bnhd->bhgd", p, v, precision=jax.lax.Precision.HIGHEST)
+  return out.reshape(b, hq, -1), lse.reshape(b, hq)
+
+
+@pytest.mark.parametrize("impl,paged", [("xla", False), ("triton", True), ("triton", False)])
+def test_sparse_decode_unified_max(impl, paged):
+  """Sparse decode with softmax="unified_max" == the fp32 attention over the kept blocks, with
+  the default estimate and with overshooting / -inf / NaN estimates, an empty row, paged and
+  contiguous caches."""
+  q, k, v = _inputs(110, 4, 256, 4, 2, 16)
+  q = q * 20.0
+  lengths = jnp.array([256, 0, 100, 170], jnp.int32)
+  kw = dict(top_k=3, implementation=impl, interpret=True, return_lse=True,
+            return_indices=True, num_splits=None if impl == "xla" else 3)
+  est = jnp.stack([jnp.full((4,), -500.0), jnp.zeros(4), jnp.full((4,), -jnp.inf),
+                   jnp.full((4,), jnp.nan)])
+  if paged:
+    kp, vp, table = _paginate(111, k, v, lengths, 16)
+    summ = jattn.init_block_summaries(kp, lengths, block_size=16, page_table=table)
+    call = functools.partial(jattn.sparse_paged_decode_attention, q, kp, vp, table, lengths,
+                             summ, **kw)
+  else:
+    summ = jattn.init_block_summaries(k, lengths, block_size=16)
+    call = functools.partial(jattn.sparse_decode_attention, q, k, v, lengths, summ,
+                             block_size=16, **kw)
+  for extra in (dict(softmax="unified_max"), dict(softmax="unified_max", max_estimate=est)):
+    out, lse, idx = call(**extra)
+    ref_out, ref_lse = _kept_reference(q, k, v, lengths, idx, 16)
+    assert np.all(np.isfinite(np.asarray(out)))
+    _check(out, lse, ref_out, ref_lse, lengths)
+  with pytest.raises(ValueError, match="max_estimate applies"):
+    call(max_estimate=est)

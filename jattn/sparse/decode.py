@@ -17,6 +17,7 @@ from jattn._layout import check_hnd_shapes as _hnd_check_shapes
 from jattn._layout import check_kv_layout as _check_kv_layout
 from jattn._layout import hnd_as_sequences as _hnd_as_sequences
 from jattn._plan import Plan
+from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
 from jattn.sparse.selection import cdiv, check_selection_args
 from pallas_kernels import compat
 from pallas_kernels.sparse.decode_select import decode_width
@@ -293,8 +294,9 @@ def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_ini
   return jnp.where(key >= nb, -1, key).astype(jnp.int32)
 
 
-def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale):
-  """Gather the selected blocks of each kv head (no copy of the whole cache), one softmax."""
+def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale, m_hat=None):
+  """Gather the selected blocks of each kv head (no copy of the whole cache), one softmax.
+  With ``m_hat`` [b, hq]: the unified-max partial (acc, l, mx), each [b, 1, hq, ...]."""
   b, hq, d = q.shape
   hk = k.shape[2]
   g = hq // hk
@@ -328,10 +330,18 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   # Masked rows may come from unused slots or garbage table entries (e.g. a length-0 row's
   # pages): zero them, since p = 0 times a NaN there would still poison the output.
   vg = jnp.where(mask[..., None], vg, jnp.zeros((), vg.dtype))             # [b, hk, ms, bs, dv]
-  m = jnp.max(s, -1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  p = jnp.exp(s - m)
+  mx = jnp.max(s, -1, keepdims=True)
+  if m_hat is None:
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(mx), mx, 0.0))
+  else:
+    m = m_hat.reshape(b, hk, g, 1)
+  p = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - m))
   l = jnp.sum(p, -1, keepdims=True)
+  if m_hat is not None:
+    acc = jnp.einsum("bhgk,bhkd->bhgd", p.astype(vg.dtype),
+                     vg.reshape(b, hk, ms * block_size, vg.shape[-1]),
+                     preferred_element_type=jnp.float32)
+    return (acc.reshape(b, 1, hq, vg.shape[-1]), l.reshape(b, 1, hq), mx.reshape(b, 1, hq))
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.einsum("bhgk,bhkd->bhgd", (p / l_safe).astype(vg.dtype),
@@ -471,13 +481,29 @@ def sparse_decode_plan(q, k_cache, v_cache, *, block_size, top_k, num_init_block
 
 
 def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel, scale,
-            interpret, lengths_group=1):
+            interpret, lengths_group=1, softmax="exact", max_estimate=None):
   """Selection and attention of an "nhd" (or paged) call by ``plan``: (out, lse, indices);
   ``lengths_group``: one length per that many consecutive sequences ("triton", head-major)."""
   sel = dict(sel)
+  if softmax == "unified_max" and max_estimate is None:
+    max_estimate = newest_key_logits(q, k, jnp.repeat(jnp.asarray(kv_lengths, jnp.int32),
+                                                      lengths_group),
+                                     page_table=page_table, scale=scale)
   if plan.implementation == "xla":
     indices = _decode_select(q, summaries, kv_lengths, **sel)
-    out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
+    attend = functools.partial(_sparse_decode_xla, q, k, v, kv_lengths, indices, page_table,
+                               block_size, scale)
+    if softmax == "exact":
+      out, lse = attend()
+    else:   # one partial: the plain sum is the partial itself; flagged rows run exact
+      def partials(m_hat=None, active=None):
+        del active                    # the recompute runs every row (one partial per row)
+        if m_hat is not None:
+          return attend(m_hat)
+        o, l = attend()
+        return o[:, None].astype(jnp.float32), l[:, None]
+      out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
+                            merge="xla", interpret=interpret)
     return out, lse, indices
   if plan.implementation == "mosaic_tpu":
     # Selection in XLA (ascending lists, -1 padded); the kernel DMAs only the kept blocks.
@@ -506,6 +532,15 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
     scores = decode_block_scores(q, summaries.sums, summaries.lengths, **common)
     indices, counts, arrivals = select_decode_slots(scores, lengths, max_selected=width,
                                                     return_arrivals=True, **sel, **common)
+  if softmax == "unified_max":     # split partials against one estimate, merged by a sum
+    from pallas_kernels.sparse.decode import sparse_decode_partials
+    partials = functools.partial(
+        sparse_decode_partials, q, k, v, lengths, indices, page_table, counts,
+        num_splits=cfg.num_splits, scale=float(scale), blocks_per_step=cfg.blocks_per_step,
+        prefetch_ids=cfg.prefetch_ids, **common)
+    out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
+                          merge="pallas", interpret=interpret)
+    return out, lse, indices
   out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
                            num_splits=cfg.num_splits, scale=float(scale), out_dtype=q.dtype,
                            blocks_per_step=cfg.blocks_per_step, prefetch_ids=cfg.prefetch_ids,
@@ -513,9 +548,10 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
   return out, lse, indices
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "block_size", "sel", "scale", "interpret"))
-def _hnd_attend(q, k, v, kv_lengths, block_summaries, *, plan, block_size, sel, scale,
-                interpret):
+@functools.partial(jax.jit, static_argnames=("plan", "block_size", "sel", "scale", "interpret",
+                                             "softmax"))
+def _hnd_attend(q, k, v, kv_lengths, block_summaries, max_estimate=None, *, plan, block_size,
+                sel, scale, interpret, softmax="exact"):
   """Head-major contiguous cache: a free reshape to batch * kv_heads sequences of one kv head.
 
   Jitted so the reshapes are bitcasts: k [b, hk, n, d] -> [b * hk, n, 1, d], q [b, hq, d] ->
@@ -533,15 +569,19 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, *, plan, block_size, sel, 
                         lengths=summary_lengths, block_size=block_summaries.block_size)
   out, lse, idx = _attend(q2, k2, v2, lengths, summ, None, plan=plan, block_size=block_size,
                           sel=sel, scale=scale, interpret=interpret,
-                          lengths_group=hk if triton else 1)
+                          lengths_group=hk if triton else 1, softmax=softmax,
+                          max_estimate=None if max_estimate is None
+                          else max_estimate.reshape(q2.shape[:2]))
   return (out.reshape(b, q.shape[1], out.shape[-1]), lse.reshape(b, q.shape[1]),
           idx.reshape(b, hk, idx.shape[-1]))
 
 
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
                    num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
-                   implementation, interpret, num_splits, kv_layout="nhd"):
+                   implementation, interpret, num_splits, kv_layout="nhd", softmax="exact",
+                   max_estimate=None):
   _check_kv_layout(kv_layout)
+  check_serving_args(q, softmax, max_estimate, None, None, None, None)
   if not isinstance(block_summaries, BlockSummaries):
     raise TypeError("block_summaries must be a BlockSummaries")
   if block_summaries.layout != kv_layout:
@@ -578,17 +618,20 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                             num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                             page_table=page_table, kv_layout=kv_layout,
                             implementation=implementation, num_splits=num_splits)
+  if softmax != "exact" and plan.implementation == "mosaic_tpu":
+    raise NotImplementedError("softmax='unified_max' runs on 'xla' and 'triton'; the Mosaic "
+                              "TPU sparse kernel runs the exact softmax")
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   sel = (("top_k", top_k), ("num_init_blocks", num_init_blocks),
          ("num_local_blocks", num_local_blocks))
   if kv_layout == "hnd":
-    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, plan=plan,
-                                    block_size=block_size, sel=sel, scale=scale,
-                                    interpret=interpret)
+    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, max_estimate,
+                                    plan=plan, block_size=block_size, sel=sel, scale=scale,
+                                    interpret=interpret, softmax=softmax)
   else:
     out, lse, indices = _attend(q, k, v, kv_lengths, block_summaries, page_table, plan=plan,
                                 block_size=block_size, sel=sel, scale=scale,
-                                interpret=interpret)
+                                interpret=interpret, softmax=softmax, max_estimate=max_estimate)
   res = (out,) + ((lse,) if return_lse else ()) + ((indices,) if return_indices else ())
   return res[0] if len(res) == 1 else res
 
@@ -596,7 +639,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
 def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *, block_size,
                             top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                             return_lse=False, return_indices=False, implementation=None,
-                            interpret=False, num_splits=None, kv_layout="nhd"):
+                            interpret=False, num_splits=None, kv_layout="nhd", softmax="exact",
+                            max_estimate=None):
   """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
 
   Selection (:func:`select_decode_blocks`, per kv head, shared by its query heads) from the
@@ -630,6 +674,10 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     interpret: run the Pallas kernel in interpret mode.
     num_splits: Triton splits per (batch, kv head); default from :func:`sparse_decode_plan`.
     kv_layout: "nhd" (default) or "hnd".
+    softmax: "exact" or "unified_max" ("xla", "triton"): the splits' partial softmaxes use one
+      estimate per (row, head), merged by a plain sum, overshooting rows recomputed exactly
+      (``jattn.decode_serving``; Triton: the partials kernel and a separate merge).
+    max_estimate: None (the newest key's logit) or fp32 [batch, q_heads], for "unified_max".
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -648,13 +696,15 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
                         block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
                         num_local_blocks=num_local_blocks, scale=scale, return_lse=return_lse,
                         return_indices=return_indices, implementation=implementation,
-                        interpret=interpret, num_splits=num_splits, kv_layout=kv_layout)
+                        interpret=interpret, num_splits=num_splits, kv_layout=kv_layout,
+                        softmax=softmax, max_estimate=max_estimate)
 
 
 def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, block_summaries, *,
                                   top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                                   return_lse=False, return_indices=False, implementation=None,
-                                  interpret=False, num_splits=None):
+                                  interpret=False, num_splits=None, softmax="exact",
+                                  max_estimate=None):
   """:func:`sparse_decode_attention` over a paged cache; blocks are pages (block = page size).
 
   Args:
@@ -666,7 +716,7 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
     kv_lengths: int [batch], including the new token.
     block_summaries: :class:`BlockSummaries` with block_size == page_size (layout "nhd").
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
-      interpret, num_splits: as in :func:`sparse_decode_attention`.
+      interpret, num_splits, softmax, max_estimate: as in :func:`sparse_decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -685,6 +735,6 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                         scale=scale, return_lse=return_lse, return_indices=return_indices,
                         implementation=implementation, interpret=interpret,
-                        num_splits=num_splits)
+                        num_splits=num_splits, softmax=softmax, max_estimate=max_estimate)
 
 
