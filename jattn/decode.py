@@ -241,7 +241,7 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
                                 "'triton'; the Mosaic TPU kernel runs exact splits")
     _serve.check_serving_args(q, softmax, None, schedule, num_splits,
                               batch * kv_heads if kv_layout == "hnd" else batch,
-                              _serve.schedule_block(impl, bs))
+                              _serve.XLA_BLOCK if impl == "xla" else bs.block_k)
   if num_splits is None and schedule is None:
     num_splits = default_num_splits(impl, batch, kv_heads, capacity, bs, head_dim=d,
                                     dtype=dtype)

@@ -109,15 +109,12 @@ def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
 
 
 def default_max_units(implementation, batch, kv_heads, *, core_count=None):
-  """Units of a schedule when ``max_units=None``.
-
-  "triton": batch + ceil(4 x multiprocessors / kv_heads) (every sequence may leave one short
-  unit; the rest fill about four programs per multiprocessor); other implementations: 2 x batch.
+  """Units of a schedule when ``max_units=None``: for "triton" batch + ceil(4 x
+  multiprocessors / kv_heads) (each sequence may leave one short unit; the rest fill about four
+  programs per multiprocessor), else 2 x batch.
 
   Args:
-    implementation: a resolved implementation name.
-    batch: sequences (batch x kv_heads for a head-major cache).
-    kv_heads: kv heads per sequence.
+    implementation, batch, kv_heads: the plan's; batch counts sequences (x kv_heads for "hnd").
     core_count: multiprocessors (default: the GPU's).
 
   Returns:
@@ -176,29 +173,12 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
   if isinstance(max_units, bool) or int(max_units) != max_units or max_units < lens.shape[0]:
     raise ValueError(f"max_units must be an int >= the number of sequences ({lens.shape[0]}), "
                      f"got {max_units!r}")
+  if plan.implementation == "mosaic_tpu":
+    raise NotImplementedError("schedules run on 'xla' and 'triton', not 'mosaic_tpu'")
   window = normalize_window(local_window_size)
-  block = schedule_block(plan.implementation, plan.config.block_sizes)
+  block = XLA_BLOCK if plan.implementation == "xla" else plan.config.block_sizes.block_k
   return balance_units(lens, capacity=capacity, block=block, max_units=int(max_units),
                        window_left=None if window is None else window[0])
-
-
-def schedule_block(implementation, block_sizes):
-  """Keys per schedule block: the Triton kernel's ``block_k``, ``XLA_BLOCK`` for "xla".
-
-  Args:
-    implementation: "xla" or "triton" (others take no schedule: NotImplementedError).
-    block_sizes: the plan's kernel block sizes (None for "xla").
-
-  Returns:
-    int.
-
-  Example:
-    >>> schedule_block("xla", None)
-    64
-  """
-  if implementation not in ("xla", "triton"):
-    raise NotImplementedError(f"schedules run on 'xla' and 'triton', not {implementation!r}")
-  return XLA_BLOCK if implementation == "xla" else block_sizes.block_k
 
 
 def check_serving_args(q, softmax, max_estimate, schedule, num_splits, sequences, block):
@@ -234,15 +214,14 @@ def check_serving_args(q, softmax, max_estimate, schedule, num_splits, sequences
 
 
 def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_soft_cap=None):
-  """fp32 [batch, q_heads]: each query head's logit of its sequence's newest key (position
-  length - 1, always visible): the default ``max_estimate`` (a lower bound of the row max).
+  """fp32 [batch, q_heads]: each query head's logit (after scale and soft cap) of its
+  sequence's newest key (position length - 1, always visible; [batch, max_len, kv_heads, d]
+  cache, or a page pool with ``page_table``): the default ``max_estimate``, a lower bound of
+  the row max. Length-0 rows read key 0 (their estimate is never used).
 
   Args:
-    q: [batch, q_heads, head_dim].
-    k_cache: [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page pool.
-    kv_lengths: int [batch] (length 0 rows read key 0; their estimate is never used).
-    page_table: None or int32 [batch, max_pages].
-    scale: logit scale; logits_soft_cap: None or cap.
+    q, k_cache, kv_lengths, page_table: as in the decode call; scale, logits_soft_cap: its
+      resolved options.
 
   Returns:
     fp32 [batch, q_heads].

@@ -51,35 +51,3 @@ def check_page_table(q, page_table):
   if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
     raise ValueError(f"page_table must be [batch, max_pages] with batch {q.shape[0]}, "
                      f"got {page_table.shape}")
-
-
-def check_program_args(q, num_splits, units, m_hat, active, programs):
-  """Raise ValueError unless the split/schedule arguments of a decode kernel call agree.
-
-  Args:
-    q: [batch, q_heads, head_dim].
-    num_splits: an int >= 1 without ``units``, None with them.
-    units: None or (row, first block, block count), each int [U].
-    m_hat: None or [batch, q_heads].
-    active: None or [P0, P1, kv_heads] = ``programs``.
-    programs: (P0, P1, kv_heads) of the call.
-
-  Returns:
-    None.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> check_program_args(jnp.ones((2, 4, 8)), 3, None, None, None, (2, 3, 2))
-  """
-  if (units is None) == (num_splits is None):
-    raise ValueError(f"give exactly one of num_splits and units, got num_splits={num_splits} "
-                     f"and units={'None' if units is None else 'arrays'}")
-  if units is not None and (len(units) != 3 or any(
-      u.ndim != 1 or u.shape != units[0].shape for u in units)):
-    raise ValueError(f"units must be three int arrays of one shape [U] (row, first block, "
-                     f"block count), got {[getattr(u, 'shape', None) for u in units]}")
-  if m_hat is not None and m_hat.shape != q.shape[:2]:
-    raise ValueError(f"m_hat must be [batch, q_heads] = {q.shape[:2]}, got {m_hat.shape}")
-  if active is not None and active.shape != tuple(programs):
-    raise ValueError(f"active must be [P0, P1, kv_heads] = {tuple(programs)}, got "
-                     f"{active.shape}")

@@ -165,22 +165,16 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
 def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_splits=None,
                     units=None, block=None, m_hat=None, active=None, scale=None,
                     window_left=None, logits_soft_cap=None, upcast=False):
-  """The decode kernels' partials in jnp (``implementation="xla"``; same contract as
-  ``pallas_kernels.decode.triton.decode_partials``).
+  """The decode kernels' partials in jnp (``implementation="xla"``; the contract of
+  ``pallas_kernels.decode.triton.decode_partials``, whose arguments these are, plus
+  ``page_table`` (page pools, gathered first), ``block`` (keys per unit block) and ``upcast``).
 
-  Splits are contiguous chunks of the cache; units (a length-balanced schedule) mask each
-  unit's blocks out of its row's logits, O(units x capacity) memory: a reference formulation.
+  Splits are contiguous chunks of the cache; units mask each unit's blocks out of its row's
+  logits (O(units x capacity) memory: a reference formulation).
 
   Args:
-    q, k_cache, v_cache, kv_lengths: as :func:`decode_reference` (with ``page_table``: page
-      pools, gathered first).
-    page_table: None or int32 [batch, max_pages].
-    num_splits: chunks per sequence (None with ``units``).
-    units: None or int32 (row [U], first block [U], block count [U]); ``block`` keys per block.
-    block: keys per schedule block (with ``units``).
-    m_hat: None or fp32 [batch, q_heads]: the unified-max reference of every partial.
-    active: None or int [P0, P1, kv_heads]: partials at 0 are empty.
-    scale, window_left, logits_soft_cap, upcast: as :func:`decode_reference`.
+    q, k_cache, v_cache, kv_lengths, page_table, num_splits, units, block, m_hat, active,
+      scale, window_left, logits_soft_cap, upcast: as above.
 
   Returns:
     (out, lse) [P0, P1, q_heads, head_dim_v] / [P0, P1, q_heads] with (P0, P1) = (batch,

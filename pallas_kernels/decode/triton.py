@@ -18,7 +18,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.decode import checks
 from pallas_kernels.decode.checks import check_page_table, check_partials_args
 
 __all__ = ["DecodeBlockSizes", "default_block_sizes", "default_num_splits", "decode_partials",
@@ -261,7 +260,11 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
     p0, p1, grid = bsz, num_splits, (bsz, kv_heads, num_splits)
   else:
     p0, p1, grid = 1, units[0].shape[0], (units[0].shape[0], kv_heads)
-  checks.check_program_args(q, num_splits, units, m_hat, active, (p0, p1, kv_heads))
+  if (units is None) == (num_splits is None):
+    raise ValueError(f"give exactly one of num_splits and units, got {num_splits}, {units}")
+  for name, x, want in (("m_hat", m_hat, (bsz, hq)), ("active", active, (p0, p1, kv_heads))):
+    if x is not None and x.shape != want:
+      raise ValueError(f"{name} must have shape {want}, got {x.shape}")
   kernel = functools.partial(
       _decode_kernel, scale=float(scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
