@@ -143,7 +143,7 @@ def test_unified_partials_sum_to_the_row():
     np.testing.assert_allclose(m_hat[b] + jnp.log(l[0, mine].sum(0)), ref_lse[b], rtol=1e-5)
   assert np.all(np.asarray(mx[0, rows < 2]) <= np.asarray(ref_lse)[rows[rows < 2]])
   active = jnp.zeros((1, 4, 2), jnp.int32).at[0, 0, 1].set(1)
-  o, lse = kt.decode_partials(q, k, v, lengths, units=sched.units, active=active,
+  _, lse = kt.decode_partials(q, k, v, lengths, units=sched.units, active=active,
                               block_sizes=BK16, interpret=True)
   assert np.all(np.isneginf(np.asarray(lse[0, 1:]))) and np.all(np.isneginf(lse[0, 0, :2]))
   assert np.all(np.isfinite(np.asarray(lse[0, 0, 2:])))
