@@ -88,6 +88,9 @@ class Case:
     lengths: decode: the cache length of each sequence (None: all seq).
     q_block, block: sparse: query / key block sizes of the selection.
     fraction: sparse: the fraction of causally visible blocks to keep.
+    softmax: decode, sparse decode: jattn's ``softmax`` ("exact" or "unified_max").
+    schedule: decode: jattn runs a length-balanced ``jattn.decode_schedule`` (built inside
+      the timed call, from the traced lengths).
   """
   name: str
   op: str
@@ -105,6 +108,8 @@ class Case:
   q_block: int = 128
   block: int = 64
   fraction: float = 0.19
+  softmax: str = "exact"
+  schedule: bool = False
 
   @property
   def shape(self) -> str:
@@ -128,6 +133,10 @@ class Case:
       s += f" top{self.fraction:.0%} q{self.q_block} k{self.block}"
     elif self.op == "sparse_decode":
       s += f" top{self.fraction:.0%} blk{self.block}"
+    if self.schedule:
+      s += " scheduled"
+    if self.softmax != "exact":
+      s += f" {self.softmax}"
     return s
 
   def tiny(self) -> Case:
@@ -179,6 +188,56 @@ GROUPS = {
     "sparse": tuple(n for n, c in CASES.items() if c.op.startswith("sparse")),
     "all": tuple(CASES),
 }
+
+
+def lognormal_lengths(batch, *, seed, median=8192, sigma=1.0, lo=1024, hi=131072):
+  """Cache lengths of a serving batch: lognormal around ``median``, clipped to [lo, hi].
+
+  Example:
+    >>> lens = lognormal_lengths(8, seed=0)
+    >>> len(lens), min(lens) >= 1024, max(lens) <= 131072
+    (8, True, True)
+  """
+  rng = np.random.default_rng(seed)
+  lens = np.clip(np.exp(np.log(median) + sigma * rng.standard_normal(batch)), lo, hi)
+  return tuple(int(n) for n in lens)
+
+
+def _serving_cases():
+  """Continuous-batching decode cases (group "serving"): mixed lognormal lengths (1K-128K,
+  B8/32/64; contiguous and paged 16/64; split and scheduled), uniform B8 S32K, the unified-max
+  softmax on uniform and mixed batches, sparse decode at B8/B32 (and unified max at B1/B8)."""
+  cases = [Case("decode_b8_s32k", "decode", batch=8, seq=32768, **_DEC),
+           Case("decode_b1_s128k_umax", "decode", batch=1, seq=131072, softmax="unified_max",
+                **_DEC),
+           Case("decode_b8_s32k_umax", "decode", batch=8, seq=32768, softmax="unified_max",
+                **_DEC)]
+  for b in (8, 32, 64):
+    lens = lognormal_lengths(b, seed=b)
+    cap = -(-max(lens) // 1024) * 1024          # a whole number of pages of 16 and 64
+    for page in (0, 16, 64):
+      name = f"decode_mixed_b{b}" + (f"_paged{page}" if page else "")
+      for sched in (False, True):
+        cases.append(Case(name + ("_sched" if sched else ""), "decode", batch=b, seq=cap,
+                          page_size=page, lengths=lens, schedule=sched, **_DEC))
+  lens = lognormal_lengths(32, seed=32)
+  cap = -(-max(lens) // 1024) * 1024
+  cases += [Case("decode_mixed_b32_umax", "decode", batch=32, seq=cap, lengths=lens,
+                 softmax="unified_max", **_DEC),
+            Case("decode_mixed_b32_sched_umax", "decode", batch=32, seq=cap, lengths=lens,
+                 softmax="unified_max", schedule=True, **_DEC)]
+  for b in (8, 32):
+    cases.append(Case(f"sparse_decode_b{b}_s128k", "sparse_decode", batch=b, seq=131072,
+                      block=64, **_DEC))
+  for b in (1, 8):
+    cases.append(Case(f"sparse_decode_b{b}_s128k_umax", "sparse_decode", batch=b,
+                      seq=131072, block=64, softmax="unified_max", **_DEC))
+  return {c.name: c for c in cases}
+
+
+CASES.update(_serving_cases())
+GROUPS["serving"] = tuple(_serving_cases())
+GROUPS["all"] = tuple(CASES)
 for _name in CASES:   # "flash_d128" = flash_d128_fwd + flash_d128_fwdbwd, ...
   if _name.endswith("_fwd") and _name + "bwd" in CASES:
     GROUPS[_name[:-len("_fwd")]] = (_name, _name + "bwd")
@@ -537,11 +596,14 @@ class Bench:
     for impl in self.impls:
       if impl.startswith("jattn"):
         kw = self._jattn_kw(impl)
+        if case.softmax != "exact":
+          kw["softmax"] = case.softmax
         if case.page_size:
           fn = lambda q, k, v, lens, kp, vp, table, kw=kw: jattn.paged_decode_attention(
-              q, kp, vp, table, lens, **kw)
+              q, kp, vp, table, lens, **_scheduled(case, kw, q, kp, vp, lens, table), **kw)
         else:
-          fn = lambda q, k, v, lens, *_, kw=kw: jattn.decode_attention(q, k, v, lens, **kw)
+          fn = lambda q, k, v, lens, *_, kw=kw: jattn.decode_attention(
+              q, k, v, lens, **_scheduled(case, kw, q, k, v, lens), **kw)
       elif impl.startswith("jax_nn"):
         name = impl[len("jax_nn_"):]
         fn = lambda q, k, v, lens, *_, name=name: jax.nn.dot_product_attention(
@@ -622,6 +684,8 @@ class Bench:
               q, k, v, lengths, **kw), sets, lambda out: rel_err(out, dense_ref),
           lambda ms: dict(tbps=nbytes / (ms * 1e-3) / 1e12))
       skw = dict(block_size=bs, top_k=top_k, **kw)
+      if case.softmax != "exact":
+        skw["softmax"] = case.softmax
       try:   # the reference keeps the blocks this implementation selected
         _, idx = jax.jit(functools.partial(jattn.sparse_decode_attention, return_indices=True,
                                            **skw))(q, k, v, lengths, summ)
@@ -667,6 +731,14 @@ class Bench:
     with open(path, "w") as fh:
       json.dump(self.result(), fh, indent=1)
       fh.write("\n")
+
+
+def _scheduled(case, kw, q, k, v, lens, table=None):
+  """``schedule=`` of a decode case's jattn call ({} unless ``case.schedule``)."""
+  if not case.schedule:
+    return {}
+  skw = {n: kw[n] for n in ("implementation",) if n in kw}
+  return dict(schedule=jattn.decode_schedule(q, k, v, lens, page_table=table, **skw))
 
 
 def _visible_blocks(seq, q_block, block):

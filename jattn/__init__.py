@@ -8,6 +8,7 @@ from jattn.dot_product import dot_product_attention
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from jattn.decode import (append_kv, append_kv_paged, decode_attention, decode_plan,
                           paged_decode_attention)
+from jattn.decode_serving import DecodeSchedule, decode_schedule
 from jattn.packing import PackPlan, pack_bfd, segments_from_lengths
 from jattn.merge import merge_partials  # jattn.merge stays the module (merge() lives there)
 from jattn.sparse import (BlockSelection, BlockSummaries, block_sparse_attention,
@@ -24,7 +25,7 @@ __all__ = ["__version__", "nn", "Plan", "debug_checks", "flash_attention", "flas
            "init_block_summaries", "select_blocks", "sparse_attention", "sparse_decode_attention",
            "sparse_paged_decode_attention", "update_block_summaries",
            "decode_attention", "decode_plan", "paged_decode_attention", "append_kv",
-           "append_kv_paged",
+           "append_kv_paged", "DecodeSchedule", "decode_schedule",
            "merge_partials", "PackPlan", "pack_bfd", "segments_from_lengths"]
 
 

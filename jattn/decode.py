@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jattn import _layout
+from jattn import decode_serving as _serve
 from jattn._plan import Plan
 from jattn._validate import (as_int32, check_flags, check_float, check_lengths, check_nonempty,
                              check_range, check_scale_and_cap, is_traced)
@@ -42,17 +44,22 @@ class DecodeConfig:
   """The resolved configuration of a decode call (``Plan.config`` of :func:`decode_plan`).
 
   Attributes:
-    num_splits: parts each sequence's visible keys are split into.
+    num_splits: parts each sequence's visible keys are split into (None with a schedule).
     block_sizes: the kernel's ``DecodeBlockSizes``, None for "xla".
-    merge: how the splits are merged: "pallas" ("triton") or "xla" (``merge_partials``).
+    merge: how the splits are merged: "pallas" ("triton") or "xla" (``merge_partials``); a
+      schedule's units are merged by row (``merge_partials_by_row``).
+    softmax: "exact" or "unified_max" (``jattn.decode_serving``).
+    max_units: the schedule's unit count, None for splits.
 
   Example:
     >>> DecodeConfig(num_splits=1).merge
     'xla'
   """
-  num_splits: int
+  num_splits: int | None
   block_sizes: Any = None
   merge: str = "xla"
+  softmax: str = "exact"
+  max_units: int | None = None
 
 
 def resolve_decode_implementation(implementation=None, *, platform=None):
@@ -211,7 +218,8 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
 # ----------------------------------------------------------------------------- plan
 def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="nhd", scale=None,
                 local_window_size=None, logits_soft_cap=None, num_splits=None, return_lse=False,
-                implementation=None, interpret=False, block_sizes=None):
+                implementation=None, interpret=False, block_sizes=None, softmax="exact",
+                max_estimate=None, schedule=None):
   """What :func:`decode_attention` (or, with ``page_table``, :func:`paged_decode_attention`)
   runs for these arguments.
 
@@ -222,9 +230,10 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
     q, k_cache, v_cache, kv_lengths: the call's arrays (or ShapeDtypeStructs of them).
     page_table: None (contiguous cache) or int32 [batch, max_pages] (or a ShapeDtypeStruct).
     kv_layout: "nhd" or "hnd".
-    scale, local_window_size, logits_soft_cap, return_lse, interpret: validated as in the call
-      (they do not change the plan).
-    implementation, num_splits, block_sizes: as in :func:`decode_attention`.
+    scale, local_window_size, logits_soft_cap, return_lse, interpret, max_estimate: validated
+      as in the call (they do not change the plan).
+    implementation, num_splits, block_sizes, softmax, schedule: as in
+      :func:`decode_attention` (``schedule``: only its unit count enters the plan).
 
   Returns:
     A ``jattn._plan.Plan`` with op "decode" or "paged_decode", the implementation, a
@@ -254,11 +263,20 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
     bs = block_sizes or ktpu.DecodeBlockSizes()
   else:
     bs = None
-  if num_splits is None:
+  if softmax != "exact" or schedule is not None:
+    if impl == "mosaic_tpu":
+      raise NotImplementedError("softmax='unified_max' and schedules run on 'xla' and "
+                                "'triton'; the Mosaic TPU kernel runs exact splits")
+    _serve.check_serving_args(q, softmax, max_estimate, schedule, num_splits,
+                              batch * kv_heads if kv_layout == "hnd" else batch,
+                              _serve.XLA_BLOCK if impl == "xla" else bs.block_k)
+  if num_splits is None and schedule is None:
     num_splits = default_num_splits(impl, batch, kv_heads, capacity, bs, head_dim=d,
                                     dtype=dtype)
-  config = DecodeConfig(num_splits=int(num_splits), block_sizes=bs,
-                        merge="pallas" if impl == "triton" else "xla")
+  config = DecodeConfig(num_splits=None if schedule is not None else int(num_splits),
+                        block_sizes=bs, merge="pallas" if impl == "triton" else "xla",
+                        softmax=softmax,
+                        max_units=None if schedule is None else schedule.max_units)
   return Plan(op="decode" if page_table is None else "paged_decode", implementation=impl,
               config=config, device_kind=jax.devices()[0].device_kind)
 
@@ -283,7 +301,8 @@ def _kernel_module(impl):
 # ----------------------------------------------------------------------------- public ops
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
                      logits_soft_cap=None, num_splits=None, return_lse=False, implementation=None,
-                     interpret=False, block_sizes=None, kv_layout="nhd"):
+                     interpret=False, block_sizes=None, kv_layout="nhd", softmax="exact",
+                     max_estimate=None, schedule=None):
   """Attention of one new query token per sequence over a contiguous KV cache (flash decoding).
 
   ``kv_layout`` "nhd" is [batch, max_len, kv_heads, head_dim]; "hnd" (head-major) is [batch,
@@ -304,6 +323,13 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     interpret: run a Pallas kernel in interpret mode (CPU).
     block_sizes: optional kernel-specific ``DecodeBlockSizes``.
     kv_layout: "nhd" (default) or "hnd".
+    softmax: "exact" (each split its own running max, merged by log-sum-exp) or
+      "unified_max" (one shared estimate per (row, head), a plain-sum merge, overshooting
+      splits recomputed exactly; see ``jattn.decode_serving``); "xla" and "triton".
+    max_estimate: None (each row's newest-key logit) or fp32 [batch, q_heads] in logit units
+      (after scale and soft cap), for "unified_max".
+    schedule: None (``num_splits`` equal splits per sequence) or a ``DecodeSchedule`` from
+      ``jattn.decode_schedule`` with this call's arguments: length-balanced units.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse (either layout).
@@ -320,10 +346,11 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
   plan = decode_plan(q, k_cache, v_cache, kv_lengths, kv_layout=kv_layout,
                      implementation=implementation, num_splits=num_splits,
-                     block_sizes=block_sizes)
-  out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, impl=plan.implementation,
-                         config=plan.config, scale=scale, window=window, cap=cap,
-                         interpret=interpret, kv_layout=kv_layout)
+                     block_sizes=block_sizes, softmax=softmax, schedule=schedule)
+  _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
+  out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, max_estimate, schedule,
+                         impl=plan.implementation, config=plan.config, scale=scale,
+                         window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)
   return (out, lse) if return_lse else out
 
 
@@ -331,13 +358,18 @@ _STATICS = ("impl", "config", "scale", "window", "cap", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS + ("kv_layout",))
-def _decode_jit(q, k_cache, v_cache, kv_lengths, *, impl, config, scale, window, cap, interpret,
-                kv_layout="nhd"):
+def _decode_jit(q, k_cache, v_cache, kv_lengths, max_estimate=None, schedule=None, *, impl,
+                config, scale, window, cap, interpret, kv_layout="nhd"):
   if kv_layout == "hnd":   # inside the jit: the reshapes are free (no eager copy of the cache)
-    out, lse = _decode_jit(*_layout.hnd_as_sequences(q, k_cache, v_cache, kv_lengths),
-                           impl=impl, config=config, scale=scale, window=window, cap=cap,
-                           interpret=interpret)
+    q2, k2, v2, lens2 = _layout.hnd_as_sequences(q, k_cache, v_cache, kv_lengths)
+    est = None if max_estimate is None else max_estimate.reshape(q2.shape[:2])
+    out, lse = _decode_jit(q2, k2, v2, lens2, est, schedule, impl=impl, config=config,
+                           scale=scale, window=window, cap=cap, interpret=interpret)
     return _layout.sequences_as_hnd(q.shape[0], out, lse)
+  if config.softmax != "exact" or schedule is not None:
+    return _serve_call(q, k_cache, v_cache, kv_lengths, None, max_estimate, schedule,
+                       impl=impl, config=config, scale=scale, window=window, cap=cap,
+                       interpret=interpret)
   if impl == "xla":
     out, lse = _ref.decode_reference(q, k_cache, v_cache, kv_lengths, scale=scale,
                                      local_window_size=window, logits_soft_cap=cap,
@@ -354,7 +386,8 @@ def _decode_jit(q, k_cache, v_cache, kv_lengths, *, impl, config, scale, window,
 def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale=None,
                            local_window_size=None, logits_soft_cap=None, num_splits=None,
                            return_lse=False, implementation=None, interpret=False,
-                           block_sizes=None, kv_layout="nhd"):
+                           block_sizes=None, kv_layout="nhd", softmax="exact",
+                           max_estimate=None, schedule=None):
   """Decode attention over a paged KV cache (continuous batching, vLLM-style page table).
 
   ``kv_layout`` "nhd" pages are [page_size, kv_heads, head_dim]; "hnd" (head-major) pages are
@@ -371,7 +404,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
     kv_lengths: int32 [batch] in [0, max_pages * page_size] (traced lengths and page ids out
       of range are clamped: :func:`check_decode_call`).
     scale, local_window_size, logits_soft_cap, num_splits, return_lse, implementation,
-      interpret, block_sizes, kv_layout: as in :func:`decode_attention`.
+      interpret, block_sizes, kv_layout, softmax, max_estimate, schedule: as in
+      :func:`decode_attention` (a schedule from ``jattn.decode_schedule(...,
+      page_table=page_table)``; head-major pages take no schedule).
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
@@ -389,23 +424,36 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
   kv_lengths, page_table, _, _, _ = check_decode_call(q, k_pages, v_pages, kv_lengths,
                                                       page_table, kv_layout)
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
+  if kv_layout == "hnd" and schedule is not None:
+    raise NotImplementedError("schedule= runs on 'nhd' pages and on contiguous caches of both "
+                              "layouts; head-major ('hnd') pages take no schedule")
   plan = decode_plan(q, k_pages, v_pages, kv_lengths, page_table=page_table, kv_layout=kv_layout,
                      implementation=implementation, num_splits=num_splits,
-                     block_sizes=block_sizes)
-  out, lse = _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths,
-                               impl=plan.implementation, config=plan.config, scale=scale,
-                               window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)
+                     block_sizes=block_sizes, softmax=softmax, schedule=schedule)
+  _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
+  out, lse = _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, max_estimate,
+                               schedule, impl=plan.implementation, config=plan.config,
+                               scale=scale, window=window, cap=cap, interpret=interpret,
+                               kv_layout=kv_layout)
   return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS + ("kv_layout",))
-def _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, *, impl, config, scale, window,
-                      cap, interpret, kv_layout="nhd"):
+def _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, max_estimate=None,
+                      schedule=None, *, impl, config, scale, window, cap, interpret,
+                      kv_layout="nhd"):
   if kv_layout == "hnd":   # free reshapes inside the jit, as for contiguous caches
-    out, lse = _paged_decode_jit(
-        *_layout.hnd_pages_as_sequences(q, k_pages, v_pages, page_table, kv_lengths), impl=impl,
-        config=config, scale=scale, window=window, cap=cap, interpret=interpret)
+    q2, k2, v2, table2, lens2 = _layout.hnd_pages_as_sequences(q, k_pages, v_pages, page_table,
+                                                               kv_lengths)
+    est = None if max_estimate is None else max_estimate.reshape(q2.shape[:2])
+    out, lse = _paged_decode_jit(q2, k2, v2, table2, lens2, est, None, impl=impl,
+                                 config=config, scale=scale, window=window, cap=cap,
+                                 interpret=interpret)
     return _layout.sequences_as_hnd(q.shape[0], out, lse)
+  if config.softmax != "exact" or schedule is not None:
+    return _serve_call(q, k_pages, v_pages, kv_lengths, page_table, max_estimate, schedule,
+                       impl=impl, config=config, scale=scale, window=window, cap=cap,
+                       interpret=interpret)
   if impl == "xla":
     out, lse = _ref.paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths,
                                            scale=scale, local_window_size=window,
@@ -418,6 +466,37 @@ def _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, *, impl, conf
         block_sizes=config.block_sizes, interpret=interpret)
     out, lse = _merge(o_parts, lse_parts, config.merge, interpret, q.dtype)
   return out.astype(q.dtype), lse
+
+
+def _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, *, impl, config, scale,
+                window, cap, interpret):
+  """A unified-max or scheduled call (``jattn.decode_serving``), inside the jit."""
+  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+  kw = dict(scale=scale, window_left=None if window is None else window[0],
+            logits_soft_cap=cap)
+  if schedule is None:
+    kw["num_splits"] = config.num_splits
+  else:
+    kw["units"] = schedule.units
+  if impl == "xla":
+    kw.update(page_table=page_table, upcast=False,
+              block=None if schedule is None else schedule.block)
+    partials = functools.partial(_ref.decode_partials, q, k, v, kv_lengths, **kw)
+  elif page_table is None:
+    partials = functools.partial(_kernel_module(impl).decode_partials, q, k, v, kv_lengths,
+                                 block_sizes=config.block_sizes, interpret=interpret, **kw)
+  else:
+    partials = functools.partial(_kernel_module(impl).paged_decode_partials, q, k, v,
+                                 page_table, kv_lengths, block_sizes=config.block_sizes,
+                                 interpret=interpret, **kw)
+  m_hat = None
+  if config.softmax == "unified_max":
+    m_hat = (_serve.newest_key_logits(q, k, kv_lengths, page_table=page_table, scale=scale,
+                                      logits_soft_cap=cap)
+             if max_estimate is None else max_estimate.astype(jnp.float32))
+  return _serve.run_decode(partials, q, k.shape[2], m_hat,
+                           None if schedule is None else schedule.unit_row,
+                           softmax=config.softmax, merge=config.merge, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- cache appends

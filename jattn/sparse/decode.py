@@ -19,6 +19,7 @@ from jattn._layout import hnd_pages_as_sequences
 from jattn._plan import Plan
 from jattn._validate import check_flags, check_lengths, check_scale_and_cap
 from jattn.decode import check_decode_call
+from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
 from jattn.sparse.selection import cdiv, check_selection_args
 from pallas_kernels import compat
 from pallas_kernels.sparse.decode_select import decode_width
@@ -305,8 +306,9 @@ def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_ini
   return jnp.where(key >= nb, -1, key).astype(jnp.int32)
 
 
-def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale):
-  """Gather the selected blocks of each kv head (no copy of the whole cache), one softmax."""
+def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale, m_hat=None):
+  """Gather the selected blocks of each kv head (no copy of the whole cache), one softmax.
+  With ``m_hat`` [b, hq]: the unified-max partial (acc, l, mx), each [b, 1, hq, ...]."""
   b, hq, d = q.shape
   hk = k.shape[2]
   g = hq // hk
@@ -340,10 +342,18 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   # Masked rows may come from unused slots or garbage table entries (e.g. a length-0 row's
   # pages): zero them, since p = 0 times a NaN there would still poison the output.
   vg = jnp.where(mask[..., None], vg, jnp.zeros((), vg.dtype))             # [b, hk, ms, bs, dv]
-  m = jnp.max(s, -1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  p = jnp.exp(s - m)
+  mx = jnp.max(s, -1, keepdims=True)
+  if m_hat is None:
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(mx), mx, 0.0))
+  else:
+    m = m_hat.reshape(b, hk, g, 1)
+  p = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - m))
   l = jnp.sum(p, -1, keepdims=True)
+  if m_hat is not None:
+    acc = jnp.einsum("bhgk,bhkd->bhgd", p.astype(vg.dtype),
+                     vg.reshape(b, hk, ms * block_size, vg.shape[-1]),
+                     preferred_element_type=jnp.float32)
+    return (acc.reshape(b, 1, hq, vg.shape[-1]), l.reshape(b, 1, hq), mx.reshape(b, 1, hq))
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o = jnp.einsum("bhgk,bhkd->bhgd", (p / l_safe).astype(vg.dtype),
@@ -426,7 +436,7 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
                        block_size=None, top_k, num_init_blocks=1, num_local_blocks=1,
                        page_table=None, kv_layout="nhd", scale=None, return_lse=False,
                        return_indices=False, implementation=None, interpret=False,
-                       num_splits=None):
+                       num_splits=None, softmax="exact", max_estimate=None):
   """What :func:`sparse_decode_attention` (or, with ``page_table``,
   :func:`sparse_paged_decode_attention`) runs for these arguments.
 
@@ -443,9 +453,11 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
     top_k, num_init_blocks, num_local_blocks: selection sizes.
     page_table: None or int32 [batch, max_pages].
     kv_layout: "nhd" or "hnd".
-    scale, return_lse, return_indices, interpret: validated as in the call (no effect on the
-      plan).
+    scale, return_lse, return_indices, interpret, max_estimate: validated as in the call (no
+      effect on the plan).
     implementation, num_splits: as in :func:`sparse_decode_attention`.
+    softmax: "exact" or "unified_max" (with "triton", unified max runs this config's split
+      attention kernel and a sum merge in place of the merging last split).
 
   Returns:
     A ``jattn._plan.Plan`` with op "sparse_decode", the implementation, a
@@ -457,8 +469,10 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
     >>> p.op, p.implementation, p.config
     ('sparse_decode', 'xla', None)
   """
-  del kv_lengths, block_summaries
+  del kv_lengths, block_summaries, max_estimate
   _check_kv_layout(kv_layout)
+  if softmax not in ("exact", "unified_max"):
+    raise ValueError(f"softmax must be 'exact' or 'unified_max', got {softmax!r}")
   check_scale_and_cap(scale)
   check_flags(return_lse=return_lse, return_indices=return_indices, interpret=interpret)
   if page_table is not None:
@@ -508,13 +522,29 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
 
 
 def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel, scale,
-            interpret, lengths_group=1):
+            interpret, lengths_group=1, softmax="exact", max_estimate=None):
   """Selection and attention of an "nhd" (or paged) call by ``plan``: (out, lse, indices);
   ``lengths_group``: one length per that many consecutive sequences ("triton", head-major)."""
   sel = dict(sel)
+  if softmax == "unified_max" and max_estimate is None:
+    max_estimate = newest_key_logits(q, k, jnp.repeat(jnp.asarray(kv_lengths, jnp.int32),
+                                                      lengths_group),
+                                     page_table=page_table, scale=scale)
   if plan.implementation == "xla":
     indices = _decode_select(q, summaries, kv_lengths, **sel)
-    out, lse = _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale)
+    attend = functools.partial(_sparse_decode_xla, q, k, v, kv_lengths, indices, page_table,
+                               block_size, scale)
+    if softmax == "exact":
+      out, lse = attend()
+    else:   # one partial: the plain sum is the partial itself; flagged rows run exact
+      def partials(m_hat=None, active=None):
+        del active                    # the recompute runs every row (one partial per row)
+        if m_hat is not None:
+          return attend(m_hat)
+        o, l = attend()
+        return o[:, None].astype(jnp.float32), l[:, None]
+      out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
+                            merge="xla", interpret=interpret)
     return out, lse, indices
   if plan.implementation == "mosaic_tpu":
     # Selection in XLA (ascending lists, -1 padded); the kernel DMAs only the kept blocks.
@@ -543,6 +573,15 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
     scores = decode_block_scores(q, summaries.sums, summaries.lengths, **common)
     indices, counts, arrivals = select_decode_slots(scores, lengths, max_selected=width,
                                                     return_arrivals=True, **sel, **common)
+  if softmax == "unified_max":     # split partials against one estimate, merged by a sum
+    from pallas_kernels.sparse.decode import sparse_decode_partials
+    partials = functools.partial(
+        sparse_decode_partials, q, k, v, lengths, indices, page_table, counts,
+        num_splits=cfg.num_splits, scale=float(scale), blocks_per_step=cfg.blocks_per_step,
+        prefetch_ids=cfg.prefetch_ids, **common)
+    out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
+                          merge="pallas", interpret=interpret)
+    return out, lse, indices
   out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
                            num_splits=cfg.num_splits, scale=float(scale), out_dtype=q.dtype,
                            blocks_per_step=cfg.blocks_per_step, prefetch_ids=cfg.prefetch_ids,
@@ -550,9 +589,10 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
   return out, lse, indices
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "block_size", "sel", "scale", "interpret"))
-def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, *, plan, block_size, sel,
-                scale, interpret):
+@functools.partial(jax.jit, static_argnames=("plan", "block_size", "sel", "scale", "interpret",
+                                             "softmax"))
+def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, max_estimate=None, *,
+                plan, block_size, sel, scale, interpret, softmax="exact"):
   """Head-major cache or pages: a free reshape to batch * kv_heads sequences of one kv head.
 
   Jitted so the reshapes are bitcasts: k [b, hk, n, d] -> [b * hk, n, 1, d] (pages [p, hk, ps,
@@ -567,7 +607,9 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, *, plan, 
                           lengths=jnp.repeat(block_summaries.lengths, hk),
                           block_size=block_summaries.block_size)
     out, lse, idx = _attend(q2, k2, v2, lengths, summ, table, plan=plan, block_size=block_size,
-                            sel=sel, scale=scale, interpret=interpret)
+                            sel=sel, scale=scale, interpret=interpret, softmax=softmax,
+                            max_estimate=None if max_estimate is None
+                            else max_estimate.reshape(q2.shape[:2]))
     return (out.reshape(b, q.shape[1], out.shape[-1]), lse.reshape(b, q.shape[1]),
             idx.reshape(b, hk, idx.shape[-1]))
   q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
@@ -581,15 +623,19 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, *, plan, 
                         lengths=summary_lengths, block_size=block_summaries.block_size)
   out, lse, idx = _attend(q2, k2, v2, lengths, summ, None, plan=plan, block_size=block_size,
                           sel=sel, scale=scale, interpret=interpret,
-                          lengths_group=hk if triton else 1)
+                          lengths_group=hk if triton else 1, softmax=softmax,
+                          max_estimate=None if max_estimate is None
+                          else max_estimate.reshape(q2.shape[:2]))
   return (out.reshape(b, q.shape[1], out.shape[-1]), lse.reshape(b, q.shape[1]),
           idx.reshape(b, hk, idx.shape[-1]))
 
 
 def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
                    num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
-                   implementation, interpret, num_splits, kv_layout="nhd"):
+                   implementation, interpret, num_splits, kv_layout="nhd", softmax="exact",
+                   max_estimate=None):
   _check_kv_layout(kv_layout)
+  check_serving_args(q, softmax, max_estimate, None, None, None, None)
   if not isinstance(block_summaries, BlockSummaries):
     raise TypeError(f"block_summaries must be a BlockSummaries, got "
                     f"{type(block_summaries).__name__}")
@@ -609,7 +655,10 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                             page_table=page_table, kv_layout=kv_layout, scale=scale,
                             return_lse=return_lse, return_indices=return_indices,
                             implementation=implementation, interpret=interpret,
-                            num_splits=num_splits)
+                            num_splits=num_splits, softmax=softmax, max_estimate=max_estimate)
+  if softmax != "exact" and plan.implementation == "mosaic_tpu":
+    raise NotImplementedError("softmax='unified_max' runs on 'xla' and 'triton'; the Mosaic "
+                              "TPU sparse kernel runs the exact softmax")
   nb = cdiv(k.shape[2 if hnd else 1], block_size) if page_table is None else page_table.shape[1]
   want = (b, hk, nb, k.shape[-1]) if hnd else (b, nb, hk, k.shape[-1])
   if block_summaries.sums.shape != want:
@@ -619,13 +668,13 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   sel = (("top_k", top_k), ("num_init_blocks", num_init_blocks),
          ("num_local_blocks", num_local_blocks))
   if hnd:
-    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table, plan=plan,
-                                    block_size=block_size, sel=sel, scale=scale,
-                                    interpret=interpret)
+    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table,
+                                    max_estimate, plan=plan, block_size=block_size, sel=sel,
+                                    scale=scale, interpret=interpret, softmax=softmax)
   else:
     out, lse, indices = _attend(q, k, v, kv_lengths, block_summaries, page_table, plan=plan,
                                 block_size=block_size, sel=sel, scale=scale,
-                                interpret=interpret)
+                                interpret=interpret, softmax=softmax, max_estimate=max_estimate)
   res = (out,) + ((lse,) if return_lse else ()) + ((indices,) if return_indices else ())
   return res[0] if len(res) == 1 else res
 
@@ -633,7 +682,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
 def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *, block_size,
                             top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                             return_lse=False, return_indices=False, implementation=None,
-                            interpret=False, num_splits=None, kv_layout="nhd"):
+                            interpret=False, num_splits=None, kv_layout="nhd", softmax="exact",
+                            max_estimate=None):
   """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
 
   Selection (:func:`select_decode_blocks`, per kv head, shared by its query heads) from the
@@ -667,6 +717,10 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     interpret: run the Pallas kernel in interpret mode.
     num_splits: Triton splits per (batch, kv head); default from :func:`sparse_decode_plan`.
     kv_layout: "nhd" (default) or "hnd".
+    softmax: "exact" or "unified_max" ("xla", "triton"): the splits' partial softmaxes use one
+      estimate per (row, head), merged by a plain sum, overshooting rows recomputed exactly
+      (``jattn.decode_serving``; Triton: the partials kernel and a separate merge).
+    max_estimate: None (the newest key's logit) or fp32 [batch, q_heads], for "unified_max".
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -685,13 +739,15 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
                         block_size=block_size, top_k=top_k, num_init_blocks=num_init_blocks,
                         num_local_blocks=num_local_blocks, scale=scale, return_lse=return_lse,
                         return_indices=return_indices, implementation=implementation,
-                        interpret=interpret, num_splits=num_splits, kv_layout=kv_layout)
+                        interpret=interpret, num_splits=num_splits, kv_layout=kv_layout,
+                        softmax=softmax, max_estimate=max_estimate)
 
 
 def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, block_summaries, *,
                                   top_k, num_init_blocks=1, num_local_blocks=1, scale=None,
                                   return_lse=False, return_indices=False, implementation=None,
-                                  interpret=False, num_splits=None, kv_layout="nhd"):
+                                  interpret=False, num_splits=None, kv_layout="nhd",
+                                  softmax="exact", max_estimate=None):
   """:func:`sparse_decode_attention` over a paged cache; blocks are pages (block = page size).
 
   ``kv_layout`` "hnd" takes head-major pages [num_pages, kv_heads, page_size, head_dim], run
@@ -709,7 +765,8 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
     block_summaries: :class:`BlockSummaries` with block_size == page_size and layout
       ``kv_layout``.
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
-      interpret, num_splits, kv_layout: as in :func:`sparse_decode_attention`.
+      interpret, num_splits, kv_layout, softmax, max_estimate: as in
+      :func:`sparse_decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
@@ -728,6 +785,7 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                         scale=scale, return_lse=return_lse, return_indices=return_indices,
                         implementation=implementation, interpret=interpret,
-                        num_splits=num_splits, kv_layout=kv_layout)
+                        num_splits=num_splits, kv_layout=kv_layout, softmax=softmax,
+                        max_estimate=max_estimate)
 
 

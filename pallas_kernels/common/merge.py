@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import compat
 
 # The documented API; the in-kernel merge pieces serve the decode kernels.
-__all__ = ["merge_partials", "merge", "merge_partials_pallas"]
+__all__ = ["merge_partials", "merge", "merge_partials_pallas", "merge_partials_by_row"]
 
 
 def merge_partials(outs, lses, axis=0):
@@ -100,6 +100,38 @@ def merge(o1, lse1, o2, lse2):
   outs = jnp.stack([jnp.asarray(o1, dtype), jnp.asarray(o2, dtype)], axis=0)
   lses = jnp.stack([jnp.asarray(lse1, jnp.float32), jnp.asarray(lse2, jnp.float32)], axis=0)
   return merge_partials(outs, lses, axis=0)
+
+
+def merge_partials_by_row(outs, lses, rows, num_rows):
+  """:func:`merge_partials` of partials grouped by a row id (a length-balanced schedule's
+  units: any number of partials per row, in any order).
+
+  Args:
+    outs: [units, heads, head_dim] partial outputs (entries with lse -inf are ignored).
+    lses: [units, heads] fp32 partial log-sum-exps.
+    rows: int [units]: the row of each partial; ids outside [0, num_rows) are dropped.
+    num_rows: number of rows (static).
+
+  Returns:
+    (out [num_rows, heads, head_dim] fp32, lse [num_rows, heads] fp32); a row with no
+    non-empty partial gives 0 and -inf.
+
+  Example:
+    >>> out, lse = merge_partials_by_row(jnp.ones((3, 2, 4)), jnp.zeros((3, 2)),
+    ...                                  jnp.array([1, 1, 5]), 2)
+    >>> out[1, 0].tolist(), float(lse[1, 0]), float(lse[0, 0])
+    ([1.0, 1.0, 1.0, 1.0], 0.6931471824645996, -inf)
+  """
+  lse32 = lses.astype(jnp.float32)
+  m = jax.ops.segment_max(lse32, rows, num_rows)                     # [rows, heads]
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  w = jnp.exp(lse32 - m[jnp.clip(rows, 0, num_rows - 1)])            # 0 for empty partials
+  total = jax.ops.segment_sum(w, rows, num_rows)
+  contrib = jnp.where((w > 0.0)[..., None], w[..., None] * outs.astype(jnp.float32), 0.0)
+  empty = total == 0.0
+  total_safe = jnp.where(empty, 1.0, total)
+  out = jax.ops.segment_sum(contrib, rows, num_rows) / total_safe[..., None]
+  return out, jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
 
 
 # ----------------------------------------------------------------------------- Pallas (Triton)

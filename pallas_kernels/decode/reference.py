@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.masks import element_mask, normalize_window
 
-__all__ = ["decode_reference", "paged_decode_reference", "gather_pages"]
+__all__ = ["decode_reference", "paged_decode_reference", "gather_pages", "decode_partials"]
 
 
 def _visible(kv_lengths, num_keys, window):
@@ -160,3 +160,78 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
   k = gather_pages(k_pages, page_table)
   v = gather_pages(v_pages, page_table)
   return decode_reference(q, k, v, kv_lengths, **kwargs)
+
+
+def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_splits=None,
+                    units=None, block=None, m_hat=None, active=None, scale=None,
+                    window_left=None, logits_soft_cap=None, upcast=False):
+  """The decode kernels' partials in jnp (``implementation="xla"``; the contract of
+  ``pallas_kernels.decode.triton.decode_partials``, whose arguments these are, plus
+  ``page_table`` (page pools, gathered first), ``block`` (keys per unit block) and ``upcast``).
+
+  Splits are contiguous chunks of the cache; units mask each unit's blocks out of its row's
+  logits (O(units x capacity) memory: a reference formulation).
+
+  Args:
+    q, k_cache, v_cache, kv_lengths, page_table, num_splits, units, block, m_hat, active,
+      scale, window_left, logits_soft_cap, upcast: as above.
+
+  Returns:
+    (out, lse) [P0, P1, q_heads, head_dim_v] / [P0, P1, q_heads] with (P0, P1) = (batch,
+    num_splits) or (1, U); with ``m_hat`` (acc, l, mx) as the kernels.
+
+  Example:
+    >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))
+    >>> o, lse = decode_partials(q, k, k, jnp.array([40]), num_splits=2)
+    >>> o.shape, lse.shape
+    ((1, 2, 4, 16), (1, 2, 4))
+  """
+  if page_table is not None:
+    k_cache, v_cache = gather_pages(k_cache, page_table), gather_pages(v_cache, page_table)
+  b, hq, d = q.shape
+  _, n, hk, _ = k_cache.shape
+  g = hq // hk
+  dv = v_cache.shape[-1]
+  dt = jnp.float32 if upcast else q.dtype
+  prec = jax.lax.Precision.HIGHEST if upcast else None
+  scale = 1.0 / (d ** 0.5) if scale is None else scale
+  visible = _visible(kv_lengths, n, None if window_left is None else (window_left, 0))
+  s = jnp.einsum("bhgd,bnhd->bhgn", q.astype(dt).reshape(b, hk, g, d), k_cache.astype(dt),
+                 precision=prec, preferred_element_type=jnp.float32) * scale  # [b, hk, g, n]
+  if logits_soft_cap is not None:
+    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+  s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+  v = jnp.where(visible[:, :, None, None], v_cache.astype(dt), 0)      # [b, n, hk, dv]
+  if units is None:
+    chunk = -(-n // num_splits)
+    pad = chunk * num_splits - n
+    s = jnp.pad(s, ((0, 0),) * 3 + ((0, pad),), constant_values=-jnp.inf)
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    s = s.reshape(b, hk, g, num_splits, chunk).transpose(0, 3, 1, 2, 4)  # [b, S, hk, g, c]
+    v = v.reshape(b, num_splits, chunk, hk, dv).transpose(0, 1, 3, 2, 4)  # [b, S, hk, c, dv]
+    m_rows = None if m_hat is None else m_hat.reshape(b, 1, hk, g)
+  else:
+    row = jnp.clip(units[0], 0, b - 1)
+    pos = jnp.arange(n, dtype=jnp.int32)[None, :]
+    inside = (pos >= units[1][:, None] * block) & (pos < (units[1] + units[2])[:, None] * block)
+    s = jnp.where(inside[:, None, None, :], s[row], -jnp.inf)[None]    # [1, U, hk, g, n]
+    v = jnp.swapaxes(v[row], 1, 2)[None]                               # [1, U, hk, n, dv]
+    m_rows = None if m_hat is None else m_hat[row].reshape(1, -1, hk, g)
+  mx = jnp.max(s, axis=-1)                                             # [P0, P1, hk, g]
+  m = jnp.where(jnp.isfinite(mx), mx, 0.0) if m_rows is None else m_rows
+  p = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - m[..., None]))
+  l = jnp.sum(p, axis=-1)
+  acc = jnp.einsum("xyhgc,xyhcd->xyhgd", p.astype(dt), v, precision=prec,
+                   preferred_element_type=jnp.float32)                 # [P0, P1, hk, g, dv]
+  if active is not None:
+    on = (active != 0)[..., None]                                      # [P0, P1, hk, 1]
+    acc, l, mx = jnp.where(on[..., None], acc, 0.0), jnp.where(on, l, 0.0), jnp.where(
+        on, mx, -jnp.inf)
+  p0, p1 = s.shape[:2]
+  acc, l, mx = acc.reshape(p0, p1, hq, dv), l.reshape(p0, p1, hq), mx.reshape(p0, p1, hq)
+  if m_hat is not None:
+    return acc, l, mx
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  lse = jnp.where(empty, -jnp.inf, m.reshape(p0, p1, hq) + jnp.log(l_safe))
+  return acc / l_safe[..., None], lse

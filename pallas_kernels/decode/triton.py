@@ -123,33 +123,51 @@ def load_group_query(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
   return q, (q_rows, cols, row_ok, col_ok, q_mask)
 
 
-def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window_left, block_k,
-                   group, g_pad, head_dim, d_pad, head_dim_v, dv_pad, num_splits, capacity,
-                   page_size):
-  """One (batch, kv head, split) program.
+def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, group, g_pad, head_dim, d_pad,
+                   head_dim_v, dv_pad, num_splits, capacity, page_size, batch, scheduled,
+                   unified, masked):
+  """One (batch, kv head, split) program, or with ``scheduled`` one (unit, kv head) program.
 
-  Refs: lens [B]; q [B, Hq, D]; k [B, N, Hk, D] and v [B, N, Hk, Dv] (contiguous) or
-  [P * page_size, Hk, D | Dv] (paged, with a page table [B, max_pages] as the first of
-  ``rest``); outputs o [B, S, Hq, Dv] fp32 and lse [B, S, Hq] fp32.
+  Refs, in order: lens [B]; q [B, Hq, D]; k [B, N, Hk, D] and v [B, N, Hk, Dv] (contiguous)
+  or [P * page_size, Hk, D | Dv] (paged); then the page table [B, max_pages] (paged); the
+  units' rows, first blocks and block counts [U] (``scheduled``); the shared max estimate
+  m_hat [B, Hq] fp32 (``unified``); the program mask [P0, P1, Hk] int32 (``masked``: programs
+  at 0 read nothing). Outputs [P0, P1, ...] with (P0, P1) = (B, S), or (1, U) when scheduled:
+  exact: o [.., Hq, Dv] normalised and lse [.., Hq]; unified: the unnormalised sums
+  acc [.., Hq, Dv] and l [.., Hq] of exp(s - m_hat) and each program's max logit mx [.., Hq].
   """
-  if page_size is None:
-    pt_ref = None
-    o_ref, lse_ref = rest
-  else:
-    pt_ref, o_ref, lse_ref = rest
-  b = pl.program_id(0)
+  it = iter(refs)
+  lens_ref, q_ref, k_ref, v_ref = (next(it) for _ in range(4))
+  pt_ref = None if page_size is None else next(it)
+  unit_refs = tuple(next(it) for _ in range(3)) if scheduled else None
+  mhat_ref = next(it) if unified else None
+  act_ref = next(it) if masked else None
+  o_ref, lse_ref = next(it), next(it)
+  mx_ref = next(it) if unified else None
   h = pl.program_id(1)
-  split = pl.program_id(2)
+  if scheduled:
+    pb, ps = jnp.int32(0), pl.program_id(0)
+    b = jnp.clip(plgpu.load(unit_refs[0].at[ps]), 0, batch - 1)
+  else:
+    b, ps = pl.program_id(0), pl.program_id(2)
+    pb = b
 
   length = jnp.minimum(plgpu.load(lens_ref.at[b]), capacity)          # scalar
   length = jnp.maximum(length, 0)
   lo = jnp.int32(0)
   if window_left is not None:
     lo = jnp.maximum(length - 1 - window_left, 0)
-  n_blocks = pl.cdiv(jnp.maximum(length - lo, 0), block_k)
-  per_split = pl.cdiv(n_blocks, num_splits)
-  blk_begin = jnp.minimum(split * per_split, n_blocks)
-  blk_end = jnp.minimum(blk_begin + per_split, n_blocks)
+  if scheduled:   # the unit's key blocks [first, first + count) of the block grid
+    base = plgpu.load(unit_refs[1].at[ps]) * block_k
+    blk_begin, blk_end = jnp.int32(0), plgpu.load(unit_refs[2].at[ps])
+  else:           # an equal share of the visible blocks, counted from lo
+    base = lo
+    n_blocks = pl.cdiv(jnp.maximum(length - lo, 0), block_k)
+    per_split = pl.cdiv(n_blocks, num_splits)
+    blk_begin = jnp.minimum(ps * per_split, n_blocks)
+    blk_end = jnp.minimum(blk_begin + per_split, n_blocks)
+  if masked:
+    blk_end = jnp.where(plgpu.load(act_ref.at[pb, ps, h]) != 0, blk_end, blk_begin)
 
   q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
@@ -160,6 +178,8 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   vcol_ok = vcols < head_dim_v if dv_pad != head_dim_v else None
   o_mask = row_ok[:, None] if vcol_ok is None else row_ok[:, None] & vcol_ok[None, :]
   inv_cap = None if soft_cap is None else 1.0 / soft_cap
+  if unified:
+    m_fix = plgpu.load(mhat_ref.at[b, q_rows], mask=row_ok, other=0.0)  # [g_pad]
 
   def rows_of(pos, valid):
     """Paged: cache rows of tokens ``pos`` through the page table (a small int32 gather)."""
@@ -169,8 +189,8 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
 
   def body(i, carry):
     acc, m_prev, l_prev, krow = carry
-    pos = lo + i * block_k + offs                                    # [block_k] token index
-    valid = pos < length
+    pos = base + i * block_k + offs                                  # [block_k] token index
+    valid = (pos >= lo) & (pos < length)
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
     v_mask = valid[:, None] if vcol_ok is None else valid[:, None] & vcol_ok[None, :]
     if pt_ref is None:
@@ -187,17 +207,21 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s * inv_cap)
     s = jnp.where(valid[None, :], s, -jnp.inf)
-    # Every visited block holds >= 1 visible key, so m_new is finite from the first step on.
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))                   # [g_pad]
-    alpha = jnp.exp(m_prev - m_new)
-    p = jnp.exp(s - m_new[:, None])                                  # [g_pad, block_k]
-    l_new = l_prev * alpha + jnp.sum(p, axis=1)
+    if unified:   # one fixed reference: no rescaling; m only records the max logit
+      p = jnp.exp(s - m_fix[:, None])                                # [g_pad, block_k]
+      l_new = l_prev + jnp.sum(p, axis=1)
+    else:         # every visited block holds >= 1 visible key: m_new is finite
+      alpha = jnp.exp(m_prev - m_new)
+      p = jnp.exp(s - m_new[:, None])                                # [g_pad, block_k]
+      l_new = l_prev * alpha + jnp.sum(p, axis=1)
+      acc = acc * alpha[:, None]
     if pt_ref is None:
       v = plgpu.load(v_ref.at[b, pos[:, None], h, vcols[None, :]], mask=v_mask, other=0)
     else:
       v = plgpu.load(v_ref.at[krow[:, None], h, vcols[None, :]], mask=v_mask, other=0)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, dv_pad]
-    return acc * alpha[:, None] + pv, m_new, l_new, krow_next
+    return acc + pv, m_new, l_new, krow_next
 
   acc0 = jnp.zeros((g_pad, dv_pad), jnp.float32)
   m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
@@ -205,20 +229,25 @@ def _decode_kernel(lens_ref, q_ref, k_ref, v_ref, *rest, scale, soft_cap, window
   if pt_ref is None:
     krow0 = jnp.zeros((), jnp.int32)                                 # unused
   else:
-    pos0 = lo + blk_begin * block_k + offs
+    pos0 = base + blk_begin * block_k + offs
     krow0 = rows_of(pos0, (pos0 < length) & (blk_begin < blk_end))
   acc, m, l, _ = jax.lax.fori_loop(blk_begin, blk_end, body, (acc0, m0, l0, krow0))
 
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
-  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
-  plgpu.store(o_ref.at[b, split, q_rows[:, None], vcols[None, :]], out, mask=o_mask)
-  plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
+  if unified:
+    out, second = acc, l
+    plgpu.store(mx_ref.at[pb, ps, q_rows], m, mask=row_ok)
+  else:
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    out = acc * (1.0 / l_safe)[:, None]                              # zeros when empty
+    second = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+  plgpu.store(o_ref.at[pb, ps, q_rows[:, None], vcols[None, :]], out, mask=o_mask)
+  plgpu.store(lse_ref.at[pb, ps, q_rows], second, mask=row_ok)
 
 
 def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num_splits, scale,
-          window_left, logits_soft_cap, block_sizes, interpret):
+          window_left, logits_soft_cap, block_sizes, interpret, units=None, m_hat=None,
+          active=None):
   bsz, hq, d = q.shape
   dv = v.shape[-1]
   group = hq // kv_heads
@@ -228,29 +257,48 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
   bs = block_sizes or default_block_sizes(max(d, dv), k.dtype)
   if scale is None:
     scale = 1.0 / math.sqrt(d)
+  if units is None:
+    p0, p1, grid = bsz, num_splits, (bsz, kv_heads, num_splits)
+  else:
+    p0, p1, grid = 1, units[0].shape[0], (units[0].shape[0], kv_heads)
+  if (units is None) == (num_splits is None):
+    raise ValueError(f"give exactly one of num_splits and units, got {num_splits}, {units}")
+  for name, x, want in (("m_hat", m_hat, (bsz, hq)), ("active", active, (p0, p1, kv_heads))):
+    if x is not None and x.shape != want:
+      raise ValueError(f"{name} must have shape {want}, got {x.shape}")
   kernel = functools.partial(
       _decode_kernel, scale=float(scale),
       soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       window_left=window_left, block_k=bs.block_k, group=group, g_pad=g_pad, head_dim=d,
       d_pad=d_pad, head_dim_v=dv, dv_pad=dv_pad, num_splits=num_splits, capacity=capacity,
-      page_size=page_size)
-  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),  # partial out
-               jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]      # partial lse
+      page_size=page_size, batch=bsz, scheduled=units is not None, unified=m_hat is not None,
+      masked=active is not None)
+  out_shape = [jax.ShapeDtypeStruct((p0, p1, hq, dv), jnp.float32),   # partial out (or acc)
+               jax.ShapeDtypeStruct((p0, p1, hq), jnp.float32)]       # partial lse (or l)
+  if m_hat is not None:
+    out_shape.append(jax.ShapeDtypeStruct((p0, p1, hq), jnp.float32))  # max logit
   args = [kv_lengths.astype(jnp.int32), q, k, v]
   if page_table is not None:
     args.append(page_table.astype(jnp.int32))
+  for x in (units or ()):
+    args.append(x.astype(jnp.int32))
+  if m_hat is not None:
+    args.append(m_hat.astype(jnp.float32))
+  if active is not None:
+    args.append(active.astype(jnp.int32))
   name = "jattn_paged_decode" if page_table is not None else "jattn_decode"
-  return pl.pallas_call(
-      kernel, out_shape=out_shape, grid=(bsz, kv_heads, num_splits),
+  return tuple(pl.pallas_call(
+      kernel, out_shape=out_shape, grid=grid,
       compiler_params=compat.triton_compiler_params(num_warps=bs.num_warps,
                                                     num_stages=bs.num_stages),
-      interpret=interpret, name=name)(*args)
+      interpret=interpret, name=name)(*args))
 
 
 @functools.partial(jax.jit, static_argnames=(
     "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
-def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, window_left=None,
-                    logits_soft_cap=None, block_sizes=None, interpret=False):
+def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits=None, scale=None,
+                    window_left=None, logits_soft_cap=None, block_sizes=None, interpret=False,
+                    units=None, m_hat=None, active=None):
   """Per-split partial decode attention over a contiguous cache (Triton kernel).
 
   Args:
@@ -258,16 +306,24 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
     k_cache: [batch, max_len, kv_heads, head_dim], bf16, fp16 or fp32.
     v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache``.
     kv_lengths: int32 [batch]; the query sits at position kv_lengths - 1.
-    num_splits: number of splits of each sequence's visible key range.
+    num_splits: number of splits of each sequence's visible key range (None with ``units``).
     scale: logit scale, default 1/sqrt(head_dim).
     window_left: None or the left window size (keys >= kv_lengths - 1 - window_left are seen).
     logits_soft_cap: None or cap.
     block_sizes: ``DecodeBlockSizes`` or None for the defaults.
     interpret: run the kernel in the Pallas interpreter (CPU tests).
+    units: None, or int32 arrays (row [U], first block [U], block count [U]) of a length-balanced
+      schedule in blocks of ``block_k`` keys: one program per (unit, kv head) instead of
+      (batch, kv head, split); units with count 0 read nothing.
+    m_hat: None, or fp32 [batch, q_heads]: the shared max estimate of the unified-max softmax.
+    active: None, or int32 [P0, P1, kv_heads] (P0, P1 as the partials' leading dims):
+      programs at 0 read nothing.
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
-    splits with no visible key hold out 0 and lse -inf.
+    (out [P0, P1, q_heads, head_dim_v] fp32, lse [P0, P1, q_heads] fp32) with (P0, P1) =
+    (batch, num_splits), or (1, U) with ``units``; partials with no visible key hold out 0
+    and lse -inf. With ``m_hat``: (acc, l, mx): the unnormalised sums of exp(s - m_hat) * v
+    and exp(s - m_hat) and each partial's max logit (-inf when empty).
 
   Example:
     >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))
@@ -276,18 +332,19 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
     >>> o.shape, lse.shape
     ((1, 2, 4, 16), (1, 2, 4))
   """
-  check_partials_args(q, k_cache, v_cache, kv_lengths, num_splits)
+  check_partials_args(q, k_cache, v_cache, kv_lengths, num_splits or 1)
   _, max_len, kv_heads, _ = k_cache.shape
   return _call(q, k_cache, v_cache, kv_lengths, None, kv_heads=kv_heads, capacity=max_len,
                page_size=None, num_splits=num_splits, scale=scale, window_left=window_left,
-               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret)
+               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
+               units=units, m_hat=m_hat, active=active)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
-def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_splits, scale=None,
-                          window_left=None, logits_soft_cap=None, block_sizes=None,
-                          interpret=False):
+def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_splits=None,
+                          scale=None, window_left=None, logits_soft_cap=None, block_sizes=None,
+                          interpret=False, units=None, m_hat=None, active=None):
   """Per-split partial decode attention over a paged cache (Triton kernel).
 
   Args:
@@ -297,11 +354,11 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     page_table: int32 [batch, max_pages]; token t of sequence b is in page
       ``page_table[b, t // page_size]``, slot ``t % page_size``.
     kv_lengths: int32 [batch] (clamped to max_pages * page_size).
-    num_splits, scale, window_left, logits_soft_cap, block_sizes, interpret: as in
-      :func:`decode_partials`.
+    num_splits, scale, window_left, logits_soft_cap, block_sizes, interpret, units, m_hat,
+      active: as in :func:`decode_partials`.
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32).
+    As :func:`decode_partials`.
 
   Example:
     >>> q = jnp.ones((1, 4, 16)); pages = jnp.ones((3, 16, 2, 16))
@@ -310,7 +367,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     >>> o.shape
     (1, 2, 4, 16)
   """
-  check_partials_args(q, k_pages, v_pages, kv_lengths, num_splits)
+  check_partials_args(q, k_pages, v_pages, kv_lengths, num_splits or 1)
   num_pages, page_size, kv_heads, d = k_pages.shape
   check_page_table(q, page_table)
   flat = (num_pages * page_size, kv_heads)
@@ -318,4 +375,5 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
                kv_lengths, page_table, kv_heads=kv_heads,
                capacity=page_table.shape[1] * page_size, page_size=page_size,
                num_splits=num_splits, scale=scale, window_left=window_left,
-               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret)
+               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
+               units=units, m_hat=m_hat, active=active)

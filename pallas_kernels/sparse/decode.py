@@ -58,7 +58,8 @@ def check_lengths(lengths, bsz, lengths_group, name):
 
 def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
             head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged, merge,
-            split_stride, blocks_per_step, prefetch_ids, len_group):
+            split_stride, blocks_per_step, prefetch_ids, len_group, unified=False,
+            masked=False):
   """One (batch, kv head, split) program.
 
   Refs: lens [B / len_group] (sequence b reads lens[b // len_group]); idx [B, Hk, M] (-1 =
@@ -68,14 +69,22 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   [B, S, Hq] fp32 (the partials). With ``merge`` and S > 1: the arrival counters [B, Hk] int32
   (input, aliased to the third output), outputs out [B, Hq, Dv] (final dtype), lse [B, Hq]
   fp32, the counters, and the partials o [B, S, Hq, Dv] and lse [B, S, Hq] (scratch in HBM);
-  with ``merge`` and S == 1 just out and lse.
+  with ``merge`` and S == 1 just out and lse. Without ``merge``, ``unified`` adds the input
+  m_hat [B, Hq] fp32 (after the page table) and ``masked`` the input active [B, S, Hk] int32
+  (programs at 0 read nothing); unified outputs are acc, l and mx (each split's max logit).
   """
   if paged:
     pt_ref, *rest = rest
   else:
     pt_ref = None
+  mhat_ref = act_ref = mx_ref = None
+  if unified:
+    mhat_ref, *rest = rest
+  if masked:
+    act_ref, *rest = rest
   if not merge:
-    o_ref, lse_ref = rest
+    o_ref, lse_ref, *rest = rest
+    mx_ref = rest[0] if unified else None
   elif num_splits == 1:
     out_ref, lse_out_ref = rest
   else:
@@ -95,6 +104,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   per_split = _split_share(n_slots, num_splits, bps)
   begin = jnp.minimum(split * per_split, n_slots)
   end = jnp.maximum(jnp.minimum(begin + per_split, n_slots), begin)
+  if masked:
+    end = jnp.where(plgpu.load(act_ref.at[b, split, h]) != 0, end, begin)
 
   if prefetch_ids:                       # the split's <= ids_pad ids, before the loop
     ids_pad = _pow2(_split_share(num_slots, num_splits, bps))
@@ -109,6 +120,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+  if unified:
+    m_fix = plgpu.load(mhat_ref.at[b, q_rows], mask=row_ok, other=0.0)  # [g_pad]
   if bps == 1:
     offs = jnp.arange(block, dtype=jnp.int32)                        # [block]
   else:
@@ -174,8 +187,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     sc = jnp.where(valid[None, :], sc, -jnp.inf)
     # m_new stays -inf while only unused (-1) slots have been visited: shift by 0 then.
     m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1))                  # [g_pad]
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m_prev - m_use)
+    if unified:                         # the shared reference: no rescaling
+      m_use, alpha = m_fix, jnp.ones_like(m_new)
+    else:
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp(m_prev - m_use)
     p = jnp.exp(sc - m_use[:, None])                                 # [g_pad, block]
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
     if paged:
@@ -201,6 +217,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   else:
     lo, hi = 0, pl.cdiv(end - begin, bps)
   acc, m, l = jax.lax.fori_loop(lo, hi, body, init)[:3]
+  if unified:                          # unnormalised sums against m_hat, and the max logit
+    plgpu.store(o_ref.at[b, split, q_rows[:, None], vcols[None, :]], acc, mask=o_mask)
+    plgpu.store(lse_ref.at[b, split, q_rows], l, mask=row_ok)
+    plgpu.store(mx_ref.at[b, split, q_rows], m, mask=row_ok)
+    return
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
@@ -272,7 +293,8 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
 
 
 def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, num_splits, scale,
-             merge, split_stride, blocks_per_step, prefetch_ids, lengths_group):
+             merge, split_stride, blocks_per_step, prefetch_ids, lengths_group, m_hat=None,
+             active=None):
   """Checks shapes; returns (kernel, grid, (batch, q_heads, head_dim_v), kernel args)."""
   if block_size < 16 or block_size & (block_size - 1):
     raise ValueError(f"block_size must be a power of two >= 16 for the Triton sparse decode "
@@ -313,7 +335,8 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
       head_dim=d, d_pad=_pow2(d), head_dim_v=dv, dv_pad=_pow2(dv), num_splits=int(num_splits),
       num_slots=indices.shape[-1], capacity=capacity, paged=paged, merge=merge,
       split_stride=int(split_stride), blocks_per_step=int(blocks_per_step),
-      prefetch_ids=bool(prefetch_ids), len_group=int(lengths_group))
+      prefetch_ids=bool(prefetch_ids), len_group=int(lengths_group), unified=m_hat is not None,
+      masked=active is not None)
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
@@ -322,6 +345,15 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
   args += [q, k, v]
   if paged:
     args.append(page_table.astype(jnp.int32))
+  if m_hat is not None:
+    if m_hat.shape != (bsz, hq):
+      raise ValueError(f"m_hat must be [batch, q_heads] = {(bsz, hq)}, got {m_hat.shape}")
+    args.append(m_hat.astype(jnp.float32))
+  if active is not None:
+    if active.shape != (bsz, int(num_splits), hk):
+      raise ValueError(f"active must be [batch, num_splits, kv_heads] = "
+                       f"{(bsz, int(num_splits), hk)}, got {active.shape}")
+    args.append(active.astype(jnp.int32))
   return kernel, (bsz, hk, int(num_splits)), (bsz, hq, dv), args
 
 
@@ -338,7 +370,8 @@ def _compiler_params():
                                              "interpret"))
 def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts=None, *,
                            block_size, num_splits, scale=None, blocks_per_step=1,
-                           prefetch_ids=False, lengths_group=1, interpret=False):
+                           prefetch_ids=False, lengths_group=1, interpret=False, m_hat=None,
+                           active=None):
   """Per-split partial decode attention over each kv head's selected cache blocks (Triton).
 
   Args:
@@ -359,10 +392,13 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     prefetch_ids: load each split's block ids once before the loop (else one step ahead).
     lengths_group: consecutive sequences sharing one entry of kv_lengths.
     interpret: run in the Pallas interpreter (CPU tests).
+    m_hat: None or fp32 [batch, q_heads]: the unified-max softmax's shared estimate.
+    active: None or int32 [batch, num_splits, kv_heads]: programs at 0 read nothing.
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
-    empty splits hold 0 and -inf.
+    empty splits hold 0 and -inf. With ``m_hat``: (acc, l, mx), the unnormalised sums of
+    exp(s - m_hat) * v and exp(s - m_hat) and each split's max logit.
 
   Example:
     >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))
@@ -375,12 +411,15 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
   kernel, grid, (bsz, hq, dv), args = _prepare(
       q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
       num_splits=num_splits, scale=scale, merge=False, split_stride=1,
-      blocks_per_step=blocks_per_step, prefetch_ids=prefetch_ids, lengths_group=lengths_group)
+      blocks_per_step=blocks_per_step, prefetch_ids=prefetch_ids, lengths_group=lengths_group,
+      m_hat=m_hat, active=active)
   out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
                jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
-  return pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
-                        compiler_params=_compiler_params(), interpret=interpret,
-                        name="jattn_sparse_decode")(*args)
+  if m_hat is not None:
+    out_shape.append(jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32))
+  return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
+                              compiler_params=_compiler_params(), interpret=interpret,
+                              name="jattn_sparse_decode")(*args))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale", "out_dtype",
