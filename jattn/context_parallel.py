@@ -186,7 +186,7 @@ def pair_call(base, cq, ck, causal, window):
 
   Example:
     >>> pair_call(8, 8, 8, True, (3, 0))   # the previous chunk under a 4-token window
-    PairCall(q0=0, nq=3, k0=5, nk=3, causal=True, window=(0, 0))
+    PairCall(q0=0, nq=3, k0=5, nk=3, causal=False, window=(0, 3))
   """
   left, right = window or (None, None)
   s = -math.inf if left is None else base - left
@@ -537,7 +537,7 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("seq",))
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("seq",))
     >>> x = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
     >>> f = jax.shard_map(lambda q, k, v: context_parallel_attention_shard(
     ...     q, k, v, axis_name="seq", causal=True), mesh=mesh, in_specs=P(None, "seq"),
