@@ -11,8 +11,11 @@ causal / causal window 512 / packed documents, D64/D128/D256), flash decoding (B
 paged ragged B8 S32K batch, GQA 32:8 D128), block-sparse training attention at 16K and 64K (B1
 H16 D128, top-K keeping ~19% of the causal blocks, selection included, forward+backward, against
 jattn's own dense causal kernel) and sparse decoding (B1 S128K, 64-token blocks, ~19% kept,
-against jattn's dense decode). The group ``anchors`` holds the cases compared with cuDNN and
-tokamax.
+against jattn's dense decode), serving decode (``serving``: mixed lengths, paged, scheduled,
+unified max) and context parallelism (``cp``: the zig-zag ring's chunk-pair kernels for P = 2
+and 4, B1 S64K H16 D128 causal and window 512, run one after another on one device against the
+fused call; ``overhead`` = ring ms / fused ms, ``kernel_calls`` of ``pairs`` chunk pairs run).
+The group ``anchors`` holds the cases compared with cuDNN and tokamax.
 
 Implementations (``--impl``, same syntax): ``jattn`` (``implementation=None``: what a user gets),
 ``jattn_<name>`` (an explicit implementation), and the anchors ``jax_nn_cudnn`` / ``jax_nn_xla``
@@ -46,6 +49,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -91,6 +95,8 @@ class Case:
     softmax: decode, sparse decode: jattn's ``softmax`` ("exact" or "unified_max").
     schedule: decode: jattn runs a length-balanced ``jattn.decode_schedule`` (built inside
       the timed call, from the traced lengths).
+    chunks: context parallelism ("cp_fwd"): P, the ring's devices; their chunk-pair kernels
+      run one after another on one device, against the single fused call.
   """
   name: str
   op: str
@@ -110,6 +116,7 @@ class Case:
   fraction: float = 0.19
   softmax: str = "exact"
   schedule: bool = False
+  chunks: int = 0
 
   @property
   def shape(self) -> str:
@@ -137,6 +144,8 @@ class Case:
       s += " scheduled"
     if self.softmax != "exact":
       s += f" {self.softmax}"
+    if self.chunks:
+      s += f" ring{self.chunks} zigzag"
     return s
 
   def tiny(self) -> Case:
@@ -178,6 +187,9 @@ CASES = {c.name: c for c in (
     Case("sparse_16k", "sparse_fwd_bwd", seq=16384, **_SPARSE),
     Case("sparse_64k", "sparse_fwd_bwd", seq=65536, **_SPARSE),
     Case("sparse_decode_b1_s128k", "sparse_decode", batch=1, seq=131072, block=64, **_DEC),
+    *(Case(f"cp_64k_{m}_p{p}", "cp_fwd", batch=1, seq=65536, heads=16, kv_heads=16,
+           head_dim=128, causal=True, window=w, chunks=p)
+      for m, w in (("causal", None), ("window512", (511, 0))) for p in (2, 4)),
 )}
 GROUPS = {
     "anchors": ("flash_d128_fwd", "flash_d128_fwdbwd", "flash_d128_causal_fwd",
@@ -186,6 +198,7 @@ GROUPS = {
     "flash": tuple(n for n, c in CASES.items() if c.op.startswith("flash")),
     "decode": tuple(n for n, c in CASES.items() if c.op == "decode"),
     "sparse": tuple(n for n, c in CASES.items() if c.op.startswith("sparse")),
+    "cp": tuple(n for n, c in CASES.items() if c.op == "cp_fwd"),
     "all": tuple(CASES),
 }
 
@@ -703,6 +716,51 @@ class Bench:
                           kept_fraction=kept,
                           **({} if dense_ms is None else dict(speedup=dense_ms / ms))))
 
+  # -- context parallelism: the ring's kernels one after another on one device
+  def cp(self, case):
+    from jattn.context_parallel import shard_chunks
+    b, s, h, d, p = case.batch, case.seq, case.heads, case.head_dim, case.chunks
+    mask = {"causal": case.causal, "local_window_size": case.window}
+    plan = jattn.context_parallel_plan(s, s, p, **mask)
+    ids, c = shard_chunks(p, "zigzag"), plan.q_chunk
+    sets = random_sets([(b, s, h, d), (b, s, case.kv_heads, d)] * 2, jnp.bfloat16,
+                       seed=zlib.crc32(case.shape.encode()))
+    sets = [t[:3] for t in sets]
+
+    def ring(q, k, v, kw):   # original order; chunk i = tokens [i c, (i + 1) c)
+      outs = {}
+      for dev, a, r in itertools.product(range(p), range(ids.shape[1]), range(len(plan.shifts))):
+        for bb, ki in enumerate(ids[(dev - plan.shifts[r]) % p]):
+          t = int(plan.table[dev, r, a, bb])
+          if not t:
+            continue
+          cl, qi = plan.calls[t - 1], int(ids[dev, a])
+          o, lse = jattn.flash_attention(
+              q[:, qi * c + cl.q0:qi * c + cl.q0 + cl.nq],
+              k[:, ki * c + cl.k0:ki * c + cl.k0 + cl.nk],
+              v[:, ki * c + cl.k0:ki * c + cl.k0 + cl.nk], causal=cl.causal,
+              local_window_size=cl.window, return_lse=True, **kw)
+          rows = ((0, 0), (cl.q0, c - cl.q0 - cl.nq), (0, 0))
+          part = (jnp.pad(o, rows + ((0, 0),)),
+                  jnp.pad(jnp.swapaxes(lse, 1, 2), rows, constant_values=-jnp.inf))
+          outs[qi] = part if qi not in outs else jattn.merge.merge(*outs[qi], *part)
+      return jnp.concatenate([outs[i][0] for i in range(2 * p)], axis=1).astype(q.dtype)
+
+    sl = lambda x: x[-1, :, 0]
+    q, k, v = sets[0]
+    ref = reference(sl(q), sl(k), sl(v), flash_mask_fn(case))
+    flops = 4.0 * b * h * d * visible_pairs(case)
+    for impl in (i for i in self.impls if i.startswith("jattn")):
+      kw = self._jattn_kw(impl)
+      fused = self._timed(case, impl + "_fused", functools.partial(
+          jattn.flash_attention, **mask, **kw), sets, lambda out: rel_err(sl(out), ref),
+          lambda ms: {"tflops": flops / ms / 1e9})
+      self._timed(case, impl, functools.partial(ring, kw=kw), sets,
+                  lambda out: rel_err(sl(out), ref), lambda ms, f=fused: {
+                      "tflops": flops / ms / 1e9, "kernel_calls": plan.kernel_calls,
+                      "pairs": p * p * ids.shape[1] ** 2,
+                      **({} if f is None else {"overhead": ms / f})})
+
   # -- driver
   def run(self, names, *, tiny=False):
     for name in names:
@@ -710,7 +768,8 @@ class Bench:
       self.cases.append(name)
       print(f"[{name}] {case.shape}", flush=True)
       runner = dict(flash_fwd=self.flash, flash_fwd_bwd=self.flash, decode=self.decode,
-                    sparse_fwd_bwd=self.sparse, sparse_decode=self.sparse_decode)[case.op]
+                    sparse_fwd_bwd=self.sparse, sparse_decode=self.sparse_decode,
+                    cp_fwd=self.cp)[case.op]
       try:
         runner(case)
       except Exception as e:   # e.g. inputs or reference out of memory: the case fails, not the run

@@ -5,6 +5,10 @@ from jattn._plan import Plan
 from jattn._validate import debug_checks
 from jattn.attention import flash_attention, flash_attention_plan
 from jattn.dot_product import dot_product_attention
+from jattn.context_parallel import (ContextParallelPlan, context_parallel_attention,
+                                    context_parallel_attention_shard,
+                                    context_parallel_decode_attention, context_parallel_permute,
+                                    context_parallel_plan, context_parallel_unpermute)
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from jattn.decode import (append_kv, append_kv_paged, decode_attention, decode_plan,
                           paged_decode_attention)
@@ -26,7 +30,10 @@ __all__ = ["__version__", "nn", "Plan", "debug_checks", "flash_attention", "flas
            "sparse_paged_decode_attention", "update_block_summaries",
            "decode_attention", "decode_plan", "paged_decode_attention", "append_kv",
            "append_kv_paged", "DecodeSchedule", "decode_schedule",
-           "merge_partials", "PackPlan", "pack_bfd", "segments_from_lengths"]
+           "merge_partials", "PackPlan", "pack_bfd", "segments_from_lengths",
+           "ContextParallelPlan", "context_parallel_attention", "context_parallel_attention_shard",
+           "context_parallel_decode_attention", "context_parallel_permute",
+           "context_parallel_plan", "context_parallel_unpermute"]
 
 
 def __getattr__(name):

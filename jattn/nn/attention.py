@@ -25,6 +25,7 @@ from flax import nnx
 
 from jattn._layout import KV_LAYOUTS
 from jattn.attention import flash_attention
+from jattn.context_parallel import context_parallel_attention, context_parallel_permute
 from jattn.decode import decode_attention, resolve_decode_implementation
 from jattn.merge import merge
 from jattn.nn import csa as csa_ops
@@ -119,6 +120,10 @@ class Attention(nnx.Module):
     implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
     interpret: run Pallas kernels in interpret mode (CPU tests).
     kv_cache_layout: "nhd" (default) or "hnd" (head-major K/V caches; not MLA or "csa").
+    context_mesh, context_axis: None, or a mesh and the axis the sequence is split over: the
+      forward pass ("global"/"local" layers) runs ``jattn.context_parallel_attention`` on
+      sequences in zig-zag order (``jattn.context_parallel_permute``; default positions are the
+      permuted ones).
     param_dtype: parameter dtype.
     dtype: computation dtype of the projections (None: from the inputs/params).
     rngs: ``nnx.Rngs`` (keyword-only); ``gate_grad="gumbel"`` layers draw noise from it.
@@ -132,8 +137,8 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model, num_heads, num_kv_heads, head_dim, spec=None, *, kv_lora_rank=None,
                rope_head_dim=0, qk_norm=False, mla_absorb=True, implementation=None,
-               interpret=False, kv_cache_layout="nhd", param_dtype=jnp.float32, dtype=None,
-               rngs):
+               interpret=False, kv_cache_layout="nhd", context_mesh=None, context_axis=None,
+               param_dtype=jnp.float32, dtype=None, rngs):
     spec = LayerSpec("global") if spec is None else spec
     if not isinstance(spec, LayerSpec):
       raise TypeError(f"spec must be a LayerSpec, got {type(spec).__name__}")
@@ -160,6 +165,17 @@ class Attention(nnx.Module):
     if spec.kind == "csa" and spec.csa_mode == "two_stage" and implementation not in (None, "xla"):
       raise ValueError("CSA 'two_stage' runs the jnp reference path only; "
                        f"implementation={implementation!r} cannot be honoured")
+    if (context_mesh is None) != (context_axis is None):
+      raise ValueError("context_mesh and context_axis go together, got "
+                       f"context_mesh={context_mesh!r}, context_axis={context_axis!r}")
+    if context_mesh is not None:
+      if spec.kind not in ("global", "local"):
+        raise ValueError(f"context parallelism runs 'global' and 'local' layers, got kind "
+                         f"{spec.kind!r}")
+      if context_axis not in context_mesh.axis_names:
+        raise ValueError(f"context_axis {context_axis!r} is not an axis of the mesh "
+                         f"{context_mesh.axis_names}")
+    self.context_mesh, self.context_axis = context_mesh, context_axis
     self.spec = spec
     self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
     self.head_dim, self.rope_head_dim = head_dim, rope_head_dim
@@ -293,16 +309,24 @@ class Attention(nnx.Module):
     """
     b, s, _ = x.shape
     spec = self.spec
+    attend = flash_attention
+    impl = dict(implementation=self.implementation, interpret=self.interpret)
     if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+      positions = jnp.arange(s, dtype=jnp.int32)
+      if self.context_mesh is not None:
+        positions = context_parallel_permute(
+            positions[None], self.context_mesh.shape[self.context_axis])[0]
+      positions = jnp.broadcast_to(positions, (b, s))
+    if self.context_mesh is not None:
+      attend = context_parallel_attention
+      impl.update(mesh=self.context_mesh, axis_name=self.context_axis)
     q, ent = self._project(x, positions)
     k, v = self._expand(ent)
-    impl = dict(implementation=self.implementation, interpret=self.interpret)
     if spec.kind == "global":
-      o = flash_attention(q, k, v, causal=True, segment_ids=segment_ids, scale=self.scale, **impl)
+      o = attend(q, k, v, causal=True, segment_ids=segment_ids, scale=self.scale, **impl)
     elif spec.kind == "local":
-      o = flash_attention(q, k, v, causal=True, local_window_size=(spec.window - 1, 0),
-                          segment_ids=segment_ids, scale=self.scale, **impl)
+      o = attend(q, k, v, causal=True, local_window_size=(spec.window - 1, 0),
+                 segment_ids=segment_ids, scale=self.scale, **impl)
     elif spec.kind == "sparse":
       o = self._sparse_forward(q, k, v, segment_ids)
     else:

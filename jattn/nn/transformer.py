@@ -51,6 +51,9 @@ class TransformerConfig:
     mla_absorb: absorbed MLA decode where valid (``Attention.absorbed_decode``).
     kv_cache_layout: "nhd" (default) or "hnd": every layer's decode cache layout
       (``Attention(kv_cache_layout=...)``); not with MLA or "csa" layers.
+    context_mesh, context_axis: None, or a ``jax.sharding.Mesh`` and the axis the sequence is
+      split over: training and evaluation forward passes run context-parallel attention on
+      tokens in zig-zag order (``jattn.context_parallel_permute``); "global"/"local" layers only.
 
   Example:
     >>> from jattn.nn.schedule import local_global_schedule
@@ -77,6 +80,8 @@ class TransformerConfig:
   dtype: object = None
   mla_absorb: bool = True
   kv_cache_layout: str = "nhd"
+  context_mesh: object = None
+  context_axis: str | None = None
 
   def __post_init__(self):
     if self.layers is None:
@@ -147,7 +152,8 @@ class Block(nnx.Module):
                           kv_lora_rank=c.kv_lora_rank, rope_head_dim=c.layer_rope_head_dim(spec),
                           qk_norm=c.qk_norm, mla_absorb=c.mla_absorb,
                           implementation=c.implementation, interpret=c.interpret,
-                          kv_cache_layout=c.kv_cache_layout, param_dtype=pd, dtype=dt, rngs=rngs)
+                          kv_cache_layout=c.kv_cache_layout, context_mesh=c.context_mesh,
+                          context_axis=c.context_axis, param_dtype=pd, dtype=dt, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
     self.mlp = MLP(c.d_model, c.mlp_dim or 4 * c.d_model, param_dtype=pd, dtype=dt, rngs=rngs)
 

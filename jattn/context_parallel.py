@@ -1,0 +1,697 @@
+"""Context parallelism: attention over a sequence split across the devices of a mesh axis.
+
+The sequence is cut into chunks, ``m`` per device (layout "contiguous": one, device i holds chunk
+i; "zigzag": two, device i holds chunks i and 2P-1-i, so causal work is even). Every (query
+chunk, key chunk) pair is classified once, at trace time, from the mask (causal, window): skipped
+(nothing visible), or one call of :func:`jattn.flash_attention` on the visible rows and columns
+with the mask re-expressed in that call's own coordinates. Partial results merge exactly by
+log-sum-exp (:func:`jattn.merge.merge`). Packed documents also skip, at run time, the pairs whose
+chunks share no document.
+
+Strategies (how key chunks meet query chunks):
+  * "ring": pass-KV. K/V (and key segment ids) move by ``ppermute``; only the ring shifts that
+    some device needs run (a window needs the neighbours only). The next shift is issued before
+    the current step's kernels, so communication overlaps compute. Backward (``custom_vjp``):
+    dQ stays local, dK/dV travel with their K/V and return to their owner.
+  * "all_gather": gather K/V once (the simple baseline); backward by autodiff (reduce-scatter).
+  * "ring_q": pass-Q. Queries and their running (out, lse) move, K/V stay; the merged result
+    returns to its owner at the end; backward by autodiff. For a short query against a long
+    sharded K/V.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from jattn._validate import check_qkv, check_segments
+from jattn.attention import flash_attention
+from jattn.decode import decode_attention
+from jattn.merge import merge, merge_partials
+from pallas_kernels.masks import normalize_window
+
+__all__ = ["ContextParallelPlan", "PairCall", "context_parallel_attention",
+           "context_parallel_attention_shard", "context_parallel_decode_attention",
+           "context_parallel_permute", "context_parallel_plan", "context_parallel_unpermute",
+           "layout_positions", "pair_call", "shard_chunks"]
+
+STRATEGIES = ("ring", "all_gather", "ring_q")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ----------------------------------------------------------------------------- layouts
+def _check_layout(layout, num_shards):
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
+    raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+
+
+def shard_chunks(num_shards, layout):
+  """The global chunk ids each device holds, in its local order.
+
+  Args:
+    num_shards: devices along the sequence axis (P).
+    layout: "contiguous" (chunk i on device i) or "zigzag" (chunks i and 2P-1-i on device i).
+
+  Returns:
+    int numpy array [P, m] (m = 1 or 2 chunks per device).
+
+  Example:
+    >>> shard_chunks(2, "zigzag").tolist()
+    [[0, 3], [1, 2]]
+  """
+  _check_layout(layout, num_shards)
+  d = np.arange(num_shards)
+  return d[:, None] if layout == "contiguous" else np.stack([d, 2 * num_shards - 1 - d], 1)
+
+
+def layout_positions(seq_len, num_shards, layout):
+  """Original positions in the layout's order, padded to whole chunks (-1 marks padding).
+
+  The sequence is padded at its end to a multiple of ``m * P`` (m chunks per device); slot t of
+  the padded, permuted array holds original position ``result[t]``.
+
+  Args:
+    seq_len: the sequence length.
+    num_shards: devices along the sequence axis.
+    layout: "contiguous" or "zigzag".
+
+  Returns:
+    int numpy array [padded length].
+
+  Example:
+    >>> layout_positions(7, 2, "zigzag").tolist()
+    [0, 1, 6, -1, 2, 3, 4, 5]
+  """
+  ids = shard_chunks(num_shards, layout).reshape(-1)
+  c = -(-seq_len // ids.size)
+  pos = (ids[:, None] * c + np.arange(c)).reshape(-1)
+  return np.where(pos < seq_len, pos, -1)
+
+
+def _take(x, idx, axis):
+  if np.array_equal(idx, np.arange(x.shape[axis])):
+    return x
+  sharding = jax.typeof(x).sharding
+  if any(getattr(sharding, "spec", ())):   # explicitly sharded: gather first
+    x = jax.device_put(x, NamedSharding(sharding.mesh, PS()))
+  return jnp.take(x, idx, axis=axis)
+
+
+def context_parallel_permute(x, num_shards, layout="zigzag", axis=1):
+  """Reorder a sequence axis into a context-parallel layout (once, e.g. at data loading).
+
+  Tokens, positions, segment ids and labels are permuted the same way. Any length works: the
+  order is that of the padded layout with the padding slots left out.
+
+  Args:
+    x: array with the sequence along ``axis``.
+    num_shards: devices along the sequence axis.
+    layout: "zigzag" (default) or "contiguous" (the identity).
+    axis: the sequence axis.
+
+  Returns:
+    x permuted along ``axis`` (same shape).
+
+  Example:
+    >>> context_parallel_permute(jnp.arange(8)[None], 2).tolist()
+    [[0, 1, 6, 7, 2, 3, 4, 5]]
+  """
+  pos = layout_positions(x.shape[axis], num_shards, layout)
+  return _take(x, pos[pos >= 0], axis)
+
+
+def context_parallel_unpermute(x, num_shards, layout="zigzag", axis=1):
+  """Inverse of :func:`context_parallel_permute`.
+
+  Args:
+    x: array in the layout's order along ``axis``.
+    num_shards: devices along the sequence axis.
+    layout: "zigzag" (default) or "contiguous".
+    axis: the sequence axis.
+
+  Returns:
+    x in original sequence order.
+
+  Example:
+    >>> x = jnp.arange(10)[None]
+    >>> bool((context_parallel_unpermute(context_parallel_permute(x, 2), 2) == x).all())
+    True
+  """
+  pos = layout_positions(x.shape[axis], num_shards, layout)
+  return _take(x, np.argsort(pos[pos >= 0]), axis)
+
+
+# ----------------------------------------------------------------------------- planning
+@dataclasses.dataclass(frozen=True)
+class PairCall:
+  """One chunk pair's kernel call: query rows [q0, q0+nq), key rows [k0, k0+nk) of the chunks,
+  with ``causal`` and ``window`` in the call's own (bottom-right aligned) coordinates.
+
+  Example:
+    >>> PairCall(0, 8, 0, 8, True, None)     # a diagonal causal chunk pair
+    PairCall(q0=0, nq=8, k0=0, nk=8, causal=True, window=None)
+  """
+  q0: int
+  nq: int
+  k0: int
+  nk: int
+  causal: bool
+  window: tuple | None
+
+
+def pair_call(base, cq, ck, causal, window):
+  """The kernel call of a chunk pair, or None when nothing in it is visible.
+
+  Query row i and key row j of the pair sit at global positions ``i + base + x`` and ``j + x``
+  (any x), so the mask asks ``s <= j - i <= t``. The call keeps the rows and columns that see
+  something; its bottom-right alignment puts the offset ``u`` at its last rows, so the window it
+  gets is ``(u - s, t - u)``, never negative.
+
+  Args:
+    base: the query chunk's first position minus the key chunk's first position.
+    cq, ck: query and key chunk lengths.
+    causal: the call's causal flag.
+    window: None or a normalized (left, right).
+
+  Returns:
+    A :class:`PairCall` or None.
+
+  Example:
+    >>> pair_call(8, 8, 8, True, (3, 0))   # the previous chunk under a 4-token window
+    PairCall(q0=0, nq=3, k0=5, nk=3, causal=False, window=(0, 3))
+  """
+  left, right = window or (None, None)
+  s = -math.inf if left is None else base - left
+  t = math.inf if right is None else base + right
+  if causal:
+    t = min(t, base)
+  if s > ck - 1 or t < -(cq - 1) or s > t:
+    return None
+  if s <= -(cq - 1) and t >= ck - 1:
+    return PairCall(0, cq, 0, ck, False, None)
+  q0, q1 = int(max(0, -t)), int(min(cq - 1, ck - 1 - s))
+  k0, k1 = int(max(0, s)), int(min(ck - 1, cq - 1 + t))
+  u = k1 - q1
+  le = None if s == -math.inf else int(u - s)
+  ri = None if t == math.inf else int(t - u)
+  is_causal = ri == 0
+  win = None if le is None and (ri is None or is_causal) else (le, 0 if is_causal else ri)
+  return PairCall(q0, q1 + 1 - q0, k0, k1 + 1 - k0, is_causal, win)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelPlan:
+  """The static schedule of a context-parallel call.
+
+  Attributes:
+    strategy, layout, num_shards: as given.
+    q_chunk, kv_chunk: chunk lengths (after padding).
+    shifts: the ring shifts that run, ascending (0 = the device's own chunks); a skipped shift
+      moves no data.
+    calls: the distinct kernel calls (:class:`PairCall`).
+    table: int numpy array [P, len(shifts), m, m]: for device d, shift index r, local query chunk
+      a and key chunk b, 0 (skipped) or 1 + the index of its call.
+    kernel_calls: non-skipped chunk-pair calls over all devices (before run-time segment skips).
+
+  Example:
+    >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 4 chunks: 10 pairs
+    10
+  """
+  strategy: str
+  layout: str
+  num_shards: int
+  q_chunk: int
+  kv_chunk: int
+  shifts: tuple
+  calls: tuple
+  table: np.ndarray = dataclasses.field(compare=False)
+
+  @property
+  def kernel_calls(self) -> int:
+    return int(np.count_nonzero(self.table))
+
+
+def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_window_size=None,
+                          strategy="ring", layout="zigzag"):
+  """Which ring shifts and chunk-pair kernel calls a context-parallel call runs.
+
+  Args:
+    q_len, kv_len: sequence lengths (before padding).
+    num_shards: devices along the sequence axis (P).
+    causal, local_window_size: the mask (as :func:`jattn.flash_attention`).
+    strategy: "ring", "all_gather" or "ring_q".
+    layout: "contiguous" or "zigzag".
+
+  Returns:
+    A :class:`ContextParallelPlan`.
+
+  Example:
+    >>> p = context_parallel_plan(4096, 4096, 4, causal=True, local_window_size=(63, 0),
+    ...                           layout="contiguous")
+    >>> p.shifts, p.kernel_calls   # own chunk and the previous device's: 4 + 3 calls
+    ((0, 1), 7)
+  """
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+  ids = shard_chunks(num_shards, layout)
+  n = ids.size
+  cq, ck = -(-q_len // n), -(-kv_len // n)
+  window = normalize_window(local_window_size)
+  calls, index = [], {}
+  table = np.zeros((num_shards, num_shards) + ids.shape[1:] * 2, np.int32)
+  for d in range(num_shards):
+    for r in range(num_shards):
+      e = (d - r) % num_shards          # ring/all_gather: K/V of e here; ring_q: Q of e here
+      qd, kd = (e, d) if strategy == "ring_q" else (d, e)
+      for a, qi in enumerate(ids[qd]):
+        for b, ki in enumerate(ids[kd]):
+          call = pair_call(kv_len - q_len + qi * cq - ki * ck, cq, ck, causal, window)
+          if call is not None:
+            table[d, r, a, b] = index.setdefault(call, len(calls) + 1)
+            if len(calls) < len(index):
+              calls.append(call)
+  shifts = tuple(int(r) for r in range(num_shards) if table[:, r].any())
+  return ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(calls),
+                             table[:, list(shifts)])
+
+
+# ----------------------------------------------------------------------------- one chunk pair
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+  """Static options of every chunk-pair call (hashable: a custom_vjp static argument)."""
+  scale: float
+  logits_soft_cap: float | None
+  implementation: str | None
+  interpret: bool
+
+
+def _run_call(call, kern, q, k, v, qs, ks):
+  """(out fp32 [B, cq, H, Dv], lse [B, cq, H]) of one PairCall on full chunks."""
+  cq = q.shape[1]
+  sl = lambda x, s0, n: None if x is None else jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)
+  out, lse = flash_attention(
+      sl(q, call.q0, call.nq), sl(k, call.k0, call.nk), sl(v, call.k0, call.nk),
+      causal=call.causal, local_window_size=call.window, segment_ids=sl(qs, call.q0, call.nq),
+      kv_segment_ids=sl(ks, call.k0, call.nk), scale=kern.scale,
+      logits_soft_cap=kern.logits_soft_cap, return_lse=True, implementation=kern.implementation,
+      interpret=kern.interpret)
+  out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)       # lse: [B, nq, H]
+  if call.nq < cq:
+    pad = ((0, 0), (call.q0, cq - call.q0 - call.nq), (0, 0))
+    out = jnp.pad(out, pad + ((0, 0),))
+    lse = jnp.pad(lse, pad, constant_values=-jnp.inf)
+  return out, lse
+
+
+def _empty(q, v):
+  b, cq, h, _ = q.shape
+  return (jnp.zeros((b, cq, h, v.shape[-1]), jnp.float32),
+          jnp.full((b, cq, h), -jnp.inf, jnp.float32))
+
+
+def _share_document(qs, ks):
+  """Whether any batch row's query and key chunks may share a document (id ranges overlap)."""
+  big = jnp.iinfo(jnp.int32).max
+  lo = lambda s: jnp.min(jnp.where(s > 0, s, big), axis=1)
+  hi = lambda s: jnp.max(jnp.where(s > 0, s, 0), axis=1)
+  return jnp.any((lo(qs) <= hi(ks)) & (lo(ks) <= hi(qs)))
+
+
+def _pair(plan, kern, column, d, q, k, v, qs, ks):
+  """The partial (out, lse) of one chunk pair; ``column`` = table[:, r, a, b] (all devices).
+
+  A switch over the calls this pair runs on some device (0: skip); with segment ids, pairs
+  whose chunks share no document take the skip branch at run time.
+  """
+  kinds = sorted(set(column.tolist()) | ({0} if qs is not None else set()))
+  if kinds == [0]:
+    return _empty(q, v)
+  if len(kinds) == 1:
+    return _run_call(plan.calls[kinds[0] - 1], kern, q, k, v, qs, ks)
+  idx = jnp.asarray(np.searchsorted(kinds, column), jnp.int32)[d]
+  if qs is not None:
+    idx = jnp.where(_share_document(qs, ks), idx, 0)
+  branches = [functools.partial(_run_call, plan.calls[i - 1], kern) if i else
+              (lambda q, k, v, qs, ks: _empty(q, v)) for i in kinds]
+  return jax.lax.switch(idx, branches, q, k, v, qs, ks)
+
+
+def _chunks(x, m):
+  return None if x is None else jnp.split(x, m, axis=1)
+
+
+def _merge(acc, part):
+  return merge(acc[0], acc[1], part[0], part[1])
+
+
+def _shift(xs, shift, axis_name, p):
+  if shift % p == 0:
+    return xs
+  perm = [(i, (i + shift) % p) for i in range(p)]
+  return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), xs)
+
+
+# ----------------------------------------------------------------------------- strategies
+def _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks, kv_at):
+  """Every step of a K/V-moving strategy; ``kv_at(i, state)`` gives step i's (k, v, ks)."""
+  m = plan.table.shape[-1]
+  d = jax.lax.axis_index(axis_name)
+  qc, qsc = _chunks(q, m), _chunks(qs, m) or [None] * m
+  acc = [_empty(x, v) for x in qc]
+  state = (k, v, ks)
+  for i in range(len(plan.shifts)):
+    kv, state = kv_at(i, state)
+    kc, vc, ksc = _chunks(kv[0], m), _chunks(kv[1], m), _chunks(kv[2], m) or [None] * m
+    for a in range(m):
+      for b in range(m):
+        acc[a] = _merge(acc[a], _pair(plan, kern, plan.table[:, i, a, b], d, qc[a], kc[b], vc[b],
+                                      qsc[a], ksc[b]))
+  out = jnp.concatenate([o for o, _ in acc], axis=1)
+  return out, jnp.concatenate([s for _, s in acc], axis=1)
+
+
+def _ring_kv_at(plan, axis_name):
+  p, shifts = plan.num_shards, plan.shifts
+
+  def kv_at(i, state):
+    if i == 0:
+      state = _shift(state, shifts[0], axis_name, p)
+    # The next shift is issued before this step's kernels, so the two overlap.
+    nxt = _shift(state, shifts[i + 1] - shifts[i], axis_name, p) if i + 1 < len(shifts) else state
+    return state, nxt
+  return kv_at
+
+
+def _all_gather_kv_at(plan, axis_name, k, v, ks):
+  p, m = plan.num_shards, plan.table.shape[-1]
+  gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True),
+                          (k, v, ks))
+  d = jax.lax.axis_index(axis_name)
+
+  def kv_at(i, state):
+    start = ((d - plan.shifts[i]) % p) * (m * plan.kv_chunk)
+    take = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(
+        x, start, m * plan.kv_chunk, axis=1)
+    return jax.tree.map(take, gathered, is_leaf=lambda x: x is None), state
+  return kv_at
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring(plan, kern, axis_name, q, k, v, qs, ks):
+  out, lse = _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
+                              _ring_kv_at(plan, axis_name))
+  return out.astype(q.dtype), lse
+
+
+def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks):
+  out, lse = _ring(plan, kern, axis_name, q, k, v, qs, ks)
+  return (out, lse), (q, k, v, qs, ks, out, lse)
+
+
+def _ring_bwd(plan, kern, axis_name, res, g):
+  """dQ accumulates here; dK/dV travel with their K/V and go back to their owner at the end.
+
+  A chunk pair's partial (o_p, lse_p) enters the merged result with weight w = exp(lse_p - lse),
+  so its cotangents are w * dout and w * (<dout, o_p> - <dout, out> + dlse).
+  """
+  q, k, v, qs, ks, out, lse = res
+  dout, dlse = g
+  p, m, shifts = plan.num_shards, plan.table.shape[-1], plan.shifts
+  d = jax.lax.axis_index(axis_name)
+  dout = dout.astype(jnp.float32)
+  delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1)             # [B, Lq, H]
+  qc, qsc = _chunks(q, m), _chunks(qs, m) or [None] * m
+  doc, dlc, lc, dc = (_chunks(x, m) for x in (dout, dlse, lse, delta))
+  dq = [jnp.zeros(x.shape, jnp.float32) for x in qc]
+  state = (k, v, ks, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  state = _shift(state, shifts[0], axis_name, p)
+  for i in range(len(shifts)):
+    kk, vv, kks, dk, dv = state
+    kc, vc, ksc = _chunks(kk, m), _chunks(vv, m), _chunks(kks, m) or [None] * m
+    dkc, dvc = _chunks(dk, m), _chunks(dv, m)
+    for a in range(m):
+      for b in range(m):
+        col = plan.table[:, i, a, b]
+        if not col.any():
+          continue
+        f = functools.partial(_pair, plan, kern, col, d, qs=qsc[a], ks=ksc[b])
+        (o_p, l_p), vjp = jax.vjp(f, qc[a], kc[b], vc[b])
+        w = jnp.where(jnp.isfinite(l_p), jnp.exp(l_p - lc[a]), 0.0)    # [B, cq, H]
+        ct_l = w * (jnp.sum(doc[a] * o_p, axis=-1) - dc[a] + dlc[a])
+        gq, gk, gv = vjp((w[..., None] * doc[a], ct_l))
+        dq[a] = dq[a] + gq
+        dkc[b], dvc[b] = dkc[b] + gk, dvc[b] + gv
+    dk, dv = jnp.concatenate(dkc, axis=1), jnp.concatenate(dvc, axis=1)
+    if i + 1 < len(shifts):
+      state = _shift((kk, vv, kks, dk, dv), shifts[i + 1] - shifts[i], axis_name, p)
+  dk, dv = _shift((dk, dv), -shifts[-1], axis_name, p)
+  dq = jnp.concatenate(dq, axis=1)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _ring_q(plan, kern, axis_name, q, k, v, qs, ks):
+  p, m, shifts = plan.num_shards, plan.table.shape[-1], plan.shifts
+  d = jax.lax.axis_index(axis_name)
+  kc, vc, ksc = _chunks(k, m), _chunks(v, m), _chunks(ks, m) or [None] * m
+  acc = [_empty(x, v) for x in _chunks(q, m)]
+  state = _shift((q, qs), shifts[0], axis_name, p)
+  acc = _shift(acc, shifts[0], axis_name, p)
+  for i in range(len(shifts)):
+    qq, qqs = state
+    if i + 1 < len(shifts):   # the next queries move while this step computes
+      state = _shift(state, shifts[i + 1] - shifts[i], axis_name, p)
+    qc, qsc = _chunks(qq, m), _chunks(qqs, m) or [None] * m
+    for a in range(m):
+      for b in range(m):
+        acc[a] = _merge(acc[a], _pair(plan, kern, plan.table[:, i, a, b], d, qc[a], kc[b], vc[b],
+                                      qsc[a], ksc[b]))
+    if i + 1 < len(shifts):
+      acc = _shift(acc, shifts[i + 1] - shifts[i], axis_name, p)
+  acc = _shift(acc, -shifts[-1], axis_name, p)
+  out = jnp.concatenate([o for o, _ in acc], axis=1)
+  return out.astype(q.dtype), jnp.concatenate([s for _, s in acc], axis=1)
+
+
+def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
+  """(out [B, Lq_local, H, Dv], lse [B, Lq_local, H]) on one device, inside shard_map."""
+  if plan.strategy == "ring":
+    return _ring(plan, kern, axis_name, q, k, v, qs, ks)
+  if plan.strategy == "ring_q":
+    return _ring_q(plan, kern, axis_name, q, k, v, qs, ks)
+  out, lse = _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
+                              _all_gather_kv_at(plan, axis_name, k, v, ks))
+  return out.astype(q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- public API
+def _kernel(q, scale, logits_soft_cap, implementation, interpret):
+  if logits_soft_cap is not None and not logits_soft_cap > 0:
+    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+  if implementation == "cudnn":
+    raise ValueError("implementation='cudnn' returns no log-sum-exp, which the chunk merge "
+                     "needs; use None, 'xla', 'triton', 'mosaic_gpu' or 'mosaic_tpu'")
+  scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
+  return _Kernel(scale, None if logits_soft_cap is None else float(logits_soft_cap),
+                 implementation, bool(interpret))
+
+
+def _check_strategy(strategy, layout):
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_window_size=None,
+                                     segment_ids=None, kv_segment_ids=None, scale=None,
+                                     logits_soft_cap=None, strategy="ring", layout="zigzag",
+                                     return_lse=False, implementation=None, interpret=False):
+  """:func:`context_parallel_attention` on one device's shard, for use inside ``shard_map``.
+
+  The local arrays hold this device's chunks in the layout's order (no padding: each local
+  length is a multiple of the chunks per device, 2 for "zigzag").
+
+  Args:
+    q, k, v: local [batch, len, heads, head_dim] shards of the permuted sequences.
+    axis_name: the mesh axis the sequence is split over.
+    causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap,
+      implementation, interpret: as :func:`jattn.flash_attention`, on the local shards.
+    strategy: "ring", "all_gather" or "ring_q".
+    layout: "zigzag" or "contiguous".
+    return_lse: also return the local log-sum-exp [batch, heads, len].
+
+  Returns:
+    The local output [batch, len, q_heads, head_dim_v], or (out, lse) if return_lse.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("seq",))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+    >>> f = jax.shard_map(lambda q, k, v: context_parallel_attention_shard(
+    ...     q, k, v, axis_name="seq", causal=True), mesh=mesh, in_specs=P(None, "seq"),
+    ...     out_specs=P(None, "seq"))
+    >>> f(x, x, x).shape
+    (1, 64, 2, 16)
+  """
+  _check_strategy(strategy, layout)
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
+  p = jax.lax.axis_size(axis_name)
+  m = shard_chunks(p, layout).shape[1]
+  if q_len % m or kv_len % m:
+    raise ValueError(f"layout={layout!r} needs local lengths divisible by {m}, got q {q_len}, "
+                     f"kv {kv_len}")
+  plan = context_parallel_plan(q_len * p, kv_len * p, p, causal=causal,
+                               local_window_size=local_window_size, strategy=strategy,
+                               layout=layout)
+  kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
+  out, lse = _shard_attention(plan, kern, axis_name, q, k, v, segment_ids, kv_segment_ids)
+  return (out, jnp.swapaxes(lse, 1, 2)) if return_lse else out
+
+
+def _with_padding(x, pos, mesh):
+  """x (layout order, padding slots left out) -> the padded layout (zeros in the slots)."""
+  real = pos >= 0
+  if real.all():
+    return x
+  x = jax.device_put(x, NamedSharding(mesh, PS()))   # gathers on explicit meshes need this
+  idx = np.where(real, np.cumsum(real) - 1, 0)
+  mask = jnp.asarray(real).reshape((1, -1) + (1,) * (x.ndim - 2))
+  return jnp.where(mask, jnp.take(x, idx, axis=1), 0)
+
+
+def context_parallel_attention(q, k, v, *, mesh, axis_name, causal=False, local_window_size=None,
+                               segment_ids=None, kv_segment_ids=None, scale=None,
+                               logits_soft_cap=None, strategy="ring", layout="zigzag",
+                               return_lse=False, implementation=None, interpret=False):
+  """Attention over sequences split along a mesh axis (ring, all-gather or pass-Q).
+
+  The arrays are in the layout's sequence order (:func:`context_parallel_permute`; "contiguous"
+  is the original order), usually sharded along the sequence over ``axis_name``. Any length
+  works: sequences are padded inside to whole chunks (``m * P`` of them) and the padding is never
+  attended; padding gathers the arrays once, so long sequences should come in whole chunks. The
+  result equals :func:`jattn.flash_attention` on the unpermuted arrays, permuted.
+
+  Args:
+    q: [batch, q_len, q_heads, head_dim] in the layout's order.
+    k, v: [batch, kv_len, kv_heads, head_dim(_v)] in the layout's order (GQA: only the kv heads
+      move).
+    mesh: a ``jax.sharding.Mesh``.
+    axis_name: the mesh axis the sequence is split over.
+    causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap: as
+      :func:`jattn.flash_attention` (segment ids in the layout's order).
+    strategy: "ring" (pass-KV), "all_gather" or "ring_q" (pass-Q).
+    layout: "zigzag" (device i holds chunks i and 2P-1-i) or "contiguous".
+    return_lse: also return the log-sum-exp [batch, q_heads, q_len] (layout order).
+    implementation: the per-chunk kernels' (:func:`jattn.flash_attention`; not "cudnn").
+    interpret: run Pallas kernels in interpret mode (CPU).
+
+  Returns:
+    out [batch, q_len, q_heads, head_dim_v] in q.dtype (layout order), or (out, lse).
+
+  Example:
+    >>> import jax, jattn
+    >>> mesh = jax.make_mesh((1,), ("seq",))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 100, 2, 16))
+    >>> xp = jattn.context_parallel_permute(x, 1)
+    >>> out = jattn.context_parallel_attention(xp, xp, xp, mesh=mesh, axis_name="seq",
+    ...                                        causal=True)
+    >>> out.shape
+    (1, 100, 2, 16)
+  """
+  _check_strategy(strategy, layout)
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+  p = mesh.shape[axis_name]
+  window = normalize_window(local_window_size)
+  plan = context_parallel_plan(q_len, kv_len, p, causal=causal, local_window_size=window,
+                               strategy=strategy, layout=layout)
+  kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
+  qpos, kpos = layout_positions(q_len, p, layout), layout_positions(kv_len, p, layout)
+  hidden = causal or (window is not None and window[1] == 0)
+  if (kpos < 0).any() and segment_ids is None and not hidden:   # padded keys need a mask
+    segment_ids = jnp.ones((batch, q_len), jnp.int32)
+    kv_segment_ids = jnp.ones((batch, kv_len), jnp.int32)
+  args = [_with_padding(x, pos, mesh) for x, pos in ((q, qpos), (k, kpos), (v, kpos))]
+  if segment_ids is not None:
+    args += [_with_padding(segment_ids, qpos, mesh), _with_padding(kv_segment_ids, kpos, mesh)]
+  seq = PS(None, axis_name)
+  args = [jax.device_put(x, NamedSharding(mesh, seq)) for x in args]
+
+  def local(q, k, v, qs=None, ks=None):
+    return _shard_attention(plan, kern, axis_name, q, k, v, qs, ks)
+  out, lse = jax.shard_map(local, mesh=mesh, in_specs=(seq,) * len(args), out_specs=(seq, seq),
+                           axis_names={axis_name}, check_vma=False)(*args)
+  if (qpos < 0).any():
+    real = np.nonzero(qpos >= 0)[0]
+    out, lse = (jnp.take(jax.device_put(x, NamedSharding(mesh, PS())), real, axis=1)
+                for x in (out, lse))
+  lse = jnp.swapaxes(lse, 1, 2)
+  return (out, lse) if return_lse else out
+
+
+def context_parallel_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name,
+                                      scale=None, logits_soft_cap=None, return_lse=False,
+                                      implementation=None, interpret=False):
+  """One-token decode over a KV cache whose length is split along a mesh axis.
+
+  Device i holds cache entries [i * n, (i + 1) * n) (n = max_len / P) and attends its part with
+  :func:`jattn.decode_attention`; one log-sum-exp merge across the devices gives the exact result.
+
+  Args:
+    q: [batch, q_heads, head_dim] (replicated).
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)], sharded along max_len.
+    kv_lengths: int32 [batch], valid entries per sequence.
+    mesh, axis_name: the mesh and the axis the cache length is split over.
+    scale, logits_soft_cap, implementation, interpret: as :func:`jattn.decode_attention`.
+    return_lse: also return the log-sum-exp [batch, q_heads].
+
+  Returns:
+    out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> mesh = jax.make_mesh((1,), ("seq",))
+    >>> q = jax.random.normal(jax.random.key(0), (2, 4, 16))
+    >>> kv = jax.random.normal(jax.random.key(1), (2, 64, 2, 16))
+    >>> jattn.context_parallel_decode_attention(q, kv, kv, jnp.array([5, 64]), mesh=mesh,
+    ...                                         axis_name="seq").shape
+    (2, 4, 16)
+  """
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+  p = mesh.shape[axis_name]
+  if k_cache.ndim != 4 or k_cache.shape[1] % p:
+    raise ValueError(f"k_cache must be [batch, max_len, kv_heads, head_dim] with max_len "
+                     f"divisible by the {p} devices of {axis_name!r}, got {k_cache.shape}")
+  kw = {"scale": scale, "logits_soft_cap": logits_soft_cap, "implementation": implementation,
+        "interpret": interpret}
+
+  def local(q, k, v, lengths):
+    n = k.shape[1]
+    mine = jnp.clip(lengths - jax.lax.axis_index(axis_name) * n, 0, n).astype(jnp.int32)
+    out, lse = decode_attention(q, k, v, mine, return_lse=True, **kw)
+    gather = lambda x: jax.lax.all_gather(x, axis_name)               # [P, ...]
+    out, lse = merge_partials(gather(out.astype(jnp.float32)), gather(lse), axis=0)
+    return out.astype(q.dtype), lse
+  seq = PS(None, axis_name)
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+  out, lse = jax.shard_map(local, mesh=mesh, in_specs=(PS(), seq, seq, PS()),
+                           out_specs=(PS(), PS()), axis_names={axis_name}, check_vma=False)(
+                               put(q, PS()), put(k_cache, seq), put(v_cache, seq),
+                               put(jnp.asarray(kv_lengths, jnp.int32), PS()))
+  return (out, lse) if return_lse else out

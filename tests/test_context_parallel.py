@@ -1,0 +1,297 @@
+"""Context-parallel attention against the single-device call.
+
+The planning tests run in-process. The multi-device tests (``eight``) need 8 devices: they skip
+in the ordinary process and ``test_on_8_cpu_devices`` runs them in a subprocess with
+``--xla_force_host_platform_device_count=8``, so every other test keeps the default devices.
+"""
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import context_parallel as cp
+from tests.helpers import rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+eight = pytest.mark.skipif(jax.device_count() < 8,
+                           reason="needs 8 devices: run by test_on_8_cpu_devices")
+
+
+# ----------------------------------------------------------------------------- planning
+def _visible(qpos, kpos, causal, window):
+  """Brute-force mask [len(qpos), len(kpos)]."""
+  d = kpos[None, :] - qpos[:, None]
+  m = np.ones(d.shape, bool)
+  if causal:
+    m &= d <= 0
+  if window is not None:
+    if window[0] is not None:
+      m &= d >= -window[0]
+    if window[1] is not None:
+      m &= d <= window[1]
+  return m
+
+
+def test_pair_call_masks_exactly_the_visible_rows_and_columns():
+  rng = np.random.default_rng(0)
+  windows = [None, (0, 0), (3, 0), (5, 2), (None, 4), (7, None), (20, 20)]
+  for _ in range(400):
+    cq, ck = (int(x) for x in rng.integers(1, 12, 2))
+    base = int(rng.integers(-30, 30))
+    causal = bool(rng.integers(2))
+    window = windows[rng.integers(len(windows))]
+    want = _visible(np.arange(cq) + base, np.arange(ck), causal, window)
+    call = cp.pair_call(base, cq, ck, causal, window)
+    got = np.zeros((cq, ck), bool)
+    if call is not None:
+      assert min(call.nq, call.nk) >= 1 and all(w is None or w >= 0 for w in call.window or ())
+      qpos = np.arange(call.nq) + (call.nk - call.nq)          # bottom-right aligned
+      got[call.q0:call.q0 + call.nq, call.k0:call.k0 + call.nk] = _visible(
+          qpos, np.arange(call.nk), call.causal, call.window)
+    assert (got == want).all(), (base, cq, ck, causal, window, call)
+    assert (call is None) == (not want.any())
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("n", [1, 7, 16, 29])
+def test_permute_round_trip(layout, n):
+  x = jnp.arange(2 * n).reshape(2, n)
+  y = cp.context_parallel_permute(x, 4, layout)
+  assert sorted(np.asarray(y[0]).tolist()) == list(range(n))
+  assert (cp.context_parallel_unpermute(y, 4, layout) == x).all()
+  pos = cp.layout_positions(n, 4, layout)
+  assert (np.asarray(y[0]) == pos[pos >= 0]).all()
+
+
+def test_windows_run_only_neighbour_steps():
+  # chunk 128, window 64: a device's own chunks and its predecessor's
+  kw = {"causal": True, "local_window_size": (63, 0)}
+  p = jattn.context_parallel_plan(1024, 1024, 4, layout="contiguous", **kw)
+  assert p.shifts == (0, 1) and p.kernel_calls == 4 + 3
+  z = jattn.context_parallel_plan(2048, 2048, 4, layout="zigzag", **kw)
+  # own: chunk pairs (d, d), (2P-1-d, 2P-1-d), and at d = P-1 chunk P after chunk P-1;
+  # shift 1: chunk d-1 before d (d >= 1); shift P-1: chunk 2P-2-d before 2P-1-d (d <= P-2)
+  assert z.shifts == (0, 1, 3) and z.kernel_calls == 8 + 1 + 3 + 3
+  dense = jattn.context_parallel_plan(2048, 2048, 4, causal=True)
+  assert dense.shifts == (0, 1, 2, 3)
+  assert (np.count_nonzero(dense.table[:, 1:], axis=(2, 3)) == 2).all()   # balanced
+
+
+def test_bad_arguments_raise():
+  x = jnp.zeros((1, 16, 2, 8))
+  mesh = jax.make_mesh((1,), ("seq",))
+  with pytest.raises(ValueError, match="strategy"):
+    jattn.context_parallel_attention(x, x, x, mesh=mesh, axis_name="seq", strategy="tree")
+  with pytest.raises(ValueError, match="layout"):
+    jattn.context_parallel_attention(x, x, x, mesh=mesh, axis_name="seq", layout="striped")
+  with pytest.raises(ValueError, match="axis_name"):
+    jattn.context_parallel_attention(x, x, x, mesh=mesh, axis_name="data")
+  with pytest.raises(ValueError, match="cudnn"):
+    jattn.context_parallel_attention(x, x, x, mesh=mesh, axis_name="seq", implementation="cudnn")
+  with pytest.raises(ValueError, match="num_shards"):
+    jattn.context_parallel_permute(x, 0)
+
+
+def test_on_8_cpu_devices(request):
+  """Runs this module's ``eight`` tests in a process with 8 CPU devices."""
+  if jax.device_count() >= 8:
+    pytest.skip("this process has 8 devices: the eight_ tests run here")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         os.path.abspath(__file__), "-k", "eight_"]
+  if request.config.getoption("--run-slow"):
+    cmd.append("--run-slow")
+  proc = subprocess.run(cmd, check=False, env=env, cwd=ROOT, capture_output=True, text=True,
+                        timeout=900)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+  skipped = re.search(r"(\d+) skipped", proc.stdout)
+  assert " passed" in proc.stdout, proc.stdout[-2000:]
+  assert (int(skipped.group(1)) if skipped else 0) == (
+      0 if request.config.getoption("--run-slow") else len(SLOW)), proc.stdout[-2000:]
+
+
+# ----------------------------------------------------------------------------- 8 devices
+def _mesh(n=8):
+  return jax.sharding.Mesh(np.array(jax.devices()[:n]), ("seq",))   # Auto axis
+
+
+def _inputs(seed, b, lq, lk, hq, hk, d, dv, docs):
+  rng = np.random.default_rng(seed)
+  f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+  q, k, v = f(b, lq, hq, d), f(b, lk, hk, d), f(b, lk, hk, dv)
+  seg = None
+  if docs:   # ascending document ids with some padding (0) at the end
+    seg = np.sort(rng.integers(1, docs + 1, (b, lq)), axis=1)
+    seg[:, lq - 3:] = 0
+    seg = jnp.asarray(seg, jnp.int32)
+  return q, k, v, seg, f(b, lq, hq, dv), f(b, hq, lq)
+
+
+def _check(strategy, layout, *, lq=100, lk=None, hq=4, hk=2, causal=True, window=None,
+           docs=0, cap=None, mesh=None, **kw):
+  """Outputs, LSE and gradients (through both) against ``flash_attention`` on one device."""
+  lk = lk or lq
+  mesh = mesh or _mesh()
+  p = mesh.shape["seq"]
+  q, k, v, seg, ct, ct_lse = _inputs(lq * 7 + lk, 2, lq, lk, hq, hk, 16, 8, docs)
+  opts = {"causal": causal, "local_window_size": window, "logits_soft_cap": cap}
+  perm = functools.partial(cp.context_parallel_permute, num_shards=p, layout=layout)
+  unperm = functools.partial(cp.context_parallel_unpermute, num_shards=p, layout=layout)
+
+  def single(q, k, v):
+    return jattn.flash_attention(q, k, v, segment_ids=seg, return_lse=True,
+                                 implementation="xla", **opts)
+
+  def parallel(q, k, v):
+    out, lse = jattn.context_parallel_attention(
+        perm(q), perm(k), perm(v), mesh=mesh, axis_name="seq", return_lse=True,
+        segment_ids=None if seg is None else perm(seg), strategy=strategy, layout=layout,
+        **opts, **kw)
+    return unperm(out), unperm(lse, axis=2)
+
+  def loss(f, q, k, v):
+    out, lse = f(q, k, v)
+    return jnp.sum(out * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * ct_lse)
+  want = single(q, k, v), jax.grad(functools.partial(loss, single), (0, 1, 2))(q, k, v)
+  got = jax.jit(lambda q, k, v: (parallel(q, k, v), jax.grad(
+      functools.partial(loss, parallel), (0, 1, 2))(q, k, v)))(q, k, v)
+  (o, lse), grads = got
+  (o_ref, lse_ref), grads_ref = want
+  assert (np.isfinite(lse) == np.isfinite(lse_ref)).all()
+  fin = np.isfinite(lse_ref)
+  errs = [rel_err(o, o_ref), rel_err(np.where(fin, lse, 0), np.where(fin, lse_ref, 0))]
+  errs += [rel_err(g, r) for g, r in zip(grads, grads_ref)]
+  assert max(errs) < 2e-3, errs
+
+
+CASES = {   # strategies and layouts (SLOW: the rest); masks, GQA, soft cap, odd lengths spread over them
+    "ring_zigzag": {"strategy": "ring", "layout": "zigzag", "docs": 5, "cap": 5.0},
+    "ring_contiguous": {"strategy": "ring", "layout": "contiguous", "causal": False,
+                        "window": (7, 3)},
+    "ring_q_contiguous": {"strategy": "ring_q", "layout": "contiguous", "causal": False, "docs": 3},
+    "all_gather_contiguous": {"strategy": "all_gather", "layout": "contiguous", "cap": 3.0},
+}
+SLOW = {
+    "all_gather_zigzag": {"strategy": "all_gather", "layout": "zigzag", "window": (5, 0)},
+    "ring_q_zigzag": {"strategy": "ring_q", "layout": "zigzag", "lq": 40, "lk": 100,
+                      "causal": False, "window": (9, 2)},
+    "ring_zigzag_long_kv": {"strategy": "ring", "layout": "zigzag", "lq": 40, "lk": 100, "hk": 1},
+    "ring_zigzag_dense_window": {"strategy": "ring", "layout": "zigzag", "causal": False,
+                                     "window": (20, 20), "docs": 2},
+}
+
+
+@eight
+@pytest.mark.parametrize("name", list(CASES))
+def test_eight_matches_single_device(name):
+  _check(**CASES[name])
+
+
+@eight
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW))
+def test_eight_matches_single_device_more(name):
+  _check(**SLOW[name])
+
+
+@eight
+def test_eight_interpret_kernel():
+  _check("ring", "zigzag", lq=64, hq=2, mesh=_mesh(2), implementation="triton", interpret=True)
+
+
+def _count_calls(monkeypatch):
+  """Counts the chunk-pair kernel calls that run (on every device), via a debug callback."""
+  count = []
+  real = cp.flash_attention
+
+  def counted(q, *a, **kw):
+    jax.debug.callback(lambda: count.append(1))
+    return real(q, *a, **kw)
+  monkeypatch.setattr(cp, "flash_attention", counted)
+  return count
+
+
+@eight
+def test_eight_counts_window_and_document_skips(monkeypatch):
+  count = _count_calls(monkeypatch)
+  mesh, n = _mesh(), 512
+  q, k, v, _, _, _ = _inputs(1, 1, n, n, 2, 2, 16, 16, 0)
+  perm = functools.partial(cp.context_parallel_permute, num_shards=8)
+  plan = jattn.context_parallel_plan(n, n, 8, causal=True, local_window_size=(15, 0))
+  f = jax.jit(functools.partial(jattn.context_parallel_attention, mesh=mesh, axis_name="seq",
+                                causal=True, local_window_size=(15, 0)))
+  jax.block_until_ready(f(perm(q), perm(k), perm(v)))
+  assert plan.shifts == (0, 1, 7) and len(count) == plan.kernel_calls == 16 + 1 + 7 + 7
+  # Packed documents of 32 tokens (= one of the 16 chunks): pairs across documents never run.
+  count.clear()
+  seg = perm(jnp.repeat(jnp.arange(1, 17, dtype=jnp.int32), 32)[None])
+  f = jax.jit(functools.partial(jattn.context_parallel_attention, mesh=mesh, axis_name="seq",
+                                causal=True))
+  out = f(perm(q), perm(k), perm(v), segment_ids=seg)
+  ref = jattn.flash_attention(q, k, v, causal=True, segment_ids=cp.context_parallel_unpermute(
+      seg, 8), implementation="xla")
+  assert rel_err(cp.context_parallel_unpermute(out, 8), ref) < 2e-3
+  assert len(count) == 16   # one diagonal call per chunk
+
+
+def _dims(text):
+  return {int(x) for shape in re.findall(r"\[([\d,]+)\]", text) for x in shape.split(",") if x}
+
+
+@eight
+def test_eight_ring_holds_no_full_sequence_kv():
+  mesh, n = _mesh(), 1024   # local shards: 128 keys
+  shape = jax.ShapeDtypeStruct((1, n, 2, 24), jnp.float32)
+  hlo = {}
+  for strategy in ("ring", "all_gather"):
+    def loss(q, k, v, strategy=strategy):
+      return jnp.sum(jattn.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq",
+                                                      causal=True, strategy=strategy))
+    hlo[strategy] = jax.jit(jax.grad(loss, (0, 1, 2))).lower(shape, shape, shape).compile()
+  ring = _dims(hlo["ring"].as_text())
+  assert 128 in ring and 1024 not in ring, sorted(ring)
+  assert 1024 in _dims(hlo["all_gather"].as_text())   # the check sees a gathered sequence
+
+
+@eight
+def test_eight_sharded_decode():
+  mesh = _mesh()
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.standard_normal((3, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((3, 128, 2, 16)), jnp.float32) for _ in range(2))
+  lengths = jnp.array([5, 128, 70], jnp.int32)
+  out, lse = jattn.context_parallel_decode_attention(q, k, v, lengths, mesh=mesh,
+                                                     axis_name="seq", return_lse=True,
+                                                     logits_soft_cap=4.0)
+  ref, ref_lse = jattn.decode_attention(q, k, v, lengths, return_lse=True, logits_soft_cap=4.0,
+                                        implementation="xla")
+  assert rel_err(out, ref) < 2e-3 and rel_err(lse, ref_lse) < 2e-3
+
+
+@eight
+def test_eight_transformer_context_parallel():
+  from flax import nnx
+
+  from jattn.nn import LayerSpec, Transformer, TransformerConfig
+  mesh = _mesh()
+  cfg = functools.partial(TransformerConfig, 50, 1, 32, 4, 2, 8,
+                          layers=(LayerSpec("local", window=6),))
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 50, (2, 32)), jnp.int32)
+
+  def loss(model, tokens):   # order-free: a mean over tokens
+    return jnp.mean(jax.nn.log_softmax(model(tokens))[..., 0])
+  ref_model = Transformer(cfg(), rngs=nnx.Rngs(0))
+  model = Transformer(cfg(context_mesh=mesh, context_axis="seq"), rngs=nnx.Rngs(0))
+  ref_loss, ref_grads = nnx.value_and_grad(loss)(ref_model, tokens)
+  got_loss, grads = nnx.jit(nnx.value_and_grad(loss))(
+      model, cp.context_parallel_permute(tokens, 8))
+  assert abs(float(got_loss) - float(ref_loss)) < 1e-5
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    assert rel_err(g, r) < 2e-3
