@@ -397,6 +397,48 @@ def _opt(preset):
   return OptimConfig(lr=preset.lr, warmup_steps=preset.warmup_steps, total_steps=preset.steps)
 
 
+# Preset fields that do not change what a run computes (how many seeds run is chosen per call).
+NOT_FINGERPRINTED = ("seeds",)
+
+
+def experiment_config(preset):
+  """The configuration an output directory is bound to: every ``Preset`` field except
+  ``NOT_FINGERPRINTED`` (a JSON-able dict; its ``train_lib.config_fingerprint`` is stored with
+  every checkpoint and in ``OUT/config.json``)."""
+  return {k: v for k, v in dataclasses.asdict(preset).items() if k not in NOT_FINGERPRINTED}
+
+
+def bind_output_dir(out_dir, preset):
+  """Create ``out_dir`` (failing at once, naming it, if it is not writable) and bind it to the
+  preset's configuration: the first call writes ``config.json``; later calls with another
+  configuration raise ``train_lib.ConfigMismatchError`` naming the differing keys.
+
+  Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> bind_output_dir(d, PRESETS["smoke"]); bind_output_dir(d, PRESETS["smoke"])
+  """
+  from experiments.train_lib import (
+      check_same_config,
+      config_fingerprint,
+      ensure_writable_dir,
+      save_json,
+  )
+  ensure_writable_dir(out_dir)
+  cfg = experiment_config(preset)
+  path = os.path.join(out_dir, "config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    check_same_config(old.get("config", {}), json.loads(json.dumps(cfg)), f"--out {out_dir}")
+    return
+  if os.path.isdir(os.path.join(out_dir, "runs")) and os.listdir(os.path.join(out_dir, "runs")):
+    from experiments.train_lib import ConfigMismatchError
+    raise ConfigMismatchError(f"--out {out_dir} holds runs but no config.json: its configuration "
+                              "is unknown; use a fresh output directory")
+  save_json(path, {"config": cfg, "fingerprint": config_fingerprint(cfg)})
+
+
 def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True, deadline=None):
   """Train one (variant, seed), resuming from ``run_dir/ckpt`` if a checkpoint is there.
 
@@ -421,7 +463,8 @@ def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True, de
                          ckpt_every=p.ckpt_every, stop_after=stop_after, log_every=p.log_every,
                          desc=f"{variant} s{seed}", progress=progress,
                          extra_record={"variant": variant, "seed": seed, "preset": p.name},
-                         deadline=deadline)
+                         deadline=deadline,
+                         config=dict(experiment_config(p), variant=variant, seed=seed))
   return trainer, finished
 
 
@@ -1284,11 +1327,12 @@ def main(argv=None):
                        "sparse_aux)")
   ap.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
   ap.add_argument("--lr", type=float, default=None,
-                  help="override the preset's peak learning rate (use a fresh --out: finished "
-                       "runs in an existing one are reused as they are)")
+                  help="override the preset's peak learning rate (an existing --out made with "
+                       "other settings is refused)")
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                   help="override any Preset field, e.g. --set curriculum_ramp=0.5 --set "
-                       "batch_size=16 (repeatable; use a fresh --out)")
+                       "batch_size=16 (repeatable; an existing --out made with other settings is "
+                       "refused)")
   ap.add_argument("--stop-after", type=int, default=None,
                   help="stop after this many training steps (simulated kill; rerun to resume)")
   ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -1318,7 +1362,12 @@ def main(argv=None):
   unknown = set(variants) - set(VARIANTS)
   if unknown:
     ap.error(f"unknown variants {sorted(unknown)}")
-  os.makedirs(args.out, exist_ok=True)
+  from experiments.train_lib import ConfigMismatchError
+  try:
+    bind_output_dir(args.out, preset)
+  except (OSError, ConfigMismatchError) as e:
+    print(f"[coadaptation] error: {e}", file=sys.stderr)
+    return 2
   t0 = time.perf_counter()
   partial = os.path.join(args.out, "partial")
 
