@@ -194,7 +194,8 @@ def concentration_and_recall(mass, proxy_rank, *, block_size, keep_fraction=0.19
     block_size: keys per block; keep_fraction: the kept share.
 
   Returns:
-    (concentration, proxy_recall): fp32 scalars, means over included queries, heads and rows.
+    (concentration, proxy_recall): fp32 scalars, means over included queries, heads and rows
+    (NaN when no query is included: too few visible blocks for the kept fraction).
   """
   s = mass.shape[2]
   forced, visible = forced_and_visible(s, block_size)
@@ -207,7 +208,8 @@ def concentration_and_recall(mass, proxy_rank, *, block_size, keep_fraction=0.19
   top = jnp.sum(jnp.where(oracle, mass, 0.0), -1)
   got = jnp.sum(jnp.where(proxy, mass, 0.0), -1)
   w = jnp.broadcast_to(jnp.asarray(inc)[None, None], top.shape) & (rest > 0)
-  n = jnp.maximum(jnp.sum(w), 1)
+  cnt = jnp.sum(w)
+  n = jnp.where(cnt > 0, cnt, jnp.nan)                    # no included query: NaN, not 0
   conc = jnp.sum(jnp.where(w, top / jnp.where(w, rest, 1.0), 0.0)) / n
   rec = jnp.sum(jnp.where(w, got / jnp.where(w, top, 1.0), 0.0)) / n
   return conc, rec

@@ -97,17 +97,17 @@ def test_resume_with_another_learning_rate_is_refused(tmp_path):
 
 def test_cli_refuses_an_existing_out_with_other_settings(tmp_path, capsys):
   out = str(tmp_path / "o")
-  C.bind_output_dir(out, C.PRESETS["smoke"])
+  C.bind_output_dir(out, C.PRESETS["plumbing"])
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["config"]["lr"] == 3e-3
   t0 = time.perf_counter()
-  rc = C.main(["--preset", "smoke", "--out", out, "--lr", "1e-3", "--no-progress"])
+  rc = C.main(["--preset", "plumbing", "--out", out, "--lr", "1e-3", "--no-progress"])
   assert rc == 2 and time.perf_counter() - t0 < 5
   err = capsys.readouterr().err
   assert "lr" in err and out in err and "steps" not in err
   with pytest.raises(T.ConfigMismatchError, match="batch_size"):
-    C.bind_output_dir(out, C.override_preset(C.PRESETS["smoke"], ["batch_size=4"]))
-  C.bind_output_dir(out, C.override_preset(C.PRESETS["smoke"], ["seeds=5"]))   # not bound
+    C.bind_output_dir(out, C.override_preset(C.PRESETS["plumbing"], ["batch_size=4"]))
+  C.bind_output_dir(out, C.override_preset(C.PRESETS["plumbing"], ["seeds=5"]))   # not bound
 
 
 def test_unwritable_out_fails_fast_naming_the_path(tmp_path, capsys):
@@ -115,7 +115,7 @@ def test_unwritable_out_fails_fast_naming_the_path(tmp_path, capsys):
   blocker.write_text("x")
   out = str(blocker / "out")                                        # parent is a file
   t0 = time.perf_counter()
-  assert C.main(["--preset", "smoke", "--out", out, "--no-progress"]) == 2
+  assert C.main(["--preset", "plumbing", "--out", out, "--no-progress"]) == 2
   assert time.perf_counter() - t0 < 5
   assert f"output directory {out!r} is not writable" in capsys.readouterr().err
   with pytest.raises(OSError, match="checkpoint directory .*file/ckpt"):
