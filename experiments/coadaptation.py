@@ -1,40 +1,45 @@
-"""Co-adaptation experiment: trained vs post-hoc top-K block sparsity at equal sparsity.
+"""Co-adaptation experiment: does top-K sparsity learned in training keep what pruning loses?
 
-Trains small decoder LMs (``jattn.nn.Transformer``) from scratch on the same data and budget:
+Trains small decoder LMs (``jattn.nn.Transformer``) from scratch on the same data, steps,
+parameters and optimiser, paired by seed:
 
-  =================  ===================================================================
-  full               causal global attention in every layer (the baseline)
-  posthoc_topk       the *full* model evaluated with top-K block selection (~81% sparse)
-  sparse_none        trained with top-K block sparsity, hard selection (no gate gradient)
-  sparse_ste         ... straight-through gate gradient
-  sparse_gumbel      ... relaxed (softmax / Gumbel) gate gradient
-  sparse_aux         ... hard top-K plus score distillation: the block scorer is trained towards
-                     the dense attention's block mass (jattn.sparse.block_score_kl); not run
-                     unless named in --variants
-  local_global       periodic 5 local (RoPE, window) : 1 global (NoPE) layers
-  csa                compressed sparse attention (4 tokens -> 1, top-K entries + window)
-  =================  ===================================================================
+  ==================  =================================================================
+  full                causal global attention in every layer (the baseline)
+  posthoc_proxy       the full model pruned post hoc by the mean-pooled block score
+  posthoc_oracle      the full model pruned post hoc by each layer's true block mass
+  sparse_none         trained with per-token top-K block sparsity, no gate gradient
+  sparse_ste          ... straight-through gate gradient
+  sparse_gumbel       ... Gumbel gate gradient (evaluated with the deterministic top-K)
+  sparse_distill      ... hard top-K plus score distillation (``jattn.sparse.block_score_kl``)
+  local_global_nope   periodic 5 local (RoPE, window) : 1 global layers, NoPE global layers
+  local_global_rope   the same with RoPE global layers
+  csa                 CSA "compressed" (4 tokens -> 1 entry, top-K entries + raw window)
+  csa_two_stage       CSA two-stage (compressed keys score blocks, exact attention on the
+                      top-K raw blocks plus its own, one softmax)
+  ==================  =================================================================
 
-Data (``experiments.data``): seeded needle retrieval episodes over real-text haystacks (the Python
-standard library's source, byte level) plus packed text rows (``jattn.packing.pack_bfd``), with a
-curriculum that spreads needles from short to full distance.
+Selection (``experiments.coadaptation_analysis``): per query token (``q_block_size`` 1 on the
+CPU presets through the XLA path; the GPU presets' trained layers select per 16-query tile),
+shared by the GQA group, initial and local blocks kept, ``top_k`` such that the answer query
+keeps 19% of its visible blocks.
 
-Metrics per variant and seed: retrieval accuracy at full distance (``score``), held-out text bits
-per byte (``bpb``) and loss, measured attention ``sparsity`` (fraction of causal query-key scores
-not computed), ``captured_mass`` (fraction of the layer's full-softmax attention mass that lies
-inside what the variant keeps), decode time per token at the longest context (``decode_ms``), and
-learning curves.
+Metrics per (task, length, variant, seed): retrieval score (>= 256 held-out episodes on the
+real presets), held-out text bits per byte, measured sparsity (overall and at the answers),
+concentration, proxy recall, needle recall (>= 64 analysed rows), decode ms; aggregated with
+95% bootstrap intervals and paired differences against full, post-hoc proxy and post-hoc oracle.
+The dense baseline must reach ``min_baseline_score`` first, else the run stops (exit 4).
 
 Usage::
 
-  python -m experiments.coadaptation --preset smoke --out /tmp/coad     # ~1-2 min on CPU
-  python -m experiments.coadaptation --preset cpu --out runs/cpu          # < 30 min, 3 seeds
-  python -m experiments.coadaptation --preset h200 --out runs/h200        # one H200, ~10 min
-  python -m experiments.coadaptation --preset h200 --out /tmp/dry --dry-run  # CPU rehearsal, ~4 min
+  python -m experiments.coadaptation --out runs/default                  # default preset, CPU
+  python -m experiments.coadaptation --preset plumbing --out /tmp/p      # plumbing only (CI)
+  python -m experiments.coadaptation --preset cpu512 --out runs/c512 --set task=mqar
+  python -m experiments.coadaptation --preset gpu8k --out runs/g8 --variants full,posthoc_proxy
+  python -m experiments.coadaptation merge runs/c512 runs/g8 --out runs/all
 
-Writes ``OUT/results.json`` ({"rows": [...], "meta": {...}}), ``OUT/table.md``, PNG figures in
-``OUT/figures/`` and per-run state in ``OUT/runs/<variant>_s<seed>/`` (a killed run restarts
-where it stopped: finished runs are skipped, the running one resumes from its orbax checkpoint).
+Writes ``OUT/results.json`` ({"rows", "aggregate", "meta"}), ``OUT/table.md``, PNG figures in
+``OUT/figures/`` and per-run state in ``OUT/runs/<variant>_s<seed>/``. ``OUT/config.json`` binds
+the directory to its settings; a killed run resumes from its last good checkpoint.
 """
 from __future__ import annotations
 
@@ -49,14 +54,15 @@ import time
 
 import numpy as np
 
-VARIANTS = ("full", "posthoc_topk", "sparse_none", "sparse_ste", "sparse_gumbel", "sparse_aux",
-            "local_global", "csa")
-# What runs without --variants: every variant but sparse_aux, which is opt-in (name it in
-# --variants).
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "sparse_aux")
-TRAINED = tuple(v for v in VARIANTS if v != "posthoc_topk")
+VARIANTS = ("full", "posthoc_proxy", "posthoc_oracle", "sparse_none", "sparse_ste",
+            "sparse_gumbel", "sparse_distill", "local_global_nope", "local_global_rope", "csa",
+            "csa_two_stage")
+DEFAULT_VARIANTS = VARIANTS
+POSTHOC = {"posthoc_proxy": "proxy", "posthoc_oracle": "oracle"}  # the full model, pruned
+TRAINED = tuple(v for v in VARIANTS if v not in POSTHOC)
 SPARSE_GATES = {"sparse_none": "none", "sparse_ste": "ste", "sparse_gumbel": "gumbel"}
-SPARSE_VARIANTS = (*SPARSE_GATES, "sparse_aux")   # trained with LayerSpec("sparse")
+SPARSE_VARIANTS = (*SPARSE_GATES, "sparse_distill")   # trained with LayerSpec("sparse")
+BLOCK_VARIANTS = (*POSTHOC, *SPARSE_VARIANTS)          # per-token top-K block selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +78,12 @@ class Preset:
     batch_size: global batch (rows); must divide by the number of devices.
     steps: training steps per variant.
     lr, warmup_steps: optimiser.
-    block_size: sparse key/query block size.
-    target_sparsity: block sparsity of the sparse variants (top_k is chosen to get closest).
+    block_size: key block size of the block-sparse variants and CSA two-stage.
+    q_block_size: queries sharing one selection in trained sparse layers (1: per query token,
+      through the XLA path; GPU presets use the smallest tile the Triton kernels take).
+    keep_fraction: share of the answer query's visible blocks kept (``per_query_top_k``).
+    variants: comma-separated variants the preset runs by default.
+    min_baseline_score: the dense baseline must reach this retrieval score, else the run stops.
     window: local window of the local/global variant.
     local_per_global: local layers per global layer.
     csa_ratio, csa_top_k, csa_window: CSA compression ratio, kept entries, raw window.
@@ -86,15 +96,13 @@ class Preset:
     compute_dtype: None or "bfloat16": mixed-precision forward/backward (``Trainer``).
     cache_dtype: KV-cache dtype of the decode benchmark.
     decode_tokens: tokens timed in the decode benchmark.
-    analysis_rows: eval rows used for attention maps / captured mass.
-    curve_points: top_k values of the captured-mass-vs-kept-fraction curve (besides the
-      sparse variants' own top_k; computed for seed 0).
+    analysis_rows: eval rows analysed (concentration, recall, needle recall).
     ckpt_every, log_every: checkpoint and learning-curve intervals.
     implementation: attention implementation passed to the model (None: jattn's default).
-    score_aux_weight: "sparse_aux": weight w of the score-distillation term
+    score_aux_weight: "sparse_distill": weight w of the score-distillation term
       (``LayerSpec.score_aux_weight``; every layer adds w * its KL).
-    aux_gate: "sparse_aux": its gate gradient mode ("none", "ste" or "gumbel").
-    aux_pool: "sparse_aux": pooling of the distillation target over a block's queries ("max"
+    aux_gate: "sparse_distill": its gate gradient mode ("none", "ste" or "gumbel").
+    aux_pool: "sparse_distill": pooling of the distillation target over a block's queries ("max"
       or "sum"; ``LayerSpec.score_aux_pool``).
   """
   name: str
@@ -118,11 +126,14 @@ class Preset:
   num_pairs: int = 8
   num_queries: int = 4
   text_fraction: float = 0.25
-  target_sparsity: float = 0.81
+  q_block_size: int = 1
+  keep_fraction: float = 0.19
+  variants: str = ",".join(VARIANTS)
+  min_baseline_score: float = 0.9
   local_per_global: int = 5
   csa_ratio: int = 4
   corpus_bytes: int | None = 4_000_000
-  eval_retrieval: int = 64
+  eval_retrieval: int = 256
   eval_text: int = 32
   seeds: int = 1
   curriculum_start: int = 8
@@ -131,8 +142,7 @@ class Preset:
   compute_dtype: str | None = None
   cache_dtype: str = "float32"
   decode_tokens: int = 16
-  analysis_rows: int = 4
-  curve_points: int = 6
+  analysis_rows: int = 64
   ckpt_every: int = 100
   log_every: int = 10
   implementation: str | None = None
@@ -150,34 +160,47 @@ class Preset:
 
 
 PRESETS = {
-    # CI: a 2-core CPU, about 1-2 minutes for all variants. Three layers (periodic 2:1 instead of
-    # 5:1 local/global) to keep compile time down; the numbers are not meant to be meaningful.
-    "smoke": Preset(name="smoke", seq_len=256, num_layers=3, d_model=32, num_heads=2,
-                    num_kv_heads=1, head_dim=16, batch_size=8, steps=20, lr=3e-3,
-                    warmup_steps=4, block_size=8, window=32, local_per_global=2, csa_top_k=8,
-                    csa_window=16, task="copy", num_pairs=1, num_queries=1, curriculum_start=4,
-                    corpus_bytes=300_000, eval_retrieval=16, eval_text=8, decode_tokens=4,
-                    analysis_rows=2, curve_points=2, ckpt_every=10, log_every=4),
-    # CPU: aimed at < 30 minutes on an idle 2-core CPU for every variant and 3 seeds. Three layers
-    # (the local/global variant is 2 local : 1 global) and 128 tokens in 32 blocks of 4.
-    "cpu": Preset(name="cpu", seq_len=128, num_layers=3, d_model=64, num_heads=4, num_kv_heads=2,
-                  head_dim=16, batch_size=16, steps=200, lr=3e-3, warmup_steps=20, block_size=4,
-                  window=16, local_per_global=2, csa_top_k=4, csa_window=8, task="copy",
-                  num_values=32, num_pairs=1, num_queries=1, text_fraction=0.125,
-                  corpus_bytes=2_000_000, eval_retrieval=128, eval_text=32, seeds=3,
-                  curriculum_start=4, decode_tokens=8, analysis_rows=4, ckpt_every=50),
-    # One H200, ~10 minutes for every variant (1 seed) at 8K context: per variant ~15 s compile
-    # + ~55 s eval/analysis/decode, and a step at full length ~0.9 s with fp32 attention (less
-    # with bf16); 300 steps fit about 9 minutes of wall time in bf16 (two --time-budget calls).
-    "h200": Preset(name="h200", seq_len=8192, num_layers=6, d_model=256, num_heads=4,
-                   num_kv_heads=2, head_dim=64, batch_size=8, steps=300, lr=2e-3,
-                   warmup_steps=50, block_size=64, window=512, csa_top_k=64, csa_window=512,
-                   task="copy", num_values=32, num_pairs=1, num_queries=1, corpus_bytes=None,
-                   text_fraction=0.125,
-                   eval_retrieval=64, eval_text=32, cache_dtype="bfloat16",
-                   compute_dtype="bfloat16", decode_tokens=32, analysis_rows=2,
-                   ckpt_every=100, log_every=20),
+    # Plumbing only (CI): every variant and phase on a 2-core CPU in about a minute; the model is
+    # too small and short-trained for its numbers to mean anything.
+    "plumbing": Preset(name="plumbing", seq_len=64, num_layers=2, d_model=32, num_heads=2,
+                       num_kv_heads=1, head_dim=16, batch_size=4, steps=4, lr=3e-3,
+                       warmup_steps=1, block_size=8, window=16, local_per_global=1, csa_top_k=4,
+                       csa_window=8, task="copy", num_pairs=1, num_queries=1,
+                       curriculum_start=4, corpus_bytes=200_000, eval_retrieval=8, eval_text=4,
+                       decode_tokens=2, analysis_rows=4, ckpt_every=2,
+                       log_every=2, min_baseline_score=0.0),
+    # The README's first command: 3 seeds of the decisive cells (full, post-hoc proxy and
+    # oracle, trained STE and score distillation) at 128 tokens in 16 blocks of 8 (per token:
+    # the answer query keeps 3 of 16 blocks), aimed at < 5 minutes on 2 CPU cores.
+    "default": Preset(name="default", seq_len=128, num_layers=2, d_model=48, num_heads=2,
+                      num_kv_heads=1, head_dim=24, batch_size=16, steps=150, lr=4e-3,
+                      warmup_steps=15, block_size=8, window=16, local_per_global=1, csa_top_k=4,
+                      csa_window=16, task="copy", num_values=32, num_pairs=1, num_queries=1,
+                      text_fraction=0.125, corpus_bytes=1_000_000, eval_retrieval=256,
+                      eval_text=16, seeds=3, curriculum_start=4, decode_tokens=4,
+                      analysis_rows=64, ckpt_every=50, log_every=10,
+                      variants="full,posthoc_proxy,posthoc_oracle,sparse_ste,sparse_distill"),
+    # CPU cells of the length sweep: every variant, 3 seeds; --set seq_len=1024 / 2048 with
+    # block_size 16 keeps the geometry (blocks of 16, per-token selection). --set task=mqar
+    # runs the multi-query associative recall task (8 pairs, 4 queried, 4 distractors).
+    "cpu512": Preset(name="cpu512", seq_len=512, num_layers=3, d_model=64, num_heads=2,
+                     num_kv_heads=1, head_dim=32, batch_size=8, steps=250, lr=3e-3,
+                     warmup_steps=25, block_size=16, window=64, local_per_global=2,
+                     csa_top_k=16, csa_window=64, task="copy", num_values=32, num_pairs=1,
+                     num_queries=1, text_fraction=0.125, corpus_bytes=2_000_000, seeds=3,
+                     curriculum_start=4, decode_tokens=8, ckpt_every=50),
+    # GPU cells (one Hopper GPU, H100 80 GB or H200): blocks of 64 as at 8K, selection per
+    # 16-query tile (the smallest tile of the Triton kernels), bf16. Split into cell groups
+    # (experiments/coadaptation_parallel.sh) that fit 10-minute calls; `merge` joins them.
+    "gpu4k": Preset(name="gpu4k", seq_len=4096, num_layers=6, d_model=256, num_heads=4,
+                    num_kv_heads=2, head_dim=64, batch_size=8, steps=300, lr=2e-3,
+                    warmup_steps=50, block_size=64, q_block_size=16, window=512, csa_top_k=64,
+                    csa_window=512, task="copy", num_values=32, num_pairs=1, num_queries=1,
+                    corpus_bytes=None, text_fraction=0.125, seeds=3, cache_dtype="bfloat16",
+                    compute_dtype="bfloat16", decode_tokens=32, analysis_rows=64,
+                    ckpt_every=100, log_every=20),
 }
+PRESETS["gpu8k"] = dataclasses.replace(PRESETS["gpu4k"], name="gpu8k", seq_len=8192)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,8 +272,10 @@ def csa_sparsity(seq_len, ratio, top_k, window):
 # --------------------------------------------------------------------------------------------------
 
 def sparse_top_k(preset):
-  """top_k of the sparse variants for this preset (closest to ``target_sparsity``)."""
-  return top_k_for_sparsity(preset.seq_len, preset.block_size, preset.target_sparsity)
+  """top_k of the block-sparse variants: the answer query keeps ``keep_fraction`` of its visible
+  blocks (``coadaptation_analysis.per_query_top_k``)."""
+  from experiments.coadaptation_analysis import per_query_top_k
+  return per_query_top_k(preset.seq_len, preset.block_size, preset.keep_fraction)
 
 
 def variant_layers(preset, variant):
@@ -267,27 +292,33 @@ def variant_layers(preset, variant):
   n, bs = preset.num_layers, preset.block_size
   if variant == "full":
     return tuple(LayerSpec("global") for _ in range(n))
-  if variant in SPARSE_VARIANTS or variant == "posthoc_topk":
-    aux = dict(score_aux_weight=float(preset.score_aux_weight),
-               score_aux_pool=preset.aux_pool) if variant == "sparse_aux" else {}
-    return tuple(LayerSpec("sparse", block_size=bs, q_block_size=bs, top_k=sparse_top_k(preset),
+  if variant in BLOCK_VARIANTS:
+    aux = {"score_aux_weight": float(preset.score_aux_weight),
+           "score_aux_pool": preset.aux_pool} if variant == "sparse_distill" else {}
+    qbs = preset.q_block_size if variant in SPARSE_VARIANTS else 1
+    return tuple(LayerSpec("sparse", block_size=bs, q_block_size=qbs, top_k=sparse_top_k(preset),
                            gate_grad=_gate_name(variant_gate(preset, variant)), **aux)
                  for _ in range(n))
-  if variant == "local_global":
-    layers = list(local_global_schedule(n, preset.local_per_global, preset.window))
+  if variant in ("local_global_nope", "local_global_rope"):
+    rope = None if variant == "local_global_nope" else 10000.0
+    layers = list(local_global_schedule(n, preset.local_per_global, preset.window,
+                                        global_rope_base=rope))
     if all(s.kind == "local" for s in layers):  # fewer layers than one period: keep one global
-      layers[-1] = LayerSpec("global", rope_base=None)
+      layers[-1] = LayerSpec("global", rope_base=rope)
     return tuple(layers)
   if variant == "csa":
     return tuple(LayerSpec("csa", compress_ratio=preset.csa_ratio, top_k=preset.csa_top_k,
                            window=preset.csa_window, csa_mode="compressed") for _ in range(n))
+  if variant == "csa_two_stage":
+    return tuple(LayerSpec("csa", compress_ratio=preset.csa_ratio, top_k=sparse_top_k(preset),
+                           block_size=bs, csa_mode="two_stage") for _ in range(n))
   raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
 
 
 def variant_gate(preset, variant):
-  """The gate gradient mode of a sparse variant ("none" for posthoc_topk; ``preset.aux_gate``
+  """The gate gradient mode of a sparse variant ("none" post hoc; ``preset.aux_gate``
   for sparse_aux)."""
-  if variant == "sparse_aux":
+  if variant == "sparse_distill":
     return preset.aux_gate
   return SPARSE_GATES.get(variant, "none")
 
@@ -334,14 +365,14 @@ def dry_run_preset(preset):
     A new ``Preset`` (name suffixed "-dryrun").
 
   Example:
-    >>> p = dry_run_preset(PRESETS["h200"])
+    >>> p = dry_run_preset(PRESETS["gpu8k"])
     >>> p.seq_len, p.steps, p.implementation, p.interpret
     (1024, 3, 'triton', True)
   """
   return dataclasses.replace(
       preset, name=preset.name + "-dryrun", seq_len=min(preset.seq_len, 1024), steps=3,
       batch_size=2, warmup_steps=1, eval_retrieval=2, eval_text=2, decode_tokens=2,
-      analysis_rows=1, curve_points=2, ckpt_every=2, log_every=1, seeds=1,
+      analysis_rows=1, ckpt_every=2, log_every=1, seeds=1,
       implementation="triton", interpret=True)
 
 
@@ -356,7 +387,7 @@ def build_model(preset, variant, seed):
 def uses_segments(variant):
   """Whether a variant's model takes packed segment ids (CSA layers reject them: their pooled
   windows would straddle documents, so CSA trains on packed text rows without the mask)."""
-  return variant != "csa"
+  return not variant.startswith("csa")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -397,6 +428,48 @@ def _opt(preset):
   return OptimConfig(lr=preset.lr, warmup_steps=preset.warmup_steps, total_steps=preset.steps)
 
 
+# Preset fields that do not change what a run computes (how many seeds run is chosen per call).
+NOT_FINGERPRINTED = ("seeds",)
+
+
+def experiment_config(preset):
+  """The configuration an output directory is bound to: every ``Preset`` field except
+  ``NOT_FINGERPRINTED`` (a JSON-able dict; its ``train_lib.config_fingerprint`` is stored with
+  every checkpoint and in ``OUT/config.json``)."""
+  return {k: v for k, v in dataclasses.asdict(preset).items() if k not in NOT_FINGERPRINTED}
+
+
+def bind_output_dir(out_dir, preset):
+  """Create ``out_dir`` (failing at once, naming it, if it is not writable) and bind it to the
+  preset's configuration: the first call writes ``config.json``; later calls with another
+  configuration raise ``train_lib.ConfigMismatchError`` naming the differing keys.
+
+  Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> bind_output_dir(d, PRESETS["plumbing"]); bind_output_dir(d, PRESETS["plumbing"])
+  """
+  from experiments.train_lib import (
+      check_same_config,
+      config_fingerprint,
+      ensure_writable_dir,
+      save_json,
+  )
+  ensure_writable_dir(out_dir)
+  cfg = experiment_config(preset)
+  path = os.path.join(out_dir, "config.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    check_same_config(old.get("config", {}), json.loads(json.dumps(cfg)), f"--out {out_dir}")
+    return
+  if os.path.isdir(os.path.join(out_dir, "runs")) and os.listdir(os.path.join(out_dir, "runs")):
+    from experiments.train_lib import ConfigMismatchError
+    raise ConfigMismatchError(f"--out {out_dir} holds runs but no config.json: its configuration "
+                              "is unknown; use a fresh output directory")
+  save_json(path, {"config": cfg, "fingerprint": config_fingerprint(cfg)})
+
+
 def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True, deadline=None):
   """Train one (variant, seed), resuming from ``run_dir/ckpt`` if a checkpoint is there.
 
@@ -421,44 +494,58 @@ def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True, de
                          ckpt_every=p.ckpt_every, stop_after=stop_after, log_every=p.log_every,
                          desc=f"{variant} s{seed}", progress=progress,
                          extra_record={"variant": variant, "seed": seed, "preset": p.name},
-                         deadline=deadline)
+                         deadline=deadline,
+                         config=dict(experiment_config(p), variant=variant, seed=seed))
   return trainer, finished
 
 
-def posthoc_state(ctx, full_trainer):
-  """The full model's trained weights run with post-hoc top-K block sparsity.
-
-  Uses ``jattn.nn.transformer.sparsify``: every global layer becomes a "sparse" layer with the
-  sparse variants' block size and top_k (same RoPE), parameters copied unchanged.
-
-  Returns:
-    (graphdef, params, rest) of the post-hoc sparse model.
-  """
+def posthoc_module(full_model, rule, preset):
+  """The full model's trained weights pruned post hoc by ``rule`` ("proxy" or "oracle") on each
+  layer's own q/k, as an ``nnx.Module`` with the model's call signature (so the trainer's
+  evaluation runs it): ``coadaptation_analysis.masked_forward``."""
   from flax import nnx
+
+  from experiments.coadaptation_analysis import masked_forward
+
+  class Pruned(nnx.Module):
+    def __init__(self, model):
+      self.model = model
+
+    def __call__(self, tokens, segment_ids=None, positions=None, *, return_qk=False):
+      logits, layers = masked_forward(self.model, tokens, rule=rule,
+                                      block_size=preset.block_size, top_k=sparse_top_k(preset),
+                                      segment_ids=segment_ids, positions=positions)
+      return (logits, layers) if return_qk else logits
+  return Pruned(full_model)
+
+
+def posthoc_decode_state(ctx, full_trainer):
+  """The full model with every layer a per-token top-K sparse layer (the proxy rule as a
+  ``jattn.nn`` model: ``sparsify``), for decode timing; (graphdef, params, rest)."""
+  from flax import nnx
+
   from jattn.nn.transformer import sparsify
   p = ctx.preset
   model = sparsify(full_trainer.model(), sparse_top_k(p), block_size=p.block_size,
-                   q_block_size=p.block_size)
-  want = variant_layers(p, "posthoc_topk")
-  if tuple(model.config.layers) != tuple(want):
-    raise ValueError(f"sparsify gave layers {model.config.layers}, expected {want}")
+                   q_block_size=1)
   return nnx.split(model, nnx.Param, ...)
 
 
 # --------------------------------------------------------------------------------------------------
-# Analysis: per-layer q/k, selections, captured mass, attention maps
+# Analysis: per-layer q/k, selections, concentration, attention maps
 # --------------------------------------------------------------------------------------------------
 
 def layer_qk(graphdef, params, rest, tokens):
   """Per-layer attention inputs of a model (``Transformer(..., return_qk=True)``).
 
   Args:
-    graphdef, params, rest: an ``nnx.split(model, nnx.Param, ...)`` of a ``jattn.nn.Transformer``.
+    graphdef, params, rest: an ``nnx.split`` of a ``jattn.nn.Transformer`` (or of a
+      ``posthoc_module``).
     tokens: int [batch, seq].
 
   Returns:
     list over layers of dicts with q [batch, seq, heads, d] and k [batch, seq, kv_heads, d]
-    (fp32 jax arrays, after norms and RoPE, as the layer's attention sees them).
+    (fp32, after norms and RoPE, as the layer's attention sees them).
   """
   import jax
   import jax.numpy as jnp
@@ -477,107 +564,6 @@ def pool_blocks(m, size):
   n = m.shape[-1] // size * size
   m = m[..., :n, :n]
   return m.reshape(m.shape[:-2] + (n // size, size, n // size, size)).sum((-3, -1))
-
-
-def tile_sparsity(tiles, block_size, seq_len):
-  """Element-level causal sparsity of square block tiles (q_block_size == block_size).
-
-  A kept off-diagonal tile holds ``bs^2`` causal pairs, a kept diagonal tile ``bs (bs + 1) / 2``;
-  the result is 1 - kept pairs / causal pairs, averaged over the leading axes.
-
-  Args:
-    tiles: bool [..., nq, nk] kept tiles (``BlockSelection.tile_mask()``).
-    block_size: block size.
-    seq_len: sequence length (nq * block_size).
-
-  Returns:
-    float.
-
-  Example:
-    >>> round(tile_sparsity(np.tril(np.ones((4, 4), bool)), 16, 64), 6)
-    0.0
-  """
-  t = np.asarray(tiles)
-  bs, nq = block_size, t.shape[-2]
-  diag = np.eye(nq, dtype=bool)
-  below = np.tril(np.ones((nq, nq), bool), -1)
-  kept = (t & below).sum((-2, -1)) * bs * bs + (t & diag).sum((-2, -1)) * bs * (bs + 1) // 2
-  return float(1.0 - kept.mean() / causal_pairs(seq_len))
-
-
-def tile_block_sparsity(tiles):
-  """Causal *block* sparsity: 1 - kept tiles / causal tiles (the seed's "81% block sparsity")."""
-  t = np.asarray(tiles)
-  nq = t.shape[-2]
-  return float(1.0 - (t & np.tril(np.ones((nq, nq), bool))).sum((-2, -1)).mean()
-               / causal_pairs(nq))
-
-
-def _select(q, k, preset, top_k=None):
-  from jattn import sparse
-  bs = preset.block_size
-  return sparse.select_blocks(q, k, block_size=bs, q_block_size=bs, causal=True,
-                              top_k=sparse_top_k(preset) if top_k is None else top_k)
-
-
-_SELECT_CACHE = {}
-
-
-def select_all_layers(qks, preset, top_k=None):
-  """Top-K block selections and captured mass of every layer in one jitted call.
-
-  Args:
-    qks: ``layer_qk`` output.
-    preset: the ``Preset`` (block size; top_k default ``sparse_top_k``).
-    top_k: override top_k.
-
-  Returns:
-    (tiles: list of bool numpy [b, kv_heads, nq, nk] kept tiles (``BlockSelection.tile_mask``),
-    masses: list of float, ``jattn.captured_mass`` of each layer's selection).
-  """
-  import jax
-  from jattn import sparse
-  tk = sparse_top_k(preset) if top_k is None else top_k
-  key = (preset.block_size, tk)
-  if key not in _SELECT_CACHE:
-    def f(qks):
-      sels = [_select(d["q"], d["k"], preset, top_k=tk) for d in qks]
-      masses = [sparse.captured_mass(d["q"], d["k"], sel, causal=True)
-                for d, sel in zip(qks, sels)]
-      return [sel.tile_mask() for sel in sels], masses
-    _SELECT_CACHE[key] = jax.jit(f)
-  tiles, masses = _SELECT_CACHE[key](qks)
-  return [np.asarray(t) for t in tiles], [float(m) for m in masses]
-
-
-def score_kl_all_layers(qks, preset):
-  """Per layer, ``jattn.sparse.block_score_kl`` of the layer's q/k (the sparse variants' rules):
-  how far the mean-pooled block scorer's distribution over candidate blocks is from the dense
-  attention's block mass, pooled over queries by ``preset.aux_pool`` for every variant (nats;
-  what "sparse_aux" trains on). One jitted call.
-
-  Returns:
-    list of float, one per layer.
-  """
-  import jax
-  from jattn import sparse
-  bs, pool = preset.block_size, preset.aux_pool
-  key = ("kl", bs, pool)
-  if key not in _SELECT_CACHE:
-    _SELECT_CACHE[key] = jax.jit(lambda qks: [
-        sparse.block_score_kl(d["q"], d["k"], block_size=bs, q_block_size=bs, query_pool=pool)
-        for d in qks])
-  return [float(x) for x in _SELECT_CACHE[key](qks)]
-
-
-def _needle_kept(tiles, ans_pos, needle_of, block_size):
-  """Fraction of answer queries whose needle's block is kept (by any kv head), best layer."""
-  best = []
-  r = np.arange(ans_pos.shape[0])[:, None]
-  for t in tiles:                                                  # [b, hk, nq, nk]
-    hit = t[r, :, ans_pos // block_size, needle_of // block_size]   # [b, a, hk]
-    best.append(float(hit.any(-1).mean()))
-  return max(best)
 
 
 def needle_targets(task, tokens, answer_pos, needle_pos):
@@ -605,142 +591,147 @@ def needle_targets(task, tokens, answer_pos, needle_pos):
   return out
 
 
-def _dense_stats(qks, layers, rows, ans_pos, needle_of):
-  """Jitted: per layer, dense attention from answers to needles [layers, heads] and, for local
-  layers, the mean dense-softmax mass inside the window."""
+_JIT = {}
+
+
+def _layer_metrics(q, k, block_size, keep_fraction):
+  """Jitted per layer: (concentration, proxy recall) and the dense probabilities of row 0."""
   import jax
-  import jax.numpy as jnp
-  from jattn.nn.transformer import attention_probabilities
-  windows = tuple(spec.window if spec.kind == "local" else None for spec in layers)
-  if windows in _DENSE_CACHE:
-    f = _DENSE_CACHE[windows]
-    hits, masses = f(qks, rows, ans_pos, needle_of)
-    return np.asarray(hits), [float(m) for m in masses]
 
-  @jax.jit
-  def f(qks, rows, ans_pos, needle_of):
-    hits, masses = [], []
-    for d, w in zip(qks, windows):
-      P = attention_probabilities(d["q"], d["k"], None)                # [b, hq, s, s]
-      hits.append(P[rows, :, ans_pos, needle_of].mean((0, 1)))         # [hq]
-      if w is not None:
-        s = P.shape[-1]
-        i, j = jnp.arange(s)[:, None], jnp.arange(s)[None]
-        masses.append(jnp.mean(jnp.sum(jnp.where(j > i - w, P, 0.0), -1)))
-    return jnp.stack(hits), masses
-  _DENSE_CACHE[windows] = f
-  hits, masses = f(qks, rows, ans_pos, needle_of)
-  return np.asarray(hits), [float(m) for m in masses]
-
-
-_DENSE_CACHE = {}
+  from experiments import coadaptation_analysis as A
+  key = ("metrics", block_size, keep_fraction)
+  if key not in _JIT:
+    def f(q, k):
+      from jattn.sparse import block_scores
+      mass = A.block_mass(q, k, block_size=block_size)
+      proxy = block_scores(q, k, block_size=block_size, q_block_size=1)
+      return A.concentration_and_recall(mass, proxy, block_size=block_size,
+                                        keep_fraction=keep_fraction)
+    _JIT[key] = jax.jit(f)
+  c, r = _JIT[key](q, k)
+  return float(c), float(r)
 
 
 def _probs(q, k, spec=None):
   """Jitted ``jattn.nn.attention_probabilities``."""
   import jax
+
   from jattn.nn.transformer import attention_probabilities
-  if "probs" not in _DENSE_CACHE:
-    _DENSE_CACHE["probs"] = jax.jit(attention_probabilities, static_argnums=2)
-  return _DENSE_CACHE["probs"](q, k, spec)
+  if "probs" not in _JIT:
+    _JIT["probs"] = jax.jit(attention_probabilities, static_argnums=2)
+  return _JIT["probs"](q, k, spec)
 
 
 def analyse(ctx, variant, graphdef, params, rest, *, retrieval_head=None, curve=True):
   """Attention analysis of one model on the first ``analysis_rows`` held-out episodes.
 
-  What "kept" means per variant: trained sparse -> its own top-K selection; full ->
-  nothing dropped (its post-hoc top-K numbers are reported under "posthoc_*"); posthoc_topk ->
-  the top-K selection on the full model's q/k; local_global -> the window in local layers, all
-  in global layers; csa -> sparsity from the layer arithmetic (``csa_sparsity``), no captured mass
-  (its compressed entries are not a subset of the raw keys).
-
-  Args:
-    ctx: a ``Context``.
-    variant: the model's variant.
-    graphdef, params, rest: the model.
-    retrieval_head: (layer, head) to draw; default: the head whose dense attention from the
-      answer queries to their needles is largest on this model.
-    curve: also compute the captured-mass-vs-kept-fraction curve (a few more selections).
+  Block-sparse variants (post hoc and trained) are analysed with their per-token selections on
+  each layer's q/k (post-hoc ones inside the pruned forward); the full model's concentration
+  and proxy recall are those of its dense attention. Local/global: the window; CSA: sparsity by
+  arithmetic only.
 
   Returns:
-    dict: "sparsity", "captured_mass", "needle_block_kept", "mass_curve" (list of
-    [kept_fraction, captured_mass] over top_k; full and sparse variants), "score_kl" /
-    "layer_score_kl" (``score_kl_all_layers``; full and sparse variants), "retrieval_head",
-    "needle_attention" [layers, heads] (dense attention mass from answers to needles), and figure
-    arrays: "heat" [nb, nb] (the drawn head's attention as the model computes it, pooled),
-    "heat_full" (its dense-softmax map), "selection" [nqb, nkb] bool (or None).
+    dict: "sparsity", "sparsity_answers", "concentration", "proxy_recall", "needle_recall",
+    per-layer lists ("layer_*"), "mass_curve" ({"fraction", "oracle", "proxy"}: concentration
+    and the proxy's share of the total candidate mass against the kept fraction),
+    "retrieval_head", "needle_attention" [layers, heads], and figure arrays "heat" (the drawn
+    head's dense map, pooled), "selection" [seq, blocks] bool (block variants) for row 0.
   """
-  import jax.numpy as jnp
+  from experiments import coadaptation_analysis as A
   p = ctx.preset
   ev = ctx.eval_retrieval
-  n = p.analysis_rows
-  tokens = ev["inputs"][:n]
-  s, bs = tokens.shape[1], p.block_size
-  layers = variant_layers(p, variant)
-  qks = layer_qk(graphdef, params, rest, tokens)
-  ans_pos, needle_pos = ev["answer_pos"][:n], ev["needle_pos"][:n]
-  needle_of = needle_targets(ctx.task, tokens, ans_pos, needle_pos)
-  rows = np.arange(n)[:, None]
-  hq = qks[0]["q"].shape[2]
-  g = hq // qks[0]["k"].shape[2]
-  scores, local_mass = _dense_stats(qks, layers, rows, ans_pos, needle_of)
-  if retrieval_head is None:
-    retrieval_head = tuple(int(x) for x in np.unravel_index(np.argmax(scores), scores.shape))
-  L, H = retrieval_head
-  pool = max(1, s // 128)
-  P_full = _probs(qks[L]["q"][:1], qks[L]["k"][:1])[0, H]                      # [s, s]
-  out = {"retrieval_head": list(retrieval_head), "needle_attention": scores.tolist(),
-         "needle_blocks": needle_of[0] // bs, "answer_blocks": ans_pos[0] // bs,
-         "heat_full": np.asarray(pool_blocks(P_full, pool)), "selection": None,
-         "mass_curve": None}
-  out["heat"] = out["heat_full"]
-  if variant == "full" or variant == "posthoc_topk" or variant in SPARSE_VARIANTS:
-    tiles, masses = select_all_layers(qks, p)
-    sparsity = float(np.mean([tile_sparsity(t, bs, s) for t in tiles]))
-    bsp = float(np.mean([tile_block_sparsity(t) for t in tiles]))
-    mass = float(np.mean(masses))
-    kept = _needle_kept(tiles, ans_pos, needle_of, bs)
-    out["selection"] = tiles[L][0, H // g]
-    out["layer_captured_mass"] = masses
-    out["layer_score_kl"] = score_kl_all_layers(qks, p)
-    out["score_kl"] = float(np.mean(out["layer_score_kl"]))
-    if variant == "full":
-      out.update(sparsity=0.0, block_sparsity=0.0, captured_mass=1.0, needle_block_kept=1.0,
-                 posthoc_sparsity=sparsity, posthoc_block_sparsity=bsp,
-                 posthoc_captured_mass=mass, posthoc_needle_block_kept=kept)
-    else:
-      out.update(sparsity=sparsity, block_sparsity=bsp, captured_mass=mass,
-                 needle_block_kept=kept)
-      m = np.kron(tiles[L][0, H // g], np.ones((bs, bs), bool))[:s, :s]
-      Pm = jnp.where(m, P_full, 0.0)
-      out["heat"] = np.asarray(pool_blocks(Pm / jnp.maximum(Pm.sum(-1, keepdims=True), 1e-30),
-                                           pool))
-    if curve:
-      nb = s // bs
-      ks = sorted(set(int(x) for x in np.geomspace(1, max(1, nb - 2), p.curve_points).round())
-                  | {sparse_top_k(p)})
-      points = []
-      for tk in ks:
-        sk, mk = (tiles, masses) if tk == sparse_top_k(p) else select_all_layers(qks, p, top_k=tk)
-        points.append([1.0 - float(np.mean([tile_sparsity(x, bs, s) for x in sk])),
-                       float(np.mean(mk))])
-      out["mass_curve"] = points
-  elif variant == "local_global":
-    it = iter(local_mass)
-    masses = [next(it) if spec.kind == "local" else 1.0 for spec in layers]
-    out["captured_mass"] = float(np.mean(masses))
+  n = min(p.analysis_rows, ev["inputs"].shape[0])
+  bs, tk = p.block_size, sparse_top_k(p)
+  layers = variant_layers(p, "full" if variant in POSTHOC else variant)
+  rule = "oracle" if variant == "posthoc_oracle" else "proxy"
+  per_layer = {"conc": [], "rec": [], "sp": [], "sp_ans": [], "needle": []}
+  needle_att, heat, selection = None, None, None
+  chunk = 8
+  for i in range(0, n, chunk):
+    tokens = ev["inputs"][i:i + chunk]
+    ans_pos = ev["answer_pos"][i:i + chunk]
+    needle_of = needle_targets(ctx.task, tokens, ans_pos, ev["needle_pos"][i:i + chunk])
+    qks = layer_qk(graphdef, params, rest, tokens)
+    r = np.arange(tokens.shape[0])[:, None]
+    att = np.stack([np.asarray(_probs(d["q"], d["k"], spec))[r, :, ans_pos, needle_of].mean((0, 1))
+                    for d, spec in zip(qks, layers)])                     # [layers, heads]
+    needle_att = att * len(tokens) if needle_att is None else needle_att + att * len(tokens)
+    stats = {"conc": [], "rec": [], "sp": [], "sp_ans": [], "needle": []}
+    for d, spec in zip(qks, layers):
+      if variant == "full" or variant in BLOCK_VARIANTS:
+        c, rc = _layer_metrics(d["q"], d["k"], bs, p.keep_fraction)
+        stats["conc"].append(c)
+        stats["rec"].append(rc)
+      if variant in BLOCK_VARIANTS:
+        sel = A.select(rule, d["q"], d["k"], block_size=bs, top_k=tk)
+        sp, spa = A.selection_sparsity(sel, ans_pos)
+        stats["sp"].append(sp)
+        stats["sp_ans"].append(spa)
+        stats["needle"].append(A.needle_recall([sel], ans_pos, needle_of, bs)[0])
+    for key, vals in stats.items():
+      per_layer[key].append((len(tokens), vals))
+    if i == 0:
+      if retrieval_head is None:
+        retrieval_head = tuple(int(x) for x in np.unravel_index(np.argmax(att), att.shape))
+      L, H = retrieval_head
+      pool = max(1, tokens.shape[1] // 128)
+      heat = np.asarray(pool_blocks(_probs(qks[L]["q"][:1], qks[L]["k"][:1], layers[L])[0, H],
+                                    pool))
+      if variant in BLOCK_VARIANTS:
+        g = qks[L]["q"].shape[2] // qks[L]["k"].shape[2]
+        sel = A.select(rule, qks[L]["q"][:1], qks[L]["k"][:1], block_size=bs, top_k=tk)
+        selection = np.asarray(sel.tile_mask())[0, H // g]
+      curve_pts = None
+      if curve and (variant == "full" or variant in BLOCK_VARIANTS):
+        fr = (0.06, 0.12, 0.19, 0.3, 0.5)
+        pts = [[_layer_metrics(d["q"], d["k"], bs, f) for d in qks] for f in fr]
+        curve_pts = {"fraction": list(fr),
+                     "oracle": [float(np.mean([c for c, _ in x])) for x in pts],
+                     "proxy": [float(np.mean([c * rc for c, rc in x])) for x in pts]}
+
+  def avg(key):
+    tot = sum(w for w, v in per_layer[key] if v)
+    if not tot:
+      return None
+    lay = np.sum([w * np.asarray(v) for w, v in per_layer[key] if v], 0) / tot
+    return [float(x) for x in lay]
+  out = {"retrieval_head": list(retrieval_head), "needle_attention": (needle_att / n).tolist(),
+         "heat": heat, "selection": selection, "mass_curve": curve_pts,
+         "needle_blocks": needle_targets(ctx.task, ev["inputs"][:1], ev["answer_pos"][:1],
+                                         ev["needle_pos"][:1])[0] // bs,
+         "answer_blocks": ev["answer_pos"][0] // bs, "analysis_rows": n}
+  for key, name in (("conc", "concentration"), ("rec", "proxy_recall"), ("sp", "sparsity"),
+                    ("sp_ans", "sparsity_answers"), ("needle", "needle_recall")):
+    lay = avg(key)
+    if lay is not None and not np.all(np.isfinite(lay)):
+      lay = None                                       # no query qualifies at this length
+    out["layer_" + name] = lay
+    out[name] = None if lay is None else (max(lay) if key == "needle" else float(np.mean(lay)))
+  s = ev["inputs"].shape[1]
+  if variant == "full":
+    out.update(sparsity=0.0, sparsity_answers=0.0, needle_recall=1.0)
+  elif variant.startswith("local_global"):
+    ans = ev["answer_pos"][:n]
+    nd = needle_targets(ctx.task, ev["inputs"][:n], ans, ev["needle_pos"][:n])
     out["sparsity"] = float(np.mean([window_sparsity(s, spec.window) if spec.kind == "local"
                                      else 0.0 for spec in layers]))
-    out["needle_block_kept"] = float(max(
-        1.0 if spec.kind == "global" else float(np.mean(ans_pos - needle_of < spec.window))
-        for spec in layers))
-    if layers[L].kind == "local":
-      P_loc = _probs(qks[L]["q"][:1], qks[L]["k"][:1], layers[L])[0, H]
-      out["heat"] = np.asarray(pool_blocks(P_loc, pool))
-  else:  # csa
-    out.update(sparsity=csa_sparsity(s, p.csa_ratio, p.csa_top_k, p.csa_window),
-               captured_mass=None, needle_block_kept=None)
+    out["sparsity_answers"] = float(np.mean([1 - min(1.0, spec.window / (ans.mean() + 1))
+                                             if spec.kind == "local" else 0.0 for spec in layers]))
+    out["needle_recall"] = float(max(1.0 if spec.kind == "global" else
+                                     float(np.mean(ans - nd < spec.window)) for spec in layers))
+  elif variant == "csa":
+    out["sparsity"] = csa_sparsity(s, p.csa_ratio, p.csa_top_k, p.csa_window)
+  elif variant == "csa_two_stage":
+    nb = -(-s // bs)
+    out["sparsity"] = block_sparsity_per_token(s, bs, tk)
+    out["sparsity_answers"] = 1.0 - min(nb, tk + 1) / nb
   return out
+
+
+def block_sparsity_per_token(seq_len, block_size, keep):
+  """1 - kept / visible key blocks over all query tokens when each keeps ``keep`` blocks."""
+  vis = np.arange(seq_len) // block_size + 1
+  return float(1.0 - np.minimum(vis, keep).sum() / vis.sum())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -794,9 +785,14 @@ def decode_ms(graphdef, params, rest, tokens, *, num_tokens, dtype):
 # Orchestration
 # --------------------------------------------------------------------------------------------------
 
-ROW_FIELDS = ("variant", "seed", "sparsity", "score", "loss", "bpb", "captured_mass", "decode_ms",
-              "needle_block_kept", "answer_nll", "train_loss", "train_answer_acc", "steps",
-              "train_time_s")
+ROW_FIELDS = ("variant", "task", "seq_len", "seed", "sparsity", "sparsity_answers", "score", "bpb",
+              "concentration", "proxy_recall", "needle_recall", "decode_ms")
+METRICS = ("score", "bpb", "sparsity", "sparsity_answers", "concentration", "proxy_recall",
+           "needle_recall", "decode_ms")
+
+
+class BaselineNotSolved(RuntimeError):
+  """The dense baseline did not solve the task: comparing variants would be meaningless."""
 
 
 def _final(curves, key, last=3):
@@ -806,30 +802,16 @@ def _final(curves, key, last=3):
 
 def _save_analysis(path, an):
   arrays = {k: np.asarray(v) for k, v in an.items()
-            if k in ("heat", "heat_full", "selection", "needle_blocks", "answer_blocks")
-            and v is not None}
+            if k in ("heat", "selection", "needle_blocks", "answer_blocks") and v is not None}
   np.savez_compressed(path, **arrays)
 
 
-def _scalar_analysis(an):
-  keep = ("sparsity", "block_sparsity", "captured_mass", "needle_block_kept",
-          "layer_captured_mass", "posthoc_sparsity", "posthoc_block_sparsity",
-          "posthoc_captured_mass", "posthoc_needle_block_kept", "retrieval_head",
-          "needle_attention", "mass_curve", "score_kl", "layer_score_kl")
-  return {k: an[k] for k in keep if k in an}
-
-
 def inference_state(ctx, variant, trainer):
-  """The model a trained variant is evaluated with.
-
-  "sparse_gumbel" (and "sparse_aux" with aux_gate "gumbel") perturbs its block scores with
-  Gumbel noise only to train; it is evaluated (and decoded) with the deterministic hard top-K of
-  the same weights (gate "none").
-
-  Returns:
-    (graphdef, params, rest).
-  """
+  """The model a trained variant is evaluated with: Gumbel gates perturb the block scores only
+  to train, so "sparse_gumbel" (and a Gumbel "sparse_distill") is evaluated with the
+  deterministic top-K of the same weights. Returns (graphdef, params, rest)."""
   from flax import nnx
+
   from jattn.nn.transformer import with_config
   if variant_gate(ctx.preset, variant) != "gumbel":
     return trainer.graphdef, trainer.params, trainer.rest
@@ -837,81 +819,85 @@ def inference_state(ctx, variant, trainer):
   return nnx.split(with_config(trainer.model(), cfg), nnx.Param, ...)
 
 
-def finish_run(ctx, variant, seed, run_dir, trainer, *, graphdef=None, params=None, rest=None,
-               retrieval_head=None, train_curves=None):
-  """Evaluate and analyse a trained (or post-hoc) model and write ``run_dir/result.json``.
+def finish_run(ctx, variant, seed, run_dir, trainer, *, retrieval_head=None):
+  """Evaluate and analyse a trained model (or the full one pruned post hoc, for ``POSTHOC``
+  variants) and write ``run_dir/result.json`` and ``analysis.npz``. Returns the result row."""
+  from flax import nnx
 
-  Returns:
-    the result row (dict).
-  """
+  from experiments.train_lib import save_json
   p = ctx.preset
-  if graphdef is None and variant in SPARSE_VARIANTS and variant_gate(p, variant) == "gumbel":
-    graphdef, params, rest = inference_state(ctx, variant, trainer)
-  gd = graphdef or trainer.graphdef
-  pr = params if params is not None else trainer.params
-  rs = rest if rest is not None else trainer.rest
-  kw = {} if graphdef is None else dict(graphdef=gd, params=pr, rest=rs)
+  if variant in POSTHOC:
+    gd, pr, rs = nnx.split(posthoc_module(trainer.model(), POSTHOC[variant], p), nnx.Param, ...)
+    dec = posthoc_decode_state(ctx, trainer) if variant == "posthoc_proxy" else None
+  else:
+    gd, pr, rs = inference_state(ctx, variant, trainer)
+    dec = (gd, pr, rs)
   t0 = time.perf_counter()
-  ret = trainer.evaluate(ctx.eval_retrieval, **kw)
-  txt = trainer.evaluate(ctx.eval_text, **kw)
+  ret = trainer.evaluate(ctx.eval_retrieval, graphdef=gd, params=pr, rest=rs)
+  txt = trainer.evaluate(ctx.eval_text, graphdef=gd, params=pr, rest=rs)
   t_eval = time.perf_counter()
-  pr = trainer.cast(pr)  # analysis and decode run in the compute dtype, as training did
-  an = analyse(ctx, variant, gd, pr, rs, retrieval_head=retrieval_head, curve=seed == 0)
+  an = analyse(ctx, variant, gd, trainer.cast(pr), rs, retrieval_head=retrieval_head,
+               curve=seed == 0)
   t_an = time.perf_counter()
-  dms = decode_ms(gd, pr, rs, ctx.eval_retrieval["inputs"][0], num_tokens=p.decode_tokens,
-                  dtype=p.cache_dtype)
+  dms = None
+  if dec is not None:
+    dms = decode_ms(dec[0], trainer.cast(dec[1]), dec[2], ctx.eval_retrieval["inputs"][0],
+                    num_tokens=p.decode_tokens, dtype=p.cache_dtype)
   phases = {"eval_s": t_eval - t0, "analysis_s": t_an - t_eval,
             "decode_s": time.perf_counter() - t_an}
-  print(f"  {variant} s{seed}: " + " ".join(f"{k} {v:.1f}" for k, v in phases.items()),
-        flush=True)
-  curves = train_curves if train_curves is not None else trainer.curves
+  curves = trainer.curves
   row = {
-      "variant": variant, "seed": seed, "sparsity": an["sparsity"], "score": ret["score"],
-      "loss": txt["text_nll"], "bpb": txt["bpb"], "captured_mass": an["captured_mass"],
-      "decode_ms": dms, "needle_block_kept": an["needle_block_kept"],
+      "variant": variant, "task": p.task, "seq_len": p.seq_len, "seed": seed,
+      "sparsity": an["sparsity"], "sparsity_answers": an["sparsity_answers"],
+      "score": ret["score"], "loss": txt["text_nll"], "bpb": txt["bpb"],
+      "concentration": an["concentration"], "proxy_recall": an["proxy_recall"],
+      "needle_recall": an["needle_recall"], "decode_ms": dms,
+      "eval_episodes": int(ret["ans_count"]), "analysis_rows": an["analysis_rows"],
       "answer_nll": ret["answer_nll"], "train_loss": _final(curves, "loss"),
       "train_answer_acc": _final(curves, "answer_acc"), "steps": p.steps,
-      "train_time_s": curves["time_s"][-1] if curves.get("time_s") else None,
-      "eval_time_s": time.perf_counter() - t0, "phase_s": phases,
-      "analysis": _scalar_analysis(an), "curves": curves,
+      "q_block_size": 1 if variant in POSTHOC else p.q_block_size, "top_k": sparse_top_k(p),
+      "phase_s": phases, "run": os.path.relpath(run_dir, os.path.dirname(os.path.dirname(run_dir))),
+      "analysis": {k: an[k] for k in {"retrieval_head", "needle_attention", "mass_curve"}
+                   | {k for k in an if k.startswith("layer_")}},
+      "curves": curves,
   }
-  from experiments.train_lib import save_json
   _save_analysis(os.path.join(run_dir, "analysis.npz"), an)
   save_json(os.path.join(run_dir, "result.json"), row)
   return row
 
 
-def run_experiment(preset, out_dir, *, seeds=None, variants=DEFAULT_VARIANTS, stop_after=None,
+def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=None,
                    progress=True, devices=None, log=print, on_row=None, deadline=None):
   """Train, evaluate and analyse every (variant, seed); resumable.
 
-  Finished runs (``runs/<variant>_s<seed>/result.json``) are loaded, not redone; an unfinished run
-  resumes from its checkpoint.
+  Finished runs (``runs/<variant>_s<seed>/result.json``) are loaded, not redone; an unfinished
+  run resumes from its checkpoint. The full model of each seed must reach
+  ``preset.min_baseline_score`` first, else ``BaselineNotSolved`` is raised.
 
   Args:
     preset: a ``Preset``.
     out_dir: output directory.
     seeds: number of seeds (default ``preset.seeds``); seeds are 0..seeds-1.
-    variants: variants to run ("posthoc_topk" needs "full").
-    stop_after: stop after this many training steps in this call (a simulated kill; the next
-      call continues), or None.
+    variants: variants to run (default ``preset.variants``; post-hoc ones need "full").
+    stop_after: stop after this many training steps in this call (a simulated kill).
     progress: tqdm progress bars.
     devices: devices of the data-parallel mesh (default: all).
     log: print function.
     on_row: optional callback ``on_row(rows)`` after every finished run (partial results).
+    deadline: ``time.monotonic()`` after which training stops (checkpointed).
 
   Returns:
     (rows, finished): the result rows and whether every run completed.
   """
+  variants = preset.variants.split(",") if variants is None else variants
   variants = tuple(v for v in VARIANTS if v in variants)
-  if "posthoc_topk" in variants and "full" not in variants:
-    raise ValueError("posthoc_topk evaluates the full model: include 'full' in variants")
+  if any(v in POSTHOC for v in variants) and "full" not in variants:
+    raise ValueError("post-hoc variants prune the full model: include 'full' in variants")
   seeds = preset.seeds if seeds is None else seeds
   ctx = Context(preset, devices)
-  log(f"[coadaptation] preset={preset.name} seq_len={preset.seq_len}"
-      f" devices={ctx.mesh.devices.size} train_text={len(ctx.train_text.tokens)} bytes"
-      f" ({len(ctx.train_text.names)} files)"
-      f" sparse top_k={sparse_top_k(preset)} block={preset.block_size}")
+  log(f"[coadaptation] preset={preset.name} task={preset.task} seq_len={preset.seq_len}"
+      f" devices={ctx.mesh.devices.size} top_k={sparse_top_k(preset)} block={preset.block_size}"
+      f" q_block={preset.q_block_size}")
   budget = stop_after
   rows = []
   for seed in range(seeds):
@@ -923,39 +909,38 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=DEFAULT_VARIANTS, st
       if os.path.exists(done_path):
         with open(done_path) as f:
           row = json.load(f)
-        rows.append(row)
-        if variant == "full":
-          full_head = tuple(row["analysis"]["retrieval_head"])
-        continue
-      if variant == "posthoc_topk":
+      elif variant in POSTHOC:
         if full_trainer is None:  # restore the finished full model from its checkpoint
           full_trainer, _ = train_run(ctx, "full", seed,
                                       os.path.join(out_dir, "runs", f"full_s{seed}"),
                                       stop_after=0, progress=False)
-        gd, pr, rs = posthoc_state(ctx, full_trainer)
-        row = finish_run(ctx, variant, seed, run_dir, full_trainer, graphdef=gd, params=pr,
-                         rest=rs, retrieval_head=full_head, train_curves=full_trainer.curves)
-        rows.append(row)
+        row = finish_run(ctx, variant, seed, run_dir, full_trainer, retrieval_head=full_head)
         log(_row_line(row))
-        if on_row:
-          on_row(rows)
-        continue
-      if (budget is not None and budget <= 0) or (
-          deadline is not None and time.monotonic() > deadline):
-        return rows, False
-      trainer, finished = train_run(ctx, variant, seed, run_dir, stop_after=budget,
-                                    progress=progress, deadline=deadline)
-      if budget is not None:
-        budget -= trainer.step - trainer.fit_start_step
-      if not finished:
-        return rows, False
-      if full_head is None and variant != "full":  # full ran in another process (same out_dir)
-        full_head = _finished_full_head(out_dir, seed)
-      row = finish_run(ctx, variant, seed, run_dir, trainer, retrieval_head=full_head)
+      else:
+        if (budget is not None and budget <= 0) or (
+            deadline is not None and time.monotonic() > deadline):
+          return rows, False
+        trainer, finished = train_run(ctx, variant, seed, run_dir, stop_after=budget,
+                                      progress=progress, deadline=deadline)
+        if budget is not None:
+          budget -= trainer.step - trainer.fit_start_step
+        if not finished:
+          return rows, False
+        if full_head is None and variant != "full":
+          full_head = _finished_full_head(out_dir, seed)
+        row = finish_run(ctx, variant, seed, run_dir, trainer, retrieval_head=full_head)
+        if variant == "full":
+          full_trainer = trainer
+        log(_row_line(row))
       if variant == "full":
-        full_trainer, full_head = trainer, tuple(row["analysis"]["retrieval_head"])
+        full_head = tuple(row["analysis"]["retrieval_head"])
+        if row["score"] < preset.min_baseline_score:
+          raise BaselineNotSolved(
+              f"the dense baseline scores {row['score']:.3f} on task {preset.task!r} at "
+              f"{preset.seq_len} tokens (seed {seed}), below min_baseline_score "
+              f"{preset.min_baseline_score}: the task is not solved, so the variants are not "
+              "compared; train longer or change the preset")
       rows.append(row)
-      log(_row_line(row))
       if on_row:
         on_row(rows)
   return rows, True
@@ -976,108 +961,129 @@ def _fmt(x, nd=3):
 
 
 def _row_line(row):
-  return (f"  {row['variant']:<14} seed {row['seed']}: score {_fmt(row['score'])} "
+  return (f"  {row['variant']:<18} seed {row['seed']}: score {_fmt(row['score'])} "
           f"bpb {_fmt(row['bpb'])} sparsity {_fmt(row['sparsity'])} "
-          f"mass {_fmt(row['captured_mass'])} decode {_fmt(row['decode_ms'], 2)} ms")
+          f"conc {_fmt(row['concentration'])} recall {_fmt(row['proxy_recall'])} "
+          f"decode {_fmt(row['decode_ms'], 2)} ms")
 
 
-def summarise(rows):
-  """Per-variant mean and standard deviation (over seeds) of the numeric row fields.
+def _ok(x):
+  return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
+def aggregate(rows):
+  """Aggregated rows per (task, seq_len, variant): per metric mean with a 95% bootstrap interval
+  over seeds, and paired differences (by seed) of score, bpb and concentration against
+  "full", "posthoc_proxy" and "posthoc_oracle" with their intervals.
 
   Returns:
-    dict variant -> {field: {"mean", "std", "n"}}.
+    list of dicts: "task", "seq_len", "variant", "n", "<metric>" {"mean", "lo", "hi", "n"},
+    "diff_vs_<variant>" {metric: {"diff", "lo", "hi", "n"}}.
   """
-  out = {}
-  for v in VARIANTS:
-    rs = [r for r in rows if r["variant"] == v]
-    if not rs:
-      continue
-    d = {}
-    for f in ("sparsity", "score", "loss", "bpb", "captured_mass", "decode_ms",
-              "needle_block_kept", "answer_nll", "train_answer_acc"):
-      vals = [r[f] for r in rs if r.get(f) is not None and not
-              (isinstance(r[f], float) and math.isnan(r[f]))]
-      if vals:
-        d[f] = {"mean": float(np.mean(vals)), "std": float(np.std(vals, ddof=1))
-                if len(vals) > 1 else 0.0, "n": len(vals)}
-    out[v] = d
+  from experiments.coadaptation_analysis import paired_bootstrap
+  out = []
+  cells = sorted({(r.get("task", "copy"), r.get("seq_len", 0)) for r in rows})
+  for task, L in cells:
+    cell = [r for r in rows if (r.get("task", "copy"), r.get("seq_len", 0)) == (task, L)]
+    by = {v: {r["seed"]: r for r in cell if r["variant"] == v} for v in VARIANTS}
+    for v in VARIANTS:
+      if not by[v]:
+        continue
+      agg = {"task": task, "seq_len": L, "variant": v, "n": len(by[v])}
+      for m in METRICS:
+        vals = [r[m] for r in by[v].values() if _ok(r.get(m))]
+        if vals:
+          ci = paired_bootstrap(vals, [0.0] * len(vals))
+          agg[m] = {"mean": ci["diff"], "lo": ci["lo"], "hi": ci["hi"], "n": ci["n"]}
+      for ref in ("full", *POSTHOC):
+        if ref == v or not by[ref]:
+          continue
+        diffs = {}
+        for m in ("score", "bpb", "concentration"):
+          seeds = sorted(s for s in by[v] if s in by[ref] and _ok(by[v][s].get(m))
+                         and _ok(by[ref][s].get(m)))
+          if seeds:
+            diffs[m] = paired_bootstrap([by[v][s][m] for s in seeds],
+                                        [by[ref][s][m] for s in seeds])
+        if diffs:
+          agg[f"diff_vs_{ref}"] = diffs
+      out.append(agg)
   return out
 
 
 SEED_CLAIMS = {
     "full": "baseline",
-    "posthoc_topk": "81%, -2.5 to -5 pts, 4x; kept blocks hold ~60% mass",
-    "sparse_none": "81%, -0.48 pts, 7x; >95% mass",
-    "sparse_ste": "81%, -0.48 pts, 7x; >95% mass",
-    "sparse_gumbel": "81%, -0.48 pts, 7x; >95% mass",
-    "sparse_aux": "81%, -0.48 pts, 7x; >95% mass",
-    "local_global": "~83%, -0.3 to -0.8 pts",
-    "csa": "~90%, -0.5 to -1.0 pts",
+    "posthoc_proxy": "81% sparse: -2.5 to -5 pts; top-19% blocks hold ~60% of the mass",
+    "posthoc_oracle": "(not in the source: pruning by true attention mass)",
+    "sparse_none": "trained at 81%: -0.48 pts; >95% of the mass in the top 19%",
+    "sparse_ste": "trained at 81%: -0.48 pts; >95% of the mass in the top 19%",
+    "sparse_gumbel": "trained at 81%: -0.48 pts; >95% of the mass in the top 19%",
+    "sparse_distill": "trained at 81%: -0.48 pts; >95% of the mass in the top 19%",
+    "local_global_nope": "~83% sparse: -0.3 to -0.8 pts; NoPE global >= RoPE global",
+    "local_global_rope": "~83% sparse: -0.3 to -0.8 pts",
+    "csa": "~90% sparse: -0.5 to -1.0 pts",
+    "csa_two_stage": "~90% sparse: -0.5 to -1.0 pts",
 }
 
 
-def format_table(summary):
-  """The seed's table layout (method, sparsity, score, delta vs full, speed) with our extras.
+def _ci(d, scale=1.0, nd=1, signed=False):
+  if not d:
+    return "-"
+  m = d.get("mean", d.get("diff"))
+  f = f"{{:{'+' if signed else ''}.{nd}f}}"
+  if d["n"] < 2:
+    return f.format(m * scale)
+  return f"{f.format(m * scale)} [{d['lo'] * scale:.{nd}f}, {d['hi'] * scale:.{nd}f}]"
 
-  Scores are retrieval accuracy in percentage points (mean +- std over seeds); deltas are
-  against full attention; "speedup" is full's decode ms / the variant's.
-  """
-  full = summary.get("full", {})
-  base_score = full.get("score", {}).get("mean")
-  base_bpb = full.get("bpb", {}).get("mean")
-  base_ms = full.get("decode_ms", {}).get("mean")
-  head = ("| variant | sparsity | score (pts) | Δ score | text bpb | Δ bpb | captured mass | "
-          "needle kept | decode ms/tok | speedup | seed's claim |")
-  lines = [head, "|" + "---|" * 11]
-  for v, d in summary.items():
-    def ms(f, scale=1.0, nd=1):
-      if f not in d:
-        return "-"
-      m, sd, n = d[f]["mean"] * scale, d[f]["std"] * scale, d[f]["n"]
-      return f"{m:.{nd}f} ± {sd:.{nd}f}" if n > 1 else f"{m:.{nd}f}"
-    score = d.get("score", {}).get("mean")
-    bpb = d.get("bpb", {}).get("mean")
-    dms = d.get("decode_ms", {}).get("mean")
-    ds = "-" if v == "full" or score is None or base_score is None else \
-        f"{100 * (score - base_score):+.1f}"
-    db = "-" if v == "full" or bpb is None or base_bpb is None else f"{bpb - base_bpb:+.3f}"
-    sp = "-" if v == "full" or not dms or not base_ms else f"{base_ms / dms:.2f}x"
-    lines.append(f"| {v} | {ms('sparsity', 100, 1)}% | {ms('score', 100)} | {ds} | "
-                 f"{ms('bpb', 1, 3)} | {db} | {ms('captured_mass', 1, 3)} | "
-                 f"{ms('needle_block_kept', 1, 2)} | {ms('decode_ms', 1, 2)} | {sp} | "
-                 f"{SEED_CLAIMS[v]} |")
+
+def format_table(agg):
+  """Markdown tables, one per (task, seq_len): means with 95% bootstrap intervals over seeds;
+  score differences are paired by seed (percentage points)."""
+  lines = []
+  for task, L in sorted({(a["task"], a["seq_len"]) for a in agg}):
+    lines += [f"**task {task}, {L} tokens**", "",
+              "| variant | n | sparsity all / answers | score (pts) | Δ vs full | Δ vs post-hoc proxy"
+              " | Δ vs post-hoc oracle | text bpb | concentration | proxy recall | needle recall |"
+              " decode ms |", "|" + "---|" * 12]
+    for a in agg:
+      if (a["task"], a["seq_len"]) != (task, L):
+        continue
+      sp = a.get("sparsity", {}).get("mean")
+      spa = a.get("sparsity_answers", {}).get("mean")
+      spt = f"{_fmt(sp and 100 * sp, 0)} / {_fmt(spa and 100 * spa, 0)}%" if sp is not None \
+          else "-"
+      dv = [_ci(a.get(f"diff_vs_{r}", {}).get("score"), 100, 1, True)
+            for r in ("full", *POSTHOC)]
+      lines.append(f"| {a['variant']} | {a['n']} | {spt} | {_ci(a.get('score'), 100)} | "
+                   f"{' | '.join(dv)} | {_ci(a.get('bpb'), 1, 3)} | "
+                   f"{_ci(a.get('concentration'), 1, 3)} | {_ci(a.get('proxy_recall'), 1, 3)} | "
+                   f"{_ci(a.get('needle_recall'), 1, 2)} | {_ci(a.get('decode_ms'), 1, 2)} |")
+    lines.append("")
   return "\n".join(lines)
 
 
-def verdicts(summary, preset):
-  """Plain-language checks: did the baseline solve the task; trained vs post-hoc, with spread."""
+def verdicts(agg, min_baseline_score=0.9):
+  """Plain-language checks per cell: baseline solved; trained vs post-hoc (proxy, oracle)
+  beyond the 95% interval or not."""
   out = []
-  full = summary.get("full", {})
-  fs = full.get("score", {}).get("mean")
-  if fs is not None:
-    chance = 1.0 / preset.num_values
-    if fs >= 0.9:
-      out.append(f"dense baseline solved the retrieval task (score {100 * fs:.1f}%).")
-    else:
-      out.append(f"WARNING: dense baseline has NOT converged (score {100 * fs:.1f}%, chance "
-                 f"{100 * chance:.1f}%): comparisons between variants are not meaningful yet; "
-                 "see the learning curves in results.json.")
-  ph = summary.get("posthoc_topk", {})
-  for v in SPARSE_VARIANTS:
-    d = summary.get(v)
-    if not d or "score" not in ph or "score" not in d:
-      continue
-    diff = d["score"]["mean"] - ph["score"]["mean"]
-    spread = max(d["score"]["std"], ph["score"]["std"])
-    if d["score"]["n"] < 2 or ph["score"]["n"] < 2:
-      sig = "one seed: no spread to compare against"
-    else:
-      sig = "within seed spread" if abs(diff) <= spread else "beyond seed spread"
-    m1 = d.get("captured_mass", {}).get("mean")
-    m0 = ph.get("captured_mass", {}).get("mean")
-    mass = "" if m1 is None or m0 is None else f"; captured mass {m1:.3f} vs {m0:.3f}"
-    out.append(f"{v} vs posthoc_topk at equal sparsity: score {100 * diff:+.1f} pts "
-               f"({sig}, n={d['score']['n']}){mass}.")
+  for a in agg:
+    head = f"{a['task']} {a['seq_len']}:"
+    if a["variant"] == "full" and "score" in a:
+      ok = a["score"]["mean"] >= min_baseline_score
+      out.append(f"{head} dense baseline {'solved' if ok else 'did NOT solve'} the task "
+                 f"(score {100 * a['score']['mean']:.1f}, threshold "
+                 f"{100 * min_baseline_score:.0f}).")
+    if a["variant"] in SPARSE_VARIANTS:
+      for ref in POSTHOC:
+        d = a.get(f"diff_vs_{ref}", {}).get("score")
+        if not d:
+          continue
+        if d["n"] < 2:
+          sig = "one seed: no interval"
+        else:
+          sig = "beyond its 95% interval" if d["lo"] > 0 or d["hi"] < 0 else "within its interval"
+        out.append(f"{head} {a['variant']} - {ref}: {100 * d['diff']:+.1f} pts "
+                   f"[{100 * d['lo']:.1f}, {100 * d['hi']:.1f}] ({sig}, n={d['n']}).")
   return out
 
 
@@ -1085,18 +1091,17 @@ def verdicts(summary, preset):
 # Figures
 # --------------------------------------------------------------------------------------------------
 
-def make_figures(out_dir, rows, seed=0):
+def make_figures(out_dir, rows, agg, seed=0):
   """Write PNG figures (matplotlib, Agg) into ``out_dir/figures``; returns their paths.
 
-  * ``heatmaps.png``: the full model's retrieval head (layer, head) in every variant, pooled
-    attention probabilities (log scale); sparse variants as computed (restricted to the kept
-    blocks), the full model's dense map, the post-hoc selection applied to it.
-  * ``selection.png``: kept blocks of that head (query block x key block) for post-hoc top-K
-    and the trained sparse variants; red circles: (needle block, answer block) of the queries of
-    episode 0 (a filled circle = top-K kept the needle for that query).
-  * ``captured_mass.png``: captured attention mass against kept fraction (post-hoc on the full
-    model vs trained sparse models).
-  * ``learning_curves.png``: training loss and answer accuracy per variant.
+  * ``gap.png``: score of each trained sparse variant minus post-hoc proxy and minus post-hoc
+    oracle against context length, with 95% intervals, per task.
+  * ``mass_curves.png``: concentration (oracle) and the proxy's captured share against the kept
+    fraction, for the full model and the trained sparse variants.
+  * ``heatmaps.png``: one layer/head (the full model's retrieval head), row 0: the full and
+    trained models' dense attention (log colour bar) and the kept blocks of the post-hoc
+    oracle, post-hoc proxy and trained selections.
+  * ``learning_curves.png``: training loss and answer accuracy per trained variant.
   """
   import matplotlib
   matplotlib.use("Agg")
@@ -1105,75 +1110,98 @@ def make_figures(out_dir, rows, seed=0):
   fig_dir = os.path.join(out_dir, "figures")
   os.makedirs(fig_dir, exist_ok=True)
   paths = []
-  by_v = {r["variant"]: r for r in rows if r["seed"] == seed}
+  tasks = sorted({a["task"] for a in agg})
+  trained_sparse = [v for v in SPARSE_VARIANTS if any(a["variant"] == v for a in agg)]
+  if trained_sparse and any(f"diff_vs_{r}" in a for a in agg for r in POSTHOC):
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+      for i, v in enumerate(trained_sparse):
+        for ref, ls in zip(POSTHOC, ("-", "--")):
+          pts = sorted((a["seq_len"], a[f"diff_vs_{ref}"]["score"]) for a in agg
+                       if a["task"] == task and a["variant"] == v and f"diff_vs_{ref}" in a
+                       and "score" in a[f"diff_vs_{ref}"])
+          if not pts:
+            continue
+          x = np.array([p[0] for p in pts], float)
+          y = np.array([100 * p[1]["diff"] for p in pts])
+          err = np.array([[100 * (p[1]["diff"] - p[1]["lo"]), 100 * (p[1]["hi"] - p[1]["diff"])]
+                          for p in pts]).T
+          ax.errorbar(x * (1 + 0.03 * i), y, yerr=err, ls=ls, marker="o", capsize=3,
+                      color=f"C{i}", label=f"{v} - {ref}")
+      ax.axhline(0, color="grey", lw=1)
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("context length (tokens)")
+      ax.set_ylabel("score difference (pts, 95% CI)")
+      ax.set_title(f"task {task}", fontsize=9)
+      ax.legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(os.path.join(fig_dir, "gap.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+  first = sorted({(r["task"], r["seq_len"]) for r in rows})[0]
+  by_v = {r["variant"]: r for r in rows if r["seed"] == seed
+          and (r["task"], r["seq_len"]) == first}
+  curves = {v: r["analysis"].get("mass_curve") for v, r in by_v.items()
+            if v == "full" or v in SPARSE_VARIANTS}
+  curves = {v: c for v, c in curves.items() if c}
+  if curves:
+    fig, ax = plt.subplots(figsize=(5, 3.8))
+    for i, (v, c) in enumerate(curves.items()):
+      ax.plot(c["fraction"], c["oracle"], marker="o", color=f"C{i}", label=f"{v}: oracle")
+      ax.plot(c["fraction"], c["proxy"], marker="x", ls="--", color=f"C{i}", label=f"{v}: proxy")
+    ax.axvline(0.19, color="grey", ls=":", lw=1)
+    ax.set_xlabel("kept fraction of visible blocks (answer-query rule)")
+    ax.set_ylabel("share of non-forced attention mass kept")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(os.path.join(fig_dir, "mass_curves.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
   npz = {}
-  for v in by_v:
-    path = os.path.join(out_dir, "runs", f"{v}_s{seed}", "analysis.npz")
+  for v, r in by_v.items():
+    path = os.path.join(out_dir, r.get("run", os.path.join("runs", f"{v}_s{seed}")),
+                        "analysis.npz")
     if os.path.exists(path):
       npz[v] = dict(np.load(path))
-  # heatmaps
-  order = [v for v in VARIANTS if v in npz]
-  if order:
-    fig, axes = plt.subplots(1, len(order), figsize=(3.2 * len(order), 3.4), squeeze=False)
-    head = by_v.get("full", by_v[order[0]])["analysis"].get("retrieval_head")
-    for ax, v in zip(axes[0], order):
-      h = npz[v]["heat"]
-      ax.imshow(h + 1e-6, norm=LogNorm(vmin=1e-4, vmax=max(1.0, float(h.max()))), cmap="magma")
-      ax.set_title(f"{v}\nsparsity {by_v[v]['sparsity'] * 100:.0f}%", fontsize=8)
-      ax.set_xticks([]), ax.set_yticks([])
-    fig.suptitle(f"attention of layer {head[0]} head {head[1]} (pooled), seed {seed}", fontsize=9)
+  panels = [(v, "heat") for v in ("full", *SPARSE_VARIANTS) if v in npz and "heat" in npz[v]]
+  panels += [(v, "selection") for v in (*POSTHOC, *SPARSE_VARIANTS)
+             if v in npz and "selection" in npz[v]]
+  if panels:
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
+    head = by_v.get("full", next(iter(by_v.values())))["analysis"]["retrieval_head"]
+    for ax, (v, kind) in zip(axes[0], panels):
+      a = npz[v][kind]
+      if kind == "heat":
+        im = ax.imshow(a + 1e-6, norm=LogNorm(vmin=1e-4, vmax=max(1.0, float(a.max()))),
+                       cmap="magma", aspect="auto")
+        ax.set_title(f"{v}: dense attention", fontsize=8)
+        ax.set_xlabel("key (pooled)", fontsize=7)
+      else:
+        im = ax.imshow(a, cmap="Greys", interpolation="nearest", aspect="auto", vmin=0, vmax=1)
+        ax.scatter(npz[v]["needle_blocks"], npz[v]["answer_blocks"] + 0 * npz[v]["needle_blocks"],
+                   s=18, facecolors="none", edgecolors="red", label="needle")
+        ax.set_title(f"{v}: kept blocks", fontsize=8)
+        ax.set_xlabel("key block", fontsize=7)
+      ax.set_ylabel("query", fontsize=7)
+      fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.suptitle(f"layer {head[0]} head {head[1]}, seed {seed}, {first[0]} {first[1]} tokens",
+                 fontsize=9)
     fig.tight_layout()
     paths.append(os.path.join(fig_dir, "heatmaps.png"))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
-  # selection patterns
-  sel_v = [v for v in order if "selection" in npz[v] and v != "full"]
-  if sel_v:
-    fig, axes = plt.subplots(1, len(sel_v), figsize=(3.2 * len(sel_v), 3.4), squeeze=False)
-    for ax, v in zip(axes[0], sel_v):
-      ax.imshow(npz[v]["selection"], cmap="Greys", interpolation="nearest")
-      ax.scatter(npz[v]["needle_blocks"], npz[v]["answer_blocks"], s=14, facecolors="none",
-                 edgecolors="red", linewidths=1.0)
-      an = by_v[v]["analysis"]
-      kept = an.get("needle_block_kept")
-      ax.set_title(f"{v}\nneedle block kept {kept if kept is None else round(kept, 2)}",
-                   fontsize=8)
-      ax.set_xlabel("key block", fontsize=7)
-      ax.set_ylabel("query block", fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "selection.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-  # captured mass vs kept fraction
-  curves = {v: by_v[v]["analysis"].get("mass_curve") for v in by_v}
-  curves = {v: c for v, c in curves.items() if c}
-  if curves:
-    fig, ax = plt.subplots(figsize=(4.6, 3.6))
-    for v, c in curves.items():
-      c = np.asarray(c)
-      label = "full model, post-hoc top-K" if v in ("full",) else v
-      if v == "posthoc_topk":
-        continue
-      ax.plot(c[:, 0], c[:, 1], marker="o", label=label)
-    ax.axvline(0.19, color="grey", ls=":", lw=1)
-    ax.set_xlabel("kept fraction of causal attention")
-    ax.set_ylabel("captured attention mass")
-    ax.set_ylim(0, 1.02)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "captured_mass.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-  # learning curves
-  trained = [v for v in VARIANTS if v in by_v and v != "posthoc_topk"]
+  trained = [v for v in VARIANTS if v in by_v and v not in POSTHOC]
   if trained:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
     for v in trained:
       c = by_v[v]["curves"]
       a1.plot(c["step"], c["loss"], label=v)
       a2.plot(c["step"], c["answer_acc"], label=v)
-    a1.set_xlabel("step"), a1.set_ylabel("train loss")
-    a2.set_xlabel("step"), a2.set_ylabel("train answer accuracy (curriculum span)")
+    a1.set_xlabel("step")
+    a1.set_ylabel("train loss")
+    a2.set_xlabel("step")
+    a2.set_ylabel("train answer accuracy (curriculum span)")
     a2.legend(fontsize=7)
     fig.tight_layout()
     paths.append(os.path.join(fig_dir, "learning_curves.png"))
@@ -1186,40 +1214,82 @@ def make_figures(out_dir, rows, seed=0):
 # CLI
 # --------------------------------------------------------------------------------------------------
 
-def write_results(out_dir, preset, rows, *, finished, wall_s, extra_meta=None):
-  """Write ``results.json`` and ``table.md``; return (summary, table text)."""
+DEFINITIONS = {
+    "score": "retrieval accuracy (argmax) at the answer positions of held-out episodes, needles "
+             "anywhere in the context",
+    "bpb": "held-out text bits per byte",
+    "sparsity": "1 - kept / causally visible key blocks over every query token (block variants; "
+                "windows and CSA by arithmetic)",
+    "sparsity_answers": "the same at the answer queries",
+    "concentration": "share of the true attention mass outside the always-kept blocks that the "
+                     "top round(0.19 V) - forced blocks by true mass hold (V visible blocks), "
+                     "over queries that neither keep everything nor nothing by rank; mean over "
+                     "layers, kv heads, rows",
+    "proxy_recall": "true mass in the proxy's (mean-pooled score's) picks over the true mass in "
+                    "the oracle's, same queries and counts",
+    "needle_recall": "share of answer queries whose needle's block is kept (best layer, any kv "
+                     "head)",
+    "decode_ms": "median ms per one-token decode step at the end of a seq_len context (batch 1)",
+    "intervals": "95% percentile bootstrap over seeds (paired by seed for differences)",
+}
+
+
+def write_results(out_dir, rows, *, finished, wall_s, meta=None, min_baseline_score=0.9):
+  """Write ``results.json`` ({"rows", "aggregate", "meta"}) and ``table.md``; return
+  (aggregate, table text, verdict lines)."""
   import jax
+
   from experiments.train_lib import save_json
-  summary = summarise(rows)
-  table = format_table(summary)
-  notes = verdicts(summary, preset)
-  meta = {
-      "preset": dataclasses.asdict(preset), "finished": finished, "wall_s": wall_s,
-      "sparse_top_k": sparse_top_k(preset),
-      "target_block_sparsity": preset.target_sparsity,
-      "analytic_block_sparsity": block_sparsity(preset.seq_len // preset.block_size,
-                                                sparse_top_k(preset)),
-      "devices": [str(d) for d in jax.devices()], "backend": jax.default_backend(),
-      "jax": jax.__version__, "python": platform.python_version(),
-      "summary": summary, "verdicts": notes, "seed_claims": SEED_CLAIMS,
-      "definitions": {
-          "score": "retrieval accuracy (argmax) at the answer positions of held-out episodes, "
-                   "needles spread over the whole context",
-          "loss": "held-out text cross entropy, nats per byte; bpb = loss / ln 2",
-          "sparsity": "fraction of causal query-key scores not computed, averaged over layers",
-          "captured_mass": "fraction of each layer's dense causal softmax mass inside the kept "
-                           "set, averaged over layers, heads and queries (None for CSA)",
-          "needle_block_kept": "fraction of answer queries whose needle lies in a kept block, "
-                               "best layer",
-          "decode_ms": "median ms per one-token decode step at the end of a seq_len context "
-                       "(batch 1, the model's decode path)",
-      },
-      **(extra_meta or {}),
-  }
-  save_json(os.path.join(out_dir, "results.json"), {"rows": rows, "meta": meta})
+  agg = aggregate(rows)
+  table = format_table(agg)
+  notes = verdicts(agg, min_baseline_score)
+  meta = {"finished": finished, "wall_s": wall_s, "devices": [str(d) for d in jax.devices()],
+          "backend": jax.default_backend(), "jax": jax.__version__,
+          "python": platform.python_version(), "verdicts": notes, "seed_claims": SEED_CLAIMS,
+          "definitions": DEFINITIONS, **(meta or {})}
+  save_json(os.path.join(out_dir, "results.json"), {"rows": rows, "aggregate": agg, "meta": meta})
   with open(os.path.join(out_dir, "table.md"), "w") as f:
-    f.write(table + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
-  return summary, table, notes
+    f.write(table + "\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+  return agg, table, notes
+
+
+def merge(sources, out_dir):
+  """Join finished runs of several output directories (cell groups, tasks, lengths) into one.
+
+  Copies each ``SRC/runs/<variant>_s<seed>/{result.json,analysis.npz}`` to
+  ``OUT/runs/<task>_L<seq_len>/<variant>_s<seed>/`` and writes results, table and figures.
+
+  Returns:
+    (rows, aggregate).
+  """
+  import glob
+  import shutil
+
+  from experiments.train_lib import ensure_writable_dir, save_json
+  ensure_writable_dir(out_dir)
+  rows = []
+  for src in sources:
+    for path in sorted(glob.glob(os.path.join(src, "runs", "*", "result.json"))):
+      with open(path) as f:
+        row = json.load(f)
+      rel = os.path.join("runs", f"{row['task']}_L{row['seq_len']}",
+                         f"{row['variant']}_s{row['seed']}")
+      if any(r["run"] == rel for r in rows):
+        raise ValueError(f"{path}: {rel} appears in two sources")
+      dest = os.path.join(out_dir, rel)
+      os.makedirs(dest, exist_ok=True)
+      npz = os.path.join(os.path.dirname(path), "analysis.npz")
+      if os.path.exists(npz):
+        shutil.copy(npz, dest)
+      row["run"] = rel
+      save_json(os.path.join(dest, "result.json"), row)
+      rows.append(row)
+  if not rows:
+    raise ValueError(f"no finished runs under {sources}")
+  agg, _, _ = write_results(out_dir, rows, finished=True, wall_s=None,
+                            meta={"sources": list(sources)})
+  make_figures(out_dir, rows, agg)
+  return rows, agg
 
 
 def override_preset(preset, assignments):
@@ -1238,7 +1308,7 @@ def override_preset(preset, assignments):
     ValueError: unknown field, malformed assignment or unparsable value.
 
   Example:
-    >>> override_preset(PRESETS["smoke"], ["lr=1e-3", "steps=5"]).lr
+    >>> override_preset(PRESETS["plumbing"], ["lr=1e-3", "steps=5"]).lr
     0.001
   """
   fields = {f.name: f for f in dataclasses.fields(preset)}
@@ -1275,20 +1345,31 @@ def override_preset(preset, assignments):
 
 def main(argv=None):
   """Command line entry point (see the module docstring)."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["merge"]:
+    mp = argparse.ArgumentParser(prog="coadaptation merge",
+                                 description="join finished output directories into one")
+    mp.add_argument("sources", nargs="+")
+    mp.add_argument("--out", required=True)
+    a = mp.parse_args(argv[1:])
+    _, agg = merge(a.sources, a.out)
+    print(format_table(agg))
+    return 0
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--preset", default="smoke", choices=sorted(PRESETS))
+  ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
   ap.add_argument("--out", required=True, help="output directory")
   ap.add_argument("--seeds", type=int, default=None, help="number of seeds (default per preset)")
-  ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                  help="comma-separated subset of " + ",".join(VARIANTS) + " (default: all but "
-                       "sparse_aux)")
+  ap.add_argument("--variants", default=None,
+                  help="comma-separated subset of " + ",".join(VARIANTS) + " (default: the "
+                       "preset's)")
   ap.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
   ap.add_argument("--lr", type=float, default=None,
-                  help="override the preset's peak learning rate (use a fresh --out: finished "
-                       "runs in an existing one are reused as they are)")
+                  help="override the preset's peak learning rate (an existing --out made with "
+                       "other settings is refused)")
   ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                   help="override any Preset field, e.g. --set curriculum_ramp=0.5 --set "
-                       "batch_size=16 (repeatable; use a fresh --out)")
+                       "batch_size=16 (repeatable; an existing --out made with other settings is "
+                       "refused)")
   ap.add_argument("--stop-after", type=int, default=None,
                   help="stop after this many training steps (simulated kill; rerun to resume)")
   ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -1314,29 +1395,43 @@ def main(argv=None):
     if not args.lr > 0:
       ap.error(f"--lr must be positive, got {args.lr}")
     preset = dataclasses.replace(preset, lr=args.lr)
-  variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+  names = preset.variants if args.variants is None else args.variants
+  variants = tuple(v.strip() for v in names.split(",") if v.strip())
   unknown = set(variants) - set(VARIANTS)
   if unknown:
     ap.error(f"unknown variants {sorted(unknown)}")
-  os.makedirs(args.out, exist_ok=True)
+  from experiments.train_lib import ConfigMismatchError
+  try:
+    bind_output_dir(args.out, preset)
+  except (OSError, ConfigMismatchError) as e:
+    print(f"[coadaptation] error: {e}", file=sys.stderr)
+    return 2
   t0 = time.perf_counter()
   partial = os.path.join(args.out, "partial")
 
   def on_row(rows):  # partial results while the run goes on (results.json only at the end)
     os.makedirs(partial, exist_ok=True)
-    write_results(partial, preset, rows, finished=False, wall_s=time.perf_counter() - t0)
+    write_results(partial, rows, finished=False, wall_s=time.perf_counter() - t0,
+                  meta={"preset": dataclasses.asdict(preset)},
+                  min_baseline_score=preset.min_baseline_score)
   deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
-  rows, finished = run_experiment(preset, args.out, seeds=args.seeds, variants=variants,
-                                  stop_after=args.stop_after, progress=not args.no_progress,
-                                  on_row=on_row, deadline=deadline)
+  try:
+    rows, finished = run_experiment(preset, args.out, seeds=args.seeds, variants=variants,
+                                    stop_after=args.stop_after, progress=not args.no_progress,
+                                    on_row=on_row, deadline=deadline)
+  except BaselineNotSolved as e:
+    print(f"[coadaptation] stopped: {e}", file=sys.stderr)
+    return 4
   wall = time.perf_counter() - t0
   if not finished:
     why = (f"--stop-after {args.stop_after} steps" if args.stop_after is not None
            else f"--time-budget {args.time_budget:g} s")
     print(f"[coadaptation] stopped by {why} ({wall:.1f} s); rerun the same command to resume.")
     return 3
-  summary, table, notes = write_results(args.out, preset, rows, finished=True, wall_s=wall)
-  figs = make_figures(args.out, rows)
+  agg, table, notes = write_results(
+      args.out, rows, finished=True, wall_s=wall, min_baseline_score=preset.min_baseline_score,
+      meta={"preset": dataclasses.asdict(preset), "sparse_top_k": sparse_top_k(preset)})
+  figs = make_figures(args.out, rows, agg)
   print(f"\nCo-adaptation, preset {preset.name}: seq_len {preset.seq_len}, "
         f"{len({r['seed'] for r in rows})} seed(s), {preset.steps} steps, {wall:.1f} s\n")
   print(table)

@@ -3,18 +3,18 @@
 # shares the GPU, each training a disjoint set of variants into the same output directory
 # (finished runs are kept in OUT_DIR/runs/<variant>_s<seed>/); one more call of the same command
 # with every variant then loads them and writes results.json, table.md and the figures.
-#   [PRESET=h200] [MEM_FRACTION=0.2] [VARIANT_GROUPS="full,posthoc_topk sparse_none,csa ..."] \
-#   OUT_DIR=runs/h200 SEEDS=2 BUDGET=470 bash experiments/coadaptation_parallel.sh [extra args]
+#   [PRESET=gpu8k] [MEM_FRACTION=0.2] [VARIANT_GROUPS="full,posthoc_proxy,posthoc_oracle sparse_ste ..."] \
+#   OUT_DIR=runs/gpu8k SEEDS=3 BUDGET=470 bash experiments/coadaptation_parallel.sh [extra args]
 # Exit 0 when every group finished; 3 when a group stopped at its time budget (rerun the same
 # command while the machine is warm: every run resumes from its checkpoint).
 set -uo pipefail
-OUT_DIR=${OUT_DIR:-runs/h200}; SEEDS=${SEEDS:-2}; BUDGET=${BUDGET:-470}
+OUT_DIR=${OUT_DIR:-runs/gpu8k}; SEEDS=${SEEDS:-3}; BUDGET=${BUDGET:-470}
 mkdir -p "$OUT_DIR"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.2} PYTHONUNBUFFERED=1
-VARIANT_GROUPS=${VARIANT_GROUPS:-full,posthoc_topk,local_global sparse_none,sparse_ste sparse_gumbel,csa}
+VARIANT_GROUPS=${VARIANT_GROUPS:-full,posthoc_proxy,posthoc_oracle,local_global_nope,local_global_rope sparse_none,sparse_ste sparse_gumbel,sparse_distill csa,csa_two_stage}
 pids=()
 for group in $VARIANT_GROUPS; do
-  python3 -m experiments.coadaptation --preset "${PRESET:-h200}" --out "$OUT_DIR" --seeds "$SEEDS" \
+  python3 -m experiments.coadaptation --preset "${PRESET:-gpu8k}" --out "$OUT_DIR" --seeds "$SEEDS" \
     --variants "$group" --no-progress --time-budget "$BUDGET" "$@" \
     > "$OUT_DIR/log_${group//,/+}.txt" 2>&1 &
   pids+=($!)
@@ -23,6 +23,6 @@ rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=$?; done
 echo "groups done (last nonzero rc: $rc)"
 [ "$rc" = 0 ] || exit 3
-python3 -m experiments.coadaptation --preset "${PRESET:-h200}" --out "$OUT_DIR" --seeds "$SEEDS" \
+python3 -m experiments.coadaptation --preset "${PRESET:-gpu8k}" --out "$OUT_DIR" --seeds "$SEEDS" \
   --variants "$(echo $VARIANT_GROUPS | tr ' ' ',')" --no-progress "$@" > "$OUT_DIR/log_table.txt" 2>&1
 rc=$?; tail -40 "$OUT_DIR/log_table.txt"; exit $rc

@@ -12,14 +12,22 @@ resumable orbax checkpoints and jitted evaluation.
   start it restores the latest checkpoint, so a killed run continues where it stopped; because the
   data stream is a pure function of (seed, step) and per-step randomness is ``fold_in(key, step)``,
   the resumed run ends with bit-identical parameters on the same machine.
+* Integrity: every checkpoint step directory gets ``integrity.json`` (a SHA-256 over its files
+  and the run's configuration fingerprint, ``config_fingerprint``). On start the two newest
+  checkpoints are kept; one whose digest does not match (a flipped byte) or that fails to
+  restore is reported by path, moved to ``<ckpt_dir>.corrupt/`` and the run falls back to the
+  previous good one. A checkpoint of another configuration refuses to resume
+  (``ConfigMismatchError``, naming the differing keys).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
+import shutil
 import time
 
 import jax
@@ -229,6 +237,143 @@ def _eval_step(graphdef, use_segments, compute_dtype, call_kwargs, mesh, params,
   return jax.lax.with_sharding_constraint(m, NamedSharding(mesh, P()))
 
 
+INTEGRITY_FILE = "integrity.json"
+KEEP_CHECKPOINTS = 2
+
+
+class ConfigMismatchError(ValueError):
+  """A resume into a run directory (or checkpoint) written with another configuration."""
+
+
+def config_fingerprint(config):
+  """SHA-256 (hex) of a JSON-able configuration dict, independent of key order.
+
+  Args:
+    config: dict of JSON-able values.
+
+  Returns:
+    64 hex characters.
+
+  Example:
+    >>> config_fingerprint({"lr": 1e-3, "steps": 5}) == config_fingerprint({"steps": 5, "lr": 1e-3})
+    True
+  """
+  text = json.dumps(config, sort_keys=True, default=_json_default)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def config_diff(old, new):
+  """Keys whose values differ between two configuration dicts (missing counts as different).
+
+  Example:
+    >>> config_diff({"lr": 1e-3, "steps": 5}, {"lr": 2e-3, "steps": 5})
+    ['lr']
+  """
+  keys = sorted(set(old) | set(new))
+  return [k for k in keys if k not in old or k not in new or
+          json.dumps(old[k], sort_keys=True, default=_json_default)
+          != json.dumps(new[k], sort_keys=True, default=_json_default)]
+
+
+def check_same_config(old, new, where):
+  """Raise ``ConfigMismatchError`` naming the differing keys (with both values) if ``old`` and
+  ``new`` differ; ``where`` names the directory or file the old configuration came from."""
+  diff = config_diff(old, new)
+  if diff:
+    parts = ", ".join(f"{k}: {old.get(k, '<absent>')!r} there, {new.get(k, '<absent>')!r} now"
+                      for k in diff)
+    raise ConfigMismatchError(
+        f"{where} was written with another configuration (differing keys: {parts}); use a "
+        "fresh output directory or the original settings")
+
+
+def ensure_writable_dir(path, what="output directory"):
+  """Create ``path`` if needed and prove it is writable with a probe file, at once.
+
+  Args:
+    path: directory.
+    what: its role, for the message.
+
+  Raises:
+    OSError: naming ``path`` when it cannot be created or written.
+
+  Example:
+    >>> import tempfile
+    >>> ensure_writable_dir(tempfile.mkdtemp())
+  """
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".write-probe-{os.getpid()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise OSError(f"{what} {path!r} is not writable: {e.strerror or e}") from None
+
+
+def dir_digest(path):
+  """SHA-256 (hex) over the relative names and bytes of every file under ``path`` except
+  ``INTEGRITY_FILE``, in sorted order."""
+  h = hashlib.sha256()
+  for root, dirs, files in os.walk(path):
+    dirs.sort()
+    for name in sorted(files):
+      full = os.path.join(root, name)
+      rel = os.path.relpath(full, path)
+      if rel == INTEGRITY_FILE:
+        continue
+      h.update(rel.encode() + b"\0")
+      with open(full, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+          h.update(chunk)
+      h.update(b"\0")
+  return h.hexdigest()
+
+
+def write_integrity(step_dir, fingerprint):
+  """Write ``step_dir/integrity.json``: the directory's digest and the config fingerprint."""
+  save_json(os.path.join(step_dir, INTEGRITY_FILE),
+            {"sha256": dir_digest(step_dir), "config_fingerprint": fingerprint})
+
+
+def verify_integrity(step_dir):
+  """Why the checkpoint in ``step_dir`` cannot be trusted, or None if its digest matches."""
+  path = os.path.join(step_dir, INTEGRITY_FILE)
+  try:
+    with open(path) as f:
+      want = json.load(f)["sha256"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    return f"no readable {INTEGRITY_FILE} ({type(e).__name__})"
+  got = dir_digest(step_dir)
+  if got != want:
+    return f"checksum mismatch (sha256 {got[:12]}..., recorded {want[:12]}...)"
+  return None
+
+
+def checkpoint_steps(ckpt_dir):
+  """Finalised checkpoint steps in ``ckpt_dir`` (integer-named directories), ascending."""
+  if not os.path.isdir(ckpt_dir):
+    return []
+  return sorted(int(n) for n in os.listdir(ckpt_dir)
+                if n.isdigit() and os.path.isdir(os.path.join(ckpt_dir, n)))
+
+
+def quarantine(step_dir, reason, log=print):
+  """Report a bad checkpoint by path and move it to ``<ckpt_dir>.corrupt/<step>``."""
+  ckpt_dir, step = os.path.split(os.path.normpath(step_dir))
+  dest_root = ckpt_dir + ".corrupt"
+  os.makedirs(dest_root, exist_ok=True)
+  dest = os.path.join(dest_root, step)
+  n = 0
+  while os.path.exists(dest):
+    n += 1
+    dest = os.path.join(dest_root, f"{step}-{n}")
+  shutil.move(step_dir, dest)
+  log(f"[checkpoint] {step_dir} is corrupt: {reason}; moved to {dest}, falling back to the "
+      "previous checkpoint")
+  return dest
+
+
 class Trainer:
   """Trains one NNX model with a jitted, data-parallel step and resumable checkpoints.
 
@@ -264,6 +409,7 @@ class Trainer:
     self.rest = jax.device_put(rest, repl)
     self.opt_state = jax.device_put(self.tx.init(self.params), repl)
     self.step = 0
+    self.config, self.fingerprint = None, None
     self.base_key = jax.random.key(seed)
     self.curves = {"step": [], "loss": [], "answer_acc": [], "lr": [], "span": [], "time_s": []}
     self._train_step = functools.partial(
@@ -289,43 +435,67 @@ class Trainer:
     return jax.tree.flatten(tree)
 
   def save(self, manager, extra=None):
-    """Save the full training state at ``self.step`` with an orbax ``CheckpointManager``."""
+    """Save the full training state at ``self.step`` with an orbax ``CheckpointManager``, then
+    write the step directory's ``integrity.json`` (digest and ``self.fingerprint``)."""
     import orbax.checkpoint as ocp
     leaves, _ = self._state_leaves()
-    record = {"step": self.step, "curves": self.curves, **(extra or {})}
+    record = {"step": self.step, "curves": self.curves, "config": self.config, **(extra or {})}
     manager.save(self.step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(_to_saveable(leaves)), record=ocp.args.JsonSave(record)),
         force=True)
     manager.wait_until_finished()
+    write_integrity(os.path.join(str(manager.directory), str(self.step)), self.fingerprint)
 
-  def restore(self, manager):
-    """Restore the latest checkpoint of ``manager`` if there is one.
-
-    Returns:
-      The saved JSON record (dict), or None if there was nothing to restore.
-    """
+  def _restore_step(self, manager, step):
     import orbax.checkpoint as ocp
-    step = manager.latest_step()
-    if step is None:
-      return None
     leaves, treedef = self._state_leaves()
     saveable = _to_saveable(leaves)
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._repl), saveable)
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), record=ocp.args.JsonRestore()))
-    restored = _from_saved(out["state"], leaves)
-    params, rest, opt_state, step_arr, key = jax.tree.unflatten(treedef, restored)
-    self.params, self.rest, self.opt_state = params, rest, opt_state
-    self.step, self.base_key = int(step_arr), key
-    record = out["record"]
-    self.curves = record["curves"]
-    return record
+    return out, treedef, leaves
+
+  def restore(self, manager, log=print):
+    """Restore the newest good checkpoint of ``manager``, if there is one.
+
+    Each candidate (newest first) must match its ``integrity.json`` digest and restore without
+    error; a bad one is reported by path and moved aside (``quarantine``), and the previous one
+    is tried. A good checkpoint whose recorded configuration differs from ``self.config``
+    raises ``ConfigMismatchError`` naming the differing keys.
+
+    Returns:
+      The saved JSON record (dict), or None if there was nothing (good) to restore.
+    """
+    ckpt_dir = str(manager.directory)
+    for step in reversed(checkpoint_steps(ckpt_dir)):
+      step_dir = os.path.join(ckpt_dir, str(step))
+      reason = verify_integrity(step_dir)
+      if reason is None:
+        try:
+          out, treedef, leaves = self._restore_step(manager, step)
+        except Exception as e:  # noqa: BLE001 - any failure to read makes the step unusable
+          reason = f"restore failed: {type(e).__name__}: {str(e)[:200]}"
+      if reason is not None:
+        quarantine(step_dir, reason, log)
+        manager.reload()
+        continue
+      record = out["record"]
+      if self.config is not None:
+        check_same_config(record.get("config") or {}, self.config, f"checkpoint {step_dir}")
+      restored = _from_saved(out["state"], leaves)
+      params, rest, opt_state, step_arr, key = jax.tree.unflatten(treedef, restored)
+      self.params, self.rest, self.opt_state = params, rest, opt_state
+      self.step, self.base_key = int(step_arr), key
+      self.curves = record["curves"]
+      return record
+    return None
 
   # -- training ----------------------------------------------------------------------------------
   def fit(self, stream, total_steps, *, ckpt_dir=None, ckpt_every=100, stop_after=None,
-          log_every=10, desc="train", progress=True, extra_record=None, deadline=None):
-    """Train to ``total_steps`` (resuming from ``ckpt_dir`` when it holds a checkpoint).
+          log_every=10, desc="train", progress=True, extra_record=None, deadline=None,
+          config=None):
+    """Train to ``total_steps`` (resuming from ``ckpt_dir`` when it holds a good checkpoint).
 
     Args:
       stream: object with ``batch(step) -> dict of numpy arrays``, ``state(step) -> dict`` and
@@ -341,6 +511,9 @@ class Trainer:
       extra_record: JSON-able dict stored with every checkpoint.
       deadline: ``time.monotonic()`` value after which training stops at the next step (with a
         checkpoint, like ``stop_after``); None: no limit.
+      config: JSON-able dict of the run's configuration, stored in every checkpoint with its
+        fingerprint; resuming a checkpoint of another configuration raises
+        ``ConfigMismatchError``. None: not checked.
 
     Returns:
       True if ``total_steps`` was reached, False if stopped early by ``stop_after`` or
@@ -348,11 +521,15 @@ class Trainer:
     """
     from tqdm.auto import tqdm
     manager = None
+    self.config = None if config is None else json.loads(json.dumps(config,
+                                                                   default=_json_default))
+    self.fingerprint = None if config is None else config_fingerprint(self.config)
     if ckpt_dir is not None:
       import orbax.checkpoint as ocp
+      ensure_writable_dir(os.path.abspath(ckpt_dir), "checkpoint directory")
       manager = ocp.CheckpointManager(
           os.path.abspath(ckpt_dir),
-          options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+          options=ocp.CheckpointManagerOptions(max_to_keep=KEEP_CHECKPOINTS, create=True))
       self.restore(manager)
     start = self.step
     self.fit_start_step = start

@@ -1,6 +1,6 @@
-"""Co-adaptation experiment: data, sparsity bookkeeping, smoke run, exact resume, data parallel.
+"""Co-adaptation experiment: data, sparsity bookkeeping, plumbing run, exact resume, data parallel.
 
-Sizes are tiny (CPU CI); the smoke run uses the "smoke" preset with fewer steps.
+Sizes are tiny (CPU CI); the end-to-end run uses the plumbing-only preset.
 """
 import dataclasses
 import json
@@ -93,16 +93,10 @@ def test_block_sparsity_matches_brute_force():
   assert C.block_sparsity(n, k) == pytest.approx(1 - kept / (n * (n + 1) / 2))
   best = min(range(1, 127), key=lambda k: abs(C.block_sparsity(128, k) - 0.81))
   assert C.top_k_for_sparsity(8192, 64, 0.81) == best == 11
+  assert C.sparse_top_k(C.PRESETS["gpu8k"]) == 22          # per token: 24 of 128 at the answer
 
 
-def test_tile_and_window_sparsity_brute_force():
-  rng = np.random.default_rng(0)
-  bs, nb = 4, 6
-  s = bs * nb
-  tiles = np.tril(rng.random((2, nb, nb)) < 0.5) | np.eye(nb, dtype=bool)
-  elem = np.kron(tiles, np.ones((bs, bs), bool)) & np.tril(np.ones((s, s), bool))
-  want = 1 - elem.sum((-2, -1)).mean() / (s * (s + 1) / 2)
-  assert C.tile_sparsity(tiles, bs, s) == pytest.approx(want)
+def test_window_sparsity_brute_force():
   i, j = np.arange(50)[:, None], np.arange(50)[None]
   w = 7
   want = 1 - ((j <= i) & (j > i - w)).sum() / ((j <= i).sum())
@@ -113,42 +107,51 @@ def test_tile_and_window_sparsity_brute_force():
 # End to end
 # ------------------------------------------------------------------------------------------------
 
-FIELDS = ("variant", "sparsity", "score", "loss", "captured_mass", "decode_ms", "seed", "bpb",
-          "curves")
-
-
-def test_smoke_cli_writes_every_variant_and_resumes(tmp_path, capsys):
-  out = str(tmp_path / "smoke")
-  args = ["--preset", "smoke", "--out", out, "--steps", "4", "--no-progress"]
+def test_plumbing_cli_writes_every_variant_and_resumes(tmp_path, capsys):
+  out = str(tmp_path / "plumbing")
+  args = ["--preset", "plumbing", "--out", out, "--no-progress"]
   assert C.main(args + ["--stop-after", "6"]) == 3               # killed inside the 2nd variant
   assert not os.path.exists(os.path.join(out, "results.json"))
   assert C.main(args) == 0                                       # resumes and finishes
-  res = json.load(open(os.path.join(out, "results.json")))
+  with open(os.path.join(out, "results.json")) as f:
+    res = json.load(f)
   rows = {r["variant"]: r for r in res["rows"]}
-  assert set(rows) == set(C.DEFAULT_VARIANTS)          # sparse_aux is opt-in (--variants)
+  assert set(rows) == set(C.VARIANTS)
   for r in rows.values():
-    for f in FIELDS:
+    for f in C.ROW_FIELDS:
       assert f in r, (r["variant"], f)
-    assert 0.0 <= r["score"] <= 1.0 and np.isfinite(r["loss"]) and r["decode_ms"] > 0
-  assert rows["full"]["sparsity"] == 0.0 and rows["full"]["captured_mass"] == 1.0
-  for v in ("posthoc_topk", "sparse_none", "sparse_ste", "sparse_gumbel"):
-    assert rows[v]["analysis"]["block_sparsity"] == pytest.approx(
-        C.block_sparsity(256 // 8, C.sparse_top_k(C.PRESETS["smoke"])), abs=1e-6)
-    assert 0.0 < rows[v]["captured_mass"] < 1.0
-  # same selection rule on the same weights; the q/k of later layers differ slightly because the
-  # post-hoc model's earlier layers already attend sparsely
-  assert rows["posthoc_topk"]["captured_mass"] == pytest.approx(
-      rows["full"]["analysis"]["posthoc_captured_mass"], abs=0.05)
-  assert rows["local_global"]["sparsity"] > 0.5 and rows["csa"]["sparsity"] > 0.5
-  assert rows["full"]["curves"]["step"][-1] == 3
-  for name in ("heatmaps", "selection", "captured_mass", "learning_curves"):
+    assert 0.0 <= r["score"] <= 1.0 and np.isfinite(r["bpb"]) and r["task"] == "copy"
+  assert rows["full"]["sparsity"] == 0.0 and rows["full"]["needle_recall"] == 1.0
+  assert rows["posthoc_oracle"]["decode_ms"] is None and rows["posthoc_proxy"]["decode_ms"] > 0
+  for v in C.BLOCK_VARIANTS:                     # same per-token rule: same measured sparsity
+    assert rows[v]["sparsity"] == pytest.approx(rows["sparse_none"]["sparsity"])
+    assert 0 < rows[v]["sparsity_answers"] < 1 and rows[v]["q_block_size"] == 1
+  for v in ("local_global_nope", "local_global_rope", "csa", "csa_two_stage"):
+    assert rows[v]["sparsity"] > 0.2
+  agg = {a["variant"]: a for a in res["aggregate"]}
+  assert "diff_vs_posthoc_oracle" in agg["sparse_ste"] and agg["full"]["score"]["n"] == 1
+  for name in ("gap", "mass_curves", "heatmaps", "learning_curves"):
     assert os.path.getsize(os.path.join(out, "figures", f"{name}.png")) > 1000
   printed = capsys.readouterr().out
-  assert "| posthoc_topk |" in printed and "Δ score" in printed
-  assert res["meta"]["summary"]["full"]["score"]["n"] == 1
-  # tests/test_notebook.py renders this finished smoke run instead of training its own when both
-  # run in one process (CI time); alone, or in another pytest-xdist worker, it trains one.
+  assert "| posthoc_oracle |" in printed and "Δ vs post-hoc oracle" in printed
+  merged = str(tmp_path / "merged")
+  assert C.main(["merge", out, "--out", merged]) == 0
+  with open(os.path.join(merged, "results.json")) as f:
+    m = json.load(f)
+  assert len(m["rows"]) == len(res["rows"])
+  assert os.path.exists(os.path.join(merged, "runs", "copy_L64", "full_s0", "analysis.npz"))
+  # the notebook test renders this finished run instead of training its own (same process)
   os.environ.setdefault("JATTN_COAD_RESULTS", out)
+
+
+def test_a_baseline_that_does_not_solve_the_task_stops_the_run(tmp_path, capsys):
+  out = str(tmp_path / "gate")
+  args = ["--preset", "plumbing", "--out", out, "--no-progress", "--variants", "full,sparse_ste",
+          "--set", "min_baseline_score=0.99", "--set", "steps=1"]
+  assert C.main(args) == 4
+  err = capsys.readouterr().err
+  assert "dense baseline scores" in err and "not solved" in err
+  assert not os.path.exists(os.path.join(out, "runs", "sparse_ste_s0", "result.json"))
 
 
 def _tiny(**kw):
@@ -226,7 +229,7 @@ def test_killed_run_resumes_from_last_periodic_checkpoint(tmp_path, monkeypatch)
     with pytest.raises(_Killed):
       C.train_run(ctx, "sparse_gumbel", 0, str(tmp_path / "b"), progress=False)
   assert saved == [2, 4]                                  # periodic only; nothing at the kill
-  assert sorted(os.listdir(tmp_path / "b" / "ckpt")) == ["4"]
+  assert sorted(os.listdir(tmp_path / "b" / "ckpt")) == ["2", "4"]   # two kept
   # a kill during a save leaves orbax's unfinalised temporary directory: the rerun ignores it
   os.makedirs(tmp_path / "b" / "ckpt" / "6.orbax-checkpoint-tmp-0" / "state")
   res, done = C.train_run(ctx, "sparse_gumbel", 0, str(tmp_path / "b"), progress=False)
@@ -315,7 +318,7 @@ def test_compute_dtype_reaches_the_attention_kernels(monkeypatch):
   monkeypatch.setattr(attn_mod, "flash_attention", spy)
   for compute, want in (("bfloat16", jnp.bfloat16), (None, jnp.float32)):
     seen.clear()
-    p = dataclasses.replace(C.PRESETS["smoke"], compute_dtype=compute)
+    p = dataclasses.replace(C.PRESETS["plumbing"], compute_dtype=compute)
     model = C.build_model(p, "full", 0)
     jax.eval_shape(lambda t: model(t), jnp.zeros((1, p.seq_len), jnp.int32))
     assert seen and all(d == (want,) * 3 for d in seen), (compute, seen)
@@ -328,8 +331,8 @@ def test_dry_run_preset_runs_the_pallas_kernels_in_interpret_mode(monkeypatch):
   import jax.numpy as jnp
   import jattn.attention as api
   from experiments import coadaptation as C
-  p = C.dry_run_preset(C.PRESETS["h200"])
-  base = C.PRESETS["h200"]
+  p = C.dry_run_preset(C.PRESETS["gpu8k"])
+  base = C.PRESETS["gpu8k"]
   assert (p.num_layers, p.d_model, p.head_dim, p.compute_dtype, p.block_size) == (
       base.num_layers, base.d_model, base.head_dim, base.compute_dtype, base.block_size)
   assert p.seq_len == 1024 and p.steps == 3 and p.interpret and p.implementation == "triton"
@@ -350,17 +353,17 @@ def test_dry_run_preset_runs_the_pallas_kernels_in_interpret_mode(monkeypatch):
 
 def test_override_preset_parses_by_field_type():
   from experiments import coadaptation as C
-  p = C.override_preset(C.PRESETS["h200"], ["lr=1e-3", "steps=120", "curriculum_ramp=0.5",
+  p = C.override_preset(C.PRESETS["gpu8k"], ["lr=1e-3", "steps=120", "curriculum_ramp=0.5",
                                             "compute_dtype=none", "corpus_bytes=1000"])
   assert (p.lr, p.steps, p.curriculum_ramp, p.compute_dtype, p.corpus_bytes) == (
       1e-3, 120, 0.5, None, 1000)
   for bad in (["nope=1"], ["steps"], ["steps=1.5"]):
     with pytest.raises(ValueError):
-      C.override_preset(C.PRESETS["h200"], bad)
+      C.override_preset(C.PRESETS["gpu8k"], bad)
 
 
-def test_sparse_aux_variant_same_forward_more_gradient():
-  """sparse_aux: every layer LayerSpec("sparse", score_aux_weight=w); the model computes exactly
+def test_sparse_distill_variant_same_forward_more_gradient():
+  """sparse_distill: every layer LayerSpec("sparse", score_aux_weight=w); the model computes exactly
   what sparse_none computes from the same weights, and only the q/k projections get an extra
   gradient (the score-distillation term); --set reaches its weight and gate."""
   import jax
@@ -368,13 +371,13 @@ def test_sparse_aux_variant_same_forward_more_gradient():
   from flax import nnx
   from jattn.nn import LayerSpec
   p = _tiny(seq_len=128, block_size=16, num_layers=1)
-  layers = C.variant_layers(p, "sparse_aux")
+  layers = C.variant_layers(p, "sparse_distill")
   assert all(s.kind == "sparse" and s.score_aux_weight == 1.0 and s.gate_grad == "none"
              and s.score_aux_pool == "max" for s in layers)
   q = C.override_preset(p, ["score_aux_weight=0.25", "aux_gate=ste", "aux_pool=sum"])
-  assert C.variant_layers(q, "sparse_aux")[0].score_aux_weight == 0.25
-  assert C.variant_layers(q, "sparse_aux")[0].score_aux_pool == "sum"
-  assert C.variant_layers(q, "sparse_aux")[0].gate_grad == C._gate_name("ste")
+  assert C.variant_layers(q, "sparse_distill")[0].score_aux_weight == 0.25
+  assert C.variant_layers(q, "sparse_distill")[0].score_aux_pool == "sum"
+  assert C.variant_layers(q, "sparse_distill")[0].gate_grad == C._gate_name("ste")
   assert all(s.score_aux_weight == 0.0 for s in C.variant_layers(p, "sparse_ste"))
   with pytest.raises(ValueError, match="score_aux_weight"):
     LayerSpec("global", score_aux_weight=1.0)
@@ -382,7 +385,7 @@ def test_sparse_aux_variant_same_forward_more_gradient():
     LayerSpec("sparse", top_k=1, score_aux_pool="mean")
   toks = jnp.asarray(np.random.default_rng(0).integers(0, 40, (2, 128)), jnp.int32)
   outs, grads = [], []
-  for v in ("sparse_none", "sparse_aux"):
+  for v in ("sparse_none", "sparse_distill"):
     gd, params, rest = nnx.split(C.build_model(p, v, 0), nnx.Param, ...)
 
     def loss(params):

@@ -1,10 +1,8 @@
 """Execute notebooks/sparsity_patterns.ipynb with nbclient so it cannot rot.
 
 The notebook reads a results directory from ``JATTN_COAD_RESULTS``. If that variable is set (CI
-can point it at an existing smoke run), the test uses it; otherwise it first runs the smoke preset
-with two steps and the three variants every cell needs (the full model, post-hoc top-k and one
-trained block-sparse variant; ~20 s instead of ~50 s for all seven on a CPU) into a temporary
-directory.
+can point it at an existing plumbing run), the test uses it; otherwise it first runs the
+plumbing-only preset with the four variants the cells need into a temporary directory.
 """
 import os
 
@@ -23,8 +21,8 @@ def _results_dir(tmp_path):
     return given
   from experiments import coadaptation as C
   out = str(tmp_path / "coad")
-  assert C.main(["--preset", "smoke", "--out", out, "--steps", "2", "--no-progress",
-                 "--variants", "full,posthoc_topk,sparse_none"]) == 0
+  assert C.main(["--preset", "plumbing", "--out", out, "--no-progress",
+                 "--variants", "full,posthoc_proxy,posthoc_oracle,sparse_ste"]) == 0
   return out
 
 
@@ -40,8 +38,8 @@ def test_sparsity_patterns_notebook_executes(tmp_path, monkeypatch):
   outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
   assert not [o for o in outputs if o.get("output_type") == "error"]
   images = [o for o in outputs if "image/png" in o.get("data", {})]
-  assert len(images) >= 4                       # heatmaps, selection, mass curve, per layer, curves
+  assert len(images) >= 4                       # picked query, mass curves, heatmaps, curves
   text = "".join(o.get("text", "") for o in outputs)
-  assert out in text and "posthoc_topk" in text
+  assert out in text and "posthoc_oracle" in text
   tables = [o for o in outputs if "text/markdown" in o.get("data", {})]
   assert tables and "| full |" in tables[0]["data"]["text/markdown"]
