@@ -295,6 +295,8 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
 
 def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, return_lse):
   problems = []
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    problems.append(f"dtype {q.dtype} (cuDNN runs bfloat16 and float16)")
   if segment_ids is not None:
     problems.append("segment ids (jax.nn's cuDNN path has none)")
   if logits_soft_cap is not None:

@@ -103,6 +103,8 @@ class Caps:
   lse: bool = True                 # return_lse
   causal_q_ne_kv: bool = True      # causal with q_len != kv_len (bottom-right)
   one_sided_window: bool = True    # a window side of None
+  ragged_d256: bool = True         # head_dim 256 with lengths not multiples of 64 (cuDNN on
+                                   # jax 0.11.2 refuses Q 1000 / KV 1111 there: seen on an H100)
 
   def unsupported(self, c: Case) -> str | None:
     """The option of ``c`` this implementation rejects (a word of its error), or None."""
@@ -122,6 +124,8 @@ class Caps:
       return "q_len != kv_len"
     if not self.one_sided_window and isinstance(c.window, tuple) and None in c.window:
       return "window"
+    if not self.ragged_d256 and d == 256 and (c.q_len % 64 or c.sk % 64):
+      return "sequence length"
     return None
 
 
@@ -131,7 +135,7 @@ CAPS = {
     "mosaic_tpu": Caps(),
     "mosaic_gpu": Caps(dtypes=(BF16, F16), head_dims=(64, 128, 256), head_dim_v=False),
     "cudnn": Caps(dtypes=(BF16, F16), segments=False, soft_cap=False, lse=False,
-                  causal_q_ne_kv=False, one_sided_window=False),
+                  causal_q_ne_kv=False, one_sided_window=False, ragged_d256=False),
 }
 
 
@@ -238,8 +242,8 @@ EXTRA = {
 }
 _ALL = ("xla", "triton", "mosaic_tpu", "mosaic_gpu", "cudnn")
 _REJECTED = [pytest.param(i, n, id=f"{i}-{n}",
-                          marks=[pytest.mark.gpu] if (i, CAPS[i].unsupported(c)) == (
-                              "cudnn", "dtype") else [])
+                          marks=[pytest.mark.gpu] if i == "cudnn" and CAPS[i].unsupported(c) in (
+                              "dtype", "sequence length") else [])
              for i in _ALL for n, c in {**CASES, **EXTRA}.items()
              if CAPS[i].unsupported(c) is not None]
 

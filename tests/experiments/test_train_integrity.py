@@ -106,7 +106,7 @@ def test_cli_refuses_an_existing_out_with_other_settings(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "lr" in err and out in err and "steps" not in err
   with pytest.raises(T.ConfigMismatchError, match="batch_size"):
-    C.bind_output_dir(out, C.override_preset(C.PRESETS["plumbing"], ["batch_size=4"]))
+    C.bind_output_dir(out, C.override_preset(C.PRESETS["plumbing"], ["batch_size=6"]))
   C.bind_output_dir(out, C.override_preset(C.PRESETS["plumbing"], ["seeds=5"]))   # not bound
 
 
