@@ -1,7 +1,7 @@
 """Shared test setup: GPU tests skip cleanly without a GPU; tests marked ``slow`` run only with
-``--run-slow``; hypothesis profile for CI; fast XLA compiles on CPU-only machines; jax's caches
-cleared before a worker runs out of memory maps; a test whose xdist worker crashes runs once
-more."""
+``--run-slow``; hypothesis profile for CI; fast XLA compiles (-O0 on CPU-only machines, no
+autotuning on a GPU); jax's caches cleared before a worker runs out of memory maps; a test whose
+xdist worker crashes runs once more."""
 import gc
 import os
 import shutil
@@ -18,10 +18,15 @@ def _no_nvidia_gpu():
 # differently where the LLVM backend would contract to FMA). Only without an NVIDIA GPU, so GPU
 # timings are untouched; set JATTN_TEST_XLA_OPT=1 to keep the default optimisation level. Must
 # run before jax's backend starts (conftest is imported before any test module).
-if _no_nvidia_gpu() and os.environ.get("JATTN_TEST_XLA_OPT") != "1":
-  _flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_backend_optimization_level" not in _flags:
+# On a GPU the tests' XLA programs (the fp32 references, the glue around the kernels) skip XLA's
+# GEMM/fusion autotuning: it times candidates on the GPU in every xdist worker at once, while the
+# tests check numerics only (the Pallas kernels and cuDNN are custom calls it never tunes).
+_flags = os.environ.get("XLA_FLAGS", "")
+if os.environ.get("JATTN_TEST_XLA_OPT") != "1":
+  if _no_nvidia_gpu() and "xla_backend_optimization_level" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0").strip()
+  elif not _no_nvidia_gpu() and "xla_gpu_autotune_level" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_gpu_autotune_level=0").strip()
 
 import jax  # noqa: E402
 import pytest

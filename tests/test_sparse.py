@@ -1710,7 +1710,7 @@ def test_gpu_selection_kernel_matches_lax_top_k(seq, top_k):
   got = jax.jit(functools.partial(sp.select_blocks, **kw))(q, k)
   by_sort = sp.selection._selected_lists_by_sort
   import unittest.mock as mock
-  with mock.patch.object(sp, "_selected_lists_by_mask",
+  with mock.patch.object(sp.selection, "_selected_lists_by_mask",
                          lambda *a, keep_fn, **kw: by_sort(*a, **kw)):
     want = jax.jit(functools.partial(sp.select_blocks, **kw))(q, k)
   assert "jattn_top_k_mask" in jax.jit(functools.partial(sp.select_blocks, **kw)).lower(
