@@ -226,6 +226,34 @@ def test_block_sparse_unselected_blocks(impl):
   _assert_unchanged(fn, q, k, v, dout, dlse, vis, poison)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_gate_gradients_unselected_blocks(impl):
+  """The gate gradient of a query block whose rows see no poisoned key stays the clean one
+  (document 1 poisoned; document 2's query blocks keep the block it shares with document 1)."""
+  from jattn.sparse.attention import _gated_attention, block_sparse_plan
+  q, k, v, dout, dlse = _inputs(1, 64, 64, 2, 1, 16, seed=9)
+  seg = jnp.asarray(_packed_segments(1, 64, (24, 40)))
+  sel = select_blocks(q, k, block_size=16, q_block_size=16, top_k=1, segment_ids=seg)
+  poison = np.asarray(seg) == 1
+  assert (np.asarray(sel.indices)[0, 0, 2:] == 1).any()   # a doc-2 query block keeps block 1
+  plan = block_sparse_plan(q, k, v, sel, segment_ids=seg, implementation=impl,
+                           interpret=impl != "xla")
+  gate = jnp.zeros(sel.indices.shape, jnp.float32)
+  good_blocks = np.arange(4) >= 2
+
+  @jax.jit
+  def dgate(k, v):
+    fn = lambda g: _gated_attention(q, k, v, g, sel, seg, seg, True, 0.25, plan,  # noqa: E731
+                                    impl != "xla")
+    _, vjp = jax.vjp(fn, gate)
+    return vjp((dout, dlse))[0]
+  clean = np.asarray(dgate(k, v))
+  for value in POISONS:
+    got = np.asarray(dgate(_poison(k, poison, value), _poison(v, poison, -value)))
+    np.testing.assert_array_equal(got[:, :, good_blocks], clean[:, :, good_blocks])
+    assert np.isnan(got[:, :, ~good_blocks]).any()
+
+
 # ---------------------------------------------------------------------- decode
 def _decode_fn(impl, paged, **kw):
   def fn(q, k, v, lens, table=None):
