@@ -3,9 +3,10 @@
 Masked keys never leak. In a tile whose keys some rows cannot see (a partial tile), a key's NaN
 or inf would meet p = 0 in ``P V`` (or dS = 0 in ``dS K``) and 0 * NaN would poison every row:
 ``hide_nonfinite_values`` zeroes such values and turns the key's logits NaN instead, so the
-rows that see it are NaN and the element mask drops it for the others; the backward zeroes
-non-finite K / V entries (``zero_nonfinite``) and selects p and dS to 0 at masked entries, where a
-NaN log-sum-exp row would otherwise give NaN. Tiles every row sees fully need none of this: a
+rows that see it are NaN and the element mask drops it for the others. The dQ kernel zeroes the
+streamed K / V tile's non-finite entries (``zero_nonfinite``; a row that sees one has a NaN
+log-sum-exp); the dK/dV kernel selects p and dS to 0 at masked entries (a NaN log-sum-exp or
+delta row, a NaN logit or dP of its own key). Tiles every row sees fully need none of this: a
 non-finite key there reaches every row, as it should.
 
 Flash kernels keep, per query row, a running max ``m`` of the base-2 logits and a running sum

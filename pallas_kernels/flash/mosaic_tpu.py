@@ -23,8 +23,8 @@ Kernels:
     orientation (``[bk, bq]`` tiles) so lse/delta are used as rows and no tile transposes are needed.
 
 Masked keys never leak (``common.softmax``): partial tiles hide non-finite K / V entries from the
-rows that cannot see them (the forward turns such a key's logits NaN; the backward zeroes them
-and selects p and dS to 0 at masked entries), and rows that see one are NaN.
+rows that cannot see them (the forward turns such a key's logits NaN, dQ zeroes them, dK/dV
+selects p and dS to 0 at masked entries), and rows that see one are NaN.
 
 fp16 inputs are computed in fp32 (TPUs have no fp16 matmul); fp32 inputs use fp32-precision
 matmuls (``Precision.HIGHEST``); bf16 uses the native MXU path with fp32 accumulation.
@@ -476,8 +476,6 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
     lse = lse_ref[...]                                    # [1, bq]
     di = di_ref[...]                                      # [1, bq]
     mask = None
-    if masked:   # non-finite entries -> 0 (rows that see them have a NaN lse)
-      k, v = zero_nonfinite(k), zero_nonfinite(v)
     s, t = _logits(_dot(k, q, NT_DIMS, prec), cfg)        # [bk, bq] (transposed tile)
     if masked:
       k_pos = ki * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
@@ -489,7 +487,7 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
         q_ids = q_seg_ref[0:1, :]                         # [1, bq]
       mask = _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg)
     p = jnp.exp(s - lse)                                  # [bk, bq]
-    if masked:   # p and dS are 0 where a row cannot see, even with a NaN lse / delta
+    if masked:   # p and dS are 0 where hidden, even with a NaN lse, delta or key
       p = jnp.where(mask, p, 0.0)
     dv_sc[...] += _dot(p.astype(do.dtype), do, NN_DIMS, prec)  # [bk, Dv]
     dp = _dot(v, do, NT_DIMS, prec)                       # [bk, bq]

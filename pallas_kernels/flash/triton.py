@@ -428,9 +428,8 @@ def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
   off = st.kv_len - st.q_len
 
   ki = pl.program_id(tile_axis)  # causal: kv tile 0 sees every query tile (heaviest first)
-  # Non-finite entries -> 0: rows that see such a key have a NaN log-sum-exp (p is NaN there).
-  k = softmax.zero_nonfinite(k_ref[...])  # [bk, D]
-  v = softmax.zero_nonfinite(v_ref[...])  # [bk, Dv]
+  k = k_ref[...]  # [bk, D]
+  v = v_ref[...]  # [bk, Dv]
   k_pos = ki * bk + lax.iota(jnp.int32, bk)  # [bk]
   k_seg = kseg_ref[...] if has_seg else None  # [bk]
 
@@ -452,14 +451,14 @@ def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
       mask_t = tile_t(mask_ref)
     s_t, vis_t = _bias_and_vis(s_t, tile_t(bias_ref), mask_t, vis_t)
     p_t = jnp.exp2(s_t - lse2[None, :])  # [bk, cq]
-    if vis_t is not None:  # a NaN log-sum-exp row: p = 0 where it cannot see
+    if vis_t is not None:  # p = 0 where hidden, even with a NaN lse row or a NaN key
       p_t = jnp.where(vis_t, p_t, 0.0)
     do = do_ref[pl.ds(start, cq), g, :]  # [cq, Dv]
     dv = dv + _dot_nn(p_t.astype(do.dtype), do)  # [bk, Dv]
     delta = delta_ref[g, pl.ds(start, cq)]  # [cq]
     dp_t = _dot_nt(v, do)  # [bk, cq]
     ds_t = p_t * (dp_t - delta[None, :])  # d loss / d capped logit
-    if vis_t is not None:  # ... and dS = 0 there (a NaN delta)
+    if vis_t is not None:  # ... and dS = 0 (a NaN delta or value there)
       ds_t = jnp.where(vis_t, ds_t, 0.0)
     if th_t is not None:
       ds_t = ds_t * (1.0 - th_t * th_t)
