@@ -332,6 +332,11 @@ def test_decode_hidden_keys(impl):
     got = fn(q, _poison(k, hidden, value), _poison(v, hidden, -value), lens)
     for g, c in zip(got, clean):
       np.testing.assert_array_equal(np.asarray(g), c)
+  seen = np.zeros((b, n), bool)
+  seen[0, 30] = True                                  # visible to sequence 0 only
+  out, _ = (np.asarray(x) for x in fn(q, k, _poison(v, seen, np.nan), lens))
+  assert np.isnan(out[0]).all()
+  np.testing.assert_array_equal(out[1], clean[0][1])
   # paged: 5 pages of 16 per sequence in a pool of 12; pages 10, 11 unused
   table = jnp.asarray([[3, 0, 7, 1, 9], [2, 8, 4, 6, 5]], jnp.int32)
   kp = jnp.asarray(rng.standard_normal((12, ps, hk, d)), jnp.float32)

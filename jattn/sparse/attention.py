@@ -112,7 +112,8 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
 
   Query i attends to key j iff j's block is kept for i's block in ``selection`` (for i's kv head)
   and the element mask allows it (causal, segment ids). Rows that see no key return 0 and -inf
-  log-sum-exp.
+  log-sum-exp. NaN or inf at a key a row cannot see (an unselected block included) changes
+  nothing for it, as in ``jattn.flash_attention``.
 
   Implementations: "xla" (``attention_reference`` with ``block_mask=selection.to_mask()``);
   "triton", "mosaic_tpu" and "mosaic_gpu" walk a ``make_schedule`` of the kept tiles, forward and
