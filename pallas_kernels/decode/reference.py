@@ -70,7 +70,7 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   prec = jax.lax.Precision.HIGHEST if upcast else None
   visible = _visible(kv_lengths, n, window)                       # [b, n]
   qf = q.astype(dt).reshape(b, hk, g, d)                          # [b, hk, g, d]
-  k = jnp.where(visible[:, :, None, None], k_cache.astype(dt), 0)  # hidden keys: 0 (dq stays finite)
+  k = jnp.where(visible[:, :, None, None], k_cache.astype(dt), 0)  # hidden: 0 (finite dq)
   s = jnp.einsum("bhgd,bnhd->bhgn", qf, k, precision=prec,
                  preferred_element_type=jnp.float32) * scale      # [b, hk, g, n]
   if logits_soft_cap is not None:

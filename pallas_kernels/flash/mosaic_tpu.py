@@ -242,9 +242,9 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
   def step(masked):
     q = q_ref[...]                                        # [bq, D]
     k = k_ref[...]                                        # [bk, D]
-    v = v_ref[...]                                        # [bk, Dv]
+    v = None
     if masked:   # a non-finite value: NaN logits (masked for the rows that cannot see it)
-      k, v = hide_nonfinite_values(k, v)
+      k, v = hide_nonfinite_values(k, v_ref[...])
     s, _ = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
     if masked:
       q_pos = (i * bq + (cfg.kv_len - cfg.q_len)
@@ -265,6 +265,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     alpha = jnp.exp(m_prev - m_next)                      # [bq, 128]
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_next
+    v = v_ref[...] if v is None else v                    # [bk, Dv]
     pv = _dot(p.astype(v.dtype), v, NN_DIMS, prec)        # [bq, Dv]
     acc_sc[...] = acc_sc[...] * _lane_tile(alpha, dv) + pv
 

@@ -336,9 +336,9 @@ def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int
     acc, m_prev, l_prev = carry  # [bq, Dv], [bq], [bq]
     start = pl.multiple_of(tile * bk, bk)
     k = k_ref[pl.ds(start, bk), :]  # [bk, D]
-    v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
+    v = None
     if masked:  # a non-finite value: NaN logits (masked for the rows that cannot see it)
-      k, v = softmax.hide_nonfinite_values(k, v)
+      k, v = softmax.hide_nonfinite_values(k, v_ref[pl.ds(start, bk), :])
     s, _ = _logits(q, k, st)  # [bq, bk], base-2 logits
     cols = pl.ds(start, bk)
     vis = mask = None
@@ -350,6 +350,8 @@ def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int
     s = _bias_and_mask(s, None if bias_ref is None else bias_ref[:, cols], mask, vis)
     # A row of a partial tile may still have seen nothing (-inf): guard_empty avoids NaN.
     p, alpha, m_new, l_new = softmax.online_softmax_step(s, m_prev, l_prev, guard_empty=masked)
+    if v is None:
+      v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
     acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)  # [bq, Dv]
     return acc, m_new, l_new
 
