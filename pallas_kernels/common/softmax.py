@@ -164,5 +164,5 @@ def hide_nonfinite_values(k, v):
     >>> k[:, 0].tolist(), v[:, 1].tolist()
     ([nan, 1.0], [0.0, 3.0])
   """
-  bad = jnp.sum((v * 0).astype(jnp.float32), axis=1)  # [N]: 0, or NaN at a non-finite value
-  return k + lax.broadcast_in_dim(bad.astype(k.dtype), k.shape, [0]), zero_nonfinite(v)
+  bad = jnp.sum((v * 0).astype(jnp.float32), axis=1, keepdims=True)  # [N, 1]: 0, or NaN
+  return k + bad.astype(k.dtype), zero_nonfinite(v)
