@@ -153,7 +153,7 @@ def test_flash_hidden_keys(impl, name):
 
 
 def test_flash_hidden_keys_mosaic_tpu():
-  """Two documents and padding across two 128-tiles (partial and full tiles)."""
+  """Two documents and padding across two 128-tiles (every tile partial)."""
   seg = _packed_segments(1, 256, (100, 120))
   vis = _visibility(256, 256, causal=True, seg=seg)
   q, k, v, dout, dlse = _inputs(1, 256, 256, 2, 1, 32, seed=3)
