@@ -319,6 +319,10 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
                     bias=None):
   """IO-aware multi-head attention (flash attention) with masks as block schedules.
 
+  Masked keys never leak: NaN or inf in k / v at a key a row cannot see leaves that row's output,
+  lse and gradients bit-identical; at a visible key the row is NaN (docs/flash.md: "mosaic_gpu"
+  lets a hidden non-finite v through its forward and k through its dQ).
+
   Args:
     q: [batch, q_len, q_heads, head_dim], fp32/bf16/fp16.
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA/MQA).

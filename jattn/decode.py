@@ -8,8 +8,10 @@ Implementations:
   * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU.
 
 Sequence b holds ``kv_lengths[b]`` valid keys and its query sits at ``kv_lengths[b] - 1``
-(lengths clamped to the capacity; length 0 gives zeros and lse -inf). Values may be narrower
-than keys (MLA). Forward only (the "xla" path is differentiable by autodiff).
+(lengths clamped to the capacity; length 0 gives zeros and lse -inf). Keys it cannot see
+(past the length, outside the window, unused pages) never leak: NaN or inf there changes
+nothing. Values may be narrower than keys (MLA). Forward only (the "xla" path is
+differentiable by autodiff).
 """
 from __future__ import annotations
 

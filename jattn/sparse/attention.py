@@ -112,7 +112,8 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
 
   Query i attends to key j iff j's block is kept for i's block in ``selection`` (for i's kv head)
   and the element mask allows it (causal, segment ids). Rows that see no key return 0 and -inf
-  log-sum-exp.
+  log-sum-exp. NaN or inf at a key a row cannot see (an unselected block included) changes
+  nothing for it, as in ``jattn.flash_attention``.
 
   Implementations: "xla" (``attention_reference`` with ``block_mask=selection.to_mask()``);
   "triton", "mosaic_tpu" and "mosaic_gpu" walk a ``make_schedule`` of the kept tiles, forward and
@@ -232,9 +233,9 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
       mask = mask & same[:, :, None]
     lt = jnp.transpose(lc, (0, 3, 4, 1, 2))[..., None, None]                # [b,hk,g,c,qbs,1,1]
     tt = jnp.transpose(tc, (0, 3, 4, 1, 2))[..., None, None]
-    mask = mask & jnp.isfinite(lt)
+    mask = mask & ~jnp.isneginf(lt)   # a NaN lse (a row that sees a NaN key) stays NaN
     p = jnp.where(mask, jnp.exp(jnp.where(mask, s - lt, 0.0)), 0.0)
-    ds = p * (dp - tt)
+    ds = jnp.where(mask, p * (dp - tt), 0.0)   # NaN values or delta at hidden keys: 0
     return jnp.sum(ds, axis=(2, 4, 6))                                      # [b, hk, c, ms]
 
   res = jax.lax.map(chunk, jnp.arange(nc))                                  # [nc, b, hk, c, ms]

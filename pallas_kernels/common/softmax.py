@@ -1,5 +1,14 @@
 """Online softmax in the base-2 domain, its finalisation, and the backward's per-row terms.
 
+Masked keys never leak. In a tile whose keys some rows cannot see (a partial tile), a key's NaN
+or inf would meet p = 0 in ``P V`` (or dS = 0 in ``dS K``) and 0 * NaN would poison every row:
+``hide_nonfinite_values`` zeroes such values and turns the key's logits NaN instead, so the
+rows that see it are NaN and the element mask drops it for the others. The dQ kernel zeroes the
+streamed K / V tile's non-finite entries (``zero_nonfinite``; a row that sees one has a NaN
+log-sum-exp); the dK/dV kernel selects p and dS to 0 at masked entries (a NaN log-sum-exp or
+delta row, a NaN logit or dP of its own key). Tiles every row sees fully need none of this: a
+non-finite key there reaches every row, as it should.
+
 Flash kernels keep, per query row, a running max ``m`` of the base-2 logits and a running sum
 ``l`` of ``exp2(logit - m)``; every new tile of logits rescales the accumulator by
 ``alpha = exp2(m_old - m_new)``. Working in base 2 lets ``log2(e)`` fold into the logit scale, so
@@ -18,7 +27,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LOG2E", "LN2", "online_softmax_step", "finalize", "delta_rows", "lse_base2"]
+__all__ = ["LOG2E", "LN2", "online_softmax_step", "finalize", "delta_rows", "lse_base2",
+           "zero_nonfinite", "hide_nonfinite_values"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -117,3 +127,42 @@ def lse_base2(lse):
     [0.0, inf]
   """
   return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+
+
+def zero_nonfinite(x):
+  """x with its non-finite entries replaced by 0 (``x * 0 == 0`` exactly for finite x).
+
+  Args:
+    x: a float array (a K or V tile).
+
+  Returns:
+    x where finite, else 0 (same shape and dtype).
+
+  Example:
+    >>> zero_nonfinite(jnp.array([1.0, jnp.inf, jnp.nan])).tolist()
+    [1.0, 0.0, 0.0]
+  """
+  return jnp.where(x * 0 == 0, x, jnp.zeros_like(x))
+
+
+def hide_nonfinite_values(k, v):
+  """The K / V tile of a partial tile: k with NaN rows at the keys whose value holds a
+  non-finite entry, and v with those entries 0.
+
+  Such a key's logits are NaN: the element mask turns them to -inf for the rows that cannot see
+  it, and the rows that see it get NaN (as without the guard); its value meets p = 0 only as 0.
+
+  Args:
+    k: [N, D] key tile.
+    v: [N, Dv] value tile.
+
+  Returns:
+    (k [N, D], v [N, Dv]), both unchanged where v is finite.
+
+  Example:
+    >>> k, v = hide_nonfinite_values(jnp.ones((2, 2)), jnp.array([[1.0, jnp.inf], [2.0, 3.0]]))
+    >>> k[:, 0].tolist(), v[:, 1].tolist()
+    ([nan, 1.0], [0.0, 3.0])
+  """
+  bad = jnp.sum((v * 0).astype(jnp.float32), axis=1, keepdims=True)  # [N, 1]: 0, or NaN
+  return k + bad.astype(k.dtype), zero_nonfinite(v)

@@ -120,7 +120,8 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
   def _compute():
     pos = blk * block_k + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)   # [1, bk]
     valid = (pos < length) & (pos >= lo)
-    valid_rows = blk * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0) < length
+    pos_rows = blk * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # [bk, 1]
+    valid_rows = (pos_rows < length) & (pos_rows >= lo)
     for h in range(kv_heads):
       q = q_ref[h]                                                               # [g_pad, D]
       k = head_tile(k_refs, h)                                                   # [bk, D]
@@ -136,7 +137,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
       l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
       m_ref[h] = m_new
       v = head_tile(v_refs, h)                                                   # [bk, Dv]
-      v = jnp.where(valid_rows, v, jnp.zeros_like(v))   # rows past the cache may hold garbage
+      v = jnp.where(valid_rows, v, jnp.zeros_like(v))   # hidden rows may hold NaN or garbage
       pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)               # [g_pad, Dv]
       acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv

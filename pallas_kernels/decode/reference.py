@@ -5,7 +5,9 @@ positions ``0 .. kv_lengths[b] - 1`` of its cache; its one query sits at positio
 ``kv_lengths[b] - 1``; with ``local_window_size=(left, right)`` it sees keys
 ``j >= kv_lengths[b] - 1 - left`` (the right side never matters: no key lies after the query).
 Lengths above the cache capacity are clamped to it. A sequence of length 0 returns a zero output
-and -inf log-sum-exp.
+and -inf log-sum-exp. Hidden keys (past the length, outside the window, unused cache slots and
+pages) never leak: NaN or inf there leaves the output and log-sum-exp bit-identical; a
+non-finite visible key reaches the output.
 
 This module is the ``implementation="xla"`` path of ``jattn.decode`` (``upcast=False``) and the
 fp32 reference of the tests (``upcast=True``). It materialises [batch, q_heads, max_len] logits.
@@ -68,7 +70,8 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   prec = jax.lax.Precision.HIGHEST if upcast else None
   visible = _visible(kv_lengths, n, window)                       # [b, n]
   qf = q.astype(dt).reshape(b, hk, g, d)                          # [b, hk, g, d]
-  s = jnp.einsum("bhgd,bnhd->bhgn", qf, k_cache.astype(dt), precision=prec,
+  k = jnp.where(visible[:, :, None, None], k_cache.astype(dt), 0)  # hidden: 0 (finite dq)
+  s = jnp.einsum("bhgd,bnhd->bhgn", qf, k, precision=prec,
                  preferred_element_type=jnp.float32) * scale      # [b, hk, g, n]
   if logits_soft_cap is not None:
     s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)

@@ -561,6 +561,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
       plgpu.barrier_wait(delta_loaded.at[slot])
       delta = compat.mosaic_gpu_load(delta_smem.at[slot], layout=col_layout)
       ds_t = _dscores(p_t, dp_t, delta, axis=1, cap_grad=cap_grad)
+      if masked and visible is not None:   # a NaN delta row or value: dS = 0 where hidden
+        ds_t = jnp.where(visible, ds_t, 0.0)
 
       def dv_dk_gemm(refs):                               # dV += P^T dO; dK += dS^T Q
         dv_ref, dk_ref = refs
@@ -781,6 +783,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
           visible = jnp.logical_and(visible, _seg_visible(q_seg, kv_seg, (bq, bk), 0))
         p = jnp.where(visible, p, 0.0)
       ds = _dscores(p, dp, delta, axis=0, cap_grad=cap_grad)
+      if masked:   # a NaN value (dP) or delta: dS = 0 where hidden
+        ds = jnp.where(visible, ds, 0.0)
 
       def dq_gemm(acc_ref):                               # dQ += dS K
         plgpu.wgmma(acc_ref, ds.astype(st.dtype), ks)

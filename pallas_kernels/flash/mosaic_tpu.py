@@ -22,6 +22,10 @@ Kernels:
     the whole group in VMEM and repeated K/V are never materialised. It computes in the transposed
     orientation (``[bk, bq]`` tiles) so lse/delta are used as rows and no tile transposes are needed.
 
+Masked keys never leak (``common.softmax``): partial tiles hide non-finite K / V entries from the
+rows that cannot see them (the forward turns such a key's logits NaN, dQ zeroes them, dK/dV
+selects p and dS to 0 at masked entries), and rows that see one are NaN.
+
 fp16 inputs are computed in fp32 (TPUs have no fp16 matmul); fp32 inputs use fp32-precision
 matmuls (``Precision.HIGHEST``); bf16 uses the native MXU path with fp32 accumulation.
 """
@@ -39,7 +43,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule
-from pallas_kernels.common.softmax import delta_rows
+from pallas_kernels.common.softmax import (
+  delta_rows,
+  hide_nonfinite_values,
+  zero_nonfinite,
+)
 from pallas_kernels.common.util import cdiv, round_up
 from pallas_kernels.masks import normalize_window, visible
 
@@ -234,6 +242,9 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
   def step(masked):
     q = q_ref[...]                                        # [bq, D]
     k = k_ref[...]                                        # [bk, D]
+    v = None
+    if masked:   # a non-finite value: NaN logits (masked for the rows that cannot see it)
+      k, v = hide_nonfinite_values(k, v_ref[...])
     s, _ = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
     if masked:
       q_pos = (i * bq + (cfg.kv_len - cfg.q_len)
@@ -254,7 +265,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     alpha = jnp.exp(m_prev - m_next)                      # [bq, 128]
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_next
-    v = v_ref[...]                                        # [bk, Dv]
+    v = v_ref[...] if v is None else v                    # [bk, Dv]
     pv = _dot(p.astype(v.dtype), v, NN_DIMS, prec)        # [bq, Dv]
     acc_sc[...] = acc_sc[...] * _lane_tile(alpha, dv) + pv
 
@@ -403,6 +414,8 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     do = do_ref[...]                                      # [bq, Dv]
     lse = jnp.expand_dims(lse_ref[0], -1)                 # [bq, 1]
     di = jnp.expand_dims(di_ref[0], -1)                   # [bq, 1]
+    if masked:   # non-finite entries -> 0 (rows that see them have a NaN lse)
+      k, v = zero_nonfinite(k), zero_nonfinite(v)
     s, t = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
     if masked:
       q_pos = (i * bq + (cfg.kv_len - cfg.q_len)
@@ -463,6 +476,7 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
     do = do_ref[...]                                      # [bq, Dv]
     lse = lse_ref[...]                                    # [1, bq]
     di = di_ref[...]                                      # [1, bq]
+    mask = None
     s, t = _logits(_dot(k, q, NT_DIMS, prec), cfg)        # [bk, bq] (transposed tile)
     if masked:
       k_pos = ki * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
@@ -472,11 +486,15 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
       if cfg.segmented:
         kv_ids = _lane_tile(kv_seg_ref[...], bq)          # [bk, bq]
         q_ids = q_seg_ref[0:1, :]                         # [1, bq]
-      s = jnp.where(_tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg), s, MASK_VALUE)
+      mask = _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg)
     p = jnp.exp(s - lse)                                  # [bk, bq]
+    if masked:   # p and dS are 0 where hidden, even with a NaN lse, delta or key
+      p = jnp.where(mask, p, 0.0)
     dv_sc[...] += _dot(p.astype(do.dtype), do, NN_DIMS, prec)  # [bk, Dv]
     dp = _dot(v, do, NT_DIMS, prec)                       # [bk, bq]
     ds = p * (dp - di)                                    # [bk, bq]
+    if masked:
+      ds = jnp.where(mask, ds, 0.0)
     if t is not None:
       ds = ds * (1.0 - t * t)
     dk_sc[...] += _dot(ds.astype(q.dtype), q, NN_DIMS, prec)  # [bk, D]
@@ -509,7 +527,8 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
   delta = delta_rows(out, dout, dlse)                      # [B, Hq, Sq] fp32
   # Rows that see no key have lse = -inf; any finite value works there since every logit of
   # such a row is masked (p = exp(MASK_VALUE - 0) = 0). Padded rows have dO = 0 and delta = 0.
-  lse_f = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  # A NaN lse (a row that sees a non-finite key) stays NaN.
+  lse_f = jnp.where(lse == -jnp.inf, 0.0, lse)
   pad = ((0, 0), (0, 0), (0, sq_pad - cfg.q_len))
   lse_rows = jnp.pad(lse_f, pad)[:, :, None, :]            # [B, Hq, 1, Sq_p]
   di_rows = jnp.pad(delta, pad)[:, :, None, :]             # [B, Hq, 1, Sq_p]

@@ -3,6 +3,10 @@
 It materialises the [q_len, kv_len] logits, so it is for tests and small problems (it is also
 the ``implementation="xla"`` path of ``jattn.flash_attention``). Differentiable by autodiff,
 including through the returned log-sum-exp, with zero gradients (never NaN) for empty rows.
+
+Masked keys never leak: a row's output, log-sum-exp and the gradients flowing through it depend
+only on the keys it sees, so NaN or inf in k or v at a hidden key changes nothing (bit for bit),
+while a non-finite value in a visible key's k or v makes the whole row NaN.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
   b, sq, hq, d = q.shape
   _, sk, hk, _ = k.shape
   g = hq // hk
+  k, v, bad_key = _hide_nonfinite_keys(k, v)  # bad_key [b, sk, hk]
   if scale is None:
     scale = 1.0 / (d ** 0.5)
   window = normalize_window(local_window_size)
@@ -57,6 +62,7 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
   s = s * scale  # [b, hk, g, sq, sk]
   if logits_soft_cap is not None:
     s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+  s = jnp.where(jnp.swapaxes(bad_key, 1, 2)[:, :, None, None], jnp.nan, s)  # rows seeing it: NaN
   q_pos = jnp.arange(sq) + (sk - sq)
   k_pos = jnp.arange(sk)
   if q_segment_ids is not None:
@@ -80,10 +86,19 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
   l = jnp.sum(p, axis=-1, keepdims=True)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", (p / l_safe).astype(dt), v.astype(dt), precision=prec)
+  w = jnp.where(mask, p / l_safe, 0.0)  # a NaN row's hidden keys get weight 0, not NaN
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", w.astype(dt), v.astype(dt), precision=prec)
   out = o.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype)
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [b, hk, g, sq]
   return out, lse.reshape(b, hq, sq).astype(jnp.float32)
+
+
+def _hide_nonfinite_keys(k, v):
+  """(k, v) zeroed at the keys holding a non-finite value in k or v, and bool [B, S, H] of those
+  keys (the caller turns their logits NaN before masking: the rows that see them are NaN)."""
+  bad = ~(jnp.isfinite(k).all(-1) & jnp.isfinite(v).all(-1))
+  return (jnp.where(bad[..., None], jnp.zeros((), k.dtype), k),
+          jnp.where(bad[..., None], jnp.zeros((), v.dtype), v), bad)
 
 
 def _per_kv_head(x, hq, hk):

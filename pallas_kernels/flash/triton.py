@@ -7,6 +7,8 @@ transposed schedule and the GQA group, and a dQ kernel per query tile; delta = r
 dLSE. ``flash_attention_bwd`` runs them on another forward's (out, lse).
 
 Sequences are padded to the tiles, head dims to a power of two; padded keys are masked.
+Masked keys never leak (``common.softmax``): partial tiles hide non-finite K / V entries from
+the rows that cannot see them, and rows that see one are NaN.
 """
 from __future__ import annotations
 
@@ -299,13 +301,19 @@ def _split_refs(refs, n_in, has):
   return refs[:n_in], segs, extra, rest[0], rest[1:]
 
 
-def _bias_and_mask(s, bias, mask, vis):
-  """Base-2 logits s [m, n] plus a bias tile (natural units; None: no bias), -inf where ``vis``
-  (None: everywhere visible) or a mask tile (int8; None: no mask) is false."""
+def _bias_and_vis(s, bias, mask, vis):
+  """(base-2 logits s [m, n] plus a bias tile (natural units; None: no bias), visibility:
+  ``vis`` and a mask tile (int8), None when both are None)."""
   if bias is not None:
     s = s + bias.astype(jnp.float32) * LOG2E
   if mask is not None:
     vis = mask != 0 if vis is None else vis & (mask != 0)
+  return s, vis
+
+
+def _bias_and_mask(s, bias, mask, vis):
+  """``_bias_and_vis``'s logits, -inf where not visible."""
+  s, vis = _bias_and_vis(s, bias, mask, vis)
   return s if vis is None else jnp.where(vis, s, _NEG_INF)
 
 
@@ -328,6 +336,9 @@ def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int
     acc, m_prev, l_prev = carry  # [bq, Dv], [bq], [bq]
     start = pl.multiple_of(tile * bk, bk)
     k = k_ref[pl.ds(start, bk), :]  # [bk, D]
+    v = None
+    if masked:  # a non-finite value: NaN logits (masked for the rows that cannot see it)
+      k, v = softmax.hide_nonfinite_values(k, v_ref[pl.ds(start, bk), :])
     s, _ = _logits(q, k, st)  # [bq, bk], base-2 logits
     cols = pl.ds(start, bk)
     vis = mask = None
@@ -339,7 +350,8 @@ def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int
     s = _bias_and_mask(s, None if bias_ref is None else bias_ref[:, cols], mask, vis)
     # A row of a partial tile may still have seen nothing (-inf): guard_empty avoids NaN.
     p, alpha, m_new, l_new = softmax.online_softmax_step(s, m_prev, l_prev, guard_empty=masked)
-    v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
+    if v is None:
+      v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
     acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)  # [bq, Dv]
     return acc, m_new, l_new
 
@@ -439,13 +451,17 @@ def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
       q_seg = qseg_ref[rows] if has_seg else None
       vis_t = _tile_mask(q_pos, k_pos, q_seg, k_seg, st, kv_major=True)  # [bk, cq]
       mask_t = tile_t(mask_ref)
-    s_t = _bias_and_mask(s_t, tile_t(bias_ref), mask_t, vis_t)
+    s_t, vis_t = _bias_and_vis(s_t, tile_t(bias_ref), mask_t, vis_t)
     p_t = jnp.exp2(s_t - lse2[None, :])  # [bk, cq]
+    if vis_t is not None:  # p = 0 where hidden, even with a NaN lse row or a NaN key
+      p_t = jnp.where(vis_t, p_t, 0.0)
     do = do_ref[pl.ds(start, cq), g, :]  # [cq, Dv]
     dv = dv + _dot_nn(p_t.astype(do.dtype), do)  # [bk, Dv]
     delta = delta_ref[g, pl.ds(start, cq)]  # [cq]
     dp_t = _dot_nt(v, do)  # [bk, cq]
     ds_t = p_t * (dp_t - delta[None, :])  # d loss / d capped logit
+    if vis_t is not None:  # ... and dS = 0 (a NaN delta or value there)
+      ds_t = jnp.where(vis_t, ds_t, 0.0)
     if th_t is not None:
       ds_t = ds_t * (1.0 - th_t * th_t)
     dk = dk + _dot_nn(ds_t.astype(q.dtype), q)  # [bk, D]
@@ -482,6 +498,8 @@ def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int)
     start = pl.multiple_of(tile * bk + c * ck, ck)
     k = k_ref[pl.ds(start, ck), :]  # [ck, D]
     v = v_ref[pl.ds(start, ck), :]  # [ck, Dv]
+    if masked:  # non-finite entries -> 0 (rows that see them have a NaN log-sum-exp)
+      k, v = softmax.zero_nonfinite(k), softmax.zero_nonfinite(v)
     s, th = _logits(q, k, st)  # [bq, ck]
     cols = pl.ds(start, ck)
     vis = mask = None

@@ -51,7 +51,7 @@ def _kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *
   do = plgpu.load(do_ref.at[b, rows[:, None], h, cols_v[None, :]])   # [block_q, dv_p]
   lse = plgpu.load(lse_ref.at[b, h, rows])                           # [block_q]
   delta = plgpu.load(delta_ref.at[b, h, rows])
-  row_ok = lse > -jnp.inf
+  row_ok = lse != -jnp.inf                    # a NaN lse (a row that sees a NaN key) stays NaN
   lse = jnp.where(row_ok, lse, 0.0)
   q_pos = rows + q_offset
   if segmented:
@@ -75,7 +75,7 @@ def _kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *
       mask = mask & (q_seg[:, None] == k_seg[None, :]) & (k_seg != 0)[None, :]
     p = jnp.where(mask, jnp.exp(jnp.where(mask, s - lse[:, None], 0.0)), 0.0)
     dp = plgpu.dot(do, v, trans_b=True, precision=precision)         # [block_q, block_k] fp32
-    ds = p * (dp - delta[:, None])
+    ds = jnp.where(mask, p * (dp - delta[:, None]), 0.0)   # NaN values or delta at hidden keys
     val = jnp.sum(jnp.sum(ds, axis=1), axis=0)
     return jnp.where(slot_ids == t, val, acc)
 
