@@ -2,6 +2,7 @@
 
   python -m experiments.bench --list                      # the cases and groups
   python -m experiments.bench --all                       # every case -> experiments/results/<device>.json
+  python -m experiments.bench --all --resume              # go on where a time limit stopped it
   python -m experiments.bench --case anchors --case decode_b1_s128k --out /tmp/a.json   # some
   python -m experiments.bench --write-docs experiments/results/h200.json   # docs/benchmarks.md, README
 
@@ -385,17 +386,21 @@ def decode_reference(q, k, v, lengths, keep=None):
     (1, 4, 8)
   """
   b, hq, d = q.shape
-  hk = k.shape[2]
-  qg = jnp.asarray(q, jnp.float32).reshape(b, hk, hq // hk, d)           # [b, hk, group, d]
-  s = jnp.einsum("bhgd,bnhd->bhgn", qg, jnp.asarray(k, jnp.float32),
-                 precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)     # [b, hk, group, n]
-  mask = jnp.arange(k.shape[1])[None, None, None, :] < lengths[:, None, None, None]
-  if keep is not None:
-    mask = mask & keep[:, :, None, :]
-  p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
-  out = jnp.einsum("bhgn,bnhd->bhgd", p, jnp.asarray(v, jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
-  return out.reshape(b, hq, d)
+  n, hk = k.shape[1], k.shape[2]
+  keep = jnp.ones((b, hk, n), bool) if keep is None else keep
+
+  def row(args):   # one sequence at a time: fp32 copies of one row's cache, never the batch's
+    qr, kr, vr, length, kp = args
+    qg = qr.astype(jnp.float32).reshape(hk, hq // hk, d)                    # [hk, group, d]
+    s = jnp.einsum("hgd,nhd->hgn", qg, kr.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) / math.sqrt(d)      # [hk, group, n]
+    mask = (jnp.arange(n)[None, None, :] < length) & kp[:, None, :]
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    out = jnp.einsum("hgn,nhd->hgd", p, vr.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(hq, d)
+
+  return jax.jit(lambda *a: jax.lax.map(row, a))(q, k, v, lengths, keep)
 
 
 def tile_mask(case, tile=128):
@@ -486,6 +491,7 @@ class Bench:
     self.command = command
     self.rows = []
     self.cases = []
+    self.started = None   # the first call's date when a run spans calls (``resume``)
     self._tokamax = _import_tokamax() if any(i.startswith("tokamax") for i in impls) else None
     if self._tokamax is None and any(i.startswith("tokamax") for i in impls):
       print("tokamax does not import: its rows are left out", flush=True)
@@ -597,11 +603,11 @@ class Bench:
     b, n, hq, hk, d = case.batch, case.seq, case.heads, case.kv_heads, case.head_dim
     lengths = jnp.array(case.lengths or [n] * b, jnp.int32)
     sets = []
-    for i, (q, k, v) in enumerate(random_sets([(b, hq, d), (b, n, hk, d), (b, n, hk, d)],
-                                              jnp.bfloat16,
+    shapes = [(b, hq, d), (b, n, hk, d), (b, n, hk, d)]
+    for i, (q, k, v) in enumerate(random_sets(shapes, jnp.bfloat16, num_sets=_num_sets(shapes),
                                               seed=zlib.crc32(case.shape.encode()))):
-      sets.append((q, k, v, lengths) + (_paginate(jax.random.key(100 + i), k, v, case.page_size)
-                                        if case.page_size else ()))
+      sets.append((q, k, v, lengths) + (_paginate(jax.random.key(100 + i), k, v, case.page_size,
+                                                  lengths) if case.page_size else ()))
     ref = decode_reference(*sets[0][:4])
     nbytes = float(jnp.sum(lengths)) * hk * d * 2 * 2   # K and V, bf16
     work = lambda ms: dict(tbps=nbytes / (ms * 1e-3) / 1e12)
@@ -684,7 +690,8 @@ class Bench:
     top_k = max(1, int(round(case.fraction * nb)) - 2)   # besides 1 initial + 1 local block
     lengths = jnp.full((b,), n, jnp.int32)
     sets = []
-    for q, k, v in random_sets([(b, hq, d), (b, n, hk, d), (b, n, hk, d)], jnp.bfloat16,
+    shapes = [(b, hq, d), (b, n, hk, d), (b, n, hk, d)]
+    for q, k, v in random_sets(shapes, jnp.bfloat16, num_sets=_num_sets(shapes),
                                seed=zlib.crc32(case.shape.encode())):
       sets.append((q, k, v, jattn.init_block_summaries(k, lengths, block_size=bs)))
     q, k, v, summ = sets[0]
@@ -762,8 +769,35 @@ class Bench:
                       **({} if f is None else {"overhead": ms / f})})
 
   # -- driver
+  def resume(self):
+    """Take the rows of the cases that ``<out>.partial`` finished (a run stopped by a time
+    limit); ``run`` then skips those cases. The last case the partial file names is run again
+    (it may have stopped midway). Returns the cases taken.
+
+    Raises:
+      ValueError: no partial file, or one written on another device or for other
+        implementations.
+    """
+    path = (self.out or "") + ".partial"
+    if not self.out or not os.path.exists(path):
+      raise ValueError(f"--resume: no partial results file {path!r}")
+    with open(path) as fh:
+      old = json.load(fh)
+    here = meta(self.impls, [], None, self._tokamax)
+    for key in ("device", "impls"):
+      if old["meta"].get(key) != here[key]:
+        raise ValueError(f"--resume: {path} has {key} {old['meta'].get(key)!r}, this run "
+                         f"{here[key]!r}")
+    done = old["meta"]["cases"][:-1]
+    self.cases = list(done)
+    self.rows = [r for r in old["rows"] if r["case"] in done]
+    self.started = old["meta"]["date"].split(" to ")[0]
+    return done
+
   def run(self, names, *, tiny=False):
     for name in names:
+      if name in self.cases:
+        continue
       case = CASES[name].tiny() if tiny else CASES[name]
       self.cases.append(name)
       print(f"[{name}] {case.shape}", flush=True)
@@ -783,7 +817,10 @@ class Bench:
     return result
 
   def result(self):
-    return {"meta": meta(self.impls, self.cases, self.command, self._tokamax), "rows": self.rows}
+    m = meta(self.impls, self.cases, self.command, self._tokamax)
+    if self.started:
+      m["date"] = f"{self.started} to {m['date']}"
+    return {"meta": m, "rows": self.rows}
 
   def _write(self, path):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -806,15 +843,26 @@ def _visible_blocks(seq, q_block, block):
   return int(((np.minimum((i + 1) * q_block, seq) - 1) // block + 1).sum())
 
 
-def _paginate(key, k, v, page_size):
-  """A shuffled page pool holding the contiguous caches: (k_pages, v_pages, page_table)."""
+def _num_sets(shapes, itemsize=2):
+  """Input sets a case rotates: 3 (so that no timed call reads inputs a previous call left in
+  the L2 cache) while they total at most 2 GiB each, else 1 (far larger than any cache; three
+  would not fit the largest serving batches in 80 GB)."""
+  return 3 if sum(math.prod(s) for s in shapes) * itemsize <= 2 ** 31 else 1
+
+
+def _paginate(key, k, v, page_size, lengths):
+  """A shuffled page pool holding the pages that cover each sequence's ``lengths`` (no more, as
+  a serving pool): (k_pages, v_pages, page_table); table entries past a sequence's pages are 0."""
   b, n, hk, d = k.shape
   pages = n // page_size
-  perm = jax.random.permutation(key, b * pages).astype(jnp.int32)
-  inv = jnp.argsort(perm)
-  k_pages = k.reshape(b * pages, page_size, hk, d)[inv]
-  v_pages = v.reshape(b * pages, page_size, hk, d)[inv]
-  return k_pages, v_pages, perm.reshape(b, pages)
+  used = -(-np.asarray(lengths) // page_size)
+  src = np.concatenate([i * pages + np.arange(u) for i, u in enumerate(used)]).astype(np.int32)
+  perm = np.asarray(jax.random.permutation(key, len(src)), np.int32)   # pool slot of src[t]
+  table = np.zeros((b, pages), np.int32)
+  table[np.repeat(np.arange(b), used), np.concatenate([np.arange(u) for u in used])] = perm
+  gather = jax.jit(lambda x, idx: x.reshape(b * pages, page_size, hk, d)[idx])
+  idx = jnp.asarray(src[np.argsort(perm)])
+  return gather(k, idx), gather(v, idx), jnp.asarray(table)
 
 
 def _import_tokamax():
@@ -884,7 +932,7 @@ def meta(impls, cases, command, tokamax=None):
       commit=os.environ.get("JATTN_COMMIT") or _git_commit(), command=command,
       cases=list(cases), impls=list(impls),
       timing="median of 3 host-timed loops of async calls (>= 5 calls, >= 0.1 s each) after one "
-             "warm-up call per input set, rotating 3 random bf16 input sets",
+             "warm-up call per input set, rotating 3 random bf16 input sets (1 set above 2 GiB)",
       work="flash: 4*B*H*D*visible pairs (fwd+bwd 3.5x); sparse: the same times the kept "
            "fraction; decode: K and V bytes read",
       check=f"rel_err vs an fp32 reference on one (batch row, head) slice; ok = rel_err < "
@@ -1053,6 +1101,10 @@ def _parser():
                  help="every case at CPU-test sizes (seq / 64, heads / 8); writes only to --out")
   p.add_argument("--interpret", action="store_true",
                  help="run the explicit jattn_* Pallas implementations in interpret mode (CPU)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue a run that a time limit stopped: keep the cases its "
+                      "<out>.partial file finished and run the rest (same cases, device and "
+                      "implementations)")
   return p
 
 
@@ -1087,6 +1139,11 @@ def main(argv=None):
     pass
   bench = Bench(impls, out=out, interpret=args.interpret,
                 command=" ".join(["python -m experiments.bench", *argv]))
+  if args.resume:
+    try:
+      print(f"resuming: {len(bench.resume())} cases taken from {out}.partial", flush=True)
+    except ValueError as e:
+      p.error(str(e))
   result = bench.run(names, tiny=args.tiny)
   print(summary(result))
   return 0

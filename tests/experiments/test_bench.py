@@ -285,3 +285,32 @@ def test_docs_are_generated_from_the_results_file(tmp_path, monkeypatch):
                                      f"{bench.README_END}\noutro\n")
   for key in ("device", "jax_version", "commit", "date"):
     assert str(result["meta"][key]) in page.read_text()
+
+
+def test_resume_runs_only_the_cases_a_stopped_run_left(tmp_path, monkeypatch, capsys):
+  """``--resume`` keeps the finished cases of ``<out>.partial``, reruns its last (possibly cut)
+  case and the rest, and refuses a partial file of other implementations."""
+  monkeypatch.setattr(bench, "time_fn", FAST)
+  out = str(tmp_path / "r.json")
+  cases = ["decode_b1_s128k", "decode_b8_s32k_paged", "decode_b8_s32k"]
+  stopped = bench.Bench(["jattn_xla"], out=out)
+  stopped.run(cases[:2], tiny=True)                  # what a killed run leaves behind:
+  os.rename(out, out + ".partial")                   # rows of the first two cases
+  first = [r for r in stopped.rows if r["case"] == cases[0]]
+  seen = []
+  monkeypatch.setattr(bench.Bench, "decode", lambda self, case: (
+      seen.append(case.name), bench.Bench.__dict__["_failed"](self, case, "jattn_xla",
+                                                                ValueError("x")))[0])
+  assert bench.main(["--tiny", "--case", ",".join(cases), "--impl", "jattn_xla", "--out", out,
+                     "--resume"]) == 0
+  assert seen == cases[1:]                           # the cut case again, then the new one
+  with open(out) as fh:
+    result = json.load(fh)
+  assert result["meta"]["cases"] == cases and " to " in result["meta"]["date"]
+  assert [r for r in result["rows"] if r["case"] == cases[0]] == first
+  assert not os.path.exists(out + ".partial")
+  stopped.run(cases[:1], tiny=True)
+  os.rename(out, out + ".partial")
+  with pytest.raises(SystemExit) as e:
+    bench.main(["--tiny", "--case", "decode", "--impl", "jax_nn_xla", "--out", out, "--resume"])
+  assert e.value.code == 2 and "impls" in capsys.readouterr().err
