@@ -15,6 +15,7 @@ import numpy as np
 
 from jattn._validate import check_qkv, check_segments
 from pallas_kernels.block_schedule import compact_true
+from pallas_kernels.common.util import cdiv
 from pallas_kernels.sparse import topk as topk_kernel
 
 __all__ = ["BlockSelection", "block_scores", "select_blocks"]
@@ -23,10 +24,6 @@ __all__ = ["BlockSelection", "block_scores", "select_blocks"]
 _HIGHEST = jax.lax.Precision.HIGHEST
 _INT_MAX = np.iinfo(np.int32).max
 _INT_MIN = np.iinfo(np.int32).min
-
-
-def cdiv(a, b):
-  return -(-a // b)
 
 
 # ----------------------------------------------------------------------------- BlockSelection

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
+from pallas_kernels.common.util import next_pow2
 
 # The documented API; the in-kernel merge pieces serve the decode kernels.
 __all__ = ["merge_partials", "merge", "merge_partials_pallas", "merge_partials_by_row"]
@@ -135,8 +136,6 @@ def merge_partials_by_row(outs, lses, rows, num_rows):
 
 
 # ----------------------------------------------------------------------------- Pallas (Triton)
-def _pow2(n):
-  return max(16, pl.next_power_of_2(int(n)))
 
 
 def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad):
@@ -146,7 +145,7 @@ def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad):
 
   Refs: o [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32 (S = ``num_splits``).
   """
-  srows = jnp.arange(_pow2(num_splits), dtype=jnp.int32)             # [s_pad]
+  srows = jnp.arange(next_pow2(num_splits, minimum=16), dtype=jnp.int32)             # [s_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
   s_ok = srows < num_splits
   lse = plgpu.load(lse_ref.at[b, srows, hh], mask=s_ok, other=-jnp.inf)   # [s_pad]
@@ -209,7 +208,7 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False):
   if lses.shape != (bsz, ns, hq):
     raise ValueError(f"lses must be {(bsz, ns, hq)}, got {lses.shape}")
   out_dtype = outs.dtype if out_dtype is None else jnp.dtype(out_dtype)
-  kernel = functools.partial(_merge_kernel, num_splits=ns, head_dim=d, d_pad=_pow2(d))
+  kernel = functools.partial(_merge_kernel, num_splits=ns, head_dim=d, d_pad=next_pow2(d, minimum=16))
   return pl.pallas_call(
       kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
                          jax.ShapeDtypeStruct((bsz, hq), jnp.float32)],

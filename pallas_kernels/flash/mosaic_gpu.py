@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
 from pallas_kernels import compat
+from pallas_kernels.common.util import check_segment_ids, pad_axis
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
-from pallas_kernels.common.util import check_segment_ids
 
 __all__ = ["BlockSizes", "PROTOCOLS", "default_block_sizes", "fit_block_sizes",
            "fit_tail_kv_splits", "flash_attention"]
@@ -232,7 +233,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
   bs = block_sizes or default_block_sizes(d, dtype)
   if d not in HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got {d}")
-  from pallas_kernels.flash import mosaic_gpu_bwd   # light: no kernel is built here
+  from pallas_kernels.flash import mosaic_gpu_bwd  # light: no kernel is built here
   backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward
   if backward == "mosaic":
     if bwd_block_sizes is not None and not isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes):
@@ -271,33 +272,25 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
           schedule=schedule))
 
 
-def _pad_axis(x, axis, size):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
 def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
   """Unpadded q, k, v (segment ids or None, a BlockSchedule or None) -> (out [B, Sq, Hq, D],
   lse [B, Hq, Sq] natural log): pads to whole tiles, runs the kernel (``fk.fwd_call``) and slices
   the padding away."""
   sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
   sk_pad = st.num_kv_tiles * st.block_k
-  q_p = _pad_axis(q, 1, sq_pad)
-  k_p = _pad_axis(k, 1, sk_pad)
-  v_p = _pad_axis(v, 1, sk_pad)
+  q_p = pad_axis(q, 1, sq_pad)
+  k_p = pad_axis(k, 1, sk_pad)
+  v_p = pad_axis(v, 1, sk_pad)
   if st.has_sched:
     q_seg_p = kv_seg_p = None
     if st.has_seg:
-      q_seg_p = _pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)    # padding: segment 0
-      kv_seg_p = _pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
+      q_seg_p = pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)    # padding: segment 0
+      kv_seg_p = pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
     walk = fk.schedule_walk(schedule, st, q_seg_p, kv_seg_p)
     out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p, walk_rows=walk)
   elif st.has_seg:
-    q_seg_p = _pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)      # padding: segment 0
-    kv_seg_p = _pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
+    q_seg_p = pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)      # padding: segment 0
+    kv_seg_p = pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
     out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p,
                            fk.seg_bounds(q_seg_p, kv_seg_p, st))
   else:
@@ -334,7 +327,9 @@ def _forward_bwd(st, res, cts):
   ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``.
   lse is the natural-log log-sum-exp over unpadded keys, -inf for rows that see no key.
   """
-  from pallas_kernels.flash import triton as flash_triton  # local: the forward alone needs none
+  from pallas_kernels.flash import (
+    triton as flash_triton,  # local: the forward alone needs none
+  )
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
   d_out, d_lse = cts
   if st.backward == "mosaic":

@@ -18,8 +18,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
 from pallas_kernels import compat
 from pallas_kernels.common import walk
+from pallas_kernels.common.util import pad_axis
 
 # The documented API; the checks serve the forward's wrapper.
 __all__ = ["BlockSizes", "default_block_sizes", "call_block_sizes", "fit_block_sizes",
@@ -890,14 +892,6 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
   return call(q, k, v, do, lse2, delta, *(seg or ()))
 
 
-def _pad_axis(x, axis, size, value=0.0):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
-
-
 def _prepare(out, lse, do, d_lse, st: _Static):
   """(lse2, delta) [B, Hq, Sq'] fp32, padded: lse2 = lse * log2(e) with -inf (rows that see no
   key) and padded rows +inf; delta = rowsum(dO * O) - d_lse, padded rows 0."""
@@ -906,7 +900,7 @@ def _prepare(out, lse, do, d_lse, st: _Static):
     delta = delta - d_lse.astype(jnp.float32)
   lse = lse.astype(jnp.float32)
   lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
-  return _pad_axis(lse2, 2, st.q_pad, jnp.inf), _pad_axis(delta, 2, st.q_pad)
+  return pad_axis(lse2, 2, st.q_pad, jnp.inf), pad_axis(delta, 2, st.q_pad)
 
 
 def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
@@ -980,13 +974,13 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
                       logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None,
                       schedule=schedule)
   lse2, delta = _prepare(out, lse, do, d_lse, st)
-  q_p, do_p = _pad_axis(q, 1, st.q_pad), _pad_axis(do, 1, st.q_pad)
-  k_p, v_p = _pad_axis(k, 1, st.kv_pad), _pad_axis(v, 1, st.kv_pad)
+  q_p, do_p = pad_axis(q, 1, st.q_pad), pad_axis(do, 1, st.q_pad)
+  k_p, v_p = pad_axis(k, 1, st.kv_pad), pad_axis(v, 1, st.kv_pad)
   seg_dq = seg_dkv = None
   q_seg = kv_seg = None
   if st.has_seg:   # padding gets id 0 (sees nothing)
-    q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, st.q_pad, 0)
-    kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, st.kv_pad, 0)
+    q_seg = pad_axis(q_segment_ids.astype(jnp.int32), 1, st.q_pad, 0)
+    kv_seg = pad_axis(kv_segment_ids.astype(jnp.int32), 1, st.kv_pad, 0)
   if st.has_sched:
     dq_walk, dkv_walk = _sched_walks(schedule, st, q_seg, kv_seg)
     ids = (q_seg, kv_seg) if st.has_seg else ()

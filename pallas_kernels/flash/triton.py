@@ -126,7 +126,7 @@ def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) ->
   # the cache key is the resolved kind (never None: a test that swaps tuning.device_kind must
   # not leave its table cached for this machine's calls)
   from pallas_kernels import tuning
-  return _tuned_block_sizes(max(32, _pow2(head_dim)), itemsize, tuning.resolve_kind(device_kind))
+  return _tuned_block_sizes(max(32, next_pow2(head_dim, minimum=16)), itemsize, tuning.resolve_kind(device_kind))
 
 
 def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None,
@@ -157,11 +157,6 @@ def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None
   return BlockSizes(block_q, block_k, num_warps=num_warps, num_stages=num_stages,
                     bwd_num_warps=bwd[0], bwd_num_stages=bwd[1], dkv_q_chunk=bwd[2],
                     dq_k_chunk=bwd[3], bwd_block_q=bwd_block_q, bwd_block_k=bwd_block_k)
-
-
-def _pow2(n: int) -> int:
-  """Triton block extent of a head dim: a power of two >= 16."""
-  return next_pow2(n, minimum=16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -762,7 +757,7 @@ def _check_schedule(what, sch, b, sq, sk, hk):
 
 def _pad_inputs(q, k, v, q_seg, kv_seg, sq_p, sk_p):
   """Pad sequences to (sq_p, sk_p) and head dims to Triton's powers of two."""
-  d_p, dv_p = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+  d_p, dv_p = next_pow2(q.shape[-1], minimum=16), next_pow2(v.shape[-1], minimum=16)
   qp = pad_axis(pad_axis(q, 1, sq_p), 3, d_p)
   kp = pad_axis(pad_axis(k, 1, sk_p), 3, d_p)
   vp = pad_axis(pad_axis(v, 1, sk_p), 3, dv_p)
@@ -776,7 +771,7 @@ def _statics(bs: BlockSizes, q, v, *, causal, window, scale, soft_cap, interpret
   """(forward, backward) ``_Static``s of a call: ``bs``'s values, defaults for its None fields."""
   bq, bk = bs.block_q, bs.block_k
   bbq, bbk = bs.bwd_tiles
-  defaults = _launch_defaults(bq, bk, _pow2(q.shape[-1]), _pow2(v.shape[-1]), q.dtype,
+  defaults = _launch_defaults(bq, bk, next_pow2(q.shape[-1], minimum=16), next_pow2(v.shape[-1], minimum=16), q.dtype,
                               bwd_block_q=bbq, bwd_block_k=bbk)
   dkv_q_chunk = min(bs.dkv_q_chunk or defaults.dkv_q_chunk, dkv_block_q)
   dq_k_chunk = min(bs.dq_k_chunk or defaults.dq_k_chunk, bbk)

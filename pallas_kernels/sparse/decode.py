@@ -19,6 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
 from pallas_kernels.common.merge import merge_partials_pallas, store_merged_heads
+from pallas_kernels.common.util import next_pow2
 from pallas_kernels.decode.triton import load_group_query
 
 # The documented API; the length helpers serve the selection kernels.
@@ -26,10 +27,6 @@ __all__ = ["sparse_decode", "sparse_decode_partials", "default_num_splits"]
 
 NUM_WARPS = 4
 NUM_STAGES = 3
-
-
-def _pow2(n):
-  return max(16, pl.next_power_of_2(int(n)))
 
 
 def length_row(b, lengths_group):
@@ -108,7 +105,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     end = jnp.where(plgpu.load(act_ref.at[b, split, h]) != 0, end, begin)
 
   if prefetch_ids:                       # the split's <= ids_pad ids, before the loop
-    ids_pad = _pow2(_split_share(num_slots, num_splits, bps))
+    ids_pad = next_pow2(_split_share(num_slots, num_splits, bps), minimum=16)
     ar = jnp.arange(ids_pad, dtype=jnp.int32)
     own = ar < end - begin
     ids_vec = plgpu.load(idx_ref.at[b, h, jnp.minimum(begin + ar, num_slots - 1)], mask=own,
@@ -331,8 +328,8 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
   if scale is None:
     scale = 1.0 / math.sqrt(d)
   kernel = functools.partial(
-      _kernel, scale=float(scale), block=block_size, group=group, g_pad=_pow2(group),
-      head_dim=d, d_pad=_pow2(d), head_dim_v=dv, dv_pad=_pow2(dv), num_splits=int(num_splits),
+      _kernel, scale=float(scale), block=block_size, group=group, g_pad=next_pow2(group, minimum=16),
+      head_dim=d, d_pad=next_pow2(d, minimum=16), head_dim_v=dv, dv_pad=next_pow2(dv, minimum=16), num_splits=int(num_splits),
       num_slots=indices.shape[-1], capacity=capacity, paged=paged, merge=merge,
       split_stride=int(split_stride), blocks_per_step=int(blocks_per_step),
       prefetch_ids=bool(prefetch_ids), len_group=int(lengths_group), unified=m_hat is not None,

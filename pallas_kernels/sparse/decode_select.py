@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
+from pallas_kernels.common.util import next_pow2
 from pallas_kernels.decode.triton import load_group_query
 from pallas_kernels.sparse.decode import check_lengths, length_row
 from pallas_kernels.sparse.topk import INT_MIN, bit_search, total_order_key
@@ -29,10 +30,6 @@ __all__ = ["decode_block_scores", "select_decode_slots", "score_select_decode_sl
 
 _NEG_INF_KEY = -2139095041           # total_order_key(-inf): 0xff800000 ^ 0x7fffffff
 SCORE_CHUNK = 64                     # blocks per score tile ([64, head_dim] fp32 key sums)
-
-
-def _pow2(n):
-  return max(16, pl.next_power_of_2(int(n)))
 
 
 def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
@@ -102,13 +99,13 @@ def _check_score_inputs(q, sums):
   """Checks q [batch, q_heads, head_dim] against the block sums.
 
   Returns (batch, kv_heads, num_blocks, head_dim, group, chunk): chunk, the blocks per score
-  tile, is ``SCORE_CHUNK`` clipped to ``_pow2(num_blocks)``.
+  tile, is ``SCORE_CHUNK`` clipped to ``next_pow2(num_blocks, minimum=16)``.
   """
   bsz, hq, d = q.shape
   _, nb, hk, ds = sums.shape
   if ds != d or hq % hk or sums.shape[0] != bsz:
     raise ValueError(f"q {q.shape} does not match the block sums {sums.shape}")
-  return bsz, hk, nb, d, hq // hk, min(SCORE_CHUNK, _pow2(nb))
+  return bsz, hk, nb, d, hq // hk, min(SCORE_CHUNK, next_pow2(nb, minimum=16))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "interpret", "lengths_group"))
@@ -137,7 +134,7 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False
   bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums)
   check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
   kernel = functools.partial(_score_kernel, block=int(block_size), chunk=chunk, group=group,
-                             g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d), num_blocks=nb,
+                             g_pad=next_pow2(group, minimum=16), head_dim=d, d_pad=next_pow2(d, minimum=16), num_blocks=nb,
                              len_group=int(lengths_group))
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
@@ -218,7 +215,7 @@ def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, 
                       lengths_group):
   """(num_warps, static keywords of ``_select_body``). Warps grow with the blocks: 4, 8 from
   2048 blocks (faster than 4 or 16 there), at most 16."""
-  nb_pad = _pow2(nb)
+  nb_pad = next_pow2(nb, minimum=16)
   num_warps = int(min(16, max(8 if nb_pad >= 2048 else 4, nb_pad // 512)))
   sel = dict(block=int(block_size), num_blocks=nb, nb_pad=nb_pad,
              num_init=int(num_init_blocks), num_local=int(num_local_blocks),
@@ -353,7 +350,7 @@ def default_score_splits(batch, kv_heads, num_blocks, *, core_count=None, progra
   """
   cores = compat.gpu_core_count() if core_count is None else int(core_count)
   want = -(-int(programs_per_core) * cores // max(1, batch * kv_heads))
-  n_chunks = -(-int(num_blocks) // min(SCORE_CHUNK, _pow2(num_blocks)))
+  n_chunks = -(-int(num_blocks) // min(SCORE_CHUNK, next_pow2(num_blocks, minimum=16)))
   return int(max(1, min(want, n_chunks)))
 
 
@@ -413,7 +410,7 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, lengths_group)
   kernel = functools.partial(_score_select_kernel, chunk=chunk, group=group,
-                             g_pad=_pow2(group), head_dim=d, d_pad=_pow2(d),
+                             g_pad=next_pow2(group, minimum=16), head_dim=d, d_pad=next_pow2(d, minimum=16),
                              score_splits=splits, chunks_per_split=per_split,
                              split_stride=int(_split_stride), **sel)
   args = [summary_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32), q,

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
+from pallas_kernels.common.util import next_pow2, pad_axis
 
 __all__ = ["tile_logit_grads"]
 
@@ -83,16 +84,6 @@ def _kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *
   plgpu.store(o_ref.at[b, h, i, slot_ids], acc)
 
 
-def _pow2(n):
-  return max(16, pl.next_power_of_2(int(n)))
-
-
-def _pad(x, axis, size):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
-
-
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "causal", "scale",
                                              "num_warps", "num_stages", "interpret"))
 def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_ids=None,
@@ -142,19 +133,19 @@ def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_i
                      f"nq={nq}; got {indices.shape}, {counts.shape}")
   f32 = jnp.float32
   delta = jnp.einsum("bshd,bshd->bhs", dout.astype(f32), out.astype(f32)) - dlse.astype(f32)
-  qp = _pad(_pad(q, 1, nq * block_q), 3, _pow2(d))
-  kp = _pad(_pad(k, 1, nk * block_k), 3, _pow2(d))
-  vp = _pad(_pad(v, 1, nk * block_k), 3, _pow2(dv))
-  dop = _pad(_pad(dout.astype(q.dtype), 1, nq * block_q), 3, _pow2(dv))
+  qp = pad_axis(pad_axis(q, 1, nq * block_q), 3, next_pow2(d, minimum=16))
+  kp = pad_axis(pad_axis(k, 1, nk * block_k), 3, next_pow2(d, minimum=16))
+  vp = pad_axis(pad_axis(v, 1, nk * block_k), 3, next_pow2(dv, minimum=16))
+  dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, nq * block_q), 3, next_pow2(dv, minimum=16))
   lsep = jnp.pad(lse.astype(f32), ((0, 0), (0, 0), (0, nq * block_q - sq)),
                  constant_values=-jnp.inf)
-  deltap = _pad(delta, 2, nq * block_q)
+  deltap = pad_axis(delta, 2, nq * block_q)
   args = [indices.astype(jnp.int32), counts.astype(jnp.int32), qp, kp, vp, dop, lsep, deltap]
   segmented = q_segment_ids is not None
   if segmented:
-    args += [_pad(q_segment_ids.astype(jnp.int32), 1, nq * block_q),
-             _pad(kv_segment_ids.astype(jnp.int32), 1, nk * block_k)]
-  slots_pad = _pow2(m)
+    args += [pad_axis(q_segment_ids.astype(jnp.int32), 1, nq * block_q),
+             pad_axis(kv_segment_ids.astype(jnp.int32), 1, nk * block_k)]
+  slots_pad = next_pow2(m, minimum=16)
   kernel = functools.partial(_kernel, scale=float(scale), block_q=block_q, block_k=block_k,
                              group=group, kv_len=sk, q_offset=sk - sq, causal=bool(causal),
                              segmented=segmented, slots_pad=slots_pad)
