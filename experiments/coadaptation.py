@@ -995,7 +995,8 @@ def aggregate(rows):
         if vals:
           ci = paired_bootstrap(vals, [0.0] * len(vals))
           agg[m] = {"mean": ci["diff"], "lo": ci["lo"], "hi": ci["hi"], "n": ci["n"]}
-      for ref in ("full", *POSTHOC):
+      refs = ("full", *POSTHOC) + (("local_global_rope",) if v == "local_global_nope" else ())
+      for ref in refs:
         if ref == v or not by[ref]:
           continue
         diffs = {}
@@ -1085,6 +1086,89 @@ def verdicts(agg, min_baseline_score=0.9):
         out.append(f"{head} {a['variant']} - {ref}: {100 * d['diff']:+.1f} pts "
                    f"[{100 * d['lo']:.1f}, {100 * d['hi']:.1f}] ({sig}, n={d['n']}).")
   return out
+
+
+# The source's claims, each with the measurement that tests it: (claim, variants measured (the
+# best-scoring one is reported), metric, reference, the claimed band in the metric's units).
+CLAIMS = (
+    ("post-hoc top-K at 81% sparsity costs 2.5-5 pts", ("posthoc_proxy",), "score", "full",
+     (-5.0, -2.5)),
+    ("trained top-K at 81% sparsity costs ~0.5 pts", SPARSE_VARIANTS, "score", "full",
+     (-1.0, 0.0)),
+    ("the top 19% of blocks hold ~60% of a dense model's mass", ("full",), "concentration",
+     None, (0.5, 0.7)),
+    ("after sparse training the top 19% hold >95% of the mass", SPARSE_VARIANTS,
+     "concentration", None, (0.95, 1.0)),
+    ("local/global 5:1 (~83% sparse) costs 0.3-0.8 pts", ("local_global_nope",), "score", "full",
+     (-0.8, -0.3)),
+    ("NoPE global layers are at least as good as RoPE ones", ("local_global_nope",), "score",
+     "local_global_rope", (0.0, math.inf)),
+    ("CSA (~90% sparse) costs 0.5-1.0 pts", ("csa", "csa_two_stage"), "score", "full",
+     (-1.0, -0.5)),
+)
+
+
+def claim_verdicts(agg, max_width=10.0):
+  """Each of the source's claims (``CLAIMS``) against one (task, length) cell: the measured value
+  with its 95% interval and a verdict. "reproduced": the interval meets the claimed band;
+  "contradicted": it lies wholly outside (the side is named: a larger or smaller loss for
+  scores, lower or higher for mass shares); "inconclusive": it meets the band
+  but is wider than ``max_width`` points (scores; 0.1 for mass shares); "untested at this
+  scale": the cell lacks the variant.
+
+  Returns:
+    list of dicts "task", "seq_len", "n", "claim", "variant", "measured", "verdict".
+
+  Example:
+    >>> a = [{"task": "copy", "seq_len": 64, "variant": "full", "n": 3,
+    ...       "concentration": {"mean": 0.43, "lo": 0.38, "hi": 0.48, "n": 3}}]
+    >>> [v["verdict"] for v in claim_verdicts(a)][2]
+    'contradicted (lower)'
+  """
+  out = []
+  for task, L in sorted({(a["task"], a["seq_len"]) for a in agg}):
+    cell = {a["variant"]: a for a in agg if (a["task"], a["seq_len"]) == (task, L)}
+    for claim, variants, metric, ref, (lo_c, hi_c) in CLAIMS:
+      scale = 100.0 if metric == "score" else 1.0
+      found = []
+      for v in variants:
+        d = cell.get(v, {}).get(f"diff_vs_{ref}" if ref else metric)
+        d = d.get(metric) if (ref and d) else d
+        if d:
+          found.append((v, d.get("diff", d.get("mean")) * scale, d["lo"] * scale,
+                        d["hi"] * scale, d["n"]))
+      row = {"task": task, "seq_len": L, "claim": claim, "variant": "-", "n": 0,
+             "measured": "-", "verdict": "untested at this scale"}
+      if found:
+        v, m, lo, hi, n = max(found, key=lambda f: f[1])
+        nd = 1 if metric == "score" else 3
+        unit = " pts" if metric == "score" else ""
+        row.update(variant=v, n=n, measured=f"{m:+.{nd}f}{unit} [{lo:.{nd}f}, {hi:.{nd}f}]"
+                   if ref else f"{m:.{nd}f} [{lo:.{nd}f}, {hi:.{nd}f}]")
+        worse, better = ("a larger loss", "a smaller loss") if metric == "score" else (
+            "lower", "higher")
+        if hi < lo_c:
+          row["verdict"] = f"contradicted ({worse})"
+        elif lo > hi_c:
+          row["verdict"] = f"contradicted ({better})"
+        elif hi - lo > (max_width if metric == "score" else max_width / 100):
+          row["verdict"] = "inconclusive (interval too wide)"
+        else:
+          row["verdict"] = "reproduced"
+      out.append(row)
+  return out
+
+
+def format_claims(claims, preset=None):
+  """Markdown table of ``claim_verdicts`` rows, one per claim and cell."""
+  scale = "" if preset is None else (f" ({preset['num_layers']} layers, d_model "
+                                     f"{preset['d_model']}, {preset['steps']} steps)")
+  lines = [f"**The source's claims at this scale{scale}**", "",
+           "| task, length | claim | variant | n | measured (95% interval) | verdict |",
+           "|---|---|---|---|---|---|"]
+  lines += [f"| {c['task']}, {c['seq_len']} | {c['claim']} | {c['variant']} | {c['n']} | "
+            f"{c['measured']} | {c['verdict']} |" for c in claims]
+  return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1243,13 +1327,15 @@ def write_results(out_dir, rows, *, finished, wall_s, meta=None, min_baseline_sc
   agg = aggregate(rows)
   table = format_table(agg)
   notes = verdicts(agg, min_baseline_score)
+  claims = claim_verdicts(agg)
   meta = {"finished": finished, "wall_s": wall_s, "devices": [str(d) for d in jax.devices()],
           "backend": jax.default_backend(), "jax": jax.__version__,
           "python": platform.python_version(), "verdicts": notes, "seed_claims": SEED_CLAIMS,
-          "definitions": DEFINITIONS, **(meta or {})}
+          "claims": claims, "definitions": DEFINITIONS, **(meta or {})}
   save_json(os.path.join(out_dir, "results.json"), {"rows": rows, "aggregate": agg, "meta": meta})
   with open(os.path.join(out_dir, "table.md"), "w") as f:
-    f.write(table + "\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+    f.write(table + "\n" + "\n".join(f"- {n}" for n in notes) + "\n\n"
+            + format_claims(claims, meta.get("preset")))
   return agg, table, notes
 
 

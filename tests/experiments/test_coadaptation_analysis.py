@@ -198,3 +198,30 @@ def test_per_query_top_k_and_bootstrap():
   assert d["diff"] == 2.0 and 1.0 <= d["lo"] < 2.0 < d["hi"] <= 3.0 and d["n"] == 3
   with pytest.raises(ValueError, match="equal-length"):
     A.paired_bootstrap([1.0, 2.0], [1.0])
+
+
+def test_claim_verdicts_cover_each_case():
+  """Each claim gets the verdict its interval implies: inside the band, beside it (either side),
+  too wide, or untested when the cell lacks the variant; the best trained variant is reported."""
+  from experiments.coadaptation import CLAIMS, claim_verdicts
+  ci = lambda m, lo, hi: {"diff": m, "mean": m, "lo": lo, "hi": hi, "n": 3}
+  agg = [
+      {"task": "copy", "seq_len": 64, "variant": "full", "n": 3,
+       "concentration": ci(0.62, 0.58, 0.66)},
+      {"task": "copy", "seq_len": 64, "variant": "posthoc_proxy", "n": 3,
+       "diff_vs_full": {"score": ci(-0.30, -0.35, -0.25)}},
+      {"task": "copy", "seq_len": 64, "variant": "sparse_ste", "n": 3,
+       "diff_vs_full": {"score": ci(-0.10, -0.20, -0.01)}, "concentration": ci(0.5, 0.4, 0.6)},
+      {"task": "copy", "seq_len": 64, "variant": "sparse_distill", "n": 3,
+       "diff_vs_full": {"score": ci(-0.004, -0.009, 0.001)}},
+      {"task": "copy", "seq_len": 64, "variant": "local_global_nope", "n": 3,
+       "diff_vs_full": {"score": ci(-0.005, -0.2, 0.2)},
+       "diff_vs_local_global_rope": {"score": ci(0.01, 0.005, 0.02)}},
+  ]
+  got = {c["claim"]: c for c in claim_verdicts(agg)}
+  assert len(got) == len(CLAIMS)
+  v = [got[c[0]]["verdict"] for c in CLAIMS]
+  assert v == ["contradicted (a larger loss)", "reproduced", "reproduced", "contradicted (lower)",
+               "inconclusive (interval too wide)", "reproduced", "untested at this scale"], v
+  assert got[CLAIMS[1][0]]["variant"] == "sparse_distill"
+  assert got[CLAIMS[0][0]]["measured"] == "-30.0 pts [-35.0, -25.0]"
