@@ -34,6 +34,8 @@ from jattn._validate import check_qkv, check_segments
 from jattn.attention import flash_attention
 from jattn.decode import decode_attention
 from jattn.merge import merge, merge_partials
+from jattn.sparse.attention import block_sparse_attention
+from jattn.sparse.selection import BlockSelection, block_mean, cdiv, pooled_scores, select_lists
 from pallas_kernels.masks import normalize_window
 
 __all__ = ["ContextParallelPlan", "PairCall", "context_parallel_attention",
@@ -240,7 +242,7 @@ class ContextParallelPlan:
 
 
 def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_window_size=None,
-                          strategy="ring", layout="zigzag"):
+                          strategy="ring", layout="zigzag", selection=None):
   """Which ring shifts and chunk-pair kernel calls a context-parallel call runs.
 
   Args:
@@ -249,6 +251,10 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
     causal, local_window_size: the mask (as :func:`jattn.flash_attention`).
     strategy: "ring", "all_gather" or "ring_q".
     layout: "contiguous" or "zigzag".
+    selection: None, or the :class:`jattn.BlockSelection` of a ``sparse_attention(...,
+      mesh=...)`` call (whole sequence, original order, e.g. ``return_selection=True`` without
+      a mesh): ``kernel_calls`` then leaves out the pairs in which no row keeps a block, which
+      that call skips at run time (``shifts`` stay those of the mask).
 
   Returns:
     A :class:`ContextParallelPlan`.
@@ -264,6 +270,13 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   ids = shard_chunks(num_shards, layout)
   n = ids.size
   cq, ck = -(-q_len // n), -(-kv_len // n)
+  live, runs = np.ones((n, n), bool), np.zeros(num_shards, bool)
+  if selection is not None:   # [query chunk, key chunk]: some row keeps a block
+    _check_blocks(cq, selection.block_size, selection.q_block_size)
+    tm = np.asarray(selection.tile_mask()).any((0, 1))
+    tm = np.pad(tm, ((0, n * cq // selection.q_block_size - tm.shape[0]),
+                     (0, n * ck // selection.block_size - tm.shape[1])))
+    live = tm.reshape(n, -1, n, tm.shape[1] // n).any((1, 3))
   window = normalize_window(local_window_size)
   calls, index = [], {}
   table = np.zeros((num_shards, num_shards) + ids.shape[1:] * 2, np.int32)
@@ -275,10 +288,12 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
         for b, ki in enumerate(ids[kd]):
           call = pair_call(kv_len - q_len + qi * cq - ki * ck, cq, ck, causal, window)
           if call is not None:
+            runs[r] = True
+          if call is not None and live[qi, ki]:
             table[d, r, a, b] = index.setdefault(call, len(calls) + 1)
             if len(calls) < len(index):
               calls.append(call)
-  shifts = tuple(int(r) for r in range(num_shards) if table[:, r].any())
+  shifts = tuple(int(r) for r in range(num_shards) if runs[r])
   return ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(calls),
                              table[:, list(shifts)])
 
@@ -291,18 +306,24 @@ class _Kernel:
   logits_soft_cap: float | None
   implementation: str | None
   interpret: bool
+  blocks: tuple | None = None   # (block_size, q_block_size): block-sparse pairs
 
 
-def _run_call(call, kern, q, k, v, qs, ks):
-  """(out fp32 [B, cq, H, Dv], lse [B, cq, H]) of one PairCall on full chunks."""
+def _run_call(call, kern, q, k, v, qs, ks, sel=None):
+  """(out fp32 [B, cq, H, Dv], lse [B, cq, H]) of one PairCall on full chunks; with ``sel``
+  (the pair's :class:`BlockSelection`, whole chunks) the block-sparse kernel."""
   cq = q.shape[1]
   sl = lambda x, s0, n: None if x is None else jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)
-  out, lse = flash_attention(
-      sl(q, call.q0, call.nq), sl(k, call.k0, call.nk), sl(v, call.k0, call.nk),
-      causal=call.causal, local_window_size=call.window, segment_ids=sl(qs, call.q0, call.nq),
-      kv_segment_ids=sl(ks, call.k0, call.nk), scale=kern.scale,
-      logits_soft_cap=kern.logits_soft_cap, return_lse=True, implementation=kern.implementation,
-      interpret=kern.interpret)
+  opts = dict(segment_ids=sl(qs, call.q0, call.nq), kv_segment_ids=sl(ks, call.k0, call.nk),
+              scale=kern.scale, return_lse=True, implementation=kern.implementation,
+              interpret=kern.interpret)
+  if sel is not None:
+    out, lse = block_sparse_attention(q, k, v, sel, causal=call.causal, **opts)
+  else:
+    out, lse = flash_attention(
+        sl(q, call.q0, call.nq), sl(k, call.k0, call.nk), sl(v, call.k0, call.nk),
+        causal=call.causal, local_window_size=call.window,
+        logits_soft_cap=kern.logits_soft_cap, **opts)
   out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)       # lse: [B, nq, H]
   if call.nq < cq:
     pad = ((0, 0), (call.q0, cq - call.q0 - call.nq), (0, 0))
@@ -325,23 +346,42 @@ def _share_document(qs, ks):
   return jnp.any((lo(qs) <= hi(ks)) & (lo(ks) <= hi(qs)))
 
 
-def _pair(plan, kern, column, d, q, k, v, qs, ks):
+def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
   """The partial (out, lse) of one chunk pair; ``column`` = table[:, r, a, b] (all devices).
 
   A switch over the calls this pair runs on some device (0: skip); with segment ids, pairs
-  whose chunks share no document take the skip branch at run time.
+  whose chunks share no document take the skip branch at run time, and so do block-sparse
+  pairs (``sel``) in which no row keeps a block.
   """
-  kinds = sorted(set(column.tolist()) | ({0} if qs is not None else set()))
+  kinds = sorted(set(column.tolist()) | ({0} if qs is not None or sel is not None else set()))
   if kinds == [0]:
     return _empty(q, v)
   if len(kinds) == 1:
-    return _run_call(plan.calls[kinds[0] - 1], kern, q, k, v, qs, ks)
+    return _run_call(plan.calls[kinds[0] - 1], kern, q, k, v, qs, ks, sel)
   idx = jnp.asarray(np.searchsorted(kinds, column), jnp.int32)[d]
   if qs is not None:
     idx = jnp.where(_share_document(qs, ks), idx, 0)
+  if sel is not None:
+    idx = jnp.where(jnp.any(sel.counts > 0), idx, 0)
   branches = [functools.partial(_run_call, plan.calls[i - 1], kern) if i else
-              (lambda q, k, v, qs, ks: _empty(q, v)) for i in kinds]
-  return jax.lax.switch(idx, branches, q, k, v, qs, ks)
+              (lambda q, k, v, qs, ks, sel: _empty(q, v)) for i in kinds]
+  return jax.lax.switch(idx, branches, q, k, v, qs, ks, sel)
+
+
+def _pair_selection(plan, kern, sel, d, i, a, b):
+  """Local query chunk a's rows of ``sel`` (global key block ids) restricted to the key chunk
+  in slot b at step i, as a chunk-pair :class:`BlockSelection`; None without ``sel``."""
+  if sel is None:
+    return None
+  (bs, qbs), p = kern.blocks, plan.num_shards
+  nq, nk = plan.q_chunk // qbs, plan.kv_chunk // bs
+  owner = (np.arange(p) - plan.shifts[i]) % p       # whose K/V device d holds at step i
+  kid = jnp.asarray(shard_chunks(p, plan.layout)[owner, b])[d]
+  ix = sel[:, :, a * nq:(a + 1) * nq] - kid * nk    # [B, Hk, nq, max_selected]
+  ix = jnp.sort(jnp.where((ix >= 0) & (ix < nk), ix, nk), axis=-1)[..., :min(nk, ix.shape[-1])]
+  ix = jnp.where(ix < nk, ix, -1)
+  counts = jnp.sum(ix >= 0, axis=-1, dtype=jnp.int32)
+  return BlockSelection(ix, counts, counts, None, bs, qbs, plan.q_chunk, plan.kv_chunk)
 
 
 def _chunks(x, m):
@@ -360,7 +400,7 @@ def _shift(xs, shift, axis_name, p):
 
 
 # ----------------------------------------------------------------------------- strategies
-def _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks, kv_at):
+def _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks, kv_at, sel=None):
   """Every step of a K/V-moving strategy; ``kv_at(i, state)`` gives step i's (k, v, ks)."""
   m = plan.table.shape[-1]
   d = jax.lax.axis_index(axis_name)
@@ -373,7 +413,7 @@ def _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks, kv_at):
     for a in range(m):
       for b in range(m):
         acc[a] = _merge(acc[a], _pair(plan, kern, plan.table[:, i, a, b], d, qc[a], kc[b], vc[b],
-                                      qsc[a], ksc[b]))
+                                      qsc[a], ksc[b], _pair_selection(plan, kern, sel, d, i, a, b)))
   out = jnp.concatenate([o for o, _ in acc], axis=1)
   return out, jnp.concatenate([s for _, s in acc], axis=1)
 
@@ -405,15 +445,16 @@ def _all_gather_kv_at(plan, axis_name, k, v, ks):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _ring(plan, kern, axis_name, q, k, v, qs, ks):
+def _ring(plan, kern, axis_name, q, k, v, qs, ks, sel):
+  """``sel``: None, or this device's rows of a block selection (int [B, Hk, q blocks, n])."""
   out, lse = _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
-                              _ring_kv_at(plan, axis_name))
+                              _ring_kv_at(plan, axis_name), sel)
   return out.astype(q.dtype), lse
 
 
-def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks):
-  out, lse = _ring(plan, kern, axis_name, q, k, v, qs, ks)
-  return (out, lse), (q, k, v, qs, ks, out, lse)
+def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks, sel):
+  out, lse = _ring(plan, kern, axis_name, q, k, v, qs, ks, sel)
+  return (out, lse), (q, k, v, qs, ks, sel, out, lse)
 
 
 def _ring_bwd(plan, kern, axis_name, res, g):
@@ -422,7 +463,7 @@ def _ring_bwd(plan, kern, axis_name, res, g):
   A chunk pair's partial (o_p, lse_p) enters the merged result with weight w = exp(lse_p - lse),
   so its cotangents are w * dout and w * (<dout, o_p> - <dout, out> + dlse).
   """
-  q, k, v, qs, ks, out, lse = res
+  q, k, v, qs, ks, sel, out, lse = res
   dout, dlse = g
   p, m, shifts = plan.num_shards, plan.table.shape[-1], plan.shifts
   d = jax.lax.axis_index(axis_name)
@@ -442,7 +483,8 @@ def _ring_bwd(plan, kern, axis_name, res, g):
         col = plan.table[:, i, a, b]
         if not col.any():
           continue
-        f = functools.partial(_pair, plan, kern, col, d, qs=qsc[a], ks=ksc[b])
+        f = functools.partial(_pair, plan, kern, col, d, qs=qsc[a], ks=ksc[b],
+                              sel=_pair_selection(plan, kern, sel, d, i, a, b))
         (o_p, l_p), vjp = jax.vjp(f, qc[a], kc[b], vc[b])
         w = jnp.where(jnp.isfinite(l_p), jnp.exp(l_p - lc[a]), 0.0)    # [B, cq, H]
         ct_l = w * (jnp.sum(doc[a] * o_p, axis=-1) - dc[a] + dlc[a])
@@ -454,7 +496,7 @@ def _ring_bwd(plan, kern, axis_name, res, g):
       state = _shift((kk, vv, kks, dk, dv), shifts[i + 1] - shifts[i], axis_name, p)
   dk, dv = _shift((dk, dv), -shifts[-1], axis_name, p)
   dq = jnp.concatenate(dq, axis=1)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -486,7 +528,7 @@ def _ring_q(plan, kern, axis_name, q, k, v, qs, ks):
 def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
   """(out [B, Lq_local, H, Dv], lse [B, Lq_local, H]) on one device, inside shard_map."""
   if plan.strategy == "ring":
-    return _ring(plan, kern, axis_name, q, k, v, qs, ks)
+    return _ring(plan, kern, axis_name, q, k, v, qs, ks, None)
   if plan.strategy == "ring_q":
     return _ring_q(plan, kern, axis_name, q, k, v, qs, ks)
   out, lse = _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
@@ -504,13 +546,6 @@ def _kernel(q, scale, logits_soft_cap, implementation, interpret):
   scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
   return _Kernel(scale, None if logits_soft_cap is None else float(logits_soft_cap),
                  implementation, bool(interpret))
-
-
-def _check_strategy(strategy, layout):
-  if strategy not in STRATEGIES:
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_window_size=None,
@@ -545,7 +580,6 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
     >>> f(x, x, x).shape
     (1, 64, 2, 16)
   """
-  _check_strategy(strategy, layout)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   p = jax.lax.axis_size(axis_name)
@@ -611,18 +645,30 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, causal=False, local_
     >>> out.shape
     (1, 100, 2, 16)
   """
-  _check_strategy(strategy, layout)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
+  window = normalize_window(local_window_size)
+  plan = context_parallel_plan(q_len, kv_len, _axis_size(mesh, axis_name), causal=causal,
+                               local_window_size=window, strategy=strategy, layout=layout)
+  kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
+  out, lse = _on_mesh(mesh, axis_name, plan, functools.partial(_shard_attention, plan, kern,
+                                                               axis_name), q, k, v, segment_ids,
+                      kv_segment_ids, causal or (window is not None and window[1] == 0))
+  return (out, lse) if return_lse else out
+
+
+def _axis_size(mesh, axis_name):
   if axis_name not in mesh.axis_names:
     raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-  p = mesh.shape[axis_name]
-  window = normalize_window(local_window_size)
-  plan = context_parallel_plan(q_len, kv_len, p, causal=causal, local_window_size=window,
-                               strategy=strategy, layout=layout)
-  kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
-  qpos, kpos = layout_positions(q_len, p, layout), layout_positions(kv_len, p, layout)
-  hidden = causal or (window is not None and window[1] == 0)
+  return mesh.shape[axis_name]
+
+
+def _on_mesh(mesh, axis_name, plan, local, q, k, v, segment_ids, kv_segment_ids, hidden):
+  """Pads to whole chunks, runs ``local(q, k, v, qs, ks) -> (out, lse)`` on every device's
+  shards and drops the padding: (out, lse [batch, heads, q_len]). ``hidden``: the mask hides
+  keys past the end (else padded keys get segment ids)."""
+  batch, q_len, kv_len, p = q.shape[0], q.shape[1], k.shape[1], plan.num_shards
+  qpos, kpos = (layout_positions(n, p, plan.layout) for n in (q_len, kv_len))
   if (kpos < 0).any() and segment_ids is None and not hidden:   # padded keys need a mask
     segment_ids = jnp.ones((batch, q_len), jnp.int32)
     kv_segment_ids = jnp.ones((batch, kv_len), jnp.int32)
@@ -631,17 +677,64 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, causal=False, local_
     args += [_with_padding(segment_ids, qpos, mesh), _with_padding(kv_segment_ids, kpos, mesh)]
   seq = PS(None, axis_name)
   args = [jax.device_put(x, NamedSharding(mesh, seq)) for x in args]
-
-  def local(q, k, v, qs=None, ks=None):
-    return _shard_attention(plan, kern, axis_name, q, k, v, qs, ks)
-  out, lse = jax.shard_map(local, mesh=mesh, in_specs=(seq,) * len(args), out_specs=(seq, seq),
+  out, lse = jax.shard_map(lambda q, k, v, qs=None, ks=None: local(q, k, v, qs, ks), mesh=mesh,
+                           in_specs=(seq,) * len(args), out_specs=(seq, seq),
                            axis_names={axis_name}, check_vma=False)(*args)
   if (qpos < 0).any():
     real = np.nonzero(qpos >= 0)[0]
     out, lse = (jnp.take(jax.device_put(x, NamedSharding(mesh, PS())), real, axis=1)
                 for x in (out, lse))
-  lse = jnp.swapaxes(lse, 1, 2)
-  return (out, lse) if return_lse else out
+  return out, jnp.swapaxes(lse, 1, 2)
+
+
+def _check_blocks(chunk, block_size, q_block_size):
+  for name, size in (("block_size", block_size), ("q_block_size", q_block_size)):
+    if chunk % size:
+      raise ValueError(f"{name}={size} must divide the chunk length {chunk} (the sequence "
+                       f"length over the chunks, rounded up): blocks may not straddle chunks")
+
+
+def _local_selection(plan, kern, axis_name, n, rule, q, k):
+  """This device's rows of the whole sequence's block selection: int32 [B, Hk, local query
+  blocks, max_selected] of global key block ids (its pooled queries against every device's
+  pooled keys, all-gathered: one vector per key block and kv head)."""
+  (bs, qbs), p = kern.blocks, plan.num_shards
+  ids, d = shard_chunks(p, plan.layout), jax.lax.axis_index(axis_name)
+  real = jnp.asarray(layout_positions(n, p, plan.layout).reshape(p, -1) >= 0)[d]
+  real = jnp.broadcast_to(real, q.shape[:2])                        # [B, local len]
+  pool = lambda x, size: block_mean(jax.lax.stop_gradient(x), real, size)
+  kbar = jax.lax.all_gather(pool(k, bs), axis_name, axis=1, tiled=True)   # device-major blocks
+  nkc, nqc = plan.kv_chunk // bs, plan.q_chunk // qbs
+  order = (np.argsort(ids.reshape(-1))[:, None] * nkc + np.arange(nkc)).reshape(-1)
+  rank = pooled_scores(pool(q, qbs), jnp.take(kbar, order[:cdiv(n, bs)], axis=1))
+  rows = jnp.asarray((ids[:, :, None] * nqc + np.arange(nqc)).reshape(p, -1))[d]
+  causal, top_k, num_init, num_local = rule
+  return select_lists(rank, q_len=n, kv_len=n, q_block_size=qbs, block_size=bs, causal=causal,
+                      num_init=num_init, num_local=num_local, top_k=top_k, seg_ok=None,
+                      scores=None, rows=rows).indices
+
+
+def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, top_k, causal,
+                 num_init_blocks, num_local_blocks, scale, implementation, interpret):
+  """``jattn.sparse_attention(..., mesh=, axis_name=)`` (validated there): (out, lse [B, H, L]).
+
+  Every device selects for its query blocks on the whole sequence's block scores (its pooled
+  queries against the all-gathered pooled keys), then a ring of block-sparse chunk-pair kernels
+  attends; a pair in which no row keeps a block is skipped at run time.
+  """
+  n = q.shape[1]
+  if k.shape[1] != n:
+    raise ValueError(f"sparse_attention with a mesh needs q_len == kv_len, got {n}, {k.shape[1]}")
+  plan = context_parallel_plan(n, n, _axis_size(mesh, axis_name), causal=causal, layout=layout)
+  _check_blocks(plan.q_chunk, block_size, q_block_size)
+  kern = dataclasses.replace(_kernel(q, scale, None, implementation, interpret),
+                             blocks=(block_size, q_block_size))
+  rule = (causal, top_k, num_init_blocks, num_local_blocks)
+
+  def local(q, k, v, qs, ks):
+    sel = _local_selection(plan, kern, axis_name, n, rule, q, k)
+    return _ring(plan, kern, axis_name, q, k, v, qs, ks, sel)
+  return _on_mesh(mesh, axis_name, plan, local, q, k, v, None, None, causal)
 
 
 def context_parallel_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name,
@@ -672,9 +765,7 @@ def context_parallel_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, 
     ...                                         axis_name="seq").shape
     (2, 4, 16)
   """
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-  p = mesh.shape[axis_name]
+  p = _axis_size(mesh, axis_name)
   if k_cache.ndim != 4 or k_cache.shape[1] % p:
     raise ValueError(f"k_cache must be [batch, max_len, kv_heads, head_dim] with max_len "
                      f"divisible by the {p} devices of {axis_name!r}, got {k_cache.shape}")

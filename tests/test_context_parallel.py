@@ -97,6 +97,14 @@ def test_bad_arguments_raise():
     jattn.context_parallel_attention(x, x, x, mesh=mesh, axis_name="seq", implementation="cudnn")
   with pytest.raises(ValueError, match="num_shards"):
     jattn.context_parallel_permute(x, 0)
+  sparse = functools.partial(jattn.sparse_attention, x, x, x, mesh=mesh, axis_name="seq",
+                             top_k=1, q_block_size=4, implementation="xla")
+  with pytest.raises(ValueError, match="block_size"):   # zigzag, 1 device: chunks of 8
+    sparse(block_size=16)
+  with pytest.raises(ValueError, match="gate_grad"):
+    sparse(block_size=4, gate_grad="ste")
+  with pytest.raises(ValueError, match="axis_name"):
+    jattn.sparse_attention(x, x, x, mesh=mesh, block_size=4, top_k=1)
 
 
 def test_on_8_cpu_devices(request):
@@ -201,20 +209,70 @@ def test_eight_matches_single_device_more(name):
   _check(**SLOW[name])
 
 
+SPARSE = {   # 100 tokens: chunks of 7 (zigzag, 16 chunks) or 13 (contiguous, 8), padded at the end
+    "zigzag_per_token": {"layout": "zigzag", "block_size": 7, "q_block_size": 1, "top_k": 2},
+    "contiguous_blocks": {"layout": "contiguous", "block_size": 13, "q_block_size": 13,
+                          "top_k": 1, "num_init_blocks": 0, "causal": False},
+}
+
+
+@eight
+@pytest.mark.parametrize("name", list(SPARSE))
+def test_eight_sparse_matches_single_device(name):
+  """Block-sparse ring (GQA): outputs, LSE and gradients equal one device's sparse_attention."""
+  opts = dict(SPARSE[name], implementation="xla", return_lse=True)
+  layout = opts.pop("layout")
+  q, k, v, _, ct, ct_lse = _inputs(5, 2, 100, 100, 4, 2, 16, 8, 0)
+  perm = functools.partial(cp.context_parallel_permute, num_shards=8, layout=layout)
+  unperm = functools.partial(cp.context_parallel_unpermute, num_shards=8, layout=layout)
+
+  def parallel(q, k, v):
+    out, lse = jattn.sparse_attention(perm(q), perm(k), perm(v), mesh=_mesh(), axis_name="seq",
+                                      layout=layout, **opts)
+    return unperm(out), unperm(lse, axis=2)
+
+  def loss(f, q, k, v):
+    out, lse = f(q, k, v)
+    return jnp.sum(out * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * ct_lse)
+  single = functools.partial(jattn.sparse_attention, **opts)
+  (o_ref, lse_ref), grads_ref = single(q, k, v), jax.grad(functools.partial(loss, single),
+                                                         (0, 1, 2))(q, k, v)
+  (o, lse), grads = jax.jit(lambda q, k, v: (parallel(q, k, v), jax.grad(
+      functools.partial(loss, parallel), (0, 1, 2))(q, k, v)))(q, k, v)
+  errs = [rel_err(o, o_ref), rel_err(lse, lse_ref)] + [rel_err(g, r) for g, r in
+                                                       zip(grads, grads_ref)]
+  assert np.isfinite(lse_ref).all() and max(errs) < 2e-3, errs
+
+
+@eight
+def test_eight_sparse_skips_unselected_pairs(monkeypatch):
+  """Chunk pairs in which no row keeps a block never run; the plan counts the ones that do."""
+  count = _count_calls(monkeypatch, "block_sparse_attention")
+  n, kw = 512, {"block_size": 16, "q_block_size": 32, "top_k": 1, "implementation": "xla"}
+  q, k, v, _, _, _ = _inputs(2, 1, n, n, 2, 1, 16, 16, 0)
+  _, sel = jattn.sparse_attention(q, k, v, return_selection=True, **kw)
+  perm = functools.partial(cp.context_parallel_permute, num_shards=8)
+  f = jax.jit(functools.partial(jattn.sparse_attention, mesh=_mesh(), axis_name="seq", **kw))
+  jax.block_until_ready(f(perm(q), perm(k), perm(v)))
+  plan = jattn.context_parallel_plan(n, n, 8, causal=True, selection=sel)
+  causal_calls = jattn.context_parallel_plan(n, n, 8, causal=True).kernel_calls
+  assert len(count) == plan.kernel_calls < causal_calls, (len(count), plan.kernel_calls)
+
+
 @eight
 def test_eight_interpret_kernel():
   _check("ring", "zigzag", lq=64, hq=2, mesh=_mesh(2), implementation="triton", interpret=True)
 
 
-def _count_calls(monkeypatch):
+def _count_calls(monkeypatch, name="flash_attention"):
   """Counts the chunk-pair kernel calls that run (on every device), via a debug callback."""
   count = []
-  real = cp.flash_attention
+  real = getattr(cp, name)
 
   def counted(q, *a, **kw):
     jax.debug.callback(lambda: count.append(1))
     return real(q, *a, **kw)
-  monkeypatch.setattr(cp, "flash_attention", counted)
+  monkeypatch.setattr(cp, name, counted)
   return count
 
 
@@ -281,8 +339,8 @@ def test_eight_transformer_context_parallel():
 
   from jattn.nn import LayerSpec, Transformer, TransformerConfig
   mesh = _mesh()
-  cfg = functools.partial(TransformerConfig, 50, 1, 32, 4, 2, 8,
-                          layers=(LayerSpec("local", window=6),))
+  cfg = functools.partial(TransformerConfig, 50, 2, 32, 4, 2, 8, layers=(
+      LayerSpec("local", window=6), LayerSpec("sparse", top_k=2, block_size=2, q_block_size=1)))
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, 50, (2, 32)), jnp.int32)
 
   def loss(model, tokens):   # order-free: a mean over tokens

@@ -117,9 +117,9 @@ class Attention(nnx.Module):
     interpret: run Pallas kernels in interpret mode (CPU tests).
     kv_cache_layout: "nhd" (default) or "hnd" (head-major K/V caches; not MLA or "csa").
     context_mesh, context_axis: None, or a mesh and the axis the sequence is split over: the
-      forward pass ("global"/"local" layers) runs ``jattn.context_parallel_attention`` on
-      sequences in zig-zag order (``jattn.context_parallel_permute``; default positions are the
-      permuted ones).
+      forward pass runs ``jattn.context_parallel_attention`` ("global"/"local" layers) or
+      ``jattn.sparse_attention(..., mesh=...)`` ("sparse", gate_grad "none") on sequences in
+      zig-zag order (``jattn.context_parallel_permute``; default positions are the permuted ones).
     param_dtype: parameter dtype.
     dtype: computation dtype of the projections (None: from the inputs/params).
     rngs: ``nnx.Rngs`` (keyword-only); ``gate_grad="gumbel"`` layers draw noise from it.
@@ -165,9 +165,9 @@ class Attention(nnx.Module):
       raise ValueError("context_mesh and context_axis go together, got "
                        f"context_mesh={context_mesh!r}, context_axis={context_axis!r}")
     if context_mesh is not None:
-      if spec.kind not in ("global", "local"):
-        raise ValueError(f"context parallelism runs 'global' and 'local' layers, got kind "
-                         f"{spec.kind!r}")
+      if spec.kind == "csa":
+        raise ValueError("context parallelism runs 'global', 'local' and 'sparse' layers, got "
+                         "kind 'csa'")
       if context_axis not in context_mesh.axis_names:
         raise ValueError(f"context_axis {context_axis!r} is not an axis of the mesh "
                          f"{context_mesh.axis_names}")
@@ -324,21 +324,21 @@ class Attention(nnx.Module):
       o = attend(q, k, v, causal=True, local_window_size=(spec.window - 1, 0),
                  segment_ids=segment_ids, scale=self.scale, **impl)
     elif spec.kind == "sparse":
-      o = self._sparse_forward(q, k, v, segment_ids)
+      o = self._sparse_forward(q, k, v, segment_ids, impl)
     else:
       o = self._csa_forward(q, k, v, ent, segment_ids)
     y = self.wo(o.astype(x.dtype).reshape(b, s, self.num_heads * self.head_dim))
     return (y, {"q": q, "k": k}) if return_qk else y
 
-  def _sparse_forward(self, q, k, v, segment_ids):
+  def _sparse_forward(self, q, k, v, segment_ids, impl):
     spec = self.spec
     sparse = _sparse_module()
     rng = self.gate_rngs() if spec.gate_grad == "gumbel" else None
     return sparse.sparse_attention(
         q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
         gate_grad=spec.gate_grad, rng=rng, causal=True, segment_ids=segment_ids,
-        scale=self.scale, implementation=self.implementation, interpret=self.interpret,
-        score_aux_weight=spec.score_aux_weight, score_aux_pool=spec.score_aux_pool)
+        scale=self.scale, score_aux_weight=spec.score_aux_weight,
+        score_aux_pool=spec.score_aux_pool, **impl)
 
   def _csa_forward(self, q, k, v, ent, segment_ids):
     spec = self.spec

@@ -53,7 +53,7 @@ class TransformerConfig:
       (``Attention(kv_cache_layout=...)``); not with MLA or "csa" layers.
     context_mesh, context_axis: None, or a ``jax.sharding.Mesh`` and the axis the sequence is
       split over: training and evaluation forward passes run context-parallel attention on
-      tokens in zig-zag order (``jattn.context_parallel_permute``); "global"/"local" layers only.
+      tokens in zig-zag order (``jattn.context_parallel_permute``); not "csa" layers.
 
   Example:
     >>> from jattn.nn.schedule import local_global_schedule

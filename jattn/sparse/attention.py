@@ -289,7 +289,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                      gate_temperature=1.0, rng=None, causal=True, num_init_blocks=1,
                      num_local_blocks=1, segment_ids=None, kv_segment_ids=None, scale=None,
                      implementation=None, interpret=False, return_selection=False,
-                     score_aux_weight=0.0, score_aux_pool="sum", aux_max_chunk_elems=1 << 25):
+                     score_aux_weight=0.0, score_aux_pool="sum", aux_max_chunk_elems=1 << 25,
+                     return_lse=False, mesh=None, axis_name=None, layout="zigzag"):
   """Top-K block selection plus block-sparse attention in one call, for training.
 
   Blocks are kept by the rules of :func:`select_blocks` applied to a ranking r, then
@@ -309,6 +310,15 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   stop-gradient, pooled by ``score_aux_pool``) to the backward only (``add_aux_loss``); the
   forward output is unchanged.
 
+  With ``mesh`` and ``axis_name`` the call is context-parallel (``docs/context_parallel.md``):
+  the arrays are in ``layout``'s order (``jattn.context_parallel_permute``) and split over the
+  axis; each device selects for its query blocks on the whole sequence's block scores (the
+  pooled keys, one vector per block, are all-gathered) and a ring of block-sparse chunk-pair
+  kernels attends, skipping the pairs in which no row keeps a block. The result equals the
+  single-device call, permuted. It needs q_len == kv_len, block sizes that divide the chunk
+  length (``ceil(len / (m P))``, m = 2 chunks per device for "zigzag", 1 "contiguous"),
+  gate_grad "none", no segment ids, no score distillation and no ``return_selection``.
+
   Args:
     q: [batch, q_len, q_heads, head_dim].
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
@@ -327,9 +337,13 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     score_aux_weight: w >= 0, weight of the score-distillation term (0: off; above).
     score_aux_pool: "sum" or "max": the target's pooling over a block's queries.
     aux_max_chunk_elems: bound on the logits materialised per chunk of the target.
+    return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32).
+    mesh, axis_name: None, or a ``jax.sharding.Mesh`` and the axis the sequence is split over.
+    layout: the sequence layout with a mesh: "zigzag" (default) or "contiguous".
 
   Returns:
-    out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, selection).
+    out [batch, q_len, q_heads, head_dim_v] in q.dtype; with return_lse and/or
+    return_selection, the tuple (out, lse?, selection?) in that order.
 
   Example:
     >>> q = jax.random.normal(jax.random.key(0), (1, 256, 2, 32))
@@ -342,7 +356,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     raise ValueError(f"gate_grad must be one of {_GATE_MODES}, got {gate_grad!r}")
   if not (isinstance(gate_temperature, numbers.Real) and 0 < gate_temperature < math.inf):
     raise ValueError(f"gate_temperature must be a finite number > 0, got {gate_temperature!r}")
-  check_flags(causal=causal, interpret=interpret, return_selection=return_selection)
+  check_flags(causal=causal, interpret=interpret, return_selection=return_selection,
+              return_lse=return_lse)
   if gate_grad == "gumbel" and rng is None:
     raise ValueError("gate_grad='gumbel' needs rng (a jax PRNG key)")
   if isinstance(score_aux_weight, bool) or not (isinstance(score_aux_weight, (int, float))
@@ -357,6 +372,21 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   scale, _ = check_scale_and_cap(scale)
   if scale is None:
     scale = 1.0 / math.sqrt(q.shape[-1])
+  if mesh is not None or axis_name is not None:
+    from jattn.context_parallel import _sparse_ring
+    for name, bad in (("mesh", mesh is None), ("axis_name", axis_name is None),
+                      ("gate_grad", gate_grad != "none"), ("score_aux_weight", score_aux_weight),
+                      ("segment_ids", segment_ids is not None),
+                      ("return_selection", return_selection)):
+      if bad:
+        raise ValueError(f"{name}={locals()[name]!r} is not supported by the context-parallel "
+                         "sparse_attention (mesh=, axis_name=)")
+    out, lse = _sparse_ring(
+        q, k, v, mesh=mesh, axis_name=axis_name, layout=layout, block_size=int(block_size),
+        q_block_size=int(q_block_size), top_k=int(top_k), causal=bool(causal),
+        num_init_blocks=int(num_init_blocks), num_local_blocks=int(num_local_blocks),
+        scale=scale, implementation=implementation, interpret=interpret)
+    return (out, lse) if return_lse else out
   plan = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
                            causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                            implementation=implementation, interpret=interpret)
@@ -382,15 +412,15 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                 num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
                 scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
   if gate_grad == "none":
-    out, _ = _run_block_sparse(plan, q, k, v, sel, causal=causal, segment_ids=segment_ids,
-                               kv_segment_ids=kv_segment_ids, scale=scale, interpret=interpret)
+    out, lse = _run_block_sparse(plan, q, k, v, sel, causal=causal, segment_ids=segment_ids,
+                                 kv_segment_ids=kv_segment_ids, scale=scale, interpret=interpret)
   else:
     valid = sel.indices >= 0
     gate_sel = jnp.take_along_axis(gate, jnp.maximum(sel.indices, 0), axis=-1)
     gate_sel = jnp.where(valid, gate_sel, 0.0)                    # [b, hk, nq, max_selected]
     bare = dataclasses.replace(sel, scores=None)
-    out, _ = _gated_attention(q, k, v, gate_sel, bare, segment_ids, kv_segment_ids, bool(causal),
-                              float(scale), plan, bool(interpret))
+    out, lse = _gated_attention(q, k, v, gate_sel, bare, segment_ids, kv_segment_ids,
+                                bool(causal), float(scale), plan, bool(interpret))
   if score_aux_weight > 0:
     scores_g = scores if gate_grad != "none" else block_scores(
         q, k, block_size=block_size, q_block_size=q_block_size, segment_ids=segment_ids,
@@ -405,6 +435,5 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                              num_local=int(num_local_blocks), seg_ok=seg_ok, doc_start=doc_start)
     kl = score_kl(scale * scores_g / gate_temperature, mass, cand)
     out = add_aux_loss(out, float(score_aux_weight) * kl)
-  return (out, sel) if return_selection else out
-
-
+  res = (out,) + ((lse,) if return_lse else ()) + ((sel,) if return_selection else ())
+  return res if len(res) > 1 else out

@@ -138,7 +138,7 @@ class BlockSelection:
 
 
 # ----------------------------------------------------------------------------- scoring
-def _block_mean(x, valid, block):
+def block_mean(x, valid, block):
   """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions."""
   b, n, h, d = x.shape
   nb = cdiv(n, block)
@@ -173,14 +173,17 @@ def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_s
     (1, 2, 7, 4)
   """
   check_selection_args(block_size, q_block_size, 1, 0, 0)
-  b, q_len, kv_len, hq, hk = check_qkv(q, k, k)
+  b, q_len, kv_len, _, _ = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, b, q_len, kv_len)
-  d = q.shape[-1]
   qv = None if segment_ids is None else segment_ids != 0
   kv = None if kv_segment_ids is None else kv_segment_ids != 0
-  qbar = _block_mean(q, qv, q_block_size)                        # [b, nq, hq, d]
-  kbar = _block_mean(k, kv, block_size)                          # [b, nk, hk, d]
-  qsum = qbar.reshape(b, qbar.shape[1], hk, hq // hk, d).sum(3)  # [b, nq, hk, d]
+  return pooled_scores(block_mean(q, qv, q_block_size), block_mean(k, kv, block_size))
+
+
+def pooled_scores(qbar, kbar):
+  """``block_scores`` of pooled queries [b, nq, hq, d] and keys [b, nk, hk, d] (fp32)."""
+  b, nq, hq, d = qbar.shape
+  qsum = qbar.reshape(b, nq, kbar.shape[2], -1, d).sum(3)        # [b, nq, hk, d]
   return jnp.einsum("bihd,bjhd->bhij", qsum, kbar, precision=_HIGHEST)
 
 
@@ -313,8 +316,10 @@ def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size):
 
 
 def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
-                 top_k, seg_ok, scores, doc_start=None):
+                 top_k, seg_ok, scores, doc_start=None, rows=None):
   """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
+
+  rows: None, or int [n] the query blocks of rank's n rows (>= nq: padding, nothing kept).
 
   seg_ok: None or bool [b, nq, nk] (``segment_overlap``). doc_start: None (initial blocks
   0 .. num_init-1) or int32 [b, nq] (``doc_start_blocks``: initial blocks doc_start[b, i] ..
@@ -331,6 +336,10 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
   cand, vis, fidx = candidates(b, hk, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
                                 block_size=block_size, causal=causal, num_init=num_init,
                                 num_local=num_local, seg_ok=seg_ok, doc_start=doc_start)
+  if rows is not None:
+    ok = (rows < cdiv(q_len, q_block_size))[:, None]
+    take = lambda x: jnp.take(x, jnp.minimum(rows, cdiv(q_len, q_block_size) - 1), axis=2)
+    cand, vis, fidx = take(cand) & ok, take(vis) & ok, jnp.where(ok, take(fidx), -1)
   k_eff = min(top_k, nk)
   cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
   by_sort = functools.partial(_selected_lists_by_sort, k=k_eff, max_sel=max_sel)
