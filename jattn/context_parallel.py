@@ -34,8 +34,8 @@ from jattn._validate import check_qkv, check_segments
 from jattn.attention import flash_attention
 from jattn.decode import decode_attention
 from jattn.merge import merge, merge_partials
+from jattn.sparse import selection as sel_ops
 from jattn.sparse.attention import block_sparse_attention
-from jattn.sparse.selection import BlockSelection, block_mean, cdiv, pooled_scores, select_lists
 from pallas_kernels.masks import normalize_window
 
 __all__ = ["ContextParallelPlan", "PairCall", "context_parallel_attention",
@@ -314,9 +314,9 @@ def _run_call(call, kern, q, k, v, qs, ks, sel=None):
   (the pair's :class:`BlockSelection`, whole chunks) the block-sparse kernel."""
   cq = q.shape[1]
   sl = lambda x, s0, n: None if x is None else jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)
-  opts = dict(segment_ids=sl(qs, call.q0, call.nq), kv_segment_ids=sl(ks, call.k0, call.nk),
-              scale=kern.scale, return_lse=True, implementation=kern.implementation,
-              interpret=kern.interpret)
+  opts = {"segment_ids": sl(qs, call.q0, call.nq), "kv_segment_ids": sl(ks, call.k0, call.nk),
+          "scale": kern.scale, "return_lse": True, "implementation": kern.implementation,
+          "interpret": kern.interpret}
   if sel is not None:
     out, lse = block_sparse_attention(q, k, v, sel, causal=call.causal, **opts)
   else:
@@ -381,7 +381,7 @@ def _pair_selection(plan, kern, sel, d, i, a, b):
   ix = jnp.sort(jnp.where((ix >= 0) & (ix < nk), ix, nk), axis=-1)[..., :min(nk, ix.shape[-1])]
   ix = jnp.where(ix < nk, ix, -1)
   counts = jnp.sum(ix >= 0, axis=-1, dtype=jnp.int32)
-  return BlockSelection(ix, counts, counts, None, bs, qbs, plan.q_chunk, plan.kv_chunk)
+  return sel_ops.BlockSelection(ix, counts, counts, None, bs, qbs, plan.q_chunk, plan.kv_chunk)
 
 
 def _chunks(x, m):
@@ -702,16 +702,16 @@ def _local_selection(plan, kern, axis_name, n, rule, q, k):
   ids, d = shard_chunks(p, plan.layout), jax.lax.axis_index(axis_name)
   real = jnp.asarray(layout_positions(n, p, plan.layout).reshape(p, -1) >= 0)[d]
   real = jnp.broadcast_to(real, q.shape[:2])                        # [B, local len]
-  pool = lambda x, size: block_mean(jax.lax.stop_gradient(x), real, size)
+  pool = lambda x, size: sel_ops.block_mean(jax.lax.stop_gradient(x), real, size)
   kbar = jax.lax.all_gather(pool(k, bs), axis_name, axis=1, tiled=True)   # device-major blocks
   nkc, nqc = plan.kv_chunk // bs, plan.q_chunk // qbs
   order = (np.argsort(ids.reshape(-1))[:, None] * nkc + np.arange(nkc)).reshape(-1)
-  rank = pooled_scores(pool(q, qbs), jnp.take(kbar, order[:cdiv(n, bs)], axis=1))
+  rank = sel_ops.pooled_scores(pool(q, qbs), jnp.take(kbar, order[:-(-n // bs)], axis=1))
   rows = jnp.asarray((ids[:, :, None] * nqc + np.arange(nqc)).reshape(p, -1))[d]
   causal, top_k, num_init, num_local = rule
-  return select_lists(rank, q_len=n, kv_len=n, q_block_size=qbs, block_size=bs, causal=causal,
-                      num_init=num_init, num_local=num_local, top_k=top_k, seg_ok=None,
-                      scores=None, rows=rows).indices
+  return sel_ops.select_lists(rank, q_len=n, kv_len=n, q_block_size=qbs, block_size=bs,
+                              causal=causal, num_init=num_init, num_local=num_local, top_k=top_k,
+                              seg_ok=None, scores=None, rows=rows).indices
 
 
 def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, top_k, causal,

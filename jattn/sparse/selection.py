@@ -182,7 +182,7 @@ def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_s
 
 def pooled_scores(qbar, kbar):
   """``block_scores`` of pooled queries [b, nq, hq, d] and keys [b, nk, hk, d] (fp32)."""
-  b, nq, hq, d = qbar.shape
+  b, nq, _, d = qbar.shape
   qsum = qbar.reshape(b, nq, kbar.shape[2], -1, d).sum(3)        # [b, nq, hk, d]
   return jnp.einsum("bihd,bjhd->bhij", qsum, kbar, precision=_HIGHEST)
 
