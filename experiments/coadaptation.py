@@ -336,8 +336,9 @@ def _gate_name(gate):
   raise ValueError(f"gate_grad {gate!r} not supported by LayerSpec (accepts {accepted})")
 
 
-def model_config(preset, layers):
-  """The ``jattn.nn.TransformerConfig`` for ``preset`` with the given layer specs."""
+def model_config(preset, layers, context_mesh=None):
+  """The ``jattn.nn.TransformerConfig`` for ``preset`` with the given layer specs (attention
+  context-parallel over ``context_mesh``'s "seq" axis when given)."""
   import jax.numpy as jnp
   from jattn.nn import TransformerConfig
   vocab = preset.task_config().vocab.size
@@ -349,7 +350,9 @@ def model_config(preset, layers):
   dtype = None if preset.compute_dtype is None else jnp.dtype(preset.compute_dtype)
   return TransformerConfig(**kwargs, implementation=preset.implementation,
                            interpret=preset.interpret,
-                           param_dtype=jnp.dtype(preset.param_dtype), dtype=dtype)
+                           param_dtype=jnp.dtype(preset.param_dtype), dtype=dtype,
+                           context_mesh=context_mesh,
+                           context_axis=None if context_mesh is None else "seq")
 
 
 def dry_run_preset(preset):
@@ -376,11 +379,12 @@ def dry_run_preset(preset):
       implementation="triton", interpret=True)
 
 
-def build_model(preset, variant, seed):
-  """A freshly initialised ``jattn.nn.Transformer`` for a variant (parameters from ``seed``)."""
+def build_model(preset, variant, seed, context_mesh=None):
+  """A freshly initialised ``jattn.nn.Transformer`` for a variant (parameters from ``seed``;
+  context-parallel over ``context_mesh``'s "seq" axis when given)."""
   from flax import nnx
   from jattn.nn import Transformer
-  return Transformer(model_config(preset, variant_layers(preset, variant)),
+  return Transformer(model_config(preset, variant_layers(preset, variant), context_mesh),
                      rngs=nnx.Rngs(seed))
 
 
@@ -400,9 +404,11 @@ class Context:
   Args:
     preset: a ``Preset``.
     devices: devices for the data-parallel mesh (default: all).
+    context_parallel: devices each training sequence is split over (zig-zag layout; the batch
+      is split over the rest); evaluation, analysis and decode run the unsharded model.
   """
 
-  def __init__(self, preset, devices=None):
+  def __init__(self, preset, devices=None, context_parallel=1):
     from experiments import data
     from experiments.train_lib import make_mesh
     self.preset = preset
@@ -412,15 +418,49 @@ class Context:
     self.eval_retrieval, self.eval_text = data.eval_sets(
         self.task, self.heldout_text, num_retrieval=preset.eval_retrieval,
         num_text=preset.eval_text, seed=10_007)
-    self.mesh = make_mesh(devices)
+    self.mesh = make_mesh(devices, context_parallel)
+    self.context_parallel = context_parallel
     self.load_s = time.perf_counter() - t0
 
   def stream(self, seed):
-    """The training stream of a seed (identical for every variant of that seed)."""
+    """The training stream of a seed (identical for every variant of that seed; with context
+    parallelism its token arrays come in zig-zag order, which a token-wise loss ignores)."""
     from experiments import data
     p = self.preset
-    return data.TrainStream(self.task, self.train_text, p.batch_size, p.steps, seed,
-                            data.Curriculum(p.curriculum_start, p.curriculum_ramp))
+    stream = data.TrainStream(self.task, self.train_text, p.batch_size, p.steps, seed,
+                              data.Curriculum(p.curriculum_start, p.curriculum_ramp))
+    return stream if self.context_parallel == 1 else ZigzagStream(stream, self.context_parallel)
+
+
+class ZigzagStream:
+  """A training stream whose [batch, seq] arrays come permuted into the zig-zag layout of
+  ``num_shards`` sequence shards (``jattn.context_parallel_permute``), for context parallelism.
+
+  Args:
+    stream: the stream (``batch(step)``, ``state(step)``, ``span(step)``).
+    num_shards: devices each sequence is split over.
+
+  Example:
+    >>> class S:
+    ...   def batch(self, step): return {"inputs": np.arange(8)[None]}
+    >>> ZigzagStream(S(), 2).batch(0)["inputs"].tolist()
+    [[0, 1, 6, 7, 2, 3, 4, 5]]
+  """
+
+  def __init__(self, stream, num_shards):
+    self.stream, self.num_shards = stream, num_shards
+
+  def batch(self, step):
+    from jattn.context_parallel import layout_positions
+    b = dict(self.stream.batch(step))
+    for k, v in b.items():
+      if np.ndim(v) == 2:
+        pos = layout_positions(v.shape[1], self.num_shards, "zigzag")
+        b[k] = np.asarray(v)[:, pos[pos >= 0]]
+    return b
+
+  def __getattr__(self, name):   # state, span, ...
+    return getattr(self.stream, name)
 
 
 def _opt(preset):
@@ -485,9 +525,11 @@ def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True, de
   Returns:
     (trainer, finished: bool).
   """
+  from flax import nnx
+
   from experiments.train_lib import Trainer
   p = ctx.preset
-  model = build_model(p, variant, seed)
+  model = build_model(p, variant, seed, ctx.mesh if ctx.context_parallel > 1 else None)
   trainer = Trainer(model, _opt(p), mesh=ctx.mesh, seed=seed, use_segments=uses_segments(variant),
                     compute_dtype=p.compute_dtype)
   finished = trainer.fit(ctx.stream(seed), p.steps, ckpt_dir=os.path.join(run_dir, "ckpt"),
@@ -496,6 +538,8 @@ def train_run(ctx, variant, seed, run_dir, *, stop_after=None, progress=True, de
                          extra_record={"variant": variant, "seed": seed, "preset": p.name},
                          deadline=deadline,
                          config=dict(experiment_config(p), variant=variant, seed=seed))
+  if ctx.context_parallel > 1:   # evaluation, analysis and decode: the unsharded model
+    trainer.use_graphdef(nnx.graphdef(build_model(p, variant, seed)))
   return trainer, finished
 
 
@@ -867,7 +911,8 @@ def finish_run(ctx, variant, seed, run_dir, trainer, *, retrieval_head=None):
 
 
 def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=None,
-                   progress=True, devices=None, log=print, on_row=None, deadline=None):
+                   progress=True, devices=None, log=print, on_row=None, deadline=None,
+                   context_parallel=1):
   """Train, evaluate and analyse every (variant, seed); resumable.
 
   Finished runs (``runs/<variant>_s<seed>/result.json``) are loaded, not redone; an unfinished
@@ -885,6 +930,7 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=Non
     log: print function.
     on_row: optional callback ``on_row(rows)`` after every finished run (partial results).
     deadline: ``time.monotonic()`` after which training stops (checkpointed).
+    context_parallel: devices each training sequence is split over (``Context``).
 
   Returns:
     (rows, finished): the result rows and whether every run completed.
@@ -894,9 +940,10 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=Non
   if any(v in POSTHOC for v in variants) and "full" not in variants:
     raise ValueError("post-hoc variants prune the full model: include 'full' in variants")
   seeds = preset.seeds if seeds is None else seeds
-  ctx = Context(preset, devices)
+  ctx = Context(preset, devices, context_parallel)
   log(f"[coadaptation] preset={preset.name} task={preset.task} seq_len={preset.seq_len}"
-      f" devices={ctx.mesh.devices.size} top_k={sparse_top_k(preset)} block={preset.block_size}"
+      f" devices={ctx.mesh.devices.size} context_parallel={context_parallel}"
+      f" top_k={sparse_top_k(preset)} block={preset.block_size}"
       f" q_block={preset.q_block_size}")
   budget = stop_after
   rows = []
@@ -1463,6 +1510,9 @@ def main(argv=None):
                   help="seconds: stop training (checkpointed) once this much wall time has "
                        "passed and exit 3; rerun the same command to continue. Leave room for "
                        "one variant's evaluation (~1 min on the H200) below a hard limit")
+  ap.add_argument("--context-parallel", type=int, default=1, metavar="N",
+                  help="train with every sequence split over N devices (zig-zag layout) and the "
+                       "batch over the rest; the full and local/global variants")
   ap.add_argument("--dry-run", action="store_true",
                   help="CPU rehearsal: tiny sizes, Triton kernels in interpret mode (see "
                        "dry_run_preset)")
@@ -1486,6 +1536,16 @@ def main(argv=None):
   unknown = set(variants) - set(VARIANTS)
   if unknown:
     ap.error(f"unknown variants {sorted(unknown)}")
+  if args.context_parallel != 1:
+    import jax
+    if args.context_parallel < 1 or jax.device_count() % args.context_parallel:
+      ap.error(f"--context-parallel {args.context_parallel} must divide the "
+               f"{jax.device_count()} devices")
+    # sparse layers get packed segment ids, which their context-parallel path does not take,
+    # and CSA layers do not run context-parallel
+    bad = [v for v in variants if v in SPARSE_VARIANTS or v.startswith("csa")]
+    if bad:
+      ap.error(f"--context-parallel runs the full, post-hoc and local/global variants, not {bad}")
   from experiments.train_lib import ConfigMismatchError
   try:
     bind_output_dir(args.out, preset)
@@ -1504,7 +1564,8 @@ def main(argv=None):
   try:
     rows, finished = run_experiment(preset, args.out, seeds=args.seeds, variants=variants,
                                     stop_after=args.stop_after, progress=not args.no_progress,
-                                    on_row=on_row, deadline=deadline)
+                                    on_row=on_row, deadline=deadline,
+                                    context_parallel=args.context_parallel)
   except BaselineNotSolved as e:
     print(f"[coadaptation] stopped: {e}", file=sys.stderr)
     return 4

@@ -90,21 +90,28 @@ def make_optimizer(cfg: OptimConfig):
   return optax.chain(*parts), sched
 
 
-def make_mesh(devices=None) -> Mesh:
-  """A 1-D data-parallel mesh with axis name ``"data"``.
+def make_mesh(devices=None, context_parallel=1) -> Mesh:
+  """A data-parallel mesh with axis name ``"data"`` (and ``"seq"`` for context parallelism).
 
   Args:
     devices: devices to use; default ``jax.devices()`` (every visible device).
+    context_parallel: devices each sequence is split over (axis ``"seq"``); the batch is split
+      over the rest. 1: a 1-D data-parallel mesh.
 
   Returns:
-    ``jax.sharding.Mesh`` of shape (num_devices,).
+    ``jax.sharding.Mesh`` of shape (num_devices,), or (num_devices // n, n) with axes
+    ("data", "seq").
 
   Example:
     >>> make_mesh().axis_names
     ('data',)
   """
   devices = list(jax.devices() if devices is None else devices)
-  return Mesh(np.array(devices), ("data",))
+  if context_parallel == 1:
+    return Mesh(np.array(devices), ("data",))
+  if context_parallel < 1 or len(devices) % context_parallel:
+    raise ValueError(f"context_parallel={context_parallel} must divide the {len(devices)} devices")
+  return Mesh(np.array(devices).reshape(-1, context_parallel), ("data", "seq"))
 
 
 def shard_batch(batch: dict, mesh: Mesh) -> dict:
@@ -122,7 +129,7 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
     >>> b["inputs"].shape
     (2, 4)
   """
-  n = mesh.devices.size
+  n = mesh.shape["data"]
   out = {}
   for k, v in batch.items():
     if v.shape[0] % n:
@@ -402,7 +409,8 @@ class Trainer:
     self.tx, self.schedule = make_optimizer(opt)
     self.use_segments = use_segments
     self.call_kwargs = dict(call_kwargs or {})
-    self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    self.use_graphdef(graphdef)
     repl = NamedSharding(self.mesh, P())
     self._repl = repl
     self.params = jax.device_put(params, repl)
@@ -412,12 +420,16 @@ class Trainer:
     self.config, self.fingerprint = None, None
     self.base_key = jax.random.key(seed)
     self.curves = {"step": [], "loss": [], "answer_acc": [], "lr": [], "span": [], "time_s": []}
-    self._train_step = functools.partial(
-        _train_step, self.graphdef, self.tx, self.use_segments, self.compute_dtype,
-        tuple(sorted(self.call_kwargs.items())), self.mesh)
-    self._eval_fn = functools.partial(
-        _eval_step, self.graphdef, self.use_segments, self.compute_dtype,
-        tuple(sorted(self.call_kwargs.items())), self.mesh)
+
+  def use_graphdef(self, graphdef):
+    """Run the later steps, evaluations and ``model()`` with ``graphdef``: the same parameters in
+    another graph (e.g. the unsharded model after context-parallel training)."""
+    self.graphdef = graphdef
+    kw = tuple(sorted(self.call_kwargs.items()))
+    self._train_step = functools.partial(_train_step, graphdef, self.tx, self.use_segments,
+                                         self.compute_dtype, kw, self.mesh)
+    self._eval_fn = functools.partial(_eval_step, graphdef, self.use_segments,
+                                      self.compute_dtype, kw, self.mesh)
 
   # -- model calls -------------------------------------------------------------------------------
   def cast(self, params):
@@ -597,7 +609,7 @@ class Trainer:
       fn = functools.partial(_eval_step, graphdef, self.use_segments, self.compute_dtype,
                              tuple(sorted(self.call_kwargs.items())), self.mesh)
     n = batch["inputs"].shape[0]
-    dev = self.mesh.devices.size
+    dev = self.mesh.shape["data"]
     chunk = max(dev, chunk // dev * dev)
     tot = None
     for i in range(0, n, chunk):
