@@ -122,7 +122,8 @@ def test_on_8_cpu_devices(request):
   skipped = re.search(r"(\d+) skipped", proc.stdout)
   assert " passed" in proc.stdout, proc.stdout[-2000:]
   assert (int(skipped.group(1)) if skipped else 0) == (
-      0 if request.config.getoption("--run-slow") else len(SLOW)), proc.stdout[-2000:]
+      0 if request.config.getoption("--run-slow") else len(SLOW) + len(SPARSE_SLOW)), (
+          proc.stdout[-2000:])
 
 
 # ----------------------------------------------------------------------------- 8 devices
@@ -211,6 +212,8 @@ def test_eight_matches_single_device_more(name):
 
 SPARSE = {   # 100 tokens: chunks of 7 (zigzag, 16 chunks) or 13 (contiguous, 8), padded at the end
     "zigzag_per_token": {"layout": "zigzag", "block_size": 7, "q_block_size": 1, "top_k": 2},
+}
+SPARSE_SLOW = {
     "contiguous_blocks": {"layout": "contiguous", "block_size": 13, "q_block_size": 13,
                           "top_k": 1, "num_init_blocks": 0, "causal": False},
 }
@@ -219,8 +222,19 @@ SPARSE = {   # 100 tokens: chunks of 7 (zigzag, 16 chunks) or 13 (contiguous, 8)
 @eight
 @pytest.mark.parametrize("name", list(SPARSE))
 def test_eight_sparse_matches_single_device(name):
+  _check_sparse(SPARSE[name])
+
+
+@eight
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPARSE_SLOW))
+def test_eight_sparse_matches_single_device_more(name):
+  _check_sparse(SPARSE_SLOW[name])
+
+
+def _check_sparse(case):
   """Block-sparse ring (GQA): outputs, LSE and gradients equal one device's sparse_attention."""
-  opts = dict(SPARSE[name], implementation="xla", return_lse=True)
+  opts = dict(case, implementation="xla", return_lse=True)
   layout = opts.pop("layout")
   q, k, v, _, ct, ct_lse = _inputs(5, 2, 100, 100, 4, 2, 16, 8, 0)
   perm = functools.partial(cp.context_parallel_permute, num_shards=8, layout=layout)
@@ -246,16 +260,18 @@ def test_eight_sparse_matches_single_device(name):
 
 @eight
 def test_eight_sparse_skips_unselected_pairs(monkeypatch):
-  """Chunk pairs in which no row keeps a block never run; the plan counts the ones that do."""
+  """Contiguous layout: chunk pairs in which no row keeps a block never run, the plan counts
+  the ones that do, and the output equals one device's."""
   count = _count_calls(monkeypatch, "block_sparse_attention")
-  n, kw = 512, {"block_size": 16, "q_block_size": 32, "top_k": 1, "implementation": "xla"}
-  q, k, v, _, _, _ = _inputs(2, 1, n, n, 2, 1, 16, 16, 0)
-  _, sel = jattn.sparse_attention(q, k, v, return_selection=True, **kw)
-  perm = functools.partial(cp.context_parallel_permute, num_shards=8)
-  f = jax.jit(functools.partial(jattn.sparse_attention, mesh=_mesh(), axis_name="seq", **kw))
-  jax.block_until_ready(f(perm(q), perm(k), perm(v)))
-  plan = jattn.context_parallel_plan(n, n, 8, causal=True, selection=sel)
-  causal_calls = jattn.context_parallel_plan(n, n, 8, causal=True).kernel_calls
+  n, kw = 256, {"block_size": 16, "q_block_size": 32, "top_k": 1, "implementation": "xla"}
+  q, k, v, _, _, _ = _inputs(2, 1, n, n, 4, 2, 16, 16, 0)
+  ref, sel = jattn.sparse_attention(q, k, v, return_selection=True, **kw)
+  f = jax.jit(functools.partial(jattn.sparse_attention, mesh=_mesh(), axis_name="seq",
+                                layout="contiguous", **kw))
+  assert rel_err(f(q, k, v), ref) < 2e-3
+  plan = jattn.context_parallel_plan(n, n, 8, causal=True, layout="contiguous", selection=sel)
+  causal_calls = jattn.context_parallel_plan(n, n, 8, causal=True,
+                                             layout="contiguous").kernel_calls
   assert len(count) == plan.kernel_calls < causal_calls, (len(count), plan.kernel_calls)
 
 
