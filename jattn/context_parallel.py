@@ -272,6 +272,8 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   cq, ck = -(-q_len // n), -(-kv_len // n)
   live, runs = np.ones((n, n), bool), np.zeros(num_shards, bool)
   if selection is not None:   # [query chunk, key chunk]: some row keeps a block
+    if (selection.q_len, selection.kv_len) != (q_len, kv_len) or q_len != kv_len:
+      raise ValueError(f"selection must be made for (q_len, kv_len) = {(q_len, q_len)}")
     _check_blocks(cq, selection.block_size, selection.q_block_size)
     tm = np.asarray(selection.tile_mask()).any((0, 1))
     tm = np.pad(tm, ((0, n * cq // selection.q_block_size - tm.shape[0]),

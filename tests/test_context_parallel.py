@@ -105,6 +105,9 @@ def test_bad_arguments_raise():
     sparse(block_size=4, gate_grad="ste")
   with pytest.raises(ValueError, match="axis_name"):
     jattn.sparse_attention(x, x, x, mesh=mesh, block_size=4, top_k=1)
+  sel = jattn.select_blocks(x, x, block_size=4, q_block_size=4, top_k=1)
+  with pytest.raises(ValueError, match="selection"):
+    jattn.context_parallel_plan(32, 32, 1, causal=True, selection=sel)   # made for 16 tokens
 
 
 def test_on_8_cpu_devices(request):
