@@ -108,6 +108,12 @@ def test_bad_arguments_raise():
   sel = jattn.select_blocks(x, x, block_size=4, q_block_size=4, top_k=1)
   with pytest.raises(ValueError, match="selection"):
     jattn.context_parallel_plan(32, 32, 1, causal=True, selection=sel)   # made for 16 tokens
+  from flax import nnx
+
+  from jattn.nn import Attention, LayerSpec
+  with pytest.raises(ValueError, match="csa"):
+    Attention(16, 2, 2, 8, LayerSpec("csa", top_k=2, window=4), context_mesh=mesh,
+              context_axis="seq", rngs=nnx.Rngs(0))
 
 
 def test_on_8_cpu_devices(request):
