@@ -1512,7 +1512,7 @@ def main(argv=None):
                        "one variant's evaluation (~1 min on the H200) below a hard limit")
   ap.add_argument("--context-parallel", type=int, default=1, metavar="N",
                   help="train with every sequence split over N devices (zig-zag layout) and the "
-                       "batch over the rest; the full and local/global variants")
+                       "batch over the rest; the full, sparse_none and local/global variants")
   ap.add_argument("--dry-run", action="store_true",
                   help="CPU rehearsal: tiny sizes, Triton kernels in interpret mode (see "
                        "dry_run_preset)")
@@ -1541,11 +1541,13 @@ def main(argv=None):
     if args.context_parallel < 1 or jax.device_count() % args.context_parallel:
       ap.error(f"--context-parallel {args.context_parallel} must divide the "
                f"{jax.device_count()} devices")
-    # sparse layers get packed segment ids, which their context-parallel path does not take,
-    # and CSA layers do not run context-parallel
-    bad = [v for v in variants if v in SPARSE_VARIANTS or v.startswith("csa")]
+    # context-parallel sparse layers take hard top-K only (no gate gradient or distillation);
+    # CSA layers do not run context-parallel
+    bad = [v for v in variants
+           if (v in SPARSE_VARIANTS and v != "sparse_none") or v.startswith("csa")]
     if bad:
-      ap.error(f"--context-parallel runs the full, post-hoc and local/global variants, not {bad}")
+      ap.error(f"--context-parallel runs the full, post-hoc, sparse_none and local/global "
+               f"variants, not {bad}")
   from experiments.train_lib import ConfigMismatchError
   try:
     bind_output_dir(args.out, preset)

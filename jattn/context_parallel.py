@@ -289,8 +289,7 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
       for a, qi in enumerate(ids[qd]):
         for b, ki in enumerate(ids[kd]):
           call = pair_call(kv_len - q_len + qi * cq - ki * ck, cq, ck, causal, window)
-          if call is not None:
-            runs[r] = True
+          runs[r] |= call is not None
           if call is not None and live[qi, ki]:
             table[d, r, a, b] = index.setdefault(call, len(calls) + 1)
             if len(calls) < len(index):
@@ -696,34 +695,39 @@ def _check_blocks(chunk, block_size, q_block_size):
                        f"length over the chunks, rounded up): blocks may not straddle chunks")
 
 
-def _local_selection(plan, kern, axis_name, n, rule, q, k):
-  """This device's rows of the whole sequence's block selection: int32 [B, Hk, local query
-  blocks, max_selected] of global key block ids (its pooled queries against every device's
-  pooled keys, all-gathered: one vector per key block and kv head)."""
+def _local_selection(plan, kern, axis_name, n, rule, q, k, qs, ks):
+  """This device's rows (int32 [B, Hk, q blocks, n], global key block ids) of the selection on
+  all-gathered per-block data: pooled keys (and, with documents, id ranges)."""
   (bs, qbs), p = kern.blocks, plan.num_shards
   ids, d = shard_chunks(p, plan.layout), jax.lax.axis_index(axis_name)
   real = jnp.asarray(layout_positions(n, p, plan.layout).reshape(p, -1) >= 0)[d]
-  real = jnp.broadcast_to(real, q.shape[:2])                        # [B, local len]
-  pool = lambda x, size: sel_ops.block_mean(jax.lax.stop_gradient(x), real, size)
-  kbar = jax.lax.all_gather(pool(k, bs), axis_name, axis=1, tiled=True)   # device-major blocks
-  nkc, nqc = plan.kv_chunk // bs, plan.q_chunk // qbs
-  order = (np.argsort(ids.reshape(-1))[:, None] * nkc + np.arange(nkc)).reshape(-1)
-  rank = sel_ops.pooled_scores(pool(q, qbs), jnp.take(kbar, order[:-(-n // bs)], axis=1))
-  rows = jnp.asarray((ids[:, :, None] * nqc + np.arange(nqc)).reshape(p, -1))[d]
-  causal, top_k, num_init, num_local = rule
+  pool = lambda x, s, size: sel_ops.block_mean(jax.lax.stop_gradient(x), (
+      jnp.broadcast_to(real, x.shape[:2]) if s is None else s != 0), size)
+
+  def whole(x, size):   # per-block [B, local blocks] of every device -> global block order
+    c = plan.q_chunk // size
+    order = (np.argsort(ids.reshape(-1))[:, None] * c + np.arange(c)).reshape(-1)[:-(-n // size)]
+    return jnp.take(jax.lax.all_gather(x, axis_name, axis=1, tiled=True), order, axis=1)
+  rank = sel_ops.pooled_scores(pool(q, qs, qbs), whole(pool(k, ks, bs), bs))
+  rows = jnp.asarray((ids[:, :, None] * (plan.q_chunk // qbs) + np.arange(plan.q_chunk // qbs))
+                     .reshape(p, -1))[d]
+  causal, top_k, num_init, num_local, docs = rule
+  seg = {"seg_ok": None, "doc_start": None}
+  if docs:
+    r = tuple(tuple(whole(x, b) for x in sel_ops.segment_ranges(s, b)) for s, b in ((qs, qbs),
+                                                                                     (ks, bs)))
+    seg = {"seg_ok": sel_ops.segment_overlap(None, None, qbs, bs, ranges=r),
+           "doc_start": sel_ops.doc_start_blocks(None, None, qbs, bs, ranges=r)}
   return sel_ops.select_lists(rank, q_len=n, kv_len=n, q_block_size=qbs, block_size=bs,
                               causal=causal, num_init=num_init, num_local=num_local, top_k=top_k,
-                              seg_ok=None, scores=None, rows=rows).indices
+                              scores=None, rows=rows, **seg).indices
 
 
 def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, top_k, causal,
-                 num_init_blocks, num_local_blocks, scale, implementation, interpret):
-  """``jattn.sparse_attention(..., mesh=, axis_name=)`` (validated there): (out, lse [B, H, L]).
-
-  Every device selects for its query blocks on the whole sequence's block scores (its pooled
-  queries against the all-gathered pooled keys), then a ring of block-sparse chunk-pair kernels
-  attends; a pair in which no row keeps a block is skipped at run time.
-  """
+                 num_init_blocks, num_local_blocks, segment_ids, kv_segment_ids, scale,
+                 implementation, interpret):
+  """``jattn.sparse_attention(..., mesh=, axis_name=)`` (validated there): (out, lse [B, H, L]),
+  a ring of block-sparse chunk-pair kernels on each device's rows of the selection."""
   n = q.shape[1]
   if k.shape[1] != n:
     raise ValueError(f"sparse_attention with a mesh needs q_len == kv_len, got {n}, {k.shape[1]}")
@@ -731,12 +735,12 @@ def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, 
   _check_blocks(plan.q_chunk, block_size, q_block_size)
   kern = dataclasses.replace(_kernel(q, scale, None, implementation, interpret),
                              blocks=(block_size, q_block_size))
-  rule = (causal, top_k, num_init_blocks, num_local_blocks)
+  rule = (causal, top_k, num_init_blocks, num_local_blocks, segment_ids is not None)
 
   def local(q, k, v, qs, ks):
-    sel = _local_selection(plan, kern, axis_name, n, rule, q, k)
+    sel = _local_selection(plan, kern, axis_name, n, rule, q, k, qs, ks)
     return _ring(plan, kern, axis_name, q, k, v, qs, ks, sel)
-  return _on_mesh(mesh, axis_name, plan, local, q, k, v, None, None, causal)
+  return _on_mesh(mesh, axis_name, plan, local, q, k, v, segment_ids, kv_segment_ids, causal)
 
 
 def context_parallel_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, axis_name,

@@ -337,7 +337,7 @@ def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   n = seg.shape[1]
   nq, nk = -(-n // qbs), -(-n // bs)
   segj = jnp.asarray(seg)
-  lo, hi = (np.asarray(x) for x in sp.selection._segment_ranges(segj, bs))
+  lo, hi = (np.asarray(x) for x in sp.selection.segment_ranges(segj, bs))
   elo, ehi = _block_ranges_np(seg, bs)
   np.testing.assert_array_equal(lo, elo)
   np.testing.assert_array_equal(hi, ehi)

@@ -118,8 +118,9 @@ class Attention(nnx.Module):
     kv_cache_layout: "nhd" (default) or "hnd" (head-major K/V caches; not MLA or "csa").
     context_mesh, context_axis: None, or a mesh and the axis the sequence is split over: the
       forward pass runs ``jattn.context_parallel_attention`` ("global"/"local" layers) or
-      ``jattn.sparse_attention(..., mesh=...)`` ("sparse", gate_grad "none") on sequences in
-      zig-zag order (``jattn.context_parallel_permute``; default positions are the permuted ones).
+      ``jattn.sparse_attention(..., mesh=...)`` ("sparse", gate "none", no distillation) on
+      sequences in zig-zag order (``jattn.context_parallel_permute``; default positions are the
+      permuted ones).
     param_dtype: parameter dtype.
     dtype: computation dtype of the projections (None: from the inputs/params).
     rngs: ``nnx.Rngs`` (keyword-only); ``gate_grad="gumbel"`` layers draw noise from it.

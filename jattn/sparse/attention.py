@@ -317,7 +317,7 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   kernels attends, skipping the pairs in which no row keeps a block. The result equals the
   single-device call, permuted. It needs q_len == kv_len, block sizes that divide the chunk
   length (``ceil(len / (m P))``, m = 2 chunks per device for "zigzag", 1 "contiguous"),
-  gate_grad "none", no segment ids, no score distillation and no ``return_selection``.
+  gate_grad "none", no score distillation and no ``return_selection``.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -376,7 +376,6 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     from jattn.context_parallel import _sparse_ring
     for name, bad in (("mesh", mesh is None), ("axis_name", axis_name is None),
                       ("gate_grad", gate_grad != "none"), ("score_aux_weight", score_aux_weight),
-                      ("segment_ids", segment_ids is not None),
                       ("return_selection", return_selection)):
       if bad:
         raise ValueError(f"{name}={locals()[name]!r} is not supported by the context-parallel "
@@ -385,7 +384,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
         q, k, v, mesh=mesh, axis_name=axis_name, layout=layout, block_size=int(block_size),
         q_block_size=int(q_block_size), top_k=int(top_k), causal=bool(causal),
         num_init_blocks=int(num_init_blocks), num_local_blocks=int(num_local_blocks),
-        scale=scale, implementation=implementation, interpret=interpret)
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+        implementation=implementation, interpret=interpret)
     return (out, lse) if return_lse else out
   plan = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
                            causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,

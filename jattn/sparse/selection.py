@@ -262,7 +262,7 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
   return visible, cand, jnp.concatenate(parts, axis=1).astype(jnp.int32)
 
 
-def _segment_ranges(seg, block):
+def segment_ranges(seg, block):
   """Per-block (min nonzero id, max nonzero id) of seg [b, n] (positions past n are padding).
 
   Every nonzero id, negative ones included, is a document; only 0 is padding (as in
@@ -277,24 +277,26 @@ def _segment_ranges(seg, block):
           jnp.max(jnp.where(real, s, _INT_MIN), -1))
 
 
-def segment_overlap(q_seg, kv_seg, q_block_size, block_size):
+def segment_overlap(q_seg, kv_seg, q_block_size, block_size, ranges=None):
   """bool [b, nq, nk]: query block i and key block j both hold a nonzero id and their nonzero id
-  ranges intersect.
+  ranges intersect. ``ranges``: None, or the blocks' ``segment_ranges`` ((q min, q max), (k min,
+  k max)) instead of the ids.
 
   Exact for packed sequences (nonzero ids non-decreasing along the sequence); for other layouts
   it may keep a block without a common id (harmless: the element mask still applies).
   """
-  qmn, qmx = _segment_ranges(q_seg, q_block_size)
-  kmn, kmx = _segment_ranges(kv_seg, block_size)
+  (qmn, qmx), (kmn, kmx) = ranges or (segment_ranges(q_seg, q_block_size),
+                                      segment_ranges(kv_seg, block_size))
   qmn, qmx = qmn[:, :, None], qmx[:, :, None]
   kmn, kmx = kmn[:, None, :], kmx[:, None, :]
   return (qmn <= qmx) & (kmn <= kmx) & (qmn <= kmx) & (kmn <= qmx)
 
 
-def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size):
-  """int32 [b, nq]: the key block holding the first key of query block i's document.
+def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size, ranges=None):
+  """int32 [b, nq]: the key block holding the first key of query block i's document
+  (``ranges``: as for ``segment_overlap``).
 
-  The document of query block i is its minimum nonzero id d (as in ``_segment_ranges``; any
+  The document of query block i is its minimum nonzero id d (as in ``segment_ranges``; any
   nonzero id, negative ones included). Its first key block is the first key block j whose running
   maximum nonzero id, over kv_seg[:(j+1)*bs], reaches d: a cumulative max over the per-block
   maxima (an all-padding block counts as INT32_MIN, so padding never raises it) and one binary
@@ -304,8 +306,8 @@ def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size):
   key. For other layouts it is some block holding an id >= d, or nk (no such block); the caller
   keeps it only if it is selectable, so the rule stays safe, only less useful.
   """
-  qmn, qmx = _segment_ranges(q_seg, q_block_size)                    # [b, nq]
-  kmn, kmx = _segment_ranges(kv_seg, block_size)                     # [b, nk]
+  (qmn, qmx), (kmn, kmx) = ranges or (segment_ranges(q_seg, q_block_size),   # [b, nq]
+                                      segment_ranges(kv_seg, block_size))     # [b, nk]
   nk = kmx.shape[1]
   reach = jax.lax.cummax(kmx, axis=1)                                # [b, nk], non-decreasing
   start = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(reach, qmn)
