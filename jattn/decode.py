@@ -27,8 +27,7 @@ from jattn import _layout
 from jattn import decode_serving as _serve
 from jattn._plan import Plan
 from jattn._validate import (as_array, as_int32, check_flags, check_float, check_int,
-                             check_lengths,
-                             check_nonempty, check_range, check_scale_and_cap, is_traced)
+                             check_lengths, check_nonempty, check_range, check_scale_and_cap)
 from pallas_kernels import compat
 from pallas_kernels.common.merge import merge_partials, merge_partials_pallas
 from pallas_kernels.decode import reference as _ref

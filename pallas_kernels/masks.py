@@ -36,8 +36,8 @@ def normalize_window(local_window_size):
     w = (int(local_window_size), int(local_window_size))
   else:
     try:
-      w = tuple(None if s is None else operator.index(s) for s in local_window_size)
-      left, right = w   # ints or None: a float (NaN included) is refused
+      left, right = local_window_size   # each an int or None: a float (NaN included) is refused
+      w = tuple(None if s is None else operator.index(s) for s in (left, right))
     except (TypeError, ValueError):
       raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got "
                       f"{local_window_size!r}")
