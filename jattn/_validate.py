@@ -28,10 +28,28 @@ def check_implementation(implementation, allowed=IMPLEMENTATIONS):
     raise ValueError(f"unknown implementation {implementation!r}; expected None or one of {allowed}")
 
 
+def as_array(name, x):
+  """x as is when traced or a jax array, else as numpy (integers keep their width for the range
+  checks); TypeError naming ``name`` unless it holds numbers."""
+  if is_traced(x) or isinstance(x, jax.Array):
+    return x
+  if (x := np.asarray(x)).dtype.kind not in "biuf":
+    raise TypeError(f"{name} must be an array of numbers, got {x.dtype}")
+  return x
+
+
+def check_int(name, x, lo=1):
+  """Raise ValueError unless x is an int (not a bool) in [lo, 2**31 - 1]."""
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or not (
+      lo <= x <= _INT32.max):
+    raise ValueError(f"{name} must be an int in [{lo}, {_INT32.max}], got {x!r}")
+
+
 def check_float(name, x):
-  """Raise TypeError unless x has a floating dtype."""
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got {x.dtype}")
+  """Raise TypeError unless x is an array with a floating dtype."""
+  if not (hasattr(x, "shape") and jnp.issubdtype(getattr(x, "dtype", str), jnp.floating)):
+    raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}")
 
 
 def check_nonempty(**arrays):
@@ -66,22 +84,26 @@ def check_scale_and_cap(scale=None, logits_soft_cap=None):
   return tuple(out)
 
 
-def check_qkv(q, k, v):
-  """Validate [batch, seq, heads, head_dim] q/k/v; return (batch, q_len, kv_len, hq, hk)."""
-  for name, x in (("q", q), ("k", k), ("v", v)):
+def check_qkv(q, k, v, names=("q", "k", "v")):
+  """Validate [batch, seq, heads, head_dim] q/k/v (named ``names`` in errors); return (batch,
+  q_len, kv_len, hq, hk)."""
+  nq, nk, nv = names
+  for name, x in zip(names, (q, k, v)):
+    check_float(name, x)
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
-    check_float(name, x)
-  check_nonempty(q=q, k=k, v=v)
+  check_nonempty(**dict(zip(names, (q, k, v))))
   if not (q.shape[0] == k.shape[0] == v.shape[0]):
-    raise ValueError(f"batch sizes differ: q {q.shape}, k {k.shape}, v {v.shape}")
+    raise ValueError(f"batch sizes differ: {nq} {q.shape}, {nk} {k.shape}, {nv} {v.shape}")
   if q.shape[-1] != k.shape[-1]:
-    raise ValueError(f"q and k head_dim differ: q {q.shape}, k {k.shape}")
+    raise ValueError(f"{nq} and {nk} head_dim differ: {nq} {q.shape}, {nk} {k.shape}")
   if k.shape[:3] != v.shape[:3]:
-    raise ValueError(f"k and v must agree in batch, seq and heads: k {k.shape}, v {v.shape}")
+    raise ValueError(f"{nk} and {nv} must agree in batch, seq and heads: {nk} {k.shape}, {nv} "
+                     f"{v.shape}")
   hq, hk = q.shape[2], k.shape[2]
   if hq % hk != 0:
-    raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA")
+    raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA: {nq} "
+                     f"{q.shape}, {nk} {k.shape}")
   return q.shape[0], q.shape[1], k.shape[1], hq, hk
 
 
@@ -96,7 +118,7 @@ def as_int32(name, x):
       raise TypeError(f"{name} must be int32 (or narrower) under jax.jit, got {x.dtype}: a "
                       f"cast could merge distinct values")
     check_range(name, x, _INT32.min, _INT32.max)
-  return x if isinstance(x, jax.ShapeDtypeStruct) else x.astype(jnp.int32)
+  return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.asarray(x, jnp.int32)
 
 
 def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
@@ -109,6 +131,8 @@ def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
     if q_len != kv_len:
       raise ValueError("q_len != kv_len: pass kv_segment_ids along with segment_ids")
     kv_segment_ids = segment_ids
+  segment_ids, kv_segment_ids = as_array("segment_ids", segment_ids), as_array(
+      "kv_segment_ids", kv_segment_ids)
   if segment_ids.shape != (batch, q_len):
     raise ValueError(f"segment_ids must be [batch, q_len] = {(batch, q_len)}, got {segment_ids.shape}")
   if kv_segment_ids.shape != (batch, kv_len):
@@ -120,7 +144,7 @@ def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
 def check_lengths(name, lengths, batch, capacity=None):
   """int32 ``lengths`` of shape (batch,), checked in [0, capacity] when concrete (and inside
   :func:`debug_checks`); TypeError for a non-integer dtype."""
-  lengths = jnp.asarray(lengths) if not is_traced(lengths) else lengths
+  lengths = as_array(name, lengths)
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {lengths.shape}")
   lengths = as_int32(name, lengths)

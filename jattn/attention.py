@@ -29,8 +29,8 @@ import types
 import jax
 import jax.numpy as jnp
 
-from jattn._validate import (check_flags, check_implementation, check_qkv, check_scale_and_cap,
-                             check_segments)
+from jattn._validate import (as_array, check_flags, check_implementation, check_qkv,
+                             check_scale_and_cap, check_segments)
 from jattn._plan import Plan
 from pallas_kernels import tuning
 from pallas_kernels.block_schedule import make_schedule
@@ -286,6 +286,8 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
   check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   check_scale_and_cap(scale, logits_soft_cap)
   check_flags(causal=causal, return_lse=return_lse, interpret=interpret)
+  for name, x in (("mask", mask), ("bias", bias)):
+    broadcast_mask_or_bias(name, x, (batch, q.shape[2], q_len, kv_len))
   return resolve("flash", q, k, v, causal=causal, window=normalize_window(local_window_size),
                  segments=segment_ids is not None,
                  implementation=implementation, block_sizes=block_sizes, interpret=interpret,
@@ -429,7 +431,7 @@ def broadcast_mask_or_bias(name, x, full):
   """
   if x is None:
     return None
-  x = jnp.asarray(x)
+  x = as_array(name, x)
   if name == "mask" and x.dtype != jnp.bool_:
     raise TypeError(f"mask must be a bool array (True: visible), got {x.dtype}")
   if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
@@ -437,4 +439,6 @@ def broadcast_mask_or_bias(name, x, full):
   if x.ndim != 4 or any(n not in (1, f) for n, f in zip(x.shape, full)):
     raise ValueError(f"{name} must be 4-D and broadcastable to [batch, q_heads, q_len, kv_len] "
                      f"= {full} (each axis 1 or full), got shape {x.shape}")
+  if isinstance(x, jax.ShapeDtypeStruct):   # a plan's check: shapes only
+    return x
   return jnp.broadcast_to(x, x.shape[:2] + tuple(full[2:]))

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from jattn._validate import check_qkv, check_segments
+from jattn._validate import check_flags, check_int, check_qkv, check_segments
 from jattn.attention import flash_attention
 from jattn.decode import decode_attention
 from jattn.merge import merge, merge_partials
@@ -265,6 +265,9 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
     >>> p.shifts, p.kernel_calls   # own chunk and the previous device's: 4 + 3 calls
     ((0, 1), 7)
   """
+  for name, n in (("q_len", q_len), ("kv_len", kv_len), ("num_shards", num_shards)):
+    check_int(name, n)
+  check_flags(causal=causal)
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
   ids = shard_chunks(num_shards, layout)

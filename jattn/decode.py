@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jattn import _layout
 from jattn import decode_serving as _serve
 from jattn._plan import Plan
-from jattn._validate import (as_int32, check_flags, check_float, check_lengths, check_nonempty,
-                             check_range, check_scale_and_cap, is_traced)
+from jattn._validate import (as_array, as_int32, check_flags, check_float, check_int,
+                             check_lengths, check_nonempty, check_range, check_scale_and_cap)
 from pallas_kernels import compat
 from pallas_kernels.common.merge import merge_partials, merge_partials_pallas
 from pallas_kernels.decode import reference as _ref
@@ -124,10 +124,10 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
 
 # ----------------------------------------------------------------------------- validation
 def _check_common(q, k, v, *, cache_name):
+  for name, x in (("q", q), (f"k_{cache_name}", k), (f"v_{cache_name}", v)):
+    check_float(name, x)
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    check_float(name, x)
   if k.ndim != 4:
     raise ValueError(f"k_{cache_name} must be 4-D, got shape {k.shape}")
   if v.ndim != 4 or k.shape[:3] != v.shape[:3]:
@@ -137,7 +137,7 @@ def _check_common(q, k, v, *, cache_name):
     raise TypeError(f"k_{cache_name} and v_{cache_name} dtypes differ: {k.dtype} vs {v.dtype}")
   check_nonempty(q=q, **{f"k_{cache_name}": k, f"v_{cache_name}": v})
   if q.shape[-1] != k.shape[-1]:
-    raise ValueError(f"q and k head_dim differ: q {q.shape}, k {k.shape}")
+    raise ValueError(f"q and k_{cache_name} head_dim differ: q {q.shape}, k {k.shape}")
   hq, hk = q.shape[1], k.shape[2]
   if hq % hk:
     raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA")
@@ -147,15 +147,14 @@ def _check_options(local_window_size, logits_soft_cap, num_splits, scale):
   window = normalize_window(local_window_size)
   scale, logits_soft_cap = check_scale_and_cap(scale, logits_soft_cap)
   if num_splits is not None:
-    if isinstance(num_splits, bool) or int(num_splits) != num_splits or num_splits < 1:
-      raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    check_int("num_splits", num_splits)
   return window, logits_soft_cap, scale
 
 
 def _check_paged(q, k_pages, page_table, min_page_size):
   if k_pages.shape[1] < min_page_size:
     raise ValueError(f"page_size must be >= {min_page_size}, got {k_pages.shape[1]}")
-  page_table = page_table if is_traced(page_table) else jnp.asarray(page_table)
+  page_table = as_array("page_table", page_table)
   if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
     raise ValueError(f"page_table must be [batch, max_pages] with batch = {q.shape[0]}, got "
                      f"shape {page_table.shape}")
@@ -266,7 +265,7 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
   else:
     bs = None
   if softmax != "exact" or schedule is not None:
-    if impl == "mosaic_tpu":
+    if impl == "mosaic_tpu" and softmax in _serve.SOFTMAX_MODES:
       raise NotImplementedError("softmax='unified_max' and schedules run on 'xla' and "
                                 "'triton'; the Mosaic TPU kernel runs exact splits")
     _serve.check_serving_args(q, softmax, max_estimate, schedule, num_splits,
@@ -348,7 +347,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
   plan = decode_plan(q, k_cache, v_cache, kv_lengths, kv_layout=kv_layout,
                      implementation=implementation, num_splits=num_splits,
-                     block_sizes=block_sizes, softmax=softmax, schedule=schedule)
+                     block_sizes=block_sizes, softmax=softmax, schedule=schedule,
+                     return_lse=return_lse, interpret=interpret)
   _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
   out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, max_estimate, schedule,
                          impl=plan.implementation, config=plan.config, scale=scale,
@@ -423,15 +423,16 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
     >>> out.shape
     (2, 4, 32)
   """
-  kv_lengths, page_table, _, _, _ = check_decode_call(q, k_pages, v_pages, kv_lengths,
-                                                      page_table, kv_layout)
+  kv_lengths, page_table, _, _, _ = check_decode_call(
+      q, k_pages, v_pages, kv_lengths, as_array("page_table", page_table), kv_layout)
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
   if kv_layout == "hnd" and schedule is not None:
     raise NotImplementedError("schedule= runs on 'nhd' pages and on contiguous caches of both "
                               "layouts; head-major ('hnd') pages take no schedule")
   plan = decode_plan(q, k_pages, v_pages, kv_lengths, page_table=page_table, kv_layout=kv_layout,
                      implementation=implementation, num_splits=num_splits,
-                     block_sizes=block_sizes, softmax=softmax, schedule=schedule)
+                     block_sizes=block_sizes, softmax=softmax, schedule=schedule,
+                     return_lse=return_lse, interpret=interpret)
   _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
   out, lse = _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, max_estimate,
                                schedule, impl=plan.implementation, config=plan.config,
@@ -502,11 +503,12 @@ def _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, *, impl
 
 
 # ----------------------------------------------------------------------------- cache appends
-def _check_new_token(k_new, v_new, b, hk, d, d_v):
+def _check_new_token(k_new, v_new, b, hk, d, d_v, kind):
   for name, x, dim in (("k_new", k_new, d), ("v_new", v_new, d_v)):
-    if x.shape != (b, hk, dim):
-      raise ValueError(f"{name} must be [batch, kv_heads, dim] = {(b, hk, dim)}, got {x.shape}")
     check_float(name, x)
+    if x.shape != (b, hk, dim):
+      raise ValueError(f"{name} must be [batch, kv_heads, dim] = {(b, hk, dim)} (from k_{kind} "
+                       f"and v_{kind}), got {x.shape}")
 
 
 def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
@@ -533,12 +535,14 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
     >>> float(k2[1, 3, 0, 0]), lens2.tolist()
     (1.0, [1, 4])
   """
+  check_float("k_cache", k_cache)
+  check_float("v_cache", v_cache)
   if k_cache.ndim != 4 or v_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
     raise ValueError(f"k_cache and v_cache must be [batch, max_len, kv_heads, dim] with the same "
                      f"first three dims, got {k_cache.shape} and {v_cache.shape}")
   check_nonempty(k_cache=k_cache, v_cache=v_cache)
   b, max_len, hk, d = k_cache.shape
-  _check_new_token(k_new, v_new, b, hk, d, v_cache.shape[-1])
+  _check_new_token(k_new, v_new, b, hk, d, v_cache.shape[-1], "cache")
   lens = check_lengths("kv_lengths", kv_lengths, b, max_len)
   rows, slot = jnp.arange(b), jnp.where(lens < 0, max_len, lens)   # negative: dropped too
   k_cache = k_cache.at[rows, slot].set(k_new.astype(k_cache.dtype), mode="drop")
@@ -573,19 +577,21 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
     >>> float(kp[3, 1, 0, 0]), lens.tolist()
     (1.0, [18])
   """
+  check_float("k_pages", k_pages)
+  check_float("v_pages", v_pages)
   if k_pages.ndim != 4 or v_pages.ndim != 4 or v_pages.shape[:3] != k_pages.shape[:3]:
     raise ValueError(f"k_pages and v_pages must be [num_pages, page_size, kv_heads, dim] with the "
                      f"same first three dims, got {k_pages.shape} and {v_pages.shape}")
   check_nonempty(k_pages=k_pages, v_pages=v_pages)
   num_pages, page_size, hk, d = k_pages.shape
-  page_table = page_table if is_traced(page_table) else jnp.asarray(page_table)
+  page_table = as_array("page_table", page_table)
   if page_table.ndim != 2 or 0 in page_table.shape:
     raise ValueError(f"page_table must be [batch, max_pages], both >= 1, got shape "
                      f"{page_table.shape}")
   page_table = as_int32("page_table", page_table)
   b, max_pages = page_table.shape
   lens = check_lengths("kv_lengths", kv_lengths, b, max_pages * page_size)
-  _check_new_token(k_new, v_new, b, hk, d, v_pages.shape[-1])
+  _check_new_token(k_new, v_new, b, hk, d, v_pages.shape[-1], "pages")
   slot_page = lens // page_size
   in_table = (lens >= 0) & (slot_page < max_pages)
   check_range("page_table", page_table, 0, num_pages - 1,

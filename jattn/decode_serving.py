@@ -170,7 +170,8 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
     kv_heads, capacity = k_cache.shape[2], k_cache.shape[1]
   if max_units is None:
     max_units = default_max_units(plan.implementation, lens.shape[0], kv_heads)
-  if isinstance(max_units, bool) or int(max_units) != max_units or max_units < lens.shape[0]:
+  if (isinstance(max_units, bool) or not isinstance(max_units, (int, jnp.integer))
+      or not lens.shape[0] <= max_units < 2**31):
     raise ValueError(f"max_units must be an int >= the number of sequences ({lens.shape[0]}), "
                      f"got {max_units!r}")
   if plan.implementation == "mosaic_tpu":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jattn._validate import as_array, check_flags, check_qkv
 from jattn.attention import broadcast_mask_or_bias, flash_attention
 from pallas_kernels.common.util import pad_axis
 from pallas_kernels.masks import normalize_window
@@ -18,7 +19,7 @@ from pallas_kernels.masks import normalize_window
 def _lengths(name, x, batch):
   if x is None:
     return None
-  x = jnp.asarray(x)
+  x = as_array(name, x)
   if x.shape != (batch,) or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array of shape (batch,) = ({batch},), got "
                      f"{x.dtype} {x.shape}")
@@ -72,14 +73,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if rank not in (3, 4) or jnp.ndim(key) != rank or jnp.ndim(value) != rank:
     raise ValueError(f"query, key and value must all be rank 4 (BTNH) or all rank 3 (TNH), got "
                      f"shapes {jnp.shape(query)}, {jnp.shape(key)}, {jnp.shape(value)}")
+  check_flags(is_causal=is_causal)
   q, k, v = (jnp.asarray(x) if rank == 4 else jnp.asarray(x)[None] for x in (query, key, value))
+  check_qkv(q, k, v, names=("query", "key", "value"))
   b, t, n, _ = q.shape
   s = k.shape[1]
   full = (b, n, t, s)
   arrays = {}
   for name, x in (("mask", mask), ("bias", bias)):
     if x is not None:
-      x = jnp.asarray(x)
+      x = as_array(name, x)
       if x.ndim > 4:
         raise ValueError(f"{name} must have at most 4 axes, got shape {x.shape}")
       arrays[name] = broadcast_mask_or_bias(name, x.reshape((1,) * (4 - x.ndim) + x.shape), full)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._validate import as_int32, check_range, is_traced
+from jattn._validate import as_int32, check_flags, check_range, is_traced
 
 __all__ = [
     "PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize", "loss_weights_from_segments",
@@ -267,6 +267,7 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
     raise ValueError(f"max_len must be a positive int, got {max_len!r}")
   max_len = int(max_len)
+  check_flags(split_long=split_long)
   lengths = _check_lengths(lengths)
   if not split_long and (lengths > max_len).any():
     bad = int(np.flatnonzero(lengths > max_len)[0])

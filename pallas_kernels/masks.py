@@ -9,6 +9,8 @@ Query i of a q_len-long block attending into a kv_len-long sequence sits at abso
 """
 from __future__ import annotations
 
+import operator
+
 import jax.numpy as jnp
 
 
@@ -34,11 +36,11 @@ def normalize_window(local_window_size):
     w = (int(local_window_size), int(local_window_size))
   else:
     try:
-      left, right = local_window_size
+      left, right = local_window_size   # each an int or None: a float (NaN included) is refused
+      w = tuple(None if s is None else operator.index(s) for s in (left, right))
     except (TypeError, ValueError):
-      raise TypeError(
-          f"local_window_size must be an int or a (left, right) pair, got {local_window_size!r}")
-    w = (None if left is None else int(left), None if right is None else int(right))
+      raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got "
+                      f"{local_window_size!r}")
   for side in w:
     if side is not None and side < 0:
       raise ValueError(f"local_window_size sides must be >= 0, got {local_window_size!r}")

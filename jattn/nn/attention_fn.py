@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
 from jattn import dot_product
+from jattn._validate import as_array, check_float
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -61,9 +62,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   if module is not None:
     raise ValueError("jattn.nn.dot_product_attention cannot sow attention weights (module must "
                      "be None: call the module with sow_weights=False)")
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    check_float(name, x)
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
   batch = query.shape[:-3]
-  arrays = [None if x is None else jnp.asarray(x) for x in (bias, mask)]
+  arrays = [None if x is None else as_array(n, x) for n, x in (("bias", bias), ("mask", mask))]
   if arrays[1] is not None:
     arrays[1] = arrays[1].astype(bool)
   if len(batch) > 1:   # one batch axis: [prod(batch...), ...]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jattn._validate import check_int
+
 KINDS = ("global", "local", "sparse", "csa")
 CSA_MODES = ("compressed", "two_stage")
 GATE_GRADS = ("none", "ste", "gumbel")
@@ -142,8 +144,8 @@ def local_global_schedule(num_layers, local_per_global=5, window=512, local_rope
     >>> [s.kind for s in local_global_schedule(6)]
     ['local', 'local', 'local', 'local', 'local', 'global']
   """
-  if num_layers < 1 or local_per_global < 0:
-    raise ValueError("num_layers must be >= 1 and local_per_global >= 0")
+  check_int("num_layers", num_layers)
+  check_int("local_per_global", local_per_global, lo=0)
   period = local_per_global + 1
   out = []
   for i in range(num_layers):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jattn._validate import check_int
 from jattn.nn.attention import Attention, check_kv_cache_layout
 from jattn.nn.schedule import LayerSpec
 from pallas_kernels.masks import element_mask
@@ -84,6 +85,8 @@ class TransformerConfig:
   context_axis: str | None = None
 
   def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim"):
+      check_int(name, getattr(self, name))
     if self.layers is None:
       object.__setattr__(self, "layers", tuple(LayerSpec("global") for _ in range(self.num_layers)))
     object.__setattr__(self, "layers", tuple(self.layers))

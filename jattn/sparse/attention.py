@@ -361,8 +361,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   if gate_grad == "gumbel" and rng is None:
     raise ValueError("gate_grad='gumbel' needs rng (a jax PRNG key)")
   if isinstance(score_aux_weight, bool) or not (isinstance(score_aux_weight, (int, float))
-                                                and score_aux_weight >= 0):
-    raise ValueError(f"score_aux_weight must be a float >= 0, got {score_aux_weight!r}")
+                                                and 0 <= score_aux_weight < float("inf")):
+    raise ValueError(f"score_aux_weight must be a finite float >= 0, got {score_aux_weight!r}")
   if score_aux_pool not in _QUERY_POOLS:
     raise ValueError(f"score_aux_pool must be one of {_QUERY_POOLS}, got {score_aux_pool!r}")
   check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)

@@ -17,7 +17,8 @@ from jattn._layout import check_kv_layout as _check_kv_layout
 from jattn._layout import hnd_as_sequences as _hnd_as_sequences
 from jattn._layout import hnd_pages_as_sequences
 from jattn._plan import Plan
-from jattn._validate import check_flags, check_lengths, check_scale_and_cap
+from jattn._validate import (as_array, check_flags, check_float, check_int, check_lengths,
+                             check_nonempty, check_scale_and_cap)
 from jattn.decode import check_decode_call
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
 from jattn.sparse.selection import cdiv, check_selection_args
@@ -127,8 +128,10 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
     (2, 4, 2, 16)
   """
   _check_kv_layout(kv_layout)
+  check_float("k_cache", k_cache)
   if k_cache.ndim != 4:
     raise ValueError(f"k_cache must be 4-d, got {k_cache.shape}")
+  check_nonempty(k_cache=k_cache)
   check_selection_args(block_size, 1, 1, 0, 0)
   paged_hnd = page_table is not None and kv_layout == "hnd"
   if page_table is not None:
@@ -190,9 +193,11 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
       raise ValueError(f"kv_layout={kv_layout!r} but the summaries were made for a "
                        f"{summaries.layout!r} cache (init_block_summaries(kv_layout=...))")
   hnd = summaries.layout == "hnd"
-  ax = 1 if hnd else 2   # the kv-head axis of the cache, the pool and the sums
-  if k_cache.ndim != 4 or k_cache.shape[ax] != summaries.sums.shape[ax] or (
-      page_table is not None and k_cache.shape[3 - ax] != summaries.block_size):
+  check_float("k_cache", k_cache)
+  ax = 1 if hnd else 2   # the kv-head axis; [ax::3 - ax]: (kv_heads, head_dim) in both layouts
+  if k_cache.ndim != 4 or k_cache.shape[ax::3 - ax] != summaries.sums.shape[ax::3 - ax] or (
+      page_table is not None and k_cache.shape[3 - ax] != summaries.block_size) or (
+      page_table is None and k_cache.shape[0] != summaries.sums.shape[0]) or 0 in k_cache.shape:
     raise ValueError(f"k_cache {k_cache.shape} does not match the {summaries.layout!r} "
                      f"summaries {summaries.sums.shape} of block_size {summaries.block_size}")
   bsz = summaries.sums.shape[0]
@@ -492,9 +497,8 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
         page_table=sds((b * hk, page_table.shape[1]), jnp.int32),
         implementation=implementation, num_splits=num_splits)
   impl = _resolve_decode_implementation(implementation)
-  if num_splits is not None and (isinstance(num_splits, bool) or int(num_splits) != num_splits
-                                 or num_splits < 1):
-    raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+  if num_splits is not None:
+    check_int("num_splits", num_splits)
   if impl == "mosaic_tpu" and num_splits not in (None, 1):
     raise ValueError(f"num_splits applies to the Triton kernel only (the Mosaic TPU kernel "
                      f"walks each kv head's kept blocks in one pass), got {num_splits}")
@@ -780,8 +784,8 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
     ...                               implementation="xla").shape
     (1, 2, 8)
   """
-  return _sparse_decode(q, k_pages, v_pages, kv_lengths, block_summaries, page_table,
-                        block_size=None, top_k=top_k,
+  return _sparse_decode(q, k_pages, v_pages, kv_lengths, block_summaries,
+                        as_array("page_table", page_table), block_size=None, top_k=top_k,
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
                         scale=scale, return_lse=return_lse, return_indices=return_indices,
                         implementation=implementation, interpret=interpret,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._validate import check_qkv, check_segments
+from jattn._validate import check_flags, check_qkv, check_segments
 from pallas_kernels.block_schedule import compact_true
 from pallas_kernels.common.util import cdiv
 from pallas_kernels.sparse import topk as topk_kernel
@@ -486,6 +486,7 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
   if score != "mean_key":
     raise ValueError(f"unknown score {score!r}; supported: 'mean_key'")
   check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
+  check_flags(causal=causal)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
