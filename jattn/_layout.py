@@ -53,8 +53,7 @@ def check_hnd_shapes(q, k, v, kv_lengths=None):
   if q.shape[0] != b:
     raise ValueError(f"q batch {q.shape[0]} != cache batch {b}")
   if kv_lengths is not None and jnp.shape(kv_lengths) != (b,):
-    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got "
-                     f"{jnp.shape(kv_lengths)}")
+    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {jnp.shape(kv_lengths)}")
   return b, hk, n
 
 

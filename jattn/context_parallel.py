@@ -51,8 +51,7 @@ LAYOUTS = ("contiguous", "zigzag")
 def _check_layout(layout, num_shards):
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  if not isinstance(num_shards, int) or isinstance(num_shards, bool) or num_shards < 1:
-    raise ValueError(f"num_shards must be an int >= 1, got {num_shards!r}")
+  check_int("num_shards", num_shards)
 
 
 def shard_chunks(num_shards, layout):

@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jattn._validate import check_int
 from pallas_kernels import compat
 from pallas_kernels.common import merge as _merge
 from pallas_kernels.masks import normalize_window
@@ -170,10 +171,7 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
     kv_heads, capacity = k_cache.shape[2], k_cache.shape[1]
   if max_units is None:
     max_units = default_max_units(plan.implementation, lens.shape[0], kv_heads)
-  if (isinstance(max_units, bool) or not isinstance(max_units, (int, jnp.integer))
-      or not lens.shape[0] <= max_units < 2**31):
-    raise ValueError(f"max_units must be an int >= the number of sequences ({lens.shape[0]}), "
-                     f"got {max_units!r}")
+  check_int("max_units", max_units, lo=lens.shape[0])   # at least one unit per sequence
   if plan.implementation == "mosaic_tpu":
     raise NotImplementedError("schedules run on 'xla' and 'triton', not 'mosaic_tpu'")
   window = normalize_window(local_window_size)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._validate import as_int32, check_flags, check_range, is_traced
+from jattn._validate import as_int32, check_flags, check_int, check_range, is_traced
 
 __all__ = [
     "PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize", "loss_weights_from_segments",
@@ -264,8 +264,7 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
     >>> plan.num_bins, plan.doc_ids.tolist(), plan.chunk_lengths.tolist()
     (3, [0, 1, 3, 4, 4], [5, 3, 4, 8, 4])
   """
-  if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
-    raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+  check_int("max_len", max_len)
   max_len = int(max_len)
   check_flags(split_long=split_long)
   lengths = _check_lengths(lengths)
@@ -530,8 +529,7 @@ def segments_from_lengths(doc_lengths, max_len: int):
     >>> seg.tolist(), pos.tolist()
     ([[1, 1, 1, 2, 2, 0]], [[0, 1, 2, 0, 1, 0]])
   """
-  if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
-    raise ValueError(f"max_len must be an int >= 1 (static), got {max_len!r}")
+  check_int("max_len", max_len)
   x = doc_lengths if is_traced(doc_lengths) else np.asarray(doc_lengths)
   if x.ndim != 2:
     raise ValueError(f"doc_lengths must be [batch, max_docs], got shape {x.shape}")

@@ -414,10 +414,7 @@ KNOWN_GAPS = {
   **{("merge_partials", a): _MERGE for a in ("outs", "lses", "axis")},
   **{(f"context_parallel_{f}", a): "x is not checked to be an array, axis not range-checked"
      for f in ("permute", "unpermute") for a in ("x", "axis")},
-  **{("nn.LayerSpec", a): "True is taken as the int 1" for a in ("block_size", "q_block_size",
-                                                                 "compress_ratio", "window")},
   ("nn.LayerSpec", "rope_base"): "rope_base is compared with 0 only (inf, None, str pass)",
-  ("nn.local_global_schedule", "window"): "True is taken as the int 1",
   ("nn.TransformerConfig", "norm_eps"): "norm_eps is not checked (finite, > 0)",
   **{("nn.apply_rope", a): _ROPE for a in ("x", "positions", "base")},
   **{("nn.rope_frequencies", a): _ROPE for a in ("rotary_dim", "base")},

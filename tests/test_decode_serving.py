@@ -189,7 +189,7 @@ def test_plan_and_validation():
     call(max_estimate=jnp.zeros((2, 4)))
   with pytest.raises(ValueError, match=r"max_estimate must be \[batch, q_heads\]"):
     call(softmax="unified_max", max_estimate=jnp.zeros((2,)))
-  with pytest.raises(ValueError, match="max_units must be an int >= the number of sequences"):
+  with pytest.raises(ValueError, match=r"max_units must be an int in \[2, "):
     jattn.decode_schedule(q, k, v, lens, implementation="xla", max_units=1)
   with pytest.raises(NotImplementedError, match="Mosaic TPU"):
     dec.decode_plan(q, k, v, lens, implementation="mosaic_tpu", softmax="unified_max")

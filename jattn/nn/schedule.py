@@ -77,14 +77,9 @@ class LayerSpec:
       raise ValueError(f"LayerSpec.kind must be one of {KINDS}, got {k!r}")
     if self.rope_base is not None and not self.rope_base > 0:
       raise ValueError(f"rope_base must be > 0 or None (NoPE), got {self.rope_base}")
-    for name in ("block_size", "q_block_size", "compress_ratio"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-      raise ValueError(f"window must be a positive int or None, got {self.window!r}")
-    if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-      raise ValueError(f"top_k must be a positive int or None, got {self.top_k!r}")
+    for name in ("block_size", "q_block_size", "compress_ratio", "window", "top_k"):
+      if getattr(self, name) is not None or name not in ("window", "top_k"):
+        check_int(name, getattr(self, name))
     if k == "global":
       if self.window is not None:
         raise ValueError("a 'global' layer has no window; use kind='local' for a sliding window")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._validate import check_flags, check_qkv, check_segments
+from jattn._validate import check_flags, check_int, check_qkv, check_segments
 from pallas_kernels.block_schedule import compact_true
 from pallas_kernels.common.util import cdiv
 from pallas_kernels.sparse import topk as topk_kernel
@@ -446,8 +446,7 @@ def check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_l
   for name, val, lo in (("block_size", block_size, 1), ("q_block_size", q_block_size, 1),
                         ("top_k", top_k, 1), ("num_init_blocks", num_init_blocks, 0),
                         ("num_local_blocks", num_local_blocks, 0)):
-    if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
-      raise ValueError(f"{name} must be an int >= {lo} (static), got {val!r}")
+    check_int(name, val, lo)
 
 
 def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, num_init_blocks=1,

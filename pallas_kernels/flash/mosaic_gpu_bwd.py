@@ -958,8 +958,7 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
   if q_segment_ids is not None:
     if kv_segment_ids is None:
       if sq != k.shape[1]:
-        raise ValueError(f"segment ids with q_len {sq} != kv_len {k.shape[1]} need "
-                         f"kv_segment_ids")
+        raise ValueError(f"segment ids with q_len {sq} != kv_len {k.shape[1]} need kv_segment_ids")
       kv_segment_ids = q_segment_ids
     if q_segment_ids.shape != (b, sq) or kv_segment_ids.shape != (b, k.shape[1]):
       raise ValueError(f"segment ids must be [batch, q_len] = {(b, sq)} and [batch, kv_len] = "

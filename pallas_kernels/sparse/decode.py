@@ -46,8 +46,7 @@ def check_lengths(lengths, bsz, lengths_group, name):
     >>> check_lengths(jnp.zeros(2), 8, 4, "kv_lengths")
   """
   if lengths_group < 1 or bsz % lengths_group:
-    raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got "
-                     f"{lengths_group}")
+    raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got {lengths_group}")
   if jnp.shape(lengths) != (bsz // lengths_group,):
     raise ValueError(f"{name} must have shape ({bsz // lengths_group},) (batch "
                      f"{bsz} / lengths_group {lengths_group}), got {jnp.shape(lengths)}")
@@ -453,8 +452,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
     ((1, 4, 16), (1, 4))
   """
   if math.gcd(int(_split_stride), int(num_splits)) != 1:
-    raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits "
-                     f"{num_splits}")
+    raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits {num_splits}")
   out_dtype = q.dtype if out_dtype is None else out_dtype
   if merge_kernel and int(num_splits) > 1:       # partials, then one merge kernel
     o, lse = sparse_decode_partials(
@@ -474,8 +472,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
     if arrivals is None:
       arrivals = jnp.zeros((bsz, hk), jnp.int32)
     elif arrivals.shape != (bsz, hk):
-      raise ValueError(f"arrivals must be [batch, kv_heads] = [{bsz}, {hk}], got "
-                       f"{arrivals.shape}")
+      raise ValueError(f"arrivals must be [batch, kv_heads] = [{bsz}, {hk}], got {arrivals.shape}")
     aliases = {len(args): 2}
     args.append(arrivals.astype(jnp.int32))
     out_shape += [jax.ShapeDtypeStruct((bsz, hk), jnp.int32),
