@@ -38,6 +38,14 @@ def _inputs(b, sq, sk, hq, hk, d, seed, dtype=jnp.float32):
   return [jnp.asarray(x, dtype) for x in (q, k, v, dout)] + [jnp.asarray(dlse)]
 
 
+def _decode_inputs(b, n, hq, hk, d, seed):
+  """(rng, q [b, hq, d], k, v [b, n, hk, d]) in fp32 for the decode tests."""
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+             for s in ((b, hq, d), (b, n, hk, d), (b, n, hk, d)))
+  return rng, q, k, v
+
+
 def _poison(x, where_bk, value):
   """x [B, S, H, D] with ``value`` at positions where_bk [B, S] (every head and channel)."""
   return jnp.where(jnp.asarray(where_bk)[:, :, None, None], jnp.asarray(value, x.dtype), x)
@@ -332,11 +340,8 @@ def _decode_fn(impl, paged, **kw):
 def test_decode_hidden_keys(impl):
   """Contiguous cache: keys beyond kv_lengths and outside the window; paged cache: unused
   slots of used pages and unused pages."""
-  rng = np.random.default_rng(11)
   b, n, hq, hk, d, ps = 2, 64, 4, 2, 16, 16
-  q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((b, n, hk, d)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((b, n, hk, d)), jnp.float32)
+  rng, q, k, v = _decode_inputs(b, n, hq, hk, d, seed=11)
   lens = jnp.asarray([37, 50], jnp.int32)
   hidden = (np.arange(n)[None] >= np.asarray(lens)[:, None]) | (
       np.arange(n)[None] < np.asarray(lens)[:, None] - 1 - 20)      # window (20, 0)
@@ -370,11 +375,8 @@ def test_decode_hidden_keys(impl):
 @pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_tpu"])
 def test_sparse_decode_hidden_keys(impl):
   """Keys beyond kv_lengths and in blocks the selection does not keep."""
-  rng = np.random.default_rng(13)
   b, n, hq, hk, d, bs = 2, 128, 4, 2, 16, 16
-  q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((b, n, hk, d)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((b, n, hk, d)), jnp.float32)
+  _, q, k, v = _decode_inputs(b, n, hq, hk, d, seed=13)
   lens = jnp.asarray([70, 121], jnp.int32)
   summ = sdec.init_block_summaries(k, lens, block_size=bs)
   fn = jax.jit(functools.partial(sdec.sparse_decode_attention, block_size=bs, top_k=1,
