@@ -20,8 +20,9 @@ parameters and optimiser, paired by seed:
 
 Selection (``experiments.coadaptation_analysis``): per query token (``q_block_size`` 1 on the
 CPU presets through the XLA path; the GPU presets' trained layers select per 16-query tile),
-shared by the GQA group, initial and local blocks kept, ``top_k`` such that the answer query
-keeps 19% of its visible blocks.
+shared by the GQA group, initial and local blocks kept, each query keeping 19% of its own
+visible blocks (``top_k=keep_fraction``: round(0.19 V) of V, at least the initial and local
+ones); CSA two-stage, whose ``top_k`` is a count, keeps 19% at the answer query.
 
 Metrics per (task, length, variant, seed): retrieval score (>= 256 held-out episodes on the
 real presets), held-out text bits per byte, measured sparsity (overall and at the answers),
@@ -81,7 +82,7 @@ class Preset:
     block_size: key block size of the block-sparse variants and CSA two-stage.
     q_block_size: queries sharing one selection in trained sparse layers (1: per query token,
       through the XLA path; GPU presets use the smallest tile the Triton kernels take).
-    keep_fraction: share of the answer query's visible blocks kept (``per_query_top_k``).
+    keep_fraction: share of each query's visible blocks kept (the sparse layers' ``top_k``).
     variants: comma-separated variants the preset runs by default.
     min_baseline_score: the dense baseline must reach this retrieval score, else the run stops.
     window: local window of the local/global variant.
@@ -212,41 +213,6 @@ def causal_pairs(n):
   return n * (n + 1) // 2
 
 
-def block_sparsity(num_blocks, top_k, num_init=1, num_local=1):
-  """Causal block sparsity of top-K selection with always-kept initial and local blocks.
-
-  Query block i (0-based) keeps ``min(i + 1, num_init + num_local + top_k)`` of its ``i + 1``
-  causally visible key blocks.
-
-  Args:
-    num_blocks: blocks along the sequence.
-    top_k: selected blocks beyond the initial and local ones.
-    num_init, num_local: always-kept blocks.
-
-  Returns:
-    Fraction of causal blocks skipped.
-
-  Example:
-    >>> round(block_sparsity(32, 1), 3)
-    0.824
-  """
-  keep = num_init + num_local + top_k
-  kept = sum(min(i + 1, keep) for i in range(num_blocks))
-  return 1.0 - kept / causal_pairs(num_blocks)
-
-
-def top_k_for_sparsity(seq_len, block_size, target):
-  """The top_k whose causal block sparsity is closest to ``target``.
-
-  Example:
-    >>> top_k_for_sparsity(512, 16, 0.81)
-    1
-  """
-  n = seq_len // block_size
-  ks = range(1, max(2, n))
-  return min(ks, key=lambda k: abs(block_sparsity(n, k) - target))
-
-
 def window_sparsity(seq_len, window):
   """Fraction of causal pairs outside a causal window of ``window`` tokens."""
   kept = sum(min(i + 1, window) for i in range(seq_len))
@@ -272,7 +238,13 @@ def csa_sparsity(seq_len, ratio, top_k, window):
 # --------------------------------------------------------------------------------------------------
 
 def sparse_top_k(preset):
-  """top_k of the block-sparse variants: the answer query keeps ``keep_fraction`` of its visible
+  """top_k of the block-sparse variants and the post-hoc rules: the float ``keep_fraction``, so
+  each query (block) keeps that share of its own visible blocks (``jattn.sparse.select_blocks``)."""
+  return float(preset.keep_fraction)
+
+
+def csa_top_k(preset):
+  """top_k (a count) of CSA two-stage: the answer query keeps ``keep_fraction`` of its visible
   blocks (``coadaptation_analysis.per_query_top_k``)."""
   from experiments.coadaptation_analysis import per_query_top_k
   return per_query_top_k(preset.seq_len, preset.block_size, preset.keep_fraction)
@@ -310,7 +282,7 @@ def variant_layers(preset, variant):
     return tuple(LayerSpec("csa", compress_ratio=preset.csa_ratio, top_k=preset.csa_top_k,
                            window=preset.csa_window, csa_mode="compressed") for _ in range(n))
   if variant == "csa_two_stage":
-    return tuple(LayerSpec("csa", compress_ratio=preset.csa_ratio, top_k=sparse_top_k(preset),
+    return tuple(LayerSpec("csa", compress_ratio=preset.csa_ratio, top_k=csa_top_k(preset),
                            block_size=bs, csa_mode="two_stage") for _ in range(n))
   raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
 
@@ -767,8 +739,8 @@ def analyse(ctx, variant, graphdef, params, rest, *, retrieval_head=None, curve=
     out["sparsity"] = csa_sparsity(s, p.csa_ratio, p.csa_top_k, p.csa_window)
   elif variant == "csa_two_stage":
     nb = -(-s // bs)
-    out["sparsity"] = block_sparsity_per_token(s, bs, tk)
-    out["sparsity_answers"] = 1.0 - min(nb, tk + 1) / nb
+    out["sparsity"] = block_sparsity_per_token(s, bs, csa_top_k(p))
+    out["sparsity_answers"] = 1.0 - min(nb, csa_top_k(p) + 1) / nb
   return out
 
 

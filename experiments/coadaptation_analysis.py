@@ -10,16 +10,17 @@ document's first). The rules differ only in how the ``top_k`` are ranked:
 * **oracle**: the true attention mass of the layer's dense softmax on each block
   (``jattn.sparse.block_attention_mass``, summed over the group's heads).
 
-``top_k`` is fixed per layer (a static size in ``jattn.sparse``) and chosen by
-``per_query_top_k`` so that the *last* query of the row, where the answers sit, keeps
-``keep_fraction`` (19%) of its visible blocks; earlier queries keep the same number of blocks,
-a larger share of fewer visible ones (``selection_sparsity`` reports both).
+``top_k`` is the float ``keep_fraction`` (19%): each query t with V visible blocks keeps
+round(0.19 V) of them (half up; at least its forced ones), the rule the sparse layers train
+with (``jattn.sparse.select_blocks``); ``selection_sparsity`` reports the measured sparsity
+overall and at the answers. ``per_query_top_k`` gives the count that keeps 19% at the last
+query, for CSA two-stage (whose ``top_k`` is a count).
 
 Metrics on a layer's q/k (``block_mass``: true mass [b, kv_heads, seq, key blocks], rows sum to 1):
 
 * ``concentration``: for each query t with V visible blocks, the top ``k_t`` blocks by true mass
   among the visible blocks that are not always kept, ``k_t = round(keep_fraction * V) - forced``
-  (forced = always-kept blocks of t), hold this share of the mass outside the always-kept blocks;
+  (half up; forced = always-kept blocks of t), hold this share of the mass outside the always-kept blocks;
   averaged over queries where 0 < k_t < (candidates), i.e. excluding queries that keep
   everything or nothing by rank.
 * ``proxy_recall``: over the same queries, the true mass in the proxy's top ``k_t`` candidates
@@ -106,7 +107,7 @@ def select(rule, q, k, *, block_size, top_k, segment_ids=None):
     rank = block_mass(q, k, block_size=block_size, segment_ids=segment_ids)
   seg_ok, doc_start = segment_parts(segment_ids, block_size)
   return select_lists(rank, q_len=s, kv_len=s, q_block_size=1, block_size=block_size,
-                      causal=True, num_init=1, num_local=1, top_k=int(top_k), seg_ok=seg_ok,
+                      causal=True, num_init=1, num_local=1, top_k=top_k, seg_ok=seg_ok,
                       scores=jax.lax.stop_gradient(rank), doc_start=doc_start)
 
 
@@ -175,10 +176,12 @@ def top_count_mask(x, cand, k):
 
 
 def rank_counts(seq_len, block_size, keep_fraction):
-  """(k_t [s], included [s]) of the concentration metric (module docstring)."""
+  """(k_t [s], included [s]) of the concentration metric (module docstring): k_t is what the
+  selection with ``top_k=keep_fraction`` ranks for query t (``row_budget``)."""
+  from jattn.sparse.selection import row_budget
   forced, visible = forced_and_visible(seq_len, block_size)
   n_vis, n_forced = visible.sum(-1), forced.sum(-1)
-  k = np.rint(keep_fraction * n_vis).astype(np.int64) - n_forced
+  k = row_budget(float(keep_fraction), visible.shape[1])[n_vis].astype(np.int64) - n_forced
   n_cand = n_vis - n_forced
   return np.maximum(k, 0), (k > 0) & (k < n_cand)
 

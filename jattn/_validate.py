@@ -66,9 +66,9 @@ def check_flags(**flags):
       raise TypeError(f"{name} must be a bool, got {f!r}")
 
 
-def check_scale_and_cap(scale=None, logits_soft_cap=None):
-  """(scale, logits_soft_cap) as floats or None; ValueError unless scale is finite and the cap
-  finite and > 0."""
+def check_scale_and_cap(scale=None, logits_soft_cap=None, head_dim=None):
+  """(scale, logits_soft_cap) as floats or None (with ``head_dim``, a None scale becomes
+  1 / sqrt(head_dim)); ValueError unless scale is finite and the cap finite and > 0."""
   out = []
   for name, x, positive in (("scale", scale, False), ("logits_soft_cap", logits_soft_cap, True)):
     if x is not None:
@@ -81,6 +81,8 @@ def check_scale_and_cap(scale=None, logits_soft_cap=None):
       if not math.isfinite(x) or (positive and not x > 0):
         raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {x}")
     out.append(x)
+  if out[0] is None and head_dim is not None:
+    out[0] = 1.0 / math.sqrt(head_dim)
   return tuple(out)
 
 

@@ -465,8 +465,7 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
   if ((rows < -1) | (rows >= plan.num_bins)).any():
     bad = rows[(rows < -1) | (rows >= plan.num_bins)]
     raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {bad[:5].tolist()}")
-  if max_segments is None:
-    max_segments = max(plan.max_segments, 1)
+  max_segments = max(plan.max_segments, 1) if max_segments is None else max_segments
   n, max_len = rows.shape[0], plan.max_len
   order, starts = plan.row_index
   real = rows >= 0

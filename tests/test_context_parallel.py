@@ -221,7 +221,7 @@ def test_eight_matches_single_device_more(name):
 
 SPARSE = {   # 100 tokens: chunks of 7 (zigzag, 16 chunks) or 13 (contiguous, 8), padded at the end
     "zigzag_per_token_documents": {"layout": "zigzag", "block_size": 7, "q_block_size": 1,
-                                   "top_k": 2, "docs": 4},
+                                   "top_k": 0.3, "docs": 4},   # each token: 30% of its blocks
 }
 SPARSE_SLOW = {
     "contiguous_blocks": {"layout": "contiguous", "block_size": 13, "q_block_size": 13,

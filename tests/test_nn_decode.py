@@ -44,9 +44,12 @@ def test_local_global_ring_buffer_wraps():
   assert model.blocks[5].attn.cache_k[...].shape[1] == SEQ
 
 
-def test_sparse_layers_q_block_1_mqa():
+@pytest.mark.parametrize("top_k", [2, 0.4])
+def test_sparse_layers_q_block_1_mqa(top_k):
+  """Decode equals the full forward; a fractional top_k (each token keeps 40% of its visible
+  blocks) selects the same blocks token by token in both."""
   layers = (LayerSpec("local", window=8),
-            LayerSpec("sparse", block_size=4, top_k=2, q_block_size=1, rope_base=None))
+            LayerSpec("sparse", block_size=4, top_k=top_k, q_block_size=1, rope_base=None))
   cfg = TransformerConfig(num_layers=2, layers=layers, **{**BASE, "num_kv_heads": 1})
   _, _, full, dec = _decode_vs_full(cfg, seed=2)
   assert _rel(dec, full) < 2e-3

@@ -2,6 +2,7 @@
 sparse decode. Brute-force numpy/jnp references are written here, independent of the module."""
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from jattn import sparse as sp
+from jattn.sparse import decode as sp_decode
 from pallas_kernels.flash.reference import attention_reference
 
 HI = jax.lax.Precision.HIGHEST
@@ -103,7 +105,8 @@ def _check_rules(sel, scores, *, sq, sk, qbs, bs, top_k, ni, nl, causal, qseg=No
         assert forced <= chosen, ("forced block missing", bi, g, i, forced - chosen)
         others = chosen - forced
         rest = vis - chosen
-        assert len(others) == min(top_k, len(vis - forced)), (len(others), top_k)
+        want = top_k if isinstance(top_k, int) else int(top_k * len(vis) + 0.5) - len(forced)
+        assert len(others) == min(max(want, 0), len(vis - forced)), (len(others), top_k)
         if others and rest:
           lo = min(scores[bi, g, i, j] for j in others)
           hi = max(scores[bi, g, i, j] for j in rest)
@@ -118,6 +121,11 @@ SELECTION_CASES = [
     (1, 40, 130, 4, 1, 8, 16, 1, 3, 1, 2, True),      # per-token, q_len < kv_len
     (1, 200, 200, 2, 2, 8, 16, 64, 3, 2, 1, True),    # q block spans 4 key blocks
     (1, 96, 96, 3, 1, 8, 16, 16, 2, 0, 0, False),     # non-causal, nothing forced
+    # a fractional top_k: each row keeps that share of its visible blocks in total
+    (1, 40, 130, 4, 1, 8, 16, 1, 0.19, 1, 2, True),   # per-token
+    (2, 300, 300, 4, 2, 16, 32, 32, 0.5, 1, 1, True),
+    (1, 200, 200, 2, 2, 8, 16, 64, 0.3, 2, 1, True),
+    (1, 96, 96, 3, 1, 8, 16, 16, 0.25, 0, 0, False),
 ]
 # Rows with fewer candidates than top_k ("all of them when fewer remain") occur in every causal
 # case (early query blocks).
@@ -199,6 +207,7 @@ PACKED_ROWS = [[70, 130, 1, 55, -44], [-10, 40, -5, 100, 1, 100, -44], [55, 1, 1
 PACKED_CASES = [
     # bs, qbs, top_k, ni, nl, causal
     (16, 16, 3, 1, 1, True),
+    (16, 16, 0.4, 1, 1, True),  # a share of each query block's own document's blocks
     (16, 16, 2, 2, 2, True),
     (16, 32, 3, 2, 1, True),    # a query block spans two key blocks
     (16, 16, 2, 2, 2, False),   # non-causal: the per-document bound on max_selected is used
@@ -212,7 +221,7 @@ def test_selection_packed_documents_keep_their_initial_blocks(case):
   s, hq, hk, d = 300, 4, 2, 8
   seg = np.array([_rows_from_docs(s, r) for r in PACKED_ROWS], np.int32)
   b = seg.shape[0]
-  q, k, _ = _qkv(7 + sum(case[:5]), b, s, s, hq, hk, d)
+  q, k, _ = _qkv(7 + int(sum(case[:5])), b, s, s, hq, hk, d)
   sel = select(q, k, block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal,
                num_init_blocks=ni, num_local_blocks=nl, segment_ids=jnp.asarray(seg))
   scores = _expected_scores(q, k, qbs, bs, seg, seg)
@@ -428,7 +437,8 @@ def _committed_selection(scores, *, sq, sk, qbs, bs, top_k, ni, nl, causal):
   return rows
 
 
-@pytest.mark.parametrize("case", SELECTION_CASES + [(2, 257, 257, 4, 2, 8, 16, 16, 3, 3, 2, True)])
+@pytest.mark.parametrize("case", [c for c in SELECTION_CASES if isinstance(c[8], int)]
+                         + [(2, 257, 257, 4, 2, 8, 16, 16, 3, 3, 2, True)])
 def test_selection_without_segments_unchanged(case):
   """Without segment ids the initial blocks are the row's blocks 0..num_init-1, as before."""
   b, sq, sk, hq, hk, d, bs, qbs, top_k, ni, nl, causal = case
@@ -846,8 +856,9 @@ def test_block_summaries_incremental():
   np.testing.assert_allclose(means[1, 4], np.asarray(k[1, 64:69]).mean(0), rtol=1e-5, atol=1e-6)
 
 
-def test_sparse_decode_matches_reference_and_training_selection():
-  b, n, hq, hk, d, bs, top_k = 3, 300, 4, 2, 16, 16, 3
+@pytest.mark.parametrize("top_k", [3, 0.3])
+def test_sparse_decode_matches_reference_and_training_selection(top_k):
+  b, n, hq, hk, d, bs = 3, 300, 4, 2, 16, 16
   ks = jax.random.split(jax.random.key(13), 3)
   q = jax.random.normal(ks[0], (b, hq, d))
   kc = jax.random.normal(ks[1], (b, n, hk, d))
@@ -871,7 +882,9 @@ def test_sparse_decode_matches_reference_and_training_selection():
       np.testing.assert_array_equal(got[g][got[g] >= 0], want[g][want[g] >= 0])
       for j in got[g][got[g] >= 0]:
         mask[bi, g, 0, j * bs:min((j + 1) * bs, L)] = True
-    assert (got[:, :] >= 0).sum(-1).min() == min(-(-L // bs), 1 + 2 + top_k)
+    nv = -(-L // bs)
+    kept = 1 + 2 + top_k if isinstance(top_k, int) else max(3, int(top_k * nv + 0.5))
+    assert (got[:, :] >= 0).sum(-1).min() == min(nv, kept)
   assert nb > idx.shape[-1]
   ref, ref_lse = attention_reference(q[:, None], kc, vc, block_mask=jnp.asarray(mask))
   assert _rel(out, ref[:, 0]) < 2e-3
@@ -1643,8 +1656,8 @@ def test_sparse_decode_hnd_launches(monkeypatch):
       assert warps == ["8", "4"], warps
 
 
-@pytest.mark.parametrize("case", SELECTION_CASES[:1] + SELECTION_CASES[2:] +
-                         ["packed", "packed_noncausal", "ties"])
+@pytest.mark.parametrize("case", [c for c in SELECTION_CASES[:1] + SELECTION_CASES[2:]
+                                  if isinstance(c[8], int)] + ["packed", "packed_noncausal", "ties"])
 def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
   """On a GPU ``_select`` keeps the top-k as a mask (``pallas_kernels.sparse.topk``, a Pallas
   kernel, interpreted here) and compacts it instead of ``lax.top_k`` + a sort: the same lists,
@@ -1731,3 +1744,23 @@ def test_selection_lowers_the_top_k_kernel_on_cuda_only():
     text = export.export(f, platforms=[plat], disabled_checks=checks)(q, k).mlir_module()
     assert ("jattn_top_k_mask" in text) == kernel, plat
     assert ("stablehlo.sort" in text) != kernel, plat
+
+
+@pytest.mark.parametrize("top_k", [0.0, -0.1, 1.5, float("nan"), float("inf"), "0.2", True])
+def test_fractional_top_k_refused(top_k):
+  q = jnp.zeros((1, 64, 2, 8))
+  with pytest.raises(ValueError, match="top_k"):
+    select(q, q, block_size=16, q_block_size=16, top_k=top_k)
+  with pytest.raises(ValueError, match="top_k"):
+    sp.sparse_decode_plan(q[:, 0], q, q, block_size=16, top_k=top_k, implementation="xla")
+
+
+def test_fractional_top_k_decode_selects_in_xla():
+  """A fractional top_k never runs the Triton selection: None resolves to "xla" on a GPU, an
+  explicit "triton" is refused by name."""
+  q, k = jnp.zeros((1, 4, 8)), jnp.zeros((1, 64, 2, 8))
+  with pytest.raises(ValueError, match="fractional top_k"):
+    sp.sparse_decode_plan(q, k, k, block_size=16, top_k=0.2, implementation="triton")
+  with mock.patch.object(sp_decode.compat, "default_backend", return_value="gpu"):
+    assert sp.sparse_decode_plan(q, k, k, block_size=16, top_k=0.2).implementation == "xla"
+    assert sp.sparse_decode_plan(q, k, k, block_size=16, top_k=2).implementation == "triton"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from jattn._validate import check_int
+from jattn.sparse.selection import check_top_k
 
 KINDS = ("global", "local", "sparse", "csa")
 CSA_MODES = ("compressed", "two_stage")
@@ -33,7 +34,8 @@ class LayerSpec:
     window: local window in tokens ("local", and the raw window of CSA "compressed").
     rope_base: RoPE base, or None for no positional encoding (NoPE).
     block_size: key block size ("sparse"; CSA "two_stage").
-    top_k: selected blocks ("sparse", CSA "two_stage") or compressed entries (CSA "compressed").
+    top_k: selected blocks ("sparse", CSA "two_stage") or compressed entries (CSA "compressed");
+      "sparse" also takes a float in (0, 1], the share of each query block's blocks kept.
     q_block_size: query block size that shares one selection ("sparse").
     compress_ratio: tokens per compressed entry (stride) for "csa".
     csa_mode: "compressed" or "two_stage" ("csa" only).
@@ -79,7 +81,8 @@ class LayerSpec:
       raise ValueError(f"rope_base must be > 0 or None (NoPE), got {self.rope_base}")
     for name in ("block_size", "q_block_size", "compress_ratio", "window", "top_k"):
       if getattr(self, name) is not None or name not in ("window", "top_k"):
-        check_int(name, getattr(self, name))
+        sparse_top_k = name == "top_k" and k == "sparse"   # blocks, or a share of a row's
+        check_top_k(self.top_k) if sparse_top_k else check_int(name, getattr(self, name))
     if k == "global":
       if self.window is not None:
         raise ValueError("a 'global' layer has no window; use kind='local' for a sliding window")

@@ -148,9 +148,7 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
-  scale, _ = check_scale_and_cap(scale)
-  if scale is None:
-    scale = 1.0 / math.sqrt(q.shape[-1])
+  scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   plan = block_sparse_plan(q, k, v, selection, causal=causal, segment_ids=segment_ids,
                            kv_segment_ids=kv_segment_ids, return_lse=return_lse,
                            implementation=implementation, interpret=interpret)
@@ -324,7 +322,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
     v: [batch, kv_len, kv_heads, head_dim_v].
     block_size: keys per block.
-    top_k: blocks chosen by score besides the initial and local ones.
+    top_k: blocks chosen by score besides the initial and local ones (int), or the share of
+      each query block's selectable blocks kept (float in (0, 1], :func:`select_blocks`).
     q_block_size: queries per query block.
     gate_grad: "none", "ste" or "gumbel" (see above).
     gate_temperature: T > 0 (above).
@@ -365,13 +364,12 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     raise ValueError(f"score_aux_weight must be a finite float >= 0, got {score_aux_weight!r}")
   if score_aux_pool not in _QUERY_POOLS:
     raise ValueError(f"score_aux_pool must be one of {_QUERY_POOLS}, got {score_aux_pool!r}")
-  check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
+  top_k = check_selection_args(block_size, q_block_size, top_k, num_init_blocks,
+                               num_local_blocks)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
-  scale, _ = check_scale_and_cap(scale)
-  if scale is None:
-    scale = 1.0 / math.sqrt(q.shape[-1])
+  scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   if mesh is not None or axis_name is not None:
     from jattn.context_parallel import _sparse_ring
     for name, bad in (("mesh", mesh is None), ("axis_name", axis_name is None),
@@ -382,7 +380,7 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                          "sparse_attention (mesh=, axis_name=)")
     out, lse = _sparse_ring(
         q, k, v, mesh=mesh, axis_name=axis_name, layout=layout, block_size=int(block_size),
-        q_block_size=int(q_block_size), top_k=int(top_k), causal=bool(causal),
+        q_block_size=int(q_block_size), top_k=top_k, causal=bool(causal),
         num_init_blocks=int(num_init_blocks), num_local_blocks=int(num_local_blocks),
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
         implementation=implementation, interpret=interpret)
@@ -409,7 +407,7 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     doc_start = doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
   sel = select_lists(rank, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                 block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
-                num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
+                num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
                 scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
   if gate_grad == "none":
     out, lse = _run_block_sparse(plan, q, k, v, sel, causal=causal, segment_ids=segment_ids,

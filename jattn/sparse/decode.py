@@ -21,7 +21,7 @@ from jattn._validate import (as_array, check_flags, check_float, check_int, chec
                              check_nonempty, check_scale_and_cap)
 from jattn.decode import check_decode_call
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
-from jattn.sparse.selection import cdiv, check_selection_args
+from jattn.sparse.selection import cdiv, check_selection_args, row_budget
 from pallas_kernels import compat
 from pallas_kernels.sparse.decode_select import decode_width
 
@@ -256,7 +256,8 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
 def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks):
   """select_decode_blocks in XLA (the reference; the Triton path runs
   ``pallas_kernels.sparse.decode_select`` instead)."""
-  check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks, num_local_blocks)
+  top_k = check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks,
+                               num_local_blocks)
   return _decode_select_from_scores(_decode_scores(q, block_summaries), kv_lengths,
                                     block_size=block_summaries.block_size, top_k=top_k,
                                     num_init_blocks=num_init_blocks,
@@ -298,10 +299,14 @@ def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_ini
     dup = (jnp.arange(n_forced) >= min(num_init_blocks, nb)) & (fidx < num_init_blocks)
     ok = (fidx >= 0) & (fidx <= diag) & ~dup
     parts.append(jnp.broadcast_to(jnp.where(ok, fidx, -1), (b, hk, n_forced)))
-  k_eff = min(top_k, nb)
+  budget = row_budget(top_k, nb)
+  k_eff = min(top_k if budget is None else int(budget[-1]), nb)
   if k_eff:
     _, tidx = jax.lax.top_k(jnp.where(cand, scores, -jnp.inf), k_eff)
     tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
+    if budget is not None:   # a fractional top_k: the row's budget less its forced blocks
+      limit = jnp.asarray(budget)[diag[..., 0] + 1] - jnp.sum(forced, -1)            # [b, 1]
+      tvalid = tvalid & (jnp.arange(k_eff) < limit[..., None])
     parts.append(jnp.where(tvalid, tidx, -1))
   if not parts:
     return jnp.full((b, hk, 1), -1, jnp.int32)
@@ -445,7 +450,8 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
   """What :func:`sparse_decode_attention` (or, with ``page_table``,
   :func:`sparse_paged_decode_attention`) runs for these arguments.
 
-  Resolves the implementation (None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere)
+  Resolves the implementation (None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere;
+  a fractional ``top_k`` never runs "triton": None then gives "xla" on GPU)
   and, for "triton", a :class:`SparseDecodeConfig` from ``num_splits`` or the heuristics ("hnd"
   fuses scores and selection into one launch); "xla" and "mosaic_tpu" take no config.
 
@@ -486,7 +492,7 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
       raise ValueError(f"block_size must be the page size {page_size} for a paged cache, got "
                        f"{block_size}")
     block_size = page_size
-  check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
+  top_k = check_selection_args(block_size, 1, top_k, num_init_blocks, num_local_blocks)
   if page_table is not None and kv_layout == "hnd":   # the one-head "nhd" call it runs
     (b, hq, d), (p, hk, ps, _) = q.shape, k_cache.shape
     sds = jax.ShapeDtypeStruct
@@ -497,6 +503,11 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
         page_table=sds((b * hk, page_table.shape[1]), jnp.int32),
         implementation=implementation, num_splits=num_splits)
   impl = _resolve_decode_implementation(implementation)
+  if isinstance(top_k, float) and impl == "triton":   # the Triton selection takes an int top_k
+    if implementation is not None:
+      raise ValueError(f"a fractional top_k ({top_k}) selects in XLA: implementation must be "
+                       f"None, 'xla' or 'mosaic_tpu', got {implementation!r}")
+    impl = "xla"
   if num_splits is not None:
     check_int("num_splits", num_splits)
   if impl == "mosaic_tpu" and num_splits not in (None, 1):

@@ -1,8 +1,6 @@
 """What a block selection keeps: captured attention mass, true block mass and score distillation."""
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -68,9 +66,7 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   check_selection(selection, batch, q_len, kv_len, hk)
   g = hq // hk
   d = q.shape[-1]
-  scale, _ = check_scale_and_cap(scale)
-  if scale is None:
-    scale = 1.0 / math.sqrt(d)
+  scale, _ = check_scale_and_cap(scale, head_dim=d)
   qbs, bs = selection.q_block_size, selection.block_size
   cq = int(max(1, min(q_len, max_chunk_elems // max(1, batch * hq * kv_len))))
   nc = cdiv(q_len, cq)
@@ -140,9 +136,7 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
                                                          q_len, kv_len)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   g, d = hq // hk, q.shape[-1]
-  scale, _ = check_scale_and_cap(scale)
-  if scale is None:
-    scale = 1.0 / math.sqrt(d)
+  scale, _ = check_scale_and_cap(scale, head_dim=d)
   qbs, bs = int(q_block_size), int(block_size)
   nq, nk = cdiv(q_len, qbs), cdiv(kv_len, bs)
   c = int(max(1, min(nq, max_chunk_elems // max(1, batch * hq * qbs * kv_len))))
@@ -229,9 +223,7 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
   batch, q_len, kv_len, _, hk = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
                                                          q_len, kv_len)
-  scale, _ = check_scale_and_cap(scale)
-  if scale is None:
-    scale = 1.0 / math.sqrt(q.shape[-1])
+  scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,

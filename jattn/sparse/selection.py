@@ -224,9 +224,10 @@ def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, nu
     first_local = lo0 if per_doc_init else np.maximum(lo, num_init)
     n_forced = n_forced + np.maximum(np.minimum(hi, n_vis - 1) - first_local + 1, 0)
     n_forced = np.minimum(n_forced, n_vis)
-  k_eff = min(top_k, nk)
-  max_sel = int(max(1, (n_forced + np.minimum(k_eff, n_vis - n_forced)).max()))
-  return n_vis, n_forced, max_sel, width
+  budget = row_budget(top_k, nk)
+  kept = (n_forced + np.minimum(min(top_k, nk), n_vis - n_forced) if budget is None
+          else np.maximum(n_forced, budget[n_vis]))
+  return n_vis, n_forced, int(max(1, kept.max())), width
 
 
 def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local):
@@ -342,10 +343,14 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
     ok = (rows < cdiv(q_len, q_block_size))[:, None]
     take = lambda x: jnp.take(x, jnp.minimum(rows, cdiv(q_len, q_block_size) - 1), axis=2)
     cand, vis, fidx = take(cand) & ok, take(vis) & ok, jnp.where(ok, take(fidx), -1)
-  k_eff = min(top_k, nk)
+  budget = row_budget(top_k, nk)
+  k_eff = min(top_k if budget is None else int(budget[-1]), nk)
+  limit = None if budget is None else (   # a share: per row, its budget less its forced blocks
+      jnp.asarray(budget)[jnp.sum(vis, -1)] - jnp.sum(vis & ~cand, -1))       # [b|1, 1, nq]
   cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
-  by_sort = functools.partial(_selected_lists_by_sort, k=k_eff, max_sel=max_sel)
-  if k_eff > 0 and nk <= topk_kernel.MAX_ROW:   # GPU: the top-k as a mask by a Pallas kernel
+  by_sort = functools.partial(_selected_lists_by_sort, k=k_eff, max_sel=max_sel,
+                              **({} if limit is None else {"limit": limit}))
+  if k_eff > 0 and nk <= topk_kernel.MAX_ROW and limit is None:   # GPU: top-k mask kernel
     by_mask = functools.partial(_selected_lists_by_mask, k=k_eff, max_sel=max_sel,
                                 keep_fn=topk_kernel.top_k_mask)
     indices = jax.lax.platform_dependent(rank, cand_b, fidx, vis, cuda=by_mask,
@@ -359,10 +364,10 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
                         kv_len=kv_len)
 
 
-def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel):
-  """``select_lists``'s lists: ``lax.top_k`` of the candidates' ranks, with the forced blocks
-  ``fidx`` (-1 = none), sorted ascending, -1 past the count: int32 [b, hk, nq, max_sel].
-  (``visible``: unused; ``_selected_lists_by_mask``'s signature.)"""
+def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel, limit=None):
+  """``select_lists``'s lists: ``lax.top_k`` of the candidates' ranks (the first ``limit``
+  [..., nq] of each row's k, if given), with the forced blocks ``fidx`` (-1 = none), sorted
+  ascending, -1 past the count: int32 [b, hk, nq, max_sel]. (``visible``: unused.)"""
   del visible
   nk = rank.shape[-1]
   parts = [fidx]
@@ -370,6 +375,7 @@ def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel):
     masked = jnp.where(cand, rank, -jnp.inf)
     _, tidx = jax.lax.top_k(masked, k)                                # [b, hk, nq, k]
     tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
+    tvalid = tvalid if limit is None else tvalid & (jnp.arange(k) < limit[..., None])
     parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
   allidx = jnp.concatenate(parts, axis=-1)
   key = jnp.where(allidx < 0, nk, allidx)
@@ -442,11 +448,31 @@ def check_selection(selection, batch, q_len, kv_len, kv_heads):
                      f"(n,), got {selection.indices.shape}")
 
 
+def check_top_k(top_k):
+  """``top_k`` checked and returned: an int >= 1 (blocks chosen by score) or a float in (0, 1]
+  (the share of a row's selectable blocks kept, ``row_budget``)."""
+  if not isinstance(top_k, (float, np.floating)):
+    check_int("top_k", top_k, 1)
+    return int(top_k)
+  if not 0.0 < top_k <= 1.0:
+    raise ValueError(f"top_k must be an int >= 1 or a float in (0, 1], got {top_k!r}")
+  return float(top_k)
+
+
+def row_budget(top_k, n):
+  """None for an int top_k; for a share f, int32 [n + 1]: the blocks a row with v = 0..n
+  selectable blocks keeps in total, round(f * v) half up (float64, so every path agrees)."""
+  floats = isinstance(top_k, float)
+  return np.floor(top_k * np.arange(n + 1) + 0.5).astype(np.int32) if floats else None
+
+
 def check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks):
+  """Check the selection sizes; returns top_k (``check_top_k``)."""
   for name, val, lo in (("block_size", block_size, 1), ("q_block_size", q_block_size, 1),
-                        ("top_k", top_k, 1), ("num_init_blocks", num_init_blocks, 0),
+                        ("num_init_blocks", num_init_blocks, 0),
                         ("num_local_blocks", num_local_blocks, 0)):
     check_int(name, val, lo)
+  return check_top_k(top_k)
 
 
 def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, num_init_blocks=1,
@@ -463,7 +489,9 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
     q: [batch, q_len, q_heads, head_dim].
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
     block_size: keys per key block (static).
-    top_k: number of blocks chosen by score besides the initial and local ones (static).
+    top_k: blocks chosen by score besides the initial and local ones (static int), or a
+      float in (0, 1]: each query block keeps that share of its selectable blocks in total,
+      round(top_k * selectable) half up, at least its initial and local ones.
     q_block_size: queries per query block (static).
     causal: bottom-right aligned causal visibility.
     num_init_blocks: leading blocks always kept (of the row, or of each document).
@@ -484,7 +512,8 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
   """
   if score != "mean_key":
     raise ValueError(f"unknown score {score!r}; supported: 'mean_key'")
-  check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
+  top_k = check_selection_args(block_size, q_block_size, top_k, num_init_blocks,
+                               num_local_blocks)
   check_flags(causal=causal)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
@@ -497,7 +526,7 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
     doc_start = doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
   return select_lists(scores, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                  block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
-                 num_local=int(num_local_blocks), top_k=int(top_k), seg_ok=seg_ok,
+                 num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
                  scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
 
 

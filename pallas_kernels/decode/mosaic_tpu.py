@@ -184,8 +184,7 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
   bsz, hq, d = q.shape
   dv = v2.shape[-1]
   q4, group, g_pad = group_queries(q, kv_heads, k2.dtype)          # dots in the cache dtype
-  if scale is None:
-    scale = 1.0 / math.sqrt(head_dim)
+  scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
   num_steps = -(-(-(-capacity // block_k)) // num_splits)          # blocks per split, at most
   kw = dict(window_left=window_left, block_k=block_k, num_splits=num_splits, capacity=capacity)
   paged = page_table is not None

@@ -255,8 +255,7 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
   d_pad = max(16, _next_pow2(d))
   dv_pad = max(16, _next_pow2(dv))
   bs = block_sizes or default_block_sizes(max(d, dv), k.dtype)
-  if scale is None:
-    scale = 1.0 / math.sqrt(d)
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
   if units is None:
     p0, p1, grid = bsz, num_splits, (bsz, kv_heads, num_splits)
   else:

@@ -213,13 +213,31 @@ def _lane_tile(x, n):
 # ----------------------------------------------------------------------------------------------
 
 
+def _qk_mask(cfg, q_blk, kv_blk, q_seg_ref, kv_seg_ref, kv_rows=False):
+  """Visibility of query tile q_blk x key tile kv_blk: bool [bq, bk], or [bk, bq] (``kv_rows``);
+  the row side's segment ids tiled along lanes, the column side's as one row."""
+  bq, bk = cfg.block_q, cfg.block_k
+  shape, qa = ((bk, bq), 1) if kv_rows else ((bq, bk), 0)
+  q_pos = q_blk * bq + (cfg.kv_len - cfg.q_len) + lax.broadcasted_iota(jnp.int32, shape, qa)
+  k_pos = kv_blk * bk + lax.broadcasted_iota(jnp.int32, shape, 1 - qa)
+  q_ids = kv_ids = None
+  if cfg.segmented and kv_rows:
+    q_ids, kv_ids = q_seg_ref[0:1, :], _lane_tile(kv_seg_ref[...], bq)
+  elif cfg.segmented:
+    q_ids, kv_ids = _lane_tile(q_seg_ref[...], bk), kv_seg_ref[0:1, :]
+  return _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg)
+
+
+def _run_tile(step, live, partial):
+  """step(True) on a live tile with a mask, step(False) on a live full one."""
+  pl.when(live & (partial != 0))(lambda: step(True))
+  pl.when(live & (partial == 0))(lambda: step(False))
+
+
 def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
                 q_ref, k_ref, v_ref, *refs, cfg: _Config, sched: _SchedShape):
-  if cfg.segmented:
-    q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
-  else:
-    q_seg_ref = kv_seg_ref = None
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs
+  q_seg_ref, kv_seg_ref = refs[:2] if cfg.segmented else (None, None)
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * cfg.segmented:]
   bq, bk = cfg.block_q, cfg.block_k
   dv = cfg.dv_pad
   b, h, i, j = (pl.program_id(a) for a in range(4))
@@ -247,14 +265,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
       k, v = hide_nonfinite_values(k, v_ref[...])
     s, _ = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
     if masked:
-      q_pos = (i * bq + (cfg.kv_len - cfg.q_len)
-               + lax.broadcasted_iota(jnp.int32, (bq, bk), 0))
-      k_pos = kv_blk * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-      q_ids = kv_ids = None
-      if cfg.segmented:
-        q_ids = _lane_tile(q_seg_ref[...], bk)            # [bq, bk]
-        kv_ids = kv_seg_ref[0:1, :]                       # [1, bk]
-      mask = _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg)  # [bq, bk]
+      mask = _qk_mask(cfg, i, kv_blk, q_seg_ref, kv_seg_ref)  # [bq, bk]
       s = jnp.where(mask, s, MASK_VALUE)
     m_prev = m_sc[...]                                    # [bq, 128]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
@@ -269,13 +280,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     pv = _dot(p.astype(v.dtype), v, NN_DIMS, prec)        # [bq, Dv]
     acc_sc[...] = acc_sc[...] * _lane_tile(alpha, dv) + pv
 
-  @pl.when((j < count) & (partial != 0))
-  def _masked():
-    step(True)
-
-  @pl.when((j < count) & (partial == 0))
-  def _full():
-    step(False)
+  _run_tile(step, (j < count), partial)
 
   @pl.when(j == sched.cols - 1)
   def _finish():
@@ -388,12 +393,9 @@ def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
 def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: _Config,
                sched: _SchedShape):
-  if cfg.segmented:
-    q_seg_ref, kv_seg_ref, dq_ref, dq_sc = refs
-  else:
-    q_seg_ref = kv_seg_ref = None
-    dq_ref, dq_sc = refs
-  bq, bk = cfg.block_q, cfg.block_k
+  q_seg_ref, kv_seg_ref = refs[:2] if cfg.segmented else (None, None)
+  dq_ref, dq_sc = refs[2 * cfg.segmented:]
+  bq = cfg.block_q
   b, h, i, j = (pl.program_id(a) for a in range(4))
   h_kv = lax.div(h, cfg.group)
   assert lse_ref.shape == di_ref.shape == (1, bq), lse_ref.shape
@@ -418,14 +420,7 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
       k, v = zero_nonfinite(k), zero_nonfinite(v)
     s, t = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
     if masked:
-      q_pos = (i * bq + (cfg.kv_len - cfg.q_len)
-               + lax.broadcasted_iota(jnp.int32, (bq, bk), 0))
-      k_pos = kv_blk * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-      q_ids = kv_ids = None
-      if cfg.segmented:
-        q_ids = _lane_tile(q_seg_ref[...], bk)            # [bq, bk]
-        kv_ids = kv_seg_ref[0:1, :]                       # [1, bk]
-      s = jnp.where(_tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg), s, MASK_VALUE)
+      s = jnp.where(_qk_mask(cfg, i, kv_blk, q_seg_ref, kv_seg_ref), s, MASK_VALUE)
     p = jnp.exp(s - lse)                                  # [bq, bk]
     dp = _dot(do, v, NT_DIMS, prec)                       # [bq, bk]
     ds = p * (dp - di)                                    # [bq, bk]
@@ -433,13 +428,7 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
       ds = ds * (1.0 - t * t)
     dq_sc[...] += _dot(ds.astype(k.dtype), k, NN_DIMS, prec)  # [bq, D]
 
-  @pl.when((j < count) & (partial != 0))
-  def _masked():
-    step(True)
-
-  @pl.when((j < count) & (partial == 0))
-  def _full():
-    step(False)
+  _run_tile(step, (j < count), partial)
 
   @pl.when(j == sched.cols - 1)
   def _finish():
@@ -449,12 +438,9 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
 def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
                 q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: _Config,
                 sched: _SchedShape):
-  if cfg.segmented:
-    kv_seg_ref, q_seg_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
-  else:
-    kv_seg_ref = q_seg_ref = None
-    dk_ref, dv_ref, dk_sc, dv_sc = refs
-  bq, bk = cfg.block_q, cfg.block_k
+  kv_seg_ref, q_seg_ref = refs[:2] if cfg.segmented else (None, None)
+  dk_ref, dv_ref, dk_sc, dv_sc = refs[2 * cfg.segmented:]
+  bq = cfg.block_q
   b, h_kv, ki, t_step = (pl.program_id(a) for a in range(4))
   jq = lax.rem(t_step, sched.cols)
   assert lse_ref.shape == di_ref.shape == (1, bq), lse_ref.shape
@@ -479,14 +465,7 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
     mask = None
     s, t = _logits(_dot(k, q, NT_DIMS, prec), cfg)        # [bk, bq] (transposed tile)
     if masked:
-      k_pos = ki * bk + lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
-      q_pos = (q_blk * bq + (cfg.kv_len - cfg.q_len)
-               + lax.broadcasted_iota(jnp.int32, (bk, bq), 1))
-      q_ids = kv_ids = None
-      if cfg.segmented:
-        kv_ids = _lane_tile(kv_seg_ref[...], bq)          # [bk, bq]
-        q_ids = q_seg_ref[0:1, :]                         # [1, bq]
-      mask = _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg)
+      mask = _qk_mask(cfg, q_blk, ki, q_seg_ref, kv_seg_ref, kv_rows=True)   # [bk, bq]
     p = jnp.exp(s - lse)                                  # [bk, bq]
     if masked:   # p and dS are 0 where hidden, even with a NaN lse, delta or key
       p = jnp.where(mask, p, 0.0)
@@ -499,13 +478,7 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
       ds = ds * (1.0 - t * t)
     dk_sc[...] += _dot(ds.astype(q.dtype), q, NN_DIMS, prec)  # [bk, D]
 
-  @pl.when((jq < count) & (partial != 0))
-  def _masked():
-    step(True)
-
-  @pl.when((jq < count) & (partial == 0))
-  def _full():
-    step(False)
+  _run_tile(step, (jq < count), partial)
 
   @pl.when(t_step == cfg.group * sched.cols - 1)
   def _finish():
@@ -730,8 +703,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     if bs_ not in (1, b) or hs_ not in (1, hk) or r_ != rows:
       raise ValueError(f"schedule {lead}_indices has shape {arr.shape}; expected "
                        f"[1 or {b}, 1 or {hk}, {rows}, n]")
-  if scale is None:
-    scale = 1.0 / math.sqrt(d)
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
   cfg = _Config(batch=b, q_heads=hq, kv_heads=hk, q_len=sq, kv_len=sk, head_dim=d, head_dim_v=dv,
                 block_q=schedule.block_q, block_k=schedule.block_k, causal=bool(causal),
                 window=normalize_window(local_window_size), scale=float(scale),

@@ -324,8 +324,7 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
     raise ValueError(f"counts must be [batch, kv_heads] = [{bsz}, {hk}], got {counts.shape}")
   check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   group = hq // hk
-  if scale is None:
-    scale = 1.0 / math.sqrt(d)
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
   kernel = functools.partial(
       _kernel, scale=float(scale), block=block_size, group=group, g_pad=next_pow2(group, minimum=16),
       head_dim=d, d_pad=next_pow2(d, minimum=16), head_dim_v=dv, dv_pad=next_pow2(dv, minimum=16), num_splits=int(num_splits),

@@ -37,7 +37,8 @@ def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
 
   Args:
     num_blocks: blocks in the cache (``BlockSummaries.num_blocks``).
-    top_k: blocks chosen by score besides the forced ones.
+    top_k: blocks chosen by score besides the forced ones, or a float share of the visible
+      blocks kept in total (bounded by round(top_k * num_blocks) chosen ones).
     num_init_blocks: leading blocks always kept.
     num_local_blocks: trailing blocks (the current one and those before it) always kept.
 
@@ -49,6 +50,7 @@ def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
     389
   """
   n_forced = min(num_init_blocks, num_blocks) + min(num_local_blocks, num_blocks)
+  top_k = int(top_k * num_blocks + 0.5) if isinstance(top_k, float) else top_k
   return max(1, min(n_forced + min(top_k, num_blocks), num_blocks))
 
 
@@ -399,8 +401,7 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
   check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
   check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   n_chunks = pl.cdiv(nb, chunk)
-  if score_splits is None:
-    score_splits = default_score_splits(bsz, hk, nb)
+  score_splits = default_score_splits(bsz, hk, nb) if score_splits is None else score_splits
   if int(score_splits) < 1:
     raise ValueError(f"score_splits must be >= 1, got {score_splits}")
   per_split = pl.cdiv(n_chunks, min(int(score_splits), n_chunks))

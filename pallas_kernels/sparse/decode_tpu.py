@@ -211,8 +211,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
     num_blocks = -(-rows0 // block_size)
     capacity = rows0
   q4, group, g_pad = group_queries(q, hk, k.dtype)                  # dots in the cache dtype
-  if scale is None:
-    scale = 1.0 / math.sqrt(d)
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
   num_slots = indices.shape[-1]
   indices = indices.astype(jnp.int32)
   if counts is None:

@@ -148,8 +148,7 @@ def top_k_mask(x, k: int, *, num_warps: int | None = None, interpret: bool = Fal
   if rows == 0:
     return jnp.zeros(x.shape, bool)
   n_pad = max(16, pl.next_power_of_2(n))
-  if num_warps is None:
-    num_warps = 4 if n_pad <= 2048 else 8
+  num_warps = 4 if n_pad <= 2048 else 8 if num_warps is None else num_warps
   out = pl.pallas_call(
       functools.partial(_kernel, n=n, n_pad=n_pad, top_k=int(k)),
       out_shape=jax.ShapeDtypeStruct((rows, n), jnp.int8),

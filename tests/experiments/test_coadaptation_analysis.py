@@ -35,7 +35,8 @@ def _brute_mass(q, k, bs):
 
 
 def _brute_select(rank, s, bs, top_k):
-  """bool [b, hk, s, nb]: block 0 + own block + top_k others by rank (ties: lower block)."""
+  """bool [b, hk, s, nb]: block 0 + own block + top_k others by rank (ties: lower block); a
+  float top_k: round(top_k * visible) half up in all, at least the forced ones."""
   b, hk = rank.shape[:2]
   keep = np.zeros(rank.shape, bool)
   for bi in range(b):
@@ -45,7 +46,8 @@ def _brute_select(rank, s, bs, top_k):
         keep[bi, g, t, [0, own]] = True
         others = [j for j in range(own + 1) if j not in (0, own)]
         others.sort(key=lambda j: (-rank[bi, g, t, j], j))
-        keep[bi, g, t, others[:top_k]] = True
+        n = top_k if isinstance(top_k, int) else int(top_k * (own + 1) + 0.5) - len({0, own})
+        keep[bi, g, t, others[:max(n, 0)]] = True
   return keep
 
 
@@ -56,7 +58,8 @@ def _qk(seed=0, s=24):
   return q, k
 
 
-def test_proxy_selection_is_per_token_and_shared_by_the_gqa_group():
+@pytest.mark.parametrize("top_k", [TOPK, 0.6])
+def test_proxy_selection_is_per_token_and_shared_by_the_gqa_group(top_k):
   q, k = _qk()
   s = q.shape[1]
   b, hq, hk = 2, 4, 2
@@ -65,20 +68,21 @@ def test_proxy_selection_is_per_token_and_shared_by_the_gqa_group():
     for h in range(hq):
       kbar = k[bi, :, h // 2].reshape(s // BS, BS, -1).mean(1)
       score[bi, h // 2] += q[bi, :, h] @ kbar.T               # per token, summed over the group
-  sel = A.select("proxy", jnp.asarray(q), jnp.asarray(k), block_size=BS, top_k=TOPK)
+  sel = A.select("proxy", jnp.asarray(q), jnp.asarray(k), block_size=BS, top_k=top_k)
   assert sel.q_block_size == 1 and sel.tile_mask().shape == (b, hk, s, s // BS)
-  np.testing.assert_array_equal(np.asarray(sel.tile_mask()), _brute_select(score, s, BS, TOPK))
+  np.testing.assert_array_equal(np.asarray(sel.tile_mask()), _brute_select(score, s, BS, top_k))
 
 
-def test_oracle_selection_ranks_by_true_block_mass():
+@pytest.mark.parametrize("top_k", [TOPK, 0.6])
+def test_oracle_selection_ranks_by_true_block_mass(top_k):
   q, k = _qk(1)
   s = q.shape[1]
   mass = _brute_mass(q.astype(np.float64), k.astype(np.float64), BS)
   got = np.asarray(A.block_mass(jnp.asarray(q), jnp.asarray(k), block_size=BS))
   np.testing.assert_allclose(got, mass, atol=1e-5)
   np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
-  sel = A.select("oracle", jnp.asarray(q), jnp.asarray(k), block_size=BS, top_k=TOPK)
-  np.testing.assert_array_equal(np.asarray(sel.tile_mask()), _brute_select(mass, s, BS, TOPK))
+  sel = A.select("oracle", jnp.asarray(q), jnp.asarray(k), block_size=BS, top_k=top_k)
+  np.testing.assert_array_equal(np.asarray(sel.tile_mask()), _brute_select(mass, s, BS, top_k))
 
 
 def _tiny_model():
@@ -88,7 +92,7 @@ def _tiny_model():
   return Transformer(cfg, rngs=nnx.Rngs(3))
 
 
-def _brute_posthoc_logits(model, tokens, rule):
+def _brute_posthoc_logits(model, tokens, rule, top_k):
   """The full model's forward, each layer's attention restricted (by numpy loops) to the blocks
   the rule keeps on that layer's own q/k."""
   from jattn.nn.rope import apply_rope
@@ -109,7 +113,7 @@ def _brute_posthoc_logits(model, tokens, rule):
       for hh in range(4):
         kbar = kn[:, :, hh // 2].reshape(b, s // BS, BS, 8).mean(2)
         rank[:, hh // 2] += np.einsum("btd,bjd->btj", qn[:, :, hh], kbar)
-    keep = _brute_select(rank, s, BS, TOPK)
+    keep = _brute_select(rank, s, BS, top_k)
     o = np.zeros((b, s, 4, 8))
     for bi in range(b):
       for hh in range(4):
@@ -123,12 +127,12 @@ def _brute_posthoc_logits(model, tokens, rule):
   return np.asarray(model._logits(x))
 
 
-@pytest.mark.parametrize("rule", ["oracle", "proxy"])
-def test_posthoc_forward_matches_brute_force(rule):
+@pytest.mark.parametrize("rule,top_k", [("oracle", TOPK), ("proxy", TOPK), ("oracle", 0.6)])
+def test_posthoc_forward_matches_brute_force(rule, top_k):
   model = _tiny_model()
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 23, (2, 24)), jnp.int32)
-  got, layers = A.masked_forward(model, tokens, rule=rule, block_size=BS, top_k=TOPK)
-  want = _brute_posthoc_logits(model, tokens, rule)
+  got, layers = A.masked_forward(model, tokens, rule=rule, block_size=BS, top_k=top_k)
+  want = _brute_posthoc_logits(model, tokens, rule, top_k)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
   dense = np.asarray(model(tokens))
   assert np.abs(dense - want).max() > 1e-3                # the pruning did change the output
@@ -153,7 +157,7 @@ def test_concentration_and_proxy_recall_match_brute_force():
       for t in range(s):
         own = t // bs
         cand = [j for j in range(own + 1) if j not in (0, own)]
-        kt = int(np.rint(frac * (own + 1))) - (1 if own == 0 else 2)
+        kt = int(frac * (own + 1) + 0.5) - (1 if own == 0 else 2)   # round half up
         if not 0 < kt < len(cand):
           continue
         m = mass[bi, g, t]
