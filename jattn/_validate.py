@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.common.util import check_flags, check_float, check_int  # noqa: F401 (shared)
+
 IMPLEMENTATIONS = ("xla", "triton", "mosaic_gpu", "mosaic_tpu", "cudnn")
 _INT32 = np.iinfo(np.int32)
 _DEBUG = []   # one list of messages per active debug_checks() block (innermost last)
@@ -38,20 +40,6 @@ def as_array(name, x):
   return x
 
 
-def check_int(name, x, lo=1):
-  """Raise ValueError unless x is an int (not a bool) in [lo, 2**31 - 1]."""
-  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or not (
-      lo <= x <= _INT32.max):
-    raise ValueError(f"{name} must be an int in [{lo}, {_INT32.max}], got {x!r}")
-
-
-def check_float(name, x):
-  """Raise TypeError unless x is an array with a floating dtype."""
-  if not (hasattr(x, "shape") and jnp.issubdtype(getattr(x, "dtype", str), jnp.floating)):
-    raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got "
-                    f"{getattr(x, 'dtype', type(x).__name__)}")
-
-
 def check_nonempty(**arrays):
   """Raise ValueError naming the first array with a zero-size dimension."""
   for name, x in arrays.items():
@@ -59,31 +47,29 @@ def check_nonempty(**arrays):
       raise ValueError(f"{name} must have no zero-size dimension, got shape {tuple(x.shape)}")
 
 
-def check_flags(**flags):
-  """Raise TypeError naming the first flag that is not a Python or numpy bool."""
-  for name, f in flags.items():
-    if not isinstance(f, (bool, np.bool_)):
-      raise TypeError(f"{name} must be a bool, got {f!r}")
+def check_number(name, x, lo=-math.inf, hi=math.inf, *, open_lo=False):
+  """x as a float; TypeError unless a number known now (not a str, bool or traced value),
+  ValueError unless finite and in [lo, hi] (``open_lo``: > lo)."""
+  try:
+    if isinstance(x, (str, bytes, bool, np.bool_)):
+      raise TypeError
+    x = float(x)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+    raise TypeError(f"{name} must be a Python number (static), got {x!r}") from None
+  if not (math.isfinite(x) and lo <= x <= hi) or (open_lo and x == lo):
+    want = (f" in [{lo}, {hi}]" if hi < math.inf else f" {'>' if open_lo else '>='} {lo}"
+            ) if lo > -math.inf else ""
+    raise ValueError(f"{name} must be a finite number{want}, got {x}")
+  return x
 
 
 def check_scale_and_cap(scale=None, logits_soft_cap=None, head_dim=None):
   """(scale, logits_soft_cap) as floats or None (with ``head_dim``, a None scale becomes
   1 / sqrt(head_dim)); ValueError unless scale is finite and the cap finite and > 0."""
-  out = []
-  for name, x, positive in (("scale", scale, False), ("logits_soft_cap", logits_soft_cap, True)):
-    if x is not None:
-      try:
-        if isinstance(x, (str, bytes, bool)):
-          raise TypeError
-        x = float(x)
-      except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-        raise TypeError(f"{name} must be a Python number (static), got {x!r}") from None
-      if not math.isfinite(x) or (positive and not x > 0):
-        raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {x}")
-    out.append(x)
-  if out[0] is None and head_dim is not None:
-    out[0] = 1.0 / math.sqrt(head_dim)
-  return tuple(out)
+  scale = (None if head_dim is None else 1.0 / math.sqrt(head_dim)) if scale is None else (
+      check_number("scale", scale))
+  return scale, None if logits_soft_cap is None else check_number(
+      "logits_soft_cap", logits_soft_cap, 0, open_lo=True)
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")):

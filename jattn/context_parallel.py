@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from jattn._validate import check_flags, check_int, check_qkv, check_segments
+from jattn._validate import as_array, check_flags, check_int, check_qkv, check_segments
 from jattn.attention import flash_attention
 from jattn.decode import decode_attention
 from jattn.merge import merge, merge_partials
@@ -125,6 +125,8 @@ def context_parallel_permute(x, num_shards, layout="zigzag", axis=1):
     >>> context_parallel_permute(jnp.arange(8)[None], 2).tolist()
     [[0, 1, 6, 7, 2, 3, 4, 5]]
   """
+  x = x if hasattr(x, "shape") else as_array("x", x)   # any dtype; lists as numpy
+  check_int("axis", axis, -x.ndim, x.ndim - 1)
   pos = layout_positions(x.shape[axis], num_shards, layout)
   return _take(x, pos[pos >= 0], axis)
 
@@ -146,6 +148,8 @@ def context_parallel_unpermute(x, num_shards, layout="zigzag", axis=1):
     >>> bool((context_parallel_unpermute(context_parallel_permute(x, 2), 2) == x).all())
     True
   """
+  x = x if hasattr(x, "shape") else as_array("x", x)   # any dtype; lists as numpy
+  check_int("axis", axis, -x.ndim, x.ndim - 1)
   pos = layout_positions(x.shape[axis], num_shards, layout)
   return _take(x, np.argsort(pos[pos >= 0]), axis)
 

@@ -34,9 +34,7 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------
-# Planning
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Planning
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackPlan:
@@ -305,9 +303,7 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
                   num_docs=int(lengths.shape[0]))
 
 
-# ----------------------------------------------------------------------------------------------
-# Materialising rows
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Materialising rows
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenStore:
@@ -503,9 +499,7 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
                      doc_lengths=doc_lengths, doc_ids=doc_ids, chunk_starts=chunk_starts)
 
 
-# ----------------------------------------------------------------------------------------------
-# Segment ids under jit
-# ----------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------- Segment ids under jit
 
 def segments_from_lengths(doc_lengths, max_len: int):
   """Segment ids and positions of packed rows from per-row document lengths (jit-compatible).
@@ -555,9 +549,7 @@ def _segments_from_lengths(doc_lengths, max_len):
   return segment_ids, positions
 
 
-# ----------------------------------------------------------------------------------------------
-# Training iterator
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Training iterator
 
 class PackedIterator:
   """Shuffled, epoch-aware, seeded, resumable iterator over packed batches.

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.common.util import check_flags, check_int
 from pallas_kernels.masks import normalize_window
 
 # The documented API; the segment-tile helpers serve the Mosaic GPU walks.
@@ -318,6 +319,9 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     >>> int(s.kv_counts[0, 0, -1]), s.max_kv_blocks
     (8, 8)
   """
+  for name, n in (("q_len", q_len), ("kv_len", kv_len), ("block_q", block_q), ("block_k", block_k)):
+    check_int(name, n)
+  check_flags(causal=causal)
   window = normalize_window(local_window_size)
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together")

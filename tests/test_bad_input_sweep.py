@@ -215,13 +215,15 @@ def _nn_specs():
                                      valid=(("mask", "dtype float32"),)),   # read as bool
     "nn.apply_rope": Spec(nn.apply_rope, {"x": sds(2, 32, 4, 16),
                                           "positions": np.zeros((2, 32), np.int32)},
-                          {"x": "bshD", "positions": "bs"}, {"base": "posfloat"}),
+                          {"x": "bsHD", "positions": "bs"}, {"base": "posfloat"},
+                          valid=(("base", "None"),)),   # NoPE: x unchanged
     "nn.rope_frequencies": Spec(nn.rope_frequencies, {"rotary_dim": 16}, {},
                                 {"rotary_dim": "posint", "base": "posfloat"}),
     "nn.LayerSpec": Spec(nn.LayerSpec, {"kind": "local", "window": 8}, {},
                          {"kind": "enum", "window": "posint", "rope_base": "posfloat",
                           "block_size": "posint", "q_block_size": "posint",
-                          "compress_ratio": "posint"}, direct=True),
+                          "compress_ratio": "posint"}, direct=True,
+                         valid=(("rope_base", "None"),)),   # NoPE
     "nn.TransformerConfig": Spec(nn.TransformerConfig,
                                  {"vocab_size": 37, "num_layers": 2, "d_model": 32,
                                   "num_heads": 4, "num_kv_heads": 2, "head_dim": 8}, {},
@@ -405,23 +407,7 @@ def outcome(spec, case):
 
 # Inputs the library does not yet refuse by name, by (entry point, argument): each group's bad
 # inputs are listed as expected failures; a group with none left fails the test (drop it here).
-_SCHEDULE = "make_schedule (the kernel layer's, re-exported) takes its static arguments unchecked"
-_MERGE = "merge_partials (the kernel layer's, re-exported) checks shapes only"
-_ROPE = "the RoPE helpers use their arguments unchecked"
-KNOWN_GAPS = {
-  **{("make_schedule", a): _SCHEDULE for a in ("q_len", "kv_len", "block_q", "block_k",
-                                                "causal")},
-  **{("merge_partials", a): _MERGE for a in ("outs", "lses", "axis")},
-  **{(f"context_parallel_{f}", a): "x is not checked to be an array, axis not range-checked"
-     for f in ("permute", "unpermute") for a in ("x", "axis")},
-  ("nn.LayerSpec", "rope_base"): "rope_base is compared with 0 only (inf, None, str pass)",
-  ("nn.TransformerConfig", "norm_eps"): "norm_eps is not checked (finite, > 0)",
-  **{("nn.apply_rope", a): _ROPE for a in ("x", "positions", "base")},
-  **{("nn.rope_frequencies", a): _ROPE for a in ("rotary_dim", "base")},
-  ("nn.dot_product_attention", "dropout_rate"): "only dropout_rate > 0 is refused",
-  ("nn.dot_product_attention", "query"): "a query with one more batch axis than key fails "
-                                         "in a reshape",
-}
+KNOWN_GAPS = {}
 
 CASES = _cases()
 SPECS = {}

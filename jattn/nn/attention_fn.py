@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax.nnx.nn import dtypes
 
 from jattn import dot_product
-from jattn._validate import as_array, check_float
+from jattn._validate import as_array, check_float, check_number
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -55,7 +55,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     (1, 10, 16)
   """
   del broadcast_dropout, dropout_rng, precision
-  if dropout_rate > 0 and not deterministic:
+  if check_number("dropout_rate", dropout_rate, 0, 1) > 0 and not deterministic:
     raise ValueError(f"jattn.nn.dot_product_attention has no attention dropout: got "
                      f"dropout_rate={dropout_rate} with deterministic=False (use dropout_rate=0 "
                      f"or deterministic=True)")
@@ -66,6 +66,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     check_float(name, x)
   query, key, value = promote_dtype((query, key, value), dtype=dtype)
   batch = query.shape[:-3]
+  if key.shape[:-3] != batch or value.shape[:-3] != batch:
+    raise ValueError(f"query, key and value must have the same batch axes: got query "
+                     f"{query.shape}, key {key.shape}, value {value.shape}")
   arrays = [None if x is None else as_array(n, x) for n, x in (("bias", bias), ("mask", mask))]
   if arrays[1] is not None:
     arrays[1] = arrays[1].astype(bool)

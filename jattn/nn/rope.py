@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jattn._validate import as_array, as_int32, check_float, check_int, check_number
+
 
 def rope_frequencies(rotary_dim, base=10000.0):
   """Inverse frequencies of RoPE.
@@ -24,8 +26,10 @@ def rope_frequencies(rotary_dim, base=10000.0):
     >>> rope_frequencies(4).shape
     (2,)
   """
+  check_int("rotary_dim", rotary_dim)
   if rotary_dim % 2:
     raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+  base = check_number("base", base, 0, open_lo=True)
   return base ** (-jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
 
 
@@ -49,12 +53,15 @@ def apply_rope(x, positions, base=10000.0, rotary_dim=None):
   """
   if base is None:
     return x
+  check_float("x", x)
+  positions = as_int32("positions", as_array("positions", positions))
+  if x.ndim not in (3, 4) or 0 in x.shape or positions.shape != x.shape[:2]:
+    raise ValueError(f"x must be [batch, seq, (heads,) head_dim] (no zero-size axis) and "
+                     f"positions [batch, seq]: got x {x.shape}, positions {positions.shape}")
   d = x.shape[-1]
   rotary_dim = d if rotary_dim is None else rotary_dim
   if rotary_dim > d or rotary_dim % 2:
     raise ValueError(f"rotary_dim must be even and <= head_dim={d}, got {rotary_dim}")
-  if positions.shape != x.shape[:2]:
-    raise ValueError(f"positions must be [batch, seq] = {x.shape[:2]}, got {positions.shape}")
   inv = rope_frequencies(rotary_dim, base)
   ang = positions.astype(jnp.float32)[..., None] * inv  # [b, s, rotary_dim/2]
   if x.ndim == 4:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jattn._validate import check_int
+from jattn._validate import check_int, check_number
 from jattn.sparse.selection import check_top_k
 
 KINDS = ("global", "local", "sparse", "csa")
@@ -70,15 +70,13 @@ class LayerSpec:
 
   def __post_init__(self):
     k = self.kind
-    w = self.score_aux_weight
-    if isinstance(w, bool) or not isinstance(w, (int, float)) or not w >= 0:
-      raise ValueError(f"score_aux_weight must be a number >= 0, got {w!r}")
+    w = check_number("score_aux_weight", self.score_aux_weight, 0)
     if self.score_aux_pool not in ("sum", "max"):
       raise ValueError(f"score_aux_pool must be 'sum' or 'max', got {self.score_aux_pool!r}")
     if k not in KINDS:
       raise ValueError(f"LayerSpec.kind must be one of {KINDS}, got {k!r}")
-    if self.rope_base is not None and not self.rope_base > 0:
-      raise ValueError(f"rope_base must be > 0 or None (NoPE), got {self.rope_base}")
+    if self.rope_base is not None:   # None: NoPE
+      check_number("rope_base", self.rope_base, 0, open_lo=True)
     for name in ("block_size", "q_block_size", "compress_ratio", "window", "top_k"):
       if getattr(self, name) is not None or name not in ("window", "top_k"):
         sparse_top_k = name == "top_k" and k == "sparse"   # blocks, or a share of a row's

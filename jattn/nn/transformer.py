@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jattn._validate import check_int
+from jattn._validate import check_int, check_number
 from jattn.nn.attention import Attention, check_kv_cache_layout
 from jattn.nn.schedule import LayerSpec
 from pallas_kernels.masks import element_mask
@@ -87,6 +87,7 @@ class TransformerConfig:
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim"):
       check_int(name, getattr(self, name))
+    check_number("norm_eps", self.norm_eps, 0, open_lo=True)
     if self.layers is None:
       object.__setattr__(self, "layers", tuple(LayerSpec("global") for _ in range(self.num_layers)))
     object.__setattr__(self, "layers", tuple(self.layers))

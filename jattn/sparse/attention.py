@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 
-from jattn._validate import check_flags, check_qkv, check_scale_and_cap, check_segments
+from jattn._validate import (check_flags, check_number, check_qkv, check_scale_and_cap,
+                             check_segments)
 from jattn._plan import Plan
 from jattn.attention import kernel_module, resolve
 from pallas_kernels.block_schedule import make_schedule
@@ -353,15 +353,12 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   """
   if gate_grad not in _GATE_MODES:
     raise ValueError(f"gate_grad must be one of {_GATE_MODES}, got {gate_grad!r}")
-  if not (isinstance(gate_temperature, numbers.Real) and 0 < gate_temperature < math.inf):
-    raise ValueError(f"gate_temperature must be a finite number > 0, got {gate_temperature!r}")
+  check_number("gate_temperature", gate_temperature, 0, open_lo=True)
   check_flags(causal=causal, interpret=interpret, return_selection=return_selection,
               return_lse=return_lse)
   if gate_grad == "gumbel" and rng is None:
     raise ValueError("gate_grad='gumbel' needs rng (a jax PRNG key)")
-  if isinstance(score_aux_weight, bool) or not (isinstance(score_aux_weight, (int, float))
-                                                and 0 <= score_aux_weight < float("inf")):
-    raise ValueError(f"score_aux_weight must be a finite float >= 0, got {score_aux_weight!r}")
+  check_number("score_aux_weight", score_aux_weight, 0)
   if score_aux_pool not in _QUERY_POOLS:
     raise ValueError(f"score_aux_pool must be one of {_QUERY_POOLS}, got {score_aux_pool!r}")
   top_k = check_selection_args(block_size, q_block_size, top_k, num_init_blocks,

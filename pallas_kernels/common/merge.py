@@ -22,11 +22,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
-from pallas_kernels.common.util import next_pow2
+from pallas_kernels.common.util import check_float, check_int, next_pow2
 
 # The documented API; the in-kernel merge pieces serve the decode kernels.
 __all__ = ["merge_partials", "merge", "merge_partials_pallas", "merge_partials_by_row"]
@@ -53,13 +54,13 @@ def merge_partials(outs, lses, axis=0):
     >>> out.shape, lse.shape
     ((3, 4), (3,))
   """
-  outs = jnp.asarray(outs)
-  lses = jnp.asarray(lses)
-  if outs.ndim != lses.ndim + 1 or outs.shape[:-1] != lses.shape:
-    raise ValueError(
-        f"outs must have shape lses.shape + (head_dim,); got outs {outs.shape}, lses {lses.shape}")
-  if not -lses.ndim <= axis < lses.ndim:
-    raise ValueError(f"axis {axis} out of range for lses of rank {lses.ndim}")
+  for name, x in (("outs", outs), ("lses", lses)):   # lists: as numpy
+    check_float(name, x if hasattr(x, "dtype") else np.asarray(x))
+  outs, lses = jnp.asarray(outs), jnp.asarray(lses)
+  if outs.ndim != lses.ndim + 1 or outs.shape[:-1] != lses.shape or not outs.shape[-1]:
+    raise ValueError(f"outs must have shape lses.shape + (head_dim,), head_dim >= 1; got outs "
+                     f"{outs.shape}, lses {lses.shape}")
+  check_int("axis", axis, -lses.ndim, lses.ndim - 1)
   axis = axis % lses.ndim
   lse32 = lses.astype(jnp.float32)
   m = jnp.max(lse32, axis=axis, keepdims=True)

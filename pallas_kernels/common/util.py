@@ -1,4 +1,4 @@
-"""Small shape helpers shared by the kernel modules: integer rounding, powers of two, padding.
+"""Small helpers shared by the kernel modules: integer rounding, powers of two, padding, checks.
 
 Example:
   >>> cdiv(100, 32), round_up(100, 32), next_pow2(72), next_pow2(3, minimum=16)
@@ -7,6 +7,7 @@ Example:
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["cdiv", "round_up", "next_pow2", "pad_axis"]
 
@@ -104,3 +105,24 @@ def check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape) -> None:
                                     or tuple(kv_segment_ids.shape) != (q_shape[0], k_shape[1])):
     raise ValueError(f"segment ids must be [batch, len]: got {q_segment_ids.shape}, "
                      f"{kv_segment_ids.shape} for q {tuple(q_shape)}, k {tuple(k_shape)}")
+
+
+def check_int(name, x, lo=1, hi=2**31 - 1):
+  """Raise ValueError unless x is an int (not a bool) in [lo, hi]."""
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or not (
+      lo <= x <= hi):
+    raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {x!r}")
+
+
+def check_float(name, x):
+  """Raise TypeError unless x is an array with a floating dtype."""
+  if not (hasattr(x, "shape") and jnp.issubdtype(getattr(x, "dtype", str), jnp.floating)):
+    raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}")
+
+
+def check_flags(**flags):
+  """Raise TypeError naming the first flag that is not a Python or numpy bool."""
+  for name, f in flags.items():
+    if not isinstance(f, (bool, np.bool_)):
+      raise TypeError(f"{name} must be a bool, got {f!r}")

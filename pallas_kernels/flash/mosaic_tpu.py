@@ -48,7 +48,7 @@ from pallas_kernels.common.softmax import (
   hide_nonfinite_values,
   zero_nonfinite,
 )
-from pallas_kernels.common.util import cdiv, round_up
+from pallas_kernels.common.util import cdiv, check_float, round_up
 from pallas_kernels.masks import normalize_window, visible
 
 NUM_LANES = 128
@@ -171,9 +171,7 @@ class _SchedShape:
     return self.row(b, h_kv, i) * self.cols + j
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared tile math
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Shared tile math
 
 
 def _precision(dtype):
@@ -208,9 +206,7 @@ def _lane_tile(x, n):
   return x if reps == 1 else jnp.tile(x, (1, reps))
 
 
-# ----------------------------------------------------------------------------------------------
-# Forward kernel
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Forward kernel
 
 
 def _qk_mask(cfg, q_blk, kv_blk, q_seg_ref, kv_seg_ref, kv_rows=False):
@@ -385,9 +381,7 @@ def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
   return out, lse
 
 
-# ----------------------------------------------------------------------------------------------
-# Backward kernels
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------- Backward kernels
 
 
 def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
@@ -601,9 +595,7 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
   return dq, dk, dv
 
 
-# ----------------------------------------------------------------------------------------------
-# custom_vjp wiring and the public entry point
-# ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------- custom_vjp wiring and the public entry point
 
 
 def _compute_dtype(q, k, v):
@@ -670,8 +662,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     if getattr(x, "ndim", None) != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
                        f"{getattr(x, 'shape', None)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be a floating array, got {x.dtype}")
+    check_float(name, x)
   b, sq, hq, d = q.shape
   _, sk, hk, dv = v.shape
   if k.shape != (b, sk, hk, d):
@@ -681,15 +672,10 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
     raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk})")
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-  if q_segment_ids is not None:
-    if q_segment_ids.shape != (b, sq):
-      raise ValueError(f"q_segment_ids must be [batch, q_len] = {(b, sq)}, "
-                       f"got {q_segment_ids.shape}")
-    if kv_segment_ids.shape != (b, sk):
-      raise ValueError(f"kv_segment_ids must be [batch, kv_len] = {(b, sk)}, "
-                       f"got {kv_segment_ids.shape}")
-    if not jnp.issubdtype(q_segment_ids.dtype, jnp.integer) or not jnp.issubdtype(
-        kv_segment_ids.dtype, jnp.integer):
+  for p, ids, n in (("q", q_segment_ids, sq), ("kv", kv_segment_ids, sk)):
+    if ids is not None and ids.shape != (b, n):
+      raise ValueError(f"{p}_segment_ids must be [batch, {p}_len] = {(b, n)}, got {ids.shape}")
+    if ids is not None and not jnp.issubdtype(ids.dtype, jnp.integer):
       raise TypeError("segment ids must be integer arrays")
   if not isinstance(schedule, BlockSchedule):
     raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")

@@ -12,6 +12,7 @@ selection (``pallas_kernels.sparse.decode_select``) finds its threshold with the
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -141,10 +142,7 @@ def top_k_mask(x, k: int, *, num_warps: int | None = None, interpret: bool = Fal
     raise ValueError(f"top_k_mask holds rows of 1..{MAX_ROW} entries, got {n}")
   if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
     raise ValueError(f"k must be an int in [1, {n}], got {k!r}")
-  lead = x.shape[:-1]
-  rows = 1
-  for s in lead:
-    rows *= s
+  rows = math.prod(x.shape[:-1])
   if rows == 0:
     return jnp.zeros(x.shape, bool)
   n_pad = max(16, pl.next_power_of_2(n))
