@@ -35,7 +35,7 @@ def as_array(name, x):
   checks); TypeError naming ``name`` unless it holds numbers."""
   if is_traced(x) or isinstance(x, jax.Array):
     return x
-  if (x := np.asarray(x)).dtype.kind not in "biuf":
+  if (x := np.asarray(x)).dtype.kind not in "biuf" and not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must be an array of numbers, got {x.dtype}")
   return x
 

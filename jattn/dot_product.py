@@ -69,10 +69,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     >>> out.shape
     (2, 100, 4, 64)
   """
-  rank = jnp.ndim(query)
-  if rank not in (3, 4) or jnp.ndim(key) != rank or jnp.ndim(value) != rank:
+  query, key, value = map(as_array, ("query", "key", "value"), (query, key, value))
+  rank = query.ndim
+  if rank not in (3, 4) or key.ndim != rank or value.ndim != rank:
     raise ValueError(f"query, key and value must all be rank 4 (BTNH) or all rank 3 (TNH), got "
-                     f"shapes {jnp.shape(query)}, {jnp.shape(key)}, {jnp.shape(value)}")
+                     f"shapes {query.shape}, {key.shape}, {value.shape}")
   check_flags(is_causal=is_causal)
   q, k, v = (jnp.asarray(x) if rank == 4 else jnp.asarray(x)[None] for x in (query, key, value))
   check_qkv(q, k, v, names=("query", "key", "value"))
