@@ -275,7 +275,7 @@ def sparsify_config(config, top_k, *, block_size=64, q_block_size=64, kinds=("gl
 
   Args:
     config: TransformerConfig.
-    top_k: blocks selected per query block.
+    top_k: blocks selected per query block (or a float share of its visible blocks).
     block_size: key block size.
     q_block_size: query block size sharing a selection.
     kinds: layer kinds to convert (default only "global").
@@ -322,7 +322,7 @@ def sparsify(model, top_k, *, block_size=64, q_block_size=64, kinds=("global",))
 
   Args:
     model: a trained (dense) Transformer.
-    top_k: blocks selected per query block.
+    top_k: blocks selected per query block (or a float share of its visible blocks).
     block_size: key block size.
     q_block_size: query block size.
     kinds: layer kinds to convert.
