@@ -604,10 +604,10 @@ def _gate_reference(q, k, v, sel, gate, scale, causal=True, seg=None):
   return _dense(q, k, v, allowed, scale, bias)
 
 
-@pytest.mark.parametrize("segments", [False, True])
-def test_ste_forward_unchanged_and_gradient(segments):
+@pytest.mark.parametrize("segments,top_k", [(False, 1), (True, 1), (True, 0.4)])
+def test_ste_forward_unchanged_and_gradient(segments, top_k):
   rng = np.random.default_rng(3)
-  b, s, hq, hk, d, bs, qbs, top_k = 1, 160, 4, 2, 16, 32, 16, 1
+  b, s, hq, hk, d, bs, qbs = 1, 160, 4, 2, 16, 32, 16
   q, k, v = _qkv(9, b, s, s, hq, hk, d)
   seg = _packed_segments(rng, b, s, max_docs=2) if segments else None
   kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, implementation="xla",
@@ -638,8 +638,9 @@ def test_ste_forward_unchanged_and_gradient(segments):
   assert _rel(g_ste[2], g_none[2]) < 1e-5
 
 
-def test_gumbel_deterministic_and_gradient():
-  b, s, hq, hk, d, bs, qbs, top_k = 1, 192, 2, 1, 16, 16, 32, 2
+@pytest.mark.parametrize("top_k", [2, 0.3])
+def test_gumbel_deterministic_and_gradient(top_k):
+  b, s, hq, hk, d, bs, qbs = 1, 192, 2, 1, 16, 16, 32
   q, k, v = _qkv(10, b, s, s, hq, hk, d)
   scale, temp = 1 / np.sqrt(d), 2.0
   kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, gate_grad="gumbel",
