@@ -1362,7 +1362,8 @@ def merge(sources, out_dir):
   """Join finished runs of several output directories (cell groups, tasks, lengths) into one.
 
   Copies each ``SRC/runs/<variant>_s<seed>/{result.json,analysis.npz}`` to
-  ``OUT/runs/<task>_L<seq_len>/<variant>_s<seed>/`` and writes results, table and figures.
+  ``OUT/runs/<task>_L<seq_len>/<variant>_s<seed>/`` and writes results, table and figures
+  (with the preset in ``meta`` when every source's ``config.json`` holds the same one).
 
   Returns:
     (rows, aggregate).
@@ -1391,8 +1392,17 @@ def merge(sources, out_dir):
       rows.append(row)
   if not rows:
     raise ValueError(f"no finished runs under {sources}")
-  agg, _, _ = write_results(out_dir, rows, finished=True, wall_s=None,
-                            meta={"sources": list(sources)})
+  meta = {"sources": list(sources)}
+  presets = []
+  for src in sources:
+    try:
+      with open(os.path.join(src, "config.json")) as f:
+        presets.append(json.load(f)["config"])
+    except (OSError, KeyError, ValueError):
+      presets.append(None)
+  if presets[0] is not None and all(p == presets[0] for p in presets):
+    meta["preset"] = presets[0]
+  agg, _, _ = write_results(out_dir, rows, finished=True, wall_s=None, meta=meta)
   make_figures(out_dir, rows, agg)
   return rows, agg
 

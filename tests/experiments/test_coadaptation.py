@@ -132,6 +132,7 @@ def test_plumbing_cli_writes_every_variant_and_resumes(tmp_path, capsys):
   with open(os.path.join(merged, "results.json")) as f:
     m = json.load(f)
   assert len(m["rows"]) == len(res["rows"])
+  assert m["meta"]["preset"]["seq_len"] == 64          # one source: its preset is kept
   assert os.path.exists(os.path.join(merged, "runs", "copy_L64", "full_s0", "analysis.npz"))
   # the notebook test renders this finished run instead of training its own (same process)
   os.environ.setdefault("JATTN_COAD_RESULTS", out)
