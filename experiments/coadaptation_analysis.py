@@ -64,11 +64,8 @@ def per_query_top_k(seq_len, block_size, keep_fraction=0.19, num_forced=2):
 def segment_parts(segment_ids, block_size):
   """(seg_ok, doc_start) of ``jattn.sparse.selection`` for per-token selection (None, None
   without segment ids)."""
-  from jattn.sparse.selection import doc_start_blocks, segment_overlap
-  if segment_ids is None:
-    return None, None
-  return (segment_overlap(segment_ids, segment_ids, 1, block_size),
-          doc_start_blocks(segment_ids, segment_ids, 1, block_size))
+  from jattn.sparse.selection import segment_rules
+  return segment_rules(segment_ids, segment_ids, 1, block_size)
 
 
 def block_mass(q, k, *, block_size, segment_ids=None):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +20,7 @@ from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.flash.reference import attention_reference
 from jattn.sparse.metrics import add_aux_loss, block_attention_mass, score_kl
 from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
-                                   check_selection_args, doc_start_blocks, segment_overlap,
-                                   select_lists)
+                                   check_selection_args, segment_rules, select_lists)
 
 __all__ = ["block_sparse_plan", "block_sparse_attention", "sparse_attention"]
 
@@ -398,10 +396,7 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   else:
     gate = scale * scores / gate_temperature
     rank = scores
-  seg_ok = doc_start = None
-  if segment_ids is not None:
-    seg_ok = segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
-    doc_start = doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
+  seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
   sel = select_lists(rank, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                 block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
                 num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jattn._validate import check_qkv, check_scale_and_cap, check_segments
 from pallas_kernels.masks import element_mask
 from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
-                                   check_selection_args, doc_start_blocks, segment_overlap)
+                                   check_selection_args, segment_rules)
 
 __all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_loss"]
 
@@ -230,10 +230,7 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
                               causal=causal, segment_ids=segment_ids,
                               kv_segment_ids=kv_segment_ids, scale=scale, query_pool=query_pool,
                               max_chunk_elems=max_chunk_elems)
-  seg_ok = doc_start = None
-  if segment_ids is not None:
-    seg_ok = segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
-    doc_start = doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
+  seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
   cand, _, _ = candidates(batch, hk, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                            block_size=int(block_size), causal=causal,
                            num_init=int(num_init_blocks), num_local=int(num_local_blocks),

@@ -318,6 +318,14 @@ def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size, ranges=None):
   return jnp.where(qmn <= qmx, start, nk).astype(jnp.int32)     # all-padding query block: nk
 
 
+def segment_rules(q_seg, kv_seg, q_block_size, block_size):
+  """(``segment_overlap``, ``doc_start_blocks``) of the ids, or (None, None) without ids."""
+  if q_seg is None:
+    return None, None
+  return (segment_overlap(q_seg, kv_seg, q_block_size, block_size),
+          doc_start_blocks(q_seg, kv_seg, q_block_size, block_size))
+
+
 def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
                  top_k, seg_ok, scores, doc_start=None, rows=None):
   """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
@@ -520,10 +528,7 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
                                                          q_len, kv_len)
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-  seg_ok = doc_start = None
-  if segment_ids is not None:
-    seg_ok = segment_overlap(segment_ids, kv_segment_ids, q_block_size, block_size)
-    doc_start = doc_start_blocks(segment_ids, kv_segment_ids, q_block_size, block_size)
+  seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
   return select_lists(scores, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                  block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
                  num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
