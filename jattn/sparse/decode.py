@@ -21,7 +21,7 @@ from jattn._validate import (as_array, check_flags, check_float, check_int, chec
                              check_nonempty, check_scale_and_cap)
 from jattn.decode import check_decode_call
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
-from jattn.sparse.selection import cdiv, check_selection_args, row_budget
+from jattn.sparse.selection import cdiv, check_selection_args, top_k_cut
 from pallas_kernels import compat
 from pallas_kernels.sparse.decode_select import decode_width
 
@@ -299,14 +299,11 @@ def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_ini
     dup = (jnp.arange(n_forced) >= min(num_init_blocks, nb)) & (fidx < num_init_blocks)
     ok = (fidx >= 0) & (fidx <= diag) & ~dup
     parts.append(jnp.broadcast_to(jnp.where(ok, fidx, -1), (b, hk, n_forced)))
-  budget = row_budget(top_k, nb)
-  k_eff = min(top_k if budget is None else int(budget[-1]), nb)
+  k_eff, limit = top_k_cut(top_k, nb, diag[..., 0] + 1, jnp.sum(forced, -1))      # limit [b, 1]
   if k_eff:
     _, tidx = jax.lax.top_k(jnp.where(cand, scores, -jnp.inf), k_eff)
     tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
-    if budget is not None:   # a fractional top_k: the row's budget less its forced blocks
-      limit = jnp.asarray(budget)[diag[..., 0] + 1] - jnp.sum(forced, -1)            # [b, 1]
-      tvalid = tvalid & (jnp.arange(k_eff) < limit[..., None])
+    tvalid = tvalid if limit is None else tvalid & (jnp.arange(k_eff) < limit[..., None])
     parts.append(jnp.where(tvalid, tidx, -1))
   if not parts:
     return jnp.full((b, hk, 1), -1, jnp.int32)

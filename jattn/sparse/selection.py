@@ -351,10 +351,7 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
     ok = (rows < cdiv(q_len, q_block_size))[:, None]
     take = lambda x: jnp.take(x, jnp.minimum(rows, cdiv(q_len, q_block_size) - 1), axis=2)
     cand, vis, fidx = take(cand) & ok, take(vis) & ok, jnp.where(ok, take(fidx), -1)
-  budget = row_budget(top_k, nk)
-  k_eff = min(top_k if budget is None else int(budget[-1]), nk)
-  limit = None if budget is None else (   # a share: per row, its budget less its forced blocks
-      jnp.asarray(budget)[jnp.sum(vis, -1)] - jnp.sum(vis & ~cand, -1))       # [b|1, 1, nq]
+  k_eff, limit = top_k_cut(top_k, nk, jnp.sum(vis, -1), jnp.sum(vis & ~cand, -1))
   cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
   by_sort = functools.partial(_selected_lists_by_sort, k=k_eff, max_sel=max_sel,
                               **({} if limit is None else {"limit": limit}))
@@ -472,6 +469,15 @@ def row_budget(top_k, n):
   selectable blocks keeps in total, round(f * v) half up (float64, so every path agrees)."""
   floats = isinstance(top_k, float)
   return np.floor(top_k * np.arange(n + 1) + 0.5).astype(np.int32) if floats else None
+
+
+def top_k_cut(top_k, n, n_visible, n_forced):
+  """(k, limit): the ``lax.top_k`` width over n blocks and, for a share, each row's picks
+  (budget less forced; n_visible, n_forced: int arrays per row); limit None for a count."""
+  budget = row_budget(top_k, n)
+  if budget is None:
+    return min(top_k, n), None
+  return min(int(budget[-1]), n), jnp.asarray(budget)[n_visible] - n_forced
 
 
 def check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks):
