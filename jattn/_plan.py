@@ -29,6 +29,9 @@ class Plan:
     table: the tuning table the configs were read from ("nvidia_h200.json", "generic.json"),
       or None where no table was read (explicit configs, heuristics only, "xla").
     device_kind: the device the plan was resolved for (jax's ``device_kind``), or None.
+    fallback: None, or (a boolean ``mask`` on Hopper) the plan that runs instead when the mask
+      is not uniform on every ``jattn.attention.MASK_TILE`` square tile; decided on device,
+      both are compiled.
 
   Example:
     >>> import jax, jax.numpy as jnp, jattn
@@ -49,3 +52,4 @@ class Plan:
   backward_config: Any = None
   table: str | None = None
   device_kind: str | None = None
+  fallback: Plan | None = None

@@ -12,7 +12,9 @@ Implementations:
 
 Boolean ``mask`` and additive ``bias`` arrays run on "xla" and "triton" (the mask becomes a
 block schedule on device: all-False tiles are skipped, all-True tiles run unmasked); the other
-implementations raise ValueError for them.
+implementations raise ValueError for them. On Hopper, ``implementation=None`` runs a mask (without
+bias) on "mosaic_gpu" when, on device, it is uniform on every MASK_TILE x MASK_TILE tile (its
+visible tiles become the schedule), and on "triton" otherwise: the plan's ``fallback``.
 
 How a call is resolved (:func:`resolve`, the one place, for flash and block-sparse calls):
   1. implementation: the one named, else the platform's;
@@ -33,7 +35,7 @@ from jattn._validate import (as_array, check_flags, check_implementation, check_
                              check_scale_and_cap, check_segments)
 from jattn._plan import Plan
 from pallas_kernels import tuning
-from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.block_schedule import make_schedule, mask_tile_classes
 from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.masks import normalize_window
 
@@ -41,6 +43,7 @@ from pallas_kernels.masks import normalize_window
 # (at 256 the dK/dV accumulators exceed a thread's registers: the Triton backward runs).
 MOSAIC_GPU_HEAD_DIMS = (64, 128, 256)
 MOSAIC_GPU_BWD_HEAD_DIMS = (64, 128)
+MASK_TILE = 128   # a mask uniform on tiles of this size runs on the Mosaic GPU kernels
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -191,7 +194,7 @@ def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, bl
 
 def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=None,
             implementation=None, block_sizes=None, interpret=False, platform=None,
-            device_kind=None, arrays=False) -> Plan:
+            device_kind=None, arrays=None) -> Plan:
   """The plan of one call: implementation, then configs (explicit, table, heuristic, fit).
 
   The one resolution behind :func:`flash_attention_plan` and ``jattn.block_sparse_plan``.
@@ -209,8 +212,10 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
     interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
     platform, device_kind: describe another device than the current one
       (``pallas_kernels.tuning.device``).
-    arrays: whether the call has ``mask`` or ``bias`` arrays (only "xla" and "triton" take
-      them: the default is "triton" on GPU, "xla" elsewhere; another named one raises).
+    arrays: None, "mask" or "bias": the call's arrays ("bias" when it has a bias; only "xla"
+      and "triton" take them: the default is "triton" on GPU, "xla" elsewhere, with a
+      "mosaic_gpu" plan whose ``fallback`` is "triton" for a mask on Hopper; another named one
+      raises).
 
   Returns:
     A :class:`jattn._plan.Plan`.
@@ -236,6 +241,16 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
                      f"implementation='triton' (GPU) or 'xla'")
   if impl in ("xla", "cudnn"):
     return Plan(op, impl, backward=impl, device_kind=dev.kind)
+  if (arrays == "mask" and implementation is None and block_sizes is None and tiles is None
+      and _default_implementation(dev, q, k, v, interpret=interpret, block_sizes=None,
+                                  tiles=None, arrays=False) == "mosaic_gpu"):
+    # decided on device: Mosaic GPU where the mask is uniform on every tile, else this plan
+    return dataclasses.replace(
+        _resolve_mosaic_gpu(op, q, k, v, dev, causal=causal, window=window, segments=segments,
+                            tiles=(MASK_TILE, MASK_TILE), block_sizes=None),
+        fallback=resolve(op, q, k, v, causal=causal, window=window, segments=segments,
+                         implementation="triton", interpret=interpret, platform=platform,
+                         device_kind=device_kind, arrays=arrays))
   if impl == "mosaic_gpu":
     return _resolve_mosaic_gpu(op, q, k, v, dev, causal=causal, window=window,
                                segments=segments, tiles=tiles, block_sizes=block_sizes)
@@ -292,7 +307,7 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
                  segments=segment_ids is not None,
                  implementation=implementation, block_sizes=block_sizes, interpret=interpret,
                  platform=platform, device_kind=device_kind,
-                 arrays=mask is not None or bias is not None)
+                 arrays="bias" if bias is not None else "mask" if mask is not None else None)
 
 
 def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, return_lse):
@@ -343,7 +358,9 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     mask: None or bool, 4-D, broadcastable to [batch, q_heads, q_len, kv_len] (each axis 1 or
       full), True where a query may see a key, combined with the masks above; "xla" and
       "triton" only. Triton turns it into block schedules on device: all-False tiles are
-      skipped, all-True tiles run unmasked, the others read the mask.
+      skipped, all-True tiles run unmasked, the others read the mask. On Hopper, None runs
+      "mosaic_gpu" on the visible tiles when the mask is uniform on 128 x 128 tiles (decided on
+      device; the plan's ``fallback`` otherwise).
     bias: None or float, 4-D, broadcastable like ``mask``: added to the (soft-capped) logits
       before the softmax; differentiable; "xla" and "triton" only. Both arrays are broadcast to
       [1 | batch, 1 | q_heads, q_len, kv_len] before a Triton call.
@@ -370,11 +387,51 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
                               segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                               return_lse=return_lse, implementation=implementation,
                               interpret=interpret, block_sizes=block_sizes, mask=mask, bias=bias)
-  impl, bs = plan.implementation, plan.config
-  mask_arr, mask = mask, dict(causal=causal, local_window_size=window)
+  kw = {"causal": causal, "window": window, "segment_ids": segment_ids, "scale": scale,
+        "kv_segment_ids": kv_segment_ids, "logits_soft_cap": logits_soft_cap,
+        "interpret": interpret}
+  if plan.fallback is None:
+    out, lse = _run(plan, q, k, v, mask, bias, return_lse=return_lse, **kw)
+  else:
+    out, lse = _run_mask_tiles(plan, q, k, v, mask, **kw)
+  return (out, lse) if return_lse else out
+
+
+def _run_mask_tiles(plan, q, k, v, mask, *, causal, window, segment_ids, kv_segment_ids, scale,
+                    logits_soft_cap, interpret):
+  """(out, lse) of a Hopper mask plan: its Mosaic GPU kernels on the schedule of the mask's
+  visible tiles where the mask is uniform on every tile (checked on device), else its
+  fallback."""
+  g, hk = q.shape[2] // k.shape[2], k.shape[2]
+  m = mask if mask.shape[1] == 1 or g == 1 else mask.reshape(mask.shape[0], hk, g,
+                                                              *mask.shape[2:])
+  any_, all_ = mask_tile_classes(m, MASK_TILE, MASK_TILE)
+
+  def tiles(q, k, v):
+    schedule = make_schedule(q.shape[1], k.shape[1], MASK_TILE, MASK_TILE, causal=causal,
+                             local_window_size=window, q_segment_ids=segment_ids,
+                             kv_segment_ids=kv_segment_ids, block_mask=any_)
+    return kernel_module("mosaic_gpu").flash_attention(
+        q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal, local_window_size=window,
+        scale=scale, logits_soft_cap=logits_soft_cap, block_sizes=plan.config,
+        bwd_block_sizes=plan.backward_config)
+
+  def elements(q, k, v):
+    return _run(plan.fallback, q, k, v, mask, None, causal=causal, window=window,
+                segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+                logits_soft_cap=logits_soft_cap, interpret=interpret, return_lse=True)
+
+  return jax.lax.cond(jnp.all(any_ == all_), tiles, elements, q, k, v)
+
+
+def _run(plan, q, k, v, mask_arr, bias, *, causal, window, segment_ids, kv_segment_ids, scale,
+         logits_soft_cap, interpret, return_lse):
+  """(out, lse) of ``plan`` for validated inputs (lse None where cuDNN returns none)."""
+  impl, bs, q_len, kv_len = plan.implementation, plan.config, q.shape[1], k.shape[1]
+  mask = dict(causal=causal, local_window_size=window)
   if impl == "cudnn":
     return _cudnn(q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
-                  logits_soft_cap=logits_soft_cap, return_lse=return_lse)
+                  logits_soft_cap=logits_soft_cap, return_lse=return_lse), None
   if impl == "xla":
     out, lse = attention_reference(q, k, v, q_segment_ids=segment_ids,
                                    kv_segment_ids=kv_segment_ids, scale=scale,
@@ -405,7 +462,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     out, lse = kernel_module(impl).flash_attention(
         q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal, local_window_size=window,
         scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)
-  return (out, lse) if return_lse else out
+  return out, lse
 
 
 def broadcast_mask_or_bias(name, x, full):

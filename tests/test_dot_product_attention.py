@@ -197,6 +197,32 @@ def test_matches_jax_nn_gpu(num_groups, min_cases):
     check_group((kw, q, k, v, arrays), rng, implementation=None, tol=2e-2, dtype=jnp.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,causal,d", [(1, False, 128), (4, True, 64)])
+def test_tile_uniform_mask_gpu(heads, causal, d):
+  """Masks uniform on 128 x 128 tiles (the Mosaic GPU branch on Hopper) and the same mask with
+  one mixed tile (the Triton fallback), bf16, against the fp32 xla path: out and gradients."""
+  rng = np.random.default_rng(heads)
+  b, t, hq, hk = 2, 1000, 4, 2
+  tiles = rng.random((b, heads, 8, 8)) < 0.4
+  aligned = np.repeat(np.repeat(tiles, 128, 2), 128, 3)[..., :t, :t]
+  mixed = aligned.copy()
+  mixed[:, :, 200:260, 300:310] = ~mixed[:, :, 200:260, 300:310]
+  q, k, v, ct = (jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(jnp.bfloat16)
+                 for s in ((b, t, hq, d), (b, t, hk, d), (b, t, hk, d), (b, t, hq, d)))
+  f32 = lambda x: x.astype(jnp.float32)
+
+  def run(m, impl, q, k, v):
+    out, vjp = jax.vjp(lambda *x: jattn.flash_attention(*x, causal=causal, mask=m,
+                                                        implementation=impl), q, k, v)
+    return (out,) + vjp(ct.astype(out.dtype))
+  for m in (aligned, mixed):
+    got = jax.jit(functools.partial(run, jnp.asarray(m), None))(q, k, v)
+    want = jax.jit(functools.partial(run, jnp.asarray(m), "xla"))(*map(f32, (q, k, v)))
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+      assert rel_err(f32(x), y) < 2e-2, (name, rel_err(f32(x), y))
+
+
 def test_mask_schedule_skips_false_tiles_and_unmasks_true_tiles():
   rng = np.random.default_rng(3)
   m = _mask_case(rng, "block", 100, 130)[None, None]

@@ -125,6 +125,31 @@ def test_flash_hopper_plan_fits_the_tail_to_the_call(monkeypatch, hopper):
     assert seen[-1]["block_sizes"] == plan.config
 
 
+def test_flash_hopper_mask_runs_mosaic_on_uniform_tiles(monkeypatch, hopper):
+  """A mask on a (simulated) H200: the plan is Mosaic GPU on the schedule of the mask's visible
+  128 x 128 tiles with a Triton fallback; on device, a mask uniform on every tile (the edge tiles
+  are cut at 300) runs the Mosaic kernel, one with a mixed tile the fallback."""
+  seen = []
+  monkeypatch.setattr(mg, "flash_attention", _recorder(seen))
+  fallback = _recorder(seen)
+  monkeypatch.setattr(ft, "flash_attention",
+                      lambda *a, **kw: tuple(x + 1 for x in fallback(*a, **kw)))
+  q = jnp.zeros((1, 300, 4, 64), jnp.bfloat16)
+  tiles = jnp.asarray([[1, 0, 1], [0, 1, 1], [1, 1, 0]], bool)
+  aligned = jnp.repeat(jnp.repeat(tiles, 128, 0), 128, 1)[None, None, :300, :300]
+  plan = jattn.flash_attention_plan(q, q, q, causal=True, mask=aligned)
+  assert (plan.implementation, plan.fallback.implementation) == ("mosaic_gpu", "triton")
+  assert jattn.flash_attention_plan(q, q, q, mask=aligned, bias=jnp.zeros(aligned.shape)
+                                    ).implementation == "triton"
+  run = jax.jit(lambda m: jattn.flash_attention(q, q, q, causal=True, mask=m))
+  assert float(run(aligned).max()) == 0.0             # the Mosaic GPU branch
+  assert float(run(aligned.at[..., 5, 7].set(False)).min()) == 1.0   # the fallback
+  assert seen == [dict(block_sizes=plan.config, bwd_block_sizes=plan.backward_config,
+                       tiles=(128, 128)),
+                  dict(block_sizes=plan.fallback.config, bwd_block_sizes=None,
+                       tiles=(plan.fallback.config.block_q, plan.fallback.config.block_k))]
+
+
 def test_block_sparse_triton_runs_its_plan(monkeypatch, one_resolution):
   seen = []
   monkeypatch.setattr(ft, "flash_attention", _recorder(seen))
