@@ -403,8 +403,7 @@ def _run_mask_tiles(plan, q, k, v, mask, *, causal, window, segment_ids, kv_segm
   visible tiles where the mask is uniform on every tile (checked on device), else its
   fallback."""
   g, hk = q.shape[2] // k.shape[2], k.shape[2]
-  m = mask if mask.shape[1] == 1 or g == 1 else mask.reshape(mask.shape[0], hk, g,
-                                                              *mask.shape[2:])
+  m = mask.reshape(mask.shape[0], hk, g, *mask.shape[2:]) if mask.shape[1] > hk else mask
   any_, all_ = mask_tile_classes(m, MASK_TILE, MASK_TILE)
 
   def tiles(q, k, v):

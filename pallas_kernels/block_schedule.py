@@ -181,9 +181,10 @@ def mask_tile_classes(mask, block_q: int, block_k: int):
   pad = [(0, 0)] * (mask.ndim - 2) + [(0, nq * block_q - q_len), (0, nk * block_k - kv_len)]
   tiles = mask.shape[:-2] + (nq, block_q, nk, block_k)
   axes = (-3, -1) if mask.ndim < 5 else (2, -3, -1)
-  any_ = jnp.any(jnp.pad(mask, pad, constant_values=False).reshape(tiles), axis=axes)
-  all_ = jnp.all(jnp.pad(mask, pad, constant_values=True).reshape(tiles), axis=axes)
-  return any_, all_
+  count = jnp.sum(jnp.pad(mask, pad).reshape(tiles), axis=axes, dtype=jnp.int32)  # one pass
+  size = (np.minimum(block_q, q_len - block_q * np.arange(nq))[:, None]   # real entries per tile
+          * np.minimum(block_k, kv_len - block_k * np.arange(nk)) * np.prod(mask.shape[2:-2]))
+  return count > 0, count == size
 
 
 def compact_true(keep, width: int):
