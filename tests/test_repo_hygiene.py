@@ -25,6 +25,7 @@ HISTORY_PATTERNS = {
   "run": r"\bruns?[ -]?#?\d+",                         # "run 126", "runs 21-22", "(run 5)"
   "run in a name": r"(?<![a-z])runs?\d+(?![a-z])",    # "h200_run126_bench.json"
   "issue": r"\bissues?[ -]?#?\d+",                     # "issue 8", "issue #5"
+  "session in a name": r"[_/]sessions?[_./]",          # "gpu_sessions/next_gpu_session_q.sh"
   "numbered issue": r"#\d+ issue",                    # "#8 issue"
 }
 HISTORY_RE = re.compile("|".join(f"(?P<g{i}>{p})" for i, p in enumerate(HISTORY_PATTERNS.values())),
@@ -68,6 +69,7 @@ def _history_references(text):
 @pytest.mark.parametrize("snippet", [
   "session 14", "Sessions 27-28", "run 126", "runs 21-22", "(run 5)", "Run 13,",
   "h200_run126_bench.json", "issue 8", "Issue #5", "#8 issue", "run-16 process",
+  "experiments/gpu_sessions/next_gpu_session_ze.sh", "mosaic_gpu_bwd_session.sh",
 ])
 def test_history_pattern_catches(snippet):
   assert list(_history_references(snippet)), snippet
