@@ -12,9 +12,9 @@ Implementations:
 
 Boolean ``mask`` and additive ``bias`` arrays run on "xla" and "triton" (the mask becomes a
 block schedule on device: all-False tiles are skipped, all-True tiles run unmasked); the other
-implementations raise ValueError for them. On Hopper, ``implementation=None`` runs a mask (without
-bias) on "mosaic_gpu" when, on device, it is uniform on every MASK_TILE x MASK_TILE tile (its
-visible tiles become the schedule), and on "triton" otherwise: the plan's ``fallback``.
+implementations raise ValueError for them. On Hopper, ``implementation=None`` runs a mask
+(no bias, head_dim 64/128) on "mosaic_gpu" when, on device, it is uniform on every MASK_TILE
+square tile (its visible tiles become the schedule), else on "triton": the plan's ``fallback``.
 
 How a call is resolved (:func:`resolve`, the one place, for flash and block-sparse calls):
   1. implementation: the one named, else the platform's;
@@ -241,9 +241,10 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
                      f"implementation='triton' (GPU) or 'xla'")
   if impl in ("xla", "cudnn"):
     return Plan(op, impl, backward=impl, device_kind=dev.kind)
-  if (arrays == "mask" and implementation is None and block_sizes is None and tiles is None
-      and _default_implementation(dev, q, k, v, interpret=interpret, block_sizes=None,
-                                  tiles=None, arrays=False) == "mosaic_gpu"):
+  mask_only = (arrays == "mask" and implementation is None and block_sizes is None
+               and tiles is None and q.shape[-1] in MOSAIC_GPU_BWD_HEAD_DIMS)
+  if mask_only and _default_implementation(dev, q, k, v, interpret=interpret, block_sizes=None,
+                                           tiles=None, arrays=False) == "mosaic_gpu":
     # decided on device: Mosaic GPU where the mask is uniform on every tile, else this plan
     return dataclasses.replace(
         _resolve_mosaic_gpu(op, q, k, v, dev, causal=causal, window=window, segments=segments,
@@ -358,9 +359,9 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     mask: None or bool, 4-D, broadcastable to [batch, q_heads, q_len, kv_len] (each axis 1 or
       full), True where a query may see a key, combined with the masks above; "xla" and
       "triton" only. Triton turns it into block schedules on device: all-False tiles are
-      skipped, all-True tiles run unmasked, the others read the mask. On Hopper, None runs
-      "mosaic_gpu" on the visible tiles when the mask is uniform on 128 x 128 tiles (decided on
-      device; the plan's ``fallback`` otherwise).
+      skipped, all-True tiles run unmasked, the others read the mask. On Hopper (head_dim
+      64/128) None runs "mosaic_gpu" on the visible tiles when the mask is uniform on 128 x 128
+      tiles (decided on device; the plan's ``fallback`` otherwise).
     bias: None or float, 4-D, broadcastable like ``mask``: added to the (soft-capped) logits
       before the softmax; differentiable; "xla" and "triton" only. Both arrays are broadcast to
       [1 | batch, 1 | q_heads, q_len, kv_len] before a Triton call.
@@ -397,28 +398,26 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
   return (out, lse) if return_lse else out
 
 
-def _run_mask_tiles(plan, q, k, v, mask, *, causal, window, segment_ids, kv_segment_ids, scale,
-                    logits_soft_cap, interpret):
+def _run_mask_tiles(plan, q, k, v, mask, **kw):
   """(out, lse) of a Hopper mask plan: its Mosaic GPU kernels on the schedule of the mask's
   visible tiles where the mask is uniform on every tile (checked on device), else its
-  fallback."""
+  fallback. ``kw``: the keyword arguments of :func:`_run` but ``return_lse``."""
   g, hk = q.shape[2] // k.shape[2], k.shape[2]
   m = mask.reshape(mask.shape[0], hk, g, *mask.shape[2:]) if mask.shape[1] > hk else mask
   any_, all_ = mask_tile_classes(m, MASK_TILE, MASK_TILE)
+  seg, kv_seg, window = kw["segment_ids"], kw["kv_segment_ids"], kw["window"]
 
   def tiles(q, k, v):
-    schedule = make_schedule(q.shape[1], k.shape[1], MASK_TILE, MASK_TILE, causal=causal,
-                             local_window_size=window, q_segment_ids=segment_ids,
-                             kv_segment_ids=kv_segment_ids, block_mask=any_)
+    schedule = make_schedule(q.shape[1], k.shape[1], MASK_TILE, MASK_TILE, causal=kw["causal"],
+                             local_window_size=window, q_segment_ids=seg, kv_segment_ids=kv_seg,
+                             block_mask=any_)
     return kernel_module("mosaic_gpu").flash_attention(
-        q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal, local_window_size=window,
-        scale=scale, logits_soft_cap=logits_soft_cap, block_sizes=plan.config,
+        q, k, v, seg, kv_seg, schedule, causal=kw["causal"], local_window_size=window,
+        scale=kw["scale"], logits_soft_cap=kw["logits_soft_cap"], block_sizes=plan.config,
         bwd_block_sizes=plan.backward_config)
 
   def elements(q, k, v):
-    return _run(plan.fallback, q, k, v, mask, None, causal=causal, window=window,
-                segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                logits_soft_cap=logits_soft_cap, interpret=interpret, return_lse=True)
+    return _run(plan.fallback, q, k, v, mask, None, return_lse=True, **kw)
 
   return jax.lax.cond(jnp.all(any_ == all_), tiles, elements, q, k, v)
 

@@ -141,6 +141,8 @@ def test_flash_hopper_mask_runs_mosaic_on_uniform_tiles(monkeypatch, hopper):
   assert (plan.implementation, plan.fallback.implementation) == ("mosaic_gpu", "triton")
   assert jattn.flash_attention_plan(q, q, q, mask=aligned, bias=jnp.zeros(aligned.shape)
                                     ).implementation == "triton"
+  q256 = jnp.zeros((1, 300, 4, 256), jnp.bfloat16)   # the Mosaic GPU backward's head dims only
+  assert jattn.flash_attention_plan(q256, q256, q256, mask=aligned).implementation == "triton"
   run = jax.jit(lambda m: jattn.flash_attention(q, q, q, causal=True, mask=m))
   assert float(run(aligned).max()) == 0.0             # the Mosaic GPU branch
   assert float(run(aligned.at[..., 5, 7].set(False)).min()) == 1.0   # the fallback
