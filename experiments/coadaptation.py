@@ -1337,6 +1337,22 @@ DEFINITIONS = {
 }
 
 
+def thin_curves(curves, most=100):
+  """Learning curves cut to every k-th logged point plus the last (at most ``most`` + 1), as
+  ``results.json`` keeps them; each run's ``result.json`` keeps every logged step.
+
+  Example:
+    >>> c = thin_curves({"step": list(range(1, 502)), "loss": [1.0] * 501})
+    >>> len(c["step"]), c["step"][:2], c["step"][-1]
+    (85, [1, 7], 501)
+  """
+  out = {}
+  for key, v in curves.items():
+    k = max(1, -(-len(v) // most))
+    out[key] = v[::k] + (v[-1:] if v and (len(v) - 1) % k else [])
+  return out
+
+
 def write_results(out_dir, rows, *, finished, wall_s, meta=None, min_baseline_score=0.9):
   """Write ``results.json`` ({"rows", "aggregate", "meta"}) and ``table.md``; return
   (aggregate, table text, verdict lines)."""
@@ -1351,7 +1367,8 @@ def write_results(out_dir, rows, *, finished, wall_s, meta=None, min_baseline_sc
           "backend": jax.default_backend(), "jax": jax.__version__,
           "python": platform.python_version(), "verdicts": notes, "seed_claims": SEED_CLAIMS,
           "claims": claims, "definitions": DEFINITIONS, **(meta or {})}
-  save_json(os.path.join(out_dir, "results.json"), {"rows": rows, "aggregate": agg, "meta": meta})
+  kept = [dict(r, curves=thin_curves(r["curves"])) if r.get("curves") else r for r in rows]
+  save_json(os.path.join(out_dir, "results.json"), {"rows": kept, "aggregate": agg, "meta": meta})
   with open(os.path.join(out_dir, "table.md"), "w") as f:
     f.write(table + "\n" + "\n".join(f"- {n}" for n in notes) + "\n\n"
             + format_claims(claims, meta.get("preset")))
