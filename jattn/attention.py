@@ -398,13 +398,17 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
   return (out, lse) if return_lse else out
 
 
+def _per_kv_head(mask, k):
+  """``mask`` as the schedules read it: [B|1, Hk, G, Sq, Sk] if G > 1 heads share a kv head."""
+  g = mask.shape[1] // k.shape[2]   # 0 for a mask shared by every head
+  return mask.reshape(mask.shape[0], k.shape[2], g, *mask.shape[2:]) if g > 1 else mask
+
+
 def _run_mask_tiles(plan, q, k, v, mask, **kw):
   """(out, lse) of a Hopper mask plan: its Mosaic GPU kernels on the schedule of the mask's
   visible tiles where the mask is uniform on every tile (checked on device), else its
   fallback. ``kw``: the keyword arguments of :func:`_run` but ``return_lse``."""
-  g, hk = q.shape[2] // k.shape[2], k.shape[2]
-  m = mask.reshape(mask.shape[0], hk, g, *mask.shape[2:]) if mask.shape[1] > hk else mask
-  any_, all_ = mask_tile_classes(m, MASK_TILE, MASK_TILE)
+  any_, all_ = mask_tile_classes(_per_kv_head(mask, k), MASK_TILE, MASK_TILE)
   seg, kv_seg, window = kw["segment_ids"], kw["kv_segment_ids"], kw["window"]
 
   def tiles(q, k, v):
@@ -443,11 +447,8 @@ def _run(plan, q, k, v, mask_arr, bias, *, causal, window, segment_ids, kv_segme
   else:
     mask.update(q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
     kwargs = {}
-    if mask_arr is not None:   # the schedules' lists: a kv head's group shares them
-      g = q.shape[2] // k.shape[2]
-      mask["mask"] = (mask_arr if mask_arr.shape[1] == 1 or g == 1 else
-                      mask_arr.reshape(mask_arr.shape[0], k.shape[2], g, q_len, kv_len))
-      kwargs["mask"] = mask_arr
+    if mask_arr is not None:
+      mask["mask"], kwargs["mask"] = _per_kv_head(mask_arr, k), mask_arr
     if bias is not None:
       kwargs["bias"] = bias
     schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, **mask)
