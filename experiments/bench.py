@@ -50,7 +50,6 @@ import dataclasses
 import datetime
 import functools
 import importlib.metadata
-import itertools
 import json
 import math
 import os
@@ -725,47 +724,36 @@ class Bench:
 
   # -- context parallelism: the ring's kernels one after another on one device
   def cp(self, case):
-    from jattn.context_parallel import shard_chunks
+    from jattn.context_parallel import (context_parallel_permute, context_parallel_unpermute,
+                                        ring_device_forward)
     b, s, h, d, p = case.batch, case.seq, case.heads, case.head_dim, case.chunks
     mask = {"causal": case.causal, "local_window_size": case.window}
     plan = jattn.context_parallel_plan(s, s, p, **mask)
-    ids, c = shard_chunks(p, "zigzag"), plan.q_chunk
     sets = random_sets([(b, s, h, d), (b, s, case.kv_heads, d)] * 2, jnp.bfloat16,
                        seed=zlib.crc32(case.shape.encode()))
     sets = [t[:3] for t in sets]
+    # Each device's shards, zig-zag order, as separate arrays (as on p devices).
+    shard = lambda x: tuple(jnp.split(context_parallel_permute(x, p), p, axis=1))
+    ring_sets = [sum((shard(x) for x in t), ()) for t in sets]
 
-    def ring(q, k, v, kw):   # original order; chunk i = tokens [i c, (i + 1) c)
-      outs = {}
-      for dev, a, r in itertools.product(range(p), range(ids.shape[1]), range(len(plan.shifts))):
-        for bb, ki in enumerate(ids[(dev - plan.shifts[r]) % p]):
-          t = int(plan.table[dev, r, a, bb])
-          if not t:
-            continue
-          cl, qi = plan.calls[t - 1], int(ids[dev, a])
-          o, lse = jattn.flash_attention(
-              q[:, qi * c + cl.q0:qi * c + cl.q0 + cl.nq],
-              k[:, ki * c + cl.k0:ki * c + cl.k0 + cl.nk],
-              v[:, ki * c + cl.k0:ki * c + cl.k0 + cl.nk], causal=cl.causal,
-              local_window_size=cl.window, return_lse=True, **kw)
-          rows = ((0, 0), (cl.q0, c - cl.q0 - cl.nq), (0, 0))
-          part = (jnp.pad(o, rows + ((0, 0),)),
-                  jnp.pad(jnp.swapaxes(lse, 1, 2), rows, constant_values=-jnp.inf))
-          outs[qi] = part if qi not in outs else jattn.merge.merge(*outs[qi], *part)
-      return jnp.concatenate([outs[i][0] for i in range(2 * p)], axis=1).astype(q.dtype)
+    def ring(*xs, kw):   # every device's forward, one after another: p outputs
+      q, kv = xs[:p], list(zip(xs[p:2 * p], xs[2 * p:]))
+      return tuple(ring_device_forward(plan, q[i], kv, i, **kw)[0] for i in range(p))
 
     sl = lambda x: x[-1, :, 0]
     q, k, v = sets[0]
     ref = reference(sl(q), sl(k), sl(v), flash_mask_fn(case))
+    whole = lambda outs: context_parallel_unpermute(jnp.concatenate(outs, axis=1), p)
     flops = 4.0 * b * h * d * visible_pairs(case)
     for impl in (i for i in self.impls if i.startswith("jattn")):
       kw = self._jattn_kw(impl)
       fused = self._timed(case, impl + "_fused", functools.partial(
           jattn.flash_attention, **mask, **kw), sets, lambda out: rel_err(sl(out), ref),
           lambda ms: {"tflops": flops / ms / 1e9})
-      self._timed(case, impl, functools.partial(ring, kw=kw), sets,
-                  lambda out: rel_err(sl(out), ref), lambda ms, f=fused: {
+      self._timed(case, impl, functools.partial(ring, kw=kw), ring_sets,
+                  lambda outs: rel_err(sl(whole(outs)), ref), lambda ms, f=fused: {
                       "tflops": flops / ms / 1e9, "kernel_calls": plan.kernel_calls,
-                      "pairs": p * p * ids.shape[1] ** 2,
+                      "pairs": p * p * plan.table.shape[-1] ** 2,
                       **({} if f is None else {"overhead": ms / f})})
 
   # -- driver

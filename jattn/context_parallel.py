@@ -41,7 +41,7 @@ from pallas_kernels.masks import normalize_window
 __all__ = ["ContextParallelPlan", "PairCall", "context_parallel_attention",
            "context_parallel_attention_shard", "context_parallel_decode_attention",
            "context_parallel_permute", "context_parallel_plan", "context_parallel_unpermute",
-           "layout_positions", "pair_call", "shard_chunks"]
+           "layout_positions", "pair_call", "ring_device_forward", "shard_chunks"]
 
 STRATEGIES = ("ring", "all_gather", "ring_q")
 LAYOUTS = ("contiguous", "zigzag")
@@ -317,9 +317,9 @@ class _Kernel:
 
 
 def _run_call(call, kern, q, k, v, qs, ks, sel=None):
-  """(out fp32 [B, cq, H, Dv], lse [B, cq, H]) of one PairCall on full chunks; with ``sel``
-  (the pair's :class:`BlockSelection`, whole chunks) the block-sparse kernel."""
-  cq = q.shape[1]
+  """(out [B, nq, H, Dv] in q's dtype, lse fp32 [B, nq, H]) of one PairCall: query rows
+  [q0, q0 + nq) of full chunks; with ``sel`` (the pair's :class:`BlockSelection`, whole chunks,
+  a call on every row) the block-sparse kernel."""
   sl = lambda x, s0, n: None if x is None else jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)
   opts = {"segment_ids": sl(qs, call.q0, call.nq), "kv_segment_ids": sl(ks, call.k0, call.nk),
           "scale": kern.scale, "return_lse": True, "implementation": kern.implementation,
@@ -331,18 +331,12 @@ def _run_call(call, kern, q, k, v, qs, ks, sel=None):
         sl(q, call.q0, call.nq), sl(k, call.k0, call.nk), sl(v, call.k0, call.nk),
         causal=call.causal, local_window_size=call.window,
         logits_soft_cap=kern.logits_soft_cap, **opts)
-  out, lse = out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)       # lse: [B, nq, H]
-  if call.nq < cq:
-    pad = ((0, 0), (call.q0, cq - call.q0 - call.nq), (0, 0))
-    out = jnp.pad(out, pad + ((0, 0),))
-    lse = jnp.pad(lse, pad, constant_values=-jnp.inf)
-  return out, lse
+  return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _empty(q, v):
-  b, cq, h, _ = q.shape
-  return (jnp.zeros((b, cq, h, v.shape[-1]), jnp.float32),
-          jnp.full((b, cq, h), -jnp.inf, jnp.float32))
+def _empty(q, v, rows):
+  return (jnp.zeros((q.shape[0], rows, q.shape[2], v.shape[-1]), q.dtype),
+          jnp.full((q.shape[0], rows, q.shape[2]), -jnp.inf, jnp.float32))
 
 
 def _share_document(qs, ks):
@@ -354,25 +348,36 @@ def _share_document(qs, ks):
 
 
 def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
-  """The partial (out, lse) of one chunk pair; ``column`` = table[:, r, a, b] (all devices).
+  """(out, lse, r0): the partial result of one chunk pair over query rows [r0, r0 + n), those
+  of the calls it may run, or None when no device runs it; ``column`` = table[:, r, a, b] (all
+  devices), ``d`` this device (an int when known statically).
 
   A switch over the calls this pair runs on some device (0: skip); with segment ids, pairs
   whose chunks share no document take the skip branch at run time, and so do block-sparse
   pairs (``sel``) in which no row keeps a block.
   """
+  column, d = (column[d:d + 1], 0) if isinstance(d, int) else (column, d)
   kinds = sorted(set(column.tolist()) | ({0} if qs is not None or sel is not None else set()))
-  if kinds == [0]:
-    return _empty(q, v)
+  calls = [plan.calls[i - 1] for i in kinds if i]
+  if not calls:
+    return None
+  r0, r1 = min(c.q0 for c in calls), max(c.q0 + c.nq for c in calls)
+
+  def branch(i, q, k, v, qs, ks, sel):
+    if not i:
+      return _empty(q, v, r1 - r0)
+    out, lse = _run_call(plan.calls[i - 1], kern, q, k, v, qs, ks, sel)
+    pad = ((0, 0), (plan.calls[i - 1].q0 - r0, r1 - plan.calls[i - 1].q0 - out.shape[1]), (0, 0))
+    return jnp.pad(out, pad + ((0, 0),)), jnp.pad(lse, pad, constant_values=-jnp.inf)
   if len(kinds) == 1:
-    return _run_call(plan.calls[kinds[0] - 1], kern, q, k, v, qs, ks, sel)
+    return (*branch(kinds[0], q, k, v, qs, ks, sel), r0)
   idx = jnp.asarray(np.searchsorted(kinds, column), jnp.int32)[d]
   if qs is not None:
     idx = jnp.where(_share_document(qs, ks), idx, 0)
   if sel is not None:
     idx = jnp.where(jnp.any(sel.counts > 0), idx, 0)
-  branches = [functools.partial(_run_call, plan.calls[i - 1], kern) if i else
-              (lambda q, k, v, qs, ks, sel: _empty(q, v)) for i in kinds]
-  return jax.lax.switch(idx, branches, q, k, v, qs, ks, sel)
+  return (*jax.lax.switch(idx, [functools.partial(branch, i) for i in kinds], q, k, v, qs, ks,
+                          sel), r0)
 
 
 def _pair_selection(plan, kern, sel, d, i, a, b):
@@ -395,8 +400,53 @@ def _chunks(x, m):
   return None if x is None else jnp.split(x, m, axis=1)
 
 
-def _merge(acc, part):
-  return merge(acc[0], acc[1], part[0], part[1])
+def _merge_into(acc, part, a, r0, shapes):
+  """``acc`` (None or out [B, m, c, H, Dv], lse [B, m, c, H]) with ``part`` (the same for
+  chunks ``a`` (a slice), rows [r0, r0 + n)) merged in; only those rows are read and written,
+  in place. The output stays in the kernels' dtype; each merge computes in fp32."""
+  idx = (slice(None), a, slice(r0, r0 + part[0].shape[2]))
+  if acc is None:
+    if part[0].shape == shapes[0]:
+      return part
+    acc = (jnp.zeros(shapes[0], part[0].dtype), jnp.full(shapes[1], -jnp.inf, jnp.float32))
+  out, lse = merge(acc[0][idx], acc[1][idx], *part)
+  return acc[0].at[idx].set(out), acc[1].at[idx].set(lse)
+
+
+def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
+  """``acc`` (see :func:`_merge_into`) with every chunk pair of step ``i`` on device ``d``
+  merged in. The chunk-diagonal pairs run as one call over all local chunks (a batch of
+  B * m: no copy) when they are the same call on every device."""
+  b_, m = q.shape[0], plan.table.shape[-1]
+  ch = lambda x: None if x is None else x.reshape(b_, m, -1, *x.shape[2:])
+  flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
+  qm, km, vm, qsm, ksm = map(ch, (q, k, v, qs, ks))
+  shapes = ((*qm.shape[:-1], v.shape[-1]), qm.shape[:-1])
+  diag = plan.table[:, i, np.arange(m), np.arange(m)]
+  batched = sel is None and m > 1 and diag.min() > 0 and (diag == diag.flat[0]).all()
+  if batched:
+    call = plan.calls[diag.flat[0] - 1]
+    out, lse = _run_call(call, kern, *map(flat, (qm, km, vm, qsm, ksm)))
+    acc = _merge_into(acc, (out.reshape(b_, m, *out.shape[1:]), lse.reshape(b_, m, -1, lse.shape[-1])),
+                      slice(None), call.q0, shapes)
+  at = lambda x, j: None if x is None else x[:, j]
+  for a in range(m):
+    for b in range(m):
+      part = None if batched and a == b else _pair(
+          plan, kern, plan.table[:, i, a, b], d, qm[:, a], km[:, b], vm[:, b], at(qsm, a),
+          at(ksm, b), _pair_selection(plan, kern, sel, d, i, a, b))
+      if part is not None:
+        acc = _merge_into(acc, (part[0][:, None], part[1][:, None]), slice(a, a + 1), part[2],
+                          shapes)
+  return acc
+
+
+def _flat(acc, q, v):
+  """(out [B, L, H, Dv], lse [B, L, H]) of an accumulator (None: nothing visible)."""
+  if acc is None:
+    return _empty(q, v, q.shape[1])
+  return (acc[0].reshape(q.shape[0], -1, *acc[0].shape[3:]),
+          acc[1].reshape(q.shape[0], -1, acc[1].shape[-1]))
 
 
 def _shift(xs, shift, axis_name, p):
@@ -409,20 +459,12 @@ def _shift(xs, shift, axis_name, p):
 # ----------------------------------------------------------------------------- strategies
 def _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks, kv_at, sel=None):
   """Every step of a K/V-moving strategy; ``kv_at(i, state)`` gives step i's (k, v, ks)."""
-  m = plan.table.shape[-1]
   d = jax.lax.axis_index(axis_name)
-  qc, qsc = _chunks(q, m), _chunks(qs, m) or [None] * m
-  acc = [_empty(x, v) for x in qc]
-  state = (k, v, ks)
+  acc, state = None, (k, v, ks)
   for i in range(len(plan.shifts)):
     kv, state = kv_at(i, state)
-    kc, vc, ksc = _chunks(kv[0], m), _chunks(kv[1], m), _chunks(kv[2], m) or [None] * m
-    for a in range(m):
-      for b in range(m):
-        acc[a] = _merge(acc[a], _pair(plan, kern, plan.table[:, i, a, b], d, qc[a], kc[b], vc[b],
-                                      qsc[a], ksc[b], _pair_selection(plan, kern, sel, d, i, a, b)))
-  out = jnp.concatenate([o for o, _ in acc], axis=1)
-  return out, jnp.concatenate([s for _, s in acc], axis=1)
+    acc = _step(plan, kern, i, d, acc, q, qs, *kv, sel)
+  return _flat(acc, q, v)
 
 
 def _ring_kv_at(plan, axis_name):
@@ -464,6 +506,11 @@ def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks, sel):
   return (out, lse), (q, k, v, qs, ks, sel, out, lse)
 
 
+def _with_rows(f, *x):
+  out, lse, r0 = f(*x)
+  return (out, lse), r0
+
+
 def _ring_bwd(plan, kern, axis_name, res, g):
   """dQ accumulates here; dK/dV travel with their K/V and go back to their owner at the end.
 
@@ -492,10 +539,13 @@ def _ring_bwd(plan, kern, axis_name, res, g):
           continue
         f = functools.partial(_pair, plan, kern, col, d, qs=qsc[a], ks=ksc[b],
                               sel=_pair_selection(plan, kern, sel, d, i, a, b))
-        (o_p, l_p), vjp = jax.vjp(f, qc[a], kc[b], vc[b])
-        w = jnp.where(jnp.isfinite(l_p), jnp.exp(l_p - lc[a]), 0.0)    # [B, cq, H]
-        ct_l = w * (jnp.sum(doc[a] * o_p, axis=-1) - dc[a] + dlc[a])
-        gq, gk, gv = vjp((w[..., None] * doc[a], ct_l))
+        (o_p, l_p), vjp, r0 = jax.vjp(functools.partial(_with_rows, f), qc[a], kc[b], vc[b],
+                                      has_aux=True)
+        rows = functools.partial(jax.lax.slice_in_dim, start_index=r0,
+                                 limit_index=r0 + o_p.shape[1], axis=1)
+        w = jnp.where(jnp.isfinite(l_p), jnp.exp(l_p - rows(lc[a])), 0.0)    # [B, n, H]
+        ct_l = w * (jnp.sum(rows(doc[a]) * o_p, axis=-1) - rows(dc[a]) + rows(dlc[a]))
+        gq, gk, gv = vjp(((w[..., None] * rows(doc[a])).astype(o_p.dtype), ct_l))
         dq[a] = dq[a] + gq
         dkc[b], dvc[b] = dkc[b] + gk, dvc[b] + gv
     dk, dv = jnp.concatenate(dkc, axis=1), jnp.concatenate(dvc, axis=1)
@@ -512,24 +562,17 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def _ring_q(plan, kern, axis_name, q, k, v, qs, ks):
   p, m, shifts = plan.num_shards, plan.table.shape[-1], plan.shifts
   d = jax.lax.axis_index(axis_name)
-  kc, vc, ksc = _chunks(k, m), _chunks(v, m), _chunks(ks, m) or [None] * m
-  acc = [_empty(x, v) for x in _chunks(q, m)]
+  acc = jax.tree.map(lambda x: x.reshape(q.shape[0], m, -1, *x.shape[2:]), _empty(q, v, q.shape[1]))
   state = _shift((q, qs), shifts[0], axis_name, p)
   acc = _shift(acc, shifts[0], axis_name, p)
   for i in range(len(shifts)):
     qq, qqs = state
     if i + 1 < len(shifts):   # the next queries move while this step computes
       state = _shift(state, shifts[i + 1] - shifts[i], axis_name, p)
-    qc, qsc = _chunks(qq, m), _chunks(qqs, m) or [None] * m
-    for a in range(m):
-      for b in range(m):
-        acc[a] = _merge(acc[a], _pair(plan, kern, plan.table[:, i, a, b], d, qc[a], kc[b], vc[b],
-                                      qsc[a], ksc[b]))
+    acc = _step(plan, kern, i, d, acc, qq, qqs, k, v, ks)
     if i + 1 < len(shifts):
       acc = _shift(acc, shifts[i + 1] - shifts[i], axis_name, p)
-  acc = _shift(acc, -shifts[-1], axis_name, p)
-  out = jnp.concatenate([o for o, _ in acc], axis=1)
-  return out.astype(q.dtype), jnp.concatenate([s for _, s in acc], axis=1)
+  return _flat(_shift(acc, -shifts[-1], axis_name, p), q, v)
 
 
 def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
@@ -538,9 +581,8 @@ def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
     return _ring(plan, kern, axis_name, q, k, v, qs, ks, None)
   if plan.strategy == "ring_q":
     return _ring_q(plan, kern, axis_name, q, k, v, qs, ks)
-  out, lse = _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
-                              _all_gather_kv_at(plan, axis_name, k, v, ks))
-  return out.astype(q.dtype), lse
+  return _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
+                          _all_gather_kv_at(plan, axis_name, k, v, ks))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -600,6 +642,38 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
   kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
   out, lse = _shard_attention(plan, kern, axis_name, q, k, v, segment_ids, kv_segment_ids)
   return (out, jnp.swapaxes(lse, 1, 2)) if return_lse else out
+
+
+def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_cap=None,
+                        implementation=None, interpret=False):
+  """One device's forward under a "ring" or "all_gather" plan, its steps one after another with
+  the K/V of each step given up front: the kernel calls and merges that device runs, without
+  the communication (what the benchmark times on one GPU).
+
+  Args:
+    plan: a :class:`ContextParallelPlan` of strategy "ring" or "all_gather".
+    q: the device's local queries [batch, len, heads, head_dim], in the layout's order.
+    kv_shards: every device's local (k, v), indexed by device.
+    device: the device (int).
+    scale, logits_soft_cap, implementation, interpret: as :func:`jattn.flash_attention`.
+
+  Returns:
+    (out [batch, len, heads, head_dim_v] in q's dtype, lse fp32 [batch, len, heads]).
+
+  Example:
+    >>> x = jnp.ones((1, 64, 2, 16))
+    >>> plan = context_parallel_plan(128, 128, 2, causal=True)
+    >>> out, lse = ring_device_forward(plan, x, [(x, x), (x, x)], 0)
+    >>> out.shape, lse.shape
+    ((1, 64, 2, 16), (1, 64, 2))
+  """
+  if plan.strategy == "ring_q":
+    raise ValueError("plan.strategy must be 'ring' or 'all_gather', got 'ring_q'")
+  kern, acc = _kernel(q, scale, logits_soft_cap, implementation, interpret), None
+  for i, r in enumerate(plan.shifts):
+    k, v = kv_shards[(device - r) % plan.num_shards]
+    acc = _step(plan, kern, i, device, acc, q, None, k, v, None)
+  return _flat(acc, q, kv_shards[0][1])
 
 
 def _with_padding(x, pos, mesh):

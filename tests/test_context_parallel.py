@@ -294,12 +294,13 @@ def test_eight_interpret_kernel():
 
 
 def _count_calls(monkeypatch, name="flash_attention"):
-  """Counts the chunk-pair kernel calls that run (on every device), via a debug callback."""
+  """Counts the chunk-pair kernel calls that run (on every device), via a debug callback; a
+  call batched over a device's chunks (batch B * m, here B = 1) counts m pairs."""
   count = []
   real = getattr(cp, name)
 
   def counted(q, *a, **kw):
-    jax.debug.callback(lambda: count.append(1))
+    jax.debug.callback(lambda: count.extend([1] * q.shape[0]))
     return real(q, *a, **kw)
   monkeypatch.setattr(cp, name, counted)
   return count
