@@ -176,8 +176,7 @@ def check_range(name, x, lo, hi, *, valid=None):
     if msg:
       raise ValueError(msg)
   elif _DEBUG:
-    jax.debug.callback(functools.partial(_report, name), x, jnp.asarray(lo), jnp.asarray(hi),
-                       valid)
+    jax.debug.callback(functools.partial(_report, name), x, jnp.asarray(lo), jnp.asarray(hi), valid)
 
 
 @contextlib.contextmanager

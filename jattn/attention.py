@@ -379,8 +379,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
   """
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
   window = normalize_window(local_window_size)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
-                                                         q_len, kv_len)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   scale, logits_soft_cap = check_scale_and_cap(scale, logits_soft_cap, head_dim=q.shape[-1])
   mask = broadcast_mask_or_bias("mask", mask, (batch, q.shape[2], q_len, kv_len))
   bias = broadcast_mask_or_bias("bias", bias, (batch, q.shape[2], q_len, kv_len))

@@ -272,8 +272,7 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
                               batch * kv_heads if kv_layout == "hnd" else batch,
                               _serve.XLA_BLOCK if impl == "xla" else bs.block_k)
   if num_splits is None and schedule is None:
-    num_splits = default_num_splits(impl, batch, kv_heads, capacity, bs, head_dim=d,
-                                    dtype=dtype)
+    num_splits = default_num_splits(impl, batch, kv_heads, capacity, bs, head_dim=d, dtype=dtype)
   config = DecodeConfig(num_splits=None if schedule is not None else int(num_splits),
                         block_sizes=bs, merge="pallas" if impl == "triton" else "xla",
                         softmax=softmax,
@@ -475,8 +474,7 @@ def _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, *, impl
                 window, cap, interpret):
   """A unified-max or scheduled call (``jattn.decode_serving``), inside the jit."""
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-  kw = dict(scale=scale, window_left=None if window is None else window[0],
-            logits_soft_cap=cap)
+  kw = dict(scale=scale, window_left=None if window is None else window[0], logits_soft_cap=cap)
   if schedule is None:
     kw["num_splits"] = config.num_splits
   else:

@@ -103,8 +103,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     arrays = {name: pad_axis(pad_axis(x[..., :s_vis], 3, length), 2, length)
               for name, x in arrays.items()}
     if length != s_vis:   # padded keys: masked by the kv lengths
-      kv_len = (jnp.full((b,), s_vis, jnp.int32) if kv_len is None
-                else jnp.minimum(kv_len, s_vis))
+      kv_len = (jnp.full((b,), s_vis, jnp.int32) if kv_len is None else jnp.minimum(kv_len, s_vis))
   seg = kv_seg = None
   if q_len is not None or kv_len is not None:
     seg, kv_seg = ((jnp.arange(n, dtype=jnp.int32) < (n if x is None else x[:, None]))

@@ -185,16 +185,12 @@ class _CapacityTree:
 
 
 def _bfd_runs(counts: np.ndarray, max_len: int):
-  """Best-Fit-Decreasing on chunk-length counts, placing equal-length chunks in runs.
+  """Best-Fit-Decreasing on chunk-length counts (int [max_len + 1], counts[L] = number of chunks
+  of length L) into bins of capacity ``max_len``, placing equal-length chunks in runs.
 
-  Args:
-    counts: int [max_len + 1], counts[L] = number of chunks of length L.
-    max_len: bin capacity.
-
-  Returns:
-    (bin_ids, runs, num_bins): run j is a tuple (m, k, last, cap, length): it puts chunks of
-    ``length`` into m bins (the ids ``bin_ids[j]``), k chunks into each but the last, which gets
-    ``last``; those bins had ``cap`` free slots before the run (``max_len`` for new bins).
+  Returns (bin_ids, runs, num_bins): run j is a tuple (m, k, last, cap, length): it puts chunks of
+  ``length`` into m bins (the ids ``bin_ids[j]``), k chunks into each but the last, which gets
+  ``last``; those bins had ``cap`` free slots before the run (``max_len`` for new bins).
   """
   tree = _CapacityTree(max_len)
   levels: list = [None] * (max_len + 1)  # levels[r]: ids of open bins with r free slots
@@ -612,13 +608,9 @@ class PackedIterator:
     for lo in range(0, lengths.shape[0], w):
       ids = perm[lo:lo + w]
       p = pack_bfd(lengths[ids], self.max_len)
-      parts.append((ids[p.doc_ids], p.chunk_starts, p.chunk_lengths, p.bins + bin_base,
-                    p.offsets))
+      parts.append((ids[p.doc_ids], p.chunk_starts, p.chunk_lengths, p.bins + bin_base, p.offsets))
       bin_base += p.num_bins
-    if parts:
-      cols = [np.concatenate(c) for c in zip(*parts)]
-    else:
-      cols = [np.zeros(0, np.int64)] * 5
+    cols = [np.concatenate(c) for c in zip(*parts)] if parts else [np.zeros(0, np.int64)] * 5
     key = np.lexsort((cols[1], cols[0]))  # document order, as pack_bfd returns
     plan = PackPlan(*(c[key] for c in cols), num_bins=bin_base, max_len=self.max_len,
                     num_docs=int(lengths.shape[0]))
@@ -700,7 +692,6 @@ class PackedIterator:
       self._step = 0
     rows = row_order[self._step * self.batch_size:(self._step + 1) * self.batch_size]
     rows = np.concatenate([rows, np.full(self.batch_size - rows.shape[0], -1, np.int64)])
-    batch = materialize(plan, self.store, rows, max_segments=self.max_segments,
-                        pad_id=self.pad_id)
+    batch = materialize(plan, self.store, rows, max_segments=self.max_segments, pad_id=self.pad_id)
     self._step += 1
     return batch

@@ -84,6 +84,24 @@ def test_windows_run_only_neighbour_steps():
   assert (np.count_nonzero(dense.table[:, 1:], axis=(2, 3)) == 2).all()   # balanced
 
 
+@pytest.mark.parametrize("p,window", [(2, (11, 0)), (4, None), (3, (5, 2))])
+def test_device_forward_equals_one_call(p, window):
+  """Each device's forward run on its own (kernels and merges, no communication) equals its
+  rows of the single call: diagonal pairs batched over the local chunks, neighbour pairs merged
+  into their rows only."""
+  n = 2 * p * 16
+  q, k, v, _, _, _ = _inputs(3, 2, n, n, 4, 2, 8, 8, 0)
+  mask = {"causal": True, "local_window_size": window}
+  plan = jattn.context_parallel_plan(n, n, p, **mask)
+  ref, ref_lse = jattn.flash_attention(q, k, v, return_lse=True, implementation="xla", **mask)
+  shard = lambda x: jnp.split(cp.context_parallel_permute(x, p), p, axis=1)
+  qs, kv = shard(q), list(zip(shard(k), shard(v)))
+  outs = [cp.ring_device_forward(plan, qs[d], kv, d, implementation="xla") for d in range(p)]
+  out = cp.context_parallel_unpermute(jnp.concatenate([o for o, _ in outs], axis=1), p)
+  lse = cp.context_parallel_unpermute(jnp.concatenate([x for _, x in outs], axis=1), p)
+  assert rel_err(out, ref) < 2e-5 and rel_err(jnp.swapaxes(lse, 1, 2), ref_lse) < 2e-5
+
+
 def test_bad_arguments_raise():
   x = jnp.zeros((1, 16, 2, 8))
   mesh = jax.make_mesh((1,), ("seq",))

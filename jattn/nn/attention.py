@@ -184,8 +184,7 @@ class Attention(nnx.Module):
     self.wq = lin(d_model, num_heads * self.qk_dim)
     if self.mla:
       self.w_dkv = lin(d_model, kv_lora_rank)
-      self.kv_norm = nnx.RMSNorm(kv_lora_rank, dtype=dtype, param_dtype=param_dtype,
-                                 rngs=rngs)
+      self.kv_norm = nnx.RMSNorm(kv_lora_rank, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
       self.w_uk = lin(kv_lora_rank, num_kv_heads * head_dim)
       self.w_uv = lin(kv_lora_rank, num_kv_heads * head_dim)
       self.w_kr = lin(d_model, rope_head_dim) if rope_head_dim else None
@@ -503,10 +502,8 @@ class Attention(nnx.Module):
 
     Absorbed: q_abs[h] = W_uk[g] q_nope[h]; the cached [latent | k_rope] array is passed as keys
     and values (the output keeps its first r columns); o[h] = W_uv[g]^T o_lat[h]. Absorption
-    matmuls run in fp32 at HIGHEST precision.
-
-    Returns:
-      o [b, 1, hq, head_dim] (the cache dtype, or fp32 when absorbed).
+    matmuls run in fp32 at HIGHEST precision. Returns o [b, 1, hq, head_dim] (the cache dtype,
+    or fp32 when absorbed).
     """
     q = q[:, 0]                                                      # [b, hq, qk_dim]
     if not self.absorbed_decode:  # (MLA caches are always "nhd"; plain K/V as stored)
@@ -533,8 +530,7 @@ class Attention(nnx.Module):
     for n in (names or list(ent)):  # returns the stored arrays (in the cache layout)
       var = getattr(self, f"cache_{n}")
       axis = 2 if self._head_major(n) else 1
-      new = jax.lax.dynamic_update_slice_in_dim(_get(var), self._to_cache(n, ent[n]), p,
-                                                axis=axis)
+      new = jax.lax.dynamic_update_slice_in_dim(_get(var), self._to_cache(n, ent[n]), p, axis=axis)
       _set(var, new)
       out[n] = new
     return out

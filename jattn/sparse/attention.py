@@ -143,8 +143,7 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     (1, 256, 2, 32)
   """
   batch, q_len, kv_len, _, hk = check_qkv(q, k, v)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
-                                                         q_len, kv_len)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
   scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   plan = block_sparse_plan(q, k, v, selection, causal=causal, segment_ids=segment_ids,
@@ -158,7 +157,8 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
 # ----------------------------------------------------------------------------- gate gradients
 def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *, causal, scale,
                       max_chunk_elems=1 << 25):
-  """Per kept tile, the sum of dLoss/dlogit over its elements, its query heads of the group.
+  """Per kept tile, the sum of dLoss/dlogit over its elements, its query heads of the group:
+  fp32 [batch, kv_heads, num_q_blocks, max_selected] (0 in sentinel slots).
 
   G[b, g, i, s] = sum_{h in group g, q in block i, k in block indices[b, g, i, s]} dS[b, h, q, k],
   dS = P * (dO.v - delta), delta = dO.out - dlse, P = exp(scale*q.k - lse) on visible elements.
@@ -166,9 +166,6 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
   blocks, chunked over query blocks (memory ~ max_chunk_elems floats per chunk); the matmuls run
   in the input dtype with fp32 accumulation (fp32 inputs: HIGHEST precision), the softmax algebra
   in fp32.
-
-  Returns:
-    fp32 [batch, kv_heads, num_q_blocks, max_selected] (0 in sentinel slots).
   """
   b, sq, hq, d = q.shape
   _, sk, hk, dv = v.shape
@@ -359,11 +356,9 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   check_number("score_aux_weight", score_aux_weight, 0)
   if score_aux_pool not in _QUERY_POOLS:
     raise ValueError(f"score_aux_pool must be one of {_QUERY_POOLS}, got {score_aux_pool!r}")
-  top_k = check_selection_args(block_size, q_block_size, top_k, num_init_blocks,
-                               num_local_blocks)
+  top_k = check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
-                                                         q_len, kv_len)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   if mesh is not None or axis_name is not None:
     from jattn.context_parallel import _sparse_ring
@@ -383,10 +378,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   plan = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
                            causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                            implementation=implementation, interpret=interpret)
-  if gate_grad == "none":
-    q_s, k_s = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-  else:
-    q_s, k_s = q, k
+  q_s, k_s = ((jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)) if gate_grad == "none"
+              else (q, k))
   scores = block_scores(q_s, k_s, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   if gate_grad == "gumbel":

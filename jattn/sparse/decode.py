@@ -158,8 +158,7 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
     kf = jnp.where(valid[:, :, None, None], k_cache.astype(jnp.float32), 0.0)
     kf = jnp.pad(kf, ((0, 0), (0, nb * block_size - n), (0, 0), (0, 0)))
     sums = kf.reshape(b, nb, block_size, hk, d).sum(2)                       # [b, nb, hk, d]
-  return BlockSummaries(sums=sums, lengths=lengths, block_size=int(block_size),
-                        layout=kv_layout)
+  return BlockSummaries(sums=sums, lengths=lengths, block_size=int(block_size), layout=kv_layout)
 
 
 def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, kv_layout=None):
@@ -613,19 +612,10 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, max_estim
   """
   b, hk, d = q.shape[0], k.shape[1], k.shape[-1]
   if page_table is not None:
-    q2, k2, v2, table, lengths = hnd_pages_as_sequences(q, k, v, page_table, kv_lengths)
-    nb = block_summaries.num_blocks
-    summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
-                          lengths=jnp.repeat(block_summaries.lengths, hk),
-                          block_size=block_summaries.block_size)
-    out, lse, idx = _attend(q2, k2, v2, lengths, summ, table, plan=plan, block_size=block_size,
-                            sel=sel, scale=scale, interpret=interpret, softmax=softmax,
-                            max_estimate=None if max_estimate is None
-                            else max_estimate.reshape(q2.shape[:2]))
-    return (out.reshape(b, q.shape[1], out.shape[-1]), lse.reshape(b, q.shape[1]),
-            idx.reshape(b, hk, idx.shape[-1]))
-  q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
-  triton = plan.implementation == "triton"
+    q2, k2, v2, page_table, lengths = hnd_pages_as_sequences(q, k, v, page_table, kv_lengths)
+  else:
+    q2, k2, v2, lengths = _hnd_as_sequences(q, k, v, jnp.asarray(kv_lengths, jnp.int32))
+  triton = plan.implementation == "triton" and page_table is None
   if triton:       # lengths [b], read by sequence b * hk + h at b (no repeat)
     lengths, summary_lengths = jnp.asarray(kv_lengths, jnp.int32), block_summaries.lengths
   else:
@@ -633,7 +623,7 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, max_estim
   nb = block_summaries.num_blocks
   summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
                         lengths=summary_lengths, block_size=block_summaries.block_size)
-  out, lse, idx = _attend(q2, k2, v2, lengths, summ, None, plan=plan, block_size=block_size,
+  out, lse, idx = _attend(q2, k2, v2, lengths, summ, page_table, plan=plan, block_size=block_size,
                           sel=sel, scale=scale, interpret=interpret,
                           lengths_group=hk if triton else 1, softmax=softmax,
                           max_estimate=None if max_estimate is None

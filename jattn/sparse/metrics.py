@@ -61,8 +61,7 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     1.0
   """
   batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
-                                                         q_len, kv_len)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
   g = hq // hk
   d = q.shape[-1]
@@ -132,8 +131,7 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
   if query_pool not in _QUERY_POOLS:
     raise ValueError(f"query_pool must be one of {_QUERY_POOLS}, got {query_pool!r}")
   batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
-                                                         q_len, kv_len)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
   g, d = hq // hk, q.shape[-1]
   scale, _ = check_scale_and_cap(scale, head_dim=d)
@@ -221,8 +219,7 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
   batch, q_len, kv_len, _, hk = check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
-                                                         q_len, kv_len)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)

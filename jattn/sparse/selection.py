@@ -236,10 +236,7 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
   nk = cdiv(kv_len, block_size)
   q_last, lo, hi = _row_geometry(jnp, q_len, kv_len, q_block_size, block_size, num_local)
   j = jnp.arange(nk, dtype=jnp.int32)[None, :]
-  if causal:
-    visible = j * block_size <= q_last[:, None]
-  else:
-    visible = jnp.ones((q_last.shape[0], nk), bool)
+  visible = j * block_size <= q_last[:, None] if causal else jnp.ones((q_last.shape[0], nk), bool)
   forced = j < num_init
   if num_local > 0:
     forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
@@ -248,8 +245,7 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
   parts = []
   n_init = min(num_init, nk)
   if n_init:
-    init = jnp.broadcast_to(jnp.arange(n_init, dtype=jnp.int32)[None, :],
-                            (q_last.shape[0], n_init))
+    init = jnp.broadcast_to(jnp.arange(n_init, dtype=jnp.int32)[None, :], (q_last.shape[0], n_init))
     ok = (init * block_size <= q_last[:, None]) if causal else jnp.ones_like(init, bool)
     parts.append(jnp.where(ok, init, -1))
   _, _, _, width = _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init,
@@ -274,8 +270,7 @@ def segment_ranges(seg, block):
   nb = cdiv(n, block)
   s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, nb * block - n))).reshape(b, nb, block)
   real = s != 0
-  return (jnp.min(jnp.where(real, s, _INT_MAX), -1),
-          jnp.max(jnp.where(real, s, _INT_MIN), -1))
+  return (jnp.min(jnp.where(real, s, _INT_MAX), -1), jnp.max(jnp.where(real, s, _INT_MIN), -1))
 
 
 def segment_overlap(q_seg, kv_seg, q_block_size, block_size, ranges=None):
@@ -358,8 +353,7 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
   if k_eff > 0 and nk <= topk_kernel.MAX_ROW and limit is None:   # GPU: top-k mask kernel
     by_mask = functools.partial(_selected_lists_by_mask, k=k_eff, max_sel=max_sel,
                                 keep_fn=topk_kernel.top_k_mask)
-    indices = jax.lax.platform_dependent(rank, cand_b, fidx, vis, cuda=by_mask,
-                                         default=by_sort)
+    indices = jax.lax.platform_dependent(rank, cand_b, fidx, vis, cuda=by_mask, default=by_sort)
   else:
     indices = by_sort(rank, cand_b, fidx, vis)
   counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
@@ -526,12 +520,10 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
   """
   if score != "mean_key":
     raise ValueError(f"unknown score {score!r}; supported: 'mean_key'")
-  top_k = check_selection_args(block_size, q_block_size, top_k, num_init_blocks,
-                               num_local_blocks)
+  top_k = check_selection_args(block_size, q_block_size, top_k, num_init_blocks, num_local_blocks)
   check_flags(causal=causal)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, k)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch,
-                                                         q_len, kv_len)
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)

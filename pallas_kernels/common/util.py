@@ -107,10 +107,26 @@ def check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape) -> None:
                      f"{kv_segment_ids.shape} for q {tuple(q_shape)}, k {tuple(k_shape)}")
 
 
+def check_qkv_shapes(q, k, v, same_dv=True):
+  """Raise ValueError unless q [B, Sq, Hq, D], k [B, Sk, Hk, D] and v [B, Sk, Hk, Dv] agree
+  (Dv == D when ``same_dv``) and Hq % Hk == 0; returns (B, Sq, Hq, D, Sk, Hk, Dv)."""
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
+                     f"{v.shape}")
+  b, sq, hq, d = q.shape
+  _, sk, hk, d_v = v.shape
+  if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or (same_dv and d_v != d):
+    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape} (k and v "
+                     f"must have the same {'shape' if same_dv else 'batch, seq and heads'} and "
+                     f"q's head dim)")
+  if hq % hk:
+    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+  return b, sq, hq, d, sk, hk, d_v
+
+
 def check_int(name, x, lo=1, hi=2**31 - 1):
   """Raise ValueError unless x is an int (not a bool) in [lo, hi]."""
-  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or not (
-      lo <= x <= hi):
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or not (lo <= x <= hi):
     raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {x!r}")
 
 

@@ -162,8 +162,7 @@ def _scatter_codes(tiles, codes, n):
   base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n
   dest = jnp.where(codes != SKIP, base + tiles, rows * n)      # rows * n: a trash slot
   out = jnp.full((rows * n + 1,), SKIP, jnp.int32)
-  out = out.at[dest.reshape(-1)].set(codes.reshape(-1).astype(jnp.int32),
-                                     mode="promise_in_bounds")
+  out = out.at[dest.reshape(-1)].set(codes.reshape(-1).astype(jnp.int32), mode="promise_in_bounds")
   return out[:rows * n].reshape(lead + (n,))
 
 
@@ -208,8 +207,7 @@ def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, stat
     [0, 1, 0, 0, 1, 1]
   """
   oc = [x[:, :n_own, None] for x in segment_tile_classes(own_seg, own_seg.shape[1], own_block)]
-  wc = [x[:, None, :n_walk]
-        for x in segment_tile_classes(walk_seg, walk_seg.shape[1], walk_block)]
+  wc = [x[:, None, :n_walk] for x in segment_tile_classes(walk_seg, walk_seg.shape[1], walk_block)]
   seg_any, seg_all = segment_tile_pairs(oc, wc)                     # [B, n_own, n_walk]
   lo, flo, fhi, hi = (jnp.broadcast_to(x, (n_own,))[:, None] for x in static)
   t = jnp.arange(n_walk, dtype=jnp.int32)

@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
-from pallas_kernels.common.util import check_segment_ids, pad_axis
+from pallas_kernels.common.util import check_qkv_shapes, check_segment_ids, pad_axis
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
 
 __all__ = ["BlockSizes", "PROTOCOLS", "default_block_sizes", "fit_block_sizes",
@@ -473,16 +473,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     >>> s = make_schedule(1024, 1024, 128, 64, causal=True, block_mask=keep)
     >>> out, lse = flash_attention(q, q, q, schedule=s, causal=True)  # doctest: +SKIP
   """
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
-                     f"{v.shape}")
-  b, sq, hq, d = q.shape
-  if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape:
-    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape} (k and v "
-                     f"must have the same shape and q's head dim)")
-  hk = k.shape[2]
-  if hq % hk:
-    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+  check_qkv_shapes(q, k, v)
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   _check_dtype(q.dtype)

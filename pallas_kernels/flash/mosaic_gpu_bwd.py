@@ -21,14 +21,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import compat
 from pallas_kernels.common import walk
-from pallas_kernels.common.util import pad_axis
+from pallas_kernels.common.softmax import LOG2E, lse_base2
+from pallas_kernels.common.util import check_qkv_shapes, pad_axis
 
 # The documented API; the checks serve the forward's wrapper.
 __all__ = ["BlockSizes", "default_block_sizes", "call_block_sizes", "fit_block_sizes",
            "flash_attention_bwd"]
 
 
-LOG2E = math.log2(math.e)
 _COMPUTE_WGS = walk.WARPGROUPS
 # setmaxnreg: 2 * 232 + 40 = 3 x 168, the CTA's launch allocation.
 _COMPUTE_REGISTERS = 232
@@ -439,10 +439,8 @@ def _probs(s, lse2, st: _Static, *, axis):
   """P = exp2(s * c - lse2), lse2 broadcast along ``axis`` of s (0: lse2 per row, the dQ tile;
   1: per column, the transposed dK/dV tile). With a soft cap the logit is cap * tanh(scale * s /
   cap), i.e. P = exp2(cap * log2(e) * tanh(scale * s / cap) - lse2)."""
-  if st.soft_cap is None:
-    x = s * st.c
-  else:
-    x = jnp.tanh(s * (st.scale / st.soft_cap)) * (st.soft_cap * LOG2E)
+  x = s * st.c if st.soft_cap is None else (
+      jnp.tanh(s * (st.scale / st.soft_cap)) * (st.soft_cap * LOG2E))
   return jnp.exp2(x - lax.broadcast_in_dim(lse2, s.shape, [axis]))
 
 
@@ -598,13 +596,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     def head(g, carry):
       base = g * per_head - first_program                 # ring step of query tile i: base + i
       carry = lax.fori_loop(first_program, first, functools.partial(drain, base=base), carry)
-      carry = lax.fori_loop(first, full_lo, functools.partial(step, base=base, masked=True),
-                            carry)
+      carry = lax.fori_loop(first, full_lo, functools.partial(step, base=base, masked=True), carry)
       carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, base=base, masked=False),
                             carry)
       if two_edges:                                       # a window's left edge, segments
-        carry = lax.fori_loop(full_hi, last, functools.partial(step, base=base, masked=True),
-                              carry)
+        carry = lax.fori_loop(full_hi, last, functools.partial(step, base=base, masked=True), carry)
         carry = lax.fori_loop(last, last_program, functools.partial(drain, base=base), carry)
       return carry
 
@@ -632,8 +628,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
         plgpu.copy_gmem_to_smem(q_seg_ref.at[b, rows], q_seg_smem.at[slot], q_loaded.at[slot])
       plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], lse_loaded.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
-                              delta_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_loaded.at[slot])
 
     for s in range(stages):                               # fill the ring
       @pl.when(s < total)
@@ -898,8 +893,7 @@ def _prepare(out, lse, do, d_lse, st: _Static):
   delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
-  lse = lse.astype(jnp.float32)
-  lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+  lse2 = lse_base2(lse.astype(jnp.float32))
   return pad_axis(lse2, 2, st.q_pad, jnp.inf), pad_axis(delta, 2, st.q_pad)
 
 
@@ -937,14 +931,7 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True)  # doctest: +SKIP
     >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True)  # doctest: +SKIP
   """
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
-                     f"{v.shape}")
-  b, sq, hq, d = q.shape
-  if k.shape[0] != b or k.shape[3] != d or v.shape != k.shape:
-    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape}")
-  if hq % k.shape[2]:
-    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({k.shape[2]})")
+  b, sq, hq = check_qkv_shapes(q, k, v)[:3]
   if out.shape != q.shape or do.shape != q.shape:
     raise ValueError(f"out {out.shape} and do {do.shape} must have q's shape {q.shape}")
   if lse.shape != (b, hq, sq):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import typing
 
 import jax
@@ -27,12 +26,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat
 from pallas_kernels.common import walk
+from pallas_kernels.common.softmax import LOG2E
+from pallas_kernels.common.softmax import finalize as _finalize
 
 # The kernel body of pallas_kernels.flash.mosaic_gpu, which is its documented entry point.
 __all__ = []
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 # Finite initial running max: exp2(m - m) = 1 instead of NaN for a row with nothing visible yet.
 _M_INIT = -1e30
 COMPUTE_WGS = walk.WARPGROUPS
@@ -214,18 +213,13 @@ class _Mask(typing.NamedTuple):
 
 
 def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
-  """Per-warpgroup class of kernel kv tiles.
+  """Per-warpgroup class of kernel kv tiles: int32 [B', Hs, n_wg, L] codes of
+  ``walk.range_codes`` (B' = B with segment ids, else Bs) from the tiles' ``_static_ranges``.
 
-  Args:
-    tiles: int32 [Bs, Hs, n_wg, L] kernel kv tiles (``block_k`` keys) listed for warpgroup tile
-      i (query rows [i * block_q, (i + 1) * block_q)), n_wg = 2 * num_q_programs.
-    valid: bool, same shape: the entries that are listed (the others get SKIP).
-    st: the kernel's static configuration (causal, window, lengths, tiles).
-    q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 to whole programs / tiles.
-
-  Returns:
-    int32 [B', Hs, n_wg, L] codes of ``walk.range_codes`` (B' = B with segment ids, else Bs)
-    from the warpgroup tiles' ``_static_ranges``.
+  ``tiles``: int32 [Bs, Hs, n_wg, L] kernel kv tiles (``block_k`` keys) listed for warpgroup tile
+  i (query rows [i * block_q, (i + 1) * block_q)), n_wg = 2 * num_q_programs; ``valid``: bool,
+  same shape, the listed entries (the others get SKIP); ``q_seg``, ``kv_seg``: None or int32
+  [B, Sq'] / [B, Sk'] padded with 0 to whole programs / tiles.
   """
   n_wg = tiles.shape[2]
   ranges = _static_ranges(jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st)
@@ -333,15 +327,6 @@ def _online_softmax(s, m, l, st: KernelConfig):
   alpha = jnp.exp2(m - m_new)                                 # [bq]
   p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))   # [bq, bk]
   return p, alpha, m_new, l * alpha + p.sum(axis=1)
-
-
-def _finalize(acc, m, l):
-  """acc [bq, D], m, l [bq] -> (out [bq, D] fp32, lse [bq] fp32, natural log). Rows that saw no
-  key (l == 0) give output 0 and lse -inf."""
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-  return out, jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
 
 
 def _program_ranges(b, tile, wg, bounds_ref, st: KernelConfig):
@@ -501,10 +486,8 @@ def _fwd_kernel(*refs, st: KernelConfig):
     ``ring_base`` (q_tiles_per_program > 1): ring entries of the program's earlier tiles; the
     tile's entry t - plo is then in slot (ring_base + t - plo) mod stages. Returns the number of
     ring entries of the tile (with ring_base) or None."""
-    if ring_base is None:
-      ring_slot = slot_of
-    else:
-      ring_slot = lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages))
+    ring_slot = slot_of if ring_base is None else (
+        lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages)))
     if not st.has_sched:
       plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
     # segment ids: masked tiles take ``masked=True`` (static mask and the per-element segment
@@ -594,8 +577,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
     def step(t, carry, *, masked):
       if st.proto.k_wait:
-        return step_at(ring_slot(t), t, carry, masked=masked,
-                       nxt=(ring_slot(t + 1), t + 1 < phi))
+        return step_at(ring_slot(t), t, carry, masked=masked, nxt=(ring_slot(t + 1), t + 1 < phi))
       return step_at(ring_slot(t), t, carry, masked=masked)
 
     def drain_at(slot, nxt=None):
@@ -873,8 +855,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
     q_smem = qo_smem.at[wg]                                   # [bq, D]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_smem, q_loaded.at[wg])
     if st.has_seg:
-      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg],
-                              q_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(q_seg_ref.at[b, pl.ds(row0, bq)], q_seg_smem.at[wg], q_loaded.at[wg])
     _compute_tile(tile, row0, q_smem, q_loaded.at[wg], lse_smem.at[wg])
     plgpu.wait_smem_to_gmem(0)
 

@@ -43,11 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule
-from pallas_kernels.common.softmax import (
-  delta_rows,
-  hide_nonfinite_values,
-  zero_nonfinite,
-)
+from pallas_kernels.common import softmax
 from pallas_kernels.common.util import cdiv, check_float, round_up
 from pallas_kernels.masks import normalize_window, visible
 
@@ -258,7 +254,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     k = k_ref[...]                                        # [bk, D]
     v = None
     if masked:   # a non-finite value: NaN logits (masked for the rows that cannot see it)
-      k, v = hide_nonfinite_values(k, v_ref[...])
+      k, v = softmax.hide_nonfinite_values(k, v_ref[...])
     s, _ = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
     if masked:
       mask = _qk_mask(cfg, i, kv_blk, q_seg_ref, kv_seg_ref)  # [bq, bk]
@@ -411,7 +407,7 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     lse = jnp.expand_dims(lse_ref[0], -1)                 # [bq, 1]
     di = jnp.expand_dims(di_ref[0], -1)                   # [bq, 1]
     if masked:   # non-finite entries -> 0 (rows that see them have a NaN lse)
-      k, v = zero_nonfinite(k), zero_nonfinite(v)
+      k, v = softmax.zero_nonfinite(k), softmax.zero_nonfinite(v)
     s, t = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
     if masked:
       s = jnp.where(_qk_mask(cfg, i, kv_blk, q_seg_ref, kv_seg_ref), s, MASK_VALUE)
@@ -491,7 +487,7 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
   v3 = _to_tiles(v.astype(dt), sk_pad, cfg.dv_pad)         # [B, Sk_p, Hk*Dv]
   do3 = _to_tiles(dout.astype(dt), sq_pad, cfg.dv_pad)     # [B, Sq_p, Hq*Dv]
   # delta_i = sum_d dO_id O_id - dlse_i: the lse cotangent enters exactly like the row term.
-  delta = delta_rows(out, dout, dlse)                      # [B, Hq, Sq] fp32
+  delta = softmax.delta_rows(out, dout, dlse)              # [B, Hq, Sq] fp32
   # Rows that see no key have lse = -inf; any finite value works there since every logit of
   # such a row is masked (p = exp(MASK_VALUE - 0) = 0). Padded rows have dO = 0 and delta = 0.
   # A NaN lse (a row that sees a non-finite key) stays NaN.

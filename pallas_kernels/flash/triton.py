@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
-from pallas_kernels.common import softmax
+from pallas_kernels.common import softmax, util
 from pallas_kernels.common.softmax import LOG2E
 from pallas_kernels.common.util import check_segment_ids, next_pow2, pad_axis, round_up
 from pallas_kernels.masks import normalize_window, visible
@@ -529,8 +529,7 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, do, lse2, 
     dkv_st = dataclasses.replace(st, block_q=st.dkv_block_q,
                                  dkv_q_chunk=min(st.dkv_q_chunk, st.dkv_block_q))
   dk, dv = _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, dkv_rows, do, lse2, delta, dkv_st)
-  dq, dbias = _dq_call(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, do, lse2, delta, st,
-                       bias_grad)
+  dq, dbias = _dq_call(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, do, lse2, delta, st, bias_grad)
   return (pad_axis(dq, 1, q.shape[1]), pad_axis(dk, 1, k.shape[1]), pad_axis(dv, 1, k.shape[1]),
           dbias)
 
@@ -569,8 +568,7 @@ def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _St
       in_specs.append(spec((None, xg, sq, bk), lambda i, bi, h, xb=xb, xh=x.shape[1] > 1:
                            (bi if xb else 0, h if xh else 0, 0, i)))
       args.append(x)
-  in_specs.append(spec((None, None, None, rows.shape[-1]),
-                       lambda i, bi, h: (rb(bi), rh(h), i, 0)))
+  in_specs.append(spec((None, None, None, rows.shape[-1]), lambda i, bi, h: (rb(bi), rh(h), i, 0)))
   args.append(rows)
   return pl.pallas_call(
       functools.partial(_dkv_kernel, st=st, has=(has_seg, mask is not None, bias is not None),
@@ -587,8 +585,7 @@ def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _St
   )(*args)
 
 
-def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static,
-             bias_grad):
+def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static, bias_grad):
   """dQ (padded inputs; ``rows``: kv lists of ``st``'s tiles) -> dq [B, nq * block_q, Hq, D],
   and dbias [B, Hq, Sq, Sk] fp32 if ``bias_grad`` (else None)."""
   b, sq, hq, d = q.shape
@@ -722,15 +719,7 @@ def _pack_rows(indices, counts, partial):
 def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids):
   """ValueError / TypeError for inputs the kernels do not take; returns (b, sq, hq, d, sk, hk,
   d_v)."""
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
-                     f"{v.shape}")
-  b, sq, hq, d = q.shape
-  _, sk, hk, d_v = v.shape
-  if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
-    raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape}")
-  if hq % hk:
-    raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hk})")
+  b, sq, hq, d, sk, hk, d_v = util.check_qkv_shapes(q, k, v, same_dv=False)
   if not (1 <= d <= 256 and 1 <= d_v <= 256):
     raise ValueError(f"head_dim must be <= 256, got {d} (v: {d_v})")
   if not (q.dtype == k.dtype == v.dtype):
@@ -879,8 +868,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
   if bwd_schedule is schedule:
     dq_rows = fwd_rows
   else:
-    dq_rows = _pack_rows(bwd_schedule.kv_indices, bwd_schedule.kv_counts,
-                         bwd_schedule.kv_partial)
+    dq_rows = _pack_rows(bwd_schedule.kv_indices, bwd_schedule.kv_counts, bwd_schedule.kv_partial)
   dkv_rows = _pack_rows(dkv_schedule.q_indices, dkv_schedule.q_counts, dkv_schedule.q_partial)
   out, lse = _flash_padded(st, bst, qp, kp, vp, qs, ks, mask, None if bias is None else pad2(bias),
                            fwd_rows, dq_rows, dkv_rows)

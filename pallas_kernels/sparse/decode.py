@@ -92,10 +92,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     split = (split * split_stride) % num_splits
   length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[length_row(b, len_group)]), capacity),
                        0)                                                        # scalar
-  if cnt_ref is None:
-    n_slots = jnp.int32(num_slots)
-  else:
-    n_slots = jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots)
+  n_slots = (jnp.int32(num_slots) if cnt_ref is None
+             else jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots))
   bps = int(blocks_per_step)
   per_split = _split_share(n_slots, num_splits, bps)
   begin = jnp.minimum(split * per_split, n_slots)
@@ -151,8 +149,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
     blk = jnp.where(s < end, blk, -1)
     if paged:
-      page = jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(blk, 0)]), 0,
-                      k_ref.shape[0] // block - 1)
+      page = jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(blk, 0)]), 0, k_ref.shape[0] // block - 1)
       return blk, page * block
     return blk, None
 
@@ -208,10 +205,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     init = (acc0, m0, l0, blk0) + ((row00,) if paged else ())
   else:
     init = (acc0, m0, l0)
-  if bps == 1:
-    lo, hi = begin, end
-  else:
-    lo, hi = 0, pl.cdiv(end - begin, bps)
+  lo, hi = (begin, end) if bps == 1 else (0, pl.cdiv(end - begin, bps))
   acc, m, l = jax.lax.fori_loop(lo, hi, body, init)[:3]
   if unified:                          # unnormalised sums against m_hat, and the max logit
     plgpu.store(o_ref.at[b, split, q_rows[:, None], vcols[None, :]], acc, mask=o_mask)

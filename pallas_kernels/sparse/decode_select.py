@@ -111,8 +111,7 @@ def _check_score_inputs(q, sums):
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "interpret", "lengths_group"))
-def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False,
-                        lengths_group=1):
+def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False, lengths_group=1):
   """Block scores of one decode query per sequence against the running key sums.
 
   Args:

@@ -267,5 +267,4 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
       interpret=compat.tpu_interpret_params() if interpret else False,
       name="jattn_sparse_paged_decode_tpu" if paged else "jattn_sparse_decode_tpu",
   )(*prefetch, q4, k3, v3)
-  return (o[:, :, :group].reshape(bsz, hq, dv),
-          lse[:, :, :group, 0].reshape(bsz, hq))
+  return (o[:, :, :group].reshape(bsz, hq, dv), lse[:, :, :group, 0].reshape(bsz, hq))

@@ -263,28 +263,32 @@ def test_xla_anchor_above_4k_is_a_skipped_row(monkeypatch):
   assert table.splitlines()[-1].split(" | ")[3] == "n/a"
 
 
-def test_docs_are_generated_from_the_results_file(tmp_path, monkeypatch):
+def test_docs_are_generated_from_the_results_files(tmp_path, monkeypatch):
   """docs/benchmarks.md and the README's table are what --write-docs makes of the committed
-  H200 results (regenerate them with the command after a new run); the command rewrites only
-  the README's marked block."""
-  path = os.path.join(bench.RESULTS_DIR, "h200.json")
-  with open(path) as fh:
-    result = json.load(fh)
+  H100 and H200 results (regenerate them with the command after a new run); the command
+  rewrites only the README's marked block, from the first file."""
+  names = ["experiments/results/h100.json", "experiments/results/h200.json"]
+  paths = [os.path.join(bench.ROOT, n) for n in names]
+  results = []
+  for path in paths:
+    with open(path) as fh:
+      results.append(json.load(fh))
   with open(bench.DOCS_PAGE) as fh:
-    assert fh.read() == bench.benchmarks_page(result, "experiments/results/h200.json")
+    assert fh.read() == bench.benchmarks_page(results, names)
   with open(bench.README) as fh:
     readme = fh.read()
-  assert f"{bench.README_BEGIN}\n{bench.summary(result)}\n{bench.README_END}" in readme
+  assert f"{bench.README_BEGIN}\n{bench.summary(results[0], bench.README_CASES)}\n{bench.README_END}" in readme
   page, fake_readme = tmp_path / "b.md", tmp_path / "README.md"
   fake_readme.write_text(f"intro\n{bench.README_BEGIN}\nold\n{bench.README_END}\noutro\n")
   monkeypatch.setattr(bench, "DOCS_PAGE", str(page))
   monkeypatch.setattr(bench, "README", str(fake_readme))
-  assert bench.main(["--write-docs", path]) == 0
-  assert page.read_text() == bench.benchmarks_page(result, "experiments/results/h200.json")
-  assert fake_readme.read_text() == (f"intro\n{bench.README_BEGIN}\n{bench.summary(result)}\n"
+  assert bench.main(["--write-docs", *paths]) == 0
+  assert page.read_text() == bench.benchmarks_page(results, names)
+  assert fake_readme.read_text() == (f"intro\n{bench.README_BEGIN}\n{bench.summary(results[0], bench.README_CASES)}\n"
                                      f"{bench.README_END}\noutro\n")
-  for key in ("device", "jax_version", "commit", "date"):
-    assert str(result["meta"][key]) in page.read_text()
+  for result in results:
+    for key in ("device", "jax_version", "commit", "date"):
+      assert str(result["meta"][key]) in page.read_text()
 
 
 def test_resume_runs_only_the_cases_a_stopped_run_left(tmp_path, monkeypatch, capsys):
