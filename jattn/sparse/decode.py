@@ -23,6 +23,7 @@ from jattn.decode import check_decode_call
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
 from jattn.sparse.selection import cdiv, check_selection_args, top_k_cut
 from pallas_kernels import compat
+from pallas_kernels.common.util import pad_axis
 from pallas_kernels.sparse.decode_select import decode_width
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -143,22 +144,21 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
     k_cache = _gather_positions(k_cache, page_table, pos, paged_hnd)         # [b, n, hk, d]
     if paged_hnd:
       k_cache = jnp.swapaxes(k_cache, 1, 2)
-  if kv_layout == "hnd":
-    b, hk, n, d = k_cache.shape
-  else:
-    b, n, hk, d = k_cache.shape
-  nb = cdiv(n, block_size)
+  b, n = k_cache.shape[0], k_cache.shape[2 if kv_layout == "hnd" else 1]
   lengths = jnp.clip(check_lengths("kv_lengths", kv_lengths, b, n), 0, n)   # traced: clamped
-  valid = jnp.arange(n)[None, :] < lengths[:, None]                          # [b, n]
-  if kv_layout == "hnd":
-    kf = jnp.where(valid[:, None, :, None], k_cache.astype(jnp.float32), 0.0)
-    kf = jnp.pad(kf, ((0, 0), (0, 0), (0, nb * block_size - n), (0, 0)))
-    sums = kf.reshape(b, hk, nb, block_size, d).sum(3)                       # [b, hk, nb, d]
-  else:
-    kf = jnp.where(valid[:, :, None, None], k_cache.astype(jnp.float32), 0.0)
-    kf = jnp.pad(kf, ((0, 0), (0, nb * block_size - n), (0, 0), (0, 0)))
-    sums = kf.reshape(b, nb, block_size, hk, d).sum(2)                       # [b, nb, hk, d]
+  sums = _block_sums(k_cache, lengths, int(block_size), kv_layout == "hnd")
   return BlockSummaries(sums=sums, lengths=lengths, block_size=int(block_size), layout=kv_layout)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))   # fused: no fp32 copy of the cache
+def _block_sums(k_cache, lengths, block_size, hnd):
+  axis = 2 if hnd else 1
+  valid = jnp.arange(k_cache.shape[axis])[None, :] < lengths[:, None]      # [b, n]
+  valid = valid[:, None, :, None] if hnd else valid[:, :, None, None]
+  kf = jnp.where(valid, k_cache.astype(jnp.float32), 0.0)
+  kf = pad_axis(kf, axis, cdiv(kf.shape[axis], block_size) * block_size)
+  shape = kf.shape[:axis] + (-1, block_size) + kf.shape[axis + 1:]
+  return kf.reshape(shape).sum(axis + 1)                # [b, nb, hk, d] or [b, hk, nb, d]
 
 
 def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, kv_layout=None):
