@@ -404,13 +404,15 @@ def _merge_into(acc, part, a, r0, shapes):
   """``acc`` (None or out [B, m, c, H, Dv], lse [B, m, c, H]) with ``part`` (the same for
   chunks ``a`` (a slice), rows [r0, r0 + n)) merged in; only those rows are read and written,
   in place. The output stays in the kernels' dtype; each merge computes in fp32."""
-  idx = (slice(None), a, slice(r0, r0 + part[0].shape[2]))
   if acc is None:
     if part[0].shape == shapes[0]:
       return part
     acc = (jnp.zeros(shapes[0], part[0].dtype), jnp.full(shapes[1], -jnp.inf, jnp.float32))
-  out, lse = merge(acc[0][idx], acc[1][idx], *part)
-  return acc[0].at[idx].set(out), acc[1].at[idx].set(lse)
+  start = lambda x: (0, a.start or 0, r0) + (0,) * (x.ndim - 3)
+  rows = [jax.lax.slice(x, start(x), tuple(map(sum, zip(start(x), y.shape))))
+          for x, y in zip(acc, part)]
+  return tuple(jax.lax.dynamic_update_slice(x, y, start(x))
+               for x, y in zip(acc, merge(rows[0], rows[1], part[0], part[1])))
 
 
 def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
