@@ -400,15 +400,15 @@ def _chunks(x, m):
   return None if x is None else jnp.split(x, m, axis=1)
 
 
-def _merge_into(acc, part, a, r0, shapes):
+def _merge_into(acc, part, a0, r0, shapes):
   """``acc`` (None or out [B, m, c, H, Dv], lse [B, m, c, H]) with ``part`` (the same for
-  chunks ``a`` (a slice), rows [r0, r0 + n)) merged in; only those rows are read and written,
+  chunks [a0, a0 + k), rows [r0, r0 + n)) merged in; only those rows are read and written,
   in place. The output stays in the kernels' dtype; each merge computes in fp32."""
   if acc is None:
     if part[0].shape == shapes[0]:
       return part
     acc = (jnp.zeros(shapes[0], part[0].dtype), jnp.full(shapes[1], -jnp.inf, jnp.float32))
-  start = lambda x: (0, a.start or 0, r0) + (0,) * (x.ndim - 3)
+  start = lambda x: (0, a0, r0) + (0,) * (x.ndim - 3)
   rows = [jax.lax.slice(x, start(x), tuple(map(sum, zip(start(x), y.shape))))
           for x, y in zip(acc, part)]
   return tuple(jax.lax.dynamic_update_slice(x, y, start(x))
@@ -429,8 +429,8 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
   if batched:
     call = plan.calls[diag.flat[0] - 1]
     out, lse = _run_call(call, kern, *map(flat, (qm, km, vm, qsm, ksm)))
-    acc = _merge_into(acc, (out.reshape(b_, m, *out.shape[1:]), lse.reshape(b_, m, -1, lse.shape[-1])),
-                      slice(None), call.q0, shapes)
+    part = (out.reshape(b_, m, *out.shape[1:]), lse.reshape(b_, m, *lse.shape[1:]))
+    acc = _merge_into(acc, part, 0, call.q0, shapes)
   at = lambda x, j: None if x is None else x[:, j]
   for a in range(m):
     for b in range(m):
@@ -438,8 +438,7 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
           plan, kern, plan.table[:, i, a, b], d, qm[:, a], km[:, b], vm[:, b], at(qsm, a),
           at(ksm, b), _pair_selection(plan, kern, sel, d, i, a, b))
       if part is not None:
-        acc = _merge_into(acc, (part[0][:, None], part[1][:, None]), slice(a, a + 1), part[2],
-                          shapes)
+        acc = _merge_into(acc, (part[0][:, None], part[1][:, None]), a, part[2], shapes)
   return acc
 
 
@@ -459,9 +458,9 @@ def _shift(xs, shift, axis_name, p):
 
 
 # ----------------------------------------------------------------------------- strategies
-def _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks, kv_at, sel=None):
-  """Every step of a K/V-moving strategy; ``kv_at(i, state)`` gives step i's (k, v, ks)."""
-  d = jax.lax.axis_index(axis_name)
+def _pass_kv_forward(plan, kern, d, q, k, v, qs, ks, kv_at, sel=None):
+  """Every step of a K/V-moving strategy on device ``d``; ``kv_at(i, state)`` gives step i's
+  (k, v, ks)."""
   acc, state = None, (k, v, ks)
   for i in range(len(plan.shifts)):
     kv, state = kv_at(i, state)
@@ -498,9 +497,8 @@ def _all_gather_kv_at(plan, axis_name, k, v, ks):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _ring(plan, kern, axis_name, q, k, v, qs, ks, sel):
   """``sel``: None, or this device's rows of a block selection (int [B, Hk, q blocks, n])."""
-  out, lse = _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
-                              _ring_kv_at(plan, axis_name), sel)
-  return out.astype(q.dtype), lse
+  return _pass_kv_forward(plan, kern, jax.lax.axis_index(axis_name), q, k, v, qs, ks,
+                          _ring_kv_at(plan, axis_name), sel)
 
 
 def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks, sel):
@@ -583,7 +581,7 @@ def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
     return _ring(plan, kern, axis_name, q, k, v, qs, ks, None)
   if plan.strategy == "ring_q":
     return _ring_q(plan, kern, axis_name, q, k, v, qs, ks)
-  return _pass_kv_forward(plan, kern, axis_name, q, k, v, qs, ks,
+  return _pass_kv_forward(plan, kern, jax.lax.axis_index(axis_name), q, k, v, qs, ks,
                           _all_gather_kv_at(plan, axis_name, k, v, ks))
 
 
@@ -671,11 +669,9 @@ def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_c
   """
   if plan.strategy == "ring_q":
     raise ValueError("plan.strategy must be 'ring' or 'all_gather', got 'ring_q'")
-  kern, acc = _kernel(q, scale, logits_soft_cap, implementation, interpret), None
-  for i, r in enumerate(plan.shifts):
-    k, v = kv_shards[(device - r) % plan.num_shards]
-    acc = _step(plan, kern, i, device, acc, q, None, k, v, None)
-  return _flat(acc, q, kv_shards[0][1])
+  kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
+  kv_at = lambda i, state: ((*kv_shards[(device - plan.shifts[i]) % plan.num_shards], None), state)
+  return _pass_kv_forward(plan, kern, device, q, *kv_shards[device], None, None, kv_at)
 
 
 def _with_padding(x, pos, mesh):
