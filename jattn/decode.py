@@ -49,7 +49,7 @@ class DecodeConfig:
     num_splits: parts each sequence's visible keys are split into (None with a schedule).
     block_sizes: the kernel's ``DecodeBlockSizes``, None for "xla".
     merge: how the splits are merged: "pallas" ("triton") or "xla" (``merge_partials``); a
-      schedule's units are merged by row (``merge_partials_by_row``).
+      schedule's units are merged by row (the same kernel, or ``merge_partials_by_row``).
     softmax: "exact" or "unified_max" (``jattn.decode_serving``).
     max_units: the schedule's unit count, None for splits.
 
@@ -495,9 +495,8 @@ def _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, *, impl
     m_hat = (_serve.newest_key_logits(q, k, kv_lengths, page_table=page_table, scale=scale,
                                       logits_soft_cap=cap)
              if max_estimate is None else max_estimate.astype(jnp.float32))
-  return _serve.run_decode(partials, q, k.shape[2], m_hat,
-                           None if schedule is None else schedule.unit_row,
-                           softmax=config.softmax, merge=config.merge, interpret=interpret)
+  return _serve.run_decode(partials, q, k.shape[2], m_hat, schedule, softmax=config.softmax,
+                           merge=config.merge, interpret=interpret)
 
 
 # ----------------------------------------------------------------------------- cache appends

@@ -4,7 +4,7 @@ A :class:`DecodeSchedule` partitions every sequence's visible keys into *units* 
 size (whole kernel blocks), computed once per batch composition with jnp (traced lengths work
 under jit; the number of units is static). The kernel runs one program per (unit, kv head), so
 a batch of mixed lengths gives programs of equal work that finish together, and the partials
-are merged by row (``merge_partials_by_row``).
+are merged by row (a row's units are contiguous: one merge program per row and head).
 
 ``softmax="unified_max"`` computes every partial against one shared estimate ``m_hat`` per
 (row, query head) instead of its own running max: no rescaling in the loop, and the merge is a
@@ -71,7 +71,8 @@ class DecodeSchedule:
 def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
   """Split each sequence's visible key blocks into units of at most ``per`` blocks, with
   ``per`` the smallest of ceil(total / max_units) and ceil(total / (max_units - batch)) that
-  keeps the unit count within ``max_units`` (jnp; lengths may be traced).
+  keeps the unit count within ``max_units`` and each sequence's within the Pallas merge's
+  ``MAX_ROW_PARTIALS`` (jnp, no loop; lengths may be traced).
 
   Args:
     kv_lengths: int [batch] (clamped to [0, capacity]); the query sits at length - 1.
@@ -97,10 +98,12 @@ def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
   per_safe = jnp.maximum((total + max(max_units - b, 1) - 1) // max(max_units - b, 1), 1)
   fits = jnp.sum((nblk + per_even - 1) // per_even) <= max_units
   per = jnp.where(fits, per_even, per_safe)      # per_safe: sum ceil(n / per) <= max_units
+  most = _merge.MAX_ROW_PARTIALS
+  per = jnp.maximum(per, (jnp.max(nblk, initial=0) + most - 1) // most)
   row_units = jnp.concatenate([jnp.zeros(1, jnp.int32),
                                jnp.cumsum((nblk + per - 1) // per).astype(jnp.int32)])
   u = jnp.arange(max_units, dtype=jnp.int32)
-  row = jnp.searchsorted(row_units[1:], u, side="right").astype(jnp.int32)  # b when unused
+  row = jnp.sum(row_units[None, 1:] <= u[:, None], axis=1, dtype=jnp.int32)  # b when unused
   rc = jnp.minimum(row, b - 1)
   j = u - row_units[rc]
   count = jnp.where(row < b, jnp.clip(nblk[rc] - j * per, 0, per), 0)
@@ -247,7 +250,7 @@ def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_
   return s.reshape(b, hq)
 
 
-def run_decode(partials, q, kv_heads, m_hat, rows, *, softmax, merge, interpret):
+def run_decode(partials, q, kv_heads, m_hat, schedule, *, softmax, merge, interpret):
   """Partials -> (out [batch, q_heads, dv] in q.dtype, lse fp32), inside the call's jit.
 
   Args:
@@ -255,7 +258,7 @@ def run_decode(partials, q, kv_heads, m_hat, rows, *, softmax, merge, interpret)
     q: [batch, q_heads, head_dim] (batch: the sequences).
     kv_heads: kv heads per sequence.
     m_hat: fp32 [batch, q_heads] (unified max) or None.
-    rows: None (split partials [batch, splits]) or the schedule's unit rows [U].
+    schedule: None (split partials [batch, splits]) or the :class:`DecodeSchedule` ([1, U]).
     softmax: "exact" or "unified_max".
     merge: the plan's split merge, "pallas" or "xla".
     interpret: Pallas interpret mode (the merge kernel).
@@ -264,7 +267,7 @@ def run_decode(partials, q, kv_heads, m_hat, rows, *, softmax, merge, interpret)
     (out, lse).
   """
   b, hq, _ = q.shape
-  if rows is None:
+  if schedule is None:
     rowsum = lambda x: jnp.sum(x, axis=1)
     per_partial = lambda x: x[:, None]                                   # [b, 1, ...]
     row_max = lambda x: jnp.max(x, axis=1)
@@ -274,10 +277,16 @@ def run_decode(partials, q, kv_heads, m_hat, rows, *, softmax, merge, interpret)
         return _merge.merge_partials_pallas(o, lse, out_dtype=q.dtype, interpret=interpret)
       return _merge.merge_partials(o, lse, axis=1)
   else:
+    rows = schedule.unit_row
     rowsum = lambda x: jax.ops.segment_sum(x[0], rows, b)
     per_partial = lambda x: x[jnp.minimum(rows, b - 1)][None]            # [1, U, ...]
     row_max = lambda x: jax.ops.segment_max(x[0], rows, b)
-    merge_fn = lambda o, lse: _merge.merge_partials_by_row(o[0], lse[0], rows, b)
+
+    def merge_fn(o, lse):   # a row's units are contiguous: one Pallas program per (row, head)
+      if merge == "pallas":
+        return _merge.merge_partials_pallas(o, lse, out_dtype=q.dtype, interpret=interpret,
+                                            row_units=schedule.row_units)
+      return _merge.merge_partials_by_row(o[0], lse[0], rows, b)
   if softmax == "exact":
     out, lse = merge_fn(*partials())
     return out.astype(q.dtype), lse

@@ -440,6 +440,24 @@ def test_merge_partials_pallas_matches_xla():
   assert np.all(np.asarray(out[1, 2], np.float32) == 0) and np.isneginf(np.asarray(l[1, 2])).all()
 
 
+
+def test_merge_partials_pallas_by_row_ranges():
+  """``row_units=``: the kernel merges each row's contiguous units == ``merge_partials_by_row``,
+  with a row of 20 units (more than one 16-row tile), an empty row, an empty partial and unused
+  units past the last row (garbage, never read)."""
+  from pallas_kernels.common.merge import merge_partials_by_row, merge_partials_pallas
+  rng = np.random.default_rng(4)
+  starts = np.array([0, 3, 3, 23, 24], np.int32)
+  rows = np.repeat(np.arange(4), np.diff(starts))
+  rows = np.concatenate([rows, [4, 4]]).astype(np.int32)                 # 2 unused units
+  o = jnp.asarray(rng.normal(size=(1, 26, 3, 40)), jnp.float32).at[0, 24:].set(jnp.nan)
+  lse = jnp.asarray(rng.normal(size=(1, 26, 3)), jnp.float32).at[0, 5, 1].set(-jnp.inf)
+  out, l = merge_partials_pallas(o, lse, interpret=True, row_units=jnp.asarray(starts))
+  want, want_l = merge_partials_by_row(o[0], lse[0], jnp.asarray(rows), 4)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(l), np.asarray(want_l), rtol=1e-6)
+  assert np.all(np.asarray(out[1]) == 0) and np.isneginf(np.asarray(l[1])).all()
+
 def test_decode_plan_resolution():
   """``decode_plan``: explicit arguments win; otherwise the heuristics (Triton block sizes at
   max(head_dim, head_dim_v), ``default_num_splits`` at (batch, kv_heads, capacity) for both

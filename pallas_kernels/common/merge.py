@@ -31,6 +31,7 @@ from pallas_kernels.common.util import check_float, check_int, next_pow2
 
 # The documented API; the in-kernel merge pieces serve the decode kernels.
 __all__ = ["merge_partials", "merge", "merge_partials_pallas", "merge_partials_by_row"]
+MAX_ROW_PARTIALS = 64   # partials one row of merge_partials_pallas(row_units=...) may have
 
 
 def merge_partials(outs, lses, axis=0):
@@ -139,16 +140,18 @@ def merge_partials_by_row(outs, lses, rows, num_rows):
 # ----------------------------------------------------------------------------- Pallas (Triton)
 
 
-def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad):
+def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad, first=None, count=None):
   """The log-sum-exp merge of query head ``hh``'s partials of sequence ``b``, inside a Triton
   kernel: (out [d_pad] fp32, lse scalar fp32). Partials with lse -inf are ignored; no partial
   gives 0 and -inf.
 
-  Refs: o [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32 (S = ``num_splits``).
+  Refs: o [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32: S = ``num_splits``, or ``count`` from
+  ``first`` (traced; count <= num_splits).
   """
   srows = jnp.arange(next_pow2(num_splits, minimum=16), dtype=jnp.int32)             # [s_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
-  s_ok = srows < num_splits
+  s_ok = srows < (num_splits if count is None else count)
+  srows = srows if first is None else first + srows
   lse = plgpu.load(lse_ref.at[b, srows, hh], mask=s_ok, other=-jnp.inf)   # [s_pad]
   mask = s_ok[:, None] if d_pad == head_dim else s_ok[:, None] & (cols < head_dim)[None, :]
   o = plgpu.load(o_ref.at[b, srows[:, None], hh, cols[None, :]], mask=mask, other=0.0)
@@ -164,27 +167,32 @@ def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad):
 
 
 def store_merged_heads(o_ref, lse_ref, out_ref, lse_out_ref, b, heads, *, num_splits, head_dim,
-                       d_pad):
+                       d_pad, rows=None):
   """:func:`merged_head` of each query head in ``heads`` of sequence ``b``, stored to out
   [B, Hq, D] and lse [B, Hq]; every head is computed before any store, so no partial's load
-  waits behind an output store (the compiler cannot move a load past a store)."""
+  waits behind an output store (the compiler cannot move a load past a store). ``rows``: None
+  or the ref of ``row_units`` (:func:`merge_partials_pallas`)."""
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
-  res = [merged_head(o_ref, lse_ref, b, hh, num_splits=num_splits, head_dim=head_dim,
-                     d_pad=d_pad) for hh in heads]
+  first = None if rows is None else plgpu.load(rows.at[b])
+  count = None if rows is None else plgpu.load(rows.at[b + 1]) - first
+  res = [merged_head(o_ref, lse_ref, b if rows is None else 0, hh, num_splits=num_splits,
+                     head_dim=head_dim, d_pad=d_pad, first=first, count=count) for hh in heads]
   for hh, (out, lse) in zip(heads, res):
     plgpu.store(out_ref.at[b, hh, cols], out.astype(out_ref.dtype), mask=cols < head_dim)
     plgpu.store(lse_out_ref.at[b, hh], lse)
 
 
-def _merge_kernel(o_ref, lse_ref, out_ref, lse_out_ref, *, num_splits, head_dim, d_pad):
-  """One (batch, query head) program."""
-  store_merged_heads(o_ref, lse_ref, out_ref, lse_out_ref, pl.program_id(0),
-                     [pl.program_id(1)], num_splits=num_splits, head_dim=head_dim, d_pad=d_pad)
+def _merge_kernel(*refs, num_splits, head_dim, d_pad):
+  """One (batch, query head) program; refs: [row starts,] o, lse, out, lse out."""
+  rows = refs[0] if len(refs) == 5 else None
+  store_merged_heads(*refs[-4:], pl.program_id(0), [pl.program_id(1)], num_splits=num_splits,
+                     head_dim=head_dim, d_pad=d_pad, rows=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
-def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False):
-  """:func:`merge_partials` over axis 1 of split partials, as one Pallas kernel (Triton).
+def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False, row_units=None):
+  """:func:`merge_partials` over axis 1 of split partials, as one Pallas kernel (Triton); with
+  ``row_units`` :func:`merge_partials_by_row` of a schedule's row-contiguous units.
 
   One program per (batch, query head); the kernel writes the output in ``out_dtype`` itself,
   so no XLA convert follows. The GPU split-KV decode kernels (dense and sparse) merge their
@@ -195,6 +203,9 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False):
     lses: fp32 [batch, num_splits, q_heads].
     out_dtype: dtype of the merged output (default outs.dtype).
     interpret: run in the Pallas interpreter (CPU tests).
+    row_units: None, or int32 [batch + 1]: outs [1, U, q_heads, head_dim] (lses [1, U, q_heads])
+      hold row b's partials at rows row_units[b] .. row_units[b + 1] - 1, at most
+      ``MAX_ROW_PARTIALS`` a row.
 
   Returns:
     (out [batch, q_heads, head_dim] in out_dtype, lse [batch, q_heads] fp32).
@@ -209,6 +220,9 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False):
   if lses.shape != (bsz, ns, hq):
     raise ValueError(f"lses must be {(bsz, ns, hq)}, got {lses.shape}")
   out_dtype = outs.dtype if out_dtype is None else jnp.dtype(out_dtype)
+  rows = () if row_units is None else (row_units.astype(jnp.int32),)
+  if rows:
+    bsz, ns = row_units.shape[0] - 1, min(ns, MAX_ROW_PARTIALS)
   kernel = functools.partial(_merge_kernel, num_splits=ns, head_dim=d, d_pad=next_pow2(d, minimum=16))
   return pl.pallas_call(
       kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
@@ -216,4 +230,4 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False):
       grid=(bsz, hq),
       compiler_params=compat.triton_compiler_params(num_warps=4, num_stages=1),
       interpret=interpret, name="jattn_merge_partials")(
-          outs.astype(jnp.float32), lses.astype(jnp.float32))
+          *rows, outs.astype(jnp.float32), lses.astype(jnp.float32))
