@@ -31,7 +31,7 @@ from jattn.merge import merge
 from jattn.nn import csa as csa_ops
 from jattn.nn.rope import apply_rope
 from jattn.nn.schedule import LayerSpec
-from pallas_kernels.common.util import next_pow2
+from pallas_kernels.common.util import next_pow2, round_up
 
 # decode implementations that run absorbed MLA decode (any key width, narrower values).
 ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
@@ -40,10 +40,6 @@ ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 TRITON_ABSORB_MAX_TILE = 16 * 256
 # MLA RoPE layers cache one array per token: [latent | rotated k_rope].
 MLA_ROPE_CACHE = "latent_k_rope"
-
-
-def _pad16(n):
-  return -(-n // 16) * 16
 
 
 def _get(var):
@@ -285,7 +281,7 @@ class Attention(nnx.Module):
       return False
     impl = resolve_decode_implementation(self.implementation)
     if impl == "triton":
-      tile = _pad16(self.num_heads) * next_pow2(self.kv_lora_rank + self.rope_head_dim)
+      tile = round_up(self.num_heads, 16) * next_pow2(self.kv_lora_rank + self.rope_head_dim)
       return tile <= TRITON_ABSORB_MAX_TILE
     return impl in ABSORB_IMPLEMENTATIONS
 

@@ -17,6 +17,7 @@ from jattn._validate import (check_flags, check_number, check_qkv, check_scale_a
 from jattn._plan import Plan
 from jattn.attention import kernel_module, resolve
 from pallas_kernels.block_schedule import make_schedule
+from pallas_kernels.common.util import pad_axis
 from pallas_kernels.flash.reference import attention_reference
 from jattn.sparse.metrics import add_aux_loss, block_attention_mass, score_kl
 from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
@@ -162,10 +163,8 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
 
   G[b, g, i, s] = sum_{h in group g, q in block i, k in block indices[b, g, i, s]} dS[b, h, q, k],
   dS = P * (dO.v - delta), delta = dO.out - dlse, P = exp(scale*q.k - lse) on visible elements.
-  This is the cotangent of a per-tile logit bias at zero. Computed by gathering the kept key
-  blocks, chunked over query blocks (memory ~ max_chunk_elems floats per chunk); the matmuls run
-  in the input dtype with fp32 accumulation (fp32 inputs: HIGHEST precision), the softmax algebra
-  in fp32.
+  This is the cotangent of a per-tile logit bias at zero; gathered kept key blocks, chunked over
+  query blocks (memory ~ max_chunk_elems floats per chunk).
   """
   b, sq, hq, d = q.shape
   _, sk, hk, dv = v.shape
@@ -178,17 +177,15 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
   f32 = jnp.float32
   dt = jnp.promote_types(q.dtype, k.dtype)
   prec = _HIGHEST if dt == f32 else None
-  pad_q = lambda x, val=0: jnp.pad(x, ((0, 0), (0, sq_pad - sq)) + ((0, 0),) * (x.ndim - 2),
-                                  constant_values=val)
+  pad_q = lambda x, val=0: pad_axis(x, 1, sq_pad, val)
   qf = pad_q(q.astype(dt))
   dof = pad_q(dout.astype(dt))
   delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1)                  # [b, sq, hq]
   delta = delta - jnp.swapaxes(dlse.astype(f32), 1, 2)
   delta = pad_q(delta)
   lse_p = pad_q(jnp.swapaxes(lse.astype(f32), 1, 2), -jnp.inf)             # [b, sq_pad, hq]
-  pad_k = nk * bs - sk
-  kb = jnp.pad(k.astype(dt), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
-  vb = jnp.pad(v.astype(dt), ((0, 0), (0, pad_k), (0, 0), (0, 0)))
+  kb = pad_axis(k.astype(dt), 1, nk * bs)
+  vb = pad_axis(v.astype(dt), 1, nk * bs)
   kb = jnp.transpose(kb.reshape(b, nk, bs, hk, d), (0, 3, 1, 2, 4))        # [b, hk, nk, bs, d]
   vb = jnp.transpose(vb.reshape(b, nk, bs, hk, dv), (0, 3, 1, 2, 4))
   idx = jnp.pad(selection.indices, ((0, 0), (0, 0), (0, nc * c - nq), (0, 0)),
@@ -196,7 +193,7 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
   q_off = sk - sq
   if q_seg is not None:
     qsg = pad_q(q_seg.astype(jnp.int32))
-    ksg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, pad_k))).reshape(b, nk, bs)
+    ksg = pad_axis(kv_seg.astype(jnp.int32), 1, nk * bs).reshape(b, nk, bs)
 
   def chunk(ci):
     start = ci * c * qbs

@@ -19,15 +19,16 @@ from jattn._layout import hnd_pages_as_sequences
 from jattn._plan import Plan
 from jattn._validate import (as_array, check_flags, check_float, check_int, check_lengths,
                              check_nonempty, check_scale_and_cap)
-from jattn.decode import check_decode_call
+from jattn.decode import IMPLEMENTATIONS  # noqa: F401 (the sparse decode runs the same three)
+from jattn.decode import check_decode_call, resolve_decode_implementation
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
-from jattn.sparse.selection import cdiv, check_selection_args, top_k_cut
+from jattn.sparse.selection import (_selected_lists_by_sort, cdiv, check_selection_args,
+                                    top_k_cut)
 from pallas_kernels import compat
 from pallas_kernels.common.util import pad_axis
 from pallas_kernels.sparse.decode_select import decode_width
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
 
 
 # ----------------------------------------------------------------------------- sparse decode
@@ -288,28 +289,19 @@ def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_ini
   local = (j > diag - num_local_blocks) if num_local_blocks > 0 else jnp.zeros_like(visible)
   forced = visible & ((j < num_init_blocks) | local)
   cand = jnp.broadcast_to(visible & ~forced, (b, hk, nb))
-  parts = []
   n_forced = min(num_init_blocks, nb) + min(num_local_blocks, nb)
   fi = jnp.concatenate([jnp.arange(min(num_init_blocks, nb)),
                         jnp.arange(min(num_local_blocks, nb)) - min(num_local_blocks, nb) + 1])
-  if n_forced:
-    fidx = jnp.broadcast_to(fi[None, None, :], (b, 1, n_forced))
-    fidx = jnp.where(jnp.arange(n_forced) < min(num_init_blocks, nb), fidx, fidx + diag)
-    dup = (jnp.arange(n_forced) >= min(num_init_blocks, nb)) & (fidx < num_init_blocks)
-    ok = (fidx >= 0) & (fidx <= diag) & ~dup
-    parts.append(jnp.broadcast_to(jnp.where(ok, fidx, -1), (b, hk, n_forced)))
+  fidx = jnp.broadcast_to(fi[None, None, :], (b, 1, n_forced))
+  fidx = jnp.where(jnp.arange(n_forced) < min(num_init_blocks, nb), fidx, fidx + diag)
+  dup = (jnp.arange(n_forced) >= min(num_init_blocks, nb)) & (fidx < num_init_blocks)
+  ok = (fidx >= 0) & (fidx <= diag) & ~dup
+  fidx = jnp.broadcast_to(jnp.where(ok, fidx, -1), (b, hk, n_forced))
   k_eff, limit = top_k_cut(top_k, nb, diag[..., 0] + 1, jnp.sum(forced, -1))      # limit [b, 1]
-  if k_eff:
-    _, tidx = jax.lax.top_k(jnp.where(cand, scores, -jnp.inf), k_eff)
-    tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
-    tvalid = tvalid if limit is None else tvalid & (jnp.arange(k_eff) < limit[..., None])
-    parts.append(jnp.where(tvalid, tidx, -1))
-  if not parts:
+  if not (n_forced or k_eff):
     return jnp.full((b, hk, 1), -1, jnp.int32)
-  allidx = jnp.concatenate(parts, axis=-1).astype(jnp.int32)
   ms = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
-  key = jnp.sort(jnp.where(allidx < 0, nb, allidx), axis=-1)[..., :ms]
-  return jnp.where(key >= nb, -1, key).astype(jnp.int32)
+  return _selected_lists_by_sort(scores, cand, fidx, None, k=k_eff, max_sel=ms, limit=limit)
 
 
 def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale, m_hat=None):
@@ -325,10 +317,7 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   if page_table is None:
     n = k.shape[1]
     nb = cdiv(n, block_size)
-    pad = nb * block_size - n
-    if pad:
-      k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-      v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    k, v = pad_axis(k, 1, nb * block_size), pad_axis(v, 1, nb * block_size)
     kb = k.reshape(b, nb, block_size, hk, d)
     vb = v.reshape(b, nb, block_size, hk, v.shape[-1])
     kg = kb[bi, safe, :, hi]                                               # [b, hk, ms, bs, d]
@@ -392,20 +381,6 @@ class SparseDecodeConfig:
   blocks_per_step: int = 1
   prefetch_ids: bool = False
   merge_kernel: bool = False
-
-
-def _resolve_decode_implementation(implementation, platform=None):
-  """None -> "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere; "mosaic_gpu" (the Hopper
-  flash kernel's name, e.g. a layer's) -> "triton"; other values checked."""
-  if implementation == "mosaic_gpu":
-    return "triton"
-  if implementation is not None:
-    if implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"sparse decode supports implementation None, 'xla', 'triton' or "
-                       f"'mosaic_tpu', got {implementation!r}")
-    return implementation
-  platform = compat.default_backend() if platform is None else platform
-  return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
 
 
 def _hnd_triton_launch(k, v, block_size):
@@ -498,7 +473,7 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
         page_table=sds((b * hk, page_table.shape[1]), jnp.int32),
         implementation=implementation, num_splits=num_splits)
-  impl = _resolve_decode_implementation(implementation)
+  impl = resolve_decode_implementation(implementation)
   if isinstance(top_k, float) and impl == "triton":   # the Triton selection takes an int top_k
     if implementation is not None:
       raise ValueError(f"a fractional top_k ({top_k}) selects in XLA: implementation must be "
@@ -604,12 +579,8 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
                                              "softmax"))
 def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, max_estimate=None, *,
                 plan, block_size, sel, scale, interpret, softmax="exact"):
-  """Head-major cache or pages: a free reshape to batch * kv_heads sequences of one kv head.
-
-  Jitted so the reshapes are bitcasts: k [b, hk, n, d] -> [b * hk, n, 1, d] (pages [p, hk, ps,
-  d] -> [p * hk, ps, 1, d]), q [b, hq, d] -> [b * hk, g, d]; then the "nhd" path, and the
-  results reshaped back.
-  """
+  """Head-major cache or pages: the "nhd" path on batch * kv_heads sequences of one kv head
+  (jitted, so the reshapes of ``jattn._layout`` are bitcasts), results reshaped back."""
   b, hk, d = q.shape[0], k.shape[1], k.shape[-1]
   if page_table is not None:
     q2, k2, v2, page_table, lengths = hnd_pages_as_sequences(q, k, v, page_table, kv_lengths)

@@ -15,7 +15,7 @@ import numpy as np
 
 from jattn._validate import check_flags, check_int, check_qkv, check_segments
 from pallas_kernels.block_schedule import compact_true
-from pallas_kernels.common.util import cdiv
+from pallas_kernels.common.util import cdiv, pad_axis
 from pallas_kernels.sparse import topk as topk_kernel
 
 __all__ = ["BlockSelection", "block_scores", "select_blocks"]
@@ -142,11 +142,10 @@ def block_mean(x, valid, block):
   """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions."""
   b, n, h, d = x.shape
   nb = cdiv(n, block)
-  pad = nb * block - n
   w = jnp.ones((b, n), jnp.float32) if valid is None else valid.astype(jnp.float32)
   xf = x.astype(jnp.float32) * w[:, :, None, None]
-  xf = jnp.pad(xf, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, block, h, d)
-  cnt = jnp.pad(w, ((0, 0), (0, pad))).reshape(b, nb, block).sum(-1)   # [b, nb]
+  xf = pad_axis(xf, 1, nb * block).reshape(b, nb, block, h, d)
+  cnt = pad_axis(w, 1, nb * block).reshape(b, nb, block).sum(-1)      # [b, nb]
   return xf.sum(2) / jnp.maximum(cnt, 1.0)[:, :, None, None]            # [b, nb, h, d]
 
 
@@ -290,17 +289,13 @@ def segment_overlap(q_seg, kv_seg, q_block_size, block_size, ranges=None):
 
 def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size, ranges=None):
   """int32 [b, nq]: the key block holding the first key of query block i's document
-  (``ranges``: as for ``segment_overlap``).
+  (``ranges``: as for ``segment_overlap``); nk for an all-padding query block.
 
-  The document of query block i is its minimum nonzero id d (as in ``segment_ranges``; any
-  nonzero id, negative ones included). Its first key block is the first key block j whose running
-  maximum nonzero id, over kv_seg[:(j+1)*bs], reaches d: a cumulative max over the per-block
-  maxima (an all-padding block counts as INT32_MIN, so padding never raises it) and one binary
-  search per query block, and no earlier than the first key block holding a nonzero id (matters
-  only for d = INT32_MIN); nk for an all-padding query block. O(b * (nq + kv_len)) memory. For
-  packed rows (nonzero ids non-decreasing, zeros anywhere) that is exactly the block of d's first
-  key. For other layouts it is some block holding an id >= d, or nk (no such block); the caller
-  keeps it only if it is selectable, so the rule stays safe, only less useful.
+  The document of query block i is its minimum nonzero id d; its first key block is the first
+  key block holding a nonzero id whose running maximum nonzero id (padding blocks count as
+  INT32_MIN) reaches d. For packed rows (nonzero ids non-decreasing, zeros anywhere) that is
+  exactly the block of d's first key; for other layouts some block holding an id >= d, or nk,
+  which the caller keeps only if it is selectable (safe, only less useful).
   """
   (qmn, qmx), (kmn, kmx) = ranges or (segment_ranges(q_seg, q_block_size),   # [b, nq]
                                       segment_ranges(kv_seg, block_size))     # [b, nk]
@@ -383,12 +378,9 @@ def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel, limit=None
 
 
 def _selected_lists_by_mask(rank, cand, fidx, visible, *, k, max_sel, keep_fn):
-  """The same lists as ``_selected_lists_by_sort`` without a sort: ``keep_fn(x, k)`` (the
-  mask of each row's k largest entries, ties to the lower index: ``lax.top_k``'s set; on a GPU
-  ``pallas_kernels.sparse.topk.top_k_mask``) of the candidates' ranks, or-ed with the forced
-  blocks, compacted in ascending order (``block_schedule.compact_true``). The forced blocks
-  (``fidx``'s) are the selectable ones that are not candidates, ``visible & ~cand`` (as
-  ``candidates`` builds them), a mask XLA folds like the rest of the static structure."""
+  """The same lists as ``_selected_lists_by_sort`` without a sort: ``keep_fn(x, k)`` (each
+  row's k largest, ties to the lower index, as ``lax.top_k``) of the candidates' ranks, or-ed
+  with the forced blocks ``visible & ~cand`` (``fidx``'s), compacted in ascending order."""
   del fidx
   keep = keep_fn(jnp.where(cand, rank, -jnp.inf), k) & cand
   order, count = compact_true(keep | (visible & ~cand), max_sel)

@@ -18,14 +18,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
+from pallas_kernels.common.util import next_pow2
 from pallas_kernels.decode.checks import check_page_table, check_partials_args
 
 __all__ = ["DecodeBlockSizes", "default_block_sizes", "default_num_splits", "decode_partials",
            "paged_decode_partials"]
-
-
-def _next_pow2(n):
-  return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +63,7 @@ def default_block_sizes(head_dim, dtype):
     >>> default_block_sizes(128, jnp.bfloat16).block_k
     64
   """
-  d_pad = max(16, _next_pow2(head_dim))
+  d_pad = next_pow2(head_dim, minimum=16)
   itemsize = jnp.dtype(dtype).itemsize
   block_k = 128
   while block_k > 16 and block_k * d_pad * itemsize > 16 * 1024:
@@ -251,9 +248,9 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
   bsz, hq, d = q.shape
   dv = v.shape[-1]
   group = hq // kv_heads
-  g_pad = max(16, _next_pow2(group))
-  d_pad = max(16, _next_pow2(d))
-  dv_pad = max(16, _next_pow2(dv))
+  g_pad = next_pow2(group, minimum=16)
+  d_pad = next_pow2(d, minimum=16)
+  dv_pad = next_pow2(dv, minimum=16)
   bs = block_sizes or default_block_sizes(max(d, dv), k.dtype)
   scale = 1.0 / math.sqrt(d) if scale is None else scale
   if units is None:

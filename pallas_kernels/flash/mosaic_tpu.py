@@ -44,7 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import compat
 from pallas_kernels.block_schedule import BlockSchedule
 from pallas_kernels.common import softmax
-from pallas_kernels.common.util import cdiv, check_float, round_up
+from pallas_kernels.common.util import cdiv, check_float, pad_axis, round_up
 from pallas_kernels.masks import normalize_window, visible
 
 NUM_LANES = 128
@@ -286,7 +286,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
 
 def _seg_layouts(seg, length_pad):
   """int32 [B, S] -> (lane-broadcast [B, S_pad, 128], sublane-broadcast [B, 8, S_pad])."""
-  seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, length_pad - seg.shape[1])))
+  seg = pad_axis(seg.astype(jnp.int32), 1, length_pad)
   lanes = jnp.broadcast_to(seg[:, :, None], seg.shape + (NUM_LANES,))
   rows = jnp.broadcast_to(seg[:, None, :], (seg.shape[0], NUM_SUBLANES, seg.shape[1]))
   return lanes, rows
@@ -294,10 +294,8 @@ def _seg_layouts(seg, length_pad):
 
 def _to_tiles(x, s_pad, d_pad):
   """[B, S, H, D] -> [B, S_pad, H * D_pad] (zero padding; a free reshape when aligned)."""
-  b, s, h, d = x.shape
-  if s_pad != s or d_pad != d:
-    x = jnp.pad(x, ((0, 0), (0, s_pad - s), (0, 0), (0, d_pad - d)))
-  return x.reshape(b, s_pad, h * d_pad)
+  b, _, h, _ = x.shape
+  return pad_axis(pad_axis(x, 1, s_pad), 3, d_pad).reshape(b, s_pad, h * d_pad)
 
 
 def _from_tiles(x, s, h, d):
@@ -307,8 +305,7 @@ def _from_tiles(x, s, h, d):
 
 
 def _sched_shape(idx):
-  bs, hs, rows, cols = idx.shape
-  return _SchedShape(bs, hs, rows, cols)
+  return _SchedShape(*idx.shape)
 
 
 def _interpret_arg(cfg):
@@ -492,9 +489,8 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
   # such a row is masked (p = exp(MASK_VALUE - 0) = 0). Padded rows have dO = 0 and delta = 0.
   # A NaN lse (a row that sees a non-finite key) stays NaN.
   lse_f = jnp.where(lse == -jnp.inf, 0.0, lse)
-  pad = ((0, 0), (0, 0), (0, sq_pad - cfg.q_len))
-  lse_rows = jnp.pad(lse_f, pad)[:, :, None, :]            # [B, Hq, 1, Sq_p]
-  di_rows = jnp.pad(delta, pad)[:, :, None, :]             # [B, Hq, 1, Sq_p]
+  lse_rows = pad_axis(lse_f, 2, sq_pad)[:, :, None, :]     # [B, Hq, 1, Sq_p]
+  di_rows = pad_axis(delta, 2, sq_pad)[:, :, None, :]      # [B, Hq, 1, Sq_p]
   if cfg.segmented:
     q_lanes, q_rows = _seg_layouts(q_seg, sq_pad)
     kv_lanes, kv_rows = _seg_layouts(kv_seg, sk_pad)

@@ -94,13 +94,12 @@ _BWD_FIELDS = ("bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages", 
 def _tuned_block_sizes(d_key: int, itemsize: int, device_kind: str | None) -> BlockSizes:
   """The table's ``BlockSizes`` for a padded head dim and itemsize (2 or 4) on a device."""
   from pallas_kernels import tuning
-  kind = tuning.device_kind() if device_kind is None else device_kind
   dcls = "32bit" if itemsize >= 4 else "16bit"
-  fwd = tuning.params("triton_fwd", d_key, dcls, device=kind)
-  bwd = tuning.params("triton_bwd", d_key, dcls, device=kind)
+  fwd = tuning.params("triton_fwd", d_key, dcls, device=device_kind)
+  bwd = tuning.params("triton_bwd", d_key, dcls, device=device_kind)
   if fwd is None or bwd is None:
     raise KeyError(f"no triton_fwd/triton_bwd tuning entry for head_dim {d_key} {dcls} on "
-                   f"{kind!r} ({tuning.table_file(kind)})")
+                   f"{device_kind!r} ({tuning.table_file(device_kind)})")
   return BlockSizes(**{k: fwd[k] for k in _FWD_FIELDS}, **{k: bwd[k] for k in _BWD_FIELDS})
 
 
@@ -126,7 +125,8 @@ def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) ->
   # the cache key is the resolved kind (never None: a test that swaps tuning.device_kind must
   # not leave its table cached for this machine's calls)
   from pallas_kernels import tuning
-  return _tuned_block_sizes(max(32, next_pow2(head_dim, minimum=16)), itemsize, tuning.resolve_kind(device_kind))
+  return _tuned_block_sizes(next_pow2(head_dim, minimum=32), itemsize,
+                            tuning.resolve_kind(device_kind))
 
 
 def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None,
@@ -378,7 +378,6 @@ def _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, rows, st: _Static):
   nq = rows.shape[2]
   assert nq * bq <= sq and sk % st.block_k == 0, (nq, bq, sq, sk, st.block_k)
   has_seg = q_seg is not None
-  rb, rh = _row_index_maps(rows)
   grid, tile_axis, order = _launch_order(st, nq, b, hq)
   spec = _tile_specs(order, lambda t: nq - 1 - t)
 
@@ -388,14 +387,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, rows, st: _Static):
       spec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),
   ]
   args = [q, k, v]
-  if has_seg:
-    in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
-                 spec((None, sk), lambda i, bi, h: (bi, 0))]
-    args += [q_seg, kv_seg]
-  _q_major_extras(spec, in_specs, args, mask, bias, bq, sk)
-  in_specs.append(spec((None, None, None, rows.shape[-1]),
-                       lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
-  args.append(rows)
+  _q_major_extras(spec, in_specs, args, q_seg, kv_seg, mask, bias, rows, bq, sk, g)
   out, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, st=st, has=(has_seg, mask is not None, bias is not None),
                         num_q_tiles=nq, tile_axis=tile_axis),
@@ -599,7 +591,6 @@ def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Sta
   # Programs over (query tile, batch, query head), heaviest causal query tiles first.
   grid, tile_axis, order = _launch_order(st, nq, b, hq)
   spec = _tile_specs(order, lambda t: nq - 1 - t)
-  rb, rh = _row_index_maps(rows)
   in_specs = [
       spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),          # q
       spec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),     # k
@@ -609,14 +600,7 @@ def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Sta
       spec((None, None, bq), lambda i, bi, h: (bi, h, i)),                # delta
   ]
   args = [q, k, v, do, lse2, delta]
-  if has_seg:
-    in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
-                 spec((None, sk), lambda i, bi, h: (bi, 0))]
-    args += [q_seg, kv_seg]
-  _q_major_extras(spec, in_specs, args, mask, bias, bq, sk)
-  in_specs.append(spec((None, None, None, rows.shape[-1]),
-                       lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
-  args.append(rows)
+  _q_major_extras(spec, in_specs, args, q_seg, kv_seg, mask, bias, rows, bq, sk, g)
   out_specs = [spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0))]
   out_shape = [jax.ShapeDtypeStruct((b, nq * bq, hq, d), q.dtype)]
   aliases = {}
@@ -642,15 +626,23 @@ def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Sta
   return outs[0], (outs[1] if bias_grad else None)
 
 
-def _q_major_extras(spec, in_specs, args, mask, bias, bq, sk):
-  """Append the specs and arrays of a query-tile program's mask / bias stripes [bq, Sk] (arrays
-  [1 | B, 1 | Hq, Sq, Sk]; a size-1 axis is shared)."""
+def _q_major_extras(spec, in_specs, args, q_seg, kv_seg, mask, bias, rows, bq, sk, g):
+  """Append the specs and arrays of a query-tile program's segment ids, mask / bias stripes
+  [bq, Sk] (arrays [1 | B, 1 | Hq, Sq, Sk]; a size-1 axis is shared) and schedule row."""
+  if q_seg is not None:
+    in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
+                 spec((None, sk), lambda i, bi, h: (bi, 0))]
+    args += [q_seg, kv_seg]
   for x in (mask, bias):
     if x is not None:
       xb, xh = x.shape[0] > 1, x.shape[1] > 1
       in_specs.append(spec((None, None, bq, sk), lambda i, bi, h, xb=xb, xh=xh:
                            (bi if xb else 0, h if xh else 0, i, 0)))
       args.append(x)
+  rb, rh = _row_index_maps(rows)
+  in_specs.append(spec((None, None, None, rows.shape[-1]),
+                       lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
+  args.append(rows)
 
 
 def _bwd_from_residuals(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, d_out,
@@ -760,7 +752,8 @@ def _statics(bs: BlockSizes, q, v, *, causal, window, scale, soft_cap, interpret
   """(forward, backward) ``_Static``s of a call: ``bs``'s values, defaults for its None fields."""
   bq, bk = bs.block_q, bs.block_k
   bbq, bbk = bs.bwd_tiles
-  defaults = _launch_defaults(bq, bk, next_pow2(q.shape[-1], minimum=16), next_pow2(v.shape[-1], minimum=16), q.dtype,
+  defaults = _launch_defaults(bq, bk, next_pow2(q.shape[-1], minimum=16),
+                              next_pow2(v.shape[-1], minimum=16), q.dtype,
                               bwd_block_q=bbq, bwd_block_k=bbk)
   dkv_q_chunk = min(bs.dkv_q_chunk or defaults.dkv_q_chunk, dkv_block_q)
   dq_k_chunk = min(bs.dq_k_chunk or defaults.dq_k_chunk, bbk)

@@ -320,8 +320,9 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
   group = hq // hk
   scale = 1.0 / math.sqrt(d) if scale is None else scale
   kernel = functools.partial(
-      _kernel, scale=float(scale), block=block_size, group=group, g_pad=next_pow2(group, minimum=16),
-      head_dim=d, d_pad=next_pow2(d, minimum=16), head_dim_v=dv, dv_pad=next_pow2(dv, minimum=16), num_splits=int(num_splits),
+      _kernel, scale=float(scale), block=block_size, group=group,
+      g_pad=next_pow2(group, minimum=16), head_dim=d, d_pad=next_pow2(d, minimum=16),
+      head_dim_v=dv, dv_pad=next_pow2(dv, minimum=16), num_splits=int(num_splits),
       num_slots=indices.shape[-1], capacity=capacity, paged=paged, merge=merge,
       split_stride=int(split_stride), blocks_per_step=int(blocks_per_step),
       prefetch_ids=bool(prefetch_ids), len_group=int(lengths_group), unified=m_hat is not None,

@@ -135,7 +135,8 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False
   bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums)
   check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
   kernel = functools.partial(_score_kernel, block=int(block_size), chunk=chunk, group=group,
-                             g_pad=next_pow2(group, minimum=16), head_dim=d, d_pad=next_pow2(d, minimum=16), num_blocks=nb,
+                             g_pad=next_pow2(group, minimum=16), head_dim=d,
+                             d_pad=next_pow2(d, minimum=16), num_blocks=nb,
                              len_group=int(lengths_group))
   return pl.pallas_call(
       kernel, out_shape=jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
@@ -410,9 +411,9 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, lengths_group)
   kernel = functools.partial(_score_select_kernel, chunk=chunk, group=group,
-                             g_pad=next_pow2(group, minimum=16), head_dim=d, d_pad=next_pow2(d, minimum=16),
-                             score_splits=splits, chunks_per_split=per_split,
-                             split_stride=int(_split_stride), **sel)
+                             g_pad=next_pow2(group, minimum=16), head_dim=d,
+                             d_pad=next_pow2(d, minimum=16), score_splits=splits,
+                             chunks_per_split=per_split, split_stride=int(_split_stride), **sel)
   args = [summary_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32), q,
           sums.astype(jnp.float32)]
   out_shape = [jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),

@@ -212,11 +212,8 @@ def table_file(kind: str | None = None) -> str:
   user = os.environ.get(USER_DIR_ENV)
   if kind is None:
     return GENERIC_TABLE
-  if user and os.path.isdir(user):
-    found = _kinds_of(user).get(kind)
-    if found:
-      return found
-  return DEVICE_TABLES.get(kind) or _nearest(kind) or GENERIC_TABLE
+  found = _kinds_of(user).get(kind) if user and os.path.isdir(user) else None
+  return found or DEVICE_TABLES.get(kind) or _nearest(kind) or GENERIC_TABLE
 
 
 def resolve_kind(kind: str | None) -> str | None:
@@ -261,8 +258,6 @@ def load_table(name: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _merged(name: str) -> dict:
-  if name == GENERIC_TABLE:
-    return load_table(GENERIC_TABLE)
   return {**load_table(GENERIC_TABLE), **load_table(name)}
 
 
