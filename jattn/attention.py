@@ -339,7 +339,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
 
   Masked keys never leak: NaN or inf in k / v at a key a row cannot see leaves that row's output,
   lse and gradients bit-identical; at a visible key the row is NaN (docs/flash.md: "mosaic_gpu"
-  lets a hidden non-finite v through its forward and k through its dQ).
+  lets a hidden non-finite v through its forward).
 
   Args:
     q: [batch, q_len, q_heads, head_dim], fp32/bf16/fp16.

@@ -685,6 +685,17 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
   return call(q, k, v, do, lse2, delta, *(seg or ()))
 
 
+def _zero_nonfinite(ref):
+  """In place on a ring slot ([rows, D] shared memory), by 64 x 64 blocks: non-finite entries 0
+  (finite ones rewritten with the same bits), then the fence before a wgmma reads it."""
+  for r in range(0, ref.shape[0], 64):
+    for c in range(0, ref.shape[1], 64):
+      blk = ref.at[pl.ds(r, 64), pl.ds(c, 64)]
+      x = compat.mosaic_gpu_load(blk, layout=plgpu.Layout.WGMMA)
+      blk[...] = jnp.where(x * 0 == 0, x, 0)
+  plgpu.commit_smem()
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
   """Refs as ``_dkv_kernel`` (bounds: the dQ rows of ``_seg_bounds``; walk: the dQ walk of
   ``_sched_walks``) -> dq [B, Sq', Hq, D].
@@ -762,6 +773,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
       ks, vs = k_smem.at[slot], v_smem.at[slot]           # [bk, D]
       plgpu.barrier_wait(k_loaded.at[slot])
       plgpu.barrier_wait(v_loaded.at[slot])
+      if masked:   # K's non-finite entries 0 for dS K (a row that sees one has a NaN lse2)
+        _zero_nonfinite(ks)
 
       def s_dp_gemm(refs):                                # S = Q K^T; dP = dO V^T [bq, bk]
         s_ref, dp_ref = refs
