@@ -224,11 +224,14 @@ class ContextParallelPlan:
     calls: the distinct kernel calls (:class:`PairCall`).
     table: int numpy array [P, len(shifts), m, m]: for device d, shift index r, local query chunk
       a and key chunk b, 0 (skipped) or 1 + the index of its call.
-    kernel_calls: non-skipped chunk-pair calls over all devices (before run-time segment skips).
+    kernel_calls: kernel calls over all devices: non-skipped chunk pairs, ``joint`` counting as
+      one (before run-time segment skips).
+    joint: zig-zag, pass-KV: the one call that covers device P-1's own adjacent chunks (P-1 and
+      P) at shift 0 in place of their chunk pairs; None otherwise.
 
   Example:
-    >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 4 chunks: 10 pairs
-    10
+    >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 10 pairs, 3 of them joint
+    8
   """
   strategy: str
   layout: str
@@ -238,10 +241,12 @@ class ContextParallelPlan:
   shifts: tuple
   calls: tuple
   table: np.ndarray = dataclasses.field(compare=False)
+  joint: PairCall | None = None
 
   @property
   def kernel_calls(self) -> int:
-    return int(np.count_nonzero(self.table))
+    joint = 0 if self.joint is None else np.count_nonzero(self.table[-1, 0]) - 1
+    return int(np.count_nonzero(self.table)) - int(joint)
 
 
 def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_window_size=None,
@@ -301,8 +306,13 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
             if len(calls) < len(index):
               calls.append(call)
   shifts = tuple(int(r) for r in range(num_shards) if runs[r])
+  p = num_shards - 1
+  joint = (pair_call(kv_len - q_len + p * (cq - ck), 2 * cq, 2 * ck, causal, window)
+           if layout == "zigzag" and strategy != "ring_q" and selection is None
+           and shifts[:1] == (0,) and table[p, 0].any() else None)
+  joint = joint if joint and (joint.q0, joint.nq) == (0, 2 * cq) else None
   return ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(calls),
-                             table[:, list(shifts)])
+                             table[:, list(shifts)], joint)
 
 
 # ----------------------------------------------------------------------------- one chunk pair
@@ -418,7 +428,21 @@ def _merge_into(acc, part, a0, r0, shapes):
 def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
   """``acc`` (see :func:`_merge_into`) with every chunk pair of step ``i`` on device ``d``
   merged in. The chunk-diagonal pairs run as one call over all local chunks (a batch of
-  B * m: no copy) when they are the same call on every device."""
+  B * m: no copy) when they are the same call on every device; device P-1's first step runs
+  ``plan.joint`` over its two adjacent chunks instead."""
+  if i == 0 and acc is None and plan.joint is not None and sel is None:
+    rows = lambda x: x.reshape(q.shape[0], 2, -1, *x.shape[2:])
+
+    def joint(q, qs, k, v, ks):
+      return tuple(map(rows, _run_call(plan.joint, kern, q, k, v, qs, ks)))
+
+    def pairs(q, qs, k, v, ks):
+      out = _step(dataclasses.replace(plan, joint=None), kern, i, d, None, q, qs, k, v, ks)
+      return tuple(map(rows, _empty(q, v, q.shape[1]))) if out is None else out
+    x, last = (q, qs, k, v, ks), plan.num_shards - 1
+    if isinstance(d, int):
+      return joint(*x) if d == last else pairs(*x)
+    return jax.lax.cond(d == last, joint, pairs, *x)
   b_, m = q.shape[0], plan.table.shape[-1]
   ch = lambda x: None if x is None else x.reshape(b_, m, -1, *x.shape[2:])
   flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])

@@ -76,9 +76,11 @@ def test_windows_run_only_neighbour_steps():
   p = jattn.context_parallel_plan(1024, 1024, 4, layout="contiguous", **kw)
   assert p.shifts == (0, 1) and p.kernel_calls == 4 + 3
   z = jattn.context_parallel_plan(2048, 2048, 4, layout="zigzag", **kw)
-  # own: chunk pairs (d, d), (2P-1-d, 2P-1-d), and at d = P-1 chunk P after chunk P-1;
-  # shift 1: chunk d-1 before d (d >= 1); shift P-1: chunk 2P-2-d before 2P-1-d (d <= P-2)
-  assert z.shifts == (0, 1, 3) and z.kernel_calls == 8 + 1 + 3 + 3
+  # own: chunk pairs (d, d), (2P-1-d, 2P-1-d), and at d = P-1 chunk P after chunk P-1 (those
+  # three: one joint call); shift 1: chunk d-1 before d (d >= 1); shift P-1: chunk 2P-2-d
+  # before 2P-1-d (d <= P-2)
+  assert z.shifts == (0, 1, 3) and z.kernel_calls == 8 + 1 + 3 + 3 - 2
+  assert z.joint == jattn.context_parallel.PairCall(0, 512, 0, 512, True, (63, 0))
   dense = jattn.context_parallel_plan(2048, 2048, 4, causal=True)
   assert dense.shifts == (0, 1, 2, 3)
   assert (np.count_nonzero(dense.table[:, 1:], axis=(2, 3)) == 2).all()   # balanced
@@ -334,7 +336,8 @@ def test_eight_counts_window_and_document_skips(monkeypatch):
   f = jax.jit(functools.partial(jattn.context_parallel_attention, mesh=mesh, axis_name="seq",
                                 causal=True, local_window_size=(15, 0)))
   jax.block_until_ready(f(perm(q), perm(k), perm(v)))
-  assert plan.shifts == (0, 1, 7) and len(count) == plan.kernel_calls == 16 + 1 + 7 + 7
+  # Shift 0: 16 diagonal pairs and device 7's (chunks 7, 8 adjacent: one joint call for 3 pairs).
+  assert plan.shifts == (0, 1, 7) and len(count) == plan.kernel_calls == 16 + 1 + 7 + 7 - 2
   # Packed documents of 32 tokens (= one of the 16 chunks): pairs across documents never run.
   count.clear()
   seg = perm(jnp.repeat(jnp.arange(1, 17, dtype=jnp.int32), 32)[None])
@@ -344,7 +347,7 @@ def test_eight_counts_window_and_document_skips(monkeypatch):
   ref = jattn.flash_attention(q, k, v, causal=True, segment_ids=cp.context_parallel_unpermute(
       seg, 8), implementation="xla")
   assert rel_err(cp.context_parallel_unpermute(out, 8), ref) < 2e-3
-  assert len(count) == 16   # one diagonal call per chunk
+  assert len(count) == 15   # one diagonal call per chunk, device 7's two in its joint call
 
 
 def _dims(text):
