@@ -224,8 +224,8 @@ class ContextParallelPlan:
     calls: the distinct kernel calls (:class:`PairCall`).
     table: int numpy array [P, len(shifts), m, m]: for device d, shift index r, local query chunk
       a and key chunk b, 0 (skipped) or 1 + the index of its call.
-    kernel_calls: kernel calls over all devices: non-skipped chunk pairs, ``joint`` counting as
-      one (before run-time segment skips).
+    kernel_calls: kernel calls over all devices: non-skipped chunk pairs, ``joint`` and a
+      step's single call over fully visible pairs counting as one (before run-time segment skips).
     joint: zig-zag, pass-KV: the one call that covers device P-1's own adjacent chunks (P-1 and
       P) at shift 0 in place of their chunk pairs; None otherwise.
 
@@ -243,10 +243,21 @@ class ContextParallelPlan:
   table: np.ndarray = dataclasses.field(compare=False)
   joint: PairCall | None = None
 
+  def _whole(self, i) -> PairCall | None:
+    """The one unmasked call over all local rows and keys that step ``i`` runs on every
+    device when each of its chunk pairs is a fully visible one (else None)."""
+    full = PairCall(0, self.q_chunk, 0, self.kv_chunk, False, None)
+    m = self.table.shape[-1]
+    if m > 1 and all(c and self.calls[c - 1] == full for c in self.table[:, i].flat):
+      return PairCall(0, m * self.q_chunk, 0, m * self.kv_chunk, False, None)
+    return None
+
   @property
   def kernel_calls(self) -> int:
     joint = 0 if self.joint is None else np.count_nonzero(self.table[-1, 0]) - 1
-    return int(np.count_nonzero(self.table)) - int(joint)
+    calls = [self.num_shards if self._whole(i) else np.count_nonzero(self.table[:, i])
+             for i in range(len(self.shifts))]
+    return int(sum(calls)) - int(joint)
 
 
 def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_window_size=None,
@@ -310,9 +321,11 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   joint = (pair_call(kv_len - q_len + p * (cq - ck), 2 * cq, 2 * ck, causal, window)
            if layout == "zigzag" and strategy != "ring_q" and selection is None
            and shifts[:1] == (0,) and table[p, 0].any() else None)
-  joint = joint if joint and (joint.q0, joint.nq) == (0, 2 * cq) else None
-  return ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(calls),
-                             table[:, list(shifts)], joint)
+  plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(calls),
+                             table[:, list(shifts)])
+  if joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0):
+    return dataclasses.replace(plan, joint=joint)
+  return plan
 
 
 # ----------------------------------------------------------------------------- one chunk pair
@@ -429,7 +442,8 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
   """``acc`` (see :func:`_merge_into`) with every chunk pair of step ``i`` on device ``d``
   merged in. The chunk-diagonal pairs run as one call over all local chunks (a batch of
   B * m: no copy) when they are the same call on every device; device P-1's first step runs
-  ``plan.joint`` over its two adjacent chunks instead."""
+  ``plan.joint`` over its two adjacent chunks instead, and a step of fully visible pairs
+  ``plan._whole(i)``."""
   if i == 0 and acc is None and plan.joint is not None and sel is None:
     rows = lambda x: x.reshape(q.shape[0], 2, -1, *x.shape[2:])
 
@@ -448,6 +462,10 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
   flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
   qm, km, vm, qsm, ksm = map(ch, (q, k, v, qs, ks))
   shapes = ((*qm.shape[:-1], v.shape[-1]), qm.shape[:-1])
+  whole = None if sel is not None else plan._whole(i)
+  if whole is not None:     # every pair fully visible: one call over the local rows and keys
+    out, lse = _run_call(whole, kern, q, k, v, qs, ks)
+    return _merge_into(acc, (out.reshape(shapes[0]), lse.reshape(shapes[1])), 0, 0, shapes)
   diag = plan.table[:, i, np.arange(m), np.arange(m)]
   batched = sel is None and m > 1 and diag.min() > 0 and (diag == diag.flat[0]).all()
   if batched:

@@ -81,6 +81,8 @@ def test_windows_run_only_neighbour_steps():
   # before 2P-1-d (d <= P-2)
   assert z.shifts == (0, 1, 3) and z.kernel_calls == 8 + 1 + 3 + 3 - 2
   assert z.joint == jattn.context_parallel.PairCall(0, 512, 0, 512, True, (63, 0))
+  unmasked = jattn.context_parallel_plan(2048, 2048, 4)   # one whole call per device and step
+  assert unmasked.joint is None and unmasked.kernel_calls == 4 * 4
   dense = jattn.context_parallel_plan(2048, 2048, 4, causal=True)
   assert dense.shifts == (0, 1, 2, 3)
   assert (np.count_nonzero(dense.table[:, 1:], axis=(2, 3)) == 2).all()   # balanced
