@@ -298,6 +298,14 @@ def _kernel_module(impl):
   return kern
 
 
+def _kernel_partials(impl, q, k, v, kv_lengths, page_table, **kw):
+  """The kernel's ``decode_partials`` (``paged_decode_partials`` with a page table), bound."""
+  kern = _kernel_module(impl)
+  if page_table is None:
+    return functools.partial(kern.decode_partials, q, k, v, kv_lengths, **kw)
+  return functools.partial(kern.paged_decode_partials, q, k, v, page_table, kv_lengths, **kw)
+
+
 # ----------------------------------------------------------------------------- public ops
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
                      logits_soft_cap=None, num_splits=None, return_lse=False, implementation=None,
@@ -349,39 +357,13 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
                      block_sizes=block_sizes, softmax=softmax, schedule=schedule,
                      return_lse=return_lse, interpret=interpret)
   _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
-  out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, max_estimate, schedule,
+  out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, None, max_estimate, schedule,
                          impl=plan.implementation, config=plan.config, scale=scale,
                          window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)
   return (out, lse) if return_lse else out
 
 
 _STATICS = ("impl", "config", "scale", "window", "cap", "interpret")
-
-
-@functools.partial(jax.jit, static_argnames=_STATICS + ("kv_layout",))
-def _decode_jit(q, k_cache, v_cache, kv_lengths, max_estimate=None, schedule=None, *, impl,
-                config, scale, window, cap, interpret, kv_layout="nhd"):
-  if kv_layout == "hnd":   # inside the jit: the reshapes are free (no eager copy of the cache)
-    q2, k2, v2, lens2 = _layout.hnd_as_sequences(q, k_cache, v_cache, kv_lengths)
-    est = None if max_estimate is None else max_estimate.reshape(q2.shape[:2])
-    out, lse = _decode_jit(q2, k2, v2, lens2, est, schedule, impl=impl, config=config,
-                           scale=scale, window=window, cap=cap, interpret=interpret)
-    return _layout.sequences_as_hnd(q.shape[0], out, lse)
-  if config.softmax != "exact" or schedule is not None:
-    return _serve_call(q, k_cache, v_cache, kv_lengths, None, max_estimate, schedule,
-                       impl=impl, config=config, scale=scale, window=window, cap=cap,
-                       interpret=interpret)
-  if impl == "xla":
-    out, lse = _ref.decode_reference(q, k_cache, v_cache, kv_lengths, scale=scale,
-                                     local_window_size=window, logits_soft_cap=cap,
-                                     num_splits=config.num_splits, upcast=False)
-  else:
-    o_parts, lse_parts = _kernel_module(impl).decode_partials(
-        q, k_cache, v_cache, kv_lengths, num_splits=config.num_splits, scale=scale,
-        window_left=None if window is None else window[0], logits_soft_cap=cap,
-        block_sizes=config.block_sizes, interpret=interpret)
-    out, lse = _merge(o_parts, lse_parts, config.merge, interpret, q.dtype)
-  return out.astype(q.dtype), lse
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale=None,
@@ -433,39 +415,40 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
                      block_sizes=block_sizes, softmax=softmax, schedule=schedule,
                      return_lse=return_lse, interpret=interpret)
   _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
-  out, lse = _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, max_estimate,
-                               schedule, impl=plan.implementation, config=plan.config,
-                               scale=scale, window=window, cap=cap, interpret=interpret,
-                               kv_layout=kv_layout)
+  out, lse = _decode_jit(q, k_pages, v_pages, kv_lengths, page_table, max_estimate, schedule,
+                         impl=plan.implementation, config=plan.config, scale=scale,
+                         window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)
   return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS + ("kv_layout",))
-def _paged_decode_jit(q, k_pages, v_pages, page_table, kv_lengths, max_estimate=None,
-                      schedule=None, *, impl, config, scale, window, cap, interpret,
-                      kv_layout="nhd"):
-  if kv_layout == "hnd":   # free reshapes inside the jit, as for contiguous caches
-    q2, k2, v2, table2, lens2 = _layout.hnd_pages_as_sequences(q, k_pages, v_pages, page_table,
-                                                               kv_lengths)
+def _decode_jit(q, k, v, kv_lengths, page_table=None, max_estimate=None, schedule=None, *, impl,
+                config, scale, window, cap, interpret, kv_layout="nhd"):
+  """Both public ops inside the jit: a contiguous cache, or page pools with ``page_table``."""
+  if kv_layout == "hnd":   # inside the jit: the reshapes are free (no eager copy of the cache)
+    if page_table is None:
+      q2, k2, v2, lens2 = _layout.hnd_as_sequences(q, k, v, kv_lengths)
+    else:
+      q2, k2, v2, page_table, lens2 = _layout.hnd_pages_as_sequences(q, k, v, page_table,
+                                                                     kv_lengths)
     est = None if max_estimate is None else max_estimate.reshape(q2.shape[:2])
-    out, lse = _paged_decode_jit(q2, k2, v2, table2, lens2, est, None, impl=impl,
-                                 config=config, scale=scale, window=window, cap=cap,
-                                 interpret=interpret)
+    out, lse = _decode_jit(q2, k2, v2, lens2, page_table, est, schedule, impl=impl, config=config,
+                           scale=scale, window=window, cap=cap, interpret=interpret)
     return _layout.sequences_as_hnd(q.shape[0], out, lse)
   if config.softmax != "exact" or schedule is not None:
-    return _serve_call(q, k_pages, v_pages, kv_lengths, page_table, max_estimate, schedule,
-                       impl=impl, config=config, scale=scale, window=window, cap=cap,
-                       interpret=interpret)
+    return _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, impl=impl,
+                       config=config, scale=scale, window=window, cap=cap, interpret=interpret)
   if impl == "xla":
-    out, lse = _ref.paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths,
-                                           scale=scale, local_window_size=window,
-                                           logits_soft_cap=cap, num_splits=config.num_splits,
-                                           upcast=False)
+    if page_table is not None:
+      k, v = _ref.gather_pages(k, page_table), _ref.gather_pages(v, page_table)
+    out, lse = _ref.decode_reference(q, k, v, kv_lengths, scale=scale, local_window_size=window,
+                                     logits_soft_cap=cap, num_splits=config.num_splits,
+                                     upcast=False)
   else:
-    o_parts, lse_parts = _kernel_module(impl).paged_decode_partials(
-        q, k_pages, v_pages, page_table, kv_lengths, num_splits=config.num_splits, scale=scale,
+    o_parts, lse_parts = _kernel_partials(
+        impl, q, k, v, kv_lengths, page_table, num_splits=config.num_splits, scale=scale,
         window_left=None if window is None else window[0], logits_soft_cap=cap,
-        block_sizes=config.block_sizes, interpret=interpret)
+        block_sizes=config.block_sizes, interpret=interpret)()
     out, lse = _merge(o_parts, lse_parts, config.merge, interpret, q.dtype)
   return out.astype(q.dtype), lse
 
@@ -483,13 +466,9 @@ def _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, *, impl
     kw.update(page_table=page_table, upcast=False,
               block=None if schedule is None else schedule.block)
     partials = functools.partial(_ref.decode_partials, q, k, v, kv_lengths, **kw)
-  elif page_table is None:
-    partials = functools.partial(_kernel_module(impl).decode_partials, q, k, v, kv_lengths,
-                                 block_sizes=config.block_sizes, interpret=interpret, **kw)
   else:
-    partials = functools.partial(_kernel_module(impl).paged_decode_partials, q, k, v,
-                                 page_table, kv_lengths, block_sizes=config.block_sizes,
-                                 interpret=interpret, **kw)
+    partials = _kernel_partials(impl, q, k, v, kv_lengths, page_table,
+                                block_sizes=config.block_sizes, interpret=interpret, **kw)
   m_hat = None
   if config.softmax == "unified_max":
     m_hat = (_serve.newest_key_logits(q, k, kv_lengths, page_table=page_table, scale=scale,
@@ -500,6 +479,16 @@ def _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, *, impl
 
 
 # ----------------------------------------------------------------------------- cache appends
+def _check_cache_pair(k, v, kind, lead):
+  names = (f"k_{kind}", f"v_{kind}")
+  for name, x in zip(names, (k, v)):
+    check_float(name, x)
+  if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+    raise ValueError(f"{names[0]} and {names[1]} must be [{lead}, kv_heads, dim] with the same "
+                     f"first three dims, got {k.shape} and {v.shape}")
+  check_nonempty(**dict(zip(names, (k, v))))
+
+
 def _check_new_token(k_new, v_new, b, hk, d, d_v, kind):
   for name, x, dim in (("k_new", k_new, d), ("v_new", v_new, d_v)):
     check_float(name, x)
@@ -532,12 +521,7 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
     >>> float(k2[1, 3, 0, 0]), lens2.tolist()
     (1.0, [1, 4])
   """
-  check_float("k_cache", k_cache)
-  check_float("v_cache", v_cache)
-  if k_cache.ndim != 4 or v_cache.ndim != 4 or v_cache.shape[:3] != k_cache.shape[:3]:
-    raise ValueError(f"k_cache and v_cache must be [batch, max_len, kv_heads, dim] with the same "
-                     f"first three dims, got {k_cache.shape} and {v_cache.shape}")
-  check_nonempty(k_cache=k_cache, v_cache=v_cache)
+  _check_cache_pair(k_cache, v_cache, "cache", "batch, max_len")
   b, max_len, hk, d = k_cache.shape
   _check_new_token(k_new, v_new, b, hk, d, v_cache.shape[-1], "cache")
   lens = check_lengths("kv_lengths", kv_lengths, b, max_len)
@@ -574,12 +558,7 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
     >>> float(kp[3, 1, 0, 0]), lens.tolist()
     (1.0, [18])
   """
-  check_float("k_pages", k_pages)
-  check_float("v_pages", v_pages)
-  if k_pages.ndim != 4 or v_pages.ndim != 4 or v_pages.shape[:3] != k_pages.shape[:3]:
-    raise ValueError(f"k_pages and v_pages must be [num_pages, page_size, kv_heads, dim] with the "
-                     f"same first three dims, got {k_pages.shape} and {v_pages.shape}")
-  check_nonempty(k_pages=k_pages, v_pages=v_pages)
+  _check_cache_pair(k_pages, v_pages, "pages", "num_pages, page_size")
   num_pages, page_size, hk, d = k_pages.shape
   page_table = as_array("page_table", page_table)
   if page_table.ndim != 2 or 0 in page_table.shape:

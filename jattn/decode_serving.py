@@ -271,22 +271,21 @@ def run_decode(partials, q, kv_heads, m_hat, schedule, *, softmax, merge, interp
     rowsum = lambda x: jnp.sum(x, axis=1)
     per_partial = lambda x: x[:, None]                                   # [b, 1, ...]
     row_max = lambda x: jnp.max(x, axis=1)
-
-    def merge_fn(o, lse):
-      if merge == "pallas":
-        return _merge.merge_partials_pallas(o, lse, out_dtype=q.dtype, interpret=interpret)
-      return _merge.merge_partials(o, lse, axis=1)
   else:
     rows = schedule.unit_row
     rowsum = lambda x: jax.ops.segment_sum(x[0], rows, b)
     per_partial = lambda x: x[jnp.minimum(rows, b - 1)][None]            # [1, U, ...]
     row_max = lambda x: jax.ops.segment_max(x[0], rows, b)
 
-    def merge_fn(o, lse):   # a row's units are contiguous: one Pallas program per (row, head)
-      if merge == "pallas":
-        return _merge.merge_partials_pallas(o, lse, out_dtype=q.dtype, interpret=interpret,
-                                            row_units=schedule.row_units)
-      return _merge.merge_partials_by_row(o[0], lse[0], rows, b)
+  def merge_fn(o, lse):   # a row's units are contiguous: one Pallas program per (row, head)
+    if merge == "pallas":
+      units = None if schedule is None else schedule.row_units
+      return _merge.merge_partials_pallas(o, lse, out_dtype=q.dtype, interpret=interpret,
+                                          row_units=units)
+    if schedule is None:
+      return _merge.merge_partials(o, lse, axis=1)
+    return _merge.merge_partials_by_row(o[0], lse[0], rows, b)
+
   if softmax == "exact":
     out, lse = merge_fn(*partials())
     return out.astype(q.dtype), lse

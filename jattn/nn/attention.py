@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jattn import sparse
 from jattn._layout import KV_LAYOUTS
 from jattn.attention import flash_attention
 from jattn.context_parallel import context_parallel_attention, context_parallel_permute
@@ -84,14 +85,6 @@ def check_kv_cache_layout(kv_cache_layout, *, kinds=(), mla=False):
     raise ValueError("kv_cache_layout='hnd' is not supported for 'csa' layers: their decode "
                      "never calls the contiguous decode kernels (it pools raw windows into "
                      "compressed entries); use kv_cache_layout='nhd'")
-
-
-def _sparse_module():
-  try:
-    from jattn import sparse
-  except ImportError as e:  # pragma: no cover - depends on the checkout
-    raise NotImplementedError("kind='sparse' needs jattn.sparse (sparse_attention)") from e
-  return sparse
 
 
 class Attention(nnx.Module):
@@ -328,7 +321,6 @@ class Attention(nnx.Module):
 
   def _sparse_forward(self, q, k, v, segment_ids, impl):
     spec = self.spec
-    sparse = _sparse_module()
     rng = self.gate_rngs() if spec.gate_grad == "gumbel" else None
     return sparse.sparse_attention(
         q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
@@ -376,12 +368,9 @@ class Attention(nnx.Module):
     """Whether cache array ``name`` is stored head-major ("hnd": K/V of global/local/sparse)."""
     return self.kv_cache_layout == "hnd" and name in ("k", "v")
 
-  def _to_cache(self, name, a):
-    """Token-major entries [b, t, hk, d] -> the stored layout of cache array ``name``."""
-    return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
-
-  def _from_cache(self, name, a):
-    """A stored cache array (or slice of it) -> token-major [b, slots, hk, d]."""
+  def _relayout(self, name, a):
+    """Token-major [b, t, hk, d] <-> the stored layout of cache array ``name`` (a swap of axes
+    1 and 2 when head-major: its own inverse)."""
     return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
 
   def cache_layout(self, max_len):
@@ -468,7 +457,7 @@ class Attention(nnx.Module):
       if spec.kind == "global" and t == 1:
         o = self._decode_one(q, full, jnp.full((b,), p + 1, jnp.int32))
       elif spec.kind == "global":  # roll the cache so the chunk ends it: bottom-right causal
-        k, v = self._expand({n: self._from_cache(n, a) for n, a in full.items()})
+        k, v = self._expand({n: self._relayout(n, a) for n, a in full.items()})
         shift = k.shape[1] - (p + t)
         roll = lambda a: jnp.roll(a, shift, axis=1)
         o = self._chunk_flash(q, roll(k), roll(v), jnp.arange(k.shape[1]) >= shift)
@@ -526,7 +515,7 @@ class Attention(nnx.Module):
     for n in (names or list(ent)):  # returns the stored arrays (in the cache layout)
       var = getattr(self, f"cache_{n}")
       axis = 2 if self._head_major(n) else 1
-      new = jax.lax.dynamic_update_slice_in_dim(_get(var), self._to_cache(n, ent[n]), p, axis=axis)
+      new = jax.lax.dynamic_update_slice_in_dim(_get(var), self._relayout(n, ent[n]), p, axis=axis)
       _set(var, new)
       out[n] = new
     return out
@@ -543,7 +532,7 @@ class Attention(nnx.Module):
 
     def ring(n):
       a = _get(getattr(self, f"cache_{n}"))
-      return self._from_cache(n, a[:, :, slots] if self._head_major(n) else a[:, slots])
+      return self._relayout(n, a[:, :, slots] if self._head_major(n) else a[:, slots])
     keys = {n: jnp.concatenate([ring(n), ent[n]], axis=1) for n in names}
     return keys, jnp.concatenate([opos >= 0, jnp.ones((t,), bool)])
 
@@ -563,7 +552,7 @@ class Attention(nnx.Module):
     slots = pos[t - m:] % size
     for n in names:
       var = getattr(self, f"cache_{n}")
-      new = self._to_cache(n, ent[n][:, t - m:])
+      new = self._relayout(n, ent[n][:, t - m:])
       if self._head_major(n):
         _set(var, _get(var).at[:, :, slots].set(new))
       else:
@@ -579,7 +568,6 @@ class Attention(nnx.Module):
     dense decode's reads at every step). k/v (and the sums) are in the cache layout: [b, n, hk, d]
     or, head-major, [b, hk, n, d]."""
     spec = self.spec
-    sparse = _sparse_module()
     b, t = q.shape[:2]
     blk = pos // spec.block_size
     sums = _get(self.cache_block_sums)
