@@ -224,14 +224,15 @@ class ContextParallelPlan:
     calls: the distinct kernel calls (:class:`PairCall`).
     table: int numpy array [P, len(shifts), m, m]: for device d, shift index r, local query chunk
       a and key chunk b, 0 (skipped) or 1 + the index of its call.
-    kernel_calls: kernel calls over all devices: non-skipped chunk pairs, ``joint`` and a
-      step's single call over fully visible pairs counting as one (before run-time segment skips).
+    kernel_calls: kernel calls over all devices: non-skipped chunk pairs, and one for
+      ``joint`` or a step's fully visible pairs of one chunk (those run pair by pair with
+      segment ids, which run-time document skips then reduce).
     joint: zig-zag, pass-KV: the one call that covers device P-1's own adjacent chunks (P-1 and
       P) at shift 0 in place of their chunk pairs; None otherwise.
 
   Example:
-    >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 10 pairs, 3 of them joint
-    8
+    >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 10 chunk pairs
+    6
   """
   strategy: str
   layout: str
@@ -255,7 +256,8 @@ class ContextParallelPlan:
   @property
   def kernel_calls(self) -> int:
     joint = 0 if self.joint is None else np.count_nonzero(self.table[-1, 0]) - 1
-    calls = [self.num_shards if self._whole(i) else np.count_nonzero(self.table[:, i])
+    one = lambda i: self._whole(i) or all(_strip(self, i, e) for e in range(self.num_shards))
+    calls = [self.num_shards if one(i) else np.count_nonzero(self.table[:, i])
              for i in range(len(self.shifts))]
     return int(sum(calls)) - int(joint)
 
@@ -466,6 +468,31 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
   if whole is not None:     # every pair fully visible: one call over the local rows and keys
     out, lse = _run_call(whole, kern, q, k, v, qs, ks)
     return _merge_into(acc, (out.reshape(shapes[0]), lse.reshape(shapes[1])), 0, 0, shapes)
+  strips = sel is None and qs is None and ks is None and {_strip(plan, i, e) for e in (
+      [d] if isinstance(d, int) else range(plan.num_shards))}
+  if strips and None not in strips:   # one call for a query chunk's or key chunk's full pairs
+    at = lambda x, j: None if x is None else x[:, j]
+
+    def strip(kind, q, k, v, qs, ks):
+      (row, j), (cq, ck) = kind, (plan.q_chunk, plan.kv_chunk)
+      if not row:    # every local query chunk against key chunk j
+        out, lse = _run_call(PairCall(0, m * cq, 0, ck, False, None), kern, q, *(
+            at(x, j) for x in (km, vm)), qs, at(ksm, j))
+        return out.reshape(shapes[0]), lse.reshape(shapes[1])
+      out, lse = _run_call(PairCall(0, cq, 0, m * ck, False, None), kern, at(qm, j), k, v,
+                           at(qsm, j), ks)
+      if len(strips) == 1:
+        return out[:, None], lse[:, None]
+      none = _empty(out[:, :0], v, cq)
+      return tuple(jnp.stack([x if a == j else e for a in range(m)], 1)
+                   for x, e in zip((out, lse), none))
+    kinds = sorted(strips)
+    if len(kinds) == 1:
+      part = strip(kinds[0], q, k, v, qs, ks)
+      return _merge_into(acc, part, kinds[0][1] if kinds[0][0] else 0, 0, shapes)
+    idx = jnp.asarray([kinds.index(_strip(plan, i, e)) for e in range(plan.num_shards)])[d]
+    part = jax.lax.switch(idx, [functools.partial(strip, c) for c in kinds], q, k, v, qs, ks)
+    return _merge_into(acc, part, 0, 0, shapes)
   diag = plan.table[:, i, np.arange(m), np.arange(m)]
   batched = sel is None and m > 1 and diag.min() > 0 and (diag == diag.flat[0]).all()
   if batched:
@@ -482,6 +509,19 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
       if part is not None:
         acc = _merge_into(acc, (part[0][:, None], part[1][:, None]), a, part[2], shapes)
   return acc
+
+
+def _strip(plan, i, d):
+  """(True, a) when device d's live pairs at step i are query chunk a against every key chunk,
+  (False, b) when every query chunk against key chunk b, all fully visible; else None."""
+  live, m = plan.table[d, i] > 0, plan.table.shape[-1]
+  full = PairCall(0, plan.q_chunk, 0, plan.kv_chunk, False, None)
+  if m < 2 or not all(plan.calls[c - 1] == full for c in plan.table[d, i][live]):
+    return None
+  rows, cols = np.flatnonzero(live.any(1)), np.flatnonzero(live.any(0))
+  if len(rows) == 1 and live[rows[0]].all():
+    return True, int(rows[0])
+  return (False, int(cols[0])) if len(cols) == 1 and live[:, cols[0]].all() else None
 
 
 def _flat(acc, q, v):

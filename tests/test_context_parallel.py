@@ -340,6 +340,16 @@ def test_eight_counts_window_and_document_skips(monkeypatch):
   jax.block_until_ready(f(perm(q), perm(k), perm(v)))
   # Shift 0: 16 diagonal pairs and device 7's (chunks 7, 8 adjacent: one joint call for 3 pairs).
   assert plan.shifts == (0, 1, 7) and len(count) == plan.kernel_calls == 16 + 1 + 7 + 7 - 2
+  # Causal: shift 0, devices 0-6 a diagonal call (2 chunks) and a full pair, device 7 its joint
+  # call; every later shift, one call per device for its full pairs (one query or key chunk).
+  count.clear()
+  causal = jattn.context_parallel_plan(n, n, 8, causal=True)
+  g = jax.jit(functools.partial(jattn.context_parallel_attention, mesh=mesh, axis_name="seq",
+                                causal=True))
+  out = g(perm(q), perm(k), perm(v))
+  ref = jattn.flash_attention(q, k, v, causal=True, implementation="xla")
+  assert rel_err(cp.context_parallel_unpermute(out, 8), ref) < 2e-3
+  assert len(count) == causal.kernel_calls == 7 * 3 + 1 + 7 * 8
   # Packed documents of 32 tokens (= one of the 16 chunks): pairs across documents never run.
   count.clear()
   seg = perm(jnp.repeat(jnp.arange(1, 17, dtype=jnp.int32), 32)[None])
