@@ -247,9 +247,8 @@ class ContextParallelPlan:
   def _whole(self, i) -> PairCall | None:
     """The one unmasked call over all local rows and keys that step ``i`` runs on every
     device when each of its chunk pairs is a fully visible one (else None)."""
-    full = PairCall(0, self.q_chunk, 0, self.kv_chunk, False, None)
     m = self.table.shape[-1]
-    if m > 1 and all(c and self.calls[c - 1] == full for c in self.table[:, i].flat):
+    if m > 1 and all(c and self.calls[c - 1] == _full(self) for c in self.table[:, i].flat):
       return PairCall(0, m * self.q_chunk, 0, m * self.kv_chunk, False, None)
     return None
 
@@ -477,13 +476,13 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
       (row, j), (cq, ck) = kind, (plan.q_chunk, plan.kv_chunk)
       if not row:    # every local query chunk against key chunk j
         out, lse = _run_call(PairCall(0, m * cq, 0, ck, False, None), kern, q, *(
-            at(x, j) for x in (km, vm)), qs, at(ksm, j))
+            at(ch(x), j) for x in (k, v)), qs, at(ch(ks), j))
         return out.reshape(shapes[0]), lse.reshape(shapes[1])
-      out, lse = _run_call(PairCall(0, cq, 0, m * ck, False, None), kern, at(qm, j), k, v,
-                           at(qsm, j), ks)
+      out, lse = _run_call(PairCall(0, cq, 0, m * ck, False, None), kern, at(ch(q), j), k, v,
+                           at(ch(qs), j), ks)
       if len(strips) == 1:
         return out[:, None], lse[:, None]
-      none = _empty(out[:, :0], v, cq)
+      none = _empty(q, v, cq)
       return tuple(jnp.stack([x if a == j else e for a in range(m)], 1)
                    for x, e in zip((out, lse), none))
     kinds = sorted(strips)
@@ -511,12 +510,16 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
   return acc
 
 
+def _full(plan):
+  """The call of a fully visible chunk pair."""
+  return PairCall(0, plan.q_chunk, 0, plan.kv_chunk, False, None)
+
+
 def _strip(plan, i, d):
   """(True, a) when device d's live pairs at step i are query chunk a against every key chunk,
   (False, b) when every query chunk against key chunk b, all fully visible; else None."""
   live, m = plan.table[d, i] > 0, plan.table.shape[-1]
-  full = PairCall(0, plan.q_chunk, 0, plan.kv_chunk, False, None)
-  if m < 2 or not all(plan.calls[c - 1] == full for c in plan.table[d, i][live]):
+  if m < 2 or not all(plan.calls[c - 1] == _full(plan) for c in plan.table[d, i][live]):
     return None
   rows, cols = np.flatnonzero(live.any(1)), np.flatnonzero(live.any(0))
   if len(rows) == 1 and live[rows[0]].all():
