@@ -200,8 +200,9 @@ def test_append_kv_then_decode():
 
 
 def test_default_num_splits_heuristic():
-  assert dtriton.default_num_splits(1, 8, 131072, core_count=132) == 32
-  assert dtriton.default_num_splits(1, 8, 1 << 20, core_count=132) == 32  # at most 32 partials
+  assert dtriton.default_num_splits(1, 8, 131072, core_count=132) == 16  # one wave
+  assert dtriton.default_num_splits(1, 1, 1 << 20, core_count=132) == 32  # at most 32 partials
+  assert dtriton.default_num_splits(1, 8, 2048, core_count=132) == 8      # >= 4 blocks a split
   assert dtriton.default_num_splits(8, 8, 32768, core_count=132) == 32   # splits of <= 1K keys
   assert dtriton.default_num_splits(8, 8, 4096, core_count=132) == 4
   assert dtriton.default_num_splits(64, 8, 4096, core_count=132) == 4

@@ -75,8 +75,10 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
                        tokens_per_split=1024, max_splits=32):
   """Heuristic split count for a cache of capacity ``max_len``.
 
-  At least two programs per multiprocessor and splits of at most about ``tokens_per_split``
-  keys; at least four key blocks per split, at most ``max_splits``; a power of two.
+  One sequence (``batch`` 1): its splits do equal work, so one wave, about one program per
+  multiprocessor. Several: lengths may differ, so at least two programs per multiprocessor and
+  splits of at most about ``tokens_per_split`` keys. Always at least four key blocks per split,
+  at most ``max_splits``, a power of two.
 
   Args:
     batch, kv_heads: (batch, kv head) pairs.
@@ -88,12 +90,13 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
     An int >= 1.
 
   Example:
-    >>> default_num_splits(1, 8, 131072, core_count=132)
-    32
+    >>> [default_num_splits(b, 8, n, core_count=132) for b, n in ((1, 131072), (8, 32768))]
+    [16, 32]
   """
   cores = compat.gpu_core_count() if core_count is None else int(core_count)
   pairs = max(1, batch * kv_heads)
-  want = max(-(-2 * cores // pairs), -(-max_len // tokens_per_split))
+  want = (-(-cores // pairs) if batch == 1
+          else max(-(-2 * cores // pairs), -(-max_len // tokens_per_split)))
   most = max(1, -(-max_len // (4 * block_k)))
   splits = max(1, min(want, most, max_splits))
   if splits > 1:  # a power of two divides the block count of power-of-two caches evenly
