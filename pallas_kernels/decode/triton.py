@@ -73,12 +73,10 @@ def default_block_sizes(head_dim, dtype):
 
 def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
                        tokens_per_split=1024, max_splits=32):
-  """Heuristic split count for a cache of capacity ``max_len``.
-
-  One sequence (``batch`` 1): its splits do equal work, so one wave, about one program per
-  multiprocessor. Several: lengths may differ, so at least two programs per multiprocessor and
-  splits of at most about ``tokens_per_split`` keys. Always at least four key blocks per split,
-  at most ``max_splits``, a power of two.
+  """Heuristic split count for a cache of capacity ``max_len``: one sequence runs one wave (its
+  splits do equal work: about a program per multiprocessor); a batch, whose lengths may differ,
+  two programs per multiprocessor and splits of at most about ``tokens_per_split`` keys. At
+  least four key blocks per split, at most ``max_splits``, a power of two.
 
   Args:
     batch, kv_heads: (batch, kv head) pairs.
@@ -97,8 +95,7 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
   pairs = max(1, batch * kv_heads)
   want = (-(-cores // pairs) if batch == 1
           else max(-(-2 * cores // pairs), -(-max_len // tokens_per_split)))
-  most = max(1, -(-max_len // (4 * block_k)))
-  splits = max(1, min(want, most, max_splits))
+  splits = max(1, min(want, -(-max_len // (4 * block_k)), max_splits))   # >= 4 blocks a split
   if splits > 1:  # a power of two divides the block count of power-of-two caches evenly
     splits = 1 << (splits.bit_length() - 1)
   return splits
