@@ -58,7 +58,8 @@ def candidates(kernel: str, head_dim: int, mask: str, quick: bool) -> list[dict]
   """
   out = []
   if kernel == "mosaic_gpu_fwd":
-    block_ks = (64,) if head_dim == 256 else (128,) if quick else (64, 128)
+    block_ks = {256: (64,), 64: (256,) if quick else (128, 256)}.get(head_dim,
+                                                                (128,) if quick else (64, 128))
     protocols = sorted(mg.PROTOCOLS)
     for bk, stages, proto in itertools.product(block_ks, (2,) if quick else (2, 3), protocols):
       out.append(dict(block_q=64, block_k=bk, num_stages=stages, protocol=proto))
