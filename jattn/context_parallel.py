@@ -48,12 +48,6 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 # ----------------------------------------------------------------------------- layouts
-def _check_layout(layout, num_shards):
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  check_int("num_shards", num_shards)
-
-
 def shard_chunks(num_shards, layout):
   """The global chunk ids each device holds, in its local order.
 
@@ -68,7 +62,9 @@ def shard_chunks(num_shards, layout):
     >>> shard_chunks(2, "zigzag").tolist()
     [[0, 3], [1, 2]]
   """
-  _check_layout(layout, num_shards)
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  check_int("num_shards", num_shards)
   d = np.arange(num_shards)
   return d[:, None] if layout == "contiguous" else np.stack([d, 2 * num_shards - 1 - d], 1)
 
@@ -97,7 +93,12 @@ def layout_positions(seq_len, num_shards, layout):
   return np.where(pos < seq_len, pos, -1)
 
 
-def _take(x, idx, axis):
+def _reorder(x, num_shards, layout, axis, inverse):
+  """x along ``axis`` into the layout's order, or back (``inverse``)."""
+  x = x if hasattr(x, "shape") else as_array("x", x)   # any dtype; lists as numpy
+  check_int("axis", axis, -x.ndim, x.ndim - 1)
+  pos = layout_positions(x.shape[axis], num_shards, layout)
+  idx = np.argsort(pos[pos >= 0]) if inverse else pos[pos >= 0]
   if np.array_equal(idx, np.arange(x.shape[axis])):
     return x
   sharding = jax.typeof(x).sharding
@@ -125,10 +126,7 @@ def context_parallel_permute(x, num_shards, layout="zigzag", axis=1):
     >>> context_parallel_permute(jnp.arange(8)[None], 2).tolist()
     [[0, 1, 6, 7, 2, 3, 4, 5]]
   """
-  x = x if hasattr(x, "shape") else as_array("x", x)   # any dtype; lists as numpy
-  check_int("axis", axis, -x.ndim, x.ndim - 1)
-  pos = layout_positions(x.shape[axis], num_shards, layout)
-  return _take(x, pos[pos >= 0], axis)
+  return _reorder(x, num_shards, layout, axis, inverse=False)
 
 
 def context_parallel_unpermute(x, num_shards, layout="zigzag", axis=1):
@@ -148,10 +146,7 @@ def context_parallel_unpermute(x, num_shards, layout="zigzag", axis=1):
     >>> bool((context_parallel_unpermute(context_parallel_permute(x, 2), 2) == x).all())
     True
   """
-  x = x if hasattr(x, "shape") else as_array("x", x)   # any dtype; lists as numpy
-  check_int("axis", axis, -x.ndim, x.ndim - 1)
-  pos = layout_positions(x.shape[axis], num_shards, layout)
-  return _take(x, np.argsort(pos[pos >= 0]), axis)
+  return _reorder(x, num_shards, layout, axis, inverse=True)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -196,8 +191,7 @@ def pair_call(base, cq, ck, causal, window):
   left, right = window or (None, None)
   s = -math.inf if left is None else base - left
   t = math.inf if right is None else base + right
-  if causal:
-    t = min(t, base)
+  t = min(t, base) if causal else t
   if s > ck - 1 or t < -(cq - 1) or s > t:
     return None
   if s <= -(cq - 1) and t >= ck - 1:
@@ -256,9 +250,8 @@ class ContextParallelPlan:
   def kernel_calls(self) -> int:
     joint = 0 if self.joint is None else np.count_nonzero(self.table[-1, 0]) - 1
     one = lambda i: self._whole(i) or all(_strip(self, i, e) for e in range(self.num_shards))
-    calls = [self.num_shards if one(i) else np.count_nonzero(self.table[:, i])
-             for i in range(len(self.shifts))]
-    return int(sum(calls)) - int(joint)
+    return int(sum(self.num_shards if one(i) else np.count_nonzero(self.table[:, i])
+                   for i in range(len(self.shifts)))) - int(joint)
 
 
 def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_window_size=None,
@@ -303,26 +296,23 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
                      (0, n * ck // selection.block_size - tm.shape[1])))
     live = tm.reshape(n, -1, n, tm.shape[1] // n).any((1, 3))
   window = normalize_window(local_window_size)
-  calls, index = [], {}
+  index = {}   # call -> 1 + its index in the plan's calls
   table = np.zeros((num_shards, num_shards) + ids.shape[1:] * 2, np.int32)
-  for d in range(num_shards):
-    for r in range(num_shards):
-      e = (d - r) % num_shards          # ring/all_gather: K/V of e here; ring_q: Q of e here
-      qd, kd = (e, d) if strategy == "ring_q" else (d, e)
-      for a, qi in enumerate(ids[qd]):
-        for b, ki in enumerate(ids[kd]):
-          call = pair_call(kv_len - q_len + qi * cq - ki * ck, cq, ck, causal, window)
-          runs[r] |= call is not None
-          if call is not None and live[qi, ki]:
-            table[d, r, a, b] = index.setdefault(call, len(calls) + 1)
-            if len(calls) < len(index):
-              calls.append(call)
+  for d, r in np.ndindex(num_shards, num_shards):
+    e = (d - r) % num_shards          # ring/all_gather: K/V of e here; ring_q: Q of e here
+    qd, kd = (e, d) if strategy == "ring_q" else (d, e)
+    for a, qi in enumerate(ids[qd]):
+      for b, ki in enumerate(ids[kd]):
+        call = pair_call(kv_len - q_len + qi * cq - ki * ck, cq, ck, causal, window)
+        runs[r] |= call is not None
+        if call is not None and live[qi, ki]:
+          table[d, r, a, b] = index.setdefault(call, len(index) + 1)
   shifts = tuple(int(r) for r in range(num_shards) if runs[r])
   p = num_shards - 1
   joint = (pair_call(kv_len - q_len + p * (cq - ck), 2 * cq, 2 * ck, causal, window)
            if layout == "zigzag" and strategy != "ring_q" and selection is None
            and shifts[:1] == (0,) and table[p, 0].any() else None)
-  plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(calls),
+  plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(index),
                              table[:, list(shifts)])
   if joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0):
     return dataclasses.replace(plan, joint=joint)
@@ -341,20 +331,18 @@ class _Kernel:
 
 
 def _run_call(call, kern, q, k, v, qs, ks, sel=None):
-  """(out [B, nq, H, Dv] in q's dtype, lse fp32 [B, nq, H]) of one PairCall: query rows
-  [q0, q0 + nq) of full chunks; with ``sel`` (the pair's :class:`BlockSelection`, whole chunks,
-  a call on every row) the block-sparse kernel."""
+  """(out [B, nq, H, Dv] in q's dtype, lse fp32 [B, nq, H]) of one PairCall on full chunks; with
+  ``sel`` (the pair's :class:`BlockSelection`, a call on every row) the block-sparse kernel."""
   sl = lambda x, s0, n: None if x is None else jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)
   opts = {"segment_ids": sl(qs, call.q0, call.nq), "kv_segment_ids": sl(ks, call.k0, call.nk),
           "scale": kern.scale, "return_lse": True, "implementation": kern.implementation,
-          "interpret": kern.interpret}
+          "interpret": kern.interpret, "causal": call.causal}
   if sel is not None:
-    out, lse = block_sparse_attention(q, k, v, sel, causal=call.causal, **opts)
+    out, lse = block_sparse_attention(q, k, v, sel, **opts)
   else:
     out, lse = flash_attention(
         sl(q, call.q0, call.nq), sl(k, call.k0, call.nk), sl(v, call.k0, call.nk),
-        causal=call.causal, local_window_size=call.window,
-        logits_soft_cap=kern.logits_soft_cap, **opts)
+        local_window_size=call.window, logits_soft_cap=kern.logits_soft_cap, **opts)
   return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -365,21 +353,16 @@ def _empty(q, v, rows):
 
 def _share_document(qs, ks):
   """Whether any batch row's query and key chunks may share a document (id ranges overlap)."""
-  big = jnp.iinfo(jnp.int32).max
-  lo = lambda s: jnp.min(jnp.where(s > 0, s, big), axis=1)
+  lo = lambda s: jnp.min(jnp.where(s > 0, s, jnp.iinfo(jnp.int32).max), axis=1)
   hi = lambda s: jnp.max(jnp.where(s > 0, s, 0), axis=1)
   return jnp.any((lo(qs) <= hi(ks)) & (lo(ks) <= hi(qs)))
 
 
 def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
-  """(out, lse, r0): the partial result of one chunk pair over query rows [r0, r0 + n), those
-  of the calls it may run, or None when no device runs it; ``column`` = table[:, r, a, b] (all
-  devices), ``d`` this device (an int when known statically).
-
-  A switch over the calls this pair runs on some device (0: skip); with segment ids, pairs
-  whose chunks share no document take the skip branch at run time, and so do block-sparse
-  pairs (``sel``) in which no row keeps a block.
-  """
+  """((out, lse), r0): one chunk pair's partial result over query rows [r0, r0 + n), or None
+  when no device runs it. ``column`` = table[:, r, a, b], ``d`` this device (an int if static).
+  A switch over the pair's calls on all devices (0: skip), which also skips at run time pairs
+  whose chunks share no document and block-sparse pairs in which no row keeps a block."""
   column, d = (column[d:d + 1], 0) if isinstance(d, int) else (column, d)
   kinds = sorted(set(column.tolist()) | ({0} if qs is not None or sel is not None else set()))
   calls = [plan.calls[i - 1] for i in kinds if i]
@@ -394,14 +377,14 @@ def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
     pad = ((0, 0), (plan.calls[i - 1].q0 - r0, r1 - plan.calls[i - 1].q0 - out.shape[1]), (0, 0))
     return jnp.pad(out, pad + ((0, 0),)), jnp.pad(lse, pad, constant_values=-jnp.inf)
   if len(kinds) == 1:
-    return (*branch(kinds[0], q, k, v, qs, ks, sel), r0)
+    return branch(kinds[0], q, k, v, qs, ks, sel), r0
   idx = jnp.asarray(np.searchsorted(kinds, column), jnp.int32)[d]
   if qs is not None:
     idx = jnp.where(_share_document(qs, ks), idx, 0)
   if sel is not None:
     idx = jnp.where(jnp.any(sel.counts > 0), idx, 0)
-  return (*jax.lax.switch(idx, [functools.partial(branch, i) for i in kinds], q, k, v, qs, ks,
-                          sel), r0)
+  return jax.lax.switch(idx, [functools.partial(branch, i) for i in kinds], q, k, v, qs, ks,
+                        sel), r0
 
 
 def _pair_selection(plan, kern, sel, d, i, a, b):
@@ -420,14 +403,9 @@ def _pair_selection(plan, kern, sel, d, i, a, b):
   return sel_ops.BlockSelection(ix, counts, counts, None, bs, qbs, plan.q_chunk, plan.kv_chunk)
 
 
-def _chunks(x, m):
-  return None if x is None else jnp.split(x, m, axis=1)
-
-
 def _merge_into(acc, part, a0, r0, shapes):
-  """``acc`` (None or out [B, m, c, H, Dv], lse [B, m, c, H]) with ``part`` (the same for
-  chunks [a0, a0 + k), rows [r0, r0 + n)) merged in; only those rows are read and written,
-  in place. The output stays in the kernels' dtype; each merge computes in fp32."""
+  """``acc`` (None or out [B, m, c, H, Dv], lse [B, m, c, H]) with ``part`` (the same for chunks
+  [a0, a0 + k), rows [r0, r0 + n)) merged in place, in fp32; out stays in the kernels' dtype."""
   if acc is None:
     if part[0].shape == shapes[0]:
       return part
@@ -440,73 +418,63 @@ def _merge_into(acc, part, a0, r0, shapes):
 
 
 def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
-  """``acc`` (see :func:`_merge_into`) with every chunk pair of step ``i`` on device ``d``
-  merged in. The chunk-diagonal pairs run as one call over all local chunks (a batch of
-  B * m: no copy) when they are the same call on every device; device P-1's first step runs
-  ``plan.joint`` over its two adjacent chunks instead, and a step of fully visible pairs
-  ``plan._whole(i)``."""
+  """``acc`` (see :func:`_merge_into`) with every chunk pair of step ``i`` on device ``d`` merged
+  in: device P-1's first step runs ``plan.joint``, a step of fully visible pairs one call
+  (``plan._whole``) or one per strip (:func:`_strip`); chunk-diagonal pairs that are the same
+  call on every device run as one call over all local chunks (a batch of B * m: no copy)."""
+  b_, m = q.shape[0], plan.table.shape[-1]
+  ch = lambda x: None if x is None else x.reshape(b_, m, -1, *x.shape[2:])   # [B, m, c, ...]
+  flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
+  at = lambda x, j: None if x is None else x[:, j]
   if i == 0 and acc is None and plan.joint is not None and sel is None:
-    rows = lambda x: x.reshape(q.shape[0], 2, -1, *x.shape[2:])
-
-    def joint(q, qs, k, v, ks):
-      return tuple(map(rows, _run_call(plan.joint, kern, q, k, v, qs, ks)))
+    joint = lambda q, qs, k, v, ks: tuple(map(ch, _run_call(plan.joint, kern, q, k, v, qs, ks)))
 
     def pairs(q, qs, k, v, ks):
       out = _step(dataclasses.replace(plan, joint=None), kern, i, d, None, q, qs, k, v, ks)
-      return tuple(map(rows, _empty(q, v, q.shape[1]))) if out is None else out
+      return tuple(map(ch, _empty(q, v, q.shape[1]))) if out is None else out
     x, last = (q, qs, k, v, ks), plan.num_shards - 1
     if isinstance(d, int):
       return joint(*x) if d == last else pairs(*x)
     return jax.lax.cond(d == last, joint, pairs, *x)
-  b_, m = q.shape[0], plan.table.shape[-1]
-  ch = lambda x: None if x is None else x.reshape(b_, m, -1, *x.shape[2:])
-  flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
   qm, km, vm, qsm, ksm = map(ch, (q, k, v, qs, ks))
   shapes = ((*qm.shape[:-1], v.shape[-1]), qm.shape[:-1])
-  whole = None if sel is not None else plan._whole(i)
-  if whole is not None:     # every pair fully visible: one call over the local rows and keys
-    out, lse = _run_call(whole, kern, q, k, v, qs, ks)
-    return _merge_into(acc, (out.reshape(shapes[0]), lse.reshape(shapes[1])), 0, 0, shapes)
-  strips = sel is None and qs is None and ks is None and {_strip(plan, i, e) for e in (
+  whole = sel is None and plan._whole(i)
+  if whole:     # every pair fully visible: one call over the local rows and keys
+    return _merge_into(acc, tuple(map(ch, _run_call(whole, kern, q, k, v, qs, ks))), 0, 0, shapes)
+  strips = sel is None and qs is None and {_strip(plan, i, e) for e in (
       [d] if isinstance(d, int) else range(plan.num_shards))}
   if strips and None not in strips:   # one call for a query chunk's or key chunk's full pairs
-    at = lambda x, j: None if x is None else x[:, j]
+    dense = lambda q, k, v: _run_call(PairCall(0, q.shape[1], 0, k.shape[1], False, None), kern,
+                                      q, k, v, None, None)   # unmasked, no segment ids here
 
-    def strip(kind, q, k, v, qs, ks):
-      (row, j), (cq, ck) = kind, (plan.q_chunk, plan.kv_chunk)
+    def strip(kind, q, k, v):
+      row, j = kind
       if not row:    # every local query chunk against key chunk j
-        out, lse = _run_call(PairCall(0, m * cq, 0, ck, False, None), kern, q, *(
-            at(ch(x), j) for x in (k, v)), qs, at(ch(ks), j))
-        return out.reshape(shapes[0]), lse.reshape(shapes[1])
-      out, lse = _run_call(PairCall(0, cq, 0, m * ck, False, None), kern, at(ch(q), j), k, v,
-                           at(ch(qs), j), ks)
+        return tuple(map(ch, dense(q, ch(k)[:, j], ch(v)[:, j])))
+      out, lse = dense(ch(q)[:, j], k, v)    # query chunk j against every key chunk
       if len(strips) == 1:
         return out[:, None], lse[:, None]
-      none = _empty(q, v, cq)
       return tuple(jnp.stack([x if a == j else e for a in range(m)], 1)
-                   for x, e in zip((out, lse), none))
+                   for x, e in zip((out, lse), _empty(q, v, plan.q_chunk)))
     kinds = sorted(strips)
     if len(kinds) == 1:
-      part = strip(kinds[0], q, k, v, qs, ks)
+      part = strip(kinds[0], q, k, v)
       return _merge_into(acc, part, kinds[0][1] if kinds[0][0] else 0, 0, shapes)
     idx = jnp.asarray([kinds.index(_strip(plan, i, e)) for e in range(plan.num_shards)])[d]
-    part = jax.lax.switch(idx, [functools.partial(strip, c) for c in kinds], q, k, v, qs, ks)
+    part = jax.lax.switch(idx, [functools.partial(strip, c) for c in kinds], q, k, v)
     return _merge_into(acc, part, 0, 0, shapes)
   diag = plan.table[:, i, np.arange(m), np.arange(m)]
   batched = sel is None and m > 1 and diag.min() > 0 and (diag == diag.flat[0]).all()
   if batched:
     call = plan.calls[diag.flat[0] - 1]
-    out, lse = _run_call(call, kern, *map(flat, (qm, km, vm, qsm, ksm)))
-    part = (out.reshape(b_, m, *out.shape[1:]), lse.reshape(b_, m, *lse.shape[1:]))
-    acc = _merge_into(acc, part, 0, call.q0, shapes)
-  at = lambda x, j: None if x is None else x[:, j]
-  for a in range(m):
-    for b in range(m):
-      part = None if batched and a == b else _pair(
-          plan, kern, plan.table[:, i, a, b], d, qm[:, a], km[:, b], vm[:, b], at(qsm, a),
-          at(ksm, b), _pair_selection(plan, kern, sel, d, i, a, b))
-      if part is not None:
-        acc = _merge_into(acc, (part[0][:, None], part[1][:, None]), a, part[2], shapes)
+    part = _run_call(call, kern, *map(flat, (qm, km, vm, qsm, ksm)))
+    acc = _merge_into(acc, tuple(map(ch, part)), 0, call.q0, shapes)
+  for a, b in np.ndindex(m, m):
+    part = None if batched and a == b else _pair(
+        plan, kern, plan.table[:, i, a, b], d, qm[:, a], km[:, b], vm[:, b], at(qsm, a),
+        at(ksm, b), _pair_selection(plan, kern, sel, d, i, a, b))
+    if part is not None:
+      acc = _merge_into(acc, tuple(x[:, None] for x in part[0]), a, part[1], shapes)
   return acc
 
 
@@ -531,8 +499,7 @@ def _flat(acc, q, v):
   """(out [B, L, H, Dv], lse [B, L, H]) of an accumulator (None: nothing visible)."""
   if acc is None:
     return _empty(q, v, q.shape[1])
-  return (acc[0].reshape(q.shape[0], -1, *acc[0].shape[3:]),
-          acc[1].reshape(q.shape[0], -1, acc[1].shape[-1]))
+  return tuple(x.reshape(q.shape[0], -1, *x.shape[3:]) for x in acc)
 
 
 def _shift(xs, shift, axis_name, p):
@@ -543,57 +510,34 @@ def _shift(xs, shift, axis_name, p):
 
 
 # ----------------------------------------------------------------------------- strategies
-def _pass_kv_forward(plan, kern, d, q, k, v, qs, ks, kv_at, sel=None):
-  """Every step of a K/V-moving strategy on device ``d``; ``kv_at(i, state)`` gives step i's
-  (k, v, ks)."""
-  acc, state = None, (k, v, ks)
-  for i in range(len(plan.shifts)):
-    kv, state = kv_at(i, state)
+def _pass_kv_forward(plan, kern, d, q, v, qs, kvs, sel=None):
+  """Every step of a K/V-moving strategy on device ``d``; ``kvs`` yields each step's (k, v, ks)."""
+  acc = None
+  for i, kv in enumerate(kvs):
     acc = _step(plan, kern, i, d, acc, q, qs, *kv, sel)
   return _flat(acc, q, v)
 
 
-def _ring_kv_at(plan, axis_name):
+def _ring_steps(plan, axis_name, xs):
+  """Each step's ``xs`` (shards that travel the ring). The next shift is issued before this
+  step's kernels, so the two overlap."""
   p, shifts = plan.num_shards, plan.shifts
-
-  def kv_at(i, state):
-    if i == 0:
-      state = _shift(state, shifts[0], axis_name, p)
-    # The next shift is issued before this step's kernels, so the two overlap.
-    nxt = _shift(state, shifts[i + 1] - shifts[i], axis_name, p) if i + 1 < len(shifts) else state
-    return state, nxt
-  return kv_at
-
-
-def _all_gather_kv_at(plan, axis_name, k, v, ks):
-  p, m = plan.num_shards, plan.table.shape[-1]
-  gathered = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True),
-                          (k, v, ks))
-  d = jax.lax.axis_index(axis_name)
-
-  def kv_at(i, state):
-    start = ((d - plan.shifts[i]) % p) * (m * plan.kv_chunk)
-    take = lambda x: None if x is None else jax.lax.dynamic_slice_in_dim(
-        x, start, m * plan.kv_chunk, axis=1)
-    return jax.tree.map(take, gathered, is_leaf=lambda x: x is None), state
-  return kv_at
+  for i in range(len(shifts)):
+    xs = _shift(xs, shifts[0], axis_name, p) if i == 0 else nxt
+    nxt = _shift(xs, shifts[i + 1] - shifts[i], axis_name, p) if i + 1 < len(shifts) else xs
+    yield xs
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _ring(plan, kern, axis_name, q, k, v, qs, ks, sel):
   """``sel``: None, or this device's rows of a block selection (int [B, Hk, q blocks, n])."""
-  return _pass_kv_forward(plan, kern, jax.lax.axis_index(axis_name), q, k, v, qs, ks,
-                          _ring_kv_at(plan, axis_name), sel)
+  return _pass_kv_forward(plan, kern, jax.lax.axis_index(axis_name), q, v, qs,
+                          _ring_steps(plan, axis_name, (k, v, ks)), sel)
 
 
 def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks, sel):
   out, lse = _ring(plan, kern, axis_name, q, k, v, qs, ks, sel)
   return (out, lse), (q, k, v, qs, ks, sel, out, lse)
-
-
-def _with_rows(f, *x):
-  out, lse, r0 = f(*x)
-  return (out, lse), r0
 
 
 def _ring_bwd(plan, kern, axis_name, res, g):
@@ -608,34 +552,29 @@ def _ring_bwd(plan, kern, axis_name, res, g):
   d = jax.lax.axis_index(axis_name)
   dout = dout.astype(jnp.float32)
   delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1)             # [B, Lq, H]
-  qc, qsc = _chunks(q, m), _chunks(qs, m) or [None] * m
-  doc, dlc, lc, dc = (_chunks(x, m) for x in (dout, dlse, lse, delta))
+  chunks = lambda x: [None] * m if x is None else jnp.split(x, m, axis=1)
+  qc, qsc, doc, dlc, lc, dc = map(chunks, (q, qs, dout, dlse, lse, delta))
   dq = [jnp.zeros(x.shape, jnp.float32) for x in qc]
   state = (k, v, ks, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   state = _shift(state, shifts[0], axis_name, p)
   for i in range(len(shifts)):
-    kk, vv, kks, dk, dv = state
-    kc, vc, ksc = _chunks(kk, m), _chunks(vv, m), _chunks(kks, m) or [None] * m
-    dkc, dvc = _chunks(dk, m), _chunks(dv, m)
-    for a in range(m):
-      for b in range(m):
-        col = plan.table[:, i, a, b]
-        if not col.any():
-          continue
-        f = functools.partial(_pair, plan, kern, col, d, qs=qsc[a], ks=ksc[b],
-                              sel=_pair_selection(plan, kern, sel, d, i, a, b))
-        (o_p, l_p), vjp, r0 = jax.vjp(functools.partial(_with_rows, f), qc[a], kc[b], vc[b],
-                                      has_aux=True)
-        rows = functools.partial(jax.lax.slice_in_dim, start_index=r0,
-                                 limit_index=r0 + o_p.shape[1], axis=1)
-        w = jnp.where(jnp.isfinite(l_p), jnp.exp(l_p - rows(lc[a])), 0.0)    # [B, n, H]
-        ct_l = w * (jnp.sum(rows(doc[a]) * o_p, axis=-1) - rows(dc[a]) + rows(dlc[a]))
-        gq, gk, gv = vjp(((w[..., None] * rows(doc[a])).astype(o_p.dtype), ct_l))
-        dq[a] = dq[a] + gq
-        dkc[b], dvc[b] = dkc[b] + gk, dvc[b] + gv
+    kc, vc, ksc, dkc, dvc = map(chunks, state)
+    for a, b in np.ndindex(m, m):
+      col = plan.table[:, i, a, b]
+      if not col.any():
+        continue
+      f = functools.partial(_pair, plan, kern, col, d, qs=qsc[a], ks=ksc[b],
+                            sel=_pair_selection(plan, kern, sel, d, i, a, b))
+      (o_p, l_p), vjp, r0 = jax.vjp(f, qc[a], kc[b], vc[b], has_aux=True)
+      rows = lambda x: jax.lax.slice_in_dim(x, r0, r0 + o_p.shape[1], axis=1)
+      w = jnp.where(jnp.isfinite(l_p), jnp.exp(l_p - rows(lc[a])), 0.0)    # [B, n, H]
+      ct_l = w * (jnp.sum(rows(doc[a]) * o_p, axis=-1) - rows(dc[a]) + rows(dlc[a]))
+      gq, gk, gv = vjp(((w[..., None] * rows(doc[a])).astype(o_p.dtype), ct_l))
+      dq[a] = dq[a] + gq
+      dkc[b], dvc[b] = dkc[b] + gk, dvc[b] + gv
     dk, dv = jnp.concatenate(dkc, axis=1), jnp.concatenate(dvc, axis=1)
     if i + 1 < len(shifts):
-      state = _shift((kk, vv, kks, dk, dv), shifts[i + 1] - shifts[i], axis_name, p)
+      state = _shift((*state[:3], dk, dv), shifts[i + 1] - shifts[i], axis_name, p)
   dk, dv = _shift((dk, dv), -shifts[-1], axis_name, p)
   dq = jnp.concatenate(dq, axis=1)
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
@@ -648,15 +587,10 @@ def _ring_q(plan, kern, axis_name, q, k, v, qs, ks):
   p, m, shifts = plan.num_shards, plan.table.shape[-1], plan.shifts
   d = jax.lax.axis_index(axis_name)
   acc = jax.tree.map(lambda x: x.reshape(q.shape[0], m, -1, *x.shape[2:]), _empty(q, v, q.shape[1]))
-  state = _shift((q, qs), shifts[0], axis_name, p)
-  acc = _shift(acc, shifts[0], axis_name, p)
-  for i in range(len(shifts)):
-    qq, qqs = state
-    if i + 1 < len(shifts):   # the next queries move while this step computes
-      state = _shift(state, shifts[i + 1] - shifts[i], axis_name, p)
+  for i, (qq, qqs) in enumerate(_ring_steps(plan, axis_name, (q, qs))):
+    if i:   # the partial results follow their queries
+      acc = _shift(acc, shifts[i] - shifts[i - 1], axis_name, p)
     acc = _step(plan, kern, i, d, acc, qq, qqs, k, v, ks)
-    if i + 1 < len(shifts):
-      acc = _shift(acc, shifts[i + 1] - shifts[i], axis_name, p)
   return _flat(_shift(acc, -shifts[-1], axis_name, p), q, v)
 
 
@@ -666,8 +600,12 @@ def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
     return _ring(plan, kern, axis_name, q, k, v, qs, ks, None)
   if plan.strategy == "ring_q":
     return _ring_q(plan, kern, axis_name, q, k, v, qs, ks)
-  return _pass_kv_forward(plan, kern, jax.lax.axis_index(axis_name), q, k, v, qs, ks,
-                          _all_gather_kv_at(plan, axis_name, k, v, ks))
+  # all_gather: every step slices the gathered K/V of the device it meets
+  d, n = jax.lax.axis_index(axis_name), plan.table.shape[-1] * plan.kv_chunk
+  kv = jax.tree.map(lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True), (k, v, ks))
+  kvs = (jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(
+      x, ((d - s) % plan.num_shards) * n, n, axis=1), kv) for s in plan.shifts)
+  return _pass_kv_forward(plan, kern, d, q, v, qs, kvs)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -721,9 +659,8 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
   if q_len % m or kv_len % m:
     raise ValueError(f"layout={layout!r} needs local lengths divisible by {m}, got q {q_len}, "
                      f"kv {kv_len}")
-  plan = context_parallel_plan(q_len * p, kv_len * p, p, causal=causal,
-                               local_window_size=local_window_size, strategy=strategy,
-                               layout=layout)
+  plan = context_parallel_plan(q_len * p, kv_len * p, p, causal=causal, strategy=strategy,
+                               local_window_size=local_window_size, layout=layout)
   kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
   out, lse = _shard_attention(plan, kern, axis_name, q, k, v, segment_ids, kv_segment_ids)
   return (out, jnp.swapaxes(lse, 1, 2)) if return_lse else out
@@ -755,8 +692,8 @@ def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_c
   if plan.strategy == "ring_q":
     raise ValueError("plan.strategy must be 'ring' or 'all_gather', got 'ring_q'")
   kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
-  kv_at = lambda i, state: ((*kv_shards[(device - plan.shifts[i]) % plan.num_shards], None), state)
-  return _pass_kv_forward(plan, kern, device, q, *kv_shards[device], None, None, kv_at)
+  kvs = ((*kv_shards[(device - s) % plan.num_shards], None) for s in plan.shifts)
+  return _pass_kv_forward(plan, kern, device, q, kv_shards[device][1], None, kvs)
 
 
 def _with_padding(x, pos, mesh):
@@ -815,9 +752,9 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, causal=False, local_
   plan = context_parallel_plan(q_len, kv_len, _axis_size(mesh, axis_name), causal=causal,
                                local_window_size=window, strategy=strategy, layout=layout)
   kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
-  out, lse = _on_mesh(mesh, axis_name, plan, functools.partial(_shard_attention, plan, kern,
-                                                               axis_name), q, k, v, segment_ids,
-                      kv_segment_ids, causal or (window is not None and window[1] == 0))
+  local = functools.partial(_shard_attention, plan, kern, axis_name)
+  out, lse = _on_mesh(mesh, axis_name, plan, local, q, k, v, segment_ids, kv_segment_ids,
+                      causal or (window is not None and window[1] == 0))
   return (out, lse) if return_lse else out
 
 
@@ -834,8 +771,7 @@ def _on_mesh(mesh, axis_name, plan, local, q, k, v, segment_ids, kv_segment_ids,
   batch, q_len, kv_len, p = q.shape[0], q.shape[1], k.shape[1], plan.num_shards
   qpos, kpos = (layout_positions(n, p, plan.layout) for n in (q_len, kv_len))
   if (kpos < 0).any() and segment_ids is None and not hidden:   # padded keys need a mask
-    segment_ids = jnp.ones((batch, q_len), jnp.int32)
-    kv_segment_ids = jnp.ones((batch, kv_len), jnp.int32)
+    segment_ids, kv_segment_ids = (jnp.ones((batch, n), jnp.int32) for n in (q_len, kv_len))
   args = [_with_padding(x, pos, mesh) for x, pos in ((q, qpos), (k, kpos), (v, kpos))]
   if segment_ids is not None:
     args += [_with_padding(segment_ids, qpos, mesh), _with_padding(kv_segment_ids, kpos, mesh)]
@@ -844,10 +780,9 @@ def _on_mesh(mesh, axis_name, plan, local, q, k, v, segment_ids, kv_segment_ids,
   out, lse = jax.shard_map(lambda q, k, v, qs=None, ks=None: local(q, k, v, qs, ks), mesh=mesh,
                            in_specs=(seq,) * len(args), out_specs=(seq, seq),
                            axis_names={axis_name}, check_vma=False)(*args)
-  if (qpos < 0).any():
-    real = np.nonzero(qpos >= 0)[0]
-    out, lse = (jnp.take(jax.device_put(x, NamedSharding(mesh, PS())), real, axis=1)
-                for x in (out, lse))
+  if (qpos < 0).any():   # drop the padded rows
+    out, lse = (jnp.take(jax.device_put(x, NamedSharding(mesh, PS())), np.flatnonzero(qpos >= 0),
+                         axis=1) for x in (out, lse))
   return out, jnp.swapaxes(lse, 1, 2)
 
 
@@ -858,9 +793,9 @@ def _check_blocks(chunk, block_size, q_block_size):
                        f"length over the chunks, rounded up): blocks may not straddle chunks")
 
 
-def _local_selection(plan, kern, axis_name, n, rule, q, k, qs, ks):
-  """This device's rows (int32 [B, Hk, q blocks, n], global key block ids) of the selection on
-  all-gathered per-block data: pooled keys (and, with documents, id ranges)."""
+def _local_selection(plan, kern, axis_name, n, rule, docs, q, k, qs, ks):
+  """This device's rows (int32 [B, Hk, q blocks, n], global key block ids) of the ``rule``
+  selection on all-gathered per-block data: pooled keys (and, with ``docs``, id ranges)."""
   (bs, qbs), p = kern.blocks, plan.num_shards
   ids, d = shard_chunks(p, plan.layout), jax.lax.axis_index(axis_name)
   real = jnp.asarray(layout_positions(n, p, plan.layout).reshape(p, -1) >= 0)[d]
@@ -874,7 +809,6 @@ def _local_selection(plan, kern, axis_name, n, rule, q, k, qs, ks):
   rank = sel_ops.pooled_scores(pool(q, qs, qbs), whole(pool(k, ks, bs), bs))
   rows = jnp.asarray((ids[:, :, None] * (plan.q_chunk // qbs) + np.arange(plan.q_chunk // qbs))
                      .reshape(p, -1))[d]
-  causal, top_k, num_init, num_local, docs = rule
   seg = {"seg_ok": None, "doc_start": None}
   if docs:
     r = tuple(tuple(whole(x, b) for x in sel_ops.segment_ranges(s, b)) for s, b in ((qs, qbs),
@@ -882,8 +816,7 @@ def _local_selection(plan, kern, axis_name, n, rule, q, k, qs, ks):
     seg = {"seg_ok": sel_ops.segment_overlap(None, None, qbs, bs, ranges=r),
            "doc_start": sel_ops.doc_start_blocks(None, None, qbs, bs, ranges=r)}
   return sel_ops.select_lists(rank, q_len=n, kv_len=n, q_block_size=qbs, block_size=bs,
-                              causal=causal, num_init=num_init, num_local=num_local, top_k=top_k,
-                              scores=None, rows=rows, **seg).indices
+                              scores=None, rows=rows, **rule, **seg).indices
 
 
 def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, top_k, causal,
@@ -898,10 +831,10 @@ def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, 
   _check_blocks(plan.q_chunk, block_size, q_block_size)
   kern = dataclasses.replace(_kernel(q, scale, None, implementation, interpret),
                              blocks=(block_size, q_block_size))
-  rule = (causal, top_k, num_init_blocks, num_local_blocks, segment_ids is not None)
+  rule = dict(causal=causal, top_k=top_k, num_init=num_init_blocks, num_local=num_local_blocks)
 
   def local(q, k, v, qs, ks):
-    sel = _local_selection(plan, kern, axis_name, n, rule, q, k, qs, ks)
+    sel = _local_selection(plan, kern, axis_name, n, rule, segment_ids is not None, q, k, qs, ks)
     return _ring(plan, kern, axis_name, q, k, v, qs, ks, sel)
   return _on_mesh(mesh, axis_name, plan, local, q, k, v, segment_ids, kv_segment_ids, causal)
 

@@ -28,10 +28,8 @@ import numpy as np
 
 from jattn._validate import as_int32, check_flags, check_int, check_range, is_traced
 
-__all__ = [
-    "PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize", "loss_weights_from_segments",
-    "segments_from_lengths", "PackedIterator",
-]
+__all__ = ["PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize",
+           "loss_weights_from_segments", "segments_from_lengths", "PackedIterator"]
 
 
 # ----------------------------------------------------------------------------- Planning
@@ -82,18 +80,13 @@ class PackPlan:
   @functools.cached_property
   def row_index(self) -> tuple[np.ndarray, np.ndarray]:
     """(order, starts): chunks of row r are ``order[starts[r]:starts[r + 1]]``, by offset."""
-    order = np.lexsort((self.offsets, self.bins))
     counts = np.bincount(self.bins, minlength=self.num_bins)
-    starts = np.zeros(self.num_bins + 1, np.int64)
-    np.cumsum(counts, out=starts[1:])
-    return order, starts
+    return np.lexsort((self.offsets, self.bins)), np.concatenate([[0], np.cumsum(counts)])
 
   @functools.cached_property
   def max_segments(self) -> int:
     """The largest number of chunks in one row (0 for an empty plan)."""
-    if self.num_bins == 0:
-      return 0
-    return int(np.bincount(self.bins, minlength=self.num_bins).max())
+    return int(np.bincount(self.bins, minlength=self.num_bins).max()) if self.num_bins else 0
 
   def utilization(self) -> float:
     """Fraction of the row slots that hold a token.
@@ -114,9 +107,7 @@ def _check_lengths(lengths) -> np.ndarray:
   arr = np.asarray(lengths)
   if arr.ndim != 1:
     raise ValueError(f"lengths must be a 1-D sequence, got shape {arr.shape}")
-  if arr.size == 0:
-    return np.zeros(0, np.int64)
-  if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+  if arr.size and (arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer)):
     raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
   arr = arr.astype(np.int64)
   if (arr < 0).any():
@@ -125,13 +116,16 @@ def _check_lengths(lengths) -> np.ndarray:
   return arr
 
 
+def _ranks(c: np.ndarray) -> np.ndarray:
+  """Each element's index within its group in ``np.repeat(x, c)`` (c: group sizes)."""
+  return np.arange(int(c.sum()), dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
+
+
 def _chunk(lengths: np.ndarray, max_len: int):
   """Cut documents into chunks of at most max_len: (doc_ids, chunk_starts, chunk_lengths)."""
   n_chunks = -(-lengths // max_len)  # 0 for empty documents
   doc_ids = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), n_chunks)
-  first = np.cumsum(n_chunks) - n_chunks
-  k = np.arange(doc_ids.shape[0], dtype=np.int64) - np.repeat(first, n_chunks)
-  starts = k * max_len
+  starts = _ranks(n_chunks) * max_len
   return doc_ids, starts, np.minimum(max_len, lengths[doc_ids] - starts)
 
 
@@ -143,11 +137,8 @@ class _CapacityTree:
   """
 
   def __init__(self, max_len: int):
-    size = 1
-    while size < max_len + 1:
-      size <<= 1
-    self.size = size
-    self.t = [0] * (2 * size)
+    self.size = 1 << max_len.bit_length()   # the smallest power of two > max_len
+    self.t = [0] * (2 * self.size)
 
   def add(self, r: int):
     t, i = self.t, r + self.size
@@ -158,18 +149,13 @@ class _CapacityTree:
   def remove(self, r: int):
     t, i = self.t, r + self.size
     t[i] = 0
-    i >>= 1
-    while i:
-      v = t[2 * i] | t[2 * i + 1]
-      if t[i] == v:
-        break
-      t[i] = v
+    while i > 1 and not t[i ^ 1]:  # the parent of two empty subtrees is empty
       i >>= 1
+      t[i] = 0
 
   def first_at_least(self, lo: int) -> int:
     """Smallest capacity r >= lo that has a bin, or -1. O(log max_len)."""
-    t, size = self.t, self.size
-    i = lo + size
+    t, size, i = self.t, self.size, lo + self.size
     if t[i]:
       return lo
     while i > 1:  # climb until a right sibling subtree holds a bin
@@ -186,32 +172,26 @@ class _CapacityTree:
 
 def _bfd_runs(counts: np.ndarray, max_len: int):
   """Best-Fit-Decreasing on chunk-length counts (int [max_len + 1], counts[L] = number of chunks
-  of length L) into bins of capacity ``max_len``, placing equal-length chunks in runs.
+  of length L >= 1) into bins of capacity ``max_len``, placing equal-length chunks in runs.
 
   Returns (bin_ids, runs, num_bins): run j is a tuple (m, k, last, cap, length): it puts chunks of
   ``length`` into m bins (the ids ``bin_ids[j]``), k chunks into each but the last, which gets
   ``last``; those bins had ``cap`` free slots before the run (``max_len`` for new bins).
   """
   tree = _CapacityTree(max_len)
-  levels: list = [None] * (max_len + 1)  # levels[r]: ids of open bins with r free slots
-  bin_ids = []
-  runs = []
-  num_bins = 0
+  levels: dict = {}  # levels[r]: ids of open bins with r free slots
+  bin_ids, runs, num_bins = [], [], 0
   for length in (max_len - np.flatnonzero(counts[::-1])).tolist():  # descending, counts > 0
-    if length == 0:
-      continue
     c = int(counts[length])
     while c:
       r = tree.first_at_least(length)
       if r < 0:  # no open bin fits: open fresh ones
-        r = max_len
-        k = max_len // length
+        r, k = max_len, max_len // length
         m = -(-c // k)
         ids = range(num_bins, num_bins + m)
         num_bins += m
       else:
-        k = r // length
-        lvl = levels[r]
+        k, lvl = r // length, levels[r]
         m = min(-(-c // k), len(lvl))
         ids = lvl[-m:]
         del lvl[-m:]
@@ -221,17 +201,11 @@ def _bfd_runs(counts: np.ndarray, max_len: int):
       last = placed - (m - 1) * k
       bin_ids.append(ids)
       runs.append((m, k, last, r, length))
-      # Bins that got k chunks move to capacity r - k*length (< length); a last bin that got
-      # fewer moves to r - last*length. Capacity 0 means full: not tracked.
-      n_full = m if last == k else m - 1
-      moves = [(r - k * length, ids[:n_full])] if n_full else []
-      if last != k:
-        moves.append((r - last * length, ids[-1:]))
-      for nr, moved in moves:
-        if nr > 0:
-          tgt = levels[nr]
-          if tgt is None:
-            tgt = levels[nr] = []
+      # The first m - 1 bins got k chunks and move to capacity r - k*length (< length), the last
+      # one to r - last*length. Capacity 0 means full: not tracked.
+      for nr, moved in ((r - k * length, ids[:m - 1]), (r - last * length, ids[m - 1:])):
+        if nr > 0 and len(moved):
+          tgt = levels.setdefault(nr, [])
           if not tgt:
             tree.add(nr)
           tgt.extend(moved)
@@ -269,31 +243,23 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   doc_ids, starts, clen = _chunk(lengths, max_len)
   n = clen.shape[0]
   if n == 0:
-    z = np.zeros(0, np.int64)
-    return PackPlan(z, z, z, z, z, 0, max_len, int(lengths.shape[0]))
+    return PackPlan(*[np.zeros(0, np.int64)] * 5, 0, max_len, int(lengths.shape[0]))
   # Counting sort, longest first (stable: equal lengths keep document order). numpy's stable
   # sort on keys of <= 16 bits is a radix (counting) sort.
   key_dtype = np.uint16 if max_len < 2 ** 16 else np.uint32
   order = np.argsort((max_len - clen).astype(key_dtype), kind="stable")
   counts = np.bincount(clen, minlength=max_len + 1)
   bin_ids, runs, num_bins = _bfd_runs(counts, max_len)
-  # Expand runs to per-chunk bins and offsets (in the sorted order).
-  runs = np.asarray(runs, np.int64).reshape(-1, 5)
-  m, k, last, cap, rlen = runs.T
+  # Expand runs to per-chunk bins and offsets (in the sorted order): an entry is one bin of a
+  # run, getting reps chunks of length rlen from column max_len - cap on.
+  m, k, last, cap, rlen = np.asarray(runs, np.int64).reshape(-1, 5).T
   entry_bins = np.fromiter(itertools.chain.from_iterable(bin_ids), np.int64, int(m.sum()))
   reps = np.repeat(k, m)
-  run_end = np.cumsum(m) - 1
-  reps[run_end] = last
-  entry_base = np.repeat(max_len - cap, m)  # first free column of the bin before the run
-  entry_len = np.repeat(rlen, m)
-  entry_first = np.cumsum(reps) - reps
-  j = np.arange(n, dtype=np.int64) - np.repeat(entry_first, reps)  # index within the bin's group
-  sorted_bins = np.repeat(entry_bins, reps)
-  sorted_offsets = np.repeat(entry_base, reps) + j * np.repeat(entry_len, reps)
-  bins = np.empty(n, np.int64)
-  offsets = np.empty(n, np.int64)
-  bins[order] = sorted_bins
-  offsets[order] = sorted_offsets
+  reps[np.cumsum(m) - 1] = last
+  per_chunk = lambda x: np.repeat(np.repeat(x, m), reps)
+  bins, offsets = np.empty(n, np.int64), np.empty(n, np.int64)
+  bins[order] = np.repeat(entry_bins, reps)
+  offsets[order] = per_chunk(max_len - cap) + _ranks(reps) * per_chunk(rlen)
   return PackPlan(doc_ids=doc_ids, chunk_starts=starts, chunk_lengths=clen, bins=bins,
                   offsets=offsets, num_bins=int(num_bins), max_len=max_len,
                   num_docs=int(lengths.shape[0]))
@@ -321,8 +287,7 @@ class TokenStore:
   offsets: np.ndarray
 
   def __post_init__(self):
-    tokens = np.asarray(self.tokens)
-    offsets = np.asarray(self.offsets, np.int64)
+    tokens, offsets = np.asarray(self.tokens), np.asarray(self.offsets, np.int64)
     if tokens.ndim != 1:
       raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
     if (offsets.ndim != 1 or offsets.shape[0] < 1 or offsets[0] != 0
@@ -348,9 +313,7 @@ class TokenStore:
       ([3, 0, 1], [1, 2, 3, 4])
     """
     arrs = [np.asarray(d).reshape(-1) for d in docs]
-    lengths = np.array([a.shape[0] for a in arrs], np.int64)
-    offsets = np.zeros(len(arrs) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = np.cumsum([0] + [a.shape[0] for a in arrs], dtype=np.int64)
     tokens = np.concatenate(arrs) if arrs else np.zeros(0, np.int32)
     if tokens.dtype.kind not in "iu":
       tokens = tokens.astype(np.int32)
@@ -423,8 +386,7 @@ def loss_weights_from_segments(segment_ids):
   xp = jnp if isinstance(segment_ids, jax.Array) else np
   s = segment_ids
   same = (s[..., :-1] == s[..., 1:]) & (s[..., :-1] != 0)
-  w = xp.concatenate([same, xp.zeros(s.shape[:-1] + (1,), bool)], axis=-1)
-  return w.astype(xp.float32)
+  return xp.concatenate([same, xp.zeros(s.shape[:-1] + (1,), bool)], axis=-1).astype(xp.float32)
 
 
 def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = None,
@@ -451,12 +413,10 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
   store = _as_store(store)
   if store.num_docs != plan.num_docs:
     raise ValueError(f"plan has {plan.num_docs} documents, store has {store.num_docs}")
-  if rows is None:
-    rows = np.arange(plan.num_bins, dtype=np.int64)
-  rows = np.asarray(rows, np.int64).reshape(-1)
-  if ((rows < -1) | (rows >= plan.num_bins)).any():
-    bad = rows[(rows < -1) | (rows >= plan.num_bins)]
-    raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {bad[:5].tolist()}")
+  rows = np.asarray(np.arange(plan.num_bins) if rows is None else rows, np.int64).reshape(-1)
+  bad = (rows < -1) | (rows >= plan.num_bins)
+  if bad.any():
+    raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {rows[bad][:5].tolist()}")
   max_segments = max(plan.max_segments, 1) if max_segments is None else max_segments
   n, max_len = rows.shape[0], plan.max_len
   order, starts = plan.row_index
@@ -465,34 +425,27 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
   cnt = np.where(real, starts[np.maximum(rows, 0) + 1] - lo, 0)  # chunks per output row
   if n and cnt.max() > max_segments:
     raise ValueError(f"a row has {int(cnt.max())} chunks > max_segments={max_segments}")
-  first = np.cumsum(cnt) - cnt
-  total = int(cnt.sum())
-  rank = np.arange(total, dtype=np.int64) - np.repeat(first, cnt)  # chunk rank in its row
+  rank = _ranks(cnt)  # chunk rank in its row
   ch = order[np.repeat(lo, cnt) + rank]  # chunk indices, by row then offset
   out_row = np.repeat(np.arange(n, dtype=np.int64), cnt)
   clen = plan.chunk_lengths[ch]
-  doc_lengths = np.zeros((n, max_segments), np.int32)
-  doc_ids = np.full((n, max_segments), -1, np.int64)
-  chunk_starts = np.zeros((n, max_segments), np.int64)
-  doc_lengths[out_row, rank] = clen
-  doc_ids[out_row, rank] = plan.doc_ids[ch]
-  chunk_starts[out_row, rank] = plan.chunk_starts[ch]
-  # Token level.
-  tok_first = np.cumsum(clen) - clen
-  ntok = int(clen.sum())
-  within = np.arange(ntok, dtype=np.int64) - np.repeat(tok_first, clen)
-  r = np.repeat(out_row, clen)
-  col = np.repeat(plan.offsets[ch], clen) + within
+  within = _ranks(clen)  # token index within its chunk
+  r, col = np.repeat(out_row, clen), np.repeat(plan.offsets[ch], clen) + within
   src = np.repeat(store.offsets[plan.doc_ids[ch]] + plan.chunk_starts[ch], clen) + within
-  tokens = np.full((n, max_len), pad_id, store.tokens.dtype)
-  segment_ids = np.zeros((n, max_len), np.int32)
-  positions = np.zeros((n, max_len), np.int32)
-  tokens[r, col] = store.tokens[src]
-  segment_ids[r, col] = np.repeat(rank + 1, clen)
-  positions[r, col] = within
-  return PackedBatch(tokens=tokens, segment_ids=segment_ids, positions=positions,
+
+  def filled(width, index, fill, dtype, values):   # [n, width] of ``fill``, values at index
+    x = np.full((n, width), fill, dtype)
+    x[index] = values
+    return x
+  per_chunk = functools.partial(filled, max_segments, (out_row, rank))
+  per_token = functools.partial(filled, max_len, (r, col))
+  segment_ids = per_token(0, np.int32, np.repeat(rank + 1, clen))
+  return PackedBatch(tokens=per_token(pad_id, store.tokens.dtype, store.tokens[src]),
+                     segment_ids=segment_ids, positions=per_token(0, np.int32, within),
                      loss_weights=loss_weights_from_segments(segment_ids),
-                     doc_lengths=doc_lengths, doc_ids=doc_ids, chunk_starts=chunk_starts)
+                     doc_lengths=per_chunk(0, np.int32, clen),
+                     doc_ids=per_chunk(-1, np.int64, plan.doc_ids[ch]),
+                     chunk_starts=per_chunk(0, np.int64, plan.chunk_starts[ch]))
 
 
 # ---------------------------------------------------------------------------- Segment ids under jit
@@ -536,13 +489,12 @@ def _segments_from_lengths(doc_lengths, max_len):
   col = jnp.arange(max_len, dtype=jnp.int32)
   # Document containing each column: the first whose end is > col (zero-length ones never are).
   doc = jax.vmap(lambda e: jnp.searchsorted(e, col, side="right"))(ends)  # [b, max_len]
+  doc = jnp.minimum(doc, lengths.shape[-1] - 1)
   valid = col[None, :] < ends[:, -1:]
-  doc_c = jnp.minimum(doc, lengths.shape[-1] - 1)
-  seg = jnp.take_along_axis(nonzero_before, doc_c, axis=-1) + 1
-  start = jnp.take_along_axis(ends - lengths, doc_c, axis=-1)
-  segment_ids = jnp.where(valid, seg, 0).astype(jnp.int32)
-  positions = jnp.where(valid, col[None, :] - start, 0).astype(jnp.int32)
-  return segment_ids, positions
+  seg = jnp.take_along_axis(nonzero_before, doc, axis=-1) + 1
+  start = jnp.take_along_axis(ends - lengths, doc, axis=-1)
+  return (jnp.where(valid, seg, 0).astype(jnp.int32),
+          jnp.where(valid, col[None, :] - start, 0).astype(jnp.int32))
 
 
 # ----------------------------------------------------------------------------- Training iterator
@@ -580,14 +532,9 @@ class PackedIterator:
     if window is not None and window < 1:
       raise ValueError(f"window must be >= 1 or None, got {window}")
     self.store = _as_store(store)
-    self.max_len = int(max_len)
-    self.batch_size = int(batch_size)
-    self.seed = int(seed)
-    self.window = window
-    self.num_epochs = num_epochs
-    self.pad_id = pad_id
-    self._epoch = 0
-    self._step = 0
+    self.max_len, self.batch_size, self.seed = int(max_len), int(batch_size), int(seed)
+    self.window, self.num_epochs, self.pad_id = window, num_epochs, pad_id
+    self._epoch = self._step = 0
     self._cache: tuple[int, PackPlan, np.ndarray] | None = None
     if max_segments is None:
       max_segments = -(-max(self._epoch_plan(0)[0].max_segments, 1) // 8) * 8
@@ -598,13 +545,12 @@ class PackedIterator:
   # --- planning ---
   def _epoch_plan(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
     if self._cache is not None and self._cache[0] == epoch:
-      return self._cache[1], self._cache[2]
+      return self._cache[1:]
     rng = np.random.default_rng([self.seed, epoch])
     lengths = self.store.lengths
     perm = rng.permutation(lengths.shape[0])
     w = self.window or max(lengths.shape[0], 1)
-    parts = []
-    bin_base = 0
+    parts, bin_base = [], 0
     for lo in range(0, lengths.shape[0], w):
       ids = perm[lo:lo + w]
       p = pack_bfd(lengths[ids], self.max_len)
@@ -614,9 +560,8 @@ class PackedIterator:
     key = np.lexsort((cols[1], cols[0]))  # document order, as pack_bfd returns
     plan = PackPlan(*(c[key] for c in cols), num_bins=bin_base, max_len=self.max_len,
                     num_docs=int(lengths.shape[0]))
-    row_order = rng.permutation(plan.num_bins)
-    self._cache = (epoch, plan, row_order)
-    return plan, row_order
+    self._cache = (epoch, plan, rng.permutation(plan.num_bins))
+    return self._cache[1:]
 
   def steps_in_epoch(self, epoch: int | None = None) -> int:
     """Number of batches in an epoch.
@@ -688,8 +633,7 @@ class PackedIterator:
         break
       if plan.num_bins == 0 and self.num_epochs is None:
         raise StopIteration  # nothing to yield, ever
-      self._epoch += 1
-      self._step = 0
+      self._epoch, self._step = self._epoch + 1, 0
     rows = row_order[self._step * self.batch_size:(self._step + 1) * self.batch_size]
     rows = np.concatenate([rows, np.full(self.batch_size - rows.shape[0], -1, np.int64)])
     batch = materialize(plan, self.store, rows, max_segments=self.max_segments, pad_id=self.pad_id)
