@@ -19,16 +19,14 @@ from jattn.attention import kernel_module, resolve
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.common.util import pad_axis
 from pallas_kernels.flash.reference import attention_reference
-from jattn.sparse.metrics import add_aux_loss, block_attention_mass, score_kl
-from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
-                                   check_selection_args, segment_rules, select_lists)
+from jattn.sparse.metrics import _QUERY_POOLS, add_aux_loss, block_score_kl
+from jattn.sparse.selection import (_HIGHEST, block_scores, cdiv, check_selection,
+                                    check_selection_args, segment_rules, select_lists)
 
 __all__ = ["block_sparse_plan", "block_sparse_attention", "sparse_attention"]
 
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 _GATE_MODES = ("none", "ste", "gumbel")
-_QUERY_POOLS = ("sum", "max")
 
 
 # ----------------------------------------------------------------------------- attention
@@ -93,15 +91,14 @@ def _run_block_sparse(plan, q, k, v, selection, *, causal, segment_ids, kv_segme
                            causal=causal, q_segment_ids=segment_ids,
                            kv_segment_ids=kv_segment_ids, block_mask=selection.tile_mask(),
                            max_kv_blocks=selection.max_selected)
-  mod = kernel_module(impl)
   if impl == "mosaic_gpu":
-    return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
-                               scale=scale, block_sizes=plan.config,
-                               bwd_block_sizes=plan.backward_config, interpret=interpret)
-  kwargs = dict(block_sizes=plan.config) if impl == "triton" else {}
-  return mod.flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal,
-                             local_window_size=None, scale=scale, logits_soft_cap=None,
-                             interpret=interpret, **kwargs)
+    kw = dict(block_sizes=plan.config, bwd_block_sizes=plan.backward_config)
+  else:
+    kw = dict(local_window_size=None, logits_soft_cap=None)
+    if impl == "triton":
+      kw["block_sizes"] = plan.config
+  return kernel_module(impl).flash_attention(q, k, v, segment_ids, kv_segment_ids, schedule,
+                                             causal=causal, scale=scale, interpret=interpret, **kw)
 
 
 def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
@@ -173,50 +170,42 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
   nq, nk, ms = selection.num_q_blocks, selection.num_kv_blocks, selection.max_selected
   c = int(max(1, min(nq, max_chunk_elems // max(1, b * hq * qbs * ms * bs))))
   nc = cdiv(nq, c)
-  sq_pad = nc * c * qbs
   f32 = jnp.float32
   dt = jnp.promote_types(q.dtype, k.dtype)
   prec = _HIGHEST if dt == f32 else None
-  pad_q = lambda x, val=0: pad_axis(x, 1, sq_pad, val)
-  qf = pad_q(q.astype(dt))
-  dof = pad_q(dout.astype(dt))
-  delta = jnp.sum(dout.astype(f32) * out.astype(f32), -1)                  # [b, sq, hq]
-  delta = delta - jnp.swapaxes(dlse.astype(f32), 1, 2)
-  delta = pad_q(delta)
+  pad_q = lambda x, val=0: pad_axis(x, 1, nc * c * qbs, val)
+  qf, dof = pad_q(q.astype(dt)), pad_q(dout.astype(dt))
+  delta = pad_q(jnp.sum(dout.astype(f32) * out.astype(f32), -1)
+                - jnp.swapaxes(dlse.astype(f32), 1, 2))                    # [b, sq_pad, hq]
   lse_p = pad_q(jnp.swapaxes(lse.astype(f32), 1, 2), -jnp.inf)             # [b, sq_pad, hq]
-  kb = pad_axis(k.astype(dt), 1, nk * bs)
-  vb = pad_axis(v.astype(dt), 1, nk * bs)
-  kb = jnp.transpose(kb.reshape(b, nk, bs, hk, d), (0, 3, 1, 2, 4))        # [b, hk, nk, bs, d]
-  vb = jnp.transpose(vb.reshape(b, nk, bs, hk, dv), (0, 3, 1, 2, 4))
-  idx = jnp.pad(selection.indices, ((0, 0), (0, 0), (0, nc * c - nq), (0, 0)),
-                constant_values=-1)                                        # [b, hk, nc*c, ms]
-  q_off = sk - sq
+  blocks = lambda x: jnp.transpose(pad_axis(x.astype(dt), 1, nk * bs).reshape(
+      b, nk, bs, hk, x.shape[-1]), (0, 3, 1, 2, 4))                        # [b, hk, nk, bs, d]
+  kb, vb = blocks(k), blocks(v)
+  idx = pad_axis(selection.indices, 2, nc * c, -1)                         # [b, hk, nc*c, ms]
   if q_seg is not None:
     qsg = pad_q(q_seg.astype(jnp.int32))
     ksg = pad_axis(kv_seg.astype(jnp.int32), 1, nk * bs).reshape(b, nk, bs)
 
   def chunk(ci):
     start = ci * c * qbs
-    qc = jax.lax.dynamic_slice_in_dim(qf, start, c * qbs, 1).reshape(b, c, qbs, hk, g, d)
-    dc = jax.lax.dynamic_slice_in_dim(dof, start, c * qbs, 1).reshape(b, c, qbs, hk, g, dv)
-    lc = jax.lax.dynamic_slice_in_dim(lse_p, start, c * qbs, 1).reshape(b, c, qbs, hk, g)
-    tc = jax.lax.dynamic_slice_in_dim(delta, start, c * qbs, 1).reshape(b, c, qbs, hk, g)
+    rows = lambda x, *shape: jax.lax.dynamic_slice_in_dim(x, start, c * qbs, 1).reshape(
+        b, c, qbs, *shape)                                                  # the chunk's queries
+    qc, dc = rows(qf, hk, g, d), rows(dof, hk, g, dv)
+    lc, tc = rows(lse_p, hk, g), rows(delta, hk, g)
     ic = jax.lax.dynamic_slice_in_dim(idx, ci * c, c, 2)                    # [b, hk, c, ms]
     safe = jnp.maximum(ic, 0).reshape(b, hk, c * ms)
     kg = jnp.take_along_axis(kb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, d)
     vg = jnp.take_along_axis(vb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, dv)
     s = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", qc, kg, precision=prec,
                    preferred_element_type=f32) * scale
-    dp = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", dc, vg.astype(dt), precision=prec,
-                    preferred_element_type=f32)
-    q_pos = start + jnp.arange(c * qbs).reshape(c, qbs) + q_off             # [c, qbs]
+    dp = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", dc, vg, precision=prec, preferred_element_type=f32)
+    q_pos = start + jnp.arange(c * qbs).reshape(c, qbs) + sk - sq           # [c, qbs]
     k_pos = ic[..., None] * bs + jnp.arange(bs)                             # [b, hk, c, ms, bs]
-    mask = (ic[..., None] >= 0) & (k_pos < sk)
-    mask = mask[:, :, None, :, None]                                        # [b,hk,1,c,1,ms,bs]
+    mask = ((ic[..., None] >= 0) & (k_pos < sk))[:, :, None, :, None]       # [b,hk,1,c,1,ms,bs]
     if causal:
       mask = mask & (k_pos[:, :, None, :, None] <= q_pos[None, None, None, :, :, None, None])
     if q_seg is not None:
-      qs = jax.lax.dynamic_slice_in_dim(qsg, start, c * qbs, 1).reshape(b, c, qbs)
+      qs = rows(qsg)
       ks = jnp.take_along_axis(jnp.broadcast_to(ksg[:, None], (b, hk, nk, bs)),
                                safe[..., None], axis=2).reshape(b, hk, c, ms, bs)
       same = (qs[:, None, :, :, None, None] == ks[:, :, :, None]) & (ks[:, :, :, None] != 0)
@@ -229,19 +218,15 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
     return jnp.sum(ds, axis=(2, 4, 6))                                      # [b, hk, c, ms]
 
   res = jax.lax.map(chunk, jnp.arange(nc))                                  # [nc, b, hk, c, ms]
-  res = jnp.moveaxis(res, 0, 2).reshape(b, hk, nc * c, ms)
-  return res[:, :, :nq]
+  return jnp.moveaxis(res, 0, 2).reshape(b, hk, nc * c, ms)[:, :, :nq]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _gated_attention(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, plan,
                      interpret):
-  """block-sparse attention (``plan``) whose logits carry a per-kept-tile bias
-  ``gate_logits - itself``.
-
-  gate_logits [b, hk, nq, max_selected] never changes the forward (the bias is exactly 0); its
-  cotangent is the tile-summed dLoss/dlogits (``_tile_logit_grads``).
-  """
+  """Block-sparse attention (``plan``) whose logits carry a per-kept-tile bias ``gate_logits -
+  itself``: exactly 0 in the forward; the cotangent of gate_logits [b, hk, nq, max_selected] is
+  the tile-summed dLoss/dlogits (``_tile_logit_grads``)."""
   del gate_logits
   return _run_block_sparse(plan, q, k, v, selection, causal=causal, segment_ids=q_seg,
                            kv_segment_ids=kv_seg, scale=scale, interpret=interpret)
@@ -381,39 +366,29 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   if gate_grad == "gumbel":
     noise = jax.random.gumbel(rng, scores.shape, jnp.float32)
-    gate = (scale * scores + noise) / gate_temperature
-    rank = gate
+    gate = rank = (scale * scores + noise) / gate_temperature
   else:
-    gate = scale * scores / gate_temperature
-    rank = scores
+    gate, rank = scale * scores / gate_temperature, scores
   seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
   sel = select_lists(rank, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
-                block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
-                num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
-                scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
+                     block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
+                     num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
+                     scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
   if gate_grad == "none":
     out, lse = _run_block_sparse(plan, q, k, v, sel, causal=causal, segment_ids=segment_ids,
                                  kv_segment_ids=kv_segment_ids, scale=scale, interpret=interpret)
   else:
-    valid = sel.indices >= 0
     gate_sel = jnp.take_along_axis(gate, jnp.maximum(sel.indices, 0), axis=-1)
-    gate_sel = jnp.where(valid, gate_sel, 0.0)                    # [b, hk, nq, max_selected]
-    bare = dataclasses.replace(sel, scores=None)
-    out, lse = _gated_attention(q, k, v, gate_sel, bare, segment_ids, kv_segment_ids,
-                                bool(causal), float(scale), plan, bool(interpret))
-  if score_aux_weight > 0:
-    scores_g = scores if gate_grad != "none" else block_scores(
-        q, k, block_size=block_size, q_block_size=q_block_size, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids)
-    mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,
-                                causal=causal, segment_ids=segment_ids,
-                                kv_segment_ids=kv_segment_ids, scale=scale,
-                                query_pool=score_aux_pool, max_chunk_elems=aux_max_chunk_elems)
-    cand, _, _ = candidates(batch, k.shape[2], q_len=q_len, kv_len=kv_len,
-                             q_block_size=int(q_block_size), block_size=int(block_size),
-                             causal=causal, num_init=int(num_init_blocks),
-                             num_local=int(num_local_blocks), seg_ok=seg_ok, doc_start=doc_start)
-    kl = score_kl(scale * scores_g / gate_temperature, mass, cand)
+    gate_sel = jnp.where(sel.indices >= 0, gate_sel, 0.0)        # [b, hk, nq, max_selected]
+    out, lse = _gated_attention(q, k, v, gate_sel, dataclasses.replace(sel, scores=None),
+                                segment_ids, kv_segment_ids, bool(causal), float(scale), plan,
+                                bool(interpret))
+  if score_aux_weight > 0:   # the scores with their gradient, whatever gate_grad
+    kl = block_score_kl(q, k, block_size=block_size, q_block_size=q_block_size, causal=causal,
+                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
+                        temperature=gate_temperature, query_pool=score_aux_pool,
+                        max_chunk_elems=aux_max_chunk_elems)
     out = add_aux_loss(out, float(score_aux_weight) * kl)
   res = (out,) + ((lse,) if return_lse else ()) + ((sel,) if return_selection else ())
   return res if len(res) > 1 else out

@@ -22,13 +22,11 @@ from jattn._validate import (as_array, check_flags, check_float, check_int, chec
 from jattn.decode import IMPLEMENTATIONS  # noqa: F401 (the sparse decode runs the same three)
 from jattn.decode import check_decode_call, resolve_decode_implementation
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
-from jattn.sparse.selection import (_selected_lists_by_sort, cdiv, check_selection_args,
-                                    top_k_cut)
+from jattn.sparse.selection import (_HIGHEST, _selected_lists_by_sort, cdiv,
+                                    check_selection_args, top_k_cut)
 from pallas_kernels import compat
 from pallas_kernels.common.util import pad_axis
 from pallas_kernels.sparse.decode_select import decode_width
-
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 # ----------------------------------------------------------------------------- sparse decode
@@ -89,9 +87,7 @@ class BlockSummaries:
       1.0
     """
     cnt = jnp.maximum(self.counts(), 1).astype(jnp.float32)                # [b, nb]
-    if self.layout == "hnd":
-      return self.sums / cnt[:, None, :, None]
-    return self.sums / cnt[:, :, None, None]
+    return self.sums / (cnt[:, None, :, None] if self.layout == "hnd" else cnt[:, :, None, None])
 
 
 def _gather_positions(k, page_table, pos, hnd=False):
@@ -135,19 +131,18 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
     raise ValueError(f"k_cache must be 4-d, got {k_cache.shape}")
   check_nonempty(k_cache=k_cache)
   check_selection_args(block_size, 1, 1, 0, 0)
-  paged_hnd = page_table is not None and kv_layout == "hnd"
+  hnd = kv_layout == "hnd"
   if page_table is not None:
-    if k_cache.shape[2 if paged_hnd else 1] != block_size:
-      raise ValueError(f"page size {k_cache.shape[2 if paged_hnd else 1]} must equal "
+    if k_cache.shape[2 if hnd else 1] != block_size:
+      raise ValueError(f"page size {k_cache.shape[2 if hnd else 1]} must equal "
                        f"block_size {block_size}")
     n = page_table.shape[1] * block_size
     pos = jnp.broadcast_to(jnp.arange(n)[None], (page_table.shape[0], n))
-    k_cache = _gather_positions(k_cache, page_table, pos, paged_hnd)         # [b, n, hk, d]
-    if paged_hnd:
-      k_cache = jnp.swapaxes(k_cache, 1, 2)
-  b, n = k_cache.shape[0], k_cache.shape[2 if kv_layout == "hnd" else 1]
+    k_cache = _gather_positions(k_cache, page_table, pos, hnd)               # [b, n, hk, d]
+    k_cache = jnp.swapaxes(k_cache, 1, 2) if hnd else k_cache
+  b, n = k_cache.shape[0], k_cache.shape[2 if hnd else 1]
   lengths = jnp.clip(check_lengths("kv_lengths", kv_lengths, b, n), 0, n)   # traced: clamped
-  sums = _block_sums(k_cache, lengths, int(block_size), kv_layout == "hnd")
+  sums = _block_sums(k_cache, lengths, int(block_size), hnd)
   return BlockSummaries(sums=sums, lengths=lengths, block_size=int(block_size), layout=kv_layout)
 
 
@@ -207,17 +202,13 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
   lengths = jnp.clip(check_lengths("kv_lengths", kv_lengths, bsz, cap), 0, cap)
   pos = jnp.maximum(lengths - 1, 0)
   new = lengths > summaries.lengths
-  bi = jnp.arange(bsz)
+  bi, blk = jnp.arange(bsz), pos // summaries.block_size
   if hnd and page_table is None:
     k_new = k_cache[bi, :, pos]                                              # [b, hk, d]
   else:
     k_new = _gather_positions(k_cache, page_table, pos[:, None], hnd)[:, 0]  # [b, hk, d]
   k_new = jnp.where(new[:, None, None], k_new.astype(jnp.float32), 0.0)
-  blk = pos // summaries.block_size
-  if hnd:
-    sums = summaries.sums.at[bi, :, blk].add(k_new)                          # [b, hk, nb, d]
-  else:
-    sums = summaries.sums.at[bi, blk].add(k_new)                             # [b, nb, hk, d]
+  sums = (summaries.sums.at[bi, :, blk] if hnd else summaries.sums.at[bi, blk]).add(k_new)
   return BlockSummaries(sums=sums, lengths=jnp.where(new, lengths, summaries.lengths),
                         block_size=summaries.block_size, layout=summaries.layout)
 
@@ -254,18 +245,10 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
 
 
 def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks):
-  """select_decode_blocks in XLA (the reference; the Triton path runs
-  ``pallas_kernels.sparse.decode_select`` instead)."""
+  """select_decode_blocks in XLA (Triton runs ``pallas_kernels.sparse.decode_select``): block
+  scores fp32 [b, kv_heads, num_blocks], the group's summed queries . mean key, then the rules."""
   top_k = check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks,
                                num_local_blocks)
-  return _decode_select_from_scores(_decode_scores(q, block_summaries), kv_lengths,
-                                    block_size=block_summaries.block_size, top_k=top_k,
-                                    num_init_blocks=num_init_blocks,
-                                    num_local_blocks=num_local_blocks)
-
-
-def _decode_scores(q, block_summaries):
-  """fp32 [b, kv_heads, num_blocks]: sum over the group's query heads of q . mean key."""
   b, hq, d = q.shape
   sums = block_summaries.sums              # [b, nb, hk, d] ("nhd") or [b, hk, nb, d] ("hnd")
   hnd = block_summaries.layout == "hnd"
@@ -274,31 +257,30 @@ def _decode_scores(q, block_summaries):
   # q . mean_key = (q . key_sum) / count: divide the [b, hk, nb] scores, not the sums.
   scores = jnp.einsum("bhd,bhjd->bhj" if hnd else "bhd,bjhd->bhj", qsum, sums,
                       precision=_HIGHEST)                                  # [b, hk, nb]
-  return scores / jnp.maximum(block_summaries.counts(), 1)[:, None, :].astype(jnp.float32)
+  scores = scores / jnp.maximum(block_summaries.counts(), 1)[:, None, :].astype(jnp.float32)
+  return _decode_select_from_scores(scores, kv_lengths, block_size=block_summaries.block_size,
+                                    top_k=top_k, num_init_blocks=num_init_blocks,
+                                    num_local_blocks=num_local_blocks)
 
 
 def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_init_blocks,
                                num_local_blocks):
   """The decode selection rules applied to given scores [b, hk, nb] (XLA, lax.top_k)."""
   b, hk, nb = scores.shape
-  bs = block_size
-  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), nb * bs)
-  diag = jnp.where(lengths > 0, (lengths - 1) // bs, -1)[:, None, None]    # [b, 1, 1]
+  lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), nb * block_size)
+  diag = jnp.where(lengths > 0, (lengths - 1) // block_size, -1)[:, None, None]   # [b, 1, 1]
   j = jnp.arange(nb)[None, None, :]
   visible = j <= diag
-  local = (j > diag - num_local_blocks) if num_local_blocks > 0 else jnp.zeros_like(visible)
-  forced = visible & ((j < num_init_blocks) | local)
+  forced = visible & ((j < num_init_blocks) | (j > diag - num_local_blocks))
   cand = jnp.broadcast_to(visible & ~forced, (b, hk, nb))
-  n_forced = min(num_init_blocks, nb) + min(num_local_blocks, nb)
-  fi = jnp.concatenate([jnp.arange(min(num_init_blocks, nb)),
-                        jnp.arange(min(num_local_blocks, nb)) - min(num_local_blocks, nb) + 1])
-  fidx = jnp.broadcast_to(fi[None, None, :], (b, 1, n_forced))
-  fidx = jnp.where(jnp.arange(n_forced) < min(num_init_blocks, nb), fidx, fidx + diag)
-  dup = (jnp.arange(n_forced) >= min(num_init_blocks, nb)) & (fidx < num_init_blocks)
-  ok = (fidx >= 0) & (fidx <= diag) & ~dup
-  fidx = jnp.broadcast_to(jnp.where(ok, fidx, -1), (b, hk, n_forced))
+  ni, nl = min(num_init_blocks, nb), min(num_local_blocks, nb)
+  is_local = jnp.arange(ni + nl) >= ni        # forced slots: ni initial, then nl local blocks
+  fidx = jnp.concatenate([jnp.arange(ni), jnp.arange(1 - nl, 1)])
+  fidx = jnp.where(is_local, fidx + diag, fidx)                            # [b, 1, ni + nl]
+  ok = (fidx >= 0) & (fidx <= diag) & ~(is_local & (fidx < num_init_blocks))  # listed once
+  fidx = jnp.broadcast_to(jnp.where(ok, fidx, -1), (b, hk, ni + nl))
   k_eff, limit = top_k_cut(top_k, nb, diag[..., 0] + 1, jnp.sum(forced, -1))      # limit [b, 1]
-  if not (n_forced or k_eff):
+  if not (ni + nl or k_eff):
     return jnp.full((b, hk, 1), -1, jnp.int32)
   ms = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
   return _selected_lists_by_sort(scores, cand, fidx, None, k=k_eff, max_sel=ms, limit=limit)
@@ -308,54 +290,41 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   """Gather the selected blocks of each kv head (no copy of the whole cache), one softmax.
   With ``m_hat`` [b, hq]: the unified-max partial (acc, l, mx), each [b, 1, hq, ...]."""
   b, hq, d = q.shape
-  hk = k.shape[2]
+  hk, ms, bs, dv = k.shape[2], indices.shape[-1], block_size, v.shape[-1]
   g = hq // hk
-  ms = indices.shape[-1]
   safe = jnp.maximum(indices, 0)                                           # [b, hk, ms]
-  bi = jnp.arange(b)[:, None, None]
-  hi = jnp.arange(hk)[None, :, None]
+  bi, hi = jnp.arange(b)[:, None, None], jnp.arange(hk)[None, :, None]
   if page_table is None:
     n = k.shape[1]
-    nb = cdiv(n, block_size)
-    k, v = pad_axis(k, 1, nb * block_size), pad_axis(v, 1, nb * block_size)
-    kb = k.reshape(b, nb, block_size, hk, d)
-    vb = v.reshape(b, nb, block_size, hk, v.shape[-1])
-    kg = kb[bi, safe, :, hi]                                               # [b, hk, ms, bs, d]
-    vg = vb[bi, safe, :, hi]
+    nb = cdiv(n, bs)
+    blocks = lambda x: pad_axis(x, 1, nb * bs).reshape(b, nb, bs, hk, x.shape[-1])[bi, safe, :, hi]
+    kg, vg = blocks(k), blocks(v)                                          # [b, hk, ms, bs, d]
   else:
-    n = page_table.shape[1] * block_size
-    page = jnp.clip(jnp.take_along_axis(page_table[:, None, :], safe, axis=2), 0,
-                    k.shape[0] - 1)                                        # [b, hk, ms]
-    kg = k[page, :, hi]                                                    # [b, hk, ms, bs, d]
-    vg = v[page, :, hi]
-  qf = q.reshape(b, hk, g, d)
-  s = jnp.einsum("bhgd,bhmkd->bhgmk", qf, kg, preferred_element_type=jnp.float32) * scale
-  k_pos = safe[..., None] * block_size + jnp.arange(block_size)
+    n = page_table.shape[1] * bs
+    page = jnp.clip(jnp.take_along_axis(page_table[:, None, :], safe, axis=2), 0, k.shape[0] - 1)
+    kg, vg = k[page, :, hi], v[page, :, hi]                                # [b, hk, ms, bs, d]
+  s = jnp.einsum("bhgd,bhmkd->bhgmk", q.reshape(b, hk, g, d), kg,
+                 preferred_element_type=jnp.float32) * scale
+  k_pos = safe[..., None] * bs + jnp.arange(bs)
   lengths = jnp.minimum(jnp.asarray(kv_lengths, jnp.int32), n)
   mask = (indices[..., None] >= 0) & (k_pos < lengths[:, None, None, None])  # [b, hk, ms, bs]
-  s = jnp.where(mask[:, :, None], s, -jnp.inf).reshape(b, hk, g, ms * block_size)
+  s = jnp.where(mask[:, :, None], s, -jnp.inf).reshape(b, hk, g, ms * bs)
   # Masked rows may come from unused slots or garbage table entries (e.g. a length-0 row's
   # pages): zero them, since p = 0 times a NaN there would still poison the output.
-  vg = jnp.where(mask[..., None], vg, jnp.zeros((), vg.dtype))             # [b, hk, ms, bs, dv]
+  vg = jnp.where(mask[..., None], vg, jnp.zeros((), vg.dtype)).reshape(b, hk, ms * bs, dv)
   mx = jnp.max(s, -1, keepdims=True)
-  if m_hat is None:
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(mx), mx, 0.0))
-  else:
-    m = m_hat.reshape(b, hk, g, 1)
+  m = (jax.lax.stop_gradient(jnp.where(jnp.isfinite(mx), mx, 0.0)) if m_hat is None
+       else m_hat.reshape(b, hk, g, 1))
   p = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - m))
   l = jnp.sum(p, -1, keepdims=True)
+  pv = lambda w: jnp.einsum("bhgk,bhkd->bhgd", w.astype(vg.dtype), vg,
+                            preferred_element_type=jnp.float32)                 # [b, hk, g, dv]
   if m_hat is not None:
-    acc = jnp.einsum("bhgk,bhkd->bhgd", p.astype(vg.dtype),
-                     vg.reshape(b, hk, ms * block_size, vg.shape[-1]),
-                     preferred_element_type=jnp.float32)
-    return (acc.reshape(b, 1, hq, vg.shape[-1]), l.reshape(b, 1, hq), mx.reshape(b, 1, hq))
+    return pv(p).reshape(b, 1, hq, dv), l.reshape(b, 1, hq), mx.reshape(b, 1, hq)
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
-  o = jnp.einsum("bhgk,bhkd->bhgd", (p / l_safe).astype(vg.dtype),
-                 vg.reshape(b, hk, ms * block_size, vg.shape[-1]),
-                 preferred_element_type=jnp.float32)
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]
-  return o.reshape(b, hq, vg.shape[-1]).astype(q.dtype), lse.reshape(b, hq)
+  return pv(p / l_safe).reshape(b, hq, dv).astype(q.dtype), lse.reshape(b, hq)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,9 +358,8 @@ def _hnd_triton_launch(k, v, block_size):
   cc = compat.gpu_compute_capability()
   need = (3 * 2 * block_size
           * (k.shape[-1] * jnp.dtype(k.dtype).itemsize + v.shape[-1] * jnp.dtype(v.dtype).itemsize))
-  if cc is not None and cc[0] == 9 and need <= 200 * 1024:
-    return dict(blocks_per_step=2, prefetch_ids=True, merge_kernel=True)
-  return dict(blocks_per_step=1, prefetch_ids=True, merge_kernel=False)
+  two = cc is not None and cc[0] == 9 and need <= 200 * 1024
+  return dict(blocks_per_step=2 if two else 1, prefetch_ids=True, merge_kernel=two)
 
 
 def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_split=4):
@@ -485,15 +453,13 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
     raise ValueError(f"num_splits applies to the Triton kernel only (the Mosaic TPU kernel "
                      f"walks each kv head's kept blocks in one pass), got {num_splits}")
   config = None
-  if impl == "triton":
-    if kv_layout == "hnd":
-      b, hk, n, _ = k_cache.shape
-      seqs, nb = b * hk, cdiv(n, block_size)
-    else:
-      seqs = q.shape[0]
-      nb = cdiv(k_cache.shape[1], block_size) if page_table is None else page_table.shape[1]
+  if impl == "triton":   # a head-major cache here is contiguous (paged "hnd" returned above)
+    hnd = kv_layout == "hnd"
+    seqs = k_cache.shape[0] * k_cache.shape[1] if hnd else q.shape[0]
+    nb = (cdiv(k_cache.shape[2 if hnd else 1], block_size) if page_table is None
+          else page_table.shape[1])
     width = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
-    if kv_layout == "hnd":
+    if hnd:
       from pallas_kernels.sparse.decode_select import default_score_splits
       config = SparseDecodeConfig(
           num_splits=int(num_splits or _hnd_triton_num_splits(seqs, width)), fused_select=True,
@@ -513,11 +479,11 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
   ``lengths_group``: one length per that many consecutive sequences ("triton", head-major)."""
   sel = dict(sel)
   if softmax == "unified_max" and max_estimate is None:
-    max_estimate = newest_key_logits(q, k, jnp.repeat(jnp.asarray(kv_lengths, jnp.int32),
-                                                      lengths_group),
-                                     page_table=page_table, scale=scale)
-  if plan.implementation == "xla":
+    per_seq = jnp.repeat(jnp.asarray(kv_lengths, jnp.int32), lengths_group)
+    max_estimate = newest_key_logits(q, k, per_seq, page_table=page_table, scale=scale)
+  if plan.implementation in ("xla", "mosaic_tpu"):   # selection in XLA (ascending, -1 padded)
     indices = _decode_select(q, summaries, kv_lengths, **sel)
+  if plan.implementation == "xla":
     attend = functools.partial(_sparse_decode_xla, q, k, v, kv_lengths, indices, page_table,
                                block_size, scale)
     if softmax == "exact":
@@ -532,10 +498,8 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
       out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
                             merge="xla", interpret=interpret)
     return out, lse, indices
-  if plan.implementation == "mosaic_tpu":
-    # Selection in XLA (ascending lists, -1 padded); the kernel DMAs only the kept blocks.
+  if plan.implementation == "mosaic_tpu":   # the kernel DMAs only the kept blocks
     from pallas_kernels.sparse.decode_tpu import sparse_decode as tpu_sparse_decode
-    indices = _decode_select(q, summaries, kv_lengths, **sel)
     out, lse = tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
                                  page_table=page_table, block_size=block_size,
                                  scale=float(scale), interpret=interpret)
@@ -543,9 +507,8 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
   # "triton", no XLA glue: block scores and the selection (a threshold search, no sort;
   # compact ascending lists, counts and zeroed arrival counters) in one launch or two, then
   # the split-KV attention over the kept blocks.
-  from pallas_kernels.sparse.decode import sparse_decode
-  from pallas_kernels.sparse.decode_select import (decode_block_scores,
-                                                   score_select_decode_slots,
+  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
+  from pallas_kernels.sparse.decode_select import (decode_block_scores, score_select_decode_slots,
                                                    select_decode_slots)
   cfg = plan.config
   lengths = jnp.asarray(kv_lengths, jnp.int32)
@@ -560,7 +523,6 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
     indices, counts, arrivals = select_decode_slots(scores, lengths, max_selected=width,
                                                     return_arrivals=True, **sel, **common)
   if softmax == "unified_max":     # split partials against one estimate, merged by a sum
-    from pallas_kernels.sparse.decode import sparse_decode_partials
     partials = functools.partial(
         sparse_decode_partials, q, k, v, lengths, indices, page_table, counts,
         num_splits=cfg.num_splits, scale=float(scale), blocks_per_step=cfg.blocks_per_step,
@@ -591,8 +553,7 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, max_estim
     lengths, summary_lengths = jnp.asarray(kv_lengths, jnp.int32), block_summaries.lengths
   else:
     summary_lengths = jnp.repeat(block_summaries.lengths, hk)
-  nb = block_summaries.num_blocks
-  summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, nb, 1, d),
+  summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, block_summaries.num_blocks, 1, d),
                         lengths=summary_lengths, block_size=block_summaries.block_size)
   out, lse, idx = _attend(q2, k2, v2, lengths, summ, page_table, plan=plan, block_size=block_size,
                           sel=sel, scale=scale, interpret=interpret,
@@ -640,14 +601,9 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   sel = (("top_k", top_k), ("num_init_blocks", num_init_blocks),
          ("num_local_blocks", num_local_blocks))
-  if hnd:
-    out, lse, indices = _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table,
-                                    max_estimate, plan=plan, block_size=block_size, sel=sel,
-                                    scale=scale, interpret=interpret, softmax=softmax)
-  else:
-    out, lse, indices = _attend(q, k, v, kv_lengths, block_summaries, page_table, plan=plan,
-                                block_size=block_size, sel=sel, scale=scale,
-                                interpret=interpret, softmax=softmax, max_estimate=max_estimate)
+  out, lse, indices = (_hnd_attend if hnd else _attend)(
+      q, k, v, kv_lengths, block_summaries, page_table, plan=plan, block_size=block_size,
+      sel=sel, scale=scale, interpret=interpret, softmax=softmax, max_estimate=max_estimate)
   res = (out,) + ((lse,) if return_lse else ()) + ((indices,) if return_indices else ())
   return res[0] if len(res) == 1 else res
 

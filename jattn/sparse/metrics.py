@@ -5,33 +5,44 @@ import jax
 import jax.numpy as jnp
 
 from jattn._validate import check_qkv, check_scale_and_cap, check_segments
+from pallas_kernels.common.util import pad_axis
 from pallas_kernels.masks import element_mask
-from jattn.sparse.selection import (block_scores, candidates, cdiv, check_selection,
-                                   check_selection_args, segment_rules)
+from jattn.sparse.selection import (_HIGHEST, block_scores, candidates, cdiv, check_selection,
+                                    check_selection_args, segment_rules)
 
 __all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_loss"]
 
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 _QUERY_POOLS = ("sum", "max")
 
 
 # ----------------------------------------------------------------------------- captured mass
-def _chunk_visibility(t, start, qsg, kv_segment_ids, *, q_len, kv_len, causal):
-  """Element visibility [b or 1, 1, 1, len(t), kv_len] of a chunk's query rows ``t``.
+def _chunk_logits(q, k, segment_ids, kv_segment_ids, rows, num_chunks, dt, *, causal, scale):
+  """ci -> (logits, visibility) of the query rows ci * rows .. (ci + 1) * rows - 1 against all
+  keys, products in ``dt`` (q padded to num_chunks * rows): scaled fp32 logits [b, hk, g, rows,
+  kv_len], -inf where not visible, and the visibility [b or 1, 1, 1, rows, kv_len] (causal /
+  segment mask as :func:`element_mask`, no window; padding rows see nothing)."""
+  (b, q_len, hq, d), (kv_len, hk) = q.shape, k.shape[1:3]
+  qf, kf = pad_axis(q.astype(dt), 1, num_chunks * rows), k.astype(dt)
+  qsg = None if segment_ids is None else pad_axis(segment_ids, 1, num_chunks * rows)
+  prec = _HIGHEST if dt == jnp.float32 else None
 
-  ``t`` = start + arange(chunk) indexes the padded queries; ``qsg`` the padded query segment
-  ids (None: no segments). Causal / segment mask as :func:`element_mask` (no window); padding
-  rows (t >= q_len) see nothing.
-  """
-  if qsg is not None:
-    qs = jax.lax.dynamic_slice_in_dim(qsg, start, t.shape[0], 1)
-    vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
-                       q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
-  else:
-    vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
-                       window=None)[None, None, None]
-  return vis & (t < q_len)[:, None]
+  def logits(ci):
+    start = ci * rows
+    qc = jax.lax.dynamic_slice_in_dim(qf, start, rows, 1).reshape(b, rows, hk, hq // hk, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec,
+                   preferred_element_type=jnp.float32)
+    t = start + jnp.arange(rows)                                           # query index
+    if qsg is not None:
+      qs = jax.lax.dynamic_slice_in_dim(qsg, start, rows, 1)
+      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
+                         q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
+    else:
+      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
+                         window=None)[None, None, None]
+    vis = vis & (t < q_len)[:, None]
+    return jnp.where(vis, s * scale, -jnp.inf), vis
+  return logits
 
 
 def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_ids=None,
@@ -63,29 +74,20 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
-  g = hq // hk
-  d = q.shape[-1]
-  scale, _ = check_scale_and_cap(scale, head_dim=d)
-  qbs, bs = selection.q_block_size, selection.block_size
+  scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   cq = int(max(1, min(q_len, max_chunk_elems // max(1, batch * hq * kv_len))))
   nc = cdiv(q_len, cq)
-  pad = nc * cq - q_len
-  qf = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  kf = k.astype(jnp.float32)
+  logits = _chunk_logits(q, k, segment_ids, kv_segment_ids, cq, nc, jnp.float32, causal=causal,
+                         scale=scale)
   tiles = selection.tile_mask()                                            # [b, hk, nq, nk]
-  kblock = jnp.arange(kv_len) // bs                                        # [sk]
-  qsg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
+  kblock = jnp.arange(kv_len) // selection.block_size                      # [sk]
 
   def chunk(ci):
-    start = ci * cq
-    qc = jax.lax.dynamic_slice_in_dim(qf, start, cq, 1).reshape(batch, cq, hk, g, d)
-    t = start + jnp.arange(cq)                                             # query index
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=_HIGHEST) * scale
-    vis = _chunk_visibility(t, start, qsg, kv_segment_ids, q_len=q_len, kv_len=kv_len,
-                            causal=causal)
-    rows = jnp.take(tiles, jnp.minimum(t // qbs, selection.num_q_blocks - 1), axis=2)
+    s_all, _ = logits(ci)
+    t = ci * cq + jnp.arange(cq)                                           # query index
+    rows = jnp.take(tiles, jnp.minimum(t // selection.q_block_size, selection.num_q_blocks - 1),
+                    axis=2)
     kept = jnp.take(rows, kblock, axis=3)[:, :, None]                      # [b, hk, 1, cq, sk]
-    s_all = jnp.where(vis, s, -jnp.inf)
     lse_all = jax.nn.logsumexp(s_all, axis=-1)
     lse_sel = jax.nn.logsumexp(jnp.where(kept, s_all, -jnp.inf), axis=-1)
     ok = jnp.isfinite(lse_all)
@@ -133,33 +135,21 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
   batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-  g, d = hq // hk, q.shape[-1]
-  scale, _ = check_scale_and_cap(scale, head_dim=d)
+  g = hq // hk
+  scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   qbs, bs = int(q_block_size), int(block_size)
   nq, nk = cdiv(q_len, qbs), cdiv(kv_len, bs)
   c = int(max(1, min(nq, max_chunk_elems // max(1, batch * hq * qbs * kv_len))))
   nc = cdiv(nq, c)
-  pad = nc * c * qbs - q_len
-  f32 = jnp.float32
-  dt = jnp.promote_types(q.dtype, k.dtype)
-  prec = _HIGHEST if dt == f32 else None
-  qf = jnp.pad(q.astype(dt), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  kf = k.astype(dt)
-  qsg = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
+  logits = _chunk_logits(q, k, segment_ids, kv_segment_ids, c * qbs, nc,
+                         jnp.promote_types(q.dtype, k.dtype), causal=causal, scale=scale)
 
   def chunk(ci):
-    start = ci * c * qbs
-    qc = jax.lax.dynamic_slice_in_dim(qf, start, c * qbs, 1).reshape(batch, c * qbs, hk, g, d)
-    t = start + jnp.arange(c * qbs)                                        # query index
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec, preferred_element_type=f32)
-    vis = _chunk_visibility(t, start, qsg, kv_segment_ids, q_len=q_len, kv_len=kv_len,
-                            causal=causal)
-    s = jnp.where(vis, s * scale, -jnp.inf)
+    s, vis = logits(ci)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)         # [b, hk, g, cq, sk]
-    p = jnp.pad(p, ((0, 0),) * 4 + ((0, nk * bs - kv_len),))
-    p = jnp.sum(p.reshape(batch, hk, g, c, qbs, nk, bs), axis=6)          # [b,hk,g,c,qbs,nk]
+    p = jnp.sum(pad_axis(p, 4, nk * bs).reshape(batch, hk, g, c, qbs, nk, bs), axis=6)
     p = jnp.max(p, axis=4) if query_pool == "max" else jnp.sum(p, axis=4)
     return jnp.sum(p, axis=2)                                              # [b, hk, c, nk]
 

@@ -83,11 +83,8 @@ class BlockSelection:
     b, h, nq, _ = self.indices.shape
     nk = self.num_kv_blocks
     cols = jnp.where(self.indices < 0, nk, self.indices)              # sentinel -> spare column
-    mask = jnp.zeros((b, h, nq, nk + 1), bool)
-    bi = jnp.arange(b)[:, None, None, None]
-    hi = jnp.arange(h)[None, :, None, None]
-    qi = jnp.arange(nq)[None, None, :, None]
-    return mask.at[bi, hi, qi, cols].set(True)[..., :nk]
+    bi, hi, qi, _ = jnp.indices((b, h, nq, 1), sparse=True)
+    return jnp.zeros((b, h, nq, nk + 1), bool).at[bi, hi, qi, cols].set(True)[..., :nk]
 
   def to_mask(self, q_len=None, kv_len=None):
     """Element-level expansion of the block mask (no causal or segment mask applied).
@@ -109,8 +106,7 @@ class BlockSelection:
     if (q_len, kv_len) != (self.q_len, self.kv_len):
       raise ValueError(f"selection was made for (q_len, kv_len) = {(self.q_len, self.kv_len)}, "
                        f"got {(q_len, kv_len)}")
-    m = self.tile_mask()
-    m = jnp.repeat(m, self.q_block_size, axis=2)[:, :, :q_len]
+    m = jnp.repeat(self.tile_mask(), self.q_block_size, axis=2)[:, :, :q_len]
     return jnp.repeat(m, self.block_size, axis=3)[..., :kv_len]
 
   def density(self, relative_to="all"):
@@ -189,9 +185,7 @@ def pooled_scores(qbar, kbar):
 # ----------------------------------------------------------------------------- selection rules
 def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
   """Per query block: last query position and the local key-block range [lo, hi] (numpy or jnp)."""
-  nq = cdiv(q_len, q_block_size)
-  off = kv_len - q_len
-  i = xp.arange(nq)
+  i, off = xp.arange(cdiv(q_len, q_block_size)), kv_len - q_len
   q_first = i * q_block_size + off                                  # absolute positions
   q_last = xp.minimum((i + 1) * q_block_size, q_len) - 1 + off
   lo = xp.maximum(q_first, 0) // block_size - (num_local - 1)
@@ -202,16 +196,14 @@ def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
 @functools.lru_cache(maxsize=256)
 def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
                    per_doc_init=False):
-  """From shapes alone (numpy, O(num_q_blocks)): per-row counts and the static list widths.
+  """From shapes alone (numpy, O(num_q_blocks)): the per-row counts and static list widths
+  (n_visible [nq], n_forced [nq], max_selected, local_width).
 
   ``per_doc_init=True`` (segment ids: the initial blocks start at each document's first block,
   which the shapes do not tell) makes ``n_forced`` an upper bound: min(num_init, n_visible) plus
   every visible local block, as if none of them were initial blocks. Under ``causal`` the
   resulting ``max_selected`` is the same as without it (a local range that overlaps the initial
-  blocks already covers every visible block).
-
-  Returns (n_visible [nq], n_forced [nq], max_selected, local_width).
-  """
+  blocks already covers every visible block)."""
   nk = cdiv(kv_len, block_size)
   q_last, lo, hi = _row_geometry(np, q_len, kv_len, q_block_size, block_size, num_local)
   n_vis = np.clip(q_last // block_size + 1, 0, nk) if causal else np.full(q_last.shape, nk)
@@ -234,27 +226,25 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
   index lists [nq, init + local_width] (-1 where absent)."""
   nk = cdiv(kv_len, block_size)
   q_last, lo, hi = _row_geometry(jnp, q_len, kv_len, q_block_size, block_size, num_local)
-  j = jnp.arange(nk, dtype=jnp.int32)[None, :]
-  visible = j * block_size <= q_last[:, None] if causal else jnp.ones((q_last.shape[0], nk), bool)
+  nq, j = q_last.shape[0], jnp.arange(nk, dtype=jnp.int32)[None, :]
+  visible = j * block_size <= q_last[:, None] if causal else jnp.ones((nq, nk), bool)
   forced = j < num_init
   if num_local > 0:
     forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
-  forced = forced & visible
   cand = visible & ~forced
   parts = []
   n_init = min(num_init, nk)
   if n_init:
-    init = jnp.broadcast_to(jnp.arange(n_init, dtype=jnp.int32)[None, :], (q_last.shape[0], n_init))
+    init = jnp.broadcast_to(jnp.arange(n_init, dtype=jnp.int32)[None, :], (nq, n_init))
     ok = (init * block_size <= q_last[:, None]) if causal else jnp.ones_like(init, bool)
     parts.append(jnp.where(ok, init, -1))
   _, _, _, width = _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init,
                                   num_local, 0)
-  if num_local > 0 and width:
+  if width:   # 0 without local blocks
     loc = jnp.maximum(lo, 0)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
     ok = (loc <= hi[:, None]) & (loc >= num_init) & (loc < nk)
     parts.append(jnp.where(ok, loc, -1))
-  if not parts:
-    parts.append(jnp.full((q_last.shape[0], 1), -1, jnp.int32))
+  parts = parts or [jnp.full((nq, 1), -1, jnp.int32)]
   return visible, cand, jnp.concatenate(parts, axis=1).astype(jnp.int32)
 
 
@@ -265,9 +255,8 @@ def segment_ranges(seg, block):
   ``masks.visible`` and ``block_schedule._segment_tile_classes``). A block without a nonzero id
   gets the empty range (INT32_MAX, INT32_MIN), so ``min <= max`` iff the block holds a document.
   """
-  b, n = seg.shape
-  nb = cdiv(n, block)
-  s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, nb * block - n))).reshape(b, nb, block)
+  b, nb = seg.shape[0], cdiv(seg.shape[1], block)
+  s = pad_axis(seg.astype(jnp.int32), 1, nb * block).reshape(b, nb, block)
   real = s != 0
   return (jnp.min(jnp.where(real, s, _INT_MAX), -1), jnp.max(jnp.where(real, s, _INT_MIN), -1))
 
@@ -321,7 +310,6 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
   """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
 
   rows: None, or int [n] the query blocks of rank's n rows (>= nq: padding, nothing kept).
-
   seg_ok: None or bool [b, nq, nk] (``segment_overlap``). doc_start: None (initial blocks
   0 .. num_init-1) or int32 [b, nq] (``doc_start_blocks``: initial blocks doc_start[b, i] ..
   doc_start[b, i] + num_init - 1). Forced blocks are never candidates and an initial block
@@ -351,9 +339,8 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
     indices = jax.lax.platform_dependent(rank, cand_b, fidx, vis, cuda=by_mask, default=by_sort)
   else:
     indices = by_sort(rank, cand_b, fidx, vis)
-  counts = jnp.sum(indices >= 0, axis=-1).astype(jnp.int32)
-  num_visible = jnp.sum(vis, axis=-1).astype(jnp.int32)
-  return BlockSelection(indices=indices, counts=counts, num_visible=num_visible, scores=scores,
+  return BlockSelection(indices=indices, counts=jnp.sum(indices >= 0, axis=-1).astype(jnp.int32),
+                        num_visible=jnp.sum(vis, axis=-1).astype(jnp.int32), scores=scores,
                         block_size=block_size, q_block_size=q_block_size, q_len=q_len,
                         kv_len=kv_len)
 
@@ -366,14 +353,12 @@ def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel, limit=None
   nk = rank.shape[-1]
   parts = [fidx]
   if k > 0:
-    masked = jnp.where(cand, rank, -jnp.inf)
-    _, tidx = jax.lax.top_k(masked, k)                                # [b, hk, nq, k]
+    _, tidx = jax.lax.top_k(jnp.where(cand, rank, -jnp.inf), k)      # [b, hk, nq, k]
     tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
     tvalid = tvalid if limit is None else tvalid & (jnp.arange(k) < limit[..., None])
     parts.append(jnp.where(tvalid, tidx, -1).astype(jnp.int32))
   allidx = jnp.concatenate(parts, axis=-1)
-  key = jnp.where(allidx < 0, nk, allidx)
-  srt = jnp.sort(key, axis=-1)[..., :max_sel]
+  srt = jnp.sort(jnp.where(allidx < 0, nk, allidx), axis=-1)[..., :max_sel]
   return jnp.where(srt >= nk, -1, srt).astype(jnp.int32)
 
 
@@ -400,7 +385,7 @@ def candidates(b, hk, *, q_len, kv_len, q_block_size, block_size, causal, num_in
   per_doc = doc_start is not None
   visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
                                          0 if per_doc else num_init, num_local)
-  nq, nk = visible.shape
+  nk = visible.shape[1]
   if per_doc:
     # cand / forced_idx above hold the local blocks only; add each row's document-initial blocks.
     n_init = min(num_init, nk)
@@ -414,17 +399,11 @@ def candidates(b, hk, *, q_len, kv_len, q_block_size, block_size, causal, num_in
       fidx = jnp.concatenate([init, fidx], axis=-1)
       j = jnp.arange(nk, dtype=jnp.int32)[None, None]
       cand = cand & ~((j >= start) & (j < start + n_init))
-    valid = (fidx >= 0) & (fidx < nk)
     f_ok = jnp.take_along_axis(ok, jnp.clip(fidx, 0, nk - 1), axis=-1)
-    fidx = jnp.where(valid & f_ok, fidx, -1).astype(jnp.int32)
-    fidx = jnp.broadcast_to(fidx[:, None], (b, hk) + fidx.shape[1:])
-    cand = cand[:, None]                                              # [b, 1, nq, nk]
-    vis = ok[:, None]
-  else:
-    cand = cand[None, None]                                           # [1, 1, nq, nk]
-    vis = visible[None, None]
-    fidx = jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape)
-  return cand, vis, fidx
+    fidx = jnp.where((fidx >= 0) & (fidx < nk) & f_ok, fidx, -1).astype(jnp.int32)
+    return cand[:, None], ok[:, None], jnp.broadcast_to(fidx[:, None], (b, hk) + fidx.shape[1:])
+  return (cand[None, None], visible[None, None],
+          jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape))
 
 
 def check_selection(selection, batch, q_len, kv_len, kv_heads):
@@ -520,8 +499,8 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
   return select_lists(scores, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
-                 block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
-                 num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
-                 scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
+                      block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
+                      num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
+                      scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
 
 
