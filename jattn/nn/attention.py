@@ -43,10 +43,6 @@ TRITON_ABSORB_MAX_TILE = 16 * 256
 MLA_ROPE_CACHE = "latent_k_rope"
 
 
-def _get(var):
-  return var[...]
-
-
 def _set(var, value):
   if hasattr(var, "set_value"):
     var.set_value(value)
@@ -143,11 +139,10 @@ class Attention(nnx.Module):
       if spec.rope_base is None and rope_head_dim:
         raise ValueError("rope_head_dim with a NoPE layer (rope_base=None) would be ignored; "
                          "pass rope_head_dim=0 for NoPE MLA layers")
-    else:
-      if rope_head_dim:
-        raise ValueError("rope_head_dim is an MLA option (set kv_lora_rank)")
-      if spec.rope_base is not None and head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    elif rope_head_dim:
+      raise ValueError("rope_head_dim is an MLA option (set kv_lora_rank)")
+    elif spec.rope_base is not None and head_dim % 2:
+      raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     if spec.kind == "csa" and spec.csa_mode == "two_stage" and implementation not in (None, "xla"):
       raise ValueError("CSA 'two_stage' runs the jnp reference path only; "
                        f"implementation={implementation!r} cannot be honoured")
@@ -161,37 +156,32 @@ class Attention(nnx.Module):
       if context_axis not in context_mesh.axis_names:
         raise ValueError(f"context_axis {context_axis!r} is not an axis of the mesh "
                          f"{context_mesh.axis_names}")
-    self.context_mesh, self.context_axis = context_mesh, context_axis
-    self.spec = spec
+    self.context_mesh, self.context_axis, self.spec = context_mesh, context_axis, spec
     self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
-    self.head_dim, self.rope_head_dim = head_dim, rope_head_dim
-    self.kv_lora_rank = kv_lora_rank
+    self.head_dim, self.rope_head_dim, self.kv_lora_rank = head_dim, rope_head_dim, kv_lora_rank
     self.implementation, self.interpret = implementation, interpret
     self.qk_dim = head_dim + rope_head_dim
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
+    norm = lambda n: nnx.RMSNorm(n, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    kv_width = num_kv_heads * head_dim
     self.wq = lin(d_model, num_heads * self.qk_dim)
     if self.mla:
-      self.w_dkv = lin(d_model, kv_lora_rank)
-      self.kv_norm = nnx.RMSNorm(kv_lora_rank, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-      self.w_uk = lin(kv_lora_rank, num_kv_heads * head_dim)
-      self.w_uv = lin(kv_lora_rank, num_kv_heads * head_dim)
+      self.w_dkv, self.kv_norm = lin(d_model, kv_lora_rank), norm(kv_lora_rank)
+      self.w_uk, self.w_uv = lin(kv_lora_rank, kv_width), lin(kv_lora_rank, kv_width)
       self.w_kr = lin(d_model, rope_head_dim) if rope_head_dim else None
     else:
-      self.wk = lin(d_model, num_kv_heads * head_dim)
-      self.wv = lin(d_model, num_kv_heads * head_dim)
+      self.wk, self.wv = lin(d_model, kv_width), lin(d_model, kv_width)
     self.wo = lin(num_heads * head_dim, d_model)
     self.qk_norm, self.mla_absorb = qk_norm, mla_absorb
     if qk_norm:
-      self.q_norm = nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-      self.k_norm = nnx.RMSNorm(head_dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.q_norm, self.k_norm = norm(head_dim), norm(head_dim)
     if spec.kind == "csa":
-      r = spec.compress_ratio
-      self.gate_k = lin(d_model, num_kv_heads * head_dim)
-      self.gate_v = lin(d_model, num_kv_heads * head_dim)
-      self.bias_k = nnx.Param(jnp.zeros((2 * r, num_kv_heads, head_dim), param_dtype))
-      self.bias_v = nnx.Param(jnp.zeros((2 * r, num_kv_heads, head_dim), param_dtype))
-      self.sink = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if spec.csa_sink else None
+      zeros = lambda *shape: nnx.Param(jnp.zeros(shape, param_dtype))
+      self.gate_k, self.gate_v = lin(d_model, kv_width), lin(d_model, kv_width)
+      self.bias_k = zeros(2 * spec.compress_ratio, num_kv_heads, head_dim)
+      self.bias_v = zeros(2 * spec.compress_ratio, num_kv_heads, head_dim)
+      self.sink = zeros(num_heads) if spec.csa_sink else None
     self.gate_rngs = rngs if spec.gate_grad == "gumbel" else None
     self.cache_names = ()
 
@@ -199,57 +189,44 @@ class Attention(nnx.Module):
   def _project(self, x, positions):
     """x [b, t, d_model] -> (q [b, t, hq, qk_dim], cache entries of the t tokens)."""
     b, t, _ = x.shape
-    spec, hk, d = self.spec, self.num_kv_heads, self.head_dim
+    base, d = self.spec.rope_base, self.head_dim
+    heads = lambda a: a.reshape(b, t, self.num_kv_heads, d)
     q = self.wq(x).reshape(b, t, self.num_heads, self.qk_dim)
     if self.mla:
-      q_nope, q_rope = q[..., :d], q[..., d:]
-      if self.qk_norm:
-        q_nope = self.q_norm(q_nope)
-      q_rope = apply_rope(q_rope, positions, spec.rope_base)
-      q = jnp.concatenate([q_nope, q_rope], axis=-1)
+      q_nope = self.q_norm(q[..., :d]) if self.qk_norm else q[..., :d]
+      q = jnp.concatenate([q_nope, apply_rope(q[..., d:], positions, base)], axis=-1)
       lat = self.kv_norm(self.w_dkv(x))                                # [b, t, r]
       if self.rope_head_dim:  # one cache array [latent | k_rope]: [b, t, r + rope_dim]
-        k_rope = apply_rope(self.w_kr(x), positions, spec.rope_base)  # [b, t, rope_dim]
+        k_rope = apply_rope(self.w_kr(x), positions, base)            # [b, t, rope_dim]
         ent = {MLA_ROPE_CACHE: jnp.concatenate([lat, k_rope], axis=-1)}
       else:
         ent = {"latent": lat}
     else:
-      k = self.wk(x).reshape(b, t, hk, d)
-      v = self.wv(x).reshape(b, t, hk, d)
+      k, v = heads(self.wk(x)), heads(self.wv(x))
       if self.qk_norm:
         q, k = self.q_norm(q), self.k_norm(k)
-      q = apply_rope(q, positions, spec.rope_base)
-      k = apply_rope(k, positions, spec.rope_base)
+      q, k = apply_rope(q, positions, base), apply_rope(k, positions, base)
       ent = {"k": k, "v": v}
-    if spec.kind == "csa":
-      ent["gk"] = self.gate_k(x).reshape(b, t, hk, d)
-      ent["gv"] = self.gate_v(x).reshape(b, t, hk, d)
+    if self.spec.kind == "csa":
+      ent["gk"], ent["gv"] = heads(self.gate_k(x)), heads(self.gate_v(x))
     return q, ent
 
   def _expand(self, ent):
-    """Cache entries -> (k [b, n, hk, qk_dim], v [b, n, hk, head_dim])."""
+    """Cache entries -> (k [b, n, hk, qk_dim], v [b, n, hk, head_dim]); MLA up-projects the
+    latent (RoPE layers: of the cached [latent | k_rope], whose k_rope all kv heads share)."""
     if not self.mla:
       return ent["k"], ent["v"]
-    lat, k_rope = self._mla_parts(ent)
-    b, n, _ = lat.shape
+    r, rope = self.kv_lora_rank, self.rope_head_dim
+    c = ent[MLA_ROPE_CACHE if rope else "latent"]
+    lat = c[..., :r] if rope else c
+    b, n, _ = c.shape
     k = self.w_uk(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
     v = self.w_uv(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
-    if self.qk_norm:
-      k = self.k_norm(k)
-    if self.rope_head_dim:
-      kr = jnp.broadcast_to(k_rope[:, :, None, :].astype(k.dtype),
-                            (b, n, self.num_kv_heads, self.rope_head_dim))
+    k = self.k_norm(k) if self.qk_norm else k
+    if rope:
+      kr = jnp.broadcast_to(c[:, :, None, r:].astype(k.dtype), (b, n, self.num_kv_heads, rope))
       k = jnp.concatenate([k, kr], axis=-1)
     return k, v
-
-  def _mla_parts(self, ent):
-    """MLA cache entries (or a chunk / ring read of them) -> (latent [b, n, r], k_rope
-    [b, n, rope_head_dim] or None): slices of the one [latent | k_rope] array in RoPE layers."""
-    if not self.rope_head_dim:
-      return ent["latent"], None
-    c = ent[MLA_ROPE_CACHE]
-    r = self.kv_lora_rank
-    return c[..., :r], c[..., r:]
 
   @property
   def scale(self):
@@ -293,67 +270,60 @@ class Attention(nnx.Module):
       y [batch, seq, d_model] (and the q/k dict if return_qk).
     """
     b, s, _ = x.shape
-    spec = self.spec
-    attend = flash_attention
+    spec, cp = self.spec, self.context_mesh is not None
     impl = dict(implementation=self.implementation, interpret=self.interpret)
+    if cp:
+      impl.update(mesh=self.context_mesh, axis_name=self.context_axis)
     if positions is None:
       positions = jnp.arange(s, dtype=jnp.int32)
-      if self.context_mesh is not None:
+      if cp:
         positions = context_parallel_permute(
             positions[None], self.context_mesh.shape[self.context_axis])[0]
       positions = jnp.broadcast_to(positions, (b, s))
-    if self.context_mesh is not None:
-      attend = context_parallel_attention
-      impl.update(mesh=self.context_mesh, axis_name=self.context_axis)
     q, ent = self._project(x, positions)
     k, v = self._expand(ent)
-    if spec.kind == "global":
-      o = attend(q, k, v, causal=True, segment_ids=segment_ids, scale=self.scale, **impl)
-    elif spec.kind == "local":
-      o = attend(q, k, v, causal=True, local_window_size=(spec.window - 1, 0),
-                 segment_ids=segment_ids, scale=self.scale, **impl)
+    if spec.kind in ("global", "local"):
+      attend = context_parallel_attention if cp else flash_attention
+      window = (spec.window - 1, 0) if spec.kind == "local" else None
+      o = attend(q, k, v, causal=True, local_window_size=window, segment_ids=segment_ids,
+                 scale=self.scale, **impl)
     elif spec.kind == "sparse":
-      o = self._sparse_forward(q, k, v, segment_ids, impl)
+      rng = self.gate_rngs() if spec.gate_grad == "gumbel" else None
+      o = sparse.sparse_attention(
+          q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
+          gate_grad=spec.gate_grad, rng=rng, causal=True, segment_ids=segment_ids,
+          scale=self.scale, score_aux_weight=spec.score_aux_weight,
+          score_aux_pool=spec.score_aux_pool, **impl)
     else:
       o = self._csa_forward(q, k, v, ent, segment_ids)
     y = self.wo(o.astype(x.dtype).reshape(b, s, self.num_heads * self.head_dim))
     return (y, {"q": q, "k": k}) if return_qk else y
 
-  def _sparse_forward(self, q, k, v, segment_ids, impl):
-    spec = self.spec
-    rng = self.gate_rngs() if spec.gate_grad == "gumbel" else None
-    return sparse.sparse_attention(
-        q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
-        gate_grad=spec.gate_grad, rng=rng, causal=True, segment_ids=segment_ids,
-        scale=self.scale, score_aux_weight=spec.score_aux_weight,
-        score_aux_pool=spec.score_aux_pool, **impl)
-
   def _csa_forward(self, q, k, v, ent, segment_ids):
-    spec = self.spec
     if segment_ids is not None:
       raise NotImplementedError("CSA layers do not support packed segment ids (compressed windows "
                                 "would straddle documents)")
     b, s = q.shape[:2]
-    r = spec.compress_ratio
+    r = self.spec.compress_ratio
     c = csa_ops.num_entries(s, r)
-    ck = csa_ops.pool_windows(k, ent["gk"], _get(self.bias_k), r, c)
-    cv = csa_ops.pool_windows(v, ent["gv"], _get(self.bias_v), r, c)
+    ck = csa_ops.pool_windows(k, ent["gk"], self.bias_k[...], r, c)
+    cv = csa_ops.pool_windows(v, ent["gv"], self.bias_v[...], r, c)
     q_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    if spec.csa_mode == "two_stage":
-      o, _ = csa_ops.two_stage_attention(q, k, v, ck, cv, q_pos, ratio=r,
-                                         block_size=spec.block_size, top_k=spec.top_k,
-                                         scale=self.scale)
-      return o
-    o_l, lse_l = flash_attention(q, k, v, causal=True, local_window_size=(spec.window - 1, 0),
-                                 scale=self.scale, return_lse=True,
-                                 implementation=self.implementation, interpret=self.interpret)
-    return self._csa_combine(q, o_l, lse_l, ck, cv, q_pos)
+    return self._csa_attend(q, k, v, ck, cv, q_pos)
 
-  def _csa_combine(self, q, o_l, lse_l, ck, cv, q_pos):
+  def _csa_attend(self, q, k, v, ck, cv, q_pos, kv_valid=None):
+    """CSA output of queries at q_pos [b, t]: "two_stage" (raw key j at position j), or the raw
+    window (``_chunk_flash``) merged with the top-K compressed entries and the optional sink."""
     spec = self.spec
+    if spec.csa_mode == "two_stage":
+      return csa_ops.two_stage_attention(q, k, v, ck, cv, q_pos, ratio=spec.compress_ratio,
+                                         block_size=spec.block_size, top_k=spec.top_k,
+                                         scale=self.scale)[0]
+    o_l, lse_l = self._chunk_flash(q, k, v, kv_valid, window=(spec.window - 1, 0),
+                                   return_lse=True)
     o_c, lse_c = csa_ops.compressed_partial(q, ck, cv, q_pos, ratio=spec.compress_ratio,
                                             top_k=spec.top_k, scale=self.scale)
-    sink = None if self.sink is None else _get(self.sink)
+    sink = None if self.sink is None else self.sink[...]
 
     @jax.checkpoint  # elementwise: recompute in the bwd rather than keep fp32 stacks per layer
     def combine(o_l, lse_l, o_c, lse_c, sink):
@@ -368,9 +338,16 @@ class Attention(nnx.Module):
     """Whether cache array ``name`` is stored head-major ("hnd": K/V of global/local/sparse)."""
     return self.kv_cache_layout == "hnd" and name in ("k", "v")
 
+  def _slot_axis(self, name):
+    """The token-slot axis of cache array ``name`` as stored."""
+    return 2 if self._head_major(name) else 1
+
+  def _at_slots(self, name, slots):
+    """Index of token slots ``slots`` of cache array ``name`` as stored."""
+    return (slice(None),) * self._slot_axis(name) + (slots,)
+
   def _relayout(self, name, a):
-    """Token-major [b, t, hk, d] <-> the stored layout of cache array ``name`` (a swap of axes
-    1 and 2 when head-major: its own inverse)."""
+    """Token-major [b, t, hk, d] <-> the stored layout of ``name`` (its own inverse)."""
     return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
 
   def cache_layout(self, max_len):
@@ -402,25 +379,19 @@ class Attention(nnx.Module):
     Returns:
       None.
     """
-    names = []
-    ring_sizes = set()
-    for name, (storage, slots, shape) in self.cache_layout(max_len).items():
+    layout = self.cache_layout(max_len)
+    for name, (_, slots, shape) in layout.items():
       full_shape = ((batch_size, shape[0], slots) + shape[1:] if self._head_major(name)
                     else (batch_size, slots) + shape)
       setattr(self, f"cache_{name}", nnx.Cache(jnp.zeros(full_shape, dtype)))
-      names.append(name)
-      if storage == "ring":
-        ring_sizes.add(slots)
-    for size in sorted(ring_sizes):
+    for size in sorted({slots for storage, slots, _ in layout.values() if storage == "ring"}):
       setattr(self, f"ring_pos_{size}", nnx.Cache(jnp.full((size,), -1, jnp.int32)))
     if self.spec.kind == "sparse":   # running per-block key sums for decode-time block scores
-      nb = -(-max_len // self.spec.block_size)
-      hk = self.num_kv_heads
+      nb, hk = -(-max_len // self.spec.block_size), self.num_kv_heads
       shape = (batch_size, hk, nb) if self._head_major("k") else (batch_size, nb, hk)
       self.cache_block_sums = nnx.Cache(jnp.zeros(shape + (self.qk_dim,), jnp.float32))
     self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
-    self.cache_names = tuple(names)
-    self.cache_max_len = max_len
+    self.cache_names, self.cache_max_len = tuple(layout), max_len
 
   def decode(self, x, *, return_qk=False):
     """Append t >= 1 tokens to the cache and attend them to everything cached (by position).
@@ -438,7 +409,7 @@ class Attention(nnx.Module):
       raise ValueError("call init_cache(batch_size, max_len, dtype) before decode")
     b, t, _ = x.shape
     spec = self.spec
-    p = _get(self.cache_index)
+    p = self.cache_index[...]
     try:
       p_now = int(p)
     except jax.errors.ConcretizationTypeError:  # traced (jit): not checkable here
@@ -448,8 +419,7 @@ class Attention(nnx.Module):
                        f"(max_len={self.cache_max_len}); call init_cache with a larger max_len")
     pos = p + jnp.arange(t, dtype=jnp.int32)                         # [t]
     q, ent = self._project(x, jnp.broadcast_to(pos, (b, t)))
-    layout = self.cache_layout(self.cache_max_len)
-    dt = _get(getattr(self, f"cache_{self.cache_names[0]}")).dtype
+    dt = self._cache(self.cache_names[0])[...].dtype
     ent = {n: a.astype(dt) for n, a in ent.items()}
     q = q.astype(dt)  # attention runs in the cache dtype (kernels want one dtype for q, k, v)
     if spec.kind in ("global", "sparse"):
@@ -464,42 +434,37 @@ class Attention(nnx.Module):
       else:
         o = self._sparse_decode(q, *self._expand(full), pos, p)
     elif spec.kind == "local":
-      size = spec.window
+      w = spec.window
       if t == 1:  # write first: the ring then holds exactly the visible window (order is moot)
-        self._ring_write(ent, list(ent), size, pos)
-        lens = jnp.full((b,), jnp.minimum(p + 1, size), jnp.int32)
-        o = self._decode_one(q, {n: _get(getattr(self, f"cache_{n}")) for n in ent}, lens)
+        self._ring_write(ent, w, pos)
+        lens = jnp.full((b,), jnp.minimum(p + 1, w), jnp.int32)
+        o = self._decode_one(q, {n: self._cache(n)[...] for n in ent}, lens)
       else:
-        keys, valid = self._ring_unrolled(ent, list(ent), size)
-        k, v = self._expand(keys)
-        o = self._chunk_flash(q, k, v, valid, window=(spec.window - 1, 0))
-        self._ring_write(ent, list(ent), size, pos)
+        keys, valid = self._ring_unrolled(ent, w)
+        o = self._chunk_flash(q, *self._expand(keys), valid, window=(w - 1, 0))
+        self._ring_write(ent, w, pos)
     else:
-      o = self._csa_decode(q, ent, pos, p, layout)
+      o = self._csa_decode(q, ent, pos, p)
     _set(self.cache_index, p + t)
     y = self.wo(o.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim))
     return (y, {"q": q}) if return_qk else y
 
   def _decode_one(self, q, ent, lengths):
-    """One query per row (q [b, 1, hq, qk_dim]) over contiguous cache entries (as stored, in
-    ``kv_cache_layout``) with ``jattn.decode_attention``: absorbed MLA (``absorbed_decode``) or
-    the expanded keys/values.
+    """One query per row (q [b, 1, hq, qk_dim]) over cache entries as stored, by
+    ``jattn.decode_attention``: o [b, 1, hq, head_dim] (cache dtype; fp32 when absorbed).
 
-    Absorbed: q_abs[h] = W_uk[g] q_nope[h]; the cached [latent | k_rope] array is passed as keys
-    and values (the output keeps its first r columns); o[h] = W_uv[g]^T o_lat[h]. Absorption
-    matmuls run in fp32 at HIGHEST precision. Returns o [b, 1, hq, head_dim] (the cache dtype,
-    or fp32 when absorbed).
-    """
+    Absorbed (``absorbed_decode``): q_abs[h] = W_uk[g] q_nope[h] attends the cached
+    [latent | k_rope] array as keys and values (keeping the first r output columns);
+    o[h] = W_uv[g]^T o_lat[h], with the absorption matmuls in fp32 at HIGHEST precision."""
     q = q[:, 0]                                                      # [b, hq, qk_dim]
     if not self.absorbed_decode:  # (MLA caches are always "nhd"; plain K/V as stored)
-      k, v = self._expand(ent)
-      return decode_attention(q, k, v, lengths, scale=self.scale,
+      return decode_attention(q, *self._expand(ent), lengths, scale=self.scale,
                               implementation=self.implementation, interpret=self.interpret,
                               kv_layout=self.kv_cache_layout)[:, None]
     b, hq, _ = q.shape
     hk, d, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
-    w = lambda lin: _get(lin.kernel).astype(f32).reshape(r, hk, d)    # [r, hk, d]
+    w = lambda lin: lin.kernel[...].astype(f32).reshape(r, hk, d)    # [r, hk, d]
     q_nope = q[..., :d].astype(f32).reshape(b, hk, hq // hk, d)      # [b, hk, group, d]
     q_abs = jnp.einsum("bgjd,rgd->bgjr", q_nope, w(self.w_uk), precision=hi)
     kv = ent[MLA_ROPE_CACHE if self.rope_head_dim else "latent"][:, :, None]  # [b, n, 1, r+rope]
@@ -510,132 +475,101 @@ class Attention(nnx.Module):
     o = jnp.einsum("bgjr,rgd->bgjd", o, w(self.w_uv), precision=hi)
     return o.reshape(b, 1, hq, d)
 
+  def _cache(self, name):
+    return getattr(self, f"cache_{name}")
+
   def _write_full(self, ent, p, names=None):
+    """Write the new tokens at position p of full caches; returns the stored arrays."""
     out = {}
-    for n in (names or list(ent)):  # returns the stored arrays (in the cache layout)
-      var = getattr(self, f"cache_{n}")
-      axis = 2 if self._head_major(n) else 1
-      new = jax.lax.dynamic_update_slice_in_dim(_get(var), self._relayout(n, ent[n]), p, axis=axis)
-      _set(var, new)
-      out[n] = new
+    for n in (names or list(ent)):
+      var, new = self._cache(n), self._relayout(n, ent[n])
+      out[n] = jax.lax.dynamic_update_slice_in_dim(var[...], new, p, axis=self._slot_axis(n))
+      _set(var, out[n])
     return out
 
-  def _ring_unrolled(self, ent, names, size):
-    """Ring contents in position order (p - size .. p - 1), then the new chunk; valid-slot mask.
-
-    Slot s of a ring holds position pos with pos % size == s, so the last ``size`` positions
-    are read back in order; negative positions (before the sequence start) are invalid."""
-    p = _get(self.cache_index)
-    t = ent[names[0]].shape[1]
-    opos = p - size + jnp.arange(size, dtype=jnp.int32)              # [size]
-    slots = opos % size
-
-    def ring(n):
-      a = _get(getattr(self, f"cache_{n}"))
-      return self._relayout(n, a[:, :, slots] if self._head_major(n) else a[:, slots])
+  def _ring_unrolled(self, ent, size, names=None):
+    """Ring contents in position order (p - size .. p - 1; position x sits in slot x % size),
+    then the new chunk; and the valid-slot mask (negative positions are invalid)."""
+    names = names or list(ent)
+    opos = self.cache_index[...] - size + jnp.arange(size, dtype=jnp.int32)  # [size]
+    ring = lambda n: self._relayout(n, self._cache(n)[...][self._at_slots(n, opos % size)])
     keys = {n: jnp.concatenate([ring(n), ent[n]], axis=1) for n in names}
-    return keys, jnp.concatenate([opos >= 0, jnp.ones((t,), bool)])
+    return keys, jnp.concatenate([opos >= 0, jnp.ones((ent[names[0]].shape[1],), bool)])
 
-  def _chunk_flash(self, q, k, v, kv_valid, window=None, return_lse=False):
+  def _chunk_flash(self, q, k, v, kv_valid=None, window=None, return_lse=False):
     """t queries at the last t positions of contiguous keys k [b, n] (bottom-right aligned);
-    ``kv_valid`` [n] masks empty slots through kv segment ids."""
-    b, t = q.shape[:2]
-    seg_q = jnp.ones((b, t), jnp.int32)
-    seg_k = jnp.broadcast_to(kv_valid.astype(jnp.int32)[None], (b, k.shape[1]))
+    ``kv_valid`` [n] (None: all valid) masks empty slots through kv segment ids."""
+    seg_q = seg_k = None
+    if kv_valid is not None:
+      seg_q = jnp.ones(q.shape[:2], jnp.int32)
+      seg_k = jnp.broadcast_to(kv_valid.astype(jnp.int32)[None], (q.shape[0], k.shape[1]))
     return flash_attention(q, k, v, causal=True, local_window_size=window, segment_ids=seg_q,
                            kv_segment_ids=seg_k, scale=self.scale, return_lse=return_lse,
                            implementation=self.implementation, interpret=self.interpret)
 
-  def _ring_write(self, ent, names, size, pos):
-    t = pos.shape[0]
-    m = min(t, size)
-    slots = pos[t - m:] % size
-    for n in names:
-      var = getattr(self, f"cache_{n}")
-      new = self._relayout(n, ent[n][:, t - m:])
-      if self._head_major(n):
-        _set(var, _get(var).at[:, :, slots].set(new))
-      else:
-        _set(var, _get(var).at[:, slots].set(new))
+  def _ring_write(self, ent, size, pos, names=None):
+    """Write the last min(t, size) new tokens (positions ``pos`` [t]) into rings of ``size``."""
+    m = min(pos.shape[0], size)
+    slots = pos[-m:] % size
+    for n in (names or list(ent)):
+      var = self._cache(n)
+      _set(var, var[...].at[self._at_slots(n, slots)].set(self._relayout(n, ent[n][:, -m:])))
     rp = getattr(self, f"ring_pos_{size}")
-    _set(rp, _get(rp).at[slots].set(pos[t - m:]))
+    _set(rp, rp[...].at[slots].set(pos[-m:]))
 
   def _sparse_decode(self, q, k, v, pos, p):
     """Per-token top-K decode (``select_blocks(q_block_size=1)`` rules) for t new queries.
 
-    The block summaries (fp32 key sums per cache block) live in the cache and grow by the t new
-    keys only: O(t) per step instead of re-reading every cached key (which would cost half of a
-    dense decode's reads at every step). k/v (and the sums) are in the cache layout: [b, n, hk, d]
-    or, head-major, [b, hk, n, d]."""
+    The block summaries (fp32 key sums per cache block, in the cache) grow by the t new keys
+    only, rather than re-reading every cached key. k/v and the sums are in the cache layout."""
     spec = self.spec
     b, t = q.shape[:2]
-    blk = pos // spec.block_size
-    sums = _get(self.cache_block_sums)
-    if self._head_major("k"):
-      k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=2).astype(jnp.float32)  # [b, hk, t, dk]
-      sums = sums.at[:, :, blk].add(k_new)                                      # [b, hk, nb, dk]
-    else:
-      k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=1).astype(jnp.float32)  # [b, t, hk, dk]
-      sums = sums.at[:, blk].add(k_new)                                         # [b, nb, hk, dk]
+    k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=self._slot_axis("k")).astype(jnp.float32)
+    sums = self.cache_block_sums[...].at[self._at_slots("k", pos // spec.block_size)].add(k_new)
     _set(self.cache_block_sums, sums)
     summaries = sparse.BlockSummaries(sums=sums, lengths=jnp.full((b,), p + t, jnp.int32),
                                       block_size=spec.block_size, layout=self.kv_cache_layout)
 
     def one(qi, length):  # v may be narrower than k (MLA): the output has v's head dim
-      return sparse.sparse_decode_attention(qi, k, v, jnp.full((b,), length, jnp.int32), summaries,
-                                            block_size=spec.block_size, top_k=spec.top_k,
-                                            scale=self.scale, implementation=self.implementation,
-                                            interpret=self.interpret,
-                                            kv_layout=self.kv_cache_layout)
+      return sparse.sparse_decode_attention(
+          qi, k, v, jnp.full((b,), length, jnp.int32), summaries, block_size=spec.block_size,
+          top_k=spec.top_k, scale=self.scale, implementation=self.implementation,
+          interpret=self.interpret, kv_layout=self.kv_cache_layout)
 
     return jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)   # [b, t, hq, dv]
 
-  def _csa_decode(self, q, ent, pos, p, layout):
-    spec = self.spec
-    r = spec.compress_ratio
+  def _csa_decode(self, q, ent, pos, p):
+    spec, layout = self.spec, self.cache_layout(self.cache_max_len)
+    r, raw_size = spec.compress_ratio, layout["k"][1]
     b, t = q.shape[:2]
     # raw k/v and gates of each new entry's window (positions P - 2r + 1 .. P for P = p + i)
-    P = pos
-    valid = ((P + 1) % r == 0) & (P + 1 >= 2 * r)
-    cidx = jnp.where(valid, (P + 1) // r - 2, layout["ck"][1])     # out of range -> dropped
-    X = P[:, None] - 2 * r + 1 + jnp.arange(2 * r)[None]           # [t, 2r]
+    valid = ((pos + 1) % r == 0) & (pos + 1 >= 2 * r)
+    cidx = jnp.where(valid, (pos + 1) // r - 2, layout["ck"][1])   # out of range -> dropped
+    X = pos[:, None] - 2 * r + 1 + jnp.arange(2 * r)[None]         # [t, 2r]
 
-    def recent(n, size):
-      ring = _get(getattr(self, f"cache_{n}"))
-      idx = jnp.where(X >= p, size + (X - p), X % size)
-      idx = jnp.clip(idx, 0, size + t - 1)
-      return jnp.concatenate([ring, ent[n]], axis=1)[:, idx]       # [b, t, 2r, hk, d]
+    def recent(n, size):  # [b, t, 2r, hk, d] from ring n (``size`` slots) and the new tokens
+      idx = jnp.clip(jnp.where(X >= p, size + (X - p), X % size), 0, size + t - 1)
+      return jnp.concatenate([self._cache(n)[...], ent[n]], axis=1)[:, idx]
 
-    g_size = 2 * r
-    gk, gv = recent("gk", g_size), recent("gv", g_size)
+    gk, gv = recent("gk", 2 * r), recent("gv", 2 * r)
     if spec.csa_mode == "two_stage":
       full = self._write_full(ent, p, ["k", "v"])
       xi = jnp.clip(X, 0, full["k"].shape[1] - 1)
       kw, vw = full["k"][:, xi], full["v"][:, xi]
     else:
-      raw_size = layout["k"][1]
       kw, vw = recent("k", raw_size), recent("v", raw_size)
-    new_ck = csa_ops.pool_one_window(kw, gk, _get(self.bias_k))      # [b, t, hk, d]
-    new_cv = csa_ops.pool_one_window(vw, gv, _get(self.bias_v))
     comp = {}
-    for n, val in (("ck", new_ck), ("cv", new_cv)):
-      var = getattr(self, f"cache_{n}")
-      arr = _get(var).at[:, cidx].set(val.astype(_get(var).dtype), mode="drop")
-      _set(var, arr)
-      comp[n] = arr
-    q_pos = jnp.broadcast_to(pos, (b, t))
-    if spec.csa_mode == "two_stage":
-      o, _ = csa_ops.two_stage_attention(q, full["k"], full["v"], comp["ck"], comp["cv"], q_pos,
-                                         ratio=r, block_size=spec.block_size, top_k=spec.top_k,
-                                         scale=self.scale)
-    else:
-      keys, valid = self._ring_unrolled(ent, ["k", "v"], raw_size)
-      o_l, lse_l = self._chunk_flash(q, keys["k"], keys["v"], valid,
-                                     window=(spec.window - 1, 0), return_lse=True)
-      o = self._csa_combine(q, o_l, lse_l, comp["ck"], comp["cv"], q_pos)
-      self._ring_write(ent, ["k", "v"], raw_size, pos)
-    self._ring_write(ent, ["gk", "gv"], g_size, pos)
-    return o
+    for n, xw, gw, bias in (("ck", kw, gk, self.bias_k), ("cv", vw, gv, self.bias_v)):
+      var, new = self._cache(n), csa_ops.pool_one_window(xw, gw, bias[...])  # [b, t, hk, d]
+      comp[n] = var[...].at[:, cidx].set(new.astype(var[...].dtype), mode="drop")
+      _set(var, comp[n])
+    kv_valid = None
+    if spec.csa_mode == "compressed":  # raw k/v: the ring (in position order) then the chunk
+      full, kv_valid = self._ring_unrolled(ent, raw_size, ["k", "v"])
+      self._ring_write(ent, raw_size, pos, ["k", "v"])
+    self._ring_write(ent, 2 * r, pos, ["gk", "gv"])
+    return self._csa_attend(q, full["k"], full["v"], comp["ck"], comp["cv"],
+                            jnp.broadcast_to(pos, (b, t)), kv_valid)
 
 
 def cache_layout(spec, max_len, *, num_kv_heads, head_dim, kv_lora_rank=None, rope_head_dim=0):
@@ -656,24 +590,21 @@ def cache_layout(spec, max_len, *, num_kv_heads, head_dim, kv_lora_rank=None, ro
     >>> cache_layout(LayerSpec("global"), 10, num_kv_heads=2, head_dim=4)["v"]
     ('full', 10, (2, 4))
   """
-  hk, d = num_kv_heads, head_dim
+  hk, d, r = num_kv_heads, head_dim, spec.compress_ratio
   if kv_lora_rank is not None:  # RoPE layers: one array [latent | k_rope] per token
     per = ({MLA_ROPE_CACHE: (kv_lora_rank + rope_head_dim,)} if rope_head_dim
            else {"latent": (kv_lora_rank,)})
   else:
     per = {"k": (hk, d), "v": (hk, d)}
-  if spec.kind in ("global", "sparse"):
-    return {n: ("full", max_len, s) for n, s in per.items()}
   if spec.kind == "local":
-    return {n: ("ring", spec.window, s) for n, s in per.items()}
-  r = spec.compress_ratio
-  c = csa_ops.num_entries(max_len, r)
-  out = {}
-  if spec.csa_mode == "compressed":
-    raw = max(spec.window, 2 * r)
-    out.update({n: ("ring", raw, s) for n, s in per.items()})
+    raw = ("ring", spec.window)
+  elif spec.kind == "csa" and spec.csa_mode == "compressed":
+    raw = ("ring", max(spec.window, 2 * r))
   else:
-    out.update({n: ("full", max_len, s) for n, s in per.items()})
-  out.update({"gk": ("ring", 2 * r, (hk, d)), "gv": ("ring", 2 * r, (hk, d))})
-  out.update({"ck": ("compressed", c, (hk, d)), "cv": ("compressed", c, (hk, d))})
+    raw = ("full", max_len)
+  out = {n: raw + (s,) for n, s in per.items()}
+  if spec.kind == "csa":
+    c = csa_ops.num_entries(max_len, r)
+    out.update(gk=("ring", 2 * r, (hk, d)), gv=("ring", 2 * r, (hk, d)),
+               ck=("compressed", c, (hk, d)), cv=("compressed", c, (hk, d)))
   return out

@@ -69,9 +69,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   if key.shape[:-3] != batch or value.shape[:-3] != batch:
     raise ValueError(f"query, key and value must have the same batch axes: got query "
                      f"{query.shape}, key {key.shape}, value {value.shape}")
-  arrays = [None if x is None else as_array(n, x) for n, x in (("bias", bias), ("mask", mask))]
-  if arrays[1] is not None:
-    arrays[1] = arrays[1].astype(bool)
+  arrays = [None if bias is None else as_array("bias", bias),
+            None if mask is None else as_array("mask", mask).astype(bool)]
   if len(batch) > 1:   # one batch axis: [prod(batch...), ...]
     flat = lambda x: x.reshape((math.prod(batch),) + x.shape[len(batch):])
     query, key, value = flat(query), flat(key), flat(value)

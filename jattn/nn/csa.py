@@ -147,9 +147,8 @@ def _entry_scores(q, ck, q_pos, ratio, scale):
 
 
 def _softmax_partial(s, cv):
-  """Softmax over the last axis of masked logits s [b, hk, g, t, C] with values cv [b, C, hk, dv].
-
-  Returns (out [b, t, hq, dv] fp32, lse [b, t, hq] fp32; 0 / -inf for rows with no entry)."""
+  """Softmax over the last axis of masked logits s [b, hk, g, t, C] with values cv [b, C, hk, dv]:
+  (out [b, t, hq, dv] fp32, lse [b, t, hq] fp32; 0 / -inf for rows with no entry)."""
   b, hk, g, t, _ = s.shape
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
@@ -224,9 +223,8 @@ def _map_query_chunks(fn, q, q_pos, chunk):
   if pad:
     q = jnp.pad(q, [(0, 0), (0, pad)] + [(0, 0)] * (q.ndim - 2))
     q_pos = jnp.pad(q_pos, [(0, 0), (0, pad)], constant_values=-1)
-  qs = jnp.moveaxis(q.reshape(b, n, chunk, *q.shape[2:]), 1, 0)
-  ps = jnp.moveaxis(q_pos.reshape(b, n, chunk), 1, 0)
-  outs = jax.lax.map(lambda a: body(*a), (qs, ps))
+  split = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+  outs = jax.lax.map(lambda a: body(*a), (split(q), split(q_pos)))
   unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, n * chunk, *x.shape[3:])[:, :t]
   return jax.tree.map(unchunk, outs)
 
@@ -234,8 +232,8 @@ def _map_query_chunks(fn, q, q_pos, chunk):
 def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale, q_chunk=None):
   """Attention of each query head over its top-K visible compressed entries.
 
-  Computed over chunks of query rows (see the module docstring, "Memory"); the chunking changes
-  neither the selection nor the math, only the peak memory of the forward and of its gradient.
+  Computed over chunks of query rows (see the module docstring); the chunking changes neither
+  the selection nor the math, only the peak memory of the forward and of its gradient.
 
   Args:
     q: [batch, t, q_heads, d] queries (after RoPE / norms).
@@ -321,9 +319,8 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
   """
   if block_size % ratio:
     raise ValueError(f"block_size ({block_size}) must be a multiple of ratio ({ratio})")
-  b, t, hq, _ = q.shape
-  kv_len, hk = k.shape[1], k.shape[2]
-  c = ck.shape[1]
+  b, t = q.shape[:2]
+  kv_len, hk, c = k.shape[1], k.shape[2], ck.shape[1]
   epb = block_size // ratio                                   # entries starting in each block
   nb = max(-(-kv_len // block_size), -(-c // epb))
   s, vis = _entry_scores(q, ck, q_pos, ratio, scale)          # [b, hk, g, t, C]
@@ -340,8 +337,6 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
   fine_mask = fine_mask & (kp[None, None, None, :] <= q_pos[:, None, :, None])
   o_f, lse_f = attention_reference(q, k, v, causal=False, block_mask=fine_mask, scale=scale)
   # Coarse partial: visible entries whose block is not attended precisely.
-  owner = (jnp.arange(c) * ratio) // block_size
-  coarse = ~jnp.take(fine_blocks, owner, axis=-1)                   # [b, hk, t, C]
+  coarse = ~jnp.take(fine_blocks, jnp.arange(c) * ratio // block_size, axis=-1)  # [b, hk, t, C]
   o_c, lse_c = _softmax_partial(jnp.where(coarse[:, :, None], s, -jnp.inf), cv)
-  o, lse = merge(o_f.astype(jnp.float32), lse_f.transpose(0, 2, 1), o_c, lse_c)
-  return o, lse
+  return merge(o_f.astype(jnp.float32), lse_f.transpose(0, 2, 1), o_c, lse_c)

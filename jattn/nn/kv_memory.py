@@ -35,13 +35,12 @@ def kv_cache_bytes(config, context_len, dtype=jnp.bfloat16, *, batch_size=1):
   item = jnp.dtype(dtype).itemsize
   per_layer = []
   for spec in config.layers:
-    layout = cache_layout(spec, context_len, num_kv_heads=config.num_kv_heads,
-                          head_dim=config.head_dim, kv_lora_rank=config.kv_lora_rank,
-                          rope_head_dim=config.layer_rope_head_dim(spec))
-    nbytes = sum(batch_size * slots * math.prod(shape) * item for _, slots, shape in layout.values())
+    rope, hk, d = config.layer_rope_head_dim(spec), config.num_kv_heads, config.head_dim
+    layout = cache_layout(spec, context_len, num_kv_heads=hk, head_dim=d,
+                          kv_lora_rank=config.kv_lora_rank, rope_head_dim=rope)
+    nbytes = sum(batch_size * n * math.prod(shape) * item for _, n, shape in layout.values())
     if spec.kind == "sparse":   # fp32 running key sums per block (decode-time block scores)
-      qk_dim = config.head_dim + config.layer_rope_head_dim(spec)
-      nbytes += batch_size * -(-context_len // spec.block_size) * config.num_kv_heads * qk_dim * 4
+      nbytes += batch_size * -(-context_len // spec.block_size) * hk * (d + rope) * 4
     per_layer.append(nbytes)
   total = sum(per_layer)
   return dict(per_layer=per_layer, total=total, per_token=total / context_len)

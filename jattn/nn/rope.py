@@ -62,13 +62,11 @@ def apply_rope(x, positions, base=10000.0, rotary_dim=None):
   rotary_dim = d if rotary_dim is None else rotary_dim
   if rotary_dim > d or rotary_dim % 2:
     raise ValueError(f"rotary_dim must be even and <= head_dim={d}, got {rotary_dim}")
-  inv = rope_frequencies(rotary_dim, base)
-  ang = positions.astype(jnp.float32)[..., None] * inv  # [b, s, rotary_dim/2]
+  ang = positions.astype(jnp.float32)[..., None] * rope_frequencies(rotary_dim, base)
   if x.ndim == 4:
     ang = ang[:, :, None, :]  # [b, s, 1, rotary_dim/2]
   cos, sin = jnp.cos(ang), jnp.sin(ang)
   xf = x.astype(jnp.float32)
-  xr, xp = xf[..., :rotary_dim], xf[..., rotary_dim:]
-  x1, x2 = jnp.split(xr, 2, axis=-1)
+  x1, x2 = jnp.split(xf[..., :rotary_dim], 2, axis=-1)
   rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return jnp.concatenate([rot, xp], axis=-1).astype(x.dtype)
+  return jnp.concatenate([rot, xf[..., rotary_dim:]], axis=-1).astype(x.dtype)

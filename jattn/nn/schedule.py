@@ -103,10 +103,9 @@ class LayerSpec:
         raise ValueError(f"csa_mode must be one of {CSA_MODES}, got {self.csa_mode!r}")
       if self.top_k is None:
         raise ValueError("a 'csa' layer needs top_k (compressed entries or blocks)")
-      if self.csa_mode == "compressed":
-        if self.window is None:
-          raise ValueError("CSA 'compressed' needs window=<raw local window tokens>")
-      else:
+      if self.csa_mode == "compressed" and self.window is None:
+        raise ValueError("CSA 'compressed' needs window=<raw local window tokens>")
+      if self.csa_mode == "two_stage":
         if self.window is not None:
           raise ValueError("CSA 'two_stage' has no raw window (its own block is attended raw)")
         if self.csa_sink:
@@ -143,10 +142,6 @@ def local_global_schedule(num_layers, local_per_global=5, window=512, local_rope
   check_int("num_layers", num_layers)
   check_int("local_per_global", local_per_global, lo=0)
   period = local_per_global + 1
-  out = []
-  for i in range(num_layers):
-    if (i + 1) % period == 0:
-      out.append(LayerSpec("global", rope_base=global_rope_base))
-    else:
-      out.append(LayerSpec("local", window=window, rope_base=local_rope_base))
-  return tuple(out)
+  return tuple(LayerSpec("global", rope_base=global_rope_base) if (i + 1) % period == 0
+               else LayerSpec("local", window=window, rope_base=local_rope_base)
+               for i in range(num_layers))

@@ -104,9 +104,7 @@ class TransformerConfig:
 
   def layer_rope_head_dim(self, spec):
     """The MLA RoPE width a layer uses (0 for NoPE layers or without MLA)."""
-    if self.kv_lora_rank is None or spec.rope_base is None:
-      return 0
-    return self.rope_head_dim
+    return 0 if self.kv_lora_rank is None or spec.rope_base is None else self.rope_head_dim
 
 
 class MLP(nnx.Module):
@@ -148,9 +146,7 @@ class Block(nnx.Module):
   """
 
   def __init__(self, config, spec, *, rngs):
-    c = config
-    pd = c.param_dtype
-    dt = c.dtype
+    c, pd, dt = config, config.param_dtype, config.dtype
     self.attn_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
     self.attn = Attention(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, spec,
                           kv_lora_rank=c.kv_lora_rank, rope_head_dim=c.layer_rope_head_dim(spec),
@@ -163,10 +159,9 @@ class Block(nnx.Module):
 
   def __call__(self, x, segment_ids=None, positions=None, *, return_qk=False):
     a = self.attn(self.attn_norm(x), segment_ids, positions, return_qk=return_qk)
-    a, qk = a if return_qk else (a, None)
-    x = x + a
+    x = x + (a[0] if return_qk else a)
     x = x + self.mlp(self.mlp_norm(x))
-    return (x, qk) if return_qk else x
+    return (x, a[1]) if return_qk else x
 
   def decode(self, x):
     x = x + self.attn.decode(self.attn_norm(x))
@@ -193,8 +188,7 @@ class Transformer(nnx.Module):
   """
 
   def __init__(self, config, *, rngs):
-    c = config
-    self.config = c
+    self.config = c = config
     self.embed = nnx.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
                            rngs=rngs)
     self.blocks = _module_list([Block(c, s, rngs=rngs) for s in c.layers])
@@ -221,16 +215,12 @@ class Transformer(nnx.Module):
     Returns:
       logits [batch, seq, vocab] fp32-or-param dtype (and the per-layer q/k list if return_qk).
     """
-    x = self.embed(tokens)
-    qks = []
+    x, qks = self.embed(tokens), []
     for blk in self.blocks:
-      if return_qk:
-        x, qk = blk(x, segment_ids, positions, return_qk=True)
-        qks.append(qk)
-      else:
-        x = blk(x, segment_ids, positions)
-    logits = self._logits(x)
-    return (logits, qks) if return_qk else logits
+      out = blk(x, segment_ids, positions, return_qk=return_qk)
+      x, qk = out if return_qk else (out, None)
+      qks.append(qk)
+    return (self._logits(x), qks) if return_qk else self._logits(x)
 
   def init_cache(self, batch_size, max_len, dtype=jnp.float32):
     """Allocate every layer's KV cache (see ``Attention.init_cache``).
@@ -311,9 +301,8 @@ def with_config(model, config):
     >>> m = Transformer(cfg, rngs=nnx.Rngs(0))
     >>> m2 = with_config(m, cfg)
   """
-  params = nnx.state(model, nnx.Param)
   new = Transformer(config, rngs=nnx.Rngs(0))
-  nnx.update(new, jax.tree.map(jnp.copy, params))
+  nnx.update(new, jax.tree.map(jnp.copy, nnx.state(model, nnx.Param)))
   return new
 
 
@@ -334,9 +323,8 @@ def sparsify(model, top_k, *, block_size=64, q_block_size=64, kinds=("global",))
     >>> cfg = TransformerConfig(16, 1, 8, 2, 1, 4)
     >>> sparse_model = sparsify(Transformer(cfg, rngs=nnx.Rngs(0)), top_k=2, block_size=4)
   """
-  cfg = sparsify_config(model.config, top_k, block_size=block_size, q_block_size=q_block_size,
-                        kinds=kinds)
-  return with_config(model, cfg)
+  return with_config(model, sparsify_config(model.config, top_k, block_size=block_size,
+                                            q_block_size=q_block_size, kinds=kinds))
 
 
 def attention_probabilities(q, k, spec=None, *, segment_ids=None, scale=None):
@@ -359,21 +347,15 @@ def attention_probabilities(q, k, spec=None, *, segment_ids=None, scale=None):
     >>> attention_probabilities(q, q[:, :, :1]).shape
     (1, 2, 4, 4)
   """
-  b, s, hq, d = q.shape
-  hk = k.shape[2]
+  _, s, hq, d = q.shape
   scale = 1.0 / d ** 0.5 if scale is None else scale
-  kf = jnp.repeat(k.astype(jnp.float32), hq // hk, axis=2)
+  kf = jnp.repeat(k.astype(jnp.float32), hq // k.shape[2], axis=2)
   logits = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf,
                       precision=jax.lax.Precision.HIGHEST) * scale
-  window = None
-  if spec is not None and spec.kind == "local":
-    window = (spec.window - 1, 0)
+  window = (spec.window - 1, 0) if spec is not None and spec.kind == "local" else None
+  seg = None if segment_ids is None else segment_ids[:, None, :]
   pos = jnp.arange(s)
-  if segment_ids is not None:
-    mask = element_mask(pos, pos, causal=True, window=window, q_seg=segment_ids[:, None, :],
-                        kv_seg=segment_ids[:, None, :])
-  else:
-    mask = element_mask(pos, pos, causal=True, window=window)[None, None]
+  mask = element_mask(pos, pos, causal=True, window=window, q_seg=seg, kv_seg=seg)
   logits = jnp.where(mask, logits, -jnp.inf)
   m = jnp.max(logits, -1, keepdims=True)
   p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
