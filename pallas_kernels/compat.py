@@ -27,12 +27,8 @@ def triton_compiler_params(num_warps: int | None = None, num_stages: int | None 
     >>> params = triton_compiler_params(num_warps=4, num_stages=2)
   """
   from jax.experimental.pallas import triton as plgpu_triton
-  kwargs = {}
-  if num_warps is not None:
-    kwargs["num_warps"] = num_warps
-  if num_stages is not None:
-    kwargs["num_stages"] = num_stages
-  return plgpu_triton.CompilerParams(**kwargs)
+  kwargs = dict(num_warps=num_warps, num_stages=num_stages)
+  return plgpu_triton.CompilerParams(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 def tpu_compiler_params(dimension_semantics=None, **kwargs):
@@ -151,7 +147,6 @@ def mosaic_gpu_load(ref, *, layout=None):
   return plgpu.load(ref, layout=layout)
 
 
-__all__ = [
-    "JAX_VERSION", "pl", "triton_compiler_params", "tpu_compiler_params", "tpu_interpret_params",
-    "default_backend", "gpu_compute_capability", "gpu_core_count", "mosaic_gpu_load",
-]
+__all__ = ["JAX_VERSION", "pl", "triton_compiler_params", "tpu_compiler_params",
+           "tpu_interpret_params", "default_backend", "gpu_compute_capability", "gpu_core_count",
+           "mosaic_gpu_load"]

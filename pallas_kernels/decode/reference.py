@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.flash.reference import _softmax_lse
 from pallas_kernels.masks import element_mask, normalize_window
 
 __all__ = ["decode_reference", "paged_decode_reference", "gather_pages", "decode_partials"]
@@ -25,11 +26,8 @@ __all__ = ["decode_reference", "paged_decode_reference", "gather_pages", "decode
 def _visible(kv_lengths, num_keys, window):
   """bool [batch, num_keys]: key j of sequence b is visible to its query."""
   lengths = jnp.minimum(kv_lengths.astype(jnp.int32), num_keys)
-  q_pos = (lengths - 1)[:, None]                               # [b, 1]
-  k_pos = jnp.arange(num_keys, dtype=jnp.int32)[None, :]      # [1, n]
-  mask = element_mask(q_pos, k_pos, causal=True, window=window,
-                      kv_len=lengths[:, None, None])           # [b, 1, n]
-  return mask[:, 0, :]
+  return element_mask((lengths - 1)[:, None], jnp.arange(num_keys, dtype=jnp.int32)[None, :],
+                      causal=True, window=window, kv_len=lengths[:, None, None])[:, 0, :]
 
 
 def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
@@ -62,16 +60,12 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   """
   b, hq, d = q.shape
   _, n, hk, _ = k_cache.shape
-  g = hq // hk
-  if scale is None:
-    scale = 1.0 / (d ** 0.5)
-  window = normalize_window(local_window_size)
+  scale = 1.0 / (d ** 0.5) if scale is None else scale
   dt = jnp.float32 if upcast else q.dtype
   prec = jax.lax.Precision.HIGHEST if upcast else None
-  visible = _visible(kv_lengths, n, window)                       # [b, n]
-  qf = q.astype(dt).reshape(b, hk, g, d)                          # [b, hk, g, d]
+  visible = _visible(kv_lengths, n, normalize_window(local_window_size))  # [b, n]
   k = jnp.where(visible[:, :, None, None], k_cache.astype(dt), 0)  # hidden: 0 (finite dq)
-  s = jnp.einsum("bhgd,bnhd->bhgn", qf, k, precision=prec,
+  s = jnp.einsum("bhgd,bnhd->bhgn", q.astype(dt).reshape(b, hk, hq // hk, d), k, precision=prec,
                  preferred_element_type=jnp.float32) * scale      # [b, hk, g, n]
   if logits_soft_cap is not None:
     s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
@@ -85,32 +79,16 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   if pad:
     s = jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
     v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  s = s.reshape(b, hk, g, splits, chunk)                          # [b, hk, g, S, c]
+  w, lse = _softmax_lse(s.reshape(b, hk, hq // hk, splits, chunk))  # lse [b, hk, g, S]
   v = v.reshape(b, splits, chunk, hk, v.shape[-1])                # [b, S, c, hk, d]
-  m = jnp.max(s, axis=-1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  p = jnp.exp(s - m)
-  l = jnp.sum(p, axis=-1, keepdims=True)                          # [b, hk, g, S, 1]
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  o = jnp.einsum("bhgsc,bschd->bhgsd", (p / l_safe).astype(dt), v, precision=prec,
+  o = jnp.einsum("bhgsc,bschd->bhgsd", w.astype(dt), v, precision=prec,
                  preferred_element_type=jnp.float32)              # [b, hk, g, S, d]
-  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]   # [b, hk, g, S]
-  if splits > 1:
-    # Exact log-sum-exp merge of the per-chunk partials (same algebra as jattn.merge).
-    mm = jnp.max(lse, axis=-1, keepdims=True)
-    mm = jax.lax.stop_gradient(jnp.where(jnp.isfinite(mm), mm, 0.0))
-    w = jnp.exp(lse - mm)
-    tot = jnp.sum(w, axis=-1, keepdims=True)
-    tot_empty = tot == 0.0
-    tot_safe = jnp.where(tot_empty, 1.0, tot)
-    o = jnp.sum((w / tot_safe)[..., None] * o, axis=-2)
-    lse = jnp.where(tot_empty, -jnp.inf, mm + jnp.log(tot_safe))[..., 0]
+  if splits > 1:  # exact log-sum-exp merge of the per-chunk partials (same algebra as jattn.merge)
+    w, lse = _softmax_lse(lse)
+    o = jnp.sum(w[..., None] * o, axis=-2)
   else:
-    o = o[..., 0, :]
-    lse = lse[..., 0]
-  out = o.reshape(b, hq, o.shape[-1]).astype(q.dtype)
-  return out, lse.reshape(b, hq).astype(jnp.float32)
+    o, lse = o[..., 0, :], lse[..., 0]
+  return o.reshape(b, hq, o.shape[-1]).astype(q.dtype), lse.reshape(b, hq).astype(jnp.float32)
 
 
 def gather_pages(pages, page_table):
@@ -129,11 +107,9 @@ def gather_pages(pages, page_table):
     >>> gather_pages(pages, jnp.array([[2, 0]], jnp.int32)).shape
     (1, 32, 1, 2)
   """
-  num_pages, page_size = pages.shape[:2]
   b, max_pages = page_table.shape
-  idx = jnp.clip(page_table, 0, num_pages - 1)
-  out = jnp.take(pages, idx.reshape(-1), axis=0)          # [b * max_pages, ps, hk, d]
-  return out.reshape(b, max_pages * page_size, *pages.shape[2:])
+  out = jnp.take(pages, jnp.clip(page_table, 0, pages.shape[0] - 1).reshape(-1), axis=0)
+  return out.reshape(b, max_pages * pages.shape[1], *pages.shape[2:])
 
 
 def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs):
@@ -160,9 +136,8 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
     >>> out.shape
     (1, 2, 16)
   """
-  k = gather_pages(k_pages, page_table)
-  v = gather_pages(v_pages, page_table)
-  return decode_reference(q, k, v, kv_lengths, **kwargs)
+  return decode_reference(q, gather_pages(k_pages, page_table), gather_pages(v_pages, page_table),
+                          kv_lengths, **kwargs)
 
 
 def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_splits=None,
@@ -234,7 +209,6 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_spl
   acc, l, mx = acc.reshape(p0, p1, hq, dv), l.reshape(p0, p1, hq), mx.reshape(p0, p1, hq)
   if m_hat is not None:
     return acc, l, mx
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  lse = jnp.where(empty, -jnp.inf, m.reshape(p0, p1, hq) + jnp.log(l_safe))
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  lse = jnp.where(l == 0.0, -jnp.inf, m.reshape(p0, p1, hq) + jnp.log(l_safe))
   return acc / l_safe[..., None], lse

@@ -50,59 +50,44 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
   """
   b, sq, hq, d = q.shape
   _, sk, hk, _ = k.shape
-  g = hq // hk
-  k, v, bad_key = _hide_nonfinite_keys(k, v)  # bad_key [b, sk, hk]
-  if scale is None:
-    scale = 1.0 / (d ** 0.5)
+  bad_key = ~(jnp.isfinite(k).all(-1) & jnp.isfinite(v).all(-1))  # [b, sk, hk]: hidden, rows NaN
+  k, v = (jnp.where(bad_key[..., None], jnp.zeros((), x.dtype), x) for x in (k, v))
+  scale = 1.0 / (d ** 0.5) if scale is None else scale
   window = normalize_window(local_window_size)
   dt = jnp.float32 if upcast else q.dtype
   prec = jax.lax.Precision.HIGHEST if upcast else None
-  qf = q.astype(dt).reshape(b, sq, hk, g, d)  # [b, sq, hk, g, d]
-  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(dt), precision=prec).astype(jnp.float32)
-  s = s * scale  # [b, hk, g, sq, sk]
+  qf = q.astype(dt).reshape(b, sq, hk, hq // hk, d)  # [b, sq, hk, g, d]
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(dt), precision=prec).astype(jnp.float32) * scale
   if logits_soft_cap is not None:
     s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
   s = jnp.where(jnp.swapaxes(bad_key, 1, 2)[:, :, None, None], jnp.nan, s)  # rows seeing it: NaN
-  q_pos = jnp.arange(sq) + (sk - sq)
-  k_pos = jnp.arange(sk)
-  if q_segment_ids is not None:
-    mask = element_mask(q_pos, k_pos, causal=causal, window=window,
-                        q_seg=q_segment_ids[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
-  else:
-    mask = element_mask(q_pos, k_pos, causal=causal, window=window)[None, None, None]
+  seg = {} if q_segment_ids is None else dict(q_seg=q_segment_ids[:, None, None, :],
+                                               kv_seg=kv_segment_ids[:, None, None, :])
+  mask = element_mask(jnp.arange(sq) + (sk - sq), jnp.arange(sk), causal=causal, window=window,
+                      **seg)  # [(b, 1, 1,) sq, sk]
   if bias is not None:
     s = s + _per_kv_head(jnp.asarray(bias, jnp.float32), hq, hk)
   if block_mask is not None:
     bm = jnp.asarray(block_mask, bool)
-    if bm.ndim == 4 and bm.shape[1] == hq:
-      bm = _per_kv_head(bm, hq, hk)
-    else:
-      bm = jnp.broadcast_to(bm, (b, hk) + bm.shape[-2:])[:, :, None]
-    mask = mask & bm
-  s = jnp.where(mask, s, -jnp.inf)
+    mask = mask & (_per_kv_head(bm, hq, hk) if bm.ndim == 4 and bm.shape[1] == hq
+                   else jnp.broadcast_to(bm, (b, hk) + bm.shape[-2:])[:, :, None])
+  w, lse = _softmax_lse(jnp.where(mask, s, -jnp.inf))  # lse [b, hk, g, sq]
+  w = jnp.where(mask, w, 0.0)  # a NaN row's hidden keys get weight 0, not NaN
+  o = jnp.einsum("bhgqk,bkhd->bqhgd", w.astype(dt), v.astype(dt), precision=prec)
+  return (o.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype),
+          lse.reshape(b, hq, sq).astype(jnp.float32))
+
+
+def _softmax_lse(s):
+  """(softmax over the last axis, log-sum-exp); rows of only -inf logits get weights 0, lse -inf."""
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   p = jnp.exp(s - m)
   l = jnp.sum(p, axis=-1, keepdims=True)
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  w = jnp.where(mask, p / l_safe, 0.0)  # a NaN row's hidden keys get weight 0, not NaN
-  o = jnp.einsum("bhgqk,bkhd->bqhgd", w.astype(dt), v.astype(dt), precision=prec)
-  out = o.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype)
-  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]  # [b, hk, g, sq]
-  return out, lse.reshape(b, hq, sq).astype(jnp.float32)
-
-
-def _hide_nonfinite_keys(k, v):
-  """(k, v) zeroed at the keys holding a non-finite value in k or v, and bool [B, S, H] of those
-  keys (the caller turns their logits NaN before masking: the rows that see them are NaN)."""
-  bad = ~(jnp.isfinite(k).all(-1) & jnp.isfinite(v).all(-1))
-  return (jnp.where(bad[..., None], jnp.zeros((), k.dtype), k),
-          jnp.where(bad[..., None], jnp.zeros((), v.dtype), v), bad)
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  return p / l_safe, jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))[..., 0]
 
 
 def _per_kv_head(x, hq, hk):
   """[B', 1 | hq, T', S'] -> [B', 1 | hk, 1 | G, T', S'] (query head h = kv head h // G, G-th)."""
-  if x.shape[1] == 1:
-    return x[:, :, None]
-  return x.reshape(x.shape[0], hk, hq // hk, *x.shape[2:])
+  return x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], hk, hq // hk, *x.shape[2:])

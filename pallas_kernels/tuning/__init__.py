@@ -145,8 +145,7 @@ def device(platform: str | None = None, kind: str | None = None) -> Device:
   if platform is None:
     platform = ("gpu" if kind.startswith("NVIDIA") else "tpu" if "TPU" in kind
                 else compat.default_backend())
-  cc = (9, 0) if platform == "gpu" and _SM90_KIND.search(kind) else None
-  return Device(platform, kind, cc)
+  return Device(platform, kind, (9, 0) if platform == "gpu" and _SM90_KIND.search(kind) else None)
 
 
 def dtype_class(dtype) -> str:
@@ -187,12 +186,9 @@ def _nearest(kind: str) -> str | None:
   m = _SM90_KIND.search(kind)
   if not m:
     return None
-  same = {k: v for k, v in DEVICE_TABLES.items() if _SM90_KIND.search(k)}
-  model = {"200": "200"}.get(m.group(1), "100")     # GH200 parts: the H200's; others: the H100's
-  for k, v in same.items():
-    if _SM90_KIND.search(k).group(1) == model:
-      return v
-  return next(iter(same.values()), None)
+  model = "200" if m.group(1) == "200" else "100"   # GH200 parts: the H200's; others: the H100's
+  same = [(h.group(1), v) for k, v in DEVICE_TABLES.items() if (h := _SM90_KIND.search(k))]
+  return next((v for g, v in same if g == model), same[0][1] if same else None)
 
 
 def table_file(kind: str | None = None) -> str:
@@ -208,11 +204,10 @@ def table_file(kind: str | None = None) -> str:
     >>> table_file("NVIDIA H200"), table_file("cpu")
     ('nvidia_h200.json', 'generic.json')
   """
-  kind = device_kind() if kind is None else kind
-  user = os.environ.get(USER_DIR_ENV)
+  kind, user = resolve_kind(kind), os.environ.get(USER_DIR_ENV)
   if kind is None:
     return GENERIC_TABLE
-  found = _kinds_of(user).get(kind) if user and os.path.isdir(user) else None
+  found = user and os.path.isdir(user) and _kinds_of(user).get(kind)
   return found or DEVICE_TABLES.get(kind) or _nearest(kind) or GENERIC_TABLE
 
 
@@ -247,8 +242,7 @@ def load_table(name: str) -> dict:
   out = {}
   for e in data["entries"]:
     key = (e["kernel"], int(e["head_dim"]), e["dtype"], e.get("mask", "all"))
-    if (e["kernel"] not in KERNELS or e["dtype"] not in ("16bit", "32bit")
-        or key[3] not in MASK_KINDS):
+    if key[0] not in KERNELS or key[2] not in ("16bit", "32bit") or key[3] not in MASK_KINDS:
       raise ValueError(f"{name}: bad entry key {key}")
     if key in out:
       raise ValueError(f"{name}: duplicate entry {key}")
@@ -282,12 +276,8 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
     ...     "protocol"]
     'overlap'
   """
-  table = _merged(table_file(device))
-  for m in (mask, "all"):
-    e = table.get((kernel, int(head_dim), dtype_cls, m))
-    if e is not None:
-      return e
-  return None
+  table, key = _merged(table_file(device)), (kernel, int(head_dim), dtype_cls)
+  return table.get((*key, mask)) or table.get((*key, "all"))   # entries are non-empty dicts
 
 
 def params(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
@@ -326,12 +316,9 @@ def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
     >>> mask_kind(True, (511, 0)), mask_kind(False, None), mask_kind(True, None, segments=True)
     ('causal_window', 'dense', 'causal_segments')
   """
-  windowed = window is not None and tuple(window) != (None, None)
-  if windowed:
+  if window is not None and tuple(window) != (None, None):
     return "causal_window" if causal else "window"
-  if causal:
-    return "causal_segments" if segments else "causal"
-  return "dense"
+  return ("causal_segments" if segments else "causal") if causal else "dense"
 
 
 def required_params(kernel: str, head_dim: int, dtype_cls: str,
@@ -352,7 +339,7 @@ def required_params(kernel: str, head_dim: int, dtype_cls: str,
     >>> required_params("mosaic_gpu_fwd", 128, "16bit", device="cpu")["block_k"]
     128
   """
-  kind = device_kind() if device is None else device
+  kind = resolve_kind(device)
   p = params(kernel, head_dim, dtype_cls, mask, device=kind)
   if p is None:
     raise KeyError(f"no {kernel} tuning entry for head_dim {head_dim} on {kind!r} "

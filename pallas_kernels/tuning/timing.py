@@ -57,8 +57,7 @@ def time_fn(fn, arg_sets, *, iters=None, min_time=0.1, min_iters=5, max_iters=20
   if iters is None:
     t0 = time.perf_counter()
     sync(fn(*arg_sets[0]))
-    one = max(time.perf_counter() - t0, 1e-6)
-    iters = int(min(max(min_time / one, min_iters), max_iters))
+    iters = int(min(max(min_time / max(time.perf_counter() - t0, 1e-6), min_iters), max_iters))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()

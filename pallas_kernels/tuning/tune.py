@@ -64,11 +64,9 @@ def candidates(kernel: str, head_dim: int, mask: str, quick: bool) -> list[dict]
     for bk, stages, proto in itertools.product(block_ks, (2,) if quick else (2, 3), protocols):
       out.append(dict(block_q=64, block_k=bk, num_stages=stages, protocol=proto))
       if proto == "overlap" and mask == "causal_window" and head_dim != 256:
-        out.append(dict(block_q=64, block_k=bk, num_stages=stages, protocol=proto,
-                        q_tiles_per_program=2))
+        out.append(dict(out[-1], q_tiles_per_program=2))
       if proto == "overlap" and mask == "dense":
-        out.append(dict(block_q=64, block_k=bk, num_stages=stages, protocol=proto,
-                        tail_kv_splits=8))
+        out.append(dict(out[-1], tail_kv_splits=8))
   elif kernel == "mosaic_gpu_bwd":
     for bk_dq, st_dkv, st_dq in itertools.product((64, 128), (2, 3) if quick else (2, 3, 4),
                                                   (2,) if quick else (2, 3)):
@@ -88,7 +86,7 @@ def candidates(kernel: str, head_dim: int, mask: str, quick: bool) -> list[dict]
   return out
 
 
-def _call(kernel, params, incumbent_fwd, head_dim, causal, window):
+def _call(kernel, params, incumbent_fwd, causal, window):
   """A jitted fn(q, k, v, do) -> output (forward kernels) or gradients (backward kernels)."""
   mask = dict(causal=causal, local_window_size=window)
   if kernel.startswith("mosaic"):
@@ -104,8 +102,7 @@ def _call(kernel, params, incumbent_fwd, head_dim, causal, window):
     bs = ft.BlockSizes(**{**incumbent_fwd, **params})
 
     def attn(q, k, v):
-      sq, sk = q.shape[1], k.shape[1]
-      sched = make_schedule(sq, sk, bs.block_q, bs.block_k, **mask)
+      sched = make_schedule(q.shape[1], k.shape[1], bs.block_q, bs.block_k, **mask)
       return ft.flash_attention(q, k, v, None, None, sched, scale=None, logits_soft_cap=None,
                                 block_sizes=bs, **mask)[0]
   if kernel.endswith("_fwd"):
@@ -116,11 +113,10 @@ def _call(kernel, params, incumbent_fwd, head_dim, causal, window):
 def _check(fn, args, causal, window, tol=2e-2):
   """Relative error of fn on one (batch row, head) slice against the fp32 reference."""
   q, k, v, do = (a[:1, :, :1].astype(jnp.float32) for a in args)
-  want = attention_reference(q, k, v, causal=causal, local_window_size=window)[0]
-  got = fn(*args)
+  ref = lambda q_: attention_reference(q_, k, v, causal=causal, local_window_size=window)[0]
+  want, got = ref(q), fn(*args)
   if isinstance(got, tuple):   # gradients: check dq through the reference's vjp
-    f = lambda q_: attention_reference(q_, k, v, causal=causal, local_window_size=window)[0]
-    want, got = jax.vjp(f, q)[1](do)[0], got[0]
+    want, got = jax.vjp(ref, q)[1](do)[0], got[0]
   got = np.asarray(got[:1, :, :1], np.float32)
   err = float(np.linalg.norm(got - np.asarray(want)) / max(np.linalg.norm(np.asarray(want)), 1e-30))
   return err, err < tol
@@ -156,7 +152,7 @@ def tune_key(kernel, head_dim, mask, *, seq, quick, kind, log=print):
   for i, p in enumerate(cands):
     t0 = time.perf_counter()
     try:
-      fn = _call(kernel, p, incumbent_fwd, head_dim, causal, window)
+      fn = _call(kernel, p, incumbent_fwd, causal, window)
       err, ok = _check(fn, args_sets[0], causal, window)
       ms = time_fn(fn, args_sets, repeats=3)[0] if ok else float("inf")
     except Exception as e:   # a candidate that does not compile (shared memory, registers)
@@ -169,8 +165,8 @@ def tune_key(kernel, head_dim, mask, *, seq, quick, kind, log=print):
   best_ms, _, best = min(timed, key=lambda t: (t[0], t[1]))
   if not np.isfinite(best_ms):
     return None
-  table_mask = mask if kernel.startswith("mosaic") else "all"
-  return dict(kernel=kernel, head_dim=head_dim, dtype="16bit", mask=table_mask, params=best,
+  return dict(kernel=kernel, head_dim=head_dim, dtype="16bit",
+              mask=mask if kernel.startswith("mosaic") else "all", params=best,
               provenance=dict(status="tuned", ms=round(best_ms, 4),
                               incumbent_ms=round(timed[0][0], 4), shape=f"B2 S{seq} H16 bf16",
                               candidates=len(cands)))
@@ -210,7 +206,6 @@ def main(argv=None) -> dict:
     ap.error(f"unknown or unsupported here: {', '.join(bad)} (kernels: {tuning.KERNELS}, Mosaic "
              f"GPU ones on Hopper only; masks: {tuple(MASKS)})")
   head_dims = [int(d) for d in a.head_dims.split(",")]
-  seq = 8192 if a.quick else 16384
   t0, entries = time.time(), []
   print(f"tuning on {dev.kind} (today's table: {dev.table})", flush=True)
   for kernel, d, mask in itertools.product(kernels, head_dims, masks):
@@ -218,7 +213,7 @@ def main(argv=None) -> dict:
         or (kernel == "mosaic_gpu_fwd" and d not in mg.HEAD_DIMS)
         or (kernel.startswith("triton") and mask != "causal")):   # Triton reads "all" entries
       continue
-    e = tune_key(kernel, d, mask, seq=seq, quick=a.quick, kind=dev.kind,
+    e = tune_key(kernel, d, mask, seq=8192 if a.quick else 16384, quick=a.quick, kind=dev.kind,
                  log=lambda s: print(s, flush=True))
     if e is not None:
       entries.append(e)
