@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash.reference import _softmax_lse
+from pallas_kernels.flash.reference import softmax_lse
 from pallas_kernels.masks import element_mask, normalize_window
 
 __all__ = ["decode_reference", "paged_decode_reference", "gather_pages", "decode_partials"]
@@ -79,12 +79,12 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
   if pad:
     s = jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
     v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  w, lse = _softmax_lse(s.reshape(b, hk, hq // hk, splits, chunk))  # lse [b, hk, g, S]
+  w, lse = softmax_lse(s.reshape(b, hk, hq // hk, splits, chunk))  # lse [b, hk, g, S]
   v = v.reshape(b, splits, chunk, hk, v.shape[-1])                # [b, S, c, hk, d]
   o = jnp.einsum("bhgsc,bschd->bhgsd", w.astype(dt), v, precision=prec,
                  preferred_element_type=jnp.float32)              # [b, hk, g, S, d]
   if splits > 1:  # exact log-sum-exp merge of the per-chunk partials (same algebra as jattn.merge)
-    w, lse = _softmax_lse(lse)
+    w, lse = softmax_lse(lse)
     o = jnp.sum(w[..., None] * o, axis=-2)
   else:
     o, lse = o[..., 0, :], lse[..., 0]

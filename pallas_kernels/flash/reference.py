@@ -71,15 +71,28 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
     bm = jnp.asarray(block_mask, bool)
     mask = mask & (_per_kv_head(bm, hq, hk) if bm.ndim == 4 and bm.shape[1] == hq
                    else jnp.broadcast_to(bm, (b, hk) + bm.shape[-2:])[:, :, None])
-  w, lse = _softmax_lse(jnp.where(mask, s, -jnp.inf))  # lse [b, hk, g, sq]
+  w, lse = softmax_lse(jnp.where(mask, s, -jnp.inf))  # lse [b, hk, g, sq]
   w = jnp.where(mask, w, 0.0)  # a NaN row's hidden keys get weight 0, not NaN
   o = jnp.einsum("bhgqk,bkhd->bqhgd", w.astype(dt), v.astype(dt), precision=prec)
   return (o.reshape(b, sq, hq, v.shape[-1]).astype(q.dtype),
           lse.reshape(b, hq, sq).astype(jnp.float32))
 
 
-def _softmax_lse(s):
-  """(softmax over the last axis, log-sum-exp); rows of only -inf logits get weights 0, lse -inf."""
+def softmax_lse(s):
+  """Softmax over the last axis and its log-sum-exp; a row of only -inf logits gets weights 0
+  and lse -inf (the references' convention for a query that sees nothing).
+
+  Args:
+    s: fp32 logits [..., S], masked entries -inf.
+
+  Returns:
+    (weights [..., S], lse [...]).
+
+  Example:
+    >>> w, lse = softmax_lse(jnp.array([[0.0, -jnp.inf], [-jnp.inf, -jnp.inf]]))
+    >>> w.tolist(), lse.tolist()
+    ([[1.0, 0.0], [0.0, 0.0]], [0.0, -inf])
+  """
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   p = jnp.exp(s - m)
