@@ -133,8 +133,7 @@ def segment_tile_classes(seg, length, block):
   """
   n = -(-length // block)
   pad = n * block - length
-  s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad)))
-  s = s.reshape(seg.shape[0], n, block)  # [b, n, block]
+  s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad))).reshape(seg.shape[0], n, block)
   real = s != 0
   lo = jnp.min(jnp.where(real, s, _INT32_MAX), axis=-1)
   hi = jnp.max(jnp.where(real, s, _INT32_MIN), axis=-1)
@@ -331,23 +330,16 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
   exact_kv, exact_q = (max(int(any_s.sum(axis=a).max()), 1) for a in (1, 0))
   max_kv_blocks = min(exact_kv if max_kv_blocks is None else max_kv_blocks, nk)
   max_q_blocks = min(exact_q if max_q_blocks is None else max_q_blocks, nq)
-  if q_segment_ids is None and block_mask is None and mask is None:
-    # Static: the lists in numpy at trace time (XLA would constant-fold jnp slowly).
-    visit, full = any_s[None, None], all_s[None, None]
-    partial = visit & ~full
-    kv = _compact(visit, partial, max_kv_blocks, xp=np)
-    q = _compact(np.swapaxes(visit, -1, -2), np.swapaxes(partial, -1, -2), max_q_blocks, xp=np)
-    return BlockSchedule(*(jnp.asarray(x) for x in kv + q), block_q=block_q, block_k=block_k,
-                         q_len=q_len, kv_len=kv_len)
-  visit = jnp.asarray(any_s)[None, None]  # [1, 1, nq, nk]
-  full = jnp.asarray(all_s)[None, None]
+  # Without traced inputs the lists are built in numpy at trace time (XLA would constant-fold
+  # jnp slowly).
+  xp = np if q_segment_ids is None and block_mask is None and mask is None else jnp
+  visit, full = xp.asarray(any_s)[None, None], xp.asarray(all_s)[None, None]   # [1, 1, nq, nk]
   if q_segment_ids is not None:
     qc = segment_tile_classes(q_segment_ids, q_len, block_q)    # 3 x [b, nq]
     kc = segment_tile_classes(kv_segment_ids, kv_len, block_k)   # 3 x [b, nk]
     seg_any, seg_all = segment_tile_pairs([x[:, :, None] for x in qc],
                                            [x[:, None, :] for x in kc])   # [b, nq, nk]
-    visit = visit & seg_any[:, None]
-    full = full & seg_all[:, None]
+    visit, full = visit & seg_any[:, None], full & seg_all[:, None]
   if block_mask is not None:
     bm = jnp.asarray(block_mask, bool)
     if bm.ndim != 4 or bm.shape[-2:] != (nq, nk):
@@ -359,13 +351,10 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
       raise ValueError(f"mask must be [Bs, Hs, (G,) {q_len}, {kv_len}], got {m.shape}")
     m_any, m_all = mask_tile_classes(m, block_q, block_k)
     visit, full = visit & m_any, full & m_all
-  full = full & visit
   partial = visit & ~full
-  kv_idx, kv_cnt, kv_part = _compact(visit, partial, max_kv_blocks)
-  q_idx, q_cnt, q_part = _compact(jnp.swapaxes(visit, -1, -2), jnp.swapaxes(partial, -1, -2),
-                                  max_q_blocks)
-  return BlockSchedule(kv_indices=kv_idx, kv_counts=kv_cnt, kv_partial=kv_part, q_indices=q_idx,
-                       q_counts=q_cnt, q_partial=q_part, block_q=block_q, block_k=block_k,
+  kv = _compact(visit, partial, max_kv_blocks, xp=xp)
+  q = _compact(xp.swapaxes(visit, -1, -2), xp.swapaxes(partial, -1, -2), max_q_blocks, xp=xp)
+  return BlockSchedule(*(jnp.asarray(x) for x in kv + q), block_q=block_q, block_k=block_k,
                        q_len=q_len, kv_len=kv_len)
 
 
@@ -383,8 +372,7 @@ def schedule_to_mask(schedule: BlockSchedule):
     >>> int(m.sum())
     10
   """
-  nk = schedule.num_kv_blocks
-  j = jnp.arange(schedule.max_kv_blocks)
-  valid = j < schedule.kv_counts[..., None]
-  onehot = jax.nn.one_hot(schedule.kv_indices, nk, dtype=jnp.int32) * valid[..., None]
+  valid = jnp.arange(schedule.max_kv_blocks) < schedule.kv_counts[..., None]
+  onehot = jax.nn.one_hot(schedule.kv_indices, schedule.num_kv_blocks, dtype=jnp.int32)
+  onehot = onehot * valid[..., None]
   return jnp.sum(onehot, axis=-2) > 0

@@ -32,7 +32,7 @@ def normalize_window(local_window_size):
   """
   if local_window_size is None:
     return None
-  if isinstance(local_window_size, (int,)) and not isinstance(local_window_size, bool):
+  if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
     w = (int(local_window_size), int(local_window_size))
   else:
     try:
@@ -41,9 +41,8 @@ def normalize_window(local_window_size):
     except (TypeError, ValueError):
       raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got "
                       f"{local_window_size!r}")
-  for side in w:
-    if side is not None and side < 0:
-      raise ValueError(f"local_window_size sides must be >= 0, got {local_window_size!r}")
+  if any(side is not None and side < 0 for side in w):
+    raise ValueError(f"local_window_size sides must be >= 0, got {local_window_size!r}")
   return w
 
 
@@ -101,7 +100,7 @@ def element_mask(q_pos, k_pos, *, causal, window, kv_len=None, q_seg=None, kv_se
     >>> bool(m[0, 1]), bool(m[1, 0])
     (False, True)
   """
-  q_seg = None if q_seg is None else q_seg[..., :, None]
-  kv_seg = None if kv_seg is None else kv_seg[..., None, :]
-  return visible(q_pos[..., :, None], k_pos[..., None, :], q_seg, kv_seg, causal=causal,
-                 window=window, kv_len=kv_len)
+  return visible(q_pos[..., :, None], k_pos[..., None, :],
+                 None if q_seg is None else q_seg[..., :, None],
+                 None if kv_seg is None else kv_seg[..., None, :],
+                 causal=causal, window=window, kv_len=kv_len)

@@ -85,8 +85,7 @@ def range_codes(tiles, valid, ranges, own_seg, own_block, walk_seg, walk_block):
                          (own_seg.shape[0],) + tiles.shape[1:])
     wc_t = [jax.vmap(lambda x, i: x[i])(x, t) for x in wc]                   # [B, Hs, n_own, L]
     seg_any, seg_all = segment_tile_pairs([x[:, None, :, None] for x in oc], wc_t)
-    visible = visible & seg_any
-    full = full & seg_all
+    visible, full = visible & seg_any, full & seg_all
   return jnp.where(visible, jnp.where(full, FULL, PARTIAL), SKIP).astype(jnp.int32)
 
 
@@ -124,8 +123,7 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
   bq, bk, sbq = own_block, walk_block, s_own
   rk = s_walk // bk
   nq_s = idx.shape[2]
-  idx = idx.astype(jnp.int32)                                  # [Bs, Hs, nq_s, M]
-  cnt = cnt.astype(jnp.int32)                                  # [Bs, Hs, nq_s]
+  idx, cnt = idx.astype(jnp.int32), cnt.astype(jnp.int32)     # [Bs, Hs, nq_s, M], [Bs, Hs, nq_s]
   rows = np.arange(n_own) * bq // sbq                          # schedule row of each wg tile
   real = jnp.asarray(rows < nq_s)                              # the others: padding, nothing
   rows = np.minimum(rows, nq_s - 1)
@@ -137,19 +135,17 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
   tiles = jnp.broadcast_to(tiles, codes.shape)
   t0, t1 = tiles[:, :, 0::2], tiles[:, :, 1::2]                # [B', Hs, P, L]
   c0, c1 = codes[:, :, 0::2], codes[:, :, 1::2]
+  take = lambda order, *xs: [jnp.take_along_axis(x, order, axis=-1) for x in xs]
   if sbq % (WARPGROUPS * bq) == 0:      # both warpgroups read the same row: one list
     if sbq == WARPGROUPS * bq and rk == 1:      # no compaction: the rows as they are
-      count = jnp.broadcast_to(cnt_w[:, :, 0::2], c0.shape[:-1])
-      return _walk_rows(t0, c0, c1, count)
+      return _walk_rows(t0, c0, c1, jnp.broadcast_to(cnt_w[:, :, 0::2], c0.shape[:-1]))
     order, count = compact_true((c0 | c1) != SKIP, min(t0.shape[-1], n_walk))
-    take = lambda x: jnp.take_along_axis(x, order, axis=-1)
-    return _walk_rows(take(t0), take(c0), take(c1), count)
+    return _walk_rows(*take(order, t0, c0, c1), count)
   # Two rows: their union, in increasing tile order. Each row's codes scattered over the walk
   # axis (a tile at most once per row), then the tiles either row lists, compacted (no sort).
   dense = [_scatter_codes(tw, cw, n_walk) for tw, cw in ((t0, c0), (t1, c1))]
   order, count = compact_true((dense[0] | dense[1]) != SKIP, min(2 * t0.shape[-1], n_walk))
-  take = lambda x: jnp.take_along_axis(x, order, axis=-1)
-  return _walk_rows(order, take(dense[0]), take(dense[1]), count)
+  return _walk_rows(order, *take(order, *dense), count)
 
 
 def _scatter_codes(tiles, codes, n):
@@ -167,8 +163,7 @@ def _scatter_codes(tiles, codes, n):
 
 
 def _walk_rows(t, c0, c1, count):
-  """Walk rows ``[count, entry_0, ...]`` from tiles and codes [..., W] (entries past ``count``
-  are 0)."""
+  """Walk rows ``[count, entry_0, ...]`` from tiles and codes [..., W]; entries past count: 0."""
   j = jnp.arange(t.shape[-1], dtype=jnp.int32)
   count = jnp.minimum(count, t.shape[-1])
   entries = jnp.where(j < count[..., None], (t << WALK_SHIFT) | c0 | (c1 << 2), 0)
@@ -241,8 +236,7 @@ def _tile_ranges(visit, full):
 
 
 def _program_bounds(lo, flo, fhi, hi):
-  """Bounds rows [B, programs, 10] (``segment_bounds``) from per-warpgroup ranges [B, 2 *
-  programs]."""
+  """Bounds rows [B, programs, 10] (``segment_bounds``) from warpgroup ranges [B, 2 * programs]."""
   b = lo.shape[0]
   shape = (b, lo.shape[1] // WARPGROUPS, WARPGROUPS)
   lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))

@@ -87,6 +87,24 @@ def load_head(kv_ref, h, *, kv_heads, rows):
   return kv_ref[pl.ds(h, rows, stride=kv_heads), :]
 
 
+def init_softmax(m_ref, l_ref, acc_ref):
+  """Reset the online-softmax scratch: m = -inf, l = acc = 0 (shared with the block-sparse TPU
+  decode kernel)."""
+  m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+  l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+  acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def write_softmax(m_ref, l_ref, acc_ref, o_ref, lse_ref):
+  """o = acc / l in o's dtype and lse = m + log(l); a row with l == 0 (no visible key) gets 0 and
+  -inf (shared with the block-sparse TPU decode kernel)."""
+  l = l_ref[...]
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = (acc_ref[...] * (1.0 / l_safe[..., :1])).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
+
+
 def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad, num_splits,
                    capacity, num_steps, num_prefetch, refs_per_step):
   """refs: lens (SMEM) [, page_table (SMEM)], q [Hk, g_pad, D], then ``refs_per_step`` K refs
@@ -108,12 +126,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
     tiles = [load_head(r, h, kv_heads=kv_heads, rows=rows) for r in kv_refs]
     return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=0)
 
-  @pl.when(step == 0)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
+  pl.when(step == 0)(lambda: init_softmax(m_ref, l_ref, acc_ref))
   blk = begin + step
 
   @pl.when(blk < stop)
@@ -142,13 +155,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
                                preferred_element_type=jnp.float32)               # [g_pad, Dv]
       acc_ref[h] = acc_ref[h] * alpha[:, :1] + pv
 
-  @pl.when(step == num_steps - 1)
-  def _write():
-    l = l_ref[...]
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = acc_ref[...] * (1.0 / l_safe[..., :1])
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
+  pl.when(step == num_steps - 1)(lambda: write_softmax(m_ref, l_ref, acc_ref, o_ref, lse_ref))
 
 
 def group_queries(q, kv_heads, dtype):
@@ -189,7 +196,6 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
   kw = dict(window_left=window_left, block_k=block_k, num_splits=num_splits, capacity=capacity)
   paged = page_table is not None
   rows = block_k // pages_per_step * kv_heads                      # rows of one K/V ref
-
   if paged:
     max_pages = page_table.shape[1]
 
@@ -198,34 +204,21 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
         blk = _block_index(lens_ref[b], s, j, **kw)
         return (table_ref[b, jnp.minimum(blk * pages_per_step + p, max_pages - 1)], 0, 0)
       return index_map
-
-    def fixed(f):
-      return lambda b, s, j, lens_ref, table_ref: f(b, s)
     prefetch = (kv_lengths, page_table)
   else:
     def kv_map(p):
-      del p
       return lambda b, s, j, lens_ref: (b, _block_index(lens_ref[b], s, j, **kw), 0)
-
-    def fixed(f):
-      return lambda b, s, j, lens_ref: f(b, s)
     prefetch = (kv_lengths,)
-  k_specs = [pl.BlockSpec((None, rows, d), kv_map(p)) for p in range(pages_per_step)]
-  v_specs = [pl.BlockSpec((None, rows, dv), kv_map(p)) for p in range(pages_per_step)]
+  out_map = lambda b, s, j, *_: (b, s, 0, 0, 0)
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch),
       grid=(bsz, num_splits, num_steps),
-      in_specs=[
-          pl.BlockSpec((None, kv_heads, g_pad, d), fixed(lambda b, s: (b, 0, 0, 0))),
-          *k_specs,                                                     # K
-          *v_specs,                                                     # V
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, kv_heads, g_pad, dv), fixed(lambda b, s: (b, s, 0, 0, 0))),
-          pl.BlockSpec((None, None, kv_heads, g_pad, LANES),
-                       fixed(lambda b, s: (b, s, 0, 0, 0))),
-      ],
+      in_specs=[pl.BlockSpec((None, kv_heads, g_pad, d), lambda b, s, j, *_: (b, 0, 0, 0)),
+                *(pl.BlockSpec((None, rows, d), kv_map(p)) for p in range(pages_per_step)),
+                *(pl.BlockSpec((None, rows, dv), kv_map(p)) for p in range(pages_per_step))],
+      out_specs=[pl.BlockSpec((None, None, kv_heads, g_pad, dv), out_map),
+                 pl.BlockSpec((None, None, kv_heads, g_pad, LANES), out_map)],
       scratch_shapes=[pltpu.VMEM((kv_heads, g_pad, LANES), jnp.float32),
                       pltpu.VMEM((kv_heads, g_pad, LANES), jnp.float32),
                       pltpu.VMEM((kv_heads, g_pad, dv), jnp.float32)],
@@ -243,9 +236,8 @@ def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, cap
       interpret=compat.tpu_interpret_params() if interpret else False,
       name="jattn_paged_decode_tpu" if paged else "jattn_decode_tpu",
   )(*prefetch, q4, *([k2] * pages_per_step), *([v2] * pages_per_step))
-  o = o[:, :, :, :group].reshape(bsz, num_splits, hq, dv)
-  lse = lse[:, :, :, :group, 0].reshape(bsz, num_splits, hq)
-  return o, lse
+  return (o[:, :, :, :group].reshape(bsz, num_splits, hq, dv),
+          lse[:, :, :, :group, 0].reshape(bsz, num_splits, hq))
 
 
 def _check(q, k, v, kv_lengths, num_splits):
@@ -285,14 +277,12 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
   """
   _check(q, k_cache, v_cache, kv_lengths, num_splits)
   bsz, max_len, kv_heads, d = k_cache.shape
-  bs = block_sizes or DecodeBlockSizes()
-  block_k = min(bs.block_k, max_len)     # == max_len: the block spans the full row dim
+  block_k = min((block_sizes or DecodeBlockSizes()).block_k, max_len)  # == max_len: full row dim
   shape2 = (bsz, max_len * kv_heads)  # row t * kv_heads + h (a free reshape)
   return _call(q, k_cache.reshape(*shape2, d), v_cache.reshape(*shape2, v_cache.shape[-1]),
                kv_lengths.astype(jnp.int32), None, kv_heads=kv_heads, head_dim=d,
-               block_k=block_k, capacity=max_len,
-               num_splits=num_splits, scale=scale, window_left=window_left,
-               logits_soft_cap=logits_soft_cap, interpret=interpret)
+               block_k=block_k, capacity=max_len, num_splits=num_splits, scale=scale,
+               window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -330,8 +320,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
   num_pages, page_size, kv_heads, d = k_pages.shape
   check_page_table(q, page_table)
   max_pages = page_table.shape[1]
-  bs = block_sizes or DecodeBlockSizes()
-  pages_per_step = max(1, min(bs.block_k // page_size, max_pages))
+  pages_per_step = max(1, min((block_sizes or DecodeBlockSizes()).block_k // page_size, max_pages))
   shape2 = (num_pages, page_size * kv_heads)                     # row t * kv_heads + h per page
   table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
   return _call(q, k_pages.reshape(*shape2, d), v_pages.reshape(*shape2, v_pages.shape[-1]),

@@ -158,9 +158,7 @@ class _SchedShape:
 
   def row(self, b, h_kv, i):
     """Flat index of (b, h_kv, i) in the [Bs, Hs, rows] counts array."""
-    bs = b if self.bs > 1 else 0
-    hs = h_kv if self.hs > 1 else 0
-    return (bs * self.hs + hs) * self.rows + i
+    return ((b if self.bs > 1 else 0) * self.hs + (h_kv if self.hs > 1 else 0)) * self.rows + i
 
   def entry(self, b, h_kv, i, j):
     """Flat index of (b, h_kv, i, j) in the [Bs, Hs, rows, cols] index/partial arrays."""
@@ -178,14 +176,6 @@ def _dot(a, b, dims, precision):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg: _Config):
-  """masks.visible for a tile; all inputs broadcast 2-D."""
-  if not cfg.segmented:
-    q_ids = kv_ids = None
-  return visible(q_pos, k_pos, q_ids, kv_ids, causal=cfg.causal, window=cfg.window,
-                 kv_len=cfg.kv_len)
-
-
 def _logits(s, cfg: _Config):
   """Scale and soft-cap raw q.k products; returns (logits, tanh or None) in fp32."""
   s = s * cfg.scale
@@ -198,8 +188,7 @@ def _logits(s, cfg: _Config):
 def _lane_tile(x, n):
   """[r, 128] -> [r, n] by repeating lanes (n a multiple of 128)."""
   assert x.shape[-1] == NUM_LANES and n % NUM_LANES == 0, (x.shape, n)
-  reps = n // NUM_LANES
-  return x if reps == 1 else jnp.tile(x, (1, reps))
+  return x if n == NUM_LANES else jnp.tile(x, (1, n // NUM_LANES))
 
 
 # ----------------------------------------------------------------------------- Forward kernel
@@ -217,7 +206,8 @@ def _qk_mask(cfg, q_blk, kv_blk, q_seg_ref, kv_seg_ref, kv_rows=False):
     q_ids, kv_ids = q_seg_ref[0:1, :], _lane_tile(kv_seg_ref[...], bq)
   elif cfg.segmented:
     q_ids, kv_ids = _lane_tile(q_seg_ref[...], bk), kv_seg_ref[0:1, :]
-  return _tile_mask(q_pos, k_pos, q_ids, kv_ids, cfg)
+  return visible(q_pos, k_pos, q_ids, kv_ids, causal=cfg.causal, window=cfg.window,
+                 kv_len=cfg.kv_len)
 
 
 def _run_tile(step, live, partial):
@@ -230,8 +220,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
                 q_ref, k_ref, v_ref, *refs, cfg: _Config, sched: _SchedShape):
   q_seg_ref, kv_seg_ref = refs[:2] if cfg.segmented else (None, None)
   o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[2 * cfg.segmented:]
-  bq, bk = cfg.block_q, cfg.block_k
-  dv = cfg.dv_pad
+  bq, bk, dv = cfg.block_q, cfg.block_k, cfg.dv_pad
   b, h, i, j = (pl.program_id(a) for a in range(4))
   h_kv = lax.div(h, cfg.group)
   assert q_ref.shape == (bq, cfg.d_pad) and k_ref.shape == (bk, cfg.d_pad), (q_ref.shape, k_ref.shape)
@@ -298,80 +287,84 @@ def _to_tiles(x, s_pad, d_pad):
   return pad_axis(pad_axis(x, 1, s_pad), 3, d_pad).reshape(b, s_pad, h * d_pad)
 
 
+def _qkv_tiles(q, k, v, cfg):
+  """(compute dtype: fp32 for fp16 inputs, else theirs; q, k, v in it as [B, S_pad, H * D_pad])."""
+  dt = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  dt = jnp.dtype(jnp.float32) if dt == jnp.float16 else jnp.dtype(dt)
+  sq_pad, sk_pad = cfg.nq * cfg.block_q, cfg.nk * cfg.block_k
+  return (dt, _to_tiles(q.astype(dt), sq_pad, cfg.d_pad),
+          _to_tiles(k.astype(dt), sk_pad, cfg.d_pad), _to_tiles(v.astype(dt), sk_pad, cfg.dv_pad))
+
+
 def _from_tiles(x, s, h, d):
   """[B, S_pad, H * D_pad] -> [B, S, H, D]."""
   b, s_pad, hd = x.shape
   return x.reshape(b, s_pad, h, hd // h)[:, :s, :, :d]
 
 
-def _sched_shape(idx):
-  return _SchedShape(*idx.shape)
+def _fwd_walk(cfg, sched):
+  """BlockSpecs of a grid (B, Hq, nq, cols) walking the forward schedule: (q_map, the specs of q,
+  k and v, the specs of the query tile's lane-broadcast and the kv tile's sublane-broadcast
+  segment ids or [] when not segmented)."""
+  bq, bk, g = cfg.block_q, cfg.block_k, cfg.group
+
+  def q_map(b, h, i, j, *_):
+    return (b, i, h)
+
+  def kv_map(b, h, i, j, idx, *_):
+    return (b, idx[sched.entry(b, lax.div(h, g), i, j)], lax.div(h, g))
+
+  def kv_seg_map(b, h, i, j, idx, *_):
+    return (b, 0, idx[sched.entry(b, lax.div(h, g), i, j)])
+
+  qkv_specs = [pl.BlockSpec((None, bq, cfg.d_pad), q_map),
+               pl.BlockSpec((None, bk, cfg.d_pad), kv_map),
+               pl.BlockSpec((None, bk, cfg.dv_pad), kv_map)]
+  seg_specs = [pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, j, *_: (b, i, 0)),
+               pl.BlockSpec((None, NUM_SUBLANES, bk), kv_seg_map)]
+  return q_map, qkv_specs, seg_specs if cfg.segmented else []
 
 
-def _interpret_arg(cfg):
-  return compat.tpu_interpret_params() if cfg.interpret else False
+def _call(kernel, cfg, lists, operands, *, grid, in_specs, out_specs, scratch, out_shape, name):
+  """pallas_call of a kernel walking a schedule: ``lists`` (indices, counts, partial) are its
+  scalar-prefetch operands (flattened), the last grid axis walks a list."""
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
+                                             out_specs=out_specs, scratch_shapes=scratch),
+      out_shape=out_shape,
+      compiler_params=compat.tpu_compiler_params(("parallel", "parallel", "parallel",
+                                                  "arbitrary")),
+      interpret=compat.tpu_interpret_params() if cfg.interpret else False,
+      name=name,
+  )(*(x.reshape(-1) for x in lists), *operands)
 
 
 def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
   """Runs the forward kernel. Returns (out [B,Sq,Hq,Dv] in q.dtype, lse [B,Hq,Sq] fp32)."""
   bq, bk = cfg.block_q, cfg.block_k
   sq_pad, sk_pad = cfg.nq * bq, cfg.nk * bk
-  dt = _compute_dtype(q, k, v)
-  q3 = _to_tiles(q.astype(dt), sq_pad, cfg.d_pad)          # [B, Sq_p, Hq*D]
-  k3 = _to_tiles(k.astype(dt), sk_pad, cfg.d_pad)          # [B, Sk_p, Hk*D]
-  v3 = _to_tiles(v.astype(dt), sk_pad, cfg.dv_pad)         # [B, Sk_p, Hk*Dv]
-  sched = _sched_shape(schedule.kv_indices)
-  g = cfg.group
-
-  def q_map(b, h, i, j, idx, cnt, part):
-    return (b, i, h)
-
-  def kv_map(b, h, i, j, idx, cnt, part):
-    return (b, idx[sched.entry(b, lax.div(h, g), i, j)], lax.div(h, g))
-
-  in_specs = [
-      pl.BlockSpec((None, bq, cfg.d_pad), q_map),
-      pl.BlockSpec((None, bk, cfg.d_pad), kv_map),
-      pl.BlockSpec((None, bk, cfg.dv_pad), kv_map),
-  ]
+  dt, q3, k3, v3 = _qkv_tiles(q, k, v, cfg)
+  sched = _SchedShape(*schedule.kv_indices.shape)
+  q_map, qkv_specs, seg_specs = _fwd_walk(cfg, sched)
   operands = [q3, k3, v3]
   if cfg.segmented:
-    q_lanes, _ = _seg_layouts(q_seg, sq_pad)
-    _, kv_rows = _seg_layouts(kv_seg, sk_pad)
-
-    def kv_seg_map(b, h, i, j, idx, cnt, part):
-      return (b, 0, idx[sched.entry(b, lax.div(h, g), i, j)])
-
-    in_specs += [pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, j, *_: (b, i, 0)),
-                 pl.BlockSpec((None, NUM_SUBLANES, bk), kv_seg_map)]
-    operands += [q_lanes, kv_rows]
+    operands += [_seg_layouts(q_seg, sq_pad)[0], _seg_layouts(kv_seg, sk_pad)[1]]
   # Results are stored in the compute dtype (no fp16 inside a TPU kernel) and cast outside.
-  out_shape = [jax.ShapeDtypeStruct((cfg.batch, sq_pad, cfg.q_heads * cfg.dv_pad), dt),
-               jax.ShapeDtypeStruct((cfg.batch, cfg.q_heads, 1, sq_pad), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, bq, cfg.dv_pad), q_map),
-               pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3,
-      grid=(cfg.batch, cfg.q_heads, cfg.nq, sched.cols),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), jnp.float32),
-                      pltpu.VMEM((bq, NUM_LANES), jnp.float32),
-                      pltpu.VMEM((bq, cfg.dv_pad), jnp.float32)],
-  )
-  out3, lse4 = pl.pallas_call(
-      functools.partial(_fwd_kernel, cfg=cfg, sched=sched),
-      grid_spec=grid_spec,
-      out_shape=out_shape,
-      compiler_params=compat.tpu_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=_interpret_arg(cfg),
-      name="jattn_flash_fwd_tpu",
-  )(schedule.kv_indices.reshape(-1), schedule.kv_counts.reshape(-1),
-    schedule.kv_partial.reshape(-1), *operands)
-  out = _from_tiles(out3, cfg.q_len, cfg.q_heads, cfg.head_dim_v).astype(q.dtype)
-  lse = lse4[:, :, 0, :cfg.q_len]
-  return out, lse
+  out3, lse4 = _call(
+      functools.partial(_fwd_kernel, cfg=cfg, sched=sched), cfg,
+      (schedule.kv_indices, schedule.kv_counts, schedule.kv_partial), operands,
+      grid=(cfg.batch, cfg.q_heads, cfg.nq, sched.cols), in_specs=qkv_specs + seg_specs,
+      out_specs=[pl.BlockSpec((None, bq, cfg.dv_pad), q_map),
+                 pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))],
+      scratch=[pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+               pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+               pltpu.VMEM((bq, cfg.dv_pad), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((cfg.batch, sq_pad, cfg.q_heads * cfg.dv_pad), dt),
+                 jax.ShapeDtypeStruct((cfg.batch, cfg.q_heads, 1, sq_pad), jnp.float32)],
+      name="jattn_flash_fwd_tpu")
+  return (_from_tiles(out3, cfg.q_len, cfg.q_heads, cfg.head_dim_v).astype(q.dtype),
+          lse4[:, :, 0, :cfg.q_len])
 
 
 # ----------------------------------------------------------------------------- Backward kernels
@@ -449,12 +442,10 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
     do = do_ref[...]                                      # [bq, Dv]
     lse = lse_ref[...]                                    # [1, bq]
     di = di_ref[...]                                      # [1, bq]
-    mask = None
     s, t = _logits(_dot(k, q, NT_DIMS, prec), cfg)        # [bk, bq] (transposed tile)
-    if masked:
-      mask = _qk_mask(cfg, q_blk, ki, q_seg_ref, kv_seg_ref, kv_rows=True)   # [bk, bq]
     p = jnp.exp(s - lse)                                  # [bk, bq]
     if masked:   # p and dS are 0 where hidden, even with a NaN lse, delta or key
+      mask = _qk_mask(cfg, q_blk, ki, q_seg_ref, kv_seg_ref, kv_rows=True)   # [bk, bq]
       p = jnp.where(mask, p, 0.0)
     dv_sc[...] += _dot(p.astype(do.dtype), do, NN_DIMS, prec)  # [bk, Dv]
     dp = _dot(v, do, NT_DIMS, prec)                       # [bk, bq]
@@ -475,82 +466,53 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
 
 def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, cfg: _Config):
   """Runs the dQ and dK/dV kernels. Returns (dq, dk, dv) in the input dtypes."""
-  bq, bk = cfg.block_q, cfg.block_k
+  bq, bk, g = cfg.block_q, cfg.block_k, cfg.group
   sq_pad, sk_pad = cfg.nq * bq, cfg.nk * bk
-  g = cfg.group
-  dt = _compute_dtype(q, k, v)
-  q3 = _to_tiles(q.astype(dt), sq_pad, cfg.d_pad)          # [B, Sq_p, Hq*D]
-  k3 = _to_tiles(k.astype(dt), sk_pad, cfg.d_pad)          # [B, Sk_p, Hk*D]
-  v3 = _to_tiles(v.astype(dt), sk_pad, cfg.dv_pad)         # [B, Sk_p, Hk*Dv]
+  dt, q3, k3, v3 = _qkv_tiles(q, k, v, cfg)
   do3 = _to_tiles(dout.astype(dt), sq_pad, cfg.dv_pad)     # [B, Sq_p, Hq*Dv]
   # delta_i = sum_d dO_id O_id - dlse_i: the lse cotangent enters exactly like the row term.
   delta = softmax.delta_rows(out, dout, dlse)              # [B, Hq, Sq] fp32
   # Rows that see no key have lse = -inf; any finite value works there since every logit of
   # such a row is masked (p = exp(MASK_VALUE - 0) = 0). Padded rows have dO = 0 and delta = 0.
   # A NaN lse (a row that sees a non-finite key) stays NaN.
-  lse_f = jnp.where(lse == -jnp.inf, 0.0, lse)
-  lse_rows = pad_axis(lse_f, 2, sq_pad)[:, :, None, :]     # [B, Hq, 1, Sq_p]
+  lse_rows = pad_axis(jnp.where(lse == -jnp.inf, 0.0, lse), 2, sq_pad)[:, :, None, :]
   di_rows = pad_axis(delta, 2, sq_pad)[:, :, None, :]      # [B, Hq, 1, Sq_p]
   if cfg.segmented:
     q_lanes, q_rows = _seg_layouts(q_seg, sq_pad)
     kv_lanes, kv_rows = _seg_layouts(kv_seg, sk_pad)
-  interpret = _interpret_arg(cfg)
-  sem = ("parallel", "parallel", "parallel", "arbitrary")
 
   # ---- dQ: walk the forward schedule.
-  fs = _sched_shape(schedule.kv_indices)
-
-  def q_map(b, h, i, j, *_):
-    return (b, i, h)
-
-  def kv_map(b, h, i, j, idx, cnt, part):
-    return (b, idx[fs.entry(b, lax.div(h, g), i, j)], lax.div(h, g))
-
-  def row_map(b, h, i, j, *_):
-    return (b, h, 0, i)
-
-  in_specs = [pl.BlockSpec((None, bq, cfg.d_pad), q_map),
-              pl.BlockSpec((None, bk, cfg.d_pad), kv_map),
-              pl.BlockSpec((None, bk, cfg.dv_pad), kv_map),
-              pl.BlockSpec((None, bq, cfg.dv_pad), q_map),
-              pl.BlockSpec((None, None, 1, bq), row_map),
-              pl.BlockSpec((None, None, 1, bq), row_map)]
-  operands = [q3, k3, v3, do3, lse_rows, di_rows]
-  if cfg.segmented:
-    def kv_seg_map(b, h, i, j, idx, cnt, part):
-      return (b, 0, idx[fs.entry(b, lax.div(h, g), i, j)])
-    in_specs += [pl.BlockSpec((None, bq, NUM_LANES), lambda b, h, i, j, *_: (b, i, 0)),
-                 pl.BlockSpec((None, NUM_SUBLANES, bk), kv_seg_map)]
-    operands += [q_lanes, kv_rows]
-  dq3 = pl.pallas_call(
-      functools.partial(_dq_kernel, cfg=cfg, sched=fs),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3,
-          grid=(cfg.batch, cfg.q_heads, cfg.nq, fs.cols),
-          in_specs=in_specs,
-          out_specs=pl.BlockSpec((None, bq, cfg.d_pad), q_map),
-          scratch_shapes=[pltpu.VMEM((bq, cfg.d_pad), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct(q3.shape, dt),
-      compiler_params=compat.tpu_compiler_params(sem),
-      interpret=interpret,
-      name="jattn_flash_bwd_dq_tpu",
-  )(schedule.kv_indices.reshape(-1), schedule.kv_counts.reshape(-1),
-    schedule.kv_partial.reshape(-1), *operands)
+  fs = _SchedShape(*schedule.kv_indices.shape)
+  q_map, qkv_specs, seg_specs = _fwd_walk(cfg, fs)
+  row_spec = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i))
+  dq3 = _call(
+      functools.partial(_dq_kernel, cfg=cfg, sched=fs), cfg,
+      (schedule.kv_indices, schedule.kv_counts, schedule.kv_partial),
+      [q3, k3, v3, do3, lse_rows, di_rows] + ([q_lanes, kv_rows] if cfg.segmented else []),
+      grid=(cfg.batch, cfg.q_heads, cfg.nq, fs.cols),
+      in_specs=[*qkv_specs, pl.BlockSpec((None, bq, cfg.dv_pad), q_map), row_spec, row_spec,
+                *seg_specs],
+      out_specs=pl.BlockSpec((None, bq, cfg.d_pad), q_map),
+      scratch=[pltpu.VMEM((bq, cfg.d_pad), jnp.float32)],
+      out_shape=jax.ShapeDtypeStruct(q3.shape, dt), name="jattn_flash_bwd_dq_tpu")
 
   # ---- dK/dV: walk the transposed schedule; last grid axis = (group head, q step).
-  ts = _sched_shape(schedule.q_indices)
+  ts = _SchedShape(*schedule.q_indices.shape)
 
   def head(h_kv, t):
     return h_kv * g + lax.div(t, ts.cols)
 
-  def qt_map(b, hk, ki, t, idx, cnt, part):
-    return (b, idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))], head(hk, t))
+  def q_blk(b, hk, ki, t, idx):
+    return idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))]
+
+  def qt_map(b, hk, ki, t, idx, *_):
+    return (b, q_blk(b, hk, ki, t, idx), head(hk, t))
 
   def k_map(b, hk, ki, t, *_):
     return (b, ki, hk)
 
-  def rowt_map(b, hk, ki, t, idx, cnt, part):
-    return (b, head(hk, t), 0, idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))])
+  def rowt_map(b, hk, ki, t, idx, *_):
+    return (b, head(hk, t), 0, q_blk(b, hk, ki, t, idx))
 
   in_specs = [pl.BlockSpec((None, bq, cfg.d_pad), qt_map),
               pl.BlockSpec((None, bk, cfg.d_pad), k_map),
@@ -560,39 +522,26 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
               pl.BlockSpec((None, None, 1, bq), rowt_map)]
   operands = [q3, k3, v3, do3, lse_rows, di_rows]
   if cfg.segmented:
-    def q_seg_map(b, hk, ki, t, idx, cnt, part):
-      return (b, 0, idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))])
     in_specs += [pl.BlockSpec((None, bk, NUM_LANES), lambda b, hk, ki, t, *_: (b, ki, 0)),
-                 pl.BlockSpec((None, NUM_SUBLANES, bq), q_seg_map)]
+                 pl.BlockSpec((None, NUM_SUBLANES, bq),
+                              lambda b, hk, ki, t, idx, *_: (b, 0, q_blk(b, hk, ki, t, idx)))]
     operands += [kv_lanes, q_rows]
-  dk3, dv3 = pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg, sched=ts),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3,
-          grid=(cfg.batch, cfg.kv_heads, cfg.nk, g * ts.cols),
-          in_specs=in_specs,
-          out_specs=[pl.BlockSpec((None, bk, cfg.d_pad), k_map),
-                     pl.BlockSpec((None, bk, cfg.dv_pad), k_map)],
-          scratch_shapes=[pltpu.VMEM((bk, cfg.d_pad), jnp.float32),
-                          pltpu.VMEM((bk, cfg.dv_pad), jnp.float32)]),
+  dk3, dv3 = _call(
+      functools.partial(_dkv_kernel, cfg=cfg, sched=ts), cfg,
+      (schedule.q_indices, schedule.q_counts, schedule.q_partial), operands,
+      grid=(cfg.batch, cfg.kv_heads, cfg.nk, g * ts.cols), in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bk, cfg.d_pad), k_map),
+                 pl.BlockSpec((None, bk, cfg.dv_pad), k_map)],
+      scratch=[pltpu.VMEM((bk, cfg.d_pad), jnp.float32),
+               pltpu.VMEM((bk, cfg.dv_pad), jnp.float32)],
       out_shape=[jax.ShapeDtypeStruct(k3.shape, dt), jax.ShapeDtypeStruct(v3.shape, dt)],
-      compiler_params=compat.tpu_compiler_params(sem),
-      interpret=interpret,
-      name="jattn_flash_bwd_dkv_tpu",
-  )(schedule.q_indices.reshape(-1), schedule.q_counts.reshape(-1),
-    schedule.q_partial.reshape(-1), *operands)
-  dq = _from_tiles(dq3, cfg.q_len, cfg.q_heads, cfg.head_dim).astype(q.dtype)
-  dk = _from_tiles(dk3, cfg.kv_len, cfg.kv_heads, cfg.head_dim).astype(k.dtype)
-  dv = _from_tiles(dv3, cfg.kv_len, cfg.kv_heads, cfg.head_dim_v).astype(v.dtype)
-  return dq, dk, dv
+      name="jattn_flash_bwd_dkv_tpu")
+  return (_from_tiles(dq3, cfg.q_len, cfg.q_heads, cfg.head_dim).astype(q.dtype),
+          _from_tiles(dk3, cfg.kv_len, cfg.kv_heads, cfg.head_dim).astype(k.dtype),
+          _from_tiles(dv3, cfg.kv_len, cfg.kv_heads, cfg.head_dim_v).astype(v.dtype))
 
 
 # ----------------------------------------------------- custom_vjp wiring and the public entry point
-
-
-def _compute_dtype(q, k, v):
-  dt = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  return jnp.dtype(jnp.float32) if dt == jnp.float16 else jnp.dtype(dt)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -607,10 +556,8 @@ def _flash_fwd(q, k, v, q_seg, kv_seg, schedule, cfg):
 
 def _flash_bwd(cfg, res, cts):
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
-  dout, dlse = cts
-  dq, dk, dv = _bwd(q, k, v, q_seg, kv_seg, schedule, out, lse, dout, dlse, cfg)
   # Segment ids and the schedule are integer arrays: no cotangent.
-  return dq, dk, dv, None, None, None
+  return (*_bwd(q, k, v, q_seg, kv_seg, schedule, out, lse, *cts, cfg), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -687,10 +634,9 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                 window=normalize_window(local_window_size), scale=float(scale),
                 soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                 segmented=q_segment_ids is not None, interpret=bool(interpret))
-  if cfg.segmented:
-    q_segment_ids = q_segment_ids.astype(jnp.int32)
-    kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-  return _flash(q, k, v, q_segment_ids, kv_segment_ids, schedule, cfg)
+  q_seg, kv_seg = (None if x is None else x.astype(jnp.int32)
+                   for x in (q_segment_ids, kv_segment_ids))
+  return _flash(q, k, v, q_seg, kv_seg, schedule, cfg)
 
 
 __all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]

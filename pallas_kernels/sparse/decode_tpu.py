@@ -44,7 +44,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
 from pallas_kernels.decode.checks import check_page_table, check_partials_args
-from pallas_kernels.decode.mosaic_tpu import LANES, group_queries, load_head
+from pallas_kernels.decode.mosaic_tpu import (LANES, group_queries, init_softmax, load_head,
+                                               write_softmax)
 
 __all__ = ["sparse_decode", "head_lanes_layout"]
 
@@ -77,8 +78,7 @@ def _slot(cnt_ref, b, h, j, *, kv_heads, num_slots):
 def _block_id(idx_ref, cnt_ref, b, h, j, *, kv_heads, num_slots, num_blocks):
   """The cache block step j of (b, h) reads, always inside [0, num_blocks)."""
   _, s = _slot(cnt_ref, b, h, j, kv_heads=kv_heads, num_slots=num_slots)
-  blk = idx_ref[(b * kv_heads + h) * num_slots + s]
-  return jnp.clip(blk, 0, num_blocks - 1)
+  return jnp.clip(idx_ref[(b * kv_heads + h) * num_slots + s], 0, num_blocks - 1)
 
 
 def _kernel(lens_ref, idx_ref, cnt_ref, *refs, scale, block, kv_heads, num_slots, capacity,
@@ -93,11 +93,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, *refs, scale, block, kv_heads, num_slots
   count, _ = _slot(cnt_ref, b, h, j, kv_heads=kv_heads, num_slots=num_slots)
   blk = idx_ref[(b * kv_heads + h) * num_slots + jnp.minimum(j, num_slots - 1)]
 
-  @pl.when(j == 0)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+  pl.when(j == 0)(lambda: init_softmax(m_ref, l_ref, acc_ref))
 
   def attend(k, v):                                   # k [block, D], v [block, Dv]
     length = jnp.clip(lens_ref[b], 0, capacity)
@@ -131,13 +127,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, *refs, scale, block, kv_heads, num_slots
     def _compute():
       attend(k_ref[...], v_ref[...])
 
-  @pl.when(j == num_slots - 1)
-  def _write():
-    l = l_ref[...]
-    empty = l == 0.0
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc_ref[...] * (1.0 / l_safe[:, :1])).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, m_ref[...] + jnp.log(l_safe))
+  pl.when(j == num_slots - 1)(lambda: write_softmax(m_ref, l_ref, acc_ref, o_ref, lse_ref))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "interpret"))
@@ -217,32 +207,23 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
   if counts is None:
     counts = jnp.sum(indices >= 0, axis=-1)
   # Free reshapes: [.., tokens, Hk * D] (head h = lane block h) or [.., tokens * Hk, D].
-  if lanes:
-    k3 = k.reshape(k.shape[0], rows0, hk * d)
-    v3 = v.reshape(v.shape[0], rows0, hk * dv)
-  else:
-    k3 = k.reshape(k.shape[0], rows0 * hk, d)
-    v3 = v.reshape(v.shape[0], rows0 * hk, dv)
+  rows, heads = (rows0, hk) if lanes else (rows0 * hk, 1)
+  k3 = k.reshape(k.shape[0], rows, heads * d)
+  v3 = v.reshape(v.shape[0], rows, heads * dv)
   prefetch = [jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, capacity),
               indices.reshape(-1), counts.astype(jnp.int32).reshape(-1)]
   blk_kw = dict(kv_heads=hk, num_slots=num_slots, num_blocks=num_blocks)
   if paged:
     prefetch.append(jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1))
 
-    def kv_index(b, h, j, lens_ref, idx_ref, cnt_ref, table_ref):
-      del lens_ref
-      page = table_ref[b, _block_id(idx_ref, cnt_ref, b, h, j, **blk_kw)]
-      return (page, 0, h if lanes else 0)
+  def kv_index(b, h, j, lens_ref, idx_ref, cnt_ref, *table_ref):
+    blk = _block_id(idx_ref, cnt_ref, b, h, j, **blk_kw)
+    if paged:
+      return (table_ref[0][b, blk], 0, h if lanes else 0)
+    return (b, blk, h if lanes else 0)
 
-    def fixed(b, h, j, lens_ref, idx_ref, cnt_ref, table_ref):
-      return (b, h, 0, 0)
-  else:
-    def kv_index(b, h, j, lens_ref, idx_ref, cnt_ref):
-      del lens_ref
-      return (b, _block_id(idx_ref, cnt_ref, b, h, j, **blk_kw), h if lanes else 0)
-
-    def fixed(b, h, j, lens_ref, idx_ref, cnt_ref):
-      return (b, h, 0, 0)
+  def fixed(b, h, j, *_):
+    return (b, h, 0, 0)
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch),
