@@ -1,14 +1,11 @@
-"""KV cache layouts of the decode ops (``kv_layout``), shared by ``jattn.decode`` and
-``jattn.sparse``.
+"""KV cache layouts of the decode ops (``kv_layout``), shared by ``jattn.decode`` and ``.sparse``.
 
 "nhd" (default): k/v ``[batch, max_len, kv_heads, head_dim]``. "hnd" (head-major):
-``[batch, kv_heads, max_len, head_dim]``. Every implementation runs "hnd" the same way, with no
-kernel change: the head-major cache reshaped (free) to ``[batch * kv_heads, max_len, 1,
-head_dim]`` is a cache of batch x kv_heads sequences of one kv head; query head ``h * G + g``
+``[batch, kv_heads, max_len, head_dim]``, run by every implementation with no kernel change as
+the "nhd" cache of batch x kv_heads one-head sequences (a free reshape): query head ``h * G + g``
 (G = q_heads // kv_heads) becomes query head g of sequence ``b * kv_heads + h``, lengths are
-repeated per kv head, and the outputs are reshaped back. Paged caches likewise: head-major
-pages [num_pages, kv_heads, page_size, head_dim] are a pool of num_pages * kv_heads one-head
-pages (:func:`hnd_pages_as_sequences`).
+repeated per kv head, and the outputs are reshaped back. Head-major pages likewise
+(:func:`hnd_pages_as_sequences`).
 """
 from __future__ import annotations
 
@@ -79,8 +76,7 @@ def hnd_as_sequences(q, k, v, kv_lengths):
     ((8, 2, 16), (8, 64, 1, 16), (8, 64, 1, 8), [3, 3, 3, 3, 5, 5, 5, 5])
   """
   b, hk, n = check_hnd_shapes(q, k, v, kv_lengths)
-  d = k.shape[-1]
-  g = q.shape[1] // hk
+  d, g = k.shape[-1], q.shape[1] // hk
   return (q.reshape(b * hk, g, d), k.reshape(b * hk, n, 1, d),
           v.reshape(b * hk, n, 1, v.shape[-1]), jnp.repeat(jnp.asarray(kv_lengths), hk))
 

@@ -1,10 +1,9 @@
 """The resolved plan of a call: which implementation runs, with which kernel configs.
 
-Every op family resolves a call once, in one place and in one order: an explicit argument
-(``implementation=``, ``block_sizes=``), then the device's tuning table
-(``pallas_kernels.tuning``; a device with no table of its own reads ``generic.json`` and the plan
-says so), then the family's heuristic, then a fit of the configs to the call's shapes. The
-``*_plan`` functions return that resolution as a :class:`Plan`, and the call runs exactly it.
+Every op family resolves a call once, in this order: an explicit argument (``implementation=``,
+``block_sizes=``), the device's tuning table (``pallas_kernels.tuning``; else ``generic.json``,
+as the plan says), the family's heuristic, a fit to the call's shapes. The ``*_plan`` functions
+return it as a :class:`Plan`, and the call runs exactly it.
 """
 from __future__ import annotations
 

@@ -119,14 +119,12 @@ def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
     if q_len != kv_len:
       raise ValueError("q_len != kv_len: pass kv_segment_ids along with segment_ids")
     kv_segment_ids = segment_ids
-  segment_ids, kv_segment_ids = as_array("segment_ids", segment_ids), as_array(
-      "kv_segment_ids", kv_segment_ids)
-  if segment_ids.shape != (batch, q_len):
-    raise ValueError(f"segment_ids must be [batch, q_len] = {(batch, q_len)}, got {segment_ids.shape}")
-  if kv_segment_ids.shape != (batch, kv_len):
-    raise ValueError(
-        f"kv_segment_ids must be [batch, kv_len] = {(batch, kv_len)}, got {kv_segment_ids.shape}")
-  return as_int32("segment_ids", segment_ids), as_int32("kv_segment_ids", kv_segment_ids)
+  ids = {"segment_ids": as_array("segment_ids", segment_ids),
+         "kv_segment_ids": as_array("kv_segment_ids", kv_segment_ids)}
+  for (name, x), axis, n in zip(ids.items(), ("q_len", "kv_len"), (q_len, kv_len)):
+    if x.shape != (batch, n):
+      raise ValueError(f"{name} must be [batch, {axis}] = {(batch, n)}, got {x.shape}")
+  return tuple(as_int32(name, x) for name, x in ids.items())
 
 
 def check_lengths(name, lengths, batch, capacity=None):
@@ -158,8 +156,7 @@ def _first_bad(name, x, lo, hi, valid):
 
 
 def _report(name, x, lo, hi, valid):
-  msg = _first_bad(name, x, lo, hi, valid)
-  if msg and _DEBUG:
+  if (msg := _first_bad(name, x, lo, hi, valid)) and _DEBUG:
     _DEBUG[-1].append(msg)
 
 
@@ -172,8 +169,7 @@ def check_range(name, x, lo, hi, *, valid=None):
     return
   valid = None if valid is None else valid()
   if not (traced or is_traced(valid)):
-    msg = _first_bad(name, x, lo, hi, valid)
-    if msg:
+    if msg := _first_bad(name, x, lo, hi, valid):
       raise ValueError(msg)
   elif _DEBUG:
     jax.debug.callback(functools.partial(_report, name), x, jnp.asarray(lo), jnp.asarray(hi), valid)

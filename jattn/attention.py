@@ -16,16 +16,14 @@ implementations raise ValueError for them. On Hopper, ``implementation=None`` ru
 (no bias, head_dim 64/128) on "mosaic_gpu" when, on device, it is uniform on every MASK_TILE
 square tile (its visible tiles become the schedule), else on "triton": the plan's ``fallback``.
 
-How a call is resolved (:func:`resolve`, the one place, for flash and block-sparse calls):
-  1. implementation: the one named, else the platform's;
-  2. configs: ``block_sizes`` if given, else the device's tuning table, else the heuristic;
-  3. fit to the call (``fit_block_sizes``; for block-sparse calls the selection's tiles).
-The result is a :class:`jattn._plan.Plan`; :func:`flash_attention_plan` returns it and
+:func:`resolve` resolves flash and block-sparse calls to a :class:`jattn._plan.Plan` (in the
+order ``jattn._plan`` describes); :func:`flash_attention_plan` returns it and
 :func:`flash_attention` runs exactly it.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
 
 import jax
@@ -63,15 +61,9 @@ def kernel_module(implementation):
     >>> kernel_module("triton").__name__
     'pallas_kernels.flash.triton'
   """
-  if implementation == "triton":
-    from pallas_kernels.flash import triton as mod
-  elif implementation == "mosaic_tpu":
-    from pallas_kernels.flash import mosaic_tpu as mod
-  elif implementation == "mosaic_gpu":
-    from pallas_kernels.flash import mosaic_gpu as mod
-  else:
+  if implementation not in ("triton", "mosaic_tpu", "mosaic_gpu"):
     raise ValueError(f"{implementation!r} is not a Pallas implementation")
-  return mod
+  return importlib.import_module(f"pallas_kernels.flash.{implementation}")
 
 
 def mosaic_gpu_problems(q, k, v):
@@ -88,17 +80,14 @@ def mosaic_gpu_problems(q, k, v):
     >>> mosaic_gpu_problems(x, x, x)
     ['head_dim 32 (supported: 64, 128, 256)']
   """
-  problems = []
-  d = q.shape[-1]
-  if d not in MOSAIC_GPU_HEAD_DIMS:
-    problems.append(f"head_dim {d} (supported: 64, 128, 256)")
-  if v.shape[-1] != d:
-    problems.append(f"head_dim_v {v.shape[-1]} != head_dim {d}")
-  dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-  if len(dtypes) > 1 or not dtypes <= set(_HALF):
-    problems.append(f"dtype {'/'.join(sorted(t.name for t in dtypes))} (supported: bfloat16 or "
-                    f"float16 for q, k and v)")
-  return problems
+  d, dtypes = q.shape[-1], {jnp.dtype(x.dtype) for x in (q, k, v)}
+  return [msg for bad, msg in (
+      (d not in MOSAIC_GPU_HEAD_DIMS, f"head_dim {d} (supported: 64, 128, 256)"),
+      (v.shape[-1] != d, f"head_dim_v {v.shape[-1]} != head_dim {d}"),
+      (len(dtypes) > 1 or not dtypes <= set(_HALF),
+       f"dtype {'/'.join(sorted(t.name for t in dtypes))} (supported: bfloat16 or float16 for q, "
+       f"k and v)"),
+  ) if bad]
 
 
 def _default_implementation(dev, q, k, v, *, interpret, block_sizes, tiles, arrays):
@@ -120,9 +109,8 @@ def _fit_to_tiles(impl, base, tiles):
   """``base`` with the selection's tiles (q_block_size, block_size), or a ValueError."""
   qbs, bs = tiles
   if impl == "triton":
-    bad = [f"{n}={x}" for n, x in (("q_block_size", qbs), ("block_size", bs))
-           if x < 16 or x & (x - 1)]
-    if bad:
+    if bad := [f"{n}={x}" for n, x in (("q_block_size", qbs), ("block_size", bs))
+               if x < 16 or x & (x - 1)]:
       raise ValueError(f"implementation='triton' needs powers of two >= 16 for the tiles, got "
                        f"{', '.join(bad)}; select blocks with such sizes (the kernel's default "
                        f"is q_block_size={base.block_q}, block_size={base.block_k}) or use "
@@ -149,8 +137,7 @@ def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, bl
   from pallas_kernels.flash import mosaic_gpu_bwd as mgb
   from pallas_kernels.flash import triton as ft
   mod = kernel_module("mosaic_gpu")
-  problems = mosaic_gpu_problems(q, k, v)
-  if problems:
+  if problems := mosaic_gpu_problems(q, k, v):
     raise NotImplementedError("implementation='mosaic_gpu' does not support: "
                               + ", ".join(problems) + "; use implementation='triton'")
   if block_sizes is not None and not isinstance(block_sizes, mod.BlockSizes):
@@ -164,9 +151,8 @@ def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, bl
   else:
     fwd = mod.default_block_sizes(d, dtype, device_kind=dev.kind, mask=kind)
     if tiles is not None:
-      bad = [f"{n}={x}" for n, x in zip(("q_block_size", "block_size"), tiles)
-             if x < 64 or x & (x - 1)]
-      if bad:
+      if bad := [f"{n}={x}" for n, x in zip(("q_block_size", "block_size"), tiles)
+                 if x < 64 or x & (x - 1)]:
         raise ValueError(
             f"implementation='mosaic_gpu' needs q_block_size and block_size powers of two >= 64 "
             f"(its tiles are {fwd.block_q} query rows per warpgroup and up to {fwd.block_k} "
@@ -305,26 +291,21 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
   for name, x in (("mask", mask), ("bias", bias)):
     broadcast_mask_or_bias(name, x, (batch, q.shape[2], q_len, kv_len))
   return resolve("flash", q, k, v, causal=causal, window=normalize_window(local_window_size),
-                 segments=segment_ids is not None,
-                 implementation=implementation, block_sizes=block_sizes, interpret=interpret,
-                 platform=platform, device_kind=device_kind,
+                 segments=segment_ids is not None, implementation=implementation,
+                 block_sizes=block_sizes, interpret=interpret, platform=platform,
+                 device_kind=device_kind,
                  arrays="bias" if bias is not None else "mask" if mask is not None else None)
 
 
 def _cudnn(q, k, v, *, causal, window, segment_ids, scale, logits_soft_cap, return_lse):
-  problems = []
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    problems.append(f"dtype {q.dtype} (cuDNN runs bfloat16 and float16)")
-  if segment_ids is not None:
-    problems.append("segment ids (jax.nn's cuDNN path has none)")
-  if logits_soft_cap is not None:
-    problems.append("logits_soft_cap")
-  if return_lse:
-    problems.append("return_lse")
-  if window is not None and (window[0] is None or window[1] is None):
-    problems.append("a window unbounded on one side")
-  if causal and q.shape[1] != k.shape[1]:
-    problems.append("causal with q_len != kv_len (jax.nn aligns top-left)")
+  problems = [msg for bad, msg in (
+      (q.dtype not in _HALF, f"dtype {q.dtype} (cuDNN runs bfloat16 and float16)"),
+      (segment_ids is not None, "segment ids (jax.nn's cuDNN path has none)"),
+      (logits_soft_cap is not None, "logits_soft_cap"),
+      (return_lse, "return_lse"),
+      (window is not None and None in window, "a window unbounded on one side"),
+      (causal and q.shape[1] != k.shape[1], "causal with q_len != kv_len (jax.nn aligns top-left)"),
+  ) if bad]
   if problems:
     raise ValueError("implementation='cudnn' does not support: " + ", ".join(problems))
   return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
@@ -387,9 +368,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
                               segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                               return_lse=return_lse, implementation=implementation,
                               interpret=interpret, block_sizes=block_sizes, mask=mask, bias=bias)
-  kw = {"causal": causal, "window": window, "segment_ids": segment_ids, "scale": scale,
-        "kv_segment_ids": kv_segment_ids, "logits_soft_cap": logits_soft_cap,
-        "interpret": interpret}
+  kw = dict(causal=causal, window=window, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+            scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret)
   if plan.fallback is None:
     out, lse = _run(plan, q, k, v, mask, bias, return_lse=return_lse, **kw)
   else:
@@ -434,33 +414,28 @@ def _run(plan, q, k, v, mask_arr, bias, *, causal, window, segment_ids, kv_segme
     return _cudnn(q, k, v, causal=causal, window=window, segment_ids=segment_ids, scale=scale,
                   logits_soft_cap=logits_soft_cap, return_lse=return_lse), None
   if impl == "xla":
-    out, lse = attention_reference(q, k, v, q_segment_ids=segment_ids,
-                                   kv_segment_ids=kv_segment_ids, scale=scale,
-                                   logits_soft_cap=logits_soft_cap, block_mask=mask_arr,
-                                   bias=bias, **mask)
-  elif impl == "mosaic_gpu":
+    return attention_reference(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                               scale=scale, logits_soft_cap=logits_soft_cap, block_mask=mask_arr,
+                               bias=bias, **mask)
+  if impl == "mosaic_gpu":
     # interpret=True: the forward raises NotImplementedError (it cannot be interpreted)
-    out, lse = kernel_module(impl).flash_attention(
+    return kernel_module(impl).flash_attention(
         q, k, v, segment_ids, kv_segment_ids, scale=scale, logits_soft_cap=logits_soft_cap,
         block_sizes=bs, bwd_block_sizes=plan.backward_config, interpret=interpret, **mask)
-  else:
-    mask.update(q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
-    kwargs = {}
-    if mask_arr is not None:
-      mask["mask"], kwargs["mask"] = _per_kv_head(mask_arr, k), mask_arr
-    if bias is not None:
-      kwargs["bias"] = bias
-    schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, **mask)
-    if impl == "triton":   # the backward walks its own schedules of the same mask
-      kwargs["block_sizes"] = bs
-      if bs.bwd_tiles != (bs.block_q, bs.block_k):
-        kwargs["bwd_schedule"] = make_schedule(q_len, kv_len, *bs.bwd_tiles, **mask)
-      if bs.dkv_tiles != bs.bwd_tiles:
-        kwargs["dkv_schedule"] = make_schedule(q_len, kv_len, *bs.dkv_tiles, **mask)
-    out, lse = kernel_module(impl).flash_attention(
-        q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal, local_window_size=window,
-        scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)
-  return out, lse
+  mask.update(q_segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  kwargs = {} if bias is None else {"bias": bias}
+  if mask_arr is not None:
+    mask["mask"], kwargs["mask"] = _per_kv_head(mask_arr, k), mask_arr
+  schedule = make_schedule(q_len, kv_len, bs.block_q, bs.block_k, **mask)
+  if impl == "triton":   # the backward walks its own schedules of the same mask
+    kwargs["block_sizes"] = bs
+    if bs.bwd_tiles != (bs.block_q, bs.block_k):
+      kwargs["bwd_schedule"] = make_schedule(q_len, kv_len, *bs.bwd_tiles, **mask)
+    if bs.dkv_tiles != bs.bwd_tiles:
+      kwargs["dkv_schedule"] = make_schedule(q_len, kv_len, *bs.dkv_tiles, **mask)
+  return kernel_module(impl).flash_attention(
+      q, k, v, segment_ids, kv_segment_ids, schedule, causal=causal, local_window_size=window,
+      scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret, **kwargs)
 
 
 def broadcast_mask_or_bias(name, x, full):

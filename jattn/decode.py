@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 from typing import Any
 
@@ -26,8 +27,9 @@ import jax.numpy as jnp
 from jattn import _layout
 from jattn import decode_serving as _serve
 from jattn._plan import Plan
-from jattn._validate import (as_array, as_int32, check_flags, check_float, check_int,
-                             check_lengths, check_nonempty, check_range, check_scale_and_cap)
+from jattn._validate import (as_array, as_int32, check_flags, check_float, check_implementation,
+                             check_int, check_lengths, check_nonempty, check_range,
+                             check_scale_and_cap)
 from pallas_kernels import compat
 from pallas_kernels.common.merge import merge_partials, merge_partials_pallas
 from pallas_kernels.decode import reference as _ref
@@ -82,13 +84,10 @@ def resolve_decode_implementation(implementation=None, *, platform=None):
   """
   if implementation == "mosaic_gpu":
     return "triton"
-  if implementation is not None and implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
-                     f"{IMPLEMENTATIONS}")
+  check_implementation(implementation, IMPLEMENTATIONS)
   if implementation is not None:
     return implementation
-  platform = platform or compat.default_backend()
-  return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform, "xla")
+  return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform or compat.default_backend(), "xla")
 
 
 def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=None, *,
@@ -100,12 +99,9 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
 
   Args:
     implementation: a resolved implementation name.
-    batch: batch size.
-    kv_heads: number of kv heads.
-    max_len: cache capacity in tokens.
+    batch, kv_heads, max_len: the call's batch size, kv heads and cache capacity in tokens.
     block_sizes: the kernel's block sizes (for block_k), or None for its defaults.
-    head_dim: head dimension (selects the default block sizes).
-    dtype: cache dtype (selects the default block sizes).
+    head_dim, dtype: the head dimension and cache dtype (select the default block sizes).
 
   Returns:
     An int >= 1.
@@ -116,51 +112,19 @@ def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=Non
   """
   if implementation != "triton":
     return 1
-  from pallas_kernels.decode import triton as kt
+  kt = _kernel_module("triton")
   bs = block_sizes or kt.default_block_sizes(head_dim, dtype)
   return kt.default_num_splits(batch, kv_heads, max_len, core_count=compat.gpu_core_count(),
                                block_k=bs.block_k)
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_common(q, k, v, *, cache_name):
-  for name, x in (("q", q), (f"k_{cache_name}", k), (f"v_{cache_name}", v)):
-    check_float(name, x)
-  if q.ndim != 3:
-    raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-  if k.ndim != 4:
-    raise ValueError(f"k_{cache_name} must be 4-D, got shape {k.shape}")
-  if v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-    raise ValueError(f"k_{cache_name} and v_{cache_name} must have the same shape except the "
-                     f"last dim (v's head_dim may differ), got {k.shape} and {v.shape}")
-  if k.dtype != v.dtype:
-    raise TypeError(f"k_{cache_name} and v_{cache_name} dtypes differ: {k.dtype} vs {v.dtype}")
-  check_nonempty(q=q, **{f"k_{cache_name}": k, f"v_{cache_name}": v})
-  if q.shape[-1] != k.shape[-1]:
-    raise ValueError(f"q and k_{cache_name} head_dim differ: q {q.shape}, k {k.shape}")
-  hq, hk = q.shape[1], k.shape[2]
-  if hq % hk:
-    raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA")
-
-
 def _check_options(local_window_size, logits_soft_cap, num_splits, scale):
   window = normalize_window(local_window_size)
   scale, logits_soft_cap = check_scale_and_cap(scale, logits_soft_cap)
   if num_splits is not None:
     check_int("num_splits", num_splits)
   return window, logits_soft_cap, scale
-
-
-def _check_paged(q, k_pages, page_table, min_page_size):
-  if k_pages.shape[1] < min_page_size:
-    raise ValueError(f"page_size must be >= {min_page_size}, got {k_pages.shape[1]}")
-  page_table = as_array("page_table", page_table)
-  if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
-    raise ValueError(f"page_table must be [batch, max_pages] with batch = {q.shape[0]}, got "
-                     f"shape {page_table.shape}")
-  if page_table.shape[1] < 1:
-    raise ValueError("page_table needs at least one column (max_pages >= 1)")
-  return as_int32("page_table", page_table)
 
 
 def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
@@ -200,14 +164,39 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
                        f"{v.shape}")
     k, v = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
             for x in (k, v))
-  _check_common(q, k, v, cache_name=name)
+  kn, vn = f"k_{name}", f"v_{name}"
+  for n, x in (("q", q), (kn, k), (vn, v)):
+    check_float(n, x)
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+  if k.ndim != 4:
+    raise ValueError(f"{kn} must be 4-D, got shape {k.shape}")
+  if v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"{kn} and {vn} must have the same shape except the last dim (v's head_dim "
+                     f"may differ), got {k.shape} and {v.shape}")
+  if k.dtype != v.dtype:
+    raise TypeError(f"{kn} and {vn} dtypes differ: {k.dtype} vs {v.dtype}")
+  check_nonempty(q=q, **{kn: k, vn: v})
+  if q.shape[-1] != k.shape[-1]:
+    raise ValueError(f"q and {kn} head_dim differ: q {q.shape}, k {k.shape}")
+  if q.shape[1] % k.shape[2]:
+    raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[2]}) for "
+                     f"GQA/MQA")
   batch = q.shape[0]
   if page_table is None:
     if k.shape[0] != batch:
       raise ValueError(f"k_cache batch {k.shape[0]} != q batch {batch}")
     capacity = k.shape[1]
   else:
-    page_table = _check_paged(q, k, page_table, min_page_size)
+    if k.shape[1] < min_page_size:
+      raise ValueError(f"page_size must be >= {min_page_size}, got {k.shape[1]}")
+    page_table = as_array("page_table", page_table)
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+      raise ValueError(f"page_table must be [batch, max_pages] with batch = {batch}, got shape "
+                       f"{page_table.shape}")
+    if page_table.shape[1] < 1:
+      raise ValueError("page_table needs at least one column (max_pages >= 1)")
+    page_table = as_int32("page_table", page_table)
     capacity = page_table.shape[1] * k.shape[1]
   kv_lengths = check_lengths("kv_lengths", kv_lengths, batch, capacity)
   if page_table is not None:
@@ -246,24 +235,19 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
     >>> p.op, p.implementation, p.config.num_splits
     ('decode', 'xla', 1)
   """
-  if isinstance(kv_lengths, jax.ShapeDtypeStruct):   # shapes only: check them on zeros
-    kv_lengths = jnp.zeros(kv_lengths.shape, kv_lengths.dtype)
-  if isinstance(page_table, jax.ShapeDtypeStruct):
-    page_table = jnp.zeros(page_table.shape, page_table.dtype)
+  kv_lengths, page_table = (jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
+                            else x for x in (kv_lengths, page_table))   # shapes: check on zeros
   _, _, batch, kv_heads, capacity = check_decode_call(q, k_cache, v_cache, kv_lengths,
                                                       page_table, kv_layout)
   _check_options(local_window_size, logits_soft_cap, num_splits, scale)
   check_flags(return_lse=return_lse, interpret=interpret)
   impl = resolve_decode_implementation(implementation)
   d, dv, dtype = q.shape[-1], v_cache.shape[-1], k_cache.dtype
-  if impl == "triton":
-    from pallas_kernels.decode import triton as kt
-    bs = block_sizes or kt.default_block_sizes(max(d, dv), dtype)
-  elif impl == "mosaic_tpu":
-    from pallas_kernels.decode import mosaic_tpu as ktpu
-    bs = block_sizes or ktpu.DecodeBlockSizes()
-  else:
-    bs = None
+  bs = None
+  if impl != "xla":
+    kern = _kernel_module(impl)
+    bs = block_sizes or (kern.default_block_sizes(max(d, dv), dtype) if impl == "triton"
+                         else kern.DecodeBlockSizes())
   if softmax != "exact" or schedule is not None:
     if impl == "mosaic_tpu" and softmax in _serve.SOFTMAX_MODES:
       raise NotImplementedError("softmax='unified_max' and schedules run on 'xla' and "
@@ -275,27 +259,13 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
     num_splits = default_num_splits(impl, batch, kv_heads, capacity, bs, head_dim=d, dtype=dtype)
   config = DecodeConfig(num_splits=None if schedule is not None else int(num_splits),
                         block_sizes=bs, merge="pallas" if impl == "triton" else "xla",
-                        softmax=softmax,
-                        max_units=None if schedule is None else schedule.max_units)
+                        softmax=softmax, max_units=None if schedule is None else schedule.max_units)
   return Plan(op="decode" if page_table is None else "paged_decode", implementation=impl,
               config=config, device_kind=jax.devices()[0].device_kind)
 
 
-def _merge(o_parts, lse_parts, merge, interpret, out_dtype):
-  """[B, S, Hq, D], [B, S, Hq] partials -> ([B, Hq, D], [B, Hq]) by the plan's merge."""
-  if o_parts.shape[1] == 1:
-    return o_parts[:, 0], lse_parts[:, 0]
-  if merge == "pallas":
-    return merge_partials_pallas(o_parts, lse_parts, out_dtype=out_dtype, interpret=interpret)
-  return merge_partials(o_parts, lse_parts, axis=1)
-
-
 def _kernel_module(impl):
-  if impl == "triton":
-    from pallas_kernels.decode import triton as kern
-  else:
-    from pallas_kernels.decode import mosaic_tpu as kern
-  return kern
+  return importlib.import_module(f"pallas_kernels.decode.{impl}")   # "triton" or "mosaic_tpu"
 
 
 def _kernel_partials(impl, q, k, v, kv_lengths, page_table, **kw):
@@ -350,20 +320,11 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     >>> out.shape
     (2, 8, 64)
   """
-  kv_lengths, _, _, _, _ = check_decode_call(q, k_cache, v_cache, kv_lengths, None, kv_layout)
-  window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
-  plan = decode_plan(q, k_cache, v_cache, kv_lengths, kv_layout=kv_layout,
-                     implementation=implementation, num_splits=num_splits,
-                     block_sizes=block_sizes, softmax=softmax, schedule=schedule,
-                     return_lse=return_lse, interpret=interpret)
-  _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
-  out, lse = _decode_jit(q, k_cache, v_cache, kv_lengths, None, max_estimate, schedule,
-                         impl=plan.implementation, config=plan.config, scale=scale,
-                         window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)
-  return (out, lse) if return_lse else out
-
-
-_STATICS = ("impl", "config", "scale", "window", "cap", "interpret")
+  return _run(q, k_cache, v_cache, kv_lengths, None, scale=scale,
+              local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+              num_splits=num_splits, return_lse=return_lse, implementation=implementation,
+              interpret=interpret, block_sizes=block_sizes, kv_layout=kv_layout, softmax=softmax,
+              max_estimate=max_estimate, schedule=schedule)
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale=None,
@@ -404,24 +365,35 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
     >>> out.shape
     (2, 4, 32)
   """
-  kv_lengths, page_table, _, _, _ = check_decode_call(
-      q, k_pages, v_pages, kv_lengths, as_array("page_table", page_table), kv_layout)
+  return _run(q, k_pages, v_pages, kv_lengths, as_array("page_table", page_table), scale=scale,
+              local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+              num_splits=num_splits, return_lse=return_lse, implementation=implementation,
+              interpret=interpret, block_sizes=block_sizes, kv_layout=kv_layout, softmax=softmax,
+              max_estimate=max_estimate, schedule=schedule)
+
+
+def _run(q, k, v, kv_lengths, page_table, *, scale, local_window_size, logits_soft_cap,
+         num_splits, return_lse, implementation, interpret, block_sizes, kv_layout, softmax,
+         max_estimate, schedule):
+  """Both public ops: validation, the plan, then :func:`_decode_jit`."""
+  kv_lengths, page_table, _, _, _ = check_decode_call(q, k, v, kv_lengths, page_table, kv_layout)
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
-  if kv_layout == "hnd" and schedule is not None:
+  if page_table is not None and kv_layout == "hnd" and schedule is not None:
     raise NotImplementedError("schedule= runs on 'nhd' pages and on contiguous caches of both "
                               "layouts; head-major ('hnd') pages take no schedule")
-  plan = decode_plan(q, k_pages, v_pages, kv_lengths, page_table=page_table, kv_layout=kv_layout,
+  plan = decode_plan(q, k, v, kv_lengths, page_table=page_table, kv_layout=kv_layout,
                      implementation=implementation, num_splits=num_splits,
                      block_sizes=block_sizes, softmax=softmax, schedule=schedule,
                      return_lse=return_lse, interpret=interpret)
   _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
-  out, lse = _decode_jit(q, k_pages, v_pages, kv_lengths, page_table, max_estimate, schedule,
+  out, lse = _decode_jit(q, k, v, kv_lengths, page_table, max_estimate, schedule,
                          impl=plan.implementation, config=plan.config, scale=scale,
                          window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=_STATICS + ("kv_layout",))
+@functools.partial(jax.jit, static_argnames=("impl", "config", "scale", "window", "cap",
+                                             "interpret", "kv_layout"))
 def _decode_jit(q, k, v, kv_lengths, page_table=None, max_estimate=None, schedule=None, *, impl,
                 config, scale, window, cap, interpret, kv_layout="nhd"):
   """Both public ops inside the jit: a contiguous cache, or page pools with ``page_table``."""
@@ -432,36 +404,33 @@ def _decode_jit(q, k, v, kv_lengths, page_table=None, max_estimate=None, schedul
       q2, k2, v2, page_table, lens2 = _layout.hnd_pages_as_sequences(q, k, v, page_table,
                                                                      kv_lengths)
     est = None if max_estimate is None else max_estimate.reshape(q2.shape[:2])
-    out, lse = _decode_jit(q2, k2, v2, lens2, page_table, est, schedule, impl=impl, config=config,
-                           scale=scale, window=window, cap=cap, interpret=interpret)
-    return _layout.sequences_as_hnd(q.shape[0], out, lse)
-  if config.softmax != "exact" or schedule is not None:
-    return _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, impl=impl,
-                       config=config, scale=scale, window=window, cap=cap, interpret=interpret)
-  if impl == "xla":
-    if page_table is not None:
-      k, v = _ref.gather_pages(k, page_table), _ref.gather_pages(v, page_table)
-    out, lse = _ref.decode_reference(q, k, v, kv_lengths, scale=scale, local_window_size=window,
-                                     logits_soft_cap=cap, num_splits=config.num_splits,
-                                     upcast=False)
-  else:
-    o_parts, lse_parts = _kernel_partials(
-        impl, q, k, v, kv_lengths, page_table, num_splits=config.num_splits, scale=scale,
-        window_left=None if window is None else window[0], logits_soft_cap=cap,
-        block_sizes=config.block_sizes, interpret=interpret)()
-    out, lse = _merge(o_parts, lse_parts, config.merge, interpret, q.dtype)
-  return out.astype(q.dtype), lse
-
-
-def _serve_call(q, k, v, kv_lengths, page_table, max_estimate, schedule, *, impl, config, scale,
-                window, cap, interpret):
-  """A unified-max or scheduled call (``jattn.decode_serving``), inside the jit."""
+    return _layout.sequences_as_hnd(q.shape[0], *_decode_jit(
+        q2, k2, v2, lens2, page_table, est, schedule, impl=impl, config=config, scale=scale,
+        window=window, cap=cap, interpret=interpret))
+  window_left = None if window is None else window[0]
+  if config.softmax == "exact" and schedule is None:
+    if impl == "xla":
+      if page_table is not None:
+        k, v = _ref.gather_pages(k, page_table), _ref.gather_pages(v, page_table)
+      out, lse = _ref.decode_reference(q, k, v, kv_lengths, scale=scale, local_window_size=window,
+                                       logits_soft_cap=cap, num_splits=config.num_splits,
+                                       upcast=False)
+    else:
+      o_parts, lse_parts = _kernel_partials(
+          impl, q, k, v, kv_lengths, page_table, num_splits=config.num_splits, scale=scale,
+          window_left=window_left, logits_soft_cap=cap, block_sizes=config.block_sizes,
+          interpret=interpret)()   # [B, S, Hq, D], [B, S, Hq]
+      if o_parts.shape[1] == 1:
+        out, lse = o_parts[:, 0], lse_parts[:, 0]
+      elif config.merge == "pallas":
+        out, lse = merge_partials_pallas(o_parts, lse_parts, out_dtype=q.dtype, interpret=interpret)
+      else:
+        out, lse = merge_partials(o_parts, lse_parts, axis=1)
+    return out.astype(q.dtype), lse
+  # unified max or a schedule (jattn.decode_serving)
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-  kw = dict(scale=scale, window_left=None if window is None else window[0], logits_soft_cap=cap)
-  if schedule is None:
-    kw["num_splits"] = config.num_splits
-  else:
-    kw["units"] = schedule.units
+  kw = dict(scale=scale, window_left=window_left, logits_soft_cap=cap)
+  kw.update({"num_splits": config.num_splits} if schedule is None else {"units": schedule.units})
   if impl == "xla":
     kw.update(page_table=page_table, upcast=False,
               block=None if schedule is None else schedule.block)
@@ -526,9 +495,8 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
   _check_new_token(k_new, v_new, b, hk, d, v_cache.shape[-1], "cache")
   lens = check_lengths("kv_lengths", kv_lengths, b, max_len)
   rows, slot = jnp.arange(b), jnp.where(lens < 0, max_len, lens)   # negative: dropped too
-  k_cache = k_cache.at[rows, slot].set(k_new.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[rows, slot].set(v_new.astype(v_cache.dtype), mode="drop")
-  return k_cache, v_cache, lens + 1
+  return (k_cache.at[rows, slot].set(k_new.astype(k_cache.dtype), mode="drop"),
+          v_cache.at[rows, slot].set(v_new.astype(v_cache.dtype), mode="drop"), lens + 1)
 
 
 def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
@@ -572,10 +540,8 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
   in_table = (lens >= 0) & (slot_page < max_pages)
   check_range("page_table", page_table, 0, num_pages - 1,
               valid=lambda: in_table[:, None] & (jnp.arange(max_pages) == slot_page[:, None]))
-  page = jnp.take_along_axis(page_table, jnp.clip(slot_page, 0, max_pages - 1)[:, None],
-                             axis=1)[:, 0]
+  page = page_table[jnp.arange(b), jnp.clip(slot_page, 0, max_pages - 1)]
   page = jnp.where(in_table & (page >= 0) & (page < num_pages), page, num_pages)  # else dropped
   slot = lens % page_size
-  k_pages = k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop")
-  v_pages = v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop")
-  return k_pages, v_pages, lens + 1
+  return (k_pages.at[page, slot].set(k_new.astype(k_pages.dtype), mode="drop"),
+          v_pages.at[page, slot].set(v_new.astype(v_pages.dtype), mode="drop"), lens + 1)

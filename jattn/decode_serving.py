@@ -108,8 +108,7 @@ def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
   j = u - row_units[rc]
   count = jnp.where(row < b, jnp.clip(nblk[rc] - j * per, 0, per), 0)
   return DecodeSchedule(unit_row=row, unit_first=(first[rc] + j * per).astype(jnp.int32),
-                        unit_count=count.astype(jnp.int32), row_units=row_units,
-                        block=int(block))
+                        unit_count=count.astype(jnp.int32), row_units=row_units, block=int(block))
 
 
 def default_max_units(implementation, batch, kv_heads, *, core_count=None):
@@ -165,13 +164,10 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
                          kv_layout=kv_layout, local_window_size=local_window_size,
                          implementation=implementation, block_sizes=block_sizes)
   lens = jnp.asarray(kv_lengths, jnp.int32)
-  if kv_layout == "hnd":
-    kv_heads, capacity = 1, k_cache.shape[2]
-    lens = jnp.repeat(lens, k_cache.shape[1])
-  elif page_table is not None:
-    kv_heads, capacity = k_cache.shape[2], page_table.shape[1] * k_cache.shape[1]
-  else:
-    kv_heads, capacity = k_cache.shape[2], k_cache.shape[1]
+  kv_heads = k_cache.shape[2]
+  capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
+  if kv_layout == "hnd":   # kv_heads one-head sequences per batch row
+    kv_heads, capacity, lens = 1, k_cache.shape[2], jnp.repeat(lens, k_cache.shape[1])
   if max_units is None:
     max_units = default_max_units(plan.implementation, lens.shape[0], kv_heads)
   check_int("max_units", max_units, lo=lens.shape[0])   # at least one unit per sequence
@@ -233,16 +229,12 @@ def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_
     ...                   scale=0.5).tolist()
     [[2.0, 2.0]]
   """
-  b, hq, d = q.shape
-  hk = k_cache.shape[2]
-  if page_table is None:
-    pos = jnp.clip(kv_lengths - 1, 0, k_cache.shape[1] - 1)
-    k_new = k_cache[jnp.arange(b), pos]                                  # [b, hk, d]
-  else:
-    ps = k_cache.shape[1]
-    pos = jnp.clip(kv_lengths - 1, 0, page_table.shape[1] * ps - 1)
-    page = jnp.clip(page_table[jnp.arange(b), pos // ps], 0, k_cache.shape[0] - 1)
-    k_new = k_cache[page, pos % ps]                                      # [b, hk, d]
+  (b, hq, d), hk = q.shape, k_cache.shape[2]
+  ps = k_cache.shape[1]
+  table = jnp.arange(b)[:, None] if page_table is None else page_table   # contiguous: one page
+  pos = jnp.clip(kv_lengths - 1, 0, table.shape[1] * ps - 1)
+  page = jnp.clip(table[jnp.arange(b), pos // ps], 0, k_cache.shape[0] - 1)
+  k_new = k_cache[page, pos % ps]                                        # [b, hk, d]
   s = jnp.einsum("bhgd,bhd->bhg", q.astype(jnp.float32).reshape(b, hk, hq // hk, d),
                  k_new.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST) * scale
   if logits_soft_cap is not None:
@@ -279,16 +271,17 @@ def run_decode(partials, q, kv_heads, m_hat, schedule, *, softmax, merge, interp
 
   def merge_fn(o, lse):   # a row's units are contiguous: one Pallas program per (row, head)
     if merge == "pallas":
-      units = None if schedule is None else schedule.row_units
-      return _merge.merge_partials_pallas(o, lse, out_dtype=q.dtype, interpret=interpret,
-                                          row_units=units)
-    if schedule is None:
-      return _merge.merge_partials(o, lse, axis=1)
-    return _merge.merge_partials_by_row(o[0], lse[0], rows, b)
+      out, lse = _merge.merge_partials_pallas(
+          o, lse, out_dtype=q.dtype, interpret=interpret,
+          row_units=None if schedule is None else schedule.row_units)
+    elif schedule is None:
+      out, lse = _merge.merge_partials(o, lse, axis=1)
+    else:
+      out, lse = _merge.merge_partials_by_row(o[0], lse[0], rows, b)
+    return out.astype(q.dtype), lse
 
   if softmax == "exact":
-    out, lse = merge_fn(*partials())
-    return out.astype(q.dtype), lse
+    return merge_fn(*partials())
   acc, l, mx = partials(m_hat=m_hat)
   m_p = per_partial(m_hat)
   top = per_partial(row_max(mx))
@@ -296,21 +289,19 @@ def run_decode(partials, q, kv_heads, m_hat, schedule, *, softmax, merge, interp
   bad = ((jnp.isfinite(mx) & ~(mx <= m_p + UNIFIED_MARGIN))
          | (jnp.isfinite(top) & ~(top >= m_p - UNIFIED_MARGIN)))          # [P0, P1, hq]
 
+  def normalized(acc, l, m):   # (acc / l, m + log l); (acc, -inf) where l == 0
+    empty = l == 0.0
+    safe = jnp.where(empty, 1.0, l)
+    return acc / safe[..., None], jnp.where(empty, -jnp.inf, m + jnp.log(safe))
+
   def plain_sum():
-    total = rowsum(l)
-    empty = total == 0.0
-    safe = jnp.where(empty, 1.0, total)
-    out = rowsum(acc) / safe[..., None]
-    return out.astype(q.dtype), jnp.where(empty, -jnp.inf, m_hat + jnp.log(safe))
+    out, lse = normalized(rowsum(acc), rowsum(l), m_hat)
+    return out.astype(q.dtype), lse
 
   def recompute():
     active = jnp.any(bad.reshape(*bad.shape[:2], kv_heads, hq // kv_heads), axis=-1)
     o_x, lse_x = partials(active=active.astype(jnp.int32))
     use = jnp.repeat(active, hq // kv_heads, axis=-1)                    # [P0, P1, hq]
-    empty = l == 0.0
-    safe = jnp.where(empty, 1.0, l)
-    o = jnp.where(use[..., None], o_x, acc / safe[..., None])
-    lse = jnp.where(use, lse_x, jnp.where(empty, -jnp.inf, m_p + jnp.log(safe)))
-    out, lse = merge_fn(o, lse)
-    return out.astype(q.dtype), lse
+    o, lse = normalized(acc, l, m_p)
+    return merge_fn(jnp.where(use[..., None], o_x, o), jnp.where(use, lse_x, lse))
   return jax.lax.cond(jnp.any(bad), recompute, plain_sum)

@@ -77,16 +77,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   check_flags(is_causal=is_causal)
   q, k, v = (jnp.asarray(x) if rank == 4 else jnp.asarray(x)[None] for x in (query, key, value))
   check_qkv(q, k, v, names=("query", "key", "value"))
-  b, t, n, _ = q.shape
-  s = k.shape[1]
-  full = (b, n, t, s)
+  (b, t, n, _), s = q.shape, k.shape[1]
   arrays = {}
   for name, x in (("mask", mask), ("bias", bias)):
     if x is not None:
       x = as_array(name, x)
       if x.ndim > 4:
         raise ValueError(f"{name} must have at most 4 axes, got shape {x.shape}")
-      arrays[name] = broadcast_mask_or_bias(name, x.reshape((1,) * (4 - x.ndim) + x.shape), full)
+      arrays[name] = broadcast_mask_or_bias(name, x.reshape((1,) * (4 - x.ndim) + x.shape),
+                                            (b, n, t, s))
   q_len = _lengths("query_seq_lengths", query_seq_lengths, b)
   kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, b)
   window = normalize_window(local_window_size)

@@ -104,12 +104,13 @@ def test_hnd_equals_nhd_on_transposed_cache(impl, name):
 
 def test_hnd_default_splits_equal_nhd(monkeypatch):
   """B1 S128K GQA 32:8 D128 bf16 on a 132-SM H200: "hnd" (8 sequences of one kv head inside)
-  gets the split count "nhd" gets (asked for at (batch 1, kv_heads 8): 32), which is also the
-  heuristic's answer at (8, 1); the call lowers for CUDA with the documented output shapes."""
+  gets the split count "nhd" gets (asked for at (batch 1, kv_heads 8): one wave, 16), not the
+  heuristic's answer for 8 sequences (32); the call lowers for CUDA with the documented output
+  shapes."""
   monkeypatch.setattr(compat, "gpu_core_count", lambda: 132)
   b, n, hq, hk, d, dt = 1, 131072, 32, 8, 128, jnp.bfloat16
   default = functools.partial(dec.default_num_splits, "triton", head_dim=d, dtype=dt)
-  assert default(b, hk, n) == default(b * hk, 1, n) == 32
+  assert (default(b, hk, n), default(b * hk, 1, n)) == (16, 32)
   seen = []
   real = dec._decode_jit
 
