@@ -195,12 +195,10 @@ class Attention(nnx.Module):
     if self.mla:
       q_nope = self.q_norm(q[..., :d]) if self.qk_norm else q[..., :d]
       q = jnp.concatenate([q_nope, apply_rope(q[..., d:], positions, base)], axis=-1)
-      lat = self.kv_norm(self.w_dkv(x))                                # [b, t, r]
+      ent = {"latent": self.kv_norm(self.w_dkv(x))}                    # [b, t, r]
       if self.rope_head_dim:  # one cache array [latent | k_rope]: [b, t, r + rope_dim]
         k_rope = apply_rope(self.w_kr(x), positions, base)            # [b, t, rope_dim]
-        ent = {MLA_ROPE_CACHE: jnp.concatenate([lat, k_rope], axis=-1)}
-      else:
-        ent = {"latent": lat}
+        ent = {MLA_ROPE_CACHE: jnp.concatenate([ent["latent"], k_rope], axis=-1)}
     else:
       k, v = heads(self.wk(x)), heads(self.wv(x))
       if self.qk_norm:
@@ -220,8 +218,8 @@ class Attention(nnx.Module):
     c = ent[MLA_ROPE_CACHE if rope else "latent"]
     lat = c[..., :r] if rope else c
     b, n, _ = c.shape
-    k = self.w_uk(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
-    v = self.w_uv(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
+    heads = lambda lin: lin(lat).reshape(b, n, self.num_kv_heads, self.head_dim)
+    k, v = heads(self.w_uk), heads(self.w_uv)
     k = self.k_norm(k) if self.qk_norm else k
     if rope:
       kr = jnp.broadcast_to(c[:, :, None, r:].astype(k.dtype), (b, n, self.num_kv_heads, rope))
@@ -338,12 +336,10 @@ class Attention(nnx.Module):
     """Whether cache array ``name`` is stored head-major ("hnd": K/V of global/local/sparse)."""
     return self.kv_cache_layout == "hnd" and name in ("k", "v")
 
-  def _slot_axis(self, name):
-    """The token-slot axis of cache array ``name`` as stored."""
+  def _slot_axis(self, name):   # the token-slot axis of cache array ``name`` as stored
     return 2 if self._head_major(name) else 1
 
-  def _at_slots(self, name, slots):
-    """Index of token slots ``slots`` of cache array ``name`` as stored."""
+  def _at_slots(self, name, slots):   # index of token slots ``slots`` of ``name`` as stored
     return (slice(None),) * self._slot_axis(name) + (slots,)
 
   def _relayout(self, name, a):

@@ -92,7 +92,9 @@ class BlockSummaries:
 
 def _gather_positions(k, page_table, pos, hnd=False):
   """Rows k[b, pos[b, t]] of a contiguous cache, or via the page table of a page pool
-  ([pages, kv_heads, page_size, d] pages with ``hnd``): [b, t, hk, d]."""
+  (head-major caches or pages with ``hnd``): [b, t, hk, d]."""
+  if page_table is None and hnd:
+    return k[jnp.arange(k.shape[0])[:, None], :, pos]                        # [b, t, hk, d]
   if page_table is None:
     return jnp.take_along_axis(k, pos[:, :, None, None], axis=1)             # [b, t, hk, d]
   ps = k.shape[2 if hnd else 1]
@@ -133,9 +135,8 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
   check_selection_args(block_size, 1, 1, 0, 0)
   hnd = kv_layout == "hnd"
   if page_table is not None:
-    if k_cache.shape[2 if hnd else 1] != block_size:
-      raise ValueError(f"page size {k_cache.shape[2 if hnd else 1]} must equal "
-                       f"block_size {block_size}")
+    if (ps := k_cache.shape[2 if hnd else 1]) != block_size:
+      raise ValueError(f"page size {ps} must equal block_size {block_size}")
     n = page_table.shape[1] * block_size
     pos = jnp.broadcast_to(jnp.arange(n)[None], (page_table.shape[0], n))
     k_cache = _gather_positions(k_cache, page_table, pos, hnd)               # [b, n, hk, d]
@@ -203,10 +204,7 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
   pos = jnp.maximum(lengths - 1, 0)
   new = lengths > summaries.lengths
   bi, blk = jnp.arange(bsz), pos // summaries.block_size
-  if hnd and page_table is None:
-    k_new = k_cache[bi, :, pos]                                              # [b, hk, d]
-  else:
-    k_new = _gather_positions(k_cache, page_table, pos[:, None], hnd)[:, 0]  # [b, hk, d]
+  k_new = _gather_positions(k_cache, page_table, pos[:, None], hnd)[:, 0]    # [b, hk, d]
   k_new = jnp.where(new[:, None, None], k_new.astype(jnp.float32), 0.0)
   sums = (summaries.sums.at[bi, :, blk] if hnd else summaries.sums.at[bi, blk]).add(k_new)
   return BlockSummaries(sums=sums, lengths=jnp.where(new, lengths, summaries.lengths),
@@ -295,8 +293,7 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
   safe = jnp.maximum(indices, 0)                                           # [b, hk, ms]
   bi, hi = jnp.arange(b)[:, None, None], jnp.arange(hk)[None, :, None]
   if page_table is None:
-    n = k.shape[1]
-    nb = cdiv(n, bs)
+    n, nb = k.shape[1], cdiv(k.shape[1], bs)
     blocks = lambda x: pad_axis(x, 1, nb * bs).reshape(b, nb, bs, hk, x.shape[-1])[bi, safe, :, hi]
     kg, vg = blocks(k), blocks(v)                                          # [b, hk, ms, bs, d]
   else:
@@ -483,7 +480,12 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
     max_estimate = newest_key_logits(q, k, per_seq, page_table=page_table, scale=scale)
   if plan.implementation in ("xla", "mosaic_tpu"):   # selection in XLA (ascending, -1 padded)
     indices = _decode_select(q, summaries, kv_lengths, **sel)
-  if plan.implementation == "xla":
+    if plan.implementation == "mosaic_tpu":   # the kernel DMAs only the kept blocks
+      from pallas_kernels.sparse.decode_tpu import sparse_decode as tpu_sparse_decode
+      out, lse = tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
+                                   page_table=page_table, block_size=block_size,
+                                   scale=float(scale), interpret=interpret)
+      return out, lse, indices
     attend = functools.partial(_sparse_decode_xla, q, k, v, kv_lengths, indices, page_table,
                                block_size, scale)
     if softmax == "exact":
@@ -497,12 +499,6 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
         return o[:, None].astype(jnp.float32), l[:, None]
       out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
                             merge="xla", interpret=interpret)
-    return out, lse, indices
-  if plan.implementation == "mosaic_tpu":   # the kernel DMAs only the kept blocks
-    from pallas_kernels.sparse.decode_tpu import sparse_decode as tpu_sparse_decode
-    out, lse = tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
-                                 page_table=page_table, block_size=block_size,
-                                 scale=float(scale), interpret=interpret)
     return out, lse, indices
   # "triton", no XLA glue: block scores and the selection (a threshold search, no sort;
   # compact ascending lists, counts and zeroed arrival counters) in one launch or two, then

@@ -232,12 +232,8 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
   if num_local > 0:
     forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
   cand = visible & ~forced
-  parts = []
-  n_init = min(num_init, nk)
-  if n_init:
-    init = jnp.broadcast_to(jnp.arange(n_init, dtype=jnp.int32)[None, :], (nq, n_init))
-    ok = (init * block_size <= q_last[:, None]) if causal else jnp.ones_like(init, bool)
-    parts.append(jnp.where(ok, init, -1))
+  # initial blocks 0 .. min(num_init, nk) - 1, kept where visible
+  parts = [jnp.where(visible[:, :num_init], j[:, :num_init], -1)] if num_init else []
   _, _, _, width = _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init,
                                   num_local, 0)
   if width:   # 0 without local blocks
