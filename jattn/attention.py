@@ -91,17 +91,13 @@ def mosaic_gpu_problems(q, k, v):
 
 
 def _default_implementation(dev, q, k, v, *, interpret, block_sizes, tiles, arrays):
-  if arrays:   # mask / bias arrays: the kernels that read them
-    return "triton" if dev.platform == "gpu" else "xla"
-  if dev.platform == "tpu":
-    return "mosaic_tpu"
   if dev.platform != "gpu":
-    return "xla"
-  hopper = dev.sm90 and not interpret and not mosaic_gpu_problems(q, k, v)
-  if hopper and block_sizes is not None:
-    hopper = isinstance(block_sizes, kernel_module("mosaic_gpu").BlockSizes)
-  if hopper and tiles is not None:
-    hopper = all(t >= 64 and not t & (t - 1) for t in tiles)
+    return "mosaic_tpu" if dev.platform == "tpu" and not arrays else "xla"
+  hopper = (not arrays   # mask / bias arrays: the Triton kernels read them
+            and dev.sm90 and not interpret and not mosaic_gpu_problems(q, k, v)
+            and (block_sizes is None
+                 or isinstance(block_sizes, kernel_module("mosaic_gpu").BlockSizes))
+            and (tiles is None or all(t >= 64 and not t & (t - 1) for t in tiles)))
   return "mosaic_gpu" if hopper else "triton"
 
 
@@ -136,19 +132,10 @@ def _fit_to_tiles(impl, base, tiles):
 def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, block_sizes):
   from pallas_kernels.flash import mosaic_gpu_bwd as mgb
   from pallas_kernels.flash import triton as ft
-  mod = kernel_module("mosaic_gpu")
-  if problems := mosaic_gpu_problems(q, k, v):
-    raise NotImplementedError("implementation='mosaic_gpu' does not support: "
-                              + ", ".join(problems) + "; use implementation='triton'")
-  if block_sizes is not None and not isinstance(block_sizes, mod.BlockSizes):
-    raise TypeError(f"implementation='mosaic_gpu' takes block_sizes of type "
-                    f"pallas_kernels.flash.mosaic_gpu.BlockSizes, got {type(block_sizes)}")
-  d, dtype = q.shape[-1], q.dtype
+  mod, d, dtype = kernel_module("mosaic_gpu"), q.shape[-1], q.dtype
   kind = tuning.mask_kind(causal, window, segments=segments)
-  if block_sizes is not None:
-    fwd = block_sizes
-    bwd = "mosaic_gpu" if getattr(block_sizes, "backward", "triton") == "mosaic" else "triton"
-  else:
+  fwd = block_sizes
+  if block_sizes is None:
     fwd = mod.default_block_sizes(d, dtype, device_kind=dev.kind, mask=kind)
     if tiles is not None:
       if bad := [f"{n}={x}" for n, x in zip(("q_block_size", "block_size"), tiles)
@@ -163,8 +150,8 @@ def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, bl
                               core_count=dev.core_count)
     if tiles is not None:   # every kernel tile inside one selection block
       fwd = dataclasses.replace(fwd, block_k=min(fwd.block_k, 128, tiles[1]))
-    bwd = "mosaic_gpu" if d in MOSAIC_GPU_BWD_HEAD_DIMS else "triton"
-    fwd = dataclasses.replace(fwd, backward="mosaic" if bwd == "mosaic_gpu" else "triton")
+    fwd = dataclasses.replace(fwd, backward="mosaic" if d in MOSAIC_GPU_BWD_HEAD_DIMS else "triton")
+  bwd = "mosaic_gpu" if getattr(fwd, "backward", "triton") == "mosaic" else "triton"
   if bwd == "mosaic_gpu":
     bwd_cfg = mgb.default_block_sizes(d, dtype, device_kind=dev.kind,
                                       mask=kind if tiles is None else "block_sparse")
@@ -227,6 +214,13 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
                      f"implementation='triton' (GPU) or 'xla'")
   if impl in ("xla", "cudnn"):
     return Plan(op, impl, backward=impl, device_kind=dev.kind)
+  mod = kernel_module(impl)
+  if impl == "mosaic_gpu" and (problems := mosaic_gpu_problems(q, k, v)):
+    raise NotImplementedError("implementation='mosaic_gpu' does not support: "
+                              + ", ".join(problems) + "; use implementation='triton'")
+  if block_sizes is not None and not isinstance(block_sizes, mod.BlockSizes):
+    raise TypeError(f"implementation={impl!r} takes block_sizes of type {mod.__name__}"
+                    f".BlockSizes, got {type(block_sizes)}")
   mask_only = (arrays == "mask" and implementation is None and block_sizes is None
                and tiles is None and q.shape[-1] in MOSAIC_GPU_BWD_HEAD_DIMS)
   if mask_only and _default_implementation(dev, q, k, v, interpret=interpret, block_sizes=None,
@@ -241,21 +235,14 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
   if impl == "mosaic_gpu":
     return _resolve_mosaic_gpu(op, q, k, v, dev, causal=causal, window=window,
                                segments=segments, tiles=tiles, block_sizes=block_sizes)
-  mod = kernel_module(impl)
-  table = None
-  if block_sizes is not None:
-    if not isinstance(block_sizes, mod.BlockSizes):
-      raise TypeError(f"implementation={impl!r} takes block_sizes of type {mod.__name__}"
-                      f".BlockSizes, got {type(block_sizes)}")
-    cfg = block_sizes
-  elif impl == "triton":
+  cfg, table = block_sizes, None
+  if block_sizes is None and impl == "triton":
     cfg, table = mod.default_block_sizes(q.shape[-1], q.dtype, device_kind=dev.kind), dev.table
-  else:   # mosaic_tpu: a heuristic, no table
+  elif block_sizes is None:   # mosaic_tpu: a heuristic, no table
     cfg = mod.default_block_sizes(q.shape[-1], q.dtype)
   if tiles is not None:
     cfg = _fit_to_tiles(impl, cfg, tiles)
-  # one BlockSizes holds both passes of these kernels
-  return Plan(op, impl, cfg, impl, cfg, table, dev.kind)
+  return Plan(op, impl, cfg, impl, cfg, table, dev.kind)   # one BlockSizes: both passes
 
 
 def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segment_ids=None,
@@ -370,10 +357,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
                               interpret=interpret, block_sizes=block_sizes, mask=mask, bias=bias)
   kw = dict(causal=causal, window=window, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
             scale=scale, logits_soft_cap=logits_soft_cap, interpret=interpret)
-  if plan.fallback is None:
-    out, lse = _run(plan, q, k, v, mask, bias, return_lse=return_lse, **kw)
-  else:
-    out, lse = _run_mask_tiles(plan, q, k, v, mask, **kw)
+  out, lse = (_run(plan, q, k, v, mask, bias, return_lse=return_lse, **kw) if plan.fallback is None
+              else _run_mask_tiles(plan, q, k, v, mask, **kw))
   return (out, lse) if return_lse else out
 
 
@@ -399,9 +384,7 @@ def _run_mask_tiles(plan, q, k, v, mask, **kw):
         scale=kw["scale"], logits_soft_cap=kw["logits_soft_cap"], block_sizes=plan.config,
         bwd_block_sizes=plan.backward_config)
 
-  def elements(q, k, v):
-    return _run(plan.fallback, q, k, v, mask, None, return_lse=True, **kw)
-
+  elements = lambda q, k, v: _run(plan.fallback, q, k, v, mask, None, return_lse=True, **kw)
   return jax.lax.cond(jnp.all(any_ == all_), tiles, elements, q, k, v)
 
 

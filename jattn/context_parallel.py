@@ -94,7 +94,6 @@ def layout_positions(seq_len, num_shards, layout):
 
 
 def _reorder(x, num_shards, layout, axis, inverse):
-  """x along ``axis`` into the layout's order, or back (``inverse``)."""
   x = x if hasattr(x, "shape") else as_array("x", x)   # any dtype; lists as numpy
   check_int("axis", axis, -x.ndim, x.ndim - 1)
   pos = layout_positions(x.shape[axis], num_shards, layout)
@@ -314,9 +313,8 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
            and shifts[:1] == (0,) and table[p, 0].any() else None)
   plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(index),
                              table[:, list(shifts)])
-  if joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0):
-    return dataclasses.replace(plan, joint=joint)
-  return plan
+  keep = joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0)
+  return dataclasses.replace(plan, joint=joint) if keep else plan
 
 
 # ----------------------------------------------------------------------------- one chunk pair
@@ -438,8 +436,7 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
     return jax.lax.cond(d == last, joint, pairs, *x)
   qm, km, vm, qsm, ksm = map(ch, (q, k, v, qs, ks))
   shapes = ((*qm.shape[:-1], v.shape[-1]), qm.shape[:-1])
-  whole = sel is None and plan._whole(i)
-  if whole:     # every pair fully visible: one call over the local rows and keys
+  if sel is None and (whole := plan._whole(i)):   # one call over the local rows and keys
     return _merge_into(acc, tuple(map(ch, _run_call(whole, kern, q, k, v, qs, ks))), 0, 0, shapes)
   strips = sel is None and qs is None and {_strip(plan, i, e) for e in (
       [d] if isinstance(d, int) else range(plan.num_shards))}
@@ -447,8 +444,7 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
     dense = lambda q, k, v: _run_call(PairCall(0, q.shape[1], 0, k.shape[1], False, None), kern,
                                       q, k, v, None, None)   # unmasked, no segment ids here
 
-    def strip(kind, q, k, v):
-      row, j = kind
+    def strip(row, j, q, k, v):
       if not row:    # every local query chunk against key chunk j
         return tuple(map(ch, dense(q, ch(k)[:, j], ch(v)[:, j])))
       out, lse = dense(ch(q)[:, j], k, v)    # query chunk j against every key chunk
@@ -458,10 +454,10 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
                    for x, e in zip((out, lse), _empty(q, v, plan.q_chunk)))
     kinds = sorted(strips)
     if len(kinds) == 1:
-      part = strip(kinds[0], q, k, v)
+      part = strip(*kinds[0], q, k, v)
       return _merge_into(acc, part, kinds[0][1] if kinds[0][0] else 0, 0, shapes)
     idx = jnp.asarray([kinds.index(_strip(plan, i, e)) for e in range(plan.num_shards)])[d]
-    part = jax.lax.switch(idx, [functools.partial(strip, c) for c in kinds], q, k, v)
+    part = jax.lax.switch(idx, [functools.partial(strip, *c) for c in kinds], q, k, v)
     return _merge_into(acc, part, 0, 0, shapes)
   diag = plan.table[:, i, np.arange(m), np.arange(m)]
   batched = sel is None and m > 1 and diag.min() > 0 and (diag == diag.flat[0]).all()
@@ -522,10 +518,11 @@ def _ring_steps(plan, axis_name, xs):
   """Each step's ``xs`` (shards that travel the ring). The next shift is issued before this
   step's kernels, so the two overlap."""
   p, shifts = plan.num_shards, plan.shifts
+  xs = _shift(xs, shifts[0], axis_name, p)
   for i in range(len(shifts)):
-    xs = _shift(xs, shifts[0], axis_name, p) if i == 0 else nxt
     nxt = _shift(xs, shifts[i + 1] - shifts[i], axis_name, p) if i + 1 < len(shifts) else xs
     yield xs
+    xs = nxt
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -570,8 +567,7 @@ def _ring_bwd(plan, kern, axis_name, res, g):
       w = jnp.where(jnp.isfinite(l_p), jnp.exp(l_p - rows(lc[a])), 0.0)    # [B, n, H]
       ct_l = w * (jnp.sum(rows(doc[a]) * o_p, axis=-1) - rows(dc[a]) + rows(dlc[a]))
       gq, gk, gv = vjp(((w[..., None] * rows(doc[a])).astype(o_p.dtype), ct_l))
-      dq[a] = dq[a] + gq
-      dkc[b], dvc[b] = dkc[b] + gk, dvc[b] + gv
+      dq[a], dkc[b], dvc[b] = dq[a] + gq, dkc[b] + gk, dvc[b] + gv
     dk, dv = jnp.concatenate(dkc, axis=1), jnp.concatenate(dvc, axis=1)
     if i + 1 < len(shifts):
       state = _shift((*state[:3], dk, dv), shifts[i + 1] - shifts[i], axis_name, p)
@@ -609,7 +605,7 @@ def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
 
 
 # ----------------------------------------------------------------------------- public API
-def _kernel(q, scale, logits_soft_cap, implementation, interpret):
+def _kernel(q, scale, logits_soft_cap, implementation, interpret, blocks=None):
   if logits_soft_cap is not None and not logits_soft_cap > 0:
     raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   if implementation == "cudnn":
@@ -617,7 +613,7 @@ def _kernel(q, scale, logits_soft_cap, implementation, interpret):
                      "needs; use None, 'xla', 'triton', 'mosaic_gpu' or 'mosaic_tpu'")
   scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
   return _Kernel(scale, None if logits_soft_cap is None else float(logits_soft_cap),
-                 implementation, bool(interpret))
+                 implementation, bool(interpret), blocks)
 
 
 def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_window_size=None,
@@ -811,8 +807,8 @@ def _local_selection(plan, kern, axis_name, n, rule, docs, q, k, qs, ks):
                      .reshape(p, -1))[d]
   seg = {"seg_ok": None, "doc_start": None}
   if docs:
-    r = tuple(tuple(whole(x, b) for x in sel_ops.segment_ranges(s, b)) for s, b in ((qs, qbs),
-                                                                                     (ks, bs)))
+    r = tuple(tuple(whole(x, b) for x in sel_ops.segment_ranges(s, b))
+              for s, b in ((qs, qbs), (ks, bs)))
     seg = {"seg_ok": sel_ops.segment_overlap(None, None, qbs, bs, ranges=r),
            "doc_start": sel_ops.doc_start_blocks(None, None, qbs, bs, ranges=r)}
   return sel_ops.select_lists(rank, q_len=n, kv_len=n, q_block_size=qbs, block_size=bs,
@@ -829,8 +825,7 @@ def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, 
     raise ValueError(f"sparse_attention with a mesh needs q_len == kv_len, got {n}, {k.shape[1]}")
   plan = context_parallel_plan(n, n, _axis_size(mesh, axis_name), causal=causal, layout=layout)
   _check_blocks(plan.q_chunk, block_size, q_block_size)
-  kern = dataclasses.replace(_kernel(q, scale, None, implementation, interpret),
-                             blocks=(block_size, q_block_size))
+  kern = _kernel(q, scale, None, implementation, interpret, (block_size, q_block_size))
   rule = dict(causal=causal, top_k=top_k, num_init=num_init_blocks, num_local=num_local_blocks)
 
   def local(q, k, v, qs, ks):
@@ -871,13 +866,12 @@ def context_parallel_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, 
   if k_cache.ndim != 4 or k_cache.shape[1] % p:
     raise ValueError(f"k_cache must be [batch, max_len, kv_heads, head_dim] with max_len "
                      f"divisible by the {p} devices of {axis_name!r}, got {k_cache.shape}")
-  kw = {"scale": scale, "logits_soft_cap": logits_soft_cap, "implementation": implementation,
-        "interpret": interpret}
 
   def local(q, k, v, lengths):
     n = k.shape[1]
     mine = jnp.clip(lengths - jax.lax.axis_index(axis_name) * n, 0, n).astype(jnp.int32)
-    out, lse = decode_attention(q, k, v, mine, return_lse=True, **kw)
+    out, lse = decode_attention(q, k, v, mine, return_lse=True, scale=scale, interpret=interpret,
+                                logits_soft_cap=logits_soft_cap, implementation=implementation)
     gather = lambda x: jax.lax.all_gather(x, axis_name)               # [P, ...]
     out, lse = merge_partials(gather(out.astype(jnp.float32)), gather(lse), axis=0)
     return out.astype(q.dtype), lse

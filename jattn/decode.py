@@ -243,11 +243,9 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
   check_flags(return_lse=return_lse, interpret=interpret)
   impl = resolve_decode_implementation(implementation)
   d, dv, dtype = q.shape[-1], v_cache.shape[-1], k_cache.dtype
-  bs = None
-  if impl != "xla":
-    kern = _kernel_module(impl)
-    bs = block_sizes or (kern.default_block_sizes(max(d, dv), dtype) if impl == "triton"
-                         else kern.DecodeBlockSizes())
+  kern = None if impl == "xla" else _kernel_module(impl)
+  bs = None if kern is None else block_sizes or (
+      kern.default_block_sizes(max(d, dv), dtype) if impl == "triton" else kern.DecodeBlockSizes())
   if softmax != "exact" or schedule is not None:
     if impl == "mosaic_tpu" and softmax in _serve.SOFTMAX_MODES:
       raise NotImplementedError("softmax='unified_max' and schedules run on 'xla' and "
@@ -269,7 +267,6 @@ def _kernel_module(impl):
 
 
 def _kernel_partials(impl, q, k, v, kv_lengths, page_table, **kw):
-  """The kernel's ``decode_partials`` (``paged_decode_partials`` with a page table), bound."""
   kern = _kernel_module(impl)
   if page_table is None:
     return functools.partial(kern.decode_partials, q, k, v, kv_lengths, **kw)
@@ -375,7 +372,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
 def _run(q, k, v, kv_lengths, page_table, *, scale, local_window_size, logits_soft_cap,
          num_splits, return_lse, implementation, interpret, block_sizes, kv_layout, softmax,
          max_estimate, schedule):
-  """Both public ops: validation, the plan, then :func:`_decode_jit`."""
   kv_lengths, page_table, _, _, _ = check_decode_call(q, k, v, kv_lengths, page_table, kv_layout)
   window, cap, scale = _check_options(local_window_size, logits_soft_cap, num_splits, scale)
   if page_table is not None and kv_layout == "hnd" and schedule is not None:
