@@ -19,7 +19,7 @@ from jattn.attention import kernel_module, resolve
 from pallas_kernels.block_schedule import make_schedule
 from pallas_kernels.common.util import pad_axis
 from pallas_kernels.flash.reference import attention_reference
-from jattn.sparse.metrics import _QUERY_POOLS, add_aux_loss, block_score_kl
+from jattn.sparse.metrics import _QUERY_POOLS, _score_kl_of, add_aux_loss
 from jattn.sparse.selection import (_HIGHEST, block_scores, cdiv, check_selection,
                                     check_selection_args, segment_rules, select_lists)
 
@@ -384,11 +384,14 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                                 segment_ids, kv_segment_ids, bool(causal), float(scale), plan,
                                 bool(interpret))
   if score_aux_weight > 0:   # the scores with their gradient, whatever gate_grad
-    kl = block_score_kl(q, k, block_size=block_size, q_block_size=q_block_size, causal=causal,
-                        num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
-                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, scale=scale,
-                        temperature=gate_temperature, query_pool=score_aux_pool,
-                        max_chunk_elems=aux_max_chunk_elems)
+    scores_g = scores if gate_grad != "none" else block_scores(
+        q, k, block_size=block_size, q_block_size=q_block_size, segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids)
+    kl = _score_kl_of(scores_g, (seg_ok, doc_start), q, k, block_size=block_size,
+                      q_block_size=q_block_size, causal=causal, num_init_blocks=num_init_blocks,
+                      num_local_blocks=num_local_blocks, segment_ids=segment_ids,
+                      kv_segment_ids=kv_segment_ids, scale=scale, temperature=gate_temperature,
+                      query_pool=score_aux_pool, max_chunk_elems=aux_max_chunk_elems)
     out = add_aux_loss(out, float(score_aux_weight) * kl)
   res = (out,) + ((lse,) if return_lse else ()) + ((sel,) if return_selection else ())
   return res if len(res) > 1 else out

@@ -208,16 +208,30 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
   check_selection_args(block_size, q_block_size, 1, num_init_blocks, num_local_blocks)
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
-  batch, q_len, kv_len, _, hk = check_qkv(q, k, k)
+  batch, q_len, kv_len, _, _ = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
+  rules = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
+  return _score_kl_of(scores, rules, q, k, block_size=block_size, q_block_size=q_block_size,
+                      causal=causal, num_init_blocks=num_init_blocks,
+                      num_local_blocks=num_local_blocks, segment_ids=segment_ids,
+                      kv_segment_ids=kv_segment_ids, scale=scale, temperature=temperature,
+                      query_pool=query_pool, max_chunk_elems=max_chunk_elems)
+
+
+def _score_kl_of(scores, rules, q, k, *, block_size, q_block_size, causal, num_init_blocks,
+                 num_local_blocks, segment_ids, kv_segment_ids, scale, temperature, query_pool,
+                 max_chunk_elems):
+  """:func:`block_score_kl` of checked arguments, given the block ``scores`` (with their
+  gradient) and ``segment_rules``' (seg_ok, doc_start): ``sparse_attention`` reuses its own."""
+  (batch, q_len, hk), kv_len = (q.shape[0], q.shape[1], k.shape[2]), k.shape[1]
   mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,
                               causal=causal, segment_ids=segment_ids,
                               kv_segment_ids=kv_segment_ids, scale=scale, query_pool=query_pool,
                               max_chunk_elems=max_chunk_elems)
-  seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
+  seg_ok, doc_start = rules
   cand, _, _ = candidates(batch, hk, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
                            block_size=int(block_size), causal=causal,
                            num_init=int(num_init_blocks), num_local=int(num_local_blocks),
