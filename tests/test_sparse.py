@@ -1267,15 +1267,21 @@ def test_decode_score_select_fused_kernel():
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], np.asarray(want)[:, :2])
   np.testing.assert_array_equal(np.asarray(idx)[:, :2], brute[:, :2])
   assert np.isnan(np.asarray(scores)[:, 2]).any() and np.isinf(np.asarray(scores)[:, 2]).any()
+  mag = np.asarray(decode_block_scores(jnp.abs(q), jnp.abs(sums), slens, block_size=bs,
+                                       interpret=True))   # the summands' magnitude
+  fin = np.isfinite(mag)
   for splits, stride in ((1, 1), (4, 3)):                            # 4 tiles of 64
     msg = f"splits={splits} stride={stride}"
     i, c, a, s = score_select_decode_slots(q, sums, slens, lens, score_splits=splits,
                                            return_arrivals=True, return_scores=True,
                                            _split_stride=stride, **kw)
     # The same scores up to the interpreter's reduction order on the CPU (the same code per
-    # tile), and the selection of exactly those scores.
-    np.testing.assert_allclose(np.asarray(s), np.asarray(scores), rtol=1e-5, atol=1e-5,
-                               err_msg=msg)
+    # tile: a few fp32 roundings of the summands' magnitude, whose sum cancels to far less),
+    # non-finite ones exactly; and the selection of exactly those scores.
+    got, ref = np.asarray(s), np.asarray(scores)
+    np.testing.assert_array_equal(got[~fin], ref[~fin], err_msg=msg)
+    np.testing.assert_array_less(np.abs(got[fin] - ref[fin]), 8 * np.finfo(f32).eps * mag[fin]
+                                 + 1e-30, err_msg=msg)
     want_s = jax.jit(functools.partial(sp.decode._decode_select_from_scores, **sel_kw))(s, lens)
     np.testing.assert_array_equal(np.asarray(i), np.asarray(want_s), err_msg=msg)
     np.testing.assert_array_equal(np.asarray(c), (np.asarray(want_s) >= 0).sum(-1), err_msg=msg)
