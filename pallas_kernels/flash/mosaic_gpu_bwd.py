@@ -1,11 +1,10 @@
-"""Flash attention backward for Hopper (sm90) with Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
+"""Flash attention backward for Hopper (sm90), Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
 
-``flash_attention_bwd(q, k, v, out, lse, do)`` takes the forward's residuals (``lse``: natural
-log, [B, Hq, Sq]) and returns (dq, dk, dv) in the input dtype. delta and lse2 = lse * log2(e)
-come from XLA; a dK/dV kernel (one program per 2 * block_k_dkv keys, streaming Q/dO over the GQA
-group) and a dQ kernel (one program per 2 * block_q_dq rows, streaming K/V) do the rest, each
-with two compute warpgroups and a TMA memory warpgroup. Masks align bottom-right like the
-forward; head_dim 64 and 128.
+``flash_attention_bwd(q, k, v, out, lse, do)`` (lse: the forward's, natural log) -> (dq, dk, dv).
+XLA computes delta and lse2 = lse * log2(e); a dK/dV kernel (a program per 2 * block_k_dkv keys,
+streaming Q/dO over the GQA group) and a dQ kernel (a program per 2 * block_q_dq rows, streaming
+K/V), each with two compute warpgroups and a TMA memory warpgroup, do the rest. Masks align
+bottom-right like the forward; head_dim 64 and 128.
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ _COMPUTE_WGS = walk.WARPGROUPS
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
 HEAD_DIMS = (64, 128)
+_TILES = ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")   # [:7]: the schedule's tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class BlockSizes:
   num_stages_dq: int = 2
 
   def __post_init__(self):
-    for name in ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+    for name in _TILES:
       val = getattr(self, name)
       if val <= 0 or val % 64:
         raise ValueError(f"{name} must be a positive multiple of 64, got {val}")
@@ -79,7 +79,6 @@ class BlockSizes:
     return _COMPUTE_WGS * self.block_q_dq
 
 
-# Default tiles: ``pallas_kernels/tuning`` (kernel "mosaic_gpu_bwd").
 @functools.lru_cache(maxsize=None)
 def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str) -> BlockSizes:
   from pallas_kernels import tuning
@@ -89,8 +88,7 @@ def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str) -> Blo
 
 def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | None = None,
                         mask: str = "all") -> BlockSizes:
-  """Default ``BlockSizes`` for a head dimension (64 or 128) and mask kind, from the device's
-  tuning table (``pallas_kernels.tuning``).
+  """Default ``BlockSizes`` for head_dim 64/128 and a mask kind, from ``pallas_kernels.tuning``.
 
   Args:
     head_dim: the head dimension of q, k and v.
@@ -148,12 +146,10 @@ class _Static:
   window: tuple | None = None       # normalized (left, right), a side None = unbounded
   soft_cap: float | None = None     # logits = cap * tanh(scale * s / cap)
   has_seg: bool = False             # segment ids: ranges per (batch, program) from ``_seg_bounds``
-  # Block schedule: each program walks its row of a ``_sched_walks`` list instead of ranges.
-  has_sched: bool = False
+  has_sched: bool = False           # block schedule: programs walk ``_sched_walks`` lists
 
   @property
-  def offset(self) -> int:
-    """kv position of query row 0 (bottom-right causal alignment)."""
+  def offset(self) -> int:   # kv position of query row 0 (bottom-right causal alignment)
     return self.kv_len - self.q_len
 
   @property
@@ -163,41 +159,34 @@ class _Static:
 
   @property
   def hi_reach(self) -> int | None:
-    """A query at kv position p sees no key after p + hi_reach (None: unbounded); causal
-    makes it at most 0."""
+    """A query at kv position p sees no key after p + hi_reach (None: unbounded; causal: <= 0)."""
     right = None if self.window is None else self.window[1]
     if self.causal:
       return 0 if right is None else min(right, 0)
     return right
 
   @property
-  def c(self) -> float:
-    """Logit multiplier of the base-2 domain: scale * log2(e)."""
+  def c(self) -> float:   # logit multiplier of the base-2 domain
     return self.scale * LOG2E
 
-  # dK/dV kernel
   @property
   def num_dkv_programs(self) -> int:
     return -(-self.kv_len // self.bs.keys_per_dkv_program)
 
   @property
-  def num_q_tiles_dkv(self) -> int:
-    """Query tiles (of block_q_dkv rows) holding a real row."""
+  def num_q_tiles_dkv(self) -> int:   # query tiles (of block_q_dkv rows) holding a real row
     return -(-self.q_len // self.bs.block_q_dkv)
 
-  # dQ kernel
   @property
   def num_dq_programs(self) -> int:
     return -(-self.q_len // self.bs.rows_per_dq_program)
 
   @property
-  def num_kv_tiles_dq(self) -> int:
-    """kv tiles (of block_k_dq keys) holding a real key."""
+  def num_kv_tiles_dq(self) -> int:   # kv tiles (of block_k_dq keys) holding a real key
     return -(-self.kv_len // self.bs.block_k_dq)
 
   @property
-  def num_full_kv_tiles_dq(self) -> int:
-    """kv tiles without padded keys."""
+  def num_full_kv_tiles_dq(self) -> int:   # kv tiles without padded keys
     return self.kv_len // self.bs.block_k_dq
 
 
@@ -221,17 +210,15 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
   lq = math.lcm(bs.rows_per_dq_program, bs.block_q_dkv)
   lk = math.lcm(bs.keys_per_dkv_program, bs.block_k_dq)
   return _Static(bs=bs, q_len=sq, kv_len=sk, q_pad=-(-sq // lq) * lq, kv_pad=-(-sk // lk) * lk,
-                 head_dim=d, group=hq // hk, causal=bool(causal),
+                 head_dim=d, group=hq // hk, causal=bool(causal), window=window,
                  scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
-                 window=window,
                  soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                  has_seg=bool(has_seg), has_sched=schedule is not None)
 
 
 def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg: bool = False,
                      schedule=None) -> BlockSizes:
-  """The default ``BlockSizes`` of a call: the table entry for its mask kind (with a schedule
-  "block_sparse", cut by ``fit_block_sizes``).
+  """A call's default ``BlockSizes``: its mask kind's entry (a schedule: "block_sparse", fitted).
 
   Args:
     head_dim, dtype: as for ``default_block_sizes``.
@@ -267,10 +254,8 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
     >>> fit_block_sizes(BlockSizes(block_k_dq=128), s).block_k_dq
     64
   """
-  sbq, sbk = schedule.block_q, schedule.block_k
-  return dataclasses.replace(
-      bs, block_q_dkv=math.gcd(bs.block_q_dkv, sbq), block_k_dkv=math.gcd(bs.block_k_dkv, sbk),
-      block_q_dq=math.gcd(bs.block_q_dq, sbq), block_k_dq=math.gcd(bs.block_k_dq, sbk))
+  return dataclasses.replace(bs, **{n: math.gcd(getattr(bs, n), getattr(schedule, n[:7]))
+                                    for n in _TILES})
 
 
 def check_schedule(schedule, q_shape, k_shape, bs: BlockSizes) -> None:
@@ -283,12 +268,9 @@ def check_schedule(schedule, q_shape, k_shape, bs: BlockSizes) -> None:
   """
   from pallas_kernels.block_schedule import check_schedule_args
   check_schedule_args(schedule, q_shape, k_shape)
-  bad = [f"{name}={tile} does not divide the schedule's {what}={s}"
-         for name, tile, what, s in (("block_q_dkv", bs.block_q_dkv, "block_q", schedule.block_q),
-                                     ("block_q_dq", bs.block_q_dq, "block_q", schedule.block_q),
-                                     ("block_k_dkv", bs.block_k_dkv, "block_k", schedule.block_k),
-                                     ("block_k_dq", bs.block_k_dq, "block_k", schedule.block_k))
-         if s % tile]
+  bad = [f"{n}={getattr(bs, n)} does not divide the schedule's {n[:7]}={getattr(schedule, n[:7])}"
+         for n in ("block_q_dkv", "block_q_dq", "block_k_dkv", "block_k_dq")
+         if getattr(schedule, n[:7]) % getattr(bs, n)]
   if bad:
     raise ValueError("the Mosaic GPU backward walks a schedule with tiles inside its tiles: "
                      + "; ".join(bad) + " (fit_block_sizes(bs, schedule) cuts them)")
@@ -390,20 +372,16 @@ def _both(a, b):
 
 
 def _seg_bounds(q_seg, kv_seg, st: _Static):
-  """Per-(batch, program) walks of both kernels with segment ids: (dq_bounds, dkv_bounds), int32
-  [B, programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of
-  ``walk.segment_bounds``: for the dQ kernel kv tiles per query program (static ranges
-  ``_dq_kv_range``), for the dK/dV kernel query tiles per kv program (``_dkv_q_bounds``).
-
-  q_seg: int32 [B, Sq'], kv_seg [B, Sk'], padded with 0 (which sees nothing)."""
+  """Both kernels' walks with segment ids q_seg [B, Sq'], kv_seg [B, Sk'] (int32, padded with 0,
+  which sees nothing): (dq_bounds, dkv_bounds), int32 [B, programs, 10] rows ``[plo, phi, lo0,
+  flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of ``walk.segment_bounds`` (dQ: kv tiles per query
+  program; dK/dV: query tiles per kv program)."""
   bs = st.bs
-  # dQ kernel: query tiles of block_q_dq rows x kv tiles of block_k_dq keys
-  n_q = st.num_dq_programs * _COMPUTE_WGS
+  n_q = st.num_dq_programs * _COMPUTE_WGS                 # query tiles of block_q_dq rows
   dq_bounds = walk.segment_bounds(
       q_seg, bs.block_q_dq, n_q, kv_seg, bs.block_k_dq, st.num_kv_tiles_dq,
       _dq_kv_range(jnp.arange(n_q, dtype=jnp.int32) * bs.block_q_dq, st))
-  # dK/dV kernel: kv tiles of block_k_dkv keys x query tiles of block_q_dkv rows
-  n_k = st.num_dkv_programs * _COMPUTE_WGS
+  n_k = st.num_dkv_programs * _COMPUTE_WGS                # kv tiles of block_k_dkv keys
   dkv_bounds = walk.segment_bounds(
       kv_seg, bs.block_k_dkv, n_k, q_seg, bs.block_q_dkv, st.num_q_tiles_dkv,
       _dkv_q_bounds(jnp.arange(n_k, dtype=jnp.int32) * bs.block_k_dkv, st))
@@ -412,9 +390,8 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
 
 def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
   """Both kernels' walks of a block schedule: (dq_walk, dkv_walk), int32 [B', Hs, programs, 1 +
-  W] rows ``[count, entry_0, ...]`` of ``walk.list_walk``; codes come from this call's mask.
-
-  q_seg, kv_seg: None or int32 [B, Sq'] / [B, Sk'] padded with 0 (which sees nothing)."""
+  W] rows ``[count, entry_0, ...]`` of ``walk.list_walk``, coded by this call's mask (q_seg,
+  kv_seg: None or as ``_seg_bounds``)."""
   bs = st.bs
 
   def rows(idx, cnt, s_own, s_walk, own_block, walk_block, n_programs, n_walk, ranges, own_seg,
@@ -436,17 +413,15 @@ def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
 
 
 def _probs(s, lse2, st: _Static, *, axis):
-  """P = exp2(s * c - lse2), lse2 broadcast along ``axis`` of s (0: lse2 per row, the dQ tile;
-  1: per column, the transposed dK/dV tile). With a soft cap the logit is cap * tanh(scale * s /
-  cap), i.e. P = exp2(cap * log2(e) * tanh(scale * s / cap) - lse2)."""
+  """P = exp2(s * c - lse2), lse2 broadcast along ``axis`` of s (0: per row, the dQ tile; 1: per
+  column, the transposed dK/dV tile); a soft cap makes the logit cap * tanh(scale * s / cap)."""
   x = s * st.c if st.soft_cap is None else (
       jnp.tanh(s * (st.scale / st.soft_cap)) * (st.soft_cap * LOG2E))
   return jnp.exp2(x - lax.broadcast_in_dim(lse2, s.shape, [axis]))
 
 
 def _cap_grad(s, st: _Static):
-  """The soft cap's derivative d(capped logit) / d(scale * s) = 1 - tanh(scale * s / cap)^2, or
-  None without a soft cap."""
+  """d(capped logit) / d(scale * s) = 1 - tanh(scale * s / cap)^2 (None: no soft cap)."""
   if st.soft_cap is None:
     return None
   t = jnp.tanh(s * (st.scale / st.soft_cap))
@@ -454,20 +429,16 @@ def _cap_grad(s, st: _Static):
 
 
 def _dscores(p, dp, delta, *, axis, cap_grad=None):
-  """dS = P * (dP - delta), delta broadcast along ``axis`` (see ``_probs``), times the soft
-  cap's derivative ``cap_grad`` (``_cap_grad``) when there is one."""
+  """dS = P * (dP - delta), delta broadcast along ``axis`` (as ``_probs``), times ``cap_grad``."""
   ds = p * (dp - lax.broadcast_in_dim(delta, p.shape, [axis]))
   return ds if cap_grad is None else ds * cap_grad
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
-  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM), with
-  segment ids also q_seg [B, Sq'], kv_seg [B, Sk'] int32 and bounds [B, programs, 10] (the
-  dK/dV rows of ``_seg_bounds``); with a block schedule the dK/dV walk [B', Hs, programs, 1 +
-  W] of ``_sched_walks`` instead of the bounds -> dk/dv [B, Sk', Hk, D]. Scratch: smem =
-  (k_own [2, bk, D], v_own [2, bk, D], q [S, bq, D], do [S, bq, D], lse2 [S, bq], delta [S,
-  bq][, kv_seg_own [2, bk], q_seg [S, bq]]); barriers own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S] (q:
-  2 arrivals with segment ids, Q and its ids), free [S] (2 arrivals)[, own kv ids loaded [2]]."""
+  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM); with
+  segment ids q_seg [B, Sq'], kv_seg [B, Sk'] int32, then the dK/dV walk [B', Hs, programs, 1 +
+  W] of ``_sched_walks`` with a schedule, else (segment ids) the dK/dV bounds [B, programs, 10]
+  of ``_seg_bounds`` -> dk/dv [B, Sk', Hk, D]; scratch from ``_dkv_call`` / ``_launch``."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
     q_seg_ref, kv_seg_ref, *refs = refs
@@ -479,12 +450,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
    *seg_loaded) = refs                                    # with segment ids: own ids barriers
   k_own, v_own, q_smem, do_smem, lse_smem, delta_smem = smem[:6]
   kv_seg_own, q_seg_smem = smem[6:] if st.has_seg else (None, None)
-  bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
-  stages = st.bs.num_stages_dkv
-  b = lax.axis_index("batch")
-  kv_h = lax.axis_index("heads")
-  prog = lax.axis_index("kv_tiles")
-  wg = lax.axis_index("wg")
+  bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
+  b, kv_h, prog, wg = (lax.axis_index(n) for n in ("batch", "heads", "kv_tiles", "wg"))
   k0_program = prog * (_COMPUTE_WGS * bk)
   if st.has_sched:   # this program's list of query tiles, shared by the group's query heads
     walk_row = (b if walk_ref.shape[0] > 1 else 0, kv_h if walk_ref.shape[1] > 1 else 0, prog)
@@ -519,8 +486,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
     col_layout = plgpu.Layout.WGMMA.reduce(0)              # one value per query (column)
     row_layout = plgpu.Layout.WGMMA.reduce(1)              # one value per key (row)
     zeros = lambda shape: plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), wgmma_layout)
-    dk = zeros((bk, st.head_dim))
-    dv = zeros((bk, st.head_dim))
+    dk, dv = zeros((bk, st.head_dim)), zeros((bk, st.head_dim))
     plgpu.barrier_wait(own_loaded.at[2 * wg])
     plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
     kv_seg = None
@@ -572,8 +538,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
       plgpu.barrier_arrive(free.at[slot])
       return dk, dv
 
-    def drain(i, carry, *, base):
-      # Steps only the other warpgroup needs: keep the ring's barrier phases in step.
+    def drain(i, carry, *, base):   # a step only the other warpgroup needs: keeps ring phases
       return drain_at(slot_of(base + i), carry)
 
     def drain_at(slot, carry):
@@ -630,16 +595,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_loaded.at[slot])
       plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], delta_loaded.at[slot])
 
-    for s in range(stages):                               # fill the ring
-      @pl.when(s < total)
-      def _():
-        load(jnp.int32(s), s)
+    _load_ring(load, total, stages, free)
 
-    @pl.loop(stages, jnp.maximum(total, stages))
-    def _(j):
-      slot = slot_of(j)
-      plgpu.barrier_wait(free.at[slot])
-      load(j, slot)
+
+def _load_ring(load, n, stages, free):
+  """Memory warpgroup: ``load(e, slot)`` ring entries e < n into slot e % stages, past the first
+  ``stages`` (the fill, e a Python int) once the slot's ``free`` barrier completes."""
+  for e in range(stages):
+    @pl.when(e < n)
+    def _():
+      load(e, e)
+
+  @pl.loop(stages, jnp.maximum(n, stages))
+  def _(e):
+    slot = lax.rem(e, jnp.int32(stages))
+    plgpu.barrier_wait(free.at[slot])
+    load(e, slot)
 
 
 def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
@@ -658,31 +629,32 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
       plgpu.SMEM((stages, bq), jnp.float32),                            # lse2 ring
       plgpu.SMEM((stages, bq), jnp.float32),                            # delta ring
   )
-  q_copies, seg_barriers = 1, ()
+  out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+  # barriers: own_loaded [2 wgs x (k, v)], q/do/lse/delta_loaded [S], free[, own kv ids loaded]
+  return _launch(_dkv_kernel, st, out_type, smem, bk, bq, stages, (hk, st.num_dkv_programs, b),
+                 ("heads", "kv_tiles", "batch"), (q, k, v, do, lse2, delta, *(seg or ())),
+                 n_own=2, n_ring=4)
+
+
+def _launch(kernel, st: _Static, out_type, smem, own_block, ring_block, stages, grid, grid_names,
+            args, *, n_own, n_ring):
+  """Runs ``kernel`` on ``args``, per program _COMPUTE_WGS compute warpgroups and a memory one.
+  Scratch: smem (segment ids add own ids [_COMPUTE_WGS, own_block] and an id ring [stages,
+  ring_block]), then barriers: n_own per compute warpgroup, n_ring ring ones (segment ids: the
+  first completes with 2 copies, the tile and its ids), free[, own ids loaded]."""
+  copies, seg_barriers = 1, ()
   if st.has_seg:
-    smem += (plgpu.SMEM((_COMPUTE_WGS, bk), jnp.int32),                 # own kv segment ids
-             plgpu.SMEM((stages, bq), jnp.int32))                       # q segment id ring
-    q_copies = 2                                          # Q and its ids on q_loaded
-    seg_barriers = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)         # own kv ids loaded
-  call = plgpu.kernel(
-      functools.partial(_dkv_kernel, st=st),
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      scratch_types=(
-          smem,
-          plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS),                    # own_loaded
-          plgpu.Barrier(num_arrivals=q_copies, num_barriers=stages),       # q_loaded
-          plgpu.Barrier(num_barriers=stages),                              # do_loaded
-          plgpu.Barrier(num_barriers=stages),                              # lse_loaded
-          plgpu.Barrier(num_barriers=stages),                              # delta_loaded
-          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
-      ) + seg_barriers,
-      grid=(hk, st.num_dkv_programs, b),
-      grid_names=("heads", "kv_tiles", "batch"),
-      num_threads=_COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )
-  return call(q, k, v, do, lse2, delta, *(seg or ()))
+    smem += (plgpu.SMEM((_COMPUTE_WGS, own_block), jnp.int32),
+             plgpu.SMEM((stages, ring_block), jnp.int32))
+    copies, seg_barriers = 2, (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)
+  scratch = (smem, plgpu.Barrier(num_barriers=n_own * _COMPUTE_WGS),
+             plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+             *(plgpu.Barrier(num_barriers=stages) for _ in range(n_ring - 1)),
+             plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages), *seg_barriers)
+  call = plgpu.kernel(functools.partial(kernel, st=st), out_type=out_type, scratch_types=scratch,
+                      grid=grid, grid_names=grid_names, num_threads=_COMPUTE_WGS + 1,
+                      thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True))
+  return call(*args)
 
 
 def _zero_nonfinite(ref):
@@ -697,13 +669,9 @@ def _zero_nonfinite(ref):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
-  """Refs as ``_dkv_kernel`` (bounds: the dQ rows of ``_seg_bounds``; walk: the dQ walk of
-  ``_sched_walks``) -> dq [B, Sq', Hq, D].
-  Scratch: smem = (q_own [2, bq, D], do_own [2, bq, D], lse2 [2, bq], delta [2, bq], k [S, bk,
-  D], v [S, bk, D][, q_seg_own [2, bq], kv_seg [S, bk]]); barriers own_loaded [2 wgs x (q, do,
-  lse, delta)], k/v_loaded [S] (k: 2 arrivals with segment ids, K and its ids), free [S] (2
-  arrivals)[, own q ids loaded [2]]. A barrier that two TMA copies complete needs 2 arrivals:
-  with 1 the first copy ends the phase."""
+  """Refs as ``_dkv_kernel`` (bounds / walk: the dQ ones) -> dq [B, Sq', Hq, D]; scratch from
+  ``_dq_call`` / ``_launch``. A barrier that two TMA copies complete needs 2 arrivals: with 1 the
+  first copy ends the phase."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
     q_seg_ref, kv_seg_ref, *refs = refs
@@ -714,11 +682,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
   dq_ref, smem, own_loaded, k_loaded, v_loaded, free, *seg_loaded = refs
   q_own, do_own, lse_own, delta_own, k_smem, v_smem = smem[:6]
   q_seg_own, kv_seg_smem = smem[6:] if st.has_seg else (None, None)
-  bq, bk = st.bs.block_q_dq, st.bs.block_k_dq
-  stages = st.bs.num_stages_dq
-  b = lax.axis_index("batch")
-  h = lax.axis_index("heads")
-  tile = lax.axis_index("q_tiles")
+  bq, bk, stages = st.bs.block_q_dq, st.bs.block_k_dq, st.bs.num_stages_dq
+  b, h, tile = (lax.axis_index(n) for n in ("batch", "heads", "q_tiles"))
   if st.causal:
     tile = (st.num_dq_programs - 1) - tile                # longest kv ranges first
   wg = lax.axis_index("wg")
@@ -849,16 +814,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
     tile_at = lambda e: program_start + e                 # (a schedule: the list's entry e)
     if st.has_sched:
       tile_at = lambda e: walk.entry_tile(walk_entry(e))
-    for e in range(stages):
-      @pl.when(e < n)
-      def _():
-        load(tile_at(e), e)
-
-    @pl.loop(stages, jnp.maximum(n, stages))
-    def _(e):
-      slot = lax.rem(e, jnp.int32(stages))
-      plgpu.barrier_wait(free.at[slot])
-      load(tile_at(e), slot)
+    _load_ring(lambda e, slot: load(tile_at(e), slot), n, stages, free)
 
 
 def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
@@ -875,29 +831,10 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
       plgpu.SMEM((stages, bk, d), k.dtype, transforms=tiled),           # K ring
       plgpu.SMEM((stages, bk, d), v.dtype, transforms=tiled),           # V ring
   )
-  k_copies, seg_barriers = 1, ()
-  if st.has_seg:
-    smem += (plgpu.SMEM((_COMPUTE_WGS, bq), jnp.int32),                 # own q segment ids
-             plgpu.SMEM((stages, bk), jnp.int32))                       # kv segment id ring
-    k_copies = 2                                          # K and its ids on k_loaded
-    seg_barriers = (plgpu.Barrier(num_barriers=_COMPUTE_WGS),)         # own q ids loaded
-  call = plgpu.kernel(
-      functools.partial(_dq_kernel, st=st),
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_types=(
-          smem,
-          plgpu.Barrier(num_barriers=4 * _COMPUTE_WGS),                    # own_loaded
-          plgpu.Barrier(num_arrivals=k_copies, num_barriers=stages),       # k_loaded
-          plgpu.Barrier(num_barriers=stages),                              # v_loaded
-          plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),   # free
-      ) + seg_barriers,
-      grid=(hq, st.num_dq_programs, b),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=_COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )
-  return call(q, k, v, do, lse2, delta, *(seg or ()))
+  # barriers: own_loaded [2 wgs x (q, do, lse, delta)], k/v_loaded [S], free[, own q ids loaded]
+  return _launch(_dq_kernel, st, jax.ShapeDtypeStruct(q.shape, q.dtype), smem, bq, bk, stages,
+                 (hq, st.num_dq_programs, b), ("heads", "q_tiles", "batch"),
+                 (q, k, v, do, lse2, delta, *(seg or ())), n_own=4, n_ring=2)
 
 
 def _prepare(out, lse, do, d_lse, st: _Static):
@@ -910,17 +847,15 @@ def _prepare(out, lse, do, d_lse, st: _Static):
   return pad_axis(lse2, 2, st.q_pad, jnp.inf), pad_axis(delta, 2, st.q_pad)
 
 
-def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
-                        scale: float | None = None, block_sizes: BlockSizes | None = None,
-                        d_lse=None, local_window_size=None,
+def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: float | None = None,
+                        block_sizes: BlockSizes | None = None, d_lse=None, local_window_size=None,
                         logits_soft_cap: float | None = None, q_segment_ids=None,
                         kv_segment_ids=None, schedule=None):
   """Gradients of flash attention with the Mosaic GPU (Hopper) backward kernels.
 
   Args:
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128).
-    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
-    v: [B, Sk, Hk, D].
+    k, v: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
     out: the forward's output [B, Sq, Hq, D].
     lse: the forward's log-sum-exp [B, Hq, Sq] fp32, natural log, -inf for rows that see no key.
     do: cotangent of out [B, Sq, Hq, D].
@@ -944,7 +879,7 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     >>> out, lse = mosaic_gpu.flash_attention(q, q, q, causal=True)  # doctest: +SKIP
     >>> dq, dk, dv = flash_attention_bwd(q, q, q, out, lse, out, causal=True)  # doctest: +SKIP
   """
-  b, sq, hq = check_qkv_shapes(q, k, v)[:3]
+  b, sq, hq, _, sk = check_qkv_shapes(q, k, v)[:5]
   if out.shape != q.shape or do.shape != q.shape:
     raise ValueError(f"out {out.shape} and do {do.shape} must have q's shape {q.shape}")
   if lse.shape != (b, hq, sq):
@@ -957,15 +892,13 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
     raise ValueError("kv_segment_ids needs q_segment_ids")
   if q_segment_ids is not None:
     if kv_segment_ids is None:
-      if sq != k.shape[1]:
-        raise ValueError(f"segment ids with q_len {sq} != kv_len {k.shape[1]} need kv_segment_ids")
+      if sq != sk:
+        raise ValueError(f"segment ids with q_len {sq} != kv_len {sk} need kv_segment_ids")
       kv_segment_ids = q_segment_ids
-    if q_segment_ids.shape != (b, sq) or kv_segment_ids.shape != (b, k.shape[1]):
+    if q_segment_ids.shape != (b, sq) or kv_segment_ids.shape != (b, sk):
       raise ValueError(f"segment ids must be [batch, q_len] = {(b, sq)} and [batch, kv_len] = "
-                       f"{(b, k.shape[1])}, got {q_segment_ids.shape} and "
-                       f"{kv_segment_ids.shape}")
-    if not (jnp.issubdtype(q_segment_ids.dtype, jnp.integer)
-            and jnp.issubdtype(kv_segment_ids.dtype, jnp.integer)):
+                       f"{(b, sk)}, got {q_segment_ids.shape} and {kv_segment_ids.shape}")
+    if not all(jnp.issubdtype(x.dtype, jnp.integer) for x in (q_segment_ids, kv_segment_ids)):
       raise TypeError(f"segment ids must be integers, got {q_segment_ids.dtype} and "
                       f"{kv_segment_ids.dtype}")
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
@@ -975,18 +908,15 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False,
   lse2, delta = _prepare(out, lse, do, d_lse, st)
   q_p, do_p = pad_axis(q, 1, st.q_pad), pad_axis(do, 1, st.q_pad)
   k_p, v_p = pad_axis(k, 1, st.kv_pad), pad_axis(v, 1, st.kv_pad)
-  seg_dq = seg_dkv = None
-  q_seg = kv_seg = None
+  seg_dq = seg_dkv = q_seg = kv_seg = None
   if st.has_seg:   # padding gets id 0 (sees nothing)
     q_seg = pad_axis(q_segment_ids.astype(jnp.int32), 1, st.q_pad, 0)
     kv_seg = pad_axis(kv_segment_ids.astype(jnp.int32), 1, st.kv_pad, 0)
-  if st.has_sched:
-    dq_walk, dkv_walk = _sched_walks(schedule, st, q_seg, kv_seg)
+  if st.has_sched or st.has_seg:   # the kernels' extra inputs: ids, then walk or bounds
     ids = (q_seg, kv_seg) if st.has_seg else ()
-    seg_dq, seg_dkv = ids + (dq_walk,), ids + (dkv_walk,)
-  elif st.has_seg:
-    dq_bounds, dkv_bounds = _seg_bounds(q_seg, kv_seg, st)
-    seg_dq, seg_dkv = (q_seg, kv_seg, dq_bounds), (q_seg, kv_seg, dkv_bounds)
+    dq_rows, dkv_rows = (_sched_walks(schedule, st, q_seg, kv_seg) if st.has_sched
+                         else _seg_bounds(q_seg, kv_seg, st))
+    seg_dq, seg_dkv = ids + (dq_rows,), ids + (dkv_rows,)
   dk, dv = _dkv_call(q_p, k_p, v_p, do_p, lse2, delta, st, seg_dkv)
   dq = _dq_call(q_p, k_p, v_p, do_p, lse2, delta, st, seg_dq)
   return dq[:, :sq], dk[:, :st.kv_len], dv[:, :st.kv_len]
