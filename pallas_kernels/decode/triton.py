@@ -21,7 +21,7 @@ from pallas_kernels import compat
 from pallas_kernels.common.util import next_pow2
 from pallas_kernels.decode.checks import check_page_table, check_partials_args
 
-__all__ = ["DecodeBlockSizes", "default_block_sizes", "default_num_splits", "decode_partials",
+__all__ = ["DecodeBlockSizes", "decode_partials", "default_block_sizes", "default_num_splits",
            "paged_decode_partials"]
 
 
@@ -149,11 +149,8 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, group, g_pad, h
     b, ps = pl.program_id(0), pl.program_id(2)
     pb = b
 
-  length = jnp.minimum(plgpu.load(lens_ref.at[b]), capacity)          # scalar
-  length = jnp.maximum(length, 0)
-  lo = jnp.int32(0)
-  if window_left is not None:
-    lo = jnp.maximum(length - 1 - window_left, 0)
+  length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[b]), capacity), 0)   # scalar
+  lo = jnp.int32(0) if window_left is None else jnp.maximum(length - 1 - window_left, 0)
   if scheduled:   # the unit's key blocks [first, first + count) of the block grid
     base = plgpu.load(unit_refs[1].at[ps]) * block_k
     blk_begin, blk_end = jnp.int32(0), plgpu.load(unit_refs[2].at[ps])
@@ -166,7 +163,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, group, g_pad, h
   if masked:
     blk_end = jnp.where(plgpu.load(act_ref.at[pb, ps, h]) != 0, blk_end, blk_begin)
 
-  q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
+  q, (q_rows, cols, row_ok, col_ok, _) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   q = q.astype(k_ref.dtype)          # the dots run in the cache dtype, accumulating in fp32
   precision = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
@@ -191,15 +188,15 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, group, g_pad, h
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
     v_mask = valid[:, None] if vcol_ok is None else valid[:, None] & vcol_ok[None, :]
     if pt_ref is None:
-      k = plgpu.load(k_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
-      krow_next = krow
+      at, krow_next = (b, pos[:, None], h), krow                     # K/V index, less the column
     else:
       # The rows of block i arrive through the loop carry and block i + 1's are looked up
       # here: the K/V addresses never wait on a table load of the same iteration, and Triton
       # double-buffers the K/V copies exactly as in the contiguous case.
       pos_next = pos + block_k
       krow_next = rows_of(pos_next, pos_next < length)
-      k = plgpu.load(k_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+      at = (krow[:, None], h)
+    k = plgpu.load(k_ref.at[(*at, cols[None, :])], mask=kv_mask, other=0)
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale   # [g_pad, block_k] fp32
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s * inv_cap)
@@ -213,10 +210,7 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, group, g_pad, h
       p = jnp.exp(s - m_new[:, None])                                # [g_pad, block_k]
       l_new = l_prev * alpha + jnp.sum(p, axis=1)
       acc = acc * alpha[:, None]
-    if pt_ref is None:
-      v = plgpu.load(v_ref.at[b, pos[:, None], h, vcols[None, :]], mask=v_mask, other=0)
-    else:
-      v = plgpu.load(v_ref.at[krow[:, None], h, vcols[None, :]], mask=v_mask, other=0)
+    v = plgpu.load(v_ref.at[(*at, vcols[None, :])], mask=v_mask, other=0)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, dv_pad]
     return acc + pv, m_new, l_new, krow_next
 
@@ -248,15 +242,11 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
   bsz, hq, d = q.shape
   dv = v.shape[-1]
   group = hq // kv_heads
-  g_pad = next_pow2(group, minimum=16)
-  d_pad = next_pow2(d, minimum=16)
-  dv_pad = next_pow2(dv, minimum=16)
+  g_pad, d_pad, dv_pad = (next_pow2(n, minimum=16) for n in (group, d, dv))
   bs = block_sizes or default_block_sizes(max(d, dv), k.dtype)
   scale = 1.0 / math.sqrt(d) if scale is None else scale
-  if units is None:
-    p0, p1, grid = bsz, num_splits, (bsz, kv_heads, num_splits)
-  else:
-    p0, p1, grid = 1, units[0].shape[0], (units[0].shape[0], kv_heads)
+  p0, p1 = (bsz, num_splits) if units is None else (1, units[0].shape[0])
+  grid = (bsz, kv_heads, num_splits) if units is None else (p1, kv_heads)
   if (units is None) == (num_splits is None):
     raise ValueError(f"give exactly one of num_splits and units, got {num_splits}, {units}")
   for name, x, want in (("m_hat", m_hat, (bsz, hq)), ("active", active, (p0, p1, kv_heads))):
@@ -273,15 +263,9 @@ def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num
                jax.ShapeDtypeStruct((p0, p1, hq), jnp.float32)]       # partial lse (or l)
   if m_hat is not None:
     out_shape.append(jax.ShapeDtypeStruct((p0, p1, hq), jnp.float32))  # max logit
-  args = [kv_lengths.astype(jnp.int32), q, k, v]
-  if page_table is not None:
-    args.append(page_table.astype(jnp.int32))
-  for x in (units or ()):
-    args.append(x.astype(jnp.int32))
-  if m_hat is not None:
-    args.append(m_hat.astype(jnp.float32))
-  if active is not None:
-    args.append(active.astype(jnp.int32))
+  args = [kv_lengths.astype(jnp.int32), q, k, v]   # then the optional refs, in kernel order
+  args += [x.astype(jnp.float32 if x is m_hat else jnp.int32)
+           for x in (page_table, *(units or ()), m_hat, active) if x is not None]
   name = "jattn_paged_decode" if page_table is not None else "jattn_decode"
   return tuple(pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid,

@@ -21,7 +21,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat
+from pallas_kernels import compat, tuning
 from pallas_kernels.block_schedule import BlockSchedule, make_schedule
 from pallas_kernels.common import softmax, util
 from pallas_kernels.common.softmax import LOG2E
@@ -38,16 +38,14 @@ class BlockSizes:
   Attributes:
     block_q: forward query tile (power of two, >= 16).
     block_k: forward key/value tile (power of two, >= 16).
-    num_warps: forward warps per program (None: a default from the tile and head dim).
-    num_stages: forward software-pipelining depth (None: default).
-    bwd_num_warps: backward warps per program (None: default).
-    bwd_num_stages: backward pipelining depth (None: default).
+    num_warps, num_stages: forward warps per program and software-pipelining depth (None:
+      defaults from the tiles and head dim).
+    bwd_num_warps, bwd_num_stages: the backward's (None: defaults).
     dkv_q_chunk: rows of a backward query tile processed per step of the dK/dV kernel (divides
       the dK/dV kernel's q tile, ``dkv_tiles[0]``; None: default).
     dq_k_chunk: rows of a backward kv tile processed per step of the dQ kernel (divides the
       backward block_k; None: default).
-    bwd_block_q: backward query tile (None: ``block_q``).
-    bwd_block_k: backward key/value tile (None: ``block_k``).
+    bwd_block_q, bwd_block_k: backward query and key/value tiles (None: the forward's).
     dkv_block_q: query tile of the schedule that the dK/dV kernel walks (None: the backward
       block_q); needs ``flash_attention(dkv_schedule=...)``.
 
@@ -93,7 +91,6 @@ _BWD_FIELDS = ("bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages", 
 @functools.cache
 def _tuned_block_sizes(d_key: int, itemsize: int, device_kind: str | None) -> BlockSizes:
   """The table's ``BlockSizes`` for a padded head dim and itemsize (2 or 4) on a device."""
-  from pallas_kernels import tuning
   dcls = "32bit" if itemsize >= 4 else "16bit"
   fwd = tuning.params("triton_fwd", d_key, dcls, device=device_kind)
   bwd = tuning.params("triton_bwd", d_key, dcls, device=device_kind)
@@ -122,41 +119,35 @@ def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) ->
   if head_dim > 256:
     raise ValueError(f"head_dim must be <= 256, got {head_dim}")
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
-  # the cache key is the resolved kind (never None: a test that swaps tuning.device_kind must
-  # not leave its table cached for this machine's calls)
-  from pallas_kernels import tuning
+  # cache key: the resolved kind, never None (a swapped tuning.device_kind must not leave its
+  # table cached for this machine's calls)
   return _tuned_block_sizes(next_pow2(head_dim, minimum=32), itemsize,
                             tuning.resolve_kind(device_kind))
 
 
-def _launch_defaults(block_q, block_k, d_pad, dv_pad, dtype, *, bwd_block_q=None,
-                     bwd_block_k=None) -> BlockSizes:
-  """Launch parameters for given tiles, per pass: the tuned table's forward (backward) parameters
-  when the forward (backward) tiles match the table's, otherwise a heuristic from the tile sizes
-  and a shared-memory budget of ~200 KiB."""
+_LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages", "dkv_q_chunk",
+                  "dq_k_chunk")
+
+
+def _launch_defaults(bs: BlockSizes, d_pad, dv_pad, dtype) -> dict:
+  """{``_LAUNCH_FIELDS``: default} for ``bs``'s tiles, per pass: the tuned table's when that
+  pass's tiles match the table's, else a heuristic from the tiles and a ~200 KiB smem budget."""
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
-  from pallas_kernels import tuning
   tuned = _tuned_block_sizes(max(32, max(d_pad, dv_pad)), itemsize, tuning.resolve_kind(None))
-  bbq, bbk = bwd_block_q or block_q, bwd_block_k or block_k
-  budget = 200 * 1024
-  if (tuned.block_q, tuned.block_k) == (block_q, block_k):
-    num_warps, num_stages = tuned.num_warps, tuned.num_stages
-  else:
-    big = max(block_q, block_k) >= 128 and max(d_pad, dv_pad) >= 128
-    fwd_stage = block_k * (d_pad + dv_pad) * itemsize  # one K and one V tile
-    num_warps = 8 if big else 4
-    num_stages = int(max(1, min(3, (budget - block_q * d_pad * itemsize) // fwd_stage)))
+  (bq, bk), (bbq, bbk) = (bs.block_q, bs.block_k), bs.bwd_tiles
+  budget, row = 200 * 1024, (d_pad + dv_pad) * itemsize
+  warps = lambda tq, tk: 8 if max(tq, tk) >= 128 and max(d_pad, dv_pad) >= 128 else 4
+  if (tuned.block_q, tuned.block_k) == (bq, bk):
+    fwd = (tuned.num_warps, tuned.num_stages)
+  else:  # a stage holds one K and one V tile
+    fwd = (warps(bq, bk), int(max(1, min(3, (budget - bq * d_pad * itemsize) // (bk * row)))))
   if tuned.bwd_tiles == (bbq, bbk):
     bwd = (tuned.bwd_num_warps, tuned.bwd_num_stages, tuned.dkv_q_chunk, tuned.dq_k_chunk)
-  else:
-    big = max(bbq, bbk) >= 128 and max(d_pad, dv_pad) >= 128
+  else:  # a stage holds one Q and one dO chunk
     dkv_chunk = min(bbq, 64 if itemsize == 2 else 32)
-    bwd_stage = dkv_chunk * (d_pad + dv_pad) * itemsize  # one Q and one dO chunk
-    bwd_stages = max(1, min(2, (budget - bbk * (d_pad + dv_pad) * itemsize) // bwd_stage))
-    bwd = (8 if big else 4, int(bwd_stages), dkv_chunk, min(bbk, 64 if itemsize == 2 else 32))
-  return BlockSizes(block_q, block_k, num_warps=num_warps, num_stages=num_stages,
-                    bwd_num_warps=bwd[0], bwd_num_stages=bwd[1], dkv_q_chunk=bwd[2],
-                    dq_k_chunk=bwd[3], bwd_block_q=bwd_block_q, bwd_block_k=bwd_block_k)
+    bwd_stages = max(1, min(2, (budget - bbk * row) // (dkv_chunk * row)))
+    bwd = (warps(bbq, bbk), int(bwd_stages), dkv_chunk, min(bbk, 64 if itemsize == 2 else 32))
+  return dict(zip(_LAUNCH_FIELDS, fwd + bwd, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,10 +173,10 @@ class _Static:
 def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
   """(grid, tile_axis, index) for ``num_tiles`` x ``batch`` x ``heads`` programs.
 
-  ``index(p0, p1, p2) -> (t, bi, h)``: grid indices to the program's launch-order tile number
-  t (0 = launched first; the kernels map it to the heaviest tile) and its (batch, head).
-  ``tile_axis`` is the grid axis of t. Causal masks launch G (4, 2 or 1) (batch, head) pairs
-  fastest, heaviest tiles first; other masks launch tiles fastest.
+  ``index(p0, p1, p2) -> (t, bi, h)``: the program's launch-order tile number t (0 = launched
+  first; the kernels map it to the heaviest tile), batch and head; ``tile_axis`` is t's grid axis.
+  Causal masks launch G (4, 2 or 1) (batch, head) pairs fastest, heaviest tiles first; other
+  masks launch tiles fastest.
   """
   triangular = st.causal and (st.window is None or st.window[0] is None)
   group = 4 if triangular else 1
@@ -201,9 +192,8 @@ def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
 
 
 def _tile_specs(order, tile_of):
-  """``spec(shape, f)`` -> a BlockSpec whose index map runs ``f(tile, batch, head)`` on the
-  program's (tile, batch, head) under launch ``order`` (from ``_launch_order``); ``tile_of`` maps
-  the launch-order tile number to the tile the kernel works on."""
+  """``spec(shape, f)``: a BlockSpec indexed by ``f(tile_of(t), bi, h)`` for the program's
+  (t, bi, h) under launch ``order``."""
   def spec(shape, f):
     def index_map(*p):
       t, bi, h = order(*p)
@@ -217,7 +207,7 @@ def _logits(q, k, st: _Static):
 
   q: [m, D], k: [n, D] -> ([m, n] fp32, [m, n] fp32 or None).
   """
-  qk = _dot_nt(q, k)  # [m, n]
+  qk = _dot(q, k, trans_b=True)  # [m, n]
   if st.soft_cap is None:
     return qk * (st.scale * LOG2E), None
   th = jnp.tanh(qk * (st.scale / st.soft_cap))  # [m, n]
@@ -226,63 +216,44 @@ def _logits(q, k, st: _Static):
 
 def _tile_mask(q_pos, k_pos, q_seg, k_seg, st: _Static, *, kv_major=False):
   """masks.visible for one tile: q_pos [m], k_pos [n] -> bool [m, n] ([n, m] when ``kv_major``)."""
-  if kv_major:
-    qp, kp = q_pos[None, :], k_pos[:, None]  # [1, m], [n, 1]
-  else:
-    qp, kp = q_pos[:, None], k_pos[None, :]  # [m, 1], [1, n]
-  qs = ks = None
-  if q_seg is not None:
-    qs, ks = (q_seg[None, :], k_seg[:, None]) if kv_major else (q_seg[:, None], k_seg[None, :])
-  return visible(qp, kp, qs, ks, causal=st.causal, window=st.window, kv_len=st.kv_len)
+  rows = lambda x: None if x is None else x[:, None]
+  cols = lambda x: None if x is None else x[None, :]
+  qx, kx = (cols, rows) if kv_major else (rows, cols)
+  return visible(qx(q_pos), kx(k_pos), qx(q_seg), kx(k_seg), causal=st.causal, window=st.window,
+                 kv_len=st.kv_len)
 
 
-def _precision(a):
-  # fp32 operands: IEEE fp32 products (DEFAULT would mean TF32 on the GPU); 16-bit: native.
-  return lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-
-
-def _dot_nn(a, b):
-  """[m, k] @ [k, n] -> fp32 [m, n]."""
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_precision(a),
+def _dot(a, b, trans_b=False):
+  """[m, k] @ [k, n] (``trans_b``: @ [n, k]^T) -> fp32 [m, n]. fp32 operands get IEEE fp32
+  products (DEFAULT would mean TF32 on the GPU); 16-bit ones, native."""
+  return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())),
+                         precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else None,
                          preferred_element_type=jnp.float32)
 
 
-def _dot_nt(a, b):
-  """[m, k] @ [n, k]^T -> fp32 [m, n]."""
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_precision(a),
-                         preferred_element_type=jnp.float32)
-
-
-def _walk(row_ref, lo, hi, num_chunks, body, carry):
-  """Run ``carry = body(tile, chunk, carry)`` for flat steps j in [lo, hi) of a schedule row.
-
-  Step j visits chunk ``j % num_chunks`` of tile ``row[2 + j // num_chunks]``; the next tile
-  index is prefetched one step ahead (rows are padded so it stays in bounds).
-  """
+def _walk_row(row_ref, num_chunks, body, carry):
+  """``carry = body(tile, chunk, carry, masked=...)`` over a schedule row's full tiles (unmasked),
+  then its partial ones. Flat step j visits chunk ``j % num_chunks`` of tile
+  ``row[2 + j // num_chunks]``; the next tile index is prefetched one step ahead (rows are padded
+  so it stays in bounds)."""
   def split(j):
     if num_chunks == 1:
       return j, 0
     return lax.div(j, jnp.int32(num_chunks)), lax.rem(j, jnp.int32(num_chunks))
 
-  def step(j, state):
-    tile, carry = state
-    t_next, _ = split(j + 1)
-    _, chunk = split(j)
-    return row_ref[2 + t_next], body(tile, chunk, carry)
+  def walk(lo, hi, masked, carry):  # flat steps [lo, hi)
+    def step(j, state):
+      tile, carry = state
+      t_next, _ = split(j + 1)
+      _, chunk = split(j)
+      return row_ref[2 + t_next], body(tile, chunk, carry, masked=masked)
 
-  t_lo, _ = split(lo)
-  _, carry = lax.fori_loop(lo, hi, step, (row_ref[2 + t_lo], carry))
-  return carry
+    t_lo, _ = split(lo)
+    return lax.fori_loop(lo, hi, step, (row_ref[2 + t_lo], carry))[1]
 
-
-def _walk_row(row_ref, num_chunks, body, carry):
-  """``_walk`` over a whole row: its full tiles (``body(..., masked=False)``), then its partial
-  ones (``masked=True``)."""
   count, n_full = row_ref[0], row_ref[1]
-  carry = _walk(row_ref, 0, n_full * num_chunks, num_chunks,
-                functools.partial(body, masked=False), carry)
-  return _walk(row_ref, n_full * num_chunks, count * num_chunks, num_chunks,
-               functools.partial(body, masked=True), carry)
+  carry = walk(0, n_full * num_chunks, False, carry)
+  return walk(n_full * num_chunks, count * num_chunks, True, carry)
 
 
 def _split_refs(refs, n_in, has):
@@ -290,9 +261,8 @@ def _split_refs(refs, n_in, has):
   outputs); ``has`` = (has_seg, has_mask, has_bias), absent refs are None."""
   rest = list(refs[n_in:])
   take = lambda flag: rest.pop(0) if flag else None
-  has_seg, has_mask, has_bias = has
-  segs = (take(has_seg), take(has_seg))
-  extra = (take(has_mask), take(has_bias))
+  segs = (take(has[0]), take(has[0]))
+  extra = (take(has[1]), take(has[2]))
   return refs[:n_in], segs, extra, rest[0], rest[1:]
 
 
@@ -306,10 +276,27 @@ def _bias_and_vis(s, bias, mask, vis):
   return s, vis
 
 
-def _bias_and_mask(s, bias, mask, vis):
-  """``_bias_and_vis``'s logits, -inf where not visible."""
-  s, vis = _bias_and_vis(s, bias, mask, vis)
-  return s if vis is None else jnp.where(vis, s, _NEG_INF)
+def _q_tile_logits(st: _Static, num_q_tiles, tile_axis, qseg_ref, kseg_ref, mask_ref, bias_ref):
+  """``logits(q, k, start, masked)`` for the program's query tile (heaviest causal tiles first):
+  ``_logits`` of q [bq, D] and the keys k [n, D] at [start, start + n) plus the bias, -inf where
+  hidden (the mask refs apply only when ``masked``), and their tanh."""
+  qi = num_q_tiles - 1 - pl.program_id(tile_axis)
+  q_pos = qi * st.block_q + lax.iota(jnp.int32, st.block_q) + (st.kv_len - st.q_len)  # [bq]
+  q_seg = None if qseg_ref is None else qseg_ref[...]  # [bq]
+
+  def logits(q, k, start, masked):
+    n = k.shape[0]
+    s, th = _logits(q, k, st)  # [bq, n] base-2 logits
+    cols = pl.ds(start, n)
+    vis = mask = None
+    if masked:
+      k_pos = start + lax.iota(jnp.int32, n)
+      k_seg = None if kseg_ref is None else kseg_ref[cols]
+      vis = _tile_mask(q_pos, k_pos, q_seg, k_seg, st)
+      mask = None if mask_ref is None else mask_ref[:, cols]  # [bq, n]
+    s, vis = _bias_and_vis(s, None if bias_ref is None else bias_ref[:, cols], mask, vis)
+    return (s if vis is None else jnp.where(vis, s, _NEG_INF)), th
+  return logits
 
 
 def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int):
@@ -317,15 +304,12 @@ def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int
   (bias [bq, Sk]), row [W] -> o [bq, Dv], lse [bq] (natural log)."""
   ((q_ref, k_ref, v_ref), (qseg_ref, kseg_ref), (mask_ref, bias_ref), row_ref,
    (o_ref, lse_ref)) = _split_refs(refs, 3, has)
-  has_seg = has[0]
   bq, bk = st.block_q, st.block_k
   d_v = o_ref.shape[-1]
   assert q_ref.shape[0] == bq and k_ref.shape[0] % bk == 0, (q_ref.shape, k_ref.shape)
 
-  qi = num_q_tiles - 1 - pl.program_id(tile_axis)  # heaviest causal tiles first
+  logits = _q_tile_logits(st, num_q_tiles, tile_axis, qseg_ref, kseg_ref, mask_ref, bias_ref)
   q = q_ref[...]  # [bq, D]
-  q_pos = qi * bq + lax.iota(jnp.int32, bq) + (st.kv_len - st.q_len)  # [bq]
-  q_seg = qseg_ref[...] if has_seg else None  # [bq]
 
   def step(tile, _chunk, carry, masked):
     acc, m_prev, l_prev = carry  # [bq, Dv], [bq], [bq]
@@ -334,20 +318,12 @@ def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int
     v = None
     if masked:  # a non-finite value: NaN logits (masked for the rows that cannot see it)
       k, v = softmax.hide_nonfinite_values(k, v_ref[pl.ds(start, bk), :])
-    s, _ = _logits(q, k, st)  # [bq, bk], base-2 logits
-    cols = pl.ds(start, bk)
-    vis = mask = None
-    if masked:
-      k_pos = start + lax.iota(jnp.int32, bk)
-      k_seg = kseg_ref[cols] if has_seg else None
-      vis = _tile_mask(q_pos, k_pos, q_seg, k_seg, st)
-      mask = None if mask_ref is None else mask_ref[:, cols]  # [bq, bk]
-    s = _bias_and_mask(s, None if bias_ref is None else bias_ref[:, cols], mask, vis)
+    s, _ = logits(q, k, start, masked)
     # A row of a partial tile may still have seen nothing (-inf): guard_empty avoids NaN.
     p, alpha, m_new, l_new = softmax.online_softmax_step(s, m_prev, l_prev, guard_empty=masked)
     if v is None:
       v = v_ref[pl.ds(start, bk), :]  # [bk, Dv]
-    acc = acc * alpha[:, None] + _dot_nn(p.astype(v.dtype), v)  # [bq, Dv]
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)  # [bq, Dv]
     return acc, m_new, l_new
 
   carry = (jnp.zeros((bq, d_v), jnp.float32), jnp.full((bq,), _NEG_INF, jnp.float32),
@@ -358,69 +334,94 @@ def _fwd_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int
 
 
 def _row_index_maps(rows):
-  """Index helpers into the packed schedule rows [Bs, Hs, n, W] (size-1 axes broadcast)."""
+  """(batch, head) -> index into the packed schedule rows [Bs, Hs, n, W] (size-1 axes shared)."""
   bs, hs = rows.shape[:2]
-  rb = (lambda b: b) if bs > 1 else (lambda b: 0)
-  rh = (lambda hk: hk) if hs > 1 else (lambda hk: 0)
-  return rb, rh
+  return (lambda b: b if bs > 1 else 0), (lambda hk: hk if hs > 1 else 0)
+
+
+def _q_major_call(kernel, name, st: _Static, q, k, v, more, q_seg, kv_seg, mask, bias, rows,
+                  outs, *, bwd, bias_grad=False):
+  """``kernel`` per (query tile, batch, query head), heaviest causal tiles first.
+
+  It reads a q tile, all of k and v, ``more`` ([B, Sq, Hq, *] tiles as q, then [B, Hq, Sq]
+  rows), the segment ids, mask / bias stripes [bq, Sk] (arrays [1 | B, 1 | Hq, Sq, Sk]; a size-1
+  axis is shared) and the schedule row, and writes ``outs`` (shapes, tiled as ``more``) and, with
+  ``bias_grad``, dbias [B, Hq, Sq, Sk] fp32 stripes (aliased zeros: written on the visited tiles
+  only). Launch parameters: ``st``'s backward ones when ``bwd``.
+  """
+  b, sq, hq, _ = q.shape
+  sk, g, bq, nq = k.shape[1], hq // k.shape[2], st.block_q, rows.shape[2]
+  grid, tile_axis, order = _launch_order(st, nq, b, hq)
+  spec = _tile_specs(order, lambda t: nq - 1 - t)
+  tile = lambda x: (spec((None, bq, None, x.shape[-1]), lambda i, bi, h: (bi, i, h, 0))
+                    if x.ndim == 4 else spec((None, None, bq), lambda i, bi, h: (bi, h, i)))
+  full = lambda x: spec((None, sk, None, x.shape[-1]), lambda i, bi, h: (bi, 0, h // g, 0))
+  in_specs = [tile(q), full(k), full(v), *map(tile, more)]
+  args = [q, k, v, *more]
+  if q_seg is not None:
+    in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
+                 spec((None, sk), lambda i, bi, h: (bi, 0))]
+    args += [q_seg, kv_seg]
+  for x in (mask, bias):
+    if x is not None:
+      xb, xh = x.shape[0] > 1, x.shape[1] > 1
+      in_specs.append(spec((None, None, bq, sk), lambda i, bi, h, xb=xb, xh=xh:
+                           (bi if xb else 0, h if xh else 0, i, 0)))
+      args.append(x)
+  rb, rh = _row_index_maps(rows)
+  in_specs.append(spec((None, None, None, rows.shape[-1]),
+                       lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
+  args.append(rows)
+  out_specs, aliases = [tile(x) for x in outs], {}
+  if bias_grad:
+    dbias_spec = spec((None, None, bq, sk), lambda i, bi, h: (bi, h, i, 0))
+    aliases = {len(args): len(outs)}
+    in_specs.append(dbias_spec)
+    args.append(jnp.zeros((b, hq, sq, sk), jnp.float32))
+    out_specs.append(dbias_spec)
+    outs = [*outs, jax.ShapeDtypeStruct((b, hq, sq, sk), jnp.float32)]
+  launch = (st.bwd_num_warps, st.bwd_num_stages) if bwd else (st.num_warps, st.num_stages)
+  return pl.pallas_call(
+      functools.partial(kernel, st=st, num_q_tiles=nq, tile_axis=tile_axis,
+                        has=(q_seg is not None, mask is not None, bias is not None, bias_grad)),
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=outs,
+      input_output_aliases=aliases,
+      compiler_params=compat.triton_compiler_params(*launch),
+      interpret=st.interpret,
+      name=name,
+  )(*args)
 
 
 def _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, rows, st: _Static):
-  """Padded inputs -> (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32).
-
-  The grid covers the schedule's nq query tiles; when the arrays are padded further (for the
-  backward's tiles), rows past nq * block_q get out 0 and lse -inf (they are padding).
-  """
-  b, sq, hq, d = q.shape
-  _, sk, hk, d_v = v.shape
-  g = hq // hk
-  bq = st.block_q
-  nq = rows.shape[2]
-  assert nq * bq <= sq and sk % st.block_k == 0, (nq, bq, sq, sk, st.block_k)
-  has_seg = q_seg is not None
-  grid, tile_axis, order = _launch_order(st, nq, b, hq)
-  spec = _tile_specs(order, lambda t: nq - 1 - t)
-
-  in_specs = [
-      spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),
-      spec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),
-      spec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),
-  ]
-  args = [q, k, v]
-  _q_major_extras(spec, in_specs, args, q_seg, kv_seg, mask, bias, rows, bq, sk, g)
-  out, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, st=st, has=(has_seg, mask is not None, bias is not None),
-                        num_q_tiles=nq, tile_axis=tile_axis),
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=[spec((None, bq, None, d_v), lambda i, bi, h: (bi, i, h, 0)),
-                 spec((None, None, bq), lambda i, bi, h: (bi, h, i))],
-      out_shape=[jax.ShapeDtypeStruct((b, nq * bq, hq, d_v), q.dtype),
-                 jax.ShapeDtypeStruct((b, hq, nq * bq), jnp.float32)],
-      compiler_params=compat.triton_compiler_params(st.num_warps, st.num_stages),
-      interpret=st.interpret,
-      name="jattn_flash_fwd",
-  )(*args)
+  """Padded inputs -> (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32). The grid covers the
+  schedule's nq query tiles; rows past nq * block_q (padding for the backward's tiles) get out 0
+  and lse -inf."""
+  b, sq, hq, _ = q.shape
+  n = rows.shape[2] * st.block_q
+  assert n <= sq and k.shape[1] % st.block_k == 0, (n, sq, k.shape, st.block_k)
+  outs = [jax.ShapeDtypeStruct((b, n, hq, v.shape[-1]), q.dtype),
+          jax.ShapeDtypeStruct((b, hq, n), jnp.float32)]
+  out, lse = _q_major_call(_fwd_kernel, "jattn_flash_fwd", st, q, k, v, (), q_seg, kv_seg, mask,
+                           bias, rows, outs, bwd=False)
   return pad_axis(out, 1, sq), pad_axis(lse, 2, sq, _NEG_INF)
 
 
 def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
   """Refs: q [Sq, G, D], k [bk, D], v [bk, Dv], do [Sq, G, Dv], lse2 [G, Sq], delta [G, Sq],
   (q_seg [Sq], kv_seg [bk]), (mask [G | 1, Sq, bk] int8), (bias [G | 1, Sq, bk]), row [W]
-  -> dk [bk, D], dv [bk, Dv], summed over the GQA group.
-  """
+  -> dk [bk, D], dv [bk, Dv], summed over the GQA group."""
   ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref),
    (mask_ref, bias_ref), row_ref, (dk_ref, dv_ref)) = _split_refs(refs, 6, has)
-  has_seg = has[0]
   bq, bk, cq = st.block_q, st.block_k, st.dkv_q_chunk
   assert k_ref.shape[0] == bk and bq % cq == 0, (k_ref.shape, bq, cq)
-  off = st.kv_len - st.q_len
 
   ki = pl.program_id(tile_axis)  # causal: kv tile 0 sees every query tile (heaviest first)
-  k = k_ref[...]  # [bk, D]
-  v = v_ref[...]  # [bk, Dv]
+  k, v = k_ref[...], v_ref[...]  # [bk, D], [bk, Dv]
   k_pos = ki * bk + lax.iota(jnp.int32, bk)  # [bk]
-  k_seg = kseg_ref[...] if has_seg else None  # [bk]
+  k_seg = None if kseg_ref is None else kseg_ref[...]  # [bk]
 
   # Computed kv-major ([bk, cq] = transposed logits): P and dS feed the dK/dV dots directly.
   def step(tile, c, carry, g, masked):
@@ -434,8 +435,8 @@ def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
     tile_t = lambda ref: None if ref is None else ref[g if ref.shape[0] > 1 else 0, rows, :].T
     vis_t = mask_t = None
     if masked:
-      q_pos = start + lax.iota(jnp.int32, cq) + off
-      q_seg = qseg_ref[rows] if has_seg else None
+      q_pos = start + lax.iota(jnp.int32, cq) + (st.kv_len - st.q_len)
+      q_seg = None if qseg_ref is None else qseg_ref[rows]
       vis_t = _tile_mask(q_pos, k_pos, q_seg, k_seg, st, kv_major=True)  # [bk, cq]
       mask_t = tile_t(mask_ref)
     s_t, vis_t = _bias_and_vis(s_t, tile_t(bias_ref), mask_t, vis_t)
@@ -443,15 +444,15 @@ def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
     if vis_t is not None:  # p = 0 where hidden, even with a NaN lse row or a NaN key
       p_t = jnp.where(vis_t, p_t, 0.0)
     do = do_ref[pl.ds(start, cq), g, :]  # [cq, Dv]
-    dv = dv + _dot_nn(p_t.astype(do.dtype), do)  # [bk, Dv]
+    dv = dv + _dot(p_t.astype(do.dtype), do)  # [bk, Dv]
     delta = delta_ref[g, pl.ds(start, cq)]  # [cq]
-    dp_t = _dot_nt(v, do)  # [bk, cq]
+    dp_t = _dot(v, do, trans_b=True)  # [bk, cq]
     ds_t = p_t * (dp_t - delta[None, :])  # d loss / d capped logit
     if vis_t is not None:  # ... and dS = 0 (a NaN delta or value there)
       ds_t = jnp.where(vis_t, ds_t, 0.0)
     if th_t is not None:
       ds_t = ds_t * (1.0 - th_t * th_t)
-    dk = dk + _dot_nn(ds_t.astype(q.dtype), q)  # [bk, D]
+    dk = dk + _dot(ds_t.astype(q.dtype), q)  # [bk, D]
     return dk, dv
 
   def head(g, carry):
@@ -470,14 +471,11 @@ def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int)
   is the kv list of ``st``'s tiles."""
   ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref),
    (mask_ref, bias_ref), row_ref, outs) = _split_refs(refs, 6, has[:3])
-  has_seg, dbias_ref = has[0], (outs[-1] if has[3] else None)
-  dq_ref = outs[-2] if has[3] else outs[0]
+  dq_ref, dbias_ref = (outs[-2], outs[-1]) if has[3] else (outs[0], None)
   bq, bk, ck = st.block_q, st.block_k, st.dq_k_chunk
   assert q_ref.shape[0] == bq and bk % ck == 0, (q_ref.shape, bk, ck)
 
-  qi = num_q_tiles - 1 - pl.program_id(tile_axis)  # heaviest causal tiles first
-  q_pos = qi * bq + lax.iota(jnp.int32, bq) + (st.kv_len - st.q_len)  # [bq]
-  q_seg = qseg_ref[...] if has_seg else None  # [bq]
+  logits = _q_tile_logits(st, num_q_tiles, tile_axis, qseg_ref, kseg_ref, mask_ref, bias_ref)
   q, do = q_ref[...], do_ref[...]  # [bq, D], [bq, Dv]
   lse2, delta = lse_ref[...], delta_ref[...]  # [bq]
 
@@ -487,35 +485,29 @@ def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int)
     v = v_ref[pl.ds(start, ck), :]  # [ck, Dv]
     if masked:  # non-finite entries -> 0 (rows that see them have a NaN log-sum-exp)
       k, v = softmax.zero_nonfinite(k), softmax.zero_nonfinite(v)
-    s, th = _logits(q, k, st)  # [bq, ck]
-    cols = pl.ds(start, ck)
-    vis = mask = None
-    if masked:
-      k_pos = start + lax.iota(jnp.int32, ck)
-      k_seg = kseg_ref[cols] if has_seg else None
-      vis = _tile_mask(q_pos, k_pos, q_seg, k_seg, st)
-      mask = None if mask_ref is None else mask_ref[:, cols]  # [bq, ck]
-    s = _bias_and_mask(s, None if bias_ref is None else bias_ref[:, cols], mask, vis)
+    s, th = logits(q, k, start, masked)
     p = jnp.exp2(s - lse2[:, None])  # [bq, ck]
-    dp = _dot_nt(do, v)  # [bq, ck]
+    dp = _dot(do, v, trans_b=True)  # [bq, ck]
     ds = p * (dp - delta[:, None])  # d loss / d logit (= d loss / d bias)
     if dbias_ref is not None:
-      dbias_ref[:, cols] = ds
+      dbias_ref[:, pl.ds(start, ck)] = ds
     if th is not None:
       ds = ds * (1.0 - th * th)
-    return dq + _dot_nn(ds.astype(k.dtype), k)  # [bq, D]
+    return dq + _dot(ds.astype(k.dtype), k)  # [bq, D]
 
   dq = _walk_row(row_ref, bk // ck, step, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
-def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, do, lse2, delta,
+def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, d_out, d_lse,
                st: _Static, bias_grad=False):
-  """Padded inputs -> (dq, dk, dv) in the input dtypes, and dbias [B, Hq, Sq, Sk] fp32 (the
-  logits' gradient; None unless ``bias_grad``).
-
-  ``dq_rows`` / ``dkv_rows``: the backward schedule's kv lists and transposed q lists.
-  """
+  """Padded inputs, a forward's (out, lse [natural log, -inf for rows that see no key]) and
+  cotangents -> (dq, dk, dv) in the input dtypes and dbias [B, Hq, Sq, Sk] fp32 (the logits'
+  gradient; None unless ``bias_grad``). Padded query rows carry d_out = 0 and lse = -inf (p = 0).
+  ``dq_rows`` / ``dkv_rows``: the backward schedule's kv lists and transposed q lists."""
+  delta = softmax.delta_rows(out, d_out, d_lse)  # [B, Hq, Sq] fp32
+  lse2 = softmax.lse_base2(lse)  # base 2, +inf -> p = 0
+  do = d_out.astype(q.dtype)
   dkv_st = st
   if st.dkv_block_q is not None:
     dkv_st = dataclasses.replace(st, block_q=st.dkv_block_q,
@@ -529,11 +521,9 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, do, lse2, 
 def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static):
   """dK / dV (padded inputs; ``rows``: transposed q lists of ``st``'s tiles) -> dk, dv
   [B, nk * block_k, Hk, D / Dv]."""
-  b, sq, hq, d = q.shape
-  _, sk, hk, d_v = v.shape
-  g = hq // hk
-  bq, bk = st.block_q, st.block_k
-  nk = rows.shape[2]
+  b, sq, hq, _ = q.shape
+  _, sk, hk, _ = v.shape
+  g, bq, bk, nk = hq // hk, st.block_q, st.block_k, rows.shape[2]
   assert nk * bk <= sk and sq % bq == 0 and sk % bk == 0, (nk, sq, sk, bq, bk)
   has_seg = q_seg is not None
 
@@ -541,14 +531,10 @@ def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _St
   grid, tile_axis, order = _launch_order(st, nk, b, hk)
   spec = _tile_specs(order, lambda t: t)
   rb, rh = _row_index_maps(rows)
-  in_specs = [
-      spec((None, sq, g, d), lambda i, bi, h: (bi, 0, h, 0)),       # q
-      spec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),    # k
-      spec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0)),  # v
-      spec((None, sq, g, d_v), lambda i, bi, h: (bi, 0, h, 0)),     # do
-      spec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # lse2
-      spec((None, g, sq), lambda i, bi, h: (bi, h, 0)),             # delta
-  ]
+  group = lambda x: spec((None, sq, g, x.shape[-1]), lambda i, bi, h: (bi, 0, h, 0))  # q, do
+  tile = lambda x: spec((None, bk, None, x.shape[-1]), lambda i, bi, h: (bi, i, h, 0))  # k, v
+  stats = spec((None, g, sq), lambda i, bi, h: (bi, h, 0))  # lse2, delta
+  in_specs = [group(q), tile(k), tile(v), group(do), stats, stats]
   args = [q, k, v, do, lse2, delta]
   if has_seg:
     in_specs += [spec((None, sq), lambda i, bi, h: (bi, 0)),
@@ -567,10 +553,8 @@ def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _St
                         groups=g, tile_axis=tile_axis),
       grid=grid,
       in_specs=in_specs,
-      out_specs=[spec((None, bk, None, d), lambda i, bi, h: (bi, i, h, 0)),
-                 spec((None, bk, None, d_v), lambda i, bi, h: (bi, i, h, 0))],
-      out_shape=[jax.ShapeDtypeStruct((b, nk * bk, hk, d), k.dtype),
-                 jax.ShapeDtypeStruct((b, nk * bk, hk, d_v), v.dtype)],
+      out_specs=[tile(k), tile(v)],
+      out_shape=[jax.ShapeDtypeStruct((b, nk * bk) + x.shape[2:], x.dtype) for x in (k, v)],
       compiler_params=compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages),
       interpret=st.interpret,
       name="jattn_flash_bwd_dkv",
@@ -581,79 +565,12 @@ def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Sta
   """dQ (padded inputs; ``rows``: kv lists of ``st``'s tiles) -> dq [B, nq * block_q, Hq, D],
   and dbias [B, Hq, Sq, Sk] fp32 if ``bias_grad`` (else None)."""
   b, sq, hq, d = q.shape
-  _, sk, hk, d_v = v.shape
-  g = hq // hk
-  bq, bk = st.block_q, st.block_k
-  nq = rows.shape[2]
-  assert nq * bq <= sq and sq % bq == 0 and sk % bk == 0, (nq, sq, sk, bq, bk)
-  has_seg = q_seg is not None
-
-  # Programs over (query tile, batch, query head), heaviest causal query tiles first.
-  grid, tile_axis, order = _launch_order(st, nq, b, hq)
-  spec = _tile_specs(order, lambda t: nq - 1 - t)
-  in_specs = [
-      spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0)),          # q
-      spec((None, sk, None, d), lambda i, bi, h: (bi, 0, h // g, 0)),     # k
-      spec((None, sk, None, d_v), lambda i, bi, h: (bi, 0, h // g, 0)),   # v
-      spec((None, bq, None, d_v), lambda i, bi, h: (bi, i, h, 0)),        # do
-      spec((None, None, bq), lambda i, bi, h: (bi, h, i)),                # lse2
-      spec((None, None, bq), lambda i, bi, h: (bi, h, i)),                # delta
-  ]
-  args = [q, k, v, do, lse2, delta]
-  _q_major_extras(spec, in_specs, args, q_seg, kv_seg, mask, bias, rows, bq, sk, g)
-  out_specs = [spec((None, bq, None, d), lambda i, bi, h: (bi, i, h, 0))]
-  out_shape = [jax.ShapeDtypeStruct((b, nq * bq, hq, d), q.dtype)]
-  aliases = {}
-  if bias_grad:   # written on the visited tiles only: zeros elsewhere
-    dbias_spec = spec((None, None, bq, sk), lambda i, bi, h: (bi, h, i, 0))
-    aliases = {len(args): 1}
-    in_specs.append(dbias_spec)
-    args.append(jnp.zeros((b, hq, sq, sk), jnp.float32))
-    out_specs.append(dbias_spec)
-    out_shape.append(jax.ShapeDtypeStruct((b, hq, sq, sk), jnp.float32))
-  outs = pl.pallas_call(
-      functools.partial(_dq_kernel, st=st, num_q_tiles=nq, tile_axis=tile_axis,
-                        has=(has_seg, mask is not None, bias is not None, bias_grad)),
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages),
-      interpret=st.interpret,
-      name="jattn_flash_bwd_dq",
-  )(*args)
+  n = rows.shape[2] * st.block_q
+  assert n <= sq and sq % st.block_q == 0 and k.shape[1] % st.block_k == 0, (n, sq, k.shape, st)
+  outs = _q_major_call(_dq_kernel, "jattn_flash_bwd_dq", st, q, k, v, (do, lse2, delta), q_seg,
+                       kv_seg, mask, bias, rows, [jax.ShapeDtypeStruct((b, n, hq, d), q.dtype)],
+                       bwd=True, bias_grad=bias_grad)
   return outs[0], (outs[1] if bias_grad else None)
-
-
-def _q_major_extras(spec, in_specs, args, q_seg, kv_seg, mask, bias, rows, bq, sk, g):
-  """Append the specs and arrays of a query-tile program's segment ids, mask / bias stripes
-  [bq, Sk] (arrays [1 | B, 1 | Hq, Sq, Sk]; a size-1 axis is shared) and schedule row."""
-  if q_seg is not None:
-    in_specs += [spec((None, bq), lambda i, bi, h: (bi, i)),
-                 spec((None, sk), lambda i, bi, h: (bi, 0))]
-    args += [q_seg, kv_seg]
-  for x in (mask, bias):
-    if x is not None:
-      xb, xh = x.shape[0] > 1, x.shape[1] > 1
-      in_specs.append(spec((None, None, bq, sk), lambda i, bi, h, xb=xb, xh=xh:
-                           (bi if xb else 0, h if xh else 0, i, 0)))
-      args.append(x)
-  rb, rh = _row_index_maps(rows)
-  in_specs.append(spec((None, None, None, rows.shape[-1]),
-                       lambda i, bi, h: (rb(bi), rh(h // g), i, 0)))
-  args.append(rows)
-
-
-def _bwd_from_residuals(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, d_out,
-                        d_lse, bst: _Static, bias_grad=False):
-  """Padded inputs and a forward's (out, lse [natural log, -inf for rows that see no key]) and
-  cotangents -> (dq, dk, dv, dbias or None). Padded query rows carry d_out = 0 and lse = -inf
-  (p = 0)."""
-  delta = softmax.delta_rows(out, d_out, d_lse)  # [B, Hq, Sq] fp32
-  lse2 = softmax.lse_base2(lse)  # base 2, +inf -> p = 0
-  return _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows,
-                    d_out.astype(q.dtype), lse2, delta, bst, bias_grad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -677,8 +594,8 @@ def _flash_padded_bwd(st, bst, res, cts):
   del st
   q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, bias_grad = res
   d_out, d_lse = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c for c in cts)
-  dq, dk, dv, dbias = _bwd_from_residuals(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows,
-                                          out, lse, d_out, d_lse, bst, bias_grad is not None)
+  dq, dk, dv, dbias = _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse,
+                                 d_out, d_lse, bst, bias_grad is not None)
   if dbias is not None:   # reduce over the bias's shared (size-1) batch / head axes
     axes = tuple(a for a in (0, 1) if bias.shape[a] == 1)
     dbias = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)
@@ -689,11 +606,8 @@ _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd, symbolic_zeros=True)
 
 
 def _pack_rows(indices, counts, partial):
-  """[Bs, Hs, n, L] lists -> int32 [Bs, Hs, n, W] rows ``[count, n_full, full..., partial...]``.
-
-  W is a power of two >= L + 3 (``_walk`` prefetches one entry past the last visited tile);
-  entries past ``count`` are never used.
-  """
+  """[Bs, Hs, n, L] lists -> int32 [Bs, Hs, n, W] rows ``[count, n_full, full..., partial...]``:
+  W is a power of two >= L + 3 (``_walk`` prefetches one entry past the last visited tile)."""
   length = indices.shape[-1]
   j = jnp.arange(length, dtype=jnp.int32)
   valid = j < counts[..., None]
@@ -709,8 +623,7 @@ def _pack_rows(indices, counts, partial):
 
 
 def _check_shapes(q, k, v, q_segment_ids, kv_segment_ids):
-  """ValueError / TypeError for inputs the kernels do not take; returns (b, sq, hq, d, sk, hk,
-  d_v)."""
+  """ValueError / TypeError for inputs the kernels do not take; -> (b, sq, hq, d, sk, hk, d_v)."""
   b, sq, hq, d, sk, hk, d_v = util.check_qkv_shapes(q, k, v, same_dv=False)
   if not (1 <= d <= 256 and 1 <= d_v <= 256):
     raise ValueError(f"head_dim must be <= 256, got {d} (v: {d_v})")
@@ -742,32 +655,25 @@ def _pad_inputs(q, k, v, q_seg, kv_seg, sq_p, sk_p):
   qp = pad_axis(pad_axis(q, 1, sq_p), 3, d_p)
   kp = pad_axis(pad_axis(k, 1, sk_p), 3, d_p)
   vp = pad_axis(pad_axis(v, 1, sk_p), 3, dv_p)
-  if q_seg is None:
-    return qp, kp, vp, None, None
-  return (qp, kp, vp, pad_axis(q_seg.astype(jnp.int32), 1, sq_p),
-          pad_axis(kv_seg.astype(jnp.int32), 1, sk_p))
+  seg = lambda x, n: None if x is None else pad_axis(x.astype(jnp.int32), 1, n)
+  return qp, kp, vp, seg(q_seg, sq_p), seg(kv_seg, sk_p)
 
 
 def _statics(bs: BlockSizes, q, v, *, causal, window, scale, soft_cap, interpret, dkv_block_q):
   """(forward, backward) ``_Static``s of a call: ``bs``'s values, defaults for its None fields."""
-  bq, bk = bs.block_q, bs.block_k
   bbq, bbk = bs.bwd_tiles
-  defaults = _launch_defaults(bq, bk, next_pow2(q.shape[-1], minimum=16),
-                              next_pow2(v.shape[-1], minimum=16), q.dtype,
-                              bwd_block_q=bbq, bwd_block_k=bbk)
-  dkv_q_chunk = min(bs.dkv_q_chunk or defaults.dkv_q_chunk, dkv_block_q)
-  dq_k_chunk = min(bs.dq_k_chunk or defaults.dq_k_chunk, bbk)
-  for name, c, blk in (("dkv_q_chunk", dkv_q_chunk, dkv_block_q), ("dq_k_chunk", dq_k_chunk, bbk)):
+  defaults = _launch_defaults(bs, next_pow2(q.shape[-1], minimum=16),
+                              next_pow2(v.shape[-1], minimum=16), q.dtype)
+  launch = {f: getattr(bs, f) or defaults[f] for f in _LAUNCH_FIELDS}
+  for name, blk in (("dkv_q_chunk", dkv_block_q), ("dq_k_chunk", bbk)):
+    launch[name] = c = min(launch[name], blk)
     if c < 16 or blk % c:
       raise ValueError(f"{name}={c} must be >= 16 and divide the backward tile {blk}")
   st = _Static(
-      block_q=bq, block_k=bk, q_len=q.shape[1], kv_len=v.shape[1], causal=bool(causal),
-      window=window, scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
-      num_warps=int(bs.num_warps or defaults.num_warps),
-      num_stages=int(bs.num_stages or defaults.num_stages),
-      bwd_num_warps=int(bs.bwd_num_warps or defaults.bwd_num_warps),
-      bwd_num_stages=int(bs.bwd_num_stages or defaults.bwd_num_stages),
-      dkv_q_chunk=int(dkv_q_chunk), dq_k_chunk=int(dq_k_chunk), interpret=bool(interpret))
+      block_q=bs.block_q, block_k=bs.block_k, q_len=q.shape[1], kv_len=v.shape[1],
+      causal=bool(causal), window=window, scale=float(scale),
+      soft_cap=None if soft_cap is None else float(soft_cap), interpret=bool(interpret),
+      **{f: int(x) for f, x in launch.items()})
   bst = dataclasses.replace(st, block_q=bbq, block_k=bbk,
                             dkv_block_q=None if dkv_block_q == bbq else dkv_block_q)
   return st, bst
@@ -840,14 +746,12 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
   if (block_sizes.block_q, block_sizes.block_k) != (bq, bk):
     raise ValueError(f"block_sizes tiles ({block_sizes.block_q}, {block_sizes.block_k}) differ "
                      f"from the schedule's ({bq}, {bk})")
-  if block_sizes.bwd_tiles != (bbq, bbk):
-    raise ValueError(f"block_sizes backward tiles {block_sizes.bwd_tiles} differ from the "
-                     f"backward schedule's ({bbq}, {bbk}): pass bwd_schedule=make_schedule(..., "
-                     f"{block_sizes.bwd_tiles[0]}, {block_sizes.bwd_tiles[1]}, <same mask>)")
-  if block_sizes.dkv_tiles != (dkv_bq, bbk):
-    raise ValueError(f"block_sizes dK/dV tiles {block_sizes.dkv_tiles} differ from the dK/dV "
-                     f"schedule's ({dkv_bq}, {bbk}): pass dkv_schedule=make_schedule(..., "
-                     f"{block_sizes.dkv_tiles[0]}, {block_sizes.dkv_tiles[1]}, <same mask>)")
+  for what, arg, tiles, want in (("backward", "bwd", block_sizes.bwd_tiles, (bbq, bbk)),
+                                 ("dK/dV", "dkv", block_sizes.dkv_tiles, (dkv_bq, bbk))):
+    if tiles != want:
+      raise ValueError(f"block_sizes {what} tiles {tiles} differ from the {what} schedule's "
+                       f"{want}: pass {arg}_schedule=make_schedule(..., {tiles[0]}, {tiles[1]}, "
+                       "<same mask>)")
   st, bst = _statics(block_sizes, q, v, causal=causal, window=normalize_window(local_window_size),
                      scale=d ** -0.5 if scale is None else scale, soft_cap=logits_soft_cap,
                      interpret=interpret, dkv_block_q=dkv_bq)
@@ -857,11 +761,9 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
   qp, kp, vp, qs, ks = _pad_inputs(q, k, v, q_segment_ids, kv_segment_ids, sq_p, sk_p)
   pad2 = lambda x: pad_axis(pad_axis(x, 2, sq_p), 3, sk_p)   # padded keys stay masked
   mask = None if mask is None else pad2(mask.astype(jnp.int8))
-  fwd_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
-  if bwd_schedule is schedule:
-    dq_rows = fwd_rows
-  else:
-    dq_rows = _pack_rows(bwd_schedule.kv_indices, bwd_schedule.kv_counts, bwd_schedule.kv_partial)
+  kv_rows = lambda s: _pack_rows(s.kv_indices, s.kv_counts, s.kv_partial)
+  fwd_rows = kv_rows(schedule)
+  dq_rows = fwd_rows if bwd_schedule is schedule else kv_rows(bwd_schedule)
   dkv_rows = _pack_rows(dkv_schedule.q_indices, dkv_schedule.q_counts, dkv_schedule.q_partial)
   out, lse = _flash_padded(st, bst, qp, kp, vp, qs, ks, mask, None if bias is None else pad2(bias),
                            fwd_rows, dq_rows, dkv_rows)
@@ -879,14 +781,12 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
 
   Args:
     q: [B, Sq, Hq, D]; k: [B, Sk, Hk, D]; v: [B, Sk, Hk, Dv] (Hq % Hk == 0), unpadded.
-    out: the forward's output [B, Sq, Hq, Dv].
-    lse: the forward's log-sum-exp [B, Hq, Sq] fp32: natural log, -inf for rows that see no key.
-    d_out: cotangent of out [B, Sq, Hq, Dv].
-    d_lse: cotangent of lse [B, Hq, Sq] (zeros when only out is used).
+    out, lse: the forward's output [B, Sq, Hq, Dv] and log-sum-exp [B, Hq, Sq] fp32 (natural
+      log, -inf for rows that see no key).
+    d_out, d_lse: their cotangents (d_lse: zeros when only out is used).
     causal: causal mask (bottom-right aligned when Sq != Sk).
-    scale: the logit scale the forward used.
-    local_window_size: None, int or (left, right) (jax.nn convention).
-    logits_soft_cap: None or the forward's cap.
+    scale, local_window_size, logits_soft_cap: the forward's logit scale, window (None, int or
+      (left, right), jax.nn convention) and soft cap (None or cap).
     q_segment_ids, kv_segment_ids: None (both) or int [B, Sq] / [B, Sk]; 0 is padding.
     schedule: optional block schedule of the mask; its tiles are the backward's.
     block_sizes: ``BlockSizes`` whose backward fields are used (None: with a schedule, its
@@ -925,16 +825,15 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
                     soft_cap=logits_soft_cap, interpret=interpret, dkv_block_q=bbq)
   sq_p, sk_p = round_up(sq, bbq), round_up(sk, bbk)
   qp, kp, vp, qs, ks = _pad_inputs(q, k, v, q_segment_ids, kv_segment_ids, sq_p, sk_p)
-  dv_p = vp.shape[-1]
   # Padded query rows get d_out = 0, d_lse = 0 and lse = -inf (p = 0): they add nothing.
-  outp = pad_axis(pad_axis(out, 1, sq_p), 3, dv_p)
-  dop = pad_axis(pad_axis(d_out.astype(q.dtype), 1, sq_p), 3, dv_p)
+  pad_rows = lambda x: pad_axis(pad_axis(x, 1, sq_p), 3, vp.shape[-1])
+  outp, dop = pad_rows(out), pad_rows(d_out.astype(q.dtype))
   lsep = pad_axis(lse.astype(jnp.float32), 2, sq_p, _NEG_INF)
   dlsep = pad_axis(d_lse.astype(jnp.float32), 2, sq_p)
   dq_rows = _pack_rows(schedule.kv_indices, schedule.kv_counts, schedule.kv_partial)
   dkv_rows = _pack_rows(schedule.q_indices, schedule.q_counts, schedule.q_partial)
-  dq, dk, dv, _ = _bwd_from_residuals(qp, kp, vp, qs, ks, None, None, dq_rows, dkv_rows, outp,
-                                      lsep, dop, dlsep, bst)
+  dq, dk, dv, _ = _bwd_calls(qp, kp, vp, qs, ks, None, None, dq_rows, dkv_rows, outp, lsep, dop,
+                             dlsep, bst)
   return dq[:, :sq, :, :d], dk[:, :sk, :, :d], dv[:, :sk, :, :d_v]
 
 
