@@ -61,10 +61,8 @@ class BlockSummaries:
     return self.sums.shape[1 if self.layout == "nhd" else 2]
 
   def counts(self):
-    """Summarised positions per block.
-
-    Returns:
-      int32 [batch, num_blocks]: clip(lengths - j * block_size, 0, block_size).
+    """Summarised positions per block: int32 [batch, num_blocks], clip(lengths - j * block_size,
+    0, block_size).
 
     Example:
       >>> k = jnp.ones((1, 100, 1, 4))
@@ -75,11 +73,8 @@ class BlockSummaries:
     return jnp.clip(self.lengths[:, None] - starts, 0, self.block_size).astype(jnp.int32)
 
   def means(self):
-    """Mean key per block (the decode-time block summary).
-
-    Returns:
-      fp32, the shape of ``sums`` ([batch, num_blocks, kv_heads, head_dim] for "nhd",
-      [batch, kv_heads, num_blocks, head_dim] for "hnd"); 0 for empty blocks.
+    """Mean key per block (the decode-time block summary): fp32, the shape of ``sums``; 0 for
+    empty blocks.
 
     Example:
       >>> k = jnp.ones((1, 100, 1, 4))
@@ -88,6 +83,12 @@ class BlockSummaries:
     """
     cnt = jnp.maximum(self.counts(), 1).astype(jnp.float32)                # [b, nb]
     return self.sums / (cnt[:, None, :, None] if self.layout == "hnd" else cnt[:, :, None, None])
+
+
+def _check_summaries(block_summaries):
+  if not isinstance(block_summaries, BlockSummaries):
+    raise TypeError(f"block_summaries must be a BlockSummaries, got "
+                    f"{type(block_summaries).__name__}")
 
 
 def _gather_positions(k, page_table, pos, hnd=False):
@@ -106,20 +107,17 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
   """Block key sums of a cache from scratch (after prefill; O(cache) once).
 
   Args:
-    k_cache: [batch, max_len, kv_heads, head_dim] ("nhd"), [batch, kv_heads, max_len,
-      head_dim] ("hnd"), or with ``page_table`` a page pool
-      [num_pages, block_size, kv_heads, head_dim].
+    k_cache: the cache in ``kv_layout`` (see :func:`sparse_decode_attention`), or with
+      ``page_table`` a page pool (see :func:`sparse_paged_decode_attention`).
     kv_lengths: int [batch]: valid positions per sequence.
     block_size: positions per block (the page size for a paged cache).
     page_table: None or int32 [batch, max_pages] (token t of sequence b lives in page
       ``page_table[b, t // block_size]``).
-    kv_layout: "nhd" (default) or "hnd" (head-major cache or pages
-      [num_pages, kv_heads, block_size, head_dim], see :func:`sparse_decode_attention`).
+    kv_layout: "nhd" (default) or "hnd" (head-major).
 
   Returns:
     A :class:`BlockSummaries` with ceil(max_len / block_size) (or max_pages) blocks and
-    ``layout=kv_layout``: sums [batch, num_blocks, kv_heads, head_dim] ("nhd") or
-    [batch, kv_heads, num_blocks, head_dim] ("hnd").
+    ``layout=kv_layout``.
 
   Example:
     >>> k = jax.random.normal(jax.random.key(0), (2, 256, 2, 16))
@@ -159,10 +157,10 @@ def _block_sums(k_cache, lengths, block_size, hnd):
 
 
 def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, kv_layout=None):
-  """Add the newest cache entry of each sequence to its block sum (O(1) per appended token).
+  """Add the newest key of each sequence (at ``kv_lengths - 1``) to its block sum.
 
-  Call after each decode step writes its key at ``kv_lengths - 1``; sequences that did not grow
-  are unchanged (growth by more than one token needs :func:`init_block_summaries`).
+  Sequences that did not grow are unchanged (growth by several tokens needs
+  :func:`init_block_summaries`).
 
   Args:
     summaries: a :class:`BlockSummaries`.
@@ -213,10 +211,8 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
 
 def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_blocks=1,
                          num_local_blocks=1):
-  """Per-token block selection for one new query per sequence (the decode side of select_blocks).
-
-  Same rules as ``select_blocks(q_block_size=1)`` for the query at kv_lengths - 1: initial and
-  local blocks plus the top_k others by (summed group queries) . (mean block key).
+  """Block selection for one new query per sequence: ``select_blocks(q_block_size=1)``'s rules
+  for the query at kv_lengths - 1, scored by (summed group queries) . (mean block key).
 
   Args:
     q: [batch, q_heads, head_dim].
@@ -234,17 +230,14 @@ def select_decode_blocks(q, block_summaries, kv_lengths, *, top_k, num_init_bloc
     >>> select_decode_blocks(q, s, jnp.array([500]), top_k=2).shape
     (1, 2, 4)
   """
-  if not isinstance(block_summaries, BlockSummaries):
-    raise TypeError(f"block_summaries must be a BlockSummaries, got "
-                    f"{type(block_summaries).__name__}")
+  _check_summaries(block_summaries)
   kv_lengths = check_lengths("kv_lengths", kv_lengths, q.shape[0])
   return _decode_select(q, block_summaries, kv_lengths, top_k=top_k,
                         num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks)
 
 
 def _decode_select(q, block_summaries, kv_lengths, *, top_k, num_init_blocks, num_local_blocks):
-  """select_decode_blocks in XLA (Triton runs ``pallas_kernels.sparse.decode_select``): block
-  scores fp32 [b, kv_heads, num_blocks], the group's summed queries . mean key, then the rules."""
+  """select_decode_blocks in XLA: scores fp32 [b, kv_heads, num_blocks], then the rules."""
   top_k = check_selection_args(block_summaries.block_size, 1, top_k, num_init_blocks,
                                num_local_blocks)
   b, hq, d = q.shape
@@ -326,8 +319,7 @@ def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, sca
 
 @dataclasses.dataclass(frozen=True)
 class SparseDecodeConfig:
-  """The resolved configuration of the Triton sparse decode (``Plan.config`` of
-  :func:`sparse_decode_plan`).
+  """The resolved Triton sparse decode config (``Plan.config`` of :func:`sparse_decode_plan`).
 
   Attributes:
     num_splits: splits of each (sequence, kv head)'s kept-block list.
@@ -349,26 +341,9 @@ class SparseDecodeConfig:
   merge_kernel: bool = False
 
 
-def _hnd_triton_launch(k, v, block_size):
-  """The head-major path's attention launch: block ids prefetched per split; on sm9x, when 3
-  stages x 2 blocks of K and V fit in 200 KB, two blocks per step and a merge kernel."""
-  cc = compat.gpu_compute_capability()
-  need = (3 * 2 * block_size
-          * (k.shape[-1] * jnp.dtype(k.dtype).itemsize + v.shape[-1] * jnp.dtype(v.dtype).itemsize))
-  two = cc is not None and cc[0] == 9 and need <= 200 * 1024
-  return dict(blocks_per_step=2 if two else 1, prefetch_ids=True, merge_kernel=two)
-
-
 def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_split=4):
   """Head-major Triton splits: one program per multiprocessor when that gives >= 8 splits,
-  else ``pallas_kernels.sparse.decode.default_num_splits``.
-
-  Example:
-    >>> _hnd_triton_num_splits(8, 389, core_count=132)
-    16
-    >>> _hnd_triton_num_splits(64, 389, core_count=132)   # default_num_splits' choice
-    5
-  """
+  else ``pallas_kernels.sparse.decode.default_num_splits``."""
   from pallas_kernels.sparse.decode import default_num_splits
   cores = compat.gpu_core_count() if core_count is None else int(core_count)
   one_wave = min(cores // max(1, sequences), -(-int(width) // min_blocks_per_split))
@@ -386,25 +361,20 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
   """What :func:`sparse_decode_attention` (or, with ``page_table``,
   :func:`sparse_paged_decode_attention`) runs for these arguments.
 
-  Resolves the implementation (None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere;
-  a fractional ``top_k`` never runs "triton": None then gives "xla" on GPU)
-  and, for "triton", a :class:`SparseDecodeConfig` from ``num_splits`` or the heuristics ("hnd"
-  fuses scores and selection into one launch); "xla" and "mosaic_tpu" take no config.
+  The implementation (None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere; a fractional
+  ``top_k`` never runs "triton") and, for "triton", a :class:`SparseDecodeConfig` from
+  ``num_splits`` or the heuristics ("hnd" fuses scores and selection into one launch).
 
   Args:
     q: [batch, q_heads, head_dim] (or a ``jax.ShapeDtypeStruct``; likewise the caches).
     k_cache, v_cache: the caches as in the call (page pools with ``page_table``).
-    kv_lengths, block_summaries: optional, as in the call (they do not change the plan).
-    block_size: positions per block; default (and required value) with ``page_table``: the
-      page size.
-    top_k, num_init_blocks, num_local_blocks: selection sizes.
-    page_table: None or int32 [batch, max_pages].
-    kv_layout: "nhd" or "hnd".
-    scale, return_lse, return_indices, interpret, max_estimate: validated as in the call (no
-      effect on the plan).
-    implementation, num_splits: as in :func:`sparse_decode_attention`.
-    softmax: "exact" or "unified_max" (with "triton", unified max runs this config's split
-      attention kernel and a sum merge in place of the merging last split).
+    kv_lengths, block_summaries: optional, as in the call (no effect on the plan).
+    block_size: positions per block; with ``page_table``, the page size (the default).
+    top_k, num_init_blocks, num_local_blocks, page_table, kv_layout, implementation, num_splits:
+      as in the call.
+    scale, return_lse, return_indices, interpret, max_estimate: validated as in the call.
+    softmax: "exact" or "unified_max" (with "triton": this config's split attention kernel
+      and a sum merge in place of the merging last split).
 
   Returns:
     A ``jattn._plan.Plan`` with op "sparse_decode", the implementation, a
@@ -456,12 +426,16 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
     nb = (cdiv(k_cache.shape[2 if hnd else 1], block_size) if page_table is None
           else page_table.shape[1])
     width = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
-    if hnd:
+    if hnd:   # ids prefetched; on sm9x, when 3 stages x 2 blocks of K and V fit in 200 KB,
+      # two blocks per step and a merge kernel
       from pallas_kernels.sparse.decode_select import default_score_splits
+      cc = compat.gpu_compute_capability()
+      row_bytes = sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in (k_cache, v_cache))
+      two = cc is not None and cc[0] == 9 and 3 * 2 * block_size * row_bytes <= 200 * 1024
       config = SparseDecodeConfig(
           num_splits=int(num_splits or _hnd_triton_num_splits(seqs, width)), fused_select=True,
-          score_splits=default_score_splits(seqs, 1, nb),
-          **_hnd_triton_launch(k_cache, v_cache, block_size))
+          score_splits=default_score_splits(seqs, 1, nb), blocks_per_step=2 if two else 1,
+          prefetch_ids=True, merge_kernel=two)
     else:
       from pallas_kernels.sparse.decode import default_num_splits
       config = SparseDecodeConfig(
@@ -500,9 +474,8 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
       out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
                             merge="xla", interpret=interpret)
     return out, lse, indices
-  # "triton", no XLA glue: block scores and the selection (a threshold search, no sort;
-  # compact ascending lists, counts and zeroed arrival counters) in one launch or two, then
-  # the split-KV attention over the kept blocks.
+  # "triton", no XLA glue: scores and selection (a threshold search, no sort: ascending lists,
+  # counts, zeroed arrival counters) in one launch or two, then the split-KV attention.
   from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
   from pallas_kernels.sparse.decode_select import (decode_block_scores, score_select_decode_slots,
                                                    select_decode_slots)
@@ -518,18 +491,16 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
     scores = decode_block_scores(q, summaries.sums, summaries.lengths, **common)
     indices, counts, arrivals = select_decode_slots(scores, lengths, max_selected=width,
                                                     return_arrivals=True, **sel, **common)
+  split = dict(num_splits=cfg.num_splits, scale=float(scale), blocks_per_step=cfg.blocks_per_step,
+               prefetch_ids=cfg.prefetch_ids, **common)
   if softmax == "unified_max":     # split partials against one estimate, merged by a sum
-    partials = functools.partial(
-        sparse_decode_partials, q, k, v, lengths, indices, page_table, counts,
-        num_splits=cfg.num_splits, scale=float(scale), blocks_per_step=cfg.blocks_per_step,
-        prefetch_ids=cfg.prefetch_ids, **common)
+    partials = functools.partial(sparse_decode_partials, q, k, v, lengths, indices, page_table,
+                                 counts, **split)
     out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
                           merge="pallas", interpret=interpret)
-    return out, lse, indices
-  out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
-                           num_splits=cfg.num_splits, scale=float(scale), out_dtype=q.dtype,
-                           blocks_per_step=cfg.blocks_per_step, prefetch_ids=cfg.prefetch_ids,
-                           merge_kernel=cfg.merge_kernel, **common)
+  else:
+    out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
+                             out_dtype=q.dtype, merge_kernel=cfg.merge_kernel, **split)
   return out, lse, indices
 
 
@@ -566,9 +537,7 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
                    max_estimate=None):
   _check_kv_layout(kv_layout)
   check_serving_args(q, softmax, max_estimate, None, None, None, None)
-  if not isinstance(block_summaries, BlockSummaries):
-    raise TypeError(f"block_summaries must be a BlockSummaries, got "
-                    f"{type(block_summaries).__name__}")
+  _check_summaries(block_summaries)
   if block_summaries.layout != kv_layout:
     raise ValueError(f"block_summaries.layout={block_summaries.layout!r} != "
                      f"kv_layout={kv_layout!r}: make the summaries with "
@@ -611,26 +580,22 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
                             max_estimate=None):
   """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
 
-  Selection (:func:`select_decode_blocks`, per kv head, shared by its query heads) from the
-  block summaries, then attention over the kept blocks only (positions < kv_lengths); the result
-  equals dense decode attention restricted to the kept blocks.
+  Selection (:func:`select_decode_blocks`, per kv head) from the block summaries, then dense
+  decode attention restricted to the kept blocks (positions < kv_lengths).
 
-  Implementations: "xla" (gathers the kept blocks, one softmax); "triton" (Pallas top-k
-  selection ``pallas_kernels.sparse.decode_select`` then the split-KV kernel
-  ``pallas_kernels.sparse.decode.sparse_decode``; block_size a power of two >= 16);
-  "mosaic_tpu" (XLA selection, then ``pallas_kernels.sparse.decode_tpu`` DMAing only the kept
-  blocks; block_size a multiple of 8 rows, 16 for 16-bit caches); None picks "triton" on GPU,
-  "mosaic_tpu" on TPU, "xla" elsewhere.
+  Implementations: "xla" (gathers the kept blocks); "triton" (Pallas selection
+  ``pallas_kernels.sparse.decode_select``, then the split-KV ``pallas_kernels.sparse.decode``;
+  block_size a power of two >= 16); "mosaic_tpu" (XLA selection, then
+  ``pallas_kernels.sparse.decode_tpu``; block_size a multiple of 8 rows, 16 for 16-bit caches);
+  None picks "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere.
 
   ``kv_layout`` "nhd" is [batch, max_len, kv_heads, head_dim]; "hnd" is head-major [batch,
-  kv_heads, max_len, head_dim], run as a free reshape to batch * kv_heads single-head sequences
-  (same selection and output as "nhd" on the transposed cache; summaries must use the same
-  layout, else ValueError).
+  kv_heads, max_len, head_dim], run as batch * kv_heads one-head sequences (same result as "nhd"
+  on the transposed cache; the summaries must have the same layout).
 
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
-    k_cache: the key cache in ``kv_layout``, holding the new token.
-    v_cache: the value cache in ``kv_layout``; head_dim_v may differ from head_dim.
+    k_cache, v_cache: the caches in ``kv_layout``, holding the new token (head_dim_v may differ).
     kv_lengths: int [batch]: valid positions per sequence, including the new token.
     block_summaries: :class:`BlockSummaries` with the same block_size and layout.
     block_size: positions per block.
@@ -642,17 +607,16 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
     interpret: run the Pallas kernel in interpret mode.
     num_splits: Triton splits per (batch, kv head); default from :func:`sparse_decode_plan`.
     kv_layout: "nhd" (default) or "hnd".
-    softmax: "exact" or "unified_max" ("xla", "triton"): the splits' partial softmaxes use one
-      estimate per (row, head), merged by a plain sum, overshooting rows recomputed exactly
-      (``jattn.decode_serving``; Triton: the partials kernel and a separate merge).
+    softmax: "exact" or "unified_max" ("xla", "triton"): partial softmaxes against one estimate
+      per (row, head), merged by a plain sum, overshooting rows recomputed exactly
+      (``jattn.decode_serving``).
     max_estimate: None (the newest key's logit) or fp32 [batch, q_heads], for "unified_max".
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.
 
   Example:
-    >>> k = jax.random.normal(jax.random.key(0), (1, 512, 2, 16))
-    >>> lens = jnp.array([300])
+    >>> k = jax.random.normal(jax.random.key(0), (1, 512, 2, 16)); lens = jnp.array([300])
     >>> s = init_block_summaries(k, lens, block_size=64)
     >>> q = jax.random.normal(jax.random.key(1), (1, 4, 16))
     >>> out = sparse_decode_attention(q, k, k, lens, s, block_size=64, top_k=1,
@@ -675,20 +639,14 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
                                   softmax="exact", max_estimate=None):
   """:func:`sparse_decode_attention` over a paged cache; blocks are pages (block = page size).
 
-  ``kv_layout`` "hnd" takes head-major pages [num_pages, kv_heads, page_size, head_dim], run
-  as batch * kv_heads one-head sequences (as ``jattn.paged_decode_attention``).
-
   Args:
     q: [batch, q_heads, head_dim].
-    k_pages: [num_pages, page_size, kv_heads, head_dim] ("nhd") or [num_pages, kv_heads,
-      page_size, head_dim] ("hnd").
-    v_pages: like ``k_pages`` with head_dim_v.
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim | head_dim_v] ("nhd") or
+      [num_pages, kv_heads, page_size, head_dim | head_dim_v] ("hnd").
     page_table: int32 [batch, max_pages]: token t of sequence b is in page
       ``page_table[b, t // page_size]``, slot ``t % page_size``.
-    kv_lengths: int [batch], including the new token, in [0, max_pages * page_size] (traced
-      values: as ``jattn.paged_decode_attention``, ``jattn.decode.check_decode_call``).
-    block_summaries: :class:`BlockSummaries` with block_size == page_size and layout
-      ``kv_layout``.
+    kv_lengths: int [batch], including the new token, in [0, max_pages * page_size].
+    block_summaries: :class:`BlockSummaries` with block_size == page_size, layout ``kv_layout``.
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
       interpret, num_splits, kv_layout, softmax, max_estimate: as in
       :func:`sparse_decode_attention`.

@@ -1,11 +1,10 @@
 """Top-K block-sparse decode in portable Pallas GPU (Triton lowering), contiguous and paged.
 
 One program per (batch, kv head, split). Each (batch, kv head) has its own list of selected
-cache blocks (``indices[b, h, :]``, -1 for unused slots), a per-head page table over the cache
-seen as blocks of ``block_size`` tokens. A split walks a share of the list's first
-``counts[b, h]`` slots with an fp32 online softmax; the GQA group's queries form one tile, so
-each selected K/V byte is read once. The splits' partials are merged in the kernel by the last
-split to arrive (default) or by ``merge_partials_pallas`` (``merge_kernel=True``).
+blocks of ``block_size`` tokens (``indices[b, h, :]``, -1 for unused slots); a split walks a share
+of its first ``counts[b, h]`` slots with an fp32 online softmax, the GQA group's queries in one
+tile (each selected K/V byte read once). The last split to arrive merges the partials (or
+``merge_partials_pallas`` with ``merge_kernel=True``).
 """
 from __future__ import annotations
 
@@ -25,26 +24,14 @@ from pallas_kernels.decode.triton import load_group_query
 # The documented API; the length helpers serve the selection kernels.
 __all__ = ["sparse_decode", "sparse_decode_partials", "default_num_splits"]
 
-NUM_WARPS = 4
-NUM_STAGES = 3
-
 
 def length_row(b, lengths_group):
-  """Row of a lengths array shared by ``lengths_group`` consecutive sequences.
-
-  Example:
-    >>> length_row(5, 1)
-    5
-  """
+  """Row of a lengths array shared by ``lengths_group`` consecutive sequences."""
   return b if lengths_group == 1 else jax.lax.div(b, jnp.int32(lengths_group))
 
 
 def check_lengths(lengths, bsz, lengths_group, name):
-  """ValueError unless ``lengths`` has shape (bsz // lengths_group,).
-
-  Example:
-    >>> check_lengths(jnp.zeros(2), 8, 4, "kv_lengths")
-  """
+  """ValueError unless ``lengths`` has shape (bsz // lengths_group,)."""
   if lengths_group < 1 or bsz % lengths_group:
     raise ValueError(f"lengths_group must be >= 1 and divide the batch {bsz}, got {lengths_group}")
   if jnp.shape(lengths) != (bsz // lengths_group,):
@@ -58,26 +45,18 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
             masked=False):
   """One (batch, kv head, split) program.
 
-  Refs: lens [B / len_group] (sequence b reads lens[b // len_group]); idx [B, Hk, M] (-1 =
-  unused); cnt [B, Hk] (slots to walk) or None; q [B, Hq, D]; k [B, N, Hk, D] and v
-  [B, N, Hk, Dv] (contiguous) or [P * block, Hk, D | Dv] (paged, page table [B, max_pages]
-  first in ``rest``). Then, without ``merge``: outputs o [B, S, Hq, Dv] fp32 and lse
-  [B, S, Hq] fp32 (the partials). With ``merge`` and S > 1: the arrival counters [B, Hk] int32
-  (input, aliased to the third output), outputs out [B, Hq, Dv] (final dtype), lse [B, Hq]
-  fp32, the counters, and the partials o [B, S, Hq, Dv] and lse [B, S, Hq] (scratch in HBM);
-  with ``merge`` and S == 1 just out and lse. Without ``merge``, ``unified`` adds the input
-  m_hat [B, Hq] fp32 (after the page table) and ``masked`` the input active [B, S, Hk] int32
-  (programs at 0 read nothing); unified outputs are acc, l and mx (each split's max logit).
+  Refs: lens [B / len_group]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or
+  None; q [B, Hq, D]; k, v [B, N, Hk, D | Dv] or, paged, [P * block, Hk, D | Dv] with the page
+  table [B, max_pages] first in ``rest``; then ``unified``'s m_hat [B, Hq] fp32 and ``masked``'s
+  active [B, S, Hk] int32 (programs at 0 read nothing). Outputs without ``merge``: the partials
+  o [B, S, Hq, Dv] and lse [B, S, Hq] fp32 (unified: acc, l and each split's max logit mx).
+  With ``merge`` and S > 1: the input counters [B, Hk] int32 (aliased to the third output),
+  then out [B, Hq, Dv], lse [B, Hq] fp32, the counters and the partials (HBM scratch); with S
+  == 1 just out and lse.
   """
-  if paged:
-    pt_ref, *rest = rest
-  else:
-    pt_ref = None
-  mhat_ref = act_ref = mx_ref = None
-  if unified:
-    mhat_ref, *rest = rest
-  if masked:
-    act_ref, *rest = rest
+  pt_ref, *rest = rest if paged else (None, *rest)
+  mhat_ref, *rest = rest if unified else (None, *rest)
+  act_ref, *rest = rest if masked else (None, *rest)
   if not merge:
     o_ref, lse_ref, *rest = rest
     mx_ref = rest[0] if unified else None
@@ -85,9 +64,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     out_ref, lse_out_ref = rest
   else:
     _, out_ref, lse_out_ref, arr_ref, o_ref, lse_ref = rest
-  b = pl.program_id(0)
-  h = pl.program_id(1)
-  split = pl.program_id(2)
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if split_stride != 1:
     split = (split * split_stride) % num_splits
   length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[length_row(b, len_group)]), capacity),
@@ -111,7 +88,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
       pages_vec = jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(ids_vec, 0)]), 0,
                            k_ref.shape[0] // block - 1)           # ids outside the pool: clamped
 
-  q, (q_rows, cols, row_ok, col_ok, q_mask) = load_group_query(
+  q, (q_rows, cols, row_ok, col_ok, _) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   if unified:
@@ -127,9 +104,8 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   o_mask = row_ok[:, None] if vcol_ok is None else row_ok[:, None] & vcol_ok[None, :]
 
   def lookup(s):
-    """Block id of slot s (-1 when s >= end or the slot is unused) and, paged, its first cache
-    row. With several blocks per step: the ids [bps * block] (one per tile row) of slots
-    s .. s + bps - 1 and each row's first cache row of its block."""
+    """Block id of slot s (-1 when s >= end or unused) and, paged, its first cache row; with
+    bps > 1, per tile row [bps * block], of slots s .. s + bps - 1."""
     if prefetch_ids:                     # from the vector: no load in the step
       def pick(vec, local):              # vec[local] for a scalar local in [0, ids_pad)
         return jnp.sum(jnp.where(ar == local, vec, 0))
@@ -171,11 +147,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     valid = (pos < length) & ok
     kv_mask = valid[:, None] if col_ok is None else valid[:, None] & col_ok[None, :]
     v_mask = valid[:, None] if vcol_ok is None else valid[:, None] & vcol_ok[None, :]
-    if paged:
-      krow = row0 + offs
-      k = plgpu.load(k_ref.at[krow[:, None], h, cols[None, :]], mask=kv_mask, other=0)
-    else:
-      k = plgpu.load(k_ref.at[b, pos[:, None], h, cols[None, :]], mask=kv_mask, other=0)
+    lead, krow = ((), row0 + offs) if paged else ((b,), pos)        # pool rows or (b, tokens)
+
+    def load(ref, c, mask):
+      return plgpu.load(ref.at[(*lead, krow[:, None], h, c[None, :])], mask=mask, other=0)
+    k = load(k_ref, cols, kv_mask)
     sc = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [g_pad, block] fp32
     sc = jnp.where(valid[None, :], sc, -jnp.inf)
     # m_new stays -inf while only unused (-1) slots have been visited: shift by 0 then.
@@ -187,24 +163,18 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
       alpha = jnp.exp(m_prev - m_use)
     p = jnp.exp(sc - m_use[:, None])                                 # [g_pad, block]
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
-    if paged:
-      v = plgpu.load(v_ref.at[krow[:, None], h, vcols[None, :]], mask=v_mask, other=0)
-    else:
-      v = plgpu.load(v_ref.at[b, pos[:, None], h, vcols[None, :]], mask=v_mask, other=0)
+    v = load(v_ref, vcols, v_mask)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, dv_pad]
     if not lookahead:
       return acc * alpha[:, None] + pv, m_new, l_new
     new = (acc * alpha[:, None] + pv, m_new, l_new, blk_next)
     return new + (row0_next,) if paged else new
 
-  acc0 = jnp.zeros((g_pad, dv_pad), jnp.float32)
-  m0 = jnp.full((g_pad,), -jnp.inf, jnp.float32)
-  l0 = jnp.zeros((g_pad,), jnp.float32)
+  init = (jnp.zeros((g_pad, dv_pad), jnp.float32), jnp.full((g_pad,), -jnp.inf, jnp.float32),
+          jnp.zeros((g_pad,), jnp.float32))                         # acc, m, l
   if lookahead:
     blk0, row00 = lookup(begin)
-    init = (acc0, m0, l0, blk0) + ((row00,) if paged else ())
-  else:
-    init = (acc0, m0, l0)
+    init += (blk0,) + ((row00,) if paged else ())
   lo, hi = (begin, end) if bps == 1 else (0, pl.cdiv(end - begin, bps))
   acc, m, l = jax.lax.fori_loop(lo, hi, body, init)[:3]
   if unified:                          # unnormalised sums against m_hat, and the max logit
@@ -225,14 +195,11 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   plgpu.store(lse_ref.at[b, split, q_rows], lse, mask=row_ok)
   if not merge:
     return
-  # Arrival: the split whose increment brings the counter of (b, h) to num_splits merges all
-  # partials of the group. Memory order: the atomic is acq_rel at GPU scope but Triton issues
-  # a scalar atomic from one thread, so every thread's partial stores must be ordered before
-  # it by a CTA barrier. ``arrived`` (= 1) is a reduction over the whole [g_pad, dv_pad] tile,
-  # which spans all warps and therefore passes through shared memory and a barrier placed
-  # after the stores above; the increment depends on it, so the barrier cannot be dropped or
-  # moved past the atomic. The winner reads the partials after the atomic's result has been
-  # broadcast to its threads (shared memory + barrier), so its loads follow the acquire.
+  # The split whose increment brings the counter of (b, h) to num_splits merges the partials.
+  # Memory order: the atomic (acq_rel, GPU scope) is issued by one thread, so every thread's
+  # stores must precede it by a CTA barrier: ``arrived`` (= 1) reduces the whole [g_pad, dv_pad]
+  # tile across all warps (shared memory + a barrier after the stores) and the increment depends
+  # on it. The winner's loads follow the atomic's broadcast result, hence the acquire.
   tile = row_ok[:, None] & (vcols < head_dim_v)[None, :]             # [g_pad, dv_pad]
   arrived = jnp.minimum(jnp.sum(tile.astype(jnp.int32)), 1)
   ticket = plgpu.atomic_add(arr_ref, (b, h), arrived)
@@ -245,12 +212,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
 
 
 def _split_share(n_slots, num_splits, bps):
-  """List slots per split (whole steps of ``bps`` blocks) when num_splits share n_slots.
-
-  Example:
-    >>> _split_share(389, 16, 1), _split_share(389, 16, 2)
-    (25, 26)
-  """
+  """List slots per split, in whole steps of ``bps`` blocks (389 over 16: 25; 26 with bps 2)."""
   if bps == 1:
     return pl.cdiv(n_slots, num_splits)
   return pl.cdiv(pl.cdiv(n_slots, bps), num_splits) * bps
@@ -258,10 +220,8 @@ def _split_share(n_slots, num_splits, bps):
 
 def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, programs_per_core=2,
                        min_blocks_per_split=4):
-  """Splits per (batch, kv head) for the sparse decode kernel.
-
-  About ``programs_per_core`` programs per multiprocessor, with at least
-  ``min_blocks_per_split`` selected blocks per split.
+  """Splits per (batch, kv head) for the sparse decode kernel: about ``programs_per_core``
+  programs per multiprocessor, at least ``min_blocks_per_split`` selected blocks per split.
 
   Args:
     batch, kv_heads: the call's batch and kv heads.
@@ -327,10 +287,10 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
       split_stride=int(split_stride), blocks_per_step=int(blocks_per_step),
       prefetch_ids=bool(prefetch_ids), len_group=int(lengths_group), unified=m_hat is not None,
       masked=active is not None)
+  args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
   if counts is None:
     kernel = functools.partial(_no_counts, kernel)
-  args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
-  if counts is not None:
+  else:
     args.append(counts.astype(jnp.int32))
   args += [q, k, v]
   if paged:
@@ -352,7 +312,7 @@ def _no_counts(kernel, lens_ref, idx_ref, *refs):
 
 
 def _compiler_params():
-  return compat.triton_compiler_params(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+  return compat.triton_compiler_params(num_warps=4, num_stages=3)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "num_splits", "scale",
@@ -386,9 +346,9 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     active: None or int32 [batch, num_splits, kv_heads]: programs at 0 read nothing.
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32);
-    empty splits hold 0 and -inf. With ``m_hat``: (acc, l, mx), the unnormalised sums of
-    exp(s - m_hat) * v and exp(s - m_hat) and each split's max logit.
+    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32),
+    0 and -inf for empty splits. With ``m_hat``: (acc, l, mx), the sums of exp(s - m_hat) * v
+    and exp(s - m_hat) and each split's max logit.
 
   Example:
     >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))
@@ -403,10 +363,8 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
       num_splits=num_splits, scale=scale, merge=False, split_stride=1,
       blocks_per_step=blocks_per_step, prefetch_ids=prefetch_ids, lengths_group=lengths_group,
       m_hat=m_hat, active=active)
-  out_shape = [jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),
-               jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32)]
-  if m_hat is not None:
-    out_shape.append(jax.ShapeDtypeStruct((bsz, num_splits, hq), jnp.float32))
+  o, part = (jax.ShapeDtypeStruct((bsz, num_splits, hq) + t, jnp.float32) for t in ((dv,), ()))
+  out_shape = [o, part, part] if m_hat is not None else [o, part]            # o, lse (, mx)
   return tuple(pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
                               compiler_params=_compiler_params(), interpret=interpret,
                               name="jattn_sparse_decode")(*args))
@@ -419,10 +377,8 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
                   block_size, num_splits, scale=None, out_dtype=None, blocks_per_step=1,
                   prefetch_ids=False, merge_kernel=False, lengths_group=1, interpret=False,
                   _split_stride=1):
-  """Decode attention over each kv head's selected cache blocks, splits merged (Triton).
-
-  By default the split that arrives last on a (batch, kv head) atomic counter merges the
-  partials by log-sum-exp (one launch); ``merge_kernel`` uses a second kernel.
+  """Decode attention over each kv head's selected cache blocks, splits merged (Triton): by
+  the split that arrives last on a (batch, kv head) atomic counter, or a second kernel.
 
   Args:
     q, k, v, kv_lengths, indices, page_table, counts, block_size, num_splits, scale,
@@ -430,7 +386,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
       :func:`sparse_decode_partials`.
     arrivals: None or int32 [batch, kv_heads] zeros: the arrival counters (None: a memset).
     out_dtype: dtype of the output (default q.dtype).
-    merge_kernel: merge the splits in a second kernel. The same arithmetic.
+    merge_kernel: merge the splits in a second kernel (the same arithmetic).
     _split_stride: tests only: program s handles split (s * stride) % num_splits.
 
   Returns:

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import compat
 from pallas_kernels.common.util import next_pow2
 from pallas_kernels.decode.triton import load_group_query
-from pallas_kernels.sparse.decode import check_lengths, length_row
+from pallas_kernels.sparse.decode import check_lengths, default_num_splits, length_row
 from pallas_kernels.sparse.topk import INT_MIN, bit_search, total_order_key
 
 __all__ = ["decode_block_scores", "select_decode_slots", "score_select_decode_slots",
@@ -55,54 +55,44 @@ def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
 
 
 # ----------------------------------------------------------------------------- scores
-def _group_query_sum(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
-  """fp32 [d_pad] sum of kv head h's GQA group of queries (padded rows and columns 0), the
-  column ids and mask, and the [g_pad, d_pad] mask of the group's real query entries."""
+def _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split, *, chunks_per_split, chunk,
+                 group, g_pad, head_dim, d_pad, block, num_blocks, len_group=1):
+  """Scores of chunks split * chunks_per_split .. + chunks_per_split - 1 of (b, h)'s blocks
+  (``chunk`` blocks each, one [chunk, d_pad] load of the key sums) into s_ref: the group's summed
+  queries . key sum / max(count, 1), fp32 (sequence b's summary length is slen[b // len_group]).
+  Returns ``arrived`` (= 1), the value to count the arrival with.
+
+  Memory order (as in ``sparse_decode``'s merge): the selection reads scores stored by other
+  threads (and programs). ``arrived`` reduces the whole [g_pad, d_pad] query tile across all
+  warps (shared memory + a CTA barrier after the score stores); the atomic (acq_rel, GPU scope)
+  increment depends on it and the selection's loads follow the atomic's broadcast result."""
   q, (_, cols, _, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   qsum = jnp.sum(q.astype(jnp.float32), axis=0)                      # [d_pad], padded rows 0
-  return qsum, cols, col_ok, q_mask
+  for i in range(chunks_per_split):
+    c = split * chunks_per_split + i
+    rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)            # [chunk] block ids
+    row_ok = rows < num_blocks
+    mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
+    sums = plgpu.load(sums_ref.at[b, rows[:, None], h, cols[None, :]], mask=mask, other=0.0)
+    dots = jnp.sum(sums.astype(jnp.float32) * qsum[None, :], axis=1)  # [chunk] fp32
+    length = plgpu.load(slen_ref.at[length_row(b, len_group)])
+    cnt = jnp.clip(length - rows * block, 0, block)
+    plgpu.store(s_ref.at[b, h, rows], dots / jnp.maximum(cnt, 1).astype(jnp.float32),
+                mask=row_ok)
+  return jnp.minimum(jnp.sum(q_mask.astype(jnp.int32)), 1)
 
 
-def _chunk_scores(slen_ref, sums_ref, b, h, c, qsum, cols, col_ok, *, block, chunk,
-                  num_blocks, len_group=1):
-  """Scores of blocks c * chunk .. c * chunk + chunk - 1: (block ids [chunk], in range
-  [chunk], fp32 scores [chunk]); one [chunk, d_pad] load of the key sums. The summary length
-  of sequence b is slen[b // len_group]."""
-  rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)              # [chunk] block ids
-  row_ok = rows < num_blocks
-  mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
-  s = plgpu.load(sums_ref.at[b, rows[:, None], h, cols[None, :]], mask=mask, other=0.0)
-  dots = jnp.sum(s.astype(jnp.float32) * qsum[None, :], axis=1)      # [chunk] fp32
-  length = plgpu.load(slen_ref.at[length_row(b, len_group)])
-  cnt = jnp.clip(length - rows * block, 0, block)
-  return rows, row_ok, dots / jnp.maximum(cnt, 1).astype(jnp.float32)
-
-
-def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, *, block, chunk, group, g_pad, head_dim,
-                  d_pad, num_blocks, len_group=1):
-  """One (batch, kv head, chunk) program.
-
-  Refs: slen [B / len_group] (positions summarised); q [B, Hq, D]; sums [B, N, Hk, D] fp32;
-  output scores [B, Hk, N] fp32.
-  """
-  b = pl.program_id(0)
-  h = pl.program_id(1)
-  c = pl.program_id(2)
-  qsum, cols, col_ok, _ = _group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
-                                           head_dim=head_dim, d_pad=d_pad)
-  rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h, c, qsum, cols, col_ok,
-                                       block=block, chunk=chunk, num_blocks=num_blocks,
-                                       len_group=len_group)
-  plgpu.store(o_ref.at[b, h, rows], scores, mask=row_ok)
+def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, **kw):
+  """One (batch, kv head, chunk) program. Refs: slen [B / len_group] (positions summarised);
+  q [B, Hq, D]; sums [B, N, Hk, D] fp32; output scores [B, Hk, N] fp32."""
+  _score_share(slen_ref, q_ref, sums_ref, o_ref, pl.program_id(0), pl.program_id(1),
+               pl.program_id(2), chunks_per_split=1, **kw)
 
 
 def _check_score_inputs(q, sums):
-  """Checks q [batch, q_heads, head_dim] against the block sums.
-
-  Returns (batch, kv_heads, num_blocks, head_dim, group, chunk): chunk, the blocks per score
-  tile, is ``SCORE_CHUNK`` clipped to ``next_pow2(num_blocks, minimum=16)``.
-  """
+  """Checks q [batch, q_heads, head_dim] against the block sums; returns (batch, kv_heads,
+  num_blocks, head_dim, group, chunk), chunk = blocks per score tile."""
   bsz, hq, d = q.shape
   _, nb, hk, ds = sums.shape
   if ds != d or hq % hk or sums.shape[0] != bsz:
@@ -182,13 +172,10 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
   return j, keep
 
 
-def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, nb_pad,
-                 num_init, num_local, top_k, width, len_group):
+def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, width, **flags):
   """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
   selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h]."""
-  j, keep = _keep_flags(len_ref, s_ref, b, h, block=block, num_blocks=num_blocks,
-                        nb_pad=nb_pad, num_init=num_init, num_local=num_local, top_k=top_k,
-                        len_group=len_group)
+  j, keep = _keep_flags(len_ref, s_ref, b, h, **flags)
   keep_i = keep.astype(jnp.int32)
   incl = jnp.cumsum(keep_i)                                          # [nb_pad]
   count = jnp.sum(keep_i)
@@ -200,14 +187,10 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, block, num_blocks, n
 
 
 def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, **sel):
-  """One (batch, kv head) program.
-
-  Refs: len [B / len_group] (query position + 1); scores [B, Hk, N] fp32; outputs idx
-  [B, Hk, width] int32, cnt [B, Hk] int32 and optionally arrival counters [B, Hk] int32 (set
-  to 0).
-  """
-  b = pl.program_id(0)
-  h = pl.program_id(1)
+  """One (batch, kv head) program. Refs: len [B / len_group] (query position + 1); scores
+  [B, Hk, N] fp32; outputs idx [B, Hk, width], cnt [B, Hk] and optionally the arrival
+  counters [B, Hk] (set to 0), int32."""
+  b, h = pl.program_id(0), pl.program_id(1)
   _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, **sel)
   if arr:                                      # zeroed counters for the merged decode kernel
     plgpu.store(arr[0].at[b, h], jnp.int32(0))
@@ -261,10 +244,8 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
   check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
                                      max_selected, lengths_group)
-  out_shape = [jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
-               jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
-  if return_arrivals:
-    out_shape.append(jax.ShapeDtypeStruct((bsz, hk), jnp.int32))
+  out_shape = ([jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32)]          # idx, cnt
+               + [jax.ShapeDtypeStruct((bsz, hk), jnp.int32)] * (2 if return_arrivals else 1))
   return pl.pallas_call(
       functools.partial(_select_kernel, **sel), out_shape=out_shape, grid=(bsz, hk),
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
@@ -273,29 +254,6 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
 
 
 # ----------------------------------------------------------------------------- fused
-def _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split, *, chunks_per_split, chunk,
-                 group, g_pad, head_dim, d_pad, block, num_blocks, len_group):
-  """Scores of score program ``split``'s share of (b, h)'s blocks into s_ref: chunks_per_split
-  tiles of ``chunk`` blocks, each the score kernel's program (the same loads and arithmetic,
-  so the same fp32 scores). Returns ``arrived`` (= 1), the value to count the arrival with.
-
-  Memory order (as in pallas_kernels.sparse.decode.sparse_decode's merge): a selection reads
-  scores stored by other threads of this program (and, with splits, by other programs).
-  ``arrived`` is a reduction over the whole [g_pad, d_pad] query tile, which spans all warps,
-  so it passes through shared memory and a CTA barrier placed after the score stores; an
-  atomic (acq_rel, GPU scope) increment by it depends on it, and the last program's selection
-  loads follow the atomic's broadcast result."""
-  qsum, cols, col_ok, q_mask = _group_query_sum(q_ref, b, h, group=group, g_pad=g_pad,
-                                                head_dim=head_dim, d_pad=d_pad)
-  for i in range(chunks_per_split):
-    rows, row_ok, scores = _chunk_scores(slen_ref, sums_ref, b, h,
-                                         split * chunks_per_split + i, qsum, cols, col_ok,
-                                         block=block, chunk=chunk, num_blocks=num_blocks,
-                                         len_group=len_group)
-    plgpu.store(s_ref.at[b, h, rows], scores, mask=row_ok)
-  return jnp.minimum(jnp.sum(q_mask.astype(jnp.int32)), 1)
-
-
 def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group, g_pad,
                          head_dim, d_pad, score_splits, chunks_per_split, split_stride,
                          **sel):
@@ -311,9 +269,7 @@ def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group
   else:
     s_ref, idx_ref, cnt_ref, *arr = rest
     arr_ref = arr[0] if arr else None
-  b = pl.program_id(0)
-  h = pl.program_id(1)
-  split = pl.program_id(2)
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if split_stride != 1:                  # tests: make a split other than S-1 arrive last
     split = (split * split_stride) % score_splits
   arrived = _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split,
@@ -333,9 +289,8 @@ def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group
 
 
 def default_score_splits(batch, kv_heads, num_blocks, *, core_count=None, programs_per_core=2):
-  """Score programs per (batch, kv head) of :func:`score_select_decode_slots`.
-
-  About ``programs_per_core`` programs per multiprocessor, at most one per score tile.
+  """Score programs per (batch, kv head) of :func:`score_select_decode_slots`: about
+  ``programs_per_core`` programs per multiprocessor, at most one per score tile.
 
   Args:
     batch, kv_heads, num_blocks: the call's batch, kv heads and cache blocks.
@@ -350,10 +305,9 @@ def default_score_splits(batch, kv_heads, num_blocks, *, core_count=None, progra
     >>> default_score_splits(64, 8, 2048, core_count=132)
     1
   """
-  cores = compat.gpu_core_count() if core_count is None else int(core_count)
-  want = -(-int(programs_per_core) * cores // max(1, batch * kv_heads))
-  n_chunks = -(-int(num_blocks) // min(SCORE_CHUNK, next_pow2(num_blocks, minimum=16)))
-  return int(max(1, min(want, n_chunks)))
+  chunk = min(SCORE_CHUNK, next_pow2(num_blocks, minimum=16))        # blocks per score tile
+  return default_num_splits(batch, kv_heads, num_blocks, core_count=core_count,
+                            programs_per_core=int(programs_per_core), min_blocks_per_split=chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "top_k", "num_init_blocks",
@@ -367,22 +321,18 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
   """:func:`decode_block_scores` and :func:`select_decode_slots` in one launch.
 
   Grid (batch, kv head, score split): each program scores its share into an HBM scratch; the
-  split that arrives last on a per-(batch, kv head) atomic counter selects and resets the
-  counter to 0. The same scores and selection as the two kernels, to the bit.
+  last to arrive on a (batch, kv head) atomic counter selects and resets the counter to 0.
+  The same scores and selection as the two kernels, to the bit.
 
   Args:
-    q: [batch, q_heads, head_dim].
-    sums: fp32 [batch, num_blocks, kv_heads, head_dim] (``BlockSummaries.sums``).
-    summary_lengths: int32 [batch / lengths_group] (``BlockSummaries.lengths``).
-    kv_lengths: int32 [batch / lengths_group], including the new token.
-    block_size: positions per block.
-    top_k, num_init_blocks, num_local_blocks, max_selected: as :func:`select_decode_slots`.
+    q, sums, summary_lengths, block_size, interpret, lengths_group: as
+      :func:`decode_block_scores`.
+    kv_lengths, top_k, num_init_blocks, num_local_blocks, max_selected: as
+      :func:`select_decode_slots`.
     score_splits: score programs per (batch, kv head); default :func:`default_score_splits`.
       Rounded so that every split has at least one score tile.
     return_arrivals: also return the zeroed int32 [batch, kv_heads] arrival counters.
     return_scores: also return the fp32 [batch, kv_heads, num_blocks] scores.
-    interpret: run in the Pallas interpreter (CPU tests).
-    lengths_group: as :func:`decode_block_scores`.
     _split_stride: tests only: program s scores split (s * stride) % score_splits.
 
   Returns:
@@ -429,9 +379,5 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
       kernel, out_shape=out_shape, grid=(bsz, hk, splits), input_output_aliases=aliases,
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
       interpret=interpret, name="jattn_sparse_decode_score_select")(*args)
-  out = (res[1], res[2])
-  if return_arrivals:
-    out += (res[3],)
-  if return_scores:
-    out += (res[0],)
-  return out
+  return (res[1], res[2]) + ((res[3],) if return_arrivals else ()) + (
+      (res[0],) if return_scores else ())

@@ -1,36 +1,26 @@
 """Top-K block-sparse decode for TPU (Pallas Mosaic), contiguous and paged caches.
 
-Grid (batch, kv head, slot). The selection (``jattn.sparse.select_decode_blocks``, in XLA)
-gives every (batch, kv head) its own list of kept cache blocks, ``indices[b, h, :]`` (valid ids
-first, then -1), and ``counts[b, h]``. Both, the sequence lengths and (paged) the page table are
-scalar-prefetched into SMEM, and the K/V BlockSpec index maps read them: step ``j`` of program
-(b, h) DMAs block ``indices[b, h, j]`` (through ``page_table[b, .]`` for a paged cache, where a
-block is a page) and nothing else, so the kernel reads only the kept blocks. Slots past the
-count repeat the last kept block's index (Pallas skips a DMA whose block index did not change)
-and skip the compute under ``pl.when``; an empty list (count 0) maps to block 0, a valid block,
-so no index map ever points outside the cache.
+Grid (batch, kv head, slot). The XLA selection (``jattn.sparse.select_decode_blocks``) gives each
+(batch, kv head) a list of kept blocks ``indices[b, h, :]`` (valid ids first, then -1) and
+``counts[b, h]``; these, the lengths and (paged) the page table are scalar-prefetched, and the
+K/V index maps read them, so step ``j`` DMAs only block ``indices[b, h, j]``. Slots past the
+count repeat the last kept block's index (Pallas skips a DMA whose block index is unchanged)
+and skip the compute; an empty list maps to block 0, so no index map points outside the cache.
 
-The slot axis is "arbitrary": an online softmax over the GQA group's query rows ([g_pad, D], the
-group padded to a multiple of 8 sublanes, 16 for 16-bit caches, as in the dense kernel
-``pallas_kernels.decode.mosaic_tpu``) runs in fp32 VMEM scratch (m, l [g_pad, 128 lanes], acc
-[g_pad, Dv]); the last step writes out [g_pad, Dv] in q's dtype and the lane-broadcast lse.
-Keys at positions >= length (inside the last kept block, or past the end of the cache) get
--inf logits and their V rows are zeroed (spare pages may hold NaN). A row with no visible key
+The slot axis is "arbitrary": an fp32 online softmax over the GQA group's query rows ([g_pad, D],
+padded as in ``pallas_kernels.decode.mosaic_tpu``) in VMEM scratch. Keys at positions >= length
+get -inf logits and their V rows are zeroed (spare pages may hold NaN); a row with no visible key
 returns 0 and lse -inf.
 
-Two DMA layouts, chosen from the shapes (both read each kept block with one DMA per K and V):
+Two DMA layouts (both one DMA per kept block of K and of V):
 
 * one head's lanes (``kv_heads == 1``, or head_dim and head_dim_v multiples of 128): the cache is
-  viewed as ``[.., tokens, kv_heads * D]`` and a block is ``[block_size, D]`` at lane-block h, so
-  exactly the kept bytes of this kv head are read;
-* all heads' rows (other head dims, e.g. 72 or 64 with several kv heads, where a [.., D] lane
-  slice of ``kv_heads * D`` is not 128-aligned): the block is ``[block_size * kv_heads, D]``
-  (row ``t * kv_heads + h``, the dense kernel's layout) and head h's rows are taken with the
-  dense kernel's strided sublane load. This reads the block of every kv head, kv_heads times
-  the kept bytes: correct, but for speed prefer 128-multiple head dims.
+  viewed as ``[.., tokens, kv_heads * D]`` and a block is ``[block_size, D]`` at lane-block h;
+* all heads' rows (other head dims, where a [.., D] lane slice is not 128-aligned): the block is
+  ``[block_size * kv_heads, D]`` (row ``t * kv_heads + h``) and head h's rows are taken by a
+  strided sublane load: kv_heads times the kept bytes, so prefer 128-multiple head dims.
 
-Values may be narrower than keys (MLA): V blocks, the accumulator and the output carry V's own
-head_dim_v.
+V may be narrower than K (MLA): V blocks, the accumulator and the output use head_dim_v.
 """
 from __future__ import annotations
 
@@ -68,19 +58,6 @@ def head_lanes_layout(kv_heads, head_dim, head_dim_v):
   return kv_heads == 1 or (head_dim % LANES == 0 and head_dim_v % LANES == 0)
 
 
-def _slot(cnt_ref, b, h, j, *, kv_heads, num_slots):
-  """(count, slot): the (b, h) list's clamped count and the slot step j reads (slots past the
-  count reread the last kept one, so their block index repeats and no DMA is issued)."""
-  count = jnp.clip(cnt_ref[b * kv_heads + h], 0, num_slots)
-  return count, jnp.maximum(jnp.minimum(j, count - 1), 0)
-
-
-def _block_id(idx_ref, cnt_ref, b, h, j, *, kv_heads, num_slots, num_blocks):
-  """The cache block step j of (b, h) reads, always inside [0, num_blocks)."""
-  _, s = _slot(cnt_ref, b, h, j, kv_heads=kv_heads, num_slots=num_slots)
-  return jnp.clip(idx_ref[(b * kv_heads + h) * num_slots + s], 0, num_blocks - 1)
-
-
 def _kernel(lens_ref, idx_ref, cnt_ref, *refs, scale, block, kv_heads, num_slots, capacity,
             head_rows, paged):
   """refs: [page_table (SMEM),] q [g_pad, D], k [block (* Hk), D], v [block (* Hk), Dv];
@@ -90,7 +67,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, *refs, scale, block, kv_heads, num_slots
     refs = refs[1:]                                                 # the table feeds index maps
   q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
   b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  count, _ = _slot(cnt_ref, b, h, j, kv_heads=kv_heads, num_slots=num_slots)
+  count = jnp.clip(cnt_ref[b * kv_heads + h], 0, num_slots)
   blk = idx_ref[(b * kv_heads + h) * num_slots + jnp.minimum(j, num_slots - 1)]
 
   pl.when(j == 0)(lambda: init_softmax(m_ref, l_ref, acc_ref))
@@ -139,16 +116,15 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
     q: [batch, q_heads, head_dim].
     k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page pool
       [num_pages, block_size, kv_heads, head_dim]; fp32, bf16 or fp16.
-    v: like ``k`` with its own last dim head_dim_v (may be narrower, e.g. MLA), k's dtype.
+    v: like ``k`` (same dtype) with its own last dim head_dim_v (e.g. narrower for MLA).
     kv_lengths: int [batch]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: kept block ids (any order) in the first
       ``counts`` slots, -1 after them (``jattn.sparse.select_decode_blocks``'s lists).
     counts: None (the number of non-negative entries) or int32 [batch, kv_heads].
     page_table: None or int32 [batch, max_pages]: block j of sequence b is page
       ``page_table[b, j]`` (clamped into range; entries of unkept blocks are never read).
-    block_size: tokens per block (the page size when paged); a multiple of 8 (16 for 16-bit
-      caches) rows per DMA: ``block_size`` (one head's lanes) or ``block_size * kv_heads`` (all
-      heads' rows, see :func:`head_lanes_layout`).
+    block_size: tokens per block (the page size when paged); the rows per DMA, ``block_size``
+      or ``block_size * kv_heads`` (:func:`head_lanes_layout`), a multiple of 8 (16-bit: 16).
     scale: logit scale, default 1/sqrt(head_dim).
     interpret: run in the TPU interpreter (``pltpu.InterpretParams()``) on CPU.
 
@@ -167,7 +143,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
   check_partials_args(q, k, v, jnp.asarray(kv_lengths), 1)
   bsz, hq, d = q.shape
   dv = v.shape[-1]
-  rows0, hk = k.shape[1], k.shape[2]
+  rows0, hk = k.shape[1:3]
   if hq % hk:
     raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk})")
   if jnp.dtype(k.dtype).itemsize not in (2, 4) or v.dtype != k.dtype:
@@ -212,12 +188,13 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
   v3 = v.reshape(v.shape[0], rows, heads * dv)
   prefetch = [jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, capacity),
               indices.reshape(-1), counts.astype(jnp.int32).reshape(-1)]
-  blk_kw = dict(kv_heads=hk, num_slots=num_slots, num_blocks=num_blocks)
   if paged:
     prefetch.append(jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1))
 
   def kv_index(b, h, j, lens_ref, idx_ref, cnt_ref, *table_ref):
-    blk = _block_id(idx_ref, cnt_ref, b, h, j, **blk_kw)
+    count = jnp.clip(cnt_ref[b * hk + h], 0, num_slots)
+    s = jnp.maximum(jnp.minimum(j, count - 1), 0)      # past the count: the last kept slot
+    blk = jnp.clip(idx_ref[(b * hk + h) * num_slots + s], 0, num_blocks - 1)
     if paged:
       return (table_ref[0][b, blk], 0, h if lanes else 0)
     return (b, blk, h if lanes else 0)
