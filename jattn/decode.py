@@ -50,8 +50,7 @@ class DecodeConfig:
   Attributes:
     num_splits: parts each sequence's visible keys are split into (None with a schedule).
     block_sizes: the kernel's ``DecodeBlockSizes``, None for "xla".
-    merge: how the splits are merged: "pallas" ("triton") or "xla" (``merge_partials``); a
-      schedule's units are merged by row (the same kernel, or ``merge_partials_by_row``).
+    merge: how splits (or a schedule's units, by row) are merged: "pallas" or "xla".
     softmax: "exact" or "unified_max" (``jattn.decode_serving``).
     max_units: the schedule's unit count, None for splits.
 
@@ -70,9 +69,8 @@ def resolve_decode_implementation(implementation=None, *, platform=None):
   """The implementation the decode ops run for a request.
 
   Args:
-    implementation: None, one of ``IMPLEMENTATIONS``, or "mosaic_gpu" (the Hopper flash
-      kernel's name, e.g. a layer's implementation), which decodes with "triton": there is no
-      Mosaic GPU decode kernel.
+    implementation: None, one of ``IMPLEMENTATIONS``, or "mosaic_gpu" (the Hopper flash kernel,
+      e.g. a layer's implementation; it decodes with "triton").
     platform: "cpu", "gpu" or "tpu"; default: jax's default backend.
 
   Returns:
@@ -85,17 +83,15 @@ def resolve_decode_implementation(implementation=None, *, platform=None):
   if implementation == "mosaic_gpu":
     return "triton"
   check_implementation(implementation, IMPLEMENTATIONS)
-  if implementation is not None:
-    return implementation
-  return {"gpu": "triton", "tpu": "mosaic_tpu"}.get(platform or compat.default_backend(), "xla")
+  return implementation or {"gpu": "triton", "tpu": "mosaic_tpu"}.get(
+      platform or compat.default_backend(), "xla")
 
 
 def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=None, *,
                        head_dim=128, dtype=jnp.bfloat16):
-  """The split count used when ``num_splits=None``.
-
-  "triton": ``pallas_kernels.decode.triton.default_num_splits`` (about two programs per
-  multiprocessor); "xla" and "mosaic_tpu": 1.
+  """The split count used when ``num_splits=None``: for "triton"
+  ``pallas_kernels.decode.triton.default_num_splits`` (about two programs per multiprocessor),
+  else 1.
 
   Args:
     implementation: a resolved implementation name.
@@ -131,11 +127,10 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
                       min_page_size=MIN_PAGE_SIZE):
   """Validates a decode call (contiguous, or paged with ``page_table``).
 
-  Concrete ``kv_lengths`` outside [0, capacity] and page ids outside [0, num_pages) among the
-  pages a sequence uses raise ValueError naming the entry. Traced values are not checked
-  (except inside :func:`jattn.debug_checks`); every implementation then clamps lengths to [0,
-  capacity] (a negative length gives 0 output and -inf lse) and page ids to [0, num_pages - 1]
-  (reads stay inside the pool), so all give the same result.
+  Concrete ``kv_lengths`` outside [0, capacity] and used page ids outside [0, num_pages) raise
+  ValueError naming the entry. Traced values are not checked (except inside
+  :func:`jattn.debug_checks`); every implementation then clamps lengths to [0, capacity] (a
+  negative length gives 0 output and -inf lse) and page ids to [0, num_pages - 1].
 
   Args:
     q, k, v: the call's query and caches (or page pools) in ``kv_layout``.
@@ -211,9 +206,7 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
                 implementation=None, interpret=False, block_sizes=None, softmax="exact",
                 max_estimate=None, schedule=None):
   """What :func:`decode_attention` (or, with ``page_table``, :func:`paged_decode_attention`)
-  runs for these arguments.
-
-  Each config field comes from its explicit argument, else the kernel's defaults and
+  runs for these arguments: explicit arguments, else the kernel's defaults and
   :func:`default_num_splits`; the merge is "pallas" for "triton", else "xla".
 
   Args:
@@ -331,9 +324,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
                            max_estimate=None, schedule=None):
   """Decode attention over a paged KV cache (continuous batching, vLLM-style page table).
 
-  ``kv_layout`` "nhd" pages are [page_size, kv_heads, head_dim]; "hnd" (head-major) pages are
-  [kv_heads, page_size, head_dim], run as a free reshape to batch * kv_heads sequences of one
-  kv head (page p of kv head h becomes page p * kv_heads + h).
+  Head-major ("hnd") pages run as a free reshape to batch * kv_heads one-head sequences (page p
+  of kv head h becomes page p * kv_heads + h).
 
   Args:
     q: [batch, q_heads, head_dim].

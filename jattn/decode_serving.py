@@ -1,19 +1,17 @@
 """Serving-grade decode: length-balanced work schedules and the unified-max softmax.
 
 A :class:`DecodeSchedule` partitions every sequence's visible keys into *units* of about equal
-size (whole kernel blocks), computed once per batch composition with jnp (traced lengths work
-under jit; the number of units is static). The kernel runs one program per (unit, kv head), so
-a batch of mixed lengths gives programs of equal work that finish together, and the partials
-are merged by row (a row's units are contiguous: one merge program per row and head).
+size (whole kernel blocks), computed with jnp once per batch composition (lengths may be traced;
+the unit count is static). The kernel runs one program per (unit, kv head), so mixed lengths
+give programs of equal work; a row's units are contiguous and merged by row.
 
 ``softmax="unified_max"`` computes every partial against one shared estimate ``m_hat`` per
 (row, query head) instead of its own running max: no rescaling in the loop, and the merge is a
-plain sum (out = sum acc / sum l, lse = m_hat + log sum l). A partial whose max logit exceeds
-``m_hat + UNIFIED_MARGIN`` (exp could overflow), or a row whose max logit is below
-``m_hat - UNIFIED_MARGIN`` (exp could underflow), is recomputed by the exact kernel (only the
-flagged programs run), so the result always equals the exact path's. The default estimate is the
-logit of each row's newest key (always visible): a lower bound of the row max, so only an
-overshoot can trigger the recompute.
+plain sum (out = sum acc / sum l, lse = m_hat + log sum l). Partials whose max logit exceeds
+``m_hat + UNIFIED_MARGIN`` (exp could overflow), or rows whose max is below
+``m_hat - UNIFIED_MARGIN`` (underflow), are recomputed by the exact kernel (only the flagged
+programs), so the result equals the exact path's. The default estimate, each row's newest-key
+logit, is a lower bound of the row max.
 """
 from __future__ import annotations
 
@@ -69,10 +67,9 @@ class DecodeSchedule:
 
 
 def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
-  """Split each sequence's visible key blocks into units of at most ``per`` blocks, with
-  ``per`` the smallest of ceil(total / max_units) and ceil(total / (max_units - batch)) that
-  keeps the unit count within ``max_units`` and each sequence's within the Pallas merge's
-  ``MAX_ROW_PARTIALS`` (jnp, no loop; lengths may be traced).
+  """Split each sequence's visible key blocks into units of at most ``per`` blocks: the smaller
+  of ceil(total / max_units) and ceil(total / (max_units - batch)) that keeps the unit count
+  within ``max_units`` and each sequence's within ``MAX_ROW_PARTIALS`` (jnp; traceable).
 
   Args:
     kv_lengths: int [batch] (clamped to [0, capacity]); the query sits at length - 1.
@@ -113,8 +110,8 @@ def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
 
 def default_max_units(implementation, batch, kv_heads, *, core_count=None):
   """Units of a schedule when ``max_units=None``: for "triton" batch + ceil(4 x
-  multiprocessors / kv_heads) (each sequence may leave one short unit; the rest fill about four
-  programs per multiprocessor), else 2 x batch.
+  multiprocessors / kv_heads) (one short unit per sequence, then ~4 programs per
+  multiprocessor), else 2 x batch.
 
   Args:
     implementation, batch, kv_heads: the plan's; batch counts sequences (x kv_heads for "hnd").
@@ -212,14 +209,13 @@ def check_serving_args(q, softmax, max_estimate, schedule, num_splits, sequences
 
 
 def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_soft_cap=None):
-  """fp32 [batch, q_heads]: each query head's logit (after scale and soft cap) of its
-  sequence's newest key (position length - 1, always visible; [batch, max_len, kv_heads, d]
-  cache, or a page pool with ``page_table``): the default ``max_estimate``, a lower bound of
-  the row max. Length-0 rows read key 0 (their estimate is never used).
+  """Each query head's logit (after scale and soft cap) of its sequence's newest key (position
+  length - 1): the default ``max_estimate``, a lower bound of the row max. Length-0 rows read
+  key 0 (their estimate is never used).
 
   Args:
-    q, k_cache, kv_lengths, page_table: as in the decode call; scale, logits_soft_cap: its
-      resolved options.
+    q, k_cache, kv_lengths, page_table: as in the decode call (contiguous cache or page pool);
+      scale, logits_soft_cap: its resolved options.
 
   Returns:
     fp32 [batch, q_heads].
@@ -245,18 +241,9 @@ def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_
 def run_decode(partials, q, kv_heads, m_hat, schedule, *, softmax, merge, interpret):
   """Partials -> (out [batch, q_heads, dv] in q.dtype, lse fp32), inside the call's jit.
 
-  Args:
-    partials: ``f(m_hat=None, active=None)`` -> the kernel's partials (leading [P0, P1]).
-    q: [batch, q_heads, head_dim] (batch: the sequences).
-    kv_heads: kv heads per sequence.
-    m_hat: fp32 [batch, q_heads] (unified max) or None.
-    schedule: None (split partials [batch, splits]) or the :class:`DecodeSchedule` ([1, U]).
-    softmax: "exact" or "unified_max".
-    merge: the plan's split merge, "pallas" or "xla".
-    interpret: Pallas interpret mode (the merge kernel).
-
-  Returns:
-    (out, lse).
+  ``partials(m_hat=None, active=None)`` gives the kernel's partials (leading [batch, splits], or
+  [1, U] with a ``schedule``); q is [batch, q_heads, head_dim]; m_hat fp32 [batch, q_heads] for
+  "unified_max", else None; ``merge`` is the plan's, "pallas" or "xla".
   """
   b, hq, _ = q.shape
   if schedule is None:

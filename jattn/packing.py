@@ -4,16 +4,14 @@ Best-Fit-Decreasing (BFD) packing (Ding et al., "Fewer Truncations Improve Langu
 ICML 2024) keeps every document no longer than the row whole; with segment ids
 (``flash_attention(..., segment_ids=...)``) no token attends across documents.
 
-* ``pack_bfd(lengths, max_len)`` -> ``PackPlan``: which chunk of which document goes to which
-  row at which offset (documents longer than ``max_len`` are cut into chunks).
-* ``TokenStore`` + ``materialize(plan, store, rows)`` -> ``PackedBatch``: tokens, segment ids
-  (1-based per row, 0 = padding), positions and loss weights for rows of a plan.
+* ``pack_bfd(lengths, max_len)`` -> ``PackPlan``: where each document chunk goes.
+* ``TokenStore`` + ``materialize(plan, store, rows)`` -> ``PackedBatch`` of rows of a plan.
 * ``segments_from_lengths(doc_lengths, max_len)``: segment ids and positions under ``jax.jit``.
 * ``PackedIterator``: shuffled, epoch-aware, seeded batches, resumable from a small state dict.
 
-``pack_bfd`` buckets chunks by length (counting sort) and finds the best-fit bin with a segment
-tree over capacities, placing runs of equal-length chunks per query; the result is exactly
-sequential BFD up to ties between bins of equal capacity (docs/packing.md).
+``pack_bfd`` finds the best-fit bin with a segment tree over capacities, placing runs of
+equal-length chunks per query: exactly sequential BFD up to ties between bins of equal capacity
+(docs/packing.md).
 """
 from __future__ import annotations
 
@@ -103,38 +101,14 @@ class PackPlan:
     return float(self.chunk_lengths.sum()) / (self.num_bins * self.max_len)
 
 
-def _check_lengths(lengths) -> np.ndarray:
-  arr = np.asarray(lengths)
-  if arr.ndim != 1:
-    raise ValueError(f"lengths must be a 1-D sequence, got shape {arr.shape}")
-  if arr.size and (arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer)):
-    raise ValueError(f"lengths must be integers, got dtype {arr.dtype}")
-  arr = arr.astype(np.int64)
-  if (arr < 0).any():
-    bad = int(np.flatnonzero(arr < 0)[0])
-    raise ValueError(f"lengths must be >= 0, got lengths[{bad}] = {int(arr[bad])}")
-  return arr
-
-
 def _ranks(c: np.ndarray) -> np.ndarray:
   """Each element's index within its group in ``np.repeat(x, c)`` (c: group sizes)."""
   return np.arange(int(c.sum()), dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
 
 
-def _chunk(lengths: np.ndarray, max_len: int):
-  """Cut documents into chunks of at most max_len: (doc_ids, chunk_starts, chunk_lengths)."""
-  n_chunks = -(-lengths // max_len)  # 0 for empty documents
-  doc_ids = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), n_chunks)
-  starts = _ranks(n_chunks) * max_len
-  return doc_ids, starts, np.minimum(max_len, lengths[doc_ids] - starts)
-
-
 class _CapacityTree:
-  """Segment tree over capacities 0..max_len: which capacities have at least one open bin.
-
-  A flat array tree (leaves at ``size + r``); a node is 1 iff some leaf below it is 1. Pure
-  Python lists: the packer calls it once per *run* of equal-length chunks, not once per chunk.
-  """
+  """Segment tree over capacities 0..max_len marking those with an open bin (leaves at
+  ``size + r``; a node is 1 iff a leaf below is). Pure Python: called once per run of chunks."""
 
   def __init__(self, max_len: int):
     self.size = 1 << max_len.bit_length()   # the smallest power of two > max_len
@@ -171,12 +145,11 @@ class _CapacityTree:
 
 
 def _bfd_runs(counts: np.ndarray, max_len: int):
-  """Best-Fit-Decreasing on chunk-length counts (int [max_len + 1], counts[L] = number of chunks
-  of length L >= 1) into bins of capacity ``max_len``, placing equal-length chunks in runs.
+  """BFD on chunk-length counts (counts[L]: chunks of length L) into bins of ``max_len``.
 
-  Returns (bin_ids, runs, num_bins): run j is a tuple (m, k, last, cap, length): it puts chunks of
-  ``length`` into m bins (the ids ``bin_ids[j]``), k chunks into each but the last, which gets
-  ``last``; those bins had ``cap`` free slots before the run (``max_len`` for new bins).
+  Returns (bin_ids, runs, num_bins): run j = (m, k, last, cap, length) puts k chunks of
+  ``length`` into each of m bins ``bin_ids[j]`` but the last, which gets ``last``; the bins had
+  ``cap`` free slots before (``max_len`` for new bins).
   """
   tree = _CapacityTree(max_len)
   levels: dict = {}  # levels[r]: ids of open bins with r free slots
@@ -201,8 +174,7 @@ def _bfd_runs(counts: np.ndarray, max_len: int):
       last = placed - (m - 1) * k
       bin_ids.append(ids)
       runs.append((m, k, last, r, length))
-      # The first m - 1 bins got k chunks and move to capacity r - k*length (< length), the last
-      # one to r - last*length. Capacity 0 means full: not tracked.
+      # The first m - 1 bins move to capacity r - k*length, the last to r - last*length (0: full).
       for nr, moved in ((r - k * length, ids[:m - 1]), (r - last * length, ids[m - 1:])):
         if nr > 0 and len(moved):
           tgt = levels.setdefault(nr, [])
@@ -235,23 +207,33 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   check_int("max_len", max_len)
   max_len = int(max_len)
   check_flags(split_long=split_long)
-  lengths = _check_lengths(lengths)
+  lengths = np.asarray(lengths)
+  if lengths.ndim != 1:
+    raise ValueError(f"lengths must be a 1-D sequence, got shape {lengths.shape}")
+  if lengths.size and (lengths.dtype == bool or not np.issubdtype(lengths.dtype, np.integer)):
+    raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}")
+  lengths = lengths.astype(np.int64)
+  if (lengths < 0).any():
+    bad = int(np.flatnonzero(lengths < 0)[0])
+    raise ValueError(f"lengths must be >= 0, got lengths[{bad}] = {int(lengths[bad])}")
   if not split_long and (lengths > max_len).any():
     bad = int(np.flatnonzero(lengths > max_len)[0])
     raise ValueError(f"document {bad} has {int(lengths[bad])} tokens > max_len={max_len} "
                      "and split_long=False")
-  doc_ids, starts, clen = _chunk(lengths, max_len)
+  n_chunks = -(-lengths // max_len)  # 0 for empty documents
+  doc_ids = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), n_chunks)
+  starts = _ranks(n_chunks) * max_len
+  clen = np.minimum(max_len, lengths[doc_ids] - starts)
   n = clen.shape[0]
   if n == 0:
     return PackPlan(*[np.zeros(0, np.int64)] * 5, 0, max_len, int(lengths.shape[0]))
-  # Counting sort, longest first (stable: equal lengths keep document order). numpy's stable
-  # sort on keys of <= 16 bits is a radix (counting) sort.
+  # Longest first, stable (numpy's stable sort on keys of <= 16 bits is a radix sort).
   key_dtype = np.uint16 if max_len < 2 ** 16 else np.uint32
   order = np.argsort((max_len - clen).astype(key_dtype), kind="stable")
   counts = np.bincount(clen, minlength=max_len + 1)
   bin_ids, runs, num_bins = _bfd_runs(counts, max_len)
-  # Expand runs to per-chunk bins and offsets (in the sorted order): an entry is one bin of a
-  # run, getting reps chunks of length rlen from column max_len - cap on.
+  # Runs -> per-chunk bins and offsets (sorted order): each bin of a run gets reps chunks of
+  # length rlen from column max_len - cap on.
   m, k, last, cap, rlen = np.asarray(runs, np.int64).reshape(-1, 5).T
   entry_bins = np.fromiter(itertools.chain.from_iterable(bin_ids), np.int64, int(m.sum()))
   reps = np.repeat(k, m)
@@ -542,7 +524,6 @@ class PackedIterator:
     if state is not None:
       self.set_state(state)
 
-  # --- planning ---
   def _epoch_plan(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
     if self._cache is not None and self._cache[0] == epoch:
       return self._cache[1:]
@@ -580,7 +561,6 @@ class PackedIterator:
     plan, _ = self._epoch_plan(self._epoch if epoch is None else epoch)
     return -(-plan.num_bins // self.batch_size)
 
-  # --- state ---
   def _fingerprint(self) -> list:
     lengths = self.store.lengths
     # Cheap content hash of the lengths: resuming on a different corpus must fail loudly.
@@ -620,7 +600,6 @@ class PackedIterator:
       raise ValueError(f"invalid state epoch={epoch} step={step}")
     self._epoch, self._step = epoch, step
 
-  # --- iteration ---
   def __iter__(self) -> Iterator[PackedBatch]:
     return self
 

@@ -7,15 +7,13 @@
   query and key head before RoPE.
 * Forward: "global"/"local" -> ``jattn.flash_attention`` (causal, local window); "sparse" ->
   ``jattn.sparse.sparse_attention``; "csa" -> ``jattn.nn.csa``. Packed inputs pass segment ids.
-* Decode: ``init_cache`` creates ``nnx.Cache`` variables; ``decode(x)`` appends t >= 1 tokens.
-  "global"/"sparse" keep ``max_len`` tokens, "local" a ring of ``window`` tokens, "csa"
-  compressed entries plus a raw ring. Single tokens run ``jattn.decode_attention`` (MLA layers
-  absorb the up-projections, ``Attention.absorbed_decode``) or, for "sparse",
+* Decode: ``init_cache`` creates ``nnx.Cache`` variables; ``decode(x)`` appends t >= 1 tokens
+  (all rows share one cache index). "global"/"sparse" keep ``max_len`` tokens, "local" a ring of
+  ``window`` tokens, "csa" compressed entries plus a raw ring. Single tokens run
+  ``jattn.decode_attention`` (MLA: absorbed, ``Attention.absorbed_decode``) or, for "sparse",
   ``jattn.sparse.sparse_decode_attention``; chunks run ``jattn.flash_attention`` over the cache.
-  All rows advance together (one shared cache index).
-* Cache layout (``kv_cache_layout``): "nhd" (default) [batch, slots, kv_heads, head_dim] or
-  "hnd" [batch, kv_heads, slots, head_dim] for "global", "sparse" and "local" layers (decoded
-  with ``kv_layout="hnd"``); MLA and "csa" layers raise ValueError with "hnd".
+* ``kv_cache_layout``: "nhd" [batch, slots, kv_heads, head_dim] or "hnd" [batch, kv_heads,
+  slots, head_dim] ("global", "sparse" and "local" layers only; not MLA or "csa").
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from flax import nnx
 
 from jattn import sparse
 from jattn._layout import KV_LAYOUTS
+from jattn._validate import is_traced
 from jattn.attention import flash_attention
 from jattn.context_parallel import context_parallel_attention, context_parallel_permute
 from jattn.decode import decode_attention, resolve_decode_implementation
@@ -36,8 +35,8 @@ from pallas_kernels.common.util import next_pow2, round_up
 
 # decode implementations that run absorbed MLA decode (any key width, narrower values).
 ABSORB_IMPLEMENTATIONS = ("xla", "triton", "mosaic_tpu")
-# Largest Triton query tile [pad16(heads), pow2(r + rope_head_dim)] absorbed decode may use
-# (larger tiles and their fp32 accumulators do not fit in registers).
+# Largest Triton query tile [pad16(heads), pow2(r + rope_head_dim)] for absorbed decode (larger
+# tiles and their fp32 accumulators do not fit in registers).
 TRITON_ABSORB_MAX_TILE = 16 * 256
 # MLA RoPE layers cache one array per token: [latent | rotated k_rope].
 MLA_ROPE_CACHE = "latent_k_rope"
@@ -90,8 +89,8 @@ class Attention(nnx.Module):
     d_model: model width.
     num_heads: query heads.
     num_kv_heads: key/value heads (GQA/MQA; with MLA, the heads keys/values are up-projected to).
-    head_dim: per-head width of queries/keys/values (with MLA: the non-RoPE part and the value
-      width; queries/keys then have ``head_dim + rope_head_dim`` channels).
+    head_dim: per-head width (MLA: the non-RoPE part and the value width; queries/keys have
+      ``head_dim + rope_head_dim`` channels).
     spec: the layer's ``LayerSpec`` (kind, window, RoPE base, sparsity, CSA settings).
     kv_lora_rank: None (plain GQA) or the MLA latent width.
     rope_head_dim: MLA only: width of the decoupled RoPE part of queries/keys (even, > 0).
@@ -102,10 +101,9 @@ class Attention(nnx.Module):
     interpret: run Pallas kernels in interpret mode (CPU tests).
     kv_cache_layout: "nhd" (default) or "hnd" (head-major K/V caches; not MLA or "csa").
     context_mesh, context_axis: None, or a mesh and the axis the sequence is split over: the
-      forward pass runs ``jattn.context_parallel_attention`` ("global"/"local" layers) or
+      forward runs ``jattn.context_parallel_attention`` ("global"/"local") or
       ``jattn.sparse_attention(..., mesh=...)`` ("sparse", gate "none", no distillation) on
-      sequences in zig-zag order (``jattn.context_parallel_permute``; default positions are the
-      permuted ones).
+      zig-zag ordered sequences (``jattn.context_parallel_permute``; default positions too).
     param_dtype: parameter dtype.
     dtype: computation dtype of the projections (None: from the inputs/params).
     rngs: ``nnx.Rngs`` (keyword-only); ``gate_grad="gumbel"`` layers draw noise from it.
@@ -211,7 +209,7 @@ class Attention(nnx.Module):
 
   def _expand(self, ent):
     """Cache entries -> (k [b, n, hk, qk_dim], v [b, n, hk, head_dim]); MLA up-projects the
-    latent (RoPE layers: of the cached [latent | k_rope], whose k_rope all kv heads share)."""
+    latent (all kv heads share the cached k_rope)."""
     if not self.mla:
       return ent["k"], ent["v"]
     r, rope = self.kv_lora_rank, self.rope_head_dim
@@ -332,8 +330,7 @@ class Attention(nnx.Module):
     return combine(o_l, lse_l, o_c, lse_c, sink)
 
   # ---------------------------------------------------------------- cache
-  def _head_major(self, name):
-    """Whether cache array ``name`` is stored head-major ("hnd": K/V of global/local/sparse)."""
+  def _head_major(self, name):   # "hnd" K/V of global/local/sparse layers
     return self.kv_cache_layout == "hnd" and name in ("k", "v")
 
   def _slot_axis(self, name):   # the token-slot axis of cache array ``name`` as stored
@@ -342,18 +339,17 @@ class Attention(nnx.Module):
   def _at_slots(self, name, slots):   # index of token slots ``slots`` of ``name`` as stored
     return (slice(None),) * self._slot_axis(name) + (slots,)
 
-  def _relayout(self, name, a):
-    """Token-major [b, t, hk, d] <-> the stored layout of ``name`` (its own inverse)."""
+  def _relayout(self, name, a):   # token-major [b, t, hk, d] <-> stored layout (an involution)
     return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
 
   def cache_layout(self, max_len):
-    """Cache arrays as {name: (storage, slots, per-token shape)} (what ``init_cache`` allocates).
+    """What ``init_cache`` allocates (see the module-level ``cache_layout``).
 
     Args:
       max_len: longest context the cache must serve.
 
     Returns:
-      dict name -> (storage, number of token slots, per-slot shape without batch).
+      dict name -> (storage, token slots, per-slot shape without batch).
 
     Example:
       >>> layer = Attention(64, 4, 1, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
@@ -397,21 +393,16 @@ class Attention(nnx.Module):
       return_qk: also return ``{"q": q}`` for the new tokens.
 
     Returns:
-      y [batch, t, d_model]. The cache index advances by t. Writing past ``max_len`` raises
-      outside jit; under jit it is not checked (full caches would clamp): size the cache for the
-      whole sequence.
+      y [batch, t, d_model]; the cache index advances by t. Writing past ``max_len`` raises
+      outside jit and is unchecked under jit: size the cache for the whole sequence.
     """
     if not self.cache_names:
       raise ValueError("call init_cache(batch_size, max_len, dtype) before decode")
     b, t, _ = x.shape
     spec = self.spec
     p = self.cache_index[...]
-    try:
-      p_now = int(p)
-    except jax.errors.ConcretizationTypeError:  # traced (jit): not checkable here
-      p_now = None
-    if p_now is not None and p_now + t > self.cache_max_len:
-      raise ValueError(f"decode of {t} tokens at position {p_now} overflows the cache "
+    if not is_traced(p) and int(p) + t > self.cache_max_len:   # traced (jit): not checkable
+      raise ValueError(f"decode of {t} tokens at position {int(p)} overflows the cache "
                        f"(max_len={self.cache_max_len}); call init_cache with a larger max_len")
     pos = p + jnp.arange(t, dtype=jnp.int32)                         # [t]
     q, ent = self._project(x, jnp.broadcast_to(pos, (b, t)))
@@ -446,12 +437,9 @@ class Attention(nnx.Module):
     return (y, {"q": q}) if return_qk else y
 
   def _decode_one(self, q, ent, lengths):
-    """One query per row (q [b, 1, hq, qk_dim]) over cache entries as stored, by
-    ``jattn.decode_attention``: o [b, 1, hq, head_dim] (cache dtype; fp32 when absorbed).
-
-    Absorbed (``absorbed_decode``): q_abs[h] = W_uk[g] q_nope[h] attends the cached
-    [latent | k_rope] array as keys and values (keeping the first r output columns);
-    o[h] = W_uv[g]^T o_lat[h], with the absorption matmuls in fp32 at HIGHEST precision."""
+    """q [b, 1, hq, qk_dim] over the cache as stored -> o [b, 1, hq, head_dim] (cache dtype;
+    fp32 when absorbed: q_abs[h] = W_uk[g] q_nope[h] attends [latent | k_rope] as keys and
+    values, o[h] = W_uv[g]^T o_lat[h][:r], absorption matmuls in fp32 at HIGHEST)."""
     q = q[:, 0]                                                      # [b, hq, qk_dim]
     if not self.absorbed_decode:  # (MLA caches are always "nhd"; plain K/V as stored)
       return decode_attention(q, *self._expand(ent), lengths, scale=self.scale,
@@ -475,7 +463,7 @@ class Attention(nnx.Module):
     return getattr(self, f"cache_{name}")
 
   def _write_full(self, ent, p, names=None):
-    """Write the new tokens at position p of full caches; returns the stored arrays."""
+    """Write the new tokens at position p of full caches; returns the caches."""
     out = {}
     for n in (names or list(ent)):
       var, new = self._cache(n), self._relayout(n, ent[n])
@@ -514,10 +502,8 @@ class Attention(nnx.Module):
     _set(rp, rp[...].at[slots].set(pos[-m:]))
 
   def _sparse_decode(self, q, k, v, pos, p):
-    """Per-token top-K decode (``select_blocks(q_block_size=1)`` rules) for t new queries.
-
-    The block summaries (fp32 key sums per cache block, in the cache) grow by the t new keys
-    only, rather than re-reading every cached key. k/v and the sums are in the cache layout."""
+    """Per-token top-K decode (``select_blocks(q_block_size=1)`` rules) for t new queries; the
+    cached fp32 per-block key sums grow by the t new keys only (all in the cache layout)."""
     spec = self.spec
     b, t = q.shape[:2]
     k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=self._slot_axis("k")).astype(jnp.float32)
@@ -538,7 +524,7 @@ class Attention(nnx.Module):
     spec, layout = self.spec, self.cache_layout(self.cache_max_len)
     r, raw_size = spec.compress_ratio, layout["k"][1]
     b, t = q.shape[:2]
-    # raw k/v and gates of each new entry's window (positions P - 2r + 1 .. P for P = p + i)
+    # raw k/v and gates of each new entry's window (positions P - 2r + 1 .. P, P = p + i)
     valid = ((pos + 1) % r == 0) & (pos + 1 >= 2 * r)
     cidx = jnp.where(valid, (pos + 1) // r - 2, layout["ck"][1])   # out of range -> dropped
     X = pos[:, None] - 2 * r + 1 + jnp.arange(2 * r)[None]         # [t, 2r]

@@ -1,26 +1,23 @@
 """Flash attention for TPU in Pallas (Mosaic): a forward and a backward that walk a block schedule.
 
-Every mask is a ``BlockSchedule`` (see ``pallas_kernels/block_schedule.py``): for query tile ``i``
-the kernels visit only ``kv_indices[.., i, :kv_counts[.., i]]``, applying the element mask only on
-tiles marked partial. The schedule arrays are scalar-prefetch operands (SMEM), and the key/value
-``BlockSpec`` index maps read them, so skipped tiles are never copied into VMEM. Entries past a
-row's count repeat its last valid index: the pipeline issues no new copy for them and the body is
-guarded by ``pl.when(j < count)``.
+Every mask is a ``BlockSchedule`` (``pallas_kernels/block_schedule.py``): for query tile ``i`` the
+kernels visit only ``kv_indices[.., i, :kv_counts[.., i]]``, applying the element mask only on
+tiles marked partial. The schedule arrays are scalar-prefetch operands (SMEM) read by the K/V
+index maps, so skipped tiles are never copied into VMEM. Entries past a row's count repeat its
+last valid index (no new copy) and the body is guarded by ``pl.when(j < count)``.
 
-Layouts. Inputs ``[B, S, H, D]`` are padded (head_dim to a multiple of 128 lanes, sequences to a
-multiple of the tile) and reshaped for free to ``[B, S, H * D]``; a tile of head ``h`` is the block
-``(bq, D)`` at block index ``(b, i, h)``, so no transposes are materialised. Per-row statistics
-(lse, delta) travel as rows ``[B, H, 1, S]`` (block ``(1, bq)``); segment ids travel twice, once
-lane-broadcast ``[B, S, 128]`` (for the side of a tile that lies along sublanes) and once
-sublane-broadcast ``[B, 8, S]`` (for the side along lanes), as in splash attention.
+Layouts. Inputs ``[B, S, H, D]`` are padded (head_dim to 128 lanes, sequences to the tile) and
+reshaped for free to ``[B, S, H * D]``; a tile of head ``h`` is block ``(bq, D)`` at ``(b, i, h)``,
+so nothing is transposed. Per-row statistics (lse, delta) travel as rows ``[B, H, 1, S]``;
+segment ids travel lane-broadcast ``[B, S, 128]`` (for a tile's sublane side) and
+sublane-broadcast ``[B, 8, S]`` (for its lane side), as in splash attention.
 
 Kernels:
   * forward: grid ``(B, Hq, nq, max_kv)``, online softmax in VMEM scratch (m, l, acc) -> out, lse.
   * dQ: grid ``(B, Hq, nq, max_kv)`` walking the forward schedule.
   * dK/dV: grid ``(B, Hk, nk, group * max_q)`` walking the transposed schedule; the last axis runs
-    over the query heads of the GQA group and their query tiles, so dK/dV of a kv head accumulate
-    the whole group in VMEM and repeated K/V are never materialised. It computes in the transposed
-    orientation (``[bk, bq]`` tiles) so lse/delta are used as rows and no tile transposes are needed.
+    over the GQA group's query heads and their query tiles, so a kv head accumulates the whole
+    group in VMEM (K/V never repeated). Tiles are transposed (``[bk, bq]``) so lse/delta are rows.
 
 Masked keys never leak (``common.softmax``): partial tiles hide non-finite K / V entries from the
 rows that cannot see them (the forward turns such a key's logits NaN, dQ zeroes them, dK/dV
@@ -167,7 +164,6 @@ class _SchedShape:
 
 # ----------------------------------------------------------------------------- Shared tile math
 
-
 def _precision(dtype):
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
@@ -192,7 +188,6 @@ def _lane_tile(x, n):
 
 
 # ----------------------------------------------------------------------------- Forward kernel
-
 
 def _qk_mask(cfg, q_blk, kv_blk, q_seg_ref, kv_seg_ref, kv_rows=False):
   """Visibility of query tile q_blk x key tile kv_blk: bool [bq, bk], or [bk, bq] (``kv_rows``);
@@ -239,9 +234,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
   prec = _precision(q_ref.dtype)
 
   def step(masked):
-    q = q_ref[...]                                        # [bq, D]
-    k = k_ref[...]                                        # [bk, D]
-    v = None
+    q, k, v = q_ref[...], k_ref[...], None                # [bq, D], [bk, D]
     if masked:   # a non-finite value: NaN logits (masked for the rows that cannot see it)
       k, v = softmax.hide_nonfinite_values(k, v_ref[...])
     s, _ = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
@@ -307,16 +300,10 @@ def _fwd_walk(cfg, sched):
   k and v, the specs of the query tile's lane-broadcast and the kv tile's sublane-broadcast
   segment ids or [] when not segmented)."""
   bq, bk, g = cfg.block_q, cfg.block_k, cfg.group
-
-  def q_map(b, h, i, j, *_):
-    return (b, i, h)
-
-  def kv_map(b, h, i, j, idx, *_):
-    return (b, idx[sched.entry(b, lax.div(h, g), i, j)], lax.div(h, g))
-
-  def kv_seg_map(b, h, i, j, idx, *_):
-    return (b, 0, idx[sched.entry(b, lax.div(h, g), i, j)])
-
+  q_map = lambda b, h, i, j, *_: (b, i, h)
+  kv_blk = lambda b, h, i, j, idx: idx[sched.entry(b, lax.div(h, g), i, j)]
+  kv_map = lambda b, h, i, j, idx, *_: (b, kv_blk(b, h, i, j, idx), lax.div(h, g))
+  kv_seg_map = lambda b, h, i, j, idx, *_: (b, 0, kv_blk(b, h, i, j, idx))
   qkv_specs = [pl.BlockSpec((None, bq, cfg.d_pad), q_map),
                pl.BlockSpec((None, bk, cfg.d_pad), kv_map),
                pl.BlockSpec((None, bk, cfg.dv_pad), kv_map)]
@@ -369,7 +356,6 @@ def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
 
 # ----------------------------------------------------------------------------- Backward kernels
 
-
 def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: _Config,
                sched: _SchedShape):
@@ -390,10 +376,8 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
   prec = _precision(q_ref.dtype)
 
   def step(masked):
-    q = q_ref[...]                                        # [bq, D]
-    k = k_ref[...]                                        # [bk, D]
-    v = v_ref[...]                                        # [bk, Dv]
-    do = do_ref[...]                                      # [bq, Dv]
+    q, k = q_ref[...], k_ref[...]                         # [bq, D], [bk, D]
+    v, do = v_ref[...], do_ref[...]                       # [bk, Dv], [bq, Dv]
     lse = jnp.expand_dims(lse_ref[0], -1)                 # [bq, 1]
     di = jnp.expand_dims(di_ref[0], -1)                   # [bq, 1]
     if masked:   # non-finite entries -> 0 (rows that see them have a NaN lse)
@@ -436,12 +420,9 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
   prec = _precision(q_ref.dtype)
 
   def step(masked):
-    q = q_ref[...]                                        # [bq, D]
-    k = k_ref[...]                                        # [bk, D]
-    v = v_ref[...]                                        # [bk, Dv]
-    do = do_ref[...]                                      # [bq, Dv]
-    lse = lse_ref[...]                                    # [1, bq]
-    di = di_ref[...]                                      # [1, bq]
+    q, k = q_ref[...], k_ref[...]                         # [bq, D], [bk, D]
+    v, do = v_ref[...], do_ref[...]                       # [bk, Dv], [bq, Dv]
+    lse, di = lse_ref[...], di_ref[...]                   # [1, bq]
     s, t = _logits(_dot(k, q, NT_DIMS, prec), cfg)        # [bk, bq] (transposed tile)
     p = jnp.exp(s - lse)                                  # [bk, bq]
     if masked:   # p and dS are 0 where hidden, even with a NaN lse, delta or key
@@ -499,20 +480,11 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
   # ---- dK/dV: walk the transposed schedule; last grid axis = (group head, q step).
   ts = _SchedShape(*schedule.q_indices.shape)
 
-  def head(h_kv, t):
-    return h_kv * g + lax.div(t, ts.cols)
-
-  def q_blk(b, hk, ki, t, idx):
-    return idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))]
-
-  def qt_map(b, hk, ki, t, idx, *_):
-    return (b, q_blk(b, hk, ki, t, idx), head(hk, t))
-
-  def k_map(b, hk, ki, t, *_):
-    return (b, ki, hk)
-
-  def rowt_map(b, hk, ki, t, idx, *_):
-    return (b, head(hk, t), 0, q_blk(b, hk, ki, t, idx))
+  head = lambda h_kv, t: h_kv * g + lax.div(t, ts.cols)
+  q_blk = lambda b, hk, ki, t, idx: idx[ts.entry(b, hk, ki, lax.rem(t, ts.cols))]
+  qt_map = lambda b, hk, ki, t, idx, *_: (b, q_blk(b, hk, ki, t, idx), head(hk, t))
+  k_map = lambda b, hk, ki, t, *_: (b, ki, hk)
+  rowt_map = lambda b, hk, ki, t, idx, *_: (b, head(hk, t), 0, q_blk(b, hk, ki, t, idx))
 
   in_specs = [pl.BlockSpec((None, bq, cfg.d_pad), qt_map),
               pl.BlockSpec((None, bk, cfg.d_pad), k_map),
@@ -543,10 +515,7 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
 
 # ----------------------------------------------------- custom_vjp wiring and the public entry point
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, q_seg, kv_seg, schedule, cfg):
-  return _fwd(q, k, v, q_seg, kv_seg, schedule, cfg)
+_flash = jax.custom_vjp(_fwd, nondiff_argnums=(6,))
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, schedule, cfg):
