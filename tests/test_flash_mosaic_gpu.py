@@ -987,7 +987,7 @@ VJP_CASES = {
     "causal_gqa_ragged": dict(sq=200, sk=328, causal=True),
     "causal_q_longer_empty_rows": dict(sq=328, sk=200, causal=True, scale=0.1),
 }
-# Masks: the Triton backward (through _triton_bwd_masked) and, except segment ids, the Mosaic GPU
+# Masks: the Triton backward and, except segment ids, the Mosaic GPU
 # backward.
 VJP_MASK_CASES = {
     "causal_window_64": dict(sq=200, sk=328, causal=True, local_window_size=(64, 0)),
@@ -1253,7 +1253,7 @@ def test_gpu_matches_reference(name):
 
 
 # Through the registered path, forward and VJP against the fp32 reference: jattn's default at
-# D256 (Triton backward) and the Triton backward on masks it takes through ``_triton_bwd_masked``
+# D256 (Triton backward) and the Triton backward on the masks it takes
 # (the Mosaic GPU backward's own cases: tests/test_flash_mosaic_gpu_bwd.py).
 GPU_VJP_CASES = {
     "d256_causal_gqa_ragged": dict(b=1, sq=777, sk=777, hq=4, hk=2, d=256, causal=True),
@@ -1266,7 +1266,7 @@ GPU_VJP_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_VJP_CASES))
 def test_gpu_registered_forward_and_vjp(name):
-  """Mosaic GPU forward + Triton backward (with masks: ``_triton_bwd_masked``)."""
+  """Mosaic GPU forward + Triton backward (masks included)."""
   if compat.gpu_compute_capability() != (9, 0):
     pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
   case = dict(GPU_VJP_CASES[name])

@@ -31,8 +31,7 @@ class BlockSizes:
   """Tiles, ring depth and barrier protocol of the Mosaic GPU forward.
 
   Attributes:
-    block_q: query rows per compute warpgroup (a multiple of 64, wgmma's M); a program covers
-      ``2 * block_q`` rows with its two compute warpgroups.
+    block_q: query rows per compute warpgroup (a multiple of 64, wgmma's M; 2 per program).
     block_k: keys per kv tile (a multiple of 64).
     num_stages: K/V shared-memory slots in the TMA ring (>= 2).
     protocol: a key of ``PROTOCOLS`` (see ``mosaic_gpu_fwd_kernel.Protocol``); how the two
@@ -41,7 +40,7 @@ class BlockSizes:
     q_tiles_per_program: P >= 1 query tiles per program, the K/V ring running on across them.
       P > 1 needs protocol "overlap" and no segment ids or block schedule; not for D256.
     one_segment_static_mask: with segment ids, a warpgroup whose walk holds one nonzero id on
-      both sides masks edge tiles with the static mask only. The same result.
+      both sides masks edge tiles with the static mask only (the same result).
     tail_kv_splits: C > 0: the last Hq programs (the partial last wave) run as a second launch
       over C key chunks, merged by log-sum-exp. Dense masks only, keys a multiple of
       C * block_k, ``q_tiles_per_program`` 1 (``fit_tail_kv_splits``).
@@ -66,10 +65,9 @@ class BlockSizes:
       raise ValueError(f"protocol must be one of {sorted(PROTOCOLS)}, got {self.protocol!r}")
     if self.backward not in ("triton", "mosaic"):
       raise ValueError(f"backward must be 'triton' or 'mosaic', got {self.backward!r}")
-    if self.block_q % 64 or self.block_q <= 0:
-      raise ValueError(f"block_q must be a positive multiple of 64, got {self.block_q}")
-    if self.block_k % 64 or self.block_k <= 0:
-      raise ValueError(f"block_k must be a positive multiple of 64, got {self.block_k}")
+    for name, n in (("block_q", self.block_q), ("block_k", self.block_k)):
+      if n % 64 or n <= 0:
+        raise ValueError(f"{name} must be a positive multiple of 64, got {n}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
     p = self.q_tiles_per_program
@@ -119,9 +117,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
     'overlap'
   """
   _check_dtype(dtype)
-  if head_dim not in HEAD_DIMS:
-    raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got "
-                              f"{head_dim}")
+  _check_head_dim(head_dim)
   from pallas_kernels import tuning
   return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached by kind
 
@@ -132,16 +128,19 @@ def _check_dtype(dtype):
                               f"{jnp.dtype(dtype)}")
 
 
+def _check_head_dim(d):
+  if d not in HEAD_DIMS:
+    raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got {d}")
+
+
 def fit_block_sizes(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
                     segments=False, schedule=False, core_count=None) -> BlockSizes:
   """A table default fitted to one call: ``fit_tail_kv_splits``, and ``q_tiles_per_program``
   back to 1 where the call has segment ids or a block schedule.
 
   Args:
-    bs: the forward's ``BlockSizes``.
-    q_shape, k_shape: [B, Sq, Hq, D] and [B, Sk, Hk, D].
-    causal, window, segments, schedule: the call's masks (window: None or (left, right)).
-    core_count: SMs per GPU (default ``compat.gpu_core_count()``).
+    bs, q_shape, k_shape, causal, window, segments, schedule, core_count: as for
+      ``fit_tail_kv_splits``.
 
   Returns:
     A ``BlockSizes``.
@@ -161,9 +160,8 @@ def fit_block_sizes(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=No
 
 def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window=None,
                        segments=False, schedule=False, core_count=None) -> BlockSizes:
-  """``bs`` with ``tail_kv_splits`` kept only where supported and it pays: dense mask, keys a
-  multiple of ``tail_kv_splits * block_k``, (B * Hq * query programs) mod SMs in [1, Hq].
-  Otherwise 0.
+  """``bs`` with ``tail_kv_splits`` kept only where supported and it pays (else 0): dense mask,
+  keys a multiple of ``tail_kv_splits * block_k``, (B * Hq * query programs) mod SMs in [1, Hq].
 
   Args:
     bs: the forward's ``BlockSizes``.
@@ -183,8 +181,7 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
     ...                    core_count=132).tail_kv_splits
     0
   """
-  c = int(bs.tail_kv_splits)
-  if not c:
+  if not int(bs.tail_kv_splits):
     return bs
   b, sq, hq, _ = q_shape
   sms = compat.gpu_core_count() if core_count is None else int(core_count)
@@ -195,8 +192,7 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
 
 
 def _tail_config(bs: BlockSizes, q_shape, k_shape, *, causal, window, has_seg, schedule):
-  """``KernelConfig`` fields of ``BlockSizes.tail_kv_splits`` ({} when off); ValueError naming
-  what the call has that the option does not support."""
+  """``KernelConfig`` fields of ``BlockSizes.tail_kv_splits`` ({} when off), or ValueError."""
   c = int(bs.tail_kv_splits)
   if not c:
     return {}
@@ -220,8 +216,8 @@ def _tail_unsupported(bs: BlockSizes, k_shape, *, causal, window, segments, sche
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, interpret=False,
                    bwd_block_sizes=None, local_window_size=None, logits_soft_cap=None,
                    has_seg=False, schedule=None) -> fk.KernelConfig:
-  """The kernel's static configuration for q [B, Sq, Hq, D] and k/v [B, Sk, Hk, D] (and a
-  ``BlockSchedule``, checked against the kernel's tiles, or None)."""
+  """The kernel's static configuration for q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] and a
+  ``BlockSchedule`` (checked) or None."""
   from pallas_kernels.masks import normalize_window
   window = normalize_window(local_window_size)
   if window == (None, None):
@@ -231,8 +227,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   bs = block_sizes or default_block_sizes(d, dtype)
-  if d not in HEAD_DIMS:
-    raise NotImplementedError(f"the Mosaic GPU forward supports head_dim 64, 128 or 256, got {d}")
+  _check_head_dim(d)
   from pallas_kernels.flash import mosaic_gpu_bwd  # light: no kernel is built here
   backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward
   if backward == "mosaic":
@@ -263,34 +258,26 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       head_dim=d, group=hq // hk, causal=bool(causal),
       scale=float(d ** -0.5 if scale is None else scale), dtype=jnp.dtype(dtype),
       window=window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-      has_seg=bool(has_seg),
-      interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes, backward=backward,
-      protocol=bs.protocol, q_tiles_per_program=int(bs.q_tiles_per_program),
-      one_seg_mask=bool(bs.one_segment_static_mask),
-      **sched, **_tail_config(
-          bs, q_shape, k_shape, causal=causal, window=window, has_seg=has_seg,
-          schedule=schedule))
+      has_seg=bool(has_seg), interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes,
+      backward=backward, protocol=bs.protocol, q_tiles_per_program=int(bs.q_tiles_per_program),
+      one_seg_mask=bool(bs.one_segment_static_mask), **sched, **_tail_config(
+          bs, q_shape, k_shape, causal=causal, window=window, has_seg=has_seg, schedule=schedule))
 
 
 def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
-  """Unpadded q, k, v (segment ids or None, a BlockSchedule or None) -> (out [B, Sq, Hq, D],
-  lse [B, Hq, Sq] natural log): pads to whole tiles, runs the kernel (``fk.fwd_call``) and slices
-  the padding away."""
+  """Unpadded q, k, v (segment ids, schedule or None) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]
+  natural log): pads to whole tiles, runs ``fk.fwd_call``, slices the padding away."""
   sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
   sk_pad = st.num_kv_tiles * st.block_k
-  q_p = pad_axis(q, 1, sq_pad)
-  k_p = pad_axis(k, 1, sk_pad)
-  v_p = pad_axis(v, 1, sk_pad)
+  q_p, k_p, v_p = pad_axis(q, 1, sq_pad), pad_axis(k, 1, sk_pad), pad_axis(v, 1, sk_pad)
+  q_seg_p = kv_seg_p = None
+  if st.has_seg:
+    q_seg_p = pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)      # padding: segment 0
+    kv_seg_p = pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
   if st.has_sched:
-    q_seg_p = kv_seg_p = None
-    if st.has_seg:
-      q_seg_p = pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)    # padding: segment 0
-      kv_seg_p = pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
     walk = fk.schedule_walk(schedule, st, q_seg_p, kv_seg_p)
     out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p, walk_rows=walk)
   elif st.has_seg:
-    q_seg_p = pad_axis(q_seg.astype(jnp.int32), 1, sq_pad)      # padding: segment 0
-    kv_seg_p = pad_axis(kv_seg.astype(jnp.int32), 1, sk_pad)
     out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p,
                            fk.seg_bounds(q_seg_p, kv_seg_p, st))
   else:
@@ -300,9 +287,7 @@ def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
   return out[:, :st.q_len], lse[:, :, :st.q_len]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _forward(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
-  return _forward_impl(q, k, v, q_seg, kv_seg, schedule, st)
+_forward = jax.custom_vjp(_forward_impl, nondiff_argnums=(6,))
 
 
 def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
@@ -310,46 +295,23 @@ def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
   return (out, lse), (q, k, v, q_seg, kv_seg, schedule, out, lse)
 
 
-def _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st: fk.KernelConfig,
-                       schedule=None):
-  """The Triton backward kernels on this forward's residuals, walking ``schedule`` or the
-  full mask's."""
-  from pallas_kernels.flash import triton as ft
-  return ft.flash_attention_bwd(
-      q, k, v, out, lse, d_out, d_lse, causal=st.causal, scale=st.scale,
-      local_window_size=st.window, logits_soft_cap=st.soft_cap, q_segment_ids=q_seg,
-      kv_segment_ids=kv_seg, schedule=schedule, block_sizes=st.bwd_block_sizes,
-      interpret=st.interpret)
-
-
 def _forward_bwd(st, res, cts):
   """The backward kernels on this forward's residuals: Triton's, or the Mosaic GPU ones with
   ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``.
-  lse is the natural-log log-sum-exp over unpadded keys, -inf for rows that see no key.
+  lse is the natural-log log-sum-exp over unpadded keys, -inf for rows that see no key. The
+  segment ids and schedule are None where the forward had none.
   """
-  from pallas_kernels.flash import (
-    triton as flash_triton,  # local: the forward alone needs none
-  )
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
   d_out, d_lse = cts
+  kw = {"causal": st.causal, "scale": st.scale, "local_window_size": st.window,
+        "logits_soft_cap": st.soft_cap, "q_segment_ids": q_seg, "kv_segment_ids": kv_seg,
+        "schedule": schedule, "block_sizes": st.bwd_block_sizes}
   if st.backward == "mosaic":
     from pallas_kernels.flash import mosaic_gpu_bwd
-    grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, causal=st.causal,
-                                               scale=st.scale, block_sizes=st.bwd_block_sizes,
-                                               d_lse=d_lse, local_window_size=st.window,
-                                               logits_soft_cap=st.soft_cap,
-                                               q_segment_ids=q_seg if st.has_seg else None,
-                                               kv_segment_ids=kv_seg if st.has_seg else None,
-                                               schedule=schedule if st.has_sched else None)
-  elif st.has_sched:   # the Triton kernels on the same block schedule
-    grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st,
-                               schedule=schedule)
-  elif st.window is not None or st.soft_cap is not None or st.has_seg:
-    grads = _triton_bwd_masked(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, st)
+    grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse=d_lse, **kw)
   else:
-    grads = flash_triton.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, causal=st.causal,
-                                             scale=st.scale, block_sizes=st.bwd_block_sizes,
-                                             interpret=st.interpret)
+    from pallas_kernels.flash import triton as ft  # local: the forward alone needs none
+    grads = ft.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, interpret=st.interpret, **kw)
   return tuple(grads) + (None, None, None)
 
 
@@ -357,12 +319,11 @@ _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
 def _tail_fixup(q_p, k_p, v_p, out, lse, st: fk.KernelConfig):
-  """``tail_kv_splits``: the rows of the program the kernel skipped (the last query program of
-  batch row ``st.tail_batch``, every head), computed by a second launch of the kernel over
-  ``st.tail_kv_splits`` chunks of the keys (batch = chunks, the skipped Q tile in each) and
-  merged by log-sum-exp, then written into ``out`` / ``lse`` (padded layouts of ``fk.fwd_call``)."""
+  """``tail_kv_splits``: the rows the kernel skipped (batch row ``st.tail_batch``'s last query
+  program, every head) by a second launch over ``st.tail_kv_splits`` key chunks (as the batch),
+  merged by log-sum-exp and written into ``out`` / ``lse`` (``fk.fwd_call``'s padded layouts)."""
   c, bb = st.tail_kv_splits, st.tail_batch
-  _, sq_pad, hq, d = q_p.shape
+  _, _, hq, d = q_p.shape
   sk_pad, hk = k_p.shape[1], k_p.shape[2]
   rows = _COMPUTE_WGS * st.block_q
   r0 = (st.num_q_programs - 1) * rows
@@ -379,11 +340,10 @@ def _tail_fixup(q_p, k_p, v_p, out, lse, st: fk.KernelConfig):
 
 
 def _place_rows(out, lse, rows_out, rows_lse, b, r0, *, interpret=False):
-  """``out[b, r0:r0 + R] = rows_out`` and ``lse[b, :, r0:r0 + R] = rows_lse`` in place: a Pallas
-  Triton kernel (one program per head) whose outputs alias ``out`` / ``lse``, so only the R rows
-  are written. Not ``.at[].set``: on the H200 (jax 0.11.2) XLA's dynamic-slice fusion
-  failed to compile that update of the Mosaic kernel's output ("DUS target must be a fusion
-  parameter"). R (a power of two) must divide r0."""
+  """``out[b, r0:r0 + R] = rows_out`` and ``lse[b, :, r0:r0 + R] = rows_lse`` in place by a Pallas
+  Triton kernel (a program per head) whose outputs alias ``out`` / ``lse``. Not ``.at[].set``:
+  XLA's dynamic-slice fusion fails to compile that update of the Mosaic kernel's output ("DUS
+  target must be a fusion parameter"). R (a power of two) must divide r0."""
   n, hq, d = rows_out.shape
   if n & (n - 1) or r0 % n:
     raise ValueError(f"_place_rows: {n} rows must be a power of two dividing r0={r0}")
@@ -411,9 +371,8 @@ def _place_rows(out, lse, rows_out, rows_lse, b, r0, *, interpret=False):
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
   """ValueError unless the kernel (tiles ``bs``) and the Triton backward can walk ``schedule``:
-  same lengths, leading axes [1|B, 1|Hk], schedule tiles multiples of the kernel's
-  (``block_q`` rows per warpgroup, ``block_k`` keys) and powers of two >= 16 (the Triton
-  backward walks the schedule at its own tiles), a Triton ``bwd_block_sizes`` with those tiles."""
+  same lengths, leading axes [1|B, 1|Hk], tiles powers of two and multiples of the kernel's, a
+  Triton ``bwd_block_sizes`` with the schedule's tiles."""
   from pallas_kernels.block_schedule import check_schedule_args
   check_schedule_args(schedule, q_shape, k_shape)
   sbq, sbk = schedule.block_q, schedule.block_k
@@ -437,9 +396,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
                     logits_soft_cap: float | None = None, block_sizes: BlockSizes | None = None,
                     interpret: bool = False, bwd_block_sizes=None):
   """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton or Mosaic GPU backward
-  (custom_vjp).
-
-  Differentiable w.r.t. q, k, v (and through the LSE); ``BlockSizes.backward`` picks the backward.
+  (``BlockSizes.backward``; differentiable w.r.t. q, k, v and through the LSE).
 
   Args:
     q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).

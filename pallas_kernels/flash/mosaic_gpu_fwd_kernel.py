@@ -1,17 +1,14 @@
 """The Hopper (sm90) flash attention forward kernel in Pallas Mosaic GPU: TMA, wgmma, warp
 specialisation (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``).
-
-``pallas_kernels.flash.mosaic_gpu`` holds the block sizes, the wrapper and the custom_vjp; this
-module holds the kernel (``fwd_call``), its static configuration (``KernelConfig``) and the jnp
-tile arithmetic that the kernel uses and the CPU tests replay.
+The wrapper, block sizes and custom_vjp are in ``pallas_kernels.flash.mosaic_gpu``; the jnp tile
+arithmetic here is what the kernel uses and the CPU tests replay.
 
 One program per (query head, query tile of ``2 * block_q`` rows, batch): compute warpgroups 0
-and 1 each own ``block_q`` rows (Q K^T, base-2 online softmax, P V, ping-ponging on the tensor
-cores, see ``PROTOCOLS``); warpgroup 2 streams K/V tiles by TMA into a ring of ``num_stages``
-slots. Each compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and [fhi, hi); the
-program's range [plo, phi) is their union (``_static_ranges``, or ``seg_bounds`` with segment
-ids, or ``schedule_walk`` with a block schedule). Masks align bottom-right; a query row that
-sees no key returns output 0 and log-sum-exp -inf.
+and 1 each own ``block_q`` rows (Q K^T, base-2 online softmax, P V, sharing the tensor cores per
+``PROTOCOLS``); warpgroup 2 streams K/V tiles by TMA into a ring of ``num_stages`` slots. Each
+compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and [fhi, hi); the program's
+range [plo, phi) is their union (``_static_ranges``, ``seg_bounds`` or ``schedule_walk``). Masks
+align bottom-right; a query row that sees no key returns output 0 and log-sum-exp -inf.
 """
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ from pallas_kernels.common import walk
 from pallas_kernels.common.softmax import LOG2E
 from pallas_kernels.common.softmax import finalize as _finalize
 
-# The kernel body of pallas_kernels.flash.mosaic_gpu, which is its documented entry point.
-__all__ = []
+__all__ = []   # the documented entry point is pallas_kernels.flash.mosaic_gpu
 
 # Finite initial running max: exp2(m - m) = 1 instead of NaN for a row with nothing visible yet.
 _M_INIT = -1e30
@@ -46,10 +42,9 @@ class Protocol(typing.NamedTuple):
   Attributes:
     handoff: one barrier per compute warpgroup: arrive on the other's after Q K^T, wait on
       its own before P V. Off: one shared barrier met twice per kv tile.
-    k_wait: wait for the next ring entry's K while the P V wgmma runs (after issuing it),
-      instead of at the start of the next step.
-    fence: an optimization barrier on (acc, m, l, p) at the end of each tile's softmax, so that
-      no softmax work is scheduled into the other warpgroup's wgmma window.
+    k_wait: wait for the next ring entry's K while the P V wgmma runs, not at the next step.
+    fence: an optimization barrier on (acc, m, l, p) after each tile's softmax, so that none
+      of it is scheduled into the other warpgroup's wgmma window.
     overlap: FlashAttention-3's intra-warpgroup overlap: tile t's softmax runs while
       P V(t - 1) is on the tensor cores. Needs ``handoff`` (``_turn_skips``).
     early_k: the memory warpgroup refills a slot's K as soon as K is released, before V.
@@ -95,8 +90,7 @@ class KernelConfig:
   one_seg_mask: bool = False    # BlockSizes.one_segment_static_mask
   tail_batch: int = -1     # tail_kv_splits: this batch row's last program is skipped (-1: none)
   tail_kv_splits: int = 0  # BlockSizes.tail_kv_splits (0: off)
-  # Block schedule: each program walks its row of ``schedule_walk`` (read from GMEM) instead of
-  # the ranges of ``_program_ranges``.
+  # Block schedule: each program walks its row of ``schedule_walk`` (from GMEM), no ranges.
   has_sched: bool = False
   sched_batch: bool = False     # the walk has a batch axis (else one row shared by all batches)
   sched_heads: bool = False     # the walk has a kv-head axis (else shared by all heads)
@@ -124,40 +118,28 @@ class KernelConfig:
     return PROTOCOLS[self.protocol]
 
 
-def _bounds_left(st: KernelConfig):
-  """Left window bound (keys >= qpos - left), or None (unbounded)."""
-  return None if st.window is None else st.window[0]
-
-
-def _bounds_right(st: KernelConfig):
-  """Effective right bound (keys <= qpos + right): 0 when causal, the window's right side
-  otherwise, or None (unbounded)."""
-  if st.causal:
-    return 0
-  return None if st.window is None else st.window[1]
+def _bounds(st: KernelConfig):
+  """(left, right): a row at qpos sees keys in [qpos - left, qpos + right]; right is 0 when
+  causal, else the window's; a side None is unbounded."""
+  left = None if st.window is None else st.window[0]
+  return left, 0 if st.causal else (None if st.window is None else st.window[1])
 
 
 def _static_ranges(row0, n, st: KernelConfig):
-  """kv tile ranges of the query rows [row0, row0 + n) (only rows < q_len count) under the
-  static mask (causal, window, padded keys): (lo, flo, fhi, hi), int32 (scalars or arrays,
-  elementwise in ``row0``), with
-
-    * tiles < lo and >= hi invisible to every real row (never loaded for them),
-    * tiles in [flo, fhi) visible in full to every real row (no element mask),
-    * tiles in [lo, flo) and [fhi, hi) the edges (element mask),
-
-  and lo <= flo <= fhi <= hi. hi == lo when no real row sees a key tile (all rows padding,
-  causal rows before the first key, a window past the keys)."""
+  """kv tile ranges (lo, flo, fhi, hi), int32 (elementwise in ``row0``), of the query rows
+  [row0, row0 + n) (only rows < q_len count) under the static mask (causal, window, padded
+  keys): tiles outside [lo, hi) invisible to every real row, [flo, fhi) fully visible to every
+  real row, [lo, flo) and [fhi, hi) masked; lo <= flo <= fhi <= hi, hi == lo when no real row
+  sees a key."""
   bk, nk = st.block_k, st.num_kv_tiles
   row0 = jnp.asarray(row0, jnp.int32)
   last = jnp.minimum(row0 + n, st.q_len) - 1          # last real row
   q_first = row0 + st.offset                           # kv position of the first row
   q_last = last + st.offset
-  left, right = _bounds_left(st), _bounds_right(st)
+  left, right = _bounds(st)
   zero = jnp.int32(0)
   if left is None:
-    lo = jnp.zeros_like(row0)
-    flo = lo
+    lo = flo = jnp.zeros_like(row0)
   else:
     lo = lax.div(jnp.maximum(zero, q_first - left), jnp.int32(bk))
     flo = lax.div(jnp.maximum(zero, q_last - left) + (bk - 1), jnp.int32(bk))
@@ -186,18 +168,11 @@ def _clip_to_program(plo, phi, lo, flo, fhi, hi):
 
 
 def seg_bounds(q_seg, kv_seg, st: KernelConfig):
-  """Per-(batch, program) kv ranges with segment ids (in XLA; the kernel reads them from GMEM).
-
-  Args:
-    q_seg, kv_seg: int32 [B, Sq'] and [B, Sk'] padded with 0 to whole tiles.
-    st: the kernel's configuration.
-
-  Returns:
-    int32 [B, num_q_programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1,
-    hi1]`` of ``walk.segment_bounds`` (the static ranges of ``_static_ranges`` intersected with
-    the tiles' segment ids); with ``st.one_seg_mask`` the two one-segment flags after them
-    (``_SEG_BOUNDS_ONE``: that warpgroup's masked tiles need only the static mask).
-  """
+  """Per-(batch, program) kv ranges with segment ids (in XLA; the kernel reads them from GMEM):
+  q_seg [B, Sq'], kv_seg [B, Sk'] int32 padded with 0 to whole tiles -> int32
+  [B, num_q_programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of
+  ``walk.segment_bounds`` (``_static_ranges`` intersected with the segments); with
+  ``st.one_seg_mask`` the warpgroups' one-segment flags follow (``_SEG_BOUNDS_ONE``)."""
   n_tiles = st.num_q_programs * COMPUTE_WGS
   static = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * st.block_q, st.block_q, st)
   return walk.segment_bounds(q_seg, st.block_q, n_tiles, kv_seg, st.block_k, st.num_kv_tiles,
@@ -213,52 +188,33 @@ class _Mask(typing.NamedTuple):
 
 
 def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
-  """Per-warpgroup class of kernel kv tiles: int32 [B', Hs, n_wg, L] codes of
-  ``walk.range_codes`` (B' = B with segment ids, else Bs) from the tiles' ``_static_ranges``.
-
-  ``tiles``: int32 [Bs, Hs, n_wg, L] kernel kv tiles (``block_k`` keys) listed for warpgroup tile
-  i (query rows [i * block_q, (i + 1) * block_q)), n_wg = 2 * num_q_programs; ``valid``: bool,
-  same shape, the listed entries (the others get SKIP); ``q_seg``, ``kv_seg``: None or int32
-  [B, Sq'] / [B, Sk'] padded with 0 to whole programs / tiles.
-  """
+  """``walk.range_codes`` [B', Hs, n_wg, L] (B' = B with segment ids, else Bs) of the kv tiles
+  ``tiles`` int32 [Bs, Hs, n_wg, L] listed for warpgroup tile i (query rows from i * block_q,
+  n_wg = 2 * num_q_programs), ``valid`` (unlisted entries: SKIP), from ``_static_ranges``;
+  q_seg, kv_seg: None or int32 ids padded with 0 to whole programs / tiles."""
   n_wg = tiles.shape[2]
   ranges = _static_ranges(jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st)
   return walk.range_codes(tiles, valid, ranges, q_seg, st.block_q, kv_seg, st.block_k)
 
 
 def schedule_walk(schedule, st: KernelConfig, q_seg=None, kv_seg=None):
-  """The kernel's walk of a block schedule (``walk.list_walk`` on its kv lists): for each
-  program, one list of kv tiles with what each of its two compute warpgroups does with each
-  tile (``_walk_codes``: skip, full or partial, recomputed at the warpgroup's rows from the
-  kernel's own mask, so a tile partial for the schedule's larger tile may run unmasked or be
-  skipped by one warpgroup). Schedule tiles are multiples of the kernel's.
-
-  Args:
-    schedule: a ``BlockSchedule`` for (q_len, kv_len), leading axes [1|B, 1|Hk].
-    st: the kernel's static configuration.
-    q_seg, kv_seg: None or int32 segment ids padded to whole programs / kv tiles.
-
-  Returns:
-    int32 [B', Hs, num_q_programs, 1 + W] rows ``[count, entry_0, ..., entry_{W-1}]`` (B' = B
-    with segment ids or a per-batch schedule, else 1), entry = tile << WALK_SHIFT | code0 |
-    code1 << 2; entries past count are 0 and never read (``walk.list_walk``).
-  """
+  """The kernel's walk (``walk.list_walk``) of a ``BlockSchedule`` (leading axes [1|B, 1|Hk],
+  tiles multiples of the kernel's; q_seg, kv_seg: None or int32 ids padded to whole programs /
+  tiles): int32 [B', Hs, num_q_programs, 1 + W] rows ``[count, entry_0, ...]`` (B' = B with
+  segment ids or a per-batch schedule, else 1), entry = tile << WALK_SHIFT | code0 | code1 << 2
+  with each compute warpgroup's code (``_walk_codes``: skip, full or masked, from the kernel's
+  own mask at its rows); entries past count are 0 and never read."""
   return walk.list_walk(schedule.kv_indices, schedule.kv_counts, schedule.block_q,
                         schedule.block_k, st.block_q, st.block_k,
                         COMPUTE_WGS * st.num_q_programs, st.num_kv_tiles,
                         lambda tiles, valid: _walk_codes(tiles, valid, st, q_seg, kv_seg))
 
 
-# Tile arithmetic (plain jnp: the kernel uses these, the CPU tests replay them).
-
-
 def _edge_bounds(st: KernelConfig, edge):
-  """Which static bounds a masked tile applies: (padded keys, right / causal bound, left bound),
-  bools. ``edge``: None (any tile: every bound the mask has), "left" (a tile of a warpgroup's
-  [lo, flo) from ``_static_ranges``) or "right" (of its [fhi, hi)). On the range path an edge
-  drops the bounds that cannot mask a real row's key there; segment ids and block schedules
-  take every bound."""
-  left, right = _bounds_left(st), _bounds_right(st)
+  """Which static bounds a masked tile applies: bools (padded keys, right / causal, left).
+  ``edge``: None (every bound the mask has), "left" or "right" (a tile of a warpgroup's [lo, flo)
+  or [fhi, hi)): on the range path, the bounds that cannot mask a real row's key there drop."""
+  left, right = _bounds(st)
   pad, r_on, l_on = True, right is not None, left is not None
   if not st.has_seg and not st.has_sched:
     pad = st.kv_len % st.block_k != 0
@@ -270,14 +226,12 @@ def _edge_bounds(st: KernelConfig, edge):
 
 
 def _tile_visible(rows, cols, row0, t, st: KernelConfig, q_seg=None, kv_seg=None, edge=None):
-  """Element mask of kv tile ``t`` for the query rows from ``row0``: rows/cols are the [bq, bk]
-  iotas of the tile. Masks padded keys, keys past each row's causal diagonal, keys outside its
-  window (``pallas_kernels.masks.visible``) and, with q_seg [bq] / kv_seg [bk] (the tile's
-  segment ids), keys of another segment or of segment 0. ``edge`` ("left", "right" or None):
-  which of a warpgroup's masked ranges the tile is in; a bound that cannot mask any real row's
-  key there is not applied (``_edge_bounds``). Returns a bool [bq, bk] or None (nothing to
-  mask)."""
+  """Element mask, bool [bq, bk] or None (nothing to mask), of kv tile ``t`` for the query rows
+  from ``row0`` (rows/cols: the tile's [bq, bk] iotas): padded keys, the causal / window bounds
+  (``pallas_kernels.masks.visible``) that ``_edge_bounds`` keeps for ``edge`` and, with q_seg
+  [bq] / kv_seg [bk], keys of another segment or of segment 0."""
   pad, r_on, l_on = _edge_bounds(st, edge)
+  left, right = _bounds(st)
   visible = None
   both = lambda a, b: b if a is None else jnp.logical_and(a, b)
   if pad or r_on or l_on:
@@ -287,13 +241,12 @@ def _tile_visible(rows, cols, row0, t, st: KernelConfig, q_seg=None, kv_seg=None
   if r_on or l_on:
     q_pos = rows + (row0 + st.offset)
     if r_on:
-      visible = both(visible, k_pos <= q_pos + _bounds_right(st))
+      visible = both(visible, k_pos <= q_pos + right)
     if l_on:
-      visible = both(visible, k_pos >= q_pos - _bounds_left(st))
+      visible = both(visible, k_pos >= q_pos - left)
   if q_seg is not None:
-    shape = rows.shape
-    qs = lax.broadcast_in_dim(q_seg, shape, [0])
-    ks = lax.broadcast_in_dim(kv_seg, shape, [1])
+    qs = lax.broadcast_in_dim(q_seg, rows.shape, [0])
+    ks = lax.broadcast_in_dim(kv_seg, rows.shape, [1])
     visible = both(visible, jnp.logical_and(qs == ks, ks != 0))
   return visible
 
@@ -304,25 +257,18 @@ def _apply_mask(s, visible):
 
 
 def _cap_logits(s, st: KernelConfig):
-  """Soft cap on raw logits q.k: cap * tanh(scale * s / cap) (the reference's convention,
-  cap on the scaled logit); without a cap, s unchanged (the scale is folded into the softmax's
-  multiply, see ``_softmax_factor``)."""
+  """Soft cap on raw logits q.k: cap * tanh(scale * s / cap) (the cap on the scaled logit);
+  without a cap, s unchanged (``_online_softmax`` then applies the scale)."""
   if st.soft_cap is None:
     return s
   return jnp.tanh(s * (st.scale / st.soft_cap)) * st.soft_cap
 
 
-def _softmax_factor(st: KernelConfig) -> float:
-  """Factor from ``_cap_logits``'s output to base-2 logits: scale * log2(e), or log2(e) when the
-  soft cap has already applied the scale."""
-  return LOG2E if st.soft_cap is not None else st.scale * LOG2E
-
-
 def _online_softmax(s, m, l, st: KernelConfig):
   """One base-2 online-softmax step: s [bq, bk] fp32 logits (masked -inf), m, l [bq] running
-  max / sum -> (p = exp2(s * c - m_new), alpha = exp2(m - m_new), m_new, l_new), with
-  c = ``_softmax_factor(st)``."""
-  c = _softmax_factor(st)
+  max / sum -> (p = exp2(s * c - m_new), alpha = exp2(m - m_new), m_new, l_new), with c the
+  factor to base-2 logits (log2(e), times the scale unless ``_cap_logits`` applied it)."""
+  c = LOG2E if st.soft_cap is not None else st.scale * LOG2E
   m_new = jnp.maximum(m, s.max(axis=1) * c)                   # [bq]
   alpha = jnp.exp2(m - m_new)                                 # [bq]
   p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))   # [bq, bk]
@@ -353,16 +299,6 @@ def _program_ranges(b, tile, wg, bounds_ref, st: KernelConfig):
 _SEG_BOUNDS_ONE = 2 + 4 * COMPUTE_WGS   # column of warpgroup 0's one-segment flag
 
 
-def _one_segment(b, tile, wg, bounds_ref, st: KernelConfig):
-  """With segment ids (range path): whether compute warpgroup ``wg`` of program (b, tile) walks
-  only tiles of one segment on both sides (``seg_bounds``' flag; its masked tiles then take the
-  static mask only, not the per-element segment compare). None without segment ids or without
-  ``BlockSizes.one_segment_static_mask``."""
-  if not st.has_seg or st.has_sched or not st.one_seg_mask:
-    return None
-  return bounds_ref[b, tile, _SEG_BOUNDS_ONE + wg] != 0
-
-
 def _turn_skips(wg, k, n, first_tile, last_tile):
   """The overlap protocol's hand-over turns: for compute warpgroup ``wg``'s turn ``k`` of
   ``n + 1`` in a query tile, (skip the wait for its turn, skip the hand-over after it).
@@ -380,10 +316,9 @@ def _turn_skips(wg, k, n, first_tile, last_tile):
 
 
 def _program_tiles(g, st: KernelConfig):
-  """q_tiles_per_program = P > 1: the query tiles of program ``g`` (``rows_per_program`` rows
-  each), as (count, i -> the i-th tile), int32: tiles j = g * P + i for i < count =
-  min(P, tiles - g * P) (the last program may have fewer), in that order; with causal j counts
-  from the last tile (the longest kv ranges first, as the one-tile programs' reversed order)."""
+  """q_tiles_per_program = P > 1: program ``g``'s query tiles as (count, i -> the i-th tile),
+  int32: tiles g * P + i for i < count = min(P, tiles - g * P); causal counts from the last tile
+  (the longest kv ranges first, as for one-tile programs)."""
   n_q = st.num_q_programs
   first = jnp.asarray(g, jnp.int32) * st.q_tiles_per_program
   count = jnp.minimum(jnp.int32(st.q_tiles_per_program), n_q - first)
@@ -393,26 +328,22 @@ def _program_tiles(g, st: KernelConfig):
 
 
 def _fwd_kernel(*refs, st: KernelConfig):
-  """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM), with segment ids also q_seg [B, Sq],
-  kv_seg [B, Sk] int32 and bounds [B, programs, 10 or 12] (``seg_bounds``) -> o [B, Sq, Hq, D],
-  lse [B, Hq, Sq] (GMEM, natural log). Scratch: smem = (qo [2, bq, D], k [S, bk, D],
-  v [S, bk, D], lse [2, bq], with segment ids q_seg [2, bq], kv_seg [S, bk]), barriers
-  q_loaded [2], k/v_loaded [S] (with segment ids q_loaded and k_loaded also count the segment
-  copies), k/v_free [S] (2 arrivals), rendezvous (2 arrivals). With a block schedule
-  (``st.has_sched``) the last input is the walk [B', Hs, programs, 1 + W] of ``schedule_walk``
-  instead of the bounds (segment ids or not). With ``q_tiles_per_program`` > 1 (range path
-  only) qo, lse and q_loaded have 4 entries (two sets, 2 * set + warpgroup) and each program
-  runs its query tiles (``_program_tiles``) one after the other, the ring running on."""
+  """Refs: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] (GMEM), with segment ids q_seg [B, Sq], kv_seg
+  [B, Sk] int32, then bounds [B, programs, 10 or 12] (``seg_bounds``) or, with a block schedule,
+  the walk [B', Hs, programs, 1 + W] (``schedule_walk``) -> o [B, Sq, Hq, D], lse [B, Hq, Sq]
+  (natural log). Scratch: smem (qo [2, bq, D], k/v [S, bk, D], lse [2, bq], with segment ids
+  q_seg [2, bq], kv_seg [S, bk]); barriers q_loaded [2], k/v_loaded [S] (q/k_loaded also count
+  the segment-id copies), k/v_free [S] (2 arrivals), rendezvous. With q_tiles_per_program > 1
+  qo, lse and q_loaded have 4 entries (2 * set + warpgroup): see ``_compute_tiles``."""
   n_in = 3 + (2 if st.has_seg else 0) + (1 if st.has_seg or st.has_sched else 0)
   ins = refs[:n_in]
   o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous = refs[n_in:]
   q_ref, k_ref, v_ref = ins[:3]
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = q_seg_smem = kv_seg_smem = None
+  qo_smem, k_smem, v_smem, lse_smem = smem[:4]
   if st.has_seg:
     q_seg_ref, kv_seg_ref = ins[3:5]
-    qo_smem, k_smem, v_smem, lse_smem, q_seg_smem, kv_seg_smem = smem
-  else:
-    qo_smem, k_smem, v_smem, lse_smem = smem
+    q_seg_smem, kv_seg_smem = smem[4:]
   if st.has_sched:
     walk_ref = ins[-1]
   elif st.has_seg:
@@ -437,6 +368,11 @@ def _fwd_kernel(*refs, st: KernelConfig):
     walk_count = lambda: walk_ref[walk_b, walk_h, tile, 0]
     walk_entry = lambda j: walk_ref[walk_b, walk_h, tile, 1 + j]
 
+    def walk_at(j, shift):   # entry j: (kv tile, this warpgroup's 2-bit code, ring slot)
+      entry = walk_entry(j)
+      t = walk.entry_tile(entry)
+      return t, lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3)), slot_of(j)
+
   def meet():
     plgpu.barrier_arrive(rendezvous)
     plgpu.barrier_wait(rendezvous)
@@ -447,11 +383,9 @@ def _fwd_kernel(*refs, st: KernelConfig):
   take_turn = lambda: plgpu.barrier_wait(rendezvous.at[wg])         # the other issued Q K^T
 
   def _compute_tiles():
-    # q_tiles_per_program > 1: the program's query tiles one after the other. Q/O buffer and
-    # LSE row set u = i mod 2 (index 2 * u + wg, barrier q_loaded[2 * u + wg]) for tile i; the
-    # ring position runs on across tiles (``ring_base``: entries of the earlier tiles), as the
-    # memory warpgroup's. The overlap protocol's hand-over turns run on across the tiles
-    # (``_turn_skips``).
+    # q_tiles_per_program > 1: the program's query tiles one after the other, tile i in Q/O
+    # buffer, LSE row and q_loaded barrier 2 * (i mod 2) + wg; the ring position
+    # (``ring_base``) and the overlap protocol's turns (``_turn_skips``) run on across tiles.
     row0_of = lambda i: tile_of(i) * (COMPUTE_WGS * bq) + wg * bq
     buf_of = lambda i: lax.rem(i, jnp.int32(2)) * COMPUTE_WGS + wg
 
@@ -466,8 +400,8 @@ def _fwd_kernel(*refs, st: KernelConfig):
       def prefetch_next_q():   # after tile i's Q wait: tile i + 1's Q into the other buffer
         @pl.when(i + 1 < n_sub)
         def _():
-          # that buffer (and LSE row) last held tile i - 1's O, stored by TMA at its end:
-          # wait until those stores have read shared memory before overwriting it
+          # that buffer (and LSE row) last held tile i - 1's O: wait until its TMA stores
+          # have read shared memory
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           load_q(i + 1)
       buf = buf_of(i)
@@ -481,24 +415,23 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
   def _compute_tile(tile, row0, q_smem, q_barrier, lse_dst, ring_base=None, after_q_wait=None,
                     tile_pos=None):
-    """One query tile of this warpgroup (Q already requested on ``q_barrier``): the kv walk and
-    the epilogue (O into ``q_smem``, LSE into ``lse_dst``, TMA stores issued, not waited for).
-    ``ring_base`` (q_tiles_per_program > 1): ring entries of the program's earlier tiles; the
-    tile's entry t - plo is then in slot (ring_base + t - plo) mod stages. Returns the number of
-    ring entries of the tile (with ring_base) or None."""
+    """One query tile of this warpgroup (Q requested on ``q_barrier``): the kv walk and the
+    epilogue (O into ``q_smem``, LSE into ``lse_dst``, TMA stores issued, not waited for).
+    ``ring_base`` (q_tiles_per_program > 1): ring entries of the program's earlier tiles (entry
+    t - plo in slot (ring_base + t - plo) mod stages); then returns this tile's entry count."""
     ring_slot = slot_of if ring_base is None else (
         lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages)))
     if not st.has_sched:
       plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
-    # segment ids: masked tiles take ``masked=True`` (static mask and the per-element segment
-    # compare) or, where this warpgroup walks one segment only, ``masked="static"``
-    one_seg = None if st.has_sched else _one_segment(b, tile, wg, bounds_ref, st)
-    # masked: False (a full tile) or _Mask(seg, edge): seg, the per-element segment compare;
-    # edge, the warpgroup's masked range ("left" [lo, flo), "right" [fhi, hi), None: unknown)
-    seg_of = lambda masked, x: x if masked.seg else None
+    # one_segment_static_mask: where this warpgroup walks one segment only (``seg_bounds``' flag),
+    # its masked tiles take the static mask only, not the per-element segment compare
+    one_seg = None
+    if st.has_seg and not st.has_sched and st.one_seg_mask:
+      one_seg = bounds_ref[b, tile, _SEG_BOUNDS_ONE + wg] != 0
 
     def masked_loop(lo_, hi_, body_of, carry, edge=None):
-      # tiles [lo_, hi_) masked: all with the static mask when one_seg, else with segments
+      # tiles [lo_, hi_), masked (``masked``: False, a full tile, or a _Mask): all with the
+      # static mask only when one_seg, else with the segment compare
       if one_seg is None:
         return lax.fori_loop(lo_, hi_, body_of(_Mask(True, edge)), carry)
       mid = jnp.where(one_seg, hi_, lo_)
@@ -524,10 +457,46 @@ def _fwd_kernel(*refs, st: KernelConfig):
       else:
         pl.when(plo < phi)(lambda: plgpu.barrier_wait(k_loaded.at[ring_slot(plo)]))
 
-    def wait_next_k(nxt):
-      # k_wait: the K of the next ring entry (slot, whether there is one)
-      next_slot, has_next = nxt
-      pl.when(has_next)(lambda: plgpu.barrier_wait(k_loaded.at[next_slot]))
+    def next_k(t):   # k_wait: (slot, whether there is one) of the ring entry after t's
+      return (ring_slot(t + 1), t + 1 < phi) if st.proto.k_wait else None
+
+    def wait_next_k(nxt):   # k_wait (else nxt is None): the K of ``next_k``'s entry
+      if nxt is not None:
+        pl.when(nxt[1])(lambda: plgpu.barrier_wait(k_loaded.at[nxt[0]]))
+
+    def release(slot, wait_k=True):   # an entry this warpgroup does not need
+      if wait_k:
+        plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+
+    def tile_kv_seg(slot, masked):   # the tile's kv segment ids, read before k_free
+      if masked and masked.seg and st.has_seg:
+        return compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      return None
+
+    def qk_gemm(slot, after):   # Q K^T [bq, bk] fp32; after() runs once it is issued
+      def gemm(s_ref):
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        after()
+        return s_ref[...]
+      return pl.run_scoped(gemm, plgpu.ACC((bq, bk), jnp.float32))
+
+    def pv_gemm(acc, p, slot, after):   # acc + P V [bq, D] fp32, once the wgmma is done
+      def gemm(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        after()
+      return pl.run_state(gemm)(plgpu.ACC.init(acc))
+
+    def softmax(s, t, m, l, masked, kv_seg=None):   # cap, mask, online softmax (p in fp32)
+      s = _cap_logits(s, st)
+      if masked:
+        rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
+        s = _apply_mask(s, _tile_visible(rows, cols, row0, t, st, q_seg if masked.seg else None,
+                                         kv_seg, edge=masked.edge))
+      return _online_softmax(s, m, l, st)
 
     def step_at(slot, t, carry, *, masked, nxt=None):
       # kv tile t, in ring slot ``slot`` (t mod stages for ranges, the list position for walks);
@@ -535,26 +504,10 @@ def _fwd_kernel(*refs, st: KernelConfig):
       acc, m, l = carry
       if not st.proto.k_wait:
         plgpu.barrier_wait(k_loaded.at[slot])
-      kv_seg = None
-      if masked and masked.seg and st.has_seg:   # read before the slot is released (k_free)
-        kv_seg = compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-
-      def qk_gemm(s_ref):                                     # [bq, bk] fp32
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        if handoff:
-          hand_over()
-        else:
-          meet()
-        return s_ref[...]
-      s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))   # [bq, bk]
+      kv_seg = tile_kv_seg(slot, masked)
+      s = qk_gemm(slot, hand_over if handoff else meet)
       plgpu.barrier_arrive(k_free.at[slot])
-      s = _cap_logits(s, st)
-      if masked:
-        rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
-        cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-        s = _apply_mask(s, _tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg),
-                                         kv_seg, edge=masked.edge))
-      p, alpha, m_new, l = _online_softmax(s, m, l, st)
+      p, alpha, m_new, l = softmax(s, t, m, l, masked, kv_seg)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p = p.astype(st.dtype)
       if st.proto.fence:   # all of the softmax before the other warpgroup's wgmma window
@@ -566,95 +519,57 @@ def _fwd_kernel(*refs, st: KernelConfig):
         take_turn()
       else:
         plgpu.barrier_wait(rendezvous)
-
-      def pv_gemm(acc_ref):                                   # [bq, D] fp32
-        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-        if st.proto.k_wait:   # while the wgmma runs
-          wait_next_k(nxt)
-      acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))       # returns once the wgmma is done
+      acc = pv_gemm(acc, p, slot, lambda: wait_next_k(nxt))   # k_wait: while the wgmma runs
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l
 
     def step(t, carry, *, masked):
-      if st.proto.k_wait:
-        return step_at(ring_slot(t), t, carry, masked=masked, nxt=(ring_slot(t + 1), t + 1 < phi))
-      return step_at(ring_slot(t), t, carry, masked=masked)
+      return step_at(ring_slot(t), t, carry, masked=masked, nxt=next_k(t))
 
     def drain_at(slot, nxt=None):
-      # Tiles the other warpgroup needs and this one does not (before or after this
-      # warpgroup's own range): keep the ring and the rendezvous count in step. Waiting for the
-      # load first means this warpgroup can never arrive on a slot's "free" barrier for a later
-      # use of the slot.
-      if not st.proto.k_wait:   # else waited for by the previous entry
-        plgpu.barrier_wait(k_loaded.at[slot])
-      plgpu.barrier_wait(v_loaded.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
+      # Tiles the other warpgroup needs and this one does not: keep the ring and the rendezvous
+      # count in step. Waiting for the load first means this warpgroup can never arrive on a
+      # slot's "free" barrier for a later use of the slot (k_wait: K waited for already).
+      release(slot, wait_k=not st.proto.k_wait)
       if handoff:
         hand_over()
         take_turn()
       else:
         meet()
         meet()
-      if st.proto.k_wait:
-        # after the meetings: the next K may need the other warpgroup's release of this
-        # entry's predecessor, which its P V gives only once this warpgroup has met it
-        wait_next_k(nxt)
+      # k_wait, after the meetings: the next K may need the other warpgroup's release of this
+      # entry's predecessor, which its P V gives only once this warpgroup has met it
+      wait_next_k(nxt)
 
     def drain(t, _):
-      if st.proto.k_wait:
-        drain_at(ring_slot(t), (ring_slot(t + 1), t + 1 < phi))
-      else:
-        drain_at(ring_slot(t))
-      return None
+      drain_at(ring_slot(t), next_k(t))
 
     def overlap_walk(carry):
-      # The overlap protocol. Each compute warpgroup runs n + 1 turns for the program's n ring
-      # entries: per entry, a drain (a tile it does not need) or a tile, whose turn issues
-      # Q K^T of the tile and then P V of the warpgroup's previous tile (if any), and a last
-      # turn that issues the last P V. A turn waits for its loads, then for its own barrier
-      # (not warpgroup 0's turn 0), issues, and arrives on the other's (not warpgroup 1's turn
-      # n), so the hand-overs pair up for any ranges. The P V of a tile runs while the next
-      # tile's softmax does. (Slots and turn numbers are passed as thunks, evaluated where
-      # they are used.)
+      # The overlap protocol: each compute warpgroup runs n + 1 turns for the program's n ring
+      # entries: per entry a drain (a tile it does not need) or a tile (Q K^T of the tile, then
+      # P V of its previous tile, if any), and a last turn for the last P V. A turn waits for
+      # its loads and its own barrier (not warpgroup 0's turn 0), issues, and arrives on the
+      # other's (not warpgroup 1's turn n), so the hand-overs pair up for any ranges; a tile's
+      # P V runs during the next tile's softmax. (Slots and turns are thunks, evaluated late.)
       acc, m, l = carry
       n = walk_count() if st.has_sched else phi - plo
       if not st.has_sched:
         has = lo < hi
+      turn_skips = lambda k: _turn_skips(wg, k, n, *(tile_pos or (True, True)))
 
       def begin(k):
-        skip, _ = _turn_skips(wg, k, n, *(tile_pos or (True, True)))
-        pl.when(jnp.logical_not(skip))(take_turn)
+        pl.when(jnp.logical_not(turn_skips(k)[0]))(take_turn)
 
       def end(k):
-        _, skip = _turn_skips(wg, k, n, *(tile_pos or (True, True)))
-        pl.when(jnp.logical_not(skip))(hand_over)
+        pl.when(jnp.logical_not(turn_skips(k)[1]))(hand_over)
 
-      def release(slot):   # an entry this warpgroup does not need
-        plgpu.barrier_wait(k_loaded.at[slot])
-        plgpu.barrier_wait(v_loaded.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
-
-      def drain_turn(slot_of_turn, k):
-        release(slot_of_turn())
+      def empty_turn(k):
         begin(k)
         end(k)
 
-      def tile_kv_seg(slot, masked):
-        # the tile's kv segment ids (with K on k_loaded), read before the slot is released
-        if masked and masked.seg and st.has_seg:
-          return compat.mosaic_gpu_load(kv_seg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        return None
-
-      def softmax(s, t, m, l, masked, kv_seg=None):
-        s = _cap_logits(s, st)
-        if masked:
-          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=wgmma_layout)
-          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=wgmma_layout)
-          s = _apply_mask(s, _tile_visible(rows, cols, row0, t, st, seg_of(masked, q_seg),
-                                           kv_seg, edge=masked.edge))
-        return _online_softmax(s, m, l, st)           # p in fp32
+      def drain_turn(slot_of_turn, k):
+        release(slot_of_turn())
+        empty_turn(k)
 
       def qk_turn(slot_of_turn, t, k, carry, masked, rescale=False):   # Q K^T only
         # (the first tile; on a walk also a tile after a skip that flushed the pending P V,
@@ -664,12 +579,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
         plgpu.barrier_wait(k_loaded.at[slot])
         kv_seg = tile_kv_seg(slot, masked)
         begin(k())
-
-        def qk_gemm(s_ref):
-          plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          end(k())
-          return s_ref[...]
-        s = pl.run_scoped(qk_gemm, plgpu.ACC((bq, bk), jnp.float32))
+        s = qk_gemm(slot, lambda: end(k()))
         plgpu.barrier_arrive(k_free.at[slot])
         p, alpha, m, l = softmax(s, t, m, l, masked, kv_seg)
         if rescale:
@@ -713,11 +623,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
         if drain_slot is not None:
           release(drain_slot)
         begin(k())
-
-        def pv_gemm(acc_ref):
-          plgpu.wgmma(acc_ref, p, v_smem.at[slot])
-          end(k())
-        acc = pl.run_state(pv_gemm)(plgpu.ACC.init(acc))
+        acc = pv_gemm(acc, p, slot, lambda: end(k()))
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l, p
 
@@ -729,10 +635,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
         def walk_turn(j, c):
           state, pending, prev = c[:4], c[4], c[5]
-          entry = walk_entry(j)
-          t = walk.entry_tile(entry)
-          code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
-          slot = slot_of(j)
+          t, code, slot = walk_at(j, shift)
           no, yes = jnp.int32(0), jnp.int32(1)
           turn = lambda: j
 
@@ -743,26 +646,19 @@ def _fwd_kernel(*refs, st: KernelConfig):
                 lambda st_: (drain_turn(lambda: slot, j), (*st_, no, prev))[1], state)
 
           def run(masked):
-            def f(state):
-              return lax.cond(
-                  pending == 1,
-                  lambda st_: (*pair_turn(lambda: (slot, prev), t, turn, st_, masked), yes, slot),
-                  lambda st_: (*qk_turn(lambda: slot, t, turn, st_, masked, rescale=True),
-                               yes, slot), state)
-            return f
+            return lambda state: lax.cond(
+                pending == 1,
+                lambda st_: (*pair_turn(lambda: (slot, prev), t, turn, st_, masked), yes, slot),
+                lambda st_: (*qk_turn(lambda: slot, t, turn, st_, masked, rescale=True),
+                             yes, slot), state)
           return lax.cond(code == walk.SKIP, skip, lambda st_: lax.cond(
               code == walk.FULL, run(False), run(_Mask(True, None)), st_), state)
 
         c = lax.fori_loop(jnp.int32(0), n, walk_turn, (acc, m, l, zero_p(), jnp.int32(0),
                                                        jnp.int32(0)))
         state, pending, prev = c[:4], c[4], c[5]
-
-        def none(state):
-          begin(n)
-          end(n)
-          return state
         acc, m, l, _ = lax.cond(pending == 1, lambda st_: pv_turn(lambda: prev, lambda: n, st_),
-                                none, state)
+                                lambda st_: (empty_turn(n), st_)[1], state)
         return acc, m, l
 
       # Range path: the drains of [plo, lo), a Q K^T-only turn for lo, a pair turn per tile in
@@ -786,11 +682,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
       carry = lax.fori_loop(hi, hi + one, lambda e, c: pv_turn(
           lambda: ring_slot(e - 1), lambda: e - plo, c), carry)
       lax.fori_loop(hi, phi, lambda e, c: drain_turn(lambda: ring_slot(e), e - plo + one), None)
-
-      @pl.when(jnp.logical_not(has))
-      def _():                                        # the empty turn n
-        begin(n)
-        end(n)
+      pl.when(jnp.logical_not(has))(lambda: empty_turn(n))   # the empty turn n
       acc, m, l, _ = carry
       return acc, m, l
 
@@ -803,24 +695,17 @@ def _fwd_kernel(*refs, st: KernelConfig):
       shift = 2 * wg
 
       def walk_step(j, carry):
-        entry = walk_entry(j)
-        t = walk.entry_tile(entry)
-        code = lax.bitwise_and(lax.shift_right_logical(entry, shift), jnp.int32(3))
-        slot = slot_of(j)
+        t, code, slot = walk_at(j, shift)
         nxt = (slot_of(j + 1), j + 1 < n_walk) if st.proto.k_wait else None
 
         def skip(carry):
-          if st.proto.k_wait:
-            drain_at(slot, nxt)
-          else:
-            drain_at(slot)
+          drain_at(slot, nxt)
           return carry
 
         def run(carry):
-          kw = dict(nxt=nxt) if st.proto.k_wait else {}
           return lax.cond(code == walk.FULL,
-                          functools.partial(step_at, slot, t, masked=False, **kw),
-                          functools.partial(step_at, slot, t, masked=_Mask(True, None), **kw),
+                          functools.partial(step_at, slot, t, masked=False, nxt=nxt),
+                          functools.partial(step_at, slot, t, masked=_Mask(True, None), nxt=nxt),
                           carry)
         return lax.cond(code == walk.SKIP, skip, run, carry)
       carry = lax.fori_loop(jnp.int32(0), walk_count(), walk_step, carry)
@@ -841,9 +726,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(row0, bq), h])
     plgpu.copy_smem_to_gmem(lse_dst, lse_ref.at[b, h, pl.ds(row0, bq)])
-    if ring_base is not None:
-      return phi - plo
-    return None
+    return None if ring_base is None else phi - plo
 
   @pl.when(wg < COMPUTE_WGS)
   def _compute():
@@ -875,15 +758,14 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
     def refill(tile_fn, slot):
       # a later use of a ring slot: wait for its release by both compute warpgroups, then load
-      # kv tile tile_fn()
-      if st.proto.early_k:   # K as soon as its Q K^T is done, V after the P V
-        plgpu.barrier_wait(k_free.at[slot])
+      # kv tile tile_fn() (early_k: K as soon as its Q K^T is done, V after the P V)
+      plgpu.barrier_wait(k_free.at[slot])
+      if st.proto.early_k:
         t = tile_fn()
         load(t, slot, "k")
         plgpu.barrier_wait(v_free.at[slot])
         load(t, slot, "v")
       else:
-        plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
         load(tile_fn(), slot)
 
@@ -891,21 +773,15 @@ def _fwd_kernel(*refs, st: KernelConfig):
       n = walk_count()
       tile_at = lambda j: walk.entry_tile(walk_entry(j))
       for i in range(stages):                                 # fill the ring
-        @pl.when(i < n)
-        def _():
-          load(tile_at(i), i)
-
-      @pl.loop(jnp.int32(stages), jnp.maximum(n, stages))
-      def _(j):
-        slot = slot_of(j)
-        refill(lambda: tile_at(j), slot)
+        pl.when(i < n)(lambda: load(tile_at(i), i))
+      pl.loop(jnp.int32(stages), jnp.maximum(n, stages))(
+          lambda j: refill(lambda: tile_at(j), slot_of(j)))
       return
 
     if multi:
-      # The program's query tiles in the compute warpgroups' order, their kv ranges one after
-      # the other in one ring: entry c (c counts across tiles) in slot c mod stages, the first
-      # ``stages`` entries loaded at once, each later one when both compute warpgroups have
-      # released entry c - stages (possibly of the previous tile).
+      # The program's query tiles' kv ranges one after the other in one ring: entry c (counted
+      # across tiles) in slot c mod stages, the first ``stages`` loaded at once, each later one
+      # once both compute warpgroups released entry c - stages (maybe of the previous tile).
       def sub_tile(i, ring_base):
         plo, phi, _ = _program_ranges(b, tile_of(i), None, bounds_ref, st)
 
@@ -913,14 +789,8 @@ def _fwd_kernel(*refs, st: KernelConfig):
         def _(j):
           c = ring_base + j
           slot = slot_of(c)
-
-          @pl.when(c < stages)
-          def _():
-            load(plo + j, slot)
-
-          @pl.when(c >= stages)
-          def _():
-            refill(lambda: plo + j, slot)
+          pl.when(c < stages)(lambda: load(plo + j, slot))
+          pl.when(c >= stages)(lambda: refill(lambda: plo + j, slot))
         return ring_base + (phi - plo)
 
       lax.fori_loop(jnp.int32(0), n_sub, sub_tile, jnp.int32(0))
@@ -928,24 +798,15 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
     plo, phi, _ = _program_ranges(b, tile, None, bounds_ref, st)
     for i in range(stages):                                   # fill the ring
-      @pl.when(plo + i < phi)
-      def _():
-        load(plo + i, slot_of(plo + i))
-
-    @pl.loop(plo + stages, jnp.maximum(phi, plo + stages))
-    def _(t):
-      slot = slot_of(t)
-      refill(lambda: t, slot)
-
+      pl.when(plo + i < phi)(lambda: load(plo + i, slot_of(plo + i)))
+    pl.loop(plo + stages, jnp.maximum(phi, plo + stages))(lambda t: refill(lambda: t, slot_of(t)))
 
 
 def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, walk_rows=None):
   """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] (with segment ids: q_seg [B, Sq'],
   kv_seg [B, Sk'] int32 padded with 0, bounds from ``seg_bounds``; with a block schedule:
   walk_rows from ``schedule_walk`` and no bounds) -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
-
-  The CPU tests substitute this function (monkeypatch) with a jnp replay of the kernel, to run
-  the custom_vjp and the Triton backward in interpret mode."""
+  The CPU tests monkeypatch this with a jnp replay of the kernel."""
   if st.interpret:
     raise NotImplementedError("the Mosaic GPU flash attention forward cannot run in interpret "
                               "mode (interpret=True): jax's GPU interpreter has no wgmma with "
@@ -968,10 +829,8 @@ def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, wa
              plgpu.SMEM((stages, bk), jnp.int32))                      # kv segment ids ring
     seg_copies = 2       # Q + its ids on q_loaded, K + its ids on k_loaded
     args += (q_seg, kv_seg)
-    if not st.has_sched:
-      args += (bounds,)
-  if st.has_sched:
-    args += (walk_rows,)
+  if st.has_sched or st.has_seg:
+    args += (walk_rows if st.has_sched else bounds,)
   call = plgpu.kernel(
       functools.partial(_fwd_kernel, st=st),
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -986,8 +845,7 @@ def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, wa
           (plgpu.Barrier(num_barriers=COMPUTE_WGS)                        # rendezvous
            if st.proto.handoff else plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
       ),
-      # heads on CUDA's x, launched fastest ("q_tiles" counts programs of
-      # q_tiles_per_program query tiles)
+      # heads on CUDA's x, launched fastest; "q_tiles" counts programs (of P query tiles)
       grid=(hq, st.num_programs, b), grid_names=("heads", "q_tiles", "batch"),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
