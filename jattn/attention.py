@@ -2,23 +2,17 @@
 
 Implementations:
   * ``"xla"``: pure jnp (materialises the logits; the reference semantics, any platform).
-  * ``"triton"``: portable Pallas GPU kernels (Triton lowering); forward and backward walk the
-    mask's block schedule, so masked tiles are skipped.
+  * ``"triton"``: Pallas GPU kernels; forward and backward walk the mask's block schedule.
   * ``"mosaic_tpu"``: Pallas Mosaic TPU kernels with the same schedule.
-  * ``"mosaic_gpu"``: Hopper (sm90) Pallas Mosaic GPU forward (``pallas_kernels.flash.mosaic_gpu``)
-    and backward (Triton backward at head_dim 256); bf16/fp16, head_dim 64/128/256 == head_dim_v.
-  * ``"cudnn"``: pass-through to ``jax.nn.dot_product_attention(implementation="cudnn")`` for
-    the masks it supports (causal, local window); anything else raises ValueError.
+  * ``"mosaic_gpu"``: Hopper (sm90) Mosaic GPU forward and backward (Triton backward at head_dim
+    256); bf16/fp16, head_dim 64/128/256 == head_dim_v.
+  * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` for the masks it
+    supports (causal, local window); anything else raises ValueError.
 
-Boolean ``mask`` and additive ``bias`` arrays run on "xla" and "triton" (the mask becomes a
-block schedule on device: all-False tiles are skipped, all-True tiles run unmasked); the other
-implementations raise ValueError for them. On Hopper, ``implementation=None`` runs a mask
-(no bias, head_dim 64/128) on "mosaic_gpu" when, on device, it is uniform on every MASK_TILE
-square tile (its visible tiles become the schedule), else on "triton": the plan's ``fallback``.
-
-:func:`resolve` resolves flash and block-sparse calls to a :class:`jattn._plan.Plan` (in the
-order ``jattn._plan`` describes); :func:`flash_attention_plan` returns it and
-:func:`flash_attention` runs exactly it.
+Boolean ``mask`` and additive ``bias`` arrays run on "xla" and "triton" (others raise); on
+Hopper a mask uniform on MASK_TILE square tiles runs on "mosaic_gpu" (see :func:`flash_attention`).
+:func:`resolve` resolves flash and block-sparse calls to a :class:`jattn._plan.Plan`;
+:func:`flash_attention_plan` returns it and :func:`flash_attention` runs exactly it.
 """
 from __future__ import annotations
 
@@ -52,10 +46,8 @@ def kernel_module(implementation):
     implementation: "triton", "mosaic_tpu" or "mosaic_gpu".
 
   Returns:
-    The module (``flash_attention``, ``default_block_sizes``, ``BlockSizes``).
-
-  Raises:
-    ValueError: for a name that is not a Pallas implementation.
+    The module (``flash_attention``, ``default_block_sizes``, ``BlockSizes``); ValueError for
+    another name.
 
   Example:
     >>> kernel_module("triton").__name__
@@ -66,20 +58,8 @@ def kernel_module(implementation):
   return importlib.import_module(f"pallas_kernels.flash.{implementation}")
 
 
-def mosaic_gpu_problems(q, k, v):
-  """What of a call the Mosaic GPU forward does not support (empty: nothing).
-
-  Args:
-    q, k, v: the call's arrays or ``jax.ShapeDtypeStruct`` of them.
-
-  Returns:
-    A list of strings naming the unsupported options.
-
-  Example:
-    >>> x = jax.ShapeDtypeStruct((1, 8, 2, 32), jnp.bfloat16)
-    >>> mosaic_gpu_problems(x, x, x)
-    ['head_dim 32 (supported: 64, 128, 256)']
-  """
+def _mosaic_gpu_problems(q, k, v):
+  """What of a call the Mosaic GPU forward does not support: a list of strings (empty: none)."""
   d, dtypes = q.shape[-1], {jnp.dtype(x.dtype) for x in (q, k, v)}
   return [msg for bad, msg in (
       (d not in MOSAIC_GPU_HEAD_DIMS, f"head_dim {d} (supported: 64, 128, 256)"),
@@ -94,7 +74,7 @@ def _default_implementation(dev, q, k, v, *, interpret, block_sizes, tiles, arra
   if dev.platform != "gpu":
     return "mosaic_tpu" if dev.platform == "tpu" and not arrays else "xla"
   hopper = (not arrays   # mask / bias arrays: the Triton kernels read them
-            and dev.sm90 and not interpret and not mosaic_gpu_problems(q, k, v)
+            and dev.sm90 and not interpret and not _mosaic_gpu_problems(q, k, v)
             and (block_sizes is None
                  or isinstance(block_sizes, kernel_module("mosaic_gpu").BlockSizes))
             and (tiles is None or all(t >= 64 and not t & (t - 1) for t in tiles)))
@@ -111,9 +91,8 @@ def _fit_to_tiles(impl, base, tiles):
                        f"{', '.join(bad)}; select blocks with such sizes (the kernel's default "
                        f"is q_block_size={base.block_q}, block_size={base.block_k}) or use "
                        f"implementation='xla'")
-    # One tiling, the selection's blocks, for both passes. Warps None: the kernel's launch
-    # heuristic for these tiles (its tuned values where they match the table's tiles); a longer
-    # key tile than the table's gets a shorter pipeline (shared memory).
+    # One tiling, the selection's blocks, for both passes; warps None: the launch heuristic for
+    # these tiles. A longer key tile than the table's gets a shorter pipeline (shared memory).
     extra = dict(num_stages=2) if bs > base.block_k else {}
     return dataclasses.replace(base, block_q=qbs, block_k=bs, num_warps=None, bwd_num_warps=None,
                                bwd_block_q=None, bwd_block_k=None, dkv_block_q=None, **extra)
@@ -175,20 +154,17 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
   Args:
     op: "flash" or "block_sparse".
     q, k, v: the call's arrays or ``jax.ShapeDtypeStruct`` of them.
-    causal: the call's causal flag.
-    window: None or a normalized (left, right) local window.
-    segments: whether the call has segment ids.
+    causal, window, segments: the call's causal flag, None or normalized (left, right) local
+      window, and whether it has segment ids.
     tiles: None, or a block-sparse call's (q_block_size, block_size): the kernels walk the
       selection's schedule, whose tiles the configs are fitted to.
     implementation: None or a name (``jattn._validate.IMPLEMENTATIONS``).
     block_sizes: None or the kernel's ``BlockSizes`` (used as given).
     interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
-    platform, device_kind: describe another device than the current one
-      (``pallas_kernels.tuning.device``).
-    arrays: None, "mask" or "bias": the call's arrays ("bias" when it has a bias; only "xla"
-      and "triton" take them: the default is "triton" on GPU, "xla" elsewhere, with a
-      "mosaic_gpu" plan whose ``fallback`` is "triton" for a mask on Hopper; another named one
-      raises).
+    platform, device_kind: another device than the current one (``tuning.device``).
+    arrays: None, "mask" or "bias" (when it has a bias): only "xla" and "triton" take them
+      (default: "triton" on GPU, "xla" elsewhere; for a mask on Hopper, a "mosaic_gpu" plan
+      whose ``fallback`` is "triton").
 
   Returns:
     A :class:`jattn._plan.Plan`.
@@ -215,7 +191,7 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
   if impl in ("xla", "cudnn"):
     return Plan(op, impl, backward=impl, device_kind=dev.kind)
   mod = kernel_module(impl)
-  if impl == "mosaic_gpu" and (problems := mosaic_gpu_problems(q, k, v)):
+  if impl == "mosaic_gpu" and (problems := _mosaic_gpu_problems(q, k, v)):
     raise NotImplementedError("implementation='mosaic_gpu' does not support: "
                               + ", ".join(problems) + "; use implementation='triton'")
   if block_sizes is not None and not isinstance(block_sizes, mod.BlockSizes):
@@ -251,8 +227,8 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
                          bias=None, platform=None, device_kind=None) -> Plan:
   """What ``flash_attention`` runs for a call: implementation and forward/backward configs.
 
-  Takes every argument of :func:`flash_attention` (so the call's own arguments work; ``scale``,
-  ``logits_soft_cap`` and ``return_lse`` change no choice), plus a device description.
+  Takes every argument of :func:`flash_attention` (``scale``, ``logits_soft_cap`` and
+  ``return_lse`` change no choice), plus a device description.
 
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
@@ -326,13 +302,11 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     block_sizes: optional ``BlockSizes`` of the implementation's kernel module.
     mask: None or bool, 4-D, broadcastable to [batch, q_heads, q_len, kv_len] (each axis 1 or
       full), True where a query may see a key, combined with the masks above; "xla" and
-      "triton" only. Triton turns it into block schedules on device: all-False tiles are
-      skipped, all-True tiles run unmasked, the others read the mask. On Hopper (head_dim
-      64/128) None runs "mosaic_gpu" on the visible tiles when the mask is uniform on 128 x 128
-      tiles (decided on device; the plan's ``fallback`` otherwise).
+      "triton" only (Triton skips all-False tiles and runs all-True tiles unmasked). On Hopper
+      (head_dim 64/128) None runs "mosaic_gpu" on the visible tiles when the mask is uniform on
+      128 x 128 tiles (decided on device; the plan's ``fallback`` otherwise).
     bias: None or float, 4-D, broadcastable like ``mask``: added to the (soft-capped) logits
-      before the softmax; differentiable; "xla" and "triton" only. Both arrays are broadcast to
-      [1 | batch, 1 | q_heads, q_len, kv_len] before a Triton call.
+      before the softmax; differentiable; "xla" and "triton" only.
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.

@@ -6,23 +6,22 @@ Keys and values are compressed by learned weighted pooling: compressed entry c c
     ck[c] = sum_j softmax_j(gate_k[c*r + j] + bias_k[j]) * k[c*r + j]      (per channel)
 
 with gate logits from a learned projection of the layer input and a learned position bias
-``bias[2r, kv_heads, head_dim]`` (the same for values with their own gate). An entry exists only
-once its window is complete: a query at position t sees entry c iff ``c*r + 2r - 1 <= t`` (the
-window's last token is at or before the query).
+``bias[2r, kv_heads, head_dim]`` (values alike, with their own gate). A query at position t sees
+entry c iff its window is complete: ``c*r + 2r - 1 <= t``.
 
 Two modes (``LayerSpec.csa_mode``):
 
 * "compressed": per query head, the ``top_k`` visible entries with the largest ``q . ck`` plus a raw
   causal local window of ``window`` tokens, under one softmax (plus an optional learned sink logit).
-  The local part runs on ``jattn.flash_attention``; the parts are combined by ``jattn.merge``.
-  Entries overlapping the raw window are not excluded (as NSA's compressed and sliding branches).
+  The local part runs on ``jattn.flash_attention``; ``jattn.merge`` combines the parts (entries
+  overlapping the raw window are not excluded).
 * "two_stage": raw blocks are scored by their best visible compressed entry; the ``top_k`` best
   past blocks plus the query's own block are attended on raw KV and the other visible entries
   form a coarse partial, merged through ``jattn.merge``.
 
-The functions here are pure and shared by the training forward and the cached decode path.
-Selections are non-differentiable. "compressed" scores one chunk of query rows at a time under
-``jax.checkpoint``, so the whole [batch, heads, q_len, entries] logits are never held;
+The functions are pure, shared by the training forward and the cached decode path; selections
+are non-differentiable. "compressed" scores one chunk of query rows at a time under
+``jax.checkpoint`` (the [batch, heads, q_len, entries] logits are never held whole);
 "two_stage" materialises its logits (a reference-quality path for moderate lengths).
 """
 from __future__ import annotations
@@ -44,14 +43,13 @@ _SELECTION = "csa_selection"
 
 
 def num_entries(num_tokens, ratio):
-  """Compressed slots for ``num_tokens`` raw tokens (``ceil(n / r)``; the last may never complete).
+  """Compressed slots for ``num_tokens`` raw tokens (the last may never complete).
 
   Args:
-    num_tokens: raw tokens.
-    ratio: compression ratio r.
+    num_tokens, ratio: raw tokens and compression ratio r.
 
   Returns:
-    int, the number of compressed slots (entry c needs tokens up to c*r + 2r - 1).
+    int ``ceil(num_tokens / r)`` (entry c needs tokens up to c*r + 2r - 1).
 
   Example:
     >>> num_entries(30, 4)
@@ -64,8 +62,7 @@ def entry_end(c, ratio):
   """Position of the last raw token of compressed entry(ies) ``c`` (visible to t iff end <= t).
 
   Args:
-    c: int or int array of entry indices.
-    ratio: compression ratio r.
+    c, ratio: int or int array of entry indices, and compression ratio r.
 
   Returns:
     ``c * r + 2r - 1`` (same type as c).
@@ -81,12 +78,10 @@ def pool_windows(x, gate, bias, ratio, n_entries):
   """Learned weighted pooling of raw tokens into overlapping windows (width 2r, stride r).
 
   Args:
-    x: [batch, n, heads, dim] raw keys or values.
-    gate: [batch, n, heads, dim] gate logits of the same tokens.
+    x, gate: [batch, n, heads, dim] raw keys or values, and their gate logits.
     bias: [2r, heads, dim] learned position bias.
     ratio: r.
-    n_entries: compressed entries to produce; tokens past ``n`` are zero padding (entries that
-      touch them are never visible).
+    n_entries: compressed entries to produce (tokens past ``n`` are zero padding).
 
   Returns:
     [batch, n_entries, heads, dim] in fp32.
@@ -120,8 +115,7 @@ def pool_one_window(xw, gw, bias):
   """Pool explicitly gathered windows (the decode path's new entries).
 
   Args:
-    xw: [batch, m, 2r, heads, dim] raw keys or values of m windows.
-    gw: [batch, m, 2r, heads, dim] their gate logits.
+    xw, gw: [batch, m, 2r, heads, dim] raw keys or values of m windows, and their gate logits.
     bias: [2r, heads, dim] learned position bias.
 
   Returns:
@@ -147,8 +141,8 @@ def _entry_scores(q, ck, q_pos, ratio, scale):
 
 
 def _softmax_partial(s, cv):
-  """Softmax over the last axis of masked logits s [b, hk, g, t, C] with values cv [b, C, hk, dv]:
-  (out [b, t, hq, dv] fp32, lse [b, t, hq] fp32; 0 / -inf for rows with no entry)."""
+  """Softmax of masked logits s [b, hk, g, t, C] over values cv [b, C, hk, dv]: (out [b, t, hq, dv],
+  lse [b, t, hq]) fp32; 0 / -inf for rows with no entry."""
   b, hk, g, t, _ = s.shape
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
@@ -209,10 +203,9 @@ def query_chunk(q_chunk, batch, q_heads, q_len, entries):
 def _map_query_chunks(fn, q, q_pos, chunk):
   """``fn(q, q_pos) -> (o [b, t, ...], lse [b, t, ...])`` over chunks of ``chunk`` query rows.
 
-  ``fn`` must treat rows independently. Each chunk runs under ``jax.checkpoint`` saving only the
-  values ``fn`` names ``_SELECTION`` (the bit-packed selection), so differentiation keeps no
-  [.., rows, entries] float residuals; padded rows have position -1 (no visible entry) and are
-  sliced off.
+  ``fn`` treats rows independently. Each chunk runs under ``jax.checkpoint`` saving only what
+  ``fn`` names ``_SELECTION`` (no [.., rows, entries] float residuals); padded rows have position
+  -1 (no visible entry) and are sliced off.
   """
   body = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(_SELECTION))
   b, t = q.shape[:2]
@@ -232,8 +225,7 @@ def _map_query_chunks(fn, q, q_pos, chunk):
 def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale, q_chunk=None):
   """Attention of each query head over its top-K visible compressed entries.
 
-  Computed over chunks of query rows (see the module docstring); the chunking changes neither
-  the selection nor the math, only the peak memory of the forward and of its gradient.
+  Computed over chunks of query rows; the chunking changes only the peak memory, not the math.
 
   Args:
     q: [batch, t, q_heads, d] queries (after RoPE / norms).
@@ -256,10 +248,9 @@ def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale, q_chunk=None):
   """
   def rows(q, q_pos):
     s, _ = _entry_scores(q, ck, q_pos, ratio, scale)
-    # The backward recomputes s but reuses the forward's selection (saved as bits: 1/32 of the
-    # fp32 logits) rather than a top-K threshold: a recomputed s need not be bit-identical (XLA
-    # may fuse or constant-fold it differently), and comparing it with a saved threshold could
-    # drop the K-th entry from the gradient.
+    # The backward recomputes s but reuses the forward's selection (saved as bits), not a top-K
+    # threshold: a recomputed s need not be bit-identical, so a threshold could drop the K-th
+    # entry from the gradient.
     bits = checkpoint_name(_pack_bits(_top_k_mask(s, top_k)), _SELECTION)
     s = jnp.where(_unpack_bits(bits, s.shape[-1]), s, -jnp.inf)
     return _softmax_partial(s, cv)
@@ -282,23 +273,19 @@ def sink_partial(sink, shape_o):
     >>> o.shape, lse.shape
     ((1, 3, 2, 4), (1, 3, 2))
   """
-  b, t, hq, dv = shape_o
-  lse = jnp.broadcast_to(sink.astype(jnp.float32)[None, None, :], (b, t, hq))
-  return jnp.zeros((b, t, hq, dv), jnp.float32), lse
+  lse = jnp.broadcast_to(sink.astype(jnp.float32)[None, None, :], tuple(shape_o[:3]))
+  return jnp.zeros(tuple(shape_o), jnp.float32), lse
 
 
 def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, scale):
   """Coarse-to-fine attention: compressed keys pick blocks, raw KV of those blocks is attended.
 
-  Raw key j sits at position j (j < kv_len); rows of ``k`` past the filled length are never visible
-  because they lie after every query (causal).
+  Raw key j sits at position j; rows of ``k`` past the filled length lie after every query.
 
   Args:
     q: [batch, t, q_heads, d].
-    k: [batch, kv_len, kv_heads, d] raw keys (position = index).
-    v: [batch, kv_len, kv_heads, dv].
-    ck: [batch, C, kv_heads, d] compressed keys.
-    cv: [batch, C, kv_heads, dv] compressed values.
+    k, v: [batch, kv_len, kv_heads, d | dv] raw keys (position = index) and values.
+    ck, cv: [batch, C, kv_heads, d | dv] compressed keys and values.
     q_pos: int [batch, t] query positions.
     ratio: r; ``block_size % ratio == 0``.
     block_size: raw tokens per block.

@@ -1,9 +1,8 @@
 """A small decoder-only language model built from ``jattn.nn.Attention`` layers.
 
-Pre-norm blocks (RMSNorm -> attention -> residual, RMSNorm -> SwiGLU MLP -> residual), final
-RMSNorm, tied or untied output embedding. Every layer's attention is chosen by its ``LayerSpec``.
-Also here: helpers for analysis (dense attention probabilities from captured q/k) and for
-post-hoc sparsity (the same weights run with global layers switched to top-K block sparsity).
+Pre-norm blocks (attention and SwiGLU MLP), final RMSNorm, tied or untied output embedding;
+each layer's attention follows its ``LayerSpec``. Also: dense attention probabilities from
+captured q/k, and post-hoc sparsity (the same weights with global layers made top-K sparse).
 """
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ from pallas_kernels.masks import element_mask
 def _module_list(items):
   if hasattr(nnx, "List"):
     return nnx.List(items)
-  if hasattr(nnx, "data"):
-    return nnx.data(list(items))
-  return list(items)  # older flax: plain lists of modules are graph nodes
+  return nnx.data(list(items)) if hasattr(nnx, "data") else list(items)  # older flax: plain list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +29,9 @@ class TransformerConfig:
   """Configuration of ``Transformer``.
 
   Args:
-    vocab_size: tokens in the vocabulary.
-    num_layers: decoder blocks.
-    d_model: model width.
-    num_heads: query heads.
-    num_kv_heads: key/value heads (GQA: num_heads % num_kv_heads == 0; 1 = MQA).
-    head_dim: per-head width.
+    vocab_size, num_layers, d_model: vocabulary size, decoder blocks and model width.
+    num_heads, num_kv_heads, head_dim: query heads, key/value heads (num_heads % num_kv_heads
+      == 0; 1 = MQA) and per-head width.
     layers: tuple of ``num_layers`` LayerSpec; None = all "global" with RoPE 10000.
     mlp_dim: SwiGLU hidden width (default 4 * d_model).
     tie_embeddings: share the input embedding with the output projection.
@@ -46,8 +40,7 @@ class TransformerConfig:
     qk_norm: RMSNorm per query/key head.
     implementation: attention implementation for every layer (None = per platform).
     interpret: Pallas interpret mode (CPU tests).
-    norm_eps: RMSNorm epsilon.
-    param_dtype: parameter dtype.
+    norm_eps, param_dtype: RMSNorm epsilon and parameter dtype.
     dtype: computation dtype (None: the parameter dtype); logits come out in this dtype.
     mla_absorb: absorbed MLA decode where valid (``Attention.absorbed_decode``).
     kv_cache_layout: "nhd" (default) or "hnd": every layer's decode cache layout
@@ -88,14 +81,12 @@ class TransformerConfig:
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim"):
       check_int(name, getattr(self, name))
     check_number("norm_eps", self.norm_eps, 0, open_lo=True)
-    if self.layers is None:
-      object.__setattr__(self, "layers", tuple(LayerSpec("global") for _ in range(self.num_layers)))
-    object.__setattr__(self, "layers", tuple(self.layers))
+    layers = [LayerSpec("global")] * self.num_layers if self.layers is None else self.layers
+    object.__setattr__(self, "layers", tuple(layers))
     if len(self.layers) != self.num_layers:
       raise ValueError(f"layers has {len(self.layers)} specs for num_layers={self.num_layers}")
-    for s in self.layers:
-      if not isinstance(s, LayerSpec):
-        raise TypeError(f"layers must hold LayerSpec, got {type(s).__name__}")
+    if bad := [s for s in self.layers if not isinstance(s, LayerSpec)]:
+      raise TypeError(f"layers must hold LayerSpec, got {type(bad[0]).__name__}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                        f"({self.num_kv_heads})")
@@ -111,10 +102,8 @@ class MLP(nnx.Module):
   """SwiGLU MLP: down(silu(gate(x)) * up(x)).
 
   Args:
-    d_model: model width.
-    hidden: hidden width.
-    param_dtype: parameter dtype.
-    dtype: computation dtype (None: inferred).
+    d_model, hidden: model and hidden widths.
+    param_dtype, dtype: parameter and computation dtypes (dtype None: inferred).
     rngs: ``nnx.Rngs`` (keyword-only).
 
   Example:
@@ -135,8 +124,7 @@ class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)).
 
   Args:
-    config: TransformerConfig.
-    spec: this block's LayerSpec.
+    config, spec: TransformerConfig and this block's LayerSpec.
     rngs: ``nnx.Rngs`` (keyword-only).
 
   Example:
@@ -147,14 +135,15 @@ class Block(nnx.Module):
 
   def __init__(self, config, spec, *, rngs):
     c, pd, dt = config, config.param_dtype, config.dtype
-    self.attn_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
+    norm = lambda: nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
+    self.attn_norm = norm()
     self.attn = Attention(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, spec,
                           kv_lora_rank=c.kv_lora_rank, rope_head_dim=c.layer_rope_head_dim(spec),
                           qk_norm=c.qk_norm, mla_absorb=c.mla_absorb,
                           implementation=c.implementation, interpret=c.interpret,
                           kv_cache_layout=c.kv_cache_layout, context_mesh=c.context_mesh,
                           context_axis=c.context_axis, param_dtype=pd, dtype=dt, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=dt, param_dtype=pd, rngs=rngs)
+    self.mlp_norm = norm()
     self.mlp = MLP(c.d_model, c.mlp_dim or 4 * c.d_model, param_dtype=pd, dtype=dt, rngs=rngs)
 
   def __call__(self, x, segment_ids=None, positions=None, *, return_qk=False):
@@ -203,17 +192,14 @@ class Transformer(nnx.Module):
     return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, return_qk=False):
-    """Full forward pass.
+    """Full forward pass: logits [batch, seq, vocab] in the computation dtype.
 
     Args:
       tokens: int [batch, seq].
       segment_ids: None or int [batch, seq] packed-document ids (0 = padding).
       positions: None or int [batch, seq] (restart at 0 per packed document).
-      return_qk: also return a list (one per layer) of {"q": q, "k": k} as fed to attention
-        (after norms and RoPE); see ``attention_probabilities``.
-
-    Returns:
-      logits [batch, seq, vocab] fp32-or-param dtype (and the per-layer q/k list if return_qk).
+      return_qk: also return a per-layer list of {"q": q, "k": k} as fed to attention (after
+        norms and RoPE); see ``attention_probabilities``.
     """
     x, qks = self.embed(tokens), []
     for blk in self.blocks:
@@ -223,33 +209,18 @@ class Transformer(nnx.Module):
     return (self._logits(x), qks) if return_qk else self._logits(x)
 
   def init_cache(self, batch_size, max_len, dtype=jnp.float32):
-    """Allocate every layer's KV cache (see ``Attention.init_cache``).
-
-    Args:
-      batch_size: rows decoded together.
-      max_len: total tokens each row will hold.
-      dtype: cache dtype.
-
-    Returns:
-      None.
-    """
+    """Allocate every layer's KV cache of ``batch_size`` rows of ``max_len`` tokens in ``dtype``
+    (``Attention.init_cache``)."""
     for blk in self.blocks:
       blk.attn.init_cache(batch_size, max_len, dtype)
 
   def decode(self, tokens):
-    """Append tokens to the cache and return their logits (prefill and steps share this path).
+    """Append int ``tokens`` [batch, t >= 1] to the cache; their logits [batch, t, vocab].
 
-    Args:
-      tokens: int [batch, t], t >= 1, continuing each row from the cache index.
-
-    Returns:
-      logits [batch, t, vocab].
-
-    Rows advance together from one cache index, so packed documents are decoded one document per
-    row (equal lengths) or per call, each from a fresh ``init_cache`` with positions from 0; the
-    logits then equal the packed forward's (segment ids + restarted positions) for that document.
-    The cache must be sized for the whole sequence (``max_len``); writing past it is not checked
-    under jit.
+    Prefill and steps share this path. Rows advance together from one cache index, so packed
+    documents are decoded one per row (equal lengths) or per call, each from a fresh
+    ``init_cache``; the logits then equal the packed forward's. The cache must hold the whole
+    sequence (``max_len``): writing past it is not checked under jit.
     """
     x = self.embed(tokens)
     for blk in self.blocks:
@@ -266,8 +237,7 @@ def sparsify_config(config, top_k, *, block_size=64, q_block_size=64, kinds=("gl
   Args:
     config: TransformerConfig.
     top_k: blocks selected per query block (or a float share of its visible blocks).
-    block_size: key block size.
-    q_block_size: query block size sharing a selection.
+    block_size, q_block_size: key block size, and query block size sharing a selection.
     kinds: layer kinds to convert (default only "global").
     gate_grad: ``sparse_attention`` gate gradient mode.
 
@@ -311,10 +281,7 @@ def sparsify(model, top_k, *, block_size=64, q_block_size=64, kinds=("global",))
 
   Args:
     model: a trained (dense) Transformer.
-    top_k: blocks selected per query block (or a float share of its visible blocks).
-    block_size: key block size.
-    q_block_size: query block size.
-    kinds: layer kinds to convert.
+    top_k, block_size, q_block_size, kinds: as for :func:`sparsify_config`.
 
   Returns:
     Transformer with the same parameters (copied) and a sparsified config.

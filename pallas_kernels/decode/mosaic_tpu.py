@@ -3,18 +3,15 @@
 Grid (batch, split, step). Each step DMAs the K and V of ``block_k`` tokens with every kv head:
 one block (contiguous) or ``block_k // page_size`` whole pages, one BlockSpec per page (paged),
 viewed as ``[tokens * kv_heads, head_dim]`` rows (row ``t * kv_heads + h``): the blocks' last two
-dims are full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. Inside, a
-static loop over kv heads takes the head's rows with a strided sublane load
-(``ref[pl.ds(h, n, stride=kv_heads)]``) and runs the online softmax for the head's
-``[g_pad, head_dim]`` query tile with fp32 scratch accumulators.
+dims are full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. A static
+loop over kv heads takes each head's rows with a strided sublane load and runs the online
+softmax for its ``[g_pad, head_dim]`` query tile with fp32 scratch accumulators.
 
-The sequence lengths (and the page table) are scalar-prefetched into SMEM; the K/V index maps
-use them so that a split covers only its part of the sequence's visible keys. Steps past a
-split's range repeat the previous block index (Pallas skips the DMA) and skip the compute, so a
-short sequence in a long-capacity batch costs little. Each split writes a partial (out, lse);
-the caller merges the splits (``jattn.merge.merge_partials``). Values may be narrower than keys
-(MLA): the V blocks, the accumulator and the output carry V's own head_dim_v (a full last dim,
-which Mosaic accepts at any width).
+The lengths (and the page table) are scalar-prefetched into SMEM; the K/V index maps use them so
+that a split covers only its part of the visible keys. Steps past a split's range repeat the
+previous block index (Pallas skips the DMA) and skip the compute. Each split writes a partial
+(out, lse) for ``jattn.merge.merge_partials``. V may be narrower than K (MLA): its blocks, the
+accumulator and the output carry V's own head_dim_v (a full last dim: any width works).
 """
 from __future__ import annotations
 
@@ -111,10 +108,9 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
   [block_k / refs_per_step * Hk, D] and as many V refs [block_k / refs_per_step * Hk, Dv]
   (contiguous: one block; paged: one page each); outputs o [Hk, g_pad, Dv], lse
   [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc [Hk, g_pad, Dv]."""
-  lens_ref = refs[0]
-  q_ref = refs[num_prefetch]
-  k_refs = refs[num_prefetch + 1:num_prefetch + 1 + refs_per_step]
-  v_refs = refs[num_prefetch + 1 + refs_per_step:num_prefetch + 1 + 2 * refs_per_step]
+  lens_ref, q_ref = refs[0], refs[num_prefetch]
+  kv_in = refs[num_prefetch + 1:num_prefetch + 1 + 2 * refs_per_step]
+  k_refs, v_refs = kv_in[:refs_per_step], kv_in[refs_per_step:]
   o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[num_prefetch + 1 + 2 * refs_per_step:]
   rows = block_k // refs_per_step                                   # tokens per ref
   b, split, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -159,9 +155,8 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
 
 
 def group_queries(q, kv_heads, dtype):
-  """q [B, Hq, D] -> ([B, kv_heads, g_pad, D] in ``dtype``, group, g_pad): each kv head's GQA
-  group of query rows, zero padded to a multiple of the sublane tile (8 rows of 32-bit, 16 of
-  16-bit values). Shared by the dense and block-sparse TPU decode kernels.
+  """Each kv head's GQA group of query rows, zero padded to a multiple of the sublane tile (8
+  rows of 32-bit, 16 of 16-bit values). Shared by the dense and block-sparse TPU decode kernels.
 
   Args:
     q: [batch, q_heads, head_dim]; q_heads a multiple of kv_heads.
@@ -186,29 +181,28 @@ def group_queries(q, kv_heads, dtype):
   return q4, group, g_pad
 
 
-def _call(q, k2, v2, kv_lengths, page_table, *, kv_heads, head_dim, block_k, capacity,
-          num_splits, scale, window_left, logits_soft_cap, interpret, pages_per_step=1):
+def _call(q, k, v, kv_lengths, page_table, *, block_k, capacity, num_splits, scale, window_left,
+          logits_soft_cap, interpret, pages_per_step=1):
+  """k, v: [batch or pages, tokens, Hk, D | Dv], viewed as rows t * Hk + h (a free reshape)."""
   bsz, hq, d = q.shape
-  dv = v2.shape[-1]
+  n, tokens, kv_heads, dv = v.shape
+  k2, v2 = k.reshape(n, tokens * kv_heads, d), v.reshape(n, tokens * kv_heads, dv)
+  kv_lengths = kv_lengths.astype(jnp.int32)
   q4, group, g_pad = group_queries(q, kv_heads, k2.dtype)          # dots in the cache dtype
-  scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
   num_steps = -(-(-(-capacity // block_k)) // num_splits)          # blocks per split, at most
   kw = dict(window_left=window_left, block_k=block_k, num_splits=num_splits, capacity=capacity)
   paged = page_table is not None
+  prefetch = (kv_lengths, page_table) if paged else (kv_lengths,)
   rows = block_k // pages_per_step * kv_heads                      # rows of one K/V ref
-  if paged:
-    max_pages = page_table.shape[1]
 
-    def kv_map(p):
-      def index_map(b, s, j, lens_ref, table_ref):
-        blk = _block_index(lens_ref[b], s, j, **kw)
-        return (table_ref[b, jnp.minimum(blk * pages_per_step + p, max_pages - 1)], 0, 0)
-      return index_map
-    prefetch = (kv_lengths, page_table)
-  else:
-    def kv_map(p):
-      return lambda b, s, j, lens_ref: (b, _block_index(lens_ref[b], s, j, **kw), 0)
-    prefetch = (kv_lengths,)
+  def kv_map(p):   # contiguous: block blk of row b; paged: the blk-th step's p-th page
+    def index_map(b, s, j, lens_ref, *table_ref):
+      blk = _block_index(lens_ref[b], s, j, **kw)
+      if not paged:
+        return (b, blk, 0)
+      return (table_ref[0][b, jnp.minimum(blk * pages_per_step + p, page_table.shape[1] - 1)], 0, 0)
+    return index_map
   out_map = lambda b, s, j, *_: (b, s, 0, 0, 0)
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -276,13 +270,11 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
     (1, 2, 4, 128)
   """
   _check(q, k_cache, v_cache, kv_lengths, num_splits)
-  bsz, max_len, kv_heads, d = k_cache.shape
+  max_len = k_cache.shape[1]
   block_k = min((block_sizes or DecodeBlockSizes()).block_k, max_len)  # == max_len: full row dim
-  shape2 = (bsz, max_len * kv_heads)  # row t * kv_heads + h (a free reshape)
-  return _call(q, k_cache.reshape(*shape2, d), v_cache.reshape(*shape2, v_cache.shape[-1]),
-               kv_lengths.astype(jnp.int32), None, kv_heads=kv_heads, head_dim=d,
-               block_k=block_k, capacity=max_len, num_splits=num_splits, scale=scale,
-               window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret)
+  return _call(q, k_cache, v_cache, kv_lengths, None, block_k=block_k, capacity=max_len,
+               num_splits=num_splits, scale=scale, window_left=window_left,
+               logits_soft_cap=logits_soft_cap, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -317,15 +309,12 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     (1, 2, 4, 128)
   """
   _check(q, k_pages, v_pages, kv_lengths, num_splits)
-  num_pages, page_size, kv_heads, d = k_pages.shape
+  num_pages, page_size = k_pages.shape[:2]
   check_page_table(q, page_table)
   max_pages = page_table.shape[1]
   pages_per_step = max(1, min((block_sizes or DecodeBlockSizes()).block_k // page_size, max_pages))
-  shape2 = (num_pages, page_size * kv_heads)                     # row t * kv_heads + h per page
   table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
-  return _call(q, k_pages.reshape(*shape2, d), v_pages.reshape(*shape2, v_pages.shape[-1]),
-               kv_lengths.astype(jnp.int32), table, kv_heads=kv_heads, head_dim=d,
-               block_k=pages_per_step * page_size,
+  return _call(q, k_pages, v_pages, kv_lengths, table, block_k=pages_per_step * page_size,
                capacity=max_pages * page_size, num_splits=num_splits, scale=scale,
                window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret,
                pages_per_step=pages_per_step)
