@@ -1,11 +1,9 @@
-"""Input checks shared by the public ops: errors that name the argument, what was expected and
-what came.
+"""Input checks shared by the public ops: errors name the argument, what was expected and what came.
 
-Shapes, ranks, dtypes and static arguments are always checked. Values the ops read (lengths,
-page ids, segment ids) are checked when they are concrete (an eager call); under ``jax.jit``
-they are traced, and each op documents what it does with an out-of-range value (the same on
-every implementation, never a write outside the caller's rows or pages). Inside
-:func:`debug_checks` the same value checks also run on traced values.
+Shapes, ranks, dtypes and static arguments are always checked. Values the ops read (lengths, page
+ids, segment ids) are checked when concrete; traced under ``jax.jit``, each op documents what it
+does with an out-of-range value (the same on every implementation, never a write outside the
+caller's rows or pages). Inside :func:`debug_checks` traced values are checked too.
 """
 from __future__ import annotations
 
@@ -96,9 +94,8 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
 
 
 def as_int32(name, x):
-  """An integer array as int32 without changing a value: ids outside the int32 range raise
-  ValueError when concrete; a traced array of a wider type raises TypeError (TypeError for a
-  non-integer dtype, bool included)."""
+  """An integer array as int32 without changing a value: ValueError for a concrete value outside
+  int32, TypeError for a traced wider type or a non-integer dtype (bool included)."""
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got {x.dtype}")
   if not np.can_cast(x.dtype, np.int32):
@@ -177,14 +174,14 @@ def check_range(name, x, lo, hi, *, valid=None):
 
 @contextlib.contextmanager
 def debug_checks():
-  """Check traced values too: lengths, page ids and segment-length values of the ops called
-  (and jitted) inside the block are checked on the device's values, and the block raises
-  ValueError naming the first bad value (argument, index, value, expected range) at its end.
+  """Check traced values too: lengths, page ids and segment-length values of the ops called (and
+  jitted) inside the block are checked on the device, and the block raises ValueError naming the
+  first bad value (argument, index, value, expected range) at its end.
 
-  Outside the block a traced out-of-range value gets each op's documented behaviour (e.g.
-  decode lengths clamped to the cache) and concrete values are always checked. Entering and
-  leaving clears jax's compilation caches, so jitted functions retrace with, then without, the
-  checks (a host callback per checked array: for debugging, not for production).
+  Outside it, a traced out-of-range value gets each op's documented behaviour (e.g. decode
+  lengths clamped to the cache). Entering and leaving clears jax's compilation caches, so jitted
+  functions retrace with, then without, the checks (a host callback per checked array: for
+  debugging, not production).
 
   Returns:
     A context manager.

@@ -4,16 +4,15 @@ Every mask in jattn is turned into a ``BlockSchedule``; a kernel walks it and ne
 tile that is not in it:
 
 * ``kv_indices[b, h, qi, j]`` (j < ``kv_counts[b, h, qi]``): the j-th kv tile visited by query tile
-  qi, in increasing order. Entries past the count repeat the last valid index (so a pipelined TPU
-  kernel issues no new copy for them); they must not be computed.
+  qi, in increasing order. Entries past the count repeat the last valid index (a pipelined TPU
+  kernel issues no new copy for them) and must not be computed.
 * ``kv_partial[b, h, qi, j]``: 1 if the tile needs the element mask (causal diagonal, window edge,
-  segment boundary, padding, a boolean mask array with both values in the tile), 0 if every
-  element of the tile is visible.
-* ``q_indices``, ``q_counts``, ``q_partial``: the transposed schedule (for each kv tile, the query
-  tiles that visit it), which the dK/dV backward kernels walk.
+  segment boundary, padding, a mask array with both values in the tile), 0 if all visible.
+* ``q_indices``, ``q_counts``, ``q_partial``: the transposed schedule (per kv tile, the query
+  tiles visiting it), walked by the dK/dV backward kernels.
 
-Leading axes are [Bs, Hs] with Bs in {1, batch} and Hs in {1, kv_heads}: a size-1 axis is shared
-(broadcast) by all batches or heads. Kernels index with ``b if Bs > 1 else 0``.
+Leading axes are [Bs, Hs], Bs in {1, batch}, Hs in {1, kv_heads}; a size-1 axis is broadcast.
+Kernels index with ``b if Bs > 1 else 0``.
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ import numpy as np
 from pallas_kernels.common.util import check_flags, check_int
 from pallas_kernels.masks import normalize_window
 
-# The documented API; the segment-tile helpers serve the Mosaic GPU walks.
 __all__ = ["BlockSchedule", "compact_true", "make_schedule", "mask_tile_classes",
            "schedule_to_mask", "check_schedule_args"]
 
@@ -89,17 +87,14 @@ class BlockSchedule:
 
 def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
   """numpy (any_visible, all_visible) bool [nq, nk] for the static part of the mask."""
-  nq = -(-q_len // block_q)
-  nk = -(-kv_len // block_k)
+  nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
   off = kv_len - q_len
   q0 = np.arange(nq)[:, None] * block_q + off            # first query position of tile
   q1 = np.minimum(q0 - off + block_q, q_len) - 1 + off   # last (valid) query position
   k0 = np.arange(nk)[None, :] * block_k
   k1 = np.minimum(k0 + block_k, kv_len) - 1              # last valid key of tile
   any_ = np.ones((nq, nk), bool)
-  all_ = np.ones((nq, nk), bool)
-  # Padding keys beyond kv_len make a tile partial.
-  all_ &= (k0 + block_k) <= kv_len
+  all_ = np.ones((nq, nk), bool) & ((k0 + block_k) <= kv_len)   # padding keys: partial
   # Query rows past q_len are padding (discarded): only valid rows decide visibility.
   if causal:
     any_ &= k0 <= q1
@@ -117,14 +112,12 @@ def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
 
 
 def segment_tile_classes(seg, length, block):
-  """Per-tile summary of segment ids for ``segment_tile_pairs``. seg: int [b, length]; positions
-  past ``length`` (up to whole tiles) are padding, id 0.
-
-  Id 0 (padding) is left out of the ranges; an all-padding tile gets the empty range (lo > hi).
+  """Per-tile summary of segment ids int [b, length] for ``segment_tile_pairs``; id 0 and the
+  positions past ``length`` (to whole tiles) are padding, left out of the ranges.
 
   Returns:
-    (lo, hi, pure), [b, n] each: the smallest and largest nonzero id of the tile (int32; INT32_MAX
-    and INT32_MIN when it has none) and whether every position of the tile holds that one
+    (lo, hi, pure), [b, n] each: the smallest and largest nonzero id of the tile (int32; the
+    empty range INT32_MAX, INT32_MIN when it has none) and whether every position holds that one
     nonzero id (bool).
 
   Example:
@@ -214,9 +207,8 @@ def compact_true(keep, width: int):
 
 
 def _compact_by_scatter(keep, width):
-  """``compact_true`` by a running count and one scatter. The optimization barrier keeps XLA
-  from constant-folding the running count of a constant mask (a static schedule's lists), which
-  takes seconds per op at 64K tokens."""
+  """``compact_true`` by a running count and one scatter. The optimization barrier keeps XLA from
+  constant-folding the count of a constant mask (seconds per op at 64K tokens)."""
   keep = jax.lax.optimization_barrier(keep)
   lead, n = keep.shape[:-1], keep.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
@@ -264,15 +256,14 @@ def _compact(visit, partial, max_count, xp=jnp):
 
 
 def check_schedule_args(schedule, q_shape, k_shape) -> None:
-  """TypeError / ValueError unless ``schedule`` is a ``BlockSchedule`` for q [B, Sq, Hq, D] and
-  k [B, Sk, Hk, D]: the same lengths and leading axes [1|B, 1|Hk].
+  """Check that ``schedule`` is a ``BlockSchedule`` for q [B, Sq, Hq, D] and k [B, Sk, Hk, D].
 
   Args:
     schedule: the schedule a kernel was given.
     q_shape, k_shape: the shapes of q and k.
 
   Returns:
-    None; raises as above.
+    None; TypeError / ValueError unless the lengths match and leading axes are [1|B, 1|Hk].
 
   Example:
     >>> s = make_schedule(100, 100, 32, 32, causal=True)
@@ -330,8 +321,7 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
   exact_kv, exact_q = (max(int(any_s.sum(axis=a).max()), 1) for a in (1, 0))
   max_kv_blocks = min(exact_kv if max_kv_blocks is None else max_kv_blocks, nk)
   max_q_blocks = min(exact_q if max_q_blocks is None else max_q_blocks, nq)
-  # Without traced inputs the lists are built in numpy at trace time (XLA would constant-fold
-  # jnp slowly).
+  # Without traced inputs, build the lists in numpy at trace time (XLA constant-folds slowly).
   xp = np if q_segment_ids is None and block_mask is None and mask is None else jnp
   visit, full = xp.asarray(any_s)[None, None], xp.asarray(all_s)[None, None]   # [1, 1, nq, nk]
   if q_segment_ids is not None:
@@ -374,5 +364,4 @@ def schedule_to_mask(schedule: BlockSchedule):
   """
   valid = jnp.arange(schedule.max_kv_blocks) < schedule.kv_counts[..., None]
   onehot = jax.nn.one_hot(schedule.kv_indices, schedule.num_kv_blocks, dtype=jnp.int32)
-  onehot = onehot * valid[..., None]
-  return jnp.sum(onehot, axis=-2) > 0
+  return jnp.sum(onehot * valid[..., None], axis=-2) > 0

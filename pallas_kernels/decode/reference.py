@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels.flash.reference import softmax_lse
 from pallas_kernels.masks import element_mask, normalize_window
 
-__all__ = ["decode_reference", "paged_decode_reference", "gather_pages", "decode_partials"]
+__all__ = ["decode_partials", "decode_reference", "gather_pages", "paged_decode_reference"]
 
 
 def _visible(kv_lengths, num_keys, window):
@@ -30,23 +30,51 @@ def _visible(kv_lengths, num_keys, window):
                       causal=True, window=window, kv_len=lengths[:, None, None])[:, 0, :]
 
 
+def _logits(q, k_cache, v_cache, kv_lengths, window, scale, logits_soft_cap, upcast,
+            hide_k=False):
+  """(logits [b, hk, g, n] fp32, -inf where hidden; v [b, n, hk, dv], 0 where hidden; dtype;
+  precision). ``hide_k`` also zeroes hidden keys (finite dq)."""
+  b, hq, d = q.shape
+  _, n, hk, _ = k_cache.shape
+  dt = jnp.float32 if upcast else q.dtype
+  prec = jax.lax.Precision.HIGHEST if upcast else None
+  scale = 1.0 / (d ** 0.5) if scale is None else scale
+  visible = _visible(kv_lengths, n, window)                            # [b, n]
+  k = jnp.where(visible[:, :, None, None], k_cache.astype(dt), 0) if hide_k else k_cache
+  s = jnp.einsum("bhgd,bnhd->bhgn", q.astype(dt).reshape(b, hk, hq // hk, d), k.astype(dt),
+                 precision=prec, preferred_element_type=jnp.float32) * scale
+  if logits_soft_cap is not None:
+    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+  s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+  return s, jnp.where(visible[:, :, None, None], v_cache.astype(dt), 0), dt, prec
+
+
+def _split(s, v, splits):
+  """Contiguous key chunks: s [b, hk, g, S, c] (padding -inf), v [b, S, c, hk, dv] (padding 0)."""
+  (b, hk, g, n), dv = s.shape, v.shape[-1]
+  chunk = -(-n // splits)
+  pad = chunk * splits - n
+  if pad:
+    s = jnp.pad(s, ((0, 0),) * 3 + ((0, pad),), constant_values=-jnp.inf)
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  return s.reshape(b, hk, g, splits, chunk), v.reshape(b, splits, chunk, hk, dv)
+
+
 def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
                      logits_soft_cap=None, num_splits=None, upcast=True):
   """Decode attention of one query token per sequence over a contiguous KV cache.
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_cache: [batch, max_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA: query head h
-      reads kv head h // (q_heads // kv_heads)).
-    v_cache: [batch, max_len, kv_heads, head_dim].
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA:
+      query head h reads kv head h // (q_heads // kv_heads)).
     kv_lengths: int32 [batch], number of valid cache entries per sequence.
     scale: logit scale, default 1/sqrt(head_dim).
     local_window_size: None, int or (left, right) (jax.nn convention).
     logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
     num_splits: None (one pass) or the number of contiguous chunks of the cache to compute
       partial results for and merge by log-sum-exp (split-KV in plain XLA; same result).
-    upcast: compute in fp32 at HIGHEST precision (True), or in the input dtype with fp32
-      accumulation (False).
+    upcast: fp32 at HIGHEST precision (True), or the input dtype with fp32 accumulation.
 
   Returns:
     (out [batch, q_heads, head_dim] in q.dtype, lse [batch, q_heads] fp32, -inf when empty).
@@ -58,29 +86,14 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     >>> out.shape, lse.shape
     ((2, 4, 16), (2, 4))
   """
-  b, hq, d = q.shape
-  _, n, hk, _ = k_cache.shape
-  scale = 1.0 / (d ** 0.5) if scale is None else scale
-  dt = jnp.float32 if upcast else q.dtype
-  prec = jax.lax.Precision.HIGHEST if upcast else None
-  visible = _visible(kv_lengths, n, normalize_window(local_window_size))  # [b, n]
-  k = jnp.where(visible[:, :, None, None], k_cache.astype(dt), 0)  # hidden: 0 (finite dq)
-  s = jnp.einsum("bhgd,bnhd->bhgn", q.astype(dt).reshape(b, hk, hq // hk, d), k, precision=prec,
-                 preferred_element_type=jnp.float32) * scale      # [b, hk, g, n]
-  if logits_soft_cap is not None:
-    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-  s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-  v = jnp.where(visible[:, :, None, None], v_cache.astype(dt), 0)  # [b, n, hk, d]
+  b, hq, _ = q.shape
+  s, v, dt, prec = _logits(q, k_cache, v_cache, kv_lengths, normalize_window(local_window_size),
+                           scale, logits_soft_cap, upcast, hide_k=True)
   splits = 1 if num_splits is None else int(num_splits)
   if splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-  chunk = -(-n // splits)
-  pad = chunk * splits - n
-  if pad:
-    s = jnp.pad(s, ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
-    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  w, lse = softmax_lse(s.reshape(b, hk, hq // hk, splits, chunk))  # lse [b, hk, g, S]
-  v = v.reshape(b, splits, chunk, hk, v.shape[-1])                # [b, S, c, hk, d]
+  s, v = _split(s, v, splits)
+  w, lse = softmax_lse(s)                                         # lse [b, hk, g, S]
   o = jnp.einsum("bhgsc,bschd->bhgsd", w.astype(dt), v, precision=prec,
                  preferred_element_type=jnp.float32)              # [b, hk, g, S, d]
   if splits > 1:  # exact log-sum-exp merge of the per-chunk partials (same algebra as jattn.merge)
@@ -117,8 +130,7 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_pages: [num_pages, page_size, kv_heads, head_dim].
-    v_pages: [num_pages, page_size, kv_heads, head_dim].
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim].
     page_table: int32 [batch, max_pages]; token t of sequence b lives in page
       ``page_table[b, t // page_size]`` at slot ``t % page_size``.
     kv_lengths: int32 [batch].
@@ -143,12 +155,10 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
 def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_splits=None,
                     units=None, block=None, m_hat=None, active=None, scale=None,
                     window_left=None, logits_soft_cap=None, upcast=False):
-  """The decode kernels' partials in jnp (``implementation="xla"``; the contract of
-  ``pallas_kernels.decode.triton.decode_partials``, whose arguments these are, plus
-  ``page_table`` (page pools, gathered first), ``block`` (keys per unit block) and ``upcast``).
-
-  Splits are contiguous chunks of the cache; units mask each unit's blocks out of its row's
-  logits (O(units x capacity) memory: a reference formulation).
+  """The decode kernels' partials in jnp (``implementation="xla"``): the contract of
+  ``pallas_kernels.decode.triton.decode_partials``, plus ``page_table`` (page pools, gathered
+  first), ``block`` (keys per unit block) and ``upcast``. Splits are contiguous chunks of the
+  cache; units mask their blocks out of their row's logits (O(units x capacity) memory).
 
   Args:
     q, k_cache, v_cache, kv_lengths, page_table, num_splits, units, block, m_hat, active,
@@ -166,27 +176,15 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_spl
   """
   if page_table is not None:
     k_cache, v_cache = gather_pages(k_cache, page_table), gather_pages(v_cache, page_table)
-  b, hq, d = q.shape
+  b, hq, _ = q.shape
   _, n, hk, _ = k_cache.shape
-  g = hq // hk
-  dv = v_cache.shape[-1]
-  dt = jnp.float32 if upcast else q.dtype
-  prec = jax.lax.Precision.HIGHEST if upcast else None
-  scale = 1.0 / (d ** 0.5) if scale is None else scale
-  visible = _visible(kv_lengths, n, None if window_left is None else (window_left, 0))
-  s = jnp.einsum("bhgd,bnhd->bhgn", q.astype(dt).reshape(b, hk, g, d), k_cache.astype(dt),
-                 precision=prec, preferred_element_type=jnp.float32) * scale  # [b, hk, g, n]
-  if logits_soft_cap is not None:
-    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-  s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-  v = jnp.where(visible[:, :, None, None], v_cache.astype(dt), 0)      # [b, n, hk, dv]
+  g, dv = hq // hk, v_cache.shape[-1]
+  s, v, dt, prec = _logits(q, k_cache, v_cache, kv_lengths,
+                           None if window_left is None else (window_left, 0), scale,
+                           logits_soft_cap, upcast)
   if units is None:
-    chunk = -(-n // num_splits)
-    pad = chunk * num_splits - n
-    s = jnp.pad(s, ((0, 0),) * 3 + ((0, pad),), constant_values=-jnp.inf)
-    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    s = s.reshape(b, hk, g, num_splits, chunk).transpose(0, 3, 1, 2, 4)  # [b, S, hk, g, c]
-    v = v.reshape(b, num_splits, chunk, hk, dv).transpose(0, 1, 3, 2, 4)  # [b, S, hk, c, dv]
+    s, v = _split(s, v, num_splits)
+    s, v = s.transpose(0, 3, 1, 2, 4), v.transpose(0, 1, 3, 2, 4)     # [b, S, hk, g|c, c|dv]
     m_rows = None if m_hat is None else m_hat.reshape(b, 1, hk, g)
   else:
     row = jnp.clip(units[0], 0, b - 1)

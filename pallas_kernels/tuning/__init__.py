@@ -1,24 +1,15 @@
 """Tuned kernel configs kept as data, one JSON table per device, and the device they key on.
 
-Each JSON file in this package is one table: ``device_kinds`` (the ``device_kind`` strings jax
-reports, e.g. "NVIDIA H200") and ``entries``, each keyed by
+Each JSON file here is a table: ``device_kinds`` (jax ``device_kind`` strings, e.g. "NVIDIA
+H200") and ``entries`` keyed by ``kernel`` (one of ``KERNELS``), ``head_dim`` (padded for Triton),
+``dtype`` ("16bit" for bf16/fp16, or "32bit") and ``mask`` ("all" or a :func:`mask_kind`, which
+:func:`entry` prefers), each with ``params`` (``BlockSizes`` fields) and ``provenance``.
 
-  * ``kernel``: one of ``KERNELS``;
-  * ``head_dim``: the padded head dim for Triton, the head dim for Mosaic GPU;
-  * ``dtype``: "16bit" (bf16/fp16) or "32bit";
-  * ``mask``: "all" or a :func:`mask_kind`, which :func:`entry` prefers to "all";
-
-with ``params`` (the ``BlockSizes`` fields) and ``provenance``. A device reads, first found:
-
-  1. a table in the folder named by ``$JATTN_TUNING_DIR`` that lists its kind (written by
-     ``python -m pallas_kernels.tuning.tune`` on the user's own card);
-  2. the package's table that lists its kind (``DEVICE_TABLES``);
-  3. the nearest package table of its architecture (a Hopper card without one: the H200's for
-     GH200 parts, else the H100's);
-  4. ``generic.json``.
-
-A device table overrides ``generic.json`` key by key. :class:`Device` is what dispatch and the
-tables key on; a plan's ``table`` field names the file a call read.
+A device reads the first found of: a table listing its kind in ``$JATTN_TUNING_DIR`` (written by
+``python -m pallas_kernels.tuning.tune`` on the user's card); the package's table listing it
+(``DEVICE_TABLES``); the nearest package table of its architecture (Hopper: the H200's for GH200
+parts, else the H100's); ``generic.json``. A device table overrides ``generic.json`` key by key.
+A plan's ``table`` field names the file a call read.
 """
 from __future__ import annotations
 
@@ -257,7 +248,7 @@ def _merged(name: str) -> dict:
 
 def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
           device: str | None = None) -> dict | None:
-  """The table entry for a key on a device.
+  """The table entry for a key on a device (the mask kind's own, else "all").
 
   Args:
     kernel: one of ``KERNELS``.
@@ -301,16 +292,14 @@ def params(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
 def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
   """The tables' mask key of an attention call.
 
-  "dense", "causal", "window" or "causal_window"; causal with segment ids and no window is
-  "causal_segments".
-
   Args:
     causal: causal mask.
     window: None or a (left, right) local window (either side may be None: unbounded).
     segments: the call has segment ids (query or key side).
 
   Returns:
-    One of ``MASK_KINDS`` other than "all".
+    "dense", "causal", "window", "causal_window", or "causal_segments" (causal with segment
+    ids and no window).
 
   Example:
     >>> mask_kind(True, (511, 0)), mask_kind(False, None), mask_kind(True, None, segments=True)
@@ -323,17 +312,13 @@ def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
 
 def required_params(kernel: str, head_dim: int, dtype_cls: str,
                     device: str | None = None, mask: str = "all") -> dict:
-  """``params`` for a mask kind (its own entry, else "all"), raising when there is neither.
+  """``params``, raising KeyError (naming the table file) when there is no entry.
 
   Args:
-    kernel, head_dim, dtype_cls, device: as for ``entry`` (device: default the current one).
-    mask: a mask kind of ``MASK_KINDS`` (default "all").
+    kernel, head_dim, dtype_cls, device, mask: as for ``entry``.
 
   Returns:
     A new dict of ``BlockSizes`` fields.
-
-  Raises:
-    KeyError: no entry for the key on the device (naming the table file).
 
   Example:
     >>> required_params("mosaic_gpu_fwd", 128, "16bit", device="cpu")["block_k"]

@@ -3,14 +3,12 @@
     python -m pallas_kernels.tuning.tune --quick --out ~/jattn-tables
     export JATTN_TUNING_DIR=~/jattn-tables      # jattn now reads the table for this card
 
-For every key of the tables (kernel, head_dim, dtype, mask kind) on the common shapes (B2 H16,
-16K tokens, 8K with ``--quick``), the command times each candidate config, checks its output
-against an fp32 reference on one (batch, head) slice, and keeps the fastest correct one. The
-candidates always include the config this device reads today (its table, else the nearest one
-of its architecture, else ``generic.json``), so the written table is at least as fast on every
-tuned shape up to timing noise; each entry's provenance records the command, date, device, the
-winner's and the incumbent's milliseconds. Kernels: ``mosaic_gpu_fwd`` and ``mosaic_gpu_bwd``
-(Hopper) and ``triton_fwd`` / ``triton_bwd`` (any GPU).
+For every table key (kernel, head_dim, dtype, mask kind) on B2 H16 with 16K tokens (8K with
+``--quick``), it times each candidate config, checks it against an fp32 reference on one (batch,
+head) slice and keeps the fastest correct one. The candidates include the config this device
+reads today, so the new table is at least as fast on every tuned shape up to timing noise; each
+entry's provenance records the command, date, device, winner's and incumbent's milliseconds.
+Kernels: ``mosaic_gpu_fwd`` / ``mosaic_gpu_bwd`` (Hopper), ``triton_fwd`` / ``triton_bwd``.
 """
 from __future__ import annotations
 
@@ -208,11 +206,10 @@ def main(argv=None) -> dict:
   head_dims = [int(d) for d in a.head_dims.split(",")]
   t0, entries = time.time(), []
   print(f"tuning on {dev.kind} (today's table: {dev.table})", flush=True)
+  dims = {"mosaic_gpu_fwd": mg.HEAD_DIMS, "mosaic_gpu_bwd": mgb.HEAD_DIMS}
   for kernel, d, mask in itertools.product(kernels, head_dims, masks):
-    if ((kernel == "mosaic_gpu_bwd" and d not in mgb.HEAD_DIMS)
-        or (kernel == "mosaic_gpu_fwd" and d not in mg.HEAD_DIMS)
-        or (kernel.startswith("triton") and mask != "causal")):   # Triton reads "all" entries
-      continue
+    if d not in dims.get(kernel, (d,)) or (kernel.startswith("triton") and mask != "causal"):
+      continue   # Triton reads "all" entries, tuned on "causal"
     e = tune_key(kernel, d, mask, seq=8192 if a.quick else 16384, quick=a.quick, kind=dev.kind,
                  log=lambda s: print(s, flush=True))
     if e is not None:
