@@ -1,7 +1,7 @@
 """Shared test setup: GPU tests skip cleanly without a GPU; tests marked ``slow`` run only with
 ``--run-slow``; hypothesis profile for CI; fast XLA compiles (-O0 on CPU-only machines, no
-autotuning on a GPU); jax's caches cleared before a worker runs out of memory maps; a test whose
-xdist worker crashes runs once more."""
+autotuning on a GPU); no GPU memory preallocation in xdist workers; jax's caches cleared before
+a worker runs out of memory maps; a test whose xdist worker crashes runs once more."""
 import gc
 import os
 import shutil
@@ -27,6 +27,10 @@ if os.environ.get("JATTN_TEST_XLA_OPT") != "1":
     os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0").strip()
   elif not _no_nvidia_gpu() and "xla_gpu_autotune_level" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_gpu_autotune_level=0").strip()
+
+# xdist workers share the GPU: none may take jax's default 75% of its memory up front.
+if not _no_nvidia_gpu() and "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest

@@ -6,15 +6,10 @@ holds no visible key). Attention over the union of disjoint subsets is
 
     lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i.
 
-Split-KV decoding, two-stage (coarse + fine) retrieval with one softmax and a current-block plus
-selected-blocks split all combine their partials with :func:`merge_partials` and :func:`merge`
-(XLA). Both are computed in fp32, are safe for empty partials (an all-empty merge gives 0 output
-and -inf lse, never NaN) and are differentiable with finite gradients everywhere, including
-through the returned lse.
-
-The GPU decode kernels merge their splits with the same arithmetic in Pallas (Triton):
-:func:`merge_partials_pallas` (one kernel over all partials; forward only) and
-:func:`store_merged_heads` (the merge of one sequence's heads, called inside a kernel).
+:func:`merge_partials` and :func:`merge` (XLA) compute this in fp32, safe for empty partials (an
+all-empty merge gives 0 output and -inf lse, never NaN), with finite gradients everywhere,
+including through the returned lse. The GPU decode kernels use the same arithmetic in Pallas
+(Triton): :func:`merge_partials_pallas` (forward only) and :func:`store_merged_heads` (in-kernel).
 """
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ from pallas_kernels import compat
 from pallas_kernels.common.util import check_float, check_int, next_pow2
 
 # The documented API; the in-kernel merge pieces serve the decode kernels.
-__all__ = ["merge_partials", "merge", "merge_partials_pallas", "merge_partials_by_row"]
+__all__ = ["merge", "merge_partials", "merge_partials_by_row", "merge_partials_pallas"]
 MAX_ROW_PARTIALS = 64   # partials one row of merge_partials_pallas(row_units=...) may have
 
 
@@ -82,10 +77,9 @@ def merge(o1, lse1, o2, lse2):
   """Merge two partial attention results over disjoint key sets.
 
   Args:
-    o1: first partial output, shape ``lse1.shape + (head_dim,)``.
-    lse1: its log-sum-exp (-inf when empty).
-    o2: second partial output, same shape as ``o1``.
-    lse2: its log-sum-exp, same shape as ``lse1``.
+    o1, lse1: first partial output, shape ``lse1.shape + (head_dim,)``, and its log-sum-exp
+      (-inf when empty).
+    o2, lse2: the second partial, same shapes.
 
   Returns:
     ``(out, lse)`` as :func:`merge_partials`; out in the promoted dtype of ``o1`` and ``o2``.
@@ -106,8 +100,7 @@ def merge(o1, lse1, o2, lse2):
 
 
 def merge_partials_by_row(outs, lses, rows, num_rows):
-  """:func:`merge_partials` of partials grouped by a row id (a length-balanced schedule's
-  units: any number of partials per row, in any order).
+  """:func:`merge_partials` of partials grouped by row id (any number per row, in any order).
 
   Args:
     outs: [units, heads, head_dim] partial outputs (entries with lse -inf are ignored).
@@ -141,13 +134,9 @@ def merge_partials_by_row(outs, lses, rows, num_rows):
 
 
 def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad, first=None, count=None):
-  """The log-sum-exp merge of query head ``hh``'s partials of sequence ``b``, inside a Triton
-  kernel: (out [d_pad] fp32, lse scalar fp32). Partials with lse -inf are ignored; no partial
-  gives 0 and -inf.
-
-  Refs: o [B, S, Hq, D] fp32 and lse [B, S, Hq] fp32: S = ``num_splits``, or ``count`` from
-  ``first`` (traced; count <= num_splits).
-  """
+  """In a Triton kernel: (out [d_pad], lse) fp32, the merge of head ``hh``'s partials of sequence
+  ``b`` from refs o [B, S, Hq, D] and lse [B, S, Hq] fp32 (S = ``num_splits``, or ``count`` from
+  ``first``, traced, count <= num_splits); as :func:`merge_partials` for empty partials."""
   srows = jnp.arange(next_pow2(num_splits, minimum=16), dtype=jnp.int32)             # [s_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
   s_ok = srows < (num_splits if count is None else count)
@@ -168,10 +157,9 @@ def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad, first=Non
 
 def store_merged_heads(o_ref, lse_ref, out_ref, lse_out_ref, b, heads, *, num_splits, head_dim,
                        d_pad, rows=None):
-  """:func:`merged_head` of each query head in ``heads`` of sequence ``b``, stored to out
-  [B, Hq, D] and lse [B, Hq]; every head is computed before any store, so no partial's load
-  waits behind an output store (the compiler cannot move a load past a store). ``rows``: None
-  or the ref of ``row_units`` (:func:`merge_partials_pallas`)."""
+  """:func:`merged_head` of each of ``heads`` of sequence ``b``, stored to out [B, Hq, D] and lse
+  [B, Hq]; all heads are computed before any store, as the compiler cannot move a load past a
+  store. ``rows``: None or the ref of ``row_units`` (:func:`merge_partials_pallas`)."""
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
   first = None if rows is None else plgpu.load(rows.at[b])
   count = None if rows is None else plgpu.load(rows.at[b + 1]) - first
@@ -194,9 +182,7 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False, row_un
   """:func:`merge_partials` over axis 1 of split partials, as one Pallas kernel (Triton); with
   ``row_units`` :func:`merge_partials_by_row` of a schedule's row-contiguous units.
 
-  One program per (batch, query head); the kernel writes the output in ``out_dtype`` itself,
-  so no XLA convert follows. The GPU split-KV decode kernels (dense and sparse) merge their
-  partials with it.
+  One program per (batch, query head), writing ``out_dtype`` itself (no XLA convert follows).
 
   Args:
     outs: fp32 [batch, num_splits, q_heads, head_dim].

@@ -1,10 +1,9 @@
 """Walks of the Hopper (Mosaic GPU) flash kernels: block-schedule rows and segment-id ranges.
 
-A program of those kernels owns two warpgroup tiles along one axis (the forward and the dQ
-kernel: query rows; the dK/dV kernel: keys) and streams tiles along the other through a ring of
-shared-memory slots. For a block schedule each program gets one row ``[count, entry_0, ...]``:
-the union of its two warpgroups' lists of walked tiles, in increasing order, each entry packing
-the tile and what each warpgroup does with it::
+A program owns two warpgroup tiles along one axis (forward and dQ: query rows; dK/dV: keys)
+and streams tiles along the other through a ring of shared-memory slots. For a block schedule
+each program gets one row ``[count, entry_0, ...]``: the union of its warpgroups' walked tiles,
+in increasing order, each entry packing the tile and what each warpgroup does with it::
 
   entry = tile << WALK_SHIFT | code(warpgroup 0) | code(warpgroup 1) << 2
 
@@ -27,7 +26,7 @@ SKIP, FULL, PARTIAL = 0, 1, 2
 WARPGROUPS = 2   # compute warpgroups per program: the two codes of an entry
 
 # The documented API; the entry codes serve the Mosaic GPU kernels.
-__all__ = ["range_codes", "list_walk", "segment_bounds"]
+__all__ = ["list_walk", "range_codes", "segment_bounds"]
 
 
 def entry_tile(entry):
@@ -92,13 +91,11 @@ def range_codes(tiles, valid, ranges, own_seg, own_block, walk_seg, walk_block):
 def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, codes_fn):
   """Per-program walk rows of a list schedule.
 
-  For a kernel whose programs own two warpgroup tiles of ``own_block`` along one axis and
-  stream tiles of ``walk_block`` along the other (the forward and the dQ kernel: query rows /
-  kv tiles on ``schedule.kv_indices``; the dK/dV kernel: keys / query tiles on the transposed
-  ``schedule.q_indices``). Warpgroup tile i lies inside schedule row ``i * own_block //
-  s_own``; each listed schedule tile becomes its ``s_walk // walk_block`` kernel tiles. Entries
-  that neither warpgroup needs are dropped (kept as rare drains only when the lists need no
-  compaction: ``s_own == 2 * own_block`` and ``s_walk == walk_block``).
+  Forward and dQ kernels walk ``schedule.kv_indices``, dK/dV the transposed ``q_indices``.
+  Warpgroup tile i lies in schedule row ``i * own_block // s_own``; each listed schedule tile
+  becomes its ``s_walk // walk_block`` kernel tiles. Entries neither warpgroup needs are dropped
+  (kept as drains when no compaction is needed: ``s_own == 2 * own_block``, ``s_walk ==
+  walk_block``).
 
   Args:
     idx, cnt: int32 [Bs, Hs, R, M] / [Bs, Hs, R]: per schedule tile of ``s_own`` along the own
@@ -120,8 +117,7 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
     >>> list_walk(idx, cnt, 128, 64, 64, 64, 2, 4, codes).tolist()
     [[[[2, 5, 37]]]]
   """
-  bq, bk, sbq = own_block, walk_block, s_own
-  rk = s_walk // bk
+  bq, sbq, rk = own_block, s_own, s_walk // walk_block
   nq_s = idx.shape[2]
   idx, cnt = idx.astype(jnp.int32), cnt.astype(jnp.int32)     # [Bs, Hs, nq_s, M], [Bs, Hs, nq_s]
   rows = np.arange(n_own) * bq // sbq                          # schedule row of each wg tile
@@ -149,9 +145,8 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
 
 
 def _scatter_codes(tiles, codes, n):
-  """[..., n] int32: each row's codes at its tiles (tiles with code SKIP are left out; a tile
-  at most once per row), SKIP elsewhere. Behind an optimization barrier, as
-  ``block_schedule.compact_true``: XLA would constant-fold the scatter of a static schedule."""
+  """[..., n] int32: each row's non-SKIP codes at its tiles (each at most once), SKIP elsewhere.
+  Behind an optimization barrier: XLA would constant-fold the scatter of a static schedule."""
   tiles, codes = jax.lax.optimization_barrier((tiles, codes))
   lead = codes.shape[:-1]
   rows = int(np.prod(lead, dtype=np.int64))
@@ -174,12 +169,10 @@ def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, stat
                    one_segment=False):
   """Per-(batch, program) walk ranges with segment ids (the range path's bounds rows).
 
-  A warpgroup tile (``own_block`` along ``own_seg``) walks the tiles of ``walk_block`` along
-  ``walk_seg`` that the static mask and the tiles' segment ids allow
-  (``block_schedule.segment_tile_pairs``: per-tile min/max nonzero ids, a superset of the pairs
-  with a visible element): [lo, hi) from the first to the last such tile (tiles in between that
-  no row sees, across a document gap, are walked masked), unmasked on the first run [flo, fhi)
-  of tiles statically full with one and the same nonzero id on both sides.
+  A warpgroup tile walks the tiles that the static mask and the tiles' segment ids allow
+  (``block_schedule.segment_tile_pairs``, a superset of the visible pairs): [lo, hi) from the
+  first to the last such tile (tiles between, across a document gap, walked masked), unmasked on
+  the first run [flo, fhi) of tiles statically full with one same nonzero id on both sides.
 
   Args:
     own_seg, walk_seg: int32 [B, S'] segment ids along the own / walked axis, padded with 0
