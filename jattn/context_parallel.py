@@ -1,25 +1,22 @@
 """Context parallelism: attention over a sequence split across the devices of a mesh axis.
 
-The sequence is cut into chunks, ``m`` per device (layout "contiguous": one, device i holds chunk
-i; "zigzag": two, device i holds chunks i and 2P-1-i, so causal work is even). Every (query
-chunk, key chunk) pair is classified once, at trace time, from the mask (causal, window): skipped
-(nothing visible), or one call of :func:`jattn.flash_attention` on the visible rows and columns
-with the mask re-expressed in that call's own coordinates. Partial results merge exactly by
-log-sum-exp (:func:`jattn.merge.merge`). Packed documents also skip, at run time, the pairs whose
-chunks share no document.
+The sequence is cut into chunks, ``m`` per device ("contiguous": one, device i holds chunk i;
+"zigzag": two, chunks i and 2P-1-i, which evens out causal work). Each (query chunk, key chunk)
+pair is classified at trace time from the mask: skipped, or one :func:`jattn.flash_attention`
+call on its visible rows and columns, the mask in that call's coordinates. Partials merge exactly
+by log-sum-exp; pairs whose chunks share no packed document are skipped at run time.
 
-Strategies (how key chunks meet query chunks):
-  * "ring": pass-KV. K/V (and key segment ids) move by ``ppermute``; only the ring shifts that
-    some device needs run (a window needs the neighbours only). The next shift is issued before
-    the current step's kernels, so communication overlaps compute. Backward (``custom_vjp``):
-    dQ stays local, dK/dV travel with their K/V and return to their owner.
-  * "all_gather": gather K/V once (the simple baseline); backward by autodiff (reduce-scatter).
-  * "ring_q": pass-Q. Queries and their running (out, lse) move, K/V stay; the merged result
-    returns to its owner at the end; backward by autodiff. For a short query against a long
-    sharded K/V.
+Strategies:
+  * "ring": pass-KV. K/V (and key segment ids) move by ``ppermute`` over the ring shifts some
+    device needs; the next shift is issued before the current step's kernels, so they overlap.
+    Backward (``custom_vjp``): dQ stays local, dK/dV travel with their K/V back to the owner.
+  * "all_gather": gather K/V once (the baseline); backward by autodiff (reduce-scatter).
+  * "ring_q": pass-Q. Queries and their running (out, lse) move, K/V stay; the result returns
+    to its owner; backward by autodiff. For a short query against a long sharded K/V.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -133,9 +130,7 @@ def context_parallel_unpermute(x, num_shards, layout="zigzag", axis=1):
 
   Args:
     x: array in the layout's order along ``axis``.
-    num_shards: devices along the sequence axis.
-    layout: "zigzag" (default) or "contiguous".
-    axis: the sequence axis.
+    num_shards, layout, axis: as :func:`context_parallel_permute`.
 
   Returns:
     x in original sequence order.
@@ -212,21 +207,18 @@ class ContextParallelPlan:
   Attributes:
     strategy, layout, num_shards: as given.
     q_chunk, kv_chunk: chunk lengths (after padding).
-    shifts: the ring shifts that run, ascending (0 = the device's own chunks); a skipped shift
-      moves no data.
+    shifts: the ring shifts that run, ascending (0 = the device's own chunks).
     calls: the distinct kernel calls (:class:`PairCall`).
     table: int numpy array [P, len(shifts), m, m]: for device d, shift index r, local query chunk
       a and key chunk b, 0 (skipped) or 1 + the index of its call.
-    kernel_calls: kernel calls over all devices: non-skipped chunk pairs, and one for
-      ``joint`` or a step's fully visible pairs of one chunk (those run pair by pair with
-      segment ids, which run-time document skips then reduce).
-    joint: zig-zag, pass-KV: the one call that covers device P-1's own adjacent chunks (P-1 and
-      P) at shift 0 in place of their chunk pairs; None otherwise.
-    halo: "ring" under a window whose left extent ``w`` fits one chunk and that sees no later
-      key (causal, or right extent 0), equal query and key lengths, no selection: ``w``. Each
-      device then receives only the last ``w`` keys of the chunk before each of its chunks and
-      runs one call over its chunks, each preceded by those keys, instead of the ring's steps
-      (``shifts`` is ``(0,)``; the backward is that call's). 0 otherwise.
+    kernel_calls: kernel calls over all devices: non-skipped chunk pairs, one for ``joint`` or
+      a step's fully visible pairs of one chunk (with segment ids: pair by pair).
+    joint: zig-zag pass-KV: the one call over device P-1's adjacent own chunks (P-1 and P) at
+      shift 0, in place of their pairs; else None.
+    halo: "ring", equal lengths, no selection, under a window of left extent ``w`` <= one chunk
+      that sees no later key: ``w`` rounded up to whole 128-key tiles, at most a chunk (else 0).
+      Each device then gets only that many last keys of the chunk before each of its chunks and
+      runs one call over its chunks (``shifts`` is (0,)).
 
   Example:
     >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 10 chunk pairs
@@ -244,8 +236,7 @@ class ContextParallelPlan:
   halo: int = 0
 
   def _whole(self, i) -> PairCall | None:
-    """The one unmasked call over all local rows and keys that step ``i`` runs on every
-    device when each of its chunk pairs is a fully visible one (else None)."""
+    """The unmasked call over all local rows and keys of step ``i`` if all its pairs are full."""
     m = self.table.shape[-1]
     if m > 1 and all(c and self.calls[c - 1] == _full(self) for c in self.table[:, i].flat):
       return PairCall(0, m * self.q_chunk, 0, m * self.kv_chunk, False, None)
@@ -271,17 +262,16 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
     causal, local_window_size: the mask (as :func:`jattn.flash_attention`).
     strategy: "ring", "all_gather" or "ring_q".
     layout: "contiguous" or "zigzag".
-    selection: None, or the :class:`jattn.BlockSelection` of a ``sparse_attention(...,
-      mesh=...)`` call (whole sequence, original order, e.g. ``return_selection=True`` without
-      a mesh): ``kernel_calls`` then leaves out the pairs in which no row keeps a block, which
-      that call skips at run time (``shifts`` stay those of the mask).
+    selection: None, or the whole-sequence (original order) :class:`jattn.BlockSelection` of a
+      ``sparse_attention(..., mesh=...)`` call: ``kernel_calls`` then leaves out the pairs in
+      which no row keeps a block (skipped at run time; ``shifts`` stay those of the mask).
 
   Returns:
     A :class:`ContextParallelPlan`.
 
   Example:
     >>> p = context_parallel_plan(4096, 4096, 4, causal=True, local_window_size=(63, 0),
-    ...                           layout="contiguous")
+    ...                           layout="contiguous", strategy="all_gather")
     >>> p.shifts, p.kernel_calls   # own chunk and the previous device's: 4 + 3 calls
     ((0, 1), 7)
   """
@@ -322,12 +312,15 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   left, right = window or (None, None)
   if (strategy == "ring" and selection is None and q_len == kv_len and left is not None
       and 0 < left <= ck and (causal or right == 0) and len(shifts) > 1):
-    calls = (pair_call(0, cq, ck, causal, window), pair_call(left, cq, left + ck, causal, window))
+    # The halo is rounded up to whole 128-key tiles (its extra keys sit outside the window):
+    # the call's key tiles then align with its query rows' band.
+    halo = min(ck, -(-left // 128) * 128)
+    calls = (pair_call(0, cq, ck, causal, window), PairCall(0, cq, 0, halo + ck, True, (left, 0)))
     table = np.zeros((num_shards, 1) + ids.shape[1:] * 2, np.int32)
     for d, a in np.ndindex(*ids.shape):   # the sequence's first chunk has nothing before it
       table[d, 0, a, a] = 1 if ids[d, a] == 0 else 2
     return ContextParallelPlan(strategy, layout, num_shards, cq, ck, (0,), calls, table,
-                               halo=int(left))
+                               halo=int(halo))
   plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(index),
                              table[:, list(shifts)])
   keep = joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0)
@@ -335,19 +328,15 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
 
 
 # ----------------------------------------------------------------------------- one chunk pair
-@dataclasses.dataclass(frozen=True)
-class _Kernel:
-  """Static options of every chunk-pair call (hashable: a custom_vjp static argument)."""
-  scale: float
-  logits_soft_cap: float | None
-  implementation: str | None
-  interpret: bool
-  blocks: tuple | None = None   # (block_size, q_block_size): block-sparse pairs
+# Static options of every chunk-pair call (hashable: a custom_vjp static argument); blocks: None
+# or (block_size, q_block_size) of block-sparse pairs.
+_Kernel = collections.namedtuple(
+    "_Kernel", "scale logits_soft_cap implementation interpret blocks", defaults=(None,))
 
 
 def _run_call(call, kern, q, k, v, qs, ks, sel=None):
   """(out [B, nq, H, Dv] in q's dtype, lse fp32 [B, nq, H]) of one PairCall on full chunks; with
-  ``sel`` (the pair's :class:`BlockSelection`, a call on every row) the block-sparse kernel."""
+  ``sel`` (the pair's :class:`BlockSelection`) the block-sparse kernel on every row."""
   sl = lambda x, s0, n: None if x is None else jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)
   opts = {"segment_ids": sl(qs, call.q0, call.nq), "kv_segment_ids": sl(ks, call.k0, call.nk),
           "scale": kern.scale, "return_lse": True, "implementation": kern.implementation,
@@ -374,10 +363,10 @@ def _share_document(qs, ks):
 
 
 def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
-  """((out, lse), r0): one chunk pair's partial result over query rows [r0, r0 + n), or None
-  when no device runs it. ``column`` = table[:, r, a, b], ``d`` this device (an int if static).
-  A switch over the pair's calls on all devices (0: skip), which also skips at run time pairs
-  whose chunks share no document and block-sparse pairs in which no row keeps a block."""
+  """((out, lse), r0): one chunk pair's partial over query rows [r0, r0 + n), or None when no
+  device runs it. ``column`` = table[:, r, a, b], ``d`` this device (an int if static). A switch
+  over the pair's calls on all devices (0: skip, also at run time for chunks that share no
+  document and block-sparse pairs in which no row keeps a block)."""
   column, d = (column[d:d + 1], 0) if isinstance(d, int) else (column, d)
   kinds = sorted(set(column.tolist()) | ({0} if qs is not None or sel is not None else set()))
   calls = [plan.calls[i - 1] for i in kinds if i]
@@ -403,8 +392,8 @@ def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
 
 
 def _pair_selection(plan, kern, sel, d, i, a, b):
-  """Local query chunk a's rows of ``sel`` (global key block ids) restricted to the key chunk
-  in slot b at step i, as a chunk-pair :class:`BlockSelection`; None without ``sel``."""
+  """Query chunk a's rows of ``sel`` (global key block ids) within key slot b at step i, as a
+  chunk-pair :class:`BlockSelection`; None without ``sel``."""
   if sel is None:
     return None
   (bs, qbs), p = kern.blocks, plan.num_shards
@@ -433,10 +422,10 @@ def _merge_into(acc, part, a0, r0, shapes):
 
 
 def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
-  """``acc`` (see :func:`_merge_into`) with every chunk pair of step ``i`` on device ``d`` merged
-  in: device P-1's first step runs ``plan.joint``, a step of fully visible pairs one call
-  (``plan._whole``) or one per strip (:func:`_strip`); chunk-diagonal pairs that are the same
-  call on every device run as one call over all local chunks (a batch of B * m: no copy)."""
+  """``acc`` (:func:`_merge_into`) with step ``i``'s chunk pairs on device ``d`` merged in:
+  ``plan.joint`` on device P-1's first step, one call for fully visible pairs (``plan._whole``,
+  :func:`_strip`), and the chunk-diagonal pairs as one call batched over B * m if the same on
+  every device."""
   b_, m = q.shape[0], plan.table.shape[-1]
   ch = lambda x: None if x is None else x.reshape(b_, m, -1, *x.shape[2:])   # [B, m, c, ...]
   flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
@@ -471,8 +460,8 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
                    for x, e in zip((out, lse), _empty(q, v, plan.q_chunk)))
     kinds = sorted(strips)
     if len(kinds) == 1:
-      part = strip(*kinds[0], q, k, v)
-      return _merge_into(acc, part, kinds[0][1] if kinds[0][0] else 0, 0, shapes)
+      row, j = kinds[0]
+      return _merge_into(acc, strip(row, j, q, k, v), j if row else 0, 0, shapes)
     idx = jnp.asarray([kinds.index(_strip(plan, i, e)) for e in range(plan.num_shards)])[d]
     part = jax.lax.switch(idx, [functools.partial(strip, *c) for c in kinds], q, k, v)
     return _merge_into(acc, part, 0, 0, shapes)
@@ -491,8 +480,7 @@ def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
   return acc
 
 
-def _full(plan):
-  """The call of a fully visible chunk pair."""
+def _full(plan):   # the call of a fully visible chunk pair
   return PairCall(0, plan.q_chunk, 0, plan.kv_chunk, False, None)
 
 
@@ -524,8 +512,7 @@ def _shift(xs, shift, axis_name, p):
 
 # ----------------------------------------------------------------------------- window halo
 def _predecessors(plan):
-  """int [P, m, 2]: the (device, slot) holding the chunk before each local chunk; -1 for the
-  sequence's first."""
+  """int [P, m, 2]: the (device, slot) of the chunk before each local chunk (-1: none)."""
   ids = shard_chunks(plan.num_shards, plan.layout)
   where = {int(c): (d, a) for (d, a), c in np.ndenumerate(ids)}
   return np.array([[where.get(int(c) - 1, (-1, -1)) for c in row] for row in ids])
@@ -537,9 +524,8 @@ def _tails(plan, x):
 
 
 def _halo_exchange(plan, axis_name, xs):
-  """Each local chunk's halo (the tails of the chunks before it; zeros for the first chunk)
-  for each array of ``xs`` (k, v, key segment ids or None): one ``ppermute`` of a tail per
-  pair of (receiving slot, sending slot) that some device uses."""
+  """Each local chunk's halo (the tail of the chunk before it; zeros for the first chunk) of
+  each of ``xs`` (k, v, ks or None): one ``ppermute`` per (receiving, sending) slot pair used."""
   pred, d = _predecessors(plan), jax.lax.axis_index(axis_name)
 
   def one(x):
@@ -561,27 +547,22 @@ def _halo_exchange(plan, axis_name, xs):
 
 def _halo_attention(plan, kern, d, q, k, v, qs, ks, halo):
   """(out [B, L, H, Dv], lse [B, L, H]) of device ``d`` under a halo plan: each local chunk's
-  queries against its halo (``halo``: k, v, ks tails [B, m, w, ...]) then its own keys, one call
-  batched over the chunks; the device holding the sequence's first chunk runs a call per chunk,
-  that one without halo."""
+  queries against its halo (k, v, ks tails [B, m, w, ...]) and own keys, batched over chunks;
+  the device of the sequence's first chunk runs one call per chunk (the first without halo)."""
   b_, m = q.shape[0], plan.table.shape[-1]
-  ch = lambda x: None if x is None else x.reshape(b_, m, -1, *x.shape[2:])   # [B, m, c, ...]
-  ext = [None if x is None else jnp.concatenate([t, ch(x)], 2)               # [B, m, w + c, ...]
-         for x, t in zip((k, v, ks), halo)]
-  qm, qsm = ch(q), ch(qs)
-  at = lambda x, a: None if x is None else x[:, a]
-  flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
-  whole = lambda x: x.reshape(b_, -1, *x.shape[2:])
+  own = [None if x is None else x.reshape(b_, m, -1, *x.shape[2:])          # [B, m, c, ...]
+         for x in (q, k, v, qs, ks)]
+  ext = [x if t is None else jnp.concatenate([t, x], 2)                     # [B, m, w + c, ...]
+         for x, t in zip(own, (None, halo[0], halo[1], None, halo[2]))]
 
   def batched():
-    out, lse = _run_call(plan.calls[1], kern, *map(flat, (qm, ext[0], ext[1], qsm, ext[2])))
-    return whole(out), whole(lse)
+    return tuple(x.reshape(b_, -1, *x.shape[2:]) for x in _run_call(plan.calls[1], kern, *(
+        None if x is None else x.reshape(-1, *x.shape[2:]) for x in ext)))
 
-  def per_chunk():
-    parts = [_run_call(plan.calls[0], kern, at(qm, a), at(ch(k), a), at(ch(v), a), at(qsm, a),
-                       at(ch(ks), a)) if plan.table[first, 0, a, a] == 1 else
-             _run_call(plan.calls[1], kern, at(qm, a), *(at(x, a) for x in ext[:2]), at(qsm, a),
-                       at(ext[2], a)) for a in range(m)]
+  def per_chunk():   # call 1: the sequence's first chunk, without halo
+    parts = [_run_call(plan.calls[c - 1], kern, *(None if x is None else x[:, a]
+                                                 for x in (own if c == 1 else ext)))
+             for a, c in enumerate(np.diagonal(plan.table[first, 0]))]
     return tuple(jnp.concatenate(x, 1) for x in zip(*parts))
   first = int(np.flatnonzero((plan.table[:, 0] == 1).any((1, 2)))[0])
   if isinstance(d, int):
@@ -599,8 +580,7 @@ def _pass_kv_forward(plan, kern, d, q, v, qs, kvs, sel=None):
 
 
 def _ring_steps(plan, axis_name, xs):
-  """Each step's ``xs`` (shards that travel the ring). The next shift is issued before this
-  step's kernels, so the two overlap."""
+  """Each step's ``xs``; the next shift is issued before this step's kernels, to overlap."""
   p, shifts = plan.num_shards, plan.shifts
   xs = _shift(xs, shifts[0], axis_name, p)
   for i in range(len(shifts)):
@@ -622,10 +602,8 @@ def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks, sel):
 
 
 def _ring_bwd(plan, kern, axis_name, res, g):
-  """dQ accumulates here; dK/dV travel with their K/V and go back to their owner at the end.
-
-  A chunk pair's partial (o_p, lse_p) enters the merged result with weight w = exp(lse_p - lse),
-  so its cotangents are w * dout and w * (<dout, o_p> - <dout, out> + dlse).
+  """dQ stays here; dK/dV travel with their K/V back to the owner. A pair's partial (o_p, lse_p)
+  has weight w = exp(lse_p - lse): cotangents w * dout and w * (<dout, o_p> - <dout, out> + dlse).
   """
   q, k, v, qs, ks, sel, out, lse = res
   dout, dlse = g
@@ -715,10 +693,8 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
   Args:
     q, k, v: local [batch, len, heads, head_dim] shards of the permuted sequences.
     axis_name: the mesh axis the sequence is split over.
-    causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap,
-      implementation, interpret: as :func:`jattn.flash_attention`, on the local shards.
-    strategy: "ring", "all_gather" or "ring_q".
-    layout: "zigzag" or "contiguous".
+    causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap, strategy,
+      layout, implementation, interpret: as :func:`context_parallel_attention`, on the shards.
     return_lse: also return the local log-sum-exp [batch, heads, len].
 
   Returns:
@@ -751,9 +727,8 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
 
 def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_cap=None,
                         implementation=None, interpret=False):
-  """One device's forward under a "ring" or "all_gather" plan, its steps one after another with
-  the K/V of each step given up front: the kernel calls and merges that device runs, without
-  the communication (what the benchmark times on one GPU).
+  """One device's forward under a "ring" or "all_gather" plan with every step's K/V given up
+  front: that device's kernel calls and merges without the communication (benchmarks).
 
   Args:
     plan: a :class:`ContextParallelPlan` of strategy "ring" or "all_gather".
@@ -802,16 +777,14 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, causal=False, local_
                                return_lse=False, implementation=None, interpret=False):
   """Attention over sequences split along a mesh axis (ring, all-gather or pass-Q).
 
-  The arrays are in the layout's sequence order (:func:`context_parallel_permute`; "contiguous"
-  is the original order), usually sharded along the sequence over ``axis_name``. Any length
-  works: sequences are padded inside to whole chunks (``m * P`` of them) and the padding is never
-  attended; padding gathers the arrays once, so long sequences should come in whole chunks. The
-  result equals :func:`jattn.flash_attention` on the unpermuted arrays, permuted.
+  The arrays are in the layout's order (:func:`context_parallel_permute`), usually sharded along
+  the sequence over ``axis_name``. Any length works: sequences are padded inside to ``m * P``
+  whole chunks, never attended (padding gathers the arrays once: long sequences should come in
+  whole chunks). The result is :func:`jattn.flash_attention` of the unpermuted arrays, permuted.
 
   Args:
     q: [batch, q_len, q_heads, head_dim] in the layout's order.
-    k, v: [batch, kv_len, kv_heads, head_dim(_v)] in the layout's order (GQA: only the kv heads
-      move).
+    k, v: [batch, kv_len, kv_heads, head_dim(_v)], likewise (GQA: only the kv heads move).
     mesh: a ``jax.sharding.Mesh``.
     axis_name: the mesh axis the sequence is split over.
     causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap: as
@@ -854,9 +827,8 @@ def _axis_size(mesh, axis_name):
 
 
 def _on_mesh(mesh, axis_name, plan, local, q, k, v, segment_ids, kv_segment_ids, hidden):
-  """Pads to whole chunks, runs ``local(q, k, v, qs, ks) -> (out, lse)`` on every device's
-  shards and drops the padding: (out, lse [batch, heads, q_len]). ``hidden``: the mask hides
-  keys past the end (else padded keys get segment ids)."""
+  """(out, lse [batch, heads, q_len]) of ``local(q, k, v, qs, ks)`` on every device's shards,
+  padded to whole chunks. ``hidden``: the mask hides padded keys (else segment ids do)."""
   batch, q_len, kv_len, p = q.shape[0], q.shape[1], k.shape[1], plan.num_shards
   qpos, kpos = (layout_positions(n, p, plan.layout) for n in (q_len, kv_len))
   if (kpos < 0).any() and segment_ids is None and not hidden:   # padded keys need a mask
@@ -884,7 +856,7 @@ def _check_blocks(chunk, block_size, q_block_size):
 
 def _local_selection(plan, kern, axis_name, n, rule, docs, q, k, qs, ks):
   """This device's rows (int32 [B, Hk, q blocks, n], global key block ids) of the ``rule``
-  selection on all-gathered per-block data: pooled keys (and, with ``docs``, id ranges)."""
+  selection on all-gathered pooled keys (and, with ``docs``, segment id ranges)."""
   (bs, qbs), p = kern.blocks, plan.num_shards
   ids, d = shard_chunks(p, plan.layout), jax.lax.axis_index(axis_name)
   real = jnp.asarray(layout_positions(n, p, plan.layout).reshape(p, -1) >= 0)[d]
@@ -911,8 +883,8 @@ def _local_selection(plan, kern, axis_name, n, rule, docs, q, k, qs, ks):
 def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, top_k, causal,
                  num_init_blocks, num_local_blocks, segment_ids, kv_segment_ids, scale,
                  implementation, interpret):
-  """``jattn.sparse_attention(..., mesh=, axis_name=)`` (validated there): (out, lse [B, H, L]),
-  a ring of block-sparse chunk-pair kernels on each device's rows of the selection."""
+  """``jattn.sparse_attention(..., mesh=, axis_name=)`` (validated there): (out, lse [B, H, L])
+  by a ring of block-sparse chunk-pair kernels on each device's rows of the selection."""
   n = q.shape[1]
   if k.shape[1] != n:
     raise ValueError(f"sparse_attention with a mesh needs q_len == kv_len, got {n}, {k.shape[1]}")
@@ -932,8 +904,8 @@ def context_parallel_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, 
                                       implementation=None, interpret=False):
   """One-token decode over a KV cache whose length is split along a mesh axis.
 
-  Device i holds cache entries [i * n, (i + 1) * n) (n = max_len / P) and attends its part with
-  :func:`jattn.decode_attention`; one log-sum-exp merge across the devices gives the exact result.
+  Device i attends its entries [i * n, (i + 1) * n) (n = max_len / P) with
+  :func:`jattn.decode_attention`; one log-sum-exp merge across the devices gives the result.
 
   Args:
     q: [batch, q_heads, head_dim] (replicated).

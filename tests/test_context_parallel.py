@@ -84,11 +84,12 @@ def test_windows_run_only_neighbour_steps():
   # The ring moves only each chunk's last 63 keys to the device of the chunk after it: one call
   # per chunk, batched over a device's chunks except on the device of the first chunk.
   ring = jattn.context_parallel_plan(2048, 2048, 4, causal=True, local_window_size=(63, 0))
-  assert ring.halo == 63 and ring.shifts == (0,) and ring.kernel_calls == 8
-  assert ring.calls[1] == jattn.context_parallel.PairCall(0, 256, 0, 256 + 63, True, (63, 0))
-  for window, causal in (((63, 2), False), ((300, 0), True), ((63, 0), False)):
+  # (63 keys rounded up to a 128-key tile)
+  assert ring.halo == 128 and ring.shifts == (0,) and ring.kernel_calls == 8
+  assert ring.calls[1] == jattn.context_parallel.PairCall(0, 256, 0, 256 + 128, True, (63, 0))
+  for window, causal in (((63, 2), False), ((300, 0), True), ((63, 0), False), ((200, 0), True)):
     plan = jattn.context_parallel_plan(2048, 2048, 4, causal=causal, local_window_size=window)
-    assert plan.halo == (63 if window == (63, 0) else 0), (window, causal)
+    assert plan.halo == {(63, 0): 128, (200, 0): 256}.get(window, 0), (window, causal)
   unmasked = jattn.context_parallel_plan(2048, 2048, 4)   # one whole call per device and step
   assert unmasked.joint is None and unmasked.kernel_calls == 4 * 4
   dense = jattn.context_parallel_plan(2048, 2048, 4, causal=True)
@@ -348,7 +349,7 @@ def test_eight_counts_window_and_document_skips(monkeypatch):
                                 causal=True, local_window_size=(15, 0)))
   jax.block_until_ready(f(perm(q), perm(k), perm(v)))
   # Each chunk's queries against the 15 keys before it and its own: one call per chunk.
-  assert plan.halo == 15 and len(count) == plan.kernel_calls == 16
+  assert plan.halo == 32 and len(count) == plan.kernel_calls == 16   # the whole chunk
   out = f(perm(q), perm(k), perm(v))
   ref = jattn.flash_attention(q, k, v, causal=True, local_window_size=(15, 0),
                               implementation="xla")
