@@ -1,9 +1,6 @@
-"""Attention restricted to a block selection, and the training call with gate gradients.
-
-:func:`block_sparse_attention` runs a :class:`~jattn.sparse.selection.BlockSelection` as a block
-schedule; :func:`sparse_attention` selects and attends in one call, with the gate gradient modes
-"none", "ste" and "gumbel".
-"""
+"""Attention restricted to a :class:`~jattn.sparse.selection.BlockSelection`
+(:func:`block_sparse_attention`), and selection plus attention with gate gradients in one call
+(:func:`sparse_attention`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +33,6 @@ def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=
                       device_kind=None) -> Plan:
   """What ``block_sparse_attention`` (and ``sparse_attention``) runs for a call.
 
-  Takes every argument of :func:`block_sparse_attention` (``scale`` and ``return_lse`` change no
-  choice); without a selection, ``q_block_size`` and ``block_size`` give its tiles.
   ``implementation=None`` picks "mosaic_gpu" on Hopper where it applies (bf16/fp16, head_dim
   64/128/256, tiles powers of two >= 64), else "triton" on GPU, "mosaic_tpu" on TPU, "xla".
 
@@ -46,7 +41,7 @@ def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=
     selection: the call's :class:`BlockSelection`, or None with the two block sizes.
     q_block_size, block_size: the selection's block sizes (when ``selection`` is None).
     causal, segment_ids, kv_segment_ids, scale, return_lse, implementation, interpret: as for
-      :func:`block_sparse_attention`.
+      :func:`block_sparse_attention` (``scale`` and ``return_lse`` change no choice).
     platform, device_kind: plan for another device (as for ``jattn.flash_attention_plan``).
 
   Returns:
@@ -106,15 +101,12 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
                            interpret=False):
   """Attention restricted to a block selection, forward and backward.
 
-  Query i attends to key j iff j's block is kept for i's block in ``selection`` (for i's kv head)
-  and the element mask allows it (causal, segment ids). Rows that see no key return 0 and -inf
-  log-sum-exp. NaN or inf at a key a row cannot see (an unselected block included) changes
-  nothing for it, as in ``jattn.flash_attention``.
-
-  Implementations: "xla" (``attention_reference`` with ``block_mask=selection.to_mask()``);
-  "triton", "mosaic_tpu" and "mosaic_gpu" walk a ``make_schedule`` of the kept tiles, forward and
-  backward (ValueError for tile sizes a kernel cannot run; "mosaic_gpu" needs powers of two
-  >= 64, bf16/fp16 and head_dim 64/128/256 == head_dim_v).
+  Query i attends to key j iff j's block is kept for i's block (and kv head) and the causal /
+  segment mask allows it. Rows that see no key return 0 and -inf log-sum-exp; NaN or inf at a
+  hidden key (an unselected block included) changes nothing, as in ``jattn.flash_attention``.
+  "xla" runs ``attention_reference`` with ``block_mask=selection.to_mask()``; the kernels walk a
+  ``make_schedule`` of the kept tiles (ValueError for tiles a kernel cannot run; "mosaic_gpu"
+  needs powers of two >= 64, bf16/fp16 and head_dim 64/128/256 == head_dim_v).
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -155,14 +147,10 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
 # ----------------------------------------------------------------------------- gate gradients
 def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *, causal, scale,
                       max_chunk_elems=1 << 25):
-  """Per kept tile, the sum of dLoss/dlogit over its elements, its query heads of the group:
-  fp32 [batch, kv_heads, num_q_blocks, max_selected] (0 in sentinel slots).
-
-  G[b, g, i, s] = sum_{h in group g, q in block i, k in block indices[b, g, i, s]} dS[b, h, q, k],
-  dS = P * (dO.v - delta), delta = dO.out - dlse, P = exp(scale*q.k - lse) on visible elements.
-  This is the cotangent of a per-tile logit bias at zero; gathered kept key blocks, chunked over
-  query blocks (memory ~ max_chunk_elems floats per chunk).
-  """
+  """Per kept tile, dLoss/dlogit summed over its elements and the group's query heads (the
+  cotangent of a per-tile logit bias at zero): fp32 [b, kv_heads, nq, max_selected], 0 in
+  sentinel slots. dS = P * (dO.v - delta), delta = dO.out - dlse, P = exp(scale*q.k - lse) on
+  visible elements; chunked over query blocks (~max_chunk_elems floats per chunk)."""
   b, sq, hq, d = q.shape
   _, sk, hk, dv = v.shape
   g = hq // hk
@@ -194,8 +182,8 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
     lc, tc = rows(lse_p, hk, g), rows(delta, hk, g)
     ic = jax.lax.dynamic_slice_in_dim(idx, ci * c, c, 2)                    # [b, hk, c, ms]
     safe = jnp.maximum(ic, 0).reshape(b, hk, c * ms)
-    kg = jnp.take_along_axis(kb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, d)
-    vg = jnp.take_along_axis(vb, safe[:, :, :, None, None], axis=2).reshape(b, hk, c, ms, bs, dv)
+    kg, vg = (jnp.take_along_axis(x, safe[:, :, :, None, None], axis=2).reshape(
+        b, hk, c, ms, bs, x.shape[-1]) for x in (kb, vb))
     s = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", qc, kg, precision=prec,
                    preferred_element_type=f32) * scale
     dp = jnp.einsum("bcqhgd,bhcmkd->bhgcqmk", dc, vg, precision=prec, preferred_element_type=f32)
@@ -210,8 +198,8 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
                                safe[..., None], axis=2).reshape(b, hk, c, ms, bs)
       same = (qs[:, None, :, :, None, None] == ks[:, :, :, None]) & (ks[:, :, :, None] != 0)
       mask = mask & same[:, :, None]
-    lt = jnp.transpose(lc, (0, 3, 4, 1, 2))[..., None, None]                # [b,hk,g,c,qbs,1,1]
-    tt = jnp.transpose(tc, (0, 3, 4, 1, 2))[..., None, None]
+    # [b, hk, g, c, qbs, 1, 1]
+    lt, tt = (jnp.transpose(x, (0, 3, 4, 1, 2))[..., None, None] for x in (lc, tc))
     mask = mask & ~jnp.isneginf(lt)   # a NaN lse (a row that sees a NaN key) stays NaN
     p = jnp.where(mask, jnp.exp(jnp.where(mask, s - lt, 0.0)), 0.0)
     ds = jnp.where(mask, p * (dp - tt), 0.0)   # NaN values or delta at hidden keys: 0
@@ -224,9 +212,8 @@ def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _gated_attention(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, plan,
                      interpret):
-  """Block-sparse attention (``plan``) whose logits carry a per-kept-tile bias ``gate_logits -
-  itself``: exactly 0 in the forward; the cotangent of gate_logits [b, hk, nq, max_selected] is
-  the tile-summed dLoss/dlogits (``_tile_logit_grads``)."""
+  """Block-sparse attention whose logits carry the per-kept-tile bias ``gate_logits - itself``
+  (0 in the forward); gate_logits [b, hk, nq, max_selected] gets ``_tile_logit_grads``."""
   del gate_logits
   return _run_block_sparse(plan, q, k, v, selection, causal=causal, segment_ids=q_seg,
                            kv_segment_ids=kv_seg, scale=scale, interpret=interpret)
@@ -234,10 +221,9 @@ def _gated_attention(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, sca
 
 def _gated_fwd(q, k, v, gate_logits, selection, q_seg, kv_seg, causal, scale, plan, interpret):
   del gate_logits
-  attn = lambda q_, k_, v_: _run_block_sparse(
-      plan, q_, k_, v_, selection, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg,
-      scale=scale, interpret=interpret)
-  (out, lse), vjp_fn = jax.vjp(attn, q, k, v)
+  (out, lse), vjp_fn = jax.vjp(lambda *qkv: _run_block_sparse(
+      plan, *qkv, selection, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg, scale=scale,
+      interpret=interpret), q, k, v)
   return (out, lse), (q, k, v, out, lse, vjp_fn, selection, q_seg, kv_seg)
 
 
@@ -268,8 +254,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
                      return_lse=False, mesh=None, axis_name=None, layout="zigzag"):
   """Top-K block selection plus block-sparse attention in one call, for training.
 
-  Blocks are kept by the rules of :func:`select_blocks` applied to a ranking r, then
-  O = block_sparse_attention(q, k, v, S). With c = scale and T = gate_temperature:
+  Blocks are kept by the rules of :func:`select_blocks` on a ranking r, then attended with
+  :func:`block_sparse_attention`. With c = scale and T = gate_temperature:
 
     * "none": r = ``block_scores``; no gradient reaches the selection (hard top-k).
     * "ste": r = score (forward equal to "none"); every logit of a kept tile (i, j) gets the bias
@@ -278,21 +264,17 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     * "gumbel": r = (c * score + G) / T with G iid Gumbel(0, 1) from ``rng`` (Gumbel-top-k);
       the backward is straight-through like "ste".
 
-  Initial and local blocks are always kept. The gate gradient costs one extra pass over the kept
-  tiles (``pallas_kernels/sparse/gate_grad.py`` for "triton"/"mosaic_gpu", chunked XLA else).
-
-  ``score_aux_weight`` = w > 0 adds w * :func:`block_score_kl` (the dense attention's block mass,
-  stop-gradient, pooled by ``score_aux_pool``) to the backward only (``add_aux_loss``); the
-  forward output is unchanged.
+  The gate gradient costs one extra pass over the kept tiles (``pallas_kernels/sparse/gate_grad.py``
+  for "triton"/"mosaic_gpu", chunked XLA else). ``score_aux_weight`` = w > 0 adds
+  w * :func:`block_score_kl` to the backward only (``add_aux_loss``).
 
   With ``mesh`` and ``axis_name`` the call is context-parallel (``docs/context_parallel.md``):
-  the arrays are in ``layout``'s order (``jattn.context_parallel_permute``) and split over the
-  axis; each device selects for its query blocks on the whole sequence's block scores (the
-  pooled keys, one vector per block, are all-gathered) and a ring of block-sparse chunk-pair
-  kernels attends, skipping the pairs in which no row keeps a block. The result equals the
-  single-device call, permuted. It needs q_len == kv_len, block sizes that divide the chunk
+  the arrays, in ``layout``'s order (``jattn.context_parallel_permute``), are split over the
+  axis; each device selects its query blocks' keys on the all-gathered pooled keys and a ring of
+  block-sparse chunk-pair kernels attends, skipping pairs with no kept block. The result equals
+  the single-device call, permuted. It needs q_len == kv_len, block sizes that divide the chunk
   length (``ceil(len / (m P))``, m = 2 chunks per device for "zigzag", 1 "contiguous"),
-  gate_grad "none", no score distillation and no ``return_selection``.
+  gate_grad "none", score_aux_weight 0 and no ``return_selection``.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -302,15 +284,15 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     top_k: blocks chosen by score besides the initial and local ones (int), or the share of
       each query block's selectable blocks kept (float in (0, 1], :func:`select_blocks`).
     q_block_size: queries per query block.
-    gate_grad: "none", "ste" or "gumbel" (see above).
-    gate_temperature: T > 0 (above).
+    gate_grad: "none", "ste" or "gumbel" (above).
+    gate_temperature: T > 0.
     rng: a jax PRNG key; required for "gumbel", ignored otherwise.
     causal, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
     segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
     scale: logit scale, default 1/sqrt(head_dim).
     implementation, interpret: as in :func:`block_sparse_attention`.
     return_selection: also return the :class:`BlockSelection`.
-    score_aux_weight: w >= 0, weight of the score-distillation term (0: off; above).
+    score_aux_weight: w >= 0, weight of the score-distillation term (0: off).
     score_aux_pool: "sum" or "max": the target's pooling over a block's queries.
     aux_max_chunk_elems: bound on the logits materialised per chunk of the target.
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32).
@@ -360,9 +342,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   plan = block_sparse_plan(q, k, v, q_block_size=q_block_size, block_size=block_size,
                            causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                            implementation=implementation, interpret=interpret)
-  q_s, k_s = ((jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)) if gate_grad == "none"
-              else (q, k))
-  scores = block_scores(q_s, k_s, block_size=block_size, q_block_size=q_block_size,
+  # with their gradient: for the gates and the score distillation (select_lists stops it)
+  scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   if gate_grad == "gumbel":
     noise = jax.random.gumbel(rng, scores.shape, jnp.float32)
@@ -383,11 +364,8 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     out, lse = _gated_attention(q, k, v, gate_sel, dataclasses.replace(sel, scores=None),
                                 segment_ids, kv_segment_ids, bool(causal), float(scale), plan,
                                 bool(interpret))
-  if score_aux_weight > 0:   # the scores with their gradient, whatever gate_grad
-    scores_g = scores if gate_grad != "none" else block_scores(
-        q, k, block_size=block_size, q_block_size=q_block_size, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids)
-    kl = _score_kl_of(scores_g, (seg_ok, doc_start), q, k, block_size=block_size,
+  if score_aux_weight > 0:
+    kl = _score_kl_of(scores, (seg_ok, doc_start), q, k, block_size=block_size,
                       q_block_size=q_block_size, causal=causal, num_init_blocks=num_init_blocks,
                       num_local_blocks=num_local_blocks, segment_ids=segment_ids,
                       kv_segment_ids=kv_segment_ids, scale=scale, temperature=gate_temperature,

@@ -18,10 +18,9 @@ _QUERY_POOLS = ("sum", "max")
 
 # ----------------------------------------------------------------------------- captured mass
 def _chunk_logits(q, k, segment_ids, kv_segment_ids, rows, num_chunks, dt, *, causal, scale):
-  """ci -> (logits, visibility) of the query rows ci * rows .. (ci + 1) * rows - 1 against all
-  keys, products in ``dt`` (q padded to num_chunks * rows): scaled fp32 logits [b, hk, g, rows,
-  kv_len], -inf where not visible, and the visibility [b or 1, 1, 1, rows, kv_len] (causal /
-  segment mask as :func:`element_mask`, no window; padding rows see nothing)."""
+  """ci -> (logits, visibility) of query rows ci * rows .. (ci + 1) * rows - 1 on all keys,
+  products in ``dt``: scaled fp32 logits [b, hk, g, rows, kv_len] (-inf where hidden) and the
+  visibility [b or 1, 1, 1, rows, kv_len] (:func:`element_mask`; padding rows see nothing)."""
   (b, q_len, hq, d), (kv_len, hk) = q.shape, k.shape[1:3]
   qf, kf = pad_axis(q.astype(dt), 1, num_chunks * rows), k.astype(dt)
   qsg = None if segment_ids is None else pad_axis(segment_ids, 1, num_chunks * rows)
@@ -49,8 +48,6 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
                   scale=None, reduce=True, max_chunk_elems=1 << 25):
   """Fraction of the full-softmax attention probability that falls inside the kept blocks.
 
-  Computed in fp32 in chunks of queries, ~max_chunk_elems logits at a time.
-
   Args:
     q: [batch, q_len, q_heads, head_dim].
     k: [batch, kv_len, kv_heads, head_dim].
@@ -59,7 +56,7 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
     scale: logit scale, default 1/sqrt(head_dim).
     reduce: True: one scalar mean over valid queries; False: fp32 [batch, q_heads] means.
-    max_chunk_elems: bound on the logits materialised per chunk.
+    max_chunk_elems: bound on the fp32 logits materialised per chunk of queries.
 
   Returns:
     fp32 scalar or [batch, q_heads].
@@ -107,9 +104,8 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
                          max_chunk_elems=1 << 25):
   """Dense attention probability pooled onto (query block, key block) tiles, per GQA group.
 
-  Query t's mass on key block j, summed over the group's query heads and pooled over the
-  queries of block i by ``query_pool`` ("sum", or "max" as SeerAttention's ground truth). The
-  target of :func:`block_score_kl`; not differentiable; computed in chunks of query blocks.
+  Query t's mass on key block j, summed over the group's query heads and pooled over the queries
+  of block i by ``query_pool``: the target of :func:`block_score_kl`; not differentiable.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -118,8 +114,8 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
     causal: bottom-right aligned causal mask.
     segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
     scale: logit scale, default 1/sqrt(head_dim).
-    query_pool: "sum" or "max" (above).
-    max_chunk_elems: bound on the logits materialised per chunk.
+    query_pool: "sum", or "max" (SeerAttention's ground truth).
+    max_chunk_elems: bound on the logits materialised per chunk of query blocks.
 
   Returns:
     fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks].
@@ -158,11 +154,9 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
 
 
 def score_kl(z, mass, cand):
-  """Mean over rows of KL(p || softmax(z) over the candidate blocks); p = mass renormalised
-  over the candidates. Rows with fewer than two candidates or no candidate mass are skipped.
-
-  z, mass: fp32 [b, hk, nq, nk]; cand: bool, broadcastable to it.
-  """
+  """Mean over rows of KL(p || softmax(z)) over the candidates ``cand`` (bool, broadcastable to
+  z, mass [b, hk, nq, nk]); p = mass renormalised over them. Rows with fewer than two candidates
+  or no candidate mass are skipped."""
   cand = jnp.broadcast_to(cand, z.shape)
   tgt = jnp.where(cand, jax.lax.stop_gradient(mass).astype(jnp.float32), 0.0)
   tot = jnp.sum(tgt, axis=-1, keepdims=True)
@@ -224,8 +218,8 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
 def _score_kl_of(scores, rules, q, k, *, block_size, q_block_size, causal, num_init_blocks,
                  num_local_blocks, segment_ids, kv_segment_ids, scale, temperature, query_pool,
                  max_chunk_elems):
-  """:func:`block_score_kl` of checked arguments, given the block ``scores`` (with their
-  gradient) and ``segment_rules``' (seg_ok, doc_start): ``sparse_attention`` reuses its own."""
+  """:func:`block_score_kl` of checked arguments, given ``scores`` (with their gradient) and
+  ``segment_rules`` ``rules``: ``sparse_attention`` reuses its own."""
   (batch, q_len, hk), kv_len = (q.shape[0], q.shape[1], k.shape[2]), k.shape[1]
   mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,
                               causal=causal, segment_ids=segment_ids,
@@ -260,14 +254,7 @@ def add_aux_loss(x, loss):
   return x
 
 
-def _add_aux_loss_fwd(x, loss):
-  return x, jnp.zeros_like(loss)
-
-
-def _add_aux_loss_bwd(zero, g):
-  return g, jnp.ones_like(zero)
-
-
-add_aux_loss.defvjp(_add_aux_loss_fwd, _add_aux_loss_bwd)
+add_aux_loss.defvjp(lambda x, loss: (x, jnp.zeros_like(loss)),
+                    lambda zero, g: (g, jnp.ones_like(zero)))
 
 

@@ -1,9 +1,5 @@
-"""Block scores and top-K block selection (InfLLM v2 / MoBA / NSA style).
-
-:func:`block_scores` mean-pools keys per block; :func:`select_blocks` keeps, for every query
-(block) and kv head, the initial and local blocks plus the top-K scored visible blocks, shared by
-the GQA group, as a :class:`BlockSelection`.
-"""
+"""Block scores and top-K block selection (InfLLM v2 / MoBA / NSA style): :func:`block_scores`,
+:func:`select_blocks` -> :class:`BlockSelection`."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +18,7 @@ __all__ = ["BlockSelection", "block_scores", "select_blocks"]
 
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_INT_MAX = np.iinfo(np.int32).max
-_INT_MIN = np.iinfo(np.int32).min
+_I32 = np.iinfo(np.int32)
 
 
 # ----------------------------------------------------------------------------- BlockSelection
@@ -196,14 +191,11 @@ def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
 @functools.lru_cache(maxsize=256)
 def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
                    per_doc_init=False):
-  """From shapes alone (numpy, O(num_q_blocks)): the per-row counts and static list widths
-  (n_visible [nq], n_forced [nq], max_selected, local_width).
+  """From shapes alone (numpy): (n_visible [nq], n_forced [nq], max_selected, local_width).
 
-  ``per_doc_init=True`` (segment ids: the initial blocks start at each document's first block,
-  which the shapes do not tell) makes ``n_forced`` an upper bound: min(num_init, n_visible) plus
-  every visible local block, as if none of them were initial blocks. Under ``causal`` the
-  resulting ``max_selected`` is the same as without it (a local range that overlaps the initial
-  blocks already covers every visible block)."""
+  ``per_doc_init`` (initial blocks at each document's start, unknown from shapes) makes
+  n_forced an upper bound, counting every visible local block as non-initial; under ``causal``
+  max_selected is unchanged (a local range overlapping the initial blocks covers all visible)."""
   nk = cdiv(kv_len, block_size)
   q_last, lo, hi = _row_geometry(np, q_len, kv_len, q_block_size, block_size, num_local)
   n_vis = np.clip(q_last // block_size + 1, 0, nk) if causal else np.full(q_last.shape, nk)
@@ -222,8 +214,8 @@ def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, nu
 
 
 def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local):
-  """jnp masks from iota (no large constants): visible, candidates [nq, nk] and the forced
-  index lists [nq, init + local_width] (-1 where absent)."""
+  """From iota (no large constants): visible, candidates [nq, nk] and the forced index lists
+  [nq, init + local_width] (-1 where absent)."""
   nk = cdiv(kv_len, block_size)
   q_last, lo, hi = _row_geometry(jnp, q_len, kv_len, q_block_size, block_size, num_local)
   nq, j = q_last.shape[0], jnp.arange(nk, dtype=jnp.int32)[None, :]
@@ -232,11 +224,10 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
   if num_local > 0:
     forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
   cand = visible & ~forced
-  # initial blocks 0 .. min(num_init, nk) - 1, kept where visible
   parts = [jnp.where(visible[:, :num_init], j[:, :num_init], -1)] if num_init else []
   _, _, _, width = _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init,
                                   num_local, 0)
-  if width:   # 0 without local blocks
+  if width:
     loc = jnp.maximum(lo, 0)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
     ok = (loc <= hi[:, None]) & (loc >= num_init) & (loc < nk)
     parts.append(jnp.where(ok, loc, -1))
@@ -245,25 +236,19 @@ def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_lo
 
 
 def segment_ranges(seg, block):
-  """Per-block (min nonzero id, max nonzero id) of seg [b, n] (positions past n are padding).
-
-  Every nonzero id, negative ones included, is a document; only 0 is padding (as in
-  ``masks.visible`` and ``block_schedule._segment_tile_classes``). A block without a nonzero id
-  gets the empty range (INT32_MAX, INT32_MIN), so ``min <= max`` iff the block holds a document.
+  """Per-block (min, max) nonzero id of seg [b, n]; only 0 is padding (negative ids are
+  documents). A block without a document gets (INT32_MAX, INT32_MIN), so min <= max iff it has one.
   """
   b, nb = seg.shape[0], cdiv(seg.shape[1], block)
   s = pad_axis(seg.astype(jnp.int32), 1, nb * block).reshape(b, nb, block)
   real = s != 0
-  return (jnp.min(jnp.where(real, s, _INT_MAX), -1), jnp.max(jnp.where(real, s, _INT_MIN), -1))
+  return jnp.min(jnp.where(real, s, _I32.max), -1), jnp.max(jnp.where(real, s, _I32.min), -1)
 
 
 def segment_overlap(q_seg, kv_seg, q_block_size, block_size, ranges=None):
-  """bool [b, nq, nk]: query block i and key block j both hold a nonzero id and their nonzero id
-  ranges intersect. ``ranges``: None, or the blocks' ``segment_ranges`` ((q min, q max), (k min,
-  k max)) instead of the ids.
-
-  Exact for packed sequences (nonzero ids non-decreasing along the sequence); for other layouts
-  it may keep a block without a common id (harmless: the element mask still applies).
+  """bool [b, nq, nk]: blocks i and j both hold documents and their nonzero id ranges meet.
+  ``ranges``: None, or the ``segment_ranges`` ((q min, q max), (k min, k max)) to use instead.
+  Exact for packed rows; otherwise it may keep a block with no common id (the element mask applies).
   """
   (qmn, qmx), (kmn, kmx) = ranges or (segment_ranges(q_seg, q_block_size),
                                       segment_ranges(kv_seg, block_size))
@@ -273,24 +258,21 @@ def segment_overlap(q_seg, kv_seg, q_block_size, block_size, ranges=None):
 
 
 def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size, ranges=None):
-  """int32 [b, nq]: the key block holding the first key of query block i's document
-  (``ranges``: as for ``segment_overlap``); nk for an all-padding query block.
+  """int32 [b, nq]: the key block of the first key of query block i's document (its minimum
+  nonzero id d), nk for an all-padding query block (``ranges``: as for ``segment_overlap``).
 
-  The document of query block i is its minimum nonzero id d; its first key block is the first
-  key block holding a nonzero id whose running maximum nonzero id (padding blocks count as
-  INT32_MIN) reaches d. For packed rows (nonzero ids non-decreasing, zeros anywhere) that is
-  exactly the block of d's first key; for other layouts some block holding an id >= d, or nk,
-  which the caller keeps only if it is selectable (safe, only less useful).
+  That is the first document block whose running maximum id reaches d: exact for packed rows;
+  otherwise some block holding an id >= d, or nk (kept only if selectable, so safe).
   """
   (qmn, qmx), (kmn, kmx) = ranges or (segment_ranges(q_seg, q_block_size),   # [b, nq]
                                       segment_ranges(kv_seg, block_size))     # [b, nk]
   nk = kmx.shape[1]
-  reach = jax.lax.cummax(kmx, axis=1)                                # [b, nk], non-decreasing
+  reach = jax.lax.cummax(kmx, axis=1)                                # [b, nk]
   start = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(reach, qmn)
-  has = kmn <= kmx                                                   # [b, nk] holds a document
+  has = kmn <= kmx                                                   # [b, nk]
   first = jnp.where(jnp.any(has, axis=1), jnp.argmax(has, axis=1), nk)            # [b]
   start = jnp.maximum(start, first[:, None])
-  return jnp.where(qmn <= qmx, start, nk).astype(jnp.int32)     # all-padding query block: nk
+  return jnp.where(qmn <= qmx, start, nk).astype(jnp.int32)
 
 
 def segment_rules(q_seg, kv_seg, q_block_size, block_size):
@@ -303,13 +285,11 @@ def segment_rules(q_seg, kv_seg, q_block_size, block_size):
 
 def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
                  top_k, seg_ok, scores, doc_start=None, rows=None):
-  """Build a BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
+  """A BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
 
-  rows: None, or int [n] the query blocks of rank's n rows (>= nq: padding, nothing kept).
-  seg_ok: None or bool [b, nq, nk] (``segment_overlap``). doc_start: None (initial blocks
-  0 .. num_init-1) or int32 [b, nq] (``doc_start_blocks``: initial blocks doc_start[b, i] ..
-  doc_start[b, i] + num_init - 1). Forced blocks are never candidates and an initial block
-  that is also local is listed once, so the sorted lists hold no duplicates.
+  rows: None, or int [n], the query blocks of rank's n rows (>= nq: padding, nothing kept).
+  seg_ok, doc_start: None, or ``segment_overlap`` and ``doc_start_blocks`` (the initial blocks
+  then start at doc_start[b, i]). Lists hold no duplicates.
   """
   per_doc = doc_start is not None
   if per_doc != (seg_ok is not None):
@@ -322,8 +302,9 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
                                 block_size=block_size, causal=causal, num_init=num_init,
                                 num_local=num_local, seg_ok=seg_ok, doc_start=doc_start)
   if rows is not None:
-    ok = (rows < cdiv(q_len, q_block_size))[:, None]
-    take = lambda x: jnp.take(x, jnp.minimum(rows, cdiv(q_len, q_block_size) - 1), axis=2)
+    nq_all = cdiv(q_len, q_block_size)
+    ok = (rows < nq_all)[:, None]
+    take = lambda x: jnp.take(x, jnp.minimum(rows, nq_all - 1), axis=2)
     cand, vis, fidx = take(cand) & ok, take(vis) & ok, jnp.where(ok, take(fidx), -1)
   k_eff, limit = top_k_cut(top_k, nk, jnp.sum(vis, -1), jnp.sum(vis & ~cand, -1))
   cand_b = jnp.broadcast_to(cand, (b, hk, nq, nk))
@@ -342,9 +323,8 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
 
 
 def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel, limit=None):
-  """``select_lists``'s lists: ``lax.top_k`` of the candidates' ranks (the first ``limit``
-  [..., nq] of each row's k, if given), with the forced blocks ``fidx`` (-1 = none), sorted
-  ascending, -1 past the count: int32 [b, hk, nq, max_sel]. (``visible``: unused.)"""
+  """``select_lists``'s lists int32 [b, hk, nq, max_sel]: ``lax.top_k`` of the candidates (the
+  first ``limit`` [..., nq] of each row's k, if given) and ``fidx``, ascending, then -1."""
   del visible
   nk = rank.shape[-1]
   parts = [fidx]
@@ -359,9 +339,8 @@ def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel, limit=None
 
 
 def _selected_lists_by_mask(rank, cand, fidx, visible, *, k, max_sel, keep_fn):
-  """The same lists as ``_selected_lists_by_sort`` without a sort: ``keep_fn(x, k)`` (each
-  row's k largest, ties to the lower index, as ``lax.top_k``) of the candidates' ranks, or-ed
-  with the forced blocks ``visible & ~cand`` (``fidx``'s), compacted in ascending order."""
+  """``_selected_lists_by_sort`` without a sort: ``keep_fn(x, k)`` (each row's k largest, ties
+  to the lower index) of the candidates, or-ed with the forced ``visible & ~cand``, compacted."""
   del fidx
   keep = keep_fn(jnp.where(cand, rank, -jnp.inf), k) & cand
   order, count = compact_true(keep | (visible & ~cand), max_sel)
@@ -371,19 +350,15 @@ def _selected_lists_by_mask(rank, cand, fidx, visible, *, k, max_sel, keep_fn):
 
 def candidates(b, hk, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
                 seg_ok, doc_start):
-  """The block sets of ``select_lists``'s rules (see :func:`select_blocks`).
-
-  Returns:
-    cand: bool [b or 1, 1, nq, nk]: the blocks top-k chooses among (selectable, not forced).
-    vis: bool [b or 1, 1, nq, nk]: the selectable blocks.
-    fidx: int32 [b, hk, nq, width]: the forced (initial, local) blocks, -1 where absent.
-  """
+  """The block sets of ``select_lists``'s rules: cand (top-k's choices: selectable, not forced)
+  and vis (selectable), bool [b or 1, 1, nq, nk]; fidx int32 [b, hk, nq, width], the forced
+  (initial, local) blocks, -1 where absent."""
   per_doc = doc_start is not None
   visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
                                          0 if per_doc else num_init, num_local)
   nk = visible.shape[1]
   if per_doc:
-    # cand / forced_idx above hold the local blocks only; add each row's document-initial blocks.
+    # add each row's document-initial blocks to the local ones
     n_init = min(num_init, nk)
     ok = visible[None] & seg_ok                                       # [b, nq, nk] selectable
     fidx = jnp.broadcast_to(forced_idx[None], (b,) + forced_idx.shape)  # [b, nq, width]
@@ -415,8 +390,7 @@ def check_selection(selection, batch, q_len, kv_len, kv_heads):
 
 
 def check_top_k(top_k):
-  """``top_k`` checked and returned: an int >= 1 (blocks chosen by score) or a float in (0, 1]
-  (the share of a row's selectable blocks kept, ``row_budget``)."""
+  """``top_k`` checked: an int >= 1 or a float share in (0, 1] (``row_budget``)."""
   if not isinstance(top_k, (float, np.floating)):
     check_int("top_k", top_k, 1)
     return int(top_k)
@@ -426,15 +400,15 @@ def check_top_k(top_k):
 
 
 def row_budget(top_k, n):
-  """None for an int top_k; for a share f, int32 [n + 1]: the blocks a row with v = 0..n
-  selectable blocks keeps in total, round(f * v) half up (float64, so every path agrees)."""
+  """None for an int top_k; for a share f, int32 [n + 1]: the blocks kept by a row with v = 0..n
+  selectable ones, round(f * v) half up (float64, so every path agrees)."""
   floats = isinstance(top_k, float)
   return np.floor(top_k * np.arange(n + 1) + 0.5).astype(np.int32) if floats else None
 
 
 def top_k_cut(top_k, n, n_visible, n_forced):
   """(k, limit): the ``lax.top_k`` width over n blocks and, for a share, each row's picks
-  (budget less forced; n_visible, n_forced: int arrays per row); limit None for a count."""
+  (budget less forced; None for a count)."""
   budget = row_budget(top_k, n)
   if budget is None:
     return min(top_k, n), None
@@ -454,11 +428,10 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
                   num_local_blocks=1, segment_ids=None, kv_segment_ids=None, score="mean_key"):
   """Top-K key-block selection per query block, shared by the query heads of each GQA group.
 
-  For query block i and kv head g, among the selectable blocks (causally visible, and with
-  segment ids overlapping the query block's documents) keep the initial blocks (of the row, or
-  of the query block's document, ``doc_start_blocks``), the local blocks (the diagonal block and
-  num_local_blocks-1 before it), plus the ``top_k`` others with the highest ``block_scores``
-  (ties to the lower block). Not differentiable; see :func:`sparse_attention`.
+  For query block i and kv head g, among the selectable blocks (causally visible, segment ids
+  overlapping the query block's documents) keep the initial and local blocks plus the ``top_k``
+  others with the highest ``block_scores`` (ties to the lower block). Not differentiable; see
+  :func:`sparse_attention`.
 
   Args:
     q: [batch, q_len, q_heads, head_dim].
@@ -469,14 +442,15 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
       round(top_k * selectable) half up, at least its initial and local ones.
     q_block_size: queries per query block (static).
     causal: bottom-right aligned causal visibility.
-    num_init_blocks: leading blocks always kept (of the row, or of each document).
+    num_init_blocks: leading blocks always kept (of the row, or of each document,
+      ``doc_start_blocks``).
     num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
     segment_ids: None or int [batch, q_len] (0 = padding); exact for packed rows.
     kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     score: "mean_key" (the only scorer so far).
 
   Returns:
-    A :class:`BlockSelection` with ``scores`` filled in. jit-compatible (all sizes are static).
+    A :class:`BlockSelection` with ``scores`` filled in (jit-compatible: sizes are static).
 
   Example:
     >>> q = jax.random.normal(jax.random.key(0), (2, 512, 4, 32))
