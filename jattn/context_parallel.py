@@ -215,10 +215,6 @@ class ContextParallelPlan:
       a step's fully visible pairs of one chunk (with segment ids: pair by pair).
     joint: zig-zag pass-KV: the one call over device P-1's adjacent own chunks (P-1 and P) at
       shift 0, in place of their pairs; else None.
-    halo: "ring", equal lengths, no selection, under a window of left extent ``w`` <= one chunk
-      that sees no later key: ``w`` rounded up to whole 128-key tiles, at most a chunk (else 0).
-      Each device then gets only that many last keys of the chunk before each of its chunks and
-      runs one call over its chunks (``shifts`` is (0,)).
 
   Example:
     >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 10 chunk pairs
@@ -233,7 +229,6 @@ class ContextParallelPlan:
   calls: tuple
   table: np.ndarray = dataclasses.field(compare=False)
   joint: PairCall | None = None
-  halo: int = 0
 
   def _whole(self, i) -> PairCall | None:
     """The unmasked call over all local rows and keys of step ``i`` if all its pairs are full."""
@@ -244,8 +239,6 @@ class ContextParallelPlan:
 
   @property
   def kernel_calls(self) -> int:
-    if self.halo:   # one call per local chunk (one batched call on all but the first device)
-      return int(np.count_nonzero(self.table))
     joint = 0 if self.joint is None else np.count_nonzero(self.table[-1, 0]) - 1
     one = lambda i: self._whole(i) or all(_strip(self, i, e) for e in range(self.num_shards))
     return int(sum(self.num_shards if one(i) else np.count_nonzero(self.table[:, i])
@@ -271,7 +264,7 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
 
   Example:
     >>> p = context_parallel_plan(4096, 4096, 4, causal=True, local_window_size=(63, 0),
-    ...                           layout="contiguous", strategy="all_gather")
+    ...                           layout="contiguous")
     >>> p.shifts, p.kernel_calls   # own chunk and the previous device's: 4 + 3 calls
     ((0, 1), 7)
   """
@@ -309,18 +302,6 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   joint = (pair_call(kv_len - q_len + p * (cq - ck), 2 * cq, 2 * ck, causal, window)
            if layout == "zigzag" and strategy != "ring_q" and selection is None
            and shifts[:1] == (0,) and table[p, 0].any() else None)
-  left, right = window or (None, None)
-  if (strategy == "ring" and selection is None and q_len == kv_len and left is not None
-      and 0 < left <= ck and (causal or right == 0) and len(shifts) > 1):
-    # The halo is rounded up to whole 128-key tiles (its extra keys sit outside the window):
-    # the call's key tiles then align with its query rows' band.
-    halo = min(ck, -(-left // 128) * 128)
-    calls = (pair_call(0, cq, ck, causal, window), PairCall(0, cq, 0, halo + ck, True, (left, 0)))
-    table = np.zeros((num_shards, 1) + ids.shape[1:] * 2, np.int32)
-    for d, a in np.ndindex(*ids.shape):   # the sequence's first chunk has nothing before it
-      table[d, 0, a, a] = 1 if ids[d, a] == 0 else 2
-    return ContextParallelPlan(strategy, layout, num_shards, cq, ck, (0,), calls, table,
-                               halo=int(halo))
   plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(index),
                              table[:, list(shifts)])
   keep = joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0)
@@ -510,66 +491,6 @@ def _shift(xs, shift, axis_name, p):
   return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), xs)
 
 
-# ----------------------------------------------------------------------------- window halo
-def _predecessors(plan):
-  """int [P, m, 2]: the (device, slot) of the chunk before each local chunk (-1: none)."""
-  ids = shard_chunks(plan.num_shards, plan.layout)
-  where = {int(c): (d, a) for (d, a), c in np.ndenumerate(ids)}
-  return np.array([[where.get(int(c) - 1, (-1, -1)) for c in row] for row in ids])
-
-
-def _tails(plan, x):
-  """[B, m, halo, ...]: the last ``plan.halo`` rows of each local chunk of x [B, L, ...]."""
-  return x.reshape(x.shape[0], plan.table.shape[-1], -1, *x.shape[2:])[:, :, -plan.halo:]
-
-
-def _halo_exchange(plan, axis_name, xs):
-  """Each local chunk's halo (the tail of the chunk before it; zeros for the first chunk) of
-  each of ``xs`` (k, v, ks or None): one ``ppermute`` per (receiving, sending) slot pair used."""
-  pred, d = _predecessors(plan), jax.lax.axis_index(axis_name)
-
-  def one(x):
-    t, halos = _tails(plan, x), []
-    for a in range(pred.shape[1]):
-      halo = jnp.zeros_like(t[:, a])
-      for a2 in range(pred.shape[1]):
-        src = [(int(pred[e, a, 0]), e) for e in range(plan.num_shards) if pred[e, a, 1] == a2]
-        moved = [(i, e) for i, e in src if i != e]
-        if moved:   # devices that receive nothing get zeros
-          halo = halo + jax.lax.ppermute(t[:, a2], axis_name, moved)
-        if len(moved) < len(src):   # the device's own other chunk
-          halo = jnp.where(jnp.isin(d, jnp.asarray([e for i, e in src if i == e])), t[:, a2],
-                           halo)
-      halos.append(halo)
-    return jnp.stack(halos, 1)
-  return tuple(None if x is None else one(x) for x in xs)
-
-
-def _halo_attention(plan, kern, d, q, k, v, qs, ks, halo):
-  """(out [B, L, H, Dv], lse [B, L, H]) of device ``d`` under a halo plan: each local chunk's
-  queries against its halo (k, v, ks tails [B, m, w, ...]) and own keys, batched over chunks;
-  the device of the sequence's first chunk runs one call per chunk (the first without halo)."""
-  b_, m = q.shape[0], plan.table.shape[-1]
-  own = [None if x is None else x.reshape(b_, m, -1, *x.shape[2:])          # [B, m, c, ...]
-         for x in (q, k, v, qs, ks)]
-  ext = [x if t is None else jnp.concatenate([t, x], 2)                     # [B, m, w + c, ...]
-         for x, t in zip(own, (None, halo[0], halo[1], None, halo[2]))]
-
-  def batched():
-    return tuple(x.reshape(b_, -1, *x.shape[2:]) for x in _run_call(plan.calls[1], kern, *(
-        None if x is None else x.reshape(-1, *x.shape[2:]) for x in ext)))
-
-  def per_chunk():   # call 1: the sequence's first chunk, without halo
-    parts = [_run_call(plan.calls[c - 1], kern, *(None if x is None else x[:, a]
-                                                 for x in (own if c == 1 else ext)))
-             for a, c in enumerate(np.diagonal(plan.table[first, 0]))]
-    return tuple(jnp.concatenate(x, 1) for x in zip(*parts))
-  first = int(np.flatnonzero((plan.table[:, 0] == 1).any((1, 2)))[0])
-  if isinstance(d, int):
-    return per_chunk() if d == first else batched()
-  return jax.lax.cond(d == first, per_chunk, batched)
-
-
 # ----------------------------------------------------------------------------- strategies
 def _pass_kv_forward(plan, kern, d, q, v, qs, kvs, sel=None):
   """Every step of a K/V-moving strategy on device ``d``; ``kvs`` yields each step's (k, v, ks)."""
@@ -654,9 +575,6 @@ def _ring_q(plan, kern, axis_name, q, k, v, qs, ks):
 
 def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
   """(out [B, Lq_local, H, Dv], lse [B, Lq_local, H]) on one device, inside shard_map."""
-  if plan.halo:
-    halo = _halo_exchange(plan, axis_name, (k, v, ks))
-    return _halo_attention(plan, kern, jax.lax.axis_index(axis_name), q, k, v, qs, ks, halo)
   if plan.strategy == "ring":
     return _ring(plan, kern, axis_name, q, k, v, qs, ks, None)
   if plan.strategy == "ring_q":
@@ -750,12 +668,6 @@ def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_c
   if plan.strategy == "ring_q":
     raise ValueError("plan.strategy must be 'ring' or 'all_gather', got 'ring_q'")
   kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
-  if plan.halo:
-    pred = _predecessors(plan)[device]
-    halo = [jnp.stack([_tails(plan, kv_shards[e][i])[:, a] if e >= 0 else
-                       jnp.zeros_like(_tails(plan, kv_shards[device][i])[:, 0])
-                       for e, a in pred], 1) for i in (0, 1)]
-    return _halo_attention(plan, kern, device, q, *kv_shards[device], None, None, (*halo, None))
   kvs = ((*kv_shards[(device - s) % plan.num_shards], None) for s in plan.shifts)
   return _pass_kv_forward(plan, kern, device, q, kv_shards[device][1], None, kvs)
 
