@@ -536,14 +536,16 @@ def posthoc_module(full_model, rule, preset):
 
 
 def posthoc_decode_state(ctx, full_trainer):
-  """The full model with every layer a per-token top-K sparse layer (the proxy rule as a
-  ``jattn.nn`` model: ``sparsify``), for decode timing; (graphdef, params, rest)."""
+  """The full model with every layer a top-K sparse layer (the proxy rule as a ``jattn.nn``
+  model: ``sparsify``), for decode timing; (graphdef, params, rest). Decode steps select per
+  token; the prefill selects per ``q_block_size`` tile as the trained variants do (a kernel
+  implementation needs tiles of at least 16 queries)."""
   from flax import nnx
 
   from jattn.nn.transformer import sparsify
   p = ctx.preset
   model = sparsify(full_trainer.model(), sparse_top_k(p), block_size=p.block_size,
-                   q_block_size=1)
+                   q_block_size=p.q_block_size)
   return nnx.split(model, nnx.Param, ...)
 
 
