@@ -540,8 +540,7 @@ def _ring_bwd(plan, kern, axis_name, res, g):
   for i in range(len(shifts)):
     kc, vc, ksc, dkc, dvc = map(chunks, state)
     for a, b in np.ndindex(m, m):
-      col = plan.table[:, i, a, b]
-      if not col.any():
+      if not (col := plan.table[:, i, a, b]).any():
         continue
       f = functools.partial(_pair, plan, kern, col, d, qs=qsc[a], ks=ksc[b],
                             sel=_pair_selection(plan, kern, sel, d, i, a, b))
@@ -674,8 +673,7 @@ def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_c
 
 def _with_padding(x, pos, mesh):
   """x (layout order, padding slots left out) -> the padded layout (zeros in the slots)."""
-  real = pos >= 0
-  if real.all():
+  if (real := pos >= 0).all():
     return x
   x = jax.device_put(x, NamedSharding(mesh, PS()))   # gathers on explicit meshes need this
   idx = np.where(real, np.cumsum(real) - 1, 0)
@@ -797,8 +795,7 @@ def _sparse_ring(q, k, v, *, mesh, axis_name, layout, block_size, q_block_size, 
                  implementation, interpret):
   """``jattn.sparse_attention(..., mesh=, axis_name=)`` (validated there): (out, lse [B, H, L])
   by a ring of block-sparse chunk-pair kernels on each device's rows of the selection."""
-  n = q.shape[1]
-  if k.shape[1] != n:
+  if k.shape[1] != (n := q.shape[1]):
     raise ValueError(f"sparse_attention with a mesh needs q_len == kv_len, got {n}, {k.shape[1]}")
   plan = context_parallel_plan(n, n, _axis_size(mesh, axis_name), causal=causal, layout=layout)
   _check_blocks(plan.q_chunk, block_size, q_block_size)

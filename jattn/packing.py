@@ -31,7 +31,6 @@ __all__ = ["PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize",
 
 
 # ----------------------------------------------------------------------------- Planning
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackPlan:
   """Where every chunk of every document goes: one entry per chunk (columnar).
@@ -96,9 +95,8 @@ class PackPlan:
       >>> pack_bfd([3, 6, 2], max_len=8).utilization()
       0.6875
     """
-    if self.num_bins == 0:
-      return 1.0
-    return float(self.chunk_lengths.sum()) / (self.num_bins * self.max_len)
+    return (float(self.chunk_lengths.sum()) / (self.num_bins * self.max_len) if self.num_bins
+            else 1.0)
 
 
 def _ranks(c: np.ndarray) -> np.ndarray:
@@ -213,19 +211,16 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   if lengths.size and (lengths.dtype == bool or not np.issubdtype(lengths.dtype, np.integer)):
     raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}")
   lengths = lengths.astype(np.int64)
-  if (lengths < 0).any():
-    bad = int(np.flatnonzero(lengths < 0)[0])
-    raise ValueError(f"lengths must be >= 0, got lengths[{bad}] = {int(lengths[bad])}")
-  if not split_long and (lengths > max_len).any():
-    bad = int(np.flatnonzero(lengths > max_len)[0])
-    raise ValueError(f"document {bad} has {int(lengths[bad])} tokens > max_len={max_len} "
+  if (bad := np.flatnonzero(lengths < 0)).size:
+    raise ValueError(f"lengths must be >= 0, got lengths[{bad[0]}] = {lengths[bad[0]]}")
+  if not split_long and (bad := np.flatnonzero(lengths > max_len)).size:
+    raise ValueError(f"document {bad[0]} has {lengths[bad[0]]} tokens > max_len={max_len} "
                      "and split_long=False")
   n_chunks = -(-lengths // max_len)  # 0 for empty documents
   doc_ids = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), n_chunks)
   starts = _ranks(n_chunks) * max_len
   clen = np.minimum(max_len, lengths[doc_ids] - starts)
-  n = clen.shape[0]
-  if n == 0:
+  if (n := clen.shape[0]) == 0:
     return PackPlan(*[np.zeros(0, np.int64)] * 5, 0, max_len, int(lengths.shape[0]))
   # Longest first, stable (numpy's stable sort on keys of <= 16 bits is a radix sort).
   key_dtype = np.uint16 if max_len < 2 ** 16 else np.uint32
@@ -242,13 +237,11 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   bins, offsets = np.empty(n, np.int64), np.empty(n, np.int64)
   bins[order] = np.repeat(entry_bins, reps)
   offsets[order] = per_chunk(max_len - cap) + _ranks(reps) * per_chunk(rlen)
-  return PackPlan(doc_ids=doc_ids, chunk_starts=starts, chunk_lengths=clen, bins=bins,
-                  offsets=offsets, num_bins=int(num_bins), max_len=max_len,
-                  num_docs=int(lengths.shape[0]))
+  return PackPlan(doc_ids, starts, clen, bins, offsets, int(num_bins), max_len,
+                  int(lengths.shape[0]))
 
 
 # ----------------------------------------------------------------------------- Materialising rows
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenStore:
   """Documents as one flat token array plus boundaries (CSR layout).
@@ -297,9 +290,7 @@ class TokenStore:
     arrs = [np.asarray(d).reshape(-1) for d in docs]
     offsets = np.cumsum([0] + [a.shape[0] for a in arrs], dtype=np.int64)
     tokens = np.concatenate(arrs) if arrs else np.zeros(0, np.int32)
-    if tokens.dtype.kind not in "iu":
-      tokens = tokens.astype(np.int32)
-    return cls(tokens, offsets)
+    return cls(tokens if tokens.dtype.kind in "iu" else tokens.astype(np.int32), offsets)
 
   @property
   def num_docs(self) -> int:
@@ -396,8 +387,7 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
   if store.num_docs != plan.num_docs:
     raise ValueError(f"plan has {plan.num_docs} documents, store has {store.num_docs}")
   rows = np.asarray(np.arange(plan.num_bins) if rows is None else rows, np.int64).reshape(-1)
-  bad = (rows < -1) | (rows >= plan.num_bins)
-  if bad.any():
+  if (bad := (rows < -1) | (rows >= plan.num_bins)).any():
     raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {rows[bad][:5].tolist()}")
   max_segments = max(plan.max_segments, 1) if max_segments is None else max_segments
   n, max_len = rows.shape[0], plan.max_len
@@ -431,7 +421,6 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
 
 
 # ---------------------------------------------------------------------------- Segment ids under jit
-
 def segments_from_lengths(doc_lengths, max_len: int):
   """Segment ids and positions of packed rows from per-row document lengths (jit-compatible).
 
@@ -480,7 +469,6 @@ def _segments_from_lengths(doc_lengths, max_len):
 
 
 # ----------------------------------------------------------------------------- Training iterator
-
 class PackedIterator:
   """Shuffled, epoch-aware, seeded, resumable iterator over packed batches.
 

@@ -70,13 +70,11 @@ def check_kv_cache_layout(kv_cache_layout, *, kinds=(), mla=False):
   if kv_cache_layout not in KV_LAYOUTS:
     raise ValueError(f"kv_cache_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
                      f"([batch, kv_heads, len, head_dim]), got {kv_cache_layout!r}")
-  if kv_cache_layout == "nhd":
-    return
-  if mla:
+  if mla and kv_cache_layout == "hnd":
     raise ValueError("kv_cache_layout='hnd' is not supported with MLA (kv_lora_rank): the MLA "
                      "cache holds a per-token latent [batch, len, kv_lora_rank (+ rope_head_dim)] "
                      "with no kv head axis to put first; use kv_cache_layout='nhd'")
-  if "csa" in kinds:
+  if "csa" in kinds and kv_cache_layout == "hnd":
     raise ValueError("kv_cache_layout='hnd' is not supported for 'csa' layers: their decode "
                      "never calls the contiguous decode kernels (it pools raw windows into "
                      "compressed entries); use kv_cache_layout='nhd'")
@@ -125,9 +123,8 @@ class Attention(nnx.Module):
     if num_heads % num_kv_heads:
       raise ValueError(
           f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    self.mla = kv_lora_rank is not None
+    self.mla, self.kv_cache_layout = kv_lora_rank is not None, kv_cache_layout
     check_kv_cache_layout(kv_cache_layout, kinds=(spec.kind,), mla=self.mla)
-    self.kv_cache_layout = kv_cache_layout
     if self.mla:
       if spec.kind == "csa":
         raise ValueError("MLA (kv_lora_rank) with a 'csa' layer is not supported: CSA pools raw "
@@ -147,18 +144,17 @@ class Attention(nnx.Module):
     if (context_mesh is None) != (context_axis is None):
       raise ValueError("context_mesh and context_axis go together, got "
                        f"context_mesh={context_mesh!r}, context_axis={context_axis!r}")
-    if context_mesh is not None:
-      if spec.kind == "csa":
-        raise ValueError("context parallelism runs 'global', 'local' and 'sparse' layers, got "
-                         "kind 'csa'")
-      if context_axis not in context_mesh.axis_names:
-        raise ValueError(f"context_axis {context_axis!r} is not an axis of the mesh "
-                         f"{context_mesh.axis_names}")
+    if context_mesh is not None and spec.kind == "csa":
+      raise ValueError("context parallelism runs 'global', 'local' and 'sparse' layers, got "
+                       "kind 'csa'")
+    if context_mesh is not None and context_axis not in context_mesh.axis_names:
+      raise ValueError(f"context_axis {context_axis!r} is not an axis of the mesh "
+                       f"{context_mesh.axis_names}")
     self.context_mesh, self.context_axis, self.spec = context_mesh, context_axis, spec
     self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
     self.head_dim, self.rope_head_dim, self.kv_lora_rank = head_dim, rope_head_dim, kv_lora_rank
     self.implementation, self.interpret = implementation, interpret
-    self.qk_dim = head_dim + rope_head_dim
+    self.qk_dim, self.qk_norm, self.mla_absorb = head_dim + rope_head_dim, qk_norm, mla_absorb
     lin = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=param_dtype,
                                   rngs=rngs)
     norm = lambda n: nnx.RMSNorm(n, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -171,7 +167,6 @@ class Attention(nnx.Module):
     else:
       self.wk, self.wv = lin(d_model, kv_width), lin(d_model, kv_width)
     self.wo = lin(num_heads * head_dim, d_model)
-    self.qk_norm, self.mla_absorb = qk_norm, mla_absorb
     if qk_norm:
       self.q_norm, self.k_norm = norm(head_dim), norm(head_dim)
     if spec.kind == "csa":
@@ -284,12 +279,11 @@ class Attention(nnx.Module):
       o = attend(q, k, v, causal=True, local_window_size=window, segment_ids=segment_ids,
                  scale=self.scale, **impl)
     elif spec.kind == "sparse":
-      rng = self.gate_rngs() if spec.gate_grad == "gumbel" else None
       o = sparse.sparse_attention(
           q, k, v, block_size=spec.block_size, top_k=spec.top_k, q_block_size=spec.q_block_size,
-          gate_grad=spec.gate_grad, rng=rng, causal=True, segment_ids=segment_ids,
-          scale=self.scale, score_aux_weight=spec.score_aux_weight,
-          score_aux_pool=spec.score_aux_pool, **impl)
+          gate_grad=spec.gate_grad, rng=self.gate_rngs() if spec.gate_grad == "gumbel" else None,
+          causal=True, segment_ids=segment_ids, scale=self.scale,
+          score_aux_weight=spec.score_aux_weight, score_aux_pool=spec.score_aux_pool, **impl)
     else:
       o = self._csa_forward(q, k, v, ent, segment_ids)
     y = self.wo(o.astype(x.dtype).reshape(b, s, self.num_heads * self.head_dim))
@@ -299,8 +293,7 @@ class Attention(nnx.Module):
     if segment_ids is not None:
       raise NotImplementedError("CSA layers do not support packed segment ids (compressed windows "
                                 "would straddle documents)")
-    b, s = q.shape[:2]
-    r = self.spec.compress_ratio
+    (b, s), r = q.shape[:2], self.spec.compress_ratio
     c = csa_ops.num_entries(s, r)
     ck = csa_ops.pool_windows(k, ent["gk"], self.bias_k[...], r, c)
     cv = csa_ops.pool_windows(v, ent["gv"], self.bias_v[...], r, c)
@@ -356,9 +349,8 @@ class Attention(nnx.Module):
       >>> layer.cache_layout(100)["k"]
       ('ring', 8, (1, 16))
     """
-    return cache_layout(self.spec, max_len, num_kv_heads=self.num_kv_heads,
-                        head_dim=self.head_dim, kv_lora_rank=self.kv_lora_rank,
-                        rope_head_dim=self.rope_head_dim)
+    return cache_layout(self.spec, max_len, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                        kv_lora_rank=self.kv_lora_rank, rope_head_dim=self.rope_head_dim)
 
   def init_cache(self, batch_size, max_len, dtype=jnp.float32):
     """Allocate (or reset) the KV cache as ``nnx.Cache`` variables.
@@ -398,17 +390,14 @@ class Attention(nnx.Module):
     """
     if not self.cache_names:
       raise ValueError("call init_cache(batch_size, max_len, dtype) before decode")
-    b, t, _ = x.shape
-    spec = self.spec
-    p = self.cache_index[...]
+    (b, t, _), spec, p = x.shape, self.spec, self.cache_index[...]
     if not is_traced(p) and int(p) + t > self.cache_max_len:   # traced (jit): not checkable
       raise ValueError(f"decode of {t} tokens at position {int(p)} overflows the cache "
                        f"(max_len={self.cache_max_len}); call init_cache with a larger max_len")
     pos = p + jnp.arange(t, dtype=jnp.int32)                         # [t]
     q, ent = self._project(x, jnp.broadcast_to(pos, (b, t)))
-    dt = self._cache(self.cache_names[0])[...].dtype
-    ent = {n: a.astype(dt) for n, a in ent.items()}
-    q = q.astype(dt)  # attention runs in the cache dtype (kernels want one dtype for q, k, v)
+    dt = self._cache(self.cache_names[0])[...].dtype   # attend in it: kernels want one dtype
+    q, ent = q.astype(dt), {n: a.astype(dt) for n, a in ent.items()}
     if spec.kind in ("global", "sparse"):
       full = self._write_full(ent, p)
       if spec.kind == "global" and t == 1:
@@ -504,8 +493,7 @@ class Attention(nnx.Module):
   def _sparse_decode(self, q, k, v, pos, p):
     """Per-token top-K decode (``select_blocks(q_block_size=1)`` rules) for t new queries; the
     cached fp32 per-block key sums grow by the t new keys only (all in the cache layout)."""
-    spec = self.spec
-    b, t = q.shape[:2]
+    spec, (b, t) = self.spec, q.shape[:2]
     k_new = jax.lax.dynamic_slice_in_dim(k, p, t, axis=self._slot_axis("k")).astype(jnp.float32)
     sums = self.cache_block_sums[...].at[self._at_slots("k", pos // spec.block_size)].add(k_new)
     _set(self.cache_block_sums, sums)
@@ -522,8 +510,7 @@ class Attention(nnx.Module):
 
   def _csa_decode(self, q, ent, pos, p):
     spec, layout = self.spec, self.cache_layout(self.cache_max_len)
-    r, raw_size = spec.compress_ratio, layout["k"][1]
-    b, t = q.shape[:2]
+    (b, t), r, raw_size = q.shape[:2], spec.compress_ratio, layout["k"][1]
     # raw k/v and gates of each new entry's window (positions P - 2r + 1 .. P, P = p + i)
     valid = ((pos + 1) % r == 0) & (pos + 1 >= 2 * r)
     cidx = jnp.where(valid, (pos + 1) // r - 2, layout["ck"][1])   # out of range -> dropped
@@ -578,12 +565,9 @@ def cache_layout(spec, max_len, *, num_kv_heads, head_dim, kv_lora_rank=None, ro
            else {"latent": (kv_lora_rank,)})
   else:
     per = {"k": (hk, d), "v": (hk, d)}
-  if spec.kind == "local":
-    raw = ("ring", spec.window)
-  elif spec.kind == "csa" and spec.csa_mode == "compressed":
-    raw = ("ring", max(spec.window, 2 * r))
-  else:
-    raw = ("full", max_len)
+  csa_ring = spec.kind == "csa" and spec.csa_mode == "compressed"
+  raw = (("ring", spec.window) if spec.kind == "local"
+         else ("ring", max(spec.window, 2 * r)) if csa_ring else ("full", max_len))
   out = {n: raw + (s,) for n, s in per.items()}
   if spec.kind == "csa":
     c = csa_ops.num_entries(max_len, r)

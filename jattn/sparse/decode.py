@@ -26,10 +26,10 @@ from jattn.sparse.selection import (_HIGHEST, _selected_lists_by_sort, cdiv,
                                     check_selection_args, top_k_cut)
 from pallas_kernels import compat
 from pallas_kernels.common.util import pad_axis
-from pallas_kernels.sparse.decode_select import decode_width
+from pallas_kernels.sparse.decode import default_num_splits
+from pallas_kernels.sparse.decode_select import decode_width, default_score_splits
 
 
-# ----------------------------------------------------------------------------- sparse decode
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockSummaries:
@@ -85,10 +85,9 @@ class BlockSummaries:
     return self.sums / (cnt[:, None, :, None] if self.layout == "hnd" else cnt[:, :, None, None])
 
 
-def _check_summaries(block_summaries):
-  if not isinstance(block_summaries, BlockSummaries):
-    raise TypeError(f"block_summaries must be a BlockSummaries, got "
-                    f"{type(block_summaries).__name__}")
+def _check_summaries(summaries, name="block_summaries"):
+  if not isinstance(summaries, BlockSummaries):
+    raise TypeError(f"{name} must be a BlockSummaries, got {type(summaries).__name__}")
 
 
 def _gather_positions(k, page_table, pos, hnd=False):
@@ -179,8 +178,7 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
     >>> int(s.lengths[0])
     6
   """
-  if not isinstance(summaries, BlockSummaries):
-    raise TypeError("summaries must be a BlockSummaries")
+  _check_summaries(summaries, "summaries")
   if kv_layout is not None:
     _check_kv_layout(kv_layout)
     if kv_layout != summaries.layout:
@@ -196,8 +194,7 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
                      f"summaries {summaries.sums.shape} of block_size {summaries.block_size}")
   bsz = summaries.sums.shape[0]
   cap = summaries.num_blocks * summaries.block_size
-  if page_table is None:
-    cap = min(cap, k_cache.shape[2 if hnd else 1])
+  cap = cap if page_table is not None else min(cap, k_cache.shape[2 if hnd else 1])
   lengths = jnp.clip(check_lengths("kv_lengths", kv_lengths, bsz, cap), 0, cap)
   pos = jnp.maximum(lengths - 1, 0)
   new = lengths > summaries.lengths
@@ -344,13 +341,10 @@ class SparseDecodeConfig:
 def _hnd_triton_num_splits(sequences, width, *, core_count=None, min_blocks_per_split=4):
   """Head-major Triton splits: one program per multiprocessor when that gives >= 8 splits,
   else ``pallas_kernels.sparse.decode.default_num_splits``."""
-  from pallas_kernels.sparse.decode import default_num_splits
   cores = compat.gpu_core_count() if core_count is None else int(core_count)
   one_wave = min(cores // max(1, sequences), -(-int(width) // min_blocks_per_split))
-  if one_wave >= 8:
-    return int(one_wave)
-  return default_num_splits(sequences, 1, width, core_count=cores,
-                            min_blocks_per_split=min_blocks_per_split)
+  return int(one_wave) if one_wave >= 8 else default_num_splits(
+      sequences, 1, width, core_count=cores, min_blocks_per_split=min_blocks_per_split)
 
 
 def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=None, *,
@@ -388,8 +382,7 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
   """
   del kv_lengths, block_summaries, max_estimate
   _check_kv_layout(kv_layout)
-  if softmax not in ("exact", "unified_max"):
-    raise ValueError(f"softmax must be 'exact' or 'unified_max', got {softmax!r}")
+  check_serving_args(q, softmax, None, None, None, None, None)
   check_scale_and_cap(scale)
   check_flags(return_lse=return_lse, return_indices=return_indices, interpret=interpret)
   if page_table is not None:
@@ -426,9 +419,7 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
     nb = (cdiv(k_cache.shape[2 if hnd else 1], block_size) if page_table is None
           else page_table.shape[1])
     width = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
-    if hnd:   # ids prefetched; on sm9x, when 3 stages x 2 blocks of K and V fit in 200 KB,
-      # two blocks per step and a merge kernel
-      from pallas_kernels.sparse.decode_select import default_score_splits
+    if hnd:   # ids prefetched; on sm9x, 2 blocks a step and a merge kernel if 3 stages fit
       cc = compat.gpu_compute_capability()
       row_bytes = sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in (k_cache, v_cache))
       two = cc is not None and cc[0] == 9 and 3 * 2 * block_size * row_bytes <= 200 * 1024
@@ -437,7 +428,6 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
           score_splits=default_score_splits(seqs, 1, nb), blocks_per_step=2 if two else 1,
           prefetch_ids=True, merge_kernel=two)
     else:
-      from pallas_kernels.sparse.decode import default_num_splits
       config = SparseDecodeConfig(
           num_splits=int(num_splits or default_num_splits(seqs, k_cache.shape[2], width)))
   return Plan(op="sparse_decode", implementation=impl, config=config,
@@ -522,19 +512,18 @@ def _hnd_attend(q, k, v, kv_lengths, block_summaries, page_table=None, max_estim
     summary_lengths = jnp.repeat(block_summaries.lengths, hk)
   summ = BlockSummaries(sums=block_summaries.sums.reshape(b * hk, block_summaries.num_blocks, 1, d),
                         lengths=summary_lengths, block_size=block_summaries.block_size)
-  out, lse, idx = _attend(q2, k2, v2, lengths, summ, page_table, plan=plan, block_size=block_size,
-                          sel=sel, scale=scale, interpret=interpret,
-                          lengths_group=hk if triton else 1, softmax=softmax,
-                          max_estimate=None if max_estimate is None
-                          else max_estimate.reshape(q2.shape[:2]))
+  out, lse, idx = _attend(
+      q2, k2, v2, lengths, summ, page_table, plan=plan, block_size=block_size, sel=sel,
+      scale=scale, interpret=interpret, lengths_group=hk if triton else 1, softmax=softmax,
+      max_estimate=None if max_estimate is None else max_estimate.reshape(q2.shape[:2]))
   return (out.reshape(b, q.shape[1], out.shape[-1]), lse.reshape(b, q.shape[1]),
           idx.reshape(b, hk, idx.shape[-1]))
 
 
-def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, top_k,
-                   num_init_blocks, num_local_blocks, scale, return_lse, return_indices,
-                   implementation, interpret, num_splits, kv_layout="nhd", softmax="exact",
-                   max_estimate=None):
+def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_size, **opts):
+  """Body of both public ops; ``opts``: all the other keywords of :func:`sparse_decode_plan`."""
+  kv_layout, softmax, max_estimate, interpret, return_lse, return_indices = (opts[n] for n in (
+      "kv_layout", "softmax", "max_estimate", "interpret", "return_lse", "return_indices"))
   _check_kv_layout(kv_layout)
   check_serving_args(q, softmax, max_estimate, None, None, None, None)
   _check_summaries(block_summaries)
@@ -549,12 +538,7 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   if block_summaries.block_size != block_size:
     raise ValueError(f"block_summaries.block_size={block_summaries.block_size} != "
                      f"block_size={block_size}")
-  plan = sparse_decode_plan(q, k, v, block_size=block_size, top_k=top_k,
-                            num_init_blocks=num_init_blocks, num_local_blocks=num_local_blocks,
-                            page_table=page_table, kv_layout=kv_layout, scale=scale,
-                            return_lse=return_lse, return_indices=return_indices,
-                            implementation=implementation, interpret=interpret,
-                            num_splits=num_splits, softmax=softmax, max_estimate=max_estimate)
+  plan = sparse_decode_plan(q, k, v, block_size=block_size, page_table=page_table, **opts)
   if softmax != "exact" and plan.implementation == "mosaic_tpu":
     raise NotImplementedError("softmax='unified_max' runs on 'xla' and 'triton'; the Mosaic "
                               "TPU sparse kernel runs the exact softmax")
@@ -563,9 +547,8 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   if block_summaries.sums.shape != want:
     raise ValueError(f"block_summaries.sums must be {want} for this {kv_layout!r} cache "
                      f"{k.shape}, got {block_summaries.sums.shape}")
-  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  sel = (("top_k", top_k), ("num_init_blocks", num_init_blocks),
-         ("num_local_blocks", num_local_blocks))
+  scale = 1.0 / math.sqrt(q.shape[-1]) if opts["scale"] is None else float(opts["scale"])
+  sel = tuple((n, opts[n]) for n in ("top_k", "num_init_blocks", "num_local_blocks"))
   out, lse, indices = (_hnd_attend if hnd else _attend)(
       q, k, v, kv_lengths, block_summaries, page_table, plan=plan, block_size=block_size,
       sel=sel, scale=scale, interpret=interpret, softmax=softmax, max_estimate=max_estimate)
