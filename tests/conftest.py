@@ -1,10 +1,12 @@
 """Shared test setup: GPU tests skip cleanly without a GPU; tests marked ``slow`` run only with
-``--run-slow``; hypothesis profile for CI; fast XLA compiles (-O0 on CPU-only machines, no
-autotuning on a GPU); no GPU memory preallocation in xdist workers; jax's caches cleared before
-a worker runs out of memory maps; a test whose xdist worker crashes runs once more."""
+``--run-slow``; hypothesis profile for CI; fast XLA compiles (-O0 and the classic fusion emitters
+on CPU-only machines, no autotuning on a GPU); no GPU memory preallocation in xdist workers;
+jax's caches cleared before a worker runs out of memory maps; a test whose xdist worker crashes
+runs once more."""
 import gc
 import os
 import shutil
+import subprocess
 import sys
 
 
@@ -13,20 +15,35 @@ def _no_nvidia_gpu():
 
 
 # CPU CI is compile-bound (interpret-mode kernels, eager ops, many small jits): XLA's LLVM backend
-# at -O0 compiles ~35% faster (the whole CPU suite on a 2-core box: 15 -> 10.5 minutes); the HLO
-# passes and every test tolerance are unchanged (no fast-math either way; the last bit may round
-# differently where the LLVM backend would contract to FMA). Only without an NVIDIA GPU, so GPU
-# timings are untouched; set JATTN_TEST_XLA_OPT=1 to keep the default optimisation level. Must
-# run before jax's backend starts (conftest is imported before any test module).
+# at -O0 compiles ~35% faster, and XLA:CPU's classic fusion emitters
+# (--xla_cpu_use_fusion_emitters=false) cut the rest by ~40% (interpret-mode kernels are large
+# programs of many small fusions). The HLO passes and every test tolerance are unchanged (no
+# fast-math either way; the last bit may round differently where the LLVM backend would contract
+# to FMA). Only without an NVIDIA GPU, so GPU timings are untouched, and the emitter flag only
+# where this jaxlib accepts it (an unknown XLA flag aborts the process: a subprocess asks first;
+# xdist workers inherit the answer through XLA_FLAGS). JATTN_TEST_XLA_OPT=1 keeps XLA's defaults.
+# Must run before jax's backend starts (conftest is imported before any test module).
 # On a GPU the tests' XLA programs (the fp32 references, the glue around the kernels) skip XLA's
 # GEMM/fusion autotuning: it times candidates on the GPU in every xdist worker at once, while the
 # tests check numerics only (the Pallas kernels and cuDNN are custom calls it never tunes).
+_CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag):
+  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        capture_output=True, timeout=300).returncode == 0
+
+
 _flags = os.environ.get("XLA_FLAGS", "")
 if os.environ.get("JATTN_TEST_XLA_OPT") != "1":
   if _no_nvidia_gpu() and "xla_backend_optimization_level" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_backend_optimization_level=0").strip()
+    _flags += " --xla_backend_optimization_level=0"
+    if _xla_accepts(_CLASSIC_EMITTERS):
+      _flags += " " + _CLASSIC_EMITTERS
   elif not _no_nvidia_gpu() and "xla_gpu_autotune_level" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_gpu_autotune_level=0").strip()
+    _flags += " --xla_gpu_autotune_level=0"
+  os.environ["XLA_FLAGS"] = _flags.strip()
 
 # xdist workers share the GPU: none may take jax's default 75% of its memory up front.
 if not _no_nvidia_gpu() and "PYTEST_XDIST_WORKER" in os.environ:
