@@ -98,6 +98,8 @@ class Case:
       all its layers).
     chunks: context parallelism ("cp_fwd"): P, the ring's devices; their chunk-pair kernels
       run one after another on one device, against the single fused call.
+    layout: context parallelism: the sequence layout, "zigzag" (balances causal work) or
+      "contiguous" (a sliding window alone is balanced already, with half the chunk pairs).
   """
   name: str
   op: str
@@ -118,6 +120,7 @@ class Case:
   softmax: str = "exact"
   schedule: bool = False
   chunks: int = 0
+  layout: str = "zigzag"
 
   @property
   def shape(self) -> str:
@@ -146,7 +149,7 @@ class Case:
     if self.softmax != "exact":
       s += f" {self.softmax}"
     if self.chunks:
-      s += f" ring{self.chunks} zigzag"
+      s += f" ring{self.chunks} {self.layout}"
     return s
 
   def tiny(self) -> Case:
@@ -189,8 +192,9 @@ CASES = {c.name: c for c in (
     Case("sparse_64k", "sparse_fwd_bwd", seq=65536, **_SPARSE),
     Case("sparse_decode_b1_s128k", "sparse_decode", batch=1, seq=131072, block=64, **_DEC),
     *(Case(f"cp_64k_{m}_p{p}", "cp_fwd", batch=1, seq=65536, heads=16, kv_heads=16,
-           head_dim=128, causal=True, window=w, chunks=p)
-      for m, w in (("causal", None), ("window512", (511, 0))) for p in (2, 4)),
+           head_dim=128, causal=True, window=w, chunks=p, layout=layout)
+      for m, w, layout in (("causal", None, "zigzag"), ("window512", (511, 0), "contiguous"))
+      for p in (2, 4)),
 )}
 GROUPS = {
     "anchors": ("flash_d128_fwd", "flash_d128_fwdbwd", "flash_d128_causal_fwd",
@@ -735,12 +739,13 @@ class Bench:
                                         ring_device_forward)
     b, s, h, d, p = case.batch, case.seq, case.heads, case.head_dim, case.chunks
     mask = {"causal": case.causal, "local_window_size": case.window}
-    plan = jattn.context_parallel_plan(s, s, p, **mask)
+    plan = jattn.context_parallel_plan(s, s, p, **mask, layout=case.layout)
     sets = random_sets([(b, s, h, d), (b, s, case.kv_heads, d)] * 2, jnp.bfloat16,
                        seed=zlib.crc32(case.shape.encode()))
     sets = [t[:3] for t in sets]
-    # Each device's shards, zig-zag order, as separate arrays (as on p devices).
-    shard = lambda x: tuple(jnp.split(context_parallel_permute(x, p), p, axis=1))
+    # Each device's shards, in the layout's order, as separate arrays (as on p devices).
+    shard = lambda x: tuple(jnp.split(context_parallel_permute(x, p, layout=case.layout), p,
+                                      axis=1))
     ring_sets = [sum((shard(x) for x in t), ()) for t in sets]
 
     def ring(*xs, kw):   # every device's forward, one after another: p outputs
@@ -750,7 +755,8 @@ class Bench:
     sl = lambda x: x[-1, :, 0]
     q, k, v = sets[0]
     ref = reference(sl(q), sl(k), sl(v), flash_mask_fn(case))
-    whole = lambda outs: context_parallel_unpermute(jnp.concatenate(outs, axis=1), p)
+    whole = lambda outs: context_parallel_unpermute(jnp.concatenate(outs, axis=1), p,
+                                                    layout=case.layout)
     flops = 4.0 * b * h * d * visible_pairs(case)
     for impl in (i for i in self.impls if i.startswith("jattn")):
       kw = self._jattn_kw(impl)
