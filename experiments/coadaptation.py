@@ -245,9 +245,14 @@ def sparse_top_k(preset):
 
 def csa_top_k(preset):
   """top_k (a count) of CSA two-stage: the answer query keeps ``keep_fraction`` of its visible
-  blocks (``coadaptation_analysis.per_query_top_k``)."""
+  blocks (``coadaptation_analysis.per_query_top_k``), its own block (the one forced block of
+  ``jattn.nn.csa.two_stage_attention``) included.
+
+  >>> csa_top_k(PRESETS["cpu512"])   # 32 visible blocks: 6 kept = own + 5 by score
+  5
+  """
   from experiments.coadaptation_analysis import per_query_top_k
-  return per_query_top_k(preset.seq_len, preset.block_size, preset.keep_fraction)
+  return per_query_top_k(preset.seq_len, preset.block_size, preset.keep_fraction, num_forced=1)
 
 
 def variant_layers(preset, variant):
@@ -741,7 +746,7 @@ def analyse(ctx, variant, graphdef, params, rest, *, retrieval_head=None, curve=
     out["sparsity"] = csa_sparsity(s, p.csa_ratio, p.csa_top_k, p.csa_window)
   elif variant == "csa_two_stage":
     nb = -(-s // bs)
-    out["sparsity"] = block_sparsity_per_token(s, bs, csa_top_k(p))
+    out["sparsity"] = block_sparsity_per_token(s, bs, csa_top_k(p) + 1)   # + its own block
     out["sparsity_answers"] = 1.0 - min(nb, csa_top_k(p) + 1) / nb
   return out
 

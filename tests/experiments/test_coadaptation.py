@@ -84,9 +84,10 @@ def test_stream_is_a_pure_function_of_seed_and_step(corpus):
 
 def test_selection_sizes():
   """Sparse layers keep 19% of each query's visible blocks; CSA two-stage's count keeps 19% at
-  the answer query (24 of 128 blocks at 8K: 2 forced + 22)."""
-  assert C.sparse_top_k(C.PRESETS["gpu8k"]) == 0.19
-  assert C.csa_top_k(C.PRESETS["gpu8k"]) == 22
+  the answer query (24 of 128 blocks at 8K: its own block, forced, + 23 by score)."""
+  p = C.PRESETS["gpu8k"]
+  assert C.sparse_top_k(p) == 0.19
+  assert C.csa_top_k(p) == 23 and C.csa_top_k(p) + 1 == round(0.19 * p.seq_len / p.block_size)
 
 
 def test_window_sparsity_brute_force():
