@@ -294,7 +294,7 @@ def variant_layers(preset, variant):
 
 def variant_gate(preset, variant):
   """The gate gradient mode of a sparse variant ("none" post hoc; ``preset.aux_gate``
-  for sparse_aux)."""
+  for sparse_distill)."""
   if variant == "sparse_distill":
     return preset.aux_gate
   return SPARSE_GATES.get(variant, "none")
@@ -1577,6 +1577,9 @@ def main(argv=None):
   except BaselineNotSolved as e:
     print(f"[coadaptation] stopped: {e}", file=sys.stderr)
     return 4
+  except ConfigMismatchError as e:   # a checkpoint written with another configuration
+    print(f"[coadaptation] error: {e}", file=sys.stderr)
+    return 2
   wall = time.perf_counter() - t0
   if not finished:
     why = (f"--stop-after {args.stop_after} steps" if args.stop_after is not None

@@ -7,8 +7,9 @@
 #   OUT_DIR=runs/gpu8k SEEDS=3 BUDGET=470 bash experiments/coadaptation_parallel.sh [extra args]
 # A group written "variants@fraction" gets that share of GPU memory instead of MEM_FRACTION (the
 # CSA two-stage variant trains through the XLA path, whose 4K score matrices need ~30 GB).
-# Exit 0 when every group finished; 3 when a group stopped at its time budget (rerun the same
-# command while the machine is warm: every run resumes from its checkpoint).
+# Exit 0 when every group finished; 3 when groups stopped at their time budget (rerun the same
+# command while the machine is warm: every run resumes from its checkpoint); otherwise the first
+# other exit code of a group (2: settings refused, 4: the dense baseline did not solve the task).
 set -uo pipefail
 OUT_DIR=${OUT_DIR:-runs/gpu8k}; SEEDS=${SEEDS:-3}; BUDGET=${BUDGET:-470}
 mkdir -p "$OUT_DIR"
@@ -24,9 +25,12 @@ for entry in $VARIANT_GROUPS; do
   pids+=($!)
 done
 rc=0
-for p in "${pids[@]}"; do wait "$p" || rc=$?; done
-echo "groups done (last nonzero rc: $rc)"
-[ "$rc" = 0 ] || exit 3
+for p in "${pids[@]}"; do
+  wait "$p"; r=$?
+  if [ "$r" != 0 ] && { [ "$rc" = 0 ] || [ "$rc" = 3 ]; }; then rc=$r; fi
+done
+echo "groups done (rc $rc)"
+[ "$rc" = 0 ] || exit "$rc"
 python3 -m experiments.coadaptation --preset "${PRESET:-gpu8k}" --out "$OUT_DIR" --seeds "$SEEDS" \
   --variants "$(echo $VARIANT_GROUPS | sed 's/@[0-9.]*//g' | tr ' ' ',')" --no-progress "$@" \
   > "$OUT_DIR/log_table.txt" 2>&1
