@@ -745,9 +745,9 @@ def analyse(ctx, variant, graphdef, params, rest, *, retrieval_head=None, curve=
   elif variant == "csa":
     out["sparsity"] = csa_sparsity(s, p.csa_ratio, p.csa_top_k, p.csa_window)
   elif variant == "csa_two_stage":
-    nb = -(-s // bs)
-    out["sparsity"] = block_sparsity_per_token(s, bs, csa_top_k(p) + 1)   # + its own block
-    out["sparsity_answers"] = 1.0 - min(nb, csa_top_k(p) + 1) / nb
+    nb, kept = -(-s // bs), csa_top_k(p) + 1   # + the query's own block
+    out["sparsity"] = block_sparsity_per_token(s, bs, kept)
+    out["sparsity_answers"] = 1.0 - min(nb, kept) / nb
   return out
 
 
