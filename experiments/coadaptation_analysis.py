@@ -112,7 +112,8 @@ def masked_forward(model, tokens, *, rule, block_size, top_k, segment_ids=None, 
   """Forward pass of a ``jattn.nn.Transformer`` of global layers with post-hoc selection.
 
   Each layer computes its q/k/v as the model does, selects per token by ``rule`` on them and
-  attends only to the kept blocks (``jattn.sparse.block_sparse_attention``).
+  attends only to the kept blocks (``jattn.sparse.block_sparse_attention`` through its XLA path:
+  the kernels select per tile of at least 16 queries, not per token).
 
   Args:
     model: ``jattn.nn.Transformer`` whose layers are all "global" (the full model).
@@ -140,8 +141,7 @@ def masked_forward(model, tokens, *, rule, block_size, top_k, segment_ids=None, 
     k, v = attn._expand(ent)
     sel = select(rule, q, k, block_size=block_size, top_k=top_k, segment_ids=segment_ids)
     o = block_sparse_attention(q, k, v, sel, causal=True, segment_ids=segment_ids,
-                               scale=attn.scale, implementation=attn.implementation,
-                               interpret=attn.interpret)
+                               scale=attn.scale, implementation="xla")
     x = x + attn.wo(o.astype(h.dtype).reshape(b, s, -1))
     x = x + blk.mlp(blk.mlp_norm(x))
     layers.append({"q": q, "k": k, "selection": sel})

@@ -318,7 +318,11 @@ _Kernel = collections.namedtuple(
 def _run_call(call, kern, q, k, v, qs, ks, sel=None):
   """(out [B, nq, H, Dv] in q's dtype, lse fp32 [B, nq, H]) of one PairCall on full chunks; with
   ``sel`` (the pair's :class:`BlockSelection`) the block-sparse kernel on every row."""
-  sl = lambda x, s0, n: None if x is None else jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)
+  # The barriers keep XLA:GPU's dynamic-slice fusion from folding these slices and the merge's
+  # slices of earlier outputs into the kernel call: with partial-row calls (a window's neighbour
+  # chunk) that rewrite builds a cyclic graph and compilation fails (jax 0.11.2, H100).
+  sl = lambda x, s0, n: (None if x is None else
+                         jax.lax.optimization_barrier(jax.lax.slice_in_dim(x, s0, s0 + n, axis=1)))
   opts = {"segment_ids": sl(qs, call.q0, call.nq), "kv_segment_ids": sl(ks, call.k0, call.nk),
           "scale": kern.scale, "return_lse": True, "implementation": kern.implementation,
           "interpret": kern.interpret, "causal": call.causal}
@@ -328,7 +332,7 @@ def _run_call(call, kern, q, k, v, qs, ks, sel=None):
     out, lse = flash_attention(
         sl(q, call.q0, call.nq), sl(k, call.k0, call.nk), sl(v, call.k0, call.nk),
         local_window_size=call.window, logits_soft_cap=kern.logits_soft_cap, **opts)
-  return out, jnp.swapaxes(lse, 1, 2)
+  return jax.lax.optimization_barrier((out, jnp.swapaxes(lse, 1, 2)))
 
 
 def _empty(q, v, rows):
