@@ -55,6 +55,18 @@ def test_sparse_layers_q_block_1_mqa(top_k):
   assert _rel(dec, full) < 2e-3
 
 
+def test_fractional_top_k_decodes_under_triton():
+  """A share of blocks (float top_k) with implementation="triton" decodes through the XLA
+  sparse decode (the Triton one selects a whole number of blocks): same logits as "xla"."""
+  spec = LayerSpec("sparse", block_size=16, top_k=0.4, q_block_size=16, rope_base=None)
+  logits = []
+  for impl in ("xla", "triton"):
+    cfg = TransformerConfig(num_layers=1, layers=(spec,), implementation=impl, interpret=True,
+                            **BASE)
+    logits.append(_decode_vs_full(cfg, seed=5, batch=1, chunks=(9, 1, 1))[3])
+  np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
 def test_sparse_decode_block_sums_are_incremental(monkeypatch):
   """Sparse layers keep their block summaries in the cache: each decode step adds only its new
   keys (no re-read of the whole cache), and the sums equal those of the whole cache."""

@@ -500,10 +500,13 @@ class Attention(nnx.Module):
     summaries = sparse.BlockSummaries(sums=sums, lengths=jnp.full((b,), p + t, jnp.int32),
                                       block_size=spec.block_size, layout=self.kv_cache_layout)
 
+    impl = self.implementation   # a share of blocks (float top_k) selects in XLA
+    impl = "xla" if isinstance(spec.top_k, float) and impl == "triton" else impl
+
     def one(qi, length):  # v may be narrower than k (MLA): the output has v's head dim
       return sparse.sparse_decode_attention(
           qi, k, v, jnp.full((b,), length, jnp.int32), summaries, block_size=spec.block_size,
-          top_k=spec.top_k, scale=self.scale, implementation=self.implementation,
+          top_k=spec.top_k, scale=self.scale, implementation=impl,
           interpret=self.interpret, kv_layout=self.kv_cache_layout)
 
     return jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)   # [b, t, hq, dv]

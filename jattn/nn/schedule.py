@@ -35,7 +35,8 @@ class LayerSpec:
     rope_base: RoPE base, or None for no positional encoding (NoPE).
     block_size: key block size ("sparse"; CSA "two_stage").
     top_k: selected blocks ("sparse", CSA "two_stage") or compressed entries (CSA "compressed");
-      "sparse" also takes a float in (0, 1], the share of each query block's blocks kept.
+      "sparse" also takes a float in (0, 1], the share of each query block's blocks kept
+      (decoded by the XLA sparse decode: the Triton one selects a whole number of blocks).
     q_block_size: query block size that shares one selection ("sparse").
     compress_ratio: tokens per compressed entry (stride) for "csa".
     csa_mode: "compressed" or "two_stage" ("csa" only).
