@@ -106,6 +106,31 @@ def test_device_forward_equals_one_call(p, window):
   assert rel_err(out, ref) < 2e-5 and rel_err(jnp.swapaxes(lse, 1, 2), ref_lse) < 2e-5
 
 
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
+def test_contiguous_window_under_one_jit(on_gpu):
+  """Every device's forward of a contiguous window plan (neighbour pairs: partial-row calls
+  merged in place), traced as one program, equals the single call; on a GPU with the default
+  kernels in bf16 (XLA:GPU's dynamic-slice fusion once made this program cyclic)."""
+  p, n, w = 4, 4 * (512 if on_gpu else 32), (127 if on_gpu else 11, 0)
+  dtype, impl = (jnp.bfloat16, None) if on_gpu else (jnp.float32, "xla")
+  q, k, v = (x.astype(dtype) for x in _inputs(5, 1, n, n, 4, 2, 64, 64, 0)[:3])
+  mask = {"causal": True, "local_window_size": w}
+  plan = jattn.context_parallel_plan(n, n, p, **mask, layout="contiguous")
+  shard = lambda x: jnp.split(cp.context_parallel_permute(x, p, layout="contiguous"), p, axis=1)
+
+  @jax.jit
+  def ring(qs, ks, vs):
+    kv = list(zip(ks, vs))
+    return [cp.ring_device_forward(plan, qs[d], kv, d, implementation=impl)[0]
+            for d in range(p)]
+
+  outs = ring(shard(q), shard(k), shard(v))
+  out = cp.context_parallel_unpermute(jnp.concatenate(outs, axis=1), p, layout="contiguous")
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jattn.flash_attention(f32(q), f32(k), f32(v), implementation="xla", **mask)
+  assert rel_err(f32(out), ref) < (1e-2 if on_gpu else 2e-5)
+
+
 def test_bad_arguments_raise():
   x = jnp.zeros((1, 16, 2, 8))
   mesh = jax.make_mesh((1,), ("seq",))
