@@ -1201,6 +1201,21 @@ def format_claims(claims, preset=None):
 # Figures
 # --------------------------------------------------------------------------------------------------
 
+def _save_png(fig, path):
+  """Save and close a matplotlib figure as a PNG with an adaptive 128-colour palette (about a
+  third of the RGBA file; the plots use few colours). Returns ``path``."""
+  import io
+
+  import matplotlib.pyplot as plt
+  from PIL import Image
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=110)
+  plt.close(fig)
+  buf.seek(0)
+  Image.open(buf).convert("RGB").quantize(colors=128).save(path, optimize=True)
+  return path
+
+
 def make_figures(out_dir, rows, agg, seed=0):
   """Write PNG figures (matplotlib, Agg) into ``out_dir/figures``; returns their paths.
 
@@ -1212,6 +1227,7 @@ def make_figures(out_dir, rows, agg, seed=0):
     trained models' dense attention (log colour bar) and the kept blocks of the post-hoc
     oracle, post-hoc proxy and trained selections.
   * ``learning_curves.png``: training loss and answer accuracy per trained variant.
+  Saved with a 128-colour palette (``_save_png``).
   """
   import matplotlib
   matplotlib.use("Agg")
@@ -1245,9 +1261,7 @@ def make_figures(out_dir, rows, agg, seed=0):
       ax.set_title(f"task {task}", fontsize=9)
       ax.legend(fontsize=6)
     fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "gap.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save_png(fig, os.path.join(fig_dir, "gap.png")))
   first = sorted({(r["task"], r["seq_len"]) for r in rows})[0]
   by_v = {r["variant"]: r for r in rows if r["seed"] == seed
           and (r["task"], r["seq_len"]) == first}
@@ -1265,9 +1279,7 @@ def make_figures(out_dir, rows, agg, seed=0):
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=6)
     fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "mass_curves.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save_png(fig, os.path.join(fig_dir, "mass_curves.png")))
   npz = {}
   for v, r in by_v.items():
     path = os.path.join(out_dir, r.get("run", os.path.join("runs", f"{v}_s{seed}")),
@@ -1298,9 +1310,7 @@ def make_figures(out_dir, rows, agg, seed=0):
     fig.suptitle(f"layer {head[0]} head {head[1]}, seed {seed}, {first[0]} {first[1]} tokens",
                  fontsize=9)
     fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "heatmaps.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save_png(fig, os.path.join(fig_dir, "heatmaps.png")))
   trained = [v for v in VARIANTS if v in by_v and v not in POSTHOC]
   if trained:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -1314,9 +1324,7 @@ def make_figures(out_dir, rows, agg, seed=0):
     a2.set_ylabel("train answer accuracy (curriculum span)")
     a2.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(os.path.join(fig_dir, "learning_curves.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save_png(fig, os.path.join(fig_dir, "learning_curves.png")))
   return paths
 
 
