@@ -386,6 +386,20 @@ def test_dry_run_preset_runs_the_pallas_kernels_in_interpret_mode(monkeypatch):
   assert seen and all(s == ("triton", True) for s in seen), seen
 
 
+@pytest.mark.slow
+def test_dry_run_of_a_gpu_preset_finishes(tmp_path, capsys):
+  """The whole GPU-preset path on the CPU (about 4 minutes): training through the Triton kernels
+  (16-query tiles), post-hoc per-token selection, trained top-K with a fractional top_k, decode
+  timing, analysis and the table (the 3-step baseline cannot solve the task: threshold 0)."""
+  out = str(tmp_path / "dry")
+  assert C.main(["--preset", "gpu4k", "--dry-run", "--out", out, "--seeds", "1", "--no-progress",
+                 "--variants", "full,posthoc_proxy,posthoc_oracle,sparse_none",
+                 "--set", "min_baseline_score=0"]) == 0
+  rows = json.load(open(os.path.join(out, "results.json")))["rows"]
+  assert sorted(r["variant"] for r in rows) == ["full", "posthoc_oracle", "posthoc_proxy",
+                                                  "sparse_none"]
+
+
 def test_override_preset_parses_by_field_type():
   from experiments import coadaptation as C
   p = C.override_preset(C.PRESETS["gpu8k"], ["lr=1e-3", "steps=120", "curriculum_ramp=0.5",
