@@ -325,7 +325,9 @@ def model_config(preset, layers, context_mesh=None):
   # compute_dtype sets the activations' dtype too: with dtype=None, fp32 norms would hand the
   # attention kernels fp32 q/k/v (IEEE fp32 dots, ~20x slower on the GPU than bf16).
   dtype = None if preset.compute_dtype is None else jnp.dtype(preset.compute_dtype)
-  return TransformerConfig(**kwargs, implementation=preset.implementation,
+  impl = preset.implementation   # CSA two-stage runs XLA only (the dry run asks for "triton")
+  impl = None if any(s.csa_mode == "two_stage" for s in layers if s.kind == "csa") else impl
+  return TransformerConfig(**kwargs, implementation=impl,
                            interpret=preset.interpret,
                            param_dtype=jnp.dtype(preset.param_dtype), dtype=dtype,
                            context_mesh=context_mesh,
