@@ -389,9 +389,9 @@ def test_dry_run_preset_runs_the_pallas_kernels_in_interpret_mode(monkeypatch):
 @pytest.mark.slow
 def test_dry_run_of_a_gpu_preset_finishes(tmp_path, capsys):
   """Every variant of a GPU preset on the CPU (over 25 minutes on 2 cores): training through
-  the Triton kernels (16-query tiles), post-hoc per-token selection, trained top-K with a fractional top_k,
-  local/global, both CSA modes, decode timing, analysis and the table (the 3-step baseline
-  cannot solve the task: threshold 0)."""
+  the Triton kernels (16-query tiles), post-hoc per-token selection, trained top-K with a
+  fractional top_k, local/global, both CSA modes, decode timing, analysis and the table (the
+  3-step baseline cannot solve the task: threshold 0)."""
   out = str(tmp_path / "dry")
   assert C.main(["--preset", "gpu4k", "--dry-run", "--out", out, "--seeds", "1", "--no-progress",
                  "--set", "min_baseline_score=0"]) == 0
