@@ -6,8 +6,8 @@
 #   [PRESET=gpu8k] [MEM_FRACTION=0.2] [VARIANT_GROUPS="full,posthoc_proxy,posthoc_oracle sparse_ste ..."] \
 #   OUT_DIR=runs/gpu8k SEEDS=3 BUDGET=470 bash experiments/coadaptation_parallel.sh [extra args]
 # A group written "variants@fraction" gets that share of GPU memory instead of MEM_FRACTION (the
-# CSA two-stage variant trains through the XLA path, whose 4K training step asks for ~30 GB; the
-# full group's 4K evaluation needs more than 0.15 of an 80 GB card).
+# CSA variants train partly through the XLA path; the full group's 4K evaluation needs more than
+# 0.15 of an 80 GB card).
 # Exit 0 when every group finished; 3 when groups stopped at their time budget (rerun the same
 # command while the machine is warm: every run resumes from its checkpoint); otherwise the first
 # other exit code of a group (2: settings refused, 4: the dense baseline did not solve the task).

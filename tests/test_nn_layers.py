@@ -193,6 +193,29 @@ def test_csa_layer_matches_unchunked_implementation(monkeypatch):
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5)
 
+def test_two_stage_query_chunks_match_one_chunk():
+  """CSA two-stage over query chunks (7 rows, the last padded) == one chunk: output, lse and the
+  gradients of q, k, v and the compressed keys/values (the selection saved as bits)."""
+  ks = jax.random.split(jax.random.key(3), 5)
+  t, c = 53, csa_ops.num_entries(53, 2)
+  q = jax.random.normal(ks[0], (2, t, 4, 8))
+  k, v = (jax.random.normal(kk, (2, t, 2, 8)) for kk in ks[1:3])
+  ck, cv = (jax.random.normal(kk, (2, c, 2, 8)) for kk in ks[3:5])
+  pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+
+  def run(q_chunk):
+    def f(*xs):
+      o, lse = csa_ops.two_stage_attention(*xs, pos, ratio=2, block_size=4, top_k=2, scale=0.3,
+                                           q_chunk=q_chunk)
+      return jnp.sum(o * jnp.cos(o)), (o, lse)
+    return jax.grad(f, argnums=range(5), has_aux=True)(q, k, v, ck, cv)
+  whole, chunked = run(None), run(7)
+  assert csa_ops.query_chunk(None, 2, 4, t, t) == t   # None: one chunk at this size
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked), strict=True):
+    assert np.isfinite(np.asarray(b)).all()
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------ options that cannot be honoured
 def test_unhonourable_options_raise():
   with pytest.raises(ValueError):

@@ -20,9 +20,10 @@ Two modes (``LayerSpec.csa_mode``):
   form a coarse partial, merged through ``jattn.merge``.
 
 The functions are pure, shared by the training forward and the cached decode path; selections
-are non-differentiable. "compressed" scores one chunk of query rows at a time under
-``jax.checkpoint`` (the [batch, heads, q_len, entries] logits are never held whole);
-"two_stage" materialises its logits (a reference-quality path for moderate lengths).
+are non-differentiable. Both modes run one chunk of query rows at a time under
+``jax.checkpoint`` (the [batch, heads, q_len, entries] logits, and "two_stage"'s [batch, heads,
+q_len, kv_len] raw-key logits, are never held whole); "two_stage" attends the selected raw
+blocks through the XLA reference with an element mask (a reference-quality path).
 """
 from __future__ import annotations
 
@@ -277,7 +278,7 @@ def sink_partial(sink, shape_o):
   return jnp.zeros(tuple(shape_o), jnp.float32), lse
 
 
-def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, scale):
+def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, scale, q_chunk=None):
   """Coarse-to-fine attention: compressed keys pick blocks, raw KV of those blocks is attended.
 
   Raw key j sits at position j; rows of ``k`` past the filled length lie after every query.
@@ -291,6 +292,8 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
     block_size: raw tokens per block.
     top_k: past blocks attended precisely per query token and kv head.
     scale: logit scale.
+    q_chunk: query rows per chunk (None: ``query_chunk``'s budget over the raw keys; >= t: one
+      chunk); the chunking changes only the peak memory, not the math.
 
   Returns:
     (out [batch, t, q_heads, dv] fp32, lse [batch, t, q_heads] fp32).
@@ -306,24 +309,28 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
   """
   if block_size % ratio:
     raise ValueError(f"block_size ({block_size}) must be a multiple of ratio ({ratio})")
-  b, t = q.shape[:2]
+  b, t, hq = q.shape[:3]
   kv_len, hk, c = k.shape[1], k.shape[2], ck.shape[1]
   epb = block_size // ratio                                   # entries starting in each block
   nb = max(-(-kv_len // block_size), -(-c // epb))
-  s, vis = _entry_scores(q, ck, q_pos, ratio, scale)          # [b, hk, g, t, C]
-  # Block scores per kv head: best group-mean entry score among the block's visible entries.
-  sg = jnp.where(vis[:, None], jnp.mean(jnp.where(vis[:, None, None], s, 0.0), axis=2), -jnp.inf)
-  sg = jnp.pad(sg, [(0, 0)] * 3 + [(0, nb * epb - c)], constant_values=-jnp.inf)
-  block_score = jnp.max(sg.reshape(b, hk, t, nb, epb), axis=-1)   # [b, hk, t, nb]
-  own = (q_pos // block_size)[:, None, :, None]                    # [b, 1, t, 1]
-  blocks = jnp.arange(nb)
-  block_score = jnp.where(blocks < own, block_score, -jnp.inf)     # candidates: past blocks
-  fine_blocks = _top_k_mask(block_score, top_k) | (blocks == own)  # [b, hk, t, nb]
-  kp = jnp.arange(kv_len)
-  fine_mask = jnp.take(fine_blocks, kp // block_size, axis=-1)      # [b, hk, t, kv_len]
-  fine_mask = fine_mask & (kp[None, None, None, :] <= q_pos[:, None, :, None])
-  o_f, lse_f = attention_reference(q, k, v, causal=False, block_mask=fine_mask, scale=scale)
-  # Coarse partial: visible entries whose block is not attended precisely.
-  coarse = ~jnp.take(fine_blocks, jnp.arange(c) * ratio // block_size, axis=-1)  # [b, hk, t, C]
-  o_c, lse_c = _softmax_partial(jnp.where(coarse[:, :, None], s, -jnp.inf), cv)
-  return merge(o_f.astype(jnp.float32), lse_f.transpose(0, 2, 1), o_c, lse_c)
+  kp, blocks = jnp.arange(kv_len), jnp.arange(nb)
+
+  def rows(q, q_pos):
+    s, vis = _entry_scores(q, ck, q_pos, ratio, scale)        # [b, hk, g, rows, C]
+    # Block scores per kv head: best group-mean entry score among the block's visible entries.
+    sg = jnp.where(vis[:, None], jnp.mean(jnp.where(vis[:, None, None], s, 0.0), axis=2), -jnp.inf)
+    sg = jnp.pad(sg, [(0, 0)] * 3 + [(0, nb * epb - c)], constant_values=-jnp.inf)
+    block_score = jnp.max(sg.reshape(*sg.shape[:3], nb, epb), axis=-1)   # [b, hk, rows, nb]
+    own = (q_pos // block_size)[:, None, :, None]                         # [b, 1, rows, 1]
+    block_score = jnp.where(blocks < own, block_score, -jnp.inf)          # past blocks only
+    fine = _top_k_mask(block_score, top_k) | (blocks == own)              # [b, hk, rows, nb]
+    # The backward reuses this selection (see compressed_partial).
+    fine = _unpack_bits(checkpoint_name(_pack_bits(fine), _SELECTION), nb)
+    fine_mask = jnp.take(fine, kp // block_size, axis=-1)                 # [b, hk, rows, kv_len]
+    fine_mask = fine_mask & (kp[None, None, None, :] <= q_pos[:, None, :, None])
+    o_f, lse_f = attention_reference(q, k, v, causal=False, block_mask=fine_mask, scale=scale)
+    # Coarse partial: visible entries whose block is not attended precisely.
+    coarse = ~jnp.take(fine, jnp.arange(c) * ratio // block_size, axis=-1)   # [b, hk, rows, C]
+    o_c, lse_c = _softmax_partial(jnp.where(coarse[:, :, None], s, -jnp.inf), cv)
+    return merge(o_f.astype(jnp.float32), lse_f.transpose(0, 2, 1), o_c, lse_c)
+  return _map_query_chunks(rows, q, q_pos, query_chunk(q_chunk, b, hq, t, max(kv_len, c)))
