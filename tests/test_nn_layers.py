@@ -193,6 +193,7 @@ def test_csa_layer_matches_unchunked_implementation(monkeypatch):
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5)
 
+
 def test_two_stage_query_chunks_match_one_chunk():
   """CSA two-stage over query chunks (7 rows, the last padded) == one chunk: output, lse and the
   gradients of q, k, v and the compressed keys/values (the selection saved as bits)."""

@@ -178,6 +178,12 @@ def _unpack_bits(bits, n):
   return m.reshape(*bits.shape[:-1], -1)[..., :n].astype(jnp.bool_)
 
 
+def _saved_selection(mask):
+  """``mask`` (bool [..., n]) as the value a chunk's backward reuses: saved bit-packed under
+  ``_SELECTION`` by ``_map_query_chunks``'s remat policy, never recomputed."""
+  return _unpack_bits(checkpoint_name(_pack_bits(mask), _SELECTION), mask.shape[-1])
+
+
 def query_chunk(q_chunk, batch, q_heads, q_len, entries):
   """Query rows per chunk of ``compressed_partial`` (explicit, or from ``CHUNK_ELEMENTS``).
 
@@ -252,8 +258,7 @@ def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale, q_chunk=None):
     # The backward recomputes s but reuses the forward's selection (saved as bits), not a top-K
     # threshold: a recomputed s need not be bit-identical, so a threshold could drop the K-th
     # entry from the gradient.
-    bits = checkpoint_name(_pack_bits(_top_k_mask(s, top_k)), _SELECTION)
-    s = jnp.where(_unpack_bits(bits, s.shape[-1]), s, -jnp.inf)
+    s = jnp.where(_saved_selection(_top_k_mask(s, top_k)), s, -jnp.inf)
     return _softmax_partial(s, cv)
   b, t, hq, _ = q.shape
   return _map_query_chunks(rows, q, q_pos, query_chunk(q_chunk, b, hq, t, ck.shape[1]))
@@ -310,7 +315,7 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
   if block_size % ratio:
     raise ValueError(f"block_size ({block_size}) must be a multiple of ratio ({ratio})")
   b, t, hq = q.shape[:3]
-  kv_len, hk, c = k.shape[1], k.shape[2], ck.shape[1]
+  kv_len, c = k.shape[1], ck.shape[1]
   epb = block_size // ratio                                   # entries starting in each block
   nb = max(-(-kv_len // block_size), -(-c // epb))
   kp, blocks = jnp.arange(kv_len), jnp.arange(nb)
@@ -324,8 +329,7 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
     own = (q_pos // block_size)[:, None, :, None]                         # [b, 1, rows, 1]
     block_score = jnp.where(blocks < own, block_score, -jnp.inf)          # past blocks only
     fine = _top_k_mask(block_score, top_k) | (blocks == own)              # [b, hk, rows, nb]
-    # The backward reuses this selection (see compressed_partial).
-    fine = _unpack_bits(checkpoint_name(_pack_bits(fine), _SELECTION), nb)
+    fine = _saved_selection(fine)
     fine_mask = jnp.take(fine, kp // block_size, axis=-1)                 # [b, hk, rows, kv_len]
     fine_mask = fine_mask & (kp[None, None, None, :] <= q_pos[:, None, :, None])
     o_f, lse_f = attention_reference(q, k, v, causal=False, block_mask=fine_mask, scale=scale)
