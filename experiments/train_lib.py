@@ -28,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import time
 
 import jax
@@ -634,11 +635,19 @@ class Trainer:
 
 
 def save_json(path, obj):
-  """Write ``obj`` as indented JSON atomically (write to a temp file, then rename)."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, default=_json_default)
-  os.replace(tmp, path)
+  """Write ``obj`` as indented JSON atomically: to a temporary file of this writer's own (other
+  processes may write the same path), then renamed over ``path``."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+                             prefix=os.path.basename(path) + ".", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(obj, f, indent=1, default=_json_default)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def _json_default(x):

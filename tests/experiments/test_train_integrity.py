@@ -126,3 +126,19 @@ def test_unwritable_out_fails_fast_naming_the_path(tmp_path, capsys):
     ro.chmod(0o500)
     with pytest.raises(OSError, match="not writable"):
       T.ensure_writable_dir(str(ro))
+
+
+def test_concurrent_writers_of_one_results_file_never_collide(tmp_path):
+  """Parallel variant groups write the same partial results file: each write stays atomic and
+  none fails on another's temporary file."""
+  import concurrent.futures
+  path = str(tmp_path / "results.json")
+
+  def write(i):
+    for j in range(200):
+      T.save_json(path, {"writer": i, "j": j, "rows": list(range(300))})
+  with concurrent.futures.ThreadPoolExecutor(4) as ex:
+    list(ex.map(write, range(4)))
+  with open(path) as f:
+    assert json.load(f)["j"] == 199
+  assert sorted(os.listdir(tmp_path)) == ["results.json"]
