@@ -497,7 +497,7 @@ class Bench:
     self.command = command
     self.rows = []
     self.cases = []
-    self.started = None   # the first call's date when a run spans calls (``resume``)
+    self.started = None   # when the run began (with ``resume``: the first call's start)
     self._tokamax = _import_tokamax() if any(i.startswith("tokamax") for i in impls) else None
     if self._tokamax is None and any(i.startswith("tokamax") for i in impls):
       print("tokamax does not import: its rows are left out", flush=True)
@@ -796,6 +796,7 @@ class Bench:
     return done
 
   def run(self, names, *, tiny=False):
+    self.started = self.started or _now()
     for name in names:
       if name in self.cases:
         continue
@@ -913,11 +914,15 @@ def _version(package):
     return None
 
 
+def _now():
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def meta(impls, cases, command, tokamax=None):
   """The results file's meta block: date, device, versions, commit, command, timing rules."""
   dev = jax.devices()[0]
   return dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      date=_now(),
       device=getattr(dev, "device_kind", str(dev)), platform=dev.platform,
       jax_version=jax.__version__, jaxlib_version=_version("jaxlib"),
       jattn_version=jattn.__version__, python=platform.python_version(),
