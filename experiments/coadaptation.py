@@ -910,7 +910,8 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=Non
     devices: devices of the data-parallel mesh (default: all).
     log: print function.
     on_row: optional callback ``on_row(rows)`` after every finished run (partial results).
-    deadline: ``time.monotonic()`` after which training stops (checkpointed).
+    deadline: ``time.monotonic()`` after which training stops (checkpointed); a run not yet
+      started is left unstarted when a run finished in this call took longer than what is left.
     context_parallel: devices each training sequence is split over (``Context``).
 
   Returns:
@@ -928,6 +929,7 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=Non
       f" q_block={preset.q_block_size}")
   budget = stop_after
   rows = []
+  took = {}   # variant -> longest wall time of a run started and finished in this call
   for seed in range(seeds):
     full_trainer, full_head = None, None
     for variant in variants:
@@ -948,6 +950,15 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=Non
         if (budget is not None and budget <= 0) or (
             deadline is not None and time.monotonic() > deadline):
           return rows, False
+        from experiments.train_lib import checkpoint_steps
+        fresh = not checkpoint_steps(os.path.join(run_dir, "ckpt"))
+        need = took.get(variant, max(took.values(), default=None))
+        if deadline is not None and fresh and need is not None and (
+            time.monotonic() + need > deadline):   # it would stop unfinished: leave it unstarted
+          log(f"[coadaptation] {variant} seed {seed} not started: a run took {need:.0f} s here, "
+              f"{deadline - time.monotonic():.0f} s of the time budget are left")
+          return rows, False
+        t0 = time.monotonic()
         trainer, finished = train_run(ctx, variant, seed, run_dir, stop_after=budget,
                                       progress=progress, deadline=deadline)
         if budget is not None:
@@ -957,6 +968,8 @@ def run_experiment(preset, out_dir, *, seeds=None, variants=None, stop_after=Non
         if full_head is None and variant != "full":
           full_head = _finished_full_head(out_dir, seed)
         row = finish_run(ctx, variant, seed, run_dir, trainer, retrieval_head=full_head)
+        if fresh:
+          took[variant] = max(took.get(variant, 0.0), time.monotonic() - t0)
         if variant == "full":
           full_trainer = trainer
         log(_row_line(row))
@@ -1524,8 +1537,10 @@ def main(argv=None):
   ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
   ap.add_argument("--time-budget", type=float, default=None,
                   help="seconds: stop training (checkpointed) once this much wall time has "
-                       "passed and exit 3; rerun the same command to continue. Leave room for "
-                       "one variant's evaluation (~1 min on the H200) below a hard limit")
+                       "passed, or before a run that a run finished in this call says cannot "
+                       "end in time, and exit 3; rerun the same command to continue. Leave "
+                       "room for one variant's evaluation (~1 min on the H200) below a hard "
+                       "limit")
   ap.add_argument("--context-parallel", type=int, default=1, metavar="N",
                   help="train with every sequence split over N devices (zig-zag layout) and the "
                        "batch over the rest; the full, sparse_none and local/global variants")

@@ -256,6 +256,27 @@ def test_deadline_stops_with_a_checkpoint_and_resumes(tmp_path):
   assert rows == [] and not finished
 
 
+def test_deadline_leaves_a_run_unstarted_when_the_last_one_took_longer(tmp_path, monkeypatch):
+  """A run that a finished run's wall time says cannot end before the deadline is not started
+  (a device call's unfinished runs would be lost); one with a checkpoint still resumes."""
+  import time
+  preset = _tiny(steps=2, min_baseline_score=0.0)
+  skip = [0.0]
+  real = time.monotonic
+  monkeypatch.setattr(time, "monotonic", lambda: real() + skip[0])
+  deadline = real() + 1e4
+  lines = []
+
+  def on_row(rows):   # after the full run (seconds of compiling and training): 0.5 s left
+    skip[0] = deadline - real() - 0.5
+  rows, finished = C.run_experiment(preset, str(tmp_path / "x"), variants=("full", "sparse_ste"),
+                                    seeds=1, progress=False, devices=jax.devices()[:1],
+                                    deadline=deadline, on_row=on_row, log=lines.append)
+  assert [r["variant"] for r in rows] == ["full"] and not finished
+  assert "sparse_ste seed 0 not started" in lines[-1]
+  assert not os.path.exists(tmp_path / "x" / "runs" / "sparse_ste_s0" / "ckpt")
+
+
 DP_SCRIPT = textwrap.dedent("""
   import json, jax, numpy as np
   from experiments import coadaptation as C
