@@ -258,7 +258,7 @@ def test_deadline_stops_with_a_checkpoint_and_resumes(tmp_path):
 
 def test_deadline_leaves_a_run_unstarted_when_the_last_one_took_longer(tmp_path, monkeypatch):
   """A run that a finished run's wall time says cannot end before the deadline is not started
-  (a device call's unfinished runs would be lost); one with a checkpoint still resumes."""
+  (a device call's unfinished runs would be lost): no checkpoint is written for it."""
   import time
   preset = _tiny(steps=2, min_baseline_score=0.0)
   skip = [0.0]
