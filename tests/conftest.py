@@ -77,6 +77,9 @@ def pytest_collection_modifyitems(config, items):
   skip_slow = pytest.mark.skip(reason="slow: run with --run-slow")
   skip_gpu = pytest.mark.skip(reason="needs a GPU (run `pytest -m gpu` on a GPU machine)")
   run_slow, has_gpu = config.getoption("--run-slow"), _has_gpu()
+  # The heavy tests first: xdist hands the first items out round-robin, so no worker is left
+  # running a long test alone at the end.
+  items.sort(key=lambda item: "heavy" not in item.keywords)
   for item in items:
     if "slow" in item.keywords and not run_slow:
       item.add_marker(skip_slow)

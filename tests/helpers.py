@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # Relative-error tolerances per input dtype: fp32 computes in fp32 (IEEE products), 16-bit
 # inputs round P and dS to the input dtype before the matmuls.
@@ -20,6 +21,16 @@ TOL = {jnp.dtype(jnp.float32): 2e-3, jnp.dtype(jnp.bfloat16): 2e-2,
 # Interpret-mode programs are big and run once: cheap CPU codegen halves their compile time. The
 # options change only how XLA:CPU optimises the program, not what it computes.
 _FAST_CPU_COMPILE = {"xla_llvm_disable_expensive_passes": True}
+
+
+def ci_cases(cases, keep):
+  """Parametrize values: those in ``keep`` run by default, the others are marked ``slow`` (run
+  with ``--run-slow``); a tuple case fills several argnames. Each feature keeps a default case."""
+  cases, keep = list(cases), list(keep)
+  assert all(k in cases for k in keep), f"unknown cases: {[k for k in keep if k not in cases]}"
+  slow = [pytest.mark.slow]
+  return [c if c in keep else pytest.param(*c, marks=slow) if isinstance(c, tuple)
+          else pytest.param(c, marks=slow) for c in cases]
 
 
 def jit_run(fn, *args):

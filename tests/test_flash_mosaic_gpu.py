@@ -39,6 +39,7 @@ from pallas_kernels.flash import mosaic_gpu as mg
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
 from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.tuning import mask_kind
+from tests.helpers import ci_cases
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 # Options for compiling the CPU replay only (how XLA:CPU optimises the test harness).
@@ -180,7 +181,8 @@ def _simulate_turns(tiles, skips, rng):
   return None if completed == waited else "unconsumed arrival"
 
 
-@pytest.mark.parametrize("tiles", [(3,), (3, 3), (1, 4, 2), (0, 2), (2, 0, 0, 5), (6, 6, 6, 6)])
+@pytest.mark.parametrize("tiles", [(3,), (0, 2), (2, 0, 0, 5)] + [
+    pytest.param(t, marks=pytest.mark.slow) for t in [(3, 3), (1, 4, 2), (6, 6, 6, 6)]])
 def test_overlap_turns_run_on_across_query_tiles(tiles):
   """``_turn_skips`` over a program's query tiles (turn counts per tile, 0: a tile whose range
   is empty still has its one turn): no deadlock and no barrier phase arrived twice before its
@@ -225,7 +227,10 @@ def test_overlap_keeps_both_wgmmas_in_flight(monkeypatch):
   assert pending(_mosaic_module_text(_bs(128, 2, "overlap"), monkeypatch)) == ["0", "1"]
 
 
-@pytest.mark.parametrize("name", list(LOWER_CASES))
+@pytest.mark.parametrize("name", ci_cases(LOWER_CASES, [   # one case per protocol
+    "d128_pingpong", "d64_fp16_q_longer_pingpong_kwait", "d128_causal_gqa_handoff_kwait_fence",
+    "d256_causal_window_511_handoff_kwait", "d64_segments_window_soft_cap_overlap_3_stages",
+    "d128_tail_kv_splits_overlap"]))
 def test_lowers_for_cuda(name):
   case = dict(LOWER_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
@@ -492,7 +497,8 @@ def test_tile_walk_skips_only_masked_tiles(mask):
       _check_walk(st)
 
 
-@pytest.mark.parametrize("mask", ["dense", "causal", "causal_window_64", "window_100_30"])
+@pytest.mark.parametrize("mask", ci_cases(["dense", "causal", "causal_window_64", "window_100_30"],
+                                          ["causal_window_64"]))
 def test_tile_walk_with_segments(mask):
   """Segment ids: the per-(batch, program) ranges of ``fk.seg_bounds`` (packed documents with
   padding when q_len == kv_len, random sorted ids otherwise)."""
@@ -860,7 +866,10 @@ def _mask_args(case, name):
   return causal, q_seg, kv_seg, mask
 
 
-@pytest.mark.parametrize("name", list(REPLAY_CASES))
+@pytest.mark.parametrize("name", ci_cases(REPLAY_CASES, [
+    "causal_q_longer_empty_rows", "fp16_tiles_64", "tiles_192_causal_q_shorter",
+    "window_100_30_q_longer", "window_0_0_empty_rows", "soft_cap_window",
+    "segments_causal_q_shorter", "segments_aligned_docs_static_mask"]))
 def test_replayed_walk_matches_reference(name):
   case = dict(REPLAY_CASES[name])
   dtype = case.pop("dtype", jnp.bfloat16)
@@ -1001,7 +1010,8 @@ VJP_MASK_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(VJP_CASES) + list(VJP_MASK_CASES))
+@pytest.mark.parametrize("name", ci_cases([*VJP_CASES, *VJP_MASK_CASES], [
+    "causal_q_longer_empty_rows", "window_100_30_q_longer", "segments_window_soft_cap"]))
 def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   """jattn.flash_attention(implementation="mosaic_gpu", backward="triton" block sizes): the
   custom_vjp feeds the forward's out and LSE to the Triton backward (interpret mode). The Mosaic
@@ -1019,7 +1029,8 @@ def test_registered_vjp_uses_triton_backward(name, monkeypatch):
   _assert_vjp_close(got, want, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("splits,sq,b", [(4, 1000, 2), (2, 256, 1), (8, 300, 3)])
+@pytest.mark.parametrize("splits,sq,b", ci_cases([(4, 1000, 2), (2, 256, 1), (8, 300, 3)],
+                                                [(2, 256, 1)]))
 def test_tail_kv_splits_through_the_replay(splits, sq, b, monkeypatch):
   """``BlockSizes.tail_kv_splits``: the kernel (its jnp replay, which also leaves the skipped
   program's rows at 0 / -inf as the kernel does) skips the last query program of the last
@@ -1099,7 +1110,8 @@ def test_tail_kv_splits_checks():
     cfg((1, 1000, 2, 128), causal=False)
 
 
-@pytest.mark.parametrize("name", list(VJP_CASES) + list(VJP_MASK_CASES))
+@pytest.mark.parametrize("name", ci_cases([*VJP_CASES, *VJP_MASK_CASES], [
+    "dense_gqa_ragged", "causal_window_64", "soft_cap_causal", "segments_q_shorter"]))
 def test_registered_vjp_with_mosaic_backward(name, monkeypatch):
   """``BlockSizes(backward="mosaic")``: the custom_vjp hands the same residuals to the Mosaic GPU
   backward (``mosaic_gpu_bwd``). Neither Mosaic kernel runs on the CPU: the forward and both

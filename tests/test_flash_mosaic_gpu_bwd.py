@@ -37,6 +37,7 @@ from pallas_kernels import compat
 from pallas_kernels.common import walk as wk
 from pallas_kernels.flash import mosaic_gpu_bwd as mb
 from pallas_kernels.flash.reference import attention_reference
+from tests.helpers import ci_cases
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 # Options for compiling the CPU replay only (how XLA:CPU optimises the test harness).
@@ -109,7 +110,9 @@ LOWER_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(LOWER_CASES))
+@pytest.mark.parametrize("name", ci_cases(LOWER_CASES, [
+    "d64", "d128_fp16_q_longer", "d64_causal_3_stages_bk128", "d64_two_sided_window_soft_cap",
+    "d64_segments_q_shorter", "d64_sched_64x128_segments_window"]))
 def test_lowers_for_cuda(name):
   case = dict(LOWER_CASES[name])
   exported = _lower(2, **case)
@@ -147,9 +150,9 @@ def test_lowers_after_the_mosaic_forward_with_a_schedule():
   assert text.count("custom_call @mosaic_gpu") == 3 and "triton" not in text.lower()
 
 
-@pytest.mark.parametrize("causal,window,soft_cap", [(False, None, None), (True, None, None),
-                                                    (True, (511, 0), None),
-                                                    (True, (511, 0), 30.0)])
+@pytest.mark.parametrize("causal,window,soft_cap", ci_cases(
+    [(False, None, None), (True, None, None), (True, (511, 0), None), (True, (511, 0), 30.0)],
+    [(False, None, None), (True, (511, 0), 30.0)]))
 def test_lowers_after_the_mosaic_forward(causal, window, soft_cap):
   """The Mosaic GPU forward and this backward on its out and LSE lower together (three Mosaic
   GPU kernels in one program), as the forward's custom_vjp pairs them with
@@ -318,7 +321,7 @@ SEG_WALK = [(300, 300, "packed", False, None), (300, 300, "packed", True, None),
             (328, 200, "random", True, None), (257, 257, "packed", False, (40, 90))]
 
 
-@pytest.mark.parametrize("sq,sk,kind,causal,window", SEG_WALK)
+@pytest.mark.parametrize("sq,sk,kind,causal,window", ci_cases(SEG_WALK, SEG_WALK[1:3] + SEG_WALK[4:]))
 def test_segment_bounds_walks(sq, sk, kind, causal, window):
   """``_seg_bounds``: in both kernels, per batch row and warpgroup tile, tiles outside [lo, hi)
   hold no visible pair (independent mask with segment ids), tiles in [flo, fhi) only visible
@@ -409,7 +412,7 @@ def _walk_entries(row):
   return [(int(e) >> wk.WALK_SHIFT, int(e) & 3, (int(e) >> 2) & 3) for e in row[1:1 + row[0]]]
 
 
-@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", SCHED_WALK)
+@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", ci_cases(SCHED_WALK, SCHED_WALK[1:3]))
 def test_sched_walks_cover_exactly_the_selection(sq, sk, causal, window, kind, tiles, bs):
   """``_sched_walks`` against an independent element mask (static mask, segment ids, the
   schedule's tile selection), in both kernels, per batch row, kv head and warpgroup tile: every
@@ -766,7 +769,7 @@ def _walk_protocol(stages, group, row, seed, n_bufs):
   return computed
 
 
-@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", SCHED_WALK[:3])
+@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", ci_cases(SCHED_WALK[:3], SCHED_WALK[2:3]))
 def test_ring_protocols_on_schedule_walks(sq, sk, causal, window, kind, tiles, bs):
   """The ring protocols of both kernels on ``_sched_walks`` rows (GQA 2:1 in the dK/dV kernel:
   the list walked once per query head; 2 and 3 stages): no deadlock, no slot refilled before both
@@ -1125,7 +1128,10 @@ REPLAY_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(REPLAY_CASES))
+@pytest.mark.parametrize("name", ci_cases(REPLAY_CASES, [
+    "causal_q_longer_empty_rows", "causal_blocks_128_fp16_d_lse",
+    "window_two_sided_q_longer_empty_rows", "soft_cap_causal_window", "segments_random_q_shorter",
+    "sched_dense_64x128_q_shorter"]))
 def test_replayed_kernels_match_reference_vjp(name, monkeypatch):
   monkeypatch.setattr(mb, "_dkv_call", _replay_dkv_call)
   monkeypatch.setattr(mb, "_dq_call", _replay_dq_call)
@@ -1291,8 +1297,7 @@ GPU_FAST = ("d64_causal_gqa", "d128_causal_q_longer_empty_rows", "d128_left_wind
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [n if n in GPU_FAST else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in GPU_CASES])
+@pytest.mark.parametrize("name", ci_cases(GPU_CASES, GPU_FAST))
 def test_gpu_matches_reference_vjp(name):
   """The compiled kernels on the reference's residuals vs jax.vjp of the fp32 reference."""
   _skip_unless_sm90()

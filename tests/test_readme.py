@@ -4,11 +4,13 @@ import pathlib
 import re
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
+@pytest.mark.heavy
 def test_readme_python_blocks_run():
   blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
   assert len(blocks) >= 2

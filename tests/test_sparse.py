@@ -12,6 +12,7 @@ import pytest
 from jattn import sparse as sp
 from jattn.sparse import decode as sp_decode
 from pallas_kernels.flash.reference import attention_reference
+from tests.helpers import ci_cases
 
 HI = jax.lax.Precision.HIGHEST
 # One compiled program per call shape (much faster on CPU than op-by-op dispatch).
@@ -1292,7 +1293,8 @@ def test_decode_score_select_fused_kernel():
     score_select_decode_slots(q, sums, slens, lens, score_splits=0, **kw)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-3), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", ci_cases([(jnp.float32, 2e-3), (jnp.bfloat16, 2e-2)],
+                                               [(jnp.float32, 2e-3)]))
 def test_sparse_decode_triton_interpret(dtype, tol):
   """The Triton path (interpret) vs the fp32 reference restricted to its selection,
   which equals the XLA path's; GQA group 3, head_dim 72, lengths 1, on a block boundary,
@@ -1358,7 +1360,7 @@ def _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens, dtype=jnp.f
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton"])
-@pytest.mark.parametrize("d,dv,hq,hk", [(48, 32, 6, 2), (72, 40, 4, 1)])
+@pytest.mark.parametrize("d,dv,hq,hk", ci_cases([(48, 32, 6, 2), (72, 40, 4, 1)], [(72, 40, 4, 1)]))
 def test_sparse_decode_values_narrower_than_keys(impl, d, dv, hq, hk):
   """MLA-shaped caches (keys d wide, values dv < d): contiguous and paged (shuffled pages, NaN
   spare pages) sparse decode return [.., dv] outputs equal to the fp32 reference restricted to the
@@ -1433,7 +1435,8 @@ def _selection_reference(q, kc, vc, lens, idx, bs):
   return ref[:, 0], ref_lse[:, :, 0]
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-3), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", ci_cases([(jnp.float32, 2e-3), (jnp.bfloat16, 2e-2)],
+                                               [(jnp.bfloat16, 2e-2)]))
 def test_sparse_decode_merged_kernel(dtype, tol):
   """The one-launch attention + in-kernel merge (interpret) vs the fp32 reference restricted to
   the selection and vs the two-kernel path (partials + merge kernel): contiguous and paged
@@ -1523,7 +1526,7 @@ def _kept_block_lists(seed, bs, *, top_k):
   return q, kc, vc, kp, vp, table, lens, idx, cnt, arr, width
 
 
-@pytest.mark.parametrize("bps,splits", [(1, 3), (1, 7), (2, 2)])
+@pytest.mark.parametrize("bps,splits", ci_cases([(1, 3), (1, 7), (2, 2)], [(2, 2)]))
 def test_sparse_decode_prefetch_ids(bps, splits):
   """``prefetch_ids=True`` (each split's block ids and pages loaded once as a vector, each step
   picking its ids from registers): at one block per step the default kernel's partials and
@@ -1663,7 +1666,8 @@ def test_sparse_decode_hnd_launches(monkeypatch):
       assert warps == ["8", "4"], warps
 
 
-@pytest.mark.parametrize("case", [c for c in SELECTION_CASES[:1] + SELECTION_CASES[2:]
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow)
+                                  for c in SELECTION_CASES[:1] + SELECTION_CASES[2:]
                                   if isinstance(c[8], int)] + ["packed", "packed_noncausal", "ties"])
 def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
   """On a GPU ``_select`` keeps the top-k as a mask (``pallas_kernels.sparse.topk``, a Pallas

@@ -40,6 +40,7 @@ from pallas_kernels.flash import mosaic_gpu as mg
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
 from pallas_kernels.flash.reference import attention_reference
 from test_flash_mosaic_gpu import _replay_step
+from tests.helpers import ci_cases
 
 _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
@@ -274,7 +275,9 @@ def _reference(q, k, v, q_seg, kv_seg, sel, causal, scale=None):
                              kv_segment_ids=kv_seg, scale=scale, block_mask=sel.to_mask())
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", ci_cases(CASES, [
+    "q64_k64_causal_ragged_gqa", "q128_k64_non_causal", "q128_k128_q_longer_empty_rows",
+    "q128_k64_segments_gqa"]))
 def test_walk_and_replay_match_the_selection(name, monkeypatch):
   """The walk covers exactly the selection's visible tiles (``_check_sched_walk``); then
   ``block_sparse_attention(implementation="mosaic_gpu")``'s forward, with the replay in place of
@@ -344,8 +347,9 @@ def test_replay_check_can_fail(monkeypatch):
 VJP_CASES = ["q128_k64_segments_gqa", "q64_k128_q_shorter"]
 
 
-@pytest.mark.parametrize("backward", ["mosaic", "triton"])
-@pytest.mark.parametrize("name", VJP_CASES)
+@pytest.mark.parametrize("name,backward", ci_cases(
+    [(n, b) for n in VJP_CASES for b in ("mosaic", "triton")],
+    [("q64_k128_q_shorter", "mosaic"), ("q64_k128_q_shorter", "triton")]))
 def test_vjp_walks_the_selection_in_the_backward(name, backward, monkeypatch):
   """Forward (replay) + the backward on the selection's schedule: the VJP of (out, lse) matches
   the fp32 reference's. "mosaic": jattn's default at head_dim 64/128, the Mosaic GPU backward's
@@ -567,12 +571,9 @@ GPU_FAST = ("d128_q128_k64_segments_gqa", "d128_q64_k64_union_segments", "d64_q2
             "d256_q128_k64_segments")
 
 
-def _fast_or_slow(names):
-  return [n if n in GPU_FAST else pytest.param(n, marks=pytest.mark.slow) for n in names]
-
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", _fast_or_slow(GPU_CASES))
+@pytest.mark.parametrize("name", ci_cases(GPU_CASES, GPU_FAST))
 def test_gpu_block_sparse_mosaic_forward(name):
   """The compiled Mosaic GPU forward walking the selection vs the fp32 reference over it."""
   q, k, v, seg, sel, dtype = _gpu_case(name)
@@ -583,7 +584,8 @@ def test_gpu_block_sparse_mosaic_forward(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", _fast_or_slow(n for n in GPU_CASES if n not in GPU_FORWARD_ONLY))
+@pytest.mark.parametrize("name", ci_cases([n for n in GPU_CASES if n not in GPU_FORWARD_ONLY],
+                                          [n for n in GPU_FAST if n not in GPU_FORWARD_ONLY]))
 def test_gpu_block_sparse_mosaic_vjp(name):
   """Mosaic GPU forward + backward on the selection (at head_dim 64/128 the Mosaic GPU backward
   walking the schedule's lists): the VJP of (out, lse) vs the fp32 reference's, and

@@ -54,11 +54,13 @@ def _check(out, lse, ref, ref_lse, lens, tol):
 
 
 @pytest.mark.parametrize("d,dv,hq,hk,dtype,tol", [
-    (128, 128, 8, 2, jnp.float32, 2e-3),    # GQA 4, D128: one head's lanes per DMA
+    pytest.param(128, 128, 8, 2, jnp.float32, 2e-3, marks=pytest.mark.slow),  # GQA 4, D128
     (128, 128, 8, 2, jnp.bfloat16, 2e-2),   # bf16 (16-row sublane tiles)
-    (72, 72, 6, 2, jnp.float32, 2e-3),      # head_dim 72: every head's rows, strided loads
+    # head_dim 72: every head's rows, strided loads
+    pytest.param(72, 72, 6, 2, jnp.float32, 2e-3, marks=pytest.mark.slow),
     (48, 32, 6, 2, jnp.float32, 2e-3),      # values narrower than keys, GQA 3
-    (72, 40, 4, 1, jnp.float32, 2e-3),      # MLA-like, one kv head: full-width lane blocks
+    # MLA-like, one kv head: full-width lane blocks
+    pytest.param(72, 40, 4, 1, jnp.float32, 2e-3, marks=pytest.mark.slow),
 ])
 def test_sparse_decode_mosaic_tpu_interpret(d, dv, hq, hk, dtype, tol):
   """Contiguous and paged (shuffled pages, NaN spare pages, garbage table entries past the

@@ -101,6 +101,7 @@ def test_window_sparsity_brute_force():
 # End to end
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.heavy
 def test_plumbing_cli_writes_every_variant_and_resumes(tmp_path, capsys):
   out = str(tmp_path / "plumbing")
   args = ["--preset", "plumbing", "--out", out, "--no-progress"]
@@ -302,6 +303,7 @@ DP_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy
 def test_data_parallel_on_four_cpu_devices(tmp_path):
   env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +   # keeps conftest's
                                     " --xla_force_host_platform_device_count=4").strip(),
@@ -339,6 +341,7 @@ CP_SCRIPT = textwrap.dedent("""
 
 
 
+@pytest.mark.heavy
 def test_context_parallel_training_on_two_cpu_devices(tmp_path):
   """--context-parallel 2 (zig-zag sequence shards, segment ids, RoPE positions) trains the
   plumbing preset as the unsharded run does: the same losses (training curve and held-out text)
