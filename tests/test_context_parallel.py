@@ -88,7 +88,8 @@ def test_windows_run_only_neighbour_steps():
   assert (np.count_nonzero(dense.table[:, 1:], axis=(2, 3)) == 2).all()   # balanced
 
 
-@pytest.mark.parametrize("p,window", ci_cases([(2, (11, 0)), (4, None), (3, (5, 2))], [(3, (5, 2))]))
+@pytest.mark.parametrize("p,window", ci_cases([(2, (11, 0)), (4, None), (3, (5, 2))],
+                                               [(3, (5, 2))]))
 def test_device_forward_equals_one_call(p, window):
   """Each device's forward run on its own (kernels and merges, no communication) equals its
   rows of the single call: diagonal pairs batched over the local chunks, neighbour pairs merged

@@ -63,7 +63,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("impl,layout,lengths,window,cap,dtype",
-                         ci_cases([("triton", *c) for c in CASES] + [("xla", *c) for c in CASES[:2]],
+                         ci_cases([("triton", *c) for c in CASES]
+                                  + [("xla", *c) for c in CASES[:2]],
                                   [("triton", *CASES[2]), ("xla", *CASES[0]), ("xla", *CASES[1])]))
 def test_schedule_and_unified_max_match_reference(impl, layout, lengths, window, cap, dtype):
   """Scheduled (exact and unified max) and split unified-max calls == the fp32 reference, with
@@ -252,8 +253,8 @@ def _kept_reference(q, k, v, lengths, indices, block):
   return out.reshape(b, hq, -1), lse.reshape(b, hq)
 
 
-@pytest.mark.parametrize("impl,paged", ci_cases([("xla", False), ("triton", True), ("triton", False)],
-                                             [("triton", True), ("triton", False)]))
+@pytest.mark.parametrize("impl,paged", ci_cases(
+    [("xla", False), ("triton", True), ("triton", False)], [("triton", True), ("triton", False)]))
 def test_sparse_decode_unified_max(impl, paged):
   """Sparse decode with softmax="unified_max" == the fp32 attention over the kept blocks, with
   the default estimate and with overshooting / -inf / NaN estimates, an empty row, paged and

@@ -321,7 +321,8 @@ SEG_WALK = [(300, 300, "packed", False, None), (300, 300, "packed", True, None),
             (328, 200, "random", True, None), (257, 257, "packed", False, (40, 90))]
 
 
-@pytest.mark.parametrize("sq,sk,kind,causal,window", ci_cases(SEG_WALK, SEG_WALK[1:3] + SEG_WALK[4:]))
+@pytest.mark.parametrize("sq,sk,kind,causal,window",
+                         ci_cases(SEG_WALK, SEG_WALK[1:3] + SEG_WALK[4:]))
 def test_segment_bounds_walks(sq, sk, kind, causal, window):
   """``_seg_bounds``: in both kernels, per batch row and warpgroup tile, tiles outside [lo, hi)
   hold no visible pair (independent mask with segment ids), tiles in [flo, fhi) only visible
@@ -412,7 +413,8 @@ def _walk_entries(row):
   return [(int(e) >> wk.WALK_SHIFT, int(e) & 3, (int(e) >> 2) & 3) for e in row[1:1 + row[0]]]
 
 
-@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", ci_cases(SCHED_WALK, SCHED_WALK[1:3]))
+@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs",
+                         ci_cases(SCHED_WALK, SCHED_WALK[1:3]))
 def test_sched_walks_cover_exactly_the_selection(sq, sk, causal, window, kind, tiles, bs):
   """``_sched_walks`` against an independent element mask (static mask, segment ids, the
   schedule's tile selection), in both kernels, per batch row, kv head and warpgroup tile: every
@@ -769,7 +771,8 @@ def _walk_protocol(stages, group, row, seed, n_bufs):
   return computed
 
 
-@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs", ci_cases(SCHED_WALK[:3], SCHED_WALK[2:3]))
+@pytest.mark.parametrize("sq,sk,causal,window,kind,tiles,bs",
+                         ci_cases(SCHED_WALK[:3], SCHED_WALK[2:3]))
 def test_ring_protocols_on_schedule_walks(sq, sk, causal, window, kind, tiles, bs):
   """The ring protocols of both kernels on ``_sched_walks`` rows (GQA 2:1 in the dK/dV kernel:
   the list walked once per query head; 2 and 3 stages): no deadlock, no slot refilled before both
