@@ -1,17 +1,11 @@
 """Sample packing: Best-Fit-Decreasing bins, packed batches, segment ids and positions.
 
 Best-Fit-Decreasing (BFD) packing (Ding et al., "Fewer Truncations Improve Language Modeling",
-ICML 2024) keeps every document no longer than the row whole; with segment ids
-(``flash_attention(..., segment_ids=...)``) no token attends across documents.
-
-* ``pack_bfd(lengths, max_len)`` -> ``PackPlan``: where each document chunk goes.
-* ``TokenStore`` + ``materialize(plan, store, rows)`` -> ``PackedBatch`` of rows of a plan.
-* ``segments_from_lengths(doc_lengths, max_len)``: segment ids and positions under ``jax.jit``.
-* ``PackedIterator``: shuffled, epoch-aware, seeded batches, resumable from a small state dict.
-
-``pack_bfd`` finds the best-fit bin with a segment tree over capacities, placing runs of
-equal-length chunks per query: exactly sequential BFD up to ties between bins of equal capacity
-(docs/packing.md).
+ICML 2024) keeps every document no longer than a row whole; with segment ids no token attends
+across documents. ``pack_bfd`` finds the best-fit bin with a segment tree over capacities,
+placing runs of equal-length chunks per query: exactly sequential BFD up to ties between bins of
+equal capacity (docs/packing.md). ``materialize`` builds a plan's rows from a ``TokenStore``;
+``PackedIterator`` yields shuffled, seeded, resumable batches.
 """
 from __future__ import annotations
 
@@ -33,20 +27,15 @@ __all__ = ["PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize",
 # ----------------------------------------------------------------------------- Planning
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackPlan:
-  """Where every chunk of every document goes: one entry per chunk (columnar).
+  """Where every chunk of every document goes: one entry per chunk, in document order.
 
-  Entries are in document order. Chunk i holds tokens ``chunk_starts[i]:+chunk_lengths[i]`` of
-  document ``doc_ids[i]`` at columns ``offsets[i]:+chunk_lengths[i]`` of row ``bins[i]``; rows are
-  filled back to back from column 0.
+  Chunk i holds tokens ``chunk_starts[i]:+chunk_lengths[i]`` (1 <= length <= max_len) of
+  document ``doc_ids[i]`` (an index into the input lengths) at columns
+  ``offsets[i]:+chunk_lengths[i]`` of row ``bins[i]``; rows fill back to back from column 0.
 
   Attributes:
-    doc_ids: int64 [num_chunks], index of the document in the input lengths.
-    chunk_starts: int64 [num_chunks], first token of the chunk within its document.
-    chunk_lengths: int64 [num_chunks], 1 <= length <= max_len.
-    bins: int64 [num_chunks], the row the chunk is packed into, 0 <= bin < num_bins.
-    offsets: int64 [num_chunks], first column of the chunk in its row.
-    num_bins: number of rows.
-    max_len: row length.
+    doc_ids, chunk_starts, chunk_lengths, bins, offsets: int64 [num_chunks], as above.
+    num_bins, max_len: number of rows and row length.
     num_docs: number of input documents (including empty ones, which have no chunk).
 
   Example:
@@ -65,7 +54,6 @@ class PackPlan:
 
   @property
   def num_chunks(self) -> int:
-    """Number of chunks (entries)."""
     return int(self.doc_ids.shape[0])
 
   @functools.cached_property
@@ -244,9 +232,8 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
 # ----------------------------------------------------------------------------- Materialising rows
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenStore:
-  """Documents as one flat token array plus boundaries (CSR layout).
-
-  Document d is ``tokens[offsets[d]:offsets[d + 1]]``.
+  """Documents as one flat token array plus boundaries (CSR layout): document d is
+  ``tokens[offsets[d]:offsets[d + 1]]``.
 
   Attributes:
     tokens: 1-D int array of all documents' tokens, back to back.
@@ -274,13 +261,7 @@ class TokenStore:
 
   @classmethod
   def from_documents(cls, docs: Sequence) -> "TokenStore":
-    """Build a store from a list of 1-D token arrays.
-
-    Args:
-      docs: sequence of 1-D integer arrays (or lists), one per document; empty ones allowed.
-
-    Returns:
-      A ``TokenStore`` holding their concatenation.
+    """A store of ``docs``: 1-D integer arrays (or lists), one per document, empty ones allowed.
 
     Example:
       >>> s = TokenStore.from_documents([[1, 2, 3], [], [4]])
@@ -294,7 +275,6 @@ class TokenStore:
 
   @property
   def num_docs(self) -> int:
-    """Number of documents."""
     return int(self.offsets.shape[0] - 1)
 
   @property
@@ -478,13 +458,12 @@ class PackedIterator:
 
   Args:
     store: a ``TokenStore``, ``(flat_tokens, offsets)`` or a list of 1-D token arrays.
-    max_len: row length.
-    batch_size: rows per batch.
-    seed: integer seed.
+    max_len, batch_size: row length and rows per batch.
+    seed, pad_id: integer seed and the token id for padding.
     window: pack in shuffled windows of this many documents (None: all at once).
     max_segments: static width of ``doc_lengths``/``doc_ids``; default epoch 0's, rounded up to 8.
     num_epochs: stop after this many epochs (None: never stop).
-    pad_id: token id for padding.
+    state: None, or a ``get_state`` dict to resume from.
 
   Example:
     >>> docs = [np.full(n, i + 1) for i, n in enumerate([5, 3, 4, 9, 2])]
