@@ -1,16 +1,13 @@
 """``flash_attention``: one public entry point, explicit dispatch over implementations.
 
 Implementations:
-  * ``"xla"``: pure jnp (materialises the logits; the reference semantics, any platform).
-  * ``"triton"``: Pallas GPU kernels; forward and backward walk the mask's block schedule.
-  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernels with the same schedule.
-  * ``"mosaic_gpu"``: Hopper (sm90) Mosaic GPU forward and backward (Triton backward at head_dim
-    256); bf16/fp16, head_dim 64/128/256 == head_dim_v.
-  * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` for the masks it
-    supports (causal, local window); anything else raises ValueError.
+  * "xla": pure jnp (materialises the logits; the reference semantics, any platform).
+  * "triton": Pallas GPU kernels; forward and backward walk the mask's block schedule.
+  * "mosaic_tpu": Pallas Mosaic TPU kernels with the same schedule.
+  * "mosaic_gpu": Hopper forward and backward (Triton backward at head_dim 256); bf16/fp16,
+    head_dim 64/128/256 == head_dim_v.
+  * "cudnn": ``jax.nn.dot_product_attention(implementation="cudnn")``; causal or window masks.
 
-Boolean ``mask`` and additive ``bias`` arrays run on "xla" and "triton" (others raise); on
-Hopper a mask uniform on MASK_TILE square tiles runs on "mosaic_gpu" (see :func:`flash_attention`).
 :func:`resolve` resolves flash and block-sparse calls to a :class:`jattn._plan.Plan`;
 :func:`flash_attention_plan` returns it and :func:`flash_attention` runs exactly it.
 """
@@ -147,9 +144,8 @@ def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, bl
 def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=None,
             implementation=None, block_sizes=None, interpret=False, platform=None,
             device_kind=None, arrays=None) -> Plan:
-  """The plan of one call: implementation, then configs (explicit, table, heuristic, fit).
-
-  The one resolution behind :func:`flash_attention_plan` and ``jattn.block_sparse_plan``.
+  """The plan of one call (behind :func:`flash_attention_plan` and ``jattn.block_sparse_plan``):
+  implementation, then configs (explicit, table, heuristic, fit).
 
   Args:
     op: "flash" or "block_sparse".
@@ -227,13 +223,11 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
                          bias=None, platform=None, device_kind=None) -> Plan:
   """What ``flash_attention`` runs for a call: implementation and forward/backward configs.
 
-  Takes every argument of :func:`flash_attention` (``scale``, ``logits_soft_cap`` and
-  ``return_lse`` change no choice), plus a device description.
-
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
     causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap, return_lse,
-      implementation, interpret, block_sizes, mask, bias: as for :func:`flash_attention`.
+      implementation, interpret, block_sizes, mask, bias: as for :func:`flash_attention`
+      (``scale``, ``logits_soft_cap`` and ``return_lse`` are validated, change no choice).
     platform: "cpu", "gpu" or "tpu"; default: jax's default backend (or ``device_kind``'s).
     device_kind: a jax ``device_kind`` to plan for, e.g. "NVIDIA H200"; default: the current.
 
@@ -241,7 +235,6 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
     A :class:`jattn._plan.Plan` (implementation, configs, backward, table, device kind).
 
   Example:
-    >>> import jax, jax.numpy as jnp
     >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
     >>> p = flash_attention_plan(x, x, x, causal=True, device_kind="NVIDIA H200")
     >>> p.implementation, p.backward, p.table
@@ -312,11 +305,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
 
   Example:
-    >>> import jax, jattn
-    >>> q = jax.random.normal(jax.random.key(0), (2, 100, 4, 64))
-    >>> k = jax.random.normal(jax.random.key(1), (2, 100, 2, 64))
-    >>> out = jattn.flash_attention(q, k, k, causal=True, implementation="xla")
-    >>> out.shape
+    >>> q, k = jnp.ones((2, 100, 4, 64)), jnp.ones((2, 100, 2, 64))
+    >>> flash_attention(q, k, k, causal=True, implementation="xla").shape
     (2, 100, 4, 64)
   """
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
