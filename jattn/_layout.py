@@ -12,10 +12,10 @@ import jax.numpy as jnp
 KV_LAYOUTS = ("nhd", "hnd")
 
 
-def check_kv_layout(kv_layout):
+def check_kv_layout(kv_layout, name="kv_layout"):
   """ValueError unless ``kv_layout`` is "nhd" or "hnd"."""
   if kv_layout not in KV_LAYOUTS:
-    raise ValueError(f"kv_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
+    raise ValueError(f"{name} must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
                      f"([batch, kv_heads, len, head_dim]), got {kv_layout!r}")
 
 

@@ -154,8 +154,7 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
       window, and whether it has segment ids.
     tiles: None, or a block-sparse call's (q_block_size, block_size): the kernels walk the
       selection's schedule, whose tiles the configs are fitted to.
-    implementation: None or a name (``jattn._validate.IMPLEMENTATIONS``).
-    block_sizes: None or the kernel's ``BlockSizes`` (used as given).
+    implementation, block_sizes: None, or a name and the kernel's ``BlockSizes`` (used as given).
     interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
     platform, device_kind: another device than the current one (``tuning.device``).
     arrays: None, "mask" or "bias" (when it has a bias): only "xla" and "triton" take them
@@ -280,8 +279,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
 
   Args:
     q: [batch, q_len, q_heads, head_dim], fp32/bf16/fp16.
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA/MQA).
-    v: [batch, kv_len, kv_heads, head_dim_v].
+    k, v: [batch, kv_len, kv_heads, head_dim(_v)]; q_heads % kv_heads == 0 (GQA/MQA).
     causal: causal mask, aligned bottom-right when q_len != kv_len.
     local_window_size: None, int w or (left, right): i - left <= j <= i + right (jax.nn).
     segment_ids: None or int [batch, q_len]; equal nonzero ids attend (0 = padding).
@@ -289,8 +287,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     scale: logit scale, default 1/sqrt(head_dim).
     logits_soft_cap: None or cap > 0: logits = cap * tanh(logits / cap).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None (:func:`flash_attention_plan`), "xla", "triton", "mosaic_gpu",
-      "mosaic_tpu" or "cudnn".
+    implementation: None (:func:`flash_attention_plan`) or a name of the module doc.
     interpret: run a Pallas kernel in interpret mode (CPU; not "mosaic_gpu").
     block_sizes: optional ``BlockSizes`` of the implementation's kernel module.
     mask: None or bool, 4-D, broadcastable to [batch, q_heads, q_len, kv_len] (each axis 1 or
@@ -390,8 +387,8 @@ def broadcast_mask_or_bias(name, x, full):
 
   Args:
     name: "mask" (bool) or "bias" (float).
-    x: None or a 4-D array whose axes are each 1 or the matching entry of ``full``.
-    full: (batch, q_heads, q_len, kv_len).
+    x, full: None or a 4-D array whose axes are each 1 or the matching entry of ``full`` =
+      (batch, q_heads, q_len, kv_len).
 
   Returns:
     None, or ``x`` broadcast to [1 | batch, 1 | q_heads, q_len, kv_len].

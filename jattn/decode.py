@@ -129,10 +129,7 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
   negative length gives 0 output and -inf lse) and page ids to [0, num_pages - 1].
 
   Args:
-    q, k, v: the call's query and caches (or page pools) in ``kv_layout``.
-    kv_lengths: int [batch].
-    page_table: None or int [batch, max_pages].
-    kv_layout: "nhd" or "hnd".
+    q, k, v, kv_lengths, page_table, kv_layout: the call's (caches or page pools).
     min_page_size: the smallest page size the op runs.
 
   Returns:
@@ -206,9 +203,8 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
   :func:`default_num_splits`; the merge is "pallas" for "triton", else "xla".
 
   Args:
-    q, k_cache, v_cache, kv_lengths: the call's arrays (or ShapeDtypeStructs of them).
-    page_table: None (contiguous cache) or int32 [batch, max_pages] (or a ShapeDtypeStruct).
-    kv_layout: "nhd" or "hnd".
+    q, k_cache, v_cache, kv_lengths, page_table, kv_layout: the call's (arrays or
+      ShapeDtypeStructs; ``page_table`` None for a contiguous cache).
     scale, local_window_size, logits_soft_cap, return_lse, interpret, max_estimate: validated
       as in the call (they do not change the plan).
     implementation, num_splits, block_sizes, softmax, schedule: as in
@@ -314,13 +310,11 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
                            max_estimate=None, schedule=None):
   """Decode attention over a paged KV cache (continuous batching, vLLM-style page table).
 
-  Head-major ("hnd") pages run as a free reshape to batch * kv_heads one-head sequences (page p
-  of kv head h becomes page p * kv_heads + h).
-
   Args:
     q: [batch, q_heads, head_dim].
     k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim(_v)] ("nhd") or [num_pages,
-      kv_heads, page_size, head_dim(_v)] ("hnd"), one dtype; page_size >= 16.
+      kv_heads, page_size, head_dim(_v)] ("hnd": page p of kv head h becomes page
+      p * kv_heads + h of one-head sequences), one dtype; page_size >= 16.
     page_table: int32 [batch, max_pages]: token t of sequence b is in page
       ``page_table[b, t // page_size]`` at slot ``t % page_size``.
     kv_lengths: int32 [batch] in [0, max_pages * page_size] (traced lengths and page ids out

@@ -74,10 +74,7 @@ class PackPlan:
     return int(np.bincount(self.bins, minlength=self.num_bins).max()) if self.num_bins else 0
 
   def utilization(self) -> float:
-    """Fraction of the row slots that hold a token.
-
-    Returns:
-      ``sum(chunk_lengths) / (num_bins * max_len)``; 1.0 for an empty plan.
+    """Fraction of the row slots that hold a token (1.0 for an empty plan).
 
     Example:
       >>> pack_bfd([3, 6, 2], max_len=8).utilization()
@@ -296,14 +293,12 @@ def _as_store(store) -> TokenStore:
 class PackedBatch:
   """Packed rows ready for a training step (numpy arrays).
 
-  ``loss_weights[r, t]`` weights the prediction of ``tokens[r, t + 1]`` from t: 1 iff both lie
-  in the same document chunk (the last column is always 0).
-
   Attributes:
     tokens: [n, max_len] token ids (``pad_id`` in padding).
     segment_ids: int32 [n, max_len]; chunks numbered 1, 2, ... per row, 0 for padding.
     positions: int32 [n, max_len]; restart at 0 at each chunk start (0 in padding).
-    loss_weights: float32 [n, max_len], see above.
+    loss_weights: float32 [n, max_len]: ``[r, t]`` weights the prediction of
+      ``tokens[r, t + 1]`` from t: 1 iff both lie in one chunk (the last column is always 0).
     doc_lengths: int32 [n, max_segments]; chunk lengths in row order, zero padded.
     doc_ids: int64 [n, max_segments]; document of each chunk, -1 padded.
     chunk_starts: int64 [n, max_segments]; first token of each chunk in its document, 0 padded.
@@ -350,8 +345,8 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
     plan: a ``PackPlan`` over the store's documents (``plan.num_docs == store.num_docs``).
     store: a ``TokenStore``, a ``(flat_tokens, offsets)`` pair or a list of 1-D token arrays.
     rows: rows (bins) to build, default all; -1 gives an all-padding row.
-    max_segments: width of ``doc_lengths``/``doc_ids``; default ``plan.max_segments``.
-    pad_id: token id written in padding.
+    max_segments, pad_id: width of ``doc_lengths``/``doc_ids`` (default ``plan.max_segments``)
+      and the token id written in padding.
 
   Returns:
     A ``PackedBatch`` with ``len(rows)`` rows of ``plan.max_len`` tokens.
@@ -512,13 +507,7 @@ class PackedIterator:
     return self._cache[1:]
 
   def steps_in_epoch(self, epoch: int | None = None) -> int:
-    """Number of batches in an epoch.
-
-    Args:
-      epoch: the epoch (default: the current one).
-
-    Returns:
-      ``ceil(rows / batch_size)`` for that epoch's plan.
+    """Batches in ``epoch`` (default: the current one): ``ceil(rows / batch_size)``.
 
     Example:
       >>> it = PackedIterator([np.ones(5), np.ones(5)], max_len=8, batch_size=1)
@@ -536,10 +525,8 @@ class PackedIterator:
     return [self.seed, self.max_len, self.batch_size, self.window, int(lengths.shape[0]), h]
 
   def get_state(self) -> dict:
-    """The iterator's position: a small JSON-serialisable dict.
-
-    Returns:
-      ``{"epoch": e, "step": s, "fingerprint": [...]}``: the next batch is batch s of epoch e.
+    """The iterator's position, a JSON-serialisable dict of "epoch", "step" and "fingerprint": the
+    next batch is batch ``step`` of ``epoch``.
 
     Example:
       >>> it = PackedIterator([np.ones(3)], max_len=4, batch_size=1)
@@ -549,10 +536,7 @@ class PackedIterator:
     return {"epoch": self._epoch, "step": self._step, "fingerprint": self._fingerprint()}
 
   def set_state(self, state: dict) -> None:
-    """Continue from a state returned by ``get_state``.
-
-    Args:
-      state: dict from ``get_state`` of an identically configured iterator (else ValueError).
+    """Continue from a ``get_state`` dict of an identically configured iterator (else ValueError).
 
     Example:
       >>> it = PackedIterator([np.ones(3)] * 4, max_len=4, batch_size=1)

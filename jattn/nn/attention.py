@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn import sparse
-from jattn._layout import KV_LAYOUTS
+from jattn._layout import check_kv_layout
 from jattn._validate import is_traced
 from jattn.attention import flash_attention
 from jattn.context_parallel import context_parallel_attention, context_parallel_permute
@@ -61,9 +61,7 @@ def check_kv_cache_layout(kv_cache_layout, *, kinds=(), mla=False):
     ...
     ValueError: kv_cache_layout='hnd' is not supported for 'csa' layers: ...
   """
-  if kv_cache_layout not in KV_LAYOUTS:
-    raise ValueError(f"kv_cache_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
-                     f"([batch, kv_heads, len, head_dim]), got {kv_cache_layout!r}")
+  check_kv_layout(kv_cache_layout, "kv_cache_layout")
   if mla and kv_cache_layout == "hnd":
     raise ValueError("kv_cache_layout='hnd' is not supported with MLA (kv_lora_rank): the MLA "
                      "cache holds a per-token latent [batch, len, kv_lora_rank (+ rope_head_dim)] "
@@ -223,9 +221,6 @@ class Attention(nnx.Module):
     True for MLA layers with ``mla_absorb``, without ``qk_norm``, on an implementation in
     ``ABSORB_IMPLEMENTATIONS`` (on "triton" only up to ``TRITON_ABSORB_MAX_TILE``).
 
-    Returns:
-      A bool.
-
     Example:
       >>> mla = Attention(64, 4, 2, 16, kv_lora_rank=24, rope_head_dim=8, rngs=nnx.Rngs(0))
       >>> mla.absorbed_decode, Attention(64, 4, 2, 16, rngs=nnx.Rngs(0)).absorbed_decode
@@ -329,13 +324,7 @@ class Attention(nnx.Module):
     return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
 
   def cache_layout(self, max_len):
-    """What ``init_cache`` allocates (see the module-level ``cache_layout``).
-
-    Args:
-      max_len: longest context the cache must serve.
-
-    Returns:
-      dict name -> (storage, token slots, per-slot shape without batch).
+    """What ``init_cache(batch_size, max_len)`` allocates: :func:`cache_layout` of this layer.
 
     Example:
       >>> layer = Attention(64, 4, 1, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
@@ -352,9 +341,6 @@ class Attention(nnx.Module):
       batch_size: rows decoded together.
       max_len: total tokens (prompt + generated) the cache must hold (local layers: a ring).
       dtype: cache dtype (e.g. jnp.bfloat16).
-
-    Returns:
-      None.
     """
     layout = self.cache_layout(max_len)
     for name, (_, slots, shape) in layout.items():

@@ -31,12 +31,10 @@ class LayerSpec:
     csa_sink: learned attention sink per head ("csa" "compressed" only).
     gate_grad: gradient through block selection, passed to ``sparse_attention`` ("sparse"):
       "none", "ste" or "gumbel" (gumbel draws from the layer's rngs during training).
-    score_aux_weight: "sparse" only: weight w >= 0 of the score-distillation term of
-      ``sparse_attention`` (0: off): the training gradient becomes that of loss + w * KL between
-      the block scorer and the dense attention's block mass (``jattn.sparse.block_score_kl``),
-      which also reaches blocks that were not kept. Forward output unchanged.
-    score_aux_pool: "sum" or "max": how the distillation target pools a block's queries
-      (``jattn.sparse.block_attention_mass`` ``query_pool``).
+    score_aux_weight, score_aux_pool: "sparse" only: ``sparse_attention``'s score-distillation
+      weight w >= 0 (0: off; the training gradient becomes that of loss + w * KL between the block
+      scorer and the dense block mass, ``jattn.sparse.block_score_kl``, which also reaches blocks
+      not kept; forward unchanged) and how the target pools a block's queries: "sum" or "max".
 
   Example:
     >>> LayerSpec("local", window=512).kind
