@@ -1,11 +1,9 @@
 """KV cache layouts of the decode ops (``kv_layout``), shared by ``jattn.decode`` and ``.sparse``.
 
 "nhd" (default): k/v ``[batch, max_len, kv_heads, head_dim]``. "hnd" (head-major):
-``[batch, kv_heads, max_len, head_dim]``, run by every implementation with no kernel change as
-the "nhd" cache of batch x kv_heads one-head sequences (a free reshape): query head ``h * G + g``
-(G = q_heads // kv_heads) becomes query head g of sequence ``b * kv_heads + h``, lengths are
-repeated per kv head, and the outputs are reshaped back. Head-major pages likewise
-(:func:`hnd_pages_as_sequences`).
+``[batch, kv_heads, max_len, head_dim]``, run with no kernel change as the "nhd" cache of
+batch x kv_heads one-head sequences (a free reshape): query head ``h * G + g`` (G = q_heads //
+kv_heads) becomes query head g of sequence ``b * kv_heads + h``. Head-major pages likewise.
 """
 from __future__ import annotations
 
@@ -14,29 +12,16 @@ import jax.numpy as jnp
 KV_LAYOUTS = ("nhd", "hnd")
 
 
-def check_kv_layout(kv_layout):
-  """ValueError unless ``kv_layout`` is "nhd" or "hnd".
-
-  Example:
-    >>> check_kv_layout("hnd")
-  """
+def check_kv_layout(kv_layout, name="kv_layout"):
+  """ValueError unless ``kv_layout`` is "nhd" or "hnd"."""
   if kv_layout not in KV_LAYOUTS:
-    raise ValueError(f"kv_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
+    raise ValueError(f"{name} must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
                      f"([batch, kv_heads, len, head_dim]), got {kv_layout!r}")
 
 
 def check_hnd_shapes(q, k, v, kv_lengths=None):
-  """ValueError unless q [b, hq, d], k [b, hk, n, d], v [b, hk, n, dv] (and kv_lengths [b])
-  form a head-major decode call with hq a multiple of hk.
-
-  Returns:
-    (batch, kv_heads, max_len).
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> check_hnd_shapes(jnp.zeros((2, 8, 16)), jnp.zeros((2, 4, 64, 16)), jnp.zeros((2, 4, 64, 8)))
-    (2, 4, 64)
-  """
+  """(batch, kv_heads, max_len); ValueError unless q [b, hq, d], k [b, hk, n, d], v [b, hk, n,
+  dv] (and kv_lengths [b]) form a head-major decode call with hq a multiple of hk."""
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
   if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
@@ -55,21 +40,10 @@ def check_hnd_shapes(q, k, v, kv_lengths=None):
 
 
 def hnd_as_sequences(q, k, v, kv_lengths):
-  """A head-major decode call as batch * kv_heads sequences of one kv head (free reshapes).
-
-  Args:
-    q: [batch, q_heads, head_dim].
-    k: [batch, kv_heads, max_len, head_dim].
-    v: [batch, kv_heads, max_len, head_dim_v].
-    kv_lengths: [batch] (its dtype is kept).
-
-  Returns:
-    (q [batch * kv_heads, G, head_dim], k [batch * kv_heads, max_len, 1, head_dim],
-    v [batch * kv_heads, max_len, 1, head_dim_v], kv_lengths [batch * kv_heads]): the "nhd"
-    call whose results :func:`sequences_as_hnd` turns back into the head-major call's.
+  """A head-major decode call (q [b, hq, d], k/v [b, hk, n, d | dv], kv_lengths [b]) as the
+  "nhd" call of b * hk one-kv-head sequences; :func:`sequences_as_hnd` turns its results back.
 
   Example:
-    >>> import jax.numpy as jnp
     >>> q, k, v, lens = hnd_as_sequences(jnp.zeros((2, 8, 16)), jnp.zeros((2, 4, 64, 16)),
     ...                                  jnp.zeros((2, 4, 64, 8)), jnp.array([3, 5]))
     >>> q.shape, k.shape, v.shape, lens.tolist()
@@ -82,13 +56,9 @@ def hnd_as_sequences(q, k, v, kv_lengths):
 
 
 def hnd_pages_as_sequences(q, k_pages, v_pages, page_table, kv_lengths):
-  """A head-major paged call ([num_pages, kv_heads, page_size, d] pools) as the "nhd" call of
-  batch * kv_heads one-head sequences over the pool reshaped (free) to [num_pages * kv_heads,
-  page_size, 1, d]: page p of kv head h is page ``p * kv_heads + h`` (ids clamped to the pool).
-
-  Returns:
-    (q, k_pages, v_pages, page_table, kv_lengths) of that call; :func:`sequences_as_hnd` turns
-    its results back.
+  """:func:`hnd_as_sequences` for pools [num_pages, kv_heads, page_size, d], reshaped (free) to
+  [num_pages * kv_heads, page_size, 1, d]: page p of kv head h becomes page ``p * kv_heads + h``
+  (ids clamped to the pool).
 
   Example:
     >>> pages = jnp.zeros((3, 2, 16, 8))
@@ -107,17 +77,7 @@ def hnd_pages_as_sequences(q, k_pages, v_pages, page_table, kv_lengths):
 
 
 def sequences_as_hnd(batch, *per_query_head):
-  """Results of the :func:`hnd_as_sequences` call ([batch * kv_heads, G, ...]) reshaped back to
-  [batch, q_heads, ...] (out [batch, q_heads, head_dim_v], lse [batch, q_heads]).
-
-  Returns:
-    A tuple, one array per argument after ``batch``.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> out, lse = sequences_as_hnd(2, jnp.zeros((8, 2, 16)), jnp.zeros((8, 2)))
-    >>> out.shape, lse.shape
-    ((2, 8, 16), (2, 8))
-  """
+  """Results [batch * kv_heads, G, ...] of the :func:`hnd_as_sequences` call, each reshaped back
+  to [batch, q_heads, ...]."""
   return tuple(x.reshape(batch, x.shape[0] // batch * x.shape[1], *x.shape[2:])
                for x in per_query_head)

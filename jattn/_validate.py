@@ -1,9 +1,8 @@
 """Input checks shared by the public ops: errors name the argument, what was expected and what came.
 
-Shapes, ranks, dtypes and static arguments are always checked. Values the ops read (lengths, page
-ids, segment ids) are checked when concrete; traced under ``jax.jit``, each op documents what it
-does with an out-of-range value (the same on every implementation, never a write outside the
-caller's rows or pages). Inside :func:`debug_checks` traced values are checked too.
+Shapes, ranks, dtypes and static arguments are always checked; values the ops read (lengths, page
+ids, segment ids) when concrete or inside :func:`debug_checks`. Each op documents what it does
+with a traced out-of-range value (never a write outside the caller's rows or pages).
 """
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ _DEBUG = []   # one list of messages per active debug_checks() block (innermost 
 
 
 def check_implementation(implementation, allowed=IMPLEMENTATIONS):
-  """Raise ValueError unless ``implementation`` is None or one of ``allowed``."""
   if implementation is not None and implementation not in allowed:
     raise ValueError(f"unknown implementation {implementation!r}; expected None or one of {allowed}")
 
@@ -39,7 +37,6 @@ def as_array(name, x):
 
 
 def check_nonempty(**arrays):
-  """Raise ValueError naming the first array with a zero-size dimension."""
   for name, x in arrays.items():
     if 0 in tuple(x.shape):
       raise ValueError(f"{name} must have no zero-size dimension, got shape {tuple(x.shape)}")
@@ -71,8 +68,7 @@ def check_scale_and_cap(scale=None, logits_soft_cap=None, head_dim=None):
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")):
-  """Validate [batch, seq, heads, head_dim] q/k/v (named ``names`` in errors); return (batch,
-  q_len, kv_len, hq, hk)."""
+  """(batch, q_len, kv_len, hq, hk) of valid [batch, seq, heads, head_dim] q/k/v."""
   nq, nk, nv = names
   for name, x in zip(names, (q, k, v)):
     check_float(name, x)
@@ -125,8 +121,7 @@ def check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
 
 
 def check_lengths(name, lengths, batch, capacity=None):
-  """int32 ``lengths`` of shape (batch,), checked in [0, capacity] when concrete (and inside
-  :func:`debug_checks`); TypeError for a non-integer dtype."""
+  """int32 ``lengths`` of shape (batch,), range-checked in [0, capacity] (:func:`check_range`)."""
   lengths = as_array(name, lengths)
   if lengths.shape != (batch,):
     raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {lengths.shape}")
@@ -174,14 +169,12 @@ def check_range(name, x, lo, hi, *, valid=None):
 
 @contextlib.contextmanager
 def debug_checks():
-  """Check traced values too: lengths, page ids and segment-length values of the ops called (and
-  jitted) inside the block are checked on the device, and the block raises ValueError naming the
-  first bad value (argument, index, value, expected range) at its end.
+  """Check traced values too: lengths, page ids and segment lengths of the ops called (and
+  jitted) inside the block are checked on the device; at its end the block raises ValueError
+  naming the first bad value (argument, index, value, expected range).
 
-  Outside it, a traced out-of-range value gets each op's documented behaviour (e.g. decode
-  lengths clamped to the cache). Entering and leaving clears jax's compilation caches, so jitted
-  functions retrace with, then without, the checks (a host callback per checked array: for
-  debugging, not production).
+  Entering and leaving clears jax's compilation caches, so jitted functions retrace with, then
+  without, the checks (a host callback per checked array: for debugging, not production).
 
   Returns:
     A context manager.

@@ -1,16 +1,13 @@
 """``flash_attention``: one public entry point, explicit dispatch over implementations.
 
 Implementations:
-  * ``"xla"``: pure jnp (materialises the logits; the reference semantics, any platform).
-  * ``"triton"``: Pallas GPU kernels; forward and backward walk the mask's block schedule.
-  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernels with the same schedule.
-  * ``"mosaic_gpu"``: Hopper (sm90) Mosaic GPU forward and backward (Triton backward at head_dim
-    256); bf16/fp16, head_dim 64/128/256 == head_dim_v.
-  * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` for the masks it
-    supports (causal, local window); anything else raises ValueError.
+  * "xla": pure jnp (materialises the logits; the reference semantics, any platform).
+  * "triton": Pallas GPU kernels; forward and backward walk the mask's block schedule.
+  * "mosaic_tpu": Pallas Mosaic TPU kernels with the same schedule.
+  * "mosaic_gpu": Hopper forward and backward (Triton backward at head_dim 256); bf16/fp16,
+    head_dim 64/128/256 == head_dim_v.
+  * "cudnn": ``jax.nn.dot_product_attention(implementation="cudnn")``; causal or window masks.
 
-Boolean ``mask`` and additive ``bias`` arrays run on "xla" and "triton" (others raise); on
-Hopper a mask uniform on MASK_TILE square tiles runs on "mosaic_gpu" (see :func:`flash_attention`).
 :func:`resolve` resolves flash and block-sparse calls to a :class:`jattn._plan.Plan`;
 :func:`flash_attention_plan` returns it and :func:`flash_attention` runs exactly it.
 """
@@ -147,9 +144,8 @@ def _resolve_mosaic_gpu(op, q, k, v, dev, *, causal, window, segments, tiles, bl
 def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=None,
             implementation=None, block_sizes=None, interpret=False, platform=None,
             device_kind=None, arrays=None) -> Plan:
-  """The plan of one call: implementation, then configs (explicit, table, heuristic, fit).
-
-  The one resolution behind :func:`flash_attention_plan` and ``jattn.block_sparse_plan``.
+  """The plan of one call (behind :func:`flash_attention_plan` and ``jattn.block_sparse_plan``):
+  implementation, then configs (explicit, table, heuristic, fit).
 
   Args:
     op: "flash" or "block_sparse".
@@ -158,8 +154,7 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
       window, and whether it has segment ids.
     tiles: None, or a block-sparse call's (q_block_size, block_size): the kernels walk the
       selection's schedule, whose tiles the configs are fitted to.
-    implementation: None or a name (``jattn._validate.IMPLEMENTATIONS``).
-    block_sizes: None or the kernel's ``BlockSizes`` (used as given).
+    implementation, block_sizes: None, or a name and the kernel's ``BlockSizes`` (used as given).
     interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
     platform, device_kind: another device than the current one (``tuning.device``).
     arrays: None, "mask" or "bias" (when it has a bias): only "xla" and "triton" take them
@@ -227,13 +222,11 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
                          bias=None, platform=None, device_kind=None) -> Plan:
   """What ``flash_attention`` runs for a call: implementation and forward/backward configs.
 
-  Takes every argument of :func:`flash_attention` (``scale``, ``logits_soft_cap`` and
-  ``return_lse`` change no choice), plus a device description.
-
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
     causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap, return_lse,
-      implementation, interpret, block_sizes, mask, bias: as for :func:`flash_attention`.
+      implementation, interpret, block_sizes, mask, bias: as for :func:`flash_attention`
+      (``scale``, ``logits_soft_cap`` and ``return_lse`` are validated, change no choice).
     platform: "cpu", "gpu" or "tpu"; default: jax's default backend (or ``device_kind``'s).
     device_kind: a jax ``device_kind`` to plan for, e.g. "NVIDIA H200"; default: the current.
 
@@ -241,7 +234,6 @@ def flash_attention_plan(q, k, v, *, causal=False, local_window_size=None, segme
     A :class:`jattn._plan.Plan` (implementation, configs, backward, table, device kind).
 
   Example:
-    >>> import jax, jax.numpy as jnp
     >>> x = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
     >>> p = flash_attention_plan(x, x, x, causal=True, device_kind="NVIDIA H200")
     >>> p.implementation, p.backward, p.table
@@ -287,8 +279,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
 
   Args:
     q: [batch, q_len, q_heads, head_dim], fp32/bf16/fp16.
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA/MQA).
-    v: [batch, kv_len, kv_heads, head_dim_v].
+    k, v: [batch, kv_len, kv_heads, head_dim(_v)]; q_heads % kv_heads == 0 (GQA/MQA).
     causal: causal mask, aligned bottom-right when q_len != kv_len.
     local_window_size: None, int w or (left, right): i - left <= j <= i + right (jax.nn).
     segment_ids: None or int [batch, q_len]; equal nonzero ids attend (0 = padding).
@@ -296,8 +287,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     scale: logit scale, default 1/sqrt(head_dim).
     logits_soft_cap: None or cap > 0: logits = cap * tanh(logits / cap).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None (:func:`flash_attention_plan`), "xla", "triton", "mosaic_gpu",
-      "mosaic_tpu" or "cudnn".
+    implementation: None (:func:`flash_attention_plan`) or a name of the module doc.
     interpret: run a Pallas kernel in interpret mode (CPU; not "mosaic_gpu").
     block_sizes: optional ``BlockSizes`` of the implementation's kernel module.
     mask: None or bool, 4-D, broadcastable to [batch, q_heads, q_len, kv_len] (each axis 1 or
@@ -312,11 +302,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     out [batch, q_len, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
 
   Example:
-    >>> import jax, jattn
-    >>> q = jax.random.normal(jax.random.key(0), (2, 100, 4, 64))
-    >>> k = jax.random.normal(jax.random.key(1), (2, 100, 2, 64))
-    >>> out = jattn.flash_attention(q, k, k, causal=True, implementation="xla")
-    >>> out.shape
+    >>> q, k = jnp.ones((2, 100, 4, 64)), jnp.ones((2, 100, 2, 64))
+    >>> flash_attention(q, k, k, causal=True, implementation="xla").shape
     (2, 100, 4, 64)
   """
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
@@ -400,8 +387,8 @@ def broadcast_mask_or_bias(name, x, full):
 
   Args:
     name: "mask" (bool) or "bias" (float).
-    x: None or a 4-D array whose axes are each 1 or the matching entry of ``full``.
-    full: (batch, q_heads, q_len, kv_len).
+    x, full: None or a 4-D array whose axes are each 1 or the matching entry of ``full`` =
+      (batch, q_heads, q_len, kv_len).
 
   Returns:
     None, or ``x`` broadcast to [1 | batch, 1 | q_heads, q_len, kv_len].

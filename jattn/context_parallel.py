@@ -1,18 +1,14 @@
 """Context parallelism: attention over a sequence split across the devices of a mesh axis.
 
-The sequence is cut into chunks, ``m`` per device ("contiguous": one, device i holds chunk i;
-"zigzag": two, chunks i and 2P-1-i, which evens out causal work). Each (query chunk, key chunk)
-pair is classified at trace time from the mask: skipped, or one :func:`jattn.flash_attention`
-call on its visible rows and columns, the mask in that call's coordinates. Partials merge exactly
-by log-sum-exp; pairs whose chunks share no packed document are skipped at run time.
-
-Strategies:
-  * "ring": pass-KV. K/V (and key segment ids) move by ``ppermute`` over the ring shifts some
-    device needs; the next shift is issued before the current step's kernels, so they overlap.
-    Backward (``custom_vjp``): dQ stays local, dK/dV travel with their K/V back to the owner.
-  * "all_gather": gather K/V once (the baseline); backward by autodiff (reduce-scatter).
-  * "ring_q": pass-Q. Queries and their running (out, lse) move, K/V stay; the result returns
-    to its owner; backward by autodiff. For a short query against a long sharded K/V.
+The sequence is cut into ``m`` chunks per device ("contiguous": device i holds chunk i;
+"zigzag": chunks i and 2P-1-i, which evens out causal work). Each (query chunk, key chunk) pair
+is classified at trace time from the mask: skipped, or one :func:`jattn.flash_attention` call on
+its visible rows and columns. Partials merge exactly by log-sum-exp; pairs whose chunks share no
+packed document are skipped at run time. Strategies: "ring" (pass-KV: K/V move by ``ppermute``
+over the shifts some device needs, each issued before the previous step's kernels so they
+overlap; ``custom_vjp`` backward, dK/dV travel back with their K/V), "all_gather" (gather K/V
+once; backward by autodiff) and "ring_q" (pass-Q: queries and their running (out, lse) move, for
+a short query against a long sharded K/V; backward by autodiff).
 """
 from __future__ import annotations
 
@@ -67,15 +63,12 @@ def shard_chunks(num_shards, layout):
 
 
 def layout_positions(seq_len, num_shards, layout):
-  """Original positions in the layout's order, padded to whole chunks (-1 marks padding).
-
-  The sequence is padded at its end to a multiple of ``m * P`` (m chunks per device); slot t of
-  the padded, permuted array holds original position ``result[t]``.
+  """Original positions in the layout's order, padded at the end to ``m * P`` whole chunks:
+  slot t of the padded, permuted array holds original position ``result[t]`` (-1: padding).
 
   Args:
     seq_len: the sequence length.
-    num_shards: devices along the sequence axis.
-    layout: "contiguous" or "zigzag".
+    num_shards, layout: as :func:`shard_chunks`.
 
   Returns:
     int numpy array [padded length].
@@ -106,14 +99,12 @@ def _reorder(x, num_shards, layout, axis, inverse):
 def context_parallel_permute(x, num_shards, layout="zigzag", axis=1):
   """Reorder a sequence axis into a context-parallel layout (once, e.g. at data loading).
 
-  Tokens, positions, segment ids and labels are permuted the same way. Any length works: the
-  order is that of the padded layout with the padding slots left out.
+  Permute tokens, positions, segment ids and labels alike. Any length works: the order is the
+  padded layout's with the padding slots left out.
 
   Args:
-    x: array with the sequence along ``axis``.
-    num_shards: devices along the sequence axis.
-    layout: "zigzag" (default) or "contiguous" (the identity).
-    axis: the sequence axis.
+    x, axis: an array and its sequence axis.
+    num_shards, layout: as :func:`shard_chunks` (default "zigzag"; "contiguous" is the identity).
 
   Returns:
     x permuted along ``axis`` (same shape).
@@ -252,9 +243,7 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   Args:
     q_len, kv_len: sequence lengths (before padding).
     num_shards: devices along the sequence axis (P).
-    causal, local_window_size: the mask (as :func:`jattn.flash_attention`).
-    strategy: "ring", "all_gather" or "ring_q".
-    layout: "contiguous" or "zigzag".
+    causal, local_window_size, strategy, layout: as :func:`context_parallel_attention`.
     selection: None, or the whole-sequence (original order) :class:`jattn.BlockSelection` of a
       ``sparse_attention(..., mesh=...)`` call: ``kernel_calls`` then leaves out the pairs in
       which no row keeps a block (skipped at run time; ``shifts`` stay those of the mask).
@@ -335,7 +324,7 @@ def _run_call(call, kern, q, k, v, qs, ks, sel=None):
   return jax.lax.optimization_barrier((out, jnp.swapaxes(lse, 1, 2)))
 
 
-def _empty(q, v, rows):
+def _empty(q, v, rows):   # (zeros, -inf): nothing visible
   return (jnp.zeros((q.shape[0], rows, q.shape[2], v.shape[-1]), q.dtype),
           jnp.full((q.shape[0], rows, q.shape[2]), -jnp.inf, jnp.float32))
 
@@ -348,10 +337,9 @@ def _share_document(qs, ks):
 
 
 def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
-  """((out, lse), r0): one chunk pair's partial over query rows [r0, r0 + n), or None when no
-  device runs it. ``column`` = table[:, r, a, b], ``d`` this device (an int if static). A switch
-  over the pair's calls on all devices (0: skip, also at run time for chunks that share no
-  document and block-sparse pairs in which no row keeps a block)."""
+  """((out, lse), r0): a chunk pair's partial over query rows [r0, r0 + n), or None when no device
+  runs it; a switch over its calls in ``column`` = table[:, r, a, b] (0: skip, also at run time
+  without a shared document or a kept block) on device ``d`` (an int if static)."""
   column, d = (column[d:d + 1], 0) if isinstance(d, int) else (column, d)
   kinds = sorted(set(column.tolist()) | ({0} if qs is not None or sel is not None else set()))
   calls = [plan.calls[i - 1] for i in kinds if i]
@@ -407,10 +395,9 @@ def _merge_into(acc, part, a0, r0, shapes):
 
 
 def _step(plan, kern, i, d, acc, q, qs, k, v, ks, sel=None):
-  """``acc`` (:func:`_merge_into`) with step ``i``'s chunk pairs on device ``d`` merged in:
-  ``plan.joint`` on device P-1's first step, one call for fully visible pairs (``plan._whole``,
-  :func:`_strip`), and the chunk-diagonal pairs as one call batched over B * m if the same on
-  every device."""
+  """``acc`` with step ``i``'s pairs on device ``d`` merged in: ``plan.joint`` on device P-1's
+  first step, one call for fully visible pairs (``plan._whole``, :func:`_strip`), diagonal pairs
+  as one call batched over B * m if the same on every device."""
   b_, m = q.shape[0], plan.table.shape[-1]
   ch = lambda x: None if x is None else x.reshape(b_, m, -1, *x.shape[2:])   # [B, m, c, ...]
   flat = lambda x: None if x is None else x.reshape(-1, *x.shape[2:])
@@ -608,11 +595,9 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
                                      return_lse=False, implementation=None, interpret=False):
   """:func:`context_parallel_attention` on one device's shard, for use inside ``shard_map``.
 
-  The local arrays hold this device's chunks in the layout's order (no padding: each local
-  length is a multiple of the chunks per device, 2 for "zigzag").
-
   Args:
-    q, k, v: local [batch, len, heads, head_dim] shards of the permuted sequences.
+    q, k, v: local [batch, len, heads, head_dim] shards of the permuted sequences: this device's
+      chunks in the layout's order, no padding (lengths a multiple of 2 for "zigzag").
     axis_name: the mesh axis the sequence is split over.
     causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap, strategy,
       layout, implementation, interpret: as :func:`context_parallel_attention`, on the shards.
@@ -622,13 +607,11 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
     The local output [batch, len, q_heads, head_dim_v], or (out, lse) if return_lse.
 
   Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jax.sharding import PartitionSpec as P
     >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("seq",))
     >>> x = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
     >>> f = jax.shard_map(lambda q, k, v: context_parallel_attention_shard(
-    ...     q, k, v, axis_name="seq", causal=True), mesh=mesh, in_specs=P(None, "seq"),
-    ...     out_specs=P(None, "seq"))
+    ...     q, k, v, axis_name="seq", causal=True), mesh=mesh, in_specs=PS(None, "seq"),
+    ...     out_specs=PS(None, "seq"))
     >>> f(x, x, x).shape
     (1, 64, 2, 16)
   """
@@ -648,14 +631,13 @@ def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_
 
 def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_cap=None,
                         implementation=None, interpret=False):
-  """One device's forward under a "ring" or "all_gather" plan with every step's K/V given up
-  front: that device's kernel calls and merges without the communication (benchmarks).
+  """One device's kernel calls and merges under a "ring" or "all_gather" plan, every step's K/V
+  given up front (no communication; for benchmarks).
 
   Args:
     plan: a :class:`ContextParallelPlan` of strategy "ring" or "all_gather".
     q: the device's local queries [batch, len, heads, head_dim], in the layout's order.
-    kv_shards: every device's local (k, v), indexed by device.
-    device: the device (int).
+    kv_shards, device: every device's local (k, v), indexed by device; this device (int).
     scale, logits_soft_cap, implementation, interpret: as :func:`jattn.flash_attention`.
 
   Returns:
@@ -699,27 +681,21 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, causal=False, local_
   Args:
     q: [batch, q_len, q_heads, head_dim] in the layout's order.
     k, v: [batch, kv_len, kv_heads, head_dim(_v)], likewise (GQA: only the kv heads move).
-    mesh: a ``jax.sharding.Mesh``.
-    axis_name: the mesh axis the sequence is split over.
-    causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap: as
-      :func:`jattn.flash_attention` (segment ids in the layout's order).
+    mesh, axis_name: a ``jax.sharding.Mesh`` and the axis the sequence is split over.
+    causal, local_window_size, segment_ids, kv_segment_ids, scale, logits_soft_cap,
+      implementation, interpret: as :func:`jattn.flash_attention` (segment ids in the layout's
+      order; any implementation but "cudnn").
     strategy: "ring" (pass-KV), "all_gather" or "ring_q" (pass-Q).
     layout: "zigzag" (device i holds chunks i and 2P-1-i) or "contiguous".
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (layout order).
-    implementation: the per-chunk kernels' (:func:`jattn.flash_attention`; not "cudnn").
-    interpret: run Pallas kernels in interpret mode (CPU).
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype (layout order), or (out, lse).
 
   Example:
-    >>> import jax, jattn
+    >>> x = context_parallel_permute(jnp.ones((1, 100, 2, 16)), 1)
     >>> mesh = jax.make_mesh((1,), ("seq",))
-    >>> x = jax.random.normal(jax.random.key(0), (1, 100, 2, 16))
-    >>> xp = jattn.context_parallel_permute(x, 1)
-    >>> out = jattn.context_parallel_attention(xp, xp, xp, mesh=mesh, axis_name="seq",
-    ...                                        causal=True)
-    >>> out.shape
+    >>> context_parallel_attention(x, x, x, mesh=mesh, axis_name="seq", causal=True).shape
     (1, 100, 2, 16)
   """
   batch, q_len, kv_len, _, _ = check_qkv(q, k, v)
@@ -825,19 +801,16 @@ def context_parallel_decode_attention(q, k_cache, v_cache, kv_lengths, *, mesh, 
     k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)], sharded along max_len.
     kv_lengths: int32 [batch], valid entries per sequence.
     mesh, axis_name: the mesh and the axis the cache length is split over.
-    scale, logits_soft_cap, implementation, interpret: as :func:`jattn.decode_attention`.
-    return_lse: also return the log-sum-exp [batch, q_heads].
+    scale, logits_soft_cap, return_lse, implementation, interpret: as
+      :func:`jattn.decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse).
 
   Example:
-    >>> import jax, jax.numpy as jnp, jattn
-    >>> mesh = jax.make_mesh((1,), ("seq",))
-    >>> q = jax.random.normal(jax.random.key(0), (2, 4, 16))
-    >>> kv = jax.random.normal(jax.random.key(1), (2, 64, 2, 16))
-    >>> jattn.context_parallel_decode_attention(q, kv, kv, jnp.array([5, 64]), mesh=mesh,
-    ...                                         axis_name="seq").shape
+    >>> q, kv, mesh = jnp.ones((2, 4, 16)), jnp.ones((2, 64, 2, 16)), jax.make_mesh((1,), ("s",))
+    >>> context_parallel_decode_attention(q, kv, kv, jnp.array([5, 64]), mesh=mesh,
+    ...                                   axis_name="s").shape
     (2, 4, 16)
   """
   p = _axis_size(mesh, axis_name)

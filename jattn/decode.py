@@ -1,11 +1,8 @@
 """Flash decoding: one query token per sequence over a contiguous or paged KV cache.
 
-Implementations:
-  * ``"xla"``: pure jnp (``pallas_kernels.decode.reference``; materialises the logits).
-  * ``"triton"``: Pallas GPU split-KV kernel (``pallas_kernels.decode.triton``), splits merged
-    by ``pallas_kernels.common.merge.merge_partials_pallas``.
-  * ``"mosaic_tpu"``: Pallas Mosaic TPU kernel with the same split-KV structure; XLA merges.
-  * ``None``: "triton" on GPU, "mosaic_tpu" on TPU, "xla" on CPU.
+Implementations: "xla" (pure jnp, ``pallas_kernels.decode.reference``; materialises the
+logits), "triton" (Pallas GPU split-KV kernel; splits merged by ``merge_partials_pallas``),
+"mosaic_tpu" (the same split-KV structure; XLA merges); None: the platform's, "xla" on CPU.
 
 Sequence b holds ``kv_lengths[b]`` valid keys and its query sits at ``kv_lengths[b] - 1``
 (lengths clamped to the capacity; length 0 gives zeros and lse -inf). Keys it cannot see
@@ -89,9 +86,8 @@ def resolve_decode_implementation(implementation=None, *, platform=None):
 
 def default_num_splits(implementation, batch, kv_heads, max_len, block_sizes=None, *,
                        head_dim=128, dtype=jnp.bfloat16):
-  """The split count used when ``num_splits=None``: for "triton"
-  ``pallas_kernels.decode.triton.default_num_splits`` (about two programs per multiprocessor),
-  else 1.
+  """The split count used when ``num_splits=None``: for "triton" its kernel module's
+  ``default_num_splits`` (about two programs per multiprocessor), else 1.
 
   Args:
     implementation: a resolved implementation name.
@@ -133,10 +129,7 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
   negative length gives 0 output and -inf lse) and page ids to [0, num_pages - 1].
 
   Args:
-    q, k, v: the call's query and caches (or page pools) in ``kv_layout``.
-    kv_lengths: int [batch].
-    page_table: None or int [batch, max_pages].
-    kv_layout: "nhd" or "hnd".
+    q, k, v, kv_lengths, page_table, kv_layout: the call's (caches or page pools).
     min_page_size: the smallest page size the op runs.
 
   Returns:
@@ -210,9 +203,8 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
   :func:`default_num_splits`; the merge is "pallas" for "triton", else "xla".
 
   Args:
-    q, k_cache, v_cache, kv_lengths: the call's arrays (or ShapeDtypeStructs of them).
-    page_table: None (contiguous cache) or int32 [batch, max_pages] (or a ShapeDtypeStruct).
-    kv_layout: "nhd" or "hnd".
+    q, k_cache, v_cache, kv_lengths, page_table, kv_layout: the call's (arrays or
+      ShapeDtypeStructs; ``page_table`` None for a contiguous cache).
     scale, local_window_size, logits_soft_cap, return_lse, interpret, max_estimate: validated
       as in the call (they do not change the plan).
     implementation, num_splits, block_sizes, softmax, schedule: as in
@@ -273,13 +265,11 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
                      max_estimate=None, schedule=None):
   """Attention of one new query token per sequence over a contiguous KV cache (flash decoding).
 
-  ``kv_layout`` "nhd" is [batch, max_len, kv_heads, head_dim]; "hnd" (head-major) is [batch,
-  kv_heads, max_len, head_dim], run as a free reshape to batch * kv_heads sequences.
-
   Args:
     q: [batch, q_heads, head_dim], fp32/bf16/fp16.
-    k_cache: the key cache in ``kv_layout``; q_heads % kv_heads == 0.
-    v_cache: like ``k_cache`` with head_dim_v (may differ from head_dim).
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)] ("nhd") or [batch, kv_heads,
+      max_len, head_dim(_v)] ("hnd": a free reshape to batch * kv_heads sequences); kv_heads
+      divides q_heads.
     kv_lengths: int32 [batch] in [0, max_len]: valid entries per sequence, query at
       ``kv_lengths - 1`` (ValueError outside; traced values: :func:`check_decode_call`).
     scale: logit scale, default 1/sqrt(head_dim).
@@ -289,8 +279,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     return_lse: also return the log-sum-exp [batch, q_heads] (fp32, natural log).
     implementation: None, "xla", "triton" or "mosaic_tpu" (:func:`resolve_decode_implementation`).
     interpret: run a Pallas kernel in interpret mode (CPU).
-    block_sizes: optional kernel-specific ``DecodeBlockSizes``.
-    kv_layout: "nhd" (default) or "hnd".
+    block_sizes, kv_layout: optional kernel-specific ``DecodeBlockSizes``; "nhd" or "hnd".
     softmax: "exact" (each split its own running max, merged by log-sum-exp) or
       "unified_max" (one shared estimate per (row, head), a plain-sum merge, overshooting
       splits recomputed exactly; see ``jattn.decode_serving``); "xla" and "triton".
@@ -303,11 +292,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse (either layout).
 
   Example:
-    >>> import jax, jax.numpy as jnp
-    >>> q = jax.random.normal(jax.random.key(0), (2, 8, 64))
-    >>> k = jax.random.normal(jax.random.key(1), (2, 256, 2, 64))
-    >>> out = decode_attention(q, k, k, jnp.array([17, 256], jnp.int32), implementation="xla")
-    >>> out.shape
+    >>> q, k = jnp.ones((2, 8, 64)), jnp.ones((2, 256, 2, 64))
+    >>> decode_attention(q, k, k, jnp.array([17, 256], jnp.int32), implementation="xla").shape
     (2, 8, 64)
   """
   return _run(q, k_cache, v_cache, kv_lengths, None, scale=scale,
@@ -324,14 +310,11 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
                            max_estimate=None, schedule=None):
   """Decode attention over a paged KV cache (continuous batching, vLLM-style page table).
 
-  Head-major ("hnd") pages run as a free reshape to batch * kv_heads one-head sequences (page p
-  of kv head h becomes page p * kv_heads + h).
-
   Args:
     q: [batch, q_heads, head_dim].
-    k_pages: [num_pages, page_size, kv_heads, head_dim] ("nhd") or [num_pages, kv_heads,
-      page_size, head_dim] ("hnd"); page_size >= 16.
-    v_pages: like ``k_pages`` with head_dim_v, the dtype of ``k_pages``.
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim(_v)] ("nhd") or [num_pages,
+      kv_heads, page_size, head_dim(_v)] ("hnd": page p of kv head h becomes page
+      p * kv_heads + h of one-head sequences), one dtype; page_size >= 16.
     page_table: int32 [batch, max_pages]: token t of sequence b is in page
       ``page_table[b, t // page_size]`` at slot ``t % page_size``.
     kv_lengths: int32 [batch] in [0, max_pages * page_size] (traced lengths and page ids out
@@ -345,13 +328,10 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, *, scale
     out [batch, q_heads, head_dim_v] in q.dtype, or (out, lse) if return_lse.
 
   Example:
-    >>> import jax, jax.numpy as jnp
-    >>> q = jax.random.normal(jax.random.key(0), (2, 4, 32))
-    >>> pages = jax.random.normal(jax.random.key(1), (6, 16, 2, 32))
+    >>> q, pages = jnp.ones((2, 4, 32)), jnp.ones((6, 16, 2, 32))
     >>> table = jnp.array([[3, 1, 0], [5, 2, 4]], jnp.int32)
-    >>> out = paged_decode_attention(q, pages, pages, table, jnp.array([40, 7], jnp.int32),
-    ...                              implementation="xla")
-    >>> out.shape
+    >>> paged_decode_attention(q, pages, pages, table, jnp.array([40, 7], jnp.int32),
+    ...                        implementation="xla").shape
     (2, 4, 32)
   """
   return _run(q, k_pages, v_pages, kv_lengths, as_array("page_table", page_table), scale=scale,
@@ -463,11 +443,9 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
   raise ValueError; traced ones outside [0, max_len) drop the write (never another slot).
 
   Args:
-    k_cache: [batch, max_len, kv_heads, head_dim].
-    v_cache: [batch, max_len, kv_heads, head_dim_v] (head_dim_v may differ, e.g. MLA).
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)] (head_dim_v may differ, e.g. MLA).
     kv_lengths: int32 [batch], current lengths.
-    k_new: [batch, kv_heads, head_dim] (cast to the cache dtype).
-    v_new: [batch, kv_heads, head_dim_v].
+    k_new, v_new: [batch, kv_heads, head_dim(_v)] (cast to the cache dtype).
 
   Returns:
     (k_cache, v_cache, kv_lengths + 1).
@@ -497,12 +475,9 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
   the write (never into another page). Jit with ``donate_argnums=(0, 1)`` for in-place.
 
   Args:
-    k_pages: [num_pages, page_size, kv_heads, head_dim].
-    v_pages: [num_pages, page_size, kv_heads, head_dim_v] (head_dim_v may differ, e.g. MLA).
-    page_table: int32 [batch, max_pages].
-    kv_lengths: int32 [batch].
-    k_new: [batch, kv_heads, head_dim].
-    v_new: [batch, kv_heads, head_dim_v].
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim(_v)] (head_dim_v may differ).
+    page_table, kv_lengths: int32 [batch, max_pages] and [batch].
+    k_new, v_new: as :func:`append_kv`.
 
   Returns:
     (k_pages, v_pages, kv_lengths + 1).

@@ -1,17 +1,15 @@
 """Serving-grade decode: length-balanced work schedules and the unified-max softmax.
 
-A :class:`DecodeSchedule` partitions every sequence's visible keys into *units* of about equal
-size (whole kernel blocks), computed with jnp once per batch composition (lengths may be traced;
-the unit count is static). The kernel runs one program per (unit, kv head), so mixed lengths
-give programs of equal work; a row's units are contiguous and merged by row.
+A :class:`DecodeSchedule` splits every sequence's visible keys into *units* of about equal size
+(whole kernel blocks; jnp, once per batch composition, with a static unit count). The kernel runs
+one program per (unit, kv head), so mixed lengths give programs of equal work.
 
 ``softmax="unified_max"`` computes every partial against one shared estimate ``m_hat`` per
 (row, query head) instead of its own running max: no rescaling in the loop, and the merge is a
 plain sum (out = sum acc / sum l, lse = m_hat + log sum l). Partials whose max logit exceeds
-``m_hat + UNIFIED_MARGIN`` (exp could overflow), or rows whose max is below
-``m_hat - UNIFIED_MARGIN`` (underflow), are recomputed by the exact kernel (only the flagged
-programs), so the result equals the exact path's. The default estimate, each row's newest-key
-logit, is a lower bound of the row max.
+``m_hat + UNIFIED_MARGIN`` (overflow), or rows whose max is below ``m_hat - UNIFIED_MARGIN``
+(underflow), are recomputed exactly (only the flagged programs): the result equals the exact
+path's. The default estimate, each row's newest-key logit, is a lower bound of the row max.
 """
 from __future__ import annotations
 
@@ -39,9 +37,8 @@ class DecodeSchedule:
   """A length-balanced partition of a batch's visible keys into units (see the module doc).
 
   Attributes:
-    unit_row: int32 [max_units]: each unit's sequence (batch for unused units).
-    unit_first: int32 [max_units]: its first key block (blocks of ``block`` keys).
-    unit_count: int32 [max_units]: its number of blocks (0 for unused units).
+    unit_row, unit_first, unit_count: int32 [max_units]: each unit's sequence (batch if
+      unused), first key block and number of blocks (0 if unused).
     row_units: int32 [batch + 1]: sequence b owns units row_units[b] .. row_units[b + 1] - 1.
     block: keys per block (static): the kernel's step.
 
@@ -73,8 +70,7 @@ def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
 
   Args:
     kv_lengths: int [batch] (clamped to [0, capacity]); the query sits at length - 1.
-    capacity: cache capacity in keys.
-    block: keys per block.
+    capacity, block: cache capacity in keys, and keys per block.
     max_units: the static number of units, >= batch.
     window_left: None or the left window size (keys >= length - 1 - window_left are seen).
 
@@ -109,9 +105,8 @@ def balance_units(kv_lengths, *, capacity, block, max_units, window_left=None):
 
 
 def default_max_units(implementation, batch, kv_heads, *, core_count=None):
-  """Units of a schedule when ``max_units=None``: for "triton" batch + ceil(4 x
-  multiprocessors / kv_heads) (one short unit per sequence, then ~4 programs per
-  multiprocessor), else 2 x batch.
+  """Units of a schedule when ``max_units=None``: for "triton" batch + ceil(4 x multiprocessors
+  / kv_heads) (one short unit per sequence, then ~4 programs per multiprocessor), else 2 x batch.
 
   Args:
     implementation, batch, kv_heads: the plan's; batch counts sequences (x kv_heads for "hnd").
@@ -136,8 +131,7 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
   """A length-balanced schedule for :func:`jattn.decode_attention` (or, with ``page_table``,
   :func:`jattn.paged_decode_attention`) called with the same arguments and ``schedule=``.
 
-  Compute it once per batch composition (it depends on the lengths, not the cache contents);
-  under jit the lengths may be traced. "mosaic_tpu" takes no schedule.
+  Compute it once per batch composition (lengths may be traced). "mosaic_tpu" takes none.
 
   Args:
     q, k_cache, v_cache, kv_lengths, page_table, kv_layout, local_window_size, implementation,
@@ -179,11 +173,7 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
 def check_serving_args(q, softmax, max_estimate, schedule, num_splits, sequences, block):
   """ValueError/TypeError for a bad ``softmax`` / ``max_estimate`` / ``schedule`` of a decode
   call (``sequences``: batch, or batch x kv_heads for "hnd"; ``block``: the plan's schedule
-  block, or None where the implementation takes no schedule).
-
-  Example:
-    >>> check_serving_args(jnp.ones((1, 4, 8)), "exact", None, None, None, 1, 64)
-  """
+  block, or None where the implementation takes no schedule)."""
   if softmax not in SOFTMAX_MODES:
     raise ValueError(f"softmax must be one of {SOFTMAX_MODES}, got {softmax!r}")
   if max_estimate is not None:
@@ -209,13 +199,12 @@ def check_serving_args(q, softmax, max_estimate, schedule, num_splits, sequences
 
 
 def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_soft_cap=None):
-  """Each query head's logit (after scale and soft cap) of its sequence's newest key (position
-  length - 1): the default ``max_estimate``, a lower bound of the row max. Length-0 rows read
-  key 0 (their estimate is never used).
+  """Each query head's logit (after scale and soft cap) of its sequence's newest key: the default
+  ``max_estimate``, a lower bound of the row max (length-0 rows read key 0, never used).
 
   Args:
-    q, k_cache, kv_lengths, page_table: as in the decode call (contiguous cache or page pool);
-      scale, logits_soft_cap: its resolved options.
+    q, k_cache, kv_lengths, page_table, scale, logits_soft_cap: as in the decode call
+      (contiguous cache or page pool; resolved options).
 
   Returns:
     fp32 [batch, q_heads].
@@ -239,12 +228,8 @@ def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_
 
 
 def run_decode(partials, q, kv_heads, m_hat, schedule, *, softmax, merge, interpret):
-  """Partials -> (out [batch, q_heads, dv] in q.dtype, lse fp32), inside the call's jit.
-
-  ``partials(m_hat=None, active=None)`` gives the kernel's partials (leading [batch, splits], or
-  [1, U] with a ``schedule``); q is [batch, q_heads, head_dim]; m_hat fp32 [batch, q_heads] for
-  "unified_max", else None; ``merge`` is the plan's, "pallas" or "xla".
-  """
+  """(out [batch, q_heads, dv] in q.dtype, lse fp32) from ``partials(m_hat=None, active=None)``
+  (the kernel's, leading [batch, splits] or, with a ``schedule``, [1, U]), inside the jit."""
   b, hq, _ = q.shape
   if schedule is None:
     rowsum = lambda x: jnp.sum(x, axis=1)

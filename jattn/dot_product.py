@@ -1,11 +1,6 @@
-"""``dot_product_attention``: ``jax.nn.dot_product_attention``'s signature on jattn's kernels.
-
-The call maps onto :func:`jattn.flash_attention`: ``is_causal`` and ``local_window_size`` keep
-jax.nn's top-left alignment when q_len != kv_len (keys no query can see are dropped, and the
-shorter side is padded, so the kernels see equal lengths); sequence lengths become segment ids
-(1 for a valid position, 0 for padding); ``mask`` becomes block schedules on device; ``bias``
-is added to the logits.
-"""
+"""``dot_product_attention``: ``jax.nn.dot_product_attention``'s signature on
+:func:`jattn.flash_attention` (sequence lengths become segment ids, top-left aligned masks
+bottom-right aligned ones over equal padded lengths)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -32,41 +27,34 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   """Scaled dot-product attention with ``jax.nn.dot_product_attention``'s signature.
 
   Same shapes and semantics as jax.nn (BTNH layout, GQA, top-left aligned causal masks and
-  windows, sequence lengths, boolean masks, additive biases), run by jattn's kernels. The
-  differences:
-
-  * a query row that sees no key returns 0 with zero gradients (jax.nn's "xla" path fills
-    masked logits with a large finite negative number, so such a row averages every value);
-  * fp32 inputs are computed at full fp32 precision;
-  * ``implementation`` takes jattn's names; there is no ``return_residual``.
+  windows, sequence lengths, boolean masks, additive biases), except: a query row that sees no
+  key returns 0 with zero gradients (jax.nn's "xla" path averages every value there); fp32
+  inputs run at full fp32 precision; ``implementation`` takes jattn's names; there is no
+  ``return_residual``.
 
   Args:
     query: [batch, q_len, q_heads, head_dim] or [q_len, q_heads, head_dim].
-    key: [batch, kv_len, kv_heads, head_dim] (same rank as query); q_heads % kv_heads == 0.
-    value: [batch, kv_len, kv_heads, head_dim_v].
+    key, value: [batch, kv_len, kv_heads, head_dim(_v)] (query's rank); kv_heads divides q_heads.
     bias: None or float, broadcastable to [batch, q_heads, q_len, kv_len] (at most 4-D; missing
       leading axes are added; each axis 1 or full), added to the scaled logits.
     mask: None or bool, shaped like ``bias``; True where a query may see a key.
     scale: logit scale (None: 1 / sqrt(head_dim)).
     is_causal: query i sees keys j <= i (top-left aligned, as jax.nn).
-    query_seq_lengths: None or int [batch]: rows at or past the length see no key (output 0).
-    key_value_seq_lengths: None or int [batch]: keys at or past the length are masked.
+    query_seq_lengths, key_value_seq_lengths: None or int [batch]: rows at or past the length
+      see no key (output 0); keys at or past it are masked.
     local_window_size: None, int w or (left, right): query i sees keys i - left .. i + right.
-    implementation: None (the platform's choice, see :func:`jattn.flash_attention_plan`),
-      "xla", "triton", "mosaic_gpu", "mosaic_tpu" or "cudnn"; ``mask`` and ``bias`` run on
-      "xla" and "triton" only (the others raise ValueError).
+    implementation: None (:func:`jattn.flash_attention_plan`) or a name of
+      :func:`jattn.flash_attention`'s; ``mask`` and ``bias`` run on "xla" and "triton" only.
     interpret: run a Pallas kernel in interpret mode (CPU tests).
 
   Returns:
     The output, shaped like ``query`` with value's head_dim, in query's dtype.
 
   Example:
-    >>> import jax, jax.numpy as jnp, jattn
-    >>> q = jax.random.normal(jax.random.key(0), (2, 100, 4, 64))
-    >>> k = jax.random.normal(jax.random.key(1), (2, 80, 2, 64))
+    >>> import jax
+    >>> q, k = jnp.ones((2, 100, 4, 64)), jnp.ones((2, 80, 2, 64))
     >>> m = jax.random.bernoulli(jax.random.key(2), 0.5, (2, 1, 100, 80))
-    >>> out = jattn.dot_product_attention(q, k, k, mask=m, is_causal=True)
-    >>> out.shape
+    >>> dot_product_attention(q, k, k, mask=m, is_causal=True).shape
     (2, 100, 4, 64)
   """
   query, key, value = map(as_array, ("query", "key", "value"), (query, key, value))

@@ -1,17 +1,11 @@
 """Sample packing: Best-Fit-Decreasing bins, packed batches, segment ids and positions.
 
 Best-Fit-Decreasing (BFD) packing (Ding et al., "Fewer Truncations Improve Language Modeling",
-ICML 2024) keeps every document no longer than the row whole; with segment ids
-(``flash_attention(..., segment_ids=...)``) no token attends across documents.
-
-* ``pack_bfd(lengths, max_len)`` -> ``PackPlan``: where each document chunk goes.
-* ``TokenStore`` + ``materialize(plan, store, rows)`` -> ``PackedBatch`` of rows of a plan.
-* ``segments_from_lengths(doc_lengths, max_len)``: segment ids and positions under ``jax.jit``.
-* ``PackedIterator``: shuffled, epoch-aware, seeded batches, resumable from a small state dict.
-
-``pack_bfd`` finds the best-fit bin with a segment tree over capacities, placing runs of
-equal-length chunks per query: exactly sequential BFD up to ties between bins of equal capacity
-(docs/packing.md).
+ICML 2024) keeps every document no longer than a row whole; with segment ids no token attends
+across documents. ``pack_bfd`` finds the best-fit bin with a segment tree over capacities,
+placing runs of equal-length chunks per query: exactly sequential BFD up to ties between bins of
+equal capacity (docs/packing.md). ``materialize`` builds a plan's rows from a ``TokenStore``;
+``PackedIterator`` yields shuffled, seeded, resumable batches.
 """
 from __future__ import annotations
 
@@ -33,20 +27,15 @@ __all__ = ["PackPlan", "pack_bfd", "TokenStore", "PackedBatch", "materialize",
 # ----------------------------------------------------------------------------- Planning
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackPlan:
-  """Where every chunk of every document goes: one entry per chunk (columnar).
+  """Where every chunk of every document goes: one entry per chunk, in document order.
 
-  Entries are in document order. Chunk i holds tokens ``chunk_starts[i]:+chunk_lengths[i]`` of
-  document ``doc_ids[i]`` at columns ``offsets[i]:+chunk_lengths[i]`` of row ``bins[i]``; rows are
-  filled back to back from column 0.
+  Chunk i holds tokens ``chunk_starts[i]:+chunk_lengths[i]`` (1 <= length <= max_len) of
+  document ``doc_ids[i]`` (an index into the input lengths) at columns
+  ``offsets[i]:+chunk_lengths[i]`` of row ``bins[i]``; rows fill back to back from column 0.
 
   Attributes:
-    doc_ids: int64 [num_chunks], index of the document in the input lengths.
-    chunk_starts: int64 [num_chunks], first token of the chunk within its document.
-    chunk_lengths: int64 [num_chunks], 1 <= length <= max_len.
-    bins: int64 [num_chunks], the row the chunk is packed into, 0 <= bin < num_bins.
-    offsets: int64 [num_chunks], first column of the chunk in its row.
-    num_bins: number of rows.
-    max_len: row length.
+    doc_ids, chunk_starts, chunk_lengths, bins, offsets: int64 [num_chunks], as above.
+    num_bins, max_len: number of rows and row length.
     num_docs: number of input documents (including empty ones, which have no chunk).
 
   Example:
@@ -65,7 +54,6 @@ class PackPlan:
 
   @property
   def num_chunks(self) -> int:
-    """Number of chunks (entries)."""
     return int(self.doc_ids.shape[0])
 
   @functools.cached_property
@@ -86,10 +74,7 @@ class PackPlan:
     return int(np.bincount(self.bins, minlength=self.num_bins).max()) if self.num_bins else 0
 
   def utilization(self) -> float:
-    """Fraction of the row slots that hold a token.
-
-    Returns:
-      ``sum(chunk_lengths) / (num_bins * max_len)``; 1.0 for an empty plan.
+    """Fraction of the row slots that hold a token (1.0 for an empty plan).
 
     Example:
       >>> pack_bfd([3, 6, 2], max_len=8).utilization()
@@ -244,9 +229,8 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
 # ----------------------------------------------------------------------------- Materialising rows
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenStore:
-  """Documents as one flat token array plus boundaries (CSR layout).
-
-  Document d is ``tokens[offsets[d]:offsets[d + 1]]``.
+  """Documents as one flat token array plus boundaries (CSR layout): document d is
+  ``tokens[offsets[d]:offsets[d + 1]]``.
 
   Attributes:
     tokens: 1-D int array of all documents' tokens, back to back.
@@ -274,13 +258,7 @@ class TokenStore:
 
   @classmethod
   def from_documents(cls, docs: Sequence) -> "TokenStore":
-    """Build a store from a list of 1-D token arrays.
-
-    Args:
-      docs: sequence of 1-D integer arrays (or lists), one per document; empty ones allowed.
-
-    Returns:
-      A ``TokenStore`` holding their concatenation.
+    """A store of ``docs``: 1-D integer arrays (or lists), one per document, empty ones allowed.
 
     Example:
       >>> s = TokenStore.from_documents([[1, 2, 3], [], [4]])
@@ -294,7 +272,6 @@ class TokenStore:
 
   @property
   def num_docs(self) -> int:
-    """Number of documents."""
     return int(self.offsets.shape[0] - 1)
 
   @property
@@ -316,14 +293,12 @@ def _as_store(store) -> TokenStore:
 class PackedBatch:
   """Packed rows ready for a training step (numpy arrays).
 
-  ``loss_weights[r, t]`` weights the prediction of ``tokens[r, t + 1]`` from t: 1 iff both lie
-  in the same document chunk (the last column is always 0).
-
   Attributes:
     tokens: [n, max_len] token ids (``pad_id`` in padding).
     segment_ids: int32 [n, max_len]; chunks numbered 1, 2, ... per row, 0 for padding.
     positions: int32 [n, max_len]; restart at 0 at each chunk start (0 in padding).
-    loss_weights: float32 [n, max_len], see above.
+    loss_weights: float32 [n, max_len]: ``[r, t]`` weights the prediction of
+      ``tokens[r, t + 1]`` from t: 1 iff both lie in one chunk (the last column is always 0).
     doc_lengths: int32 [n, max_segments]; chunk lengths in row order, zero padded.
     doc_ids: int64 [n, max_segments]; document of each chunk, -1 padded.
     chunk_starts: int64 [n, max_segments]; first token of each chunk in its document, 0 padded.
@@ -370,8 +345,8 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
     plan: a ``PackPlan`` over the store's documents (``plan.num_docs == store.num_docs``).
     store: a ``TokenStore``, a ``(flat_tokens, offsets)`` pair or a list of 1-D token arrays.
     rows: rows (bins) to build, default all; -1 gives an all-padding row.
-    max_segments: width of ``doc_lengths``/``doc_ids``; default ``plan.max_segments``.
-    pad_id: token id written in padding.
+    max_segments, pad_id: width of ``doc_lengths``/``doc_ids`` (default ``plan.max_segments``)
+      and the token id written in padding.
 
   Returns:
     A ``PackedBatch`` with ``len(rows)`` rows of ``plan.max_len`` tokens.
@@ -478,13 +453,12 @@ class PackedIterator:
 
   Args:
     store: a ``TokenStore``, ``(flat_tokens, offsets)`` or a list of 1-D token arrays.
-    max_len: row length.
-    batch_size: rows per batch.
-    seed: integer seed.
+    max_len, batch_size: row length and rows per batch.
+    seed, pad_id: integer seed and the token id for padding.
     window: pack in shuffled windows of this many documents (None: all at once).
     max_segments: static width of ``doc_lengths``/``doc_ids``; default epoch 0's, rounded up to 8.
     num_epochs: stop after this many epochs (None: never stop).
-    pad_id: token id for padding.
+    state: None, or a ``get_state`` dict to resume from.
 
   Example:
     >>> docs = [np.full(n, i + 1) for i, n in enumerate([5, 3, 4, 9, 2])]
@@ -533,13 +507,7 @@ class PackedIterator:
     return self._cache[1:]
 
   def steps_in_epoch(self, epoch: int | None = None) -> int:
-    """Number of batches in an epoch.
-
-    Args:
-      epoch: the epoch (default: the current one).
-
-    Returns:
-      ``ceil(rows / batch_size)`` for that epoch's plan.
+    """Batches in ``epoch`` (default: the current one): ``ceil(rows / batch_size)``.
 
     Example:
       >>> it = PackedIterator([np.ones(5), np.ones(5)], max_len=8, batch_size=1)
@@ -557,10 +525,8 @@ class PackedIterator:
     return [self.seed, self.max_len, self.batch_size, self.window, int(lengths.shape[0]), h]
 
   def get_state(self) -> dict:
-    """The iterator's position: a small JSON-serialisable dict.
-
-    Returns:
-      ``{"epoch": e, "step": s, "fingerprint": [...]}``: the next batch is batch s of epoch e.
+    """The iterator's position, a JSON-serialisable dict of "epoch", "step" and "fingerprint": the
+    next batch is batch ``step`` of ``epoch``.
 
     Example:
       >>> it = PackedIterator([np.ones(3)], max_len=4, batch_size=1)
@@ -570,10 +536,7 @@ class PackedIterator:
     return {"epoch": self._epoch, "step": self._step, "fingerprint": self._fingerprint()}
 
   def set_state(self, state: dict) -> None:
-    """Continue from a state returned by ``get_state``.
-
-    Args:
-      state: dict from ``get_state`` of an identically configured iterator (else ValueError).
+    """Continue from a ``get_state`` dict of an identically configured iterator (else ValueError).
 
     Example:
       >>> it = PackedIterator([np.ones(3)] * 4, max_len=4, batch_size=1)

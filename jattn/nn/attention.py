@@ -1,19 +1,13 @@
 """``Attention``: one Flax NNX attention layer for every ``LayerSpec`` kind, with KV caches.
 
-* Heads: GQA/MQA, or MLA-style low-rank latent KV (``kv_lora_rank``) with a decoupled RoPE key
-  of ``rope_head_dim`` channels; the MLA cache holds [latent | k_rope] ("latent_k_rope") or,
-  NoPE, "latent".
-* Positions: RoPE (``spec.rope_base``) at explicit positions, or NoPE; ``qk_norm`` RMSNorms each
-  query and key head before RoPE.
-* Forward: "global"/"local" -> ``jattn.flash_attention`` (causal, local window); "sparse" ->
-  ``jattn.sparse.sparse_attention``; "csa" -> ``jattn.nn.csa``. Packed inputs pass segment ids.
-* Decode: ``init_cache`` creates ``nnx.Cache`` variables; ``decode(x)`` appends t >= 1 tokens
-  (all rows share one cache index). "global"/"sparse" keep ``max_len`` tokens, "local" a ring of
-  ``window`` tokens, "csa" compressed entries plus a raw ring. Single tokens run
-  ``jattn.decode_attention`` (MLA: absorbed, ``Attention.absorbed_decode``) or, for "sparse",
-  ``jattn.sparse.sparse_decode_attention``; chunks run ``jattn.flash_attention`` over the cache.
-* ``kv_cache_layout``: "nhd" [batch, slots, kv_heads, head_dim] or "hnd" [batch, kv_heads,
-  slots, head_dim] ("global", "sparse" and "local" layers only; not MLA or "csa").
+Heads: GQA/MQA, or MLA low-rank latent KV (``kv_lora_rank``) with a decoupled RoPE key of
+``rope_head_dim`` channels (cached as [latent | k_rope], "latent_k_rope", or NoPE "latent").
+The forward runs ``jattn.flash_attention`` ("global"/"local"), ``jattn.sparse.sparse_attention``
+("sparse") or ``jattn.nn.csa``. ``decode(x)`` appends t >= 1 tokens (all rows share one cache
+index): "global"/"sparse" keep ``max_len`` tokens, "local" a ring of ``window``, "csa" compressed
+entries plus a raw ring. Single tokens run ``jattn.decode_attention`` (MLA: absorbed,
+``Attention.absorbed_decode``) or ``jattn.sparse.sparse_decode_attention``; chunks run
+``jattn.flash_attention`` over the cache.
 """
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jattn import sparse
-from jattn._layout import KV_LAYOUTS
+from jattn._layout import check_kv_layout
 from jattn._validate import is_traced
 from jattn.attention import flash_attention
 from jattn.context_parallel import context_parallel_attention, context_parallel_permute
@@ -67,9 +61,7 @@ def check_kv_cache_layout(kv_cache_layout, *, kinds=(), mla=False):
     ...
     ValueError: kv_cache_layout='hnd' is not supported for 'csa' layers: ...
   """
-  if kv_cache_layout not in KV_LAYOUTS:
-    raise ValueError(f"kv_cache_layout must be 'nhd' ([batch, len, kv_heads, head_dim]) or 'hnd' "
-                     f"([batch, kv_heads, len, head_dim]), got {kv_cache_layout!r}")
+  check_kv_layout(kv_cache_layout, "kv_cache_layout")
   if mla and kv_cache_layout == "hnd":
     raise ValueError("kv_cache_layout='hnd' is not supported with MLA (kv_lora_rank): the MLA "
                      "cache holds a per-token latent [batch, len, kv_lora_rank (+ rope_head_dim)] "
@@ -84,8 +76,7 @@ class Attention(nnx.Module):
   """Multi-head causal self-attention for one ``LayerSpec``, with an optional KV cache.
 
   Args:
-    d_model: model width.
-    num_heads: query heads.
+    d_model, num_heads: model width and query heads.
     num_kv_heads: key/value heads (GQA/MQA; with MLA, the heads keys/values are up-projected to).
     head_dim: per-head width (MLA: the non-RoPE part and the value width; queries/keys have
       ``head_dim + rope_head_dim`` channels).
@@ -95,15 +86,15 @@ class Attention(nnx.Module):
     qk_norm: RMSNorm each query/key head (MLA: the non-RoPE part) before RoPE.
     mla_absorb: MLA only: absorb the up-projections in single-token decode where valid (see
       ``absorbed_decode``); False expands the cache every step.
-    implementation: passed to ``flash_attention`` / ``sparse_attention`` (None = per platform).
-    interpret: run Pallas kernels in interpret mode (CPU tests).
-    kv_cache_layout: "nhd" (default) or "hnd" (head-major K/V caches; not MLA or "csa").
+    implementation, interpret: passed to the attention ops (None = per platform; Pallas
+      interpret mode for CPU tests).
+    kv_cache_layout: "nhd" [batch, slots, kv_heads, head_dim] (default) or "hnd" [batch,
+      kv_heads, slots, head_dim] ("global", "local", "sparse"; not MLA).
     context_mesh, context_axis: None, or a mesh and the axis the sequence is split over: the
       forward runs ``jattn.context_parallel_attention`` ("global"/"local") or
       ``jattn.sparse_attention(..., mesh=...)`` ("sparse", gate "none", no distillation) on
       zig-zag ordered sequences (``jattn.context_parallel_permute``; default positions too).
-    param_dtype: parameter dtype.
-    dtype: computation dtype of the projections (None: from the inputs/params).
+    param_dtype, dtype: parameter dtype, and the projections' (None: from the inputs/params).
     rngs: ``nnx.Rngs`` (keyword-only); ``gate_grad="gumbel"`` layers draw noise from it.
 
   Example:
@@ -230,9 +221,6 @@ class Attention(nnx.Module):
     True for MLA layers with ``mla_absorb``, without ``qk_norm``, on an implementation in
     ``ABSORB_IMPLEMENTATIONS`` (on "triton" only up to ``TRITON_ABSORB_MAX_TILE``).
 
-    Returns:
-      A bool.
-
     Example:
       >>> mla = Attention(64, 4, 2, 16, kv_lora_rank=24, rope_head_dim=8, rngs=nnx.Rngs(0))
       >>> mla.absorbed_decode, Attention(64, 4, 2, 16, rngs=nnx.Rngs(0)).absorbed_decode
@@ -336,13 +324,7 @@ class Attention(nnx.Module):
     return jnp.swapaxes(a, 1, 2) if self._head_major(name) else a
 
   def cache_layout(self, max_len):
-    """What ``init_cache`` allocates (see the module-level ``cache_layout``).
-
-    Args:
-      max_len: longest context the cache must serve.
-
-    Returns:
-      dict name -> (storage, token slots, per-slot shape without batch).
+    """What ``init_cache(batch_size, max_len)`` allocates: :func:`cache_layout` of this layer.
 
     Example:
       >>> layer = Attention(64, 4, 1, 16, LayerSpec("local", window=8), rngs=nnx.Rngs(0))
@@ -359,9 +341,6 @@ class Attention(nnx.Module):
       batch_size: rows decoded together.
       max_len: total tokens (prompt + generated) the cache must hold (local layers: a ring).
       dtype: cache dtype (e.g. jnp.bfloat16).
-
-    Returns:
-      None.
     """
     layout = self.cache_layout(max_len)
     for name, (_, slots, shape) in layout.items():
@@ -548,12 +527,8 @@ def cache_layout(spec, max_len, *, num_kv_heads, head_dim, kv_lora_rank=None, ro
   """What a layer caches for a context of ``max_len`` tokens.
 
   Args:
-    spec: the layer's LayerSpec.
-    max_len: context length.
-    num_kv_heads: kv heads.
-    head_dim: head width (MLA: the non-RoPE part).
-    kv_lora_rank: MLA latent width or None.
-    rope_head_dim: MLA decoupled RoPE width.
+    spec, max_len: the layer's LayerSpec and the context length.
+    num_kv_heads, head_dim, kv_lora_rank, rope_head_dim: as :class:`Attention`.
 
   Returns:
     dict name -> (storage "full", "ring" or "compressed", slots, per-slot shape).

@@ -17,28 +17,23 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
   """``flax.nnx.dot_product_attention``'s signature, run by :func:`jattn.dot_product_attention`.
 
   Pass it as ``attention_fn`` to ``flax.nnx.MultiHeadAttention`` (or linen's
-  ``MultiHeadDotProductAttention``, which passes only the arguments in this signature). Flax's
-  float masks (1.0 = visible) are read as booleans. As in Flax's own path without dropout,
-  ``precision`` does not change the computation (jattn computes fp32 inputs at fp32 precision
-  and accumulates 16-bit inputs in fp32), and ``broadcast_dropout`` / ``dropout_rng`` are unused
-  because attention dropout is not supported. Rows that see no key return 0 (Flax averages every
-  value there); see :func:`jattn.dot_product_attention` for the semantics.
+  ``MultiHeadDotProductAttention``). Flax's float masks (1.0 = visible) are read as booleans.
+  There is no attention dropout; as in Flax without it, ``precision`` changes nothing (fp32
+  inputs run at fp32 precision, 16-bit ones accumulate in fp32). Rows that see no key return 0
+  (Flax averages every value there); semantics: :func:`jattn.dot_product_attention`.
 
   Args:
     query: [batch..., q_len, num_heads, head_dim] (any number of batch axes, or none).
     key: [batch..., kv_len, kv_heads, head_dim]; value: [batch..., kv_len, kv_heads, head_dim_v].
     bias: None or float broadcastable to [batch..., num_heads, q_len, kv_len].
     mask: None or bool/float broadcastable like ``bias``; nonzero entries are visible.
-    broadcast_dropout, dropout_rng: unused (no dropout).
-    dropout_rate: must be 0 unless ``deterministic``.
-    deterministic: whether dropout is off.
+    broadcast_dropout, dropout_rng, precision: unused.
+    dropout_rate, deterministic: the rate must be 0 unless ``deterministic``.
     dtype: computation dtype (default: promoted from the inputs by ``promote_dtype``).
-    precision: unused, as above.
     module: must be None (attention weights are never materialised, so they cannot be sown).
     promote_dtype: Flax's dtype promotion function.
     is_causal: causal mask (top-left aligned, as Flax and jax.nn).
-    implementation: jattn's implementation (None: the platform's).
-    interpret: run a Pallas kernel in interpret mode (CPU tests).
+    implementation, interpret: as :func:`jattn.dot_product_attention`.
 
   Returns:
     [batch..., q_len, num_heads, head_dim_v] in the computation dtype.

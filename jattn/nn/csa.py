@@ -1,29 +1,23 @@
 """CSA: compressed sparse attention along the token axis.
 
-Keys and values are compressed by learned weighted pooling: compressed entry c covers raw tokens
-``[c * r, c * r + 2r)`` (width 2 x ratio, stride ratio, 50% overlap) and is
+Keys and values are pooled with learned weights: entry c covers raw tokens ``[c*r, c*r + 2r)``
+(width 2r, stride r = ratio) and is
 
     ck[c] = sum_j softmax_j(gate_k[c*r + j] + bias_k[j]) * k[c*r + j]      (per channel)
 
-with gate logits from a learned projection of the layer input and a learned position bias
-``bias[2r, kv_heads, head_dim]`` (values alike, with their own gate). A query at position t sees
-entry c iff its window is complete: ``c*r + 2r - 1 <= t``.
+with gate logits projected from the layer input and a learned position bias ``bias[2r,
+kv_heads, head_dim]`` (values alike). A query at t sees entry c iff ``c*r + 2r - 1 <= t``.
 
-Two modes (``LayerSpec.csa_mode``):
+Modes (``LayerSpec.csa_mode``): "compressed" attends, per query head, the ``top_k`` visible
+entries with the largest ``q . ck`` plus a raw causal window (``jattn.flash_attention``) under
+one softmax, with an optional sink logit (entries overlapping the window are not excluded).
+"two_stage" scores raw blocks by their best visible entry, attends the ``top_k`` best past blocks
+plus the query's own on raw KV (the XLA reference with an element mask: reference quality) and
+the other visible entries as a coarse partial. Parts merge by ``jattn.merge``.
 
-* "compressed": per query head, the ``top_k`` visible entries with the largest ``q . ck`` plus a raw
-  causal local window of ``window`` tokens, under one softmax (plus an optional learned sink logit).
-  The local part runs on ``jattn.flash_attention``; ``jattn.merge`` combines the parts (entries
-  overlapping the raw window are not excluded).
-* "two_stage": raw blocks are scored by their best visible compressed entry; the ``top_k`` best
-  past blocks plus the query's own block are attended on raw KV and the other visible entries
-  form a coarse partial, merged through ``jattn.merge``.
-
-The functions are pure, shared by the training forward and the cached decode path; selections
-are non-differentiable. Both modes run one chunk of query rows at a time under
-``jax.checkpoint`` (the [batch, heads, q_len, entries] logits, and "two_stage"'s [batch, heads,
-q_len, kv_len] raw-key logits, are never held whole); "two_stage" attends the selected raw
-blocks through the XLA reference with an element mask (a reference-quality path).
+The functions are pure, shared by training and cached decode; selections are non-differentiable.
+Query rows run in chunks under ``jax.checkpoint``: the [batch, heads, q_len, entries] logits (and
+"two_stage"'s raw-key logits) are never held whole.
 """
 from __future__ import annotations
 
@@ -50,7 +44,7 @@ def num_entries(num_tokens, ratio):
     num_tokens, ratio: raw tokens and compression ratio r.
 
   Returns:
-    int ``ceil(num_tokens / r)`` (entry c needs tokens up to c*r + 2r - 1).
+    int ``ceil(num_tokens / r)``.
 
   Example:
     >>> num_entries(30, 4)
@@ -80,8 +74,7 @@ def pool_windows(x, gate, bias, ratio, n_entries):
 
   Args:
     x, gate: [batch, n, heads, dim] raw keys or values, and their gate logits.
-    bias: [2r, heads, dim] learned position bias.
-    ratio: r.
+    bias, ratio: [2r, heads, dim] learned position bias, and r.
     n_entries: compressed entries to produce (tokens past ``n`` are zero padding).
 
   Returns:
@@ -117,7 +110,7 @@ def pool_one_window(xw, gw, bias):
 
   Args:
     xw, gw: [batch, m, 2r, heads, dim] raw keys or values of m windows, and their gate logits.
-    bias: [2r, heads, dim] learned position bias.
+    bias: as :func:`pool_windows`.
 
   Returns:
     [batch, m, heads, dim] fp32, equal to ``pool_windows`` on the same windows.
@@ -208,12 +201,8 @@ def query_chunk(q_chunk, batch, q_heads, q_len, entries):
 
 
 def _map_query_chunks(fn, q, q_pos, chunk):
-  """``fn(q, q_pos) -> (o [b, t, ...], lse [b, t, ...])`` over chunks of ``chunk`` query rows.
-
-  ``fn`` treats rows independently. Each chunk runs under ``jax.checkpoint`` saving only what
-  ``fn`` names ``_SELECTION`` (no [.., rows, entries] float residuals); padded rows have position
-  -1 (no visible entry) and are sliced off.
-  """
+  """Row-wise ``fn(q, q_pos) -> (o, lse)`` over chunks of ``chunk`` rows, each under
+  ``jax.checkpoint`` saving only ``_SELECTION``; padded rows (position -1) are sliced off."""
   body = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(_SELECTION))
   b, t = q.shape[:2]
   if chunk >= t:
@@ -232,17 +221,13 @@ def _map_query_chunks(fn, q, q_pos, chunk):
 def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale, q_chunk=None):
   """Attention of each query head over its top-K visible compressed entries.
 
-  Computed over chunks of query rows; the chunking changes only the peak memory, not the math.
-
   Args:
     q: [batch, t, q_heads, d] queries (after RoPE / norms).
-    ck: [batch, C, kv_heads, d] compressed keys (entry c covers tokens c*r .. c*r + 2r - 1).
-    cv: [batch, C, kv_heads, dv] compressed values.
+    ck, cv: [batch, C, kv_heads, d | dv] compressed keys and values.
     q_pos: int [batch, t] absolute query positions.
-    ratio: compression ratio r.
-    top_k: entries kept per query head and token.
-    scale: logit scale.
-    q_chunk: query rows per chunk (None: ``query_chunk``'s budget; >= t: one chunk).
+    ratio, top_k, scale: compression ratio r, entries kept per query head and token, logit scale.
+    q_chunk: query rows per chunk (None: ``query_chunk``'s budget; >= t: one chunk); chunking
+      changes only the peak memory, not the math.
 
   Returns:
     (out [batch, t, q_heads, dv] fp32, lse [batch, t, q_heads] fp32), a partial for ``jattn.merge``.
@@ -286,27 +271,19 @@ def sink_partial(sink, shape_o):
 def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, scale, q_chunk=None):
   """Coarse-to-fine attention: compressed keys pick blocks, raw KV of those blocks is attended.
 
-  Raw key j sits at position j; rows of ``k`` past the filled length lie after every query.
-
   Args:
-    q: [batch, t, q_heads, d].
-    k, v: [batch, kv_len, kv_heads, d | dv] raw keys (position = index) and values.
-    ck, cv: [batch, C, kv_heads, d | dv] compressed keys and values.
-    q_pos: int [batch, t] query positions.
-    ratio: r; ``block_size % ratio == 0``.
-    block_size: raw tokens per block.
+    q, ck, cv, q_pos, scale, q_chunk: as :func:`compressed_partial` (``q_chunk``'s budget
+      counts the raw keys).
+    k, v: [batch, kv_len, kv_heads, d | dv] raw keys and values; key j sits at position j (rows
+      past the filled length lie after every query).
+    ratio, block_size: r, and raw tokens per block (a multiple of r).
     top_k: past blocks attended precisely per query token and kv head.
-    scale: logit scale.
-    q_chunk: query rows per chunk (None: ``query_chunk``'s budget over the raw keys; >= t: one
-      chunk); the chunking changes only the peak memory, not the math.
 
   Returns:
     (out [batch, t, q_heads, dv] fp32, lse [batch, t, q_heads] fp32).
 
   Example:
-    >>> q = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))
-    >>> k = jax.random.normal(jax.random.key(1), (1, 16, 1, 8))
-    >>> ck = jax.random.normal(jax.random.key(2), (1, 4, 1, 8))
+    >>> q, k, ck = jnp.ones((1, 16, 2, 8)), jnp.ones((1, 16, 1, 8)), jnp.ones((1, 4, 1, 8))
     >>> o, lse = two_stage_attention(q, k, k, ck, ck, jnp.arange(16)[None], ratio=4,
     ...                              block_size=8, top_k=1, scale=0.35)
     >>> o.shape

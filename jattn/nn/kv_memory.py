@@ -1,10 +1,5 @@
-"""KV cache accounting: bytes a ``Transformer`` config caches for a context length.
-
-Counts exactly the arrays ``Attention.init_cache`` allocates (``cache_layout``): full caches for
-global/sparse layers, ring buffers of ``window`` tokens for local layers, MLA latents, CSA
-compressed entries plus the raw ring and the gate ring the pooling needs. Ring position
-bookkeeping (one int32 per ring slot, shared by the batch) and the cache index are left out.
-"""
+"""KV cache accounting: the bytes ``Attention.init_cache`` allocates (``cache_layout``) for a
+``Transformer`` config, less the ring positions (an int32 per ring slot) and the cache index."""
 from __future__ import annotations
 
 import math
@@ -20,8 +15,7 @@ def kv_cache_bytes(config, context_len, dtype=jnp.bfloat16, *, batch_size=1):
   Args:
     config: TransformerConfig.
     context_len: tokens the cache must serve (the ``max_len`` of ``init_cache``).
-    dtype: cache dtype.
-    batch_size: sequences.
+    dtype, batch_size: cache dtype and sequences.
 
   Returns:
     dict(per_layer=[bytes of layer i], total=sum, per_token=total / context_len).

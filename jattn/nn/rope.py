@@ -1,10 +1,6 @@
-"""Rotary position embeddings (RoPE), half-split ("NeoX") convention.
-
-A head vector x of width ``rotary_dim`` (even) is split into halves (x1, x2) and rotated by the
-angle ``position * base ** (-2i / rotary_dim)`` for pair i. Positions are explicit integer arrays,
-so packed documents (positions restarting at 0) and decode steps (positions from the cache index)
-use the same function.
-"""
+"""Rotary position embeddings (RoPE), half-split ("NeoX") convention: the halves (x1, x2) of the
+first ``rotary_dim`` channels rotate by ``position * base ** (-2i / rotary_dim)`` for pair i, at
+explicit positions (packed documents restart at 0; decode continues from the cache index)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -16,8 +12,7 @@ def rope_frequencies(rotary_dim, base=10000.0):
   """Inverse frequencies of RoPE.
 
   Args:
-    rotary_dim: even number of rotated channels.
-    base: RoPE base (theta).
+    rotary_dim, base: even number of rotated channels, and the RoPE base (theta).
 
   Returns:
     fp32 array [rotary_dim // 2] of ``base ** (-2i / rotary_dim)``.
@@ -46,9 +41,7 @@ def apply_rope(x, positions, base=10000.0, rotary_dim=None):
     Array like x (same dtype); computed in fp32.
 
   Example:
-    >>> import jax
-    >>> x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
-    >>> apply_rope(x, jnp.arange(5)[None]).shape
+    >>> apply_rope(jnp.ones((1, 5, 2, 8)), jnp.arange(5)[None]).shape
     (1, 5, 2, 8)
   """
   if base is None:

@@ -15,40 +15,26 @@ GATE_GRADS = ("none", "ste", "gumbel")
 class LayerSpec:
   """What one attention layer does. Validated on construction (bad combinations raise).
 
-  Kinds:
-    * "global": causal attention over the whole context (``flash_attention``); full KV cache.
-    * "local": causal sliding window of ``window`` tokens (query t sees t - window + 1 .. t),
-      i.e. ``flash_attention(local_window_size=(window - 1, 0))``; ring-buffer cache of ``window``.
-    * "sparse": causal top-K block-sparse attention (``jattn.sparse.sparse_attention``) with
-      ``block_size``, ``top_k`` and ``q_block_size``; full KV cache.
-    * "csa": compressed sparse attention (``jattn.nn.csa``): keys/values pooled along tokens
-      (``compress_ratio`` tokens per entry, windows of 2 x ratio with stride ratio).
-      ``csa_mode="compressed"``: top ``top_k`` compressed entries plus a raw local ``window``
-      under one softmax (optional learned sink, ``csa_sink``). ``csa_mode="two_stage"``:
-      compressed keys score blocks of ``block_size`` tokens, the ``top_k`` best past blocks plus
-      the query's own block are attended on raw KV, the remaining compressed entries give a
-      coarse partial; both merge by log-sum-exp.
-
   Args:
-    kind: "global", "local", "sparse" or "csa".
+    kind: "global" (causal, full KV cache), "local" (causal window: query t sees t - window + 1
+      .. t; a ring cache of ``window``), "sparse" (causal top-K block-sparse,
+      ``jattn.sparse.sparse_attention``; full cache) or "csa" (``jattn.nn.csa``).
     window: local window in tokens ("local", and the raw window of CSA "compressed").
     rope_base: RoPE base, or None for no positional encoding (NoPE).
-    block_size: key block size ("sparse"; CSA "two_stage").
+    block_size, q_block_size: key block size ("sparse"; CSA "two_stage") and the query block
+      size sharing one selection ("sparse").
     top_k: selected blocks ("sparse", CSA "two_stage") or compressed entries (CSA "compressed");
       "sparse" also takes a float in (0, 1], the share of each query block's blocks kept
       (decoded by the XLA sparse decode: the Triton one selects a whole number of blocks).
-    q_block_size: query block size that shares one selection ("sparse").
-    compress_ratio: tokens per compressed entry (stride) for "csa".
-    csa_mode: "compressed" or "two_stage" ("csa" only).
+    compress_ratio: tokens per compressed entry (stride; windows of 2 x ratio) for "csa".
+    csa_mode: "compressed" or "two_stage" ("csa" only; see ``jattn.nn.csa``).
     csa_sink: learned attention sink per head ("csa" "compressed" only).
     gate_grad: gradient through block selection, passed to ``sparse_attention`` ("sparse"):
       "none", "ste" or "gumbel" (gumbel draws from the layer's rngs during training).
-    score_aux_weight: "sparse" only: weight w >= 0 of the score-distillation term of
-      ``sparse_attention`` (0: off): the training gradient becomes that of loss + w * KL between
-      the block scorer and the dense attention's block mass (``jattn.sparse.block_score_kl``),
-      which also reaches blocks that were not kept. Forward output unchanged.
-    score_aux_pool: "sum" or "max": how the distillation target pools a block's queries
-      (``jattn.sparse.block_attention_mass`` ``query_pool``).
+    score_aux_weight, score_aux_pool: "sparse" only: ``sparse_attention``'s score-distillation
+      weight w >= 0 (0: off; the training gradient becomes that of loss + w * KL between the block
+      scorer and the dense block mass, ``jattn.sparse.block_score_kl``, which also reaches blocks
+      not kept; forward unchanged) and how the target pools a block's queries: "sum" or "max".
 
   Example:
     >>> LayerSpec("local", window=512).kind
@@ -130,8 +116,7 @@ def local_global_schedule(num_layers, local_per_global=5, window=512, local_rope
     num_layers: total layers.
     local_per_global: local layers before each global layer (5 -> every sixth layer is global).
     window: local window in tokens.
-    local_rope_base: RoPE base of local layers (10000).
-    global_rope_base: RoPE base of global layers (None = NoPE, the seed's choice).
+    local_rope_base, global_rope_base: RoPE bases (global default None = NoPE, the seed's).
 
   Returns:
     tuple of ``num_layers`` LayerSpec: layer i is global iff (i + 1) % (local_per_global + 1) == 0.

@@ -1,9 +1,5 @@
-"""A small decoder-only language model built from ``jattn.nn.Attention`` layers.
-
-Pre-norm blocks (attention and SwiGLU MLP), final RMSNorm, tied or untied output embedding;
-each layer's attention follows its ``LayerSpec``. Also: dense attention probabilities from
-captured q/k, and post-hoc sparsity (the same weights with global layers made top-K sparse).
-"""
+"""A small decoder-only LM of pre-norm blocks (``jattn.nn.Attention``, SwiGLU MLP), final RMSNorm
+and tied or untied output embedding; plus dense attention probabilities and post-hoc sparsity."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,17 +33,10 @@ class TransformerConfig:
     tie_embeddings: share the input embedding with the output projection.
     kv_lora_rank: None, or the MLA latent width (all layers use MLA).
     rope_head_dim: MLA decoupled RoPE width (used by layers with RoPE).
-    qk_norm: RMSNorm per query/key head.
-    implementation: attention implementation for every layer (None = per platform).
-    interpret: Pallas interpret mode (CPU tests).
+    qk_norm, implementation, interpret, mla_absorb, kv_cache_layout, context_mesh,
+      context_axis: every layer's, as :class:`jattn.nn.Attention`.
     norm_eps, param_dtype: RMSNorm epsilon and parameter dtype.
     dtype: computation dtype (None: the parameter dtype); logits come out in this dtype.
-    mla_absorb: absorbed MLA decode where valid (``Attention.absorbed_decode``).
-    kv_cache_layout: "nhd" (default) or "hnd": every layer's decode cache layout
-      (``Attention(kv_cache_layout=...)``); not with MLA or "csa" layers.
-    context_mesh, context_axis: None, or a ``jax.sharding.Mesh`` and the axis the sequence is
-      split over: training and evaluation forward passes run context-parallel attention on
-      tokens in zig-zag order (``jattn.context_parallel_permute``); not "csa" layers.
 
   Example:
     >>> from jattn.nn.schedule import local_global_schedule
@@ -192,15 +181,8 @@ class Transformer(nnx.Module):
     return self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, return_qk=False):
-    """Full forward pass: logits [batch, seq, vocab] in the computation dtype.
-
-    Args:
-      tokens: int [batch, seq].
-      segment_ids: None or int [batch, seq] packed-document ids (0 = padding).
-      positions: None or int [batch, seq] (restart at 0 per packed document).
-      return_qk: also return a per-layer list of {"q": q, "k": k} as fed to attention (after
-        norms and RoPE); see ``attention_probabilities``.
-    """
+    """Logits [batch, seq, vocab] of int ``tokens`` [batch, seq]; ``segment_ids``, ``positions``
+    and ``return_qk`` (then also a per-layer list of its dicts) as :meth:`Attention.__call__`."""
     x, qks = self.embed(tokens), []
     for blk in self.blocks:
       out = blk(x, segment_ids, positions, return_qk=return_qk)
@@ -209,18 +191,16 @@ class Transformer(nnx.Module):
     return (self._logits(x), qks) if return_qk else self._logits(x)
 
   def init_cache(self, batch_size, max_len, dtype=jnp.float32):
-    """Allocate every layer's KV cache of ``batch_size`` rows of ``max_len`` tokens in ``dtype``
-    (``Attention.init_cache``)."""
+    """Every layer's ``Attention.init_cache``."""
     for blk in self.blocks:
       blk.attn.init_cache(batch_size, max_len, dtype)
 
   def decode(self, tokens):
-    """Append int ``tokens`` [batch, t >= 1] to the cache; their logits [batch, t, vocab].
+    """Append int ``tokens`` [batch, t >= 1] (prefill or steps) to the cache; their logits.
 
-    Prefill and steps share this path. Rows advance together from one cache index, so packed
-    documents are decoded one per row (equal lengths) or per call, each from a fresh
-    ``init_cache``; the logits then equal the packed forward's. The cache must hold the whole
-    sequence (``max_len``): writing past it is not checked under jit.
+    Rows advance together from one cache index: decode packed documents one per row (equal
+    lengths) or per call, each from a fresh ``init_cache``, to match the packed forward. Size
+    the cache for the whole sequence (overflow is unchecked under jit).
     """
     x = self.embed(tokens)
     for blk in self.blocks:
@@ -230,16 +210,13 @@ class Transformer(nnx.Module):
 
 def sparsify_config(config, top_k, *, block_size=64, q_block_size=64, kinds=("global",),
                     gate_grad="none"):
-  """A copy of ``config`` whose layers of the given kinds become top-K block-sparse layers.
-
-  The new "sparse" layers keep each layer's RoPE base (see ``sparsify``).
+  """A copy of ``config`` whose layers of the given kinds become top-K block-sparse layers
+  (each keeps its RoPE base).
 
   Args:
     config: TransformerConfig.
-    top_k: blocks selected per query block (or a float share of its visible blocks).
-    block_size, q_block_size: key block size, and query block size sharing a selection.
+    top_k, block_size, q_block_size, gate_grad: the new layers' (:class:`LayerSpec`).
     kinds: layer kinds to convert (default only "global").
-    gate_grad: ``sparse_attention`` gate gradient mode.
 
   Returns:
     TransformerConfig.
@@ -295,13 +272,11 @@ def sparsify(model, top_k, *, block_size=64, q_block_size=64, kinds=("global",))
 
 
 def attention_probabilities(q, k, spec=None, *, segment_ids=None, scale=None):
-  """Dense attention probabilities of one layer from its captured q/k (heatmaps, captured mass).
-
-  The mask is the layer's dense equivalent: causal, the "local" window, segment ids.
+  """Dense attention probabilities of one layer from its captured q/k (heatmaps, captured mass),
+  under its dense mask: causal, the "local" window, segment ids.
 
   Args:
-    q: [batch, seq, q_heads, d] (from ``Transformer(..., return_qk=True)``).
-    k: [batch, seq, kv_heads, d].
+    q, k: [batch, seq, q_heads | kv_heads, d] (from ``Transformer(..., return_qk=True)``).
     spec: the layer's LayerSpec (None = global).
     segment_ids: None or int [batch, seq].
     scale: logit scale (default 1/sqrt(d), as the layer uses).
