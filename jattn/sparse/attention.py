@@ -1,6 +1,5 @@
-"""Attention restricted to a :class:`~jattn.sparse.selection.BlockSelection`
-(:func:`block_sparse_attention`), and selection plus attention with gate gradients in one call
-(:func:`sparse_attention`)."""
+"""Attention restricted to a :class:`~jattn.sparse.selection.BlockSelection`, and selection plus
+attention with gate gradients in one call (:func:`sparse_attention`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +37,8 @@ def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=
 
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
-    selection: the call's :class:`BlockSelection`, or None with the two block sizes.
-    q_block_size, block_size: the selection's block sizes (when ``selection`` is None).
+    selection, q_block_size, block_size: the call's :class:`BlockSelection`, or None and its
+      two block sizes.
     causal, segment_ids, kv_segment_ids, scale, return_lse, implementation, interpret: as for
       :func:`block_sparse_attention` (``scale`` and ``return_lse`` change no choice).
     platform, device_kind: plan for another device (as for ``jattn.flash_attention_plan``).
@@ -109,17 +108,15 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   needs powers of two >= 64, bf16/fp16 and head_dim 64/128/256 == head_dim_v).
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    v: [batch, kv_len, kv_heads, head_dim_v].
+    q, k, v: [batch, q_len, q_heads, head_dim], [batch, kv_len, kv_heads, head_dim] and
+      [batch, kv_len, kv_heads, head_dim_v]; q_heads % kv_heads == 0.
     selection: a :class:`BlockSelection` for (q_len, kv_len) with [batch, kv_heads] leading axes.
     causal: bottom-right aligned causal mask.
-    segment_ids: None or int [batch, q_len] (0 = padding).
-    kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
+    segment_ids, kv_segment_ids: None or int [batch, q_len] / [batch, kv_len] (0 = padding); the
+      latter defaults to segment_ids when q_len == kv_len.
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None (:func:`block_sparse_plan`), "xla", "triton", "mosaic_gpu" or
-      "mosaic_tpu".
+    implementation: None (:func:`block_sparse_plan`), "xla", "triton", "mosaic_gpu", "mosaic_tpu".
     interpret: run a Pallas kernel in interpret mode (not "mosaic_gpu").
 
   Returns:
@@ -277,24 +274,18 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
   gate_grad "none", score_aux_weight 0 and no ``return_selection``.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    v: [batch, kv_len, kv_heads, head_dim_v].
-    block_size: keys per block.
+    q, k, v, segment_ids, kv_segment_ids, scale, implementation, interpret: as in
+      :func:`block_sparse_attention`.
+    block_size, q_block_size: keys per key block, queries per query block.
     top_k: blocks chosen by score besides the initial and local ones (int), or the share of
       each query block's selectable blocks kept (float in (0, 1], :func:`select_blocks`).
-    q_block_size: queries per query block.
-    gate_grad: "none", "ste" or "gumbel" (above).
-    gate_temperature: T > 0.
+    gate_grad, gate_temperature: "none", "ste" or "gumbel" (above), and T > 0.
     rng: a jax PRNG key; required for "gumbel", ignored otherwise.
     causal, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
-    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
-    scale: logit scale, default 1/sqrt(head_dim).
-    implementation, interpret: as in :func:`block_sparse_attention`.
     return_selection: also return the :class:`BlockSelection`.
-    score_aux_weight: w >= 0, weight of the score-distillation term (0: off).
-    score_aux_pool: "sum" or "max": the target's pooling over a block's queries.
-    aux_max_chunk_elems: bound on the logits materialised per chunk of the target.
+    score_aux_weight, score_aux_pool, aux_max_chunk_elems: the score-distillation term's weight
+      w >= 0 (0: off), its target's pooling over a block's queries ("sum" or "max") and bound on
+      the logits materialised per chunk of the target.
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32).
     mesh, axis_name: None, or a ``jax.sharding.Mesh`` and the axis the sequence is split over.
     layout: the sequence layout with a mesh: "zigzag" (default) or "contiguous".

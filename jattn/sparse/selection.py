@@ -32,8 +32,7 @@ class BlockSelection:
     counts: int32 [batch, kv_heads, num_q_blocks]: number of kept blocks.
     num_visible: int32 [batch, kv_heads or 1, num_q_blocks]: number of selectable blocks.
     scores: None or fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]: the ranked scores.
-    block_size: keys per key block (static).
-    q_block_size: queries per query block (static).
+    block_size, q_block_size: keys per key block, queries per query block (static).
     q_len, kv_len: the sequence lengths the selection was made for (static).
 
   Example:
@@ -149,8 +148,7 @@ def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_s
   Args:
     q: [batch, q_len, q_heads, head_dim].
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    block_size: keys per key block.
-    q_block_size: queries per query block (1: per token).
+    block_size, q_block_size: keys per key block, queries per query block (1: per token).
     segment_ids, kv_segment_ids: None or int [batch, q_len] / [batch, kv_len] (0 = padding).
 
   Returns:
@@ -434,13 +432,11 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
   :func:`sparse_attention`.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    block_size: keys per key block (static).
+    q, k: as in :func:`block_scores`.
+    block_size, q_block_size: keys per key block, queries per query block (static).
     top_k: blocks chosen by score besides the initial and local ones (static int), or a
       float in (0, 1]: each query block keeps that share of its selectable blocks in total,
       round(top_k * selectable) half up, at least its initial and local ones.
-    q_block_size: queries per query block (static).
     causal: bottom-right aligned causal visibility.
     num_init_blocks: leading blocks always kept (of the row, or of each document,
       ``doc_start_blocks``).

@@ -224,8 +224,7 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
   programs per multiprocessor, at least ``min_blocks_per_split`` selected blocks per split.
 
   Args:
-    batch, kv_heads: the call's batch and kv heads.
-    max_selected: the most blocks a row keeps.
+    batch, kv_heads, max_selected: the call's batch, kv heads and most blocks a row keeps.
     core_count: multiprocessors (default: the GPU's); programs_per_core, min_blocks_per_split:
       the rule's two constants.
 
@@ -326,14 +325,12 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
 
   Args:
     q: [batch, q_heads, head_dim].
-    k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page
-      pool [num_pages, block_size, kv_heads, head_dim] (page size = block size).
-    v: like ``k`` with its own last dim head_dim_v.
+    k, v: contiguous caches [batch, max_len, kv_heads, head_dim | head_dim_v], or with
+      ``page_table`` page pools [num_pages, block_size, kv_heads, ...] (page size = block size).
     kv_lengths: int32 [batch / lengths_group]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: selected block ids in any order, -1 for
       unused slots.
-    page_table: None or int32 [batch, max_pages]: block j of sequence b is page
-      ``page_table[b, j]``.
+    page_table: None or int32 [batch, max_pages]: block j of sequence b is page ``page_table[b, j]``.
     counts: None (walk all slots) or int32 [batch, kv_heads]: walk only the first counts.
     block_size: tokens per block, a power of two >= 16.
     num_splits: splits of each selected list.
