@@ -25,7 +25,6 @@ __all__ = ["block_sparse_plan", "block_sparse_attention", "sparse_attention"]
 _GATE_MODES = ("none", "ste", "gumbel")
 
 
-# ----------------------------------------------------------------------------- attention
 def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=None, causal=True,
                       segment_ids=None, kv_segment_ids=None, scale=None, return_lse=False,
                       implementation=None, interpret=False, platform=None,
@@ -141,7 +140,6 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   return (out, lse) if return_lse else out
 
 
-# ----------------------------------------------------------------------------- gate gradients
 def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *, causal, scale,
                       max_chunk_elems=1 << 25):
   """Per kept tile, dLoss/dlogit summed over its elements and the group's query heads (the
@@ -267,28 +265,24 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
 
   With ``mesh`` and ``axis_name`` the call is context-parallel (``docs/context_parallel.md``):
   the arrays, in ``layout``'s order (``jattn.context_parallel_permute``), are split over the
-  axis; each device selects its query blocks' keys on the all-gathered pooled keys and a ring of
-  block-sparse chunk-pair kernels attends, skipping pairs with no kept block. The result equals
-  the single-device call, permuted. It needs q_len == kv_len, block sizes that divide the chunk
-  length (``ceil(len / (m P))``, m = 2 chunks per device for "zigzag", 1 "contiguous"),
-  gate_grad "none", score_aux_weight 0 and no ``return_selection``.
+  axis; each device selects on the all-gathered pooled keys and a ring of block-sparse chunk-pair
+  kernels attends (pairs with no kept block skipped), equal to the single-device call, permuted.
+  It needs q_len == kv_len, block sizes dividing the chunk length ``ceil(len / (m P))`` (m = 2
+  for "zigzag", 1 for "contiguous"), gate_grad "none", score_aux_weight 0, no return_selection.
 
   Args:
     q, k, v, segment_ids, kv_segment_ids, scale, implementation, interpret: as in
       :func:`block_sparse_attention`.
-    block_size, q_block_size: keys per key block, queries per query block.
-    top_k: blocks chosen by score besides the initial and local ones (int), or the share of
-      each query block's selectable blocks kept (float in (0, 1], :func:`select_blocks`).
+    block_size, top_k, q_block_size, causal, num_init_blocks, num_local_blocks: as in
+      :func:`select_blocks`.
     gate_grad, gate_temperature: "none", "ste" or "gumbel" (above), and T > 0.
     rng: a jax PRNG key; required for "gumbel", ignored otherwise.
-    causal, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
     return_selection: also return the :class:`BlockSelection`.
-    score_aux_weight, score_aux_pool, aux_max_chunk_elems: the score-distillation term's weight
-      w >= 0 (0: off), its target's pooling over a block's queries ("sum" or "max") and bound on
-      the logits materialised per chunk of the target.
+    score_aux_weight, score_aux_pool, aux_max_chunk_elems: w >= 0 (0: off), and the target's
+      ``query_pool`` and ``max_chunk_elems`` (:func:`block_score_kl`).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32).
-    mesh, axis_name: None, or a ``jax.sharding.Mesh`` and the axis the sequence is split over.
-    layout: the sequence layout with a mesh: "zigzag" (default) or "contiguous".
+    mesh, axis_name, layout: None, or a ``jax.sharding.Mesh``, the axis the sequence is split
+      over and its layout ("zigzag", the default, or "contiguous").
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype; with return_lse and/or

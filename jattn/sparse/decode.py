@@ -36,8 +36,7 @@ class BlockSummaries:
     sums: fp32 [batch, num_blocks, kv_heads, head_dim] ("nhd", kv_heads first for "hnd"):
       key sums of each block over the positions < lengths.
     lengths: int32 [batch]: number of cache positions summarised.
-    block_size: positions per block (static).
-    layout: "nhd" or "hnd" (static): the layout of the summarised cache.
+    block_size, layout: positions per block; "nhd" or "hnd", the summarised cache's (static).
 
   Example:
     >>> k = jax.random.normal(jax.random.key(0), (1, 128, 2, 16))
@@ -58,8 +57,7 @@ class BlockSummaries:
     return self.sums.shape[1 if self.layout == "nhd" else 2]
 
   def counts(self):
-    """Summarised positions per block: int32 [batch, num_blocks], clip(lengths - j * block_size,
-    0, block_size).
+    """Summarised positions per block: int32 [batch, num_blocks].
 
     Example:
       >>> k = jnp.ones((1, 100, 1, 4))
@@ -152,10 +150,8 @@ def _block_sums(k_cache, lengths, block_size, hnd):
 
 
 def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, kv_layout=None):
-  """Add the newest key of each sequence (at ``kv_lengths - 1``) to its block sum.
-
-  Sequences that did not grow are unchanged (growth by several tokens needs
-  :func:`init_block_summaries`).
+  """Add the newest key of each sequence (at ``kv_lengths - 1``) to its block sum; sequences
+  that did not grow are unchanged (growth by several tokens needs :func:`init_block_summaries`).
 
   Args:
     summaries: a :class:`BlockSummaries`.
@@ -316,8 +312,8 @@ class SparseDecodeConfig:
 
   Attributes:
     num_splits: splits of each (sequence, kv head)'s kept-block list.
-    fused_select: block scores and selection in one launch instead of two.
-    score_splits: with ``fused_select``: score programs per (sequence, kv head).
+    fused_select, score_splits: block scores and selection in one launch instead of two, with
+      that many score programs per (sequence, kv head).
     blocks_per_step: kept blocks per attention loop step (1, or 2 with ``prefetch_ids``).
     prefetch_ids: each attention split loads its block ids once, before its loop.
     merge_kernel: the splits are merged by a second kernel instead of by the last split.
@@ -569,14 +565,13 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
       [batch, kv_heads, max_len, ...] ("hnd": run as batch * kv_heads one-head sequences, the
       same result), holding the new token.
     kv_lengths: int [batch]: valid positions per sequence, including the new token.
-    block_summaries: :class:`BlockSummaries` with the same block_size and layout.
-    block_size: positions per block.
+    block_summaries, block_size: :class:`BlockSummaries` with this block size (positions per
+      block) and layout.
     top_k, num_init_blocks, num_local_blocks: selection sizes (as in :func:`select_blocks`).
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse, return_indices: also return lse [batch, q_heads] (fp32, natural log, -inf if
       empty) / the kept block ids [batch, kv_heads, max_selected] (-1 padded).
-    implementation: None, "xla", "triton" or "mosaic_tpu".
-    interpret: run the Pallas kernel in interpret mode.
+    implementation, interpret: None, "xla", "triton" or "mosaic_tpu"; Pallas interpret mode.
     num_splits: Triton splits per (batch, kv head); default from :func:`sparse_decode_plan`.
     kv_layout: "nhd" (default) or "hnd".
     softmax: "exact" or "unified_max" ("xla", "triton"): partial softmaxes against one estimate

@@ -16,7 +16,6 @@ __all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_l
 _QUERY_POOLS = ("sum", "max")
 
 
-# ----------------------------------------------------------------------------- captured mass
 def _chunk_logits(q, k, segment_ids, kv_segment_ids, rows, num_chunks, dt, *, causal, scale):
   """ci -> (logits, visibility) of query rows ci * rows .. (ci + 1) * rows - 1 on all keys,
   products in ``dt``: scaled fp32 logits [b, hk, g, rows, kv_len] (-inf where hidden) and the
@@ -96,7 +95,6 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   return jnp.where(cnt > 0, mass / jnp.maximum(cnt, 1.0), 0.0)
 
 
-# ----------------------------------------------------------------------------- score distillation
 def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, segment_ids=None,
                          kv_segment_ids=None, scale=None, query_pool="sum",
                          max_chunk_elems=1 << 25):

@@ -21,7 +21,6 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _I32 = np.iinfo(np.int32)
 
 
-# ----------------------------------------------------------------------------- BlockSelection
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockSelection:
@@ -127,7 +126,6 @@ class BlockSelection:
     raise ValueError(f"relative_to must be 'all' or 'visible', got {relative_to!r}")
 
 
-# ----------------------------------------------------------------------------- scoring
 def block_mean(x, valid, block):
   """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions."""
   b, n, h, d = x.shape
@@ -175,7 +173,6 @@ def pooled_scores(qbar, kbar):
   return jnp.einsum("bihd,bjhd->bhij", qsum, kbar, precision=_HIGHEST)
 
 
-# ----------------------------------------------------------------------------- selection rules
 def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
   """Per query block: last query position and the local key-block range [lo, hi] (numpy or jnp)."""
   i, off = xp.arange(cdiv(q_len, q_block_size)), kv_len - q_len

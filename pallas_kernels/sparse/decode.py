@@ -330,17 +330,16 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
     kv_lengths: int32 [batch / lengths_group]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: selected block ids in any order, -1 for
       unused slots.
-    page_table: None or int32 [batch, max_pages]: block j of sequence b is page ``page_table[b, j]``.
+    page_table: None or int32 [batch, max_pages]: block j of sequence b is ``page_table[b, j]``.
     counts: None (walk all slots) or int32 [batch, kv_heads]: walk only the first counts.
-    block_size: tokens per block, a power of two >= 16.
-    num_splits: splits of each selected list.
+    block_size, num_splits: tokens per block (a power of two >= 16), splits of each list.
     scale: logit scale, default 1/sqrt(head_dim).
     blocks_per_step: kept blocks per loop step: 1, or 2 with ``prefetch_ids``.
     prefetch_ids: load each split's block ids once before the loop (else one step ahead).
     lengths_group: consecutive sequences sharing one entry of kv_lengths.
     interpret: run in the Pallas interpreter (CPU tests).
-    m_hat: None or fp32 [batch, q_heads]: the unified-max softmax's shared estimate.
-    active: None or int32 [batch, num_splits, kv_heads]: programs at 0 read nothing.
+    m_hat, active: as ``pallas_kernels.decode.triton.decode_partials`` (active: [batch,
+      num_splits, kv_heads]).
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32),
