@@ -107,9 +107,8 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
 
   Args:
     q: [batch, q_heads, head_dim].
-    k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page pool
-      [num_pages, block_size, kv_heads, head_dim]; fp32, bf16 or fp16.
-    v: like ``k`` (same dtype) with its own last dim head_dim_v (e.g. narrower for MLA).
+    k, v: caches [batch, max_len, kv_heads, head_dim | head_dim_v] (with ``page_table``, page
+      pools [num_pages, block_size, kv_heads, ...]) of one dtype: fp32, bf16 or fp16.
     kv_lengths: int [batch]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: kept block ids (any order) in the first
       ``counts`` slots, -1 after them (``jattn.sparse.select_decode_blocks``'s lists).

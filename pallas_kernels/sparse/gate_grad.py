@@ -88,8 +88,8 @@ def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_i
   """Sum of dLoss/dlogits over each kept tile, summed over the query heads of each kv group.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim]; k: [batch, kv_len, kv_heads, head_dim];
-      v: [batch, kv_len, kv_heads, head_dim_v]; one float dtype.
+    q, k, v: [batch, q_len, q_heads, head_dim], [batch, kv_len, kv_heads, head_dim | head_dim_v];
+      one float dtype.
     out, lse: the forward's output [batch, q_len, q_heads, head_dim_v] and log-sum-exp
       [batch, q_heads, q_len] (fp32, -inf for empty rows).
     dout, dlse: their cotangents (same shapes).
@@ -105,13 +105,10 @@ def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_i
     fp32 [batch, kv_heads, num_q_blocks, max_selected] (0 in unused slots).
 
   Example:
-    >>> q = jax.random.normal(jax.random.key(0), (1, 32, 2, 16))
-    >>> out, lse = q, jnp.zeros((1, 2, 32))
-    >>> idx = jnp.array([[[[0, -1], [0, 1]]]], jnp.int32); cnt = jnp.array([[[1, 2]]], jnp.int32)
-    >>> g = tile_logit_grads(q[:, :, :1], q[:, :, :1], q[:, :, :1], out[:, :, :1], lse[:, :1],
-    ...                      out[:, :, :1], lse[:, :1], idx, cnt, block_q=16, block_k=16,
-    ...                      causal=True, scale=0.25, interpret=True)
-    >>> g.shape
+    >>> x, lse = jax.random.normal(jax.random.key(0), (1, 32, 1, 16)), jnp.zeros((1, 1, 32))
+    >>> idx, cnt = jnp.array([[[[0, -1], [0, 1]]]], jnp.int32), jnp.array([[[1, 2]]], jnp.int32)
+    >>> tile_logit_grads(x, x, x, x, lse, x, lse, idx, cnt, block_q=16, block_k=16, causal=True,
+    ...                  scale=0.25, interpret=True).shape
     (1, 1, 2, 2)
   """
   for name, n in (("block_q", block_q), ("block_k", block_k)):

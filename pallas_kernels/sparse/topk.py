@@ -111,9 +111,8 @@ def top_k_mask(x, k: int, *, num_warps: int | None = None, interpret: bool = Fal
   lower index).
 
   Args:
-    x: float [..., n] (compared as fp32 in IEEE total order, as ``lax.top_k``), with
-      1 <= n <= ``MAX_ROW``.
-    k: entries kept per row, 1 <= k <= n (static).
+    x, k: float [..., n] (compared as fp32 in IEEE total order), 1 <= n <= ``MAX_ROW``; the
+      entries kept per row, 1 <= k <= n (static).
     num_warps: per program (default: 4 up to 2048 entries, else 8).
     interpret: run the kernel in the Pallas interpreter (CPU tests).
 

@@ -245,10 +245,8 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
   """The table entry for a key on a device (the mask kind's own, else "all").
 
   Args:
-    kernel: one of ``KERNELS``.
-    head_dim: the head dim key (padded to a power of two >= 32 for Triton).
-    dtype_cls: "16bit" or "32bit" (``dtype_class``).
-    mask: a mask kind of ``MASK_KINDS``.
+    kernel, head_dim, dtype_cls, mask: one of ``KERNELS``, the head dim (padded to a power of
+      two >= 32 for Triton), "16bit" or "32bit" (``dtype_class``), one of ``MASK_KINDS``.
     device: a jax ``device_kind`` (default: the current device's).
 
   Returns:
@@ -287,9 +285,8 @@ def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
   """The tables' mask key of an attention call.
 
   Args:
-    causal: causal mask.
+    causal, segments: the call's causal flag, and whether it has segment ids (either side).
     window: None or a (left, right) local window (either side may be None: unbounded).
-    segments: the call has segment ids (query or key side).
 
   Returns:
     "dense", "causal", "window", "causal_window", or "causal_segments" (causal with segment

@@ -33,8 +33,7 @@ def time_fn(fn, arg_sets, *, iters=None, min_time=0.1, min_iters=5, max_iters=20
   asynchronous calls are timed on the host, each ended by one wait for the last output.
 
   Args:
-    fn: a jitted function.
-    arg_sets: list of argument tuples (several, to defeat the L2 cache).
+    fn, arg_sets: a jitted function and a list of argument tuples (several, to defeat the L2).
     iters, min_time, min_iters, max_iters: calls per loop; default: enough for ``min_time``
       seconds, clipped to [min_iters, max_iters].
     repeats: loops; the median is returned.
