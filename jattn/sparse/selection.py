@@ -435,11 +435,10 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
       float in (0, 1]: each query block keeps that share of its selectable blocks in total,
       round(top_k * selectable) half up, at least its initial and local ones.
     causal: bottom-right aligned causal visibility.
-    num_init_blocks: leading blocks always kept (of the row, or of each document,
-      ``doc_start_blocks``).
+    num_init_blocks: leading blocks always kept (of the row, or of each document).
     num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
-    segment_ids: None or int [batch, q_len] (0 = padding); exact for packed rows.
-    kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
+    segment_ids, kv_segment_ids: as in :func:`~jattn.sparse.block_sparse_attention` (exact for
+      packed rows).
     score: "mean_key" (the only scorer so far).
 
   Returns:
