@@ -1,15 +1,7 @@
-"""Training-time block sparsity and sparse decode (re-exports only).
-
-* :mod:`jattn.sparse.selection`: :func:`block_scores`, :func:`select_blocks` ->
-  :class:`BlockSelection`.
-* :mod:`jattn.sparse.attention`: :func:`block_sparse_attention`, :func:`block_sparse_plan`,
-  :func:`sparse_attention` (selection + attention with gates "none", "ste", "gumbel").
-* :mod:`jattn.sparse.metrics`: :func:`captured_mass`, :func:`block_attention_mass`,
-  :func:`block_score_kl`.
-* :mod:`jattn.sparse.decode`: :class:`BlockSummaries`, :func:`init_block_summaries`,
-  :func:`update_block_summaries`, :func:`select_decode_blocks`, :func:`sparse_decode_attention`,
-  :func:`sparse_paged_decode_attention`, :func:`sparse_decode_plan`.
-"""
+"""Training-time block sparsity and sparse decode (re-exports): block scores and selection
+(:mod:`jattn.sparse.selection`), block-sparse attention with gate gradients
+(:mod:`jattn.sparse.attention`), selection quality (:mod:`jattn.sparse.metrics`), and decode over
+running block summaries (:mod:`jattn.sparse.decode`)."""
 from jattn.sparse.attention import block_sparse_attention, block_sparse_plan, sparse_attention
 from jattn.sparse.decode import (BlockSummaries, init_block_summaries, select_decode_blocks,
                                  sparse_decode_attention, sparse_decode_plan,

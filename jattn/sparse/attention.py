@@ -1,6 +1,5 @@
-"""Attention restricted to a :class:`~jattn.sparse.selection.BlockSelection`
-(:func:`block_sparse_attention`), and selection plus attention with gate gradients in one call
-(:func:`sparse_attention`)."""
+"""Attention restricted to a :class:`~jattn.sparse.selection.BlockSelection`, and selection plus
+attention with gate gradients in one call (:func:`sparse_attention`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +25,6 @@ __all__ = ["block_sparse_plan", "block_sparse_attention", "sparse_attention"]
 _GATE_MODES = ("none", "ste", "gumbel")
 
 
-# ----------------------------------------------------------------------------- attention
 def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=None, causal=True,
                       segment_ids=None, kv_segment_ids=None, scale=None, return_lse=False,
                       implementation=None, interpret=False, platform=None,
@@ -38,8 +36,8 @@ def block_sparse_plan(q, k, v, selection=None, *, q_block_size=None, block_size=
 
   Args:
     q, k, v: the call's arrays, or ``jax.ShapeDtypeStruct`` of them.
-    selection: the call's :class:`BlockSelection`, or None with the two block sizes.
-    q_block_size, block_size: the selection's block sizes (when ``selection`` is None).
+    selection, q_block_size, block_size: the call's :class:`BlockSelection`, or None and its
+      two block sizes.
     causal, segment_ids, kv_segment_ids, scale, return_lse, implementation, interpret: as for
       :func:`block_sparse_attention` (``scale`` and ``return_lse`` change no choice).
     platform, device_kind: plan for another device (as for ``jattn.flash_attention_plan``).
@@ -109,17 +107,15 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   needs powers of two >= 64, bf16/fp16 and head_dim 64/128/256 == head_dim_v).
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    v: [batch, kv_len, kv_heads, head_dim_v].
+    q, k, v: [batch, q_len, q_heads, head_dim], [batch, kv_len, kv_heads, head_dim] and
+      [batch, kv_len, kv_heads, head_dim_v]; q_heads % kv_heads == 0.
     selection: a :class:`BlockSelection` for (q_len, kv_len) with [batch, kv_heads] leading axes.
     causal: bottom-right aligned causal mask.
-    segment_ids: None or int [batch, q_len] (0 = padding).
-    kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
+    segment_ids, kv_segment_ids: None or int [batch, q_len] / [batch, kv_len] (0 = padding); the
+      latter defaults to segment_ids when q_len == kv_len.
     scale: logit scale, default 1/sqrt(head_dim).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32, natural log).
-    implementation: None (:func:`block_sparse_plan`), "xla", "triton", "mosaic_gpu" or
-      "mosaic_tpu".
+    implementation: None (:func:`block_sparse_plan`), "xla", "triton", "mosaic_gpu", "mosaic_tpu".
     interpret: run a Pallas kernel in interpret mode (not "mosaic_gpu").
 
   Returns:
@@ -144,7 +140,6 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
   return (out, lse) if return_lse else out
 
 
-# ----------------------------------------------------------------------------- gate gradients
 def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *, causal, scale,
                       max_chunk_elems=1 << 25):
   """Per kept tile, dLoss/dlogit summed over its elements and the group's query heads (the
@@ -270,34 +265,24 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
 
   With ``mesh`` and ``axis_name`` the call is context-parallel (``docs/context_parallel.md``):
   the arrays, in ``layout``'s order (``jattn.context_parallel_permute``), are split over the
-  axis; each device selects its query blocks' keys on the all-gathered pooled keys and a ring of
-  block-sparse chunk-pair kernels attends, skipping pairs with no kept block. The result equals
-  the single-device call, permuted. It needs q_len == kv_len, block sizes that divide the chunk
-  length (``ceil(len / (m P))``, m = 2 chunks per device for "zigzag", 1 "contiguous"),
-  gate_grad "none", score_aux_weight 0 and no ``return_selection``.
+  axis; each device selects on the all-gathered pooled keys and a ring of block-sparse chunk-pair
+  kernels attends (pairs with no kept block skipped), equal to the single-device call, permuted.
+  It needs q_len == kv_len, block sizes dividing the chunk length ``ceil(len / (m P))`` (m = 2
+  for "zigzag", 1 for "contiguous"), gate_grad "none", score_aux_weight 0, no return_selection.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    v: [batch, kv_len, kv_heads, head_dim_v].
-    block_size: keys per block.
-    top_k: blocks chosen by score besides the initial and local ones (int), or the share of
-      each query block's selectable blocks kept (float in (0, 1], :func:`select_blocks`).
-    q_block_size: queries per query block.
-    gate_grad: "none", "ste" or "gumbel" (above).
-    gate_temperature: T > 0.
+    q, k, v, segment_ids, kv_segment_ids, scale, implementation, interpret: as in
+      :func:`block_sparse_attention`.
+    block_size, top_k, q_block_size, causal, num_init_blocks, num_local_blocks: as in
+      :func:`select_blocks`.
+    gate_grad, gate_temperature: "none", "ste" or "gumbel" (above), and T > 0.
     rng: a jax PRNG key; required for "gumbel", ignored otherwise.
-    causal, num_init_blocks, num_local_blocks: as in :func:`select_blocks`.
-    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
-    scale: logit scale, default 1/sqrt(head_dim).
-    implementation, interpret: as in :func:`block_sparse_attention`.
     return_selection: also return the :class:`BlockSelection`.
-    score_aux_weight: w >= 0, weight of the score-distillation term (0: off).
-    score_aux_pool: "sum" or "max": the target's pooling over a block's queries.
-    aux_max_chunk_elems: bound on the logits materialised per chunk of the target.
+    score_aux_weight, score_aux_pool, aux_max_chunk_elems: w >= 0 (0: off), and the target's
+      ``query_pool`` and ``max_chunk_elems`` (:func:`block_score_kl`).
     return_lse: also return the log-sum-exp [batch, q_heads, q_len] (fp32).
-    mesh, axis_name: None, or a ``jax.sharding.Mesh`` and the axis the sequence is split over.
-    layout: the sequence layout with a mesh: "zigzag" (default) or "contiguous".
+    mesh, axis_name, layout: None, or a ``jax.sharding.Mesh``, the axis the sequence is split
+      over and its layout ("zigzag", the default, or "contiguous").
 
   Returns:
     out [batch, q_len, q_heads, head_dim_v] in q.dtype; with return_lse and/or

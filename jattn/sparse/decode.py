@@ -1,9 +1,6 @@
-"""Sparse decode: running block summaries of a KV cache, per-token block selection, attention.
-
-:class:`BlockSummaries` keeps running key sums per cache block (O(1) per appended token);
-:func:`sparse_decode_attention` (contiguous cache) and :func:`sparse_paged_decode_attention`
-(paged cache) score the blocks, keep initial + local + top-K and attend to the kept blocks.
-"""
+"""Sparse decode: running key sums per cache block (:class:`BlockSummaries`, O(1) per appended
+token) score the blocks of a contiguous or paged cache; each new token attends to its initial,
+local and top-K blocks (:func:`sparse_decode_attention`, :func:`sparse_paged_decode_attention`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +36,7 @@ class BlockSummaries:
     sums: fp32 [batch, num_blocks, kv_heads, head_dim] ("nhd", kv_heads first for "hnd"):
       key sums of each block over the positions < lengths.
     lengths: int32 [batch]: number of cache positions summarised.
-    block_size: positions per block (static).
-    layout: "nhd" or "hnd" (static): the layout of the summarised cache.
+    block_size, layout: positions per block; "nhd" or "hnd", the summarised cache's (static).
 
   Example:
     >>> k = jax.random.normal(jax.random.key(0), (1, 128, 2, 16))
@@ -61,8 +57,7 @@ class BlockSummaries:
     return self.sums.shape[1 if self.layout == "nhd" else 2]
 
   def counts(self):
-    """Summarised positions per block: int32 [batch, num_blocks], clip(lengths - j * block_size,
-    0, block_size).
+    """Summarised positions per block: int32 [batch, num_blocks].
 
     Example:
       >>> k = jnp.ones((1, 100, 1, 4))
@@ -110,8 +105,7 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
       ``page_table`` a page pool (see :func:`sparse_paged_decode_attention`).
     kv_lengths: int [batch]: valid positions per sequence.
     block_size: positions per block (the page size for a paged cache).
-    page_table: None or int32 [batch, max_pages] (token t of sequence b lives in page
-      ``page_table[b, t // block_size]``).
+    page_table: None or int32 [batch, max_pages] (as :func:`sparse_paged_decode_attention`).
     kv_layout: "nhd" (default) or "hnd" (head-major).
 
   Returns:
@@ -156,10 +150,8 @@ def _block_sums(k_cache, lengths, block_size, hnd):
 
 
 def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, kv_layout=None):
-  """Add the newest key of each sequence (at ``kv_lengths - 1``) to its block sum.
-
-  Sequences that did not grow are unchanged (growth by several tokens needs
-  :func:`init_block_summaries`).
+  """Add the newest key of each sequence (at ``kv_lengths - 1``) to its block sum; sequences
+  that did not grow are unchanged (growth by several tokens needs :func:`init_block_summaries`).
 
   Args:
     summaries: a :class:`BlockSummaries`.
@@ -320,8 +312,8 @@ class SparseDecodeConfig:
 
   Attributes:
     num_splits: splits of each (sequence, kv head)'s kept-block list.
-    fused_select: block scores and selection in one launch instead of two.
-    score_splits: with ``fused_select``: score programs per (sequence, kv head).
+    fused_select, score_splits: block scores and selection in one launch instead of two, with
+      that many score programs per (sequence, kv head).
     blocks_per_step: kept blocks per attention loop step (1, or 2 with ``prefetch_ids``).
     prefetch_ids: each attention split loads its block ids once, before its loop.
     merge_kernel: the splits are merged by a second kernel instead of by the last split.
@@ -353,26 +345,22 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
                        return_indices=False, implementation=None, interpret=False,
                        num_splits=None, softmax="exact", max_estimate=None):
   """What :func:`sparse_decode_attention` (or, with ``page_table``,
-  :func:`sparse_paged_decode_attention`) runs for these arguments.
-
-  The implementation (None: "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere; a fractional
-  ``top_k`` never runs "triton") and, for "triton", a :class:`SparseDecodeConfig` from
-  ``num_splits`` or the heuristics ("hnd" fuses scores and selection into one launch).
+  :func:`sparse_paged_decode_attention`) runs: the implementation (a fractional ``top_k`` never
+  runs "triton") and, for "triton", a :class:`SparseDecodeConfig` from ``num_splits`` or the
+  heuristics ("hnd" fuses scores and selection into one launch).
 
   Args:
-    q: [batch, q_heads, head_dim] (or a ``jax.ShapeDtypeStruct``; likewise the caches).
-    k_cache, v_cache: the caches as in the call (page pools with ``page_table``).
+    q, k_cache, v_cache: as in the call (page pools with ``page_table``), or
+      ``jax.ShapeDtypeStruct`` of them.
     kv_lengths, block_summaries: optional, as in the call (no effect on the plan).
     block_size: positions per block; with ``page_table``, the page size (the default).
-    top_k, num_init_blocks, num_local_blocks, page_table, kv_layout, implementation, num_splits:
-      as in the call.
-    scale, return_lse, return_indices, interpret, max_estimate: validated as in the call.
+    top_k, num_init_blocks, num_local_blocks, page_table, kv_layout, scale, return_lse,
+      return_indices, implementation, interpret, num_splits, max_estimate: as in the call.
     softmax: "exact" or "unified_max" (with "triton": this config's split attention kernel
       and a sum merge in place of the merging last split).
 
   Returns:
-    A ``jattn._plan.Plan`` with op "sparse_decode", the implementation, a
-    :class:`SparseDecodeConfig` (or None), no backward, table None and the device kind.
+    A ``jattn._plan.Plan`` (op "sparse_decode") with a :class:`SparseDecodeConfig` or None.
 
   Example:
     >>> q = jnp.zeros((1, 8, 64)); k = jnp.zeros((1, 1024, 2, 64))
@@ -561,10 +549,9 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
                             return_lse=False, return_indices=False, implementation=None,
                             interpret=False, num_splits=None, kv_layout="nhd", softmax="exact",
                             max_estimate=None):
-  """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache.
-
-  Selection (:func:`select_decode_blocks`, per kv head) from the block summaries, then dense
-  decode attention restricted to the kept blocks (positions < kv_lengths).
+  """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache:
+  :func:`select_decode_blocks` (per kv head), then attention to the kept blocks' positions
+  < kv_lengths.
 
   Implementations: "xla" (gathers the kept blocks); "triton" (Pallas selection
   ``pallas_kernels.sparse.decode_select``, then the split-KV ``pallas_kernels.sparse.decode``;
@@ -572,22 +559,19 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
   ``pallas_kernels.sparse.decode_tpu``; block_size a multiple of 8 rows, 16 for 16-bit caches);
   None picks "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere.
 
-  ``kv_layout`` "nhd" is [batch, max_len, kv_heads, head_dim]; "hnd" is head-major [batch,
-  kv_heads, max_len, head_dim], run as batch * kv_heads one-head sequences (same result as "nhd"
-  on the transposed cache; the summaries must have the same layout).
-
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).
-    k_cache, v_cache: the caches in ``kv_layout``, holding the new token (head_dim_v may differ).
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim | head_dim_v] ("nhd"), or head-major
+      [batch, kv_heads, max_len, ...] ("hnd": run as batch * kv_heads one-head sequences, the
+      same result), holding the new token.
     kv_lengths: int [batch]: valid positions per sequence, including the new token.
-    block_summaries: :class:`BlockSummaries` with the same block_size and layout.
-    block_size: positions per block.
+    block_summaries, block_size: :class:`BlockSummaries` with this block size (positions per
+      block) and layout.
     top_k, num_init_blocks, num_local_blocks: selection sizes (as in :func:`select_blocks`).
     scale: logit scale, default 1/sqrt(head_dim).
-    return_lse: also return lse [batch, q_heads] (fp32, natural log, -inf if empty).
-    return_indices: also return the kept block ids [batch, kv_heads, max_selected] (-1 padded).
-    implementation: None, "xla", "triton" or "mosaic_tpu".
-    interpret: run the Pallas kernel in interpret mode.
+    return_lse, return_indices: also return lse [batch, q_heads] (fp32, natural log, -inf if
+      empty) / the kept block ids [batch, kv_heads, max_selected] (-1 padded).
+    implementation, interpret: None, "xla", "triton" or "mosaic_tpu"; Pallas interpret mode.
     num_splits: Triton splits per (batch, kv head); default from :func:`sparse_decode_plan`.
     kv_layout: "nhd" (default) or "hnd".
     softmax: "exact" or "unified_max" ("xla", "triton"): partial softmaxes against one estimate
@@ -631,8 +615,7 @@ def sparse_paged_decode_attention(q, k_pages, v_pages, page_table, kv_lengths, b
     kv_lengths: int [batch], including the new token, in [0, max_pages * page_size].
     block_summaries: :class:`BlockSummaries` with block_size == page_size, layout ``kv_layout``.
     top_k, num_init_blocks, num_local_blocks, scale, return_lse, return_indices, implementation,
-      interpret, num_splits, kv_layout, softmax, max_estimate: as in
-      :func:`sparse_decode_attention`.
+      interpret, num_splits, kv_layout, softmax, max_estimate: as :func:`sparse_decode_attention`.
 
   Returns:
     out [batch, q_heads, head_dim_v] in q.dtype; then lse and/or indices if requested.

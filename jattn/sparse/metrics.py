@@ -16,7 +16,6 @@ __all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_l
 _QUERY_POOLS = ("sum", "max")
 
 
-# ----------------------------------------------------------------------------- captured mass
 def _chunk_logits(q, k, segment_ids, kv_segment_ids, rows, num_chunks, dt, *, causal, scale):
   """ci -> (logits, visibility) of query rows ci * rows .. (ci + 1) * rows - 1 on all keys,
   products in ``dt``: scaled fp32 logits [b, hk, g, rows, kv_len] (-inf where hidden) and the
@@ -49,12 +48,10 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   """Fraction of the full-softmax attention probability that falls inside the kept blocks.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim].
+    q, k: [batch, q_len, q_heads, head_dim] and [batch, kv_len, kv_heads, head_dim].
     selection: a :class:`BlockSelection` for (q_len, kv_len).
-    causal: bottom-right aligned causal mask for the full softmax.
-    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
-    scale: logit scale, default 1/sqrt(head_dim).
+    causal, segment_ids, kv_segment_ids, scale: the full softmax's mask and scale, as in
+      :func:`~jattn.sparse.block_sparse_attention`.
     reduce: True: one scalar mean over valid queries; False: fp32 [batch, q_heads] means.
     max_chunk_elems: bound on the fp32 logits materialised per chunk of queries.
 
@@ -98,7 +95,6 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   return jnp.where(cnt > 0, mass / jnp.maximum(cnt, 1.0), 0.0)
 
 
-# ----------------------------------------------------------------------------- score distillation
 def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, segment_ids=None,
                          kv_segment_ids=None, scale=None, query_pool="sum",
                          max_chunk_elems=1 << 25):
@@ -108,12 +104,8 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
   of block i by ``query_pool``: the target of :func:`block_score_kl`; not differentiable.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim].
+    q, k, causal, segment_ids, kv_segment_ids, scale: as in :func:`captured_mass`.
     block_size, q_block_size: key / query block sizes.
-    causal: bottom-right aligned causal mask.
-    segment_ids, kv_segment_ids: None or int [batch, len] (0 = padding).
-    scale: logit scale, default 1/sqrt(head_dim).
     query_pool: "sum", or "max" (SeerAttention's ground truth).
     max_chunk_elems: bound on the logits materialised per chunk of query blocks.
 
@@ -184,10 +176,8 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
     q, k: as in :func:`select_blocks` (differentiable through the scores only).
     block_size, q_block_size, causal, num_init_blocks, num_local_blocks, segment_ids,
       kv_segment_ids: the selection rules (:func:`select_blocks`).
-    scale: logit scale c, default 1/sqrt(head_dim).
-    temperature: T > 0.
-    query_pool: "sum" or "max" (:func:`block_attention_mass`).
-    max_chunk_elems: chunking of the target (:func:`block_attention_mass`).
+    scale, temperature: c (default 1/sqrt(head_dim)) and T > 0.
+    query_pool, max_chunk_elems: the target's pooling and chunking (:func:`block_attention_mass`).
 
   Returns:
     fp32 scalar (nats).

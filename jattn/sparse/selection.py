@@ -21,7 +21,6 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 _I32 = np.iinfo(np.int32)
 
 
-# ----------------------------------------------------------------------------- BlockSelection
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockSelection:
@@ -32,8 +31,7 @@ class BlockSelection:
     counts: int32 [batch, kv_heads, num_q_blocks]: number of kept blocks.
     num_visible: int32 [batch, kv_heads or 1, num_q_blocks]: number of selectable blocks.
     scores: None or fp32 [batch, kv_heads, num_q_blocks, num_kv_blocks]: the ranked scores.
-    block_size: keys per key block (static).
-    q_block_size: queries per query block (static).
+    block_size, q_block_size: keys per key block, queries per query block (static).
     q_len, kv_len: the sequence lengths the selection was made for (static).
 
   Example:
@@ -128,7 +126,6 @@ class BlockSelection:
     raise ValueError(f"relative_to must be 'all' or 'visible', got {relative_to!r}")
 
 
-# ----------------------------------------------------------------------------- scoring
 def block_mean(x, valid, block):
   """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions."""
   b, n, h, d = x.shape
@@ -149,8 +146,7 @@ def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_s
   Args:
     q: [batch, q_len, q_heads, head_dim].
     k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    block_size: keys per key block.
-    q_block_size: queries per query block (1: per token).
+    block_size, q_block_size: keys per key block, queries per query block (1: per token).
     segment_ids, kv_segment_ids: None or int [batch, q_len] / [batch, kv_len] (0 = padding).
 
   Returns:
@@ -177,7 +173,6 @@ def pooled_scores(qbar, kbar):
   return jnp.einsum("bihd,bjhd->bhij", qsum, kbar, precision=_HIGHEST)
 
 
-# ----------------------------------------------------------------------------- selection rules
 def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
   """Per query block: last query position and the local key-block range [lo, hi] (numpy or jnp)."""
   i, off = xp.arange(cdiv(q_len, q_block_size)), kv_len - q_len
@@ -434,19 +429,16 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
   :func:`sparse_attention`.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0.
-    block_size: keys per key block (static).
+    q, k: as in :func:`block_scores`.
+    block_size, q_block_size: keys per key block, queries per query block (static).
     top_k: blocks chosen by score besides the initial and local ones (static int), or a
       float in (0, 1]: each query block keeps that share of its selectable blocks in total,
       round(top_k * selectable) half up, at least its initial and local ones.
-    q_block_size: queries per query block (static).
     causal: bottom-right aligned causal visibility.
-    num_init_blocks: leading blocks always kept (of the row, or of each document,
-      ``doc_start_blocks``).
+    num_init_blocks: leading blocks always kept (of the row, or of each document).
     num_local_blocks: diagonal block plus this many minus one before it always kept (0: none).
-    segment_ids: None or int [batch, q_len] (0 = padding); exact for packed rows.
-    kv_segment_ids: None or int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
+    segment_ids, kv_segment_ids: as in :func:`~jattn.sparse.block_sparse_attention` (exact for
+      packed rows).
     score: "mean_key" (the only scorer so far).
 
   Returns:

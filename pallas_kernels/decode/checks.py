@@ -6,10 +6,9 @@ def check_partials_args(q, k, v, kv_lengths, num_splits):
   """Raise ValueError for inputs no decode kernel can take.
 
   Args:
-    q: [batch, q_heads, head_dim].
+    q, kv_lengths: [batch, q_heads, head_dim] and [batch].
     k, v: caches (contiguous [batch, max_len, kv_heads, head_dim] or pages) that agree in all
       but the last dim: v's head_dim_v may differ from k's head_dim (MLA).
-    kv_lengths: [batch].
     num_splits: split count, >= 1.
 
   Returns:
@@ -38,8 +37,7 @@ def check_page_table(q, page_table):
   """Raise ValueError unless page_table is [batch, max_pages] for q's batch.
 
   Args:
-    q: [batch, q_heads, head_dim].
-    page_table: int32 [batch, max_pages].
+    q, page_table: [batch, q_heads, head_dim] and int32 [batch, max_pages].
 
   Returns:
     None.

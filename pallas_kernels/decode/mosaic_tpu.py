@@ -1,17 +1,14 @@
 """Split-KV decode attention for TPU (Pallas Mosaic), contiguous and paged caches.
 
-Grid (batch, split, step). Each step DMAs the K and V of ``block_k`` tokens with every kv head:
-one block (contiguous) or ``block_k // page_size`` whole pages, one BlockSpec per page (paged),
-viewed as ``[tokens * kv_heads, head_dim]`` rows (row ``t * kv_heads + h``): the blocks' last two
-dims are full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. A static
-loop over kv heads takes each head's rows with a strided sublane load and runs the online
-softmax for its ``[g_pad, head_dim]`` query tile with fp32 scratch accumulators.
-
-The lengths (and the page table) are scalar-prefetched into SMEM; the K/V index maps use them so
-that a split covers only its part of the visible keys. Steps past a split's range repeat the
-previous block index (Pallas skips the DMA) and skip the compute. Each split writes a partial
-(out, lse) for ``jattn.merge.merge_partials``. V may be narrower than K (MLA): its blocks, the
-accumulator and the output carry V's own head_dim_v (a full last dim: any width works).
+Grid (batch, split, step). Each step DMAs the K and V of ``block_k`` tokens with every kv head
+(one block, or ``block_k // page_size`` whole pages with one BlockSpec each) viewed as
+``[tokens * kv_heads, head_dim]`` rows (row ``t * kv_heads + h``): the blocks' last two dims are
+full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. A static loop over
+kv heads takes each head's rows with a strided sublane load and runs the fp32 online softmax of
+its ``[g_pad, head_dim]`` query tile. The scalar-prefetched lengths (and page table) steer the
+K/V index maps to the split's part of the visible keys; steps past it repeat the previous block
+index (Pallas skips the DMA) and skip the compute. V's blocks, the accumulator and the output
+carry V's own head_dim_v (a full last dim: any width, e.g. narrower for MLA).
 """
 from __future__ import annotations
 
@@ -85,16 +82,15 @@ def load_head(kv_ref, h, *, kv_heads, rows):
 
 
 def init_softmax(m_ref, l_ref, acc_ref):
-  """Reset the online-softmax scratch: m = -inf, l = acc = 0 (shared with the block-sparse TPU
-  decode kernel)."""
+  """Reset the online-softmax scratch: m = -inf, l = acc = 0."""
   m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
   l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
   acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
 def write_softmax(m_ref, l_ref, acc_ref, o_ref, lse_ref):
-  """o = acc / l in o's dtype and lse = m + log(l); a row with l == 0 (no visible key) gets 0 and
-  -inf (shared with the block-sparse TPU decode kernel)."""
+  """o = acc / l in o's dtype and lse = m + log(l); a row with l == 0 (no visible key) gets 0
+  and -inf."""
   l = l_ref[...]
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
@@ -155,22 +151,9 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad
 
 
 def group_queries(q, kv_heads, dtype):
-  """Each kv head's GQA group of query rows, zero padded to a multiple of the sublane tile (8
-  rows of 32-bit, 16 of 16-bit values). Shared by the dense and block-sparse TPU decode kernels.
-
-  Args:
-    q: [batch, q_heads, head_dim]; q_heads a multiple of kv_heads.
-    kv_heads: number of kv heads.
-    dtype: the cache dtype (the dots run in it).
-
-  Returns:
-    (q4 [batch, kv_heads, g_pad, head_dim], group, g_pad).
-
-  Example:
-    >>> q4, group, g_pad = group_queries(jnp.ones((1, 6, 128)), 2, jnp.float32)
-    >>> q4.shape, group, g_pad
-    ((1, 2, 8, 128), 3, 8)
-  """
+  """(q4 [batch, kv_heads, g_pad, head_dim] in ``dtype``, group, g_pad): each kv head's GQA group
+  of query rows, zero padded to a multiple of the sublane tile (8 rows of 32-bit, 16 of 16-bit
+  values)."""
   bsz, hq, d = q.shape
   group = hq // kv_heads
   sub = 8 if jnp.dtype(dtype).itemsize == 4 else 16
@@ -248,14 +231,10 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_cache: [batch, max_len, kv_heads, head_dim]; fp32, bf16 or fp16.
-    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache`` (head_dim_v may
-      differ from head_dim, e.g. MLA values narrower than the rope-extended keys).
-    kv_lengths: int32 [batch].
-    num_splits: splits of each sequence's visible key range.
-    scale: logit scale, default 1/sqrt(head_dim).
-    window_left: None or the left window size.
-    logits_soft_cap: None or cap.
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim | head_dim_v], one dtype (fp32, bf16
+      or fp16).
+    kv_lengths, num_splits, scale, window_left, logits_soft_cap: as the Triton kernel's
+      (``pallas_kernels.decode.triton.decode_partials``).
     block_sizes: ``DecodeBlockSizes`` or None.
     interpret: run in the TPU interpreter (``pltpu.InterpretParams()``) on CPU.
 
@@ -282,24 +261,20 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
 def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_splits, scale=None,
                           window_left=None, logits_soft_cap=None, block_sizes=None,
                           interpret=False):
-  """Per-split partial decode attention over a paged cache (Mosaic TPU kernel).
-
-  Each grid step DMAs ``block_sizes.block_k // page_size`` pages (at least one) of K and of V,
-  one BlockSpec per page, each indexed through the scalar-prefetched page table.
+  """Per-split partial decode attention over a paged cache (Mosaic TPU kernel); each grid step
+  DMAs ``block_sizes.block_k // page_size`` pages (at least one) of K and of V.
 
   Args:
-    q: [batch, q_heads, head_dim].
-    k_pages: [num_pages, page_size, kv_heads, head_dim]; page_size * kv_heads a multiple of 8
-      (16 for 16-bit dtypes).
-    v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
-    page_table: int32 [batch, max_pages] (scalar-prefetched; entries past a sequence's length
-      are clamped into range and never used).
-    kv_lengths: int32 [batch].
-    num_splits, scale, window_left, logits_soft_cap, interpret: as in :func:`decode_partials`.
+    q, kv_lengths, num_splits, scale, window_left, logits_soft_cap, interpret: as in
+      :func:`decode_partials`.
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim | head_dim_v], one dtype;
+      page_size * kv_heads a multiple of 8 (16 for 16-bit dtypes).
+    page_table: int32 [batch, max_pages] (entries past a sequence's length are clamped into
+      range and never used).
     block_sizes: ``DecodeBlockSizes`` (block_k / page_size pages per step) or None.
 
   Returns:
-    (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32).
+    As :func:`decode_partials`.
 
   Example:
     >>> q = jnp.ones((1, 4, 128)); pages = jnp.ones((3, 16, 2, 128))

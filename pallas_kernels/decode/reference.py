@@ -1,16 +1,14 @@
 """Reference single-token decode attention over contiguous and paged KV caches (pure jnp).
 
-Semantics (shared by every decode backend): sequence b holds ``kv_lengths[b]`` valid keys at
-positions ``0 .. kv_lengths[b] - 1`` of its cache; its one query sits at position
+Semantics of every decode backend: sequence b holds ``kv_lengths[b]`` valid keys at positions
+``0 .. kv_lengths[b] - 1`` (lengths above the capacity are clamped to it) and its query sits at
 ``kv_lengths[b] - 1``; with ``local_window_size=(left, right)`` it sees keys
-``j >= kv_lengths[b] - 1 - left`` (the right side never matters: no key lies after the query).
-Lengths above the cache capacity are clamped to it. A sequence of length 0 returns a zero output
-and -inf log-sum-exp. Hidden keys (past the length, outside the window, unused cache slots and
-pages) never leak: NaN or inf there leaves the output and log-sum-exp bit-identical; a
-non-finite visible key reaches the output.
+``j >= kv_lengths[b] - 1 - left``. Length 0 returns a zero output and -inf log-sum-exp. NaN or inf
+at a hidden key (past the length, outside the window, unused slots and pages) leaves the output
+and log-sum-exp bit-identical; a non-finite visible key reaches the output.
 
-This module is the ``implementation="xla"`` path of ``jattn.decode`` (``upcast=False``) and the
-fp32 reference of the tests (``upcast=True``). It materialises [batch, q_heads, max_len] logits.
+This is the ``implementation="xla"`` path of ``jattn.decode`` (``upcast=False``) and the tests'
+fp32 reference (``upcast=True``); it materialises [batch, q_heads, max_len] logits.
 """
 from __future__ import annotations
 
@@ -66,14 +64,14 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA:
-      query head h reads kv head h // (q_heads // kv_heads)).
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim]; query head h reads kv head
+      h // (q_heads // kv_heads).
     kv_lengths: int32 [batch], number of valid cache entries per sequence.
     scale: logit scale, default 1/sqrt(head_dim).
     local_window_size: None, int or (left, right) (jax.nn convention).
     logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
-    num_splits: None (one pass) or the number of contiguous chunks of the cache to compute
-      partial results for and merge by log-sum-exp (split-KV in plain XLA; same result).
+    num_splits: None (one pass) or a number of contiguous cache chunks whose partials are
+      merged by log-sum-exp (split-KV in plain XLA; same result).
     upcast: fp32 at HIGHEST precision (True), or the input dtype with fp32 accumulation.
 
   Returns:
@@ -108,9 +106,8 @@ def gather_pages(pages, page_table):
   """Gather a paged cache into a contiguous one.
 
   Args:
-    pages: [num_pages, page_size, kv_heads, head_dim].
-    page_table: int32 [batch, max_pages]; entries outside [0, num_pages) are clamped (they only
-      matter past a sequence's length, where they are masked).
+    pages, page_table: [num_pages, page_size, kv_heads, head_dim] and int32 [batch, max_pages]
+      (entries outside [0, num_pages) are clamped: they only matter past a sequence's length).
 
   Returns:
     [batch, max_pages * page_size, kv_heads, head_dim].
@@ -129,16 +126,13 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
   """Decode attention over a paged KV cache (gathers the pages, then :func:`decode_reference`).
 
   Args:
-    q: [batch, q_heads, head_dim].
+    q, kv_lengths, **kwargs: as in :func:`decode_reference`.
     k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim].
     page_table: int32 [batch, max_pages]; token t of sequence b lives in page
       ``page_table[b, t // page_size]`` at slot ``t % page_size``.
-    kv_lengths: int32 [batch].
-    **kwargs: scale, local_window_size, logits_soft_cap, num_splits, upcast as in
-      :func:`decode_reference`.
 
   Returns:
-    (out [batch, q_heads, head_dim], lse [batch, q_heads] fp32).
+    As :func:`decode_reference`.
 
   Example:
     >>> q = jax.random.normal(jax.random.key(0), (1, 2, 16))
@@ -155,18 +149,17 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
 def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_splits=None,
                     units=None, block=None, m_hat=None, active=None, scale=None,
                     window_left=None, logits_soft_cap=None, upcast=False):
-  """The decode kernels' partials in jnp (``implementation="xla"``): the contract of
-  ``pallas_kernels.decode.triton.decode_partials``, plus ``page_table`` (page pools, gathered
-  first), ``block`` (keys per unit block) and ``upcast``. Splits are contiguous chunks of the
-  cache; units mask their blocks out of their row's logits (O(units x capacity) memory).
+  """The decode kernels' partials in jnp (``implementation="xla"``); splits are contiguous chunks
+  of the cache, units mask their blocks out of their row's logits (O(units x capacity) memory).
 
   Args:
-    q, k_cache, v_cache, kv_lengths, page_table, num_splits, units, block, m_hat, active,
-      scale, window_left, logits_soft_cap, upcast: as above.
+    q, k_cache, v_cache, kv_lengths, num_splits, units, m_hat, active, scale, window_left,
+      logits_soft_cap: as ``pallas_kernels.decode.triton.decode_partials``.
+    page_table: None, or int32 [batch, max_pages] (the caches are page pools, gathered first).
+    block, upcast: keys per unit block; as :func:`decode_reference`.
 
   Returns:
-    (out, lse) [P0, P1, q_heads, head_dim_v] / [P0, P1, q_heads] with (P0, P1) = (batch,
-    num_splits) or (1, U); with ``m_hat`` (acc, l, mx) as the kernels.
+    As ``pallas_kernels.decode.triton.decode_partials``.
 
   Example:
     >>> q = jnp.ones((1, 4, 16)); k = jnp.ones((1, 64, 2, 16))

@@ -48,13 +48,11 @@ class DecodeBlockSizes:
 
 
 def default_block_sizes(head_dim, dtype):
-  """Block sizes used when none are given.
-
-  num_stages=3 and the largest block_k <= 128 whose K tile fits 16 KiB.
+  """Block sizes used when none are given: num_stages=3 and the largest block_k <= 128 whose K
+  tile fits 16 KiB.
 
   Args:
-    head_dim: head dimension (padded to a power of two inside the kernel).
-    dtype: cache dtype.
+    head_dim, dtype: head dimension (padded to a power of two inside the kernel), cache dtype.
 
   Returns:
     A ``DecodeBlockSizes``.
@@ -79,8 +77,7 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
   least four key blocks per split, at most ``max_splits``, a power of two.
 
   Args:
-    batch, kv_heads: (batch, kv head) pairs.
-    max_len: cache capacity in tokens.
+    batch, kv_heads, max_len: the (batch, kv head) pairs and the cache capacity in tokens.
     core_count: multiprocessors; default ``compat.gpu_core_count()``.
     block_k, tokens_per_split, max_splits: keys per step, split-size target, most splits.
 
@@ -102,13 +99,9 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
 
 
 def load_group_query(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
-  """Load the query rows of kv head ``h``'s GQA group as one [g_pad, d_pad] tile (zero padded).
-
-  Returns:
-    (q [g_pad, d_pad], (q_rows [g_pad], cols [d_pad], row_ok [g_pad], col_ok [d_pad] or None when
-    d_pad == head_dim, q_mask [g_pad, d_pad or 1])): the indices and masks that also address the
-    group's output rows.
-  """
+  """kv head ``h``'s GQA group of query rows as one zero-padded [g_pad, d_pad] tile, and the
+  indices and masks (q_rows [g_pad], cols [d_pad], row_ok [g_pad], col_ok [d_pad] or None when
+  d_pad == head_dim, q_mask [g_pad, d_pad or 1]) that also address the group's output rows."""
   rows = jnp.arange(g_pad, dtype=jnp.int32)                          # [g_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
   row_ok = rows < group
@@ -283,8 +276,8 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits=None, scale=N
 
   Args:
     q: [batch, q_heads, head_dim].
-    k_cache: [batch, max_len, kv_heads, head_dim], bf16, fp16 or fp32.
-    v_cache: [batch, max_len, kv_heads, head_dim_v], the dtype of ``k_cache``.
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim | head_dim_v], one dtype (bf16, fp16
+      or fp32).
     kv_lengths: int32 [batch]; the query sits at position kv_lengths - 1.
     num_splits: number of splits of each sequence's visible key range (None with ``units``).
     scale: logit scale, default 1/sqrt(head_dim).
@@ -296,8 +289,8 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits=None, scale=N
       schedule in blocks of ``block_k`` keys: one program per (unit, kv head) instead of
       (batch, kv head, split); units with count 0 read nothing.
     m_hat: None, or fp32 [batch, q_heads]: the shared max estimate of the unified-max softmax.
-    active: None, or int32 [P0, P1, kv_heads] (P0, P1 as the partials' leading dims):
-      programs at 0 read nothing.
+    active: None, or int32 [P0, P1, kv_heads] (P0, P1 as the partials' leading dims): programs
+      at 0 read nothing.
 
   Returns:
     (out [P0, P1, q_heads, head_dim_v] fp32, lse [P0, P1, q_heads] fp32) with (P0, P1) =
@@ -328,14 +321,11 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
   """Per-split partial decode attention over a paged cache (Triton kernel).
 
   Args:
-    q: [batch, q_heads, head_dim].
-    k_pages: [num_pages, page_size, kv_heads, head_dim].
-    v_pages: [num_pages, page_size, kv_heads, head_dim_v], the dtype of ``k_pages``.
+    q, kv_lengths, num_splits, scale, window_left, logits_soft_cap, block_sizes, interpret, units,
+      m_hat, active: as in :func:`decode_partials` (lengths clamped to max_pages * page_size).
+    k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim | head_dim_v], one dtype.
     page_table: int32 [batch, max_pages]; token t of sequence b is in page
       ``page_table[b, t // page_size]``, slot ``t % page_size``.
-    kv_lengths: int32 [batch] (clamped to max_pages * page_size).
-    num_splits, scale, window_left, logits_soft_cap, block_sizes, interpret, units, m_hat,
-      active: as in :func:`decode_partials`.
 
   Returns:
     As :func:`decode_partials`.

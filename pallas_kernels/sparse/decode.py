@@ -224,8 +224,7 @@ def default_num_splits(batch, kv_heads, max_selected, *, core_count=None, progra
   programs per multiprocessor, at least ``min_blocks_per_split`` selected blocks per split.
 
   Args:
-    batch, kv_heads: the call's batch and kv heads.
-    max_selected: the most blocks a row keeps.
+    batch, kv_heads, max_selected: the call's batch, kv heads and most blocks a row keeps.
     core_count: multiprocessors (default: the GPU's); programs_per_core, min_blocks_per_split:
       the rule's two constants.
 
@@ -326,24 +325,21 @@ def sparse_decode_partials(q, k, v, kv_lengths, indices, page_table=None, counts
 
   Args:
     q: [batch, q_heads, head_dim].
-    k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page
-      pool [num_pages, block_size, kv_heads, head_dim] (page size = block size).
-    v: like ``k`` with its own last dim head_dim_v.
+    k, v: contiguous caches [batch, max_len, kv_heads, head_dim | head_dim_v], or with
+      ``page_table`` page pools [num_pages, block_size, kv_heads, ...] (page size = block size).
     kv_lengths: int32 [batch / lengths_group]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: selected block ids in any order, -1 for
       unused slots.
-    page_table: None or int32 [batch, max_pages]: block j of sequence b is page
-      ``page_table[b, j]``.
+    page_table: None or int32 [batch, max_pages]: block j of sequence b is ``page_table[b, j]``.
     counts: None (walk all slots) or int32 [batch, kv_heads]: walk only the first counts.
-    block_size: tokens per block, a power of two >= 16.
-    num_splits: splits of each selected list.
+    block_size, num_splits: tokens per block (a power of two >= 16), splits of each list.
     scale: logit scale, default 1/sqrt(head_dim).
     blocks_per_step: kept blocks per loop step: 1, or 2 with ``prefetch_ids``.
     prefetch_ids: load each split's block ids once before the loop (else one step ahead).
     lengths_group: consecutive sequences sharing one entry of kv_lengths.
     interpret: run in the Pallas interpreter (CPU tests).
-    m_hat: None or fp32 [batch, q_heads]: the unified-max softmax's shared estimate.
-    active: None or int32 [batch, num_splits, kv_heads]: programs at 0 read nothing.
+    m_hat, active: as ``pallas_kernels.decode.triton.decode_partials`` (active: [batch,
+      num_splits, kv_heads]).
 
   Returns:
     (out [batch, num_splits, q_heads, head_dim_v] fp32, lse [batch, num_splits, q_heads] fp32),

@@ -1,13 +1,7 @@
-"""Decode-time block scoring and top-k block selection as Pallas kernels (Triton lowering).
-
-The selection of ``jattn.sparse.select_decode_blocks`` without XLA's sort:
-
-* :func:`decode_block_scores`: score[b, h, j] = (sum of the GQA group's queries) .
-  key_sum[b, j, h] / max(count_j, 1), fp32, one program per (batch, kv head, chunk).
-* :func:`select_decode_slots`: one program per (batch, kv head): forced blocks, then the k-th
-  largest score by a bit search (ties: lower block id, as ``lax.top_k``), compacted ascending.
-* :func:`score_select_decode_slots`: both in one launch; the last score split to arrive on an
-  atomic counter selects and resets it.
+"""The selection of ``jattn.sparse.select_decode_blocks`` as Pallas kernels (Triton lowering),
+without XLA's sort: block scores (:func:`decode_block_scores`), the kept blocks by a bit search
+for the k-th largest score (:func:`select_decode_slots`; ties to the lower block id, as
+``lax.top_k``), or both in one launch (:func:`score_select_decode_slots`).
 """
 from __future__ import annotations
 
@@ -33,17 +27,15 @@ SCORE_CHUNK = 64                     # blocks per score tile ([64, head_dim] fp3
 
 
 def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
-  """Width of the kept-block lists: max(1, min(forced + top_k, num_blocks)).
+  """Static width of the kept-block lists: max(1, min(forced + top_k, num_blocks)).
 
   Args:
     num_blocks: blocks in the cache (``BlockSummaries.num_blocks``).
-    top_k: blocks chosen by score besides the forced ones, or a float share of the visible
-      blocks kept in total (bounded by round(top_k * num_blocks) chosen ones).
-    num_init_blocks: leading blocks always kept.
-    num_local_blocks: trailing blocks (the current one and those before it) always kept.
+    top_k, num_init_blocks, num_local_blocks: as ``jattn.sparse.select_decode_blocks`` (a float
+      top_k counts as round(top_k * num_blocks) chosen blocks).
 
   Returns:
-    int: the static width of the kept-block lists.
+    int.
 
   Example:
     >>> decode_width(2048, 387, 1, 1)
@@ -54,7 +46,6 @@ def decode_width(num_blocks, top_k, num_init_blocks, num_local_blocks):
   return max(1, min(n_forced + min(top_k, num_blocks), num_blocks))
 
 
-# ----------------------------------------------------------------------------- scores
 def _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split, *, chunks_per_split, chunk,
                  group, g_pad, head_dim, d_pad, block, num_blocks, len_group=1):
   """Scores of chunks split * chunks_per_split .. + chunks_per_split - 1 of (b, h)'s blocks
@@ -106,13 +97,12 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False
 
   Args:
     q: [batch, q_heads, head_dim].
-    sums: fp32 [batch, num_blocks, kv_heads, head_dim] (``BlockSummaries.sums``).
-    summary_lengths: int32 [batch] (``BlockSummaries.lengths``): block j averages
-      clip(length - j * block_size, 0, block_size) keys.
+    sums, summary_lengths: ``BlockSummaries.sums`` (fp32 [batch, num_blocks, kv_heads,
+      head_dim]) and ``.lengths`` (int32 [batch]; block j averages clip(length - j * block_size,
+      0, block_size) keys).
     block_size: positions per block.
     interpret: run in the Pallas interpreter (CPU tests).
-    lengths_group: consecutive sequences that share one length (sequence b reads entry
-      b // lengths_group).
+    lengths_group: sequences sharing one length (sequence b reads entry b // lengths_group).
 
   Returns:
     fp32 [batch, kv_heads, num_blocks]: sum over the group's query heads of q . mean key.
@@ -136,11 +126,9 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False
           summary_lengths.astype(jnp.int32), q, sums.astype(jnp.float32))
 
 
-# ----------------------------------------------------------------------------- selection
 def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, num_local, top_k,
                 len_group):
-  """The kept set of (batch b, kv head h) from its scores: (block ids [nb_pad], keep [nb_pad]
-  bool)."""
+  """The kept set of (batch b, kv head h): (block ids [nb_pad], keep [nb_pad] bool)."""
   j = jnp.arange(nb_pad, dtype=jnp.int32)                            # [nb_pad] block ids
   real = j < num_blocks
   length = jnp.minimum(plgpu.load(len_ref.at[length_row(b, len_group)]), num_blocks * block)
@@ -220,13 +208,10 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     scores: fp32 [batch, kv_heads, num_blocks] (``decode_block_scores``).
     kv_lengths: int32 [batch / lengths_group], including the new token (query at kv_lengths -
       1); clamped to num_blocks * block_size.
-    block_size: positions per block.
+    block_size, interpret, lengths_group: as :func:`decode_block_scores`.
     top_k, num_init_blocks, num_local_blocks: as ``jattn.sparse.select_decode_blocks``.
-    max_selected: output width; at least the most blocks a row can keep
-      (:func:`decode_width`).
-    interpret: run in the Pallas interpreter (CPU tests).
+    max_selected: output width, at least the most blocks a row can keep (:func:`decode_width`).
     return_arrivals: also return int32 [batch, kv_heads] zeros (``sparse_decode``'s counters).
-    lengths_group: as :func:`decode_block_scores`.
 
   Returns:
     (indices int32 [batch, kv_heads, max_selected]: kept block ids ascending, then -1;
@@ -253,7 +238,6 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
           kv_lengths.astype(jnp.int32), scores.astype(jnp.float32))
 
 
-# ----------------------------------------------------------------------------- fused
 def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group, g_pad,
                          head_dim, d_pad, score_splits, chunks_per_split, split_stride,
                          **sel):
@@ -325,14 +309,13 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
   The same scores and selection as the two kernels, to the bit.
 
   Args:
-    q, sums, summary_lengths, block_size, interpret, lengths_group: as
-      :func:`decode_block_scores`.
+    q, sums, summary_lengths, block_size, interpret, lengths_group: as :func:`decode_block_scores`.
     kv_lengths, top_k, num_init_blocks, num_local_blocks, max_selected: as
       :func:`select_decode_slots`.
     score_splits: score programs per (batch, kv head); default :func:`default_score_splits`.
       Rounded so that every split has at least one score tile.
-    return_arrivals: also return the zeroed int32 [batch, kv_heads] arrival counters.
-    return_scores: also return the fp32 [batch, kv_heads, num_blocks] scores.
+    return_arrivals, return_scores: also return the zeroed int32 [batch, kv_heads] arrival
+      counters / the fp32 [batch, kv_heads, num_blocks] scores.
     _split_stride: tests only: program s scores split (s * stride) % score_splits.
 
   Returns:

@@ -1,26 +1,20 @@
 """Top-K block-sparse decode for TPU (Pallas Mosaic), contiguous and paged caches.
 
-Grid (batch, kv head, slot). The XLA selection (``jattn.sparse.select_decode_blocks``) gives each
-(batch, kv head) a list of kept blocks ``indices[b, h, :]`` (valid ids first, then -1) and
-``counts[b, h]``; these, the lengths and (paged) the page table are scalar-prefetched, and the
-K/V index maps read them, so step ``j`` DMAs only block ``indices[b, h, j]``. Slots past the
-count repeat the last kept block's index (Pallas skips a DMA whose block index is unchanged)
-and skip the compute; an empty list maps to block 0, so no index map points outside the cache.
+Grid (batch, kv head, slot). The kept-block lists ``indices[b, h, :]`` (valid ids first, then
+-1), ``counts``, the lengths and (paged) the page table are scalar-prefetched and read by the K/V
+index maps, so step ``j`` DMAs only block ``indices[b, h, j]``. Slots past the count repeat the
+last kept block's index (Pallas skips a DMA whose block index is unchanged) and skip the compute;
+an empty list maps to block 0, so no index map points outside the cache. The slot axis runs an
+fp32 online softmax over the GQA group's query rows in VMEM scratch; V rows past the length are
+zeroed (spare pages may hold NaN).
 
-The slot axis is "arbitrary": an fp32 online softmax over the GQA group's query rows ([g_pad, D],
-padded as in ``pallas_kernels.decode.mosaic_tpu``) in VMEM scratch. Keys at positions >= length
-get -inf logits and their V rows are zeroed (spare pages may hold NaN); a row with no visible key
-returns 0 and lse -inf.
-
-Two DMA layouts (both one DMA per kept block of K and of V):
+Two DMA layouts, both one DMA per kept block of K and of V:
 
 * one head's lanes (``kv_heads == 1``, or head_dim and head_dim_v multiples of 128): the cache is
   viewed as ``[.., tokens, kv_heads * D]`` and a block is ``[block_size, D]`` at lane-block h;
-* all heads' rows (other head dims, where a [.., D] lane slice is not 128-aligned): the block is
+* all heads' rows (otherwise, a [.., D] lane slice not being 128-aligned): the block is
   ``[block_size * kv_heads, D]`` (row ``t * kv_heads + h``) and head h's rows are taken by a
   strided sublane load: kv_heads times the kept bytes, so prefer 128-multiple head dims.
-
-V may be narrower than K (MLA): V blocks, the accumulator and the output use head_dim_v.
 """
 from __future__ import annotations
 
@@ -44,8 +38,7 @@ def head_lanes_layout(kv_heads, head_dim, head_dim_v):
   """Whether one kv head's block can be DMA'd alone (a lane slice of ``kv_heads * D``).
 
   Args:
-    kv_heads: kv heads of the cache.
-    head_dim, head_dim_v: key and value head dims.
+    kv_heads, head_dim, head_dim_v: the cache's kv heads and key / value head dims.
 
   Returns:
     True for ``kv_heads == 1`` or both head dims multiples of 128 (each DMA reads exactly the
@@ -114,9 +107,8 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
 
   Args:
     q: [batch, q_heads, head_dim].
-    k: contiguous cache [batch, max_len, kv_heads, head_dim], or with ``page_table`` a page pool
-      [num_pages, block_size, kv_heads, head_dim]; fp32, bf16 or fp16.
-    v: like ``k`` (same dtype) with its own last dim head_dim_v (e.g. narrower for MLA).
+    k, v: caches [batch, max_len, kv_heads, head_dim | head_dim_v] (with ``page_table``, page
+      pools [num_pages, block_size, kv_heads, ...]) of one dtype: fp32, bf16 or fp16.
     kv_lengths: int [batch]; keys at positions >= kv_lengths are masked.
     indices: int32 [batch, kv_heads, max_selected]: kept block ids (any order) in the first
       ``counts`` slots, -1 after them (``jattn.sparse.select_decode_blocks``'s lists).
@@ -190,6 +182,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
               indices.reshape(-1), counts.astype(jnp.int32).reshape(-1)]
   if paged:
     prefetch.append(jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1))
+  fixed = lambda b, h, j, *_: (b, h, 0, 0)
 
   def kv_index(b, h, j, lens_ref, idx_ref, cnt_ref, *table_ref):
     count = jnp.clip(cnt_ref[b * hk + h], 0, num_slots)
@@ -198,9 +191,6 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
     if paged:
       return (table_ref[0][b, blk], 0, h if lanes else 0)
     return (b, blk, h if lanes else 0)
-
-  def fixed(b, h, j, *_):
-    return (b, h, 0, 0)
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch),

@@ -1,15 +1,11 @@
 """Per-tile sums of dLoss/dlogits over the kept tiles of a block selection (Pallas, Triton).
 
-The straight-through gate of ``jattn.sparse.sparse_attention`` (``gate_grad="ste"`` or
-``"gumbel"``) adds a zero-valued bias to every logit of a kept tile; the bias's cotangent is the
-sum of dS = P * (dO.v - delta) over the tile (delta = dO.out - dlse). One program per (batch,
-query head, query tile) walks the tile's kept key blocks (``indices[b, h // group, i,
-:counts]``), recomputes S = scale * q k^T and P = exp(S - lse) under the element mask (causal,
-segment ids, padding), dP = dO v^T, and reduces dS to one number per kept tile: the same two
-matmuls per tile as the dQ pass of a flash backward, without its accumulator. The caller sums the
-query heads of each GQA group.
-
-File layout: kernel body, pallas_call wrapper.
+The straight-through gate of ``jattn.sparse.sparse_attention`` adds a zero-valued bias to every
+logit of a kept tile; its cotangent is the sum of dS = P * (dO.v - delta) over the tile (delta =
+dO.out - dlse). One program per (batch, query head, query tile) walks the tile's kept key blocks,
+recomputes P = exp(scale * q k^T - lse) under the element mask and dP = dO v^T, and reduces dS to
+one number per kept tile: the two matmuls per tile of a flash backward's dQ pass, without its
+accumulator.
 """
 from __future__ import annotations
 
@@ -92,18 +88,16 @@ def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_i
   """Sum of dLoss/dlogits over each kept tile, summed over the query heads of each kv group.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim]; k: [batch, kv_len, kv_heads, head_dim];
-      v: [batch, kv_len, kv_heads, head_dim_v]; one float dtype.
+    q, k, v: [batch, q_len, q_heads, head_dim], [batch, kv_len, kv_heads, head_dim | head_dim_v];
+      one float dtype.
     out, lse: the forward's output [batch, q_len, q_heads, head_dim_v] and log-sum-exp
       [batch, q_heads, q_len] (fp32, -inf for empty rows).
     dout, dlse: their cotangents (same shapes).
-    indices: int32 [batch, kv_heads, num_q_blocks, max_selected]: kept key blocks, ascending,
-      the first ``counts`` valid.
-    counts: int32 [batch, kv_heads, num_q_blocks].
+    indices, counts: int32 [batch, kv_heads, num_q_blocks, max_selected], kept key blocks
+      ascending, and int32 [batch, kv_heads, num_q_blocks], how many are valid.
     q_segment_ids, kv_segment_ids: None or int32 [batch, q_len] / [batch, kv_len].
     block_q, block_k: the selection's tiles (powers of two >= 16).
-    causal: bottom-right aligned causal mask.
-    scale: logit scale.
+    causal, scale: bottom-right aligned causal mask; logit scale.
     num_warps, num_stages: launch parameters.
     interpret: run in the Pallas interpreter (CPU tests).
 
@@ -111,13 +105,10 @@ def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_i
     fp32 [batch, kv_heads, num_q_blocks, max_selected] (0 in unused slots).
 
   Example:
-    >>> q = jax.random.normal(jax.random.key(0), (1, 32, 2, 16))
-    >>> out, lse = q, jnp.zeros((1, 2, 32))
-    >>> idx = jnp.array([[[[0, -1], [0, 1]]]], jnp.int32); cnt = jnp.array([[[1, 2]]], jnp.int32)
-    >>> g = tile_logit_grads(q[:, :, :1], q[:, :, :1], q[:, :, :1], out[:, :, :1], lse[:, :1],
-    ...                      out[:, :, :1], lse[:, :1], idx, cnt, block_q=16, block_k=16,
-    ...                      causal=True, scale=0.25, interpret=True)
-    >>> g.shape
+    >>> x, lse = jax.random.normal(jax.random.key(0), (1, 32, 1, 16)), jnp.zeros((1, 1, 32))
+    >>> idx, cnt = jnp.array([[[[0, -1], [0, 1]]]], jnp.int32), jnp.array([[[1, 2]]], jnp.int32)
+    >>> tile_logit_grads(x, x, x, x, lse, x, lse, idx, cnt, block_q=16, block_k=16, causal=True,
+    ...                  scale=0.25, interpret=True).shape
     (1, 1, 2, 2)
   """
   for name, n in (("block_q", block_q), ("block_k", block_k)):

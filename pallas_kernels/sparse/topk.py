@@ -1,13 +1,10 @@
 """Row-wise top-k as a keep mask, one Pallas program per row (Triton lowering), without a sort.
 
-Training-time block selection (``jattn.sparse.select_blocks``) keeps, per (batch, kv head,
-query block), the ``top_k`` highest-scoring candidate key blocks. ``lax.top_k`` over 1024
-blocks per row is a sort on the GPU (0.33 ms of a 28.3 ms block-sparse training call at 64K
-tokens on the H200). Here each program loads its row into registers and finds the k-th
-largest value by :func:`bit_search` (total-order int32 keys, top bit first, stopping at the
-first trial that counts exactly k), then keeps the values above it and the ties at it by
-lowest index: the set ``lax.top_k`` returns (ties to the lower index), as a mask. The decode
-selection (``pallas_kernels.sparse.decode_select``) finds its threshold with the same search.
+``lax.top_k`` over the 1024 key blocks of a training-time selection row is a GPU sort (0.33 ms
+of a 28.3 ms block-sparse training call at 64K tokens on the H200). Here each program finds its
+row's k-th largest value by :func:`bit_search` and keeps the values above it and the ties at it
+by lowest index: ``lax.top_k``'s set, as a mask. ``pallas_kernels.sparse.decode_select`` finds
+its threshold with the same search.
 """
 from __future__ import annotations
 
@@ -28,9 +25,8 @@ INT_MIN = -(2 ** 31)
 
 
 def total_order_key(x):
-  """int32 keys of fp32 values in IEEE total order (-NaN < -inf < -0 < +0 < inf < NaN).
-
-  The order ``lax.top_k`` ranks by; usable inside Triton kernels.
+  """int32 keys of fp32 values in IEEE total order (-NaN < -inf < -0 < +0 < inf < NaN), the
+  order ``lax.top_k`` ranks by; usable inside Triton kernels.
 
   Args:
     x: a floating array (converted to fp32).
@@ -47,22 +43,18 @@ def total_order_key(x):
 
 
 def bit_search(key, real, *, top_k, n_real=None, return_steps=False):
-  """A threshold for the ``top_k`` largest real keys, by a bit search (top bit first).
+  """A threshold for the ``top_k`` largest real keys, by a bit search (top bit first; pure jnp,
+  runs inside a Triton kernel or on arrays).
 
-  Works in the unsigned space u = key ^ INT_MIN (order preserving): trial t = the bits fixed
-  so far plus the next bit is accepted when #{real: key_u >= t} >= top_k. The search stops at
-  the first accepted trial whose count is exactly ``top_k`` (keys >= it are then exactly the
-  top_k largest, every tie at the k-th among them), else after 32 steps with the largest u
-  whose count is >= top_k (the k-th largest key). Either way the caller's threshold step
-  (keys > t, then ties at t by lowest index up to top_k) keeps the ``lax.top_k`` set.
+  In the order-preserving unsigned space u = key ^ INT_MIN, trial t = the bits fixed so far plus
+  the next bit is accepted when #{real: key_u >= t} >= top_k. The search stops at the first
+  accepted trial counting exactly ``top_k``, else after 32 steps at the k-th largest key; either
+  way keys > t, then ties at t by lowest index up to top_k, are the ``lax.top_k`` set.
   Continuous scores stop after ~17 steps (2046 normal scores, top 387); ties at the k-th key
   run all 32.
 
-  Pure jnp (runs inside a Triton kernel or on arrays).
-
   Args:
-    key: int32 [n] keys (:func:`total_order_key`).
-    real: bool [n]: the lanes that count.
+    key, real: int32 [n] keys (:func:`total_order_key`) and bool [n], the lanes that count.
     top_k: the count to reach.
     n_real: the number of real keys (a Python int); then also return c_t = #{real: key_u >=
       t_u} (the count at the threshold; n_real while no trial was accepted).
@@ -115,15 +107,12 @@ def _kernel(x_ref, o_ref, *, n, n_pad, top_k):
 
 
 def top_k_mask(x, k: int, *, num_warps: int | None = None, interpret: bool = False):
-  """Mask of the ``k`` largest entries of each row of ``x`` (ties to the lower index).
-
-  The same set as ``lax.top_k(x, k)``'s indices, as a mask, in one Pallas kernel (Triton
-  lowering) with one program per row; no sort.
+  """Mask of the ``k`` largest entries of each row of ``x`` (``lax.top_k``'s set: ties to the
+  lower index).
 
   Args:
-    x: float [..., n] (compared as fp32 in IEEE total order, as ``lax.top_k``), with
-      1 <= n <= ``MAX_ROW``.
-    k: entries kept per row, 1 <= k <= n (static).
+    x, k: float [..., n] (compared as fp32 in IEEE total order), 1 <= n <= ``MAX_ROW``; the
+      entries kept per row, 1 <= k <= n (static).
     num_warps: per program (default: 4 up to 2048 entries, else 8).
     interpret: run the kernel in the Pallas interpreter (CPU tests).
 

@@ -1,15 +1,11 @@
 """Tuned kernel configs kept as data, one JSON table per device, and the device they key on.
 
-Each JSON file here is a table: ``device_kinds`` (jax ``device_kind`` strings, e.g. "NVIDIA
-H200") and ``entries`` keyed by ``kernel`` (one of ``KERNELS``), ``head_dim`` (padded for Triton),
-``dtype`` ("16bit" for bf16/fp16, or "32bit") and ``mask`` ("all" or a :func:`mask_kind`, which
-:func:`entry` prefers), each with ``params`` (``BlockSizes`` fields) and ``provenance``.
-
-A device reads the first found of: a table listing its kind in ``$JATTN_TUNING_DIR`` (written by
-``python -m pallas_kernels.tuning.tune`` on the user's card); the package's table listing it
-(``DEVICE_TABLES``); the nearest package table of its architecture (Hopper: the H200's for GH200
-parts, else the H100's); ``generic.json``. A device table overrides ``generic.json`` key by key.
-A plan's ``table`` field names the file a call read.
+Each JSON file here lists ``device_kinds`` (jax ``device_kind`` strings, e.g. "NVIDIA H200") and
+``entries`` keyed by ``kernel`` (one of ``KERNELS``), ``head_dim`` (padded for Triton), ``dtype``
+("16bit" for bf16/fp16, or "32bit") and ``mask`` ("all" or a :func:`mask_kind`, which
+:func:`entry` prefers), each with ``params`` (``BlockSizes`` fields) and ``provenance``. A
+device table overrides ``generic.json`` key by key; :func:`table_file` says which one a device
+reads, and a plan's ``table`` field names it.
 """
 from __future__ import annotations
 
@@ -183,7 +179,10 @@ def _nearest(kind: str) -> str | None:
 
 
 def table_file(kind: str | None = None) -> str:
-  """The table a device reads: the user's, the package's, the nearest, else generic.
+  """The table a device reads, the first found of: a table listing its kind in
+  ``$JATTN_TUNING_DIR`` (written by ``python -m pallas_kernels.tuning.tune``); the package's
+  table listing it (``DEVICE_TABLES``); the nearest package table of its architecture (Hopper:
+  the H200's for GH200 parts, else the H100's); ``generic.json``.
 
   Args:
     kind: a jax ``device_kind`` (default: the current device's).
@@ -203,12 +202,7 @@ def table_file(kind: str | None = None) -> str:
 
 
 def resolve_kind(kind: str | None) -> str | None:
-  """``kind``, or the current device's (:func:`device_kind`) when None: the kernels' cache key.
-
-  Example:
-    >>> resolve_kind("NVIDIA H200")
-    'NVIDIA H200'
-  """
+  """``kind``, or the current device's (:func:`device_kind`) when None: the kernels' cache key."""
   return device_kind() if kind is None else kind
 
 
@@ -251,10 +245,8 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
   """The table entry for a key on a device (the mask kind's own, else "all").
 
   Args:
-    kernel: one of ``KERNELS``.
-    head_dim: the head dim key (padded to a power of two >= 32 for Triton).
-    dtype_cls: "16bit" or "32bit" (``dtype_class``).
-    mask: a mask kind of ``MASK_KINDS``.
+    kernel, head_dim, dtype_cls, mask: one of ``KERNELS``, the head dim (padded to a power of
+      two >= 32 for Triton), "16bit" or "32bit" (``dtype_class``), one of ``MASK_KINDS``.
     device: a jax ``device_kind`` (default: the current device's).
 
   Returns:
@@ -293,9 +285,8 @@ def mask_kind(causal: bool, window=None, segments: bool = False) -> str:
   """The tables' mask key of an attention call.
 
   Args:
-    causal: causal mask.
+    causal, segments: the call's causal flag, and whether it has segment ids (either side).
     window: None or a (left, right) local window (either side may be None: unbounded).
-    segments: the call has segment ids (query or key side).
 
   Returns:
     "dense", "causal", "window", "causal_window", or "causal_segments" (causal with segment

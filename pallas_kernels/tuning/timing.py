@@ -1,7 +1,4 @@
-"""The timer of the tuning command and the benchmark: warm-up on every input set, then host-timed
-loops of asynchronous calls rotating over several input sets (so that repeated calls do not just hit
-L2), median of the loops.
-"""
+"""The timer of the tuning command and the benchmark."""
 from __future__ import annotations
 
 import time
@@ -36,12 +33,9 @@ def time_fn(fn, arg_sets, *, iters=None, min_time=0.1, min_iters=5, max_iters=20
   asynchronous calls are timed on the host, each ended by one wait for the last output.
 
   Args:
-    fn: a jitted function.
-    arg_sets: list of argument tuples (several, to defeat the L2 cache).
-    iters: calls per loop; default: enough for ``min_time`` seconds, clipped to
-      [min_iters, max_iters].
-    min_time: target seconds per loop when ``iters`` is None.
-    min_iters, max_iters: bounds of the automatic ``iters``.
+    fn, arg_sets: a jitted function and a list of argument tuples (several, to defeat the L2).
+    iters, min_time, min_iters, max_iters: calls per loop; default: enough for ``min_time``
+      seconds, clipped to [min_iters, max_iters].
     repeats: loops; the median is returned.
 
   Returns:
@@ -73,10 +67,8 @@ def random_sets(shapes, dtype, *, num_sets=3, seed=0):
   """``num_sets`` distinct tuples of standard-normal arrays of ``shapes`` (inputs for ``time_fn``).
 
   Args:
-    shapes: a list of array shapes (one array per shape in each tuple).
-    dtype: their dtype.
-    num_sets: how many tuples.
-    seed: PRNG seed.
+    shapes, dtype: a list of array shapes (one array per shape in each tuple) and their dtype.
+    num_sets, seed: how many tuples; the PRNG seed.
 
   Returns:
     A list of ``num_sets`` tuples of arrays.

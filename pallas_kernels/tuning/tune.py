@@ -4,11 +4,10 @@
     export JATTN_TUNING_DIR=~/jattn-tables      # jattn now reads the table for this card
 
 For every table key (kernel, head_dim, dtype, mask kind) on B2 H16 with 16K tokens (8K with
-``--quick``), it times each candidate config, checks it against an fp32 reference on one (batch,
+``--quick``), it times each candidate config checked against an fp32 reference on one (batch,
 head) slice and keeps the fastest correct one. The candidates include the config this device
 reads today, so the new table is at least as fast on every tuned shape up to timing noise; each
 entry's provenance records the command, date, device, winner's and incumbent's milliseconds.
-Kernels: ``mosaic_gpu_fwd`` / ``mosaic_gpu_bwd`` (Hopper), ``triton_fwd`` / ``triton_bwd``.
 """
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ def candidates(kernel: str, head_dim: int, mask: str, quick: bool) -> list[dict]
   """The candidate params of one key (``BlockSizes`` fields), incumbents not included.
 
   Args:
-    kernel: one of ``tuning.KERNELS``.
-    head_dim: the head dim key.
-    mask: a mask kind of ``MASKS``.
+    kernel, head_dim, mask: the key: one of ``tuning.KERNELS``, a head dim, a kind of ``MASKS``.
     quick: the reduced set of ``--quick``.
 
   Returns:
@@ -124,12 +121,9 @@ def tune_key(kernel, head_dim, mask, *, seq, quick, kind, log=print):
   """Time the candidates of one key and return the winning table entry (None if none ran).
 
   Args:
-    kernel: one of ``tuning.KERNELS``.
-    head_dim: 64, 128 or 256.
-    mask: a mask kind of ``MASKS`` (the Triton kernels read one entry for every mask: they are
-      tuned on "causal" and the entry is written for "all").
+    kernel, head_dim, mask, quick: as :func:`candidates` (head_dim 64, 128 or 256; the Triton
+      kernels read one entry for every mask: tuned on "causal", it is written for "all").
     seq: tokens per sequence of the tuning shape (B2 H16, bf16).
-    quick: the reduced candidate set.
     kind: this device's kind (its current table gives the incumbent).
     log: printer of one line per candidate.
 
