@@ -106,14 +106,13 @@ def _kernel(x_ref, o_ref, *, n, n_pad, top_k):
   plgpu.store(o_ref.at[r, j], keep.astype(jnp.int8), mask=real)
 
 
-def top_k_mask(x, k: int, *, num_warps: int | None = None, interpret: bool = False):
+def top_k_mask(x, k: int, *, interpret: bool = False):
   """Mask of the ``k`` largest entries of each row of ``x`` (``lax.top_k``'s set: ties to the
   lower index).
 
   Args:
     x, k: float [..., n] (compared as fp32 in IEEE total order), 1 <= n <= ``MAX_ROW``; the
       entries kept per row, 1 <= k <= n (static).
-    num_warps: per program (default: 4 up to 2048 entries, else 8).
     interpret: run the kernel in the Pallas interpreter (CPU tests).
 
   Returns:
@@ -135,7 +134,7 @@ def top_k_mask(x, k: int, *, num_warps: int | None = None, interpret: bool = Fal
   if rows == 0:
     return jnp.zeros(x.shape, bool)
   n_pad = max(16, pl.next_power_of_2(n))
-  num_warps = 4 if n_pad <= 2048 else 8 if num_warps is None else num_warps
+  num_warps = 4 if n_pad <= 2048 else 8
   out = pl.pallas_call(
       functools.partial(_kernel, n=n, n_pad=n_pad, top_k=int(k)),
       out_shape=jax.ShapeDtypeStruct((rows, n), jnp.int8),
