@@ -46,10 +46,8 @@ class BlockSizes:
       C * block_k, ``q_tiles_per_program`` 1 (``fit_tail_kv_splits``).
 
   Example:
-    >>> BlockSizes(64, 128, 2).rows_per_program
+    >>> BlockSizes(64, 128, 2, protocol="overlap", q_tiles_per_program=2).rows_per_program
     128
-    >>> BlockSizes(64, 128, 2, protocol="overlap", q_tiles_per_program=2).q_tiles_per_program
-    2
   """
   block_q: int = 64
   block_k: int = 128
@@ -96,13 +94,10 @@ def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str = "all"
 
 def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
                         device_kind: str | None = None, mask: str = "all") -> BlockSizes:
-  """Default ``BlockSizes`` for a head dimension (64, 128 or 256; bf16 or fp16) and mask kind.
-
-  Read from the device's tuning table (``pallas_kernels.tuning``, kernel "mosaic_gpu_fwd").
+  """Default ``BlockSizes`` for a head dimension and mask kind, from the device's tuning table.
 
   Args:
-    head_dim: the head dimension of q, k and v.
-    dtype: the input dtype (only checked: bf16 and fp16 have the same tiles).
+    head_dim, dtype: 64, 128 or 256; bf16 or fp16 (only checked: both have the same tiles).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
     mask: "all", "dense", "causal", "window", "causal_window" or "causal_segments"
       (``tuning.mask_kind``).
@@ -164,8 +159,7 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
   keys a multiple of ``tail_kv_splits * block_k``, (B * Hq * query programs) mod SMs in [1, Hq].
 
   Args:
-    bs: the forward's ``BlockSizes``.
-    q_shape, k_shape: [B, Sq, Hq, D] and [B, Sk, Hk, D].
+    bs, q_shape, k_shape: the forward's ``BlockSizes``; [B, Sq, Hq, D] and [B, Sk, Hk, D].
     causal, window, segments, schedule: the call's masks (window: None or (left, right)).
     core_count: SMs per GPU (default ``compat.gpu_core_count()``, 1 without a GPU: never).
 
@@ -177,9 +171,6 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
     >>> fit_tail_kv_splits(bs, (2, 16384, 16, 128), (2, 16384, 16, 128),
     ...                    core_count=132).tail_kv_splits
     8
-    >>> fit_tail_kv_splits(bs, (1, 16384, 33, 128), (1, 16384, 33, 128),   # 32 full waves
-    ...                    core_count=132).tail_kv_splits
-    0
   """
   if not int(bs.tail_kv_splits):
     return bs
@@ -296,11 +287,8 @@ def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
 
 
 def _forward_bwd(st, res, cts):
-  """The backward kernels on this forward's residuals: Triton's, or the Mosaic GPU ones with
-  ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``.
-  lse is the natural-log log-sum-exp over unpadded keys, -inf for rows that see no key. The
-  segment ids and schedule are None where the forward had none.
-  """
+  """The backward kernels (``st.backward``: Triton's or Mosaic GPU's) on this forward's residuals
+  (segment ids and schedule: None where the forward had none)."""
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
   d_out, d_lse = cts
   kw = {"causal": st.causal, "scale": st.scale, "local_window_size": st.window,
@@ -354,17 +342,13 @@ def _place_rows(out, lse, rows_out, rows_lse, b, r0, *, interpret=False):
     lse_ref[...] = l_ref[...]
 
   row_block = r0 // n
+  dst = [pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
+         pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))]
   return pl.pallas_call(
-      kernel, grid=(hq,),
+      kernel, grid=(hq,), input_output_aliases={2: 0, 3: 1}, out_specs=dst,
       in_specs=[pl.BlockSpec((n, None, d), lambda h: (0, h, 0)),
-                pl.BlockSpec((None, n), lambda h: (h, 0)),
-                pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
-                pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))],
-      out_specs=[pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
-                 pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))],
-      out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
-                 jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
-      input_output_aliases={2: 0, 3: 1},
+                pl.BlockSpec((None, n), lambda h: (h, 0)), *dst],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (out, lse)],
       compiler_params=compat.triton_compiler_params(num_warps=8, num_stages=1),
       interpret=interpret, name="jattn_mosaic_tail_place")(rows_out, rows_lse, out, lse)
 
@@ -399,19 +383,12 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   (``BlockSizes.backward``; differentiable w.r.t. q, k, v and through the LSE).
 
   Args:
-    q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
-    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
-    v: [B, Sk, Hk, D] (same head dim as k).
-    q_segment_ids, kv_segment_ids: None (both) or int [B, Sq] / [B, Sk]: query i sees key j
-      only if their ids are equal and non-zero (0 = padding).
+    q, k, v, q_segment_ids, kv_segment_ids, causal, local_window_size, scale, logits_soft_cap:
+      as for ``reference.attention_reference`` (segment ids: both or neither; cap > 0); bf16 or
+      fp16, D in (64, 128, 256) for q, k and v.
     schedule: None or a ``block_schedule.BlockSchedule`` for (Sq, Sk) with leading axes
       [1|B, 1|Hk]: only its kv tiles are visited (forward and backward). Its tiles must be
       powers of two and multiples of ``block_sizes.block_q`` / ``block_k``.
-    causal: bottom-right aligned causal mask.
-    local_window_size: None, int w (= (w, w)) or (left, right): query at position p sees keys
-      in [p - left, p + right] (a side None: unbounded).
-    scale: logit scale (None: 1 / sqrt(D)).
-    logits_soft_cap: None or cap > 0: logits = cap * tanh(scale * q.k / cap).
     block_sizes: ``BlockSizes`` of the forward (None: ``default_block_sizes(D)``).
     interpret: runs the backward's Triton kernels in the Pallas interpreter (the forward
       cannot be interpreted).
@@ -419,8 +396,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       defaults of ``block_sizes.backward``).
 
   Returns:
-    (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see
-    no key; their output is 0).
+    (out, lse) as ``reference.attention_reference`` (a row that sees no key: out 0, lse -inf).
 
   Example (on an H100/H200):
     >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)

@@ -41,14 +41,12 @@ class BlockSizes:
   """Tiles and pipeline depths of the two backward kernels.
 
   Attributes:
-    block_q_dkv: query rows per ring step of the dK/dV kernel (a multiple of 64).
-    block_k_dkv: keys per compute warpgroup of the dK/dV kernel (a multiple of 64: wgmma's M);
-      a program covers ``2 * block_k_dkv`` keys.
-    block_q_dq: query rows per compute warpgroup of the dQ kernel (a multiple of 64); a program
-      covers ``2 * block_q_dq`` rows.
-    block_k_dq: keys per ring step of the dQ kernel (a multiple of 64).
-    num_stages_dkv: Q/dO/lse/delta slots in the dK/dV kernel's TMA ring (>= 2).
-    num_stages_dq: K/V slots in the dQ kernel's TMA ring (>= 2).
+    block_q_dkv, block_k_dkv: the dK/dV kernel's query rows per ring step and keys per compute
+      warpgroup (multiples of 64, wgmma's M); a program covers ``2 * block_k_dkv`` keys.
+    block_q_dq, block_k_dq: the dQ kernel's query rows per compute warpgroup and keys per ring
+      step (multiples of 64); a program covers ``2 * block_q_dq`` rows.
+    num_stages_dkv, num_stages_dq: slots (>= 2) of the dK/dV kernel's Q/dO/lse/delta TMA ring
+      and of the dQ kernel's K/V ring.
 
   Example:
     >>> BlockSizes().keys_per_dkv_program
@@ -91,8 +89,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | No
   """Default ``BlockSizes`` for head_dim 64/128 and a mask kind, from ``pallas_kernels.tuning``.
 
   Args:
-    head_dim: the head dimension of q, k and v.
-    dtype: the input dtype (only checked).
+    head_dim, dtype: the head dimension of q, k and v; the input dtype (only checked).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
     mask: a ``pallas_kernels.tuning.mask_kind`` ("block_sparse" for schedules) or "all".
 
@@ -116,11 +113,7 @@ def _check_dtype(dtype):
 
 
 def check_head_dim(d: int) -> None:
-  """NotImplementedError unless this backward supports head_dim ``d`` (64 or 128).
-
-  Example:
-    >>> check_head_dim(128)
-  """
+  """NotImplementedError unless this backward supports head_dim ``d`` (64 or 128)."""
   if d == 256:
     raise NotImplementedError(
         "the Mosaic GPU flash attention backward does not support head_dim 256: a 64-key dK/dV "
@@ -222,8 +215,8 @@ def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg
 
   Args:
     head_dim, dtype: as for ``default_block_sizes``.
-    causal, window, has_seg: the call's mask (window: None or normalized (left, right)).
-    schedule: None or the call's ``BlockSchedule``.
+    causal, window, has_seg, schedule: the call's mask (window: None or normalized (left,
+      right); schedule: None or a ``BlockSchedule``).
 
   Returns:
     A ``BlockSizes``.
@@ -242,8 +235,7 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
   """``bs`` with each tile cut to the gcd with the schedule's tile along its axis.
 
   Args:
-    bs: the backward's block sizes.
-    schedule: a ``block_schedule.BlockSchedule``.
+    bs, schedule: the backward's block sizes and a ``block_schedule.BlockSchedule``.
 
   Returns:
     A ``BlockSizes``; ValueError (from ``BlockSizes``) when a divisor is not a multiple of 64.
@@ -259,13 +251,7 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
 
 
 def check_schedule(schedule, q_shape, k_shape, bs: BlockSizes) -> None:
-  """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``.
-
-  Example:
-    >>> from pallas_kernels.block_schedule import make_schedule
-    >>> check_schedule(make_schedule(256, 256, 128, 64), (1, 256, 2, 64), (1, 256, 2, 64),
-    ...                BlockSizes())
-  """
+  """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``."""
   from pallas_kernels.block_schedule import check_schedule_args
   check_schedule_args(schedule, q_shape, k_shape)
   bad = [f"{n}={getattr(bs, n)} does not divide the schedule's {n[:7]}={getattr(schedule, n[:7])}"
@@ -372,10 +358,9 @@ def _both(a, b):
 
 
 def _seg_bounds(q_seg, kv_seg, st: _Static):
-  """Both kernels' walks with segment ids q_seg [B, Sq'], kv_seg [B, Sk'] (int32, padded with 0,
-  which sees nothing): (dq_bounds, dkv_bounds), int32 [B, programs, 10] rows ``[plo, phi, lo0,
-  flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of ``walk.segment_bounds`` (dQ: kv tiles per query
-  program; dK/dV: query tiles per kv program)."""
+  """(dq_bounds, dkv_bounds): ``walk.segment_bounds`` rows [B, programs, 10] of both kernels
+  (dQ: kv tiles per query program; dK/dV: query tiles per kv program) with segment ids q_seg
+  [B, Sq'], kv_seg [B, Sk'] (int32, padded with 0, which sees nothing)."""
   bs = st.bs
   n_q = st.num_dq_programs * _COMPUTE_WGS                 # query tiles of block_q_dq rows
   dq_bounds = walk.segment_bounds(
@@ -389,9 +374,8 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
 
 
 def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
-  """Both kernels' walks of a block schedule: (dq_walk, dkv_walk), int32 [B', Hs, programs, 1 +
-  W] rows ``[count, entry_0, ...]`` of ``walk.list_walk``, coded by this call's mask (q_seg,
-  kv_seg: None or as ``_seg_bounds``)."""
+  """(dq_walk, dkv_walk): both kernels' ``walk.list_walk`` rows of a block schedule, coded by this
+  call's mask (q_seg, kv_seg: None or as ``_seg_bounds``)."""
   bs = st.bs
 
   def rows(idx, cnt, s_own, s_walk, own_block, walk_block, n_programs, n_walk, ranges, own_seg,
@@ -435,10 +419,9 @@ def _dscores(p, dp, delta, *, axis, cap_grad=None):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
-  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM); with
-  segment ids q_seg [B, Sq'], kv_seg [B, Sk'] int32, then the dK/dV walk [B', Hs, programs, 1 +
-  W] of ``_sched_walks`` with a schedule, else (segment ids) the dK/dV bounds [B, programs, 10]
-  of ``_seg_bounds`` -> dk/dv [B, Sk', Hk, D]; scratch from ``_dkv_call`` / ``_launch``."""
+  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM), with
+  segment ids q_seg [B, Sq'], kv_seg [B, Sk'] int32, then the dK/dV walk of ``_sched_walks`` or
+  bounds of ``_seg_bounds`` -> dk/dv [B, Sk', Hk, D]; scratch from ``_dkv_call`` / ``_launch``."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
     q_seg_ref, kv_seg_ref, *refs = refs
@@ -614,9 +597,8 @@ def _load_ring(load, n, stages, free):
 
 
 def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
-  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] (seg: the
-  ``_dkv_kernel`` extra inputs) -> (dk, dv) [B, Sk', Hk, D] (padded key rows are garbage).
-  CPU tests monkeypatch it with a jnp replay."""
+  """``_dkv_kernel``'s inputs (seg: its extra ones) -> (dk, dv) [B, Sk', Hk, D] (padded key rows
+  are garbage). CPU tests monkeypatch it with a jnp replay."""
   b, _, _, d = q.shape
   _, _, hk, _ = k.shape
   bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
@@ -838,8 +820,8 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
 
 
 def _prepare(out, lse, do, d_lse, st: _Static):
-  """(lse2, delta) [B, Hq, Sq'] fp32, padded: lse2 = lse * log2(e) with -inf (rows that see no
-  key) and padded rows +inf; delta = rowsum(dO * O) - d_lse, padded rows 0."""
+  """(lse2, delta) [B, Hq, Sq'] fp32: ``lse_base2`` (padded rows +inf) and rowsum(dO * O) - d_lse
+  (padded rows 0)."""
   delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
@@ -854,17 +836,12 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: f
   """Gradients of flash attention with the Mosaic GPU (Hopper) backward kernels.
 
   Args:
-    q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128).
-    k, v: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
-    out: the forward's output [B, Sq, Hq, D].
-    lse: the forward's log-sum-exp [B, Hq, Sq] fp32, natural log, -inf for rows that see no key.
-    do: cotangent of out [B, Sq, Hq, D].
-    causal: bottom-right aligned causal mask (must match the forward).
-    scale: logit scale (None: 1 / sqrt(D)).
+    q, k, v, causal, scale, local_window_size, logits_soft_cap: the forward's, as for
+      ``mosaic_gpu.flash_attention``; D in (64, 128).
+    out, lse, do: the forward's output [B, Sq, Hq, D], log-sum-exp [B, Hq, Sq] fp32 (natural
+      log, -inf for rows that see no key) and the cotangent of out.
     block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
     d_lse: optional cotangent of lse [B, Hq, Sq] (None: zero).
-    local_window_size: None, int w or (left, right) (must match the forward).
-    logits_soft_cap: None or cap > 0 (must match the forward).
     q_segment_ids: None or int [B, Sq]; query i sees key j only where the ids match and != 0.
     kv_segment_ids: int [B, Sk] (None: q_segment_ids, which then needs Sq == Sk).
     schedule: None, or the forward's ``block_schedule.BlockSchedule``.
