@@ -188,9 +188,8 @@ def compact_true(keep, width: int):
 
 
 def _compact_by_scatter(keep, width):
-  """``compact_true`` by a running count and one scatter. The optimization barrier keeps XLA from
-  constant-folding the count of a constant mask (seconds per op at 64K tokens)."""
-  keep = jax.lax.optimization_barrier(keep)
+  """``compact_true`` by a running count and one scatter."""
+  keep = jax.lax.optimization_barrier(keep)   # no constant folding: seconds per op at 64K tokens
   lead, n = keep.shape[:-1], keep.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
   slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1        # [..., n]

@@ -90,9 +90,8 @@ def merge(o1, lse1, o2, lse2):
   """
   dtype = jnp.result_type(o1, o2)
   if jnp.shape(o1) != jnp.shape(o2) or jnp.shape(lse1) != jnp.shape(lse2):
-    raise ValueError(
-        f"merge needs equal shapes; got o {jnp.shape(o1)} vs {jnp.shape(o2)}, "
-        f"lse {jnp.shape(lse1)} vs {jnp.shape(lse2)}")
+    raise ValueError(f"merge needs equal shapes; got o {jnp.shape(o1)} vs {jnp.shape(o2)}, "
+                     f"lse {jnp.shape(lse1)} vs {jnp.shape(lse2)}")
   outs = jnp.stack([jnp.asarray(o1, dtype), jnp.asarray(o2, dtype)], axis=0)
   lses = jnp.stack([jnp.asarray(lse1, jnp.float32), jnp.asarray(lse2, jnp.float32)], axis=0)
   return merge_partials(outs, lses, axis=0)

@@ -31,11 +31,10 @@ def online_softmax_step(s, m, l, *, factor=None, guard_empty=False):
   """One online-softmax step over a tile of logits, base 2.
 
   Args:
-    s: [R, N] fp32 logits, masked entries -inf; base-2 already, or natural-scale logits that
-      ``factor`` (e.g. scale * log2(e)) turns into base 2.
+    s, factor: [R, N] fp32 logits (masked -inf), base 2 already or turned into base 2 by the
+      float ``factor`` (e.g. scale * log2(e), folded into the exponent's multiply-add).
     m, l: [R] running max of the base-2 logits (-inf or a very negative finite value at start)
       and running sum of exp2(logit - m).
-    factor: None, or a float multiplied into ``s`` (folded into the exponent's multiply-add).
     guard_empty: ``m`` may be -inf after this tile (a row that has seen only masked logits):
       exponentiate against 0 there, so that no ``-inf - -inf`` NaN appears.
 
@@ -138,10 +137,9 @@ def zero_nonfinite(x):
 
 def hide_nonfinite_values(k, v):
   """The K / V tile of a partial tile: k with NaN rows at the keys whose value holds a
-  non-finite entry, and v with those entries 0.
-
-  Such a key's logits are NaN: the element mask turns them to -inf for the rows that cannot see
-  it, and the rows that see it get NaN (as without the guard); its value meets p = 0 only as 0.
+  non-finite entry, and v with those entries 0. Such a key's logits are NaN: the element mask
+  turns them to -inf for the rows that cannot see it, the rows that see it get NaN (as without
+  the guard); its value meets p = 0 only as 0.
 
   Args:
     k, v: [N, D] key tile and [N, Dv] value tile.

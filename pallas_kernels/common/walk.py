@@ -134,9 +134,8 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
 
 
 def _scatter_codes(tiles, codes, n):
-  """[..., n] int32: each row's non-SKIP codes at its tiles (each at most once), SKIP elsewhere.
-  Behind an optimization barrier: XLA would constant-fold the scatter of a static schedule."""
-  tiles, codes = jax.lax.optimization_barrier((tiles, codes))
+  """[..., n] int32: each row's non-SKIP codes at its tiles (each at most once), SKIP elsewhere."""
+  tiles, codes = jax.lax.optimization_barrier((tiles, codes))   # no constant folding
   lead = codes.shape[:-1]
   rows = int(np.prod(lead, dtype=np.int64))
   base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n

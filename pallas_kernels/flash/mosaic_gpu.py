@@ -1,8 +1,6 @@
-"""Flash attention for Hopper (sm90): the Pallas Mosaic GPU forward, with a Triton or Mosaic GPU
-backward (custom_vjp).
-
-The kernel is in ``mosaic_gpu_fwd_kernel``; this module holds ``BlockSizes``, the tuned
-defaults and ``flash_attention`` (padding, segment ids, schedules, the custom_vjp).
+"""Flash attention for Hopper (sm90): the Pallas Mosaic GPU forward (``mosaic_gpu_fwd_kernel``)
+with a Triton or Mosaic GPU backward. Here: ``BlockSizes``, the tuned defaults and
+``flash_attention`` (padding, segment ids, schedules, the custom_vjp).
 """
 from __future__ import annotations
 
@@ -14,9 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat
+from pallas_kernels import compat, tuning
+from pallas_kernels.block_schedule import check_schedule_args
+from pallas_kernels.common.merge import merge_partials
 from pallas_kernels.common.util import check_qkv_shapes, check_segment_ids, pad_axis
+from pallas_kernels.flash import mosaic_gpu_bwd
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
+from pallas_kernels.masks import normalize_window
 
 __all__ = ["BlockSizes", "PROTOCOLS", "default_block_sizes", "fit_block_sizes",
            "fit_tail_kv_splits", "flash_attention"]
@@ -87,7 +89,6 @@ class BlockSizes:
 
 @functools.lru_cache(maxsize=None)
 def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str = "all") -> BlockSizes:
-  from pallas_kernels import tuning
   return BlockSizes(**tuning.required_params("mosaic_gpu_fwd", head_dim, "16bit", device_kind,
                                              mask))
 
@@ -111,16 +112,9 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
     >>> default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window").protocol
     'overlap'
   """
-  _check_dtype(dtype)
+  mosaic_gpu_bwd.check_dtype(dtype, "forward")
   _check_head_dim(head_dim)
-  from pallas_kernels import tuning
   return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached by kind
-
-
-def _check_dtype(dtype):
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise NotImplementedError(f"the Mosaic GPU forward supports bfloat16 and float16 inputs, got "
-                              f"{jnp.dtype(dtype)}")
 
 
 def _check_head_dim(d):
@@ -182,18 +176,6 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
   return bs if ok else dataclasses.replace(bs, tail_kv_splits=0)
 
 
-def _tail_config(bs: BlockSizes, q_shape, k_shape, *, causal, window, has_seg, schedule):
-  """``KernelConfig`` fields of ``BlockSizes.tail_kv_splits`` ({} when off), or ValueError."""
-  c = int(bs.tail_kv_splits)
-  if not c:
-    return {}
-  bad = _tail_unsupported(bs, k_shape, causal=causal, window=window, segments=has_seg,
-                          schedule=schedule is not None)
-  if bad:
-    raise ValueError(f"tail_kv_splits={c} (dense masks only) does not support " + "; ".join(bad))
-  return dict(tail_batch=int(q_shape[0]) - 1, tail_kv_splits=c)
-
-
 def _tail_unsupported(bs: BlockSizes, k_shape, *, causal, window, segments, schedule):
   """What of a call ``tail_kv_splits`` does not support (empty: nothing)."""
   bad = [name for name, on in (("causal", causal), ("a local window", window is not None),
@@ -209,7 +191,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                    has_seg=False, schedule=None) -> fk.KernelConfig:
   """The kernel's static configuration for q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] and a
   ``BlockSchedule`` (checked) or None."""
-  from pallas_kernels.masks import normalize_window
   window = normalize_window(local_window_size)
   if window == (None, None):
     window = None
@@ -219,7 +200,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
   _, sk, hk, _ = k_shape
   bs = block_sizes or default_block_sizes(d, dtype)
   _check_head_dim(d)
-  from pallas_kernels.flash import mosaic_gpu_bwd  # light: no kernel is built here
   backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward
   if backward == "mosaic":
     if bwd_block_sizes is not None and not isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes):
@@ -232,7 +212,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
     raise ValueError(f"q_tiles_per_program={bs.q_tiles_per_program} (> 1) runs the range path "
                      f"only: not with segment ids or a block schedule (use "
                      f"q_tiles_per_program=1)")
-  sched = {}
+  extra = {}   # the KernelConfig fields of a schedule and of tail_kv_splits
   if schedule is not None:
     _check_schedule(schedule, q_shape, k_shape, bs,
                     None if backward == "mosaic" else bwd_block_sizes)
@@ -241,8 +221,15 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
           mosaic_gpu_bwd.call_block_sizes(d, dtype, causal=causal, window=window,
                                           has_seg=has_seg, schedule=schedule)))
     bsz, hsz = schedule.kv_indices.shape[:2]
-    sched = dict(has_sched=True, sched_batch=q_shape[0] > 1 and (has_seg or bsz > 1),
+    extra = dict(has_sched=True, sched_batch=q_shape[0] > 1 and (has_seg or bsz > 1),
                  sched_heads=hsz > 1)
+  c = int(bs.tail_kv_splits)
+  if c:
+    bad = _tail_unsupported(bs, k_shape, causal=causal, window=window, segments=has_seg,
+                            schedule=schedule is not None)
+    if bad:
+      raise ValueError(f"tail_kv_splits={c} (dense masks only) does not support " + "; ".join(bad))
+    extra.update(tail_batch=int(q_shape[0]) - 1, tail_kv_splits=c)
   return fk.KernelConfig(
       block_q=bs.block_q, block_k=bs.block_k, num_stages=bs.num_stages, q_len=sq, kv_len=sk,
       num_q_programs=-(-sq // bs.rows_per_program), num_kv_tiles=-(-sk // bs.block_k),
@@ -251,8 +238,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       window=window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       has_seg=bool(has_seg), interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes,
       backward=backward, protocol=bs.protocol, q_tiles_per_program=int(bs.q_tiles_per_program),
-      one_seg_mask=bool(bs.one_segment_static_mask), **sched, **_tail_config(
-          bs, q_shape, k_shape, causal=causal, window=window, has_seg=has_seg, schedule=schedule))
+      one_seg_mask=bool(bs.one_segment_static_mask), **extra)
 
 
 def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
@@ -287,15 +273,13 @@ def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
 
 
 def _forward_bwd(st, res, cts):
-  """The backward kernels (``st.backward``: Triton's or Mosaic GPU's) on this forward's residuals
-  (segment ids and schedule: None where the forward had none)."""
+  """The backward kernels (``st.backward``: Triton or Mosaic GPU) on this forward's residuals."""
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
   d_out, d_lse = cts
   kw = {"causal": st.causal, "scale": st.scale, "local_window_size": st.window,
         "logits_soft_cap": st.soft_cap, "q_segment_ids": q_seg, "kv_segment_ids": kv_seg,
         "schedule": schedule, "block_sizes": st.bwd_block_sizes}
   if st.backward == "mosaic":
-    from pallas_kernels.flash import mosaic_gpu_bwd
     grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse=d_lse, **kw)
   else:
     from pallas_kernels.flash import triton as ft  # local: the forward alone needs none
@@ -321,7 +305,6 @@ def _tail_fixup(q_p, k_p, v_p, out, lse, st: fk.KernelConfig):
   st_t = dataclasses.replace(st, q_len=rows, kv_len=sk_pad // c, num_q_programs=1,
                              num_kv_tiles=st.num_kv_tiles // c, tail_batch=-1, tail_kv_splits=0)
   o_t, l_t = fk.fwd_call(q_t, k_t, v_t, st_t)             # [c, rows, hq, d], [c, hq, rows]
-  from pallas_kernels.common.merge import merge_partials
   o, l = merge_partials(o_t.transpose(0, 2, 1, 3), l_t, axis=0)     # [hq, rows, d], [hq, rows]
   return _place_rows(out, lse, o.transpose(1, 0, 2).astype(out.dtype), l, bb, r0,
                      interpret=st.interpret)
@@ -357,7 +340,6 @@ def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes)
   """ValueError unless the kernel (tiles ``bs``) and the Triton backward can walk ``schedule``:
   same lengths, leading axes [1|B, 1|Hk], tiles powers of two and multiples of the kernel's, a
   Triton ``bwd_block_sizes`` with the schedule's tiles."""
-  from pallas_kernels.block_schedule import check_schedule_args
   check_schedule_args(schedule, q_shape, k_shape)
   sbq, sbk = schedule.block_q, schedule.block_k
   bad = [f"{name}={n}" for name, n, unit in (("block_q", sbq, bs.block_q),
@@ -409,7 +391,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   check_qkv_shapes(q, k, v)
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  _check_dtype(q.dtype)
+  mosaic_gpu_bwd.check_dtype(q.dtype, "forward")
   check_segment_ids(q_segment_ids, kv_segment_ids, q.shape, k.shape)
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes, interpret=interpret,

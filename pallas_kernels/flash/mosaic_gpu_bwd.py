@@ -18,10 +18,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import compat
+from pallas_kernels import compat, tuning
+from pallas_kernels.block_schedule import check_schedule_args
 from pallas_kernels.common import walk
 from pallas_kernels.common.softmax import LOG2E, lse_base2
 from pallas_kernels.common.util import check_qkv_shapes, pad_axis
+from pallas_kernels.masks import normalize_window
 
 # The documented API; the checks serve the forward's wrapper.
 __all__ = ["BlockSizes", "default_block_sizes", "call_block_sizes", "fit_block_sizes",
@@ -79,7 +81,6 @@ class BlockSizes:
 
 @functools.lru_cache(maxsize=None)
 def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str) -> BlockSizes:
-  from pallas_kernels import tuning
   return BlockSizes(**tuning.required_params("mosaic_gpu_bwd", head_dim, "16bit", device_kind,
                                              mask=mask))
 
@@ -100,16 +101,16 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | No
     >>> default_block_sizes(64, device_kind="NVIDIA H200", mask="causal_window").block_k_dq
     64
   """
-  _check_dtype(dtype)
+  check_dtype(dtype)
   check_head_dim(head_dim)
-  from pallas_kernels import tuning
   return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached
 
 
-def _check_dtype(dtype):
+def check_dtype(dtype, what: str = "flash attention backward") -> None:
+  """NotImplementedError unless ``dtype`` is bf16 or fp16 (``what``: the kernel, for messages)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise NotImplementedError(f"the Mosaic GPU flash attention backward supports bfloat16 and "
-                              f"float16 inputs, got {jnp.dtype(dtype)}")
+    raise NotImplementedError(f"the Mosaic GPU {what} supports bfloat16 and float16 inputs, got "
+                              f"{jnp.dtype(dtype)}")
 
 
 def check_head_dim(d: int) -> None:
@@ -185,7 +186,6 @@ class _Static:
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local_window_size=None,
                    logits_soft_cap=None, has_seg=False, schedule=None) -> _Static:
-  from pallas_kernels.masks import normalize_window
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   check_head_dim(d)
@@ -225,9 +225,9 @@ def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg
     >>> call_block_sizes(128, jnp.bfloat16, causal=True).num_stages_dq
     2
   """
-  from pallas_kernels.tuning import mask_kind
   if schedule is None:
-    return default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window, segments=has_seg))
+    return default_block_sizes(head_dim, dtype,
+                               mask=tuning.mask_kind(causal, window, segments=has_seg))
   return fit_block_sizes(default_block_sizes(head_dim, dtype, mask="block_sparse"), schedule)
 
 
@@ -252,7 +252,6 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
 
 def check_schedule(schedule, q_shape, k_shape, bs: BlockSizes) -> None:
   """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``."""
-  from pallas_kernels.block_schedule import check_schedule_args
   check_schedule_args(schedule, q_shape, k_shape)
   bad = [f"{n}={getattr(bs, n)} does not divide the schedule's {n[:7]}={getattr(schedule, n[:7])}"
          for n in ("block_q_dkv", "block_q_dq", "block_k_dkv", "block_k_dq")
@@ -296,15 +295,13 @@ def _dq_kv_range(row0, st: _Static):
 
 
 def _dq_visible(rows, cols, row0, t, st: _Static):
-  """dQ element mask of kv tile ``t`` for rows from ``row0`` ([bq, bk] iotas rows/cols): real
-  keys, and the window's / causal bounds."""
+  """dQ element mask of kv tile ``t`` for rows from ``row0`` (rows/cols: [bq, bk] iotas)."""
   k_pos = cols + t * st.bs.block_k_dq
   return _within_reach(rows + (row0 + st.offset), k_pos, st, k_pos < st.kv_len)
 
 
 def _within_reach(q_pos, k_pos, st: _Static, visible=None):
-  """``visible`` (None: no condition yet) and k_pos within [q_pos - lo_reach, q_pos +
-  hi_reach], for the bounds that exist; None if there is no condition at all."""
+  """``visible`` (None: no condition) and k_pos in [q_pos - lo_reach, q_pos + hi_reach]."""
   if st.hi_reach is not None:
     visible = _both(visible, k_pos <= q_pos + st.hi_reach)
   if st.lo_reach is not None:
@@ -313,9 +310,8 @@ def _within_reach(q_pos, k_pos, st: _Static, visible=None):
 
 
 def _dkv_q_bounds(k0, st: _Static):
-  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full_lo, full_hi, last) int32 scalars:
-  query tiles [full_lo, full_hi) unmasked, the rest of [first, last) masked, others skipped
-  (padded keys and rows need no mask here)."""
+  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full_lo, full_hi, last) as
+  ``_dq_kv_range`` over query tiles (padded keys and rows need no mask here)."""
   nq = st.num_q_tiles_dkv
   bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
   k1 = k0 + (bk - 1)
@@ -336,8 +332,7 @@ def _dkv_q_bounds(k0, st: _Static):
 
 
 def _dkv_visible(rows, cols, k0, i, st: _Static):
-  """dK/dV element mask of query tile ``i`` for the keys from ``k0``, on the transposed [bk, bq]
-  tile (rows = keys, cols = queries): the window's / causal bounds."""
+  """dK/dV element mask of query tile ``i`` for keys from ``k0`` on the transposed [bk, bq] tile."""
   visible = _within_reach(cols + (i * st.bs.block_q_dkv + st.offset), rows + k0, st)
   if visible is None:   # no bound: every tile runs unmasked, so kernels never get here
     return jnp.full(jnp.broadcast_shapes(jnp.shape(rows), jnp.shape(cols)), True)
@@ -345,8 +340,7 @@ def _dkv_visible(rows, cols, k0, i, st: _Static):
 
 
 def _seg_visible(q_seg, kv_seg, shape, q_axis):
-  """q_seg == kv_seg != 0 on a tile of ``shape`` whose query axis is ``q_axis`` (q_seg / kv_seg:
-  the tile's query / key segment ids, vectors along their axes)."""
+  """q_seg == kv_seg != 0 on a tile of ``shape`` with query axis ``q_axis`` (ids: vectors)."""
   qs = lax.broadcast_in_dim(q_seg, shape, [q_axis])
   ks = lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis])
   return jnp.logical_and(qs == ks, ks != 0)
@@ -620,10 +614,9 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
 
 def _launch(kernel, st: _Static, out_type, smem, own_block, ring_block, stages, grid, grid_names,
             args, *, n_own, n_ring):
-  """Runs ``kernel`` on ``args``, per program _COMPUTE_WGS compute warpgroups and a memory one.
-  Scratch: smem (segment ids add own ids [_COMPUTE_WGS, own_block] and an id ring [stages,
-  ring_block]), then barriers: n_own per compute warpgroup, n_ring ring ones (segment ids: the
-  first completes with 2 copies, the tile and its ids), free[, own ids loaded]."""
+  """Runs ``kernel`` on ``args`` with 2 compute warpgroups and a memory one. Scratch: smem (with
+  segment ids, own ids and an id ring), barriers n_own per compute warpgroup, n_ring ring ones
+  (the first completed by 2 copies with segment ids: tile and ids), free[, own ids loaded]."""
   copies, seg_barriers = 1, ()
   if st.has_seg:
     smem += (plgpu.SMEM((_COMPUTE_WGS, own_block), jnp.int32),
@@ -864,7 +857,7 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: f
   if not (q.dtype == k.dtype == v.dtype == do.dtype):
     raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                     f"{do.dtype}")
-  _check_dtype(q.dtype)
+  check_dtype(q.dtype)
   if kv_segment_ids is not None and q_segment_ids is None:
     raise ValueError("kv_segment_ids needs q_segment_ids")
   if q_segment_ids is not None:

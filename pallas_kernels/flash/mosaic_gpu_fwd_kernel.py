@@ -1,14 +1,12 @@
-"""The Hopper (sm90) flash attention forward kernel in Pallas Mosaic GPU: TMA, wgmma, warp
-specialisation (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``).
-The wrapper, block sizes and custom_vjp are in ``pallas_kernels.flash.mosaic_gpu``; the jnp tile
-arithmetic here is what the kernel uses and the CPU tests replay.
+"""The Hopper (sm90) flash attention forward kernel in Pallas Mosaic GPU: FlashAttention-3's
+forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py`` (design: docs/flash.md). The wrapper is
+``pallas_kernels.flash.mosaic_gpu``; the CPU tests replay the jnp tile arithmetic here.
 
 One program per (query head, query tile of ``2 * block_q`` rows, batch): compute warpgroups 0
-and 1 each own ``block_q`` rows (Q K^T, base-2 online softmax, P V, sharing the tensor cores per
-``PROTOCOLS``); warpgroup 2 streams K/V tiles by TMA into a ring of ``num_stages`` slots. Each
-compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and [fhi, hi); the program's
-range [plo, phi) is their union (``_static_ranges``, ``seg_bounds`` or ``schedule_walk``). Masks
-align bottom-right; a query row that sees no key returns output 0 and log-sum-exp -inf.
+and 1 each own ``block_q`` rows, warpgroup 2 streams K/V tiles by TMA into a ring of
+``num_stages`` slots. Each compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and
+[fhi, hi); the program's range [plo, phi) is their union (``_static_ranges``, ``seg_bounds`` or
+``schedule_walk``).
 """
 from __future__ import annotations
 
@@ -405,15 +403,14 @@ def _fwd_kernel(*refs, st: KernelConfig):
         lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages)))
     if not st.has_sched:
       plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
-    # one_segment_static_mask: where this warpgroup walks one segment only (``seg_bounds``' flag),
-    # its masked tiles take the static mask only, not the per-element segment compare
+    # one_segment_static_mask: a warpgroup walking one segment (``seg_bounds``' flag) masks
+    # with the static mask only
     one_seg = None
     if st.has_seg and not st.has_sched and st.one_seg_mask:
       one_seg = bounds_ref[b, tile, _SEG_BOUNDS_ONE + wg] != 0
 
     def masked_loop(lo_, hi_, body_of, carry, edge=None):
-      # tiles [lo_, hi_), masked (``masked``: False, a full tile, or a _Mask): all with the
-      # static mask only when one_seg, else with the segment compare
+      # tiles [lo_, hi_), masked: with the static mask only where one_seg, else segments too
       if one_seg is None:
         return lax.fori_loop(lo_, hi_, body_of(_Mask(True, edge)), carry)
       mid = jnp.where(one_seg, hi_, lo_)
@@ -611,8 +608,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
       zero_p = lambda: plgpu.layout_cast(jnp.full((bq, bk), 0.0, st.dtype), wgmma_layout)
       if st.has_sched:
-        # The program's list in order, entry j in slot j mod S; carry: (acc, m, l, p, whether a
-        # P V is pending, its ring slot)
+        # the program's list; carry: (acc, m, l, p, whether a P V is pending, its ring slot)
         shift = 2 * wg                                 # this warpgroup's code: entry >> shift
 
         def walk_turn(j, c):
@@ -672,8 +668,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
     if st.proto.overlap:
       carry = overlap_walk(carry)
     elif st.has_sched:
-      # The program's list, in order (the memory warpgroup loads entry j into slot j mod S);
-      # this warpgroup's 2-bit code of each entry picks drain, unmasked or masked step.
+      # the program's list: this warpgroup's code of entry j picks drain, unmasked or masked step
       shift = 2 * wg
 
       def walk_step(j, carry):

@@ -10,11 +10,9 @@ reshaped for free to ``[B, S, H * D]``; a tile of head ``h`` is block ``(bq, D)`
 nothing is transposed. Row statistics (lse, delta) travel as ``[B, H, 1, S]``, segment ids
 lane-broadcast ``[B, S, 128]`` and sublane-broadcast ``[B, 8, S]``, as in splash attention.
 
-Grids: forward and dQ ``(B, Hq, nq, max_kv)``; dK/dV ``(B, Hk, nk, group * max_q)`` on the
-transposed schedule, its last axis over the GQA group's heads and their query tiles, so a kv head
-accumulates the whole group in VMEM (K/V never repeated); its tiles are ``[bk, bq]`` so that
-lse/delta are rows. Masked keys never leak (``common.softmax``). fp16 is computed in fp32 (TPUs
-have no fp16 matmul), fp32 at ``Precision.HIGHEST``, bf16 on the MXU with fp32 accumulation.
+dK/dV accumulate a whole GQA group in VMEM (K/V never repeated) on ``[bk, bq]`` tiles, so that
+lse/delta are rows. fp16 is computed in fp32 (TPUs have no fp16 matmul), fp32 at
+``Precision.HIGHEST``, bf16 on the MXU with fp32 accumulation.
 """
 from __future__ import annotations
 

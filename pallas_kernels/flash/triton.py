@@ -476,10 +476,10 @@ def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int)
 
 def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, d_out, d_lse,
                st: _Static, bias_grad=False):
-  """Padded inputs, a forward's (out, lse [natural log, -inf for rows that see no key]) and
-  cotangents -> (dq, dk, dv) in the input dtypes and dbias [B, Hq, Sq, Sk] fp32 (the logits'
-  gradient; None unless ``bias_grad``). Padded query rows carry d_out = 0 and lse = -inf (p = 0).
-  ``dq_rows`` / ``dkv_rows``: the backward schedule's kv lists and transposed q lists."""
+  """Padded inputs, a forward's (out, lse) and cotangents -> (dq, dk, dv) in the input dtypes and
+  dbias [B, Hq, Sq, Sk] fp32 (the logits' gradient; None unless ``bias_grad``). Padded query rows
+  carry d_out = 0 and lse = -inf (p = 0). ``dq_rows`` / ``dkv_rows``: ``_pack_rows`` of the
+  backward schedule's kv lists and transposed q lists."""
   delta = softmax.delta_rows(out, d_out, d_lse)  # [B, Hq, Sq] fp32
   lse2 = softmax.lse_base2(lse)  # base 2, +inf -> p = 0
   do = d_out.astype(q.dtype)
@@ -736,12 +736,11 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
   ``schedule`` or, without one, ``make_schedule`` at ``block_sizes.bwd_tiles``.
 
   Args:
-    q, k, v: unpadded, as for ``flash_attention``.
+    q, k, v, causal, scale, local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids:
+      the forward's (unpadded), as for ``flash_attention``.
     out, lse: the forward's output [B, Sq, Hq, Dv] and log-sum-exp [B, Hq, Sq] fp32 (natural
       log, -inf for rows that see no key).
     d_out, d_lse: their cotangents (d_lse: zeros when only out is used).
-    causal, scale, local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids: the
-      forward's mask and logit parameters, as for ``flash_attention``.
     schedule: optional block schedule of the mask; its tiles are the backward's.
     block_sizes: ``BlockSizes`` whose backward fields are used (None: with a schedule, its
       tiles and default launch parameters; else ``default_block_sizes(D, q.dtype)``).
