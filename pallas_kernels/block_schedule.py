@@ -1,18 +1,17 @@
-"""Masks as block schedules: for each query tile, the key/value tiles to visit, each full or partial.
+"""Masks as block schedules: per query tile, the key/value tiles to visit, each full or partial.
 
-Every mask in jattn is turned into a ``BlockSchedule``; a kernel walks it and never touches a
-tile that is not in it:
+A kernel walks a ``BlockSchedule`` and never touches a tile that is not in it:
 
-* ``kv_indices[b, h, qi, j]`` (j < ``kv_counts[b, h, qi]``): the j-th kv tile visited by query tile
-  qi, in increasing order. Entries past the count repeat the last valid index (a pipelined TPU
-  kernel issues no new copy for them) and must not be computed.
+* ``kv_indices[b, h, qi, j]`` (j < ``kv_counts[b, h, qi]``): the kv tiles query tile qi visits,
+  in increasing order. Entries past the count repeat the last valid index (a pipelined TPU kernel
+  issues no new copy for them) and must not be computed.
 * ``kv_partial[b, h, qi, j]``: 1 if the tile needs the element mask (causal diagonal, window edge,
   segment boundary, padding, a mask array with both values in the tile), 0 if all visible.
-* ``q_indices``, ``q_counts``, ``q_partial``: the transposed schedule (per kv tile, the query
-  tiles visiting it), walked by the dK/dV backward kernels.
+* ``q_indices``, ``q_counts``, ``q_partial``: the transpose (per kv tile, the query tiles
+  visiting it), walked by the dK/dV backward kernels.
 
-Leading axes are [Bs, Hs], Bs in {1, batch}, Hs in {1, kv_heads}; a size-1 axis is broadcast.
-Kernels index with ``b if Bs > 1 else 0``.
+Leading axes [Bs, Hs]: Bs in {1, batch}, Hs in {1, kv_heads}, a size-1 axis broadcast (kernels
+index with ``b if Bs > 1 else 0``).
 """
 from __future__ import annotations
 
@@ -112,18 +111,9 @@ def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
 
 
 def segment_tile_classes(seg, length, block):
-  """Per-tile summary of segment ids int [b, length] for ``segment_tile_pairs``; id 0 and the
-  positions past ``length`` (to whole tiles) are padding, left out of the ranges.
-
-  Returns:
-    (lo, hi, pure), [b, n] each: the smallest and largest nonzero id of the tile (int32; the
-    empty range INT32_MAX, INT32_MIN when it has none) and whether every position holds that one
-    nonzero id (bool).
-
-  Example:
-    >>> segment_tile_classes(jnp.array([[1, 1, 2, 0]]), 4, 2)[2].tolist()
-    [[True, False]]
-  """
+  """(lo, hi, pure) [b, n] per tile of segment ids int [b, length]: the smallest and largest
+  nonzero id (int32; INT32_MAX, INT32_MIN when none: id 0 and positions past ``length`` are
+  padding) and whether every position holds that one nonzero id (bool)."""
   n = -(-length // block)
   pad = n * block - length
   s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad))).reshape(seg.shape[0], n, block)
@@ -134,16 +124,9 @@ def segment_tile_classes(seg, length, block):
 
 
 def segment_tile_pairs(q_classes, kv_classes):
-  """(visit, full) bool of (query tile, kv tile) pairs from broadcastable ``segment_tile_classes``.
-
-  visit: both tiles have a nonzero id and their ranges [lo, hi] intersect (a superset of the
-  visible pairs). full: both tiles hold one and the same nonzero id everywhere.
-
-  Example:
-    >>> c = segment_tile_classes(jnp.array([[1, 1, 2, 2]]), 4, 2)
-    >>> segment_tile_pairs([x[:, :, None] for x in c], [x[:, None] for x in c])[1].tolist()
-    [[[True, False], [False, True]]]
-  """
+  """(visit, full) bool of (query tile, kv tile) pairs from broadcastable ``segment_tile_classes``:
+  visit where the id ranges [lo, hi] intersect (a superset of the visible pairs), full where both
+  tiles hold one and the same nonzero id everywhere."""
   qlo, qhi, qpure = q_classes
   klo, khi, kpure = kv_classes
   visit = (qlo <= qhi) & (klo <= khi) & (qlo <= khi) & (klo <= qhi)
@@ -156,8 +139,7 @@ def mask_tile_classes(mask, block_q: int, block_k: int):
   Args:
     mask: bool [..., q_len, kv_len]; a 5-D mask [Bs, Hs, G, q_len, kv_len] also reduces its G
       axis (query heads sharing a kv head): any of them visible / all of them fully visible.
-    block_q, block_k: tile sizes. Rows and columns past the end of the mask (tile padding) do
-      not decide a tile's class.
+    block_q, block_k: tile sizes; tile padding past the mask's end decides nothing.
 
   Returns:
     (any_, all_): bool [..., nq, nk] (without the G axis of a 5-D mask).
@@ -185,8 +167,7 @@ def compact_true(keep, width: int):
   On GPU and CPU a running count and one scatter; on TPU a stable argsort (the same result).
 
   Args:
-    keep: bool [..., n].
-    width: slots per row; True entries past the first ``width`` of a row are dropped.
+    keep, width: bool [..., n]; slots per row (True entries past the first ``width`` dropped).
 
   Returns:
     (order, count): int32 [..., width], order[..., j] the position of the row's j-th True entry
@@ -207,9 +188,8 @@ def compact_true(keep, width: int):
 
 
 def _compact_by_scatter(keep, width):
-  """``compact_true`` by a running count and one scatter. The optimization barrier keeps XLA from
-  constant-folding the count of a constant mask (seconds per op at 64K tokens)."""
-  keep = jax.lax.optimization_barrier(keep)
+  """``compact_true`` by a running count and one scatter."""
+  keep = jax.lax.optimization_barrier(keep)   # no constant folding: seconds per op at 64K tokens
   lead, n = keep.shape[:-1], keep.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
   slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1        # [..., n]
@@ -259,8 +239,7 @@ def check_schedule_args(schedule, q_shape, k_shape) -> None:
   """Check that ``schedule`` is a ``BlockSchedule`` for q [B, Sq, Hq, D] and k [B, Sk, Hk, D].
 
   Args:
-    schedule: the schedule a kernel was given.
-    q_shape, k_shape: the shapes of q and k.
+    schedule, q_shape, k_shape: the schedule a kernel was given; the shapes of q and k.
 
   Returns:
     None; TypeError / ValueError unless the lengths match and leading axes are [1|B, 1|Hk].
@@ -288,10 +267,8 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
   """Build the block schedule of a mask.
 
   Args:
-    q_len, kv_len: sequence lengths (unpadded).
-    block_q, block_k: tile sizes of the kernel that will walk the schedule.
-    causal: bottom-right aligned causal mask.
-    local_window_size: None, int or (left, right).
+    q_len, kv_len, block_q, block_k: unpadded sequence lengths; the walking kernel's tiles.
+    causal, local_window_size: bottom-right aligned causal mask; None, int or (left, right).
     q_segment_ids, kv_segment_ids: None or int32 [batch, len] (both or neither); 0 = padding.
     block_mask: None or bool [Bs, Hs, nq, nk] (tile level, e.g. a top-K selection): tiles where
       it is False are never visited. Traced values are fine.

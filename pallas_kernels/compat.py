@@ -17,8 +17,7 @@ def triton_compiler_params(num_warps: int | None = None, num_stages: int | None 
   """Compiler params for the Pallas Triton (portable GPU) lowering.
 
   Args:
-    num_warps: warps per program, or None for the default.
-    num_stages: software pipelining depth, or None for the default.
+    num_warps, num_stages: warps per program and software pipelining depth (None: default).
 
   Returns:
     An object to pass as ``compiler_params=`` to ``pl.pallas_call``.
@@ -127,12 +126,12 @@ def _mosaic_gpu_load_takes_index() -> bool:
 def mosaic_gpu_load(ref, *, layout=None):
   """Load a whole (already indexed) Mosaic GPU shared-memory ref into an array, in a kernel body.
 
-  jax 0.10.x's ``plgpu.load(ref, idx, *, layout)`` needs the index argument; 0.11.x deprecates
-  it (index the ref with ``ref.at[...]`` instead). This passes ``()`` only where it is required.
+  jax 0.10.x's ``plgpu.load`` needs an index argument, 0.11.x deprecates it: ``()`` is passed
+  only where it is required.
 
   Args:
-    ref: a Mosaic GPU ref (e.g. ``smem.at[slot]``).
-    layout: the register layout of the result (``plgpu.Layout...``), or None.
+    ref, layout: a Mosaic GPU ref (e.g. ``smem.at[slot]``) and the result's register layout
+      (``plgpu.Layout...``) or None.
 
   Returns:
     The loaded array.

@@ -25,10 +25,8 @@ def normalize_window(local_window_size):
     None or a tuple (left, right) where each side is an int or None.
 
   Example:
-    >>> normalize_window(512)
-    (512, 512)
-    >>> normalize_window((511, 0))
-    (511, 0)
+    >>> normalize_window(512), normalize_window((511, None))
+    ((512, 512), (511, None))
   """
   if local_window_size is None:
     return None
@@ -50,11 +48,10 @@ def visible(q_pos, k_pos, q_seg=None, kv_seg=None, *, causal, window, kv_len=Non
   """The visibility rule on already-broadcastable arrays (used inside kernels and by element_mask).
 
   Args:
-    q_pos: int array of absolute (bottom-right aligned) query positions, broadcastable to k_pos.
-    k_pos: int array of key positions.
+    q_pos, k_pos: int arrays of absolute (bottom-right aligned) query positions and of key
+      positions, broadcastable to each other.
     q_seg, kv_seg: None, or int arrays of segment ids broadcastable like q_pos / k_pos.
-    causal: bool.
-    window: None or (left, right) from ``normalize_window``.
+    causal, window: bool; None or (left, right) from ``normalize_window``.
     kv_len: if given, keys at positions >= kv_len are invisible (inside-kernel padding).
 
   Returns:
@@ -81,16 +78,12 @@ def visible(q_pos, k_pos, q_seg=None, kv_seg=None, *, causal, window, kv_len=Non
 
 
 def element_mask(q_pos, k_pos, *, causal, window, kv_len=None, q_seg=None, kv_seg=None):
-  """Boolean visibility of keys for queries, broadcasting q_pos[..., :, None] vs k_pos[..., None, :].
+  """``visible`` of every query against every key: q_pos[..., :, None] vs k_pos[..., None, :].
 
   Args:
-    q_pos: int array [..., tq] of absolute (bottom-right aligned) query positions.
-    k_pos: int array [..., tk] of key positions.
-    causal: bool.
-    window: None or (left, right) from ``normalize_window``.
-    kv_len: if given, keys at positions >= kv_len are invisible (inside-kernel padding).
-    q_seg: None or int array [..., tq] of query segment ids.
-    kv_seg: None or int array [..., tk] of key segment ids.
+    q_pos, k_pos: int arrays [..., tq] of query positions and [..., tk] of key positions.
+    causal, window, kv_len: as for ``visible``.
+    q_seg, kv_seg: None, or int arrays [..., tq] / [..., tk] of segment ids.
 
   Returns:
     bool array [..., tq, tk].

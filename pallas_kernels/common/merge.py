@@ -77,9 +77,8 @@ def merge(o1, lse1, o2, lse2):
   """Merge two partial attention results over disjoint key sets.
 
   Args:
-    o1, lse1: first partial output, shape ``lse1.shape + (head_dim,)``, and its log-sum-exp
-      (-inf when empty).
-    o2, lse2: the second partial, same shapes.
+    o1, lse1, o2, lse2: two partial outputs of shape ``lse.shape + (head_dim,)`` and their
+      log-sum-exps (-inf when empty); the two partials have equal shapes.
 
   Returns:
     ``(out, lse)`` as :func:`merge_partials`; out in the promoted dtype of ``o1`` and ``o2``.
@@ -91,9 +90,8 @@ def merge(o1, lse1, o2, lse2):
   """
   dtype = jnp.result_type(o1, o2)
   if jnp.shape(o1) != jnp.shape(o2) or jnp.shape(lse1) != jnp.shape(lse2):
-    raise ValueError(
-        f"merge needs equal shapes; got o {jnp.shape(o1)} vs {jnp.shape(o2)}, "
-        f"lse {jnp.shape(lse1)} vs {jnp.shape(lse2)}")
+    raise ValueError(f"merge needs equal shapes; got o {jnp.shape(o1)} vs {jnp.shape(o2)}, "
+                     f"lse {jnp.shape(lse1)} vs {jnp.shape(lse2)}")
   outs = jnp.stack([jnp.asarray(o1, dtype), jnp.asarray(o2, dtype)], axis=0)
   lses = jnp.stack([jnp.asarray(lse1, jnp.float32), jnp.asarray(lse2, jnp.float32)], axis=0)
   return merge_partials(outs, lses, axis=0)
@@ -103,8 +101,8 @@ def merge_partials_by_row(outs, lses, rows, num_rows):
   """:func:`merge_partials` of partials grouped by row id (any number per row, in any order).
 
   Args:
-    outs: [units, heads, head_dim] partial outputs (entries with lse -inf are ignored).
-    lses: [units, heads] fp32 partial log-sum-exps.
+    outs, lses: [units, heads, head_dim] partial outputs and [units, heads] fp32 log-sum-exps
+      (entries with lse -inf are ignored).
     rows: int [units]: the row of each partial; ids outside [0, num_rows) are dropped.
     num_rows: number of rows (static).
 
@@ -128,9 +126,6 @@ def merge_partials_by_row(outs, lses, rows, num_rows):
   total_safe = jnp.where(empty, 1.0, total)
   out = jax.ops.segment_sum(contrib, rows, num_rows) / total_safe[..., None]
   return out, jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
-
-
-# ----------------------------------------------------------------------------- Pallas (Triton)
 
 
 def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad, first=None, count=None):
@@ -180,15 +175,13 @@ def _merge_kernel(*refs, num_splits, head_dim, d_pad):
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
 def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False, row_units=None):
   """:func:`merge_partials` over axis 1 of split partials, as one Pallas kernel (Triton); with
-  ``row_units`` :func:`merge_partials_by_row` of a schedule's row-contiguous units.
-
-  One program per (batch, query head), writing ``out_dtype`` itself (no XLA convert follows).
+  ``row_units`` :func:`merge_partials_by_row` of a schedule's row-contiguous units. One program
+  per (batch, query head), writing ``out_dtype`` itself (no XLA convert follows).
 
   Args:
-    outs: fp32 [batch, num_splits, q_heads, head_dim].
-    lses: fp32 [batch, num_splits, q_heads].
-    out_dtype: dtype of the merged output (default outs.dtype).
-    interpret: run in the Pallas interpreter (CPU tests).
+    outs, lses: fp32 [batch, num_splits, q_heads, head_dim] and [batch, num_splits, q_heads].
+    out_dtype, interpret: dtype of the merged output (default outs.dtype); run in the Pallas
+      interpreter (CPU tests).
     row_units: None, or int32 [batch + 1]: outs [1, U, q_heads, head_dim] (lses [1, U, q_heads])
       hold row b's partials at rows row_units[b] .. row_units[b + 1] - 1, at most
       ``MAX_ROW_PARTIALS`` a row.
@@ -209,7 +202,8 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False, row_un
   rows = () if row_units is None else (row_units.astype(jnp.int32),)
   if rows:
     bsz, ns = row_units.shape[0] - 1, min(ns, MAX_ROW_PARTIALS)
-  kernel = functools.partial(_merge_kernel, num_splits=ns, head_dim=d, d_pad=next_pow2(d, minimum=16))
+  kernel = functools.partial(_merge_kernel, num_splits=ns, head_dim=d,
+                             d_pad=next_pow2(d, minimum=16))
   return pl.pallas_call(
       kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
                          jax.ShapeDtypeStruct((bsz, hq), jnp.float32)],

@@ -1,24 +1,17 @@
 """Online softmax in the base-2 domain, its finalisation, and the backward's per-row terms.
 
-Masked keys never leak. In a tile whose keys some rows cannot see (a partial tile), a key's NaN
-or inf would meet p = 0 in ``P V`` (or dS = 0 in ``dS K``) and 0 * NaN would poison every row:
-``hide_nonfinite_values`` zeroes such values and turns the key's logits NaN instead, so the
-rows that see it are NaN and the element mask drops it for the others. The dQ kernel zeroes the
-streamed K / V tile's non-finite entries (``zero_nonfinite``; a row that sees one has a NaN
-log-sum-exp); the dK/dV kernel selects p and dS to 0 at masked entries (a NaN log-sum-exp or
-delta row, a NaN logit or dP of its own key). Tiles every row sees fully need none of this: a
-non-finite key there reaches every row, as it should.
-
 Flash kernels keep, per query row, a running max ``m`` of the base-2 logits and a running sum
-``l`` of ``exp2(logit - m)``; every new tile of logits rescales the accumulator by
-``alpha = exp2(m_old - m_new)``. Working in base 2 lets ``log2(e)`` fold into the logit scale, so
-each element costs one multiply-add and one ``exp2``. At the end the output is ``acc / l`` and
-the log-sum-exp (natural log) is ``m * ln 2 + ln l``; a row that saw no key (``l == 0``) gets
-output 0 and log-sum-exp -inf, never NaN.
+``l`` of ``exp2(logit - m)``; each new tile rescales the accumulator by ``alpha = exp2(m_old -
+m_new)``. Base 2 folds ``log2(e)`` into the logit scale: one multiply-add and one ``exp2`` per
+element. A row that saw no key gets output 0 and log-sum-exp -inf, never NaN. The backward needs
+``delta = rowsum(dO * O) - dLSE`` (the log-sum-exp's cotangent enters exactly like that row term)
+and the log-sum-exp in base 2, +inf for empty rows so that ``p = exp2(s - lse2)`` is 0 there.
 
-The backward needs two per-row terms from any forward's (out, lse): ``delta = rowsum(dO * O) -
-dLSE`` (the cotangent of the returned log-sum-exp enters exactly like that row term) and the
-log-sum-exp in base 2, with +inf for empty rows so that ``p = exp2(s - lse2)`` is 0 there.
+Masked keys never leak. In a partial tile a key's NaN or inf would meet p = 0 in ``P V`` (or
+dS = 0 in ``dS K``) and 0 * NaN would poison every row: the forward hides it
+(``hide_nonfinite_values``), the dQ kernel zeroes the K / V tile's non-finite entries
+(``zero_nonfinite``; a row that sees one has a NaN log-sum-exp), the dK/dV kernel selects p and
+dS to 0 at masked entries. A non-finite key in a tile every row sees fully reaches every row.
 """
 from __future__ import annotations
 
@@ -38,11 +31,10 @@ def online_softmax_step(s, m, l, *, factor=None, guard_empty=False):
   """One online-softmax step over a tile of logits, base 2.
 
   Args:
-    s: [R, N] fp32 logits, masked entries -inf; base-2 already, or natural-scale logits that
-      ``factor`` (e.g. scale * log2(e)) turns into base 2.
-    m: [R] running max of the base-2 logits (-inf or a very negative finite value at start).
-    l: [R] running sum of exp2(logit - m).
-    factor: None, or a float multiplied into ``s`` (folded into the exponent's multiply-add).
+    s, factor: [R, N] fp32 logits (masked -inf), base 2 already or turned into base 2 by the
+      float ``factor`` (e.g. scale * log2(e), folded into the exponent's multiply-add).
+    m, l: [R] running max of the base-2 logits (-inf or a very negative finite value at start)
+      and running sum of exp2(logit - m).
     guard_empty: ``m`` may be -inf after this tile (a row that has seen only masked logits):
       exponentiate against 0 there, so that no ``-inf - -inf`` NaN appears.
 
@@ -72,8 +64,7 @@ def finalize(acc, m, l):
 
   Args:
     acc: [R, D] fp32 sum of exp2(logit - m) * v.
-    m: [R] base-2 running max.
-    l: [R] running sum.
+    m, l: [R] base-2 running max and running sum.
 
   Returns:
     (out [R, D] fp32 = acc / l, lse [R] fp32 = m ln 2 + ln l); rows with l == 0 keep their
@@ -95,8 +86,7 @@ def delta_rows(out, d_out, d_lse=None):
   """delta = rowsum(dO * O) - dLSE, fp32, by elementwise products (no reduced-precision matmul).
 
   Args:
-    out: [B, Sq, Hq, Dv] the forward's output.
-    d_out: [B, Sq, Hq, Dv] its cotangent.
+    out, d_out: [B, Sq, Hq, Dv] the forward's output and its cotangent.
     d_lse: None or [B, Hq, Sq] the cotangent of the log-sum-exp.
 
   Returns:
@@ -120,7 +110,7 @@ def lse_base2(lse):
     lse: fp32 log-sum-exp, natural log, -inf for empty rows.
 
   Returns:
-    lse * log2(e), +inf where lse is -inf (so exp2(s - lse2) is 0 on those rows).
+    lse * log2(e), +inf where lse is -inf (exp2(s - lse2) = 0 there).
 
   Example:
     >>> lse_base2(jnp.array([0.0, -jnp.inf])).tolist()
@@ -147,14 +137,12 @@ def zero_nonfinite(x):
 
 def hide_nonfinite_values(k, v):
   """The K / V tile of a partial tile: k with NaN rows at the keys whose value holds a
-  non-finite entry, and v with those entries 0.
-
-  Such a key's logits are NaN: the element mask turns them to -inf for the rows that cannot see
-  it, and the rows that see it get NaN (as without the guard); its value meets p = 0 only as 0.
+  non-finite entry, and v with those entries 0. Such a key's logits are NaN: the element mask
+  turns them to -inf for the rows that cannot see it, the rows that see it get NaN (as without
+  the guard); its value meets p = 0 only as 0.
 
   Args:
-    k: [N, D] key tile.
-    v: [N, Dv] value tile.
+    k, v: [N, D] key tile and [N, Dv] value tile.
 
   Returns:
     (k [N, D], v [N, Dv]), both unchanged where v is finite.

@@ -1,9 +1,4 @@
-"""Small helpers shared by the kernel modules: integer rounding, powers of two, padding, checks.
-
-Example:
-  >>> cdiv(100, 32), round_up(100, 32), next_pow2(72), next_pow2(3, minimum=16)
-  (4, 128, 128, 16)
-"""
+"""Small helpers shared by the kernel modules: integer rounding, powers of two, padding, checks."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -13,11 +8,10 @@ __all__ = ["cdiv", "round_up", "next_pow2", "pad_axis"]
 
 
 def cdiv(n: int, d: int) -> int:
-  """ceil(n / d) for Python ints (d > 0).
+  """ceil(n / d) for Python ints.
 
   Args:
-    n: the numerator.
-    d: the positive denominator.
+    n, d: the numerator and the positive denominator.
 
   Returns:
     The rounded-up quotient.
@@ -33,8 +27,7 @@ def round_up(n: int, m: int) -> int:
   """The smallest multiple of ``m`` that is >= ``n``.
 
   Args:
-    n: the value to round.
-    m: the positive multiple.
+    n, m: the value to round and the positive multiple.
 
   Returns:
     ``cdiv(n, m) * m``.
@@ -50,8 +43,7 @@ def next_pow2(n: int, *, minimum: int = 1) -> int:
   """The smallest power of two that is >= ``n`` and >= ``minimum``.
 
   Args:
-    n: a non-negative int.
-    minimum: the lower bound (Triton blocks need at least 16 along a dot's axes).
+    n, minimum: a non-negative int and the lower bound (Triton dots need >= 16 per axis).
 
   Returns:
     A power of two.
@@ -67,10 +59,8 @@ def pad_axis(x, axis: int, size: int, value=0):
   """Pad ``x`` at the end of ``axis`` up to ``size`` with ``value`` (no copy when it fits).
 
   Args:
-    x: an array.
-    axis: the axis to pad.
-    size: the new length of that axis (>= its current length).
-    value: the fill value.
+    x, axis: the array and the axis to pad.
+    size, value: the new length of that axis (>= its current length) and the fill value.
 
   Returns:
     The padded array.
@@ -87,18 +77,7 @@ def pad_axis(x, axis: int, size: int, value=0):
 
 
 def check_segment_ids(q_segment_ids, kv_segment_ids, q_shape, k_shape) -> None:
-  """Check a kernel call's segment ids: both or neither, shaped [batch, len] of q and k.
-
-  Args:
-    q_segment_ids, kv_segment_ids: None, or the ids of the queries and of the keys.
-    q_shape, k_shape: q's and k's [batch, seq, heads, head_dim].
-
-  Returns:
-    None; raises ValueError naming the problem.
-
-  Example:
-    >>> check_segment_ids(None, None, (1, 8, 2, 32), (1, 8, 2, 32))
-  """
+  """ValueError unless the segment ids are both None or [batch, len] of q and k, both given."""
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together")
   if q_segment_ids is not None and (tuple(q_segment_ids.shape) != tuple(q_shape[:2])

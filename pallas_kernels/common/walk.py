@@ -30,22 +30,12 @@ __all__ = ["list_walk", "range_codes", "segment_bounds"]
 
 
 def entry_tile(entry):
-  """The walked tile of an entry (int32 scalar or array).
-
-  Example:
-    >>> int(entry_tile(jnp.int32(5 << WALK_SHIFT | FULL | PARTIAL << 2)))
-    5
-  """
+  """The walked tile of an entry (int32 scalar or array)."""
   return lax.shift_right_logical(entry, jnp.int32(WALK_SHIFT))
 
 
 def entry_code(entry, wg):
-  """Compute warpgroup ``wg``'s code (SKIP, FULL or PARTIAL) of an entry.
-
-  Example:
-    >>> [int(entry_code(jnp.int32(5 << WALK_SHIFT | FULL | PARTIAL << 2), w)) for w in (0, 1)]
-    [1, 2]
-  """
+  """Compute warpgroup ``wg``'s code (SKIP, FULL or PARTIAL) of an entry."""
   return lax.bitwise_and(lax.shift_right_logical(entry, 2 * jnp.asarray(wg, jnp.int32)),
                          jnp.int32(3))
 
@@ -54,8 +44,8 @@ def range_codes(tiles, valid, ranges, own_seg, own_block, walk_seg, walk_block):
   """Codes (SKIP, FULL, PARTIAL) of listed walk tiles from each own tile's static ranges.
 
   Args:
-    tiles: int32 [Bs, Hs, n_own, L] walk tiles listed for each own tile.
-    valid: bool, same shape: the entries that are listed (the others get SKIP).
+    tiles, valid: int32 [Bs, Hs, n_own, L] walk tiles listed for each own tile and bool, same
+      shape: the entries that are listed (the others get SKIP).
     ranges: (lo, flo, fhi, hi) int32 [n_own]: own tile i may see walk tiles [lo, hi) and sees
       [flo, fhi) in full under the static mask (causal, window, padding).
     own_seg, walk_seg: None, or int32 segment ids [B, S'] along the own / walked axis, padded
@@ -89,9 +79,8 @@ def range_codes(tiles, valid, ranges, own_seg, own_block, walk_seg, walk_block):
 
 
 def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, codes_fn):
-  """Per-program walk rows of a list schedule.
+  """Per-program walk rows of a list schedule (forward, dQ: ``kv_indices``; dK/dV: ``q_indices``).
 
-  Forward and dQ kernels walk ``schedule.kv_indices``, dK/dV the transposed ``q_indices``.
   Warpgroup tile i lies in schedule row ``i * own_block // s_own``; each listed schedule tile
   becomes its ``s_walk // walk_block`` kernel tiles. Entries neither warpgroup needs are dropped
   (kept as drains when no compaction is needed: ``s_own == 2 * own_block``, ``s_walk ==
@@ -100,10 +89,10 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
   Args:
     idx, cnt: int32 [Bs, Hs, R, M] / [Bs, Hs, R]: per schedule tile of ``s_own`` along the own
       axis, the listed tiles of ``s_walk`` along the other and their count.
-    s_own, s_walk: the schedule's tile sizes (multiples of ``own_block`` / ``walk_block``).
-    own_block, walk_block: the kernel's tiles.
-    n_own: the kernel's warpgroup tiles (2 per program); those past the schedule list nothing.
-    n_walk: the kernel's walk tiles; listed tiles from ``n_walk`` on are dropped.
+    s_own, s_walk, own_block, walk_block: the schedule's tile sizes and the kernel's (which
+      divide them).
+    n_own, n_walk: the kernel's warpgroup tiles (2 per program; those past the schedule list
+      nothing) and walk tiles (listed tiles from ``n_walk`` on are dropped).
     codes_fn: ``(tiles [Bs, Hs, n_own, L], valid) -> codes [B', Hs, n_own, L]`` (SKIP, FULL,
       PARTIAL per own tile), e.g. ``range_codes`` with the kernel's static ranges.
 
@@ -145,9 +134,8 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
 
 
 def _scatter_codes(tiles, codes, n):
-  """[..., n] int32: each row's non-SKIP codes at its tiles (each at most once), SKIP elsewhere.
-  Behind an optimization barrier: XLA would constant-fold the scatter of a static schedule."""
-  tiles, codes = jax.lax.optimization_barrier((tiles, codes))
+  """[..., n] int32: each row's non-SKIP codes at its tiles (each at most once), SKIP elsewhere."""
+  tiles, codes = jax.lax.optimization_barrier((tiles, codes))   # no constant folding
   lead = codes.shape[:-1]
   rows = int(np.prod(lead, dtype=np.int64))
   base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n
@@ -167,9 +155,8 @@ def _walk_rows(t, c0, c1, count):
 
 def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, static, *,
                    one_segment=False):
-  """Per-(batch, program) walk ranges with segment ids (the range path's bounds rows).
-
-  A warpgroup tile walks the tiles that the static mask and the tiles' segment ids allow
+  """Per-(batch, program) walk ranges with segment ids (the range path's bounds rows): a
+  warpgroup tile walks the tiles that the static mask and the tiles' segment ids allow
   (``block_schedule.segment_tile_pairs``, a superset of the visible pairs): [lo, hi) from the
   first to the last such tile (tiles between, across a document gap, walked masked), unmasked on
   the first run [flo, fhi) of tiles statically full with one same nonzero id on both sides.
@@ -177,8 +164,8 @@ def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, stat
   Args:
     own_seg, walk_seg: int32 [B, S'] segment ids along the own / walked axis, padded with 0
       (which sees nothing) to whole tiles.
-    own_block, walk_block: the tile sizes.
-    n_own, n_walk: warpgroup tiles (2 per program) and walk tiles.
+    own_block, walk_block, n_own, n_walk: the tile sizes; the warpgroup tiles (2 per program)
+      and walk tiles.
     static: (lo, flo, fhi, hi) int32 [n_own]: each warpgroup tile's ranges under the static mask.
     one_segment: add each warpgroup's one-segment flag (two more columns).
 

@@ -1,8 +1,6 @@
-"""Flash attention for Hopper (sm90): the Pallas Mosaic GPU forward, with a Triton or Mosaic GPU
-backward (custom_vjp).
-
-The kernel is in ``mosaic_gpu_fwd_kernel``; this module holds ``BlockSizes``, the tuned
-defaults and ``flash_attention`` (padding, segment ids, schedules, the custom_vjp).
+"""Flash attention for Hopper (sm90): the Pallas Mosaic GPU forward (``mosaic_gpu_fwd_kernel``)
+with a Triton or Mosaic GPU backward. Here: ``BlockSizes``, the tuned defaults and
+``flash_attention`` (padding, segment ids, schedules, the custom_vjp).
 """
 from __future__ import annotations
 
@@ -14,9 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import compat
+from pallas_kernels import compat, tuning
+from pallas_kernels.block_schedule import check_schedule_args
+from pallas_kernels.common.merge import merge_partials
 from pallas_kernels.common.util import check_qkv_shapes, check_segment_ids, pad_axis
+from pallas_kernels.flash import mosaic_gpu_bwd
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
+from pallas_kernels.masks import normalize_window
 
 __all__ = ["BlockSizes", "PROTOCOLS", "default_block_sizes", "fit_block_sizes",
            "fit_tail_kv_splits", "flash_attention"]
@@ -46,10 +48,8 @@ class BlockSizes:
       C * block_k, ``q_tiles_per_program`` 1 (``fit_tail_kv_splits``).
 
   Example:
-    >>> BlockSizes(64, 128, 2).rows_per_program
+    >>> BlockSizes(64, 128, 2, protocol="overlap", q_tiles_per_program=2).rows_per_program
     128
-    >>> BlockSizes(64, 128, 2, protocol="overlap", q_tiles_per_program=2).q_tiles_per_program
-    2
   """
   block_q: int = 64
   block_k: int = 128
@@ -89,20 +89,16 @@ class BlockSizes:
 
 @functools.lru_cache(maxsize=None)
 def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str = "all") -> BlockSizes:
-  from pallas_kernels import tuning
   return BlockSizes(**tuning.required_params("mosaic_gpu_fwd", head_dim, "16bit", device_kind,
                                              mask))
 
 
 def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
                         device_kind: str | None = None, mask: str = "all") -> BlockSizes:
-  """Default ``BlockSizes`` for a head dimension (64, 128 or 256; bf16 or fp16) and mask kind.
-
-  Read from the device's tuning table (``pallas_kernels.tuning``, kernel "mosaic_gpu_fwd").
+  """Default ``BlockSizes`` for a head dimension and mask kind, from the device's tuning table.
 
   Args:
-    head_dim: the head dimension of q, k and v.
-    dtype: the input dtype (only checked: bf16 and fp16 have the same tiles).
+    head_dim, dtype: 64, 128 or 256; bf16 or fp16 (only checked: both have the same tiles).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
     mask: "all", "dense", "causal", "window", "causal_window" or "causal_segments"
       (``tuning.mask_kind``).
@@ -116,16 +112,9 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16,
     >>> default_block_sizes(128, device_kind="NVIDIA H200", mask="causal_window").protocol
     'overlap'
   """
-  _check_dtype(dtype)
+  mosaic_gpu_bwd.check_dtype(dtype, "forward")
   _check_head_dim(head_dim)
-  from pallas_kernels import tuning
   return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached by kind
-
-
-def _check_dtype(dtype):
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise NotImplementedError(f"the Mosaic GPU forward supports bfloat16 and float16 inputs, got "
-                              f"{jnp.dtype(dtype)}")
 
 
 def _check_head_dim(d):
@@ -164,8 +153,7 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
   keys a multiple of ``tail_kv_splits * block_k``, (B * Hq * query programs) mod SMs in [1, Hq].
 
   Args:
-    bs: the forward's ``BlockSizes``.
-    q_shape, k_shape: [B, Sq, Hq, D] and [B, Sk, Hk, D].
+    bs, q_shape, k_shape: the forward's ``BlockSizes``; [B, Sq, Hq, D] and [B, Sk, Hk, D].
     causal, window, segments, schedule: the call's masks (window: None or (left, right)).
     core_count: SMs per GPU (default ``compat.gpu_core_count()``, 1 without a GPU: never).
 
@@ -177,9 +165,6 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
     >>> fit_tail_kv_splits(bs, (2, 16384, 16, 128), (2, 16384, 16, 128),
     ...                    core_count=132).tail_kv_splits
     8
-    >>> fit_tail_kv_splits(bs, (1, 16384, 33, 128), (1, 16384, 33, 128),   # 32 full waves
-    ...                    core_count=132).tail_kv_splits
-    0
   """
   if not int(bs.tail_kv_splits):
     return bs
@@ -189,18 +174,6 @@ def fit_tail_kv_splits(bs: BlockSizes, q_shape, k_shape, *, causal=False, window
   ok = 1 <= last <= hq and not _tail_unsupported(bs, k_shape, causal=causal, window=window,
                                                   segments=segments, schedule=schedule)
   return bs if ok else dataclasses.replace(bs, tail_kv_splits=0)
-
-
-def _tail_config(bs: BlockSizes, q_shape, k_shape, *, causal, window, has_seg, schedule):
-  """``KernelConfig`` fields of ``BlockSizes.tail_kv_splits`` ({} when off), or ValueError."""
-  c = int(bs.tail_kv_splits)
-  if not c:
-    return {}
-  bad = _tail_unsupported(bs, k_shape, causal=causal, window=window, segments=has_seg,
-                          schedule=schedule is not None)
-  if bad:
-    raise ValueError(f"tail_kv_splits={c} (dense masks only) does not support " + "; ".join(bad))
-  return dict(tail_batch=int(q_shape[0]) - 1, tail_kv_splits=c)
 
 
 def _tail_unsupported(bs: BlockSizes, k_shape, *, causal, window, segments, schedule):
@@ -218,7 +191,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
                    has_seg=False, schedule=None) -> fk.KernelConfig:
   """The kernel's static configuration for q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] and a
   ``BlockSchedule`` (checked) or None."""
-  from pallas_kernels.masks import normalize_window
   window = normalize_window(local_window_size)
   if window == (None, None):
     window = None
@@ -228,7 +200,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
   _, sk, hk, _ = k_shape
   bs = block_sizes or default_block_sizes(d, dtype)
   _check_head_dim(d)
-  from pallas_kernels.flash import mosaic_gpu_bwd  # light: no kernel is built here
   backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward
   if backward == "mosaic":
     if bwd_block_sizes is not None and not isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes):
@@ -241,7 +212,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
     raise ValueError(f"q_tiles_per_program={bs.q_tiles_per_program} (> 1) runs the range path "
                      f"only: not with segment ids or a block schedule (use "
                      f"q_tiles_per_program=1)")
-  sched = {}
+  extra = {}   # the KernelConfig fields of a schedule and of tail_kv_splits
   if schedule is not None:
     _check_schedule(schedule, q_shape, k_shape, bs,
                     None if backward == "mosaic" else bwd_block_sizes)
@@ -250,8 +221,15 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
           mosaic_gpu_bwd.call_block_sizes(d, dtype, causal=causal, window=window,
                                           has_seg=has_seg, schedule=schedule)))
     bsz, hsz = schedule.kv_indices.shape[:2]
-    sched = dict(has_sched=True, sched_batch=q_shape[0] > 1 and (has_seg or bsz > 1),
+    extra = dict(has_sched=True, sched_batch=q_shape[0] > 1 and (has_seg or bsz > 1),
                  sched_heads=hsz > 1)
+  c = int(bs.tail_kv_splits)
+  if c:
+    bad = _tail_unsupported(bs, k_shape, causal=causal, window=window, segments=has_seg,
+                            schedule=schedule is not None)
+    if bad:
+      raise ValueError(f"tail_kv_splits={c} (dense masks only) does not support " + "; ".join(bad))
+    extra.update(tail_batch=int(q_shape[0]) - 1, tail_kv_splits=c)
   return fk.KernelConfig(
       block_q=bs.block_q, block_k=bs.block_k, num_stages=bs.num_stages, q_len=sq, kv_len=sk,
       num_q_programs=-(-sq // bs.rows_per_program), num_kv_tiles=-(-sk // bs.block_k),
@@ -260,8 +238,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       window=window, soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
       has_seg=bool(has_seg), interpret=bool(interpret), bwd_block_sizes=bwd_block_sizes,
       backward=backward, protocol=bs.protocol, q_tiles_per_program=int(bs.q_tiles_per_program),
-      one_seg_mask=bool(bs.one_segment_static_mask), **sched, **_tail_config(
-          bs, q_shape, k_shape, causal=causal, window=window, has_seg=has_seg, schedule=schedule))
+      one_seg_mask=bool(bs.one_segment_static_mask), **extra)
 
 
 def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
@@ -296,18 +273,13 @@ def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
 
 
 def _forward_bwd(st, res, cts):
-  """The backward kernels on this forward's residuals: Triton's, or the Mosaic GPU ones with
-  ``BlockSizes(backward="mosaic")`` or a ``mosaic_gpu_bwd.BlockSizes`` as ``bwd_block_sizes``.
-  lse is the natural-log log-sum-exp over unpadded keys, -inf for rows that see no key. The
-  segment ids and schedule are None where the forward had none.
-  """
+  """The backward kernels (``st.backward``: Triton or Mosaic GPU) on this forward's residuals."""
   q, k, v, q_seg, kv_seg, schedule, out, lse = res
   d_out, d_lse = cts
   kw = {"causal": st.causal, "scale": st.scale, "local_window_size": st.window,
         "logits_soft_cap": st.soft_cap, "q_segment_ids": q_seg, "kv_segment_ids": kv_seg,
         "schedule": schedule, "block_sizes": st.bwd_block_sizes}
   if st.backward == "mosaic":
-    from pallas_kernels.flash import mosaic_gpu_bwd
     grads = mosaic_gpu_bwd.flash_attention_bwd(q, k, v, out, lse, d_out, d_lse=d_lse, **kw)
   else:
     from pallas_kernels.flash import triton as ft  # local: the forward alone needs none
@@ -333,7 +305,6 @@ def _tail_fixup(q_p, k_p, v_p, out, lse, st: fk.KernelConfig):
   st_t = dataclasses.replace(st, q_len=rows, kv_len=sk_pad // c, num_q_programs=1,
                              num_kv_tiles=st.num_kv_tiles // c, tail_batch=-1, tail_kv_splits=0)
   o_t, l_t = fk.fwd_call(q_t, k_t, v_t, st_t)             # [c, rows, hq, d], [c, hq, rows]
-  from pallas_kernels.common.merge import merge_partials
   o, l = merge_partials(o_t.transpose(0, 2, 1, 3), l_t, axis=0)     # [hq, rows, d], [hq, rows]
   return _place_rows(out, lse, o.transpose(1, 0, 2).astype(out.dtype), l, bb, r0,
                      interpret=st.interpret)
@@ -354,17 +325,13 @@ def _place_rows(out, lse, rows_out, rows_lse, b, r0, *, interpret=False):
     lse_ref[...] = l_ref[...]
 
   row_block = r0 // n
+  dst = [pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
+         pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))]
   return pl.pallas_call(
-      kernel, grid=(hq,),
+      kernel, grid=(hq,), input_output_aliases={2: 0, 3: 1}, out_specs=dst,
       in_specs=[pl.BlockSpec((n, None, d), lambda h: (0, h, 0)),
-                pl.BlockSpec((None, n), lambda h: (h, 0)),
-                pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
-                pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))],
-      out_specs=[pl.BlockSpec((None, n, None, d), lambda h: (b, row_block, h, 0)),
-                 pl.BlockSpec((None, None, n), lambda h: (b, h, row_block))],
-      out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
-                 jax.ShapeDtypeStruct(lse.shape, lse.dtype)],
-      input_output_aliases={2: 0, 3: 1},
+                pl.BlockSpec((None, n), lambda h: (h, 0)), *dst],
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (out, lse)],
       compiler_params=compat.triton_compiler_params(num_warps=8, num_stages=1),
       interpret=interpret, name="jattn_mosaic_tail_place")(rows_out, rows_lse, out, lse)
 
@@ -373,7 +340,6 @@ def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes)
   """ValueError unless the kernel (tiles ``bs``) and the Triton backward can walk ``schedule``:
   same lengths, leading axes [1|B, 1|Hk], tiles powers of two and multiples of the kernel's, a
   Triton ``bwd_block_sizes`` with the schedule's tiles."""
-  from pallas_kernels.block_schedule import check_schedule_args
   check_schedule_args(schedule, q_shape, k_shape)
   sbq, sbk = schedule.block_q, schedule.block_k
   bad = [f"{name}={n}" for name, n, unit in (("block_q", sbq, bs.block_q),
@@ -399,19 +365,12 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   (``BlockSizes.backward``; differentiable w.r.t. q, k, v and through the LSE).
 
   Args:
-    q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128, 256).
-    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
-    v: [B, Sk, Hk, D] (same head dim as k).
-    q_segment_ids, kv_segment_ids: None (both) or int [B, Sq] / [B, Sk]: query i sees key j
-      only if their ids are equal and non-zero (0 = padding).
+    q, k, v, q_segment_ids, kv_segment_ids, causal, local_window_size, scale, logits_soft_cap:
+      as for ``reference.attention_reference`` (segment ids: both or neither; cap > 0); bf16 or
+      fp16, D in (64, 128, 256) for q, k and v.
     schedule: None or a ``block_schedule.BlockSchedule`` for (Sq, Sk) with leading axes
       [1|B, 1|Hk]: only its kv tiles are visited (forward and backward). Its tiles must be
       powers of two and multiples of ``block_sizes.block_q`` / ``block_k``.
-    causal: bottom-right aligned causal mask.
-    local_window_size: None, int w (= (w, w)) or (left, right): query at position p sees keys
-      in [p - left, p + right] (a side None: unbounded).
-    scale: logit scale (None: 1 / sqrt(D)).
-    logits_soft_cap: None or cap > 0: logits = cap * tanh(scale * q.k / cap).
     block_sizes: ``BlockSizes`` of the forward (None: ``default_block_sizes(D)``).
     interpret: runs the backward's Triton kernels in the Pallas interpreter (the forward
       cannot be interpreted).
@@ -419,8 +378,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       defaults of ``block_sizes.backward``).
 
   Returns:
-    (out [B, Sq, Hq, D] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that see
-    no key; their output is 0).
+    (out, lse) as ``reference.attention_reference`` (a row that sees no key: out 0, lse -inf).
 
   Example (on an H100/H200):
     >>> q = jax.random.normal(jax.random.key(0), (1, 1024, 8, 128), jnp.bfloat16)
@@ -433,7 +391,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
   check_qkv_shapes(q, k, v)
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  _check_dtype(q.dtype)
+  mosaic_gpu_bwd.check_dtype(q.dtype, "forward")
   check_segment_ids(q_segment_ids, kv_segment_ids, q.shape, k.shape)
   st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
                       block_sizes=block_sizes, interpret=interpret,

@@ -18,10 +18,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import compat
+from pallas_kernels import compat, tuning
+from pallas_kernels.block_schedule import check_schedule_args
 from pallas_kernels.common import walk
 from pallas_kernels.common.softmax import LOG2E, lse_base2
 from pallas_kernels.common.util import check_qkv_shapes, pad_axis
+from pallas_kernels.masks import normalize_window
 
 # The documented API; the checks serve the forward's wrapper.
 __all__ = ["BlockSizes", "default_block_sizes", "call_block_sizes", "fit_block_sizes",
@@ -41,14 +43,12 @@ class BlockSizes:
   """Tiles and pipeline depths of the two backward kernels.
 
   Attributes:
-    block_q_dkv: query rows per ring step of the dK/dV kernel (a multiple of 64).
-    block_k_dkv: keys per compute warpgroup of the dK/dV kernel (a multiple of 64: wgmma's M);
-      a program covers ``2 * block_k_dkv`` keys.
-    block_q_dq: query rows per compute warpgroup of the dQ kernel (a multiple of 64); a program
-      covers ``2 * block_q_dq`` rows.
-    block_k_dq: keys per ring step of the dQ kernel (a multiple of 64).
-    num_stages_dkv: Q/dO/lse/delta slots in the dK/dV kernel's TMA ring (>= 2).
-    num_stages_dq: K/V slots in the dQ kernel's TMA ring (>= 2).
+    block_q_dkv, block_k_dkv: the dK/dV kernel's query rows per ring step and keys per compute
+      warpgroup (multiples of 64, wgmma's M); a program covers ``2 * block_k_dkv`` keys.
+    block_q_dq, block_k_dq: the dQ kernel's query rows per compute warpgroup and keys per ring
+      step (multiples of 64); a program covers ``2 * block_q_dq`` rows.
+    num_stages_dkv, num_stages_dq: slots (>= 2) of the dK/dV kernel's Q/dO/lse/delta TMA ring
+      and of the dQ kernel's K/V ring.
 
   Example:
     >>> BlockSizes().keys_per_dkv_program
@@ -81,7 +81,6 @@ class BlockSizes:
 
 @functools.lru_cache(maxsize=None)
 def _tuned_block_sizes(head_dim: int, device_kind: str | None, mask: str) -> BlockSizes:
-  from pallas_kernels import tuning
   return BlockSizes(**tuning.required_params("mosaic_gpu_bwd", head_dim, "16bit", device_kind,
                                              mask=mask))
 
@@ -91,8 +90,7 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | No
   """Default ``BlockSizes`` for head_dim 64/128 and a mask kind, from ``pallas_kernels.tuning``.
 
   Args:
-    head_dim: the head dimension of q, k and v.
-    dtype: the input dtype (only checked).
+    head_dim, dtype: the head dimension of q, k and v; the input dtype (only checked).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
     mask: a ``pallas_kernels.tuning.mask_kind`` ("block_sparse" for schedules) or "all".
 
@@ -103,24 +101,20 @@ def default_block_sizes(head_dim: int, dtype=jnp.bfloat16, device_kind: str | No
     >>> default_block_sizes(64, device_kind="NVIDIA H200", mask="causal_window").block_k_dq
     64
   """
-  _check_dtype(dtype)
+  check_dtype(dtype)
   check_head_dim(head_dim)
-  from pallas_kernels import tuning
   return _tuned_block_sizes(head_dim, tuning.resolve_kind(device_kind), mask)   # cached
 
 
-def _check_dtype(dtype):
+def check_dtype(dtype, what: str = "flash attention backward") -> None:
+  """NotImplementedError unless ``dtype`` is bf16 or fp16 (``what``: the kernel, for messages)."""
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    raise NotImplementedError(f"the Mosaic GPU flash attention backward supports bfloat16 and "
-                              f"float16 inputs, got {jnp.dtype(dtype)}")
+    raise NotImplementedError(f"the Mosaic GPU {what} supports bfloat16 and float16 inputs, got "
+                              f"{jnp.dtype(dtype)}")
 
 
 def check_head_dim(d: int) -> None:
-  """NotImplementedError unless this backward supports head_dim ``d`` (64 or 128).
-
-  Example:
-    >>> check_head_dim(128)
-  """
+  """NotImplementedError unless this backward supports head_dim ``d`` (64 or 128)."""
   if d == 256:
     raise NotImplementedError(
         "the Mosaic GPU flash attention backward does not support head_dim 256: a 64-key dK/dV "
@@ -192,7 +186,6 @@ class _Static:
 
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local_window_size=None,
                    logits_soft_cap=None, has_seg=False, schedule=None) -> _Static:
-  from pallas_kernels.masks import normalize_window
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   check_head_dim(d)
@@ -222,8 +215,8 @@ def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg
 
   Args:
     head_dim, dtype: as for ``default_block_sizes``.
-    causal, window, has_seg: the call's mask (window: None or normalized (left, right)).
-    schedule: None or the call's ``BlockSchedule``.
+    causal, window, has_seg, schedule: the call's mask (window: None or normalized (left,
+      right); schedule: None or a ``BlockSchedule``).
 
   Returns:
     A ``BlockSizes``.
@@ -232,9 +225,9 @@ def call_block_sizes(head_dim: int, dtype, *, causal: bool, window=None, has_seg
     >>> call_block_sizes(128, jnp.bfloat16, causal=True).num_stages_dq
     2
   """
-  from pallas_kernels.tuning import mask_kind
   if schedule is None:
-    return default_block_sizes(head_dim, dtype, mask=mask_kind(causal, window, segments=has_seg))
+    return default_block_sizes(head_dim, dtype,
+                               mask=tuning.mask_kind(causal, window, segments=has_seg))
   return fit_block_sizes(default_block_sizes(head_dim, dtype, mask="block_sparse"), schedule)
 
 
@@ -242,8 +235,7 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
   """``bs`` with each tile cut to the gcd with the schedule's tile along its axis.
 
   Args:
-    bs: the backward's block sizes.
-    schedule: a ``block_schedule.BlockSchedule``.
+    bs, schedule: the backward's block sizes and a ``block_schedule.BlockSchedule``.
 
   Returns:
     A ``BlockSizes``; ValueError (from ``BlockSizes``) when a divisor is not a multiple of 64.
@@ -259,14 +251,7 @@ def fit_block_sizes(bs: BlockSizes, schedule) -> BlockSizes:
 
 
 def check_schedule(schedule, q_shape, k_shape, bs: BlockSizes) -> None:
-  """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``.
-
-  Example:
-    >>> from pallas_kernels.block_schedule import make_schedule
-    >>> check_schedule(make_schedule(256, 256, 128, 64), (1, 256, 2, 64), (1, 256, 2, 64),
-    ...                BlockSizes())
-  """
-  from pallas_kernels.block_schedule import check_schedule_args
+  """TypeError / ValueError unless both kernels (tiles ``bs``) can walk ``schedule``."""
   check_schedule_args(schedule, q_shape, k_shape)
   bad = [f"{n}={getattr(bs, n)} does not divide the schedule's {n[:7]}={getattr(schedule, n[:7])}"
          for n in ("block_q_dkv", "block_q_dq", "block_k_dkv", "block_k_dq")
@@ -310,15 +295,13 @@ def _dq_kv_range(row0, st: _Static):
 
 
 def _dq_visible(rows, cols, row0, t, st: _Static):
-  """dQ element mask of kv tile ``t`` for rows from ``row0`` ([bq, bk] iotas rows/cols): real
-  keys, and the window's / causal bounds."""
+  """dQ element mask of kv tile ``t`` for rows from ``row0`` (rows/cols: [bq, bk] iotas)."""
   k_pos = cols + t * st.bs.block_k_dq
   return _within_reach(rows + (row0 + st.offset), k_pos, st, k_pos < st.kv_len)
 
 
 def _within_reach(q_pos, k_pos, st: _Static, visible=None):
-  """``visible`` (None: no condition yet) and k_pos within [q_pos - lo_reach, q_pos +
-  hi_reach], for the bounds that exist; None if there is no condition at all."""
+  """``visible`` (None: no condition) and k_pos in [q_pos - lo_reach, q_pos + hi_reach]."""
   if st.hi_reach is not None:
     visible = _both(visible, k_pos <= q_pos + st.hi_reach)
   if st.lo_reach is not None:
@@ -327,9 +310,8 @@ def _within_reach(q_pos, k_pos, st: _Static, visible=None):
 
 
 def _dkv_q_bounds(k0, st: _Static):
-  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full_lo, full_hi, last) int32 scalars:
-  query tiles [full_lo, full_hi) unmasked, the rest of [first, last) masked, others skipped
-  (padded keys and rows need no mask here)."""
+  """dK/dV kernel, keys [k0, k0 + block_k_dkv): (first, full_lo, full_hi, last) as
+  ``_dq_kv_range`` over query tiles (padded keys and rows need no mask here)."""
   nq = st.num_q_tiles_dkv
   bq, bk = st.bs.block_q_dkv, st.bs.block_k_dkv
   k1 = k0 + (bk - 1)
@@ -350,8 +332,7 @@ def _dkv_q_bounds(k0, st: _Static):
 
 
 def _dkv_visible(rows, cols, k0, i, st: _Static):
-  """dK/dV element mask of query tile ``i`` for the keys from ``k0``, on the transposed [bk, bq]
-  tile (rows = keys, cols = queries): the window's / causal bounds."""
+  """dK/dV element mask of query tile ``i`` for keys from ``k0`` on the transposed [bk, bq] tile."""
   visible = _within_reach(cols + (i * st.bs.block_q_dkv + st.offset), rows + k0, st)
   if visible is None:   # no bound: every tile runs unmasked, so kernels never get here
     return jnp.full(jnp.broadcast_shapes(jnp.shape(rows), jnp.shape(cols)), True)
@@ -359,8 +340,7 @@ def _dkv_visible(rows, cols, k0, i, st: _Static):
 
 
 def _seg_visible(q_seg, kv_seg, shape, q_axis):
-  """q_seg == kv_seg != 0 on a tile of ``shape`` whose query axis is ``q_axis`` (q_seg / kv_seg:
-  the tile's query / key segment ids, vectors along their axes)."""
+  """q_seg == kv_seg != 0 on a tile of ``shape`` with query axis ``q_axis`` (ids: vectors)."""
   qs = lax.broadcast_in_dim(q_seg, shape, [q_axis])
   ks = lax.broadcast_in_dim(kv_seg, shape, [1 - q_axis])
   return jnp.logical_and(qs == ks, ks != 0)
@@ -372,10 +352,9 @@ def _both(a, b):
 
 
 def _seg_bounds(q_seg, kv_seg, st: _Static):
-  """Both kernels' walks with segment ids q_seg [B, Sq'], kv_seg [B, Sk'] (int32, padded with 0,
-  which sees nothing): (dq_bounds, dkv_bounds), int32 [B, programs, 10] rows ``[plo, phi, lo0,
-  flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of ``walk.segment_bounds`` (dQ: kv tiles per query
-  program; dK/dV: query tiles per kv program)."""
+  """(dq_bounds, dkv_bounds): ``walk.segment_bounds`` rows [B, programs, 10] of both kernels
+  (dQ: kv tiles per query program; dK/dV: query tiles per kv program) with segment ids q_seg
+  [B, Sq'], kv_seg [B, Sk'] (int32, padded with 0, which sees nothing)."""
   bs = st.bs
   n_q = st.num_dq_programs * _COMPUTE_WGS                 # query tiles of block_q_dq rows
   dq_bounds = walk.segment_bounds(
@@ -389,9 +368,8 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
 
 
 def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
-  """Both kernels' walks of a block schedule: (dq_walk, dkv_walk), int32 [B', Hs, programs, 1 +
-  W] rows ``[count, entry_0, ...]`` of ``walk.list_walk``, coded by this call's mask (q_seg,
-  kv_seg: None or as ``_seg_bounds``)."""
+  """(dq_walk, dkv_walk): both kernels' ``walk.list_walk`` rows of a block schedule, coded by this
+  call's mask (q_seg, kv_seg: None or as ``_seg_bounds``)."""
   bs = st.bs
 
   def rows(idx, cnt, s_own, s_walk, own_block, walk_block, n_programs, n_walk, ranges, own_seg,
@@ -435,10 +413,9 @@ def _dscores(p, dp, delta, *, axis, cap_grad=None):
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
-  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM); with
-  segment ids q_seg [B, Sq'], kv_seg [B, Sk'] int32, then the dK/dV walk [B', Hs, programs, 1 +
-  W] of ``_sched_walks`` with a schedule, else (segment ids) the dK/dV bounds [B, programs, 10]
-  of ``_seg_bounds`` -> dk/dv [B, Sk', Hk, D]; scratch from ``_dkv_call`` / ``_launch``."""
+  """Refs: q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] fp32 (GMEM), with
+  segment ids q_seg [B, Sq'], kv_seg [B, Sk'] int32, then the dK/dV walk of ``_sched_walks`` or
+  bounds of ``_seg_bounds`` -> dk/dv [B, Sk', Hk, D]; scratch from ``_dkv_call`` / ``_launch``."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
     q_seg_ref, kv_seg_ref, *refs = refs
@@ -614,9 +591,8 @@ def _load_ring(load, n, stages, free):
 
 
 def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
-  """Padded q/do [B, Sq', Hq, D], k/v [B, Sk', Hk, D], lse2/delta [B, Hq, Sq'] (seg: the
-  ``_dkv_kernel`` extra inputs) -> (dk, dv) [B, Sk', Hk, D] (padded key rows are garbage).
-  CPU tests monkeypatch it with a jnp replay."""
+  """``_dkv_kernel``'s inputs (seg: its extra ones) -> (dk, dv) [B, Sk', Hk, D] (padded key rows
+  are garbage). CPU tests monkeypatch it with a jnp replay."""
   b, _, _, d = q.shape
   _, _, hk, _ = k.shape
   bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
@@ -638,10 +614,9 @@ def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
 
 def _launch(kernel, st: _Static, out_type, smem, own_block, ring_block, stages, grid, grid_names,
             args, *, n_own, n_ring):
-  """Runs ``kernel`` on ``args``, per program _COMPUTE_WGS compute warpgroups and a memory one.
-  Scratch: smem (segment ids add own ids [_COMPUTE_WGS, own_block] and an id ring [stages,
-  ring_block]), then barriers: n_own per compute warpgroup, n_ring ring ones (segment ids: the
-  first completes with 2 copies, the tile and its ids), free[, own ids loaded]."""
+  """Runs ``kernel`` on ``args`` with 2 compute warpgroups and a memory one. Scratch: smem (with
+  segment ids, own ids and an id ring), barriers n_own per compute warpgroup, n_ring ring ones
+  (the first completed by 2 copies with segment ids: tile and ids), free[, own ids loaded]."""
   copies, seg_barriers = 1, ()
   if st.has_seg:
     smem += (plgpu.SMEM((_COMPUTE_WGS, own_block), jnp.int32),
@@ -838,8 +813,8 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
 
 
 def _prepare(out, lse, do, d_lse, st: _Static):
-  """(lse2, delta) [B, Hq, Sq'] fp32, padded: lse2 = lse * log2(e) with -inf (rows that see no
-  key) and padded rows +inf; delta = rowsum(dO * O) - d_lse, padded rows 0."""
+  """(lse2, delta) [B, Hq, Sq'] fp32: ``lse_base2`` (padded rows +inf) and rowsum(dO * O) - d_lse
+  (padded rows 0)."""
   delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
   if d_lse is not None:
     delta = delta - d_lse.astype(jnp.float32)
@@ -854,17 +829,12 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: f
   """Gradients of flash attention with the Mosaic GPU (Hopper) backward kernels.
 
   Args:
-    q: [B, Sq, Hq, D], bf16 or fp16, D in (64, 128).
-    k, v: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
-    out: the forward's output [B, Sq, Hq, D].
-    lse: the forward's log-sum-exp [B, Hq, Sq] fp32, natural log, -inf for rows that see no key.
-    do: cotangent of out [B, Sq, Hq, D].
-    causal: bottom-right aligned causal mask (must match the forward).
-    scale: logit scale (None: 1 / sqrt(D)).
+    q, k, v, causal, scale, local_window_size, logits_soft_cap: the forward's, as for
+      ``mosaic_gpu.flash_attention``; D in (64, 128).
+    out, lse, do: the forward's output [B, Sq, Hq, D], log-sum-exp [B, Hq, Sq] fp32 (natural
+      log, -inf for rows that see no key) and the cotangent of out.
     block_sizes: ``BlockSizes`` (None: ``default_block_sizes(D)``).
     d_lse: optional cotangent of lse [B, Hq, Sq] (None: zero).
-    local_window_size: None, int w or (left, right) (must match the forward).
-    logits_soft_cap: None or cap > 0 (must match the forward).
     q_segment_ids: None or int [B, Sq]; query i sees key j only where the ids match and != 0.
     kv_segment_ids: int [B, Sk] (None: q_segment_ids, which then needs Sq == Sk).
     schedule: None, or the forward's ``block_schedule.BlockSchedule``.
@@ -887,7 +857,7 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: f
   if not (q.dtype == k.dtype == v.dtype == do.dtype):
     raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                     f"{do.dtype}")
-  _check_dtype(q.dtype)
+  check_dtype(q.dtype)
   if kv_segment_ids is not None and q_segment_ids is None:
     raise ValueError("kv_segment_ids needs q_segment_ids")
   if q_segment_ids is not None:

@@ -1,14 +1,12 @@
-"""The Hopper (sm90) flash attention forward kernel in Pallas Mosaic GPU: TMA, wgmma, warp
-specialisation (FlashAttention-3's forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py``).
-The wrapper, block sizes and custom_vjp are in ``pallas_kernels.flash.mosaic_gpu``; the jnp tile
-arithmetic here is what the kernel uses and the CPU tests replay.
+"""The Hopper (sm90) flash attention forward kernel in Pallas Mosaic GPU: FlashAttention-3's
+forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py`` (design: docs/flash.md). The wrapper is
+``pallas_kernels.flash.mosaic_gpu``; the CPU tests replay the jnp tile arithmetic here.
 
 One program per (query head, query tile of ``2 * block_q`` rows, batch): compute warpgroups 0
-and 1 each own ``block_q`` rows (Q K^T, base-2 online softmax, P V, sharing the tensor cores per
-``PROTOCOLS``); warpgroup 2 streams K/V tiles by TMA into a ring of ``num_stages`` slots. Each
-compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and [fhi, hi); the program's
-range [plo, phi) is their union (``_static_ranges``, ``seg_bounds`` or ``schedule_walk``). Masks
-align bottom-right; a query row that sees no key returns output 0 and log-sum-exp -inf.
+and 1 each own ``block_q`` rows, warpgroup 2 streams K/V tiles by TMA into a ring of
+``num_stages`` slots. Each compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and
+[fhi, hi); the program's range [plo, phi) is their union (``_static_ranges``, ``seg_bounds`` or
+``schedule_walk``).
 """
 from __future__ import annotations
 
@@ -126,11 +124,9 @@ def _bounds(st: KernelConfig):
 
 
 def _static_ranges(row0, n, st: KernelConfig):
-  """kv tile ranges (lo, flo, fhi, hi), int32 (elementwise in ``row0``), of the query rows
-  [row0, row0 + n) (only rows < q_len count) under the static mask (causal, window, padded
-  keys): tiles outside [lo, hi) invisible to every real row, [flo, fhi) fully visible to every
-  real row, [lo, flo) and [fhi, hi) masked; lo <= flo <= fhi <= hi, hi == lo when no real row
-  sees a key."""
+  """kv tile ranges (lo, flo, fhi, hi) int32 (elementwise in ``row0``) of the real query rows
+  (< q_len) in [row0, row0 + n) under the static mask: [flo, fhi) fully visible, [lo, flo) and
+  [fhi, hi) masked, others invisible; lo <= flo <= fhi <= hi, hi == lo when no row sees a key."""
   bk, nk = st.block_k, st.num_kv_tiles
   row0 = jnp.asarray(row0, jnp.int32)
   last = jnp.minimum(row0 + n, st.q_len) - 1          # last real row
@@ -168,11 +164,9 @@ def _clip_to_program(plo, phi, lo, flo, fhi, hi):
 
 
 def seg_bounds(q_seg, kv_seg, st: KernelConfig):
-  """Per-(batch, program) kv ranges with segment ids (in XLA; the kernel reads them from GMEM):
-  q_seg [B, Sq'], kv_seg [B, Sk'] int32 padded with 0 to whole tiles -> int32
-  [B, num_q_programs, 10] rows ``[plo, phi, lo0, flo0, fhi0, hi0, lo1, flo1, fhi1, hi1]`` of
-  ``walk.segment_bounds`` (``_static_ranges`` intersected with the segments); with
-  ``st.one_seg_mask`` the warpgroups' one-segment flags follow (``_SEG_BOUNDS_ONE``)."""
+  """``walk.segment_bounds`` rows [B, num_q_programs, 10 (12 with ``st.one_seg_mask``)]: the kv
+  ranges of ``_static_ranges`` intersected with segment ids q_seg [B, Sq'], kv_seg [B, Sk']
+  (int32, 0-padded to whole tiles); computed in XLA, read by the kernel from GMEM."""
   n_tiles = st.num_q_programs * COMPUTE_WGS
   static = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * st.block_q, st.block_q, st)
   return walk.segment_bounds(q_seg, st.block_q, n_tiles, kv_seg, st.block_k, st.num_kv_tiles,
@@ -181,29 +175,23 @@ def seg_bounds(q_seg, kv_seg, st: KernelConfig):
 
 class _Mask(typing.NamedTuple):
   """How the kernel masks a tile: ``seg``, with the per-element segment compare (else the static
-  mask only); ``edge``, the warpgroup's masked range the tile is in ("left", "right" or None,
-  see ``_edge_bounds``)."""
+  mask only); ``edge``: "left", "right" or None (``_edge_bounds``)."""
   seg: bool
   edge: str | None
 
 
 def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
-  """``walk.range_codes`` [B', Hs, n_wg, L] (B' = B with segment ids, else Bs) of the kv tiles
-  ``tiles`` int32 [Bs, Hs, n_wg, L] listed for warpgroup tile i (query rows from i * block_q,
-  n_wg = 2 * num_q_programs), ``valid`` (unlisted entries: SKIP), from ``_static_ranges``;
-  q_seg, kv_seg: None or int32 ids padded with 0 to whole programs / tiles."""
+  """``walk.range_codes`` [B', Hs, n_wg, L] of kv tiles ``tiles`` listed (``valid``) for warpgroup
+  tile i (rows from i * block_q), from ``_static_ranges`` and the padded segment ids or None."""
   n_wg = tiles.shape[2]
   ranges = _static_ranges(jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st)
   return walk.range_codes(tiles, valid, ranges, q_seg, st.block_q, kv_seg, st.block_k)
 
 
 def schedule_walk(schedule, st: KernelConfig, q_seg=None, kv_seg=None):
-  """The kernel's walk (``walk.list_walk``) of a ``BlockSchedule`` (leading axes [1|B, 1|Hk],
-  tiles multiples of the kernel's; q_seg, kv_seg: None or int32 ids padded to whole programs /
-  tiles): int32 [B', Hs, num_q_programs, 1 + W] rows ``[count, entry_0, ...]`` (B' = B with
-  segment ids or a per-batch schedule, else 1), entry = tile << WALK_SHIFT | code0 | code1 << 2
-  with each compute warpgroup's code (``_walk_codes``: skip, full or masked, from the kernel's
-  own mask at its rows); entries past count are 0 and never read."""
+  """The kernel's ``walk.list_walk`` rows [B', Hs, num_q_programs, 1 + W] (B' = B with segment
+  ids or a per-batch schedule, else 1) of a ``BlockSchedule`` (leading axes [1|B, 1|Hk], tiles
+  multiples of the kernel's); codes from ``_walk_codes`` (q_seg, kv_seg: None or padded ids)."""
   return walk.list_walk(schedule.kv_indices, schedule.kv_counts, schedule.block_q,
                         schedule.block_k, st.block_q, st.block_k,
                         COMPUTE_WGS * st.num_q_programs, st.num_kv_tiles,
@@ -226,10 +214,9 @@ def _edge_bounds(st: KernelConfig, edge):
 
 
 def _tile_visible(rows, cols, row0, t, st: KernelConfig, q_seg=None, kv_seg=None, edge=None):
-  """Element mask, bool [bq, bk] or None (nothing to mask), of kv tile ``t`` for the query rows
-  from ``row0`` (rows/cols: the tile's [bq, bk] iotas): padded keys, the causal / window bounds
-  (``pallas_kernels.masks.visible``) that ``_edge_bounds`` keeps for ``edge`` and, with q_seg
-  [bq] / kv_seg [bk], keys of another segment or of segment 0."""
+  """Element mask bool [bq, bk] (None: nothing to mask) of kv tile ``t`` for the rows from ``row0``
+  (rows/cols: [bq, bk] iotas): padded keys, the bounds ``_edge_bounds`` keeps for ``edge`` and,
+  with q_seg [bq] / kv_seg [bk], keys of another segment or of segment 0."""
   pad, r_on, l_on = _edge_bounds(st, edge)
   left, right = _bounds(st)
   visible = None
@@ -257,17 +244,15 @@ def _apply_mask(s, visible):
 
 
 def _cap_logits(s, st: KernelConfig):
-  """Soft cap on raw logits q.k: cap * tanh(scale * s / cap) (the cap on the scaled logit);
-  without a cap, s unchanged (``_online_softmax`` then applies the scale)."""
+  """cap * tanh(scale * s / cap) of raw logits s = q.k; without a cap, s (scaled by the softmax)."""
   if st.soft_cap is None:
     return s
   return jnp.tanh(s * (st.scale / st.soft_cap)) * st.soft_cap
 
 
 def _online_softmax(s, m, l, st: KernelConfig):
-  """One base-2 online-softmax step: s [bq, bk] fp32 logits (masked -inf), m, l [bq] running
-  max / sum -> (p = exp2(s * c - m_new), alpha = exp2(m - m_new), m_new, l_new), with c the
-  factor to base-2 logits (log2(e), times the scale unless ``_cap_logits`` applied it)."""
+  """``softmax.online_softmax_step(s, m, l, factor=c)`` of s [bq, bk] fp32 (masked -inf), no empty
+  guard (m starts finite); c = log2(e), times the scale unless ``_cap_logits`` applied it."""
   c = LOG2E if st.soft_cap is not None else st.scale * LOG2E
   m_new = jnp.maximum(m, s.max(axis=1) * c)                   # [bq]
   alpha = jnp.exp2(m - m_new)                                 # [bq]
@@ -300,15 +285,10 @@ _SEG_BOUNDS_ONE = 2 + 4 * COMPUTE_WGS   # column of warpgroup 0's one-segment fl
 
 
 def _turn_skips(wg, k, n, first_tile, last_tile):
-  """The overlap protocol's hand-over turns: for compute warpgroup ``wg``'s turn ``k`` of
-  ``n + 1`` in a query tile, (skip the wait for its turn, skip the hand-over after it).
-  Warpgroup 0 skips only the program's first wait and warpgroup 1 only its last hand-over;
-  ``first_tile`` / ``last_tile``: whether the query tile is the program's first / last.
-
-  Example:
-    >>> [tuple(bool(x) for x in _turn_skips(w, k, 2, True, True)) for w in (0, 1) for k in (0, 2)]
-    [(True, False), (False, False), (False, False), (False, True)]
-  """
+  """(skip the wait, skip the hand-over) of compute warpgroup ``wg``'s turn ``k`` of ``n + 1``
+  in a query tile (the overlap protocol): warpgroup 0 skips only the program's first wait,
+  warpgroup 1 only its last hand-over (``first_tile`` / ``last_tile``: the tile is the program's
+  first / last)."""
   wg, k, n = (jnp.asarray(x, jnp.int32) for x in (wg, k, n))
   skip_wait = jnp.logical_and(jnp.logical_and(first_tile, k == 0), wg == 0)
   skip_hand = jnp.logical_and(jnp.logical_and(last_tile, k == n), wg == 1)
@@ -423,15 +403,14 @@ def _fwd_kernel(*refs, st: KernelConfig):
         lambda t: lax.rem(ring_base + (t - plo), jnp.int32(stages)))
     if not st.has_sched:
       plo, phi, (lo, flo, fhi, hi) = _program_ranges(b, tile, wg, bounds_ref, st)
-    # one_segment_static_mask: where this warpgroup walks one segment only (``seg_bounds``' flag),
-    # its masked tiles take the static mask only, not the per-element segment compare
+    # one_segment_static_mask: a warpgroup walking one segment (``seg_bounds``' flag) masks
+    # with the static mask only
     one_seg = None
     if st.has_seg and not st.has_sched and st.one_seg_mask:
       one_seg = bounds_ref[b, tile, _SEG_BOUNDS_ONE + wg] != 0
 
     def masked_loop(lo_, hi_, body_of, carry, edge=None):
-      # tiles [lo_, hi_), masked (``masked``: False, a full tile, or a _Mask): all with the
-      # static mask only when one_seg, else with the segment compare
+      # tiles [lo_, hi_), masked: with the static mask only where one_seg, else segments too
       if one_seg is None:
         return lax.fori_loop(lo_, hi_, body_of(_Mask(True, edge)), carry)
       mid = jnp.where(one_seg, hi_, lo_)
@@ -629,8 +608,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
       zero_p = lambda: plgpu.layout_cast(jnp.full((bq, bk), 0.0, st.dtype), wgmma_layout)
       if st.has_sched:
-        # The program's list in order, entry j in slot j mod S; carry: (acc, m, l, p, whether a
-        # P V is pending, its ring slot)
+        # the program's list; carry: (acc, m, l, p, whether a P V is pending, its ring slot)
         shift = 2 * wg                                 # this warpgroup's code: entry >> shift
 
         def walk_turn(j, c):
@@ -690,8 +668,7 @@ def _fwd_kernel(*refs, st: KernelConfig):
     if st.proto.overlap:
       carry = overlap_walk(carry)
     elif st.has_sched:
-      # The program's list, in order (the memory warpgroup loads entry j into slot j mod S);
-      # this warpgroup's 2-bit code of each entry picks drain, unmasked or masked step.
+      # the program's list: this warpgroup's code of entry j picks drain, unmasked or masked step
       shift = 2 * wg
 
       def walk_step(j, carry):
@@ -847,8 +824,7 @@ def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, wa
       ),
       # heads on CUDA's x, launched fastest; "q_tiles" counts programs (of P query tiles)
       grid=(hq, st.num_programs, b), grid_names=("heads", "q_tiles", "batch"),
-      num_threads=COMPUTE_WGS + 1,
-      thread_name="wg",
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
   return call(*args)

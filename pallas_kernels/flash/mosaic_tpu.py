@@ -1,30 +1,18 @@
 """Flash attention for TPU in Pallas (Mosaic): a forward and a backward that walk a block schedule.
 
-Every mask is a ``BlockSchedule`` (``pallas_kernels/block_schedule.py``): for query tile ``i`` the
-kernels visit only ``kv_indices[.., i, :kv_counts[.., i]]``, applying the element mask only on
-tiles marked partial. The schedule arrays are scalar-prefetch operands (SMEM) read by the K/V
-index maps, so skipped tiles are never copied into VMEM. Entries past a row's count repeat its
-last valid index (no new copy) and the body is guarded by ``pl.when(j < count)``.
+Query tile ``i`` visits only ``kv_indices[.., i, :kv_counts[.., i]]`` of its ``BlockSchedule``,
+with the element mask on tiles marked partial. The schedule arrays are scalar-prefetch operands
+(SMEM) read by the K/V index maps, so skipped tiles are never copied into VMEM; entries past a
+row's count repeat its last index (no new copy) and the body is guarded by ``j < count``.
 
-Layouts. Inputs ``[B, S, H, D]`` are padded (head_dim to 128 lanes, sequences to the tile) and
+Layouts: inputs ``[B, S, H, D]`` are padded (head_dim to 128 lanes, sequences to the tile) and
 reshaped for free to ``[B, S, H * D]``; a tile of head ``h`` is block ``(bq, D)`` at ``(b, i, h)``,
-so nothing is transposed. Per-row statistics (lse, delta) travel as rows ``[B, H, 1, S]``;
-segment ids travel lane-broadcast ``[B, S, 128]`` (for a tile's sublane side) and
-sublane-broadcast ``[B, 8, S]`` (for its lane side), as in splash attention.
+nothing is transposed. Row statistics (lse, delta) travel as ``[B, H, 1, S]``, segment ids
+lane-broadcast ``[B, S, 128]`` and sublane-broadcast ``[B, 8, S]``, as in splash attention.
 
-Kernels:
-  * forward: grid ``(B, Hq, nq, max_kv)``, online softmax in VMEM scratch (m, l, acc) -> out, lse.
-  * dQ: grid ``(B, Hq, nq, max_kv)`` walking the forward schedule.
-  * dK/dV: grid ``(B, Hk, nk, group * max_q)`` walking the transposed schedule; the last axis runs
-    over the GQA group's query heads and their query tiles, so a kv head accumulates the whole
-    group in VMEM (K/V never repeated). Tiles are transposed (``[bk, bq]``) so lse/delta are rows.
-
-Masked keys never leak (``common.softmax``): partial tiles hide non-finite K / V entries from the
-rows that cannot see them (the forward turns such a key's logits NaN, dQ zeroes them, dK/dV
-selects p and dS to 0 at masked entries), and rows that see one are NaN.
-
-fp16 inputs are computed in fp32 (TPUs have no fp16 matmul); fp32 inputs use fp32-precision
-matmuls (``Precision.HIGHEST``); bf16 uses the native MXU path with fp32 accumulation.
+dK/dV accumulate a whole GQA group in VMEM (K/V never repeated) on ``[bk, bq]`` tiles, so that
+lse/delta are rows. fp16 is computed in fp32 (TPUs have no fp16 matmul), fp32 at
+``Precision.HIGHEST``, bf16 on the MXU with fp32 accumulation.
 """
 from __future__ import annotations
 
@@ -85,8 +73,7 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
   These are estimates from the VMEM budget, not timed on TPU hardware.
 
   Args:
-    head_dim: the (unpadded) head dimension.
-    dtype: the input dtype.
+    head_dim, dtype: the (unpadded) head dimension and the input dtype.
 
   Returns:
     A ``BlockSizes``.
@@ -96,7 +83,6 @@ def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
     BlockSizes(block_q=256, block_k=512)
   """
   d_pad = round_up(head_dim, NUM_LANES)
-  # fp16 is computed in fp32 on TPU (see the module docstring).
   itemsize = 4 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype).itemsize
   if d_pad <= 128 and itemsize == 2:
     return BlockSizes(block_q=256, block_k=512)
@@ -162,8 +148,6 @@ class _SchedShape:
     return self.row(b, h_kv, i) * self.cols + j
 
 
-# ----------------------------------------------------------------------------- Shared tile math
-
 def _precision(dtype):
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
@@ -186,8 +170,6 @@ def _lane_tile(x, n):
   assert x.shape[-1] == NUM_LANES and n % NUM_LANES == 0, (x.shape, n)
   return x if n == NUM_LANES else jnp.tile(x, (1, n // NUM_LANES))
 
-
-# ----------------------------------------------------------------------------- Forward kernel
 
 def _qk_mask(cfg, q_blk, kv_blk, q_seg_ref, kv_seg_ref, kv_rows=False):
   """Visibility of query tile q_blk x key tile kv_blk: bool [bq, bk], or [bk, bq] (``kv_rows``);
@@ -296,9 +278,8 @@ def _from_tiles(x, s, h, d):
 
 
 def _fwd_walk(cfg, sched):
-  """BlockSpecs of a grid (B, Hq, nq, cols) walking the forward schedule: (q_map, the specs of q,
-  k and v, the specs of the query tile's lane-broadcast and the kv tile's sublane-broadcast
-  segment ids or [] when not segmented)."""
+  """(q_map, [q, k, v specs], [query lane-broadcast, kv sublane-broadcast segment id specs] or
+  []) of a grid (B, Hq, nq, cols) walking the forward schedule."""
   bq, bk, g = cfg.block_q, cfg.block_k, cfg.group
   q_map = lambda b, h, i, j, *_: (b, i, h)
   kv_blk = lambda b, h, i, j, idx: idx[sched.entry(b, lax.div(h, g), i, j)]
@@ -316,14 +297,11 @@ def _call(kernel, cfg, lists, operands, *, grid, in_specs, out_specs, scratch, o
   """pallas_call of a kernel walking a schedule: ``lists`` (indices, counts, partial) are its
   scalar-prefetch operands (flattened), the last grid axis walks a list."""
   return pl.pallas_call(
-      kernel,
+      kernel, out_shape=out_shape, name=name,
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
                                              out_specs=out_specs, scratch_shapes=scratch),
-      out_shape=out_shape,
-      compiler_params=compat.tpu_compiler_params(("parallel", "parallel", "parallel",
-                                                  "arbitrary")),
+      compiler_params=compat.tpu_compiler_params(("parallel",) * 3 + ("arbitrary",)),
       interpret=compat.tpu_interpret_params() if cfg.interpret else False,
-      name=name,
   )(*(x.reshape(-1) for x in lists), *operands)
 
 
@@ -353,8 +331,6 @@ def _fwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, cfg: _Config):
   return (_from_tiles(out3, cfg.q_len, cfg.q_heads, cfg.head_dim_v).astype(q.dtype),
           lse4[:, :, 0, :cfg.q_len])
 
-
-# ----------------------------------------------------------------------------- Backward kernels
 
 def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
                q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, cfg: _Config,
@@ -451,7 +427,6 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
   sq_pad, sk_pad = cfg.nq * bq, cfg.nk * bk
   dt, q3, k3, v3 = _qkv_tiles(q, k, v, cfg)
   do3 = _to_tiles(dout.astype(dt), sq_pad, cfg.dv_pad)     # [B, Sq_p, Hq*Dv]
-  # delta_i = sum_d dO_id O_id - dlse_i: the lse cotangent enters exactly like the row term.
   delta = softmax.delta_rows(out, dout, dlse)              # [B, Hq, Sq] fp32
   # Rows that see no key have lse = -inf; any finite value works there since every logit of
   # such a row is masked (p = exp(MASK_VALUE - 0) = 0). Padded rows have dO = 0 and delta = 0.
@@ -513,8 +488,6 @@ def _bwd(q, k, v, q_seg, kv_seg, schedule: BlockSchedule, out, lse, dout, dlse, 
           _from_tiles(dv3, cfg.kv_len, cfg.kv_heads, cfg.head_dim_v).astype(v.dtype))
 
 
-# ----------------------------------------------------- custom_vjp wiring and the public entry point
-
 _flash = jax.custom_vjp(_fwd, nondiff_argnums=(6,))
 
 
@@ -538,23 +511,16 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
   """Flash attention on TPU (Pallas Mosaic), differentiable (custom VJP), walking a block schedule.
 
   Args:
-    q: [batch, q_len, q_heads, head_dim], fp32/bf16/fp16.
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA, K/V never repeated).
-    v: [batch, kv_len, kv_heads, head_dim_v].
-    q_segment_ids, kv_segment_ids: int32 [batch, q_len] / [batch, kv_len] (0 = padding), or both
-      None.
+    q, k, v, q_segment_ids, kv_segment_ids, causal, local_window_size, scale, logits_soft_cap:
+      as for ``reference.attention_reference`` (segment ids: both or neither); fp32, bf16 or
+      fp16 (K/V never repeated for GQA).
     schedule: ``make_schedule(q_len, kv_len, block_q, block_k, ...)`` of the same mask (causal,
-      window, segment ids, optional block mask), with block sizes that are multiples of 128
-      (see ``default_block_sizes``). Tiles not in it are never read.
-    causal: bottom-right aligned causal mask.
-    local_window_size: None, int or (left, right) (jax.nn convention).
-    scale: logit scale; None means 1/sqrt(head_dim).
-    logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
+      window, segment ids, optional block mask), tiles multiples of 128 (``default_block_sizes``).
+      Tiles not in it are never read.
     interpret: run the kernels on the CPU with ``pltpu.InterpretParams()``.
 
   Returns:
-    (out [batch, q_len, q_heads, head_dim_v] in q.dtype, lse [batch, q_heads, q_len] fp32,
-    natural log, -inf for rows that see no key). Differentiable in q, k, v through both outputs.
+    (out, lse) as ``reference.attention_reference``, differentiable in q, k, v through both.
 
   Example:
     >>> from pallas_kernels.block_schedule import make_schedule

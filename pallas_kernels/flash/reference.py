@@ -22,15 +22,13 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
   """Reference multi-head attention returning (out, lse).
 
   Args:
-    q: [batch, q_len, q_heads, head_dim].
-    k: [batch, kv_len, kv_heads, head_dim]; q_heads % kv_heads == 0 (GQA).
-    v: [batch, kv_len, kv_heads, head_dim_v].
-    causal: bottom-right aligned causal mask.
-    local_window_size: None, int or (left, right) (jax.nn convention).
-    q_segment_ids: None or int32 [batch, q_len]; 0 is padding.
-    kv_segment_ids: None or int32 [batch, kv_len].
-    scale: logit scale, default 1/sqrt(head_dim).
-    logits_soft_cap: None or cap: logits = cap * tanh(logits / cap).
+    q, k, v: [batch, q_len, q_heads, head_dim], [batch, kv_len, kv_heads, head_dim] and
+      [batch, kv_len, kv_heads, head_dim_v]; q_heads % kv_heads == 0 (GQA).
+    causal, local_window_size: bottom-right aligned causal mask; None, int or (left, right)
+      (jax.nn convention).
+    q_segment_ids, kv_segment_ids: None or int32 [batch, q_len] / [batch, kv_len]; 0 is padding.
+    scale, logits_soft_cap: logit scale (None: 1/sqrt(head_dim)); None or cap: logits = cap *
+      tanh(logits / cap).
     block_mask: None or bool broadcastable to [batch, kv_heads, q_len, kv_len], an extra mask
       (for example a block-sparse selection expanded to elements); a 4-D mask may also have
       q_heads heads (one mask per query head).

@@ -1,14 +1,11 @@
 """Flash attention as portable Pallas GPU kernels (Triton lowering), walking a block schedule.
 
-Forward: one program per (query tile, batch, query head), walking the tile's kv list from a
-``BlockSchedule`` (full tiles unmasked, then partial tiles masked) with an online softmax in the
-base-2 domain. Backward (custom_vjp): a dK/dV kernel per (kv tile, batch, kv head) over the
-transposed schedule and the GQA group, and a dQ kernel per query tile; delta = rowsum(dO * O) -
-dLSE. ``flash_attention_bwd`` runs them on another forward's (out, lse).
-
-Sequences are padded to the tiles, head dims to a power of two; padded keys are masked.
-Masked keys never leak (``common.softmax``): partial tiles hide non-finite K / V entries from
-the rows that cannot see them, and rows that see one are NaN.
+Forward: a program per (query tile, batch, query head) walks the tile's kv list of a
+``BlockSchedule`` (full tiles unmasked, then partial tiles masked), online softmax in base 2.
+Backward (custom_vjp): a dK/dV kernel per (kv tile, batch, kv head) over the transposed schedule
+and the GQA group, and a dQ kernel per query tile; ``flash_attention_bwd`` runs them on another
+forward's (out, lse). Sequences are padded to the tiles, head dims to a power of two; padded keys
+are masked. Masked keys never leak (``common.softmax``).
 """
 from __future__ import annotations
 
@@ -33,18 +30,15 @@ _NEG_INF = float("-inf")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes and launch parameters of the Triton flash attention kernels.
+  """Tile sizes and launch parameters of the Triton flash attention kernels (None: a default).
 
   Attributes:
-    block_q: forward query tile (power of two, >= 16).
-    block_k: forward key/value tile (power of two, >= 16).
-    num_warps, num_stages: forward warps per program and software-pipelining depth (None:
-      defaults from the tiles and head dim).
-    bwd_num_warps, bwd_num_stages: the backward's (None: defaults).
-    dkv_q_chunk: rows of a backward query tile processed per step of the dK/dV kernel (divides
-      the dK/dV kernel's q tile, ``dkv_tiles[0]``; None: default).
-    dq_k_chunk: rows of a backward kv tile processed per step of the dQ kernel (divides the
-      backward block_k; None: default).
+    block_q, block_k: forward query and key/value tiles (powers of two, >= 16).
+    num_warps, num_stages: forward warps per program and software-pipelining depth (defaults
+      from the tiles and head dim).
+    bwd_num_warps, bwd_num_stages: the backward's.
+    dkv_q_chunk, dq_k_chunk: rows per step of the dK/dV kernel's query tile (dividing
+      ``dkv_tiles[0]``) and of the dQ kernel's kv tile (dividing the backward block_k).
     bwd_block_q, bwd_block_k: backward query and key/value tiles (None: the forward's).
     dkv_block_q: query tile of the schedule that the dK/dV kernel walks (None: the backward
       block_q); needs ``flash_attention(dkv_schedule=...)``.
@@ -72,12 +66,7 @@ class BlockSizes:
 
   @property
   def dkv_tiles(self) -> tuple[int, int]:
-    """(block_q, block_k) of the schedule that the dK/dV kernel walks.
-
-    Example:
-      >>> BlockSizes(64, 64, bwd_block_q=128, dkv_block_q=64).dkv_tiles
-      (64, 64)
-    """
+    """(block_q, block_k) of the schedule that the dK/dV kernel walks."""
     bq, bk = self.bwd_tiles
     return (self.dkv_block_q or bq, bk)
 
@@ -104,8 +93,8 @@ def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) ->
   """Default tiles and launch parameters for the Triton kernels (tuned for Hopper).
 
   Args:
-    head_dim: the (unpadded) head dimension, up to 256.
-    dtype: the input dtype (fp32 needs twice the shared memory of bf16/fp16, so smaller tiles).
+    head_dim, dtype: the (unpadded) head dimension, up to 256, and the input dtype (fp32 needs
+      twice the shared memory of bf16/fp16, so smaller tiles).
     device_kind: jax ``device_kind`` whose table to read (default: the first device's).
 
   Returns:
@@ -171,13 +160,10 @@ class _Static:
 
 
 def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
-  """(grid, tile_axis, index) for ``num_tiles`` x ``batch`` x ``heads`` programs.
-
-  ``index(p0, p1, p2) -> (t, bi, h)``: the program's launch-order tile number t (0 = launched
-  first; the kernels map it to the heaviest tile), batch and head; ``tile_axis`` is t's grid axis.
-  Causal masks launch G (4, 2 or 1) (batch, head) pairs fastest, heaviest tiles first; other
-  masks launch tiles fastest.
-  """
+  """(grid, tile_axis, index) for ``num_tiles`` x ``batch`` x ``heads`` programs: ``index(p0, p1,
+  p2) -> (t, bi, h)``, t the launch-order tile number (0 first; kernels map it to the heaviest
+  tile) on grid axis ``tile_axis``. Causal masks launch G (4, 2 or 1) (batch, head) pairs
+  fastest, heaviest tiles first; other masks launch tiles fastest."""
   triangular = st.causal and (st.window is None or st.window[0] is None)
   group = 4 if triangular else 1
   while (batch * heads) % group:
@@ -203,10 +189,8 @@ def _tile_specs(order, tile_of):
 
 
 def _logits(q, k, st: _Static):
-  """Scaled (and soft-capped) logits in the base-2 domain, and tanh(x/cap) for the backward.
-
-  q: [m, D], k: [n, D] -> ([m, n] fp32, [m, n] fp32 or None).
-  """
+  """Scaled (and soft-capped) base-2 logits [m, n] fp32 of q [m, D], k [n, D], and tanh(x/cap)
+  for the backward (None without a cap)."""
   qk = _dot(q, k, trans_b=True)  # [m, n]
   if st.soft_cap is None:
     return qk * (st.scale * LOG2E), None
@@ -341,14 +325,11 @@ def _row_index_maps(rows):
 
 def _q_major_call(kernel, name, st: _Static, q, k, v, more, q_seg, kv_seg, mask, bias, rows,
                   outs, *, bwd, bias_grad=False):
-  """``kernel`` per (query tile, batch, query head), heaviest causal tiles first.
-
-  It reads a q tile, all of k and v, ``more`` ([B, Sq, Hq, *] tiles as q, then [B, Hq, Sq]
-  rows), the segment ids, mask / bias stripes [bq, Sk] (arrays [1 | B, 1 | Hq, Sq, Sk]; a size-1
-  axis is shared) and the schedule row, and writes ``outs`` (shapes, tiled as ``more``) and, with
-  ``bias_grad``, dbias [B, Hq, Sq, Sk] fp32 stripes (aliased zeros: written on the visited tiles
-  only). Launch parameters: ``st``'s backward ones when ``bwd``.
-  """
+  """``kernel`` per (query tile, batch, query head), heaviest causal tiles first: it reads a q
+  tile, all of k and v, ``more`` ([B, Sq, Hq, *] tiles as q, then [B, Hq, Sq] rows), the segment
+  ids, mask / bias stripes [bq, Sk] (of [1 | B, 1 | Hq, Sq, Sk]) and the schedule row, and writes
+  ``outs`` (tiled as ``more``) and, with ``bias_grad``, dbias [B, Hq, Sq, Sk] fp32 stripes
+  (aliased zeros, written on visited tiles). ``bwd``: use the backward's launch parameters."""
   b, sq, hq, _ = q.shape
   sk, g, bq, nq = k.shape[1], hq // k.shape[2], st.block_q, rows.shape[2]
   grid, tile_axis, order = _launch_order(st, nq, b, hq)
@@ -384,15 +365,9 @@ def _q_major_call(kernel, name, st: _Static, q, k, v, more, q_seg, kv_seg, mask,
   return pl.pallas_call(
       functools.partial(kernel, st=st, num_q_tiles=nq, tile_axis=tile_axis,
                         has=(q_seg is not None, mask is not None, bias is not None, bias_grad)),
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=outs,
-      input_output_aliases=aliases,
-      compiler_params=compat.triton_compiler_params(*launch),
-      interpret=st.interpret,
-      name=name,
-  )(*args)
+      grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=outs,
+      input_output_aliases=aliases, compiler_params=compat.triton_compiler_params(*launch),
+      interpret=st.interpret, name=name)(*args)
 
 
 def _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, rows, st: _Static):
@@ -501,10 +476,10 @@ def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int)
 
 def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, d_out, d_lse,
                st: _Static, bias_grad=False):
-  """Padded inputs, a forward's (out, lse [natural log, -inf for rows that see no key]) and
-  cotangents -> (dq, dk, dv) in the input dtypes and dbias [B, Hq, Sq, Sk] fp32 (the logits'
-  gradient; None unless ``bias_grad``). Padded query rows carry d_out = 0 and lse = -inf (p = 0).
-  ``dq_rows`` / ``dkv_rows``: the backward schedule's kv lists and transposed q lists."""
+  """Padded inputs, a forward's (out, lse) and cotangents -> (dq, dk, dv) in the input dtypes and
+  dbias [B, Hq, Sq, Sk] fp32 (the logits' gradient; None unless ``bias_grad``). Padded query rows
+  carry d_out = 0 and lse = -inf (p = 0). ``dq_rows`` / ``dkv_rows``: ``_pack_rows`` of the
+  backward schedule's kv lists and transposed q lists."""
   delta = softmax.delta_rows(out, d_out, d_lse)  # [B, Hq, Sq] fp32
   lse2 = softmax.lse_base2(lse)  # base 2, +inf -> p = 0
   do = d_out.astype(q.dtype)
@@ -513,9 +488,15 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, 
     dkv_st = dataclasses.replace(st, block_q=st.dkv_block_q,
                                  dkv_q_chunk=min(st.dkv_q_chunk, st.dkv_block_q))
   dk, dv = _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, dkv_rows, do, lse2, delta, dkv_st)
-  dq, dbias = _dq_call(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, do, lse2, delta, st, bias_grad)
-  return (pad_axis(dq, 1, q.shape[1]), pad_axis(dk, 1, k.shape[1]), pad_axis(dv, 1, k.shape[1]),
-          dbias)
+  b, sq, hq, d = q.shape
+  n = dq_rows.shape[2] * st.block_q
+  assert n <= sq and sq % st.block_q == 0 and k.shape[1] % st.block_k == 0, (n, sq, k.shape, st)
+  dq, *dbias = _q_major_call(_dq_kernel, "jattn_flash_bwd_dq", st, q, k, v, (do, lse2, delta),
+                             q_seg, kv_seg, mask, bias, dq_rows,
+                             [jax.ShapeDtypeStruct((b, n, hq, d), q.dtype)], bwd=True,
+                             bias_grad=bias_grad)
+  return (pad_axis(dq, 1, sq), pad_axis(dk, 1, k.shape[1]), pad_axis(dv, 1, k.shape[1]),
+          dbias[0] if bias_grad else None)
 
 
 def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static):
@@ -551,26 +532,10 @@ def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _St
   return pl.pallas_call(
       functools.partial(_dkv_kernel, st=st, has=(has_seg, mask is not None, bias is not None),
                         groups=g, tile_axis=tile_axis),
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=[tile(k), tile(v)],
+      grid=grid, in_specs=in_specs, out_specs=[tile(k), tile(v)],
       out_shape=[jax.ShapeDtypeStruct((b, nk * bk) + x.shape[2:], x.dtype) for x in (k, v)],
       compiler_params=compat.triton_compiler_params(st.bwd_num_warps, st.bwd_num_stages),
-      interpret=st.interpret,
-      name="jattn_flash_bwd_dkv",
-  )(*args)
-
-
-def _dq_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static, bias_grad):
-  """dQ (padded inputs; ``rows``: kv lists of ``st``'s tiles) -> dq [B, nq * block_q, Hq, D],
-  and dbias [B, Hq, Sq, Sk] fp32 if ``bias_grad`` (else None)."""
-  b, sq, hq, d = q.shape
-  n = rows.shape[2] * st.block_q
-  assert n <= sq and sq % st.block_q == 0 and k.shape[1] % st.block_k == 0, (n, sq, k.shape, st)
-  outs = _q_major_call(_dq_kernel, "jattn_flash_bwd_dq", st, q, k, v, (do, lse2, delta), q_seg,
-                       kv_seg, mask, bias, rows, [jax.ShapeDtypeStruct((b, n, hq, d), q.dtype)],
-                       bwd=True, bias_grad=bias_grad)
-  return outs[0], (outs[1] if bias_grad else None)
+      interpret=st.interpret, name="jattn_flash_bwd_dkv")(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -607,7 +572,7 @@ _flash_padded.defvjp(_flash_padded_fwd, _flash_padded_bwd, symbolic_zeros=True)
 
 def _pack_rows(indices, counts, partial):
   """[Bs, Hs, n, L] lists -> int32 [Bs, Hs, n, W] rows ``[count, n_full, full..., partial...]``:
-  W is a power of two >= L + 3 (``_walk`` prefetches one entry past the last visited tile)."""
+  W is a power of two >= L + 3 (``_walk_row`` prefetches one entry past the last visited tile)."""
   length = indices.shape[-1]
   j = jnp.arange(length, dtype=jnp.int32)
   valid = j < counts[..., None]
@@ -687,25 +652,19 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                     dkv_schedule: BlockSchedule | None = None, mask=None, bias=None):
   """Flash attention on the GPU (Pallas, Triton lowering), walking a block schedule.
 
-  Differentiable (custom_vjp) with respect to q, k, v and ``bias``, including through the
-  returned LSE.
+  Differentiable (custom_vjp) in q, k, v and ``bias``, including through the returned LSE.
 
   Args:
-    q: [B, Sq, Hq, D]; fp32, bf16 or fp16.
-    k: [B, Sk, Hk, D]; Hq % Hk == 0 (query head h reads kv head h // (Hq // Hk)).
-    v: [B, Sk, Hk, Dv].
-    q_segment_ids, kv_segment_ids: None (both) or int32 [B, Sq] / [B, Sk]; 0 is padding.
-    schedule: ``make_schedule(Sq, Sk, block_q, block_k, ...)`` for the same mask; drives the
-      forward, and its tile sizes are the forward kernel's tiles (powers of two >= 16).
-    causal: bottom-right aligned causal mask.
-    local_window_size: None, int or (left, right) (jax.nn convention).
-    scale: logit scale (None: 1 / sqrt(head_dim)).
-    logits_soft_cap: None or cap (logits = cap * tanh(logits / cap)).
+    q, k, v, q_segment_ids, kv_segment_ids, causal, local_window_size, scale, logits_soft_cap:
+      as for ``reference.attention_reference`` (segment ids: both or neither); fp32, bf16 or
+      fp16, head dims <= 256.
+    schedule: ``make_schedule(Sq, Sk, block_q, block_k, ...)`` for the same mask; it drives the
+      forward, its tiles (powers of two >= 16) are the forward kernel's.
     interpret: run the kernels in the Pallas interpreter (CPU).
-    block_sizes: optional ``BlockSizes`` (launch parameters); its tiles must match the
-      schedules'. None: ``BlockSizes(schedule.block_q, schedule.block_k)``.
-    bwd_schedule: the same mask's schedule at the backward's tiles (None: ``schedule``).
-    dkv_schedule: the same mask's schedule for the dK/dV kernel (None: ``bwd_schedule``).
+    block_sizes: optional ``BlockSizes`` (launch parameters) whose tiles match the schedules'
+      (None: ``BlockSizes(schedule.block_q, schedule.block_k)``).
+    bwd_schedule, dkv_schedule: the same mask's schedule at the backward's tiles (None:
+      ``schedule``) and for the dK/dV kernel (None: ``bwd_schedule``).
     mask: None or bool [1 | B, 1 | Hq, Sq, Sk], an element mask (True: visible) that the kernels
       read in the schedules' partial tiles (build the schedules with ``make_schedule(...,
       mask=...)``); a size-1 axis is shared.
@@ -713,8 +672,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       gradient is computed only when it is differentiated ([B, Hq, Sq, Sk] fp32 in the backward).
 
   Returns:
-    (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32, natural log, -inf for rows that
-    see no key; their output is 0).
+    (out, lse) as ``reference.attention_reference`` (a row that sees no key: out 0, lse -inf).
 
   Example:
     >>> from pallas_kernels.block_schedule import make_schedule
@@ -756,7 +714,6 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
                      scale=d ** -0.5 if scale is None else scale, soft_cap=logits_soft_cap,
                      interpret=interpret, dkv_block_q=dkv_bq)
 
-  # Pad the sequences to a multiple of every pass's tiles.
   sq_p, sk_p = round_up(sq, max(bq, bbq, dkv_bq)), round_up(sk, max(bk, bbk))
   qp, kp, vp, qs, ks = _pad_inputs(q, k, v, q_segment_ids, kv_segment_ids, sq_p, sk_p)
   pad2 = lambda x: pad_axis(pad_axis(x, 2, sq_p), 3, sk_p)   # padded keys stay masked
@@ -775,19 +732,15 @@ def flash_attention_bwd(q, k, v, out, lse, d_out, d_lse, *, causal: bool, scale:
                         q_segment_ids=None, kv_segment_ids=None,
                         schedule: BlockSchedule | None = None,
                         block_sizes: BlockSizes | None = None, interpret: bool = False):
-  """The Triton backward kernels (dK/dV, dQ) for another forward's residuals.
-
-  The kernels walk ``schedule`` or, without one, ``make_schedule`` at ``block_sizes.bwd_tiles``.
+  """The Triton backward kernels (dK/dV, dQ) for another forward's residuals, walking
+  ``schedule`` or, without one, ``make_schedule`` at ``block_sizes.bwd_tiles``.
 
   Args:
-    q: [B, Sq, Hq, D]; k: [B, Sk, Hk, D]; v: [B, Sk, Hk, Dv] (Hq % Hk == 0), unpadded.
+    q, k, v, causal, scale, local_window_size, logits_soft_cap, q_segment_ids, kv_segment_ids:
+      the forward's (unpadded), as for ``flash_attention``.
     out, lse: the forward's output [B, Sq, Hq, Dv] and log-sum-exp [B, Hq, Sq] fp32 (natural
       log, -inf for rows that see no key).
     d_out, d_lse: their cotangents (d_lse: zeros when only out is used).
-    causal: causal mask (bottom-right aligned when Sq != Sk).
-    scale, local_window_size, logits_soft_cap: the forward's logit scale, window (None, int or
-      (left, right), jax.nn convention) and soft cap (None or cap).
-    q_segment_ids, kv_segment_ids: None (both) or int [B, Sq] / [B, Sk]; 0 is padding.
     schedule: optional block schedule of the mask; its tiles are the backward's.
     block_sizes: ``BlockSizes`` whose backward fields are used (None: with a schedule, its
       tiles and default launch parameters; else ``default_block_sizes(D, q.dtype)``).
