@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import compat, tuning
 from pallas_kernels.block_schedule import check_schedule_args
 from pallas_kernels.common import walk
-from pallas_kernels.common.softmax import LOG2E, lse_base2
+from pallas_kernels.common.softmax import LOG2E, delta_rows, lse_base2
 from pallas_kernels.common.util import check_qkv_shapes, pad_axis
 from pallas_kernels.masks import normalize_window
 
@@ -815,9 +815,7 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
 def _prepare(out, lse, do, d_lse, st: _Static):
   """(lse2, delta) [B, Hq, Sq'] fp32: ``lse_base2`` (padded rows +inf) and rowsum(dO * O) - d_lse
   (padded rows 0)."""
-  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
-  if d_lse is not None:
-    delta = delta - d_lse.astype(jnp.float32)
+  delta = delta_rows(out, do, d_lse)
   lse2 = lse_base2(lse.astype(jnp.float32))
   return pad_axis(lse2, 2, st.q_pad, jnp.inf), pad_axis(delta, 2, st.q_pad)
 
