@@ -32,11 +32,11 @@ HISTORY_RE = re.compile("|".join(f"(?P<g{i}>{p})" for i, p in enumerate(HISTORY_
                         re.IGNORECASE)
 
 MAX_LIBRARY_FILE_LINES = 1200
-# The library's line budget: 13,600 for the flash, decode, sparse, layer and packing families; each
-# capability added since carries its own allowance (tuning command 450, input validation and debug
-# checks 320, jax.nn drop-in 450 and its Hopper path for tile-uniform masks 60, serving decode 650,
-# context parallelism 750), so the total grows only with capabilities.
-MAX_LIBRARY_PY_LINES = 13_600 + 450 + 320 + 450 + 60 + 650 + 750
+# The library's line budget (comments and docstrings included): the flash, decode, sparse, layer
+# and packing families with the tuning command, input validation, the jax.nn drop-in, serving
+# decode and context parallelism, about 14,100 lines. A ratchet: a change that needs more raises
+# it on purpose.
+MAX_LIBRARY_PY_LINES = 14_200
 MAX_EXPERIMENTS_FILES = 60
 MAX_EXPERIMENTS_BYTES = 3 * 1024 * 1024
 MAX_README_LINES = 250
@@ -97,7 +97,7 @@ def test_no_history_references():
 
 
 def test_library_file_sizes():
-  """No library file over 1,200 lines; all library .py lines (comments included) <= 13,600."""
+  """No library file over 1,200 lines; all library .py lines within MAX_LIBRARY_PY_LINES."""
   files = _tracked("jattn", "pallas_kernels")
   lines = {f: len((ROOT / f).read_bytes().splitlines()) for f in files}
   long = {f: n for f, n in lines.items() if n > MAX_LIBRARY_FILE_LINES}
