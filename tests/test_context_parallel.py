@@ -226,7 +226,8 @@ def _check(strategy, layout, *, lq=100, lk=None, hq=4, hk=2, causal=True, window
   def loss(f, q, k, v):
     out, lse = f(q, k, v)
     return jnp.sum(out * ct) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * ct_lse)
-  want = single(q, k, v), jax.grad(functools.partial(loss, single), (0, 1, 2))(q, k, v)
+  want = jax.jit(lambda q, k, v: (single(q, k, v), jax.grad(
+      functools.partial(loss, single), (0, 1, 2))(q, k, v)))(q, k, v)
   got = jax.jit(lambda q, k, v: (parallel(q, k, v), jax.grad(
       functools.partial(loss, parallel), (0, 1, 2))(q, k, v)))(q, k, v)
   (o, lse), grads = got

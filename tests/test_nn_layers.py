@@ -209,7 +209,7 @@ def test_two_stage_query_chunks_match_one_chunk():
       o, lse = csa_ops.two_stage_attention(*xs, pos, ratio=2, block_size=4, top_k=2, scale=0.3,
                                            q_chunk=q_chunk)
       return jnp.sum(o * jnp.cos(o)), (o, lse)
-    return jax.grad(f, argnums=range(5), has_aux=True)(q, k, v, ck, cv)
+    return jax.jit(jax.grad(f, argnums=range(5), has_aux=True))(q, k, v, ck, cv)
   whole, chunked = run(None), run(7)
   assert csa_ops.query_chunk(None, 2, 4, t, t) == t   # None: one chunk at this size
   for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked), strict=True):
