@@ -334,7 +334,7 @@ def _block_ranges_np(seg, block):
   return lo, hi
 
 
-@pytest.mark.parametrize("qbs,bs", [(16, 16), (8, 16), (32, 16)])
+@pytest.mark.parametrize("qbs,bs", ci_cases([(16, 16), (8, 16), (32, 16)], [(8, 16)]))
 def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   """Every nonzero id, negative included, is a document (only 0 is padding): the per-block
   ranges, the block overlap and the document-start block against brute force, and equal to
