@@ -27,7 +27,7 @@ def test_readme_python_blocks_run():
 
 def test_readme_commands_are_the_ci_commands():
   ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-  test_cmd = 'pip install -e ".[test,experiments]" && pytest -q -x -n 2'
+  test_cmd = 'pip install --no-compile -e ".[test,experiments]" && pytest -q -x -n 2'
   main_cmd = 'pip install -e ".[experiments]" && python -m experiments.coadaptation --out runs/default'
   first_block = re.search(r"```bash\n(.*?)```", README, re.DOTALL).group(1)
   assert test_cmd in first_block and main_cmd in first_block
