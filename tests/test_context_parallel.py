@@ -404,8 +404,8 @@ def test_eight_ring_holds_no_full_sequence_kv():
   def loss(q, k, v, strategy):
     return jnp.sum(jattn.context_parallel_attention(q, k, v, mesh=mesh, axis_name="seq",
                                                     causal=True, strategy=strategy))
-  ring = jax.jit(jax.grad(functools.partial(loss, strategy="ring"), (0, 1, 2)))
-  ring = _dims(ring.lower(shape, shape, shape).compile().as_text())   # forward and backward
+  grads = jax.jit(jax.grad(functools.partial(loss, strategy="ring"), (0, 1, 2)))
+  ring = _dims(grads.lower(shape, shape, shape).compile().as_text())   # forward and backward
   assert 128 in ring and 1024 not in ring, sorted(ring)
   gathered = jax.jit(functools.partial(loss, strategy="all_gather")).lower(shape, shape, shape)
   assert 1024 in _dims(gathered.compile().as_text())   # the check sees a gathered sequence
