@@ -37,8 +37,7 @@ __all__ = ["__version__", "nn", "Plan", "debug_checks", "flash_attention", "flas
 
 
 def __getattr__(name):
-  # ``jattn.nn`` (Flax NNX layers) imports flax: loaded on first access, so ``import jattn`` stays
-  # light.
+  # ``jattn.nn`` (Flax NNX layers) imports flax: loaded on first access, keeping the import light
   if name == "nn":
     return importlib.import_module("jattn.nn")
   raise AttributeError(f"module 'jattn' has no attribute {name!r}")

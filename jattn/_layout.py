@@ -1,10 +1,6 @@
-"""KV cache layouts of the decode ops (``kv_layout``), shared by ``jattn.decode`` and ``.sparse``.
-
-"nhd" (default): k/v ``[batch, max_len, kv_heads, head_dim]``. "hnd" (head-major):
-``[batch, kv_heads, max_len, head_dim]``, run with no kernel change as the "nhd" cache of
-batch x kv_heads one-head sequences (a free reshape): query head ``h * G + g`` (G = q_heads //
-kv_heads) becomes query head g of sequence ``b * kv_heads + h``. Head-major pages likewise.
-"""
+"""KV cache layouts of the decode ops (``kv_layout``, docs/decode.md): "hnd" runs as the "nhd"
+cache of batch x kv_heads one-head sequences (query head ``h * G + g`` becomes query head g of
+sequence ``b * kv_heads + h``), shared by ``jattn.decode`` and ``jattn.sparse``."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -19,29 +15,10 @@ def check_kv_layout(kv_layout, name="kv_layout"):
                      f"([batch, kv_heads, len, head_dim]), got {kv_layout!r}")
 
 
-def check_hnd_shapes(q, k, v, kv_lengths=None):
-  """(batch, kv_heads, max_len); ValueError unless q [b, hq, d], k [b, hk, n, d], v [b, hk, n,
-  dv] (and kv_lengths [b]) form a head-major decode call with hq a multiple of hk."""
-  if q.ndim != 3:
-    raise ValueError(f"q must be [batch, q_heads, head_dim], got {q.shape}")
-  if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"with kv_layout='hnd', k/v must be [batch, kv_heads, len, d] and agree "
-                     f"in all but the last dim (v's head_dim may differ), got {k.shape} / "
-                     f"{v.shape}")
-  b, hk, n, d = k.shape
-  if q.shape[-1] != d or q.shape[1] % hk:
-    raise ValueError(f"q {q.shape} does not match the head-major cache {k.shape} "
-                     f"([batch, kv_heads, len, head_dim])")
-  if q.shape[0] != b:
-    raise ValueError(f"q batch {q.shape[0]} != cache batch {b}")
-  if kv_lengths is not None and jnp.shape(kv_lengths) != (b,):
-    raise ValueError(f"kv_lengths must have shape (batch,) = ({b},), got {jnp.shape(kv_lengths)}")
-  return b, hk, n
-
-
 def hnd_as_sequences(q, k, v, kv_lengths):
-  """A head-major decode call (q [b, hq, d], k/v [b, hk, n, d | dv], kv_lengths [b]) as the
-  "nhd" call of b * hk one-kv-head sequences; :func:`sequences_as_hnd` turns its results back.
+  """A head-major decode call (q [b, hq, d], k/v [b, hk, n, d | dv], kv_lengths [b]; validated
+  by ``jattn.decode.check_decode_call``) as the "nhd" call of b * hk one-kv-head sequences;
+  :func:`sequences_as_hnd` turns its results back.
 
   Example:
     >>> q, k, v, lens = hnd_as_sequences(jnp.zeros((2, 8, 16)), jnp.zeros((2, 4, 64, 16)),
@@ -49,8 +26,8 @@ def hnd_as_sequences(q, k, v, kv_lengths):
     >>> q.shape, k.shape, v.shape, lens.tolist()
     ((8, 2, 16), (8, 64, 1, 16), (8, 64, 1, 8), [3, 3, 3, 3, 5, 5, 5, 5])
   """
-  b, hk, n = check_hnd_shapes(q, k, v, kv_lengths)
-  d, g = k.shape[-1], q.shape[1] // hk
+  b, hk, n, d = k.shape
+  g = q.shape[1] // hk
   return (q.reshape(b * hk, g, d), k.reshape(b * hk, n, 1, d),
           v.reshape(b * hk, n, 1, v.shape[-1]), jnp.repeat(jnp.asarray(kv_lengths), hk))
 

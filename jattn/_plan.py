@@ -1,9 +1,5 @@
-"""The resolved plan of a call: which implementation runs, with which kernel configs.
-
-Each op family resolves a call once: an explicit argument (``implementation=``, ``block_sizes=``),
-else the device's tuning table (``pallas_kernels.tuning``; else ``generic.json``), the family's
-heuristic, a fit to the call's shapes. The ``*_plan`` functions return the :class:`Plan` it runs.
-"""
+"""The resolved plan of a call: which implementation runs, with which kernel configs
+(docs/design.md, "How a call is planned"); the ``*_plan`` functions return it."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,18 +13,14 @@ class Plan:
   Attributes:
     op: the op family: "flash", "block_sparse", "decode", "paged_decode", "sparse_decode".
     implementation: the forward's ("xla", "triton", "mosaic_gpu", "mosaic_tpu", "cudnn").
-    config: the forward kernel's config (a frozen ``BlockSizes``-like dataclass of the kernel
-      module), or None where the implementation takes none ("xla", "cudnn").
+    config: the forward kernel's ``BlockSizes``, or None ("xla", "cudnn"); None fields: the
+      kernel's launch heuristic.
     backward: the backward's implementation, or None for a forward-only op (decode).
-    backward_config: the backward kernels' config, or None. For "triton" and "mosaic_tpu" one
-      ``BlockSizes`` holds both passes: it is ``config``. Fields left None in a config are the
-      kernel's launch heuristic for its tiles.
-    table: the tuning table the configs were read from ("nvidia_h200.json", "generic.json"),
-      or None where no table was read (explicit configs, heuristics only, "xla").
+    backward_config: the backward kernels' config (``config`` for "triton" and "mosaic_tpu").
+    table: the tuning table the configs were read from, or None (none read).
     device_kind: the device the plan was resolved for (jax's ``device_kind``), or None.
-    fallback: None, or (a boolean ``mask`` on Hopper) the plan that runs instead when the mask
-      is not uniform on every ``jattn.attention.MASK_TILE`` square tile; decided on device,
-      both are compiled.
+    fallback: None, or (a boolean ``mask`` on Hopper) the plan run when the mask is not uniform
+      on every ``jattn.attention.MASK_TILE`` tile (decided on device; both compiled).
 
   Example:
     >>> import jax, jax.numpy as jnp, jattn

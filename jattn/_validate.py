@@ -1,8 +1,7 @@
 """Input checks shared by the public ops: errors name the argument, what was expected and what came.
 
-Shapes, ranks, dtypes and static arguments are always checked; values the ops read (lengths, page
-ids, segment ids) when concrete or inside :func:`debug_checks`. Each op documents what it does
-with a traced out-of-range value (never a write outside the caller's rows or pages).
+Values the ops read (lengths, page ids, segment ids) are checked when concrete or inside
+:func:`debug_checks`; shapes, dtypes and static arguments always.
 """
 from __future__ import annotations
 
@@ -23,12 +22,12 @@ _DEBUG = []   # one list of messages per active debug_checks() block (innermost 
 
 def check_implementation(implementation, allowed=IMPLEMENTATIONS):
   if implementation is not None and implementation not in allowed:
-    raise ValueError(f"unknown implementation {implementation!r}; expected None or one of {allowed}")
+    raise ValueError(f"unknown implementation {implementation!r}; expected None or one of "
+                     f"{allowed}")
 
 
 def as_array(name, x):
-  """x as is when traced or a jax array, else as numpy (integers keep their width for the range
-  checks); TypeError naming ``name`` unless it holds numbers."""
+  """x as is when traced or a jax array, else as numpy (same width); TypeError unless numbers."""
   if is_traced(x) or isinstance(x, jax.Array):
     return x
   if (x := np.asarray(x)).dtype.kind not in "biuf" and not jnp.issubdtype(x.dtype, jnp.floating):
@@ -43,8 +42,7 @@ def check_nonempty(**arrays):
 
 
 def check_number(name, x, lo=-math.inf, hi=math.inf, *, open_lo=False):
-  """x as a float; TypeError unless a number known now (not a str, bool or traced value),
-  ValueError unless finite and in [lo, hi] (``open_lo``: > lo)."""
+  """x as a float: TypeError unless a static number, ValueError unless finite in [lo, hi]."""
   try:
     if isinstance(x, (str, bytes, bool, np.bool_)):
       raise TypeError
@@ -90,8 +88,7 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
 
 
 def as_int32(name, x):
-  """An integer array as int32 without changing a value: ValueError for a concrete value outside
-  int32, TypeError for a traced wider type or a non-integer dtype (bool included)."""
+  """An integer array as int32 without changing a value (else ValueError or TypeError)."""
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got {x.dtype}")
   if not np.can_cast(x.dtype, np.int32):
@@ -153,9 +150,8 @@ def _report(name, x, lo, hi, valid):
 
 
 def check_range(name, x, lo, hi, *, valid=None):
-  """ValueError naming the first entry of x outside [lo, hi] (among ``valid()``, a bool mask
-  broadcastable to x, computed only when checked); lo and hi may be arrays broadcastable to x.
-  Traced: checked only inside :func:`debug_checks`."""
+  """ValueError naming the first entry of x outside [lo, hi] among ``valid()`` (a lazy bool mask);
+  traced values only inside :func:`debug_checks`."""
   traced = any(is_traced(a) for a in (x, lo, hi))
   if (traced and not _DEBUG) or isinstance(x, jax.ShapeDtypeStruct):   # shapes only: no values
     return
@@ -169,12 +165,9 @@ def check_range(name, x, lo, hi, *, valid=None):
 
 @contextlib.contextmanager
 def debug_checks():
-  """Check traced values too: lengths, page ids and segment lengths of the ops called (and
-  jitted) inside the block are checked on the device; at its end the block raises ValueError
-  naming the first bad value (argument, index, value, expected range).
-
-  Entering and leaving clears jax's compilation caches, so jitted functions retrace with, then
-  without, the checks (a host callback per checked array: for debugging, not production).
+  """Check traced values too (lengths, page ids, segment lengths) of the ops called inside the
+  block; at its end the block raises ValueError naming the first bad value. Entering and leaving
+  clears jax's compilation caches (jitted functions retrace); for debugging, not production.
 
   Returns:
     A context manager.

@@ -1,12 +1,5 @@
-"""``flash_attention``: one public entry point, explicit dispatch over implementations.
-
-Implementations:
-  * "xla": pure jnp (materialises the logits; the reference semantics, any platform).
-  * "triton": Pallas GPU kernels; forward and backward walk the mask's block schedule.
-  * "mosaic_tpu": Pallas Mosaic TPU kernels with the same schedule.
-  * "mosaic_gpu": Hopper forward and backward (Triton backward at head_dim 256); bf16/fp16,
-    head_dim 64/128/256 == head_dim_v.
-  * "cudnn": ``jax.nn.dot_product_attention(implementation="cudnn")``; causal or window masks.
+"""``flash_attention``: one public entry point, explicit dispatch over the implementations
+"xla", "triton", "mosaic_tpu", "mosaic_gpu" and "cudnn" (docs/flash.md).
 
 :func:`resolve` resolves flash and block-sparse calls to a :class:`jattn._plan.Plan`;
 :func:`flash_attention_plan` returns it and :func:`flash_attention` runs exactly it.
@@ -40,11 +33,10 @@ def kernel_module(implementation):
   """The pallas_kernels module behind a Pallas implementation name.
 
   Args:
-    implementation: "triton", "mosaic_tpu" or "mosaic_gpu".
+    implementation: "triton", "mosaic_tpu" or "mosaic_gpu" (else ValueError).
 
   Returns:
-    The module (``flash_attention``, ``default_block_sizes``, ``BlockSizes``); ValueError for
-    another name.
+    The module (``flash_attention``, ``default_block_sizes``, ``BlockSizes``).
 
   Example:
     >>> kernel_module("triton").__name__
@@ -150,16 +142,13 @@ def resolve(op, q, k, v, *, causal=False, window=None, segments=False, tiles=Non
   Args:
     op: "flash" or "block_sparse".
     q, k, v: the call's arrays or ``jax.ShapeDtypeStruct`` of them.
-    causal, window, segments: the call's causal flag, None or normalized (left, right) local
-      window, and whether it has segment ids.
-    tiles: None, or a block-sparse call's (q_block_size, block_size): the kernels walk the
-      selection's schedule, whose tiles the configs are fitted to.
+    causal, window, segments: the causal flag, normalized window, whether it has segment ids.
+    tiles: None, or a block-sparse call's (q_block_size, block_size), fitted to by the configs.
     implementation, block_sizes: None, or a name and the kernel's ``BlockSizes`` (used as given).
     interpret: whether a Pallas kernel runs in interpret mode (keeps ``None`` off Mosaic GPU).
     platform, device_kind: another device than the current one (``tuning.device``).
-    arrays: None, "mask" or "bias" (when it has a bias): only "xla" and "triton" take them
-      (default: "triton" on GPU, "xla" elsewhere; for a mask on Hopper, a "mosaic_gpu" plan
-      whose ``fallback`` is "triton").
+    arrays: None, "mask" or "bias": only "xla" and "triton" take them (a mask on Hopper: a
+      "mosaic_gpu" plan whose ``fallback`` is "triton").
 
   Returns:
     A :class:`jattn._plan.Plan`.
@@ -273,9 +262,8 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
                     bias=None):
   """IO-aware multi-head attention (flash attention) with masks as block schedules.
 
-  Masked keys never leak: NaN or inf in k / v at a key a row cannot see leaves that row's output,
-  lse and gradients bit-identical; at a visible key the row is NaN (docs/flash.md: "mosaic_gpu"
-  lets a hidden non-finite v through its forward).
+  Masked keys never leak: NaN or inf at a key a row cannot see changes nothing in it (the
+  "mosaic_gpu" exception: docs/flash.md).
 
   Args:
     q: [batch, q_len, q_heads, head_dim], fp32/bf16/fp16.
@@ -292,9 +280,7 @@ def flash_attention(q, k, v, *, causal=False, local_window_size=None, segment_id
     block_sizes: optional ``BlockSizes`` of the implementation's kernel module.
     mask: None or bool, 4-D, broadcastable to [batch, q_heads, q_len, kv_len] (each axis 1 or
       full), True where a query may see a key, combined with the masks above; "xla" and
-      "triton" only (Triton skips all-False tiles and runs all-True tiles unmasked). On Hopper
-      (head_dim 64/128) None runs "mosaic_gpu" on the visible tiles when the mask is uniform on
-      128 x 128 tiles (decided on device; the plan's ``fallback`` otherwise).
+      "triton" only (on Hopper, masks uniform on 128 x 128 tiles run "mosaic_gpu": docs/flash.md).
     bias: None or float, 4-D, broadcastable like ``mask``: added to the (soft-capped) logits
       before the softmax; differentiable; "xla" and "triton" only.
 
@@ -330,9 +316,8 @@ def _per_kv_head(mask, k):
 
 
 def _run_mask_tiles(plan, q, k, v, mask, **kw):
-  """(out, lse) of a Hopper mask plan: its Mosaic GPU kernels on the schedule of the mask's
-  visible tiles where the mask is uniform on every tile (checked on device), else its
-  fallback. ``kw``: the keyword arguments of :func:`_run` but ``return_lse``."""
+  """(out, lse) of a Hopper mask plan: Mosaic GPU on the mask's visible tiles if it is uniform
+  on every tile (checked on device), else its fallback (``kw``: :func:`_run`'s)."""
   any_, all_ = mask_tile_classes(_per_kv_head(mask, k), MASK_TILE, MASK_TILE)
   seg, kv_seg, window = kw["segment_ids"], kw["kv_segment_ids"], kw["window"]
 

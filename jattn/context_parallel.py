@@ -1,14 +1,7 @@
 """Context parallelism: attention over a sequence split across the devices of a mesh axis.
 
-The sequence is cut into ``m`` chunks per device ("contiguous": device i holds chunk i;
-"zigzag": chunks i and 2P-1-i, which evens out causal work). Each (query chunk, key chunk) pair
-is classified at trace time from the mask: skipped, or one :func:`jattn.flash_attention` call on
-its visible rows and columns. Partials merge exactly by log-sum-exp; pairs whose chunks share no
-packed document are skipped at run time. Strategies: "ring" (pass-KV: K/V move by ``ppermute``
-over the shifts some device needs, each issued before the previous step's kernels so they
-overlap; ``custom_vjp`` backward, dK/dV travel back with their K/V), "all_gather" (gather K/V
-once; backward by autodiff) and "ring_q" (pass-Q: queries and their running (out, lse) move, for
-a short query against a long sharded K/V; backward by autodiff).
+Each (query chunk, key chunk) pair is one :func:`jattn.flash_attention` call on its visible rows
+(or skipped), merged by log-sum-exp; layouts and strategies: docs/context_parallel.md.
 """
 from __future__ import annotations
 
@@ -23,7 +16,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from jattn._validate import as_array, check_flags, check_int, check_qkv, check_segments
+from jattn._validate import (as_array, check_flags, check_int, check_qkv, check_scale_and_cap,
+                             check_segments)
 from jattn.attention import flash_attention
 from jattn.decode import decode_attention
 from jattn.merge import merge, merge_partials
@@ -97,10 +91,8 @@ def _reorder(x, num_shards, layout, axis, inverse):
 
 
 def context_parallel_permute(x, num_shards, layout="zigzag", axis=1):
-  """Reorder a sequence axis into a context-parallel layout (once, e.g. at data loading).
-
-  Permute tokens, positions, segment ids and labels alike. Any length works: the order is the
-  padded layout's with the padding slots left out.
+  """Reorder a sequence axis into a context-parallel layout (once, e.g. at data loading): tokens,
+  positions, segment ids and labels alike. Any length works (padding slots left out).
 
   Args:
     x, axis: an array and its sequence axis.
@@ -514,9 +506,8 @@ def _ring_fwd(plan, kern, axis_name, q, k, v, qs, ks, sel):
 
 
 def _ring_bwd(plan, kern, axis_name, res, g):
-  """dQ stays here; dK/dV travel with their K/V back to the owner. A pair's partial (o_p, lse_p)
-  has weight w = exp(lse_p - lse): cotangents w * dout and w * (<dout, o_p> - <dout, out> + dlse).
-  """
+  """dQ stays here; dK/dV travel back with their K/V. A partial (o_p, lse_p) has weight
+  w = exp(lse_p - lse): cotangents w * dout and w * (<dout, o_p> - <dout, out> + dlse)."""
   q, k, v, qs, ks, sel, out, lse = res
   dout, dlse = g
   p, m, shifts = plan.num_shards, plan.table.shape[-1], plan.shifts
@@ -579,14 +570,11 @@ def _shard_attention(plan, kern, axis_name, q, k, v, qs, ks):
 
 # ----------------------------------------------------------------------------- public API
 def _kernel(q, scale, logits_soft_cap, implementation, interpret, blocks=None):
-  if logits_soft_cap is not None and not logits_soft_cap > 0:
-    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   if implementation == "cudnn":
     raise ValueError("implementation='cudnn' returns no log-sum-exp, which the chunk merge "
                      "needs; use None, 'xla', 'triton', 'mosaic_gpu' or 'mosaic_tpu'")
-  scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else float(scale)
-  return _Kernel(scale, None if logits_soft_cap is None else float(logits_soft_cap),
-                 implementation, bool(interpret), blocks)
+  scale, cap = check_scale_and_cap(scale, logits_soft_cap, head_dim=q.shape[-1])
+  return _Kernel(scale, cap, implementation, bool(interpret), blocks)
 
 
 def context_parallel_attention_shard(q, k, v, *, axis_name, causal=False, local_window_size=None,
@@ -673,10 +661,8 @@ def context_parallel_attention(q, k, v, *, mesh, axis_name, causal=False, local_
                                return_lse=False, implementation=None, interpret=False):
   """Attention over sequences split along a mesh axis (ring, all-gather or pass-Q).
 
-  The arrays are in the layout's order (:func:`context_parallel_permute`), usually sharded along
-  the sequence over ``axis_name``. Any length works: sequences are padded inside to ``m * P``
-  whole chunks, never attended (padding gathers the arrays once: long sequences should come in
-  whole chunks). The result is :func:`jattn.flash_attention` of the unpermuted arrays, permuted.
+  The result is :func:`jattn.flash_attention` of the unpermuted arrays, permuted. Any length
+  works (padded inside to whole chunks, which gathers the arrays once).
 
   Args:
     q: [batch, q_len, q_heads, head_dim] in the layout's order.

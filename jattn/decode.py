@@ -1,14 +1,7 @@
 """Flash decoding: one query token per sequence over a contiguous or paged KV cache.
 
-Implementations: "xla" (pure jnp, ``pallas_kernels.decode.reference``; materialises the
-logits), "triton" (Pallas GPU split-KV kernel; splits merged by ``merge_partials_pallas``),
-"mosaic_tpu" (the same split-KV structure; XLA merges); None: the platform's, "xla" on CPU.
-
-Sequence b holds ``kv_lengths[b]`` valid keys and its query sits at ``kv_lengths[b] - 1``
-(lengths clamped to the capacity; length 0 gives zeros and lse -inf). Keys it cannot see
-(past the length, outside the window, unused pages) never leak: NaN or inf there changes
-nothing. Values may be narrower than keys (MLA). Forward only (the "xla" path is
-differentiable by autodiff).
+Sequence b's query sits at ``kv_lengths[b] - 1``; keys it cannot see never leak. Forward only
+("xla" is differentiable by autodiff). Implementations and options: docs/decode.md.
 """
 from __future__ import annotations
 
@@ -28,7 +21,6 @@ from jattn._validate import (as_array, as_int32, check_flags, check_float, check
                              check_int, check_lengths, check_nonempty, check_range,
                              check_scale_and_cap)
 from pallas_kernels import compat
-from pallas_kernels.common.merge import merge_partials, merge_partials_pallas
 from pallas_kernels.decode import reference as _ref
 from pallas_kernels.masks import normalize_window
 
@@ -47,7 +39,7 @@ class DecodeConfig:
   Attributes:
     num_splits: parts each sequence's visible keys are split into (None with a schedule).
     block_sizes: the kernel's ``DecodeBlockSizes``, None for "xla".
-    merge: how splits (or a schedule's units, by row) are merged: "pallas" or "xla".
+    merge: how splits (or a schedule's units, by row) are merged: "pallas" (triton) or "xla".
     softmax: "exact" or "unified_max" (``jattn.decode_serving``).
     max_units: the schedule's unit count, None for splits.
 
@@ -121,12 +113,8 @@ def _check_options(local_window_size, logits_soft_cap, num_splits, scale):
 
 def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
                       min_page_size=MIN_PAGE_SIZE):
-  """Validates a decode call (contiguous, or paged with ``page_table``).
-
-  Concrete ``kv_lengths`` outside [0, capacity] and used page ids outside [0, num_pages) raise
-  ValueError naming the entry. Traced values are not checked (except inside
-  :func:`jattn.debug_checks`); every implementation then clamps lengths to [0, capacity] (a
-  negative length gives 0 output and -inf lse) and page ids to [0, num_pages - 1].
+  """Validates a decode call (contiguous, or paged with ``page_table``): concrete bad lengths and
+  used page ids raise ValueError naming the entry; traced ones are clamped (docs/decode.md).
 
   Args:
     q, k, v, kv_lengths, page_table, kv_layout: the call's (caches or page pools).
@@ -144,12 +132,14 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
   _layout.check_kv_layout(kv_layout)
   name = "cache" if page_table is None else "pages"
   if kv_layout == "hnd":   # validate as the "nhd" cache of the same sizes (same messages)
-    if page_table is None:
-      _layout.check_hnd_shapes(q, k, v)
     if k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
-      raise ValueError(f"with kv_layout='hnd', k_{name}/v_{name} must be [batch or pages, "
-                       f"kv_heads, len, d] and agree in all but the last dim, got {k.shape} / "
+      raise ValueError(f"with kv_layout='hnd', k/v must be "
+                       f"[{'batch' if name == 'cache' else 'pages'}, kv_heads, len, d] and agree "
+                       f"in all but the last dim (v's head_dim may differ), got {k.shape} / "
                        f"{v.shape}")
+    if name == "cache" and q.ndim == 3 and (q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]):
+      raise ValueError(f"q {q.shape} does not match the head-major cache {k.shape} "
+                       f"([batch, kv_heads, len, head_dim])")
     k, v = (jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]), x.dtype)
             for x in (k, v))
   kn, vn = f"k_{name}", f"v_{name}"
@@ -157,11 +147,9 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
     check_float(n, x)
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-  if k.ndim != 4:
-    raise ValueError(f"{kn} must be 4-D, got shape {k.shape}")
-  if v.ndim != 4 or k.shape[:3] != v.shape[:3]:
-    raise ValueError(f"{kn} and {vn} must have the same shape except the last dim (v's head_dim "
-                     f"may differ), got {k.shape} and {v.shape}")
+  if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
+    raise ValueError(f"{kn} and {vn} must be 4-D and have the same shape except the last dim (v's "
+                     f"head_dim may differ), got {k.shape} and {v.shape}")
   if k.dtype != v.dtype:
     raise TypeError(f"{kn} and {vn} dtypes differ: {k.dtype} vs {v.dtype}")
   check_nonempty(q=q, **{kn: k, vn: v})
@@ -179,11 +167,9 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
     if k.shape[1] < min_page_size:
       raise ValueError(f"page_size must be >= {min_page_size}, got {k.shape[1]}")
     page_table = as_array("page_table", page_table)
-    if page_table.ndim != 2 or page_table.shape[0] != batch:
-      raise ValueError(f"page_table must be [batch, max_pages] with batch = {batch}, got shape "
-                       f"{page_table.shape}")
-    if page_table.shape[1] < 1:
-      raise ValueError("page_table needs at least one column (max_pages >= 1)")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+      raise ValueError(f"page_table must be [batch, max_pages] with batch = {batch} and "
+                       f"max_pages >= 1, got shape {page_table.shape}")
     page_table = as_int32("page_table", page_table)
     capacity = page_table.shape[1] * k.shape[1]
   kv_lengths = check_lengths("kv_lengths", kv_lengths, batch, capacity)
@@ -199,8 +185,7 @@ def decode_plan(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="
                 implementation=None, interpret=False, block_sizes=None, softmax="exact",
                 max_estimate=None, schedule=None):
   """What :func:`decode_attention` (or, with ``page_table``, :func:`paged_decode_attention`)
-  runs for these arguments: explicit arguments, else the kernel's defaults and
-  :func:`default_num_splits`; the merge is "pallas" for "triton", else "xla".
+  runs: explicit arguments, else the kernel's defaults and :func:`default_num_splits`.
 
   Args:
     q, k_cache, v_cache, kv_lengths, page_table, kv_layout: the call's (arrays or
@@ -280,9 +265,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     implementation: None, "xla", "triton" or "mosaic_tpu" (:func:`resolve_decode_implementation`).
     interpret: run a Pallas kernel in interpret mode (CPU).
     block_sizes, kv_layout: optional kernel-specific ``DecodeBlockSizes``; "nhd" or "hnd".
-    softmax: "exact" (each split its own running max, merged by log-sum-exp) or
-      "unified_max" (one shared estimate per (row, head), a plain-sum merge, overshooting
-      splits recomputed exactly; see ``jattn.decode_serving``); "xla" and "triton".
+    softmax: "exact" or "unified_max" (one shared max estimate per (row, head) and a plain-sum
+      merge: ``jattn.decode_serving``); "xla" and "triton".
     max_estimate: None (each row's newest-key logit) or fp32 [batch, q_heads] in logit units
       (after scale and soft cap), for "unified_max".
     schedule: None (``num_splits`` equal splits per sequence) or a ``DecodeSchedule`` from
@@ -376,26 +360,15 @@ def _decode_jit(q, k, v, kv_lengths, page_table=None, max_estimate=None, schedul
         q2, k2, v2, lens2, page_table, est, schedule, impl=impl, config=config, scale=scale,
         window=window, cap=cap, interpret=interpret))
   window_left = None if window is None else window[0]
-  if config.softmax == "exact" and schedule is None:
-    if impl == "xla":
-      if page_table is not None:
-        k, v = _ref.gather_pages(k, page_table), _ref.gather_pages(v, page_table)
-      out, lse = _ref.decode_reference(q, k, v, kv_lengths, scale=scale, local_window_size=window,
-                                       logits_soft_cap=cap, num_splits=config.num_splits,
-                                       upcast=False)
-    else:
-      o_parts, lse_parts = _kernel_partials(
-          impl, q, k, v, kv_lengths, page_table, num_splits=config.num_splits, scale=scale,
-          window_left=window_left, logits_soft_cap=cap, block_sizes=config.block_sizes,
-          interpret=interpret)()   # [B, S, Hq, D], [B, S, Hq]
-      if o_parts.shape[1] == 1:
-        out, lse = o_parts[:, 0], lse_parts[:, 0]
-      elif config.merge == "pallas":
-        out, lse = merge_partials_pallas(o_parts, lse_parts, out_dtype=q.dtype, interpret=interpret)
-      else:
-        out, lse = merge_partials(o_parts, lse_parts, axis=1)
+  exact = config.softmax == "exact" and schedule is None
+  if exact and impl == "xla":
+    if page_table is not None:
+      k, v = _ref.gather_pages(k, page_table), _ref.gather_pages(v, page_table)
+    out, lse = _ref.decode_reference(q, k, v, kv_lengths, scale=scale, local_window_size=window,
+                                     logits_soft_cap=cap, num_splits=config.num_splits,
+                                     upcast=False)
     return out.astype(q.dtype), lse
-  # unified max or a schedule (jattn.decode_serving)
+  # the kernels' partials ([B, S, Hq, D], [B, S, Hq]), merged by jattn.decode_serving
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
   kw = dict(scale=scale, window_left=window_left, logits_soft_cap=cap)
   kw.update({"num_splits": config.num_splits} if schedule is None else {"units": schedule.units})
@@ -406,6 +379,9 @@ def _decode_jit(q, k, v, kv_lengths, page_table=None, max_estimate=None, schedul
   else:
     partials = _kernel_partials(impl, q, k, v, kv_lengths, page_table,
                                 block_sizes=config.block_sizes, interpret=interpret, **kw)
+  if exact and config.num_splits == 1:   # one split: its partial is the result
+    out, lse = partials()
+    return out[:, 0].astype(q.dtype), lse[:, 0]
   m_hat = None
   if config.softmax == "unified_max":
     m_hat = (_serve.newest_key_logits(q, k, kv_lengths, page_table=page_table, scale=scale,
@@ -416,7 +392,8 @@ def _decode_jit(q, k, v, kv_lengths, page_table=None, max_estimate=None, schedul
 
 
 # ----------------------------------------------------------------------------- cache appends
-def _check_cache_pair(k, v, kind, lead):
+def _check_append(k, v, k_new, v_new, kind, lead, batch=None):
+  """Checks an append's caches (``[lead, kv_heads, dim]``) and new token (batch: k's first dim)."""
   names = (f"k_{kind}", f"v_{kind}")
   for name, x in zip(names, (k, v)):
     check_float(name, x)
@@ -424,23 +401,18 @@ def _check_cache_pair(k, v, kind, lead):
     raise ValueError(f"{names[0]} and {names[1]} must be [{lead}, kv_heads, dim] with the same "
                      f"first three dims, got {k.shape} and {v.shape}")
   check_nonempty(**dict(zip(names, (k, v))))
-
-
-def _check_new_token(k_new, v_new, b, hk, d, d_v, kind):
-  for name, x, dim in (("k_new", k_new, d), ("v_new", v_new, d_v)):
+  for name, x, dim in (("k_new", k_new, k.shape[-1]), ("v_new", v_new, v.shape[-1])):
     check_float(name, x)
-    if x.shape != (b, hk, dim):
-      raise ValueError(f"{name} must be [batch, kv_heads, dim] = {(b, hk, dim)} (from k_{kind} "
+    if x.shape != (want := (batch or k.shape[0], k.shape[2], dim)):
+      raise ValueError(f"{name} must be [batch, kv_heads, dim] = {want} (from k_{kind} "
                        f"and v_{kind}), got {x.shape}")
 
 
 def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
   """Write one new token per sequence at position ``kv_lengths[b]`` (functional update).
 
-  Jit with ``donate_argnums=(0, 1)`` to update the caches in place. A sequence whose cache is
-  full (kv_lengths[b] == max_len) has its write dropped; its returned length still grows by
-  one (decoding then raises, or clamps a traced length). Concrete lengths outside [0, max_len]
-  raise ValueError; traced ones outside [0, max_len) drop the write (never another slot).
+  Jit with ``donate_argnums=(0, 1)`` to update in place. A write at a full cache or a traced
+  length outside [0, max_len) is dropped (the length still grows); concrete ones raise.
 
   Args:
     k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)] (head_dim_v may differ, e.g. MLA).
@@ -456,9 +428,8 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
     >>> float(k2[1, 3, 0, 0]), lens2.tolist()
     (1.0, [1, 4])
   """
-  _check_cache_pair(k_cache, v_cache, "cache", "batch, max_len")
-  b, max_len, hk, d = k_cache.shape
-  _check_new_token(k_new, v_new, b, hk, d, v_cache.shape[-1], "cache")
+  _check_append(k_cache, v_cache, k_new, v_new, "cache", "batch, max_len")
+  b, max_len = k_cache.shape[:2]
   lens = check_lengths("kv_lengths", kv_lengths, b, max_len)
   rows, slot = jnp.arange(b), jnp.where(lens < 0, max_len, lens)   # negative: dropped too
   return (k_cache.at[rows, slot].set(k_new.astype(k_cache.dtype), mode="drop"),
@@ -468,11 +439,9 @@ def append_kv(k_cache, v_cache, kv_lengths, k_new, v_new):
 def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
   """Write one new token per sequence into its page (functional update of the page pool).
 
-  Token ``t = kv_lengths[b]`` goes to page ``page_table[b, t // page_size]``, slot
-  ``t % page_size``; the caller allocates pages in the table beforehand. Writes past the table
-  (t == max_pages * page_size) are dropped. Concrete lengths outside [0, max_pages *
-  page_size] or a page id to write outside [0, num_pages) raise ValueError; traced ones drop
-  the write (never into another page). Jit with ``donate_argnums=(0, 1)`` for in-place.
+  Token ``t = kv_lengths[b]`` goes to page ``page_table[b, t // page_size]`` (allocated by the
+  caller), slot ``t % page_size``. Writes past the table, or a traced bad length or page id,
+  are dropped; concrete bad ones raise, as in :func:`append_kv`.
 
   Args:
     k_pages, v_pages: [num_pages, page_size, kv_heads, head_dim(_v)] (head_dim_v may differ).
@@ -489,16 +458,15 @@ def append_kv_paged(k_pages, v_pages, page_table, kv_lengths, k_new, v_new):
     >>> float(kp[3, 1, 0, 0]), lens.tolist()
     (1.0, [18])
   """
-  _check_cache_pair(k_pages, v_pages, "pages", "num_pages, page_size")
-  num_pages, page_size, hk, d = k_pages.shape
   page_table = as_array("page_table", page_table)
   if page_table.ndim != 2 or 0 in page_table.shape:
     raise ValueError(f"page_table must be [batch, max_pages], both >= 1, got shape "
                      f"{page_table.shape}")
   page_table = as_int32("page_table", page_table)
   b, max_pages = page_table.shape
+  _check_append(k_pages, v_pages, k_new, v_new, "pages", "num_pages, page_size", b)
+  num_pages, page_size = k_pages.shape[:2]
   lens = check_lengths("kv_lengths", kv_lengths, b, max_pages * page_size)
-  _check_new_token(k_new, v_new, b, hk, d, v_pages.shape[-1], "pages")
   slot_page = lens // page_size
   in_table = (lens >= 0) & (slot_page < max_pages)
   check_range("page_table", page_table, 0, num_pages - 1,

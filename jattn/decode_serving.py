@@ -1,15 +1,8 @@
 """Serving-grade decode: length-balanced work schedules and the unified-max softmax.
 
-A :class:`DecodeSchedule` splits every sequence's visible keys into *units* of about equal size
-(whole kernel blocks; jnp, once per batch composition, with a static unit count). The kernel runs
-one program per (unit, kv head), so mixed lengths give programs of equal work.
-
-``softmax="unified_max"`` computes every partial against one shared estimate ``m_hat`` per
-(row, query head) instead of its own running max: no rescaling in the loop, and the merge is a
-plain sum (out = sum acc / sum l, lse = m_hat + log sum l). Partials whose max logit exceeds
-``m_hat + UNIFIED_MARGIN`` (overflow), or rows whose max is below ``m_hat - UNIFIED_MARGIN``
-(underflow), are recomputed exactly (only the flagged programs): the result equals the exact
-path's. The default estimate, each row's newest-key logit, is a lower bound of the row max.
+Both are described in docs/decode.md ("Continuous batching"). The unified-max merge is a plain
+sum (out = sum acc / sum l, lse = m_hat + log sum l); partials or rows more than
+``UNIFIED_MARGIN`` off the estimate are recomputed exactly.
 """
 from __future__ import annotations
 
@@ -34,7 +27,7 @@ XLA_BLOCK = 64            # schedule granularity of the "xla" path
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeSchedule:
-  """A length-balanced partition of a batch's visible keys into units (see the module doc).
+  """A length-balanced partition of a batch's visible keys into units (docs/decode.md).
 
   Attributes:
     unit_row, unit_first, unit_count: int32 [max_units]: each unit's sequence (batch if
@@ -129,9 +122,8 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
                     local_window_size=None, implementation=None, block_sizes=None,
                     max_units=None):
   """A length-balanced schedule for :func:`jattn.decode_attention` (or, with ``page_table``,
-  :func:`jattn.paged_decode_attention`) called with the same arguments and ``schedule=``.
-
-  Compute it once per batch composition (lengths may be traced). "mosaic_tpu" takes none.
+  :func:`jattn.paged_decode_attention`) called with the same arguments and ``schedule=``; once
+  per batch composition (lengths may be traced). "mosaic_tpu" takes none.
 
   Args:
     q, k_cache, v_cache, kv_lengths, page_table, kv_layout, local_window_size, implementation,
@@ -171,9 +163,8 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
 
 
 def check_serving_args(q, softmax, max_estimate, schedule, num_splits, sequences, block):
-  """ValueError/TypeError for a bad ``softmax`` / ``max_estimate`` / ``schedule`` of a decode
-  call (``sequences``: batch, or batch x kv_heads for "hnd"; ``block``: the plan's schedule
-  block, or None where the implementation takes no schedule)."""
+  """ValueError/TypeError for a bad ``softmax``, ``max_estimate`` or ``schedule`` (``sequences``
+  and ``block``: those the call's schedule must have)."""
   if softmax not in SOFTMAX_MODES:
     raise ValueError(f"softmax must be one of {SOFTMAX_MODES}, got {softmax!r}")
   if max_estimate is not None:

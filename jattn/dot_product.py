@@ -26,11 +26,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                           local_window_size=None, implementation=None, interpret=False):
   """Scaled dot-product attention with ``jax.nn.dot_product_attention``'s signature.
 
-  Same shapes and semantics as jax.nn (BTNH layout, GQA, top-left aligned causal masks and
-  windows, sequence lengths, boolean masks, additive biases), except: a query row that sees no
-  key returns 0 with zero gradients (jax.nn's "xla" path averages every value there); fp32
-  inputs run at full fp32 precision; ``implementation`` takes jattn's names; there is no
-  ``return_residual``.
+  Same shapes and semantics as jax.nn (top-left aligned masks and windows, sequence lengths,
+  boolean masks, additive biases); the few differences are listed in docs/flash.md.
 
   Args:
     query: [batch, q_len, q_heads, head_dim] or [q_len, q_heads, head_dim].
