@@ -1,11 +1,5 @@
-"""Sample packing: Best-Fit-Decreasing bins, packed batches, segment ids and positions.
-
-Best-Fit-Decreasing (BFD) packing (Ding et al., "Fewer Truncations Improve Language Modeling",
-ICML 2024) keeps every document no longer than a row whole; with segment ids no token attends
-across documents. ``pack_bfd`` finds the best-fit bin with a segment tree over capacities,
-placing runs of equal-length chunks per query: exactly sequential BFD up to ties between bins of
-equal capacity (docs/packing.md). ``materialize`` builds a plan's rows from a ``TokenStore``;
-``PackedIterator`` yields shuffled, seeded, resumable batches.
+"""Sample packing (docs/packing.md): Best-Fit-Decreasing plans (``pack_bfd``), packed rows from a
+``TokenStore`` (``materialize``), segment ids under jit and a resumable ``PackedIterator``.
 """
 from __future__ import annotations
 
@@ -169,10 +163,8 @@ def _bfd_runs(counts: np.ndarray, max_len: int):
 
 
 def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
-  """Pack documents into rows of ``max_len`` tokens with Best-Fit-Decreasing.
-
-  Documents longer than ``max_len`` are cut into ``max_len`` chunks plus a shorter last one;
-  chunks go longest first into the open row with the least free space that fits them.
+  """Pack documents into rows of ``max_len`` tokens with Best-Fit-Decreasing: chunks go longest
+  first into the open row with the least free space that fits them.
 
   Args:
     lengths: 1-D integer document lengths; 0-length documents get no chunk.
@@ -205,8 +197,6 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   doc_ids = np.repeat(np.arange(lengths.shape[0], dtype=np.int64), n_chunks)
   starts = _ranks(n_chunks) * max_len
   clen = np.minimum(max_len, lengths[doc_ids] - starts)
-  if (n := clen.shape[0]) == 0:
-    return PackPlan(*[np.zeros(0, np.int64)] * 5, 0, max_len, int(lengths.shape[0]))
   # Longest first, stable (numpy's stable sort on keys of <= 16 bits is a radix sort).
   key_dtype = np.uint16 if max_len < 2 ** 16 else np.uint32
   order = np.argsort((max_len - clen).astype(key_dtype), kind="stable")
@@ -219,7 +209,7 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
   reps = np.repeat(k, m)
   reps[np.cumsum(m) - 1] = last
   per_chunk = lambda x: np.repeat(np.repeat(x, m), reps)
-  bins, offsets = np.empty(n, np.int64), np.empty(n, np.int64)
+  bins, offsets = np.empty_like(clen), np.empty_like(clen)
   bins[order] = np.repeat(entry_bins, reps)
   offsets[order] = per_chunk(max_len - cap) + _ranks(reps) * per_chunk(rlen)
   return PackPlan(doc_ids, starts, clen, bins, offsets, int(num_bins), max_len,
@@ -234,8 +224,7 @@ class TokenStore:
 
   Attributes:
     tokens: 1-D int array of all documents' tokens, back to back.
-    offsets: int64 [num_docs + 1], non-decreasing, ``offsets[0] == 0`` and
-      ``offsets[-1] == len(tokens)``.
+    offsets: int64 [num_docs + 1], non-decreasing from 0 to ``len(tokens)``.
 
   Example:
     >>> store = TokenStore(np.arange(5), np.array([0, 2, 5]))
@@ -399,13 +388,10 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
 def segments_from_lengths(doc_lengths, max_len: int):
   """Segment ids and positions of packed rows from per-row document lengths (jit-compatible).
 
-  Documents are laid out back to back from column 0; zero lengths are skipped and a row is cut
-  at ``max_len``. Concrete lengths must be integers in [0, 2**31 - 1] (ValueError naming the
-  entry; TypeError for other dtypes); traced negative lengths count as 0 (``jattn.debug_checks``
-  reports them).
-
   Args:
-    doc_lengths: int [batch, max_docs], non-negative.
+    doc_lengths: int [batch, max_docs], laid out back to back from column 0 (zeros skipped, a row
+      cut at ``max_len``); concrete ones in [0, 2**31 - 1] (ValueError naming the entry,
+      TypeError for other dtypes), traced negative ones count as 0 (``jattn.debug_checks``).
     max_len: row length (static), >= 1.
 
   Returns:
@@ -445,11 +431,8 @@ def _segments_from_lengths(doc_lengths, max_len):
 
 # ----------------------------------------------------------------------------- Training iterator
 class PackedIterator:
-  """Shuffled, epoch-aware, seeded, resumable iterator over packed batches.
-
-  Each epoch permutes the documents by ``(seed, epoch)``, packs windows of ``window`` documents
-  with ``pack_bfd`` and permutes the rows; the last batch is filled with empty rows. The state is
-  ``{"epoch", "step"}`` plus a configuration fingerprint.
+  """Shuffled, epoch-aware, seeded, resumable iterator over packed batches (docs/packing.md):
+  each epoch packs the documents permuted by ``(seed, epoch)`` and permutes the rows.
 
   Args:
     store: a ``TokenStore``, ``(flat_tokens, offsets)`` or a list of 1-D token arrays.

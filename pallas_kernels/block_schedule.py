@@ -1,18 +1,5 @@
-"""Masks as block schedules: per query tile, the key/value tiles to visit, each full or partial.
-
-A kernel walks a ``BlockSchedule`` and never touches a tile that is not in it:
-
-* ``kv_indices[b, h, qi, j]`` (j < ``kv_counts[b, h, qi]``): the kv tiles query tile qi visits,
-  in increasing order. Entries past the count repeat the last valid index (a pipelined TPU kernel
-  issues no new copy for them) and must not be computed.
-* ``kv_partial[b, h, qi, j]``: 1 if the tile needs the element mask (causal diagonal, window edge,
-  segment boundary, padding, a mask array with both values in the tile), 0 if all visible.
-* ``q_indices``, ``q_counts``, ``q_partial``: the transpose (per kv tile, the query tiles
-  visiting it), walked by the dK/dV backward kernels.
-
-Leading axes [Bs, Hs]: Bs in {1, batch}, Hs in {1, kv_heads}, a size-1 axis broadcast (kernels
-index with ``b if Bs > 1 else 0``).
-"""
+"""Masks as block schedules (docs/design.md): per query tile, the key/value tiles to visit, each
+full or partial, and the transpose."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +22,17 @@ _INT32_MIN = np.iinfo(np.int32).min
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class BlockSchedule:
-  """Per-tile visit lists for a forward pass and its transpose (see module docstring).
+  """Per-tile visit lists for a forward pass and its transpose; a kernel never touches a tile
+  that is not in them. Leading axes [Bs, Hs]: Bs in {1, batch}, Hs in {1, kv_heads} (broadcast).
 
   Attributes:
-    kv_indices, kv_counts, kv_partial: forward schedule, int32 [Bs, Hs, nq, max_kv] / [Bs, Hs, nq].
-    q_indices, q_counts, q_partial: transposed schedule, int32 [Bs, Hs, nk, max_q] / [Bs, Hs, nk].
+    kv_indices, kv_counts, kv_partial: forward schedule, int32 [Bs, Hs, nq, max_kv] / [Bs, Hs, nq]:
+      the kv tiles query tile qi visits in increasing order (entries past the count repeat the
+      last valid index, so a pipelined TPU kernel issues no new copy, and are not computed), and
+      1 where a tile needs the element mask (diagonal, window edge, segment boundary, padding, a
+      mask array with both values in it), 0 where all is visible.
+    q_indices, q_counts, q_partial: the transpose, int32 [Bs, Hs, nk, max_q] / [Bs, Hs, nk]: the
+      query tiles visiting each kv tile (walked by the dK/dV backward kernels).
     block_q, block_k: tile sizes (static).
     q_len, kv_len: unpadded sequence lengths (static).
 
@@ -187,45 +180,48 @@ def compact_true(keep, width: int):
                                     default=functools.partial(_compact_by_scatter, width=width))
 
 
+def scatter_rows(index, values, ok, width):
+  """int32 [..., width] zeros with ``values`` put at ``index`` along the last axis where ``ok``
+  (each slot written at most once per row). The others go to one trash slot, sliced off after:
+  every index is in bounds (no reliance on how a backend drops out-of-bounds scatter updates)."""
+  lead = values.shape[:-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * width
+  dest = jnp.where(ok, base + index, rows * width)
+  out = jnp.zeros((rows * width + 1,), jnp.int32).at[dest.reshape(-1)].set(
+      values.reshape(-1).astype(jnp.int32), mode="promise_in_bounds")
+  return out[:rows * width].reshape(lead + (width,))
+
+
 def _compact_by_scatter(keep, width):
   """``compact_true`` by a running count and one scatter."""
   keep = jax.lax.optimization_barrier(keep)   # no constant folding: seconds per op at 64K tokens
-  lead, n = keep.shape[:-1], keep.shape[-1]
-  rows = int(np.prod(lead, dtype=np.int64))
-  slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1        # [..., n]
-  count = slot[..., -1] + 1 if n else jnp.zeros(lead, jnp.int32)
-  base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * width
-  # Entries that get no slot go to one extra trash slot, sliced off after: every index is in
-  # bounds (no reliance on how a backend drops out-of-bounds scatter updates).
-  dest = jnp.where(keep & (slot < width), base + slot, rows * width)
-  src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keep.shape)
-  out = jnp.zeros((rows * width + 1,), jnp.int32).at[dest.reshape(-1)].set(
-      src.reshape(-1), mode="promise_in_bounds")
-  return out[:rows * width].reshape(lead + (width,)), count.astype(jnp.int32)
-
-
-def _compact_by_sort(keep, width):
-  """``compact_true`` by a stable argsort of the positions (True entries first)."""
   n = keep.shape[-1]
-  pos = jnp.arange(n, dtype=jnp.int32)
-  order = jnp.argsort(jnp.where(keep, pos, n + pos), axis=-1).astype(jnp.int32)
+  slot = jnp.cumsum(keep.astype(jnp.int32), axis=-1) - 1        # [..., n]
+  count = slot[..., -1] + 1 if n else jnp.zeros(keep.shape[:-1], jnp.int32)
+  src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), keep.shape)
+  return scatter_rows(slot, src, keep & (slot < width), width), count.astype(jnp.int32)
+
+
+def _compact_by_sort(keep, width, xp=jnp):
+  """``compact_true`` by a sort of the positions (True entries first; the keys are distinct).
+  ``xp``: jnp, or np for static masks at trace time."""
+  n = keep.shape[-1]
+  pos = xp.arange(n, dtype=xp.int32)
+  order = xp.argsort(xp.where(keep, pos, n + pos), axis=-1).astype(xp.int32)
   if width > n:
-    order = jnp.pad(order, [(0, 0)] * (keep.ndim - 1) + [(0, width - n)])
-  count = jnp.sum(keep, axis=-1, dtype=jnp.int32)
-  j = jnp.arange(width, dtype=jnp.int32)
-  return jnp.where(j < count[..., None], order[..., :width], 0), count
+    order = xp.pad(order, [(0, 0)] * (keep.ndim - 1) + [(0, width - n)])
+  count = xp.sum(keep, axis=-1, dtype=xp.int32)
+  j = xp.arange(width, dtype=xp.int32)
+  return xp.where(j < count[..., None], order[..., :width], 0), count
 
 
 def _compact(visit, partial, max_count, xp=jnp):
   """Sorted visit lists from bool masks [..., n_rows, n_cols] -> (indices, counts, partial);
   entries past a row's count repeat its last listed column (column 0 for an empty row).
   ``xp``: jnp (traced masks, ``compact_true``) or np (static masks, at trace time)."""
-  if xp is np:
-    cols = np.arange(visit.shape[-1])
-    order = np.argsort(np.where(visit, cols, visit.shape[-1] + cols), axis=-1, kind="stable")
-    order, counts = order[..., :max_count].astype(np.int32), visit.sum(-1).astype(np.int32)
-  else:
-    order, counts = compact_true(visit, max_count)
+  order, counts = (_compact_by_sort(visit, max_count, np) if xp is np
+                   else compact_true(visit, max_count))
   j = xp.arange(max_count, dtype=xp.int32)
   last = xp.take_along_axis(order, xp.maximum(xp.minimum(counts, max_count) - 1, 0)[..., None],
                             axis=-1)

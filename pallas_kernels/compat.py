@@ -1,7 +1,5 @@
-"""The one place that knows about differences between supported jax versions (>= 0.10.2).
-
-Everything in ``pallas_kernels`` and ``jattn`` that touches an API whose spelling moved between
-jax 0.10.x (the CPU machines) and 0.11.x (the GPU machines) goes through this module.
+"""The one place that knows about differences between supported jax versions (0.10.x on the CPU
+machines, 0.11.x on the GPU ones): every API whose spelling moved between them goes through here.
 """
 from __future__ import annotations
 
@@ -86,11 +84,7 @@ def gpu_compute_capability() -> tuple[int, int] | None:
   Example:
     >>> cc = gpu_compute_capability()
   """
-  try:
-    dev = jax.devices("gpu")[0]
-  except RuntimeError:
-    return None
-  cc = getattr(dev, "compute_capability", None)
+  cc = getattr(_first_gpu(), "compute_capability", None)
   if cc is None:
     return None
   major, minor = str(cc).split(".")[:2]
@@ -108,11 +102,15 @@ def gpu_core_count() -> int:
     >>> gpu_core_count() >= 1
     True
   """
+  dev = _first_gpu()
+  return 1 if dev is None else int(getattr(dev, "core_count", 0) or 132)
+
+
+def _first_gpu():
   try:
-    dev = jax.devices("gpu")[0]
+    return jax.devices("gpu")[0]
   except RuntimeError:
-    return 1
-  return int(getattr(dev, "core_count", 0) or 132)
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,10 +122,8 @@ def _mosaic_gpu_load_takes_index() -> bool:
 
 
 def mosaic_gpu_load(ref, *, layout=None):
-  """Load a whole (already indexed) Mosaic GPU shared-memory ref into an array, in a kernel body.
-
-  jax 0.10.x's ``plgpu.load`` needs an index argument, 0.11.x deprecates it: ``()`` is passed
-  only where it is required.
+  """Load a whole (already indexed) Mosaic GPU shared-memory ref into an array, in a kernel body
+  (``plgpu.load`` gets the index ``()`` only on jax 0.10.x, which requires it).
 
   Args:
     ref, layout: a Mosaic GPU ref (e.g. ``smem.at[slot]``) and the result's register layout

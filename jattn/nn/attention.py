@@ -1,13 +1,5 @@
-"""``Attention``: one Flax NNX attention layer for every ``LayerSpec`` kind, with KV caches.
-
-Heads: GQA/MQA, or MLA low-rank latent KV (``kv_lora_rank``) with a decoupled RoPE key of
-``rope_head_dim`` channels (cached as [latent | k_rope], "latent_k_rope", or NoPE "latent").
-The forward runs ``jattn.flash_attention`` ("global"/"local"), ``jattn.sparse.sparse_attention``
-("sparse") or ``jattn.nn.csa``. ``decode(x)`` appends t >= 1 tokens (all rows share one cache
-index): "global"/"sparse" keep ``max_len`` tokens, "local" a ring of ``window``, "csa" compressed
-entries plus a raw ring. Single tokens run ``jattn.decode_attention`` (MLA: absorbed,
-``Attention.absorbed_decode``) or ``jattn.sparse.sparse_decode_attention``; chunks run
-``jattn.flash_attention`` over the cache.
+"""``Attention``: one Flax NNX attention layer for every ``LayerSpec`` kind (GQA/MQA or MLA),
+with KV caches for ``decode`` (docs/nn.md: the layer kinds, their kernels and their caches).
 """
 from __future__ import annotations
 
@@ -47,9 +39,8 @@ def check_kv_cache_layout(kv_cache_layout, *, kinds=(), mla=False):
   """ValueError unless ``kv_cache_layout`` is "nhd" or "hnd", and "hnd" fits the layers.
 
   Args:
-    kv_cache_layout: "nhd" or "hnd".
-    kinds: the ``LayerSpec.kind`` of every layer that will keep a cache in this layout.
-    mla: whether the layers are MLA (``kv_lora_rank`` set).
+    kv_cache_layout, kinds, mla: "nhd" or "hnd"; the ``LayerSpec.kind`` of every layer that
+      will keep a cache in it; whether the layers are MLA (``kv_lora_rank`` set).
 
   Returns:
     None.
@@ -84,16 +75,15 @@ class Attention(nnx.Module):
     kv_lora_rank: None (plain GQA) or the MLA latent width.
     rope_head_dim: MLA only: width of the decoupled RoPE part of queries/keys (even, > 0).
     qk_norm: RMSNorm each query/key head (MLA: the non-RoPE part) before RoPE.
-    mla_absorb: MLA only: absorb the up-projections in single-token decode where valid (see
-      ``absorbed_decode``); False expands the cache every step.
+    mla_absorb: MLA only: absorb the up-projections in single-token decode where valid
+      (``absorbed_decode``) instead of expanding the cache every step.
     implementation, interpret: passed to the attention ops (None = per platform; Pallas
       interpret mode for CPU tests).
     kv_cache_layout: "nhd" [batch, slots, kv_heads, head_dim] (default) or "hnd" [batch,
       kv_heads, slots, head_dim] ("global", "local", "sparse"; not MLA).
     context_mesh, context_axis: None, or a mesh and the axis the sequence is split over: the
-      forward runs ``jattn.context_parallel_attention`` ("global"/"local") or
-      ``jattn.sparse_attention(..., mesh=...)`` ("sparse", gate "none", no distillation) on
-      zig-zag ordered sequences (``jattn.context_parallel_permute``; default positions too).
+      forward runs context-parallel (docs/context_parallel.md) on zig-zag ordered sequences
+      (``jattn.context_parallel_permute``; default positions too).
     param_dtype, dtype: parameter dtype, and the projections' (None: from the inputs/params).
     rngs: ``nnx.Rngs`` (keyword-only); ``gate_grad="gumbel"`` layers draw noise from it.
 
@@ -272,21 +262,17 @@ class Attention(nnx.Module):
           gate_grad=spec.gate_grad, rng=self.gate_rngs() if spec.gate_grad == "gumbel" else None,
           causal=True, segment_ids=segment_ids, scale=self.scale,
           score_aux_weight=spec.score_aux_weight, score_aux_pool=spec.score_aux_pool, **impl)
-    else:
-      o = self._csa_forward(q, k, v, ent, segment_ids)
-    y = self.wo(o.astype(x.dtype).reshape(b, s, self.num_heads * self.head_dim))
-    return (y, {"q": q, "k": k}) if return_qk else y
-
-  def _csa_forward(self, q, k, v, ent, segment_ids):
-    if segment_ids is not None:
+    elif segment_ids is not None:
       raise NotImplementedError("CSA layers do not support packed segment ids (compressed windows "
                                 "would straddle documents)")
-    (b, s), r = q.shape[:2], self.spec.compress_ratio
-    c = csa_ops.num_entries(s, r)
-    ck = csa_ops.pool_windows(k, ent["gk"], self.bias_k[...], r, c)
-    cv = csa_ops.pool_windows(v, ent["gv"], self.bias_v[...], r, c)
-    q_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    return self._csa_attend(q, k, v, ck, cv, q_pos)
+    else:   # csa: the raw keys/values pooled into compressed entries
+      r, c = spec.compress_ratio, csa_ops.num_entries(s, spec.compress_ratio)
+      ck = csa_ops.pool_windows(k, ent["gk"], self.bias_k[...], r, c)
+      cv = csa_ops.pool_windows(v, ent["gv"], self.bias_v[...], r, c)
+      q_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+      o = self._csa_attend(q, k, v, ck, cv, q_pos)
+    y = self.wo(o.astype(x.dtype).reshape(b, s, self.num_heads * self.head_dim))
+    return (y, {"q": q, "k": k}) if return_qk else y
 
   def _csa_attend(self, q, k, v, ck, cv, q_pos, kv_valid=None):
     """CSA output of queries at q_pos [b, t]: "two_stage" (raw key j at position j), or the raw

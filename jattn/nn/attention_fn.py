@@ -1,4 +1,4 @@
-"""``dot_product_attention``: an ``attention_fn`` for Flax's attention modules on jattn's kernels."""
+"""``dot_product_attention``: an ``attention_fn`` for Flax's attention modules, on jattn."""
 from __future__ import annotations
 
 import math
@@ -16,11 +16,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           is_causal=False, *, implementation=None, interpret=False):
   """``flax.nnx.dot_product_attention``'s signature, run by :func:`jattn.dot_product_attention`.
 
-  Pass it as ``attention_fn`` to ``flax.nnx.MultiHeadAttention`` (or linen's
-  ``MultiHeadDotProductAttention``). Flax's float masks (1.0 = visible) are read as booleans.
-  There is no attention dropout; as in Flax without it, ``precision`` changes nothing (fp32
-  inputs run at fp32 precision, 16-bit ones accumulate in fp32). Rows that see no key return 0
-  (Flax averages every value there); semantics: :func:`jattn.dot_product_attention`.
+  An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` (or linen's) without attention dropout
+  (docs/flash.md); rows that see no key return 0 (Flax averages every value there).
 
   Args:
     query: [batch..., q_len, num_heads, head_dim] (any number of batch axes, or none).

@@ -1,23 +1,12 @@
-"""CSA: compressed sparse attention along the token axis.
+"""CSA: compressed sparse attention along the token axis (docs/nn.md, "Layer kinds").
 
-Keys and values are pooled with learned weights: entry c covers raw tokens ``[c*r, c*r + 2r)``
-(width 2r, stride r = ratio) and is
+Entry c pools raw tokens ``[c*r, c*r + 2r)`` (r = ratio) with learned weights (values alike),
 
     ck[c] = sum_j softmax_j(gate_k[c*r + j] + bias_k[j]) * k[c*r + j]      (per channel)
 
-with gate logits projected from the layer input and a learned position bias ``bias[2r,
-kv_heads, head_dim]`` (values alike). A query at t sees entry c iff ``c*r + 2r - 1 <= t``.
-
-Modes (``LayerSpec.csa_mode``): "compressed" attends, per query head, the ``top_k`` visible
-entries with the largest ``q . ck`` plus a raw causal window (``jattn.flash_attention``) under
-one softmax, with an optional sink logit (entries overlapping the window are not excluded).
-"two_stage" scores raw blocks by their best visible entry, attends the ``top_k`` best past blocks
-plus the query's own on raw KV (the XLA reference with an element mask: reference quality) and
-the other visible entries as a coarse partial. Parts merge by ``jattn.merge``.
-
-The functions are pure, shared by training and cached decode; selections are non-differentiable.
-Query rows run in chunks under ``jax.checkpoint``: the [batch, heads, q_len, entries] logits (and
-"two_stage"'s raw-key logits) are never held whole.
+and is visible to a query at t iff ``c*r + 2r - 1 <= t`` (the "compressed" mode does not exclude
+entries its raw window overlaps). Pure functions shared by training and decode (selections are
+non-differentiable); query rows run in chunks under ``jax.checkpoint`` (no whole logits).
 """
 from __future__ import annotations
 
@@ -28,6 +17,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jattn.merge import merge
+from pallas_kernels.common.softmax import safe_lse
 from pallas_kernels.flash.reference import attention_reference
 
 _HI = jax.lax.Precision.HIGHEST
@@ -69,6 +59,7 @@ def entry_end(c, ratio):
   return c * ratio + 2 * ratio - 1
 
 
+@functools.partial(jax.checkpoint, static_argnums=(3, 4))  # no fp32 [b, C, 2r, h, d] residuals
 def pool_windows(x, gate, bias, ratio, n_entries):
   """Learned weighted pooling of raw tokens into overlapping windows (width 2r, stride r).
 
@@ -85,11 +76,6 @@ def pool_windows(x, gate, bias, ratio, n_entries):
     >>> pool_windows(x, x, jnp.zeros((8, 2, 4)), 4, 4).shape
     (1, 4, 2, 4)
   """
-  return _pool_windows(x, gate, bias, ratio, n_entries)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(3, 4))  # no fp32 [b, C, 2r, h, d] residuals
-def _pool_windows(x, gate, bias, ratio, n_entries):
   n = x.shape[1]
   need = n_entries * ratio + ratio
   if need > n:
@@ -141,12 +127,9 @@ def _softmax_partial(s, cv):
   m = jnp.max(s, axis=-1, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   p = jnp.exp(s - m)
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  o = jnp.einsum("bhgtc,bchd->bthgd", p / l_safe, cv.astype(jnp.float32), precision=_HI)
-  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))[..., 0]              # [b, hk, g, t]
-  return o.reshape(b, t, hk * g, -1), lse.transpose(0, 3, 1, 2).reshape(b, t, hk * g)
+  l, lse = safe_lse(m, jnp.sum(p, axis=-1, keepdims=True))                   # lse [b, hk, g, t, 1]
+  o = jnp.einsum("bhgtc,bchd->bthgd", p / l, cv.astype(jnp.float32), precision=_HI)
+  return o.reshape(b, t, hk * g, -1), lse[..., 0].transpose(0, 3, 1, 2).reshape(b, t, hk * g)
 
 
 def _top_k_mask(s, k):
@@ -156,25 +139,15 @@ def _top_k_mask(s, k):
   return (s >= kth) & jnp.isfinite(s)
 
 
-def _pack_bits(mask):
-  """bool [..., n] -> uint32 [..., ceil(n / 32)] (bit j of word w = mask[32 w + j])."""
-  n = mask.shape[-1]
+def _saved_selection(mask):
+  """``mask`` (bool [..., n]) as the value a chunk's backward reuses: saved bit-packed (bit j of
+  uint32 word w = mask[32 w + j]) under ``_SELECTION`` by ``_map_query_chunks``'s remat policy."""
+  n, bit = mask.shape[-1], jnp.arange(32, dtype=jnp.uint32)
   words = -(-n // 32)
   m = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, words * 32 - n)])
   m = m.reshape(*mask.shape[:-1], words, 32).astype(jnp.uint32)
-  return jnp.sum(m << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
-
-
-def _unpack_bits(bits, n):
-  """Inverse of ``_pack_bits``: uint32 [..., words] -> bool [..., n]."""
-  m = (bits[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-  return m.reshape(*bits.shape[:-1], -1)[..., :n].astype(jnp.bool_)
-
-
-def _saved_selection(mask):
-  """``mask`` (bool [..., n]) as the value a chunk's backward reuses: saved bit-packed under
-  ``_SELECTION`` by ``_map_query_chunks``'s remat policy, never recomputed."""
-  return _unpack_bits(checkpoint_name(_pack_bits(mask), _SELECTION), mask.shape[-1])
+  bits = checkpoint_name(jnp.sum(m << bit, axis=-1, dtype=jnp.uint32), _SELECTION)
+  return ((bits[..., None] >> bit) & 1).reshape(*mask.shape[:-1], -1)[..., :n].astype(jnp.bool_)
 
 
 def query_chunk(q_chunk, batch, q_heads, q_len, entries):

@@ -16,25 +16,21 @@ class LayerSpec:
   """What one attention layer does. Validated on construction (bad combinations raise).
 
   Args:
-    kind: "global" (causal, full KV cache), "local" (causal window: query t sees t - window + 1
-      .. t; a ring cache of ``window``), "sparse" (causal top-K block-sparse,
-      ``jattn.sparse.sparse_attention``; full cache) or "csa" (``jattn.nn.csa``).
+    kind: "global", "local" (query t sees t - window + 1 .. t), "sparse" (top-K block-sparse)
+      or "csa" (``jattn.nn.csa``), all causal (docs/nn.md, "Layer kinds").
     window: local window in tokens ("local", and the raw window of CSA "compressed").
     rope_base: RoPE base, or None for no positional encoding (NoPE).
     block_size, q_block_size: key block size ("sparse"; CSA "two_stage") and the query block
       size sharing one selection ("sparse").
     top_k: selected blocks ("sparse", CSA "two_stage") or compressed entries (CSA "compressed");
-      "sparse" also takes a float in (0, 1], the share of each query block's blocks kept
-      (decoded by the XLA sparse decode: the Triton one selects a whole number of blocks).
+      "sparse" also takes a float in (0, 1], the share of each query block's blocks kept.
     compress_ratio: tokens per compressed entry (stride; windows of 2 x ratio) for "csa".
     csa_mode: "compressed" or "two_stage" ("csa" only; see ``jattn.nn.csa``).
     csa_sink: learned attention sink per head ("csa" "compressed" only).
     gate_grad: gradient through block selection, passed to ``sparse_attention`` ("sparse"):
       "none", "ste" or "gumbel" (gumbel draws from the layer's rngs during training).
     score_aux_weight, score_aux_pool: "sparse" only: ``sparse_attention``'s score-distillation
-      weight w >= 0 (0: off; the training gradient becomes that of loss + w * KL between the block
-      scorer and the dense block mass, ``jattn.sparse.block_score_kl``, which also reaches blocks
-      not kept; forward unchanged) and how the target pools a block's queries: "sum" or "max".
+      weight w >= 0 (0: off) and how its target pools a block's queries ("sum" or "max").
 
   Example:
     >>> LayerSpec("local", window=512).kind

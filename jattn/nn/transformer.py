@@ -199,8 +199,7 @@ class Transformer(nnx.Module):
     """Append int ``tokens`` [batch, t >= 1] (prefill or steps) to the cache; their logits.
 
     Rows advance together from one cache index: decode packed documents one per row (equal
-    lengths) or per call, each from a fresh ``init_cache``, to match the packed forward. Size
-    the cache for the whole sequence (overflow is unchecked under jit).
+    lengths) or per call, each from a fresh ``init_cache``, to match the packed forward.
     """
     x = self.embed(tokens)
     for blk in self.blocks:
@@ -298,8 +297,4 @@ def attention_probabilities(q, k, spec=None, *, segment_ids=None, scale=None):
   seg = None if segment_ids is None else segment_ids[:, None, :]
   pos = jnp.arange(s)
   mask = element_mask(pos, pos, causal=True, window=window, q_seg=seg, kv_seg=seg)
-  logits = jnp.where(mask, logits, -jnp.inf)
-  m = jnp.max(logits, -1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-  l = jnp.sum(p, -1, keepdims=True)
-  return p / jnp.where(l == 0, 1.0, l)
+  return jax.nn.softmax(logits, axis=-1, where=mask)   # 0 where masked, also in empty rows

@@ -1,15 +1,7 @@
-"""Exact merge of partial attention results by log-sum-exp.
-
-A partial result over a subset of keys is a pair (out, lse): out is the softmax-weighted average of
-the values in that subset and lse the natural log of the softmax denominator (-inf when the subset
-holds no visible key). Attention over the union of disjoint subsets is
-
-    lse = log(sum_i exp(lse_i)),    out = sum_i exp(lse_i - lse) * out_i.
-
-:func:`merge_partials` and :func:`merge` (XLA) compute this in fp32, safe for empty partials (an
-all-empty merge gives 0 output and -inf lse, never NaN), with finite gradients everywhere,
-including through the returned lse. The GPU decode kernels use the same arithmetic in Pallas
-(Triton): :func:`merge_partials_pallas` (forward only) and :func:`store_merged_heads` (in-kernel).
+"""Exact merge of partial attention results (out, lse) by log-sum-exp (docs/design.md, "Partial
+results and the LSE merge"): in XLA (:func:`merge_partials`, :func:`merge`), fp32, safe for empty
+partials (0 output, -inf lse, never NaN) with finite gradients; in Pallas (Triton) for the GPU
+decode kernels (:func:`merge_partials_pallas`, :func:`store_merged_heads`).
 """
 from __future__ import annotations
 
@@ -22,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
+from pallas_kernels.common.softmax import safe_lse
 from pallas_kernels.common.util import check_float, check_int, next_pow2
 
 # The documented API; the in-kernel merge pieces serve the decode kernels.
@@ -36,8 +29,7 @@ def merge_partials(outs, lses, axis=0):
     outs: partial outputs, shape ``lses.shape + (head_dim,)``; any float dtype. Entries whose lse
       is -inf are ignored (they may hold anything finite or not).
     lses: partial log-sum-exps (natural log), fp32 preferred; -inf marks an empty partial.
-    axis: the axis of ``lses`` (and the same axis of ``outs``) that indexes the partials; negative
-      values count from the end of ``lses``.
+    axis: the axis of ``lses`` and ``outs`` indexing the partials (negative: from ``lses``'s end).
 
   Returns:
     ``(out, lse)``: out has ``outs.shape`` without ``axis``, in ``outs.dtype``; lse has
@@ -63,13 +55,9 @@ def merge_partials(outs, lses, axis=0):
   # The max only stabilises the exponentials: the result does not depend on it.
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   w = jnp.exp(lse32 - m)                                   # 0 for empty partials
-  total = jnp.sum(w, axis=axis, keepdims=True)
-  empty = total == 0.0
-  total_safe = jnp.where(empty, 1.0, total)
-  weights = w / total_safe                                 # [..., splits, ...]
+  total, lse = safe_lse(m, jnp.sum(w, axis=axis, keepdims=True))
   contrib = jnp.where((w > 0.0)[..., None], outs.astype(jnp.float32), 0.0)
-  out = jnp.sum(weights[..., None] * contrib, axis=axis)
-  lse = jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
+  out = jnp.sum((w / total)[..., None] * contrib, axis=axis)
   return out.astype(outs.dtype), jnp.squeeze(lse, axis=axis)
 
 
@@ -120,56 +108,37 @@ def merge_partials_by_row(outs, lses, rows, num_rows):
   m = jax.ops.segment_max(lse32, rows, num_rows)                     # [rows, heads]
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   w = jnp.exp(lse32 - m[jnp.clip(rows, 0, num_rows - 1)])            # 0 for empty partials
-  total = jax.ops.segment_sum(w, rows, num_rows)
+  total, lse = safe_lse(m, jax.ops.segment_sum(w, rows, num_rows))
   contrib = jnp.where((w > 0.0)[..., None], w[..., None] * outs.astype(jnp.float32), 0.0)
-  empty = total == 0.0
-  total_safe = jnp.where(empty, 1.0, total)
-  out = jax.ops.segment_sum(contrib, rows, num_rows) / total_safe[..., None]
-  return out, jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
-
-
-def merged_head(o_ref, lse_ref, b, hh, *, num_splits, head_dim, d_pad, first=None, count=None):
-  """In a Triton kernel: (out [d_pad], lse) fp32, the merge of head ``hh``'s partials of sequence
-  ``b`` from refs o [B, S, Hq, D] and lse [B, S, Hq] fp32 (S = ``num_splits``, or ``count`` from
-  ``first``, traced, count <= num_splits); as :func:`merge_partials` for empty partials."""
-  srows = jnp.arange(next_pow2(num_splits, minimum=16), dtype=jnp.int32)             # [s_pad]
-  cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
-  s_ok = srows < (num_splits if count is None else count)
-  srows = srows if first is None else first + srows
-  lse = plgpu.load(lse_ref.at[b, srows, hh], mask=s_ok, other=-jnp.inf)   # [s_pad]
-  mask = s_ok[:, None] if d_pad == head_dim else s_ok[:, None] & (cols < head_dim)[None, :]
-  o = plgpu.load(o_ref.at[b, srows[:, None], hh, cols[None, :]], mask=mask, other=0.0)
-  m = jnp.max(lse)
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  w = jnp.exp(lse - m)                                               # 0 for empty partials
-  total = jnp.sum(w)
-  empty = total == 0.0
-  total_safe = jnp.where(empty, 1.0, total)
-  contrib = jnp.where((w > 0.0)[:, None], o, 0.0)                    # [s_pad, d_pad]
-  out = jnp.sum(contrib * (w / total_safe)[:, None], axis=0)         # [d_pad]
-  return out, jnp.where(empty, -jnp.inf, m + jnp.log(total_safe))
+  return jax.ops.segment_sum(contrib, rows, num_rows) / total[..., None], lse
 
 
 def store_merged_heads(o_ref, lse_ref, out_ref, lse_out_ref, b, heads, *, num_splits, head_dim,
                        d_pad, rows=None):
-  """:func:`merged_head` of each of ``heads`` of sequence ``b``, stored to out [B, Hq, D] and lse
-  [B, Hq]; all heads are computed before any store, as the compiler cannot move a load past a
-  store. ``rows``: None or the ref of ``row_units`` (:func:`merge_partials_pallas`)."""
+  """In a Triton kernel: merge each of ``heads``' partials of sequence ``b`` (refs o [B, S, Hq, D],
+  lse [B, S, Hq] fp32, S = ``num_splits``; or with ``rows``, the ref of ``row_units``, row b's
+  from ``rows[b]`` on) as :func:`merge_partials`, and store them to out [B, Hq, D] and lse
+  [B, Hq]. All heads are computed before any store: the compiler cannot move a load past one."""
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
-  first = None if rows is None else plgpu.load(rows.at[b])
-  count = None if rows is None else plgpu.load(rows.at[b + 1]) - first
-  res = [merged_head(o_ref, lse_ref, b if rows is None else 0, hh, num_splits=num_splits,
-                     head_dim=head_dim, d_pad=d_pad, first=first, count=count) for hh in heads]
+  srows = jnp.arange(next_pow2(num_splits, minimum=16), dtype=jnp.int32)   # [s_pad]
+  s_ok, src = srows < num_splits, b
+  if rows is not None:
+    first = plgpu.load(rows.at[b])
+    s_ok, srows, src = srows < plgpu.load(rows.at[b + 1]) - first, first + srows, 0
+  mask = s_ok[:, None] if d_pad == head_dim else s_ok[:, None] & (cols < head_dim)[None, :]
+  res = []
+  for hh in heads:
+    lse = plgpu.load(lse_ref.at[src, srows, hh], mask=s_ok, other=-jnp.inf)   # [s_pad]
+    o = plgpu.load(o_ref.at[src, srows[:, None], hh, cols[None, :]], mask=mask, other=0.0)
+    m = jnp.max(lse)
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    w = jnp.exp(lse - m)                                             # 0 for empty partials
+    total, lse = safe_lse(m, jnp.sum(w))
+    contrib = jnp.where((w > 0.0)[:, None], o, 0.0)                  # [s_pad, d_pad]
+    res.append((jnp.sum(contrib * (w / total)[:, None], axis=0), lse))   # [d_pad], scalar
   for hh, (out, lse) in zip(heads, res):
     plgpu.store(out_ref.at[b, hh, cols], out.astype(out_ref.dtype), mask=cols < head_dim)
     plgpu.store(lse_out_ref.at[b, hh], lse)
-
-
-def _merge_kernel(*refs, num_splits, head_dim, d_pad):
-  """One (batch, query head) program; refs: [row starts,] o, lse, out, lse out."""
-  rows = refs[0] if len(refs) == 5 else None
-  store_merged_heads(*refs[-4:], pl.program_id(0), [pl.program_id(1)], num_splits=num_splits,
-                     head_dim=head_dim, d_pad=d_pad, rows=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret"))
@@ -202,8 +171,11 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False, row_un
   rows = () if row_units is None else (row_units.astype(jnp.int32),)
   if rows:
     bsz, ns = row_units.shape[0] - 1, min(ns, MAX_ROW_PARTIALS)
-  kernel = functools.partial(_merge_kernel, num_splits=ns, head_dim=d,
-                             d_pad=next_pow2(d, minimum=16))
+
+  def kernel(*refs):   # one (batch, query head) program; refs: [row starts,] o, lse, out, lse out
+    store_merged_heads(*refs[-4:], pl.program_id(0), [pl.program_id(1)], num_splits=ns,
+                       head_dim=d, d_pad=next_pow2(d, minimum=16), rows=refs[0] if rows else None)
+
   return pl.pallas_call(
       kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
                          jax.ShapeDtypeStruct((bsz, hq), jnp.float32)],

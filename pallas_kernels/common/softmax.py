@@ -1,17 +1,12 @@
 """Online softmax in the base-2 domain, its finalisation, and the backward's per-row terms.
 
-Flash kernels keep, per query row, a running max ``m`` of the base-2 logits and a running sum
-``l`` of ``exp2(logit - m)``; each new tile rescales the accumulator by ``alpha = exp2(m_old -
-m_new)``. Base 2 folds ``log2(e)`` into the logit scale: one multiply-add and one ``exp2`` per
-element. A row that saw no key gets output 0 and log-sum-exp -inf, never NaN. The backward needs
-``delta = rowsum(dO * O) - dLSE`` (the log-sum-exp's cotangent enters exactly like that row term)
-and the log-sum-exp in base 2, +inf for empty rows so that ``p = exp2(s - lse2)`` is 0 there.
+Base 2 folds ``log2(e)`` into the logit scale: one multiply-add and one ``exp2`` per element. A
+row that saw no key gets output 0 and log-sum-exp -inf, never NaN. The log-sum-exp's cotangent
+enters the backward exactly like the row term ``rowsum(dO * O)`` (``delta_rows``).
 
-Masked keys never leak. In a partial tile a key's NaN or inf would meet p = 0 in ``P V`` (or
-dS = 0 in ``dS K``) and 0 * NaN would poison every row: the forward hides it
-(``hide_nonfinite_values``), the dQ kernel zeroes the K / V tile's non-finite entries
-(``zero_nonfinite``; a row that sees one has a NaN log-sum-exp), the dK/dV kernel selects p and
-dS to 0 at masked entries. A non-finite key in a tile every row sees fully reaches every row.
+Masked keys never leak (docs/flash.md): the forward hides a partial tile's non-finite values
+(``hide_nonfinite_values``), the dQ kernel zeroes them (``zero_nonfinite``), the dK/dV kernel
+selects p and dS to 0 at masked entries.
 """
 from __future__ import annotations
 
@@ -82,6 +77,14 @@ def finalize(acc, m, l):
   return out, jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
 
 
+def safe_lse(m, total):
+  """(total with 1 where it is 0, ``m + log(total)`` with -inf there): a softmax's denominator and
+  log-sum-exp, safe for rows that saw no key (never NaN, finite gradients)."""
+  empty = total == 0.0
+  total = jnp.where(empty, 1.0, total)
+  return total, jnp.where(empty, -jnp.inf, m + jnp.log(total))
+
+
 def delta_rows(out, d_out, d_lse=None):
   """delta = rowsum(dO * O) - dLSE, fp32, by elementwise products (no reduced-precision matmul).
 
@@ -137,9 +140,8 @@ def zero_nonfinite(x):
 
 def hide_nonfinite_values(k, v):
   """The K / V tile of a partial tile: k with NaN rows at the keys whose value holds a
-  non-finite entry, and v with those entries 0. Such a key's logits are NaN: the element mask
-  turns them to -inf for the rows that cannot see it, the rows that see it get NaN (as without
-  the guard); its value meets p = 0 only as 0.
+  non-finite entry (the element mask turns their logits to -inf for the rows that cannot see
+  them), and v with those entries 0 (p = 0 then meets 0, not NaN).
 
   Args:
     k, v: [N, D] key tile and [N, Dv] value tile.

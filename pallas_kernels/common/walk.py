@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.block_schedule import compact_true, segment_tile_classes, segment_tile_pairs
+from pallas_kernels.block_schedule import (compact_true, scatter_rows, segment_tile_classes,
+                                           segment_tile_pairs)
 
 WALK_SHIFT = 4
 SKIP, FULL, PARTIAL = 0, 1, 2
@@ -44,13 +45,12 @@ def range_codes(tiles, valid, ranges, own_seg, own_block, walk_seg, walk_block):
   """Codes (SKIP, FULL, PARTIAL) of listed walk tiles from each own tile's static ranges.
 
   Args:
-    tiles, valid: int32 [Bs, Hs, n_own, L] walk tiles listed for each own tile and bool, same
-      shape: the entries that are listed (the others get SKIP).
+    tiles, valid: int32 [Bs, Hs, n_own, L] walk tiles listed for each own tile, and bool: the
+      entries that are listed (the others get SKIP).
     ranges: (lo, flo, fhi, hi) int32 [n_own]: own tile i may see walk tiles [lo, hi) and sees
       [flo, fhi) in full under the static mask (causal, window, padding).
-    own_seg, walk_seg: None, or int32 segment ids [B, S'] along the own / walked axis, padded
-      with 0 to whole tiles.
-    own_block, walk_block: the own / walk tile sizes (for the segment ids' per-tile classes).
+    own_seg, walk_seg, own_block, walk_block: None or int32 segment ids [B, S'] along the own /
+      walked axis (padded with 0 to whole tiles), and the own / walk tile sizes.
 
   Returns:
     int32 [B', Hs, n_own, L] codes (B' = B with segment ids, else Bs): SKIP where the static
@@ -83,14 +83,12 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
 
   Warpgroup tile i lies in schedule row ``i * own_block // s_own``; each listed schedule tile
   becomes its ``s_walk // walk_block`` kernel tiles. Entries neither warpgroup needs are dropped
-  (kept as drains when no compaction is needed: ``s_own == 2 * own_block``, ``s_walk ==
-  walk_block``).
+  (kept as drains where ``s_own == 2 * own_block`` and ``s_walk == walk_block``).
 
   Args:
     idx, cnt: int32 [Bs, Hs, R, M] / [Bs, Hs, R]: per schedule tile of ``s_own`` along the own
       axis, the listed tiles of ``s_walk`` along the other and their count.
-    s_own, s_walk, own_block, walk_block: the schedule's tile sizes and the kernel's (which
-      divide them).
+    s_own, s_walk, own_block, walk_block: the schedule's tile sizes and the kernel's (divisors).
     n_own, n_walk: the kernel's warpgroup tiles (2 per program; those past the schedule list
       nothing) and walk tiles (listed tiles from ``n_walk`` on are dropped).
     codes_fn: ``(tiles [Bs, Hs, n_own, L], valid) -> codes [B', Hs, n_own, L]`` (SKIP, FULL,
@@ -128,21 +126,10 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
     return _walk_rows(*take(order, t0, c0, c1), count)
   # Two rows: their union, in increasing tile order. Each row's codes scattered over the walk
   # axis (a tile at most once per row), then the tiles either row lists, compacted (no sort).
-  dense = [_scatter_codes(tw, cw, n_walk) for tw, cw in ((t0, c0), (t1, c1))]
+  dense = [scatter_rows(tw, cw, cw != SKIP, n_walk)   # SKIP == 0 elsewhere
+           for tw, cw in jax.lax.optimization_barrier(((t0, c0), (t1, c1)))]   # no const folding
   order, count = compact_true((dense[0] | dense[1]) != SKIP, min(2 * t0.shape[-1], n_walk))
   return _walk_rows(order, *take(order, *dense), count)
-
-
-def _scatter_codes(tiles, codes, n):
-  """[..., n] int32: each row's non-SKIP codes at its tiles (each at most once), SKIP elsewhere."""
-  tiles, codes = jax.lax.optimization_barrier((tiles, codes))   # no constant folding
-  lead = codes.shape[:-1]
-  rows = int(np.prod(lead, dtype=np.int64))
-  base = jnp.arange(rows, dtype=jnp.int32).reshape(lead + (1,)) * n
-  dest = jnp.where(codes != SKIP, base + tiles, rows * n)      # rows * n: a trash slot
-  out = jnp.full((rows * n + 1,), SKIP, jnp.int32)
-  out = out.at[dest.reshape(-1)].set(codes.reshape(-1).astype(jnp.int32), mode="promise_in_bounds")
-  return out[:rows * n].reshape(lead + (n,))
 
 
 def _walk_rows(t, c0, c1, count):
@@ -156,10 +143,9 @@ def _walk_rows(t, c0, c1, count):
 def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, static, *,
                    one_segment=False):
   """Per-(batch, program) walk ranges with segment ids (the range path's bounds rows): a
-  warpgroup tile walks the tiles that the static mask and the tiles' segment ids allow
-  (``block_schedule.segment_tile_pairs``, a superset of the visible pairs): [lo, hi) from the
-  first to the last such tile (tiles between, across a document gap, walked masked), unmasked on
-  the first run [flo, fhi) of tiles statically full with one same nonzero id on both sides.
+  warpgroup tile walks [lo, hi), from the first to the last tile the static mask and the tiles'
+  segment ids allow (``block_schedule.segment_tile_pairs``; tiles between walked masked),
+  unmasked on the first run [flo, fhi) of tiles statically full, one same nonzero id each side.
 
   Args:
     own_seg, walk_seg: int32 [B, S'] segment ids along the own / walked axis, padded with 0
@@ -188,7 +174,7 @@ def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, stat
   t = jnp.arange(n_walk, dtype=jnp.int32)
   visit = seg_any & ((t >= lo) & (t < hi))[None]
   full = visit & seg_all & ((t >= flo) & (t < fhi))[None]
-  rows = _program_bounds(*_tile_ranges(visit, full))                # [B, programs, 10]
+  rows = _program_bounds(visit, full)                               # [B, programs, 10]
   if not one_segment:
     return rows
   b = rows.shape[0]
@@ -198,25 +184,18 @@ def segment_bounds(own_seg, own_block, n_own, walk_seg, walk_block, n_walk, stat
   return jnp.concatenate([rows, one.astype(jnp.int32)], -1)
 
 
-def _tile_ranges(visit, full):
-  """(lo, flo, fhi, hi) int32 per row of bool tile masks [..., n]: [lo, hi) from the first to
-  the last visited tile (lo = hi = n when none), [flo, fhi) the first run of full tiles inside
-  it (flo = fhi = hi when none)."""
+def _program_bounds(visit, full):
+  """``segment_bounds``'s rows [B, programs, 10] from its tile masks [B, 2 * programs, n] (no
+  visited tile: lo = hi = n; no full one: flo = fhi = hi; then clipped into the program's)."""
   n = visit.shape[-1]
   t = jnp.arange(n, dtype=jnp.int32)
-  any_visit = visit.any(-1)
+  any_visit, any_full = visit.any(-1), full.any(-1)
   lo = jnp.where(any_visit, jnp.argmax(visit, -1), n).astype(jnp.int32)
   hi = jnp.where(any_visit, n - jnp.argmax(visit[..., ::-1], -1), n).astype(jnp.int32)
-  any_full = full.any(-1)
   flo = jnp.where(any_full, jnp.argmax(full, -1), hi).astype(jnp.int32)
   after = (~full) & (t >= flo[..., None])
   fhi = jnp.where(after.any(-1), jnp.argmax(after, -1), n).astype(jnp.int32)
   fhi = jnp.where(any_full, jnp.minimum(fhi, hi), flo)
-  return lo, flo, fhi, hi
-
-
-def _program_bounds(lo, flo, fhi, hi):
-  """Bounds rows [B, programs, 10] (``segment_bounds``) from warpgroup ranges [B, 2 * programs]."""
   b = lo.shape[0]
   shape = (b, lo.shape[1] // WARPGROUPS, WARPGROUPS)
   lo, flo, fhi, hi = (x.reshape(shape) for x in (lo, flo, fhi, hi))

@@ -1,11 +1,6 @@
-"""Tuned kernel configs kept as data, one JSON table per device, and the device they key on.
-
-Each JSON file here lists ``device_kinds`` (jax ``device_kind`` strings, e.g. "NVIDIA H200") and
-``entries`` keyed by ``kernel`` (one of ``KERNELS``), ``head_dim`` (padded for Triton), ``dtype``
-("16bit" for bf16/fp16, or "32bit") and ``mask`` ("all" or a :func:`mask_kind`, which
-:func:`entry` prefers), each with ``params`` (``BlockSizes`` fields) and ``provenance``. A
-device table overrides ``generic.json`` key by key; :func:`table_file` says which one a device
-reads, and a plan's ``table`` field names it.
+"""Tuned kernel configs kept as data, one JSON table per device (``device_kinds``, ``entries``
+keyed by kernel, head dim, dtype class and mask kind, each with ``params`` and ``provenance``),
+and the device they key on. Which table a device reads: docs/design.md, "How a call is planned".
 """
 from __future__ import annotations
 
@@ -107,11 +102,9 @@ def device(platform: str | None = None, kind: str | None = None) -> Device:
   """The current device, or one described by overrides.
 
   Args:
-    platform: "cpu", "gpu" or "tpu" (default: that of ``kind`` if it names one, else jax's
-      default backend).
-    kind: a jax ``device_kind`` (default: the current device's). A kind other than the
-      current device's gets the compute capability its name implies (9.0 for Hopper parts,
-      else None) and no core count.
+    platform: "cpu", "gpu" or "tpu" (default: ``kind``'s if it names one, else jax's backend).
+    kind: a jax ``device_kind`` (default: the current device's); another device's gets the
+      compute capability its name implies (9.0 for Hopper, else None) and no core count.
 
   Returns:
     A :class:`Device`.
@@ -179,10 +172,9 @@ def _nearest(kind: str) -> str | None:
 
 
 def table_file(kind: str | None = None) -> str:
-  """The table a device reads, the first found of: a table listing its kind in
-  ``$JATTN_TUNING_DIR`` (written by ``python -m pallas_kernels.tuning.tune``); the package's
-  table listing it (``DEVICE_TABLES``); the nearest package table of its architecture (Hopper:
-  the H200's for GH200 parts, else the H100's); ``generic.json``.
+  """The table a device reads: one listing its kind in ``$JATTN_TUNING_DIR``, else in the
+  package (``DEVICE_TABLES``), else the nearest Hopper table (GH200: the H200's, else the
+  H100's), else ``generic.json``.
 
   Args:
     kind: a jax ``device_kind`` (default: the current device's).
@@ -253,11 +245,9 @@ def entry(kernel: str, head_dim: int, dtype_cls: str, mask: str = "all",
     The entry (a dict with kernel, head_dim, dtype, mask, params, provenance), or None.
 
   Example:
-    >>> entry("mosaic_gpu_fwd", 128, "16bit", device="NVIDIA H200")["params"]["protocol"]
-    'handoff_kwait_fence'
-    >>> entry("mosaic_gpu_fwd", 128, "16bit", mask="causal", device="NVIDIA H200")["params"][
-    ...     "protocol"]
-    'overlap'
+    >>> [entry("mosaic_gpu_fwd", 128, "16bit", m, "NVIDIA H200")["params"]["protocol"]
+    ...  for m in ("all", "causal")]
+    ['handoff_kwait_fence', 'overlap']
   """
   table, key = _merged(table_file(device)), (kernel, int(head_dim), dtype_cls)
   return table.get((*key, mask)) or table.get((*key, "all"))   # entries are non-empty dicts

@@ -21,9 +21,7 @@ def sync(x):
     >>> float(sync({"a": jnp.ones(2)})["a"][0])
     1.0
   """
-  jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a,
-                         x)
-  return x
+  return jax.block_until_ready(x)
 
 
 def time_fn(fn, arg_sets, *, iters=None, min_time=0.1, min_iters=5, max_iters=2000, repeats=3):
