@@ -1,14 +1,8 @@
-"""Split-KV decode attention for TPU (Pallas Mosaic), contiguous and paged caches.
-
-Grid (batch, split, step). Each step DMAs the K and V of ``block_k`` tokens with every kv head
-(one block, or ``block_k // page_size`` whole pages with one BlockSpec each) viewed as
-``[tokens * kv_heads, head_dim]`` rows (row ``t * kv_heads + h``): the blocks' last two dims are
-full or (8, 128)-aligned, as Mosaic requires, and each K/V byte is read once. A static loop over
-kv heads takes each head's rows with a strided sublane load and runs the fp32 online softmax of
-its ``[g_pad, head_dim]`` query tile. The scalar-prefetched lengths (and page table) steer the
-K/V index maps to the split's part of the visible keys; steps past it repeat the previous block
-index (Pallas skips the DMA) and skip the compute. V's blocks, the accumulator and the output
-carry V's own head_dim_v (a full last dim: any width, e.g. narrower for MLA).
+"""Split-KV decode attention for TPU (Pallas Mosaic), contiguous and paged caches
+(docs/decode.md, "Implementations"). Grid (batch, split, step): a step DMAs the K and V of
+``block_k`` tokens with every kv head as ``[tokens * kv_heads, head_dim]`` rows (one block or
+whole pages), and a static loop over kv heads takes each head's rows by a strided sublane load.
+Steps past a split's range repeat the previous block index (no DMA) and skip the compute.
 """
 from __future__ import annotations
 
@@ -54,8 +48,7 @@ def _div(a, b):
 
 
 def _split_range(length, split, *, window_left, block_k, num_splits, capacity):
-  """Scalars (length, lo, begin, stop): the clamped length, the first visible key lo, and the
-  key blocks [begin, stop) this split owns (block b = tokens [b * block_k, (b + 1) * block_k))."""
+  """Scalars: the clamped length, the first visible key and the split's key blocks [begin, stop)."""
   length = jnp.clip(length, 0, capacity)
   lo = jnp.int32(0) if window_left is None else jnp.maximum(length - 1 - window_left, 0)
   first = _div(lo, block_k)
@@ -67,15 +60,8 @@ def _split_range(length, split, *, window_left, block_k, num_splits, capacity):
   return length, lo, begin, stop
 
 
-def _block_index(length, split, step, **kw):
-  """The block a grid step reads: clamped to the split's last block (no new DMA past it)."""
-  _, _, begin, stop = _split_range(length, split, **kw)
-  return jnp.maximum(jnp.minimum(begin + step, stop - 1), 0)
-
-
 def load_head(kv_ref, h, *, kv_heads, rows):
-  """Rows h, h + kv_heads, ... of a [rows * kv_heads, D] block: head h's [rows, D] tile (a
-  strided sublane load; shared with the block-sparse TPU decode kernel)."""
+  """Head h's [rows, D] tile (rows h, h + kv_heads, ...) of a block, by a strided sublane load."""
   if kv_heads == 1:
     return kv_ref[...]
   return kv_ref[pl.ds(h, rows, stride=kv_heads), :]
@@ -89,8 +75,7 @@ def init_softmax(m_ref, l_ref, acc_ref):
 
 
 def write_softmax(m_ref, l_ref, acc_ref, o_ref, lse_ref):
-  """o = acc / l in o's dtype and lse = m + log(l); a row with l == 0 (no visible key) gets 0
-  and -inf."""
+  """o = acc / l in o's dtype and lse = m + log(l); a row with l == 0 gets 0 and -inf."""
   l = l_ref[...]
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
@@ -100,10 +85,9 @@ def write_softmax(m_ref, l_ref, acc_ref, o_ref, lse_ref):
 
 def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, kv_heads, g_pad, num_splits,
                    capacity, num_steps, num_prefetch, refs_per_step):
-  """refs: lens (SMEM) [, page_table (SMEM)], q [Hk, g_pad, D], then ``refs_per_step`` K refs
-  [block_k / refs_per_step * Hk, D] and as many V refs [block_k / refs_per_step * Hk, Dv]
-  (contiguous: one block; paged: one page each); outputs o [Hk, g_pad, Dv], lse
-  [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc [Hk, g_pad, Dv]."""
+  """refs: lens [, page_table] (SMEM), q [Hk, g_pad, D], ``refs_per_step`` K refs and as many V
+  refs [block_k / refs_per_step * Hk, D | Dv] (a block, or a page each); outputs o [Hk, g_pad,
+  Dv], lse [Hk, g_pad, LANES]; scratch m, l [Hk, g_pad, LANES], acc [Hk, g_pad, Dv]."""
   lens_ref, q_ref = refs[0], refs[num_prefetch]
   kv_in = refs[num_prefetch + 1:num_prefetch + 1 + 2 * refs_per_step]
   k_refs, v_refs = kv_in[:refs_per_step], kv_in[refs_per_step:]
@@ -164,9 +148,22 @@ def group_queries(q, kv_heads, dtype):
   return q4, group, g_pad
 
 
-def _call(q, k, v, kv_lengths, page_table, *, block_k, capacity, num_splits, scale, window_left,
-          logits_soft_cap, interpret, pages_per_step=1):
-  """k, v: [batch or pages, tokens, Hk, D | Dv], viewed as rows t * Hk + h (a free reshape)."""
+def _call(q, k, v, kv_lengths, page_table, *, num_splits, scale, window_left, logits_soft_cap,
+          block_sizes, interpret):
+  """Checks, then the kernel; k, v [batch or pages, tokens, Hk, D | Dv] as rows t * Hk + h."""
+  check_partials_args(q, k, v, kv_lengths, num_splits)
+  if jnp.dtype(k.dtype).itemsize not in (2, 4):
+    raise NotImplementedError(f"mosaic_tpu decode supports 16- and 32-bit caches, got {k.dtype}")
+  block_k, pages_per_step = (block_sizes or DecodeBlockSizes()).block_k, 1
+  if page_table is None:
+    capacity = k.shape[1]
+    block_k = min(block_k, capacity)                               # == max_len: full row dim
+  else:
+    check_page_table(q, page_table)
+    page_size, max_pages = k.shape[1], page_table.shape[1]
+    pages_per_step = max(1, min(block_k // page_size, max_pages))
+    block_k, capacity = pages_per_step * page_size, max_pages * page_size
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, k.shape[0] - 1)
   bsz, hq, d = q.shape
   n, tokens, kv_heads, dv = v.shape
   k2, v2 = k.reshape(n, tokens * kv_heads, d), v.reshape(n, tokens * kv_heads, dv)
@@ -181,7 +178,8 @@ def _call(q, k, v, kv_lengths, page_table, *, block_k, capacity, num_splits, sca
 
   def kv_map(p):   # contiguous: block blk of row b; paged: the blk-th step's p-th page
     def index_map(b, s, j, lens_ref, *table_ref):
-      blk = _block_index(lens_ref[b], s, j, **kw)
+      _, _, begin, stop = _split_range(lens_ref[b], s, **kw)
+      blk = jnp.maximum(jnp.minimum(begin + j, stop - 1), 0)   # clamped: no DMA past the split
       if not paged:
         return (b, blk, 0)
       return (table_ref[0][b, jnp.minimum(blk * pages_per_step + p, page_table.shape[1] - 1)], 0, 0)
@@ -217,12 +215,6 @@ def _call(q, k, v, kv_lengths, page_table, *, block_k, capacity, num_splits, sca
           lse[:, :, :, :group, 0].reshape(bsz, num_splits, hq))
 
 
-def _check(q, k, v, kv_lengths, num_splits):
-  check_partials_args(q, k, v, kv_lengths, num_splits)
-  if jnp.dtype(k.dtype).itemsize not in (2, 4):
-    raise NotImplementedError(f"mosaic_tpu decode supports 16- and 32-bit caches, got {k.dtype}")
-
-
 @functools.partial(jax.jit, static_argnames=(
     "num_splits", "scale", "window_left", "logits_soft_cap", "block_sizes", "interpret"))
 def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, window_left=None,
@@ -230,11 +222,10 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
   """Per-split partial decode attention over a contiguous cache (Mosaic TPU kernel).
 
   Args:
-    q: [batch, q_heads, head_dim].
+    q, kv_lengths, num_splits, scale, window_left, logits_soft_cap: as the Triton kernel's
+      (``pallas_kernels.decode.triton.decode_partials``).
     k_cache, v_cache: [batch, max_len, kv_heads, head_dim | head_dim_v], one dtype (fp32, bf16
       or fp16).
-    kv_lengths, num_splits, scale, window_left, logits_soft_cap: as the Triton kernel's
-      (``pallas_kernels.decode.triton.decode_partials``).
     block_sizes: ``DecodeBlockSizes`` or None.
     interpret: run in the TPU interpreter (``pltpu.InterpretParams()``) on CPU.
 
@@ -248,12 +239,9 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits, scale=None, 
     >>> o.shape
     (1, 2, 4, 128)
   """
-  _check(q, k_cache, v_cache, kv_lengths, num_splits)
-  max_len = k_cache.shape[1]
-  block_k = min((block_sizes or DecodeBlockSizes()).block_k, max_len)  # == max_len: full row dim
-  return _call(q, k_cache, v_cache, kv_lengths, None, block_k=block_k, capacity=max_len,
-               num_splits=num_splits, scale=scale, window_left=window_left,
-               logits_soft_cap=logits_soft_cap, interpret=interpret)
+  return _call(q, k_cache, v_cache, kv_lengths, None, num_splits=num_splits, scale=scale,
+               window_left=window_left, logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
+               interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -283,13 +271,6 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     >>> o.shape
     (1, 2, 4, 128)
   """
-  _check(q, k_pages, v_pages, kv_lengths, num_splits)
-  num_pages, page_size = k_pages.shape[:2]
-  check_page_table(q, page_table)
-  max_pages = page_table.shape[1]
-  pages_per_step = max(1, min((block_sizes or DecodeBlockSizes()).block_k // page_size, max_pages))
-  table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
-  return _call(q, k_pages, v_pages, kv_lengths, table, block_k=pages_per_step * page_size,
-               capacity=max_pages * page_size, num_splits=num_splits, scale=scale,
-               window_left=window_left, logits_soft_cap=logits_soft_cap, interpret=interpret,
-               pages_per_step=pages_per_step)
+  return _call(q, k_pages, v_pages, kv_lengths, page_table, num_splits=num_splits, scale=scale,
+               window_left=window_left, logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
+               interpret=interpret)

@@ -1,14 +1,10 @@
 """Reference single-token decode attention over contiguous and paged KV caches (pure jnp).
 
-Semantics of every decode backend: sequence b holds ``kv_lengths[b]`` valid keys at positions
-``0 .. kv_lengths[b] - 1`` (lengths above the capacity are clamped to it) and its query sits at
-``kv_lengths[b] - 1``; with ``local_window_size=(left, right)`` it sees keys
-``j >= kv_lengths[b] - 1 - left``. Length 0 returns a zero output and -inf log-sum-exp. NaN or inf
-at a hidden key (past the length, outside the window, unused slots and pages) leaves the output
-and log-sum-exp bit-identical; a non-finite visible key reaches the output.
-
-This is the ``implementation="xla"`` path of ``jattn.decode`` (``upcast=False``) and the tests'
-fp32 reference (``upcast=True``); it materialises [batch, q_heads, max_len] logits.
+Semantics of every decode backend (docs/decode.md, "Usage"): sequence b holds ``kv_lengths[b]``
+valid keys (clamped to the capacity) and its query sits at ``kv_lengths[b] - 1``; with
+``local_window_size=(left, right)`` it sees keys ``j >= kv_lengths[b] - 1 - left``. The
+``implementation="xla"`` path of ``jattn.decode`` (``upcast=False``) and the tests' fp32
+reference (``upcast=True``); it materialises [batch, q_heads, max_len] logits.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Split-KV decode attention in portable Pallas GPU (Triton lowering), contiguous and paged.
-
-One program per (batch, kv head, split): the GQA group's query heads form one [g_pad, d_pad]
-tile, so each K/V byte is read once. A split covers a contiguous range of the sequence's visible
-keys, ``block_k`` keys per step, fp32 online softmax. The paged variant gathers K/V rows through
-the page table (any page size). Each program writes one partial (out, lse); the caller merges
-them (``pallas_kernels.common.merge``).
+"""Split-KV decode attention in portable Pallas GPU (Triton lowering), contiguous and paged
+(docs/decode.md, "Implementations"). A program per (batch, kv head, split) holds the GQA group's
+query rows as one tile, walks its split ``block_k`` keys a step (paged: rows gathered through the
+page table) and writes one partial (out, lse) that ``pallas_kernels.common.merge`` merges.
 """
 from __future__ import annotations
 
@@ -71,10 +68,9 @@ def default_block_sizes(head_dim, dtype):
 
 def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
                        tokens_per_split=1024, max_splits=32):
-  """Heuristic split count for a cache of capacity ``max_len``: one sequence runs one wave (its
-  splits do equal work: about a program per multiprocessor); a batch, whose lengths may differ,
-  two programs per multiprocessor and splits of at most about ``tokens_per_split`` keys. At
-  least four key blocks per split, at most ``max_splits``, a power of two.
+  """Heuristic split count for a cache of capacity ``max_len`` (docs/decode.md, "Implementations"):
+  one wave for one sequence, two programs per multiprocessor and at most about
+  ``tokens_per_split`` keys a split for a batch; >= 4 key blocks a split, a power of two.
 
   Args:
     batch, kv_heads, max_len: the (batch, kv head) pairs and the cache capacity in tokens.
@@ -99,9 +95,8 @@ def default_num_splits(batch, kv_heads, max_len, *, core_count=None, block_k=64,
 
 
 def load_group_query(q_ref, b, h, *, group, g_pad, head_dim, d_pad):
-  """kv head ``h``'s GQA group of query rows as one zero-padded [g_pad, d_pad] tile, and the
-  indices and masks (q_rows [g_pad], cols [d_pad], row_ok [g_pad], col_ok [d_pad] or None when
-  d_pad == head_dim, q_mask [g_pad, d_pad or 1]) that also address the group's output rows."""
+  """kv head ``h``'s GQA query rows as one zero-padded [g_pad, d_pad] tile, and (q_rows, cols,
+  row_ok, col_ok or None when unpadded, q_mask) that also address the group's output rows."""
   rows = jnp.arange(g_pad, dtype=jnp.int32)                          # [g_pad]
   cols = jnp.arange(d_pad, dtype=jnp.int32)                          # [d_pad]
   row_ok = rows < group
@@ -117,15 +112,9 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, group, g_pad, h
                    head_dim_v, dv_pad, num_splits, capacity, page_size, batch, scheduled,
                    unified, masked):
   """One (batch, kv head, split) program, or with ``scheduled`` one (unit, kv head) program.
-
-  Refs, in order: lens [B]; q [B, Hq, D]; k [B, N, Hk, D] and v [B, N, Hk, Dv] (contiguous)
-  or [P * page_size, Hk, D | Dv] (paged); then the page table [B, max_pages] (paged); the
-  units' rows, first blocks and block counts [U] (``scheduled``); the shared max estimate
-  m_hat [B, Hq] fp32 (``unified``); the program mask [P0, P1, Hk] int32 (``masked``: programs
-  at 0 read nothing). Outputs [P0, P1, ...] with (P0, P1) = (B, S), or (1, U) when scheduled:
-  exact: o [.., Hq, Dv] normalised and lse [.., Hq]; unified: the unnormalised sums
-  acc [.., Hq, Dv] and l [.., Hq] of exp(s - m_hat) and each program's max logit mx [.., Hq].
-  """
+  Refs: lens [B]; q [B, Hq, D]; k, v [B, N, Hk, D | Dv] (paged: [P * page_size, Hk, D | Dv]);
+  then, as enabled, page table, the units' (row, first block, count) [U], m_hat [B, Hq] and the
+  program mask [P0, P1, Hk]; outputs as ``decode_partials``' (o, lse) or (acc, l, mx)."""
   it = iter(refs)
   lens_ref, q_ref, k_ref, v_ref = (next(it) for _ in range(4))
   pt_ref = None if page_size is None else next(it)
@@ -229,9 +218,15 @@ def _decode_kernel(*refs, scale, soft_cap, window_left, block_k, group, g_pad, h
   plgpu.store(lse_ref.at[pb, ps, q_rows], second, mask=row_ok)
 
 
-def _call(q, k, v, kv_lengths, page_table, *, kv_heads, capacity, page_size, num_splits, scale,
-          window_left, logits_soft_cap, block_sizes, interpret, units=None, m_hat=None,
-          active=None):
+def _call(q, k, v, kv_lengths, page_table, *, num_splits, scale, window_left, logits_soft_cap,
+          block_sizes, interpret, units, m_hat, active):
+  """Checks, then the kernel on a contiguous cache or (``page_table``) on page pools."""
+  check_partials_args(q, k, v, kv_lengths, num_splits or 1)
+  kv_heads, capacity, page_size = k.shape[2], k.shape[1], None
+  if page_table is not None:   # the pools as [num_pages * page_size, kv_heads, D | Dv] rows
+    check_page_table(q, page_table)
+    page_size, capacity = k.shape[1], page_table.shape[1] * k.shape[1]
+    k, v = (x.reshape(-1, *x.shape[2:]) for x in (k, v))
   bsz, hq, d = q.shape
   dv = v.shape[-1]
   group = hq // kv_heads
@@ -305,12 +300,9 @@ def decode_partials(q, k_cache, v_cache, kv_lengths, *, num_splits=None, scale=N
     >>> o.shape, lse.shape
     ((1, 2, 4, 16), (1, 2, 4))
   """
-  check_partials_args(q, k_cache, v_cache, kv_lengths, num_splits or 1)
-  _, max_len, kv_heads, _ = k_cache.shape
-  return _call(q, k_cache, v_cache, kv_lengths, None, kv_heads=kv_heads, capacity=max_len,
-               page_size=None, num_splits=num_splits, scale=scale, window_left=window_left,
-               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
-               units=units, m_hat=m_hat, active=active)
+  return _call(q, k_cache, v_cache, kv_lengths, None, num_splits=num_splits, scale=scale,
+               window_left=window_left, logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
+               interpret=interpret, units=units, m_hat=m_hat, active=active)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -337,13 +329,6 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, kv_lengths, *, num_sp
     >>> o.shape
     (1, 2, 4, 16)
   """
-  check_partials_args(q, k_pages, v_pages, kv_lengths, num_splits or 1)
-  num_pages, page_size, kv_heads, d = k_pages.shape
-  check_page_table(q, page_table)
-  flat = (num_pages * page_size, kv_heads)
-  return _call(q, k_pages.reshape(*flat, d), v_pages.reshape(*flat, v_pages.shape[-1]),
-               kv_lengths, page_table, kv_heads=kv_heads,
-               capacity=page_table.shape[1] * page_size, page_size=page_size,
-               num_splits=num_splits, scale=scale, window_left=window_left,
-               logits_soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
-               units=units, m_hat=m_hat, active=active)
+  return _call(q, k_pages, v_pages, kv_lengths, page_table, num_splits=num_splits, scale=scale,
+               window_left=window_left, logits_soft_cap=logits_soft_cap, block_sizes=block_sizes,
+               interpret=interpret, units=units, m_hat=m_hat, active=active)

@@ -9,16 +9,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import compat, tuning
 from pallas_kernels.block_schedule import check_schedule_args
 from pallas_kernels.common.merge import merge_partials
-from pallas_kernels.common.util import check_qkv_shapes, check_segment_ids, pad_axis
+from pallas_kernels.common.util import check_int, check_qkv_shapes, check_segment_ids, pad_axis
 from pallas_kernels.flash import mosaic_gpu_bwd
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
-from pallas_kernels.masks import normalize_window
 
 __all__ = ["BlockSizes", "PROTOCOLS", "default_block_sizes", "fit_block_sizes",
            "fit_tail_kv_splits", "flash_attention"]
@@ -33,8 +31,8 @@ class BlockSizes:
   """Tiles, ring depth and barrier protocol of the Mosaic GPU forward.
 
   Attributes:
-    block_q: query rows per compute warpgroup (a multiple of 64, wgmma's M; 2 per program).
-    block_k: keys per kv tile (a multiple of 64).
+    block_q, block_k: query rows per compute warpgroup (2 per program) and keys per kv tile,
+      multiples of 64 (wgmma's M).
     num_stages: K/V shared-memory slots in the TMA ring (>= 2).
     protocol: a key of ``PROTOCOLS`` (see ``mosaic_gpu_fwd_kernel.Protocol``); how the two
       compute warpgroups share the tensor cores and the ring. Results are the same for all.
@@ -43,9 +41,8 @@ class BlockSizes:
       P > 1 needs protocol "overlap" and no segment ids or block schedule; not for D256.
     one_segment_static_mask: with segment ids, a warpgroup whose walk holds one nonzero id on
       both sides masks edge tiles with the static mask only (the same result).
-    tail_kv_splits: C > 0: the last Hq programs (the partial last wave) run as a second launch
-      over C key chunks, merged by log-sum-exp. Dense masks only, keys a multiple of
-      C * block_k, ``q_tiles_per_program`` 1 (``fit_tail_kv_splits``).
+    tail_kv_splits: C > 0: the partial last wave (Hq programs) runs as a second launch over C
+      key chunks, merged by log-sum-exp (``fit_tail_kv_splits`` says where it applies).
 
   Example:
     >>> BlockSizes(64, 128, 2, protocol="overlap", q_tiles_per_program=2).rows_per_program
@@ -70,15 +67,12 @@ class BlockSizes:
         raise ValueError(f"{name} must be a positive multiple of 64, got {n}")
     if self.num_stages < 2:
       raise ValueError(f"num_stages must be >= 2, got {self.num_stages}")
-    p = self.q_tiles_per_program
-    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1:
-      raise ValueError(f"q_tiles_per_program must be an int >= 1, got {p!r}")
+    p, c = self.q_tiles_per_program, self.tail_kv_splits
+    check_int("q_tiles_per_program", p)
+    check_int("tail_kv_splits", c, lo=0)
     if p > 1 and self.protocol != "overlap":
       raise ValueError(f"q_tiles_per_program={p} (> 1) needs protocol='overlap' (its hand-over "
                        f"turns run on across a program's query tiles), got {self.protocol!r}")
-    c = self.tail_kv_splits
-    if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 0:
-      raise ValueError(f"tail_kv_splits must be an int >= 0, got {c!r}")
     if c and p != 1:
       raise ValueError("tail_kv_splits needs q_tiles_per_program=1")
 
@@ -189,15 +183,10 @@ def _tail_unsupported(bs: BlockSizes, k_shape, *, causal, window, segments, sche
 def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, interpret=False,
                    bwd_block_sizes=None, local_window_size=None, logits_soft_cap=None,
                    has_seg=False, schedule=None) -> fk.KernelConfig:
-  """The kernel's static configuration for q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] and a
-  ``BlockSchedule`` (checked) or None."""
-  window = normalize_window(local_window_size)
-  if window == (None, None):
-    window = None
-  if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
-    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+  """The kernel's static configuration of a call (the schedule, if any, checked)."""
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
+  window = mosaic_gpu_bwd.check_call_args(sq, sk, local_window_size, logits_soft_cap)
   bs = block_sizes or default_block_sizes(d, dtype)
   _check_head_dim(d)
   backward = "mosaic" if isinstance(bwd_block_sizes, mosaic_gpu_bwd.BlockSizes) else bs.backward
@@ -206,8 +195,6 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       raise TypeError(f"backward='mosaic' takes a mosaic_gpu_bwd.BlockSizes as bwd_block_sizes, "
                       f"got {type(bwd_block_sizes)}")
     mosaic_gpu_bwd.check_head_dim(d)              # D256: NotImplementedError now, not at grad
-  if sq < 1 or sk < 1:
-    raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
   if bs.q_tiles_per_program > 1 and (has_seg or schedule is not None):
     raise ValueError(f"q_tiles_per_program={bs.q_tiles_per_program} (> 1) runs the range path "
                      f"only: not with segment ids or a block schedule (use "
@@ -242,8 +229,7 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
 
 
 def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
-  """Unpadded q, k, v (segment ids, schedule or None) -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]
-  natural log): pads to whole tiles, runs ``fk.fwd_call``, slices the padding away."""
+  """Unpadded inputs -> (out, lse natural log), by ``fk.fwd_call`` on whole tiles."""
   sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
   sk_pad = st.num_kv_tiles * st.block_k
   q_p, k_p, v_p = pad_axis(q, 1, sq_pad), pad_axis(k, 1, sk_pad), pad_axis(v, 1, sk_pad)
@@ -291,9 +277,7 @@ _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
 def _tail_fixup(q_p, k_p, v_p, out, lse, st: fk.KernelConfig):
-  """``tail_kv_splits``: the rows the kernel skipped (batch row ``st.tail_batch``'s last query
-  program, every head) by a second launch over ``st.tail_kv_splits`` key chunks (as the batch),
-  merged by log-sum-exp and written into ``out`` / ``lse`` (``fk.fwd_call``'s padded layouts)."""
+  """``tail_kv_splits``: the skipped rows by a launch over key chunks, merged into out / lse."""
   c, bb = st.tail_kv_splits, st.tail_batch
   _, _, hq, d = q_p.shape
   sk_pad, hk = k_p.shape[1], k_p.shape[2]
@@ -311,10 +295,9 @@ def _tail_fixup(q_p, k_p, v_p, out, lse, st: fk.KernelConfig):
 
 
 def _place_rows(out, lse, rows_out, rows_lse, b, r0, *, interpret=False):
-  """``out[b, r0:r0 + R] = rows_out`` and ``lse[b, :, r0:r0 + R] = rows_lse`` in place by a Pallas
-  Triton kernel (a program per head) whose outputs alias ``out`` / ``lse``. Not ``.at[].set``:
-  XLA's dynamic-slice fusion fails to compile that update of the Mosaic kernel's output ("DUS
-  target must be a fusion parameter"). R (a power of two) must divide r0."""
+  """``out[b, r0:r0 + R] = rows_out``, ``lse[b, :, r0:r0 + R] = rows_lse`` in place by an aliasing
+  Triton kernel: XLA fails to compile ``.at[].set`` of the Mosaic kernel's output ("DUS target
+  must be a fusion parameter"). R (a power of two) must divide r0."""
   n, hq, d = rows_out.shape
   if n & (n - 1) or r0 % n:
     raise ValueError(f"_place_rows: {n} rows must be a power of two dividing r0={r0}")
@@ -337,9 +320,8 @@ def _place_rows(out, lse, rows_out, rows_lse, b, r0, *, interpret=False):
 
 
 def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes):
-  """ValueError unless the kernel (tiles ``bs``) and the Triton backward can walk ``schedule``:
-  same lengths, leading axes [1|B, 1|Hk], tiles powers of two and multiples of the kernel's, a
-  Triton ``bwd_block_sizes`` with the schedule's tiles."""
+  """ValueError unless the kernel (tiles ``bs``) and a Triton ``bwd_block_sizes`` (None: no
+  check) can walk ``schedule``: tiles powers of two, multiples of ``bs``'s, the backward's."""
   check_schedule_args(schedule, q_shape, k_shape)
   sbq, sbk = schedule.block_q, schedule.block_k
   bad = [f"{name}={n}" for name, n, unit in (("block_q", sbq, bs.block_q),

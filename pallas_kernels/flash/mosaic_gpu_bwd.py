@@ -1,10 +1,7 @@
-"""Flash attention backward for Hopper (sm90), Pallas Mosaic GPU: TMA, wgmma, warp specialisation.
-
-``flash_attention_bwd(q, k, v, out, lse, do)`` (lse: the forward's, natural log) -> (dq, dk, dv).
-XLA computes delta and lse2 = lse * log2(e); a dK/dV kernel (a program per 2 * block_k_dkv keys,
-streaming Q/dO over the GQA group) and a dQ kernel (a program per 2 * block_q_dq rows, streaming
-K/V), each with two compute warpgroups and a TMA memory warpgroup, do the rest. Masks align
-bottom-right like the forward; head_dim 64 and 128.
+"""Flash attention backward for Hopper (sm90), Pallas Mosaic GPU (docs/flash.md, "The Hopper
+kernels"): a dK/dV kernel (a program per 2 * block_k_dkv keys, streaming Q/dO over the GQA group)
+and a dQ kernel (a program per 2 * block_q_dq rows, streaming K/V), each with two compute
+warpgroups and a TMA memory warpgroup; head_dim 64 and 128.
 """
 from __future__ import annotations
 
@@ -22,7 +19,7 @@ from pallas_kernels import compat, tuning
 from pallas_kernels.block_schedule import check_schedule_args
 from pallas_kernels.common import walk
 from pallas_kernels.common.softmax import LOG2E, delta_rows, lse_base2
-from pallas_kernels.common.util import check_qkv_shapes, pad_axis
+from pallas_kernels.common.util import check_qkv_shapes, check_segment_ids, pad_axis
 from pallas_kernels.masks import normalize_window
 
 # The documented API; the checks serve the forward's wrapper.
@@ -117,12 +114,21 @@ def check_head_dim(d: int) -> None:
   """NotImplementedError unless this backward supports head_dim ``d`` (64 or 128)."""
   if d == 256:
     raise NotImplementedError(
-        "the Mosaic GPU flash attention backward does not support head_dim 256: a 64-key dK/dV "
-        "warpgroup tile would hold 2 x 64 x 256 fp32 accumulators = 256 registers per thread "
-        "(more than the 255 a thread has); use the Triton backward")
+        "the Mosaic GPU flash attention backward does not support head_dim 256 (its dK/dV "
+        "accumulators need 256 registers a thread, of 255); use the Triton backward")
   if d not in HEAD_DIMS:
     raise NotImplementedError(f"the Mosaic GPU flash attention backward supports head_dim 64 or "
                               f"128, got head_dim {d}")
+
+
+def check_call_args(sq, sk, local_window_size, logits_soft_cap):
+  """ValueError for an empty sequence or a soft cap <= 0; -> the window (None: unbounded)."""
+  if sq < 1 or sk < 1:
+    raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
+  if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
+    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
+  window = normalize_window(local_window_size)
+  return None if window == (None, None) else window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,17 +195,11 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, local
   _, sq, hq, d = q_shape
   _, sk, hk, _ = k_shape
   check_head_dim(d)
-  window = normalize_window(local_window_size)
-  if window == (None, None):
-    window = None
+  window = check_call_args(sq, sk, local_window_size, logits_soft_cap)
   bs = block_sizes or call_block_sizes(d, dtype, causal=causal, window=window, has_seg=has_seg,
                                        schedule=schedule)
   if schedule is not None:
     check_schedule(schedule, q_shape, k_shape, bs)
-  if sq < 1 or sk < 1:
-    raise ValueError(f"sequence lengths must be >= 1, got q {sq}, kv {sk}")
-  if logits_soft_cap is not None and not float(logits_soft_cap) > 0:
-    raise ValueError(f"logits_soft_cap must be > 0, got {logits_soft_cap}")
   lq = math.lcm(bs.rows_per_dq_program, bs.block_q_dkv)
   lk = math.lcm(bs.keys_per_dkv_program, bs.block_k_dq)
   return _Static(bs=bs, q_len=sq, kv_len=sk, q_pad=-(-sq // lq) * lq, kv_pad=-(-sk // lk) * lk,
@@ -352,9 +352,8 @@ def _both(a, b):
 
 
 def _seg_bounds(q_seg, kv_seg, st: _Static):
-  """(dq_bounds, dkv_bounds): ``walk.segment_bounds`` rows [B, programs, 10] of both kernels
-  (dQ: kv tiles per query program; dK/dV: query tiles per kv program) with segment ids q_seg
-  [B, Sq'], kv_seg [B, Sk'] (int32, padded with 0, which sees nothing)."""
+  """(dq_bounds, dkv_bounds): both kernels' ``walk.segment_bounds`` rows [B, programs, 10] for
+  segment ids q_seg [B, Sq'], kv_seg [B, Sk'] (int32, padded with 0, which sees nothing)."""
   bs = st.bs
   n_q = st.num_dq_programs * _COMPUTE_WGS                 # query tiles of block_q_dq rows
   dq_bounds = walk.segment_bounds(
@@ -368,8 +367,7 @@ def _seg_bounds(q_seg, kv_seg, st: _Static):
 
 
 def _sched_walks(schedule, st: _Static, q_seg=None, kv_seg=None):
-  """(dq_walk, dkv_walk): both kernels' ``walk.list_walk`` rows of a block schedule, coded by this
-  call's mask (q_seg, kv_seg: None or as ``_seg_bounds``)."""
+  """(dq_walk, dkv_walk): both kernels' ``walk.list_walk`` rows of a schedule, coded by the mask."""
   bs = st.bs
 
   def rows(idx, cnt, s_own, s_walk, own_block, walk_block, n_programs, n_walk, ranges, own_seg,
@@ -576,8 +574,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Sta
 
 
 def _load_ring(load, n, stages, free):
-  """Memory warpgroup: ``load(e, slot)`` ring entries e < n into slot e % stages, past the first
-  ``stages`` (the fill, e a Python int) once the slot's ``free`` barrier completes."""
+  """Memory warpgroup: ``load(e, e % stages)`` for e < n, past the fill once that slot is free."""
   for e in range(stages):
     @pl.when(e < n)
     def _():
@@ -591,8 +588,7 @@ def _load_ring(load, n, stages, free):
 
 
 def _dkv_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
-  """``_dkv_kernel``'s inputs (seg: its extra ones) -> (dk, dv) [B, Sk', Hk, D] (padded key rows
-  are garbage). CPU tests monkeypatch it with a jnp replay."""
+  """``_dkv_kernel``'s inputs -> (dk, dv) [B, Sk', Hk, D], padded rows garbage (CPU: replayed)."""
   b, _, _, d = q.shape
   _, _, hk, _ = k.shape
   bq, bk, stages = st.bs.block_q_dkv, st.bs.block_k_dkv, st.bs.num_stages_dkv
@@ -633,8 +629,7 @@ def _launch(kernel, st: _Static, out_type, smem, own_block, ring_block, stages, 
 
 
 def _zero_nonfinite(ref):
-  """In place on a ring slot ([rows, D] shared memory), by 64 x 64 blocks: non-finite entries 0
-  (finite ones rewritten with the same bits), then the fence before a wgmma reads it."""
+  """A ring slot's non-finite entries 0 in place (64 x 64 blocks), then the fence for wgmma."""
   for r in range(0, ref.shape[0], 64):
     for c in range(0, ref.shape[1], 64):
       blk = ref.at[pl.ds(r, 64), pl.ds(c, 64)]
@@ -644,9 +639,7 @@ def _zero_nonfinite(ref):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
-  """Refs as ``_dkv_kernel`` (bounds / walk: the dQ ones) -> dq [B, Sq', Hq, D]; scratch from
-  ``_dq_call`` / ``_launch``. A barrier that two TMA copies complete needs 2 arrivals: with 1 the
-  first copy ends the phase."""
+  """Refs as ``_dkv_kernel`` (the dQ bounds / walk) -> dq [B, Sq', Hq, D]; scratch: ``_dq_call``."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
     q_seg_ref, kv_seg_ref, *refs = refs
@@ -793,8 +786,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Stat
 
 
 def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
-  """Padded inputs as ``_dkv_call`` (seg: the dQ rows of ``_seg_bounds`` or the dQ walk of
-  ``_sched_walks``) -> dq [B, Sq', Hq, D]. CPU tests monkeypatch it with a jnp replay."""
+  """As ``_dkv_call`` (seg: the dQ bounds or walk) -> dq [B, Sq', Hq, D]."""
   b, _, hq, d = q.shape
   bq, bk, stages = st.bs.block_q_dq, st.bs.block_k_dq, st.bs.num_stages_dq
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -810,14 +802,6 @@ def _dq_call(q, k, v, do, lse2, delta, st: _Static, seg=None):
   return _launch(_dq_kernel, st, jax.ShapeDtypeStruct(q.shape, q.dtype), smem, bq, bk, stages,
                  (hq, st.num_dq_programs, b), ("heads", "q_tiles", "batch"),
                  (q, k, v, do, lse2, delta, *(seg or ())), n_own=4, n_ring=2)
-
-
-def _prepare(out, lse, do, d_lse, st: _Static):
-  """(lse2, delta) [B, Hq, Sq'] fp32: ``lse_base2`` (padded rows +inf) and rowsum(dO * O) - d_lse
-  (padded rows 0)."""
-  delta = delta_rows(out, do, d_lse)
-  lse2 = lse_base2(lse.astype(jnp.float32))
-  return pad_axis(lse2, 2, st.q_pad, jnp.inf), pad_axis(delta, 2, st.q_pad)
 
 
 def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: float | None = None,
@@ -856,16 +840,12 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: f
     raise TypeError(f"q, k, v, do must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
                     f"{do.dtype}")
   check_dtype(q.dtype)
-  if kv_segment_ids is not None and q_segment_ids is None:
-    raise ValueError("kv_segment_ids needs q_segment_ids")
+  if q_segment_ids is not None and kv_segment_ids is None:   # the kv ids default to q's
+    if sq != sk:
+      raise ValueError(f"segment ids with q_len {sq} != kv_len {sk} need kv_segment_ids")
+    kv_segment_ids = q_segment_ids
+  check_segment_ids(q_segment_ids, kv_segment_ids, q.shape, k.shape)
   if q_segment_ids is not None:
-    if kv_segment_ids is None:
-      if sq != sk:
-        raise ValueError(f"segment ids with q_len {sq} != kv_len {sk} need kv_segment_ids")
-      kv_segment_ids = q_segment_ids
-    if q_segment_ids.shape != (b, sq) or kv_segment_ids.shape != (b, sk):
-      raise ValueError(f"segment ids must be [batch, q_len] = {(b, sq)} and [batch, kv_len] = "
-                       f"{(b, sk)}, got {q_segment_ids.shape} and {kv_segment_ids.shape}")
     if not all(jnp.issubdtype(x.dtype, jnp.integer) for x in (q_segment_ids, kv_segment_ids)):
       raise TypeError(f"segment ids must be integers, got {q_segment_ids.dtype} and "
                       f"{kv_segment_ids.dtype}")
@@ -873,7 +853,9 @@ def flash_attention_bwd(q, k, v, out, lse, do, *, causal: bool = False, scale: f
                       block_sizes=block_sizes, local_window_size=local_window_size,
                       logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None,
                       schedule=schedule)
-  lse2, delta = _prepare(out, lse, do, d_lse, st)
+  # base-2 lse (padded rows +inf: p = 0) and delta = rowsum(dO * O) - d_lse (padded rows 0)
+  lse2 = pad_axis(lse_base2(lse.astype(jnp.float32)), 2, st.q_pad, jnp.inf)
+  delta = pad_axis(delta_rows(out, do, d_lse), 2, st.q_pad)
   q_p, do_p = pad_axis(q, 1, st.q_pad), pad_axis(do, 1, st.q_pad)
   k_p, v_p = pad_axis(k, 1, st.kv_pad), pad_axis(v, 1, st.kv_pad)
   seg_dq = seg_dkv = q_seg = kv_seg = None

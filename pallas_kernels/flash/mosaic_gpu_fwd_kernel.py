@@ -1,12 +1,8 @@
 """The Hopper (sm90) flash attention forward kernel in Pallas Mosaic GPU: FlashAttention-3's
-forward, as in jax's ``pallas/ops/gpu/attention_mgpu.py`` (design: docs/flash.md). The wrapper is
-``pallas_kernels.flash.mosaic_gpu``; the CPU tests replay the jnp tile arithmetic here.
-
-One program per (query head, query tile of ``2 * block_q`` rows, batch): compute warpgroups 0
-and 1 each own ``block_q`` rows, warpgroup 2 streams K/V tiles by TMA into a ring of
-``num_stages`` slots. Each compute warpgroup walks kv tiles [lo, hi), masked on [lo, flo) and
-[fhi, hi); the program's range [plo, phi) is their union (``_static_ranges``, ``seg_bounds`` or
-``schedule_walk``).
+forward (design: docs/flash.md, "The Hopper kernels"); the wrapper is
+``pallas_kernels.flash.mosaic_gpu``. Each compute warpgroup walks kv tiles [lo, hi), masked on
+[lo, flo) and [fhi, hi); the program's range [plo, phi) is their union (``_static_ranges``,
+``seg_bounds`` or ``schedule_walk``).
 """
 from __future__ import annotations
 
@@ -41,10 +37,9 @@ class Protocol(typing.NamedTuple):
     handoff: one barrier per compute warpgroup: arrive on the other's after Q K^T, wait on
       its own before P V. Off: one shared barrier met twice per kv tile.
     k_wait: wait for the next ring entry's K while the P V wgmma runs, not at the next step.
-    fence: an optimization barrier on (acc, m, l, p) after each tile's softmax, so that none
-      of it is scheduled into the other warpgroup's wgmma window.
-    overlap: FlashAttention-3's intra-warpgroup overlap: tile t's softmax runs while
-      P V(t - 1) is on the tensor cores. Needs ``handoff`` (``_turn_skips``).
+    fence: an optimization barrier on (acc, m, l, p) after each tile's softmax (none of it in
+      the other warpgroup's wgmma window).
+    overlap: tile t's softmax runs while P V(t - 1) is on the tensor cores; needs ``handoff``.
     early_k: the memory warpgroup refills a slot's K as soon as K is released, before V.
   """
   handoff: bool = False
@@ -66,8 +61,7 @@ PROTOCOLS = {
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Everything static about one forward call (built by ``mosaic_gpu._static_config``; the
-  custom_vjp's non-differentiable argument, so it also names the backward)."""
+  """Everything static about one forward call (``mosaic_gpu._static_config``), backward too."""
   block_q: int         # rows per compute warpgroup
   block_k: int
   num_stages: int
@@ -117,8 +111,7 @@ class KernelConfig:
 
 
 def _bounds(st: KernelConfig):
-  """(left, right): a row at qpos sees keys in [qpos - left, qpos + right]; right is 0 when
-  causal, else the window's; a side None is unbounded."""
+  """(left, right): a row at qpos sees keys in [qpos - left, qpos + right] (None: unbounded)."""
   left = None if st.window is None else st.window[0]
   return left, 0 if st.causal else (None if st.window is None else st.window[1])
 
@@ -154,8 +147,7 @@ def _static_ranges(row0, n, st: KernelConfig):
 
 
 def _clip_to_program(plo, phi, lo, flo, fhi, hi):
-  """A warpgroup's ranges clipped into its program's [plo, phi) (both warpgroups walk the
-  program's range; an empty range becomes an empty range inside it)."""
+  """A warpgroup's ranges clipped into its program's [plo, phi) (an empty one stays empty)."""
   lo = jnp.clip(lo, plo, phi)
   hi = jnp.clip(hi, lo, phi)
   flo = jnp.clip(flo, lo, hi)
@@ -164,9 +156,8 @@ def _clip_to_program(plo, phi, lo, flo, fhi, hi):
 
 
 def seg_bounds(q_seg, kv_seg, st: KernelConfig):
-  """``walk.segment_bounds`` rows [B, num_q_programs, 10 (12 with ``st.one_seg_mask``)]: the kv
-  ranges of ``_static_ranges`` intersected with segment ids q_seg [B, Sq'], kv_seg [B, Sk']
-  (int32, 0-padded to whole tiles); computed in XLA, read by the kernel from GMEM."""
+  """``walk.segment_bounds`` rows [B, num_q_programs, 10 (12 with ``st.one_seg_mask``)]: the
+  ``_static_ranges`` cut to segment ids q_seg [B, Sq'], kv_seg [B, Sk'] (int32, 0-padded)."""
   n_tiles = st.num_q_programs * COMPUTE_WGS
   static = _static_ranges(jnp.arange(n_tiles, dtype=jnp.int32) * st.block_q, st.block_q, st)
   return walk.segment_bounds(q_seg, st.block_q, n_tiles, kv_seg, st.block_k, st.num_kv_tiles,
@@ -174,15 +165,13 @@ def seg_bounds(q_seg, kv_seg, st: KernelConfig):
 
 
 class _Mask(typing.NamedTuple):
-  """How the kernel masks a tile: ``seg``, with the per-element segment compare (else the static
-  mask only); ``edge``: "left", "right" or None (``_edge_bounds``)."""
+  """A masked tile: ``seg``: with the segment compare; ``edge``: ``_edge_bounds``' edge."""
   seg: bool
   edge: str | None
 
 
 def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
-  """``walk.range_codes`` [B', Hs, n_wg, L] of kv tiles ``tiles`` listed (``valid``) for warpgroup
-  tile i (rows from i * block_q), from ``_static_ranges`` and the padded segment ids or None."""
+  """``walk.range_codes`` [B', Hs, n_wg, L] of the listed kv tiles of each warpgroup tile."""
   n_wg = tiles.shape[2]
   ranges = _static_ranges(jnp.arange(n_wg, dtype=jnp.int32) * st.block_q, st.block_q, st)
   return walk.range_codes(tiles, valid, ranges, q_seg, st.block_q, kv_seg, st.block_k)
@@ -190,8 +179,7 @@ def _walk_codes(tiles, valid, st: KernelConfig, q_seg=None, kv_seg=None):
 
 def schedule_walk(schedule, st: KernelConfig, q_seg=None, kv_seg=None):
   """The kernel's ``walk.list_walk`` rows [B', Hs, num_q_programs, 1 + W] (B' = B with segment
-  ids or a per-batch schedule, else 1) of a ``BlockSchedule`` (leading axes [1|B, 1|Hk], tiles
-  multiples of the kernel's); codes from ``_walk_codes`` (q_seg, kv_seg: None or padded ids)."""
+  ids or a per-batch schedule, else 1) of a ``BlockSchedule``, coded by ``_walk_codes``."""
   return walk.list_walk(schedule.kv_indices, schedule.kv_counts, schedule.block_q,
                         schedule.block_k, st.block_q, st.block_k,
                         COMPUTE_WGS * st.num_q_programs, st.num_kv_tiles,
@@ -285,10 +273,9 @@ _SEG_BOUNDS_ONE = 2 + 4 * COMPUTE_WGS   # column of warpgroup 0's one-segment fl
 
 
 def _turn_skips(wg, k, n, first_tile, last_tile):
-  """(skip the wait, skip the hand-over) of compute warpgroup ``wg``'s turn ``k`` of ``n + 1``
-  in a query tile (the overlap protocol): warpgroup 0 skips only the program's first wait,
-  warpgroup 1 only its last hand-over (``first_tile`` / ``last_tile``: the tile is the program's
-  first / last)."""
+  """(skip the wait, skip the hand-over) of warpgroup ``wg``'s turn ``k`` of ``n + 1`` in a query
+  tile (overlap protocol): warpgroup 0 skips only the program's first wait (on its
+  ``first_tile``), warpgroup 1 only its last hand-over (on its ``last_tile``)."""
   wg, k, n = (jnp.asarray(x, jnp.int32) for x in (wg, k, n))
   skip_wait = jnp.logical_and(jnp.logical_and(first_tile, k == 0), wg == 0)
   skip_hand = jnp.logical_and(jnp.logical_and(last_tile, k == n), wg == 1)
@@ -296,9 +283,8 @@ def _turn_skips(wg, k, n, first_tile, last_tile):
 
 
 def _program_tiles(g, st: KernelConfig):
-  """q_tiles_per_program = P > 1: program ``g``'s query tiles as (count, i -> the i-th tile),
-  int32: tiles g * P + i for i < count = min(P, tiles - g * P); causal counts from the last tile
-  (the longest kv ranges first, as for one-tile programs)."""
+  """q_tiles_per_program = P > 1: program ``g``'s query tiles as (count, i -> the i-th tile):
+  g * P + i for i < count = min(P, tiles - g * P); causal counts from the last tile."""
   n_q = st.num_q_programs
   first = jnp.asarray(g, jnp.int32) * st.q_tiles_per_program
   count = jnp.minimum(jnp.int32(st.q_tiles_per_program), n_q - first)
@@ -780,10 +766,8 @@ def _fwd_kernel(*refs, st: KernelConfig):
 
 
 def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, walk_rows=None):
-  """Padded q [B, Sq', Hq, D], k/v [B, Sk', Hk, D] (with segment ids: q_seg [B, Sq'],
-  kv_seg [B, Sk'] int32 padded with 0, bounds from ``seg_bounds``; with a block schedule:
-  walk_rows from ``schedule_walk`` and no bounds) -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']).
-  The CPU tests monkeypatch this with a jnp replay of the kernel."""
+  """Padded q, k, v (segment ids 0-padded with ``seg_bounds``' bounds, or ``schedule_walk``'s
+  walk_rows) -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']); the CPU tests replay it in jnp."""
   if st.interpret:
     raise NotImplementedError("the Mosaic GPU flash attention forward cannot run in interpret "
                               "mode (interpret=True): jax's GPU interpreter has no wgmma with "

@@ -1,18 +1,10 @@
-"""Flash attention for TPU in Pallas (Mosaic): a forward and a backward that walk a block schedule.
-
-Query tile ``i`` visits only ``kv_indices[.., i, :kv_counts[.., i]]`` of its ``BlockSchedule``,
-with the element mask on tiles marked partial. The schedule arrays are scalar-prefetch operands
-(SMEM) read by the K/V index maps, so skipped tiles are never copied into VMEM; entries past a
-row's count repeat its last index (no new copy) and the body is guarded by ``j < count``.
-
-Layouts: inputs ``[B, S, H, D]`` are padded (head_dim to 128 lanes, sequences to the tile) and
-reshaped for free to ``[B, S, H * D]``; a tile of head ``h`` is block ``(bq, D)`` at ``(b, i, h)``,
-nothing is transposed. Row statistics (lse, delta) travel as ``[B, H, 1, S]``, segment ids
-lane-broadcast ``[B, S, 128]`` and sublane-broadcast ``[B, 8, S]``, as in splash attention.
-
-dK/dV accumulate a whole GQA group in VMEM (K/V never repeated) on ``[bk, bq]`` tiles, so that
-lse/delta are rows. fp16 is computed in fp32 (TPUs have no fp16 matmul), fp32 at
-``Precision.HIGHEST``, bf16 on the MXU with fp32 accumulation.
+"""Flash attention for TPU in Pallas (Mosaic): a forward and a backward that walk a block schedule
+(docs/flash.md, "The portable kernels"). The schedule's lists are scalar-prefetched into SMEM and
+read by the K/V index maps, so skipped tiles are never copied; entries past a row's count repeat
+its last index (no copy) and skip the body. Inputs ``[B, S, H, D]`` are padded (head_dim to 128
+lanes) and viewed as ``[B, S, H * D]``; row statistics travel as ``[B, H, 1, S]``, segment ids
+lane- and sublane-broadcast, as in splash attention. dK/dV accumulate a GQA group on ``[bk, bq]``
+tiles. fp16 is computed in fp32, fp32 at ``Precision.HIGHEST``.
 """
 from __future__ import annotations
 
@@ -27,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import compat
-from pallas_kernels.block_schedule import BlockSchedule
+from pallas_kernels.block_schedule import BlockSchedule, check_schedule_args
 from pallas_kernels.common import softmax
 from pallas_kernels.common.util import cdiv, check_float, pad_axis, round_up
 from pallas_kernels.masks import normalize_window, visible
@@ -65,12 +57,9 @@ class BlockSizes:
 
 
 def default_block_sizes(head_dim: int, dtype) -> BlockSizes:
-  """Default TPU tiles for a head dimension and input dtype.
-
-  Larger tiles amortise the ~0.35 us per-grid-step overhead of a Mosaic kernel; the fp32 tile
-  intermediates ``[block_q, block_k]`` and double-buffered inputs must stay well inside the
-  default scoped VMEM (16 MiB on v5e), which limits tiles for wide heads and fp32/fp16 inputs.
-  These are estimates from the VMEM budget, not timed on TPU hardware.
+  """Default TPU tiles for a head dimension and input dtype: the largest whose fp32 tile
+  intermediates and double-buffered inputs stay well inside the default scoped VMEM (16 MiB on
+  v5e); estimates from that budget, not timed on TPU hardware.
 
   Args:
     head_dim, dtype: the (unpadded) head dimension and the input dtype.
@@ -147,13 +136,16 @@ class _SchedShape:
     """Flat index of (b, h_kv, i, j) in the [Bs, Hs, rows, cols] index/partial arrays."""
     return self.row(b, h_kv, i) * self.cols + j
 
+  def read(self, idx_ref, cnt_ref, part_ref, b, h_kv, i, j):
+    """(row (b, h_kv, i)'s count, its entry j's tile index and partial flag) from SMEM."""
+    e = self.entry(b, h_kv, i, j)
+    return cnt_ref[self.row(b, h_kv, i)], idx_ref[e], part_ref[e]
 
-def _precision(dtype):
-  return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
-
-def _dot(a, b, dims, precision):
-  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=precision)
+def _dot(a, b, dims):
+  """fp32 ``dot_general``; fp32 operands (all of a call's share its compute dtype) at HIGHEST."""
+  return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
+                         precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else None)
 
 
 def _logits(s, cfg: _Config):
@@ -210,16 +202,13 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     l_sc[...] = jnp.zeros_like(l_sc)
     acc_sc[...] = jnp.zeros_like(acc_sc)
 
-  count = kv_cnt_ref[sched.row(b, h_kv, i)]
-  kv_blk = kv_idx_ref[sched.entry(b, h_kv, i, j)]
-  partial = kv_part_ref[sched.entry(b, h_kv, i, j)]
-  prec = _precision(q_ref.dtype)
+  count, kv_blk, partial = sched.read(kv_idx_ref, kv_cnt_ref, kv_part_ref, b, h_kv, i, j)
 
   def step(masked):
     q, k, v = q_ref[...], k_ref[...], None                # [bq, D], [bk, D]
     if masked:   # a non-finite value: NaN logits (masked for the rows that cannot see it)
       k, v = softmax.hide_nonfinite_values(k, v_ref[...])
-    s, _ = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
+    s, _ = _logits(_dot(q, k, NT_DIMS), cfg)              # [bq, bk]
     if masked:
       mask = _qk_mask(cfg, i, kv_blk, q_seg_ref, kv_seg_ref)  # [bq, bk]
       s = jnp.where(mask, s, MASK_VALUE)
@@ -233,7 +222,7 @@ def _fwd_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
     m_sc[...] = m_next
     v = v_ref[...] if v is None else v                    # [bk, Dv]
-    pv = _dot(p.astype(v.dtype), v, NN_DIMS, prec)        # [bq, Dv]
+    pv = _dot(p.astype(v.dtype), v, NN_DIMS)              # [bq, Dv]
     acc_sc[...] = acc_sc[...] * _lane_tile(alpha, dv) + pv
 
   _run_tile(step, (j < count), partial)
@@ -278,8 +267,7 @@ def _from_tiles(x, s, h, d):
 
 
 def _fwd_walk(cfg, sched):
-  """(q_map, [q, k, v specs], [query lane-broadcast, kv sublane-broadcast segment id specs] or
-  []) of a grid (B, Hq, nq, cols) walking the forward schedule."""
+  """(q_map, q/k/v specs, segment id specs or []) of the grid (B, Hq, nq, cols) walking it."""
   bq, bk, g = cfg.block_q, cfg.block_k, cfg.group
   q_map = lambda b, h, i, j, *_: (b, i, h)
   kv_blk = lambda b, h, i, j, idx: idx[sched.entry(b, lax.div(h, g), i, j)]
@@ -294,8 +282,7 @@ def _fwd_walk(cfg, sched):
 
 
 def _call(kernel, cfg, lists, operands, *, grid, in_specs, out_specs, scratch, out_shape, name):
-  """pallas_call of a kernel walking a schedule: ``lists`` (indices, counts, partial) are its
-  scalar-prefetch operands (flattened), the last grid axis walks a list."""
+  """pallas_call of a kernel whose last grid axis walks ``lists`` (scalar-prefetched, flat)."""
   return pl.pallas_call(
       kernel, out_shape=out_shape, name=name,
       grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=3, grid=grid, in_specs=in_specs,
@@ -346,10 +333,7 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
   def _init():
     dq_sc[...] = jnp.zeros_like(dq_sc)
 
-  count = kv_cnt_ref[sched.row(b, h_kv, i)]
-  kv_blk = kv_idx_ref[sched.entry(b, h_kv, i, j)]
-  partial = kv_part_ref[sched.entry(b, h_kv, i, j)]
-  prec = _precision(q_ref.dtype)
+  count, kv_blk, partial = sched.read(kv_idx_ref, kv_cnt_ref, kv_part_ref, b, h_kv, i, j)
 
   def step(masked):
     q, k = q_ref[...], k_ref[...]                         # [bq, D], [bk, D]
@@ -358,15 +342,15 @@ def _dq_kernel(kv_idx_ref, kv_cnt_ref, kv_part_ref,  # scalar prefetch (SMEM)
     di = jnp.expand_dims(di_ref[0], -1)                   # [bq, 1]
     if masked:   # non-finite entries -> 0 (rows that see them have a NaN lse)
       k, v = softmax.zero_nonfinite(k), softmax.zero_nonfinite(v)
-    s, t = _logits(_dot(q, k, NT_DIMS, prec), cfg)        # [bq, bk]
+    s, t = _logits(_dot(q, k, NT_DIMS), cfg)              # [bq, bk]
     if masked:
       s = jnp.where(_qk_mask(cfg, i, kv_blk, q_seg_ref, kv_seg_ref), s, MASK_VALUE)
     p = jnp.exp(s - lse)                                  # [bq, bk]
-    dp = _dot(do, v, NT_DIMS, prec)                       # [bq, bk]
+    dp = _dot(do, v, NT_DIMS)                             # [bq, bk]
     ds = p * (dp - di)                                    # [bq, bk]
     if t is not None:
       ds = ds * (1.0 - t * t)
-    dq_sc[...] += _dot(ds.astype(k.dtype), k, NN_DIMS, prec)  # [bq, D]
+    dq_sc[...] += _dot(ds.astype(k.dtype), k, NN_DIMS)  # [bq, D]
 
   _run_tile(step, (j < count), partial)
 
@@ -390,28 +374,25 @@ def _dkv_kernel(q_idx_ref, q_cnt_ref, q_part_ref,  # scalar prefetch (SMEM)
     dk_sc[...] = jnp.zeros_like(dk_sc)
     dv_sc[...] = jnp.zeros_like(dv_sc)
 
-  count = q_cnt_ref[sched.row(b, h_kv, ki)]
-  q_blk = q_idx_ref[sched.entry(b, h_kv, ki, jq)]
-  partial = q_part_ref[sched.entry(b, h_kv, ki, jq)]
-  prec = _precision(q_ref.dtype)
+  count, q_blk, partial = sched.read(q_idx_ref, q_cnt_ref, q_part_ref, b, h_kv, ki, jq)
 
   def step(masked):
     q, k = q_ref[...], k_ref[...]                         # [bq, D], [bk, D]
     v, do = v_ref[...], do_ref[...]                       # [bk, Dv], [bq, Dv]
     lse, di = lse_ref[...], di_ref[...]                   # [1, bq]
-    s, t = _logits(_dot(k, q, NT_DIMS, prec), cfg)        # [bk, bq] (transposed tile)
+    s, t = _logits(_dot(k, q, NT_DIMS), cfg)              # [bk, bq] (transposed tile)
     p = jnp.exp(s - lse)                                  # [bk, bq]
     if masked:   # p and dS are 0 where hidden, even with a NaN lse, delta or key
       mask = _qk_mask(cfg, q_blk, ki, q_seg_ref, kv_seg_ref, kv_rows=True)   # [bk, bq]
       p = jnp.where(mask, p, 0.0)
-    dv_sc[...] += _dot(p.astype(do.dtype), do, NN_DIMS, prec)  # [bk, Dv]
-    dp = _dot(v, do, NT_DIMS, prec)                       # [bk, bq]
+    dv_sc[...] += _dot(p.astype(do.dtype), do, NN_DIMS)  # [bk, Dv]
+    dp = _dot(v, do, NT_DIMS)                             # [bk, bq]
     ds = p * (dp - di)                                    # [bk, bq]
     if masked:
       ds = jnp.where(mask, ds, 0.0)
     if t is not None:
       ds = ds * (1.0 - t * t)
-    dk_sc[...] += _dot(ds.astype(q.dtype), q, NN_DIMS, prec)  # [bk, D]
+    dk_sc[...] += _dot(ds.astype(q.dtype), q, NN_DIMS)  # [bk, D]
 
   _run_tile(step, (jq < count), partial)
 
@@ -551,11 +532,7 @@ def flash_attention(q, k, v, q_segment_ids, kv_segment_ids, schedule: BlockSched
       raise ValueError(f"{p}_segment_ids must be [batch, {p}_len] = {(b, n)}, got {ids.shape}")
     if ids is not None and not jnp.issubdtype(ids.dtype, jnp.integer):
       raise TypeError("segment ids must be integer arrays")
-  if not isinstance(schedule, BlockSchedule):
-    raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
-  if (schedule.q_len, schedule.kv_len) != (sq, sk):
-    raise ValueError(f"schedule is for (q_len, kv_len) = {(schedule.q_len, schedule.kv_len)}, "
-                     f"inputs have {(sq, sk)}")
+  check_schedule_args(schedule, q.shape, k.shape)
   BlockSizes(schedule.block_q, schedule.block_k)  # validates the tile sizes
   for arr, rows, lead in ((schedule.kv_indices, schedule.num_q_blocks, "kv"),
                           (schedule.q_indices, schedule.num_kv_blocks, "q")):

@@ -1,12 +1,7 @@
-"""fp32 reference attention: defines the semantics every backend must match.
-
-It materialises the [q_len, kv_len] logits, so it is for tests and small problems (it is also
-the ``implementation="xla"`` path of ``jattn.flash_attention``). Differentiable by autodiff,
-including through the returned log-sum-exp, with zero gradients (never NaN) for empty rows.
-
-Masked keys never leak: a row's output, log-sum-exp and the gradients flowing through it depend
-only on the keys it sees, so NaN or inf in k or v at a hidden key changes nothing (bit for bit),
-while a non-finite value in a visible key's k or v makes the whole row NaN.
+"""fp32 reference attention: the semantics every backend must match (docs/flash.md, "Usage":
+empty rows, masked keys never leak). It materialises the [q_len, kv_len] logits (tests, small
+problems, the ``implementation="xla"`` path of ``jattn.flash_attention``) and is differentiable
+by autodiff, including through the log-sum-exp, with zero gradients for empty rows.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""Flash attention as portable Pallas GPU kernels (Triton lowering), walking a block schedule.
-
-Forward: a program per (query tile, batch, query head) walks the tile's kv list of a
-``BlockSchedule`` (full tiles unmasked, then partial tiles masked), online softmax in base 2.
-Backward (custom_vjp): a dK/dV kernel per (kv tile, batch, kv head) over the transposed schedule
-and the GQA group, and a dQ kernel per query tile; ``flash_attention_bwd`` runs them on another
-forward's (out, lse). Sequences are padded to the tiles, head dims to a power of two; padded keys
-are masked. Masked keys never leak (``common.softmax``).
+"""Flash attention as portable Pallas GPU kernels (Triton lowering), walking a block schedule
+(docs/flash.md, "The portable kernels"). Forward: a program per (query tile, batch, query head),
+full tiles unmasked, then partial tiles masked. Backward (custom_vjp): dK/dV per (kv tile, batch,
+kv head) over the transposed schedule and the GQA group, dQ per query tile. Sequences are padded
+to the tiles (padded keys masked), head dims to a power of two.
 """
 from __future__ import annotations
 
@@ -81,11 +78,8 @@ _BWD_FIELDS = ("bwd_block_q", "bwd_block_k", "bwd_num_warps", "bwd_num_stages", 
 def _tuned_block_sizes(d_key: int, itemsize: int, device_kind: str | None) -> BlockSizes:
   """The table's ``BlockSizes`` for a padded head dim and itemsize (2 or 4) on a device."""
   dcls = "32bit" if itemsize >= 4 else "16bit"
-  fwd = tuning.params("triton_fwd", d_key, dcls, device=device_kind)
-  bwd = tuning.params("triton_bwd", d_key, dcls, device=device_kind)
-  if fwd is None or bwd is None:
-    raise KeyError(f"no triton_fwd/triton_bwd tuning entry for head_dim {d_key} {dcls} on "
-                   f"{device_kind!r} ({tuning.table_file(device_kind)})")
+  fwd, bwd = (tuning.required_params(kernel, d_key, dcls, device_kind)
+              for kernel in ("triton_fwd", "triton_bwd"))
   return BlockSizes(**{k: fwd[k] for k in _FWD_FIELDS}, **{k: bwd[k] for k in _BWD_FIELDS})
 
 
@@ -108,8 +102,7 @@ def default_block_sizes(head_dim: int, dtype, device_kind: str | None = None) ->
   if head_dim > 256:
     raise ValueError(f"head_dim must be <= 256, got {head_dim}")
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
-  # cache key: the resolved kind, never None (a swapped tuning.device_kind must not leave its
-  # table cached for this machine's calls)
+  # cached by the resolved kind, never None (a swapped tuning.device_kind must not hit it)
   return _tuned_block_sizes(next_pow2(head_dim, minimum=32), itemsize,
                             tuning.resolve_kind(device_kind))
 
@@ -119,8 +112,7 @@ _LAUNCH_FIELDS = ("num_warps", "num_stages", "bwd_num_warps", "bwd_num_stages", 
 
 
 def _launch_defaults(bs: BlockSizes, d_pad, dv_pad, dtype) -> dict:
-  """{``_LAUNCH_FIELDS``: default} for ``bs``'s tiles, per pass: the tuned table's when that
-  pass's tiles match the table's, else a heuristic from the tiles and a ~200 KiB smem budget."""
+  """{``_LAUNCH_FIELDS``: default}, per pass: the table's if its tiles match, else a heuristic."""
   itemsize = 4 if jnp.dtype(dtype).itemsize >= 4 else 2
   tuned = _tuned_block_sizes(max(32, max(d_pad, dv_pad)), itemsize, tuning.resolve_kind(None))
   (bq, bk), (bbq, bbk) = (bs.block_q, bs.block_k), bs.bwd_tiles
@@ -160,10 +152,9 @@ class _Static:
 
 
 def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
-  """(grid, tile_axis, index) for ``num_tiles`` x ``batch`` x ``heads`` programs: ``index(p0, p1,
-  p2) -> (t, bi, h)``, t the launch-order tile number (0 first; kernels map it to the heaviest
-  tile) on grid axis ``tile_axis``. Causal masks launch G (4, 2 or 1) (batch, head) pairs
-  fastest, heaviest tiles first; other masks launch tiles fastest."""
+  """(grid, tile_axis, index: program ids -> (t, bi, h)), t the launch-order tile (0 first) on
+  grid axis ``tile_axis``. Causal masks launch G (4, 2 or 1) (batch, head) pairs fastest, heaviest
+  tiles first; other masks launch tiles fastest."""
   triangular = st.causal and (st.window is None or st.window[0] is None)
   group = 4 if triangular else 1
   while (batch * heads) % group:
@@ -178,8 +169,7 @@ def _launch_order(st: _Static, num_tiles: int, batch: int, heads: int):
 
 
 def _tile_specs(order, tile_of):
-  """``spec(shape, f)``: a BlockSpec indexed by ``f(tile_of(t), bi, h)`` for the program's
-  (t, bi, h) under launch ``order``."""
+  """``spec(shape, f)``: a BlockSpec indexed by ``f(tile_of(t), bi, h)`` under launch ``order``."""
   def spec(shape, f):
     def index_map(*p):
       t, bi, h = order(*p)
@@ -189,8 +179,7 @@ def _tile_specs(order, tile_of):
 
 
 def _logits(q, k, st: _Static):
-  """Scaled (and soft-capped) base-2 logits [m, n] fp32 of q [m, D], k [n, D], and tanh(x/cap)
-  for the backward (None without a cap)."""
+  """(scaled, soft-capped base-2 logits [m, n] fp32 of q, k; tanh(x / cap) or None: no cap)."""
   qk = _dot(q, k, trans_b=True)  # [m, n]
   if st.soft_cap is None:
     return qk * (st.scale * LOG2E), None
@@ -208,18 +197,16 @@ def _tile_mask(q_pos, k_pos, q_seg, k_seg, st: _Static, *, kv_major=False):
 
 
 def _dot(a, b, trans_b=False):
-  """[m, k] @ [k, n] (``trans_b``: @ [n, k]^T) -> fp32 [m, n]. fp32 operands get IEEE fp32
-  products (DEFAULT would mean TF32 on the GPU); 16-bit ones, native."""
+  """a @ b (``trans_b``: b^T) in fp32; fp32 operands at HIGHEST (DEFAULT means TF32 on GPUs)."""
   return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())),
                          precision=lax.Precision.HIGHEST if a.dtype == jnp.float32 else None,
                          preferred_element_type=jnp.float32)
 
 
 def _walk_row(row_ref, num_chunks, body, carry):
-  """``carry = body(tile, chunk, carry, masked=...)`` over a schedule row's full tiles (unmasked),
-  then its partial ones. Flat step j visits chunk ``j % num_chunks`` of tile
-  ``row[2 + j // num_chunks]``; the next tile index is prefetched one step ahead (rows are padded
-  so it stays in bounds)."""
+  """``carry = body(tile, chunk, carry, masked=...)`` over a schedule row's full tiles, then its
+  partial ones; step j visits chunk ``j % num_chunks`` of tile ``row[2 + j // num_chunks]``, the
+  next tile index read one step ahead (``_pack_rows`` pads the rows)."""
   def split(j):
     if num_chunks == 1:
       return j, 0
@@ -241,8 +228,7 @@ def _walk_row(row_ref, num_chunks, body, carry):
 
 
 def _split_refs(refs, n_in, has):
-  """Split a kernel's refs into (inputs, (q_seg_ref, kv_seg_ref), (mask_ref, bias_ref), row_ref,
-  outputs); ``has`` = (has_seg, has_mask, has_bias), absent refs are None."""
+  """(inputs, segment id refs, (mask, bias) refs, row_ref, outputs); absent refs (``has``) None."""
   rest = list(refs[n_in:])
   take = lambda flag: rest.pop(0) if flag else None
   segs = (take(has[0]), take(has[0]))
@@ -251,8 +237,7 @@ def _split_refs(refs, n_in, has):
 
 
 def _bias_and_vis(s, bias, mask, vis):
-  """(base-2 logits s [m, n] plus a bias tile (natural units; None: no bias), visibility:
-  ``vis`` and a mask tile (int8), None when both are None)."""
+  """(s plus a natural-units bias tile or None, ``vis`` and an int8 mask tile or None)."""
   if bias is not None:
     s = s + bias.astype(jnp.float32) * LOG2E
   if mask is not None:
@@ -261,9 +246,8 @@ def _bias_and_vis(s, bias, mask, vis):
 
 
 def _q_tile_logits(st: _Static, num_q_tiles, tile_axis, qseg_ref, kseg_ref, mask_ref, bias_ref):
-  """``logits(q, k, start, masked)`` for the program's query tile (heaviest causal tiles first):
-  ``_logits`` of q [bq, D] and the keys k [n, D] at [start, start + n) plus the bias, -inf where
-  hidden (the mask refs apply only when ``masked``), and their tanh."""
+  """``logits(q, k, start, masked)``: ``_logits`` of the program's q tile and the keys k at
+  [start, start + n) plus the bias, -inf where hidden (mask refs read when ``masked``), tanh."""
   qi = num_q_tiles - 1 - pl.program_id(tile_axis)
   q_pos = qi * st.block_q + lax.iota(jnp.int32, st.block_q) + (st.kv_len - st.q_len)  # [bq]
   q_seg = None if qseg_ref is None else qseg_ref[...]  # [bq]
@@ -325,11 +309,10 @@ def _row_index_maps(rows):
 
 def _q_major_call(kernel, name, st: _Static, q, k, v, more, q_seg, kv_seg, mask, bias, rows,
                   outs, *, bwd, bias_grad=False):
-  """``kernel`` per (query tile, batch, query head), heaviest causal tiles first: it reads a q
-  tile, all of k and v, ``more`` ([B, Sq, Hq, *] tiles as q, then [B, Hq, Sq] rows), the segment
-  ids, mask / bias stripes [bq, Sk] (of [1 | B, 1 | Hq, Sq, Sk]) and the schedule row, and writes
-  ``outs`` (tiled as ``more``) and, with ``bias_grad``, dbias [B, Hq, Sq, Sk] fp32 stripes
-  (aliased zeros, written on visited tiles). ``bwd``: use the backward's launch parameters."""
+  """``kernel`` per (query tile, batch, query head) on a q tile, all of k and v, ``more`` (tiled
+  as q, or [B, Hq, Sq] rows), the segment ids, mask / bias stripes [bq, Sk] and the schedule row
+  -> ``outs`` (tiled as ``more``) and, with ``bias_grad``, aliased zero dbias [B, Hq, Sq, Sk]
+  fp32 stripes. ``bwd``: the backward's launch parameters."""
   b, sq, hq, _ = q.shape
   sk, g, bq, nq = k.shape[1], hq // k.shape[2], st.block_q, rows.shape[2]
   grid, tile_axis, order = _launch_order(st, nq, b, hq)
@@ -371,9 +354,7 @@ def _q_major_call(kernel, name, st: _Static, q, k, v, more, q_seg, kv_seg, mask,
 
 
 def _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, rows, st: _Static):
-  """Padded inputs -> (out [B, Sq, Hq, Dv] in q.dtype, lse [B, Hq, Sq] fp32). The grid covers the
-  schedule's nq query tiles; rows past nq * block_q (padding for the backward's tiles) get out 0
-  and lse -inf."""
+  """Padded inputs -> (out, lse fp32); rows past the schedule's tiles get out 0 and lse -inf."""
   b, sq, hq, _ = q.shape
   n = rows.shape[2] * st.block_q
   assert n <= sq and k.shape[1] % st.block_k == 0, (n, sq, k.shape, st.block_k)
@@ -440,10 +421,9 @@ def _dkv_kernel(*refs, st: _Static, has: tuple, groups: int, tile_axis: int):
 
 
 def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int):
-  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq],
-  (q_seg [bq], kv_seg [Sk]), (mask [bq, Sk] int8), (bias [bq, Sk]), row [W], (dbias [bq, Sk]
-  zeros, aliased) -> dq [bq, D], (dbias [bq, Sk] fp32: dlogits on the visited tiles). The row
-  is the kv list of ``st``'s tiles."""
+  """Refs: q [bq, D], k [Sk, D], v [Sk, Dv], do [bq, Dv], lse2 [bq], delta [bq], (q_seg [bq],
+  kv_seg [Sk]), (mask [bq, Sk] int8), (bias [bq, Sk]), row [W], (dbias [bq, Sk] zeros, aliased)
+  -> dq [bq, D], (dbias: dlogits on the visited tiles)."""
   ((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), (qseg_ref, kseg_ref),
    (mask_ref, bias_ref), row_ref, outs) = _split_refs(refs, 6, has[:3])
   dq_ref, dbias_ref = (outs[-2], outs[-1]) if has[3] else (outs[0], None)
@@ -476,10 +456,8 @@ def _dq_kernel(*refs, st: _Static, has: tuple, num_q_tiles: int, tile_axis: int)
 
 def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, d_out, d_lse,
                st: _Static, bias_grad=False):
-  """Padded inputs, a forward's (out, lse) and cotangents -> (dq, dk, dv) in the input dtypes and
-  dbias [B, Hq, Sq, Sk] fp32 (the logits' gradient; None unless ``bias_grad``). Padded query rows
-  carry d_out = 0 and lse = -inf (p = 0). ``dq_rows`` / ``dkv_rows``: ``_pack_rows`` of the
-  backward schedule's kv lists and transposed q lists."""
+  """Padded inputs, a forward's (out, lse) and cotangents (padded rows: d_out 0, lse -inf) ->
+  (dq, dk, dv) in the input dtypes and dbias [B, Hq, Sq, Sk] fp32 (None unless ``bias_grad``)."""
   delta = softmax.delta_rows(out, d_out, d_lse)  # [B, Hq, Sq] fp32
   lse2 = softmax.lse_base2(lse)  # base 2, +inf -> p = 0
   do = d_out.astype(q.dtype)
@@ -500,8 +478,7 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, mask, bias, dq_rows, dkv_rows, out, lse, 
 
 
 def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _Static):
-  """dK / dV (padded inputs; ``rows``: transposed q lists of ``st``'s tiles) -> dk, dv
-  [B, nk * block_k, Hk, D / Dv]."""
+  """dK / dV (padded inputs; ``rows``: transposed q lists) -> dk, dv [B, nk * bk, Hk, D | Dv]."""
   b, sq, hq, _ = q.shape
   _, sk, hk, _ = v.shape
   g, bq, bk, nk = hq // hk, st.block_q, st.block_k, rows.shape[2]
@@ -540,8 +517,7 @@ def _dkv_call(q, k, v, q_seg, kv_seg, mask, bias, rows, do, lse2, delta, st: _St
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _flash_padded(st, bst, q, k, v, q_seg, kv_seg, mask, bias, fwd_rows, dq_rows, dkv_rows):
-  """st / fwd_rows: the forward's tiles and kv lists; bst / dq_rows / dkv_rows: the backward's
-  tiles, kv lists (dQ) and transposed q lists (dK/dV)."""
+  """st / fwd_rows: the forward's tiles and kv lists; bst, dq_rows, dkv_rows: the backward's."""
   return _fwd_call(q, k, v, q_seg, kv_seg, mask, bias, fwd_rows, st)
 
 
