@@ -1,7 +1,5 @@
-"""Training-time block sparsity and sparse decode (re-exports): block scores and selection
-(:mod:`jattn.sparse.selection`), block-sparse attention with gate gradients
-(:mod:`jattn.sparse.attention`), selection quality (:mod:`jattn.sparse.metrics`), and decode over
-running block summaries (:mod:`jattn.sparse.decode`)."""
+"""Training-time block sparsity and sparse decode (docs/sparse.md), re-exported from
+``selection``, ``attention`` (gate gradients included), ``metrics`` and ``decode``."""
 from jattn.sparse.attention import block_sparse_attention, block_sparse_plan, sparse_attention
 from jattn.sparse.decode import (BlockSummaries, init_block_summaries, select_decode_blocks,
                                  sparse_decode_attention, sparse_decode_plan,

@@ -128,13 +128,12 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
     >>> block_sparse_attention(q, q, q, sel, implementation="xla").shape
     (1, 256, 2, 32)
   """
-  batch, q_len, kv_len, _, hk = check_qkv(q, k, v)
-  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
-  check_selection(selection, batch, q_len, kv_len, hk)
-  scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   plan = block_sparse_plan(q, k, v, selection, causal=causal, segment_ids=segment_ids,
-                           kv_segment_ids=kv_segment_ids, return_lse=return_lse,
-                           implementation=implementation, interpret=interpret)
+                           kv_segment_ids=kv_segment_ids, scale=scale, return_lse=return_lse,
+                           implementation=implementation, interpret=interpret)   # validates
+  segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, q.shape[0],
+                                               q.shape[1], k.shape[1])
+  scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   out, lse = _run_block_sparse(plan, q, k, v, selection, causal=causal, segment_ids=segment_ids,
                                kv_segment_ids=kv_segment_ids, scale=scale, interpret=interpret)
   return (out, lse) if return_lse else out
@@ -142,10 +141,8 @@ def block_sparse_attention(q, k, v, selection, *, causal=True, segment_ids=None,
 
 def _tile_logit_grads(q, k, v, out, lse, dout, dlse, selection, q_seg, kv_seg, *, causal, scale,
                       max_chunk_elems=1 << 25):
-  """Per kept tile, dLoss/dlogit summed over its elements and the group's query heads (the
-  cotangent of a per-tile logit bias at zero): fp32 [b, kv_heads, nq, max_selected], 0 in
-  sentinel slots. dS = P * (dO.v - delta), delta = dO.out - dlse, P = exp(scale*q.k - lse) on
-  visible elements; chunked over query blocks (~max_chunk_elems floats per chunk)."""
+  """``pallas_kernels.sparse.gate_grad.tile_logit_grads`` in XLA, chunked over query blocks
+  (~max_chunk_elems floats per chunk): fp32 [b, kv_heads, nq, max_selected], 0 in unused slots."""
   b, sq, hq, d = q.shape
   _, sk, hk, dv = v.shape
   g = hq // hk
@@ -259,16 +256,14 @@ def sparse_attention(q, k, v, *, block_size, top_k, q_block_size=64, gate_grad="
     * "gumbel": r = (c * score + G) / T with G iid Gumbel(0, 1) from ``rng`` (Gumbel-top-k);
       the backward is straight-through like "ste".
 
-  The gate gradient costs one extra pass over the kept tiles (``pallas_kernels/sparse/gate_grad.py``
-  for "triton"/"mosaic_gpu", chunked XLA else). ``score_aux_weight`` = w > 0 adds
+  The gate gradient costs one extra pass over the kept tiles. ``score_aux_weight`` = w > 0 adds
   w * :func:`block_score_kl` to the backward only (``add_aux_loss``).
 
-  With ``mesh`` and ``axis_name`` the call is context-parallel (``docs/context_parallel.md``):
-  the arrays, in ``layout``'s order (``jattn.context_parallel_permute``), are split over the
-  axis; each device selects on the all-gathered pooled keys and a ring of block-sparse chunk-pair
-  kernels attends (pairs with no kept block skipped), equal to the single-device call, permuted.
-  It needs q_len == kv_len, block sizes dividing the chunk length ``ceil(len / (m P))`` (m = 2
-  for "zigzag", 1 for "contiguous"), gate_grad "none", score_aux_weight 0, no return_selection.
+  With ``mesh`` and ``axis_name`` the call is context-parallel (``docs/context_parallel.md``) on
+  arrays in ``layout``'s order (``jattn.context_parallel_permute``), equal to the single-device
+  call, permuted. It needs q_len == kv_len, block sizes dividing the chunk length
+  ``ceil(len / (m P))`` (m = 2 for "zigzag", 1 for "contiguous"), gate_grad "none",
+  score_aux_weight 0, no return_selection.
 
   Args:
     q, k, v, segment_ids, kv_segment_ids, scale, implementation, interpret: as in

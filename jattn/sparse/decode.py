@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,6 @@ from jattn._layout import hnd_pages_as_sequences
 from jattn._plan import Plan
 from jattn._validate import (as_array, check_flags, check_float, check_int, check_lengths,
                              check_nonempty, check_scale_and_cap)
-from jattn.decode import IMPLEMENTATIONS  # noqa: F401 (the sparse decode runs the same three)
 from jattn.decode import check_decode_call, resolve_decode_implementation
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
 from jattn.sparse.selection import (_HIGHEST, _selected_lists_by_sort, cdiv,
@@ -88,10 +86,9 @@ def _check_summaries(summaries, name="block_summaries"):
 def _gather_positions(k, page_table, pos, hnd=False):
   """Rows k[b, pos[b, t]] of a contiguous cache, or via the page table of a page pool
   (head-major caches or pages with ``hnd``): [b, t, hk, d]."""
-  if page_table is None and hnd:
-    return k[jnp.arange(k.shape[0])[:, None], :, pos]                        # [b, t, hk, d]
   if page_table is None:
-    return jnp.take_along_axis(k, pos[:, :, None, None], axis=1)             # [b, t, hk, d]
+    bi = jnp.arange(k.shape[0])[:, None]
+    return k[bi, :, pos] if hnd else k[bi, pos]                              # [b, t, hk, d]
   ps = k.shape[2 if hnd else 1]
   page = jnp.clip(jnp.take_along_axis(page_table, pos // ps, axis=1), 0, k.shape[0] - 1)
   return k[page, :, pos % ps] if hnd else k[page, pos % ps]                  # [b, t, hk, d]
@@ -262,8 +259,8 @@ def _decode_select_from_scores(scores, kv_lengths, *, block_size, top_k, num_ini
   k_eff, limit = top_k_cut(top_k, nb, diag[..., 0] + 1, jnp.sum(forced, -1))      # limit [b, 1]
   if not (ni + nl or k_eff):
     return jnp.full((b, hk, 1), -1, jnp.int32)
-  ms = decode_width(nb, top_k, num_init_blocks, num_local_blocks)
-  return _selected_lists_by_sort(scores, cand, fidx, None, k=k_eff, max_sel=ms, limit=limit)
+  return _selected_lists_by_sort(scores, cand, fidx, None, k=k_eff, limit=limit,
+                                 max_sel=decode_width(nb, top_k, num_init_blocks, num_local_blocks))
 
 
 def _sparse_decode_xla(q, k, v, kv_lengths, indices, page_table, block_size, scale, m_hat=None):
@@ -368,9 +365,9 @@ def sparse_decode_plan(q, k_cache, v_cache, kv_lengths=None, block_summaries=Non
     >>> p.op, p.implementation, p.config
     ('sparse_decode', 'xla', None)
   """
-  del kv_lengths, block_summaries, max_estimate
+  del kv_lengths, block_summaries
   _check_kv_layout(kv_layout)
-  check_serving_args(q, softmax, None, None, None, None, None)
+  check_serving_args(q, softmax, max_estimate, None, None, None, None)
   check_scale_and_cap(scale)
   check_flags(return_lse=return_lse, return_indices=return_indices, interpret=interpret)
   if page_table is not None:
@@ -434,51 +431,49 @@ def _attend(q, k, v, kv_lengths, summaries, page_table, *, plan, block_size, sel
     indices = _decode_select(q, summaries, kv_lengths, **sel)
     if plan.implementation == "mosaic_tpu":   # the kernel DMAs only the kept blocks
       from pallas_kernels.sparse.decode_tpu import sparse_decode as tpu_sparse_decode
-      out, lse = tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
-                                   page_table=page_table, block_size=block_size,
-                                   scale=float(scale), interpret=interpret)
-      return out, lse, indices
+      return (*tpu_sparse_decode(q, k, v, jnp.asarray(kv_lengths, jnp.int32), indices,
+                                 page_table=page_table, block_size=block_size,
+                                 scale=float(scale), interpret=interpret), indices)
     attend = functools.partial(_sparse_decode_xla, q, k, v, kv_lengths, indices, page_table,
                                block_size, scale)
     if softmax == "exact":
-      out, lse = attend()
-    else:   # one partial: the plain sum is the partial itself; flagged rows run exact
-      def partials(m_hat=None, active=None):
-        del active                    # the recompute runs every row (one partial per row)
-        if m_hat is not None:
-          return attend(m_hat)
-        o, l = attend()
-        return o[:, None].astype(jnp.float32), l[:, None]
-      out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
-                            merge="xla", interpret=interpret)
-    return out, lse, indices
-  # "triton", no XLA glue: scores and selection (a threshold search, no sort: ascending lists,
-  # counts, zeroed arrival counters) in one launch or two, then the split-KV attention.
-  from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
-  from pallas_kernels.sparse.decode_select import (decode_block_scores, score_select_decode_slots,
-                                                   select_decode_slots)
-  cfg = plan.config
-  lengths = jnp.asarray(kv_lengths, jnp.int32)
-  width = decode_width(summaries.num_blocks, **sel)
-  common = dict(block_size=block_size, interpret=interpret, lengths_group=lengths_group)
-  if cfg.fused_select:
-    indices, counts, arrivals = score_select_decode_slots(
-        q, summaries.sums, summaries.lengths, lengths, max_selected=width,
-        score_splits=cfg.score_splits, return_arrivals=True, **sel, **common)
-  else:
-    scores = decode_block_scores(q, summaries.sums, summaries.lengths, **common)
-    indices, counts, arrivals = select_decode_slots(scores, lengths, max_selected=width,
-                                                    return_arrivals=True, **sel, **common)
-  split = dict(num_splits=cfg.num_splits, scale=float(scale), blocks_per_step=cfg.blocks_per_step,
-               prefetch_ids=cfg.prefetch_ids, **common)
-  if softmax == "unified_max":     # split partials against one estimate, merged by a sum
+      return (*attend(), indices)
+
+    def partials(m_hat=None, active=None):   # one partial: the plain sum is the partial itself
+      del active                    # the recompute runs every row (one partial per row)
+      if m_hat is not None:
+        return attend(m_hat)
+      o, l = attend()
+      return o[:, None].astype(jnp.float32), l[:, None]
+    merge = "xla"
+  else:   # "triton", no XLA glue: scores and selection (a threshold search, no sort: ascending
+    # lists, counts, zeroed arrival counters) in one launch or two, then the split-KV attention.
+    from pallas_kernels.sparse.decode import sparse_decode, sparse_decode_partials
+    from pallas_kernels.sparse.decode_select import (decode_block_scores,
+                                                     score_select_decode_slots, select_decode_slots)
+    cfg = plan.config
+    lengths = jnp.asarray(kv_lengths, jnp.int32)
+    width = decode_width(summaries.num_blocks, **sel)
+    common = dict(block_size=block_size, interpret=interpret, lengths_group=lengths_group)
+    if cfg.fused_select:
+      indices, counts, arrivals = score_select_decode_slots(
+          q, summaries.sums, summaries.lengths, lengths, max_selected=width,
+          score_splits=cfg.score_splits, return_arrivals=True, **sel, **common)
+    else:
+      scores = decode_block_scores(q, summaries.sums, summaries.lengths, **common)
+      indices, counts, arrivals = select_decode_slots(scores, lengths, max_selected=width,
+                                                      return_arrivals=True, **sel, **common)
+    split = dict(num_splits=cfg.num_splits, scale=float(scale),
+                 blocks_per_step=cfg.blocks_per_step, prefetch_ids=cfg.prefetch_ids, **common)
+    if softmax == "exact":
+      return (*sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
+                             out_dtype=q.dtype, merge_kernel=cfg.merge_kernel, **split), indices)
     partials = functools.partial(sparse_decode_partials, q, k, v, lengths, indices, page_table,
-                                 counts, **split)
-    out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax,
-                          merge="pallas", interpret=interpret)
-  else:
-    out, lse = sparse_decode(q, k, v, lengths, indices, page_table, counts, arrivals,
-                             out_dtype=q.dtype, merge_kernel=cfg.merge_kernel, **split)
+                                 counts, **split)   # split partials against one estimate
+    merge = "pallas"
+  # "unified_max": partials merged by a plain sum, flagged rows recomputed exactly
+  out, lse = run_decode(partials, q, k.shape[2], max_estimate, None, softmax=softmax, merge=merge,
+                        interpret=interpret)
   return out, lse, indices
 
 
@@ -513,7 +508,6 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   kv_layout, softmax, max_estimate, interpret, return_lse, return_indices = (opts[n] for n in (
       "kv_layout", "softmax", "max_estimate", "interpret", "return_lse", "return_indices"))
   _check_kv_layout(kv_layout)
-  check_serving_args(q, softmax, max_estimate, None, None, None, None)
   _check_summaries(block_summaries)
   if block_summaries.layout != kv_layout:
     raise ValueError(f"block_summaries.layout={block_summaries.layout!r} != "
@@ -535,7 +529,7 @@ def _sparse_decode(q, k, v, kv_lengths, block_summaries, page_table, *, block_si
   if block_summaries.sums.shape != want:
     raise ValueError(f"block_summaries.sums must be {want} for this {kv_layout!r} cache "
                      f"{k.shape}, got {block_summaries.sums.shape}")
-  scale = 1.0 / math.sqrt(q.shape[-1]) if opts["scale"] is None else float(opts["scale"])
+  scale, _ = check_scale_and_cap(opts["scale"], head_dim=q.shape[-1])
   sel = tuple((n, opts[n]) for n in ("top_k", "num_init_blocks", "num_local_blocks"))
   out, lse, indices = (_hnd_attend if hnd else _attend)(
       q, k, v, kv_lengths, block_summaries, page_table, plan=plan, block_size=block_size,
@@ -551,13 +545,10 @@ def sparse_decode_attention(q, k_cache, v_cache, kv_lengths, block_summaries, *,
                             max_estimate=None):
   """Decode attention of one new token per sequence over the top-K blocks of a contiguous cache:
   :func:`select_decode_blocks` (per kv head), then attention to the kept blocks' positions
-  < kv_lengths.
-
-  Implementations: "xla" (gathers the kept blocks); "triton" (Pallas selection
-  ``pallas_kernels.sparse.decode_select``, then the split-KV ``pallas_kernels.sparse.decode``;
-  block_size a power of two >= 16); "mosaic_tpu" (XLA selection, then
-  ``pallas_kernels.sparse.decode_tpu``; block_size a multiple of 8 rows, 16 for 16-bit caches);
-  None picks "triton" on GPU, "mosaic_tpu" on TPU, "xla" elsewhere.
+  < kv_lengths. Implementations (docs/sparse.md): "xla" gathers the kept blocks; "triton"
+  (block_size a power of two >= 16) and "mosaic_tpu" (block_size a multiple of 8 rows, 16 for
+  16-bit caches) run the kernels of ``pallas_kernels.sparse``; None picks "triton" on GPU,
+  "mosaic_tpu" on TPU, "xla" elsewhere.
 
   Args:
     q: [batch, q_heads, head_dim]: the new token's queries (at position kv_lengths - 1).

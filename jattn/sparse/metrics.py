@@ -16,13 +16,18 @@ __all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_l
 _QUERY_POOLS = ("sum", "max")
 
 
-def _chunk_logits(q, k, segment_ids, kv_segment_ids, rows, num_chunks, dt, *, causal, scale):
-  """ci -> (logits, visibility) of query rows ci * rows .. (ci + 1) * rows - 1 on all keys,
-  products in ``dt``: scaled fp32 logits [b, hk, g, rows, kv_len] (-inf where hidden) and the
-  visibility [b or 1, 1, 1, rows, kv_len] (:func:`element_mask`; padding rows see nothing)."""
+def _chunk_logits(q, k, segment_ids, kv_segment_ids, unit, max_chunk_elems, dt, *, causal,
+                  scale):
+  """(logits, c, nc): nc chunks of c * unit query rows (about max_chunk_elems logits each);
+  logits(ci) gives chunk ci's scaled fp32 logits [b, hk, g, rows, kv_len] on all keys, products
+  in ``dt`` (-inf where hidden), and their visibility (:func:`element_mask`, broadcastable to
+  them; padding rows see nothing)."""
   (b, q_len, hq, d), (kv_len, hk) = q.shape, k.shape[1:3]
-  qf, kf = pad_axis(q.astype(dt), 1, num_chunks * rows), k.astype(dt)
-  qsg = None if segment_ids is None else pad_axis(segment_ids, 1, num_chunks * rows)
+  n = cdiv(q_len, unit)
+  c = int(max(1, min(n, max_chunk_elems // max(1, b * hq * unit * kv_len))))
+  rows, nc = c * unit, cdiv(n, c)
+  qf, kf = pad_axis(q.astype(dt), 1, nc * rows), k.astype(dt)
+  qsg = None if segment_ids is None else pad_axis(segment_ids, 1, nc * rows)
   prec = _HIGHEST if dt == jnp.float32 else None
 
   def logits(ci):
@@ -31,16 +36,13 @@ def _chunk_logits(q, k, segment_ids, kv_segment_ids, rows, num_chunks, dt, *, ca
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec,
                    preferred_element_type=jnp.float32)
     t = start + jnp.arange(rows)                                           # query index
-    if qsg is not None:
-      qs = jax.lax.dynamic_slice_in_dim(qsg, start, rows, 1)
-      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None,
-                         q_seg=qs[:, None, None, :], kv_seg=kv_segment_ids[:, None, None, :])
-    else:
-      vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal,
-                         window=None)[None, None, None]
+    seg = {} if qsg is None else dict(
+        q_seg=jax.lax.dynamic_slice_in_dim(qsg, start, rows, 1)[:, None, None, :],
+        kv_seg=kv_segment_ids[:, None, None, :])
+    vis = element_mask(t + kv_len - q_len, jnp.arange(kv_len), causal=causal, window=None, **seg)
     vis = vis & (t < q_len)[:, None]
     return jnp.where(vis, s * scale, -jnp.inf), vis
-  return logits
+  return logits, c, nc
 
 
 def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_ids=None,
@@ -69,10 +71,8 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   check_selection(selection, batch, q_len, kv_len, hk)
   scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
-  cq = int(max(1, min(q_len, max_chunk_elems // max(1, batch * hq * kv_len))))
-  nc = cdiv(q_len, cq)
-  logits = _chunk_logits(q, k, segment_ids, kv_segment_ids, cq, nc, jnp.float32, causal=causal,
-                         scale=scale)
+  logits, cq, nc = _chunk_logits(q, k, segment_ids, kv_segment_ids, 1, max_chunk_elems,
+                                 jnp.float32, causal=causal, scale=scale)
   tiles = selection.tile_mask()                                            # [b, hk, nq, nk]
   kblock = jnp.arange(kv_len) // selection.block_size                      # [sk]
 
@@ -120,24 +120,21 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
   """
   if query_pool not in _QUERY_POOLS:
     raise ValueError(f"query_pool must be one of {_QUERY_POOLS}, got {query_pool!r}")
-  batch, q_len, kv_len, hq, hk = check_qkv(q, k, k)
+  batch, q_len, kv_len, _, hk = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
   q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
-  g = hq // hk
   scale, _ = check_scale_and_cap(scale, head_dim=q.shape[-1])
   qbs, bs = int(q_block_size), int(block_size)
   nq, nk = cdiv(q_len, qbs), cdiv(kv_len, bs)
-  c = int(max(1, min(nq, max_chunk_elems // max(1, batch * hq * qbs * kv_len))))
-  nc = cdiv(nq, c)
-  logits = _chunk_logits(q, k, segment_ids, kv_segment_ids, c * qbs, nc,
-                         jnp.promote_types(q.dtype, k.dtype), causal=causal, scale=scale)
+  logits, c, nc = _chunk_logits(q, k, segment_ids, kv_segment_ids, qbs, max_chunk_elems,
+                                jnp.promote_types(q.dtype, k.dtype), causal=causal, scale=scale)
 
   def chunk(ci):
     s, vis = logits(ci)
     m = jnp.max(s, axis=-1, keepdims=True)
     p = jnp.where(vis, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
     p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)         # [b, hk, g, cq, sk]
-    p = jnp.sum(pad_axis(p, 4, nk * bs).reshape(batch, hk, g, c, qbs, nk, bs), axis=6)
+    p = jnp.sum(pad_axis(p, 4, nk * bs).reshape(batch, hk, -1, c, qbs, nk, bs), axis=6)
     p = jnp.max(p, axis=4) if query_pool == "max" else jnp.sum(p, axis=4)
     return jnp.sum(p, axis=2)                                              # [b, hk, c, nk]
 
@@ -205,22 +202,16 @@ def block_score_kl(q, k, *, block_size=64, q_block_size=64, causal=True, num_ini
                       query_pool=query_pool, max_chunk_elems=max_chunk_elems)
 
 
-def _score_kl_of(scores, rules, q, k, *, block_size, q_block_size, causal, num_init_blocks,
-                 num_local_blocks, segment_ids, kv_segment_ids, scale, temperature, query_pool,
-                 max_chunk_elems):
+def _score_kl_of(scores, rules, q, k, *, num_init_blocks, num_local_blocks, temperature, **kw):
   """:func:`block_score_kl` of checked arguments, given ``scores`` (with their gradient) and
-  ``segment_rules`` ``rules``: ``sparse_attention`` reuses its own."""
-  (batch, q_len, hk), kv_len = (q.shape[0], q.shape[1], k.shape[2]), k.shape[1]
-  mass = block_attention_mass(q, k, block_size=block_size, q_block_size=q_block_size,
-                              causal=causal, segment_ids=segment_ids,
-                              kv_segment_ids=kv_segment_ids, scale=scale, query_pool=query_pool,
-                              max_chunk_elems=max_chunk_elems)
+  ``segment_rules`` ``rules`` (``sparse_attention`` reuses its own); ``kw``: the keywords of
+  :func:`block_attention_mass`."""
   seg_ok, doc_start = rules
-  cand, _, _ = candidates(batch, hk, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
-                           block_size=int(block_size), causal=causal,
-                           num_init=int(num_init_blocks), num_local=int(num_local_blocks),
-                           seg_ok=seg_ok, doc_start=doc_start)
-  return score_kl(scale * scores / temperature, mass, cand)
+  cand, _, _ = candidates(q.shape[0], k.shape[2], q_len=q.shape[1], kv_len=k.shape[1],
+                           q_block_size=int(kw["q_block_size"]), block_size=int(kw["block_size"]),
+                           causal=kw["causal"], num_init=int(num_init_blocks),
+                           num_local=int(num_local_blocks), seg_ok=seg_ok, doc_start=doc_start)
+  return score_kl(kw["scale"] * scores / temperature, block_attention_mass(q, k, **kw), cand)
 
 
 @jax.custom_vjp

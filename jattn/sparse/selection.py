@@ -186,11 +186,10 @@ def _row_geometry(xp, q_len, kv_len, q_block_size, block_size, num_local):
 @functools.lru_cache(maxsize=256)
 def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local, top_k,
                    per_doc_init=False):
-  """From shapes alone (numpy): (n_visible [nq], n_forced [nq], max_selected, local_width).
-
-  ``per_doc_init`` (initial blocks at each document's start, unknown from shapes) makes
-  n_forced an upper bound, counting every visible local block as non-initial; under ``causal``
-  max_selected is unchanged (a local range overlapping the initial blocks covers all visible)."""
+  """From shapes alone (numpy): (max_selected, local_width). ``per_doc_init`` (initial blocks at
+  each document's start, unknown from shapes) counts every visible local block as non-initial;
+  under ``causal`` max_selected stays exact (a local range overlapping the initial blocks covers
+  all visible ones)."""
   nk = cdiv(kv_len, block_size)
   q_last, lo, hi = _row_geometry(np, q_len, kv_len, q_block_size, block_size, num_local)
   n_vis = np.clip(q_last // block_size + 1, 0, nk) if causal else np.full(q_last.shape, nk)
@@ -205,35 +204,12 @@ def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, nu
   budget = row_budget(top_k, nk)
   kept = (n_forced + np.minimum(min(top_k, nk), n_vis - n_forced) if budget is None
           else np.maximum(n_forced, budget[n_vis]))
-  return n_vis, n_forced, int(max(1, kept.max())), width
-
-
-def _structure(q_len, kv_len, q_block_size, block_size, causal, num_init, num_local):
-  """From iota (no large constants): visible, candidates [nq, nk] and the forced index lists
-  [nq, init + local_width] (-1 where absent)."""
-  nk = cdiv(kv_len, block_size)
-  q_last, lo, hi = _row_geometry(jnp, q_len, kv_len, q_block_size, block_size, num_local)
-  nq, j = q_last.shape[0], jnp.arange(nk, dtype=jnp.int32)[None, :]
-  visible = j * block_size <= q_last[:, None] if causal else jnp.ones((nq, nk), bool)
-  forced = j < num_init
-  if num_local > 0:
-    forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
-  cand = visible & ~forced
-  parts = [jnp.where(visible[:, :num_init], j[:, :num_init], -1)] if num_init else []
-  _, _, _, width = _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init,
-                                  num_local, 0)
-  if width:
-    loc = jnp.maximum(lo, 0)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-    ok = (loc <= hi[:, None]) & (loc >= num_init) & (loc < nk)
-    parts.append(jnp.where(ok, loc, -1))
-  parts = parts or [jnp.full((nq, 1), -1, jnp.int32)]
-  return visible, cand, jnp.concatenate(parts, axis=1).astype(jnp.int32)
+  return int(max(1, kept.max())), width
 
 
 def segment_ranges(seg, block):
   """Per-block (min, max) nonzero id of seg [b, n]; only 0 is padding (negative ids are
-  documents). A block without a document gets (INT32_MAX, INT32_MIN), so min <= max iff it has one.
-  """
+  documents); a block with no document gets (INT32_MAX, INT32_MIN): min <= max iff it has one."""
   b, nb = seg.shape[0], cdiv(seg.shape[1], block)
   s = pad_axis(seg.astype(jnp.int32), 1, nb * block).reshape(b, nb, block)
   real = s != 0
@@ -254,11 +230,9 @@ def segment_overlap(q_seg, kv_seg, q_block_size, block_size, ranges=None):
 
 def doc_start_blocks(q_seg, kv_seg, q_block_size, block_size, ranges=None):
   """int32 [b, nq]: the key block of the first key of query block i's document (its minimum
-  nonzero id d), nk for an all-padding query block (``ranges``: as for ``segment_overlap``).
-
-  That is the first document block whose running maximum id reaches d: exact for packed rows;
-  otherwise some block holding an id >= d, or nk (kept only if selectable, so safe).
-  """
+  nonzero id d), nk for an all-padding query block (``ranges``: as for ``segment_overlap``):
+  the first document block whose running maximum id reaches d. Exact for packed rows; otherwise
+  some block holding an id >= d, or nk (kept only if selectable, so safe)."""
   (qmn, qmx), (kmn, kmx) = ranges or (segment_ranges(q_seg, q_block_size),   # [b, nq]
                                       segment_ranges(kv_seg, block_size))     # [b, nk]
   nk = kmx.shape[1]
@@ -283,14 +257,11 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
   """A BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
 
   rows: None, or int [n], the query blocks of rank's n rows (>= nq: padding, nothing kept).
-  seg_ok, doc_start: None, or ``segment_overlap`` and ``doc_start_blocks`` (the initial blocks
-  then start at doc_start[b, i]). Lists hold no duplicates.
+  seg_ok, doc_start: both None, or ``segment_overlap`` and ``doc_start_blocks`` (the initial
+  blocks then start at doc_start[b, i]). Lists hold no duplicates.
   """
-  per_doc = doc_start is not None
-  if per_doc != (seg_ok is not None):
-    raise ValueError("segment ids need both seg_ok and doc_start")
-  _, _, max_sel, _ = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal),
-                                    num_init, num_local, top_k, per_doc_init=per_doc)
+  max_sel, _ = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal), num_init,
+                              num_local, top_k, per_doc_init=doc_start is not None)
   b, hk, nq, nk = rank.shape
   rank = jax.lax.stop_gradient(rank).astype(jnp.float32)
   cand, vis, fidx = candidates(b, hk, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
@@ -345,31 +316,43 @@ def _selected_lists_by_mask(rank, cand, fidx, visible, *, k, max_sel, keep_fn):
 
 def candidates(b, hk, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
                 seg_ok, doc_start):
-  """The block sets of ``select_lists``'s rules: cand (top-k's choices: selectable, not forced)
-  and vis (selectable), bool [b or 1, 1, nq, nk]; fidx int32 [b, hk, nq, width], the forced
-  (initial, local) blocks, -1 where absent."""
+  """The block sets of ``select_lists``'s rules, from iota (no large constants): cand (top-k's
+  choices: selectable, not forced) and vis (selectable), bool [b or 1, 1, nq, nk]; fidx int32
+  [b, hk, nq, width], the forced (initial, local) blocks, -1 where absent."""
   per_doc = doc_start is not None
-  visible, cand, forced_idx = _structure(q_len, kv_len, q_block_size, block_size, bool(causal),
-                                         0 if per_doc else num_init, num_local)
-  nk = visible.shape[1]
-  if per_doc:
-    # add each row's document-initial blocks to the local ones
-    n_init = min(num_init, nk)
-    ok = visible[None] & seg_ok                                       # [b, nq, nk] selectable
-    fidx = jnp.broadcast_to(forced_idx[None], (b,) + forced_idx.shape)  # [b, nq, width]
-    cand = cand[None] & seg_ok                                        # [b, nq, nk]
-    if n_init:
-      start = doc_start[:, :, None]                                   # [b, nq, 1]
-      init = start + jnp.arange(n_init, dtype=jnp.int32)[None, None]  # [b, nq, n_init]
-      fidx = jnp.where((fidx >= start) & (fidx < start + n_init), -1, fidx)   # listed as init
-      fidx = jnp.concatenate([init, fidx], axis=-1)
-      j = jnp.arange(nk, dtype=jnp.int32)[None, None]
-      cand = cand & ~((j >= start) & (j < start + n_init))
-    f_ok = jnp.take_along_axis(ok, jnp.clip(fidx, 0, nk - 1), axis=-1)
-    fidx = jnp.where((fidx >= 0) & (fidx < nk) & f_ok, fidx, -1).astype(jnp.int32)
-    return cand[:, None], ok[:, None], jnp.broadcast_to(fidx[:, None], (b, hk) + fidx.shape[1:])
-  return (cand[None, None], visible[None, None],
-          jnp.broadcast_to(forced_idx[None, None], (b, hk) + forced_idx.shape))
+  row_init = 0 if per_doc else num_init          # per document: added below
+  nk = cdiv(kv_len, block_size)
+  q_last, lo, hi = _row_geometry(jnp, q_len, kv_len, q_block_size, block_size, num_local)
+  nq, j = q_last.shape[0], jnp.arange(nk, dtype=jnp.int32)[None, :]
+  visible = j * block_size <= q_last[:, None] if causal else jnp.ones((nq, nk), bool)
+  forced = j < row_init
+  if num_local > 0:
+    forced = forced | ((j >= lo[:, None]) & (j <= hi[:, None]))
+  cand = visible & ~forced
+  parts = [jnp.where(visible[:, :row_init], j[:, :row_init], -1)] if row_init else []
+  _, width = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal), row_init,
+                            num_local, 0)
+  if width:
+    loc = jnp.maximum(lo, 0)[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    ok = (loc <= hi[:, None]) & (loc >= row_init) & (loc < nk)
+    parts.append(jnp.where(ok, loc, -1))
+  fidx = jnp.concatenate(parts or [jnp.full((nq, 1), -1, jnp.int32)], axis=1).astype(jnp.int32)
+  if not per_doc:
+    return cand[None, None], visible[None, None], jnp.broadcast_to(fidx, (b, hk) + fidx.shape)
+  # add each row's document-initial blocks to the local ones
+  n_init = min(num_init, nk)
+  ok = visible[None] & seg_ok                                         # [b, nq, nk] selectable
+  fidx = jnp.broadcast_to(fidx[None], (b,) + fidx.shape)              # [b, nq, width]
+  cand = cand[None] & seg_ok                                          # [b, nq, nk]
+  if n_init:
+    start = doc_start[:, :, None]                                     # [b, nq, 1]
+    init = start + jnp.arange(n_init, dtype=jnp.int32)[None, None]    # [b, nq, n_init]
+    fidx = jnp.where((fidx >= start) & (fidx < start + n_init), -1, fidx)   # listed as init
+    fidx = jnp.concatenate([init, fidx], axis=-1)
+    cand = cand & ~((j >= start) & (j < start + n_init))
+  f_ok = jnp.take_along_axis(ok, jnp.clip(fidx, 0, nk - 1), axis=-1)
+  fidx = jnp.where((fidx >= 0) & (fidx < nk) & f_ok, fidx, -1).astype(jnp.int32)
+  return cand[:, None], ok[:, None], jnp.broadcast_to(fidx[:, None], (b, hk) + fidx.shape[1:])
 
 
 def check_selection(selection, batch, q_len, kv_len, kv_heads):

@@ -1,10 +1,9 @@
 """Top-K block-sparse decode in portable Pallas GPU (Triton lowering), contiguous and paged.
 
-One program per (batch, kv head, split). Each (batch, kv head) has its own list of selected
-blocks of ``block_size`` tokens (``indices[b, h, :]``, -1 for unused slots); a split walks a share
-of its first ``counts[b, h]`` slots with an fp32 online softmax, the GQA group's queries in one
-tile (each selected K/V byte read once). The last split to arrive merges the partials (or
-``merge_partials_pallas`` with ``merge_kernel=True``).
+One program per (batch, kv head, split): a split walks a share of the first ``counts[b, h]``
+slots of its own block list ``indices[b, h, :]`` (-1: unused) with an fp32 online softmax, the
+GQA group's queries in one tile (each kept K/V byte read once). The last split to arrive merges
+the partials (or ``merge_partials_pallas`` with ``merge_kernel=True``).
 """
 from __future__ import annotations
 
@@ -39,21 +38,19 @@ def check_lengths(lengths, bsz, lengths_group, name):
                      f"{bsz} / lengths_group {lengths_group}), got {jnp.shape(lengths)}")
 
 
-def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block, group, g_pad,
-            head_dim, d_pad, head_dim_v, dv_pad, num_splits, num_slots, capacity, paged, merge,
-            split_stride, blocks_per_step, prefetch_ids, len_group, unified=False,
-            masked=False):
-  """One (batch, kv head, split) program.
-
-  Refs: lens [B / len_group]; idx [B, Hk, M] (-1 = unused); cnt [B, Hk] (slots to walk) or
-  None; q [B, Hq, D]; k, v [B, N, Hk, D | Dv] or, paged, [P * block, Hk, D | Dv] with the page
-  table [B, max_pages] first in ``rest``; then ``unified``'s m_hat [B, Hq] fp32 and ``masked``'s
-  active [B, S, Hk] int32 (programs at 0 read nothing). Outputs without ``merge``: the partials
-  o [B, S, Hq, Dv] and lse [B, S, Hq] fp32 (unified: acc, l and each split's max logit mx).
-  With ``merge`` and S > 1: the input counters [B, Hk] int32 (aliased to the third output),
-  then out [B, Hq, Dv], lse [B, Hq] fp32, the counters and the partials (HBM scratch); with S
-  == 1 just out and lse.
-  """
+def _kernel(lens_ref, idx_ref, *rest, scale, block, group, g_pad, head_dim, d_pad, head_dim_v,
+            dv_pad, num_splits, num_slots, capacity, counted, paged, merge, split_stride, bps,
+            prefetch_ids, len_group, unified, masked):
+  """One (batch, kv head, split) program. Refs: lens [B / len_group]; idx [B, Hk, M] (-1 =
+  unused); with ``counted`` cnt [B, Hk] (slots to walk); q [B, Hq, D]; k, v [B, N, Hk, D | Dv]
+  or, paged, [P * block, Hk, D | Dv] with the page table [B, max_pages] next; then ``unified``'s
+  m_hat [B, Hq] fp32 and ``masked``'s active [B, S, Hk] int32 (programs at 0 read nothing).
+  Outputs without ``merge``: the partials o [B, S, Hq, Dv] and lse [B, S, Hq] fp32 (unified:
+  acc, l and each split's max logit mx). With ``merge`` and S > 1: the input counters [B, Hk]
+  int32 (aliased to the third output), then out [B, Hq, Dv], lse [B, Hq] fp32, the counters and
+  the partials (HBM scratch); with S == 1 just out and lse."""
+  cnt_ref, *rest = rest if counted else (None, *rest)
+  q_ref, k_ref, v_ref, *rest = rest
   pt_ref, *rest = rest if paged else (None, *rest)
   mhat_ref, *rest = rest if unified else (None, *rest)
   act_ref, *rest = rest if masked else (None, *rest)
@@ -67,16 +64,18 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if split_stride != 1:
     split = (split * split_stride) % num_splits
-  length = jnp.maximum(jnp.minimum(plgpu.load(lens_ref.at[length_row(b, len_group)]), capacity),
-                       0)                                                        # scalar
+  length = jnp.clip(plgpu.load(lens_ref.at[length_row(b, len_group)]), 0, capacity)   # scalar
   n_slots = (jnp.int32(num_slots) if cnt_ref is None
              else jnp.clip(plgpu.load(cnt_ref.at[b, h]), 0, num_slots))
-  bps = int(blocks_per_step)
   per_split = _split_share(n_slots, num_splits, bps)
   begin = jnp.minimum(split * per_split, n_slots)
   end = jnp.maximum(jnp.minimum(begin + per_split, n_slots), begin)
   if masked:
     end = jnp.where(plgpu.load(act_ref.at[b, split, h]) != 0, end, begin)
+
+  def first_row(ids):                    # first pool row of blocks ids (pages clamped into it)
+    return jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(ids, 0)]), 0,
+                    k_ref.shape[0] // block - 1) * block
 
   if prefetch_ids:                       # the split's <= ids_pad ids, before the loop
     ids_pad = next_pow2(_split_share(num_slots, num_splits, bps), minimum=16)
@@ -84,9 +83,7 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     own = ar < end - begin
     ids_vec = plgpu.load(idx_ref.at[b, h, jnp.minimum(begin + ar, num_slots - 1)], mask=own,
                          other=-1)                                           # [ids_pad]
-    if paged:
-      pages_vec = jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(ids_vec, 0)]), 0,
-                           k_ref.shape[0] // block - 1)           # ids outside the pool: clamped
+    rows_vec = first_row(ids_vec) if paged else None
 
   q, (q_rows, cols, row_ok, col_ok, _) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
@@ -103,45 +100,29 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
   vcol_ok = vcols < head_dim_v if dv_pad != head_dim_v else None
   o_mask = row_ok[:, None] if vcol_ok is None else row_ok[:, None] & vcol_ok[None, :]
 
-  def lookup(s):
-    """Block id of slot s (-1 when s >= end or unused) and, paged, its first cache row; with
-    bps > 1, per tile row [bps * block], of slots s .. s + bps - 1."""
-    if prefetch_ids:                     # from the vector: no load in the step
-      def pick(vec, local):              # vec[local] for a scalar local in [0, ids_pad)
-        return jnp.sum(jnp.where(ar == local, vec, 0))
-      if bps == 1:
-        blk, page = pick(ids_vec, s - begin), (pick(pages_vec, s - begin) if paged else None)
-      else:
-        blk = page = None
-        for j in range(bps):             # the step's blocks, one per ``sub`` value
-          bj = pick(ids_vec, s - begin + j)
-          blk = bj if blk is None else jnp.where(sub == j, bj, blk)
-          if paged:
-            pj = pick(pages_vec, s - begin + j)
-            page = pj if page is None else jnp.where(sub == j, pj, page)
-        s = s + sub
-      blk = jnp.where(s < end, blk, -1)
-      return (blk, page * block) if paged else (blk, None)
+  def lookup(i):
+    """Block id of loop step i's slot s (-1 when s >= end or unused) and, paged, its first cache
+    row (else None); with bps > 1 (steps from 0), per tile row [bps * block], of slots s ..
+    s + bps - 1."""
+    s = i if bps == 1 else begin + i * bps
+    if prefetch_ids:                     # from the vectors: no load in the step
+      def pick(vec):                     # vec[s - begin + sub]: the step's blocks, per ``sub``
+        got = jnp.sum(jnp.where(ar == s - begin, vec, 0))
+        for j in range(1, bps):
+          got = jnp.where(sub == j, jnp.sum(jnp.where(ar == s - begin + j, vec, 0)), got)
+        return got
+      blk = jnp.where(s + (sub if bps > 1 else 0) < end, pick(ids_vec), -1)
+      return blk, (pick(rows_vec) if paged else None)
     blk = plgpu.load(idx_ref.at[b, h, jnp.minimum(s, num_slots - 1)])
     blk = jnp.where(s < end, blk, -1)
-    if paged:
-      page = jnp.clip(plgpu.load(pt_ref.at[b, jnp.maximum(blk, 0)]), 0, k_ref.shape[0] // block - 1)
-      return blk, page * block
-    return blk, None
-
-  def slot(i):
-    """First slot of loop step i (steps count slots when bps == 1, else from 0)."""
-    return i if bps == 1 else begin + i * bps
+    return blk, (first_row(blk) if paged else None)
 
   lookahead = not prefetch_ids
 
-  def body(s, carry):
-    if lookahead:
-      acc, m_prev, l_prev, blk, row0 = carry if paged else (*carry, None)
-      blk_next, row0_next = lookup(slot(s + 1))                      # one step ahead
-    else:
-      acc, m_prev, l_prev = carry
-      blk, row0 = lookup(slot(s))                                    # from the id vector
+  def body(i, carry):
+    acc, m_prev, l_prev, ahead = carry   # lookahead: step i's lookup, done one step before
+    nxt = lookup(i + 1) if lookahead else None
+    blk, row0 = ahead if lookahead else lookup(i)                    # else from the id vector
     ok = blk >= 0
     pos = jnp.maximum(blk, 0) * block + offs                         # [bps * block] tokens
     valid = (pos < length) & ok
@@ -165,27 +146,20 @@ def _kernel(lens_ref, idx_ref, cnt_ref, q_ref, k_ref, v_ref, *rest, scale, block
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
     v = load(v_ref, vcols, v_mask)
     pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)        # [g_pad, dv_pad]
-    if not lookahead:
-      return acc * alpha[:, None] + pv, m_new, l_new
-    new = (acc * alpha[:, None] + pv, m_new, l_new, blk_next)
-    return new + (row0_next,) if paged else new
+    return acc * alpha[:, None] + pv, m_new, l_new, nxt
 
   init = (jnp.zeros((g_pad, dv_pad), jnp.float32), jnp.full((g_pad,), -jnp.inf, jnp.float32),
-          jnp.zeros((g_pad,), jnp.float32))                         # acc, m, l
-  if lookahead:
-    blk0, row00 = lookup(begin)
-    init += (blk0,) + ((row00,) if paged else ())
+          jnp.zeros((g_pad,), jnp.float32), lookup(begin) if lookahead else None)  # acc, m, l
   lo, hi = (begin, end) if bps == 1 else (0, pl.cdiv(end - begin, bps))
   acc, m, l = jax.lax.fori_loop(lo, hi, body, init)[:3]
   if unified:                          # unnormalised sums against m_hat, and the max logit
-    plgpu.store(o_ref.at[b, split, q_rows[:, None], vcols[None, :]], acc, mask=o_mask)
-    plgpu.store(lse_ref.at[b, split, q_rows], l, mask=row_ok)
+    out, lse = acc, l
     plgpu.store(mx_ref.at[b, split, q_rows], m, mask=row_ok)
-    return
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  out = acc * (1.0 / l_safe)[:, None]                                # zeros when empty
-  lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
+  else:
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    out = acc * (1.0 / l_safe)[:, None]                              # zeros when empty
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(l_safe))
   if merge and num_splits == 1:                                      # nothing to merge
     plgpu.store(out_ref.at[b, q_rows[:, None], vcols[None, :]], out.astype(out_ref.dtype),
                 mask=o_mask)
@@ -282,14 +256,12 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
       _kernel, scale=float(scale), block=block_size, group=group,
       g_pad=next_pow2(group, minimum=16), head_dim=d, d_pad=next_pow2(d, minimum=16),
       head_dim_v=dv, dv_pad=next_pow2(dv, minimum=16), num_splits=int(num_splits),
-      num_slots=indices.shape[-1], capacity=capacity, paged=paged, merge=merge,
-      split_stride=int(split_stride), blocks_per_step=int(blocks_per_step),
+      num_slots=indices.shape[-1], capacity=capacity, counted=counts is not None, paged=paged,
+      merge=merge, split_stride=int(split_stride), bps=int(blocks_per_step),
       prefetch_ids=bool(prefetch_ids), len_group=int(lengths_group), unified=m_hat is not None,
       masked=active is not None)
   args = [kv_lengths.astype(jnp.int32), indices.astype(jnp.int32)]
-  if counts is None:
-    kernel = functools.partial(_no_counts, kernel)
-  else:
+  if counts is not None:
     args.append(counts.astype(jnp.int32))
   args += [q, k, v]
   if paged:
@@ -304,10 +276,6 @@ def _prepare(q, k, v, kv_lengths, indices, page_table, counts, *, block_size, nu
                        f"{(bsz, int(num_splits), hk)}, got {active.shape}")
     args.append(active.astype(jnp.int32))
   return kernel, (bsz, hk, int(num_splits)), (bsz, hq, dv), args
-
-
-def _no_counts(kernel, lens_ref, idx_ref, *refs):
-  return kernel(lens_ref, idx_ref, None, *refs)
 
 
 def _compiler_params():
@@ -400,26 +368,23 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
   if math.gcd(int(_split_stride), int(num_splits)) != 1:
     raise ValueError(f"_split_stride {_split_stride} must be coprime with num_splits {num_splits}")
   out_dtype = q.dtype if out_dtype is None else out_dtype
+  kw = dict(block_size=block_size, num_splits=num_splits, scale=scale,
+            blocks_per_step=blocks_per_step, prefetch_ids=prefetch_ids, lengths_group=lengths_group)
   if merge_kernel and int(num_splits) > 1:       # partials, then one merge kernel
-    o, lse = sparse_decode_partials(
-        q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
-        num_splits=num_splits, scale=scale, blocks_per_step=blocks_per_step,
-        prefetch_ids=prefetch_ids, lengths_group=lengths_group, interpret=interpret)
+    o, lse = sparse_decode_partials(q, k, v, kv_lengths, indices, page_table, counts,
+                                    interpret=interpret, **kw)
     return merge_partials_pallas(o, lse, out_dtype=out_dtype, interpret=interpret)
-  kernel, grid, (bsz, hq, dv), args = _prepare(
-      q, k, v, kv_lengths, indices, page_table, counts, block_size=block_size,
-      num_splits=num_splits, scale=scale, merge=True, split_stride=_split_stride,
-      blocks_per_step=blocks_per_step, prefetch_ids=prefetch_ids, lengths_group=lengths_group)
+  kernel, grid, (bsz, hq, dv), args = _prepare(q, k, v, kv_lengths, indices, page_table, counts,
+                                               merge=True, split_stride=_split_stride, **kw)
   hk = grid[1]
   out_shape = [jax.ShapeDtypeStruct((bsz, hq, dv), jnp.dtype(out_dtype)),
                jax.ShapeDtypeStruct((bsz, hq), jnp.float32)]
-  aliases = {}
+  aliases = {len(args): 2} if num_splits > 1 else {}
   if num_splits > 1:                     # the counters (updated in place) and the scratch
     if arrivals is None:
       arrivals = jnp.zeros((bsz, hk), jnp.int32)
     elif arrivals.shape != (bsz, hk):
       raise ValueError(f"arrivals must be [batch, kv_heads] = [{bsz}, {hk}], got {arrivals.shape}")
-    aliases = {len(args): 2}
     args.append(arrivals.astype(jnp.int32))
     out_shape += [jax.ShapeDtypeStruct((bsz, hk), jnp.int32),
                   jax.ShapeDtypeStruct((bsz, num_splits, hq, dv), jnp.float32),

@@ -17,7 +17,7 @@ from pallas_kernels import compat
 from pallas_kernels.common.util import next_pow2
 from pallas_kernels.decode.triton import load_group_query
 from pallas_kernels.sparse.decode import check_lengths, default_num_splits, length_row
-from pallas_kernels.sparse.topk import INT_MIN, bit_search, total_order_key
+from pallas_kernels.sparse.topk import INT_MIN, bit_search, keep_top, total_order_key
 
 __all__ = ["decode_block_scores", "select_decode_slots", "score_select_decode_slots",
            "default_score_splits", "decode_width"]
@@ -51,18 +51,15 @@ def _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split, *, chunks_per_sp
   """Scores of chunks split * chunks_per_split .. + chunks_per_split - 1 of (b, h)'s blocks
   (``chunk`` blocks each, one [chunk, d_pad] load of the key sums) into s_ref: the group's summed
   queries . key sum / max(count, 1), fp32 (sequence b's summary length is slen[b // len_group]).
-  Returns ``arrived`` (= 1), the value to count the arrival with.
-
-  Memory order (as in ``sparse_decode``'s merge): the selection reads scores stored by other
-  threads (and programs). ``arrived`` reduces the whole [g_pad, d_pad] query tile across all
-  warps (shared memory + a CTA barrier after the score stores); the atomic (acq_rel, GPU scope)
-  increment depends on it and the selection's loads follow the atomic's broadcast result."""
+  Returns ``arrived`` (= 1) to count the arrival with. Memory order as in ``sparse_decode``'s
+  merge: it reduces the whole [g_pad, d_pad] query tile across all warps (a CTA barrier after
+  the score stores), the atomic increment depends on it, and the selection's loads (of scores
+  other threads and programs stored) follow the atomic's broadcast result."""
   q, (_, cols, _, col_ok, q_mask) = load_group_query(
       q_ref, b, h, group=group, g_pad=g_pad, head_dim=head_dim, d_pad=d_pad)  # [g_pad, d_pad]
   qsum = jnp.sum(q.astype(jnp.float32), axis=0)                      # [d_pad], padded rows 0
   for i in range(chunks_per_split):
-    c = split * chunks_per_split + i
-    rows = c * chunk + jnp.arange(chunk, dtype=jnp.int32)            # [chunk] block ids
+    rows = (split * chunks_per_split + i) * chunk + jnp.arange(chunk, dtype=jnp.int32)  # block ids
     row_ok = rows < num_blocks
     mask = row_ok[:, None] if col_ok is None else row_ok[:, None] & col_ok[None, :]
     sums = plgpu.load(sums_ref.at[b, rows[:, None], h, cols[None, :]], mask=mask, other=0.0)
@@ -81,14 +78,18 @@ def _score_kernel(slen_ref, q_ref, sums_ref, o_ref, **kw):
                pl.program_id(2), chunks_per_split=1, **kw)
 
 
-def _check_score_inputs(q, sums):
-  """Checks q [batch, q_heads, head_dim] against the block sums; returns (batch, kv_heads,
-  num_blocks, head_dim, group, chunk), chunk = blocks per score tile."""
+def _check_score_inputs(q, sums, summary_lengths, block_size, lengths_group):
+  """Checks q [batch, q_heads, head_dim] against the block sums and their lengths; returns (batch,
+  kv_heads, num_blocks, the static keywords of ``_score_share`` but ``chunks_per_split``)."""
   bsz, hq, d = q.shape
   _, nb, hk, ds = sums.shape
   if ds != d or hq % hk or sums.shape[0] != bsz:
     raise ValueError(f"q {q.shape} does not match the block sums {sums.shape}")
-  return bsz, hk, nb, d, hq // hk, min(SCORE_CHUNK, next_pow2(nb, minimum=16))
+  check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
+  return bsz, hk, nb, dict(chunk=min(SCORE_CHUNK, next_pow2(nb, minimum=16)), group=hq // hk,
+                           g_pad=next_pow2(hq // hk, minimum=16), head_dim=d,
+                           d_pad=next_pow2(d, minimum=16), block=int(block_size), num_blocks=nb,
+                           len_group=int(lengths_group))
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "interpret", "lengths_group"))
@@ -112,15 +113,11 @@ def decode_block_scores(q, sums, summary_lengths, *, block_size, interpret=False
     >>> decode_block_scores(q, sums, jnp.array([40]), block_size=16, interpret=True)[0, 0]
     Array([2., 2., 4.], dtype=float32)
   """
-  bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums)
-  check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
-  kernel = functools.partial(_score_kernel, block=int(block_size), chunk=chunk, group=group,
-                             g_pad=next_pow2(group, minimum=16), head_dim=d,
-                             d_pad=next_pow2(d, minimum=16), num_blocks=nb,
-                             len_group=int(lengths_group))
+  bsz, hk, nb, kw = _check_score_inputs(q, sums, summary_lengths, block_size, lengths_group)
   return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
-      grid=(bsz, hk, pl.cdiv(nb, chunk)),
+      functools.partial(_score_kernel, **kw),
+      out_shape=jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
+      grid=(bsz, hk, pl.cdiv(nb, kw["chunk"])),
       compiler_params=compat.triton_compiler_params(num_warps=4, num_stages=1),
       interpret=interpret, name="jattn_sparse_decode_scores")(
           summary_lengths.astype(jnp.int32), q, sums.astype(jnp.float32))
@@ -142,27 +139,25 @@ def _keep_flags(len_ref, s_ref, b, h, *, block, num_blocks, nb_pad, num_init, nu
   if top_k > 0:
     cand = visible & ~forced
     s = plgpu.load(s_ref.at[b, h, j], mask=real, other=0.0)          # [nb_pad] fp32
-    # lax.top_k(where(cand, s, -inf), top_k) over the real blocks, then keep the candidates:
-    # the top_k largest keys, ties to the lower block id.
+    # lax.top_k(where(cand, s, -inf), top_k) over the real blocks (ties to the lower block id)
     key = jnp.where(cand, total_order_key(s), _NEG_INF_KEY)
     t_u, c_t = bit_search(key, real, top_k=top_k, n_real=num_blocks)
     thr = t_u ^ INT_MIN
-
-    def by_rank():                             # keys > thr, then ties at thr by block id
-      above = (key > thr) & real
-      need = top_k - jnp.sum(above.astype(jnp.int32))               # ties at thr to take
-      tie = (key == thr) & real
-      tie_i = tie.astype(jnp.int32)
-      tie_rank = jnp.cumsum(tie_i) - tie_i                             # ties before j
-      return cand & (above | (tie & (tie_rank < need)))
     # exactly top_k keys >= thr (the usual case): all of them, no rank of the ties
-    keep = keep | jax.lax.cond(c_t == top_k, lambda: cand & (key >= thr) & real, by_rank)
+    keep = keep | jax.lax.cond(c_t == top_k, lambda: cand & (key >= thr) & real,
+                               lambda: cand & keep_top(key, thr, real, top_k))
   return j, keep
 
 
-def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, width, **flags):
-  """The selection of (batch b, kv head h) from its scores in ``s_ref`` (shared by the
-  selection kernel and the fused score + selection kernel): writes idx[b, h] and cnt[b, h]."""
+def _select_body(len_ref, s_ref, idx_ref, cnt_ref, arr_ref=None, *, b=None, h=None, width,
+                 **flags):
+  """The selection of (batch b, kv head h) from its scores in ``s_ref``: writes idx[b, h] and
+  cnt[b, h], and zeroes arr[b, h] (the merged decode kernel's counter) unless arr_ref is None.
+  Called by the fused score + selection kernel, or the selection kernel itself (b, h None: one
+  (batch, kv head) program; refs len [B / len_group] (query position + 1), scores [B, Hk, N]
+  fp32, outputs idx [B, Hk, width], cnt [B, Hk] and optionally the counters [B, Hk], int32)."""
+  if b is None:
+    b, h = pl.program_id(0), pl.program_id(1)
   j, keep = _keep_flags(len_ref, s_ref, b, h, **flags)
   keep_i = keep.astype(jnp.int32)
   incl = jnp.cumsum(keep_i)                                          # [nb_pad]
@@ -172,22 +167,15 @@ def _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, *, width, **flags):
   slot = jnp.where(keep, incl - 1, count + j - incl)
   plgpu.store(idx_ref.at[b, h, slot], jnp.where(keep, j, -1), mask=slot < width)
   plgpu.store(cnt_ref.at[b, h], count)
+  if arr_ref is not None:
+    plgpu.store(arr_ref.at[b, h], jnp.int32(0))
 
 
-def _select_kernel(len_ref, s_ref, idx_ref, cnt_ref, *arr, **sel):
-  """One (batch, kv head) program. Refs: len [B / len_group] (query position + 1); scores
-  [B, Hk, N] fp32; outputs idx [B, Hk, width], cnt [B, Hk] and optionally the arrival
-  counters [B, Hk] (set to 0), int32."""
-  b, h = pl.program_id(0), pl.program_id(1)
-  _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, **sel)
-  if arr:                                      # zeroed counters for the merged decode kernel
-    plgpu.store(arr[0].at[b, h], jnp.int32(0))
-
-
-def _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks, max_selected,
-                      lengths_group):
-  """(num_warps, static keywords of ``_select_body``). Warps grow with the blocks: 4, 8 from
-  2048 blocks (faster than 4 or 16 there), at most 16."""
+def _selection_params(kv_lengths, bsz, nb, block_size, top_k, num_init_blocks, num_local_blocks,
+                      max_selected, lengths_group):
+  """Checks kv_lengths; returns (num_warps, static keywords of ``_select_body``). Warps grow with
+  the blocks: 4, 8 from 2048 blocks (faster than 4 or 16 there), at most 16."""
+  check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
   nb_pad = next_pow2(nb, minimum=16)
   num_warps = int(min(16, max(8 if nb_pad >= 2048 else 4, nb_pad // 512)))
   sel = dict(block=int(block_size), num_blocks=nb, nb_pad=nb_pad,
@@ -226,40 +214,31 @@ def select_decode_slots(scores, kv_lengths, *, block_size, top_k, num_init_block
     ([[[0, 1, 3, 4]]], [[4]])
   """
   bsz, hk, nb = scores.shape
-  check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
-  num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
-                                     max_selected, lengths_group)
+  num_warps, sel = _selection_params(kv_lengths, bsz, nb, block_size, top_k, num_init_blocks,
+                                     num_local_blocks, max_selected, lengths_group)
   out_shape = ([jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32)]          # idx, cnt
                + [jax.ShapeDtypeStruct((bsz, hk), jnp.int32)] * (2 if return_arrivals else 1))
   return pl.pallas_call(
-      functools.partial(_select_kernel, **sel), out_shape=out_shape, grid=(bsz, hk),
+      functools.partial(_select_body, **sel), out_shape=out_shape, grid=(bsz, hk),
       compiler_params=compat.triton_compiler_params(num_warps=num_warps, num_stages=1),
       interpret=interpret, name="jattn_sparse_decode_select")(
           kv_lengths.astype(jnp.int32), scores.astype(jnp.float32))
 
 
-def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group, g_pad,
-                         head_dim, d_pad, score_splits, chunks_per_split, split_stride,
-                         **sel):
-  """One (batch, kv head, score split) program: scores, then (last to arrive) the selection.
-
-  Refs: slen [B] (positions summarised); len [B] (query position + 1); q [B, Hq, D]; sums
-  [B, N, Hk, D] fp32; with score_splits > 1 the arrival counters [B, Hk] int32 (zeros, input
-  aliased to the last output). Outputs: scores [B, Hk, N] fp32, idx [B, Hk, width] int32,
-  cnt [B, Hk] int32, then the counters (with score_splits > 1, or when requested: set to 0).
-  """
-  if score_splits > 1:
-    _, s_ref, idx_ref, cnt_ref, arr_ref = rest
-  else:
-    s_ref, idx_ref, cnt_ref, *arr = rest
-    arr_ref = arr[0] if arr else None
+def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, score, score_splits,
+                         split_stride, **sel):
+  """One (batch, kv head, score split) program: scores (``score``: keywords of ``_score_share``),
+  then (last to arrive) the selection. Refs: slen [B] (positions summarised); len [B] (query
+  position + 1); q [B, Hq, D]; sums [B, N, Hk, D] fp32; with score_splits > 1 the arrival
+  counters [B, Hk] int32 (zeros, input aliased to the last output). Outputs: scores [B, Hk, N]
+  fp32, idx [B, Hk, width] int32, cnt [B, Hk] int32, then the counters (with score_splits > 1,
+  or when requested: set to 0)."""
+  s_ref, idx_ref, cnt_ref, *arr = rest[1:] if score_splits > 1 else rest   # [1:]: the input
+  arr_ref = arr[0] if arr else None
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   if split_stride != 1:                  # tests: make a split other than S-1 arrive last
     split = (split * split_stride) % score_splits
-  arrived = _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split,
-                         chunks_per_split=chunks_per_split, chunk=chunk, group=group,
-                         g_pad=g_pad, head_dim=head_dim, d_pad=d_pad, block=sel["block"],
-                         num_blocks=sel["num_blocks"], len_group=sel.get("len_group", 1))
+  arrived = _score_share(slen_ref, q_ref, sums_ref, s_ref, b, h, split, **score)
   if score_splits > 1:
     last = plgpu.atomic_add(arr_ref, (b, h), arrived) == score_splits - 1
   else:
@@ -267,9 +246,7 @@ def _score_select_kernel(slen_ref, len_ref, q_ref, sums_ref, *rest, chunk, group
 
   @pl.when(last)
   def _select():
-    _select_body(len_ref, s_ref, idx_ref, cnt_ref, b, h, **sel)
-    if arr_ref is not None:              # zeroed counters for the merged decode kernel
-      plgpu.store(arr_ref.at[b, h], jnp.int32(0))
+    _select_body(len_ref, s_ref, idx_ref, cnt_ref, arr_ref, b=b, h=h, **sel)
 
 
 def default_score_splits(batch, kv_heads, num_blocks, *, core_count=None, programs_per_core=2):
@@ -330,10 +307,8 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
     >>> idx.tolist(), cnt.tolist()
     ([[[0, 3, 4, 5]]], [[4]])
   """
-  bsz, hk, nb, d, group, chunk = _check_score_inputs(q, sums)
-  check_lengths(summary_lengths, bsz, lengths_group, "summary_lengths")
-  check_lengths(kv_lengths, bsz, lengths_group, "kv_lengths")
-  n_chunks = pl.cdiv(nb, chunk)
+  bsz, hk, nb, score = _check_score_inputs(q, sums, summary_lengths, block_size, lengths_group)
+  n_chunks = pl.cdiv(nb, score["chunk"])
   score_splits = default_score_splits(bsz, hk, nb) if score_splits is None else score_splits
   if int(score_splits) < 1:
     raise ValueError(f"score_splits must be >= 1, got {score_splits}")
@@ -341,22 +316,19 @@ def score_select_decode_slots(q, sums, summary_lengths, kv_lengths, *, block_siz
   splits = pl.cdiv(n_chunks, per_split)
   if math.gcd(int(_split_stride), splits) != 1:
     raise ValueError(f"_split_stride {_split_stride} must be coprime with the {splits} splits")
-  num_warps, sel = _selection_params(nb, block_size, top_k, num_init_blocks, num_local_blocks,
-                                     max_selected, lengths_group)
-  kernel = functools.partial(_score_select_kernel, chunk=chunk, group=group,
-                             g_pad=next_pow2(group, minimum=16), head_dim=d,
-                             d_pad=next_pow2(d, minimum=16), score_splits=splits,
-                             chunks_per_split=per_split, split_stride=int(_split_stride), **sel)
+  num_warps, sel = _selection_params(kv_lengths, bsz, nb, block_size, top_k, num_init_blocks,
+                                     num_local_blocks, max_selected, lengths_group)
+  kernel = functools.partial(_score_select_kernel, score=dict(score, chunks_per_split=per_split),
+                             score_splits=splits, split_stride=int(_split_stride), **sel)
   args = [summary_lengths.astype(jnp.int32), kv_lengths.astype(jnp.int32), q,
           sums.astype(jnp.float32)]
   out_shape = [jax.ShapeDtypeStruct((bsz, hk, nb), jnp.float32),
                jax.ShapeDtypeStruct((bsz, hk, max_selected), jnp.int32),
                jax.ShapeDtypeStruct((bsz, hk), jnp.int32)]
-  aliases = {}
+  aliases = {len(args): 3} if splits > 1 else {}      # zeroed counters, updated in place
   if splits > 1 or return_arrivals:
     out_shape.append(jax.ShapeDtypeStruct((bsz, hk), jnp.int32))
   if splits > 1:
-    aliases = {len(args): 3}
     args.append(jnp.zeros((bsz, hk), jnp.int32))
   res = pl.pallas_call(
       kernel, out_shape=out_shape, grid=(bsz, hk, splits), input_output_aliases=aliases,

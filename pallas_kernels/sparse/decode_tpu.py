@@ -1,20 +1,12 @@
 """Top-K block-sparse decode for TPU (Pallas Mosaic), contiguous and paged caches.
 
-Grid (batch, kv head, slot). The kept-block lists ``indices[b, h, :]`` (valid ids first, then
--1), ``counts``, the lengths and (paged) the page table are scalar-prefetched and read by the K/V
-index maps, so step ``j`` DMAs only block ``indices[b, h, j]``. Slots past the count repeat the
-last kept block's index (Pallas skips a DMA whose block index is unchanged) and skip the compute;
-an empty list maps to block 0, so no index map points outside the cache. The slot axis runs an
-fp32 online softmax over the GQA group's query rows in VMEM scratch; V rows past the length are
-zeroed (spare pages may hold NaN).
-
-Two DMA layouts, both one DMA per kept block of K and of V:
-
-* one head's lanes (``kv_heads == 1``, or head_dim and head_dim_v multiples of 128): the cache is
-  viewed as ``[.., tokens, kv_heads * D]`` and a block is ``[block_size, D]`` at lane-block h;
-* all heads' rows (otherwise, a [.., D] lane slice not being 128-aligned): the block is
-  ``[block_size * kv_heads, D]`` (row ``t * kv_heads + h``) and head h's rows are taken by a
-  strided sublane load: kv_heads times the kept bytes, so prefer 128-multiple head dims.
+Grid (batch, kv head, slot). The kept-block lists, counts, lengths and (paged) the page table are
+scalar-prefetched and read by the K/V index maps, so step ``j`` DMAs only block
+``indices[b, h, j]``; slots past the count repeat the last kept block's index (Pallas skips the
+DMA) and skip the compute, and an empty list maps to block 0. An fp32 online softmax over the GQA
+group's query rows runs in VMEM scratch; V rows past the length are zeroed (spare pages may hold
+NaN). One DMA per kept block of K and of V, of one head's lanes of a ``[.., tokens, kv_heads * D]``
+view or of every head's rows (then a strided sublane load): see :func:`head_lanes_layout`.
 """
 from __future__ import annotations
 
@@ -53,12 +45,10 @@ def head_lanes_layout(kv_heads, head_dim, head_dim_v):
 
 def _kernel(lens_ref, idx_ref, cnt_ref, *refs, scale, block, kv_heads, num_slots, capacity,
             head_rows, paged):
-  """refs: [page_table (SMEM),] q [g_pad, D], k [block (* Hk), D], v [block (* Hk), Dv];
-  outputs o [g_pad, Dv], lse [g_pad, LANES]; scratch m, l [g_pad, LANES], acc [g_pad, Dv].
-  ``head_rows``: the K/V blocks hold every kv head's rows (row t * Hk + h)."""
-  if paged:
-    refs = refs[1:]                                                 # the table feeds index maps
-  q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  """refs: [page_table (SMEM, for the index maps),] q [g_pad, D], k [block (* Hk), D], v [block
+  (* Hk), Dv]; outputs o [g_pad, Dv], lse [g_pad, LANES]; scratch m, l [g_pad, LANES], acc
+  [g_pad, Dv]. ``head_rows``: the K/V blocks hold every kv head's rows (row t * Hk + h)."""
+  q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs[1:] if paged else refs
   b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   count = jnp.clip(cnt_ref[b * kv_heads + h], 0, num_slots)
   blk = idx_ref[(b * kv_heads + h) * num_slots + jnp.minimum(j, num_slots - 1)]
@@ -156,7 +146,6 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
                      f"multiple of {sub} for {k.dtype} caches")
   if paged:
     check_page_table(q, page_table)
-    num_pages = k.shape[0]
     if rows0 != block_size:
       raise ValueError(f"page size {rows0} must equal block_size {block_size}")
     num_blocks = page_table.shape[1]
@@ -176,12 +165,11 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
     counts = jnp.sum(indices >= 0, axis=-1)
   # Free reshapes: [.., tokens, Hk * D] (head h = lane block h) or [.., tokens * Hk, D].
   rows, heads = (rows0, hk) if lanes else (rows0 * hk, 1)
-  k3 = k.reshape(k.shape[0], rows, heads * d)
-  v3 = v.reshape(v.shape[0], rows, heads * dv)
+  k3, v3 = (x.reshape(x.shape[0], rows, heads * x.shape[-1]) for x in (k, v))
   prefetch = [jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, capacity),
               indices.reshape(-1), counts.astype(jnp.int32).reshape(-1)]
   if paged:
-    prefetch.append(jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1))
+    prefetch.append(jnp.clip(page_table.astype(jnp.int32), 0, k.shape[0] - 1))
   fixed = lambda b, h, j, *_: (b, h, 0, 0)
 
   def kv_index(b, h, j, lens_ref, idx_ref, cnt_ref, *table_ref):

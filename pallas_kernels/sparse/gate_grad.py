@@ -1,11 +1,10 @@
 """Per-tile sums of dLoss/dlogits over the kept tiles of a block selection (Pallas, Triton).
 
 The straight-through gate of ``jattn.sparse.sparse_attention`` adds a zero-valued bias to every
-logit of a kept tile; its cotangent is the sum of dS = P * (dO.v - delta) over the tile (delta =
-dO.out - dlse). One program per (batch, query head, query tile) walks the tile's kept key blocks,
-recomputes P = exp(scale * q k^T - lse) under the element mask and dP = dO v^T, and reduces dS to
-one number per kept tile: the two matmuls per tile of a flash backward's dQ pass, without its
-accumulator.
+logit of a kept tile; its cotangent is the tile's sum of dS = P * (dO.v - delta), with
+delta = dO.out - dlse. One program per (batch, query head, query tile) walks its kept key blocks,
+recomputing P = exp(scale * q k^T - lse) under the element mask and dP = dO v^T (a flash
+backward's dQ pass without its accumulator), and reduces dS to one number per kept tile.
 """
 from __future__ import annotations
 
@@ -31,19 +30,14 @@ def _kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *
   fp32 (lse -inf on padded rows); optional q_seg [B, Sq_p], kv_seg [B, Sk_p]; output
   [B, Hq, nq, slots_pad] fp32.
   """
-  if segmented:
-    qs_ref, ks_ref, o_ref = rest
-  else:
-    o_ref, = rest
+  *seg_refs, o_ref = rest                                            # q_seg, kv_seg if segmented
   b = pl.program_id(0)
   h = pl.program_id(1)
   i = pl.program_id(2)
   hk = h // group
-  d_p = q_ref.shape[-1]
-  dv_p = v_ref.shape[-1]
   rows = i * block_q + jnp.arange(block_q, dtype=jnp.int32)          # [block_q]
-  cols = jnp.arange(d_p, dtype=jnp.int32)
-  cols_v = jnp.arange(dv_p, dtype=jnp.int32)
+  cols = jnp.arange(q_ref.shape[-1], dtype=jnp.int32)
+  cols_v = jnp.arange(v_ref.shape[-1], dtype=jnp.int32)
   q = plgpu.load(q_ref.at[b, rows[:, None], h, cols[None, :]])       # [block_q, d_p]
   do = plgpu.load(do_ref.at[b, rows[:, None], h, cols_v[None, :]])   # [block_q, dv_p]
   lse = plgpu.load(lse_ref.at[b, h, rows])                           # [block_q]
@@ -52,7 +46,7 @@ def _kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *
   lse = jnp.where(row_ok, lse, 0.0)
   q_pos = rows + q_offset
   if segmented:
-    q_seg = plgpu.load(qs_ref.at[b, rows])
+    q_seg = plgpu.load(seg_refs[0].at[b, rows])
   precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
   count = plgpu.load(cnt_ref.at[b, hk, i])
   slot_ids = jnp.arange(slots_pad, dtype=jnp.int32)
@@ -68,7 +62,7 @@ def _kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *
     if causal:
       mask = mask & (k_pos[None, :] <= q_pos[:, None])
     if segmented:
-      k_seg = plgpu.load(ks_ref.at[b, k_pos])
+      k_seg = plgpu.load(seg_refs[1].at[b, k_pos])
       mask = mask & (q_seg[:, None] == k_seg[None, :]) & (k_seg != 0)[None, :]
     p = jnp.where(mask, jnp.exp(jnp.where(mask, s - lse[:, None], 0.0)), 0.0)
     dp = plgpu.dot(do, v, trans_b=True, precision=precision)         # [block_q, block_k] fp32
@@ -114,8 +108,8 @@ def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_i
   for name, n in (("block_q", block_q), ("block_k", block_k)):
     if n < 16 or n & (n - 1):
       raise ValueError(f"{name} must be a power of two >= 16 for the Triton kernel, got {n}")
-  b, sq, hq, d = q.shape
-  _, sk, hk, dv = v.shape
+  b, sq, hq, _ = q.shape
+  _, sk, hk, _ = v.shape
   group = hq // hk
   nq, nk = -(-sq // block_q), -(-sk // block_k)
   m = indices.shape[-1]
@@ -124,14 +118,11 @@ def tile_logit_grads(q, k, v, out, lse, dout, dlse, indices, counts, q_segment_i
                      f"nq={nq}; got {indices.shape}, {counts.shape}")
   f32 = jnp.float32
   delta = jnp.einsum("bshd,bshd->bhs", dout.astype(f32), out.astype(f32)) - dlse.astype(f32)
-  qp = pad_axis(pad_axis(q, 1, nq * block_q), 3, next_pow2(d, minimum=16))
-  kp = pad_axis(pad_axis(k, 1, nk * block_k), 3, next_pow2(d, minimum=16))
-  vp = pad_axis(pad_axis(v, 1, nk * block_k), 3, next_pow2(dv, minimum=16))
-  dop = pad_axis(pad_axis(dout.astype(q.dtype), 1, nq * block_q), 3, next_pow2(dv, minimum=16))
-  lsep = jnp.pad(lse.astype(f32), ((0, 0), (0, 0), (0, nq * block_q - sq)),
-                 constant_values=-jnp.inf)
-  deltap = pad_axis(delta, 2, nq * block_q)
-  args = [indices.astype(jnp.int32), counts.astype(jnp.int32), qp, kp, vp, dop, lsep, deltap]
+  def pad(x, n):                             # n rows (axis 1), lanes to a power of two >= 16
+    return pad_axis(pad_axis(x, 1, n), 3, next_pow2(x.shape[3], minimum=16))
+  args = [indices.astype(jnp.int32), counts.astype(jnp.int32), pad(q, nq * block_q),
+          pad(k, nk * block_k), pad(v, nk * block_k), pad(dout.astype(q.dtype), nq * block_q),
+          pad_axis(lse.astype(f32), 2, nq * block_q, -jnp.inf), pad_axis(delta, 2, nq * block_q)]
   segmented = q_segment_ids is not None
   if segmented:
     args += [pad_axis(q_segment_ids.astype(jnp.int32), 1, nq * block_q),

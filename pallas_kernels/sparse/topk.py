@@ -1,10 +1,7 @@
-"""Row-wise top-k as a keep mask, one Pallas program per row (Triton lowering), without a sort.
-
-``lax.top_k`` over the 1024 key blocks of a training-time selection row is a GPU sort (0.33 ms
-of a 28.3 ms block-sparse training call at 64K tokens on the H200). Here each program finds its
-row's k-th largest value by :func:`bit_search` and keeps the values above it and the ties at it
-by lowest index: ``lax.top_k``'s set, as a mask. ``pallas_kernels.sparse.decode_select`` finds
-its threshold with the same search.
+"""Row-wise top-k as a keep mask, one Pallas program per row (Triton lowering), without a sort:
+``lax.top_k`` over a training-time selection row's 1024 key blocks is a GPU sort (0.33 ms of a
+28.3 ms block-sparse training call at 64K tokens on the H200). Each program finds its row's k-th
+largest value by :func:`bit_search` (as ``decode_select`` does) and keeps :func:`keep_top`'s set.
 """
 from __future__ import annotations
 
@@ -69,9 +66,6 @@ def bit_search(key, real, *, top_k, n_real=None, return_steps=False):
     >>> int(bit_search(key, jnp.ones(3, bool), top_k=2) ^ INT_MIN) == int(key[2])
     True
   """
-  def count(trial):
-    return jnp.sum(((key >= (trial ^ INT_MIN)) & real).astype(jnp.int32))
-
   def cond(c):
     i, _, _, done = c
     return (i < 32) & jnp.logical_not(done)
@@ -79,7 +73,7 @@ def bit_search(key, real, *, top_k, n_real=None, return_steps=False):
   def body(c):                           # bit 31 - i; 1 << 31 wraps to INT_MIN in int32
     i, t_u, c_t, _ = c
     trial = t_u | jax.lax.shift_left(jnp.int32(1), 31 - i)
-    n_ge = count(trial)
+    n_ge = jnp.sum(((key >= (trial ^ INT_MIN)) & real).astype(jnp.int32))   # real keys >= trial
     ok = n_ge >= top_k
     return i + 1, jnp.where(ok, trial, t_u), jnp.where(ok, n_ge, c_t), n_ge == top_k
 
@@ -89,20 +83,21 @@ def bit_search(key, real, *, top_k, n_real=None, return_steps=False):
   return res[0] if len(res) == 1 else res
 
 
+def keep_top(key, thr, real, top_k):
+  """The ``top_k`` real keys at signed threshold ``thr``: all above it, then ties at it by lowest
+  index (``lax.top_k``'s set), as a bool mask."""
+  above = (key > thr) & real
+  need = top_k - jnp.sum(above.astype(jnp.int32))         # ties at thr to take, lowest first
+  tie = ((key == thr) & real).astype(jnp.int32)
+  return above | ((tie > 0) & (jnp.cumsum(tie) - tie < need))   # ties before j < need
+
+
 def _kernel(x_ref, o_ref, *, n, n_pad, top_k):
   r = pl.program_id(0)
   j = jnp.arange(n_pad, dtype=jnp.int32)
   real = j < n
-  x = plgpu.load(x_ref.at[r, j], mask=real, other=0.0)
-  key = total_order_key(x)
-  t_u = bit_search(key, real, top_k=top_k)
-  thr = t_u ^ INT_MIN
-  above = (key > thr) & real
-  need = top_k - jnp.sum(above.astype(jnp.int32))         # ties at thr to take, lowest first
-  tie = (key == thr) & real
-  tie_i = tie.astype(jnp.int32)
-  tie_rank = jnp.cumsum(tie_i) - tie_i
-  keep = above | (tie & (tie_rank < need))
+  key = total_order_key(plgpu.load(x_ref.at[r, j], mask=real, other=0.0))
+  keep = keep_top(key, bit_search(key, real, top_k=top_k) ^ INT_MIN, real, top_k)
   plgpu.store(o_ref.at[r, j], keep.astype(jnp.int8), mask=real)
 
 
