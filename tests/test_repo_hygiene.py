@@ -32,11 +32,10 @@ HISTORY_RE = re.compile("|".join(f"(?P<g{i}>{p})" for i, p in enumerate(HISTORY_
                         re.IGNORECASE)
 
 MAX_LIBRARY_FILE_LINES = 1200
-# The library's line budget (comments and docstrings included): the flash, decode, sparse, layer
-# and packing families with the tuning command, input validation, the jax.nn drop-in, serving
-# decode and context parallelism, about 14,100 lines. A ratchet: a change that needs more raises
-# it on purpose.
-MAX_LIBRARY_PY_LINES = 14_200
+# The library's line budget (comments and docstrings included) for every capability: the flash,
+# decode, sparse, layer and packing families with the tuning command, input validation, the jax.nn
+# drop-in, serving decode and context parallelism.
+MAX_LIBRARY_PY_LINES = 13_600
 MAX_EXPERIMENTS_FILES = 60
 MAX_EXPERIMENTS_BYTES = 3 * 1024 * 1024
 MAX_README_LINES = 250
