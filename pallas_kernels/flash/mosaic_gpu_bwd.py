@@ -639,7 +639,8 @@ def _zero_nonfinite(ref):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, st: _Static):
-  """Refs as ``_dkv_kernel`` (the dQ bounds / walk) -> dq [B, Sq', Hq, D]; scratch: ``_dq_call``."""
+  """Refs as ``_dkv_kernel`` (the dQ bounds / walk) -> dq [B, Sq', Hq, D]; scratch: ``_dq_call``.
+  A barrier that two TMA copies complete needs 2 arrivals: with 1 the first copy ends the phase."""
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = None
   if st.has_seg:
     q_seg_ref, kv_seg_ref, *refs = refs
