@@ -181,16 +181,17 @@ def test_matches_jax_nn_sweep(implementation):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_groups,min_cases", [pytest.param(80, 200, marks=pytest.mark.slow),
-                                                  (16, 36)])
-def test_matches_jax_nn_gpu(num_groups, min_cases):
-  """The GPU paths against jax.nn: 16 case groups (39 cases) in the lean GPU suite, 80 (208) with
-  --run-slow."""
+@pytest.mark.parametrize("num_groups,min_cases,shard,shards",
+                         [pytest.param(80, 200, 0, 1, marks=pytest.mark.slow),
+                          *[(16, 36, i, 4) for i in range(4)]])
+def test_matches_jax_nn_gpu(num_groups, min_cases, shard, shards):
+  """The GPU paths against jax.nn: 16 case groups (39 cases) in the lean GPU suite, in 4 shards
+  that xdist spreads over its workers; 80 (208) with --run-slow."""
   groups, rng = _groups(200, num_groups, lengths=(1, 100, 257, 1000))
   assert _cases(groups) >= min_cases
-  for group in groups:   # fp32: Triton on every GPU
+  for group in groups[shard::shards]:   # fp32: Triton on every GPU
     check_group(group, rng, implementation=None)
-  for group in groups[:20]:   # bf16 (Mosaic GPU on Hopper where it covers the call)
+  for group in groups[:20][shard::shards]:   # bf16 (Mosaic GPU on Hopper where it covers the call)
     kw, q, k, v, arrays = group
     if q.shape[-1] in (16, 32):   # head_dim 64: the Hopper kernels' sizes
       q, k, v = (jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, 32)]) for x in (q, k, v))
