@@ -341,17 +341,19 @@ GPU_KINDS = (LayerSpec("global", rope_base=None), LayerSpec("local", window=64),
     dict(num_layers=5, layers=GPU_KINDS, qk_norm=True),
     dict(num_layers=3, layers=GPU_KINDS[:3], kv_lora_rank=32, rope_head_dim=16),
 ], ids=["all_kinds", "mla"])
-def test_gpu_default_kernels_match_xla(cfg_kw, dtype, tol):
+@pytest.mark.parametrize("part", ["model", "layers"])
+def test_gpu_default_kernels_match_xla(cfg_kw, dtype, tol, part):
   """Forward, gradients and decode with the platform kernels (implementation=None) agree with
-  the "xla" path on the same weights."""
+  the "xla" path on the same weights: the whole model, then (a test of its own, so that xdist
+  runs the two in parallel) layer by layer."""
   # fp32 means fp32: without this, XLA runs the fp32 projections on the GPU as TF32 (~1e-3
   # relative), and prefill vs one-token decode round differently (different matmul shapes).
   precision = "highest" if dtype == jnp.float32 else "default"
   with jax.default_matmul_precision(precision):
-    _check_default_kernels_match_xla(cfg_kw, dtype, tol)
+    _check_default_kernels_match_xla(cfg_kw, dtype, tol, part)
 
 
-def _check_default_kernels_match_xla(cfg_kw, dtype, tol):
+def _check_default_kernels_match_xla(cfg_kw, dtype, tol, part):
   """Whole model: loss (and in fp32 every gradient and the decoded logits). Per layer, on the
   reference model's activations: attention output, every gradient and decode.
 
@@ -378,22 +380,23 @@ def _check_default_kernels_match_xla(cfg_kw, dtype, tol):
       return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     return nnx.jit(nnx.value_and_grad(loss))(m)
 
-  (l1, g1), (l2, g2) = loss_and_grads(model), loss_and_grads(ref)
-  assert abs(float(l1) - float(l2)) < tol * abs(float(l2))
-  if dtype == jnp.float32:
-    for a, b in zip(leaves(g1), leaves(g2)):
-      assert _rel(f32(a), f32(b)) < 5 * tol
   # decode selects sparse blocks per token: compare with the q_block_size=1 forward
   per_token = tuple(dataclasses.replace(s, q_block_size=1) if s.kind == "sparse" else s
                     for s in cfg.layers)
   ref1 = with_config(model, dataclasses.replace(cfg, implementation="xla", layers=per_token))
-  if dtype == jnp.float32:
-    full = nnx.jit(lambda m, t: m(t))(ref1, tokens[:, :256]).astype(jnp.float32)
-    model.init_cache(2, 256, dtype)
-    step = nnx.jit(lambda m, t: m.decode(t))
-    outs = [step(model, tokens[:, :250])] + [step(model, tokens[:, i:i + 1])
-                                             for i in range(250, 256)]
-    assert _rel(f32(jnp.concatenate(outs, 1)), full) < tol
+  if part == "model":
+    (l1, g1), (l2, g2) = loss_and_grads(model), loss_and_grads(ref)
+    assert abs(float(l1) - float(l2)) < tol * abs(float(l2))
+    if dtype == jnp.float32:
+      for a, b in zip(leaves(g1), leaves(g2)):
+        assert _rel(f32(a), f32(b)) < 5 * tol
+      full = nnx.jit(lambda m, t: m(t))(ref1, tokens[:, :256]).astype(jnp.float32)
+      model.init_cache(2, 256, dtype)
+      step = nnx.jit(lambda m, t: m.decode(t))
+      outs = [step(model, tokens[:, :250])] + [step(model, tokens[:, i:i + 1])
+                                               for i in range(250, 256)]
+      assert _rel(f32(jnp.concatenate(outs, 1)), full) < tol
+    return
 
   # layer by layer on the reference model's activations
   fwd = nnx.jit(lambda a, h: a(h, return_qk=True))
