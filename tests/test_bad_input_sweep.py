@@ -405,10 +405,6 @@ def outcome(spec, case):
   return ("silent" if case.invalid else "accepted"), None
 
 
-# Inputs the library does not yet refuse by name, by (entry point, argument): each group's bad
-# inputs are listed as expected failures; a group with none left fails the test (drop it here).
-KNOWN_GAPS = {}
-
 CASES = _cases()
 SPECS = {}
 
@@ -420,9 +416,8 @@ def _spec(entry):
 
 
 def test_sweep_covers_every_implementation():
-  """>= 350 generated inputs outside the known gaps, on each of xla, triton and mosaic_tpu."""
-  count = collections.Counter((c.entry, c.impl) for c in CASES
-                              if (c.entry, c.arg) not in KNOWN_GAPS)
+  """>= 350 generated inputs on each of xla, triton and mosaic_tpu."""
+  count = collections.Counter((c.entry, c.impl) for c in CASES)
   print("\n".join(f"{e:32s} {i or '-':10s} {n}" for (e, i), n in sorted(count.items(), key=str)))
   per_impl = collections.Counter()
   for (_, impl), n in count.items():
@@ -435,23 +430,17 @@ def test_sweep_covers_every_implementation():
 @pytest.mark.parametrize("entry", sorted({c.entry for c in CASES}))
 def test_bad_input_sweep(entry):
   """Every generated input of ``entry``: refused naming the argument, or (valid inputs only)
-  accepted; never silent, unnamed or another exception. Known gaps are listed as xfail."""
-  tally, bad, gaps = collections.Counter(), [], collections.defaultdict(list)
+  accepted; never silent, unnamed or another exception."""
+  tally, bad = collections.Counter(), []
   for case in (c for c in CASES if c.entry == entry):
     result, err = outcome(_spec(entry), case)
     tally[case.impl or "-", result] += 1
     if result in ("named", "accepted"):
       continue
     line = f"{case.id} -> {result}" + (f" ({type(err).__name__}: {str(err)[:150]})" if err else "")
-    (gaps[entry, case.arg] if (entry, case.arg) in KNOWN_GAPS else bad).append(line)
+    bad.append(line)
   print(entry, dict(sorted(tally.items())))
   assert not bad, f"{len(bad)} bad outcomes:\n" + "\n".join(bad)
-  stale = [k for k in KNOWN_GAPS if k[0] == entry and not gaps[k]]
-  assert not stale, f"known gaps now refused by name (drop them from KNOWN_GAPS): {stale}"
-  if gaps:
-    pytest.xfail("known gaps: " + "; ".join(f"{k[1]}: {KNOWN_GAPS[k]} ({len(v)} inputs: "
-                                            f"{', '.join(x.split(': ', 1)[1] for x in v)})"
-                                            for k, v in gaps.items()))
 
 
 # ----------------------------------------------------------------------------- valid edge inputs
