@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as PS
 
 from jattn._validate import (as_array, check_flags, check_int, check_qkv, check_scale_and_cap,
                              check_segments)
-from jattn.attention import flash_attention
+from jattn.attention import flash_attention, flash_attention_plan, kernel_module
 from jattn.decode import decode_attention
 from jattn.merge import merge, merge_partials
 from jattn.sparse import selection as sel_ops
@@ -198,6 +198,10 @@ class ContextParallelPlan:
       a step's fully visible pairs of one chunk (with segment ids: pair by pair).
     joint: zig-zag pass-KV: the one call over device P-1's adjacent own chunks (P-1 and P) at
       shift 0, in place of their pairs; else None.
+    halo: ring, contiguous layout, a window reaching back at most a chunk and never forward:
+      the forward (without segment ids) receives only the previous device's last ``halo`` keys
+      (the window rounded up to 256, or the chunk) and runs one call over them and its own
+      chunk (P calls; "mosaic_gpu" reads them in place); else 0.
 
   Example:
     >>> context_parallel_plan(64, 64, 2, causal=True).kernel_calls   # 10 chunk pairs
@@ -212,6 +216,7 @@ class ContextParallelPlan:
   calls: tuple
   table: np.ndarray = dataclasses.field(compare=False)
   joint: PairCall | None = None
+  halo: int = 0
 
   def _whole(self, i) -> PairCall | None:
     """The unmasked call over all local rows and keys of step ``i`` if all its pairs are full."""
@@ -222,6 +227,8 @@ class ContextParallelPlan:
 
   @property
   def kernel_calls(self) -> int:
+    if self.halo:
+      return self.num_shards
     joint = 0 if self.joint is None else np.count_nonzero(self.table[-1, 0]) - 1
     one = lambda i: self._whole(i) or all(_strip(self, i, e) for e in range(self.num_shards))
     return int(sum(self.num_shards if one(i) else np.count_nonzero(self.table[:, i])
@@ -286,6 +293,9 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(index),
                              table[:, list(shifts)])
   keep = joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0)
+  if (strategy, layout, shifts, cq, window and window[1]) == ("ring", "contiguous", (0, 1), ck, 0) \
+      and selection is None and (plan.table[:, 1, 0, 0] > 0).sum() == p:   # whole kernel tiles:
+    return dataclasses.replace(plan, halo=min(ck, -(-window[0] // 256) * 256))
   return dataclasses.replace(plan, joint=joint) if keep else plan
 
 
@@ -314,6 +324,28 @@ def _run_call(call, kern, q, k, v, qs, ks, sel=None):
         sl(q, call.q0, call.nq), sl(k, call.k0, call.nk), sl(v, call.k0, call.nk),
         local_window_size=call.window, logits_soft_cap=kern.logits_soft_cap, **opts)
   return jax.lax.optimization_barrier((out, jnp.swapaxes(lse, 1, 2)))
+
+
+def _halo_forward(plan, kern, q, k, v, prev):
+  """(out, lse [B, L, H]) of one device under ``plan.halo``: its own chunk's diagonal call with
+  the keys ``prev`` = (k, v) [B, halo, Hk, D] of the previous device in front (None: device 0)."""
+  diag = plan.calls[plan.table[0, 0, 0, 0] - 1]
+  if prev is None:
+    return _run_call(diag, kern, q, k, v, None, None)
+  kw = dict(causal=diag.causal, local_window_size=diag.window, scale=kern.scale,
+            logits_soft_cap=kern.logits_soft_cap)
+  both = [(a, jax.ShapeDtypeStruct((a.shape[0], a.shape[1] + b.shape[1], *a.shape[2:]), a.dtype))
+          for a, b in zip(prev, (k, v))]
+  fp = flash_attention_plan(q, *(x[1] for x in both), return_lse=True, interpret=kern.interpret,
+                            implementation=kern.implementation, **kw)
+  if fp.implementation == "mosaic_gpu" and plan.halo % fp.config.block_k == 0:   # no copy
+    out, lse = kernel_module("mosaic_gpu").flash_attention(q, k, v, block_sizes=fp.config,
+                                                            kv_prefix=prev, **kw)
+  else:
+    out, lse = flash_attention(q, *(jnp.concatenate(x, 1) for x in zip(prev, (k, v))),
+                               return_lse=True, implementation=kern.implementation,
+                               interpret=kern.interpret, **kw)
+  return out, jnp.swapaxes(lse, 1, 2)
 
 
 def _empty(q, v, rows):   # (zeros, -inf): nothing visible
@@ -496,6 +528,11 @@ def _ring_steps(plan, axis_name, xs):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _ring(plan, kern, axis_name, q, k, v, qs, ks, sel):
   """``sel``: None, or this device's rows of a block selection (int [B, Hk, q blocks, n])."""
+  if plan.halo and qs is None and sel is None:
+    prev = _shift((k[:, -plan.halo:], v[:, -plan.halo:]), 1, axis_name, plan.num_shards)
+    return jax.lax.cond(jax.lax.axis_index(axis_name) == 0,
+                        lambda *x: _halo_forward(plan, kern, *x[:3], None),
+                        lambda *x: _halo_forward(plan, kern, *x), q, k, v, prev)
   return _pass_kv_forward(plan, kern, jax.lax.axis_index(axis_name), q, v, qs,
                           _ring_steps(plan, axis_name, (k, v, ks)), sel)
 
@@ -641,6 +678,9 @@ def ring_device_forward(plan, q, kv_shards, device, *, scale=None, logits_soft_c
   if plan.strategy == "ring_q":
     raise ValueError("plan.strategy must be 'ring' or 'all_gather', got 'ring_q'")
   kern = _kernel(q, scale, logits_soft_cap, implementation, interpret)
+  if plan.halo:
+    return _halo_forward(plan, kern, q, *kv_shards[device], device and tuple(
+        x[:, -plan.halo:] for x in kv_shards[device - 1]) or None)
   kvs = ((*kv_shards[(device - s) % plan.num_shards], None) for s in plan.shifts)
   return _pass_kv_forward(plan, kern, device, q, kv_shards[device][1], None, kvs)
 

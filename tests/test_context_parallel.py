@@ -74,7 +74,11 @@ def test_windows_run_only_neighbour_steps():
   # chunk 128, window 64: a device's own chunks and its predecessor's
   kw = {"causal": True, "local_window_size": (63, 0)}
   p = jattn.context_parallel_plan(1024, 1024, 4, layout="contiguous", **kw)
-  assert p.shifts == (0, 1) and p.kernel_calls == 4 + 3
+  # the forward: one call per device over its chunk and the previous one's last 256 keys
+  assert p.shifts == (0, 1) and p.halo == 256 and p.kernel_calls == 4
+  assert np.count_nonzero(p.table) == 4 + 3      # the backward's chunk pairs
+  assert jattn.context_parallel_plan(1024, 1024, 4, layout="contiguous", causal=True,
+                                     local_window_size=(63, 1)).halo == 0   # reaches forward
   z = jattn.context_parallel_plan(2048, 2048, 4, layout="zigzag", **kw)
   # own: chunk pairs (d, d), (2P-1-d, 2P-1-d), and at d = P-1 chunk P after chunk P-1 (those
   # three: one joint call); shift 1: chunk d-1 before d (d >= 1); shift P-1: chunk 2P-2-d
@@ -241,12 +245,13 @@ def _check(strategy, layout, *, lq=100, lk=None, hq=4, hk=2, causal=True, window
 
 CASES = {   # strategies and layouts (SLOW: the rest); masks, GQA, soft cap, odd lengths spread over them
     "ring_zigzag": {"strategy": "ring", "layout": "zigzag", "docs": 5, "cap": 5.0},
-    "ring_contiguous": {"strategy": "ring", "layout": "contiguous", "causal": False,
-                        "window": (7, 3)},
+    "ring_contiguous_halo": {"strategy": "ring", "layout": "contiguous", "window": (7, 0)},
     "ring_q_contiguous": {"strategy": "ring_q", "layout": "contiguous", "causal": False, "docs": 3},
     "all_gather_contiguous": {"strategy": "all_gather", "layout": "contiguous", "cap": 3.0},
 }
 SLOW = {
+    "ring_contiguous": {"strategy": "ring", "layout": "contiguous", "causal": False,
+                        "window": (7, 3)},
     "all_gather_zigzag": {"strategy": "all_gather", "layout": "zigzag", "window": (5, 0)},
     "ring_q_zigzag": {"strategy": "ring_q", "layout": "zigzag", "lq": 40, "lk": 100,
                       "causal": False, "window": (9, 2)},

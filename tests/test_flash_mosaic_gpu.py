@@ -275,6 +275,23 @@ def test_protocols_lower_with_a_block_schedule(protocol, causal, seg):
   assert "mosaic_gpu" in text and "wgmma" in text
 
 
+def test_kv_prefix_lowers_and_checks():
+  """``kv_prefix`` (a context-parallel ring's halo read from its own arrays) lowers with two
+  more kernel operands; a prefix that is not whole tiles, or with segment ids, is refused."""
+  q = jax.ShapeDtypeStruct((1, 1000, 2, 128), jnp.bfloat16)
+  pre = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  fn = jax.jit(lambda q, k, v, kp, vp: mg.flash_attention(
+      q, k, v, causal=True, local_window_size=(200, 0), kv_prefix=(kp, vp)))
+  lowered = fn.trace(q, q, q, pre, pre).lower(lowering_platforms=("cuda",))
+  assert [a.shape for a in jax.tree.leaves(lowered.out_info)] == [(1, 1000, 2, 128), (1, 2, 1000)]
+  odd = jax.ShapeDtypeStruct((1, 100, 2, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="kv_prefix"):
+    mg.flash_attention(q, q, q, causal=True, kv_prefix=(odd, odd))
+  ids = jax.ShapeDtypeStruct((1, 1000), jnp.int32)
+  with pytest.raises(ValueError, match="kv_prefix"):
+    mg.flash_attention(q, q, q, ids, ids, kv_prefix=(pre, pre))
+
+
 def test_shared_memory_overflow_fails_to_lower():
   """The lowering checks the shared-memory budget (so the lowering test can fail): 3 stages of
   128-key tiles at D128 need ~227 KiB plus barriers, over the limit."""
@@ -1311,3 +1328,22 @@ def test_gpu_tail_kv_splits_forward_and_vjp(backward):
   bs = _bs(128, 2, "overlap", tail_kv_splits=4, backward=backward)
   got, want = _vjp_vs_reference(q, k, v, False, interpret=False, block_sizes=bs)
   _assert_vjp_close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,window", [(128, (300, 0)), (64, None)])
+def test_gpu_kv_prefix_equals_the_concatenation(d, window):
+  """The forward over keys split in two arrays (``kv_prefix``) is bit-identical to the call on
+  their concatenation: a causal window reaching into the prefix, and GQA without a window."""
+  if compat.gpu_compute_capability() != (9, 0):
+    pytest.skip(f"needs sm90 (Hopper), got {compat.gpu_compute_capability()}")
+  q, k, v = _inputs(zlib.crc32(f"prefix_{d}".encode()), b=2, sq=1000, sk=1512, hq=4, hk=2,
+                    d=d, dtype=jnp.bfloat16)
+  mask = dict(causal=True, local_window_size=window)
+  cut = lambda x: (x[:, :512], x[:, 512:])
+  (kp, k2), (vp, v2) = cut(k), cut(v)
+  got = jax.jit(lambda: mg.flash_attention(q, k2, v2, kv_prefix=(kp, vp), **mask))()
+  want = jax.jit(lambda: mg.flash_attention(q, k, v, **mask))()
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  _check(*got, q, k, v, True, jnp.bfloat16, **mask)

@@ -228,10 +228,10 @@ def _static_config(q_shape, k_shape, dtype, *, causal, scale, block_sizes, inter
       one_seg_mask=bool(bs.one_segment_static_mask), **extra)
 
 
-def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
+def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig, kv_prefix=()):
   """Unpadded inputs -> (out, lse natural log), by ``fk.fwd_call`` on whole tiles."""
   sq_pad = st.num_q_programs * _COMPUTE_WGS * st.block_q
-  sk_pad = st.num_kv_tiles * st.block_k
+  sk_pad = (st.num_kv_tiles - st.prefix_tiles) * st.block_k
   q_p, k_p, v_p = pad_axis(q, 1, sq_pad), pad_axis(k, 1, sk_pad), pad_axis(v, 1, sk_pad)
   q_seg_p = kv_seg_p = None
   if st.has_seg:
@@ -244,13 +244,14 @@ def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig):
     out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p,
                            fk.seg_bounds(q_seg_p, kv_seg_p, st))
   else:
-    out, lse = fk.fwd_call(q_p, k_p, v_p, st)
+    out, lse = fk.fwd_call(q_p, k_p, v_p, st, kv_prefix=kv_prefix)
     if st.tail_kv_splits:
       out, lse = _tail_fixup(q_p, k_p, v_p, out, lse, st)
   return out[:, :st.q_len], lse[:, :, :st.q_len]
 
 
-_forward = jax.custom_vjp(_forward_impl, nondiff_argnums=(6,))
+_forward = jax.custom_vjp(lambda q, k, v, q_seg, kv_seg, schedule, st: _forward_impl(
+    q, k, v, q_seg, kv_seg, schedule, st), nondiff_argnums=(6,))
 
 
 def _forward_fwd(q, k, v, q_seg, kv_seg, schedule, st):
@@ -342,7 +343,7 @@ def _check_schedule(schedule, q_shape, k_shape, bs: BlockSizes, bwd_block_sizes)
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=None, *,
                     causal: bool = False, local_window_size=None, scale: float | None = None,
                     logits_soft_cap: float | None = None, block_sizes: BlockSizes | None = None,
-                    interpret: bool = False, bwd_block_sizes=None):
+                    interpret: bool = False, bwd_block_sizes=None, kv_prefix=None):
   """Flash attention on Hopper: Pallas Mosaic GPU forward, Triton or Mosaic GPU backward
   (``BlockSizes.backward``; differentiable w.r.t. q, k, v and through the LSE).
 
@@ -358,6 +359,10 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
       cannot be interpreted).
     bwd_block_sizes: a Triton ``BlockSizes`` or a ``mosaic_gpu_bwd.BlockSizes`` (None: the
       defaults of ``block_sizes.backward``).
+    kv_prefix: None or (k_prefix, v_prefix) [B, n, Hk, D], n a multiple of ``block_k``: keys
+      that precede k and v, read from their own arrays (as if concatenated in front: a
+      context-parallel ring's halo, without the copy). Forward only (not differentiable); no
+      segment ids, schedule or ``tail_kv_splits``.
 
   Returns:
     (out, lse) as ``reference.attention_reference`` (a row that sees no key: out 0, lse -inf).
@@ -375,10 +380,17 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, schedule=N
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   mosaic_gpu_bwd.check_dtype(q.dtype, "forward")
   check_segment_ids(q_segment_ids, kv_segment_ids, q.shape, k.shape)
-  st = _static_config(q.shape, k.shape, q.dtype, causal=causal, scale=scale,
-                      block_sizes=block_sizes, interpret=interpret,
+  n_pre = 0 if kv_prefix is None else kv_prefix[0].shape[1]
+  st = _static_config(q.shape, (k.shape[0], n_pre + k.shape[1], *k.shape[2:]), q.dtype,
+                      causal=causal, scale=scale, block_sizes=block_sizes, interpret=interpret,
                       bwd_block_sizes=bwd_block_sizes, local_window_size=local_window_size,
                       logits_soft_cap=logits_soft_cap, has_seg=q_segment_ids is not None,
                       schedule=schedule)
-  return _forward(q, k, v, q_segment_ids, kv_segment_ids, schedule, st)
+  if kv_prefix is None:
+    return _forward(q, k, v, q_segment_ids, kv_segment_ids, schedule, st)
+  if n_pre % st.block_k or st.has_seg or st.has_sched or st.tail_kv_splits:
+    raise ValueError(f"kv_prefix: {n_pre} keys (a multiple of block_k={st.block_k}), no segment "
+                     f"ids, schedule or tail_kv_splits")
+  return _forward_impl(q, k, v, None, None, None, dataclasses.replace(
+      st, prefix_tiles=n_pre // st.block_k), tuple(kv_prefix))
 

@@ -89,6 +89,7 @@ class KernelConfig:
   interpret: bool = False    # the backward's Triton kernels in interpret mode (the forward raises)
   bwd_block_sizes: object = None   # the backward's BlockSizes (triton or mosaic_gpu_bwd) or None
   backward: str = "triton"         # "triton" or "mosaic" (the kernels of the custom_vjp backward)
+  prefix_tiles: int = 0   # kv tiles [0, P) from the k/v prefix refs, tile t >= P from k/v's t - P
 
   @property
   def offset(self) -> int:
@@ -301,10 +302,13 @@ def _fwd_kernel(*refs, st: KernelConfig):
   q_seg [2, bq], kv_seg [S, bk]); barriers q_loaded [2], k/v_loaded [S] (q/k_loaded also count
   the segment-id copies), k/v_free [S] (2 arrivals), rendezvous. With q_tiles_per_program > 1
   qo, lse and q_loaded have 4 entries (2 * set + warpgroup): see ``_compute_tiles``."""
-  n_in = 3 + (2 if st.has_seg else 0) + (1 if st.has_seg or st.has_sched else 0)
+  pre = 2 if st.prefix_tiles else 0   # k/v prefix refs after v (``KernelConfig.prefix_tiles``)
+  n_in = 3 + pre + (2 if st.has_seg else 0) + (1 if st.has_seg or st.has_sched else 0)
   ins = refs[:n_in]
   o_ref, lse_ref, smem, q_loaded, k_loaded, v_loaded, k_free, v_free, rendezvous = refs[n_in:]
   q_ref, k_ref, v_ref = ins[:3]
+  kp_ref, vp_ref = ins[3:3 + pre] or (None, None)
+  ins = ins[:3] + ins[3 + pre:]
   q_seg_ref = kv_seg_ref = bounds_ref = walk_ref = q_seg_smem = kv_seg_smem = None
   qo_smem, k_smem, v_smem, lse_smem = smem[:4]
   if st.has_seg:
@@ -709,15 +713,22 @@ def _fwd_kernel(*refs, st: KernelConfig):
   def _memory():
     plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-    def load(t, slot, part="kv"):
+    def load_from(k_src, v_src, t, slot, part):
       rows = (b, pl.ds(t * bk, bk), kv_h)
       if "k" in part:
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(k_src.at[rows], k_smem.at[slot], k_loaded.at[slot])
         if st.has_seg:
           plgpu.copy_gmem_to_smem(kv_seg_ref.at[b, pl.ds(t * bk, bk)], kv_seg_smem.at[slot],
                                   k_loaded.at[slot])
       if "v" in part:
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_src.at[rows], v_smem.at[slot], v_loaded.at[slot])
+
+    def load(t, slot, part="kv"):   # tiles [0, prefix_tiles) from the prefix refs
+      if not st.prefix_tiles:
+        return load_from(k_ref, v_ref, t, slot, part)
+      n = jnp.int32(st.prefix_tiles)
+      pl.when(t < n)(lambda: load_from(kp_ref, vp_ref, t, slot, part))
+      pl.when(t >= n)(lambda: load_from(k_ref, v_ref, t - n, slot, part))
 
     def refill(tile_fn, slot):
       # a later use of a ring slot: wait for its release by both compute warpgroups, then load
@@ -765,9 +776,11 @@ def _fwd_kernel(*refs, st: KernelConfig):
     pl.loop(plo + stages, jnp.maximum(phi, plo + stages))(lambda t: refill(lambda: t, slot_of(t)))
 
 
-def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, walk_rows=None):
+def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, walk_rows=None,
+             kv_prefix=()):
   """Padded q, k, v (segment ids 0-padded with ``seg_bounds``' bounds, or ``schedule_walk``'s
-  walk_rows) -> (o [B, Sq', Hq, D], lse [B, Hq, Sq']); the CPU tests replay it in jnp."""
+  walk_rows; ``kv_prefix``: (k, v) of ``st.prefix_tiles`` whole tiles that precede k, v) ->
+  (o [B, Sq', Hq, D], lse [B, Hq, Sq']); the CPU tests replay it in jnp."""
   if st.interpret:
     raise NotImplementedError("the Mosaic GPU flash attention forward cannot run in interpret "
                               "mode (interpret=True): jax's GPU interpreter has no wgmma with "
@@ -784,7 +797,7 @@ def fwd_call(q, k, v, st: KernelConfig, q_seg=None, kv_seg=None, bounds=None, wa
       plgpu.SMEM((n_q_bufs, bq), jnp.float32),                          # LSE staging
   )
   seg_copies = 1
-  args = (q, k, v)
+  args = (q, k, v, *kv_prefix)
   if st.has_seg:
     smem += (plgpu.SMEM((COMPUTE_WGS, bq), jnp.int32),                # q segment ids
              plgpu.SMEM((stages, bk), jnp.int32))                      # kv segment ids ring
