@@ -253,8 +253,8 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   Example:
     >>> p = context_parallel_plan(4096, 4096, 4, causal=True, local_window_size=(63, 0),
     ...                           layout="contiguous")
-    >>> p.shifts, p.kernel_calls   # own chunk and the previous device's: 4 + 3 calls
-    ((0, 1), 7)
+    >>> p.shifts, p.halo, p.kernel_calls   # one call per device, 256 keys of the previous one
+    ((0, 1), 256, 4)
   """
   for name, n in (("q_len", q_len), ("kv_len", kv_len), ("num_shards", num_shards)):
     check_int(name, n)
