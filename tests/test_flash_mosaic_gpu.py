@@ -1346,4 +1346,4 @@ def test_gpu_kv_prefix_equals_the_concatenation(d, window):
   want = jax.jit(lambda: mg.flash_attention(q, k, v, **mask))()
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-  _check(*got, q, k, v, True, jnp.bfloat16, **mask)
+  _check(*got, q, k, v, True, jnp.bfloat16, local_window_size=window)
