@@ -293,9 +293,9 @@ def context_parallel_plan(q_len, kv_len, num_shards, *, causal=False, local_wind
   plan = ContextParallelPlan(strategy, layout, num_shards, cq, ck, shifts, tuple(index),
                              table[:, list(shifts)])
   keep = joint and (joint.q0, joint.nq) == (0, 2 * cq) and not plan._whole(0)
-  if (strategy, layout, shifts, cq, window and window[1]) == ("ring", "contiguous", (0, 1), ck, 0) \
-      and selection is None and (plan.table[:, 1, 0, 0] > 0).sum() == p:   # whole kernel tiles:
-    return dataclasses.replace(plan, halo=min(ck, -(-window[0] // 256) * 256))
+  if (strategy, layout, shifts, window and window[1]) == ("ring", "contiguous", (0, 1), 0) \
+      and q_len == kv_len and selection is None and (plan.table[:, 1, 0, 0] > 0).sum() == p:
+    return dataclasses.replace(plan, halo=min(ck, -(-window[0] // 256) * 256))   # whole tiles
   return dataclasses.replace(plan, joint=joint) if keep else plan
 
 
