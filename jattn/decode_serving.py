@@ -2,8 +2,7 @@
 
 Both are described in docs/decode.md ("Continuous batching"). The unified-max merge is a plain
 sum (out = sum acc / sum l, lse = m_hat + log sum l); partials or rows more than
-``UNIFIED_MARGIN`` off the estimate are recomputed exactly.
-"""
+``UNIFIED_MARGIN`` off the estimate are recomputed exactly."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 
 from jattn._validate import check_int
 from pallas_kernels import compat
-from pallas_kernels.common import merge as _merge
+from pallas_kernels.common import merge as _merge, softmax as _softmax
 from pallas_kernels.masks import normalize_window
 
 __all__ = ["DecodeSchedule", "decode_schedule", "balance_units", "default_max_units",
@@ -119,8 +118,7 @@ def default_max_units(implementation, batch, kv_heads, *, core_count=None):
 
 
 def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layout="nhd",
-                    local_window_size=None, implementation=None, block_sizes=None,
-                    max_units=None):
+                    local_window_size=None, implementation=None, block_sizes=None, max_units=None):
   """A length-balanced schedule for :func:`jattn.decode_attention` (or, with ``page_table``,
   :func:`jattn.paged_decode_attention`) called with the same arguments and ``schedule=``; once
   per batch composition (lengths may be traced). "mosaic_tpu" takes none.
@@ -146,8 +144,7 @@ def decode_schedule(q, k_cache, v_cache, kv_lengths, *, page_table=None, kv_layo
   plan = dec.decode_plan(q, k_cache, v_cache, kv_lengths, page_table=page_table,
                          kv_layout=kv_layout, local_window_size=local_window_size,
                          implementation=implementation, block_sizes=block_sizes)
-  lens = jnp.asarray(kv_lengths, jnp.int32)
-  kv_heads = k_cache.shape[2]
+  lens, kv_heads = jnp.asarray(kv_lengths, jnp.int32), k_cache.shape[2]
   capacity = k_cache.shape[1] * (1 if page_table is None else page_table.shape[1])
   if kv_layout == "hnd":   # kv_heads one-head sequences per batch row
     kv_heads, capacity, lens = 1, k_cache.shape[2], jnp.repeat(lens, k_cache.shape[1])
@@ -205,8 +202,7 @@ def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_
     ...                   scale=0.5).tolist()
     [[2.0, 2.0]]
   """
-  (b, hq, d), hk = q.shape, k_cache.shape[2]
-  ps = k_cache.shape[1]
+  (b, hq, d), hk, ps = q.shape, k_cache.shape[2], k_cache.shape[1]
   table = jnp.arange(b)[:, None] if page_table is None else page_table   # contiguous: one page
   pos = jnp.clip(kv_lengths - 1, 0, table.shape[1] * ps - 1)
   page = jnp.clip(table[jnp.arange(b), pos // ps], 0, k_cache.shape[0] - 1)
@@ -242,20 +238,17 @@ def run_decode(partials, q, kv_heads, m_hat, schedule, *, softmax, merge, interp
     else:
       out, lse = _merge.merge_partials_by_row(o[0], lse[0], rows, b)
     return out.astype(q.dtype), lse
-
   if softmax == "exact":
     return merge_fn(*partials())
   acc, l, mx = partials(m_hat=m_hat)
-  m_p = per_partial(m_hat)
-  top = per_partial(row_max(mx))
+  m_p, top = per_partial(m_hat), per_partial(row_max(mx))
   # NaN estimates fail both comparisons and are flagged with every non-empty partial.
   bad = ((jnp.isfinite(mx) & ~(mx <= m_p + UNIFIED_MARGIN))
          | (jnp.isfinite(top) & ~(top >= m_p - UNIFIED_MARGIN)))          # [P0, P1, hq]
 
   def normalized(acc, l, m):   # (acc / l, m + log l); (acc, -inf) where l == 0
-    empty = l == 0.0
-    safe = jnp.where(empty, 1.0, l)
-    return acc / safe[..., None], jnp.where(empty, -jnp.inf, m + jnp.log(safe))
+    safe, lse = _softmax.safe_lse(m, l)
+    return acc / safe[..., None], lse
 
   def plain_sum():
     out, lse = normalized(rowsum(acc), rowsum(l), m_hat)

@@ -1,7 +1,6 @@
 """``dot_product_attention``: ``jax.nn.dot_product_attention``'s signature on
 :func:`jattn.flash_attention` (sequence lengths become segment ids, top-left aligned masks
 bottom-right aligned ones over equal padded lengths)."""
-from __future__ import annotations
 
 import jax.numpy as jnp
 
@@ -82,8 +81,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     right = 0 if is_causal else window[1]
     s_vis = s if right is None else min(s, t + right)
     length = max(t, s_vis)
-    k, v = (pad_axis(x[:, :s_vis], 1, length) for x in (k, v))
-    q = pad_axis(q, 1, length)
+    q, k, v = (pad_axis(x, 1, length) for x in (q, k[:, :s_vis], v[:, :s_vis]))
     arrays = {name: pad_axis(pad_axis(x[..., :s_vis], 3, length), 2, length)
               for name, x in arrays.items()}
     if length != s_vis:   # padded keys: masked by the kv lengths

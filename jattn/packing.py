@@ -1,6 +1,5 @@
 """Sample packing (docs/packing.md): Best-Fit-Decreasing plans (``pack_bfd``), packed rows from a
-``TokenStore`` (``materialize``), segment ids under jit and a resumable ``PackedIterator``.
-"""
+``TokenStore`` (``materialize``), segment ids under jit and a resumable ``PackedIterator``."""
 from __future__ import annotations
 
 import dataclasses
@@ -122,12 +121,10 @@ class _CapacityTree:
 
 
 def _bfd_runs(counts: np.ndarray, max_len: int):
-  """BFD on chunk-length counts (counts[L]: chunks of length L) into bins of ``max_len``.
-
-  Returns (bin_ids, runs, num_bins): run j = (m, k, last, cap, length) puts k chunks of
-  ``length`` into each of m bins ``bin_ids[j]`` but the last, which gets ``last``; the bins had
-  ``cap`` free slots before (``max_len`` for new bins).
-  """
+  """BFD on chunk-length counts (counts[L]: chunks of length L) into bins of ``max_len``: returns
+  (bin_ids, runs, num_bins); run j = (m, k, last, cap, length) puts k chunks of ``length`` into
+  each of m bins ``bin_ids[j]`` but the last, which gets ``last``; the bins had ``cap`` free
+  slots before (``max_len`` for new bins)."""
   tree = _CapacityTree(max_len)
   levels: dict = {}  # levels[r]: ids of open bins with r free slots
   bin_ids, runs, num_bins = [], [], 0
@@ -355,8 +352,7 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
     raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {rows[bad][:5].tolist()}")
   max_segments = max(plan.max_segments, 1) if max_segments is None else max_segments
   n, max_len = rows.shape[0], plan.max_len
-  order, starts = plan.row_index
-  real = rows >= 0
+  (order, starts), real = plan.row_index, rows >= 0
   lo = np.where(real, starts[np.maximum(rows, 0)], 0)
   cnt = np.where(real, starts[np.maximum(rows, 0) + 1] - lo, 0)  # chunks per output row
   if n and cnt.max() > max_segments:
@@ -472,8 +468,7 @@ class PackedIterator:
   def _epoch_plan(self, epoch: int) -> tuple[PackPlan, np.ndarray]:
     if self._cache is not None and self._cache[0] == epoch:
       return self._cache[1:]
-    rng = np.random.default_rng([self.seed, epoch])
-    lengths = self.store.lengths
+    rng, lengths = np.random.default_rng([self.seed, epoch]), self.store.lengths
     perm = rng.permutation(lengths.shape[0])
     w = self.window or max(lengths.shape[0], 1)
     parts, bin_base = [], 0

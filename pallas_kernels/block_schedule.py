@@ -9,14 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common.util import check_flags, check_int
+from pallas_kernels.common.util import check_flags, check_int, pad_axis
 from pallas_kernels.masks import normalize_window
 
 __all__ = ["BlockSchedule", "compact_true", "make_schedule", "mask_tile_classes",
            "schedule_to_mask", "check_schedule_args"]
 
-_INT32_MAX = np.iinfo(np.int32).max
-_INT32_MIN = np.iinfo(np.int32).min
+_INT32_MAX, _INT32_MIN = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
 
 @jax.tree_util.register_dataclass
@@ -79,8 +78,7 @@ class BlockSchedule:
 
 def _static_tile_classes(q_len, kv_len, block_q, block_k, causal, window):
   """numpy (any_visible, all_visible) bool [nq, nk] for the static part of the mask."""
-  nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
-  off = kv_len - q_len
+  nq, nk, off = -(-q_len // block_q), -(-kv_len // block_k), kv_len - q_len
   q0 = np.arange(nq)[:, None] * block_q + off            # first query position of tile
   q1 = np.minimum(q0 - off + block_q, q_len) - 1 + off   # last (valid) query position
   k0 = np.arange(nk)[None, :] * block_k
@@ -108,8 +106,7 @@ def segment_tile_classes(seg, length, block):
   nonzero id (int32; INT32_MAX, INT32_MIN when none: id 0 and positions past ``length`` are
   padding) and whether every position holds that one nonzero id (bool)."""
   n = -(-length // block)
-  pad = n * block - length
-  s = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, pad))).reshape(seg.shape[0], n, block)
+  s = pad_axis(seg.astype(jnp.int32), 1, n * block).reshape(seg.shape[0], n, block)
   real = s != 0
   lo = jnp.min(jnp.where(real, s, _INT32_MAX), axis=-1)
   hi = jnp.max(jnp.where(real, s, _INT32_MIN), axis=-1)
@@ -120,8 +117,7 @@ def segment_tile_pairs(q_classes, kv_classes):
   """(visit, full) bool of (query tile, kv tile) pairs from broadcastable ``segment_tile_classes``:
   visit where the id ranges [lo, hi] intersect (a superset of the visible pairs), full where both
   tiles hold one and the same nonzero id everywhere."""
-  qlo, qhi, qpure = q_classes
-  klo, khi, kpure = kv_classes
+  (qlo, qhi, qpure), (klo, khi, kpure) = q_classes, kv_classes
   visit = (qlo <= qhi) & (klo <= khi) & (qlo <= khi) & (klo <= qhi)
   return visit, qpure & kpure & (qlo == klo)
 
@@ -222,10 +218,9 @@ def _compact(visit, partial, max_count, xp=jnp):
   ``xp``: jnp (traced masks, ``compact_true``) or np (static masks, at trace time)."""
   order, counts = (_compact_by_sort(visit, max_count, np) if xp is np
                    else compact_true(visit, max_count))
-  j = xp.arange(max_count, dtype=xp.int32)
   last = xp.take_along_axis(order, xp.maximum(xp.minimum(counts, max_count) - 1, 0)[..., None],
                             axis=-1)
-  valid = j < counts[..., None]
+  valid = xp.arange(max_count, dtype=xp.int32) < counts[..., None]
   indices = xp.where(valid, order, last).astype(xp.int32)
   part = xp.take_along_axis(partial, indices, axis=-1) & valid
   return indices, counts, part.astype(xp.int32)
@@ -246,8 +241,7 @@ def check_schedule_args(schedule, q_shape, k_shape) -> None:
   """
   if not isinstance(schedule, BlockSchedule):
     raise TypeError(f"schedule must be a BlockSchedule, got {type(schedule).__name__}")
-  b, sq, _, _ = q_shape
-  _, sk, hk, _ = k_shape
+  (b, sq, _, _), (_, sk, hk, _) = q_shape, k_shape
   if (schedule.q_len, schedule.kv_len) != (sq, sk):
     raise ValueError(f"schedule is for lengths ({schedule.q_len}, {schedule.kv_len}), inputs "
                      f"have ({sq}, {sk})")

@@ -1,7 +1,5 @@
 """``Attention``: one Flax NNX attention layer for every ``LayerSpec`` kind (GQA/MQA or MLA),
-with KV caches for ``decode`` (docs/nn.md: the layer kinds, their kernels and their caches).
-"""
-from __future__ import annotations
+with KV caches for ``decode`` (docs/nn.md: the layer kinds, their kernels and their caches)."""
 
 import jax
 import jax.numpy as jnp
@@ -162,8 +160,7 @@ class Attention(nnx.Module):
   # ---------------------------------------------------------------- projections
   def _project(self, x, positions):
     """x [b, t, d_model] -> (q [b, t, hq, qk_dim], cache entries of the t tokens)."""
-    b, t, _ = x.shape
-    base, d = self.spec.rope_base, self.head_dim
+    (b, t, _), base, d = x.shape, self.spec.rope_base, self.head_dim
     heads = lambda a: a.reshape(b, t, self.num_kv_heads, d)
     q = self.wq(x).reshape(b, t, self.num_heads, self.qk_dim)
     if self.mla:
@@ -238,8 +235,7 @@ class Attention(nnx.Module):
     Returns:
       y [batch, seq, d_model] (and the q/k dict if return_qk).
     """
-    b, s, _ = x.shape
-    spec, cp = self.spec, self.context_mesh is not None
+    (b, s, _), spec, cp = x.shape, self.spec, self.context_mesh is not None
     impl = dict(implementation=self.implementation, interpret=self.interpret)
     if cp:
       impl.update(mesh=self.context_mesh, axis_name=self.context_axis)
@@ -282,8 +278,7 @@ class Attention(nnx.Module):
       return csa_ops.two_stage_attention(q, k, v, ck, cv, q_pos, ratio=spec.compress_ratio,
                                          block_size=spec.block_size, top_k=spec.top_k,
                                          scale=self.scale)[0]
-    o_l, lse_l = self._chunk_flash(q, k, v, kv_valid, window=(spec.window - 1, 0),
-                                   return_lse=True)
+    o_l, lse_l = self._chunk_flash(q, k, v, kv_valid, window=(spec.window - 1, 0), return_lse=True)
     o_c, lse_c = csa_ops.compressed_partial(q, ck, cv, q_pos, ratio=spec.compress_ratio,
                                             top_k=spec.top_k, scale=self.scale)
     sink = None if self.sink is None else self.sink[...]
@@ -399,8 +394,7 @@ class Attention(nnx.Module):
       return decode_attention(q, *self._expand(ent), lengths, scale=self.scale,
                               implementation=self.implementation, interpret=self.interpret,
                               kv_layout=self.kv_cache_layout)[:, None]
-    b, hq, _ = q.shape
-    hk, d, r = self.num_kv_heads, self.head_dim, self.kv_lora_rank
+    (b, hq, _), hk, d, r = q.shape, self.num_kv_heads, self.head_dim, self.kv_lora_rank
     f32, hi = jnp.float32, jax.lax.Precision.HIGHEST
     w = lambda lin: lin.kernel[...].astype(f32).reshape(r, hk, d)    # [r, hk, d]
     q_nope = q[..., :d].astype(f32).reshape(b, hk, hq // hk, d)      # [b, hk, group, d]
@@ -464,7 +458,6 @@ class Attention(nnx.Module):
     _set(self.cache_block_sums, sums)
     summaries = sparse.BlockSummaries(sums=sums, lengths=jnp.full((b,), p + t, jnp.int32),
                                       block_size=spec.block_size, layout=self.kv_cache_layout)
-
     impl = self.implementation   # a share of blocks (float top_k) selects in XLA
     impl = "xla" if isinstance(spec.top_k, float) and impl == "triton" else impl
 
@@ -473,7 +466,6 @@ class Attention(nnx.Module):
           qi, k, v, jnp.full((b,), length, jnp.int32), summaries, block_size=spec.block_size,
           top_k=spec.top_k, scale=self.scale, implementation=impl,
           interpret=self.interpret, kv_layout=self.kv_cache_layout)
-
     return jax.vmap(one, in_axes=(1, 0), out_axes=1)(q, pos + 1)   # [b, t, hq, dv]
 
   def _csa_decode(self, q, ent, pos, p):
@@ -487,7 +479,6 @@ class Attention(nnx.Module):
     def recent(n, size):  # [b, t, 2r, hk, d] from ring n (``size`` slots) and the new tokens
       idx = jnp.clip(jnp.where(X >= p, size + (X - p), X % size), 0, size + t - 1)
       return jnp.concatenate([self._cache(n)[...], ent[n]], axis=1)[:, idx]
-
     gk, gv = recent("gk", 2 * r), recent("gv", 2 * r)
     if spec.csa_mode == "two_stage":
       full = self._write_full(ent, p, ["k", "v"])

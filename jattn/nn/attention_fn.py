@@ -1,5 +1,4 @@
 """``dot_product_attention``: an ``attention_fn`` for Flax's attention modules, on jattn."""
-from __future__ import annotations
 
 import math
 

@@ -6,9 +6,7 @@ Entry c pools raw tokens ``[c*r, c*r + 2r)`` (r = ratio) with learned weights (v
 
 and is visible to a query at t iff ``c*r + 2r - 1 <= t`` (the "compressed" mode does not exclude
 entries its raw window overlaps). Pure functions shared by training and decode (selections are
-non-differentiable); query rows run in chunks under ``jax.checkpoint`` (no whole logits).
-"""
-from __future__ import annotations
+non-differentiable); query rows run in chunks under ``jax.checkpoint`` (no whole logits)."""
 
 import functools
 
@@ -18,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jattn.merge import merge
 from pallas_kernels.common.softmax import safe_lse
+from pallas_kernels.common.util import pad_axis
 from pallas_kernels.flash.reference import attention_reference
 
 _HI = jax.lax.Precision.HIGHEST
@@ -76,19 +75,15 @@ def pool_windows(x, gate, bias, ratio, n_entries):
     >>> pool_windows(x, x, jnp.zeros((8, 2, 4)), 4, 4).shape
     (1, 4, 2, 4)
   """
-  n = x.shape[1]
-  need = n_entries * ratio + ratio
+  n, need = x.shape[1], n_entries * ratio + ratio
   if need > n:
-    pad = [(0, 0), (0, need - n), (0, 0), (0, 0)]
-    x, gate = jnp.pad(x, pad), jnp.pad(gate, pad)
+    x, gate = pad_axis(x, 1, need), pad_axis(gate, 1, need)
 
   def windows(a):  # [b, C, 2r, h, d]: window c = tokens c*r .. c*r + 2r - 1 (no gather)
     lo = a[:, :n_entries * ratio].reshape(a.shape[0], n_entries, ratio, *a.shape[2:])
     hi = a[:, ratio:need].reshape(lo.shape)
     return jnp.concatenate([lo, hi], axis=2).astype(jnp.float32)
-
-  w = jax.nn.softmax(windows(gate) + bias.astype(jnp.float32), axis=2)
-  return jnp.sum(w * windows(x), axis=2)
+  return pool_one_window(windows(x), windows(gate), bias)
 
 
 def pool_one_window(xw, gw, bias):
@@ -112,8 +107,7 @@ def pool_one_window(xw, gw, bias):
 
 def _entry_scores(q, ck, q_pos, ratio, scale):
   """Scaled logits q . ck masked to visible entries: [b, hk, g, t, C] fp32 (-inf = invisible)."""
-  b, t, hq, d = q.shape
-  c, hk = ck.shape[1], ck.shape[2]
+  (b, t, hq, d), c, hk = q.shape, ck.shape[1], ck.shape[2]
   qf = q.astype(jnp.float32).reshape(b, t, hk, hq // hk, d)                     # [b, t, hk, g, d]
   s = jnp.einsum("bthgd,bchd->bhgtc", qf, ck.astype(jnp.float32), precision=_HI) * scale
   vis = entry_end(jnp.arange(c), ratio)[None, :] <= q_pos[:, :, None]          # [b, t, C]
@@ -123,8 +117,7 @@ def _entry_scores(q, ck, q_pos, ratio, scale):
 def _softmax_partial(s, cv):
   """Softmax of masked logits s [b, hk, g, t, C] over values cv [b, C, hk, dv]: (out [b, t, hq, dv],
   lse [b, t, hq]) fp32; 0 / -inf for rows with no entry."""
-  b, hk, g, t, _ = s.shape
-  m = jnp.max(s, axis=-1, keepdims=True)
+  (b, hk, g, t, _), m = s.shape, jnp.max(s, axis=-1, keepdims=True)
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   p = jnp.exp(s - m)
   l, lse = safe_lse(m, jnp.sum(p, axis=-1, keepdims=True))                   # lse [b, hk, g, t, 1]
@@ -144,8 +137,7 @@ def _saved_selection(mask):
   uint32 word w = mask[32 w + j]) under ``_SELECTION`` by ``_map_query_chunks``'s remat policy."""
   n, bit = mask.shape[-1], jnp.arange(32, dtype=jnp.uint32)
   words = -(-n // 32)
-  m = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, words * 32 - n)])
-  m = m.reshape(*mask.shape[:-1], words, 32).astype(jnp.uint32)
+  m = pad_axis(mask, -1, words * 32).reshape(*mask.shape[:-1], words, 32).astype(jnp.uint32)
   bits = checkpoint_name(jnp.sum(m << bit, axis=-1, dtype=jnp.uint32), _SELECTION)
   return ((bits[..., None] >> bit) & 1).reshape(*mask.shape[:-1], -1)[..., :n].astype(jnp.bool_)
 
@@ -181,10 +173,7 @@ def _map_query_chunks(fn, q, q_pos, chunk):
   if chunk >= t:
     return body(q, q_pos)
   n = -(-t // chunk)
-  pad = n * chunk - t
-  if pad:
-    q = jnp.pad(q, [(0, 0), (0, pad)] + [(0, 0)] * (q.ndim - 2))
-    q_pos = jnp.pad(q_pos, [(0, 0), (0, pad)], constant_values=-1)
+  q, q_pos = pad_axis(q, 1, n * chunk), pad_axis(q_pos, 1, n * chunk, -1)
   split = lambda x: jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
   outs = jax.lax.map(lambda a: body(*a), (split(q), split(q_pos)))
   unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(b, n * chunk, *x.shape[3:])[:, :t]
@@ -213,9 +202,8 @@ def compressed_partial(q, ck, cv, q_pos, *, ratio, top_k, scale, q_chunk=None):
   """
   def rows(q, q_pos):
     s, _ = _entry_scores(q, ck, q_pos, ratio, scale)
-    # The backward recomputes s but reuses the forward's selection (saved as bits), not a top-K
-    # threshold: a recomputed s need not be bit-identical, so a threshold could drop the K-th
-    # entry from the gradient.
+    # The backward reuses the forward's selection (saved as bits), not a top-K threshold: the
+    # recomputed s need not be bit-identical, so a threshold could drop the K-th entry's gradient.
     s = jnp.where(_saved_selection(_top_k_mask(s, top_k)), s, -jnp.inf)
     return _softmax_partial(s, cv)
   b, t, hq, _ = q.shape
@@ -264,8 +252,7 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
   """
   if block_size % ratio:
     raise ValueError(f"block_size ({block_size}) must be a multiple of ratio ({ratio})")
-  b, t, hq = q.shape[:3]
-  kv_len, c = k.shape[1], ck.shape[1]
+  (b, t, hq), kv_len, c = q.shape[:3], k.shape[1], ck.shape[1]
   epb = block_size // ratio                                   # entries starting in each block
   nb = max(-(-kv_len // block_size), -(-c // epb))
   kp, blocks = jnp.arange(kv_len), jnp.arange(nb)
@@ -274,12 +261,11 @@ def two_stage_attention(q, k, v, ck, cv, q_pos, *, ratio, block_size, top_k, sca
     s, vis = _entry_scores(q, ck, q_pos, ratio, scale)        # [b, hk, g, rows, C]
     # Block scores per kv head: best group-mean entry score among the block's visible entries.
     sg = jnp.where(vis[:, None], jnp.mean(jnp.where(vis[:, None, None], s, 0.0), axis=2), -jnp.inf)
-    sg = jnp.pad(sg, [(0, 0)] * 3 + [(0, nb * epb - c)], constant_values=-jnp.inf)
+    sg = pad_axis(sg, 3, nb * epb, -jnp.inf)
     block_score = jnp.max(sg.reshape(*sg.shape[:3], nb, epb), axis=-1)   # [b, hk, rows, nb]
     own = (q_pos // block_size)[:, None, :, None]                         # [b, 1, rows, 1]
     block_score = jnp.where(blocks < own, block_score, -jnp.inf)          # past blocks only
-    fine = _top_k_mask(block_score, top_k) | (blocks == own)              # [b, hk, rows, nb]
-    fine = _saved_selection(fine)
+    fine = _saved_selection(_top_k_mask(block_score, top_k) | (blocks == own))  # [b, hk, rows, nb]
     fine_mask = jnp.take(fine, kp // block_size, axis=-1)                 # [b, hk, rows, kv_len]
     fine_mask = fine_mask & (kp[None, None, None, :] <= q_pos[:, None, :, None])
     o_f, lse_f = attention_reference(q, k, v, causal=False, block_mask=fine_mask, scale=scale)

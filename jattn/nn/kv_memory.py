@@ -1,6 +1,5 @@
 """KV cache accounting: the bytes ``Attention.init_cache`` allocates (``cache_layout``) for a
 ``Transformer`` config, less the ring positions (an int32 per ring slot) and the cache index."""
-from __future__ import annotations
 
 import math
 
@@ -26,8 +25,7 @@ def kv_cache_bytes(config, context_len, dtype=jnp.bfloat16, *, batch_size=1):
     >>> kv_cache_bytes(cfg, 1024)["total"]   # 2 layers x K,V x 8 heads x 8 dims x 1024 x 2 bytes
     524288
   """
-  item = jnp.dtype(dtype).itemsize
-  per_layer = []
+  item, per_layer = jnp.dtype(dtype).itemsize, []
   for spec in config.layers:
     rope, hk, d = config.layer_rope_head_dim(spec), config.num_kv_heads, config.head_dim
     layout = cache_layout(spec, context_len, num_kv_heads=hk, head_dim=d,

@@ -1,7 +1,6 @@
 """Rotary position embeddings (RoPE), half-split ("NeoX") convention: the halves (x1, x2) of the
 first ``rotary_dim`` channels rotate by ``position * base ** (-2i / rotary_dim)`` for pair i, at
 explicit positions (packed documents restart at 0; decode continues from the cache index)."""
-from __future__ import annotations
 
 import jax.numpy as jnp
 

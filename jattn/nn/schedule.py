@@ -52,8 +52,7 @@ class LayerSpec:
   score_aux_pool: str = "sum"
 
   def __post_init__(self):
-    k = self.kind
-    w = check_number("score_aux_weight", self.score_aux_weight, 0)
+    k, w = self.kind, check_number("score_aux_weight", self.score_aux_weight, 0)
     if self.score_aux_pool not in ("sum", "max"):
       raise ValueError(f"score_aux_pool must be 'sum' or 'max', got {self.score_aux_pool!r}")
     if k not in KINDS:

@@ -167,14 +167,12 @@ class Transformer(nnx.Module):
 
   def __init__(self, config, *, rngs):
     self.config = c = config
-    self.embed = nnx.Embed(c.vocab_size, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
-                           rngs=rngs)
+    kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+    self.embed = nnx.Embed(c.vocab_size, c.d_model, **kw)
     self.blocks = _module_list([Block(c, s, rngs=rngs) for s in c.layers])
-    self.final_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, dtype=c.dtype,
-                                  param_dtype=c.param_dtype, rngs=rngs)
-    self.lm_head = None if c.tie_embeddings else nnx.Linear(
-        c.d_model, c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
-        rngs=rngs)
+    self.final_norm = nnx.RMSNorm(c.d_model, epsilon=c.norm_eps, **kw)
+    self.lm_head = (None if c.tie_embeddings
+                    else nnx.Linear(c.d_model, c.vocab_size, use_bias=False, **kw))
 
   def _logits(self, x):
     x = self.final_norm(x)

@@ -1,5 +1,4 @@
 """What a block selection keeps: captured attention mass, true block mass and score distillation."""
-from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
@@ -12,16 +11,13 @@ from jattn.sparse.selection import (_HIGHEST, block_scores, candidates, cdiv, ch
 
 __all__ = ["captured_mass", "block_attention_mass", "block_score_kl", "add_aux_loss"]
 
-
 _QUERY_POOLS = ("sum", "max")
 
 
-def _chunk_logits(q, k, segment_ids, kv_segment_ids, unit, max_chunk_elems, dt, *, causal,
-                  scale):
+def _chunk_logits(q, k, segment_ids, kv_segment_ids, unit, max_chunk_elems, dt, *, causal, scale):
   """(logits, c, nc): nc chunks of c * unit query rows (about max_chunk_elems logits each);
-  logits(ci) gives chunk ci's scaled fp32 logits [b, hk, g, rows, kv_len] on all keys, products
-  in ``dt`` (-inf where hidden), and their visibility (:func:`element_mask`, broadcastable to
-  them; padding rows see nothing)."""
+  logits(ci): chunk ci's scaled fp32 logits [b, hk, g, rows, kv_len] (products in ``dt``; -inf where
+  hidden) and their visibility (``element_mask``, broadcastable; padding rows see nothing)."""
   (b, q_len, hq, d), (kv_len, hk) = q.shape, k.shape[1:3]
   n = cdiv(q_len, unit)
   c = int(max(1, min(n, max_chunk_elems // max(1, b * hq * unit * kv_len))))
@@ -33,8 +29,7 @@ def _chunk_logits(q, k, segment_ids, kv_segment_ids, unit, max_chunk_elems, dt, 
   def logits(ci):
     start = ci * rows
     qc = jax.lax.dynamic_slice_in_dim(qf, start, rows, 1).reshape(b, rows, hk, hq // hk, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec,
-                   preferred_element_type=jnp.float32)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qc, kf, precision=prec, preferred_element_type=jnp.float32)
     t = start + jnp.arange(rows)                                           # query index
     seg = {} if qsg is None else dict(
         q_seg=jax.lax.dynamic_slice_in_dim(qsg, start, rows, 1)[:, None, None, :],
@@ -87,7 +82,6 @@ def captured_mass(q, k, selection, *, causal=True, segment_ids=None, kv_segment_
     ok = jnp.isfinite(lse_all)
     mass = jnp.where(ok, jnp.exp(lse_sel - jnp.where(ok, lse_all, 0.0)), 0.0)  # [b, hk, g, cq]
     return (mass.sum(-1).reshape(batch, hq), ok.sum(-1).reshape(batch, hq).astype(jnp.float32))
-
   mass, cnt = jax.lax.map(chunk, jnp.arange(nc))
   mass, cnt = mass.sum(0), cnt.sum(0)                                      # [b, hq]
   if reduce:
@@ -137,7 +131,6 @@ def block_attention_mass(q, k, *, block_size=64, q_block_size=64, causal=True, s
     p = jnp.sum(pad_axis(p, 4, nk * bs).reshape(batch, hk, -1, c, qbs, nk, bs), axis=6)
     p = jnp.max(p, axis=4) if query_pool == "max" else jnp.sum(p, axis=4)
     return jnp.sum(p, axis=2)                                              # [b, hk, c, nk]
-
   res = jax.lax.map(chunk, jnp.arange(nc))                                 # [nc, b, hk, c, nk]
   return jnp.moveaxis(res, 0, 2).reshape(batch, hk, nc * c, nk)[:, :, :nq]
 
@@ -237,5 +230,3 @@ def add_aux_loss(x, loss):
 
 add_aux_loss.defvjp(lambda x, loss: (x, jnp.zeros_like(loss)),
                     lambda zero, g: (g, jnp.ones_like(zero)))
-
-

@@ -10,15 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._validate import check_flags, check_int, check_qkv, check_segments
-from pallas_kernels.block_schedule import compact_true
+from pallas_kernels.block_schedule import compact_true, segment_tile_classes
 from pallas_kernels.common.util import cdiv, pad_axis
 from pallas_kernels.sparse import topk as topk_kernel
 
 __all__ = ["BlockSelection", "block_scores", "select_blocks"]
 
-
 _HIGHEST = jax.lax.Precision.HIGHEST
-_I32 = np.iinfo(np.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -73,8 +71,7 @@ class BlockSelection:
       >>> sel.tile_mask().shape
       (1, 2, 4, 4)
     """
-    b, h, nq, _ = self.indices.shape
-    nk = self.num_kv_blocks
+    (b, h, nq, _), nk = self.indices.shape, self.num_kv_blocks
     cols = jnp.where(self.indices < 0, nk, self.indices)              # sentinel -> spare column
     bi, hi, qi, _ = jnp.indices((b, h, nq, 1), sparse=True)
     return jnp.zeros((b, h, nq, nk + 1), bool).at[bi, hi, qi, cols].set(True)[..., :nk]
@@ -210,17 +207,13 @@ def _static_counts(q_len, kv_len, q_block_size, block_size, causal, num_init, nu
 def segment_ranges(seg, block):
   """Per-block (min, max) nonzero id of seg [b, n]; only 0 is padding (negative ids are
   documents); a block with no document gets (INT32_MAX, INT32_MIN): min <= max iff it has one."""
-  b, nb = seg.shape[0], cdiv(seg.shape[1], block)
-  s = pad_axis(seg.astype(jnp.int32), 1, nb * block).reshape(b, nb, block)
-  real = s != 0
-  return jnp.min(jnp.where(real, s, _I32.max), -1), jnp.max(jnp.where(real, s, _I32.min), -1)
+  return segment_tile_classes(seg, seg.shape[1], block)[:2]
 
 
 def segment_overlap(q_seg, kv_seg, q_block_size, block_size, ranges=None):
   """bool [b, nq, nk]: blocks i and j both hold documents and their nonzero id ranges meet.
   ``ranges``: None, or the ``segment_ranges`` ((q min, q max), (k min, k max)) to use instead.
-  Exact for packed rows; otherwise it may keep a block with no common id (the element mask applies).
-  """
+  Exact for packed rows; else it may keep a block with no common id (the element mask applies)."""
   (qmn, qmx), (kmn, kmx) = ranges or (segment_ranges(q_seg, q_block_size),
                                       segment_ranges(kv_seg, block_size))
   qmn, qmx = qmn[:, :, None], qmx[:, :, None]
@@ -254,16 +247,13 @@ def segment_rules(q_seg, kv_seg, q_block_size, block_size):
 
 def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_init, num_local,
                  top_k, seg_ok, scores, doc_start=None, rows=None):
-  """A BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first).
-
-  rows: None, or int [n], the query blocks of rank's n rows (>= nq: padding, nothing kept).
-  seg_ok, doc_start: both None, or ``segment_overlap`` and ``doc_start_blocks`` (the initial
-  blocks then start at doc_start[b, i]). Lists hold no duplicates.
-  """
+  """A BlockSelection from ranking scores rank [b, hk, nq, nk] (higher = kept first); its lists
+  hold no duplicates. rows: None, or int [n], the query blocks of rank's n rows (>= nq: padding,
+  nothing kept). seg_ok, doc_start: both None, or ``segment_overlap`` and ``doc_start_blocks``
+  (the initial blocks then start at doc_start[b, i])."""
   max_sel, _ = _static_counts(q_len, kv_len, q_block_size, block_size, bool(causal), num_init,
                               num_local, top_k, per_doc_init=doc_start is not None)
-  b, hk, nq, nk = rank.shape
-  rank = jax.lax.stop_gradient(rank).astype(jnp.float32)
+  (b, hk, nq, nk), rank = rank.shape, jax.lax.stop_gradient(rank).astype(jnp.float32)
   cand, vis, fidx = candidates(b, hk, q_len=q_len, kv_len=kv_len, q_block_size=q_block_size,
                                 block_size=block_size, causal=causal, num_init=num_init,
                                 num_local=num_local, seg_ok=seg_ok, doc_start=doc_start)
@@ -283,17 +273,15 @@ def select_lists(rank, *, q_len, kv_len, q_block_size, block_size, causal, num_i
   else:
     indices = by_sort(rank, cand_b, fidx, vis)
   return BlockSelection(indices=indices, counts=jnp.sum(indices >= 0, axis=-1).astype(jnp.int32),
-                        num_visible=jnp.sum(vis, axis=-1).astype(jnp.int32), scores=scores,
-                        block_size=block_size, q_block_size=q_block_size, q_len=q_len,
-                        kv_len=kv_len)
+                        num_visible=jnp.sum(vis, axis=-1).astype(jnp.int32), block_size=block_size,
+                        q_block_size=q_block_size, q_len=q_len, kv_len=kv_len, scores=scores)
 
 
 def _selected_lists_by_sort(rank, cand, fidx, visible, *, k, max_sel, limit=None):
   """``select_lists``'s lists int32 [b, hk, nq, max_sel]: ``lax.top_k`` of the candidates (the
   first ``limit`` [..., nq] of each row's k, if given) and ``fidx``, ascending, then -1."""
   del visible
-  nk = rank.shape[-1]
-  parts = [fidx]
+  nk, parts = rank.shape[-1], [fidx]
   if k > 0:
     _, tidx = jax.lax.top_k(jnp.where(cand, rank, -jnp.inf), k)      # [b, hk, nq, k]
     tvalid = jnp.take_along_axis(cand, tidx, axis=-1)
@@ -447,5 +435,3 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
                       block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
                       num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
                       scores=jax.lax.stop_gradient(scores), doc_start=doc_start)
-
-

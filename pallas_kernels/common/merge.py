@@ -1,9 +1,7 @@
 """Exact merge of partial attention results (out, lse) by log-sum-exp (docs/design.md, "Partial
 results and the LSE merge"): in XLA (:func:`merge_partials`, :func:`merge`), fp32, safe for empty
 partials (0 output, -inf lse, never NaN) with finite gradients; in Pallas (Triton) for the GPU
-decode kernels (:func:`merge_partials_pallas`, :func:`store_merged_heads`).
-"""
-from __future__ import annotations
+decode kernels (:func:`merge_partials_pallas`, :func:`store_merged_heads`)."""
 
 import functools
 
@@ -49,8 +47,7 @@ def merge_partials(outs, lses, axis=0):
     raise ValueError(f"outs must have shape lses.shape + (head_dim,), head_dim >= 1; got outs "
                      f"{outs.shape}, lses {lses.shape}")
   check_int("axis", axis, -lses.ndim, lses.ndim - 1)
-  axis = axis % lses.ndim
-  lse32 = lses.astype(jnp.float32)
+  axis, lse32 = axis % lses.ndim, lses.astype(jnp.float32)
   m = jnp.max(lse32, axis=axis, keepdims=True)
   # The max only stabilises the exponentials: the result does not depend on it.
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
@@ -175,11 +172,9 @@ def merge_partials_pallas(outs, lses, *, out_dtype=None, interpret=False, row_un
   def kernel(*refs):   # one (batch, query head) program; refs: [row starts,] o, lse, out, lse out
     store_merged_heads(*refs[-4:], pl.program_id(0), [pl.program_id(1)], num_splits=ns,
                        head_dim=d, d_pad=next_pow2(d, minimum=16), rows=refs[0] if rows else None)
-
   return pl.pallas_call(
       kernel, out_shape=[jax.ShapeDtypeStruct((bsz, hq, d), out_dtype),
-                         jax.ShapeDtypeStruct((bsz, hq), jnp.float32)],
-      grid=(bsz, hq),
+                         jax.ShapeDtypeStruct((bsz, hq), jnp.float32)], grid=(bsz, hq),
       compiler_params=compat.triton_compiler_params(num_warps=4, num_stages=1),
       interpret=interpret, name="jattn_merge_partials")(
           *rows, outs.astype(jnp.float32), lses.astype(jnp.float32))

@@ -6,9 +6,7 @@ enters the backward exactly like the row term ``rowsum(dO * O)`` (``delta_rows``
 
 Masked keys never leak (docs/flash.md): the forward hides a partial tile's non-finite values
 (``hide_nonfinite_values``), the dQ kernel zeroes them (``zero_nonfinite``), the dK/dV kernel
-selects p and dS to 0 at masked entries.
-"""
-from __future__ import annotations
+selects p and dS to 0 at masked entries."""
 
 import math
 
@@ -18,8 +16,7 @@ from jax import lax
 __all__ = ["LOG2E", "LN2", "online_softmax_step", "finalize", "delta_rows", "lse_base2",
            "zero_nonfinite", "hide_nonfinite_values"]
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+LOG2E, LN2 = math.log2(math.e), math.log(2.0)
 
 
 def online_softmax_step(s, m, l, *, factor=None, guard_empty=False):
@@ -45,8 +42,7 @@ def online_softmax_step(s, m, l, *, factor=None, guard_empty=False):
   """
   row_max = s.max(axis=1)
   if factor is not None:
-    row_max = row_max * factor
-    s = s * factor
+    row_max, s = row_max * factor, s * factor
   m_new = jnp.maximum(m, row_max)
   m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard_empty else m_new
   alpha = jnp.exp2(m - m_use)
@@ -71,10 +67,8 @@ def finalize(acc, m, l):
     >>> out[:, 0].tolist(), lse.tolist()
     ([0.5, 0.0], [0.6931471824645996, -inf])
   """
-  empty = l == 0.0
-  l_safe = jnp.where(empty, 1.0, l)
-  out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-  return out, jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(l_safe))
+  l_safe, lse = safe_lse(m * LN2, l)
+  return acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), lse
 
 
 def safe_lse(m, total):
@@ -101,9 +95,7 @@ def delta_rows(out, d_out, d_lse=None):
   """
   delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [B, Sq, Hq]
   delta = jnp.swapaxes(delta, 1, 2)  # [B, Hq, Sq]
-  if d_lse is not None:
-    delta = delta - d_lse.astype(jnp.float32)
-  return delta
+  return delta if d_lse is None else delta - d_lse.astype(jnp.float32)
 
 
 def lse_base2(lse):

@@ -92,8 +92,7 @@ def check_qkv_shapes(q, k, v, same_dv=True):
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be [batch, seq, heads, head_dim], got {q.shape}, {k.shape}, "
                      f"{v.shape}")
-  b, sq, hq, d = q.shape
-  _, sk, hk, d_v = v.shape
+  (b, sq, hq, d), (_, sk, hk, d_v) = q.shape, v.shape
   if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3] or (same_dv and d_v != d):
     raise ValueError(f"q, k, v shapes do not agree: {q.shape}, {k.shape}, {v.shape} (k and v "
                      f"must have the same {'shape' if same_dv else 'batch, seq and heads'} and "

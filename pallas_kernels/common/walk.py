@@ -10,9 +10,7 @@ in increasing order, each entry packing the tile and what each warpgroup does wi
 with a code of SKIP (drain the ring slot: none of the warpgroup's real rows sees the tile), FULL
 (every element visible: no element mask) or PARTIAL (apply the element mask). The memory
 warpgroup loads entry j into slot j mod stages; each compute warpgroup walks every entry and
-branches on its code (``entry_tile``, ``entry_code``).
-"""
-from __future__ import annotations
+branches on its code (``entry_tile``, ``entry_code``)."""
 
 import jax
 import jax.numpy as jnp
@@ -64,8 +62,7 @@ def range_codes(tiles, valid, ranges, own_seg, own_block, walk_seg, walk_block):
     [[[[2, 1, 2, 0]]]]
   """
   lo, flo, fhi, hi = (x[:, None] for x in ranges)                           # [n_own, 1]
-  visible = valid & (tiles >= lo) & (tiles < hi)
-  full = (tiles >= flo) & (tiles < fhi)
+  visible, full = valid & (tiles >= lo) & (tiles < hi), (tiles >= flo) & (tiles < fhi)
   if own_seg is not None:
     n_own = tiles.shape[2]
     oc = [x[:, :n_own] for x in segment_tile_classes(own_seg, own_seg.shape[1], own_block)]
@@ -104,8 +101,7 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
     >>> list_walk(idx, cnt, 128, 64, 64, 64, 2, 4, codes).tolist()
     [[[[2, 5, 37]]]]
   """
-  bq, sbq, rk = own_block, s_own, s_walk // walk_block
-  nq_s = idx.shape[2]
+  bq, sbq, rk, nq_s = own_block, s_own, s_walk // walk_block, idx.shape[2]
   idx, cnt = idx.astype(jnp.int32), cnt.astype(jnp.int32)     # [Bs, Hs, nq_s, M], [Bs, Hs, nq_s]
   rows = np.arange(n_own) * bq // sbq                          # schedule row of each wg tile
   real = jnp.asarray(rows < nq_s)                              # the others: padding, nothing
@@ -134,8 +130,7 @@ def list_walk(idx, cnt, s_own, s_walk, own_block, walk_block, n_own, n_walk, cod
 
 def _walk_rows(t, c0, c1, count):
   """Walk rows ``[count, entry_0, ...]`` from tiles and codes [..., W]; entries past count: 0."""
-  j = jnp.arange(t.shape[-1], dtype=jnp.int32)
-  count = jnp.minimum(count, t.shape[-1])
+  j, count = jnp.arange(t.shape[-1], dtype=jnp.int32), jnp.minimum(count, t.shape[-1])
   entries = jnp.where(j < count[..., None], (t << WALK_SHIFT) | c0 | (c1 << 2), 0)
   return jnp.concatenate([count[..., None], entries], -1).astype(jnp.int32)
 

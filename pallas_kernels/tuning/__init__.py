@@ -1,7 +1,6 @@
 """Tuned kernel configs kept as data, one JSON table per device (``device_kinds``, ``entries``
 keyed by kernel, head dim, dtype class and mask kind, each with ``params`` and ``provenance``),
-and the device they key on. Which table a device reads: docs/design.md, "How a call is planned".
-"""
+and the device they key on. Which table a device reads: docs/design.md, "How a call is planned"."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +20,8 @@ KERNELS = ("triton_fwd", "triton_bwd", "mosaic_gpu_fwd", "mosaic_gpu_bwd")
 MASK_KINDS = ("all", "dense", "causal", "window", "causal_window", "causal_segments",
               "block_sparse")
 _DIR = os.path.dirname(os.path.abspath(__file__))
+# Hopper parts by device kind (H100, H200, H800, H20, GH200): compute capability 9.0.
+_SM90_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
 
 
 def _kinds_of(folder: str) -> dict:
@@ -54,10 +55,6 @@ def device_kind() -> str | None:
     return jax.devices()[0].device_kind
   except RuntimeError:
     return None
-
-
-# Hopper parts by device kind (H100, H200, H800, H20, GH200): compute capability 9.0.
-_SM90_KIND = re.compile(r"\bG?H(100|200|800|20)\b")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,8 +4,7 @@
     export JATTN_TUNING_DIR=~/jattn-tables      # jattn now reads the table for this card
 
 Per table key, on B2 H16 with 16K tokens (8K with ``--quick``), the fastest candidate that
-matches an fp32 reference wins; today's config is always a candidate (docs/flash.md).
-"""
+matches an fp32 reference wins; today's config is always a candidate (docs/flash.md)."""
 from __future__ import annotations
 
 import argparse
@@ -71,8 +70,7 @@ def candidates(kernel: str, head_dim: int, mask: str, quick: bool) -> list[dict]
   elif kernel == "triton_bwd":
     for warps, stages, chunk in itertools.product((4, 8), (2, 3), (32, 64)):
       out.append(dict(bwd_block_q=None, bwd_block_k=None, bwd_num_warps=warps,
-                      bwd_num_stages=stages, dkv_q_chunk=chunk, dq_k_chunk=chunk,
-                      dkv_block_q=None))
+                      bwd_num_stages=stages, dkv_q_chunk=chunk, dq_k_chunk=chunk, dkv_block_q=None))
   else:
     raise ValueError(f"kernel must be one of {tuning.KERNELS}, got {kernel!r}")
   return out
@@ -154,11 +152,10 @@ def tune_key(kernel, head_dim, mask, *, seq, quick, kind, log=print):
   best_ms, _, best = min(timed, key=lambda t: (t[0], t[1]))
   if not np.isfinite(best_ms):
     return None
+  prov = dict(status="tuned", ms=round(best_ms, 4), incumbent_ms=round(timed[0][0], 4),
+              shape=f"B2 S{seq} H16 bf16", candidates=len(cands))
   return dict(kernel=kernel, head_dim=head_dim, dtype="16bit",
-              mask=mask if kernel.startswith("mosaic") else "all", params=best,
-              provenance=dict(status="tuned", ms=round(best_ms, 4),
-                              incumbent_ms=round(timed[0][0], 4), shape=f"B2 S{seq} H16 bf16",
-                              candidates=len(cands)))
+              mask=mask if kernel.startswith("mosaic") else "all", params=best, provenance=prov)
 
 
 def main(argv=None) -> dict:
@@ -182,8 +179,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--masks", default=",".join(MASKS), help="comma list among %(default)s")
   ap.add_argument("--quick", action="store_true", help="fewer candidates, 8K tokens")
   ap.add_argument("--out", default=".", help="folder of the written table (default: %(default)s)")
-  a = ap.parse_args(argv)
-  dev = tuning.device()
+  a, dev = ap.parse_args(argv), tuning.device()
   if dev.platform != "gpu":
     ap.error(f"the tuning command needs a GPU, this machine's jax backend is {dev.platform!r}")
   kernels = (a.kernels.split(",") if a.kernels else
@@ -194,8 +190,7 @@ def main(argv=None) -> dict:
   if bad:
     ap.error(f"unknown or unsupported here: {', '.join(bad)} (kernels: {tuning.KERNELS}, Mosaic "
              f"GPU ones on Hopper only; masks: {tuple(MASKS)})")
-  head_dims = [int(d) for d in a.head_dims.split(",")]
-  t0, entries = time.time(), []
+  head_dims, t0, entries = [int(d) for d in a.head_dims.split(",")], time.time(), []
   print(f"tuning on {dev.kind} (today's table: {dev.table})", flush=True)
   dims = {"mosaic_gpu_fwd": mg.HEAD_DIMS, "mosaic_gpu_bwd": mgb.HEAD_DIMS}
   for kernel, d, mask in itertools.product(kernels, head_dims, masks):
