@@ -243,8 +243,10 @@ def _forward_impl(q, k, v, q_seg, kv_seg, schedule, st: fk.KernelConfig, kv_pref
   elif st.has_seg:
     out, lse = fk.fwd_call(q_p, k_p, v_p, st, q_seg_p, kv_seg_p,
                            fk.seg_bounds(q_seg_p, kv_seg_p, st))
-  else:
+  elif kv_prefix:
     out, lse = fk.fwd_call(q_p, k_p, v_p, st, kv_prefix=kv_prefix)
+  else:
+    out, lse = fk.fwd_call(q_p, k_p, v_p, st)
     if st.tail_kv_splits:
       out, lse = _tail_fixup(q_p, k_p, v_p, out, lse, st)
   return out[:, :st.q_len], lse[:, :, :st.q_len]
