@@ -47,9 +47,17 @@ def tol(dtype) -> float:
 
 def rel_err(x, ref) -> float:
   """||x - ref|| / ||ref|| in float64 (both cast through fp32); 0-norm refs compare absolutely."""
-  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+  x = np.asarray(x, np.float32).astype(np.float64)     # numpy casts: no program per shape
+  ref = np.asarray(ref, np.float32).astype(np.float64)
   return float(np.linalg.norm((x - ref).ravel()) / max(np.linalg.norm(ref.ravel()), 1e-30))
+
+
+def normal(seed, *shapes, dtype=jnp.float32):
+  """Standard-normal arrays of ``shapes`` in ``dtype`` from one numpy generator seeded with
+  ``seed`` (jax.random would compile a program per shape)."""
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(s, np.float32).astype(jnp.dtype(dtype)))
+               for s in shapes)
 
 
 def random_qkv(rng, batch, q_len, kv_len, q_heads, kv_heads, head_dim, head_dim_v=None,

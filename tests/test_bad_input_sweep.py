@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -94,11 +95,13 @@ def _specs():
                  "kv_layout": "layout", "softmax": "softmax"}
   sq, sk = sds(1, 256, 4, 16), sds(1, 256, 2, 16)   # Mosaic TPU: tiles of 128
   sseg = {"segment_ids": np.ones((1, 256), np.int32)}
-  summ = sp.init_block_summaries(jnp.zeros((2, 32, 2, 16)), lens, block_size=16)
-  psumm = sp.init_block_summaries(jnp.zeros((6, 16, 2, 16)), lens, block_size=16,
-                                  page_table=table)
-  sel = sp.select_blocks(jnp.zeros((1, 256, 4, 16)), jnp.zeros((1, 256, 2, 16)),
-                         block_size=128, q_block_size=128, top_k=1)
+  # concrete summaries and a selection, each from one jitted program (collection-time cost)
+  summ = jax.jit(functools.partial(sp.init_block_summaries, block_size=16))(
+      jnp.zeros((2, 32, 2, 16)), lens)
+  psumm = jax.jit(functools.partial(sp.init_block_summaries, block_size=16))(
+      jnp.zeros((6, 16, 2, 16)), lens, page_table=table)
+  sel = jax.jit(functools.partial(sp.select_blocks, block_size=128, q_block_size=128, top_k=1))(
+      jnp.zeros((1, 256, 4, 16)), jnp.zeros((1, 256, 2, 16)))
   sparse_scalars = {"block_size": "posint", "top_k": "limit", "q_block_size": "posint",
                     "gate_grad": "enum", "gate_temperature": "cap", "causal": "bool",
                     "num_init_blocks": "nonneg", "num_local_blocks": "nonneg", "scale": "scale",
@@ -334,8 +337,15 @@ def _value_mutations(entry, args):
     yield "lengths", "negative", np.array([3, -5, 2], np.int64)
 
 
+def _all_specs():
+  """Every entry point's ``Spec``, built once per process (``SPECS``)."""
+  if not SPECS:
+    SPECS.update(_specs(), **_nn_specs())
+  return SPECS
+
+
 def _cases():
-  specs = dict(_specs(), **_nn_specs())
+  specs = _all_specs()
   out = []
   for entry, spec in specs.items():
     impls = IMPLS if spec.impl else (None,)
@@ -405,14 +415,12 @@ def outcome(spec, case):
   return ("silent" if case.invalid else "accepted"), None
 
 
-CASES = _cases()
 SPECS = {}
+CASES = _cases()
 
 
 def _spec(entry):
-  if not SPECS:
-    SPECS.update(_specs(), **_nn_specs())
-  return SPECS[entry]
+  return _all_specs()[entry]
 
 
 def test_sweep_covers_every_implementation():

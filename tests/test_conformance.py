@@ -12,6 +12,7 @@ GPU (``pytest -m gpu``): "triton", "mosaic_gpu" and "cudnn" compiled, at moderat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -178,6 +179,20 @@ def _fwd_vjp(f, qkv, cts, with_lse):
   return helpers.jit_run(run, *qkv, *cts)
 
 
+@functools.cache
+def _reference(name, c: Case, with_lse):
+  """(out, lse, grads) of the fp32 reference on the case's inputs: computed once per process
+  and shared by the case's cells (every implementation is compared with the same values)."""
+  qkv, (q_seg, kv_seg), cts = _inputs(name, c)
+
+  def reference(q, k, v):
+    return attention_reference(q, k, v, causal=c.causal, local_window_size=c.window,
+                               q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                               logits_soft_cap=c.soft_cap)
+
+  return _fwd_vjp(reference, tuple(x.astype(jnp.float32) for x in qkv), cts, with_lse)
+
+
 def _check(impl, name, c: Case, *, interpret):
   caps = CAPS[impl]
   qkv, (q_seg, kv_seg), cts = _inputs(name, c)
@@ -188,15 +203,8 @@ def _check(impl, name, c: Case, *, interpret):
                               return_lse=caps.lse, **mask)
     return r if caps.lse else (r, None)
 
-  def reference(q, k, v):
-    up = lambda x: x.astype(jnp.float32)
-    return attention_reference(up(q), up(k), up(v), causal=c.causal, local_window_size=c.window,
-                               q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                               logits_soft_cap=c.soft_cap)
-
   out, lse, grads = _fwd_vjp(kernel, qkv, cts, caps.lse)
-  r_out, r_lse, r_grads = _fwd_vjp(reference, tuple(x.astype(jnp.float32) for x in qkv), cts,
-                                   caps.lse)
+  r_out, r_lse, r_grads = _reference(name, c, caps.lse)
   t = helpers.tol(c.dtype)
   assert out.dtype == c.dtype and out.shape == r_out.shape, (out.dtype, out.shape)
   assert np.isfinite(np.asarray(out, np.float32)).all()
@@ -213,7 +221,9 @@ def _check(impl, name, c: Case, *, interpret):
 
 
 def _cells(impls, cases):
-  return [pytest.param(i, n, id=f"{i}-{n}") for i in impls for n, c in cases.items()
+  """The supported (implementation, case) cells, case by case: a case's cells run one after
+  the other, so that a worker computes the case's reference once (``_reference``)."""
+  return [pytest.param(i, n, id=f"{i}-{n}") for n, c in cases.items() for i in impls
           if CAPS[i].unsupported(c) is None]
 
 

@@ -104,8 +104,13 @@ def test_device_forward_equals_one_call(p, window):
   plan = jattn.context_parallel_plan(n, n, p, **mask)
   ref, ref_lse = jattn.flash_attention(q, k, v, return_lse=True, implementation="xla", **mask)
   shard = lambda x: jnp.split(cp.context_parallel_permute(x, p), p, axis=1)
-  qs, kv = shard(q), list(zip(shard(k), shard(v)))
-  outs = [cp.ring_device_forward(plan, qs[d], kv, d, implementation="xla") for d in range(p)]
+
+  @jax.jit
+  def devices(qs, ks, vs):   # every device's forward (each on its own inputs): one program
+    kv = list(zip(ks, vs))
+    return [cp.ring_device_forward(plan, qs[d], kv, d, implementation="xla") for d in range(p)]
+
+  outs = devices(shard(q), shard(k), shard(v))
   out = cp.context_parallel_unpermute(jnp.concatenate([o for o, _ in outs], axis=1), p)
   lse = cp.context_parallel_unpermute(jnp.concatenate([x for _, x in outs], axis=1), p)
   assert rel_err(out, ref) < 2e-5 and rel_err(jnp.swapaxes(lse, 1, 2), ref_lse) < 2e-5
@@ -173,7 +178,9 @@ def test_on_8_cpu_devices(request):
   """Runs this module's ``eight`` tests in a process with 8 CPU devices."""
   if jax.device_count() >= 8:
     pytest.skip("this process has 8 devices: the eight_ tests run here")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  # conftest's XLA flags stay (the subprocess's conftest then has nothing to probe)
+  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                    " --xla_force_host_platform_device_count=8").strip())
   cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
          os.path.abspath(__file__), "-k", "eight_"]
   if request.config.getoption("--run-slow"):

@@ -39,7 +39,7 @@ from pallas_kernels.flash import mosaic_gpu as mg
 from pallas_kernels.flash import mosaic_gpu_fwd_kernel as fk
 from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.tuning import mask_kind
-from tests.helpers import ci_cases
+from tests.helpers import ci_cases, normal
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 # Options for compiling the CPU replay only (how XLA:CPU optimises the test harness).
@@ -47,8 +47,8 @@ _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expe
 
 
 def _rel(a, b):
-  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  a = np.asarray(a, np.float32).astype(np.float64)
+  b = np.asarray(b, np.float32).astype(np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
@@ -73,11 +73,7 @@ def _check(out, lse, q, k, v, causal, dtype, q_seg=None, kv_seg=None, **mask):
 
 
 def _inputs(seed, b, sq, sk, hq, hk, d, dtype):
-  ks = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(ks[0], (b, sq, hq, d), dtype)
-  k = jax.random.normal(ks[1], (b, sk, hk, d), dtype)
-  v = jax.random.normal(ks[2], (b, sk, hk, d), dtype)
-  return q, k, v
+  return normal(seed, (b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d), dtype=dtype)
 
 
 # -------------------------------------------------------------------------------- lowering (CPU)
@@ -967,9 +963,8 @@ def _vjp_vs_reference(q, k, v, causal, *, interpret, scale=None, block_sizes=Non
   through ``jattn.flash_attention(implementation="mosaic_gpu", return_lse=True)``; the reference
   runs in fp32 on the upcast inputs."""
   import jattn
-  ks = jax.random.split(jax.random.key(99), 2)
-  d_out = jax.random.normal(ks[0], q.shape, q.dtype)
-  d_lse = jax.random.normal(ks[1], (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+  d_out, = normal(99, q.shape, dtype=q.dtype)
+  d_lse, = normal(100, (q.shape[0], q.shape[2], q.shape[1]))
   mask = dict(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap)
 
   def kernel_run(q, k, v):

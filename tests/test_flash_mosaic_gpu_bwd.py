@@ -37,7 +37,7 @@ from pallas_kernels import compat
 from pallas_kernels.common import walk as wk
 from pallas_kernels.flash import mosaic_gpu_bwd as mb
 from pallas_kernels.flash.reference import attention_reference
-from tests.helpers import ci_cases
+from tests.helpers import ci_cases, normal
 
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 # Options for compiling the CPU replay only (how XLA:CPU optimises the test harness).
@@ -45,18 +45,14 @@ _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expe
 
 
 def _rel(a, b):
-  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  a = np.asarray(a, np.float32).astype(np.float64)
+  b = np.asarray(b, np.float32).astype(np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _inputs(seed, b, sq, sk, hq, hk, d, dtype):
-  ks = jax.random.split(jax.random.key(seed), 4)
-  q = jax.random.normal(ks[0], (b, sq, hq, d), dtype)
-  k = jax.random.normal(ks[1], (b, sk, hk, d), dtype)
-  v = jax.random.normal(ks[2], (b, sk, hk, d), dtype)
-  do = jax.random.normal(ks[3], (b, sq, hq, d), dtype)
-  return q, k, v, do
+  return normal(seed, (b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d), (b, sq, hq, d),
+                 dtype=dtype)
 
 
 # -------------------------------------------------------------------------------- lowering (CPU)
@@ -1143,8 +1139,7 @@ def test_replayed_kernels_match_reference_vjp(name, monkeypatch):
   window, soft_cap = case.pop("window", None), case.pop("soft_cap", None)
   seg, sched = case.pop("seg", None), case.pop("sched", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
-           if with_d_lse else None)
+  d_lse = normal(7, (case["b"], case["hq"], case["sq"]))[0] if with_d_lse else None
   got, want, lse = _kernel_vs_reference(q, k, v, do, causal, scale=scale, bs=bs, d_lse=d_lse,
                                         window=window, soft_cap=soft_cap, seg=seg, sched=sched)
   _assert_grads_close(got, want, lse, q, k, dtype)
@@ -1310,8 +1305,7 @@ def test_gpu_matches_reference_vjp(name):
       case.pop("scale", None)
   seg, sched = case.pop("seg", None), case.pop("sched", None)
   q, k, v, do = _inputs(zlib.crc32(name.encode()), dtype=dtype, **case)
-  d_lse = (jax.random.normal(jax.random.key(7), (case["b"], case["hq"], case["sq"]), jnp.float32)
-           if with_d_lse else None)
+  d_lse = normal(7, (case["b"], case["hq"], case["sq"]))[0] if with_d_lse else None
   got, want, lse = _kernel_vs_reference(q, k, v, do, causal, bs=bs, d_lse=d_lse, window=window,
                                         soft_cap=soft_cap, scale=scale, seg=seg, sched=sched)
   _assert_grads_close(got, want, lse, q, k, dtype)

@@ -27,6 +27,8 @@ from jattn.sparse import decode as sdec
 from pallas_kernels.masks import element_mask, normalize_window
 
 POISONS = (np.nan, np.inf)
+# the block selection as one jitted program per call shape
+_select_blocks = jax.jit(select_blocks, static_argnames=("block_size", "q_block_size", "top_k"))
 
 
 def _inputs(b, sq, sk, hq, hk, d, seed, dtype=jnp.float32):
@@ -285,7 +287,7 @@ def test_flash_hidden_keys_property_xla(data):
 def test_block_sparse_unselected_blocks(impl):
   """Keys of blocks a query block does not select are hidden from its rows."""
   q, k, v, dout, dlse = _inputs(1, 64, 64, 2, 1, 16, seed=7)
-  sel = select_blocks(q, k, block_size=16, q_block_size=16, top_k=1)
+  sel = _select_blocks(q, k, block_size=16, q_block_size=16, top_k=1)
   bm = np.asarray(sel.to_mask())
   vis = _visibility(64, 64, causal=True, block_mask=bm)
   poison = np.zeros((1, 64), bool)
@@ -304,7 +306,7 @@ def test_gate_gradients_unselected_blocks(impl):
   from jattn.sparse.attention import _gated_attention, block_sparse_plan
   q, k, v, dout, dlse = _inputs(1, 64, 64, 2, 1, 16, seed=9)
   seg = jnp.asarray(_packed_segments(1, 64, (24, 40)))
-  sel = select_blocks(q, k, block_size=16, q_block_size=16, top_k=1, segment_ids=seg)
+  sel = _select_blocks(q, k, block_size=16, q_block_size=16, top_k=1, segment_ids=seg)
   poison = np.asarray(seg) == 1
   assert (np.asarray(sel.indices)[0, 0, 2:] == 1).any()   # a doc-2 query block keeps block 1
   plan = block_sparse_plan(q, k, v, sel, segment_ids=seg, implementation=impl,

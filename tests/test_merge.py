@@ -6,22 +6,18 @@ import pytest
 
 from jattn.merge import merge, merge_partials
 from pallas_kernels.flash.reference import attention_reference
+from tests.helpers import normal
 
 HI = jax.lax.Precision.HIGHEST
 
 
 def _rel(x, ref):
-  x = jnp.asarray(x, jnp.float32)
-  ref = jnp.asarray(ref, jnp.float32)
-  return float(jnp.linalg.norm((x - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
+  x, ref = (np.asarray(a, np.float64) for a in (x, ref))   # numpy: no program per shape
+  return float(np.linalg.norm((x - ref).ravel()) / np.linalg.norm(ref.ravel()))
 
 
 def _qkv(seed, b=2, sq=5, sk=37, hq=4, hk=2, d=24):
-  ks = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32)
-  k = jax.random.normal(ks[1], (b, sk, hk, d), jnp.float32)
-  v = jax.random.normal(ks[2], (b, sk, hk, d), jnp.float32)
-  return q, k, v
+  return normal(seed, (b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d))
 
 
 # Chunk boundaries over 37 keys; the chunk [9, 9) is empty on purpose (lse -inf, out 0).
@@ -59,10 +55,11 @@ def _pairwise_merge(outs, lses):
 
 def _mask(seed, b, sq, sk):
   """Random key mask; row (0, :, 1) sees nothing at all, row (1, :, 2) only keys in [9, 20)."""
-  m = jax.random.bernoulli(jax.random.key(seed), 0.7, (b, 1, sq, sk))
-  m = m.at[0, :, 1].set(False)
-  m = m.at[1, :, 2].set(False).at[1, :, 2, 9:20].set(True)
-  return m
+  m = np.random.default_rng(seed).random((b, 1, sq, sk)) < 0.7
+  m[0, :, 1] = False
+  m[1, :, 2] = False
+  m[1, :, 2, 9:20] = True
+  return jnp.asarray(m)
 
 
 @pytest.mark.parametrize("merge_fn", [_stack_merge, _pairwise_merge], ids=["partials", "pairwise"])
@@ -80,9 +77,8 @@ def test_merge_matches_whole_attention_forward_and_vjp(merge_fn):
   np.testing.assert_allclose(np.asarray(lse)[np.asarray(fin)], np.asarray(ref_lse)[np.asarray(fin)],
                              rtol=1e-5, atol=1e-5)
 
-  ks = jax.random.split(jax.random.key(2), 2)
-  g_out = jax.random.normal(ks[0], out.shape)
-  g_lse = jnp.where(fin, jax.random.normal(ks[1], lse.shape), 0.0)
+  g_out, g_lse = normal(2, out.shape, lse.shape)
+  g_lse = jnp.where(fin, g_lse, 0.0)
 
   def loss(fn, q, k, v):
     o, l = fn(q, k, v)
@@ -98,7 +94,7 @@ def test_merge_matches_whole_attention_forward_and_vjp(merge_fn):
 
 
 def test_all_empty_partials_give_zero_output_and_finite_grads():
-  outs = jax.random.normal(jax.random.key(3), (3, 2, 5, 8))
+  outs, = normal(3, (3, 2, 5, 8))
   lses = jnp.full((3, 2, 5), -jnp.inf).at[1, 0, 0].set(0.3)   # only one non-empty entry
   out, lse = jax.jit(merge_partials)(outs, lses)
   assert bool(jnp.all(out[1:] == 0)) and bool(jnp.all(out[0, 1:] == 0))
@@ -119,9 +115,8 @@ def test_all_empty_partials_give_zero_output_and_finite_grads():
 
 
 def test_empty_partials_ignore_garbage_and_two_input_matches_partials():
-  ks = jax.random.split(jax.random.key(4), 4)
-  o1, o2 = jax.random.normal(ks[0], (3, 6, 16)), jax.random.normal(ks[1], (3, 6, 16))
-  l1, l2 = jax.random.normal(ks[2], (3, 6)) * 3, jax.random.normal(ks[3], (3, 6)) * 3
+  o1, o2, l1, l2 = normal(4, (3, 6, 16), (3, 6, 16), (3, 6), (3, 6))
+  l1, l2 = l1 * 3, l2 * 3
   l2 = l2.at[0].set(-jnp.inf)
   o2 = o2.at[0].set(jnp.nan)                         # never read where lse is -inf
   out, lse = merge(o1, l1, o2, l2)

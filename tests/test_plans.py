@@ -2,9 +2,11 @@
 plan's, for flash and block-sparse attention (CPU: Triton and Mosaic TPU in interpret mode; a
 simulated Hopper GPU with fake Mosaic GPU kernels)."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jattn
@@ -17,7 +19,17 @@ from pallas_kernels.flash import triton as ft
 
 
 def _rand(key, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(key), shape, dtype)
+  return jnp.asarray(np.random.default_rng(key).standard_normal(shape, np.float32).astype(dtype))
+
+
+def _traced(f, *args):
+  """f(*args) traced, not run: the kernel entry points receive their configs while tracing."""
+  return jax.eval_shape(f, *args)
+
+
+def _select(q, k, **kw):
+  """``jattn.select_blocks`` as one jitted program."""
+  return jax.jit(functools.partial(jattn.select_blocks, **kw))(q, k)
 
 
 def _recorder(seen):
@@ -66,7 +78,7 @@ def test_flash_triton_runs_its_plan(monkeypatch, one_resolution, call):
   monkeypatch.setattr(ft, "flash_attention", _recorder(seen))
   q, k = _rand(0, (1, 64, 4, 32)), _rand(1, (1, 64, 2, 32))
   kw = dict(call, implementation="triton", interpret=True)
-  jattn.flash_attention(q, k, k, **kw)
+  _traced(lambda q, k: jattn.flash_attention(q, k, k, **kw), q, k)
   plan = jattn.flash_attention_plan(q, k, k, **kw)
   assert one_resolution == ["flash", "flash"]
   assert (plan.implementation, plan.backward, plan.table) == ("triton", "triton",
@@ -80,7 +92,8 @@ def test_flash_mosaic_tpu_runs_its_plan(monkeypatch):
   seen = []
   monkeypatch.setattr(mt, "flash_attention", _recorder(seen))
   q = _rand(0, (1, 300, 2, 64))
-  jattn.flash_attention(q, q, q, causal=True, implementation="mosaic_tpu", interpret=True)
+  _traced(lambda q: jattn.flash_attention(q, q, q, causal=True, implementation="mosaic_tpu",
+                                          interpret=True), q)
   plan = jattn.flash_attention_plan(q, q, q, causal=True, implementation="mosaic_tpu")
   assert plan.table is None   # a heuristic default, no table
   assert seen[0]["tiles"] == (plan.config.block_q, plan.config.block_k)
@@ -94,7 +107,7 @@ def test_flash_hopper_default_runs_its_plan(monkeypatch, hopper, one_resolution,
   seen = []
   monkeypatch.setattr(mg, "flash_attention", _recorder(seen))
   q = jnp.zeros((1, 64, 2, d), jnp.bfloat16)
-  jattn.flash_attention(q, q, q, **call)
+  _traced(lambda q: jattn.flash_attention(q, q, q, **call), q)
   plan = jattn.flash_attention_plan(q, q, q, **call)
   assert one_resolution == ["flash", "flash"]
   assert (plan.implementation, plan.table, plan.device_kind) == (
@@ -121,7 +134,7 @@ def test_flash_hopper_plan_fits_the_tail_to_the_call(monkeypatch, hopper):
     fitted = mg.fit_block_sizes(table, q.shape, q.shape, core_count=15)
     assert plan.config == dataclasses.replace(fitted, backward="mosaic")
     assert plan.config.tail_kv_splits == tail
-    jattn.flash_attention(q, q, q)
+    _traced(lambda q: jattn.flash_attention(q, q, q), q)
     assert seen[-1]["block_sizes"] == plan.config
 
 
@@ -156,16 +169,18 @@ def test_block_sparse_triton_runs_its_plan(monkeypatch, one_resolution):
   seen = []
   monkeypatch.setattr(ft, "flash_attention", _recorder(seen))
   q, k = _rand(0, (1, 256, 4, 32)), _rand(1, (1, 256, 2, 32))
-  sel = jattn.select_blocks(q, k, block_size=32, q_block_size=64, top_k=2)
-  jattn.block_sparse_attention(q, k, k, sel, implementation="triton", interpret=True)
+  sel = _select(q, k, block_size=32, q_block_size=64, top_k=2)
+  _traced(lambda q, k: jattn.block_sparse_attention(q, k, k, sel, implementation="triton",
+                                                    interpret=True), q, k)
   plan = jattn.block_sparse_plan(q, k, k, sel, implementation="triton", interpret=True)
   assert one_resolution == ["block_sparse", "block_sparse"]
   assert (plan.op, plan.config.block_q, plan.config.block_k) == ("block_sparse", 64, 32)
   assert seen == [dict(block_sizes=plan.config, bwd_block_sizes=None, tiles=(64, 32))]
   # sparse_attention: one plan for the same tiles, run as returned
   seen.clear()
-  jattn.sparse_attention(q, k, k, block_size=32, q_block_size=64, top_k=2, gate_grad="ste",
-                         implementation="triton", interpret=True)
+  _traced(lambda q, k: jattn.sparse_attention(q, k, k, block_size=32, q_block_size=64, top_k=2,
+                                              gate_grad="ste", implementation="triton",
+                                              interpret=True), q, k)
   assert seen == [dict(block_sizes=plan.config, bwd_block_sizes=None, tiles=(64, 32))]
 
 
@@ -173,8 +188,9 @@ def test_block_sparse_mosaic_tpu_runs_its_plan(monkeypatch):
   seen = []
   monkeypatch.setattr(mt, "flash_attention", _recorder(seen))
   q = _rand(0, (1, 512, 2, 64))
-  sel = jattn.select_blocks(q, q, block_size=128, q_block_size=128, top_k=1)
-  jattn.block_sparse_attention(q, q, q, sel, implementation="mosaic_tpu", interpret=True)
+  sel = _select(q, q, block_size=128, q_block_size=128, top_k=1)
+  _traced(lambda q: jattn.block_sparse_attention(q, q, q, sel, implementation="mosaic_tpu",
+                                                 interpret=True), q)
   plan = jattn.block_sparse_plan(q, q, q, sel, implementation="mosaic_tpu")
   assert (plan.config.block_q, plan.config.block_k) == seen[0]["tiles"] == (128, 128)
 
@@ -185,8 +201,8 @@ def test_block_sparse_hopper_default_runs_its_plan(monkeypatch, hopper, d):
   monkeypatch.setattr(mg, "flash_attention", _recorder(seen))
   q = jnp.zeros((1, 512, 2, d), jnp.bfloat16)
   seg = jnp.ones((1, 512), jnp.int32)
-  sel = jattn.select_blocks(q, q, block_size=64, q_block_size=128, top_k=2)
-  jattn.block_sparse_attention(q, q, q, sel, segment_ids=seg)
+  sel = _select(q, q, block_size=64, q_block_size=128, top_k=2)
+  _traced(lambda q: jattn.block_sparse_attention(q, q, q, sel, segment_ids=seg), q)
   plan = jattn.block_sparse_plan(q, q, q, sel, segment_ids=seg)
   assert (plan.implementation, plan.table) == ("mosaic_gpu", "nvidia_h200.json")
   assert plan.backward == ("triton" if d == 256 else "mosaic_gpu")

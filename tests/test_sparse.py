@@ -12,7 +12,7 @@ import pytest
 from jattn import sparse as sp
 from jattn.sparse import decode as sp_decode
 from pallas_kernels.flash.reference import attention_reference
-from tests.helpers import ci_cases
+from tests.helpers import ci_cases, normal
 
 HI = jax.lax.Precision.HIGHEST
 # One compiled program per call shape (much faster on CPU than op-by-op dispatch).
@@ -28,10 +28,7 @@ def _rel(x, ref):
 
 
 def _qkv(seed, b, sq, sk, hq, hk, d, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(ks[0], (b, sq, hq, d), dtype),
-          jax.random.normal(ks[1], (b, sk, hk, d), dtype),
-          jax.random.normal(ks[2], (b, sk, hk, d), dtype))
+  return normal(seed, (b, sq, hq, d), (b, sk, hk, d), (b, sk, hk, d), dtype=dtype)
 
 
 def _packed_segments(rng, b, n, max_docs=4, pad=True):
@@ -347,7 +344,11 @@ def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   n = seg.shape[1]
   nq, nk = -(-n // qbs), -(-n // bs)
   segj = jnp.asarray(seg)
-  lo, hi = (np.asarray(x) for x in sp.selection.segment_ranges(segj, bs))
+  # each function as one jitted program (block sizes static)
+  segment_ranges = jax.jit(sp.selection.segment_ranges, static_argnums=1)
+  segment_overlap = jax.jit(sp.selection.segment_overlap, static_argnums=(2, 3))
+  doc_start_blocks = jax.jit(sp.selection.doc_start_blocks, static_argnums=(2, 3))
+  lo, hi = (np.asarray(x) for x in segment_ranges(segj, bs))
   elo, ehi = _block_ranges_np(seg, bs)
   np.testing.assert_array_equal(lo, elo)
   np.testing.assert_array_equal(hi, ehi)
@@ -356,11 +357,11 @@ def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   has_q, has_k = qlo <= qhi, elo <= ehi
   want = (has_q[:, :, None] & has_k[:, None, :] & (qlo[:, :, None] <= ehi[:, None, :])
           & (elo[:, None, :] <= qhi[:, :, None]))
-  got = np.asarray(sp.selection.segment_overlap(segj, segj, qbs, bs))
+  got = np.asarray(segment_overlap(segj, segj, qbs, bs))
   np.testing.assert_array_equal(got, want)
   # doc start: the block of the first key of the query block's smallest nonzero id; nk for an
   # all-padding query block
-  ds = np.asarray(sp.selection.doc_start_blocks(segj, segj, qbs, bs))
+  ds = np.asarray(doc_start_blocks(segj, segj, qbs, bs))
   want_ds = np.full((seg.shape[0], nq), nk)
   for bi in range(seg.shape[0]):
     for i in range(nq):
@@ -370,10 +371,10 @@ def test_segment_ranges_and_doc_start_negative_ids(qbs, bs):
   # the negative rows give what their positive shift gives
   neg = jnp.asarray(np.array(NEG_ROWS, np.int32))
   pos = jnp.asarray(_shift_ids(NEG_ROWS))
-  np.testing.assert_array_equal(np.asarray(sp.selection.segment_overlap(neg, neg, qbs, bs)),
-                                np.asarray(sp.selection.segment_overlap(pos, pos, qbs, bs)))
-  np.testing.assert_array_equal(np.asarray(sp.selection.doc_start_blocks(neg, neg, qbs, bs)),
-                                np.asarray(sp.selection.doc_start_blocks(pos, pos, qbs, bs)))
+  np.testing.assert_array_equal(np.asarray(segment_overlap(neg, neg, qbs, bs)),
+                                np.asarray(segment_overlap(pos, pos, qbs, bs)))
+  np.testing.assert_array_equal(np.asarray(doc_start_blocks(neg, neg, qbs, bs)),
+                                np.asarray(doc_start_blocks(pos, pos, qbs, bs)))
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton"])
@@ -503,7 +504,7 @@ def _vjp_check(f_test, f_ref, args, seed, tol):
       return out, vjp(ct.astype(out.dtype))
     return g
   shape = jax.eval_shape(f_ref, *args).shape
-  ct = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  ct, = normal(seed, shape)
   out_t, g_t = jax.jit(run(f_test))(args, ct)
   out_r, g_r = jax.jit(run(f_ref))(args, ct)
   assert _rel(out_t, out_r) < tol, _rel(out_t, out_r)
@@ -762,7 +763,7 @@ def test_score_aux_forward_unchanged_and_gradient(gate, pool):
   kl = float(jax.jit(functools.partial(sp.block_score_kl, block_size=bs, q_block_size=qbs,
                                        query_pool=pool))(q, k))
   assert kl > 1e-3 and abs(kl - float(jax.jit(kl_ref)(q, k))) < 1e-5 * max(1.0, kl)
-  ct = jax.random.normal(jax.random.key(29), o0.shape, jnp.float32)
+  ct, = normal(29, o0.shape)
   grad = lambda w: jax.jit(jax.grad(lambda q, k, v: jnp.sum(ct * run(q, k, v, w)[0]),
                                     (0, 1, 2)))(q, k, v)
   g0, g1 = grad(0.0), grad(w)
@@ -843,7 +844,7 @@ def test_captured_mass():
 # ----------------------------------------------------------------------------- decode
 def test_block_summaries_incremental():
   b, n, hk, d, bs = 2, 100, 2, 8, 16
-  k = jax.random.normal(jax.random.key(12), (b, n, hk, d))
+  k, = normal(12, (b, n, hk, d))
   lens = jnp.array([3, 40])
   summ = sp.init_block_summaries(k, lens, block_size=bs)
   step = jax.jit(sp.update_block_summaries)
@@ -861,10 +862,7 @@ def test_block_summaries_incremental():
 @pytest.mark.parametrize("top_k", [3, 0.3])
 def test_sparse_decode_matches_reference_and_training_selection(top_k):
   b, n, hq, hk, d, bs = 3, 300, 4, 2, 16, 16
-  ks = jax.random.split(jax.random.key(13), 3)
-  q = jax.random.normal(ks[0], (b, hq, d))
-  kc = jax.random.normal(ks[1], (b, n, hk, d))
-  vc = jax.random.normal(ks[2], (b, n, hk, d))
+  q, kc, vc = normal(13, (b, hq, d), (b, n, hk, d), (b, n, hk, d))
   lens = jnp.array([300, 170, 20])
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   out, lse, idx = jax.jit(functools.partial(
@@ -898,10 +896,7 @@ def test_sparse_paged_decode(impl):
   """Paged cache (shuffled pages) == contiguous cache, for the xla path and the Triton kernel
   (interpret mode, several splits); paged summaries == contiguous ones."""
   b, n, hq, hk, d, bs, top_k = 3, 200, 4, 2, 16, 16, 2
-  ks = jax.random.split(jax.random.key(14), 3)
-  q = jax.random.normal(ks[0], (b, hq, d))
-  kc = jax.random.normal(ks[1], (b, n, hk, d))
-  vc = jax.random.normal(ks[2], (b, n, hk, d))
+  q, kc, vc = normal(14, (b, hq, d), (b, n, hk, d), (b, n, hk, d))
   lens = jnp.array([200, 70, 20])                    # 20: only forced blocks, empty top-k slots
   nb = -(-n // bs)
   pt = jnp.asarray(np.random.default_rng(5).permutation(b * nb + 3)[:b * nb].reshape(b, nb),
@@ -1029,9 +1024,8 @@ def test_gate_grad_kernel_interpret():
   scale = 0.3
   out, lse = jax.jit(lambda q, k, v: sp.block_sparse_attention(
       q, k, v, sel, scale=scale, return_lse=True, implementation="xla", **kw))(q, k, v)
-  ks = jax.random.split(jax.random.key(22), 2)
-  dout = jax.random.normal(ks[0], out.shape)
-  dlse = jnp.where(jnp.isfinite(lse), jax.random.normal(ks[1], lse.shape), 0.0)
+  dout, dlse = normal(22, out.shape, lse.shape)
+  dlse = jnp.where(jnp.isfinite(lse), dlse, 0.0)
   segs = (kw["segment_ids"], kw["kv_segment_ids"])
   want = jax.jit(functools.partial(sp.attention._tile_logit_grads, causal=True, scale=scale))(
       q, k, v, out, lse, dout, dlse, sel, *segs)
@@ -1215,9 +1209,8 @@ def test_decode_block_scores_kernel(hq, hk, d, nb):
   _kernel_module_or_skip("triton")
   from pallas_kernels.sparse.decode_select import decode_block_scores
   b, bs = 3, 16
-  ks = jax.random.split(jax.random.key(31), 2)
-  q = jax.random.normal(ks[0], (b, hq, d), jnp.bfloat16)
-  kc = jax.random.normal(ks[1], (b, nb * bs, hk, d))
+  q, = normal(31, (b, hq, d), dtype=jnp.bfloat16)
+  kc, = normal(32, (b, nb * bs, hk, d))
   lens = jnp.array([nb * bs, 1, nb * bs // 2 + 3])
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   got = decode_block_scores(q, summ.sums, summ.lengths, block_size=bs, interpret=True)
@@ -1301,10 +1294,7 @@ def test_sparse_decode_triton_interpret(dtype, tol):
   ragged; default and explicit split counts (more splits than kept blocks)."""
   _kernel_module_or_skip("triton")
   b, n, hq, hk, d, bs, top_k = 4, 250, 6, 2, 72, 16, 4
-  ks = jax.random.split(jax.random.key(33), 3)
-  q = jax.random.normal(ks[0], (b, hq, d), dtype)
-  kc = jax.random.normal(ks[1], (b, n, hk, d), dtype)
-  vc = jax.random.normal(ks[2], (b, n, hk, d), dtype)
+  q, kc, vc = normal(33, (b, hq, d), (b, n, hk, d), (b, n, hk, d), dtype=dtype)
   lens = jnp.array([250, 1, 160, 77])
   summ = sp.init_block_summaries(kc, lens, block_size=bs)
   idx_x = jax.jit(functools.partial(sp.select_decode_blocks, top_k=top_k, num_local_blocks=2))(
@@ -1341,10 +1331,7 @@ def test_sparse_decode_default_splits():
 def _narrow_value_decode_inputs(seed, b, n, hq, hk, d, dv, bs, lens, dtype=jnp.float32):
   """q, contiguous k [.., d] / v [.., dv] caches, and the same caches in a shuffled page pool
   whose spare pages hold NaN values and whose table entries past each length are garbage."""
-  ks = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(ks[0], (b, hq, d), dtype)
-  kc = jax.random.normal(ks[1], (b, n, hk, d), dtype)
-  vc = jax.random.normal(ks[2], (b, n, hk, dv), dtype)
+  q, kc, vc = normal(seed, (b, hq, d), (b, n, hk, d), (b, n, hk, dv), dtype=dtype)
   nb = -(-n // bs)
   rng = np.random.default_rng(seed)
   perm = rng.permutation(b * nb + 2)
@@ -1688,12 +1675,14 @@ def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
   if case == "ties":
     q, k = jnp.round(q), jnp.round(k * 0.5)
   kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal, num_init_blocks=ni,
-            num_local_blocks=nl, segment_ids=seg)
-  want = sp.select_blocks(q, k, **kw)
+            num_local_blocks=nl)
+  # one program per selection; a new jit per call, so the second call traces the patched path
+  selection = lambda: jax.jit(functools.partial(sp.select_blocks, **kw))(q, k, segment_ids=seg)
+  want = selection()
   by_mask = functools.partial(sp.selection._selected_lists_by_mask,
                               keep_fn=functools.partial(topk.top_k_mask, interpret=True))
   monkeypatch.setattr(sp.selection, "_selected_lists_by_sort", by_mask)
-  got = sp.select_blocks(q, k, **kw)
+  got = selection()
   if case == "ties":   # the case has ties at the k-th score (else it tests nothing new)
     s = np.sort(np.asarray(want.scores).reshape(-1, want.scores.shape[-1]), axis=-1)
     assert (s[:, 1:] == s[:, :-1]).any()

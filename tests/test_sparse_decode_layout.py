@@ -22,6 +22,7 @@ from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.sparse import decode as sd
 from pallas_kernels.sparse.decode_select import decode_width, default_score_splits
 from test_sparse import _kernel_module_or_skip
+from tests.helpers import normal
 
 _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0,
                      "xla_llvm_disable_expensive_passes": True}
@@ -33,16 +34,13 @@ def _hnd(x):
 
 
 def _rel(x, ref):
-  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+  x = np.asarray(x, np.float32).astype(np.float64)
+  ref = np.asarray(ref, np.float32).astype(np.float64)
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def _inputs(seed, b, n, hq, hk, d, dv, dtype=jnp.float32):
-  ks = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(ks[0], (b, hq, d), dtype),
-          jax.random.normal(ks[1], (b, n, hk, d), dtype),
-          jax.random.normal(ks[2], (b, n, hk, dv), dtype))
+  return normal(seed, (b, hq, d), (b, n, hk, d), (b, n, hk, dv), dtype=dtype)
 
 
 def _reference(q, kc, vc, lens, idx, bs):

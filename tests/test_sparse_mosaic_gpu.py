@@ -56,8 +56,8 @@ def select(q, k, *, segment_ids=None, kv_segment_ids=None, **kw):
 
 
 def _rel(a, b):
-  a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-  b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
+  a = np.asarray(a, np.float32).astype(np.float64)
+  b = np.asarray(b, np.float32).astype(np.float64)
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 

@@ -16,6 +16,7 @@ from pallas_kernels.flash.reference import attention_reference
 from pallas_kernels.sparse import decode_tpu
 
 from test_sparse import _narrow_value_decode_inputs, _rel
+from tests.helpers import normal
 
 
 def _reference(q, kc, vc, lens, idx, bs):
@@ -92,10 +93,7 @@ def test_sparse_decode_mosaic_tpu_kernel_lists():
   (slots past a count are skipped even if they hold ids), a kept block past the length (all
   masked: no NaN) and an empty list (count 0) next to a full one."""
   b, n, hq, hk, d, bs = 2, 64, 4, 2, 128, 16
-  ks = jax.random.split(jax.random.key(70), 3)
-  q = jax.random.normal(ks[0], (b, hq, d))
-  kc = jax.random.normal(ks[1], (b, n, hk, d))
-  vc = jax.random.normal(ks[2], (b, n, hk, d))
+  q, kc, vc = normal(70, (b, hq, d), (b, n, hk, d), (b, n, hk, d))
   lens = jnp.array([40, 64], jnp.int32)
   idx = jnp.array([[[2, 0, 3], [1, 2, 0]], [[3, 1, 0], [0, 2, 1]]], jnp.int32)
   counts = jnp.array([[3, 1], [0, 3]], jnp.int32)
