@@ -1676,13 +1676,17 @@ def test_selection_by_top_k_mask_kernel_matches_the_sort(case, monkeypatch):
     q, k = jnp.round(q), jnp.round(k * 0.5)
   kw = dict(block_size=bs, q_block_size=qbs, top_k=top_k, causal=causal, num_init_blocks=ni,
             num_local_blocks=nl)
-  # one program per selection; a new jit per call, so the second call traces the patched path
-  selection = lambda: jax.jit(functools.partial(sp.select_blocks, **kw))(q, k, segment_ids=seg)
-  want = selection()
-  by_mask = functools.partial(sp.selection._selected_lists_by_mask,
-                              keep_fn=functools.partial(topk.top_k_mask, interpret=True))
+  want = sp.select_blocks(q, k, segment_ids=seg, **kw)
+  calls = []
+
+  def by_mask(*args, **kwargs):
+    calls.append(1)
+    return sp.selection._selected_lists_by_mask(
+        *args, keep_fn=functools.partial(topk.top_k_mask, interpret=True), **kwargs)
   monkeypatch.setattr(sp.selection, "_selected_lists_by_sort", by_mask)
-  got = selection()
+  jax.clear_caches()   # select_blocks is one jitted program: trace it again, through the patch
+  got = sp.select_blocks(q, k, segment_ids=seg, **kw)
+  assert calls, "the mask path did not run"
   if case == "ties":   # the case has ties at the k-th score (else it tests nothing new)
     s = np.sort(np.asarray(want.scores).reshape(-1, want.scores.shape[-1]), axis=-1)
     assert (s[:, 1:] == s[:, :-1]).any()

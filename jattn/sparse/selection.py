@@ -11,7 +11,7 @@ import numpy as np
 
 from jattn._validate import check_flags, check_int, check_qkv, check_segments
 from pallas_kernels.block_schedule import compact_true, segment_tile_classes
-from pallas_kernels.common.util import cdiv, pad_axis
+from pallas_kernels.common.util import cdiv, one_program, pad_axis
 from pallas_kernels.sparse import topk as topk_kernel
 
 __all__ = ["BlockSelection", "block_scores", "select_blocks"]
@@ -428,10 +428,18 @@ def select_blocks(q, k, *, block_size=64, top_k, q_block_size=64, causal=True, n
   check_flags(causal=causal)
   batch, q_len, kv_len, _, _ = check_qkv(q, k, k)
   segment_ids, kv_segment_ids = check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len)
+  return _select(q, k, segment_ids, kv_segment_ids, block_size=int(block_size), top_k=top_k,
+                 q_block_size=int(q_block_size), causal=bool(causal), num_init=int(num_init_blocks),
+                 num_local=int(num_local_blocks))
+
+
+@one_program("block_size", "q_block_size", "top_k", "causal", "num_init", "num_local")
+def _select(q, k, segment_ids, kv_segment_ids, *, block_size, q_block_size, top_k, causal,
+            num_init, num_local):
   scores = block_scores(q, k, block_size=block_size, q_block_size=q_block_size,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids)
   seg_ok, doc_start = segment_rules(segment_ids, kv_segment_ids, q_block_size, block_size)
-  return select_lists(scores, q_len=q_len, kv_len=kv_len, q_block_size=int(q_block_size),
-                      block_size=int(block_size), causal=causal, num_init=int(num_init_blocks),
-                      num_local=int(num_local_blocks), top_k=top_k, seg_ok=seg_ok,
+  return select_lists(scores, q_len=q.shape[1], kv_len=k.shape[1], q_block_size=q_block_size,
+                      block_size=block_size, causal=causal, num_init=num_init,
+                      num_local=num_local, top_k=top_k, seg_ok=seg_ok,
                       scores=jax.lax.stop_gradient(scores), doc_start=doc_start)

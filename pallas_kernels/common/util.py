@@ -1,10 +1,34 @@
 """Small helpers shared by the kernel modules: integer rounding, powers of two, padding, checks."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["cdiv", "round_up", "next_pow2", "pad_axis"]
+__all__ = ["cdiv", "round_up", "next_pow2", "pad_axis", "one_program"]
+
+
+def one_program(*static_argnames):
+  """Decorator: the function runs as one jitted program per static configuration, so that an
+  eager call compiles once instead of dispatching op by op (under an outer jit it is inlined).
+
+  Args:
+    *static_argnames: the (hashable) arguments that select the program.
+
+  Returns:
+    A decorator; the wrapped function keeps its name, docstring and signature.
+
+  Example:
+    >>> scale = one_program("n")(lambda x, n: x * n)
+    >>> int(scale(jnp.int32(3), n=3))
+    9
+  """
+  def wrap(f):
+    program = jax.jit(f, static_argnames=static_argnames)
+    return functools.wraps(f)(lambda *args, **kwargs: program(*args, **kwargs))
+  return wrap
 
 
 def cdiv(n: int, d: int) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common.util import one_program
 from pallas_kernels.flash.reference import softmax_lse
 from pallas_kernels.masks import element_mask, normalize_window
 
@@ -80,12 +81,18 @@ def decode_reference(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
     >>> out.shape, lse.shape
     ((2, 4, 16), (2, 4))
   """
-  b, hq, _ = q.shape
-  s, v, dt, prec = _logits(q, k_cache, v_cache, kv_lengths, normalize_window(local_window_size),
-                           scale, logits_soft_cap, upcast, hide_k=True)
   splits = 1 if num_splits is None else int(num_splits)
   if splits < 1:
     raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+  return _decode(q, k_cache, v_cache, kv_lengths, scale, logits_soft_cap,
+                 window=normalize_window(local_window_size), splits=splits, upcast=bool(upcast))
+
+
+@one_program("window", "splits", "upcast")
+def _decode(q, k_cache, v_cache, kv_lengths, scale, logits_soft_cap, *, window, splits, upcast):
+  b, hq, _ = q.shape
+  s, v, dt, prec = _logits(q, k_cache, v_cache, kv_lengths, window, scale, logits_soft_cap,
+                           upcast, hide_k=True)
   s, v = _split(s, v, splits)
   w, lse = softmax_lse(s)                                         # lse [b, hk, g, S]
   o = jnp.einsum("bhgsc,bschd->bhgsd", w.astype(dt), v, precision=prec,
@@ -142,6 +149,7 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, kv_lengths, **kwargs
                           kv_lengths, **kwargs)
 
 
+@one_program("num_splits", "block", "window_left", "upcast")
 def decode_partials(q, k_cache, v_cache, kv_lengths, *, page_table=None, num_splits=None,
                     units=None, block=None, m_hat=None, active=None, scale=None,
                     window_left=None, logits_soft_cap=None, upcast=False):
