@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common.util import check_flags, check_int, pad_axis
+from pallas_kernels.common.util import check_flags, check_int, one_program, pad_axis
 from pallas_kernels.masks import normalize_window
 
 __all__ = ["BlockSchedule", "compact_true", "make_schedule", "mask_tile_classes",
@@ -150,6 +150,7 @@ def mask_tile_classes(mask, block_q: int, block_k: int):
   return count > 0, count == size
 
 
+@one_program("width")
 def compact_true(keep, width: int):
   """Positions of the True entries of ``keep`` along its last axis, in increasing order.
 

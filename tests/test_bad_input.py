@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import decode as dec
 from jattn import sparse as sp
 from pallas_kernels import tuning
 

@@ -13,7 +13,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import compat
 from pallas_kernels.common.softmax import safe_lse
-from pallas_kernels.common.util import check_float, check_int, next_pow2
+from pallas_kernels.common.util import check_float, check_int, next_pow2, one_program
 
 # The documented API; the in-kernel merge pieces serve the decode kernels.
 __all__ = ["merge", "merge_partials", "merge_partials_by_row", "merge_partials_pallas"]
@@ -47,7 +47,12 @@ def merge_partials(outs, lses, axis=0):
     raise ValueError(f"outs must have shape lses.shape + (head_dim,), head_dim >= 1; got outs "
                      f"{outs.shape}, lses {lses.shape}")
   check_int("axis", axis, -lses.ndim, lses.ndim - 1)
-  axis, lse32 = axis % lses.ndim, lses.astype(jnp.float32)
+  return _merge(outs, lses, axis=axis % lses.ndim)
+
+
+@one_program("axis")
+def _merge(outs, lses, *, axis):
+  lse32 = lses.astype(jnp.float32)
   m = jnp.max(lse32, axis=axis, keepdims=True)
   # The max only stabilises the exponentials: the result does not depend on it.
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
