@@ -55,7 +55,10 @@ def rel_err(x, ref) -> float:
 def normal(seed, *shapes, dtype=jnp.float32):
   """Standard-normal arrays of ``shapes`` in ``dtype`` from one numpy generator seeded with
   ``seed`` (jax.random would compile a program per shape)."""
-  rng = np.random.default_rng(seed)
+  return _normals(np.random.default_rng(seed), shapes, dtype)
+
+
+def _normals(rng, shapes, dtype):
   return tuple(jnp.asarray(rng.standard_normal(s, np.float32).astype(jnp.dtype(dtype)))
                for s in shapes)
 
@@ -66,7 +69,7 @@ def random_qkv(rng, batch, q_len, kv_len, q_heads, kv_heads, head_dim, head_dim_
   head_dim_v = head_dim if head_dim_v is None else head_dim_v
   shapes = ((batch, q_len, q_heads, head_dim), (batch, kv_len, kv_heads, head_dim),
             (batch, kv_len, kv_heads, head_dim_v))
-  return tuple(jnp.asarray(rng.standard_normal(s, np.float32), dtype) for s in shapes)
+  return _normals(rng, shapes, dtype)
 
 
 def packed_segments(rng, batch, length, *, pad_tail=0, pad_head=0, one_token_docs=True,

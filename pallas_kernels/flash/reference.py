@@ -42,7 +42,6 @@ def attention_reference(q, k, v, *, causal=False, local_window_size=None, q_segm
     >>> out.shape, lse.shape
     ((1, 8, 2, 16), (1, 2, 8))
   """
-  scale = 1.0 / (q.shape[-1] ** 0.5) if scale is None else scale
   return _attention(q, k, v, q_segment_ids, kv_segment_ids, scale, logits_soft_cap, block_mask,
                     bias, causal=bool(causal), window=normalize_window(local_window_size),
                     upcast=bool(upcast))
@@ -55,6 +54,7 @@ def _attention(q, k, v, q_segment_ids, kv_segment_ids, scale, logits_soft_cap, b
   _, sk, hk, _ = k.shape
   bad_key = ~(jnp.isfinite(k).all(-1) & jnp.isfinite(v).all(-1))  # [b, sk, hk]: hidden, rows NaN
   k, v = (jnp.where(bad_key[..., None], jnp.zeros((), x.dtype), x) for x in (k, v))
+  scale = 1.0 / (d ** 0.5) if scale is None else scale
   dt = jnp.float32 if upcast else q.dtype
   prec = jax.lax.Precision.HIGHEST if upcast else None
   qf = q.astype(dt).reshape(b, sq, hk, hq // hk, d)  # [b, sq, hk, g, d]
