@@ -353,13 +353,6 @@ def _empty(q, v, rows):   # (zeros, -inf): nothing visible
           jnp.full((q.shape[0], rows, q.shape[2]), -jnp.inf, jnp.float32))
 
 
-def _share_document(qs, ks):
-  """Whether any batch row's query and key chunks may share a document (id ranges overlap)."""
-  lo = lambda s: jnp.min(jnp.where(s > 0, s, jnp.iinfo(jnp.int32).max), axis=1)
-  hi = lambda s: jnp.max(jnp.where(s > 0, s, 0), axis=1)
-  return jnp.any((lo(qs) <= hi(ks)) & (lo(ks) <= hi(qs)))
-
-
 def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
   """((out, lse), r0): a chunk pair's partial over query rows [r0, r0 + n), or None when no device
   runs it; a switch over its calls in ``column`` = table[:, r, a, b] (0: skip, also at run time
@@ -380,8 +373,10 @@ def _pair(plan, kern, column, d, q, k, v, qs, ks, sel=None):
   if len(kinds) == 1:
     return branch(kinds[0], q, k, v, qs, ks, sel), r0
   idx = jnp.asarray(np.searchsorted(kinds, column), jnp.int32)[d]
-  if qs is not None:
-    idx = jnp.where(_share_document(qs, ks), idx, 0)
+  if qs is not None:   # skip unless some batch row's chunks may share a document (ids overlap)
+    lo = lambda s: jnp.min(jnp.where(s > 0, s, jnp.iinfo(jnp.int32).max), axis=1)
+    hi = lambda s: jnp.max(jnp.where(s > 0, s, 0), axis=1)
+    idx = jnp.where(jnp.any((lo(qs) <= hi(ks)) & (lo(ks) <= hi(qs))), idx, 0)
   if sel is not None:
     idx = jnp.where(jnp.any(sel.counts > 0), idx, 0)
   return jax.lax.switch(idx, [functools.partial(branch, i) for i in kinds], q, k, v, qs, ks,

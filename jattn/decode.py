@@ -236,13 +236,6 @@ def _kernel_module(impl):
   return importlib.import_module(f"pallas_kernels.decode.{impl}")   # "triton" or "mosaic_tpu"
 
 
-def _kernel_partials(impl, q, k, v, kv_lengths, page_table, **kw):
-  kern = _kernel_module(impl)
-  if page_table is None:
-    return functools.partial(kern.decode_partials, q, k, v, kv_lengths, **kw)
-  return functools.partial(kern.paged_decode_partials, q, k, v, page_table, kv_lengths, **kw)
-
-
 # ----------------------------------------------------------------------------- public ops
 def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_window_size=None,
                      logits_soft_cap=None, num_splits=None, return_lse=False, implementation=None,
@@ -252,9 +245,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, *, scale=None, local_windo
 
   Args:
     q: [batch, q_heads, head_dim], fp32/bf16/fp16.
-    k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)] ("nhd") or [batch, kv_heads,
-      max_len, head_dim(_v)] ("hnd": a free reshape to batch * kv_heads sequences); kv_heads
-      divides q_heads.
+    k_cache, v_cache: [batch, max_len, kv_heads, head_dim(_v)] ("nhd") or [batch, kv_heads, max_len,
+      head_dim(_v)] ("hnd": a free reshape to batch * kv_heads sequences); kv_heads divides q_heads.
     kv_lengths: int32 [batch] in [0, max_len]: valid entries per sequence, query at
       ``kv_lengths - 1`` (ValueError outside; traced values: :func:`check_decode_call`).
     scale: logit scale, default 1/sqrt(head_dim).
@@ -377,8 +369,10 @@ def _decode_jit(q, k, v, kv_lengths, page_table=None, max_estimate=None, schedul
               block=None if schedule is None else schedule.block)
     partials = functools.partial(_ref.decode_partials, q, k, v, kv_lengths, **kw)
   else:
-    partials = _kernel_partials(impl, q, k, v, kv_lengths, page_table,
-                                block_sizes=config.block_sizes, interpret=interpret, **kw)
+    kern, pt = _kernel_module(impl), () if page_table is None else (page_table,)
+    fn = kern.decode_partials if page_table is None else kern.paged_decode_partials
+    partials = functools.partial(fn, q, k, v, *pt, kv_lengths, block_sizes=config.block_sizes,
+                                 interpret=interpret, **kw)
   if exact and config.num_splits == 1:   # one split: its partial is the result
     out, lse = partials()
     return out[:, 0].astype(q.dtype), lse[:, 0]

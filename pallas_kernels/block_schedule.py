@@ -263,10 +263,9 @@ def make_schedule(q_len: int, kv_len: int, block_q: int, block_k: int, *, causal
     q_segment_ids, kv_segment_ids: None or int32 [batch, len] (both or neither); 0 = padding.
     block_mask: None or bool [Bs, Hs, nq, nk] (tile level, e.g. a top-K selection): tiles where
       it is False are never visited. Traced values are fine.
-    mask: None or a boolean element mask (``mask_tile_classes``) [Bs, Hs, q_len, kv_len], or
+    mask: None or a boolean element mask (``mask_tile_classes``), [Bs, Hs, q_len, kv_len] or
       [Bs, Hs, G, q_len, kv_len] for G query heads per kv head: all-False tiles are skipped,
-      all-True tiles are full, the others partial (the kernel reads the mask there). Traced
-      values are fine.
+      all-True ones full, the others partial (the kernel reads the mask there); traced is fine.
     max_kv_blocks, max_q_blocks: static bounds on the visit-list lengths; default: the exact
       maximum of the static (causal/window) part.
 

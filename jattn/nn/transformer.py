@@ -197,8 +197,7 @@ class Transformer(nnx.Module):
     """Append int ``tokens`` [batch, t >= 1] (prefill or steps) to the cache; their logits.
 
     Rows advance together from one cache index: decode packed documents one per row (equal
-    lengths) or per call, each from a fresh ``init_cache``, to match the packed forward.
-    """
+    lengths) or per call, each from a fresh ``init_cache``, to match the packed forward."""
     x = self.embed(tokens)
     for blk in self.blocks:
       x = blk.decode(x)

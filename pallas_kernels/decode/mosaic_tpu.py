@@ -62,9 +62,7 @@ def _split_range(length, split, *, window_left, block_k, num_splits, capacity):
 
 def load_head(kv_ref, h, *, kv_heads, rows):
   """Head h's [rows, D] tile (rows h, h + kv_heads, ...) of a block, by a strided sublane load."""
-  if kv_heads == 1:
-    return kv_ref[...]
-  return kv_ref[pl.ds(h, rows, stride=kv_heads), :]
+  return kv_ref[...] if kv_heads == 1 else kv_ref[pl.ds(h, rows, stride=kv_heads), :]
 
 
 def init_softmax(m_ref, l_ref, acc_ref):

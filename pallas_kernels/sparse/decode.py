@@ -346,8 +346,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, page_table=None, counts=None, ar
 
   Args:
     q, k, v, kv_lengths, indices, page_table, counts, block_size, num_splits, scale,
-      blocks_per_step, prefetch_ids, lengths_group, interpret: as
-      :func:`sparse_decode_partials`.
+      blocks_per_step, prefetch_ids, lengths_group, interpret: as :func:`sparse_decode_partials`.
     arrivals: None or int32 [batch, kv_heads] zeros: the arrival counters (None: a memset).
     out_dtype: dtype of the output (default q.dtype).
     merge_kernel: merge the splits in a second kernel (the same arithmetic).

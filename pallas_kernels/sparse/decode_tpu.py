@@ -176,9 +176,7 @@ def sparse_decode(q, k, v, kv_lengths, indices, counts=None, page_table=None, *,
     count = jnp.clip(cnt_ref[b * hk + h], 0, num_slots)
     s = jnp.maximum(jnp.minimum(j, count - 1), 0)      # past the count: the last kept slot
     blk = jnp.clip(idx_ref[(b * hk + h) * num_slots + s], 0, num_blocks - 1)
-    if paged:
-      return (table_ref[0][b, blk], 0, h if lanes else 0)
-    return (b, blk, h if lanes else 0)
+    return (table_ref[0][b, blk], 0, h if lanes else 0) if paged else (b, blk, h if lanes else 0)
 
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(prefetch),

@@ -23,13 +23,10 @@ __all__ = ["tile_logit_grads"]
 
 def _kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale,
             block_q, block_k, group, kv_len, q_offset, causal, segmented, slots_pad):
-  """One (batch, query head, query tile) program.
-
-  Refs: idx [B, Hk, nq, M] (ascending, valid first); cnt [B, Hk, nq]; q [B, Sq_p, Hq, D_p];
-  k [B, Sk_p, Hk, D_p]; v [B, Sk_p, Hk, Dv_p]; do [B, Sq_p, Hq, Dv_p]; lse, delta [B, Hq, Sq_p]
-  fp32 (lse -inf on padded rows); optional q_seg [B, Sq_p], kv_seg [B, Sk_p]; output
-  [B, Hq, nq, slots_pad] fp32.
-  """
+  """One (batch, query head, query tile) program. Refs: idx [B, Hk, nq, M] (ascending, valid
+  first); cnt [B, Hk, nq]; q [B, Sq_p, Hq, D_p]; k [B, Sk_p, Hk, D_p]; v [B, Sk_p, Hk, Dv_p];
+  do [B, Sq_p, Hq, Dv_p]; lse, delta [B, Hq, Sq_p] fp32 (lse -inf on padded rows); optional
+  q_seg [B, Sq_p], kv_seg [B, Sk_p]; output [B, Hq, nq, slots_pad] fp32."""
   *seg_refs, o_ref = rest                                            # q_seg, kv_seg if segmented
   b = pl.program_id(0)
   h = pl.program_id(1)

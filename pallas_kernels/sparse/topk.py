@@ -43,12 +43,11 @@ def bit_search(key, real, *, top_k, n_real=None, return_steps=False):
   """A threshold for the ``top_k`` largest real keys, by a bit search (top bit first; pure jnp,
   runs inside a Triton kernel or on arrays).
 
-  In the order-preserving unsigned space u = key ^ INT_MIN, trial t = the bits fixed so far plus
-  the next bit is accepted when #{real: key_u >= t} >= top_k. The search stops at the first
-  accepted trial counting exactly ``top_k``, else after 32 steps at the k-th largest key; either
-  way keys > t, then ties at t by lowest index up to top_k, are the ``lax.top_k`` set.
-  Continuous scores stop after ~17 steps (2046 normal scores, top 387); ties at the k-th key
-  run all 32.
+  In the order-preserving unsigned space u = key ^ INT_MIN, trial t = the bits fixed so far plus the
+  next bit is accepted when #{real: key_u >= t} >= top_k. The search stops at the first accepted
+  trial counting exactly ``top_k``, else after 32 steps at the k-th largest key; either way
+  keys > t, then ties at t by lowest index up to top_k, are the ``lax.top_k`` set. Continuous scores
+  stop after ~17 steps (2046 normal scores, top 387); ties at the k-th key run all 32.
 
   Args:
     key, real: int32 [n] keys (:func:`total_order_key`) and bool [n], the lanes that count.
