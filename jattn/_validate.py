@@ -73,6 +73,7 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
     if x.ndim != 4:
       raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
   check_nonempty(**dict(zip(names, (q, k, v))))
+  check_same_dtype(**dict(zip(names, (q, k, v))))
   if not (q.shape[0] == k.shape[0] == v.shape[0]):
     raise ValueError(f"batch sizes differ: {nq} {q.shape}, {nk} {k.shape}, {nv} {v.shape}")
   if q.shape[-1] != k.shape[-1]:
@@ -85,6 +86,13 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
     raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hk}) for GQA/MQA: {nq} "
                      f"{q.shape}, {nk} {k.shape}")
   return q.shape[0], q.shape[1], k.shape[1], hq, hk
+
+
+def check_same_dtype(**arrays):
+  """Raise TypeError naming the arrays unless they share one dtype."""
+  if len({x.dtype for x in arrays.values()}) > 1:
+    raise TypeError("dtypes differ: " + ", ".join(f"{n} {x.dtype}" for n, x in arrays.items())
+                    + " (cast them to one)")
 
 
 def as_int32(name, x):

@@ -19,7 +19,7 @@ from jattn import decode_serving as _serve
 from jattn._plan import Plan
 from jattn._validate import (as_array, as_int32, check_flags, check_float, check_implementation,
                              check_int, check_lengths, check_nonempty, check_range,
-                             check_scale_and_cap)
+                             check_same_dtype, check_scale_and_cap)
 from pallas_kernels import compat
 from pallas_kernels.decode import reference as _ref
 from pallas_kernels.masks import normalize_window
@@ -145,6 +145,7 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
   kn, vn = f"k_{name}", f"v_{name}"
   for n, x in (("q", q), (kn, k), (vn, v)):
     check_float(n, x)
+  check_same_dtype(**{kn: k, vn: v})   # the query may be wider (fp32 over a bf16 cache)
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
   if k.ndim != 4 or v.ndim != 4 or k.shape[:3] != v.shape[:3]:
@@ -159,24 +160,34 @@ def check_decode_call(q, k, v, kv_lengths, page_table=None, kv_layout="nhd", *,
     raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[2]}) for "
                      f"GQA/MQA")
   batch = q.shape[0]
-  if page_table is None:
-    if k.shape[0] != batch:
-      raise ValueError(f"k_cache batch {k.shape[0]} != q batch {batch}")
-    capacity = k.shape[1]
-  else:
+  if page_table is not None:
     if k.shape[1] < min_page_size:
       raise ValueError(f"page_size must be >= {min_page_size}, got {k.shape[1]}")
-    page_table = as_array("page_table", page_table)
-    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
-      raise ValueError(f"page_table must be [batch, max_pages] with batch = {batch} and "
-                       f"max_pages >= 1, got shape {page_table.shape}")
-    page_table = as_int32("page_table", page_table)
-    capacity = page_table.shape[1] * k.shape[1]
-  kv_lengths = check_lengths("kv_lengths", kv_lengths, batch, capacity)
-  if page_table is not None:
-    used = lambda: jnp.arange(page_table.shape[1]) * k.shape[1] < kv_lengths[:, None]
-    check_range("page_table", page_table, 0, k.shape[0] - 1, valid=used)
-  return kv_lengths, page_table, batch, k.shape[2], capacity
+    page_table, kv_lengths = check_page_table(page_table, kv_lengths, k.shape[0], k.shape[1],
+                                              batch)
+    return kv_lengths, page_table, batch, k.shape[2], page_table.shape[1] * k.shape[1]
+  if k.shape[0] != batch:
+    raise ValueError(f"k_cache batch {k.shape[0]} != q batch {batch}")
+  kv_lengths = check_lengths("kv_lengths", kv_lengths, batch, k.shape[1])
+  return kv_lengths, None, batch, k.shape[2], k.shape[1]
+
+
+def check_page_table(page_table, kv_lengths, num_pages, page_size, batch=None):
+  """(page_table int32 [batch, max_pages], kv_lengths int32) of a paged call: shapes and dtypes
+  checked; a page id that a sequence uses outside [0, num_pages) raises ValueError naming it
+  when concrete (traced: under ``debug_checks``)."""
+  page_table = as_array("page_table", page_table)
+  if page_table.ndim != 2 or page_table.shape[0] != (batch or page_table.shape[0]) or (
+      page_table.shape[1] < 1):
+    raise ValueError("page_table must be [batch, max_pages] with max_pages >= 1"
+                     + ("" if batch is None else f" and batch = {batch}")
+                     + f", got shape {page_table.shape}")
+  page_table = as_int32("page_table", page_table)
+  kv_lengths = check_lengths("kv_lengths", kv_lengths, page_table.shape[0],
+                             page_table.shape[1] * page_size)
+  used = lambda: jnp.arange(page_table.shape[1]) * page_size < kv_lengths[:, None]
+  check_range("page_table", page_table, 0, num_pages - 1, valid=used)
+  return page_table, kv_lengths
 
 
 # ----------------------------------------------------------------------------- plan
@@ -330,6 +341,9 @@ def _run(q, k, v, kv_lengths, page_table, *, scale, local_window_size, logits_so
                      block_sizes=block_sizes, softmax=softmax, schedule=schedule,
                      return_lse=return_lse, interpret=interpret)
   _serve.check_serving_args(q, softmax, max_estimate, None, None, None, None)
+  if schedule is not None:
+    _serve.check_schedule_covers(schedule, jnp.repeat(kv_lengths, k.shape[1]) if (
+        kv_layout == "hnd") else kv_lengths, None if window is None else window[0])
   out, lse = _decode_jit(q, k, v, kv_lengths, page_table, max_estimate, schedule,
                          impl=plan.implementation, config=plan.config, scale=scale,
                          window=window, cap=cap, interpret=interpret, kv_layout=kv_layout)

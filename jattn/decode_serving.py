@@ -10,7 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jattn._validate import check_int
+from jattn._validate import check_int, check_range
 from pallas_kernels import compat
 from pallas_kernels.common import merge as _merge, softmax as _softmax
 from pallas_kernels.masks import normalize_window
@@ -184,6 +184,20 @@ def check_serving_args(q, softmax, max_estimate, schedule, num_splits, sequences
                      f" sequences in blocks of {schedule.block} keys, the call {sequences} in "
                      f"blocks of {block}; make it with decode_schedule(...) and the call's "
                      f"arguments")
+
+
+def check_schedule_covers(schedule, kv_lengths, window_left):
+  """ValueError unless each sequence's units cover its visible key blocks (a schedule made for
+  shorter lengths or another window); traced values: under ``debug_checks``."""
+  lens, b = kv_lengths, schedule.block
+  lo = jnp.zeros_like(lens) if window_left is None else jnp.maximum(lens - 1 - window_left, 0) // b
+  hi = (lens + b - 1) // b
+  n, seen = lens.shape[0], lambda: hi > lo
+  covered = jax.ops.segment_sum(schedule.unit_count, schedule.unit_row, num_segments=n + 1)[:n]
+  first = schedule.unit_first[jnp.minimum(schedule.row_units[:-1], schedule.max_units - 1)]
+  check_range("schedule (first key block of sequence)", first, 0, lo, valid=seen)
+  check_range("schedule (key blocks up to, per sequence)", first + covered, hi, 2**31 - 1,
+              valid=seen)
 
 
 def newest_key_logits(q, k_cache, kv_lengths, *, page_table=None, scale, logits_soft_cap=None):

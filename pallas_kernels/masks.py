@@ -14,34 +14,38 @@ import operator
 import jax.numpy as jnp
 
 
+# A window side this long reaches past any sequence (positions are int32): it is unbounded, and
+# the kernels never add it to a position (which would overflow).
+UNBOUNDED_SIDE = 2 ** 30
+
+
 def normalize_window(local_window_size):
   """Turn ``local_window_size`` into ``(left, right)`` or None.
 
   Args:
     local_window_size: None, an int w (meaning (w, w)) or a pair (left, right) of non-negative
-      ints; ``None`` inside the pair means unbounded on that side.
+      ints; ``None`` inside the pair means unbounded on that side, as does a side of at least
+      ``UNBOUNDED_SIDE`` (2**30) tokens.
 
   Returns:
     None or a tuple (left, right) where each side is an int or None.
 
   Example:
-    >>> normalize_window(512), normalize_window((511, None))
-    ((512, 512), (511, None))
+    >>> normalize_window(512), normalize_window((511, None)), normalize_window((0, 2**31))
+    ((512, 512), (511, None), (0, None))
   """
   if local_window_size is None:
     return None
-  if isinstance(local_window_size, int) and not isinstance(local_window_size, bool):
-    w = (int(local_window_size), int(local_window_size))
-  else:
-    try:
-      left, right = local_window_size   # each an int or None: a float (NaN included) is refused
-      w = tuple(None if s is None else operator.index(s) for s in (left, right))
-    except (TypeError, ValueError):
-      raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got "
-                      f"{local_window_size!r}")
+  pair = isinstance(local_window_size, (tuple, list))
+  sides = tuple(local_window_size) if pair else (local_window_size,) * 2
+  if len(sides) != 2 or any(isinstance(s, bool) or not (s is None and pair or hasattr(
+      s, "__index__")) for s in sides):   # a float (NaN included) or a bool is refused
+    raise TypeError(f"local_window_size must be an int or a (left, right) pair of ints, got "
+                    f"{local_window_size!r}")
+  w = tuple(None if s is None else operator.index(s) for s in sides)
   if any(side is not None and side < 0 for side in w):
     raise ValueError(f"local_window_size sides must be >= 0, got {local_window_size!r}")
-  return w
+  return tuple(None if s is None or s >= UNBOUNDED_SIDE else s for s in w)
 
 
 def visible(q_pos, k_pos, q_seg=None, kv_seg=None, *, causal, window, kv_len=None):

@@ -39,6 +39,43 @@ def test_bad_inputs_name_the_problem():
     jattn.flash_attention(q, k, k, local_window_size=(-1, 0))
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton", "mosaic_tpu"])
+def test_window_sides_past_any_sequence_are_unbounded(impl):
+  """A window side of 2**30 or more (up to any int) is unbounded, on every path: it is never
+  added to a position (int32 would wrap)."""
+  kw = dict(implementation=impl, interpret=impl != "xla")
+  q, k = _rand(0, (1, 40, 2, 8)), _rand(1, (1, 24, 1, 8))
+  for causal, big, want in ((False, (0, 2**31 - 1), (0, None)), (False, 2**40, None),
+                            (True, (2**31 - 1, 2**30), (None, None)), (True, (5, 2**33), (5, None))):
+    got = jattn.flash_attention(q, k, k, causal=causal, local_window_size=big, **kw)
+    ref = jattn.flash_attention(q, k, k, causal=causal, local_window_size=want, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  qd = q[:, 0]
+  got = jattn.decode_attention(qd, k, k, jnp.array([20]), local_window_size=2**31 - 1, **kw)
+  ref = jattn.decode_attention(qd, k, k, jnp.array([20]), **kw)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-6)
+  if impl == "xla":
+    got = jattn.dot_product_attention(q, k, k, local_window_size=(2**31 - 1, 2**31 - 1))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jattn.dot_product_attention(q, k, k)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_dtypes_and_window_forms_are_checked():
+  q = _rand(0, (1, 16, 2, 8))
+  with pytest.raises(TypeError, match="q must have a floating dtype"):
+    jattn.flash_attention(*(q.astype(jnp.float8_e4m3fn),) * 3)
+  with pytest.raises(TypeError, match="dtypes differ: q float32, k bfloat16"):
+    jattn.flash_attention(q, q.astype(jnp.bfloat16), q.astype(jnp.bfloat16))
+  with pytest.raises(TypeError, match="dtypes differ: k_cache float32, v_cache bfloat16"):
+    jattn.decode_attention(q[:, 0], q, q.astype(jnp.bfloat16), jnp.array([3]))
+  for bad in ((True, 0), True, 2.5, (1, 2, 3), (None,), "ab"):
+    with pytest.raises(TypeError, match="local_window_size"):
+      jattn.flash_attention(q, q, q, local_window_size=bad)
+  np.testing.assert_array_equal(   # numpy ints are ints
+      np.asarray(jattn.flash_attention(q, q, q, local_window_size=np.int64(3))),
+      np.asarray(jattn.flash_attention(q, q, q, local_window_size=3)))
+
+
 def test_cudnn_rejects_what_it_cannot_do():
   q = _rand(0, (1, 16, 2, 32))
   with pytest.raises(ValueError, match="segment ids"):

@@ -282,3 +282,25 @@ def test_sparse_decode_unified_max(impl, paged):
     _check(out, lse, ref_out, ref_lse, lengths)
   with pytest.raises(ValueError, match="max_estimate applies"):
     call(max_estimate=est)
+
+
+def test_a_schedule_that_misses_keys_is_refused():
+  """A schedule whose units do not reach a sequence's visible key blocks (made for shorter
+  lengths, or for a window the call does not have) raises ValueError naming it, eagerly and
+  under ``debug_checks``; one that covers more than the call needs gives the exact result."""
+  q, k = jax.random.normal(jax.random.key(0), (2, 8, 64)), jax.random.normal(
+      jax.random.key(1), (2, 256, 2, 64))
+  run = lambda lens, s, **kw: jattn.decode_attention(q, k, k, jnp.array(lens), schedule=s,
+                                                     implementation="xla", **kw)
+  s = jattn.decode_schedule(q, k, k, jnp.array([100, 9]), implementation="xla", max_units=4)
+  np.testing.assert_allclose(run([60, 0], s), run([60, 0], None), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r"schedule \(key blocks up to, per sequence\)\[0\] = 2"):
+    run([250, 9], s)
+  sw = jattn.decode_schedule(q, k, k, jnp.array([200, 9]), implementation="xla", max_units=4,
+                             local_window_size=(10, 0))
+  with pytest.raises(ValueError, match=r"schedule \(first key block of sequence\)\[0\] = 2"):
+    run([200, 9], sw)
+  f = jax.jit(lambda lens, s: jattn.decode_attention(q, k, k, lens, schedule=s,
+                                                     implementation="xla"))
+  with pytest.raises(ValueError, match="schedule"), jattn.debug_checks():
+    f(jnp.array([250, 9]), s)

@@ -22,6 +22,7 @@ import pytest
 
 import jattn
 from jattn import decode as dec
+from jattn import sparse as sp
 from jattn.sparse import block_sparse_attention, select_blocks
 from jattn.sparse import decode as sdec
 from pallas_kernels.masks import element_mask, normalize_window
@@ -325,6 +326,28 @@ def test_gate_gradients_unselected_blocks(impl):
     got = np.asarray(dgate(_poison(k, poison, value), _poison(v, poison, -value)))
     np.testing.assert_array_equal(got[:, :, good_blocks], clean[:, :, good_blocks])
     assert np.isnan(got[:, :, ~good_blocks]).any()
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("opts", [dict(gate_grad="ste"), dict(score_aux_weight=0.5),
+                                  dict(gate_grad="gumbel", rng=jax.random.key(3))])
+def test_sparse_attention_scores_hide_keys(impl, opts):
+  """``sparse_attention`` with a gate or the score distillation: a NaN / inf key at padding, or
+  (with a gate) one only the last query block sees, leaves the other query blocks' dq
+  bit-identical (the mean-pooled scores never read padding; a non-finite block mean counts as
+  0). The distillation loss is one mean over query blocks: a key that a row sees moves it."""
+  q, k, v, _, _ = _inputs(1, 128, 128, 2, 1, 16, seed=31)
+  seg = jnp.asarray(np.r_[np.ones(100), np.zeros(28)][None].astype(np.int32))
+  loss = lambda q, k, seg, rows: sp.sparse_attention(
+      q, k, v, block_size=16, q_block_size=16, top_k=2, causal=True, segment_ids=seg,
+      implementation=impl, interpret=impl != "xla", **opts)[0, :rows].sum()
+  dq = jax.jit(jax.grad(loss), static_argnums=3)
+  for value in POISONS:
+    cases = ((110, seg, 100, 100),) + (((127, None, 127, 112),) if "gate_grad" in opts else ())
+    for where, s, rows, good in cases:
+      clean = np.asarray(dq(q, k, s, rows))
+      got = np.asarray(dq(q, k.at[0, where].set(value), s, rows))
+      np.testing.assert_array_equal(got[0, :good], clean[0, :good])
 
 
 # ---------------------------------------------------------------------- decode

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jattn import debug_checks
 from jattn import sparse as sp
 from jattn.sparse import decode as sp_decode
 from pallas_kernels.flash.reference import attention_reference
@@ -1768,3 +1769,24 @@ def test_fractional_top_k_decode_selects_in_xla():
   with mock.patch.object(sp_decode.compat, "default_backend", return_value="gpu"):
     assert sp.sparse_decode_plan(q, k, k, block_size=16, top_k=0.2).implementation == "xla"
     assert sp.sparse_decode_plan(q, k, k, block_size=16, top_k=2).implementation == "triton"
+
+
+def test_block_summaries_check_the_page_table():
+  """``init_block_summaries`` / ``update_block_summaries`` check a page table as the paged decode
+  calls do: shape and dtype, and the page ids a sequence uses (concrete, or under
+  ``debug_checks``), never clamping one silently."""
+  k = jax.random.normal(jax.random.key(0), (8, 16, 2, 8))
+  table, lens = jnp.array([[0, 1], [2, 3]], jnp.int32), jnp.array([20, 30])
+  init = lambda t: sp_decode.init_block_summaries(k, lens, block_size=16, page_table=t)
+  s = init(table)
+  for bad, err, match in ((jnp.array([[0, 99], [2, 3]]), ValueError, r"page_table\[0, 1\] = 99"),
+                         (jnp.array([[0, -1], [2, 3]]), ValueError, r"page_table\[0, 1\] = -1"),
+                         (table.astype(jnp.float32), TypeError, "page_table must be an integer"),
+                         (table[0], ValueError, r"page_table must be \[batch, max_pages\]")):
+    with pytest.raises(err, match=match):
+      init(bad)
+  with pytest.raises(ValueError, match=r"page_table\[1, 1\] = 99"):
+    sp_decode.update_block_summaries(s, k, lens + 1, page_table=jnp.array([[0, 1], [2, 99]]))
+  with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 99"), debug_checks():
+    jax.jit(lambda t: init(t).sums)(jnp.array([[0, 99], [2, 3]]))
+  np.testing.assert_array_equal(init([[0, 1], [2, 3]]).sums, s.sums)   # a list is an array

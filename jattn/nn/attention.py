@@ -432,6 +432,7 @@ class Attention(nnx.Module):
     """t queries at the last t positions of contiguous keys k [b, n] (bottom-right aligned);
     ``kv_valid`` [n] (None: all valid) masks empty slots through kv segment ids."""
     seg_q = seg_k = None
+    k, v = k.astype(q.dtype), v.astype(q.dtype)   # MLA's expanded keys come out in fp32
     if kv_valid is not None:
       seg_q = jnp.ones(q.shape[:2], jnp.int32)
       seg_k = jnp.broadcast_to(kv_valid.astype(jnp.int32)[None], (q.shape[0], k.shape[1]))

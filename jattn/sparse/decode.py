@@ -15,7 +15,7 @@ from jattn._layout import hnd_pages_as_sequences
 from jattn._plan import Plan
 from jattn._validate import (as_array, check_flags, check_float, check_int, check_lengths,
                              check_nonempty, check_scale_and_cap)
-from jattn.decode import check_decode_call, resolve_decode_implementation
+from jattn.decode import check_decode_call, check_page_table, resolve_decode_implementation
 from jattn.decode_serving import check_serving_args, newest_key_logits, run_decode
 from jattn.sparse.selection import (_HIGHEST, _selected_lists_by_sort, cdiv,
                                     check_selection_args, top_k_cut)
@@ -125,6 +125,7 @@ def init_block_summaries(k_cache, kv_lengths, *, block_size, page_table=None, kv
   if page_table is not None:
     if (ps := k_cache.shape[2 if hnd else 1]) != block_size:
       raise ValueError(f"page size {ps} must equal block_size {block_size}")
+    page_table, kv_lengths = check_page_table(page_table, kv_lengths, k_cache.shape[0], ps)
     n = page_table.shape[1] * block_size
     pos = jnp.broadcast_to(jnp.arange(n)[None], (page_table.shape[0], n))
     k_cache = _gather_positions(k_cache, page_table, pos, hnd)               # [b, n, hk, d]
@@ -182,6 +183,9 @@ def update_block_summaries(summaries, k_cache, kv_lengths, *, page_table=None, k
     raise ValueError(f"k_cache {k_cache.shape} does not match the {summaries.layout!r} "
                      f"summaries {summaries.sums.shape} of block_size {summaries.block_size}")
   bsz = summaries.sums.shape[0]
+  if page_table is not None:
+    page_table, kv_lengths = check_page_table(page_table, kv_lengths, k_cache.shape[0],
+                                              summaries.block_size, bsz)
   cap = summaries.num_blocks * summaries.block_size
   cap = cap if page_table is not None else min(cap, k_cache.shape[2 if hnd else 1])
   lengths = jnp.clip(check_lengths("kv_lengths", kv_lengths, bsz, cap), 0, cap)

@@ -124,14 +124,16 @@ class BlockSelection:
 
 
 def block_mean(x, valid, block):
-  """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions."""
+  """Mean of x [b, n, h, d] over blocks of the sequence axis, over ``valid`` [b, n] positions; a
+  non-finite mean counts as 0 (a NaN / inf key never makes a score, or its gradient, NaN)."""
   b, n, h, d = x.shape
   nb = cdiv(n, block)
   w = jnp.ones((b, n), jnp.float32) if valid is None else valid.astype(jnp.float32)
-  xf = x.astype(jnp.float32) * w[:, :, None, None]
+  xf = jnp.where(w[:, :, None, None] > 0, x.astype(jnp.float32), 0.0)   # padding: never read
   xf = pad_axis(xf, 1, nb * block).reshape(b, nb, block, h, d)
   cnt = pad_axis(w, 1, nb * block).reshape(b, nb, block).sum(-1)      # [b, nb]
-  return xf.sum(2) / jnp.maximum(cnt, 1.0)[:, :, None, None]            # [b, nb, h, d]
+  mean = xf.sum(2) / jnp.maximum(cnt, 1.0)[:, :, None, None]            # [b, nb, h, d]
+  return jnp.where(jnp.isfinite(mean), mean, 0.0)
 
 
 def block_scores(q, k, *, block_size=64, q_block_size=64, segment_ids=None, kv_segment_ids=None):

@@ -132,9 +132,12 @@ def check_int(name, x, lo=1, hi=2**31 - 1):
     raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {x!r}")
 
 
+_FLOATS = tuple(map(jnp.dtype, ("float16", "bfloat16", "float32", "float64")))
+
+
 def check_float(name, x):
-  """Raise TypeError unless x is an array with a floating dtype."""
-  if not (hasattr(x, "shape") and jnp.issubdtype(getattr(x, "dtype", str), jnp.floating)):
+  """Raise TypeError unless x is an array of fp16, bf16, fp32 (or fp64: with jax x64 on)."""
+  if not (hasattr(x, "shape") and getattr(x, "dtype", None) in _FLOATS):
     raise TypeError(f"{name} must have a floating dtype (fp32, bf16, fp16), got "
                     f"{getattr(x, 'dtype', type(x).__name__)}")
 
