@@ -1790,3 +1790,23 @@ def test_block_summaries_check_the_page_table():
   with pytest.raises(ValueError, match=r"page_table\[0, 1\] = 99"), debug_checks():
     jax.jit(lambda t: init(t).sums)(jnp.array([[0, 99], [2, 3]]))
   np.testing.assert_array_equal(init([[0, 1], [2, 3]]).sums, s.sums)   # a list is an array
+
+
+def test_a_hand_built_selection_is_checked():
+  """Out-of-range block ids or counts, float ids and mismatched counts raise naming the field
+  (eagerly; under ``debug_checks`` when traced), never dropped silently."""
+  import dataclasses
+  q = jax.random.normal(jax.random.key(0), (1, 64, 2, 16))
+  sel = sp.select_blocks(q, q, block_size=16, q_block_size=16, top_k=1)
+  run = lambda **bad: sp.block_sparse_attention(q, q, q, dataclasses.replace(sel, **bad))
+  for bad, err, match in (
+      (dict(indices=sel.indices.at[0, 0, 3, 0].set(4)), ValueError, r"indices\[0, 0, 3, 0\] = 4"),
+      (dict(indices=sel.indices.at[0, 1, 2, 0].set(-2)), ValueError, r"indices\[0, 1, 2, 0\]"),
+      (dict(counts=sel.counts.at[0, 0, 1].set(9)), ValueError, r"selection.counts\[0, 0, 1\]"),
+      (dict(indices=sel.indices.astype(jnp.float32)), TypeError, "selection.indices"),
+      (dict(counts=sel.counts[..., :2]), ValueError, "selection.counts")):
+    with pytest.raises(err, match=match):
+      run(**bad)
+  f = jax.jit(lambda idx: sp.block_sparse_attention(q, q, q, dataclasses.replace(sel, indices=idx)))
+  with pytest.raises(ValueError, match="selection.indices"), debug_checks():
+    f(sel.indices.at[0, 0, 3, 0].set(4))

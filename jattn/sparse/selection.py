@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._validate import check_flags, check_int, check_qkv, check_segments
+from jattn._validate import check_flags, check_int, check_qkv, check_range, check_segments
 from pallas_kernels.block_schedule import compact_true, segment_tile_classes
 from pallas_kernels.common.util import cdiv, one_program, pad_axis
 from pallas_kernels.sparse import topk as topk_kernel
@@ -352,9 +352,15 @@ def check_selection(selection, batch, q_len, kv_len, kv_heads):
     raise ValueError(f"selection was made for (q_len, kv_len) = "
                      f"{(selection.q_len, selection.kv_len)}, inputs have {(q_len, kv_len)}")
   want = (batch, kv_heads, selection.num_q_blocks)
-  if selection.indices.shape[:3] != want:
+  if selection.indices.shape[:3] != want or selection.counts.shape != want:
     raise ValueError(f"selection.indices must be [batch, kv_heads, num_q_blocks, n] = {want} + "
-                     f"(n,), got {selection.indices.shape}")
+                     f"(n,) and selection.counts {want}, got {selection.indices.shape} and "
+                     f"{selection.counts.shape}")
+  for name in ("indices", "counts"):
+    if not jnp.issubdtype(getattr(selection, name).dtype, jnp.integer):
+      raise TypeError(f"selection.{name} must be integer, got {getattr(selection, name).dtype}")
+  check_range("selection.indices", selection.indices, -1, selection.num_kv_blocks - 1)
+  check_range("selection.counts", selection.counts, 0, selection.max_selected)
 
 
 def check_top_k(top_k):
