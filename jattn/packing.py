@@ -76,6 +76,11 @@ class PackPlan:
     return (float(self.chunk_lengths.sum()) / (self.num_bins * self.max_len) if self.num_bins
             else 1.0)
 
+  @functools.cached_property
+  def doc_lengths(self) -> np.ndarray:
+    """int64 [num_docs]: each document's tokens (its chunks' total)."""
+    return np.bincount(self.doc_ids, self.chunk_lengths, self.num_docs).astype(np.int64)
+
 
 def _ranks(c: np.ndarray) -> np.ndarray:
   """Each element's index within its group in ``np.repeat(x, c)`` (c: group sizes)."""
@@ -184,9 +189,8 @@ def pack_bfd(lengths, max_len: int, *, split_long: bool = True) -> PackPlan:
     raise ValueError(f"lengths must be a 1-D sequence, got shape {lengths.shape}")
   if lengths.size and (lengths.dtype == bool or not np.issubdtype(lengths.dtype, np.integer)):
     raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}")
+  check_range("lengths", lengths, 0, np.iinfo(np.int64).max)   # before the cast: no wrap
   lengths = lengths.astype(np.int64)
-  if (bad := np.flatnonzero(lengths < 0)).size:
-    raise ValueError(f"lengths must be >= 0, got lengths[{bad[0]}] = {lengths[bad[0]]}")
   if not split_long and (bad := np.flatnonzero(lengths > max_len)).size:
     raise ValueError(f"document {bad[0]} has {lengths[bad[0]]} tokens > max_len={max_len} "
                      "and split_long=False")
@@ -235,6 +239,8 @@ class TokenStore:
     tokens, offsets = np.asarray(self.tokens), np.asarray(self.offsets, np.int64)
     if tokens.ndim != 1:
       raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.dtype.kind not in "iu":
+      raise TypeError(f"tokens must be integers, got dtype {tokens.dtype}")
     if (offsets.ndim != 1 or offsets.shape[0] < 1 or offsets[0] != 0
         or offsets[-1] != tokens.shape[0] or (np.diff(offsets) < 0).any()):
       raise ValueError("offsets must be non-decreasing boundaries [num_docs + 1] from 0 to "
@@ -253,8 +259,8 @@ class TokenStore:
     """
     arrs = [np.asarray(d).reshape(-1) for d in docs]
     offsets = np.cumsum([0] + [a.shape[0] for a in arrs], dtype=np.int64)
-    tokens = np.concatenate(arrs) if arrs else np.zeros(0, np.int32)
-    return cls(tokens if tokens.dtype.kind in "iu" else tokens.astype(np.int32), offsets)
+    tokens = np.concatenate([a for a in arrs if a.size] or [np.zeros(0, np.int32)])
+    return cls(tokens, offsets)
 
   @property
   def num_docs(self) -> int:
@@ -266,13 +272,21 @@ class TokenStore:
     return np.diff(self.offsets)
 
 
+def _check_pad_id(pad_id, dtype):
+  info = np.iinfo(dtype)
+  check_int("pad_id", pad_id, int(info.min), int(info.max))
+
+
 def _as_store(store) -> TokenStore:
   if isinstance(store, TokenStore):
     return store
-  if isinstance(store, tuple) and len(store) == 2 and np.ndim(store[0]) == 1 and \
-      np.ndim(store[1]) == 1 and not isinstance(store[0], (list, tuple)):
-    return TokenStore(*store)
-  return TokenStore.from_documents(store)
+  try:
+    if isinstance(store, tuple) and len(store) == 2 and np.ndim(store[0]) == 1 and \
+        np.ndim(store[1]) == 1 and not isinstance(store[0], (list, tuple)):
+      return TokenStore(*store)
+    return TokenStore.from_documents(store)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"store: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -328,11 +342,12 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
   """Build packed rows (tokens, segment ids, positions, loss weights) from a plan.
 
   Args:
-    plan: a ``PackPlan`` over the store's documents (``plan.num_docs == store.num_docs``).
-    store: a ``TokenStore``, a ``(flat_tokens, offsets)`` pair or a list of 1-D token arrays.
-    rows: rows (bins) to build, default all; -1 gives an all-padding row.
-    max_segments, pad_id: width of ``doc_lengths``/``doc_ids`` (default ``plan.max_segments``)
-      and the token id written in padding.
+    plan: a ``PackPlan`` over the store's documents.
+    store: a ``TokenStore``, a ``(flat_tokens, offsets)`` pair or a list of 1-D integer token
+      arrays, with the plan's document lengths (else ValueError naming a document of the rows).
+    rows: int rows (bins) to build, default all; -1 gives an all-padding row.
+    max_segments, pad_id: width (>= 1) of ``doc_lengths``/``doc_ids`` (default
+      ``plan.max_segments``) and the token id written in padding (an int of the tokens' dtype).
 
   Returns:
     A ``PackedBatch`` with ``len(rows)`` rows of ``plan.max_len`` tokens.
@@ -347,10 +362,15 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
   store = _as_store(store)
   if store.num_docs != plan.num_docs:
     raise ValueError(f"plan has {plan.num_docs} documents, store has {store.num_docs}")
-  rows = np.asarray(np.arange(plan.num_bins) if rows is None else rows, np.int64).reshape(-1)
+  rows = np.asarray(np.arange(plan.num_bins) if rows is None else rows).reshape(-1)
+  if rows.size and rows.dtype.kind not in "iu":
+    raise TypeError(f"rows must be integers, got dtype {rows.dtype}")
   if (bad := (rows < -1) | (rows >= plan.num_bins)).any():
     raise ValueError(f"rows must be in [-1, {plan.num_bins}), got {rows[bad][:5].tolist()}")
+  rows = rows.astype(np.int64)
   max_segments = max(plan.max_segments, 1) if max_segments is None else max_segments
+  check_int("max_segments", max_segments)
+  _check_pad_id(pad_id, store.tokens.dtype)
   n, max_len = rows.shape[0], plan.max_len
   (order, starts), real = plan.row_index, rows >= 0
   lo = np.where(real, starts[np.maximum(rows, 0)], 0)
@@ -360,10 +380,14 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
   rank = _ranks(cnt)  # chunk rank in its row
   ch = order[np.repeat(lo, cnt) + rank]  # chunk indices, by row then offset
   out_row = np.repeat(np.arange(n, dtype=np.int64), cnt)
-  clen = plan.chunk_lengths[ch]
+  doc, clen = plan.doc_ids[ch], plan.chunk_lengths[ch]
+  lens = store.offsets[doc + 1] - store.offsets[doc]
+  if (bad := np.flatnonzero(lens != plan.doc_lengths[doc])).size:
+    raise ValueError(f"store document {doc[bad[0]]} has {lens[bad[0]]} tokens, the plan's has "
+                     f"{plan.doc_lengths[doc[bad[0]]]}")
   within = _ranks(clen)  # token index within its chunk
   r, col = np.repeat(out_row, clen), np.repeat(plan.offsets[ch], clen) + within
-  src = np.repeat(store.offsets[plan.doc_ids[ch]] + plan.chunk_starts[ch], clen) + within
+  src = np.repeat(store.offsets[doc] + plan.chunk_starts[ch], clen) + within
 
   def filled(width, index, fill, dtype, values):   # [n, width] of ``fill``, values at index
     x = np.full((n, width), fill, dtype)
@@ -376,7 +400,7 @@ def materialize(plan: PackPlan, store, rows=None, *, max_segments: int | None = 
                      segment_ids=segment_ids, positions=per_token(0, np.int32, within),
                      loss_weights=loss_weights_from_segments(segment_ids),
                      doc_lengths=per_chunk(0, np.int32, clen),
-                     doc_ids=per_chunk(-1, np.int64, plan.doc_ids[ch]),
+                     doc_ids=per_chunk(-1, np.int64, doc),
                      chunk_starts=per_chunk(0, np.int64, plan.chunk_starts[ch]))
 
 
@@ -386,8 +410,9 @@ def segments_from_lengths(doc_lengths, max_len: int):
 
   Args:
     doc_lengths: int [batch, max_docs], laid out back to back from column 0 (zeros skipped, a row
-      cut at ``max_len``); concrete ones in [0, 2**31 - 1] (ValueError naming the entry,
-      TypeError for other dtypes), traced negative ones count as 0 (``jattn.debug_checks``).
+      cut at ``max_len``, max_docs 0: padding rows); concrete ones in [0, 2**31 - 1] (ValueError
+      naming the entry, TypeError for other dtypes), traced negative ones count as 0
+      (``jattn.debug_checks``).
     max_len: row length (static), >= 1.
 
   Returns:
@@ -410,8 +435,9 @@ def segments_from_lengths(doc_lengths, max_len: int):
 
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def _segments_from_lengths(doc_lengths, max_len):
-  # Lengths clipped to [0, max_len]: negative ones count as 0 and the sums cannot overflow.
-  lengths = jnp.clip(doc_lengths, 0, max_len)  # [b, d]
+  # Clipped to [0, max_len] (negatives count as 0, sums cannot overflow); an empty document
+  # appended (a no-op) makes max_docs >= 1.
+  lengths = jnp.pad(jnp.clip(doc_lengths, 0, max_len), ((0, 0), (0, 1)))  # [b, d + 1]
   ends = jnp.cumsum(lengths, axis=-1)  # [b, d]
   nonzero_before = jnp.cumsum(lengths > 0, axis=-1) - (lengths > 0)  # [b, d]
   col = jnp.arange(max_len, dtype=jnp.int32)
@@ -432,11 +458,11 @@ class PackedIterator:
 
   Args:
     store: a ``TokenStore``, ``(flat_tokens, offsets)`` or a list of 1-D token arrays.
-    max_len, batch_size: row length and rows per batch.
-    seed, pad_id: integer seed and the token id for padding.
-    window: pack in shuffled windows of this many documents (None: all at once).
+    max_len, batch_size: row length and rows per batch (ints >= 1).
+    seed, pad_id: integer seed (>= 0) and the token id for padding (an int of the tokens' dtype).
+    window: pack in shuffled windows of this many documents (int >= 1; None: all at once).
     max_segments: static width of ``doc_lengths``/``doc_ids``; default epoch 0's, rounded up to 8.
-    num_epochs: stop after this many epochs (None: never stop).
+    num_epochs: stop after this many epochs (int >= 0; None: never stop).
     state: None, or a ``get_state`` dict to resume from.
 
   Example:
@@ -450,13 +476,15 @@ class PackedIterator:
   def __init__(self, store, max_len: int, batch_size: int, *, seed: int = 0,
                window: int | None = None, max_segments: int | None = None,
                num_epochs: int | None = None, pad_id: int = 0, state: dict | None = None):
-    if batch_size < 1:
-      raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if window is not None and window < 1:
-      raise ValueError(f"window must be >= 1 or None, got {window}")
+    for name, x, lo in (("max_len", max_len, 1), ("batch_size", batch_size, 1), ("seed", seed, 0),
+                        ("window", window, 1), ("max_segments", max_segments, 1),
+                        ("num_epochs", num_epochs, 0)):
+      if x is not None or name in ("max_len", "batch_size", "seed"):
+        check_int(name, x, lo, 2**63 - 1 if name == "seed" else 2**31 - 1)
     self.store = _as_store(store)
+    _check_pad_id(pad_id, self.store.tokens.dtype)
     self.max_len, self.batch_size, self.seed = int(max_len), int(batch_size), int(seed)
-    self.window, self.num_epochs, self.pad_id = window, num_epochs, pad_id
+    self.window, self.num_epochs, self.pad_id = window and int(window), num_epochs, pad_id
     self._epoch = self._step = 0
     self._cache: tuple[int, PackPlan, np.ndarray] | None = None
     if max_segments is None:
@@ -488,7 +516,7 @@ class PackedIterator:
     """Batches in ``epoch`` (default: the current one): ``ceil(rows / batch_size)``.
 
     Example:
-      >>> it = PackedIterator([np.ones(5), np.ones(5)], max_len=8, batch_size=1)
+      >>> it = PackedIterator([np.ones(5, int), np.ones(5, int)], max_len=8, batch_size=1)
       >>> it.steps_in_epoch()
       2
     """
@@ -507,7 +535,7 @@ class PackedIterator:
     next batch is batch ``step`` of ``epoch``.
 
     Example:
-      >>> it = PackedIterator([np.ones(3)], max_len=4, batch_size=1)
+      >>> it = PackedIterator([np.ones(3, int)], max_len=4, batch_size=1)
       >>> it.get_state()["epoch"], it.get_state()["step"]
       (0, 0)
     """
@@ -517,17 +545,17 @@ class PackedIterator:
     """Continue from a ``get_state`` dict of an identically configured iterator (else ValueError).
 
     Example:
-      >>> it = PackedIterator([np.ones(3)] * 4, max_len=4, batch_size=1)
+      >>> it = PackedIterator([np.ones(3, int)] * 4, max_len=4, batch_size=1)
       >>> it.set_state({"epoch": 1, "step": 2, "fingerprint": it.get_state()["fingerprint"]})
       >>> it.get_state()["step"]
       2
     """
     if list(state["fingerprint"]) != self._fingerprint():
       raise ValueError("state comes from an iterator with a different configuration or corpus")
-    epoch, step = int(state["epoch"]), int(state["step"])
-    if epoch < 0 or not 0 <= step <= self.steps_in_epoch(epoch):
-      raise ValueError(f"invalid state epoch={epoch} step={step}")
-    self._epoch, self._step = epoch, step
+    epoch, step = state["epoch"], state["step"]
+    check_int("state['epoch']", epoch, 0)
+    check_int("state['step']", step, 0, self.steps_in_epoch(epoch))
+    self._epoch, self._step = int(epoch), int(step)
 
   def __iter__(self) -> Iterator[PackedBatch]:
     return self

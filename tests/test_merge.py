@@ -142,3 +142,16 @@ def test_merge_dtype_and_errors():
     merge_partials(jnp.ones((2, 3, 8)), jnp.zeros((2, 3)), axis=2)
   with pytest.raises(ValueError, match="equal shapes"):
     merge(jnp.ones((2, 8)), jnp.zeros(2), jnp.ones((3, 8)), jnp.zeros(3))
+
+
+def test_merge_zero_size_and_0d_inputs():
+  with pytest.raises(ValueError, match=r"axis 0 \(the partials\) must have length >= 1"):
+    merge_partials(jnp.zeros((0, 3, 4)), jnp.zeros((0, 3)))
+  with pytest.raises(ValueError, match="axis -1"):
+    merge_partials(jnp.zeros((3, 0, 4)), jnp.zeros((3, 0)), axis=-1)
+  with pytest.raises(ValueError, match="lses"):
+    merge_partials(jnp.ones((4,)), jnp.array(0.0))
+  out, lse = merge_partials(jnp.zeros((2, 0, 4)), jnp.zeros((2, 0)))   # no heads: empty results
+  assert out.shape == (0, 4) and lse.shape == (0,)
+  out, lse = merge_partials(jnp.ones((1, 4)), jnp.zeros((1,)))         # one partial: itself
+  assert out.tolist() == [1.0] * 4 and float(lse) == 0.0

@@ -252,6 +252,30 @@ def test_unhonourable_options_raise():
     layer.decode(x[:, :3])                                       # 8 + 3 > max_len
 
 
+@pytest.mark.parametrize("kw,name", [
+    (dict(mlp_dim=0), "mlp_dim"), (dict(mlp_dim=-4), "mlp_dim"), (dict(mlp_dim=2.5), "mlp_dim"),
+    (dict(kv_lora_rank=0, rope_head_dim=4), "kv_lora_rank"),
+    (dict(kv_lora_rank=-3, rope_head_dim=4), "kv_lora_rank"),
+    (dict(kv_lora_rank=True, rope_head_dim=4), "kv_lora_rank"),
+    (dict(kv_lora_rank=8, rope_head_dim=-2), "rope_head_dim"),
+    (dict(rope_head_dim=4), "rope_head_dim"),
+    (dict(qk_norm="no"), "qk_norm"), (dict(mla_absorb=3), "mla_absorb"),
+    (dict(tie_embeddings=None), "tie_embeddings"), (dict(interpret=1), "interpret")])
+def test_config_rejects_bad_options_by_name(kw, name):
+  with pytest.raises((ValueError, TypeError), match=name):
+    TransformerConfig(num_layers=1, **BASE, **kw)
+  if name not in ("mlp_dim", "tie_embeddings"):
+    with pytest.raises((ValueError, TypeError), match=name):          # the layer checks too
+      Attention(24, 4, 2, 6, rngs=nnx.Rngs(0), **kw)
+
+
+def test_config_valid_options_still_build():
+  for kw in (dict(mlp_dim=np.int64(16)), dict(kv_lora_rank=8, rope_head_dim=2, qk_norm=True),
+             dict(tie_embeddings=np.bool_(False), mla_absorb=False), dict(rope_head_dim=0)):
+    cfg = TransformerConfig(num_layers=1, **BASE, **kw)
+    assert Transformer(cfg, rngs=nnx.Rngs(0))(jnp.ones((1, 4), jnp.int32)).shape == (1, 4, 37)
+
+
 # ------------------------------------------------------------------ post-hoc sparsity
 def test_sparsify_keeps_weights():
   cfg = TransformerConfig(num_layers=1, layers=(LayerSpec("global", rope_base=None),), **BASE)

@@ -440,3 +440,80 @@ def test_gpu_packed_batch_triton_matches_xla():
     g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
     assert np.isfinite(g).all(), name
     assert np.linalg.norm(g - w) / np.linalg.norm(w) < 2e-2, name
+
+
+def test_materialize_checks_document_lengths_for_every_store_form():
+  plan = pack_bfd([5, 3], max_len=8)
+  short_first = [[1, 2], [10, 11, 12, 13, 14, 15]]        # same count, lengths 2 and 6
+  longer = [[1, 2, 3, 4, 5, 6, 7], [10, 11, 12]]           # would be silently truncated
+  for docs in (short_first, longer):
+    store = TokenStore.from_documents(docs)
+    for form in (docs, store, (store.tokens, store.offsets)):
+      with pytest.raises(ValueError, match=r"store document 0 has \d tokens, the plan's has 5"):
+        materialize(plan, form)
+  good = [[1, 2, 3, 4, 5], [10, 11, 12]]
+  store = TokenStore.from_documents(good)
+  for form in (good, store, (store.tokens, store.offsets)):
+    assert materialize(plan, form).tokens.tolist() == [[1, 2, 3, 4, 5, 10, 11, 12]]
+  # Only the rows built are read: a row-subset call checks those rows' documents.
+  plan2 = pack_bfd([8, 3], max_len=8)
+  with pytest.raises(ValueError, match="store document 1"):
+    materialize(plan2, [np.arange(8), np.arange(4)], rows=[plan2.bins[1]])
+
+
+def test_materialize_rejects_non_integer_rows_tokens_and_pad_id():
+  plan = pack_bfd([3, 2], max_len=8)
+  docs = [np.arange(3), np.arange(2)]
+  with pytest.raises(TypeError, match="rows"):
+    materialize(plan, docs, rows=[0.7])
+  with pytest.raises(TypeError, match="store: tokens must be integers"):
+    materialize(plan, [np.array([1.5, 2.5, 3.5]), np.arange(2)])
+  with pytest.raises(TypeError, match="tokens"):
+    TokenStore(np.ones(3), np.array([0, 3]))
+  for bad in (2.5, True, 300):
+    with pytest.raises(ValueError, match="pad_id"):
+      materialize(plan, [np.arange(3, dtype=np.uint8), np.arange(2, dtype=np.uint8)], pad_id=bad)
+  for bad in (0, 2.5):
+    with pytest.raises(ValueError, match="max_segments"):
+      materialize(plan, docs, max_segments=bad)
+  b = materialize(plan, docs, rows=np.array([0, -1], np.int32), pad_id=np.int64(-1))
+  assert b.tokens.tolist() == [[0, 1, 2, 0, 1, -1, -1, -1], [-1] * 8]
+  assert TokenStore.from_documents([[], [4, 5]]).tokens.dtype.kind == "i"   # empty docs: no cast
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(max_len=2.7), "max_len"), (dict(batch_size=2.5), "batch_size"),
+    (dict(batch_size=True), "batch_size"), (dict(seed=-1), "seed"), (dict(seed=1.9), "seed"),
+    (dict(window=2.5), "window"), (dict(window=0), "window"), (dict(num_epochs=-1), "num_epochs"),
+    (dict(num_epochs=1.5), "num_epochs"), (dict(pad_id=2.5), "pad_id"),
+    (dict(max_segments=0), "max_segments")])
+def test_packed_iterator_rejects_bad_arguments(kw, name):
+  docs = [np.arange(1, n + 1) for n in (5, 3, 4)]
+  with pytest.raises(ValueError, match=name):
+    PackedIterator(docs, **{"max_len": 8, "batch_size": 1, **kw})
+
+
+def test_packed_iterator_valid_integer_arguments():
+  docs = [np.arange(1, n + 1) for n in (5, 3, 4)]
+  it = PackedIterator(docs, np.int64(8), np.int32(2), seed=2**40, window=np.int64(2),
+                      num_epochs=0, pad_id=-1)
+  assert list(it) == [] and json.dumps(it.get_state())             # zero epochs: nothing
+  it = PackedIterator(docs, 8, 2, seed=3, num_epochs=1)
+  assert sum(b.segment_ids.astype(bool).sum() for b in it) == 12
+  state = it.get_state()
+  with pytest.raises(ValueError, match="step"):
+    it.set_state({**state, "step": 1.5})
+  with pytest.raises(ValueError, match="epoch"):
+    it.set_state({**state, "epoch": -1})
+
+
+def test_zero_document_rows_are_padding_and_unsigned_lengths_keep_their_value():
+  seg, pos = segments_from_lengths(np.zeros((2, 0), np.int32), 4)
+  assert seg.shape == pos.shape == (2, 4) and not seg.any() and not pos.any()
+  seg, pos = jax.jit(lambda d: segments_from_lengths(d, 3))(jnp.zeros((1, 0), jnp.int32))
+  assert seg.tolist() == pos.tolist() == [[0, 0, 0]]
+  with pytest.raises(ValueError, match=r"lengths\[0\] = 9223372036854775813"):
+    pack_bfd(np.array([2**63 + 5], np.uint64), 8)
+  with pytest.raises(ValueError, match=r"lengths\[1\] = -2"):
+    pack_bfd([3, -2], 8)
+  assert pack_bfd(np.array([5, 3], np.uint64), 8).doc_lengths.tolist() == [5, 3]

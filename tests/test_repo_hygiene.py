@@ -35,7 +35,7 @@ MAX_LIBRARY_FILE_LINES = 1200
 # The library's line budget (comments and docstrings included) for every capability: the flash,
 # decode, sparse, layer and packing families with the tuning command, input validation, the jax.nn
 # drop-in, serving decode and context parallelism.
-MAX_LIBRARY_PY_LINES = 13_640
+MAX_LIBRARY_PY_LINES = 13_680
 MAX_EXPERIMENTS_FILES = 60
 MAX_EXPERIMENTS_BYTES = 3 * 1024 * 1024
 MAX_README_LINES = 250

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jattn import sparse
 from jattn._layout import check_kv_layout
-from jattn._validate import is_traced
+from jattn._validate import check_flags, check_int, is_traced
 from jattn.attention import flash_attention
 from jattn.context_parallel import context_parallel_attention, context_parallel_permute
 from jattn.decode import decode_attention, resolve_decode_implementation
@@ -102,6 +102,10 @@ class Attention(nnx.Module):
     if num_heads % num_kv_heads:
       raise ValueError(
           f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    check_flags(qk_norm=qk_norm, mla_absorb=mla_absorb, interpret=interpret)
+    check_int("rope_head_dim", rope_head_dim, 0)
+    if kv_lora_rank is not None:
+      check_int("kv_lora_rank", kv_lora_rank)
     self.mla, self.kv_cache_layout = kv_lora_rank is not None, kv_cache_layout
     check_kv_cache_layout(kv_cache_layout, kinds=(spec.kind,), mla=self.mla)
     if self.mla:

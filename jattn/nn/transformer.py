@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jattn._validate import check_int, check_number
+from jattn._validate import check_flags, check_int, check_number
 from jattn.nn.attention import Attention, check_kv_cache_layout
 from jattn.nn.schedule import LayerSpec
 from pallas_kernels.masks import element_mask
@@ -30,9 +30,10 @@ class TransformerConfig:
       == 0; 1 = MQA) and per-head width.
     layers: tuple of ``num_layers`` LayerSpec; None = all "global" with RoPE 10000.
     mlp_dim: SwiGLU hidden width (default 4 * d_model).
-    tie_embeddings: share the input embedding with the output projection.
+    tie_embeddings: share the input embedding with the output projection (a bool, as are
+      qk_norm, interpret and mla_absorb).
     kv_lora_rank: None, or the MLA latent width (all layers use MLA).
-    rope_head_dim: MLA decoupled RoPE width (used by layers with RoPE).
+    rope_head_dim: MLA decoupled RoPE width (used by layers with RoPE); 0 without MLA.
     qk_norm, implementation, interpret, mla_absorb, kv_cache_layout, context_mesh,
       context_axis: every layer's, as :class:`jattn.nn.Attention`.
     norm_eps, param_dtype: RMSNorm epsilon and parameter dtype.
@@ -69,6 +70,15 @@ class TransformerConfig:
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim"):
       check_int(name, getattr(self, name))
+    for name in ("mlp_dim", "kv_lora_rank"):
+      if getattr(self, name) is not None:
+        check_int(name, getattr(self, name))
+    check_int("rope_head_dim", self.rope_head_dim, 0)
+    if self.rope_head_dim and self.kv_lora_rank is None:
+      raise ValueError(f"rope_head_dim is an MLA option (set kv_lora_rank), got rope_head_dim="
+                       f"{self.rope_head_dim} with kv_lora_rank=None")
+    check_flags(tie_embeddings=self.tie_embeddings, qk_norm=self.qk_norm,
+                interpret=self.interpret, mla_absorb=self.mla_absorb)
     check_number("norm_eps", self.norm_eps, 0, open_lo=True)
     layers = [LayerSpec("global")] * self.num_layers if self.layers is None else self.layers
     object.__setattr__(self, "layers", tuple(layers))

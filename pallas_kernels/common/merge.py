@@ -27,7 +27,8 @@ def merge_partials(outs, lses, axis=0):
     outs: partial outputs, shape ``lses.shape + (head_dim,)``; any float dtype. Entries whose lse
       is -inf are ignored (they may hold anything finite or not).
     lses: partial log-sum-exps (natural log), fp32 preferred; -inf marks an empty partial.
-    axis: the axis of ``lses`` and ``outs`` indexing the partials (negative: from ``lses``'s end).
+    axis: the axis of ``lses`` and ``outs`` indexing the partials (negative: from ``lses``'s end),
+      of length >= 1; other axes may have size 0 (empty results).
 
   Returns:
     ``(out, lse)``: out has ``outs.shape`` without ``axis``, in ``outs.dtype``; lse has
@@ -46,7 +47,11 @@ def merge_partials(outs, lses, axis=0):
   if outs.ndim != lses.ndim + 1 or outs.shape[:-1] != lses.shape or not outs.shape[-1]:
     raise ValueError(f"outs must have shape lses.shape + (head_dim,), head_dim >= 1; got outs "
                      f"{outs.shape}, lses {lses.shape}")
+  if not lses.ndim:
+    raise ValueError("lses must have an axis of partials (ndim >= 1), got a 0-d array")
   check_int("axis", axis, -lses.ndim, lses.ndim - 1)
+  if not lses.shape[axis]:
+    raise ValueError(f"axis {axis} (the partials) must have length >= 1, got lses {lses.shape}")
   return _merge(outs, lses, axis=axis % lses.ndim)
 
 
